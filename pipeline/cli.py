@@ -1,0 +1,199 @@
+"""``python -m pipeline``: the command line.
+
+    python -m pipeline data                      # make (or ingest) the raw data
+    python -m pipeline run all                   # data -> etl -> train -> export -> serve smoke test
+    python -m pipeline run etl --scheduler tcp://10.0.0.5:8786 data.rows=20000000
+    python -m pipeline bench etl --rows 2000000
+    python -m pipeline config show train.epochs=3   # the effective settings, as YAML
+
+Settings come from the dataclasses in ``pipeline/config.py``: defaults, then ``--config FILE``
+(YAML), then ``key=value`` overrides. ``python -m pipeline settings`` lists every one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+from typing import Any, Callable
+
+import yaml
+
+from pipeline import config as config_mod
+
+STAGES: dict[str, tuple[str, str]] = {
+    # name: (module, function); each function takes the PipelineConfig and returns a summary dict
+    "data": ("pipeline.data.stage", "run"),
+    "etl": ("pipeline.etl.stage", "run"),
+    "train": ("pipeline.train.stage", "run"),
+    "export": ("export.stage", "run_export"),
+    "serve": ("export.stage", "run_serve"),
+}
+ALL = ["data", "etl", "train", "export", "serve"]
+
+BENCHES = {
+    "etl": "pipeline.bench.etl",
+    "loader": "pipeline.bench.loader",
+    "train": "pipeline.bench.train",
+    "embedding": "pipeline.bench.embedding",
+    "serve": "pipeline.bench.serve",
+}
+
+
+class StageMissing(RuntimeError):
+    """A stage or benchmark whose module is not part of this installation yet."""
+
+
+def _load(module: str, attr: str | None = None) -> Any:
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as err:
+        if err.name and module.startswith(err.name):
+            raise StageMissing(f"{module} is not built yet") from err
+        raise
+    return getattr(mod, attr) if attr else mod
+
+
+def stage_function(name: str) -> Callable[..., dict]:
+    module, attr = STAGES[name]
+    return _load(module, attr)
+
+
+def _settings_epilog() -> str:
+    rows = config_mod.describe()
+    width = max(len(k) for k, _, _ in rows)
+    lines = ["settings (key=value, or in the --config YAML file as nested sections):"]
+    for key, default, help_ in rows:
+        lines.append(f"  {key:<{width}}  {help_} [default: {default}]")
+    return "\n".join(lines)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="YAML file with settings (sections data:, etl:, train:, ...)")
+    p.add_argument("--device", choices=["cpu", "cuda", "auto"], help="shortcut for device=...")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="settings, e.g. data.rows=2000000")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    fmt = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(
+        prog="python -m pipeline",
+        description="An end-to-end recommender pipeline: data -> ETL -> training -> Triton export -> serving.",
+        epilog="`python -m pipeline settings` lists every setting; see README.md for the stages.",
+        formatter_class=fmt,
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("data", help="make the synthetic data, or ingest a Criteo / table file into parquet",
+                       epilog=_settings_epilog(), formatter_class=fmt)
+    _common(p)
+
+    p = sub.add_parser("run", help="run one stage, or all of them in order",
+                       description="Run a stage. `all` runs data, etl, train, export and a served smoke request, "
+                       "each stage reading what the previous one wrote under workdir/<dataset>/.",
+                       epilog=_settings_epilog(), formatter_class=fmt)
+    p.add_argument("stage", choices=list(STAGES) + ["all"], help="etl | train | export | serve | all (and data)")
+    p.add_argument("--scheduler", metavar="ADDRESS", help="ETL on an existing Dask scheduler (etl.scheduler=...)")
+    p.add_argument("--on-bad-lines", choices=["error", "skip"], help="malformed input rows (data.on_bad_lines=...)")
+    _common(p)
+
+    p = sub.add_parser("bench", help="measure a stage against its baseline (figures for docs/BENCHMARKS.md)",
+                       formatter_class=fmt)
+    bench_sub = p.add_subparsers(dest="bench", required=True, metavar="WHAT")
+    for name, module in BENCHES.items():
+        try:
+            mod = _load(module)
+        except StageMissing:
+            bp = bench_sub.add_parser(name, help="(not built yet)")
+            _common(bp)
+            continue
+        bp = bench_sub.add_parser(name, help=(mod.__doc__ or "").strip().splitlines()[0],
+                                  description=mod.__doc__, formatter_class=fmt)
+        mod.add_arguments(bp)
+        _common(bp)
+
+    p = sub.add_parser("config", help="print the effective settings as YAML", formatter_class=fmt)
+    p.add_argument("action", choices=["show"])
+    _common(p)
+
+    sub.add_parser("settings", help="list every setting with its default and meaning")
+    return parser
+
+
+def _config_from(args: argparse.Namespace) -> config_mod.PipelineConfig:
+    overrides = list(getattr(args, "overrides", []) or [])
+    if getattr(args, "device", None):
+        overrides.append(f"device={args.device}")
+    if getattr(args, "scheduler", None):
+        overrides.append(f"etl.scheduler={args.scheduler}")
+    if getattr(args, "on_bad_lines", None):
+        overrides.append(f"data.on_bad_lines={args.on_bad_lines}")
+    return config_mod.load_config(args.config, overrides)
+
+
+def run_stages(names: list[str], cfg: config_mod.PipelineConfig) -> dict[str, dict]:
+    """Run stages in order; in ``all`` mode a stage not built yet is reported and skipped."""
+    from pipeline.device import resolve_device
+
+    device = resolve_device(cfg.device)
+    print(f"[pipeline] device: {device.kind} ({device.reason})", flush=True)
+    results: dict[str, dict] = {}
+    for name in names:
+        try:
+            fn = stage_function(name)
+        except StageMissing as err:
+            if len(names) == 1:
+                raise
+            print(f"[pipeline] skipping {name}: {err}", flush=True)
+            continue
+        print(f"[pipeline] stage {name} ...", flush=True)
+        start = time.perf_counter()
+        results[name] = fn(cfg, smoke=True) if name == "serve" and len(names) > 1 else fn(cfg)
+        print(f"[pipeline] stage {name} done in {time.perf_counter() - start:.1f} s", flush=True)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    # key=value overrides may come anywhere on the line, also after options.
+    args, extra = parser.parse_known_args(argv)
+    unknown = [a for a in extra if a.startswith("-") or "=" not in a]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if hasattr(args, "overrides"):
+        args.overrides = list(args.overrides or []) + extra
+    try:
+        if args.command == "settings":
+            print(_settings_epilog())
+            return 0
+        cfg = _config_from(args)
+        if args.command == "config":
+            print(yaml.safe_dump(config_mod.to_dict(cfg), sort_keys=False), end="")
+        elif args.command == "data":
+            run_stages(["data"], cfg)
+        elif args.command == "run":
+            run_stages(ALL if args.stage == "all" else [args.stage], cfg)
+        elif args.command == "bench":
+            _load(BENCHES[args.bench]).run(args, cfg)
+        return 0
+    except StageMissing as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:
+        # Errors the user can act on are printed plainly; anything else keeps its traceback.
+        if _is_user_error(err):
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        raise
+
+
+def _is_user_error(err: Exception) -> bool:
+    from pipeline.device import DeviceError
+    from pipeline.errors import UserError
+    from pipeline.schema import SchemaError
+
+    return isinstance(err, (config_mod.ConfigError, DeviceError, SchemaError, UserError, FileNotFoundError))

@@ -1,0 +1,53 @@
+"""Settings of the data stage: which raw data, and how it is read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DataConfig:
+    """Where the raw rows come from.
+
+    ``source``: ``synthetic`` (the built-in Criteo-like generator), ``criteo`` (TSV: label, I1..I13,
+    C1..C26, empty = missing; ``.gz`` too) or ``table`` (any CSV / TSV / parquet with the column roles
+    declared below).
+    """
+
+    source: str = field(default="synthetic", metadata={"help": "synthetic | criteo | table"})
+    path: str = field(default="", metadata={"help": "input file, folder or glob (criteo and table sources)"})
+    name: str = field(default="", metadata={"help": "dataset folder under workdir (default: the source's name)"})
+    rows: int = field(default=1_000_000, metadata={"help": "synthetic: rows in all splits together"})
+    size: float = field(
+        default=0.01,
+        metadata={"help": "synthetic: table-size knob; 1.0 gives Criteo-sized cardinalities (up to ~10M)"},
+    )
+    valid_fraction: float = field(default=0.1, metadata={"help": "fraction of rows in the validation split"})
+    test_fraction: float = field(default=0.1, metadata={"help": "fraction of rows in the test split"})
+    chunk_rows: int = field(default=250_000, metadata={"help": "rows per generated / ingested chunk (memory bound)"})
+    on_bad_lines: str = field(
+        default="error", metadata={"help": "error | skip: what a malformed input row does (skipped rows are counted)"}
+    )
+    label: str = field(default="label", metadata={"help": "table: the 0/1 label column"})
+    continuous: list[str] = field(default_factory=list, metadata={"help": "table: numeric feature columns"})
+    categorical: list[str] = field(default_factory=list, metadata={"help": "table: categorical feature columns"})
+    multihot: list[str] = field(
+        default_factory=list, metadata={"help": "table: list-valued categorical columns (multi-hot)"}
+    )
+    list_separator: str = field(default="|", metadata={"help": "table, CSV/TSV: separator inside a multi-hot cell"})
+
+    def __post_init__(self) -> None:
+        if self.source not in ("synthetic", "criteo", "table"):
+            raise ValueError(f"data.source: expected synthetic, criteo or table, got {self.source!r}")
+        if self.on_bad_lines not in ("error", "skip"):
+            raise ValueError(f"data.on_bad_lines: expected error or skip, got {self.on_bad_lines!r}")
+        if self.source != "synthetic" and not self.path:
+            raise ValueError(f"data.path is required for data.source={self.source}")
+        if not 0 <= self.valid_fraction < 1 or not 0 <= self.test_fraction < 1:
+            raise ValueError("data.valid_fraction and data.test_fraction must be in [0, 1)")
+        if self.valid_fraction + self.test_fraction >= 1:
+            raise ValueError("data.valid_fraction + data.test_fraction must leave rows for training")
+
+    @property
+    def dataset_name(self) -> str:
+        return self.name or self.source

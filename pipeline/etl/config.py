@@ -1,0 +1,25 @@
+"""Settings of the ETL stage."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EtlConfig:
+    """How the workflow is built and where it runs."""
+
+    scheduler: str = field(
+        default="", metadata={"help": "address of an existing Dask scheduler (tcp://host:8786); empty: start one"}
+    )
+    cluster: str = field(
+        default="auto",
+        metadata={"help": "auto | local | threads: a LocalCluster, or in-process threads (auto: by input size)"},
+    )
+    workers: int = field(default=0, metadata={"help": "LocalCluster workers (0: one per core, or one per GPU)"})
+    freq_threshold: int = field(default=0, metadata={"help": "Categorify: values seen fewer times map to OOV"})
+    max_vocab_size: int = field(default=0, metadata={"help": "Categorify: keep at most this many values (0: all)"})
+    hash_buckets: dict[str, int] = field(
+        default_factory=dict, metadata={"help": "columns hashed into N buckets instead of a vocabulary"}
+    )
+    row_group_rows: int = field(default=65_536, metadata={"help": "parquet row group size of the output"})

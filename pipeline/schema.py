@@ -1,0 +1,118 @@
+"""``schema.json``: what the ETL wrote, read by every later stage.
+
+The schema names each output column with its role, dtype and (for categorical columns) the
+cardinality, i.e. the embedding table size including the reserved indices. The order of
+``categorical`` is the order of the sparse features everywhere after the ETL (loader, embedding
+tables, export).
+
+Example::
+
+    schema = Schema.load("data/synthetic/processed/schema.json")
+    schema.cardinalities()   # {"C1": 1462, ...}
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+SCHEMA_VERSION = 1
+ROLES = ("label", "continuous", "categorical", "multihot")
+
+
+class SchemaError(ValueError):
+    """A schema file, or data that does not match its schema."""
+
+
+@dataclass
+class Column:
+    """One output column."""
+
+    name: str
+    role: str
+    dtype: str
+    cardinality: int = 0
+    """Embedding table size (categorical and multihot only), reserved indices included."""
+    max_length: int = 0
+    """Multihot only: the longest list seen at fit time."""
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise SchemaError(f"column {self.name}: role must be one of {ROLES}, got {self.role!r}")
+        if self.role in ("categorical", "multihot") and self.cardinality <= 0:
+            raise SchemaError(f"column {self.name}: a {self.role} column needs a positive cardinality")
+
+
+@dataclass
+class Schema:
+    """Column roles, dtypes and cardinalities of the ETL output."""
+
+    columns: list[Column]
+    row_group_rows: int = 0
+    rows: dict[str, int] = field(default_factory=dict)
+    """Rows per split, as written."""
+    version: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        labels = [c.name for c in self.columns if c.role == "label"]
+        if len(labels) != 1:
+            raise SchemaError(f"expected exactly one label column, got {labels}")
+        names = [c.name for c in self.columns]
+        if len(set(names)) != len(names):
+            raise SchemaError(f"duplicate column names in schema: {names}")
+
+    @property
+    def label(self) -> str:
+        return next(c.name for c in self.columns if c.role == "label")
+
+    @property
+    def continuous(self) -> list[str]:
+        return [c.name for c in self.columns if c.role == "continuous"]
+
+    @property
+    def sparse(self) -> list[str]:
+        """The sparse features (categorical and multi-hot), in feature order."""
+        return [c.name for c in self.columns if c.role in ("categorical", "multihot")]
+
+    @property
+    def multihot(self) -> list[str]:
+        return [c.name for c in self.columns if c.role == "multihot"]
+
+    def column(self, name: str) -> Column:
+        for c in self.columns:
+            if c.name == name:
+                return c
+        raise SchemaError(f"no column {name!r} in the schema; it has {[c.name for c in self.columns]}")
+
+    def cardinalities(self) -> dict[str, int]:
+        return {c.name: c.cardinality for c in self.columns if c.role in ("categorical", "multihot")}
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        tmp.replace(path)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Schema":
+        version = d.get("version")
+        if version != SCHEMA_VERSION:
+            raise SchemaError(f"schema version {version} is not supported (expected {SCHEMA_VERSION}); rerun the ETL")
+        return cls(
+            columns=[Column(**c) for c in d["columns"]],
+            row_group_rows=d.get("row_group_rows", 0),
+            rows=d.get("rows", {}),
+            version=version,
+        )
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Schema":
+        path = Path(path)
+        if not path.is_file():
+            raise SchemaError(f"no schema at {path}: run `python -m pipeline run etl` first")
+        return cls.from_dict(json.loads(path.read_text()))

@@ -1,0 +1,48 @@
+import pytest
+
+from pipeline.cli import main
+from pipeline.config import ConfigError, load_config
+
+
+def test_defaults_then_yaml_then_overrides(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("data:\n  rows: 1234\n  size: 0.5\ntrain:\n  epochs: 3\n")
+    cfg = load_config(f, ["data.rows=99", "seed=7"])
+    assert (cfg.data.rows, cfg.data.size, cfg.train.epochs, cfg.seed) == (99, 0.5, 3, 7)
+    assert str(cfg.paths.schema).endswith("synthetic/processed/schema.json")
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("data.nope=1", "unknown setting data.nope"),
+        ("data.rows=many", "data.rows: expected int"),
+        ("data.source=ftp", "expected synthetic, criteo or table"),
+        ("device=tpu", "expected cpu, cuda or auto"),
+        ("data", "expected key=value"),
+    ],
+)
+def test_bad_settings_say_what_is_wrong(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_cli_settings_and_errors(capsys):
+    assert main(["settings"]) == 0
+    assert "data.rows" in capsys.readouterr().out
+    assert main(["config", "show", "data.rows=oops"]) == 2
+    assert "expected int" in capsys.readouterr().err
+
+
+def test_device_cuda_without_gpu_is_a_clear_error(capsys):
+    from pipeline.device import gpu_problem
+
+    if gpu_problem() is None:
+        pytest.skip("a GPU is usable here; this test is for machines without one")
+    assert main(["run", "etl", "--device", "cuda", "data.rows=1000"]) == 2
+    assert "--device cuda was asked for" in capsys.readouterr().err
