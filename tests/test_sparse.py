@@ -1,0 +1,29 @@
+import pytest
+import torch
+
+from pipeline.sparse import KeyedJaggedTensor
+
+
+def test_from_lists_round_trip_and_offsets():
+    bags = [[[3], [5]], [[1, 2], []]]
+    kjt = KeyedJaggedTensor.from_lists(["C1", "C2"], bags)
+    assert kjt.batch_size == 2
+    assert kjt.offsets().tolist() == [0, 1, 2, 4, 4]
+    assert kjt["C2"].offsets.tolist() == [0, 2, 2]
+    assert kjt["C2"].values.tolist() == [1, 2]
+    assert kjt.length_per_key().tolist() == [2, 2]
+    assert kjt.to_lists() == bags
+
+
+def test_from_dense_is_key_major():
+    ids = torch.tensor([[1, 10], [2, 20], [3, 30]])
+    kjt = KeyedJaggedTensor.from_dense(["a", "b"], ids)
+    assert kjt.values.tolist() == [1, 2, 3, 10, 20, 30]
+    assert kjt["b"].values.tolist() == [10, 20, 30]
+    with pytest.raises(ValueError, match=r"\[batch, 3\]"):
+        KeyedJaggedTensor.from_dense(["a", "b", "c"], ids)
+
+
+def test_lengths_must_match_keys():
+    with pytest.raises(ValueError, match="multiple of 2 keys"):
+        KeyedJaggedTensor(["a", "b"], torch.tensor([1]), torch.tensor([1, 0, 0]))
