@@ -9,14 +9,27 @@ TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 BIN := $(VENV)/bin
 
-.PHONY: run test env clean
+.PHONY: run test env serve-env clean
 run: env
 	$(BIN)/python -m pipeline run all
 
 test: env
 	$(BIN)/python -m pytest -q
 
-env: $(VENV)/.installed
+env: $(VENV)/.installed serve-env
+
+# The served models' own environment: Triton's python-backend stub is built against numpy 1.x and
+# receives zeros from numpy 2, so the models run here (numpy<2), found through PATH (export/environment.py).
+# pyarrow 26 requires numpy 2, hence <26.
+TRITON_VENV ?= .venv-triton
+serve-env: $(TRITON_VENV)/.installed
+
+$(TRITON_VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(TRITON_VENV)
+	$(TRITON_VENV)/bin/python -m pip install -q --upgrade pip
+	$(TRITON_VENV)/bin/python -m pip install -q $(TORCH_INDEX) "$(TORCH_SPEC)" "numpy>=1.24,<2" "pandas>=2.2,<2.3" "pyarrow>=15,<26" "pyyaml>=6"
+	$(TRITON_VENV)/bin/python -m pip install -q --no-deps -e .
+	touch $@
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)

@@ -1,0 +1,209 @@
+"""Start, check and stop a real Triton Inference Server on a model repository.
+
+The server binds 127.0.0.1 unless asked otherwise, on free ports, with metrics off. It is ready
+when ``/v2/health/ready`` answers 200 *and* the process we started is still alive (a second
+server on taken ports dies after a few seconds while the first one answers the poll). Its python
+backend's shared-memory regions carry a prefix of their own, so that stopping removes exactly
+this server's leftovers in ``/dev/shm``, also after a crash. It is stopped by its PID (SIGTERM,
+then SIGKILL to its process group), never by name.
+
+Example::
+
+    with TritonServer("data/synthetic/export") as server:
+        print(server.http_url, server.grpc_url)   # 127.0.0.1:PORT each
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import uuid
+import weakref
+from pathlib import Path
+
+from export.environment import ModelsEnv, ServerBinary, find_models_env, find_server, make_backend_dir, server_env
+from pipeline.errors import UserError
+
+SHM_DIR = Path("/dev/shm")
+
+
+class ServerError(UserError):
+    """The server could not start, or died; the message ends with the tail of its log."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class TritonServer:
+    """One ``tritonserver`` process serving ``repository``.
+
+    ``binary`` and ``models_env`` default to :func:`find_server` and :func:`find_models_env`.
+    Ports 0 mean free ones. ``startup_timeout`` bounds the wait for readiness.
+    """
+
+    def __init__(
+        self,
+        repository: str | Path,
+        *,
+        host: str = "127.0.0.1",
+        http_port: int = 0,
+        grpc_port: int = 0,
+        binary: str = "",
+        models_env: str | Path | None = None,
+        startup_timeout: float = 180.0,
+        log_verbose: int = 0,
+    ) -> None:
+        self.repository = Path(repository).resolve()
+        if not self.repository.is_dir():
+            raise UserError(f"no model repository at {self.repository}: run `python -m pipeline run export` first")
+        self.host = host
+        self._ports = (http_port, grpc_port)
+        server = find_server(binary)
+        if server is None:
+            raise UserError("no Triton server found: install nvidia-pytriton, or put `tritonserver` on PATH")
+        self.binary: ServerBinary = server
+        self.models_env: ModelsEnv = find_models_env(models_env)
+        self.startup_timeout = startup_timeout
+        self.log_verbose = log_verbose
+        self.shm_prefix = f"pipeline_{os.getpid()}_{uuid.uuid4().hex[:8]}_"
+        self._workdir = Path(tempfile.mkdtemp(prefix="pipeline-triton-"))
+        self.log_path = self._workdir / "tritonserver.log"
+        self.process: subprocess.Popen | None = None
+        self.http_port = self.grpc_port = 0
+        self._finalizer: weakref.finalize | None = None
+
+    @property
+    def http_url(self) -> str:
+        return f"{self.host}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.host}:{self.grpc_port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    def is_alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def start(self) -> "TritonServer":
+        """Start the server and wait until it is ready; retries once on a port taken meanwhile."""
+        attempts = 1 if all(self._ports) else 3
+        for attempt in range(attempts):
+            self.http_port = self._ports[0] or free_port(self.host)
+            self.grpc_port = self._ports[1] or free_port(self.host)
+            self._launch()
+            try:
+                self._wait_ready()
+                return self
+            except ServerError:
+                log = self.log_tail()
+                self.stop()
+                if attempt + 1 == attempts or "already in use" not in log:
+                    raise
+        return self
+
+    def _launch(self) -> None:
+        backend_dir = make_backend_dir(self.binary, self.models_env, self._workdir / "backends")
+        cmd = [
+            str(self.binary.executable),
+            f"--model-repository={self.repository}",
+            f"--http-address={self.host}",
+            f"--http-port={self.http_port}",
+            f"--grpc-address={self.host}",
+            f"--grpc-port={self.grpc_port}",
+            "--allow-metrics=false",
+            f"--log-verbose={self.log_verbose}",
+            "--exit-timeout-secs=10",
+            f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
+        ]
+        if backend_dir is not None:
+            cmd.append(f"--backend-directory={backend_dir}")
+        log = open(self.log_path, "ab")
+        try:
+            self.process = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=server_env(self.models_env), start_new_session=True,
+            )
+        finally:
+            log.close()
+        self._finalizer = weakref.finalize(self, _terminate, self.process, self.shm_prefix)
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        url = f"http://{self.http_url}/v2/health/ready"
+        while time.monotonic() < deadline:
+            if not self.is_alive():
+                raise ServerError(f"tritonserver exited with code {self.process.returncode} before it was ready:\n"
+                                  + self.log_tail())
+            try:
+                with urllib.request.urlopen(url, timeout=1) as reply:
+                    if reply.status == 200 and self.is_alive():
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            time.sleep(0.1)
+        raise ServerError(f"tritonserver was not ready after {self.startup_timeout:.0f} s:\n" + self.log_tail())
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM by PID, SIGKILL to its process group after ``timeout``; removes its /dev/shm regions."""
+        code = None
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
+        if self.process is not None:
+            code = _terminate(self.process, self.shm_prefix, timeout)
+        return code
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def shm_regions(self) -> list[Path]:
+        """This server's python-backend regions in /dev/shm (empty once stopped)."""
+        return sorted(SHM_DIR.glob(f"{self.shm_prefix}*")) if SHM_DIR.is_dir() else []
+
+    def __enter__(self) -> "TritonServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = f"pid {self.pid}" if self.is_alive() else "stopped"
+        return f"TritonServer({self.repository}, http={self.http_url}, grpc={self.grpc_url}, {state})"
+
+
+def _terminate(process: subprocess.Popen, shm_prefix: str, timeout: float = 30.0) -> int | None:
+    if process.poll() is None:
+        try:
+            process.send_signal(signal.SIGTERM)
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(process.pid)
+            process.wait(10)
+    _kill_group(process.pid)  # stubs left behind by a crashed server
+    if SHM_DIR.is_dir():
+        for region in SHM_DIR.glob(f"{shm_prefix}*"):
+            region.unlink(missing_ok=True)
+    return process.returncode
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
