@@ -303,19 +303,19 @@ class TorchBackend:
     name = "torch"
 
     def forward(self, weights, layout, indices, offsets, batch_size):
-        out = torch.empty(batch_size, layout.total_dim, dtype=torch.float32, device=weights.device)
+        out_dtype = torch.float64 if weights.dtype == torch.float64 else torch.float32
+        out = torch.empty(batch_size, layout.total_dim, dtype=out_dtype, device=weights.device)
         if batch_size == 0:
             return out
         for group in layout.groups:
             ids, bag_offsets = _group_bags(layout, group, indices, offsets, batch_size)
             table = _group_view(weights, group)
-            if weights.dtype == torch.float32 or weights.requires_grad:
+            if weights.dtype in (torch.float32, torch.float64):
                 pooled = F.embedding_bag(ids, table, bag_offsets[:-1], mode="sum")
             else:
                 bag_of_value = _bag_of_value(bag_offsets, ids.numel())
                 pooled = torch.zeros(bag_offsets.numel() - 1, group.dim, dtype=torch.float32, device=weights.device)
                 pooled.index_add_(0, bag_of_value, table.index_select(0, ids).float())
-            pooled = pooled.float()
             pooled = _scale_mean(layout, group, pooled, bag_offsets, batch_size)
             _scatter_columns(out, layout, group, pooled.view(len(group.slots), batch_size, group.dim))
         return out
@@ -378,7 +378,7 @@ def _scale_mean(layout: TableLayout, group: DimGroup, pooled: torch.Tensor, bag_
     means = [layout.slot_mean[s] for s in group.slots]
     if not any(means):
         return pooled
-    lengths = (bag_offsets[1:] - bag_offsets[:-1]).view(len(group.slots), batch_size).float()
+    lengths = (bag_offsets[1:] - bag_offsets[:-1]).view(len(group.slots), batch_size).to(pooled.dtype)
     is_mean = torch.tensor(means, device=pooled.device).unsqueeze(1)
     scale = torch.where(is_mean, 1.0 / lengths.clamp(min=1), torch.ones_like(lengths))
     return pooled * scale.view(-1, 1)
