@@ -4,11 +4,75 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MODELS = ("dlrm", "dcnv2", "deepfm", "wide_deep")
+PRESETS = ("auto", "small", "mlperf")
+DENSE_OPTIMIZERS = ("sgd", "adam", "adagrad")
+EMBEDDING_OPTIMIZERS = ("sgd", "adagrad", "adam")
+DECAYS = ("none", "linear", "cosine")
+AMP = ("auto", "bf16", "off")
+
 
 @dataclass
 class TrainConfig:
-    """Model, optimizer and loop settings."""
+    """Model, optimizer and loop settings.
+
+    Sizes left at 0 / empty come from ``preset``: ``mlperf`` is MLPerf's DLRM (embedding dim 128,
+    bottom MLP 512-256-128, top MLP 1024-1024-512-256-1); ``small`` is a CPU-sized model (dim 16,
+    bottom 64-32-16, top 128-64-1); ``auto`` takes ``mlperf`` on a GPU and ``small`` on CPU.
+    """
 
     model: str = field(default="dlrm", metadata={"help": "dlrm | dcnv2 | deepfm | wide_deep"})
+    preset: str = field(default="auto", metadata={"help": "auto | small | mlperf: default sizes (auto: by device)"})
+    embedding_dim: int = field(default=0, metadata={"help": "dim of every embedding table (0: from preset)"})
+    bottom_mlp: list[int] = field(default_factory=list, metadata={
+        "help": "DLRM bottom MLP widths, the last = embedding dim (empty: from preset)"})
+    top_mlp: list[int] = field(default_factory=list, metadata={
+        "help": "top / deep MLP widths ending in 1 (empty: from preset)"})
+    cross_layers: int = field(default=3, metadata={"help": "dcnv2: cross layers"})
+    cross_rank: int = field(default=0, metadata={"help": "dcnv2: rank of each cross layer (0: full rank)"})
+    multihot_pooling: str = field(default="mean", metadata={"help": "sum | mean pooling of multi-hot features"})
+
     epochs: int = field(default=1, metadata={"help": "passes over the training split"})
+    max_steps: int = field(default=0, metadata={"help": "stop after this many steps (0: run all epochs)"})
     batch_size: int = field(default=2048, metadata={"help": "samples per step (per rank)"})
+    eval_batch_size: int = field(default=16384, metadata={"help": "samples per evaluation batch"})
+    eval_every: int = field(default=0, metadata={"help": "evaluate on valid every N steps (0: at each epoch's end)"})
+
+    optimizer: str = field(default="adam", metadata={"help": "dense optimizer: sgd | adam | adagrad"})
+    lr: float = field(default=1e-3, metadata={"help": "peak learning rate of the dense part"})
+    embedding_optimizer: str = field(default="adagrad", metadata={
+        "help": "fused sparse optimizer of the tables: sgd | adagrad (row-wise) | adam (lazy)"})
+    embedding_lr: float = field(default=0.05, metadata={"help": "peak learning rate of the embedding tables"})
+    weight_decay: float = field(default=0.0, metadata={"help": "L2 weight decay (dense and embedding)"})
+    warmup_steps: int = field(default=100, metadata={"help": "linear warmup from 0 to the peak lr"})
+    decay: str = field(default="cosine", metadata={"help": "none | linear | cosine decay after warmup"})
+    decay_start: int = field(default=0, metadata={"help": "step where decay begins (0: right after warmup)"})
+    min_lr_ratio: float = field(default=0.1, metadata={"help": "lr at the last step, as a fraction of the peak"})
+
+    embedding_dtype: str = field(default="fp32", metadata={"help": "fp32 | fp16 | bf16 embedding weights"})
+    embedding_backend: str = field(default="auto", metadata={
+        "help": "torch | cuda | auto: embedding compute (auto: fused CUDA kernels when usable)"})
+    amp: str = field(default="auto", metadata={"help": "auto | bf16 | off: bf16 autocast (auto: on GPU only)"})
+
+    checkpoint_every: int = field(default=200, metadata={"help": "save a checkpoint every N steps (0: only at the end)"})
+    keep_checkpoints: int = field(default=2, metadata={"help": "checkpoints kept on disk (the newest)"})
+    resume: bool = field(default=False, metadata={"help": "continue from the newest checkpoint under paths.train"})
+    log_every: int = field(default=20, metadata={"help": "write a metrics line every N steps"})
+    progress: bool = field(default=True, metadata={"help": "show a progress bar"})
+    crash_after_step: int = field(default=0, metadata={
+        "help": "testing hook: raise SimulatedCrash right after this step (0: never)"})
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("model", MODELS), ("preset", PRESETS), ("optimizer", DENSE_OPTIMIZERS),
+                              ("embedding_optimizer", EMBEDDING_OPTIMIZERS), ("decay", DECAYS), ("amp", AMP),
+                              ("embedding_dtype", ("fp32", "fp16", "bf16")),
+                              ("multihot_pooling", ("sum", "mean"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"train.{name}: expected one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        for name in ("epochs", "batch_size", "eval_batch_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"train.{name}: expected a positive number, got {getattr(self, name)}")
+        if self.top_mlp and self.top_mlp[-1] != 1:
+            raise ValueError(f"train.top_mlp: the last width must be 1 (one logit), got {self.top_mlp}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"train.min_lr_ratio: expected a value in [0, 1], got {self.min_lr_ratio}")

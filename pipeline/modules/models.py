@@ -1,0 +1,224 @@
+"""CTR models built from the schema: DLRM, DCNv2, DeepFM and Wide&Deep.
+
+Every model is an embedding part and a dense part that can run apart (export serves them as two
+Triton models)::
+
+    pooled = model.embedding(batch.sparse)              # [B, embedding.output_dim]
+    logits = model.dense_forward(batch.dense, pooled)   # [B]
+    logits = model(batch.dense, batch.sparse)           # the same, in one call
+
+Example::
+
+    sizes = ModelSizes.preset("small")
+    model = build_model("dlrm", Schema.load(cfg.paths.schema), sizes, EmbeddingOptimizerConfig("adagrad"))
+
+The embedding tables are one :class:`~pipeline.modules.embedding.EmbeddingCollection` (optimizer
+fused in backward); ``model.parameters()`` holds only the dense part, for a regular torch optimizer.
+DeepFM and Wide&Deep add a dim-1 "wide" table per sparse feature to the same collection, after the
+deep tables, so one lookup serves both parts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from pipeline.modules.embedding import EmbeddingCollection, EmbeddingOptimizerConfig, TableConfig, tables_from_schema
+from pipeline.schema import Schema
+
+PRESETS = {
+    "mlperf": dict(embedding_dim=128, bottom_mlp=[512, 256, 128], top_mlp=[1024, 1024, 512, 256, 1]),
+    "small": dict(embedding_dim=16, bottom_mlp=[64, 32, 16], top_mlp=[128, 64, 1]),
+}
+
+
+@dataclass
+class ModelSizes:
+    """Widths of a model. ``top_mlp`` ends in 1; DLRM's ``bottom_mlp`` ends in ``embedding_dim``."""
+
+    embedding_dim: int
+    bottom_mlp: list[int]
+    top_mlp: list[int]
+    cross_layers: int = 3
+    cross_rank: int = 0
+    multihot_pooling: str = "mean"
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "ModelSizes":
+        if name not in PRESETS:
+            raise ValueError(f"model preset: expected one of {sorted(PRESETS)}, got {name!r}")
+        values = {k: (list(v) if isinstance(v, list) else v) for k, v in PRESETS[name].items()}
+        values.update({k: v for k, v in overrides.items() if v not in (None, 0, [])})
+        return cls(**values)
+
+    @classmethod
+    def from_train_config(cls, train, device_kind: str) -> "ModelSizes":
+        """The preset of ``train.preset`` (``auto``: mlperf on cuda, small on cpu) with the set sizes on top."""
+        preset = train.preset if train.preset != "auto" else ("mlperf" if device_kind == "cuda" else "small")
+        sizes = cls.preset(preset, embedding_dim=train.embedding_dim, bottom_mlp=list(train.bottom_mlp),
+                           top_mlp=list(train.top_mlp), cross_layers=train.cross_layers, cross_rank=train.cross_rank,
+                           multihot_pooling=train.multihot_pooling)
+        if not train.bottom_mlp and train.embedding_dim and sizes.bottom_mlp[-1] != train.embedding_dim:
+            sizes.bottom_mlp = sizes.bottom_mlp[:-1] + [train.embedding_dim]
+        return sizes
+
+
+def mlp(widths: list[int], in_dim: int, last_activation: bool) -> nn.Sequential:
+    """Linear + ReLU layers of the given widths; the last layer without ReLU unless ``last_activation``."""
+    layers: list[nn.Module] = []
+    for i, width in enumerate(widths):
+        layers.append(nn.Linear(in_dim, width))
+        if i < len(widths) - 1 or last_activation:
+            layers.append(nn.ReLU())
+        in_dim = width
+    return nn.Sequential(*layers)
+
+
+class RecModel(nn.Module):
+    """Base of the CTR models: ``embedding`` (the tables) + ``dense_forward(dense, pooled)`` (the rest)."""
+
+    name = "base"
+
+    def __init__(self, embedding: EmbeddingCollection, num_dense: int) -> None:
+        super().__init__()
+        self.embedding = embedding
+        self.num_dense = num_dense
+
+    def forward(self, dense: torch.Tensor, sparse) -> torch.Tensor:
+        return self.dense_forward(dense, self.embedding(sparse))
+
+    def dense_forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dense_part(self) -> nn.Module:
+        """The dense part alone, as a module ``(dense, pooled) -> logits`` (for tracing / export)."""
+        return _DensePart(self)
+
+
+class _DensePart(nn.Module):
+    def __init__(self, model: RecModel) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        return self.model.dense_forward(dense, pooled)
+
+
+class DLRM(RecModel):
+    """DLRM: bottom MLP on the dense features, pairwise dot interaction with the embeddings, top MLP."""
+
+    name = "dlrm"
+
+    def __init__(self, embedding: EmbeddingCollection, num_dense: int, sizes: ModelSizes) -> None:
+        super().__init__(embedding, num_dense)
+        dim = sizes.embedding_dim
+        self.num_slots = embedding.layout.num_slots
+        self.dim = dim
+        if num_dense:
+            if sizes.bottom_mlp[-1] != dim:
+                raise ValueError(f"DLRM: the bottom MLP must end in the embedding dim {dim}, got {sizes.bottom_mlp}")
+            self.bottom = mlp(sizes.bottom_mlp, num_dense, last_activation=True)
+        vectors = self.num_slots + (1 if num_dense else 0)
+        rows, cols = torch.tril_indices(vectors, vectors, offset=-1)
+        self.register_buffer("_pairs", rows * vectors + cols, persistent=False)
+        self.top = mlp(sizes.top_mlp, (dim if num_dense else 0) + rows.numel(), last_activation=False)
+
+    def dense_forward(self, dense, pooled):
+        b = pooled.shape[0]
+        vectors = pooled.view(b, self.num_slots, self.dim)
+        if self.num_dense:
+            x = self.bottom(dense)
+            vectors = torch.cat([x.unsqueeze(1), vectors.to(x.dtype)], dim=1)
+        dots = torch.bmm(vectors, vectors.transpose(1, 2)).flatten(1)[:, self._pairs]
+        top_in = torch.cat([x, dots], dim=1) if self.num_dense else dots
+        return self.top(top_in).squeeze(1)
+
+
+class DCNv2(RecModel):
+    """DCN-V2 (stacked): cross layers ``x = x0 * (W x + b) + x`` (full or low rank), then a deep MLP."""
+
+    name = "dcnv2"
+
+    def __init__(self, embedding: EmbeddingCollection, num_dense: int, sizes: ModelSizes) -> None:
+        super().__init__(embedding, num_dense)
+        width = num_dense + embedding.output_dim
+        rank = sizes.cross_rank
+        self.cross = nn.ModuleList(
+            nn.Linear(width, width) if rank <= 0 else nn.Sequential(nn.Linear(width, rank, bias=False),
+                                                                    nn.Linear(rank, width))
+            for _ in range(sizes.cross_layers)
+        )
+        self.deep = mlp(sizes.top_mlp, width, last_activation=False)
+
+    def dense_forward(self, dense, pooled):
+        x0 = torch.cat([dense, pooled.to(dense.dtype)], dim=1)
+        x = x0
+        for layer in self.cross:
+            x = x0 * layer(x) + x
+        return self.deep(x).squeeze(1)
+
+
+class _WideDeepBase(RecModel):
+    """Shared by DeepFM and Wide&Deep: deep slots (dim D) first, then one dim-1 wide slot per feature."""
+
+    def __init__(self, embedding: EmbeddingCollection, num_dense: int, sizes: ModelSizes) -> None:
+        super().__init__(embedding, num_dense)
+        self.num_features = embedding.layout.num_slots // 2
+        self.dim = sizes.embedding_dim
+        self.deep_width = self.num_features * self.dim
+        self.wide_dense = nn.Linear(num_dense, 1) if num_dense else None
+        self.deep = mlp(sizes.top_mlp, num_dense + self.deep_width, last_activation=False)
+
+    def _parts(self, dense, pooled):
+        deep_emb = pooled[:, : self.deep_width]
+        wide = pooled[:, self.deep_width :].sum(1)
+        if self.wide_dense is not None:
+            wide = wide + self.wide_dense(dense).squeeze(1)
+        deep = self.deep(torch.cat([dense, deep_emb.to(dense.dtype)], dim=1)).squeeze(1)
+        return deep_emb, wide, deep
+
+
+class WideDeep(_WideDeepBase):
+    """Wide & Deep: a linear model over the sparse ids (dim-1 tables) and dense features, plus a deep MLP."""
+
+    name = "wide_deep"
+
+    def dense_forward(self, dense, pooled):
+        _, wide, deep = self._parts(dense, pooled)
+        return wide + deep
+
+
+class DeepFM(_WideDeepBase):
+    """DeepFM: first-order (wide) terms + factorization-machine pairwise terms + a deep MLP."""
+
+    name = "deepfm"
+
+    def dense_forward(self, dense, pooled):
+        deep_emb, wide, deep = self._parts(dense, pooled)
+        v = deep_emb.view(-1, self.num_features, self.dim).float()
+        fm = 0.5 * (v.sum(1).pow(2) - v.pow(2).sum(1)).sum(1)
+        return wide + fm.to(deep.dtype) + deep
+
+
+MODEL_CLASSES = {cls.name: cls for cls in (DLRM, DCNv2, DeepFM, WideDeep)}
+
+
+def build_model(name: str, schema: Schema, sizes: ModelSizes, optimizer: EmbeddingOptimizerConfig | None = None,
+                weights_dtype: str = "fp32", backend: str = "auto", seed: int = 0) -> RecModel:
+    """A model of kind ``name`` (dlrm | dcnv2 | deepfm | wide_deep) for the features of ``schema``."""
+    if name not in MODEL_CLASSES:
+        raise ValueError(f"model: expected one of {sorted(MODEL_CLASSES)}, got {name!r}")
+    if not schema.sparse:
+        raise ValueError("the schema has no categorical or multi-hot feature: these models need at least one")
+    generator = torch.Generator().manual_seed(seed)
+    tables = tables_from_schema(schema, sizes.embedding_dim, pooling=sizes.multihot_pooling)
+    if name in ("deepfm", "wide_deep"):
+        tables += [TableConfig(f"w_{t.features[0]}", t.rows, 1, t.features, t.pooling) for t in tables]
+    embedding = EmbeddingCollection(tables, schema.sparse, optimizer, weights_dtype=weights_dtype, backend=backend,
+                                    generator=generator)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return MODEL_CLASSES[name](embedding, len(schema.continuous), sizes)
