@@ -1,0 +1,109 @@
+"""The host store: every row of every embedding table, one memory-mapped ``.npy`` file per table.
+
+Versions make online updates safe (HugeCTR HPS style): each version is a folder ``v000001/`` holding
+the tables and a ``manifest.json``; the file ``CURRENT`` names the version being served. A writer
+fills a new folder completely, then replaces ``CURRENT`` atomically (write a temp file, rename), so
+a reader sees either the old version or the new one, never a half-written table. Old folders are
+pruned after ``keep`` versions; a reader that still maps one keeps valid data (an unlinked file
+stays mapped on POSIX).
+
+Example::
+
+    write_version("repo/embedding/store", {"t_C1": np.ones((10, 4), np.float32)})   # -> 1
+    store = open_current("repo/embedding/store")
+    store.version, store.tables["t_C1"].shape                                       # 1, (10, 4)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.errors import UserError
+
+STORE_FORMAT = 1
+CURRENT = "CURRENT"
+
+
+@dataclass
+class StoreVersion:
+    """One version of the tables, memory-mapped read-only."""
+
+    version: int
+    path: Path
+    tables: dict[str, np.ndarray]
+
+
+def current_version(root: str | Path) -> int:
+    """The version ``CURRENT`` names (0 when the store is empty)."""
+    try:
+        return int((Path(root) / CURRENT).read_text().strip().lstrip("v"))
+    except FileNotFoundError:
+        return 0
+
+
+def write_version(root: str | Path, tables: dict[str, np.ndarray], keep: int = 2) -> int:
+    """Write ``tables`` (name -> ``[rows, dim]`` array) as the next version, make it current, return it."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    existing = [int(p.name[1:]) for p in root.glob("v*") if p.name[1:].isdigit()]
+    version = max(existing + [current_version(root)], default=0) + 1
+    folder = root / f"v{version:06d}"
+    staging = root / f".staging-v{version:06d}-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    manifest = {"format": STORE_FORMAT, "version": version, "tables": {}}
+    for name, array in tables.items():
+        array = np.ascontiguousarray(array)
+        if array.ndim != 2:
+            raise ValueError(f"table {name}: expected a [rows, dim] array, got shape {array.shape}")
+        np.save(staging / f"{name}.npy", array)
+        manifest["tables"][name] = {"rows": int(array.shape[0]), "dim": int(array.shape[1]), "dtype": str(array.dtype)}
+    (staging / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    staging.rename(folder)
+    _replace_text(root / CURRENT, f"v{version:06d}\n")
+    for old in sorted(v for v in existing if v <= version - keep):
+        shutil.rmtree(root / f"v{old:06d}", ignore_errors=True)
+    return version
+
+
+def open_current(root: str | Path) -> StoreVersion:
+    """Memory-map the tables of the current version (checks the manifest's format and shapes)."""
+    root = Path(root)
+    for _ in range(5):
+        try:
+            return _open_version(root, current_version(root))
+        except FileNotFoundError:
+            continue  # pruned between reading CURRENT and opening: read CURRENT again
+    return _open_version(root, current_version(root))
+
+
+def _open_version(root: Path, version: int) -> StoreVersion:
+    if version == 0:
+        raise UserError(f"no embedding store at {root}: run `python -m pipeline run export` first")
+    folder = root / f"v{version:06d}"
+    manifest = json.loads((folder / "manifest.json").read_text())
+    if manifest.get("format") != STORE_FORMAT:
+        raise UserError(f"embedding store {folder}: format {manifest.get('format')} is not {STORE_FORMAT}; re-export")
+    tables = {}
+    for name, meta in manifest["tables"].items():
+        array = np.load(folder / f"{name}.npy", mmap_mode="r")
+        if array.shape != (meta["rows"], meta["dim"]):
+            raise UserError(f"embedding store {folder}: table {name} has shape {array.shape}, manifest says "
+                            f"{(meta['rows'], meta['dim'])}")
+        tables[name] = array
+    return StoreVersion(version, folder, tables)
+
+
+def _replace_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

@@ -1,0 +1,146 @@
+"""The serving-side embedding path without a server: versioned store, cache tiers, pooled lookup."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from export.cache import LfuCache, LruCache, NoCache, make_tier
+from export.lookup import EmbeddingLookup, LookupLayout
+from export.store import current_version, open_current, write_version
+from pipeline.errors import BadInputError
+from pipeline.modules import EmbeddingCollection, TableConfig
+from pipeline.schema import Column, Schema
+from pipeline.sparse import KeyedJaggedTensor
+
+
+def _table(rows=100, dim=4, seed=0):
+    return np.random.default_rng(seed).standard_normal((rows, dim)).astype(np.float32)
+
+
+def test_versions_are_written_whole_and_old_ones_pruned(tmp_path):
+    root = tmp_path / "store"
+    assert current_version(root) == 0
+    assert write_version(root, {"t": _table(seed=1)}) == 1
+    first = open_current(root)
+    assert write_version(root, {"t": _table(seed=2)}) == 2
+    assert write_version(root, {"t": _table(seed=3)}) == 3
+    store = open_current(root)
+    assert store.version == 3
+    np.testing.assert_array_equal(store.tables["t"], _table(seed=3))
+    assert sorted(p.name for p in root.glob("v*")) == ["v000002", "v000003"]
+    np.testing.assert_array_equal(first.tables["t"], _table(seed=1))  # still mapped after pruning
+
+
+def test_store_rejects_a_table_that_is_not_2d(tmp_path):
+    with pytest.raises(ValueError, match="expected a \\[rows, dim\\] array"):
+        write_version(tmp_path, {"t": np.zeros(5, np.float32)})
+
+
+@pytest.mark.parametrize("policy", [LruCache, LfuCache, NoCache])
+def test_every_tier_returns_the_store_rows(policy):
+    table = _table(rows=500)
+    cache = policy(table, 50)
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        ids = rng.zipf(1.3, size=300) % 500
+        np.testing.assert_array_equal(cache.lookup(ids), table[ids])
+    stats = cache.stats()
+    assert stats["size"] <= 50
+    if policy is not NoCache:
+        assert stats["hits"] > 0 and stats["evictions"] > 0
+
+
+def test_lru_counts_hits_misses_evictions_over_distinct_ids():
+    table = _table(rows=10)
+    cache = LruCache(table, 2)
+    cache.lookup(np.array([1, 1, 2]))
+    assert cache.stats() == {"hits": 0, "misses": 2, "evictions": 0, "size": 2, "capacity": 2}
+    cache.lookup(np.array([1]))  # 1 is now more recent than 2
+    cache.lookup(np.array([3]))  # evicts 2
+    assert sorted(cache.cached_ids().tolist()) == [1, 3]
+    assert cache.stats()["evictions"] == 1
+    cache.lookup(np.array([1, 3]))
+    assert cache.stats()["hits"] == 3
+
+
+def test_lfu_keeps_the_frequent_rows():
+    cache = LfuCache(_table(rows=10), 2)
+    cache.lookup(np.array([1, 1, 1, 2]))
+    cache.lookup(np.array([1, 2, 2]))
+    cache.lookup(np.array([3]))  # 1 was seen 4 times, 2 three times: 2 goes
+    assert sorted(cache.cached_ids().tolist()) == [1, 3]
+
+
+def test_more_misses_than_capacity_never_evicts_rows_of_the_same_batch():
+    table = _table(rows=100)
+    cache = LruCache(table, 4)
+    cache.lookup(np.array([1, 2]))
+    rows = cache.lookup(np.arange(1, 20))
+    np.testing.assert_array_equal(rows, table[1:20])
+    assert set(cache.cached_ids().tolist()) >= {1, 2}
+
+
+def test_unknown_policy_is_named():
+    with pytest.raises(ValueError, match="cache policy 'mru' is not registered; available: .*lru"):
+        make_tier("mru", _table(), 4)
+
+
+def _collection_and_schema():
+    schema = Schema([
+        Column("label", "label", "int8"),
+        Column("C1", "categorical", "int64", cardinality=40),
+        Column("C2", "categorical", "int64", cardinality=30),
+        Column("M1", "multihot", "int64", cardinality=20, max_length=4),
+        Column("C3", "categorical", "int64", cardinality=40),
+    ])
+    tables = [
+        TableConfig("t_C1", 40, 8, ["C1", "C3"]),  # a shared table
+        TableConfig("t_C2", 30, 4, ["C2"]),
+        TableConfig("t_M1", 20, 8, ["M1"], pooling="mean"),
+    ]
+    collection = EmbeddingCollection(tables, ["C1", "C2", "M1", "C3"], generator=torch.Generator().manual_seed(0))
+    return collection.eval(), schema
+
+
+def test_lookup_equals_the_embedding_collection(tmp_path):
+    collection, schema = _collection_and_schema()
+    layout = LookupLayout.from_collection(collection, schema)
+    assert layout.categorical == ["C1", "C2", "C3"] and layout.multihot == ["M1"]
+    write_version(tmp_path, {n: collection.table_weight(n).numpy() for n in collection.layout.table_names})
+    lookup = EmbeddingLookup(tmp_path, layout, cache_fraction=0.1, min_cache_rows=3)
+
+    rng = np.random.default_rng(0)
+    batch = 33
+    cat = np.stack([rng.integers(0, 40, batch), rng.integers(0, 30, batch), rng.integers(0, 40, batch)], axis=1)
+    bags = [list(rng.integers(0, 20, rng.integers(0, 5))) for _ in range(batch)]
+    lengths = np.array([[len(b)] for b in bags])
+    packed = np.full((batch, 4), -1)
+    for i, b in enumerate(bags):
+        packed[i, : len(b)] = b
+    kjt = KeyedJaggedTensor.from_lists(
+        ["C1", "C2", "M1", "C3"], [[[v] for v in cat[:, 0]], [[v] for v in cat[:, 1]], bags, [[v] for v in cat[:, 2]]])
+    with torch.no_grad():
+        expected = collection(kjt).numpy()
+    for _ in range(3):  # cold, then warm cache
+        np.testing.assert_allclose(lookup(cat, packed, lengths), expected, rtol=0, atol=1e-6)
+    stats = lookup.stats()
+    assert stats["hits"] > 0 and stats["misses"] > 0 and 0 < stats["hit_rate"] < 1
+
+    with pytest.raises(BadInputError, match="feature C2: id 30 is outside table t_C2"):
+        lookup(np.array([[0, 30, 0]]), np.zeros((1, 1)), np.zeros((1, 1)))
+
+
+def test_refresh_switches_version_and_keeps_hot_rows(tmp_path):
+    layout = LookupLayout(["t"], ["C1"], [False], ["C1"])
+    write_version(tmp_path, {"t": _table(seed=1)})
+    lookup = EmbeddingLookup(tmp_path, layout, min_cache_rows=10)
+    ids = np.array([[3], [4], [5]])
+    np.testing.assert_array_equal(lookup(ids), _table(seed=1)[[3, 4, 5]])
+    assert not lookup.refresh()
+    write_version(tmp_path, {"t": _table(seed=2)})
+    assert lookup.refresh() and lookup.version == 2
+    hits = lookup.stats()["hits"]
+    np.testing.assert_array_equal(lookup(ids), _table(seed=2)[[3, 4, 5]])
+    assert lookup.stats()["hits"] == hits + 3
