@@ -1,0 +1,109 @@
+"""The operator graph: ``columns >> Op() >> Op()`` chains, combined with ``+``.
+
+A :class:`Node` is either a selection of input columns, an operator applied to its parents' output
+columns, or (after ``+``) the union of several nodes' outputs. Nodes are immutable once built.
+
+Example::
+
+    cats = ["C1", "C2"] >> Categorify(freq_threshold=2)
+    conts = ["I1"] >> FillMissing() >> Clip(min_value=0) >> LogOp() >> Normalize()
+    features = cats + conts + ["label"]
+    features.output_columns    # ["C1", "C2", "I1", "label"]
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable, Iterator, Union
+
+if TYPE_CHECKING:
+    from pipeline.etl.ops.base import Operator
+
+ColumnsLike = Union["Node", str, Iterable[str]]
+
+
+class Node:
+    """One step of the graph: input columns, an operator on its parents, or a union of nodes."""
+
+    def __init__(self, parents: list["Node"] = (), op: "Operator | None" = None, columns: list[str] | None = None):
+        self.parents = list(parents)
+        self.op = op
+        if columns is not None:
+            self.input_columns = list(columns)
+            self.output_columns = list(columns)
+        else:
+            if op is None:
+                _refuse_duplicates(self.parents)
+            self.input_columns = _union([p.output_columns for p in self.parents])
+            self.output_columns = op.output_columns(self.input_columns) if op else self.input_columns
+        if not self.output_columns:
+            raise ValueError("a node needs at least one column")
+
+    @classmethod
+    def of(cls, value: ColumnsLike) -> "Node":
+        """A node from a node, a column name, or a list of column names."""
+        if isinstance(value, Node):
+            return value
+        if isinstance(value, str):
+            return cls(columns=[value])
+        columns = list(value)
+        if not all(isinstance(c, str) for c in columns):
+            raise TypeError(f"expected column names (str), got {columns!r}")
+        return cls(columns=columns)
+
+    @property
+    def is_selection(self) -> bool:
+        return self.op is None and not self.parents
+
+    def __rshift__(self, op: "Operator") -> "Node":
+        from pipeline.etl.ops.base import Operator
+
+        if not isinstance(op, Operator):
+            raise TypeError(f"expected an operator after >>, got {type(op).__name__}")
+        return Node([self], op=op)
+
+    def __add__(self, other: ColumnsLike) -> "Node":
+        return Node([self, Node.of(other)])
+
+    def __radd__(self, other: ColumnsLike) -> "Node":
+        return Node([Node.of(other), self])
+
+    def walk(self) -> Iterator["Node"]:
+        """Every node this one depends on, parents before children, each once."""
+        seen: set[int] = set()
+        order: list[Node] = []
+
+        def visit(node: Node) -> None:
+            if id(node) in seen:
+                return
+            seen.add(id(node))
+            for parent in node.parents:
+                visit(parent)
+            order.append(node)
+
+        visit(self)
+        return iter(order)
+
+    def raw_columns(self) -> list[str]:
+        """The input columns the whole graph reads."""
+        return _union([n.output_columns for n in self.walk() if n.is_selection])
+
+    def __repr__(self) -> str:
+        what = type(self.op).__name__ if self.op else ("select" if self.is_selection else "+")
+        return f"Node({what} -> {self.output_columns})"
+
+
+def _union(lists: list[list[str]]) -> list[str]:
+    seen: dict[str, None] = {}
+    for cols in lists:
+        for c in cols:
+            seen.setdefault(c, None)
+    return list(seen)
+
+
+def _refuse_duplicates(parents: list[Node]) -> None:
+    seen: dict[str, Node] = {}
+    for parent in parents:
+        for c in parent.output_columns:
+            if c in seen and seen[c] is not parent:
+                raise ValueError(f"column {c!r} would come out twice, from {seen[c]} and from {parent}")
+            seen[c] = parent

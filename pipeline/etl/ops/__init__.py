@@ -1,0 +1,12 @@
+"""The ETL operators; compose them with ``columns >> Op()`` and ``+``."""
+
+from pipeline.etl.ops.base import Operator
+from pipeline.etl.ops.categorify import Categorify
+from pipeline.etl.ops.continuous import Bucketize, Cast, Clip, FillMissing, LogOp, Normalize
+from pipeline.etl.ops.hashing import HashBucket, HashedCross
+from pipeline.etl.ops.lambda_op import LambdaOp
+
+__all__ = [
+    "Operator", "Categorify", "HashBucket", "HashedCross", "FillMissing", "Clip", "LogOp", "Normalize",
+    "Bucketize", "Cast", "LambdaOp",
+]

@@ -1,0 +1,110 @@
+"""Column conversions shared by the operators, dispatched on the partition's type (pandas or cuDF).
+
+pandas partitions go through numpy and pyarrow, which work the same on pandas 2.2 / numpy 1.26
+(the serving environment) and pandas 3 / numpy 2; cuDF partitions stay on the GPU and use the
+cuDF API. cuDF is never imported here: a cuDF object is recognised by its module name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+
+from pipeline.errors import BadInputError
+
+
+def is_cudf(obj: Any) -> bool:
+    return type(obj).__module__.split(".")[0] == "cudf"
+
+
+def frame_like(like: Any, columns: dict[str, Any]) -> Any:
+    """A DataFrame of the same library (and index) as ``like`` from named columns."""
+    if is_cudf(like):
+        return type(like)(columns, index=like.index)
+    return pd.DataFrame(columns, index=like.index)
+
+
+def as_float64(series: Any) -> Any:
+    """Numbers as float64 with NaN for missing (numpy array for pandas, float Series for cuDF)."""
+    if is_cudf(series):
+        return series.astype("float64")
+    try:
+        return series.to_numpy(dtype="float64", na_value=np.nan)
+    except (TypeError, ValueError) as err:
+        raise BadInputError(f"column {series.name!r}: expected numbers, found dtype {series.dtype} ({err})") from err
+
+
+def as_arrow(series: Any) -> pa.Array:
+    """A pandas Series as one contiguous pyarrow array (strings, numbers or lists)."""
+    array = series.array
+    if hasattr(array, "__arrow_array__"):
+        arrow = pa.array(array)
+    else:
+        try:
+            arrow = pa.array(np.asarray(series, dtype=object), from_pandas=True)
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as err:
+            raise BadInputError(f"column {series.name!r}: cannot read its values ({err})") from err
+    if isinstance(arrow, pa.ChunkedArray):
+        arrow = arrow.combine_chunks()
+    return arrow
+
+
+def as_arrow_strings(series: Any) -> pa.Array:
+    """A pandas Series of categorical values as a pyarrow string array (numbers become their text)."""
+    arrow = as_arrow(series)
+    if pa.types.is_null(arrow.type):
+        return arrow.cast(pa.string())
+    if pa.types.is_string(arrow.type) or pa.types.is_large_string(arrow.type):
+        return arrow
+    if pa.types.is_dictionary(arrow.type):
+        return arrow.cast(pa.string())
+    if pa.types.is_integer(arrow.type) or pa.types.is_boolean(arrow.type):
+        return arrow.cast(pa.string())
+    if pa.types.is_floating(arrow.type):
+        return integral_floats(arrow, series.name).cast(pa.string())
+    raise BadInputError(f"column {series.name!r}: expected strings or integers, found {arrow.type}")
+
+
+def as_arrow_lists(series: Any) -> pa.Array:
+    """A pandas Series of list cells as a pyarrow list<string> array."""
+    arrow = as_arrow(series)
+    if pa.types.is_null(arrow.type):
+        return arrow.cast(pa.list_(pa.string()))
+    if not (pa.types.is_list(arrow.type) or pa.types.is_large_list(arrow.type)):
+        raise BadInputError(f"column {series.name!r}: expected lists (multi-hot), found {arrow.type}")
+    if not (pa.types.is_string(arrow.type.value_type) or pa.types.is_large_string(arrow.type.value_type)):
+        values = arrow.flatten()
+        values = integral_floats(values, series.name) if pa.types.is_floating(values.type) else values
+        arrow = pa.ListArray.from_arrays(_list_offsets(arrow), values.cast(pa.string()), mask=arrow.is_null())
+    return arrow
+
+
+def list_lengths(lists: pa.Array) -> np.ndarray:
+    """Length of each list cell; a missing cell counts as empty."""
+    import pyarrow.compute as pc
+
+    return pc.fill_null(pc.list_value_length(lists), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def _list_offsets(lists: pa.Array) -> pa.Array:
+    return pa.array(np.concatenate([[0], np.cumsum(list_lengths(lists))]).astype(np.int32))
+
+
+def lists_from_flat(values: np.ndarray, lengths: np.ndarray, index: Any) -> pd.Series:
+    """A pandas Series of list<int32> cells (arrow-backed) from flat values and per-row lengths."""
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    arrow = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=pa.int32()))
+    return pd.Series(pd.arrays.ArrowExtensionArray(arrow), index=index)
+
+
+def integral_floats(arrow: pa.Array, name: str) -> pa.Array:
+    """Floats that hold whole numbers (integers that pandas widened to make room for NaN) as int64."""
+    values = arrow.to_numpy(zero_copy_only=False)
+    finite = values[~np.isnan(values)]
+    if not np.all(finite == np.round(finite)):
+        raise BadInputError(f"column {name!r}: expected strings or integers, found fractional numbers")
+    return arrow.cast(pa.int64())

@@ -1,0 +1,194 @@
+"""Categorify: categorical values (and multi-hot lists of them) to contiguous int32 codes.
+
+Reserved codes: 0 = missing, 1 = out of vocabulary (unseen at fit, rarer than ``freq_threshold``,
+or beyond ``max_vocab_size``), 2.. = the vocabulary by descending frequency, ties broken by the
+value (ascending), so the same data always gives the same codes. The embedding table of a column
+therefore has ``len(vocabulary) + 2`` rows. Vocabularies are saved as parquet (value, count).
+
+Multi-hot columns (lists of values) share the same scheme per element; a missing list becomes an
+empty list and a missing element becomes 0.
+
+Example::
+
+    ["C1", "C2"] >> Categorify(freq_threshold=3, max_vocab_size=100_000)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from pipeline.etl.ops._columns import as_arrow_lists, as_arrow_strings, frame_like, is_cudf, list_lengths, lists_from_flat
+from pipeline.etl.ops.base import Operator
+
+NULL_INDEX = 0
+OOV_INDEX = 1
+RESERVED = 2
+_SINGLE_REDUCTION_PARTITIONS = 64
+
+
+class Categorify(Operator):
+    """Map each value to its vocabulary code (see the module docstring for the reserved codes).
+
+    ``freq_threshold``: values seen fewer times at fit go to OOV (0 or 1 keeps all).
+    ``max_vocab_size``: keep only the most frequent values (0 keeps all).
+    ``split_out``: partitions of the value counts while reducing; ``None`` lets the size decide
+    (one tree reduction up to 64 input partitions, a shuffle over several partitions beyond, so no
+    single worker holds all counts before the threshold is applied).
+    """
+
+    stateful = True
+
+    def __init__(self, freq_threshold: int = 0, max_vocab_size: int = 0, split_out: int | None = None):
+        if freq_threshold < 0 or max_vocab_size < 0:
+            raise ValueError("Categorify: freq_threshold and max_vocab_size must be >= 0")
+        self.freq_threshold = int(freq_threshold)
+        self.max_vocab_size = int(max_vocab_size)
+        self.split_out = split_out
+        self.vocabularies: dict[str, pa.Array] = {}
+        self.counts: dict[str, np.ndarray] = {}
+        self.multihot: dict[str, bool] = {}
+        self.max_lengths: dict[str, int] = {}
+
+    def cardinality(self, column: str) -> int:
+        """Embedding table size of ``column``: vocabulary plus the reserved codes."""
+        self._require_fitted()
+        return len(self.vocabularies[column]) + RESERVED
+
+    def fit(self, ddf: Any) -> Any:
+        split_out = self.split_out or (1 if ddf.npartitions <= _SINGLE_REDUCTION_PARTITIONS else True)
+        stats = {}
+        for name in ddf.columns:
+            column = ddf[name]
+            if _looks_multihot(column):
+                values = column.map_partitions(_flat_strings, meta=pd.Series([], dtype=pd.ArrowDtype(pa.string())))
+                longest = column.map_partitions(_longest_list, meta=pd.Series([], dtype="int64")).max()
+                stats[name] = {"counts": values.value_counts(split_out=split_out), "max_length": longest}
+            else:
+                stats[name] = {"counts": column.value_counts(split_out=split_out)}
+        return stats
+
+    def fit_finalize(self, stats: Any) -> None:
+        for name, stat in stats.items():
+            counts = stat["counts"]
+            counts = counts.to_pandas() if is_cudf(counts) else counts
+            values = as_arrow_strings(pd.Series(counts.index, name=name))
+            table = pa.table({"value": values, "count": pa.array(counts.to_numpy(dtype="int64"))})
+            self._keep(name, table)
+            self.multihot[name] = "max_length" in stat
+            if self.multihot[name]:
+                self.max_lengths[name] = int(stat["max_length"]) if pd.notna(stat["max_length"]) else 0
+        self._fitted = True
+
+    def _keep(self, name: str, table: pa.Table) -> None:
+        table = table.filter(pc.is_valid(table["value"]))
+        if table.num_rows and pc.count_distinct(table["value"]).as_py() != table.num_rows:
+            table = table.group_by("value").aggregate([("count", "sum")]).rename_columns(["value", "count"])
+        if self.freq_threshold > 1:
+            table = table.filter(pc.greater_equal(table["count"], self.freq_threshold))
+        order = pc.sort_indices(table, sort_keys=[("count", "descending"), ("value", "ascending")])
+        table = table.take(order)
+        if self.max_vocab_size:
+            table = table.slice(0, self.max_vocab_size)
+        self.vocabularies[name] = table["value"].combine_chunks().cast(pa.string())
+        self.counts[name] = table["count"].to_numpy()
+
+    def transform(self, df: Any) -> Any:
+        self._require_fitted()
+        out = {}
+        for name in df.columns:
+            vocab = self.vocabularies[name]
+            if is_cudf(df):
+                out[name] = _encode_cudf(df[name], vocab, self.multihot[name])
+            elif self.multihot[name]:
+                lists = as_arrow_lists(df[name])
+                codes = _encode(pc.list_flatten(lists), vocab)
+                out[name] = lists_from_flat(codes, list_lengths(lists), df.index)
+            else:
+                out[name] = _encode(as_arrow_strings(df[name]), vocab)
+        return frame_like(df, out)
+
+    def get_params(self) -> dict:
+        return {"freq_threshold": self.freq_threshold, "max_vocab_size": self.max_vocab_size, "split_out": self.split_out}
+
+    def get_state(self) -> dict:
+        return {
+            "columns": {
+                name: {
+                    "file": _vocab_file(name),
+                    "size": len(vocab),
+                    "multihot": self.multihot[name],
+                    "max_length": self.max_lengths.get(name, 0),
+                }
+                for name, vocab in self.vocabularies.items()
+            }
+        }
+
+    def save_artifacts(self, directory: Path) -> None:
+        for name, vocab in self.vocabularies.items():
+            path = directory / _vocab_file(name)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            pq.write_table(pa.table({"value": vocab, "count": pa.array(self.counts[name])}), path)
+
+    def set_state(self, state: dict, directory: Path) -> None:
+        for name, info in state["columns"].items():
+            table = pq.read_table(directory / info["file"])
+            if table.num_rows != info["size"]:
+                raise ValueError(f"vocabulary of {name}: expected {info['size']} values, the file has {table.num_rows}")
+            self.vocabularies[name] = table["value"].combine_chunks().cast(pa.string())
+            self.counts[name] = table["count"].to_numpy()
+            self.multihot[name] = info["multihot"]
+            if info["multihot"]:
+                self.max_lengths[name] = info["max_length"]
+        self._fitted = True
+
+
+def _encode(values: pa.Array, vocab: pa.Array) -> np.ndarray:
+    found = pc.index_in(values, value_set=vocab)
+    codes = pc.if_else(pc.is_null(values), NULL_INDEX, pc.if_else(pc.is_null(found), OOV_INDEX, pc.add(found, RESERVED)))
+    return codes.to_numpy(zero_copy_only=False).astype(np.int32)
+
+
+def _encode_cudf(series: Any, vocab: pa.Array, multihot: bool) -> Any:
+    """The cuDF path: ``Index.get_indexer`` on the GPU (single-valued columns only, for now)."""
+    if multihot:
+        raise NotImplementedError(f"Categorify of the multi-hot column {series.name!r} on cuDF is not built yet; use --device cpu")
+    import cudf
+
+    index = cudf.Index(cudf.Series.from_arrow(vocab))
+    values = series.astype("str")
+    found = cudf.Series(index.get_indexer(values), index=values.index)
+    return (found + RESERVED).where(found >= 0, OOV_INDEX).where(values.notna(), NULL_INDEX).astype("int32")
+
+
+def _vocab_file(name: str) -> str:
+    return f"categories/{quote(name, safe='')}.parquet"
+
+
+def _looks_multihot(column: Any) -> bool:
+    dtype = column.dtype
+    if isinstance(dtype, pd.ArrowDtype):
+        return pa.types.is_list(dtype.pyarrow_dtype) or pa.types.is_large_list(dtype.pyarrow_dtype)
+    if type(dtype).__name__ == "ListDtype":
+        return True
+    if dtype == object:
+        sample = column.head(50, npartitions=-1, compute=True).dropna()
+        return len(sample) > 0 and isinstance(sample.iloc[0], (list, tuple, np.ndarray))
+    return False
+
+
+def _flat_strings(series: pd.Series) -> pd.Series:
+    flat = pc.list_flatten(as_arrow_lists(series))
+    return pd.Series(pd.arrays.ArrowExtensionArray(flat.cast(pa.string())), name=series.name)
+
+
+def _longest_list(series: pd.Series) -> pd.Series:
+    lengths = list_lengths(as_arrow_lists(series))
+    return pd.Series([int(lengths.max(initial=0))], dtype="int64")

@@ -1,0 +1,187 @@
+"""Operators on numeric columns: FillMissing, Clip, LogOp, Normalize, Bucketize, Cast.
+
+Each takes numbers of any numeric dtype (nullable, arrow-backed or plain) and returns float64
+(FillMissing, Clip, LogOp), float32 (Normalize) or int32 (Bucketize). The usual chain is::
+
+    ["I1", "I2"] >> FillMissing() >> Clip(min_value=0) >> LogOp() >> Normalize()
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from pipeline.etl.ops._columns import as_float64, frame_like, is_cudf
+from pipeline.etl.ops.base import Operator
+
+
+def _map_columns(df: Any, fn, dtype: str | None = None) -> Any:
+    out = {}
+    for name in df.columns:
+        values = fn(name, as_float64(df[name]))
+        out[name] = values.astype(dtype) if dtype else values
+    return frame_like(df, out)
+
+
+class FillMissing(Operator):
+    """Replace missing values by a constant (``fill_value``, default 0) or by each column's median.
+
+    ``strategy="median"`` computes an approximate median with Dask's per-partition percentiles
+    (exact when the data is one partition), so it needs a fit. Output is float64.
+
+    Example: ``["I1"] >> FillMissing()`` or ``["I1"] >> FillMissing(strategy="median")``.
+    """
+
+    def __init__(self, fill_value: float = 0.0, strategy: str = "constant"):
+        if strategy not in ("constant", "median"):
+            raise ValueError(f"FillMissing: strategy must be constant or median, got {strategy!r}")
+        self.fill_value = float(fill_value)
+        self.strategy = strategy
+        self.fill_values: dict[str, float] = {}
+
+    @property
+    def stateful(self) -> bool:  # type: ignore[override]
+        return self.strategy == "median"
+
+    def fit(self, ddf: Any) -> Any:
+        floats = ddf.map_partitions(lambda df: _map_columns(df, lambda _, v: v), meta=_float_meta(ddf))
+        return {name: floats[name].quantile(0.5) for name in ddf.columns}
+
+    def fit_finalize(self, stats: Any) -> None:
+        self.fill_values = {name: float(v) for name, v in stats.items()}
+        self._fitted = True
+
+    def transform(self, df: Any) -> Any:
+        if self.strategy == "median":
+            self._require_fitted()
+        return _map_columns(df, lambda name, v: _fillna(v, self.fill_values.get(name, self.fill_value)))
+
+    def get_params(self) -> dict:
+        return {"fill_value": self.fill_value, "strategy": self.strategy}
+
+    def get_state(self) -> dict:
+        return {"fill_values": self.fill_values}
+
+    def set_state(self, state: dict, directory) -> None:
+        self.fill_values = dict(state["fill_values"])
+        self._fitted = True
+
+
+class Clip(Operator):
+    """Limit values to ``[min_value, max_value]`` (either may be None); missing values stay missing."""
+
+    def __init__(self, min_value: float | None = None, max_value: float | None = None):
+        if min_value is None and max_value is None:
+            raise ValueError("Clip: give min_value, max_value or both")
+        self.min_value = min_value
+        self.max_value = max_value
+
+    def transform(self, df: Any) -> Any:
+        return _map_columns(df, lambda _, v: v.clip(self.min_value, self.max_value))
+
+    def get_params(self) -> dict:
+        return {"min_value": self.min_value, "max_value": self.max_value}
+
+
+class LogOp(Operator):
+    """``log1p(x)``: tames heavy-tailed counts. Clip to ``min_value=0`` first: below -1 gives NaN."""
+
+    def transform(self, df: Any) -> Any:
+        return _map_columns(df, lambda _, v: np.log1p(v))
+
+
+class Normalize(Operator):
+    """``(x - mean) / std`` with mean and (sample, ddof=1) std from fit; output float32.
+
+    A constant column (std 0 or undefined) is only centred. Missing values stay NaN, so put
+    FillMissing first when the output must have none.
+    """
+
+    stateful = True
+
+    def __init__(self) -> None:
+        self.means: dict[str, float] = {}
+        self.stds: dict[str, float] = {}
+
+    def fit(self, ddf: Any) -> Any:
+        floats = ddf.map_partitions(lambda df: _map_columns(df, lambda _, v: v), meta=_float_meta(ddf))
+        return {"mean": floats.mean(), "std": floats.std()}
+
+    def fit_finalize(self, stats: Any) -> None:
+        self.means = {k: float(v) for k, v in _to_dict(stats["mean"]).items()}
+        self.stds = {k: float(v) for k, v in _to_dict(stats["std"]).items()}
+        self._fitted = True
+
+    def transform(self, df: Any) -> Any:
+        self._require_fitted()
+
+        def scale(name: str, v: Any) -> Any:
+            std = self.stds[name]
+            std = std if np.isfinite(std) and std > 0 else 1.0
+            return (v - self.means[name]) / std
+
+        return _map_columns(df, scale, dtype="float32")
+
+    def get_state(self) -> dict:
+        return {"means": self.means, "stds": self.stds}
+
+    def set_state(self, state: dict, directory) -> None:
+        self.means = dict(state["means"])
+        self.stds = dict(state["stds"])
+        self._fitted = True
+
+
+class Bucketize(Operator):
+    """Bucket index of each value for sorted ``boundaries``: ``i`` such that ``b[i-1] <= x < b[i]``.
+
+    Output int32 in ``0..len(boundaries)`` (numpy's ``digitize``). Missing values land in the last
+    bucket; put FillMissing first to choose otherwise.
+
+    Example: ``["age"] >> Bucketize([18, 30, 50])`` maps 17 -> 0, 18 -> 1, 64 -> 3.
+    """
+
+    def __init__(self, boundaries: list[float]):
+        self.boundaries = [float(b) for b in boundaries]
+        if not self.boundaries or sorted(self.boundaries) != self.boundaries:
+            raise ValueError(f"Bucketize: boundaries must be a non-empty increasing list, got {boundaries}")
+
+    def transform(self, df: Any) -> Any:
+        def digitize(_: str, v: Any) -> Any:
+            if is_cudf(v):
+                return v.digitize(self.boundaries)
+            return np.digitize(v, self.boundaries)
+
+        return _map_columns(df, digitize, dtype="int32")
+
+    def get_params(self) -> dict:
+        return {"boundaries": self.boundaries}
+
+
+class Cast(Operator):
+    """Convert to a numeric dtype (e.g. the label to float32); missing values become NaN."""
+
+    def __init__(self, dtype: str):
+        np.dtype(dtype)
+        self.dtype = dtype
+
+    def transform(self, df: Any) -> Any:
+        return _map_columns(df, lambda _, v: v, dtype=self.dtype)
+
+    def get_params(self) -> dict:
+        return {"dtype": self.dtype}
+
+
+def _fillna(values: Any, fill: float) -> Any:
+    if is_cudf(values):
+        return values.fillna(fill)
+    return np.where(np.isnan(values), fill, values)
+
+
+def _float_meta(ddf: Any) -> Any:
+    meta = ddf._meta
+    return frame_like(meta, {name: as_float64(meta[name]) for name in meta.columns})
+
+
+def _to_dict(series: Any) -> dict:
+    return series.to_pandas().to_dict() if is_cudf(series) else series.to_dict()

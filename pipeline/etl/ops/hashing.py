@@ -1,0 +1,103 @@
+"""HashBucket and HashedCross: categorical values to buckets without a vocabulary.
+
+The hash is MurmurHash3_x86_32 (seed 0) of each value's bytes (UTF-8 for strings, 8 little-endian
+bytes for integers), folded into a row hash the way libcudf does (see :mod:`.murmur`), so the
+buckets equal those from ``cudf.DataFrame.hash_values(method="murmur3")``. Code 0 is reserved for
+missing values; a value goes to ``1 + row_hash % num_buckets``, so the table has
+``num_buckets + 1`` rows.
+
+Example::
+
+    ["C3"] >> HashBucket(1_000_000)
+    ["C1", "C2"] >> HashedCross(100_000)      # one new column "C1_C2"
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from pipeline.errors import BadInputError
+from pipeline.etl.ops._columns import integral_floats, as_arrow, frame_like, is_cudf
+from pipeline.etl.ops.base import Operator
+from pipeline.etl.ops.murmur import combine_row_hashes, murmur3_int64, murmur3_strings
+
+NULL_INDEX = 0
+
+
+class HashBucket(Operator):
+    """Hash each column separately into ``num_buckets`` buckets (codes ``1..num_buckets``, 0 = missing)."""
+
+    def __init__(self, num_buckets: int):
+        if int(num_buckets) < 1:
+            raise ValueError(f"HashBucket: num_buckets must be >= 1, got {num_buckets}")
+        self.num_buckets = int(num_buckets)
+
+    def cardinality(self, column: str) -> int:
+        return self.num_buckets + 1
+
+    def transform(self, df: Any) -> Any:
+        return frame_like(df, {name: _bucket(df, [name], self.num_buckets) for name in df.columns})
+
+    def get_params(self) -> dict:
+        return {"num_buckets": self.num_buckets}
+
+
+class HashedCross(Operator):
+    """Hash the combination of two or more columns into one new column ``"A_B[_C...]"``.
+
+    A row with any of its inputs missing gets code 0.
+    """
+
+    def __init__(self, num_buckets: int):
+        if int(num_buckets) < 1:
+            raise ValueError(f"HashedCross: num_buckets must be >= 1, got {num_buckets}")
+        self.num_buckets = int(num_buckets)
+
+    def output_columns(self, columns: list[str]) -> list[str]:
+        if len(columns) < 2:
+            raise ValueError(f"HashedCross needs two or more columns, got {columns}")
+        return ["_".join(columns)]
+
+    def cardinality(self, column: str) -> int:
+        return self.num_buckets + 1
+
+    def transform(self, df: Any) -> Any:
+        names = list(df.columns)
+        return frame_like(df, {"_".join(names): _bucket(df, names, self.num_buckets)})
+
+    def get_params(self) -> dict:
+        return {"num_buckets": self.num_buckets}
+
+
+def _bucket(df: Any, names: list[str], num_buckets: int) -> Any:
+    if is_cudf(df):
+        row = df[names].hash_values(method="murmur3", seed=0)
+        codes = (row % num_buckets + 1).astype("int32")
+        missing = df[names].isna().any(axis=1)
+        return codes.where(~missing, NULL_INDEX)
+    hashes, missing = [], np.zeros(len(df), dtype=bool)
+    for name in names:
+        values = as_arrow(df[name])
+        missing |= values.is_null().to_numpy(zero_copy_only=False)
+        hashes.append(_murmur3_column(values, name))
+    if not names or len(df) == 0:
+        return np.zeros(len(df), dtype=np.int32)
+    row = combine_row_hashes(hashes)
+    codes = (row % np.uint32(num_buckets)).astype(np.int64) + 1
+    return np.where(missing, NULL_INDEX, codes).astype(np.int32)
+
+
+def _murmur3_column(values: pa.Array, name: str) -> np.ndarray:
+    kind = values.type
+    if pa.types.is_dictionary(kind):
+        values, kind = values.cast(kind.value_type), kind.value_type
+    if pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_null(kind):
+        return murmur3_strings(values.cast(pa.large_string()))
+    if pa.types.is_floating(kind):
+        values, kind = integral_floats(values, name), pa.int64()
+    if pa.types.is_integer(kind):
+        return murmur3_int64(values.fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64))
+    raise BadInputError(f"column {name!r}: hashing expects strings or integers, found {kind}")

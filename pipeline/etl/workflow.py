@@ -1,0 +1,258 @@
+"""Workflow: fit an operator graph on a Dask DataFrame, transform data, save and load it.
+
+``fit`` computes the statistics of every stateful operator with Dask reductions, in phases (an
+operator whose input comes out of another stateful operator waits for it); all operators of one
+phase are computed together in one ``dask.compute``. ``transform`` maps partitions, and also takes
+a plain pandas DataFrame: this is the serving entry point (raw request rows in, model features out;
+unseen values -> OOV, missing -> the null code or the fill value)::
+
+    workflow = Workflow.load("data/synthetic/workflow")
+    features = workflow.transform(pandas_rows)      # a pandas DataFrame
+
+A saved workflow is ``workflow.json`` (graph, operator parameters and statistics, a format
+version) plus parquet vocabularies under ``ops/<node>/``; nothing is pickled, and loading checks
+the version.
+
+Example::
+
+    cats = ["C1", "C2"] >> Categorify(freq_threshold=2)
+    conts = ["I1"] >> FillMissing() >> Clip(min_value=0) >> LogOp() >> Normalize()
+    workflow = Workflow(cats + conts + (["label"] >> Cast("float32")))
+    train = workflow.fit_transform(dd.read_parquet("raw/train"))
+    workflow.save("workflow/")
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from pipeline.errors import BadInputError, UserError
+from pipeline.etl.backend import check_backend, read_parquet
+from pipeline.etl.graph import ColumnsLike, Node
+from pipeline.etl.ops._columns import as_arrow_lists, frame_like
+from pipeline.etl.ops.base import REGISTRY, Operator
+
+WORKFLOW_FORMAT = "pipeline.etl.Workflow"
+WORKFLOW_VERSION = 1
+
+
+class WorkflowVersionError(UserError):
+    """A saved workflow written by an incompatible version of this code."""
+
+
+class Workflow:
+    """An operator graph, its fitted statistics, and the backend it reads with."""
+
+    def __init__(self, output: ColumnsLike, backend: str = "pandas"):
+        self.output = Node.of(output)
+        self.backend = check_backend(backend) if backend != "pandas" else backend
+        self._nodes = list(self.output.walk())
+
+    @property
+    def input_columns(self) -> list[str]:
+        """The raw columns the workflow reads."""
+        return self.output.raw_columns()
+
+    @property
+    def output_columns(self) -> list[str]:
+        return list(self.output.output_columns)
+
+    @property
+    def fitted(self) -> bool:
+        return all(n.op.fitted for n in self._nodes if n.op)
+
+    def operators(self) -> list[tuple[Operator, list[str]]]:
+        """Each operator with the input columns it works on, in graph order."""
+        return [(n.op, n.input_columns) for n in self._nodes if n.op]
+
+    def producers(self) -> dict[str, Operator]:
+        """For each output column, the last operator that made it (absent for passed-through columns)."""
+        found: dict[str, Operator] = {}
+
+        def visit(node: Node, column: str) -> Operator | None:
+            if node.op is not None:
+                return node.op
+            for parent in node.parents:
+                if column in parent.output_columns:
+                    return visit(parent, column)
+            return None
+
+        for column in self.output_columns:
+            op = visit(self.output, column)
+            if op is not None:
+                found[column] = op
+        return found
+
+    def fit(self, data: Any) -> "Workflow":
+        """Compute every operator's statistics from ``data`` (Dask or pandas DataFrame, or parquet path)."""
+        import dask
+
+        ddf = self._as_dask(data)
+        self._check_columns(ddf.columns, "the data to fit")
+        pending = [n for n in self._nodes if n.op and n.op.stateful]
+        for node in pending:
+            node.op._fitted = False
+        while pending:
+            ready = [n for n in pending if all(a.op.fitted for a in n.walk() if a.op and a is not n)]
+            lazy = [n.op.fit(self._lazy_input(ddf, n)) for n in ready]
+            computed = dask.compute(*lazy)
+            for node, stats in zip(ready, computed):
+                node.op.fit_finalize(stats)
+            pending = [n for n in pending if n not in ready]
+        return self
+
+    def transform(self, data: Any) -> Any:
+        """Transform a pandas DataFrame (returns pandas) or a Dask DataFrame / parquet path (returns Dask)."""
+        self._require_fitted()
+        if isinstance(data, pd.DataFrame) or type(data).__module__.split(".")[0] == "cudf":
+            self._check_columns(data.columns, "the rows to transform")
+            return self._evaluate(data, self.output)
+        ddf = self._as_dask(data)
+        self._check_columns(ddf.columns, "the data to transform")
+        ddf = ddf[self.input_columns]
+        meta = self._evaluate(ddf._meta, self.output)
+        return ddf.map_partitions(self._evaluate, self.output, meta=meta, enforce_metadata=False)
+
+    def fit_transform(self, data: Any) -> Any:
+        ddf = self._as_dask(data) if not isinstance(data, pd.DataFrame) else data
+        return self.fit(ddf).transform(ddf)
+
+    def _as_dask(self, data: Any) -> Any:
+        import dask.dataframe as dd
+
+        if isinstance(data, (str, Path, list)):
+            return read_parquet(data, None, self.backend)
+        if isinstance(data, pd.DataFrame):
+            return dd.from_pandas(_lists_as_arrow(data), npartitions=1)
+        if hasattr(data, "map_partitions") and hasattr(data, "npartitions"):
+            return data
+        raise TypeError(f"expected a Dask or pandas DataFrame or a parquet path, got {type(data).__name__}")
+
+    def _check_columns(self, columns: Any, what: str) -> None:
+        missing = [c for c in self.input_columns if c not in set(columns)]
+        if missing:
+            raise BadInputError(
+                f"{what}: expected the columns {self.input_columns}; missing {missing}; found {list(columns)}"
+            )
+
+    def _require_fitted(self) -> None:
+        unfitted = [repr(n.op) for n in self._nodes if n.op and not n.op.fitted]
+        if unfitted:
+            raise RuntimeError(f"the workflow is not fitted ({', '.join(unfitted)}): call fit first")
+
+    def _lazy_input(self, ddf: Any, node: Node) -> Any:
+        if all(p.is_selection for p in node.parents):
+            return ddf[node.input_columns]
+        inputs = Node(node.parents)
+        source = ddf[inputs.raw_columns()]
+        meta = self._evaluate(source._meta, inputs)
+        return source.map_partitions(self._evaluate, inputs, meta=meta, enforce_metadata=False)
+
+    @staticmethod
+    def _evaluate(df: Any, output: Node) -> Any:
+        """Run the graph up to ``output`` on one partition."""
+        results: dict[int, Any] = {}
+        for node in output.walk():
+            if node.is_selection:
+                results[id(node)] = df[node.output_columns]
+                continue
+            columns = {}
+            for parent in node.parents:
+                frame = results[id(parent)]
+                for name in parent.output_columns:
+                    columns[name] = frame[name]
+            frame = frame_like(df, columns)
+            results[id(node)] = node.op.transform(frame) if node.op else frame
+        return results[id(output)][output.output_columns]
+
+    def save(self, path: str | Path) -> Path:
+        """Write the fitted workflow to the folder ``path`` (replaced if it exists)."""
+        self._require_fitted()
+        path = Path(path)
+        ids = {id(n): i for i, n in enumerate(self._nodes)}
+        nodes = []
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+        try:
+            for i, node in enumerate(self._nodes):
+                entry: dict[str, Any] = {"id": i, "parents": [ids[id(p)] for p in node.parents]}
+                if node.is_selection:
+                    entry["columns"] = node.output_columns
+                elif node.op is not None:
+                    directory = f"ops/{i}"
+                    entry["op"] = {
+                        "type": type(node.op).__name__,
+                        "params": node.op.get_params(),
+                        "state": node.op.get_state(),
+                        "dir": directory,
+                    }
+                    node.op.save_artifacts(staging / directory)
+                nodes.append(entry)
+            record = {
+                "format": WORKFLOW_FORMAT,
+                "version": WORKFLOW_VERSION,
+                "backend": self.backend,
+                "input_columns": self.input_columns,
+                "output_columns": self.output_columns,
+                "output": ids[id(self.output)],
+                "nodes": nodes,
+            }
+            (staging / "workflow.json").write_text(json.dumps(record, indent=1) + "\n")
+            if path.exists():
+                shutil.rmtree(path)
+            staging.rename(path)
+        finally:
+            if staging.exists():
+                shutil.rmtree(staging)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path, backend: str | None = None) -> "Workflow":
+        """Read a workflow saved by :meth:`save`; ``backend`` overrides the saved one."""
+        path = Path(path)
+        record_path = path / "workflow.json"
+        if not record_path.is_file():
+            raise FileNotFoundError(f"no saved workflow at {path} (expected {record_path}): run the ETL first")
+        record = json.loads(record_path.read_text())
+        if record.get("format") != WORKFLOW_FORMAT or record.get("version") != WORKFLOW_VERSION:
+            raise WorkflowVersionError(
+                f"{record_path}: expected {WORKFLOW_FORMAT} version {WORKFLOW_VERSION}, found "
+                f"{record.get('format')} version {record.get('version')}; rerun the ETL to write it again"
+            )
+        built: dict[int, Node] = {}
+        for entry in record["nodes"]:
+            parents = [built[i] for i in entry["parents"]]
+            if "columns" in entry:
+                built[entry["id"]] = Node(columns=entry["columns"])
+            elif "op" in entry:
+                spec = entry["op"]
+                if spec["type"] not in REGISTRY:
+                    raise WorkflowVersionError(f"{record_path}: unknown operator {spec['type']!r}")
+                op = REGISTRY[spec["type"]](**spec["params"])
+                op.set_state(spec["state"], path / spec["dir"])
+                built[entry["id"]] = Node(parents, op=op)
+            else:
+                built[entry["id"]] = Node(parents)
+        return cls(built[record["output"]], backend=backend or record["backend"])
+
+    def __repr__(self) -> str:
+        ops = " ; ".join(f"{cols} >> {op!r}" for op, cols in self.operators())
+        return f"Workflow({ops} -> {self.output_columns})"
+
+
+def _lists_as_arrow(df: pd.DataFrame) -> pd.DataFrame:
+    """Object columns of lists as arrow list columns, which Dask keeps as lists (it turns objects into text)."""
+    converted = {}
+    for name in df.columns:
+        if df[name].dtype == object:
+            sample = df[name].dropna()
+            if len(sample) and isinstance(sample.iloc[0], (list, tuple, np.ndarray)):
+                converted[name] = pd.Series(pd.arrays.ArrowExtensionArray(as_arrow_lists(df[name])), index=df.index)
+    return df.assign(**converted) if converted else df
