@@ -16,6 +16,12 @@ class DataConfig:
 
     source: str = field(default="synthetic", metadata={"help": "synthetic | criteo | table"})
     path: str = field(default="", metadata={"help": "input file, folder or glob (criteo and table sources)"})
+    valid_path: str = field(
+        default="", metadata={"help": "criteo / table: file(s) for the validation split (then not carved from path)"}
+    )
+    test_path: str = field(
+        default="", metadata={"help": "criteo / table: file(s) for the test split (then not carved from path)"}
+    )
     name: str = field(default="", metadata={"help": "dataset folder under workdir (default: the source's name)"})
     rows: int = field(default=1_000_000, metadata={"help": "synthetic: rows in all splits together"})
     size: float = field(
@@ -34,6 +40,7 @@ class DataConfig:
     multihot: list[str] = field(
         default_factory=list, metadata={"help": "table: list-valued categorical columns (multi-hot)"}
     )
+    ignore: list[str] = field(default_factory=list, metadata={"help": "table: columns of the input to drop"})
     list_separator: str = field(default="|", metadata={"help": "table, CSV/TSV: separator inside a multi-hot cell"})
 
     def __post_init__(self) -> None:
@@ -43,6 +50,12 @@ class DataConfig:
             raise ValueError(f"data.on_bad_lines: expected error or skip, got {self.on_bad_lines!r}")
         if self.source != "synthetic" and not self.path:
             raise ValueError(f"data.path is required for data.source={self.source}")
+        if self.rows <= 0 or self.chunk_rows <= 0:
+            raise ValueError(f"data.rows and data.chunk_rows must be positive, got {self.rows} and {self.chunk_rows}")
+        if self.size <= 0:
+            raise ValueError(f"data.size must be positive, got {self.size}")
+        if not self.list_separator:
+            raise ValueError("data.list_separator must not be empty")
         if not 0 <= self.valid_fraction < 1 or not 0 <= self.test_fraction < 1:
             raise ValueError("data.valid_fraction and data.test_fraction must be in [0, 1)")
         if self.valid_fraction + self.test_fraction >= 1:

@@ -1,0 +1,154 @@
+"""The raw layout: what the data stage writes and the ETL reads.
+
+::
+
+    <raw>/train/part-00000.parquet ...   label int8; continuous int64 or float64 (nulls);
+    <raw>/valid/part-00000.parquet ...   categorical string (nulls); multi-hot list<string>
+    <raw>/test/part-00000.parquet ...
+    <raw>/meta.json                      {"version": 1, "source", "params", "label", "continuous",
+                                          "categorical", "multihot", "rows": {"train", "valid", "test"}}
+    <raw>/oracle.json                    synthetic only: AUC / logloss of the true probabilities per split
+    <raw>/ingest_report.json             criteo / table only: rows read, kept, malformed (with examples)
+
+``meta.json`` is written last, so a folder without it is unfinished. Cardinalities are not part of
+it: the ETL computes them.
+
+Example::
+
+    raw = RawDataset.load("data/synthetic/raw")
+    raw.splits["train"]     # [Path(".../train/part-00000.parquet"), ...]
+    raw.oracle["test"]      # {"rows": ..., "positive_rate": ..., "auc": ..., "logloss": ...}
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.errors import BadInputError
+
+RAW_VERSION = 1
+SPLITS = ("train", "valid", "test")
+META = "meta.json"
+ORACLE = "oracle.json"
+INGEST_REPORT = "ingest_report.json"
+
+
+@dataclass
+class RawDataset:
+    """A finished raw folder: column roles, the parquet parts of each split, and the oracle if any."""
+
+    root: Path
+    label: str
+    continuous: list[str]
+    categorical: list[str]
+    multihot: list[str]
+    splits: dict[str, list[Path]]
+    rows: dict[str, int]
+    source: str
+    params: dict = field(default_factory=dict)
+    oracle: dict | None = None
+
+    @property
+    def columns(self) -> list[str]:
+        return [self.label, *self.continuous, *self.categorical, *self.multihot]
+
+    @classmethod
+    def load(cls, root: str | Path) -> "RawDataset":
+        root = Path(root)
+        meta = read_meta(root)
+        if meta is None:
+            raise BadInputError(f"no finished raw data in {root}: expected {root / META}; run `python -m pipeline data`")
+        oracle_path = root / ORACLE
+        return cls(
+            root=root,
+            label=meta["label"],
+            continuous=list(meta["continuous"]),
+            categorical=list(meta["categorical"]),
+            multihot=list(meta["multihot"]),
+            splits={s: sorted((root / s).glob("part-*.parquet")) for s in SPLITS},
+            rows={s: int(meta["rows"].get(s, 0)) for s in SPLITS},
+            source=meta["source"],
+            params=meta["params"],
+            oracle=json.loads(oracle_path.read_text()) if oracle_path.is_file() else None,
+        )
+
+
+def read_meta(root: Path) -> dict | None:
+    """``meta.json`` of a raw folder, or ``None`` when absent or of another layout version."""
+    path = Path(root) / META
+    if not path.is_file():
+        return None
+    try:
+        meta = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None
+    return meta if meta.get("version") == RAW_VERSION else None
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Write JSON atomically (a reader never sees half a file)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def clear(root: Path) -> None:
+    """Remove what an earlier run left in a raw folder (meta first, so it reads as unfinished)."""
+    root.mkdir(parents=True, exist_ok=True)
+    for name in (META, ORACLE, INGEST_REPORT):
+        (root / name).unlink(missing_ok=True)
+    for split in SPLITS:
+        shutil.rmtree(root / split, ignore_errors=True)
+
+
+class PartWriter:
+    """Writes one split's tables as parquet parts of about ``part_rows`` rows each.
+
+    Parts are named ``<prefix>-00000.parquet`` ...; :func:`number_parts` renames them to the final
+    ``part-00000.parquet`` ... once every writer of the split is done.
+    """
+
+    def __init__(self, folder: Path, part_rows: int, prefix: str = "part") -> None:
+        self.folder = folder
+        self.part_rows = part_rows
+        self.prefix = prefix
+        self.rows = 0
+        self._parts = 0
+        self._writer: pq.ParquetWriter | None = None
+        self._rows_in_part = 0
+        folder.mkdir(parents=True, exist_ok=True)
+
+    def write(self, table: pa.Table) -> None:
+        if table.num_rows == 0:
+            return
+        if self._writer is None:
+            path = self.folder / f"{self.prefix}-{self._parts:05d}.parquet"
+            self._writer = pq.ParquetWriter(path, table.schema)
+            self._parts += 1
+        self._writer.write_table(table, row_group_size=self.part_rows)
+        self.rows += table.num_rows
+        self._rows_in_part += table.num_rows
+        if self._rows_in_part >= self.part_rows:
+            self._close_part()
+
+    def close(self) -> None:
+        self._close_part()
+
+    def _close_part(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        self._writer = None
+        self._rows_in_part = 0
+
+
+def number_parts(folder: Path) -> list[Path]:
+    """Rename every ``*.parquet`` in ``folder`` (sorted) to ``part-00000.parquet`` ... in that order."""
+    current = sorted(folder.glob("*.parquet"))
+    staged = [p.rename(p.with_name(f".staged-{i:05d}.parquet")) for i, p in enumerate(current)]
+    return [p.rename(p.with_name(f"part-{i:05d}.parquet")) for i, p in enumerate(staged)]

@@ -1,0 +1,636 @@
+"""Readers: real Criteo logs and any CSV / TSV / parquet table, into the raw layout.
+
+* ``criteo``: TSV without a header, ``label, I1..I13, C1..C26``; an empty field is missing; ``.gz``
+  (and other compressions Arrow detects from the suffix) too.
+* ``table``: CSV (``,``), TSV (``.tsv``, ``.tab``, ``.txt``: tab) with a header line, or parquet, with
+  the column roles of the settings (``data.label``, ``data.continuous``, ``data.categorical``,
+  ``data.multihot``; columns to drop in ``data.ignore``). A multi-hot cell of a text file is split on
+  ``data.list_separator``; in parquet it is a list column.
+
+Text is read in blocks of whole lines (about ``data.chunk_rows`` rows) and parsed by ``pyarrow.csv``
+with every column as text, then checked and converted column by column, so one bad row never
+takes its block down and every bad row is counted with its line number. Malformed rows are rows
+with the wrong number of fields (empty lines included), broken UTF-8, a non-number in a numeric
+column, or a label other than 0/1. ``data.on_bad_lines=error`` (the default) stops at the first
+block that has any and raises a :class:`~pipeline.errors.BadInputError` naming them; ``skip`` drops
+them. Either way they are counted, with examples, in ``ingest_report.json``. Several input files
+are read in parallel as Dask tasks, one per file.
+
+Rows go to train / valid / test by a hash of ``(seed, file, line)`` against ``data.valid_fraction``
+and ``data.test_fraction``, unless ``data.valid_path`` / ``data.test_path`` name their own files.
+
+Example::
+
+    roles = criteo_roles()
+    for table, lines in read_criteo("day_0.gz", chunk_rows=100_000, report=FileReport("day_0.gz")):
+        ...  # table: label int8, I1..I13 int64, C1..C26 string; lines: their line numbers
+"""
+
+from __future__ import annotations
+
+import csv
+import glob
+import io
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+
+from pipeline.data import layout
+from pipeline.data.config import DataConfig
+from pipeline.errors import BadInputError
+
+READER_VERSION = 1
+CRITEO_CONTINUOUS = [f"I{i}" for i in range(1, 14)]
+CRITEO_CATEGORICAL = [f"C{i}" for i in range(1, 27)]
+EXAMPLES = 20
+"""How many malformed rows are kept as examples (per file, and in the report)."""
+
+_TEXT_SUFFIXES = {".csv": ",", ".tsv": "\t", ".tab": "\t", ".txt": "\t"}
+_PARQUET_SUFFIXES = {".parquet", ".pq"}
+_COMPRESSION_SUFFIXES = {".gz", ".bz2", ".zst", ".lz4"}
+_BYTES_PER_ROW_GUESS = 200
+_INT_PATTERN = r"^-?[0-9]{1,18}$"
+_FLOAT_PATTERN = r"^[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?$"
+_NAN_PATTERN = r"^[+-]?(nan|NaN|NAN)$"
+_LABEL_PATTERN = r"^[01](\.0*)?$"
+
+
+@dataclass
+class Roles:
+    """Which column is the label and which are features of each kind."""
+
+    label: str
+    continuous: list[str]
+    categorical: list[str]
+    multihot: list[str] = field(default_factory=list)
+    ignore: list[str] = field(default_factory=list)
+
+    @property
+    def columns(self) -> list[str]:
+        return [self.label, *self.continuous, *self.categorical, *self.multihot]
+
+    def check_against(self, found: list[str], where: str) -> None:
+        """Raise a :class:`BadInputError` if declared columns are absent or the file has undeclared ones."""
+        missing = [c for c in self.columns if c not in found]
+        if missing:
+            raise BadInputError(f"{where}: declared column(s) {missing} not found; the file has columns {found}")
+        unknown = [c for c in found if c not in self.columns and c not in self.ignore]
+        if unknown:
+            raise BadInputError(
+                f"{where}: column(s) {unknown} have no role; expected only {self.columns}. Declare them in "
+                "data.continuous / data.categorical / data.multihot, or drop them with data.ignore"
+            )
+
+
+def criteo_roles() -> Roles:
+    """Criteo's columns: label, I1..I13, C1..C26."""
+    return Roles("label", list(CRITEO_CONTINUOUS), list(CRITEO_CATEGORICAL))
+
+
+def table_roles(d: DataConfig) -> Roles:
+    """The roles declared in the settings; a clear error when they are unusable."""
+    roles = Roles(d.label, list(d.continuous), list(d.categorical), list(d.multihot), list(d.ignore))
+    if not (roles.continuous or roles.categorical or roles.multihot):
+        raise BadInputError("data.source=table needs column roles: set data.continuous, data.categorical "
+                            "and/or data.multihot (and data.label), e.g. data.categorical=user,item")
+    names = roles.columns + roles.ignore
+    repeated = sorted({c for c in names if names.count(c) > 1})
+    if repeated:
+        raise BadInputError(f"column(s) {repeated} are given more than one role")
+    return roles
+
+
+@dataclass
+class FileReport:
+    """What reading one input file found."""
+
+    file: str
+    rows_read: int = 0
+    rows_kept: int = 0
+    bad: dict[str, int] = field(default_factory=dict)
+    examples: list[dict] = field(default_factory=list)
+    stopped_at_line: int | None = None
+
+    @property
+    def bad_rows(self) -> int:
+        return sum(self.bad.values())
+
+    def add_bad(self, line: int, kind: str, reason: str, excerpt: bytes | str) -> None:
+        self.bad[kind] = self.bad.get(kind, 0) + 1
+        if len(self.examples) < EXAMPLES:
+            if isinstance(excerpt, bytes):
+                excerpt = excerpt.decode("utf-8", errors="backslashreplace")
+            excerpt = excerpt if len(excerpt) <= 100 else excerpt[:97] + "..."
+            self.examples.append({"file": self.file, "line": line, "reason": reason, "excerpt": excerpt})
+
+
+# ----------------------------------------------------------------------------------------- readers
+
+
+def read_criteo(path: str | Path, chunk_rows: int, report: FileReport, stop_on_bad: bool = False
+                ) -> Iterator[tuple[pa.Table, np.ndarray]]:
+    """Valid rows of a Criteo TSV (plain or compressed) as typed tables, with their line numbers.
+
+    Malformed rows go to ``report``; with ``stop_on_bad`` reading ends after the first block that
+    has any (``report.stopped_at_line`` says where).
+    """
+    roles = criteo_roles()
+    kinds = _kinds(roles, integer_continuous=True)
+    yield from _read_text(Path(path), roles.columns, kinds, "\t", False, False, chunk_rows, report, stop_on_bad, "|")
+
+
+def read_table(path: str | Path, roles: Roles, chunk_rows: int, report: FileReport, stop_on_bad: bool = False,
+               list_separator: str = "|") -> Iterator[tuple[pa.Table, np.ndarray]]:
+    """Valid rows of a CSV / TSV / parquet table as typed tables, with their line (or row) numbers.
+
+    Text: the first line names the columns; continuous columns become float64. Parquet: integer
+    columns stay int64, floating ones float64; integer categorical columns become strings.
+    """
+    path = Path(path)
+    fmt = _table_format(path)
+    if fmt == "parquet":
+        yield from _read_parquet(path, roles, chunk_rows, report, stop_on_bad, list_separator)
+    else:
+        yield from _read_text(path, None, _kinds(roles, integer_continuous=False), _TEXT_SUFFIXES[fmt], True,
+                              True, chunk_rows, report, stop_on_bad, list_separator, roles)
+
+
+# ----------------------------------------------------------------------------------------- ingest
+
+
+def input_files(d: DataConfig) -> list[tuple[Path, str | None]]:
+    """Every input file with the split it is pinned to (``None``: split by the fractions)."""
+    files: list[tuple[Path, str | None]] = []
+    for setting, split in (("path", None), ("valid_path", "valid"), ("test_path", "test")):
+        pattern = getattr(d, setting)
+        if pattern:
+            files += [(p, split) for p in _expand(pattern, f"data.{setting}")]
+    return files
+
+
+def ingest_params(d: DataConfig) -> dict:
+    """The settings and input files (with sizes and times) that determine an ingest."""
+    return {
+        "reader_version": READER_VERSION,
+        "inputs": [{"path": str(p.resolve()), "split": s, "bytes": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns}
+                   for p, s in input_files(d)],
+        "valid_fraction": d.valid_fraction,
+        "test_fraction": d.test_fraction,
+        "on_bad_lines": d.on_bad_lines,
+        **({"roles": {"label": d.label, "continuous": d.continuous, "categorical": d.categorical,
+                      "multihot": d.multihot, "ignore": d.ignore}, "list_separator": d.list_separator}
+           if d.source == "table" else {}),
+    }
+
+
+def ingest(d: DataConfig, seed: int, root: Path, params: dict, progress: bool = True) -> dict:
+    """Read every input file into ``root`` (the raw layout); write ``ingest_report.json`` and ``meta.json``.
+
+    Returns the report. Raises :class:`BadInputError` on malformed rows when ``on_bad_lines=error``
+    (after saving the report), and on missing, empty or mismatched inputs.
+    """
+    files = input_files(d)
+    roles = criteo_roles() if d.source == "criteo" else table_roles(d)
+    pinned = {s for _, s in files if s}
+    fractions = {"valid": 0.0 if "valid" in pinned else d.valid_fraction,
+                 "test": 0.0 if "test" in pinned else d.test_fraction}
+    jobs = [(i, path, split) for i, (path, split) in enumerate(files)]
+    args = (d, roles, seed, fractions, root)
+    layout.clear(root)
+    if len(jobs) == 1:
+        results = [_ingest_file(*jobs[0], *args, progress=progress)]
+    else:
+        results = _ingest_in_parallel(jobs, args, progress)
+    report = _combine(results, d)
+    layout.write_json(root / layout.INGEST_REPORT, report)
+    _print_report(report)
+    if report["status"] == "failed":
+        for split in layout.SPLITS:
+            for part in (root / split).glob("*.parquet"):
+                part.unlink()
+        raise BadInputError(_failure_message(report))
+    schema_types = next((r["types"] for r in results if r["types"]), None)
+    for split in layout.SPLITS:
+        (root / split).mkdir(parents=True, exist_ok=True)
+        layout.number_parts(root / split)
+    layout.write_json(root / layout.META, {
+        "version": layout.RAW_VERSION,
+        "source": d.source,
+        "params": params,
+        "label": roles.label,
+        "continuous": roles.continuous,
+        "categorical": roles.categorical,
+        "multihot": roles.multihot,
+        "rows": report["rows_written"],
+        "types": schema_types,
+    })
+    return report
+
+
+def _ingest_file(index: int, path: Path, pinned: str | None, d: DataConfig, roles: Roles, seed: int,
+                 fractions: dict[str, float], root: Path, progress: bool = False) -> dict:
+    report = FileReport(str(path))
+    writers = {s: layout.PartWriter(root / s, d.chunk_rows, prefix=f"f{index:05d}") for s in layout.SPLITS}
+    stop = d.on_bad_lines == "error"
+    if d.source == "criteo":
+        blocks = read_criteo(path, d.chunk_rows, report, stop)
+    else:
+        blocks = read_table(path, roles, d.chunk_rows, report, stop, d.list_separator)
+    types = None
+    from tqdm.auto import tqdm
+
+    with tqdm(desc=path.name, unit="row", unit_scale=True, disable=not progress) as bar:
+        for table, lines in blocks:
+            types = types or {f.name: str(f.type) for f in table.schema}
+            if pinned:
+                writers[pinned].write(table)
+            else:
+                codes = split_codes(lines, index, seed, fractions["valid"], fractions["test"])
+                for code, split in enumerate(layout.SPLITS):
+                    writers[split].write(table.filter(pa.array(codes == code)))
+            bar.update(table.num_rows)
+    for w in writers.values():
+        w.close()
+    if report.rows_read == 0 and report.bad_rows == 0:
+        raise BadInputError(f"{path} is empty: expected rows of {'Criteo TSV' if d.source == 'criteo' else 'data'}")
+    return {"report": report, "rows_written": {s: w.rows for s, w in writers.items()}, "types": types}
+
+
+def _ingest_in_parallel(jobs: list, args: tuple, progress: bool) -> list[dict]:
+    import dask
+    from dask.callbacks import Callback
+    from tqdm.auto import tqdm
+
+    tasks = [dask.delayed(_ingest_file, pure=False)(*job, *args) for job in jobs]
+    with tqdm(total=len(tasks), desc="files", unit="file", disable=not progress) as bar:
+
+        class _Tick(Callback):
+            def _posttask(self, key, result, dsk, state, worker_id):
+                bar.update(1)
+
+        with _Tick():
+            return list(dask.compute(*tasks))
+
+
+def split_codes(lines: np.ndarray, file_index: int, seed: int, valid_fraction: float, test_fraction: float
+                ) -> np.ndarray:
+    """0 (train), 1 (valid) or 2 (test) per row, from a hash of (seed, file, line): stable whatever the blocks."""
+    x = np.asarray(lines, dtype=np.uint64) + np.uint64(file_index) * np.uint64(0x9E3779B97F4A7C15)
+    x = x ^ (np.uint64(seed & 0xFFFFFFFFFFFFFFFF) * np.uint64(0xD1B54A32D192ED03))
+    x ^= x >> np.uint64(30)
+    x *= np.uint64(0xBF58476D1CE4E5B9)
+    x ^= x >> np.uint64(27)
+    x *= np.uint64(0x94D049BB133111EB)
+    x ^= x >> np.uint64(31)
+    u = (x >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+    return np.where(u < test_fraction, 2, np.where(u < test_fraction + valid_fraction, 1, 0)).astype(np.int8)
+
+
+# ----------------------------------------------------------------------------------------- text
+
+
+def _read_text(path: Path, names: list[str] | None, kinds: dict[str, str], delimiter: str, quoting: bool,
+               header: bool, chunk_rows: int, report: FileReport, stop_on_bad: bool, separator: str,
+               roles: Roles | None = None) -> Iterator[tuple[pa.Table, np.ndarray]]:
+    block_bytes = max(1 << 20, chunk_rows * _BYTES_PER_ROW_GUESS)
+    for first_line, block in _line_blocks(path, block_bytes):
+        if names is None:
+            header_line, _, block = block.partition(b"\n")
+            names = _header(header_line, delimiter, path)
+            roles.check_against(names, str(path))  # type: ignore[union-attr]
+            first_line += 1
+            if not block:
+                continue
+        table, lines, excerpt = _parse_block(block, first_line, names, list(kinds), delimiter, quoting, report)
+        report.rows_read += len(excerpt.starts)
+        table, lines = _check_and_convert(table, lines, kinds, separator, report,
+                                          lambda i, lines=lines, first=first_line: excerpt(int(lines[i]) - first))
+        if stop_on_bad and report.bad_rows:
+            report.stopped_at_line = first_line + len(excerpt.starts) - 1
+            return
+        report.rows_kept += table.num_rows
+        if table.num_rows:
+            yield table, lines
+    if names is None and header:
+        raise BadInputError(f"{path} is empty: expected a header line naming the columns, then rows")
+
+
+def _line_blocks(path: Path, block_bytes: int) -> Iterator[tuple[int, bytes]]:
+    """(number of the first line, bytes of whole lines ending in a newline), decompressing by suffix."""
+    line = 1
+    carry = b""
+    with pa.input_stream(str(path), compression="detect") as stream:
+        while True:
+            data = stream.read(block_bytes)
+            if not data:
+                break
+            data = carry + data
+            cut = data.rfind(b"\n")
+            if cut < 0:
+                carry = data
+                continue
+            block, carry = data[: cut + 1], data[cut + 1 :]
+            yield line, block
+            line += block.count(b"\n")
+    if carry:
+        yield line, carry + b"\n"
+
+
+def _header(line: bytes, delimiter: str, path: Path) -> list[str]:
+    try:
+        text = line.decode("utf-8").rstrip("\r")
+    except UnicodeDecodeError as err:
+        raise BadInputError(f"{path}: the header line is not valid UTF-8 ({err.reason} at byte {err.start})") from err
+    names = next(csv.reader([text], delimiter=delimiter))
+    if not any(names):
+        raise BadInputError(f"{path}: expected a header line naming the columns, found an empty line")
+    return names
+
+
+@dataclass
+class _Excerpts:
+    """Where each line of a block starts and ends, to quote bad rows."""
+
+    block: bytes
+    starts: np.ndarray
+    ends: np.ndarray
+
+    def __call__(self, index: int) -> bytes:
+        return self.block[self.starts[index] : self.ends[index]]
+
+
+def _parse_block(block: bytes, first_line: int, names: list[str], wanted: list[str], delimiter: str,
+                 quoting: bool, report: FileReport) -> tuple[pa.Table, np.ndarray, _Excerpts]:
+    """Split a block into fields (all as text); returns the table, its rows' line numbers and the excerpts.
+
+    Empty lines and lines that are not UTF-8 are taken out before parsing; lines with the wrong
+    number of fields are rejected by the parser. All three are recorded in ``report``.
+    """
+    data = np.frombuffer(block, dtype=np.uint8)
+    ends = np.flatnonzero(data == 10)
+    starts = np.r_[0, ends[:-1] + 1]
+    excerpt = _Excerpts(block, starts, ends)
+    lengths = ends - starts
+    keep = ~((lengths == 0) | ((lengths == 1) & (data[starts] == 13)))
+    expected = len(names)
+    for i in np.flatnonzero(~keep):
+        report.add_bad(first_line + int(i), "wrong_field_count", f"expected {expected} fields, found an empty line", b"")
+    high = np.flatnonzero(data >= 0x80)
+    if high.size:
+        for i in np.unique(np.searchsorted(ends, high)):
+            try:
+                excerpt(i).decode("utf-8")
+            except UnicodeDecodeError as err:
+                keep[i] = False
+                report.add_bad(first_line + int(i), "invalid_utf8",
+                               f"invalid UTF-8 ({err.reason}) at byte {err.start} of the line", excerpt(i))
+    kept = np.flatnonzero(keep)
+    if kept.size < starts.size:
+        data = data[np.repeat(keep, lengths + 1)]
+    if kept.size == 0:
+        empty = pa.table({n: pa.array([], pa.string()) for n in wanted})
+        return empty, np.zeros(0, dtype=np.int64), excerpt
+    rejected: list[int] = []
+
+    def on_invalid_row(row) -> str:
+        index = int(kept[row.number - 1])
+        rejected.append(row.number - 1)
+        report.add_bad(first_line + index, "wrong_field_count",
+                       f"expected {row.expected_columns} fields, found {row.actual_columns}", excerpt(index))
+        return "skip"
+
+    table = pacsv.read_csv(
+        io.BytesIO(data.tobytes() if kept.size < starts.size else block),
+        read_options=pacsv.ReadOptions(column_names=names, use_threads=False, block_size=len(block) + 1),
+        parse_options=pacsv.ParseOptions(delimiter=delimiter, quote_char='"' if quoting else False,
+                                          invalid_row_handler=on_invalid_row),
+        convert_options=pacsv.ConvertOptions(column_types={n: pa.string() for n in names}, include_columns=wanted,
+                                             strings_can_be_null=False, quoted_strings_can_be_null=False),
+    )
+    rows = np.delete(kept, rejected) if rejected else kept
+    return table, first_line + rows.astype(np.int64), excerpt
+
+
+def _kinds(roles: Roles, integer_continuous: bool) -> dict[str, str]:
+    kinds = {roles.label: "label"}
+    kinds.update({c: "int" if integer_continuous else "float" for c in roles.continuous})
+    kinds.update({c: "string" for c in roles.categorical})
+    kinds.update({c: "list" for c in roles.multihot})
+    return kinds
+
+
+def _check_and_convert(table: pa.Table, lines: np.ndarray, kinds: dict[str, str], separator: str,
+                       report: FileReport, quote) -> tuple[pa.Table, np.ndarray]:
+    """Report rows whose values do not fit the column kinds, drop them, and type the rest.
+
+    ``quote(i)`` gives the text to show for row ``i`` in the report.
+    """
+    bad = np.zeros(table.num_rows, dtype=bool)
+    for name, kind in kinds.items():
+        column = table.column(name)
+        ok = _values_ok(column, kind)
+        if ok is None:
+            continue
+        for i in np.flatnonzero(~ok & ~bad):
+            value = column[int(i)].as_py()
+            if kind == "label":
+                what, reason = "bad_label", f"{name}: expected 0 or 1, found {value!r}"
+            else:
+                what, reason = "not_a_number", f"{name}: {value!r} is not {'an integer' if kind == 'int' else 'a number'}"
+            report.add_bad(int(lines[i]), what, reason, quote(int(i)))
+        bad |= ~ok
+    if bad.any():
+        table, lines = table.filter(pa.array(~bad)), lines[~bad]
+    columns = [_convert(table.column(name), kind, separator) for name, kind in kinds.items()]
+    return pa.Table.from_arrays(columns, names=list(kinds)), lines
+
+
+def _is_text(t: pa.DataType) -> bool:
+    return pa.types.is_string(t) or pa.types.is_large_string(t)
+
+
+def _values_ok(column: pa.ChunkedArray, kind: str) -> np.ndarray | None:
+    """Which values fit ``kind`` (None: all do). Text is checked by pattern; typed labels by value."""
+    if kind == "label" and not _is_text(column.type):
+        values = pc.cast(column, pa.float64()).to_numpy(zero_copy_only=False)
+        return (values == 0) | (values == 1)  # a null (NaN) label is bad too
+    if not _is_text(column.type):
+        return None
+    if kind == "label":
+        ok = pc.match_substring_regex(column, _LABEL_PATTERN)
+    elif kind == "int":
+        ok = pc.or_(pc.equal(column, ""), pc.match_substring_regex(column, _INT_PATTERN))
+    elif kind == "float":
+        ok = pc.or_(pc.or_(pc.equal(column, ""), pc.match_substring_regex(column, _FLOAT_PATTERN)),
+                    pc.match_substring_regex(column, _NAN_PATTERN))
+    else:
+        return None
+    return pc.fill_null(ok, False).to_numpy(zero_copy_only=False).astype(bool)
+
+
+def _convert(column: pa.ChunkedArray, kind: str, separator: str) -> pa.ChunkedArray | pa.Array:
+    """Checked values to the raw layout's types (empty text is missing)."""
+    t = column.type
+    if kind == "label":
+        return pc.cast(pc.cast(column, pa.float64()) if _is_text(t) else column, pa.int8())
+    if pa.types.is_dictionary(t):
+        column = pc.cast(column, t.value_type)
+        t = column.type
+    if _is_text(t):
+        missing = pc.equal(column, "")
+        if kind == "float":
+            missing = pc.or_(missing, pc.match_substring_regex(column, _NAN_PATTERN))
+        column = pc.if_else(missing, pa.scalar(None, t), column)
+        if kind == "int":
+            return pc.cast(column, pa.int64())
+        if kind == "float":
+            return pc.cast(column, pa.float64())
+        if kind == "list":
+            return _drop_empty_items(pc.split_pattern(column, separator))
+        return pc.cast(column, pa.string())
+    if kind in ("int", "float"):
+        return pc.cast(column, pa.float64() if pa.types.is_floating(t) else pa.int64())
+    if kind == "string":
+        return pc.cast(column, pa.string())
+    return _drop_empty_items(column)
+
+
+def _drop_empty_items(lists: pa.ChunkedArray | pa.Array) -> pa.Array:
+    lists = lists.combine_chunks() if isinstance(lists, pa.ChunkedArray) else lists
+    lists = pc.cast(lists, pa.list_(pa.string()))
+    flat = pc.list_flatten(lists)
+    parents = pc.list_parent_indices(lists).to_numpy()
+    keep = pc.not_equal(flat, "").to_numpy(zero_copy_only=False).astype(bool)
+    counts = np.bincount(parents[keep], minlength=len(lists))
+    offsets = pa.array(np.r_[0, np.cumsum(counts)].astype(np.int32))
+    return pa.ListArray.from_arrays(offsets, flat.filter(pa.array(keep)), mask=lists.is_null())
+
+
+# ----------------------------------------------------------------------------------------- parquet
+
+
+def _read_parquet(path: Path, roles: Roles, chunk_rows: int, report: FileReport, stop_on_bad: bool,
+                  separator: str) -> Iterator[tuple[pa.Table, np.ndarray]]:
+    try:
+        file = pq.ParquetFile(path)
+    except (pa.ArrowInvalid, OSError) as err:
+        raise BadInputError(f"{path}: expected a parquet file, could not read it ({err})") from err
+    roles.check_against(file.schema_arrow.names, str(path))
+    kinds = _kinds(roles, integer_continuous=False)
+    for name, kind in kinds.items():
+        _check_parquet_type(path, name, kind, file.schema_arrow.field(name).type)
+    if file.metadata.num_rows == 0:
+        raise BadInputError(f"{path} is empty: expected rows with columns {roles.columns}")
+    first = 1
+    for batch in file.iter_batches(batch_size=chunk_rows, columns=roles.columns):
+        table = pa.Table.from_batches([batch])
+        lines = np.arange(first, first + table.num_rows, dtype=np.int64)
+        first += table.num_rows
+        report.rows_read += table.num_rows
+
+        def quote(i: int, table=table) -> str:
+            return "row " + ", ".join(f"{n}={table.column(n)[i].as_py()!r}" for n in kinds)
+
+        table, lines = _check_and_convert(table, lines, kinds, separator, report, quote)
+        if stop_on_bad and report.bad_rows:
+            report.stopped_at_line = int(first - 1)
+            return
+        report.rows_kept += table.num_rows
+        if table.num_rows:
+            yield table, lines
+
+
+def _check_parquet_type(path: Path, name: str, kind: str, t: pa.DataType) -> None:
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    numeric = pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
+    if kind in ("label", "float"):
+        ok, expected = numeric or _is_text(t), "a numeric column"
+    elif kind == "string":
+        ok, expected = _is_text(t) or pa.types.is_integer(t), "a string or integer column"
+    else:
+        ok = _is_text(t) or ((pa.types.is_list(t) or pa.types.is_large_list(t)) and (
+            _is_text(t.value_type) or pa.types.is_integer(t.value_type)))
+        expected = "a list of strings or integers (or text to split on data.list_separator)"
+    if not ok:
+        raise BadInputError(f"{path}: column {name!r} ({kind}) should be {expected}, found {t}")
+
+
+# ----------------------------------------------------------------------------------------- inputs
+
+
+def _expand(pattern: str, setting: str) -> list[Path]:
+    path = Path(pattern).expanduser()
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith((".", "_")))
+        if not files:
+            raise BadInputError(f"{setting}: folder {path} has no files")
+        return files
+    if any(ch in pattern for ch in "*?["):
+        files = sorted(Path(p) for p in glob.glob(str(path)) if Path(p).is_file())
+        if not files:
+            raise BadInputError(f"{setting}: no file matches {pattern}")
+        return files
+    if not path.exists():
+        raise BadInputError(f"{setting}: {path} does not exist (expected a file, a folder or a glob)")
+    return [path]
+
+
+def _table_format(path: Path) -> str:
+    suffixes = [s.lower() for s in path.suffixes]
+    if suffixes and suffixes[-1] in _COMPRESSION_SUFFIXES:
+        suffixes = suffixes[:-1]
+    last = suffixes[-1] if suffixes else ""
+    if last in _PARQUET_SUFFIXES:
+        return "parquet"
+    if last in _TEXT_SUFFIXES:
+        return last
+    raise BadInputError(f"{path}: expected a .csv, .tsv, .tab, .txt or .parquet file (optionally .gz), "
+                        f"found suffix {''.join(path.suffixes) or '(none)'}")
+
+
+# ----------------------------------------------------------------------------------------- report
+
+
+def _combine(results: list[dict], d: DataConfig) -> dict:
+    reports = [r["report"] for r in results]
+    bad: dict[str, int] = {}
+    for r in reports:
+        for kind, count in r.bad.items():
+            bad[kind] = bad.get(kind, 0) + count
+    failed = d.on_bad_lines == "error" and any(r.bad_rows for r in reports)
+    written = {s: sum(r["rows_written"][s] for r in results) for s in layout.SPLITS}
+    return {
+        "status": "failed" if failed else "ok",
+        "on_bad_lines": d.on_bad_lines,
+        "rows_read": sum(r.rows_read for r in reports),
+        "rows_kept": sum(r.rows_kept for r in reports),
+        "bad_rows": sum(bad.values()),
+        "bad": bad,
+        "examples": [e for r in reports for e in r.examples][:EXAMPLES],
+        "rows_written": {s: (0 if failed else n) for s, n in written.items()},
+        "files": [{"file": r.file, "rows_read": r.rows_read, "rows_kept": r.rows_kept, "bad": r.bad,
+                   "stopped_at_line": r.stopped_at_line} for r in reports],
+    }
+
+
+def _print_report(report: dict) -> None:
+    line = (f"[data] read {report['rows_read']} rows, kept {report['rows_kept']}, "
+            f"malformed {report['bad_rows']} {report['bad'] or ''}")
+    print(line.rstrip(), flush=True)
+    for e in report["examples"][:5]:
+        print(f"[data]   {e['file']}:{e['line']}: {e['reason']}: {e['excerpt']!r}", flush=True)
+
+
+def _failure_message(report: dict) -> str:
+    first = "; ".join(f"{Path(e['file']).name} line {e['line']}: {e['reason']} ({e['excerpt'][:60]!r})"
+                      for e in report["examples"][:3])
+    return (f"malformed input rows ({report['bad_rows']} found before stopping: {report['bad']}): {first}. "
+            "Fix the input or set data.on_bad_lines=skip to drop and count them; "
+            "details in ingest_report.json")

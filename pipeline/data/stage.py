@@ -1,0 +1,113 @@
+"""The data stage: make the synthetic data or ingest a Criteo / table file into the raw layout.
+
+``ensure_raw`` is what the ETL and the notebooks call: it returns the raw dataset, generating or
+ingesting only when ``cfg.paths.raw`` does not already hold data made with the same parameters
+(``meta.json``'s ``params``), and says why when it (re)builds.
+
+Example::
+
+    cfg = load_config(None, ["data.rows=200000"])
+    raw = ensure_raw(cfg)          # generates once, then reuses
+    raw.splits["train"], raw.oracle["test"]["auc"]
+
+    python -m pipeline data data.source=criteo data.path=day_0.gz data.on_bad_lines=skip
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from pipeline.config import PipelineConfig
+from pipeline.data import layout, readers, synthetic
+from pipeline.data.layout import RawDataset
+from pipeline.data.metrics import ClickMetrics
+
+
+def run(cfg: PipelineConfig) -> dict:
+    """``python -m pipeline data``: make sure the raw data exists; return a summary."""
+    start = time.perf_counter()
+    raw, built = _ensure(cfg, progress=True)
+    summary = {
+        "raw": str(raw.root),
+        "source": raw.source,
+        "rebuilt": built,
+        "rows": raw.rows,
+        "columns": {"continuous": len(raw.continuous), "categorical": len(raw.categorical),
+                    "multihot": len(raw.multihot)},
+        "seconds": round(time.perf_counter() - start, 2),
+    }
+    if raw.oracle:
+        summary["oracle_test_auc"] = raw.oracle["test"]["auc"]
+    print(f"[data] {summary}", flush=True)
+    return summary
+
+
+def ensure_raw(cfg: PipelineConfig, progress: bool = True) -> RawDataset:
+    """The raw dataset of ``cfg``, generated or ingested only if ``cfg.paths.raw`` lacks it."""
+    return _ensure(cfg, progress)[0]
+
+
+def raw_params(cfg: PipelineConfig) -> dict:
+    """The settings that determine the raw data (what ``meta.json`` records as ``params``)."""
+    d = cfg.data
+    params: dict = {"source": d.source, "seed": cfg.seed}
+    if d.source == "synthetic":
+        params.update(generator_version=synthetic.GENERATOR_VERSION, rows=d.rows, size=d.size,
+                      valid_fraction=d.valid_fraction, test_fraction=d.test_fraction)
+    else:
+        params.update(readers.ingest_params(d))
+    return params
+
+
+def _ensure(cfg: PipelineConfig, progress: bool) -> tuple[RawDataset, bool]:
+    root = cfg.paths.raw
+    params = raw_params(cfg)
+    meta = layout.read_meta(root)
+    if meta is not None and meta.get("params") == params:
+        return RawDataset.load(root), False
+    if meta is None:
+        print(f"[data] no finished raw data in {root}: building it", flush=True)
+    else:
+        old = meta.get("params", {})
+        changed = sorted(k for k in set(old) | set(params) if old.get(k) != params.get(k))
+        detail = ", ".join(f"{k}: {old.get(k)!r} -> {params.get(k)!r}" for k in changed)
+        print(f"[data] {root} was made with other settings ({detail}): rebuilding it", flush=True)
+    layout.clear(root)
+    if cfg.data.source == "synthetic":
+        _generate(cfg, params, progress)
+    else:
+        readers.ingest(cfg.data, cfg.seed, root, params, progress=progress)
+    return RawDataset.load(root), True
+
+
+def _generate(cfg: PipelineConfig, params: dict, progress: bool) -> None:
+    d = cfg.data
+    root = cfg.paths.raw
+    model = synthetic.ClickModel.create(cfg.seed, d.size)
+    rows = synthetic.split_rows(d.rows, d.valid_fraction, d.test_fraction)
+    chunks = sum(-(-n // d.chunk_rows) for n in rows.values())
+    oracle = {}
+    with tqdm(total=chunks, desc="synthetic data", unit="chunk", disable=not progress) as bar:
+        for split, n in rows.items():
+            writer = layout.PartWriter(root / split, d.chunk_rows)
+            metrics = ClickMetrics()
+            for chunk in synthetic.iter_split(model, split, n, d.chunk_rows):
+                writer.write(chunk.table)
+                metrics.update(chunk.table.column(synthetic.LABEL).to_numpy(), chunk.probability)
+                bar.update(1)
+            writer.close()
+            oracle[split] = metrics.result()
+    layout.write_json(root / layout.ORACLE, oracle)
+    layout.write_json(root / layout.META, {
+        "version": layout.RAW_VERSION,
+        "source": "synthetic",
+        "params": params,
+        "label": synthetic.LABEL,
+        "continuous": list(synthetic.CONTINUOUS),
+        "categorical": list(synthetic.CATEGORICAL),
+        "multihot": [],
+        "rows": rows,
+    })
