@@ -1,0 +1,106 @@
+"""Run-time compilation of the ``.cu`` sources with NVRTC (through CuPy), cached on disk and in memory.
+
+A source is compiled once per (source text, compute capability, NVRTC version) into a cubin under
+``$PIPELINE_KERNEL_CACHE`` (default ``~/.cache/pipeline/kernels``), then loaded once per process and
+device. The source is prefixed with ``#line 1 "<file>.cu"`` so compiler errors point at the real file
+and line; a failed compilation raises :class:`KernelCompileError` carrying NVRTC's log.
+
+CuPy is imported here, lazily: nothing in this module runs at import time.
+
+Example::
+
+    module = load_module("embedding_forward.cu", device_index=0)
+    kernel = module.get_function("pooled_forward_f32")
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import re
+import tempfile
+from pathlib import Path
+
+KERNEL_DIR = Path(__file__).resolve().parent
+NVRTC_OPTIONS = ("-std=c++17",)
+
+
+class KernelCompileError(RuntimeError):
+    """NVRTC rejected a kernel source; the message holds the compiler's log."""
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("PIPELINE_KERNEL_CACHE") or Path.home() / ".cache" / "pipeline" / "kernels"
+    return Path(root)
+
+
+def _headers_of(source: str) -> list[str]:
+    return sorted(set(re.findall(r'^\s*#include\s+"([^"]+)"', source, flags=re.MULTILINE)))
+
+
+def _program(name: str | Path) -> tuple[str, list[str], list[str]]:
+    """(source with #line, header names, header texts) of a ``.cu`` file (a name in this folder, or a path)."""
+    path = KERNEL_DIR / name
+    if not path.is_file():
+        raise FileNotFoundError(f"kernel source {path} does not exist")
+    source = f'#line 1 "{path.name}"\n' + path.read_text()
+    names = _headers_of(source)
+    texts = [f'#line 1 "{h}"\n' + (path.parent / h).read_text() for h in names]
+    return source, names, texts
+
+
+def compile_cubin(name: str | Path, arch: str) -> bytes:
+    """Compile ``name`` (a ``.cu`` file of this folder, or a path) for ``arch`` (e.g. ``"sm_90"``) with NVRTC."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    source, header_names, header_texts = _program(name)
+    name = Path(name).name
+    program = nvrtc.createProgram(source, name, [t.encode() for t in header_texts], [h.encode() for h in header_names])
+    try:
+        try:
+            nvrtc.compileProgram(program, [f"-arch={arch}", *NVRTC_OPTIONS])
+        except nvrtc.NVRTCError as err:
+            log = nvrtc.getProgramLog(program)
+            raise KernelCompileError(f"NVRTC could not compile {name} for {arch} ({err}):\n{log}") from None
+        return nvrtc.getCUBIN(program)
+    finally:
+        nvrtc.destroyProgram(program)
+
+
+def cached_cubin(name: str, arch: str) -> Path:
+    """The cubin of ``name`` for ``arch``, compiled now only if the disk cache lacks it."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    source, _, header_texts = _program(name)
+    major, minor = nvrtc.getVersion()
+    digest = hashlib.sha256("\0".join([source, *header_texts, *NVRTC_OPTIONS]).encode()).hexdigest()[:16]
+    path = _cache_dir() / f"{Path(name).stem}-{arch}-nvrtc{major}.{minor}-{digest}.cubin"
+    if not path.is_file():
+        cubin = compile_cubin(name, arch)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(cubin)
+        os.replace(tmp, path)
+    return path
+
+
+@functools.cache
+def load_module(name: str, device_index: int):
+    """``cupy.RawModule`` of ``name`` loaded on CUDA device ``device_index`` (once per process)."""
+    import cupy
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(device_index)
+    path = cached_cubin(name, f"sm_{major}{minor}")
+    return cupy.RawModule(path=str(path))
+
+
+@functools.cache
+def kernel_handle(name: str, function: str, device_index: int) -> int:
+    """The ``CUfunction`` handle of ``function`` in ``name``, loaded on device ``device_index``."""
+    import cupy
+
+    with cupy.cuda.Device(device_index):
+        return load_module(name, device_index).get_function(function).kernel.ptr

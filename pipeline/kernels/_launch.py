@@ -1,0 +1,49 @@
+"""Launching a compiled kernel on torch's current stream, with tensors passed as raw device pointers.
+
+The kernel parameters are packed with ``ctypes`` exactly as the ``.cu`` signature declares them
+(``ptr``, ``i32``, ``i64``, ``u64``, ``f32`` below), so no tensor is copied or converted, and the
+launch goes through the driver on ``torch.cuda.current_stream().cuda_stream``: it orders with the
+surrounding torch work like any torch op.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from pipeline.kernels._compile import kernel_handle
+
+
+def ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
+    return ctypes.c_void_p(0 if t is None else t.data_ptr())
+
+
+def i32(v: int) -> ctypes.c_int32:
+    return ctypes.c_int32(int(v))
+
+
+def i64(v: int) -> ctypes.c_int64:
+    return ctypes.c_int64(int(v))
+
+
+def u64(v: int) -> ctypes.c_uint64:
+    return ctypes.c_uint64(int(v) & 0xFFFFFFFFFFFFFFFF)
+
+
+def f32(v: float) -> ctypes.c_float:
+    return ctypes.c_float(float(v))
+
+
+def launch(source: str, function: str, device: torch.device, grid: int, block: int, args: list) -> None:
+    """Run ``function`` of ``source`` with ``grid`` x ``block`` threads on the current stream of ``device``."""
+    from cupy.cuda import driver
+
+    if grid <= 0:
+        return
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    handle = kernel_handle(source, function, index)
+    params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+    stream = torch.cuda.current_stream(index).cuda_stream
+    with torch.cuda.device(index):
+        driver.launchKernel(handle, grid, 1, 1, block, 1, 1, 0, stream, ctypes.addressof(params), 0)

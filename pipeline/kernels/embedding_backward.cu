@@ -1,0 +1,246 @@
+// Pooled embedding backward fused with the sparse optimizer update, in two kernels around a sort.
+//
+// 1. row_keys: for every id of the batch, its global row (row offset of the slot's table + id: the
+//    index into row-wise state, shared tables included) and the bag it came from.
+// 2. (host) torch.sort of the keys groups equal rows together; `order` is the permutation.
+// 3. sparse_update: a group of `lanes` threads per sorted position; only the first position of each
+//    run of equal keys does work. It sums the gradient rows of all occurrences of its row (scaled by
+//    1/len for mean-pooled bags) in fp32 registers, then applies SGD, row-wise Adagrad or lazy Adam to
+//    that row alone and stores it in the weights' dtype (round to nearest or stochastic rounding;
+//    optionally through an fp32 master copy). No atomics: each row has exactly one owner.
+#include "embedding_common.cuh"
+
+enum { OPT_SGD = 0, OPT_ADAGRAD = 1, OPT_ADAM = 2 };
+
+template <typename K>
+__device__ __forceinline__ void row_keys(
+    const long long* __restrict__ indices, const long long* __restrict__ offsets,
+    const long long* __restrict__ slot_row_offsets, int num_slots, int batch_size,
+    K* __restrict__ keys, int* __restrict__ bag_of) {
+    const long long bag = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (bag >= (long long)num_slots * batch_size) return;
+    const long long base = slot_row_offsets[bag / batch_size];
+    const long long end = offsets[bag + 1];
+    for (long long p = offsets[bag]; p < end; ++p) {
+        keys[p] = (K)(base + indices[p]);
+        bag_of[p] = (int)bag;
+    }
+}
+
+#define ROW_KEYS(NAME, K)                                                                               \
+    extern "C" __global__ void NAME(const long long* indices, const long long* offsets,                 \
+                                    const long long* slot_row_offsets, int num_slots, int batch_size,  \
+                                    K* keys, int* bag_of) {                                             \
+        row_keys<K>(indices, offsets, slot_row_offsets, num_slots, batch_size, keys, bag_of);           \
+    }
+
+ROW_KEYS(row_keys_i32, int)
+ROW_KEYS(row_keys_i64, long long)
+
+template <typename W, int N>
+__device__ __forceinline__ void store_weights(W* p, int d0, int D, bool aligned, const float (&v)[N],
+                                              bool stochastic, unsigned long long seed, long long elem) {
+    if constexpr (sizeof(W) == 4) {
+        store_f32<N>(reinterpret_cast<float*>(p), d0, D, aligned, v);
+    } else {
+        unsigned short bits[N];
+#pragma unroll
+        for (int k = 0; k < N; ++k)
+            bits[k] = stochastic ? round_stochastic<W>(v[k], mix_hash(seed, (unsigned long long)(elem + d0 + k))).bits
+                                 : round_nearest<W>(v[k]).bits;
+        if (aligned) {
+#pragma unroll
+            for (int q = 0; q < N / 8; ++q) {
+                uint4 w;
+                w.x = bits[8 * q] | ((unsigned int)bits[8 * q + 1] << 16);
+                w.y = bits[8 * q + 2] | ((unsigned int)bits[8 * q + 3] << 16);
+                w.z = bits[8 * q + 4] | ((unsigned int)bits[8 * q + 5] << 16);
+                w.w = bits[8 * q + 6] | ((unsigned int)bits[8 * q + 7] << 16);
+                *reinterpret_cast<uint4*>(p + d0 + 8 * q) = w;
+            }
+        } else {
+#pragma unroll
+            for (int k = 0; k < N; ++k)
+                if (d0 + k < D) p[d0 + k].bits = bits[k];
+        }
+    }
+}
+
+// CHUNKS: how many lanes * N column chunks a row may span (1, or enough for dim 512).
+template <typename W, typename K, int OPT, int CHUNKS>
+__device__ __forceinline__ void sparse_update(
+    W* __restrict__ weights, float* __restrict__ master, float* __restrict__ state1, float* __restrict__ state2,
+    const K* __restrict__ sorted_keys, const long long* __restrict__ order, const int* __restrict__ bag_of,
+    const long long* __restrict__ offsets, const long long* __restrict__ slot_weight_offsets,
+    const long long* __restrict__ slot_row_offsets, const long long* __restrict__ output_offsets,
+    const unsigned char* __restrict__ slot_mean, const float* __restrict__ grad,
+    long long nnz, int num_slots, int batch_size, int log_lanes, int weights_aligned, int grad_aligned,
+    float lr, float eps, float beta1, float beta2, float bias1, float bias2, float weight_decay,
+    int stochastic, unsigned long long seed) {
+    constexpr int N = Vec<W>::N;
+    const int lanes = 1 << log_lanes;
+    const int lane = threadIdx.x & (lanes - 1);
+    const long long pos = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> log_lanes;
+    if (pos >= nnz) return;
+    const K key = sorted_keys[pos];
+    if (pos > 0 && sorted_keys[pos - 1] == key) return;
+    const unsigned int mask = group_mask(lanes);
+
+    const int s0 = bag_of[order[pos]] / batch_size;
+    const long long grad_stride = output_offsets[num_slots];
+    const int D = (int)(output_offsets[s0 + 1] - output_offsets[s0]);
+    const long long elem = slot_weight_offsets[s0] + ((long long)key - slot_row_offsets[s0]) * D;
+    const bool vec_w = weights_aligned && (elem % N == 0) && (D % N == 0);
+    const bool vec_g = grad_aligned && (D % N == 0);
+    const int chunk = lanes * N;
+
+    float g[CHUNKS][N];
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c)
+#pragma unroll
+        for (int k = 0; k < N; ++k) g[c][k] = 0.0f;
+
+    for (long long base = pos;; base += lanes) {
+        const long long j = base + lane;
+        const bool in = j < nnz && sorted_keys[j] == key;
+        const int n = __popc(__ballot_sync(mask, in));
+        long long goff = 0;
+        float scale = 0.0f;
+        if (in) {
+            const int bag = bag_of[order[j]];
+            const int s = bag / batch_size;
+            goff = (long long)(bag - s * batch_size) * grad_stride + output_offsets[s];
+            scale = slot_mean[s] ? 1.0f / (float)max(offsets[bag + 1] - offsets[bag], 1LL) : 1.0f;
+        }
+        int t = 0;
+        for (; t + 2 <= n; t += 2) {
+            const long long o0 = __shfl_sync(mask, goff, t, lanes);
+            const long long o1 = __shfl_sync(mask, goff, t + 1, lanes);
+            const float f0 = __shfl_sync(mask, scale, t, lanes);
+            const float f1 = __shfl_sync(mask, scale, t + 1, lanes);
+#pragma unroll
+            for (int c = 0; c < CHUNKS; ++c) {
+                const int d0 = c * chunk + lane * N;
+                if (d0 < D) {
+                    float v0[N], v1[N];
+                    load_elems<float, N>(grad + o0, d0, D, vec_g, v0);
+                    load_elems<float, N>(grad + o1, d0, D, vec_g, v1);
+#pragma unroll
+                    for (int k = 0; k < N; ++k) g[c][k] += f0 * v0[k] + f1 * v1[k];
+                }
+            }
+        }
+        for (; t < n; ++t) {
+            const long long o = __shfl_sync(mask, goff, t, lanes);
+            const float f = __shfl_sync(mask, scale, t, lanes);
+#pragma unroll
+            for (int c = 0; c < CHUNKS; ++c) {
+                const int d0 = c * chunk + lane * N;
+                if (d0 < D) {
+                    float v[N];
+                    load_elems<float, N>(grad + o, d0, D, vec_g, v);
+#pragma unroll
+                    for (int k = 0; k < N; ++k) g[c][k] += f * v[k];
+                }
+            }
+        }
+        if (n < lanes) break;
+    }
+
+    W* wrow = weights + elem;
+    float* mrow = master ? master + elem : nullptr;
+    float w[CHUNKS][N];
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c) {
+        const int d0 = c * chunk + lane * N;
+#pragma unroll
+        for (int k = 0; k < N; ++k) w[c][k] = 0.0f;
+        if (d0 < D) {
+            if (mrow) load_elems<float, N>(mrow, d0, D, vec_w, w[c]);
+            else load_elems<W, N>(wrow, d0, D, vec_w, w[c]);
+#pragma unroll
+            for (int k = 0; k < N; ++k) g[c][k] += weight_decay * w[c][k];
+        }
+    }
+
+    if (OPT == OPT_SGD) {
+#pragma unroll
+        for (int c = 0; c < CHUNKS; ++c)
+#pragma unroll
+            for (int k = 0; k < N; ++k) w[c][k] -= lr * g[c][k];
+    } else if (OPT == OPT_ADAGRAD) {
+        const float before = state1[key];
+        float sq = 0.0f;
+#pragma unroll
+        for (int c = 0; c < CHUNKS; ++c)
+#pragma unroll
+            for (int k = 0; k < N; ++k) sq += g[c][k] * g[c][k];
+        for (int off = lanes / 2; off > 0; off >>= 1) sq += __shfl_xor_sync(mask, sq, off, lanes);
+        const float m = before + sq / (float)D;
+        if (lane == 0) state1[key] = m;
+        const float step = lr / (sqrtf(m) + eps);
+#pragma unroll
+        for (int c = 0; c < CHUNKS; ++c)
+#pragma unroll
+            for (int k = 0; k < N; ++k) w[c][k] -= step * g[c][k];
+    } else {
+#pragma unroll
+        for (int c = 0; c < CHUNKS; ++c) {
+            const int d0 = c * chunk + lane * N;
+            if (d0 < D) {
+                float m1[N], m2[N];
+                load_elems<float, N>(state1 + elem, d0, D, vec_w, m1);
+                load_elems<float, N>(state2 + elem, d0, D, vec_w, m2);
+#pragma unroll
+                for (int k = 0; k < N; ++k) {
+                    m1[k] = beta1 * m1[k] + (1.0f - beta1) * g[c][k];
+                    m2[k] = beta2 * m2[k] + (1.0f - beta2) * g[c][k] * g[c][k];
+                    w[c][k] -= lr * (m1[k] / bias1) / (sqrtf(m2[k] / bias2) + eps);
+                }
+                store_f32<N>(state1 + elem, d0, D, vec_w, m1);
+                store_f32<N>(state2 + elem, d0, D, vec_w, m2);
+            }
+        }
+    }
+
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c) {
+        const int d0 = c * chunk + lane * N;
+        if (d0 < D) {
+            if (mrow) store_f32<N>(mrow, d0, D, vec_w, w[c]);
+            store_weights<W, N>(wrow, d0, D, vec_w, w[c], stochastic != 0, seed, elem);
+        }
+    }
+}
+
+#define SPARSE_UPDATE(NAME, W, K, OPT, CHUNKS)                                                                \
+    extern "C" __global__ void __launch_bounds__(256) NAME(                                             \
+        W* weights, float* master, float* state1, float* state2, const K* sorted_keys,                  \
+        const long long* order, const int* bag_of, const long long* offsets,                            \
+        const long long* slot_weight_offsets, const long long* slot_row_offsets,                        \
+        const long long* output_offsets, const unsigned char* slot_mean, const float* grad,             \
+        long long nnz, int num_slots, int batch_size, int log_lanes, int weights_aligned,               \
+        int grad_aligned, float lr, float eps, float beta1, float beta2, float bias1, float bias2,      \
+        float weight_decay, int stochastic, unsigned long long seed) {                                  \
+        sparse_update<W, K, OPT, CHUNKS>(weights, master, state1, state2, sorted_keys, order, bag_of, offsets,  \
+                                 slot_weight_offsets, slot_row_offsets, output_offsets, slot_mean, grad, \
+                                 nnz, num_slots, batch_size, log_lanes, weights_aligned, grad_aligned,  \
+                                 lr, eps, beta1, beta2, bias1, bias2, weight_decay, stochastic, seed);  \
+    }
+
+// Names: sparse_update_<optimizer>_<weights dtype>_<key type>_c<chunks>; wide rows (c4 for fp32, c2
+// for 16-bit) reach dim 512.
+#define SPARSE_UPDATE_KEYS(OPTNAME, OPT, WNAME, W, WIDE)                                                \
+    SPARSE_UPDATE(sparse_update_##OPTNAME##_##WNAME##_i32_c1, W, int, OPT, 1)                           \
+    SPARSE_UPDATE(sparse_update_##OPTNAME##_##WNAME##_i64_c1, W, long long, OPT, 1)                     \
+    SPARSE_UPDATE(sparse_update_##OPTNAME##_##WNAME##_i32_c##WIDE, W, int, OPT, WIDE)                   \
+    SPARSE_UPDATE(sparse_update_##OPTNAME##_##WNAME##_i64_c##WIDE, W, long long, OPT, WIDE)
+
+#define SPARSE_UPDATE_ALL(OPTNAME, OPT)                                                                 \
+    SPARSE_UPDATE_KEYS(OPTNAME, OPT, f32, float, 4)                                                     \
+    SPARSE_UPDATE_KEYS(OPTNAME, OPT, f16, f16, 2)                                                       \
+    SPARSE_UPDATE_KEYS(OPTNAME, OPT, bf16, bf16, 2)
+
+SPARSE_UPDATE_ALL(sgd, OPT_SGD)
+SPARSE_UPDATE_ALL(adagrad, OPT_ADAGRAD)
+SPARSE_UPDATE_ALL(adam, OPT_ADAM)

@@ -1,0 +1,192 @@
+"""Thin launchers of the embedding kernels: argument checks, launch geometry, the sort between kernels.
+
+The tensors follow the seam of :mod:`pipeline.modules.embedding` (flat FBGEMM-style weights,
+slot-major ``indices`` / ``offsets``); :class:`SlotArrays` is the per-slot part of a ``TableLayout``
+as the kernels read it. The plain-torch reference of both ops is that module's ``TorchBackend``.
+
+Example::
+
+    slots = SlotArrays.from_layout(layout, weights.device)
+    pooled = pooled_forward(weights, slots, indices, offsets, batch_size)        # [B, total_dim] fp32
+    backward_update(weights, state, slots, indices, offsets, batch_size, grad, "adagrad", lr=0.05, step=1)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.kernels._launch import f32, i32, i64, launch, ptr, u64
+
+FORWARD_SOURCE = "embedding_forward.cu"
+BACKWARD_SOURCE = "embedding_backward.cu"
+BLOCK = 256
+MAX_UPDATE_DIM = 512
+_DTYPE_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+_OPTIMIZERS = ("sgd", "adagrad", "adam")
+
+
+@dataclass(frozen=True)
+class SlotArrays:
+    """Per-slot arrays on the device: where each slot's table starts (elements and rows), its columns."""
+
+    weight_offsets: torch.Tensor  # int64 [S]: element offset of the slot's table in the flat weights
+    row_offsets: torch.Tensor  # int64 [S]: global row of the slot's table's row 0 (row-wise state index)
+    output_offsets: torch.Tensor  # int64 [S + 1]: column offsets in the pooled output
+    mean: torch.Tensor  # bool [S]: mean pooling
+    num_slots: int
+    max_dim: int
+    total_dim: int
+    total_rows: int
+    columns_aligned: bool  # every slot's columns start on a 16-byte boundary of an output row
+
+    @classmethod
+    def from_layout(cls, layout, device: torch.device | str) -> "SlotArrays":
+        device = torch.device(device)
+        tables = layout.slot_table
+        return cls(
+            weight_offsets=torch.tensor([layout.weights_offsets[t] for t in tables], dtype=torch.int64, device=device),
+            row_offsets=torch.tensor([layout.row_offsets[t] for t in tables], dtype=torch.int64, device=device),
+            output_offsets=torch.tensor(layout.output_offsets, dtype=torch.int64, device=device),
+            mean=torch.tensor(layout.slot_mean, dtype=torch.bool, device=device),
+            num_slots=len(tables),
+            max_dim=max(layout.slot_dims, default=0),
+            total_dim=layout.output_offsets[-1],
+            total_rows=sum(layout.rows),
+            columns_aligned=all(o % 4 == 0 for o in layout.output_offsets),
+        )
+
+
+def _vector_width(dtype: torch.dtype) -> int:
+    return 16 // torch.empty((), dtype=dtype).element_size()
+
+
+def _log_lanes(max_dim: int, width: int) -> int:
+    """log2 of the threads per bag/row: enough lanes for one vector each across the widest row, <= 32."""
+    lanes = 1
+    while lanes < 32 and lanes * width < max_dim:
+        lanes *= 2
+    return lanes.bit_length() - 1
+
+
+def _check(weights: torch.Tensor, slots: SlotArrays, indices: torch.Tensor, offsets: torch.Tensor,
+           batch_size: int) -> None:
+    if weights.device.type != "cuda" or weights.dim() != 1 or not weights.is_contiguous():
+        raise ValueError(f"expected flat contiguous CUDA weights, got {tuple(weights.shape)} on {weights.device}")
+    if weights.dtype not in _DTYPE_NAMES:
+        raise ValueError(f"expected fp32, fp16 or bf16 weights, got {weights.dtype}")
+    if indices.dtype != torch.int64 or offsets.dtype != torch.int64:
+        raise ValueError(f"expected int64 indices and offsets, got {indices.dtype} and {offsets.dtype}")
+    if indices.device != weights.device or offsets.device != weights.device:
+        raise ValueError(f"expected indices and offsets on {weights.device}, got {indices.device}, {offsets.device}")
+    if offsets.numel() != slots.num_slots * batch_size + 1:
+        raise ValueError(f"expected {slots.num_slots} slots x {batch_size} bags + 1 = "
+                         f"{slots.num_slots * batch_size + 1} offsets, got {offsets.numel()}")
+
+
+def pooled_forward(weights: torch.Tensor, slots: SlotArrays, indices: torch.Tensor, offsets: torch.Tensor,
+                   batch_size: int) -> torch.Tensor:
+    """Pooled lookups of every slot, concatenated: float32 ``[batch_size, total_dim]``, one launch."""
+    _check(weights, slots, indices, offsets, batch_size)
+    out = torch.empty(batch_size, slots.total_dim, dtype=torch.float32, device=weights.device)
+    bags = slots.num_slots * batch_size
+    if bags == 0 or slots.total_dim == 0:
+        return out
+    indices, offsets = indices.contiguous(), offsets.contiguous()
+    log_lanes = _log_lanes(slots.max_dim, _vector_width(weights.dtype))
+    bags_per_block = BLOCK >> log_lanes
+    launch(FORWARD_SOURCE, f"pooled_forward_{_DTYPE_NAMES[weights.dtype]}", weights.device,
+           (bags + bags_per_block - 1) // bags_per_block, BLOCK,
+           [ptr(weights), ptr(slots.weight_offsets), ptr(slots.output_offsets), ptr(slots.mean), ptr(indices),
+            ptr(offsets), i32(slots.num_slots), i32(batch_size), i32(log_lanes),
+            i32(weights.data_ptr() % 16 == 0), i32(slots.columns_aligned and slots.total_dim % 4 == 0), ptr(out)])
+    return out
+
+
+def sort_by_row(slots: SlotArrays, indices: torch.Tensor, offsets: torch.Tensor,
+                batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(row keys sorted, their order in ``indices``, the bag of every id): the grouping step of the backward.
+
+    A key is the global row (table row offset + id), int32 when every row fits, so the radix sort
+    runs over half the bits.
+    """
+    nnz = indices.numel()
+    wide = slots.total_rows >= 2**31 - 1
+    keys = torch.empty(nnz, dtype=torch.int64 if wide else torch.int32, device=indices.device)
+    bag_of = torch.empty(nnz, dtype=torch.int32, device=indices.device)
+    bags = slots.num_slots * batch_size
+    launch(BACKWARD_SOURCE, f"row_keys_{'i64' if wide else 'i32'}", indices.device, (bags + BLOCK - 1) // BLOCK,
+           BLOCK, [ptr(indices), ptr(offsets), ptr(slots.row_offsets), i32(slots.num_slots), i32(batch_size),
+                   ptr(keys), ptr(bag_of)])
+    sorted_keys, order = torch.sort(keys)
+    return sorted_keys, order, bag_of
+
+
+def backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor], slots: SlotArrays,
+                    indices: torch.Tensor, offsets: torch.Tensor, batch_size: int, grad_output: torch.Tensor,
+                    optimizer: str, lr: float, step: int, eps: float = 1e-8, beta1: float = 0.9,
+                    beta2: float = 0.999, weight_decay: float = 0.0, master_weights: torch.Tensor | None = None,
+                    stochastic_rounding: bool = False, seed: int = 0) -> None:
+    """Sum the gradient of every touched row and apply ``optimizer`` to those rows, in place.
+
+    ``state``: ``momentum1`` (adagrad: [total rows]; adam: like weights) and ``momentum2`` (adam),
+    flat fp32. ``master_weights``: an fp32 copy of 16-bit weights that is updated and then rounded
+    into ``weights``. ``stochastic_rounding``: round 16-bit results up or down at random (unbiased),
+    drawn from ``seed`` and ``step``, instead of to nearest.
+    """
+    _check(weights, slots, indices, offsets, batch_size)
+    if optimizer not in _OPTIMIZERS:
+        raise ValueError(f"embedding optimizer: expected one of {_OPTIMIZERS}, got {optimizer!r}")
+    if slots.max_dim > MAX_UPDATE_DIM:
+        raise ValueError(f"the cuda backend updates rows of dim <= {MAX_UPDATE_DIM}, got dim {slots.max_dim}")
+    if tuple(grad_output.shape) != (batch_size, slots.total_dim):
+        raise ValueError(f"expected grad_output of shape {(batch_size, slots.total_dim)}, "
+                         f"got {tuple(grad_output.shape)}")
+    if master_weights is not None and (master_weights.dtype != torch.float32
+                                       or master_weights.shape != weights.shape or master_weights.device != weights.device):
+        raise ValueError(f"expected fp32 master weights shaped {tuple(weights.shape)} on {weights.device}, "
+                         f"got {master_weights.dtype} {tuple(master_weights.shape)} on {master_weights.device}")
+    state1, state2 = _state_for(optimizer, state, weights, slots)
+    nnz = indices.numel()
+    if batch_size == 0 or nnz == 0:
+        return
+    indices, offsets = indices.contiguous(), offsets.contiguous()
+    grad = grad_output.to(torch.float32).contiguous()
+    sorted_keys, order, bag_of = sort_by_row(slots, indices, offsets, batch_size)
+
+    width = _vector_width(weights.dtype)
+    log_lanes = _log_lanes(slots.max_dim, width)
+    chunks = 1 if slots.max_dim <= (width << log_lanes) else MAX_UPDATE_DIM // (32 * width)
+    key = "i64" if sorted_keys.dtype == torch.int64 else "i32"
+    name = f"sparse_update_{optimizer}_{_DTYPE_NAMES[weights.dtype]}_{key}_c{chunks}"
+    rows_per_block = BLOCK >> log_lanes
+    step = max(int(step), 1)
+    grad_aligned = slots.columns_aligned and slots.total_dim % 4 == 0
+    weights_aligned = weights.data_ptr() % 16 == 0 and all(
+        t is None or t.data_ptr() % 16 == 0 for t in (master_weights, state1 if optimizer == "adam" else None, state2))
+    launch(BACKWARD_SOURCE, name, weights.device, (nnz + rows_per_block - 1) // rows_per_block, BLOCK,
+           [ptr(weights), ptr(master_weights), ptr(state1), ptr(state2), ptr(sorted_keys), ptr(order), ptr(bag_of),
+            ptr(offsets), ptr(slots.weight_offsets), ptr(slots.row_offsets), ptr(slots.output_offsets),
+            ptr(slots.mean), ptr(grad), i64(nnz), i32(slots.num_slots), i32(batch_size), i32(log_lanes),
+            i32(weights_aligned), i32(grad_aligned), f32(lr), f32(eps), f32(beta1), f32(beta2),
+            f32(1.0 - beta1**step), f32(1.0 - beta2**step), f32(weight_decay), i32(stochastic_rounding),
+            u64(_mix(seed, step))])
+
+
+def _state_for(optimizer: str, state: dict[str, torch.Tensor], weights: torch.Tensor,
+               slots: SlotArrays) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    need = {"sgd": {}, "adagrad": {"momentum1": slots.total_rows},
+            "adam": {"momentum1": weights.numel(), "momentum2": weights.numel()}}[optimizer]
+    for name, size in need.items():
+        t = state.get(name)
+        if t is None or t.dtype != torch.float32 or t.numel() != size or t.device != weights.device \
+                or not t.is_contiguous():
+            found = "nothing" if t is None else f"{t.dtype} [{t.numel()}] on {t.device}"
+            raise ValueError(f"{optimizer}: expected state {name!r} as contiguous fp32 [{size}] on "
+                             f"{weights.device}, got {found}")
+    return state.get("momentum1") if need else None, state.get("momentum2") if optimizer == "adam" else None
+
+
+def _mix(seed: int, step: int) -> int:
+    return (int(seed) * 0x9E3779B97F4A7C15 + int(step) * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & (2**64 - 1)
