@@ -38,6 +38,7 @@ from pipeline.etl.backend import check_backend, read_parquet
 from pipeline.etl.graph import ColumnsLike, Node
 from pipeline.etl.ops._columns import as_arrow_lists, frame_like
 from pipeline.etl.ops.base import REGISTRY, Operator
+from pipeline.etl.progress import compute
 
 WORKFLOW_FORMAT = "pipeline.etl.Workflow"
 WORKFLOW_VERSION = 1
@@ -90,10 +91,11 @@ class Workflow:
                 found[column] = op
         return found
 
-    def fit(self, data: Any) -> "Workflow":
-        """Compute every operator's statistics from ``data`` (Dask or pandas DataFrame, or parquet path)."""
-        import dask
+    def fit(self, data: Any, progress: bool = False) -> "Workflow":
+        """Compute every operator's statistics from ``data`` (Dask or pandas DataFrame, or parquet path).
 
+        Runs on the current Dask scheduler (a ``distributed.Client`` if one is active).
+        """
         ddf = self._as_dask(data)
         self._check_columns(ddf.columns, "the data to fit")
         pending = [n for n in self._nodes if n.op and n.op.stateful]
@@ -102,7 +104,7 @@ class Workflow:
         while pending:
             ready = [n for n in pending if all(a.op.fitted for a in n.walk() if a.op and a is not n)]
             lazy = [n.op.fit(self._lazy_input(ddf, n)) for n in ready]
-            computed = dask.compute(*lazy)
+            computed = compute(*lazy, desc="fit statistics", progress=progress)
             for node, stats in zip(ready, computed):
                 node.op.fit_finalize(stats)
             pending = [n for n in pending if n not in ready]

@@ -1,0 +1,70 @@
+"""``compute``: ``dask.compute`` with a progress bar, on threads (tqdm) or on a distributed client.
+
+Example::
+
+    counts, = compute(ddf["C1"].value_counts(), desc="fit")
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from tqdm.auto import tqdm
+
+
+def compute(*collections: Any, desc: str = "dask", progress: bool = True) -> tuple:
+    """Compute Dask collections together, showing a bar of finished tasks when ``progress`` is on."""
+    import dask
+
+    client = _current_client()
+    if not progress:
+        return dask.compute(*collections)
+    if client is not None:
+        from distributed import progress as distributed_progress
+
+        futures = client.compute(list(collections))
+        print(f"[etl] {desc}", file=sys.stderr, flush=True)
+        distributed_progress(futures)
+        return tuple(client.gather(futures))
+    with _TqdmCallback(desc):
+        return dask.compute(*collections)
+
+
+def _current_client() -> Any:
+    try:
+        from distributed import get_client
+    except ImportError:
+        return None
+    try:
+        return get_client()
+    except ValueError:
+        return None
+
+
+class _TqdmCallback:
+    """A dask local-scheduler callback that advances a tqdm bar per finished task."""
+
+    def __init__(self, desc: str):
+        from dask.callbacks import Callback
+
+        bar_holder: dict[str, Any] = {}
+
+        class _Callback(Callback):
+            def _start_state(self, dsk, state):
+                bar_holder["bar"] = tqdm(total=len(dsk), desc=desc, unit="task", leave=False)
+
+            def _posttask(self, key, result, dsk, state, worker_id):
+                bar_holder["bar"].update(1)
+
+            def _finish(self, dsk, state, errored):
+                bar_holder.pop("bar").close()
+
+        self._callback = _Callback()
+
+    def __enter__(self) -> "_TqdmCallback":
+        self._callback.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._callback.__exit__(*exc)
