@@ -1,0 +1,228 @@
+"""Reading the ETL's parquet files into numpy columns, with cheap checks of what was read.
+
+:func:`open_split` reads every file's footer once: the row groups (for the plan) and the column
+types (checked against the schema before any row is read). :func:`read_segment` reads one row
+group with pyarrow, keeps the rows a segment needs and turns each column into a numpy array
+without per-row Python; it checks, vectorized, that there are no nulls, that labels are 0/1 and
+that ids are within their table's cardinality, and names the file, column, row and value when not.
+
+Example::
+
+    split = open_split("data/synthetic/processed/train", schema)
+    chunk = read_segment(split, Segment(split.groups[0], 0, 100))
+    chunk.ids[0][:5]      # the first 5 codes of schema.sparse[0]
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from pipeline.errors import BadInputError
+from pipeline.loader.plan import RowGroup, Segment
+from pipeline.schema import Column, Schema
+
+
+@dataclass
+class Split:
+    """The files of one split, their row groups and footers, and what to read from them."""
+
+    files: list[Path]
+    metadata: list[pq.FileMetaData]
+    groups: list[RowGroup]
+    schema: Schema
+
+    @property
+    def rows(self) -> int:
+        return sum(g.rows for g in self.groups)
+
+    @property
+    def onehot(self) -> list[str]:
+        return [c for c in self.schema.sparse if c not in set(self.schema.multihot)]
+
+    @property
+    def columns(self) -> list[str]:
+        return [self.schema.label, *self.schema.continuous, *self.schema.sparse]
+
+
+@dataclass
+class Chunk:
+    """Decoded rows: the label, each continuous column, each one-hot id column and each multi-hot bag column."""
+
+    label: np.ndarray
+    dense: list[np.ndarray]
+    ids: list[np.ndarray]
+    bags: list[tuple[np.ndarray, np.ndarray]]
+    """Per multi-hot feature: (offsets int64 of length rows + 1 starting at 0, values)."""
+
+    @property
+    def rows(self) -> int:
+        return len(self.label)
+
+    def slice(self, start: int, stop: int) -> "Chunk":
+        bags = []
+        for offsets, values in self.bags:
+            bags.append((offsets[start : stop + 1] - offsets[start], values[offsets[start] : offsets[stop]]))
+        return Chunk(self.label[start:stop], [d[start:stop] for d in self.dense], [i[start:stop] for i in self.ids], bags)
+
+
+def find_files(data: str | Path | Sequence[str | Path]) -> list[Path]:
+    """The parquet files of a split: a folder's ``part-*.parquet`` in natural order, or the files given."""
+    if isinstance(data, (str, Path)):
+        path = Path(data)
+        if path.is_dir():
+            files = sorted(path.glob("part-*.parquet"), key=_natural_key)
+            if not files:
+                raise BadInputError(f"{path}: expected part-*.parquet files (the ETL's output), found none")
+            return files
+        if not path.is_file():
+            raise BadInputError(f"{path}: no such file or folder (expected a split folder of part-*.parquet files)")
+        return [path]
+    files = [Path(f) for f in data]
+    if not files:
+        raise BadInputError("expected at least one parquet file, got an empty list")
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise BadInputError(f"parquet files not found: {', '.join(missing)}")
+    return files
+
+
+def open_split(data: str | Path | Sequence[str | Path], schema: Schema) -> Split:
+    """Read the footers of a split's files and check their columns against ``schema``."""
+    files = find_files(data)
+    metadata, groups = [], []
+    for i, path in enumerate(files):
+        try:
+            pf = pq.ParquetFile(path)
+        except (pa.ArrowInvalid, OSError) as err:
+            raise BadInputError(f"{path}: not a readable parquet file ({err})") from err
+        _check_types(path, pf.schema_arrow, schema)
+        md = pf.metadata
+        metadata.append(md)
+        first = 0
+        for j in range(md.num_row_groups):
+            rows = md.row_group(j).num_rows
+            if rows:
+                groups.append(RowGroup(i, j, first, rows))
+            first += rows
+    split = Split(files, metadata, groups, schema)
+    if not split.rows:
+        raise BadInputError(f"{files[0].parent}: the parquet files hold no rows")
+    return split
+
+
+def expected_type(column: Column) -> pa.DataType:
+    """The parquet column type the ETL contract gives a schema column."""
+    if column.role in ("label", "continuous"):
+        return pa.float32()
+    ids = pa.int64() if "int64" in column.dtype else pa.int32()
+    return pa.list_(ids) if column.role == "multihot" else ids
+
+
+def read_segment(split: Split, segment: Segment, validate: bool = True) -> Chunk:
+    """Read and decode the rows of one segment (thread-safe: each call opens its own reader)."""
+    group = segment.group
+    path = split.files[group.file]
+    with pq.ParquetFile(path, metadata=split.metadata[group.file], memory_map=True) as pf:
+        table = pf.read_row_group(group.index, columns=split.columns, use_threads=False)
+    if segment.start or segment.stop != group.rows:
+        table = table.slice(segment.start, segment.rows)
+    where = _Where(path, group, segment.start)
+    schema = split.schema
+    label = _numpy(table, schema.label, where, validate)
+    if validate:
+        _check_label(label, schema.label, where)
+    dense = [_numpy(table, name, where, validate) for name in schema.continuous]
+    ids = []
+    for name in split.onehot:
+        values = _numpy(table, name, where, validate)
+        if validate:
+            _check_ids(values, schema.column(name), where)
+        ids.append(values)
+    bags = [_bag(table, schema.column(name), where, validate) for name in schema.multihot]
+    return Chunk(label, dense, ids, bags)
+
+
+@dataclass(frozen=True)
+class _Where:
+    path: Path
+    group: RowGroup
+    start: int
+
+    def row(self, offset: int) -> str:
+        return f"row {self.group.first_row + self.start + offset} (row group {self.group.index})"
+
+
+def _natural_key(path: Path) -> list:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", path.name)]
+
+
+def _check_types(path: Path, arrow_schema: pa.Schema, schema: Schema) -> None:
+    names = set(arrow_schema.names)
+    for column in schema.columns:
+        if column.name not in names:
+            raise BadInputError(
+                f"{path}: column {column.name!r} of the schema ({column.role}) is missing; the file has {arrow_schema.names}"
+            )
+        want, got = expected_type(column), arrow_schema.field(column.name).type
+        if column.role == "multihot" and pa.types.is_large_list(got):
+            got = pa.list_(got.value_type)
+        if not got.equals(want) and not (pa.types.is_list(got) and pa.types.is_list(want) and got.value_type == want.value_type):
+            raise BadInputError(f"{path}: column {column.name!r} ({column.role}) should be {want}, found {got}")
+
+
+def _array(table: pa.Table, name: str, where: _Where, validate: bool) -> pa.Array:
+    column = table.column(name)
+    array = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+    if validate and array.null_count:
+        first = int(np.flatnonzero(array.is_null().to_numpy(zero_copy_only=False))[0])
+        raise BadInputError(
+            f"{where.path}: column {name!r} has {array.null_count} null values, the first at {where.row(first)}; "
+            "expected none (the ETL fills missing values)"
+        )
+    return array
+
+
+def _numpy(table: pa.Table, name: str, where: _Where, validate: bool) -> np.ndarray:
+    return _array(table, name, where, validate).to_numpy(zero_copy_only=False)
+
+
+def _check_label(label: np.ndarray, name: str, where: _Where) -> None:
+    bad = (label != 0) & (label != 1)
+    if bad.any():
+        first = int(bad.argmax())
+        raise BadInputError(
+            f"{where.path}: label column {name!r} should hold 0 or 1, found {label[first]!r} at {where.row(first)}"
+        )
+
+
+def _check_ids(values: np.ndarray, column: Column, where: _Where, rows: np.ndarray | None = None) -> None:
+    if not len(values):
+        return
+    low, high = values.min(), values.max()
+    if low >= 0 and high < column.cardinality:
+        return
+    first = int(((values < 0) | (values >= column.cardinality)).argmax())
+    value = values[first]
+    row = first if rows is None else int(np.searchsorted(rows, first, side="right") - 1)
+    raise BadInputError(
+        f"{where.path}: column {column.name!r} holds id {value} at {where.row(row)}, outside its table "
+        f"[0, {column.cardinality}) (cardinality {column.cardinality} in schema.json)"
+    )
+
+
+def _bag(table: pa.Table, column: Column, where: _Where, validate: bool) -> tuple[np.ndarray, np.ndarray]:
+    array = _array(table, column.name, where, validate)
+    offsets = array.offsets.to_numpy().astype(np.int64)
+    values = pc.list_flatten(array).to_numpy(zero_copy_only=False)
+    offsets -= offsets[0]
+    if validate:
+        _check_ids(values, column, where, rows=offsets)
+    return offsets, values
