@@ -1,0 +1,120 @@
+"""CPU checks of the CUDA kernels: every ``.cu`` compiles (nvcc, and NVRTC where CuPy is installed),
+compiler errors name the file and line, the package imports without CuPy or a GPU, and the launch
+geometry and per-slot arrays derived from a table layout are right."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.kernels._compile import KERNEL_DIR, KernelCompileError
+from pipeline.kernels.embedding_ops import SlotArrays, _log_lanes, _vector_width
+from pipeline.modules.embedding import TableConfig, TableLayout
+
+SOURCES = sorted(p.name for p in KERNEL_DIR.glob("*.cu"))
+
+
+def _nvcc() -> str:
+    found = shutil.which("nvcc") or next(
+        (str(p) for p in (Path("/usr/local/cuda/bin/nvcc"),) if p.is_file()), None)
+    if found is None:
+        if os.environ.get("CI"):
+            pytest.fail("nvcc is not on PATH nor in /usr/local/cuda/bin, and CI is set: the kernels can't be checked")
+        pytest.skip("nvcc is not on PATH nor in /usr/local/cuda/bin")
+    return found
+
+
+def _nvrtc():
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+
+        nvrtc.getVersion()
+    except Exception as err:  # CuPy missing, or its NVRTC library not found
+        pytest.skip(f"NVRTC through CuPy is not usable here: {err}")
+    return nvrtc
+
+
+def test_there_are_kernel_sources():
+    assert {"embedding_forward.cu", "embedding_backward.cu"} <= set(SOURCES)
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_source_compiles_with_nvcc_for_sm90(source, tmp_path):
+    nvcc = _nvcc()
+    result = subprocess.run(
+        [nvcc, "-arch=sm_90", "-std=c++17", "-cubin", "-Werror", "all-warnings", "-o", str(tmp_path / "k.cubin"),
+         str(KERNEL_DIR / source)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, f"nvcc failed on {source}:\n{result.stderr}"
+    assert (tmp_path / "k.cubin").read_bytes()[:4] == b"\x7fELF"
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_source_compiles_with_nvrtc(source):
+    _nvrtc()
+    from pipeline.kernels._compile import compile_cubin
+
+    assert compile_cubin(source, "sm_90")[:4] == b"\x7fELF"
+
+
+def test_compile_error_names_file_line_and_log(tmp_path):
+    _nvrtc()
+    from pipeline.kernels._compile import compile_cubin
+
+    (tmp_path / "broken.cu").write_text('#include "embedding_common.cuh"\n\nextern "C" __global__ void k() { nope; }\n')
+    shutil.copy(KERNEL_DIR / "embedding_common.cuh", tmp_path)
+    with pytest.raises(KernelCompileError, match=r'(?s)broken\.cu for sm_90.*broken\.cu\(3\).*"nope" is undefined'):
+        compile_cubin(tmp_path / "broken.cu", "sm_90")
+
+
+def test_disk_cache_is_keyed_by_arch_and_nvrtc_version(tmp_path, monkeypatch):
+    nvrtc = _nvrtc()
+    from pipeline.kernels._compile import cached_cubin
+
+    monkeypatch.setenv("PIPELINE_KERNEL_CACHE", str(tmp_path))
+    path = cached_cubin("embedding_forward.cu", "sm_90")
+    major, minor = nvrtc.getVersion()
+    assert path.parent == tmp_path and f"-sm_90-nvrtc{major}.{minor}-" in path.name
+    stamp = path.stat().st_mtime_ns
+    assert cached_cubin("embedding_forward.cu", "sm_90") == path and path.stat().st_mtime_ns == stamp
+    assert cached_cubin("embedding_forward.cu", "sm_80") != path
+
+
+def test_import_without_gpu_registers_no_cuda_backend():
+    import pipeline.kernels
+    from pipeline.modules.embedding import available_backends, resolve_backend
+
+    problem = pipeline.kernels.kernels_problem()
+    if problem is None:
+        pytest.skip("a GPU and CuPy are usable here: the cuda backend is registered")
+    assert "cuda" not in available_backends()
+    with pytest.raises(ValueError, match="'cuda' is not registered"):
+        resolve_backend("cuda", "cpu")
+    assert resolve_backend("auto", "cpu").name == "torch"
+
+
+def test_lanes_cover_the_widest_row_with_one_vector_each():
+    assert _vector_width(torch.float32) == 4 and _vector_width(torch.bfloat16) == 8
+    assert [1 << _log_lanes(d, 4) for d in (1, 4, 5, 16, 127, 128, 129, 4096)] == [1, 1, 2, 4, 32, 32, 32, 32]
+    assert [1 << _log_lanes(d, 8) for d in (8, 9, 128, 256, 257)] == [1, 2, 16, 32, 32]
+
+
+def test_slot_arrays_follow_the_layout():
+    tables = [TableConfig("wide", 5, 8, ["a"]), TableConfig("shared", 7, 4, ["b", "c"], pooling="mean"),
+              TableConfig("narrow", 3, 4, ["d"])]
+    layout = TableLayout.build(tables)
+    slots = SlotArrays.from_layout(layout, "cpu")
+    # storage is grouped by dim: shared (7x4) and narrow (3x4) first, then wide (5x8)
+    assert slots.weight_offsets.tolist() == [40, 0, 0, 28]
+    assert slots.row_offsets.tolist() == [10, 0, 0, 7]
+    assert slots.output_offsets.tolist() == [0, 8, 12, 16, 20]
+    assert slots.mean.tolist() == [False, True, True, False]
+    assert (slots.num_slots, slots.max_dim, slots.total_dim, slots.total_rows) == (4, 8, 20, 15)
+    assert slots.columns_aligned
+    odd = SlotArrays.from_layout(TableLayout.build([TableConfig("t", 3, 7, ["a"]), TableConfig("u", 3, 4, ["b"])]),
+                                 "cpu")
+    assert not odd.columns_aligned

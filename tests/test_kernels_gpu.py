@@ -1,0 +1,210 @@
+"""The CUDA embedding kernels against the plain-torch reference backend, on a GPU.
+
+Every case runs the same batch through two collections with identical weights, one per backend, and
+compares the pooled output, then the weights and optimizer state after the fused backward updates.
+Shapes cover a zero batch, empty bags, duplicate ids within and across bags, a shared table, dims
+that are not a multiple of 4 (1, 7, 12, 130), rows wider than one warp pass (300), tables from 3 to
+300k rows, and fp32 / fp16 / bf16 weights.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.modules.embedding import EmbeddingCollection, EmbeddingOptimizerConfig, TableConfig
+from pipeline.sparse import KeyedJaggedTensor
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = ["fp32", "fp16", "bf16"]
+OPTIMIZERS = ["sgd", "adagrad", "adam"]
+
+# name -> (tables as (rows, dim, features, pooling), features, batch, max bag length, id range cap)
+CASES = {
+    "one_hot": ([(1000, 16, ["a"], "sum"), (3, 8, ["b"], "sum"), (300_000, 128, ["c"], "sum")], ["a", "b", "c"], 257, 1, None),
+    "multi_hot_odd_dims": ([(37, 12, ["a"], "sum"), (5000, 7, ["b"], "mean"), (100, 64, ["c"], "sum"),
+                            (20, 130, ["d"], "mean"), (9, 1, ["e"], "sum")], ["a", "b", "c", "d", "e"], 64, 9, None),
+    "shared_and_hot_rows": ([(50, 32, ["a", "c"], "mean"), (4000, 300, ["b"], "sum")], ["a", "b", "c"], 128, 20, 6),
+    "zero_batch": ([(10, 16, ["a"], "sum"), (10, 8, ["b"], "sum")], ["a", "b"], 0, 3, None),
+    "all_empty": ([(10, 16, ["a"], "sum"), (10, 8, ["b"], "mean")], ["a", "b"], 16, 0, None),
+}
+
+
+def _tables(spec):
+    return [TableConfig(f"t{i}", rows, dim, feats, pooling) for i, (rows, dim, feats, pooling) in enumerate(spec)]
+
+
+def _batch(tables, features, batch, max_len, cap, seed):
+    """A KJT with lengths 0..max_len (one-hot when max_len == 1) and ids below ``cap`` (forces duplicates)."""
+    g = torch.Generator().manual_seed(seed)
+    rows_of = {f: t.rows for t in tables for f in t.features}
+    lengths, values = [], []
+    for f in features:
+        if max_len == 1:
+            n = torch.ones(batch, dtype=torch.int64)
+        else:
+            n = torch.randint(0, max_len + 1, (batch,), generator=g)
+        high = rows_of[f] if cap is None else min(cap, rows_of[f])
+        lengths.append(n)
+        values.append(torch.randint(0, high, (int(n.sum()),), generator=g))
+    return KeyedJaggedTensor(features, torch.cat(values), torch.cat(lengths))
+
+
+def _pair(case, dtype, optimizer, seed=0):
+    spec, features, batch, max_len, cap = CASES[case]
+    tables = _tables(spec)
+    opt = EmbeddingOptimizerConfig(optimizer, lr=0.05, weight_decay=0.01 if optimizer != "sgd" else 0.0)
+    made = []
+    for backend in ("torch", "cuda"):
+        emb = EmbeddingCollection(tables, features, opt, weights_dtype=dtype, backend=backend,
+                                  generator=torch.Generator().manual_seed(seed)).cuda()
+        made.append(emb)
+    assert made[1].backend.name == "cuda"
+    return made, tables, features, batch, max_len, cap
+
+
+def _tolerance(dtype):
+    # 16-bit results are rounded from fp32 values summed in a different order: one ulp apart at most.
+    return {"fp32": dict(rtol=1e-5, atol=1e-6), "fp16": dict(rtol=1e-3, atol=1e-5),
+            "bf16": dict(rtol=8e-3, atol=1e-5)}[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", list(CASES))
+def test_forward_matches_reference(case, dtype):
+    (ref, cuda), tables, features, batch, max_len, cap = _pair(case, dtype, "sgd")
+    kjt = _batch(tables, features, batch, max_len, cap, seed=1).to("cuda")
+    with torch.no_grad():
+        expected = ref(kjt)
+        out = cuda(kjt)
+    assert out.dtype == torch.float32 and out.shape == (batch, ref.output_dim)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_forward_writes_every_column():
+    (ref, cuda), tables, features, batch, max_len, cap = _pair("multi_hot_odd_dims", "fp32", "sgd")
+    kjt = _batch(tables, features, batch, max_len, cap, seed=2).to("cuda")
+    indices, offsets, b = cuda._slot_bags(kjt)
+    out = cuda.backend.forward(cuda.weights, cuda.layout, indices, offsets, b)
+    assert torch.isfinite(out).all()
+    empty = (offsets[1:] == offsets[:-1]).view(-1, b)
+    for s in range(cuda.layout.num_slots):
+        cols = out[:, cuda.layout.output_offsets[s] : cuda.layout.output_offsets[s + 1]]
+        assert (cols[empty[s]] == 0).all()
+        assert (cols[~empty[s]].abs().sum(1) > 0).all()
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", list(CASES))
+def test_backward_update_matches_reference(case, dtype, optimizer):
+    (ref, cuda), tables, features, batch, max_len, cap = _pair(case, dtype, optimizer)
+    for step in range(3):
+        kjt = _batch(tables, features, batch, max_len, cap, seed=10 + step).to("cuda")
+        grad = torch.randn(batch, ref.output_dim, device="cuda", generator=torch.Generator("cuda").manual_seed(step))
+        for emb in (ref, cuda):
+            emb.train()
+            emb(kjt).backward(grad)
+        torch.testing.assert_close(cuda.weights.float(), ref.weights.float(), **_tolerance(dtype))
+        for name, state in ref.optimizer_state().items():
+            torch.testing.assert_close(cuda.optimizer_state()[name], state, rtol=1e-4, atol=1e-7)
+    if batch and max_len:
+        assert not torch.equal(cuda.weights, EmbeddingCollection(
+            tables, features, cuda.optimizer, weights_dtype=dtype, backend="torch",
+            generator=torch.Generator().manual_seed(0)).weights.cuda())
+
+
+def test_update_rejects_rows_wider_than_supported():
+    from pipeline.kernels.embedding_ops import MAX_UPDATE_DIM
+
+    emb = EmbeddingCollection([TableConfig("t", 10, MAX_UPDATE_DIM + 8, ["a"])], ["a"], backend="cuda").cuda()
+    kjt = KeyedJaggedTensor.from_lists(["a"], [[[1], [2]]]).to("cuda")
+    emb.train()
+    out = emb(kjt)
+    with pytest.raises(ValueError, match=f"dim <= {MAX_UPDATE_DIM}, got dim {MAX_UPDATE_DIM + 8}"):
+        out.sum().backward()
+
+
+def test_stochastic_rounding_is_unbiased_where_nearest_stalls():
+    from pipeline.kernels.backend import CudaEmbeddingBackend
+
+    rows, dim = 4096, 64
+    emb = EmbeddingCollection([TableConfig("t", rows, dim, ["a"])], ["a"], EmbeddingOptimizerConfig("sgd", lr=1e-3),
+                              weights_dtype="bf16", backend="cuda").cuda()
+    emb.weights.fill_(1.0)
+    ids = torch.arange(rows, device="cuda")
+    kjt = KeyedJaggedTensor(["a"], ids, torch.ones(rows, dtype=torch.int64, device="cuda"))
+    grad = torch.ones(rows, dim, device="cuda")
+    nearest = emb.weights.clone()
+    emb.backend.backward_update(nearest, {}, emb.layout, ids, kjt.offsets(), rows, grad, emb.optimizer, 1e-3, 1)
+    assert torch.equal(nearest, emb.weights)  # 1 - 1e-3 rounds back to 1 in bf16 (half an ulp is 2e-3)
+
+    backend = CudaEmbeddingBackend(stochastic_rounding=True, seed=7)
+    w = emb.weights.clone()
+    backend.backward_update(w, {}, emb.layout, ids, kjt.offsets(), rows, grad, emb.optimizer, 1e-3, 1)
+    below = 1.0 - 2.0**-8
+    values = w.float()
+    assert bool(((values == 1.0) | (values == below)).all())
+    exact, n = 1.0 - 1e-3, values.numel()
+    p = 1e-3 / 2.0**-8
+    sigma = (p * (1 - p) / n) ** 0.5 * 2.0**-8
+    assert abs(values.mean().item() - exact) < 5 * sigma
+
+
+def test_master_weights_keep_fp32_updates():
+    spec, features, batch, max_len, cap = CASES["multi_hot_odd_dims"]
+    tables = _tables(spec)
+    opt = EmbeddingOptimizerConfig("adagrad", lr=0.05)
+    ref = EmbeddingCollection(tables, features, opt, weights_dtype="fp32", backend="torch",
+                              generator=torch.Generator().manual_seed(0)).cuda()
+    half = EmbeddingCollection(tables, features, opt, weights_dtype="fp16", backend="cuda",
+                               generator=torch.Generator().manual_seed(0)).cuda()
+    master = ref.weights.clone()
+    half.weights.copy_(master.half())
+    ref.weights.copy_(master.half().float())
+    master.copy_(ref.weights)
+    kjt = _batch(tables, features, batch, max_len, cap, seed=3).to("cuda")
+    grad = torch.randn(batch, ref.output_dim, device="cuda")
+    ref.train()
+    ref(kjt).backward(grad)
+    indices, offsets, b = half._slot_bags(kjt)
+    state = dict(half.optimizer_state(), master_weights=master)
+    half.backend.backward_update(half.weights, state, half.layout, indices, offsets, b, grad, opt, opt.lr, 1)
+    torch.testing.assert_close(master, ref.weights, rtol=1e-5, atol=1e-6)
+    assert torch.equal(half.weights, master.half())
+
+
+def test_dlrm_follows_the_reference_loss_curve():
+    from pipeline.modules.models import DLRM, ModelSizes
+
+    steps, batch, features = 300, 256, [f"C{i}" for i in range(6)]
+    tables = [TableConfig(f"t_{f}", rows, 16, [f]) for f, rows in zip(features, [50, 1000, 7, 20000, 300, 5])]
+    sizes = ModelSizes(embedding_dim=16, bottom_mlp=[32, 16], top_mlp=[64, 32, 1])
+    g = torch.Generator().manual_seed(0)
+    ids = torch.stack([torch.randint(0, t.rows, (steps * batch,), generator=g) for t in tables], 1)
+    dense = torch.randn(steps * batch, 4, generator=g)
+    planted = (ids % 3 == 0).float().sum(1) - 2.0 + dense[:, 0]
+    labels = (torch.rand(steps * batch, generator=g) < torch.sigmoid(planted)).float()
+
+    curves = {}
+    for backend in ("torch", "cuda"):
+        emb = EmbeddingCollection(tables, features, EmbeddingOptimizerConfig("adagrad", lr=0.05), backend=backend,
+                                  generator=torch.Generator().manual_seed(1))
+        torch.manual_seed(2)
+        model = DLRM(emb, 4, sizes).cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for step in range(steps):
+            sl = slice(step * batch, (step + 1) * batch)
+            kjt = KeyedJaggedTensor.from_dense(features, ids[sl]).to("cuda")
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(model(dense[sl].cuda(), kjt), labels[sl].cuda())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        curves[backend] = torch.tensor(losses)
+    ref, cuda = curves["torch"], curves["cuda"]
+    assert ref[-50:].mean() < ref[:50].mean() - 0.05  # the model learns the planted signal
+    torch.testing.assert_close(cuda[:20], ref[:20], rtol=1e-4, atol=1e-4)
+    assert (cuda - ref).abs().max() < 0.02
