@@ -8,7 +8,7 @@ that ids are within their table's cardinality, and names the file, column, row a
 
 Example::
 
-    split = open_split("data/synthetic/processed/train", schema)
+    split = open_split(find_files("data/synthetic/processed/train"), schema)
     chunk = read_segment(split, Segment(split.groups[0], 0, 100))
     chunk.ids[0][:5]      # the first 5 codes of schema.sparse[0]
 """
@@ -94,9 +94,8 @@ def find_files(data: str | Path | Sequence[str | Path]) -> list[Path]:
     return files
 
 
-def open_split(data: str | Path | Sequence[str | Path], schema: Schema) -> Split:
+def open_split(files: list[Path], schema: Schema) -> Split:
     """Read the footers of a split's files and check their columns against ``schema``."""
-    files = find_files(data)
     metadata, groups = [], []
     for i, path in enumerate(files):
         try:
@@ -199,7 +198,7 @@ def _check_label(label: np.ndarray, name: str, where: _Where) -> None:
     if bad.any():
         first = int(bad.argmax())
         raise BadInputError(
-            f"{where.path}: label column {name!r} should hold 0 or 1, found {label[first]!r} at {where.row(first)}"
+            f"{where.path}: label column {name!r} should hold 0 or 1, found {label[first]} at {where.row(first)}"
         )
 
 

@@ -43,7 +43,7 @@ import torch
 from pipeline.errors import UserError
 from pipeline.loader import collate, plan
 from pipeline.loader.batch import Batch
-from pipeline.loader.decode import Chunk, Split, open_split, read_segment
+from pipeline.loader.decode import Chunk, Split, find_files, open_split, read_segment
 from pipeline.schema import Schema
 
 STATE_VERSION = 1
@@ -96,12 +96,13 @@ class Loader:
         for name, value in (("buffer_row_groups", buffer_row_groups), ("prefetch", prefetch), ("read_threads", read_threads)):
             if value < 1:
                 raise ValueError(f"{name}: expected a positive number, got {value}")
+        files = find_files(data)
         if schema is None:
             if not isinstance(data, (str, Path)):
                 raise ValueError("schema: give the schema (or its path) when data is a list of files")
-            schema = Path(data).parent / "schema.json" if Path(data).is_dir() else Path(data).parent.parent / "schema.json"
+            schema = files[0].parent.parent / "schema.json"
         self.schema = schema if isinstance(schema, Schema) else Schema.load(schema)
-        self._split: Split = open_split(data, self.schema)
+        self._split: Split = open_split(files, self.schema)
         self.batch_size = batch_size
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         self.rank, self.world_size = rank, world_size

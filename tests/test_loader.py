@@ -1,0 +1,387 @@
+"""The loader against a small processed split whose every value is a function of the row's id.
+
+``I1`` holds the row id, so a batch can be checked sample by sample: its label, its one-hot ids
+and its multi-hot bag must be those of that row, whatever the shuffling or sharding did.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from pipeline.errors import BadInputError
+from pipeline.loader import Batch, Loader, LoaderStateError
+from pipeline.schema import Column, Schema
+from pipeline.sparse import KeyedJaggedTensor
+
+ROWS = 1000
+GROUP_ROWS = 64
+CARD = {"C1": 7, "C2": 50, "C3": 1000}
+MULTIHOT_CARD = 300
+
+
+def make_schema() -> Schema:
+    return Schema(
+        [
+            Column("label", "label", "float32"),
+            Column("I1", "continuous", "float32"),
+            Column("I2", "continuous", "float32"),
+            Column("C1", "categorical", "int32", cardinality=CARD["C1"]),
+            Column("M1", "multihot", "list<int32>", cardinality=MULTIHOT_CARD, max_length=3),
+            Column("C2", "categorical", "int32", cardinality=CARD["C2"]),
+            Column("C3", "categorical", "int32", cardinality=CARD["C3"]),
+        ],
+        row_group_rows=GROUP_ROWS,
+    )
+
+
+def bag_of(row: int) -> list[int]:
+    return [(row * 7 + j) % MULTIHOT_CARD for j in range(row % 4)]
+
+
+def table_of(rows: np.ndarray) -> pa.Table:
+    bags = [bag_of(int(r)) for r in rows]
+    return pa.table(
+        {
+            "label": pa.array((rows % 3 == 0).astype(np.float32)),
+            "I1": pa.array(rows.astype(np.float32)),
+            "I2": pa.array((rows * 0.5).astype(np.float32)),
+            "C1": pa.array((rows % CARD["C1"]).astype(np.int32)),
+            "M1": pa.array(bags, type=pa.list_(pa.int32())),
+            "C2": pa.array((rows % CARD["C2"]).astype(np.int32)),
+            "C3": pa.array((rows % CARD["C3"]).astype(np.int32)),
+        }
+    )
+
+
+def write_split(folder: Path, bounds: list[int], schema: Schema | None = None) -> Path:
+    """Files ``part-<i>`` holding rows ``bounds[i]:bounds[i+1]``, and ``schema.json`` one folder up."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+        pq.write_table(table_of(np.arange(lo, hi)), folder / f"part-{i}.parquet", row_group_size=GROUP_ROWS)
+    (schema or make_schema()).save(folder.parent / "schema.json")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def split(tmp_path_factory) -> Path:
+    # Uneven files, so row groups of several sizes; 1000 rows over ranks of 3 leaves a remainder.
+    return write_split(tmp_path_factory.mktemp("processed") / "train", [0, 300, 310, 1000])
+
+
+def rows_of(batch: Batch) -> list[int]:
+    return batch.dense[:, 0].to(torch.int64).tolist()
+
+
+def check_batch(batch: Batch) -> None:
+    """Every value of the batch is the one its row id says."""
+    rows = np.array(rows_of(batch))
+    assert batch.dense.dtype == torch.float32 and batch.dense.shape == (len(rows), 2)
+    assert batch.label.dtype == torch.float32 and batch.label.shape == (len(rows),)
+    assert batch.sparse.keys == ["C1", "M1", "C2", "C3"]
+    assert batch.sparse.values.dtype == torch.int64 and batch.sparse.lengths.dtype == torch.int64
+    assert batch.label.tolist() == (rows % 3 == 0).astype(np.float32).tolist()
+    assert batch.dense[:, 1].tolist() == (rows * 0.5).tolist()
+    expected = KeyedJaggedTensor.from_lists(
+        ["C1", "M1", "C2", "C3"],
+        [
+            [[r % CARD["C1"]] for r in rows],
+            [bag_of(r) for r in rows],
+            [[r % CARD["C2"]] for r in rows],
+            [[r % CARD["C3"]] for r in rows],
+        ],
+    )
+    assert batch.sparse.to_lists() == expected.to_lists()
+    assert torch.equal(batch.sparse.lengths, expected.lengths)
+
+
+def epoch_rows(loader: Loader) -> list[list[int]]:
+    return [rows_of(b) for b in loader]
+
+
+def small(split: Path, **kw) -> Loader:
+    kw.setdefault("batch_size", 32)
+    kw.setdefault("buffer_row_groups", 2)
+    return Loader(split, **kw)
+
+
+def test_in_order_batches_hold_every_row_once_with_its_values(split):
+    loader = small(split)
+    batches = list(loader)
+    assert len(batches) == len(loader) == -(-ROWS // 32)
+    assert [r for b in batches for r in rows_of(b)] == list(range(ROWS))
+    assert [b.batch_size for b in batches] == [32] * (ROWS // 32) + [ROWS % 32]
+    for batch in batches:
+        check_batch(batch)
+        assert batch.dense.is_contiguous()
+    assert loader.epoch == 1
+
+
+def test_shuffle_is_seeded_per_epoch_and_keeps_every_row_once(split):
+    a = small(split, shuffle=True, seed=1)
+    first, second = epoch_rows(a), epoch_rows(a)
+    assert first == epoch_rows(small(split, shuffle=True, seed=1))
+    assert first != epoch_rows(small(split, shuffle=True, seed=2))
+    assert first != second, "the next epoch has another order"
+    for order in (first, second):
+        flat = [r for b in order for r in b]
+        assert sorted(flat) == list(range(ROWS))
+        assert flat != list(range(ROWS))
+    for batch in small(split, shuffle=True, seed=3):
+        check_batch(batch)
+
+
+def test_shuffle_mixes_rows_across_row_groups(split):
+    batch = next(iter(small(split, shuffle=True, seed=0, batch_size=64, buffer_row_groups=4)))
+    groups = {r // GROUP_ROWS for r in rows_of(batch)}
+    assert len(groups) > 1
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_shards_are_disjoint_equal_and_complete_without_drop_last(split, shuffle):
+    world = 3
+    loaders = [small(split, shuffle=shuffle, seed=5, rank=r, world_size=world) for r in range(world)]
+    shards = [epoch_rows(loader) for loader in loaders]
+    assert len({len(s) for s in shards}) == 1 and len(shards[0]) == len(loaders[0])
+    assert len({tuple(len(b) for b in s) for s in shards}) == 1, "every rank has the same batch sizes"
+    real, padded = [], []
+    for loader, shard in zip(loaders, shards):
+        flat = [r for b in shard for r in b]
+        assert len(flat) == loader.rows_per_rank == -(-ROWS // world)
+        cut = len(flat) - loader.padding
+        real += flat[:cut]
+        padded += flat[cut:]
+    assert sorted(real) == list(range(ROWS)), "every row exactly once over the ranks"
+    assert sum(loader.padding for loader in loaders) == len(padded) == world * -(-ROWS // world) - ROWS
+    assert set(padded) <= set(real)
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_shards_with_drop_last_are_disjoint_and_full(split, shuffle):
+    world, batch_size = 3, 32
+    loaders = [small(split, shuffle=shuffle, rank=r, world_size=world, drop_last=True) for r in range(world)]
+    shards = [epoch_rows(loader) for loader in loaders]
+    per_rank = (ROWS // world) // batch_size
+    seen = []
+    for loader, shard in zip(loaders, shards):
+        assert len(shard) == len(loader) == per_rank
+        assert all(len(b) == batch_size for b in shard)
+        seen += [r for b in shard for r in b]
+    assert len(seen) == len(set(seen)) == world * per_rank * batch_size
+
+
+def test_drop_last_with_too_few_rows_says_so(split):
+    with pytest.raises(Exception, match="fewer than batch_size=4000"):
+        Loader(split, batch_size=4000, drop_last=True)
+
+
+@pytest.mark.parametrize("stop_after", [1, 5, 12, 16, 23])
+def test_resume_from_state_gives_exactly_the_remaining_batches(split, stop_after):
+    settings = dict(shuffle=True, seed=7, rank=1, world_size=2)
+    reference = small(split, **settings)
+    uninterrupted = epoch_rows(reference) + epoch_rows(reference)
+    per_epoch = len(reference)
+
+    first = small(split, **settings)
+    seen, state = [], None
+    for _ in range(2):
+        for batch in first:
+            seen.append(rows_of(batch))
+            if len(seen) == stop_after:
+                state = first.state_dict()
+                break
+        if state:
+            break
+    first.close()
+    epoch, index = divmod(stop_after - 1, per_epoch)
+    assert (state["epoch"], state["batches"]) == (epoch, index + 1)
+
+    resumed = small(split, **settings)
+    resumed.load_state_dict(state)
+    for epoch in range(resumed.epoch, 2):
+        for batch in resumed:
+            seen.append(rows_of(batch))
+    assert seen == uninterrupted
+    assert resumed.state_dict()["epoch"] == 2
+
+
+def test_resume_refuses_other_settings(split):
+    state = small(split, shuffle=True, seed=1).state_dict()
+    with pytest.raises(LoaderStateError, match="seed: saved 1, now 2"):
+        small(split, shuffle=True, seed=2).load_state_dict(state)
+    with pytest.raises(LoaderStateError, match="batch_size"):
+        small(split, shuffle=True, seed=1, batch_size=16).load_state_dict(state)
+
+
+def test_set_epoch_and_a_broken_iteration_restart_the_epoch(split):
+    loader = small(split, shuffle=True, seed=1)
+    first_batch = rows_of(next(iter(loader)))
+    assert loader.epoch == 0
+    assert rows_of(next(iter(loader))) == first_batch
+    loader.set_epoch(3)
+    third = epoch_rows(loader)
+    loader.set_epoch(3)
+    assert epoch_rows(loader) == third
+    assert loader.epoch == 4
+
+
+def loader_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("pipeline-loader")]
+
+
+@pytest.mark.parametrize("how", ["break", "close", "garbage", "with", "new_iteration"])
+def test_stopping_early_leaves_no_thread(split, how):
+    before = threading.active_count()
+    loader = small(split, prefetch=2, batch_size=8)
+    if how == "break":
+        for i, _ in enumerate(loader):
+            if i == 2:
+                break
+    elif how == "close":
+        it = iter(loader)
+        next(it)
+        assert loader_threads()
+        loader.close()
+        with pytest.raises(RuntimeError, match="stopped"):
+            for _ in it:
+                pass
+    elif how == "garbage":
+        it = iter(loader)
+        next(it)
+        del it, loader
+        gc.collect()
+    elif how == "with":
+        with loader:
+            next(iter(loader))
+            it = iter(loader)
+            next(it)
+    elif how == "new_iteration":
+        it = iter(loader)
+        next(it)
+        assert rows_of(next(iter(loader))) == list(range(8))
+        del it
+    assert not loader_threads()
+    assert threading.active_count() == before
+
+
+def test_an_error_in_the_reading_thread_is_raised_in_the_consumer(tmp_path):
+    folder = write_split(tmp_path / "train", [0, 200])
+    table = table_of(np.arange(200, 400))
+    labels = table.column("label").to_numpy().copy()
+    labels[150] = 0.5
+    pq.write_table(table.set_column(0, "label", pa.array(labels)), folder / "part-1.parquet", row_group_size=GROUP_ROWS)
+    before = threading.active_count()
+    loader = Loader(folder, batch_size=32, buffer_row_groups=1, prefetch=1)
+    seen = 0
+    with pytest.raises(BadInputError) as err:
+        for _ in loader:
+            seen += 1
+    assert seen >= 1, "batches before the bad row group still arrive"
+    message = str(err.value)
+    assert "part-1.parquet" in message and "'label'" in message and "0.5" in message and "row 150" in message
+    assert threading.active_count() == before
+
+
+def rewrite(folder: Path, name: str, array: pa.Array, rows=(0, 100)) -> None:
+    table = table_of(np.arange(*rows))
+    index = table.schema.get_field_index(name)
+    pq.write_table(table.set_column(index, name, array), folder / "part-0.parquet", row_group_size=GROUP_ROWS)
+
+
+def bad_split(tmp_path: Path) -> Path:
+    return write_split(tmp_path / "train", [0, 100])
+
+
+def read_all(folder: Path) -> None:
+    for _ in Loader(folder, batch_size=16):
+        pass
+
+
+def test_missing_column_is_named(tmp_path):
+    folder = bad_split(tmp_path)
+    pq.write_table(table_of(np.arange(100)).drop_columns(["C2"]), folder / "part-0.parquet")
+    with pytest.raises(BadInputError, match=r"part-0.parquet: column 'C2' of the schema \(categorical\) is missing"):
+        Loader(folder, batch_size=16)
+
+
+@pytest.mark.parametrize(
+    "name, array, found",
+    [
+        ("I2", pa.array(np.zeros(100, dtype=np.float64)), "double"),
+        ("C1", pa.array(np.zeros(100, dtype=np.int64)), "int64"),
+        ("label", pa.array(np.zeros(100, dtype=np.int8)), "int8"),
+        ("M1", pa.array(np.zeros(100, dtype=np.int32)), "int32"),
+    ],
+)
+def test_wrong_dtype_is_named(tmp_path, name, array, found):
+    folder = bad_split(tmp_path)
+    rewrite(folder, name, array)
+    with pytest.raises(BadInputError, match=rf"part-0.parquet: column '{name}' .* should be .*, found {found}"):
+        Loader(folder, batch_size=16)
+
+
+@pytest.mark.parametrize(
+    "name, values, pattern",
+    [
+        ("label", np.where(np.arange(100) == 70, 2, 0).astype(np.float32), r"'label' should hold 0 or 1, found 2.0 at row 70"),
+        ("C2", np.where(np.arange(100) == 9, CARD["C2"], 1).astype(np.int32), rf"'C2' holds id {CARD['C2']} at row 9"),
+        ("C3", np.where(np.arange(100) == 99, -4, 1).astype(np.int32), r"'C3' holds id -4 at row 99"),
+    ],
+)
+def test_bad_values_are_named_with_file_column_row_and_value(tmp_path, name, values, pattern):
+    folder = bad_split(tmp_path)
+    rewrite(folder, name, pa.array(values))
+    with pytest.raises(BadInputError, match=rf"part-0.parquet: (label )?column {pattern}"):
+        read_all(folder)
+
+
+def test_multihot_id_beyond_cardinality_is_named(tmp_path):
+    folder = bad_split(tmp_path)
+    bags = [[1, 2]] * 100
+    bags[66] = [3, MULTIHOT_CARD + 5]
+    rewrite(folder, "M1", pa.array(bags, type=pa.list_(pa.int32())))
+    with pytest.raises(BadInputError, match=rf"'M1' holds id {MULTIHOT_CARD + 5} at row 66 .*cardinality {MULTIHOT_CARD}"):
+        read_all(folder)
+
+
+def test_nulls_are_refused(tmp_path):
+    folder = bad_split(tmp_path)
+    values = pa.array([None if i == 12 else 1.0 for i in range(100)], type=pa.float32())
+    rewrite(folder, "I1", values)
+    with pytest.raises(BadInputError, match=r"'I1' has 1 null values, the first at row 12"):
+        read_all(folder)
+
+
+def test_missing_folder_and_schema_are_clear(tmp_path):
+    with pytest.raises(BadInputError, match="no such file or folder"):
+        Loader(tmp_path / "nothing", batch_size=4)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(BadInputError, match="expected part-\\*.parquet"):
+        Loader(tmp_path / "empty", batch_size=4, schema=make_schema())
+
+
+def test_batch_to_and_repr(split):
+    loader = small(split)
+    batch = next(iter(loader)).to("cpu")
+    check_batch(batch)
+    assert "1000 rows" in repr(loader)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_cuda_batches_equal_cpu_batches(split, shuffle):
+    cpu = list(small(split, shuffle=shuffle, seed=4))
+    gpu = list(small(split, shuffle=shuffle, seed=4, device="cuda"))
+    assert len(cpu) == len(gpu)
+    for a, b in zip(cpu, gpu):
+        assert b.dense.is_cuda and b.sparse.values.is_cuda and b.label.is_cuda
+        assert torch.equal(a.dense, b.dense.cpu()) and torch.equal(a.label, b.label.cpu())
+        assert torch.equal(a.sparse.values, b.sparse.values.cpu())
+        assert torch.equal(a.sparse.lengths, b.sparse.lengths.cpu())
