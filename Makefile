@@ -27,7 +27,7 @@ serve-env: $(TRITON_VENV)/.installed
 $(TRITON_VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(TRITON_VENV)
 	$(TRITON_VENV)/bin/python -m pip install -q --upgrade pip
-	$(TRITON_VENV)/bin/python -m pip install -q $(TORCH_INDEX) "$(TORCH_SPEC)" "numpy>=1.24,<2" "pandas>=2.2,<2.3" "pyarrow>=15,<26" "pyyaml>=6"
+	$(TRITON_VENV)/bin/python -m pip install -q $(TORCH_INDEX) "$(TORCH_SPEC)" "numpy>=1.24,<2" "pandas>=2.2,<2.3" "pyarrow>=15,<26" "pyyaml>=6" "tqdm>=4.60"
 	$(TRITON_VENV)/bin/python -m pip install -q --no-deps -e .
 	touch $@
 

@@ -4,12 +4,37 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+DENSE_BACKENDS = ("python", "pytorch")
+INSTANCE_KINDS = ("auto", "cpu", "gpu")
+CACHE_POLICIES = ("lru", "lfu", "none")
+
 
 @dataclass
 class ExportConfig:
-    """What the Triton model repository holds."""
+    """What the Triton model repository holds, and how its models are scheduled."""
 
     max_batch_size: int = field(default=1024, metadata={"help": "largest batch one request may carry"})
+    dense_backend: str = field(default="python", metadata={
+        "help": "python (bundled server) | pytorch (Triton's libtorch backend, in a full Triton container)"})
+    instance_kind: str = field(default="auto", metadata={
+        "help": "auto | cpu | gpu: instance groups of embedding and dense (auto: gpu when the device is cuda)"})
+    instances: int = field(default=1, metadata={"help": "instances of each model"})
+    dynamic_batching: bool = field(default=True, metadata={"help": "let Triton merge concurrent requests"})
+    max_queue_delay_us: int = field(default=100, metadata={"help": "dynamic batching: longest wait for more requests"})
+    cache_policy: str = field(default="lru", metadata={"help": "lru | lfu | none: the cache of hot embedding rows"})
+    cache_fraction: float = field(default=0.25, metadata={"help": "rows of each table kept in the cache, as a fraction"})
+    update: bool = field(default=False, metadata={
+        "help": "write only a new embedding store version; a running server picks it up without a restart"})
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("dense_backend", DENSE_BACKENDS), ("instance_kind", INSTANCE_KINDS),
+                              ("cache_policy", CACHE_POLICIES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"export.{name}: expected one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        if self.max_batch_size <= 0 or self.instances <= 0:
+            raise ValueError("export.max_batch_size and export.instances must be positive")
+        if not 0 <= self.cache_fraction <= 1:
+            raise ValueError(f"export.cache_fraction: expected a value in [0, 1], got {self.cache_fraction}")
 
 
 @dataclass
@@ -19,3 +44,9 @@ class ServeConfig:
     host: str = field(default="127.0.0.1", metadata={"help": "address to bind (loopback unless asked)"})
     http_port: int = field(default=0, metadata={"help": "HTTP port (0: a free one)"})
     grpc_port: int = field(default=0, metadata={"help": "gRPC port (0: a free one)"})
+    binary: str = field(default="", metadata={
+        "help": "tritonserver executable (empty: one on PATH, else the one bundled with nvidia-pytriton)"})
+    models_env: str = field(default="", metadata={
+        "help": "venv the python models run in (empty: $PIPELINE_TRITON_ENV or .venv-triton; needs numpy<2)"})
+    startup_timeout: float = field(default=180.0, metadata={"help": "seconds to wait for the server to be ready"})
+    smoke_rows: int = field(default=8, metadata={"help": "raw test rows sent as the smoke request"})

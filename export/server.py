@@ -31,6 +31,11 @@ from export.environment import ModelsEnv, ServerBinary, find_models_env, find_se
 from pipeline.errors import UserError
 
 SHM_DIR = Path("/dev/shm")
+_NOISE = ("CudaDriverHelper", "pinned memory", "NVML", "DCGM", "unable to create stream")
+
+
+def _meaningful(line: str) -> bool:
+    return not any(noise in line for noise in _NOISE)
 
 
 class ServerError(UserError):
@@ -167,10 +172,13 @@ class TritonServer:
         return code
 
     def log_tail(self, chars: int = 4000) -> str:
+        """The server's error lines (model load failures first), then the end of its log."""
         try:
-            return self.log_path.read_text(errors="replace")[-chars:]
+            text = self.log_path.read_text(errors="replace")
         except OSError:
             return ""
+        errors = [line[:1500] for line in text.splitlines() if line.startswith("E") and _meaningful(line)]
+        return "\n".join(errors[:10] + ["..."] + [text[-chars:]]) if errors else text[-chars:]
 
     def shm_regions(self) -> list[Path]:
         """This server's python-backend regions in /dev/shm (empty once stopped)."""

@@ -1,0 +1,77 @@
+"""One response per request, and a bad request answered alone: the shared ``execute`` of the python models.
+
+Triton hands a python model several requests at once (dynamic batching). The requests' inputs are
+stacked and computed in one call; if that call fails, each request is computed on its own, so a bad
+request gets its own error response naming the problem while the others succeed (the pattern of
+triton-inference-server/python_backend's examples).
+
+Example (inside a ``model.py``)::
+
+    def execute(self, requests):
+        return respond(requests, ["DENSE", "EMBEDDINGS"], self._compute, pb_utils, self.name)
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from pipeline.errors import UserError
+
+Compute = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
+
+
+def respond(requests: list, input_names: list[str], compute: Compute, pb_utils, model: str) -> list:
+    """Run ``compute`` on the requests' inputs; return exactly one response per request, in order."""
+    inputs: list[dict[str, np.ndarray] | Exception] = [_read(r, input_names, pb_utils) for r in requests]
+    good = [i for i, x in enumerate(inputs) if not isinstance(x, Exception)]
+    results: list[dict[str, np.ndarray] | Exception | None] = list(inputs)
+    merged = _stack([inputs[i] for i in good]) if len(good) > 1 else None
+    if merged is not None:
+        try:
+            outputs = compute(merged[0])
+            for i, part in zip(good, _split(outputs, merged[1])):
+                results[i] = part
+            good = []
+        except Exception:  # noqa: BLE001  (retried one by one below, where each gets its own error)
+            pass
+    for i in good:
+        try:
+            results[i] = compute(inputs[i])
+        except Exception as err:  # noqa: BLE001
+            results[i] = err
+    return [_response(x, pb_utils, model) for x in results]
+
+
+def _read(request, names: list[str], pb_utils) -> dict[str, np.ndarray] | Exception:
+    out = {}
+    for name in names:
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        if tensor is None:
+            return UserError(f"missing input {name}")
+        out[name] = tensor.as_numpy()
+    return out
+
+
+def _stack(parts: list[dict[str, np.ndarray]]) -> tuple[dict[str, np.ndarray], list[int]] | None:
+    names = parts[0].keys()
+    for name in names:
+        shapes = {p[name].shape[1:] for p in parts}
+        if len(shapes) > 1:
+            return None
+    sizes = [len(next(iter(p.values()))) for p in parts]
+    return {n: np.concatenate([p[n] for p in parts]) for n in names}, sizes
+
+
+def _split(outputs: dict[str, np.ndarray], sizes: list[int]) -> list[dict[str, np.ndarray]]:
+    bounds = np.cumsum([0] + sizes)
+    return [{n: a[bounds[k]: bounds[k + 1]] for n, a in outputs.items()} for k in range(len(sizes))]
+
+
+def _response(result, pb_utils, model: str):
+    if isinstance(result, Exception):
+        kind = "" if isinstance(result, (UserError, ValueError)) else f"{type(result).__name__}: "
+        return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(f"{model}: {kind}{result}"))
+    return pb_utils.InferenceResponse(
+        output_tensors=[pb_utils.Tensor(n, np.ascontiguousarray(a)) for n, a in result.items()])

@@ -1,0 +1,60 @@
+"""The dense part of a trained model, exported as TorchScript that returns click probabilities.
+
+One artifact serves both backends: the ``dense`` python-backend model loads it with
+``torch.jit.load``, and Triton's ``pytorch`` backend (``export.dense_backend=pytorch``, in a full
+Triton container) loads the same file as ``model.pt``. Inputs are the continuous features
+``[B, num_dense]`` and the pooled embeddings ``[B, embedding_dim_total]`` (float32); the output is
+``sigmoid(logits)`` as ``[B, 1]``.
+
+Example::
+
+    save_dense(model, "repo/dense/1/model.pt")
+    probability = DenseRunner("repo/dense/1/model.pt")(dense, pooled)   # numpy [B, 1]
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+
+class _Probability(nn.Module):
+    def __init__(self, dense_part: nn.Module) -> None:
+        super().__init__()
+        self.dense_part = dense_part
+
+    def forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.dense_part(dense, pooled).float()).reshape(-1, 1)
+
+
+def save_dense(model, path: str | Path) -> Path:
+    """Trace ``model.dense_part()`` (a :class:`pipeline.modules.models.RecModel`) on CPU and save it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    wrapper = _Probability(model.dense_part()).eval().cpu()
+    example = (torch.zeros(2, model.num_dense), torch.zeros(2, model.embedding.output_dim))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        traced = torch.jit.trace(wrapper, example, check_trace=False)
+    traced.save(str(path))
+    return path
+
+
+class DenseRunner:
+    """Runs the saved dense part: numpy in, numpy ``[B, 1]`` float32 probabilities out."""
+
+    def __init__(self, path: str | Path, device: str = "cpu") -> None:
+        self.device = torch.device(device)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.module = torch.jit.load(str(path), map_location=self.device).eval()
+
+    def __call__(self, dense: np.ndarray, pooled: np.ndarray) -> np.ndarray:
+        with torch.inference_mode():
+            out = self.module(torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32)).to(self.device),
+                              torch.from_numpy(np.ascontiguousarray(pooled, dtype=np.float32)).to(self.device))
+        return out.cpu().numpy()

@@ -1,0 +1,156 @@
+"""Every ``config.pbtxt`` of the repository, generated from one description of the tensors.
+
+:class:`EnsembleSpec` is built once from the raw columns and the schema; each model's config, and
+the ensemble's wiring, take their names, dtypes and dims from it, so no two configs can disagree
+about a tensor (the INT32-vs-INT64 drift Merlin's users met).
+
+Example::
+
+    spec = EnsembleSpec.build(raw_columns, schema, embedding_dim_total=416)
+    configs = model_configs(spec, ModelOptions(max_batch_size=1024))
+    print(configs["ensemble"])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from export.preprocess import CATEGORICAL_IDS, DENSE, MULTIHOT_IDS, MULTIHOT_LENGTHS, RawColumns
+from pipeline.errors import UserError
+from pipeline.schema import Schema
+
+PREDICTION = "PREDICTION"
+EMBEDDINGS = "EMBEDDINGS"
+MODEL_NAMES = ("preprocess", "embedding", "dense", "ensemble")
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    dtype: str  # Triton's TYPE_* name without the prefix: FP32, INT64, STRING, ...
+    dims: tuple[int, ...]
+
+    def pbtxt(self) -> str:
+        return f'{{ name: "{self.name}" data_type: TYPE_{self.dtype} dims: [ {", ".join(map(str, self.dims))} ] }}'
+
+
+@dataclass
+class EnsembleSpec:
+    """The tensors between the models: raw inputs, preprocess outputs, pooled embeddings, prediction."""
+
+    raw: list[Tensor]
+    features: list[Tensor]
+    embeddings: Tensor
+    prediction: Tensor = field(default_factory=lambda: Tensor(PREDICTION, "FP32", (1,)))
+    list_separator: str = "|"
+
+    @property
+    def embedding_inputs(self) -> list[Tensor]:
+        return [t for t in self.features if t.name != DENSE]
+
+    @property
+    def dense_input(self) -> Tensor:
+        return next(t for t in self.features if t.name == DENSE)
+
+    @classmethod
+    def build(cls, raw: RawColumns, schema: Schema, embedding_dim_total: int) -> "EnsembleSpec":
+        multihot = set(schema.multihot)
+        onehot = [c for c in schema.sparse if c not in multihot]
+        if not schema.continuous or not onehot:
+            raise UserError(
+                f"export needs at least one continuous and one one-hot categorical feature; the schema has "
+                f"continuous={schema.continuous}, one-hot={onehot}")
+        tensors = [Tensor(n, "FP64", (1,)) for n in raw.continuous]
+        tensors += [Tensor(n, "STRING", (1,)) for n in (*raw.categorical, *raw.multihot)]
+        features = [Tensor(DENSE, "FP32", (len(schema.continuous),)), Tensor(CATEGORICAL_IDS, "INT64", (len(onehot),))]
+        if multihot:
+            features += [Tensor(MULTIHOT_IDS, "INT64", (-1,)), Tensor(MULTIHOT_LENGTHS, "INT64", (len(multihot),))]
+        return cls(tensors, features, Tensor(EMBEDDINGS, "FP32", (embedding_dim_total,)),
+                   list_separator=raw.list_separator)
+
+
+@dataclass
+class ModelOptions:
+    """Serving options that change the configs (see ExportConfig for their meaning)."""
+
+    max_batch_size: int = 1024
+    instance_kind: str = "cpu"  # cpu | gpu
+    instances: int = 1
+    dynamic_batching: bool = True
+    max_queue_delay_us: int = 100
+    dense_backend: str = "python"  # python | pytorch
+    cache_policy: str = "lru"
+    cache_fraction: float = 0.25
+
+
+def model_configs(spec: EnsembleSpec, options: ModelOptions) -> dict[str, str]:
+    """Model name -> the text of its ``config.pbtxt``."""
+    return {
+        "preprocess": _python_model("preprocess", spec.raw, spec.features, options, kind="cpu"),
+        "embedding": _python_model("embedding", spec.embedding_inputs, [spec.embeddings], options,
+                                   parameters={"cache_policy": options.cache_policy,
+                                               "cache_fraction": str(options.cache_fraction)}),
+        "dense": _dense(spec, options),
+        "ensemble": _ensemble(spec, options),
+    }
+
+
+def _io(inputs: list[Tensor], outputs: list[Tensor]) -> str:
+    return ("input [\n  " + ",\n  ".join(t.pbtxt() for t in inputs) + "\n]\n"
+            + "output [\n  " + ",\n  ".join(t.pbtxt() for t in outputs) + "\n]\n")
+
+
+def _scheduling(options: ModelOptions, kind: str | None = None) -> str:
+    kind = (kind or options.instance_kind).upper()
+    text = f"instance_group [ {{ kind: KIND_{kind} count: {options.instances} }} ]\n"
+    if options.dynamic_batching:
+        text += f"dynamic_batching {{ max_queue_delay_microseconds: {options.max_queue_delay_us} }}\n"
+    return text
+
+
+def _parameters(values: dict[str, str]) -> str:
+    return "".join(f'parameters {{ key: "{k}" value: {{ string_value: "{v}" }} }}\n' for k, v in values.items())
+
+
+def _python_model(name: str, inputs: list[Tensor], outputs: list[Tensor], options: ModelOptions,
+                  kind: str | None = None, parameters: dict[str, str] | None = None) -> str:
+    return (f'name: "{name}"\nbackend: "python"\nmax_batch_size: {options.max_batch_size}\n'
+            + _io(inputs, outputs) + _scheduling(options, kind) + _parameters(parameters or {}))
+
+
+def _dense(spec: EnsembleSpec, options: ModelOptions) -> str:
+    inputs = [spec.dense_input, spec.embeddings]
+    if options.dense_backend == "python":
+        return _python_model("dense", inputs, [spec.prediction], options)
+    if options.dense_backend != "pytorch":
+        raise UserError(f"export.dense_backend: expected python or pytorch, got {options.dense_backend!r}")
+    renamed_in = [Tensor(f"INPUT__{i}", t.dtype, t.dims) for i, t in enumerate(inputs)]
+    renamed_out = [Tensor("OUTPUT__0", spec.prediction.dtype, spec.prediction.dims)]
+    return (f'name: "dense"\nplatform: "pytorch_libtorch"\nmax_batch_size: {options.max_batch_size}\n'
+            + _io(renamed_in, renamed_out) + _scheduling(options))
+
+
+def dense_tensor_names(options: ModelOptions) -> tuple[list[str], str]:
+    """The dense model's own input names and output name, for the ensemble's maps."""
+    if options.dense_backend == "pytorch":
+        return ["INPUT__0", "INPUT__1"], "OUTPUT__0"
+    return [DENSE, EMBEDDINGS], PREDICTION
+
+
+def _step(model: str, inputs: dict[str, str], outputs: dict[str, str]) -> str:
+    maps = "".join(f'      input_map {{ key: "{k}" value: "{v}" }}\n' for k, v in inputs.items())
+    maps += "".join(f'      output_map {{ key: "{k}" value: "{v}" }}\n' for k, v in outputs.items())
+    return f'    {{\n      model_name: "{model}"\n      model_version: -1\n{maps}    }}'
+
+
+def _ensemble(spec: EnsembleSpec, options: ModelOptions) -> str:
+    dense_inputs, dense_output = dense_tensor_names(options)
+    steps = [
+        _step("preprocess", {t.name: t.name for t in spec.raw}, {t.name: t.name for t in spec.features}),
+        _step("embedding", {t.name: t.name for t in spec.embedding_inputs}, {EMBEDDINGS: EMBEDDINGS}),
+        _step("dense", dict(zip(dense_inputs, [DENSE, EMBEDDINGS])), {dense_output: PREDICTION}),
+    ]
+    return (f'name: "ensemble"\nplatform: "ensemble"\nmax_batch_size: {options.max_batch_size}\n'
+            + _io(spec.raw, [spec.prediction])
+            + "ensemble_scheduling {\n  step [\n" + ",\n".join(steps) + "\n  ]\n}\n"
+            + _parameters({"list_separator": spec.list_separator}))

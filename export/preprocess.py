@@ -1,0 +1,198 @@
+"""Raw request columns -> model features, with the saved ETL workflow: the ``preprocess`` model's work.
+
+The wire format of a raw row, one Triton input per raw column (``RawColumns`` says which):
+
+- continuous column: ``TYPE_FP64`` ``[1]``; NaN means missing (the workflow's fill value applies);
+  an integer raw column takes whole numbers only.
+- categorical column: ``TYPE_STRING`` (bytes) ``[1]``; the empty string means missing (the
+  workflow's null index); a value never seen at fit time gets the out-of-vocabulary index.
+- multi-hot column: ``TYPE_STRING`` ``[1]``, the values joined by ``list_separator``; empty: missing.
+
+The request columns are turned into an Arrow table with the raw parquet's own types, then into
+pandas with arrow-backed dtypes (what the ETL's reader gives the workflow), and the *same*
+``Workflow.transform`` as offline runs on it. The processed frame becomes the tensors the next
+models take: ``DENSE`` ``[B, n_cont]`` float32, ``CATEGORICAL_IDS`` ``[B, n_onehot]`` int64 and, with
+multi-hot features, ``MULTIHOT_IDS`` ``[B, W]`` (each row's bags packed, then ``-1``) and
+``MULTIHOT_LENGTHS`` ``[B, n_multihot]``.
+
+Example::
+
+    pre = Preprocessor.load("repo/preprocess/1/artifacts")
+    tensors = pre({"I1": np.array([[1.0]]), "C1": np.array([[b"68fd1e64"]], dtype=object), ...})
+    tensors["CATEGORICAL_IDS"].shape     # (1, 26)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from pipeline.errors import BadInputError
+from pipeline.schema import Schema
+
+DENSE = "DENSE"
+CATEGORICAL_IDS = "CATEGORICAL_IDS"
+MULTIHOT_IDS = "MULTIHOT_IDS"
+MULTIHOT_LENGTHS = "MULTIHOT_LENGTHS"
+
+
+@dataclass
+class RawColumns:
+    """The raw columns a request carries, with the raw parquet's Arrow types (as strings)."""
+
+    continuous: dict[str, str]
+    categorical: dict[str, str]
+    multihot: dict[str, str] = field(default_factory=dict)
+    list_separator: str = "|"
+    label: dict[str, str] = field(default_factory=dict)
+    """The label column and its type: the workflow reads it too, so requests get a placeholder (zeros)."""
+
+    @property
+    def names(self) -> list[str]:
+        return [*self.continuous, *self.categorical, *self.multihot]
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "RawColumns":
+        return cls(**json.loads(Path(path).read_text()))
+
+    @classmethod
+    def from_arrow(cls, arrow_schema: pa.Schema, continuous: list[str], categorical: list[str],
+                   multihot: list[str], list_separator: str = "|", label: str = "") -> "RawColumns":
+        """From a raw parquet file's schema and the column roles of ``meta.json``."""
+        def types(names):
+            return {n: str(arrow_schema.field(n).type) for n in names}
+
+        label = types([label]) if label and label in arrow_schema.names else {}
+        return cls(types(continuous), types(categorical), types(multihot), list_separator, label)
+
+
+class Preprocessor:
+    """Applies ``transform`` (the saved workflow's) to request columns and emits the model tensors."""
+
+    def __init__(self, raw: RawColumns, schema: Schema, transform: Callable[[pd.DataFrame], pd.DataFrame]) -> None:
+        self.raw = raw
+        self.schema = schema
+        self.transform = transform
+        multihot = set(schema.multihot)
+        self.onehot = [c for c in schema.sparse if c not in multihot]
+        self.multihot = [c for c in schema.sparse if c in multihot]
+        self._types = {name: _arrow_type(t) for name, t in
+                       {**raw.continuous, **raw.categorical, **raw.multihot, **raw.label}.items()}
+
+    @classmethod
+    def load(cls, folder: str | Path) -> "Preprocessor":
+        """From the files export wrote: ``raw_columns.json``, ``schema.json`` and ``workflow/``."""
+        from pipeline.etl.workflow import Workflow
+
+        folder = Path(folder)
+        workflow = Workflow.load(folder / "workflow", backend="pandas")
+        return cls(RawColumns.load(folder / "raw_columns.json"), Schema.load(folder / "schema.json"),
+                   workflow.transform)
+
+    def frame(self, columns: dict[str, np.ndarray]) -> pd.DataFrame:
+        """The raw rows as pandas with arrow-backed dtypes, as the ETL reads its parquet input."""
+        missing = [n for n in self.raw.names if n not in columns]
+        if missing:
+            raise BadInputError(f"missing raw columns {missing}; expected {self.raw.names}")
+        rows = {n: np.asarray(columns[n]).reshape(-1) for n in self.raw.names}
+        sizes = {n: a.shape[0] for n, a in rows.items()}
+        if len(set(sizes.values())) > 1:
+            raise BadInputError(f"every raw column needs the same number of rows, got {sizes}")
+        if not sizes or next(iter(sizes.values())) == 0:
+            raise BadInputError("empty batch: expected at least one row")
+        arrays = {}
+        for name, values in rows.items():
+            if name in self.raw.continuous:
+                arrays[name] = self._continuous(name, values)
+            elif name in self.raw.categorical:
+                arrays[name] = _strings(values, name).cast(self._types[name])
+            else:
+                split = pc.split_pattern(_strings(values, name), self.raw.list_separator)
+                arrays[name] = split.cast(self._types[name])
+        for name in self.raw.label:
+            arrays[name] = pa.array(np.zeros(len(next(iter(rows.values()))), dtype=np.int64)).cast(self._types[name])
+        table = pa.table(arrays)
+        return table.to_pandas(types_mapper=pd.ArrowDtype)
+
+    def _continuous(self, name: str, values: np.ndarray) -> pa.Array:
+        if values.dtype.kind not in "fiu":
+            raise BadInputError(f"column {name}: expected numbers (FP64), got dtype {values.dtype}")
+        values = values.astype(np.float64, copy=False)
+        missing = np.isnan(values)
+        if np.isinf(values).any():
+            raise BadInputError(f"column {name}: expected finite numbers or NaN (missing), got inf")
+        target = self._types[name]
+        if pa.types.is_integer(target):
+            present = values[~missing]
+            if present.size and (np.floor(present) != present).any():
+                bad = present[np.floor(present) != present][0]
+                raise BadInputError(f"column {name}: the raw column is {target}, expected whole numbers, got {bad}")
+            return pa.array(np.where(missing, 0, values).astype(np.int64), mask=missing).cast(target)
+        return pa.array(values, mask=missing).cast(target)
+
+    def tensors(self, processed: pd.DataFrame) -> dict[str, np.ndarray]:
+        """The processed frame as the tensors ``embedding`` and ``dense`` take."""
+        out = {
+            DENSE: _matrix(processed, self.schema.continuous, np.float32),
+            CATEGORICAL_IDS: _matrix(processed, self.onehot, np.int64),
+        }
+        if self.multihot:
+            out[MULTIHOT_IDS], out[MULTIHOT_LENGTHS] = _pack_bags(processed, self.multihot)
+        return out
+
+    def __call__(self, columns: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return self.tensors(self.transform(self.frame(columns)))
+
+
+def _arrow_type(text: str) -> pa.DataType:
+    if text.startswith("list<"):
+        inner = text[len("list<"):-1].split(":", 1)[-1].strip()
+        return pa.list_(_arrow_type(inner))
+    aliases = {"string": pa.string(), "large_string": pa.large_string()}
+    return aliases.get(text) or pa.type_for_alias(text)
+
+
+def _strings(values: np.ndarray, name: str) -> pa.Array:
+    if values.dtype.kind not in "OSU":
+        raise BadInputError(f"column {name}: expected strings (BYTES), got dtype {values.dtype}")
+    try:
+        array = pa.array(values, type=pa.binary()).cast(pa.string())
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        array = pa.array([v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v) for v in values],
+                         type=pa.string())
+    return pc.if_else(pc.equal(array, ""), pa.scalar(None, pa.string()), array)
+
+
+def _matrix(frame: pd.DataFrame, columns: list[str], dtype) -> np.ndarray:
+    if not columns:
+        return np.zeros((len(frame), 0), dtype=dtype)
+    return np.stack([frame[c].to_numpy(dtype=dtype) for c in columns], axis=1)
+
+
+def _pack_bags(frame: pd.DataFrame, columns: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    batch = len(frame)
+    bags = []
+    for c in columns:
+        arr = pa.array(frame[c])
+        values = pc.list_flatten(arr).to_numpy(zero_copy_only=False).astype(np.int64)
+        lengths = pc.fill_null(pc.list_value_length(arr), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+        bags.append((values, lengths))
+    lengths = np.stack([b[1] for b in bags], axis=1)
+    width = int(lengths.sum(axis=1).max(initial=0))
+    packed = np.full((batch, max(width, 1)), -1, dtype=np.int64)
+    starts = np.concatenate([np.zeros((batch, 1), np.int64), np.cumsum(lengths, axis=1)], axis=1)
+    for j, (values, lens) in enumerate(bags):
+        rows = np.repeat(np.arange(batch), lens)
+        within = np.arange(values.size) - np.repeat(np.cumsum(lens) - lens, lens)
+        packed[rows, starts[rows, j] + within] = values
+    return packed, lengths

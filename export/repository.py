@@ -1,0 +1,152 @@
+"""Write the Triton model repository of a trained model: preprocess -> embedding -> dense, as one ensemble.
+
+Layout (``cfg.paths.export``)::
+
+    preprocess/config.pbtxt   1/model.py   1/artifacts/{raw_columns.json, schema.json, workflow/}
+    embedding/config.pbtxt    1/model.py   1/layout.json   store/{CURRENT, v000001/<table>.npy ...}
+    dense/config.pbtxt        1/model.py   1/model.pt      (TorchScript; the pytorch backend reads it too)
+    ensemble/config.pbtxt     1/
+    export.json               what was exported, from where, and the store version
+
+``update=True`` writes only a new version of the embedding store (the running ``embedding`` model
+switches to it before its next batch, without a restart); the dense part must be unchanged, since
+serving new tables with an old dense part (or the reverse) would mix two models.
+
+Example::
+
+    summary = write_repository(model, schema, "data/synthetic/workflow", raw_columns, "data/synthetic/export")
+    summary["store_version"]     # 1
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+
+from export.dense import save_dense
+from export.lookup import LookupLayout
+from export.pbtxt import EnsembleSpec, ModelOptions, model_configs
+from export.preprocess import RawColumns
+from export.store import current_version, write_version
+from pipeline.errors import UserError
+from pipeline.schema import Schema
+
+MODELS_SOURCE = Path(__file__).parent / "triton_models"
+EXPORT_RECORD = "export.json"
+
+
+def dense_fingerprint(model) -> str:
+    """A hash of the dense part's parameters and buffers (what ``update`` must leave unchanged)."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.dense_part().state_dict().items()):
+        if name.startswith("model.embedding."):
+            continue
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def embedding_tables(model) -> dict[str, np.ndarray]:
+    """Every table of the model's embedding collection, as ``[rows, dim]`` numpy arrays."""
+    collection = model.embedding
+    return {name: collection.table_weight(name).detach().cpu().numpy()
+            for name in collection.layout.table_names}
+
+
+def write_repository(model, schema: Schema, workflow_dir: str | Path, raw: RawColumns, out: str | Path,
+                     options: ModelOptions | None = None, update: bool = False) -> dict:
+    """Export ``model`` (a trained RecModel) with its ETL workflow; returns a summary dict."""
+    options = options or ModelOptions()
+    out = Path(out)
+    model = model.eval()
+    fingerprint = dense_fingerprint(model)
+    if update:
+        return _update_tables(model, out, fingerprint)
+    workflow_dir = Path(workflow_dir)
+    if not (workflow_dir / "workflow.json").is_file():
+        raise UserError(f"no saved workflow at {workflow_dir}: run `python -m pipeline run etl` first")
+    spec = EnsembleSpec.build(raw, schema, model.embedding.output_dim)
+    configs = model_configs(spec, options)
+
+    staging = out.with_name(f".{out.name}.staging")
+    shutil.rmtree(staging, ignore_errors=True)
+    for name, text in configs.items():
+        (staging / name / "1").mkdir(parents=True)
+        (staging / name / "config.pbtxt").write_text(text)
+    for name in ("preprocess", "embedding", "dense"):
+        shutil.copyfile(MODELS_SOURCE / f"{name}.py", staging / name / "1" / "model.py")
+
+    artifacts = staging / "preprocess" / "1" / "artifacts"
+    shutil.copytree(workflow_dir, artifacts / "workflow")
+    raw.save(artifacts / "raw_columns.json")
+    schema.save(artifacts / "schema.json")
+
+    LookupLayout.from_collection(model.embedding, schema).save(staging / "embedding" / "1" / "layout.json")
+    version = write_version(staging / "embedding" / "store", embedding_tables(model))
+    save_dense(model, staging / "dense" / "1" / "model.pt")
+
+    summary = {
+        "models": list(configs), "store_version": version, "dense_fingerprint": fingerprint,
+        "embedding_dim_total": model.embedding.output_dim, "tables": model.embedding.layout.table_names,
+        "options": vars(options), "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    (staging / EXPORT_RECORD).write_text(json.dumps(summary, indent=2) + "\n")
+    if out.exists():
+        shutil.rmtree(out)
+    staging.rename(out)
+    return {**summary, "repository": str(out)}
+
+
+def _update_tables(model, out: Path, fingerprint: str) -> dict:
+    record_path = out / EXPORT_RECORD
+    if not record_path.is_file():
+        raise UserError(f"export.update=true needs an existing export at {out}; run the export once without it")
+    record = json.loads(record_path.read_text())
+    if record["dense_fingerprint"] != fingerprint:
+        raise UserError(
+            "export.update=true replaces only the embedding tables, but the checkpoint's dense part differs "
+            "from the exported one: export with export.update=false and restart the server")
+    tables = embedding_tables(model)
+    if sorted(tables) != sorted(record["tables"]):
+        raise UserError(f"export.update=true: the model's tables {sorted(tables)} are not the exported "
+                        f"{sorted(record['tables'])}; export with export.update=false")
+    store = out / "embedding" / "store"
+    version = write_version(store, tables)
+    record["store_version"] = version
+    record["updated_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    record_path.write_text(json.dumps(record, indent=2) + "\n")
+    return {**record, "repository": str(out), "updated": True, "previous_version": version - 1}
+
+
+def store_version(out: str | Path) -> int:
+    """The embedding store version the repository at ``out`` serves now."""
+    return current_version(Path(out) / "embedding" / "store")
+
+
+def cache_stats(out: str | Path) -> dict:
+    """The embedding cache counters of the running ``embedding`` instances, summed (written every 0.2 s).
+
+    Files of instances whose process is gone are ignored. ``hit_rate`` is over distinct ids per batch.
+    """
+    totals = {"instances": 0, "hits": 0, "misses": 0, "evictions": 0, "versions": []}
+    for path in sorted((Path(out) / "embedding" / "stats").glob("instance-*.json")):
+        pid = path.stem.split("-", 1)[1]
+        if not Path(f"/proc/{pid}").exists():
+            continue
+        try:
+            stats = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        totals["instances"] += 1
+        for key in ("hits", "misses", "evictions"):
+            totals[key] += stats[key]
+        totals["versions"].append(stats["version"])
+        totals.setdefault("policy", stats["policy"])
+    seen = totals["hits"] + totals["misses"]
+    totals["hit_rate"] = totals["hits"] / seen if seen else 0.0
+    return totals

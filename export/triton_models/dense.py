@@ -1,0 +1,31 @@
+"""Triton python model ``dense``: the trained model's dense part (TorchScript) -> click probabilities.
+
+Runs on the instance's GPU for a ``KIND_GPU`` instance group, else on the CPU.
+Exported as ``dense/1/model.py``.
+"""
+
+import json
+from pathlib import Path
+
+import triton_python_backend_utils as pb_utils
+
+from export.batching import respond
+from export.dense import DenseRunner
+from export.preprocess import DENSE
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        self.name = config["name"]
+        device = "cpu"
+        if args.get("model_instance_kind") == "GPU":
+            device = f"cuda:{args['model_instance_device_id']}"
+        self.runner = DenseRunner(Path(args["model_repository"]) / args["model_version"] / "model.pt", device)
+        self.inputs = [i["name"] for i in config["input"]]
+
+    def _compute(self, inputs):
+        return {"PREDICTION": self.runner(inputs[DENSE], inputs["EMBEDDINGS"])}
+
+    def execute(self, requests):
+        return respond(requests, self.inputs, self._compute, pb_utils, self.name)

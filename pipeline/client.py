@@ -1,0 +1,193 @@
+"""A small client of the served ensemble: raw rows in, click probabilities out, over HTTP or gRPC.
+
+Rows may be a pandas DataFrame, a list of dicts (column -> value), or Criteo TSV lines (label
+first, optional; then the continuous and categorical columns in order; empty fields are missing).
+Missing values may be ``None`` / NaN or absent keys; the server applies the workflow's missing
+handling, and unseen categories get the out-of-vocabulary index. The input names, types and order
+come from the server's own model metadata, so nothing is repeated here.
+
+Example::
+
+    with Client("127.0.0.1:8001", protocol="grpc") as client:
+        client.predict([{"I1": 3, "C1": "68fd1e64"}, {"I1": None}])     # numpy [2] probabilities
+        client.predict(open("day_0.tsv").readlines()[:100])
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from pipeline.errors import BadInputError, UserError
+
+PREDICTION = "PREDICTION"
+
+
+class ServingError(UserError):
+    """The server answered a request with an error; the message is the server's."""
+
+
+class Client:
+    """A connection to a Triton server serving the ensemble ``model``."""
+
+    def __init__(self, url: str, protocol: str = "http", model: str = "ensemble", timeout_s: float = 60.0,
+                 ignore_columns: Sequence[str] = ("label",)) -> None:
+        if protocol not in ("http", "grpc"):
+            raise ValueError(f"protocol: expected http or grpc, got {protocol!r}")
+        self.url, self.protocol, self.model, self.timeout_s = url, protocol, model, timeout_s
+        self.ignore_columns = set(ignore_columns)
+        if protocol == "http":
+            import tritonclient.http as triton
+            self._client = triton.InferenceServerClient(url, connection_timeout=timeout_s, network_timeout=timeout_s)
+        else:
+            import tritonclient.grpc as triton
+            self._client = triton.InferenceServerClient(url)
+        self._triton = triton
+        self._inputs: list[tuple[str, str]] | None = None
+        self._separator = "|"
+
+    @property
+    def inputs(self) -> list[tuple[str, str]]:
+        """(name, Triton datatype) of every raw input, in the ensemble's order."""
+        if self._inputs is None:
+            meta = self._call(self._client.get_model_metadata, self.model)
+            config = self._call(self._client.get_model_config, self.model)
+            if self.protocol == "grpc":
+                self._inputs = [(i.name, i.datatype) for i in meta.inputs]
+                params = {k: v.string_value for k, v in config.config.parameters.items()}
+            else:
+                self._inputs = [(i["name"], i["datatype"]) for i in meta["inputs"]]
+                params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+            self._separator = params.get("list_separator", "|")
+        return self._inputs
+
+    def predict(self, rows: Any) -> np.ndarray:
+        """Probabilities ``[B]`` for raw rows (DataFrame, list of dicts, or Criteo TSV lines)."""
+        return self.infer(self.columns(rows))
+
+    def columns(self, rows: Any) -> dict[str, np.ndarray]:
+        """The request tensors for ``rows`` (``[B, 1]`` each), without sending them."""
+        if isinstance(rows, str):
+            rows = rows.splitlines()
+        if hasattr(rows, "columns") and hasattr(rows, "iloc"):
+            return self._from_frame(rows)
+        rows = list(rows)
+        if rows and all(isinstance(r, (str, bytes)) for r in rows):
+            return self._from_tsv(rows)
+        if all(isinstance(r, dict) for r in rows):
+            return self._from_dicts(rows)
+        raise BadInputError("rows: expected a DataFrame, a list of dicts or TSV lines, got "
+                            f"{type(rows[0]).__name__ if rows else 'an empty list'}")
+
+    def infer(self, columns: dict[str, np.ndarray]) -> np.ndarray:
+        """Send exactly these tensors (name -> array; dtype gives the Triton type) and return ``[B]``."""
+        request = []
+        for name, array in columns.items():
+            array = np.asarray(array)
+            datatype = "BYTES" if array.dtype.kind in "OSU" else self._triton_dtype(array.dtype)
+            tensor = self._triton.InferInput(name, list(array.shape), datatype)
+            tensor.set_data_from_numpy(array.astype(object) if datatype == "BYTES" else array)
+            request.append(tensor)
+        outputs = [self._triton.InferRequestedOutput(PREDICTION)]
+        kwargs = {"client_timeout": self.timeout_s} if self.protocol == "grpc" else {}
+        result = self._call(self._client.infer, self.model, request, outputs=outputs, **kwargs)
+        return result.as_numpy(PREDICTION).reshape(-1)
+
+    def is_ready(self) -> bool:
+        try:
+            return bool(self._client.is_model_ready(self.model))
+        except Exception:  # noqa: BLE001  (not reachable counts as not ready)
+            return False
+
+    def close(self) -> None:
+        self._client.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _call(self, fn, *args, **kwargs):
+        from tritonclient.utils import InferenceServerException
+
+        try:
+            return fn(*args, **kwargs)
+        except InferenceServerException as err:
+            raise ServingError(f"{self.model} at {self.url} ({self.protocol}): {err.message()}") from err
+
+    @staticmethod
+    def _triton_dtype(dtype: np.dtype) -> str:
+        from tritonclient.utils import np_to_triton_dtype
+
+        return np_to_triton_dtype(dtype)
+
+    def _from_frame(self, frame) -> dict[str, np.ndarray]:
+        names = {n for n, _ in self.inputs}
+        unknown = sorted(set(map(str, frame.columns)) - names - self.ignore_columns)
+        if unknown:
+            raise BadInputError(f"unknown columns {unknown}; the model takes {[n for n, _ in self.inputs]}")
+        out = {}
+        for name, datatype in self.inputs:
+            values = frame[name].tolist() if name in frame.columns else [None] * len(frame)
+            out[name] = self._encode(values, name, datatype)
+        return out
+
+    def _from_dicts(self, rows: list[dict]) -> dict[str, np.ndarray]:
+        names = {n for n, _ in self.inputs}
+        unknown = sorted({k for r in rows for k in r} - names - self.ignore_columns)
+        if unknown:
+            raise BadInputError(f"unknown columns {unknown}; the model takes {[n for n, _ in self.inputs]}")
+        return {name: self._encode([r.get(name) for r in rows], name, datatype) for name, datatype in self.inputs}
+
+    def _from_tsv(self, lines: list[str | bytes]) -> dict[str, np.ndarray]:
+        n = len(self.inputs)
+        fields = []
+        for number, line in enumerate(lines, 1):
+            text = line.decode() if isinstance(line, bytes) else line
+            parts = text.rstrip("\r\n").split("\t")
+            if len(parts) == n + 1:
+                parts = parts[1:]
+            elif len(parts) != n:
+                raise BadInputError(f"TSV line {number}: expected {n} fields (or {n + 1} with the label first), "
+                                    f"found {len(parts)}")
+            fields.append(parts)
+        return {name: self._encode([f[k] if f[k] != "" else None for f in fields], name, datatype)
+                for k, (name, datatype) in enumerate(self.inputs)}
+
+    def _encode(self, values: list, name: str, datatype: str) -> np.ndarray:
+        if datatype == "FP64":
+            out = np.empty(len(values), dtype=np.float64)
+            for i, v in enumerate(values):
+                try:
+                    out[i] = math.nan if _is_missing(v) else float(v)
+                except (TypeError, ValueError):
+                    raise BadInputError(f"column {name}, row {i}: expected a number or missing, got {v!r}") from None
+            return out.reshape(-1, 1)
+        encoded = [b"" if _is_missing(v) else _to_bytes(v, self._separator) for v in values]
+        return np.array(encoded, dtype=object).reshape(-1, 1)
+
+
+def _is_missing(value: Any) -> bool:
+    if value is None:
+        return True
+    if isinstance(value, float) and math.isnan(value):
+        return True
+    try:
+        import pandas as pd
+
+        return value is pd.NA or value is pd.NaT
+    except ImportError:  # pragma: no cover
+        return False
+
+
+def _to_bytes(value: Any, separator: str) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, Iterable):
+        return separator.join(str(v) for v in value).encode()
+    return str(value).encode()
