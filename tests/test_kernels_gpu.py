@@ -184,7 +184,7 @@ def test_dlrm_follows_the_reference_loss_curve():
     g = torch.Generator().manual_seed(0)
     ids = torch.stack([torch.randint(0, t.rows, (steps * batch,), generator=g) for t in tables], 1)
     dense = torch.randn(steps * batch, 4, generator=g)
-    planted = (ids % 3 == 0).float().sum(1) - 2.0 + dense[:, 0]
+    planted = 2.0 * ((ids % 3 == 0).float().sum(1) - 2.0) + 2.0 * dense[:, 0]
     labels = (torch.rand(steps * batch, generator=g) < torch.sigmoid(planted)).float()
 
     curves = {}

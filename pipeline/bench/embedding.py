@@ -1,0 +1,242 @@
+"""Embedding kernels on the DLRM shape: forward and backward+update time, bandwidth, speed-up over torch.
+
+    python -m pipeline bench embedding                        # 26 tables of 1M..10M rows, dim 128, batch 65536
+    python -m pipeline bench embedding --hots 1,20 --optimizer adagrad --rows-max 4000000
+
+For each bag size (one-hot, 20-hot, ...) it times, with CUDA events (median after warm-up, rotating
+three batches), the ``cuda`` backend's table-batched forward and its fused backward + sparse update
+(and, apart, the row-grouping sort inside it), and the same work done by ``torch.nn.EmbeddingBag``:
+one module per table (``sparse=True``) sharing the very same weight storage, ``torch.cat`` of the
+pooled outputs, ``backward`` and the torch optimizer of the same kind stepping on the sparse
+gradients. Bandwidth is the fewest bytes each step must move over its time, as a fraction of a
+device-to-device copy measured in the same run. Ids are uniform over each table. Needs a CUDA GPU
+and CuPy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+GOALS = {"forward_fraction_of_copy": 0.70, "speedup_one_hot": 5.0, "speedup_multi_hot": 20.0}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tables", type=int, default=26, help="number of tables (one feature each)")
+    parser.add_argument("--rows-min", type=int, default=1_000_000, help="rows of the smallest table")
+    parser.add_argument("--rows-max", type=int, default=10_000_000, help="rows of the largest (sizes are geometric)")
+    parser.add_argument("--dim", type=int, default=128, help="embedding dim of every table")
+    parser.add_argument("--batch", type=int, default=65536, help="samples per batch")
+    parser.add_argument("--hots", default="1,20", help="ids per bag to measure, comma separated")
+    parser.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="fp32", help="weights dtype")
+    parser.add_argument("--optimizer", choices=["sgd", "adagrad"], default="sgd",
+                        help="sparse optimizer (torch side: optim.SGD / optim.Adagrad on sparse gradients)")
+    parser.add_argument("--reps", type=int, default=20, help="timed repetitions per measurement (median)")
+    parser.add_argument("--baseline-reps", type=int, default=5, help="timed repetitions of the torch baseline")
+    parser.add_argument("--no-baseline", action="store_true", help="skip torch.nn.EmbeddingBag")
+    parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+
+
+def run(args: argparse.Namespace, cfg) -> dict:  # noqa: ARG001  (the pipeline settings are not used)
+    import torch
+
+    from pipeline.device import DeviceError, gpu_problem
+
+    problem = gpu_problem()
+    if problem:
+        raise DeviceError(f"bench embedding needs a CUDA GPU: {problem}")
+    import pipeline.kernels
+    from pipeline.modules.embedding import EmbeddingOptimizerConfig, TableConfig, TableLayout
+
+    if pipeline.kernels.kernels_problem():
+        raise DeviceError(f"bench embedding needs the CUDA kernels: {pipeline.kernels.kernels_problem()}")
+    from pipeline.kernels.backend import CudaEmbeddingBackend
+    from pipeline.kernels.embedding_ops import sort_by_row
+
+    hots = [int(h) for h in str(args.hots).split(",") if h]
+    rows = _geometric(args.rows_min, args.rows_max, args.tables)
+    tables = [TableConfig(f"t{i}", r, args.dim, [f"C{i}"]) for i, r in enumerate(rows)]
+    layout = TableLayout.build(tables)
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
+    device = torch.device("cuda")
+    weights = torch.empty(layout.total_elements, dtype=dtype, device=device).uniform_(-0.01, 0.01)
+    opt = EmbeddingOptimizerConfig(args.optimizer, lr=0.01)
+    state = {name: torch.zeros(size, dtype=torch.float32, device=device)
+             for name, size in opt.state_shapes(layout.total_rows, layout.total_elements).items()}
+    backend = CudaEmbeddingBackend()
+    slots = backend.slots(layout, device)
+    es = weights.element_size()
+    copy_bw = _copy_bandwidth(torch)
+    gib = layout.total_elements * es / 2**30
+    print(f"[bench embedding] {torch.cuda.get_device_name()} | {args.tables} tables, {min(rows):,}..{max(rows):,} rows "
+          f"({layout.total_rows:,} rows, {gib:.1f} GiB {args.dtype}), dim {args.dim}, batch {args.batch}, "
+          f"{args.optimizer} | device-to-device copy {copy_bw / 1e12:.2f} TB/s", flush=True)
+
+    baseline = None if args.no_baseline else _Baseline(torch, weights, layout, args.optimizer, opt.lr)
+    results = []
+    for hot in hots:
+        batches = [_batch(torch, rows, args.batch, hot, seed) for seed in range(3)]
+        grad = torch.randn(args.batch, layout.total_dim, device=device)
+        nnz = batches[0][0].numel()
+        cycle = _Cycle(batches)
+
+        def fwd():
+            ind, off = cycle.next()
+            backend.forward(weights, layout, ind, off, args.batch)
+
+        def bwd():
+            ind, off = cycle.next()
+            backend.backward_update(weights, state, layout, ind, off, args.batch, grad, opt, opt.lr, 1)
+
+        def sort_only():
+            ind, off = cycle.next()
+            sort_by_row(slots, ind, off, args.batch)
+
+        t_fwd = _median_ms(torch, fwd, args.reps)
+        t_bwd = _median_ms(torch, bwd, args.reps)
+        t_sort = _median_ms(torch, sort_only, args.reps)
+        unique = _unique_rows(torch, batches[0], layout, args.batch)
+        state_bytes = {"sgd": 0, "adagrad": 8}[args.optimizer]
+        fwd_bytes = nnz * (args.dim * es + 8) + args.batch * layout.total_dim * 4
+        bwd_bytes = nnz * 8 + args.batch * layout.total_dim * 4 + unique * (2 * args.dim * es + state_bytes)
+        row = dict(hot=hot, nnz=nnz, unique_rows=unique, forward_ms=t_fwd, backward_update_ms=t_bwd,
+                   sort_ms=t_sort, forward_tb_s=fwd_bytes / t_fwd / 1e9, backward_tb_s=bwd_bytes / t_bwd / 1e9,
+                   forward_fraction_of_copy=fwd_bytes / t_fwd / 1e9 / (copy_bw / 1e12),
+                   backward_fraction_of_copy=bwd_bytes / t_bwd / 1e9 / (copy_bw / 1e12))
+        if baseline is not None:
+            row.update(baseline.measure(batches, grad, args.batch, args.baseline_reps))
+            row["speedup_forward"] = row["torch_forward_ms"] / t_fwd
+            row["speedup_step"] = row["torch_step_ms"] / (t_fwd + t_bwd)
+            row["speedup_vs_torch_forward_backward"] = row["torch_forward_backward_ms"] / (t_fwd + t_bwd)
+        results.append(row)
+        del batches, grad, cycle
+        torch.cuda.empty_cache()
+        _print_row(row)
+
+    summary = dict(device=torch.cuda.get_device_name(), copy_tb_s=copy_bw / 1e12, tables=args.tables,
+                   rows=rows, dim=args.dim, batch=args.batch, dtype=args.dtype, optimizer=args.optimizer,
+                   results=results, goals=GOALS)
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+class _Cycle:
+    def __init__(self, batches):
+        self.batches, self.i = batches, 0
+
+    def next(self):
+        self.i = (self.i + 1) % len(self.batches)
+        return self.batches[self.i]
+
+
+class _Baseline:
+    """``torch.nn.EmbeddingBag`` per table over views of the same storage, sparse gradients, torch optimizer."""
+
+    def __init__(self, torch, weights, layout, optimizer: str, lr: float) -> None:
+        nn = torch.nn
+        self.torch = torch
+        self.bags = nn.ModuleList()
+        for t in range(len(layout.rows)):
+            start = layout.weights_offsets[t]
+            view = weights[start : start + layout.rows[t] * layout.dims[t]].view(layout.rows[t], layout.dims[t])
+            self.bags.append(nn.EmbeddingBag.from_pretrained(view, freeze=False, mode="sum", sparse=True))
+        params = list(self.bags.parameters())
+        self.opt = torch.optim.SGD(params, lr=lr) if optimizer == "sgd" else torch.optim.Adagrad(params, lr=lr)
+
+    def measure(self, batches, grad, batch, reps) -> dict:
+        torch = self.torch
+        # per-table slices are cut outside the timed region (host reads of the offsets)
+        cut = [self._cut(ind, off, batch) for ind, off in batches]
+        cycle = _Cycle(cut)
+
+        def fwd():
+            with torch.no_grad():
+                self._run(cycle.next())
+
+        def fwd_bwd():
+            self._run(cycle.next()).backward(grad)
+            for p in self.bags.parameters():
+                p.grad = None
+
+        def step():
+            self.opt.zero_grad(set_to_none=True)
+            self._run(cycle.next()).backward(grad)
+            self.opt.step()
+
+        out = dict(torch_forward_ms=_median_ms(torch, fwd, reps), torch_forward_backward_ms=_median_ms(torch, fwd_bwd, reps),
+                   torch_step_ms=_median_ms(torch, step, reps))
+        self.opt.zero_grad(set_to_none=True)
+        self.opt.state.clear()
+        return out
+
+    def _cut(self, indices, offsets, batch):
+        per_table = offsets[::batch].tolist()
+        return [(indices[per_table[t] : per_table[t + 1]], offsets[t * batch : (t + 1) * batch] - per_table[t])
+                for t in range(len(self.bags))]
+
+    def _run(self, pieces):
+        return self.torch.cat([bag(ind, off) for bag, (ind, off) in zip(self.bags, pieces)], dim=1)
+
+
+def _geometric(lo: int, hi: int, n: int) -> list[int]:
+    if n == 1:
+        return [hi]
+    return [int(round(lo * (hi / lo) ** (i / (n - 1)))) for i in range(n)]
+
+
+def _batch(torch, rows, batch, hot, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    ids = [torch.randint(0, r, (batch * hot,), device="cuda", generator=g) for r in rows]
+    indices = torch.cat(ids)
+    offsets = torch.arange(0, len(rows) * batch + 1, device="cuda", dtype=torch.int64) * hot
+    return indices, offsets
+
+
+def _unique_rows(torch, batch, layout, batch_size) -> int:
+    indices, offsets = batch
+    counts = offsets[batch_size::batch_size] - offsets[:-1:batch_size]
+    base = torch.tensor(layout.row_offsets, device=indices.device)
+    keys = indices + torch.repeat_interleave(base, counts)
+    return int(torch.unique(keys).numel())
+
+
+def _copy_bandwidth(torch, nbytes: int = 4 << 30) -> float:
+    """Bytes read + written per second by a device-to-device copy of ``nbytes``."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
+    dst = torch.empty_like(src)
+    ms = _median_ms(torch, lambda: dst.copy_(src), 20)
+    del src, dst
+    return 2 * nbytes / (ms / 1e3)
+
+
+def _median_ms(torch, fn, reps: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(max(reps, 1)):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _print_row(row: dict) -> None:
+    line = (f"  {row['hot']:>2}-hot  nnz {row['nnz']:>10,}  unique {row['unique_rows']:>10,} | "
+            f"forward {row['forward_ms']:8.3f} ms ({row['forward_tb_s']:.2f} TB/s, "
+            f"{100 * row['forward_fraction_of_copy']:.0f}% of copy) | "
+            f"backward+update {row['backward_update_ms']:8.3f} ms (sort {row['sort_ms']:.3f}; "
+            f"{row['backward_tb_s']:.2f} TB/s)")
+    if "torch_step_ms" in row:
+        line += (f"\n          torch EmbeddingBag: forward {row['torch_forward_ms']:.3f} ms, "
+                 f"forward+backward {row['torch_forward_backward_ms']:.3f} ms, "
+                 f"+ optimizer step {row['torch_step_ms']:.3f} ms | speed-up forward "
+                 f"{row['speedup_forward']:.1f}x, forward+backward+update {row['speedup_step']:.1f}x "
+                 f"({row['speedup_vs_torch_forward_backward']:.1f}x against torch's forward+backward alone)")
+    print(line, flush=True)
