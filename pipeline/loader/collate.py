@@ -105,8 +105,9 @@ class _NumpyWindow(_Window):
             self._label, self._dense = label, np.ascontiguousarray(dense.T)
             self._ids = ids.astype(np.int64)
         else:
-            self._label, self._dense = label[order], dense.T[order]
-            self._ids = ids[:, order].astype(np.int64, copy=False)
+            self._label = label.take(order)
+            self._dense = np.ascontiguousarray(dense.take(order, axis=1).T)
+            self._ids = ids.take(order, axis=1).astype(np.int64, copy=False)
         self._bags = []
         for offsets, values in host.bags:
             offsets, values = offsets.numpy(), values.numpy().astype(np.int64, copy=False)
@@ -196,11 +197,11 @@ def _mover(device: torch.device):
 
 def _gather_bags(offsets: np.ndarray, values: np.ndarray, order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Bags reordered: bag ``i`` of the result is bag ``order[i]`` of the input."""
-    lengths = np.diff(offsets)[order]
+    lengths = np.diff(offsets).take(order)
     out = np.zeros(len(order) + 1, dtype=np.int64)
     np.cumsum(lengths, out=out[1:])
-    positions = np.repeat(offsets[:-1][order] - out[:-1], lengths) + np.arange(out[-1])
-    return out, values[positions]
+    positions = np.repeat(offsets[:-1].take(order) - out[:-1], lengths) + np.arange(out[-1])
+    return out, values.take(positions)
 
 
 def assemble(pieces: list[Chunk], layout: Layout, pin: bool) -> HostWindow:

@@ -31,6 +31,7 @@ Example::
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections import deque
@@ -68,7 +69,7 @@ class Loader:
         device: where batches land (``"cpu"``, ``"cuda"``, ``"cuda:1"``, a ``torch.device``).
         buffer_row_groups: about how many row groups are read and shuffled together.
         prefetch: batches made ahead and waiting in the queue.
-        read_threads: row groups decoded in parallel.
+        read_threads: row groups decoded in parallel (default: the CPU cores, at most 8).
         validate: check nulls, labels and id ranges while reading (cheap; on by default).
     """
 
@@ -86,13 +87,14 @@ class Loader:
         device: str | torch.device = "cpu",
         buffer_row_groups: int = 4,
         prefetch: int = 8,
-        read_threads: int = 2,
+        read_threads: int | None = None,
         validate: bool = True,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size: expected a positive number, got {batch_size}")
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"expected 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+        read_threads = read_threads or min(8, os.cpu_count() or 1)
         for name, value in (("buffer_row_groups", buffer_row_groups), ("prefetch", prefetch), ("read_threads", read_threads)):
             if value < 1:
                 raise ValueError(f"{name}: expected a positive number, got {value}")
