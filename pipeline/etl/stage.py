@@ -171,7 +171,8 @@ def _type_fits(role: str, kind: pa.DataType) -> bool:
     return False
 
 
-def transform_split(workflow: Workflow, files: list[Path], folder: Path, row_group_rows: int, backend: str) -> int:
+def transform_split(workflow: Workflow, files: list[Path], folder: Path, row_group_rows: int, backend: str,
+                    progress: bool = True) -> int:
     """Transform one split's parquet files into ``folder/part-*.parquet``; returns the rows written."""
     import shutil
 
@@ -188,7 +189,7 @@ def transform_split(workflow: Workflow, files: list[Path], folder: Path, row_gro
         schema=output_arrow_schema(out._meta),
         compute=False,
     )
-    compute(write, desc=f"transform {folder.name}")
+    compute(write, desc=f"transform {folder.name}", progress=progress)
     return sum(pq.read_metadata(p).num_rows for p in sorted(folder.glob("part-*.parquet")))
 
 

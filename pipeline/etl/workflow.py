@@ -104,7 +104,7 @@ class Workflow:
         while pending:
             ready = [n for n in pending if all(a.op.fitted for a in n.walk() if a.op and a is not n)]
             lazy = [n.op.fit(self._lazy_input(ddf, n)) for n in ready]
-            computed = compute(*lazy, desc="fit statistics", progress=progress)
+            computed = _compute_by_kind(lazy, progress)
             for node, stats in zip(ready, computed):
                 node.op.fit_finalize(stats)
             pending = [n for n in pending if n not in ready]
@@ -258,3 +258,25 @@ def _lists_as_arrow(df: pd.DataFrame) -> pd.DataFrame:
             if len(sample) and isinstance(sample.iloc[0], (list, tuple, np.ndarray)):
                 converted[name] = pd.Series(pd.arrays.ArrowExtensionArray(as_arrow_lists(df[name])), index=df.index)
     return df.assign(**converted) if converted else df
+
+
+def _compute_by_kind(lazy: list, progress: bool) -> list:
+    """Compute statistics built from Dask DataFrame expressions and from ``dask.delayed`` separately.
+
+    Dask warns (and materializes the expressions) when both kinds are computed together.
+    """
+    from dask.delayed import Delayed
+
+    def is_delayed(value: Any) -> bool:
+        if isinstance(value, dict):
+            return any(is_delayed(v) for v in value.values())
+        return isinstance(value, Delayed)
+
+    results: list = [None] * len(lazy)
+    for delayed_kind in (False, True):
+        picked = [i for i, value in enumerate(lazy) if is_delayed(value) == delayed_kind]
+        if picked:
+            values = compute(*[lazy[i] for i in picked], desc="fit statistics", progress=progress)
+            for i, value in zip(picked, values):
+                results[i] = value
+    return results

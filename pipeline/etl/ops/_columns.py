@@ -31,9 +31,13 @@ def as_float64(series: Any) -> Any:
     """Numbers as float64 with NaN for missing (numpy array for pandas, float Series for cuDF)."""
     if is_cudf(series):
         return series.astype("float64")
+    if isinstance(series.dtype, np.dtype) and series.dtype.kind == "f":
+        return series.to_numpy(dtype="float64")
     try:
+        if hasattr(series.array, "__arrow_array__"):
+            return pa.array(series.array).cast(pa.float64()).to_numpy(zero_copy_only=False)
         return series.to_numpy(dtype="float64", na_value=np.nan)
-    except (TypeError, ValueError) as err:
+    except (TypeError, ValueError, pa.ArrowInvalid, pa.ArrowNotImplementedError) as err:
         raise BadInputError(f"column {series.name!r}: expected numbers, found dtype {series.dtype} ({err})") from err
 
 

@@ -63,11 +63,14 @@ class Categorify(Operator):
         return len(self.vocabularies[column]) + RESERVED
 
     def fit(self, ddf: Any) -> Any:
+        multihot = {name: _looks_multihot(ddf[name]) for name in ddf.columns}
         split_out = self.split_out or (1 if ddf.npartitions <= _SINGLE_REDUCTION_PARTITIONS else True)
+        if split_out == 1 and not is_cudf(ddf._meta):
+            return _tree_counts(ddf, multihot)
         stats = {}
         for name in ddf.columns:
             column = ddf[name]
-            if _looks_multihot(column):
+            if multihot[name]:
                 values = column.map_partitions(_flat_strings, meta=pd.Series([], dtype=pd.ArrowDtype(pa.string())))
                 longest = column.map_partitions(_longest_list, meta=pd.Series([], dtype="int64")).max()
                 stats[name] = {"counts": values.value_counts(split_out=split_out), "max_length": longest}
@@ -78,9 +81,12 @@ class Categorify(Operator):
     def fit_finalize(self, stats: Any) -> None:
         for name, stat in stats.items():
             counts = stat["counts"]
-            counts = counts.to_pandas() if is_cudf(counts) else counts
-            values = as_arrow_strings(pd.Series(counts.index, name=name))
-            table = pa.table({"value": values, "count": pa.array(counts.to_numpy(dtype="int64"))})
+            if isinstance(counts, pa.Table):
+                table = counts
+            else:
+                counts = counts.to_pandas() if is_cudf(counts) else counts
+                values = as_arrow_strings(pd.Series(counts.index, name=name))
+                table = pa.table({"value": values, "count": pa.array(counts.to_numpy(dtype="int64"))})
             self._keep(name, table)
             self.multihot[name] = "max_length" in stat
             if self.multihot[name]:
@@ -166,6 +172,50 @@ def _encode_cudf(series: Any, vocab: pa.Array, multihot: bool) -> Any:
     values = series.astype("str")
     found = cudf.Series(index.get_indexer(values), index=values.index)
     return (found + RESERVED).where(found >= 0, OOV_INDEX).where(values.notna(), NULL_INDEX).astype("int32")
+
+
+def _tree_counts(ddf: Any, multihot: dict[str, bool], split_every: int = 8) -> dict:
+    """Value counts of every column in one pass per partition, merged by a tree per column.
+
+    Each partition is read once for all columns and counted with Arrow; each column then has its
+    own tree of merges, so different columns' vocabularies end on different workers.
+    """
+    from dask import delayed
+
+    names = list(ddf.columns)
+    chunks = [delayed(_count_partition, pure=True)(part, names, multihot) for part in ddf.to_delayed()]
+    stats = {}
+    for name in names:
+        level = [chunk[name] for chunk in chunks]
+        while len(level) > 1:
+            level = [delayed(_merge_counts, pure=True)(*level[i : i + split_every]) for i in range(0, len(level), split_every)]
+        stats[name] = level[0] if level else {"counts": _counts_table(pa.array([], pa.string()))}
+    return stats
+
+
+def _count_partition(df: Any, names: list[str], multihot: dict[str, bool]) -> dict:
+    out = {}
+    for name in names:
+        if multihot[name]:
+            lists = as_arrow_lists(df[name])
+            out[name] = {"counts": _counts_table(pc.list_flatten(lists)), "max_length": int(list_lengths(lists).max(initial=0))}
+        else:
+            out[name] = {"counts": _counts_table(as_arrow_strings(df[name]))}
+    return out
+
+
+def _counts_table(values: pa.Array) -> pa.Table:
+    counted = pc.value_counts(values.cast(pa.string()))
+    table = pa.table({"value": counted.field("values"), "count": counted.field("counts").cast(pa.int64())})
+    return table.filter(pc.is_valid(table["value"]))
+
+
+def _merge_counts(*parts: dict) -> dict:
+    table = pa.concat_tables([p["counts"] for p in parts])
+    merged = {"counts": table.group_by("value").aggregate([("count", "sum")]).rename_columns(["value", "count"])}
+    if "max_length" in parts[0]:
+        merged["max_length"] = max(p["max_length"] for p in parts)
+    return merged
 
 
 def _vocab_file(name: str) -> str:
