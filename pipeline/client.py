@@ -65,7 +65,10 @@ class Client:
 
     def predict(self, rows: Any) -> np.ndarray:
         """Probabilities ``[B]`` for raw rows (DataFrame, list of dicts, or Criteo TSV lines)."""
-        return self.infer(self.columns(rows))
+        columns = self.columns(rows)
+        if not len(next(iter(columns.values()))):
+            raise BadInputError("empty batch: expected at least one row")
+        return self.infer(columns)
 
     def columns(self, rows: Any) -> dict[str, np.ndarray]:
         """The request tensors for ``rows`` (``[B, 1]`` each), without sending them."""

@@ -1,0 +1,240 @@
+"""The exported ensemble in a real Triton server, queried over HTTP and gRPC with tritonclient.
+
+One server is started for the whole module (start-up takes seconds): raw rows go in, and the
+probabilities must equal the in-process model's. The last test stops it and checks that no process
+and no /dev/shm region is left behind (the fixture stops it too if a test fails first).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from export.inprocess import InProcessModel
+from export.repository import cache_stats, store_version, write_repository
+from export.stage import model_options, raw_columns, sample_rows, server_problem, start_server
+from pipeline.client import Client, ServingError
+from pipeline.config import load_config
+from pipeline.data.layout import RawDataset
+from pipeline.etl.workflow import Workflow
+from pipeline.modules.models import ModelSizes, build_model
+from pipeline.schema import Schema
+
+ROWS = 300
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("serve")
+    cfg = load_config(None, [f"workdir={workdir}", "data.rows=3000", "etl.cluster=threads", "device=cpu",
+                             "export.max_batch_size=512"])
+    problem = server_problem(cfg)
+    if problem:
+        pytest.fail(f"the serving tests need a Triton server and the models' environment (make serve-env): {problem}")
+    from pipeline.data.stage import run as make_data
+    from pipeline.etl.stage import run as run_etl
+
+    make_data(cfg)
+    run_etl(cfg)
+    schema = Schema.load(cfg.paths.schema)
+    model = _spread_out(build_model("dlrm", schema, ModelSizes.preset("small"), seed=3))
+    raw_data = RawDataset.load(cfg.paths.raw)
+    write_repository(model, schema, cfg.paths.workflow, raw_columns(raw_data, cfg), cfg.paths.export,
+                     model_options(cfg))
+    reference = InProcessModel(model, schema, Workflow.load(cfg.paths.workflow))
+    server = start_server(cfg)
+    try:
+        yield cfg, model, reference, server
+    finally:
+        server.stop()
+
+
+def _spread_out(model):
+    """Larger embedding weights, so that predictions spread over (0, 1) and a 1e-5 check means something."""
+    with torch.no_grad():
+        model.embedding.weights.mul_(40)
+    return model.eval()
+
+
+def _rows(cfg) -> pd.DataFrame:
+    rows = sample_rows(cfg, ROWS)
+    rows.loc[0:9, "C1"] = "never-seen-before"
+    rows.loc[5:14, "C7"] = None
+    rows.loc[10:19, "I1"] = None
+    rows.loc[20:29, "I5"] = None
+    return rows
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_served_predictions_equal_in_process(served, protocol):
+    cfg, _, reference, server = served
+    rows = _rows(cfg)
+    expected = reference.predict(rows)
+    assert expected.std() > 0.05, "the fixture model's predictions should spread out"
+    url = server.http_url if protocol == "http" else server.grpc_url
+    with Client(url, protocol) as client:
+        got = client.predict(rows)
+    # Equal predictions also prove the inputs reached the models intact (numpy 2 in the models'
+    # environment makes them arrive as zeros without any error).
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5)
+
+
+def test_dicts_and_criteo_tsv_lines_give_the_same_predictions(served):
+    cfg, _, reference, server = served
+    rows = _rows(cfg).iloc[:20]
+    expected = reference.predict(rows)
+    records = [{k: (None if pd.isna(v) else v) for k, v in r.items()} for r in rows.to_dict("records")]
+    lines = ["\t".join("" if r[c] is None else str(r[c]) for c in rows.columns) for r in records]
+    with Client(server.grpc_url, "grpc") as client:
+        np.testing.assert_allclose(client.predict(records), expected, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(client.predict(lines), expected, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(client.predict("\n".join(lines[:3])), expected[:3], rtol=0, atol=1e-5)
+        with pytest.raises(Exception, match="TSV line 1: expected 39 fields"):
+            client.predict(["1\t2\t3"])
+
+
+def _bad_requests(good: dict[str, np.ndarray], max_batch: int) -> list[tuple[str, dict, str]]:
+    def changed(**columns):
+        out = dict(good)
+        out.update(columns)
+        return {k: v for k, v in out.items() if v is not None}
+
+    one = good["I1"]
+    return [
+        ("missing input", changed(I1=None), "I1"),
+        ("wrong dtype", changed(I1=one.astype(np.float32)), "FP32"),
+        ("wrong shape", changed(I1=np.repeat(one, 2, axis=1)), "I1"),
+        ("rows differ", changed(I1=np.concatenate([one, one])), "I1"),
+        ("inf", changed(I2=np.full_like(one, np.inf)), "I2: expected finite numbers"),
+        ("fraction in an integer column", changed(I3=one + 0.5), "I3: the raw column is int64, expected whole numbers"),
+        ("empty batch", {k: v[:0] for k, v in good.items()}, "got 0"),
+        ("huge batch", {k: np.repeat(v, max_batch + 1, axis=0) for k, v in good.items()}, "batch"),
+    ]
+
+
+def test_bad_requests_get_their_own_error_and_the_server_keeps_serving(served):
+    cfg, _, reference, server = served
+    rows = _rows(cfg).iloc[:4]
+    with Client(server.grpc_url, "grpc") as client:
+        good = client.columns(rows)
+        good["I1"] = np.nan_to_num(good["I1"], nan=1.0)
+        expected = reference.predict(rows.assign(I1=pd.array(good["I1"].reshape(-1).astype(np.int64),
+                                                             dtype=rows["I1"].dtype)))
+        for what, request, fragment in _bad_requests(good, cfg.export.max_batch_size):
+            with pytest.raises(ServingError) as caught:
+                client.infer(request)
+            assert fragment in str(caught.value), f"{what}: {caught.value}"
+            np.testing.assert_allclose(client.infer(good), expected, rtol=0, atol=1e-5, err_msg=f"after {what}")
+        nan_request = dict(good, I1=np.full_like(good["I1"], np.nan))
+        missing = reference.predict(rows.assign(I1=pd.array([None] * len(rows), dtype=rows["I1"].dtype)))
+        np.testing.assert_allclose(client.infer(nan_request), missing, rtol=0, atol=1e-5)
+        assert server.is_alive()
+
+
+def test_a_bad_request_among_concurrent_good_ones_fails_alone(served):
+    cfg, _, reference, server = served
+    rows = _rows(cfg).iloc[:8]
+    expected = reference.predict(rows)
+    results: dict[int, object] = {}
+    with Client(server.http_url, "http") as client:
+        good = client.columns(rows)
+        bad = dict(good, I2=np.full_like(good["I2"], np.inf))
+
+    def send(i):
+        with Client(server.grpc_url, "grpc") as own:
+            try:
+                results[i] = own.infer(bad if i == 3 else good)
+            except ServingError as err:
+                results[i] = err
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert isinstance(results[3], ServingError) and "I2" in str(results[3])
+    for i in set(range(8)) - {3}:
+        np.testing.assert_allclose(results[i], expected, rtol=0, atol=1e-5)
+
+
+def test_cache_counters_are_reported(served):
+    cfg, _, _, server = served
+    with Client(server.grpc_url, "grpc") as client:
+        client.predict(_rows(cfg).iloc[:50])
+        client.predict(_rows(cfg).iloc[:50])
+    deadline = time.monotonic() + 5
+    stats = cache_stats(cfg.paths.export)
+    while stats["hits"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+        stats = cache_stats(cfg.paths.export)
+    assert stats["instances"] == 1 and stats["policy"] == "lru"
+    assert stats["hits"] > 0 and stats["misses"] > 0 and 0 < stats["hit_rate"] < 1
+
+
+def test_embedding_update_is_picked_up_without_restart_and_never_mixed(served):
+    cfg, model, reference, server = served
+    rows = _rows(cfg).iloc[:64]
+    old = reference.predict(rows)
+    updated = build_model("dlrm", Schema.load(cfg.paths.schema), ModelSizes.preset("small"), seed=3)
+    updated.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        weights = updated.embedding.weights
+        weights.copy_(torch.randn(weights.shape, generator=torch.Generator().manual_seed(7)) * weights.std())
+    new = InProcessModel(updated, reference.schema, reference.workflow).predict(rows)
+    assert np.abs(new - old).max() > 0.05
+    version = store_version(cfg.paths.export)
+
+    answers, errors, stop = [], [], threading.Event()
+
+    def keep_asking():
+        with Client(server.grpc_url, "grpc") as client:
+            request = client.columns(rows)
+            while not stop.is_set():
+                try:
+                    answers.append(client.infer(request))
+                except Exception as err:  # noqa: BLE001
+                    errors.append(err)
+
+    asker = threading.Thread(target=keep_asking)
+    asker.start()
+    try:
+        time.sleep(0.3)
+        summary = write_repository(updated, reference.schema, cfg.paths.workflow, None, cfg.paths.export, update=True)
+        assert summary["store_version"] == version + 1 == store_version(cfg.paths.export)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not (answers and np.allclose(answers[-1], new, atol=1e-5)):
+            time.sleep(0.05)
+        time.sleep(0.2)
+    finally:
+        stop.set()
+        asker.join(30)
+    assert not errors, errors[:3]
+    assert np.allclose(answers[-1], new, rtol=0, atol=1e-5), "the new version was not picked up"
+    kinds = ["old" if np.allclose(a, old, rtol=0, atol=1e-5) else "new" if np.allclose(a, new, rtol=0, atol=1e-5)
+             else "mixed" for a in answers]
+    assert "mixed" not in kinds and kinds[0] == "old"
+    assert kinds == sorted(kinds, key=lambda k: k == "new"), "an old answer came after a new one"
+
+
+def test_update_refuses_a_changed_dense_part(served):
+    cfg, model, reference, _ = served
+    changed = build_model("dlrm", reference.schema, ModelSizes.preset("small"), seed=99)
+    with pytest.raises(Exception, match="dense part differs"):
+        write_repository(changed, reference.schema, cfg.paths.workflow, None, cfg.paths.export, update=True)
+
+
+def test_stopping_leaves_no_process_and_no_shared_memory(served):
+    _, _, _, server = served
+    pid = server.pid
+    assert server.shm_regions(), "a running server has python-backend regions under its own prefix"
+    server.stop()
+    assert not server.is_alive()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert server.shm_regions() == []
