@@ -1,0 +1,144 @@
+"""Collectives of the sharded embeddings, and starting the process group from torchrun's variables.
+
+All exchanges go through ``torch.distributed`` on the collection's own process group: NCCL on GPUs,
+gloo on CPU, the same code. ``all_to_all_single`` with uneven split sizes runs on both (checked on
+gloo with torch 2.13 and on NCCL), so ids, bag lengths and pooled vectors each travel in one call.
+
+The pooled-vector exchange is an autograd function: its backward is the mirrored all-to-all that
+carries the gradients back to the ranks owning the rows. A zero-size ``trigger`` tensor that requires
+grad makes every rank enter that backward, even a rank that holds no table of the exchange (otherwise
+its peers would wait for it forever).
+
+Example::
+
+    rank, world, local_rank = init_from_env("cuda")   # under torchrun; (0, 1, 0) when not launched
+    timer = CommTimer.get(); timer.enabled = True      # time spent in collectives (bench only)
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+class CommTimer:
+    """Seconds spent in the sharded embeddings' collectives, when ``enabled`` (synchronizes around each)."""
+
+    _instance: "CommTimer | None" = None
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self.seconds = 0.0
+        self.calls = 0
+
+    @classmethod
+    def get(cls) -> "CommTimer":
+        if cls._instance is None:
+            cls._instance = CommTimer()
+        return cls._instance
+
+    def reset(self) -> None:
+        self.seconds, self.calls = 0.0, 0
+
+    def run(self, fn, device: torch.device):
+        if not self.enabled:
+            return fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        out = fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        self.seconds += time.perf_counter() - start
+        self.calls += 1
+        return out
+
+
+def world_of(group) -> tuple[int, int]:
+    """(rank, world size) in ``group``; (0, 1) when torch.distributed is not initialized."""
+    if group is None and not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def all_to_all(output: torch.Tensor, input: torch.Tensor, output_splits: list[int], input_splits: list[int],
+               group) -> torch.Tensor:
+    """``all_to_all_single`` with uneven splits (a plain copy in a world of one)."""
+    if group is None:
+        output.copy_(input)
+        return output
+    CommTimer.get().run(lambda: dist.all_to_all_single(output, input, output_splits, input_splits, group=group),
+                        input.device)
+    return output
+
+
+def all_reduce(tensor: torch.Tensor, group) -> torch.Tensor:
+    if group is not None:
+        CommTimer.get().run(lambda: dist.all_reduce(tensor, group=group), tensor.device)
+    return tensor
+
+
+def exchange_counts(send: torch.Tensor, group) -> torch.Tensor:
+    """``send[d]`` (a row of counts per destination rank) in, ``recv[s]`` (the row each source sent) out."""
+    w, k = send.shape
+    recv = torch.empty(w * k, dtype=send.dtype, device=send.device)
+    return all_to_all(recv, send.reshape(-1).contiguous(), [k] * w, [k] * w, group).view(w, k)
+
+
+class AllToAllRows(torch.autograd.Function):
+    """Forward: all-to-all of a flat tensor with the given splits. Backward: the same, reversed."""
+
+    @staticmethod
+    def forward(ctx, trigger, x, send_splits, recv_splits, group):  # noqa: ARG004
+        ctx.group, ctx.send_splits, ctx.recv_splits = group, send_splits, recv_splits
+        out = x.new_empty(sum(recv_splits))
+        return all_to_all(out, x.contiguous(), recv_splits, send_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = grad.new_empty(sum(ctx.send_splits))
+        all_to_all(out, grad.contiguous(), ctx.send_splits, ctx.recv_splits, ctx.group)
+        return None, out, None, None, None
+
+
+class ScaleGrad(torch.autograd.Function):
+    """Identity forward; the gradient times ``scale`` backward."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+def trigger(device: torch.device) -> torch.Tensor:
+    return torch.empty(0, device=device, requires_grad=True)
+
+
+def backend_for(device: torch.device | str) -> str:
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def init_from_env(device_kind: str = "cpu", timeout_s: float = 600.0) -> tuple[int, int, int]:
+    """Join the process group torchrun describes (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_*``).
+
+    Returns ``(rank, world_size, local_rank)``; ``(0, 1, 0)`` without starting anything when the
+    variables say a world of one. On ``cuda`` the process takes GPU ``LOCAL_RANK`` and NCCL; else gloo.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if world <= 1:
+        return 0, 1, 0
+    if not dist.is_initialized():
+        if device_kind == "cuda":
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group(backend_for(device_kind), timeout=timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size(), local_rank

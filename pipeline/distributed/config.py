@@ -1,0 +1,36 @@
+"""Settings of multi-rank training (the ``distributed`` section).
+
+Example (YAML)::
+
+    distributed:
+      memory_per_rank_mb: 40000         # embedding storage budget of one rank
+      sharding: {t_C3: row_wise, t_C9: data_parallel, t_C1: "table_wise:1"}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DistributedConfig:
+    """How the embedding tables are spread over the ranks (``--nproc`` / torchrun set how many)."""
+
+    nproc: int = field(default=1, metadata={"help": "processes (GPUs) on this node; >1 starts them through torchrun"})
+    memory_per_rank_mb: float = field(default=0.0, metadata={
+        "help": "embedding storage budget per rank in MiB (0: half the GPU's free memory on cuda, no limit on cpu)"})
+    sharding: dict[str, str] = field(default_factory=dict, metadata={
+        "help": "per-table overrides: table_wise[:RANK] | row_wise | data_parallel (others: chosen by the planner)"})
+    plan_file: str = field(default="", metadata={"help": "a saved plan.json to use as is instead of planning"})
+    timeout_s: float = field(default=600.0, metadata={"help": "seconds a collective may wait before failing"})
+
+    def __post_init__(self) -> None:
+        if self.nproc < 1:
+            raise ValueError(f"distributed.nproc: expected at least 1, got {self.nproc}")
+        if self.memory_per_rank_mb < 0:
+            raise ValueError(f"distributed.memory_per_rank_mb: expected >= 0, got {self.memory_per_rank_mb}")
+        allowed = ("table_wise", "row_wise", "data_parallel")
+        for table, value in self.sharding.items():
+            if value.partition(":")[0] not in allowed:
+                raise ValueError(f"distributed.sharding.{table}: expected table_wise[:RANK], row_wise or "
+                                 f"data_parallel, got {value!r}")

@@ -1,0 +1,198 @@
+"""``ShardedEmbeddingCollection``: the EmbeddingCollection spread over ranks by a sharding plan.
+
+Same contract as :class:`~pipeline.modules.embedding.EmbeddingCollection`: each rank passes the
+KeyedJaggedTensor of its own batch and gets ``[B, sum of slot dims]`` in the same column order; in
+backward the rows are updated in place by the fused optimizer of the rank that holds them. Tables
+are served by up to three strategies (``tw_sharding``, ``rw_sharding``, ``dp_sharding``), each
+looking up through a local EmbeddingCollection, so the local compute uses the registered backend.
+
+Gradient scale: every rank's pooled gradient is divided by the world size before it leaves, the
+same averaging DistributedDataParallel applies to the dense part. Training on ``W`` ranks with a
+batch of ``B`` each then matches training one process on the ``W * B`` samples with a mean loss.
+
+Example (under torchrun, one process per GPU)::
+
+    plan = EmbeddingShardingPlanner(Topology(world_size=2, memory_per_rank=8 << 30)).plan(tables)
+    sharded = ShardedEmbeddingCollection.from_collection(model.embedding, plan, device="cuda")
+    pooled = sharded(batch.sparse)      # [B, sum of dims]; backward updates the owned rows
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+import torch
+from torch import nn
+
+from pipeline.distributed.comm import ScaleGrad, world_of
+from pipeline.distributed.dp_sharding import DataParallelSharding
+from pipeline.distributed.jagged import exclusive_cumsum, permute_segments, segment_sums
+from pipeline.distributed.rw_sharding import RowWiseSharding
+from pipeline.distributed.tw_sharding import TableWiseSharding
+from pipeline.distributed.types import ShardingPlan, ShardingType
+from pipeline.errors import BadInputError
+from pipeline.modules.embedding import EmbeddingCollection, EmbeddingOptimizerConfig, TableConfig, TableLayout
+from pipeline.sparse import KeyedJaggedTensor
+
+_STRATEGIES = (TableWiseSharding, RowWiseSharding, DataParallelSharding)
+
+
+def table_tensors(ec: EmbeddingCollection, name: str) -> dict[str, torch.Tensor]:
+    """Views of table ``name`` in ``ec``: ``weight`` ``[rows, dim]`` and each optimizer state, by row."""
+    layout = ec.layout
+    t = layout.table_names.index(name)
+    rows, dim = layout.rows[t], layout.dims[t]
+    out = {"weight": ec.table_weight(name)}
+    per_row = layout.total_rows != layout.total_elements
+    for key, buf in ec.optimizer_state().items():
+        if per_row and buf.numel() == layout.total_rows:
+            out[key] = buf[layout.row_offsets[t] : layout.row_offsets[t] + rows]
+        else:
+            start = layout.weights_offsets[t]
+            out[key] = buf[start : start + rows * dim].view(rows, dim)
+    return out
+
+
+class ShardedEmbeddingCollection(nn.Module):
+    """The tables of ``plan``, this rank's part of them, and the exchanges that serve a local batch.
+
+    ``process_group``: the group to shard over (default: a new group of every rank, so these
+    exchanges never interleave with DDP's on the default group). The local tables are initialized
+    like the unsharded collection's (uniform in ``±rows**-0.5``, drawn per shard from ``seed``);
+    :meth:`from_collection` copies the values of an existing collection instead.
+    """
+
+    def __init__(self, tables: Sequence[TableConfig], feature_names: Sequence[str], plan: ShardingPlan,
+                 optimizer: EmbeddingOptimizerConfig | None = None, weights_dtype: str = "fp32",
+                 backend: str = "auto", device: torch.device | str = "cpu", validate_ids: bool = True,
+                 process_group=None, seed: int = 0) -> None:
+        super().__init__()
+        import torch.distributed as dist
+
+        if process_group is None and dist.is_initialized() and dist.get_world_size() > 1:
+            process_group = dist.new_group(backend=dist.get_backend())
+        self.group = process_group
+        self.rank, self.world_size = world_of(process_group)
+        self.tables = list(tables)
+        self.feature_names = list(feature_names)
+        unknown = sorted({f for t in tables for f in t.features} - set(self.feature_names))
+        if unknown:
+            raise ValueError(f"tables serve features {unknown} that are not among the inputs {self.feature_names}")
+        self.layout = TableLayout.build(self.tables)
+        plan.validate(self.tables, self.world_size)
+        self.plan = plan
+        self.optimizer = optimizer or EmbeddingOptimizerConfig()
+        self.validate_ids = validate_ids
+        self.device = torch.device(device)
+
+        def make(local_tables, keys):
+            return EmbeddingCollection(local_tables, keys, self.optimizer, weights_dtype=weights_dtype,
+                                       backend=backend, validate_ids=False).to(self.device)
+
+        self.strategies = nn.ModuleList(
+            cls(self.tables, self.layout, plan, self.rank, self.world_size, process_group, make) for cls in _STRATEGIES)
+        self._init_weights(seed)
+        key_of_slot = [self.feature_names.index(f) for f in self.layout.slot_features]
+        for i, st in enumerate(self.strategies):
+            keys = torch.tensor([key_of_slot[s] for s in st.input_slots], dtype=torch.int64)
+            rows = torch.tensor([self.layout.rows[self.layout.slot_table[s]] for s in st.input_slots], dtype=torch.int64)
+            self.register_buffer(f"_keys{i}", keys.to(self.device), persistent=False)
+            self.register_buffer(f"_rows{i}", rows.to(self.device), persistent=False)
+        column_of = []
+        for st in self.strategies:
+            for s in st.slots:
+                column_of.extend(range(self.layout.output_offsets[s], self.layout.output_offsets[s + 1]))
+        gather = torch.empty(len(column_of), dtype=torch.int64)
+        gather[torch.tensor(column_of, dtype=torch.int64)] = torch.arange(len(column_of))
+        self.register_buffer("_gather_columns", gather.to(self.device), persistent=False)
+
+    @classmethod
+    def from_collection(cls, ec: EmbeddingCollection, plan: ShardingPlan, device: torch.device | str | None = None,
+                        process_group=None) -> "ShardedEmbeddingCollection":
+        """The sharded version of ``ec``: same tables, optimizer, dtype and backend; this rank's rows copied."""
+        dtype_name = {v: k for k, v in {"fp32": torch.float32, "fp16": torch.float16,
+                                        "bf16": torch.bfloat16}.items()}[ec.weights.dtype]
+        sharded = cls(ec.tables, ec.feature_names, plan, ec.optimizer, dtype_name, ec.backend_name,
+                      device if device is not None else ec.weights.device, ec.validate_ids, process_group)
+        sharded.set_lr(ec.lr)
+        with torch.no_grad():
+            for name, lo, hi, local in sharded.local_shards():
+                for key, tensor in table_tensors(ec, name).items():
+                    local[key].copy_(tensor[lo:hi])
+            sharded.set_step(int(ec.step))
+        return sharded
+
+    @property
+    def output_dim(self) -> int:
+        return self.layout.total_dim
+
+    @property
+    def step(self) -> int:
+        return max((int(st.local.step) for st in self.strategies if st.local is not None), default=0)
+
+    def set_step(self, step: int) -> None:
+        for st in self.strategies:
+            if st.local is not None:
+                st.local.step.fill_(step)
+
+    def set_lr(self, lr: float) -> None:
+        for st in self.strategies:
+            if st.local is not None:
+                st.local.set_lr(lr)
+
+    def local_shards(self) -> Iterator[tuple[str, int, int, dict[str, torch.Tensor]]]:
+        """``(table, lo, hi, views)``: every table part on this rank with its global rows ``[lo, hi)``."""
+        for st in self.strategies:
+            if st.local is None:
+                continue
+            for t in st.table_ids:
+                name = self.tables[t].name
+                lo, hi = self.plan[name].rows_on(self.rank)
+                yield name, lo, hi, table_tensors(st.local, name)
+
+    def _init_weights(self, seed: int) -> None:
+        with torch.no_grad():
+            for name, lo, hi, local in self.local_shards():
+                t = self.layout.table_names.index(name)
+                gen = torch.Generator().manual_seed(seed * 1_000_003 + t * 7919 + lo)
+                bound = self.tables[t].rows ** -0.5
+                w = torch.empty(hi - lo, self.tables[t].dim).uniform_(-bound, bound, generator=gen)
+                local["weight"].copy_(w)
+
+    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        if features.keys != self.feature_names:
+            raise BadInputError(f"expected sparse features {self.feature_names} in this order, got {features.keys}")
+        b = features.batch_size
+        values = features.values.to(device=self.device, dtype=torch.int64)
+        lengths = features.lengths.to(device=self.device, dtype=torch.int64)
+        nnz_by_key = segment_sums(lengths, len(self.feature_names))
+        outputs = []
+        for i, st in enumerate(self.strategies):
+            if not st.slots:
+                continue
+            keys = getattr(self, f"_keys{i}")
+            st_lengths = lengths.view(len(self.feature_names), b)[keys].reshape(-1)
+            st_values = permute_segments(values, nnz_by_key, keys)
+            if self.validate_ids and st_values.numel():
+                self._check_ids(st, st_values, segment_sums(st_lengths, keys.numel()), getattr(self, f"_rows{i}"))
+            outputs.append(st(st_lengths, st_values, b))
+        out = torch.cat(outputs, dim=1).index_select(1, self._gather_columns) if outputs else \
+            torch.empty(b, 0, device=self.device)
+        if self.world_size > 1 and torch.is_grad_enabled() and self.training:
+            out = ScaleGrad.apply(out, 1.0 / self.world_size)
+        return out
+
+    def _check_ids(self, st, values: torch.Tensor, nnz: torch.Tensor, rows: torch.Tensor) -> None:
+        limit = torch.repeat_interleave(rows, nnz, output_size=values.numel())
+        bad = (values < 0) | (values >= limit)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            k = int(torch.searchsorted(exclusive_cumsum(nnz)[1:], torch.tensor(i, device=nnz.device), right=True))
+            s = st.input_slots[k]
+            t = self.layout.slot_table[s]
+            raise BadInputError(f"feature {self.layout.slot_features[s]}: id {int(values[i])} is outside table "
+                                f"{self.layout.table_names[t]} (expected 0 <= id < {self.layout.rows[t]})")
+
+    def extra_repr(self) -> str:
+        kinds = {k.value: len(self.plan.by_type(k)) for k in ShardingType}
+        return f"rank={self.rank}, world_size={self.world_size}, tables={kinds}"

@@ -1,0 +1,166 @@
+"""The sharded embedding collection equals the unsharded one, on real ranks (gloo on CPU, NCCL on GPUs).
+
+Every rank trains a ShardedEmbeddingCollection on its own batch (uneven sizes, empty bags, a shared
+table, mean-pooled multi-hot bags, several dims); the parent process trains the plain collection on
+the concatenated batch and compares each rank's outputs at every step and the final rows and
+optimizer state of every table part a rank holds, for table-wise, row-wise, data-parallel and mixed
+plans with each fused optimizer.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.distributed import ParameterSharding, ShardedEmbeddingCollection, ShardingPlan
+from pipeline.distributed.testing import spawn
+from pipeline.modules.embedding import EmbeddingCollection, EmbeddingOptimizerConfig, TableConfig
+from pipeline.sparse import KeyedJaggedTensor
+
+FEATURES = ["A", "B", "C", "D", "E"]
+TABLES = [
+    TableConfig("t0", 50, 8, ["A"]),
+    TableConfig("t1", 37, 4, ["B", "C"], pooling="mean"),   # shared by two features
+    TableConfig("t2", 101, 8, ["D"], pooling="mean"),
+    TableConfig("t3", 9, 4, ["A"]),                         # a second table on feature A
+    TableConfig("t4", 64, 16, ["E"]),
+]
+MAX_ID = {"A": 9, "B": 37, "C": 37, "D": 101, "E": 64}
+STEPS = 3
+
+
+def make_plan(kind: str, world: int) -> ShardingPlan:
+    if kind == "table_wise":
+        return ShardingPlan(world, {t.name: ParameterSharding.table_wise(t.name, t.rows, (i + 1) % world)
+                                    for i, t in enumerate(TABLES)})
+    if kind == "row_wise":
+        return ShardingPlan(world, {t.name: ParameterSharding.row_wise(t.name, t.rows, world) for t in TABLES})
+    if kind == "data_parallel":
+        return ShardingPlan(world, {t.name: ParameterSharding.data_parallel(t.name, t.rows, world) for t in TABLES})
+    return ShardingPlan(world, {
+        "t0": ParameterSharding.table_wise("t0", 50, world - 1),
+        "t1": ParameterSharding.row_wise("t1", 37, world),
+        "t2": ParameterSharding.data_parallel("t2", 101, world),
+        "t3": ParameterSharding.table_wise("t3", 9, 0),
+        "t4": ParameterSharding.row_wise("t4", 64, world),
+    })
+
+
+SCENARIOS = [("table_wise", "adagrad"), ("row_wise", "adagrad"), ("data_parallel", "adagrad"), ("mixed", "adagrad"),
+             ("mixed", "adam"), ("mixed", "sgd")]
+
+
+def optimizer(kind: str) -> EmbeddingOptimizerConfig:
+    return EmbeddingOptimizerConfig(kind, lr=0.1, weight_decay=0.01 if kind == "sgd" else 0.0)
+
+
+def batch(step: int, rank: int) -> tuple[KeyedJaggedTensor, torch.Tensor]:
+    """Rank ``rank``'s batch at ``step``: ``3 + rank`` samples, multi-hot B and D, some empty bags."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    b = 3 + rank
+    bags = []
+    for f in FEATURES:
+        most = 4 if f in ("B", "D") else 1
+        lengths = torch.randint(0, most + 1, (b,), generator=g).tolist()
+        bags.append([torch.randint(0, MAX_ID[f], (n,), generator=g).tolist() for n in lengths])
+    target = torch.randn(b, sum(TABLES[t].dim for t in (0, 1, 1, 2, 3, 4)), generator=g)
+    return KeyedJaggedTensor.from_lists(FEATURES, bags), target
+
+
+def concat(kjts: list[KeyedJaggedTensor]) -> KeyedJaggedTensor:
+    return KeyedJaggedTensor.from_lists(FEATURES, [sum((k.to_lists()[f] for k in kjts), []) for f in range(len(FEATURES))])
+
+
+def reference(kind: str, opt: str) -> EmbeddingCollection:
+    return EmbeddingCollection(TABLES, FEATURES, optimizer(opt), backend="torch",
+                               generator=torch.Generator().manual_seed(7))
+
+
+def _train_sharded(rank: int, world: int, device: str) -> list[dict]:
+    out = []
+    for kind, opt in SCENARIOS:
+        ec = reference(kind, opt)
+        sharded = ShardedEmbeddingCollection.from_collection(ec, make_plan(kind, world), device=device)
+        del ec
+        outputs = []
+        for step in range(STEPS):
+            kjt, target = batch(step, rank)
+            pooled = sharded(kjt.to(device))
+            (pooled * target.to(device)).sum().backward()
+            outputs.append(pooled.detach().cpu())
+        shards = {(name, lo, hi): {k: v.detach().cpu().clone() for k, v in views.items()}
+                  for name, lo, hi, views in sharded.local_shards()}
+        with torch.no_grad():
+            sharded.eval()
+            kjt, _ = batch(99, rank)
+            outputs.append(sharded(kjt.to(device)).cpu())
+        out.append({"outputs": outputs, "shards": shards, "step": sharded.step})
+    return out
+
+
+def _worker(rank: int, world: int, device: str) -> list[dict]:
+    if device == "cuda":
+        device = f"cuda:{rank}"
+    torch.use_deterministic_algorithms(True)
+    return _train_sharded(rank, world, device)
+
+
+def _check(world: int, results: list[list[dict]]) -> None:
+    for i, (kind, opt) in enumerate(SCENARIOS):
+        ec = reference(kind, opt)
+        sizes = [3 + r for r in range(world)]
+        starts = [sum(sizes[:r]) for r in range(world)]
+        for step in range(STEPS + 1):
+            parts = [batch(step if step < STEPS else 99, r) for r in range(world)]
+            kjt = concat([p[0] for p in parts])
+            if step == STEPS:
+                ec.eval()
+                with torch.no_grad():
+                    pooled = ec(kjt)
+            else:
+                pooled = ec(kjt)
+            for r in range(world):
+                # Row-wise pools are sums of per-rank partial sums, added in another order than one
+                # rank's single pass: float32 rounding, so the default float32 tolerance and not exact.
+                torch.testing.assert_close(results[r][i]["outputs"][step], pooled[starts[r] : starts[r] + sizes[r]],
+                                           msg=lambda m: f"{kind}/{opt}, rank {r}, step {step}: {m}")
+            if step < STEPS:
+                # The unsharded loss sums over the global batch divided by the world size: the
+                # sharded collection averages its gradients over ranks, as DDP does.
+                (pooled * torch.cat([p[1] for p in parts])).sum().div(world).backward()
+        held = set()
+        for r in range(world):
+            assert results[r][i]["step"] == STEPS
+            for (name, lo, hi), tensors in results[r][i]["shards"].items():
+                held.update((name, row) for row in range(lo, hi))
+                full = {"weight": ec.table_weight(name)}
+                t = ec.layout.table_names.index(name)
+                for key, buf in ec.optimizer_state().items():
+                    if buf.numel() == ec.layout.total_rows:
+                        full[key] = buf[ec.layout.row_offsets[t] : ec.layout.row_offsets[t] + ec.layout.rows[t]]
+                    else:
+                        start = ec.layout.weights_offsets[t]
+                        full[key] = buf[start : start + ec.layout.rows[t] * ec.layout.dims[t]].view(ec.layout.rows[t], -1)
+                assert set(tensors) == set(full)
+                for key, value in tensors.items():
+                    # float32 sums of the same gradients in another order (all-to-all, all-reduce)
+                    torch.testing.assert_close(value, full[key][lo:hi], atol=2e-6, rtol=1e-5,
+                                               msg=lambda m: f"{kind}/{opt}: {name}.{key} rows {lo}..{hi}: {m}")
+        assert held == {(t.name, row) for t in TABLES for row in range(t.rows)}, f"{kind}: some rows are held by no rank"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sharded_equals_unsharded_gloo(world):
+    _check(world, spawn(_worker, world, "gloo", args=("cpu",)))
+
+
+@pytest.mark.multigpu
+def test_sharded_equals_unsharded_nccl():
+    _check(2, spawn(_worker, 2, "nccl", args=("cuda",)))
+
+
+def test_plan_rejects_a_world_it_was_not_made_for():
+    from pipeline.distributed.types import PlanError
+
+    with pytest.raises(PlanError, match="for 2 ranks, this world has 1"):
+        ShardedEmbeddingCollection(TABLES, FEATURES, make_plan("mixed", 2), backend="torch")
