@@ -1,0 +1,195 @@
+"""Export without a server: generated configs agree with each other, and the served path's parts
+(preprocess -> embedding lookup -> dense) equal the in-process model, multi-hot features included."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from export.dense import DenseRunner, save_dense
+from export.environment import find_models_env
+from export.inprocess import InProcessModel
+from export.lookup import EmbeddingLookup, LookupLayout
+from export.pbtxt import EnsembleSpec, ModelOptions, model_configs
+from export.preprocess import Preprocessor, RawColumns
+from export.repository import write_repository
+from pipeline.config import ConfigError, load_config
+from pipeline.errors import BadInputError, UserError
+from pipeline.etl.workflow import Workflow
+from pipeline.modules.models import ModelSizes, build_model
+from pipeline.schema import Column, Schema
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _schema(multihot: bool = True) -> Schema:
+    columns = [Column("label", "label", "float32"), Column("I1", "continuous", "float32"),
+               Column("I2", "continuous", "float32"), Column("C1", "categorical", "int32", cardinality=50),
+               Column("C2", "categorical", "int32", cardinality=7)]
+    if multihot:
+        columns.append(Column("M1", "multihot", "int32", cardinality=30, max_length=5))
+    return Schema(columns)
+
+
+def _raw(multihot: bool = True) -> RawColumns:
+    return RawColumns({"I1": "int64", "I2": "double"}, {"C1": "string", "C2": "string"},
+                      {"M1": "list<item: string>"} if multihot else {}, label={"label": "int8"})
+
+
+def _tensors(config: str) -> dict[str, tuple[str, str]]:
+    found = re.findall(r'name: "(\w+)" data_type: TYPE_(\w+) dims: \[ ([-\d, ]+) \]', config)
+    return {name: (dtype, dims) for name, dtype, dims in found}
+
+
+@pytest.mark.parametrize("dense_backend", ["python", "pytorch"])
+def test_every_ensemble_step_maps_tensors_the_models_declare_alike(dense_backend):
+    spec = EnsembleSpec.build(_raw(), _schema(), embedding_dim_total=48)
+    configs = model_configs(spec, ModelOptions(max_batch_size=64, dense_backend=dense_backend))
+    ensemble = configs["ensemble"]
+    ensemble_tensors = _tensors(ensemble.split("ensemble_scheduling")[0])
+    wired = dict(ensemble_tensors)
+    steps = re.findall(r'model_name: "(\w+)"(.*?)\n    \}', ensemble, re.S)
+    assert [s[0] for s in steps] == ["preprocess", "embedding", "dense"]
+    for model, body in steps:
+        declared = _tensors(configs[model])
+        assert "max_batch_size: 64" in configs[model]
+        for key, value in re.findall(r'input_map \{ key: "(\w+)" value: "(\w+)" \}', body):
+            assert wired[value] == declared[key], f"{model} input {key}"
+        for key, value in re.findall(r'output_map \{ key: "(\w+)" value: "(\w+)" \}', body):
+            wired[value] = declared[key]
+    assert wired["PREDICTION"] == ("FP32", "1")
+    assert wired["EMBEDDINGS"] == ("FP32", "48")
+    assert ensemble_tensors["I1"] == ("FP64", "1") and ensemble_tensors["M1"] == ("STRING", "1")
+    if dense_backend == "pytorch":
+        assert 'platform: "pytorch_libtorch"' in configs["dense"]
+
+
+def test_instance_groups_and_dynamic_batching_are_options():
+    spec = EnsembleSpec.build(_raw(False), _schema(False), embedding_dim_total=32)
+    gpu = model_configs(spec, ModelOptions(instance_kind="gpu", instances=2, dynamic_batching=False))
+    assert "kind: KIND_GPU count: 2" in gpu["dense"] and "kind: KIND_GPU count: 2" in gpu["embedding"]
+    assert "kind: KIND_CPU" in gpu["preprocess"]  # pandas runs on the CPU whatever the device
+    assert "dynamic_batching" not in gpu["dense"]
+    cpu = model_configs(spec, ModelOptions(max_queue_delay_us=250))
+    assert "max_queue_delay_microseconds: 250" in cpu["embedding"]
+    assert "MULTIHOT" not in cpu["preprocess"]
+
+
+def test_export_settings_are_checked():
+    with pytest.raises(ConfigError, match="export.cache_policy: expected one of lru, lfu, none, got 'fifo'"):
+        load_config(None, ["export.cache_policy=fifo"])
+    with pytest.raises(ConfigError, match="export.dense_backend"):
+        load_config(None, ["export.dense_backend=onnx"])
+
+
+@pytest.mark.parametrize("name", ["dlrm", "dcnv2", "deepfm", "wide_deep"])
+def test_traced_dense_part_equals_the_model_at_any_batch_size(tmp_path, name):
+    model = build_model(name, _schema(), ModelSizes.preset("small")).eval()
+    runner = DenseRunner(save_dense(model, tmp_path / "model.pt"))
+    for batch in (1, 5, 130):
+        dense = torch.randn(batch, 2)
+        pooled = torch.randn(batch, model.embedding.output_dim)
+        with torch.no_grad():
+            expected = torch.sigmoid(model.dense_forward(dense, pooled)).numpy()
+        got = runner(dense.numpy(), pooled.numpy())
+        assert got.shape == (batch, 1)
+        np.testing.assert_allclose(got[:, 0], expected, rtol=0, atol=1e-6)
+
+
+def test_the_models_environment_must_have_numpy_below_2():
+    with pytest.raises(UserError, match="numpy 2.*expected numpy<2"):
+        find_models_env(REPO / ".venv")
+    with pytest.raises(UserError, match="make serve-env"):
+        find_models_env(REPO / "no-such-venv")
+
+
+@pytest.fixture(scope="module")
+def multihot_pipeline(tmp_path_factory):
+    """A table with a multi-hot column, through the data and ETL stages, and a model on it."""
+    workdir = tmp_path_factory.mktemp("multihot")
+    rng = np.random.default_rng(0)
+    n = 600
+    bags = [[f"m{v}" for v in rng.integers(0, 25, rng.integers(0, 5))] if i % 9 else None for i in range(n)]
+    table = pa.table({
+        "label": pa.array(rng.integers(0, 2, n), pa.int8()),
+        "I1": pa.array([int(v) if i % 7 else None for i, v in enumerate(rng.integers(0, 100, n))], pa.int64()),
+        "I2": pa.array(rng.standard_normal(n)),
+        "C1": pa.array([f"c{v}" if i % 11 else None for i, v in enumerate(rng.zipf(1.5, n) % 40)], pa.string()),
+        "C2": pa.array([f"d{v}" for v in rng.integers(0, 5, n)], pa.string()),
+        "M1": pa.array(bags, pa.list_(pa.string())),
+    })
+    source = workdir / "table.parquet"
+    pq.write_table(table, source)
+    cfg = load_config(None, [f"workdir={workdir}", "data.source=table", f"data.path={source}", "data.name=mh",
+                             "data.continuous=[I1,I2]", "data.categorical=[C1,C2]", "data.multihot=[M1]",
+                             "etl.cluster=threads", "device=cpu"])
+    from pipeline.data.stage import run as make_data
+    from pipeline.etl.stage import run as run_etl
+    from export.stage import model_options, raw_columns
+    from pipeline.data.layout import RawDataset
+
+    make_data(cfg)
+    run_etl(cfg)
+    schema = Schema.load(cfg.paths.schema)
+    model = build_model("deepfm", schema, ModelSizes.preset("small", multihot_pooling="mean"), seed=1).eval()
+    with torch.no_grad():
+        model.embedding.weights.mul_(30)
+    raw = raw_columns(RawDataset.load(cfg.paths.raw), cfg)
+    write_repository(model, schema, cfg.paths.workflow, raw, cfg.paths.export, model_options(cfg))
+    rows = pq.read_table(source).slice(0, 200).to_pandas(types_mapper=pd.ArrowDtype)
+    return cfg, model, schema, raw, rows
+
+
+def _request(rows: pd.DataFrame, raw: RawColumns) -> dict[str, np.ndarray]:
+    def text(v):
+        if v is None or v is pd.NA or (isinstance(v, float) and np.isnan(v)):
+            return b""
+        if isinstance(v, (list, np.ndarray)):
+            return raw.list_separator.join(map(str, v)).encode()
+        return str(v).encode()
+
+    out = {c: rows[c].to_numpy(dtype=np.float64, na_value=np.nan).reshape(-1, 1) for c in raw.continuous}
+    for c in [*raw.categorical, *raw.multihot]:
+        out[c] = np.array([text(v) for v in rows[c].tolist()], dtype=object).reshape(-1, 1)
+    return out
+
+
+def test_served_parts_equal_in_process_with_multihot_unseen_and_missing(multihot_pipeline):
+    cfg, model, schema, raw, rows = multihot_pipeline
+    rows = rows.copy()
+    rows.loc[0:4, "C1"] = "never-seen"
+    rows.loc[3:8, "M1"] = pd.Series([["m1", "unseen-item"]] * 6, index=range(3, 9), dtype=rows["M1"].dtype)
+    export = Path(cfg.paths.export)
+    expected = InProcessModel(model, schema, Workflow.load(cfg.paths.workflow)).predict(rows)
+    assert expected.std() > 0.05
+
+    preprocess = Preprocessor.load(export / "preprocess" / "1" / "artifacts")
+    lookup = EmbeddingLookup(export / "embedding" / "store", LookupLayout.load(export / "embedding" / "1" / "layout.json"))
+    dense = DenseRunner(export / "dense" / "1" / "model.pt")
+    tensors = preprocess(_request(rows, raw))
+    assert tensors["MULTIHOT_LENGTHS"].shape == (len(rows), 1)
+    pooled = lookup(tensors["CATEGORICAL_IDS"], tensors["MULTIHOT_IDS"], tensors["MULTIHOT_LENGTHS"])
+    np.testing.assert_allclose(dense(tensors["DENSE"], pooled)[:, 0], expected, rtol=0, atol=1e-5)
+
+
+def test_preprocess_names_what_is_wrong_with_a_request(multihot_pipeline):
+    cfg, _, _, raw, rows = multihot_pipeline
+    preprocess = Preprocessor.load(Path(cfg.paths.export) / "preprocess" / "1" / "artifacts")
+    good = _request(rows.iloc[:3], raw)
+    with pytest.raises(BadInputError, match=r"missing raw columns \['C2'\]"):
+        preprocess({k: v for k, v in good.items() if k != "C2"})
+    with pytest.raises(BadInputError, match="empty batch"):
+        preprocess({k: v[:0] for k, v in good.items()})
+    with pytest.raises(BadInputError, match="same number of rows"):
+        preprocess(dict(good, I2=np.zeros((5, 1))))
+    with pytest.raises(BadInputError, match="I1: the raw column is int64, expected whole numbers, got 0.5"):
+        preprocess(dict(good, I1=np.full((3, 1), 0.5)))
+    with pytest.raises(BadInputError, match="C1: expected strings"):
+        preprocess(dict(good, C1=np.zeros((3, 1))))
