@@ -1,0 +1,38 @@
+"""The ETL: NVTabular-style operators composed into a Workflow, fitted and applied with Dask.
+
+Example::
+
+    from pipeline.etl import Workflow, Categorify, FillMissing, Clip, LogOp, Normalize, Cast
+
+    features = (
+        (["label"] >> Cast("float32"))
+        + (["I1", "I2"] >> FillMissing() >> Clip(min_value=0) >> LogOp() >> Normalize())
+        + (["C1", "C2"] >> Categorify(freq_threshold=2))
+    )
+    workflow = Workflow(features).fit("data/synthetic/raw/train")
+    workflow.save("my-workflow")
+    Workflow.load("my-workflow").transform(pandas_rows)   # serving: pandas in, pandas out
+
+The stage (``python -m pipeline run etl``) is :mod:`pipeline.etl.stage`.
+"""
+
+from pipeline.etl.graph import Node
+from pipeline.etl.ops import (
+    Bucketize,
+    Cast,
+    Categorify,
+    Clip,
+    FillMissing,
+    HashBucket,
+    HashedCross,
+    LambdaOp,
+    LogOp,
+    Normalize,
+    Operator,
+)
+from pipeline.etl.workflow import Workflow, WorkflowVersionError
+
+__all__ = [
+    "Workflow", "WorkflowVersionError", "Node", "Operator", "Categorify", "HashBucket", "HashedCross",
+    "FillMissing", "Clip", "LogOp", "Normalize", "Bucketize", "Cast", "LambdaOp",
+]

@@ -180,17 +180,23 @@ def transform_split(workflow: Workflow, files: list[Path], folder: Path, row_gro
     folder.mkdir(parents=True, exist_ok=True)
     if not files:
         return 0
+    from dask import delayed
+
     out = workflow.transform(read_parquet(files, workflow.input_columns, backend))
-    write = out.to_parquet(
-        folder,
-        write_index=False,
-        name_function=lambda i: f"part-{i:05d}.parquet",
-        row_group_size=row_group_rows,
-        schema=output_arrow_schema(out._meta),
-        compute=False,
-    )
-    compute(write, desc=f"transform {folder.name}", progress=progress)
-    return sum(pq.read_metadata(p).num_rows for p in sorted(folder.glob("part-*.parquet")))
+    schema = output_arrow_schema(out._meta)
+    writes = [
+        delayed(_write_part, pure=False)(part, folder / f"part-{i:05d}.parquet", schema, row_group_rows)
+        for i, part in enumerate(out.to_delayed())
+    ]
+    return int(sum(compute(*writes, desc=f"transform {folder.name}", progress=progress)))
+
+
+def _write_part(df: Any, path: Path, schema: pa.Schema, row_group_rows: int) -> int:
+    """Write one output partition; no pandas metadata, so any reader sees plain arrow types."""
+    df = df.to_pandas() if hasattr(df, "to_pandas") else df
+    table = pa.Table.from_pandas(df, schema=schema, preserve_index=False).replace_schema_metadata(None)
+    pq.write_table(table, path, row_group_size=row_group_rows)
+    return table.num_rows
 
 
 def output_arrow_schema(meta: Any) -> pa.Schema:

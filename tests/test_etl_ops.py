@@ -1,0 +1,249 @@
+"""Each ETL operator against a plain pandas / numpy / mmh3 computation of the same thing."""
+
+from __future__ import annotations
+
+import dask.dataframe as dd
+import mmh3
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pytest
+
+from pipeline.errors import BadInputError, UserError
+from pipeline.etl import (
+    Bucketize, Cast, Categorify, Clip, FillMissing, HashBucket, HashedCross, LambdaOp, LogOp, Normalize, Workflow,
+)
+from pipeline.etl.ops.murmur import combine_row_hashes, hash_combine, murmur3_int64, murmur3_strings
+
+
+def _strings(rng, n, vocab=40, null_rate=0.1):
+    words = np.array([f"v{int(i):03d}" for i in rng.zipf(1.5, n) % vocab], dtype=object)
+    words[rng.random(n) < null_rate] = None
+    return words
+
+
+def _with_empty_partitions(df: pd.DataFrame, parts: int = 4) -> dd.DataFrame:
+    """A Dask frame whose partitions include empty ones (first, middle and last)."""
+    chunks = np.array_split(np.arange(len(df)), parts)
+    pieces = [df.iloc[:0]] + [df.iloc[c] for c in chunks[:2]] + [df.iloc[:0]] + [df.iloc[c] for c in chunks[2:]] + [df.iloc[:0]]
+    return dd.from_map(lambda p: p, pieces, meta=df.iloc[:0])
+
+
+def _vocab_oracle(values: pd.Series, freq_threshold=0, max_size=0) -> dict:
+    counts = values.dropna().value_counts()
+    table = counts.rename_axis("value").reset_index(name="count").sort_values(["count", "value"], ascending=[False, True])
+    table = table[table["count"] >= max(freq_threshold, 1)]
+    if max_size:
+        table = table.head(max_size)
+    return {v: i + 2 for i, v in enumerate(table["value"])}
+
+
+def _codes_oracle(values, vocab: dict) -> np.ndarray:
+    return np.array([0 if v is None or v is pd.NA or (isinstance(v, float) and np.isnan(v)) else vocab.get(v, 1)
+                     for v in values], dtype=np.int32)
+
+
+@pytest.mark.parametrize("freq_threshold, max_size", [(0, 0), (3, 0), (0, 5), (2, 7)])
+def test_categorify_matches_pandas(freq_threshold, max_size):
+    rng = np.random.default_rng(1)
+    train = pd.DataFrame({"A": _strings(rng, 2000), "B": _strings(rng, 2000, vocab=7, null_rate=0.3)})
+    workflow = Workflow(["A", "B"] >> Categorify(freq_threshold=freq_threshold, max_vocab_size=max_size))
+    workflow.fit(_with_empty_partitions(train))
+    test = pd.DataFrame({"A": ["v001", "never-seen", None, "v002"], "B": [None, "v003", "zzz", "v001"]})
+    out = workflow.transform(test)
+    for name in ("A", "B"):
+        vocab = _vocab_oracle(train[name], freq_threshold, max_size)
+        np.testing.assert_array_equal(out[name].to_numpy(), _codes_oracle(test[name], vocab))
+        assert out[name].dtype == np.int32
+        assert workflow.producers()[name].cardinality(name) == len(vocab) + 2
+
+
+def test_categorify_ties_break_by_value_and_unseen_go_to_oov():
+    train = pd.DataFrame({"A": ["b", "a", "c", "a", "c", "d"]})
+    workflow = Workflow(["A"] >> Categorify()).fit(train)
+    out = workflow.transform(pd.DataFrame({"A": ["a", "c", "b", "d", "e", None]}))
+    assert out["A"].tolist() == [2, 3, 4, 5, 1, 0]
+
+
+def test_categorify_integers_are_categories_too():
+    train = pd.DataFrame({"A": pd.array([10, 20, 20, None], dtype="Int64")})
+    workflow = Workflow(["A"] >> Categorify()).fit(train)
+    assert workflow.transform(pd.DataFrame({"A": [20.0, 10.0, np.nan, 30.0]}))["A"].tolist() == [2, 3, 0, 1]
+
+
+def test_categorify_multihot_matches_pandas():
+    rng = np.random.default_rng(2)
+    lists = []
+    for _ in range(500):
+        r = rng.random()
+        lists.append(None if r < 0.1 else [] if r < 0.2 else list(_strings(rng, rng.integers(1, 5), vocab=12)))
+    train = pd.DataFrame({"M": lists})
+    workflow = Workflow(["M"] >> Categorify(freq_threshold=2)).fit(train)
+    vocab = _vocab_oracle(train["M"].explode(), freq_threshold=2)
+    test = pd.DataFrame({"M": [["v001", "nope", None], None, [], ["v002"]]})
+    out = workflow.transform(test)
+    got = [list(x) for x in out["M"]]
+    expected = [list(_codes_oracle(cell, vocab)) if cell is not None else [] for cell in test["M"]]
+    assert got == expected
+    assert str(out["M"].dtype) == "list<item: int32>[pyarrow]"
+    op = workflow.producers()["M"]
+    assert op.max_lengths["M"] == max(len(x) for x in lists if x is not None)
+    assert op.cardinality("M") == len(vocab) + 2
+
+
+def test_categorify_fit_through_shuffled_counts_equals_tree():
+    rng = np.random.default_rng(3)
+    train = pd.DataFrame({"A": _strings(rng, 3000, vocab=200)})
+    tree = Workflow(["A"] >> Categorify(freq_threshold=2)).fit(dd.from_pandas(train, npartitions=4))
+    shuffled = Workflow(["A"] >> Categorify(freq_threshold=2, split_out=3)).fit(dd.from_pandas(train, npartitions=4))
+    a, b = tree.producers()["A"], shuffled.producers()["A"]
+    assert a.vocabularies["A"].equals(b.vocabularies["A"])
+    np.testing.assert_array_equal(a.counts["A"], b.counts["A"])
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_murmur3_strings_equals_mmh3(seed):
+    rng = np.random.default_rng(seed)
+    alphabet = list("abcdefghij0123456789") + ["é", "✓", "😀"]
+    words = ["".join(rng.choice(alphabet, rng.integers(0, 40))) for _ in range(300)] + [""]
+    array = pa.array(words)
+    expected = [mmh3.hash(w.encode(), 0, signed=False) for w in words]
+    assert murmur3_strings(array).tolist() == expected
+    assert murmur3_strings(array.slice(7, 50)).tolist() == expected[7:57]
+
+
+def test_murmur3_int64_equals_mmh3():
+    values = np.array([0, 1, -1, 7, 2**40 + 3, -(2**63), 2**63 - 1], dtype=np.int64)
+    expected = [mmh3.hash(int(v).to_bytes(8, "little", signed=True), 0, signed=False) for v in values]
+    assert murmur3_int64(values).tolist() == expected
+
+
+def _boost_combine(lhs: int, rhs: int) -> int:
+    return (lhs ^ ((rhs + 0x9E3779B9 + (lhs << 6) + (lhs >> 2)) & 0xFFFFFFFF)) & 0xFFFFFFFF
+
+
+def test_hash_combine_is_boosts():
+    pairs = [(0, 0), (1, 2), (0xFFFFFFFF, 0x12345678), (0xDEADBEEF, 0xFFFFFFFF)]
+    got = hash_combine(np.array([p[0] for p in pairs], np.uint32), np.array([p[1] for p in pairs], np.uint32))
+    assert got.tolist() == [_boost_combine(a, b) for a, b in pairs]
+
+
+def test_hash_bucket_matches_mmh3():
+    words = ["a", "hello", None, "", "ünï"]
+    numbers = [5, None, -3, 2**33, 0]
+    df = pd.DataFrame({"S": words, "N": pd.array(numbers, dtype="Int64")})
+    out = Workflow(["S", "N"] >> HashBucket(97)).fit(df).transform(df)
+
+    def expected(value: bytes | None) -> int:
+        return 0 if value is None else 1 + _boost_combine(0, mmh3.hash(value, 0, signed=False)) % 97
+
+    assert out["S"].tolist() == [expected(None if s is None else s.encode()) for s in words]
+    assert out["N"].tolist() == [expected(None if v is None else v.to_bytes(8, "little", signed=True)) for v in numbers]
+    assert out["S"].dtype == np.int32
+
+
+def test_hashed_cross_matches_mmh3_and_folds_like_cudf():
+    a_values, b_values, c_values = ["x", "y", None, "x"], [1, 2, 3, None], ["p", "q", "r", "s"]
+    df = pd.DataFrame({"A": a_values, "B": pd.array(b_values, dtype="Int64"), "C": c_values})
+    out = Workflow(["A", "B", "C"] >> HashedCross(1000)).fit(df).transform(df)
+    assert list(out.columns) == ["A_B_C"]
+    rows = []
+    for a, b, c in zip(a_values, b_values, c_values):
+        if a is None or b is None:
+            rows.append(0)
+            continue
+        h = 0
+        for value in (a.encode(), int(b).to_bytes(8, "little", signed=True), c.encode()):
+            h = _boost_combine(h, mmh3.hash(value, 0, signed=False))
+        rows.append(1 + h % 1000)
+    assert out["A_B_C"].tolist() == rows
+    assert combine_row_hashes([np.array([5], np.uint32)]).tolist() == [_boost_combine(0, 5)]
+
+
+def test_hashing_refuses_fractional_numbers():
+    df = pd.DataFrame({"X": [1.5, 2.0]})
+    with pytest.raises(BadInputError, match="expected strings or integers"):
+        Workflow(["X"] >> HashBucket(10)).fit(df).transform(df)
+
+
+def _numbers(rng, n=1000):
+    values = rng.lognormal(1, 2, n).round() - 3
+    values[rng.random(n) < 0.2] = np.nan
+    return values
+
+
+def test_continuous_chain_matches_pandas():
+    rng = np.random.default_rng(4)
+    train = pd.DataFrame({"I": pd.array(_numbers(rng), dtype="Float64").astype("Int64"), "F": _numbers(rng)})
+    chain = ["I", "F"] >> FillMissing(2.0) >> Clip(min_value=0, max_value=500) >> LogOp() >> Normalize()
+    workflow = Workflow(chain).fit(_with_empty_partitions(train))
+    test = pd.DataFrame({"I": pd.array([None, 3, -5, 10_000], dtype="Int64"), "F": [np.nan, 1.0, 2.5, -1.0]})
+    out = workflow.transform(test)
+    for name in ("I", "F"):
+        fitted = np.log1p(train[name].astype("float64").fillna(2.0).clip(0, 500))
+        expected = (np.log1p(test[name].astype("float64").fillna(2.0).clip(0, 500)) - fitted.mean()) / fitted.std()
+        np.testing.assert_allclose(out[name].to_numpy(), expected.to_numpy(dtype="float64"), rtol=1e-6)
+        assert out[name].dtype == np.float32
+
+
+def test_fill_missing_median_is_close_to_the_true_median():
+    rng = np.random.default_rng(5)
+    values = rng.normal(10, 3, 4000)
+    values[::7] = np.nan
+    train = pd.DataFrame({"X": values})
+    workflow = Workflow(["X"] >> FillMissing(strategy="median")).fit(dd.from_pandas(train, npartitions=4))
+    filled = workflow.transform(pd.DataFrame({"X": [np.nan, 1.0]}))["X"]
+    # Dask's median merges per-partition percentiles: approximate, so compare with a tolerance.
+    assert abs(filled[0] - np.nanmedian(values)) < 0.1
+    assert filled[1] == 1.0
+
+
+def test_normalize_constant_column_is_only_centred():
+    train = pd.DataFrame({"X": [4.0, 4.0, 4.0]})
+    out = Workflow(["X"] >> Normalize()).fit(train).transform(pd.DataFrame({"X": [4.0, 6.0]}))
+    assert out["X"].tolist() == [0.0, 2.0]
+
+
+def test_bucketize_and_cast_match_numpy():
+    values = np.array([-1.0, 0.0, 0.5, 1.0, 9.0, np.nan])
+    df = pd.DataFrame({"X": values, "L": pd.array([1, 0, 1, 1, 0, 0], dtype="int8")})
+    out = Workflow((["X"] >> Bucketize([0, 1, 5])) + (["L"] >> Cast("float32"))).fit(df).transform(df)
+    np.testing.assert_array_equal(out["X"].to_numpy(), np.digitize(values, [0, 1, 5]))
+    assert out["X"].dtype == np.int32 and out["L"].dtype == np.float32
+    assert out["L"].tolist() == [1.0, 0.0, 1.0, 1.0, 0.0, 0.0]
+
+
+def test_ops_handle_an_all_empty_frame():
+    empty = pd.DataFrame({"C": pd.Series([], dtype="str"), "I": pd.Series([], dtype="float64")})
+    train = pd.DataFrame({"C": ["a", "b"], "I": [1.0, 2.0]})
+    workflow = Workflow((["C"] >> Categorify()) + (["I"] >> FillMissing() >> LogOp() >> Normalize()))
+    out = workflow.fit(train).transform(empty)
+    assert len(out) == 0 and out["C"].dtype == np.int32 and out["I"].dtype == np.float32
+
+
+def test_lambda_op_runs_in_process_but_refuses_to_save(tmp_path):
+    df = pd.DataFrame({"X": [1.0, 2.0]})
+    workflow = Workflow(["X"] >> LambdaOp(lambda s: s * 10, name="times_ten")).fit(df)
+    assert workflow.transform(df)["X"].tolist() == [10.0, 20.0]
+    with pytest.raises(UserError, match=r"LambdaOp\(times_ten\) runs only in this process and cannot be saved"):
+        workflow.save(tmp_path / "wf")
+    assert not (tmp_path / "wf").exists()
+
+
+def test_bad_numbers_say_what_was_expected():
+    df = pd.DataFrame({"X": ["1", "two"]})
+    with pytest.raises(BadInputError, match="column 'X': expected numbers"):
+        Workflow(["X"] >> FillMissing()).transform(df)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: Clip(), "give min_value, max_value or both"),
+    (lambda: Bucketize([3, 1]), "increasing"),
+    (lambda: HashBucket(0), "num_buckets must be >= 1"),
+    (lambda: FillMissing(strategy="mode"), "constant or median"),
+    (lambda: ["A"] >> HashedCross(10), "two or more columns"),
+    (lambda: Categorify(freq_threshold=-1), ">= 0"),
+])
+def test_bad_operator_settings(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()

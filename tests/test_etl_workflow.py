@@ -1,0 +1,157 @@
+"""Workflow: graph composition, save/load, the version check, serving-side transform, clear errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import dask.dataframe as dd
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.errors import BadInputError
+from pipeline.etl import (
+    Cast, Categorify, Clip, FillMissing, HashBucket, HashedCross, LogOp, Normalize, Workflow, WorkflowVersionError,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _frame(n=600, seed=0) -> pd.DataFrame:
+    rng = np.random.default_rng(seed)
+    cats = np.array([f"c{i}" for i in rng.zipf(1.4, n) % 50], dtype=object)
+    cats[rng.random(n) < 0.1] = None
+    counts = rng.lognormal(1, 2, n).round()
+    counts[rng.random(n) < 0.2] = np.nan
+    lists = [None if i % 9 == 0 else [f"t{j}" for j in rng.integers(0, 15, i % 4)] for i in range(n)]
+    return pd.DataFrame({
+        "label": rng.integers(0, 2, n).astype("int8"),
+        "I1": pd.array(counts, dtype="Float64").astype("Int64"),
+        "C1": cats,
+        "C2": rng.choice(["a", "b", "c"], n),
+        # Arrow lists, as read from parquet: Dask turns object columns into text.
+        "M": pd.Series(pd.arrays.ArrowExtensionArray(pa.array(lists, pa.list_(pa.string())))),
+    })
+
+
+def _workflow() -> Workflow:
+    return Workflow(
+        (["label"] >> Cast("float32"))
+        + (["I1"] >> FillMissing() >> Clip(min_value=0) >> LogOp() >> Normalize())
+        + (["C1", "M"] >> Categorify(freq_threshold=2))
+        + (["C2"] >> HashBucket(11))
+        + (["C1", "C2"] >> HashedCross(7))
+    )
+
+
+def test_graph_composition_and_output_order():
+    node = (["A", "B"] >> Clip(min_value=0)) + ["C"] + (["D"] >> LogOp())
+    assert node.output_columns == ["A", "B", "C", "D"]
+    assert Workflow(node).input_columns == ["A", "B", "C", "D"]
+    assert _workflow().output_columns == ["label", "I1", "C1", "M", "C2", "C1_C2"]
+    with pytest.raises(ValueError, match="column 'A' would come out twice"):
+        (["A"] >> LogOp()) + ["A"]
+    with pytest.raises(TypeError, match="expected an operator"):
+        Workflow(["A"]).output >> "LogOp"
+
+
+def test_save_load_round_trip_gives_identical_output(tmp_path):
+    train, test = _frame(seed=1), _frame(seed=2)
+    workflow = _workflow().fit(dd.from_pandas(train, npartitions=3))
+    before = workflow.transform(test)
+    workflow.save(tmp_path / "wf")
+    record = json.loads((tmp_path / "wf" / "workflow.json").read_text())
+    assert record["version"] == 1 and record["output_columns"] == workflow.output_columns
+    assert sorted(p.name for p in (tmp_path / "wf").rglob("*.parquet")) == ["C1.parquet", "M.parquet"]
+    loaded = Workflow.load(tmp_path / "wf")
+    pd.testing.assert_frame_equal(loaded.transform(test), before)
+    lazy = loaded.transform(dd.from_pandas(test, npartitions=2)).compute()
+    pd.testing.assert_frame_equal(lazy, before)
+    workflow.save(tmp_path / "wf")  # saving over an existing workflow replaces it
+    pd.testing.assert_frame_equal(Workflow.load(tmp_path / "wf").transform(test), before)
+
+
+def test_serving_rows_with_unseen_and_missing_values(tmp_path):
+    workflow = _workflow().fit(_frame())
+    rows = pd.DataFrame({"label": [0, 1], "I1": [None, 3], "C1": ["never-seen", None], "C2": ["a", None],
+                         "M": [["t1", "unseen"], None]})
+    out = Workflow.load(workflow.save(tmp_path / "wf")).transform(rows)
+    assert out["C1"].tolist() == [1, 0]
+    assert out["C2"].tolist()[1] == 0 and out["C1_C2"].tolist()[1] == 0
+    assert list(out["M"].tolist()[1]) == [] and out["M"].tolist()[0][1] == 1
+    assert not out["I1"].isna().any()
+
+
+def test_version_check(tmp_path):
+    path = _workflow().fit(_frame()).save(tmp_path / "wf")
+    record = json.loads((path / "workflow.json").read_text())
+    record["version"] = 99
+    (path / "workflow.json").write_text(json.dumps(record))
+    with pytest.raises(WorkflowVersionError, match="expected pipeline.etl.Workflow version 1, found .* version 99"):
+        Workflow.load(path)
+    with pytest.raises(FileNotFoundError, match="no saved workflow"):
+        Workflow.load(tmp_path / "nothing-here")
+
+
+def test_missing_columns_and_unfitted_use_are_clear_errors():
+    workflow = _workflow()
+    with pytest.raises(RuntimeError, match="not fitted"):
+        workflow.transform(_frame())
+    with pytest.raises(BadInputError, match=r"missing \[.M., .C2.\]; found"):
+        workflow.fit(_frame().drop(columns=["C2", "M"]))
+
+
+def test_fit_in_phases_when_a_statistic_depends_on_another():
+    train = pd.DataFrame({"X": [1.0, np.nan, 3.0, 5.0, np.nan]})
+    workflow = Workflow(["X"] >> FillMissing(strategy="median") >> Normalize()).fit(dd.from_pandas(train, npartitions=1))
+    filled = train["X"].fillna(3.0)
+    out = workflow.transform(pd.DataFrame({"X": [np.nan, 5.0]}))["X"]
+    np.testing.assert_allclose(out, [(3.0 - filled.mean()) / filled.std(), (5.0 - filled.mean()) / filled.std()], rtol=1e-6)
+
+
+def test_parquet_path_input(tmp_path):
+    frame = _frame()
+    (tmp_path / "raw").mkdir()
+    for i, rows in enumerate((frame.iloc[:300], frame.iloc[300:])):
+        pq.write_table(pa.Table.from_pandas(rows, preserve_index=False).replace_schema_metadata(None),
+                       tmp_path / "raw" / f"part-{i}.parquet")
+    from_path = _workflow().fit(str(tmp_path / "raw"))
+    from_frame = _workflow().fit(frame)
+    pd.testing.assert_frame_equal(from_path.transform(frame), from_frame.transform(frame))
+
+
+SERVE_PYTHON = REPO / ".venv-triton" / "bin" / "python"
+
+
+@pytest.mark.skipif(not SERVE_PYTHON.exists(), reason="the serving environment (make serve-env) is not built here")
+def test_transform_in_the_serving_environment(tmp_path):
+    """The saved workflow loads and transforms in the numpy<2 / pandas 2.2 environment, without Dask."""
+    workflow = _workflow().fit(_frame())
+    workflow.save(tmp_path / "wf")
+    rows = _frame(n=40, seed=3)
+    records = [{k: (v.tolist() if isinstance(v, np.ndarray) else None if v is pd.NA or v is None or v != v else v)
+                for k, v in row.items()} for row in rows.astype(object).to_dict(orient="records")]
+    (tmp_path / "rows.json").write_text(json.dumps(records))
+    expected = workflow.transform(pd.DataFrame(records))
+    script = (
+        "import sys, json, pandas as pd, pyarrow as pa, pyarrow.parquet as pq\n"
+        "from pipeline.etl import Workflow\n"
+        "rows = pd.DataFrame(json.load(open(sys.argv[2])))\n"
+        "out = Workflow.load(sys.argv[1]).transform(rows)\n"
+        "assert 'dask' not in sys.modules, 'the serving transform imported dask'\n"
+        "pq.write_table(pa.Table.from_pandas(out, preserve_index=False), sys.argv[3])\n"
+        "import numpy; print(numpy.__version__, pd.__version__)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    result = subprocess.run([str(SERVE_PYTHON), "-c", script, str(tmp_path / "wf"), str(tmp_path / "rows.json"),
+                             str(tmp_path / "out.parquet")], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("1.") and " 2.2" in result.stdout
+    served = pq.read_table(tmp_path / "out.parquet").replace_schema_metadata(None)
+    assert served.equals(pa.Table.from_pandas(expected, preserve_index=False).replace_schema_metadata(None))
