@@ -101,7 +101,8 @@ def _train_sharded(rank: int, world: int, device: str) -> list[dict]:
 def _worker(rank: int, world: int, device: str) -> list[dict]:
     if device == "cuda":
         device = f"cuda:{rank}"
-    torch.use_deterministic_algorithms(True)
+        # CPU kernels are deterministic already; switching this on imports torch's compiler (seconds).
+        torch.use_deterministic_algorithms(True)
     return _train_sharded(rank, world, device)
 
 

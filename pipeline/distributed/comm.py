@@ -140,5 +140,9 @@ def init_from_env(device_kind: str = "cpu", timeout_s: float = 600.0) -> tuple[i
     if not dist.is_initialized():
         if device_kind == "cuda":
             torch.cuda.set_device(local_rank)
+        else:
+            # Ranks of one machine share its cores; torch's default (all cores each) oversubscribes them.
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
         dist.init_process_group(backend_for(device_kind), timeout=timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size(), local_rank

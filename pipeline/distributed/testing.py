@@ -69,6 +69,9 @@ def _entry(rank, world_size, backend, init_file, fn, args, results, timeout_s):
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         if backend == "nccl":
             torch.cuda.set_device(rank)
+        else:
+            # One thread per rank: ranks on one machine would otherwise oversubscribe its cores.
+            torch.set_num_threads(1)
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
         value = fn(rank, world_size, *args)
