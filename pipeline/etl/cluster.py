@@ -42,7 +42,8 @@ def choose_cluster(etl: EtlConfig, input_bytes: int) -> str:
 
 
 @contextlib.contextmanager
-def etl_client(etl: EtlConfig, input_bytes: int = 0, backend: str = "pandas") -> Iterator[str]:
+def etl_client(etl: EtlConfig, input_bytes: int = 0, backend: str = "pandas",
+               connect_timeout: str = "10s") -> Iterator[str]:
     """Run the enclosed Dask work on the chosen cluster; yields a description of where it runs."""
     import dask
 
@@ -57,7 +58,7 @@ def etl_client(etl: EtlConfig, input_bytes: int = 0, backend: str = "pandas") ->
 
     if kind == "scheduler":
         try:
-            client = Client(etl.scheduler, timeout="10s")
+            client = Client(etl.scheduler, timeout=connect_timeout)
         except OSError as err:
             raise UserError(f"cannot reach the Dask scheduler at {etl.scheduler}: {err}") from err
         with client:

@@ -1,0 +1,90 @@
+"""Where the ETL runs: a real 2-worker LocalCluster gives the same output as threads; an existing scheduler."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pytest
+from distributed import Client, LocalCluster
+
+from pipeline.errors import UserError
+from pipeline.etl.backend import read_parquet
+from pipeline.etl.cluster import AUTO_LOCAL_BYTES, choose_cluster, etl_client
+from pipeline.etl.config import EtlConfig
+from pipeline.etl.stage import default_workflow, transform_split
+
+
+@pytest.fixture(scope="module")
+def raw(tmp_path_factory):
+    """Three parquet parts with categorical, continuous and multi-hot columns."""
+    folder = tmp_path_factory.mktemp("raw")
+    rng = np.random.default_rng(0)
+    for i in range(3):
+        n = 3000
+        cats = pa.array([f"k{v}" for v in rng.zipf(1.3, n) % 500])
+        cats = pa.compute.if_else(pa.array(rng.random(n) < 0.1), pa.scalar(None, pa.string()), cats)
+        lists = pa.array([[f"t{j}" for j in rng.integers(0, 30, k)] for k in rng.integers(0, 4, n)])
+        counts = pa.array(rng.lognormal(1, 2, n).astype(np.int64), mask=rng.random(n) < 0.2)
+        table = pa.table({"label": rng.integers(0, 2, n).astype(np.int8), "I1": counts, "C1": cats,
+                          "C2": pa.array(rng.choice(["a", "b"], n)), "M": lists})
+        pa.parquet.write_table(table, folder / f"part-{i:05d}.parquet")
+    return sorted(folder.glob("part-*.parquet"))
+
+
+ROLES = {"label": "label", "continuous": ["I1"], "categorical": ["C1", "C2"], "multihot": ["M"]}
+
+
+def _run(raw, etl: EtlConfig, out):
+    workflow = default_workflow(ROLES, etl)
+    with etl_client(etl) as where:
+        workflow.fit(read_parquet(raw, workflow.input_columns, "pandas"))
+        rows = transform_split(workflow, raw, out, 1000, "pandas", progress=False)
+    table = pa.concat_tables([pa.parquet.read_table(p) for p in sorted(out.glob("part-*.parquet"))])
+    return where, workflow, rows, table
+
+
+def test_two_worker_local_cluster_equals_threads(raw, tmp_path):
+    where_local, local, rows_local, out_local = _run(raw, EtlConfig(cluster="local", workers=2), tmp_path / "local")
+    where_threads, threads, rows_threads, out_threads = _run(raw, EtlConfig(cluster="threads"), tmp_path / "threads")
+    assert where_local == "LocalCluster(2 workers)" and where_threads.startswith("threads")
+    assert rows_local == rows_threads == 9000
+    assert out_local.equals(out_threads)
+    for name, op in local.producers().items():
+        if hasattr(op, "vocabularies"):
+            assert op.vocabularies[name].equals(threads.producers()[name].vocabularies[name])
+
+
+def test_existing_scheduler_is_used_and_left_running(raw, tmp_path):
+    with LocalCluster(n_workers=1, threads_per_worker=2, processes=False, dashboard_address=None) as cluster:
+        where, _, rows, _ = _run(raw, EtlConfig(scheduler=cluster.scheduler_address), tmp_path / "out")
+        assert where == f"scheduler {cluster.scheduler_address} (1 workers)" and rows == 9000
+        with Client(cluster) as client:  # still up after the ETL closed its client
+            assert len(client.scheduler_info()["workers"]) == 1
+
+
+def test_cluster_choice():
+    assert choose_cluster(EtlConfig(), AUTO_LOCAL_BYTES - 1) == "threads"
+    assert choose_cluster(EtlConfig(), AUTO_LOCAL_BYTES) == "local"
+    assert choose_cluster(EtlConfig(cluster="threads"), 10 * AUTO_LOCAL_BYTES) == "threads"
+    assert choose_cluster(EtlConfig(scheduler="tcp://x:1", cluster="threads"), 0) == "scheduler"
+    with pytest.raises(UserError, match="expected auto, local or threads, got 'gpu'"):
+        choose_cluster(EtlConfig(cluster="gpu"), 0)
+
+
+def test_unreachable_scheduler_is_a_clear_error():
+    with pytest.raises(UserError, match="cannot reach the Dask scheduler at tcp://127.0.0.1:1"):
+        with etl_client(EtlConfig(scheduler="tcp://127.0.0.1:1"), connect_timeout="1s"):
+            pass
+
+
+def test_cudf_backend_without_cudf_is_a_clear_error():
+    try:
+        import cudf  # noqa: F401
+        pytest.skip("cudf is installed here")
+    except ImportError:
+        pass
+    from pipeline.etl.backend import BackendError, check_backend
+
+    with pytest.raises(BackendError, match="the cudf backend was chosen .* not importable"):
+        check_backend("cudf")

@@ -1,0 +1,122 @@
+"""The ETL stage end to end on small data: files, dtypes, schema, reloaded workflow, clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.config import load_config
+from pipeline.errors import BadInputError
+from pipeline.etl import Workflow
+from pipeline.etl.stage import check_raw_files, run
+from pipeline.schema import Schema
+
+
+def _config(tmp_path, *overrides):
+    return load_config(None, [f"workdir={tmp_path}", "device=cpu", "data.rows=12000", "etl.cluster=threads",
+                              "etl.row_group_rows=2048", *overrides])
+
+
+def _read(folder) -> pa.Table:
+    return pa.concat_tables([pq.read_table(p) for p in sorted(folder.glob("part-*.parquet"))])
+
+
+@pytest.fixture(scope="module")
+def synthetic_run(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("etl-stage")
+    cfg = _config(tmp_path)
+    return cfg, run(cfg)
+
+
+def test_stage_writes_the_contract(synthetic_run):
+    cfg, summary = synthetic_run
+    schema = Schema.load(cfg.paths.schema)
+    meta = json.loads((cfg.paths.raw / "meta.json").read_text())
+    assert schema.label == "label" and schema.continuous == meta["continuous"] and schema.sparse == meta["categorical"]
+    assert schema.rows == meta["rows"] == summary["rows"]
+    train = _read(cfg.paths.processed / "train")
+    raw_train = pa.concat_tables([pq.read_table(p) for p in sorted((cfg.paths.raw / "train").glob("part-*.parquet"))])
+    assert train.num_rows == raw_train.num_rows
+    assert train.schema.field("label").type == pa.float32()
+    for name in schema.continuous:
+        assert train.schema.field(name).type == pa.float32() and train[name].null_count == 0
+    for name in schema.sparse:
+        codes = train[name].to_numpy()
+        assert train.schema.field(name).type == pa.int32()
+        distinct = pa.compute.count_distinct(raw_train[name]).as_py()
+        assert schema.column(name).cardinality == distinct + 2  # every training value has a code, plus 0 and 1
+        assert codes.min() >= 0 and codes.max() < schema.column(name).cardinality
+        assert (codes == 0).sum() == raw_train[name].null_count
+    for part in (cfg.paths.processed / "train").glob("part-*.parquet"):
+        meta_part = pq.read_metadata(part)
+        assert all(meta_part.row_group(i).num_rows <= 2048 for i in range(meta_part.num_row_groups))
+
+
+def test_reloaded_workflow_transforms_raw_rows_to_the_written_output(synthetic_run):
+    cfg, _ = synthetic_run
+    workflow = Workflow.load(cfg.paths.workflow)
+    raw_test = pd.concat([pd.read_parquet(p) for p in sorted((cfg.paths.raw / "test").glob("part-*.parquet"))],
+                         ignore_index=True)
+    again = pa.Table.from_pandas(workflow.transform(raw_test), preserve_index=False).replace_schema_metadata(None)
+    assert again.equals(_read(cfg.paths.processed / "test"))
+
+
+def test_hash_buckets_and_thresholds(tmp_path):
+    cfg = _config(tmp_path, "etl.hash_buckets={C1: 50, C2: 50}", "etl.freq_threshold=5", "etl.max_vocab_size=40")
+    run(cfg)
+    schema = Schema.load(cfg.paths.schema)
+    assert schema.column("C1").cardinality == 51 and schema.column("C2").cardinality == 51
+    assert schema.sparse[:3] == ["C1", "C2", "C3"]
+    assert max(c for n, c in schema.cardinalities().items() if n not in ("C1", "C2")) <= 42
+    assert _read(cfg.paths.processed / "train")["C1"].to_numpy().max() <= 50
+
+
+def test_multihot_table_source(tmp_path):
+    rows = ["label,price,shop,tags"]
+    rng = np.random.default_rng(0)
+    for i in range(400):
+        tags = "|".join(f"t{j}" for j in rng.integers(0, 9, i % 4))
+        rows.append(f"{i % 2},{'' if i % 7 == 0 else i},{'s' + str(i % 5) if i % 11 else ''},{tags}")
+    (tmp_path / "table.csv").write_text("\n".join(rows) + "\n")
+    cfg = _config(tmp_path, "data.source=table", f"data.path={tmp_path / 'table.csv'}", "data.continuous=[price]",
+                  "data.categorical=[shop]", "data.multihot=[tags]")
+    run(cfg)
+    schema = Schema.load(cfg.paths.schema)
+    tags = schema.column("tags")
+    assert (tags.role, tags.dtype, tags.cardinality, tags.max_length) == ("multihot", "list<int32>", 9 + 2, 3)
+    train = _read(cfg.paths.processed / "train")
+    assert train.schema.field("tags").type == pa.list_(pa.int32())
+    assert pa.compute.max(pa.compute.list_flatten(train["tags"])).as_py() <= 10
+
+
+def test_declared_column_missing_from_the_raw_files_is_one_clear_error(tmp_path):
+    cfg = _config(tmp_path, "data.rows=3000")
+    run(cfg)
+    meta_path = cfg.paths.raw / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta["continuous"].append("I99")
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(BadInputError, match=r"column 'I99' \(continuous\) is missing"):
+        run(cfg)
+
+
+def test_wrong_raw_types_are_reported_together(tmp_path):
+    path = tmp_path / "part-00000.parquet"
+    pq.write_table(pa.table({"label": ["yes"], "I1": ["3"], "C1": [1.5], "M": ["a"]}), path)
+    roles = {"label": "label", "continuous": ["I1"], "categorical": ["C1"], "multihot": ["M"]}
+    with pytest.raises(BadInputError) as err:
+        check_raw_files({"train": [path]}, roles)
+    message = str(err.value)
+    for expected in ("'label' should be integer", "'I1' should be integer or float, found string",
+                     "'C1' should be string or integer, found double", "'M' should be list"):
+        assert expected in message
+
+
+def test_hash_buckets_naming_an_unknown_column(tmp_path):
+    with pytest.raises(BadInputError, match=r"etl.hash_buckets names \['nope'\]"):
+        run(_config(tmp_path, "data.rows=3000", "etl.hash_buckets={nope: 10}"))
