@@ -114,6 +114,10 @@ def test_slot_arrays_follow_the_layout():
     assert slots.output_offsets.tolist() == [0, 8, 12, 16, 20]
     assert slots.mean.tolist() == [False, True, True, False]
     assert (slots.num_slots, slots.max_dim, slots.total_dim, slots.total_rows) == (4, 8, 20, 15)
+    # tables in row order (the update kernel finds a row's table by binary search over these)
+    assert slots.table_row_starts.tolist() == [0, 7, 10, 15]
+    assert slots.table_weight_offsets.tolist() == [0, 28, 40]
+    assert slots.table_dims.tolist() == [4, 4, 8]
     assert slots.columns_aligned
     odd = SlotArrays.from_layout(TableLayout.build([TableConfig("t", 3, 7, ["a"]), TableConfig("u", 3, 4, ["b"])]),
                                  "cpu")

@@ -26,6 +26,9 @@ CASES = {
     "multi_hot_odd_dims": ([(37, 12, ["a"], "sum"), (5000, 7, ["b"], "mean"), (100, 64, ["c"], "sum"),
                             (20, 130, ["d"], "mean"), (9, 1, ["e"], "sum")], ["a", "b", "c", "d", "e"], 64, 9, None),
     "shared_and_hot_rows": ([(50, 32, ["a", "c"], "mean"), (4000, 300, ["b"], "sum")], ["a", "b", "c"], 128, 20, 6),
+    # over 65536 bags: the forward pools 8 consecutive bags per thread group
+    "large_batch": ([(100_000, 32, ["a"], "sum"), (50, 7, ["b"], "mean"), (1000, 64, ["c"], "sum")], ["a", "b", "c"],
+                    30_000, 3, None),
     "zero_batch": ([(10, 16, ["a"], "sum"), (10, 8, ["b"], "sum")], ["a", "b"], 0, 3, None),
     "all_empty": ([(10, 16, ["a"], "sum"), (10, 8, ["b"], "mean")], ["a", "b"], 16, 0, None),
 }
@@ -64,10 +67,15 @@ def _pair(case, dtype, optimizer, seed=0):
     return made, tables, features, batch, max_len, cap
 
 
-def _tolerance(dtype):
-    # 16-bit results are rounded from fp32 values summed in a different order: one ulp apart at most.
-    return {"fp32": dict(rtol=1e-5, atol=1e-6), "fp16": dict(rtol=1e-3, atol=1e-5),
-            "bf16": dict(rtol=8e-3, atol=1e-5)}[dtype]
+def _tolerance(dtype, optimizer):
+    # Rows are compared after each step, starting from equal weights. fp32: a hot row sums hundreds
+    # of gradients in another order than the reference (absolute error ~1e-6 on updates of ~1).
+    # 16-bit: the fp32 results round to the storage type, so they may land one ulp apart. Adam
+    # divides by the gradient's magnitude, so a row gradient that nearly cancels carries only a few
+    # digits into a step of up to lr: allow 2e-3 * lr absolute.
+    rtol = {"fp32": 1e-5, "fp16": 2.0**-10 * 1.01, "bf16": 2.0**-7 * 1.01}[dtype]
+    atol = 1e-4 if optimizer == "adam" else 1e-5
+    return dict(rtol=rtol, atol=atol)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -100,19 +108,23 @@ def test_forward_writes_every_column():
 @pytest.mark.parametrize("case", list(CASES))
 def test_backward_update_matches_reference(case, dtype, optimizer):
     (ref, cuda), tables, features, batch, max_len, cap = _pair(case, dtype, optimizer)
+    before = cuda.weights.clone()
     for step in range(3):
         kjt = _batch(tables, features, batch, max_len, cap, seed=10 + step).to("cuda")
         grad = torch.randn(batch, ref.output_dim, device="cuda", generator=torch.Generator("cuda").manual_seed(step))
         for emb in (ref, cuda):
             emb.train()
             emb(kjt).backward(grad)
-        torch.testing.assert_close(cuda.weights.float(), ref.weights.float(), **_tolerance(dtype))
+        torch.testing.assert_close(cuda.weights.float(), ref.weights.float(), **_tolerance(dtype, optimizer))
         for name, state in ref.optimizer_state().items():
-            torch.testing.assert_close(cuda.optimizer_state()[name], state, rtol=1e-4, atol=1e-7)
-    if batch and max_len:
-        assert not torch.equal(cuda.weights, EmbeddingCollection(
-            tables, features, cuda.optimizer, weights_dtype=dtype, backend="torch",
-            generator=torch.Generator().manual_seed(0)).weights.cuda())
+            # state sums squared gradients: near-cancelling sums again carry few digits
+            torch.testing.assert_close(cuda.optimizer_state()[name], state, rtol=1e-4, atol=1e-5)
+        if batch and max_len:
+            assert not torch.equal(cuda.weights, before), "the update changed nothing"
+        cuda.weights.copy_(ref.weights)
+        for name, state in ref.optimizer_state().items():
+            cuda.optimizer_state()[name].copy_(state)
+        before = cuda.weights.clone()
 
 
 def test_update_rejects_rows_wider_than_supported():

@@ -8,8 +8,10 @@ three batches), the ``cuda`` backend's table-batched forward and its fused backw
 (and, apart, the row-grouping sort inside it), and the same work done by ``torch.nn.EmbeddingBag``:
 one module per table (``sparse=True``) sharing the very same weight storage, ``torch.cat`` of the
 pooled outputs, ``backward`` and the torch optimizer of the same kind stepping on the sparse
-gradients. Bandwidth is the fewest bytes each step must move over its time, as a fraction of a
-device-to-device copy measured in the same run. Ids are uniform over each table. Needs a CUDA GPU
+gradients. Bandwidth is bytes over time, as a fraction of a device-to-device copy measured in the
+same run: forward, each id and its row read once and the output written once; backward + update,
+each id and the gradient row of each occurrence read once, and each touched row (with its
+optimizer state) read and written once. Ids are uniform over each table. Needs a CUDA GPU
 and CuPy.
 """
 
@@ -100,7 +102,9 @@ def run(args: argparse.Namespace, cfg) -> dict:  # noqa: ARG001  (the pipeline s
         unique = _unique_rows(torch, batches[0], layout, args.batch)
         state_bytes = {"sgd": 0, "adagrad": 8}[args.optimizer]
         fwd_bytes = nnz * (args.dim * es + 8) + args.batch * layout.total_dim * 4
-        bwd_bytes = nnz * 8 + args.batch * layout.total_dim * 4 + unique * (2 * args.dim * es + state_bytes)
+        # the row-owner algorithm's fewest bytes: each occurrence's id and gradient row, each touched row
+        # (and its state) read and written once; the sort's traffic is not counted
+        bwd_bytes = nnz * (8 + args.dim * 4) + unique * (2 * args.dim * es + state_bytes)
         row = dict(hot=hot, nnz=nnz, unique_rows=unique, forward_ms=t_fwd, backward_update_ms=t_bwd,
                    sort_ms=t_sort, forward_tb_s=fwd_bytes / t_fwd / 1e9, backward_tb_s=bwd_bytes / t_bwd / 1e9,
                    forward_fraction_of_copy=fwd_bytes / t_fwd / 1e9 / (copy_bw / 1e12),
@@ -169,7 +173,6 @@ class _Baseline:
         out = dict(torch_forward_ms=_median_ms(torch, fwd, reps), torch_forward_backward_ms=_median_ms(torch, fwd_bwd, reps),
                    torch_step_ms=_median_ms(torch, step, reps))
         self.opt.zero_grad(set_to_none=True)
-        self.opt.state.clear()
         return out
 
     def _cut(self, indices, offsets, batch):

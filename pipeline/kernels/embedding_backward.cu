@@ -2,12 +2,14 @@
 //
 // 1. row_keys: for every id of the batch, its global row (row offset of the slot's table + id: the
 //    index into row-wise state, shared tables included) and the bag it came from.
-// 2. (host) torch.sort of the keys groups equal rows together; `order` is the permutation.
+// 2. (host) torch.sort of the keys groups equal rows together; the bags follow their keys.
 // 3. sparse_update: a group of `lanes` threads per sorted position; only the first position of each
-//    run of equal keys does work. It sums the gradient rows of all occurrences of its row (scaled by
-//    1/len for mean-pooled bags) in fp32 registers, then applies SGD, row-wise Adagrad or lazy Adam to
-//    that row alone and stores it in the weights' dtype (round to nearest or stochastic rounding;
-//    optionally through an fp32 master copy). No atomics: each row has exactly one owner.
+//    run of equal keys does work. It finds the row's table from the key (binary search over the
+//    tables' first rows) and starts loading the row and its optimizer state at once, while it sums
+//    the gradient rows of all occurrences of the row (scaled by 1/len for mean-pooled bags) in fp32
+//    registers; then it applies SGD, row-wise Adagrad or lazy Adam to that row alone and stores it in
+//    the weights' dtype (round to nearest or stochastic rounding; optionally through an fp32 master
+//    copy). No atomics: each row has exactly one owner.
 #include "embedding_common.cuh"
 
 enum { OPT_SGD = 0, OPT_ADAGRAD = 1, OPT_ADAM = 2 };
@@ -66,13 +68,25 @@ __device__ __forceinline__ void store_weights(W* p, int d0, int D, bool aligned,
     }
 }
 
+// The table holding global row `key`: the last t with table_row_starts[t] <= key.
+template <typename K>
+__device__ __forceinline__ int table_of(K key, const long long* __restrict__ table_row_starts, int num_tables) {
+    int lo = 0, hi = num_tables;
+    while (hi - lo > 1) {
+        const int mid = (lo + hi) >> 1;
+        if (table_row_starts[mid] <= (long long)key) lo = mid;
+        else hi = mid;
+    }
+    return lo;
+}
+
 // CHUNKS: how many lanes * N column chunks a row may span (1, or enough for dim 512).
 template <typename W, typename K, int OPT, int CHUNKS>
 __device__ __forceinline__ void sparse_update(
     W* __restrict__ weights, float* __restrict__ master, float* __restrict__ state1, float* __restrict__ state2,
-    const K* __restrict__ sorted_keys, const long long* __restrict__ order, const int* __restrict__ bag_of,
-    const long long* __restrict__ offsets, const long long* __restrict__ slot_weight_offsets,
-    const long long* __restrict__ slot_row_offsets, const long long* __restrict__ output_offsets,
+    const K* __restrict__ sorted_keys, const int* __restrict__ sorted_bags, const long long* __restrict__ offsets,
+    const long long* __restrict__ table_row_starts, const long long* __restrict__ table_weight_offsets,
+    const long long* __restrict__ table_dims, int num_tables, const long long* __restrict__ output_offsets,
     const unsigned char* __restrict__ slot_mean, const float* __restrict__ grad,
     long long nnz, int num_slots, int batch_size, int log_lanes, int weights_aligned, int grad_aligned,
     float lr, float eps, float beta1, float beta2, float bias1, float bias2, float weight_decay,
@@ -86,19 +100,34 @@ __device__ __forceinline__ void sparse_update(
     if (pos > 0 && sorted_keys[pos - 1] == key) return;
     const unsigned int mask = group_mask(lanes);
 
-    const int s0 = bag_of[order[pos]] / batch_size;
+    const int t = table_of<K>(key, table_row_starts, num_tables);
+    const int D = (int)table_dims[t];
+    const long long elem = table_weight_offsets[t] + ((long long)key - table_row_starts[t]) * D;
     const long long grad_stride = output_offsets[num_slots];
-    const int D = (int)(output_offsets[s0 + 1] - output_offsets[s0]);
-    const long long elem = slot_weight_offsets[s0] + ((long long)key - slot_row_offsets[s0]) * D;
     const bool vec_w = weights_aligned && (elem % N == 0) && (D % N == 0);
     const bool vec_g = grad_aligned && (D % N == 0);
     const int chunk = lanes * N;
+    W* wrow = weights + elem;
+    float* mrow = master ? master + elem : nullptr;
 
-    float g[CHUNKS][N];
+    // The row and its state are loaded first, so they travel while the gradient is summed.
+    float w[CHUNKS][N], m1[CHUNKS][N], m2[CHUNKS][N], g[CHUNKS][N];
 #pragma unroll
-    for (int c = 0; c < CHUNKS; ++c)
+    for (int c = 0; c < CHUNKS; ++c) {
+        const int d0 = c * chunk + lane * N;
 #pragma unroll
-        for (int k = 0; k < N; ++k) g[c][k] = 0.0f;
+        for (int k = 0; k < N; ++k) w[c][k] = m1[c][k] = m2[c][k] = g[c][k] = 0.0f;
+        if (d0 < D) {
+            if (mrow) load_elems<float, N>(mrow, d0, D, vec_w, w[c]);
+            else load_elems<W, N>(wrow, d0, D, vec_w, w[c]);
+            if constexpr (OPT == OPT_ADAM) {
+                load_elems<float, N>(state1 + elem, d0, D, vec_w, m1[c]);
+                load_elems<float, N>(state2 + elem, d0, D, vec_w, m2[c]);
+            }
+        }
+    }
+    float before = 0.0f;
+    if constexpr (OPT == OPT_ADAGRAD) before = state1[key];
 
     for (long long base = pos;; base += lanes) {
         const long long j = base + lane;
@@ -107,17 +136,17 @@ __device__ __forceinline__ void sparse_update(
         long long goff = 0;
         float scale = 0.0f;
         if (in) {
-            const int bag = bag_of[order[j]];
+            const int bag = sorted_bags[j];
             const int s = bag / batch_size;
             goff = (long long)(bag - s * batch_size) * grad_stride + output_offsets[s];
             scale = slot_mean[s] ? 1.0f / (float)max(offsets[bag + 1] - offsets[bag], 1LL) : 1.0f;
         }
-        int t = 0;
-        for (; t + 2 <= n; t += 2) {
-            const long long o0 = __shfl_sync(mask, goff, t, lanes);
-            const long long o1 = __shfl_sync(mask, goff, t + 1, lanes);
-            const float f0 = __shfl_sync(mask, scale, t, lanes);
-            const float f1 = __shfl_sync(mask, scale, t + 1, lanes);
+        int u = 0;
+        for (; u + 2 <= n; u += 2) {
+            const long long o0 = __shfl_sync(mask, goff, u, lanes);
+            const long long o1 = __shfl_sync(mask, goff, u + 1, lanes);
+            const float f0 = __shfl_sync(mask, scale, u, lanes);
+            const float f1 = __shfl_sync(mask, scale, u + 1, lanes);
 #pragma unroll
             for (int c = 0; c < CHUNKS; ++c) {
                 const int d0 = c * chunk + lane * N;
@@ -130,9 +159,9 @@ __device__ __forceinline__ void sparse_update(
                 }
             }
         }
-        for (; t < n; ++t) {
-            const long long o = __shfl_sync(mask, goff, t, lanes);
-            const float f = __shfl_sync(mask, scale, t, lanes);
+        for (; u < n; ++u) {
+            const long long o = __shfl_sync(mask, goff, u, lanes);
+            const float f = __shfl_sync(mask, scale, u, lanes);
 #pragma unroll
             for (int c = 0; c < CHUNKS; ++c) {
                 const int d0 = c * chunk + lane * N;
@@ -147,29 +176,17 @@ __device__ __forceinline__ void sparse_update(
         if (n < lanes) break;
     }
 
-    W* wrow = weights + elem;
-    float* mrow = master ? master + elem : nullptr;
-    float w[CHUNKS][N];
 #pragma unroll
-    for (int c = 0; c < CHUNKS; ++c) {
-        const int d0 = c * chunk + lane * N;
+    for (int c = 0; c < CHUNKS; ++c)
 #pragma unroll
-        for (int k = 0; k < N; ++k) w[c][k] = 0.0f;
-        if (d0 < D) {
-            if (mrow) load_elems<float, N>(mrow, d0, D, vec_w, w[c]);
-            else load_elems<W, N>(wrow, d0, D, vec_w, w[c]);
-#pragma unroll
-            for (int k = 0; k < N; ++k) g[c][k] += weight_decay * w[c][k];
-        }
-    }
+        for (int k = 0; k < N; ++k) g[c][k] += weight_decay * w[c][k];
 
-    if (OPT == OPT_SGD) {
+    if constexpr (OPT == OPT_SGD) {
 #pragma unroll
         for (int c = 0; c < CHUNKS; ++c)
 #pragma unroll
             for (int k = 0; k < N; ++k) w[c][k] -= lr * g[c][k];
-    } else if (OPT == OPT_ADAGRAD) {
-        const float before = state1[key];
+    } else if constexpr (OPT == OPT_ADAGRAD) {
         float sq = 0.0f;
 #pragma unroll
         for (int c = 0; c < CHUNKS; ++c)
@@ -188,17 +205,14 @@ __device__ __forceinline__ void sparse_update(
         for (int c = 0; c < CHUNKS; ++c) {
             const int d0 = c * chunk + lane * N;
             if (d0 < D) {
-                float m1[N], m2[N];
-                load_elems<float, N>(state1 + elem, d0, D, vec_w, m1);
-                load_elems<float, N>(state2 + elem, d0, D, vec_w, m2);
 #pragma unroll
                 for (int k = 0; k < N; ++k) {
-                    m1[k] = beta1 * m1[k] + (1.0f - beta1) * g[c][k];
-                    m2[k] = beta2 * m2[k] + (1.0f - beta2) * g[c][k] * g[c][k];
-                    w[c][k] -= lr * (m1[k] / bias1) / (sqrtf(m2[k] / bias2) + eps);
+                    m1[c][k] = beta1 * m1[c][k] + (1.0f - beta1) * g[c][k];
+                    m2[c][k] = beta2 * m2[c][k] + (1.0f - beta2) * g[c][k] * g[c][k];
+                    w[c][k] -= lr * (m1[c][k] / bias1) / (sqrtf(m2[c][k] / bias2) + eps);
                 }
-                store_f32<N>(state1 + elem, d0, D, vec_w, m1);
-                store_f32<N>(state2 + elem, d0, D, vec_w, m2);
+                store_f32<N>(state1 + elem, d0, D, vec_w, m1[c]);
+                store_f32<N>(state2 + elem, d0, D, vec_w, m2[c]);
             }
         }
     }
@@ -213,19 +227,20 @@ __device__ __forceinline__ void sparse_update(
     }
 }
 
-#define SPARSE_UPDATE(NAME, W, K, OPT, CHUNKS)                                                                \
+#define SPARSE_UPDATE(NAME, W, K, OPT, CHUNKS)                                                          \
     extern "C" __global__ void __launch_bounds__(256) NAME(                                             \
         W* weights, float* master, float* state1, float* state2, const K* sorted_keys,                  \
-        const long long* order, const int* bag_of, const long long* offsets,                            \
-        const long long* slot_weight_offsets, const long long* slot_row_offsets,                        \
+        const int* sorted_bags, const long long* offsets, const long long* table_row_starts,            \
+        const long long* table_weight_offsets, const long long* table_dims, int num_tables,             \
         const long long* output_offsets, const unsigned char* slot_mean, const float* grad,             \
         long long nnz, int num_slots, int batch_size, int log_lanes, int weights_aligned,               \
         int grad_aligned, float lr, float eps, float beta1, float beta2, float bias1, float bias2,      \
         float weight_decay, int stochastic, unsigned long long seed) {                                  \
-        sparse_update<W, K, OPT, CHUNKS>(weights, master, state1, state2, sorted_keys, order, bag_of, offsets,  \
-                                 slot_weight_offsets, slot_row_offsets, output_offsets, slot_mean, grad, \
-                                 nnz, num_slots, batch_size, log_lanes, weights_aligned, grad_aligned,  \
-                                 lr, eps, beta1, beta2, bias1, bias2, weight_decay, stochastic, seed);  \
+        sparse_update<W, K, OPT, CHUNKS>(weights, master, state1, state2, sorted_keys, sorted_bags,     \
+                                         offsets, table_row_starts, table_weight_offsets, table_dims,   \
+                                         num_tables, output_offsets, slot_mean, grad, nnz, num_slots,   \
+                                         batch_size, log_lanes, weights_aligned, grad_aligned, lr, eps, \
+                                         beta1, beta2, bias1, bias2, weight_decay, stochastic, seed);   \
     }
 
 // Names: sparse_update_<optimizer>_<weights dtype>_<key type>_c<chunks>; wide rows (c4 for fp32, c2

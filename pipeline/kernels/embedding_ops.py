@@ -22,6 +22,8 @@ from pipeline.kernels._launch import f32, i32, i64, launch, ptr, u64
 FORWARD_SOURCE = "embedding_forward.cu"
 BACKWARD_SOURCE = "embedding_backward.cu"
 BLOCK = 256
+BAGS_PER_GROUP = 8  # consecutive bags one thread group pools: more row loads in flight for one-hot bags
+SMALL_BATCH_BAGS = 1 << 16  # below this many bags, one bag per group keeps every multiprocessor busy
 MAX_UPDATE_DIM = 512
 _DTYPE_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 _OPTIMIZERS = ("sgd", "adagrad", "adam")
@@ -35,6 +37,9 @@ class SlotArrays:
     row_offsets: torch.Tensor  # int64 [S]: global row of the slot's table's row 0 (row-wise state index)
     output_offsets: torch.Tensor  # int64 [S + 1]: column offsets in the pooled output
     mean: torch.Tensor  # bool [S]: mean pooling
+    table_row_starts: torch.Tensor  # int64 [T + 1]: first global row of each table, ascending, then total rows
+    table_weight_offsets: torch.Tensor  # int64 [T]: element offset of those tables, same order
+    table_dims: torch.Tensor  # int64 [T]: their dims, same order
     num_slots: int
     max_dim: int
     total_dim: int
@@ -45,11 +50,17 @@ class SlotArrays:
     def from_layout(cls, layout, device: torch.device | str) -> "SlotArrays":
         device = torch.device(device)
         tables = layout.slot_table
+        by_row = sorted(range(len(layout.rows)), key=lambda t: layout.row_offsets[t])
         return cls(
             weight_offsets=torch.tensor([layout.weights_offsets[t] for t in tables], dtype=torch.int64, device=device),
             row_offsets=torch.tensor([layout.row_offsets[t] for t in tables], dtype=torch.int64, device=device),
             output_offsets=torch.tensor(layout.output_offsets, dtype=torch.int64, device=device),
             mean=torch.tensor(layout.slot_mean, dtype=torch.bool, device=device),
+            table_row_starts=torch.tensor([layout.row_offsets[t] for t in by_row] + [sum(layout.rows)],
+                                          dtype=torch.int64, device=device),
+            table_weight_offsets=torch.tensor([layout.weights_offsets[t] for t in by_row], dtype=torch.int64,
+                                              device=device),
+            table_dims=torch.tensor([layout.dims[t] for t in by_row], dtype=torch.int64, device=device),
             num_slots=len(tables),
             max_dim=max(layout.slot_dims, default=0),
             total_dim=layout.output_offsets[-1],
@@ -105,8 +116,8 @@ def pooled_forward(weights: torch.Tensor, slots: SlotArrays, indices: torch.Tens
 
 
 def sort_by_row(slots: SlotArrays, indices: torch.Tensor, offsets: torch.Tensor,
-                batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(row keys sorted, their order in ``indices``, the bag of every id): the grouping step of the backward.
+                batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row keys sorted, the bag of each sorted key): the grouping step of the backward.
 
     A key is the global row (table row offset + id), int32 when every row fits, so the radix sort
     runs over half the bits.
@@ -120,7 +131,7 @@ def sort_by_row(slots: SlotArrays, indices: torch.Tensor, offsets: torch.Tensor,
            BLOCK, [ptr(indices), ptr(offsets), ptr(slots.row_offsets), i32(slots.num_slots), i32(batch_size),
                    ptr(keys), ptr(bag_of)])
     sorted_keys, order = torch.sort(keys)
-    return sorted_keys, order, bag_of
+    return sorted_keys, bag_of.index_select(0, order)
 
 
 def backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor], slots: SlotArrays,
@@ -153,7 +164,7 @@ def backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor], slots
         return
     indices, offsets = indices.contiguous(), offsets.contiguous()
     grad = grad_output.to(torch.float32).contiguous()
-    sorted_keys, order, bag_of = sort_by_row(slots, indices, offsets, batch_size)
+    sorted_keys, sorted_bags = sort_by_row(slots, indices, offsets, batch_size)
 
     width = _vector_width(weights.dtype)
     log_lanes = _log_lanes(slots.max_dim, width)
@@ -166,9 +177,9 @@ def backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor], slots
     weights_aligned = weights.data_ptr() % 16 == 0 and all(
         t is None or t.data_ptr() % 16 == 0 for t in (master_weights, state1 if optimizer == "adam" else None, state2))
     launch(BACKWARD_SOURCE, name, weights.device, (nnz + rows_per_block - 1) // rows_per_block, BLOCK,
-           [ptr(weights), ptr(master_weights), ptr(state1), ptr(state2), ptr(sorted_keys), ptr(order), ptr(bag_of),
-            ptr(offsets), ptr(slots.weight_offsets), ptr(slots.row_offsets), ptr(slots.output_offsets),
-            ptr(slots.mean), ptr(grad), i64(nnz), i32(slots.num_slots), i32(batch_size), i32(log_lanes),
+           [ptr(weights), ptr(master_weights), ptr(state1), ptr(state2), ptr(sorted_keys), ptr(sorted_bags),
+            ptr(offsets), ptr(slots.table_row_starts), ptr(slots.table_weight_offsets), ptr(slots.table_dims),
+            i32(slots.table_dims.numel()), ptr(slots.output_offsets), ptr(slots.mean), ptr(grad), i64(nnz), i32(slots.num_slots), i32(batch_size), i32(log_lanes),
             i32(weights_aligned), i32(grad_aligned), f32(lr), f32(eps), f32(beta1), f32(beta2),
             f32(1.0 - beta1**step), f32(1.0 - beta2**step), f32(weight_decay), i32(stochastic_rounding),
             u64(_mix(seed, step))])
