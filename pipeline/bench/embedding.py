@@ -38,6 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reps", type=int, default=20, help="timed repetitions per measurement (median)")
     parser.add_argument("--baseline-reps", type=int, default=5, help="timed repetitions of the torch baseline")
     parser.add_argument("--no-baseline", action="store_true", help="skip torch.nn.EmbeddingBag")
+    parser.add_argument("--sweep-bags-per-group", default="", metavar="K,K,...",
+                        help="also time the forward with each of these bags per thread group (tuning)")
     parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
 
 
@@ -55,6 +57,7 @@ def run(args: argparse.Namespace, cfg) -> dict:  # noqa: ARG001  (the pipeline s
     if pipeline.kernels.kernels_problem():
         raise DeviceError(f"bench embedding needs the CUDA kernels: {pipeline.kernels.kernels_problem()}")
     from pipeline.kernels.backend import CudaEmbeddingBackend
+    from pipeline.kernels import embedding_ops
     from pipeline.kernels.embedding_ops import sort_by_row
 
     hots = [int(h) for h in str(args.hots).split(",") if h]
@@ -96,6 +99,14 @@ def run(args: argparse.Namespace, cfg) -> dict:  # noqa: ARG001  (the pipeline s
             ind, off = cycle.next()
             sort_by_row(slots, ind, off, args.batch)
 
+        sweep = {}
+        for k in [int(v) for v in str(args.sweep_bags_per_group).split(",") if v]:
+            kept, embedding_ops.BAGS_PER_GROUP = embedding_ops.BAGS_PER_GROUP, k
+            sweep[k] = _median_ms(torch, fwd, args.reps)
+            embedding_ops.BAGS_PER_GROUP = kept
+        if sweep:
+            print(f"  {hot:>2}-hot forward by bags per group: "
+                  + ", ".join(f"{k}: {ms:.3f} ms" for k, ms in sweep.items()), flush=True)
         t_fwd = _median_ms(torch, fwd, args.reps)
         t_bwd = _median_ms(torch, bwd, args.reps)
         t_sort = _median_ms(torch, sort_only, args.reps)
@@ -105,7 +116,7 @@ def run(args: argparse.Namespace, cfg) -> dict:  # noqa: ARG001  (the pipeline s
         # the row-owner algorithm's fewest bytes: each occurrence's id and gradient row, each touched row
         # (and its state) read and written once; the sort's traffic is not counted
         bwd_bytes = nnz * (8 + args.dim * 4) + unique * (2 * args.dim * es + state_bytes)
-        row = dict(hot=hot, nnz=nnz, unique_rows=unique, forward_ms=t_fwd, backward_update_ms=t_bwd,
+        row = dict(hot=hot, nnz=nnz, forward_ms_by_bags_per_group=sweep, unique_rows=unique, forward_ms=t_fwd, backward_update_ms=t_bwd,
                    sort_ms=t_sort, forward_tb_s=fwd_bytes / t_fwd / 1e9, backward_tb_s=bwd_bytes / t_bwd / 1e9,
                    forward_fraction_of_copy=fwd_bytes / t_fwd / 1e9 / (copy_bw / 1e12),
                    backward_fraction_of_copy=bwd_bytes / t_bwd / 1e9 / (copy_bw / 1e12))
