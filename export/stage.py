@@ -34,9 +34,12 @@ def run_export(cfg: PipelineConfig) -> dict:
     """Write the model repository (or, with ``export.update``, a new embedding store version)."""
     from pipeline.data.layout import RawDataset
 
-    schema = Schema.load(cfg.paths.schema)
+    model, schema = load_trained_model(cfg)
+    etl_schema = Schema.load(cfg.paths.schema)
+    if etl_schema.cardinalities() != schema.cardinalities():
+        raise UserError(f"the ETL output in {cfg.paths.processed} changed since the model was trained "
+                        "(other cardinalities): run `python -m pipeline run train` again before exporting")
     raw_data = RawDataset.load(cfg.paths.raw)
-    model = load_trained_model(cfg)
     summary = write_repository(model, schema, cfg.paths.workflow, raw_columns(raw_data, cfg),
                                cfg.paths.export, model_options(cfg), update=cfg.export.update)
     what = f"embedding store version {summary['store_version']}" if cfg.export.update else "model repository"
@@ -68,15 +71,11 @@ def model_options(cfg: PipelineConfig) -> ModelOptions:
 
 
 def load_trained_model(cfg: PipelineConfig):
-    """The trained model of ``cfg.paths.train``, on the CPU, in eval mode."""
-    try:
-        from pipeline.train.stage import load_trained
-    except ImportError as err:
-        raise UserError(f"the training stage is not available here ({err}); run `python -m pipeline run train`") from err
-    model = load_trained(cfg)
-    if isinstance(model, tuple):
-        model = model[0]
-    return model.cpu().eval()
+    """The trained model of ``cfg.paths.train`` (on the CPU, in eval mode) and the schema it was trained with."""
+    from pipeline.train.stage import load_trained
+
+    model, schema = load_trained(cfg, device="cpu")
+    return model.eval(), schema
 
 
 def sample_rows(cfg: PipelineConfig, rows: int, split: str = "test") -> pd.DataFrame:
@@ -133,10 +132,14 @@ def run_serve(cfg: PipelineConfig, smoke: bool = False) -> dict:
         rows = sample_rows(cfg, cfg.serve.smoke_rows)
         with Client(server.grpc_url, "grpc") as client:
             probabilities = client.predict(rows)
-        print(f"[serve] smoke request: {len(rows)} raw rows -> probabilities {probabilities.round(4).tolist()}",
-              flush=True)
+        print(f"[serve] smoke request: {len(rows)} raw rows -> probabilities "
+              f"{[round(float(p), 4) for p in probabilities]}", flush=True)
         summary = {"served": True, "http": server.http_url, "grpc": server.grpc_url, "ready_s": round(ready_s, 2),
                    "smoke_rows": len(rows), "smoke_predictions": probabilities.tolist()}
+        difference = _difference_from_in_process(cfg, rows, probabilities)
+        if difference is not None:
+            summary["max_difference_from_in_process"] = difference
+            print(f"[serve] largest difference from the in-process model: {difference:.2e}", flush=True)
         if smoke:
             return summary
         print("[serve] serving; Ctrl-C or SIGTERM stops the server", flush=True)
@@ -149,6 +152,18 @@ def run_serve(cfg: PipelineConfig, smoke: bool = False) -> dict:
     finally:
         server.stop()
         signal.signal(signal.SIGTERM, previous)
+
+
+def _difference_from_in_process(cfg: PipelineConfig, rows: pd.DataFrame, served) -> float | None:
+    """How far the served probabilities are from the trained model's own, when it is available here."""
+    if not (cfg.paths.train / "model.pt").is_file():
+        return None
+    from export.inprocess import InProcessModel
+    from pipeline.etl.workflow import Workflow
+
+    model, schema = load_trained_model(cfg)
+    expected = InProcessModel(model, schema, Workflow.load(cfg.paths.workflow)).predict(rows)
+    return float(abs(expected - served).max())
 
 
 def _raise_interrupt(signum, frame):  # noqa: ARG001

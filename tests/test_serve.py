@@ -8,6 +8,10 @@ and no /dev/shm region is left behind (the fixture stops it too if a test fails 
 from __future__ import annotations
 
 import os
+import re
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -227,6 +231,38 @@ def test_update_refuses_a_changed_dense_part(served):
     changed = build_model("dlrm", reference.schema, ModelSizes.preset("small"), seed=99)
     with pytest.raises(Exception, match="dense part differs"):
         write_repository(changed, reference.schema, cfg.paths.workflow, None, cfg.paths.export, update=True)
+
+
+def test_cli_serve_answers_then_stops_cleanly_on_sigterm(served):
+    cfg = served[0]
+    command = [sys.executable, "-m", "pipeline", "run", "serve", f"workdir={cfg.workdir}", "device=cpu"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = process.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "Ctrl-C or SIGTERM" in line:
+                break
+        text = "".join(lines)
+        assert "smoke request: 8 raw rows" in text, text
+        server_pid = int(re.search(r"ready in .* \(pid (\d+)\)", text).group(1))
+        grpc = re.search(r"gRPC  (\S+)", text).group(1)
+        assert grpc.startswith("127.0.0.1:")
+        with Client(grpc, "grpc") as client:
+            assert client.predict(_rows(cfg).iloc[:3]).shape == (3,)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(60) == 0
+        assert "stopping" in process.stdout.read()
+        with pytest.raises(ProcessLookupError):
+            os.kill(server_pid, 0)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
 
 
 def test_stopping_leaves_no_process_and_no_shared_memory(served):

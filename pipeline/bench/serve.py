@@ -1,0 +1,231 @@
+"""Serving latency and throughput: the Triton ensemble against the in-process model, same run.
+
+Makes a small synthetic dataset (``--rows``), runs the ETL, builds the configured model (untrained:
+speed does not depend on the weights) and exports it under ``--workdir``; starts the real server.
+Then, for batch 1, 64 and 1024 raw rows: p50 / p99 latency of ``--requests`` sequential gRPC
+requests, and of the in-process model on the same rows (workflow transform + forward, no server);
+the time each ensemble step took (Triton's own statistics); throughput with ``--clients``
+concurrent gRPC clients; and the embedding cache's hit rate on the raw rows, whose categorical
+values are Zipf-distributed (served LRU, plus LRU / LFU at several cache sizes offline).
+
+    python -m pipeline bench serve --requests 200 --clients 8
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rows", type=int, default=50_000, help="synthetic rows made for the benchmark")
+    parser.add_argument("--batches", default="1,64,1024", help="batch sizes, comma-separated")
+    parser.add_argument("--requests", type=int, default=200, help="sequential requests per batch size")
+    parser.add_argument("--clients", type=int, default=8, help="concurrent gRPC clients for throughput")
+    parser.add_argument("--seconds", type=float, default=10.0, help="duration of the throughput run")
+    parser.add_argument("--throughput-batch", type=int, default=64, help="rows per request in the throughput run")
+    parser.add_argument("--workdir", default="data/bench-serve", help="where the benchmark's data and export go")
+    parser.add_argument("--out", default="", help="also write the results as JSON here")
+
+
+def run(args: argparse.Namespace, cfg) -> dict:
+    import dataclasses
+    import json
+    import os
+    import platform
+    import time
+    from datetime import datetime, timezone
+
+    import numpy as np
+
+    cfg = dataclasses.replace(
+        cfg, workdir=args.workdir, device="cpu" if cfg.device == "auto" else cfg.device,
+        data=dataclasses.replace(cfg.data, rows=args.rows, name=cfg.data.name or f"bench-serve-{args.rows}"),
+        etl=dataclasses.replace(cfg.etl, cluster="threads"))
+    batches = [int(b) for b in args.batches.split(",") if b]
+    cfg = dataclasses.replace(cfg, export=dataclasses.replace(cfg.export, max_batch_size=max(batches + [1024])))
+    reference, rows = _prepare(cfg)
+    print(f"[bench serve] {len(rows):,} raw test rows; model {cfg.train.model}; {os.cpu_count()} cores; "
+          f"load {os.getloadavg()[0]:.2f}", flush=True)
+
+    from export.repository import cache_stats
+    from export.stage import start_server
+    from pipeline.client import Client
+
+    results: dict = {"command": "python -m pipeline bench serve " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k in ("requests", "clients", "seconds", "rows")),
+        "machine": f"{platform.node()} ({os.cpu_count()} cores, {platform.machine()})",
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "latency": {}, "steps": {}}
+    started = time.perf_counter()
+    server = start_server(cfg)
+    results["startup_s"] = round(time.perf_counter() - started, 2)
+    try:
+        with Client(server.grpc_url, "grpc") as client:
+            for batch in batches:
+                frame = rows.iloc[:batch]
+                request = client.columns(frame)
+                served = _timed(lambda: client.infer(request), args.requests)
+                local = _timed(lambda: reference.predict(frame), args.requests)
+                before = _model_stats(client)
+                _timed(lambda: client.infer(request), max(20, args.requests // 4))
+                steps = _per_request(before, _model_stats(client))
+                results["latency"][batch] = {"ensemble": served, "in_process": local}
+                results["steps"][batch] = steps
+                print(f"[bench serve] batch {batch:5d}: ensemble p50 {served['p50_ms']:.2f} ms p99 "
+                      f"{served['p99_ms']:.2f} ms | in-process p50 {local['p50_ms']:.2f} ms p99 {local['p99_ms']:.2f} ms"
+                      f" | steps (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in steps.items()), flush=True)
+        results["throughput"] = _throughput(server, rows, args, reference)
+        print(f"[bench serve] throughput, {args.clients} gRPC clients x batch {args.throughput_batch}: "
+              f"{results['throughput']['ensemble_rows_per_s']:,.0f} rows/s ensemble, "
+              f"{results['throughput']['in_process_rows_per_s']:,.0f} rows/s in-process (one thread)", flush=True)
+        time.sleep(0.5)
+        served_cache = cache_stats(cfg.paths.export)
+        results["served_cache"] = {k: served_cache[k] for k in ("hits", "misses", "evictions", "hit_rate")}
+    finally:
+        server.stop()
+    results["cache_offline"] = _offline_hit_rates(cfg, reference, rows)
+    print(f"[bench serve] served LRU cache (fraction {cfg.export.cache_fraction}): hit rate "
+          f"{results['served_cache']['hit_rate']:.3f}; offline: " + ", ".join(
+              f"{k} {v:.3f}" for k, v in results["cache_offline"].items()), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
+    return results
+
+
+def _prepare(cfg):
+    from pipeline.data.layout import RawDataset
+    from pipeline.data.stage import run as make_data
+    from pipeline.etl.stage import run as run_etl
+    from pipeline.etl.workflow import Workflow
+    from pipeline.modules.models import ModelSizes, build_model
+    from pipeline.schema import Schema
+
+    from export.inprocess import InProcessModel
+    from export.repository import write_repository
+    from export.stage import model_options, raw_columns, sample_rows
+
+    make_data(cfg)
+    if not cfg.paths.schema.is_file():
+        run_etl(cfg)
+    schema = Schema.load(cfg.paths.schema)
+    model = build_model(cfg.train.model, schema, ModelSizes.from_train_config(cfg.train, "cpu"), seed=cfg.seed).eval()
+    write_repository(model, schema, cfg.paths.workflow, raw_columns(RawDataset.load(cfg.paths.raw), cfg),
+                     cfg.paths.export, model_options(cfg))
+    reference = InProcessModel(model, schema, Workflow.load(cfg.paths.workflow))
+    return reference, sample_rows(cfg, 1 << 30)
+
+
+def _timed(fn, repeats: int) -> dict:
+    import time
+
+    import numpy as np
+
+    for _ in range(min(10, repeats)):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1000)
+    return {"p50_ms": float(np.percentile(times, 50)), "p99_ms": float(np.percentile(times, 99)),
+            "requests": repeats}
+
+
+def _model_stats(client) -> dict[str, dict[str, int]]:
+    stats = client._client.get_inference_statistics(as_json=True)
+    out = {}
+    for model in stats["model_stats"]:
+        infer = model["inference_stats"]
+        out[model["name"]] = {
+            "count": int(infer["success"].get("count", 0)),
+            "queue": int(infer["queue"].get("ns", 0)),
+            "compute": int(infer["compute_input"].get("ns", 0)) + int(infer["compute_infer"].get("ns", 0))
+            + int(infer["compute_output"].get("ns", 0)),
+            "total": int(infer["success"].get("ns", 0)),
+        }
+    return out
+
+
+def _per_request(before: dict, after: dict) -> dict[str, float]:
+    out = {}
+    for name in ("preprocess", "embedding", "dense", "ensemble"):
+        if name not in after:
+            continue
+        count = after[name]["count"] - before.get(name, {}).get("count", 0)
+        if count <= 0:
+            continue
+        total = (after[name]["total"] - before.get(name, {}).get("total", 0)) / count / 1e6
+        if name == "ensemble":
+            out["ensemble (server side)"] = total
+        else:
+            compute = (after[name]["compute"] - before[name]["compute"]) / count / 1e6
+            queue = (after[name]["queue"] - before[name]["queue"]) / count / 1e6
+            out[name] = compute
+            out[f"{name} queue"] = queue
+    return out
+
+
+def _throughput(server, rows, args, reference) -> dict:
+    import threading
+    import time
+
+    from pipeline.client import Client
+
+    batch = args.throughput_batch
+    frames = [rows.iloc[i: i + batch] for i in range(0, min(len(rows), batch * 64), batch)]
+    done = [0] * args.clients
+    errors: list[Exception] = []
+    stop = threading.Event()
+
+    def worker(k):
+        with Client(server.grpc_url, "grpc") as client:
+            requests = [client.columns(f) for f in frames]
+            i = k
+            while not stop.is_set():
+                try:
+                    client.infer(requests[i % len(requests)])
+                except Exception as err:  # noqa: BLE001
+                    errors.append(err)
+                    return
+                done[k] += len(frames[i % len(frames)])
+                i += 1
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(args.clients)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)  # warm-up: every client connected and converted its requests
+    start_rows, start = sum(done), time.perf_counter()
+    time.sleep(args.seconds)
+    served = (sum(done) - start_rows) / (time.perf_counter() - start)
+    stop.set()
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise RuntimeError(f"throughput run: {errors[0]}")
+    t = time.perf_counter()
+    local_rows = 0
+    while time.perf_counter() - t < min(args.seconds, 5.0):
+        reference.predict(frames[local_rows // batch % len(frames)])
+        local_rows += batch
+    local = local_rows / (time.perf_counter() - t)
+    return {"clients": args.clients, "batch": batch, "ensemble_rows_per_s": served, "in_process_rows_per_s": local}
+
+
+def _offline_hit_rates(cfg, reference, rows) -> dict[str, float]:
+    """LRU / LFU hit rates on the same traffic at several cache sizes, computed without a server."""
+    from export.lookup import EmbeddingLookup, LookupLayout
+    from export.preprocess import Preprocessor
+
+    export = cfg.paths.export
+    preprocess = Preprocessor.load(export / "preprocess" / "1" / "artifacts")
+    processed = preprocess.tensors(reference.workflow.transform(rows))
+    layout = LookupLayout.load(export / "embedding" / "1" / "layout.json")
+    out = {}
+    for policy in ("lru", "lfu"):
+        for fraction in (0.05, 0.25):
+            lookup = EmbeddingLookup(export / "embedding" / "store", layout, policy, fraction, min_cache_rows=0)
+            ids = processed["CATEGORICAL_IDS"]
+            for i in range(0, len(ids), 64):
+                lookup(ids[i: i + 64])
+            out[f"{policy}@{fraction}"] = lookup.stats()["hit_rate"]
+    return out
