@@ -15,6 +15,7 @@ Example (one process per GPU, under torchrun)::
 
 from __future__ import annotations
 
+import warnings
 from typing import Sequence
 
 import torch
@@ -46,9 +47,9 @@ class DistributedModelParallel(nn.Module):
 
     def __init__(self, model: nn.Module, plans: ShardingPlan | dict[str, ShardingPlan] | None = None,
                  planner: EmbeddingShardingPlanner | None = None, device: torch.device | str | None = None,
-                 process_group=None, **ddp_kwargs) -> None:
+                 process_group=None, verbose: bool = True, **ddp_kwargs) -> None:
         super().__init__()
-        _, world = world_of(None)
+        rank, world = world_of(None)
         collections = [(name, m) for name, m in model.named_modules() if isinstance(m, EmbeddingCollection)]
         if isinstance(plans, ShardingPlan):
             if len(collections) != 1:
@@ -63,6 +64,8 @@ class DistributedModelParallel(nn.Module):
                 planner = planner or EmbeddingShardingPlanner(Topology(world))
                 plan = planner.plan(ec.tables)
             sharded = ShardedEmbeddingCollection.from_collection(ec, plan, device, process_group)
+            if verbose and rank == 0:
+                print(f"[distributed] {name}: " + plan.describe(ec.tables), flush=True)
             _set_submodule(model, name, sharded)
             self.plans[name] = plan
         del collections
@@ -73,10 +76,14 @@ class DistributedModelParallel(nn.Module):
             ignore = [f"{path}.{n}" for path in self.sharded_paths
                       for n, _ in model.get_submodule(path).named_buffers()]
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignore)
-            ddp_kwargs.setdefault("broadcast_buffers", False)
+            ddp_kwargs.setdefault("broadcast_buffers", False)  # the ignored buffers are rank-local
             if device.type == "cuda":
                 ddp_kwargs.setdefault("device_ids", [device.index if device.index is not None else 0])
-            self.wrapped: nn.Module = DistributedDataParallel(model, **ddp_kwargs)
+            with warnings.catch_warnings():
+                # torch >= 2.12 calls broadcast_buffers deprecated, but its replacement still syncs
+                # buffers at init, which would overwrite the rank-local shards' (ignored) buffers.
+                warnings.simplefilter("ignore", FutureWarning)
+                self.wrapped: nn.Module = DistributedDataParallel(model, **ddp_kwargs)
         else:
             self.wrapped = model
 

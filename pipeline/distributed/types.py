@@ -108,6 +108,9 @@ class ShardingPlan:
         names = [t.name for t in tables]
         if sorted(names) != sorted(self.tables):
             raise PlanError(f"the plan places tables {sorted(self.tables)}, the model has {sorted(names)}")
+        for key, p in self.tables.items():
+            if p.table != key:
+                raise PlanError(f"the plan's entry {key!r} describes table {p.table!r}")
         for t in tables:
             p = self.tables[t.name]
             if any(r < 0 or r >= self.world_size for r in p.ranks):

@@ -44,7 +44,7 @@ class GreedyPartitioner:
             r = fits[0]
             used[r] += o.storage_per_rank
             load[r] += o.cost
-            placed[name := o.table] = ParameterSharding.table_wise(name, o.rows, r)
+            placed[o.table] = ParameterSharding.table_wise(o.table, o.rows, r)
         if budget is not None and any(u > budget for u in used):
             raise PlannerError(f"row-wise and data-parallel parts alone need {_mib(used)} MiB per rank, "
                                f"available {budget / MiB:.2f} MiB each", list(used), [budget] * w)
