@@ -58,14 +58,15 @@ class ShardedEmbeddingCollection(nn.Module):
 
     ``process_group``: the group to shard over (default: a new group of every rank, so these
     exchanges never interleave with DDP's on the default group). The local tables are initialized
-    like the unsharded collection's (uniform in ``±rows**-0.5``, drawn per shard from ``seed``);
-    :meth:`from_collection` copies the values of an existing collection instead.
+    like the unsharded collection's (uniform in ``±rows**-0.5``, drawn per shard from ``seed``;
+    ``seed=None`` leaves them for the caller to fill); :meth:`from_collection` copies the values of
+    an existing collection instead.
     """
 
     def __init__(self, tables: Sequence[TableConfig], feature_names: Sequence[str], plan: ShardingPlan,
                  optimizer: EmbeddingOptimizerConfig | None = None, weights_dtype: str = "fp32",
                  backend: str = "auto", device: torch.device | str = "cpu", validate_ids: bool = True,
-                 process_group=None, seed: int = 0) -> None:
+                 process_group=None, seed: int | None = 0) -> None:
         super().__init__()
         import torch.distributed as dist
 
@@ -91,7 +92,8 @@ class ShardedEmbeddingCollection(nn.Module):
 
         self.strategies = nn.ModuleList(
             cls(self.tables, self.layout, plan, self.rank, self.world_size, process_group, make) for cls in _STRATEGIES)
-        self._init_weights(seed)
+        if seed is not None:
+            self._init_weights(seed)
         key_of_slot = [self.feature_names.index(f) for f in self.layout.slot_features]
         for i, st in enumerate(self.strategies):
             keys = torch.tensor([key_of_slot[s] for s in st.input_slots], dtype=torch.int64)
@@ -113,7 +115,7 @@ class ShardedEmbeddingCollection(nn.Module):
         dtype_name = {v: k for k, v in {"fp32": torch.float32, "fp16": torch.float16,
                                         "bf16": torch.bfloat16}.items()}[ec.weights.dtype]
         sharded = cls(ec.tables, ec.feature_names, plan, ec.optimizer, dtype_name, ec.backend_name,
-                      device if device is not None else ec.weights.device, ec.validate_ids, process_group)
+                      device if device is not None else ec.weights.device, ec.validate_ids, process_group, seed=None)
         sharded.set_lr(ec.lr)
         with torch.no_grad():
             for name, lo, hi, local in sharded.local_shards():

@@ -1,0 +1,181 @@
+"""Model-parallel training throughput: DLRM at 1 and N ranks with the per-rank batch fixed.
+
+For each rank count the ranks train the schema-built DLRM (the MLPerf shape by default: 26 tables,
+dim 128, bottom 512-256-128, top 1024-1024-512-256-1, 65536 samples per rank and step) on pre-made
+random batches (one-hot ids, uniform over each table, different on every rank). One rank trains
+the plain model (no sharding, no DDP: the baseline); N ranks train it through
+DistributedModelParallel (the planner's plan, table-wise unless ``--sharding`` says otherwise).
+Reported: samples/s over all ranks (median of the rounds), scaling efficiency
+``rate(N) / (N * rate(1))``, and from one extra profiled round (collectives synchronized and
+timed) the all-to-all / all-reduce time per step beside the rest of the step.
+
+    python -m pipeline.bench.train_distributed --device cuda --nproc 1,2
+    python -m pipeline.bench.train_distributed --device cpu --nproc 1,2 --rows 20000 --dim 16 --batch 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nproc", default="1,2", help="rank counts to run, comma separated (1 = the baseline)")
+    parser.add_argument("--tables", type=int, default=26, help="embedding tables, one per sparse feature")
+    parser.add_argument("--rows", type=int, default=500_000, help="rows per table")
+    parser.add_argument("--dim", type=int, default=128, help="embedding dim")
+    parser.add_argument("--mlp", choices=["mlperf", "small"], default="mlperf",
+                        help="mlperf: bottom 512-256-dim, top 1024-1024-512-256-1; small: bottom 64-dim, top 64-1")
+    parser.add_argument("--batch", type=int, default=65536, help="samples per rank and step")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per round")
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds (median reported)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    parser.add_argument("--backend", default="auto", help="embedding backend: torch | cuda | auto")
+    parser.add_argument("--amp", choices=["auto", "bf16", "off"], default="auto", help="bf16 autocast of the MLPs")
+    parser.add_argument("--sharding", default="table_wise",
+                        help="table_wise | row_wise | data_parallel | auto (the planner's choice)")
+    parser.add_argument("--out", default="", help="also write the results as JSON here")
+
+
+def run(args: argparse.Namespace, cfg=None) -> dict:
+    import torch
+
+    from pipeline.device import resolve_device
+    from pipeline.distributed.testing import spawn
+
+    device = resolve_device(getattr(cfg, "device", None) or args.device).kind
+    counts = [int(n) for n in str(args.nproc).split(",") if n]
+    if device == "cuda" and max(counts) > torch.cuda.device_count():
+        raise SystemExit(f"--nproc {max(counts)} needs as many GPUs, found {torch.cuda.device_count()}")
+    backend = "nccl" if device == "cuda" else "gloo"
+    results = {}
+    for n in counts:
+        per_rank = spawn(_worker, n, backend, args=(vars(args), device), timeout_s=900)
+        results[n] = _summarize(n, per_rank, args)
+    base = results.get(1)
+    for n, r in results.items():
+        r["scaling_efficiency"] = r["samples_per_s"] / (n * base["samples_per_s"]) if base else None
+    shape = (f"{args.tables} tables x {args.rows} rows, dim {args.dim}, mlp {args.mlp}, "
+             f"batch {args.batch} per rank, sharding {args.sharding}")
+    print(f"bench train_distributed on {device} ({backend}): {shape}")
+    print(f"  {'ranks':>5} {'samples/s':>14} {'efficiency':>10} {'step ms':>9} {'comm ms':>9} {'rest ms':>9}")
+    for n, r in results.items():
+        eff = f"{r['scaling_efficiency']:.3f}" if r["scaling_efficiency"] is not None else "-"
+        print(f"  {n:>5} {r['samples_per_s']:>14,.0f} {eff:>10} {r['profiled_step_ms']:>9.2f} "
+              f"{r['comm_ms_per_step']:>9.2f} {r['profiled_step_ms'] - r['comm_ms_per_step']:>9.2f}")
+    out = {"device": device, "shape": shape, "results": {str(k): v for k, v in results.items()}}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=2)
+    return out
+
+
+def _summarize(n: int, per_rank: list[dict], args) -> dict:
+    rounds = [sum(r["rates"][i] for r in per_rank) for i in range(len(per_rank[0]["rates"]))]
+    return {
+        "ranks": n,
+        "samples_per_s": statistics.median(rounds),
+        "rounds": rounds,
+        "profiled_step_ms": max(r["profiled_step_ms"] for r in per_rank),
+        "comm_ms_per_step": max(r["comm_ms_per_step"] for r in per_rank),
+        "plan": per_rank[0].get("plan"),
+        "embedding_backend": per_rank[0]["embedding_backend"],
+    }
+
+
+def _worker(rank: int, world: int, args: dict, device_kind: str) -> dict:
+    import contextlib
+    import time
+
+    import torch
+    import torch.nn.functional as F
+
+    from pipeline.distributed import DistributedModelParallel, EmbeddingShardingPlanner, Topology
+    from pipeline.distributed.comm import CommTimer
+    from pipeline.modules.embedding import EmbeddingOptimizerConfig
+    from pipeline.modules.models import ModelSizes, build_model
+    from pipeline.schema import Column, Schema
+    from pipeline.sparse import KeyedJaggedTensor
+
+    a = argparse.Namespace(**args)
+    device = torch.device(f"cuda:{rank}" if device_kind == "cuda" else "cpu")
+    amp = a.amp == "bf16" or (a.amp == "auto" and device.type == "cuda")
+    schema = Schema([Column("label", "label", "float32")]
+                    + [Column(f"I{i + 1}", "continuous", "float32") for i in range(13)]
+                    + [Column(f"C{i + 1}", "categorical", "int32", cardinality=a.rows) for i in range(a.tables)])
+    if a.mlp == "mlperf":
+        sizes = ModelSizes(embedding_dim=a.dim, bottom_mlp=[512, 256, a.dim], top_mlp=[1024, 1024, 512, 256, 1])
+    else:
+        sizes = ModelSizes(embedding_dim=a.dim, bottom_mlp=[64, a.dim], top_mlp=[64, 1])
+    model = build_model("dlrm", schema, sizes, EmbeddingOptimizerConfig("sgd", lr=0.01), backend=a.backend, seed=0)
+    model.embedding.validate_ids = False
+    plan = None
+    if world == 1:
+        net = model.to(device)
+        embedding = model.embedding
+    else:
+        constraints = {} if a.sharding == "auto" else {t.name: a.sharding for t in model.embedding.tables}
+        planner = EmbeddingShardingPlanner(Topology(world, batch_size=a.batch, optimizer="sgd"), constraints)
+        net = DistributedModelParallel(model, planner=planner, device=device, verbose=False)
+        plan = net.plans["embedding"].to_dict()
+        embedding = net.module.embedding
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
+    keys = [f"C{i + 1}" for i in range(a.tables)]
+    gen = torch.Generator().manual_seed(1000 + rank)
+    batches = []
+    for _ in range(2):
+        ids = torch.randint(0, a.rows, (a.batch, a.tables), generator=gen)
+        batches.append((torch.randn(a.batch, 13, generator=gen).to(device),
+                        KeyedJaggedTensor.from_dense(keys, ids).to(device),
+                        torch.randint(0, 2, (a.batch,), generator=gen).float().to(device)))
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if world > 1:
+            torch.distributed.barrier()
+
+    def step(i):
+        dense, kjt, label = batches[i % len(batches)]
+        ctx = torch.autocast("cuda", dtype=torch.bfloat16) if amp else contextlib.nullcontext()
+        with ctx:
+            logits = net(dense, kjt)
+        loss = F.binary_cross_entropy_with_logits(logits.float(), label)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    def timed(steps):
+        sync()
+        start = time.perf_counter()
+        for i in range(steps):
+            step(i)
+        sync()
+        return time.perf_counter() - start
+
+    timed(a.warmup)
+    rates = [a.batch * a.steps / timed(a.steps) for _ in range(a.rounds)]
+    timer = CommTimer.get()
+    timer.reset()
+    timer.enabled = True
+    seconds = timed(a.steps)
+    timer.enabled = False
+    backend_name = embedding.strategies[0].local.backend.name if world > 1 and embedding.strategies[0].local \
+        else getattr(getattr(embedding, "backend", None), "name", "?")
+    return {"rates": rates, "profiled_step_ms": 1e3 * seconds / a.steps,
+            "comm_ms_per_step": 1e3 * timer.seconds / a.steps, "plan": plan, "embedding_backend": backend_name}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pipeline.bench.train_distributed", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    parser.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
+    run(parser.parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
