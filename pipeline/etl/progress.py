@@ -1,4 +1,4 @@
-"""``compute``: ``dask.compute`` with a progress bar, on threads (tqdm) or on a distributed client.
+"""``compute``: ``dask.compute`` with a tqdm bar, on threads (per task) or on a distributed client (per result).
 
 Example::
 
@@ -7,7 +7,6 @@ Example::
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -21,11 +20,12 @@ def compute(*collections: Any, desc: str = "dask", progress: bool = True) -> tup
     if not progress:
         return dask.compute(*collections)
     if client is not None:
-        from distributed import progress as distributed_progress
+        from distributed import as_completed
 
         futures = client.compute(list(collections))
-        print(f"[etl] {desc}", file=sys.stderr, flush=True)
-        distributed_progress(futures)
+        with tqdm(total=len(futures), desc=desc, unit="part", leave=False) as bar:
+            for _ in as_completed(futures):
+                bar.update(1)
         return tuple(client.gather(futures))
     with _TqdmCallback(desc):
         return dask.compute(*collections)

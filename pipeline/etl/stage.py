@@ -52,8 +52,7 @@ def run(cfg: PipelineConfig) -> dict:
     backend = check_backend(backend_for(device))
     print(f"[etl] device {device.kind} ({device.reason}): {backend} backend", flush=True)
     raw = ensure_raw(cfg)
-    roles = {"label": raw.label, "continuous": raw.continuous, "categorical": raw.categorical,
-             "multihot": raw.multihot}
+    roles = roles_of(raw)
     check_raw_files(raw.splits, roles)
     workflow = default_workflow(roles, cfg.etl, backend=backend)
     files = [f for split in SPLITS for f in raw.splits[split]]
@@ -65,14 +64,8 @@ def run(cfg: PipelineConfig) -> dict:
         workflow.fit(read_parquet(raw.splits["train"], workflow.input_columns, backend), progress=True)
         timings["fit_s"] = round(time.perf_counter() - t, 2)
         t = time.perf_counter()
-        rows = {}
-        for split in SPLITS:
-            rows[split] = transform_split(workflow, raw.splits[split], cfg.paths.processed / split,
-                                          cfg.etl.row_group_rows, backend)
+        rows, schema = write_outputs(workflow, raw.splits, roles, cfg, backend)
         timings["transform_s"] = round(time.perf_counter() - t, 2)
-    workflow.save(cfg.paths.workflow)
-    schema = build_schema(workflow, roles, rows, cfg.etl.row_group_rows)
-    schema.save(cfg.paths.schema)
     summary = {
         "processed": str(cfg.paths.processed),
         "schema": str(cfg.paths.schema),
@@ -86,6 +79,28 @@ def run(cfg: PipelineConfig) -> dict:
     }
     print(f"[etl] wrote {rows} rows to {cfg.paths.processed} in {summary['seconds']} s", flush=True)
     return summary
+
+
+def roles_of(raw: Any) -> dict:
+    """The column roles of a raw dataset (``pipeline.data.layout.RawDataset``) as the ETL uses them."""
+    return {"label": raw.label, "continuous": list(raw.continuous), "categorical": list(raw.categorical),
+            "multihot": list(raw.multihot)}
+
+
+def write_outputs(workflow: Workflow, splits: dict[str, list[Path]], roles: dict, cfg: PipelineConfig,
+                  backend: str = "pandas", progress: bool = True) -> tuple[dict[str, int], Schema]:
+    """Transform every split with the fitted workflow, then save the workflow and ``schema.json``.
+
+    Returns the rows written per split and the schema.
+    """
+    rows = {}
+    for split in SPLITS:
+        rows[split] = transform_split(workflow, splits.get(split, []), cfg.paths.processed / split,
+                                      cfg.etl.row_group_rows, backend, progress=progress)
+    workflow.save(cfg.paths.workflow)
+    schema = build_schema(workflow, roles, rows, cfg.etl.row_group_rows)
+    schema.save(cfg.paths.schema)
+    return rows, schema
 
 
 def default_workflow(roles: dict, etl: EtlConfig, backend: str = "pandas") -> Workflow:

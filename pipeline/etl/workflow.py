@@ -245,8 +245,8 @@ class Workflow:
         return cls(built[record["output"]], backend=backend or record["backend"])
 
     def __repr__(self) -> str:
-        ops = " ; ".join(f"{cols} >> {op!r}" for op, cols in self.operators())
-        return f"Workflow({ops} -> {self.output_columns})"
+        lines = [f"  {_short(cols)} >> {op!r}" for op, cols in self.operators()]
+        return "Workflow(\n" + "\n".join(lines) + f"\n) -> {_short(self.output_columns)}"
 
 
 def _lists_as_arrow(df: pd.DataFrame) -> pd.DataFrame:
@@ -280,3 +280,7 @@ def _compute_by_kind(lazy: list, progress: bool) -> list:
             for i, value in zip(picked, values):
                 results[i] = value
     return results
+
+
+def _short(columns: list[str]) -> str:
+    return str(columns) if len(columns) <= 4 else f"[{columns[0]}, {columns[1]}, ... {columns[-1]}] ({len(columns)})"
