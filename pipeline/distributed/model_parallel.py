@@ -94,6 +94,11 @@ class DistributedModelParallel(nn.Module):
         return torch.device("cpu")
 
     @property
+    def embedding(self) -> nn.Module:
+        """The model's ``embedding`` (sharded), so a loop written for the plain model can set its lr."""
+        return self.model.get_submodule("embedding")
+
+    @property
     def module(self) -> nn.Module:
         """The model itself (its embedding collections now sharded)."""
         return self.model

@@ -1,0 +1,59 @@
+"""Start N training processes on this node through torchrun's own machinery.
+
+``python -m pipeline run train --nproc 2 ...`` calls :func:`relaunch`, which runs
+``torchrun --standalone --nproc-per-node 2 -m pipeline run train ...`` in-process through
+``torch.distributed.run`` (elastic launch: a local rendezvous, workers restarted on failure if asked,
+the first worker error reported with its traceback). The same works by hand, and across nodes with
+torchrun's rendezvous flags::
+
+    torchrun --nproc-per-node 2 -m pipeline run train train.batch_size=65536
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST0:29500 \\
+        --rdzv-id job42 -m pipeline run train          # the same command on each node
+
+Example::
+
+    relaunch(["run", "train", "--nproc", "2", "train.epochs=1"], nproc=2)
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def strip_nproc(argv: list[str]) -> list[str]:
+    """``argv`` without ``--nproc N`` / ``--nproc=N`` (the workers must not launch again)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a == "--nproc":
+            skip = True
+            continue
+        if a.startswith("--nproc="):
+            continue
+        out.append(a)
+    return out
+
+
+def under_torchrun() -> bool:
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def relaunch(argv: list[str], nproc: int, torchrun_args: list[str] | None = None, module: str = "pipeline") -> int:
+    """Run ``python -m <module> <argv>`` as ``nproc`` workers under torchrun on this node; 0 on success."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    if nproc < 1:
+        raise ValueError(f"--nproc: expected at least 1, got {nproc}")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off (shared machines)
+    args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={nproc}", *(torchrun_args or []),
+                                         "--module", module, *strip_nproc(argv)])
+    try:
+        run(args)
+    except ChildFailedError as err:
+        print(f"error: {len(err.failures)} of {nproc} training processes failed; first: "
+              f"{err.get_first_failure()[1].message}", flush=True)
+        return 1
+    return 0
