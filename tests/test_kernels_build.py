@@ -122,3 +122,48 @@ def test_slot_arrays_follow_the_layout():
     odd = SlotArrays.from_layout(TableLayout.build([TableConfig("t", 3, 7, ["a"]), TableConfig("u", 3, 4, ["b"])]),
                                  "cpu")
     assert not odd.columns_aligned
+
+
+_CTYPE_TO_PTX = {"c_void_p": "u64", "c_int": "u32", "c_long": "u64", "c_ulong": "u64", "c_float": "f32"}
+
+
+def _ptx_params(source: str, tmp_path) -> dict[str, list[str]]:
+    """Entry name -> the PTX types of its parameters, from nvcc's PTX of ``source``."""
+    import re
+
+    out = tmp_path / (source + ".ptx")
+    subprocess.run([_nvcc(), "-arch=sm_90", "-std=c++17", "-ptx", "-o", str(out), str(KERNEL_DIR / source)],
+                   check=True, capture_output=True, timeout=600)
+    entries = {}
+    for name, params in re.findall(r"\.entry\s+(\w+)\s*\(([^)]*)\)", out.read_text()):
+        entries[name] = re.findall(r"\.param\s+\.(\w+)", params)
+    return entries
+
+
+def test_launch_arguments_match_kernel_signatures(tmp_path, monkeypatch):
+    from pipeline.kernels import embedding_ops
+
+    entries = {**_ptx_params("embedding_forward.cu", tmp_path), **_ptx_params("embedding_backward.cu", tmp_path)}
+    launches = []
+    monkeypatch.setattr(embedding_ops, "launch",
+                        lambda source, function, device, grid, block, args: launches.append((function, args)))
+    monkeypatch.setattr(embedding_ops, "_check", lambda *a: None)
+    tables = [TableConfig("a", 50, 8, ["a"]), TableConfig("b", 20, 300, ["b"], pooling="mean")]
+    layout = TableLayout.build(tables)
+    slots = SlotArrays.from_layout(layout, "cpu")
+    indices = torch.tensor([1, 2, 3, 4, 5, 6], dtype=torch.int64)
+    offsets = torch.tensor([0, 2, 3, 5, 6], dtype=torch.int64)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        weights = torch.zeros(layout.total_elements, dtype=dtype)
+        embedding_ops.pooled_forward(weights, slots, indices, offsets, 2)
+        for opt in ("sgd", "adagrad", "adam"):
+            state = {"adagrad": {"momentum1": torch.zeros(layout.total_rows)},
+                     "adam": {"momentum1": torch.zeros(weights.numel()), "momentum2": torch.zeros(weights.numel())},
+                     }.get(opt, {})
+            embedding_ops.backward_update(weights, state, slots, indices, offsets, 2,
+                                          torch.zeros(2, layout.total_dim), opt, 0.1, 1)
+    assert {f for f, _ in launches} >= {"pooled_forward_f32", "sparse_update_adam_bf16_i32_c2", "row_keys_i32"}
+    for function, args in launches:
+        assert function in entries, f"{function} is not a kernel of the .cu sources"
+        passed = [_CTYPE_TO_PTX[type(a).__name__] for a in args]
+        assert passed == [t.replace("s", "u") for t in entries[function]], function

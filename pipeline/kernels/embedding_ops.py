@@ -106,11 +106,13 @@ def pooled_forward(weights: torch.Tensor, slots: SlotArrays, indices: torch.Tens
         return out
     indices, offsets = indices.contiguous(), offsets.contiguous()
     log_lanes = _log_lanes(slots.max_dim, _vector_width(weights.dtype))
-    bags_per_block = BLOCK >> log_lanes
+    bags_per_group = BAGS_PER_GROUP if bags >= SMALL_BATCH_BAGS else 1
+    groups = slots.num_slots * ((batch_size + bags_per_group - 1) // bags_per_group)
+    groups_per_block = BLOCK >> log_lanes
     launch(FORWARD_SOURCE, f"pooled_forward_{_DTYPE_NAMES[weights.dtype]}", weights.device,
-           (bags + bags_per_block - 1) // bags_per_block, BLOCK,
+           (groups + groups_per_block - 1) // groups_per_block, BLOCK,
            [ptr(weights), ptr(slots.weight_offsets), ptr(slots.output_offsets), ptr(slots.mean), ptr(indices),
-            ptr(offsets), i32(slots.num_slots), i32(batch_size), i32(log_lanes),
+            ptr(offsets), i32(slots.num_slots), i32(batch_size), i32(bags_per_group), i32(log_lanes),
             i32(weights.data_ptr() % 16 == 0), i32(slots.columns_aligned and slots.total_dim % 4 == 0), ptr(out)])
     return out
 
