@@ -23,6 +23,8 @@ class ExportConfig:
     max_queue_delay_us: int = field(default=100, metadata={"help": "dynamic batching: longest wait for more requests"})
     cache_policy: str = field(default="lru", metadata={"help": "lru | lfu | none: the cache of hot embedding rows"})
     cache_fraction: float = field(default=0.25, metadata={"help": "rows of each table kept in the cache, as a fraction"})
+    dense_threads: int = field(default=1, metadata={
+        "help": "torch threads of each CPU dense instance (1: small requests, cores left to the other models)"})
     update: bool = field(default=False, metadata={
         "help": "write only a new embedding store version; a running server picks it up without a restart"})
 
@@ -31,8 +33,8 @@ class ExportConfig:
                               ("cache_policy", CACHE_POLICIES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"export.{name}: expected one of {', '.join(allowed)}, got {getattr(self, name)!r}")
-        if self.max_batch_size <= 0 or self.instances <= 0:
-            raise ValueError("export.max_batch_size and export.instances must be positive")
+        if self.max_batch_size <= 0 or self.instances <= 0 or self.dense_threads <= 0:
+            raise ValueError("export.max_batch_size, export.instances and export.dense_threads must be positive")
         if not 0 <= self.cache_fraction <= 1:
             raise ValueError(f"export.cache_fraction: expected a value in [0, 1], got {self.cache_fraction}")
 

@@ -81,6 +81,7 @@ class ModelOptions:
     dense_backend: str = "python"  # python | pytorch
     cache_policy: str = "lru"
     cache_fraction: float = 0.25
+    dense_threads: int = 1
 
 
 def model_configs(spec: EnsembleSpec, options: ModelOptions) -> dict[str, str]:
@@ -121,7 +122,8 @@ def _python_model(name: str, inputs: list[Tensor], outputs: list[Tensor], option
 def _dense(spec: EnsembleSpec, options: ModelOptions) -> str:
     inputs = [spec.dense_input, spec.embeddings]
     if options.dense_backend == "python":
-        return _python_model("dense", inputs, [spec.prediction], options)
+        return _python_model("dense", inputs, [spec.prediction], options,
+                             parameters={"intra_op_threads": str(options.dense_threads)})
     if options.dense_backend != "pytorch":
         raise UserError(f"export.dense_backend: expected python or pytorch, got {options.dense_backend!r}")
     renamed_in = [Tensor(f"INPUT__{i}", t.dtype, t.dims) for i, t in enumerate(inputs)]

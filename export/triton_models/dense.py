@@ -1,12 +1,15 @@
 """Triton python model ``dense``: the trained model's dense part (TorchScript) -> click probabilities.
 
-Runs on the instance's GPU for a ``KIND_GPU`` instance group, else on the CPU.
+Runs on the instance's GPU for a ``KIND_GPU`` instance group, else on the CPU with
+``intra_op_threads`` torch threads (1 by default: requests are small, and the other models and
+instances need the other cores).
 Exported as ``dense/1/model.py``.
 """
 
 import json
 from pathlib import Path
 
+import torch
 import triton_python_backend_utils as pb_utils
 
 from export.batching import respond
@@ -18,6 +21,8 @@ class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
         self.name = config["name"]
+        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        torch.set_num_threads(int(params.get("intra_op_threads", "1")))
         device = "cpu"
         if args.get("model_instance_kind") == "GPU":
             device = f"cuda:{args['model_instance_device_id']}"

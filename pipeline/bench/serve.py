@@ -35,8 +35,9 @@ def run(args: argparse.Namespace, cfg) -> dict:
     import time
     from datetime import datetime, timezone
 
-    import numpy as np
+    import torch
 
+    torch.set_num_threads(cfg.export.dense_threads)  # the same torch threads as each served dense instance
     cfg = dataclasses.replace(
         cfg, workdir=args.workdir, device="cpu" if cfg.device == "auto" else cfg.device,
         data=dataclasses.replace(cfg.data, rows=args.rows, name=cfg.data.name or f"bench-serve-{args.rows}"),
@@ -54,7 +55,8 @@ def run(args: argparse.Namespace, cfg) -> dict:
     results: dict = {"command": "python -m pipeline bench serve " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k in ("requests", "clients", "seconds", "rows")),
         "machine": f"{platform.node()} ({os.cpu_count()} cores, {platform.machine()})",
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "latency": {}, "steps": {}}
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "load_average": os.getloadavg()[0],
+        "latency": {}, "steps": {}}
     started = time.perf_counter()
     server = start_server(cfg)
     results["startup_s"] = round(time.perf_counter() - started, 2)
