@@ -78,7 +78,9 @@ def write_repository(model, schema: Schema, workflow_dir: str | Path, raw: RawCo
     for name, text in configs.items():
         (staging / name / "1").mkdir(parents=True)
         (staging / name / "config.pbtxt").write_text(text)
-    for name in ("preprocess", "embedding", "dense"):
+    python_models = ("preprocess", "embedding", "dense") if options.dense_backend == "python" else (
+        "preprocess", "embedding")
+    for name in python_models:
         shutil.copyfile(MODELS_SOURCE / f"{name}.py", staging / name / "1" / "model.py")
 
     artifacts = staging / "preprocess" / "1" / "artifacts"

@@ -5,7 +5,9 @@ when ``/v2/health/ready`` answers 200 *and* the process we started is still aliv
 server on taken ports dies after a few seconds while the first one answers the poll). Its python
 backend's shared-memory regions carry a prefix of their own, so that stopping removes exactly
 this server's leftovers in ``/dev/shm``, also after a crash. It is stopped by its PID (SIGTERM,
-then SIGKILL to its process group), never by name.
+then SIGKILL to its process group), never by name; if the Python process that started it dies
+without stopping it (even by SIGKILL), the kernel sends it SIGTERM (Linux's parent-death signal;
+so start servers from a thread that lives as long as they should, e.g. the main thread).
 
 Example::
 
@@ -47,6 +49,44 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def _is_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _listens_on(pid: int, port: int) -> bool:
+    """Whether process ``pid`` holds the listening socket of ``port`` (True where /proc can't tell).
+
+    A readiness answer may come from another server on the same port; this tells ours apart.
+    """
+    try:
+        inodes = set()
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+        listening = set()
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            try:
+                lines = Path(table).read_text().splitlines()[1:]
+            except OSError:
+                continue
+            for line in lines:
+                fields = line.split()
+                if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    listening.add(fields[9])
+    except OSError:
+        return True
+    return bool(inodes & listening)
 
 
 class TritonServer:
@@ -105,6 +145,9 @@ class TritonServer:
     def start(self) -> "TritonServer":
         """Start the server and wait until it is ready; retries once on a port taken meanwhile."""
         attempts = 1 if all(self._ports) else 3
+        for port in filter(None, self._ports):
+            if not _is_free(self.host, port):
+                raise ServerError(f"port {port} on {self.host} is already in use: choose another or 0 for a free one")
         for attempt in range(attempts):
             self.http_port = self._ports[0] or free_port(self.host)
             self.grpc_port = self._ports[1] or free_port(self.host)
@@ -139,7 +182,7 @@ class TritonServer:
         try:
             self.process = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=server_env(self.models_env), start_new_session=True,
+                env=server_env(self.models_env), start_new_session=True, preexec_fn=_die_with_parent,
             )
         finally:
             log.close()
@@ -154,7 +197,7 @@ class TritonServer:
                                   + self.log_tail())
             try:
                 with urllib.request.urlopen(url, timeout=1) as reply:
-                    if reply.status == 200 and self.is_alive():
+                    if reply.status == 200 and self.is_alive() and _listens_on(self.process.pid, self.http_port):
                         return
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 pass
@@ -208,6 +251,16 @@ def _terminate(process: subprocess.Popen, shm_prefix: str, timeout: float = 30.0
         for region in SHM_DIR.glob(f"{shm_prefix}*"):
             region.unlink(missing_ok=True)
     return process.returncode
+
+
+def _die_with_parent() -> None:
+    """In the child: SIGTERM when the process that started the server dies (even by SIGKILL), Linux only."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def _kill_group(pgid: int) -> None:
