@@ -1,0 +1,54 @@
+"""The training stage on 2 ranks through torchrun's launcher: sharded training, sharded checkpoints,
+and an unsharded ``model.pt`` that scores the test split exactly as the 2 ranks did together."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pipeline.config import load_config
+from pipeline.distributed.launch import relaunch
+from pipeline.distributed.train import sharded_checkpoints
+
+
+@pytest.fixture(scope="module")
+def processed(tmp_path_factory):
+    from pipeline.cli import run_stages
+
+    workdir = tmp_path_factory.mktemp("dist-train")
+    cfg = load_config(None, [f"workdir={workdir}", "device=cpu", "data.rows=12000"])
+    run_stages(["data", "etl"], cfg)
+    return workdir
+
+
+def test_two_ranks_train_and_write_a_model_one_process_can_score(processed):
+    overrides = [f"workdir={processed}", "device=cpu", "train.batch_size=512", "train.max_steps=12", "train.epochs=2",
+                 "train.checkpoint_every=5", "train.progress=false", "train.log_every=5", "train.eval_every=6",
+                 "train.embedding_backend=torch"]
+    assert relaunch(overrides, 2, module="pipeline.distributed.train") == 0
+    cfg = load_config(None, overrides)
+    out = cfg.paths.train
+    result = json.loads((out / "result.json").read_text())
+    assert result["ranks"] == 2 and result["steps"] == 12
+    assert result["test"]["rows"] == json.loads(cfg.paths.schema.read_text())["rows"]["test"]
+    assert len(sharded_checkpoints(out / "checkpoints")) == cfg.train.keep_checkpoints
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["world_size"] == 2
+
+    from pipeline.loader import Loader
+    from pipeline.schema import Schema
+    from pipeline.train.evaluate import evaluate
+    from pipeline.train.stage import load_trained
+
+    model, schema = load_trained(cfg, backend="torch")
+    loader = Loader(cfg.paths.processed / "test", 4096, schema=Schema.load(cfg.paths.schema), device="cpu")
+    try:
+        alone = evaluate(model, loader, torch.device("cpu"))
+    finally:
+        loader.close()
+    assert alone["rows"] == result["test"]["rows"]
+    # The same weights in one process: the gathered predictions of the ranks, up to float32 rounding.
+    assert alone["auc"] == pytest.approx(result["test"]["auc"], abs=1e-6)
+    assert alone["logloss"] == pytest.approx(result["test"]["logloss"], abs=1e-6)
