@@ -65,6 +65,19 @@ def test_categorify_ties_break_by_value_and_unseen_go_to_oov():
     assert out["A"].tolist() == [2, 3, 4, 5, 1, 0]
 
 
+def test_dictionary_encoded_input_gives_the_same_codes_and_hashes():
+    """Parquet string columns arrive dictionary-encoded (one dictionary per chunk); results must not change."""
+    words = ["b", None, "a", "c", "a", "zz", None, "b"]
+    chunked = pa.chunked_array([pa.array(words[:3]).dictionary_encode(), pa.array(words[3:]).dictionary_encode()])
+    encoded = pd.DataFrame({"A": pd.Series(pd.arrays.ArrowExtensionArray(chunked)), "B": words})
+    plain = pd.DataFrame({"A": words, "B": words})
+    workflow = Workflow((["A"] >> Categorify()) + (["B"] >> HashBucket(13))).fit(plain.iloc[:5])
+    expected = workflow.transform(plain)
+    pd.testing.assert_frame_equal(workflow.transform(encoded.assign(B=encoded["A"])), expected)
+    refit = Workflow((["A"] >> Categorify()) + (["B"] >> HashBucket(13))).fit(encoded.assign(B=encoded["A"]).iloc[:5])
+    assert refit.producers()["A"].vocabularies["A"].equals(workflow.producers()["A"].vocabularies["A"])
+
+
 def test_categorify_integers_are_categories_too():
     train = pd.DataFrame({"A": pd.array([10, 20, 20, None], dtype="Int64")})
     workflow = Workflow(["A"] >> Categorify()).fit(train)

@@ -11,12 +11,17 @@ Example::
 
 from __future__ import annotations
 
+import glob
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import UserError
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.errors import BadInputError, UserError
 
 BACKENDS = ("pandas", "cudf")
+PARTITION_ROWS = 250_000
 
 
 class BackendError(UserError):
@@ -43,14 +48,86 @@ def backend_for(device: Any) -> str:
     return "cudf" if getattr(device, "is_cuda", False) else "pandas"
 
 
-def read_parquet(path: str | Path | list, columns: list[str] | None, backend: str) -> Any:
-    """A lazy Dask DataFrame over parquet files, with arrow-backed dtypes on the pandas backend."""
+def read_parquet(path: str | Path | list, columns: list[str] | None, backend: str,
+                 partition_rows: int = PARTITION_ROWS) -> Any:
+    """A lazy Dask DataFrame over parquet files.
+
+    On the pandas backend every column is arrow-backed (``pd.ArrowDtype``) and string columns are
+    read as Arrow dictionaries: parquet stores them dictionary-encoded, so this skips decoding each
+    value, and Categorify counts and looks up the (few) dictionary values instead of every row.
+    Partitions are whole row groups, about ``partition_rows`` rows each (a file per partition at least).
+    """
     import dask
     import dask.dataframe as dd
 
     check_backend(backend)
-    paths = [str(p) for p in path] if isinstance(path, list) else str(path)
+    files = parquet_files(path)
     if backend == "cudf":
         with dask.config.set({"dataframe.backend": "cudf"}):
-            return dd.read_parquet(paths, columns=columns)
-    return dd.read_parquet(paths, columns=columns, dtype_backend="pyarrow")
+            return dd.read_parquet([str(f) for f in files], columns=columns)
+    schema = pq.read_schema(files[0])
+    missing = [c for c in columns or [] if c not in schema.names]
+    if missing:
+        raise BadInputError(f"{files[0]}: expected the columns {columns}; missing {missing}; found {schema.names}")
+    columns = list(columns or schema.names)
+    dictionary = tuple(_string_columns(schema))
+    return dd.from_map(_read_piece, _pieces(files, partition_rows), columns=columns, dictionary_columns=dictionary,
+                       meta=_empty(schema, columns, dictionary), enforce_metadata=False)
+
+
+def parquet_files(path: str | Path | list) -> list[Path]:
+    """The parquet files of a file, a folder (``*.parquet`` inside, sorted), a glob or a list of those."""
+    items = path if isinstance(path, (list, tuple)) else [path]
+    files: list[Path] = []
+    for item in items:
+        item = Path(item)
+        if item.is_dir():
+            files.extend(sorted(item.glob("*.parquet")))
+        elif item.is_file():
+            files.append(item)
+        else:
+            files.extend(sorted(Path(p) for p in glob.glob(str(item))))
+    if not files:
+        raise BadInputError(f"no parquet files at {path}")
+    return files
+
+
+def _pieces(files: list[Path], partition_rows: int) -> list[tuple[str, list[int]]]:
+    pieces = []
+    for path in files:
+        metadata = pq.read_metadata(path)
+        group: list[int] = []
+        rows = 0
+        for i in range(metadata.num_row_groups):
+            group.append(i)
+            rows += metadata.row_group(i).num_rows
+            if rows >= partition_rows:
+                pieces.append((str(path), group))
+                group, rows = [], 0
+        if group or not pieces or pieces[-1][0] != str(path):
+            pieces.append((str(path), group))
+    return pieces
+
+
+def _string_columns(schema: pa.Schema) -> list[str]:
+    return [f.name for f in schema if pa.types.is_string(f.type) or pa.types.is_large_string(f.type)]
+
+
+def _empty(schema: pa.Schema, columns: list[str], dictionary_columns: list[str]) -> Any:
+    fields = [schema.field(c) for c in columns]
+    fields = [pa.field(f.name, pa.dictionary(pa.int32(), f.type)) if f.name in dictionary_columns else f for f in fields]
+    return _to_pandas(pa.schema(fields).empty_table())
+
+
+def _read_piece(piece: tuple[str, list[int]], columns: list[str] | None = None,
+                dictionary_columns: tuple[str, ...] = ()) -> Any:
+    """Row groups of one file as an arrow-backed pandas DataFrame (Dask passes the projected ``columns``)."""
+    path, row_groups = piece
+    parquet = pq.ParquetFile(path, read_dictionary=[c for c in dictionary_columns if columns is None or c in columns])
+    return _to_pandas(parquet.read_row_groups(row_groups, columns=columns))
+
+
+def _to_pandas(table: pa.Table) -> Any:
+    import pandas as pd
+
+    return table.to_pandas(types_mapper=pd.ArrowDtype, ignore_metadata=True)

@@ -56,15 +56,22 @@ def as_arrow(series: Any) -> pa.Array:
     return arrow
 
 
-def as_arrow_strings(series: Any) -> pa.Array:
-    """A pandas Series of categorical values as a pyarrow string array (numbers become their text)."""
+def as_arrow_strings(series: Any, keep_dictionary: bool = False) -> pa.Array:
+    """A pandas Series of categorical values as a pyarrow string array (numbers become their text).
+
+    With ``keep_dictionary``, a dictionary-encoded column stays one (with string values), so the
+    caller can work on its few distinct values instead of every row.
+    """
     arrow = as_arrow(series)
     if pa.types.is_null(arrow.type):
         return arrow.cast(pa.string())
     if pa.types.is_string(arrow.type) or pa.types.is_large_string(arrow.type):
         return arrow
     if pa.types.is_dictionary(arrow.type):
-        return arrow.cast(pa.string())
+        values = as_arrow_strings(pd.Series(pd.arrays.ArrowExtensionArray(arrow.dictionary), name=series.name))
+        if keep_dictionary:
+            return pa.DictionaryArray.from_arrays(arrow.indices, values)
+        return values.take(arrow.indices)
     if pa.types.is_integer(arrow.type) or pa.types.is_boolean(arrow.type):
         return arrow.cast(pa.string())
     if pa.types.is_floating(arrow.type):

@@ -118,7 +118,7 @@ class Categorify(Operator):
                 codes = _encode(pc.list_flatten(lists), vocab)
                 out[name] = lists_from_flat(codes, list_lengths(lists), df.index)
             else:
-                out[name] = _encode(as_arrow_strings(df[name]), vocab)
+                out[name] = _encode(as_arrow_strings(df[name], keep_dictionary=True), vocab)
         return frame_like(df, out)
 
     def get_params(self) -> dict:
@@ -157,6 +157,13 @@ class Categorify(Operator):
 
 
 def _encode(values: pa.Array, vocab: pa.Array) -> np.ndarray:
+    if pa.types.is_dictionary(values.type):
+        per_value = _encode(values.dictionary, vocab)
+        indices = values.indices
+        codes = per_value[pc.fill_null(indices, 0).to_numpy(zero_copy_only=False)] if len(per_value) else np.zeros(len(values), np.int32)
+        if indices.null_count:
+            codes[indices.is_null().to_numpy(zero_copy_only=False)] = NULL_INDEX
+        return codes
     found = pc.index_in(values, value_set=vocab)
     codes = pc.if_else(pc.is_null(values), NULL_INDEX, pc.if_else(pc.is_null(found), OOV_INDEX, pc.add(found, RESERVED)))
     return codes.to_numpy(zero_copy_only=False).astype(np.int32)
@@ -200,13 +207,13 @@ def _count_partition(df: Any, names: list[str], multihot: dict[str, bool]) -> di
             lists = as_arrow_lists(df[name])
             out[name] = {"counts": _counts_table(pc.list_flatten(lists)), "max_length": int(list_lengths(lists).max(initial=0))}
         else:
-            out[name] = {"counts": _counts_table(as_arrow_strings(df[name]))}
+            out[name] = {"counts": _counts_table(as_arrow_strings(df[name], keep_dictionary=True))}
     return out
 
 
 def _counts_table(values: pa.Array) -> pa.Table:
-    counted = pc.value_counts(values.cast(pa.string()))
-    table = pa.table({"value": counted.field("values"), "count": counted.field("counts").cast(pa.int64())})
+    counted = pc.value_counts(values)
+    table = pa.table({"value": counted.field("values").cast(pa.string()), "count": counted.field("counts").cast(pa.int64())})
     return table.filter(pc.is_valid(table["value"]))
 
 

@@ -93,7 +93,10 @@ def _bucket(df: Any, names: list[str], num_buckets: int) -> Any:
 def _murmur3_column(values: pa.Array, name: str) -> np.ndarray:
     kind = values.type
     if pa.types.is_dictionary(kind):
-        values, kind = values.cast(kind.value_type), kind.value_type
+        per_value = _murmur3_column(values.dictionary, name)
+        if not len(per_value):
+            return np.zeros(len(values), dtype=np.uint32)
+        return per_value[values.indices.fill_null(0).to_numpy(zero_copy_only=False)]
     if pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_null(kind):
         return murmur3_strings(values.cast(pa.large_string()))
     if pa.types.is_floating(kind):
