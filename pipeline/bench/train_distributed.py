@@ -36,6 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--amp", choices=["auto", "bf16", "off"], default="auto", help="bf16 autocast of the MLPs")
     parser.add_argument("--sharding", default="table_wise",
                         help="table_wise | row_wise | data_parallel | auto (the planner's choice)")
+    parser.add_argument("--comm", default="fp32", help="fp32 | bf16: dtype of the pooled vectors between ranks")
     parser.add_argument("--out", default="", help="also write the results as JSON here")
 
 
@@ -58,7 +59,7 @@ def run(args: argparse.Namespace, cfg=None) -> dict:
     for n, r in results.items():
         r["scaling_efficiency"] = r["samples_per_s"] / (n * base["samples_per_s"]) if base else None
     shape = (f"{args.tables} tables x {args.rows} rows, dim {args.dim}, mlp {args.mlp}, "
-             f"batch {args.batch} per rank, sharding {args.sharding}")
+             f"batch {args.batch} per rank, sharding {args.sharding}, {args.comm} pooled exchange")
     print(f"bench train_distributed on {device} ({backend}): {shape}")
     print(f"  {'ranks':>5} {'samples/s':>14} {'efficiency':>10} {'step ms':>9} {'comm ms':>9} {'rest ms':>9}")
     for n, r in results.items():
@@ -118,7 +119,7 @@ def _worker(rank: int, world: int, args: dict, device_kind: str) -> dict:
     else:
         constraints = {} if a.sharding == "auto" else {t.name: a.sharding for t in model.embedding.tables}
         planner = EmbeddingShardingPlanner(Topology(world, batch_size=a.batch, optimizer="sgd"), constraints)
-        net = DistributedModelParallel(model, planner=planner, device=device, verbose=False)
+        net = DistributedModelParallel(model, planner=planner, device=device, verbose=False, comm_dtype=a.comm)
         plan = net.plans["embedding"].to_dict()
         embedding = net.module.embedding
     optimizer = torch.optim.SGD(net.parameters(), lr=0.01)

@@ -22,6 +22,8 @@ class DistributedConfig:
     sharding: dict[str, str] = field(default_factory=dict, metadata={
         "help": "per-table overrides: table_wise[:RANK] | row_wise | data_parallel (others: chosen by the planner)"})
     plan_file: str = field(default="", metadata={"help": "a saved plan.json to use as is instead of planning"})
+    comm_dtype: str = field(default="fp32", metadata={
+        "help": "fp32 | bf16: dtype of the pooled vectors (and their gradients) sent between ranks"})
     timeout_s: float = field(default=600.0, metadata={"help": "seconds a collective may wait before failing"})
 
     def __post_init__(self) -> None:
@@ -29,6 +31,8 @@ class DistributedConfig:
             raise ValueError(f"distributed.nproc: expected at least 1, got {self.nproc}")
         if self.memory_per_rank_mb < 0:
             raise ValueError(f"distributed.memory_per_rank_mb: expected >= 0, got {self.memory_per_rank_mb}")
+        if self.comm_dtype not in ("fp32", "bf16"):
+            raise ValueError(f"distributed.comm_dtype: expected fp32 or bf16, got {self.comm_dtype!r}")
         allowed = ("table_wise", "row_wise", "data_parallel")
         for table, value in self.sharding.items():
             if value.partition(":")[0] not in allowed:

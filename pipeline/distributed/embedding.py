@@ -35,6 +35,7 @@ from pipeline.modules.embedding import EmbeddingCollection, EmbeddingOptimizerCo
 from pipeline.sparse import KeyedJaggedTensor
 
 _STRATEGIES = (TableWiseSharding, RowWiseSharding, DataParallelSharding)
+_COMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def table_tensors(ec: EmbeddingCollection, name: str) -> dict[str, torch.Tensor]:
@@ -60,13 +61,14 @@ class ShardedEmbeddingCollection(nn.Module):
     exchanges never interleave with DDP's on the default group). The local tables are initialized
     like the unsharded collection's (uniform in ``±rows**-0.5``, drawn per shard from ``seed``;
     ``seed=None`` leaves them for the caller to fill); :meth:`from_collection` copies the values of
-    an existing collection instead.
+    an existing collection instead. ``comm_dtype``: ``fp32``, or ``bf16`` to send the pooled vectors
+    and their gradients at half the bytes (rounded to bf16 on the way).
     """
 
     def __init__(self, tables: Sequence[TableConfig], feature_names: Sequence[str], plan: ShardingPlan,
                  optimizer: EmbeddingOptimizerConfig | None = None, weights_dtype: str = "fp32",
                  backend: str = "auto", device: torch.device | str = "cpu", validate_ids: bool = True,
-                 process_group=None, seed: int | None = 0) -> None:
+                 process_group=None, seed: int | None = 0, comm_dtype: str = "fp32") -> None:
         super().__init__()
         import torch.distributed as dist
 
@@ -92,6 +94,11 @@ class ShardedEmbeddingCollection(nn.Module):
 
         self.strategies = nn.ModuleList(
             cls(self.tables, self.layout, plan, self.rank, self.world_size, process_group, make) for cls in _STRATEGIES)
+        if comm_dtype not in _COMM_DTYPES:
+            raise ValueError(f"comm_dtype: expected one of {list(_COMM_DTYPES)}, got {comm_dtype!r}")
+        self.comm_dtype = comm_dtype
+        for st in self.strategies:
+            st.comm_dtype = _COMM_DTYPES[comm_dtype]
         if seed is not None:
             self._init_weights(seed)
         key_of_slot = [self.feature_names.index(f) for f in self.layout.slot_features]
@@ -110,12 +117,12 @@ class ShardedEmbeddingCollection(nn.Module):
 
     @classmethod
     def from_collection(cls, ec: EmbeddingCollection, plan: ShardingPlan, device: torch.device | str | None = None,
-                        process_group=None) -> "ShardedEmbeddingCollection":
+                        process_group=None, comm_dtype: str = "fp32") -> "ShardedEmbeddingCollection":
         """The sharded version of ``ec``: same tables, optimizer, dtype and backend; this rank's rows copied."""
         dtype_name = {v: k for k, v in {"fp32": torch.float32, "fp16": torch.float16,
                                         "bf16": torch.bfloat16}.items()}[ec.weights.dtype]
         sharded = cls(ec.tables, ec.feature_names, plan, ec.optimizer, dtype_name, ec.backend_name,
-                      device if device is not None else ec.weights.device, ec.validate_ids, process_group, seed=None)
+                      device if device is not None else ec.weights.device, ec.validate_ids, process_group, seed=None, comm_dtype=comm_dtype)
         sharded.set_lr(ec.lr)
         with torch.no_grad():
             for name, lo, hi, local in sharded.local_shards():

@@ -47,7 +47,7 @@ class DistributedModelParallel(nn.Module):
 
     def __init__(self, model: nn.Module, plans: ShardingPlan | dict[str, ShardingPlan] | None = None,
                  planner: EmbeddingShardingPlanner | None = None, device: torch.device | str | None = None,
-                 process_group=None, verbose: bool = True, **ddp_kwargs) -> None:
+                 process_group=None, verbose: bool = True, comm_dtype: str = "fp32", **ddp_kwargs) -> None:
         super().__init__()
         rank, world = world_of(None)
         collections = [(name, m) for name, m in model.named_modules() if isinstance(m, EmbeddingCollection)]
@@ -63,7 +63,7 @@ class DistributedModelParallel(nn.Module):
             if plan is None:
                 planner = planner or EmbeddingShardingPlanner(Topology(world))
                 plan = planner.plan(ec.tables)
-            sharded = ShardedEmbeddingCollection.from_collection(ec, plan, device, process_group)
+            sharded = ShardedEmbeddingCollection.from_collection(ec, plan, device, process_group, comm_dtype)
             if verbose and rank == 0:
                 print(f"[distributed] {name}: " + plan.describe(ec.tables), flush=True)
             _set_submodule(model, name, sharded)

@@ -35,6 +35,7 @@ class RowWiseSharding(nn.Module):
                  group, make_collection: MakeCollection) -> None:
         super().__init__()
         self.rank, self.world, self.group = rank, world, group
+        self.comm_dtype = torch.float32
         rw = [t for t in range(len(tables)) if plan[tables[t].name].sharding_type == self.sharding_type]
         self.table_ids = rw
         self.slots = [s for s in range(layout.num_slots) if layout.slot_table[s] in rw]
@@ -78,7 +79,8 @@ class RowWiseSharding(nn.Module):
                                                              s, b, self.group)
         training = torch.is_grad_enabled() and self.training
         pooled = self.local(KeyedJaggedTensor(self.local_features, got_values, got_lengths))
-        blocks = exchange_pooled(pooled, batch_sizes, [self.dim] * w, b, self.group, training)
+        blocks = exchange_pooled(pooled, batch_sizes, [self.dim] * w, b, self.group, training,
+                                 self.comm_dtype)
         out = blocks[0]
         for block in blocks[1:]:
             out = out + block

@@ -157,7 +157,7 @@ def run(cfg) -> dict:
                                weight_bytes={"fp32": 4, "fp16": 2, "bf16": 2}[t.embedding_dtype])
         if dcfg.sharding:
             planner.enumerator.constraints = dict(dcfg.sharding)
-    dmp = DistributedModelParallel(model, plans, planner, device)
+    dmp = DistributedModelParallel(model, plans, planner, device, comm_dtype=dcfg.comm_dtype)
     if rank == 0:
         _write_json(out / "model.json", spec)
         dmp.plans["embedding"].save(out / "plan.json")

@@ -30,6 +30,7 @@ class TableWiseSharding(nn.Module):
                  group, make_collection: MakeCollection) -> None:
         super().__init__()
         self.rank, self.world, self.group = rank, world, group
+        self.comm_dtype = torch.float32
         owner = {t: plan[tables[t].name].ranks[0] for t in range(len(tables))
                  if plan[tables[t].name].sharding_type == self.sharding_type}
         by_owner = [[s for s in range(layout.num_slots) if owner.get(layout.slot_table[s]) == q] for q in range(world)]
@@ -56,5 +57,6 @@ class TableWiseSharding(nn.Module):
             pooled = self.local(KeyedJaggedTensor(self.local_features, got_values, got_lengths))
         else:
             pooled = torch.empty(sum(batch_sizes), 0, device=lengths.device)
-        blocks = exchange_pooled(pooled, batch_sizes, self.dims_by_owner, batch_size, self.group, training)
+        blocks = exchange_pooled(pooled, batch_sizes, self.dims_by_owner, batch_size, self.group, training,
+                                 self.comm_dtype)
         return torch.cat(blocks, dim=1)
