@@ -206,6 +206,14 @@ class DeepFM(_WideDeepBase):
 MODEL_CLASSES = {cls.name: cls for cls in (DLRM, DCNv2, DeepFM, WideDeep)}
 
 
+def model_tables(name: str, schema: Schema, sizes: ModelSizes) -> list[TableConfig]:
+    """The embedding tables of model ``name``: one per sparse feature, plus dim-1 wide ones for deepfm / wide_deep."""
+    tables = tables_from_schema(schema, sizes.embedding_dim, pooling=sizes.multihot_pooling)
+    if name in ("deepfm", "wide_deep"):
+        tables += [TableConfig(f"w_{t.features[0]}", t.rows, 1, t.features, t.pooling) for t in tables]
+    return tables
+
+
 def build_model(name: str, schema: Schema, sizes: ModelSizes, optimizer: EmbeddingOptimizerConfig | None = None,
                 weights_dtype: str = "fp32", backend: str = "auto", seed: int = 0) -> RecModel:
     """A model of kind ``name`` (dlrm | dcnv2 | deepfm | wide_deep) for the features of ``schema``."""
@@ -214,9 +222,7 @@ def build_model(name: str, schema: Schema, sizes: ModelSizes, optimizer: Embeddi
     if not schema.sparse:
         raise ValueError("the schema has no categorical or multi-hot feature: these models need at least one")
     generator = torch.Generator().manual_seed(seed)
-    tables = tables_from_schema(schema, sizes.embedding_dim, pooling=sizes.multihot_pooling)
-    if name in ("deepfm", "wide_deep"):
-        tables += [TableConfig(f"w_{t.features[0]}", t.rows, 1, t.features, t.pooling) for t in tables]
+    tables = model_tables(name, schema, sizes)
     embedding = EmbeddingCollection(tables, schema.sparse, optimizer, weights_dtype=weights_dtype, backend=backend,
                                     generator=generator)
     with torch.random.fork_rng(devices=[]):

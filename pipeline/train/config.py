@@ -54,6 +54,9 @@ class TrainConfig:
         "help": "torch | cuda | auto: embedding compute (auto: fused CUDA kernels when usable)"})
     amp: str = field(default="auto", metadata={"help": "auto | bf16 | off: bf16 autocast (auto: on GPU only)"})
 
+    threads: int = field(default=0, metadata={
+        "help": "torch CPU threads while training (0: torch's default; 1 is faster on a busy machine)"})
+
     checkpoint_every: int = field(default=200, metadata={"help": "save a checkpoint every N steps (0: only at the end)"})
     keep_checkpoints: int = field(default=2, metadata={"help": "checkpoints kept on disk (the newest)"})
     resume: bool = field(default=False, metadata={"help": "continue from the newest checkpoint under paths.train"})

@@ -1,0 +1,231 @@
+"""The training loop: steps over epochs, lr schedule, evaluation, metrics, checkpoints, exact resume.
+
+The loop reads the training data through a resumable loader (:class:`pipeline.loader.Loader`, or
+anything with ``len``, ``state_dict``, ``load_state_dict`` and one epoch per ``iter``), so a
+resumed run asks for the rest of the interrupted epoch and sees exactly the batches the uninterrupted
+run would have seen. With the same seed, a run killed after any checkpoint and resumed ends with the
+same weights as one that never stopped (the lr schedule is a pure function of the step, and the RNG
+states travel in the checkpoint).
+
+Testing hook: ``train.crash_after_step=N`` raises :class:`SimulatedCrash` right after step ``N``
+(after that step's checkpoint, if one is due), as a kill at that point would.
+
+Example::
+
+    trainer = Trainer(model, cfg.train, device, out_dir, train_loader)
+    trainer.resume_from(latest_checkpoint(trainer.checkpoint_dir))   # or trainer.start_fresh()
+    trainer.fit(evaluate_valid=lambda: evaluate(model, valid_loader, device))
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from pipeline.train.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from pipeline.train.config import TrainConfig
+from pipeline.train.evaluate import autocast
+from pipeline.train.schedule import lr_at
+
+
+class SimulatedCrash(RuntimeError):
+    """Raised by the ``train.crash_after_step`` testing hook."""
+
+
+@dataclass
+class LoopState:
+    """Where training is: steps done, the current epoch and its next batch."""
+
+    step: int = 0
+    epoch: int = 0
+    batch: int = 0
+
+
+def dense_optimizer(name: str, params, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay)
+    if name == "adagrad":
+        return torch.optim.Adagrad(params, lr=lr, weight_decay=weight_decay)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
+    raise ValueError(f"dense optimizer: expected sgd, adam or adagrad, got {name!r}")
+
+
+class Trainer:
+    """Trains ``model`` (a :class:`~pipeline.modules.models.RecModel`) under ``cfg``; writes to ``out_dir``."""
+
+    def __init__(self, model: torch.nn.Module, cfg: TrainConfig, device: torch.device, out_dir: str | Path,
+                 train_loader) -> None:
+        steps_per_epoch = len(train_loader)
+        if steps_per_epoch <= 0:
+            raise ValueError(f"expected at least one training batch per epoch, got {steps_per_epoch}")
+        self.model = model
+        self.cfg = cfg
+        self.device = device
+        self.out_dir = Path(out_dir)
+        self.loader = train_loader
+        self.steps_per_epoch = steps_per_epoch
+        total = cfg.epochs * steps_per_epoch
+        self.total_steps = min(total, cfg.max_steps) if cfg.max_steps > 0 else total
+        self.optimizer = dense_optimizer(cfg.optimizer, model.parameters(), cfg.lr, cfg.weight_decay)
+        self.amp = cfg.amp == "bf16" or (cfg.amp == "auto" and device.type == "cuda")
+        self.state = LoopState()
+        self.history: list[dict[str, Any]] = []
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.out_dir / "checkpoints"
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.out_dir / "metrics.jsonl"
+
+    def lrs(self, step: int) -> tuple[float, float]:
+        """(dense lr, embedding lr) of ``step``."""
+        c = self.cfg
+        kw = dict(warmup_steps=c.warmup_steps, total_steps=self.total_steps, decay=c.decay,
+                  decay_start=c.decay_start, min_ratio=c.min_lr_ratio)
+        return lr_at(step, c.lr, **kw), lr_at(step, c.embedding_lr, **kw)
+
+    def start_fresh(self) -> None:
+        """Forget earlier runs' checkpoints and metrics in ``out_dir``."""
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        for old in self.checkpoint_dir.glob("step-*.pt*"):
+            old.unlink()
+        self.metrics_path.write_text("")
+
+    def resume_from(self, path: str | Path) -> None:
+        """Load a checkpoint: weights, optimizer states, loop position, RNG; metrics after it are dropped."""
+        ckpt = load_checkpoint(path, map_location=self.device)
+        self.model.load_state_dict(ckpt["model"])
+        self.optimizer.load_state_dict(ckpt["dense_optimizer"])
+        self.loader.load_state_dict(ckpt["loader"])
+        loader = ckpt["loader"]
+        self.state = LoopState(step=int(ckpt["step"]), epoch=int(loader["epoch"]), batch=int(loader["batches"]))
+        set_rng_state({k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in ckpt["rng"].items()})
+        kept = []
+        if self.metrics_path.is_file():
+            for line in self.metrics_path.read_text().splitlines():
+                if line.strip() and json.loads(line)["step"] <= self.state.step:
+                    kept.append(line)
+        self.metrics_path.write_text("".join(line + "\n" for line in kept))
+        self.history = [json.loads(line) for line in kept]
+        self._log({"event": "resume", "step": self.state.step, "checkpoint": str(path)})
+
+    def save(self) -> Path:
+        return save_checkpoint(self.checkpoint_dir, {
+            "step": self.state.step,
+            "epoch": self.state.epoch,
+            "model": self.model.state_dict(),
+            "dense_optimizer": self.optimizer.state_dict(),
+            "loader": {**self.loader.state_dict(), "epoch": self.state.epoch, "batches": self.state.batch},
+            "rng": rng_state(),
+        }, keep=self.cfg.keep_checkpoints)
+
+    def fit(self, evaluate_valid: Callable[[], dict] | None = None) -> dict:
+        """Train until ``total_steps``; returns the last valid scores and the throughput."""
+        c = self.cfg
+        self.model.train()
+        bar = tqdm(total=self.total_steps, initial=self.state.step, desc="train", unit="step",
+                   disable=not c.progress, dynamic_ncols=True)
+        loss_sum = torch.zeros((), device=self.device)
+        window_steps, window_samples, window_time = 0, 0, 0.0
+        train_time, train_samples = 0.0, 0
+        last_valid: dict = {}
+        try:
+            while self.state.step < self.total_steps:
+                epoch = self.state.epoch
+                batches = self._open_epoch(epoch, self.state.batch)
+                tick = time.perf_counter()
+                for batch in batches:
+                    loss_sum += self._step(batch)
+                    self.state.step += 1
+                    self.state.batch += 1
+                    if self.state.batch >= self.steps_per_epoch:
+                        self.state.epoch, self.state.batch = epoch + 1, 0
+                    now = time.perf_counter()
+                    window_steps += 1
+                    window_samples += batch.batch_size
+                    window_time += now - tick
+                    step = self.state.step
+                    if step % c.log_every == 0 or step == self.total_steps:
+                        loss = float(loss_sum) / window_steps
+                        rate = window_samples / max(window_time, 1e-9)
+                        lr, emb_lr = self.lrs(step - 1)
+                        self._log({"step": step, "epoch": epoch, "loss": loss, "lr": lr, "embedding_lr": emb_lr,
+                                   "samples_per_s": rate})
+                        bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{rate:,.0f}")
+                        train_time += window_time
+                        train_samples += window_samples
+                        loss_sum.zero_()
+                        window_steps, window_samples, window_time = 0, 0, 0.0
+                    bar.update(1)
+                    if c.checkpoint_every and step % c.checkpoint_every == 0 and step < self.total_steps:
+                        self.save()
+                    epoch_done = self.state.batch == 0
+                    due = c.eval_every and step % c.eval_every == 0
+                    if evaluate_valid is not None and (due or (epoch_done and not c.eval_every)):
+                        last_valid = self._evaluate(evaluate_valid, epoch)
+                    if c.crash_after_step and step == c.crash_after_step:
+                        raise SimulatedCrash(f"train.crash_after_step={step}: stopping as a crash would")
+                    if step >= self.total_steps or epoch_done:
+                        break
+                    tick = time.perf_counter()
+                else:
+                    if self.state.batch:  # the loader ran out before steps_per_epoch batches
+                        self.state.epoch, self.state.batch = epoch + 1, 0
+                _close(batches)
+        finally:
+            bar.close()
+        if evaluate_valid is not None and not last_valid:
+            last_valid = self._evaluate(evaluate_valid, self.state.epoch)
+        self.save()
+        train_time += window_time
+        train_samples += window_samples
+        return {"steps": self.state.step, "valid": last_valid,
+                "samples_per_s": train_samples / train_time if train_time else float("nan")}
+
+    def _open_epoch(self, epoch: int, batch: int) -> Iterable:
+        self.loader.load_state_dict({**self.loader.state_dict(), "epoch": epoch, "batches": batch})
+        return iter(self.loader)
+
+    def _step(self, batch) -> torch.Tensor:
+        lr, emb_lr = self.lrs(self.state.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.model.embedding.set_lr(emb_lr)
+        batch = batch.to(self.device, non_blocking=True)
+        with autocast(self.device, self.amp):
+            logits = self.model(batch.dense, batch.sparse)
+        loss = F.binary_cross_entropy_with_logits(logits.float(), batch.label.float())
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        return loss.detach()
+
+    def _evaluate(self, evaluate_valid: Callable[[], dict], epoch: int) -> dict:
+        start = time.perf_counter()
+        result = evaluate_valid()
+        self._log({"step": self.state.step, "epoch": epoch, "split": "valid", **result,
+                   "seconds": time.perf_counter() - start})
+        return result
+
+    def _log(self, record: dict) -> None:
+        record = {"time": time.time(), **record}
+        self.history.append(record)
+        self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def _close(batches: Iterable) -> None:
+    close = getattr(batches, "close", None)
+    if callable(close):
+        close()

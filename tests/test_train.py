@@ -1,0 +1,168 @@
+"""The training stage on small processed data: outputs, load_trained, checkpoints, exact resume."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.config import load_config
+from pipeline.errors import BadInputError, UserError
+from pipeline.loader.synthetic import criteo_schema, write_processed
+from pipeline.train.checkpoint import CheckpointError, checkpoints, latest_checkpoint, load_checkpoint, save_checkpoint
+from pipeline.train.loop import SimulatedCrash
+from pipeline.train.schedule import lr_at
+from pipeline.train.stage import load_trained, run
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["device=cpu", "train.batch_size=128", "train.eval_batch_size=512", "train.embedding_dim=8",
+         "train.bottom_mlp=[16,8]", "train.top_mlp=[16,1]", "train.progress=false", "train.log_every=4",
+         "train.warmup_steps=3", "train.threads=1"]
+
+
+def _config(workdir, *overrides):
+    return load_config(None, [f"workdir={workdir}", *SMALL, *overrides])
+
+
+def _write_data(cfg, train_rows=1500):
+    schema = criteo_schema(size=0.0001, categorical=5, continuous=3, multihot={"M1": 3})
+    write_processed(cfg.paths.processed, schema, {"train": train_rows, "valid": 300, "test": 300},
+                    row_group_rows=500, seed=7)
+
+
+def _final_state(cfg):
+    return torch.load(cfg.paths.train / "model.pt", weights_only=True)
+
+
+def _assert_same_state(a, b):
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], msg=lambda m: f"{key}: {m}")
+
+
+def test_lr_schedule_is_a_pure_function_of_the_step():
+    assert lr_at(0, 1.0, warmup_steps=4, total_steps=20) == 0.25
+    assert lr_at(3, 1.0, warmup_steps=4, total_steps=20) == 1.0
+    assert lr_at(19, 1.0, warmup_steps=4, total_steps=20, decay="cosine", min_ratio=0.1) == pytest.approx(0.1)
+    assert lr_at(19, 1.0, warmup_steps=4, total_steps=20, decay="linear", min_ratio=0.0) == pytest.approx(0.0)
+    mid = 4 + (20 - 1 - 4) / 2
+    assert lr_at(mid, 1.0, warmup_steps=4, total_steps=20, decay="cosine", min_ratio=0.0) == pytest.approx(0.5)
+    assert lr_at(10, 1.0, warmup_steps=4, total_steps=20, decay="none") == 1.0
+    assert lr_at(6, 1.0, warmup_steps=4, total_steps=20, decay="linear", decay_start=8) == 1.0
+
+
+def test_checkpoints_are_atomic_kept_newest_and_hold_no_code(tmp_path):
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, {"step": step, "model": {"w": torch.full((2,), float(step))}}, keep=2)
+    (tmp_path / "step-00000009.pt.tmp").write_bytes(b"half written")
+    assert [p.name for p in checkpoints(tmp_path)] == ["step-00000002.pt", "step-00000003.pt"]
+    assert load_checkpoint(latest_checkpoint(tmp_path))["model"]["w"].tolist() == [3.0, 3.0]
+    torch.save({"version": 1, "step": 4, "code": SimulatedCrash("pickled object")}, tmp_path / "step-00000004.pt")
+    with pytest.raises(CheckpointError, match="cannot read"):
+        load_checkpoint(tmp_path / "step-00000004.pt")
+    torch.save({"version": 99, "step": 5}, tmp_path / "step-00000005.pt")
+    with pytest.raises(CheckpointError, match="expected version 1, found 99"):
+        load_checkpoint(tmp_path / "step-00000005.pt")
+
+
+def test_stage_writes_outputs_and_load_trained_reproduces_the_test_scores(tmp_path, capsys):
+    cfg = _config(tmp_path, "train.checkpoint_every=5", "train.model=dcnv2")
+    _write_data(cfg)
+    result = run(cfg)
+    out = cfg.paths.train
+    assert f"[train] test AUC {result['test']['auc']:.4f}" in capsys.readouterr().out
+    saved = json.loads((out / "result.json").read_text())
+    assert saved["test"]["rows"] == 300 and 0 <= saved["test"]["auc"] <= 1
+    assert saved["steps"] == 12 and saved["oracle"] is None and result["model"] == "dcnv2"
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train_steps = [r["step"] for r in lines if "loss" in r]
+    assert train_steps == [4, 8, 12] and any(r.get("split") == "valid" for r in lines)
+    assert [p.name for p in checkpoints(out / "checkpoints")] == ["step-00000010.pt", "step-00000012.pt"]
+
+    model, schema = load_trained(cfg)
+    from pipeline.loader import Loader
+    from pipeline.train.evaluate import evaluate
+
+    again = evaluate(model, Loader(cfg.paths.processed / "test", 512, schema=schema), torch.device("cpu"))
+    assert again["auc"] == pytest.approx(saved["test"]["auc"], abs=1e-6)
+    assert schema.sparse == ["C1", "C2", "C3", "C4", "C5", "M1"]
+
+
+def test_resume_after_a_crash_mid_epoch_ends_with_the_same_weights(tmp_path):
+    common = ["train.epochs=2", "train.checkpoint_every=5", "train.embedding_optimizer=adam", "seed=3"]
+    straight = _config(tmp_path / "straight", *common)
+    _write_data(straight)
+    run(straight)
+
+    crashed = _config(tmp_path / "crashed", *common, "train.crash_after_step=17")
+    _write_data(crashed)
+    with pytest.raises(SimulatedCrash):
+        run(crashed)
+    assert latest_checkpoint(crashed.paths.train / "checkpoints").name == "step-00000015.pt"
+    assert not (crashed.paths.train / "model.pt").exists()
+    run(_config(tmp_path / "crashed", *common, "train.resume=true"))
+
+    _assert_same_state(_final_state(straight), _final_state(crashed))
+    lines = [json.loads(line) for line in (crashed.paths.train / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in lines if "loss" in r]
+    assert steps == sorted(set(steps)) and steps[-1] == 24
+    assert any(r.get("event") == "resume" and r["step"] == 15 for r in lines)
+
+
+def test_resume_after_killing_the_process(tmp_path):
+    common = ["train.checkpoint_every=4", "train.keep_checkpoints=3", "seed=5", "train.epochs=2"]
+    straight = _config(tmp_path / "straight", *common)
+    _write_data(straight, train_rows=4000)
+    run(straight)
+
+    victim = _config(tmp_path / "victim", *common)
+    _write_data(victim, train_rows=4000)
+    args = [f"workdir={tmp_path / 'victim'}", *SMALL, *common]
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline", "run", "train", *args], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    folder = victim.paths.train / "checkpoints"
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline:
+        if latest_checkpoint(folder) is not None:
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.02)
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, f"the training ended before it could be killed: {proc.stderr.read()}"
+    assert not (victim.paths.train / "model.pt").exists()
+    run(_config(tmp_path / "victim", *common, "train.resume=true"))
+    _assert_same_state(_final_state(straight), _final_state(victim))
+
+
+def test_resume_with_another_model_is_refused(tmp_path):
+    cfg = _config(tmp_path, "train.max_steps=3", "train.checkpoint_every=2")
+    _write_data(cfg)
+    run(cfg)
+    with pytest.raises(UserError, match="another model"):
+        run(_config(tmp_path, "train.max_steps=3", "train.resume=true", "train.model=deepfm"))
+
+
+def test_ids_beyond_the_table_are_reported_with_feature_and_value(tmp_path):
+    cfg = _config(tmp_path, "train.max_steps=2")
+    _write_data(cfg)
+    schema = json.loads(cfg.paths.schema.read_text())
+    for column in schema["columns"]:
+        if column["name"] == "C2":
+            column["cardinality"] = 2  # the data holds ids up to the real cardinality
+    cfg.paths.schema.write_text(json.dumps(schema))
+    with pytest.raises(BadInputError) as err:
+        run(cfg)
+    assert "C2" in str(err.value) and "outside" in str(err.value)
+
+
+@pytest.mark.parametrize("override,message", [("train.model=bert", "train.model"),
+                                              ("train.top_mlp=[8,2]", "last width must be 1")])
+def test_bad_settings_name_what_was_expected(override, message, tmp_path):
+    from pipeline.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        _config(tmp_path, override)
