@@ -13,7 +13,7 @@ Example (inside a ``model.py``)::
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 

@@ -47,11 +47,11 @@ class LookupLayout:
         Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
 
     @classmethod
-    def load(cls, path: str | Path) -> "LookupLayout":
+    def load(cls, path: str | Path) -> LookupLayout:
         return cls(**json.loads(Path(path).read_text()))
 
     @classmethod
-    def from_collection(cls, collection, schema) -> "LookupLayout":
+    def from_collection(cls, collection, schema) -> LookupLayout:
         """From a trained ``EmbeddingCollection`` and the schema (which features are multi-hot)."""
         layout = collection.layout
         multihot = set(schema.multihot)

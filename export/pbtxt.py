@@ -53,7 +53,7 @@ class EnsembleSpec:
         return next(t for t in self.features if t.name == DENSE)
 
     @classmethod
-    def build(cls, raw: RawColumns, schema: Schema, embedding_dim_total: int) -> "EnsembleSpec":
+    def build(cls, raw: RawColumns, schema: Schema, embedding_dim_total: int) -> EnsembleSpec:
         multihot = set(schema.multihot)
         onehot = [c for c in schema.sparse if c not in multihot]
         if not schema.continuous or not onehot:

@@ -25,9 +25,9 @@ Example::
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import pandas as pd
@@ -62,12 +62,12 @@ class RawColumns:
         Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
 
     @classmethod
-    def load(cls, path: str | Path) -> "RawColumns":
+    def load(cls, path: str | Path) -> RawColumns:
         return cls(**json.loads(Path(path).read_text()))
 
     @classmethod
     def from_arrow(cls, arrow_schema: pa.Schema, continuous: list[str], categorical: list[str],
-                   multihot: list[str], list_separator: str = "|", label: str = "") -> "RawColumns":
+                   multihot: list[str], list_separator: str = "|", label: str = "") -> RawColumns:
         """From a raw parquet file's schema and the column roles of ``meta.json``."""
         def types(names):
             return {n: str(arrow_schema.field(n).type) for n in names}
@@ -90,7 +90,7 @@ class Preprocessor:
                        {**raw.continuous, **raw.categorical, **raw.multihot, **raw.label}.items()}
 
     @classmethod
-    def load(cls, folder: str | Path) -> "Preprocessor":
+    def load(cls, folder: str | Path) -> Preprocessor:
         """From the files export wrote: ``raw_columns.json``, ``schema.json`` and ``workflow/``."""
         from pipeline.etl.workflow import Workflow
 
@@ -110,19 +110,23 @@ class Preprocessor:
             raise BadInputError(f"every raw column needs the same number of rows, got {sizes}")
         if not sizes or next(iter(sizes.values())) == 0:
             raise BadInputError("empty batch: expected at least one row")
-        arrays = {}
-        for name, values in rows.items():
-            if name in self.raw.continuous:
-                arrays[name] = self._continuous(name, values)
-            elif name in self.raw.categorical:
-                arrays[name] = _strings(values, name).cast(self._types[name])
-            else:
-                split = pc.split_pattern(_strings(values, name), self.raw.list_separator)
-                arrays[name] = split.cast(self._types[name])
+        batch = next(iter(sizes.values()))
+        for name in (*self.raw.categorical, *self.raw.multihot):
+            if rows[name].dtype.kind not in "OSU":
+                raise BadInputError(f"column {name}: expected strings (BYTES), got dtype {rows[name].dtype}")
+        arrays = {name: self._continuous(name, rows[name]) for name in self.raw.continuous}
+        categorical = list(self.raw.categorical)
+        if categorical:
+            strings = _strings(np.concatenate([rows[n] for n in categorical]))
+            for k, name in enumerate(categorical):
+                arrays[name] = _cast(strings.slice(k * batch, batch), self._types[name])
+        for name in self.raw.multihot:
+            split = pc.split_pattern(_strings(rows[name]), self.raw.list_separator)
+            arrays[name] = _cast(split, self._types[name])
         for name in self.raw.label:
-            arrays[name] = pa.array(np.zeros(len(next(iter(rows.values()))), dtype=np.int64)).cast(self._types[name])
-        table = pa.table(arrays)
-        return table.to_pandas(types_mapper=pd.ArrowDtype)
+            arrays[name] = pa.array(np.zeros(batch, dtype=np.int64)).cast(self._types[name])
+        return pd.DataFrame({name: pd.arrays.ArrowExtensionArray(array) for name, array in arrays.items()},
+                            copy=False)
 
     def _continuous(self, name: str, values: np.ndarray) -> pa.Array:
         if values.dtype.kind not in "fiu":
@@ -162,15 +166,17 @@ def _arrow_type(text: str) -> pa.DataType:
     return aliases.get(text) or pa.type_for_alias(text)
 
 
-def _strings(values: np.ndarray, name: str) -> pa.Array:
-    if values.dtype.kind not in "OSU":
-        raise BadInputError(f"column {name}: expected strings (BYTES), got dtype {values.dtype}")
+def _strings(values: np.ndarray) -> pa.Array:
     try:
         array = pa.array(values, type=pa.binary()).cast(pa.string())
     except (pa.ArrowInvalid, pa.ArrowTypeError):
         array = pa.array([v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v) for v in values],
                          type=pa.string())
     return pc.if_else(pc.equal(array, ""), pa.scalar(None, pa.string()), array)
+
+
+def _cast(array: pa.Array, target: pa.DataType) -> pa.Array:
+    return array if array.type == target else array.cast(target)
 
 
 def _matrix(frame: pd.DataFrame, columns: list[str], dtype) -> np.ndarray:

@@ -142,7 +142,7 @@ class TritonServer:
     def is_alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
-    def start(self) -> "TritonServer":
+    def start(self) -> TritonServer:
         """Start the server and wait until it is ready; retries once on a port taken meanwhile."""
         attempts = 1 if all(self._ports) else 3
         for port in filter(None, self._ports):
@@ -227,7 +227,7 @@ class TritonServer:
         """This server's python-backend regions in /dev/shm (empty once stopped)."""
         return sorted(SHM_DIR.glob(f"{self.shm_prefix}*")) if SHM_DIR.is_dir() else []
 
-    def __enter__(self) -> "TritonServer":
+    def __enter__(self) -> TritonServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:

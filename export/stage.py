@@ -166,5 +166,5 @@ def _difference_from_in_process(cfg: PipelineConfig, rows: pd.DataFrame, served)
     return float(abs(expected - served).max())
 
 
-def _raise_interrupt(signum, frame):  # noqa: ARG001
+def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt

@@ -55,7 +55,7 @@ def test_every_ensemble_step_maps_tensors_the_models_declare_alike(dense_backend
     ensemble = configs["ensemble"]
     ensemble_tensors = _tensors(ensemble.split("ensemble_scheduling")[0])
     wired = dict(ensemble_tensors)
-    steps = re.findall(r'model_name: "(\w+)"(.*?)\n    \}', ensemble, re.S)
+    steps = re.findall(r'model_name: "(\w+)"(.*?)\n    \}', ensemble, re.DOTALL)
     assert [s[0] for s in steps] == ["preprocess", "embedding", "dense"]
     for model, body in steps:
         declared = _tensors(configs[model])
@@ -130,10 +130,10 @@ def multihot_pipeline(tmp_path_factory):
     cfg = load_config(None, [f"workdir={workdir}", "data.source=table", f"data.path={source}", "data.name=mh",
                              "data.continuous=[I1,I2]", "data.categorical=[C1,C2]", "data.multihot=[M1]",
                              "etl.cluster=threads", "device=cpu"])
-    from pipeline.data.stage import run as make_data
-    from pipeline.etl.stage import run as run_etl
     from export.stage import model_options, raw_columns
     from pipeline.data.layout import RawDataset
+    from pipeline.data.stage import run as make_data
+    from pipeline.etl.stage import run as run_etl
 
     make_data(cfg)
     run_etl(cfg)

@@ -227,7 +227,7 @@ def test_embedding_update_is_picked_up_without_restart_and_never_mixed(served):
 
 
 def test_update_refuses_a_changed_dense_part(served):
-    cfg, model, reference, _ = served
+    cfg, _, reference, _ = served
     changed = build_model("dlrm", reference.schema, ModelSizes.preset("small"), seed=99)
     with pytest.raises(Exception, match="dense part differs"):
         write_repository(changed, reference.schema, cfg.paths.workflow, None, cfg.paths.export, update=True)

@@ -55,7 +55,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_ports_pid_check_and_the_models_environment(repository):
-    import tritonclient.http as http
+    from tritonclient import http
 
     with TritonServer(repository) as server:
         assert server.host == "127.0.0.1" and server.http_port != server.grpc_port
@@ -81,7 +81,7 @@ def test_a_server_dies_with_the_process_that_started_it(repository):
         print(server.pid, server.shm_prefix, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180)
+    done = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True, timeout=180)
     pid_text, prefix = done.stdout.split()
     pid = int(pid_text)
     deadline = time.monotonic() + 30

@@ -95,16 +95,15 @@ def run(args: argparse.Namespace, cfg) -> dict:
 
 
 def _prepare(cfg):
+    from export.inprocess import InProcessModel
+    from export.repository import write_repository
+    from export.stage import model_options, raw_columns, sample_rows
     from pipeline.data.layout import RawDataset
     from pipeline.data.stage import run as make_data
     from pipeline.etl.stage import run as run_etl
     from pipeline.etl.workflow import Workflow
     from pipeline.modules.models import ModelSizes, build_model
     from pipeline.schema import Schema
-
-    from export.inprocess import InProcessModel
-    from export.repository import write_repository
-    from export.stage import model_options, raw_columns, sample_rows
 
     make_data(cfg)
     if not cfg.paths.schema.is_file():
