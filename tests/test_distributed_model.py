@@ -107,6 +107,31 @@ def _load_worker(rank: int, world: int, folder: str, steps: int, start: int) -> 
     return {"pred": pred, "logits": logits, "plan": dmp.plans["embedding"].to_dict()}
 
 
+def _train_worker(rank: int, world: int, steps: int) -> dict:
+    device = torch.device(f"cuda:{rank}")
+    torch.use_deterministic_algorithms(True)
+    dmp = DistributedModelParallel(model(), planner=planner(world), device=device)
+    opt = torch.optim.Adam(dmp.parameters(), lr=0.01)
+    logits = []
+    for step in range(steps):
+        dense, kjt, label = rank_batch(step, rank)
+        logits.append(train_step(dmp, opt, dense.to(device), kjt.to(device), label.to(device)).cpu())
+    return {"logits": logits, "plan": dmp.plans["embedding"].to_dict()}
+
+
+@pytest.mark.multigpu
+def test_two_gpus_train_like_one_process_nccl():
+    results = spawn(_train_worker, 2, "nccl", args=(3,))
+    ref = model()
+    opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    for step in range(3):
+        logits = train_step(ref, opt, *global_batch(step, 2))
+        for r in range(2):
+            # GPU against CPU float32 arithmetic, row-wise partial sums and DDP averaging: rounding only.
+            torch.testing.assert_close(results[r]["logits"][step], logits[r * BATCH : (r + 1) * BATCH],
+                                       atol=1e-4, rtol=1e-3)
+
+
 @pytest.fixture(scope="module")
 def saved_by_two(tmp_path_factory):
     folder = tmp_path_factory.mktemp("sharded") / "ckpt"

@@ -36,7 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--amp", choices=["auto", "bf16", "off"], default="auto", help="bf16 autocast of the MLPs")
     parser.add_argument("--sharding", default="table_wise",
                         help="table_wise | row_wise | data_parallel | auto (the planner's choice)")
-    parser.add_argument("--comm", default="fp32", help="fp32 | bf16: dtype of the pooled vectors between ranks")
+    parser.add_argument("--comm", default="fp32",
+                        help="fp32 | bf16 | fp32,bf16: dtype(s) of the pooled vectors between ranks (one run each)")
     parser.add_argument("--out", default="", help="also write the results as JSON here")
 
 
@@ -51,22 +52,24 @@ def run(args: argparse.Namespace, cfg=None) -> dict:
     if device == "cuda" and max(counts) > torch.cuda.device_count():
         raise SystemExit(f"--nproc {max(counts)} needs as many GPUs, found {torch.cuda.device_count()}")
     backend = "nccl" if device == "cuda" else "gloo"
+    comms = [c for c in str(args.comm).split(",") if c]
     results = {}
     for n in counts:
-        per_rank = spawn(_worker, n, backend, args=(vars(args), device), timeout_s=900)
-        results[n] = _summarize(n, per_rank, args)
-    base = results.get(1)
-    for n, r in results.items():
-        r["scaling_efficiency"] = r["samples_per_s"] / (n * base["samples_per_s"]) if base else None
+        for comm in (comms if n > 1 else ["-"]):
+            per_rank = spawn(_worker, n, backend, args=({**vars(args), "comm": comm}, device), timeout_s=900)
+            results[f"{n}" if n == 1 else f"{n}/{comm}"] = _summarize(n, per_rank, args)
+    base = results.get("1")
+    for r in results.values():
+        r["scaling_efficiency"] = r["samples_per_s"] / (r["ranks"] * base["samples_per_s"]) if base else None
     shape = (f"{args.tables} tables x {args.rows} rows, dim {args.dim}, mlp {args.mlp}, "
-             f"batch {args.batch} per rank, sharding {args.sharding}, {args.comm} pooled exchange")
+             f"batch {args.batch} per rank, sharding {args.sharding}")
     print(f"bench train_distributed on {device} ({backend}): {shape}")
-    print(f"  {'ranks':>5} {'samples/s':>14} {'efficiency':>10} {'step ms':>9} {'comm ms':>9} {'rest ms':>9}")
-    for n, r in results.items():
+    print(f"  {'ranks/exchange':>14} {'samples/s':>14} {'efficiency':>10} {'step ms':>9} {'comm ms':>9} {'rest ms':>9}")
+    for key, r in results.items():
         eff = f"{r['scaling_efficiency']:.3f}" if r["scaling_efficiency"] is not None else "-"
-        print(f"  {n:>5} {r['samples_per_s']:>14,.0f} {eff:>10} {r['profiled_step_ms']:>9.2f} "
+        print(f"  {key:>14} {r['samples_per_s']:>14,.0f} {eff:>10} {r['profiled_step_ms']:>9.2f} "
               f"{r['comm_ms_per_step']:>9.2f} {r['profiled_step_ms'] - r['comm_ms_per_step']:>9.2f}")
-    out = {"device": device, "shape": shape, "results": {str(k): v for k, v in results.items()}}
+    out = {"device": device, "shape": shape, "results": results}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=2)
