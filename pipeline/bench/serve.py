@@ -3,7 +3,8 @@
 Makes a small synthetic dataset (``--rows``), runs the ETL, builds the configured model (untrained:
 speed does not depend on the weights) and exports it under ``--workdir``; starts the real server.
 Then, for batch 1, 64 and 1024 raw rows: p50 / p99 latency of ``--requests`` sequential gRPC
-requests, and of the in-process model on the same rows (workflow transform + forward, no server);
+requests, and of the in-process model on the same rows (workflow transform + forward, no server;
+and the forward alone on features computed beforehand);
 the time each ensemble step took (Triton's own statistics); throughput with ``--clients``
 concurrent gRPC clients; and the embedding cache's hit rate on the raw rows, whose categorical
 values are Zipf-distributed (served LRU, plus LRU / LFU at several cache sizes offline).
@@ -67,14 +68,15 @@ def run(args: argparse.Namespace, cfg) -> dict:
                 request = client.columns(frame)
                 served = _timed(lambda: client.infer(request), args.requests)
                 local = _timed(lambda: reference.predict(frame), args.requests)
+                model_only = _timed(_forward_only(reference, frame), args.requests)
                 before = _model_stats(client)
                 _timed(lambda: client.infer(request), max(20, args.requests // 4))
                 steps = _per_request(before, _model_stats(client))
-                results["latency"][batch] = {"ensemble": served, "in_process": local}
+                results["latency"][batch] = {"ensemble": served, "in_process": local, "model_only": model_only}
                 results["steps"][batch] = steps
                 print(f"[bench serve] batch {batch:5d}: ensemble p50 {served['p50_ms']:.2f} ms p99 "
                       f"{served['p99_ms']:.2f} ms | in-process p50 {local['p50_ms']:.2f} ms p99 {local['p99_ms']:.2f} ms"
-                      f" | steps (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in steps.items()), flush=True)
+                      f" | model forward alone p50 {model_only['p50_ms']:.2f} ms | steps (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in steps.items()), flush=True)
         results["throughput"] = _throughput(server, rows, args, reference)
         print(f"[bench serve] throughput, {args.clients} gRPC clients x batch {args.throughput_batch}: "
               f"{results['throughput']['ensemble_rows_per_s']:,.0f} rows/s ensemble, "
@@ -130,6 +132,19 @@ def _timed(fn, repeats: int) -> dict:
         times.append((time.perf_counter() - t) * 1000)
     return {"p50_ms": float(np.percentile(times, 50)), "p99_ms": float(np.percentile(times, 99)),
             "requests": repeats}
+
+
+def _forward_only(reference, frame):
+    """The model's forward on features computed beforehand: the in-process time without the workflow."""
+    import torch
+
+    dense, kjt = reference.features(frame)
+
+    def forward():
+        with torch.inference_mode():
+            return torch.sigmoid(reference.model(dense, kjt))
+
+    return forward
 
 
 def _model_stats(client) -> dict[str, dict[str, int]]:
