@@ -106,6 +106,7 @@ class ShardedEmbeddingCollection(nn.Module):
             keys = torch.tensor([key_of_slot[s] for s in st.input_slots], dtype=torch.int64)
             rows = torch.tensor([self.layout.rows[self.layout.slot_table[s]] for s in st.input_slots], dtype=torch.int64)
             self.register_buffer(f"_keys{i}", keys.to(self.device), persistent=False)
+            setattr(self, f"_all_keys_once{i}", sorted(keys.tolist()) == list(range(len(self.feature_names))))
             self.register_buffer(f"_rows{i}", rows.to(self.device), persistent=False)
         column_of = []
         for st in self.strategies:
@@ -181,7 +182,9 @@ class ShardedEmbeddingCollection(nn.Module):
                 continue
             keys = getattr(self, f"_keys{i}")
             st_lengths = lengths.view(len(self.feature_names), b)[keys].reshape(-1)
-            st_values = permute_segments(values, nnz_by_key, keys)
+            # Each key exactly once: the ids keep their count, so no device-to-host sync to learn it.
+            total = values.numel() if getattr(self, f"_all_keys_once{i}") else None
+            st_values = permute_segments(values, nnz_by_key, keys, total=total)
             if self.validate_ids and st_values.numel():
                 self._check_ids(st, st_values, segment_sums(st_lengths, keys.numel()), getattr(self, f"_rows{i}"))
             outputs.append(st(st_lengths, st_values, b))
