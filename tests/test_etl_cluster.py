@@ -38,8 +38,8 @@ ROLES = {"label": "label", "continuous": ["I1"], "categorical": ["C1", "C2"], "m
 def _run(raw, etl: EtlConfig, out):
     workflow = default_workflow(ROLES, etl)
     with etl_client(etl) as where:
-        workflow.fit(read_parquet(raw, workflow.input_columns, "pandas"))
-        rows = transform_split(workflow, raw, out, 1000, "pandas", progress=False)
+        workflow.fit(read_parquet(raw, workflow.input_columns, "pandas"), progress=True)
+        rows = transform_split(workflow, raw, out, 1000, "pandas", progress=True)
     table = pa.concat_tables([pa.parquet.read_table(p) for p in sorted(out.glob("part-*.parquet"))])
     return where, workflow, rows, table
 

@@ -22,13 +22,41 @@ def compute(*collections: Any, desc: str = "dask", progress: bool = True) -> tup
     if client is not None:
         from distributed import as_completed
 
-        futures = client.compute(list(collections))
-        with tqdm(total=len(futures), desc=desc, unit="part", leave=False) as bar:
+        leaves: list = []
+        shape = _flatten(collections, leaves)
+        futures = client.compute(leaves)
+        with tqdm(total=len(futures), desc=desc, unit="result", leave=False) as bar:
             for _ in as_completed(futures):
                 bar.update(1)
-        return tuple(client.gather(futures))
+        return _rebuild(shape, iter(client.gather(futures)))
     with _TqdmCallback(desc):
         return dask.compute(*collections)
+
+
+def _flatten(value: Any, leaves: list) -> Any:
+    """The nesting of dicts / lists / tuples around Dask collections, with the collections moved to ``leaves``."""
+    import dask
+
+    if isinstance(value, dict):
+        return {k: _flatten(v, leaves) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_flatten(v, leaves) for v in value)
+    if dask.is_dask_collection(value):
+        leaves.append(value)
+        return _Leaf()
+    return value
+
+
+class _Leaf:
+    """Where a computed collection goes back in :func:`_rebuild`."""
+
+
+def _rebuild(shape: Any, results: Any) -> Any:
+    if isinstance(shape, dict):
+        return {k: _rebuild(v, results) for k, v in shape.items()}
+    if isinstance(shape, (list, tuple)):
+        return type(shape)(_rebuild(v, results) for v in shape)
+    return next(results) if isinstance(shape, _Leaf) else shape
 
 
 def _current_client() -> Any:
