@@ -375,13 +375,35 @@ def test_batch_to_and_repr(split):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shuffle", [False, True])
-def test_cuda_batches_equal_cpu_batches(split, shuffle):
+@pytest.mark.parametrize("shuffle, read_threads", [(False, 8), (True, 8), (True, 1)])
+def test_cuda_batches_equal_cpu_batches(split, shuffle, read_threads):
+    # One reader thread has a pool of 4 pinned buffers for 18 row groups: buffers are recycled.
     cpu = list(small(split, shuffle=shuffle, seed=4))
-    gpu = list(small(split, shuffle=shuffle, seed=4, device="cuda"))
-    assert len(cpu) == len(gpu)
-    for a, b in zip(cpu, gpu):
-        assert b.dense.is_cuda and b.sparse.values.is_cuda and b.label.is_cuda
-        assert torch.equal(a.dense, b.dense.cpu()) and torch.equal(a.label, b.label.cpu())
-        assert torch.equal(a.sparse.values, b.sparse.values.cpu())
-        assert torch.equal(a.sparse.lengths, b.sparse.lengths.cpu())
+    gpu_loader = small(split, shuffle=shuffle, seed=4, device="cuda", read_threads=read_threads)
+    for _ in range(2):
+        gpu = list(gpu_loader)
+        assert len(cpu) == len(gpu)
+        for a, b in zip(cpu, gpu):
+            assert b.dense.is_cuda and b.sparse.values.is_cuda and b.label.is_cuda
+            assert torch.equal(a.dense, b.dense.cpu()) and torch.equal(a.label, b.label.cpu())
+            assert torch.equal(a.sparse.values, b.sparse.values.cpu())
+            assert torch.equal(a.sparse.lengths, b.sparse.lengths.cpu())
+        cpu = list(small(split, shuffle=shuffle, seed=4)) if not shuffle else cpu_next_epoch(split)
+
+
+def cpu_next_epoch(split):
+    loader = small(split, shuffle=True, seed=4)
+    loader.set_epoch(1)
+    return list(loader)
+
+
+@pytest.mark.gpu
+def test_cuda_early_stop_leaves_no_thread(split):
+    before = threading.active_count()
+    loader = small(split, device="cuda", batch_size=8, prefetch=2)
+    for i, batch in enumerate(loader):
+        if i == 3:
+            break
+    rows = rows_of(next(iter(loader)))
+    assert rows == list(range(8))
+    assert threading.active_count() == before

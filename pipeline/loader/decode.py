@@ -10,15 +10,16 @@ Example::
 
     split = open_split(find_files("data/synthetic/processed/train"), schema)
     chunk = read_segment(split, Segment(split.groups[0], 0, 100))
-    chunk.ids[0][:5]      # the first 5 codes of schema.sparse[0]
+    chunk.block[0].view("float32")[:5]     # the first 5 labels
 """
 
 from __future__ import annotations
 
 import re
+import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -28,6 +29,12 @@ import pyarrow.parquet as pq
 from pipeline.errors import BadInputError
 from pipeline.loader.plan import RowGroup, Segment
 from pipeline.schema import Column, Schema
+
+if TYPE_CHECKING:
+    import torch
+
+    from pipeline.loader.pinned import PinnedPool
+
 
 
 @dataclass
@@ -54,23 +61,26 @@ class Split:
 
 @dataclass
 class Chunk:
-    """Decoded rows: the label, each continuous column, each one-hot id column and each multi-hot bag column."""
+    """Decoded rows, packed for copying: ``block`` is int32 ``[1 + n_cont + n_onehot, rows]`` holding the
+    label and the continuous columns (float32 bits) and the one-hot ids; ``bags`` the multi-hot columns."""
 
-    label: np.ndarray
-    dense: list[np.ndarray]
-    ids: list[np.ndarray]
+    block: np.ndarray
     bags: list[tuple[np.ndarray, np.ndarray]]
     """Per multi-hot feature: (offsets int64 of length rows + 1 starting at 0, values)."""
+    pinned: "torch.Tensor | None" = None
+    """The pinned tensor whose memory ``block`` is (GPU targets), for asynchronous copies."""
+    buffer: "torch.Tensor | None" = None
+    """The pool buffer holding ``pinned``, to give back once the copy to the device is queued."""
+    on_device: "torch.Tensor | None" = None
+    """``block`` on the GPU once copied there (the chunk may feed two windows)."""
 
     @property
     def rows(self) -> int:
-        return len(self.label)
+        return self.block.shape[1]
 
-    def slice(self, start: int, stop: int) -> "Chunk":
-        bags = []
-        for offsets, values in self.bags:
-            bags.append((offsets[start : stop + 1] - offsets[start], values[offsets[start] : offsets[stop]]))
-        return Chunk(self.label[start:stop], [d[start:stop] for d in self.dense], [i[start:stop] for i in self.ids], bags)
+    def bag_slice(self, index: int, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        offsets, values = self.bags[index]
+        return offsets[start : stop + 1] - offsets[start], values[offsets[start] : offsets[stop]]
 
 
 def find_files(data: str | Path | Sequence[str | Path]) -> list[Path]:
@@ -125,28 +135,49 @@ def expected_type(column: Column) -> pa.DataType:
     return pa.list_(ids) if column.role == "multihot" else ids
 
 
-def read_segment(split: Split, segment: Segment, validate: bool = True) -> Chunk:
-    """Read and decode the rows of one segment (thread-safe: each call opens its own reader)."""
+def read_segment(split: Split, segment: Segment, validate: bool = True, buffers: "PinnedPool | None" = None,
+                 stop: "threading.Event | None" = None) -> Chunk:
+    """Read and decode the rows of one segment (thread-safe: each call opens its own reader).
+
+    With ``buffers`` the block is packed into one of the pool's pinned buffers, ready for an
+    asynchronous copy to a GPU; ``chunk.buffer`` must then go back to the pool once copied.
+    """
     group = segment.group
     path = split.files[group.file]
     with pq.ParquetFile(path, metadata=split.metadata[group.file], memory_map=True) as pf:
         table = pf.read_row_group(group.index, columns=split.columns, use_threads=False)
     if segment.start or segment.stop != group.rows:
         table = table.slice(segment.start, segment.rows)
-    where = _Where(path, group, segment.start)
+    shape = (1 + len(split.schema.continuous) + len(split.onehot), segment.rows)
+    if buffers is None:
+        return _decode(split, table, _Where(path, group, segment.start), validate, np.empty(shape, dtype=np.int32))
+    buffer = buffers.acquire(stop or threading.Event())
+    try:
+        pinned = buffer[: shape[0] * shape[1]].view(shape)
+        chunk = _decode(split, table, _Where(path, group, segment.start), validate, pinned.numpy())
+    except BaseException:
+        buffers.release(buffer)
+        raise
+    chunk.pinned, chunk.buffer = pinned, buffer
+    return chunk
+
+
+def _decode(split: Split, table: pa.Table, where: "_Where", validate: bool, block: np.ndarray) -> Chunk:
     schema = split.schema
+    onehot = split.onehot
     label = _numpy(table, schema.label, where, validate)
     if validate:
         _check_label(label, schema.label, where)
-    dense = [_numpy(table, name, where, validate) for name in schema.continuous]
-    ids = []
-    for name in split.onehot:
+    block[0] = label.view(np.int32)
+    for row, name in enumerate(schema.continuous, start=1):
+        block[row] = _numpy(table, name, where, validate).view(np.int32)
+    for row, name in enumerate(onehot, start=1 + len(schema.continuous)):
         values = _numpy(table, name, where, validate)
         if validate:
             _check_ids(values, schema.column(name), where)
-        ids.append(values)
+        block[row] = values
     bags = [_bag(table, schema.column(name), where, validate) for name in schema.multihot]
-    return Chunk(label, dense, ids, bags)
+    return Chunk(block, bags)
 
 
 @dataclass(frozen=True)
@@ -170,6 +201,8 @@ def _check_types(path: Path, arrow_schema: pa.Schema, schema: Schema) -> None:
             raise BadInputError(
                 f"{path}: column {column.name!r} of the schema ({column.role}) is missing; the file has {arrow_schema.names}"
             )
+        if column.cardinality > np.iinfo(np.int32).max:
+            raise BadInputError(f"column {column.name!r}: cardinality {column.cardinality} does not fit int32 ids")
         want, got = expected_type(column), arrow_schema.field(column.name).type
         if column.role == "multihot" and pa.types.is_large_list(got):
             got = pa.list_(got.value_type)

@@ -1,12 +1,14 @@
 """``Loader``: batches from the ETL's parquet files, read ahead by a background thread.
 
-A producer thread reads row groups (through a small pool of reader threads, pyarrow releasing the
-GIL), copies them into one buffer per column (pinned memory when the target is a GPU), moves each
-buffer to the device and cuts batches there. On a GPU the copies and the cutting run on a side
-CUDA stream; each batch carries an event that the consumer's stream waits on, so loading overlaps
-compute. Batches wait in a bounded queue; an error in the thread is put on the queue and raised in
-the consumer; stopping (``break``, :meth:`Loader.close`, ``with``, garbage collection) sets a stop
-event that the thread checks between batches and in its timed ``put``, and joins it.
+A producer thread drives a small pool of reader threads that read row groups with pyarrow (which
+releases the GIL), check them and pack each into one int32 block (in pinned memory when the target
+is a GPU). The producer joins blocks into windows of a few row groups on the target device,
+permutes a window's rows when shuffling, and cuts batches from it. On a GPU the copies and the
+cutting run on a side CUDA stream; each batch carries an event that the consumer's stream waits on,
+so loading overlaps compute. Batches wait in a bounded queue; an error in a thread is put on the
+queue and raised in the consumer; stopping (``break``, :meth:`Loader.close`, ``with``, garbage
+collection) sets a stop event that the producer checks between batches and in its timed ``put``,
+and joins it (and the readers).
 
 Order, sharding and the remainder (see :mod:`pipeline.loader.plan`): rank ``r`` of ``world_size``
 gets a contiguous part of the epoch's row-group sequence, every rank the same number of rows and
@@ -17,7 +19,7 @@ the remainder of ``N / world_size`` and each rank's short last batch are dropped
 
 Resuming: ``state_dict()`` says which epoch is running and how many of its batches were handed
 out; after ``load_state_dict(state)`` the next iteration starts exactly at the next batch, reading
-nothing before it.
+from the window (a few row groups) that holds it, not from the start of the epoch.
 
 Example::
 
@@ -45,6 +47,7 @@ from pipeline.errors import UserError
 from pipeline.loader import collate, plan
 from pipeline.loader.batch import Batch
 from pipeline.loader.decode import Chunk, Split, find_files, open_split, read_segment
+from pipeline.loader.pinned import PinnedPool
 from pipeline.schema import Schema
 
 STATE_VERSION = 1
@@ -112,7 +115,7 @@ class Loader:
         self.prefetch, self.read_threads, self.validate = prefetch, read_threads, validate
         group_rows = self.schema.row_group_rows or -(-self._split.rows // len(self._split.groups))
         self.window_rows = max(1, round(buffer_row_groups * group_rows / batch_size)) * batch_size
-        self._layout = collate.Layout.of(self.schema.sparse, self.schema.multihot)
+        self._layout = collate.Layout.of(self.schema.sparse, self.schema.multihot, len(self.schema.continuous))
         self._groups_per_epoch: dict[int, list[plan.RowGroup]] = {}
         first = self._shard(0)
         self.rows_per_rank, self.padding, self._batches = first.rows, first.padding, first.batches
@@ -126,6 +129,11 @@ class Loader:
         self._resume_at = 0
         self._active: _Producer | None = None
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._pool = None
+        if self._stream is not None:
+            block_rows = 1 + len(self.schema.continuous) + len(self._layout.keys) - len(self.schema.multihot)
+            most = max(g.rows for g in self._split.groups)
+            self._pool = PinnedPool(count=_lookahead(self.read_threads) + 2, numel=block_rows * most)
 
     @property
     def total_rows(self) -> int:
@@ -245,6 +253,7 @@ class _Producer:
         self._layout = loader._layout
         self._device = loader.device
         self._stream = loader._stream
+        self._pool = loader._pool
         self._validate = loader.validate
         self._read_threads = loader.read_threads
         self._shard = loader._shard(epoch)
@@ -290,6 +299,7 @@ class _Producer:
         executor = ThreadPoolExecutor(self._read_threads, thread_name_prefix="pipeline-loader-read")
         try:
             if self._stream is not None:
+                self._pool.reset()
                 with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
                     self._produce(executor)
             else:
@@ -299,23 +309,30 @@ class _Producer:
             self._put(err)
         finally:
             executor.shutdown(wait=True, cancel_futures=True)
+            if self._stream is not None:
+                self._stream.synchronize()  # no copy out of the pool's buffers is left in flight
 
     def _produce(self, executor: ThreadPoolExecutor) -> None:
         if not self._windows:
             return
-        reader = _SegmentReader(self._split, plan.shard_segments_from(self._shard, self._windows[0].start), executor,
-                                self._read_threads * 2, self._validate)
         cuda = self._stream is not None
+        reader = _SegmentReader(self._split, plan.shard_segments_from(self._shard, self._windows[0].start), executor,
+                                _lookahead(self._read_threads), self._validate, self._device, self._pool, self._stop)
         real_rows = self._shard.rows - self._shard.padding
-        for window in self._windows:
+        shuffle, seed, epoch, rank = self._order_seed
+        orders: dict[int, Future] = {}
+        for i, window in enumerate(self._windows):
             if self._stop.is_set():
                 return
+            for ahead in self._windows[i : i + 2]:
+                if ahead.index not in orders:
+                    real = max(0, min(ahead.stop, real_rows) - ahead.start)
+                    orders[ahead.index] = executor.submit(
+                        plan.window_order, ahead.stop - ahead.start, real, shuffle, seed, epoch, rank, ahead.index
+                    )
             pieces = reader.take(window.stop - window.start)
-            host = collate.assemble(pieces, self._layout, pin=cuda)
-            shuffle, seed, epoch, rank = self._order_seed
-            real = max(0, min(window.stop, real_rows) - window.start)
-            perm = plan.window_order(host.rows, real, shuffle, seed, epoch, rank, window.index)
-            device_window = host.to_device(self._device, order=perm)
+            order = orders.pop(window.index).result()
+            device_window = collate.make_window(pieces, self._layout, self._device, order)
             for begin, end in window.batch_bounds:
                 batch = device_window.batch(begin, end)
                 event = None
@@ -330,22 +347,22 @@ class _SegmentReader:
     """Decoded segments in order, read ahead by an executor; :meth:`take` returns the next rows."""
 
     def __init__(self, split: Split, segments: list[plan.Segment], executor: ThreadPoolExecutor, lookahead: int,
-                 validate: bool) -> None:
+                 validate: bool, device: torch.device, pool: PinnedPool | None, stop: threading.Event) -> None:
         self._split, self._executor, self._validate = split, executor, validate
+        self._device, self._pool, self._stop = device, pool, stop
         self._segments = iter(segments)
         self._pending: deque[Future] = deque()
         self._lookahead = lookahead
         self._chunk: Chunk | None = None
         self._offset = 0
 
-    def take(self, rows: int) -> list[Chunk]:
+    def take(self, rows: int) -> list[collate.Piece]:
         pieces = []
         while rows:
             if self._chunk is None or self._offset == self._chunk.rows:
                 self._chunk, self._offset = self._next(), 0
             n = min(rows, self._chunk.rows - self._offset)
-            whole = self._offset == 0 and n == self._chunk.rows
-            pieces.append(self._chunk if whole else self._chunk.slice(self._offset, self._offset + n))
+            pieces.append(collate.Piece(self._chunk, self._offset, self._offset + n))
             self._offset += n
             rows -= n
         return pieces
@@ -355,10 +372,20 @@ class _SegmentReader:
             segment = next(self._segments, None)
             if segment is None:
                 break
-            self._pending.append(self._executor.submit(read_segment, self._split, segment, self._validate))
+            self._pending.append(
+                self._executor.submit(read_segment, self._split, segment, self._validate, self._pool, self._stop)
+            )
         if not self._pending:
             raise RuntimeError("the shard plan asked for more rows than its segments hold")
-        return self._pending.popleft().result()
+        chunk = self._pending.popleft().result()
+        if self._pool is not None:
+            collate.upload(chunk, self._device, self._pool)  # frees its pinned buffer for the next read
+        return chunk
+
+
+def _lookahead(read_threads: int) -> int:
+    """Row groups read ahead of the producer (each holds a pinned buffer until the producer takes it)."""
+    return 2 * read_threads
 
 
 def _target(device: str | torch.device) -> torch.device:
