@@ -55,7 +55,7 @@ class TrainConfig:
     amp: str = field(default="auto", metadata={"help": "auto | bf16 | off: bf16 autocast (auto: on GPU only)"})
 
     threads: int = field(default=0, metadata={
-        "help": "torch CPU threads while training (0: torch's default; 1 is faster on a busy machine)"})
+        "help": "torch CPU threads while training (0: all cores but one, which the loader's thread uses)"})
 
     checkpoint_every: int = field(default=200, metadata={"help": "save a checkpoint every N steps (0: only at the end)"})
     keep_checkpoints: int = field(default=2, metadata={"help": "checkpoints kept on disk (the newest)"})

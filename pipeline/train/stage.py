@@ -9,6 +9,7 @@ missing. Launch::
     python -m pipeline run train                                  # CPU or the GPU, by device=auto
     python -m pipeline run train train.model=dcnv2 train.epochs=2 --device cuda
     python -m pipeline run train train.resume=true                # continue from the last checkpoint
+    torchrun --nproc-per-node 2 -m pipeline run train             # sharded: pipeline.distributed.train
 
 Outputs under ``cfg.paths.train`` (``data/synthetic/train``)::
 
@@ -27,6 +28,7 @@ Example::
 from __future__ import annotations
 
 import json
+import os
 import random
 import time
 from dataclasses import asdict
@@ -50,9 +52,12 @@ MODEL_SPEC_VERSION = 1
 
 def run(cfg: PipelineConfig) -> dict:
     """Train, evaluate on valid and test, write the outputs above; return the summary (also printed)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from pipeline.distributed.train import run as run_distributed
+
+        return run_distributed(cfg)
     threads = torch.get_num_threads()
-    if cfg.train.threads > 0:
-        torch.set_num_threads(cfg.train.threads)
+    torch.set_num_threads(cfg.train.threads if cfg.train.threads > 0 else max(1, (os.cpu_count() or 2) - 1))
     try:
         return _run(cfg)
     finally:
