@@ -68,7 +68,8 @@ def batch(step: int, rank: int) -> tuple[KeyedJaggedTensor, torch.Tensor]:
 
 
 def concat(kjts: list[KeyedJaggedTensor]) -> KeyedJaggedTensor:
-    return KeyedJaggedTensor.from_lists(FEATURES, [sum((k.to_lists()[f] for k in kjts), []) for f in range(len(FEATURES))])
+    lists = [k.to_lists() for k in kjts]
+    return KeyedJaggedTensor.from_lists(FEATURES, [[bag for one in lists for bag in one[f]] for f in range(len(FEATURES))])
 
 
 def reference(kind: str, opt: str) -> EmbeddingCollection:
@@ -114,7 +115,7 @@ def _check(world: int, results: list[list[dict]], gpu: bool = False) -> None:
         ec = reference(kind, opt)
         # bf16 exchange: pooled vectors and gradients are rounded to 8 mantissa bits on the way.
         # GPU kernels against the CPU reference: float32 sums in another order.
-        tol = dict(atol=2e-2, rtol=2e-2) if comm == "bf16" else dict(atol=1e-5, rtol=1e-4) if gpu else {}
+        tol = {"atol": 2e-2, "rtol": 2e-2} if comm == "bf16" else {"atol": 1e-5, "rtol": 1e-4} if gpu else {}
         sizes = [3 + r for r in range(world)]
         starts = [sum(sizes[:r]) for r in range(world)]
         for step in range(STEPS + 1):
@@ -130,7 +131,8 @@ def _check(world: int, results: list[list[dict]], gpu: bool = False) -> None:
                 # Row-wise pools are sums of per-rank partial sums, added in another order than one
                 # rank's single pass: float32 rounding, so the default float32 tolerance and not exact.
                 torch.testing.assert_close(results[r][i]["outputs"][step], pooled[starts[r] : starts[r] + sizes[r]],
-                                           msg=lambda m: f"{kind}/{opt}/{comm}, rank {r}, step {step}: {m}", **tol)
+                                           msg=lambda m, at=f"{kind}/{opt}/{comm}, rank {r}, step {step}": f"{at}: {m}",
+                                           **tol)
             if step < STEPS:
                 # The unsharded loss sums over the global batch divided by the world size: the
                 # sharded collection averages its gradients over ranks, as DDP does.
@@ -151,8 +153,8 @@ def _check(world: int, results: list[list[dict]], gpu: bool = False) -> None:
                 assert set(tensors) == set(full)
                 for key, value in tensors.items():
                     # float32 sums of the same gradients in another order (all-to-all, all-reduce)
-                    torch.testing.assert_close(value, full[key][lo:hi], **(tol or dict(atol=2e-6, rtol=1e-5)),
-                                               msg=lambda m: f"{kind}/{opt}/{comm}: {name}.{key} rows {lo}..{hi}: {m}")
+                    torch.testing.assert_close(value, full[key][lo:hi], **(tol or {"atol": 2e-6, "rtol": 1e-5}),
+                                               msg=lambda m, at=f"{kind}/{opt}/{comm}: {name}.{key} rows {lo}..{hi}": f"{at}: {m}")
         assert held == {(t.name, row) for t in TABLES for row in range(t.rows)}, f"{kind}: some rows are held by no rank"
 
 

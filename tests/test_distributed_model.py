@@ -13,8 +13,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline.distributed import (DistributedModelParallel, EmbeddingShardingPlanner, PlannerError, ShardingType,
-                                  Topology, load_sharded_checkpoint, save_sharded_checkpoint)
+from pipeline.distributed import (
+    DistributedModelParallel,
+    EmbeddingShardingPlanner,
+    PlannerError,
+    ShardingType,
+    Topology,
+    load_sharded_checkpoint,
+    save_sharded_checkpoint,
+)
 from pipeline.distributed.checkpoint import read_meta
 from pipeline.distributed.testing import spawn
 from pipeline.modules.embedding import EmbeddingOptimizerConfig

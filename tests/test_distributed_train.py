@@ -42,7 +42,7 @@ def test_two_ranks_train_and_write_a_model_one_process_can_score(processed):
     from pipeline.train.evaluate import evaluate
     from pipeline.train.stage import load_trained
 
-    model, schema = load_trained(cfg, backend="torch")
+    model, _ = load_trained(cfg, backend="torch")
     loader = Loader(cfg.paths.processed / "test", 4096, schema=Schema.load(cfg.paths.schema), device="cpu")
     try:
         alone = evaluate(model, loader, torch.device("cpu"))

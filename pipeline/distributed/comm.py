@@ -28,7 +28,7 @@ import torch.distributed as dist
 class CommTimer:
     """Seconds spent in the sharded embeddings' collectives, when ``enabled`` (synchronizes around each)."""
 
-    _instance: "CommTimer | None" = None
+    _instance: CommTimer | None = None
 
     def __init__(self) -> None:
         self.enabled = False
@@ -36,7 +36,7 @@ class CommTimer:
         self.calls = 0
 
     @classmethod
-    def get(cls) -> "CommTimer":
+    def get(cls) -> CommTimer:
         if cls._instance is None:
             cls._instance = CommTimer()
         return cls._instance
@@ -93,7 +93,7 @@ class AllToAllRows(torch.autograd.Function):
     """Forward: all-to-all of a flat tensor with the given splits. Backward: the same, reversed."""
 
     @staticmethod
-    def forward(ctx, trigger, x, send_splits, recv_splits, group):  # noqa: ARG004
+    def forward(ctx, trigger, x, send_splits, recv_splits, group):
         ctx.group, ctx.send_splits, ctx.recv_splits = group, send_splits, recv_splits
         out = x.new_empty(sum(recv_splits))
         return all_to_all(out, x.contiguous(), recv_splits, send_splits, group)
@@ -133,7 +133,6 @@ def init_from_env(device_kind: str = "cpu", timeout_s: float = 600.0) -> tuple[i
     variables say a world of one. On ``cuda`` the process takes GPU ``LOCAL_RANK`` and NCCL; else gloo.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if world <= 1:
         return 0, 1, 0

@@ -14,7 +14,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -95,7 +95,7 @@ class DataParallelSharding(nn.Module):
 
 class _DataParallelLookup(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, trig, sharding, values, offsets, batch_size):  # noqa: ARG004
+    def forward(ctx, trig, sharding, values, offsets, batch_size):
         ctx.sharding, ctx.batch_size = sharding, batch_size
         ctx.save_for_backward(values, offsets)
         ec = sharding.local

@@ -19,7 +19,7 @@ Example (under torchrun, one process per GPU)::
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -118,12 +118,13 @@ class ShardedEmbeddingCollection(nn.Module):
 
     @classmethod
     def from_collection(cls, ec: EmbeddingCollection, plan: ShardingPlan, device: torch.device | str | None = None,
-                        process_group=None, comm_dtype: str = "fp32") -> "ShardedEmbeddingCollection":
+                        process_group=None, comm_dtype: str = "fp32") -> ShardedEmbeddingCollection:
         """The sharded version of ``ec``: same tables, optimizer, dtype and backend; this rank's rows copied."""
         dtype_name = {v: k for k, v in {"fp32": torch.float32, "fp16": torch.float16,
                                         "bf16": torch.bfloat16}.items()}[ec.weights.dtype]
         sharded = cls(ec.tables, ec.feature_names, plan, ec.optimizer, dtype_name, ec.backend_name,
-                      device if device is not None else ec.weights.device, ec.validate_ids, process_group, seed=None, comm_dtype=comm_dtype)
+                      device if device is not None else ec.weights.device, ec.validate_ids, process_group,
+                      seed=None, comm_dtype=comm_dtype)
         sharded.set_lr(ec.lr)
         with torch.no_grad():
             for name, lo, hi, local in sharded.local_shards():

@@ -18,7 +18,7 @@ row-wise) move ids to the ranks owning the rows and pooled vectors back:
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 

@@ -16,7 +16,7 @@ Example (one process per GPU, under torchrun)::
 from __future__ import annotations
 
 import warnings
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn

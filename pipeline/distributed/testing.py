@@ -17,8 +17,9 @@ import os
 import queue
 import tempfile
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.multiprocessing as mp
@@ -31,7 +32,7 @@ class WorkerFailed(RuntimeError):
 def spawn(fn: Callable[..., Any], world_size: int, backend: str = "gloo", args: tuple = (),
           timeout_s: float = 300.0) -> list[Any]:
     ctx = mp.get_context("spawn")
-    results: "mp.Queue" = ctx.Queue()
+    results: mp.Queue = ctx.Queue()
     fd, init_file = tempfile.mkstemp(prefix="pipeline-dist-")
     os.close(fd)
     os.unlink(init_file)

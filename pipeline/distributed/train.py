@@ -165,7 +165,7 @@ def run(cfg) -> dict:
               f"{out / 'plan.json'}", flush=True)
 
     processed = cfg.paths.processed
-    shard = dict(rank=rank, world_size=world, device=device)
+    shard = {"rank": rank, "world_size": world, "device": device}
     train_loader = Loader(processed / "train", t.batch_size, schema=schema, shuffle=True, seed=cfg.seed, **shard)
     valid_loader = Loader(processed / "valid", t.eval_batch_size, schema=schema, **shard)
     test_loader = Loader(processed / "test", t.eval_batch_size, schema=schema, **shard)

@@ -8,13 +8,18 @@ Example (what :class:`~pipeline.distributed.embedding.ShardedEmbeddingCollection
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-from pipeline.distributed.embedding_sharding import (MakeCollection, exchange_bags, exchange_pooled, local_tables,
-                                                     slot_key)
+from pipeline.distributed.embedding_sharding import (
+    MakeCollection,
+    exchange_bags,
+    exchange_pooled,
+    local_tables,
+    slot_key,
+)
 from pipeline.distributed.jagged import segment_sums
 from pipeline.distributed.types import ShardingPlan, ShardingType
 from pipeline.modules.embedding import TableConfig, TableLayout

@@ -21,10 +21,10 @@ Example::
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Sequence
 
 PLAN_VERSION = 1
 
@@ -68,15 +68,15 @@ class ParameterSharding:
             raise PlanError(f"table {self.table}: {len(self.ranks)} ranks but {len(self.row_ranges)} row ranges")
 
     @classmethod
-    def table_wise(cls, table: str, rows: int, rank: int) -> "ParameterSharding":
+    def table_wise(cls, table: str, rows: int, rank: int) -> ParameterSharding:
         return cls(table, ShardingType.TABLE_WISE, [rank], [(0, rows)])
 
     @classmethod
-    def row_wise(cls, table: str, rows: int, world_size: int) -> "ParameterSharding":
+    def row_wise(cls, table: str, rows: int, world_size: int) -> ParameterSharding:
         return cls(table, ShardingType.ROW_WISE, list(range(world_size)), even_row_ranges(rows, world_size))
 
     @classmethod
-    def data_parallel(cls, table: str, rows: int, world_size: int) -> "ParameterSharding":
+    def data_parallel(cls, table: str, rows: int, world_size: int) -> ParameterSharding:
         return cls(table, ShardingType.DATA_PARALLEL, list(range(world_size)), [(0, rows)] * world_size)
 
     def rows_on(self, rank: int) -> tuple[int, int] | None:
@@ -154,7 +154,7 @@ class ShardingPlan:
                 "tables": [p.to_dict() for p in self.tables.values()]}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ShardingPlan":
+    def from_dict(cls, d: dict) -> ShardingPlan:
         if d.get("version") != PLAN_VERSION:
             raise PlanError(f"sharding plan version {d.get('version')} is not supported (expected {PLAN_VERSION})")
         tables = {}
@@ -175,5 +175,5 @@ class ShardingPlan:
         tmp.replace(path)
 
     @classmethod
-    def load(cls, path: str | Path) -> "ShardingPlan":
+    def load(cls, path: str | Path) -> ShardingPlan:
         return cls.from_dict(json.loads(Path(path).read_text()))

@@ -10,7 +10,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from pipeline.distributed.planner.estimators import step_cost, storage_per_rank
 from pipeline.distributed.planner.types import ShardingOption, Topology

@@ -10,7 +10,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from pipeline.distributed.planner.enumerators import EmbeddingEnumerator
 from pipeline.distributed.planner.estimators import storage_per_rank

@@ -12,7 +12,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 from pipeline.distributed.planner.types import ShardingOption
 from pipeline.distributed.types import ShardingType

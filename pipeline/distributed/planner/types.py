@@ -9,8 +9,9 @@ options to ranks within their memory or raises :class:`PlannerError`, and the es
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Iterator, Protocol, Sequence
+from typing import Protocol
 
 from pipeline.distributed.types import ShardingPlan, ShardingType
 from pipeline.errors import UserError
