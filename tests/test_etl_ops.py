@@ -7,6 +7,7 @@ import mmh3
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.parquet  # noqa: F401  (pa.parquet)
 import pytest
 
 from pipeline.errors import BadInputError, UserError
@@ -104,14 +105,24 @@ def test_categorify_multihot_matches_pandas():
     assert op.cardinality("M") == len(vocab) + 2
 
 
-def test_categorify_fit_through_shuffled_counts_equals_tree():
+def test_categorify_fit_through_shuffled_counts_equals_tree(tmp_path):
+    """The shuffle path (split_out > 1, for huge inputs) learns what the tree reduction learns."""
+    from pipeline.etl.backend import read_parquet
+
     rng = np.random.default_rng(3)
-    train = pd.DataFrame({"A": _strings(rng, 3000, vocab=200)})
-    tree = Workflow(["A"] >> Categorify(freq_threshold=2)).fit(dd.from_pandas(train, npartitions=4))
-    shuffled = Workflow(["A"] >> Categorify(freq_threshold=2, split_out=3)).fit(dd.from_pandas(train, npartitions=4))
-    a, b = tree.producers()["A"], shuffled.producers()["A"]
-    assert a.vocabularies["A"].equals(b.vocabularies["A"])
-    np.testing.assert_array_equal(a.counts["A"], b.counts["A"])
+    for i in range(4):
+        lists = [[f"t{j}" for j in rng.integers(0, 20, k)] for k in rng.integers(0, 3, 800)]
+        table = pa.table({"A": pa.array(_strings(rng, 800, vocab=200)), "M": pa.array(lists, pa.list_(pa.string()))})
+        pa.parquet.write_table(table, tmp_path / f"part-{i}.parquet")
+    data = read_parquet(tmp_path, None, "pandas")
+    tree = Workflow(["A", "M"] >> Categorify(freq_threshold=2)).fit(data)
+    shuffled = Workflow(["A", "M"] >> Categorify(freq_threshold=2, split_out=3)).fit(data)
+    for name in ("A", "M"):
+        a, b = tree.producers()[name], shuffled.producers()[name]
+        assert len(a.vocabularies[name]) > 10
+        assert a.vocabularies[name].equals(b.vocabularies[name])
+        np.testing.assert_array_equal(a.counts[name], b.counts[name])
+    assert tree.producers()["M"].max_lengths == shuffled.producers()["M"].max_lengths == {"M": 2}
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -14,7 +14,8 @@ class EtlConfig:
     )
     cluster: str = field(
         default="auto",
-        metadata={"help": "auto | local | threads: a LocalCluster, or in-process threads (auto: by input size)"},
+        metadata={"help": "auto | local | threads: a LocalCluster, or in-process threads "
+                          "(auto: a LocalCluster from 256 MiB of raw parquet on, threads below)"},
     )
     workers: int = field(default=0, metadata={"help": "LocalCluster workers (0: one per core, or one per GPU)"})
     freq_threshold: int = field(default=0, metadata={"help": "Categorify: values seen fewer times map to OOV"})

@@ -2,7 +2,7 @@
 
 Reserved codes: 0 = missing, 1 = out of vocabulary (unseen at fit, rarer than ``freq_threshold``,
 or beyond ``max_vocab_size``), 2.. = the vocabulary by descending frequency, ties broken by the
-value (ascending), so the same data always gives the same codes. The embedding table of a column
+value (ascending, UTF-8 byte order), so the same data always gives the same codes. The embedding table of a column
 therefore has ``len(vocabulary) + 2`` rows. Vocabularies are saved as parquet (value, count).
 
 Multi-hot columns (lists of values) share the same scheme per element; a missing list becomes an
@@ -75,7 +75,8 @@ class Categorify(Operator):
                 longest = column.map_partitions(_longest_list, meta=pd.Series([], dtype="int64")).max()
                 stats[name] = {"counts": values.value_counts(split_out=split_out), "max_length": longest}
             else:
-                stats[name] = {"counts": column.value_counts(split_out=split_out)}
+                values = column.map_partitions(_plain_strings, meta=pd.Series([], dtype=pd.ArrowDtype(pa.string())))
+                stats[name] = {"counts": values.value_counts(split_out=split_out)}
         return stats
 
     def fit_finalize(self, stats: Any) -> None:
@@ -239,6 +240,11 @@ def _looks_multihot(column: Any) -> bool:
         sample = column.head(50, npartitions=-1, compute=True).dropna()
         return len(sample) > 0 and isinstance(sample.iloc[0], (list, tuple, np.ndarray))
     return False
+
+
+def _plain_strings(series: pd.Series) -> pd.Series:
+    strings = as_arrow_strings(series)
+    return pd.Series(pd.arrays.ArrowExtensionArray(strings.cast(pa.string())), name=series.name)
 
 
 def _flat_strings(series: pd.Series) -> pd.Series:
