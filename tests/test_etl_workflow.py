@@ -155,3 +155,14 @@ def test_transform_in_the_serving_environment(tmp_path):
     assert result.stdout.startswith("1.") and " 2.2" in result.stdout
     served = pq.read_table(tmp_path / "out.parquet").replace_schema_metadata(None)
     assert served.equals(pa.Table.from_pandas(expected, preserve_index=False).replace_schema_metadata(None))
+
+
+def test_a_workflow_fitted_on_the_gpu_loads_for_serving_on_cpu(tmp_path):
+    """The serving side transforms pandas rows whatever backend the workflow was fitted with."""
+    workflow = _workflow().fit(_frame())
+    path = workflow.save(tmp_path / "wf")
+    record = json.loads((path / "workflow.json").read_text())
+    record["backend"] = "cudf"
+    (path / "workflow.json").write_text(json.dumps(record))
+    rows = _frame(n=20, seed=4)
+    pd.testing.assert_frame_equal(Workflow.load(path).transform(rows), workflow.transform(rows))

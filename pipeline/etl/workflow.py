@@ -1,8 +1,8 @@
 """Workflow: fit an operator graph on a Dask DataFrame, transform data, save and load it.
 
 ``fit`` computes the statistics of every stateful operator with Dask reductions, in phases (an
-operator whose input comes out of another stateful operator waits for it); all operators of one
-phase are computed together in one ``dask.compute``. ``transform`` maps partitions, and also takes
+operator whose input comes out of another stateful operator waits for it); the operators of one
+phase are computed together. ``transform`` maps partitions, and also takes
 a plain pandas DataFrame: this is the serving entry point (raw request rows in, model features out;
 unseen values -> OOV, missing -> the null code or the fill value)::
 
@@ -18,7 +18,7 @@ Example::
     cats = ["C1", "C2"] >> Categorify(freq_threshold=2)
     conts = ["I1"] >> FillMissing() >> Clip(min_value=0) >> LogOp() >> Normalize()
     workflow = Workflow(cats + conts + (["label"] >> Cast("float32")))
-    train = workflow.fit_transform(dd.read_parquet("raw/train"))
+    train = workflow.fit_transform("raw/train")      # a Dask DataFrame, computed when written
     workflow.save("workflow/")
 """
 
@@ -34,7 +34,7 @@ import numpy as np
 import pandas as pd
 
 from pipeline.errors import BadInputError, UserError
-from pipeline.etl.backend import check_backend, read_parquet
+from pipeline.etl.backend import BACKENDS, read_parquet
 from pipeline.etl.graph import ColumnsLike, Node
 from pipeline.etl.ops._columns import as_arrow_lists, frame_like
 from pipeline.etl.ops.base import REGISTRY, Operator
@@ -49,11 +49,17 @@ class WorkflowVersionError(UserError):
 
 
 class Workflow:
-    """An operator graph, its fitted statistics, and the backend it reads with."""
+    """An operator graph, its fitted statistics, and the backend it reads parquet with.
+
+    The backend (``"pandas"`` or ``"cudf"``) matters only when the workflow reads files itself;
+    in-memory frames are transformed with their own library.
+    """
 
     def __init__(self, output: ColumnsLike, backend: str = "pandas"):
+        if backend not in BACKENDS:
+            raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
         self.output = Node.of(output)
-        self.backend = check_backend(backend) if backend != "pandas" else backend
+        self.backend = backend
         self._nodes = list(self.output.walk())
 
     @property
@@ -216,8 +222,8 @@ class Workflow:
         return path
 
     @classmethod
-    def load(cls, path: str | Path, backend: str | None = None) -> "Workflow":
-        """Read a workflow saved by :meth:`save`; ``backend`` overrides the saved one."""
+    def load(cls, path: str | Path, backend: str = "pandas") -> "Workflow":
+        """Read a workflow saved by :meth:`save` (on any backend), to read files with ``backend``."""
         path = Path(path)
         record_path = path / "workflow.json"
         if not record_path.is_file():
@@ -242,7 +248,7 @@ class Workflow:
                 built[entry["id"]] = Node(parents, op=op)
             else:
                 built[entry["id"]] = Node(parents)
-        return cls(built[record["output"]], backend=backend or record["backend"])
+        return cls(built[record["output"]], backend=backend)
 
     def __repr__(self) -> str:
         lines = [f"  {_short(cols)} >> {op!r}" for op, cols in self.operators()]
