@@ -144,3 +144,15 @@ def test_refresh_switches_version_and_keeps_hot_rows(tmp_path):
     hits = lookup.stats()["hits"]
     np.testing.assert_array_equal(lookup(ids), _table(seed=2)[[3, 4, 5]])
     assert lookup.stats()["hits"] == hits + 3
+
+
+def test_a_broken_new_version_leaves_the_served_one_untouched(tmp_path):
+    layout = LookupLayout(["t"], ["C1"], [False], ["C1"])
+    write_version(tmp_path, {"t": _table(seed=1)})
+    lookup = EmbeddingLookup(tmp_path, layout, min_cache_rows=10)
+    write_version(tmp_path, {"t": _table(seed=2)})
+    (tmp_path / "v000002" / "t.npy").write_bytes(b"not an array")
+    with pytest.raises(ValueError):
+        lookup.refresh()
+    assert lookup.version == 1
+    np.testing.assert_array_equal(lookup(np.array([[3]])), _table(seed=1)[[3]])

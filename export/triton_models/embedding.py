@@ -40,7 +40,11 @@ class TritonPythonModel:
         return {"EMBEDDINGS": pooled}
 
     def execute(self, requests):
-        self.lookup.refresh()
+        try:
+            self.lookup.refresh()
+        except Exception as err:  # noqa: BLE001  (an unreadable new version: keep serving the current one)
+            pb_utils.Logger.log_error(f"{self.name}: store version {self.lookup.version} kept, the new one "
+                                      f"could not be opened: {err}")
         return respond(requests, self.inputs, self._compute, pb_utils, self.name)
 
     def _write_stats_loop(self):
