@@ -69,28 +69,43 @@ class DataParallelSharding(nn.Module):
         both = all_reduce(torch.cat([row_grad, touched]), self.group)
         row_grad, touched = both[: layout.total_elements], both[layout.total_elements :]
         ec.step += 1
-        first_slot = {}
-        for s, t in enumerate(layout.slot_table):
-            first_slot.setdefault(t, s)
-        rows = {}
-        for t, s in first_slot.items():
-            lo = layout.row_offsets[t]
-            rows[s] = touched[lo : lo + layout.rows[t]].nonzero().squeeze(1)
-        b = max((r.numel() for r in rows.values()), default=0)
-        if b == 0:
+        rows = touched.nonzero().squeeze(1)  # storage rows touched on any rank, ascending
+        n = rows.numel()
+        if n == 0:
             return
-        lengths = torch.zeros(layout.num_slots, b, dtype=torch.int64, device=device)
-        grad_rows = torch.zeros(b, layout.total_dim, dtype=torch.float32, device=device)
-        for s, r in rows.items():
-            t = layout.slot_table[s]
-            n = r.numel()
-            lengths[s, :n] = 1
-            start = layout.weights_offsets[t]
-            table_grad = row_grad[start : start + layout.rows[t] * layout.dims[t]].view(layout.rows[t], layout.dims[t])
-            grad_rows[:n, layout.output_offsets[s] : layout.output_offsets[s + 1]] = table_grad.index_select(0, r)
-        indices = torch.cat([rows[s] for s in sorted(rows)])
-        ec.backend.backward_update(ec.weights, ec.optimizer_state(), layout, indices, exclusive_cumsum(lengths.view(-1)),
-                                   b, grad_rows, ec.optimizer, ec.lr, int(ec.step))
+        idx = self._storage_tables(device)
+        t = idx["table_by_start"][torch.searchsorted(idx["starts"], rows, right=True) - 1]
+        local = rows - idx["row_offsets"][t]
+        slot = idx["first_slot"][t]
+        dims = idx["dims"][t]
+        # One bag per touched row, in the first slot of its table: bags slot-major, rows ascending.
+        lengths = torch.zeros(layout.num_slots, n, dtype=torch.int64, device=device)
+        lengths.view(-1)[slot * n + torch.arange(n, device=device)] = 1
+        order = torch.sort(slot, stable=True).indices
+        total = int(dims.sum())
+        bag = torch.repeat_interleave(torch.arange(n, device=device), dims, output_size=total)
+        within = torch.arange(total, device=device) - torch.repeat_interleave(exclusive_cumsum(dims)[:-1], dims,
+                                                                              output_size=total)
+        src = idx["weights_offsets"][t][bag] + local[bag] * dims[bag] + within
+        dst = bag * layout.total_dim + idx["output_offsets"][slot][bag] + within
+        grad_rows = torch.zeros(n * layout.total_dim, dtype=torch.float32, device=device)
+        grad_rows[dst] = row_grad[src]
+        ec.backend.backward_update(ec.weights, ec.optimizer_state(), layout, local[order],
+                                   exclusive_cumsum(lengths.view(-1)), n, grad_rows.view(n, layout.total_dim),
+                                   ec.optimizer, ec.lr, int(ec.step))
+
+    def _storage_tables(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """Index tensors of the local layout: tables by storage position, each table's first slot."""
+        if getattr(self, "_index_device", None) != device:
+            layout = self.local.layout
+            by_start = sorted(range(len(layout.rows)), key=lambda t: layout.row_offsets[t])
+            first_slot = [layout.slot_table.index(t) for t in range(len(layout.rows))]
+            values = {"table_by_start": by_start, "starts": [layout.row_offsets[t] for t in by_start],
+                      "row_offsets": layout.row_offsets, "first_slot": first_slot, "dims": layout.dims,
+                      "weights_offsets": layout.weights_offsets, "output_offsets": layout.output_offsets[:-1]}
+            self._index = {k: torch.tensor(v, dtype=torch.int64, device=device) for k, v in values.items()}
+            self._index_device = device
+        return self._index
 
 
 class _DataParallelLookup(torch.autograd.Function):
