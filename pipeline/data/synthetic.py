@@ -38,7 +38,7 @@ from typing import Iterator
 import numpy as np
 import pyarrow as pa
 
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2
 BLOCK_ROWS = 1 << 16
 SPLITS = ("train", "valid", "test")
 LABEL = "label"
@@ -64,14 +64,14 @@ _DENSE_SIGMA = np.array([1.2, 1.5, 1.5, 1.0, 2.0, 1.8, 1.5, 1.2, 1.5, 0.6, 1.0, 
 _NEGATIVE_RATE = np.array([0, 0.05, 0, 0, 0, 0, 0, 0, 0, 0, 0.02, 0, 0])
 _SPLIT_ID = {"train": 0, "valid": 1, "test": 2}
 _CALIBRATION_SPLIT = 7
-_HEAD_MIN_PROBABILITY = 2e-4  # ~160 sightings in 800k training rows
-_HEAD_MAX = 2000
+_HEAD_MIN_PROBABILITY = 2e-3  # ~1600 sightings in 800k training rows
+_HEAD_MAX = 64
 _INTERACTION_DIM = 4
-_INTERACTION_HEAD = 64
+_INTERACTION_HEAD = 16
 # (feature a, feature b, strength): lower-cardinality pairs, by position in CATEGORICAL (0-based)
-_INTERACTIONS = ((8, 16, 0.8), (19, 5, 0.7), (13, 22, 0.7), (0, 21, 0.6), (24, 1, 0.6), (4, 17, 0.5))
+_INTERACTIONS = ((8, 16, 0.5), (19, 5, 0.4), (13, 22, 0.4), (0, 21, 0.3), (24, 1, 0.3), (4, 17, 0.3))
 _TARGET_CLICK_RATE = 0.25
-_SIGNAL = 0.6  # overall strength of the planted effects: sets the oracle AUC near 0.80
+_SIGNAL = 0.49  # overall strength of the planted effects: sets the oracle AUC near 0.80
 _HEX = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
 # 256 entries of two hex characters; as little-endian uint16 the low byte is the first character.
 _HEX_PAIRS = (_HEX[np.arange(256) >> 4].astype(np.uint16) | (_HEX[np.arange(256) & 15].astype(np.uint16) << 8))
@@ -130,7 +130,7 @@ class ClickModel:
     def create(cls, seed: int = 0, size: float = 0.01) -> "ClickModel":
         card = np.array(cardinalities(size), dtype=np.int64)
         rng = np.random.default_rng([seed, 0x5EED, 1])
-        exponent = rng.uniform(1.05, 1.35, size=26)
+        exponent = rng.uniform(1.25, 1.6, size=26)
         head = np.array([_head_size(k, s) for k, s in zip(card, exponent)], dtype=np.int64)
         # A few features carry no signal at all, as in real logs; the others have effects of varied strength.
         strength = _SIGNAL * rng.uniform(0.15, 0.6, size=26) * (rng.random(26) > 0.2)
@@ -143,7 +143,7 @@ class ClickModel:
             ua = np.vstack([rng.standard_normal((ha, _INTERACTION_DIM)) * sd, np.zeros(_INTERACTION_DIM)])
             ub = np.vstack([rng.standard_normal((hb, _INTERACTION_DIM)) * sd, np.zeros(_INTERACTION_DIM)])
             latent.append((a, b, ua, ub))
-        dense_weight = _SIGNAL * rng.uniform(-0.5, 0.5, size=13)
+        dense_weight = _SIGNAL * rng.uniform(-1.0, 1.0, size=13)
         model = cls(seed, size, card, exponent, head, offset, np.concatenate(tables), latent, dense_weight,
                     np.zeros(13), np.ones(13))
         model._calibrate()
