@@ -155,8 +155,6 @@ def run(cfg) -> dict:
         plans = None
         planner = make_planner(dcfg, world, device, batch_size=t.batch_size, optimizer=t.embedding_optimizer,
                                weight_bytes={"fp32": 4, "fp16": 2, "bf16": 2}[t.embedding_dtype])
-        if dcfg.sharding:
-            planner.enumerator.constraints = dict(dcfg.sharding)
     dmp = DistributedModelParallel(model, plans, planner, device, comm_dtype=dcfg.comm_dtype)
     if rank == 0:
         _write_json(out / "model.json", spec)
