@@ -61,11 +61,15 @@ class Node:
             raise TypeError(f"expected an operator after >>, got {type(op).__name__}")
         return Node([self], op=op)
 
+    @property
+    def is_union(self) -> bool:
+        return self.op is None and bool(self.parents)
+
     def __add__(self, other: ColumnsLike) -> "Node":
-        return Node([self, Node.of(other)])
+        return Node(_union_parents(self) + _union_parents(Node.of(other)))
 
     def __radd__(self, other: ColumnsLike) -> "Node":
-        return Node([Node.of(other), self])
+        return Node(_union_parents(Node.of(other)) + _union_parents(self))
 
     def walk(self) -> Iterator["Node"]:
         """Every node this one depends on, parents before children, each once."""
@@ -90,6 +94,11 @@ class Node:
     def __repr__(self) -> str:
         what = type(self.op).__name__ if self.op else ("select" if self.is_selection else "+")
         return f"Node({what} -> {self.output_columns})"
+
+
+def _union_parents(node: Node) -> list[Node]:
+    """``a + b + c`` is one union of three nodes, not a union of a union."""
+    return list(node.parents) if node.is_union else [node]
 
 
 def _union(lists: list[list[str]]) -> list[str]:

@@ -171,14 +171,17 @@ class Workflow:
             if node.is_selection:
                 results[id(node)] = df[node.output_columns]
                 continue
-            columns = {}
-            for parent in node.parents:
-                frame = results[id(parent)]
-                for name in parent.output_columns:
-                    columns[name] = frame[name]
-            frame = frame_like(df, columns)
+            if len(node.parents) == 1:
+                frame = results[id(node.parents[0])]
+            else:
+                columns = {}
+                for parent in node.parents:
+                    frame = results[id(parent)]
+                    for name in parent.output_columns:
+                        columns[name] = frame[name]
+                frame = frame_like(df, columns)
             results[id(node)] = node.op.transform(frame) if node.op else frame
-        return results[id(output)][output.output_columns]
+        return results[id(output)]
 
     def save(self, path: str | Path) -> Path:
         """Write the fitted workflow to the folder ``path`` (replaced if it exists)."""
