@@ -297,7 +297,7 @@ class TorchBackend:
     """The plain-torch reference: the CPU path and the oracle of every other backend.
 
     Forward is one ``F.embedding_bag`` (sum) per dim group over a 2-D view of the group's storage;
-    backward sums duplicate rows with ``unique`` + ``index_add_`` and updates those rows only.
+    backward sums duplicate rows with ``unique`` + ``scatter_add_`` and updates those rows only.
     """
 
     name = "torch"
@@ -336,12 +336,17 @@ class TorchBackend:
                 grad_values = grad_bags.index_select(0, _bag_of_value(bag_offsets, ids.numel()))
             table = _group_view(weights, group)
             if optimizer.kind == "sgd" and optimizer.weight_decay == 0 and weights.dtype == torch.float32:
-                table.index_add_(0, ids, grad_values, alpha=-lr)
+                table.scatter_add_(0, _expand_rows(ids, group.dim), grad_values * -lr)
                 continue
             rows, inverse = torch.unique(ids, return_inverse=True)
             grad = torch.zeros(rows.numel(), group.dim, dtype=torch.float32, device=weights.device)
-            grad.index_add_(0, inverse, grad_values)
+            grad.scatter_add_(0, _expand_rows(inverse, group.dim), grad_values)
             _apply_rows(table, rows, grad, group, state, optimizer, lr, step)
+
+
+def _expand_rows(rows: torch.Tensor, dim: int) -> torch.Tensor:
+    # An expanded (stride-0) index takes scatter_add_'s sorted, vectorized path on CPU: faster than index_add_.
+    return rows.unsqueeze(1).expand(-1, dim)
 
 
 def _group_view(weights: torch.Tensor, group: DimGroup) -> torch.Tensor:
