@@ -94,6 +94,7 @@ class ShardedEmbeddingCollection(nn.Module):
 
         self.strategies = nn.ModuleList(
             cls(self.tables, self.layout, plan, self.rank, self.world_size, process_group, make) for cls in _STRATEGIES)
+        self.strategies.to(self.device)  # their index buffers; the local collections are there already
         if comm_dtype not in _COMM_DTYPES:
             raise ValueError(f"comm_dtype: expected one of {list(_COMM_DTYPES)}, got {comm_dtype!r}")
         self.comm_dtype = comm_dtype
