@@ -59,7 +59,10 @@ def run(args: argparse.Namespace, cfg) -> dict:
                 workflow.fit(read_parquet(files, workflow.input_columns, "pandas"))
                 best["fit"] = min(best["fit"], time.perf_counter() - t)
                 t = time.perf_counter()
-                transform_split(workflow, files, Path(tmp) / "ours", cfg.etl.row_group_rows, "pandas", progress=False)
+                written = transform_split(workflow, files, Path(tmp) / "ours", cfg.etl.row_group_rows, "pandas",
+                                          progress=False)
+                if written != rows:
+                    raise RuntimeError(f"ours wrote {written} rows, expected {rows}")
                 best["transform"] = min(best["transform"], time.perf_counter() - t)
             results[f"ours ({where})"] = best
         base = {"fit": float("inf"), "transform": float("inf")}
