@@ -281,8 +281,9 @@ def _ingest_in_parallel(jobs: list, args: tuple, progress: bool) -> list[dict]:
 def split_codes(lines: np.ndarray, file_index: int, seed: int, valid_fraction: float, test_fraction: float
                 ) -> np.ndarray:
     """0 (train), 1 (valid) or 2 (test) per row, from a hash of (seed, file, line): stable whatever the blocks."""
-    x = np.asarray(lines, dtype=np.uint64) + np.uint64(file_index) * np.uint64(0x9E3779B97F4A7C15)
-    x = x ^ (np.uint64(seed & 0xFFFFFFFFFFFFFFFF) * np.uint64(0xD1B54A32D192ED03))
+    mask = (1 << 64) - 1
+    salt = (file_index * 0x9E3779B97F4A7C15) & mask ^ (seed * 0xD1B54A32D192ED03) & mask
+    x = np.asarray(lines, dtype=np.uint64) + np.uint64(salt)
     x ^= x >> np.uint64(30)
     x *= np.uint64(0xBF58476D1CE4E5B9)
     x ^= x >> np.uint64(27)
@@ -613,7 +614,7 @@ def _combine(results: list[dict], d: DataConfig) -> dict:
         "rows_kept": sum(r.rows_kept for r in reports),
         "bad_rows": sum(bad.values()),
         "bad": bad,
-        "examples": [e for r in reports for e in r.examples][:EXAMPLES],
+        "examples": [e for r in reports for e in sorted(r.examples, key=lambda e: e["line"])][:EXAMPLES],
         "rows_written": {s: (0 if failed else n) for s, n in written.items()},
         "files": [{"file": r.file, "rows_read": r.rows_read, "rows_kept": r.rows_kept, "bad": r.bad,
                    "stopped_at_line": r.stopped_at_line} for r in reports],

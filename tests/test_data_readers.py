@@ -1,0 +1,219 @@
+import gzip
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.config import load_config
+from pipeline.data.readers import split_codes
+from pipeline.data.stage import ensure_raw
+from pipeline.errors import BadInputError
+
+ROWS = 300
+# line number (1-based) -> (kind, what the report says)
+MALFORMED = {
+    5: ("wrong_field_count", "expected 40 fields, found 39"),
+    10: ("wrong_field_count", "expected 40 fields, found an empty line"),
+    15: ("not_a_number", "I3: 'abc' is not an integer"),
+    20: ("bad_label", "label: expected 0 or 1, found '2'"),
+    25: ("invalid_utf8", "invalid UTF-8"),
+    30: ("wrong_field_count", "expected 40 fields, found 41"),
+}
+
+
+def _criteo_line(i: int) -> list[str]:
+    ints = [str(i * 13 + k - 5) if (i + k) % 4 else "" for k in range(13)]
+    cats = [f"{(i * 31 + k) % 997:08x}" if (i + k) % 5 else "" for k in range(26)]
+    return [str(i % 2), *ints, *cats]
+
+
+def _criteo_bytes() -> bytes:
+    lines = ["\t".join(_criteo_line(i)) for i in range(1, ROWS + 1)]
+    lines[4] = "\t".join(_criteo_line(5)[:39])
+    lines[9] = ""
+    lines[14] = "\t".join(_criteo_line(15)[:3] + ["abc"] + _criteo_line(15)[4:])
+    lines[19] = "\t".join(["2"] + _criteo_line(20)[1:])
+    lines[29] = "\t".join(_criteo_line(30) + ["extra"])
+    data = [line.encode() for line in lines]
+    data[24] = data[24][:-3] + b"\xff\xfe"
+    return b"\n".join(data) + b"\n"
+
+
+@pytest.fixture(params=["day_0.tsv", "day_0.tsv.gz"])
+def criteo_file(request, tmp_path):
+    path = tmp_path / request.param
+    data = _criteo_bytes()
+    path.write_bytes(gzip.compress(data) if path.suffix == ".gz" else data)
+    return path
+
+
+def _cfg(tmp_path, *overrides):
+    return load_config(None, [f"workdir={tmp_path / 'work'}", "data.chunk_rows=64", *overrides])
+
+
+def test_criteo_skip_counts_and_reports_every_malformed_row(tmp_path, criteo_file, capsys):
+    cfg = _cfg(tmp_path, "data.source=criteo", f"data.path={criteo_file}", "data.on_bad_lines=skip")
+    raw = ensure_raw(cfg, progress=False)
+    good = ROWS - len(MALFORMED)
+    assert sum(raw.rows.values()) == good
+    report = json.loads((raw.root / "ingest_report.json").read_text())
+    assert report["status"] == "ok"
+    assert (report["rows_read"], report["rows_kept"], report["bad_rows"]) == (ROWS, good, len(MALFORMED))
+    assert report["bad"] == {"wrong_field_count": 3, "not_a_number": 1, "bad_label": 1, "invalid_utf8": 1}
+    assert [e["line"] for e in report["examples"]] == sorted(MALFORMED)
+    for example in report["examples"]:
+        assert MALFORMED[example["line"]][1] in example["reason"]
+    assert report["examples"][2]["excerpt"].startswith("1\t")  # line 15's text
+    assert "malformed 6" in capsys.readouterr().out
+
+    table = pa.concat_tables([pq.read_table(p) for s in ("train", "valid", "test") for p in raw.splits[s]])
+    assert table.schema.field("label").type == pa.int8()
+    assert table.schema.field("I1").type == pa.int64() and table.schema.field("C1").type == pa.string()
+    names = ["label", *[f"I{i}" for i in range(1, 14)], *[f"C{i}" for i in range(1, 27)]]
+
+    def typed(fields):  # what a kept line should become: empty -> None, numbers -> int
+        return tuple(None if v == "" else (int(v) if n[0] in "lI" else v) for n, v in zip(names, fields))
+
+    want = sorted((typed(_criteo_line(i)) for i in range(1, ROWS + 1) if i not in MALFORMED), key=repr)
+    got = sorted((tuple(r.values()) for r in table.to_pylist()), key=repr)
+    assert got == want
+
+
+def test_criteo_error_mode_stops_names_the_first_problems_and_saves_the_report(tmp_path, criteo_file):
+    cfg = _cfg(tmp_path, "data.source=criteo", f"data.path={criteo_file}")
+    with pytest.raises(BadInputError) as err:
+        ensure_raw(cfg, progress=False)
+    message = str(err.value)
+    assert "line 5: expected 40 fields, found 39" in message and "data.on_bad_lines=skip" in message
+    raw = cfg.paths.raw
+    report = json.loads((raw / "ingest_report.json").read_text())
+    assert report["status"] == "failed" and report["bad_rows"] >= 1
+    assert report["files"][0]["stopped_at_line"] is not None
+    assert not (raw / "meta.json").exists()
+    assert not list(raw.glob("*/*.parquet"))
+
+
+def test_splits_are_deterministic_by_line_and_follow_the_fractions():
+    lines = np.arange(1, 200_001)
+    codes = split_codes(lines, 0, 7, 0.1, 0.2)
+    np.testing.assert_array_equal(codes, split_codes(lines, 0, 7, 0.1, 0.2))
+    np.testing.assert_array_equal(codes[5000:6000], split_codes(lines[5000:6000], 0, 7, 0.1, 0.2))
+    assert np.mean(codes == 1) == pytest.approx(0.1, abs=0.005)
+    assert np.mean(codes == 2) == pytest.approx(0.2, abs=0.005)
+    assert not np.array_equal(codes, split_codes(lines, 0, 8, 0.1, 0.2))
+    assert not np.array_equal(codes, split_codes(lines, 1, 7, 0.1, 0.2))
+
+
+def _table_rows(n: int = 40) -> dict[str, list]:
+    return {
+        "clicked": [i % 2 for i in range(n)],
+        "price": [None if i % 7 == 0 else i * 1.5 for i in range(n)],
+        "user": [None if i % 9 == 0 else f"u{i % 5}" for i in range(n)],
+        "tags": [None if i % 11 == 0 else [f"t{i % 3}", f"t{i % 4}"][: 1 + i % 2] for i in range(n)],
+        "note": ["x"] * n,
+    }
+
+
+def _write_text(path, sep, rows):
+    def cell(v):
+        if v is None:
+            return ""
+        return "|".join(v) if isinstance(v, list) else str(v)
+
+    names = list(rows)
+    lines = [sep.join(names)] + [sep.join(cell(rows[c][i]) for c in names) for i in range(len(rows["clicked"]))]
+    path.write_text("\n".join(lines) + "\n")
+
+
+TABLE_ROLES = ["data.source=table", "data.label=clicked", "data.continuous=price", "data.categorical=user",
+               "data.multihot=tags", "data.ignore=note"]
+
+
+@pytest.mark.parametrize("name", ["rows.csv", "rows.tsv", "rows.parquet"])
+def test_table_reader_with_multihot(tmp_path, name):
+    rows = _table_rows()
+    path = tmp_path / name
+    if name.endswith(".parquet"):
+        pq.write_table(pa.table(rows), path)
+    else:
+        _write_text(path, "," if name.endswith(".csv") else "\t", rows)
+    raw = ensure_raw(_cfg(tmp_path, *TABLE_ROLES, f"data.path={path}", "data.valid_fraction=0.2"), progress=False)
+    assert (raw.label, raw.continuous, raw.categorical, raw.multihot) == ("clicked", ["price"], ["user"], ["tags"])
+    table = pa.concat_tables([pq.read_table(p) for s in ("train", "valid", "test") for p in raw.splits[s]])
+    assert table.num_rows == 40 and table.column_names == ["clicked", "price", "user", "tags"]
+    assert table.schema.field("clicked").type == pa.int8()
+    assert table.schema.field("price").type == pa.float64()
+    assert table.schema.field("user").type == pa.string()
+    assert table.schema.field("tags").type == pa.list_(pa.string())
+    got = sorted(table.to_pylist(), key=repr)
+    want = sorted(({k: rows[k][i] for k in ("clicked", "price", "user", "tags")} for i in range(40)), key=repr)
+    assert got == want
+    assert raw.rows["valid"] > 0
+
+
+def test_table_reader_counts_bad_numbers_and_labels(tmp_path):
+    path = tmp_path / "rows.csv"
+    path.write_text("clicked,price,user\n1,2.5,a\n0,oops,b\n3,1,c\n1,1e3,d\n0,nan,e\n")
+    cfg = _cfg(tmp_path, "data.source=table", f"data.path={path}", "data.label=clicked",
+               "data.continuous=price", "data.categorical=user", "data.on_bad_lines=skip")
+    raw = ensure_raw(cfg, progress=False)
+    report = json.loads((raw.root / "ingest_report.json").read_text())
+    assert report["bad"] == {"not_a_number": 1, "bad_label": 1}
+    assert [(e["line"], e["reason"]) for e in report["examples"]] == [
+        (3, "price: 'oops' is not a number"), (4, "clicked: expected 0 or 1, found '3'")]
+    prices = sorted(v for s in raw.splits.values() for p in s for v in pq.read_table(p).column("price").to_pylist()
+                    if v is not None)
+    assert prices == [2.5, 1000.0] and sum(raw.rows.values()) == 3
+
+
+def test_separate_files_per_split(tmp_path):
+    rows = _table_rows()
+    for name in ("train.csv", "valid.csv", "test.csv"):
+        _write_text(tmp_path / name, ",", rows)
+    cfg = _cfg(tmp_path, *TABLE_ROLES, f"data.path={tmp_path / 'train.csv'}",
+               f"data.valid_path={tmp_path / 'valid.csv'}", f"data.test_path={tmp_path / 'test.csv'}")
+    raw = ensure_raw(cfg, progress=False)
+    assert raw.rows == {"train": 40, "valid": 40, "test": 40}
+
+
+def test_many_files_are_read_in_parallel_and_numbered_in_order(tmp_path):
+    folder = tmp_path / "days"
+    folder.mkdir()
+    for day in range(3):
+        (folder / f"day_{day}.tsv").write_bytes(b"".join(
+            ("\t".join(_criteo_line(day * 100 + i)) + "\n").encode() for i in range(1, 101)))
+    cfg = _cfg(tmp_path, "data.source=criteo", f"data.path={folder}", "data.chunk_rows=30")
+    raw = ensure_raw(cfg, progress=False)
+    assert sum(raw.rows.values()) == 300
+    names = [p.name for p in raw.splits["train"]]
+    assert names == [f"part-{i:05d}.parquet" for i in range(len(names))]
+    first = pq.read_table(raw.splits["train"][0]).column("I2")[0].as_py()
+    assert first < 100 * 13  # parts of day_0 come first
+
+
+@pytest.mark.parametrize("setup, message", [
+    (lambda p: None, "does not exist"),
+    (lambda p: p.write_bytes(b""), "is empty"),
+    (lambda p: p.write_text("clicked,price,user\n"), "is empty"),
+    (lambda p: p.write_text("clicked,cost,user\n1,2,a\n"), "declared column(s) ['price'] not found"),
+    (lambda p: p.write_text("clicked,price,user,extra\n1,2,a,b\n"), "column(s) ['extra'] have no role"),
+])
+def test_clear_errors_for_unusable_input(tmp_path, setup, message):
+    path = tmp_path / "rows.csv"
+    setup(path)
+    cfg = _cfg(tmp_path, "data.source=table", f"data.path={path}", "data.label=clicked",
+               "data.continuous=price", "data.categorical=user")
+    with pytest.raises(BadInputError, match=message.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")
+                       .replace(")", r"\)")):
+        ensure_raw(cfg, progress=False)
+
+
+def test_empty_criteo_file_and_missing_roles(tmp_path):
+    empty = tmp_path / "day.tsv.gz"
+    empty.write_bytes(gzip.compress(b""))
+    with pytest.raises(BadInputError, match="is empty"):
+        ensure_raw(_cfg(tmp_path, "data.source=criteo", f"data.path={empty}"), progress=False)
+    with pytest.raises(BadInputError, match="needs column roles"):
+        ensure_raw(_cfg(tmp_path, "data.source=table", f"data.path={empty}"), progress=False)
