@@ -133,7 +133,7 @@ def default_workflow(roles: dict, etl: EtlConfig, backend: str = "pandas") -> Wo
 
 def _runs(columns: list[str], hashed: dict[str, int]) -> list[list[str]]:
     """Consecutive columns with the same treatment, so the output keeps the given order."""
-    runs: list[list[str]] = []
+    runs: list[tuple[tuple, list[str]]] = []
     for name in columns:
         key = ("hash", hashed[name]) if name in hashed else ("vocab",)
         if runs and runs[-1][0] == key:
