@@ -193,3 +193,13 @@ def test_preprocess_names_what_is_wrong_with_a_request(multihot_pipeline):
         preprocess(dict(good, I1=np.full((3, 1), 0.5)))
     with pytest.raises(BadInputError, match="C1: expected strings"):
         preprocess(dict(good, C1=np.zeros((3, 1))))
+
+
+def test_bytes_tensors_decode_like_the_python_backend():
+    from export.batching import deserialize_bytes_tensor
+
+    values = [b"68fd1e64", b"", "é".encode(), b"\x00\x01", b"x" * 300]
+    encoded = b"".join(len(v).to_bytes(4, "little") + v for v in values)
+    decoded = deserialize_bytes_tensor(encoded)
+    assert decoded.dtype == object and decoded.tolist() == values
+    assert deserialize_bytes_tensor(b"").tolist() == []

@@ -9,8 +9,10 @@ from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
 
-from export.batching import respond
+from export.batching import deserialize_bytes_tensor, respond
 from export.preprocess import Preprocessor
+
+pb_utils.deserialize_bytes_tensor = deserialize_bytes_tensor
 
 
 class TritonPythonModel:
