@@ -184,7 +184,7 @@ def test_drop_last_with_too_few_rows_says_so(split):
 
 @pytest.mark.parametrize("stop_after", [1, 5, 12, 16, 23])
 def test_resume_from_state_gives_exactly_the_remaining_batches(split, stop_after):
-    settings = dict(shuffle=True, seed=7, rank=1, world_size=2)
+    settings = {"shuffle": True, "seed": 7, "rank": 1, "world_size": 2}
     reference = small(split, **settings)
     uninterrupted = epoch_rows(reference) + epoch_rows(reference)
     per_epoch = len(reference)
@@ -330,7 +330,11 @@ def test_wrong_dtype_is_named(tmp_path, name, array, found):
 @pytest.mark.parametrize(
     "name, values, pattern",
     [
-        ("label", np.where(np.arange(100) == 70, 2, 0).astype(np.float32), r"'label' should hold 0 or 1, found 2.0 at row 70"),
+        (
+            "label",
+            np.where(np.arange(100) == 70, 2, 0).astype(np.float32),
+            r"'label' should hold 0 or 1, found 2.0 at row 70",
+        ),
         ("C2", np.where(np.arange(100) == 9, CARD["C2"], 1).astype(np.int32), rf"'C2' holds id {CARD['C2']} at row 9"),
         ("C3", np.where(np.arange(100) == 99, -4, 1).astype(np.int32), r"'C3' holds id -4 at row 99"),
     ],
@@ -347,7 +351,9 @@ def test_multihot_id_beyond_cardinality_is_named(tmp_path):
     bags = [[1, 2]] * 100
     bags[66] = [3, MULTIHOT_CARD + 5]
     rewrite(folder, "M1", pa.array(bags, type=pa.list_(pa.int32())))
-    with pytest.raises(BadInputError, match=rf"'M1' holds id {MULTIHOT_CARD + 5} at row 66 .*cardinality {MULTIHOT_CARD}"):
+    with pytest.raises(
+        BadInputError, match=rf"'M1' holds id {MULTIHOT_CARD + 5} at row 66 .*cardinality {MULTIHOT_CARD}"
+    ):
         read_all(folder)
 
 

@@ -60,15 +60,20 @@ def run(args: argparse.Namespace, cfg) -> dict:
     threads = {"read_threads": args.read_threads} if args.read_threads else {}
     probe = Loader(folder, args.batch_size, **threads)
     rows, schema = probe.total_rows, probe.schema
-    print(f"[bench loader] {rows:,} rows, {len(probe.files)} files, {len(schema.continuous)} continuous, "
-          f"{len(schema.sparse)} sparse; batch {args.batch_size}; {os.cpu_count()} CPU cores; "
-          f"torch {torch.__version__}; {platform.processor() or platform.machine()}", flush=True)
+    print(
+        f"[bench loader] {rows:,} rows, {len(probe.files)} files, {len(schema.continuous)} continuous, "
+        f"{len(schema.sparse)} sparse; batch {args.batch_size}; {os.cpu_count()} CPU cores; "
+        f"torch {torch.__version__}; {platform.processor() or platform.machine()}",
+        flush=True,
+    )
 
     results: dict[str, float] = {}
     results["pyarrow read_table"] = _pyarrow_floor(probe.files, [c.name for c in schema.columns])
     results["per-row Dataset + DataLoader"] = _naive(probe.files[0], schema, args.batch_size, args.naive_rows)
     results["Loader cpu, in order"] = _loader_rate(Loader(folder, args.batch_size, **threads), args.epochs)
-    results["Loader cpu, shuffled"] = _loader_rate(Loader(folder, args.batch_size, shuffle=True, **threads), args.epochs)
+    results["Loader cpu, shuffled"] = _loader_rate(
+        Loader(folder, args.batch_size, shuffle=True, **threads), args.epochs
+    )
     results["Loader cpu, shuffled, no checks"] = _loader_rate(
         Loader(folder, args.batch_size, shuffle=True, validate=False, **threads), args.epochs
     )

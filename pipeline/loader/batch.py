@@ -29,17 +29,17 @@ class Batch:
     def batch_size(self) -> int:
         return self.label.shape[0]
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
         return Batch(
             self.dense.to(device, non_blocking=non_blocking),
             self.sparse.to(device, non_blocking=non_blocking),
             self.label.to(device, non_blocking=non_blocking),
         )
 
-    def pin_memory(self) -> "Batch":
+    def pin_memory(self) -> Batch:
         return Batch(self.dense.pin_memory(), self.sparse.pin_memory(), self.label.pin_memory())
 
-    def record_stream(self, stream: "torch.cuda.Stream") -> None:
+    def record_stream(self, stream: torch.cuda.Stream) -> None:
         """Mark the tensors as used on ``stream`` (they were made on the loader's side stream)."""
         self.dense.record_stream(stream)
         self.sparse.record_stream(stream)

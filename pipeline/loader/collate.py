@@ -38,7 +38,7 @@ class Layout:
     """``("onehot", first_row, end_row)`` of the one-hot id matrix, or ``("bag", bag_index, 0)``."""
 
     @classmethod
-    def of(cls, sparse: list[str], multihot: list[str], continuous: int) -> "Layout":
+    def of(cls, sparse: list[str], multihot: list[str], continuous: int) -> Layout:
         runs: list[tuple[str, int, int]] = []
         onehot_row = bag = 0
         for key in sparse:
@@ -67,7 +67,7 @@ class Piece:
         return self.stop - self.start
 
 
-def make_window(pieces: list[Piece], layout: Layout, device: torch.device, order: np.ndarray | None) -> "_Window":
+def make_window(pieces: list[Piece], layout: Layout, device: torch.device, order: np.ndarray | None) -> _Window:
     """The window of ``pieces`` on ``device``, its rows in ``order`` (a permutation, or ``None``)."""
     if device.type == "cpu":
         return _NumpyWindow(pieces, layout, order)
@@ -159,8 +159,9 @@ class _TorchWindow(_Window):
             if index is not None:
                 lengths = offsets_t[1:].index_select(0, index) - offsets_t[:-1].index_select(0, index)
                 new_offsets = _to(torch.from_numpy(host_offsets), device)
-                positions = torch.repeat_interleave(offsets_t[:-1].index_select(0, index) - new_offsets[:-1], lengths,
-                                                    output_size=len(values))
+                positions = torch.repeat_interleave(
+                    offsets_t[:-1].index_select(0, index) - new_offsets[:-1], lengths, output_size=len(values)
+                )
                 positions += torch.arange(len(values), device=device)
                 offsets_t, values_t = new_offsets, values_t.index_select(0, positions)
             self._bags.append((offsets_t, values_t, host_offsets))
@@ -187,7 +188,7 @@ class _TorchWindow(_Window):
         return torch.cat([p.reshape(-1) for p in parts])
 
 
-def upload(chunk: Chunk, device: torch.device, pool: "PinnedPool | None" = None) -> None:
+def upload(chunk: Chunk, device: torch.device, pool: PinnedPool | None = None) -> None:
     """Queue the copy of the chunk's block to ``device`` and give its pinned buffer back to ``pool``."""
     if chunk.on_device is not None:
         return

@@ -19,7 +19,8 @@ import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
+from collections.abc import Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -34,7 +35,6 @@ if TYPE_CHECKING:
     import torch
 
     from pipeline.loader.pinned import PinnedPool
-
 
 
 @dataclass
@@ -67,11 +67,11 @@ class Chunk:
     block: np.ndarray
     bags: list[tuple[np.ndarray, np.ndarray]]
     """Per multi-hot feature: (offsets int64 of length rows + 1 starting at 0, values)."""
-    pinned: "torch.Tensor | None" = None
+    pinned: torch.Tensor | None = None
     """The pinned tensor whose memory ``block`` is (GPU targets), for asynchronous copies."""
-    buffer: "torch.Tensor | None" = None
+    buffer: torch.Tensor | None = None
     """The pool buffer holding ``pinned``, to give back once the copy to the device is queued."""
-    on_device: "torch.Tensor | None" = None
+    on_device: torch.Tensor | None = None
     """``block`` on the GPU once copied there (the chunk may feed two windows)."""
 
     @property
@@ -135,8 +135,13 @@ def expected_type(column: Column) -> pa.DataType:
     return pa.list_(ids) if column.role == "multihot" else ids
 
 
-def read_segment(split: Split, segment: Segment, validate: bool = True, buffers: "PinnedPool | None" = None,
-                 stop: "threading.Event | None" = None) -> Chunk:
+def read_segment(
+    split: Split,
+    segment: Segment,
+    validate: bool = True,
+    buffers: PinnedPool | None = None,
+    stop: threading.Event | None = None,
+) -> Chunk:
     """Read and decode the rows of one segment (thread-safe: each call opens its own reader).
 
     With ``buffers`` the block is packed into one of the pool's pinned buffers, ready for an
@@ -162,7 +167,7 @@ def read_segment(split: Split, segment: Segment, validate: bool = True, buffers:
     return chunk
 
 
-def _decode(split: Split, table: pa.Table, where: "_Where", validate: bool, block: np.ndarray) -> Chunk:
+def _decode(split: Split, table: pa.Table, where: _Where, validate: bool, block: np.ndarray) -> Chunk:
     schema = split.schema
     onehot = split.onehot
     label = _numpy(table, schema.label, where, validate)
@@ -199,14 +204,17 @@ def _check_types(path: Path, arrow_schema: pa.Schema, schema: Schema) -> None:
     for column in schema.columns:
         if column.name not in names:
             raise BadInputError(
-                f"{path}: column {column.name!r} of the schema ({column.role}) is missing; the file has {arrow_schema.names}"
+                f"{path}: column {column.name!r} of the schema ({column.role}) is missing; "
+                f"the file has {arrow_schema.names}"
             )
         if column.cardinality > np.iinfo(np.int32).max:
             raise BadInputError(f"column {column.name!r}: cardinality {column.cardinality} does not fit int32 ids")
         want, got = expected_type(column), arrow_schema.field(column.name).type
         if column.role == "multihot" and pa.types.is_large_list(got):
             got = pa.list_(got.value_type)
-        if not got.equals(want) and not (pa.types.is_list(got) and pa.types.is_list(want) and got.value_type == want.value_type):
+        if not got.equals(want) and not (
+            pa.types.is_list(got) and pa.types.is_list(want) and got.value_type == want.value_type
+        ):
             raise BadInputError(f"{path}: column {column.name!r} ({column.role}) should be {want}, found {got}")
 
 

@@ -39,7 +39,8 @@ import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -98,7 +99,11 @@ class Loader:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"expected 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
         read_threads = read_threads or min(8, os.cpu_count() or 1)
-        for name, value in (("buffer_row_groups", buffer_row_groups), ("prefetch", prefetch), ("read_threads", read_threads)):
+        for name, value in (
+            ("buffer_row_groups", buffer_row_groups),
+            ("prefetch", prefetch),
+            ("read_threads", read_threads),
+        ):
             if value < 1:
                 raise ValueError(f"{name}: expected a positive number, got {value}")
         files = find_files(data)
@@ -116,7 +121,6 @@ class Loader:
         group_rows = self.schema.row_group_rows or -(-self._split.rows // len(self._split.groups))
         self.window_rows = max(1, round(buffer_row_groups * group_rows / batch_size)) * batch_size
         self._layout = collate.Layout.of(self.schema.sparse, self.schema.multihot, len(self.schema.continuous))
-        self._groups_per_epoch: dict[int, list[plan.RowGroup]] = {}
         first = self._shard(0)
         self.rows_per_rank, self.padding, self._batches = first.rows, first.padding, first.batches
         if self._batches == 0:
@@ -165,9 +169,13 @@ class Loader:
         """Resume: the next iteration runs ``state["epoch"]`` from batch ``state["batches"]`` on."""
         if state.get("version") != STATE_VERSION:
             raise LoaderStateError(f"loader state version {state.get('version')}, expected {STATE_VERSION}")
-        differ = [f"{k}: saved {state.get(k)!r}, now {v!r}" for k, v in self._fingerprint().items() if state.get(k) != v]
+        differ = [
+            f"{k}: saved {state.get(k)!r}, now {v!r}" for k, v in self._fingerprint().items() if state.get(k) != v
+        ]
         if differ:
-            raise LoaderStateError("the loader state was saved with other settings, so it cannot resume exactly: " + "; ".join(differ))
+            raise LoaderStateError(
+                "the loader state was saved with other settings, so it cannot resume exactly: " + "; ".join(differ)
+            )
         if not 0 <= state["batches"] <= self._batches:
             raise LoaderStateError(f"loader state: batches={state['batches']}, expected 0..{self._batches}")
         self._stop_active()
@@ -203,7 +211,7 @@ class Loader:
         """Stop the background thread of a running iteration (iterating again later is allowed)."""
         self._stop_active()
 
-    def __enter__(self) -> "Loader":
+    def __enter__(self) -> Loader:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -218,7 +226,8 @@ class Loader:
     def __repr__(self) -> str:
         return (
             f"Loader({len(self._split.files)} files, {self.total_rows} rows, batch_size={self.batch_size}, "
-            f"batches={self._batches}, rank={self.rank}/{self.world_size}, shuffle={self.shuffle}, device={self.device})"
+            f"batches={self._batches}, rank={self.rank}/{self.world_size}, shuffle={self.shuffle}, "
+            f"device={self.device})"
         )
 
     def _fingerprint(self) -> dict[str, Any]:
@@ -316,8 +325,16 @@ class _Producer:
         if not self._windows:
             return
         cuda = self._stream is not None
-        reader = _SegmentReader(self._split, plan.shard_segments_from(self._shard, self._windows[0].start), executor,
-                                _lookahead(self._read_threads), self._validate, self._device, self._pool, self._stop)
+        reader = _SegmentReader(
+            self._split,
+            plan.shard_segments_from(self._shard, self._windows[0].start),
+            executor,
+            _lookahead(self._read_threads),
+            self._validate,
+            self._device,
+            self._pool,
+            self._stop,
+        )
         real_rows = self._shard.rows - self._shard.padding
         shuffle, seed, epoch, rank = self._order_seed
         orders: dict[int, Future] = {}
@@ -346,8 +363,17 @@ class _Producer:
 class _SegmentReader:
     """Decoded segments in order, read ahead by an executor; :meth:`take` returns the next rows."""
 
-    def __init__(self, split: Split, segments: list[plan.Segment], executor: ThreadPoolExecutor, lookahead: int,
-                 validate: bool, device: torch.device, pool: PinnedPool | None, stop: threading.Event) -> None:
+    def __init__(
+        self,
+        split: Split,
+        segments: list[plan.Segment],
+        executor: ThreadPoolExecutor,
+        lookahead: int,
+        validate: bool,
+        device: torch.device,
+        pool: PinnedPool | None,
+        stop: threading.Event,
+    ) -> None:
         self._split, self._executor, self._validate = split, executor, validate
         self._device, self._pool, self._stop = device, pool, stop
         self._segments = iter(segments)

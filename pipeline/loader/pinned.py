@@ -66,7 +66,7 @@ class PinnedPool:
                 if stop.is_set():
                     raise Stopped() from None
 
-    def release(self, buffer: torch.Tensor, copied_on: "torch.cuda.Stream | None" = None) -> None:
+    def release(self, buffer: torch.Tensor, copied_on: torch.cuda.Stream | None = None) -> None:
         """Give ``buffer`` back; with ``copied_on``, only once the work queued there so far is done."""
         if copied_on is None:
             self._free.put(buffer)

@@ -120,13 +120,17 @@ def windows(shard: Shard, window_rows: int, batch_size: int, start_batch: int = 
         start, stop = index * window_rows, min((index + 1) * window_rows, shard.rows)
         first = max(index * per_window, start_batch)
         last = min((index + 1) * per_window, shard.batches)
-        bounds = tuple((k * batch_size - start, min((k + 1) * batch_size, shard.rows) - start) for k in range(first, last))
+        bounds = tuple(
+            (k * batch_size - start, min((k + 1) * batch_size, shard.rows) - start) for k in range(first, last)
+        )
         if bounds:
             out.append(Window(index, start, stop, first, bounds))
     return out
 
 
-def window_order(rows: int, real_rows: int, shuffle: bool, seed: int, epoch: int, rank: int, index: int) -> np.ndarray | None:
+def window_order(
+    rows: int, real_rows: int, shuffle: bool, seed: int, epoch: int, rank: int, index: int
+) -> np.ndarray | None:
     """The permutation of a window's rows (``None``: keep the order); padding rows stay last."""
     if not shuffle:
         return None

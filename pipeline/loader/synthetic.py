@@ -40,7 +40,9 @@ def criteo_schema(
     columns += [Column(f"I{i}", "continuous", "float32") for i in range(1, continuous + 1)]
     for i in range(categorical):
         base = CRITEO_CARDINALITIES[i % len(CRITEO_CARDINALITIES)]
-        columns.append(Column(f"C{i + 1}", "categorical", "int32", cardinality=max(min(base, 32), int(base * size)) + 2))
+        columns.append(
+            Column(f"C{i + 1}", "categorical", "int32", cardinality=max(min(base, 32), int(base * size)) + 2)
+        )
     for name, longest in (multihot or {}).items():
         columns.append(Column(name, "multihot", "list<int32>", cardinality=1000, max_length=longest))
     return Schema(columns)
