@@ -1,0 +1,97 @@
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.cli import main
+from pipeline.config import load_config
+from pipeline.data import synthetic
+from pipeline.data.layout import RawDataset
+from pipeline.data.metrics import ClickMetrics, roc_auc
+from pipeline.data.stage import ensure_raw, run
+
+ROWS = 30_000
+
+
+def _cfg(tmp_path, *overrides):
+    return load_config(None, [f"workdir={tmp_path}", f"data.rows={ROWS}", "data.chunk_rows=7000", "seed=5",
+                              *overrides])
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("stage")
+    cfg = _cfg(tmp_path)
+    return cfg, ensure_raw(cfg, progress=False)
+
+
+def test_raw_layout_and_meta(made):
+    cfg, raw = made
+    assert raw.root == cfg.paths.raw
+    assert raw.rows == {"train": 24_000, "valid": 3_000, "test": 3_000}
+    assert [p.name for p in raw.splits["train"]] == [f"part-{i:05d}.parquet" for i in range(4)]
+    meta = json.loads((raw.root / "meta.json").read_text())
+    assert meta["version"] == 1 and meta["source"] == "synthetic" and meta["label"] == "label"
+    assert meta["continuous"] == [f"I{i}" for i in range(1, 14)]
+    assert meta["categorical"] == [f"C{i}" for i in range(1, 27)] and meta["multihot"] == []
+    assert meta["params"]["rows"] == ROWS and meta["params"]["seed"] == 5
+    assert "cardinalities" not in json.dumps(meta)
+    for split, parts in raw.splits.items():
+        table = pa.concat_tables([pq.read_table(p) for p in parts])
+        assert table.num_rows == raw.rows[split]
+        assert table.schema.field("label").type == pa.int8()
+        assert table.schema.field("C26").type == pa.string()
+
+
+def test_oracle_is_written_and_can_be_recomputed(made):
+    cfg, raw = made
+    assert set(raw.oracle) == {"train", "valid", "test"}
+    for split, metrics in raw.oracle.items():
+        assert metrics["rows"] == raw.rows[split]
+        assert 0.7 < metrics["auc"] < 0.9 and 0.2 < metrics["positive_rate"] < 0.3
+        assert 0.3 < metrics["logloss"] < 0.6
+    model = synthetic.ClickModel.create(cfg.seed, cfg.data.size)
+    chunks = list(synthetic.iter_split(model, "valid", raw.rows["valid"], 1000))
+    labels = np.concatenate([c.table.column("label").to_numpy() for c in chunks])
+    probability = np.concatenate([c.probability for c in chunks])
+    stored = pq.read_table(raw.splits["valid"][0]).column("label").to_numpy()
+    np.testing.assert_array_equal(labels, stored)
+    assert raw.oracle["valid"]["auc"] == pytest.approx(roc_auc(labels, probability), abs=1e-4)
+    metrics = ClickMetrics()
+    metrics.update(labels, probability)
+    assert metrics.result()["logloss"] == pytest.approx(raw.oracle["valid"]["logloss"], rel=1e-9)
+
+
+def test_reused_when_settings_match_rebuilt_when_not(made, capsys):
+    cfg, raw = made
+    stamp = raw.splits["train"][0].stat().st_mtime_ns
+    again = ensure_raw(cfg, progress=False)
+    assert again.rows == raw.rows and raw.splits["train"][0].stat().st_mtime_ns == stamp
+    assert "building" not in capsys.readouterr().out
+    # chunking is not part of the params: the rows would be the same
+    assert ensure_raw(load_config(None, [f"workdir={cfg.workdir}", f"data.rows={ROWS}", "data.chunk_rows=5000",
+                                         "seed=5"]), progress=False).rows == raw.rows
+    smaller = ensure_raw(_cfg(cfg.workdir, "data.size=0.002"), progress=False)
+    assert "size: 0.01 -> 0.002" in capsys.readouterr().out
+    assert smaller.params["size"] == 0.002
+    ensure_raw(cfg, progress=False)  # leave the module's data as it was
+
+
+def test_unfinished_folder_is_rebuilt(tmp_path, capsys):
+    cfg = _cfg(tmp_path, "data.rows=5000")
+    ensure_raw(cfg, progress=False)
+    (cfg.paths.raw / "meta.json").unlink()
+    raw = ensure_raw(cfg, progress=False)
+    assert "no finished raw data" in capsys.readouterr().out
+    assert RawDataset.load(cfg.paths.raw).rows == raw.rows
+
+
+def test_cli_data_command(tmp_path, capsys):
+    assert main(["data", f"workdir={tmp_path}", "data.rows=4000", "data.chunk_rows=3000"]) == 0
+    assert "oracle_test_auc" in capsys.readouterr().out
+    summary = run(load_config(None, [f"workdir={tmp_path}", "data.rows=4000", "data.chunk_rows=3000"]))
+    assert summary["rebuilt"] is False and summary["rows"]["train"] == 3200
+    assert main(["data", f"workdir={tmp_path}", "data.source=criteo", f"data.path={tmp_path / 'nope.tsv'}"]) == 2
+    assert "does not exist" in capsys.readouterr().err
