@@ -38,7 +38,7 @@ from typing import Iterator
 import numpy as np
 import pyarrow as pa
 
-GENERATOR_VERSION = 2
+GENERATOR_VERSION = 3
 BLOCK_ROWS = 1 << 16
 SPLITS = ("train", "valid", "test")
 LABEL = "label"
@@ -62,6 +62,7 @@ _DENSE_NULL_RATE = np.array([0.45, 0.0, 0.21, 0.22, 0.026, 0.22, 0.043, 0.0005, 
 _DENSE_MU = np.array([1.0, 2.0, 2.0, 1.5, 7.5, 3.5, 1.5, 2.5, 4.0, 0.3, 1.0, 0.3, 1.5])
 _DENSE_SIGMA = np.array([1.2, 1.5, 1.5, 1.0, 2.0, 1.8, 1.5, 1.2, 1.5, 0.6, 1.0, 0.8, 1.2])
 _NEGATIVE_RATE = np.array([0, 0.05, 0, 0, 0, 0, 0, 0, 0, 0, 0.02, 0, 0])
+_CAN_BE_NEGATIVE = (1, 10)  # I2 and I11, the only features with a nonzero _NEGATIVE_RATE
 _SPLIT_ID = {"train": 0, "valid": 1, "test": 2}
 _CALIBRATION_SPLIT = 7
 _HEAD_MIN_PROBABILITY = 2e-3  # ~1600 sightings in 800k training rows
@@ -171,8 +172,8 @@ class ClickModel:
         Depends only on what the data shows: ranks map one-to-one to the hex strings, and dense
         values enter as ``log1p(max(x, 0))`` with nulls as 0.
         """
-        head_index = np.minimum(ranks, self.head[:, None] + 1) - 1  # tail ranks -> the last (zero) entry
-        head_index[cat_null] = self.head[np.nonzero(cat_null)[0]]
+        # tail ranks and nulls -> each table's last entry, which is zero
+        head_index = np.where(cat_null, self.head[:, None], np.minimum(ranks, self.head[:, None] + 1) - 1)
         logit = self.effects[head_index + self.effect_offset[:, None]].sum(axis=0)
         for a, b, ua, ub in self.latent:
             ia = np.minimum(head_index[a], ua.shape[0] - 1)
@@ -251,9 +252,9 @@ def _draw(model: ClickModel, split_id: int, index: int, rows: int) -> _Draws:
     z = rng.standard_normal((13, rows))
     counts = np.floor(np.exp(_DENSE_MU[:, None] + _DENSE_SIGMA[:, None] * z)).astype(np.int64) - 1
     np.maximum(counts, 0, out=counts)
-    extra = rng.random((14, rows), dtype=np.float32)
-    negative = extra[:13] < _NEGATIVE_RATE[:, None]
-    counts[negative] = -1 - (extra[13][np.nonzero(negative)[1]] * 3).astype(np.int64)
+    extra = rng.random((3, rows), dtype=np.float32)
+    for row, j in enumerate(_CAN_BE_NEGATIVE):
+        counts[j] = np.where(extra[row] < _NEGATIVE_RATE[j], -1 - (extra[2] * 3).astype(np.int64), counts[j])
     dense_null = rng.random((13, rows), dtype=np.float32) < _DENSE_NULL_RATE[:, None]
     label_uniform = rng.random(rows)
     return _Draws(ranks, cat_null, counts, dense_null, label_uniform)
