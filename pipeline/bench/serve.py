@@ -109,8 +109,7 @@ def _prepare(cfg):
     from pipeline.schema import Schema
 
     make_data(cfg)
-    if not cfg.paths.schema.is_file():
-        run_etl(cfg)
+    run_etl(cfg)  # always: the raw data may have just been rebuilt
     schema = Schema.load(cfg.paths.schema)
     model = build_model(cfg.train.model, schema, ModelSizes.from_train_config(cfg.train, "cpu"), seed=cfg.seed).eval()
     write_repository(model, schema, cfg.paths.workflow, raw_columns(RawDataset.load(cfg.paths.raw), cfg),
