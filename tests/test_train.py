@@ -166,3 +166,16 @@ def test_bad_settings_name_what_was_expected(override, message, tmp_path):
 
     with pytest.raises(ConfigError, match=message):
         _config(tmp_path, override)
+
+
+@pytest.mark.gpu
+def test_stage_trains_on_gpu_with_bf16_autocast(tmp_path):
+    cfg = _config(tmp_path, "device=cuda", "train.epochs=2")
+    _write_data(cfg, train_rows=3000)
+    result = run(cfg)
+    assert result["device"] == "cuda" and result["steps"] == 48
+    lines = [json.loads(line) for line in (cfg.paths.train / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in lines if "loss" in r]
+    assert all(0 < loss < 2 for loss in losses)
+    model, _ = load_trained(cfg, device="cuda")
+    assert model.embedding.weights.is_cuda

@@ -51,7 +51,7 @@ def run(args: argparse.Namespace, cfg) -> dict:
 
     batches = _batches(args, device, n=4)
     ours = _ours(args, dim, bottom, top, device)
-    baseline = _PlainDLRM(args.tables, args.rows, dim, bottom, top).to(device)
+    baseline = _plain_dlrm(args.tables, args.rows, dim, bottom, top).to(device)
     base_opt = torch.optim.SGD(baseline.parameters(), lr=0.01)
     our_opt = torch.optim.SGD(ours.parameters(), lr=0.01)
 
@@ -153,7 +153,7 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def _plain_dlrm_class():
+def _plain_dlrm(tables, rows, dim, bottom, top):
     import torch
     from torch import nn
 
@@ -178,8 +178,4 @@ def _plain_dlrm_class():
             dots = torch.bmm(vectors, vectors.transpose(1, 2)).flatten(1)[:, self.pairs]
             return self.top(torch.cat([x, dots], dim=1)).squeeze(1)
 
-    return PlainDLRM
-
-
-def _PlainDLRM(*args):  # noqa: N802  (a factory that reads like the class it builds)
-    return _plain_dlrm_class()(*args)
+    return PlainDLRM(tables, rows, dim, bottom, top)
