@@ -219,7 +219,8 @@ def _counts_table(values: pa.Array) -> pa.Table:
 
 
 def _merge_counts(*parts: dict) -> dict:
-    table = pa.concat_tables([p["counts"] for p in parts])
+    # combine_chunks copies into fresh buffers: tables that travelled between workers may be unaligned for Acero.
+    table = pa.concat_tables([p["counts"] for p in parts]).combine_chunks()
     merged = {"counts": table.group_by("value").aggregate([("count", "sum")]).rename_columns(["value", "count"])}
     if "max_length" in parts[0]:
         merged["max_length"] = max(p["max_length"] for p in parts)
