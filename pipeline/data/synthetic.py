@@ -38,7 +38,7 @@ from typing import Iterator
 import numpy as np
 import pyarrow as pa
 
-GENERATOR_VERSION = 3
+GENERATOR_VERSION = 4
 BLOCK_ROWS = 1 << 16
 SPLITS = ("train", "valid", "test")
 LABEL = "label"
@@ -65,14 +65,14 @@ _NEGATIVE_RATE = np.array([0, 0.05, 0, 0, 0, 0, 0, 0, 0, 0, 0.02, 0, 0])
 _CAN_BE_NEGATIVE = (1, 10)  # I2 and I11, the only features with a nonzero _NEGATIVE_RATE
 _SPLIT_ID = {"train": 0, "valid": 1, "test": 2}
 _CALIBRATION_SPLIT = 7
-_HEAD_MIN_PROBABILITY = 2e-3  # ~1600 sightings in 800k training rows
-_HEAD_MAX = 64
+_HEAD_MIN_PROBABILITY = 5e-3  # ~4000 sightings in 800k training rows
+_HEAD_MAX = 32
 _INTERACTION_DIM = 4
 _INTERACTION_HEAD = 16
 # (feature a, feature b, strength): lower-cardinality pairs, by position in CATEGORICAL (0-based)
 _INTERACTIONS = ((8, 16, 0.5), (19, 5, 0.4), (13, 22, 0.4), (0, 21, 0.3), (24, 1, 0.3), (4, 17, 0.3))
 _TARGET_CLICK_RATE = 0.25
-_SIGNAL = 0.49  # overall strength of the planted effects: sets the oracle AUC near 0.80
+_SIGNAL = 0.5  # overall strength of the planted effects: sets the oracle AUC near 0.80
 _HEX = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
 # 256 entries of two hex characters; as little-endian uint16 the low byte is the first character.
 _HEX_PAIRS = (_HEX[np.arange(256) >> 4].astype(np.uint16) | (_HEX[np.arange(256) & 15].astype(np.uint16) << 8))
