@@ -1,0 +1,36 @@
+"""The data stage: the synthetic Criteo-like generator and the Criteo / table readers.
+
+Everything after this stage reads the raw layout (:mod:`pipeline.data.layout`) through
+:func:`ensure_raw`, which makes the data once and reuses it while the settings stay the same.
+Names are imported on first use, so ``pipeline.config`` (which imports ``pipeline.data.config``)
+stays light.
+
+Example::
+
+    from pipeline.config import load_config
+    from pipeline.data import ensure_raw
+
+    raw = ensure_raw(load_config(None, ["data.rows=200000"]))
+    raw.splits["train"], raw.continuous, raw.categorical, raw.oracle["test"]["auc"]
+"""
+
+import importlib
+
+_EXPORTS = {
+    "RawDataset": "pipeline.data.layout",
+    "ensure_raw": "pipeline.data.stage",
+    "run": "pipeline.data.stage",
+    "ClickModel": "pipeline.data.synthetic",
+    "generate_block": "pipeline.data.synthetic",
+    "iter_split": "pipeline.data.synthetic",
+    "ClickMetrics": "pipeline.data.metrics",
+    "roc_auc": "pipeline.data.metrics",
+    "log_loss": "pipeline.data.metrics",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'pipeline.data' has no attribute {name!r}")
