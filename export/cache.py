@@ -5,9 +5,10 @@ misses from the table behind it (the memory-mapped store), inserting them and ev
 policy. It counts hits, misses and evictions over the *distinct* ids of each lookup (duplicates in
 a batch are served once, as HugeCTR's HPS deduplicates keys before querying its cache).
 
-Tiers are registered by name, so a GPU tier (kernels on the device) plugs in beside the CPU ones
-without touching the embedding model: ``register_tier("gpu", factory)``. Here: ``lru`` and ``lfu``,
-vectorized with numpy (a direct-mapped index of 4 bytes per table row, no Python loop per id).
+Tiers are registered by name, so a GPU tier plugs in beside the CPU ones without touching the
+embedding model: ``register_tier(name, factory)``. Here: ``lru`` and ``lfu``, vectorized with numpy
+(a direct-mapped index of 4 bytes per table row, no Python loop per id), ``none``, and in
+:mod:`export.cache_torch` ``gpu-lru`` / ``gpu-lfu`` (the same policies on a torch device).
 
 Example::
 
@@ -54,6 +55,8 @@ def available_tiers() -> list[str]:
 
 
 def make_tier(name: str, table: np.ndarray, capacity: int) -> CacheTier:
+    if name not in _TIERS and name.startswith("gpu-"):
+        import export.cache_torch  # noqa: F401  (registers the gpu-* tiers; imports torch)
     if name not in _TIERS:
         raise ValueError(f"cache policy {name!r} is not registered; available: {available_tiers()}")
     return _TIERS[name](table, capacity)

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from export.dense import save_dense
 from export.lookup import LookupLayout
@@ -54,8 +55,13 @@ def dense_fingerprint(model) -> str:
 def embedding_tables(model) -> dict[str, np.ndarray]:
     """Every table of the model's embedding collection, as ``[rows, dim]`` numpy arrays."""
     collection = model.embedding
-    return {name: collection.table_weight(name).detach().cpu().numpy()
-            for name in collection.layout.table_names}
+    tables = {}
+    for name in collection.layout.table_names:
+        weight = collection.table_weight(name).detach().cpu()
+        if weight.dtype == torch.bfloat16:
+            weight = weight.float()  # numpy has no bfloat16; the widening is exact
+        tables[name] = weight.numpy()
+    return tables
 
 
 def write_repository(model, schema: Schema, workflow_dir: str | Path, raw: RawColumns, out: str | Path,

@@ -156,3 +156,38 @@ def test_a_broken_new_version_leaves_the_served_one_untouched(tmp_path):
         lookup.refresh()
     assert lookup.version == 1
     np.testing.assert_array_equal(lookup(np.array([[3]])), _table(seed=1)[[3]])
+
+
+def _torch_cache_checks(device):
+    from export.cache_torch import TorchCache
+
+    table = _table(rows=500)
+    for policy in ("lru", "lfu"):
+        cache = TorchCache(table, 50, device=device, policy=policy)
+        rng = np.random.default_rng(0)
+        distinct = 0
+        for _ in range(20):
+            ids = rng.zipf(1.3, size=300) % 500
+            distinct += np.unique(ids).size
+            np.testing.assert_array_equal(cache.lookup(ids), table[ids])
+        stats = cache.stats()
+        assert stats["hits"] + stats["misses"] == distinct
+        assert stats["hits"] > 0 and stats["evictions"] > 0 and stats["size"] == 50
+    lru = TorchCache(_table(rows=10), 2, device=device)
+    lru.lookup(np.array([1, 1, 2]))
+    lru.lookup(np.array([1]))
+    lru.lookup(np.array([3]))
+    assert sorted(lru.cached_ids().tolist()) == [1, 3]
+    lru.refill(_table(rows=10, seed=5))
+    np.testing.assert_array_equal(lru.lookup(np.array([3, 1])), _table(rows=10, seed=5)[[3, 1]])
+
+
+def test_torch_tier_on_the_cpu():
+    _torch_cache_checks("cpu")
+
+
+@pytest.mark.gpu
+def test_torch_tier_on_the_gpu():
+    _torch_cache_checks("cuda")
+    cache = make_tier("gpu-lfu", _table(rows=100), 10)
+    assert cache.device.type == "cuda"

@@ -1,5 +1,7 @@
 """Triton python model ``embedding``: pooled embeddings through a cache of hot rows and the host store.
 
+A ``KIND_GPU`` instance keeps its cache in its GPU's memory (``gpu-lru`` / ``gpu-lfu``).
+
 Before each batch it switches to a newer store version if export wrote one (no restart), and a
 background thread writes its cache counters to ``stats/instance-<pid>.json`` beside the store.
 Exported as ``embedding/1/model.py``.
@@ -26,7 +28,13 @@ class TritonPythonModel:
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         model_dir = Path(args["model_repository"])
         layout = LookupLayout.load(model_dir / args["model_version"] / "layout.json")
-        self.lookup = EmbeddingLookup(model_dir / "store", layout, policy=params.get("cache_policy", "lru"),
+        policy = params.get("cache_policy", "lru")
+        if args.get("model_instance_kind") == "GPU" and policy != "none":
+            import torch
+
+            torch.cuda.set_device(int(args["model_instance_device_id"]))
+            policy = f"gpu-{policy}"  # the cache of hot rows in this GPU's memory
+        self.lookup = EmbeddingLookup(model_dir / "store", layout, policy=policy,
                                       cache_fraction=float(params.get("cache_fraction", "0.25")))
         self.inputs = [i["name"] for i in config["input"]]
         self._stats_path = model_dir / "stats" / f"instance-{os.getpid()}.json"
