@@ -20,7 +20,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from pipeline.config import PipelineConfig  # noqa: F401 (settings type)
+from pipeline.config import PipelineConfig
 from pipeline.data import layout, readers, synthetic
 from pipeline.data.layout import RawDataset
 from pipeline.data.metrics import ClickMetrics
