@@ -55,8 +55,8 @@ _TEXT_SUFFIXES = {".csv": ",", ".tsv": "\t", ".tab": "\t", ".txt": "\t"}
 _PARQUET_SUFFIXES = {".parquet", ".pq"}
 _COMPRESSION_SUFFIXES = {".gz", ".bz2", ".zst", ".lz4"}
 _BYTES_PER_ROW_GUESS = 200
-_INT_PATTERN = r"^-?[0-9]{1,18}$"
-_FLOAT_PATTERN = r"^[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?$"
+_INT_PATTERN = r"^(-?[0-9]{1,18})?$"  # empty is missing
+_FLOAT_PATTERN = r"^([+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?)?$"
 _NAN_PATTERN = r"^[+-]?(nan|NaN|NAN)$"
 _LABEL_PATTERN = r"^[01](\.0*)?$"
 
@@ -397,25 +397,42 @@ def _parse_block(block: bytes, first_line: int, names: list[str], wanted: list[s
     if kept.size == 0:
         empty = pa.table({n: pa.array([], pa.string()) for n in wanted})
         return empty, np.zeros(0, dtype=np.int64), excerpt
-    rejected: list[int] = []
+    clean = data.tobytes() if kept.size < starts.size else block
+    table, rejected = _parse_csv(clean, names, wanted, delimiter, quoting, threads=True)
+    if rejected:
+        # Threaded parsing does not know line numbers; only a block with bad rows is parsed again to get them.
+        table, rejected = _parse_csv(clean, names, wanted, delimiter, quoting, threads=False)
+        for number, expected_columns, actual_columns in rejected:
+            index = int(kept[number - 1])
+            report.add_bad(first_line + index, "wrong_field_count",
+                           f"expected {expected_columns} fields, found {actual_columns}", excerpt(index))
+        rejected = [number - 1 for number, _, _ in rejected]
+    rows = np.delete(kept, rejected) if rejected else kept
+    return table, first_line + rows.astype(np.int64), excerpt
+
+
+def _parse_csv(data: bytes, names: list[str], wanted: list[str], delimiter: str, quoting: bool, threads: bool
+               ) -> tuple[pa.Table, list[tuple[int | None, int, int]]]:
+    """All wanted columns as text; rows with the wrong field count are skipped and returned as
+    (line number within ``data`` or None when threaded, expected fields, found fields)."""
+    rejected: list[tuple[int | None, int, int]] = []
 
     def on_invalid_row(row) -> str:
-        index = int(kept[row.number - 1])
-        rejected.append(row.number - 1)
-        report.add_bad(first_line + index, "wrong_field_count",
-                       f"expected {row.expected_columns} fields, found {row.actual_columns}", excerpt(index))
+        rejected.append((row.number, row.expected_columns, row.actual_columns))
         return "skip"
 
     table = pacsv.read_csv(
-        io.BytesIO(data.tobytes() if kept.size < starts.size else block),
-        read_options=pacsv.ReadOptions(column_names=names, use_threads=False, block_size=len(block) + 1),
+        io.BytesIO(data),
+        read_options=pacsv.ReadOptions(column_names=names, use_threads=threads,
+                                       block_size=(1 << 22) if threads else len(data) + 1),
         parse_options=pacsv.ParseOptions(delimiter=delimiter, quote_char='"' if quoting else False,
                                           invalid_row_handler=on_invalid_row),
+        # UTF-8 was checked line by line before parsing
         convert_options=pacsv.ConvertOptions(column_types={n: pa.string() for n in names}, include_columns=wanted,
-                                             strings_can_be_null=False, quoted_strings_can_be_null=False),
+                                             strings_can_be_null=False, quoted_strings_can_be_null=False,
+                                             check_utf8=False),
     )
-    rows = np.delete(kept, rejected) if rejected else kept
-    return table, first_line + rows.astype(np.int64), excerpt
+    return table, rejected
 
 
 def _kinds(roles: Roles, integer_continuous: bool) -> dict[str, str]:
@@ -466,10 +483,9 @@ def _values_ok(column: pa.ChunkedArray, kind: str) -> np.ndarray | None:
     if kind == "label":
         ok = pc.match_substring_regex(column, _LABEL_PATTERN)
     elif kind == "int":
-        ok = pc.or_(pc.equal(column, ""), pc.match_substring_regex(column, _INT_PATTERN))
+        ok = pc.match_substring_regex(column, _INT_PATTERN)
     elif kind == "float":
-        ok = pc.or_(pc.or_(pc.equal(column, ""), pc.match_substring_regex(column, _FLOAT_PATTERN)),
-                    pc.match_substring_regex(column, _NAN_PATTERN))
+        ok = pc.or_(pc.match_substring_regex(column, _FLOAT_PATTERN), pc.match_substring_regex(column, _NAN_PATTERN))
     else:
         return None
     return pc.fill_null(ok, False).to_numpy(zero_copy_only=False).astype(bool)
