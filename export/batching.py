@@ -34,7 +34,7 @@ def respond(requests: list, input_names: list[str], compute: Compute, pb_utils, 
             for i, part in zip(good, _split(outputs, merged[1])):
                 results[i] = part
             good = []
-        except Exception:  # noqa: BLE001  (retried one by one below, where each gets its own error)
+        except Exception:  # noqa: BLE001, S110  (retried one by one below, where each gets its own error)
             pass
     for i in good:
         try:

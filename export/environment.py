@@ -70,7 +70,7 @@ def _inspect(path: Path) -> ModelsEnv:
             f"no Python environment for the served models at {path}: run `make serve-env` "
             f"(or set serve.models_env / ${ENV_VARIABLE} to a venv with numpy<2, pandas, pyarrow, torch and this project)"
         )
-    done = subprocess.run([str(python), "-c", _PROBE], capture_output=True, text=True, timeout=60)
+    done = subprocess.run([str(python), "-c", _PROBE], check=False, capture_output=True, text=True, timeout=60)
     if done.returncode != 0:
         raise UserError(f"the models' environment {path} does not work: {done.stderr.strip()[-500:]}")
     info = json.loads(done.stdout.strip().splitlines()[-1])

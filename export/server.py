@@ -178,14 +178,13 @@ class TritonServer:
         ]
         if backend_dir is not None:
             cmd.append(f"--backend-directory={backend_dir}")
-        log = open(self.log_path, "ab")
-        try:
+        with open(self.log_path, "ab") as log:
+            # preexec_fn only calls prctl (the parent-death signal), safe with threads
             self.process = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=server_env(self.models_env), start_new_session=True, preexec_fn=_die_with_parent,
+                env=server_env(self.models_env), start_new_session=True,
+                preexec_fn=_die_with_parent,  # noqa: PLW1509
             )
-        finally:
-            log.close()
         self._finalizer = weakref.finalize(self, _terminate, self.process, self.shm_prefix)
 
     def _wait_ready(self) -> None:
@@ -227,7 +226,7 @@ class TritonServer:
         """This server's python-backend regions in /dev/shm (empty once stopped)."""
         return sorted(SHM_DIR.glob(f"{self.shm_prefix}*")) if SHM_DIR.is_dir() else []
 
-    def __enter__(self) -> TritonServer:
+    def __enter__(self) -> TritonServer:  # noqa: PYI034
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -108,7 +108,7 @@ class Client:
     def close(self) -> None:
         self._client.close()
 
-    def __enter__(self) -> Client:
+    def __enter__(self) -> Client:  # noqa: PYI034
         return self
 
     def __exit__(self, *exc) -> None:

@@ -66,11 +66,11 @@ def run(args: argparse.Namespace, cfg) -> dict:
             for batch in batches:
                 frame = rows.iloc[:batch]
                 request = client.columns(frame)
-                served = _timed(lambda: client.infer(request), args.requests)
-                local = _timed(lambda: reference.predict(frame), args.requests)
+                served = _timed(lambda request=request: client.infer(request), args.requests)
+                local = _timed(lambda frame=frame: reference.predict(frame), args.requests)
                 model_only = _timed(_forward_only(reference, frame), args.requests)
                 before = _model_stats(client)
-                _timed(lambda: client.infer(request), max(20, args.requests // 4))
+                _timed(lambda request=request: client.infer(request), max(20, args.requests // 4))
                 steps = _per_request(before, _model_stats(client))
                 results["latency"][batch] = {"ensemble": served, "in_process": local, "model_only": model_only}
                 results["steps"][batch] = steps
