@@ -43,6 +43,8 @@ class EnsembleSpec:
     embeddings: Tensor
     prediction: Tensor = field(default_factory=lambda: Tensor(PREDICTION, "FP32", (1,)))
     list_separator: str = "|"
+    label: str = ""
+    """The raw label column: not an input; clients may send rows that still carry it."""
 
     @property
     def embedding_inputs(self) -> list[Tensor]:
@@ -66,7 +68,7 @@ class EnsembleSpec:
         if multihot:
             features += [Tensor(MULTIHOT_IDS, "INT64", (-1,)), Tensor(MULTIHOT_LENGTHS, "INT64", (len(multihot),))]
         return cls(tensors, features, Tensor(EMBEDDINGS, "FP32", (embedding_dim_total,)),
-                   list_separator=raw.list_separator)
+                   list_separator=raw.list_separator, label=next(iter(raw.label), ""))
 
 
 @dataclass
@@ -155,4 +157,4 @@ def _ensemble(spec: EnsembleSpec, options: ModelOptions) -> str:
     return (f'name: "ensemble"\nplatform: "ensemble"\nmax_batch_size: {options.max_batch_size}\n'
             + _io(spec.raw, [spec.prediction])
             + "ensemble_scheduling {\n  step [\n" + ",\n".join(steps) + "\n  ]\n}\n"
-            + _parameters({"list_separator": spec.list_separator}))
+            + _parameters({"list_separator": spec.list_separator, "label": spec.label}))

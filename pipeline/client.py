@@ -3,7 +3,8 @@
 Rows may be a pandas DataFrame, a list of dicts (column -> value), or Criteo TSV lines (label
 first, optional; then the continuous and categorical columns in order; empty fields are missing).
 Missing values may be ``None`` / NaN or absent keys; the server applies the workflow's missing
-handling, and unseen categories get the out-of-vocabulary index. The input names, types and order
+handling, and unseen categories get the out-of-vocabulary index. A label column is ignored; any
+other column the model does not take is an error (a misspelt name would otherwise read as missing). The input names, types and order
 come from the server's own model metadata, so nothing is repeated here.
 
 Example::
@@ -62,6 +63,8 @@ class Client:
                 self._inputs = [(i["name"], i["datatype"]) for i in meta["inputs"]]
                 params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
             self._separator = params.get("list_separator", "|")
+            if params.get("label"):
+                self.ignore_columns.add(params["label"])
         return self._inputs
 
     def predict(self, rows: Any) -> np.ndarray:

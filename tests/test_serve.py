@@ -26,6 +26,7 @@ from export.stage import model_options, raw_columns, sample_rows, server_problem
 from pipeline.client import Client, ServingError
 from pipeline.config import load_config
 from pipeline.data.layout import RawDataset
+from pipeline.errors import BadInputError
 from pipeline.etl.workflow import Workflow
 from pipeline.modules.models import ModelSizes, build_model
 from pipeline.schema import Schema
@@ -99,8 +100,12 @@ def test_dicts_and_criteo_tsv_lines_give_the_same_predictions(served):
         np.testing.assert_allclose(client.predict(records), expected, rtol=0, atol=1e-5)
         np.testing.assert_allclose(client.predict(lines), expected, rtol=0, atol=1e-5)
         np.testing.assert_allclose(client.predict("\n".join(lines[:3])), expected[:3], rtol=0, atol=1e-5)
-        with pytest.raises(Exception, match="TSV line 1: expected 39 fields"):
+        with pytest.raises(BadInputError, match="TSV line 1: expected 39 fields"):
             client.predict(["1\t2\t3"])
+        with pytest.raises(BadInputError, match=r"unknown columns \['I01'\]"):
+            client.predict([{"I01": 3, "label": 1}])
+        with pytest.raises(BadInputError, match="empty batch"):
+            client.predict([])
 
 
 def _bad_requests(good: dict[str, np.ndarray], max_batch: int) -> list[tuple[str, dict, str]]:
