@@ -95,6 +95,21 @@ def test_criteo_error_mode_stops_names_the_first_problems_and_saves_the_report(t
     assert not list(raw.glob("*/*.parquet"))
 
 
+def test_criteo_rows_that_parse_but_are_wrong(tmp_path):
+    # no unparsable number here, so the block takes the typed fast path
+    lines = ["\t".join(_criteo_line(i)) for i in range(1, 51)]
+    lines[2] = "\t".join(["2"] + _criteo_line(3)[1:])
+    lines[6] = "\t".join(_criteo_line(7)[:20])
+    path = tmp_path / "day.tsv"
+    path.write_text("\n".join(lines))  # no newline at the end
+    raw = ensure_raw(_cfg(tmp_path, "data.source=criteo", f"data.path={path}", "data.on_bad_lines=skip"),
+                     progress=False)
+    report = json.loads((raw.root / "ingest_report.json").read_text())
+    assert [(e["line"], e["reason"]) for e in report["examples"]] == [
+        (3, "label: expected 0 or 1, found '2'"), (7, "expected 40 fields, found 20")]
+    assert sum(raw.rows.values()) == 48
+
+
 def test_splits_are_deterministic_by_line_and_follow_the_fractions():
     lines = np.arange(1, 200_001)
     codes = split_codes(lines, 0, 7, 0.1, 0.2)

@@ -308,7 +308,7 @@ def _read_text(path: Path, names: list[str] | None, kinds: dict[str, str], delim
             first_line += 1
             if not block:
                 continue
-        table, lines, excerpt = _parse_block(block, first_line, names, list(kinds), delimiter, quoting, report)
+        table, lines, excerpt = _parse_block(block, first_line, names, kinds, delimiter, quoting, report)
         report.rows_read += len(excerpt.starts)
         table, lines = _check_and_convert(table, lines, kinds, separator, report,
                                           lambda i, lines=lines, first=first_line: excerpt(int(lines[i]) - first))
@@ -366,7 +366,7 @@ class _Excerpts:
         return self.block[self.starts[index] : self.ends[index]]
 
 
-def _parse_block(block: bytes, first_line: int, names: list[str], wanted: list[str], delimiter: str,
+def _parse_block(block: bytes, first_line: int, names: list[str], kinds: dict[str, str], delimiter: str,
                  quoting: bool, report: FileReport) -> tuple[pa.Table, np.ndarray, _Excerpts]:
     """Split a block into fields (all as text); returns the table, its rows' line numbers and the excerpts.
 
@@ -395,26 +395,47 @@ def _parse_block(block: bytes, first_line: int, names: list[str], wanted: list[s
     if kept.size < starts.size:
         data = data[np.repeat(keep, lengths + 1)]
     if kept.size == 0:
-        empty = pa.table({n: pa.array([], pa.string()) for n in wanted})
+        empty = pa.table({n: pa.array([], pa.string()) for n in kinds})
         return empty, np.zeros(0, dtype=np.int64), excerpt
     clean = data.tobytes() if kept.size < starts.size else block
-    table, rejected = _parse_csv(clean, names, wanted, delimiter, quoting, threads=True)
-    if rejected:
-        # Threaded parsing does not know line numbers; only a block with bad rows is parsed again to get them.
-        table, rejected = _parse_csv(clean, names, wanted, delimiter, quoting, threads=False)
-        for number, expected_columns, actual_columns in rejected:
-            index = int(kept[number - 1])
-            report.add_bad(first_line + index, "wrong_field_count",
-                           f"expected {expected_columns} fields, found {actual_columns}", excerpt(index))
-        rejected = [number - 1 for number, _, _ in rejected]
+    table, rejected = _parse_typed_or_text(clean, names, kinds, delimiter, quoting)
+    for number, expected_columns, actual_columns in rejected:
+        index = int(kept[number - 1])
+        report.add_bad(first_line + index, "wrong_field_count",
+                       f"expected {expected_columns} fields, found {actual_columns}", excerpt(index))
+    rejected = [number - 1 for number, _, _ in rejected]
     rows = np.delete(kept, rejected) if rejected else kept
     return table, first_line + rows.astype(np.int64), excerpt
 
 
-def _parse_csv(data: bytes, names: list[str], wanted: list[str], delimiter: str, quoting: bool, threads: bool
-               ) -> tuple[pa.Table, list[tuple[int | None, int, int]]]:
-    """All wanted columns as text; rows with the wrong field count are skipped and returned as
-    (line number within ``data`` or None when threaded, expected fields, found fields)."""
+_PARSE_TYPES = {"label": pa.int64(), "int": pa.int64(), "float": pa.float64(), "string": pa.string(),
+                "list": pa.string()}
+
+
+def _parse_typed_or_text(data: bytes, names: list[str], kinds: dict[str, str], delimiter: str, quoting: bool
+                         ) -> tuple[pa.Table, list[tuple[int, int, int]]]:
+    """Parse with the final types (the fast path); a block where a value does not convert is parsed
+    again as text, so that the checks can name each bad row. Rows with the wrong field count come
+    back as (line number within ``data``, expected fields, found fields)."""
+    for types in ({n: _PARSE_TYPES[k] for n, k in kinds.items()}, {n: pa.string() for n in kinds}):
+        text = all(t == pa.string() for t in types.values())
+        try:
+            table, rejected = _parse_csv(data, names, types, delimiter, quoting, threads=True, text=text)
+            if rejected:
+                # Threaded parsing does not know line numbers: a block with bad rows is parsed again to get them.
+                table, rejected = _parse_csv(data, names, types, delimiter, quoting, threads=False, text=text)
+            return table, rejected  # type: ignore[return-value]
+        except pa.ArrowInvalid:
+            if text:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _parse_csv(data: bytes, names: list[str], types: dict[str, pa.DataType], delimiter: str, quoting: bool,
+               threads: bool, text: bool) -> tuple[pa.Table, list[tuple[int | None, int, int]]]:
+    """The ``types`` columns; with ``text`` every value is kept as written (empty stays ""), otherwise
+    empty is null. Rows with the wrong field count are skipped and returned as (line number within
+    ``data`` or None when threaded, expected fields, found fields)."""
     rejected: list[tuple[int | None, int, int]] = []
 
     def on_invalid_row(row) -> str:
@@ -428,8 +449,8 @@ def _parse_csv(data: bytes, names: list[str], wanted: list[str], delimiter: str,
         parse_options=pacsv.ParseOptions(delimiter=delimiter, quote_char='"' if quoting else False,
                                           invalid_row_handler=on_invalid_row),
         # UTF-8 was checked line by line before parsing
-        convert_options=pacsv.ConvertOptions(column_types={n: pa.string() for n in names}, include_columns=wanted,
-                                             strings_can_be_null=False, quoted_strings_can_be_null=False,
+        convert_options=pacsv.ConvertOptions(column_types=types, include_columns=list(types), null_values=[""],
+                                             strings_can_be_null=not text, quoted_strings_can_be_null=not text,
                                              check_utf8=False),
     )
     return table, rejected
@@ -457,6 +478,7 @@ def _check_and_convert(table: pa.Table, lines: np.ndarray, kinds: dict[str, str]
             continue
         for i in np.flatnonzero(~ok & ~bad):
             value = column[int(i)].as_py()
+            value = "" if value is None else value if isinstance(value, str) else str(value)
             if kind == "label":
                 what, reason = "bad_label", f"{name}: expected 0 or 1, found {value!r}"
             else:
@@ -512,7 +534,10 @@ def _convert(column: pa.ChunkedArray, kind: str, separator: str) -> pa.ChunkedAr
             return _drop_empty_items(pc.split_pattern(column, separator))
         return pc.cast(column, pa.string())
     if kind in ("int", "float"):
-        return pc.cast(column, pa.float64() if pa.types.is_floating(t) else pa.int64())
+        if pa.types.is_floating(t):
+            column = pc.cast(column, pa.float64())
+            return pc.if_else(pc.is_nan(column), pa.scalar(None, pa.float64()), column)
+        return pc.cast(column, pa.int64())
     if kind == "string":
         return pc.cast(column, pa.string())
     return _drop_empty_items(column)
