@@ -150,3 +150,17 @@ def server_env(env: ModelsEnv) -> dict[str, str]:
     out.pop("PYTHONHOME", None)
     out["PYTHONNOUSERSITE"] = "1"
     return out
+
+
+@functools.cache
+def cuda_problem(env: ModelsEnv) -> str | None:
+    """``None`` when torch in the models' environment can use a CUDA GPU, else why not."""
+    probe = "import torch; print(torch.cuda.is_available() and torch.cuda.device_count() > 0)"
+    done = subprocess.run([str(env.bin / "python"), "-c", probe], check=False, capture_output=True, text=True,
+                          timeout=120)
+    if done.returncode != 0:
+        return f"torch does not import in {env.path}: {done.stderr.strip()[-300:]}"
+    if done.stdout.strip().splitlines()[-1:] != ["True"]:
+        return f"torch in {env.path} sees no CUDA GPU (a CPU build, or no driver)"
+    return None
+

@@ -58,16 +58,29 @@ def raw_columns(raw_data, cfg: PipelineConfig) -> RawColumns:
 
 
 def model_options(cfg: PipelineConfig) -> ModelOptions:
-    kind = cfg.export.instance_kind
-    if kind == "auto":
-        from pipeline.device import resolve_device
-
-        kind = "gpu" if resolve_device(cfg.device).is_cuda else "cpu"
+    kind = _instance_kind(cfg)
     return ModelOptions(
         max_batch_size=cfg.export.max_batch_size, instance_kind=kind, instances=cfg.export.instances,
         dynamic_batching=cfg.export.dynamic_batching, max_queue_delay_us=cfg.export.max_queue_delay_us,
         dense_backend=cfg.export.dense_backend, cache_policy=cfg.export.cache_policy,
         cache_fraction=cfg.export.cache_fraction, dense_threads=cfg.export.dense_threads)
+
+
+def _instance_kind(cfg: PipelineConfig) -> str:
+    """``cpu`` or ``gpu``; ``auto`` takes the GPU only when both this process and the models' torch can."""
+    from export.environment import cuda_problem, find_models_env
+    from pipeline.device import resolve_device
+
+    kind = cfg.export.instance_kind
+    if kind == "cpu" or (kind == "auto" and not resolve_device(cfg.device).is_cuda):
+        return "cpu"
+    problem = cuda_problem(find_models_env(cfg.serve.models_env or None))
+    if problem is None:
+        return "gpu"
+    if kind == "gpu":
+        raise UserError(f"export.instance_kind=gpu, but {problem}")
+    print(f"[export] instance_kind auto: CPU instances, because {problem}", flush=True)
+    return "cpu"
 
 
 def load_trained_model(cfg: PipelineConfig):

@@ -203,3 +203,14 @@ def test_bytes_tensors_decode_like_the_python_backend():
     decoded = deserialize_bytes_tensor(encoded)
     assert decoded.dtype == object and decoded.tolist() == values
     assert deserialize_bytes_tensor(b"").tolist() == []
+
+
+def test_gpu_instances_need_torch_with_cuda_in_the_models_environment():
+    from export.environment import cuda_problem
+    from export.stage import model_options
+
+    if cuda_problem(find_models_env()) is None:
+        pytest.skip("the models' torch can use a GPU here")
+    with pytest.raises(UserError, match="export.instance_kind=gpu, but torch in .* sees no CUDA GPU"):
+        model_options(load_config(None, ["export.instance_kind=gpu", "device=cpu"]))
+    assert model_options(load_config(None, ["device=cpu"])).instance_kind == "cpu"
