@@ -30,7 +30,7 @@ from pipeline.schema import Schema
 
 PRESETS = {
     "mlperf": dict(embedding_dim=128, bottom_mlp=[512, 256, 128], top_mlp=[1024, 1024, 512, 256, 1]),
-    "small": dict(embedding_dim=16, bottom_mlp=[64, 32, 16], top_mlp=[128, 64, 1]),
+    "small": dict(embedding_dim=32, bottom_mlp=[64, 32], top_mlp=[128, 64, 1]),
 }
 
 

@@ -17,8 +17,8 @@ class TrainConfig:
     """Model, optimizer and loop settings.
 
     Sizes left at 0 / empty come from ``preset``: ``mlperf`` is MLPerf's DLRM (embedding dim 128,
-    bottom MLP 512-256-128, top MLP 1024-1024-512-256-1); ``small`` is a CPU-sized model (dim 16,
-    bottom 64-32-16, top 128-64-1); ``auto`` takes ``mlperf`` on a GPU and ``small`` on CPU.
+    bottom MLP 512-256-128, top MLP 1024-1024-512-256-1); ``small`` is a CPU-sized model (dim 32,
+    bottom 64-32, top 128-64-1); ``auto`` takes ``mlperf`` on a GPU and ``small`` on CPU.
     """
 
     model: str = field(default="dlrm", metadata={"help": "dlrm | dcnv2 | deepfm | wide_deep"})
@@ -39,10 +39,10 @@ class TrainConfig:
     eval_every: int = field(default=0, metadata={"help": "evaluate on valid every N steps (0: at each epoch's end)"})
 
     optimizer: str = field(default="adam", metadata={"help": "dense optimizer: sgd | adam | adagrad"})
-    lr: float = field(default=1e-3, metadata={"help": "peak learning rate of the dense part"})
+    lr: float = field(default=0.01, metadata={"help": "peak learning rate of the dense part"})
     embedding_optimizer: str = field(default="adagrad", metadata={
         "help": "fused sparse optimizer of the tables: sgd | adagrad (row-wise) | adam (lazy)"})
-    embedding_lr: float = field(default=0.05, metadata={"help": "peak learning rate of the embedding tables"})
+    embedding_lr: float = field(default=0.2, metadata={"help": "peak learning rate of the embedding tables"})
     weight_decay: float = field(default=0.0, metadata={"help": "L2 weight decay (dense and embedding)"})
     warmup_steps: int = field(default=100, metadata={"help": "linear warmup from 0 to the peak lr"})
     decay: str = field(default="cosine", metadata={"help": "none | linear | cosine decay after warmup"})
