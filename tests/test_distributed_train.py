@@ -23,6 +23,20 @@ def processed(tmp_path_factory):
     return workdir
 
 
+def _score_alone(cfg) -> dict:
+    from pipeline.loader import Loader
+    from pipeline.schema import Schema
+    from pipeline.train.evaluate import evaluate
+    from pipeline.train.stage import load_trained
+
+    model, _ = load_trained(cfg, backend="torch")
+    loader = Loader(cfg.paths.processed / "test", 4096, schema=Schema.load(cfg.paths.schema), device="cpu")
+    try:
+        return evaluate(model, loader, torch.device("cpu"))
+    finally:
+        loader.close()
+
+
 def test_two_ranks_train_and_write_a_model_one_process_can_score(processed):
     overrides = [f"workdir={processed}", "device=cpu", "train.batch_size=512", "train.max_steps=12", "train.epochs=2",
                  "train.checkpoint_every=5", "train.progress=false", "train.log_every=5", "train.eval_every=6",
@@ -37,18 +51,25 @@ def test_two_ranks_train_and_write_a_model_one_process_can_score(processed):
     plan = json.loads((out / "plan.json").read_text())
     assert plan["world_size"] == 2
 
-    from pipeline.loader import Loader
-    from pipeline.schema import Schema
-    from pipeline.train.evaluate import evaluate
-    from pipeline.train.stage import load_trained
-
-    model, _ = load_trained(cfg, backend="torch")
-    loader = Loader(cfg.paths.processed / "test", 4096, schema=Schema.load(cfg.paths.schema), device="cpu")
-    try:
-        alone = evaluate(model, loader, torch.device("cpu"))
-    finally:
-        loader.close()
+    alone = _score_alone(cfg)
     assert alone["rows"] == result["test"]["rows"]
     # The same weights in one process: the gathered predictions of the ranks, up to float32 rounding.
     assert alone["auc"] == pytest.approx(result["test"]["auc"], abs=1e-6)
     assert alone["logloss"] == pytest.approx(result["test"]["logloss"], abs=1e-6)
+
+
+def test_three_ranks_resume_what_two_ranks_saved(processed):
+    overrides = [f"workdir={processed}", "device=cpu", "train.batch_size=512", "train.max_steps=14", "train.epochs=2",
+                 "train.checkpoint_every=5", "train.progress=false", "train.log_every=5", "train.eval_every=0",
+                 "train.embedding_backend=torch", "train.resume=true"]
+    assert relaunch(overrides, 3, module="pipeline.distributed.train") == 0
+    cfg = load_config(None, overrides)
+    out = cfg.paths.train
+    result = json.loads((out / "result.json").read_text())
+    assert result["ranks"] == 3 and result["steps"] == 14
+    events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    resume = [e for e in events if e.get("event") == "resume"]
+    assert resume and resume[-1]["step"] == 12 and resume[-1]["saved_by_ranks"] == 2
+    alone = _score_alone(cfg)
+    # see above: one process with the weights the three ranks ended with
+    assert alone["auc"] == pytest.approx(result["test"]["auc"], abs=1e-6)

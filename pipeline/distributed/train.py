@@ -85,26 +85,40 @@ class DistributedTrainer(Trainer):
         return folder
 
     def resume_from(self, path: str | Path) -> None:
-        """Continue from a sharded checkpoint written by the same number of ranks (exact resume)."""
+        """Continue from a sharded checkpoint.
+
+        Written by as many ranks as this run has: an exact resume (loader positions and RNG states
+        too). Written by another number: the tables and all optimizer states are resharded exactly,
+        the loop goes on from the saved step, and the data position within the epoch is carried
+        over by samples seen (each rank's shard of the data changes with the rank count, so the
+        batches that follow are not the ones an uninterrupted run would have seen).
+        """
         path = Path(path)
         meta = read_meta(path)
         world = dist.get_world_size() if dist.is_initialized() else 1
-        if meta["world_size"] != world:
-            raise ValueError(f"{path} was written by {meta['world_size']} ranks, this run has {world}: resuming the "
-                             "loop needs the same number; load_sharded_checkpoint() reshards the weights for others")
         saved = load_sharded_checkpoint(path, self.model.sharded_collections())
         self.model.load_dense_state_dict({k: v.to(self.device) for k, v in saved["dense"]["model"].items()})
         self.optimizer.load_state_dict(saved["dense"]["dense_optimizer"])
-        mine = torch.load(path / f"rank-{self.rank}.pt", map_location="cpu", weights_only=True)
-        self.loader.load_state_dict(mine["loader"])
-        self.state = LoopState(step=int(meta["step"]), epoch=int(mine["loader"]["epoch"]),
-                               batch=int(mine["loader"]["batches"]))
-        set_rng_state(mine["rng"])
+        if meta["world_size"] == world:
+            mine = torch.load(path / f"rank-{self.rank}.pt", map_location="cpu", weights_only=True)
+            self.loader.load_state_dict(mine["loader"])
+            epoch, batch = int(mine["loader"]["epoch"]), int(mine["loader"]["batches"])
+            set_rng_state(mine["rng"])
+        else:
+            epoch, batch = int(saved["extra"]["epoch"]), int(saved["extra"]["batch"]) * meta["world_size"] // world
+            if batch >= self.steps_per_epoch:
+                epoch, batch = epoch + 1, 0
+            self.loader.load_state_dict({**self.loader.state_dict(), "epoch": epoch, "batches": batch})
+            if self.rank == 0:
+                print(f"[train] resuming {meta['world_size']}-rank checkpoint {path} on {world} ranks: weights and "
+                      f"optimizer states resharded; data resumes at epoch {epoch}, batch {batch}", flush=True)
+        self.state = LoopState(step=int(meta["step"]), epoch=epoch, batch=batch)
         if self.rank == 0 and self.metrics_path.is_file():
             kept = [line for line in self.metrics_path.read_text().splitlines()
                     if line.strip() and json.loads(line)["step"] <= self.state.step]
             self.metrics_path.write_text("".join(line + "\n" for line in kept))
-        self._log({"event": "resume", "step": self.state.step, "checkpoint": str(path)})
+        self._log({"event": "resume", "step": self.state.step, "checkpoint": str(path),
+                   "saved_by_ranks": meta["world_size"], "ranks": world})
 
     def _log(self, record: dict) -> None:
         if self.rank == 0:
