@@ -155,15 +155,16 @@ def test_table_reader_with_multihot(tmp_path, name):
     else:
         _write_text(path, "," if name.endswith(".csv") else "\t", rows)
     raw = ensure_raw(_cfg(tmp_path, *TABLE_ROLES, f"data.path={path}", "data.valid_fraction=0.2"), progress=False)
-    assert (raw.label, raw.continuous, raw.categorical, raw.multihot) == ("clicked", ["price"], ["user"], ["tags"])
+    assert (raw.label, raw.continuous, raw.categorical, raw.multihot) == ("label", ["price"], ["user"], ["tags"])
     table = pa.concat_tables([pq.read_table(p) for s in ("train", "valid", "test") for p in raw.splits[s]])
-    assert table.num_rows == 40 and table.column_names == ["clicked", "price", "user", "tags"]
-    assert table.schema.field("clicked").type == pa.int8()
+    assert table.num_rows == 40 and table.column_names == ["label", "price", "user", "tags"]
+    assert table.schema.field("label").type == pa.int8()
     assert table.schema.field("price").type == pa.float64()
     assert table.schema.field("user").type == pa.string()
     assert table.schema.field("tags").type == pa.list_(pa.string())
     got = sorted(table.to_pylist(), key=repr)
-    want = sorted(({k: rows[k][i] for k in ("clicked", "price", "user", "tags")} for i in range(40)), key=repr)
+    want = sorted(({"label" if k == "clicked" else k: rows[k][i] for k in ("clicked", "price", "user", "tags")}
+                   for i in range(40)), key=repr)
     assert got == want
     assert raw.rows["valid"] > 0
 

@@ -2,7 +2,7 @@
 
 ::
 
-    <raw>/train/part-00000.parquet ...   label int8; continuous int64 or float64 (nulls);
+    <raw>/train/part-00000.parquet ...   label (int8, named label whatever the input called it); continuous int64 or float64 (nulls);
     <raw>/valid/part-00000.parquet ...   categorical string (nulls); multi-hot list<string>
     <raw>/test/part-00000.parquet ...
     <raw>/meta.json                      {"version": 1, "source", "params", "label", "continuous",
@@ -33,6 +33,7 @@ import pyarrow.parquet as pq
 from pipeline.errors import BadInputError
 
 RAW_VERSION = 1
+LABEL = "label"
 SPLITS = ("train", "valid", "test")
 META = "meta.json"
 ORACLE = "oracle.json"

@@ -16,7 +16,7 @@ block that has any and raises a :class:`~pipeline.errors.BadInputError` naming t
 them. Either way they are counted, with examples, in ``ingest_report.json``. Several input files
 are read in parallel as Dask tasks, one per file.
 
-Rows go to train / valid / test by a hash of ``(seed, file, line)`` against ``data.valid_fraction``
+The label column is written as ``label`` whatever its input name. Rows go to train / valid / test by a hash of ``(seed, file, line)`` against ``data.valid_fraction``
 and ``data.test_fraction``, unless ``data.valid_path`` / ``data.test_path`` name their own files.
 
 Example::
@@ -99,6 +99,9 @@ def table_roles(d: DataConfig) -> Roles:
     if not (roles.continuous or roles.categorical or roles.multihot):
         raise BadInputError("data.source=table needs column roles: set data.continuous, data.categorical "
                             "and/or data.multihot (and data.label), e.g. data.categorical=user,item")
+    if roles.label != layout.LABEL and layout.LABEL in roles.columns:
+        raise BadInputError(f"the raw layout names the label column {layout.LABEL!r}; a feature of that name "
+                            f"clashes with data.label={roles.label!r}: rename it in the input")
     names = roles.columns + roles.ignore
     repeated = sorted({c for c in names if names.count(c) > 1})
     if repeated:
@@ -215,7 +218,6 @@ def ingest(d: DataConfig, seed: int, root: Path, params: dict, progress: bool = 
             for part in (root / split).glob("*.parquet"):
                 part.unlink()
         raise BadInputError(_failure_message(report))
-    schema_types = next((r["types"] for r in results if r["types"]), None)
     for split in layout.SPLITS:
         (root / split).mkdir(parents=True, exist_ok=True)
         layout.number_parts(root / split)
@@ -223,12 +225,11 @@ def ingest(d: DataConfig, seed: int, root: Path, params: dict, progress: bool = 
         "version": layout.RAW_VERSION,
         "source": d.source,
         "params": params,
-        "label": roles.label,
+        "label": layout.LABEL,
         "continuous": roles.continuous,
         "categorical": roles.categorical,
         "multihot": roles.multihot,
         "rows": report["rows_written"],
-        "types": schema_types,
     })
     return report
 
@@ -242,12 +243,11 @@ def _ingest_file(index: int, path: Path, pinned: str | None, d: DataConfig, role
         blocks = read_criteo(path, d.chunk_rows, report, stop)
     else:
         blocks = read_table(path, roles, d.chunk_rows, report, stop, d.list_separator)
-    types = None
     from tqdm.auto import tqdm
 
     with tqdm(desc=path.name, unit="row", unit_scale=True, disable=not progress) as bar:
         for table, lines in blocks:
-            types = types or {f.name: str(f.type) for f in table.schema}
+            table = table.rename_columns([layout.LABEL if n == roles.label else n for n in table.column_names])
             if pinned:
                 writers[pinned].write(table)
             else:
@@ -259,7 +259,7 @@ def _ingest_file(index: int, path: Path, pinned: str | None, d: DataConfig, role
         w.close()
     if report.rows_read == 0 and report.bad_rows == 0:
         raise BadInputError(f"{path} is empty: expected rows of {'Criteo TSV' if d.source == 'criteo' else 'data'}")
-    return {"report": report, "rows_written": {s: w.rows for s, w in writers.items()}, "types": types}
+    return {"report": report, "rows_written": {s: w.rows for s, w in writers.items()}}
 
 
 def _ingest_in_parallel(jobs: list, args: tuple, progress: bool) -> list[dict]:
