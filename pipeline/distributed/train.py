@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from pipeline.distributed.checkpoint import load_sharded_checkpoint, read_meta, save_sharded_checkpoint
 from pipeline.distributed.comm import init_from_env
@@ -227,7 +228,9 @@ def _write_json(path: Path, value: dict) -> None:
     tmp.replace(path)
 
 
+@record
 def main(argv: list[str] | None = None) -> int:
+    """``python -m pipeline.distributed.train key=value ...`` (under torchrun)."""
     from pipeline.config import load_config
 
     argv = sys.argv[1:] if argv is None else argv
