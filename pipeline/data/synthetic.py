@@ -40,7 +40,7 @@ from typing import Iterator
 import numpy as np
 import pyarrow as pa
 
-GENERATOR_VERSION = 4
+GENERATOR_VERSION = 5
 BLOCK_ROWS = 1 << 16
 SPLITS = ("train", "valid", "test")
 LABEL = "label"
@@ -123,7 +123,7 @@ class ClickModel:
     head: np.ndarray  # (26,) values of each feature that carry an effect (ranks 1..head)
     effect_offset: np.ndarray  # (26,) start of each feature's table in ``effects``
     effects: np.ndarray  # concatenated per-feature tables of head+1 entries; the last one (tail) is 0
-    latent: list[tuple[int, int, np.ndarray, np.ndarray]]  # (feature a, feature b, U_a, U_b)
+    interactions: list[tuple[int, int, np.ndarray]]  # (feature a, feature b, U_a @ U_b.T with a zero last row/column)
     dense_weight: np.ndarray  # (13,)
     dense_center: np.ndarray  # (13,)
     dense_scale: np.ndarray  # (13,)
@@ -139,15 +139,15 @@ class ClickModel:
         strength = _SIGNAL * rng.uniform(0.15, 0.6, size=26) * (rng.random(26) > 0.2)
         tables = [np.append(rng.standard_normal(h) * s, 0.0) for h, s in zip(head, strength)]
         offset = np.cumsum([0] + [t.size for t in tables[:-1]]).astype(np.int64)
-        latent = []
+        interactions = []
         for a, b, scale in _INTERACTIONS:
             ha, hb = min(head[a], _INTERACTION_HEAD), min(head[b], _INTERACTION_HEAD)
             sd = np.sqrt(_SIGNAL * scale / np.sqrt(_INTERACTION_DIM))
             ua = np.vstack([rng.standard_normal((ha, _INTERACTION_DIM)) * sd, np.zeros(_INTERACTION_DIM)])
             ub = np.vstack([rng.standard_normal((hb, _INTERACTION_DIM)) * sd, np.zeros(_INTERACTION_DIM)])
-            latent.append((a, b, ua, ub))
+            interactions.append((a, b, ua @ ub.T))
         dense_weight = _SIGNAL * rng.uniform(-1.0, 1.0, size=13)
-        model = cls(seed, size, card, exponent, head, offset, np.concatenate(tables), latent, dense_weight,
+        model = cls(seed, size, card, exponent, head, offset, np.concatenate(tables), interactions, dense_weight,
                     np.zeros(13), np.ones(13))
         model._calibrate()
         return model
@@ -175,12 +175,13 @@ class ClickModel:
         values enter as ``log1p(max(x, 0))`` with nulls as 0.
         """
         # tail ranks and nulls -> each table's last entry, which is zero
-        head_index = np.where(cat_null, self.head[:, None], np.minimum(ranks, self.head[:, None] + 1) - 1)
-        logit = self.effects[head_index + self.effect_offset[:, None]].sum(axis=0)
-        for a, b, ua, ub in self.latent:
-            ia = np.minimum(head_index[a], ua.shape[0] - 1)
-            ib = np.minimum(head_index[b], ub.shape[0] - 1)
-            logit += np.einsum("nd,nd->n", ua[ia], ub[ib])
+        head = self.head.astype(np.int32)[:, None]
+        head_index = np.where(cat_null, head, np.minimum(ranks, head + 1) - 1)
+        logit = self.effects.take(head_index + self.effect_offset.astype(np.int32)[:, None]).sum(axis=0)
+        for a, b, products in self.interactions:
+            ia = np.minimum(head_index[a], products.shape[0] - 1)
+            ib = np.minimum(head_index[b], products.shape[1] - 1)
+            logit += products.ravel().take(ia * products.shape[1] + ib)
         t = (_log_counts(counts, dense_null) - self.dense_center[:, None]) / self.dense_scale[:, None]
         logit += self.dense_weight @ t
         logit -= _SIGNAL * 0.3 * t[5] ** 2  # one non-monotone dense effect: mid values of I6 click most
@@ -239,7 +240,7 @@ def iter_split(model: ClickModel, split: str, rows: int, chunk_rows: int) -> Ite
 
 @dataclass
 class _Draws:
-    ranks: np.ndarray  # (26, n) int64 in [1, cardinality]
+    ranks: np.ndarray  # (26, n) int32 in [1, cardinality]
     cat_null: np.ndarray  # (26, n) bool
     counts: np.ndarray  # (13, n) int64
     dense_null: np.ndarray  # (13, n) bool
@@ -267,7 +268,7 @@ def _zipf_ranks(u: np.ndarray, k: np.ndarray, s: np.ndarray) -> np.ndarray:
     one_minus_s = 1.0 - s
     span = (k + 1.0) ** one_minus_s - 1.0
     x = (1.0 + u * span) ** (1.0 / one_minus_s)
-    return np.minimum(x.astype(np.int64), k)
+    return np.minimum(x.astype(np.int32), k.astype(np.int32))
 
 
 def _head_size(k: int, s: float) -> int:
@@ -285,7 +286,7 @@ def _log_counts(counts: np.ndarray, null: np.ndarray) -> np.ndarray:
 def _hash32(ranks: np.ndarray, feature: np.ndarray | int, seed: int) -> np.ndarray:
     """MurmurHash3's 32-bit finalizer of (rank + a per-feature salt): a bijection of ranks within a feature."""
     salt = (np.asarray(feature, dtype=np.uint64) * np.uint64(0x9E3779B9) + np.uint64(seed * 0x85EBCA77 & 0xFFFFFFFF))
-    h = (ranks.astype(np.uint64) + salt).astype(np.uint32)
+    h = ranks.astype(np.uint32) + (salt & np.uint64(0xFFFFFFFF)).astype(np.uint32)  # wraps mod 2**32
     h ^= h >> np.uint32(16)
     h *= np.uint32(0x85EBCA6B)
     h ^= h >> np.uint32(13)
