@@ -171,7 +171,7 @@ def test_table_reader_with_multihot(tmp_path, name):
 
 def test_table_reader_counts_bad_numbers_and_labels(tmp_path):
     path = tmp_path / "rows.csv"
-    path.write_text("clicked,price,user\n1,2.5,a\n0,oops,b\n3,1,c\n1,1e3,d\n0,nan,e\n")
+    path.write_text("\ufeffclicked,price,user\r\n1,2.5,a\r\n0,oops,b\r\n3,1,c\r\n1,1e3,d\r\n0,nan,e\r\n")
     cfg = _cfg(tmp_path, "data.source=table", f"data.path={path}", "data.label=clicked",
                "data.continuous=price", "data.categorical=user", "data.on_bad_lines=skip")
     raw = ensure_raw(cfg, progress=False)
@@ -182,6 +182,8 @@ def test_table_reader_counts_bad_numbers_and_labels(tmp_path):
     prices = sorted(v for s in raw.splits.values() for p in s for v in pq.read_table(p).column("price").to_pylist()
                     if v is not None)
     assert prices == [2.5, 1000.0] and sum(raw.rows.values()) == 3
+    users = sorted(v for s in raw.splits.values() for p in s for v in pq.read_table(p).column("user").to_pylist())
+    assert users == ["a", "d", "e"]  # no stray carriage returns
 
 
 def test_separate_files_per_split(tmp_path):

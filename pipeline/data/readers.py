@@ -7,7 +7,7 @@
   ``data.multihot``; columns to drop in ``data.ignore``). A multi-hot cell of a text file is split on
   ``data.list_separator``; in parquet it is a list column.
 
-Text is read in blocks of whole lines (about ``data.chunk_rows`` rows) and parsed by ``pyarrow.csv``
+Text is read in blocks of whole lines (so a quoted value may not hold a newline) (about ``data.chunk_rows`` rows) and parsed by ``pyarrow.csv``
 with every column as text, then checked and converted column by column, so one bad row never
 takes its block down and every bad row is counted with its line number. Malformed rows are rows
 with the wrong number of fields (empty lines included), broken UTF-8, a non-number in a numeric
@@ -345,7 +345,7 @@ def _line_blocks(path: Path, block_bytes: int) -> Iterator[tuple[int, bytes]]:
 
 def _header(line: bytes, delimiter: str, path: Path) -> list[str]:
     try:
-        text = line.decode("utf-8").rstrip("\r")
+        text = line.decode("utf-8-sig").rstrip("\r")  # -sig: a byte-order mark is not part of the first name
     except UnicodeDecodeError as err:
         raise BadInputError(f"{path}: the header line is not valid UTF-8 ({err.reason} at byte {err.start})") from err
     names = next(csv.reader([text], delimiter=delimiter))
