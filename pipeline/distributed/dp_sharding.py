@@ -119,5 +119,6 @@ class _DataParallelLookup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         values, offsets = ctx.saved_tensors
-        ctx.sharding.synced_update(values, offsets, ctx.batch_size, grad)
+        # A column slice of the collection's gradient: kernels read it as one dense [B, dims] block.
+        ctx.sharding.synced_update(values, offsets, ctx.batch_size, grad.contiguous())
         return None, None, None, None, None
