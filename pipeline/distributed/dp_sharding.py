@@ -57,8 +57,10 @@ class DataParallelSharding(nn.Module):
         row_grad = torch.zeros(layout.total_elements, dtype=torch.float32, device=device)
         if batch_size:
             # SGD with lr = -1 on a zero buffer leaves the summed row gradients in it.
-            fp32 = resolve_backend(ec.backend_name, device, torch.float32)
-            fp32.backward_update(row_grad, {}, layout, values, offsets, batch_size, grad,
+            key = (ec.backend_name, str(device))
+            if getattr(self, "_fp32_key", None) != key:
+                self._fp32_backend, self._fp32_key = resolve_backend(ec.backend_name, device, torch.float32), key
+            self._fp32_backend.backward_update(row_grad, {}, layout, values, offsets, batch_size, grad,
                                  EmbeddingOptimizerConfig("sgd", lr=-1.0), -1.0, 1)
         touched = torch.zeros(layout.total_rows, dtype=torch.float32, device=device)
         if values.numel():
