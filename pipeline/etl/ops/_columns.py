@@ -46,6 +46,8 @@ def as_arrow(series: Any) -> pa.Array:
     array = series.array
     if hasattr(array, "__arrow_array__"):
         arrow = pa.array(array)
+    elif isinstance(series.dtype, np.dtype) and series.dtype != object:
+        arrow = pa.array(series.to_numpy(), from_pandas=True)
     else:
         try:
             arrow = pa.array(np.asarray(series, dtype=object), from_pandas=True)
