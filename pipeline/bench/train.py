@@ -26,6 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per round")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per model (median reported)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps before the first round")
+    parser.add_argument("--bottom", default="", help="bottom MLP widths before the embedding dim, e.g. 512,256")
+    parser.add_argument("--top", default="", help="top MLP widths ending in 1, e.g. 512,256,1")
     parser.add_argument("--backend", default="auto", help="our embedding backend: torch | cuda | auto")
     parser.add_argument("--amp", choices=["auto", "bf16", "off"], default="auto",
                         help="bf16 autocast of the MLPs (auto: on GPU only)")
@@ -45,8 +47,9 @@ def run(args: argparse.Namespace, cfg) -> dict:
         torch.set_num_threads(args.threads)
     amp = args.amp == "bf16" or (args.amp == "auto" and device.type == "cuda")
     dim = args.dim or (128 if args.preset == "mlperf" else 64)
-    bottom = [512, 256, dim]
-    top = [1024, 1024, 512, 256, 1] if args.preset == "mlperf" else [512, 256, 1]
+    bottom = ([int(w) for w in args.bottom.split(",")] if args.bottom else [512, 256]) + [dim]
+    top = [int(w) for w in args.top.split(",")] if args.top else (
+        [1024, 1024, 512, 256, 1] if args.preset == "mlperf" else [512, 256, 1])
     torch.manual_seed(cfg.seed)
 
     batches = _batches(args, device, n=4)
