@@ -25,6 +25,8 @@ class ExportConfig:
     cache_fraction: float = field(default=0.25, metadata={"help": "rows of each table kept in the cache, as a fraction"})
     dense_threads: int = field(default=1, metadata={
         "help": "torch threads of each CPU dense instance (1: small requests, cores left to the other models)"})
+    fuse_dense: bool = field(default=False, metadata={
+        "help": "one 'ranker' model (embedding lookup + dense) in place of 'embedding' and 'dense': one hop less"})
     update: bool = field(default=False, metadata={
         "help": "write only a new embedding store version; a running server picks it up without a restart"})
 

@@ -21,7 +21,6 @@ from pipeline.schema import Schema
 
 PREDICTION = "PREDICTION"
 EMBEDDINGS = "EMBEDDINGS"
-MODEL_NAMES = ("preprocess", "embedding", "dense", "ensemble")
 
 
 @dataclass(frozen=True)
@@ -84,15 +83,26 @@ class ModelOptions:
     cache_policy: str = "lru"
     cache_fraction: float = 0.25
     dense_threads: int = 1
+    fuse_dense: bool = False  # one "ranker" model (lookup + dense) in place of "embedding" and "dense"
 
 
 def model_configs(spec: EnsembleSpec, options: ModelOptions) -> dict[str, str]:
     """Model name -> the text of its ``config.pbtxt``."""
+    cache = {"cache_policy": options.cache_policy, "cache_fraction": str(options.cache_fraction)}
+    if options.fuse_dense:
+        if options.dense_backend != "python":
+            raise UserError("export.fuse_dense=true runs the dense part in the python backend: "
+                            "it needs export.dense_backend=python")
+        return {
+            "preprocess": _python_model("preprocess", spec.raw, spec.features, options, kind="cpu"),
+            "ranker": _python_model("ranker", spec.features, [spec.prediction], options,
+                                    parameters={**cache, "intra_op_threads": str(options.dense_threads)}),
+            "ensemble": _ensemble(spec, options),
+        }
     return {
         "preprocess": _python_model("preprocess", spec.raw, spec.features, options, kind="cpu"),
         "embedding": _python_model("embedding", spec.embedding_inputs, [spec.embeddings], options,
-                                   parameters={"cache_policy": options.cache_policy,
-                                               "cache_fraction": str(options.cache_fraction)}),
+                                   parameters=cache),
         "dense": _dense(spec, options),
         "ensemble": _ensemble(spec, options),
     }
@@ -149,11 +159,14 @@ def _step(model: str, inputs: dict[str, str], outputs: dict[str, str]) -> str:
 
 def _ensemble(spec: EnsembleSpec, options: ModelOptions) -> str:
     dense_inputs, dense_output = dense_tensor_names(options)
-    steps = [
-        _step("preprocess", {t.name: t.name for t in spec.raw}, {t.name: t.name for t in spec.features}),
-        _step("embedding", {t.name: t.name for t in spec.embedding_inputs}, {EMBEDDINGS: EMBEDDINGS}),
-        _step("dense", dict(zip(dense_inputs, [DENSE, EMBEDDINGS])), {dense_output: PREDICTION}),
-    ]
+    steps = [_step("preprocess", {t.name: t.name for t in spec.raw}, {t.name: t.name for t in spec.features})]
+    if options.fuse_dense:
+        steps.append(_step("ranker", {t.name: t.name for t in spec.features}, {PREDICTION: PREDICTION}))
+    else:
+        steps += [
+            _step("embedding", {t.name: t.name for t in spec.embedding_inputs}, {EMBEDDINGS: EMBEDDINGS}),
+            _step("dense", dict(zip(dense_inputs, [DENSE, EMBEDDINGS])), {dense_output: PREDICTION}),
+        ]
     return (f'name: "ensemble"\nplatform: "ensemble"\nmax_batch_size: {options.max_batch_size}\n'
             + _io(spec.raw, [spec.prediction])
             + "ensemble_scheduling {\n  step [\n" + ",\n".join(steps) + "\n  ]\n}\n"

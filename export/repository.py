@@ -6,6 +6,7 @@ Layout (``cfg.paths.export``)::
     embedding/config.pbtxt    1/model.py   1/layout.json   store/{CURRENT, v000001/<table>.npy ...}
     dense/config.pbtxt        1/model.py   1/model.pt      (TorchScript; the pytorch backend reads it too)
     ensemble/config.pbtxt     1/
+    (export.fuse_dense: ranker/ holds layout.json, store/ and model.pt, in place of embedding/ and dense/)
     export.json               what was exported, from where, and the store version
 
 ``update=True`` writes only a new version of the embedding store (the running ``embedding`` model
@@ -84,22 +85,24 @@ def write_repository(model, schema: Schema, workflow_dir: str | Path, raw: RawCo
     for name, text in configs.items():
         (staging / name / "1").mkdir(parents=True)
         (staging / name / "config.pbtxt").write_text(text)
-    python_models = ("preprocess", "embedding", "dense") if options.dense_backend == "python" else (
-        "preprocess", "embedding")
-    for name in python_models:
-        shutil.copyfile(MODELS_SOURCE / f"{name}.py", staging / name / "1" / "model.py")
+    for name in configs:
+        if f'backend: "python"' in configs[name]:
+            shutil.copyfile(MODELS_SOURCE / f"{name}.py", staging / name / "1" / "model.py")
+    lookup_model = "ranker" if options.fuse_dense else "embedding"
+    dense_model = "ranker" if options.fuse_dense else "dense"
 
     artifacts = staging / "preprocess" / "1" / "artifacts"
     shutil.copytree(workflow_dir, artifacts / "workflow")
     raw.save(artifacts / "raw_columns.json")
     schema.save(artifacts / "schema.json")
 
-    LookupLayout.from_collection(model.embedding, schema).save(staging / "embedding" / "1" / "layout.json")
-    version = write_version(staging / "embedding" / "store", embedding_tables(model))
-    save_dense(model, staging / "dense" / "1" / "model.pt")
+    LookupLayout.from_collection(model.embedding, schema).save(staging / lookup_model / "1" / "layout.json")
+    version = write_version(staging / lookup_model / "store", embedding_tables(model))
+    save_dense(model, staging / dense_model / "1" / "model.pt")
 
     summary = {
-        "models": list(configs), "store_version": version, "dense_fingerprint": fingerprint,
+        "models": list(configs), "lookup_model": lookup_model, "store_version": version,
+        "dense_fingerprint": fingerprint,
         "embedding_dim_total": model.embedding.output_dim, "tables": model.embedding.layout.table_names,
         "options": vars(options), "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
@@ -123,8 +126,7 @@ def _update_tables(model, out: Path, fingerprint: str) -> dict:
     if sorted(tables) != sorted(record["tables"]):
         raise UserError(f"export.update=true: the model's tables {sorted(tables)} are not the exported "
                         f"{sorted(record['tables'])}; export with export.update=false")
-    store = out / "embedding" / "store"
-    version = write_version(store, tables)
+    version = write_version(lookup_dir(out) / "store", tables)
     record["store_version"] = version
     record["updated_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     record_path.write_text(json.dumps(record, indent=2) + "\n")
@@ -133,7 +135,17 @@ def _update_tables(model, out: Path, fingerprint: str) -> dict:
 
 def store_version(out: str | Path) -> int:
     """The embedding store version the repository at ``out`` serves now."""
-    return current_version(Path(out) / "embedding" / "store")
+    return current_version(lookup_dir(out) / "store")
+
+
+def lookup_dir(out: str | Path) -> Path:
+    """The folder of the model that holds the store: ``embedding``, or ``ranker`` when fused."""
+    out = Path(out)
+    try:
+        name = json.loads((out / EXPORT_RECORD).read_text()).get("lookup_model", "embedding")
+    except FileNotFoundError:
+        name = "embedding"
+    return out / name
 
 
 def cache_stats(out: str | Path) -> dict:
@@ -142,7 +154,7 @@ def cache_stats(out: str | Path) -> dict:
     Files of instances whose process is gone are ignored. ``hit_rate`` is over distinct ids per batch.
     """
     totals = {"instances": 0, "hits": 0, "misses": 0, "evictions": 0, "versions": []}
-    for path in sorted((Path(out) / "embedding" / "stats").glob("instance-*.json")):
+    for path in sorted((lookup_dir(out) / "stats").glob("instance-*.json")):
         pid = path.stem.split("-", 1)[1]
         if not Path(f"/proc/{pid}").exists():
             continue

@@ -63,7 +63,8 @@ def model_options(cfg: PipelineConfig) -> ModelOptions:
         max_batch_size=cfg.export.max_batch_size, instance_kind=kind, instances=cfg.export.instances,
         dynamic_batching=cfg.export.dynamic_batching, max_queue_delay_us=cfg.export.max_queue_delay_us,
         dense_backend=cfg.export.dense_backend, cache_policy=cfg.export.cache_policy,
-        cache_fraction=cfg.export.cache_fraction, dense_threads=cfg.export.dense_threads)
+        cache_fraction=cfg.export.cache_fraction, dense_threads=cfg.export.dense_threads,
+        fuse_dense=cfg.export.fuse_dense)
 
 
 def _instance_kind(cfg: PipelineConfig) -> str:

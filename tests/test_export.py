@@ -71,6 +71,21 @@ def test_every_ensemble_step_maps_tensors_the_models_declare_alike(dense_backend
         assert 'platform: "pytorch_libtorch"' in configs["dense"]
 
 
+def test_fused_export_has_one_ranker_step_after_preprocess():
+    spec = EnsembleSpec.build(_raw(), _schema(), embedding_dim_total=48)
+    configs = model_configs(spec, ModelOptions(fuse_dense=True))
+    assert sorted(configs) == ["ensemble", "preprocess", "ranker"]
+    steps = re.findall(r'model_name: "(\w+)"', configs["ensemble"])
+    assert steps == ["preprocess", "ranker"]
+    ranker = _tensors(configs["ranker"])
+    for name, declared in _tensors(configs["preprocess"]).items():
+        if name in ("DENSE", "CATEGORICAL_IDS", "MULTIHOT_IDS", "MULTIHOT_LENGTHS"):
+            assert ranker[name] == declared
+    assert ranker["PREDICTION"] == ("FP32", "1") and 'key: "intra_op_threads"' in configs["ranker"]
+    with pytest.raises(UserError, match="fuse_dense=true .* needs export.dense_backend=python"):
+        model_configs(spec, ModelOptions(fuse_dense=True, dense_backend="pytorch"))
+
+
 def test_instance_groups_and_dynamic_batching_are_options():
     spec = EnsembleSpec.build(_raw(False), _schema(False), embedding_dim_total=32)
     gpu = model_configs(spec, ModelOptions(instance_kind="gpu", instances=2, dynamic_batching=False))

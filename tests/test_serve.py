@@ -238,6 +238,27 @@ def test_update_refuses_a_changed_dense_part(served):
         write_repository(changed, reference.schema, cfg.paths.workflow, None, cfg.paths.export, update=True)
 
 
+def test_fused_ranker_serves_the_same_predictions(served, tmp_path):
+    import dataclasses
+
+    cfg, model, reference, _ = served
+    fused = dataclasses.replace(cfg, workdir=str(tmp_path),
+                                export=dataclasses.replace(cfg.export, fuse_dense=True))
+    raw_data = RawDataset.load(cfg.paths.raw)
+    summary = write_repository(model, reference.schema, cfg.paths.workflow, raw_columns(raw_data, cfg),
+                               fused.paths.export, model_options(fused))
+    assert summary["models"] == ["preprocess", "ranker", "ensemble"]
+    rows = _rows(cfg).iloc[:100]
+    server = start_server(fused)
+    try:
+        with Client(server.grpc_url, "grpc") as client:
+            np.testing.assert_allclose(client.predict(rows), reference.predict(rows), rtol=0, atol=1e-5)
+        time.sleep(0.5)
+        assert cache_stats(fused.paths.export)["misses"] > 0
+    finally:
+        server.stop()
+
+
 def test_cli_serve_answers_then_stops_cleanly_on_sigterm(served):
     cfg = served[0]
     command = [sys.executable, "-m", "pipeline", "run", "serve", f"workdir={cfg.workdir}", "device=cpu"]

@@ -164,7 +164,7 @@ def _model_stats(client) -> dict[str, dict[str, int]]:
 
 def _per_request(before: dict, after: dict) -> dict[str, float]:
     out = {}
-    for name in ("preprocess", "embedding", "dense", "ensemble"):
+    for name in ("preprocess", "embedding", "dense", "ranker", "ensemble"):
         if name not in after:
             continue
         count = after[name]["count"] - before.get(name, {}).get("count", 0)
@@ -235,6 +235,7 @@ def _offline_hit_rates(cfg, reference, rows) -> dict[str, float]:
     """
     from export.lookup import EmbeddingLookup, LookupLayout
     from export.preprocess import Preprocessor
+    from export.repository import lookup_dir
     from export.stage import sample_rows
 
     export = cfg.paths.export
@@ -242,11 +243,11 @@ def _offline_hit_rates(cfg, reference, rows) -> dict[str, float]:
     traffic = sample_rows(cfg, 1 << 30, split="train")
     ids = preprocess.tensors(reference.workflow.transform(traffic))["CATEGORICAL_IDS"]
     half = len(ids) // 2
-    layout = LookupLayout.load(export / "embedding" / "1" / "layout.json")
+    layout = LookupLayout.load(lookup_dir(export) / "1" / "layout.json")
     out = {"rows": len(ids)}
     for policy in ("lru", "lfu"):
         for fraction in (0.05, 0.25):
-            lookup = EmbeddingLookup(export / "embedding" / "store", layout, policy, fraction, min_cache_rows=0)
+            lookup = EmbeddingLookup(lookup_dir(export) / "store", layout, policy, fraction, min_cache_rows=0)
             for i in range(0, half, 64):
                 lookup(ids[i: min(i + 64, half)])
             warm = lookup.stats()
