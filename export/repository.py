@@ -86,7 +86,7 @@ def write_repository(model, schema: Schema, workflow_dir: str | Path, raw: RawCo
         (staging / name / "1").mkdir(parents=True)
         (staging / name / "config.pbtxt").write_text(text)
     for name in configs:
-        if f'backend: "python"' in configs[name]:
+        if 'backend: "python"' in configs[name]:
             shutil.copyfile(MODELS_SOURCE / f"{name}.py", staging / name / "1" / "model.py")
     lookup_model = "ranker" if options.fuse_dense else "embedding"
     dense_model = "ranker" if options.fuse_dense else "dense"
