@@ -166,6 +166,21 @@ def test_hash_bucket_matches_mmh3():
     assert out["S"].dtype == np.int32
 
 
+def test_hash_bucket_on_multihot_lists_hashes_each_element():
+    cells = [["a", None, "hello"], None, [], ["a"]]
+    train = pd.DataFrame({"M": cells, "S": ["x", "y", "z", "w"]})
+    workflow = Workflow(["M", "S"] >> HashBucket(31)).fit(train)
+    op = workflow.producers()["M"]
+    assert op.multihot == {"M": True, "S": False} and op.max_lengths == {"M": 3}
+    out = workflow.transform(train)
+
+    def code(value):
+        return 0 if value is None else 1 + _boost_combine(0, mmh3.hash(value.encode(), 0, signed=False)) % 31
+
+    assert [list(x) for x in out["M"]] == [[code(v) for v in cell] if cell is not None else [] for cell in cells]
+    assert str(out["M"].dtype) == "list<item: int32>[pyarrow]"
+
+
 def test_hashed_cross_matches_mmh3_and_folds_like_cudf():
     a_values, b_values, c_values = ["x", "y", None, "x"], [1, 2, 3, None], ["p", "q", "r", "s"]
     df = pd.DataFrame({"A": a_values, "B": pd.array(b_values, dtype="Int64"), "C": c_values})

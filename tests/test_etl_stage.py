@@ -83,8 +83,9 @@ def test_multihot_table_source(tmp_path):
         tags = "|".join(f"t{j}" for j in rng.integers(0, 9, i % 4))
         rows.append(f"{i % 2},{'' if i % 7 == 0 else i},{'s' + str(i % 5) if i % 11 else ''},{tags}")
     (tmp_path / "table.csv").write_text("\n".join(rows) + "\n")
-    cfg = _config(tmp_path, "data.source=table", f"data.path={tmp_path / 'table.csv'}", "data.continuous=[price]",
-                  "data.categorical=[shop]", "data.multihot=[tags]")
+    table = ["data.source=table", f"data.path={tmp_path / 'table.csv'}", "data.continuous=[price]",
+             "data.categorical=[shop]", "data.multihot=[tags]"]
+    cfg = _config(tmp_path, *table)
     run(cfg)
     schema = Schema.load(cfg.paths.schema)
     tags = schema.column("tags")
@@ -92,6 +93,13 @@ def test_multihot_table_source(tmp_path):
     train = _read(cfg.paths.processed / "train")
     assert train.schema.field("tags").type == pa.list_(pa.int32())
     assert pa.compute.max(pa.compute.list_flatten(train["tags"])).as_py() <= 10
+
+    hashed = _config(tmp_path, *table, "etl.hash_buckets={tags: 16}")
+    run(hashed)
+    tags = Schema.load(hashed.paths.schema).column("tags")
+    assert (tags.cardinality, tags.max_length) == (17, 3)
+    codes = pa.compute.list_flatten(_read(hashed.paths.processed / "train")["tags"]).to_numpy()
+    assert codes.min() >= 1 and codes.max() <= 16
 
 
 def test_declared_column_missing_from_the_raw_files_is_one_clear_error(tmp_path):

@@ -10,7 +10,7 @@ default workflow from the column roles in ``raw/meta.json``, fits it on ``train`
     workflow/                                     the fitted workflow (Workflow.load)
 
 The default workflow: categorical and multi-hot columns -> Categorify(etl.freq_threshold,
-etl.max_vocab_size), or HashBucket(n) for columns named in etl.hash_buckets; continuous ->
+etl.max_vocab_size), or HashBucket(n) for columns named in etl.hash_buckets (multi-hot too); continuous ->
 FillMissing(0) >> Clip(min_value=0) >> LogOp >> Normalize; the label -> float32.
 
 Example::
@@ -114,9 +114,6 @@ def default_workflow(roles: dict, etl: EtlConfig, backend: str = "pandas") -> Wo
     unknown = sorted(set(etl.hash_buckets) - set(sparse))
     if unknown:
         raise BadInputError(f"etl.hash_buckets names {unknown}, which are not categorical columns; those are {sparse}")
-    hashed_lists = sorted(set(etl.hash_buckets) & set(roles.get("multihot", [])))
-    if hashed_lists:
-        raise BadInputError(f"etl.hash_buckets: hashing multi-hot columns is not supported yet ({hashed_lists})")
     parts: list[Node] = [[roles["label"]] >> Cast("float32")]
     if roles["continuous"]:
         parts.append(list(roles["continuous"]) >> FillMissing(0.0) >> Clip(min_value=0) >> LogOp() >> Normalize())

@@ -121,3 +121,22 @@ def integral_floats(arrow: pa.Array, name: str) -> pa.Array:
     if not np.all(finite == np.round(finite)):
         raise BadInputError(f"column {name!r}: expected strings or integers, found fractional numbers")
     return arrow.cast(pa.int64())
+
+
+def looks_multihot(column: Any) -> bool:
+    """Whether a Dask column holds lists (arrow list dtype, cuDF list dtype, or Python lists)."""
+    dtype = column.dtype
+    if isinstance(dtype, pd.ArrowDtype):
+        return pa.types.is_list(dtype.pyarrow_dtype) or pa.types.is_large_list(dtype.pyarrow_dtype)
+    if type(dtype).__name__ == "ListDtype":
+        return True
+    if dtype == object:
+        sample = column.head(50, npartitions=-1, compute=True).dropna()
+        return len(sample) > 0 and isinstance(sample.iloc[0], (list, tuple, np.ndarray))
+    return False
+
+
+def longest_list(series: pd.Series) -> pd.Series:
+    """The length of the longest list of one partition, as a one-row Series (for a Dask max)."""
+    lengths = list_lengths(as_arrow_lists(series))
+    return pd.Series([int(lengths.max(initial=0))], dtype="int64")

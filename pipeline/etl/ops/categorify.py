@@ -25,7 +25,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from pipeline.etl.ops._columns import as_arrow_lists, as_arrow_strings, frame_like, is_cudf, list_lengths, lists_from_flat
+from pipeline.etl.ops._columns import (
+    as_arrow_lists, as_arrow_strings, frame_like, is_cudf, list_lengths, lists_from_flat, longest_list, looks_multihot,
+)
 from pipeline.etl.ops.base import Operator
 
 NULL_INDEX = 0
@@ -63,7 +65,7 @@ class Categorify(Operator):
         return len(self.vocabularies[column]) + RESERVED
 
     def fit(self, ddf: Any) -> Any:
-        multihot = {name: _looks_multihot(ddf[name]) for name in ddf.columns}
+        multihot = {name: looks_multihot(ddf[name]) for name in ddf.columns}
         split_out = self.split_out or (1 if ddf.npartitions <= _SINGLE_REDUCTION_PARTITIONS else True)
         if split_out == 1 and not is_cudf(ddf._meta):
             return _tree_counts(ddf, multihot)
@@ -72,7 +74,7 @@ class Categorify(Operator):
             column = ddf[name]
             if multihot[name]:
                 values = column.map_partitions(_flat_strings, meta=pd.Series([], dtype=pd.ArrowDtype(pa.string())))
-                longest = column.map_partitions(_longest_list, meta=pd.Series([], dtype="int64")).max()
+                longest = column.map_partitions(longest_list, meta=pd.Series([], dtype="int64")).max()
                 stats[name] = {"counts": values.value_counts(split_out=split_out), "max_length": longest}
             else:
                 values = column.map_partitions(_plain_strings, meta=pd.Series([], dtype=pd.ArrowDtype(pa.string())))
@@ -231,18 +233,6 @@ def _vocab_file(name: str) -> str:
     return f"categories/{quote(name, safe='')}.parquet"
 
 
-def _looks_multihot(column: Any) -> bool:
-    dtype = column.dtype
-    if isinstance(dtype, pd.ArrowDtype):
-        return pa.types.is_list(dtype.pyarrow_dtype) or pa.types.is_large_list(dtype.pyarrow_dtype)
-    if type(dtype).__name__ == "ListDtype":
-        return True
-    if dtype == object:
-        sample = column.head(50, npartitions=-1, compute=True).dropna()
-        return len(sample) > 0 and isinstance(sample.iloc[0], (list, tuple, np.ndarray))
-    return False
-
-
 def _plain_strings(series: pd.Series) -> pd.Series:
     strings = as_arrow_strings(series)
     return pd.Series(pd.arrays.ArrowExtensionArray(strings.cast(pa.string())), name=series.name)
@@ -251,8 +241,3 @@ def _plain_strings(series: pd.Series) -> pd.Series:
 def _flat_strings(series: pd.Series) -> pd.Series:
     flat = pc.list_flatten(as_arrow_lists(series))
     return pd.Series(pd.arrays.ArrowExtensionArray(flat.cast(pa.string())), name=series.name)
-
-
-def _longest_list(series: pd.Series) -> pd.Series:
-    lengths = list_lengths(as_arrow_lists(series))
-    return pd.Series([int(lengths.max(initial=0))], dtype="int64")

@@ -8,7 +8,7 @@ missing values; a value goes to ``1 + row_hash % num_buckets``, so the table has
 
 Example::
 
-    ["C3"] >> HashBucket(1_000_000)
+    ["C3", "tags"] >> HashBucket(1_000_000)   # "tags" may be a multi-hot (list) column
     ["C1", "C2"] >> HashedCross(100_000)      # one new column "C1_C2"
 """
 
@@ -17,10 +17,12 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from pipeline.errors import BadInputError
-from pipeline.etl.ops._columns import integral_floats, as_arrow, frame_like, is_cudf
+from pipeline.etl.ops._columns import as_arrow, frame_like, integral_floats, is_cudf, list_lengths, lists_from_flat, longest_list, looks_multihot
 from pipeline.etl.ops.base import Operator
 from pipeline.etl.ops.murmur import combine_row_hashes, murmur3_int64, murmur3_strings
 
@@ -28,21 +30,55 @@ NULL_INDEX = 0
 
 
 class HashBucket(Operator):
-    """Hash each column separately into ``num_buckets`` buckets (codes ``1..num_buckets``, 0 = missing)."""
+    """Hash each column separately into ``num_buckets`` buckets (codes ``1..num_buckets``, 0 = missing).
+
+    Multi-hot (list) columns are hashed element by element; a missing list becomes empty. The fit
+    only notes which columns hold lists and their longest list (for the schema); it reads nothing
+    when no column does.
+    """
+
+    stateful = True
 
     def __init__(self, num_buckets: int):
         if int(num_buckets) < 1:
             raise ValueError(f"HashBucket: num_buckets must be >= 1, got {num_buckets}")
         self.num_buckets = int(num_buckets)
+        self.multihot: dict[str, bool] = {}
+        self.max_lengths: dict[str, int] = {}
 
     def cardinality(self, column: str) -> int:
         return self.num_buckets + 1
 
+    def fit(self, ddf: Any) -> Any:
+        lists = [name for name in ddf.columns if looks_multihot(ddf[name])]
+        longest = {name: ddf[name].map_partitions(longest_list, meta=pd.Series([], dtype="int64")).max() for name in lists}
+        return {"columns": list(ddf.columns), "max_lengths": longest}
+
+    def fit_finalize(self, stats: Any) -> None:
+        self.max_lengths = {name: int(v) if pd.notna(v) else 0 for name, v in stats["max_lengths"].items()}
+        self.multihot = {name: name in self.max_lengths for name in stats["columns"]}
+        self._fitted = True
+
     def transform(self, df: Any) -> Any:
-        return frame_like(df, {name: _bucket(df, [name], self.num_buckets) for name in df.columns})
+        self._require_fitted()
+        out = {}
+        for name in df.columns:
+            if self.multihot.get(name):
+                out[name] = _bucket_lists(df[name], self.num_buckets)
+            else:
+                out[name] = _bucket(df, [name], self.num_buckets)
+        return frame_like(df, out)
 
     def get_params(self) -> dict:
         return {"num_buckets": self.num_buckets}
+
+    def get_state(self) -> dict:
+        return {"multihot": self.multihot, "max_lengths": self.max_lengths}
+
+    def set_state(self, state: dict, directory) -> None:
+        self.multihot = dict(state["multihot"])
+        self.max_lengths = dict(state["max_lengths"])
+        self._fitted = True
 
 
 class HashedCross(Operator):
@@ -88,6 +124,21 @@ def _bucket(df: Any, names: list[str], num_buckets: int) -> Any:
     row = combine_row_hashes(hashes)
     codes = (row % np.uint32(num_buckets)).astype(np.int64) + 1
     return np.where(missing, NULL_INDEX, codes).astype(np.int32)
+
+
+def _bucket_lists(series: Any, num_buckets: int) -> Any:
+    if is_cudf(series):
+        raise NotImplementedError(f"HashBucket of the multi-hot column {series.name!r} on cuDF is not built yet; use --device cpu")
+    lists = as_arrow(series)
+    if pa.types.is_null(lists.type):
+        lists = lists.cast(pa.list_(pa.string()))
+    if not (pa.types.is_list(lists.type) or pa.types.is_large_list(lists.type)):
+        raise BadInputError(f"column {series.name!r}: expected lists (multi-hot), found {lists.type}")
+    values = pc.list_flatten(lists)
+    row = combine_row_hashes([_murmur3_column(values, series.name)])
+    codes = (row % np.uint32(num_buckets)).astype(np.int64) + 1
+    codes = np.where(values.is_null().to_numpy(zero_copy_only=False), NULL_INDEX, codes).astype(np.int32)
+    return lists_from_flat(codes, list_lengths(lists), series.index)
 
 
 def _murmur3_column(values: pa.Array, name: str) -> np.ndarray:
