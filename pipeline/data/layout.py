@@ -2,8 +2,9 @@
 
 ::
 
-    <raw>/train/part-00000.parquet ...   label (int8, named label whatever the input called it); continuous int64 or float64 (nulls);
-    <raw>/valid/part-00000.parquet ...   categorical string (nulls); multi-hot list<string>
+    <raw>/train/part-00000.parquet ...   label int8 (named "label" whatever the input called it);
+    <raw>/valid/part-00000.parquet ...   continuous int64 or float64 (nulls); categorical string
+                                         (nulls); multi-hot list<string>
     <raw>/test/part-00000.parquet ...
     <raw>/meta.json                      {"version": 1, "source", "params", "label", "continuous",
                                           "categorical", "multihot", "rows": {"train", "valid", "test"}}
@@ -60,11 +61,13 @@ class RawDataset:
         return [self.label, *self.continuous, *self.categorical, *self.multihot]
 
     @classmethod
-    def load(cls, root: str | Path) -> "RawDataset":
+    def load(cls, root: str | Path) -> RawDataset:
         root = Path(root)
         meta = read_meta(root)
         if meta is None:
-            raise BadInputError(f"no finished raw data in {root}: expected {root / META}; run `python -m pipeline data`")
+            raise BadInputError(
+                f"no finished raw data in {root}: expected {root / META}; run `python -m pipeline data`"
+            )
         oracle_path = root / ORACLE
         return cls(
             root=root,

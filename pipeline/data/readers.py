@@ -7,17 +7,21 @@
   ``data.multihot``; columns to drop in ``data.ignore``). A multi-hot cell of a text file is split on
   ``data.list_separator``; in parquet it is a list column.
 
-Text is read in blocks of whole lines (so a quoted value may not hold a newline) (about ``data.chunk_rows`` rows) and parsed by ``pyarrow.csv``
-with every column as text, then checked and converted column by column, so one bad row never
-takes its block down and every bad row is counted with its line number. Malformed rows are rows
-with the wrong number of fields (empty lines included), broken UTF-8, a non-number in a numeric
-column, or a label other than 0/1. ``data.on_bad_lines=error`` (the default) stops at the first
-block that has any and raises a :class:`~pipeline.errors.BadInputError` naming them; ``skip`` drops
-them. Either way they are counted, with examples, in ``ingest_report.json``. Several input files
-are read in parallel as Dask tasks, one per file.
+Text is read in blocks of whole lines (about ``data.chunk_rows`` rows, so a quoted value may not
+hold a newline). Empty lines and lines that are not UTF-8 are taken out first; ``pyarrow.csv``
+then parses the block with its final types on all threads and rejects rows with the wrong number
+of fields. A block with such rows is parsed again on one thread (to learn their line numbers), and
+a block with a value that does not convert is parsed again as text and checked column by column,
+so one bad row never takes its block down and every bad row is counted with its line number.
+Malformed rows: the wrong number of fields (empty lines included), broken UTF-8, a non-number in a
+numeric column, a label other than 0/1. ``data.on_bad_lines=error`` (the default) stops at the
+first block that has any and raises a :class:`~pipeline.errors.BadInputError` naming them;
+``skip`` drops them. Either way they are counted, with examples, in ``ingest_report.json``.
+Several input files are read in parallel as Dask tasks, one per file.
 
-The label column is written as ``label`` whatever its input name. Rows go to train / valid / test by a hash of ``(seed, file, line)`` against ``data.valid_fraction``
-and ``data.test_fraction``, unless ``data.valid_path`` / ``data.test_path`` name their own files.
+The label column is written as ``label`` whatever its input name. Rows go to train / valid /
+test by a hash of ``(seed, file, line)`` against ``data.valid_fraction`` and
+``data.test_fraction``, unless ``data.valid_path`` / ``data.test_path`` name their own files.
 
 Example::
 
@@ -29,11 +33,12 @@ Example::
 from __future__ import annotations
 
 import csv
+import functools
 import glob
 import io
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -310,8 +315,8 @@ def _read_text(path: Path, names: list[str] | None, kinds: dict[str, str], delim
                 continue
         table, lines, excerpt = _parse_block(block, first_line, names, kinds, delimiter, quoting, report)
         report.rows_read += len(excerpt.starts)
-        table, lines = _check_and_convert(table, lines, kinds, separator, report,
-                                          lambda i, lines=lines, first=first_line: excerpt(int(lines[i]) - first))
+        quote = functools.partial(_quote_line, excerpt, lines, first_line)
+        table, lines = _check_and_convert(table, lines, kinds, separator, report, quote)
         if stop_on_bad and report.bad_rows:
             report.stopped_at_line = first_line + len(excerpt.starts) - 1
             return
@@ -320,6 +325,10 @@ def _read_text(path: Path, names: list[str] | None, kinds: dict[str, str], delim
             yield table, lines
     if names is None and header:
         raise BadInputError(f"{path} is empty: expected a header line naming the columns, then rows")
+
+
+def _quote_line(excerpt: _Excerpts, lines: np.ndarray, first_line: int, row: int) -> bytes:
+    return excerpt(int(lines[row]) - first_line)
 
 
 def _line_blocks(path: Path, block_bytes: int) -> Iterator[tuple[int, bytes]]:
@@ -381,7 +390,8 @@ def _parse_block(block: bytes, first_line: int, names: list[str], kinds: dict[st
     keep = ~((lengths == 0) | ((lengths == 1) & (data[starts] == 13)))
     expected = len(names)
     for i in np.flatnonzero(~keep):
-        report.add_bad(first_line + int(i), "wrong_field_count", f"expected {expected} fields, found an empty line", b"")
+        report.add_bad(first_line + int(i), "wrong_field_count", f"expected {expected} fields, found an empty line",
+                       b"")
     high = np.flatnonzero(data >= 0x80)
     if high.size:
         for i in np.unique(np.searchsorted(ends, high)):
@@ -482,7 +492,8 @@ def _check_and_convert(table: pa.Table, lines: np.ndarray, kinds: dict[str, str]
             if kind == "label":
                 what, reason = "bad_label", f"{name}: expected 0 or 1, found {value!r}"
             else:
-                what, reason = "not_a_number", f"{name}: {value!r} is not {'an integer' if kind == 'int' else 'a number'}"
+                noun = "an integer" if kind == "int" else "a number"
+                what, reason = "not_a_number", f"{name}: {value!r} is not {noun}"
             report.add_bad(int(lines[i]), what, reason, quote(int(i)))
         bad |= ~ok
     if bad.any():

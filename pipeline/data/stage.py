@@ -16,7 +16,6 @@ Example::
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 from tqdm.auto import tqdm
 

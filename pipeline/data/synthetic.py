@@ -34,8 +34,8 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -88,13 +88,13 @@ def cardinalities(size: float) -> list[int]:
     """
     if size <= 0:
         raise ValueError(f"size must be positive, got {size}")
-    return [max(min(base, SMALL_FLOOR), int(round(base * size))) for base in CRITEO_CARDINALITIES]
+    return [max(min(base, SMALL_FLOOR), round(base * size)) for base in CRITEO_CARDINALITIES]
 
 
 def split_rows(rows: int, valid_fraction: float, test_fraction: float) -> dict[str, int]:
     """Rows per split: valid and test are rounded fractions of ``rows``, train gets the rest."""
-    valid = int(round(rows * valid_fraction))
-    test = int(round(rows * test_fraction))
+    valid = round(rows * valid_fraction)
+    test = round(rows * test_fraction)
     return {"train": rows - valid - test, "valid": valid, "test": test}
 
 
@@ -130,7 +130,7 @@ class ClickModel:
     intercept: float = 0.0
 
     @classmethod
-    def create(cls, seed: int = 0, size: float = 0.01) -> "ClickModel":
+    def create(cls, seed: int = 0, size: float = 0.01) -> ClickModel:
         card = np.array(cardinalities(size), dtype=np.int64)
         rng = np.random.default_rng([seed, 0x5EED, 1])
         exponent = rng.uniform(1.25, 1.6, size=26)
