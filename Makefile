@@ -18,8 +18,9 @@ test: env
 
 env: $(VENV)/.installed serve-env
 
-# The served models' own environment: Triton's python-backend stub is built against numpy 1.x and
-# receives zeros from numpy 2, so the models run here (numpy<2), found through PATH (export/environment.py).
+# The server's environment: the tritonserver bundled with nvidia-pytriton, and the served models'
+# Python. Triton's python-backend stub is built against numpy 1.x and receives zeros from numpy 2,
+# so the models run here (numpy<2), found through PATH (export/environment.py).
 # pyarrow 26 requires numpy 2, hence <26.
 TRITON_VENV ?= .venv-triton
 serve-env: $(TRITON_VENV)/.installed
@@ -29,6 +30,8 @@ $(TRITON_VENV)/.installed: pyproject.toml Makefile
 	$(TRITON_VENV)/bin/python -m pip install -q --upgrade pip
 	$(TRITON_VENV)/bin/python -m pip install -q $(TORCH_INDEX) "$(TORCH_SPEC)" "numpy>=1.24,<2" "pandas>=2.2,<2.3" "pyarrow>=15,<26" "pyyaml>=6" "tqdm>=4.60"
 	$(TRITON_VENV)/bin/python -m pip install -q --no-deps -e .
+	# the server binary and python-backend stubs; its own dependencies are client-side, not needed here
+	$(TRITON_VENV)/bin/python -m pip install -q --no-deps "nvidia-pytriton>=0.7,<0.8"
 	touch $@
 
 $(VENV)/.installed: pyproject.toml Makefile

@@ -4,7 +4,8 @@ The python-backend stub bundled with ``nvidia-pytriton`` is built against numpy 
 in the models' environment the models load, but their inputs arrive as zeros, without any error.
 So the models run in their own virtual environment, ``.venv-triton`` at the repository root
 (``make serve-env`` builds it from this repository's files: numpy<2, pandas 2.2, pyarrow, torch,
-and this project installed without dependencies). Clients may use numpy 2.
+this project installed without dependencies, and nvidia-pytriton for the server binary itself).
+Clients may use numpy 2.
 
 The stub finds its environment through ``python3`` on ``PATH``; :func:`server_env` puts the
 environment's ``bin`` first there, and its interpreter's library folder first on
@@ -95,8 +96,10 @@ class ServerBinary:
         return "nvidia-pytriton bundled tritonserver" if self.bundled_root else f"tritonserver at {self.executable}"
 
 
-def find_server(binary: str = "") -> ServerBinary | None:
-    """``binary`` when given; else a ``tritonserver`` on PATH (an NGC container); else the nvidia-pytriton one."""
+def find_server(binary: str = "", env: ModelsEnv | None = None) -> ServerBinary | None:
+    """``binary`` when given; else a ``tritonserver`` on PATH (an NGC container); else the one bundled
+    with nvidia-pytriton in the models' environment ``env`` (``make serve-env`` installs it there),
+    else in this Python's."""
     if binary:
         exe = Path(binary)
         if not exe.is_file():
@@ -105,13 +108,19 @@ def find_server(binary: str = "") -> ServerBinary | None:
     on_path = shutil.which("tritonserver")
     if on_path:
         return ServerBinary(Path(on_path), _bundled_root_of(Path(on_path)))
+    candidates = []
+    if env is not None:
+        candidates += sorted(env.path.glob("lib/python3*/site-packages/pytriton/tritonserver"))
     try:
         import pytriton
+
+        candidates.append(Path(pytriton.__file__).parent / "tritonserver")
     except ImportError:
-        return None
-    root = Path(pytriton.__file__).parent / "tritonserver"
-    exe = root / "bin" / "tritonserver"
-    return ServerBinary(exe, root) if exe.is_file() else None
+        pass
+    for root in candidates:
+        if (root / "bin" / "tritonserver").is_file():
+            return ServerBinary(root / "bin" / "tritonserver", root)
+    return None
 
 
 def _bundled_root_of(exe: Path) -> Path | None:

@@ -113,11 +113,12 @@ class TritonServer:
             raise UserError(f"no model repository at {self.repository}: run `python -m pipeline run export` first")
         self.host = host
         self._ports = (http_port, grpc_port)
-        server = find_server(binary)
-        if server is None:
-            raise UserError("no Triton server found: install nvidia-pytriton, or put `tritonserver` on PATH")
-        self.binary: ServerBinary = server
         self.models_env: ModelsEnv = find_models_env(models_env)
+        server = find_server(binary, self.models_env)
+        if server is None:
+            raise UserError("no Triton server found: run `make serve-env` (it installs the one bundled with "
+                            "nvidia-pytriton), or put `tritonserver` on PATH")
+        self.binary: ServerBinary = server
         self.startup_timeout = startup_timeout
         self.log_verbose = log_verbose
         self.shm_prefix = f"pipeline_{os.getpid()}_{uuid.uuid4().hex[:8]}_"

@@ -108,9 +108,9 @@ def server_problem(cfg: PipelineConfig) -> str | None:
     from export.environment import find_models_env, find_server
 
     try:
-        if find_server(cfg.serve.binary) is None:
-            return "no Triton server: install nvidia-pytriton or put tritonserver on PATH"
-        find_models_env(cfg.serve.models_env or None)
+        env = find_models_env(cfg.serve.models_env or None)
+        if find_server(cfg.serve.binary, env) is None:
+            return "no Triton server: run `make serve-env` or put tritonserver on PATH"
     except UserError as err:
         return str(err)
     return None

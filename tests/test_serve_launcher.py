@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from export.environment import find_models_env, find_server
 from export.server import SHM_DIR, ServerError, TritonServer, _listens_on
 
 CONFIG = """
@@ -52,6 +53,17 @@ def _alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return "State:\tZ" not in state
+
+
+def test_the_server_binary_comes_with_the_models_environment():
+    import shutil
+
+    if shutil.which("tritonserver"):
+        pytest.skip("a tritonserver on PATH takes precedence here")
+    env = find_models_env()
+    server = find_server("", env)
+    assert server is not None and server.executable.is_relative_to(env.path), server
+    assert (server.bundled_root / "python_backend_stubs" / env.python_version).is_dir()
 
 
 def test_ports_pid_check_and_the_models_environment(repository):
