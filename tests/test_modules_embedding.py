@@ -284,3 +284,20 @@ def test_tables_from_schema_follow_the_feature_order_and_cardinalities():
         ("t_C1", 11, 8, ["C1"], "sum"), ("t_T", 5, 8, ["T"], "mean"), ("t_C2", 7, 8, ["C2"], "sum")]
     shared = tables_from_schema(schema, dim=8, shared={"cats": ["C1", "C2"]})
     assert [(t.name, t.rows, t.features) for t in shared] == [("cats", 11, ["C1", "C2"]), ("t_T", 5, ["T"])]
+
+
+def test_loading_an_older_state_rewinds_the_step_adam_uses():
+    gen = torch.Generator().manual_seed(6)
+    emb = EmbeddingCollection(_mixed_tables(), FEATURES, EmbeddingOptimizerConfig("adam", lr=0.05))
+    batches = [_random_kjt(gen, batch=5)[0] for _ in range(3)]
+    emb(batches[0]).sum().backward()
+    snapshot = {k: v.clone() for k, v in emb.state_dict().items()}
+    emb(batches[1]).sum().backward()
+    emb(batches[2]).sum().backward()
+    emb.load_state_dict(snapshot)
+    fresh = EmbeddingCollection(_mixed_tables(), FEATURES, EmbeddingOptimizerConfig("adam", lr=0.05))
+    fresh.load_state_dict(snapshot)
+    for model in (emb, fresh):
+        model(batches[1]).sum().backward()
+    assert int(emb.step) == 2
+    torch.testing.assert_close(emb.weights, fresh.weights, rtol=0, atol=0)

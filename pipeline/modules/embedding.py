@@ -502,6 +502,8 @@ class EmbeddingCollection(nn.Module):
         for name, size in self.optimizer.state_shapes(self.layout.total_rows, self.layout.total_elements).items():
             self.register_buffer(f"state_{name}", torch.zeros(size, dtype=torch.float32))
         self.register_buffer("step", torch.zeros((), dtype=torch.int64))
+        self._host_step: int | None = None
+        self.register_load_state_dict_post_hook(lambda module, keys: setattr(module, "_host_step", None))
 
     @property
     def output_dim(self) -> int:
@@ -537,9 +539,12 @@ class EmbeddingCollection(nn.Module):
         return self.backend.forward(self.weights, self.layout, indices, offsets, batch_size)
 
     def _update(self, indices: torch.Tensor, offsets: torch.Tensor, batch_size: int, grad_output: torch.Tensor) -> None:
+        if self._host_step is None:  # read the device counter once, then mirror it: no sync per step
+            self._host_step = int(self.step)
+        self._host_step += 1
         self.step += 1
         self.backend.backward_update(self.weights, self.optimizer_state(), self.layout, indices, offsets, batch_size,
-                                     grad_output, self.optimizer, self.lr, int(self.step))
+                                     grad_output, self.optimizer, self.lr, self._host_step)
 
     def _slot_bags(self, kjt: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         if kjt.keys != self.feature_names:

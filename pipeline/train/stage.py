@@ -75,6 +75,9 @@ def _run(cfg: PipelineConfig) -> dict:
 
     spec = model_spec(cfg, schema, device.type)
     model = model_from_spec(spec, backend=cfg.train.embedding_backend).to(device)
+    # The loader checks every id against its table while reading (on the host); checking again on a GPU
+    # would cost a device sync per step.
+    model.embedding.validate_ids = device.type != "cuda"
     _check_same_model_if_resuming(cfg, spec, out)
     _write_json(out / "model.json", spec)
     print(f"[train] {spec['model']} on {device.type}: {len(spec['tables'])} tables, "
