@@ -122,11 +122,15 @@ class Workflow:
         if isinstance(data, pd.DataFrame) or type(data).__module__.split(".")[0] == "cudf":
             self._check_columns(data.columns, "the rows to transform")
             return self._evaluate(data, self.output)
+        from dask import delayed
+
         ddf = self._as_dask(data)
         self._check_columns(ddf.columns, "the data to transform")
         ddf = ddf[self.input_columns]
         meta = self._evaluate(ddf._meta, self.output)
-        return ddf.map_partitions(self._evaluate, self.output, meta=meta, enforce_metadata=False)
+        # One graph key holds the graph and its statistics: each worker receives it once, not once per task.
+        graph = delayed(self.output, pure=False)
+        return ddf.map_partitions(self._evaluate, graph, meta=meta, enforce_metadata=False)
 
     def fit_transform(self, data: Any) -> Any:
         ddf = self._as_dask(data) if not isinstance(data, pd.DataFrame) else data
