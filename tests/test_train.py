@@ -179,3 +179,14 @@ def test_stage_trains_on_gpu_with_bf16_autocast(tmp_path):
     assert all(0 < loss < 2 for loss in losses)
     model, _ = load_trained(cfg, device="cuda")
     assert model.embedding.weights.is_cuda
+
+
+def test_validation_every_n_steps_and_at_the_end(tmp_path):
+    cfg = _config(tmp_path, "train.eval_every=5", "train.checkpoint_every=0")
+    _write_data(cfg)
+    result = run(cfg)
+    lines = [json.loads(line) for line in (cfg.paths.train / "metrics.jsonl").read_text().splitlines()]
+    valid = [r for r in lines if r.get("split") == "valid"]
+    assert [r["step"] for r in valid] == [5, 10, 12]
+    assert result["valid"]["auc"] == valid[-1]["auc"]
+    assert [p.name for p in checkpoints(cfg.paths.train / "checkpoints")] == ["step-00000012.pt"]

@@ -139,6 +139,7 @@ class Trainer:
         window_steps, window_samples, window_time = 0, 0, 0.0
         train_time, train_samples = 0.0, 0
         last_valid: dict = {}
+        last_valid_step = -1
         try:
             while self.state.step < self.total_steps:
                 epoch = self.state.epoch
@@ -172,7 +173,7 @@ class Trainer:
                     epoch_done = self.state.batch == 0
                     due = c.eval_every and step % c.eval_every == 0
                     if evaluate_valid is not None and (due or (epoch_done and not c.eval_every)):
-                        last_valid = self._evaluate(evaluate_valid, epoch)
+                        last_valid, last_valid_step = self._evaluate(evaluate_valid, epoch), step
                     if c.crash_after_step and step == c.crash_after_step:
                         raise SimulatedCrash(f"train.crash_after_step={step}: stopping as a crash would")
                     if step >= self.total_steps or epoch_done:
@@ -184,7 +185,7 @@ class Trainer:
                 _close(batches)
         finally:
             bar.close()
-        if evaluate_valid is not None and not last_valid:
+        if evaluate_valid is not None and last_valid_step != self.state.step:
             last_valid = self._evaluate(evaluate_valid, self.state.epoch)
         self.save()
         train_time += window_time
