@@ -128,3 +128,14 @@ def test_wrong_raw_types_are_reported_together(tmp_path):
 def test_hash_buckets_naming_an_unknown_column(tmp_path):
     with pytest.raises(BadInputError, match=r"etl.hash_buckets names \['nope'\]"):
         run(_config(tmp_path, "data.rows=3000", "etl.hash_buckets={nope: 10}"))
+
+
+def test_command_line_runs_the_stage_and_prints_bad_input_plainly(tmp_path, capsys):
+    from pipeline.cli import main
+
+    common = ["run", "etl", f"workdir={tmp_path}", "data.rows=3000", "--device", "cpu"]
+    assert main(common) == 0
+    assert (tmp_path / "synthetic" / "processed" / "schema.json").is_file()
+    assert main(common + ["etl.hash_buckets={nope: 10}"]) == 2
+    err = capsys.readouterr().err
+    assert "error: etl.hash_buckets names ['nope']" in err and "Traceback" not in err
