@@ -5,6 +5,18 @@ from __future__ import annotations
 import pytest
 
 
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Tests run tiny tensor ops, where several spinning torch threads on a small, busy machine cost far
+    more than they give (seen: 100x per step on 2 loaded cores). Benchmarks set their own thread count."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def pytest_collection_modifyitems(config, items):
     if not any(item.get_closest_marker("gpu") or item.get_closest_marker("multigpu") for item in items):
         return

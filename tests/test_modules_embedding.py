@@ -22,13 +22,6 @@ from pipeline.sparse import KeyedJaggedTensor
 FEATURES = ["C1", "C2", "C3"]
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    """Small tensors: one thread is as fast alone and far faster on a busy machine than two spinning."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 
@@ -121,7 +114,7 @@ def test_reference_forward_gradcheck():
     kjt, _ = _random_kjt(gen, batch=4)
     indices, offsets, batch = emb._slot_bags(kjt)
     weights = emb.weights.double().requires_grad_()
-    fn = lambda w: TorchBackend().forward(w, emb.layout, indices, offsets, batch)  # noqa: E731
+    fn = lambda w: TorchBackend().forward(w, emb.layout, indices, offsets, batch)
     assert torch.autograd.gradcheck(fn, (weights,), eps=1e-6, atol=1e-5)
 
 
@@ -205,7 +198,7 @@ def test_lazy_adam_by_hand_untouched_rows_keep_their_moments():
 @pytest.mark.parametrize("kind", ["sgd", "adagrad", "adam"])
 def test_state_dict_round_trip_continues_identically(kind):
     gen = torch.Generator().manual_seed(3)
-    make = lambda: EmbeddingCollection(_mixed_tables(), FEATURES, EmbeddingOptimizerConfig(kind, lr=0.05))  # noqa: E731
+    make = lambda: EmbeddingCollection(_mixed_tables(), FEATURES, EmbeddingOptimizerConfig(kind, lr=0.05))
     a = make()
     batches = [_random_kjt(gen, batch=5)[0] for _ in range(4)]
     for kjt in batches[:2]:

@@ -11,13 +11,6 @@ from pipeline.sparse import KeyedJaggedTensor
 SIZES = ModelSizes(embedding_dim=8, bottom_mlp=[16, 8], top_mlp=[32, 16, 1])
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    """Small tensors: one thread is as fast alone and far faster on a busy machine than two spinning."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 
