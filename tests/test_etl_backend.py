@@ -7,9 +7,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from pipeline.device import Device
 from pipeline.errors import BadInputError
 from pipeline.etl.backend import backend_for, read_parquet
-from pipeline.device import Device
 
 
 @pytest.fixture()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import numpy as np
-import pandas as pd
 import pyarrow as pa
 import pytest
 from distributed import Client, LocalCluster
@@ -73,9 +72,9 @@ def test_cluster_choice():
 
 
 def test_unreachable_scheduler_is_a_clear_error():
-    with pytest.raises(UserError, match="cannot reach the Dask scheduler at tcp://127.0.0.1:1"):
-        with etl_client(EtlConfig(scheduler="tcp://127.0.0.1:1"), connect_timeout="1s"):
-            pass
+    client = etl_client(EtlConfig(scheduler="tcp://127.0.0.1:1"), connect_timeout="1s")
+    with pytest.raises(UserError, match="cannot reach the Dask scheduler at tcp://127.0.0.1:1"), client:
+        pass
 
 
 def test_cudf_backend_without_cudf_is_a_clear_error():

@@ -7,12 +7,22 @@ import mmh3
 import numpy as np
 import pandas as pd
 import pyarrow as pa
-import pyarrow.parquet  # noqa: F401  (pa.parquet)
+import pyarrow.parquet
 import pytest
 
 from pipeline.errors import BadInputError, UserError
 from pipeline.etl import (
-    Bucketize, Cast, Categorify, Clip, FillMissing, HashBucket, HashedCross, LambdaOp, LogOp, Normalize, Workflow,
+    Bucketize,
+    Cast,
+    Categorify,
+    Clip,
+    FillMissing,
+    HashBucket,
+    HashedCross,
+    LambdaOp,
+    LogOp,
+    Normalize,
+    Workflow,
 )
 from pipeline.etl.ops.murmur import combine_row_hashes, hash_combine, murmur3_int64, murmur3_strings
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import dask.dataframe as dd
@@ -17,7 +16,16 @@ import pytest
 
 from pipeline.errors import BadInputError
 from pipeline.etl import (
-    Cast, Categorify, Clip, FillMissing, HashBucket, HashedCross, LogOp, Normalize, Workflow, WorkflowVersionError,
+    Cast,
+    Categorify,
+    Clip,
+    FillMissing,
+    HashBucket,
+    HashedCross,
+    LogOp,
+    Normalize,
+    Workflow,
+    WorkflowVersionError,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -135,7 +143,7 @@ def test_transform_in_the_serving_environment(tmp_path):
     workflow = _workflow().fit(_frame())
     workflow.save(tmp_path / "wf")
     rows = _frame(n=40, seed=3)
-    records = [{k: (v.tolist() if isinstance(v, np.ndarray) else None if v is pd.NA or v is None or v != v else v)
+    records = [{k: (list(v) if isinstance(v, (list, np.ndarray)) else None if pd.isna(v) else v)
                 for k, v in row.items()} for row in rows.astype(object).to_dict(orient="records")]
     (tmp_path / "rows.json").write_text(json.dumps(records))
     expected = workflow.transform(pd.DataFrame(records))
@@ -150,7 +158,7 @@ def test_transform_in_the_serving_environment(tmp_path):
     )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     result = subprocess.run([str(SERVE_PYTHON), "-c", script, str(tmp_path / "wf"), str(tmp_path / "rows.json"),
-                             str(tmp_path / "out.parquet")], capture_output=True, text=True, env=env, timeout=120)
+                             str(tmp_path / "out.parquet")], check=False, capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("1.") and " 2.2" in result.stdout
     served = pq.read_table(tmp_path / "out.parquet").replace_schema_metadata(None)

@@ -12,6 +12,7 @@ parquet in fit and again in transform, and write parquet with the same row group
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,7 +30,6 @@ def run(args: argparse.Namespace, cfg) -> dict:
     import tempfile
     import time
     from datetime import datetime, timezone
-    from pathlib import Path
 
     from pipeline.data.stage import ensure_raw
     from pipeline.etl.backend import read_parquet
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace, cfg) -> dict:
     return {"rows": rows, "results": results, "startup_s": startup, "load": load}
 
 
-def _check_agreement(ours: "Path", baseline: "Path", roles: dict) -> None:
+def _check_agreement(ours: Path, baseline: Path, roles: dict) -> None:
     """Both sides must have written the same table (floats to float32 rounding)."""
     import numpy as np
     import pyarrow as pa

@@ -33,6 +33,18 @@ from pipeline.etl.ops import (
 from pipeline.etl.workflow import Workflow, WorkflowVersionError
 
 __all__ = [
-    "Workflow", "WorkflowVersionError", "Node", "Operator", "Categorify", "HashBucket", "HashedCross",
-    "FillMissing", "Clip", "LogOp", "Normalize", "Bucketize", "Cast", "LambdaOp",
+    "Bucketize",
+    "Cast",
+    "Categorify",
+    "Clip",
+    "FillMissing",
+    "HashBucket",
+    "HashedCross",
+    "LambdaOp",
+    "LogOp",
+    "Node",
+    "Normalize",
+    "Operator",
+    "Workflow",
+    "WorkflowVersionError",
 ]

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Iterator
+from collections.abc import Iterator
 
 from pipeline.errors import UserError
 from pipeline.etl.config import EtlConfig

@@ -13,7 +13,8 @@ Example::
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, Iterator, Union
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Union
 
 if TYPE_CHECKING:
     from pipeline.etl.ops.base import Operator
@@ -24,7 +25,7 @@ ColumnsLike = Union["Node", str, Iterable[str]]
 class Node:
     """One step of the graph: input columns, an operator on its parents, or a union of nodes."""
 
-    def __init__(self, parents: list["Node"] = (), op: "Operator | None" = None, columns: list[str] | None = None):
+    def __init__(self, parents: list[Node] = (), op: Operator | None = None, columns: list[str] | None = None):
         self.parents = list(parents)
         self.op = op
         if columns is not None:
@@ -39,7 +40,7 @@ class Node:
             raise ValueError("a node needs at least one column")
 
     @classmethod
-    def of(cls, value: ColumnsLike) -> "Node":
+    def of(cls, value: ColumnsLike) -> Node:
         """A node from a node, a column name, or a list of column names."""
         if isinstance(value, Node):
             return value
@@ -54,7 +55,7 @@ class Node:
     def is_selection(self) -> bool:
         return self.op is None and not self.parents
 
-    def __rshift__(self, op: "Operator") -> "Node":
+    def __rshift__(self, op: Operator) -> Node:
         from pipeline.etl.ops.base import Operator
 
         if not isinstance(op, Operator):
@@ -65,13 +66,13 @@ class Node:
     def is_union(self) -> bool:
         return self.op is None and bool(self.parents)
 
-    def __add__(self, other: ColumnsLike) -> "Node":
+    def __add__(self, other: ColumnsLike) -> Node:
         return Node(_union_parents(self) + _union_parents(Node.of(other)))
 
-    def __radd__(self, other: ColumnsLike) -> "Node":
+    def __radd__(self, other: ColumnsLike) -> Node:
         return Node(_union_parents(Node.of(other)) + _union_parents(self))
 
-    def walk(self) -> Iterator["Node"]:
+    def walk(self) -> Iterator[Node]:
         """Every node this one depends on, parents before children, each once."""
         seen: set[int] = set()
         order: list[Node] = []

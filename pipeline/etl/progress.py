@@ -90,9 +90,8 @@ class _TqdmCallback:
 
         self._callback = _Callback()
 
-    def __enter__(self) -> "_TqdmCallback":
+    def __enter__(self) -> None:
         self._callback.__enter__()
-        return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._callback.__exit__(*exc)

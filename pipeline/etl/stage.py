@@ -147,7 +147,7 @@ def check_raw_files(splits: dict[str, list[Path]], roles: dict) -> None:
     if not splits.get("train"):
         raise BadInputError("no raw training data: expected raw/train/part-*.parquet")
     problems = []
-    for split, files in splits.items():
+    for files in splits.values():
         for path in files[:1] + files[-1:] if files else []:
             schema = pq.read_schema(path)
             for name, role in expected.items():

@@ -97,7 +97,7 @@ class Workflow:
                 found[column] = op
         return found
 
-    def fit(self, data: Any, progress: bool = False) -> "Workflow":
+    def fit(self, data: Any, progress: bool = False) -> Workflow:
         """Compute every operator's statistics from ``data`` (Dask or pandas DataFrame, or parquet path).
 
         Runs on the current Dask scheduler (a ``distributed.Client`` if one is active).
@@ -229,7 +229,7 @@ class Workflow:
         return path
 
     @classmethod
-    def load(cls, path: str | Path, backend: str = "pandas") -> "Workflow":
+    def load(cls, path: str | Path, backend: str = "pandas") -> Workflow:
         """Read a workflow saved by :meth:`save` (on any backend), to read files with ``backend``."""
         path = Path(path)
         record_path = path / "workflow.json"

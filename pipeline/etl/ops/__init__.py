@@ -7,6 +7,15 @@ from pipeline.etl.ops.hashing import HashBucket, HashedCross
 from pipeline.etl.ops.lambda_op import LambdaOp
 
 __all__ = [
-    "Operator", "Categorify", "HashBucket", "HashedCross", "FillMissing", "Clip", "LogOp", "Normalize",
-    "Bucketize", "Cast", "LambdaOp",
+    "Bucketize",
+    "Cast",
+    "Categorify",
+    "Clip",
+    "FillMissing",
+    "HashBucket",
+    "HashedCross",
+    "LambdaOp",
+    "LogOp",
+    "Normalize",
+    "Operator",
 ]

@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 from pipeline.etl.graph import ColumnsLike, Node
 
-REGISTRY: dict[str, type["Operator"]] = {}
+REGISTRY: dict[str, type[Operator]] = {}
 
 
 class Operator:

@@ -26,7 +26,14 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline.etl.ops._columns import (
-    as_arrow_lists, as_arrow_strings, frame_like, is_cudf, list_lengths, lists_from_flat, longest_list, looks_multihot,
+    as_arrow_lists,
+    as_arrow_strings,
+    frame_like,
+    is_cudf,
+    list_lengths,
+    lists_from_flat,
+    longest_list,
+    looks_multihot,
 )
 from pipeline.etl.ops.base import Operator
 

@@ -22,7 +22,16 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.errors import BadInputError
-from pipeline.etl.ops._columns import as_arrow, frame_like, integral_floats, is_cudf, list_lengths, lists_from_flat, longest_list, looks_multihot
+from pipeline.etl.ops._columns import (
+    as_arrow,
+    frame_like,
+    integral_floats,
+    is_cudf,
+    list_lengths,
+    lists_from_flat,
+    longest_list,
+    looks_multihot,
+)
 from pipeline.etl.ops.base import Operator
 from pipeline.etl.ops.murmur import combine_row_hashes, murmur3_int64, murmur3_strings
 
