@@ -22,9 +22,6 @@ from pipeline.sparse import KeyedJaggedTensor
 FEATURES = ["C1", "C2", "C3"]
 
 
-
-
-
 def _mixed_tables():
     # C3 is served by two tables (a shared one of dim 2 and its own of dim 4): mixed dims, reordering.
     return [
@@ -294,3 +291,34 @@ def test_loading_an_older_state_rewinds_the_step_adam_uses():
         model(batches[1]).sum().backward()
     assert int(emb.step) == 2
     torch.testing.assert_close(emb.weights, fresh.weights, rtol=0, atol=0)
+
+
+def test_bf16_master_weights_keep_updates_that_bf16_alone_rounds_away():
+    # lr * grad far below bf16's resolution at 1.0: plain bf16 tables never move, the fp32 master does.
+    tables = [TableConfig("a", 4, 8, ["C1"])]
+    kjt = KeyedJaggedTensor.from_lists(["C1"], [[[1]]])
+    runs = {}
+    for master in (False, True):
+        emb = EmbeddingCollection(tables, ["C1"], EmbeddingOptimizerConfig("sgd", lr=1e-4, master_weights=master),
+                                  weights_dtype="bf16", backend="torch", init_scale=1.0)
+        with torch.no_grad():
+            emb.weights.fill_(1.0)
+            if master:
+                emb.state_master_weights.fill_(1.0)
+        for _ in range(200):
+            emb(kjt).sum().backward()
+        runs[master] = emb
+    assert torch.all(runs[False].table_weight("a") == 1.0)
+    moved = runs[True].state_master_weights.view(4, 8)[1]
+    assert torch.allclose(moved, torch.full((8,), 1.0 - 200 * 1e-4), atol=1e-5)
+    assert torch.all(runs[True].table_weight("a")[1].float() < 1.0)
+    assert torch.all(runs[True].table_weight("a")[0].float() == 1.0)
+    assert "state_master_weights" in runs[True].state_dict() and "state_master_weights" not in runs[False].state_dict()
+
+
+def test_stochastic_rounding_is_refused_by_the_reference():
+    emb = EmbeddingCollection([TableConfig("a", 4, 8, ["C1"])], ["C1"],
+                              EmbeddingOptimizerConfig("sgd", stochastic_rounding=True), weights_dtype="fp16",
+                              backend="torch")
+    with pytest.raises(ValueError, match="cuda backend only"):
+        emb(KeyedJaggedTensor.from_lists(["C1"], [[[1]]])).sum().backward()

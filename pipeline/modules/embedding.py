@@ -54,7 +54,10 @@ The seam for compute backends (fused CUDA kernels, sharded collections)
       ``state`` is a dict of flat fp32 tensors (see :meth:`EmbeddingOptimizerConfig.state_shapes`):
       ``adagrad``: ``momentum1`` [total rows] (mean of squared row gradients, summed over steps);
       ``adam``: ``momentum1`` and ``momentum2`` shaped like ``weights`` (first and second moments).
-      Rows are updated in fp32 and rounded to the weights' dtype (round to nearest).
+      ``master_weights`` (only with ``optimizer.master_weights`` and 16-bit weights): an fp32 copy
+      shaped like ``weights``; the update reads and writes it, then rounds it into ``weights``.
+      Rows are updated in fp32 and rounded to the weights' dtype (round to nearest, or at random
+      when ``optimizer.stochastic_rounding``: the ``cuda`` backend does that; the reference refuses).
 
     The update rules (``g`` = the summed gradient of one row, ``D`` its dim), applied per touched row:
 
@@ -114,6 +117,10 @@ class EmbeddingOptimizerConfig:
     beta1: float = 0.9
     beta2: float = 0.999
     weight_decay: float = 0.0
+    master_weights: bool = False
+    """16-bit tables: keep an fp32 copy (state ``master_weights``), update it, round it into the table."""
+    stochastic_rounding: bool = False
+    """16-bit tables: round updated rows up or down at random, unbiased (the ``cuda`` backend only)."""
 
     def __post_init__(self) -> None:
         if self.kind not in OPTIMIZERS:
@@ -321,6 +328,9 @@ class TorchBackend:
         return out
 
     def backward_update(self, weights, state, layout, indices, offsets, batch_size, grad_output, optimizer, lr, step):
+        if optimizer.stochastic_rounding and weights.dtype in (torch.float16, torch.bfloat16):
+            raise ValueError("stochastic rounding of 16-bit tables is done by the cuda backend only; "
+                             "on the torch backend use master_weights=True (an fp32 copy) instead")
         if batch_size == 0:
             return
         grad_output = grad_output.float()
@@ -415,7 +425,8 @@ def _gather_columns(grad: torch.Tensor, layout: TableLayout, group: DimGroup, ba
 
 def _apply_rows(table: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor, group: DimGroup,
                 state: dict[str, torch.Tensor], opt: EmbeddingOptimizerConfig, lr: float, step: int) -> None:
-    w = table.index_select(0, rows).float()
+    master = _group_view(state["master_weights"], group) if "master_weights" in state else None
+    w = (master if master is not None else table).index_select(0, rows).float()
     if opt.weight_decay:
         grad = grad + opt.weight_decay * w
     if opt.kind == "sgd":
@@ -435,6 +446,8 @@ def _apply_rows(table: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor, gro
         m1_hat = m1_rows / (1 - opt.beta1**step)
         m2_hat = m2_rows / (1 - opt.beta2**step)
         w -= lr * m1_hat / (m2_hat.sqrt() + opt.eps)
+    if master is not None:
+        master.index_copy_(0, rows, w)
     table.index_copy_(0, rows, w.to(table.dtype))
 
 
@@ -499,6 +512,8 @@ class EmbeddingCollection(nn.Module):
             start = self.layout.weights_offsets[t]
             weights[start : start + table.rows * table.dim].uniform_(-bound, bound, generator=generator)
         self.register_buffer("weights", weights.to(WEIGHT_DTYPES[weights_dtype]))
+        if self.optimizer.master_weights and weights_dtype != "fp32":
+            self.register_buffer("state_master_weights", weights)
         for name, size in self.optimizer.state_shapes(self.layout.total_rows, self.layout.total_elements).items():
             self.register_buffer(f"state_{name}", torch.zeros(size, dtype=torch.float32))
         self.register_buffer("step", torch.zeros((), dtype=torch.int64))

@@ -50,6 +50,10 @@ class TrainConfig:
     min_lr_ratio: float = field(default=0.1, metadata={"help": "lr at the last step, as a fraction of the peak"})
 
     embedding_dtype: str = field(default="fp32", metadata={"help": "fp32 | fp16 | bf16 embedding weights"})
+    embedding_master_weights: bool = field(default=False, metadata={
+        "help": "fp16/bf16 tables: keep an fp32 master copy that the optimizer updates"})
+    embedding_stochastic_rounding: bool = field(default=False, metadata={
+        "help": "fp16/bf16 tables: stochastic rounding of updated rows (cuda backend)"})
     embedding_backend: str = field(default="auto", metadata={
         "help": "torch | cuda | auto: embedding compute (auto: fused CUDA kernels when usable)"})
     amp: str = field(default="auto", metadata={"help": "auto | bf16 | off: bf16 autocast (auto: on GPU only)"})

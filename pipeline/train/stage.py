@@ -135,7 +135,9 @@ def model_spec(cfg: PipelineConfig, schema: Schema, device_kind: str) -> dict:
     """What to build, as plain data (saved as ``model.json``; :func:`model_from_spec` builds it)."""
     t = cfg.train
     sizes = ModelSizes.from_train_config(t, device_kind)
-    optimizer = EmbeddingOptimizerConfig(t.embedding_optimizer, lr=t.embedding_lr, weight_decay=t.weight_decay)
+    optimizer = EmbeddingOptimizerConfig(t.embedding_optimizer, lr=t.embedding_lr, weight_decay=t.weight_decay,
+                                         master_weights=t.embedding_master_weights,
+                                         stochastic_rounding=t.embedding_stochastic_rounding)
     tables = model_tables(t.model, schema, sizes)
     return {
         "version": MODEL_SPEC_VERSION,
