@@ -235,3 +235,27 @@ def test_empty_criteo_file_and_missing_roles(tmp_path):
         ensure_raw(_cfg(tmp_path, "data.source=criteo", f"data.path={empty}"), progress=False)
     with pytest.raises(BadInputError, match="needs column roles"):
         ensure_raw(_cfg(tmp_path, "data.source=table", f"data.path={empty}"), progress=False)
+
+
+def test_parquet_integer_categories_nan_and_bad_labels(tmp_path):
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.table({
+        "clicked": pa.array([1, 0, 2, None, 1], pa.int64()),
+        "price": pa.array([1.0, float("nan"), 3.0, 4.0, None]),
+        "item": pa.array([7, 8, 9, 10, None], pa.int32()),
+        "tags": pa.array([[1, 2], [], None, [3], [4]], pa.list_(pa.int64())),
+    }), path)
+    cfg = _cfg(tmp_path, "data.source=table", f"data.path={path}", "data.label=clicked", "data.continuous=price",
+               "data.categorical=item", "data.multihot=tags", "data.on_bad_lines=skip")
+    raw = ensure_raw(cfg, progress=False)
+    report = json.loads((raw.root / "ingest_report.json").read_text())
+    assert report["bad"] == {"bad_label": 2}
+    assert [(e["line"], e["reason"]) for e in report["examples"]] == [
+        (3, "clicked: expected 0 or 1, found '2'"), (4, "clicked: expected 0 or 1, found ''")]
+    table = pa.concat_tables([pq.read_table(p) for s in raw.splits.values() for p in s])
+    rows = sorted(table.to_pylist(), key=lambda r: r["item"] or "")
+    assert rows == [
+        {"label": 1, "price": None, "item": None, "tags": ["4"]},
+        {"label": 1, "price": 1.0, "item": "7", "tags": ["1", "2"]},
+        {"label": 0, "price": None, "item": "8", "tags": []},
+    ]
