@@ -33,6 +33,7 @@ STAGES: dict[str, tuple[str, str]] = {
 ALL = ["data", "etl", "train", "export", "serve"]
 
 BENCHES = {
+    "data": "pipeline.data.bench",
     "etl": "pipeline.bench.etl",
     "loader": "pipeline.bench.loader",
     "train": "pipeline.bench.train",
@@ -87,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("data", help="make the synthetic data, or ingest a Criteo / table file into parquet",
                        epilog=_settings_epilog(), formatter_class=fmt)
+    p.add_argument("--on-bad-lines", choices=["error", "skip"], help="malformed input rows (data.on_bad_lines=...)")
     _common(p)
 
     p = sub.add_parser("run", help="run one stage, or all of them in order",
