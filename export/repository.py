@@ -72,9 +72,9 @@ def write_repository(model, schema: Schema, workflow_dir: str | Path, raw: RawCo
     out = Path(out)
     model = model.eval()
     fingerprint = dense_fingerprint(model)
-    if update:
-        return _update_tables(model, out, fingerprint)
     workflow_dir = Path(workflow_dir)
+    if update:
+        return _update_tables(model, out, fingerprint, workflow_dir)
     if not (workflow_dir / "workflow.json").is_file():
         raise UserError(f"no saved workflow at {workflow_dir}: run `python -m pipeline run etl` first")
     spec = EnsembleSpec.build(raw, schema, model.embedding.output_dim)
@@ -113,10 +113,14 @@ def write_repository(model, schema: Schema, workflow_dir: str | Path, raw: RawCo
     return {**summary, "repository": str(out)}
 
 
-def _update_tables(model, out: Path, fingerprint: str) -> dict:
+def _update_tables(model, out: Path, fingerprint: str, workflow_dir: Path) -> dict:
     record_path = out / EXPORT_RECORD
     if not record_path.is_file():
         raise UserError(f"export.update=true needs an existing export at {out}; run the export once without it")
+    served_workflow = out / "preprocess" / "1" / "artifacts" / "workflow" / "workflow.json"
+    if (workflow_dir / "workflow.json").read_bytes() != served_workflow.read_bytes():
+        raise UserError("export.update=true replaces only the embedding tables, but the ETL workflow changed since "
+                        "the export (ids would no longer match rows): export with export.update=false and restart")
     record = json.loads(record_path.read_text())
     if record["dense_fingerprint"] != fingerprint:
         raise UserError(

@@ -229,3 +229,16 @@ def test_gpu_instances_need_torch_with_cuda_in_the_models_environment():
     with pytest.raises(UserError, match="export.instance_kind=gpu, but torch in .* sees no CUDA GPU"):
         model_options(load_config(None, ["export.instance_kind=gpu", "device=cpu"]))
     assert model_options(load_config(None, ["device=cpu"])).instance_kind == "cpu"
+
+
+def test_update_refuses_a_changed_workflow(multihot_pipeline, tmp_path):
+    import shutil
+
+    cfg, model, schema, raw, _ = multihot_pipeline
+    changed = tmp_path / "workflow"
+    shutil.copytree(cfg.paths.workflow, changed)
+    (changed / "workflow.json").write_text((changed / "workflow.json").read_text() + "\n")
+    with pytest.raises(UserError, match="the ETL workflow changed since the export"):
+        write_repository(model, schema, changed, raw, cfg.paths.export, update=True)
+    summary = write_repository(model, schema, cfg.paths.workflow, raw, cfg.paths.export, update=True)
+    assert summary["updated"] and summary["store_version"] == 2
