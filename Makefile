@@ -43,4 +43,4 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 clean:
-	rm -rf $(VENV) data/synthetic
+	rm -rf $(VENV) $(TRITON_VENV) data/synthetic
