@@ -3,15 +3,29 @@
 Launch one process per GPU with ``python -m pipeline run train --nproc N`` or
 ``torchrun --nproc-per-node N -m pipeline run train``; on several nodes add torchrun's rendezvous
 flags (``--nnodes 2 --rdzv-backend c10d --rdzv-endpoint HOST:29500``).
+
+Names load on first use, so ``pipeline.distributed.config`` (read by the settings) does not import torch.
 """
 
-from pipeline.distributed.checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
-from pipeline.distributed.comm import init_from_env
-from pipeline.distributed.config import DistributedConfig
-from pipeline.distributed.embedding import ShardedEmbeddingCollection
-from pipeline.distributed.model_parallel import DistributedModelParallel, make_planner
-from pipeline.distributed.planner import EmbeddingShardingPlanner, PlannerError, Topology
-from pipeline.distributed.types import ParameterSharding, ShardingPlan, ShardingType
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "DistributedConfig": "pipeline.distributed.config",
+    "DistributedModelParallel": "pipeline.distributed.model_parallel",
+    "EmbeddingShardingPlanner": "pipeline.distributed.planner",
+    "ParameterSharding": "pipeline.distributed.types",
+    "PlannerError": "pipeline.distributed.planner",
+    "ShardedEmbeddingCollection": "pipeline.distributed.embedding",
+    "ShardingPlan": "pipeline.distributed.types",
+    "ShardingType": "pipeline.distributed.types",
+    "Topology": "pipeline.distributed.planner",
+    "init_from_env": "pipeline.distributed.comm",
+    "load_sharded_checkpoint": "pipeline.distributed.checkpoint",
+    "make_planner": "pipeline.distributed.model_parallel",
+    "save_sharded_checkpoint": "pipeline.distributed.checkpoint",
+}
 
 __all__ = [
     "DistributedConfig",
@@ -28,3 +42,9 @@ __all__ = [
     "make_planner",
     "save_sharded_checkpoint",
 ]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'pipeline.distributed' has no attribute {name!r}")
