@@ -37,6 +37,7 @@ BENCHES = {
     "etl": "pipeline.bench.etl",
     "loader": "pipeline.bench.loader",
     "train": "pipeline.bench.train",
+    "train_distributed": "pipeline.bench.train_distributed",
     "embedding": "pipeline.bench.embedding",
     "serve": "pipeline.bench.serve",
 }
@@ -98,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("stage", choices=list(STAGES) + ["all"], help="etl | train | export | serve | all (and data)")
     p.add_argument("--scheduler", metavar="ADDRESS", help="ETL on an existing Dask scheduler (etl.scheduler=...)")
     p.add_argument("--on-bad-lines", choices=["error", "skip"], help="malformed input rows (data.on_bad_lines=...)")
+    p.add_argument("--nproc", type=int, metavar="N",
+                   help="train on N processes (GPUs) of this node, started through torchrun's launcher")
     _common(p)
 
     p = sub.add_parser("bench", help="measure a stage against its baseline (figures for docs/BENCHMARKS.md)",
@@ -129,6 +132,8 @@ def _config_from(args: argparse.Namespace) -> config_mod.PipelineConfig:
         overrides.append(f"device={args.device}")
     if getattr(args, "scheduler", None):
         overrides.append(f"etl.scheduler={args.scheduler}")
+    if getattr(args, "nproc", None):
+        overrides.append(f"distributed.nproc={args.nproc}")
     if getattr(args, "on_bad_lines", None):
         overrides.append(f"data.on_bad_lines={args.on_bad_lines}")
     return config_mod.load_config(args.config, overrides)
@@ -170,6 +175,13 @@ def main(argv: list[str] | None = None) -> int:
             print(_settings_epilog())
             return 0
         cfg = _config_from(args)
+        if args.command == "run" and cfg.distributed.nproc > 1:
+            from pipeline.distributed.launch import relaunch, under_torchrun
+
+            if args.stage != "train":
+                parser.error("--nproc (distributed.nproc) applies to `run train` only")
+            if not under_torchrun():
+                return relaunch(sys.argv[1:] if argv is None else list(argv), cfg.distributed.nproc)
         if args.command == "config":
             print(yaml.safe_dump(config_mod.to_dict(cfg), sort_keys=False), end="")
         elif args.command == "data":

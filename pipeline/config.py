@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 
 from pipeline.data.config import DataConfig
+from pipeline.distributed.config import DistributedConfig
 from pipeline.etl.config import EtlConfig
 from pipeline.train.config import TrainConfig
 from export.config import ExportConfig, ServeConfig
@@ -80,6 +81,7 @@ class PipelineConfig:
     data: DataConfig = field(default_factory=DataConfig)
     etl: EtlConfig = field(default_factory=EtlConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
 

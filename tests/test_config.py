@@ -46,3 +46,9 @@ def test_device_cuda_without_gpu_is_a_clear_error(capsys):
         pytest.skip("a GPU is usable here; this test is for machines without one")
     assert main(["run", "etl", "--device", "cuda", "data.rows=1000"]) == 2
     assert "--device cuda was asked for" in capsys.readouterr().err
+
+
+def test_nproc_is_for_training_only(capsys):
+    with pytest.raises(SystemExit):
+        main(["run", "etl", "--nproc", "2"])
+    assert "applies to `run train` only" in capsys.readouterr().err
