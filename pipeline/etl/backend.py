@@ -1,11 +1,13 @@
 """The dataframe backend: pandas on CPU, cuDF on GPU, chosen explicitly and imported lazily.
 
-``backend_for(device)`` maps the resolved device to a backend (cpu -> pandas, cuda -> cudf).
-cuDF is imported only when it is chosen; if it is missing, the error says so and how to proceed.
+``choose_backend(requested)`` turns ``cpu | cuda | auto`` into a backend and the reason for it:
+``auto`` picks cuDF only when a GPU is usable (checked first, through torch) AND cuDF with
+dask_cudf imports; ``cuda`` without either is an error naming what is missing. cuDF is imported
+only after a usable GPU was found, so a machine with cuDF installed but no GPU never imports it.
 
 Example::
 
-    backend = backend_for(resolve_device("auto"))   # "pandas" on a machine without a GPU
+    backend, reason = choose_backend("auto")   # ("pandas", "auto: no usable GPU (...)") without a GPU
     read_parquet("data/raw/train", ["C1", "I1"], backend)
 """
 
@@ -28,19 +30,49 @@ class BackendError(UserError):
     """The chosen dataframe backend cannot be used here."""
 
 
+def cudf_problem() -> str | None:
+    """``None`` when cuDF and dask_cudf import, else what went wrong (any error, not only ImportError:
+    a cuDF build that cannot find the CUDA driver raises other errors at import)."""
+    for name in ("cudf", "dask_cudf"):
+        try:
+            __import__(name)
+        except Exception as err:  # noqa: BLE001 - the message is what the user needs
+            missing = getattr(err, "name", None) if isinstance(err, ImportError) else None
+            return f"{missing or name} is not importable ({type(err).__name__}: {err})"
+    return None
+
+
 def check_backend(backend: str) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     if backend == "cudf":
-        try:
-            import cudf  # noqa: F401
-            import dask_cudf  # noqa: F401
-        except ImportError as err:
+        problem = cudf_problem()
+        if problem:
             raise BackendError(
-                f"the cudf backend was chosen (device cuda) but {err.name or 'cudf'} is not importable: "
+                f"the cudf backend was chosen (device cuda) but {problem}: "
                 "install RAPIDS (environment.yml, or the [gpu] extra) or use --device cpu"
-            ) from err
+            )
     return backend
+
+
+def choose_backend(requested: str) -> tuple[str, str]:
+    """``(backend, reason)`` for ``--device cpu|cuda|auto``; raises when ``cuda`` cannot be honoured.
+
+    The GPU is checked before cuDF is imported; ``auto`` falls back to pandas (and says why) when
+    either is missing, ``cuda`` raises :class:`pipeline.device.DeviceError` (no usable GPU) or
+    :class:`BackendError` (no cuDF).
+    """
+    from pipeline.device import resolve_device
+
+    device = resolve_device(requested)
+    if not device.is_cuda:
+        return "pandas", device.reason
+    if requested == "auto":
+        problem = cudf_problem()
+        if problem:
+            return "pandas", f"auto: a CUDA GPU is usable but {problem}"
+        return "cudf", "auto: a usable CUDA GPU and cuDF were found"
+    return check_backend("cudf"), device.reason
 
 
 def backend_for(device: Any) -> str:
@@ -62,14 +94,16 @@ def read_parquet(path: str | Path | list, columns: list[str] | None, backend: st
 
     check_backend(backend)
     files = parquet_files(path)
-    if backend == "cudf":
-        with dask.config.set({"dataframe.backend": "cudf"}):
-            return dd.read_parquet([str(f) for f in files], columns=columns)
     schema = pq.read_schema(files[0])
     missing = [c for c in columns or [] if c not in schema.names]
     if missing:
         raise BadInputError(f"{files[0]}: expected the columns {columns}; missing {missing}; found {schema.names}")
     columns = list(columns or schema.names)
+    if backend == "cudf":
+        # Straight into GPU memory (libcudf's parquet reader): strings are plain cuDF string
+        # columns, lists cuDF list columns, integers keep their width and nulls.
+        with dask.config.set({"dataframe.backend": "cudf"}):
+            return dd.read_parquet([str(f) for f in files], columns=columns)
     dictionary = tuple(_string_columns(schema))
     return dd.from_map(_read_piece, _pieces(files, partition_rows), columns=columns, dictionary_columns=dictionary,
                        meta=_empty(schema, columns, dictionary), enforce_metadata=False)

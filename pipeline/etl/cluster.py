@@ -4,7 +4,9 @@
 
 - ``etl.scheduler = "tcp://host:8786"``: connect to that scheduler (its workers are left alone);
 - ``etl.cluster = "local"``: a ``distributed.LocalCluster`` with ``etl.workers`` single-threaded
-  worker processes (0: one per core), or a ``dask_cuda.LocalCUDACluster`` on the cudf backend;
+  worker processes (0: one per core), or on the cudf backend a ``dask_cuda.LocalCUDACluster``:
+  one worker per GPU (``etl.workers`` of them if set), each with an RMM pool of
+  :data:`RMM_POOL_FRACTION` of its GPU's memory and cuDF's own spilling to host memory on;
 - ``etl.cluster = "threads"``: Dask's threaded scheduler in this process, no cluster at all;
 - ``etl.cluster = "auto"``: a LocalCluster when the input is at least :data:`AUTO_LOCAL_BYTES` of
   parquet (starting worker processes costs about a second and pays off on large inputs only),
@@ -28,6 +30,9 @@ from pipeline.etl.config import EtlConfig
 
 AUTO_LOCAL_BYTES = 256 * 2**20
 """cluster=auto starts a LocalCluster from this much input parquet on (256 MiB, about 4-5M Criteo rows)."""
+
+RMM_POOL_FRACTION = 0.5
+"""Initial RMM pool of each LocalCUDACluster worker, as a fraction of its GPU's memory (the pool may grow)."""
 
 
 def choose_cluster(etl: EtlConfig, input_bytes: int) -> str:
@@ -73,9 +78,13 @@ def _local_cluster(workers: int, backend: str):
     if backend == "cudf":
         try:
             from dask_cuda import LocalCUDACluster
-        except ImportError as err:
-            raise UserError("the cudf backend needs dask-cuda for its cluster: install it or use --device cpu") from err
-        return LocalCUDACluster(n_workers=workers or None, dashboard_address=None)
+        except Exception as err:
+            raise UserError(f"the cudf backend needs dask-cuda for its cluster ({type(err).__name__}: {err}): "
+                            "install it or use --device cpu") from err
+        # enable_cudf_spill: cuDF spills its own buffers to host memory when the GPU fills up, which
+        # the dask-cuda docs advise for Dask cuDF ETL (finer than spilling whole task outputs).
+        return LocalCUDACluster(n_workers=workers or None, dashboard_address=None,
+                                rmm_pool_size=_rmm_pool_bytes(), enable_cudf_spill=True)
     from distributed import LocalCluster
 
     return LocalCluster(
@@ -84,3 +93,19 @@ def _local_cluster(workers: int, backend: str):
         processes=True,
         dashboard_address=None,
     )
+
+
+def _rmm_pool_bytes() -> int | None:
+    """:data:`RMM_POOL_FRACTION` of GPU 0's memory in bytes (multiple of 256), or None (no pool) if NVML can't say.
+
+    Bytes rather than a fraction: every dask-cuda version parses a byte count, not all parse fractions.
+    NVML is used, not torch, so this process does not create a CUDA context for nothing.
+    """
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        total = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).total
+    except Exception:  # noqa: BLE001 - no NVML binding: the workers use RMM's default allocator
+        return None
+    return int(total * RMM_POOL_FRACTION) // 256 * 256

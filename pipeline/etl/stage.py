@@ -28,13 +28,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.config import PipelineConfig
-from pipeline.device import resolve_device
 from pipeline.errors import BadInputError
-from pipeline.etl.backend import backend_for, check_backend, read_parquet
+from pipeline.etl.backend import choose_backend, read_parquet
 from pipeline.etl.cluster import etl_client
 from pipeline.etl.config import EtlConfig
 from pipeline.etl.graph import Node
 from pipeline.etl.ops import Cast, Categorify, Clip, FillMissing, HashBucket, LogOp, Normalize
+from pipeline.etl.ops._columns import is_cudf
 from pipeline.etl.progress import compute
 from pipeline.etl.workflow import Workflow
 from pipeline.schema import Column, Schema
@@ -48,9 +48,8 @@ def run(cfg: PipelineConfig) -> dict:
     from pipeline.data.stage import ensure_raw
 
     start = time.perf_counter()
-    device = resolve_device(cfg.device)
-    backend = check_backend(backend_for(device))
-    print(f"[etl] device {device.kind} ({device.reason}): {backend} backend", flush=True)
+    backend, reason = choose_backend(cfg.device)
+    print(f"[etl] {backend} backend ({reason})", flush=True)
     raw = ensure_raw(cfg)
     roles = roles_of(raw)
     check_raw_files(raw.splits, roles)
@@ -207,7 +206,9 @@ def _write_part(df: Any, path: Path, schema: pa.Schema, row_group_rows: int) -> 
     """Write one output partition; no pandas metadata, so any reader sees plain arrow types.
 
     Only the integer code columns are dictionary-encoded: floats rarely repeat enough to pay for
-    the attempt, and skipping it nearly halves the writing time.
+    the attempt, and skipping it nearly halves the writing time. A cuDF partition is copied to
+    host memory and written by the same pyarrow writer, so both backends write identical types
+    (a missing float is a null in the file either way).
     """
     df = df.to_pandas() if hasattr(df, "to_pandas") else df
     table = pa.Table.from_pandas(df, schema=schema, preserve_index=False).replace_schema_metadata(None)
@@ -217,8 +218,16 @@ def _write_part(df: Any, path: Path, schema: pa.Schema, row_group_rows: int) -> 
 
 
 def output_arrow_schema(meta: Any) -> pa.Schema:
-    """The parquet schema of the output, from the (empty) output frame."""
-    meta = meta.to_pandas() if hasattr(meta, "to_pandas") else meta
+    """The parquet schema of the output, from the (empty) output frame.
+
+    On cuDF it comes from Arrow (an empty cuDF list column becomes an untyped object column in
+    pandas); list types are rebuilt as plain ``list<item>`` so both backends write the same schema.
+    """
+    if is_cudf(meta):
+        schema = meta.to_arrow(preserve_index=False).schema
+        fields = [pa.field(f.name, pa.list_(f.type.value_type) if pa.types.is_list(f.type) else f.type)
+                  for f in schema]
+        return pa.schema(fields)
     return pa.Schema.from_pandas(meta, preserve_index=False).remove_metadata()
 
 

@@ -27,10 +27,23 @@ def frame_like(like: Any, columns: dict[str, Any]) -> Any:
     return pd.DataFrame(columns, index=like.index)
 
 
+def empty_series(like: Any, dtype: str) -> Any:
+    """An empty Series of ``dtype`` from the library of ``like`` (Dask metadata)."""
+    if is_cudf(like):
+        import cudf
+
+        return cudf.Series([], dtype=dtype)
+    return pd.Series([], dtype=pd.ArrowDtype(pa.string()) if dtype == "str" else dtype)
+
+
 def as_float64(series: Any) -> Any:
-    """Numbers as float64 with NaN for missing (numpy array for pandas, float Series for cuDF)."""
+    """Numbers as float64 with NaN for missing (numpy array for pandas, float Series for cuDF).
+
+    cuDF tells null from NaN, pandas-through-numpy does not: on cuDF every NaN becomes null, so
+    ``fillna`` and the Dask reductions treat both as missing, as the pandas path does.
+    """
     if is_cudf(series):
-        return series.astype("float64")
+        return series.astype("float64").nans_to_nulls()
     if isinstance(series.dtype, np.dtype) and series.dtype.kind == "f":
         return series.to_numpy(dtype="float64")
     try:
@@ -126,6 +139,8 @@ def integral_floats(arrow: pa.Array, name: str) -> pa.Array:
 def looks_multihot(column: Any) -> bool:
     """Whether a Dask column holds lists (arrow list dtype, cuDF list dtype, or Python lists)."""
     dtype = column.dtype
+    if is_cudf(getattr(column, "_meta", column)):
+        return type(dtype).__name__ == "ListDtype"  # cuDF strings have dtype object: never sample them
     if isinstance(dtype, pd.ArrowDtype):
         return pa.types.is_list(dtype.pyarrow_dtype) or pa.types.is_large_list(dtype.pyarrow_dtype)
     if type(dtype).__name__ == "ListDtype":
@@ -138,5 +153,69 @@ def looks_multihot(column: Any) -> bool:
 
 def longest_list(series: pd.Series) -> pd.Series:
     """The length of the longest list of one partition, as a one-row Series (for a Dask max)."""
+    if is_cudf(series):
+        return cudf_longest_list(series)
     lengths = list_lengths(as_arrow_lists(series))
     return pd.Series([int(lengths.max(initial=0))], dtype="int64")
+
+
+def cudf_strings(series: Any) -> Any:
+    """A cuDF Series of categorical values as cuDF strings, the same text the pandas path makes.
+
+    Strings stay; integers become their decimal text; floats must hold whole numbers (integers
+    widened to make room for nulls) and become the text of the integer; nulls stay null.
+    """
+    dtype = series.dtype
+    if type(dtype).__name__ == "CategoricalDtype":
+        series = series.astype(series.cat.categories.dtype)
+        dtype = series.dtype
+    kind = getattr(dtype, "kind", "O")
+    if kind in "OSU" or str(dtype) in ("str", "string"):
+        return series.astype("str")
+    if kind == "b":
+        return series.astype("str").str.lower()
+    if kind in "iu":
+        return series.astype("str")
+    if kind == "f":
+        return cudf_integral(series).astype("str")
+    raise BadInputError(f"column {series.name!r}: expected strings or integers, found {dtype}")
+
+
+def cudf_integral(series: Any) -> Any:
+    """A cuDF Series of integers (int64, nulls kept) from integers or whole-number floats."""
+    kind = series.dtype.kind
+    if kind in "iu":
+        return series.astype("int64")
+    series = series.nans_to_nulls()
+    present = series.dropna()
+    if len(present) and bool((present != present.round()).any()):
+        raise BadInputError(f"column {series.name!r}: expected strings or integers, found fractional numbers")
+    return series.astype("int64")
+
+
+def cudf_to_pandas(series: Any) -> pd.Series:
+    """A cuDF Series as an arrow-backed pandas Series (lists stay lists), for the pandas code path."""
+    arrow = series.to_arrow()
+    if isinstance(arrow, pa.ChunkedArray):
+        arrow = arrow.combine_chunks()
+    return pd.Series(pd.arrays.ArrowExtensionArray(arrow), name=series.name)
+
+
+def cudf_from_pandas(values: Any, like: Any) -> Any:
+    """A pandas Series or numpy array back as a cuDF Series on ``like``'s index (through Arrow)."""
+    import cudf
+
+    arrow = as_arrow(values) if isinstance(values, pd.Series) else pa.array(values)
+    out = cudf.Series.from_arrow(arrow)
+    out.index = like.index
+    out.name = like.name
+    return out
+
+
+def cudf_longest_list(series: Any) -> Any:
+    """The length of the longest list of one cuDF partition, as a one-row cuDF Series (for a Dask max)."""
+    import cudf
+
+    longest = series.list.len().max() if len(series) else None
+    longest = 0 if longest is None or pd.isna(longest) else int(longest)
+    return cudf.Series([longest], dtype="int64")

@@ -28,6 +28,10 @@ import pyarrow.parquet as pq
 from pipeline.etl.ops._columns import (
     as_arrow_lists,
     as_arrow_strings,
+    cudf_from_pandas,
+    cudf_strings,
+    cudf_to_pandas,
+    empty_series,
     frame_like,
     is_cudf,
     list_lengths,
@@ -74,17 +78,20 @@ class Categorify(Operator):
     def fit(self, ddf: Any) -> Any:
         multihot = {name: looks_multihot(ddf[name]) for name in ddf.columns}
         split_out = self.split_out or (1 if ddf.npartitions <= _SINGLE_REDUCTION_PARTITIONS else True)
-        if split_out == 1 and not is_cudf(ddf._meta):
+        gpu = is_cudf(ddf._meta)
+        if split_out == 1 and not gpu:
             return _tree_counts(ddf, multihot)
+        # cuDF: the values become cuDF strings on the GPU and Dask's value_counts runs on cuDF.
+        strings = empty_series(ddf._meta, "str")
         stats = {}
         for name in ddf.columns:
             column = ddf[name]
             if multihot[name]:
-                values = column.map_partitions(_flat_strings, meta=pd.Series([], dtype=pd.ArrowDtype(pa.string())))
-                longest = column.map_partitions(longest_list, meta=pd.Series([], dtype="int64")).max()
+                values = column.map_partitions(_flat_strings, meta=strings)
+                longest = column.map_partitions(longest_list, meta=empty_series(ddf._meta, "int64")).max()
                 stats[name] = {"counts": values.value_counts(split_out=split_out), "max_length": longest}
             else:
-                values = column.map_partitions(_plain_strings, meta=pd.Series([], dtype=pd.ArrowDtype(pa.string())))
+                values = column.map_partitions(_plain_strings, meta=strings)
                 stats[name] = {"counts": values.value_counts(split_out=split_out)}
         return stats
 
@@ -124,12 +131,15 @@ class Categorify(Operator):
             if is_cudf(df):
                 out[name] = _encode_cudf(df[name], vocab, self.multihot[name])
             elif self.multihot[name]:
-                lists = as_arrow_lists(df[name])
-                codes = _encode(pc.list_flatten(lists), vocab)
-                out[name] = lists_from_flat(codes, list_lengths(lists), df.index)
+                out[name] = self._encode_lists(df[name], vocab)
             else:
                 out[name] = _encode(as_arrow_strings(df[name], keep_dictionary=True), vocab)
         return frame_like(df, out)
+
+    @staticmethod
+    def _encode_lists(series: pd.Series, vocab: pa.Array) -> pd.Series:
+        lists = as_arrow_lists(series)
+        return lists_from_flat(_encode(pc.list_flatten(lists), vocab), list_lengths(lists), series.index)
 
     def get_params(self) -> dict:
         return {"freq_threshold": self.freq_threshold, "max_vocab_size": self.max_vocab_size, "split_out": self.split_out}
@@ -180,15 +190,27 @@ def _encode(values: pa.Array, vocab: pa.Array) -> np.ndarray:
 
 
 def _encode_cudf(series: Any, vocab: pa.Array, multihot: bool) -> Any:
-    """The cuDF path: ``Index.get_indexer`` on the GPU (single-valued columns only, for now)."""
-    if multihot:
-        raise NotImplementedError(f"Categorify of the multi-hot column {series.name!r} on cuDF is not built yet; use --device cpu")
-    import cudf
+    """The cuDF path, written plainly with a left join on the GPU (no Arrow dictionary tricks).
 
-    index = cudf.Index(cudf.Series.from_arrow(vocab))
-    values = series.astype("str")
-    found = cudf.Series(index.get_indexer(values), index=values.index)
-    return (found + RESERVED).where(found >= 0, OOV_INDEX).where(values.notna(), NULL_INDEX).astype("int32")
+    The values become the same text as on pandas (:func:`cudf_strings`); a left merge with the
+    vocabulary ``(value, code)`` gives each row its code, a row number restores the order (cuDF
+    merges do not keep it), unmatched rows get OOV and missing rows the null code.
+    Multi-hot lists go through host memory and the pandas code (correct, not fast).
+    """
+    if multihot:
+        codes = Categorify._encode_lists(cudf_to_pandas(series), vocab)
+        return cudf_from_pandas(codes, series)
+    import cudf
+    import cupy
+
+    values = cudf_strings(series).reset_index(drop=True)
+    table = cudf.DataFrame({"value": cudf.Series.from_arrow(vocab.cast(pa.string())),
+                            "code": cupy.arange(RESERVED, RESERVED + len(vocab), dtype="int32")})
+    rows = cudf.DataFrame({"value": values, "row": cupy.arange(len(values), dtype="int64")})
+    joined = rows.merge(table, on="value", how="left").sort_values("row")
+    codes = joined["code"].fillna(OOV_INDEX).astype("int32").values
+    codes = cupy.where(values.isna().values, NULL_INDEX, codes).astype(cupy.int32)
+    return cudf.Series(codes, index=series.index, name=series.name)
 
 
 def _tree_counts(ddf: Any, multihot: dict[str, bool], split_every: int = 8) -> dict:
@@ -240,11 +262,15 @@ def _vocab_file(name: str) -> str:
     return f"categories/{quote(name, safe='')}.parquet"
 
 
-def _plain_strings(series: pd.Series) -> pd.Series:
+def _plain_strings(series: Any) -> Any:
+    if is_cudf(series):
+        return cudf_strings(series)
     strings = as_arrow_strings(series)
     return pd.Series(pd.arrays.ArrowExtensionArray(strings.cast(pa.string())), name=series.name)
 
 
-def _flat_strings(series: pd.Series) -> pd.Series:
+def _flat_strings(series: Any) -> Any:
+    if is_cudf(series):
+        return cudf_strings(series.list.leaves).rename(series.name)
     flat = pc.list_flatten(as_arrow_lists(series))
     return pd.Series(pd.arrays.ArrowExtensionArray(flat.cast(pa.string())), name=series.name)

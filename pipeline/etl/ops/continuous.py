@@ -88,7 +88,7 @@ class LogOp(Operator):
     """``log1p(x)``: tames heavy-tailed counts. Clip to ``min_value=0`` first: below -1 gives NaN."""
 
     def transform(self, df: Any) -> Any:
-        return _map_columns(df, lambda _, v: np.log1p(v))
+        return _map_columns(df, lambda _, v: _log1p_cudf(v) if is_cudf(v) else np.log1p(v))
 
 
 class Normalize(Operator):
@@ -149,7 +149,7 @@ class Bucketize(Operator):
     def transform(self, df: Any) -> Any:
         def digitize(_: str, v: Any) -> Any:
             if is_cudf(v):
-                return v.digitize(self.boundaries)
+                return _digitize_cudf(v, self.boundaries)
             return np.digitize(v, self.boundaries)
 
         return _map_columns(df, digitize, dtype="int32")
@@ -176,6 +176,24 @@ def _fillna(values: Any, fill: float) -> Any:
     if is_cudf(values):
         return values.fillna(fill)
     return np.where(np.isnan(values), fill, values)
+
+
+def _log1p_cudf(values: Any) -> Any:
+    """``log1p`` of a float cuDF Series through CuPy, nulls kept (cuDF has no log1p method of its own)."""
+    import cudf
+    import cupy
+
+    out = cudf.Series(cupy.log1p(values.fillna(0).values), index=values.index, name=values.name)
+    return out.where(values.notna())
+
+
+def _digitize_cudf(values: Any, boundaries: list[float]) -> Any:
+    """``np.digitize`` on the GPU; a missing value lands in the last bucket, as NaN does on pandas."""
+    import cudf
+    import cupy
+
+    filled = values.fillna(np.inf).values
+    return cudf.Series(cupy.digitize(filled, cupy.asarray(boundaries)), index=values.index, name=values.name)
 
 
 def _float_meta(ddf: Any) -> Any:

@@ -1,10 +1,13 @@
 """HashBucket and HashedCross: categorical values to buckets without a vocabulary.
 
 The hash is MurmurHash3_x86_32 (seed 0) of each value's bytes (UTF-8 for strings, 8 little-endian
-bytes for integers), folded into a row hash the way libcudf does (see :mod:`.murmur`), so the
-buckets equal those from ``cudf.DataFrame.hash_values(method="murmur3")``. Code 0 is reserved for
-missing values; a value goes to ``1 + row_hash % num_buckets``, so the table has
-``num_buckets + 1`` rows.
+bytes for integers), folded into a row hash with Boost's ``hash_combine`` starting from the seed
+(see :mod:`.murmur`). Code 0 is reserved for missing values; a value goes to
+``1 + row_hash % num_buckets``, so the table has ``num_buckets + 1`` rows.
+
+On cuDF each column is hashed on the GPU with ``Series.hash_values(method="murmur3")`` (libcudf)
+and folded here with the same ``hash_combine``, so both backends give the same buckets whichever
+way the installed libcudf folds columns (:func:`_cudf_single_column_offset` explains why that matters).
 
 Example::
 
@@ -24,6 +27,10 @@ import pyarrow.compute as pc
 from pipeline.errors import BadInputError
 from pipeline.etl.ops._columns import (
     as_arrow,
+    cudf_from_pandas,
+    cudf_integral,
+    cudf_to_pandas,
+    empty_series,
     frame_like,
     integral_floats,
     is_cudf,
@@ -33,7 +40,7 @@ from pipeline.etl.ops._columns import (
     looks_multihot,
 )
 from pipeline.etl.ops.base import Operator
-from pipeline.etl.ops.murmur import combine_row_hashes, murmur3_int64, murmur3_strings
+from pipeline.etl.ops.murmur import GOLDEN, combine_row_hashes, murmur3_int64, murmur3_strings
 
 NULL_INDEX = 0
 
@@ -60,7 +67,8 @@ class HashBucket(Operator):
 
     def fit(self, ddf: Any) -> Any:
         lists = [name for name in ddf.columns if looks_multihot(ddf[name])]
-        longest = {name: ddf[name].map_partitions(longest_list, meta=pd.Series([], dtype="int64")).max() for name in lists}
+        meta = empty_series(ddf._meta, "int64")
+        longest = {name: ddf[name].map_partitions(longest_list, meta=meta).max() for name in lists}
         return {"columns": list(ddf.columns), "max_lengths": longest}
 
     def fit_finalize(self, stats: Any) -> None:
@@ -119,10 +127,7 @@ class HashedCross(Operator):
 
 def _bucket(df: Any, names: list[str], num_buckets: int) -> Any:
     if is_cudf(df):
-        row = df[names].hash_values(method="murmur3", seed=0)
-        codes = (row % num_buckets + 1).astype("int32")
-        missing = df[names].isna().any(axis=1)
-        return codes.where(~missing, NULL_INDEX)
+        return _bucket_cudf(df, names, num_buckets)
     hashes, missing = [], np.zeros(len(df), dtype=bool)
     for name in names:
         values = as_arrow(df[name])
@@ -136,8 +141,8 @@ def _bucket(df: Any, names: list[str], num_buckets: int) -> Any:
 
 
 def _bucket_lists(series: Any, num_buckets: int) -> Any:
-    if is_cudf(series):
-        raise NotImplementedError(f"HashBucket of the multi-hot column {series.name!r} on cuDF is not built yet; use --device cpu")
+    if is_cudf(series):  # lists go through host memory and the code below (correct, not fast)
+        return cudf_from_pandas(_bucket_lists(cudf_to_pandas(series), num_buckets), series)
     lists = as_arrow(series)
     if pa.types.is_null(lists.type):
         lists = lists.cast(pa.list_(pa.string()))
@@ -164,3 +169,56 @@ def _murmur3_column(values: pa.Array, name: str) -> np.ndarray:
     if pa.types.is_integer(kind):
         return murmur3_int64(values.fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64))
     raise BadInputError(f"column {name!r}: hashing expects strings or integers, found {kind}")
+
+
+def _bucket_cudf(df: Any, names: list[str], num_buckets: int) -> Any:
+    """Buckets on the GPU: libcudf's murmur3 of each column, folded with :func:`hash_combine` in CuPy."""
+    import cudf
+    import cupy
+
+    offset = cupy.uint32(_cudf_single_column_offset())
+    row = cupy.zeros(len(df), dtype=cupy.uint32)
+    missing = cupy.zeros(len(df), dtype=bool)
+    for name in names:
+        column = df[name]
+        if column.dtype.kind in "iuf":
+            column = cudf_integral(column)  # hashed as 8 little-endian bytes, as on pandas
+        elif column.dtype.kind not in "OSU" and str(column.dtype) not in ("str", "string"):
+            raise BadInputError(f"column {name!r}: hashing expects strings or integers, found {column.dtype}")
+        missing |= column.isna().values
+        h = column.hash_values(method="murmur3", seed=0).astype("uint32").values - offset
+        row = row ^ (h + cupy.uint32(GOLDEN) + (row << cupy.uint32(6)) + (row >> cupy.uint32(2)))
+    codes = (row % cupy.uint32(num_buckets)).astype(cupy.int64) + 1
+    return cudf.Series(cupy.where(missing, NULL_INDEX, codes).astype(cupy.int32), index=df.index)
+
+
+_OFFSET: list[int] = []
+
+
+def _cudf_single_column_offset() -> int:
+    """What libcudf adds to plain MurmurHash3 when it hashes a one-column table with seed 0.
+
+    libcudf's row hasher (``cudf/detail/row_operator/hashing.cuh``, ``device_row_hasher``) folds
+    ``hash_combine(seed, murmur3(column))`` for the first column too, so one column gives
+    ``murmur3 + 0x9E3779B9 (mod 2**32)``; the JIT kernel of newer libcudf
+    (``cpp/src/hash/jit_lto_kernels/murmurhash_entry_kernel.cu.in``) starts from the first
+    column's own hash, so one column gives plain ``murmur3``. This probes the installed cuDF once
+    per process against the numpy reference (integers and strings) and returns 0 or 0x9E3779B9;
+    anything else is an error rather than silently different buckets.
+    """
+    if _OFFSET:
+        return _OFFSET[0]
+    import cudf
+
+    ints = np.array([0, 1, -1, 10, 120, 2**40 + 7], dtype=np.int64)
+    texts = ["", "a", "ab", "abc", "abcd", "abcde", "\u00e9t\u00e9"]
+    got_ints = cudf.Series(ints).hash_values(method="murmur3", seed=0).to_numpy().astype(np.uint32)
+    got_texts = cudf.Series(texts).hash_values(method="murmur3", seed=0).to_numpy().astype(np.uint32)
+    want = np.concatenate([murmur3_int64(ints), murmur3_strings(pa.array(texts, pa.string()))])
+    got = np.concatenate([got_ints, got_texts])
+    with np.errstate(over="ignore"):
+        for offset in (0, int(GOLDEN)):
+            if np.array_equal(got, want + np.uint32(offset)):
+                _OFFSET.append(offset)
+                return offset
+    raise RuntimeError(f"cuDF's murmur3 differs from MurmurHash3_x86_32: got {got.tolist()}, reference {want.tolist()}")

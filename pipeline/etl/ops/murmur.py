@@ -2,9 +2,12 @@
 
 ``murmur3_strings`` hashes the UTF-8 bytes of each string and ``murmur3_int64`` the 8 little-endian
 bytes of each integer, exactly as the reference MurmurHash3_x86_32 (and the ``mmh3`` package) does.
-``combine_row_hashes`` folds per-column hashes the way libcudf's row hasher does
-(``hash = hash_combine(hash, h)`` starting from the seed, ``hash_combine`` taken from Boost), so a
-bucket computed here equals one computed from ``cudf.DataFrame.hash_values(method="murmur3")``.
+``combine_row_hashes`` folds per-column hashes the way libcudf's row hasher
+(``cudf/detail/row_operator/hashing.cuh``) does: ``hash = hash_combine(hash, h)`` starting from the
+seed, ``hash_combine`` taken from Boost; one column with seed 0 thus gives ``h + 0x9E3779B9``.
+Newer libcudf (the JIT row-hash kernel) starts from the first column's hash instead, so the cuDF
+path of HashBucket hashes column by column and folds here-defined (see ``hashing._bucket_cudf``):
+the buckets are this module's on either backend and any libcudf.
 
 Example::
 
@@ -18,7 +21,7 @@ import pyarrow as pa
 
 _C1 = np.uint32(0xCC9E2D51)
 _C2 = np.uint32(0x1B873593)
-_GOLDEN = np.uint32(0x9E3779B9)
+GOLDEN = np.uint32(0x9E3779B9)
 
 
 def _rotl(x: np.ndarray, r: int) -> np.ndarray:
@@ -90,7 +93,7 @@ def hash_combine(lhs: np.ndarray, rhs: np.ndarray) -> np.ndarray:
     """Boost's ``hash_combine`` on uint32, as libcudf uses it to fold column hashes into a row hash."""
     lhs = np.asarray(lhs, dtype=np.uint32)
     with np.errstate(over="ignore"):
-        return lhs ^ (np.asarray(rhs, dtype=np.uint32) + _GOLDEN + (lhs << np.uint32(6)) + (lhs >> np.uint32(2)))
+        return lhs ^ (np.asarray(rhs, dtype=np.uint32) + GOLDEN + (lhs << np.uint32(6)) + (lhs >> np.uint32(2)))
 
 
 def combine_row_hashes(column_hashes: list[np.ndarray], seed: int = 0) -> np.ndarray:
