@@ -1,0 +1,268 @@
+"""The ETL on cuDF equals the ETL on pandas: same statistics, same codes, same floats to tolerance.
+
+GPU tests (``@pytest.mark.gpu``) are skipped without a usable GPU, with the reason. The data size
+comes from ``PIPELINE_ETL_GPU_ROWS`` (default 2,000,000 training rows; set it small for a quick
+look, e.g. ``PIPELINE_ETL_GPU_ROWS=50000``). On the GPU machine::
+
+    PIPELINE_ETL_GPU_ROWS=3000000 python -m pytest -q -rs tests/test_etl_gpu.py
+
+The tests at the end (device and backend choice) need no GPU and run everywhere.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.etl import Categorify, Clip, FillMissing, HashBucket, HashedCross, LogOp, Normalize, Workflow
+from pipeline.etl.backend import BackendError, choose_backend, read_parquet
+from pipeline.etl.ops import Cast
+from pipeline.etl.ops.hashing import _murmur3_column
+from pipeline.etl.ops.murmur import combine_row_hashes
+
+ROWS = int(os.environ.get("PIPELINE_ETL_GPU_ROWS", "2000000"))
+FILES = 4
+CONTINUOUS = ["I1", "I2", "F1"]
+CATEGORICAL = ["C1", "C2", "C3"]
+
+
+def _raw_table(rng: np.random.Generator, n: int, unseen: bool) -> pa.Table:
+    """Criteo-like columns with nulls: int counts, floats with NaN, strings (zipf), integer categories, lists."""
+    def masked(values, rate):
+        return pa.array(values, mask=rng.random(n) < rate)
+
+    shift = 5000 if unseen else 0  # the valid split also holds values never seen at fit
+    strings = np.array([f"s{v}" for v in (rng.zipf(1.2, n) % 20000) + rng.integers(0, 2, n) * shift])
+    lists = [[f"t{j}" for j in rng.integers(0, 50 + (10 if unseen else 0), k)] for k in rng.integers(0, 4, min(n, 200_000))]
+    lists = (lists * (n // len(lists) + 1))[:n]
+    return pa.table({
+        "label": pa.array(rng.integers(0, 2, n).astype(np.int64)),
+        "I1": masked(rng.lognormal(2, 2, n).astype(np.int64), 0.2),
+        "I2": masked(rng.integers(-5, 1000, n), 0.05),
+        "F1": pa.array(np.where(rng.random(n) < 0.1, np.nan, rng.normal(3, 10, n))),
+        "C1": masked(strings, 0.1),
+        "C2": masked((rng.zipf(1.5, n) % 3000 + rng.integers(0, 2, n) * shift).astype(np.int64), 0.15),
+        "C3": masked(rng.choice(np.array(["a", "b", "c", "dé"]), n), 0.3),
+        "H": masked(strings, 0.05),
+        "K": masked(rng.integers(0, 10**12, n), 0.05),
+        "M": pa.array(lists, pa.list_(pa.string())),
+    })
+
+
+@pytest.fixture(scope="module")
+def raw(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("etl-gpu-raw")
+    rng = np.random.default_rng(7)
+    splits = {}
+    for split, unseen in (("train", False), ("valid", True)):
+        (folder / split).mkdir()
+        rows = ROWS if split == "train" else max(ROWS // 4, 1000)
+        for i, n in enumerate(np.diff(np.linspace(0, rows, FILES + 1).astype(int))):
+            pq.write_table(_raw_table(rng, int(n), unseen), folder / split / f"part-{i:05d}.parquet",
+                           row_group_size=250_000)
+        splits[split] = sorted((folder / split).glob("part-*.parquet"))
+    return splits
+
+
+def _workflow(backend: str) -> Workflow:
+    features = (
+        (["label"] >> Cast("float32"))
+        + (CONTINUOUS >> FillMissing(0.0) >> Clip(min_value=0) >> LogOp() >> Normalize())
+        + (CATEGORICAL >> Categorify(freq_threshold=2))
+        + (["M"] >> Categorify())
+        + (["H", "K"] >> HashBucket(100_003))
+        + (["C1", "C2"] >> HashedCross(5_000))
+    )
+    return Workflow(features, backend=backend)
+
+
+def _fit_and_write(backend: str, raw, out, cluster: str = "threads"):
+    from pipeline.etl.cluster import etl_client
+    from pipeline.etl.config import EtlConfig
+    from pipeline.etl.stage import transform_split
+
+    workflow = _workflow(backend)
+    with etl_client(EtlConfig(cluster=cluster), backend=backend):
+        workflow.fit(read_parquet(raw["train"], workflow.input_columns, backend))
+        rows = transform_split(workflow, raw["valid"], out, 65_536, backend, progress=False)
+    table = pa.concat_tables([pq.read_table(p) for p in sorted(out.glob("part-*.parquet"))])
+    assert table.num_rows == rows
+    return workflow, table
+
+
+@pytest.fixture(scope="module")
+def pandas_run(raw, tmp_path_factory):
+    return _fit_and_write("pandas", raw, tmp_path_factory.mktemp("out-pandas"))
+
+
+def _assert_same_statistics(gpu: Workflow, cpu: Workflow) -> None:
+    for (op_gpu, cols), (op_cpu, _) in zip(gpu.operators(), cpu.operators()):
+        assert type(op_gpu) is type(op_cpu), cols
+        if isinstance(op_cpu, Categorify):
+            for name in cols:
+                assert op_gpu.vocabularies[name].equals(op_cpu.vocabularies[name]), name
+                np.testing.assert_array_equal(op_gpu.counts[name], op_cpu.counts[name], err_msg=name)
+            assert op_gpu.multihot == op_cpu.multihot and op_gpu.max_lengths == op_cpu.max_lengths
+        if isinstance(op_cpu, Normalize):
+            for name in cols:
+                # float64 sums in a different order on the GPU: equal to about 1e-12 relative.
+                assert op_gpu.means[name] == pytest.approx(op_cpu.means[name], rel=1e-9), name
+                assert op_gpu.stds[name] == pytest.approx(op_cpu.stds[name], rel=1e-9), name
+        if isinstance(op_cpu, HashBucket):
+            assert op_gpu.multihot == op_cpu.multihot
+
+
+def _assert_same_output(gpu: pa.Table, cpu: pa.Table) -> None:
+    assert gpu.schema.equals(cpu.schema), f"\n{gpu.schema}\n!=\n{cpu.schema}"
+    assert gpu.num_rows == cpu.num_rows
+    for name in cpu.column_names:
+        mine, theirs = gpu[name].combine_chunks(), cpu[name].combine_chunks()
+        if pa.types.is_floating(theirs.type):
+            np.testing.assert_array_equal(mine.is_null().to_numpy(zero_copy_only=False),
+                                          theirs.is_null().to_numpy(zero_copy_only=False), err_msg=name)
+            # float32 outputs from float64 arithmetic done in another order: a few float32 ulps.
+            np.testing.assert_allclose(mine.to_numpy(zero_copy_only=False), theirs.to_numpy(zero_copy_only=False),
+                                       rtol=1e-5, atol=1e-6, equal_nan=True, err_msg=name)
+        else:
+            assert mine.equals(theirs), f"{name}: first differences at {_first_differences(mine, theirs)}"
+
+
+def _first_differences(a: pa.Array, b: pa.Array, k: int = 5) -> list:
+    left, right = a.to_pylist(), b.to_pylist()
+    return [(i, x, y) for i, (x, y) in enumerate(zip(left, right)) if x != y][:k]
+
+
+@pytest.mark.gpu
+def test_cudf_fit_and_transform_equal_pandas(raw, pandas_run, tmp_path):
+    cpu_workflow, cpu_table = pandas_run
+    gpu_workflow, gpu_table = _fit_and_write("cudf", raw, tmp_path / "out-cudf")
+    _assert_same_statistics(gpu_workflow, cpu_workflow)
+    _assert_same_output(gpu_table, cpu_table)
+    assert (cpu_table["C1"].to_numpy() == 1).any(), "the valid split should hold unseen values (OOV)"
+
+
+@pytest.mark.gpu
+def test_cudf_on_a_local_cuda_cluster_equals_pandas(raw, pandas_run, tmp_path):
+    cpu_workflow, cpu_table = pandas_run
+    gpu_workflow, gpu_table = _fit_and_write("cudf", raw, tmp_path / "out-cluster", cluster="local")
+    _assert_same_statistics(gpu_workflow, cpu_workflow)
+    _assert_same_output(gpu_table, cpu_table)
+
+
+@pytest.mark.gpu
+def test_hash_bucket_on_cudf_equals_the_numpy_murmur_path():
+    import cudf
+
+    rng = np.random.default_rng(3)
+    n = 100_000
+    frame = pd.DataFrame({
+        "s": pd.array([None if i % 17 == 0 else f"v{i % 5000}é" for i in range(n)], dtype="string"),
+        "i64": pd.array(rng.integers(-(2**62), 2**62, n), dtype="Int64"),
+        "i32": rng.integers(-(2**31), 2**31 - 1, n, dtype=np.int32),
+        "f": np.where(rng.random(n) < 0.1, np.nan, rng.integers(0, 10**6, n).astype(np.float64)),
+    })
+    frame.loc[::13, "i64"] = pd.NA
+    for columns in (["s"], ["i64"], ["i32"], ["f"]):
+        workflow = Workflow(columns >> HashBucket(1_000_003)).fit(frame)
+        cpu = workflow.transform(frame)
+        gpu = workflow.transform(cudf.from_pandas(frame)).to_pandas()
+        np.testing.assert_array_equal(gpu[columns[0]].to_numpy(), cpu[columns[0]].to_numpy(), err_msg=str(columns))
+    cross = Workflow(["s", "i64", "i32"] >> HashedCross(65_537))
+    cpu = cross.transform(frame)["s_i64_i32"].to_numpy()
+    np.testing.assert_array_equal(cross.transform(cudf.from_pandas(frame))["s_i64_i32"].to_numpy(), cpu)
+    # The oracle spelled out: numpy murmur3 per column, folded with hash_combine from seed 0.
+    hashes = [_murmur3_column(pa.array(frame[c].astype(object).where(frame[c].notna(), None).tolist(),
+                                       pa.string() if c == "s" else pa.int64()), c) for c in ("s", "i64", "i32")]
+    expected = (combine_row_hashes(hashes) % np.uint32(65_537)).astype(np.int64) + 1
+    missing = frame[["s", "i64", "i32"]].isna().any(axis=1).to_numpy()
+    np.testing.assert_array_equal(cpu, np.where(missing, 0, expected))
+
+
+@pytest.mark.gpu
+def test_cudf_fill_missing_median_and_bucketize_match_pandas():
+    import cudf
+
+    from pipeline.etl import Bucketize
+
+    rng = np.random.default_rng(5)
+    frame = pd.DataFrame({"x": np.where(rng.random(20_000) < 0.2, np.nan, rng.normal(0, 10, 20_000))})
+    cpu = Workflow(["x"] >> FillMissing(strategy="median")).fit(frame)
+    gpu = Workflow(["x"] >> FillMissing(strategy="median"))
+    gpu.fit(_dask_cudf(cudf.from_pandas(frame)))
+    assert gpu.operators()[0][0].fill_values["x"] == pytest.approx(cpu.operators()[0][0].fill_values["x"], abs=1e-9)
+    buckets = Workflow(["x"] >> Bucketize([-10.0, 0.0, 3.5, 20.0]))
+    np.testing.assert_array_equal(buckets.transform(cudf.from_pandas(frame))["x"].to_numpy(),
+                                  buckets.transform(frame)["x"].to_numpy())
+
+
+def _dask_cudf(frame):
+    import dask.dataframe as dd
+
+    try:
+        import dask_cudf
+
+        return dask_cudf.from_cudf(frame, npartitions=1)
+    except (ImportError, AttributeError):
+        return dd.from_pandas(frame, npartitions=1)
+
+
+# Device and backend choice: no GPU needed.
+
+def test_auto_without_a_gpu_is_pandas_and_never_imports_cudf(monkeypatch):
+    import sys
+
+    from pipeline import device
+
+    monkeypatch.setattr(device, "gpu_problem", lambda: "torch sees no CUDA device (no GPU, or no driver)")
+    monkeypatch.setitem(sys.modules, "cudf", None)  # importing it would raise
+    backend, reason = choose_backend("auto")
+    assert backend == "pandas" and "no usable GPU" in reason
+
+
+def test_auto_with_a_gpu_but_no_cudf_is_pandas_and_says_why(monkeypatch):
+    import sys
+
+    from pipeline import device
+
+    monkeypatch.setattr(device, "gpu_problem", lambda: None)
+    monkeypatch.setitem(sys.modules, "cudf", None)
+    backend, reason = choose_backend("auto")
+    assert backend == "pandas" and "cudf is not importable" in reason
+
+
+def test_cuda_without_a_gpu_or_without_cudf_is_an_error_naming_it(monkeypatch):
+    import sys
+
+    from pipeline import device
+
+    monkeypatch.setattr(device, "gpu_problem", lambda: "torch sees no CUDA device (no GPU, or no driver)")
+    with pytest.raises(device.DeviceError, match="no CUDA device"):
+        choose_backend("cuda")
+    monkeypatch.setattr(device, "gpu_problem", lambda: None)
+    monkeypatch.setitem(sys.modules, "cudf", None)
+    with pytest.raises(BackendError, match="cudf is not importable"):
+        choose_backend("cuda")
+
+
+def test_a_cudf_that_fails_at_import_is_reported_not_raised(monkeypatch):
+    """cuDF installed on a machine without a driver raises at import, and not always ImportError."""
+    import builtins
+
+    from pipeline import device
+
+    real_import = builtins.__import__
+
+    def failing(name, *args, **kwargs):
+        if name == "cudf":
+            raise RuntimeError("CUDA driver not found")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(device, "gpu_problem", lambda: None)
+    monkeypatch.setattr(builtins, "__import__", failing)
+    backend, reason = choose_backend("auto")
+    assert backend == "pandas" and "CUDA driver not found" in reason
