@@ -1,12 +1,24 @@
-"""ETL fit and transform+write throughput: our Dask workflow against plain pandas, same run.
+"""ETL fit and transform+write throughput: our Dask workflow (cuDF and/or pandas) against plain pandas, same run.
 
 Synthetic Criteo-like rows from the data stage (all in the train split): Categorify on the 26
 categorical columns and FillMissing >> Clip >> LogOp >> Normalize on the 13 continuous ones. Ours
-runs the stage's default workflow on a LocalCluster of ``--workers`` processes (or threads); the
-baseline is the same operations written plainly with pandas in this process. Both read the raw
-parquet in fit and again in transform, and write parquet with the same row groups.
+runs the stage's default workflow; the baseline is the same operations written plainly with pandas
+in this process. Every side reads the raw parquet in fit and again in transform, and writes parquet
+with the same row groups; the bench checks that all sides wrote the same table.
+
+Sides, in this order (each side's figures are printed, and the JSON rewritten, as soon as measured):
+
+- with ``--device cuda`` (or ``auto`` where a GPU and cuDF are usable): ours on cuDF, on a
+  ``dask_cuda.LocalCUDACluster`` (one worker per GPU, or ``--gpu-workers``; ``--cluster threads``:
+  threads in this process on one GPU);
+- ours on pandas, on a ``LocalCluster`` of ``--workers`` processes (0: one per core) or threads;
+- plain pandas in one process (``--no-baseline`` skips it).
 
     python -m pipeline bench etl --rows 2000000 --workers 2
+    python -m pipeline bench etl --device cuda --rows 20000000 --workers 0 --json etl-gpu.json
+
+Run it as ``python -m pipeline ...`` (or from a script under ``if __name__ == "__main__":``):
+the clusters start worker processes, which import the main module again.
 """
 
 from __future__ import annotations
@@ -16,91 +28,174 @@ from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rows", type=int, default=2_000_000, help="synthetic rows (default 2M)")
-    parser.add_argument("--workers", type=int, default=2, help="LocalCluster worker processes (default 2)")
+    parser.add_argument("--rows", type=int, default=2_000_000, help="synthetic rows (default 2M; 20M+ on a GPU)")
+    parser.add_argument("--workers", type=int, default=2,
+                        help="LocalCluster worker processes of the pandas side (default 2; 0: one per core)")
+    parser.add_argument("--gpu-workers", type=int, default=0,
+                        help="LocalCUDACluster workers of the cuDF side (0: one per GPU)")
     parser.add_argument("--cluster", choices=["local", "threads"], default="local",
-                        help="run ours on a LocalCluster (default) or on threads in this process")
+                        help="run ours on a LocalCluster / LocalCUDACluster (default) or on threads in this process")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each side; the best is reported")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the plain pandas side")
+    parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON (rewritten after each side)")
 
 
 def run(args: argparse.Namespace, cfg) -> dict:
     import dataclasses
     import os
-    import platform
+    import shutil
     import tempfile
     import time
     from datetime import datetime, timezone
 
     from pipeline.data.stage import ensure_raw
-    from pipeline.etl.backend import read_parquet
-    from pipeline.etl.cluster import etl_client
-    from pipeline.etl.stage import default_workflow, transform_split
+    from pipeline.etl.backend import choose_backend
 
+    backend, reason = choose_backend(cfg.device)
+    workers = args.workers or os.cpu_count() or 1
     data = dataclasses.replace(cfg.data, rows=args.rows, valid_fraction=0.0, test_fraction=0.0,
                                name=cfg.data.name or f"bench-etl-{args.rows}")
-    cfg = dataclasses.replace(cfg, data=data, etl=dataclasses.replace(cfg.etl, cluster=args.cluster, workers=args.workers))
+    cfg = dataclasses.replace(cfg, data=data)
+    t = time.perf_counter()
     raw = ensure_raw(cfg)
     roles = {"label": raw.label, "continuous": raw.continuous, "categorical": raw.categorical, "multihot": raw.multihot}
     files = raw.splits["train"]
     rows = raw.rows["train"]
     load = os.getloadavg()
-    print(f"[bench etl] {rows:,} rows in {len(files)} files, size={cfg.data.size}, "
-          f"{os.cpu_count()} cores, load {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
+    print(f"[bench etl] {rows:,} rows in {len(files)} files (ready in {time.perf_counter() - t:.1f} s), "
+          f"size={cfg.data.size}, {os.cpu_count()} cores, load {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; "
+          f"{backend} backend ({reason})", flush=True)
 
-    results: dict[str, dict] = {}
-    with tempfile.TemporaryDirectory(prefix="bench-etl-") as tmp:
-        t = time.perf_counter()
-        with etl_client(cfg.etl, backend="pandas") as where:
-            startup = time.perf_counter() - t
-            best = {"fit": float("inf"), "transform": float("inf")}
-            for _ in range(args.repeats):
-                workflow = default_workflow(roles, cfg.etl)
-                t = time.perf_counter()
-                workflow.fit(read_parquet(files, workflow.input_columns, "pandas"))
-                best["fit"] = min(best["fit"], time.perf_counter() - t)
-                t = time.perf_counter()
-                written = transform_split(workflow, files, Path(tmp) / "ours", cfg.etl.row_group_rows, "pandas",
-                                          progress=False)
-                if written != rows:
-                    raise RuntimeError(f"ours wrote {written} rows, expected {rows}")
-                best["transform"] = min(best["transform"], time.perf_counter() - t)
-            results[f"ours ({where})"] = best
-        base = {"fit": float("inf"), "transform": float("inf")}
-        for _ in range(args.repeats):
-            baseline = _PandasBaseline(roles)
-            t = time.perf_counter()
-            baseline.fit(files)
-            base["fit"] = min(base["fit"], time.perf_counter() - t)
-            t = time.perf_counter()
-            baseline.transform_write(files, Path(tmp) / "pandas.parquet", cfg.etl.row_group_rows)
-            base["transform"] = min(base["transform"], time.perf_counter() - t)
-        results["plain pandas (1 process)"] = base
-        _check_agreement(Path(tmp) / "ours", Path(tmp) / "pandas.parquet", roles)
-
-    print(f"\ncluster start-up (not counted): {startup:.1f} s")
-    print(f"{'':32} {'fit rows/s':>12} {'transform+write rows/s':>24} {'fit s':>7} {'transform s':>12}")
-    for name, r in results.items():
-        print(f"{name:32} {rows / r['fit']:>12,.0f} {rows / r['transform']:>24,.0f} {r['fit']:>7.2f} {r['transform']:>12.2f}")
+    sides = []
+    if backend == "cudf":
+        sides.append(("cudf", dataclasses.replace(cfg.etl, cluster=args.cluster, workers=args.gpu_workers)))
+    sides.append(("pandas", dataclasses.replace(cfg.etl, cluster=args.cluster, workers=workers)))
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    print(f"\n{when}, {platform.machine()} {os.cpu_count()} cores, python {platform.python_version()}, "
-          f"load before {load[0]:.2f}")
-    return {"rows": rows, "results": results, "startup_s": startup, "load": load}
+    summary = {"rows": rows, "files": len(files), "when": when, "machine": _machine(), "backend_choice": reason,
+               "load_before": load, "results": {}, "agreement": {}}
+
+    with tempfile.TemporaryDirectory(prefix="bench-etl-") as tmp:
+        reference: Path | None = None
+        for kind, etl in sides:
+            name, best, startup, out = _ours(kind, etl, cfg, roles, files, rows, Path(tmp) / kind, args.repeats)
+            summary["results"][name] = {**best, "startup_s": round(startup, 2)}
+            _print_side(name, rows, best, startup)
+            if reference is None:
+                reference = out
+            else:
+                _check_agreement(reference, out, roles)
+                summary["agreement"][name] = "same table as the first side"
+                shutil.rmtree(out)
+            _write_json(args.json, summary)
+        if not args.no_baseline:
+            base = {"fit": float("inf"), "transform": float("inf")}
+            for _ in range(args.repeats):
+                baseline = _PandasBaseline(roles)
+                t = time.perf_counter()
+                baseline.fit(files)
+                base["fit"] = min(base["fit"], time.perf_counter() - t)
+                t = time.perf_counter()
+                baseline.transform_write(files, Path(tmp) / "pandas.parquet", cfg.etl.row_group_rows)
+                base["transform"] = min(base["transform"], time.perf_counter() - t)
+                del baseline
+            summary["results"]["plain pandas (1 process)"] = base
+            _print_side("plain pandas (1 process)", rows, base, None)
+            _check_agreement(reference, Path(tmp) / "pandas.parquet", roles)
+            summary["agreement"]["plain pandas (1 process)"] = "same table as the first side"
+            _write_json(args.json, summary)
+
+    print(f"\n{'':44} {'fit rows/s':>12} {'transform+write rows/s':>24} {'fit s':>7} {'transform s':>12}")
+    for name, r in summary["results"].items():
+        print(f"{name:44} {rows / r['fit']:>12,.0f} {rows / r['transform']:>24,.0f} {r['fit']:>7.2f} "
+              f"{r['transform']:>12.2f}")
+    print(f"\n{when}, {summary['machine']}, load before {load[0]:.2f}; cluster start-up not counted; "
+          "every side wrote the same table")
+    return summary
 
 
-def _check_agreement(ours: Path, baseline: Path, roles: dict) -> None:
-    """Both sides must have written the same table (floats to float32 rounding)."""
-    import numpy as np
+def _ours(kind: str, etl, cfg, roles: dict, files: list, rows: int, out: Path, repeats: int):
+    """Fit + transform+write with our workflow on ``kind`` ("cudf" or "pandas"); the best of ``repeats``."""
+    import time
+
+    from pipeline.etl.backend import read_parquet
+    from pipeline.etl.cluster import etl_client
+    from pipeline.etl.stage import default_workflow, transform_split
+
+    t = time.perf_counter()
+    with etl_client(etl, backend=kind) as where:
+        startup = time.perf_counter() - t
+        best = {"fit": float("inf"), "transform": float("inf")}
+        for _ in range(repeats):
+            workflow = default_workflow(roles, etl, backend=kind)
+            t = time.perf_counter()
+            workflow.fit(read_parquet(files, workflow.input_columns, kind))
+            best["fit"] = min(best["fit"], time.perf_counter() - t)
+            t = time.perf_counter()
+            written = transform_split(workflow, files, out, etl.row_group_rows, kind, progress=False)
+            if written != rows:
+                raise RuntimeError(f"ours ({kind}) wrote {written} rows, expected {rows}")
+            best["transform"] = min(best["transform"], time.perf_counter() - t)
+    label = "ours, cuDF" if kind == "cudf" else "ours, pandas"
+    return f"{label} on {where}", best, startup, out
+
+
+def _print_side(name: str, rows: int, r: dict, startup: float | None) -> None:
+    extra = f" (cluster start-up {startup:.1f} s, not counted)" if startup is not None else ""
+    print(f"[bench etl] {name}: fit {rows / r['fit']:,.0f} rows/s ({r['fit']:.2f} s), transform+write "
+          f"{rows / r['transform']:,.0f} rows/s ({r['transform']:.2f} s){extra}", flush=True)
+
+
+def _write_json(path: str | None, summary: dict) -> None:
+    if not path:
+        return
+    import json
+
+    rows = summary["rows"]
+    for r in summary["results"].values():
+        r["fit_rows_per_s"] = round(rows / r["fit"])
+        r["transform_rows_per_s"] = round(rows / r["transform"])
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def _machine() -> str:
+    import os
+    import platform
+
+    text = f"{platform.machine()} {os.cpu_count()} cores, python {platform.python_version()}"
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        count = pynvml.nvmlDeviceGetCount()
+        name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))
+    except Exception:  # noqa: BLE001 - no NVML: a CPU machine, or no binding
+        return text
+    return text + f", {count} x {name.decode() if isinstance(name, bytes) else name}"
+
+
+def _read_table(path: Path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    mine = pa.concat_tables([pq.read_table(p) for p in sorted(ours.glob("part-*.parquet"))])
-    theirs = pq.read_table(baseline)
+    if path.is_dir():
+        return pa.concat_tables([pq.read_table(p) for p in sorted(path.glob("part-*.parquet"))])
+    return pq.read_table(path)
+
+
+def _check_agreement(first: Path, other: Path, roles: dict) -> None:
+    """Two sides must have written the same table (floats to float32 rounding)."""
+    import numpy as np
+
+    mine, theirs = _read_table(first), _read_table(other)
+    if mine.num_rows != theirs.num_rows:
+        raise RuntimeError(f"{first} has {mine.num_rows} rows, {other} {theirs.num_rows}")
     for name in [roles["label"], *roles["categorical"]]:
         if not mine[name].equals(theirs[name].cast(mine[name].type)):
-            raise RuntimeError(f"ours and the pandas baseline disagree on column {name}")
+            raise RuntimeError(f"{first} and {other} disagree on column {name}")
     for name in roles["continuous"]:
         if not np.allclose(mine[name].to_numpy(), theirs[name].to_numpy(), rtol=1e-5, atol=1e-6):
-            raise RuntimeError(f"ours and the pandas baseline disagree on column {name}")
+            raise RuntimeError(f"{first} and {other} disagree on column {name}")
 
 
 class _PandasBaseline:
