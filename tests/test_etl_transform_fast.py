@@ -112,6 +112,16 @@ def test_fast_path_equals_the_partition_path(fitted, rows, seed):
     _assert_identical(fitted.transform(frame), Workflow._evaluate(frame, fitted.output))
 
 
+def test_a_refit_vocabulary_is_looked_up_afresh():
+    workflow = Workflow(["C"] >> Categorify())
+    one_row = pd.DataFrame({"C": ["b"]})
+    workflow.fit(pd.DataFrame({"C": list("aaabbc") * 3}))
+    assert workflow.transform(one_row)["C"].tolist() == [3]
+    workflow.fit(pd.DataFrame({"C": list("abbbcc") * 3}))
+    assert workflow.transform(one_row)["C"].tolist() == [2]
+    _assert_identical(workflow.transform(one_row), Workflow._evaluate(one_row, workflow.output))
+
+
 def test_fast_path_equals_the_dask_path(fitted):
     frame = _frame(300, seed=3)
     lazy = fitted.transform(dd.from_pandas(frame, npartitions=1)).compute()

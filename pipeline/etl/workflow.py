@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -355,12 +356,36 @@ def _categorify(op: Categorify, name: str, values: Any, index: pd.Index) -> Any:
     strings = as_arrow_strings(series, keep_dictionary=True)
     if pa.types.is_dictionary(strings.type):
         return _encode(strings, vocab)
+    if len(strings) * 4 < len(vocab):
+        # index_in hashes the whole vocabulary on every call: a few rows look their values up instead.
+        get = _codes_by_value(vocab).get
+        return np.array([get(value, OOV_INDEX) for value in strings.to_numpy(zero_copy_only=False)], dtype=np.int32)
     # _encode's result, finished in numpy: fewer Arrow calls, which dominate on a few rows.
     codes = pc.fill_null(pc.index_in(strings, value_set=vocab), -1).to_numpy(zero_copy_only=False) + RESERVED
     codes[codes < RESERVED] = OOV_INDEX
     if strings.null_count:
         codes[strings.is_null().to_numpy(zero_copy_only=False)] = NULL_INDEX
     return codes.astype(np.int32, copy=False)
+
+
+_CODES_BY_VALUE: dict[int, dict[str | None, int]] = {}
+
+
+def _codes_by_value(vocab: pa.Array) -> dict[str | None, int]:
+    """``{value: code}`` of a vocabulary (``None``: the null code), built on first use, dropped with it.
+
+    About 100 bytes per value, once: a few rows then cost a few dictionary look-ups instead of
+    hashing every value of the vocabulary again.
+    """
+    key = id(vocab)
+    codes = _CODES_BY_VALUE.get(key)
+    if codes is None:
+        # Reversed: were a value there twice, its first position would win, as with index_in.
+        codes = dict(zip(reversed(vocab.to_pylist()), range(RESERVED + len(vocab) - 1, RESERVED - 1, -1)))
+        codes[None] = NULL_INDEX
+        _CODES_BY_VALUE[key] = codes
+        weakref.finalize(vocab, _CODES_BY_VALUE.pop, key, None)
+    return codes
 
 
 # Each equals its operator's ``transform`` on one pandas column (tests/test_etl_transform_fast.py).
