@@ -175,3 +175,17 @@ def test_plan_rejects_a_world_it_was_not_made_for():
 
     with pytest.raises(PlanError, match="for 2 ranks, this world has 1"):
         ShardedEmbeddingCollection(TABLES, FEATURES, make_plan("mixed", 2), backend="torch")
+
+
+def _all_tables_on_rank0(rank: int, world: int) -> tuple[int, bool]:
+    plan = ShardingPlan(world, {t.name: ParameterSharding.table_wise(t.name, t.rows, 0) for t in TABLES})
+    sharded = ShardedEmbeddingCollection.from_collection(reference("table_wise", "adam"), plan)
+    for step in range(STEPS):
+        kjt, target = batch(step, rank)
+        (sharded(kjt) * target).sum().backward()
+    return sharded.step, any(True for _ in sharded.local_shards())
+
+
+def test_a_rank_holding_no_table_still_counts_the_steps():
+    # Adam's bias correction and the checkpoints read the step: a rank with no table part must know it too.
+    assert spawn(_all_tables_on_rank0, 2, "gloo") == [(STEPS, True), (STEPS, False)]

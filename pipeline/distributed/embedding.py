@@ -116,6 +116,7 @@ class ShardedEmbeddingCollection(nn.Module):
         gather = torch.empty(len(column_of), dtype=torch.int64)
         gather[torch.tensor(column_of, dtype=torch.int64)] = torch.arange(len(column_of))
         self.register_buffer("_gather_columns", gather.to(self.device), persistent=False)
+        self._step = 0
 
     @classmethod
     def from_collection(cls, ec: EmbeddingCollection, plan: ShardingPlan, device: torch.device | str | None = None,
@@ -140,9 +141,14 @@ class ShardedEmbeddingCollection(nn.Module):
 
     @property
     def step(self) -> int:
-        return max((int(st.local.step) for st in self.strategies if st.local is not None), default=0)
+        """Optimizer steps taken: counted on every rank, also on one that holds no table part."""
+        return self._step
+
+    def _count_step(self, grad: torch.Tensor) -> None:
+        self._step += 1
 
     def set_step(self, step: int) -> None:
+        self._step = int(step)
         for st in self.strategies:
             if st.local is not None:
                 st.local.step.fill_(step)
@@ -194,6 +200,8 @@ class ShardedEmbeddingCollection(nn.Module):
             torch.empty(b, 0, device=self.device)
         if self.world_size > 1 and torch.is_grad_enabled() and self.training:
             out = ScaleGrad.apply(out, 1.0 / self.world_size)
+        if out.requires_grad:
+            out.register_hook(self._count_step)
         return out
 
     def _check_ids(self, st, values: torch.Tensor, nnz: torch.Tensor, rows: torch.Tensor) -> None:
