@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The ETL's GPU check, in one command, on the GPU machine (see docs/BENCHMARKS.md, "ETL on the GPU"):
+#   preflight (versions, GPU, backend choice, libcudf's murmur3 convention) -> the cuDF-vs-pandas tests
+#   -> bench etl --device cuda (cuDF / pandas-Dask / plain pandas) -> the ETL stage on cuDF -> CPU ETL tests.
+# Every step logs to $OUT/NN-step.log; a failing or timed-out step is recorded in $OUT/summary.txt
+# and the next step still runs. Steps share a time budget (CHECK_BUDGET_S) so the bench keeps its share.
+#
+#   PYTHONPATH=/tmp/site OUT=/tmp/out bash tools/gpu-etl-check.sh
+#
+# cuDF, dask-cuda, dask and distributed are expected as wheels already installed under /tmp/site
+# (GPU.md, "cuDF there"); with RAPIDS_PARTS=DIR (the joined .rapids parts d0..dN, or part0..partN
+# files) and no importable cuDF, this script joins and installs them there first.
+# Knobs: ETL_GPU_TEST_ROWS (2000000), ETL_BENCH_ROWS (20000000), CHECK_BUDGET_S (570), PYTHON (python3).
+set -o pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-etl-out}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+SITE=${SITE:-/tmp/site}
+BUDGET=${CHECK_BUDGET_S:-570}
+export PYTHONUNBUFFERED=1
+case ":${PYTHONPATH:-}:" in *":$SITE:"*) ;; *) [ -d "$SITE" ] && export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" ;; esac
+summary="$OUT/summary.txt"
+: > "$summary"
+
+step() {  # step NAME LIMIT_S COMMAND...: run with a timeout cut to the budget left; never fatal
+  local name=$1 limit=$2; shift 2
+  local left=$((BUDGET - SECONDS - 5))
+  if [ "$left" -lt 15 ]; then echo "$name: skipped (budget spent)" | tee -a "$summary"; return; fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  local t0=$SECONDS rc
+  echo "== $name (limit ${limit}s): $*" | tee "$OUT/$name.log"
+  timeout --kill-after=10 "$limit" "$@" >> "$OUT/$name.log" 2>&1; rc=$?
+  echo "$name: rc=$rc$([ $rc -eq 124 ] && echo ' (timed out)') in $((SECONDS - t0))s" | tee -a "$summary"
+}
+
+install_parts() {
+  "$PY" -c "import cudf" 2>/dev/null && { echo "cudf already importable"; return 0; }
+  [ -n "${RAPIDS_PARTS:-}" ] || { echo "cudf not importable and RAPIDS_PARTS not set"; return 1; }
+  local work; work=$(mktemp -d)
+  # shellcheck disable=SC2046
+  cat $(ls -d "$RAPIDS_PARTS"/d*/part* "$RAPIDS_PARTS"/part* 2>/dev/null | sort -V) > "$work/all.tar"
+  mkdir -p "$work/wheels" "$SITE" && tar xf "$work/all.tar" -C "$work/wheels" || return 1
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$work"/wheels/*.whl
+}
+
+export -f install_parts; export PY SITE RAPIDS_PARTS
+step 00-install 240 bash -c install_parts
+step 01-preflight 90 "$PY" - <<'EOF'
+import importlib, subprocess, sys
+print(sys.version)
+try:
+    subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv"], check=False)
+except OSError as err:
+    print("nvidia-smi:", err)
+for name in ["numpy", "pandas", "pyarrow", "torch", "cupy", "numba", "dask", "distributed", "dask_cuda", "cudf",
+             "dask_cudf", "rmm", "pylibcudf", "pynvml", "yaml", "tqdm", "pytest", "mmh3"]:
+    try:
+        module = importlib.import_module(name)
+        print(f"{name:12} {getattr(module, '__version__', '?')}")
+    except Exception as err:
+        print(f"{name:12} MISSING ({type(err).__name__}: {err})")
+from pipeline.etl.backend import choose_backend
+print("choose_backend(auto):", choose_backend("auto"))
+from pipeline.etl.ops.hashing import _cudf_single_column_offset
+print("libcudf one-column murmur3 = mmh3 +", hex(_cudf_single_column_offset()))
+EOF
+step 02-gpu-tests 200 env PIPELINE_ETL_GPU_ROWS="${ETL_GPU_TEST_ROWS:-2000000}" \
+  "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_etl_gpu.py
+step 03-bench 330 "$PY" -m pipeline bench etl --device cuda --rows "${ETL_BENCH_ROWS:-20000000}" --workers 0 \
+  --json "$OUT/bench-etl.json" workdir=/tmp/etl-bench
+step 04-stage 90 "$PY" -m pipeline run etl --device cuda data.rows=500000 etl.cluster=local workdir=/tmp/etl-stage
+step 05-cpu-tests 90 "$PY" -m pytest -q -x -p no:cacheprovider tests/test_etl_ops.py tests/test_etl_workflow.py \
+  tests/test_etl_backend.py tests/test_etl_stage.py
+echo "== summary ($SECONDS s)"; cat "$summary"
