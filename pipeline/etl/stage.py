@@ -207,14 +207,30 @@ def _write_part(df: Any, path: Path, schema: pa.Schema, row_group_rows: int) -> 
 
     Only the integer code columns are dictionary-encoded: floats rarely repeat enough to pay for
     the attempt, and skipping it nearly halves the writing time. A cuDF partition is copied to
-    host memory and written by the same pyarrow writer, so both backends write identical types
-    (a missing float is a null in the file either way).
+    host memory as Arrow and written by the same pyarrow writer, so both backends write identical
+    types and values (a missing or NaN float is a null in the file either way).
     """
-    df = df.to_pandas() if hasattr(df, "to_pandas") else df
-    table = pa.Table.from_pandas(df, schema=schema, preserve_index=False).replace_schema_metadata(None)
+    if is_cudf(df):
+        table = _cudf_as_table(df, schema)
+    else:
+        table = pa.Table.from_pandas(df, schema=schema, preserve_index=False).replace_schema_metadata(None)
     codes = [f.name for f in schema if not pa.types.is_floating(f.type)]
     pq.write_table(table, path, row_group_size=row_group_rows, use_dictionary=codes)
     return table.num_rows
+
+
+def _cudf_as_table(df: Any, schema: pa.Schema) -> pa.Table:
+    """A cuDF partition as an Arrow table of ``schema``, floats' NaN turned to null as ``Table.from_pandas`` does."""
+    import pyarrow.compute as pc
+
+    table = df.to_arrow(preserve_index=False)
+    columns = []
+    for field in schema:
+        column = table[field.name]
+        if pa.types.is_floating(column.type):
+            column = pc.if_else(pc.is_nan(column), pa.scalar(None, column.type), column)
+        columns.append(column.cast(field.type))
+    return pa.Table.from_arrays(columns, schema=schema)
 
 
 def output_arrow_schema(meta: Any) -> pa.Schema:

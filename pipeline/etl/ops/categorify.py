@@ -54,7 +54,7 @@ class Categorify(Operator):
     ``max_vocab_size``: keep only the most frequent values (0 keeps all).
     ``split_out``: partitions of the value counts while reducing; ``None`` lets the size decide
     (one tree reduction up to 64 input partitions, a shuffle over several partitions beyond, so no
-    single worker holds all counts before the threshold is applied).
+    single worker holds all counts before the threshold is applied; on cuDF always one tree).
     """
 
     stateful = True
@@ -77,8 +77,10 @@ class Categorify(Operator):
 
     def fit(self, ddf: Any) -> Any:
         multihot = {name: looks_multihot(ddf[name]) for name in ddf.columns}
-        split_out = self.split_out or (1 if ddf.npartitions <= _SINGLE_REDUCTION_PARTITIONS else True)
         gpu = is_cudf(ddf._meta)
+        # cuDF: one tree reduction unless split_out is given; a GPU holds large vocabularies, and a
+        # shuffle of cuDF partitions depends on the shuffle method Dask picks (p2p or tasks).
+        split_out = self.split_out or (1 if gpu or ddf.npartitions <= _SINGLE_REDUCTION_PARTITIONS else True)
         if split_out == 1 and not gpu:
             return _tree_counts(ddf, multihot)
         # cuDF: the values become cuDF strings on the GPU and Dask's value_counts runs on cuDF.
@@ -89,10 +91,10 @@ class Categorify(Operator):
             if multihot[name]:
                 values = column.map_partitions(_flat_strings, meta=strings)
                 longest = column.map_partitions(longest_list, meta=empty_series(ddf._meta, "int64")).max()
-                stats[name] = {"counts": values.value_counts(split_out=split_out), "max_length": longest}
+                stats[name] = {"counts": values.value_counts(sort=False, split_out=split_out), "max_length": longest}
             else:
                 values = column.map_partitions(_plain_strings, meta=strings)
-                stats[name] = {"counts": values.value_counts(split_out=split_out)}
+                stats[name] = {"counts": values.value_counts(sort=False, split_out=split_out)}
         return stats
 
     def fit_finalize(self, stats: Any) -> None:
