@@ -206,7 +206,7 @@ def _encode_cudf(series: Any, vocab: pa.Array, multihot: bool) -> Any:
     import cupy
 
     values = cudf_strings(series).reset_index(drop=True)
-    table = cudf.DataFrame({"value": cudf.Series.from_arrow(vocab.cast(pa.string())),
+    table = cudf.DataFrame({"value": cudf.Series.from_arrow(vocab.cast(pa.string())).astype(values.dtype),
                             "code": cupy.arange(RESERVED, RESERVED + len(vocab), dtype="int32")})
     rows = cudf.DataFrame({"value": values, "row": cupy.arange(len(values), dtype="int64")})
     joined = rows.merge(table, on="value", how="left").sort_values("row")
