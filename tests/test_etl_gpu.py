@@ -6,7 +6,9 @@ look, e.g. ``PIPELINE_ETL_GPU_ROWS=50000``). On the GPU machine::
 
     PIPELINE_ETL_GPU_ROWS=3000000 python -m pytest -q -rs tests/test_etl_gpu.py
 
-The tests at the end (device and backend choice) need no GPU and run everywhere.
+The tests at the end need no GPU and run everywhere: the device and backend choice, and the
+cuDF branches' logic run on a small pandas-backed stand-in for cuDF and CuPy (only where the real
+cuDF is absent, so it never shadows it), with either way libcudf folds a one-column murmur3.
 """
 
 from __future__ import annotations
@@ -266,3 +268,154 @@ def test_a_cudf_that_fails_at_import_is_reported_not_raised(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", failing)
     backend, reason = choose_backend("auto")
     assert backend == "pandas" and "CUDA driver not found" in reason
+
+
+# The cuDF branches on a pandas-backed stand-in (CPU machines only).
+
+def _stand_in_modules(offset: int) -> dict:
+    """Modules ``cudf`` / ``cupy`` / ``dask_cudf`` with just what the cuDF branches call, backed by pandas/numpy.
+
+    ``hash_values`` is MurmurHash3 plus ``offset`` (0 as in libcudf 26.10, 0x9E3779B9 as in older
+    libcudf) for one column. Integer casts of columns with nulls keep the nulls, as in cuDF.
+    """
+    import types
+
+    from pipeline.etl.ops.murmur import murmur3_int64, murmur3_strings
+
+    cudf = types.ModuleType("cudf")
+
+    class Series(pd.Series):
+        @property
+        def _constructor(self):
+            return Series
+
+        @property
+        def _constructor_expanddim(self):
+            return DataFrame
+
+        def nans_to_nulls(self):
+            return self
+
+        def to_pandas(self):
+            return pd.Series(self)
+
+        def astype(self, dtype, *args, **kwargs):
+            if str(dtype) in ("int64", "int32") and self.isna().any():
+                dtype = str(dtype).capitalize()
+            return pd.Series.astype(self, dtype, *args, **kwargs)
+
+        @property
+        def values(self):
+            return pd.Series.to_numpy(self)
+
+        def to_arrow(self):
+            return pa.array(self, from_pandas=True)
+
+        @classmethod
+        def from_arrow(cls, arrow):
+            def mapper(kind):
+                if kind == pa.string():
+                    return pd.StringDtype("pyarrow", na_value=np.nan)
+                return pd.ArrowDtype(kind) if pa.types.is_list(kind) else None
+
+            return cls(arrow.to_pandas(types_mapper=mapper))
+
+        def hash_values(self, method="murmur3", seed=0):
+            if self.dtype.kind in "iu":
+                h = murmur3_int64(self.fillna(0).to_numpy().astype(np.int64), seed)
+            else:
+                h = murmur3_strings(pa.array(self.astype(object).where(self.notna(), None).tolist(), pa.string()))
+            with np.errstate(over="ignore"):
+                return Series(h + np.uint32(offset), index=self.index)
+
+    class DataFrame(pd.DataFrame):
+        @property
+        def _constructor(self):
+            return DataFrame
+
+        @property
+        def _constructor_sliced(self):
+            return Series
+
+        def to_arrow(self, preserve_index=None):
+            return pa.Table.from_pandas(pd.DataFrame(self), preserve_index=False)
+
+        def to_pandas(self):
+            return pd.DataFrame(self)
+
+    Series.__module__ = "cudf.core.series"
+    DataFrame.__module__ = "cudf.core.dataframe"
+    cudf.Series, cudf.DataFrame = Series, DataFrame
+    cupy = types.ModuleType("cupy")
+    for name in ("arange", "where", "zeros", "uint32", "int32", "int64", "log1p", "digitize", "asarray"):
+        setattr(cupy, name, getattr(np, name))
+    cupy.ndarray = type("ndarray", (), {})  # dask registers cupy.ndarray as a chunk type
+    return {"cudf": cudf, "cupy": cupy, "dask_cudf": types.ModuleType("dask_cudf")}
+
+
+@pytest.fixture(params=[0, 0x9E3779B9], ids=["libcudf-26.10", "older-libcudf"])
+def stand_in(request, monkeypatch):
+    import importlib.util
+    import sys
+
+    from pipeline.etl.ops import hashing
+
+    if "cudf" in sys.modules or importlib.util.find_spec("cudf") is not None:
+        pytest.skip("the real cuDF is installed: the GPU tests above cover it")
+    for name, module in _stand_in_modules(request.param).items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(hashing, "_OFFSET", [])
+    return sys.modules["cudf"]
+
+
+def test_cudf_branches_on_a_stand_in_equal_the_pandas_path(stand_in):
+    import dask
+    import dask.dataframe as dd
+
+    from pipeline.etl import Bucketize
+
+    rng = np.random.default_rng(0)
+    n = 4000
+    lists = pa.array([None if i % 11 == 0 else [f"t{j}" for j in rng.integers(0, 30, k)]
+                      for i, k in enumerate(rng.integers(0, 4, n))])
+    frame = pd.DataFrame({
+        "s": pd.array([None if i % 17 == 0 else f"v{i % 300}é" for i in range(n)], dtype="string"),
+        "i": pd.array(rng.integers(0, 500, n), dtype="Int64"),
+        "f": np.where(rng.random(n) < 0.1, np.nan, rng.integers(0, 50, n).astype(np.float64)),
+        "x": np.where(rng.random(n) < 0.2, np.nan, rng.normal(0, 10, n)),
+        "y": pd.array(rng.integers(-5, 100, n), dtype="Int64"),
+        "M": pd.Series(pd.arrays.ArrowExtensionArray(lists)),
+    })
+    frame.loc[::13, "i"] = pd.NA
+    features = ((["s", "i", "f"] >> Categorify(freq_threshold=2))
+                + (["x", "y"] >> FillMissing() >> Clip(min_value=0) >> LogOp() >> Normalize())
+                + (["M"] >> Categorify()) + (["s", "i"] >> HashedCross(4099)))
+    cpu = Workflow(features).fit(frame)
+    gpu_frame = stand_in.DataFrame(frame)
+    parts = dd.from_map(lambda i: gpu_frame.drop(columns="M").iloc[i * 1500:(i + 1) * 1500], range(3),
+                        meta=gpu_frame.drop(columns="M").iloc[:0], enforce_metadata=False)
+    with dask.config.set(scheduler="sync"):
+        fitted = Workflow(features.parents[0] + features.parents[1]).fit(parts)
+    for (op_gpu, cols), (op_cpu, _) in zip(fitted.operators(), cpu.operators()):
+        if isinstance(op_cpu, Categorify):
+            assert all(op_gpu.vocabularies[c].equals(op_cpu.vocabularies[c]) for c in cols)
+            assert all(np.array_equal(op_gpu.counts[c], op_cpu.counts[c]) for c in cols)
+        if isinstance(op_cpu, Normalize):
+            assert all(op_gpu.means[c] == pytest.approx(op_cpu.means[c]) for c in cols)
+            assert all(op_gpu.stds[c] == pytest.approx(op_cpu.stds[c]) for c in cols)
+    extra = (["s", "i", "f"] >> HashBucket(100_003)) + (["x"] >> Bucketize([-10.0, 0.0, 3.5]))
+    extra = Workflow(extra).fit(frame)
+    for workflow in (cpu, extra):
+        want = workflow.transform(frame)
+        got = Workflow._evaluate(gpu_frame, workflow.output)
+        assert type(got).__module__.startswith("cudf")
+        got = pd.DataFrame(got)
+        for name in want.columns:
+            if name == "M":
+                as_lists = [None if v is None else list(v) for v in pd.Series(got[name]).astype(object)]
+                assert as_lists == [None if v is None else list(v) for v in want[name].astype(object)]
+            elif want[name].dtype.kind == "f":
+                np.testing.assert_allclose(got[name].to_numpy(float), want[name].to_numpy(float), rtol=1e-6,
+                                           equal_nan=True, err_msg=name)
+            else:
+                np.testing.assert_array_equal(got[name].to_numpy(), want[name].to_numpy(), err_msg=name)
