@@ -65,11 +65,11 @@ print("choose_backend(auto):", choose_backend("auto"))
 from pipeline.etl.ops.hashing import _cudf_single_column_offset
 print("libcudf one-column murmur3 = mmh3 +", hex(_cudf_single_column_offset()))
 EOF
-step 02-gpu-tests 200 env PIPELINE_ETL_GPU_ROWS="${ETL_GPU_TEST_ROWS:-2000000}" \
+step 02-gpu-tests 180 env PIPELINE_ETL_GPU_ROWS="${ETL_GPU_TEST_ROWS:-2000000}" \
   "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_etl_gpu.py
-step 03-bench 330 "$PY" -m pipeline bench etl --device cuda --rows "${ETL_BENCH_ROWS:-20000000}" --workers 0 \
+step 03-bench 400 "$PY" -m pipeline bench etl --device cuda --rows "${ETL_BENCH_ROWS:-20000000}" --workers 0 \
   --json "$OUT/bench-etl.json" workdir=/tmp/etl-bench
-step 04-stage 90 "$PY" -m pipeline run etl --device cuda data.rows=500000 etl.cluster=local workdir=/tmp/etl-stage
-step 05-cpu-tests 90 "$PY" -m pytest -q -x -p no:cacheprovider tests/test_etl_ops.py tests/test_etl_workflow.py \
+step 04-stage 60 "$PY" -m pipeline run etl --device cuda data.rows=500000 etl.cluster=local workdir=/tmp/etl-stage
+step 05-cpu-tests 60 "$PY" -m pytest -q -p no:cacheprovider --continue-on-collection-errors tests/test_etl_ops.py tests/test_etl_workflow.py \
   tests/test_etl_backend.py tests/test_etl_stage.py
 echo "== summary ($SECONDS s)"; cat "$summary"
