@@ -128,6 +128,13 @@ def test_fast_path_equals_the_dask_path(fitted):
     _assert_identical(fitted.transform(frame), lazy)
 
 
+def test_fast_path_with_a_repeated_column_name_reads_columns_as_series(fitted):
+    frame = _frame(64, seed=1)
+    extra = frame[["label"]].rename(columns={"label": "extra"})
+    frame = pd.concat([frame, extra, extra], axis=1)  # "extra" twice: columns are looked up by name
+    _assert_identical(fitted.transform(frame), Workflow._evaluate(frame, fitted.output))
+
+
 def test_fast_path_keeps_extra_columns_out_and_the_row_labels():
     workflow = Workflow(["C"] >> Categorify()).fit(pd.DataFrame({"C": ["a", "b", "a"]}))
     rows = pd.DataFrame({"unused": [1, 2], "C": ["a", "zz"]}, index=["r1", "r2"])

@@ -282,10 +282,10 @@ def _evaluate_pandas(df: pd.DataFrame, nodes: list[Node]) -> pd.DataFrame:
     """Run the graph on an in-memory pandas frame, column by column (the serving path).
 
     Same result as :meth:`Workflow._evaluate` (the partition path, the reference), without a
-    DataFrame per node: each column travels as a Series (raw input) or an array (operator output),
-    the numeric operators run on numpy arrays directly, and one frame is built at the end. An
-    operator without an array version here (or a subclass, which may override ``transform``) gets
-    a frame of its input columns and its own ``transform``.
+    DataFrame per node: each column travels as an array (a Series where pandas gives no cheaper
+    way), the numeric operators and Categorify run on arrays directly, and one frame is built at
+    the end. An operator without an array version here (or a subclass, which may override
+    ``transform``) gets a frame of its input columns and its own ``transform``.
     """
     results: dict[int, dict[str, Any]] = {}
     read = _column_reader(df)
