@@ -58,23 +58,21 @@ def run(args: argparse.Namespace, cfg) -> dict:
     base_opt = torch.optim.SGD(baseline.parameters(), lr=0.01)
     our_opt = torch.optim.SGD(ours.parameters(), lr=0.01)
 
+    def train_step(model, optimizer, dense, sparse, label):
+        with _autocast(device, amp):
+            logits = model(dense, sparse)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits.float(), label)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
     def our_step(batch):
         dense, kjt, _, label = batch
-        with _autocast(device, amp):
-            logits = ours(dense, kjt)
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits.float(), label)
-        our_opt.zero_grad(set_to_none=True)
-        loss.backward()
-        our_opt.step()
+        train_step(ours, our_opt, dense, kjt, label)
 
     def base_step(batch):
         dense, _, ids, label = batch
-        with _autocast(device, amp):
-            logits = baseline(dense, ids)
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits.float(), label)
-        base_opt.zero_grad(set_to_none=True)
-        loss.backward()
-        base_opt.step()
+        train_step(baseline, base_opt, dense, ids, label)
 
     def timed(step_fn, steps):
         _sync(device)
