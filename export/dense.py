@@ -53,6 +53,16 @@ class DenseRunner:
             warnings.simplefilter("ignore")
             self.module = torch.jit.load(str(path), map_location=self.device).eval()
 
+    @classmethod
+    def for_instance(cls, args: dict, params: dict[str, str]) -> "DenseRunner":
+        """The runner of a Triton model instance: its version's ``model.pt``, on the instance's GPU for a
+        ``KIND_GPU`` instance, else on the CPU with ``intra_op_threads`` torch threads (default 1)."""
+        torch.set_num_threads(int(params.get("intra_op_threads", "1")))
+        device = "cpu"
+        if args.get("model_instance_kind") == "GPU":
+            device = f"cuda:{args['model_instance_device_id']}"
+        return cls(Path(args["model_repository"]) / args["model_version"] / "model.pt", device)
+
     def __call__(self, dense: np.ndarray, pooled: np.ndarray) -> np.ndarray:
         with torch.inference_mode():
             out = self.module(torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32)).to(self.device),

@@ -7,9 +7,6 @@ Exported as ``dense/1/model.py``.
 """
 
 import json
-from pathlib import Path
-
-import torch
 import triton_python_backend_utils as pb_utils
 
 from export.batching import respond
@@ -22,11 +19,7 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         self.name = config["name"]
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
-        torch.set_num_threads(int(params.get("intra_op_threads", "1")))
-        device = "cpu"
-        if args.get("model_instance_kind") == "GPU":
-            device = f"cuda:{args['model_instance_device_id']}"
-        self.runner = DenseRunner(Path(args["model_repository"]) / args["model_version"] / "model.pt", device)
+        self.runner = DenseRunner.for_instance(args, params)
         self.inputs = [i["name"] for i in config["input"]]
 
     def _compute(self, inputs):
