@@ -2,16 +2,22 @@
 
 ``I1`` holds the row id, so a batch can be checked sample by sample: its label, its one-hot ids
 and its multi-hot bag must be those of that row, whatever the shuffling or sharding did.
+
+``reader="cudf"`` is compared with the pyarrow reader: everywhere on a small stand-in for cuDF (its
+logic, and on a GPU its device side), and with the real cuDF on a GPU (``-m gpu``).
 """
 
 from __future__ import annotations
 
 import gc
+import sys
 import threading
+import types
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -412,4 +418,259 @@ def test_cuda_early_stop_leaves_no_thread(split):
             break
     rows = rows_of(next(iter(loader)))
     assert rows == list(range(8))
+    assert threading.active_count() == before
+
+
+# reader="cudf": on CPU machines its logic runs on a small stand-in for cuDF (below); on a GPU with
+# the real cuDF, the GPU tests at the end compare it with the pyarrow reader.
+
+
+class _FakeSeries:
+    """A cuDF Series as the cudf reader uses it, over an arrow array (nulls are nulls, NaN is a value)."""
+
+    def __init__(self, array: pa.Array) -> None:
+        self._array = array
+
+    @property
+    def null_count(self) -> int:
+        return self._array.null_count
+
+    @property
+    def values(self) -> np.ndarray:  # cuDF: a CuPy array, refused when the column has nulls
+        if self._array.null_count:
+            raise ValueError("Column must have no nulls for conversion to CuPy array")
+        return np.array(self._array.to_numpy(zero_copy_only=False))
+
+    def to_numpy(self) -> np.ndarray:
+        return self.values
+
+    def isna(self) -> _FakeSeries:
+        return _FakeSeries(self._array.is_null())
+
+    def fillna(self, value) -> _FakeSeries:
+        return _FakeSeries(pc.fill_null(self._array, value))
+
+    @property
+    def list(self) -> _FakeSeries:
+        return self
+
+    def len(self) -> _FakeSeries:
+        return _FakeSeries(pc.list_value_length(self._array))
+
+    @property
+    def leaves(self) -> _FakeSeries:
+        return _FakeSeries(self._array.values)  # the child array, as cuDF's leaves
+
+
+def fake_cudf(calls: list) -> types.ModuleType:
+    module = types.ModuleType("cudf")
+
+    def read_parquet(path, columns=None, row_groups=None):
+        assert isinstance(path, str) and isinstance(row_groups, list) and len(row_groups) == 1
+        calls.append((Path(path).name, row_groups[0]))
+        table = pq.ParquetFile(path).read_row_groups(row_groups, columns=columns)
+        return {name: _FakeSeries(table.column(name).combine_chunks()) for name in columns}
+
+    module.read_parquet = read_parquet
+    return module
+
+
+@pytest.fixture
+def stand_in(monkeypatch) -> list:
+    """``reader="cudf"`` on the CPU, reading through the stand-in; returns its calls (file, row group)."""
+    from pipeline.loader import cudf_read
+
+    calls: list = []
+    monkeypatch.setitem(sys.modules, "cudf", fake_cudf(calls))
+    monkeypatch.setattr(cudf_read, "check", lambda device: None)
+    return calls
+
+
+def same_batches(a: list[Batch], b: list[Batch]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert torch.equal(x.dense, y.dense.cpu()) and torch.equal(x.label, y.label.cpu())
+        assert x.sparse.keys == y.sparse.keys
+        assert torch.equal(x.sparse.values, y.sparse.values.cpu())
+        assert torch.equal(x.sparse.lengths, y.sparse.lengths.cpu())
+
+
+def outcome(loader: Loader) -> list[Batch] | str:
+    """The epoch's batches, or the message of the error that stopped it."""
+    try:
+        return list(loader)
+    except BadInputError as err:
+        return str(err)
+
+
+def same_outcome(a: list[Batch] | str, b: list[Batch] | str) -> None:
+    assert type(a) is type(b), (a, b)
+    if isinstance(a, str):
+        assert a == b
+    else:
+        same_batches(a, b)
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("world", [1, 3])
+def test_cudf_reader_on_a_stand_in_gives_the_pyarrow_batches(split, stand_in, shuffle, world):
+    for rank in range(world):
+        settings = {"shuffle": shuffle, "seed": 6, "rank": rank, "world_size": world}
+        pyarrow_loader, cudf_loader = small(split, **settings), small(split, reader="cudf", **settings)
+        for _ in range(2):  # two epochs: the second has another order
+            same_batches(list(pyarrow_loader), list(cudf_loader))
+    groups = {(g.file, g.index) for g in small(split)._split.groups}
+    assert {(int(name[5:-8]), index) for name, index in stand_in} == groups, "every row group read by cuDF"
+
+
+def test_cudf_reader_on_a_stand_in_resumes_mid_epoch(split, stand_in):
+    settings = {"shuffle": True, "seed": 2, "rank": 1, "world_size": 2}
+    reference = list(small(split, **settings))
+    first = small(split, reader="cudf", **settings)
+    for i, _ in enumerate(first):
+        if i == 6:
+            break
+    state = first.state_dict()
+    resumed = small(split, reader="pyarrow", **settings)
+    resumed.load_state_dict(state)
+    again = small(split, reader="cudf", **settings)
+    again.load_state_dict(state)
+    same_batches(reference[7:], list(again))
+    same_batches(list(resumed), list(small(split, reader="cudf", **settings))[7:])
+
+
+def bad_inputs() -> list:
+    bags = [[1, 2]] * 100
+    bags[66] = [3, MULTIHOT_CARD + 5]
+    return [
+        ("label", pa.array(np.where(np.arange(100) == 70, 2, 0).astype(np.float32))),
+        ("label", pa.array(np.where(np.arange(100) == 3, np.nan, 1).astype(np.float32))),
+        ("C2", pa.array(np.where(np.arange(100) == 9, CARD["C2"], 1).astype(np.int32))),
+        ("C3", pa.array(np.where(np.arange(100) == 99, -4, 1).astype(np.int32))),
+        ("M1", pa.array(bags, type=pa.list_(pa.int32()))),
+        ("M1", pa.array([None if i == 80 else [1] for i in range(100)], type=pa.list_(pa.int32()))),
+        ("I1", pa.array([None if i in (12, 40) else 1.0 for i in range(100)], type=pa.float32())),
+        ("C1", pa.array([None if i == 70 else 1 for i in range(100)], type=pa.int32())),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(bad_inputs())))
+def test_cudf_reader_on_a_stand_in_names_bad_values_as_pyarrow_does(tmp_path, stand_in, case):
+    folder = bad_split(tmp_path)
+    rewrite(folder, *bad_inputs()[case])
+    # Two ranks: rank 1 starts inside the second row group (rows 50..99), so a bad row before 50
+    # fails only rank 0, for both readers.
+    for rank in range(2):
+        settings = {"batch_size": 16, "rank": rank, "world_size": 2, "buffer_row_groups": 1}
+        want = outcome(Loader(folder, **settings))
+        same_outcome(want, outcome(Loader(folder, reader="cudf", **settings)))
+    assert isinstance(outcome(Loader(folder, batch_size=16)), str), "the bad value is found by a full read"
+
+
+def test_cudf_reader_checks_int64_ids_before_packing_them_as_int32(tmp_path, stand_in):
+    schema = make_schema()
+    schema.columns[3] = Column("C1", "categorical", "int64", cardinality=CARD["C1"])
+    folder = write_split(tmp_path / "train", [0, 100], schema=schema)
+    ids = np.where(np.arange(100) == 30, 2**32 + 3, 1).astype(np.int64)  # 3 once narrowed to int32
+    rewrite(folder, "C1", pa.array(ids))
+    want = outcome(Loader(folder, batch_size=16))
+    assert isinstance(want, str) and f"holds id {2**32 + 3} at row 30" in want
+    same_outcome(want, outcome(Loader(folder, batch_size=16, reader="cudf")))
+
+
+def test_cudf_reader_needs_a_cuda_device_a_gpu_and_cudf(split, monkeypatch):
+    from pipeline import device as device_module
+    from pipeline.errors import UserError
+
+    with pytest.raises(UserError, match=r"reader='cudf' reads into GPU memory, so it needs device='cuda' \(got 'cpu'"):
+        small(split, reader="cudf")
+    monkeypatch.setattr(device_module, "gpu_problem", lambda: "torch sees no CUDA device (no GPU, or no driver)")
+    with pytest.raises(UserError, match="reader='cudf' needs a usable CUDA GPU, but torch sees no CUDA device"):
+        small(split, reader="cudf", device="cuda")
+    monkeypatch.setattr(device_module, "gpu_problem", lambda: None)
+    monkeypatch.setitem(sys.modules, "cudf", None)  # import cudf raises ImportError
+    with pytest.raises(UserError, match=r"reader='cudf' needs cuDF, but cudf is not importable \(ModuleNotFoundError"):
+        small(split, reader="cudf", device="cuda")
+    with pytest.raises(ValueError, match="reader: expected one of"):
+        small(split, reader="arrow")
+
+
+@pytest.mark.gpu
+def test_cuda_cudf_reader_on_a_stand_in_gives_the_pyarrow_batches(split, stand_in):
+    # The device side of the cudf reader (blocks made by reader threads, events, streams) without cuDF.
+    for rank in range(2):
+        settings = {"shuffle": True, "seed": 4, "rank": rank, "world_size": 2, "device": "cuda"}
+        pyarrow_loader, cudf_loader = small(split, **settings), small(split, reader="cudf", **settings)
+        for _ in range(2):
+            got = list(cudf_loader)
+            assert all(b.dense.is_cuda and b.sparse.values.is_cuda for b in got)
+            same_batches([b.to("cpu") for b in pyarrow_loader], got)
+    assert stand_in
+
+
+# On a GPU with the real cuDF: python3 -m pytest -q -m gpu tests/test_loader.py
+
+
+@pytest.fixture
+def real_cudf() -> None:
+    from pipeline.loader.cudf_read import cudf_problem
+
+    problem = cudf_problem()
+    if problem:
+        pytest.skip(f"needs cuDF: {problem}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_cuda_cudf_reader_gives_the_pyarrow_batches(split, real_cudf, shuffle):
+    for rank in range(2):
+        settings = {"shuffle": shuffle, "seed": 4, "rank": rank, "world_size": 2, "device": "cuda"}
+        pyarrow_loader, cudf_loader = small(split, **settings), small(split, reader="cudf", **settings)
+        for _ in range(2):
+            expected, got = list(pyarrow_loader), list(cudf_loader)
+            assert all(b.dense.is_cuda and b.sparse.values.is_cuda and b.label.is_cuda for b in got)
+            same_batches([b.to("cpu") for b in expected], got)
+            for batch in got:
+                check_batch(batch.to("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stop_after", [1, 9])
+def test_cuda_cudf_reader_resumes_mid_epoch(split, real_cudf, stop_after):
+    settings = {"shuffle": True, "seed": 7, "rank": 1, "world_size": 2, "device": "cuda"}
+    reference = list(small(split, **settings))
+    first = small(split, reader="cudf", **settings)
+    for i, _ in enumerate(first):
+        if i + 1 == stop_after:
+            break
+    resumed = small(split, reader="cudf", **settings)
+    resumed.load_state_dict(first.state_dict())
+    same_batches([b.to("cpu") for b in reference[stop_after:]], list(resumed))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", range(len(bad_inputs())))
+def test_cuda_cudf_reader_names_bad_values_as_pyarrow_does(tmp_path, real_cudf, case):
+    folder = bad_split(tmp_path)
+    rewrite(folder, *bad_inputs()[case])
+    for rank in range(2):
+        settings = {"batch_size": 16, "rank": rank, "world_size": 2, "buffer_row_groups": 1}
+        want = outcome(Loader(folder, **settings))
+        got = outcome(Loader(folder, reader="cudf", device="cuda", **settings))
+        assert type(want) is type(got), (want, got)
+        if isinstance(want, str):
+            assert want == got
+        else:
+            same_batches(want, [b.to("cpu") for b in got])
+
+
+@pytest.mark.gpu
+def test_cuda_cudf_reader_early_stop_leaves_no_thread(split, real_cudf):
+    before = threading.active_count()
+    loader = small(split, device="cuda", reader="cudf", batch_size=8, prefetch=2)
+    for i, _ in enumerate(loader):
+        if i == 3:
+            break
+    assert rows_of(next(iter(loader))) == list(range(8))
+    loader.close()
     assert threading.active_count() == before

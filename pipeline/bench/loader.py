@@ -12,7 +12,9 @@ Measured, each over the whole split, the consumer doing nothing with the batches
 * ``per-row Dataset + DataLoader``: a map-style ``torch`` Dataset returning one row's tensors,
   batched by ``DataLoader``'s default collate (on ``--naive-rows`` rows): the common first try;
 * ``Loader`` on the CPU, in order and shuffled; and on the GPU (``device=cuda``, shuffled, the
-  batches waited on) when one is usable and the device setting is not ``cpu``.
+  batches waited on) when one is usable and the device setting is not ``cpu``;
+* on a GPU where cuDF imports, the same with ``reader="cudf"`` (row groups decoded by cuDF into
+  GPU memory), and its floor ``cudf read_parquet``: the files read whole into GPU memory, synchronized.
 
     python -m pipeline bench loader                            # 2M rows, batch 4096
     python -m pipeline bench loader --rows 20000000 --batch-size 65536 --device cuda
@@ -42,6 +44,7 @@ def run(args: argparse.Namespace, cfg) -> dict:
 
     from pipeline.device import resolve_device
     from pipeline.loader import Loader
+    from pipeline.loader.cudf_read import cudf_problem
     from pipeline.loader.synthetic import criteo_schema, write_processed
     from pipeline.schema import Schema
 
@@ -67,8 +70,13 @@ def run(args: argparse.Namespace, cfg) -> dict:
         flush=True,
     )
 
+    cudf_missing = cudf_problem() if device.is_cuda else "no GPU"
+    if device.is_cuda and cudf_missing:
+        print(f"[bench loader] no cuDF measurements (cudf read_parquet, cudf reader): {cudf_missing}", flush=True)
     results: dict[str, float] = {}
     results["pyarrow read_table"] = _pyarrow_floor(probe.files, [c.name for c in schema.columns])
+    if not cudf_missing:
+        results["cudf read_parquet"] = _cudf_floor(probe.files, [c.name for c in schema.columns])
     results["per-row Dataset + DataLoader"] = _naive(probe.files[0], schema, args.batch_size, args.naive_rows)
     results["Loader cpu, in order"] = _loader_rate(Loader(folder, args.batch_size, **threads), args.epochs)
     results["Loader cpu, shuffled"] = _loader_rate(
@@ -81,6 +89,10 @@ def run(args: argparse.Namespace, cfg) -> dict:
         results["Loader cuda, shuffled"] = _loader_rate(
             Loader(folder, args.batch_size, shuffle=True, device="cuda", **threads), args.epochs
         )
+        if not cudf_missing:
+            results["Loader cuda, shuffled, cudf reader"] = _loader_rate(
+                Loader(folder, args.batch_size, shuffle=True, device="cuda", reader="cudf", **threads), args.epochs
+            )
     else:
         print(f"[bench loader] no GPU measurement: {device.reason}", flush=True)
 
@@ -117,6 +129,24 @@ def _pyarrow_floor(files, columns) -> float:
     start, rows = time.perf_counter(), 0
     for f in files:
         rows += pq.read_table(f, columns=columns).num_rows
+    return rows / (time.perf_counter() - start)
+
+
+def _cudf_floor(files, columns) -> float:
+    """Rows/s of cuDF reading the files whole into GPU memory (after one untimed read that sets up CUDA)."""
+    import time
+
+    import cudf
+    import torch
+
+    cudf.read_parquet(str(files[0]), columns=columns, row_groups=[0])
+    torch.cuda.synchronize()
+    start, rows = time.perf_counter(), 0
+    for f in files:
+        frame = cudf.read_parquet(str(f), columns=columns)
+        torch.cuda.synchronize()
+        rows += len(frame)
+        del frame
     return rows / (time.perf_counter() - start)
 
 

@@ -4,8 +4,8 @@ A window is a run of rows (pieces of consecutive chunks) shuffled together. It i
 target device, permuted once, and batches are then cut from it as slices:
 
 * on a GPU, each chunk's pinned block goes to the device in one asynchronous copy (the reader
-  threads already packed it), the window is joined and permuted there, and a batch costs a few
-  small kernels; the host thread only issues work;
+  threads already packed it; the cudf reader made it on the device already), the window is joined
+  and permuted there, and a batch costs a few small kernels; the host thread only issues work;
 * on the CPU, the window is joined and permuted with numpy, whose single-threaded copies do not
   compete with the training thread's OpenMP pool (torch's CPU copies would).
 
@@ -98,7 +98,7 @@ class _Window:
 class _NumpyWindow(_Window):
     def __init__(self, pieces: list[Piece], layout: Layout, order: np.ndarray | None) -> None:
         self.layout = layout
-        parts = [p.chunk.block[:, p.start : p.stop] for p in pieces]
+        parts = [np.asarray(p.chunk.block[:, p.start : p.stop]) for p in pieces]
         block = np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
         if order is not None:
             block = block.take(order, axis=1)
@@ -189,7 +189,16 @@ class _TorchWindow(_Window):
 
 
 def upload(chunk: Chunk, device: torch.device, pool: PinnedPool | None = None) -> None:
-    """Queue the copy of the chunk's block to ``device`` and give its pinned buffer back to ``pool``."""
+    """Queue the copy of the chunk's block to ``device`` and give its pinned buffer back to ``pool``.
+
+    A block a reader thread already made on the device (the cudf reader) is not copied: the current
+    stream waits for it, and the caching allocator is told that this stream uses its memory.
+    """
+    if chunk.ready is not None:
+        stream = torch.cuda.current_stream(device)
+        stream.wait_event(chunk.ready)
+        chunk.on_device.record_stream(stream)
+        chunk.ready = None
     if chunk.on_device is not None:
         return
     chunk.on_device = _to(chunk.pinned if chunk.pinned is not None else torch.from_numpy(chunk.block), device)

@@ -64,7 +64,8 @@ class Chunk:
     """Decoded rows, packed for copying: ``block`` is int32 ``[1 + n_cont + n_onehot, rows]`` holding the
     label and the continuous columns (float32 bits) and the one-hot ids; ``bags`` the multi-hot columns."""
 
-    block: np.ndarray
+    block: np.ndarray | torch.Tensor
+    """A numpy array, or (the cudf reader) a tensor already on the target device."""
     bags: list[tuple[np.ndarray, np.ndarray]]
     """Per multi-hot feature: (offsets int64 of length rows + 1 starting at 0, values)."""
     pinned: torch.Tensor | None = None
@@ -73,6 +74,8 @@ class Chunk:
     """The pool buffer holding ``pinned``, to give back once the copy to the device is queued."""
     on_device: torch.Tensor | None = None
     """``block`` on the GPU once copied there (the chunk may feed two windows)."""
+    ready: torch.cuda.Event | None = None
+    """Set when a reader thread made ``on_device`` on its own stream: the producer's stream waits on it."""
 
     @property
     def rows(self) -> int:
@@ -222,11 +225,7 @@ def _array(table: pa.Table, name: str, where: _Where, validate: bool) -> pa.Arra
     column = table.column(name)
     array = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
     if validate and array.null_count:
-        first = int(np.flatnonzero(array.is_null().to_numpy(zero_copy_only=False))[0])
-        raise BadInputError(
-            f"{where.path}: column {name!r} has {array.null_count} null values, the first at {where.row(first)}; "
-            "expected none (the ETL fills missing values)"
-        )
+        raise null_error(name, array.is_null().to_numpy(zero_copy_only=False), where)
     return array
 
 
@@ -238,9 +237,7 @@ def _check_label(label: np.ndarray, name: str, where: _Where) -> None:
     bad = (label != 0) & (label != 1)
     if bad.any():
         first = int(bad.argmax())
-        raise BadInputError(
-            f"{where.path}: label column {name!r} should hold 0 or 1, found {label[first]} at {where.row(first)}"
-        )
+        raise label_error(name, label[first], where, first)
 
 
 def _check_ids(values: np.ndarray, column: Column, where: _Where, rows: np.ndarray | None = None) -> None:
@@ -250,9 +247,28 @@ def _check_ids(values: np.ndarray, column: Column, where: _Where, rows: np.ndarr
     if low >= 0 and high < column.cardinality:
         return
     first = int(((values < 0) | (values >= column.cardinality)).argmax())
-    value = values[first]
     row = first if rows is None else int(np.searchsorted(rows, first, side="right") - 1)
-    raise BadInputError(
+    raise id_error(column, values[first], where, row)
+
+
+# The messages of bad values, shared by both readers (``value`` a numpy scalar of the column's type).
+
+
+def null_error(name: str, is_null: np.ndarray, where: _Where) -> BadInputError:
+    """Column ``name`` has nulls where ``is_null`` (a bool array over the segment's rows) is set."""
+    first = int(np.flatnonzero(is_null)[0])
+    return BadInputError(
+        f"{where.path}: column {name!r} has {int(is_null.sum())} null values, the first at {where.row(first)}; "
+        "expected none (the ETL fills missing values)"
+    )
+
+
+def label_error(name: str, value: np.generic, where: _Where, row: int) -> BadInputError:
+    return BadInputError(f"{where.path}: label column {name!r} should hold 0 or 1, found {value} at {where.row(row)}")
+
+
+def id_error(column: Column, value: np.generic, where: _Where, row: int) -> BadInputError:
+    return BadInputError(
         f"{where.path}: column {column.name!r} holds id {value} at {where.row(row)}, outside its table "
         f"[0, {column.cardinality}) (cardinality {column.cardinality} in schema.json)"
     )

@@ -5,10 +5,12 @@ releases the GIL), check them and pack each into one int32 block (in pinned memo
 is a GPU). The producer joins blocks into windows of a few row groups on the target device,
 permutes a window's rows when shuffling, and cuts batches from it. On a GPU the copies and the
 cutting run on a side CUDA stream; each batch carries an event that the consumer's stream waits on,
-so loading overlaps compute. Batches wait in a bounded queue; an error in a thread is put on the
-queue and raised in the consumer; stopping (``break``, :meth:`Loader.close`, ``with``, garbage
-collection) sets a stop event that the producer checks between batches and in its timed ``put``,
-and joins it (and the readers).
+so loading overlaps compute. With ``reader="cudf"`` (a GPU only) the reader threads read row groups
+with cuDF straight into device memory and build each block there (:mod:`pipeline.loader.cudf_read`),
+skipping the pinned host copy; what follows the block is the same for both readers. Batches wait
+in a bounded queue; an error in a thread is put on the queue and raised in the consumer; stopping
+(``break``, :meth:`Loader.close`, ``with``, garbage collection) sets a stop event that the producer
+checks between batches and in its timed ``put``, and joins it (and the readers).
 
 Order, sharding and the remainder (see :mod:`pipeline.loader.plan`): rank ``r`` of ``world_size``
 gets a contiguous part of the epoch's row-group sequence, every rank the same number of rows and
@@ -33,6 +35,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import os
 import queue
 import threading
@@ -40,12 +43,12 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
 from pipeline.errors import UserError
-from pipeline.loader import collate, plan
+from pipeline.loader import collate, cudf_read, plan
 from pipeline.loader.batch import Batch
 from pipeline.loader.decode import Chunk, Split, find_files, open_split, read_segment
 from pipeline.loader.pinned import PinnedPool
@@ -75,6 +78,8 @@ class Loader:
         prefetch: batches made ahead and waiting in the queue.
         read_threads: row groups decoded in parallel (default: the CPU cores, at most 8).
         validate: check nulls, labels and id ranges while reading (cheap; on by default).
+        reader: ``"pyarrow"`` (row groups decoded on the host) or ``"cudf"`` (decoded by cuDF into GPU
+            memory; needs ``device="cuda"`` and cuDF). Both give the same batches.
     """
 
     def __init__(
@@ -93,6 +98,7 @@ class Loader:
         prefetch: int = 8,
         read_threads: int | None = None,
         validate: bool = True,
+        reader: str = "pyarrow",
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size: expected a positive number, got {batch_size}")
@@ -106,6 +112,10 @@ class Loader:
         ):
             if value < 1:
                 raise ValueError(f"{name}: expected a positive number, got {value}")
+        if reader not in cudf_read.READERS:
+            raise ValueError(f"reader: expected one of {cudf_read.READERS}, got {reader!r}")
+        if reader == "cudf":
+            cudf_read.check(device)
         files = find_files(data)
         if schema is None:
             if not isinstance(data, (str, Path)):
@@ -118,6 +128,7 @@ class Loader:
         self.rank, self.world_size = rank, world_size
         self.device = _target(device)
         self.prefetch, self.read_threads, self.validate = prefetch, read_threads, validate
+        self.reader = reader
         group_rows = self.schema.row_group_rows or -(-self._split.rows // len(self._split.groups))
         self.window_rows = max(1, round(buffer_row_groups * group_rows / batch_size)) * batch_size
         self._layout = collate.Layout.of(self.schema.sparse, self.schema.multihot, len(self.schema.continuous))
@@ -134,7 +145,7 @@ class Loader:
         self._active: _Producer | None = None
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._pool = None
-        if self._stream is not None:
+        if self._stream is not None and reader == "pyarrow":
             block_rows = 1 + len(self.schema.continuous) + len(self._layout.keys) - len(self.schema.multihot)
             most = max(g.rows for g in self._split.groups)
             self._pool = PinnedPool(count=_lookahead(self.read_threads) + 2, numel=block_rows * most)
@@ -227,7 +238,7 @@ class Loader:
         return (
             f"Loader({len(self._split.files)} files, {self.total_rows} rows, batch_size={self.batch_size}, "
             f"batches={self._batches}, rank={self.rank}/{self.world_size}, shuffle={self.shuffle}, "
-            f"device={self.device})"
+            f"device={self.device}, reader={self.reader})"
         )
 
     def _fingerprint(self) -> dict[str, Any]:
@@ -264,6 +275,7 @@ class _Producer:
         self._stream = loader._stream
         self._pool = loader._pool
         self._validate = loader.validate
+        self._reader = loader.reader
         self._read_threads = loader.read_threads
         self._shard = loader._shard(epoch)
         self._windows = plan.windows(self._shard, loader.window_rows, loader.batch_size, start_batch)
@@ -307,8 +319,9 @@ class _Producer:
     def _run(self) -> None:
         executor = ThreadPoolExecutor(self._read_threads, thread_name_prefix="pipeline-loader-read")
         try:
-            if self._stream is not None:
+            if self._pool is not None:
                 self._pool.reset()
+            if self._stream is not None:
                 with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
                     self._produce(executor)
             else:
@@ -325,15 +338,19 @@ class _Producer:
         if not self._windows:
             return
         cuda = self._stream is not None
+        if self._reader == "cudf":
+            read = functools.partial(cudf_read.read_segment, self._split, validate=self._validate, device=self._device)
+        else:
+            read = functools.partial(
+                read_segment, self._split, validate=self._validate, buffers=self._pool, stop=self._stop
+            )
         reader = _SegmentReader(
-            self._split,
             plan.shard_segments_from(self._shard, self._windows[0].start),
+            read,
             executor,
             _lookahead(self._read_threads),
-            self._validate,
             self._device,
             self._pool,
-            self._stop,
         )
         real_rows = self._shard.rows - self._shard.padding
         shuffle, seed, epoch, rank = self._order_seed
@@ -365,17 +382,15 @@ class _SegmentReader:
 
     def __init__(
         self,
-        split: Split,
         segments: list[plan.Segment],
+        read: Callable[[plan.Segment], Chunk],
         executor: ThreadPoolExecutor,
         lookahead: int,
-        validate: bool,
         device: torch.device,
         pool: PinnedPool | None,
-        stop: threading.Event,
     ) -> None:
-        self._split, self._executor, self._validate = split, executor, validate
-        self._device, self._pool, self._stop = device, pool, stop
+        self._read, self._executor = read, executor
+        self._device, self._pool = device, pool
         self._segments = iter(segments)
         self._pending: deque[Future] = deque()
         self._lookahead = lookahead
@@ -398,13 +413,11 @@ class _SegmentReader:
             segment = next(self._segments, None)
             if segment is None:
                 break
-            self._pending.append(
-                self._executor.submit(read_segment, self._split, segment, self._validate, self._pool, self._stop)
-            )
+            self._pending.append(self._executor.submit(self._read, segment))
         if not self._pending:
             raise RuntimeError("the shard plan asked for more rows than its segments hold")
         chunk = self._pending.popleft().result()
-        if self._pool is not None:
+        if self._device.type == "cuda":
             collate.upload(chunk, self._device, self._pool)  # frees its pinned buffer for the next read
         return chunk
 
