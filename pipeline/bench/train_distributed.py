@@ -39,6 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--comm", default="fp32",
                         help="fp32 | bf16 | fp32,bf16: dtype(s) of the pooled vectors between ranks (one run each)")
     parser.add_argument("--out", default="", help="also write the results as JSON here")
+    parser.add_argument("--profile", default="", metavar="DIR",
+                        help="also profile a few steps per rank (torch.profiler) and write the op tables to DIR")
 
 
 def run(args: argparse.Namespace, cfg=None) -> dict:
@@ -166,10 +168,32 @@ def _worker(rank: int, world: int, args: dict, device_kind: str) -> dict:
     timer.enabled = True
     seconds = timed(a.steps)
     timer.enabled = False
+    if a.profile:
+        _profile(timed, device, f"{a.profile}/ranks{world}-{a.comm}-rank{rank}.txt")
     backend_name = embedding.strategies[0].local.backend.name if world > 1 and embedding.strategies[0].local \
         else getattr(getattr(embedding, "backend", None), "name", "?")
     return {"rates": rates, "profiled_step_ms": 1e3 * seconds / a.steps,
             "comm_ms_per_step": 1e3 * timer.seconds / a.steps, "plan": plan, "embedding_backend": backend_name}
+
+
+def _profile(timed, device, path: str, steps: int = 5) -> None:
+    """Op tables of ``steps`` training steps: by device time (on a GPU) and by host time."""
+    from pathlib import Path
+
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        seconds = timed(steps)
+    table = prof.key_averages()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    text = [f"{steps} steps, {1e3 * seconds / steps:.2f} ms per step (profiled)"]
+    if cuda:
+        text.append(table.table(sort_by="self_cuda_time_total", row_limit=40))
+    text.append(table.table(sort_by="self_cpu_time_total", row_limit=30))
+    Path(path).write_text("\n".join(text))
+    prof.export_chrome_trace(str(Path(path).with_suffix(".trace.json")))
 
 
 def main(argv: list[str] | None = None) -> int:
