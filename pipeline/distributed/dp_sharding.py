@@ -9,7 +9,7 @@ the one the unsharded collection makes for the whole global batch (Adagrad and l
 Example::
 
     dp = DataParallelSharding(tables, layout, plan, rank, world, group, make_collection)
-    out = dp(lengths, values, batch_size)   # [B, dims of dp.slots]
+    [out] = dp(lengths, values, batch_size)   # one block: [B, dims of dp.slots]
 """
 
 from __future__ import annotations
@@ -38,16 +38,17 @@ class DataParallelSharding(nn.Module):
         self.table_ids = [t for t in range(len(tables)) if plan[tables[t].name].sharding_type == self.sharding_type]
         self.slots = [s for s in range(layout.num_slots) if layout.slot_table[s] in self.table_ids]
         self.input_slots = self.slots
+        self.block_slots = [self.slots]  # forward returns one block, [B, dims of all slots]
         self.local_features = [slot_key(layout, s) for s in self.slots]
         self.local = make_collection(local_tables(tables, layout, self.table_ids), self.local_features) \
             if self.table_ids else None
 
-    def forward(self, lengths: torch.Tensor, values: torch.Tensor, batch_size: int) -> torch.Tensor:
+    def forward(self, lengths: torch.Tensor, values: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
         offsets = exclusive_cumsum(lengths)
         if torch.is_grad_enabled() and self.training:
-            return _DataParallelLookup.apply(trigger(values.device), self, values, offsets, batch_size)
+            return [_DataParallelLookup.apply(trigger(values.device), self, values, offsets, batch_size)]
         ec = self.local
-        return ec.backend.forward(ec.weights, ec.layout, values, offsets, batch_size)
+        return [ec.backend.forward(ec.weights, ec.layout, values, offsets, batch_size)]
 
     def synced_update(self, values: torch.Tensor, offsets: torch.Tensor, batch_size: int, grad: torch.Tensor) -> None:
         """Sum the row gradients of all ranks and apply the optimizer to every touched row, on every rank."""

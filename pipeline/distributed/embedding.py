@@ -31,6 +31,7 @@ from pipeline.distributed.rw_sharding import RowWiseSharding
 from pipeline.distributed.tw_sharding import TableWiseSharding
 from pipeline.distributed.types import ShardingPlan, ShardingType
 from pipeline.errors import BadInputError
+from pipeline.modules.columns import ColumnRun, assemble_columns, merge_runs
 from pipeline.modules.embedding import EmbeddingCollection, EmbeddingOptimizerConfig, TableConfig, TableLayout
 from pipeline.sparse import KeyedJaggedTensor
 
@@ -109,13 +110,21 @@ class ShardedEmbeddingCollection(nn.Module):
             self.register_buffer(f"_keys{i}", keys.to(self.device), persistent=False)
             setattr(self, f"_all_keys_once{i}", sorted(keys.tolist()) == list(range(len(self.feature_names))))
             self.register_buffer(f"_rows{i}", rows.to(self.device), persistent=False)
-        column_of = []
+        # Each strategy returns blocks of columns (``block_slots``: the slots of each, in order); the
+        # output takes every slot's columns from its block, in slot order, in one copy.
+        where: dict[int, tuple[int, int]] = {}
+        block = 0
         for st in self.strategies:
-            for s in st.slots:
-                column_of.extend(range(self.layout.output_offsets[s], self.layout.output_offsets[s + 1]))
-        gather = torch.empty(len(column_of), dtype=torch.int64)
-        gather[torch.tensor(column_of, dtype=torch.int64)] = torch.arange(len(column_of))
-        self.register_buffer("_gather_columns", gather.to(self.device), persistent=False)
+            if not st.slots:
+                continue
+            for slots in st.block_slots:
+                col = 0
+                for s in slots:
+                    where[s] = (block, col)
+                    col += self.layout.slot_dims[s]
+                block += 1
+        self._column_runs = merge_runs([ColumnRun(where[s][0], where[s][1], where[s][1] + self.layout.slot_dims[s])
+                                        for s in range(self.layout.num_slots)])
         self._step = 0
 
     @classmethod
@@ -184,7 +193,7 @@ class ShardedEmbeddingCollection(nn.Module):
         values = features.values.to(device=self.device, dtype=torch.int64)
         lengths = features.lengths.to(device=self.device, dtype=torch.int64)
         nnz_by_key = segment_sums(lengths, len(self.feature_names))
-        outputs = []
+        blocks = []
         for i, st in enumerate(self.strategies):
             if not st.slots:
                 continue
@@ -195,8 +204,8 @@ class ShardedEmbeddingCollection(nn.Module):
             st_values = permute_segments(values, nnz_by_key, keys, total=total)
             if self.validate_ids and st_values.numel():
                 self._check_ids(st, st_values, segment_sums(st_lengths, keys.numel()), getattr(self, f"_rows{i}"))
-            outputs.append(st(st_lengths, st_values, b))
-        out = torch.cat(outputs, dim=1).index_select(1, self._gather_columns) if outputs else \
+            blocks.extend(st(st_lengths, st_values, b))
+        out = assemble_columns(blocks, self._column_runs, torch.float32) if blocks else \
             torch.empty(b, 0, device=self.device)
         if self.world_size > 1 and torch.is_grad_enabled() and self.training:
             out = ScaleGrad.apply(out, 1.0 / self.world_size)

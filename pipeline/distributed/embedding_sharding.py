@@ -82,12 +82,13 @@ def exchange_bags(lengths: torch.Tensor, values: torch.Tensor, nnz_by_dest: torc
 
 def exchange_pooled(pooled: torch.Tensor, batch_sizes: list[int], dims_by_owner: list[int], batch_size: int,
                     group, training: bool, comm_dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
-    """Send each source its rows of ``pooled``; return one ``[batch_size, dim]`` float32 block per owner rank.
+    """Send each source its rows of ``pooled``; return one ``[batch_size, dim]`` block per owner rank.
 
-    ``comm_dtype`` (float32, or bfloat16 to halve the bytes) is what travels, both ways.
+    ``comm_dtype`` (float32, or bfloat16 to halve the bytes) is what travels, both ways, and the
+    blocks' dtype: the caller converts (in the copy it makes anyway).
     """
     send = [b * pooled.shape[1] for b in batch_sizes]
     recv = [batch_size * d for d in dims_by_owner]
     trig = trigger(pooled.device) if training else torch.empty(0, device=pooled.device)
-    flat = AllToAllRows.apply(trig, pooled.reshape(-1).to(comm_dtype), send, recv, group).float()
+    flat = AllToAllRows.apply(trig, pooled.reshape(-1).to(comm_dtype), send, recv, group)
     return [block.view(batch_size, d) for block, d in zip(flat.split(recv), dims_by_owner)]

@@ -77,6 +77,7 @@ class DistributedModelParallel(nn.Module):
                       for n, _ in model.get_submodule(path).named_buffers()]
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignore)
             ddp_kwargs.setdefault("broadcast_buffers", False)  # the ignored buffers are rank-local
+            ddp_kwargs.setdefault("gradient_as_bucket_view", True)  # no copy between buckets and .grad
             if device.type == "cuda":
                 ddp_kwargs.setdefault("device_ids", [device.index if device.index is not None else 0])
             with warnings.catch_warnings():

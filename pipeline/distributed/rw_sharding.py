@@ -9,7 +9,7 @@ same for each part), where the local collection's fused optimizer updates the ro
 Example::
 
     rw = RowWiseSharding(tables, layout, plan, rank, world, group, make_collection)
-    out = rw(lengths, values, batch_size)   # [B, dims of rw.slots]
+    [out] = rw(lengths, values, batch_size)   # one block: [B, dims of rw.slots]
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ class RowWiseSharding(nn.Module):
         self.table_ids = rw
         self.slots = [s for s in range(layout.num_slots) if layout.slot_table[s] in rw]
         self.input_slots = self.slots
+        self.block_slots = [self.slots]  # forward returns one block, [B, dims of all slots]
         self.ranges = {t: plan[tables[t].name].row_ranges for t in rw}
         for t in rw:
             q, rem = divmod(tables[t].rows, world)
@@ -67,7 +68,7 @@ class RowWiseSharding(nn.Module):
             torch.arange(len(self.slots)), torch.tensor([layout.slot_dims[s] for s in self.slots], dtype=torch.int64)),
             persistent=False)
 
-    def forward(self, lengths: torch.Tensor, values: torch.Tensor, batch_size: int) -> torch.Tensor:
+    def forward(self, lengths: torch.Tensor, values: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
         s, b, w = len(self.slots), batch_size, self.world
         nnz = values.numel()
         bag = torch.repeat_interleave(torch.arange(s * b, device=values.device), lengths, output_size=nnz)
@@ -86,11 +87,11 @@ class RowWiseSharding(nn.Module):
         pooled = self.local(KeyedJaggedTensor(self.local_features, got_values, got_lengths))
         blocks = exchange_pooled(pooled, batch_sizes, [self.dim] * w, b, self.group, training,
                                  self.comm_dtype)
-        out = blocks[0]
+        out = blocks[0].float()  # the partial pools are added in float32, whatever travelled
         for block in blocks[1:]:
             out = out + block
         if self.has_mean:
             lens = lengths.view(s, b).t().float().clamp(min=1)[:, self._slot_of_column]
             scale = torch.where(self._mean[self._slot_of_column], 1.0 / lens, torch.ones_like(lens))
             out = out * scale
-        return out
+        return [out]

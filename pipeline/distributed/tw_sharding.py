@@ -3,7 +3,7 @@
 Example (what :class:`~pipeline.distributed.embedding.ShardedEmbeddingCollection` does)::
 
     tw = TableWiseSharding(tables, layout, plan, rank, world, group, make_collection)
-    out = tw(lengths, values, batch_size)   # [B, dims of tw.slots], columns in tw.slots order
+    blocks = tw(lengths, values, batch_size)  # per owner rank: [B, dims of its slots], in tw.block_slots order
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ class TableWiseSharding(nn.Module):
                  if plan[tables[t].name].sharding_type == self.sharding_type}
         by_owner = [[s for s in range(layout.num_slots) if owner.get(layout.slot_table[s]) == q] for q in range(world)]
         self.slots = [s for q in range(world) for s in by_owner[q]]
+        self.block_slots = by_owner  # forward returns one block of pooled columns per owner rank
         self.input_slots = self.slots
         self.slots_by_owner = [len(x) for x in by_owner]
         self.dims_by_owner = [sum(layout.slot_dims[s] for s in x) for x in by_owner]
@@ -50,7 +51,7 @@ class TableWiseSharding(nn.Module):
         self.register_buffer("_owner_of_input_slot", torch.tensor(
             [q for q in range(world) for _ in by_owner[q]], dtype=torch.int64), persistent=False)
 
-    def forward(self, lengths: torch.Tensor, values: torch.Tensor, batch_size: int) -> torch.Tensor:
+    def forward(self, lengths: torch.Tensor, values: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
         nnz_by_slot = segment_sums(lengths, len(self.input_slots))
         nnz_by_dest = torch.zeros(self.world, dtype=torch.int64, device=lengths.device)
         nnz_by_dest.index_add_(0, self._owner_of_input_slot, nnz_by_slot)
@@ -62,6 +63,5 @@ class TableWiseSharding(nn.Module):
             pooled = self.local(KeyedJaggedTensor(self.local_features, got_values, got_lengths))
         else:
             pooled = torch.empty(sum(batch_sizes), 0, device=lengths.device)
-        blocks = exchange_pooled(pooled, batch_sizes, self.dims_by_owner, batch_size, self.group, training,
-                                 self.comm_dtype)
-        return torch.cat(blocks, dim=1)
+        return exchange_pooled(pooled, batch_sizes, self.dims_by_owner, batch_size, self.group, training,
+                               self.comm_dtype)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from pipeline.modules.columns import ColumnRun, assemble_columns
 from pipeline.modules.embedding import EmbeddingCollection, EmbeddingOptimizerConfig, TableConfig, tables_from_schema
 from pipeline.schema import Schema
 
@@ -122,9 +123,11 @@ class DLRM(RecModel):
                 raise ValueError(f"DLRM: the bottom MLP must end in the embedding dim {dim}, got {sizes.bottom_mlp}")
             self.bottom = mlp(sizes.bottom_mlp, num_dense, last_activation=True)
         vectors = self.num_slots + (1 if num_dense else 0)
-        rows, cols = torch.tril_indices(vectors, vectors, offset=-1)
-        self.register_buffer("_pairs", rows * vectors + cols, persistent=False)
-        self.top = mlp(sizes.top_mlp, (dim if num_dense else 0) + rows.numel(), last_activation=False)
+        # The pairs (i, j), j < i, of the flattened [vectors x vectors] dot products, row by row
+        # (torch.tril_indices' order): one run of columns per row, picked without a scatter backward.
+        self._pair_runs = [ColumnRun(0, i * vectors, i * vectors + i) for i in range(1, vectors)]
+        pairs = vectors * (vectors - 1) // 2
+        self.top = mlp(sizes.top_mlp, (dim if num_dense else 0) + pairs, last_activation=False)
 
     def dense_forward(self, dense, pooled):
         b = pooled.shape[0]
@@ -132,7 +135,7 @@ class DLRM(RecModel):
         if self.num_dense:
             x = self.bottom(dense)
             vectors = torch.cat([x.unsqueeze(1), vectors.to(x.dtype)], dim=1)
-        dots = torch.bmm(vectors, vectors.transpose(1, 2)).flatten(1)[:, self._pairs]
+        dots = assemble_columns([torch.bmm(vectors, vectors.transpose(1, 2)).flatten(1)], self._pair_runs)
         top_in = torch.cat([x, dots], dim=1) if self.num_dense else dots
         return self.top(top_in).squeeze(1)
 
