@@ -103,10 +103,31 @@ def read_parquet(path: str | Path | list, columns: list[str] | None, backend: st
         # Straight into GPU memory (libcudf's parquet reader): strings are plain cuDF string
         # columns, lists cuDF list columns, integers keep their width and nulls.
         with dask.config.set({"dataframe.backend": "cudf"}):
-            return dd.read_parquet([str(f) for f in files], columns=columns)
+            return dd.read_parquet([str(f) for f in files], columns=columns,
+                                   blocksize=gpu_partition_bytes(files, columns))
     dictionary = tuple(_string_columns(schema))
     return dd.from_map(_read_piece, _pieces(files, partition_rows), columns=columns, dictionary_columns=dictionary,
                        meta=_empty(schema, columns, dictionary), enforce_metadata=False)
+
+
+def gpu_partition_bytes(files: list[Path], columns: list[str], per_worker: int = 4) -> int:
+    """Partition size for the cuDF reader: about ``per_worker`` partitions per Dask worker.
+
+    Dask cuDF's default (1/32 of a GPU's memory, small files merged up to it) puts a few GB in one
+    partition: a 20M-row dataset becomes one task on one GPU. GPUs want large partitions, but every
+    worker needs several to overlap reading, computing and writing; 32 MiB to 1 GiB of columns.
+    """
+    from pipeline.etl.progress import _current_client
+
+    total = 0
+    for f in files:
+        meta = pq.ParquetFile(f).metadata
+        wanted = {i for i in range(meta.num_columns) if meta.schema.column(i).path.split(".")[0] in set(columns)}
+        total += sum(meta.row_group(g).column(i).total_uncompressed_size
+                     for g in range(meta.num_row_groups) for i in wanted)
+    client = _current_client()
+    workers = max(1, len(client.scheduler_info().get("workers", {}))) if client is not None else 1
+    return int(min(1 << 30, max(32 << 20, total // (per_worker * workers))))
 
 
 def parquet_files(path: str | Path | list) -> list[Path]:

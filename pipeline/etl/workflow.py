@@ -43,6 +43,7 @@ from pipeline.etl.ops._columns import (
     as_arrow_lists,
     as_arrow_strings,
     as_float64,
+    is_cudf,
     frame_like,
     list_lengths,
     lists_from_flat,
@@ -459,6 +460,7 @@ def _compute_by_kind(lazy: list, progress: bool) -> list:
             return any(is_delayed(v) for v in value.values())
         return isinstance(value, Delayed)
 
+    lazy = [_on_host(value) for value in lazy]
     results: list = [None] * len(lazy)
     for delayed_kind in (False, True):
         picked = [i for i, value in enumerate(lazy) if is_delayed(value) == delayed_kind]
@@ -467,6 +469,20 @@ def _compute_by_kind(lazy: list, progress: bool) -> list:
             for i, value in zip(picked, values):
                 results[i] = value
     return results
+
+
+def _on_host(value: Any) -> Any:
+    """Statistics as pandas objects, converted where they are computed (on the workers).
+
+    cuDF results travelling to the client would need the workers' cuDF spill manager there too
+    (a LocalCUDACluster spills cuDF buffers); the statistics are small, so they come back as pandas.
+    """
+    if isinstance(value, dict):
+        return {k: _on_host(v) for k, v in value.items()}
+    meta = getattr(value, "_meta", None)
+    if meta is not None and is_cudf(meta) and hasattr(value, "to_backend"):
+        return value.to_backend("pandas")
+    return value
 
 
 def _short(columns: list[str]) -> str:

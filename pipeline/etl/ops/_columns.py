@@ -139,12 +139,14 @@ def integral_floats(arrow: pa.Array, name: str) -> pa.Array:
 def looks_multihot(column: Any) -> bool:
     """Whether a Dask column holds lists (arrow list dtype, cuDF list dtype, or Python lists)."""
     dtype = column.dtype
-    if is_cudf(getattr(column, "_meta", column)):
-        return type(dtype).__name__ == "ListDtype"  # cuDF strings have dtype object: never sample them
+    # cuDF 26 reports a list column as cudf.ListDtype or as pd.ArrowDtype(list<...>), depending on
+    # how the column was made: both count.
     if isinstance(dtype, pd.ArrowDtype):
         return pa.types.is_list(dtype.pyarrow_dtype) or pa.types.is_large_list(dtype.pyarrow_dtype)
     if type(dtype).__name__ == "ListDtype":
         return True
+    if is_cudf(getattr(column, "_meta", column)):
+        return False  # cuDF strings have dtype object: never sample them
     if dtype == object:
         sample = column.head(50, npartitions=-1, compute=True).dropna()
         return len(sample) > 0 and isinstance(sample.iloc[0], (list, tuple, np.ndarray))

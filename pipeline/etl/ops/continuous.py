@@ -106,11 +106,19 @@ class Normalize(Operator):
 
     def fit(self, ddf: Any) -> Any:
         floats = ddf.map_partitions(lambda df: _map_columns(df, lambda _, v: v), meta=_float_meta(ddf))
-        return {"mean": floats.mean(), "std": floats.std()}
+        # One pass of count, sum and sum of squares in float64, on both backends (NVTabular's
+        # moments do the same). Dask's DataFrame.std() is not used: on cuDF frames it fails in dask
+        # 2026.7 (it iterates a cuDF index, which cuDF refuses).
+        return {"count": floats.count(), "sum": floats.sum(), "sumsq": (floats * floats).sum()}
 
     def fit_finalize(self, stats: Any) -> None:
-        self.means = {k: float(v) for k, v in _to_dict(stats["mean"]).items()}
-        self.stds = {k: float(v) for k, v in _to_dict(stats["std"]).items()}
+        counts, sums, squares = (_to_dict(stats[k]) for k in ("count", "sum", "sumsq"))
+        self.means, self.stds = {}, {}
+        for name, count in counts.items():
+            n, total, sq = float(count), float(sums[name]), float(squares[name])
+            self.means[name] = total / n if n else float("nan")
+            var = (sq - total * total / n) / (n - 1) if n > 1 else float("nan")
+            self.stds[name] = float(np.sqrt(max(var, 0.0))) if np.isfinite(var) else float("nan")
         self._fitted = True
 
     def transform(self, df: Any) -> Any:
