@@ -103,11 +103,29 @@ def read_parquet(path: str | Path | list, columns: list[str] | None, backend: st
         # Straight into GPU memory (libcudf's parquet reader): strings are plain cuDF string
         # columns, lists cuDF list columns, integers keep their width and nulls.
         with dask.config.set({"dataframe.backend": "cudf"}):
-            return dd.read_parquet([str(f) for f in files], columns=columns,
-                                   blocksize=gpu_partition_bytes(files, columns))
+            ddf = dd.read_parquet([str(f) for f in files], columns=columns,
+                                  blocksize=gpu_partition_bytes(files, columns))
+        return _with_list_meta(ddf, schema, columns)
     dictionary = tuple(_string_columns(schema))
     return dd.from_map(_read_piece, _pieces(files, partition_rows), columns=columns, dictionary_columns=dictionary,
                        meta=_empty(schema, columns, dictionary), enforce_metadata=False)
+
+
+def _with_list_meta(ddf: Any, schema: pa.Schema, columns: list[str]) -> Any:
+    """The cuDF frame with list columns typed as lists in its (empty) metadata too.
+
+    Dask cuDF's reader returns list columns as cuDF lists, but the frame's metadata can call them
+    plain object columns (read as strings), which would hide a multi-hot column from the ops.
+    """
+    lists = [f for f in schema if f.name in columns and (pa.types.is_list(f.type) or pa.types.is_large_list(f.type))]
+    if not lists:
+        return ddf
+    import cudf
+
+    meta = ddf._meta.copy()
+    for field in lists:
+        meta[field.name] = cudf.Series.from_arrow(pa.array([], field.type))
+    return ddf.map_partitions(lambda df: df, meta=meta)
 
 
 def gpu_partition_bytes(files: list[Path], columns: list[str], per_worker: int = 4) -> int:
