@@ -24,6 +24,7 @@ the clusters start worker processes, which import the main module again.
 from __future__ import annotations
 
 import argparse
+import contextlib
 from pathlib import Path
 
 
@@ -38,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=1, help="runs of each side; the best is reported")
     parser.add_argument("--no-baseline", action="store_true", help="skip the plain pandas side")
     parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON (rewritten after each side)")
+    parser.add_argument("--report", metavar="DIR",
+                        help="also write where each cluster side's fit and transform spent their time "
+                             "(seconds per kind of task, from Dask's task stream) as JSON files to DIR")
 
 
 def run(args: argparse.Namespace, cfg) -> dict:
@@ -77,7 +81,8 @@ def run(args: argparse.Namespace, cfg) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-etl-") as tmp:
         reference: Path | None = None
         for kind, etl in sides:
-            name, best, startup, out = _ours(kind, etl, cfg, roles, files, rows, Path(tmp) / kind, args.repeats)
+            name, best, startup, out = _ours(kind, etl, cfg, roles, files, rows, Path(tmp) / kind, args.repeats,
+                                             args.report)
             summary["results"][name] = {**best, "startup_s": round(startup, 2)}
             _print_side(name, rows, best, startup)
             if reference is None:
@@ -113,7 +118,8 @@ def run(args: argparse.Namespace, cfg) -> dict:
     return summary
 
 
-def _ours(kind: str, etl, cfg, roles: dict, files: list, rows: int, out: Path, repeats: int):
+def _ours(kind: str, etl, cfg, roles: dict, files: list, rows: int, out: Path, repeats: int,
+          report: str | None = None):
     """Fit + transform+write with our workflow on ``kind`` ("cudf" or "pandas"); the best of ``repeats``."""
     import time
 
@@ -128,15 +134,44 @@ def _ours(kind: str, etl, cfg, roles: dict, files: list, rows: int, out: Path, r
         for _ in range(repeats):
             workflow = default_workflow(roles, etl, backend=kind)
             t = time.perf_counter()
-            workflow.fit(read_parquet(files, workflow.input_columns, kind))
+            with _report(report, f"{kind}-fit"):
+                workflow.fit(read_parquet(files, workflow.input_columns, kind))
             best["fit"] = min(best["fit"], time.perf_counter() - t)
             t = time.perf_counter()
-            written = transform_split(workflow, files, out, etl.row_group_rows, kind, progress=False)
+            with _report(report, f"{kind}-transform"):
+                written = transform_split(workflow, files, out, etl.row_group_rows, kind, progress=False)
             if written != rows:
                 raise RuntimeError(f"ours ({kind}) wrote {written} rows, expected {rows}")
             best["transform"] = min(best["transform"], time.perf_counter() - t)
     label = "ours, cuDF" if kind == "cudf" else "ours, pandas"
     return f"{label} on {where}", best, startup, out
+
+
+@contextlib.contextmanager
+def _report(folder: str | None, name: str):
+    """Where a cluster side's time went: seconds per kind of task (Dask's task stream) in ``folder/name.json``."""
+    from pipeline.etl.progress import _current_client
+
+    if not folder or _current_client() is None:
+        yield
+        return
+    import json
+
+    from dask.utils import key_split
+    from distributed import get_task_stream
+
+    with get_task_stream() as stream:
+        yield
+    kinds: dict[str, dict] = {}
+    for task in stream.data:
+        entry = kinds.setdefault(key_split(task["key"]), {"tasks": 0})
+        entry["tasks"] += 1
+        for part in task.get("startstops", ()):
+            action = part["action"] + "_s"
+            entry[action] = entry.get(action, 0.0) + part["stop"] - part["start"]
+    ranked = dict(sorted(kinds.items(), key=lambda kv: -kv[1].get("compute_s", 0.0)))
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    (Path(folder) / f"{name}.json").write_text(json.dumps(ranked, indent=1) + "\n")
 
 
 def _print_side(name: str, rows: int, r: dict, startup: float | None) -> None:

@@ -43,8 +43,8 @@ from pipeline.etl.ops._columns import (
     as_arrow_lists,
     as_arrow_strings,
     as_float64,
-    is_cudf,
     frame_like,
+    is_cudf,
     list_lengths,
     lists_from_flat,
 )
