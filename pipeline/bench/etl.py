@@ -39,9 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=1, help="runs of each side; the best is reported")
     parser.add_argument("--no-baseline", action="store_true", help="skip the plain pandas side")
     parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON (rewritten after each side)")
-    parser.add_argument("--report", metavar="DIR",
+    parser.add_argument("--report", metavar="FILE",
                         help="also write where each cluster side's fit and transform spent their time "
-                             "(seconds per kind of task, from Dask's task stream) as JSON files to DIR")
+                             "(seconds per kind of task, from Dask's task stream) as JSON to FILE")
 
 
 def run(args: argparse.Namespace, cfg) -> dict:
@@ -148,11 +148,11 @@ def _ours(kind: str, etl, cfg, roles: dict, files: list, rows: int, out: Path, r
 
 
 @contextlib.contextmanager
-def _report(folder: str | None, name: str):
-    """Where a cluster side's time went: seconds per kind of task (Dask's task stream) in ``folder/name.json``."""
+def _report(path: str | None, name: str):
+    """Seconds per kind of task (Dask's task stream) of the block, added as ``name`` to the JSON at ``path``."""
     from pipeline.etl.progress import _current_client
 
-    if not folder or _current_client() is None:
+    if not path or _current_client() is None:
         yield
         return
     import json
@@ -169,9 +169,11 @@ def _report(folder: str | None, name: str):
         for part in task.get("startstops", ()):
             action = part["action"] + "_s"
             entry[action] = entry.get(action, 0.0) + part["stop"] - part["start"]
-    ranked = dict(sorted(kinds.items(), key=lambda kv: -kv[1].get("compute_s", 0.0)))
-    Path(folder).mkdir(parents=True, exist_ok=True)
-    (Path(folder) / f"{name}.json").write_text(json.dumps(ranked, indent=1) + "\n")
+    file = Path(path)
+    report = json.loads(file.read_text()) if file.is_file() else {}
+    report[name] = dict(sorted(kinds.items(), key=lambda kv: -kv[1].get("compute_s", 0.0)))
+    file.parent.mkdir(parents=True, exist_ok=True)
+    file.write_text(json.dumps(report, indent=1) + "\n")
 
 
 def _print_side(name: str, rows: int, r: dict, startup: float | None) -> None:
