@@ -154,7 +154,7 @@ def run(cfg) -> dict:
     device = torch.device(f"cuda:{local_rank}" if kind == "cuda" else "cpu")
     out = cfg.paths.train
     if rank == 0:
-        stage._processed_schema(cfg)  # runs the ETL once when its output is missing
+        stage.processed_schema(cfg)  # runs the ETL once when its output is missing
         out.mkdir(parents=True, exist_ok=True)
     _barrier()
     schema = Schema.load(cfg.paths.schema)

@@ -67,7 +67,7 @@ def run(cfg: PipelineConfig) -> dict:
 def _run(cfg: PipelineConfig) -> dict:
     start = time.perf_counter()
     device = torch.device(resolve_device(cfg.device).kind)
-    schema = _processed_schema(cfg)
+    schema = processed_schema(cfg)
     out = cfg.paths.train
     out.mkdir(parents=True, exist_ok=True)
     random.seed(cfg.seed)
@@ -194,7 +194,8 @@ def tables_of(spec: dict) -> list[TableConfig]:
     return [TableConfig(**t) for t in spec["tables"]]
 
 
-def _processed_schema(cfg: PipelineConfig) -> Schema:
+def processed_schema(cfg: PipelineConfig) -> Schema:
+    """The ETL output's schema, running the ETL stage first when its output is missing."""
     if not cfg.paths.schema.is_file():
         print(f"[train] no ETL output at {cfg.paths.processed}: running the ETL stage first", flush=True)
         from pipeline.etl.stage import run as run_etl
