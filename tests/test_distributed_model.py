@@ -126,13 +126,18 @@ def _train_worker(rank: int, world: int, steps: int) -> dict:
     return {"logits": logits, "plan": dmp.plans["embedding"].to_dict()}
 
 
+def train_one_process(steps: int):
+    """The unsharded model trained in one process on both ranks' batches: (model, logits per step)."""
+    ref = model()
+    opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    return ref, [train_step(ref, opt, *global_batch(step, 2)) for step in range(steps)]
+
+
 @pytest.mark.multigpu
 def test_two_gpus_train_like_one_process_nccl():
     results = spawn(_train_worker, 2, "nccl", args=(3,))
-    ref = model()
-    opt = torch.optim.Adam(ref.parameters(), lr=0.01)
-    for step in range(3):
-        logits = train_step(ref, opt, *global_batch(step, 2))
+    _, reference_logits = train_one_process(3)
+    for step, logits in enumerate(reference_logits):
         for r in range(2):
             # GPU against CPU float32 arithmetic, row-wise partial sums and DDP averaging: rounding only.
             torch.testing.assert_close(results[r]["logits"][step], logits[r * BATCH : (r + 1) * BATCH],
@@ -151,10 +156,8 @@ def test_two_ranks_train_like_one_process_with_a_row_wise_table(saved_by_two):
     kinds = {t["table"]: t["sharding_type"] for t in plan["tables"]}
     assert kinds["t_C3"] == ShardingType.ROW_WISE.value, f"C3 exceeds one rank's budget, got plan {kinds}"
     assert results[1]["plan"] == plan
-    ref = model()
-    opt = torch.optim.Adam(ref.parameters(), lr=0.01)
-    for step in range(3):
-        logits = train_step(ref, opt, *global_batch(step, 2))
+    ref, reference_logits = train_one_process(3)
+    for step, logits in enumerate(reference_logits):
         for r in range(2):
             # Row-wise pools are summed from per-rank partials and dense gradients averaged by DDP:
             # float32 rounding in another order, hence a tolerance and not bitwise equality.
