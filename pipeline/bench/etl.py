@@ -150,9 +150,9 @@ def _ours(kind: str, etl, cfg, roles: dict, files: list, rows: int, out: Path, r
 @contextlib.contextmanager
 def _report(path: str | None, name: str):
     """Seconds per kind of task (Dask's task stream) of the block, added as ``name`` to the JSON at ``path``."""
-    from pipeline.etl.progress import _current_client
+    from pipeline.etl.progress import current_client
 
-    if not path or _current_client() is None:
+    if not path or current_client() is None:
         yield
         return
     import json

@@ -135,7 +135,7 @@ def gpu_partition_bytes(files: list[Path], columns: list[str], per_worker: int =
     partition: a 20M-row dataset becomes one task on one GPU. GPUs want large partitions, but every
     worker needs several to overlap reading, computing and writing; 32 MiB to 1 GiB of columns.
     """
-    from pipeline.etl.progress import _current_client
+    from pipeline.etl.progress import current_client
 
     total = 0
     for f in files:
@@ -143,7 +143,7 @@ def gpu_partition_bytes(files: list[Path], columns: list[str], per_worker: int =
         wanted = {i for i in range(meta.num_columns) if meta.schema.column(i).path.split(".")[0] in set(columns)}
         total += sum(meta.row_group(g).column(i).total_uncompressed_size
                      for g in range(meta.num_row_groups) for i in wanted)
-    client = _current_client()
+    client = current_client()
     workers = max(1, len(client.scheduler_info().get("workers", {}))) if client is not None else 1
     return int(min(1 << 30, max(32 << 20, total // (per_worker * workers))))
 

@@ -16,7 +16,7 @@ def compute(*collections: Any, desc: str = "dask", progress: bool = True) -> tup
     """Compute Dask collections together, showing a bar of finished tasks when ``progress`` is on."""
     import dask
 
-    client = _current_client()
+    client = current_client()
     if not progress:
         return dask.compute(*collections)
     if client is not None:
@@ -59,7 +59,8 @@ def _rebuild(shape: Any, results: Any) -> Any:
     return next(results) if isinstance(shape, _Leaf) else shape
 
 
-def _current_client() -> Any:
+def current_client() -> Any:
+    """The distributed Client this process works with, or None (no cluster, or distributed missing)."""
     try:
         from distributed import get_client
     except ImportError:
