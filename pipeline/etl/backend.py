@@ -137,10 +137,10 @@ def gpu_partition_bytes(files: list[Path], columns: list[str], per_worker: int =
     """
     from pipeline.etl.progress import current_client
 
-    total = 0
+    total, names = 0, set(columns)
     for f in files:
         meta = pq.ParquetFile(f).metadata
-        wanted = {i for i in range(meta.num_columns) if meta.schema.column(i).path.split(".")[0] in set(columns)}
+        wanted = {i for i in range(meta.num_columns) if meta.schema.column(i).path.split(".")[0] in names}
         total += sum(meta.row_group(g).column(i).total_uncompressed_size
                      for g in range(meta.num_row_groups) for i in wanted)
     client = current_client()

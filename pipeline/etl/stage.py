@@ -203,7 +203,8 @@ def transform_split(workflow: Workflow, files: list[Path], folder: Path, row_gro
 
 
 def _write_part(df: Any, path: Path, schema: pa.Schema, row_group_rows: int) -> int:
-    """Write one output partition; no pandas metadata, so any reader sees plain arrow types.
+    """Write one output partition as plain arrow types (pyarrow: no pandas metadata; cuDF's writer
+    adds its pandas metadata, which the loader does not read).
 
     Only the integer code columns are dictionary-encoded: floats rarely repeat enough to pay for
     the attempt, and skipping it nearly halves the writing time. A cuDF partition is written by
