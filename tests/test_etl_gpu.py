@@ -346,8 +346,9 @@ def _stand_in_modules(offset: int) -> dict:
     Series.__module__ = "cudf.core.series"
     DataFrame.__module__ = "cudf.core.dataframe"
     cudf.Series, cudf.DataFrame = Series, DataFrame
+    cudf.concat = lambda objs, ignore_index=False: DataFrame(pd.concat(objs, ignore_index=ignore_index))
     cupy = types.ModuleType("cupy")
-    for name in ("arange", "where", "zeros", "uint32", "int32", "int64", "log1p", "digitize", "asarray"):
+    for name in ("arange", "full", "where", "zeros", "uint32", "int32", "int64", "log1p", "digitize", "asarray"):
         setattr(cupy, name, getattr(np, name))
     cupy.ndarray = type("ndarray", (), {})  # dask registers cupy.ndarray as a chunk type
     return {"cudf": cudf, "cupy": cupy, "dask_cudf": types.ModuleType("dask_cudf")}

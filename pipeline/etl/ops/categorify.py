@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -29,6 +30,7 @@ from pipeline.etl.ops._columns import (
     as_arrow_lists,
     as_arrow_strings,
     cudf_from_pandas,
+    cudf_longest_list,
     cudf_strings,
     cudf_to_pandas,
     empty_series,
@@ -54,7 +56,8 @@ class Categorify(Operator):
     ``max_vocab_size``: keep only the most frequent values (0 keeps all).
     ``split_out``: partitions of the value counts while reducing; ``None`` lets the size decide
     (one tree reduction up to 64 input partitions, a shuffle over several partitions beyond, so no
-    single worker holds all counts before the threshold is applied; on cuDF always one tree).
+    single worker holds all counts before the threshold is applied; on cuDF always one tree: a GPU
+    holds large vocabularies).
     """
 
     stateful = True
@@ -78,12 +81,12 @@ class Categorify(Operator):
     def fit(self, ddf: Any) -> Any:
         multihot = {name: looks_multihot(ddf[name]) for name in ddf.columns}
         gpu = is_cudf(ddf._meta)
-        # cuDF: one tree reduction unless split_out is given; a GPU holds large vocabularies, and a
-        # shuffle of cuDF partitions depends on the shuffle method Dask picks (p2p or tasks).
+        # cuDF: one tree unless split_out is given (a shuffle of cuDF partitions depends on the
+        # shuffle method Dask picks, p2p or tasks).
         split_out = self.split_out or (1 if gpu or ddf.npartitions <= _SINGLE_REDUCTION_PARTITIONS else True)
-        if split_out == 1 and not gpu:
+        if split_out == 1:
             return _tree_counts(ddf, multihot)
-        # cuDF: the values become cuDF strings on the GPU and Dask's value_counts runs on cuDF.
+        # Dask's value_counts with a shuffle (cuDF: of cuDF strings, on the GPU).
         strings = empty_series(ddf._meta, "str")
         stats = {}
         for name in ddf.columns:
@@ -192,12 +195,13 @@ def _encode(values: pa.Array, vocab: pa.Array) -> np.ndarray:
 
 
 def _encode_cudf(series: Any, vocab: pa.Array, multihot: bool) -> Any:
-    """The cuDF path, written plainly with a left join on the GPU (no Arrow dictionary tricks).
+    """The cuDF path: a hash join of the values with the vocabulary ``(value, code)`` on the GPU.
 
-    The values become the same text as on pandas (:func:`cudf_strings`); a left merge with the
-    vocabulary ``(value, code)`` gives each row its code, a row number restores the order (cuDF
-    merges do not keep it), unmatched rows get OOV and missing rows the null code.
-    Multi-hot lists go through host memory and the pandas code (correct, not fast).
+    The values become the same text as on pandas (:func:`cudf_strings`). An inner join gives the
+    row number and code of every value found; the codes are scattered into an array that starts as
+    OOV (a join does not keep the row order, and a scatter costs less than sorting by row number);
+    missing values get the null code. Multi-hot lists go through host memory and the pandas code
+    (correct, not fast).
     """
     if multihot:
         codes = Categorify._encode_lists(cudf_to_pandas(series), vocab)
@@ -206,20 +210,41 @@ def _encode_cudf(series: Any, vocab: pa.Array, multihot: bool) -> Any:
     import cupy
 
     values = cudf_strings(series).reset_index(drop=True)
-    table = cudf.DataFrame({"value": cudf.Series.from_arrow(vocab.cast(pa.string())).astype(values.dtype),
-                            "code": cupy.arange(RESERVED, RESERVED + len(vocab), dtype="int32")})
-    rows = cudf.DataFrame({"value": values, "row": cupy.arange(len(values), dtype="int64")})
-    joined = rows.merge(table, on="value", how="left").sort_values("row")
-    codes = joined["code"].fillna(OOV_INDEX).astype("int32").values
-    codes = cupy.where(values.isna().values, NULL_INDEX, codes).astype(cupy.int32)
+    rows = cudf.DataFrame({"value": values, "row": cupy.arange(len(values), dtype="int32")})
+    found = rows.merge(_gpu_vocabulary(vocab, values.dtype), on="value", how="inner")
+    codes = cupy.full(len(values), OOV_INDEX, dtype="int32")
+    codes[found["row"].values] = found["code"].values
+    codes[values.isna().values] = NULL_INDEX
     return cudf.Series(codes, index=series.index, name=series.name)
+
+
+_GPU_VOCABULARIES: dict[int, Any] = {}
+
+
+def _gpu_vocabulary(vocab: pa.Array, dtype: Any) -> Any:
+    """The cuDF frame ``(value, code)`` of a vocabulary, copied to the GPU on first use and kept while
+    ``vocab`` lives (a worker holds the fitted operator for all its partitions)."""
+    import cudf
+    import cupy
+
+    key = id(vocab)
+    table = _GPU_VOCABULARIES.get(key)
+    if table is None or table["value"].dtype != dtype:
+        table = cudf.DataFrame({"value": cudf.Series.from_arrow(vocab.cast(pa.string())).astype(dtype),
+                                "code": cupy.arange(RESERVED, RESERVED + len(vocab), dtype="int32")})
+        if key not in _GPU_VOCABULARIES:
+            weakref.finalize(vocab, _GPU_VOCABULARIES.pop, key, None)
+        _GPU_VOCABULARIES[key] = table
+    return table
 
 
 def _tree_counts(ddf: Any, multihot: dict[str, bool], split_every: int = 8) -> dict:
     """Value counts of every column in one pass per partition, merged by a tree per column.
 
-    Each partition is read once for all columns and counted with Arrow; each column then has its
-    own tree of merges, so different columns' vocabularies end on different workers.
+    Each partition is read once for all columns and counted (Arrow on pandas partitions, cuDF on
+    the GPU); each column then has its own tree of merges, so different columns' vocabularies end
+    on different workers. The root of each tree is an Arrow table (cuDF counts leave the GPU there).
+    Selecting columns with ``ddf[name]`` instead would read every partition once per column.
     """
     from dask import delayed
 
@@ -230,11 +255,13 @@ def _tree_counts(ddf: Any, multihot: dict[str, bool], split_every: int = 8) -> d
         level = [chunk[name] for chunk in chunks]
         while len(level) > 1:
             level = [delayed(_merge_counts, pure=True)(*level[i : i + split_every]) for i in range(0, len(level), split_every)]
-        stats[name] = level[0] if level else {"counts": _counts_table(pa.array([], pa.string()))}
+        stats[name] = delayed(_on_host, pure=True)(level[0]) if level else {"counts": _counts_table(pa.array([], pa.string()))}
     return stats
 
 
 def _count_partition(df: Any, names: list[str], multihot: dict[str, bool]) -> dict:
+    if is_cudf(df):
+        return _count_partition_cudf(df, names, multihot)
     out = {}
     for name in names:
         if multihot[name]:
@@ -245,6 +272,21 @@ def _count_partition(df: Any, names: list[str], multihot: dict[str, bool]) -> di
     return out
 
 
+def _count_partition_cudf(df: Any, names: list[str], multihot: dict[str, bool]) -> dict:
+    """Counts as cuDF frames ``(value, count)`` of the values' text (:func:`cudf_strings`), nulls left out."""
+    out = {}
+    for name in names:
+        column = df[name]
+        values = cudf_strings(column.list.leaves if multihot[name] else column)
+        counted = values.value_counts(sort=False, dropna=True)
+        counts = type(df)({"value": counted.index.to_series().reset_index(drop=True),
+                           "count": counted.reset_index(drop=True).astype("int64")})
+        out[name] = {"counts": counts}
+        if multihot[name]:
+            out[name]["max_length"] = int(cudf_longest_list(column).iloc[0])
+    return out
+
+
 def _counts_table(values: pa.Array) -> pa.Table:
     counted = pc.value_counts(values)
     table = pa.table({"value": counted.field("values").cast(pa.string()), "count": counted.field("counts").cast(pa.int64())})
@@ -252,12 +294,28 @@ def _counts_table(values: pa.Array) -> pa.Table:
 
 
 def _merge_counts(*parts: dict) -> dict:
-    # combine_chunks copies into fresh buffers: tables that travelled between workers may be unaligned for Acero.
-    table = pa.concat_tables([p["counts"] for p in parts]).combine_chunks()
-    merged = {"counts": table.group_by("value").aggregate([("count", "sum")]).rename_columns(["value", "count"])}
+    tables = [p["counts"] for p in parts]
+    if is_cudf(tables[0]):
+        import cudf
+
+        merged_table = cudf.concat(tables, ignore_index=True).groupby("value", sort=False).agg({"count": "sum"})
+        merged = {"counts": merged_table.reset_index()}
+    else:
+        # combine_chunks copies into fresh buffers: tables that travelled between workers may be unaligned for Acero.
+        table = pa.concat_tables(tables).combine_chunks()
+        merged = {"counts": table.group_by("value").aggregate([("count", "sum")]).rename_columns(["value", "count"])}
     if "max_length" in parts[0]:
         merged["max_length"] = max(p["max_length"] for p in parts)
     return merged
+
+
+def _on_host(stat: dict) -> dict:
+    """A column's merged counts as an Arrow table ``(value: string, count: int64)``."""
+    counts = stat["counts"]
+    if is_cudf(counts):
+        table = counts.to_arrow(preserve_index=False)
+        counts = pa.table({"value": table["value"].cast(pa.string()), "count": table["count"].cast(pa.int64())})
+    return {**stat, "counts": counts}
 
 
 def _vocab_file(name: str) -> str:
