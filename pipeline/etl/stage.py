@@ -34,7 +34,7 @@ from pipeline.etl.cluster import etl_client
 from pipeline.etl.config import EtlConfig
 from pipeline.etl.graph import Node
 from pipeline.etl.ops import Cast, Categorify, Clip, FillMissing, HashBucket, LogOp, Normalize
-from pipeline.etl.ops._columns import is_cudf
+from pipeline.etl.ops._columns import cudf_frame, is_cudf
 from pipeline.etl.progress import compute
 from pipeline.etl.workflow import Workflow
 from pipeline.schema import Column, Schema
@@ -229,8 +229,10 @@ def _write_cudf(df: Any, path: Path, schema: pa.Schema, row_group_rows: int) -> 
         elif pa.types.is_integer(field.type):
             column = column.astype(field.type.to_pandas_dtype())
         columns[field.name] = column
-    out = type(df)(columns).reset_index(drop=True)
-    out.to_parquet(path, index=False, row_group_size_rows=row_group_rows, compression="snappy")
+    out = cudf_frame(columns)
+    # Nullable like pyarrow's schema: cuDF's writer would mark a column without nulls "not null".
+    out.to_parquet(path, index=False, row_group_size_rows=row_group_rows, compression="snappy",
+                   force_nullable_schema=True)
     return len(out)
 
 

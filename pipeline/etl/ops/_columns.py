@@ -23,8 +23,27 @@ def is_cudf(obj: Any) -> bool:
 def frame_like(like: Any, columns: dict[str, Any]) -> Any:
     """A DataFrame of the same library (and index) as ``like`` from named columns."""
     if is_cudf(like):
-        return type(like)(columns, index=like.index)
+        return cudf_frame(columns, like.index)
     return pd.DataFrame(columns, index=like.index)
+
+
+def cudf_frame(columns: dict[str, Any], index: Any = None) -> Any:
+    """A cuDF DataFrame of equally long columns (Series or arrays) side by side, on ``index``
+    (default: 0..n-1).
+
+    The columns are put together by position. ``cudf.DataFrame(series, index=index)`` would align
+    every Series with ``index`` (a join per column, even when the Series already has that index,
+    and an error when it holds repeated labels); that was most of the GPU ETL's time.
+    """
+    import cudf
+
+    if not columns:
+        return cudf.DataFrame(index=index)
+    frame = cudf.DataFrame({name: column.reset_index(drop=True) if hasattr(column, "reset_index") else column
+                            for name, column in columns.items()})
+    if index is not None:
+        frame.index = index
+    return frame
 
 
 def empty_series(like: Any, dtype: str) -> Any:
@@ -173,7 +192,7 @@ def cudf_strings(series: Any) -> Any:
         dtype = series.dtype
     kind = getattr(dtype, "kind", "O")
     if kind in "OSU" or str(dtype) in ("str", "string"):
-        return series.astype("str")
+        return series  # cuDF has one string type (object or str dtype): already text
     if kind == "b":
         return series.astype("str").str.lower()
     if kind in "iu":
