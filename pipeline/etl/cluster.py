@@ -5,7 +5,7 @@
 - ``etl.scheduler = "tcp://host:8786"``: connect to that scheduler (its workers are left alone);
 - ``etl.cluster = "local"``: a ``distributed.LocalCluster`` with ``etl.workers`` single-threaded
   worker processes (0: one per core), or on the cudf backend a ``dask_cuda.LocalCUDACluster``:
-  one worker per GPU (``etl.workers`` of them if set), each with an RMM pool of
+  one worker per GPU (``etl.workers`` of them if set) with ``etl.gpu_threads`` threads, each with an RMM pool of
   :data:`RMM_POOL_FRACTION` of its GPU's memory and cuDF's own spilling to host memory on;
 - ``etl.cluster = "threads"``: Dask's threaded scheduler in this process, no cluster at all;
 - ``etl.cluster = "auto"``: a LocalCluster when the input is at least :data:`AUTO_LOCAL_BYTES` of
@@ -70,11 +70,11 @@ def etl_client(etl: EtlConfig, input_bytes: int = 0, backend: str = "pandas",
             yield f"scheduler {etl.scheduler} ({len(client.scheduler_info()['workers'])} workers)"
         return
 
-    with _local_cluster(etl.workers, backend) as cluster, Client(cluster) as client:
+    with _local_cluster(etl.workers, backend, etl.gpu_threads) as cluster, Client(cluster) as client:
         yield f"{type(cluster).__name__}({len(client.scheduler_info()['workers'])} workers)"
 
 
-def _local_cluster(workers: int, backend: str):
+def _local_cluster(workers: int, backend: str, gpu_threads: int = 1):
     if backend == "cudf":
         try:
             from dask_cuda import LocalCUDACluster
@@ -83,7 +83,9 @@ def _local_cluster(workers: int, backend: str):
                             "install it or use --device cpu") from err
         # enable_cudf_spill: cuDF spills its own buffers to host memory when the GPU fills up, which
         # the dask-cuda docs advise for Dask cuDF ETL (finer than spilling whole task outputs).
-        return LocalCUDACluster(n_workers=workers or None, dashboard_address=None,
+        if gpu_threads < 1:
+            raise UserError(f"etl.gpu_threads: expected 1 or more, got {gpu_threads}")
+        return LocalCUDACluster(n_workers=workers or None, threads_per_worker=gpu_threads, dashboard_address=None,
                                 rmm_pool_size=_rmm_pool_bytes(), enable_cudf_spill=True)
     from distributed import LocalCluster
 

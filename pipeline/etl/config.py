@@ -18,6 +18,10 @@ class EtlConfig:
                           "(auto: a LocalCluster from 256 MiB of raw parquet on, threads below)"},
     )
     workers: int = field(default=0, metadata={"help": "LocalCluster workers (0: one per core, or one per GPU)"})
+    gpu_threads: int = field(
+        default=1, metadata={"help": "threads of each LocalCUDACluster worker (2: one partition is read or "
+                                     "written while another is computed on the same GPU)"}
+    )
     freq_threshold: int = field(default=0, metadata={"help": "Categorify: values seen fewer times map to OOV"})
     max_vocab_size: int = field(default=0, metadata={"help": "Categorify: keep at most this many values (0: all)"})
     hash_buckets: dict[str, int] = field(
