@@ -70,7 +70,7 @@ print("libcudf one-column murmur3 = mmh3 +", hex(_cudf_single_column_offset()))
 EOF
 step 02-gpu-tests 180 env PIPELINE_ETL_GPU_ROWS="${ETL_GPU_TEST_ROWS:-2000000}" \
   "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_etl_gpu.py
-step 03-bench 400 "$PY" -m pipeline bench etl --device cuda --rows "${ETL_BENCH_ROWS:-20000000}" --workers 0 \
+step 03-bench 400 "$PY" -m pipeline bench etl --device cuda --rows "${ETL_BENCH_ROWS:-20000000}" --workers 0 --repeats 2 \
   --json "$OUT/bench-etl.json" --report "$OUT/etl-tasks.json" ${ETL_BENCH_ARGS:-} workdir=/tmp/etl-bench
 step 04-stage 60 "$PY" -m pipeline run etl --device cuda data.rows=500000 etl.cluster=local workdir=/tmp/etl-stage
 step 05-cpu-tests 60 "$PY" -m pytest -q -p no:cacheprovider --continue-on-collection-errors tests/test_etl_ops.py tests/test_etl_workflow.py \
