@@ -202,6 +202,26 @@ def test_cudf_fill_missing_median_and_bucketize_match_pandas():
                                   buckets.transform(frame)["x"].to_numpy())
 
 
+@pytest.mark.gpu
+def test_cudf_partition_with_repeated_index_labels_transforms_like_pandas():
+    """Partitions put together from several files repeat index labels: cuDF must not align on them."""
+    import cudf
+
+    rng = np.random.default_rng(11)
+    n = 10_000
+    frame = pd.DataFrame({
+        "s": pd.array([None if i % 7 == 0 else f"v{i % 50}" for i in range(n)], dtype="string"),
+        "x": np.where(rng.random(n) < 0.2, np.nan, rng.normal(0, 10, n)),
+    }, index=np.arange(n) % 1000)
+    workflow = Workflow((["s"] >> Categorify()) + (["x"] >> FillMissing() >> Clip(min_value=0) >> LogOp()
+                                                   >> Normalize())).fit(frame.reset_index(drop=True))
+    want = workflow.transform(frame)
+    got = workflow.transform(cudf.from_pandas(frame)).to_pandas()
+    np.testing.assert_array_equal(got.index.to_numpy(), frame.index.to_numpy())
+    np.testing.assert_array_equal(got["s"].to_numpy(), want["s"].to_numpy())
+    np.testing.assert_allclose(got["x"].to_numpy(float), want["x"].to_numpy(float), rtol=1e-6)
+
+
 def _dask_cudf(frame):
     import dask.dataframe as dd
 
