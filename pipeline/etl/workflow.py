@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-import weakref
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +48,7 @@ from pipeline.etl.ops._columns import (
     lists_from_flat,
 )
 from pipeline.etl.ops.base import REGISTRY, Operator
-from pipeline.etl.ops.categorify import NULL_INDEX, OOV_INDEX, RESERVED, Categorify, _encode
+from pipeline.etl.ops.categorify import NULL_INDEX, OOV_INDEX, RESERVED, Categorify, _encode, per_vocabulary
 from pipeline.etl.ops.continuous import Bucketize, Cast, Clip, FillMissing, LogOp, Normalize
 from pipeline.etl.progress import compute
 
@@ -405,7 +404,7 @@ def _categorify(op: Categorify, name: str, values: Any, index: pd.Index) -> Any:
     return codes.astype(np.int32, copy=False)
 
 
-_CODES_BY_VALUE: dict[int, dict[str | None, int]] = {}
+_CODES_BY_VALUE: dict[tuple, dict[str | None, int]] = {}
 
 
 def _codes_by_value(vocab: pa.Array) -> dict[str | None, int]:
@@ -414,15 +413,13 @@ def _codes_by_value(vocab: pa.Array) -> dict[str | None, int]:
     About 100 bytes per value, once: a few rows then cost a few dictionary look-ups instead of
     hashing every value of the vocabulary again.
     """
-    key = id(vocab)
-    codes = _CODES_BY_VALUE.get(key)
-    if codes is None:
+    def build() -> dict[str | None, int]:
         # Reversed: were a value there twice, its first position would win, as with index_in.
         codes = dict(zip(reversed(vocab.to_pylist()), range(RESERVED + len(vocab) - 1, RESERVED - 1, -1)))
         codes[None] = NULL_INDEX
-        _CODES_BY_VALUE[key] = codes
-        weakref.finalize(vocab, _CODES_BY_VALUE.pop, key, None)
-    return codes
+        return codes
+
+    return per_vocabulary(_CODES_BY_VALUE, vocab, build)
 
 
 # Each equals its operator's ``transform`` on one pandas column (tests/test_etl_transform_fast.py).

@@ -16,6 +16,7 @@ Example::
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -218,24 +219,29 @@ def _encode_cudf(series: Any, vocab: pa.Array, multihot: bool) -> Any:
     return cudf.Series(codes, index=series.index, name=series.name)
 
 
-_GPU_VOCABULARIES: dict[int, Any] = {}
+def per_vocabulary(cache: dict, vocab: pa.Array, build: Callable[[], Any], variant: Any = None) -> Any:
+    """``build()`` for ``vocab`` (and ``variant``), made on first use and kept in ``cache`` while
+    ``vocab`` lives: a worker holds the fitted operator, so every partition after the first reuses it."""
+    key = (id(vocab), variant)
+    value = cache.get(key)
+    if value is None:
+        value = cache[key] = build()
+        weakref.finalize(vocab, cache.pop, key, None)
+    return value
+
+
+_GPU_VOCABULARIES: dict[tuple, Any] = {}
 
 
 def _gpu_vocabulary(vocab: pa.Array, dtype: Any) -> Any:
-    """The cuDF frame ``(value, code)`` of a vocabulary, copied to the GPU on first use and kept while
-    ``vocab`` lives (a worker holds the fitted operator for all its partitions)."""
+    """The cuDF frame ``(value, code)`` of a vocabulary, its values of the strings' ``dtype``, on the GPU."""
     import cudf
     import cupy
 
-    key = id(vocab)
-    table = _GPU_VOCABULARIES.get(key)
-    if table is None or table["value"].dtype != dtype:
-        table = cudf.DataFrame({"value": cudf.Series.from_arrow(vocab.cast(pa.string())).astype(dtype),
-                                "code": cupy.arange(RESERVED, RESERVED + len(vocab), dtype="int32")})
-        if key not in _GPU_VOCABULARIES:
-            weakref.finalize(vocab, _GPU_VOCABULARIES.pop, key, None)
-        _GPU_VOCABULARIES[key] = table
-    return table
+    return per_vocabulary(_GPU_VOCABULARIES, vocab, lambda: cudf.DataFrame({
+        "value": cudf.Series.from_arrow(vocab.cast(pa.string())).astype(dtype),
+        "code": cupy.arange(RESERVED, RESERVED + len(vocab), dtype="int32"),
+    }), variant=str(dtype))
 
 
 def _tree_counts(ddf: Any, multihot: dict[str, bool], split_every: int = 8) -> dict:
