@@ -36,13 +36,13 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def _profile(args, workdir: Path, tmp: Path) -> dict:
-    import dataclasses
 
     import dask
 
     from pipeline.config import load_config
     from pipeline.data.stage import ensure_raw
     from pipeline.etl.backend import read_parquet
+    from pipeline.etl.graph import Node
     from pipeline.etl.stage import _write_part, default_workflow, output_arrow_schema, roles_of
 
     cfg = load_config(overrides=[f"workdir={workdir}", f"data.rows={args.rows}", "data.valid_fraction=0",
@@ -73,20 +73,13 @@ def _profile(args, workdir: Path, tmp: Path) -> dict:
         ddf = read_parquet(files, workflow.input_columns, args.backend)
         single = ddf.repartition(npartitions=1) if ddf.npartitions > 1 else ddf
         timed("fit (all statistics, Dask sync scheduler)", lambda: workflow.fit(single))
-    results: dict[int, object] = {}
     for node in workflow.output.walk():
-        if node.is_selection:
-            results[id(node)] = frame[node.output_columns]
-            continue
-        parents = [results[id(p)] for p in node.parents]
-        source = parents[0] if len(parents) == 1 else _concat(parents, node, frame)
         if node.op is None:
-            results[id(node)] = source
             continue
+        source = workflow._evaluate(frame, Node(node.parents))  # the operator's input, not timed
         label = f"transform {type(node.op).__name__} ({len(node.input_columns)} cols)"
-        results[id(node)] = timed(label, lambda op=node.op, df=source: op.transform(df))
-    timed("transform (whole graph, one call)", lambda: workflow._evaluate(frame, workflow.output))
-    out = results[id(workflow.output)]
+        timed(label, lambda op=node.op, df=source: op.transform(df))
+    out = timed("transform (whole graph, one call)", lambda: workflow._evaluate(frame, workflow.output))
     schema = output_arrow_schema(out.iloc[:0] if hasattr(out, "iloc") else out)
     timed("write (parquet, one file)", lambda: _write_part(out, tmp / "out.parquet", schema, cfg.etl.row_group_rows))
     if args.backend == "cudf":
@@ -106,16 +99,6 @@ def _read_one(files, columns, backend):
     import pyarrow.parquet as pq
 
     return pq.read_table(files, columns=columns).to_pandas(types_mapper=pd.ArrowDtype, ignore_metadata=True)
-
-
-def _concat(parents, node, like):
-    from pipeline.etl.ops._columns import frame_like
-
-    columns = {}
-    for parent_frame, parent in zip(parents, node.parents):
-        for name in parent.output_columns:
-            columns[name] = parent_frame[name]
-    return frame_like(like, columns)
 
 
 def _synchroniser(backend: str):

@@ -261,7 +261,7 @@ def _tree_counts(ddf: Any, multihot: dict[str, bool], split_every: int = 8) -> d
         level = [chunk[name] for chunk in chunks]
         while len(level) > 1:
             level = [delayed(_merge_counts, pure=True)(*level[i : i + split_every]) for i in range(0, len(level), split_every)]
-        stats[name] = delayed(_on_host, pure=True)(level[0]) if level else {"counts": _counts_table(pa.array([], pa.string()))}
+        stats[name] = delayed(_counts_to_arrow, pure=True)(level[0]) if level else {"counts": _counts_table(pa.array([], pa.string()))}
     return stats
 
 
@@ -315,7 +315,7 @@ def _merge_counts(*parts: dict) -> dict:
     return merged
 
 
-def _on_host(stat: dict) -> dict:
+def _counts_to_arrow(stat: dict) -> dict:
     """A column's merged counts as an Arrow table ``(value: string, count: int64)``."""
     counts = stat["counts"]
     if is_cudf(counts):
