@@ -32,7 +32,13 @@ from pipeline.distributed.tw_sharding import TableWiseSharding
 from pipeline.distributed.types import ShardingPlan, ShardingType
 from pipeline.errors import BadInputError
 from pipeline.modules.columns import ColumnRun, assemble_columns, merge_runs
-from pipeline.modules.embedding import EmbeddingCollection, EmbeddingOptimizerConfig, TableConfig, TableLayout
+from pipeline.modules.embedding import (
+    EmbeddingCollection,
+    EmbeddingOptimizerConfig,
+    TableConfig,
+    TableLayout,
+    check_features,
+)
 from pipeline.sparse import KeyedJaggedTensor
 
 _STRATEGIES = (TableWiseSharding, RowWiseSharding, DataParallelSharding)
@@ -79,9 +85,7 @@ class ShardedEmbeddingCollection(nn.Module):
         self.rank, self.world_size = world_of(process_group)
         self.tables = list(tables)
         self.feature_names = list(feature_names)
-        unknown = sorted({f for t in tables for f in t.features} - set(self.feature_names))
-        if unknown:
-            raise ValueError(f"tables serve features {unknown} that are not among the inputs {self.feature_names}")
+        check_features(self.tables, self.feature_names)
         self.layout = TableLayout.build(self.tables)
         plan.validate(self.tables, self.world_size)
         self.plan = plan

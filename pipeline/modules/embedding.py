@@ -146,6 +146,13 @@ class DimGroup:
     slots: list[int]
 
 
+def check_features(tables: Sequence[TableConfig], feature_names: Sequence[str]) -> None:
+    """Every feature a table serves must be among the input features."""
+    unknown = sorted({f for t in tables for f in t.features} - set(feature_names))
+    if unknown:
+        raise ValueError(f"tables serve features {unknown} that are not among the inputs {list(feature_names)}")
+
+
 @dataclass
 class TableLayout:
     """Where every table and slot lives in the flat storage and in the output (see the module docstring)."""
@@ -493,9 +500,7 @@ class EmbeddingCollection(nn.Module):
             raise ValueError(f"duplicate table names: {names}")
         self.tables = list(tables)
         self.feature_names = list(feature_names)
-        unknown = sorted({f for t in tables for f in t.features} - set(self.feature_names))
-        if unknown:
-            raise ValueError(f"tables serve features {unknown} that are not among the inputs {self.feature_names}")
+        check_features(self.tables, self.feature_names)
         self.layout = TableLayout.build(self.tables)
         self.optimizer = optimizer or EmbeddingOptimizerConfig()
         self.lr = self.optimizer.lr
