@@ -1,0 +1,52 @@
+"""Atomic file writes: a reader (or a run that resumes after a kill) never sees half a file.
+
+Each writer writes ``<name>.tmp`` beside the target, flushes it to disk, then renames it over the
+target, which is atomic on POSIX file systems.
+
+Example::
+
+    write_json(folder / "result.json", {"auc": 0.79})
+    with atomic_open(folder / "model.pt") as f:
+        torch.save(state, f)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+
+def tmp_path(path: str | Path) -> Path:
+    """The temporary name a write to ``path`` goes through (``<name>.tmp``, in the same folder)."""
+    path = Path(path)
+    return path.with_name(path.name + ".tmp")
+
+
+@contextlib.contextmanager
+def atomic_open(path: str | Path, mode: str = "wb") -> Iterator[Any]:
+    """A file object for ``path`` that appears there, whole, only when the block ends without an error."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tmp_path(path)
+    try:
+        with open(tmp, mode) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_text(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically."""
+    with atomic_open(path, "w") as f:
+        f.write(text)
+
+
+def write_json(path: str | Path, value: Any) -> None:
+    """Write ``value`` as indented JSON atomically (values JSON cannot hold are written as strings)."""
+    write_text(path, json.dumps(value, indent=2, default=str) + "\n")
