@@ -47,7 +47,6 @@ class ModelsEnv:
     path: Path
     python_version: str
     libdir: str
-    numpy_version: str
 
     @property
     def bin(self) -> Path:
@@ -80,7 +79,7 @@ def _inspect(path: Path) -> ModelsEnv:
             f"the models' environment {path} has numpy {info['numpy']}, expected numpy<2: the Triton python "
             "backend stub is built against numpy 1.x and would receive zeros. Rebuild it with `make serve-env`."
         )
-    return ModelsEnv(path, info["version"], info["libdir"], info["numpy"])
+    return ModelsEnv(path, info["version"], info["libdir"])
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ import numpy as np
 
 from export.lookup import EmbeddingLookup, LookupLayout
 from export.preprocess import CATEGORICAL_IDS, MULTIHOT_IDS, MULTIHOT_LENGTHS
+from pipeline.files import write_text
 
 STATS_EVERY_S = 0.2
 
@@ -71,7 +72,5 @@ class LookupInstance:
     def _write(self, last: str | None) -> str:
         text = json.dumps(self.lookup.stats())
         if text != last:
-            tmp = self._stats_path.with_suffix(".tmp")
-            tmp.write_text(text)
-            os.replace(tmp, self._stats_path)
+            write_text(self._stats_path, text)
         return text

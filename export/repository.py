@@ -1,6 +1,6 @@
 """Write the Triton model repository of a trained model: preprocess -> embedding -> dense, as one ensemble.
 
-Layout (``cfg.paths.export``)::
+Layout (``<workdir>/<dataset>/export``)::
 
     preprocess/config.pbtxt   1/model.py   1/artifacts/{raw_columns.json, schema.json, workflow/}
     embedding/config.pbtxt    1/model.py   1/layout.json   store/{CURRENT, v000001/<table>.npy ...}
@@ -15,7 +15,8 @@ serving new tables with an old dense part (or the reverse) would mix two models.
 
 Example::
 
-    summary = write_repository(model, schema, "data/synthetic/workflow", raw_columns, "data/synthetic/export")
+    raw = raw_columns(RawDataset.load("data/synthetic/raw"), list_separator="|")
+    summary = write_repository(model, schema, "data/synthetic/workflow", raw, "data/synthetic/export")
     summary["store_version"]     # 1
 """
 
@@ -28,6 +29,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pyarrow.parquet as pq
 import torch
 
 from export.dense import save_dense
@@ -35,7 +37,9 @@ from export.lookup import LookupLayout
 from export.pbtxt import EnsembleSpec, ModelOptions, model_configs
 from export.preprocess import RawColumns
 from export.store import current_version, write_version
+from pipeline.data.layout import RawDataset
 from pipeline.errors import UserError
+from pipeline.files import write_json
 from pipeline.schema import Schema
 
 MODELS_SOURCE = Path(__file__).parent / "triton_models"
@@ -63,6 +67,16 @@ def embedding_tables(model) -> dict[str, np.ndarray]:
             weight = weight.float()  # numpy has no bfloat16; the widening is exact
         tables[name] = weight.numpy()
     return tables
+
+
+def raw_columns(raw_data: RawDataset, list_separator: str) -> RawColumns:
+    """The request columns, typed as the raw parquet files are (``list_separator``: inside a multi-hot cell)."""
+    files = [f for split in ("train", "test", "valid") for f in raw_data.splits.get(split, [])]
+    if not files:
+        raise UserError(f"no raw parquet files under {raw_data.root}: run `python -m pipeline data` first")
+    arrow_schema = pq.read_schema(files[0])
+    return RawColumns.from_arrow(arrow_schema, raw_data.continuous, raw_data.categorical, raw_data.multihot,
+                                 list_separator, label=raw_data.label)
 
 
 def write_repository(model, schema: Schema, workflow_dir: str | Path, raw: RawColumns, out: str | Path,
@@ -133,7 +147,7 @@ def _update_tables(model, out: Path, fingerprint: str, workflow_dir: Path) -> di
     version = write_version(lookup_dir(out) / "store", tables)
     record["store_version"] = version
     record["updated_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    record_path.write_text(json.dumps(record, indent=2) + "\n")
+    write_json(record_path, record)
     return {**record, "repository": str(out), "updated": True, "previous_version": version - 1}
 
 

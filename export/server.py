@@ -13,6 +13,9 @@ Example::
 
     with TritonServer("data/synthetic/export") as server:
         print(server.http_url, server.grpc_url)   # 127.0.0.1:PORT each
+
+    if server_problem(ServeConfig()) is None:       # the same, from the serve settings
+        server = start_server("data/synthetic/export", ServeConfig())
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import uuid
 import weakref
 from pathlib import Path
 
+from export.config import ServeConfig
 from export.environment import ModelsEnv, ServerBinary, find_models_env, find_server, make_backend_dir, server_env
 from pipeline.errors import UserError
 
@@ -236,6 +240,24 @@ class TritonServer:
     def __repr__(self) -> str:
         state = f"pid {self.pid}" if self.is_alive() else "stopped"
         return f"TritonServer({self.repository}, http={self.http_url}, grpc={self.grpc_url}, {state})"
+
+
+def server_problem(serve: ServeConfig) -> str | None:
+    """``None`` when a Triton server and the models' environment are available, else what is missing."""
+    try:
+        env = find_models_env(serve.models_env or None)
+        if find_server(serve.binary, env) is None:
+            return "no Triton server: run `make serve-env` or put tritonserver on PATH"
+    except UserError as err:
+        return str(err)
+    return None
+
+
+def start_server(repository: str | Path, serve: ServeConfig) -> TritonServer:
+    """A started server on ``repository``, with the host, ports, binary and environment of ``serve``."""
+    return TritonServer(repository, host=serve.host, http_port=serve.http_port, grpc_port=serve.grpc_port,
+                        binary=serve.binary, models_env=serve.models_env or None,
+                        startup_timeout=serve.startup_timeout).start()
 
 
 def _terminate(process: subprocess.Popen, shm_prefix: str, timeout: float = 30.0) -> int | None:

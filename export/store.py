@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.errors import UserError
+from pipeline.files import write_text
 
 STORE_FORMAT = 1
 CURRENT = "CURRENT"
@@ -66,7 +67,7 @@ def write_version(root: str | Path, tables: dict[str, np.ndarray], keep: int = 2
         manifest["tables"][name] = {"rows": int(array.shape[0]), "dim": int(array.shape[1]), "dtype": str(array.dtype)}
     (staging / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     staging.rename(folder)
-    _replace_text(root / CURRENT, f"v{version:06d}\n")
+    write_text(root / CURRENT, f"v{version:06d}\n")
     for old in sorted(v for v in existing if v <= version - keep):
         shutil.rmtree(root / f"v{old:06d}", ignore_errors=True)
     return version
@@ -98,12 +99,3 @@ def _open_version(root: Path, version: int) -> StoreVersion:
                             f"{(meta['rows'], meta['dim'])}")
         tables[name] = array
     return StoreVersion(version, folder, tables)
-
-
-def _replace_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

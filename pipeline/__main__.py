@@ -1,6 +1,6 @@
 import sys
 
-from pipeline.cli import main
+from pipeline.stages.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

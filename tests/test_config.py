@@ -1,7 +1,7 @@
 import pytest
 
-from pipeline.cli import main
-from pipeline.config import ConfigError, load_config
+from pipeline.stages.cli import main
+from pipeline.stages.config import ConfigError, load_config
 
 
 def test_defaults_then_yaml_then_overrides(tmp_path):

@@ -6,10 +6,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.config import load_config
 from pipeline.data.readers import split_codes
-from pipeline.data.stage import ensure_raw
 from pipeline.errors import BadInputError
+from pipeline.stages.config import load_config
+from pipeline.stages.data import ensure_raw
 
 ROWS = 300
 # line number (1-based) -> (kind, what the report says)

@@ -5,12 +5,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.cli import main
-from pipeline.config import load_config
 from pipeline.data import synthetic
 from pipeline.data.layout import RawDataset
 from pipeline.data.metrics import ClickMetrics, roc_auc
-from pipeline.data.stage import ensure_raw, run
+from pipeline.stages.cli import main
+from pipeline.stages.config import load_config
+from pipeline.stages.data import ensure_raw, run
 
 ROWS = 30_000
 

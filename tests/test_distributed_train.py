@@ -8,14 +8,14 @@ import json
 import pytest
 import torch
 
-from pipeline.config import load_config
 from pipeline.distributed.launch import relaunch
 from pipeline.distributed.train import sharded_checkpoints
+from pipeline.stages.config import load_config
 
 
 @pytest.fixture(scope="module")
 def processed(tmp_path_factory):
-    from pipeline.cli import run_stages
+    from pipeline.stages.cli import run_stages
 
     workdir = tmp_path_factory.mktemp("dist-train")
     cfg = load_config(None, [f"workdir={workdir}", "device=cpu", "data.rows=12000"])

@@ -10,11 +10,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.config import load_config
 from pipeline.errors import BadInputError
 from pipeline.etl import Workflow
 from pipeline.etl.stage import check_raw_files, run
 from pipeline.schema import Schema
+from pipeline.stages.config import load_config
 
 
 def _config(tmp_path, *overrides):
@@ -131,7 +131,7 @@ def test_hash_buckets_naming_an_unknown_column(tmp_path):
 
 
 def test_command_line_runs_the_stage_and_prints_bad_input_plainly(tmp_path, capsys):
-    from pipeline.cli import main
+    from pipeline.stages.cli import main
 
     common = ["run", "etl", f"workdir={tmp_path}", "data.rows=3000", "--device", "cpu"]
     assert main(common) == 0

@@ -20,11 +20,11 @@ from export.lookup import EmbeddingLookup, LookupLayout
 from export.pbtxt import EnsembleSpec, ModelOptions, model_configs
 from export.preprocess import Preprocessor, RawColumns
 from export.repository import write_repository
-from pipeline.config import ConfigError, load_config
 from pipeline.errors import BadInputError, UserError
 from pipeline.etl.workflow import Workflow
 from pipeline.modules.models import ModelSizes, build_model
 from pipeline.schema import Column, Schema
+from pipeline.stages.config import ConfigError, load_config
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -145,10 +145,11 @@ def multihot_pipeline(tmp_path_factory):
     cfg = load_config(None, [f"workdir={workdir}", "data.source=table", f"data.path={source}", "data.name=mh",
                              "data.continuous=[I1,I2]", "data.categorical=[C1,C2]", "data.multihot=[M1]",
                              "etl.cluster=threads", "device=cpu"])
-    from export.stage import model_options, raw_columns
+    from export.repository import raw_columns
     from pipeline.data.layout import RawDataset
-    from pipeline.data.stage import run as make_data
     from pipeline.etl.stage import run as run_etl
+    from pipeline.stages.data import run as make_data
+    from pipeline.stages.export import model_options
 
     make_data(cfg)
     run_etl(cfg)
@@ -156,7 +157,7 @@ def multihot_pipeline(tmp_path_factory):
     model = build_model("deepfm", schema, ModelSizes.preset("small", multihot_pooling="mean"), seed=1).eval()
     with torch.no_grad():
         model.embedding.weights.mul_(30)
-    raw = raw_columns(RawDataset.load(cfg.paths.raw), cfg)
+    raw = raw_columns(RawDataset.load(cfg.paths.raw), cfg.data.list_separator)
     write_repository(model, schema, cfg.paths.workflow, raw, cfg.paths.export, model_options(cfg))
     rows = pq.read_table(source).slice(0, 200).to_pandas(types_mapper=pd.ArrowDtype)
     return cfg, model, schema, raw, rows
@@ -222,7 +223,7 @@ def test_bytes_tensors_decode_like_the_python_backend():
 
 def test_gpu_instances_need_torch_with_cuda_in_the_models_environment():
     from export.environment import cuda_problem
-    from export.stage import model_options
+    from pipeline.stages.export import model_options
 
     if cuda_problem(find_models_env()) is None:
         pytest.skip("the models' torch can use a GPU here")

@@ -20,16 +20,18 @@ import pandas as pd
 import pytest
 import torch
 
+from export.client import Client, ServingError
 from export.inprocess import InProcessModel
-from export.repository import cache_stats, store_version, write_repository
-from export.stage import model_options, raw_columns, sample_rows, server_problem, start_server
-from pipeline.client import Client, ServingError
-from pipeline.config import load_config
+from export.repository import cache_stats, raw_columns, store_version, write_repository
+from export.server import server_problem, start_server
 from pipeline.data.layout import RawDataset
 from pipeline.errors import BadInputError
 from pipeline.etl.workflow import Workflow
 from pipeline.modules.models import ModelSizes, build_model
 from pipeline.schema import Schema
+from pipeline.stages.config import load_config
+from pipeline.stages.export import model_options
+from pipeline.stages.serve import sample_rows
 
 ROWS = 300
 
@@ -39,21 +41,21 @@ def served(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("serve")
     cfg = load_config(None, [f"workdir={workdir}", "data.rows=3000", "etl.cluster=threads", "device=cpu",
                              "export.max_batch_size=512"])
-    problem = server_problem(cfg)
+    problem = server_problem(cfg.serve)
     if problem:
         pytest.fail(f"the serving tests need a Triton server and the models' environment (make serve-env): {problem}")
-    from pipeline.data.stage import run as make_data
     from pipeline.etl.stage import run as run_etl
+    from pipeline.stages.data import run as make_data
 
     make_data(cfg)
     run_etl(cfg)
     schema = Schema.load(cfg.paths.schema)
     model = _spread_out(build_model("dlrm", schema, ModelSizes.preset("small"), seed=3))
     raw_data = RawDataset.load(cfg.paths.raw)
-    write_repository(model, schema, cfg.paths.workflow, raw_columns(raw_data, cfg), cfg.paths.export,
-                     model_options(cfg))
+    write_repository(model, schema, cfg.paths.workflow, raw_columns(raw_data, cfg.data.list_separator),
+                     cfg.paths.export, model_options(cfg))
     reference = InProcessModel(model, schema, Workflow.load(cfg.paths.workflow))
-    server = start_server(cfg)
+    server = start_server(cfg.paths.export, cfg.serve)
     try:
         yield cfg, model, reference, server
     finally:
@@ -245,11 +247,12 @@ def test_fused_ranker_serves_the_same_predictions(served, tmp_path):
     fused = dataclasses.replace(cfg, workdir=str(tmp_path),
                                 export=dataclasses.replace(cfg.export, fuse_dense=True))
     raw_data = RawDataset.load(cfg.paths.raw)
-    summary = write_repository(model, reference.schema, cfg.paths.workflow, raw_columns(raw_data, cfg),
-                               fused.paths.export, model_options(fused))
+    raw = raw_columns(raw_data, cfg.data.list_separator)
+    summary = write_repository(model, reference.schema, cfg.paths.workflow, raw, fused.paths.export,
+                               model_options(fused))
     assert summary["models"] == ["preprocess", "ranker", "ensemble"]
     rows = _rows(cfg).iloc[:100]
-    server = start_server(fused)
+    server = start_server(fused.paths.export, fused.serve)
     try:
         with Client(server.grpc_url, "grpc") as client:
             np.testing.assert_allclose(client.predict(rows), reference.predict(rows), rtol=0, atol=1e-5)

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.config import load_config
 from pipeline.errors import BadInputError, UserError
 from pipeline.loader.synthetic import criteo_schema, write_processed
+from pipeline.stages.config import load_config
 from pipeline.train.checkpoint import CheckpointError, checkpoints, latest_checkpoint, load_checkpoint, save_checkpoint
 from pipeline.train.loop import SimulatedCrash
 from pipeline.train.schedule import lr_at
@@ -162,7 +162,7 @@ def test_ids_beyond_the_table_are_reported_with_feature_and_value(tmp_path):
 @pytest.mark.parametrize("override,message", [("train.model=bert", "train.model"),
                                               ("train.top_mlp=[8,2]", "last width must be 1")])
 def test_bad_settings_name_what_was_expected(override, message, tmp_path):
-    from pipeline.config import ConfigError
+    from pipeline.stages.config import ConfigError
 
     with pytest.raises(ConfigError, match=message):
         _config(tmp_path, override)

@@ -39,11 +39,11 @@ def _profile(args, workdir: Path, tmp: Path) -> dict:
 
     import dask
 
-    from pipeline.config import load_config
-    from pipeline.data.stage import ensure_raw
     from pipeline.etl.backend import read_parquet
     from pipeline.etl.graph import Node
     from pipeline.etl.stage import _write_part, default_workflow, output_arrow_schema, roles_of
+    from pipeline.stages.config import load_config
+    from pipeline.stages.data import ensure_raw
 
     cfg = load_config(overrides=[f"workdir={workdir}", f"data.rows={args.rows}", "data.valid_fraction=0",
                                  "data.test_fraction=0"])

@@ -54,8 +54,8 @@ def run(args: argparse.Namespace, cfg) -> dict:
     import time
     from datetime import datetime, timezone
 
-    from pipeline.data.stage import ensure_raw
     from pipeline.etl.backend import choose_backend
+    from pipeline.stages.data import ensure_raw
 
     backend, reason = choose_backend(cfg.device)
     workers = args.workers or os.cpu_count() or 1

@@ -49,9 +49,9 @@ def run(args: argparse.Namespace, cfg) -> dict:
     print(f"[bench serve] {len(rows):,} raw test rows; model {cfg.train.model}; {os.cpu_count()} cores; "
           f"load {os.getloadavg()[0]:.2f}", flush=True)
 
+    from export.client import Client
     from export.repository import cache_stats
-    from export.stage import start_server
-    from pipeline.client import Client
+    from export.server import start_server
 
     results: dict = {"command": "python -m pipeline bench serve " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k in ("requests", "clients", "seconds", "rows")),
@@ -59,7 +59,7 @@ def run(args: argparse.Namespace, cfg) -> dict:
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "load_average": os.getloadavg()[0],
         "latency": {}, "steps": {}}
     started = time.perf_counter()
-    server = start_server(cfg)
+    server = start_server(cfg.paths.export, cfg.serve)
     results["startup_s"] = round(time.perf_counter() - started, 2)
     try:
         with Client(server.grpc_url, "grpc") as client:
@@ -99,21 +99,22 @@ def run(args: argparse.Namespace, cfg) -> dict:
 
 def _prepare(cfg):
     from export.inprocess import InProcessModel
-    from export.repository import write_repository
-    from export.stage import model_options, raw_columns, sample_rows
+    from export.repository import raw_columns, write_repository
     from pipeline.data.layout import RawDataset
-    from pipeline.data.stage import run as make_data
     from pipeline.etl.stage import run as run_etl
     from pipeline.etl.workflow import Workflow
     from pipeline.modules.models import ModelSizes, build_model
     from pipeline.schema import Schema
+    from pipeline.stages.data import run as make_data
+    from pipeline.stages.export import model_options
+    from pipeline.stages.serve import sample_rows
 
     make_data(cfg)
     run_etl(cfg)  # always: the raw data may have just been rebuilt
     schema = Schema.load(cfg.paths.schema)
     model = build_model(cfg.train.model, schema, ModelSizes.from_train_config(cfg.train, "cpu"), seed=cfg.seed).eval()
-    write_repository(model, schema, cfg.paths.workflow, raw_columns(RawDataset.load(cfg.paths.raw), cfg),
-                     cfg.paths.export, model_options(cfg))
+    raw = raw_columns(RawDataset.load(cfg.paths.raw), cfg.data.list_separator)
+    write_repository(model, schema, cfg.paths.workflow, raw, cfg.paths.export, model_options(cfg))
     reference = InProcessModel(model, schema, Workflow.load(cfg.paths.workflow))
     return reference, sample_rows(cfg, 1 << 30)
 
@@ -148,7 +149,7 @@ def _forward_only(reference, frame):
 
 
 def _model_stats(client) -> dict[str, dict[str, int]]:
-    stats = client._client.get_inference_statistics(as_json=True)
+    stats = client.inference_statistics()
     out = {}
     for model in stats["model_stats"]:
         infer = model["inference_stats"]
@@ -185,7 +186,7 @@ def _throughput(server, rows, args, reference) -> dict:
     import threading
     import time
 
-    from pipeline.client import Client
+    from export.client import Client
 
     batch = args.throughput_batch
     frames = [rows.iloc[i: i + batch] for i in range(0, min(len(rows), batch * 64), batch)]
@@ -236,7 +237,7 @@ def _offline_hit_rates(cfg, reference, rows) -> dict[str, float]:
     from export.lookup import EmbeddingLookup, LookupLayout
     from export.preprocess import Preprocessor
     from export.repository import lookup_dir
-    from export.stage import sample_rows
+    from pipeline.stages.serve import sample_rows
 
     export = cfg.paths.export
     preprocess = Preprocessor.load(export / "preprocess" / "1" / "artifacts")

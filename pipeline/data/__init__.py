@@ -1,16 +1,13 @@
 """The data stage: the synthetic Criteo-like generator and the Criteo / table readers.
 
-Everything after this stage reads the raw layout (:mod:`pipeline.data.layout`) through
-:func:`ensure_raw`, which makes the data once and reuses it while the settings stay the same.
-Names are imported on first use, so ``pipeline.config`` (which imports ``pipeline.data.config``)
-stays light.
+Everything after this stage reads the raw layout (:mod:`pipeline.data.layout`); the data stage's
+runner (:func:`pipeline.stages.data.ensure_raw`) makes the data once and reuses it while the
+settings stay the same. Names are imported on first use, so ``pipeline.stages.config`` (which
+imports ``pipeline.data.config``) stays light.
 
 Example::
 
-    from pipeline.config import load_config
-    from pipeline.data import ensure_raw
-
-    raw = ensure_raw(load_config(None, ["data.rows=200000"]))
+    raw = RawDataset.load("data/synthetic/raw")
     raw.splits["train"], raw.continuous, raw.categorical, raw.oracle["test"]["auc"]
 """
 
@@ -18,8 +15,6 @@ import importlib
 
 _EXPORTS = {
     "RawDataset": "pipeline.data.layout",
-    "ensure_raw": "pipeline.data.stage",
-    "run": "pipeline.data.stage",
     "ClickModel": "pipeline.data.synthetic",
     "generate_block": "pipeline.data.synthetic",
     "iter_split": "pipeline.data.synthetic",

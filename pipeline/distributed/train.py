@@ -231,7 +231,7 @@ def _write_json(path: Path, value: dict) -> None:
 @record
 def main(argv: list[str] | None = None) -> int:
     """``python -m pipeline.distributed.train key=value ...`` (under torchrun)."""
-    from pipeline.config import load_config
+    from pipeline.stages.config import load_config
 
     argv = sys.argv[1:] if argv is None else argv
     run(load_config(None, argv))

@@ -27,7 +27,6 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.config import PipelineConfig
 from pipeline.errors import BadInputError
 from pipeline.etl.backend import choose_backend, read_parquet
 from pipeline.etl.cluster import etl_client
@@ -38,6 +37,7 @@ from pipeline.etl.ops._columns import cudf_frame, is_cudf
 from pipeline.etl.progress import compute
 from pipeline.etl.workflow import Workflow
 from pipeline.schema import Column, Schema
+from pipeline.stages.config import PipelineConfig
 
 SPLITS = ("train", "valid", "test")
 OUTPUT_DTYPES = {"label": "float32", "continuous": "float32", "categorical": "int32", "multihot": "list<int32>"}
@@ -45,7 +45,7 @@ OUTPUT_DTYPES = {"label": "float32", "continuous": "float32", "categorical": "in
 
 def run(cfg: PipelineConfig) -> dict:
     """Fit on train, transform every split, write parquet + schema + workflow; return a summary."""
-    from pipeline.data.stage import ensure_raw
+    from pipeline.stages.data import ensure_raw
 
     start = time.perf_counter()
     backend, reason = choose_backend(cfg.device)

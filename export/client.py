@@ -102,6 +102,10 @@ class Client:
         result = self._call(self._client.infer, self.model, request, outputs=outputs, **kwargs)
         return result.as_numpy(PREDICTION).reshape(-1)
 
+    def inference_statistics(self) -> dict:
+        """The server's per-model counters and cumulative times (Triton's statistics extension), as JSON data."""
+        return self._call(self._client.get_inference_statistics, as_json=True)
+
     def is_ready(self) -> bool:
         try:
             return bool(self._client.is_model_ready(self.model))

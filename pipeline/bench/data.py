@@ -4,7 +4,7 @@ Baselines, measured in the same run: the same synthetic strings made the usual w
 f-string per value, then ``pa.array``), and ``pandas.read_csv`` on the same Criteo TSV.
 
     python -m pipeline bench data --rows 2000000 --ingest-rows 500000
-    python -m pipeline.data.bench --rows 2000000          # the same, without the CLI registry
+    python -m pipeline.bench.data --rows 2000000          # the same, without the CLI registry
 
 Each figure is given per wall-clock second and per CPU second (process time, all threads): on a
 shared machine the second is the fair "rows/s per core".
@@ -93,9 +93,9 @@ def run(args: argparse.Namespace, cfg) -> dict:
 
 
 if __name__ == "__main__":
-    from pipeline.config import load_config
+    from pipeline.stages.config import load_config
 
-    parser = argparse.ArgumentParser(prog="python -m pipeline.data.bench", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m pipeline.bench.data", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     parser.add_argument("overrides", nargs="*", metavar="key=value")

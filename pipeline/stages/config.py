@@ -1,7 +1,7 @@
 """Settings: dataclasses filled from a YAML file and ``key=value`` overrides.
 
-Every stage owns its own section (``pipeline/<stage>/config.py``); this module
-composes them into :class:`PipelineConfig` and knows how to fill it.
+Every library package owns its section (``pipeline/<package>/config.py``, ``export/config.py``);
+this module composes them into :class:`PipelineConfig` and knows how to fill it.
 
 Example::
 
@@ -22,11 +22,11 @@ from typing import Any
 
 import yaml
 
+from export.config import ExportConfig, ServeConfig
 from pipeline.data.config import DataConfig
 from pipeline.distributed.config import DistributedConfig
 from pipeline.etl.config import EtlConfig
 from pipeline.train.config import TrainConfig
-from export.config import ExportConfig, ServeConfig
 
 
 class ConfigError(ValueError):

@@ -1,4 +1,4 @@
-"""The data stage: make the synthetic data or ingest a Criteo / table file into the raw layout.
+"""The data stage's runner: make the synthetic data or ingest a Criteo / table file into the raw layout.
 
 ``ensure_raw`` is what the ETL and the notebooks call: it returns the raw dataset, generating or
 ingesting only when ``cfg.paths.raw`` does not already hold data made with the same parameters
@@ -19,10 +19,11 @@ import time
 
 from tqdm.auto import tqdm
 
-from pipeline.config import PipelineConfig
 from pipeline.data import layout, readers, synthetic
 from pipeline.data.layout import RawDataset
 from pipeline.data.metrics import ClickMetrics
+from pipeline.files import write_json
+from pipeline.stages.config import PipelineConfig
 
 
 def run(cfg: PipelineConfig) -> dict:
@@ -99,8 +100,8 @@ def _generate(cfg: PipelineConfig, params: dict, progress: bool) -> None:
                 bar.update(1)
             writer.close()
             oracle[split] = metrics.result()
-    layout.write_json(root / layout.ORACLE, oracle)
-    layout.write_json(root / layout.META, {
+    write_json(root / layout.ORACLE, oracle)
+    write_json(root / layout.META, {
         "version": layout.RAW_VERSION,
         "source": "synthetic",
         "params": params,

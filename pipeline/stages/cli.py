@@ -6,7 +6,7 @@
     python -m pipeline bench etl --rows 2000000
     python -m pipeline config show train.epochs=3   # the effective settings, as YAML
 
-Settings come from the dataclasses in ``pipeline/config.py``: defaults, then ``--config FILE``
+Settings come from the dataclasses in ``pipeline/stages/config.py``: defaults, then ``--config FILE``
 (YAML), then ``key=value`` overrides. ``python -m pipeline settings`` lists every one.
 """
 
@@ -16,24 +16,24 @@ import argparse
 import importlib
 import sys
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import yaml
 
-from pipeline import config as config_mod
+from pipeline.stages import config as config_mod
 
 STAGES: dict[str, tuple[str, str]] = {
     # name: (module, function); each function takes the PipelineConfig and returns a summary dict
-    "data": ("pipeline.data.stage", "run"),
+    "data": ("pipeline.stages.data", "run"),
     "etl": ("pipeline.etl.stage", "run"),
     "train": ("pipeline.train.stage", "run"),
-    "export": ("export.stage", "run_export"),
-    "serve": ("export.stage", "run_serve"),
+    "export": ("pipeline.stages.export", "run"),
+    "serve": ("pipeline.stages.serve", "run"),
 }
 ALL = ["data", "etl", "train", "export", "serve"]
 
 BENCHES = {
-    "data": "pipeline.data.bench",
+    "data": "pipeline.bench.data",
     "etl": "pipeline.bench.etl",
     "loader": "pipeline.bench.loader",
     "train": "pipeline.bench.train",
@@ -43,23 +43,9 @@ BENCHES = {
 }
 
 
-class StageMissing(RuntimeError):
-    """A stage or benchmark whose module is not part of this installation yet."""
-
-
-def _load(module: str, attr: str | None = None) -> Any:
-    try:
-        mod = importlib.import_module(module)
-    except ModuleNotFoundError as err:
-        if err.name and module.startswith(err.name):
-            raise StageMissing(f"{module} is not built yet") from err
-        raise
-    return getattr(mod, attr) if attr else mod
-
-
 def stage_function(name: str) -> Callable[..., dict]:
     module, attr = STAGES[name]
-    return _load(module, attr)
+    return getattr(importlib.import_module(module), attr)
 
 
 def _settings_epilog() -> str:
@@ -107,12 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=fmt)
     bench_sub = p.add_subparsers(dest="bench", required=True, metavar="WHAT")
     for name, module in BENCHES.items():
-        try:
-            mod = _load(module)
-        except StageMissing:
-            bp = bench_sub.add_parser(name, help="(not built yet)")
-            _common(bp)
-            continue
+        mod = importlib.import_module(module)
         bp = bench_sub.add_parser(name, help=(mod.__doc__ or "").strip().splitlines()[0],
                                   description=mod.__doc__, formatter_class=fmt)
         mod.add_arguments(bp)
@@ -140,20 +121,14 @@ def _config_from(args: argparse.Namespace) -> config_mod.PipelineConfig:
 
 
 def run_stages(names: list[str], cfg: config_mod.PipelineConfig) -> dict[str, dict]:
-    """Run stages in order; in ``all`` mode a stage not built yet is reported and skipped."""
+    """Run stages in order; ``serve`` after other stages only sends its smoke request."""
     from pipeline.device import resolve_device
 
     device = resolve_device(cfg.device)
     print(f"[pipeline] device: {device.kind} ({device.reason})", flush=True)
     results: dict[str, dict] = {}
     for name in names:
-        try:
-            fn = stage_function(name)
-        except StageMissing as err:
-            if len(names) == 1:
-                raise
-            print(f"[pipeline] skipping {name}: {err}", flush=True)
-            continue
+        fn = stage_function(name)
         print(f"[pipeline] stage {name} ...", flush=True)
         start = time.perf_counter()
         results[name] = fn(cfg, smoke=True) if name == "serve" and len(names) > 1 else fn(cfg)
@@ -189,11 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "run":
             run_stages(ALL if args.stage == "all" else [args.stage], cfg)
         elif args.command == "bench":
-            _load(BENCHES[args.bench]).run(args, cfg)
+            importlib.import_module(BENCHES[args.bench]).run(args, cfg)
         return 0
-    except StageMissing as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

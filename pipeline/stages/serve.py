@@ -1,0 +1,95 @@
+"""The serve stage's runner: ``python -m pipeline run serve``.
+
+``run`` starts a real Triton server on the exported repository, waits until it is ready, sends a
+smoke request of raw test rows, prints the endpoints and serves until Ctrl-C / SIGTERM
+(``smoke=True``, as in ``run all``: stops right after the smoke request, and says plainly when no
+server is available here).
+
+Example::
+
+    python -m pipeline run serve serve.http_port=8000 serve.grpc_port=8001
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import pandas as pd
+import pyarrow.parquet as pq
+
+from export.client import Client
+from export.server import server_problem, start_server
+from pipeline.errors import UserError
+from pipeline.stages.config import PipelineConfig
+
+
+def run(cfg: PipelineConfig, smoke: bool = False) -> dict:
+    """Serve the exported repository; ``smoke``: stop after one served request."""
+    if not (Path(cfg.paths.export) / "ensemble" / "config.pbtxt").is_file():
+        raise UserError(f"no model repository at {cfg.paths.export}: run `python -m pipeline run export` first")
+    problem = server_problem(cfg.serve)
+    if problem:
+        if smoke:
+            print(f"[serve] NOT SERVED: no Triton server can run here: {problem}", flush=True)
+            return {"served": False, "reason": problem}
+        raise UserError(problem)
+    started = time.perf_counter()
+    server = start_server(cfg.paths.export, cfg.serve)
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        ready_s = time.perf_counter() - started
+        print(f"[serve] {server.binary.name} ready in {ready_s:.1f} s (pid {server.pid})", flush=True)
+        print(f"[serve] HTTP  {server.http_url}   gRPC  {server.grpc_url}   model: ensemble", flush=True)
+        rows = sample_rows(cfg, cfg.serve.smoke_rows)
+        with Client(server.grpc_url, "grpc") as client:
+            probabilities = client.predict(rows)
+        print(f"[serve] smoke request: {len(rows)} raw rows -> probabilities "
+              f"{[round(float(p), 4) for p in probabilities]}", flush=True)
+        summary = {"served": True, "http": server.http_url, "grpc": server.grpc_url, "ready_s": round(ready_s, 2),
+                   "smoke_rows": len(rows), "smoke_predictions": probabilities.tolist()}
+        difference = _difference_from_in_process(cfg, rows, probabilities)
+        if difference is not None:
+            summary["max_difference_from_in_process"] = difference
+            print(f"[serve] largest difference from the in-process model: {difference:.2e}", flush=True)
+        if smoke:
+            return summary
+        print("[serve] serving; Ctrl-C or SIGTERM stops the server", flush=True)
+        while server.is_alive():
+            time.sleep(0.5)
+        raise UserError(f"the server exited by itself (code {server.process.returncode}):\n{server.log_tail()}")
+    except KeyboardInterrupt:
+        print("[serve] stopping", flush=True)
+        return {"served": True, "http": server.http_url, "grpc": server.grpc_url, "stopped": "signal"}
+    finally:
+        server.stop()
+        signal.signal(signal.SIGTERM, previous)
+
+
+def sample_rows(cfg: PipelineConfig, rows: int, split: str = "test") -> pd.DataFrame:
+    """The first ``rows`` raw rows of ``split``, as the ETL reads them (arrow-backed pandas)."""
+    from pipeline.data.layout import RawDataset
+
+    files = RawDataset.load(cfg.paths.raw).splits.get(split) or []
+    if not files:
+        raise UserError(f"no raw {split} rows under {cfg.paths.raw}")
+    table = pq.read_table(files[0])
+    return table.slice(0, rows).to_pandas(types_mapper=pd.ArrowDtype)
+
+
+def _difference_from_in_process(cfg: PipelineConfig, rows: pd.DataFrame, served) -> float | None:
+    """How far the served probabilities are from the trained model's own, when it is available here."""
+    if not (cfg.paths.train / "model.pt").is_file():
+        return None
+    from export.inprocess import InProcessModel
+    from pipeline.etl.workflow import Workflow
+    from pipeline.stages.export import load_trained_model
+
+    model, schema = load_trained_model(cfg)
+    expected = InProcessModel(model, schema, Workflow.load(cfg.paths.workflow)).predict(rows)
+    return float(abs(expected - served).max())
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
