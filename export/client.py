@@ -103,14 +103,9 @@ class Client:
         return result.as_numpy(PREDICTION).reshape(-1)
 
     def inference_statistics(self) -> dict:
-        """The server's per-model counters and cumulative times (Triton's statistics extension), as JSON data."""
-        return self._call(self._client.get_inference_statistics, as_json=True)
-
-    def is_ready(self) -> bool:
-        try:
-            return bool(self._client.is_model_ready(self.model))
-        except Exception:  # noqa: BLE001  (not reachable counts as not ready)
-            return False
+        """Every model's counters and cumulative times (Triton's statistics extension), as JSON data."""
+        kwargs = {"as_json": True} if self.protocol == "grpc" else {}
+        return self._call(self._client.get_inference_statistics, **kwargs)
 
     def close(self) -> None:
         self._client.close()
