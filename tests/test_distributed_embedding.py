@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pipeline.distributed import ParameterSharding, ShardedEmbeddingCollection, ShardingPlan
-from pipeline.distributed.testing import spawn
+from pipeline.distributed.spawn import spawn
 from pipeline.modules.embedding import EmbeddingCollection, EmbeddingOptimizerConfig, TableConfig
 from pipeline.sparse import KeyedJaggedTensor
 

@@ -47,7 +47,7 @@ def run(args: argparse.Namespace, cfg=None) -> dict:
     import torch
 
     from pipeline.device import resolve_device
-    from pipeline.distributed.testing import spawn
+    from pipeline.distributed.spawn import spawn
 
     device = resolve_device(getattr(cfg, "device", None) or args.device).kind
     counts = [int(n) for n in str(args.nproc).split(",") if n]
