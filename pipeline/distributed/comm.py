@@ -2,9 +2,10 @@
 
 All exchanges go through ``torch.distributed`` on the collection's own process group: NCCL on GPUs,
 gloo on CPU, the same code; ``all_to_all_single`` with uneven split sizes runs on both, so ids, bag
-lengths and pooled vectors each travel in one call. Every collective is launched with
+lengths and pooled vectors each travel in one call. The forward exchanges are launched with
 ``async_op=True`` and returned as an :class:`~pipeline.distributed.types.Awaitable` whose ``wait()``
-waits for the work handle (on a GPU: the current stream waits for NCCL's, the host does not block).
+waits for the work handle (on a GPU: the current stream waits for NCCL's, the host does not block);
+those of the backward pass, whose results are needed at once, run to completion where they start.
 
 The pooled-vector exchange is an autograd function: its backward is the mirrored all-to-all that
 carries the gradients back to the ranks owning the rows. A zero-size ``trigger`` tensor that requires
@@ -89,30 +90,34 @@ class CollectiveWork(Awaitable[torch.Tensor]):
         return self.result
 
 
-def launch(start, result: torch.Tensor, device: torch.device) -> Awaitable[torch.Tensor]:
-    """``start()`` launches a collective and returns its work handle; the awaitable of ``result``."""
+def _launch(start, result: torch.Tensor, device: torch.device, async_op: bool) -> Awaitable[torch.Tensor]:
+    """``start(async_op)`` runs a collective; the awaitable of ``result``, complete unless ``async_op``."""
     timer = CommTimer.get()
-    if timer.enabled:
-        timer.run(lambda: start().wait(), device)
-        return NoWait(result)
-    return CollectiveWork(start(), result)
+    if async_op and not timer.enabled:
+        return CollectiveWork(start(True), result)
+    timer.run(lambda: start(False), device)
+    return NoWait(result)
 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, output_splits: list[int], input_splits: list[int],
-               group) -> Awaitable[torch.Tensor]:
-    """``all_to_all_single`` with uneven splits into ``output`` (a plain copy in a world of one)."""
+               group, async_op: bool = True) -> Awaitable[torch.Tensor]:
+    """``all_to_all_single`` with uneven splits into ``output`` (a plain copy in a world of one).
+
+    ``async_op=False`` for an exchange waited on at once: it runs to completion here (with NCCL, on
+    the current stream), as a blocking call does.
+    """
     if group is None:
         output.copy_(input)
         return NoWait(output)
-    return launch(lambda: dist.all_to_all_single(output, input, output_splits, input_splits, group=group,
-                                                 async_op=True), output, input.device)
+    return _launch(lambda a: dist.all_to_all_single(output, input, output_splits, input_splits, group=group,
+                                                    async_op=a), output, input.device, async_op)
 
 
-def all_reduce(tensor: torch.Tensor, group) -> Awaitable[torch.Tensor]:
+def all_reduce(tensor: torch.Tensor, group, async_op: bool = True) -> Awaitable[torch.Tensor]:
     """The sum of ``tensor`` over the ranks of ``group``, in place."""
     if group is None:
         return NoWait(tensor)
-    return launch(lambda: dist.all_reduce(tensor, group=group, async_op=True), tensor, tensor.device)
+    return _launch(lambda a: dist.all_reduce(tensor, group=group, async_op=a), tensor, tensor.device, async_op)
 
 
 def exchange_counts(send: torch.Tensor, group) -> Awaitable[torch.Tensor]:
@@ -125,7 +130,7 @@ def exchange_counts(send: torch.Tensor, group) -> Awaitable[torch.Tensor]:
 class AllToAllRows(torch.autograd.Function):
     """Forward: launches the all-to-all of a flat tensor with the given splits and appends its
     awaitable to ``pending``; the output is read only after that ``wait()``. Backward: the same
-    exchange, reversed."""
+    exchange, reversed (run to completion: the gradient is needed at once)."""
 
     @staticmethod
     def forward(ctx, trigger, x, send_splits, recv_splits, group, pending):
@@ -137,7 +142,7 @@ class AllToAllRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         out = grad.new_empty(sum(ctx.send_splits))
-        all_to_all(out, grad.contiguous(), ctx.send_splits, ctx.recv_splits, ctx.group).wait()
+        all_to_all(out, grad.contiguous(), ctx.send_splits, ctx.recv_splits, ctx.group, async_op=False)
         return None, out, None, None, None, None
 
 

@@ -42,8 +42,8 @@ class DataParallelSharding(EmbeddingSharding):
                  plan: ShardingPlan, rank: int, world: int, group, make_collection: MakeCollection,
                  comm_dtype: torch.dtype = torch.float32) -> None:
         table_ids = self.tables_of_type(tables, plan)
-        super().__init__(layout, feature_names, [s for s in range(layout.num_slots) if layout.slot_table[s] in table_ids],
-                         rank, world, group, comm_dtype)
+        slots = [s for s in range(layout.num_slots) if layout.slot_table[s] in table_ids]
+        super().__init__(layout, feature_names, slots, rank, world, group, comm_dtype)
         self.table_ids = table_ids
         self.block_slots = [self.slots]  # the output dist returns one block, [B, dims of all slots]
         self.local_features = [slot_key(layout, s) for s in self.slots]
@@ -85,7 +85,7 @@ class DataParallelSharding(EmbeddingSharding):
             nnz = segment_sums(offsets[1:] - offsets[:-1], layout.num_slots)
             base = tensors["row_offsets"][tensors["slot_table"]]
             touched[torch.repeat_interleave(base, nnz, output_size=values.numel()) + values] = 1.0
-        both = all_reduce(torch.cat([row_grad, touched]), self.group).wait()
+        both = all_reduce(torch.cat([row_grad, touched]), self.group, async_op=False).wait()
         row_grad, touched = both[: layout.total_elements], both[layout.total_elements :]
         ec.step += 1
         rows = touched.nonzero().squeeze(1)  # storage rows touched on any rank, ascending
