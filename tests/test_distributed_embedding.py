@@ -4,7 +4,8 @@ Every rank trains a ShardedEmbeddingCollection on its own batch (uneven sizes, e
 table, mean-pooled multi-hot bags, several dims); the parent process trains the plain collection on
 the concatenated batch and compares each rank's outputs at every step and the final rows and
 optimizer state of every table part a rank holds, for table-wise, row-wise, data-parallel and mixed
-plans with each fused optimizer.
+plans with each fused optimizer; and the three calls, with each next batch's input dist launched
+before the current lookup (as a pipelined loop does), train exactly as ``forward`` does.
 """
 
 from __future__ import annotations
