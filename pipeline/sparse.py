@@ -59,9 +59,6 @@ class KeyedJaggedTensor:
             self._offsets = out
         return self._offsets
 
-    def length_per_key(self) -> torch.Tensor:
-        return self.lengths.view(len(self.keys), -1).sum(1)
-
     def __getitem__(self, key: str) -> JaggedTensor:
         k = self.keys.index(key)
         b = self.batch_size
@@ -83,7 +80,7 @@ class KeyedJaggedTensor:
 
     @classmethod
     def from_lists(cls, keys: Sequence[str], bags: Sequence[Sequence[Sequence[int]]]) -> "KeyedJaggedTensor":
-        """From ``bags[key][sample] = [ids...]`` (for tests and small requests)."""
+        """From nested lists, ``bags[key][sample] = [ids...]``: a small batch written out by hand."""
         lengths = [len(bag) for per_key in bags for bag in per_key]
         values = [v for per_key in bags for bag in per_key for v in bag]
         return cls(keys, torch.tensor(values, dtype=torch.int64), torch.tensor(lengths, dtype=torch.int64))
@@ -95,15 +92,6 @@ class KeyedJaggedTensor:
             raise ValueError(f"expected ids of shape [batch, {len(keys)}], got {tuple(ids.shape)}")
         values = ids.t().reshape(-1).to(torch.int64)
         return cls(keys, values, torch.ones(values.numel(), dtype=torch.int64, device=ids.device))
-
-    def to_lists(self) -> list[list[list[int]]]:
-        """Inverse of :meth:`from_lists` (slow; for tests)."""
-        out, b = [], self.batch_size
-        off = self.offsets().tolist()
-        vals = self.values.tolist()
-        for k in range(len(self.keys)):
-            out.append([vals[off[k * b + i] : off[k * b + i + 1]] for i in range(b)])
-        return out
 
     def __repr__(self) -> str:
         return f"KeyedJaggedTensor(keys={self.keys}, batch_size={self.batch_size}, nnz={self.values.numel()})"

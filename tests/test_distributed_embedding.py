@@ -4,7 +4,8 @@ Every rank trains a ShardedEmbeddingCollection on its own batch (uneven sizes, e
 table, mean-pooled multi-hot bags, several dims); the parent process trains the plain collection on
 the concatenated batch and compares each rank's outputs at every step and the final rows and
 optimizer state of every table part a rank holds, for table-wise, row-wise, data-parallel and mixed
-plans with each fused optimizer.
+plans with each fused optimizer; and the three calls, with each next batch's input dist launched
+before the current lookup (as a pipelined loop does), train exactly as ``forward`` does.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from pipeline.distributed import ParameterSharding, ShardedEmbeddingCollection, ShardingPlan
-from pipeline.distributed.testing import spawn
+from pipeline.distributed.spawn import spawn
 from pipeline.modules.embedding import EmbeddingCollection, EmbeddingOptimizerConfig, TableConfig
 from pipeline.sparse import KeyedJaggedTensor
 
@@ -70,8 +71,9 @@ def batch(step: int, rank: int) -> tuple[KeyedJaggedTensor, torch.Tensor]:
 
 
 def concat(kjts: list[KeyedJaggedTensor]) -> KeyedJaggedTensor:
-    lists = [k.to_lists() for k in kjts]
-    return KeyedJaggedTensor.from_lists(FEATURES, [[bag for one in lists for bag in one[f]] for f in range(len(FEATURES))])
+    """The batches one after the other: per feature, the bags of each batch in turn."""
+    return KeyedJaggedTensor(FEATURES, torch.cat([k[f].values for f in FEATURES for k in kjts]),
+                             torch.cat([k[f].lengths for f in FEATURES for k in kjts]))
 
 
 def reference(kind: str, opt: str) -> EmbeddingCollection:
@@ -195,3 +197,37 @@ def _all_tables_on_rank0(rank: int, world: int) -> tuple[int, bool]:
 def test_a_rank_holding_no_table_still_counts_the_steps():
     # Adam's bias correction and the checkpoints read the step: a rank with no table part must know it too.
     assert spawn(_all_tables_on_rank0, 2, "gloo") == [(STEPS, True), (STEPS, False)]
+
+
+def _forward_and_pipelined(rank: int, world: int) -> tuple[list, list]:
+    """The mixed plan trained twice from the same weights: through ``forward``, and in the three calls
+    with each next batch's input dist launched before this batch's lookup, as a pipelined loop does."""
+    plan = make_plan("mixed", world)
+    plain = ShardedEmbeddingCollection.from_collection(reference("mixed", "adam"), plan)
+    piped = ShardedEmbeddingCollection.from_collection(reference("mixed", "adam"), plan)
+    runs = ([], [])
+    for step in range(STEPS):
+        kjt, target = batch(step, rank)
+        pooled = plain(kjt)
+        (pooled * target).sum().backward()
+        runs[0].append(pooled.detach())
+    sent = piped.input_dist(batch(0, rank)[0])
+    for step in range(STEPS):
+        bags = sent.wait().wait()
+        if step + 1 < STEPS:
+            sent = piped.input_dist(batch(step + 1, rank)[0])
+        pooled = piped.output_dist(piped.compute(bags), bags).wait()
+        (pooled * batch(step, rank)[1]).sum().backward()
+        runs[1].append(pooled.detach())
+    for run, sharded in zip(runs, (plain, piped)):
+        run.append({(name, lo, hi): views["weight"].clone() for name, lo, hi, views in sharded.local_shards()})
+    return runs
+
+
+def test_the_next_batch_input_dist_can_run_before_this_batch_lookup():
+    for plain, piped in spawn(_forward_and_pipelined, 2, "gloo"):
+        for a, b in zip(plain[:-1], piped[:-1]):
+            torch.testing.assert_close(b, a, rtol=0, atol=0)  # the same operations on the same values
+        assert plain[-1].keys() == piped[-1].keys()
+        for key, weight in plain[-1].items():
+            torch.testing.assert_close(piped[-1][key], weight, rtol=0, atol=0)

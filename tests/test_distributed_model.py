@@ -23,7 +23,7 @@ from pipeline.distributed import (
     save_sharded_checkpoint,
 )
 from pipeline.distributed.checkpoint import read_meta
-from pipeline.distributed.testing import spawn
+from pipeline.distributed.spawn import spawn
 from pipeline.modules.embedding import EmbeddingOptimizerConfig
 from pipeline.modules.models import ModelSizes, build_model
 from pipeline.schema import Column, Schema

@@ -104,7 +104,7 @@ def check_batch(batch: Batch) -> None:
             [[r % CARD["C3"]] for r in rows],
         ],
     )
-    assert batch.sparse.to_lists() == expected.to_lists()
+    assert batch.sparse.values.tolist() == expected.values.tolist()
     assert torch.equal(batch.sparse.lengths, expected.lengths)
 
 

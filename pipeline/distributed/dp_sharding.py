@@ -8,8 +8,9 @@ the one the unsharded collection makes for the whole global batch (Adagrad and l
 
 Example::
 
-    dp = DataParallelSharding(tables, layout, plan, rank, world, group, make_collection)
-    [out] = dp(lengths, values, batch_size)   # one block: [B, dims of dp.slots]
+    dp = DataParallelSharding(tables, layout, feature_names, plan, rank, world, group, make_collection)
+    bags = dp.input_dist(values, lengths, nnz_by_key, batch_size, validate=True).wait().wait()   # no exchange
+    [out] = dp.output_dist(dp.lookup(bags), bags).wait()   # one block: [B, dims of dp.slots]
 """
 
 from __future__ import annotations
@@ -17,38 +18,53 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch import nn
 
 from pipeline.distributed.comm import all_reduce, trigger
-from pipeline.distributed.embedding_sharding import MakeCollection, local_tables, slot_key
+from pipeline.distributed.embedding_sharding import (
+    EmbeddingSharding,
+    LocalBags,
+    MakeCollection,
+    Received,
+    local_tables,
+    slot_key,
+)
 from pipeline.distributed.jagged import exclusive_cumsum, segment_sums
-from pipeline.distributed.types import ShardingPlan, ShardingType
+from pipeline.distributed.types import Awaitable, NoWait, ShardingPlan, ShardingType
 from pipeline.modules.embedding import EmbeddingOptimizerConfig, TableConfig, TableLayout, resolve_backend
 
 
-class DataParallelSharding(nn.Module):
+class DataParallelSharding(EmbeddingSharding):
     """The data-parallel tables of a plan, replicated on every rank."""
 
     sharding_type = ShardingType.DATA_PARALLEL
 
-    def __init__(self, tables: Sequence[TableConfig], layout: TableLayout, plan: ShardingPlan, rank: int, world: int,
-                 group, make_collection: MakeCollection) -> None:
-        super().__init__()
-        self.rank, self.world, self.group = rank, world, group
-        self.table_ids = [t for t in range(len(tables)) if plan[tables[t].name].sharding_type == self.sharding_type]
-        self.slots = [s for s in range(layout.num_slots) if layout.slot_table[s] in self.table_ids]
-        self.input_slots = self.slots
-        self.block_slots = [self.slots]  # forward returns one block, [B, dims of all slots]
+    def __init__(self, tables: Sequence[TableConfig], layout: TableLayout, feature_names: Sequence[str],
+                 plan: ShardingPlan, rank: int, world: int, group, make_collection: MakeCollection,
+                 comm_dtype: torch.dtype = torch.float32) -> None:
+        table_ids = self.tables_of_type(tables, plan)
+        slots = [s for s in range(layout.num_slots) if layout.slot_table[s] in table_ids]
+        super().__init__(layout, feature_names, slots, rank, world, group, comm_dtype)
+        self.table_ids = table_ids
+        self.block_slots = [self.slots]  # the output dist returns one block, [B, dims of all slots]
         self.local_features = [slot_key(layout, s) for s in self.slots]
-        self.local = make_collection(local_tables(tables, layout, self.table_ids), self.local_features) \
-            if self.table_ids else None
+        self.local = make_collection(local_tables(tables, layout, self.table_ids), self.local_features)
+        self._fp32_backend, self._fp32_key = None, None  # the backend that sums row gradients in float32
+        self._index: dict[str, torch.Tensor] = {}
+        self._index_device: torch.device | None = None
 
-    def forward(self, lengths: torch.Tensor, values: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
-        offsets = exclusive_cumsum(lengths)
+    def send_bags(self, lengths: torch.Tensor, values: torch.Tensor,
+                  batch_size: int) -> Awaitable[Awaitable[Received]]:
+        return NoWait(NoWait((lengths, values, [batch_size])))  # every rank looks up its own batch
+
+    def lookup(self, bags: LocalBags) -> torch.Tensor:
+        values, offsets, b = bags.features.values, bags.features.offsets(), bags.batch_size
         if torch.is_grad_enabled() and self.training:
-            return [_DataParallelLookup.apply(trigger(values.device), self, values, offsets, batch_size)]
+            return _DataParallelLookup.apply(trigger(values.device), self, values, offsets, b)
         ec = self.local
-        return [ec.backend.forward(ec.weights, ec.layout, values, offsets, batch_size)]
+        return ec.backend.forward(ec.weights, ec.layout, values, offsets, b)
+
+    def output_dist(self, pooled: torch.Tensor, bags: LocalBags) -> Awaitable[list[torch.Tensor]]:
+        return NoWait([pooled])
 
     def synced_update(self, values: torch.Tensor, offsets: torch.Tensor, batch_size: int, grad: torch.Tensor) -> None:
         """Sum the row gradients of all ranks and apply the optimizer to every touched row, on every rank."""
@@ -59,7 +75,7 @@ class DataParallelSharding(nn.Module):
         if batch_size:
             # SGD with lr = -1 on a zero buffer leaves the summed row gradients in it.
             key = (ec.backend_name, str(device))
-            if getattr(self, "_fp32_key", None) != key:
+            if self._fp32_key != key:
                 self._fp32_backend, self._fp32_key = resolve_backend(ec.backend_name, device, torch.float32), key
             self._fp32_backend.backward_update(row_grad, {}, layout, values, offsets, batch_size, grad,
                                  EmbeddingOptimizerConfig("sgd", lr=-1.0), -1.0, 1)
@@ -69,7 +85,7 @@ class DataParallelSharding(nn.Module):
             nnz = segment_sums(offsets[1:] - offsets[:-1], layout.num_slots)
             base = tensors["row_offsets"][tensors["slot_table"]]
             touched[torch.repeat_interleave(base, nnz, output_size=values.numel()) + values] = 1.0
-        both = all_reduce(torch.cat([row_grad, touched]), self.group)
+        both = all_reduce(torch.cat([row_grad, touched]), self.group, async_op=False).wait()
         row_grad, touched = both[: layout.total_elements], both[layout.total_elements :]
         ec.step += 1
         rows = touched.nonzero().squeeze(1)  # storage rows touched on any rank, ascending
@@ -99,7 +115,7 @@ class DataParallelSharding(nn.Module):
 
     def _storage_tables(self, device: torch.device) -> dict[str, torch.Tensor]:
         """Index tensors of the local layout: tables by storage position, each table's first slot."""
-        if getattr(self, "_index_device", None) != device:
+        if self._index_device != device:
             layout = self.local.layout
             by_start = sorted(range(len(layout.rows)), key=lambda t: layout.row_offsets[t])
             first_slot = [layout.slot_table.index(t) for t in range(len(layout.rows))]

@@ -3,8 +3,15 @@
 Same contract as :class:`~pipeline.modules.embedding.EmbeddingCollection`: each rank passes the
 KeyedJaggedTensor of its own batch and gets ``[B, sum of slot dims]`` in the same column order; in
 backward the rows are updated in place by the fused optimizer of the rank that holds them. Tables
-are served by up to three strategies (``tw_sharding``, ``rw_sharding``, ``dp_sharding``), each
-looking up through a local EmbeddingCollection, so the local compute uses the registered backend.
+are served by one strategy per sharding type the plan uses (``tw_sharding``, ``rw_sharding``,
+``dp_sharding``), each looking up through a local EmbeddingCollection, so the local compute uses
+the registered backend.
+
+A batch goes through three calls, torchrec's ``ShardedEmbeddingBagCollection`` split, so that a
+training loop can overlap the next batch's id exchange with this batch's compute:
+``input_dist(kjt).wait().wait()`` (ids to the ranks holding their rows; the first ``wait()`` reads
+the split sizes on the host), ``compute(bags)`` (the local lookups), ``output_dist(pooled,
+bags).wait()`` (pooled vectors back, assembled in column order). ``forward`` is those in a row.
 
 Gradient scale: every rank's pooled gradient is divided by the world size before it leaves, the
 same averaging DistributedDataParallel applies to the dense part. Training on ``W`` ranks with a
@@ -15,6 +22,8 @@ Example (under torchrun, one process per GPU)::
     plan = EmbeddingShardingPlanner(Topology(world_size=2, memory_per_rank=8 << 30)).plan(tables)
     sharded = ShardedEmbeddingCollection.from_collection(model.embedding, plan, device="cuda")
     pooled = sharded(batch.sparse)      # [B, sum of dims]; backward updates the owned rows
+    bags = sharded.input_dist(batch.sparse).wait().wait()       # the same in three calls
+    pooled = sharded.output_dist(sharded.compute(bags), bags).wait()
 """
 
 from __future__ import annotations
@@ -26,10 +35,11 @@ from torch import nn
 
 from pipeline.distributed.comm import ScaleGrad, world_of
 from pipeline.distributed.dp_sharding import DataParallelSharding
-from pipeline.distributed.jagged import exclusive_cumsum, permute_segments, segment_sums
+from pipeline.distributed.embedding_sharding import LocalBags
+from pipeline.distributed.jagged import segment_sums
 from pipeline.distributed.rw_sharding import RowWiseSharding
 from pipeline.distributed.tw_sharding import TableWiseSharding
-from pipeline.distributed.types import ShardingPlan, ShardingType
+from pipeline.distributed.types import Awaitable, AwaitableList, ShardingPlan, ShardingType
 from pipeline.errors import BadInputError
 from pipeline.modules.columns import ColumnRun, assemble_columns, merge_runs
 from pipeline.modules.embedding import (
@@ -97,30 +107,21 @@ class ShardedEmbeddingCollection(nn.Module):
             return EmbeddingCollection(local_tables, keys, self.optimizer, weights_dtype=weights_dtype,
                                        backend=backend, validate_ids=False).to(self.device)
 
-        self.strategies = nn.ModuleList(
-            cls(self.tables, self.layout, plan, self.rank, self.world_size, process_group, make) for cls in _STRATEGIES)
-        self.strategies.to(self.device)  # their index buffers; the local collections are there already
         if comm_dtype not in _COMM_DTYPES:
             raise ValueError(f"comm_dtype: expected one of {list(_COMM_DTYPES)}, got {comm_dtype!r}")
         self.comm_dtype = comm_dtype
-        for st in self.strategies:
-            st.comm_dtype = _COMM_DTYPES[comm_dtype]
+        self.strategies = nn.ModuleList(
+            cls(self.tables, self.layout, self.feature_names, plan, self.rank, self.world_size, process_group, make,
+                _COMM_DTYPES[comm_dtype])
+            for cls in _STRATEGIES if plan.by_type(cls.sharding_type))
+        self.strategies.to(self.device)  # their index buffers; the local collections are there already
         if seed is not None:
             self._init_weights(seed)
-        key_of_slot = [self.feature_names.index(f) for f in self.layout.slot_features]
-        for i, st in enumerate(self.strategies):
-            keys = torch.tensor([key_of_slot[s] for s in st.input_slots], dtype=torch.int64)
-            rows = torch.tensor([self.layout.rows[self.layout.slot_table[s]] for s in st.input_slots], dtype=torch.int64)
-            self.register_buffer(f"_keys{i}", keys.to(self.device), persistent=False)
-            setattr(self, f"_all_keys_once{i}", sorted(keys.tolist()) == list(range(len(self.feature_names))))
-            self.register_buffer(f"_rows{i}", rows.to(self.device), persistent=False)
         # Each strategy returns blocks of columns (``block_slots``: the slots of each, in order); the
         # output takes every slot's columns from its block, in slot order, in one copy.
         where: dict[int, tuple[int, int]] = {}
         block = 0
         for st in self.strategies:
-            if not st.slots:
-                continue
             for slots in st.block_slots:
                 col = 0
                 for s in slots:
@@ -190,43 +191,39 @@ class ShardedEmbeddingCollection(nn.Module):
                 w = torch.empty(hi - lo, self.tables[t].dim).uniform_(-bound, bound, generator=gen)
                 local["weight"].copy_(w)
 
-    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
+    def input_dist(self, features: KeyedJaggedTensor) -> Awaitable[Awaitable[list[LocalBags]]]:
+        """Every strategy's bags of ``features`` sent to the ranks that look them up (one per strategy)."""
         if features.keys != self.feature_names:
             raise BadInputError(f"expected sparse features {self.feature_names} in this order, got {features.keys}")
         b = features.batch_size
         values = features.values.to(device=self.device, dtype=torch.int64)
         lengths = features.lengths.to(device=self.device, dtype=torch.int64)
         nnz_by_key = segment_sums(lengths, len(self.feature_names))
-        blocks = []
-        for i, st in enumerate(self.strategies):
-            if not st.slots:
-                continue
-            keys = getattr(self, f"_keys{i}")
-            st_lengths = lengths.view(len(self.feature_names), b)[keys].reshape(-1)
-            # Each key exactly once: the ids keep their count, so no device-to-host sync to learn it.
-            total = values.numel() if getattr(self, f"_all_keys_once{i}") else None
-            st_values = permute_segments(values, nnz_by_key, keys, total=total)
-            if self.validate_ids and st_values.numel():
-                self._check_ids(st, st_values, segment_sums(st_lengths, keys.numel()), getattr(self, f"_rows{i}"))
-            blocks.extend(st(st_lengths, st_values, b))
-        out = assemble_columns(blocks, self._column_runs, torch.float32) if blocks else \
-            torch.empty(b, 0, device=self.device)
+        sent = [st.input_dist(values, lengths, nnz_by_key, b, self.validate_ids) for st in self.strategies]
+        return AwaitableList(sent).then(AwaitableList)
+
+    def compute(self, bags: list[LocalBags]) -> list[torch.Tensor]:
+        """Each strategy's local lookup of the bags it received."""
+        return [st.lookup(x) for st, x in zip(self.strategies, bags)]
+
+    def output_dist(self, pooled: list[torch.Tensor], bags: list[LocalBags]) -> Awaitable[torch.Tensor]:
+        """The pooled vectors back to their samples' ranks: ``[B, sum of slot dims]``, in slot order."""
+        blocks = AwaitableList([st.output_dist(p, x) for st, p, x in zip(self.strategies, pooled, bags)])
+        return blocks.then(self._assemble)
+
+    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        bags = self.input_dist(features).wait().wait()
+        if not bags:  # no tables
+            return torch.empty(features.batch_size, 0, device=self.device)
+        return self.output_dist(self.compute(bags), bags).wait()
+
+    def _assemble(self, blocks: list[list[torch.Tensor]]) -> torch.Tensor:
+        out = assemble_columns([b for per_strategy in blocks for b in per_strategy], self._column_runs, torch.float32)
         if self.world_size > 1 and torch.is_grad_enabled() and self.training:
             out = ScaleGrad.apply(out, 1.0 / self.world_size)
         if out.requires_grad:
             out.register_hook(self._count_step)
         return out
-
-    def _check_ids(self, st, values: torch.Tensor, nnz: torch.Tensor, rows: torch.Tensor) -> None:
-        limit = torch.repeat_interleave(rows, nnz, output_size=values.numel())
-        bad = (values < 0) | (values >= limit)
-        if bool(bad.any()):
-            i = int(bad.nonzero()[0, 0])
-            k = int(torch.searchsorted(exclusive_cumsum(nnz)[1:], torch.tensor(i, device=nnz.device), right=True))
-            s = st.input_slots[k]
-            t = self.layout.slot_table[s]
-            raise BadInputError(f"feature {self.layout.slot_features[s]}: id {int(values[i])} is outside table "
-                                f"{self.layout.table_names[t]} (expected 0 <= id < {self.layout.rows[t]})")
 
     def extra_repr(self) -> str:
         kinds = {k.value: len(self.plan.by_type(k)) for k in ShardingType}

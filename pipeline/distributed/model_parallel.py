@@ -16,7 +16,6 @@ Example (one process per GPU, under torchrun)::
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -122,17 +121,9 @@ class DistributedModelParallel(nn.Module):
         if missing or unexpected:
             raise KeyError(f"dense state does not match the model: missing {missing}, unexpected {unexpected}")
 
-    def set_embedding_lr(self, lr: float) -> None:
-        for sharded in self.sharded_collections().values():
-            sharded.set_lr(lr)
-
 
 def _set_submodule(model: nn.Module, path: str, module: nn.Module) -> None:
     parent_path, _, leaf = path.rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model
     setattr(parent, leaf, module)
 
-
-def shard_tables(tables: Sequence, world_size: int, **topology) -> ShardingPlan:
-    """A plan for ``tables`` with the default planner (a shortcut for scripts and notebooks)."""
-    return EmbeddingShardingPlanner(Topology(world_size, **topology)).plan(tables)

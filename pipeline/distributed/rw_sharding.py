@@ -8,8 +8,9 @@ same for each part), where the local collection's fused optimizer updates the ro
 
 Example::
 
-    rw = RowWiseSharding(tables, layout, plan, rank, world, group, make_collection)
-    [out] = rw(lengths, values, batch_size)   # one block: [B, dims of rw.slots]
+    rw = RowWiseSharding(tables, layout, feature_names, plan, rank, world, group, make_collection)
+    bags = rw.input_dist(values, lengths, nnz_by_key, batch_size, validate=True).wait().wait()
+    [out] = rw.output_dist(rw.lookup(bags), bags).wait()   # one block: [B, dims of rw.slots]
 """
 
 from __future__ import annotations
@@ -17,46 +18,45 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch import nn
 
 from pipeline.distributed.embedding_sharding import (
+    EmbeddingSharding,
+    LocalBags,
     MakeCollection,
+    Received,
     exchange_bags,
     exchange_pooled,
     local_tables,
     slot_key,
 )
-from pipeline.distributed.types import ShardingPlan, ShardingType
+from pipeline.distributed.types import Awaitable, ShardingPlan, ShardingType
 from pipeline.modules.embedding import TableConfig, TableLayout
-from pipeline.sparse import KeyedJaggedTensor
 
 
-class RowWiseSharding(nn.Module):
+class RowWiseSharding(EmbeddingSharding):
     """The row-wise tables of a plan; every rank holds one row range of each."""
 
     sharding_type = ShardingType.ROW_WISE
 
-    def __init__(self, tables: Sequence[TableConfig], layout: TableLayout, plan: ShardingPlan, rank: int, world: int,
-                 group, make_collection: MakeCollection) -> None:
-        super().__init__()
-        self.rank, self.world, self.group = rank, world, group
-        self.comm_dtype = torch.float32
-        rw = [t for t in range(len(tables)) if plan[tables[t].name].sharding_type == self.sharding_type]
+    def __init__(self, tables: Sequence[TableConfig], layout: TableLayout, feature_names: Sequence[str],
+                 plan: ShardingPlan, rank: int, world: int, group, make_collection: MakeCollection,
+                 comm_dtype: torch.dtype = torch.float32) -> None:
+        rw = self.tables_of_type(tables, plan)
+        super().__init__(layout, feature_names, [s for s in range(layout.num_slots) if layout.slot_table[s] in rw],
+                         rank, world, group, comm_dtype)
         self.table_ids = rw
-        self.slots = [s for s in range(layout.num_slots) if layout.slot_table[s] in rw]
-        self.input_slots = self.slots
-        self.block_slots = [self.slots]  # forward returns one block, [B, dims of all slots]
-        self.ranges = {t: plan[tables[t].name].row_ranges for t in rw}
+        self.block_slots = [self.slots]  # the output dist returns one block, [B, dims of all slots]
+        ranges = {t: plan[tables[t].name].row_ranges for t in rw}
         for t in rw:
             q, rem = divmod(tables[t].rows, world)
             expected = [(r * q + min(r, rem), (r + 1) * q + min(r + 1, rem)) for r in range(world)]
-            if self.ranges[t] != expected:
-                raise ValueError(f"table {tables[t].name}: row-wise ranges {self.ranges[t]} are not the even split "
+            if ranges[t] != expected:
+                raise ValueError(f"table {tables[t].name}: row-wise ranges {ranges[t]} are not the even split "
                                  f"{expected} this sharding computes ids with")
         self.local_features = [slot_key(layout, s) for s in self.slots]
-        rows_here = {t: self.ranges[t][rank][1] - self.ranges[t][rank][0] for t in rw}
+        rows_here = {t: ranges[t][rank][1] - ranges[t][rank][0] for t in rw}
         self.local = make_collection(local_tables(tables, layout, rw, rows=rows_here, pooling="sum"),
-                                     self.local_features) if rw else None
+                                     self.local_features)
         self.dim = sum(layout.slot_dims[s] for s in self.slots)
         slot_rows = [tables[layout.slot_table[s]].rows for s in self.slots]
         self.register_buffer("_q", torch.tensor([r // world for r in slot_rows], dtype=torch.int64), persistent=False)
@@ -68,7 +68,8 @@ class RowWiseSharding(nn.Module):
             torch.arange(len(self.slots)), torch.tensor([layout.slot_dims[s] for s in self.slots], dtype=torch.int64)),
             persistent=False)
 
-    def forward(self, lengths: torch.Tensor, values: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
+    def send_bags(self, lengths: torch.Tensor, values: torch.Tensor,
+                  batch_size: int) -> Awaitable[Awaitable[Received]]:
         s, b, w = len(self.slots), batch_size, self.world
         nnz = values.numel()
         bag = torch.repeat_interleave(torch.arange(s * b, device=values.device), lengths, output_size=nnz)
@@ -81,17 +82,23 @@ class RowWiseSharding(nn.Module):
         lengths_by_dest = torch.bincount(dest * (s * b) + bag, minlength=w * s * b)
         nnz_by_dest = torch.bincount(dest, minlength=w)
         order = torch.sort(dest, stable=True).indices
-        got_lengths, got_values, batch_sizes = exchange_bags(lengths_by_dest, local_ids[order], nnz_by_dest, [s] * w,
-                                                             s, b, self.group)
-        training = torch.is_grad_enabled() and self.training
-        pooled = self.local(KeyedJaggedTensor(self.local_features, got_values, got_lengths))
-        blocks = exchange_pooled(pooled, batch_sizes, [self.dim] * w, b, self.group, training,
-                                 self.comm_dtype)
-        out = blocks[0].float()  # the partial pools are added in float32, whatever travelled
+        return exchange_bags(lengths_by_dest, local_ids[order], nnz_by_dest, [s] * w, s, b, self.group)
+
+    def lookup(self, bags: LocalBags) -> torch.Tensor:
+        return self.local(bags.features)
+
+    def output_dist(self, pooled: torch.Tensor, bags: LocalBags) -> Awaitable[list[torch.Tensor]]:
+        blocks = exchange_pooled(pooled, bags.batch_sizes, [self.dim] * self.world, bags.batch_size, self.group,
+                                 torch.is_grad_enabled() and self.training, self.comm_dtype)
+        return blocks.then(lambda got: [self.combine(got, bags.own_lengths, bags.batch_size)])
+
+    def combine(self, blocks: list[torch.Tensor], lengths: torch.Tensor, batch_size: int) -> torch.Tensor:
+        """The sum of the ranks' partial pools (in float32, whatever travelled), mean slots divided."""
+        out = blocks[0].float()
         for block in blocks[1:]:
             out = out + block
         if self.has_mean:
-            lens = lengths.view(s, b).t().float().clamp(min=1)[:, self._slot_of_column]
+            lens = lengths.view(len(self.slots), batch_size).t().float().clamp(min=1)[:, self._slot_of_column]
             scale = torch.where(self._mean[self._slot_of_column], 1.0 / lens, torch.ones_like(lens))
             out = out * scale
-        return [out]
+        return out

@@ -1,4 +1,4 @@
-"""The sharding plan: where every table of an embedding collection lives, saved as JSON.
+"""The sharding plan (where every table of an embedding collection lives, saved as JSON) and awaitables.
 
 Three ways to place a table (torchrec's names):
 
@@ -16,17 +16,64 @@ Example::
                             "t_C2": ParameterSharding.row_wise("t_C2", 10**7, world_size=2)})
     print(plan.describe(tables))
     plan.save("plan.json"); ShardingPlan.load("plan.json") == plan   # True
+
+An :class:`Awaitable` (torchrec's) is a result whose collective may still be running: ``wait()``
+blocks until it is there and returns it, so a caller can launch an exchange and compute meanwhile.
 """
 
 from __future__ import annotations
 
+import abc
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
+from typing import Generic, TypeVar
 
 PLAN_VERSION = 1
+
+W = TypeVar("W")
+V = TypeVar("V")
+
+
+class Awaitable(abc.ABC, Generic[W]):
+    """A result that may still be in flight: ``wait()`` blocks until it is there, then returns it."""
+
+    @abc.abstractmethod
+    def wait(self) -> W: ...
+
+    def then(self, fn: Callable[[W], V]) -> Awaitable[V]:
+        """An awaitable of ``fn(self.wait())``: ``fn`` runs when the new one is waited on."""
+        return _Then(self, fn)
+
+
+class NoWait(Awaitable[W]):
+    """A result that is there already."""
+
+    def __init__(self, value: W) -> None:
+        self.value = value
+
+    def wait(self) -> W:
+        return self.value
+
+
+class AwaitableList(Awaitable[list]):
+    """Several awaitables; ``wait()`` waits for each, in order, and returns their results."""
+
+    def __init__(self, awaitables: Sequence[Awaitable]) -> None:
+        self.awaitables = list(awaitables)
+
+    def wait(self) -> list:
+        return [a.wait() for a in self.awaitables]
+
+
+class _Then(Awaitable[V]):
+    def __init__(self, first: Awaitable[W], fn: Callable[[W], V]) -> None:
+        self.first, self.fn = first, fn
+
+    def wait(self) -> V:
+        return self.fn(self.first.wait())
 
 
 class ShardingType(str, Enum):

@@ -1,9 +1,11 @@
-"""Run a function on N real ranks (torch.distributed, one process each) and collect what each returns.
+"""Run a function on N local ranks (torch.distributed, one process each) and collect what each returns.
 
-Used by the distributed tests (gloo on CPU in CI, NCCL on GPUs) and by the benchmark, torchrec
-``MultiProcessTestBase`` style: ``fn(rank, world_size, *args)`` runs in every spawned process after
-the process group is up; its return value (plain data and CPU tensors) comes back in rank order. An
-exception in any rank fails the call with that rank's traceback, and the other ranks are stopped.
+The model-parallel benchmark (``bench train_distributed``), ``tools/a2a_bandwidth.py`` and the
+distributed tests start their ranks with it, torchrec ``MultiProcessTestBase`` style:
+``fn(rank, world_size, *args)`` runs in every spawned process after the process group is up (gloo
+on CPU, NCCL with one GPU per rank); its return value (plain data and CPU tensors) comes back in
+rank order. An exception in any rank fails the call with that rank's traceback, and the other ranks
+are stopped. Training itself is launched by torchrun (``pipeline.distributed.launch``).
 
 Example::
 
@@ -81,5 +83,5 @@ def _entry(rank, world_size, backend, init_file, fn, args, results, timeout_s):
         results.put((rank, True, buf.getvalue()))
         dist.barrier()
         dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001  (reported to the parent, which fails the test)
+    except BaseException:  # noqa: BLE001  (reported to the parent, which raises WorkerFailed)
         results.put((rank, False, traceback.format_exc()))
