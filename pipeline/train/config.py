@@ -66,8 +66,6 @@ class TrainConfig:
     resume: bool = field(default=False, metadata={"help": "continue from the newest checkpoint under paths.train"})
     log_every: int = field(default=20, metadata={"help": "write a metrics line every N steps"})
     progress: bool = field(default=True, metadata={"help": "show a progress bar"})
-    crash_after_step: int = field(default=0, metadata={
-        "help": "testing hook: raise SimulatedCrash right after this step (0: never)"})
 
     def __post_init__(self) -> None:
         for name, allowed in (("model", MODELS), ("preset", PRESETS), ("optimizer", DENSE_OPTIMIZERS),
