@@ -61,7 +61,8 @@ class TrainConfig:
     threads: int = field(default=0, metadata={
         "help": "torch CPU threads while training (0: all cores but one, which the loader's thread uses)"})
 
-    checkpoint_every: int = field(default=200, metadata={"help": "save a checkpoint every N steps (0: only at the end)"})
+    checkpoint_every: int = field(default=200, metadata={
+        "help": "save a checkpoint every N steps (0: only at the end)"})
     keep_checkpoints: int = field(default=2, metadata={"help": "checkpoints kept on disk (the newest)"})
     resume: bool = field(default=False, metadata={"help": "continue from the newest checkpoint under paths.train"})
     log_every: int = field(default=20, metadata={"help": "write a metrics line every N steps"})
