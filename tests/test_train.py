@@ -205,10 +205,28 @@ def test_stage_trains_on_gpu_with_bf16_autocast(tmp_path):
     assert model.embedding.weights.is_cuda
 
 
+class Recorder(Callback):
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, int]] = []
+
+    def on_step(self, trainer) -> None:
+        self.seen.append(("step", trainer.state.step))
+
+    def on_checkpoint(self, trainer, path) -> None:
+        self.seen.append((path.name, trainer.state.step))
+
+    def on_evaluation(self, trainer, scores) -> None:
+        self.seen.append(("valid", scores["rows"]))
+
+
 def test_validation_every_n_steps_and_at_the_end(tmp_path):
     cfg = _config(tmp_path, "train.eval_every=5", "train.checkpoint_every=0")
     _write_data(cfg)
-    result = run(cfg)
+    recorder = Recorder()
+    result = _train(cfg, [recorder])
+    assert [s for kind, s in recorder.seen if kind == "step"] == list(range(1, 13))
+    assert [e for e in recorder.seen if e[0] != "step"] == [("valid", 300), ("valid", 300), ("valid", 300),
+                                                           ("step-00000012.pt", 12)]
     lines = [json.loads(line) for line in (cfg.paths.train / "metrics.jsonl").read_text().splitlines()]
     valid = [r for r in lines if r.get("split") == "valid"]
     assert [r["step"] for r in valid] == [5, 10, 12]

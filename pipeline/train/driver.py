@@ -85,11 +85,8 @@ def _train(cfg: TrainConfig, data: Path, out: Path, schema: Schema, seed: int, w
     torch.manual_seed(seed)
 
     spec = model_spec(cfg, schema, device.type, seed)
-    model = _place(model_from_spec(spec, backend=cfg.embedding_backend), cfg, world, distributed)
-    if world.size == 1:
-        checkpoints = PlainCheckpoints(out / "checkpoints", cfg.keep_checkpoints)
-    else:
-        checkpoints = ShardedCheckpoints(out / "checkpoints", world, cfg.keep_checkpoints)
+    model, checkpoints = _place(model_from_spec(spec, backend=cfg.embedding_backend), cfg, world, distributed,
+                                out / "checkpoints")
     if cfg.resume and checkpoints.latest() is not None:
         check_same_model(spec, out)
     world.barrier()  # every rank has read the old model.json before it is replaced
@@ -128,21 +125,27 @@ def _train(cfg: TrainConfig, data: Path, out: Path, schema: Schema, seed: int, w
     return result
 
 
-def _place(model: nn.Module, cfg: TrainConfig, world: World, distributed: DistributedConfig) -> nn.Module:
-    """The model as the loop trains it: itself on a world of one, sharded over the ranks of a larger world."""
+def _place(model: nn.Module, cfg: TrainConfig, world: World, distributed: DistributedConfig,
+           folder: Path) -> tuple[nn.Module, PlainCheckpoints | ShardedCheckpoints]:
+    """The model as the loop trains it and its checkpoint format in ``folder``.
+
+    On a world of one: the model itself and ``.pt`` checkpoints. On N ranks: the model sharded by
+    ``DistributedModelParallel`` and sharded checkpoints.
+    """
     if world.size == 1:
         model = model.to(world.device)
         # The loader checks every id against its table while reading (on the host); checking again on a
         # GPU would cost a device sync per step.
         model.embedding.validate_ids = world.device.type != "cuda"
-        return model
+        return model, PlainCheckpoints(folder, cfg.keep_checkpoints)
     if distributed.plan_file:
         plans, planner = {"embedding": ShardingPlan.load(distributed.plan_file)}, None
     else:
         plans = None
         planner = make_planner(distributed, world.size, world.device, batch_size=cfg.batch_size,
                                optimizer=cfg.embedding_optimizer, weight_bytes=_WEIGHT_BYTES[cfg.embedding_dtype])
-    return DistributedModelParallel(model, plans, planner, world.device, comm_dtype=distributed.comm_dtype)
+    dmp = DistributedModelParallel(model, plans, planner, world.device, comm_dtype=distributed.comm_dtype)
+    return dmp, ShardedCheckpoints(folder, world, cfg.keep_checkpoints)
 
 
 def _describe(model: nn.Module, spec: dict, world: World, out: Path) -> None:
