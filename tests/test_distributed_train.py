@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pipeline.distributed.launch import relaunch
-from pipeline.distributed.train import sharded_checkpoints
+from pipeline.train.checkpoint import sharded_checkpoints
 from pipeline.stages.config import load_config
 
 
@@ -27,9 +27,9 @@ def _score_alone(cfg) -> dict:
     from pipeline.loader import Loader
     from pipeline.schema import Schema
     from pipeline.train.evaluate import evaluate
-    from pipeline.train.stage import load_trained
+    from pipeline.train.model import load_trained
 
-    model, _ = load_trained(cfg, backend="torch")
+    model, _ = load_trained(cfg.paths.train, backend="torch")
     loader = Loader(cfg.paths.processed / "test", 4096, schema=Schema.load(cfg.paths.schema), device="cpu")
     try:
         return evaluate(model, loader, torch.device("cpu"))
@@ -41,7 +41,7 @@ def test_two_ranks_train_and_write_a_model_one_process_can_score(processed):
     overrides = [f"workdir={processed}", "device=cpu", "train.batch_size=512", "train.max_steps=12", "train.epochs=2",
                  "train.checkpoint_every=5", "train.progress=false", "train.log_every=5", "train.eval_every=6",
                  "train.embedding_backend=torch"]
-    assert relaunch(overrides, 2, module="pipeline.distributed.train") == 0
+    assert relaunch(["run", "train", *overrides], 2) == 0
     cfg = load_config(None, overrides)
     out = cfg.paths.train
     result = json.loads((out / "result.json").read_text())
@@ -62,7 +62,7 @@ def test_three_ranks_resume_what_two_ranks_saved(processed):
     overrides = [f"workdir={processed}", "device=cpu", "train.batch_size=512", "train.max_steps=14", "train.epochs=2",
                  "train.checkpoint_every=5", "train.progress=false", "train.log_every=5", "train.eval_every=0",
                  "train.embedding_backend=torch", "train.resume=true"]
-    assert relaunch(overrides, 3, module="pipeline.distributed.train") == 0
+    assert relaunch(["run", "train", *overrides], 3) == 0
     cfg = load_config(None, overrides)
     out = cfg.paths.train
     result = json.loads((out / "result.json").read_text())

@@ -12,11 +12,14 @@ import torch
 
 from pipeline.errors import BadInputError, UserError
 from pipeline.loader.synthetic import criteo_schema, write_processed
+from pipeline.schema import Schema
 from pipeline.stages.config import load_config
 from pipeline.train.checkpoint import CheckpointError, checkpoints, latest_checkpoint, load_checkpoint, save_checkpoint
-from pipeline.train.loop import SimulatedCrash
+from pipeline.train.driver import train
+from pipeline.train.loop import Callback
+from pipeline.train.model import load_trained
 from pipeline.train.schedule import lr_at
-from pipeline.train.stage import load_trained, run
+from pipeline.train.stage import run
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["device=cpu", "train.batch_size=128", "train.eval_batch_size=512", "train.embedding_dim=8",
@@ -32,6 +35,27 @@ def _write_data(cfg, train_rows=1500):
     schema = criteo_schema(size=0.0001, categorical=5, continuous=3, multihot={"M1": 3})
     write_processed(cfg.paths.processed, schema, {"train": train_rows, "valid": 300, "test": 300},
                     row_group_rows=500, seed=7)
+
+
+class Crash(RuntimeError):
+    """Stops a run as a crash would."""
+
+
+class CrashAfter(Callback):
+    """Raises :class:`Crash` at the end of step ``step`` (after its checkpoint, if one is due)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step(self, trainer) -> None:
+        if trainer.state.step == self.step:
+            raise Crash(f"stopping after step {self.step}")
+
+
+def _train(cfg, callbacks=()):
+    """What ``run(cfg)`` does in one process, with ``callbacks`` passed to the loop."""
+    return train(cfg.train, cfg.paths.processed, cfg.paths.train, schema=Schema.load(cfg.paths.schema),
+                 seed=cfg.seed, callbacks=callbacks)
 
 
 def _final_state(cfg):
@@ -61,7 +85,7 @@ def test_checkpoints_are_atomic_kept_newest_and_hold_no_code(tmp_path):
     (tmp_path / "step-00000009.pt.tmp").write_bytes(b"half written")
     assert [p.name for p in checkpoints(tmp_path)] == ["step-00000002.pt", "step-00000003.pt"]
     assert load_checkpoint(latest_checkpoint(tmp_path))["model"]["w"].tolist() == [3.0, 3.0]
-    torch.save({"version": 1, "step": 4, "code": SimulatedCrash("pickled object")}, tmp_path / "step-00000004.pt")
+    torch.save({"version": 1, "step": 4, "code": Crash("pickled object")}, tmp_path / "step-00000004.pt")
     with pytest.raises(CheckpointError, match="cannot read"):
         load_checkpoint(tmp_path / "step-00000004.pt")
     torch.save({"version": 99, "step": 5}, tmp_path / "step-00000005.pt")
@@ -83,7 +107,7 @@ def test_stage_writes_outputs_and_load_trained_reproduces_the_test_scores(tmp_pa
     assert train_steps == [4, 8, 12] and any(r.get("split") == "valid" for r in lines)
     assert [p.name for p in checkpoints(out / "checkpoints")] == ["step-00000010.pt", "step-00000012.pt"]
 
-    model, schema = load_trained(cfg)
+    model, schema = load_trained(cfg.paths.train)
     from pipeline.loader import Loader
     from pipeline.train.evaluate import evaluate
 
@@ -98,10 +122,10 @@ def test_resume_after_a_crash_mid_epoch_ends_with_the_same_weights(tmp_path):
     _write_data(straight)
     run(straight)
 
-    crashed = _config(tmp_path / "crashed", *common, "train.crash_after_step=17")
+    crashed = _config(tmp_path / "crashed", *common)
     _write_data(crashed)
-    with pytest.raises(SimulatedCrash):
-        run(crashed)
+    with pytest.raises(Crash):
+        _train(crashed, [CrashAfter(17)])
     assert latest_checkpoint(crashed.paths.train / "checkpoints").name == "step-00000015.pt"
     assert not (crashed.paths.train / "model.pt").exists()
     run(_config(tmp_path / "crashed", *common, "train.resume=true"))
@@ -177,14 +201,32 @@ def test_stage_trains_on_gpu_with_bf16_autocast(tmp_path):
     lines = [json.loads(line) for line in (cfg.paths.train / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in lines if "loss" in r]
     assert all(0 < loss < 2 for loss in losses)
-    model, _ = load_trained(cfg, device="cuda")
+    model, _ = load_trained(cfg.paths.train, device="cuda")
     assert model.embedding.weights.is_cuda
+
+
+class Recorder(Callback):
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, int]] = []
+
+    def on_step(self, trainer) -> None:
+        self.seen.append(("step", trainer.state.step))
+
+    def on_checkpoint(self, trainer, path) -> None:
+        self.seen.append((path.name, trainer.state.step))
+
+    def on_evaluation(self, trainer, scores) -> None:
+        self.seen.append(("valid", scores["rows"]))
 
 
 def test_validation_every_n_steps_and_at_the_end(tmp_path):
     cfg = _config(tmp_path, "train.eval_every=5", "train.checkpoint_every=0")
     _write_data(cfg)
-    result = run(cfg)
+    recorder = Recorder()
+    result = _train(cfg, [recorder])
+    assert [s for kind, s in recorder.seen if kind == "step"] == list(range(1, 13))
+    assert [e for e in recorder.seen if e[0] != "step"] == [("valid", 300), ("valid", 300), ("valid", 300),
+                                                           ("step-00000012.pt", 12)]
     lines = [json.loads(line) for line in (cfg.paths.train / "metrics.jsonl").read_text().splitlines()]
     valid = [r for r in lines if r.get("split") == "valid"]
     assert [r["step"] for r in valid] == [5, 10, 12]

@@ -41,6 +41,7 @@ def run(args: argparse.Namespace, cfg) -> dict:
     import torch
 
     from pipeline.device import resolve_device
+    from pipeline.train.evaluate import autocast
 
     device = torch.device(resolve_device(cfg.device).kind)
     if args.threads:
@@ -59,7 +60,7 @@ def run(args: argparse.Namespace, cfg) -> dict:
     our_opt = torch.optim.SGD(ours.parameters(), lr=0.01)
 
     def train_step(model, optimizer, dense, sparse, label):
-        with _autocast(device, amp):
+        with autocast(device, amp):
             logits = model(dense, sparse)
         loss = torch.nn.functional.binary_cross_entropy_with_logits(logits.float(), label)
         optimizer.zero_grad(set_to_none=True)
@@ -136,15 +137,6 @@ def _ours(args, dim, bottom, top, device):
     model = build_model("dlrm", schema, sizes, EmbeddingOptimizerConfig("sgd", lr=0.01), backend=args.backend)
     model.embedding.validate_ids = False  # the baseline does not check ids either
     return model.to(device)
-
-
-def _autocast(device, enabled):
-    import contextlib
-
-    import torch
-
-    return torch.autocast("cuda", dtype=torch.bfloat16) if enabled and device.type == "cuda" \
-        else contextlib.nullcontext()
 
 
 def _sync(device):

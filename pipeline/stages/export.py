@@ -65,7 +65,7 @@ def _instance_kind(cfg: PipelineConfig) -> str:
 
 def load_trained_model(cfg: PipelineConfig):
     """The trained model of ``cfg.paths.train`` (on the CPU, in eval mode) and the schema it was trained with."""
-    from pipeline.train.stage import load_trained
+    from pipeline.train.model import load_trained
 
-    model, schema = load_trained(cfg, device="cpu")
+    model, schema = load_trained(cfg.paths.train, device="cpu")
     return model.eval(), schema

@@ -1,6 +1,8 @@
 """Training: ``python -m pipeline run train``.
 
-``stage`` (``run(cfg)``, ``load_trained(cfg)``), ``loop`` (``Trainer``), ``checkpoint``, ``schedule``
-(``lr_at``), ``evaluate`` and ``config`` (``TrainConfig``). Nothing is imported here, so that reading
-the settings (``pipeline.config`` imports ``pipeline.train.config``) stays light.
+``stage`` (``run(cfg)``, the stage's runner), ``driver`` (``train``: one process or N ranks),
+``loop`` (``Trainer``, ``Callback``), ``model`` (``model_spec``, ``model_from_spec``,
+``load_trained``), ``checkpoint`` (plain and sharded formats), ``schedule`` (``lr_at``),
+``evaluate`` and ``config`` (``TrainConfig``). Nothing is imported here, so that reading the
+settings (``pipeline.config`` imports ``pipeline.train.config``) stays light.
 """

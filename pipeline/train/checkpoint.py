@@ -1,17 +1,19 @@
-"""Checkpoints: plain tensors and dicts written atomically, read back with ``weights_only=True``.
+"""Checkpoints of the training loop, in two formats: one ``.pt`` file (one process) or sharded (N ranks).
 
-Layout under the training folder (``cfg.paths.train``)::
+:class:`PlainCheckpoints` (a world of one) writes ``checkpoints/step-NNNNNNNN.pt``::
 
-    checkpoints/step-00000200.pt   one per save, the newest ``keep`` kept
-        {"version": 1, "step": int, "epoch": int,
-         "model": model.state_dict()           (embedding weights + their optimizer state + dense part),
-         "dense_optimizer": optimizer.state_dict(),
-         "loader": the train loader's state (plain values),
-         "rng": {"torch": ByteTensor, "cuda": [ByteTensor, ...], "python": list},
-         "extra": plain values (e.g. the best valid AUC so far)}
+    {"version": 1, "step": int, "epoch": int,
+     "model": model.state_dict()           (embedding weights + their optimizer state + dense part),
+     "dense_optimizer": optimizer.state_dict(),
+     "loader": the train loader's state (plain values),
+     "rng": {"torch": ByteTensor, "cuda": [ByteTensor, ...], "python": list}}
 
-A save writes ``step-N.pt.tmp`` and renames it, so a kill mid-save leaves the previous checkpoint
-intact; no code is pickled, so loading runs nothing from the file.
+:class:`ShardedCheckpoints` (N ranks) writes folders ``checkpoints/step-NNNNNNNN.sharded/``: the
+tables and dense state of :mod:`pipeline.distributed.checkpoint` (which any number of ranks can
+read back) plus one ``rank-R.pt`` per rank with its loader position and RNG states.
+
+Both keep the newest ``keep`` checkpoints. Every file is written atomically (a kill mid-save leaves
+the previous checkpoint intact), and no code is pickled, so loading runs nothing from the file.
 
 Example::
 
@@ -21,20 +23,40 @@ Example::
 
 from __future__ import annotations
 
-import os
 import random
 import re
+import shutil
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
+
+from pipeline.distributed.checkpoint import load_sharded_checkpoint, read_meta, save_sharded_checkpoint
+from pipeline.distributed.world import World
+from pipeline.files import atomic_open
+from pipeline.train.model import model_from_spec
+
+if TYPE_CHECKING:
+    from pipeline.train.loop import Trainer
 
 CHECKPOINT_VERSION = 1
 _NAME = re.compile(r"^step-(\d+)\.pt$")
+_SHARDED = ".sharded"
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be read or does not match this version."""
+
+
+@dataclass
+class LoopState:
+    """Where training is: steps done, the current epoch and its next batch."""
+
+    step: int = 0
+    epoch: int = 0
+    batch: int = 0
 
 
 def checkpoints(folder: str | Path) -> list[Path]:
@@ -53,15 +75,9 @@ def latest_checkpoint(folder: str | Path) -> Path | None:
 
 def save_checkpoint(folder: str | Path, state: dict[str, Any], keep: int = 2) -> Path:
     """Write ``state`` as ``folder/step-<state['step']>.pt`` atomically, then drop all but the newest ``keep``."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"step-{int(state['step']):08d}.pt"
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    path = Path(folder) / f"step-{int(state['step']):08d}.pt"
+    with atomic_open(path) as f:
         torch.save({"version": CHECKPOINT_VERSION, **state}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
     for old in checkpoints(folder)[: -max(1, keep)]:
         old.unlink(missing_ok=True)
     return path
@@ -79,6 +95,15 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     return state
 
 
+def sharded_checkpoints(folder: str | Path) -> list[Path]:
+    """Finished sharded checkpoint folders (with ``meta.json``) in ``folder``, oldest step first."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    found = [p for p in folder.glob(f"step-*{_SHARDED}") if (p / "meta.json").is_file()]
+    return sorted(found, key=lambda p: int(p.name[len("step-"):-len(_SHARDED)]))
+
+
 def rng_state() -> dict[str, Any]:
     """Every RNG the training loop draws from, as tensors and lists."""
     state = {"torch": torch.get_rng_state(), "python": _to_lists(random.getstate())}
@@ -94,9 +119,120 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+class PlainCheckpoints:
+    """One ``step-N.pt`` file per save: the whole state of a single-process :class:`Trainer`."""
+
+    def __init__(self, folder: str | Path, keep: int = 2) -> None:
+        self.folder, self.keep = Path(folder), keep
+
+    def latest(self) -> Path | None:
+        return latest_checkpoint(self.folder)
+
+    def clear(self) -> None:
+        for old in self.folder.glob("step-*.pt*"):
+            old.unlink()
+
+    def save(self, trainer: Trainer) -> Path:
+        s = trainer.state
+        return save_checkpoint(self.folder, {
+            "step": s.step,
+            "epoch": s.epoch,
+            "model": trainer.model.state_dict(),
+            "dense_optimizer": trainer.optimizer.state_dict(),
+            "loader": {**trainer.loader.state_dict(), "epoch": s.epoch, "batches": s.batch},
+            "rng": rng_state(),
+        }, keep=self.keep)
+
+    def load(self, trainer: Trainer, path: Path) -> tuple[LoopState, dict[str, Any]]:
+        """Restore ``trainer`` from ``path``; returns where the loop stands and fields for the resume record."""
+        ckpt = load_checkpoint(path, map_location=trainer.device)
+        trainer.model.load_state_dict(ckpt["model"])
+        trainer.optimizer.load_state_dict(ckpt["dense_optimizer"])
+        trainer.loader.load_state_dict(ckpt["loader"])
+        set_rng_state({k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in ckpt["rng"].items()})
+        loader = ckpt["loader"]
+        return LoopState(step=int(ckpt["step"]), epoch=int(loader["epoch"]), batch=int(loader["batches"])), {}
+
+    def model_state(self, model: nn.Module, spec: dict) -> dict[str, torch.Tensor]:
+        """The trained weights as one process's model holds them (``model`` is that model)."""
+        return model.state_dict()
+
+
+class ShardedCheckpoints:
+    """A ``step-N.sharded/`` folder per save, written by every rank of ``world`` (a ``DistributedModelParallel``)."""
+
+    def __init__(self, folder: str | Path, world: World, keep: int = 2) -> None:
+        self.folder, self.world, self.keep = Path(folder), world, keep
+
+    def latest(self) -> Path | None:
+        found = sharded_checkpoints(self.folder)
+        return found[-1] if found else None
+
+    def clear(self) -> None:
+        for old in self.folder.glob("step-*"):
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
+
+    def save(self, trainer: Trainer) -> Path:
+        s, world = trainer.state, self.world
+        folder = self.folder / f"step-{s.step:08d}{_SHARDED}"
+        if world.is_writer and folder.exists():
+            shutil.rmtree(folder)
+        world.barrier()
+        with atomic_open(folder / f"rank-{world.rank}.pt") as f:
+            torch.save({"loader": {**trainer.loader.state_dict(), "epoch": s.epoch, "batches": s.batch},
+                        "rng": rng_state()}, f)
+        save_sharded_checkpoint(folder, trainer.model.sharded_collections(),
+                                dense={"model": trainer.model.dense_state_dict(),
+                                       "dense_optimizer": trainer.optimizer.state_dict()},
+                                step=s.step, extra={"epoch": s.epoch, "batch": s.batch})
+        if world.is_writer:
+            for old in sharded_checkpoints(self.folder)[: -max(1, self.keep)]:
+                shutil.rmtree(old, ignore_errors=True)
+        world.barrier()
+        return folder
+
+    def load(self, trainer: Trainer, path: Path) -> tuple[LoopState, dict[str, Any]]:
+        """Restore ``trainer`` from a sharded checkpoint; returns the loop position and resume-record fields.
+
+        Written by as many ranks as this run has: an exact resume (loader positions and RNG states
+        too). Written by another number: the tables and all optimizer states are resharded exactly,
+        the loop goes on from the saved step, and the data position within the epoch is carried
+        over by samples seen (each rank's shard of the data changes with the rank count, so the
+        batches that follow are not the ones an uninterrupted run would have seen).
+        """
+        world, model = self.world, trainer.model
+        meta = read_meta(path)
+        saved = load_sharded_checkpoint(path, model.sharded_collections())
+        model.load_dense_state_dict({k: v.to(trainer.device) for k, v in saved["dense"]["model"].items()})
+        trainer.optimizer.load_state_dict(saved["dense"]["dense_optimizer"])
+        if meta["world_size"] == world.size:
+            mine = torch.load(path / f"rank-{world.rank}.pt", map_location="cpu", weights_only=True)
+            trainer.loader.load_state_dict(mine["loader"])
+            epoch, batch = int(mine["loader"]["epoch"]), int(mine["loader"]["batches"])
+            set_rng_state(mine["rng"])
+        else:
+            epoch, batch = int(saved["extra"]["epoch"]), int(saved["extra"]["batch"]) * meta["world_size"] // world.size
+            if batch >= trainer.steps_per_epoch:
+                epoch, batch = epoch + 1, 0
+            trainer.loader.load_state_dict({**trainer.loader.state_dict(), "epoch": epoch, "batches": batch})
+            if world.is_writer:
+                print(f"[train] resuming {meta['world_size']}-rank checkpoint {path} on {world.size} ranks: weights "
+                      f"and optimizer states resharded; data resumes at epoch {epoch}, batch {batch}", flush=True)
+        return (LoopState(step=int(meta["step"]), epoch=epoch, batch=batch),
+                {"saved_by_ranks": meta["world_size"], "ranks": world.size})
+
+    def model_state(self, model: nn.Module, spec: dict) -> dict[str, torch.Tensor]:
+        """The trained weights as one process's model of ``spec`` holds them, read from the newest checkpoint."""
+        plain = model_from_spec(spec, backend="torch")
+        state = load_sharded_checkpoint(self.latest(), {"embedding": plain.embedding})
+        plain.load_state_dict({**plain.state_dict(), **state["dense"]["model"]})
+        return plain.state_dict()
+
+
 def _to_lists(value: Any) -> Any:
     return [_to_lists(v) for v in value] if isinstance(value, (tuple, list)) else value
 
 
 def _to_tuples(value: Any) -> Any:
     return tuple(_to_tuples(v) for v in value) if isinstance(value, (tuple, list)) else value
+

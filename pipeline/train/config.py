@@ -61,13 +61,12 @@ class TrainConfig:
     threads: int = field(default=0, metadata={
         "help": "torch CPU threads while training (0: all cores but one, which the loader's thread uses)"})
 
-    checkpoint_every: int = field(default=200, metadata={"help": "save a checkpoint every N steps (0: only at the end)"})
+    checkpoint_every: int = field(default=200, metadata={
+        "help": "save a checkpoint every N steps (0: only at the end)"})
     keep_checkpoints: int = field(default=2, metadata={"help": "checkpoints kept on disk (the newest)"})
     resume: bool = field(default=False, metadata={"help": "continue from the newest checkpoint under paths.train"})
     log_every: int = field(default=20, metadata={"help": "write a metrics line every N steps"})
     progress: bool = field(default=True, metadata={"help": "show a progress bar"})
-    crash_after_step: int = field(default=0, metadata={
-        "help": "testing hook: raise SimulatedCrash right after this step (0: never)"})
 
     def __post_init__(self) -> None:
         for name, allowed in (("model", MODELS), ("preset", PRESETS), ("optimizer", DENSE_OPTIMIZERS),

@@ -4,6 +4,7 @@ Example::
 
     labels, probs = predict(model, loader, device)
     evaluate(model, loader, device)   # {"rows": 100000, "auc": 0.79, "logloss": 0.47, "positive_rate": 0.25}
+    evaluate(dmp, loader, device, world=world)   # on N ranks: over every rank's rows, the same on each
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 import torch
 
 from pipeline.data.metrics import log_loss, roc_auc
+from pipeline.distributed.world import World
 
 
 def autocast(device: torch.device, enabled: bool) -> contextlib.AbstractContextManager:
@@ -55,5 +57,16 @@ def scores(labels: np.ndarray, probs: np.ndarray) -> dict[str, float]:
     }
 
 
-def evaluate(model: torch.nn.Module, batches: Iterable, device: torch.device, amp: bool = False) -> dict[str, float]:
-    return scores(*predict(model, batches, device, amp))
+def evaluate(model: torch.nn.Module, batches: Iterable, device: torch.device, amp: bool = False,
+             world: World | None = None) -> dict[str, float]:
+    """:func:`scores` of ``model`` on ``batches``; with a ``world``, over the predictions of all its ranks.
+
+    The rows a rank's loader repeats to even out the shards (its ``padding``) are left out.
+    """
+    labels, probs = predict(model, batches, device, amp)
+    padding = getattr(batches, "padding", 0)
+    if padding:
+        labels, probs = labels[: len(labels) - padding], probs[: len(probs) - padding]
+    if world is not None:
+        labels, probs = world.gather_arrays(labels, probs)
+    return scores(labels, probs)

@@ -7,13 +7,15 @@ run would have seen. With the same seed, a run killed after any checkpoint and r
 same weights as one that never stopped (the lr schedule is a pure function of the step, and the RNG
 states travel in the checkpoint).
 
-Testing hook: ``train.crash_after_step=N`` raises :class:`SimulatedCrash` right after step ``N``
-(after that step's checkpoint, if one is due), as a kill at that point would.
+The same loop trains one process and N ranks: the :class:`~pipeline.distributed.world.World` says
+who writes the files, the model is the plain model or its ``DistributedModelParallel``, and the
+checkpoint format (:mod:`pipeline.train.checkpoint`) matches it. :class:`Callback` objects passed to
+:meth:`Trainer.fit` see each step, checkpoint and evaluation (tests stop a run through one).
 
 Example::
 
-    trainer = Trainer(model, cfg.train, device, out_dir, train_loader)
-    trainer.resume_from(latest_checkpoint(trainer.checkpoint_dir))   # or trainer.start_fresh()
+    trainer = Trainer(model, cfg.train, out_dir, train_loader, World(device=device))
+    trainer.start_fresh()                       # or trainer.resume_from(trainer.checkpoints.latest())
     trainer.fit(evaluate_valid=lambda: evaluate(model, valid_loader, device))
 """
 
@@ -21,31 +23,35 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from pipeline.train.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from pipeline.distributed.world import World
+from pipeline.train.checkpoint import LoopState, PlainCheckpoints, ShardedCheckpoints
 from pipeline.train.config import TrainConfig
 from pipeline.train.evaluate import autocast
 from pipeline.train.schedule import lr_at
 
 
-class SimulatedCrash(RuntimeError):
-    """Raised by the ``train.crash_after_step`` testing hook."""
+class Callback:
+    """What :meth:`Trainer.fit` calls as training goes; override the methods you need.
 
+    ``on_step`` runs at the end of each step, after that step's checkpoint and evaluation when they
+    are due. An exception raised by a callback ends training there, as a crash would.
+    """
 
-@dataclass
-class LoopState:
-    """Where training is: steps done, the current epoch and its next batch."""
+    def on_step(self, trainer: Trainer) -> None:
+        pass
 
-    step: int = 0
-    epoch: int = 0
-    batch: int = 0
+    def on_checkpoint(self, trainer: Trainer, path: Path) -> None:
+        pass
+
+    def on_evaluation(self, trainer: Trainer, scores: dict) -> None:
+        pass
 
 
 def dense_optimizer(name: str, params, lr: float, weight_decay: float) -> torch.optim.Optimizer:
@@ -59,29 +65,30 @@ def dense_optimizer(name: str, params, lr: float, weight_decay: float) -> torch.
 
 
 class Trainer:
-    """Trains ``model`` (a :class:`~pipeline.modules.models.RecModel`) under ``cfg``; writes to ``out_dir``."""
+    """Trains ``model`` under ``cfg`` on ``world`` (default: one process on the CPU); writes to ``out_dir``.
 
-    def __init__(self, model: torch.nn.Module, cfg: TrainConfig, device: torch.device, out_dir: str | Path,
-                 train_loader) -> None:
+    ``checkpoints`` is the format of the saves (default: :class:`PlainCheckpoints` under
+    ``out_dir/checkpoints``; a ``DistributedModelParallel`` takes :class:`ShardedCheckpoints`).
+    """
+
+    def __init__(self, model: torch.nn.Module, cfg: TrainConfig, out_dir: str | Path, train_loader,
+                 world: World | None = None, checkpoints: PlainCheckpoints | ShardedCheckpoints | None = None) -> None:
         steps_per_epoch = len(train_loader)
         if steps_per_epoch <= 0:
             raise ValueError(f"expected at least one training batch per epoch, got {steps_per_epoch}")
         self.model = model
         self.cfg = cfg
-        self.device = device
+        self.world = world or World()
+        self.device = self.world.device
         self.out_dir = Path(out_dir)
+        self.checkpoints = checkpoints or PlainCheckpoints(self.out_dir / "checkpoints", cfg.keep_checkpoints)
         self.loader = train_loader
         self.steps_per_epoch = steps_per_epoch
         total = cfg.epochs * steps_per_epoch
         self.total_steps = min(total, cfg.max_steps) if cfg.max_steps > 0 else total
         self.optimizer = dense_optimizer(cfg.optimizer, model.parameters(), cfg.lr, cfg.weight_decay)
-        self.amp = cfg.amp == "bf16" or (cfg.amp == "auto" and device.type == "cuda")
+        self.amp = cfg.amp == "bf16" or (cfg.amp == "auto" and self.device.type == "cuda")
         self.state = LoopState()
-        self.history: list[dict[str, Any]] = []
-
-    @property
-    def checkpoint_dir(self) -> Path:
-        return self.out_dir / "checkpoints"
 
     @property
     def metrics_path(self) -> Path:
@@ -96,45 +103,30 @@ class Trainer:
 
     def start_fresh(self) -> None:
         """Forget earlier runs' checkpoints and metrics in ``out_dir``."""
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        for old in self.checkpoint_dir.glob("step-*.pt*"):
-            old.unlink()
-        self.metrics_path.write_text("")
+        if self.world.is_writer:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            self.checkpoints.clear()
+            self.metrics_path.write_text("")
+        self.world.barrier()
 
     def resume_from(self, path: str | Path) -> None:
         """Load a checkpoint: weights, optimizer states, loop position, RNG; metrics after it are dropped."""
-        ckpt = load_checkpoint(path, map_location=self.device)
-        self.model.load_state_dict(ckpt["model"])
-        self.optimizer.load_state_dict(ckpt["dense_optimizer"])
-        self.loader.load_state_dict(ckpt["loader"])
-        loader = ckpt["loader"]
-        self.state = LoopState(step=int(ckpt["step"]), epoch=int(loader["epoch"]), batch=int(loader["batches"]))
-        set_rng_state({k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in ckpt["rng"].items()})
-        kept = []
-        if self.metrics_path.is_file():
-            for line in self.metrics_path.read_text().splitlines():
-                if line.strip() and json.loads(line)["step"] <= self.state.step:
-                    kept.append(line)
-        self.metrics_path.write_text("".join(line + "\n" for line in kept))
-        self.history = [json.loads(line) for line in kept]
-        self._log({"event": "resume", "step": self.state.step, "checkpoint": str(path)})
+        self.state, fields = self.checkpoints.load(self, Path(path))
+        if self.world.is_writer and self.metrics_path.is_file():
+            kept = [line for line in self.metrics_path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] <= self.state.step]
+            self.metrics_path.write_text("".join(line + "\n" for line in kept))
+        self._log({"event": "resume", "step": self.state.step, "checkpoint": str(path), **fields})
 
     def save(self) -> Path:
-        return save_checkpoint(self.checkpoint_dir, {
-            "step": self.state.step,
-            "epoch": self.state.epoch,
-            "model": self.model.state_dict(),
-            "dense_optimizer": self.optimizer.state_dict(),
-            "loader": {**self.loader.state_dict(), "epoch": self.state.epoch, "batches": self.state.batch},
-            "rng": rng_state(),
-        }, keep=self.cfg.keep_checkpoints)
+        return self.checkpoints.save(self)
 
-    def fit(self, evaluate_valid: Callable[[], dict] | None = None) -> dict:
+    def fit(self, evaluate_valid: Callable[[], dict] | None = None, callbacks: Sequence[Callback] = ()) -> dict:
         """Train until ``total_steps``; returns the last valid scores and the throughput."""
         c = self.cfg
         self.model.train()
         bar = tqdm(total=self.total_steps, initial=self.state.step, desc="train", unit="step",
-                   disable=not c.progress, dynamic_ncols=True)
+                   disable=not (c.progress and self.world.is_writer), dynamic_ncols=True)
         loss_sum = torch.zeros((), device=self.device)
         window_steps, window_samples, window_time = 0, 0, 0.0
         train_time, train_samples = 0.0, 0
@@ -169,13 +161,13 @@ class Trainer:
                         window_steps, window_samples, window_time = 0, 0, 0.0
                     bar.update(1)
                     if c.checkpoint_every and step % c.checkpoint_every == 0 and step < self.total_steps:
-                        self.save()
+                        self._save(callbacks)
                     epoch_done = self.state.batch == 0
                     due = c.eval_every and step % c.eval_every == 0
                     if evaluate_valid is not None and (due or (epoch_done and not c.eval_every)):
-                        last_valid, last_valid_step = self._evaluate(evaluate_valid, epoch), step
-                    if c.crash_after_step and step == c.crash_after_step:
-                        raise SimulatedCrash(f"train.crash_after_step={step}: stopping as a crash would")
+                        last_valid, last_valid_step = self._evaluate(evaluate_valid, epoch, callbacks), step
+                    for callback in callbacks:
+                        callback.on_step(self)
                     if step >= self.total_steps or epoch_done:
                         break
                     tick = time.perf_counter()
@@ -186,8 +178,8 @@ class Trainer:
         finally:
             bar.close()
         if evaluate_valid is not None and last_valid_step != self.state.step:
-            last_valid = self._evaluate(evaluate_valid, self.state.epoch)
-        self.save()
+            last_valid = self._evaluate(evaluate_valid, self.state.epoch, callbacks)
+        self._save(callbacks)
         train_time += window_time
         train_samples += window_samples
         return {"steps": self.state.step, "valid": last_valid,
@@ -211,16 +203,24 @@ class Trainer:
         self.optimizer.step()
         return loss.detach()
 
-    def _evaluate(self, evaluate_valid: Callable[[], dict], epoch: int) -> dict:
+    def _save(self, callbacks: Sequence[Callback]) -> None:
+        path = self.save()
+        for callback in callbacks:
+            callback.on_checkpoint(self, path)
+
+    def _evaluate(self, evaluate_valid: Callable[[], dict], epoch: int, callbacks: Sequence[Callback]) -> dict:
         start = time.perf_counter()
         result = evaluate_valid()
         self._log({"step": self.state.step, "epoch": epoch, "split": "valid", **result,
                    "seconds": time.perf_counter() - start})
+        for callback in callbacks:
+            callback.on_evaluation(self, result)
         return result
 
     def _log(self, record: dict) -> None:
+        if not self.world.is_writer:
+            return
         record = {"time": time.time(), **record}
-        self.history.append(record)
         self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(record) + "\n")

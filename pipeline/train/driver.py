@@ -1,0 +1,191 @@
+"""The training driver: processed data -> a trained model, its metrics and checkpoints, on 1..N ranks.
+
+:func:`train` builds the model of ``cfg.model`` from the schema, trains it on ``<data>/train`` with
+the :class:`~pipeline.loader.Loader`, scores ``valid`` along the way and ``test`` at the end. The
+:class:`~pipeline.distributed.world.World` it is given decides the rest: on a world of one the
+plain model with ``.pt`` checkpoints; on N ranks each rank reads its shard of every split, the
+model trains through :class:`~pipeline.distributed.model_parallel.DistributedModelParallel` with
+sharded checkpoints, and the scores are computed over the predictions of every rank. Launch::
+
+    python -m pipeline run train                                  # one process: CPU or the GPU, by device
+    python -m pipeline run train train.model=dcnv2 train.resume=true
+    python -m pipeline run train --nproc 2                        # 2 ranks on this node, through torchrun
+    torchrun --nproc-per-node 2 -m pipeline run train
+
+Outputs under ``out`` (written by rank 0)::
+
+    model.json          what was built (see :mod:`pipeline.train.model`)
+    plan.json           N ranks: where each table lives
+    model.pt            the final ``model.state_dict()`` as one process holds it (``load_trained`` reads it)
+    checkpoints/        see :mod:`pipeline.train.checkpoint`
+    metrics.jsonl       one JSON object per line: training loss / lr / samples/s, valid scores
+    result.json         test AUC and log loss (one process: and the oracle's, the gap), throughput
+
+Example::
+
+    result = train(cfg.train, cfg.paths.processed, cfg.paths.train, schema=schema, seed=cfg.seed)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from pipeline.distributed.config import DistributedConfig
+from pipeline.distributed.model_parallel import DistributedModelParallel, make_planner
+from pipeline.distributed.types import ShardingPlan
+from pipeline.distributed.world import World
+from pipeline.files import atomic_open, write_json
+from pipeline.loader import Loader
+from pipeline.schema import Schema
+from pipeline.train.checkpoint import PlainCheckpoints, ShardedCheckpoints
+from pipeline.train.config import TrainConfig
+from pipeline.train.evaluate import evaluate
+from pipeline.train.loop import Callback, Trainer
+from pipeline.train.model import check_same_model, model_from_spec, model_spec
+
+_WEIGHT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+
+
+def train(cfg: TrainConfig, data: str | Path, out: str | Path, *, schema: Schema, seed: int = 0,
+          world: World | None = None, distributed: DistributedConfig | None = None, oracle: str | Path | None = None,
+          callbacks: Sequence[Callback] = ()) -> dict:
+    """Train on the splits under ``data`` into ``out``; returns the summary (also printed, and on every rank).
+
+    ``distributed`` says how N ranks shard the tables; ``oracle`` is the data generator's
+    ``oracle.json`` (the AUC of the true click probabilities), compared with on a world of one.
+    """
+    world = world or World()
+    threads = torch.get_num_threads()
+    if world.size == 1:
+        # The loader's thread takes one core; torchrun's ranks get their share in World.from_env.
+        torch.set_num_threads(cfg.threads if cfg.threads > 0 else max(1, (os.cpu_count() or 2) - 1))
+    try:
+        return _train(cfg, Path(data), Path(out), schema, seed, world, distributed or DistributedConfig(),
+                      Path(oracle) if oracle else None, callbacks)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(cfg: TrainConfig, data: Path, out: Path, schema: Schema, seed: int, world: World,
+           distributed: DistributedConfig, oracle_path: Path | None, callbacks: Sequence[Callback]) -> dict:
+    start = time.perf_counter()
+    device = world.device
+    if world.is_writer:
+        out.mkdir(parents=True, exist_ok=True)
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+    spec = model_spec(cfg, schema, device.type, seed)
+    model, checkpoints = _place(model_from_spec(spec, backend=cfg.embedding_backend), cfg, world, distributed,
+                                out / "checkpoints")
+    if cfg.resume and checkpoints.latest() is not None:
+        check_same_model(spec, out)
+    world.barrier()  # every rank has read the old model.json before it is replaced
+    if world.is_writer:
+        write_json(out / "model.json", spec)
+        _describe(model, spec, world, out)
+
+    shard = {"rank": world.rank, "world_size": world.size, "device": device}
+    train_loader = Loader(data / "train", cfg.batch_size, schema=schema, shuffle=True, seed=seed, **shard)
+    valid_loader = Loader(data / "valid", cfg.eval_batch_size, schema=schema, **shard)
+    test_loader = Loader(data / "test", cfg.eval_batch_size, schema=schema, **shard)
+    trainer = Trainer(model, cfg, out, train_loader, world, checkpoints)
+    found = checkpoints.latest() if cfg.resume else None
+    if found is not None:
+        if world.is_writer:
+            print(f"[train] resuming from {found}", flush=True)
+        trainer.resume_from(found)
+    else:
+        if cfg.resume and world.is_writer:
+            print(f"[train] train.resume=true but no checkpoint in {checkpoints.folder}: starting fresh", flush=True)
+        trainer.start_fresh()
+    try:
+        fitted = trainer.fit(lambda: evaluate(model, valid_loader, device, trainer.amp, world), callbacks)
+        if world.is_writer:
+            with atomic_open(out / "model.pt") as f:
+                torch.save(checkpoints.model_state(model, spec), f)
+        test = evaluate(model, test_loader, device, trainer.amp, world)
+    finally:
+        for loader in (train_loader, valid_loader, test_loader):
+            loader.close()
+    result = _summary(cfg, spec, world, fitted, test, oracle_path, out, time.perf_counter() - start)
+    if world.is_writer:
+        write_json(out / "result.json", result)
+        _report(result, out / "result.json")
+    world.barrier()
+    return result
+
+
+def _place(model: nn.Module, cfg: TrainConfig, world: World, distributed: DistributedConfig,
+           folder: Path) -> tuple[nn.Module, PlainCheckpoints | ShardedCheckpoints]:
+    """The model as the loop trains it and its checkpoint format in ``folder``.
+
+    On a world of one: the model itself and ``.pt`` checkpoints. On N ranks: the model sharded by
+    ``DistributedModelParallel`` and sharded checkpoints.
+    """
+    if world.size == 1:
+        model = model.to(world.device)
+        # The loader checks every id against its table while reading (on the host); checking again on a
+        # GPU would cost a device sync per step.
+        model.embedding.validate_ids = world.device.type != "cuda"
+        return model, PlainCheckpoints(folder, cfg.keep_checkpoints)
+    if distributed.plan_file:
+        plans, planner = {"embedding": ShardingPlan.load(distributed.plan_file)}, None
+    else:
+        plans = None
+        planner = make_planner(distributed, world.size, world.device, batch_size=cfg.batch_size,
+                               optimizer=cfg.embedding_optimizer, weight_bytes=_WEIGHT_BYTES[cfg.embedding_dtype])
+    dmp = DistributedModelParallel(model, plans, planner, world.device, comm_dtype=distributed.comm_dtype)
+    return dmp, ShardedCheckpoints(folder, world, cfg.keep_checkpoints)
+
+
+def _describe(model: nn.Module, spec: dict, world: World, out: Path) -> None:
+    tables = spec["tables"]
+    if isinstance(model, DistributedModelParallel):
+        model.plans["embedding"].save(out / "plan.json")
+        print(f"[train] {spec['model']} on {world.size} x {world.device.type}: {len(tables)} tables, plan in "
+              f"{out / 'plan.json'}", flush=True)
+        return
+    print(f"[train] {spec['model']} on {world.device.type}: {len(tables)} tables, "
+          f"{sum(t['rows'] for t in tables):,} embedding rows, "
+          f"{sum(p.numel() for p in model.parameters()):,} dense parameters, "
+          f"embedding backend {model.embedding.backend.name}", flush=True)
+
+
+def _summary(cfg: TrainConfig, spec: dict, world: World, fitted: dict, test: dict, oracle_path: Path | None,
+             out: Path, seconds: float) -> dict:
+    """What ``result.json`` holds."""
+    if world.size > 1:
+        return {"model": spec["model"], "device": world.device.type, "ranks": world.size, "steps": fitted["steps"],
+                "epochs": cfg.epochs, "batch_size_per_rank": cfg.batch_size,
+                "samples_per_s_per_rank": fitted["samples_per_s"], "valid": fitted["valid"], "test": test,
+                "seconds": seconds, "plan": str(out / "plan.json")}
+    oracle = json.loads(oracle_path.read_text()) if oracle_path and oracle_path.is_file() else None
+    gap = oracle["test"]["auc"] - test["auc"] if oracle else None
+    return {"model": spec["model"], "device": world.device.type, "steps": fitted["steps"], "epochs": cfg.epochs,
+            "batch_size": cfg.batch_size, "samples_per_s": fitted["samples_per_s"], "valid": fitted["valid"],
+            "test": test, "oracle": oracle, "test_auc_gap_to_oracle": gap, "seconds": seconds,
+            "settings": dataclasses.asdict(cfg)}
+
+
+def _report(result: dict, path: Path) -> None:
+    test = result["test"]
+    scores = f"test AUC {test['auc']:.4f}, logloss {test['logloss']:.4f}"
+    if "ranks" in result:
+        rate = result["samples_per_s_per_rank"] * result["ranks"]
+        print(f"[train] {result['ranks']} ranks: {scores} | {rate:,.0f} samples/s over all ranks | {path}", flush=True)
+        return
+    oracle = result["oracle"]
+    if oracle:
+        scores += (f" | oracle AUC {oracle['test']['auc']:.4f}, logloss {oracle['test']['logloss']:.4f}"
+                   f" | gap {result['test_auc_gap_to_oracle']:.4f}")
+    print(f"[train] {scores} | {result['samples_per_s']:,.0f} samples/s | {path}", flush=True)

@@ -1,0 +1,100 @@
+"""What the training builds, as plain data (``model.json``), and the trained model read back.
+
+A spec lists the model kind, its sizes, the embedding optimizer and dtype, the seed, the tables and
+the schema: everything :func:`model_from_spec` needs to build the same (untrained) model again.
+A training folder holds ``model.json`` (the spec) and ``model.pt`` (the final ``state_dict``, as
+one process holds it), which :func:`load_trained` reads.
+
+Example::
+
+    spec = model_spec(cfg.train, schema, "cpu", seed=0)
+    model = model_from_spec(spec)
+    model, schema = load_trained("data/synthetic/train")   # for export: model.embedding, model.dense_forward
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from pipeline.errors import UserError
+from pipeline.modules.embedding import EmbeddingOptimizerConfig
+from pipeline.modules.models import ModelSizes, RecModel, build_model, model_tables
+from pipeline.schema import Schema
+from pipeline.train.config import TrainConfig
+
+MODEL_SPEC_VERSION = 1
+
+
+def model_spec(cfg: TrainConfig, schema: Schema, device_kind: str, seed: int = 0) -> dict:
+    """What to build for ``cfg`` on ``schema``, as plain data (sizes of preset ``auto`` follow ``device_kind``)."""
+    sizes = ModelSizes.from_train_config(cfg, device_kind)
+    optimizer = EmbeddingOptimizerConfig(cfg.embedding_optimizer, lr=cfg.embedding_lr, weight_decay=cfg.weight_decay,
+                                         master_weights=cfg.embedding_master_weights,
+                                         stochastic_rounding=cfg.embedding_stochastic_rounding)
+    tables = model_tables(cfg.model, schema, sizes)
+    return {
+        "version": MODEL_SPEC_VERSION,
+        "model": cfg.model,
+        "sizes": asdict(sizes),
+        "embedding_optimizer": asdict(optimizer),
+        "embedding_dtype": cfg.embedding_dtype,
+        "seed": seed,
+        "feature_names": list(schema.sparse),
+        "tables": [asdict(table) for table in tables],
+        "embedding_output_dim": sum(table.dim * len(table.features) for table in tables),
+        "num_dense": len(schema.continuous),
+        "schema": schema.to_dict(),
+    }
+
+
+def model_from_spec(spec: dict, backend: str = "auto") -> RecModel:
+    """The (untrained) model a spec describes."""
+    if spec.get("version") != MODEL_SPEC_VERSION:
+        raise UserError(f"model.json version {spec.get('version')} is not supported (expected {MODEL_SPEC_VERSION})")
+    schema = Schema.from_dict(spec["schema"])
+    model = build_model(spec["model"], schema, ModelSizes(**spec["sizes"]),
+                        EmbeddingOptimizerConfig(**spec["embedding_optimizer"]), weights_dtype=spec["embedding_dtype"],
+                        backend=backend, seed=spec["seed"])
+    built = [asdict(t) for t in model.embedding.tables]
+    if built != spec["tables"]:
+        raise UserError("model.json lists other tables than its schema builds; retrain the model")
+    return model
+
+
+def check_same_model(spec: dict, folder: str | Path) -> None:
+    """Refuse to resume the checkpoints of ``folder`` when its ``model.json`` describes another model."""
+    folder = Path(folder)
+    previous = folder / "model.json"
+    if not previous.is_file():
+        return
+    old = json.loads(previous.read_text())
+    differ = [k for k in ("model", "sizes", "embedding_optimizer", "embedding_dtype", "tables", "feature_names")
+              if old.get(k) != spec.get(k)]
+    if differ:
+        raise UserError(f"train.resume=true, but the checkpoints in {folder / 'checkpoints'} are of another model "
+                        f"(different {', '.join(differ)}); rerun without train.resume or with the same settings")
+
+
+def load_trained(folder: str | Path, device: str | torch.device = "cpu",
+                 backend: str = "auto") -> tuple[RecModel, Schema]:
+    """The model trained into ``folder`` (in eval mode, on ``device``) and the schema it was trained with.
+
+    Example::
+
+        model, schema = load_trained(cfg.paths.train)
+        pooled = model.embedding(kjt)                  # the embedding part (one Triton model)
+        logits = model.dense_forward(dense, pooled)    # the dense part (another)
+        model.embedding.table_weight("t_C1")           # a table's [rows, dim] weights
+    """
+    folder = Path(folder)
+    spec_path, weights_path = folder / "model.json", folder / "model.pt"
+    if not spec_path.is_file() or not weights_path.is_file():
+        raise UserError(f"no trained model in {folder}: run `python -m pipeline run train` first")
+    spec = json.loads(spec_path.read_text())
+    model = model_from_spec(spec, backend=backend)
+    model.load_state_dict(torch.load(weights_path, map_location="cpu", weights_only=True))
+    return model.to(device).eval(), Schema.from_dict(spec["schema"])
