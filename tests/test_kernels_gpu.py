@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.modules.embedding import EmbeddingCollection, EmbeddingOptimizerConfig, TableConfig
+from pipeline.modules.collection import EmbeddingCollection
+from pipeline.modules.configs import EmbeddingOptimizerConfig, TableConfig
 from pipeline.sparse import KeyedJaggedTensor
 
 pytestmark = pytest.mark.gpu
@@ -93,7 +94,7 @@ def test_forward_matches_reference(case, dtype):
 def test_forward_writes_every_column():
     (ref, cuda), tables, features, batch, max_len, cap = _pair("multi_hot_odd_dims", "fp32", "sgd")
     kjt = _batch(tables, features, batch, max_len, cap, seed=2).to("cuda")
-    indices, offsets, b = cuda._slot_bags(kjt)
+    indices, offsets, b = cuda.slot_bags(kjt)
     out = cuda.backend.forward(cuda.weights, cuda.layout, indices, offsets, b)
     assert torch.isfinite(out).all()
     empty = (offsets[1:] == offsets[:-1]).view(-1, b)
@@ -128,7 +129,7 @@ def test_backward_update_matches_reference(case, dtype, optimizer):
 
 
 def test_update_rejects_rows_wider_than_supported():
-    from pipeline.kernels.embedding_ops import MAX_UPDATE_DIM
+    from pipeline.kernels.embedding.launcher import MAX_UPDATE_DIM
 
     emb = EmbeddingCollection([TableConfig("t", 10, MAX_UPDATE_DIM + 8, ["a"])], ["a"], backend="cuda").cuda()
     kjt = KeyedJaggedTensor.from_lists(["a"], [[[1], [2]]]).to("cuda")
@@ -139,7 +140,7 @@ def test_update_rejects_rows_wider_than_supported():
 
 
 def test_stochastic_rounding_is_unbiased_where_nearest_stalls():
-    from pipeline.kernels.backend import CudaEmbeddingBackend
+    from pipeline.kernels.embedding import CudaBackend
 
     rows, dim = 4096, 64
     emb = EmbeddingCollection([TableConfig("t", rows, dim, ["a"])], ["a"], EmbeddingOptimizerConfig("sgd", lr=1e-3),
@@ -152,7 +153,7 @@ def test_stochastic_rounding_is_unbiased_where_nearest_stalls():
     emb.backend.backward_update(nearest, {}, emb.layout, ids, kjt.offsets(), rows, grad, emb.optimizer, 1e-3, 1)
     assert torch.equal(nearest, emb.weights)  # 1 - 1e-3 rounds back to 1 in bf16 (half an ulp is 2e-3)
 
-    backend = CudaEmbeddingBackend(stochastic_rounding=True, seed=7)
+    backend = CudaBackend(stochastic_rounding=True, seed=7)
     w = emb.weights.clone()
     backend.backward_update(w, {}, emb.layout, ids, kjt.offsets(), rows, grad, emb.optimizer, 1e-3, 1)
     below = 1.0 - 2.0**-8
@@ -180,7 +181,7 @@ def test_master_weights_keep_fp32_updates():
     grad = torch.randn(batch, ref.output_dim, device="cuda")
     ref.train()
     ref(kjt).backward(grad)
-    indices, offsets, b = half._slot_bags(kjt)
+    indices, offsets, b = half.slot_bags(kjt)
     state = dict(half.optimizer_state(), master_weights=master)
     half.backend.backward_update(half.weights, state, half.layout, indices, offsets, b, grad, opt, opt.lr, 1)
     torch.testing.assert_close(master, ref.weights, rtol=1e-5, atol=1e-6)

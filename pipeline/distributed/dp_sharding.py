@@ -23,7 +23,9 @@ from pipeline.distributed.comm import all_reduce, trigger
 from pipeline.distributed.embedding_sharding import MakeCollection, local_tables, slot_key
 from pipeline.distributed.jagged import exclusive_cumsum, segment_sums
 from pipeline.distributed.types import ShardingPlan, ShardingType
-from pipeline.modules.embedding import EmbeddingOptimizerConfig, TableConfig, TableLayout, resolve_backend
+from pipeline.kernels.embedding import TablePacking
+from pipeline.modules.backends import resolve_backend
+from pipeline.modules.configs import EmbeddingOptimizerConfig, TableConfig
 
 
 class DataParallelSharding(nn.Module):
@@ -31,7 +33,7 @@ class DataParallelSharding(nn.Module):
 
     sharding_type = ShardingType.DATA_PARALLEL
 
-    def __init__(self, tables: Sequence[TableConfig], layout: TableLayout, plan: ShardingPlan, rank: int, world: int,
+    def __init__(self, tables: Sequence[TableConfig], layout: TablePacking, plan: ShardingPlan, rank: int, world: int,
                  group, make_collection: MakeCollection) -> None:
         super().__init__()
         self.rank, self.world, self.group = rank, world, group

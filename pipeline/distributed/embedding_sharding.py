@@ -1,7 +1,7 @@
 """What the sharding strategies share: local tables, the id exchange and the pooled-vector exchange.
 
 A strategy (``tw_sharding``, ``rw_sharding``, ``dp_sharding``) serves some *slots* of the global
-collection (a slot is a (table, feature) pair, see :mod:`pipeline.modules.embedding`). It gets the
+collection (a slot is a (table, feature) pair, see :mod:`pipeline.modules.collection`). It gets the
 bags of its slots for the local batch, slot-major, and returns ``[B, sum of its slots' dims]`` with
 its slots' columns in ``strategy.slots`` order. The model-parallel strategies (table-wise and
 row-wise) move ids to the ranks owning the rows and pooled vectors back:
@@ -9,7 +9,7 @@ row-wise) move ids to the ranks owning the rows and pooled vectors back:
 1. ``exchange_bags``: a tiny all-to-all of (batch size, id count) per destination, then one
    all-to-all carrying each destination's bag lengths and ids together; the receiver regroups what
    came from every source into one slot-major batch of ``sum of the sources' batch sizes`` samples.
-2. the local :class:`~pipeline.modules.embedding.EmbeddingCollection` pools that batch with whatever
+2. the local :class:`~pipeline.modules.collection.EmbeddingCollection` pools that batch with whatever
    backend is registered (fused kernels on GPU), and its fused optimizer updates its rows when the
    gradient comes back;
 3. ``exchange_pooled``: an all-to-all of each source's rows of the pooled output back to the source
@@ -24,17 +24,19 @@ import torch
 
 from pipeline.distributed.comm import AllToAllRows, all_to_all, exchange_counts, trigger
 from pipeline.distributed.jagged import source_major_to_slot_major
-from pipeline.modules.embedding import EmbeddingCollection, TableConfig, TableLayout
+from pipeline.kernels.embedding import TablePacking
+from pipeline.modules.collection import EmbeddingCollection
+from pipeline.modules.configs import TableConfig
 
 MakeCollection = Callable[[Sequence[TableConfig], Sequence[str]], EmbeddingCollection]
 
 
-def slot_key(layout: TableLayout, slot: int) -> str:
+def slot_key(layout: TablePacking, slot: int) -> str:
     """The feature name a slot goes by inside a local collection: ``feature@table`` (unique per slot)."""
     return f"{layout.slot_features[slot]}@{layout.table_names[layout.slot_table[slot]]}"
 
 
-def local_tables(tables: Sequence[TableConfig], layout: TableLayout, table_ids: Sequence[int],
+def local_tables(tables: Sequence[TableConfig], layout: TablePacking, table_ids: Sequence[int],
                  rows: dict[int, int] | None = None, pooling: str | None = None) -> list[TableConfig]:
     """Local copies of ``tables[table_ids]`` serving their slot keys, with ``rows`` / ``pooling`` overridden."""
     out = []

@@ -27,7 +27,8 @@ from pipeline.distributed.embedding_sharding import (
     slot_key,
 )
 from pipeline.distributed.types import ShardingPlan, ShardingType
-from pipeline.modules.embedding import TableConfig, TableLayout
+from pipeline.kernels.embedding import TablePacking
+from pipeline.modules.configs import TableConfig
 from pipeline.sparse import KeyedJaggedTensor
 
 
@@ -36,7 +37,7 @@ class RowWiseSharding(nn.Module):
 
     sharding_type = ShardingType.ROW_WISE
 
-    def __init__(self, tables: Sequence[TableConfig], layout: TableLayout, plan: ShardingPlan, rank: int, world: int,
+    def __init__(self, tables: Sequence[TableConfig], layout: TablePacking, plan: ShardingPlan, rank: int, world: int,
                  group, make_collection: MakeCollection) -> None:
         super().__init__()
         self.rank, self.world, self.group = rank, world, group

@@ -22,7 +22,8 @@ from pipeline.distributed.embedding_sharding import (
 )
 from pipeline.distributed.jagged import segment_sums
 from pipeline.distributed.types import ShardingPlan, ShardingType
-from pipeline.modules.embedding import TableConfig, TableLayout
+from pipeline.kernels.embedding import TablePacking
+from pipeline.modules.configs import TableConfig
 from pipeline.sparse import KeyedJaggedTensor
 
 
@@ -31,7 +32,7 @@ class TableWiseSharding(nn.Module):
 
     sharding_type = ShardingType.TABLE_WISE
 
-    def __init__(self, tables: Sequence[TableConfig], layout: TableLayout, plan: ShardingPlan, rank: int, world: int,
+    def __init__(self, tables: Sequence[TableConfig], layout: TablePacking, plan: ShardingPlan, rank: int, world: int,
                  group, make_collection: MakeCollection) -> None:
         super().__init__()
         self.rank, self.world, self.group = rank, world, group

@@ -40,7 +40,7 @@ from pipeline.config import PipelineConfig, to_dict
 from pipeline.device import resolve_device
 from pipeline.errors import UserError
 from pipeline.loader import Loader
-from pipeline.modules.embedding import EmbeddingOptimizerConfig, TableConfig
+from pipeline.modules.configs import EmbeddingOptimizerConfig, TableConfig
 from pipeline.modules.models import ModelSizes, RecModel, build_model, model_tables
 from pipeline.schema import Schema
 from pipeline.train.checkpoint import latest_checkpoint
