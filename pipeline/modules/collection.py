@@ -89,6 +89,7 @@ class EmbeddingCollection(nn.Module):
         self._slot_names = ("\n".join(self.layout.slot_features),
                                    "\n".join(self.layout.table_names[t] for t in self.layout.slot_table))
         self.register_load_state_dict_post_hook(lambda module, keys: module._hyper.__setitem__(2, 0.0))
+        self._resolve_backend_if_usable()
 
     @property
     def output_dim(self) -> int:
@@ -101,6 +102,20 @@ class EmbeddingCollection(nn.Module):
             self._backend = resolve_backend(self.backend_name, self.weights.device, self.weights.dtype)
             self._backend_key = key
         return self._backend
+
+    def _apply(self, fn, recurse=True):
+        # Resolve the backend for the new device and dtype now, outside any compiled region; one that
+        # cannot run there yet (cuda before .cuda()) is resolved, and refused, on first use instead.
+        out = super()._apply(fn, recurse)
+        self._resolve_backend_if_usable()
+        return out
+
+    def _resolve_backend_if_usable(self) -> None:
+        self.layout.tensors(self.weights.device)
+        try:
+            self.backend  # noqa: B018
+        except ValueError:
+            self._backend = None
 
     def optimizer_state(self) -> dict[str, torch.Tensor]:
         return {name[len("state_"):]: buf for name, buf in self.named_buffers() if name.startswith("state_")}
