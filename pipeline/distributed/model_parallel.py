@@ -122,10 +122,6 @@ class DistributedModelParallel(nn.Module):
         if missing or unexpected:
             raise KeyError(f"dense state does not match the model: missing {missing}, unexpected {unexpected}")
 
-    def set_embedding_lr(self, lr: float) -> None:
-        for sharded in self.sharded_collections().values():
-            sharded.set_lr(lr)
-
 
 def _set_submodule(model: nn.Module, path: str, module: nn.Module) -> None:
     parent_path, _, leaf = path.rpartition(".")
