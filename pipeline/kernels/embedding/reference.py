@@ -73,7 +73,7 @@ def backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor], packi
 
 
 def _expand_rows(rows: torch.Tensor, dim: int) -> torch.Tensor:
-    # An expanded (stride-0) index takes scatter_add_'s sorted, vectorized path on CPU: faster than index_add_.
+    # An expanded (stride-0) index takes scatter_add_'s sorted, vectorized path on CPU, which index_add_ lacks.
     return rows.unsqueeze(1).expand(-1, dim)
 
 
