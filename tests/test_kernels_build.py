@@ -146,7 +146,8 @@ def _ptx_params(source: str, tmp_path) -> dict[str, list[str]]:
 def test_launch_arguments_match_kernel_signatures(tmp_path, monkeypatch):
     from pipeline.kernels.embedding import launcher
 
-    entries = {**_ptx_params("embedding/embedding_forward.cu", tmp_path), **_ptx_params("embedding/embedding_backward.cu", tmp_path)}
+    entries = {**_ptx_params("embedding/embedding_forward.cu", tmp_path),
+               **_ptx_params("embedding/embedding_backward.cu", tmp_path)}
     launches = []
     monkeypatch.setattr(launcher, "launch",
                         lambda source, function, device, grid, block, args: launches.append((function, args)))

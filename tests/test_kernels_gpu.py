@@ -223,15 +223,14 @@ def test_dlrm_follows_the_reference_loss_curve():
     assert (cuda - ref).abs().max() < 0.02
 
 
-def test_compiled_model_with_the_cuda_backend_trains_like_eager():
+def test_compiled_model_with_the_cuda_backend_trains_like_eager(monkeypatch):
     """A DLRM on the ``cuda`` backend under ``torch.compile`` (inductor, whole graph): the forward op and the
     fused backward update run as custom ops inside the compiled graphs, step after step, lr changing."""
     import copy
 
     from pipeline.modules.models import DLRM, ModelSizes
 
-    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 matmuls in both runs
-    torch.backends.cudnn.allow_tf32 = False
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # true fp32 matmuls in both runs
     features = [f"C{i}" for i in range(4)]
     tables = [TableConfig(f"t_{f}", rows, 16, [f]) for f, rows in zip(features, [50, 7, 3000, 5])]
     emb = EmbeddingCollection(tables, features, EmbeddingOptimizerConfig("adam", lr=0.05), backend="cuda",
@@ -244,8 +243,8 @@ def test_compiled_model_with_the_cuda_backend_trains_like_eager():
     batches = []
     for _ in range(5):
         ids = torch.stack([torch.randint(0, t.rows, (64,), generator=g) for t in tables], 1)
-        batches.append((torch.randn(64, 3, generator=g).cuda(), KeyedJaggedTensor.from_dense(features, ids).to("cuda"),
-                        (torch.rand(64, generator=g) < 0.5).float().cuda()))
+        kjt = KeyedJaggedTensor.from_dense(features, ids).to("cuda")
+        batches.append((torch.randn(64, 3, generator=g).cuda(), kjt, (torch.rand(64, generator=g) < 0.5).float().cuda()))
     lrs = [0.05, 0.04, 0.03, 0.02, 0.01]
 
     def run(model, step_fn):

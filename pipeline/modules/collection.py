@@ -43,7 +43,8 @@ class EmbeddingCollection(nn.Module):
 
     ``feature_names`` is the key order of the incoming KeyedJaggedTensor (the schema's sparse order).
     ``weights_dtype``: ``fp32`` | ``fp16`` | ``bf16``. ``backend``: ``torch`` | ``cuda`` | ``auto``,
-    resolved for the weights' device on first use (and again after ``.to(device)``).
+    resolved for the weights' device and dtype when built and after every ``.to()`` (a backend that
+    cannot run there yet, ``cuda`` before ``.cuda()``, is resolved and refused on first use instead).
     ``validate_ids``: check every id against its table size (one vectorized comparison per batch) and
     raise :class:`~pipeline.errors.BadInputError` naming the feature and the value.
     """
