@@ -244,7 +244,8 @@ def test_compiled_model_with_the_cuda_backend_trains_like_eager(monkeypatch):
     for _ in range(5):
         ids = torch.stack([torch.randint(0, t.rows, (64,), generator=g) for t in tables], 1)
         kjt = KeyedJaggedTensor.from_dense(features, ids).to("cuda")
-        batches.append((torch.randn(64, 3, generator=g).cuda(), kjt, (torch.rand(64, generator=g) < 0.5).float().cuda()))
+        labels = (torch.rand(64, generator=g) < 0.5).float()
+        batches.append((torch.randn(64, 3, generator=g).cuda(), kjt, labels.cuda()))
     lrs = [0.05, 0.04, 0.03, 0.02, 0.01]
 
     def run(model, step_fn):
