@@ -270,3 +270,25 @@ def test_compiled_model_with_the_cuda_backend_trains_like_eager(monkeypatch):
     for name, state in eager.embedding.optimizer_state().items():
         torch.testing.assert_close(compiled.embedding.optimizer_state()[name], state, rtol=1e-4, atol=1e-5)
     assert int(compiled.embedding.step) == int(eager.embedding.step) == len(batches)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_opcheck_of_the_cuda_ops(dtype):
+    from pipeline.kernels.embedding import TablePacking
+
+    tables = [TableConfig("a", 10, 8, ["a"]), TableConfig("b", 7, 4, ["b", "c"], pooling="mean")]
+    packing = TablePacking.build(tables)
+    g = torch.Generator().manual_seed(0)
+    batch = 3
+    lengths = torch.randint(0, 4, (packing.num_slots * batch,), generator=g)
+    ids = torch.randint(0, 7, (int(lengths.sum()),), generator=g).cuda()
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).cuda()
+    weights = torch.randn(packing.total_elements, generator=g).to(dtype).cuda()
+    torch.library.opcheck(torch.ops.pipeline.embedding_forward, (weights, ids, offsets, batch, *packing.op_args()))
+    grad = torch.randn(batch, packing.total_dim, generator=g).cuda()
+    m1 = torch.zeros(packing.total_elements, device="cuda")
+    m2 = torch.zeros(packing.total_elements, device="cuda")
+    hyper = torch.tensor([0.1, 1.0], dtype=torch.float64)  # lr and step, read on the host
+    torch.library.opcheck(torch.ops.pipeline.embedding_update, (weights, m1, m2, None, ids, offsets, batch, grad,
+                                                                *packing.op_args(), "adam", hyper, 1e-8, 0.9, 0.999,
+                                                                0.0, False, 0))
