@@ -1,9 +1,9 @@
 """The registry of embedding compute backends: a name -> ``"module:attr"`` entry, imported on first use.
 
-A backend is a class with ``name``, ``usable(device, dtype)``, ``forward``, ``backward_update`` and
-the ``forward_op`` / ``update_op`` / ``lookup_op`` custom ops (see
-:class:`pipeline.kernels.embedding.TorchBackend`). ``auto`` picks ``cuda`` where it is usable for the
-device and weights dtype, else ``torch``.
+A backend is a class with ``name``, ``usable(device, dtype)`` (optionally ``problem(device, dtype)``:
+why not, in words), ``forward``, ``backward_update`` and the ``forward_op`` / ``update_op`` /
+``lookup_op`` custom ops (see :class:`pipeline.kernels.embedding.TorchBackend`). ``auto`` picks
+``cuda`` where it is usable for the device and weights dtype, else ``torch``.
 
 Example::
 
@@ -49,5 +49,7 @@ def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype = 
         name = "cuda" if backend_class("cuda").usable(device, dtype) else "torch"
     cls = backend_class(name)
     if not cls.usable(device, dtype):
-        raise ValueError(f"embedding backend {name!r} cannot run on {device} with {dtype} weights")
+        problem = getattr(cls, "problem", lambda device, dtype: None)(device, dtype)
+        raise ValueError(f"embedding backend {name!r} cannot run on {device} with {dtype} weights"
+                         + (f": {problem}" if problem else ""))
     return cls()

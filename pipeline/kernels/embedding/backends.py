@@ -36,8 +36,13 @@ class TorchBackend:
         self.seed = seed
 
     @staticmethod
-    def usable(device: torch.device, dtype: torch.dtype) -> bool:
-        return True
+    def problem(device: torch.device, dtype: torch.dtype) -> str | None:
+        """``None`` where this backend can run for ``device`` and weights ``dtype``, else why not."""
+        return None
+
+    @classmethod
+    def usable(cls, device: torch.device, dtype: torch.dtype) -> bool:
+        return cls.problem(device, dtype) is None
 
     def forward(self, weights, packing, indices, offsets, batch_size):
         return self.forward_op(weights, indices, offsets, batch_size, *packing.op_args())
@@ -63,7 +68,16 @@ class CudaBackend(TorchBackend):
     lookup_op = staticmethod(ops.embedding_lookup)
 
     @staticmethod
-    def usable(device: torch.device, dtype: torch.dtype) -> bool:
+    def problem(device: torch.device, dtype: torch.dtype) -> str | None:
+        """``None`` where the kernels can run for ``device`` and weights ``dtype``, else why not."""
         from pipeline.kernels import kernels_problem
 
-        return device.type == "cuda" and dtype in KERNEL_DTYPES and kernels_problem() is None
+        if device.type != "cuda":
+            return f"the CUDA kernels need CUDA tensors, got {device}"
+        if dtype not in KERNEL_DTYPES:
+            return f"the CUDA kernels take fp32, fp16 or bf16 weights, got {dtype}"
+        return kernels_problem()
+
+    @classmethod
+    def usable(cls, device: torch.device, dtype: torch.dtype) -> bool:
+        return cls.problem(device, dtype) is None
