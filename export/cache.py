@@ -5,10 +5,11 @@ misses from the table behind it (the memory-mapped store), inserting them and ev
 policy. It counts hits, misses and evictions over the *distinct* ids of each lookup (duplicates in
 a batch are served once, as HugeCTR's HPS deduplicates keys before querying its cache).
 
-Tiers are registered by name, so a GPU tier plugs in beside the CPU ones without touching the
-embedding model: ``register_tier(name, factory)``. Here: ``lru`` and ``lfu``, vectorized with numpy
-(a direct-mapped index of 4 bytes per table row, no Python loop per id), ``none``, and in
-:mod:`export.cache_torch` ``gpu-lru`` / ``gpu-lfu`` (the same policies on a torch device).
+Tiers are named in :data:`TIERS`, a dict of lazy ``"module:attr"`` entries imported on first use,
+so a GPU tier plugs in beside the CPU ones without touching the embedding model (and torch is
+imported only for one): ``register_tier(name, "module:attr")``. Here: ``lru`` and ``lfu``,
+vectorized with numpy (a direct-mapped index of 4 bytes per table row, no Python loop per id),
+``none``, and in :mod:`export.cache_torch` ``gpu-lru`` / ``gpu-lfu`` (the same policies on a torch device).
 
 Example::
 
@@ -19,7 +20,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import importlib
 from typing import Protocol
 
 import numpy as np
@@ -41,25 +42,32 @@ class CacheTier(Protocol):
         ...
 
 
-TierFactory = Callable[[np.ndarray, int], CacheTier]
-_TIERS: dict[str, TierFactory] = {}
+TIERS: dict[str, str] = {
+    "lru": "export.cache:LruCache",
+    "lfu": "export.cache:LfuCache",
+    "none": "export.cache:NoCache",
+    "gpu-lru": "export.cache_torch:gpu_lru",
+    "gpu-lfu": "export.cache_torch:gpu_lfu",
+}
+"""Tier name -> ``"module:attr"`` of its factory: ``factory(table, capacity) -> CacheTier``."""
 
 
-def register_tier(name: str, factory: TierFactory) -> None:
-    """Make a tier available by name: ``factory(table, capacity) -> CacheTier``."""
-    _TIERS[name] = factory
+def register_tier(name: str, target: str) -> None:
+    """Make the tier factory at ``target`` (``"module:attr"``) available as ``name``; imported on first use."""
+    if ":" not in target:
+        raise ValueError(f"cache tier {name!r}: expected a 'module:attr' target, got {target!r}")
+    TIERS[name] = target
 
 
 def available_tiers() -> list[str]:
-    return sorted(_TIERS)
+    return sorted(TIERS)
 
 
 def make_tier(name: str, table: np.ndarray, capacity: int) -> CacheTier:
-    if name not in _TIERS and name.startswith("gpu-"):
-        import export.cache_torch  # noqa: F401  (registers the gpu-* tiers; imports torch)
-    if name not in _TIERS:
+    if name not in TIERS:
         raise ValueError(f"cache policy {name!r} is not registered; available: {available_tiers()}")
-    return _TIERS[name](table, capacity)
+    module, attr = TIERS[name].split(":")
+    return getattr(importlib.import_module(module), attr)(table, capacity)
 
 
 class _ArrayCache:
@@ -188,8 +196,3 @@ class NoCache:
 
     def refill(self, table):
         self.table = table
-
-
-register_tier("lru", LruCache)
-register_tier("lfu", LfuCache)
-register_tier("none", NoCache)

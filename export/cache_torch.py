@@ -1,6 +1,6 @@
 """The cache tier on a torch device: hot rows in GPU memory, the same policies as the numpy tiers.
 
-Registered as ``gpu-lru`` and ``gpu-lfu`` (``make_tier("gpu-lru", table, capacity)``); the
+Named ``gpu-lru`` and ``gpu-lfu`` in :data:`export.cache.TIERS` (``make_tier("gpu-lru", table, capacity)``); the
 ``embedding`` model uses them for a ``KIND_GPU`` instance (device ``cuda:<instance device id>``).
 Bookkeeping (the id -> slot index, priorities, eviction by ``topk``) runs on the device too; only
 the missing rows travel from the host store. ``device="cpu"`` runs the same code on the CPU, which
@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-
-from export.cache import register_tier
 
 
 class TorchCache:
@@ -111,12 +109,11 @@ def _torch_dtype(dtype: np.dtype) -> torch.dtype:
     return torch.from_numpy(np.zeros(1, dtype=dtype)).dtype
 
 
-def gpu_tier_factory(policy: str, device: str = "cuda"):
-    def factory(table: np.ndarray, capacity: int) -> TorchCache:
-        return TorchCache(table, capacity, device, policy)
-
-    return factory
+def gpu_lru(table: np.ndarray, capacity: int) -> TorchCache:
+    """The ``gpu-lru`` tier: LRU on the current CUDA device."""
+    return TorchCache(table, capacity, "cuda", "lru")
 
 
-register_tier("gpu-lru", gpu_tier_factory("lru"))
-register_tier("gpu-lfu", gpu_tier_factory("lfu"))
+def gpu_lfu(table: np.ndarray, capacity: int) -> TorchCache:
+    """The ``gpu-lfu`` tier: LFU on the current CUDA device."""
+    return TorchCache(table, capacity, "cuda", "lfu")

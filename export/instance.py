@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from export.lookup import EmbeddingLookup, LookupLayout
+from export.lookup import EmbeddingLookup, LookupConfig
 from export.preprocess import CATEGORICAL_IDS, MULTIHOT_IDS, MULTIHOT_LENGTHS
 from pipeline.files import write_text
 
@@ -34,7 +34,7 @@ class LookupInstance:
 
     def __init__(self, args: dict, params: dict[str, str]) -> None:
         model_dir = Path(args["model_repository"])
-        layout = LookupLayout.load(model_dir / args["model_version"] / "layout.json")
+        layout = LookupConfig.load(model_dir / args["model_version"] / "layout.json")
         policy = params.get("cache_policy", "lru")
         if args.get("model_instance_kind") == "GPU" and policy != "none":
             import torch

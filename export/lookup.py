@@ -5,7 +5,7 @@ pooled bags of every slot, concatenated in slot order, ``sum`` or ``mean``, an e
 zeros), from the tables export wrote to the store, one cache tier per table in front of it.
 
 Inputs, as the ``preprocess`` model emits them: ``categorical`` ``[B, C]`` int64 ids (one per
-one-hot feature, in ``layout.categorical`` order) and, when the schema has multi-hot features,
+one-hot feature, in ``config.categorical`` order) and, when the schema has multi-hot features,
 ``multihot_ids`` ``[B, W]`` (each row's bags packed feature after feature, then padding) with
 ``multihot_lengths`` ``[B, M]``.
 
@@ -15,7 +15,7 @@ one version.
 
 Example::
 
-    lookup = EmbeddingLookup("repo/embedding/store", LookupLayout.load("repo/embedding/layout.json"))
+    lookup = EmbeddingLookup("repo/embedding/store", LookupConfig.load("repo/embedding/layout.json"))
     pooled = lookup(np.array([[3, 7]]))          # [1, total_dim] float32
     lookup.stats()["hit_rate"]
 """
@@ -34,8 +34,9 @@ from pipeline.errors import BadInputError
 
 
 @dataclass
-class LookupLayout:
-    """Which table and pooling serve each slot, and which input carries each feature."""
+class LookupConfig:
+    """The lookup model's configuration: which table and pooling serve each slot, and which input
+    carries each feature (saved as the model version's ``layout.json``)."""
 
     slot_tables: list[str]
     slot_features: list[str]
@@ -47,18 +48,18 @@ class LookupLayout:
         Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
 
     @classmethod
-    def load(cls, path: str | Path) -> LookupLayout:
+    def load(cls, path: str | Path) -> LookupConfig:
         return cls(**json.loads(Path(path).read_text()))
 
     @classmethod
-    def from_collection(cls, collection, schema) -> LookupLayout:
+    def from_collection(cls, collection, schema) -> LookupConfig:
         """From a trained ``EmbeddingCollection`` and the schema (which features are multi-hot)."""
-        layout = collection.layout
+        packing = collection.layout
         multihot = set(schema.multihot)
         return cls(
-            slot_tables=[layout.table_names[t] for t in layout.slot_table],
-            slot_features=list(layout.slot_features),
-            slot_mean=list(layout.slot_mean),
+            slot_tables=[packing.table_names[t] for t in packing.slot_table],
+            slot_features=list(packing.slot_features),
+            slot_mean=list(packing.slot_mean),
             categorical=[f for f in collection.feature_names if f not in multihot],
             multihot=[f for f in collection.feature_names if f in multihot],
         )
@@ -67,10 +68,10 @@ class LookupLayout:
 class EmbeddingLookup:
     """Pooled embeddings of a batch through ``policy`` caches (``lru`` | ``lfu`` | ``none`` | registered)."""
 
-    def __init__(self, store_root: str | Path, layout: LookupLayout, policy: str = "lru",
+    def __init__(self, store_root: str | Path, config: LookupConfig, policy: str = "lru",
                  cache_fraction: float = 0.25, min_cache_rows: int = 1024) -> None:
         self.store_root = Path(store_root)
-        self.layout = layout
+        self.config = config
         self.policy = policy
         self.cache_fraction = cache_fraction
         self.min_cache_rows = min_cache_rows
@@ -80,12 +81,12 @@ class EmbeddingLookup:
         self.tiers: dict[str, CacheTier] = {
             name: make_tier(policy, table, self._capacity(table.shape[0])) for name, table in store.tables.items()
         }
-        missing = sorted(set(layout.slot_tables) - set(self.tiers))
+        missing = sorted(set(config.slot_tables) - set(self.tiers))
         if missing:
             raise ValueError(f"the store at {self.store_root} has no tables {missing}")
         self._rows = {name: table.shape[0] for name, table in store.tables.items()}
-        self._column_of = {f: i for i, f in enumerate(layout.categorical)}
-        self._multihot_of = {f: i for i, f in enumerate(layout.multihot)}
+        self._column_of = {f: i for i, f in enumerate(config.categorical)}
+        self._multihot_of = {f: i for i, f in enumerate(config.multihot)}
 
     def _capacity(self, rows: int) -> int:
         return min(rows, max(self.min_cache_rows, int(rows * self.cache_fraction)))
@@ -106,9 +107,9 @@ class EmbeddingLookup:
                  multihot_lengths: np.ndarray | None = None) -> np.ndarray:
         categorical = np.asarray(categorical)
         batch = categorical.shape[0]
-        bags = _unpack_multihot(multihot_ids, multihot_lengths, batch, len(self.layout.multihot))
+        bags = _unpack_multihot(multihot_ids, multihot_lengths, batch, len(self.config.multihot))
         pieces = []
-        for table, feature, mean in zip(self.layout.slot_tables, self.layout.slot_features, self.layout.slot_mean):
+        for table, feature, mean in zip(self.config.slot_tables, self.config.slot_features, self.config.slot_mean):
             if feature in self._column_of:
                 ids = categorical[:, self._column_of[feature]]
                 self._check(ids, feature, table)

@@ -33,7 +33,7 @@ import pyarrow.parquet as pq
 import torch
 
 from export.dense import save_dense
-from export.lookup import LookupLayout
+from export.lookup import LookupConfig
 from export.pbtxt import EnsembleSpec, ModelOptions, model_configs
 from export.preprocess import RawColumns
 from export.store import current_version, write_version
@@ -110,7 +110,7 @@ def write_repository(model, schema: Schema, workflow_dir: str | Path, raw: RawCo
     raw.save(artifacts / "raw_columns.json")
     schema.save(artifacts / "schema.json")
 
-    LookupLayout.from_collection(model.embedding, schema).save(staging / lookup_model / "1" / "layout.json")
+    LookupConfig.from_collection(model.embedding, schema).save(staging / lookup_model / "1" / "layout.json")
     version = write_version(staging / lookup_model / "store", embedding_tables(model))
     save_dense(model, staging / dense_model / "1" / "model.pt")
 

@@ -17,7 +17,8 @@ import torch
 
 from pipeline.distributed import ParameterSharding, ShardedEmbeddingCollection, ShardingPlan
 from pipeline.distributed.spawn import spawn
-from pipeline.modules.embedding import EmbeddingCollection, EmbeddingOptimizerConfig, TableConfig
+from pipeline.modules.collection import EmbeddingCollection
+from pipeline.modules.configs import EmbeddingOptimizerConfig, TableConfig
 from pipeline.sparse import KeyedJaggedTensor
 
 FEATURES = ["A", "B", "C", "D", "E"]

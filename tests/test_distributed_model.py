@@ -24,7 +24,7 @@ from pipeline.distributed import (
 )
 from pipeline.distributed.checkpoint import read_meta
 from pipeline.distributed.spawn import spawn
-from pipeline.modules.embedding import EmbeddingOptimizerConfig
+from pipeline.modules.configs import EmbeddingOptimizerConfig
 from pipeline.modules.models import ModelSizes, build_model
 from pipeline.schema import Column, Schema
 from pipeline.sparse import KeyedJaggedTensor

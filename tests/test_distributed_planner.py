@@ -11,7 +11,7 @@ from pipeline.distributed.jagged import permute_segments, source_major_to_slot_m
 from pipeline.distributed.launch import strip_nproc
 from pipeline.distributed.planner.estimators import storage_per_rank
 from pipeline.distributed.types import ParameterSharding, PlanError, even_row_ranges
-from pipeline.modules.embedding import TableConfig
+from pipeline.modules.configs import TableConfig
 
 
 def tables(sizes=(10, 1_000_000, 2_000_000, 50_000, 8), dim=64):

@@ -16,7 +16,7 @@ import torch
 from export.dense import DenseRunner, save_dense
 from export.environment import find_models_env
 from export.inprocess import InProcessModel
-from export.lookup import EmbeddingLookup, LookupLayout
+from export.lookup import EmbeddingLookup, LookupConfig
 from export.pbtxt import EnsembleSpec, ModelOptions, model_configs
 from export.preprocess import Preprocessor, RawColumns
 from export.repository import write_repository
@@ -187,7 +187,7 @@ def test_served_parts_equal_in_process_with_multihot_unseen_and_missing(multihot
     assert expected.std() > 0.05
 
     preprocess = Preprocessor.load(export / "preprocess" / "1" / "artifacts")
-    lookup = EmbeddingLookup(export / "embedding" / "store", LookupLayout.load(export / "embedding" / "1" / "layout.json"))
+    lookup = EmbeddingLookup(export / "embedding" / "store", LookupConfig.load(export / "embedding" / "1" / "layout.json"))
     dense = DenseRunner(export / "dense" / "1" / "model.pt")
     tensors = preprocess(_request(rows, raw))
     assert tensors["MULTIHOT_LENGTHS"].shape == (len(rows), 1)

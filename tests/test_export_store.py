@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from export.cache import LfuCache, LruCache, NoCache, make_tier
-from export.lookup import EmbeddingLookup, LookupLayout
+from export.lookup import EmbeddingLookup, LookupConfig
 from export.store import current_version, open_current, write_version
 from pipeline.errors import BadInputError
 from pipeline.modules import EmbeddingCollection, TableConfig
@@ -87,6 +87,17 @@ def test_unknown_policy_is_named():
         make_tier("mru", _table(), 4)
 
 
+def test_tiers_are_registered_by_module_and_name_and_imported_on_use():
+    from export.cache import TIERS, register_tier
+
+    assert TIERS["gpu-lru"] == "export.cache_torch:gpu_lru"
+    register_tier("lru-again", "export.cache:LruCache")
+    assert isinstance(make_tier("lru-again", _table(), 4), LruCache)
+    del TIERS["lru-again"]
+    with pytest.raises(ValueError, match="module:attr"):
+        register_tier("bad", "LruCache")
+
+
 def _collection_and_schema():
     schema = Schema([
         Column("label", "label", "int8"),
@@ -106,10 +117,10 @@ def _collection_and_schema():
 
 def test_lookup_equals_the_embedding_collection(tmp_path):
     collection, schema = _collection_and_schema()
-    layout = LookupLayout.from_collection(collection, schema)
-    assert layout.categorical == ["C1", "C2", "C3"] and layout.multihot == ["M1"]
+    config = LookupConfig.from_collection(collection, schema)
+    assert config.categorical == ["C1", "C2", "C3"] and config.multihot == ["M1"]
     write_version(tmp_path, {n: collection.table_weight(n).numpy() for n in collection.layout.table_names})
-    lookup = EmbeddingLookup(tmp_path, layout, cache_fraction=0.1, min_cache_rows=3)
+    lookup = EmbeddingLookup(tmp_path, config, cache_fraction=0.1, min_cache_rows=3)
 
     rng = np.random.default_rng(0)
     batch = 33
@@ -133,9 +144,9 @@ def test_lookup_equals_the_embedding_collection(tmp_path):
 
 
 def test_refresh_switches_version_and_keeps_hot_rows(tmp_path):
-    layout = LookupLayout(["t"], ["C1"], [False], ["C1"])
+    config = LookupConfig(["t"], ["C1"], [False], ["C1"])
     write_version(tmp_path, {"t": _table(seed=1)})
-    lookup = EmbeddingLookup(tmp_path, layout, min_cache_rows=10)
+    lookup = EmbeddingLookup(tmp_path, config, min_cache_rows=10)
     ids = np.array([[3], [4], [5]])
     np.testing.assert_array_equal(lookup(ids), _table(seed=1)[[3, 4, 5]])
     assert not lookup.refresh()
@@ -147,9 +158,9 @@ def test_refresh_switches_version_and_keeps_hot_rows(tmp_path):
 
 
 def test_a_broken_new_version_leaves_the_served_one_untouched(tmp_path):
-    layout = LookupLayout(["t"], ["C1"], [False], ["C1"])
+    config = LookupConfig(["t"], ["C1"], [False], ["C1"])
     write_version(tmp_path, {"t": _table(seed=1)})
-    lookup = EmbeddingLookup(tmp_path, layout, min_cache_rows=10)
+    lookup = EmbeddingLookup(tmp_path, config, min_cache_rows=10)
     write_version(tmp_path, {"t": _table(seed=2)})
     (tmp_path / "v000002" / "t.npy").write_bytes(b"not an array")
     with pytest.raises(ValueError):

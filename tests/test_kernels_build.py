@@ -1,6 +1,6 @@
 """CPU checks of the CUDA kernels: every ``.cu`` compiles (nvcc, and NVRTC where CuPy is installed),
 compiler errors name the file and line, the package imports without CuPy or a GPU, and the launch
-geometry and per-slot arrays derived from a table layout are right."""
+geometry and per-slot arrays derived from a table packing are right."""
 
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from pipeline.kernels._compile import KERNEL_DIR, KernelCompileError
-from pipeline.kernels.embedding_ops import SlotArrays, _log_lanes, _vector_width
-from pipeline.modules.embedding import TableConfig, TableLayout
+from pipeline.kernels.embedding.launcher import SlotArrays, _log_lanes, _vector_width
+from pipeline.kernels.embedding import TablePacking
+from pipeline.modules.configs import TableConfig
 
-SOURCES = sorted(p.name for p in KERNEL_DIR.glob("*.cu"))
+SOURCES = sorted(str(p.relative_to(KERNEL_DIR)) for p in KERNEL_DIR.rglob("*.cu"))
 
 
 def _nvcc() -> str:
@@ -40,7 +41,7 @@ def _nvrtc():
 
 
 def test_there_are_kernel_sources():
-    assert {"embedding_forward.cu", "embedding_backward.cu"} <= set(SOURCES)
+    assert {"embedding/embedding_forward.cu", "embedding/embedding_backward.cu"} <= set(SOURCES)
 
 
 @pytest.mark.parametrize("source", SOURCES)
@@ -66,7 +67,7 @@ def test_compile_error_names_file_line_and_log(tmp_path):
     from pipeline.kernels._compile import compile_cubin
 
     (tmp_path / "broken.cu").write_text('#include "embedding_common.cuh"\n\nextern "C" __global__ void k() { nope; }\n')
-    shutil.copy(KERNEL_DIR / "embedding_common.cuh", tmp_path)
+    shutil.copy(KERNEL_DIR / "embedding" / "embedding_common.cuh", tmp_path)
     with pytest.raises(KernelCompileError, match=r'(?s)broken\.cu for sm_90.*broken\.cu\(3\).*"nope" is undefined'):
         compile_cubin(tmp_path / "broken.cu", "sm_90")
 
@@ -76,25 +77,27 @@ def test_disk_cache_is_keyed_by_arch_and_nvrtc_version(tmp_path, monkeypatch):
     from pipeline.kernels._compile import cached_cubin
 
     monkeypatch.setenv("PIPELINE_KERNEL_CACHE", str(tmp_path))
-    path = cached_cubin("embedding_forward.cu", "sm_90")
+    path = cached_cubin("embedding/embedding_forward.cu", "sm_90")
     major, minor = nvrtc.getVersion()
     assert path.parent == tmp_path and f"-sm_90-nvrtc{major}.{minor}-" in path.name
     stamp = path.stat().st_mtime_ns
-    assert cached_cubin("embedding_forward.cu", "sm_90") == path and path.stat().st_mtime_ns == stamp
-    assert cached_cubin("embedding_forward.cu", "sm_80") != path
+    assert cached_cubin("embedding/embedding_forward.cu", "sm_90") == path and path.stat().st_mtime_ns == stamp
+    assert cached_cubin("embedding/embedding_forward.cu", "sm_80") != path
 
 
-def test_import_without_gpu_registers_no_cuda_backend():
+def test_without_gpu_the_cuda_backend_is_refused_and_auto_picks_torch():
     import pipeline.kernels
-    from pipeline.modules.embedding import available_backends, resolve_backend
+    from pipeline.modules.backends import resolve_backend
 
     problem = pipeline.kernels.kernels_problem()
     if problem is None:
-        pytest.skip("a GPU and CuPy are usable here: the cuda backend is registered")
-    assert "cuda" not in available_backends()
-    with pytest.raises(ValueError, match="'cuda' is not registered"):
+        pytest.skip("a GPU and CuPy are usable here: the cuda backend runs")
+    with pytest.raises(ValueError, match="'cuda' cannot run on cpu"):
         resolve_backend("cuda", "cpu")
+    with pytest.raises(ValueError, match="'cuda' cannot run on cuda"):
+        resolve_backend("cuda", "cuda")
     assert resolve_backend("auto", "cpu").name == "torch"
+    assert resolve_backend("auto", "cuda").name == "torch"
 
 
 def test_lanes_cover_the_widest_row_with_one_vector_each():
@@ -103,11 +106,11 @@ def test_lanes_cover_the_widest_row_with_one_vector_each():
     assert [1 << _log_lanes(d, 8) for d in (8, 9, 128, 256, 257)] == [1, 2, 16, 32, 32]
 
 
-def test_slot_arrays_follow_the_layout():
+def test_slot_arrays_follow_the_packing():
     tables = [TableConfig("wide", 5, 8, ["a"]), TableConfig("shared", 7, 4, ["b", "c"], pooling="mean"),
               TableConfig("narrow", 3, 4, ["d"])]
-    layout = TableLayout.build(tables)
-    slots = SlotArrays.from_layout(layout, "cpu")
+    layout = TablePacking.build(tables)
+    slots = SlotArrays.from_packing(layout, "cpu")
     # storage is grouped by dim: shared (7x4) and narrow (3x4) first, then wide (5x8)
     assert slots.weight_offsets.tolist() == [40, 0, 0, 28]
     assert slots.row_offsets.tolist() == [10, 0, 0, 7]
@@ -119,7 +122,7 @@ def test_slot_arrays_follow_the_layout():
     assert slots.table_weight_offsets.tolist() == [0, 28, 40]
     assert slots.table_dims.tolist() == [4, 4, 8]
     assert slots.columns_aligned
-    odd = SlotArrays.from_layout(TableLayout.build([TableConfig("t", 3, 7, ["a"]), TableConfig("u", 3, 4, ["b"])]),
+    odd = SlotArrays.from_packing(TablePacking.build([TableConfig("t", 3, 7, ["a"]), TableConfig("u", 3, 4, ["b"])]),
                                  "cpu")
     assert not odd.columns_aligned
 
@@ -131,7 +134,7 @@ def _ptx_params(source: str, tmp_path) -> dict[str, list[str]]:
     """Entry name -> the PTX types of its parameters, from nvcc's PTX of ``source``."""
     import re
 
-    out = tmp_path / (source + ".ptx")
+    out = tmp_path / (Path(source).name + ".ptx")
     subprocess.run([_nvcc(), "-arch=sm_90", "-std=c++17", "-ptx", "-o", str(out), str(KERNEL_DIR / source)],
                    check=True, capture_output=True, timeout=600)
     entries = {}
@@ -141,27 +144,28 @@ def _ptx_params(source: str, tmp_path) -> dict[str, list[str]]:
 
 
 def test_launch_arguments_match_kernel_signatures(tmp_path, monkeypatch):
-    from pipeline.kernels import embedding_ops
+    from pipeline.kernels.embedding import launcher
 
-    entries = {**_ptx_params("embedding_forward.cu", tmp_path), **_ptx_params("embedding_backward.cu", tmp_path)}
+    entries = {**_ptx_params("embedding/embedding_forward.cu", tmp_path),
+               **_ptx_params("embedding/embedding_backward.cu", tmp_path)}
     launches = []
-    monkeypatch.setattr(embedding_ops, "launch",
+    monkeypatch.setattr(launcher, "launch",
                         lambda source, function, device, grid, block, args: launches.append((function, args)))
-    monkeypatch.setattr(embedding_ops, "_check", lambda *a: None)
+    monkeypatch.setattr(launcher, "_check", lambda *a: None)
     tables = [TableConfig("a", 50, 8, ["a"]), TableConfig("b", 20, 300, ["b"], pooling="mean")]
-    layout = TableLayout.build(tables)
-    slots = SlotArrays.from_layout(layout, "cpu")
+    layout = TablePacking.build(tables)
+    slots = SlotArrays.from_packing(layout, "cpu")
     indices = torch.tensor([1, 2, 3, 4, 5, 6], dtype=torch.int64)
     offsets = torch.tensor([0, 2, 3, 5, 6], dtype=torch.int64)
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         weights = torch.zeros(layout.total_elements, dtype=dtype)
-        embedding_ops.pooled_forward(weights, slots, indices, offsets, 2)
+        launcher.pooled_forward(weights, slots, indices, offsets, 2)
         for opt in ("sgd", "adagrad", "adam"):
             state = {"adagrad": {"momentum1": torch.zeros(layout.total_rows)},
                      "adam": {"momentum1": torch.zeros(weights.numel()), "momentum2": torch.zeros(weights.numel())},
                      }.get(opt, {})
-            embedding_ops.backward_update(weights, state, slots, indices, offsets, 2,
-                                          torch.zeros(2, layout.total_dim), opt, 0.1, 1)
+            launcher.backward_update(weights, state, slots, indices, offsets, 2,
+                                     torch.zeros(2, layout.total_dim), opt, 0.1, 1)
     assert {f for f, _ in launches} >= {"pooled_forward_f32", "sparse_update_adam_bf16_i32_c2", "row_keys_i32"}
     for function, args in launches:
         assert function in entries, f"{function} is not a kernel of the .cu sources"

@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.modules.embedding import EmbeddingCollection, EmbeddingOptimizerConfig, TableConfig
+from pipeline.modules.collection import EmbeddingCollection
+from pipeline.modules.configs import EmbeddingOptimizerConfig, TableConfig
 from pipeline.sparse import KeyedJaggedTensor
 
 pytestmark = pytest.mark.gpu
@@ -93,7 +94,7 @@ def test_forward_matches_reference(case, dtype):
 def test_forward_writes_every_column():
     (ref, cuda), tables, features, batch, max_len, cap = _pair("multi_hot_odd_dims", "fp32", "sgd")
     kjt = _batch(tables, features, batch, max_len, cap, seed=2).to("cuda")
-    indices, offsets, b = cuda._slot_bags(kjt)
+    indices, offsets, b = cuda.slot_bags(kjt)
     out = cuda.backend.forward(cuda.weights, cuda.layout, indices, offsets, b)
     assert torch.isfinite(out).all()
     empty = (offsets[1:] == offsets[:-1]).view(-1, b)
@@ -128,7 +129,7 @@ def test_backward_update_matches_reference(case, dtype, optimizer):
 
 
 def test_update_rejects_rows_wider_than_supported():
-    from pipeline.kernels.embedding_ops import MAX_UPDATE_DIM
+    from pipeline.kernels.embedding.launcher import MAX_UPDATE_DIM
 
     emb = EmbeddingCollection([TableConfig("t", 10, MAX_UPDATE_DIM + 8, ["a"])], ["a"], backend="cuda").cuda()
     kjt = KeyedJaggedTensor.from_lists(["a"], [[[1], [2]]]).to("cuda")
@@ -139,7 +140,7 @@ def test_update_rejects_rows_wider_than_supported():
 
 
 def test_stochastic_rounding_is_unbiased_where_nearest_stalls():
-    from pipeline.kernels.backend import CudaEmbeddingBackend
+    from pipeline.kernels.embedding import CudaBackend
 
     rows, dim = 4096, 64
     emb = EmbeddingCollection([TableConfig("t", rows, dim, ["a"])], ["a"], EmbeddingOptimizerConfig("sgd", lr=1e-3),
@@ -152,7 +153,7 @@ def test_stochastic_rounding_is_unbiased_where_nearest_stalls():
     emb.backend.backward_update(nearest, {}, emb.layout, ids, kjt.offsets(), rows, grad, emb.optimizer, 1e-3, 1)
     assert torch.equal(nearest, emb.weights)  # 1 - 1e-3 rounds back to 1 in bf16 (half an ulp is 2e-3)
 
-    backend = CudaEmbeddingBackend(stochastic_rounding=True, seed=7)
+    backend = CudaBackend(stochastic_rounding=True, seed=7)
     w = emb.weights.clone()
     backend.backward_update(w, {}, emb.layout, ids, kjt.offsets(), rows, grad, emb.optimizer, 1e-3, 1)
     below = 1.0 - 2.0**-8
@@ -180,7 +181,7 @@ def test_master_weights_keep_fp32_updates():
     grad = torch.randn(batch, ref.output_dim, device="cuda")
     ref.train()
     ref(kjt).backward(grad)
-    indices, offsets, b = half._slot_bags(kjt)
+    indices, offsets, b = half.slot_bags(kjt)
     state = dict(half.optimizer_state(), master_weights=master)
     half.backend.backward_update(half.weights, state, half.layout, indices, offsets, b, grad, opt, opt.lr, 1)
     torch.testing.assert_close(master, ref.weights, rtol=1e-5, atol=1e-6)
@@ -220,3 +221,74 @@ def test_dlrm_follows_the_reference_loss_curve():
     assert ref[-50:].mean() < ref[:50].mean() - 0.05  # the model learns the planted signal
     torch.testing.assert_close(cuda[:20], ref[:20], rtol=1e-4, atol=1e-4)
     assert (cuda - ref).abs().max() < 0.02
+
+
+def test_compiled_model_with_the_cuda_backend_trains_like_eager(monkeypatch):
+    """A DLRM on the ``cuda`` backend under ``torch.compile`` (inductor, whole graph): the forward op and the
+    fused backward update run as custom ops inside the compiled graphs, step after step, lr changing."""
+    import copy
+
+    from pipeline.modules.models import DLRM, ModelSizes
+
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # true fp32 matmuls in both runs
+    features = [f"C{i}" for i in range(4)]
+    tables = [TableConfig(f"t_{f}", rows, 16, [f]) for f, rows in zip(features, [50, 7, 3000, 5])]
+    emb = EmbeddingCollection(tables, features, EmbeddingOptimizerConfig("adam", lr=0.05), backend="cuda",
+                              generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(2)
+    eager = DLRM(emb, 3, ModelSizes(embedding_dim=16, bottom_mlp=[32, 16], top_mlp=[32, 1])).cuda()
+    compiled = copy.deepcopy(eager)
+    assert compiled.embedding.backend.name == "cuda"
+    g = torch.Generator().manual_seed(3)
+    batches = []
+    for _ in range(5):
+        ids = torch.stack([torch.randint(0, t.rows, (64,), generator=g) for t in tables], 1)
+        kjt = KeyedJaggedTensor.from_dense(features, ids).to("cuda")
+        labels = (torch.rand(64, generator=g) < 0.5).float()
+        batches.append((torch.randn(64, 3, generator=g).cuda(), kjt, labels.cuda()))
+    lrs = [0.05, 0.04, 0.03, 0.02, 0.01]
+
+    def run(model, step_fn):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for (dense, kjt, labels), lr in zip(batches, lrs):
+            model.embedding.set_lr(lr)
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(step_fn(dense, kjt), labels)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return torch.tensor(losses)
+
+    torch._dynamo.reset()
+    expected = run(eager, eager)
+    got = run(compiled, torch.compile(compiled, fullgraph=True))
+    # Inductor fuses and reorders the dense part's fp32 arithmetic (the embedding kernels are the same
+    # launches), so results agree to fp32 rounding accumulated over a few steps, not bit for bit.
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(compiled.embedding.weights, eager.embedding.weights, rtol=1e-4, atol=1e-5)
+    for name, state in eager.embedding.optimizer_state().items():
+        torch.testing.assert_close(compiled.embedding.optimizer_state()[name], state, rtol=1e-4, atol=1e-5)
+    assert int(compiled.embedding.step) == int(eager.embedding.step) == len(batches)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_opcheck_of_the_cuda_ops(dtype):
+    from pipeline.kernels.embedding import TablePacking
+
+    tables = [TableConfig("a", 10, 8, ["a"]), TableConfig("b", 7, 4, ["b", "c"], pooling="mean")]
+    packing = TablePacking.build(tables)
+    g = torch.Generator().manual_seed(0)
+    batch = 3
+    lengths = torch.randint(0, 4, (packing.num_slots * batch,), generator=g)
+    ids = torch.randint(0, 7, (int(lengths.sum()),), generator=g).cuda()
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).cuda()
+    weights = torch.randn(packing.total_elements, generator=g).to(dtype).cuda()
+    torch.library.opcheck(torch.ops.pipeline.embedding_forward, (weights, ids, offsets, batch, *packing.op_args()))
+    grad = torch.randn(batch, packing.total_dim, generator=g).cuda()
+    m1 = torch.zeros(packing.total_elements, device="cuda")
+    m2 = torch.zeros(packing.total_elements, device="cuda")
+    hyper = torch.tensor([0.1, 1.0], dtype=torch.float64)  # lr and step, read on the host
+    torch.library.opcheck(torch.ops.pipeline.embedding_update, (weights, m1, m2, None, ids, offsets, batch, grad,
+                                                                *packing.op_args(), "adam", hyper, 1e-8, 0.9, 0.999,
+                                                                0.0, False, 0))

@@ -6,16 +6,10 @@ import pytest
 import torch
 
 from pipeline.errors import BadInputError
-from pipeline.modules.embedding import (
-    EmbeddingCollection,
-    EmbeddingOptimizerConfig,
-    TableConfig,
-    TorchBackend,
-    available_backends,
-    register_backend,
-    resolve_backend,
-    tables_from_schema,
-)
+from pipeline.kernels.embedding import TorchBackend, reference
+from pipeline.modules.backends import available_backends, register_backend, resolve_backend
+from pipeline.modules.collection import EmbeddingCollection
+from pipeline.modules.configs import EmbeddingOptimizerConfig, TableConfig, tables_from_schema
 from pipeline.schema import Column, Schema
 from pipeline.sparse import KeyedJaggedTensor
 
@@ -109,9 +103,9 @@ def test_reference_forward_gradcheck():
     gen = torch.Generator().manual_seed(1)
     emb = EmbeddingCollection(_mixed_tables(), FEATURES, generator=gen)
     kjt, _ = _random_kjt(gen, batch=4)
-    indices, offsets, batch = emb._slot_bags(kjt)
+    indices, offsets, batch = emb.slot_bags(kjt)
     weights = emb.weights.double().requires_grad_()
-    fn = lambda w: TorchBackend().forward(w, emb.layout, indices, offsets, batch)
+    fn = lambda w: reference.pooled_forward(w, emb.layout, indices, offsets, batch)
     assert torch.autograd.gradcheck(fn, (weights,), eps=1e-6, atol=1e-5)
 
 
@@ -122,9 +116,9 @@ def test_sgd_update_equals_weights_minus_lr_times_autograd_gradient():
     before = emb.weights.clone()
     # Oracle: autograd through the differentiable reference forward, on a copy of the weights.
     w = before.clone().requires_grad_()
-    indices, offsets, batch = emb._slot_bags(kjt)
+    indices, offsets, batch = emb.slot_bags(kjt)
     grad_out = torch.randn(6, 12, generator=gen)
-    (TorchBackend().forward(w, emb.layout, indices, offsets, batch) * grad_out).sum().backward()
+    (reference.pooled_forward(w, emb.layout, indices, offsets, batch) * grad_out).sum().backward()
     emb.set_lr(0.25)
     (emb(kjt) * grad_out).sum().backward()
     torch.testing.assert_close(emb.weights, before - 0.25 * w.grad)
@@ -235,17 +229,19 @@ def test_keys_in_another_order_are_rejected():
         emb(kjt)
 
 
+class Counting(TorchBackend):
+    """A backend registered by ``module:attr``, imported on first use; it counts the lookups it serves."""
+
+    name = "counting"
+    made = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        Counting.made += 1
+
+
 def test_backend_registry_plugs_in_without_model_changes():
-    calls = []
-
-    class Counting(TorchBackend):
-        name = "counting"
-
-        def backward_update(self, *args, **kwargs):
-            calls.append("backward")
-            super().backward_update(*args, **kwargs)
-
-    register_backend("counting", Counting, lambda device, dtype: device.type == "cpu")
+    register_backend("counting", f"{__name__}:Counting")
     assert "counting" in available_backends()
     gen = torch.Generator().manual_seed(5)
     ref = EmbeddingCollection(_mixed_tables(), FEATURES, EmbeddingOptimizerConfig("adam"), generator=gen)
@@ -254,11 +250,13 @@ def test_backend_registry_plugs_in_without_model_changes():
     kjt, _ = _random_kjt(gen, batch=4)
     ref(kjt).sum().backward()
     other(kjt).sum().backward()
-    assert calls == ["backward"] and other.backend.name == "counting"
+    assert Counting.made == 1 and other.backend.name == "counting"
     torch.testing.assert_close(ref.weights, other.weights, rtol=0, atol=0)
     assert resolve_backend("auto", "cpu").name == "torch"
     with pytest.raises(ValueError, match="not registered"):
         resolve_backend("nope", "cpu")
+    with pytest.raises(ValueError, match="module:attr"):
+        register_backend("bad", "no_colon")
 
 
 def test_tables_from_schema_follow_the_feature_order_and_cardinalities():

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from pipeline.modules.embedding import EmbeddingOptimizerConfig
+from pipeline.modules.configs import EmbeddingOptimizerConfig
 from pipeline.modules.models import MODEL_CLASSES, ModelSizes, build_model
 from pipeline.schema import Column, Schema
 from pipeline.sparse import KeyedJaggedTensor

@@ -52,67 +52,66 @@ def run(args: argparse.Namespace, cfg) -> dict:  # noqa: ARG001  (the pipeline s
     if problem:
         raise DeviceError(f"bench embedding needs a CUDA GPU: {problem}")
     import pipeline.kernels
-    from pipeline.modules.embedding import EmbeddingOptimizerConfig, TableConfig, TableLayout
+    from pipeline.kernels.embedding import TablePacking
+    from pipeline.modules.configs import EmbeddingOptimizerConfig, TableConfig
 
     if pipeline.kernels.kernels_problem():
         raise DeviceError(f"bench embedding needs the CUDA kernels: {pipeline.kernels.kernels_problem()}")
-    from pipeline.kernels.backend import CudaEmbeddingBackend
-    from pipeline.kernels import embedding_ops
-    from pipeline.kernels.embedding_ops import sort_by_row
+    from pipeline.kernels.embedding import CudaBackend, launcher
 
     hots = [int(h) for h in str(args.hots).split(",") if h]
     rows = _geometric(args.rows_min, args.rows_max, args.tables)
     tables = [TableConfig(f"t{i}", r, args.dim, [f"C{i}"]) for i, r in enumerate(rows)]
-    layout = TableLayout.build(tables)
+    packing = TablePacking.build(tables)
     dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     device = torch.device("cuda")
-    weights = torch.empty(layout.total_elements, dtype=dtype, device=device).uniform_(-0.01, 0.01)
+    weights = torch.empty(packing.total_elements, dtype=dtype, device=device).uniform_(-0.01, 0.01)
     opt = EmbeddingOptimizerConfig(args.optimizer, lr=0.01)
     state = {name: torch.zeros(size, dtype=torch.float32, device=device)
-             for name, size in opt.state_shapes(layout.total_rows, layout.total_elements).items()}
-    backend = CudaEmbeddingBackend()
-    slots = backend.slots(layout, device)
+             for name, size in opt.state_shapes(packing.total_rows, packing.total_elements).items()}
+    backend = CudaBackend()
+    slots = launcher.SlotArrays.from_packing(packing, device)
     es = weights.element_size()
     copy_bw = _copy_bandwidth(torch)
-    gib = layout.total_elements * es / 2**30
+    gib = packing.total_elements * es / 2**30
     print(f"[bench embedding] {torch.cuda.get_device_name()} | {args.tables} tables, {min(rows):,}..{max(rows):,} rows "
-          f"({layout.total_rows:,} rows, {gib:.1f} GiB {args.dtype}), dim {args.dim}, batch {args.batch}, "
+          f"({packing.total_rows:,} rows, {gib:.1f} GiB {args.dtype}), dim {args.dim}, batch {args.batch}, "
           f"{args.optimizer} | device-to-device copy {copy_bw / 1e12:.2f} TB/s", flush=True)
 
-    baseline = None if args.no_baseline else _Baseline(torch, weights, layout, args.optimizer, opt.lr)
+    baseline = None if args.no_baseline else _Baseline(torch, weights, packing, args.optimizer, opt.lr)
     results = []
     for hot in hots:
         batches = [_batch(torch, rows, args.batch, hot, seed) for seed in range(3)]
-        grad = torch.randn(args.batch, layout.total_dim, device=device)
+        grad = torch.randn(args.batch, packing.total_dim, device=device)
         nnz = batches[0][0].numel()
         cycle = _Cycle(batches)
 
         def fwd():
             ind, off = cycle.next()
-            backend.forward(weights, layout, ind, off, args.batch)
+            backend.forward(weights, packing, ind, off, args.batch)
 
         def bwd():
             ind, off = cycle.next()
-            backend.backward_update(weights, state, layout, ind, off, args.batch, grad, opt, opt.lr, 1)
+            backend.backward_update(weights, state, packing, ind, off, args.batch, grad, opt, opt.lr, 1)
 
         def sort_only():
             ind, off = cycle.next()
-            sort_by_row(slots, ind, off, args.batch)
+            launcher.sort_by_row(slots, ind, off, args.batch)
 
         sweep = {}
         for k in [int(v) for v in str(args.sweep_bags_per_group).split(",") if v]:
-            kept, embedding_ops.BAGS_PER_GROUP = embedding_ops.BAGS_PER_GROUP, k
+            kept, launcher.BAGS_PER_GROUP = launcher.BAGS_PER_GROUP, k
             sweep[k] = _median_ms(torch, fwd, args.reps)
-            embedding_ops.BAGS_PER_GROUP = kept
+            launcher.BAGS_PER_GROUP = kept
         if sweep:
             print(f"  {hot:>2}-hot forward by bags per group: "
                   + ", ".join(f"{k}: {ms:.3f} ms" for k, ms in sweep.items()), flush=True)
         t_fwd = _median_ms(torch, fwd, args.reps)
         t_bwd = _median_ms(torch, bwd, args.reps)
         t_sort = _median_ms(torch, sort_only, args.reps)
-        unique = _unique_rows(torch, batches[0], layout, args.batch)
+        unique = _unique_rows(torch, batches[0], packing, args.batch)
         state_bytes = {"sgd": 0, "adagrad": 8}[args.optimizer]
-        fwd_bytes = nnz * (args.dim * es + 8) + args.batch * layout.total_dim * 4
+        fwd_bytes = nnz * (args.dim * es + 8) + args.batch * packing.total_dim * 4
         # the row-owner algorithm's fewest bytes: each occurrence's id and gradient row, each touched row
         # (and its state) read and written once; the sort's traffic is not counted
         bwd_bytes = nnz * (8 + args.dim * 4) + unique * (2 * args.dim * es + state_bytes)
@@ -150,13 +149,13 @@ class _Cycle:
 class _Baseline:
     """``torch.nn.EmbeddingBag`` per table over views of the same storage, sparse gradients, torch optimizer."""
 
-    def __init__(self, torch, weights, layout, optimizer: str, lr: float) -> None:
+    def __init__(self, torch, weights, packing, optimizer: str, lr: float) -> None:
         nn = torch.nn
         self.torch = torch
         self.bags = nn.ModuleList()
-        for t in range(len(layout.rows)):
-            start = layout.weights_offsets[t]
-            view = weights[start : start + layout.rows[t] * layout.dims[t]].view(layout.rows[t], layout.dims[t])
+        for t in range(len(packing.rows)):
+            start = packing.weights_offsets[t]
+            view = weights[start : start + packing.rows[t] * packing.dims[t]].view(packing.rows[t], packing.dims[t])
             self.bags.append(nn.EmbeddingBag.from_pretrained(view, freeze=False, mode="sum", sparse=True))
         params = list(self.bags.parameters())
         self.opt = torch.optim.SGD(params, lr=lr) if optimizer == "sgd" else torch.optim.Adagrad(params, lr=lr)
@@ -209,10 +208,10 @@ def _batch(torch, rows, batch, hot, seed):
     return indices, offsets
 
 
-def _unique_rows(torch, batch, layout, batch_size) -> int:
+def _unique_rows(torch, batch, packing, batch_size) -> int:
     indices, offsets = batch
     counts = offsets[batch_size::batch_size] - offsets[:-1:batch_size]
-    base = torch.tensor(layout.row_offsets, device=indices.device)
+    base = torch.tensor(packing.row_offsets, device=indices.device)
     keys = indices + torch.repeat_interleave(base, counts)
     return int(torch.unique(keys).numel())
 

@@ -234,7 +234,7 @@ def _offline_hit_rates(cfg, reference, rows) -> dict[str, float]:
     The traffic is the raw train rows in order (their categorical values are Zipf-distributed) in
     batches of 64; the first half warms the cache, the hit rate is over the second half.
     """
-    from export.lookup import EmbeddingLookup, LookupLayout
+    from export.lookup import EmbeddingLookup, LookupConfig
     from export.preprocess import Preprocessor
     from export.repository import lookup_dir
     from pipeline.stages.serve import sample_rows
@@ -244,7 +244,7 @@ def _offline_hit_rates(cfg, reference, rows) -> dict[str, float]:
     traffic = sample_rows(cfg, 1 << 30, split="train")
     ids = preprocess.tensors(reference.workflow.transform(traffic))["CATEGORICAL_IDS"]
     half = len(ids) // 2
-    layout = LookupLayout.load(lookup_dir(export) / "1" / "layout.json")
+    layout = LookupConfig.load(lookup_dir(export) / "1" / "layout.json")
     out = {"rows": len(ids)}
     for policy in ("lru", "lfu"):
         for fraction in (0.05, 0.25):

@@ -126,7 +126,7 @@ def _batches(args, device, n):
 
 
 def _ours(args, dim, bottom, top, device):
-    from pipeline.modules.embedding import EmbeddingOptimizerConfig
+    from pipeline.modules.configs import EmbeddingOptimizerConfig
     from pipeline.modules.models import ModelSizes, build_model
     from pipeline.schema import Column, Schema
 

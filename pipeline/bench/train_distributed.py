@@ -100,7 +100,7 @@ def _worker(rank: int, world: int, args: dict, device_kind: str) -> dict:
 
     from pipeline.distributed import DistributedModelParallel, EmbeddingShardingPlanner, Topology
     from pipeline.distributed.comm import CommTimer
-    from pipeline.modules.embedding import EmbeddingOptimizerConfig
+    from pipeline.modules.configs import EmbeddingOptimizerConfig
     from pipeline.modules.models import ModelSizes, build_model
     from pipeline.schema import Column, Schema
     from pipeline.sparse import KeyedJaggedTensor

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from pipeline.distributed.embedding import ShardedEmbeddingCollection, table_tensors
 from pipeline.distributed.types import ShardingPlan
-from pipeline.modules.embedding import EmbeddingCollection
+from pipeline.modules.collection import EmbeddingCollection
 
 CHECKPOINT_VERSION = 1
 

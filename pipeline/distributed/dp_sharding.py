@@ -30,7 +30,9 @@ from pipeline.distributed.embedding_sharding import (
 )
 from pipeline.distributed.jagged import exclusive_cumsum, segment_sums
 from pipeline.distributed.types import Awaitable, NoWait, ShardingPlan, ShardingType
-from pipeline.modules.embedding import EmbeddingOptimizerConfig, TableConfig, TableLayout, resolve_backend
+from pipeline.kernels.embedding import TablePacking
+from pipeline.modules.backends import resolve_backend
+from pipeline.modules.configs import EmbeddingOptimizerConfig, TableConfig
 
 
 class DataParallelSharding(EmbeddingSharding):
@@ -38,7 +40,7 @@ class DataParallelSharding(EmbeddingSharding):
 
     sharding_type = ShardingType.DATA_PARALLEL
 
-    def __init__(self, tables: Sequence[TableConfig], layout: TableLayout, feature_names: Sequence[str],
+    def __init__(self, tables: Sequence[TableConfig], layout: TablePacking, feature_names: Sequence[str],
                  plan: ShardingPlan, rank: int, world: int, group, make_collection: MakeCollection,
                  comm_dtype: torch.dtype = torch.float32) -> None:
         table_ids = self.tables_of_type(tables, plan)

@@ -1,6 +1,6 @@
 """``ShardedEmbeddingCollection``: the EmbeddingCollection spread over ranks by a sharding plan.
 
-Same contract as :class:`~pipeline.modules.embedding.EmbeddingCollection`: each rank passes the
+Same contract as :class:`~pipeline.modules.collection.EmbeddingCollection`: each rank passes the
 KeyedJaggedTensor of its own batch and gets ``[B, sum of slot dims]`` in the same column order; in
 backward the rows are updated in place by the fused optimizer of the rank that holds them. Tables
 are served by one strategy per sharding type the plan uses (``tw_sharding``, ``rw_sharding``,
@@ -42,13 +42,9 @@ from pipeline.distributed.tw_sharding import TableWiseSharding
 from pipeline.distributed.types import Awaitable, AwaitableList, ShardingPlan, ShardingType
 from pipeline.errors import BadInputError
 from pipeline.modules.columns import ColumnRun, assemble_columns, merge_runs
-from pipeline.modules.embedding import (
-    EmbeddingCollection,
-    EmbeddingOptimizerConfig,
-    TableConfig,
-    TableLayout,
-    check_features,
-)
+from pipeline.kernels.embedding import TablePacking
+from pipeline.modules.collection import EmbeddingCollection
+from pipeline.modules.configs import EmbeddingOptimizerConfig, TableConfig, check_features
 from pipeline.sparse import KeyedJaggedTensor
 
 _STRATEGIES = (TableWiseSharding, RowWiseSharding, DataParallelSharding)
@@ -96,7 +92,7 @@ class ShardedEmbeddingCollection(nn.Module):
         self.tables = list(tables)
         self.feature_names = list(feature_names)
         check_features(self.tables, self.feature_names)
-        self.layout = TableLayout.build(self.tables)
+        self.layout = TablePacking.build(self.tables)
         plan.validate(self.tables, self.world_size)
         self.plan = plan
         self.optimizer = optimizer or EmbeddingOptimizerConfig()

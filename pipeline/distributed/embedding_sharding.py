@@ -1,7 +1,7 @@
 """The base of the sharding strategies, and the id and pooled-vector exchanges they share.
 
 A strategy (``tw_sharding``, ``rw_sharding``, ``dp_sharding``) serves the *slots* (a slot is a
-(table, feature) pair, see :mod:`pipeline.modules.embedding`) of the tables the plan gives its
+(table, feature) pair, see :mod:`pipeline.modules.collection`) of the tables the plan gives its
 sharding type. It serves a batch in three calls, torchrec's split, each returning an
 :class:`~pipeline.distributed.types.Awaitable` so that a caller can overlap the exchanges with
 other work:
@@ -11,7 +11,7 @@ other work:
    destination, whose first ``wait()`` brings the counts to the host and launches one all-to-all
    of each destination's bag lengths and ids together; the second ``wait()`` gives the
    :class:`LocalBags`, slot-major over the samples of every source rank;
-2. ``lookup``: the local :class:`~pipeline.modules.embedding.EmbeddingCollection` pools them with
+2. ``lookup``: the local :class:`~pipeline.modules.collection.EmbeddingCollection` pools them with
    whatever backend is registered (fused kernels on GPU); its fused optimizer updates its rows
    when the gradient comes back;
 3. ``output_dist``: an all-to-all of each source's rows of the pooled output back to the source
@@ -36,19 +36,21 @@ from pipeline.distributed.comm import AllToAllRows, all_to_all, exchange_counts,
 from pipeline.distributed.jagged import exclusive_cumsum, permute_segments, segment_sums, source_major_to_slot_major
 from pipeline.distributed.types import Awaitable, ShardingPlan, ShardingType
 from pipeline.errors import BadInputError
-from pipeline.modules.embedding import EmbeddingCollection, TableConfig, TableLayout
+from pipeline.kernels.embedding import TablePacking
+from pipeline.modules.collection import EmbeddingCollection
+from pipeline.modules.configs import TableConfig
 from pipeline.sparse import KeyedJaggedTensor
 
 MakeCollection = Callable[[Sequence[TableConfig], Sequence[str]], EmbeddingCollection]
 Received = tuple[torch.Tensor, torch.Tensor, list[int]]  # lengths and ids, slot-major; samples per source
 
 
-def slot_key(layout: TableLayout, slot: int) -> str:
+def slot_key(layout: TablePacking, slot: int) -> str:
     """The feature name a slot goes by inside a local collection: ``feature@table`` (unique per slot)."""
     return f"{layout.slot_features[slot]}@{layout.table_names[layout.slot_table[slot]]}"
 
 
-def local_tables(tables: Sequence[TableConfig], layout: TableLayout, table_ids: Sequence[int],
+def local_tables(tables: Sequence[TableConfig], layout: TablePacking, table_ids: Sequence[int],
                  rows: dict[int, int] | None = None, pooling: str | None = None) -> list[TableConfig]:
     """Local copies of ``tables[table_ids]`` serving their slot keys, with ``rows`` / ``pooling`` overridden."""
     out = []
@@ -84,7 +86,7 @@ class EmbeddingSharding(nn.Module):
 
     sharding_type: ShardingType
 
-    def __init__(self, layout: TableLayout, feature_names: Sequence[str], slots: list[int], rank: int, world: int,
+    def __init__(self, layout: TablePacking, feature_names: Sequence[str], slots: list[int], rank: int, world: int,
                  group, comm_dtype: torch.dtype) -> None:
         super().__init__()
         self.layout, self.slots = layout, slots

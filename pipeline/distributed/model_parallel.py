@@ -1,6 +1,6 @@
 """``DistributedModelParallel``: a model's embedding collections sharded, its dense part under DDP.
 
-Every :class:`~pipeline.modules.embedding.EmbeddingCollection` inside the model is replaced by a
+Every :class:`~pipeline.modules.collection.EmbeddingCollection` inside the model is replaced by a
 :class:`~pipeline.distributed.embedding.ShardedEmbeddingCollection` (this rank's rows copied from
 it), and the model is wrapped in ``DistributedDataParallel`` with the sharded buffers left out of
 DDP's broadcasts. The model's own code does not change: ``model.embedding(kjt)`` is now sharded.
@@ -26,7 +26,7 @@ from pipeline.distributed.config import DistributedConfig
 from pipeline.distributed.embedding import ShardedEmbeddingCollection
 from pipeline.distributed.planner import EmbeddingShardingPlanner, Topology
 from pipeline.distributed.types import ShardingPlan
-from pipeline.modules.embedding import EmbeddingCollection
+from pipeline.modules.collection import EmbeddingCollection
 
 
 def make_planner(cfg: DistributedConfig, world_size: int, device: torch.device | str, batch_size: int = 2048,

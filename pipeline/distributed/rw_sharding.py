@@ -30,7 +30,8 @@ from pipeline.distributed.embedding_sharding import (
     slot_key,
 )
 from pipeline.distributed.types import Awaitable, ShardingPlan, ShardingType
-from pipeline.modules.embedding import TableConfig, TableLayout
+from pipeline.kernels.embedding import TablePacking
+from pipeline.modules.configs import TableConfig
 
 
 class RowWiseSharding(EmbeddingSharding):
@@ -38,7 +39,7 @@ class RowWiseSharding(EmbeddingSharding):
 
     sharding_type = ShardingType.ROW_WISE
 
-    def __init__(self, tables: Sequence[TableConfig], layout: TableLayout, feature_names: Sequence[str],
+    def __init__(self, tables: Sequence[TableConfig], layout: TablePacking, feature_names: Sequence[str],
                  plan: ShardingPlan, rank: int, world: int, group, make_collection: MakeCollection,
                  comm_dtype: torch.dtype = torch.float32) -> None:
         rw = self.tables_of_type(tables, plan)

@@ -25,7 +25,8 @@ from pipeline.distributed.embedding_sharding import (
 )
 from pipeline.distributed.jagged import segment_sums
 from pipeline.distributed.types import Awaitable, ShardingPlan, ShardingType
-from pipeline.modules.embedding import TableConfig, TableLayout
+from pipeline.kernels.embedding import TablePacking
+from pipeline.modules.configs import TableConfig
 
 
 class TableWiseSharding(EmbeddingSharding):
@@ -33,7 +34,7 @@ class TableWiseSharding(EmbeddingSharding):
 
     sharding_type = ShardingType.TABLE_WISE
 
-    def __init__(self, tables: Sequence[TableConfig], layout: TableLayout, feature_names: Sequence[str],
+    def __init__(self, tables: Sequence[TableConfig], layout: TablePacking, feature_names: Sequence[str],
                  plan: ShardingPlan, rank: int, world: int, group, make_collection: MakeCollection,
                  comm_dtype: torch.dtype = torch.float32) -> None:
         owner = {t: plan[tables[t].name].ranks[0] for t in self.tables_of_type(tables, plan)}

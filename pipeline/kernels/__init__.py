@@ -1,11 +1,10 @@
-"""Custom CUDA kernels, compiled at run time with NVRTC through CuPy.
+"""Custom CUDA kernels, compiled at run time with NVRTC through CuPy, registered as ``torch.library`` ops.
 
-Each op is a small set of files, FBGEMM style: the ``.cu`` kernels (forward and backward apart, a
-shared ``.cuh``), a thin launcher (``embedding_ops``), the glue to the embedding collection's seam
-(``backend``), and the plain-torch reference, which is the collection's ``TorchBackend``
-(``pipeline.modules.embedding``). Importing this package needs neither CuPy nor a GPU: the
-``"cuda"`` embedding backend is registered only where both are usable, and :func:`kernels_problem`
-says why not elsewhere.
+One sub-package per op family, FBGEMM style; :mod:`pipeline.kernels.embedding` holds the ``.cu``
+sources (forward and backward apart, a shared ``.cuh``), the plain-torch reference beside them (the
+CPU path and the test oracle), the launchers, and the ``pipeline::`` custom ops with their fake
+implementations and autograd. Importing this package needs neither CuPy nor a GPU; the CUDA
+implementations fall back to the reference where :func:`kernels_problem` names what is missing.
 
 Example::
 
@@ -20,7 +19,7 @@ import importlib.util
 
 from pipeline.kernels._compile import KernelCompileError
 
-__all__ = ["KernelCompileError", "kernels_problem", "CudaEmbeddingBackend"]
+__all__ = ["KernelCompileError", "kernels_problem"]
 
 
 def kernels_problem() -> str | None:
@@ -33,29 +32,3 @@ def kernels_problem() -> str | None:
     if importlib.util.find_spec("cupy") is None:
         return "CuPy is not installed (the kernels compile through it: pip install cupy-cuda13x)"
     return None
-
-
-def __getattr__(name: str):
-    if name == "CudaEmbeddingBackend":
-        from pipeline.kernels.backend import CudaEmbeddingBackend
-
-        return CudaEmbeddingBackend
-    raise AttributeError(name)
-
-
-def _usable(device, dtype) -> bool:
-    import torch
-
-    return device.type == "cuda" and dtype in (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _register() -> None:
-    if kernels_problem() is not None:
-        return
-    from pipeline.kernels.backend import CudaEmbeddingBackend
-    from pipeline.modules.embedding import register_backend
-
-    register_backend("cuda", CudaEmbeddingBackend, _usable)
-
-
-_register()

@@ -9,7 +9,7 @@ CuPy is imported here, lazily: nothing in this module runs at import time.
 
 Example::
 
-    module = load_module("embedding_forward.cu", device_index=0)
+    module = load_module("embedding/embedding_forward.cu", device_index=0)
     kernel = module.get_function("pooled_forward_f32")
 """
 
@@ -40,7 +40,7 @@ def _headers_of(source: str) -> list[str]:
 
 
 def _program(name: str | Path) -> tuple[str, list[str], list[str]]:
-    """(source with #line, header names, header texts) of a ``.cu`` file (a name in this folder, or a path)."""
+    """(source with #line, header names, header texts) of a ``.cu`` file (a path under this folder, or any path)."""
     path = KERNEL_DIR / name
     if not path.is_file():
         raise FileNotFoundError(f"kernel source {path} does not exist")
@@ -51,7 +51,7 @@ def _program(name: str | Path) -> tuple[str, list[str], list[str]]:
 
 
 def compile_cubin(name: str | Path, arch: str) -> bytes:
-    """Compile ``name`` (a ``.cu`` file of this folder, or a path) for ``arch`` (e.g. ``"sm_90"``) with NVRTC."""
+    """Compile ``name`` (a ``.cu`` path under this folder, or any path) for ``arch`` (e.g. ``"sm_90"``) with NVRTC."""
     from cupy_backends.cuda.libs import nvrtc
 
     source, header_names, header_texts = _program(name)

@@ -1,8 +1,8 @@
 """Picking column ranges out of 2-D blocks into one tensor, with a backward that is a copy too.
 
 ``x[:, index]`` (and ``index_select``) is a gather forward but a scatter backward: ``index_put_``
-with accumulation sorts the indices (about 4.6 ms for DLRM's pair selection at batch 65536 on an
-H200, a third of the training step) and ``index_add_`` uses atomics. When the columns come in
+with accumulation sorts the indices (a large share of a DLRM training step at MLPerf batch sizes)
+and ``index_add_`` uses atomics. When the columns come in
 contiguous runs, both directions are one ``torch.cat`` of column slices: :func:`assemble_columns`
 does that, and in backward hands each block the gradient of its columns (zeros where a column was
 not picked), again with one ``cat`` per block. Deterministic, no atomics, memory-bound.

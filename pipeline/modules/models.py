@@ -12,7 +12,7 @@ Example::
     sizes = ModelSizes.preset("small")
     model = build_model("dlrm", Schema.load(cfg.paths.schema), sizes, EmbeddingOptimizerConfig("adagrad"))
 
-The embedding tables are one :class:`~pipeline.modules.embedding.EmbeddingCollection` (optimizer
+The embedding tables are one :class:`~pipeline.modules.collection.EmbeddingCollection` (optimizer
 fused in backward); ``model.parameters()`` holds only the dense part, for a regular torch optimizer.
 DeepFM and Wide&Deep add a dim-1 "wide" table per sparse feature to the same collection, after the
 deep tables, so one lookup serves both parts.
@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from pipeline.modules.columns import ColumnRun, assemble_columns
-from pipeline.modules.embedding import EmbeddingCollection, EmbeddingOptimizerConfig, TableConfig, tables_from_schema
+from pipeline.modules.collection import EmbeddingCollection
+from pipeline.modules.configs import EmbeddingOptimizerConfig, TableConfig, tables_from_schema
 from pipeline.schema import Schema
 
 PRESETS = {

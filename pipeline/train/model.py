@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from pipeline.errors import UserError
-from pipeline.modules.embedding import EmbeddingOptimizerConfig
+from pipeline.modules.configs import EmbeddingOptimizerConfig
 from pipeline.modules.models import ModelSizes, RecModel, build_model, model_tables
 from pipeline.schema import Schema
 from pipeline.train.config import TrainConfig

@@ -1,12 +1,12 @@
 """Thin launchers of the embedding kernels: argument checks, launch geometry, the sort between kernels.
 
-The tensors follow the seam of :mod:`pipeline.modules.embedding` (flat FBGEMM-style weights,
-slot-major ``indices`` / ``offsets``); :class:`SlotArrays` is the per-slot part of a ``TableLayout``
-as the kernels read it. The plain-torch reference of both ops is that module's ``TorchBackend``.
+The tensors follow the contract of ``docs/EMBEDDING.md`` (flat FBGEMM-style weights, slot-major
+``indices`` / ``offsets``); :class:`SlotArrays` is the per-slot part of a :class:`TablePacking` as
+the kernels read it. The plain-torch reference of both ops is :mod:`pipeline.kernels.embedding.reference`.
 
 Example::
 
-    slots = SlotArrays.from_layout(layout, weights.device)
+    slots = SlotArrays.from_packing(packing, weights.device)
     pooled = pooled_forward(weights, slots, indices, offsets, batch_size)        # [B, total_dim] fp32
     backward_update(weights, state, slots, indices, offsets, batch_size, grad, "adagrad", lr=0.05, step=1)
 """
@@ -19,8 +19,8 @@ import torch
 
 from pipeline.kernels._launch import f32, i32, i64, launch, ptr, u64
 
-FORWARD_SOURCE = "embedding_forward.cu"
-BACKWARD_SOURCE = "embedding_backward.cu"
+FORWARD_SOURCE = "embedding/embedding_forward.cu"
+BACKWARD_SOURCE = "embedding/embedding_backward.cu"
 BLOCK = 256
 BAGS_PER_GROUP = 8  # consecutive bags one thread group pools: more row loads in flight for one-hot bags
 SMALL_BATCH_BAGS = 1 << 16  # below this many bags, one bag per group keeps every multiprocessor busy
@@ -47,25 +47,25 @@ class SlotArrays:
     columns_aligned: bool  # every slot's columns start on a 16-byte boundary of an output row
 
     @classmethod
-    def from_layout(cls, layout, device: torch.device | str) -> "SlotArrays":
+    def from_packing(cls, packing, device: torch.device | str) -> "SlotArrays":
         device = torch.device(device)
-        tables = layout.slot_table
-        by_row = sorted(range(len(layout.rows)), key=lambda t: layout.row_offsets[t])
+        tables = packing.slot_table
+        by_row = sorted(range(len(packing.rows)), key=lambda t: packing.row_offsets[t])
         return cls(
-            weight_offsets=torch.tensor([layout.weights_offsets[t] for t in tables], dtype=torch.int64, device=device),
-            row_offsets=torch.tensor([layout.row_offsets[t] for t in tables], dtype=torch.int64, device=device),
-            output_offsets=torch.tensor(layout.output_offsets, dtype=torch.int64, device=device),
-            mean=torch.tensor(layout.slot_mean, dtype=torch.bool, device=device),
-            table_row_starts=torch.tensor([layout.row_offsets[t] for t in by_row] + [sum(layout.rows)],
+            weight_offsets=torch.tensor([packing.weights_offsets[t] for t in tables], dtype=torch.int64, device=device),
+            row_offsets=torch.tensor([packing.row_offsets[t] for t in tables], dtype=torch.int64, device=device),
+            output_offsets=torch.tensor(packing.output_offsets, dtype=torch.int64, device=device),
+            mean=torch.tensor(packing.slot_mean, dtype=torch.bool, device=device),
+            table_row_starts=torch.tensor([packing.row_offsets[t] for t in by_row] + [sum(packing.rows)],
                                           dtype=torch.int64, device=device),
-            table_weight_offsets=torch.tensor([layout.weights_offsets[t] for t in by_row], dtype=torch.int64,
+            table_weight_offsets=torch.tensor([packing.weights_offsets[t] for t in by_row], dtype=torch.int64,
                                               device=device),
-            table_dims=torch.tensor([layout.dims[t] for t in by_row], dtype=torch.int64, device=device),
+            table_dims=torch.tensor([packing.dims[t] for t in by_row], dtype=torch.int64, device=device),
             num_slots=len(tables),
-            max_dim=max(layout.slot_dims, default=0),
-            total_dim=layout.output_offsets[-1],
-            total_rows=sum(layout.rows),
-            columns_aligned=all(o % 4 == 0 for o in layout.output_offsets),
+            max_dim=max(packing.slot_dims, default=0),
+            total_dim=packing.output_offsets[-1],
+            total_rows=sum(packing.rows),
+            columns_aligned=all(o % 4 == 0 for o in packing.output_offsets),
         )
 
 

@@ -1,0 +1,17 @@
+"""The embedding op family: pooled lookups of many tables packed in one tensor, and their fused
+sparse-optimizer backward.
+
+- ``embedding_forward.cu`` / ``embedding_backward.cu`` / ``embedding_common.cuh``: the CUDA kernels;
+- :mod:`.reference`: the plain-torch reference (CPU path, test oracle);
+- :mod:`.launcher`: argument checks, launch geometry, the sort between the backward kernels;
+- :mod:`.ops`: the ``pipeline::embedding_*`` custom ops (CPU: reference; CUDA: kernels), fakes, autograd;
+- :mod:`.packing`: :class:`TablePacking`, the packing of the tables the ops read;
+- :mod:`.backends`: :class:`TorchBackend` and :class:`CudaBackend`, what a collection calls.
+
+The contract (tensor shapes, the update rules) is in ``docs/EMBEDDING.md``.
+"""
+
+from pipeline.kernels.embedding.backends import CudaBackend, TorchBackend
+from pipeline.kernels.embedding.packing import DimGroup, TablePacking
+
+__all__ = ["CudaBackend", "DimGroup", "TablePacking", "TorchBackend"]

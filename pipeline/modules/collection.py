@@ -1,0 +1,173 @@
+"""``EmbeddingCollection``: every embedding table of a model, pooled, with its optimizer fused in.
+
+The collection turns a :class:`~pipeline.sparse.KeyedJaggedTensor` into one ``[B, sum of dims]``
+tensor (the pooled bags of every *slot*, concatenated), and in the backward pass updates the touched
+rows in place with its own sparse optimizer (SGD, row-wise Adagrad or lazy Adam), HugeCTR / FBGEMM
+style: no dense gradient of the tables ever exists, and the dense optimizer never sees them. The
+lookups and the update are ``pipeline::`` custom ops, so ``torch.compile`` traces the collection.
+
+Example::
+
+    tables = [TableConfig("t_C1", 1000, 16, ["C1"]), TableConfig("t_C2", 50, 16, ["C2"], pooling="mean")]
+    emb = EmbeddingCollection(tables, ["C1", "C2"], EmbeddingOptimizerConfig("adagrad", lr=0.05))
+    pooled = emb(kjt)            # [B, 32]: C1's 16 columns, then C2's
+    loss_fn(head(pooled)).backward()   # rows of t_C1 / t_C2 touched by kjt are updated here
+    emb.set_lr(0.01)             # the training loop sets the lr every step
+
+A *slot* is one (table, feature) pair; the output columns are the slots in order: tables in the
+given order, and within a table its features in the listed order. The backend (``torch`` | ``cuda``
+| ``auto``, see :mod:`pipeline.modules.backends`) never changes the model code; the contract and the
+update rules are in ``docs/EMBEDDING.md``.
+
+Limits: one backward per forward (no gradient accumulation over micro-batches: each backward is one
+optimizer step); the weights are buffers, not parameters, so ``model.parameters()`` is the dense part.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from pipeline.errors import BadInputError
+from pipeline.kernels.embedding import TablePacking
+from pipeline.kernels.embedding.ops import check_ids
+from pipeline.modules.backends import resolve_backend
+from pipeline.modules.configs import WEIGHT_DTYPES, EmbeddingOptimizerConfig, TableConfig, check_features
+from pipeline.sparse import KeyedJaggedTensor
+
+
+class EmbeddingCollection(nn.Module):
+    """All embedding tables of a model: ``kjt -> [B, sum of slot dims]``, optimizer fused in backward.
+
+    ``feature_names`` is the key order of the incoming KeyedJaggedTensor (the schema's sparse order).
+    ``weights_dtype``: ``fp32`` | ``fp16`` | ``bf16``. ``backend``: ``torch`` | ``cuda`` | ``auto``,
+    resolved for the weights' device and dtype when built and after every ``.to()`` (a backend that
+    cannot run there yet, ``cuda`` before ``.cuda()``, is resolved and refused on first use instead).
+    ``validate_ids``: check every id against its table size (one vectorized comparison per batch) and
+    raise :class:`~pipeline.errors.BadInputError` naming the feature and the value.
+    """
+
+    def __init__(self, tables: Sequence[TableConfig], feature_names: Sequence[str],
+                 optimizer: EmbeddingOptimizerConfig | None = None, weights_dtype: str = "fp32",
+                 backend: str = "auto", init_scale: float | None = None, validate_ids: bool = True,
+                 generator: torch.Generator | None = None) -> None:
+        super().__init__()
+        if weights_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"weights_dtype: expected one of {list(WEIGHT_DTYPES)}, got {weights_dtype!r}")
+        names = [t.name for t in tables]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate table names: {names}")
+        self.tables = list(tables)
+        self.feature_names = list(feature_names)
+        check_features(self.tables, self.feature_names)
+        self.layout = TablePacking.build(self.tables)
+        self.optimizer = optimizer or EmbeddingOptimizerConfig()
+        self.lr = self.optimizer.lr
+        self.backend_name = backend
+        self.validate_ids = validate_ids
+        self._backend = None
+        self._backend_key: tuple | None = None
+        self._key_of_slot = [self.feature_names.index(f) for f in self.layout.slot_features]
+        self._identity_slots = self._key_of_slot == list(range(len(self.feature_names)))
+
+        weights = torch.empty(self.layout.total_elements, dtype=torch.float32)
+        for t, table in enumerate(self.tables):
+            bound = init_scale if init_scale is not None else table.rows ** -0.5
+            start = self.layout.weights_offsets[t]
+            weights[start : start + table.rows * table.dim].uniform_(-bound, bound, generator=generator)
+        self.register_buffer("weights", weights.to(WEIGHT_DTYPES[weights_dtype]))
+        if self.optimizer.master_weights and weights_dtype != "fp32":
+            self.register_buffer("state_master_weights", weights)
+        for name, size in self.optimizer.state_shapes(self.layout.total_rows, self.layout.total_elements).items():
+            self.register_buffer(f"state_{name}", torch.zeros(size, dtype=torch.float32))
+        self.register_buffer("step", torch.zeros((), dtype=torch.int64))
+        # Host-side [lr, step, step known] the ops read without a device sync; the step is re-read from the
+        # device counter after a checkpoint load. Plain attributes: not in the state dict, not moved by .to().
+        self._hyper = torch.tensor([self.lr, 0.0, 0.0], dtype=torch.float64)
+        self._trigger = torch.empty(0, requires_grad=True)  # makes autograd run the fused update in backward
+        self._slot_names = ("\n".join(self.layout.slot_features),
+                                   "\n".join(self.layout.table_names[t] for t in self.layout.slot_table))
+        self.register_load_state_dict_post_hook(lambda module, keys: module._hyper.__setitem__(2, 0.0))
+        self._resolve_backend_if_usable()
+
+    @property
+    def output_dim(self) -> int:
+        return self.layout.total_dim
+
+    @property
+    def backend(self):
+        key = (self.backend_name, self.weights.device, self.weights.dtype)
+        if self._backend is None or self._backend_key != key:
+            self._backend = resolve_backend(self.backend_name, self.weights.device, self.weights.dtype)
+            self._backend_key = key
+        return self._backend
+
+    def _apply(self, fn, recurse=True):
+        # Resolve the backend for the new device and dtype now, outside any compiled region; one that
+        # cannot run there yet (cuda before .cuda()) is resolved, and refused, on first use instead.
+        out = super()._apply(fn, recurse)
+        self._resolve_backend_if_usable()
+        return out
+
+    def _resolve_backend_if_usable(self) -> None:
+        self.layout.tensors(self.weights.device)
+        try:
+            self.backend  # noqa: B018
+        except ValueError:
+            self._backend = None
+
+    def optimizer_state(self) -> dict[str, torch.Tensor]:
+        return {name[len("state_"):]: buf for name, buf in self.named_buffers() if name.startswith("state_")}
+
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of the next sparse update (the training loop calls this every step)."""
+        self.lr = float(lr)
+        self._hyper[0] = self.lr
+
+    def table_weight(self, name: str) -> torch.Tensor:
+        """Table ``name`` as a ``[rows, dim]`` view of the flat storage (for export and tests)."""
+        t = self.layout.table_names.index(name)
+        start = self.layout.weights_offsets[t]
+        return self.weights[start : start + self.layout.rows[t] * self.layout.dims[t]].view(
+            self.layout.rows[t], self.layout.dims[t])
+
+    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        indices, offsets, batch_size = self.slot_bags(features)
+        backend = self.backend
+        if torch.is_grad_enabled() and self.training:
+            state, opt = self.optimizer_state(), self.optimizer
+            return backend.lookup_op(
+                self._trigger, self.weights, state.get("momentum1"), state.get("momentum2"),
+                state.get("master_weights"), self.step, self._hyper, indices, offsets, batch_size,
+                *self.layout.op_args(), opt.kind, opt.eps, opt.beta1, opt.beta2, opt.weight_decay,
+                backend.stochastic(opt), backend.seed)
+        return backend.forward(self.weights, self.layout, indices, offsets, batch_size)
+
+    def slot_bags(self, kjt: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """``(indices, offsets, batch_size)`` of ``kjt`` in slot order on the weights' device, ids checked
+        when ``validate_ids``: what the backends take."""
+        if kjt.keys != self.feature_names:
+            raise BadInputError(f"expected sparse features {self.feature_names} in this order, got {kjt.keys}")
+        b = kjt.batch_size
+        values = kjt.values.to(device=self.weights.device, dtype=torch.int64)
+        offsets = kjt.offsets().to(self.weights.device)
+        if not self._identity_slots:
+            values, offsets = _select_keys(values, offsets, b, self._key_of_slot)
+        if self.validate_ids and b:
+            check_ids(values, offsets, b, self.layout.tensors(values.device)["slot_rows"], *self._slot_names)
+        return values, offsets, b
+
+
+def _select_keys(values: torch.Tensor, offsets: torch.Tensor, batch_size: int,
+                 keys: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bags of ``keys`` (repeats allowed), in that order, from key-major ``values`` / ``offsets``."""
+    b = batch_size
+    pieces, piece_offsets, start = [], [offsets.new_zeros(1)], 0
+    for k in keys:
+        lo, hi = int(offsets[k * b]), int(offsets[(k + 1) * b])
+        pieces.append(values[lo:hi])
+        piece_offsets.append(offsets[k * b + 1 : (k + 1) * b + 1] - lo + start)
+        start += hi - lo
+    return torch.cat(pieces), torch.cat(piece_offsets)
