@@ -19,7 +19,7 @@ from pipeline.train.driver import train
 from pipeline.train.loop import Callback
 from pipeline.train.model import load_trained
 from pipeline.train.schedule import lr_at
-from pipeline.train.stage import run
+from pipeline.stages.train import run
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["device=cpu", "train.batch_size=128", "train.eval_batch_size=512", "train.embedding_dim=8",

@@ -1,7 +1,7 @@
 """The pipeline's runners: the one place that knows every stage and the whole pipeline's settings.
 
 ``config`` composes the library packages' own config dataclasses into :class:`PipelineConfig`;
-``cli`` is ``python -m pipeline``; ``data``, ``export`` and ``serve`` run their stage from a
+``cli`` is ``python -m pipeline``; ``data``, ``etl``, ``train``, ``export`` and ``serve`` run their stage from a
 ``PipelineConfig`` (each module's ``run``). Library packages never import this package.
 
 Example::

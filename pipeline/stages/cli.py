@@ -26,7 +26,7 @@ STAGES: dict[str, tuple[str, str]] = {
     # name: (module, function); each function takes the PipelineConfig and returns a summary dict
     "data": ("pipeline.stages.data", "run"),
     "etl": ("pipeline.etl.stage", "run"),
-    "train": ("pipeline.train.stage", "run"),
+    "train": ("pipeline.stages.train", "run"),
     "export": ("pipeline.stages.export", "run"),
     "serve": ("pipeline.stages.serve", "run"),
 }

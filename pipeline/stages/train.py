@@ -1,4 +1,4 @@
-"""The training stage: ``python -m pipeline run train`` (see :mod:`pipeline.train.driver`).
+"""The training stage's runner: ``python -m pipeline run train`` (see :mod:`pipeline.train.driver`).
 
 ``run(cfg)`` joins the world torchrun describes (one process when not launched by torchrun), runs
 the ETL stage first when its output is missing, and trains with the settings of ``cfg``.
