@@ -32,7 +32,7 @@ from pipeline.schema import Schema
 
 def run_export(cfg: PipelineConfig) -> dict:
     """Write the model repository (or, with ``export.update``, a new embedding store version)."""
-    from pipeline.data.layout import RawDataset
+    from pipeline.data.raw_folder import RawDataset
 
     model, schema = load_trained_model(cfg)
     etl_schema = Schema.load(cfg.paths.schema)
@@ -94,7 +94,7 @@ def load_trained_model(cfg: PipelineConfig):
 
 def sample_rows(cfg: PipelineConfig, rows: int, split: str = "test") -> pd.DataFrame:
     """The first ``rows`` raw rows of ``split``, as the ETL reads them (arrow-backed pandas)."""
-    from pipeline.data.layout import RawDataset
+    from pipeline.data.raw_folder import RawDataset
 
     files = RawDataset.load(cfg.paths.raw).splits.get(split) or []
     if not files:

@@ -8,7 +8,7 @@ import pytest
 from pipeline.cli import main
 from pipeline.config import load_config
 from pipeline.data import synthetic
-from pipeline.data.layout import RawDataset
+from pipeline.data.raw_folder import RawDataset
 from pipeline.data.metrics import ClickMetrics, roc_auc
 from pipeline.data.stage import ensure_raw, run
 

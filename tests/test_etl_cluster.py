@@ -8,7 +8,7 @@ import pytest
 from distributed import Client, LocalCluster
 
 from pipeline.errors import UserError
-from pipeline.etl.backend import read_parquet
+from pipeline.etl.frame_library import read_parquet
 from pipeline.etl.cluster import AUTO_LOCAL_BYTES, choose_cluster, etl_client
 from pipeline.etl.config import EtlConfig
 from pipeline.etl.stage import default_workflow, transform_split
@@ -83,7 +83,7 @@ def test_cudf_backend_without_cudf_is_a_clear_error():
         pytest.skip("cudf is installed here")
     except ImportError:
         pass
-    from pipeline.etl.backend import BackendError, check_backend
+    from pipeline.etl.frame_library import FrameLibraryError, check_frame_library
 
-    with pytest.raises(BackendError, match="the cudf backend was chosen .* not importable"):
-        check_backend("cudf")
+    with pytest.raises(FrameLibraryError, match="the cudf backend was chosen .* not importable"):
+        check_frame_library("cudf")

@@ -117,7 +117,7 @@ def test_categorify_multihot_matches_pandas():
 
 def test_categorify_fit_through_shuffled_counts_equals_tree(tmp_path):
     """The shuffle path (split_out > 1, for huge inputs) learns what the tree reduction learns."""
-    from pipeline.etl.backend import read_parquet
+    from pipeline.etl.frame_library import read_parquet
 
     rng = np.random.default_rng(3)
     for i in range(4):

@@ -146,7 +146,7 @@ def multihot_pipeline(tmp_path_factory):
                              "data.continuous=[I1,I2]", "data.categorical=[C1,C2]", "data.multihot=[M1]",
                              "etl.cluster=threads", "device=cpu"])
     from export.stage import model_options, raw_columns
-    from pipeline.data.layout import RawDataset
+    from pipeline.data.raw_folder import RawDataset
     from pipeline.data.stage import run as make_data
     from pipeline.etl.stage import run as run_etl
 

@@ -25,7 +25,7 @@ from export.repository import cache_stats, store_version, write_repository
 from export.stage import model_options, raw_columns, sample_rows, server_problem, start_server
 from pipeline.client import Client, ServingError
 from pipeline.config import load_config
-from pipeline.data.layout import RawDataset
+from pipeline.data.raw_folder import RawDataset
 from pipeline.errors import BadInputError
 from pipeline.etl.workflow import Workflow
 from pipeline.modules.models import ModelSizes, build_model

@@ -41,7 +41,7 @@ def _profile(args, workdir: Path, tmp: Path) -> dict:
 
     from pipeline.config import load_config
     from pipeline.data.stage import ensure_raw
-    from pipeline.etl.backend import read_parquet
+    from pipeline.etl.frame_library import read_parquet
     from pipeline.etl.graph import Node
     from pipeline.etl.stage import _write_part, default_workflow, output_arrow_schema, roles_of
 
@@ -49,7 +49,7 @@ def _profile(args, workdir: Path, tmp: Path) -> dict:
                                  "data.test_fraction=0"])
     raw = ensure_raw(cfg, progress=False)
     files, roles = raw.splits["train"], roles_of(raw)
-    workflow = default_workflow(roles, cfg.etl, backend=args.backend)
+    workflow = default_workflow(roles, cfg.etl, library=args.backend)
     sync = _synchroniser(args.backend)
     timings: dict[str, float] = {}
 
@@ -114,7 +114,7 @@ def _cudf_alternatives(frame, workflow, timed) -> None:
     import cudf
     import cupy
 
-    from pipeline.etl.ops._columns import cudf_strings
+    from pipeline.etl.frames import cudf_strings
     from pipeline.etl.ops.categorify import Categorify
 
     op, columns = next((op, cols) for op, cols in workflow.operators() if isinstance(op, Categorify))

@@ -101,7 +101,7 @@ def _prepare(cfg):
     from export.inprocess import InProcessModel
     from export.repository import write_repository
     from export.stage import model_options, raw_columns, sample_rows
-    from pipeline.data.layout import RawDataset
+    from pipeline.data.raw_folder import RawDataset
     from pipeline.data.stage import run as make_data
     from pipeline.etl.stage import run as run_etl
     from pipeline.etl.workflow import Workflow

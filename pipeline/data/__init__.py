@@ -1,6 +1,6 @@
 """The data stage: the synthetic Criteo-like generator and the Criteo / table readers.
 
-Everything after this stage reads the raw layout (:mod:`pipeline.data.layout`) through
+Everything after this stage reads the raw layout (:mod:`pipeline.data.raw_folder`) through
 :func:`ensure_raw`, which makes the data once and reuses it while the settings stay the same.
 Names are imported on first use, so ``pipeline.config`` (which imports ``pipeline.data.config``)
 stays light.
@@ -17,7 +17,7 @@ Example::
 import importlib
 
 _EXPORTS = {
-    "RawDataset": "pipeline.data.layout",
+    "RawDataset": "pipeline.data.raw_folder",
     "ensure_raw": "pipeline.data.stage",
     "run": "pipeline.data.stage",
     "ClickModel": "pipeline.data.synthetic",

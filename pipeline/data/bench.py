@@ -30,7 +30,7 @@ def run(args: argparse.Namespace, cfg) -> dict:
     import pyarrow as pa
     import pyarrow.csv as pacsv
 
-    from pipeline.data import layout, readers, synthetic
+    from pipeline.data import raw_folder, readers, synthetic
 
     model = synthetic.ClickModel.create(cfg.seed, cfg.data.size)
     chunk_rows = cfg.data.chunk_rows
@@ -53,7 +53,7 @@ def run(args: argparse.Namespace, cfg) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         with _Timer("generate + parquet write", args.rows):
-            writer = layout.PartWriter(Path(tmp) / "train", chunk_rows)
+            writer = raw_folder.PartWriter(Path(tmp) / "train", chunk_rows)
             for chunk in synthetic.iter_split(model, "train", args.rows, chunk_rows):
                 writer.write(chunk.table)
             writer.close()

@@ -20,8 +20,8 @@ import time
 from tqdm.auto import tqdm
 
 from pipeline.config import PipelineConfig
-from pipeline.data import layout, readers, synthetic
-from pipeline.data.layout import RawDataset
+from pipeline.data import raw_folder, readers, synthetic
+from pipeline.data.raw_folder import RawDataset
 from pipeline.data.metrics import ClickMetrics
 
 
@@ -64,7 +64,7 @@ def raw_params(cfg: PipelineConfig) -> dict:
 def _ensure(cfg: PipelineConfig, progress: bool) -> tuple[RawDataset, bool]:
     root = cfg.paths.raw
     params = raw_params(cfg)
-    meta = layout.read_meta(root)
+    meta = raw_folder.read_meta(root)
     if meta is not None and meta.get("params") == params:
         return RawDataset.load(root), False
     if meta is None:
@@ -74,7 +74,7 @@ def _ensure(cfg: PipelineConfig, progress: bool) -> tuple[RawDataset, bool]:
         changed = sorted(k for k in set(old) | set(params) if old.get(k) != params.get(k))
         detail = ", ".join(f"{k}: {old.get(k)!r} -> {params.get(k)!r}" for k in changed)
         print(f"[data] {root} was made with other settings ({detail}): rebuilding it", flush=True)
-    layout.clear(root)
+    raw_folder.clear(root)
     if cfg.data.source == "synthetic":
         _generate(cfg, params, progress)
     else:
@@ -91,7 +91,7 @@ def _generate(cfg: PipelineConfig, params: dict, progress: bool) -> None:
     oracle = {}
     with tqdm(total=chunks, desc="synthetic data", unit="chunk", disable=not progress) as bar:
         for split, n in rows.items():
-            writer = layout.PartWriter(root / split, d.chunk_rows)
+            writer = raw_folder.PartWriter(root / split, d.chunk_rows)
             metrics = ClickMetrics()
             for chunk in synthetic.iter_split(model, split, n, d.chunk_rows):
                 writer.write(chunk.table)
@@ -99,9 +99,9 @@ def _generate(cfg: PipelineConfig, params: dict, progress: bool) -> None:
                 bar.update(1)
             writer.close()
             oracle[split] = metrics.result()
-    layout.write_json(root / layout.ORACLE, oracle)
-    layout.write_json(root / layout.META, {
-        "version": layout.RAW_VERSION,
+    raw_folder.write_json(root / raw_folder.ORACLE, oracle)
+    raw_folder.write_json(root / raw_folder.META, {
+        "version": raw_folder.RAW_VERSION,
         "source": "synthetic",
         "params": params,
         "label": synthetic.LABEL,

@@ -29,12 +29,12 @@ import pyarrow.parquet as pq
 
 from pipeline.config import PipelineConfig
 from pipeline.errors import BadInputError
-from pipeline.etl.backend import choose_backend, read_parquet
+from pipeline.etl.frame_library import choose_frame_library, read_parquet
 from pipeline.etl.cluster import etl_client
 from pipeline.etl.config import EtlConfig
 from pipeline.etl.graph import Node
 from pipeline.etl.ops import Cast, Categorify, Clip, FillMissing, HashBucket, LogOp, Normalize
-from pipeline.etl.ops._columns import cudf_frame, is_cudf
+from pipeline.etl.frames import cudf_frame, is_cudf
 from pipeline.etl.progress import compute
 from pipeline.etl.workflow import Workflow
 from pipeline.schema import Column, Schema
@@ -48,28 +48,28 @@ def run(cfg: PipelineConfig) -> dict:
     from pipeline.data.stage import ensure_raw
 
     start = time.perf_counter()
-    backend, reason = choose_backend(cfg.device)
-    print(f"[etl] {backend} backend ({reason})", flush=True)
+    library, reason = choose_frame_library(cfg.device)
+    print(f"[etl] {library} backend ({reason})", flush=True)
     raw = ensure_raw(cfg)
     roles = roles_of(raw)
     check_raw_files(raw.splits, roles)
-    workflow = default_workflow(roles, cfg.etl, backend=backend)
+    workflow = default_workflow(roles, cfg.etl, library=library)
     files = [f for split in SPLITS for f in raw.splits[split]]
     input_bytes = sum(f.stat().st_size for f in files)
     timings = {}
-    with etl_client(cfg.etl, input_bytes=input_bytes, backend=backend) as where:
+    with etl_client(cfg.etl, input_bytes=input_bytes, library=library) as where:
         print(f"[etl] running on {where}", flush=True)
         t = time.perf_counter()
-        workflow.fit(read_parquet(raw.splits["train"], workflow.input_columns, backend), progress=True)
+        workflow.fit(read_parquet(raw.splits["train"], workflow.input_columns, library), progress=True)
         timings["fit_s"] = round(time.perf_counter() - t, 2)
         t = time.perf_counter()
-        rows, schema = write_outputs(workflow, raw.splits, roles, cfg, backend)
+        rows, schema = write_outputs(workflow, raw.splits, roles, cfg, library)
         timings["transform_s"] = round(time.perf_counter() - t, 2)
     summary = {
         "processed": str(cfg.paths.processed),
         "schema": str(cfg.paths.schema),
         "workflow": str(cfg.paths.workflow),
-        "backend": backend,
+        "backend": library,
         "cluster": where,
         "rows": rows,
         "cardinalities": schema.cardinalities(),
@@ -81,13 +81,13 @@ def run(cfg: PipelineConfig) -> dict:
 
 
 def roles_of(raw: Any) -> dict:
-    """The column roles of a raw dataset (``pipeline.data.layout.RawDataset``) as the ETL uses them."""
+    """The column roles of a raw dataset (``pipeline.data.raw_folder.RawDataset``) as the ETL uses them."""
     return {"label": raw.label, "continuous": list(raw.continuous), "categorical": list(raw.categorical),
             "multihot": list(raw.multihot)}
 
 
 def write_outputs(workflow: Workflow, splits: dict[str, list[Path]], roles: dict, cfg: PipelineConfig,
-                  backend: str = "pandas", progress: bool = True) -> tuple[dict[str, int], Schema]:
+                  library: str = "pandas", progress: bool = True) -> tuple[dict[str, int], Schema]:
     """Transform every split with the fitted workflow, then save the workflow and ``schema.json``.
 
     Returns the rows written per split and the schema.
@@ -95,14 +95,14 @@ def write_outputs(workflow: Workflow, splits: dict[str, list[Path]], roles: dict
     rows = {}
     for split in SPLITS:
         rows[split] = transform_split(workflow, splits.get(split, []), cfg.paths.processed / split,
-                                      cfg.etl.row_group_rows, backend, progress=progress)
+                                      cfg.etl.row_group_rows, library, progress=progress)
     workflow.save(cfg.paths.workflow)
     schema = build_schema(workflow, roles, rows, cfg.etl.row_group_rows)
     schema.save(cfg.paths.schema)
     return rows, schema
 
 
-def default_workflow(roles: dict, etl: EtlConfig, backend: str = "pandas") -> Workflow:
+def default_workflow(roles: dict, etl: EtlConfig, library: str = "pandas") -> Workflow:
     """The standard workflow for these column roles (see the module docstring).
 
     ``roles`` is ``{"label": name, "continuous": [...], "categorical": [...], "multihot": [...]}``
@@ -124,7 +124,7 @@ def default_workflow(roles: dict, etl: EtlConfig, backend: str = "pandas") -> Wo
     output = parts[0]
     for part in parts[1:]:
         output = output + part
-    return Workflow(output, backend=backend)
+    return Workflow(output, library=library)
 
 
 def _runs(columns: list[str], hashed: dict[str, int]) -> list[list[str]]:
@@ -182,7 +182,7 @@ def _type_fits(role: str, kind: pa.DataType) -> bool:
     return False
 
 
-def transform_split(workflow: Workflow, files: list[Path], folder: Path, row_group_rows: int, backend: str,
+def transform_split(workflow: Workflow, files: list[Path], folder: Path, row_group_rows: int, library: str,
                     progress: bool = True) -> int:
     """Transform one split's parquet files into ``folder/part-*.parquet``; returns the rows written."""
     import shutil
@@ -193,7 +193,7 @@ def transform_split(workflow: Workflow, files: list[Path], folder: Path, row_gro
         return 0
     from dask import delayed
 
-    out = workflow.transform(read_parquet(files, workflow.input_columns, backend))
+    out = workflow.transform(read_parquet(files, workflow.input_columns, library))
     schema = output_arrow_schema(out._meta)
     writes = [
         delayed(_write_part, pure=False)(part, folder / f"part-{i:05d}.parquet", schema, row_group_rows)

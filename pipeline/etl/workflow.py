@@ -36,9 +36,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.errors import BadInputError, UserError
-from pipeline.etl.backend import BACKENDS, read_parquet
+from pipeline.etl.frame_library import FRAME_LIBRARIES, read_parquet
 from pipeline.etl.graph import ColumnsLike, Node
-from pipeline.etl.ops._columns import (
+from pipeline.etl.frames import (
     as_arrow_lists,
     as_arrow_strings,
     as_float64,
@@ -61,17 +61,17 @@ class WorkflowVersionError(UserError):
 
 
 class Workflow:
-    """An operator graph, its fitted statistics, and the backend it reads parquet with.
+    """An operator graph, its fitted statistics, and the library it reads parquet with.
 
-    The backend (``"pandas"`` or ``"cudf"``) matters only when the workflow reads files itself;
+    The library (``"pandas"`` or ``"cudf"``) matters only when the workflow reads files itself;
     in-memory frames are transformed with their own library.
     """
 
-    def __init__(self, output: ColumnsLike, backend: str = "pandas"):
-        if backend not in BACKENDS:
-            raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    def __init__(self, output: ColumnsLike, library: str = "pandas"):
+        if library not in FRAME_LIBRARIES:
+            raise ValueError(f"library: expected one of {FRAME_LIBRARIES}, got {library!r}")
         self.output = Node.of(output)
-        self.backend = backend
+        self.library = library
         self._nodes = list(self.output.walk())
 
     @property
@@ -155,7 +155,7 @@ class Workflow:
         import dask.dataframe as dd
 
         if isinstance(data, (str, Path, list)):
-            return read_parquet(data, None, self.backend)
+            return read_parquet(data, None, self.library)
         if isinstance(data, pd.DataFrame):
             return dd.from_pandas(_lists_as_arrow(data), npartitions=1)
         if hasattr(data, "map_partitions") and hasattr(data, "npartitions"):
@@ -229,7 +229,7 @@ class Workflow:
             record = {
                 "format": WORKFLOW_FORMAT,
                 "version": WORKFLOW_VERSION,
-                "backend": self.backend,
+                "backend": self.library,
                 "input_columns": self.input_columns,
                 "output_columns": self.output_columns,
                 "output": ids[id(self.output)],
@@ -245,8 +245,8 @@ class Workflow:
         return path
 
     @classmethod
-    def load(cls, path: str | Path, backend: str = "pandas") -> Workflow:
-        """Read a workflow saved by :meth:`save` (on any backend), to read files with ``backend``."""
+    def load(cls, path: str | Path, library: str = "pandas") -> Workflow:
+        """Read a workflow saved by :meth:`save` (on any library), to read files with ``library``."""
         path = Path(path)
         record_path = path / "workflow.json"
         if not record_path.is_file():
@@ -271,7 +271,7 @@ class Workflow:
                 built[entry["id"]] = Node(parents, op=op)
             else:
                 built[entry["id"]] = Node(parents)
-        return cls(built[record["output"]], backend=backend)
+        return cls(built[record["output"]], library=library)
 
     def __repr__(self) -> str:
         lines = [f"  {_short(cols)} >> {op!r}" for op, cols in self.operators()]

@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from pipeline.etl.ops._columns import (
+from pipeline.etl.frames import (
     as_arrow_lists,
     as_arrow_strings,
     cudf_from_pandas,

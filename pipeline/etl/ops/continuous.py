@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.etl.ops._columns import as_float64, frame_like, is_cudf
+from pipeline.etl.frames import as_float64, frame_like, is_cudf
 from pipeline.etl.ops.base import Operator
 
 

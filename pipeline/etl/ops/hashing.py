@@ -7,7 +7,7 @@ bytes for integers), folded into a row hash with Boost's ``hash_combine`` starti
 
 On cuDF each column is hashed on the GPU with ``Series.hash_values(method="murmur3")`` (libcudf)
 and folded here with the same ``hash_combine``, so both backends give the same buckets whichever
-way the installed libcudf folds columns (:func:`_cudf_single_column_offset` explains why that matters).
+way the installed libcudf folds columns (:func:`cudf_single_column_offset` explains why that matters).
 
 Example::
 
@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.errors import BadInputError
-from pipeline.etl.ops._columns import (
+from pipeline.etl.frames import (
     as_arrow,
     cudf_from_pandas,
     cudf_integral,
@@ -132,7 +132,7 @@ def _bucket(df: Any, names: list[str], num_buckets: int) -> Any:
     for name in names:
         values = as_arrow(df[name])
         missing |= values.is_null().to_numpy(zero_copy_only=False)
-        hashes.append(_murmur3_column(values, name))
+        hashes.append(murmur3_column(values, name))
     if not names or len(df) == 0:
         return np.zeros(len(df), dtype=np.int32)
     row = combine_row_hashes(hashes)
@@ -149,16 +149,16 @@ def _bucket_lists(series: Any, num_buckets: int) -> Any:
     if not (pa.types.is_list(lists.type) or pa.types.is_large_list(lists.type)):
         raise BadInputError(f"column {series.name!r}: expected lists (multi-hot), found {lists.type}")
     values = pc.list_flatten(lists)
-    row = combine_row_hashes([_murmur3_column(values, series.name)])
+    row = combine_row_hashes([murmur3_column(values, series.name)])
     codes = (row % np.uint32(num_buckets)).astype(np.int64) + 1
     codes = np.where(values.is_null().to_numpy(zero_copy_only=False), NULL_INDEX, codes).astype(np.int32)
     return lists_from_flat(codes, list_lengths(lists), series.index)
 
 
-def _murmur3_column(values: pa.Array, name: str) -> np.ndarray:
+def murmur3_column(values: pa.Array, name: str) -> np.ndarray:
     kind = values.type
     if pa.types.is_dictionary(kind):
-        per_value = _murmur3_column(values.dictionary, name)
+        per_value = murmur3_column(values.dictionary, name)
         if not len(per_value):
             return np.zeros(len(values), dtype=np.uint32)
         return per_value[values.indices.fill_null(0).to_numpy(zero_copy_only=False)]
@@ -176,7 +176,7 @@ def _bucket_cudf(df: Any, names: list[str], num_buckets: int) -> Any:
     import cudf
     import cupy
 
-    offset = cupy.uint32(_cudf_single_column_offset())
+    offset = cupy.uint32(cudf_single_column_offset())
     row = cupy.zeros(len(df), dtype=cupy.uint32)
     missing = cupy.zeros(len(df), dtype=bool)
     for name in names:
@@ -195,7 +195,7 @@ def _bucket_cudf(df: Any, names: list[str], num_buckets: int) -> Any:
 _OFFSET: list[int] = []
 
 
-def _cudf_single_column_offset() -> int:
+def cudf_single_column_offset() -> int:
     """What libcudf adds to plain MurmurHash3 when it hashes a one-column table with seed 0.
 
     libcudf's row hasher (``cudf/detail/row_operator/hashing.cuh``, ``device_row_hasher``) folds

@@ -9,7 +9,7 @@ import pytest
 
 from pipeline.device import Device
 from pipeline.errors import BadInputError
-from pipeline.etl.backend import backend_for, read_parquet
+from pipeline.etl.frame_library import frame_library_for, read_parquet
 
 
 @pytest.fixture()
@@ -49,5 +49,5 @@ def test_reading_errors(files, tmp_path):
 
 
 def test_backend_follows_the_device():
-    assert backend_for(Device("cpu", "test")) == "pandas"
-    assert backend_for(Device("cuda", "test")) == "cudf"
+    assert frame_library_for(Device("cpu", "test")) == "pandas"
+    assert frame_library_for(Device("cuda", "test")) == "cudf"
