@@ -11,7 +11,8 @@ from pipeline.errors import UserError
 from pipeline.etl.frame_library import read_parquet
 from pipeline.etl.cluster import AUTO_LOCAL_BYTES, choose_cluster, etl_client
 from pipeline.etl.config import EtlConfig
-from pipeline.etl.stage import default_workflow, transform_split
+from pipeline.etl.defaults import default_workflow
+from pipeline.etl.output import transform_split
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +50,10 @@ def test_two_worker_local_cluster_equals_threads(raw, tmp_path):
     assert where_local == "LocalCluster(2 workers)" and where_threads.startswith("threads")
     assert rows_local == rows_threads == 9000
     assert out_local.equals(out_threads)
-    for name, op in local.producers().items():
-        if hasattr(op, "vocabularies"):
-            assert op.vocabularies[name].equals(threads.producers()[name].vocabularies[name])
+    for op, names in local.operators():
+        for name in names if hasattr(op, "vocabularies") else []:
+            other = next(o for o, cols in threads.operators() if name in cols)
+            assert op.vocabularies[name].equals(other.vocabularies[name])
 
 
 def test_existing_scheduler_is_used_and_left_running(raw, tmp_path):

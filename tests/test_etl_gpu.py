@@ -86,7 +86,7 @@ def _workflow(backend: str) -> Workflow:
 def _fit_and_write(backend: str, raw, out, cluster: str = "threads"):
     from pipeline.etl.cluster import etl_client
     from pipeline.etl.config import EtlConfig
-    from pipeline.etl.stage import transform_split
+    from pipeline.etl.output import transform_split
 
     workflow = _workflow(backend)
     with etl_client(EtlConfig(cluster=cluster), library=backend):
@@ -428,7 +428,7 @@ def test_cudf_branches_on_a_stand_in_equal_the_pandas_path(stand_in):
     extra = Workflow(extra).fit(frame)
     for workflow in (cpu, extra):
         want = workflow.transform(frame)
-        got = Workflow._evaluate(gpu_frame, workflow.output)
+        got = Workflow.transform_partition(gpu_frame, workflow.output)
         assert type(got).__module__.startswith("cudf")
         got = pd.DataFrame(got)
         for name in want.columns:

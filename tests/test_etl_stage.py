@@ -13,7 +13,8 @@ import pytest
 from pipeline.config import load_config
 from pipeline.errors import BadInputError
 from pipeline.etl import Workflow
-from pipeline.etl.stage import check_raw_files, run
+from pipeline.etl.raw_check import check_raw_files
+from pipeline.etl.stage import run
 from pipeline.schema import Schema
 
 

@@ -125,7 +125,8 @@ def _ours(kind: str, etl, cfg, roles: dict, files: list, rows: int, out: Path, r
 
     from pipeline.etl.frame_library import read_parquet
     from pipeline.etl.cluster import etl_client
-    from pipeline.etl.stage import default_workflow, transform_split
+    from pipeline.etl.defaults import default_workflow
+    from pipeline.etl.output import transform_split
 
     t = time.perf_counter()
     with etl_client(etl, library=kind) as where:

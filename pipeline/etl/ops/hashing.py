@@ -25,6 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.errors import BadInputError
+from pipeline.etl.column_schema import CATEGORICAL, ColumnSchema
 from pipeline.etl.frames import (
     as_arrow,
     cudf_from_pandas,
@@ -54,6 +55,8 @@ class HashBucket(Operator):
     """
 
     stateful = True
+    output_tags = frozenset({CATEGORICAL})
+    output_dtype = "int32"
 
     def __init__(self, num_buckets: int):
         if int(num_buckets) < 1:
@@ -62,8 +65,10 @@ class HashBucket(Operator):
         self.multihot: dict[str, bool] = {}
         self.max_lengths: dict[str, int] = {}
 
-    def cardinality(self, column: str) -> int:
-        return self.num_buckets + 1
+    def column_properties(self, name: str) -> dict:
+        multihot = bool(self.multihot.get(name))
+        return {"cardinality": self.num_buckets + 1, "is_list": multihot,
+                "max_length": self.max_lengths[name] if multihot else 0}
 
     def fit(self, ddf: Any) -> Any:
         lists = [name for name in ddf.columns if looks_multihot(ddf[name])]
@@ -114,8 +119,9 @@ class HashedCross(Operator):
             raise ValueError(f"HashedCross needs two or more columns, got {columns}")
         return ["_".join(columns)]
 
-    def cardinality(self, column: str) -> int:
-        return self.num_buckets + 1
+    def compute_output_schema(self, inputs: list[ColumnSchema]) -> list[ColumnSchema]:
+        name = self.output_columns([c.name for c in inputs])[0]
+        return [ColumnSchema(name, frozenset({CATEGORICAL}), "int32", cardinality=self.num_buckets + 1)]
 
     def transform(self, df: Any) -> Any:
         names = list(df.columns)
