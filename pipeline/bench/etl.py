@@ -123,9 +123,9 @@ def _ours(kind: str, etl, cfg, roles: dict, files: list, rows: int, out: Path, r
     """Fit + transform+write with our workflow on ``kind`` ("cudf" or "pandas"); the best of ``repeats``."""
     import time
 
-    from pipeline.etl.frame_library import read_parquet
     from pipeline.etl.cluster import etl_client
     from pipeline.etl.defaults import default_workflow
+    from pipeline.etl.frame_library import read_parquet
     from pipeline.etl.output import transform_split
 
     t = time.perf_counter()
