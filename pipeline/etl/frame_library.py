@@ -75,11 +75,6 @@ def choose_frame_library(requested: str) -> tuple[str, str]:
     return check_frame_library("cudf"), device.reason
 
 
-def frame_library_for(device: Any) -> str:
-    """``"cudf"`` for a CUDA device, ``"pandas"`` for the CPU."""
-    return "cudf" if getattr(device, "is_cuda", False) else "pandas"
-
-
 def read_parquet(path: str | Path | list, columns: list[str] | None, library: str,
                  partition_rows: int = PARTITION_ROWS) -> Any:
     """A lazy Dask DataFrame over parquet files.

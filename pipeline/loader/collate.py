@@ -67,7 +67,8 @@ class Piece:
         return self.stop - self.start
 
 
-def make_window(pieces: list[Piece], placement: SparsePlacement, device: torch.device, order: np.ndarray | None) -> _Window:
+def make_window(pieces: list[Piece], placement: SparsePlacement, device: torch.device,
+                order: np.ndarray | None) -> _Window:
     """The window of ``pieces`` on ``device``, its rows in ``order`` (a permutation, or ``None``)."""
     if device.type == "cpu":
         return _NumpyWindow(pieces, placement, order)
@@ -137,7 +138,8 @@ class _NumpyWindow(_Window):
 
 
 class _TorchWindow(_Window):
-    def __init__(self, pieces: list[Piece], placement: SparsePlacement, device: torch.device, order: np.ndarray | None) -> None:
+    def __init__(self, pieces: list[Piece], placement: SparsePlacement, device: torch.device,
+                 order: np.ndarray | None) -> None:
         self.placement, self._device = placement, device
         parts = [_device_block(p.chunk, device)[:, p.start : p.stop] for p in pieces]
         block = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]

@@ -131,7 +131,8 @@ class Loader:
         self.reader = reader
         group_rows = self.schema.row_group_rows or -(-self._split.rows // len(self._split.groups))
         self.window_rows = max(1, round(buffer_row_groups * group_rows / batch_size)) * batch_size
-        self._placement = collate.SparsePlacement.of(self.schema.sparse, self.schema.multihot, len(self.schema.continuous))
+        self._placement = collate.SparsePlacement.of(self.schema.sparse, self.schema.multihot,
+                                                     len(self.schema.continuous))
         first = self._shard(0)
         self.rows_per_rank, self.padding, self._batches = first.rows, first.padding, first.batches
         if self._batches == 0:
