@@ -17,8 +17,16 @@ import pyarrow as pa
 from pipeline.errors import BadInputError
 
 
+_IS_CUDF: dict[type, bool] = {}
+
+
 def is_cudf(obj: Any) -> bool:
-    return type(obj).__module__.split(".")[0] == "cudf"
+    """Whether ``obj`` is a cuDF object (its type's module is cuDF's), remembered per type."""
+    kind = type(obj)
+    found = _IS_CUDF.get(kind)
+    if found is None:
+        found = _IS_CUDF[kind] = kind.__module__.split(".")[0] == "cudf"
+    return found
 
 
 def frame_like(like: Any, columns: dict[str, Any]) -> Any:
@@ -63,10 +71,10 @@ def as_float64(values: Any, name: str | None = None) -> Any:
     ``fillna`` and the Dask reductions treat both as missing, as the pandas path does. Float
     arrays and arrow-backed numbers are converted without building a Series.
     """
-    if is_cudf(values):
-        return values.astype("float64").nans_to_nulls()
     if isinstance(values, np.ndarray) and values.dtype.kind == "f":
         return values.astype(np.float64, copy=False)
+    if is_cudf(values):
+        return values.astype("float64").nans_to_nulls()
     dtype = values.dtype
     if isinstance(dtype, pd.ArrowDtype) and (pa.types.is_integer(dtype.pyarrow_dtype)
                                              or pa.types.is_floating(dtype.pyarrow_dtype)):
