@@ -31,15 +31,15 @@ class FillMissing(Operator):
     Example: ``["I1"] >> FillMissing()`` or ``["I1"] >> FillMissing(strategy="median")``.
     """
 
+    output_tags = frozenset({CONTINUOUS})
+    output_dtype = "float64"
+
     def __init__(self, fill_value: float = 0.0, strategy: str = "constant"):
         if strategy not in ("constant", "median"):
             raise ValueError(f"FillMissing: strategy must be constant or median, got {strategy!r}")
         self.fill_value = float(fill_value)
         self.strategy = strategy
         self.fill_values: dict[str, float] = {}
-
-    output_tags = frozenset({CONTINUOUS})
-    output_dtype = "float64"
 
     @property
     def stateful(self) -> bool:  # type: ignore[override]
@@ -155,13 +155,13 @@ class Bucketize(Operator):
     Example: ``["age"] >> Bucketize([18, 30, 50])`` maps 17 -> 0, 18 -> 1, 64 -> 3.
     """
 
+    output_tags = frozenset({CATEGORICAL})
+    output_dtype = "int32"
+
     def __init__(self, boundaries: list[float]):
         self.boundaries = [float(b) for b in boundaries]
         if not self.boundaries or sorted(self.boundaries) != self.boundaries:
             raise ValueError(f"Bucketize: boundaries must be a non-empty increasing list, got {boundaries}")
-
-    output_tags = frozenset({CATEGORICAL})
-    output_dtype = "int32"
 
     def column_properties(self, name: str) -> dict:
         return {"cardinality": len(self.boundaries) + 1}
