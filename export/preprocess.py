@@ -95,7 +95,7 @@ class Preprocessor:
         from pipeline.etl.workflow import Workflow
 
         folder = Path(folder)
-        workflow = Workflow.load(folder / "workflow", backend="pandas")
+        workflow = Workflow.load(folder / "workflow", library="pandas")
         return cls(RawColumns.load(folder / "raw_columns.json"), Schema.load(folder / "schema.json"),
                    workflow.transform)
 

@@ -37,7 +37,7 @@ from export.lookup import LookupConfig
 from export.pbtxt import EnsembleSpec, ModelOptions, model_configs
 from export.preprocess import RawColumns
 from export.store import current_version, write_version
-from pipeline.data.layout import RawDataset
+from pipeline.data.raw_folder import RawDataset
 from pipeline.errors import UserError
 from pipeline.files import write_json
 from pipeline.schema import Schema

@@ -17,6 +17,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from pipeline.files import write_json
+
 SCHEMA_VERSION = 1
 ROLES = ("label", "continuous", "categorical", "multihot")
 
@@ -92,11 +94,7 @@ class Schema:
         return asdict(self)
 
     def save(self, path: str | Path) -> None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-        tmp.replace(path)
+        write_json(path, self.to_dict())
 
     @classmethod
     def from_dict(cls, d: dict) -> "Schema":

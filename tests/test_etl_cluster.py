@@ -8,10 +8,11 @@ import pytest
 from distributed import Client, LocalCluster
 
 from pipeline.errors import UserError
-from pipeline.etl.backend import read_parquet
+from pipeline.etl.frame_library import read_parquet
 from pipeline.etl.cluster import AUTO_LOCAL_BYTES, choose_cluster, etl_client
 from pipeline.etl.config import EtlConfig
-from pipeline.etl.stage import default_workflow, transform_split
+from pipeline.etl.defaults import default_workflow
+from pipeline.etl.output import transform_split
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +50,10 @@ def test_two_worker_local_cluster_equals_threads(raw, tmp_path):
     assert where_local == "LocalCluster(2 workers)" and where_threads.startswith("threads")
     assert rows_local == rows_threads == 9000
     assert out_local.equals(out_threads)
-    for name, op in local.producers().items():
-        if hasattr(op, "vocabularies"):
-            assert op.vocabularies[name].equals(threads.producers()[name].vocabularies[name])
+    for op, names in local.operators():
+        for name in names if hasattr(op, "vocabularies") else []:
+            other = next(o for o, cols in threads.operators() if name in cols)
+            assert op.vocabularies[name].equals(other.vocabularies[name])
 
 
 def test_existing_scheduler_is_used_and_left_running(raw, tmp_path):
@@ -83,7 +85,7 @@ def test_cudf_backend_without_cudf_is_a_clear_error():
         pytest.skip("cudf is installed here")
     except ImportError:
         pass
-    from pipeline.etl.backend import BackendError, check_backend
+    from pipeline.etl.frame_library import FrameLibraryError, check_frame_library
 
-    with pytest.raises(BackendError, match="the cudf backend was chosen .* not importable"):
-        check_backend("cudf")
+    with pytest.raises(FrameLibraryError, match="the cudf backend was chosen .* not importable"):
+        check_frame_library("cudf")

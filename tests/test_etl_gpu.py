@@ -22,9 +22,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.etl import Categorify, Clip, FillMissing, HashBucket, HashedCross, LogOp, Normalize, Workflow
-from pipeline.etl.backend import BackendError, choose_backend, read_parquet
+from pipeline.etl.frame_library import FrameLibraryError, choose_frame_library, read_parquet
 from pipeline.etl.ops import Cast
-from pipeline.etl.ops.hashing import _murmur3_column
+from pipeline.etl.ops.hashing import murmur3_column
 from pipeline.etl.ops.murmur import combine_row_hashes
 
 ROWS = int(os.environ.get("PIPELINE_ETL_GPU_ROWS", "2000000"))
@@ -80,16 +80,16 @@ def _workflow(backend: str) -> Workflow:
         + (["H", "K"] >> HashBucket(100_003))
         + (["C1", "C2"] >> HashedCross(5_000))
     )
-    return Workflow(features, backend=backend)
+    return Workflow(features, library=backend)
 
 
 def _fit_and_write(backend: str, raw, out, cluster: str = "threads"):
     from pipeline.etl.cluster import etl_client
     from pipeline.etl.config import EtlConfig
-    from pipeline.etl.stage import transform_split
+    from pipeline.etl.output import transform_split
 
     workflow = _workflow(backend)
-    with etl_client(EtlConfig(cluster=cluster), backend=backend):
+    with etl_client(EtlConfig(cluster=cluster), library=backend):
         workflow.fit(read_parquet(raw["train"], workflow.input_columns, backend))
         rows = transform_split(workflow, raw["valid"], out, 65_536, backend, progress=False)
     table = pa.concat_tables([pq.read_table(p) for p in sorted(out.glob("part-*.parquet"))])
@@ -178,7 +178,7 @@ def test_hash_bucket_on_cudf_equals_the_numpy_murmur_path():
     cpu = cross.transform(frame)["s_i64_i32"].to_numpy()
     np.testing.assert_array_equal(cross.transform(cudf.from_pandas(frame))["s_i64_i32"].to_numpy(), cpu)
     # The oracle spelled out: numpy murmur3 per column, folded with hash_combine from seed 0.
-    hashes = [_murmur3_column(pa.array(frame[c].astype(object).where(frame[c].notna(), None).tolist(),
+    hashes = [murmur3_column(pa.array(frame[c].astype(object).where(frame[c].notna(), None).tolist(),
                                        pa.string() if c == "s" else pa.int64()), c) for c in ("s", "i64", "i32")]
     expected = (combine_row_hashes(hashes) % np.uint32(65_537)).astype(np.int64) + 1
     missing = frame[["s", "i64", "i32"]].isna().any(axis=1).to_numpy()
@@ -242,7 +242,7 @@ def test_auto_without_a_gpu_is_pandas_and_never_imports_cudf(monkeypatch):
 
     monkeypatch.setattr(device, "gpu_problem", lambda: "torch sees no CUDA device (no GPU, or no driver)")
     monkeypatch.setitem(sys.modules, "cudf", None)  # importing it would raise
-    backend, reason = choose_backend("auto")
+    backend, reason = choose_frame_library("auto")
     assert backend == "pandas" and "no usable GPU" in reason
 
 
@@ -253,7 +253,7 @@ def test_auto_with_a_gpu_but_no_cudf_is_pandas_and_says_why(monkeypatch):
 
     monkeypatch.setattr(device, "gpu_problem", lambda: None)
     monkeypatch.setitem(sys.modules, "cudf", None)
-    backend, reason = choose_backend("auto")
+    backend, reason = choose_frame_library("auto")
     assert backend == "pandas" and "cudf is not importable" in reason
 
 
@@ -264,11 +264,11 @@ def test_cuda_without_a_gpu_or_without_cudf_is_an_error_naming_it(monkeypatch):
 
     monkeypatch.setattr(device, "gpu_problem", lambda: "torch sees no CUDA device (no GPU, or no driver)")
     with pytest.raises(device.DeviceError, match="no CUDA device"):
-        choose_backend("cuda")
+        choose_frame_library("cuda")
     monkeypatch.setattr(device, "gpu_problem", lambda: None)
     monkeypatch.setitem(sys.modules, "cudf", None)
-    with pytest.raises(BackendError, match="cudf is not importable"):
-        choose_backend("cuda")
+    with pytest.raises(FrameLibraryError, match="cudf is not importable"):
+        choose_frame_library("cuda")
 
 
 def test_a_cudf_that_fails_at_import_is_reported_not_raised(monkeypatch):
@@ -286,7 +286,7 @@ def test_a_cudf_that_fails_at_import_is_reported_not_raised(monkeypatch):
 
     monkeypatch.setattr(device, "gpu_problem", lambda: None)
     monkeypatch.setattr(builtins, "__import__", failing)
-    backend, reason = choose_backend("auto")
+    backend, reason = choose_frame_library("auto")
     assert backend == "pandas" and "CUDA driver not found" in reason
 
 
@@ -428,7 +428,7 @@ def test_cudf_branches_on_a_stand_in_equal_the_pandas_path(stand_in):
     extra = Workflow(extra).fit(frame)
     for workflow in (cpu, extra):
         want = workflow.transform(frame)
-        got = Workflow._evaluate(gpu_frame, workflow.output)
+        got = Workflow.transform_partition(gpu_frame, workflow.output)
         assert type(got).__module__.startswith("cudf")
         got = pd.DataFrame(got)
         for name in want.columns:

@@ -12,7 +12,8 @@ import pytest
 
 from pipeline.errors import BadInputError
 from pipeline.etl import Workflow
-from pipeline.etl.stage import check_raw_files, run
+from pipeline.etl.raw_check import check_raw_files
+from pipeline.stages.etl import run
 from pipeline.schema import Schema
 from pipeline.stages.config import load_config
 

@@ -1,6 +1,6 @@
 """The in-memory transform (pandas in, column by column) equals the partition path, bit for bit.
 
-``Workflow.transform(pandas_frame)`` runs the serving path; ``Workflow._evaluate`` is what every
+``Workflow.transform(pandas_frame)`` runs the serving path; ``Workflow.transform_partition`` is what every
 Dask partition runs, a DataFrame per node and each operator's own ``transform``: the reference.
 Frames are drawn with nulls, values unseen at fit, every column dtype the readers produce, and
 0, 1 or many rows.
@@ -109,7 +109,7 @@ def fitted() -> Workflow:
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_fast_path_equals_the_partition_path(fitted, rows, seed):
     frame = _frame(rows, seed)
-    _assert_identical(fitted.transform(frame), Workflow._evaluate(frame, fitted.output))
+    _assert_identical(fitted.transform(frame), Workflow.transform_partition(frame, fitted.output))
 
 
 def test_a_refit_vocabulary_is_looked_up_afresh():
@@ -119,7 +119,7 @@ def test_a_refit_vocabulary_is_looked_up_afresh():
     assert workflow.transform(one_row)["C"].tolist() == [3]
     workflow.fit(pd.DataFrame({"C": list("abbbcc") * 3}))
     assert workflow.transform(one_row)["C"].tolist() == [2]
-    _assert_identical(workflow.transform(one_row), Workflow._evaluate(one_row, workflow.output))
+    _assert_identical(workflow.transform(one_row), Workflow.transform_partition(one_row, workflow.output))
 
 
 def test_fast_path_equals_the_dask_path(fitted):
@@ -132,7 +132,7 @@ def test_fast_path_with_a_repeated_column_name_reads_columns_as_series(fitted):
     frame = _frame(64, seed=1)
     extra = frame[["label"]].rename(columns={"label": "extra"})
     frame = pd.concat([frame, extra, extra], axis=1)  # "extra" twice: columns are looked up by name
-    _assert_identical(fitted.transform(frame), Workflow._evaluate(frame, fitted.output))
+    _assert_identical(fitted.transform(frame), Workflow.transform_partition(frame, fitted.output))
 
 
 def test_fast_path_keeps_extra_columns_out_and_the_row_labels():
@@ -146,7 +146,7 @@ def test_fast_path_keeps_extra_columns_out_and_the_row_labels():
 def test_a_selection_alone_passes_columns_through():
     workflow = Workflow(["a", "b"]).fit(pd.DataFrame({"a": [1], "b": ["x"]}))
     rows = pd.DataFrame({"b": pd.array(["y", None], dtype="string"), "a": [1.5, np.nan]})
-    _assert_identical(workflow.transform(rows), Workflow._evaluate(rows, workflow.output))
+    _assert_identical(workflow.transform(rows), Workflow.transform_partition(rows, workflow.output))
 
 
 SERVE_PYTHON = Path(__file__).resolve().parents[1] / ".venv-triton" / "bin" / "python"
@@ -166,7 +166,7 @@ def test_fast_path_equals_the_partition_path_in_the_serving_environment(tmp_path
         "for path in sorted(glob.glob(sys.argv[2] + '/*.parquet')):\n"
         "    table = pq.read_table(path)\n"
         "    for frame in (table.to_pandas(types_mapper=pd.ArrowDtype), table.to_pandas()):\n"
-        "        fast, reference = workflow.transform(frame), Workflow._evaluate(frame, workflow.output)\n"
+        "        fast, reference = workflow.transform(frame), Workflow.transform_partition(frame, workflow.output)\n"
         "        pd.testing.assert_frame_equal(fast, reference, check_exact=True)\n"
         "        for name in reference.columns:\n"
         "            a, b = fast[name].to_numpy(), reference[name].to_numpy()\n"

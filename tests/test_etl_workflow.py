@@ -174,3 +174,35 @@ def test_a_workflow_fitted_on_the_gpu_loads_for_serving_on_cpu(tmp_path):
     (path / "workflow.json").write_text(json.dumps(record))
     rows = _frame(n=20, seed=4)
     pd.testing.assert_frame_equal(Workflow.load(path).transform(rows), workflow.transform(rows))
+
+
+def test_the_output_schema_comes_from_the_operators():
+    from pipeline.etl import Bucketize
+    from pipeline.etl.column_schema import CATEGORICAL, CONTINUOUS, LABEL, ColumnSchema, input_schema, to_schema
+
+    workflow = _workflow().fit(_frame())
+    roles = {"label": "label", "continuous": ["I1"], "categorical": ["C1", "C2"], "multihot": ["M"]}
+    columns = {c.name: c for c in workflow.output_schema(input_schema(roles))}
+    assert list(columns) == workflow.output_columns
+    assert columns["label"] == ColumnSchema("label", frozenset({LABEL}), "float32")
+    assert columns["I1"] == ColumnSchema("I1", frozenset({CONTINUOUS}), "float32")
+    categorify = next(op for op, names in workflow.operators() if "C1" in names)
+    assert columns["C1"] == ColumnSchema("C1", frozenset({CATEGORICAL}), "int32",
+                                         cardinality=len(categorify.vocabularies["C1"]) + 2)
+    assert columns["M"].is_list and columns["M"].max_length == categorify.max_lengths["M"] == 3
+    assert columns["C2"].cardinality == 12 and columns["C1_C2"].cardinality == 8
+    schema = to_schema(list(columns.values()), rows={"train": 600}, row_group_rows=100)
+    assert [(c.name, c.role, c.dtype) for c in schema.columns] == [
+        ("label", "label", "float32"), ("I1", "continuous", "float32"), ("C1", "categorical", "int32"),
+        ("M", "multihot", "list<int32>"), ("C2", "categorical", "int32"), ("C1_C2", "categorical", "int32")]
+    assert schema.column("M").max_length == 3 and schema.column("C1").max_length == 0
+
+    # A numeric operator after Categorify makes a continuous column; Bucketize makes a categorical one.
+    chained = Workflow((["C1"] >> Categorify() >> Normalize()) + (["I1"] >> Bucketize([1, 10]))).fit(_frame())
+    out = {c.name: c for c in chained.output_schema(input_schema(roles))}
+    assert out["C1"].tags == frozenset({CONTINUOUS}) and out["C1"].dtype == "float32"
+    assert out["I1"].tags == frozenset({CATEGORICAL}) and out["I1"].cardinality == 3
+    with pytest.raises(ValueError, match="lacks the columns"):
+        chained.output_schema([ColumnSchema("C1")])
+    with pytest.raises(ValueError, match="has no role"):
+        to_schema([ColumnSchema("x", dtype="float32")], rows={}, row_group_rows=0)

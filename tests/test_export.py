@@ -146,8 +146,8 @@ def multihot_pipeline(tmp_path_factory):
                              "data.continuous=[I1,I2]", "data.categorical=[C1,C2]", "data.multihot=[M1]",
                              "etl.cluster=threads", "device=cpu"])
     from export.repository import raw_columns
-    from pipeline.data.layout import RawDataset
-    from pipeline.etl.stage import run as run_etl
+    from pipeline.data.raw_folder import RawDataset
+    from pipeline.stages.etl import run as run_etl
     from pipeline.stages.data import run as make_data
     from pipeline.stages.export import model_options
 

@@ -24,7 +24,7 @@ from export.client import Client, ServingError
 from export.inprocess import InProcessModel
 from export.repository import cache_stats, raw_columns, store_version, write_repository
 from export.server import server_problem, start_server
-from pipeline.data.layout import RawDataset
+from pipeline.data.raw_folder import RawDataset
 from pipeline.errors import BadInputError
 from pipeline.etl.workflow import Workflow
 from pipeline.modules.models import ModelSizes, build_model
@@ -44,7 +44,7 @@ def served(tmp_path_factory):
     problem = server_problem(cfg.serve)
     if problem:
         pytest.fail(f"the serving tests need a Triton server and the models' environment (make serve-env): {problem}")
-    from pipeline.etl.stage import run as run_etl
+    from pipeline.stages.etl import run as run_etl
     from pipeline.stages.data import run as make_data
 
     make_data(cfg)

@@ -39,17 +39,18 @@ def _profile(args, workdir: Path, tmp: Path) -> dict:
 
     import dask
 
-    from pipeline.etl.backend import read_parquet
-    from pipeline.etl.graph import Node
-    from pipeline.etl.stage import _write_part, default_workflow, output_arrow_schema, roles_of
     from pipeline.stages.config import load_config
     from pipeline.stages.data import ensure_raw
+    from pipeline.etl.frame_library import read_parquet
+    from pipeline.etl.graph import Node
+    from pipeline.etl.defaults import default_workflow, roles_of
+    from pipeline.etl.output import output_arrow_schema, write_part
 
     cfg = load_config(overrides=[f"workdir={workdir}", f"data.rows={args.rows}", "data.valid_fraction=0",
                                  "data.test_fraction=0"])
     raw = ensure_raw(cfg, progress=False)
     files, roles = raw.splits["train"], roles_of(raw)
-    workflow = default_workflow(roles, cfg.etl, backend=args.backend)
+    workflow = default_workflow(roles, cfg.etl, library=args.backend)
     sync = _synchroniser(args.backend)
     timings: dict[str, float] = {}
 
@@ -76,12 +77,12 @@ def _profile(args, workdir: Path, tmp: Path) -> dict:
     for node in workflow.output.walk():
         if node.op is None:
             continue
-        source = workflow._evaluate(frame, Node(node.parents))  # the operator's input, not timed
+        source = workflow.transform_partition(frame, Node(node.parents))  # the operator's input, not timed
         label = f"transform {type(node.op).__name__} ({len(node.input_columns)} cols)"
         timed(label, lambda op=node.op, df=source: op.transform(df))
-    out = timed("transform (whole graph, one call)", lambda: workflow._evaluate(frame, workflow.output))
+    out = timed("transform (whole graph, one call)", lambda: workflow.transform_partition(frame, workflow.output))
     schema = output_arrow_schema(out.iloc[:0] if hasattr(out, "iloc") else out)
-    timed("write (parquet, one file)", lambda: _write_part(out, tmp / "out.parquet", schema, cfg.etl.row_group_rows))
+    timed("write (parquet, one file)", lambda: write_part(out, tmp / "out.parquet", schema, cfg.etl.row_group_rows))
     if args.backend == "cudf":
         _cudf_alternatives(frame, workflow, timed)
     summary = {"backend": args.backend, "rows": len(frame), "ms": {k: round(v * 1e3, 2) for k, v in timings.items()}}
@@ -114,7 +115,7 @@ def _cudf_alternatives(frame, workflow, timed) -> None:
     import cudf
     import cupy
 
-    from pipeline.etl.ops._columns import cudf_strings
+    from pipeline.etl.frames import cudf_strings
     from pipeline.etl.ops.categorify import Categorify
 
     op, columns = next((op, cols) for op, cols in workflow.operators() if isinstance(op, Categorify))

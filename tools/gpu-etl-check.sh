@@ -63,10 +63,10 @@ for name in ["numpy", "pandas", "pyarrow", "torch", "cupy", "numba", "dask", "di
         print(f"{name:12} {getattr(module, '__version__', '?')}")
     except Exception as err:
         print(f"{name:12} MISSING ({type(err).__name__}: {err})")
-from pipeline.etl.backend import choose_backend
-print("choose_backend(auto):", choose_backend("auto"))
-from pipeline.etl.ops.hashing import _cudf_single_column_offset
-print("libcudf one-column murmur3 = mmh3 +", hex(_cudf_single_column_offset()))
+from pipeline.etl.frame_library import choose_frame_library
+print("choose_frame_library(auto):", choose_frame_library("auto"))
+from pipeline.etl.ops.hashing import cudf_single_column_offset
+print("libcudf one-column murmur3 = mmh3 +", hex(cudf_single_column_offset()))
 EOF
 step 02-gpu-tests 180 env PIPELINE_ETL_GPU_ROWS="${ETL_GPU_TEST_ROWS:-2000000}" \
   "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_etl_gpu.py
@@ -74,5 +74,5 @@ step 03-bench 400 "$PY" -m pipeline bench etl --device cuda --rows "${ETL_BENCH_
   --json "$OUT/bench-etl.json" --report "$OUT/etl-tasks.json" ${ETL_BENCH_ARGS:-} workdir=/tmp/etl-bench
 step 04-stage 60 "$PY" -m pipeline run etl --device cuda data.rows=500000 etl.cluster=local workdir=/tmp/etl-stage
 step 05-cpu-tests 60 "$PY" -m pytest -q -p no:cacheprovider --continue-on-collection-errors tests/test_etl_ops.py tests/test_etl_workflow.py \
-  tests/test_etl_backend.py tests/test_etl_stage.py
+  tests/test_etl_frame_library.py tests/test_etl_stage.py
 echo "== summary ($SECONDS s)"; cat "$summary"

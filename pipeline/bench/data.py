@@ -30,7 +30,7 @@ def run(args: argparse.Namespace, cfg) -> dict:
     import pyarrow as pa
     import pyarrow.csv as pacsv
 
-    from pipeline.data import layout, readers, synthetic
+    from pipeline.data import raw_folder, readers, synthetic
 
     model = synthetic.ClickModel.create(cfg.seed, cfg.data.size)
     chunk_rows = cfg.data.chunk_rows
@@ -53,7 +53,7 @@ def run(args: argparse.Namespace, cfg) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         with _Timer("generate + parquet write", args.rows):
-            writer = layout.PartWriter(Path(tmp) / "train", chunk_rows)
+            writer = raw_folder.PartWriter(Path(tmp) / "train", chunk_rows)
             for chunk in synthetic.iter_split(model, "train", args.rows, chunk_rows):
                 writer.write(chunk.table)
             writer.close()
@@ -61,9 +61,9 @@ def run(args: argparse.Namespace, cfg) -> dict:
         with _Timer("baseline: draws + python f-string per value", args.baseline_rows):
             for index in range(-(-args.baseline_rows // synthetic.BLOCK_ROWS)):
                 n = min(synthetic.BLOCK_ROWS, args.baseline_rows - index * synthetic.BLOCK_ROWS)
-                draws = synthetic._draw(model, 0, index, n)
+                draws = synthetic.draw(model, 0, index, n)
                 for f in range(26):
-                    hashed = synthetic._hash32(draws.ranks[f], f, model.seed).tolist()
+                    hashed = synthetic.hash32(draws.ranks[f], f, model.seed).tolist()
                     values = [None if null else f"{h:08x}" for h, null in zip(hashed, draws.cat_null[f].tolist())]
                     pa.array(values, pa.string())
 

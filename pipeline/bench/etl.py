@@ -54,10 +54,10 @@ def run(args: argparse.Namespace, cfg) -> dict:
     import time
     from datetime import datetime, timezone
 
-    from pipeline.etl.backend import choose_backend
+    from pipeline.etl.frame_library import choose_frame_library
     from pipeline.stages.data import ensure_raw
 
-    backend, reason = choose_backend(cfg.device)
+    library, reason = choose_frame_library(cfg.device)
     workers = args.workers or os.cpu_count() or 1
     data = dataclasses.replace(cfg.data, rows=args.rows, valid_fraction=0.0, test_fraction=0.0,
                                name=cfg.data.name or f"bench-etl-{args.rows}")
@@ -70,10 +70,10 @@ def run(args: argparse.Namespace, cfg) -> dict:
     load = os.getloadavg()
     print(f"[bench etl] {rows:,} rows in {len(files)} files (ready in {time.perf_counter() - t:.1f} s), "
           f"size={cfg.data.size}, {os.cpu_count()} cores, load {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; "
-          f"{backend} backend ({reason})", flush=True)
+          f"{library} backend ({reason})", flush=True)
 
     sides = []
-    if backend == "cudf":
+    if library == "cudf":
         sides.append(("cudf", dataclasses.replace(cfg.etl, cluster=args.cluster, workers=args.gpu_workers)))
     sides.append(("pandas", dataclasses.replace(cfg.etl, cluster=args.cluster, workers=workers)))
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -123,16 +123,17 @@ def _ours(kind: str, etl, cfg, roles: dict, files: list, rows: int, out: Path, r
     """Fit + transform+write with our workflow on ``kind`` ("cudf" or "pandas"); the best of ``repeats``."""
     import time
 
-    from pipeline.etl.backend import read_parquet
     from pipeline.etl.cluster import etl_client
-    from pipeline.etl.stage import default_workflow, transform_split
+    from pipeline.etl.defaults import default_workflow
+    from pipeline.etl.frame_library import read_parquet
+    from pipeline.etl.output import transform_split
 
     t = time.perf_counter()
-    with etl_client(etl, backend=kind) as where:
+    with etl_client(etl, library=kind) as where:
         startup = time.perf_counter() - t
         best = {"fit": float("inf"), "transform": float("inf")}
         for _ in range(repeats):
-            workflow = default_workflow(roles, etl, backend=kind)
+            workflow = default_workflow(roles, etl, library=kind)
             t = time.perf_counter()
             with _report(report, f"{kind}-fit"):
                 workflow.fit(read_parquet(files, workflow.input_columns, kind))

@@ -100,12 +100,12 @@ def run(args: argparse.Namespace, cfg) -> dict:
 def _prepare(cfg):
     from export.inprocess import InProcessModel
     from export.repository import raw_columns, write_repository
-    from pipeline.data.layout import RawDataset
-    from pipeline.etl.stage import run as run_etl
+    from pipeline.data.raw_folder import RawDataset
     from pipeline.etl.workflow import Workflow
     from pipeline.modules.models import ModelSizes, build_model
     from pipeline.schema import Schema
     from pipeline.stages.data import run as make_data
+    from pipeline.stages.etl import run as run_etl
     from pipeline.stages.export import model_options
     from pipeline.stages.serve import sample_rows
 

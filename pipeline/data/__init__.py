@@ -1,6 +1,6 @@
 """The data stage: the synthetic Criteo-like generator and the Criteo / table readers.
 
-Everything after this stage reads the raw layout (:mod:`pipeline.data.layout`); the data stage's
+Everything after this stage reads the raw layout (:mod:`pipeline.data.raw_folder`); the data stage's
 runner (:func:`pipeline.stages.data.ensure_raw`) makes the data once and reuses it while the
 settings stay the same. Names are imported on first use, so ``pipeline.stages.config`` (which
 imports ``pipeline.data.config``) stays light.
@@ -14,7 +14,7 @@ Example::
 import importlib
 
 _EXPORTS = {
-    "RawDataset": "pipeline.data.layout",
+    "RawDataset": "pipeline.data.raw_folder",
     "ClickModel": "pipeline.data.synthetic",
     "generate_block": "pipeline.data.synthetic",
     "iter_split": "pipeline.data.synthetic",

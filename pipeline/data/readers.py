@@ -46,9 +46,10 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
-from pipeline.data import layout
+from pipeline.data import raw_folder
 from pipeline.data.config import DataConfig
 from pipeline.errors import BadInputError
+from pipeline.files import write_json
 
 READER_VERSION = 1
 CRITEO_CONTINUOUS = [f"I{i}" for i in range(1, 14)]
@@ -104,8 +105,8 @@ def table_roles(d: DataConfig) -> Roles:
     if not (roles.continuous or roles.categorical or roles.multihot):
         raise BadInputError("data.source=table needs column roles: set data.continuous, data.categorical "
                             "and/or data.multihot (and data.label), e.g. data.categorical=user,item")
-    if roles.label != layout.LABEL and layout.LABEL in roles.columns:
-        raise BadInputError(f"the raw layout names the label column {layout.LABEL!r}; a feature of that name "
+    if roles.label != raw_folder.LABEL and raw_folder.LABEL in roles.columns:
+        raise BadInputError(f"the raw layout names the label column {raw_folder.LABEL!r}; a feature of that name "
                             f"clashes with data.label={roles.label!r}: rename it in the input")
     names = roles.columns + roles.ignore
     repeated = sorted({c for c in names if names.count(c) > 1})
@@ -210,27 +211,27 @@ def ingest(d: DataConfig, seed: int, root: Path, params: dict, progress: bool = 
                  "test": 0.0 if "test" in pinned else d.test_fraction}
     jobs = [(i, path, split) for i, (path, split) in enumerate(files)]
     args = (d, roles, seed, fractions, root)
-    layout.clear(root)
+    raw_folder.clear(root)
     if len(jobs) == 1:
         results = [_ingest_file(*jobs[0], *args, progress=progress)]
     else:
         results = _ingest_in_parallel(jobs, args, progress)
     report = _combine(results, d)
-    layout.write_json(root / layout.INGEST_REPORT, report)
+    write_json(root / raw_folder.INGEST_REPORT, report)
     _print_report(report)
     if report["status"] == "failed":
-        for split in layout.SPLITS:
+        for split in raw_folder.SPLITS:
             for part in (root / split).glob("*.parquet"):
                 part.unlink()
         raise BadInputError(_failure_message(report))
-    for split in layout.SPLITS:
+    for split in raw_folder.SPLITS:
         (root / split).mkdir(parents=True, exist_ok=True)
-        layout.number_parts(root / split)
-    layout.write_json(root / layout.META, {
-        "version": layout.RAW_VERSION,
+        raw_folder.number_parts(root / split)
+    write_json(root / raw_folder.META, {
+        "version": raw_folder.RAW_VERSION,
         "source": d.source,
         "params": params,
-        "label": layout.LABEL,
+        "label": raw_folder.LABEL,
         "continuous": roles.continuous,
         "categorical": roles.categorical,
         "multihot": roles.multihot,
@@ -242,7 +243,7 @@ def ingest(d: DataConfig, seed: int, root: Path, params: dict, progress: bool = 
 def _ingest_file(index: int, path: Path, pinned: str | None, d: DataConfig, roles: Roles, seed: int,
                  fractions: dict[str, float], root: Path, progress: bool = False) -> dict:
     report = FileReport(str(path))
-    writers = {s: layout.PartWriter(root / s, d.chunk_rows, prefix=f"f{index:05d}") for s in layout.SPLITS}
+    writers = {s: raw_folder.PartWriter(root / s, d.chunk_rows, prefix=f"f{index:05d}") for s in raw_folder.SPLITS}
     stop = d.on_bad_lines == "error"
     if d.source == "criteo":
         blocks = read_criteo(path, d.chunk_rows, report, stop)
@@ -252,12 +253,12 @@ def _ingest_file(index: int, path: Path, pinned: str | None, d: DataConfig, role
 
     with tqdm(desc=path.name, unit="row", unit_scale=True, disable=not progress) as bar:
         for table, lines in blocks:
-            table = table.rename_columns([layout.LABEL if n == roles.label else n for n in table.column_names])
+            table = table.rename_columns([raw_folder.LABEL if n == roles.label else n for n in table.column_names])
             if pinned:
                 writers[pinned].write(table)
             else:
                 codes = split_codes(lines, index, seed, fractions["valid"], fractions["test"])
-                for code, split in enumerate(layout.SPLITS):
+                for code, split in enumerate(raw_folder.SPLITS):
                     writers[split].write(table.filter(pa.array(codes == code)))
             bar.update(table.num_rows)
     for w in writers.values():
@@ -658,7 +659,7 @@ def _combine(results: list[dict], d: DataConfig) -> dict:
         for kind, count in r.bad.items():
             bad[kind] = bad.get(kind, 0) + count
     failed = d.on_bad_lines == "error" and any(r.bad_rows for r in reports)
-    written = {s: sum(r["rows_written"][s] for r in results) for s in layout.SPLITS}
+    written = {s: sum(r["rows_written"][s] for r in results) for s in raw_folder.SPLITS}
     return {
         "status": "failed" if failed else "ok",
         "on_bad_lines": d.on_bad_lines,

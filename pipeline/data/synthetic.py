@@ -154,7 +154,7 @@ class ClickModel:
 
     def _calibrate(self) -> None:
         """Standardize the dense terms and pick the intercept for a ~25% click rate, on a fixed sample."""
-        draws = _draw(self, _CALIBRATION_SPLIT, 0, 4 * BLOCK_ROWS)
+        draws = draw(self, _CALIBRATION_SPLIT, 0, 4 * BLOCK_ROWS)
         t = _log_counts(draws.counts, draws.dense_null)
         self.dense_center = t.mean(axis=1)
         self.dense_scale = t.std(axis=1) + 1e-9
@@ -189,7 +189,7 @@ class ClickModel:
 
     def hex_values(self, feature: int, ranks: np.ndarray) -> np.ndarray:
         """The (n, 8) uint8 hex spelling of ranks of one feature (bijective per feature)."""
-        return _hex_bytes(_hash32(ranks, feature, self.seed))
+        return _hex_bytes(hash32(ranks, feature, self.seed))
 
 
 def generate_block(model: ClickModel, split: str, index: int, rows: int = BLOCK_ROWS) -> SyntheticChunk:
@@ -199,10 +199,10 @@ def generate_block(model: ClickModel, split: str, index: int, rows: int = BLOCK_
     """
     if split not in _SPLIT_ID:
         raise ValueError(f"split: expected one of {SPLITS}, got {split!r}")
-    d = _draw(model, _SPLIT_ID[split], index, rows)
+    d = draw(model, _SPLIT_ID[split], index, rows)
     probability = _sigmoid(model.logit(d.ranks, d.cat_null, d.counts, d.dense_null))
     label = (d.label_uniform < probability).astype(np.int8)
-    hashed = _hash32(d.ranks, np.arange(26)[:, None], model.seed)
+    hashed = hash32(d.ranks, np.arange(26)[:, None], model.seed)
     text = _hex_bytes(hashed)  # (26, n, 8), one contiguous buffer per feature
     offsets = pa.py_buffer(np.arange(0, 8 * (rows + 1), 8, dtype=np.int32))
     columns: list[pa.Array] = [pa.array(label)]
@@ -239,7 +239,9 @@ def iter_split(model: ClickModel, split: str, rows: int, chunk_rows: int) -> Ite
 
 
 @dataclass
-class _Draws:
+class Draws:
+    """The random numbers behind one block of rows, before they become values."""
+
     ranks: np.ndarray  # (26, n) int32 in [1, cardinality]
     cat_null: np.ndarray  # (26, n) bool
     counts: np.ndarray  # (13, n) int64
@@ -247,7 +249,8 @@ class _Draws:
     label_uniform: np.ndarray  # (n,)
 
 
-def _draw(model: ClickModel, split_id: int, index: int, rows: int) -> _Draws:
+def draw(model: ClickModel, split_id: int, index: int, rows: int) -> Draws:
+    """The draws of block ``index`` of a split: the same numbers for the same seed, split and block."""
     rng = np.random.default_rng([model.seed, split_id, index])
     u = rng.random((26, rows))
     ranks = _zipf_ranks(u, model.cardinality[:, None], model.zipf_exponent[:, None])
@@ -260,7 +263,7 @@ def _draw(model: ClickModel, split_id: int, index: int, rows: int) -> _Draws:
         counts[j] = np.where(extra[row] < _NEGATIVE_RATE[j], -1 - (extra[2] * 3).astype(np.int64), counts[j])
     dense_null = rng.random((13, rows), dtype=np.float32) < _DENSE_NULL_RATE[:, None]
     label_uniform = rng.random(rows)
-    return _Draws(ranks, cat_null, counts, dense_null, label_uniform)
+    return Draws(ranks, cat_null, counts, dense_null, label_uniform)
 
 
 def _zipf_ranks(u: np.ndarray, k: np.ndarray, s: np.ndarray) -> np.ndarray:
@@ -283,7 +286,7 @@ def _log_counts(counts: np.ndarray, null: np.ndarray) -> np.ndarray:
     return np.where(null, 0.0, np.log1p(np.maximum(counts, 0)))
 
 
-def _hash32(ranks: np.ndarray, feature: np.ndarray | int, seed: int) -> np.ndarray:
+def hash32(ranks: np.ndarray, feature: np.ndarray | int, seed: int) -> np.ndarray:
     """MurmurHash3's 32-bit finalizer of (rank + a per-feature salt): a bijection of ranks within a feature."""
     salt = (np.asarray(feature, dtype=np.uint64) * np.uint64(0x9E3779B9) + np.uint64(seed * 0x85EBCA77 & 0xFFFFFFFF))
     h = ranks.astype(np.uint32) + (salt & np.uint64(0xFFFFFFFF)).astype(np.uint32)  # wraps mod 2**32

@@ -23,7 +23,6 @@ Example::
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +31,7 @@ import torch.distributed as dist
 
 from pipeline.distributed.embedding import ShardedEmbeddingCollection, table_tensors
 from pipeline.distributed.types import ShardingPlan
+from pipeline.files import atomic_open, write_json
 from pipeline.modules.collection import EmbeddingCollection
 
 CHECKPOINT_VERSION = 1
@@ -42,13 +42,8 @@ class ShardedCheckpointError(ValueError):
 
 
 def _save(obj: Any, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    with atomic_open(path) as f:
         torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _piece_path(folder: Path, path: str, table: str, lo: int, hi: int) -> Path:
@@ -86,9 +81,7 @@ def save_sharded_checkpoint(folder: str | Path, collections: dict[str, ShardedEm
     if dist.is_initialized():
         dist.barrier()
     if rank == 0:
-        tmp = folder / "meta.json.tmp"
-        tmp.write_text(json.dumps(meta, indent=2) + "\n")
-        tmp.replace(folder / "meta.json")
+        write_json(folder / "meta.json", meta)
     if dist.is_initialized():
         dist.barrier()
     return folder

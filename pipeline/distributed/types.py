@@ -31,6 +31,8 @@ from enum import Enum
 from pathlib import Path
 from typing import Generic, TypeVar
 
+from pipeline.files import write_text
+
 PLAN_VERSION = 1
 
 W = TypeVar("W")
@@ -217,9 +219,7 @@ class ShardingPlan:
     def save(self, path: str | Path) -> None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(self.to_json())
-        tmp.replace(path)
+        write_text(path, self.to_json())
 
     @classmethod
     def load(cls, path: str | Path) -> ShardingPlan:

@@ -13,7 +13,7 @@ Example::
     workflow.save("my-workflow")
     Workflow.load("my-workflow").transform(pandas_rows)   # serving: pandas in, pandas out
 
-The stage (``python -m pipeline run etl``) is :mod:`pipeline.etl.stage`.
+The stage (``python -m pipeline run etl``) is :mod:`pipeline.stages.etl`.
 """
 
 from pipeline.etl.graph import Node

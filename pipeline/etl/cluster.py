@@ -14,7 +14,7 @@
 
 Example::
 
-    with etl_client(cfg.etl, input_bytes=raw_bytes, backend="pandas") as where:
+    with etl_client(cfg.etl, input_bytes=raw_bytes, library="pandas") as where:
         print(where)          # "LocalCluster(2 workers)" or "threads" or "scheduler tcp://..."
         workflow.fit(ddf)
 """
@@ -47,7 +47,7 @@ def choose_cluster(etl: EtlConfig, input_bytes: int) -> str:
 
 
 @contextlib.contextmanager
-def etl_client(etl: EtlConfig, input_bytes: int = 0, backend: str = "pandas",
+def etl_client(etl: EtlConfig, input_bytes: int = 0, library: str = "pandas",
                connect_timeout: str = "10s") -> Iterator[str]:
     """Run the enclosed Dask work on the chosen cluster; yields a description of where it runs."""
     import dask
@@ -70,12 +70,12 @@ def etl_client(etl: EtlConfig, input_bytes: int = 0, backend: str = "pandas",
             yield f"scheduler {etl.scheduler} ({len(client.scheduler_info()['workers'])} workers)"
         return
 
-    with _local_cluster(etl.workers, backend, etl.gpu_threads) as cluster, Client(cluster) as client:
+    with _local_cluster(etl.workers, library, etl.gpu_threads) as cluster, Client(cluster) as client:
         yield f"{type(cluster).__name__}({len(client.scheduler_info()['workers'])} workers)"
 
 
-def _local_cluster(workers: int, backend: str, gpu_threads: int = 1):
-    if backend == "cudf":
+def _local_cluster(workers: int, library: str, gpu_threads: int = 1):
+    if library == "cudf":
         try:
             from dask_cuda import LocalCUDACluster
         except Exception as err:

@@ -14,18 +14,24 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Union
-
-if TYPE_CHECKING:
-    from pipeline.etl.ops.base import Operator
+from typing import Any, Protocol, Union, runtime_checkable
 
 ColumnsLike = Union["Node", str, Iterable[str]]
+
+
+@runtime_checkable
+class GraphOperator(Protocol):
+    """What a node needs of its operator (``pipeline.etl.ops.Operator`` is the implementation)."""
+
+    def output_columns(self, columns: list[str]) -> list[str]: ...
+
+    def transform(self, df: Any) -> Any: ...
 
 
 class Node:
     """One step of the graph: input columns, an operator on its parents, or a union of nodes."""
 
-    def __init__(self, parents: list[Node] = (), op: Operator | None = None, columns: list[str] | None = None):
+    def __init__(self, parents: list[Node] = (), op: GraphOperator | None = None, columns: list[str] | None = None):
         self.parents = list(parents)
         self.op = op
         if columns is not None:
@@ -55,10 +61,8 @@ class Node:
     def is_selection(self) -> bool:
         return self.op is None and not self.parents
 
-    def __rshift__(self, op: Operator) -> Node:
-        from pipeline.etl.ops.base import Operator
-
-        if not isinstance(op, Operator):
+    def __rshift__(self, op: GraphOperator) -> Node:
+        if isinstance(op, (Node, type)) or not isinstance(op, GraphOperator):
             raise TypeError(f"expected an operator after >>, got {type(op).__name__}")
         return Node([self], op=op)
 

@@ -32,24 +32,13 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-import pyarrow as pa
-import pyarrow.compute as pc
 
 from pipeline.errors import BadInputError, UserError
-from pipeline.etl.backend import BACKENDS, read_parquet
+from pipeline.etl.column_schema import ColumnSchema
+from pipeline.etl.frame_library import FRAME_LIBRARIES, read_parquet
+from pipeline.etl.frames import as_arrow_lists, frame_like, is_cudf
 from pipeline.etl.graph import ColumnsLike, Node
-from pipeline.etl.ops._columns import (
-    as_arrow_lists,
-    as_arrow_strings,
-    as_float64,
-    frame_like,
-    is_cudf,
-    list_lengths,
-    lists_from_flat,
-)
 from pipeline.etl.ops.base import REGISTRY, Operator
-from pipeline.etl.ops.categorify import NULL_INDEX, OOV_INDEX, RESERVED, Categorify, _encode, per_vocabulary
-from pipeline.etl.ops.continuous import Bucketize, Cast, Clip, FillMissing, LogOp, Normalize
 from pipeline.etl.progress import compute
 
 WORKFLOW_FORMAT = "pipeline.etl.Workflow"
@@ -61,17 +50,17 @@ class WorkflowVersionError(UserError):
 
 
 class Workflow:
-    """An operator graph, its fitted statistics, and the backend it reads parquet with.
+    """An operator graph, its fitted statistics, and the library it reads parquet with.
 
-    The backend (``"pandas"`` or ``"cudf"``) matters only when the workflow reads files itself;
+    The library (``"pandas"`` or ``"cudf"``) matters only when the workflow reads files itself;
     in-memory frames are transformed with their own library.
     """
 
-    def __init__(self, output: ColumnsLike, backend: str = "pandas"):
-        if backend not in BACKENDS:
-            raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    def __init__(self, output: ColumnsLike, library: str = "pandas"):
+        if library not in FRAME_LIBRARIES:
+            raise ValueError(f"library: expected one of {FRAME_LIBRARIES}, got {library!r}")
         self.output = Node.of(output)
-        self.backend = backend
+        self.library = library
         self._nodes = list(self.output.walk())
 
     @property
@@ -91,23 +80,26 @@ class Workflow:
         """Each operator with the input columns it works on, in graph order."""
         return [(n.op, n.input_columns) for n in self._nodes if n.op]
 
-    def producers(self) -> dict[str, Operator]:
-        """For each output column, the last operator that made it (absent for passed-through columns)."""
-        found: dict[str, Operator] = {}
+    def output_schema(self, inputs: list[ColumnSchema]) -> list[ColumnSchema]:
+        """The output columns' schema (tags, dtype, cardinality, ...) from the raw columns' ``inputs``.
 
-        def visit(node: Node, column: str) -> Operator | None:
-            if node.op is not None:
-                return node.op
-            for parent in node.parents:
-                if column in parent.output_columns:
-                    return visit(parent, column)
-            return None
-
-        for column in self.output_columns:
-            op = visit(self.output, column)
-            if op is not None:
-                found[column] = op
-        return found
+        Each operator derives its outputs' schema from its inputs' and its fitted statistics, so
+        the workflow must be fitted. ``pipeline.etl.column_schema.to_schema`` makes ``schema.json`` of it.
+        """
+        self._require_fitted()
+        given = {c.name: c for c in inputs}
+        missing = [c for c in self.input_columns if c not in given]
+        if missing:
+            raise ValueError(f"output_schema: the input schema lacks the columns {missing}")
+        results: dict[int, list[ColumnSchema]] = {}
+        for node in self._nodes:
+            if node.is_selection:
+                results[id(node)] = [given[name] for name in node.output_columns]
+                continue
+            by_name = {c.name: c for parent in node.parents for c in results[id(parent)]}
+            columns = [by_name[name] for name in node.input_columns]
+            results[id(node)] = node.op.compute_output_schema(columns) if node.op else columns
+        return results[id(self.output)]
 
     def fit(self, data: Any, progress: bool = False) -> Workflow:
         """Compute every operator's statistics from ``data`` (Dask or pandas DataFrame, or parquet path).
@@ -136,16 +128,16 @@ class Workflow:
             return _evaluate_pandas(data, self._nodes)
         if type(data).__module__.split(".")[0] == "cudf":
             self._check_columns(data.columns, "the rows to transform")
-            return self._evaluate(data, self.output)
+            return self.transform_partition(data, self.output)
         from dask import delayed
 
         ddf = self._as_dask(data)
         self._check_columns(ddf.columns, "the data to transform")
         ddf = ddf[self.input_columns]
-        meta = self._evaluate(ddf._meta, self.output)
+        meta = self.transform_partition(ddf._meta, self.output)
         # One graph key holds the graph and its statistics: each worker receives it once, not once per task.
         graph = delayed(self.output, pure=False)
-        return ddf.map_partitions(self._evaluate, graph, meta=meta, enforce_metadata=False)
+        return ddf.map_partitions(self.transform_partition, graph, meta=meta, enforce_metadata=False)
 
     def fit_transform(self, data: Any) -> Any:
         ddf = self._as_dask(data) if not isinstance(data, pd.DataFrame) else data
@@ -155,7 +147,7 @@ class Workflow:
         import dask.dataframe as dd
 
         if isinstance(data, (str, Path, list)):
-            return read_parquet(data, None, self.backend)
+            return read_parquet(data, None, self.library)
         if isinstance(data, pd.DataFrame):
             return dd.from_pandas(_lists_as_arrow(data), npartitions=1)
         if hasattr(data, "map_partitions") and hasattr(data, "npartitions"):
@@ -180,12 +172,12 @@ class Workflow:
             return ddf[node.input_columns]
         inputs = Node(node.parents)
         source = ddf[inputs.raw_columns()]
-        meta = self._evaluate(source._meta, inputs)
-        return source.map_partitions(self._evaluate, inputs, meta=meta, enforce_metadata=False)
+        meta = self.transform_partition(source._meta, inputs)
+        return source.map_partitions(self.transform_partition, inputs, meta=meta, enforce_metadata=False)
 
     @staticmethod
-    def _evaluate(df: Any, output: Node) -> Any:
-        """Run the graph up to ``output`` on one partition."""
+    def transform_partition(df: Any, output: Node) -> Any:
+        """Run the graph up to ``output`` on one partition (pandas or cuDF): what every Dask task runs."""
         results: dict[int, Any] = {}
         for node in output.walk():
             if node.is_selection:
@@ -229,7 +221,7 @@ class Workflow:
             record = {
                 "format": WORKFLOW_FORMAT,
                 "version": WORKFLOW_VERSION,
-                "backend": self.backend,
+                "backend": self.library,
                 "input_columns": self.input_columns,
                 "output_columns": self.output_columns,
                 "output": ids[id(self.output)],
@@ -245,8 +237,8 @@ class Workflow:
         return path
 
     @classmethod
-    def load(cls, path: str | Path, backend: str = "pandas") -> Workflow:
-        """Read a workflow saved by :meth:`save` (on any backend), to read files with ``backend``."""
+    def load(cls, path: str | Path, library: str = "pandas") -> Workflow:
+        """Read a workflow saved by :meth:`save` (on any library), to read files with ``library``."""
         path = Path(path)
         record_path = path / "workflow.json"
         if not record_path.is_file():
@@ -271,7 +263,7 @@ class Workflow:
                 built[entry["id"]] = Node(parents, op=op)
             else:
                 built[entry["id"]] = Node(parents)
-        return cls(built[record["output"]], backend=backend)
+        return cls(built[record["output"]], library=library)
 
     def __repr__(self) -> str:
         lines = [f"  {_short(cols)} >> {op!r}" for op, cols in self.operators()]
@@ -281,11 +273,10 @@ class Workflow:
 def _evaluate_pandas(df: pd.DataFrame, nodes: list[Node]) -> pd.DataFrame:
     """Run the graph on an in-memory pandas frame, column by column (the serving path).
 
-    Same result as :meth:`Workflow._evaluate` (the partition path, the reference), without a
-    DataFrame per node: each column travels as an array (a Series where pandas gives no cheaper
-    way), the numeric operators and Categorify run on arrays directly, and one frame is built at
-    the end. An operator without an array version here (or a subclass, which may override
-    ``transform``) gets a frame of its input columns and its own ``transform``.
+    Same result as :meth:`Workflow.transform_partition` (the partition path), without a DataFrame per node:
+    each column travels as an array, a column-by-column operator runs its ``transform_column`` on
+    it, and one frame is built at the end. Any other operator gets a frame of its input columns
+    and its own ``transform``.
     """
     results: dict[int, dict[str, Any]] = {}
     read = _column_reader(df)
@@ -300,10 +291,8 @@ def _evaluate_pandas(df: pd.DataFrame, nodes: list[Node]) -> pd.DataFrame:
                 inputs[name] = columns[name]
         if node.op is None:
             results[id(node)] = inputs
-            continue
-        kernel = _ARRAY_KERNELS.get(type(node.op))
-        if kernel is not None:
-            results[id(node)] = {name: kernel(node.op, name, values, df.index) for name, values in inputs.items()}
+        elif node.op.columnwise:
+            results[id(node)] = {name: node.op.transform_column(name, values) for name, values in inputs.items()}
         else:
             out = node.op.transform(_frame(inputs, df.index))
             results[id(node)] = {name: _values(out[name]) for name in out.columns}
@@ -315,8 +304,8 @@ def _evaluate_pandas(df: pd.DataFrame, nodes: list[Node]) -> pd.DataFrame:
 def _column_reader(df: pd.DataFrame):
     """``name -> the column's array``, without building a Series per column where pandas allows it.
 
-    ``DataFrame._get_column_array`` (pandas 2.2 to 3) is ten times cheaper than ``df[name]``,
-    which builds a Series; ``df[name]`` stays the way when it is missing or names repeat.
+    ``DataFrame._get_column_array`` (pandas 2.2 to 3) skips building a Series, which ``df[name]``
+    does; ``df[name]`` stays the way when it is missing or names repeat.
     """
     get = getattr(df, "_get_column_array", None)
     if get is None or not df.columns.is_unique:
@@ -334,104 +323,6 @@ def _values(column: Any) -> Any:
     if isinstance(column, pd.Series):
         return column.array if isinstance(column.dtype, pd.api.extensions.ExtensionDtype) else column.to_numpy()
     return column
-
-
-def _series(name: str, values: Any, index: pd.Index) -> pd.Series:
-    return values if isinstance(values, pd.Series) else pd.Series(values, index=index, name=name, copy=False)
-
-
-def _arrow_type(values: Any) -> pa.DataType | None:
-    """The Arrow type of an arrow-backed column (``pd.ArrowDtype``), else None."""
-    dtype = getattr(values, "dtype", None)
-    return dtype.pyarrow_dtype if isinstance(dtype, pd.ArrowDtype) and not isinstance(values, pd.Series) else None
-
-
-def _arrow(values: pd.api.extensions.ExtensionArray) -> pa.Array:
-    arrow = pa.array(values)
-    return arrow.combine_chunks() if isinstance(arrow, pa.ChunkedArray) else arrow
-
-
-def _floats(name: str, values: Any, index: pd.Index) -> np.ndarray:
-    """``as_float64`` of a column (a Series or an array); float and arrow-backed numbers without a Series."""
-    if isinstance(values, np.ndarray) and values.dtype.kind == "f":
-        return values.astype(np.float64, copy=False)
-    kind = _arrow_type(values)
-    if kind is not None and (pa.types.is_integer(kind) or pa.types.is_floating(kind)):
-        try:
-            return _arrow(values).cast(pa.float64()).to_numpy(zero_copy_only=False)
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-            pass  # as_float64 says what is wrong
-    return as_float64(_series(name, values, index))
-
-
-def _numeric(fn):
-    """A kernel from ``fn(op, name, float64 values)``: the column is first read as ``as_float64`` does."""
-    return lambda op, name, values, index: fn(op, name, _floats(name, values, index))
-
-
-def _fill_missing(op: FillMissing, name: str, v: np.ndarray) -> np.ndarray:
-    return np.where(np.isnan(v), op.fill_values.get(name, op.fill_value), v)
-
-
-def _normalize(op: Normalize, name: str, v: np.ndarray) -> np.ndarray:
-    std = op.stds[name]
-    std = std if np.isfinite(std) and std > 0 else 1.0
-    return ((v - op.means[name]) / std).astype("float32")
-
-
-def _categorify(op: Categorify, name: str, values: Any, index: pd.Index) -> Any:
-    """Vocabulary codes of one single-valued column; multi-hot and dictionary columns as the operator does."""
-    vocab = op.vocabularies[name]
-    if op.multihot[name]:
-        lists = as_arrow_lists(_series(name, values, index))
-        return lists_from_flat(_encode(pc.list_flatten(lists), vocab), list_lengths(lists), index).array
-    kind = _arrow_type(values)
-    if kind is not None and pa.types.is_string(kind):
-        strings = _arrow(values)
-    else:
-        strings = as_arrow_strings(_series(name, values, index), keep_dictionary=True)
-    if pa.types.is_dictionary(strings.type):
-        return _encode(strings, vocab)
-    if len(strings) * 4 < len(vocab):
-        # index_in hashes the whole vocabulary on every call: a few rows look their values up instead.
-        get = _codes_by_value(vocab).get
-        return np.array([get(value, OOV_INDEX) for value in strings.to_numpy(zero_copy_only=False)], dtype=np.int32)
-    # _encode's result, finished in numpy: fewer Arrow calls, which dominate on a few rows.
-    codes = pc.fill_null(pc.index_in(strings, value_set=vocab), -1).to_numpy(zero_copy_only=False) + RESERVED
-    codes[codes < RESERVED] = OOV_INDEX
-    if strings.null_count:
-        codes[strings.is_null().to_numpy(zero_copy_only=False)] = NULL_INDEX
-    return codes.astype(np.int32, copy=False)
-
-
-_CODES_BY_VALUE: dict[tuple, dict[str | None, int]] = {}
-
-
-def _codes_by_value(vocab: pa.Array) -> dict[str | None, int]:
-    """``{value: code}`` of a vocabulary (``None``: the null code), built on first use, dropped with it.
-
-    About 100 bytes per value, once: a few rows then cost a few dictionary look-ups instead of
-    hashing every value of the vocabulary again.
-    """
-    def build() -> dict[str | None, int]:
-        # Reversed: were a value there twice, its first position would win, as with index_in.
-        codes = dict(zip(reversed(vocab.to_pylist()), range(RESERVED + len(vocab) - 1, RESERVED - 1, -1)))
-        codes[None] = NULL_INDEX
-        return codes
-
-    return per_vocabulary(_CODES_BY_VALUE, vocab, build)
-
-
-# Each equals its operator's ``transform`` on one pandas column (tests/test_etl_transform_fast.py).
-_ARRAY_KERNELS = {
-    FillMissing: _numeric(_fill_missing),
-    Clip: _numeric(lambda op, _, v: v.clip(op.min_value, op.max_value)),
-    LogOp: _numeric(lambda op, _, v: np.log1p(v)),
-    Normalize: _numeric(_normalize),
-    Bucketize: _numeric(lambda op, _, v: np.digitize(v, op.boundaries).astype("int32")),
-    Cast: _numeric(lambda op, _, v: v.astype(op.dtype)),
-    Categorify: _categorify,
-}
 
 
 def _lists_as_arrow(df: pd.DataFrame) -> pd.DataFrame:

@@ -11,7 +11,7 @@ target device, permuted once, and batches are then cut from it as slices:
 
 Example::
 
-    window = make_window([Piece(chunk, 0, chunk.rows)], layout, torch.device("cpu"), order=None)
+    window = make_window([Piece(chunk, 0, chunk.rows)], placement, torch.device("cpu"), order=None)
     batch = window.batch(0, 512)
 """
 
@@ -29,7 +29,7 @@ from pipeline.sparse import KeyedJaggedTensor
 
 
 @dataclass(frozen=True)
-class Layout:
+class SparsePlacement:
     """Where each sparse key's ids live: ``runs`` of consecutive one-hot rows, or a multi-hot bag."""
 
     keys: tuple[str, ...]
@@ -38,7 +38,7 @@ class Layout:
     """``("onehot", first_row, end_row)`` of the one-hot id matrix, or ``("bag", bag_index, 0)``."""
 
     @classmethod
-    def of(cls, sparse: list[str], multihot: list[str], continuous: int) -> Layout:
+    def of(cls, sparse: list[str], multihot: list[str], continuous: int) -> SparsePlacement:
         runs: list[tuple[str, int, int]] = []
         onehot_row = bag = 0
         for key in sparse:
@@ -67,22 +67,23 @@ class Piece:
         return self.stop - self.start
 
 
-def make_window(pieces: list[Piece], layout: Layout, device: torch.device, order: np.ndarray | None) -> _Window:
+def make_window(pieces: list[Piece], placement: SparsePlacement, device: torch.device,
+                order: np.ndarray | None) -> _Window:
     """The window of ``pieces`` on ``device``, its rows in ``order`` (a permutation, or ``None``)."""
     if device.type == "cpu":
-        return _NumpyWindow(pieces, layout, order)
-    return _TorchWindow(pieces, layout, device, order)
+        return _NumpyWindow(pieces, placement, order)
+    return _TorchWindow(pieces, placement, device, order)
 
 
 class _Window:
     """Batches cut from a permuted window: :meth:`batch` gives rows ``[begin, end)``."""
 
-    layout: Layout
+    placement: SparsePlacement
 
     def batch(self, begin: int, end: int) -> Batch:
         size = end - begin
         values, lengths = [], []
-        for kind, first, last in self.layout.runs:
+        for kind, first, last in self.placement.runs:
             if kind == "onehot":
                 values.append(self._onehot(first, last, begin, end))
                 lengths.append(self._ones((last - first) * size))
@@ -90,19 +91,19 @@ class _Window:
                 bag_values, bag_lengths = self._bag_slice(first, begin, end)
                 values.append(bag_values)
                 lengths.append(bag_lengths)
-        sparse = KeyedJaggedTensor(self.layout.keys, self._cat(values), self._cat(lengths))
+        sparse = KeyedJaggedTensor(self.placement.keys, self._cat(values), self._cat(lengths))
         dense, label = self._rows(begin, end)
         return Batch(dense, sparse, label)
 
 
 class _NumpyWindow(_Window):
-    def __init__(self, pieces: list[Piece], layout: Layout, order: np.ndarray | None) -> None:
-        self.layout = layout
+    def __init__(self, pieces: list[Piece], placement: SparsePlacement, order: np.ndarray | None) -> None:
+        self.placement = placement
         parts = [np.asarray(p.chunk.block[:, p.start : p.stop]) for p in pieces]
         block = np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
         if order is not None:
             block = block.take(order, axis=1)
-        n = layout.continuous
+        n = placement.continuous
         self._label = np.ascontiguousarray(block[0]).view(np.float32)
         self._dense = np.ascontiguousarray(block[1 : 1 + n].T).view(np.float32)
         self._ids = block[1 + n :].astype(np.int64)
@@ -137,14 +138,15 @@ class _NumpyWindow(_Window):
 
 
 class _TorchWindow(_Window):
-    def __init__(self, pieces: list[Piece], layout: Layout, device: torch.device, order: np.ndarray | None) -> None:
-        self.layout, self._device = layout, device
+    def __init__(self, pieces: list[Piece], placement: SparsePlacement, device: torch.device,
+                 order: np.ndarray | None) -> None:
+        self.placement, self._device = placement, device
         parts = [_device_block(p.chunk, device)[:, p.start : p.stop] for p in pieces]
         block = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
         index = None if order is None else _to(torch.from_numpy(order), device)
         if index is not None:
             block = block.index_select(1, index)
-        n = layout.continuous
+        n = placement.continuous
         self._label = block[0].contiguous().view(torch.float32)
         self._dense = block[1 : 1 + n].t().contiguous().view(torch.float32)
         self._ids = block[1 + n :].long()

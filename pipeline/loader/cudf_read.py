@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from pipeline.errors import UserError
-from pipeline.loader.decode import Chunk, Split, _check_ids, _Where, id_error, label_error, null_error
+from pipeline.loader.decode import Chunk, RowPosition, Split, check_ids, id_error, label_error, null_error
 from pipeline.loader.plan import Segment
 
 READERS = ("pyarrow", "cudf")
@@ -72,7 +72,7 @@ def read_segment(split: Split, segment: Segment, validate: bool, device: torch.d
 
     group = segment.group
     path = split.files[group.file]
-    where = _Where(path, group, segment.start)
+    where = RowPosition(path, group, segment.start)
     cuda = device.type == "cuda"
     with torch.cuda.device(device) if cuda else contextlib.nullcontext():
         frame = cudf.read_parquet(str(path), columns=split.columns, row_groups=[group.index])
@@ -94,7 +94,7 @@ def _tensor(series, segment: Segment) -> torch.Tensor:
     return torch.from_dlpack(series.values)[segment.start : segment.stop]
 
 
-def _check_nulls(frame, columns: list[str], segment: Segment, where: _Where) -> None:
+def _check_nulls(frame, columns: list[str], segment: Segment, where: RowPosition) -> None:
     for name in columns:
         series = frame[name]
         if series.null_count:  # the row group's nulls; only the segment's rows count
@@ -103,7 +103,8 @@ def _check_nulls(frame, columns: list[str], segment: Segment, where: _Where) -> 
                 raise null_error(name, is_null, where)
 
 
-def _block(frame, split: Split, segment: Segment, device: torch.device, where: _Where, validate: bool) -> torch.Tensor:
+def _block(frame, split: Split, segment: Segment, device: torch.device, where: RowPosition,
+           validate: bool) -> torch.Tensor:
     schema = split.schema
     continuous = len(schema.continuous)
     block = torch.empty((1 + continuous + len(split.onehot), segment.rows), dtype=torch.int32, device=device)
@@ -133,7 +134,7 @@ def _scalar(values: torch.Tensor, index: int) -> np.generic:
     return values[index : index + 1].cpu().numpy()[0]
 
 
-def _bag(series, split: Split, name: str, segment: Segment, where: _Where, validate: bool):
+def _bag(series, split: Split, name: str, segment: Segment, where: RowPosition, validate: bool):
     """(offsets, values) of the segment's lists, on the host, from the row group's list lengths and leaves."""
     lengths = series.list.len().fillna(0).to_numpy()
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
@@ -142,5 +143,5 @@ def _bag(series, split: Split, name: str, segment: Segment, where: _Where, valid
     values = series.list.leaves.to_numpy()[lo:hi]
     offsets = offsets[segment.start : segment.stop + 1] - lo
     if validate:
-        _check_ids(values, split.schema.column(name), where, rows=offsets)
+        check_ids(values, split.schema.column(name), where, rows=offsets)
     return offsets, values

@@ -158,11 +158,11 @@ def read_segment(
         table = table.slice(segment.start, segment.rows)
     shape = (1 + len(split.schema.continuous) + len(split.onehot), segment.rows)
     if buffers is None:
-        return _decode(split, table, _Where(path, group, segment.start), validate, np.empty(shape, dtype=np.int32))
+        return _decode(split, table, RowPosition(path, group, segment.start), validate, np.empty(shape, dtype=np.int32))
     buffer = buffers.acquire(stop or threading.Event())
     try:
         pinned = buffer[: shape[0] * shape[1]].view(shape)
-        chunk = _decode(split, table, _Where(path, group, segment.start), validate, pinned.numpy())
+        chunk = _decode(split, table, RowPosition(path, group, segment.start), validate, pinned.numpy())
     except BaseException:
         buffers.release(buffer)
         raise
@@ -170,7 +170,7 @@ def read_segment(
     return chunk
 
 
-def _decode(split: Split, table: pa.Table, where: _Where, validate: bool, block: np.ndarray) -> Chunk:
+def _decode(split: Split, table: pa.Table, where: RowPosition, validate: bool, block: np.ndarray) -> Chunk:
     schema = split.schema
     onehot = split.onehot
     label = _numpy(table, schema.label, where, validate)
@@ -182,14 +182,16 @@ def _decode(split: Split, table: pa.Table, where: _Where, validate: bool, block:
     for row, name in enumerate(onehot, start=1 + len(schema.continuous)):
         values = _numpy(table, name, where, validate)
         if validate:
-            _check_ids(values, schema.column(name), where)
+            check_ids(values, schema.column(name), where)
         block[row] = values
     bags = [_bag(table, schema.column(name), where, validate) for name in schema.multihot]
     return Chunk(block, bags)
 
 
 @dataclass(frozen=True)
-class _Where:
+class RowPosition:
+    """Where a decoded block starts (file, row group, first row), for error messages."""
+
     path: Path
     group: RowGroup
     start: int
@@ -221,7 +223,7 @@ def _check_types(path: Path, arrow_schema: pa.Schema, schema: Schema) -> None:
             raise BadInputError(f"{path}: column {column.name!r} ({column.role}) should be {want}, found {got}")
 
 
-def _array(table: pa.Table, name: str, where: _Where, validate: bool) -> pa.Array:
+def _array(table: pa.Table, name: str, where: RowPosition, validate: bool) -> pa.Array:
     column = table.column(name)
     array = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
     if validate and array.null_count:
@@ -229,18 +231,19 @@ def _array(table: pa.Table, name: str, where: _Where, validate: bool) -> pa.Arra
     return array
 
 
-def _numpy(table: pa.Table, name: str, where: _Where, validate: bool) -> np.ndarray:
+def _numpy(table: pa.Table, name: str, where: RowPosition, validate: bool) -> np.ndarray:
     return _array(table, name, where, validate).to_numpy(zero_copy_only=False)
 
 
-def _check_label(label: np.ndarray, name: str, where: _Where) -> None:
+def _check_label(label: np.ndarray, name: str, where: RowPosition) -> None:
     bad = (label != 0) & (label != 1)
     if bad.any():
         first = int(bad.argmax())
         raise label_error(name, label[first], where, first)
 
 
-def _check_ids(values: np.ndarray, column: Column, where: _Where, rows: np.ndarray | None = None) -> None:
+def check_ids(values: np.ndarray, column: Column, where: RowPosition, rows: np.ndarray | None = None) -> None:
+    """Raise when an id of ``column`` is outside its table (``0 <= id < cardinality``), naming the row."""
     if not len(values):
         return
     low, high = values.min(), values.max()
@@ -254,7 +257,7 @@ def _check_ids(values: np.ndarray, column: Column, where: _Where, rows: np.ndarr
 # The messages of bad values, shared by both readers (``value`` a numpy scalar of the column's type).
 
 
-def null_error(name: str, is_null: np.ndarray, where: _Where) -> BadInputError:
+def null_error(name: str, is_null: np.ndarray, where: RowPosition) -> BadInputError:
     """Column ``name`` has nulls where ``is_null`` (a bool array over the segment's rows) is set."""
     first = int(np.flatnonzero(is_null)[0])
     return BadInputError(
@@ -263,22 +266,22 @@ def null_error(name: str, is_null: np.ndarray, where: _Where) -> BadInputError:
     )
 
 
-def label_error(name: str, value: np.generic, where: _Where, row: int) -> BadInputError:
+def label_error(name: str, value: np.generic, where: RowPosition, row: int) -> BadInputError:
     return BadInputError(f"{where.path}: label column {name!r} should hold 0 or 1, found {value} at {where.row(row)}")
 
 
-def id_error(column: Column, value: np.generic, where: _Where, row: int) -> BadInputError:
+def id_error(column: Column, value: np.generic, where: RowPosition, row: int) -> BadInputError:
     return BadInputError(
         f"{where.path}: column {column.name!r} holds id {value} at {where.row(row)}, outside its table "
         f"[0, {column.cardinality}) (cardinality {column.cardinality} in schema.json)"
     )
 
 
-def _bag(table: pa.Table, column: Column, where: _Where, validate: bool) -> tuple[np.ndarray, np.ndarray]:
+def _bag(table: pa.Table, column: Column, where: RowPosition, validate: bool) -> tuple[np.ndarray, np.ndarray]:
     array = _array(table, column.name, where, validate)
     offsets = array.offsets.to_numpy().astype(np.int64)
     values = pc.list_flatten(array).to_numpy(zero_copy_only=False)
     offsets -= offsets[0]
     if validate:
-        _check_ids(values, column, where, rows=offsets)
+        check_ids(values, column, where, rows=offsets)
     return offsets, values

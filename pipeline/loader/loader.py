@@ -131,7 +131,8 @@ class Loader:
         self.reader = reader
         group_rows = self.schema.row_group_rows or -(-self._split.rows // len(self._split.groups))
         self.window_rows = max(1, round(buffer_row_groups * group_rows / batch_size)) * batch_size
-        self._layout = collate.Layout.of(self.schema.sparse, self.schema.multihot, len(self.schema.continuous))
+        self._placement = collate.SparsePlacement.of(self.schema.sparse, self.schema.multihot,
+                                                     len(self.schema.continuous))
         first = self._shard(0)
         self.rows_per_rank, self.padding, self._batches = first.rows, first.padding, first.batches
         if self._batches == 0:
@@ -146,7 +147,7 @@ class Loader:
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._pool = None
         if self._stream is not None and reader == "pyarrow":
-            block_rows = 1 + len(self.schema.continuous) + len(self._layout.keys) - len(self.schema.multihot)
+            block_rows = 1 + len(self.schema.continuous) + len(self._placement.keys) - len(self.schema.multihot)
             most = max(g.rows for g in self._split.groups)
             self._pool = PinnedPool(count=_lookahead(self.read_threads) + 2, numel=block_rows * most)
 
@@ -270,7 +271,7 @@ class _Producer:
 
     def __init__(self, loader: Loader, epoch: int, start_batch: int) -> None:
         self._split = loader._split
-        self._layout = loader._layout
+        self._placement = loader._placement
         self._device = loader.device
         self._stream = loader._stream
         self._pool = loader._pool
@@ -366,7 +367,7 @@ class _Producer:
                     )
             pieces = reader.take(window.stop - window.start)
             order = orders.pop(window.index).result()
-            device_window = collate.make_window(pieces, self._layout, self._device, order)
+            device_window = collate.make_window(pieces, self._placement, self._device, order)
             for begin, end in window.batch_bounds:
                 batch = device_window.batch(begin, end)
                 event = None

@@ -25,7 +25,7 @@ from pipeline.stages import config as config_mod
 STAGES: dict[str, tuple[str, str]] = {
     # name: (module, function); each function takes the PipelineConfig and returns a summary dict
     "data": ("pipeline.stages.data", "run"),
-    "etl": ("pipeline.etl.stage", "run"),
+    "etl": ("pipeline.stages.etl", "run"),
     "train": ("pipeline.stages.train", "run"),
     "export": ("pipeline.stages.export", "run"),
     "serve": ("pipeline.stages.serve", "run"),

@@ -19,8 +19,8 @@ import time
 
 from tqdm.auto import tqdm
 
-from pipeline.data import layout, readers, synthetic
-from pipeline.data.layout import RawDataset
+from pipeline.data import raw_folder, readers, synthetic
+from pipeline.data.raw_folder import RawDataset
 from pipeline.data.metrics import ClickMetrics
 from pipeline.files import write_json
 from pipeline.stages.config import PipelineConfig
@@ -65,7 +65,7 @@ def raw_params(cfg: PipelineConfig) -> dict:
 def _ensure(cfg: PipelineConfig, progress: bool) -> tuple[RawDataset, bool]:
     root = cfg.paths.raw
     params = raw_params(cfg)
-    meta = layout.read_meta(root)
+    meta = raw_folder.read_meta(root)
     if meta is not None and meta.get("params") == params:
         return RawDataset.load(root), False
     if meta is None:
@@ -75,7 +75,7 @@ def _ensure(cfg: PipelineConfig, progress: bool) -> tuple[RawDataset, bool]:
         changed = sorted(k for k in set(old) | set(params) if old.get(k) != params.get(k))
         detail = ", ".join(f"{k}: {old.get(k)!r} -> {params.get(k)!r}" for k in changed)
         print(f"[data] {root} was made with other settings ({detail}): rebuilding it", flush=True)
-    layout.clear(root)
+    raw_folder.clear(root)
     if cfg.data.source == "synthetic":
         _generate(cfg, params, progress)
     else:
@@ -92,7 +92,7 @@ def _generate(cfg: PipelineConfig, params: dict, progress: bool) -> None:
     oracle = {}
     with tqdm(total=chunks, desc="synthetic data", unit="chunk", disable=not progress) as bar:
         for split, n in rows.items():
-            writer = layout.PartWriter(root / split, d.chunk_rows)
+            writer = raw_folder.PartWriter(root / split, d.chunk_rows)
             metrics = ClickMetrics()
             for chunk in synthetic.iter_split(model, split, n, d.chunk_rows):
                 writer.write(chunk.table)
@@ -100,9 +100,9 @@ def _generate(cfg: PipelineConfig, params: dict, progress: bool) -> None:
                 bar.update(1)
             writer.close()
             oracle[split] = metrics.result()
-    write_json(root / layout.ORACLE, oracle)
-    write_json(root / layout.META, {
-        "version": layout.RAW_VERSION,
+    write_json(root / raw_folder.ORACLE, oracle)
+    write_json(root / raw_folder.META, {
+        "version": raw_folder.RAW_VERSION,
         "source": "synthetic",
         "params": params,
         "label": synthetic.LABEL,

@@ -20,7 +20,7 @@ from pipeline.stages.config import PipelineConfig
 
 def run(cfg: PipelineConfig) -> dict:
     """Write the model repository (or, with ``export.update``, a new embedding store version)."""
-    from pipeline.data.layout import RawDataset
+    from pipeline.data.raw_folder import RawDataset
 
     model, schema = load_trained_model(cfg)
     etl_schema = Schema.load(cfg.paths.schema)

@@ -69,7 +69,7 @@ def run(cfg: PipelineConfig, smoke: bool = False) -> dict:
 
 def sample_rows(cfg: PipelineConfig, rows: int, split: str = "test") -> pd.DataFrame:
     """The first ``rows`` raw rows of ``split``, as the ETL reads them (arrow-backed pandas)."""
-    from pipeline.data.layout import RawDataset
+    from pipeline.data.raw_folder import RawDataset
 
     files = RawDataset.load(cfg.paths.raw).splits.get(split) or []
     if not files:

@@ -22,7 +22,7 @@ def run(cfg: PipelineConfig) -> dict:
     world = World.from_env(resolve_device(cfg.device).kind, cfg.distributed.timeout_s)
     if world.is_writer and not cfg.paths.schema.is_file():
         print(f"[train] no ETL output at {cfg.paths.processed}: running the ETL stage first", flush=True)
-        from pipeline.etl.stage import run as run_etl
+        from pipeline.stages.etl import run as run_etl
 
         run_etl(cfg)
     world.barrier()

@@ -4,5 +4,5 @@
 ``loop`` (``Trainer``, ``Callback``), ``model`` (``model_spec``, ``model_from_spec``,
 ``load_trained``), ``checkpoint`` (plain and sharded formats), ``schedule`` (``lr_at``),
 ``evaluate`` and ``config`` (``TrainConfig``). Nothing is imported here, so that reading the
-settings (``pipeline.config`` imports ``pipeline.train.config``) stays light.
+settings (``pipeline.stages.config`` imports ``pipeline.train.config``) stays light.
 """

@@ -1,23 +1,37 @@
 """The operator interface: ``fit`` (lazy Dask statistics) -> ``fit_finalize`` -> ``transform``.
 
-An operator works on the columns its node hands it. Stateless operators only implement
-``transform``; stateful ones return lazy Dask objects from ``fit`` (computed by the workflow together
-with every other operator of the same phase), turn the computed values into plain Python / numpy
-state in ``fit_finalize``, and save that state as JSON (``get_state``) plus optional parquet files
+An operator works on the columns its node hands it. Most operators map each column on its own:
+they implement ``transform_column`` (one column in: a pandas Series or array, or a cuDF Series;
+its values out), which both the Dask path (each partition, through ``transform``) and the
+in-memory serving path (``Workflow.transform`` of a pandas frame, column by column) run. An
+operator that needs several columns at once overrides ``transform`` instead.
+
+Stateful operators return lazy Dask objects from ``fit`` (computed by the workflow together with
+every other operator of the same phase), turn the computed values into plain Python / numpy state
+in ``fit_finalize``, and save that state as JSON (``get_state``) plus optional parquet files
 (``save_artifacts``). Nothing is pickled.
+
+Each operator also says what it outputs: ``output_tags`` (the role it gives a column),
+``output_dtype``, and per-column properties from its fitted state (``column_properties``: a
+vocabulary's cardinality, the longest list), from which the workflow computes the output schema.
 
 Example, a stateless operator::
 
     class Negate(Operator):
-        def transform(self, df):
-            return -df
+        output_dtype = "float64"
+
+        def transform_column(self, name, values):
+            return -as_float64(values, name)
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar
 
+from pipeline.etl.column_schema import ColumnSchema
+from pipeline.etl.frames import frame_like
 from pipeline.etl.graph import ColumnsLike, Node
 
 REGISTRY: dict[str, type[Operator]] = {}
@@ -28,6 +42,10 @@ class Operator:
 
     stateful: ClassVar[bool] = False
     """True when ``fit`` must run before ``transform``."""
+    output_tags: ClassVar[frozenset[str]] = frozenset()
+    """Tags this operator gives each output column (see :mod:`pipeline.etl.column_schema`)."""
+    output_dtype: ClassVar[str | None] = None
+    """dtype of the output columns; ``None``: the input's."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -39,6 +57,18 @@ class Operator:
     def output_columns(self, columns: list[str]) -> list[str]:
         """Names of the columns this operator produces from ``columns`` (by default the same)."""
         return list(columns)
+
+    def compute_output_schema(self, inputs: list[ColumnSchema]) -> list[ColumnSchema]:
+        """The schema of each output column from the input columns' (by default one output per input)."""
+        return [
+            replace(column, tags=column.with_tags(self.output_tags), dtype=self.output_dtype or column.dtype,
+                    **self.column_properties(column.name))
+            for column in inputs
+        ]
+
+    def column_properties(self, name: str) -> dict:
+        """``ColumnSchema`` fields this operator sets on output ``name`` (e.g. ``cardinality``)."""
+        return {}
 
     def fit(self, ddf: Any) -> Any:
         """Lazy statistics over a Dask DataFrame holding exactly the input columns."""
@@ -52,8 +82,20 @@ class Operator:
         return not self.stateful or getattr(self, "_fitted", False)
 
     def transform(self, df: Any) -> Any:
-        """Transform one partition (a pandas or cuDF DataFrame with exactly the input columns)."""
-        raise NotImplementedError
+        """Transform one partition (a pandas or cuDF DataFrame with exactly the input columns).
+
+        By default each column goes through :meth:`transform_column`.
+        """
+        return frame_like(df, {name: self.transform_column(name, df[name]) for name in df.columns})
+
+    def transform_column(self, name: str, values: Any) -> Any:
+        """Transform one column: a pandas Series or array, or a cuDF Series; returns its new values."""
+        raise NotImplementedError(f"{type(self).__name__} implements neither transform nor transform_column")
+
+    @property
+    def columnwise(self) -> bool:
+        """True when ``transform`` is the column-by-column default, so callers may run ``transform_column``."""
+        return type(self).transform is Operator.transform
 
     def get_params(self) -> dict:
         """Constructor arguments, as JSON values."""

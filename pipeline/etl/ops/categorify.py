@@ -27,7 +27,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from pipeline.etl.ops._columns import (
+from pipeline.etl.column_schema import CATEGORICAL
+from pipeline.etl.frames import (
     as_arrow_lists,
     as_arrow_strings,
     cudf_from_pandas,
@@ -35,7 +36,6 @@ from pipeline.etl.ops._columns import (
     cudf_strings,
     cudf_to_pandas,
     empty_series,
-    frame_like,
     is_cudf,
     list_lengths,
     lists_from_flat,
@@ -48,6 +48,9 @@ NULL_INDEX = 0
 OOV_INDEX = 1
 RESERVED = 2
 _SINGLE_REDUCTION_PARTITIONS = 64
+_LOOKUP_ROWS = 4096
+"""Up to this many values, and when the vocabulary is over four times larger, values are looked up
+in a dictionary of the vocabulary (built once) instead of hashing the whole vocabulary per call."""
 
 
 class Categorify(Operator):
@@ -62,6 +65,8 @@ class Categorify(Operator):
     """
 
     stateful = True
+    output_tags = frozenset({CATEGORICAL})
+    output_dtype = "int32"
 
     def __init__(self, freq_threshold: int = 0, max_vocab_size: int = 0, split_out: int | None = None):
         if freq_threshold < 0 or max_vocab_size < 0:
@@ -78,6 +83,11 @@ class Categorify(Operator):
         """Embedding table size of ``column``: vocabulary plus the reserved codes."""
         self._require_fitted()
         return len(self.vocabularies[column]) + RESERVED
+
+    def column_properties(self, name: str) -> dict:
+        multihot = self.multihot[name]
+        return {"cardinality": self.cardinality(name), "is_list": multihot,
+                "max_length": self.max_lengths[name] if multihot else 0}
 
     def fit(self, ddf: Any) -> Any:
         multihot = {name: looks_multihot(ddf[name]) for name in ddf.columns}
@@ -129,23 +139,14 @@ class Categorify(Operator):
         self.vocabularies[name] = table["value"].combine_chunks().cast(pa.string())
         self.counts[name] = table["count"].to_numpy()
 
-    def transform(self, df: Any) -> Any:
+    def transform_column(self, name: str, values: Any) -> Any:
         self._require_fitted()
-        out = {}
-        for name in df.columns:
-            vocab = self.vocabularies[name]
-            if is_cudf(df):
-                out[name] = _encode_cudf(df[name], vocab, self.multihot[name])
-            elif self.multihot[name]:
-                out[name] = self._encode_lists(df[name], vocab)
-            else:
-                out[name] = _encode(as_arrow_strings(df[name], keep_dictionary=True), vocab)
-        return frame_like(df, out)
-
-    @staticmethod
-    def _encode_lists(series: pd.Series, vocab: pa.Array) -> pd.Series:
-        lists = as_arrow_lists(series)
-        return lists_from_flat(_encode(pc.list_flatten(lists), vocab), list_lengths(lists), series.index)
+        vocab = self.vocabularies[name]
+        if is_cudf(values):
+            return _encode_cudf(values, vocab, self.multihot[name])
+        if self.multihot[name]:
+            return _encode_lists(values, vocab, name)
+        return _encode(as_arrow_strings(values, keep_dictionary=True, name=name), vocab)
 
     def get_params(self) -> dict:
         return {"freq_threshold": self.freq_threshold, "max_vocab_size": self.max_vocab_size, "split_out": self.split_out}
@@ -183,6 +184,7 @@ class Categorify(Operator):
 
 
 def _encode(values: pa.Array, vocab: pa.Array) -> np.ndarray:
+    """int32 codes of a string (or dictionary of strings) array."""
     if pa.types.is_dictionary(values.type):
         per_value = _encode(values.dictionary, vocab)
         indices = values.indices
@@ -190,9 +192,21 @@ def _encode(values: pa.Array, vocab: pa.Array) -> np.ndarray:
         if indices.null_count:
             codes[indices.is_null().to_numpy(zero_copy_only=False)] = NULL_INDEX
         return codes
-    found = pc.index_in(values, value_set=vocab)
-    codes = pc.if_else(pc.is_null(values), NULL_INDEX, pc.if_else(pc.is_null(found), OOV_INDEX, pc.add(found, RESERVED)))
-    return codes.to_numpy(zero_copy_only=False).astype(np.int32)
+    if len(values) <= _LOOKUP_ROWS and len(values) * 4 < len(vocab):
+        get = _codes_by_value(vocab).get
+        return np.array([get(value, OOV_INDEX) for value in values.to_numpy(zero_copy_only=False)], dtype=np.int32)
+    # Finished in numpy: fewer Arrow calls, which dominate on a few rows.
+    codes = pc.fill_null(pc.index_in(values, value_set=vocab), -1).to_numpy(zero_copy_only=False) + RESERVED
+    codes[codes < RESERVED] = OOV_INDEX
+    if values.null_count:
+        codes[values.is_null().to_numpy(zero_copy_only=False)] = NULL_INDEX
+    return codes.astype(np.int32, copy=False)
+
+
+def _encode_lists(values: Any, vocab: pa.Array, name: str | None = None) -> pd.Series:
+    """Codes of a multi-hot pandas column (Series or array), as a Series of list<int32> cells."""
+    lists = as_arrow_lists(values, name)
+    return lists_from_flat(_encode(pc.list_flatten(lists), vocab), list_lengths(lists), getattr(values, "index", None))
 
 
 def _encode_cudf(series: Any, vocab: pa.Array, multihot: bool) -> Any:
@@ -205,7 +219,7 @@ def _encode_cudf(series: Any, vocab: pa.Array, multihot: bool) -> Any:
     (correct, not fast).
     """
     if multihot:
-        codes = Categorify._encode_lists(cudf_to_pandas(series), vocab)
+        codes = _encode_lists(cudf_to_pandas(series), vocab)
         return cudf_from_pandas(codes, series)
     import cudf
     import cupy
@@ -219,7 +233,7 @@ def _encode_cudf(series: Any, vocab: pa.Array, multihot: bool) -> Any:
     return cudf.Series(codes, index=series.index, name=series.name)
 
 
-def per_vocabulary(cache: dict, vocab: pa.Array, build: Callable[[], Any], variant: Any = None) -> Any:
+def _per_vocabulary(cache: dict, vocab: pa.Array, build: Callable[[], Any], variant: Any = None) -> Any:
     """``build()`` for ``vocab`` (and ``variant``), made on first use and kept in ``cache`` while
     ``vocab`` lives: a worker holds the fitted operator, so every partition after the first reuses it."""
     key = (id(vocab), variant)
@@ -230,6 +244,24 @@ def per_vocabulary(cache: dict, vocab: pa.Array, build: Callable[[], Any], varia
     return value
 
 
+_CODES_BY_VALUE: dict[tuple, dict[str | None, int]] = {}
+
+
+def _codes_by_value(vocab: pa.Array) -> dict[str | None, int]:
+    """``{value: code}`` of a vocabulary (``None``: the null code), built on first use, dropped with it.
+
+    About 100 bytes per value, once: a few rows then cost a few dictionary look-ups instead of
+    hashing every value of the vocabulary again.
+    """
+    def build() -> dict[str | None, int]:
+        # Reversed: were a value there twice, its first position would win, as with index_in.
+        codes = dict(zip(reversed(vocab.to_pylist()), range(RESERVED + len(vocab) - 1, RESERVED - 1, -1)))
+        codes[None] = NULL_INDEX
+        return codes
+
+    return _per_vocabulary(_CODES_BY_VALUE, vocab, build)
+
+
 _GPU_VOCABULARIES: dict[tuple, Any] = {}
 
 
@@ -238,7 +270,7 @@ def _gpu_vocabulary(vocab: pa.Array, dtype: Any) -> Any:
     import cudf
     import cupy
 
-    return per_vocabulary(_GPU_VOCABULARIES, vocab, lambda: cudf.DataFrame({
+    return _per_vocabulary(_GPU_VOCABULARIES, vocab, lambda: cudf.DataFrame({
         "value": cudf.Series.from_arrow(vocab.cast(pa.string())).astype(dtype),
         "code": cupy.arange(RESERVED, RESERVED + len(vocab), dtype="int32"),
     }), variant=str(dtype))

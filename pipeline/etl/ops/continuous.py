@@ -12,16 +12,14 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.etl.ops._columns import as_float64, frame_like, is_cudf
+from pipeline.etl.column_schema import CATEGORICAL, CONTINUOUS
+from pipeline.etl.frames import as_float64, frame_like, is_cudf
 from pipeline.etl.ops.base import Operator
 
 
-def _map_columns(df: Any, fn, dtype: str | None = None) -> Any:
-    out = {}
-    for name in df.columns:
-        values = fn(name, as_float64(df[name]))
-        out[name] = values.astype(dtype) if dtype else values
-    return frame_like(df, out)
+def _floats(df: Any) -> Any:
+    """Every column of a partition as float64 (NaN or null for missing)."""
+    return frame_like(df, {name: as_float64(df[name]) for name in df.columns})
 
 
 class FillMissing(Operator):
@@ -32,6 +30,9 @@ class FillMissing(Operator):
 
     Example: ``["I1"] >> FillMissing()`` or ``["I1"] >> FillMissing(strategy="median")``.
     """
+
+    output_tags = frozenset({CONTINUOUS})
+    output_dtype = "float64"
 
     def __init__(self, fill_value: float = 0.0, strategy: str = "constant"):
         if strategy not in ("constant", "median"):
@@ -45,17 +46,17 @@ class FillMissing(Operator):
         return self.strategy == "median"
 
     def fit(self, ddf: Any) -> Any:
-        floats = ddf.map_partitions(lambda df: _map_columns(df, lambda _, v: v), meta=_float_meta(ddf))
+        floats = ddf.map_partitions(_floats, meta=_floats(ddf._meta))
         return {name: floats[name].quantile(0.5) for name in ddf.columns}
 
     def fit_finalize(self, stats: Any) -> None:
         self.fill_values = {name: float(v) for name, v in stats.items()}
         self._fitted = True
 
-    def transform(self, df: Any) -> Any:
+    def transform_column(self, name: str, values: Any) -> Any:
         if self.strategy == "median":
             self._require_fitted()
-        return _map_columns(df, lambda name, v: _fillna(v, self.fill_values.get(name, self.fill_value)))
+        return _fillna(as_float64(values, name), self.fill_values.get(name, self.fill_value))
 
     def get_params(self) -> dict:
         return {"fill_value": self.fill_value, "strategy": self.strategy}
@@ -71,14 +72,17 @@ class FillMissing(Operator):
 class Clip(Operator):
     """Limit values to ``[min_value, max_value]`` (either may be None); missing values stay missing."""
 
+    output_tags = frozenset({CONTINUOUS})
+    output_dtype = "float64"
+
     def __init__(self, min_value: float | None = None, max_value: float | None = None):
         if min_value is None and max_value is None:
             raise ValueError("Clip: give min_value, max_value or both")
         self.min_value = min_value
         self.max_value = max_value
 
-    def transform(self, df: Any) -> Any:
-        return _map_columns(df, lambda _, v: v.clip(self.min_value, self.max_value))
+    def transform_column(self, name: str, values: Any) -> Any:
+        return as_float64(values, name).clip(self.min_value, self.max_value)
 
     def get_params(self) -> dict:
         return {"min_value": self.min_value, "max_value": self.max_value}
@@ -87,8 +91,12 @@ class Clip(Operator):
 class LogOp(Operator):
     """``log1p(x)``: tames heavy-tailed counts. Clip to ``min_value=0`` first: below -1 gives NaN."""
 
-    def transform(self, df: Any) -> Any:
-        return _map_columns(df, lambda _, v: _log1p_cudf(v) if is_cudf(v) else np.log1p(v))
+    output_tags = frozenset({CONTINUOUS})
+    output_dtype = "float64"
+
+    def transform_column(self, name: str, values: Any) -> Any:
+        v = as_float64(values, name)
+        return _log1p_cudf(v) if is_cudf(v) else np.log1p(v)
 
 
 class Normalize(Operator):
@@ -99,14 +107,16 @@ class Normalize(Operator):
     """
 
     stateful = True
+    output_tags = frozenset({CONTINUOUS})
+    output_dtype = "float32"
 
     def __init__(self) -> None:
         self.means: dict[str, float] = {}
         self.stds: dict[str, float] = {}
 
     def fit(self, ddf: Any) -> Any:
-        floats = ddf.map_partitions(lambda df: _map_columns(df, lambda _, v: v), meta=_float_meta(ddf))
-        # One pass of count, sum and sum of squares in float64, on both backends (NVTabular's
+        floats = ddf.map_partitions(_floats, meta=_floats(ddf._meta))
+        # One pass of count, sum and sum of squares in float64, on both frame libraries (NVTabular's
         # moments do the same). Dask's DataFrame.std() is not used: on cuDF frames it fails in dask
         # 2026.7 (it iterates a cuDF index, which cuDF refuses).
         return {"count": floats.count(), "sum": floats.sum(), "sumsq": (floats * floats).sum()}
@@ -121,15 +131,11 @@ class Normalize(Operator):
             self.stds[name] = float(np.sqrt(max(var, 0.0))) if np.isfinite(var) else float("nan")
         self._fitted = True
 
-    def transform(self, df: Any) -> Any:
+    def transform_column(self, name: str, values: Any) -> Any:
         self._require_fitted()
-
-        def scale(name: str, v: Any) -> Any:
-            std = self.stds[name]
-            std = std if np.isfinite(std) and std > 0 else 1.0
-            return (v - self.means[name]) / std
-
-        return _map_columns(df, scale, dtype="float32")
+        std = self.stds[name]
+        std = std if np.isfinite(std) and std > 0 else 1.0
+        return ((as_float64(values, name) - self.means[name]) / std).astype("float32")
 
     def get_state(self) -> dict:
         return {"means": self.means, "stds": self.stds}
@@ -149,18 +155,21 @@ class Bucketize(Operator):
     Example: ``["age"] >> Bucketize([18, 30, 50])`` maps 17 -> 0, 18 -> 1, 64 -> 3.
     """
 
+    output_tags = frozenset({CATEGORICAL})
+    output_dtype = "int32"
+
     def __init__(self, boundaries: list[float]):
         self.boundaries = [float(b) for b in boundaries]
         if not self.boundaries or sorted(self.boundaries) != self.boundaries:
             raise ValueError(f"Bucketize: boundaries must be a non-empty increasing list, got {boundaries}")
 
-    def transform(self, df: Any) -> Any:
-        def digitize(_: str, v: Any) -> Any:
-            if is_cudf(v):
-                return _digitize_cudf(v, self.boundaries)
-            return np.digitize(v, self.boundaries)
+    def column_properties(self, name: str) -> dict:
+        return {"cardinality": len(self.boundaries) + 1}
 
-        return _map_columns(df, digitize, dtype="int32")
+    def transform_column(self, name: str, values: Any) -> Any:
+        v = as_float64(values, name)
+        buckets = _digitize_cudf(v, self.boundaries) if is_cudf(v) else np.digitize(v, self.boundaries)
+        return buckets.astype("int32")
 
     def get_params(self) -> dict:
         return {"boundaries": self.boundaries}
@@ -173,8 +182,12 @@ class Cast(Operator):
         np.dtype(dtype)
         self.dtype = dtype
 
-    def transform(self, df: Any) -> Any:
-        return _map_columns(df, lambda _, v: v, dtype=self.dtype)
+    @property
+    def output_dtype(self) -> str:  # type: ignore[override]
+        return self.dtype
+
+    def transform_column(self, name: str, values: Any) -> Any:
+        return as_float64(values, name).astype(self.dtype)
 
     def get_params(self) -> dict:
         return {"dtype": self.dtype}
@@ -202,11 +215,6 @@ def _digitize_cudf(values: Any, boundaries: list[float]) -> Any:
 
     filled = values.fillna(np.inf).values
     return cudf.Series(cupy.digitize(filled, cupy.asarray(boundaries)), index=values.index, name=values.name)
-
-
-def _float_meta(ddf: Any) -> Any:
-    meta = ddf._meta
-    return frame_like(meta, {name: as_float64(meta[name]) for name in meta.columns})
 
 
 def _to_dict(series: Any) -> dict:

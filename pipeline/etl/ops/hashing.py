@@ -7,7 +7,7 @@ bytes for integers), folded into a row hash with Boost's ``hash_combine`` starti
 
 On cuDF each column is hashed on the GPU with ``Series.hash_values(method="murmur3")`` (libcudf)
 and folded here with the same ``hash_combine``, so both backends give the same buckets whichever
-way the installed libcudf folds columns (:func:`_cudf_single_column_offset` explains why that matters).
+way the installed libcudf folds columns (:func:`cudf_single_column_offset` explains why that matters).
 
 Example::
 
@@ -25,7 +25,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.errors import BadInputError
-from pipeline.etl.ops._columns import (
+from pipeline.etl.column_schema import CATEGORICAL, ColumnSchema
+from pipeline.etl.frames import (
     as_arrow,
     cudf_from_pandas,
     cudf_integral,
@@ -54,6 +55,8 @@ class HashBucket(Operator):
     """
 
     stateful = True
+    output_tags = frozenset({CATEGORICAL})
+    output_dtype = "int32"
 
     def __init__(self, num_buckets: int):
         if int(num_buckets) < 1:
@@ -62,8 +65,10 @@ class HashBucket(Operator):
         self.multihot: dict[str, bool] = {}
         self.max_lengths: dict[str, int] = {}
 
-    def cardinality(self, column: str) -> int:
-        return self.num_buckets + 1
+    def column_properties(self, name: str) -> dict:
+        multihot = bool(self.multihot.get(name))
+        return {"cardinality": self.num_buckets + 1, "is_list": multihot,
+                "max_length": self.max_lengths[name] if multihot else 0}
 
     def fit(self, ddf: Any) -> Any:
         lists = [name for name in ddf.columns if looks_multihot(ddf[name])]
@@ -114,8 +119,9 @@ class HashedCross(Operator):
             raise ValueError(f"HashedCross needs two or more columns, got {columns}")
         return ["_".join(columns)]
 
-    def cardinality(self, column: str) -> int:
-        return self.num_buckets + 1
+    def compute_output_schema(self, inputs: list[ColumnSchema]) -> list[ColumnSchema]:
+        name = self.output_columns([c.name for c in inputs])[0]
+        return [ColumnSchema(name, frozenset({CATEGORICAL}), "int32", cardinality=self.num_buckets + 1)]
 
     def transform(self, df: Any) -> Any:
         names = list(df.columns)
@@ -132,7 +138,7 @@ def _bucket(df: Any, names: list[str], num_buckets: int) -> Any:
     for name in names:
         values = as_arrow(df[name])
         missing |= values.is_null().to_numpy(zero_copy_only=False)
-        hashes.append(_murmur3_column(values, name))
+        hashes.append(murmur3_column(values, name))
     if not names or len(df) == 0:
         return np.zeros(len(df), dtype=np.int32)
     row = combine_row_hashes(hashes)
@@ -149,16 +155,16 @@ def _bucket_lists(series: Any, num_buckets: int) -> Any:
     if not (pa.types.is_list(lists.type) or pa.types.is_large_list(lists.type)):
         raise BadInputError(f"column {series.name!r}: expected lists (multi-hot), found {lists.type}")
     values = pc.list_flatten(lists)
-    row = combine_row_hashes([_murmur3_column(values, series.name)])
+    row = combine_row_hashes([murmur3_column(values, series.name)])
     codes = (row % np.uint32(num_buckets)).astype(np.int64) + 1
     codes = np.where(values.is_null().to_numpy(zero_copy_only=False), NULL_INDEX, codes).astype(np.int32)
     return lists_from_flat(codes, list_lengths(lists), series.index)
 
 
-def _murmur3_column(values: pa.Array, name: str) -> np.ndarray:
+def murmur3_column(values: pa.Array, name: str) -> np.ndarray:
     kind = values.type
     if pa.types.is_dictionary(kind):
-        per_value = _murmur3_column(values.dictionary, name)
+        per_value = murmur3_column(values.dictionary, name)
         if not len(per_value):
             return np.zeros(len(values), dtype=np.uint32)
         return per_value[values.indices.fill_null(0).to_numpy(zero_copy_only=False)]
@@ -176,7 +182,7 @@ def _bucket_cudf(df: Any, names: list[str], num_buckets: int) -> Any:
     import cudf
     import cupy
 
-    offset = cupy.uint32(_cudf_single_column_offset())
+    offset = cupy.uint32(cudf_single_column_offset())
     row = cupy.zeros(len(df), dtype=cupy.uint32)
     missing = cupy.zeros(len(df), dtype=bool)
     for name in names:
@@ -195,7 +201,7 @@ def _bucket_cudf(df: Any, names: list[str], num_buckets: int) -> Any:
 _OFFSET: list[int] = []
 
 
-def _cudf_single_column_offset() -> int:
+def cudf_single_column_offset() -> int:
     """What libcudf adds to plain MurmurHash3 when it hashes a one-column table with seed 0.
 
     libcudf's row hasher (``cudf/detail/row_operator/hashing.cuh``, ``device_row_hasher``) folds

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pipeline.errors import UserError
-from pipeline.etl.ops._columns import frame_like
+from pipeline.etl.frames import frame_like
 from pipeline.etl.ops.base import Operator
 
 

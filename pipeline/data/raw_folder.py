@@ -95,11 +95,6 @@ def read_meta(root: Path) -> dict | None:
     return meta if meta.get("version") == RAW_VERSION else None
 
 
-def write_json(path: Path, data: dict) -> None:
-    """Write JSON atomically (a reader never sees half a file)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    tmp.replace(path)
 
 
 def clear(root: Path) -> None:

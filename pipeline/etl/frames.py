@@ -1,8 +1,9 @@
-"""Column conversions shared by the operators, dispatched on the partition's type (pandas or cuDF).
+"""Column conversions for the ETL operators, dispatched on the frame library (pandas or cuDF).
 
-pandas partitions go through numpy and pyarrow, which work the same on pandas 2.2 / numpy 1.26
-(the serving environment) and pandas 3 / numpy 2; cuDF partitions stay on the GPU and use the
-cuDF API. cuDF is never imported here: a cuDF object is recognised by its module name.
+A column is a pandas Series, a pandas or numpy array (the in-memory serving path hands operators
+arrays), or a cuDF Series. pandas columns go through numpy and pyarrow, which work the same on
+pandas 2.2 / numpy 1.26 (the serving environment) and pandas 3 / numpy 2; cuDF columns stay on the
+GPU and use the cuDF API. cuDF is never imported here: a cuDF object is recognised by its module name.
 """
 
 from __future__ import annotations
@@ -16,8 +17,16 @@ import pyarrow as pa
 from pipeline.errors import BadInputError
 
 
+_IS_CUDF: dict[type, bool] = {}
+
+
 def is_cudf(obj: Any) -> bool:
-    return type(obj).__module__.split(".")[0] == "cudf"
+    """Whether ``obj`` is a cuDF object (its type's module is cuDF's), remembered per type."""
+    kind = type(obj)
+    found = _IS_CUDF.get(kind)
+    if found is None:
+        found = _IS_CUDF[kind] = kind.__module__.split(".")[0] == "cudf"
+    return found
 
 
 def frame_like(like: Any, columns: dict[str, Any]) -> Any:
@@ -31,9 +40,9 @@ def cudf_frame(columns: dict[str, Any], index: Any = None) -> Any:
     """A cuDF DataFrame of equally long columns (Series or arrays) side by side, on ``index``
     (default: 0..n-1).
 
-    The columns are put together by position. ``cudf.DataFrame(series, index=index)`` would align
+    The columns are put together by position: ``cudf.DataFrame(series, index=index)`` would align
     every Series with ``index`` (a join per column, even when the Series already has that index,
-    and an error when it holds repeated labels); that was most of the GPU ETL's time.
+    and an error when it holds repeated labels).
     """
     import cudf
 
@@ -55,14 +64,25 @@ def empty_series(like: Any, dtype: str) -> Any:
     return pd.Series([], dtype=pd.ArrowDtype(pa.string()) if dtype == "str" else dtype)
 
 
-def as_float64(series: Any) -> Any:
+def as_float64(values: Any, name: str | None = None) -> Any:
     """Numbers as float64 with NaN for missing (numpy array for pandas, float Series for cuDF).
 
     cuDF tells null from NaN, pandas-through-numpy does not: on cuDF every NaN becomes null, so
-    ``fillna`` and the Dask reductions treat both as missing, as the pandas path does.
+    ``fillna`` and the Dask reductions treat both as missing, as the pandas path does. Float
+    arrays and arrow-backed numbers are converted without building a Series.
     """
-    if is_cudf(series):
-        return series.astype("float64").nans_to_nulls()
+    if isinstance(values, np.ndarray) and values.dtype.kind == "f":
+        return values.astype(np.float64, copy=False)
+    if is_cudf(values):
+        return values.astype("float64").nans_to_nulls()
+    dtype = values.dtype
+    if isinstance(dtype, pd.ArrowDtype) and (pa.types.is_integer(dtype.pyarrow_dtype)
+                                             or pa.types.is_floating(dtype.pyarrow_dtype)):
+        try:
+            return as_arrow(values).cast(pa.float64()).to_numpy(zero_copy_only=False)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            pass  # the general path below says what is wrong
+    series = values if isinstance(values, pd.Series) else pd.Series(values, name=name, copy=False)
     if isinstance(series.dtype, np.dtype) and series.dtype.kind == "f":
         return series.to_numpy(dtype="float64")
     try:
@@ -73,56 +93,61 @@ def as_float64(series: Any) -> Any:
         raise BadInputError(f"column {series.name!r}: expected numbers, found dtype {series.dtype} ({err})") from err
 
 
-def as_arrow(series: Any) -> pa.Array:
-    """A pandas Series as one contiguous pyarrow array (strings, numbers or lists)."""
-    array = series.array
+def as_arrow(values: Any, name: str | None = None) -> pa.Array:
+    """A pandas Series or array as one contiguous pyarrow array (strings, numbers or lists)."""
+    if isinstance(values, pd.Series):
+        name, array = values.name, values.array
+    else:
+        array = values
     if hasattr(array, "__arrow_array__"):
         arrow = pa.array(array)
-    elif isinstance(series.dtype, np.dtype) and series.dtype != object:
-        arrow = pa.array(series.to_numpy(), from_pandas=True)
+    elif isinstance(array.dtype, np.dtype) and array.dtype != object:
+        arrow = pa.array(np.asarray(array), from_pandas=True)
     else:
         try:
-            arrow = pa.array(np.asarray(series, dtype=object), from_pandas=True)
+            arrow = pa.array(np.asarray(array, dtype=object), from_pandas=True)
         except (pa.ArrowInvalid, pa.ArrowTypeError) as err:
-            raise BadInputError(f"column {series.name!r}: cannot read its values ({err})") from err
+            raise BadInputError(f"column {name!r}: cannot read its values ({err})") from err
     if isinstance(arrow, pa.ChunkedArray):
         arrow = arrow.combine_chunks()
     return arrow
 
 
-def as_arrow_strings(series: Any, keep_dictionary: bool = False) -> pa.Array:
-    """A pandas Series of categorical values as a pyarrow string array (numbers become their text).
+def as_arrow_strings(series: Any, keep_dictionary: bool = False, name: str | None = None) -> pa.Array:
+    """A pandas Series (or array) of categorical values as a pyarrow string array (numbers become their text).
 
     With ``keep_dictionary``, a dictionary-encoded column stays one (with string values), so the
     caller can work on its few distinct values instead of every row.
     """
-    arrow = as_arrow(series)
+    name = series.name if isinstance(series, pd.Series) else name
+    arrow = as_arrow(series, name)
     if pa.types.is_null(arrow.type):
         return arrow.cast(pa.string())
     if pa.types.is_string(arrow.type) or pa.types.is_large_string(arrow.type):
         return arrow
     if pa.types.is_dictionary(arrow.type):
-        values = as_arrow_strings(pd.Series(pd.arrays.ArrowExtensionArray(arrow.dictionary), name=series.name))
+        values = as_arrow_strings(pd.arrays.ArrowExtensionArray(arrow.dictionary), name=name)
         if keep_dictionary:
             return pa.DictionaryArray.from_arrays(arrow.indices, values)
         return values.take(arrow.indices)
     if pa.types.is_integer(arrow.type) or pa.types.is_boolean(arrow.type):
         return arrow.cast(pa.string())
     if pa.types.is_floating(arrow.type):
-        return integral_floats(arrow, series.name).cast(pa.string())
-    raise BadInputError(f"column {series.name!r}: expected strings or integers, found {arrow.type}")
+        return integral_floats(arrow, name).cast(pa.string())
+    raise BadInputError(f"column {name!r}: expected strings or integers, found {arrow.type}")
 
 
-def as_arrow_lists(series: Any) -> pa.Array:
-    """A pandas Series of list cells as a pyarrow list<string> array."""
-    arrow = as_arrow(series)
+def as_arrow_lists(series: Any, name: str | None = None) -> pa.Array:
+    """A pandas Series (or array) of list cells as a pyarrow list<string> array."""
+    name = series.name if isinstance(series, pd.Series) else name
+    arrow = as_arrow(series, name)
     if pa.types.is_null(arrow.type):
         return arrow.cast(pa.list_(pa.string()))
     if not (pa.types.is_list(arrow.type) or pa.types.is_large_list(arrow.type)):
-        raise BadInputError(f"column {series.name!r}: expected lists (multi-hot), found {arrow.type}")
+        raise BadInputError(f"column {name!r}: expected lists (multi-hot), found {arrow.type}")
     if not (pa.types.is_string(arrow.type.value_type) or pa.types.is_large_string(arrow.type.value_type)):
         values = arrow.flatten()
-        values = integral_floats(values, series.name) if pa.types.is_floating(values.type) else values
+        values = integral_floats(values, name) if pa.types.is_floating(values.type) else values
         arrow = pa.ListArray.from_arrays(_list_offsets(arrow), values.cast(pa.string()), mask=arrow.is_null())
     return arrow
 
@@ -138,7 +163,7 @@ def _list_offsets(lists: pa.Array) -> pa.Array:
     return pa.array(np.concatenate([[0], np.cumsum(list_lengths(lists))]).astype(np.int32))
 
 
-def lists_from_flat(values: np.ndarray, lengths: np.ndarray, index: Any) -> pd.Series:
+def lists_from_flat(values: np.ndarray, lengths: np.ndarray, index: Any = None) -> pd.Series:
     """A pandas Series of list<int32> cells (arrow-backed) from flat values and per-row lengths."""
     offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
     np.cumsum(lengths, out=offsets[1:])

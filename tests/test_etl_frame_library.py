@@ -7,9 +7,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.device import Device
 from pipeline.errors import BadInputError
-from pipeline.etl.backend import backend_for, read_parquet
+from pipeline.etl.frame_library import read_parquet
 
 
 @pytest.fixture()
@@ -47,7 +46,3 @@ def test_reading_errors(files, tmp_path):
     with pytest.raises(BadInputError, match="no parquet files at"):
         read_parquet(tmp_path / "empty-*", None, "pandas")
 
-
-def test_backend_follows_the_device():
-    assert backend_for(Device("cpu", "test")) == "pandas"
-    assert backend_for(Device("cuda", "test")) == "cudf"

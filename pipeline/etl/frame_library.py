@@ -1,14 +1,14 @@
-"""The dataframe backend: pandas on CPU, cuDF on GPU, chosen explicitly and imported lazily.
+"""The dataframe library: pandas on CPU, cuDF on GPU, chosen explicitly and imported lazily.
 
-``choose_backend(requested)`` turns ``cpu | cuda | auto`` into a backend and the reason for it:
+``choose_frame_library(requested)`` turns ``cpu | cuda | auto`` into a library and the reason for it:
 ``auto`` picks cuDF only when a GPU is usable (checked first, through torch) AND cuDF with
 dask_cudf imports; ``cuda`` without either is an error naming what is missing. cuDF is imported
 only after a usable GPU was found, so a machine with cuDF installed but no GPU never imports it.
 
 Example::
 
-    backend, reason = choose_backend("auto")   # ("pandas", "auto: no usable GPU (...)") without a GPU
-    read_parquet("data/raw/train", ["C1", "I1"], backend)
+    library, reason = choose_frame_library("auto")   # ("pandas", "auto: no usable GPU (...)") without a GPU
+    read_parquet("data/raw/train", ["C1", "I1"], library)
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ import pyarrow.parquet as pq
 
 from pipeline.errors import BadInputError, UserError
 
-BACKENDS = ("pandas", "cudf")
+FRAME_LIBRARIES = ("pandas", "cudf")
 PARTITION_ROWS = 250_000
 
 
-class BackendError(UserError):
-    """The chosen dataframe backend cannot be used here."""
+class FrameLibraryError(UserError):
+    """The chosen dataframe library cannot be used here."""
 
 
 def cudf_problem() -> str | None:
@@ -42,25 +42,25 @@ def cudf_problem() -> str | None:
     return None
 
 
-def check_backend(backend: str) -> str:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
-    if backend == "cudf":
+def check_frame_library(library: str) -> str:
+    if library not in FRAME_LIBRARIES:
+        raise ValueError(f"library: expected one of {FRAME_LIBRARIES}, got {library!r}")
+    if library == "cudf":
         problem = cudf_problem()
         if problem:
-            raise BackendError(
+            raise FrameLibraryError(
                 f"the cudf backend was chosen (device cuda) but {problem}: "
                 "install RAPIDS (environment.yml, or the [gpu] extra) or use --device cpu"
             )
-    return backend
+    return library
 
 
-def choose_backend(requested: str) -> tuple[str, str]:
-    """``(backend, reason)`` for ``--device cpu|cuda|auto``; raises when ``cuda`` cannot be honoured.
+def choose_frame_library(requested: str) -> tuple[str, str]:
+    """``(library, reason)`` for ``--device cpu|cuda|auto``; raises when ``cuda`` cannot be honoured.
 
     The GPU is checked before cuDF is imported; ``auto`` falls back to pandas (and says why) when
     either is missing, ``cuda`` raises :class:`pipeline.device.DeviceError` (no usable GPU) or
-    :class:`BackendError` (no cuDF).
+    :class:`FrameLibraryError` (no cuDF).
     """
     from pipeline.device import resolve_device
 
@@ -72,19 +72,14 @@ def choose_backend(requested: str) -> tuple[str, str]:
         if problem:
             return "pandas", f"auto: a CUDA GPU is usable but {problem}"
         return "cudf", "auto: a usable CUDA GPU and cuDF were found"
-    return check_backend("cudf"), device.reason
+    return check_frame_library("cudf"), device.reason
 
 
-def backend_for(device: Any) -> str:
-    """``"cudf"`` for a CUDA device, ``"pandas"`` for the CPU."""
-    return "cudf" if getattr(device, "is_cuda", False) else "pandas"
-
-
-def read_parquet(path: str | Path | list, columns: list[str] | None, backend: str,
+def read_parquet(path: str | Path | list, columns: list[str] | None, library: str,
                  partition_rows: int = PARTITION_ROWS) -> Any:
     """A lazy Dask DataFrame over parquet files.
 
-    On the pandas backend every column is arrow-backed (``pd.ArrowDtype``) and string columns are
+    On the pandas library every column is arrow-backed (``pd.ArrowDtype``) and string columns are
     read as Arrow dictionaries: parquet stores them dictionary-encoded, so this skips decoding each
     value, and Categorify counts and looks up the (few) dictionary values instead of every row.
     Partitions are whole row groups, about ``partition_rows`` rows each (a file per partition at least).
@@ -92,14 +87,14 @@ def read_parquet(path: str | Path | list, columns: list[str] | None, backend: st
     import dask
     import dask.dataframe as dd
 
-    check_backend(backend)
+    check_frame_library(library)
     files = parquet_files(path)
     schema = pq.read_schema(files[0])
     missing = [c for c in columns or [] if c not in schema.names]
     if missing:
         raise BadInputError(f"{files[0]}: expected the columns {columns}; missing {missing}; found {schema.names}")
     columns = list(columns or schema.names)
-    if backend == "cudf":
+    if library == "cudf":
         # Straight into GPU memory (libcudf's parquet reader): strings are plain cuDF string
         # columns, lists cuDF list columns, integers keep their width and nulls.
         with dask.config.set({"dataframe.backend": "cudf"}):

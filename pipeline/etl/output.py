@@ -1,0 +1,112 @@
+"""Writing the ETL's outputs: each split's parquet files, the saved workflow and ``schema.json``.
+
+Each split is transformed partition by partition and written as ``folder/part-*.parquet`` with
+plain Arrow types (label float32, continuous float32 without nulls, categorical int32 codes,
+multi-hot list<int32>), the same on both frame libraries.
+
+Example::
+
+    rows, schema = write_outputs(workflow, raw.splits, roles, etl, processed, workflow_dir, schema_path)
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.etl.column_schema import input_schema, to_schema
+from pipeline.etl.config import EtlConfig
+from pipeline.etl.frame_library import read_parquet
+from pipeline.etl.frames import cudf_frame, is_cudf
+from pipeline.etl.progress import compute
+from pipeline.etl.workflow import Workflow
+from pipeline.schema import Schema
+
+SPLITS = ("train", "valid", "test")
+
+
+def write_outputs(workflow: Workflow, splits: dict[str, list[Path]], roles: dict, etl: EtlConfig, processed: Path,
+                  workflow_dir: Path, schema_path: Path, library: str = "pandas",
+                  progress: bool = True) -> tuple[dict[str, int], Schema]:
+    """Transform every split with the fitted workflow into ``processed/<split>``, then save the
+    workflow to ``workflow_dir`` and the schema the workflow computes to ``schema_path``.
+
+    Returns the rows written per split and the schema.
+    """
+    rows = {}
+    for split in SPLITS:
+        rows[split] = transform_split(workflow, splits.get(split, []), Path(processed) / split,
+                                      etl.row_group_rows, library, progress=progress)
+    workflow.save(workflow_dir)
+    schema = to_schema(workflow.output_schema(input_schema(roles)), rows, etl.row_group_rows)
+    schema.save(schema_path)
+    return rows, schema
+
+
+def transform_split(workflow: Workflow, files: list[Path], folder: Path, row_group_rows: int, library: str,
+                    progress: bool = True) -> int:
+    """Transform one split's parquet files into ``folder/part-*.parquet``; returns the rows written."""
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    if not files:
+        return 0
+    from dask import delayed
+
+    out = workflow.transform(read_parquet(files, workflow.input_columns, library))
+    schema = output_arrow_schema(out._meta)
+    writes = [
+        delayed(write_part, pure=False)(part, folder / f"part-{i:05d}.parquet", schema, row_group_rows)
+        for i, part in enumerate(out.to_delayed())
+    ]
+    return int(sum(compute(*writes, desc=f"transform {folder.name}", progress=progress)))
+
+
+def write_part(df: Any, path: Path, schema: pa.Schema, row_group_rows: int) -> int:
+    """Write one output partition as plain arrow types (pyarrow: no pandas metadata; cuDF's writer
+    adds its pandas metadata, which the loader does not read); returns the rows written.
+
+    Only the integer code columns are dictionary-encoded: floats rarely repeat enough to pay for
+    the attempt. A cuDF partition is written by cuDF's GPU parquet writer, without a copy to host;
+    both frame libraries write the same types and values (a missing or NaN float is a null).
+    """
+    if is_cudf(df):
+        return _write_cudf(df, path, schema, row_group_rows)
+    table = pa.Table.from_pandas(df, schema=schema, preserve_index=False).replace_schema_metadata(None)
+    codes = [f.name for f in schema if not pa.types.is_floating(f.type)]
+    pq.write_table(table, path, row_group_size=row_group_rows, use_dictionary=codes)
+    return table.num_rows
+
+
+def _write_cudf(df: Any, path: Path, schema: pa.Schema, row_group_rows: int) -> int:
+    """A cuDF partition written on the GPU: the schema's columns and order, NaN turned to null."""
+    columns = {}
+    for field in schema:
+        column = df[field.name]
+        if pa.types.is_floating(field.type):
+            column = column.nans_to_nulls().astype(field.type.to_pandas_dtype())
+        elif pa.types.is_integer(field.type):
+            column = column.astype(field.type.to_pandas_dtype())
+        columns[field.name] = column
+    out = cudf_frame(columns)
+    # Nullable like pyarrow's schema: cuDF's writer would mark a column without nulls "not null".
+    out.to_parquet(path, index=False, row_group_size_rows=row_group_rows, compression="snappy",
+                   force_nullable_schema=True)
+    return len(out)
+
+
+def output_arrow_schema(meta: Any) -> pa.Schema:
+    """The parquet schema of the output, from the (empty) output frame.
+
+    On cuDF it comes from Arrow (an empty cuDF list column becomes an untyped object column in
+    pandas); list types are rebuilt as plain ``list<item>`` so both frame libraries write the same schema.
+    """
+    if is_cudf(meta):
+        schema = meta.to_arrow(preserve_index=False).schema
+        fields = [pa.field(f.name, pa.list_(f.type.value_type) if pa.types.is_list(f.type) else f.type)
+                  for f in schema]
+        return pa.schema(fields)
+    return pa.Schema.from_pandas(meta, preserve_index=False).remove_metadata()
