@@ -223,17 +223,26 @@ def test_dlrm_follows_the_reference_loss_curve():
     assert (cuda - ref).abs().max() < 0.02
 
 
-def test_compiled_model_with_the_cuda_backend_trains_like_eager(monkeypatch):
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam"])
+def test_compiled_model_with_the_cuda_backend_trains_like_eager(optimizer):
     """A DLRM on the ``cuda`` backend under ``torch.compile`` (inductor, whole graph): the forward op and the
     fused backward update run as custom ops inside the compiled graphs, step after step, lr changing."""
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # true fp32 matmuls in both runs
+    try:
+        _compare_compiled_with_eager(optimizer)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def _compare_compiled_with_eager(optimizer: str) -> None:
     import copy
 
     from pipeline.modules.models import DLRM, ModelSizes
 
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # true fp32 matmuls in both runs
     features = [f"C{i}" for i in range(4)]
     tables = [TableConfig(f"t_{f}", rows, 16, [f]) for f, rows in zip(features, [50, 7, 3000, 5])]
-    emb = EmbeddingCollection(tables, features, EmbeddingOptimizerConfig("adam", lr=0.05), backend="cuda",
+    emb = EmbeddingCollection(tables, features, EmbeddingOptimizerConfig(optimizer, lr=0.05), backend="cuda",
                               generator=torch.Generator().manual_seed(1))
     torch.manual_seed(2)
     eager = DLRM(emb, 3, ModelSizes(embedding_dim=16, bottom_mlp=[32, 16], top_mlp=[32, 1])).cuda()

@@ -71,3 +71,25 @@ def test_merge_runs_joins_touching_runs_of_one_block_only():
 def test_a_whole_block_in_order_is_returned_without_a_copy():
     block = torch.randn(4, 5)
     assert assemble_columns([block], [ColumnRun(0, 0, 5)]) is block
+
+
+@pytest.mark.parametrize("device, compiler", [
+    ("cpu", "aot_eager"),
+    pytest.param("cuda", "aot_eager", marks=pytest.mark.gpu),
+    pytest.param("cuda", "inductor", marks=pytest.mark.gpu),
+])
+def test_under_torch_compile_values_and_gradients_equal_eager(device, compiler):
+    """The DLRM interaction's use, compiled: a picked lower triangle of a product, converted to fp32."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 5, 8, generator=g).to(device).bfloat16().requires_grad_()
+    weight = torch.randn(64, 10, generator=g).to(device)
+    runs = merge_runs([ColumnRun(0, i * 5, i * 5 + i) for i in range(1, 5)])
+
+    def loss(x):
+        return (assemble_columns([torch.bmm(x, x.transpose(1, 2)).flatten(1)], runs, torch.float32) * weight).sum()
+
+    (want,) = torch.autograd.grad(loss(x), x)
+    (got,) = torch.autograd.grad(torch.compile(loss, backend=compiler, fullgraph=True)(x), x)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=1e-2)  # bf16 products, summed in any order
+    assert want.abs().max() > 1

@@ -59,7 +59,13 @@ def assemble_columns(blocks: Sequence[torch.Tensor], runs: Sequence[ColumnRun],
 
 
 def _cat(pieces: list[torch.Tensor], like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``pieces`` side by side in a new ``dtype`` tensor (the conversion in the same copy)."""
+    """``pieces`` side by side in a new ``dtype`` tensor (the conversion in the same copy).
+
+    Under ``torch.compile`` the plain ``cat`` then ``to``: the compiler fuses the two itself, and it does
+    not carry ``cat(..., out=)`` inside an autograd function correctly on CUDA (the gradients come out
+    wrong, ``tests/test_modules_columns.py``)."""
+    if torch.compiler.is_compiling():
+        return (torch.cat(pieces, dim=1) if pieces else like.new_empty(like.shape[0], 0)).to(dtype)
     out = torch.empty(like.shape[0], sum(p.shape[1] for p in pieces), dtype=dtype, device=like.device)
     if pieces:
         torch.cat(pieces, dim=1, out=out)
