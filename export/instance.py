@@ -34,14 +34,14 @@ class LookupInstance:
 
     def __init__(self, args: dict, params: dict[str, str]) -> None:
         model_dir = Path(args["model_repository"])
-        layout = LookupConfig.load(model_dir / args["model_version"] / "layout.json")
+        config = LookupConfig.load(model_dir / args["model_version"] / "layout.json")
         policy = params.get("cache_policy", "lru")
         if args.get("model_instance_kind") == "GPU" and policy != "none":
             import torch
 
             torch.cuda.set_device(int(args["model_instance_device_id"]))
             policy = f"gpu-{policy}"
-        self.lookup = EmbeddingLookup(model_dir / "store", layout, policy=policy,
+        self.lookup = EmbeddingLookup(model_dir / "store", config, policy=policy,
                                       cache_fraction=float(params.get("cache_fraction", "0.25")))
         self._stats_path = model_dir / "stats" / f"instance-{os.getpid()}.json"
         self._stats_path.parent.mkdir(exist_ok=True)

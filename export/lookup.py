@@ -54,7 +54,7 @@ class LookupConfig:
     @classmethod
     def from_collection(cls, collection, schema) -> LookupConfig:
         """From a trained ``EmbeddingCollection`` and the schema (which features are multi-hot)."""
-        packing = collection.layout
+        packing = collection.packing
         multihot = set(schema.multihot)
         return cls(
             slot_tables=[packing.table_names[t] for t in packing.slot_table],
@@ -142,7 +142,7 @@ class EmbeddingLookup:
 
 def _unpack_multihot(ids: np.ndarray | None, lengths: np.ndarray | None, batch: int,
                      features: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Per multi-hot feature: (row of each value, the values), from the packed ``[B, W]`` layout."""
+    """Per multi-hot feature: (row of each value, the values), from the packed ``[B, W]`` form."""
     if features == 0:
         return []
     if ids is None or lengths is None:

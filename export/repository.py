@@ -61,7 +61,7 @@ def embedding_tables(model) -> dict[str, np.ndarray]:
     """Every table of the model's embedding collection, as ``[rows, dim]`` numpy arrays."""
     collection = model.embedding
     tables = {}
-    for name in collection.layout.table_names:
+    for name in collection.packing.table_names:
         weight = collection.table_weight(name).detach().cpu()
         if weight.dtype == torch.bfloat16:
             weight = weight.float()  # numpy has no bfloat16; the widening is exact
@@ -117,7 +117,7 @@ def write_repository(model, schema: Schema, workflow_dir: str | Path, raw: RawCo
     summary = {
         "models": list(configs), "lookup_model": lookup_model, "store_version": version,
         "dense_fingerprint": fingerprint,
-        "embedding_dim_total": model.embedding.output_dim, "tables": model.embedding.layout.table_names,
+        "embedding_dim_total": model.embedding.output_dim, "tables": model.embedding.packing.table_names,
         "options": vars(options), "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     (staging / EXPORT_RECORD).write_text(json.dumps(summary, indent=2) + "\n")

@@ -148,13 +148,13 @@ def _check(world: int, results: list[list[dict]], gpu: bool = False) -> None:
             for (name, lo, hi), tensors in results[r][i]["shards"].items():
                 held.update((name, row) for row in range(lo, hi))
                 full = {"weight": ec.table_weight(name)}
-                t = ec.layout.table_names.index(name)
+                t = ec.packing.table_names.index(name)
                 for key, buf in ec.optimizer_state().items():
-                    if buf.numel() == ec.layout.total_rows:
-                        full[key] = buf[ec.layout.row_offsets[t] : ec.layout.row_offsets[t] + ec.layout.rows[t]]
+                    if buf.numel() == ec.packing.total_rows:
+                        full[key] = buf[ec.packing.row_offsets[t] : ec.packing.row_offsets[t] + ec.packing.rows[t]]
                     else:
-                        start = ec.layout.weights_offsets[t]
-                        full[key] = buf[start : start + ec.layout.rows[t] * ec.layout.dims[t]].view(ec.layout.rows[t], -1)
+                        start = ec.packing.weights_offsets[t]
+                        full[key] = buf[start : start + ec.packing.rows[t] * ec.packing.dims[t]].view(ec.packing.rows[t], -1)
                 assert set(tensors) == set(full)
                 for key, value in tensors.items():
                     # float32 sums of the same gradients in another order (all-to-all, all-reduce)

@@ -119,7 +119,7 @@ def test_lookup_equals_the_embedding_collection(tmp_path):
     collection, schema = _collection_and_schema()
     config = LookupConfig.from_collection(collection, schema)
     assert config.categorical == ["C1", "C2", "C3"] and config.multihot == ["M1"]
-    write_version(tmp_path, {n: collection.table_weight(n).numpy() for n in collection.layout.table_names})
+    write_version(tmp_path, {n: collection.table_weight(n).numpy() for n in collection.packing.table_names})
     lookup = EmbeddingLookup(tmp_path, config, cache_fraction=0.1, min_cache_rows=3)
 
     rng = np.random.default_rng(0)

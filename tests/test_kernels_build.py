@@ -109,8 +109,8 @@ def test_lanes_cover_the_widest_row_with_one_vector_each():
 def test_slot_arrays_follow_the_packing():
     tables = [TableConfig("wide", 5, 8, ["a"]), TableConfig("shared", 7, 4, ["b", "c"], pooling="mean"),
               TableConfig("narrow", 3, 4, ["d"])]
-    layout = TablePacking.build(tables)
-    slots = SlotArrays.from_packing(layout, "cpu")
+    packing = TablePacking.build(tables)
+    slots = SlotArrays.from_packing(packing, "cpu")
     # storage is grouped by dim: shared (7x4) and narrow (3x4) first, then wide (5x8)
     assert slots.weight_offsets.tolist() == [40, 0, 0, 28]
     assert slots.row_offsets.tolist() == [10, 0, 0, 7]
@@ -153,19 +153,19 @@ def test_launch_arguments_match_kernel_signatures(tmp_path, monkeypatch):
                         lambda source, function, device, grid, block, args: launches.append((function, args)))
     monkeypatch.setattr(launcher, "_check", lambda *a: None)
     tables = [TableConfig("a", 50, 8, ["a"]), TableConfig("b", 20, 300, ["b"], pooling="mean")]
-    layout = TablePacking.build(tables)
-    slots = SlotArrays.from_packing(layout, "cpu")
+    packing = TablePacking.build(tables)
+    slots = SlotArrays.from_packing(packing, "cpu")
     indices = torch.tensor([1, 2, 3, 4, 5, 6], dtype=torch.int64)
     offsets = torch.tensor([0, 2, 3, 5, 6], dtype=torch.int64)
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
-        weights = torch.zeros(layout.total_elements, dtype=dtype)
+        weights = torch.zeros(packing.total_elements, dtype=dtype)
         launcher.pooled_forward(weights, slots, indices, offsets, 2)
         for opt in ("sgd", "adagrad", "adam"):
-            state = {"adagrad": {"momentum1": torch.zeros(layout.total_rows)},
+            state = {"adagrad": {"momentum1": torch.zeros(packing.total_rows)},
                      "adam": {"momentum1": torch.zeros(weights.numel()), "momentum2": torch.zeros(weights.numel())},
                      }.get(opt, {})
             launcher.backward_update(weights, state, slots, indices, offsets, 2,
-                                     torch.zeros(2, layout.total_dim), opt, 0.1, 1)
+                                     torch.zeros(2, packing.total_dim), opt, 0.1, 1)
     assert {f for f, _ in launches} >= {"pooled_forward_f32", "sparse_update_adam_bf16_i32_c2", "row_keys_i32"}
     for function, args in launches:
         assert function in entries, f"{function} is not a kernel of the .cu sources"

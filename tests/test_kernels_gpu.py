@@ -95,11 +95,11 @@ def test_forward_writes_every_column():
     (ref, cuda), tables, features, batch, max_len, cap = _pair("multi_hot_odd_dims", "fp32", "sgd")
     kjt = _batch(tables, features, batch, max_len, cap, seed=2).to("cuda")
     indices, offsets, b = cuda.slot_bags(kjt)
-    out = cuda.backend.forward(cuda.weights, cuda.layout, indices, offsets, b)
+    out = cuda.backend.forward(cuda.weights, cuda.packing, indices, offsets, b)
     assert torch.isfinite(out).all()
     empty = (offsets[1:] == offsets[:-1]).view(-1, b)
-    for s in range(cuda.layout.num_slots):
-        cols = out[:, cuda.layout.output_offsets[s] : cuda.layout.output_offsets[s + 1]]
+    for s in range(cuda.packing.num_slots):
+        cols = out[:, cuda.packing.output_offsets[s] : cuda.packing.output_offsets[s + 1]]
         assert (cols[empty[s]] == 0).all()
         assert (cols[~empty[s]].abs().sum(1) > 0).all()
 
@@ -150,12 +150,12 @@ def test_stochastic_rounding_is_unbiased_where_nearest_stalls():
     kjt = KeyedJaggedTensor(["a"], ids, torch.ones(rows, dtype=torch.int64, device="cuda"))
     grad = torch.ones(rows, dim, device="cuda")
     nearest = emb.weights.clone()
-    emb.backend.backward_update(nearest, {}, emb.layout, ids, kjt.offsets(), rows, grad, emb.optimizer, 1e-3, 1)
+    emb.backend.backward_update(nearest, {}, emb.packing, ids, kjt.offsets(), rows, grad, emb.optimizer, 1e-3, 1)
     assert torch.equal(nearest, emb.weights)  # 1 - 1e-3 rounds back to 1 in bf16 (half an ulp is 2e-3)
 
     backend = CudaBackend(stochastic_rounding=True, seed=7)
     w = emb.weights.clone()
-    backend.backward_update(w, {}, emb.layout, ids, kjt.offsets(), rows, grad, emb.optimizer, 1e-3, 1)
+    backend.backward_update(w, {}, emb.packing, ids, kjt.offsets(), rows, grad, emb.optimizer, 1e-3, 1)
     below = 1.0 - 2.0**-8
     values = w.float()
     assert bool(((values == 1.0) | (values == below)).all())
@@ -183,7 +183,7 @@ def test_master_weights_keep_fp32_updates():
     ref(kjt).backward(grad)
     indices, offsets, b = half.slot_bags(kjt)
     state = dict(half.optimizer_state(), master_weights=master)
-    half.backend.backward_update(half.weights, state, half.layout, indices, offsets, b, grad, opt, opt.lr, 1)
+    half.backend.backward_update(half.weights, state, half.packing, indices, offsets, b, grad, opt, opt.lr, 1)
     torch.testing.assert_close(master, ref.weights, rtol=1e-5, atol=1e-6)
     assert torch.equal(half.weights, master.half())
 

@@ -105,7 +105,7 @@ def test_reference_forward_gradcheck():
     kjt, _ = _random_kjt(gen, batch=4)
     indices, offsets, batch = emb.slot_bags(kjt)
     weights = emb.weights.double().requires_grad_()
-    fn = lambda w: reference.pooled_forward(w, emb.layout, indices, offsets, batch)
+    fn = lambda w: reference.pooled_forward(w, emb.packing, indices, offsets, batch)
     assert torch.autograd.gradcheck(fn, (weights,), eps=1e-6, atol=1e-5)
 
 
@@ -118,13 +118,13 @@ def test_sgd_update_equals_weights_minus_lr_times_autograd_gradient():
     w = before.clone().requires_grad_()
     indices, offsets, batch = emb.slot_bags(kjt)
     grad_out = torch.randn(6, 12, generator=gen)
-    (reference.pooled_forward(w, emb.layout, indices, offsets, batch) * grad_out).sum().backward()
+    (reference.pooled_forward(w, emb.packing, indices, offsets, batch) * grad_out).sum().backward()
     emb.set_lr(0.25)
     (emb(kjt) * grad_out).sum().backward()
     torch.testing.assert_close(emb.weights, before - 0.25 * w.grad)
     naive = _naive_row_grads(emb, bags, grad_out)
     for t in emb.tables:
-        start = emb.layout.weights_offsets[emb.layout.table_names.index(t.name)]
+        start = emb.packing.weights_offsets[emb.packing.table_names.index(t.name)]
         torch.testing.assert_close(w.grad[start : start + t.rows * t.dim].view(t.rows, t.dim), naive[t.name])
     assert int(emb.step) == 1
 

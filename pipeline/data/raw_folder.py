@@ -84,7 +84,7 @@ class RawDataset:
 
 
 def read_meta(root: Path) -> dict | None:
-    """``meta.json`` of a raw folder, or ``None`` when absent or of another layout version."""
+    """``meta.json`` of a raw folder, or ``None`` when absent or of another format version."""
     path = Path(root) / META
     if not path.is_file():
         return None

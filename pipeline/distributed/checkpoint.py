@@ -114,8 +114,8 @@ def load_sharded_checkpoint(folder: str | Path,
         if isinstance(target, ShardedEmbeddingCollection):
             parts = list(target.local_shards())
         else:
-            parts = [(name, 0, target.layout.rows[t], table_tensors(target, name))
-                     for t, name in enumerate(target.layout.table_names)]
+            parts = [(name, 0, target.packing.rows[t], table_tensors(target, name))
+                     for t, name in enumerate(target.packing.table_names)]
         for name, lo, hi, views in parts:
             if name not in saved_rows:
                 raise ShardedCheckpointError(f"{folder}: no table {name} in collection {path!r}")

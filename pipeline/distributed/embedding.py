@@ -53,16 +53,16 @@ _COMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 def table_tensors(ec: EmbeddingCollection, name: str) -> dict[str, torch.Tensor]:
     """Views of table ``name`` in ``ec``: ``weight`` ``[rows, dim]`` and each optimizer state, by row."""
-    layout = ec.layout
-    t = layout.table_names.index(name)
-    rows, dim = layout.rows[t], layout.dims[t]
+    packing = ec.packing
+    t = packing.table_names.index(name)
+    rows, dim = packing.rows[t], packing.dims[t]
     out = {"weight": ec.table_weight(name)}
-    per_row = layout.total_rows != layout.total_elements
+    per_row = packing.total_rows != packing.total_elements
     for key, buf in ec.optimizer_state().items():
-        if per_row and buf.numel() == layout.total_rows:
-            out[key] = buf[layout.row_offsets[t] : layout.row_offsets[t] + rows]
+        if per_row and buf.numel() == packing.total_rows:
+            out[key] = buf[packing.row_offsets[t] : packing.row_offsets[t] + rows]
         else:
-            start = layout.weights_offsets[t]
+            start = packing.weights_offsets[t]
             out[key] = buf[start : start + rows * dim].view(rows, dim)
     return out
 
@@ -92,7 +92,7 @@ class ShardedEmbeddingCollection(nn.Module):
         self.tables = list(tables)
         self.feature_names = list(feature_names)
         check_features(self.tables, self.feature_names)
-        self.layout = TablePacking.build(self.tables)
+        self.packing = TablePacking.build(self.tables)
         plan.validate(self.tables, self.world_size)
         self.plan = plan
         self.optimizer = optimizer or EmbeddingOptimizerConfig()
@@ -107,7 +107,7 @@ class ShardedEmbeddingCollection(nn.Module):
             raise ValueError(f"comm_dtype: expected one of {list(_COMM_DTYPES)}, got {comm_dtype!r}")
         self.comm_dtype = comm_dtype
         self.strategies = nn.ModuleList(
-            cls(self.tables, self.layout, self.feature_names, plan, self.rank, self.world_size, process_group, make,
+            cls(self.tables, self.packing, self.feature_names, plan, self.rank, self.world_size, process_group, make,
                 _COMM_DTYPES[comm_dtype])
             for cls in _STRATEGIES if plan.by_type(cls.sharding_type))
         self.strategies.to(self.device)  # their index buffers; the local collections are there already
@@ -122,10 +122,10 @@ class ShardedEmbeddingCollection(nn.Module):
                 col = 0
                 for s in slots:
                     where[s] = (block, col)
-                    col += self.layout.slot_dims[s]
+                    col += self.packing.slot_dims[s]
                 block += 1
-        self._column_runs = merge_runs([ColumnRun(where[s][0], where[s][1], where[s][1] + self.layout.slot_dims[s])
-                                        for s in range(self.layout.num_slots)])
+        self._column_runs = merge_runs([ColumnRun(where[s][0], where[s][1], where[s][1] + self.packing.slot_dims[s])
+                                        for s in range(self.packing.num_slots)])
         self._step = 0
 
     @classmethod
@@ -147,7 +147,7 @@ class ShardedEmbeddingCollection(nn.Module):
 
     @property
     def output_dim(self) -> int:
-        return self.layout.total_dim
+        return self.packing.total_dim
 
     @property
     def step(self) -> int:
@@ -181,7 +181,7 @@ class ShardedEmbeddingCollection(nn.Module):
     def _init_weights(self, seed: int) -> None:
         with torch.no_grad():
             for name, lo, hi, local in self.local_shards():
-                t = self.layout.table_names.index(name)
+                t = self.packing.table_names.index(name)
                 gen = torch.Generator().manual_seed(seed * 1_000_003 + t * 7919 + lo)
                 bound = self.tables[t].rows ** -0.5
                 w = torch.empty(hi - lo, self.tables[t].dim).uniform_(-bound, bound, generator=gen)

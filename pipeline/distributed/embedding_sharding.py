@@ -45,17 +45,17 @@ MakeCollection = Callable[[Sequence[TableConfig], Sequence[str]], EmbeddingColle
 Received = tuple[torch.Tensor, torch.Tensor, list[int]]  # lengths and ids, slot-major; samples per source
 
 
-def slot_key(layout: TablePacking, slot: int) -> str:
+def slot_key(packing: TablePacking, slot: int) -> str:
     """The feature name a slot goes by inside a local collection: ``feature@table`` (unique per slot)."""
-    return f"{layout.slot_features[slot]}@{layout.table_names[layout.slot_table[slot]]}"
+    return f"{packing.slot_features[slot]}@{packing.table_names[packing.slot_table[slot]]}"
 
 
-def local_tables(tables: Sequence[TableConfig], layout: TablePacking, table_ids: Sequence[int],
+def local_tables(tables: Sequence[TableConfig], packing: TablePacking, table_ids: Sequence[int],
                  rows: dict[int, int] | None = None, pooling: str | None = None) -> list[TableConfig]:
     """Local copies of ``tables[table_ids]`` serving their slot keys, with ``rows`` / ``pooling`` overridden."""
     out = []
     for t in table_ids:
-        keys = [slot_key(layout, s) for s in range(layout.num_slots) if layout.slot_table[s] == t]
+        keys = [slot_key(packing, s) for s in range(packing.num_slots) if packing.slot_table[s] == t]
         table = tables[t]
         out.append(TableConfig(table.name, (rows or {}).get(t, table.rows), table.dim, keys,
                                pooling or table.pooling))
@@ -86,17 +86,17 @@ class EmbeddingSharding(nn.Module):
 
     sharding_type: ShardingType
 
-    def __init__(self, layout: TablePacking, feature_names: Sequence[str], slots: list[int], rank: int, world: int,
+    def __init__(self, packing: TablePacking, feature_names: Sequence[str], slots: list[int], rank: int, world: int,
                  group, comm_dtype: torch.dtype) -> None:
         super().__init__()
-        self.layout, self.slots = layout, slots
+        self.packing, self.slots = packing, slots
         self.rank, self.world, self.group, self.comm_dtype = rank, world, group, comm_dtype
         self.num_keys = len(feature_names)
-        keys = [list(feature_names).index(layout.slot_features[s]) for s in slots]
+        keys = [list(feature_names).index(packing.slot_features[s]) for s in slots]
         # Each key exactly once: the ids keep their count, so selecting them needs no device-to-host sync.
         self.keys_once = sorted(keys) == list(range(self.num_keys))
         self.register_buffer("slot_keys", torch.tensor(keys, dtype=torch.int64), persistent=False)
-        self.register_buffer("slot_rows", torch.tensor([layout.rows[layout.slot_table[s]] for s in slots],
+        self.register_buffer("slot_rows", torch.tensor([packing.rows[packing.slot_table[s]] for s in slots],
                                                        dtype=torch.int64), persistent=False)
 
     @classmethod
@@ -139,9 +139,9 @@ class EmbeddingSharding(nn.Module):
             i = int(bad.nonzero()[0, 0])
             k = int(torch.searchsorted(exclusive_cumsum(nnz)[1:], torch.tensor(i, device=nnz.device), right=True))
             s = self.slots[k]
-            t = self.layout.slot_table[s]
-            raise BadInputError(f"feature {self.layout.slot_features[s]}: id {int(values[i])} is outside table "
-                                f"{self.layout.table_names[t]} (expected 0 <= id < {self.layout.rows[t]})")
+            t = self.packing.slot_table[s]
+            raise BadInputError(f"feature {self.packing.slot_features[s]}: id {int(values[i])} is outside table "
+                                f"{self.packing.table_names[t]} (expected 0 <= id < {self.packing.rows[t]})")
 
 
 def exchange_bags(lengths: torch.Tensor, values: torch.Tensor, nnz_by_dest: torch.Tensor, slots_by_dest: list[int],

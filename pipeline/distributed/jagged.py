@@ -1,7 +1,7 @@
 """Vectorized reordering of jagged data, the bookkeeping around every all-to-all.
 
 Ids and bag lengths travel between ranks grouped by destination; each side regroups them into the
-slot-major layout the embedding backends read. These helpers do it with a handful of tensor ops (no
+slot-major order the embedding backends read. These helpers do it with a handful of tensor ops (no
 Python loop over bags or ids), on any device.
 
 Example::

@@ -8,7 +8,7 @@ same for each part), where the local collection's fused optimizer updates the ro
 
 Example::
 
-    rw = RowWiseSharding(tables, layout, feature_names, plan, rank, world, group, make_collection)
+    rw = RowWiseSharding(tables, packing, feature_names, plan, rank, world, group, make_collection)
     bags = rw.input_dist(values, lengths, nnz_by_key, batch_size, validate=True).wait().wait()
     [out] = rw.output_dist(rw.lookup(bags), bags).wait()   # one block: [B, dims of rw.slots]
 """
@@ -39,11 +39,11 @@ class RowWiseSharding(EmbeddingSharding):
 
     sharding_type = ShardingType.ROW_WISE
 
-    def __init__(self, tables: Sequence[TableConfig], layout: TablePacking, feature_names: Sequence[str],
+    def __init__(self, tables: Sequence[TableConfig], packing: TablePacking, feature_names: Sequence[str],
                  plan: ShardingPlan, rank: int, world: int, group, make_collection: MakeCollection,
                  comm_dtype: torch.dtype = torch.float32) -> None:
         rw = self.tables_of_type(tables, plan)
-        super().__init__(layout, feature_names, [s for s in range(layout.num_slots) if layout.slot_table[s] in rw],
+        super().__init__(packing, feature_names, [s for s in range(packing.num_slots) if packing.slot_table[s] in rw],
                          rank, world, group, comm_dtype)
         self.table_ids = rw
         self.block_slots = [self.slots]  # the output dist returns one block, [B, dims of all slots]
@@ -54,19 +54,19 @@ class RowWiseSharding(EmbeddingSharding):
             if ranges[t] != expected:
                 raise ValueError(f"table {tables[t].name}: row-wise ranges {ranges[t]} are not the even split "
                                  f"{expected} this sharding computes ids with")
-        self.local_features = [slot_key(layout, s) for s in self.slots]
+        self.local_features = [slot_key(packing, s) for s in self.slots]
         rows_here = {t: ranges[t][rank][1] - ranges[t][rank][0] for t in rw}
-        self.local = make_collection(local_tables(tables, layout, rw, rows=rows_here, pooling="sum"),
+        self.local = make_collection(local_tables(tables, packing, rw, rows=rows_here, pooling="sum"),
                                      self.local_features)
-        self.dim = sum(layout.slot_dims[s] for s in self.slots)
-        slot_rows = [tables[layout.slot_table[s]].rows for s in self.slots]
+        self.dim = sum(packing.slot_dims[s] for s in self.slots)
+        slot_rows = [tables[packing.slot_table[s]].rows for s in self.slots]
         self.register_buffer("_q", torch.tensor([r // world for r in slot_rows], dtype=torch.int64), persistent=False)
         self.register_buffer("_rem", torch.tensor([r % world for r in slot_rows], dtype=torch.int64), persistent=False)
-        mean = [layout.slot_mean[s] for s in self.slots]
+        mean = [packing.slot_mean[s] for s in self.slots]
         self.has_mean = any(mean)
         self.register_buffer("_mean", torch.tensor(mean, dtype=torch.bool), persistent=False)
         self.register_buffer("_slot_of_column", torch.repeat_interleave(
-            torch.arange(len(self.slots)), torch.tensor([layout.slot_dims[s] for s in self.slots], dtype=torch.int64)),
+            torch.arange(len(self.slots)), torch.tensor([packing.slot_dims[s] for s in self.slots], dtype=torch.int64)),
             persistent=False)
 
     def send_bags(self, lengths: torch.Tensor, values: torch.Tensor,

@@ -2,7 +2,7 @@
 
 Example (what :class:`~pipeline.distributed.embedding.ShardedEmbeddingCollection` does)::
 
-    tw = TableWiseSharding(tables, layout, feature_names, plan, rank, world, group, make_collection)
+    tw = TableWiseSharding(tables, packing, feature_names, plan, rank, world, group, make_collection)
     bags = tw.input_dist(values, lengths, nnz_by_key, batch_size, validate=True).wait().wait()
     blocks = tw.output_dist(tw.lookup(bags), bags).wait()   # per owner rank: [B, dims of its slots]
 """
@@ -34,19 +34,19 @@ class TableWiseSharding(EmbeddingSharding):
 
     sharding_type = ShardingType.TABLE_WISE
 
-    def __init__(self, tables: Sequence[TableConfig], layout: TablePacking, feature_names: Sequence[str],
+    def __init__(self, tables: Sequence[TableConfig], packing: TablePacking, feature_names: Sequence[str],
                  plan: ShardingPlan, rank: int, world: int, group, make_collection: MakeCollection,
                  comm_dtype: torch.dtype = torch.float32) -> None:
         owner = {t: plan[tables[t].name].ranks[0] for t in self.tables_of_type(tables, plan)}
-        by_owner = [[s for s in range(layout.num_slots) if owner.get(layout.slot_table[s]) == q] for q in range(world)]
-        super().__init__(layout, feature_names, [s for q in range(world) for s in by_owner[q]], rank, world, group,
+        by_owner = [[s for s in range(packing.num_slots) if owner.get(packing.slot_table[s]) == q] for q in range(world)]
+        super().__init__(packing, feature_names, [s for q in range(world) for s in by_owner[q]], rank, world, group,
                          comm_dtype)
         self.block_slots = by_owner  # the output dist returns one block of pooled columns per owner rank
         self.slots_by_owner = [len(x) for x in by_owner]
-        self.dims_by_owner = [sum(layout.slot_dims[s] for s in x) for x in by_owner]
+        self.dims_by_owner = [sum(packing.slot_dims[s] for s in x) for x in by_owner]
         self.table_ids = [t for t in owner if owner[t] == rank]
-        self.local_features = [slot_key(layout, s) for s in by_owner[rank]]
-        self.local = make_collection(local_tables(tables, layout, self.table_ids), self.local_features) \
+        self.local_features = [slot_key(packing, s) for s in by_owner[rank]]
+        self.local = make_collection(local_tables(tables, packing, self.table_ids), self.local_features) \
             if self.table_ids else None
         self.register_buffer("_owner_of_slot", torch.tensor(
             [q for q in range(world) for _ in by_owner[q]], dtype=torch.int64), persistent=False)

@@ -62,39 +62,39 @@ class EmbeddingCollection(nn.Module):
         self.tables = list(tables)
         self.feature_names = list(feature_names)
         check_features(self.tables, self.feature_names)
-        self.layout = TablePacking.build(self.tables)
+        self.packing = TablePacking.build(self.tables)
         self.optimizer = optimizer or EmbeddingOptimizerConfig()
         self.lr = self.optimizer.lr
         self.backend_name = backend
         self.validate_ids = validate_ids
         self._backend = None
         self._backend_key: tuple | None = None
-        self._key_of_slot = [self.feature_names.index(f) for f in self.layout.slot_features]
+        self._key_of_slot = [self.feature_names.index(f) for f in self.packing.slot_features]
         self._identity_slots = self._key_of_slot == list(range(len(self.feature_names)))
 
-        weights = torch.empty(self.layout.total_elements, dtype=torch.float32)
+        weights = torch.empty(self.packing.total_elements, dtype=torch.float32)
         for t, table in enumerate(self.tables):
             bound = init_scale if init_scale is not None else table.rows ** -0.5
-            start = self.layout.weights_offsets[t]
+            start = self.packing.weights_offsets[t]
             weights[start : start + table.rows * table.dim].uniform_(-bound, bound, generator=generator)
         self.register_buffer("weights", weights.to(WEIGHT_DTYPES[weights_dtype]))
         if self.optimizer.master_weights and weights_dtype != "fp32":
             self.register_buffer("state_master_weights", weights)
-        for name, size in self.optimizer.state_shapes(self.layout.total_rows, self.layout.total_elements).items():
+        for name, size in self.optimizer.state_shapes(self.packing.total_rows, self.packing.total_elements).items():
             self.register_buffer(f"state_{name}", torch.zeros(size, dtype=torch.float32))
         self.register_buffer("step", torch.zeros((), dtype=torch.int64))
         # Host-side [lr, step, step known] the ops read without a device sync; the step is re-read from the
         # device counter after a checkpoint load. Plain attributes: not in the state dict, not moved by .to().
         self._hyper = torch.tensor([self.lr, 0.0, 0.0], dtype=torch.float64)
         self._trigger = torch.empty(0, requires_grad=True)  # makes autograd run the fused update in backward
-        self._slot_names = ("\n".join(self.layout.slot_features),
-                                   "\n".join(self.layout.table_names[t] for t in self.layout.slot_table))
+        self._slot_names = ("\n".join(self.packing.slot_features),
+                                   "\n".join(self.packing.table_names[t] for t in self.packing.slot_table))
         self.register_load_state_dict_post_hook(lambda module, keys: module._hyper.__setitem__(2, 0.0))
         self._resolve_backend_if_usable()
 
     @property
     def output_dim(self) -> int:
-        return self.layout.total_dim
+        return self.packing.total_dim
 
     @property
     def backend(self):
@@ -112,7 +112,7 @@ class EmbeddingCollection(nn.Module):
         return out
 
     def _resolve_backend_if_usable(self) -> None:
-        self.layout.tensors(self.weights.device)
+        self.packing.tensors(self.weights.device)
         try:
             self.backend  # noqa: B018
         except ValueError:
@@ -128,10 +128,10 @@ class EmbeddingCollection(nn.Module):
 
     def table_weight(self, name: str) -> torch.Tensor:
         """Table ``name`` as a ``[rows, dim]`` view of the flat storage (for export and tests)."""
-        t = self.layout.table_names.index(name)
-        start = self.layout.weights_offsets[t]
-        return self.weights[start : start + self.layout.rows[t] * self.layout.dims[t]].view(
-            self.layout.rows[t], self.layout.dims[t])
+        t = self.packing.table_names.index(name)
+        start = self.packing.weights_offsets[t]
+        return self.weights[start : start + self.packing.rows[t] * self.packing.dims[t]].view(
+            self.packing.rows[t], self.packing.dims[t])
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
         indices, offsets, batch_size = self.slot_bags(features)
@@ -141,9 +141,9 @@ class EmbeddingCollection(nn.Module):
             return backend.lookup_op(
                 self._trigger, self.weights, state.get("momentum1"), state.get("momentum2"),
                 state.get("master_weights"), self.step, self._hyper, indices, offsets, batch_size,
-                *self.layout.op_args(), opt.kind, opt.eps, opt.beta1, opt.beta2, opt.weight_decay,
+                *self.packing.op_args(), opt.kind, opt.eps, opt.beta1, opt.beta2, opt.weight_decay,
                 backend.stochastic(opt), backend.seed)
-        return backend.forward(self.weights, self.layout, indices, offsets, batch_size)
+        return backend.forward(self.weights, self.packing, indices, offsets, batch_size)
 
     def slot_bags(self, kjt: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         """``(indices, offsets, batch_size)`` of ``kjt`` in slot order on the weights' device, ids checked
@@ -156,7 +156,7 @@ class EmbeddingCollection(nn.Module):
         if not self._identity_slots:
             values, offsets = _select_keys(values, offsets, b, self._key_of_slot)
         if self.validate_ids and b:
-            check_ids(values, offsets, b, self.layout.tensors(values.device)["slot_rows"], *self._slot_names)
+            check_ids(values, offsets, b, self.packing.tensors(values.device)["slot_rows"], *self._slot_names)
         return values, offsets, b
 
 

@@ -117,7 +117,7 @@ class DLRM(RecModel):
     def __init__(self, embedding: EmbeddingCollection, num_dense: int, sizes: ModelSizes) -> None:
         super().__init__(embedding, num_dense)
         dim = sizes.embedding_dim
-        self.num_slots = embedding.layout.num_slots
+        self.num_slots = embedding.packing.num_slots
         self.dim = dim
         if num_dense:
             if sizes.bottom_mlp[-1] != dim:
@@ -170,7 +170,7 @@ class _WideDeepBase(RecModel):
 
     def __init__(self, embedding: EmbeddingCollection, num_dense: int, sizes: ModelSizes) -> None:
         super().__init__(embedding, num_dense)
-        self.num_features = embedding.layout.num_slots // 2
+        self.num_features = embedding.packing.num_slots // 2
         self.dim = sizes.embedding_dim
         self.deep_width = self.num_features * self.dim
         self.wide_dense = nn.Linear(num_dense, 1) if num_dense else None

@@ -1,6 +1,6 @@
 """The planner's vocabulary: the topology, one candidate placement, the error, and the interfaces.
 
-The planner is four small parts, each replaceable (torchrec's planner layout):
+The planner is four small parts, each replaceable (torchrec's planner design):
 ``Enumerator`` lists the allowed :class:`ShardingOption` of every table with its cost, ``Proposer``
 picks one option per table (a proposal, several in order of preference), ``Partitioner`` assigns the
 options to ranks within their memory or raises :class:`PlannerError`, and the estimators
