@@ -20,10 +20,11 @@ Example::
 
 from __future__ import annotations
 
-import importlib
 from typing import Protocol
 
 import numpy as np
+
+from pipeline.registry import Registry
 
 
 class CacheTier(Protocol):
@@ -42,32 +43,20 @@ class CacheTier(Protocol):
         ...
 
 
-TIERS: dict[str, str] = {
+TIERS = Registry("cache policy", {
     "lru": "export.cache:LruCache",
     "lfu": "export.cache:LfuCache",
     "none": "export.cache:NoCache",
     "gpu-lru": "export.cache_torch:gpu_lru",
     "gpu-lfu": "export.cache_torch:gpu_lfu",
-}
+})
 """Tier name -> ``"module:attr"`` of its factory: ``factory(table, capacity) -> CacheTier``."""
-
-
-def register_tier(name: str, target: str) -> None:
-    """Make the tier factory at ``target`` (``"module:attr"``) available as ``name``; imported on first use."""
-    if ":" not in target:
-        raise ValueError(f"cache tier {name!r}: expected a 'module:attr' target, got {target!r}")
-    TIERS[name] = target
-
-
-def available_tiers() -> list[str]:
-    return sorted(TIERS)
+register_tier = TIERS.register
 
 
 def make_tier(name: str, table: np.ndarray, capacity: int) -> CacheTier:
-    if name not in TIERS:
-        raise ValueError(f"cache policy {name!r} is not registered; available: {available_tiers()}")
-    module, attr = TIERS[name].split(":")
-    return getattr(importlib.import_module(module), attr)(table, capacity)
+    """A new tier of policy ``name`` over ``table`` holding up to ``capacity`` rows."""
+    return TIERS.load(name)(table, capacity)
 
 
 class _ArrayCache:

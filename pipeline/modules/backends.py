@@ -13,33 +13,23 @@ Example::
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 
-BACKENDS: dict[str, str] = {
+from pipeline.registry import Registry
+
+BACKENDS = Registry("embedding backend", {
     "torch": "pipeline.kernels.embedding.backends:TorchBackend",
     "cuda": "pipeline.kernels.embedding.backends:CudaBackend",
-}
-
-
-def register_backend(name: str, target: str) -> None:
-    """Make the backend class at ``target`` (``"module:attr"``) available as ``name``; imported on first use."""
-    if ":" not in target:
-        raise ValueError(f"backend {name!r}: expected a 'module:attr' target, got {target!r}")
-    BACKENDS[name] = target
-
-
-def available_backends() -> list[str]:
-    return sorted(BACKENDS)
+})
+register_backend = BACKENDS.register
+available_backends = BACKENDS.names
 
 
 def backend_class(name: str) -> type:
     """The class registered as ``name``, imported now."""
     if name not in BACKENDS:
         raise ValueError(f"embedding backend {name!r} is not registered; available: {available_backends()} or auto")
-    module, attr = BACKENDS[name].split(":")
-    return getattr(importlib.import_module(module), attr)
+    return BACKENDS.load(name)
 
 
 def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype = torch.float32):
