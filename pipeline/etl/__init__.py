@@ -16,35 +16,9 @@ Example::
 The stage (``python -m pipeline run etl``) is :mod:`pipeline.stages.etl`.
 """
 
+from pipeline.etl import ops
 from pipeline.etl.graph import Node
-from pipeline.etl.ops import (
-    Bucketize,
-    Cast,
-    Categorify,
-    Clip,
-    FillMissing,
-    HashBucket,
-    HashedCross,
-    LambdaOp,
-    LogOp,
-    Normalize,
-    Operator,
-)
+from pipeline.etl.ops import *  # noqa: F403  (the operators, listed once in ops.__all__)
 from pipeline.etl.workflow import Workflow, WorkflowVersionError
 
-__all__ = [
-    "Bucketize",
-    "Cast",
-    "Categorify",
-    "Clip",
-    "FillMissing",
-    "HashBucket",
-    "HashedCross",
-    "LambdaOp",
-    "LogOp",
-    "Node",
-    "Normalize",
-    "Operator",
-    "Workflow",
-    "WorkflowVersionError",
-]
+__all__ = sorted([*ops.__all__, "Node", "Workflow", "WorkflowVersionError"])
