@@ -1,4 +1,4 @@
-"""Model-parallel embedding training over ranks: planner, sharded collection, DDP wrapper, checkpoints.
+"""Model-parallel embedding training over ranks: World, planner, sharded collection, DDP wrapper, checkpoints.
 
 Launch one process per GPU with ``python -m pipeline run train --nproc N`` or
 ``torchrun --nproc-per-node N -m pipeline run train``; on several nodes add torchrun's rendezvous
@@ -21,27 +21,14 @@ _EXPORTS = {
     "ShardingPlan": "pipeline.distributed.types",
     "ShardingType": "pipeline.distributed.types",
     "Topology": "pipeline.distributed.planner",
+    "World": "pipeline.distributed.world",
     "init_from_env": "pipeline.distributed.comm",
     "load_sharded_checkpoint": "pipeline.distributed.checkpoint",
     "make_planner": "pipeline.distributed.model_parallel",
     "save_sharded_checkpoint": "pipeline.distributed.checkpoint",
 }
 
-__all__ = [
-    "DistributedConfig",
-    "DistributedModelParallel",
-    "EmbeddingShardingPlanner",
-    "ParameterSharding",
-    "PlannerError",
-    "ShardedEmbeddingCollection",
-    "ShardingPlan",
-    "ShardingType",
-    "Topology",
-    "init_from_env",
-    "load_sharded_checkpoint",
-    "make_planner",
-    "save_sharded_checkpoint",
-]
+__all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str):
