@@ -54,3 +54,5 @@ class ServeConfig:
         "help": "venv the python models run in (empty: $PIPELINE_TRITON_ENV or .venv-triton; needs numpy<2)"})
     startup_timeout: float = field(default=180.0, metadata={"help": "seconds to wait for the server to be ready"})
     smoke_rows: int = field(default=8, metadata={"help": "raw test rows sent as the smoke request"})
+    once: bool = field(default=False, metadata={
+        "help": "stop the server after the smoke request (for scripts) instead of serving until Ctrl-C"})

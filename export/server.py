@@ -21,6 +21,7 @@ Example::
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -127,6 +128,7 @@ class TritonServer:
         self.log_verbose = log_verbose
         self.shm_prefix = f"pipeline_{os.getpid()}_{uuid.uuid4().hex[:8]}_"
         self._workdir = Path(tempfile.mkdtemp(prefix="pipeline-triton-"))
+        self._remove_workdir = weakref.finalize(self, shutil.rmtree, self._workdir, True)
         self.log_path = self._workdir / "tritonserver.log"
         self.process: subprocess.Popen | None = None
         self.http_port = self.grpc_port = 0
@@ -162,7 +164,7 @@ class TritonServer:
                 return self
             except ServerError:
                 log = self.log_tail()
-                self.stop()
+                self._end_process()
                 if attempt + 1 == attempts or "already in use" not in log:
                     raise
         return self
@@ -209,7 +211,13 @@ class TritonServer:
         raise ServerError(f"tritonserver was not ready after {self.startup_timeout:.0f} s:\n" + self.log_tail())
 
     def stop(self, timeout: float = 30.0) -> int | None:
-        """SIGTERM by PID, SIGKILL to its process group after ``timeout``; removes its /dev/shm regions."""
+        """SIGTERM by PID, SIGKILL to its process group after ``timeout``; removes its /dev/shm regions and
+        its working folder (the log with it: read :meth:`log_tail` before)."""
+        code = self._end_process(timeout)
+        self._remove_workdir()
+        return code
+
+    def _end_process(self, timeout: float = 30.0) -> int | None:
         code = None
         if self._finalizer is not None:
             self._finalizer.detach()

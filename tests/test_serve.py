@@ -294,6 +294,19 @@ def test_cli_serve_answers_then_stops_cleanly_on_sigterm(served):
             process.wait(10)
 
 
+def test_cli_serve_once_exits_after_the_smoke_request(served):
+    cfg = served[0]
+    command = [sys.executable, "-m", "pipeline", "run", "serve", f"workdir={cfg.workdir}", "device=cpu",
+               "serve.once=true"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "smoke request: 8 raw rows" in done.stdout
+    assert "Ctrl-C" not in done.stdout
+    server_pid = int(re.search(r"ready in .* \(pid (\d+)\)", done.stdout).group(1))
+    with pytest.raises(ProcessLookupError):
+        os.kill(server_pid, 0)
+
+
 def test_stopping_leaves_no_process_and_no_shared_memory(served):
     _, _, _, server = served
     pid = server.pid

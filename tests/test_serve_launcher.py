@@ -110,3 +110,18 @@ def test_a_server_that_cannot_start_says_why(tmp_path):
     (tmp_path / "broken" / "1" / "model.py").write_text("raise ImportError('this model is broken on purpose')\n")
     with pytest.raises(ServerError, match="broken on purpose"):
         TritonServer(tmp_path).start()
+
+
+def test_a_stopped_or_dropped_server_leaves_no_working_folder(repository):
+    import gc
+
+    with TritonServer(repository) as server:
+        folder = server.log_path.parent
+        assert folder.is_dir() and folder.name.startswith("pipeline-triton-")
+    assert not folder.exists()
+    never_started = TritonServer(repository)
+    folder = never_started.log_path.parent
+    assert folder.is_dir()
+    del never_started
+    gc.collect()
+    assert not folder.exists()

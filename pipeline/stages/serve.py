@@ -1,13 +1,14 @@
 """The serve stage's runner: ``python -m pipeline run serve``.
 
 ``run`` starts a real Triton server on the exported repository, waits until it is ready, sends a
-smoke request of raw test rows, prints the endpoints and serves until Ctrl-C / SIGTERM
-(``smoke=True``, as in ``run all``: stops right after the smoke request, and says plainly when no
-server is available here).
+smoke request of raw test rows, prints the endpoints and serves until Ctrl-C / SIGTERM. It stops right
+after the smoke request with ``serve.once=true``, and with ``smoke=True`` (as in ``run all``, which
+also says plainly when no server is available here instead of failing).
 
 Example::
 
     python -m pipeline run serve serve.http_port=8000 serve.grpc_port=8001
+    python -m pipeline run serve serve.once=true          # one smoke request, then exit
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def run(cfg: PipelineConfig, smoke: bool = False) -> dict:
         if difference is not None:
             summary["max_difference_from_in_process"] = difference
             print(f"[serve] largest difference from the in-process model: {difference:.2e}", flush=True)
-        if smoke:
+        if smoke or cfg.serve.once:
             return summary
         print("[serve] serving; Ctrl-C or SIGTERM stops the server", flush=True)
         while server.is_alive():
