@@ -71,8 +71,13 @@ def _split(outputs: dict[str, np.ndarray], sizes: list[int]) -> list[dict[str, n
 
 def _response(result, pb_utils, model: str):
     if isinstance(result, Exception):
-        kind = "" if isinstance(result, (UserError, ValueError)) else f"{type(result).__name__}: "
-        return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(f"{model}: {kind}{result}"))
+        # The request's fault (a value the model cannot take) is INVALID_ARG: HTTP 400, gRPC INVALID_ARGUMENT;
+        # anything else stays INTERNAL (HTTP 500), so a client can tell the two apart.
+        by_request = isinstance(result, (UserError, ValueError))
+        kind = "" if by_request else f"{type(result).__name__}: "
+        code = pb_utils.TritonError.INVALID_ARG if by_request else pb_utils.TritonError.INTERNAL
+        return pb_utils.InferenceResponse(output_tensors=[],
+                                          error=pb_utils.TritonError(f"{model}: {kind}{result}", code))
     return pb_utils.InferenceResponse(
         output_tensors=[pb_utils.Tensor(n, np.ascontiguousarray(a)) for n, a in result.items()])
 

@@ -28,7 +28,12 @@ PREDICTION = "PREDICTION"
 
 
 class ServingError(UserError):
-    """The server answered a request with an error; the message is the server's."""
+    """The server answered a request with an error; the message is the server's, ``status`` its status
+    (HTTP ``"400"`` for a bad request, ``"500"`` for a server fault; gRPC ``"StatusCode.INVALID_ARGUMENT"``...)."""
+
+    def __init__(self, message: str, status: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class Client:
@@ -122,7 +127,7 @@ class Client:
         try:
             return fn(*args, **kwargs)
         except InferenceServerException as err:
-            raise ServingError(f"{self.model} at {self.url} ({self.protocol}): {err.message()}") from err
+            raise ServingError(f"{self.model} at {self.url} ({self.protocol}): {err.message()}", err.status()) from err
 
     @staticmethod
     def _triton_dtype(dtype: np.dtype) -> str:

@@ -141,11 +141,17 @@ def test_bad_requests_get_their_own_error_and_the_server_keeps_serving(served):
             with pytest.raises(ServingError) as caught:
                 client.infer(request)
             assert fragment in str(caught.value), f"{what}: {caught.value}"
+            assert caught.value.status == "StatusCode.INVALID_ARGUMENT", f"{what}: {caught.value.status}"
             np.testing.assert_allclose(client.infer(good), expected, rtol=0, atol=1e-5, err_msg=f"after {what}")
         nan_request = dict(good, I1=np.full_like(good["I1"], np.nan))
         missing = reference.predict(rows.assign(I1=pd.array([None] * len(rows), dtype=rows["I1"].dtype)))
         np.testing.assert_allclose(client.infer(nan_request), missing, rtol=0, atol=1e-5)
-        assert server.is_alive()
+    with Client(server.http_url, "http") as client:
+        for what, request, fragment in _bad_requests(good, cfg.export.max_batch_size)[4:6]:  # caught by our models
+            with pytest.raises(ServingError) as caught:
+                client.infer(request)
+            assert fragment in str(caught.value) and caught.value.status == "400", f"{what}: {caught.value.status}"
+    assert server.is_alive()
 
 
 def test_a_bad_request_among_concurrent_good_ones_fails_alone(served):
@@ -170,6 +176,7 @@ def test_a_bad_request_among_concurrent_good_ones_fails_alone(served):
     for t in threads:
         t.join(60)
     assert isinstance(results[3], ServingError) and "I2" in str(results[3])
+    assert results[3].status == "StatusCode.INVALID_ARGUMENT"
     for i in set(range(8)) - {3}:
         np.testing.assert_allclose(results[i], expected, rtol=0, atol=1e-5)
 
