@@ -116,6 +116,17 @@ def test_stage_writes_outputs_and_load_trained_reproduces_the_test_scores(tmp_pa
     assert schema.sparse == ["C1", "C2", "C3", "C4", "C5", "M1"]
 
 
+def test_result_records_the_sizes_used_not_the_auto_settings(tmp_path):
+    cfg = _config(tmp_path, "train.embedding_dim=0", "train.bottom_mlp=[]", "train.top_mlp=[]", "train.max_steps=2")
+    _write_data(cfg, train_rows=300)
+    run(cfg)
+    sizes = json.loads((cfg.paths.train / "model.json").read_text())["sizes"]
+    settings = json.loads((cfg.paths.train / "result.json").read_text())["settings"]
+    assert sizes["embedding_dim"] > 0 and sizes["bottom_mlp"] and sizes["top_mlp"]
+    assert [settings[k] for k in ("embedding_dim", "bottom_mlp", "top_mlp")] == \
+        [sizes[k] for k in ("embedding_dim", "bottom_mlp", "top_mlp")]
+
+
 def test_resume_after_a_crash_mid_epoch_ends_with_the_same_weights(tmp_path):
     common = ["train.epochs=2", "train.checkpoint_every=5", "train.embedding_optimizer=adam", "seed=3"]
     straight = _config(tmp_path / "straight", *common)

@@ -11,6 +11,9 @@ Example::
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from export.pbtxt import ModelOptions
 from export.repository import raw_columns, write_repository
 from pipeline.errors import UserError
@@ -31,8 +34,19 @@ def run(cfg: PipelineConfig) -> dict:
     summary = write_repository(model, schema, cfg.paths.workflow, raw, cfg.paths.export, model_options(cfg),
                                update=cfg.export.update)
     what = f"embedding store version {summary['store_version']}" if cfg.export.update else "model repository"
-    print(f"[export] wrote the {what} to {cfg.paths.export}", flush=True)
+    summary["trained"] = trained_model_summary(cfg.paths.train)
+    print(f"[export] wrote the {what} to {cfg.paths.export}: {summary['trained']}", flush=True)
     return summary
+
+
+def trained_model_summary(folder: Path) -> str:
+    """Which model is exported, in words: its kind, its folder, and its test AUC when training finished."""
+    spec = json.loads((folder / "model.json").read_text())
+    result_path = folder / "result.json"
+    result = json.loads(result_path.read_text()) if result_path.is_file() else None
+    if result is None or "test" not in result:
+        return f"{spec['model']} from {folder} (no test score: {result_path} is missing)"
+    return f"{spec['model']} from {folder}, test AUC {result['test']['auc']:.4f}"
 
 
 def model_options(cfg: PipelineConfig) -> ModelOptions:

@@ -171,10 +171,12 @@ def _summary(cfg: TrainConfig, spec: dict, world: World, fitted: dict, test: dic
                 "seconds": seconds, "plan": str(out / "plan.json")}
     oracle = json.loads(oracle_path.read_text()) if oracle_path and oracle_path.is_file() else None
     gap = oracle["test"]["auc"] - test["auc"] if oracle else None
+    settings = dataclasses.asdict(cfg)
+    settings.update({k: v for k, v in spec["sizes"].items() if k in settings})  # the sizes used, not 0 / [] for "auto"
     return {"model": spec["model"], "device": world.device.type, "steps": fitted["steps"], "epochs": cfg.epochs,
             "batch_size": cfg.batch_size, "samples_per_s": fitted["samples_per_s"], "valid": fitted["valid"],
             "test": test, "oracle": oracle, "test_auc_gap_to_oracle": gap, "seconds": seconds,
-            "settings": dataclasses.asdict(cfg)}
+            "settings": settings}
 
 
 def _report(result: dict, path: Path) -> None:
