@@ -95,3 +95,29 @@ def test_cli_data_command(tmp_path, capsys):
     assert summary["rebuilt"] is False and summary["rows"]["train"] == 3200
     assert main(["data", f"workdir={tmp_path}", "data.source=criteo", f"data.path={tmp_path / 'nope.tsv'}"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_a_dataset_ingested_from_files_is_kept_and_replaced_only_on_request(tmp_path, capsys):
+    def table(path, rows, seed):
+        rng = np.random.default_rng(seed)
+        pq.write_table(pa.table({"clicked": rng.integers(0, 2, rows), "price": rng.random(rows),
+                                 "item": [f"i{v}" for v in rng.integers(0, 50, rows)]}), path)
+
+    table(tmp_path / "a.parquet", 400, 1)
+    table(tmp_path / "b.parquet", 300, 2)
+    roles = ["data.source=table", "data.name=mine", "data.label=clicked", "data.continuous=[price]",
+             "data.categorical=[item]"]
+    made = ensure_raw(_cfg(tmp_path, *roles, f"data.path={tmp_path / 'a.parquet'}"), progress=False)
+    assert made.source == "table" and sum(made.rows.values()) == 400
+    capsys.readouterr()
+    # a later stage given only the dataset's name uses it as it was made
+    again = ensure_raw(_cfg(tmp_path, "data.name=mine"), progress=False)
+    assert again.source == "table" and again.rows == made.rows
+    assert "as it was made" in capsys.readouterr().out
+    # other files under the same name are refused without data.rebuild=true, and nothing is replaced
+    other = [*roles, f"data.path={tmp_path / 'b.parquet'}"]
+    assert main(["data", f"workdir={tmp_path}", *other]) == 2
+    assert "data.rebuild=true" in capsys.readouterr().err
+    assert RawDataset.load(made.root).rows == made.rows
+    rebuilt = ensure_raw(_cfg(tmp_path, *other, "data.rebuild=true"), progress=False)
+    assert sum(rebuilt.rows.values()) == 300

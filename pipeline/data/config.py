@@ -42,6 +42,8 @@ class DataConfig:
     )
     ignore: list[str] = field(default_factory=list, metadata={"help": "table: columns of the input to drop"})
     list_separator: str = field(default="|", metadata={"help": "table, CSV/TSV: separator inside a multi-hot cell"})
+    rebuild: bool = field(default=False, metadata={
+        "help": "replace an existing dataset ingested from files when these settings differ from how it was made"})
 
     def __post_init__(self) -> None:
         if self.source not in ("synthetic", "criteo", "table"):
