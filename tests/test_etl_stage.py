@@ -140,3 +140,29 @@ def test_command_line_runs_the_stage_and_prints_bad_input_plainly(tmp_path, caps
     assert main(common + ["etl.hash_buckets={nope: 10}"]) == 2
     err = capsys.readouterr().err
     assert "error: etl.hash_buckets names ['nope']" in err and "Traceback" not in err
+
+
+def test_an_etl_killed_part_way_leaves_no_schema_and_the_old_splits_whole(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    settings = [f"workdir={tmp_path}", "device=cpu", "data.rows=200000", "etl.cluster=threads"]
+    first = subprocess.run([sys.executable, "-m", "pipeline", "run", "etl", *settings], capture_output=True,
+                           text=True, timeout=300, check=False)
+    assert first.returncode == 0, first.stderr
+    cfg = load_config(None, settings)
+    old_train = sorted(p.name for p in (cfg.paths.processed / "train").glob("*.parquet"))
+    old_rows = Schema.load(cfg.paths.schema).rows
+    again = subprocess.Popen([sys.executable, "-m", "pipeline", "run", "etl", *settings, "etl.freq_threshold=3"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not (cfg.paths.processed / "train.partial").is_dir() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    again.send_signal(signal.SIGKILL)
+    again.wait(30)
+    assert not cfg.paths.schema.exists(), "a killed ETL must not leave the previous run's schema.json"
+    assert sorted(p.name for p in (cfg.paths.processed / "train").glob("*.parquet")) == old_train
+    assert sum(pq.ParquetFile(p).metadata.num_rows for p in (cfg.paths.processed / "train").glob("*.parquet")) \
+        == old_rows["train"]

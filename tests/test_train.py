@@ -1,6 +1,7 @@
 """The training stage on small processed data: outputs, load_trained, checkpoints, exact resume."""
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -243,3 +244,14 @@ def test_validation_every_n_steps_and_at_the_end(tmp_path):
     assert [r["step"] for r in valid] == [5, 10, 12]
     assert result["valid"]["auc"] == valid[-1]["auc"]
     assert [p.name for p in checkpoints(cfg.paths.train / "checkpoints")] == ["step-00000012.pt"]
+
+
+def test_a_split_that_does_not_hold_the_schemas_rows_is_refused(tmp_path):
+    cfg = _config(tmp_path)
+    _write_data(cfg)
+    train_dir = cfg.paths.processed / "train"
+    extra = sorted(train_dir.glob("*.parquet"))[0]
+    shutil.copy(extra, train_dir / "part-99999.parquet")  # a file of another run left in the split
+    with pytest.raises(UserError, match=r"train holds .* rows in .* files where .*schema.json says 1,500"):
+        run(cfg)
+    assert not (cfg.paths.train / "model.pt").exists()

@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+import pyarrow.parquet as pq
 import torch
 from torch import nn
 
@@ -43,6 +44,7 @@ from pipeline.distributed.config import DistributedConfig
 from pipeline.distributed.model_parallel import DistributedModelParallel, make_planner
 from pipeline.distributed.types import ShardingPlan
 from pipeline.distributed.world import World
+from pipeline.errors import UserError
 from pipeline.files import atomic_open, write_json
 from pipeline.loader import Loader
 from pipeline.schema import Schema
@@ -84,6 +86,7 @@ def _train(cfg: TrainConfig, data: Path, out: Path, schema: Schema, seed: int, w
     random.seed(seed)
     torch.manual_seed(seed)
 
+    check_splits(data, schema)
     spec = model_spec(cfg, schema, device.type, seed)
     model, checkpoints = _place(model_from_spec(spec, backend=cfg.embedding_backend), cfg, world, distributed,
                                 out / "checkpoints")
@@ -123,6 +126,18 @@ def _train(cfg: TrainConfig, data: Path, out: Path, schema: Schema, seed: int, w
         _report(result, out / "result.json")
     world.barrier()
     return result
+
+
+def check_splits(data: Path, schema: Schema) -> None:
+    """Refuse processed splits whose files do not hold the rows ``schema.json`` promises (a mix of two
+    ETL runs, a file removed or added by hand), before any training on them."""
+    for split, expected in schema.rows.items():
+        files = sorted((data / split).glob("*.parquet"))
+        found = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
+        if found != expected:
+            raise UserError(f"{data / split} holds {found:,} rows in {len(files)} files where {data / 'schema.json'} "
+                            f"says {expected:,}: the ETL output is incomplete or mixed; run "
+                            "`python -m pipeline run etl` again")
 
 
 def _place(model: nn.Module, cfg: TrainConfig, world: World, distributed: DistributedConfig,
