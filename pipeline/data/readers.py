@@ -14,7 +14,10 @@ of fields. A block with such rows is parsed again on one thread (to learn their 
 a block with a value that does not convert is parsed again as text and checked column by column,
 so one bad row never takes its block down and every bad row is counted with its line number.
 Malformed rows: the wrong number of fields (empty lines included), broken UTF-8, a non-number in a
-numeric column, a label other than 0/1. ``data.on_bad_lines=error`` (the default) stops at the
+numeric column, an integer outside the int64 range, a label other than 0/1, a ``\r`` inside a line
+(line ends are ``\n`` or ``\r\n``; a file whose first read has ``\r`` but no ``\n`` has ``\r``
+line ends), a line longer than :data:`MAX_LINE_BYTES`. A compressed file that is truncated or not of
+its format stops the ingest with one error naming it, whatever ``data.on_bad_lines`` says. ``data.on_bad_lines=error`` (the default) stops at the
 first block that has any and raises a :class:`~pipeline.errors.BadInputError` naming them;
 ``skip`` drops them. Either way they are counted, with examples, in ``ingest_report.json``.
 Several input files are read in parallel as Dask tasks, one per file.
@@ -420,7 +423,7 @@ def _reads(path: Path, size: int) -> Iterator[bytes]:
     have = 0
     with pa.input_stream(str(path), compression="detect") as stream:
         try:
-            while piece := stream.read(min(size, 1 << 16)):
+            while piece := stream.read(min(size, 1 << 20)):
                 pieces.append(piece)
                 have += len(piece)
                 if have >= size:
@@ -493,8 +496,8 @@ def _parse_block(block: bytes, first_line: int, names: list[str], kinds: dict[st
     for i in long:
         keep[i] = False
         report.add_bad(first_line + int(i), "line_too_long", _too_long(int(lengths[i])), excerpt(i)[:200])
-    carriage = np.flatnonzero(data == 13)
-    if carriage.size:
+    if b"\r" in block:
+        carriage = np.flatnonzero(data == 13)
         carriage = carriage[data[carriage + 1] != 10]  # \r\n is a line end; the block ends in \n
         for i in np.unique(np.searchsorted(ends, carriage)):
             if keep[i]:
