@@ -3,8 +3,8 @@
 Cases (the count is in docs/HOSTILE_INPUT.md, "Ingest files"): a stray carriage return inside a
 line (Criteo plain and gzip, CSV), ``\\r\\n`` line ends, ``\\r``-only line ends (Criteo, CSV),
 lines over the length limit (Criteo, CSV, a header), a truncated gzip, a file named ``.gz`` that is
-not gzip, integers at and beyond the int64 range (typed and text paths), and integers above 2^53
-through the ETL.
+not gzip, integers at and beyond the int64 range (typed and text paths), integers above 2^53
+through the ETL, quotes left open (CSV, TSV) and infinite numbers (typed and text paths).
 """
 
 from __future__ import annotations
@@ -44,9 +44,8 @@ def _table(n: int = 60) -> list[str]:
 
 
 def _ingest(tmp_path: Path, path: Path, *overrides: str) -> dict:
-    """Run the data stage; return ``raw/ingest_report.json``."""
-    source = list(TABLE) if path.name.split(".")[-2 if path.suffix == ".gz" else -1] == "csv" else [
-        "data.source=criteo"]
+    """Run the data stage (a table for files named rows.*, else Criteo); return ``raw/ingest_report.json``."""
+    source = list(TABLE) if path.name.startswith("rows") else ["data.source=criteo"]
     cfg = load_config(None, [f"workdir={tmp_path / 'work'}", "data.chunk_rows=16", *source,
                              f"data.path={path}", *overrides])
     data_stage.run(cfg)
@@ -239,3 +238,37 @@ def test_the_etl_accepts_every_integer_ingest_accepts(tmp_path):
     for name in [f"I{i}" for i in range(1, 14)]:
         values = train.column(name).to_numpy(zero_copy_only=False)
         assert values.dtype.kind == "f" and pa.compute.all(pa.compute.is_finite(train.column(name))).as_py()
+
+
+@pytest.mark.parametrize("name", ["rows.csv", "rows.tsv"])
+def test_a_quote_left_open_is_one_counted_line(tmp_path, name):
+    sep = "," if name.endswith(".csv") else "\t"
+    lines = [line.replace(",", sep) for line in _table(60)]
+    lines[5] = sep.join(["1", "2", '"abc'])            # line 6: the quote runs on into line 7
+    lines[10] = sep.join(["1", "2", '"a'])             # lines 11-12: a quoted line end
+    lines[11] = 'b"'
+    lines[60] = sep.join(["0", "3", '"last'])          # the last line
+    path = _write(tmp_path / name, ("\n".join(lines) + "\n").encode())
+    report = _ingest(tmp_path, path, "data.on_bad_lines=skip")
+    assert report["bad"] == {"open_quote": 3, "wrong_field_count": 1}
+    assert [(e["line"], e["reason"]) for e in report["examples"]] == [
+        (6, "a quoted value does not end on its line"), (11, "a quoted value does not end on its line"),
+        (12, "expected 3 fields, found 1"), (61, "a quoted value does not end on its line")]
+    assert (report["rows_read"], report["rows_kept"]) == (60, 56)
+    assert not any("\n" in v for v in _raw_rows(tmp_path).column("user").to_pylist())
+
+
+@pytest.mark.parametrize("with_text_path", [False, True])
+def test_infinite_numbers_are_counted_not_kept(tmp_path, with_text_path):
+    lines = _table(60)
+    for line, value in zip((3, 4, 5, 6), ("inf", "-Infinity", "1e400", "1" * 400)):
+        lines[line - 1] = f"1,{value},u1"
+    if with_text_path:
+        lines[9] = "1,oops,u1"
+    path = _write(tmp_path / "rows.csv", ("\n".join(lines) + "\n").encode())
+    report = _ingest(tmp_path, path, "data.on_bad_lines=skip")
+    assert report["bad"] == {"out_of_range": 4, **({"not_a_number": 1} if with_text_path else {})}
+    assert [e["line"] for e in report["examples"]][:4] == [3, 4, 5, 6]
+    assert all(e["reason"].endswith("is not a finite number") for e in report["examples"][:4])
+    prices = _raw_rows(tmp_path).column("price").to_numpy(zero_copy_only=False)
+    assert len(prices) == 60 - len(report["examples"]) and all(abs(p) < 1e300 for p in prices)

@@ -14,12 +14,14 @@ of fields. A block with such rows is parsed again on one thread (to learn their 
 a block with a value that does not convert is parsed again as text and checked column by column,
 so one bad row never takes its block down and every bad row is counted with its line number.
 Malformed rows: the wrong number of fields (empty lines included), broken UTF-8, a non-number in a
-numeric column, an integer outside the int64 range, a label other than 0/1, a ``\r`` inside a line
-(line ends are ``\n`` or ``\r\n``; a file whose first read has ``\r`` but no ``\n`` has ``\r``
-line ends), a line longer than :data:`MAX_LINE_BYTES`. A compressed file that is truncated or not of
-its format stops the ingest with one error naming it, whatever ``data.on_bad_lines`` says. ``data.on_bad_lines=error`` (the default) stops at the
-first block that has any and raises a :class:`~pipeline.errors.BadInputError` naming them;
-``skip`` drops them. Either way they are counted, with examples, in ``ingest_report.json``.
+numeric column, an integer outside the int64 range, an infinite number, a label other than 0/1, a
+quoted value left open at the end of its line, a ``\r`` inside a line (line ends are ``\n`` or
+``\r\n``; a file whose first read has ``\r`` but no ``\n`` has ``\r`` line ends), a line longer than
+:data:`MAX_LINE_BYTES`. A compressed file that is truncated or not of its format stops the ingest
+with one error naming it, whatever ``data.on_bad_lines`` says. ``data.on_bad_lines=error`` (the
+default) stops at the first block that has any and raises a :class:`~pipeline.errors.BadInputError`
+naming them; ``skip`` drops them. Either way they are counted, with examples, in
+``ingest_report.json``.
 Several input files are read in parallel as Dask tasks, one per file.
 
 The label column is written as ``label`` whatever its input name. Rows go to train / valid /
@@ -515,14 +517,21 @@ def _parse_block(block: bytes, first_line: int, names: list[str], kinds: dict[st
                 keep[i] = False
                 report.add_bad(first_line + int(i), "invalid_utf8",
                                f"invalid UTF-8 ({err.reason}) at byte {err.start} of the line", excerpt(i))
-    kept = np.flatnonzero(keep)
-    if kept.size < starts.size:
-        data = data[np.repeat(keep, lengths + 1)]
-    if kept.size == 0:
+    table, rejected, kept = _parse_kept(data, keep, lengths, names, kinds, delimiter, quoting)
+    if table is not None and quoting and (table.num_rows + len(rejected) != kept.size
+                                          or _open_quotes(excerpt, kept[-1:], delimiter)):
+        # A quote left open merges lines into one row (or takes the line end at the end of the block):
+        # such lines are malformed, the rest are parsed again.
+        for i in _open_quotes(excerpt, kept, delimiter):
+            keep[i] = False
+            report.add_bad(first_line + i, "open_quote", "a quoted value does not end on its line", excerpt(i))
+        table, rejected, kept = _parse_kept(data, keep, lengths, names, kinds, delimiter, quoting)
+        if table is not None and table.num_rows + len(rejected) != kept.size:
+            raise BadInputError(f"{report.file}: lines {first_line}..{first_line + len(starts) - 1} do not split "
+                                "into one row per line; check the quoting there")
+    if table is None:
         empty = pa.table({n: pa.array([], pa.string()) for n in kinds})
         return empty, np.zeros(0, dtype=np.int64), excerpt
-    clean = data.tobytes() if kept.size < starts.size else block
-    table, rejected = _parse_typed_or_text(clean, names, kinds, delimiter, quoting)
     for number, expected_columns, actual_columns in rejected:
         index = int(kept[number - 1])
         report.add_bad(first_line + index, "wrong_field_count",
@@ -530,6 +539,30 @@ def _parse_block(block: bytes, first_line: int, names: list[str], kinds: dict[st
     rejected = [number - 1 for number, _, _ in rejected]
     rows = np.delete(kept, rejected) if rejected else kept
     return table, first_line + rows.astype(np.int64), excerpt
+
+
+def _parse_kept(data: np.ndarray, keep: np.ndarray, lengths: np.ndarray, names: list[str], kinds: dict[str, str],
+                delimiter: str, quoting: bool) -> tuple[pa.Table | None, list[tuple[int, int, int]], np.ndarray]:
+    """Parse the kept lines of a block: (table or None when no line is kept, rejected rows, kept indices)."""
+    kept = np.flatnonzero(keep)
+    if kept.size == 0:
+        return None, [], kept
+    clean = data[np.repeat(keep, lengths + 1)].tobytes() if kept.size < keep.size else data.tobytes()
+    table, rejected = _parse_typed_or_text(clean, names, kinds, delimiter, quoting)
+    return table, rejected, kept
+
+
+def _open_quotes(excerpt: _Excerpts, rows: np.ndarray, delimiter: str) -> list[int]:
+    """The rows whose line leaves a quoted value open (a field that would run on to the next line)."""
+    found = []
+    for i in rows:
+        line = excerpt(int(i))
+        if b'"' in line:
+            fields = next(csv.reader([line.decode("utf-8", errors="replace").rstrip("\r") + "\n"],
+                                     delimiter=delimiter))
+            if any("\n" in f for f in fields):
+                found.append(int(i))
+    return found
 
 
 _PARSE_TYPES = {"label": pa.int64(), "int": pa.int64(), "float": pa.float64(), "string": pa.string(),
@@ -605,6 +638,9 @@ def _check_and_convert(table: pa.Table, lines: np.ndarray, kinds: dict[str, str]
             value = "" if value is None else value if isinstance(value, str) else str(value)
             if kind == "label":
                 what, reason = "bad_label", f"{name}: expected 0 or 1, found {value!r}"
+            elif kind == "float" and _is_infinite(value):
+                shown = value if len(value) <= 40 else value[:37] + "..."
+                what, reason = "out_of_range", f"{name}: {shown!r} is not a finite number"
             elif kind == "int" and value and value.lstrip("-").isdigit():
                 shown = value if len(value) <= 40 else value[:37] + "..."
                 what, reason = "out_of_range", f"{name}: {shown!r} is outside the 64-bit integer range"
@@ -619,6 +655,13 @@ def _check_and_convert(table: pa.Table, lines: np.ndarray, kinds: dict[str, str]
     return pa.Table.from_arrays(columns, names=list(kinds)), lines
 
 
+def _is_infinite(value: str) -> bool:
+    try:
+        return np.isinf(float(value))
+    except ValueError:
+        return False
+
+
 def _is_text(t: pa.DataType) -> bool:
     return pa.types.is_string(t) or pa.types.is_large_string(t)
 
@@ -628,6 +671,8 @@ def _values_ok(column: pa.ChunkedArray, kind: str) -> np.ndarray | None:
     if kind == "label" and not _is_text(column.type):
         values = pc.cast(column, pa.float64()).to_numpy(zero_copy_only=False)
         return (values == 0) | (values == 1)  # a null (NaN) label is bad too
+    if kind == "float" and pa.types.is_floating(column.type):
+        return ~pc.fill_null(pc.is_inf(column), False).to_numpy(zero_copy_only=False).astype(bool)
     if not _is_text(column.type):
         return None
     if kind == "label":
@@ -644,7 +689,11 @@ def _values_ok(column: pa.ChunkedArray, kind: str) -> np.ndarray | None:
             ok[i] = len(digits) <= _INT64_DIGITS and (int(digits or "0") <= (2**63 if negative else 2**63 - 1))
         return ok
     elif kind == "float":
-        ok = pc.or_(pc.match_substring_regex(column, _FLOAT_PATTERN), pc.match_substring_regex(column, _NAN_PATTERN))
+        number = pc.and_(pc.match_substring_regex(column, _FLOAT_PATTERN), pc.not_equal(column, ""))
+        values = pc.cast(pc.if_else(number, column, pa.scalar(None, column.type)), pa.float64())
+        ok = pc.and_(pc.or_(pc.match_substring_regex(column, _FLOAT_PATTERN),
+                            pc.match_substring_regex(column, _NAN_PATTERN)),
+                     pc.invert(pc.fill_null(pc.is_inf(values), False)))
     else:
         return None
     return pc.fill_null(ok, False).to_numpy(zero_copy_only=False).astype(bool)
