@@ -14,9 +14,14 @@ of fields. A block with such rows is parsed again on one thread (to learn their 
 a block with a value that does not convert is parsed again as text and checked column by column,
 so one bad row never takes its block down and every bad row is counted with its line number.
 Malformed rows: the wrong number of fields (empty lines included), broken UTF-8, a non-number in a
-numeric column, a label other than 0/1. ``data.on_bad_lines=error`` (the default) stops at the
-first block that has any and raises a :class:`~pipeline.errors.BadInputError` naming them;
-``skip`` drops them. Either way they are counted, with examples, in ``ingest_report.json``.
+numeric column, an integer outside the int64 range, an infinite number, a label other than 0/1, a
+quoted value left open at the end of its line, a ``\r`` inside a line (line ends are ``\n`` or
+``\r\n``; a file whose first read has ``\r`` but no ``\n`` has ``\r`` line ends), a line longer than
+:data:`MAX_LINE_BYTES`. A compressed file that is truncated or not of its format stops the ingest
+with one error naming it, whatever ``data.on_bad_lines`` says. ``data.on_bad_lines=error`` (the
+default) stops at the first block that has any and raises a :class:`~pipeline.errors.BadInputError`
+naming them; ``skip`` drops them. Either way they are counted, with examples, in
+``ingest_report.json``.
 Several input files are read in parallel as Dask tasks, one per file.
 
 The label column is written as ``label`` whatever its input name. Rows go to train / valid /
@@ -56,12 +61,16 @@ CRITEO_CONTINUOUS = [f"I{i}" for i in range(1, 14)]
 CRITEO_CATEGORICAL = [f"C{i}" for i in range(1, 27)]
 EXAMPLES = 20
 """How many malformed rows are kept as examples (per file, and in the report)."""
+MAX_LINE_BYTES = 1 << 20
+"""A text line longer than this (its line end not counted) is a malformed line, ``line_too_long``."""
 
 _TEXT_SUFFIXES = {".csv": ",", ".tsv": "\t", ".tab": "\t", ".txt": "\t"}
 _PARQUET_SUFFIXES = {".parquet", ".pq"}
-_COMPRESSION_SUFFIXES = {".gz", ".bz2", ".zst", ".lz4"}
+_CODECS = {".gz": "gzip", ".bz2": "bzip2", ".zst": "zstd", ".lz4": "lz4"}
+_COMPRESSION_SUFFIXES = set(_CODECS)
 _BYTES_PER_ROW_GUESS = 200
-_INT_PATTERN = r"^(-?[0-9]{1,18})?$"  # empty is missing
+_INT_PATTERN = r"^(-?[0-9]+)?$"  # empty is missing; the int64 range is checked apart
+_INT64_DIGITS = 19
 _FLOAT_PATTERN = r"^([+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?)?$"
 _NAN_PATTERN = r"^[+-]?(nan|NaN|NAN)$"
 _LABEL_PATTERN = r"^[01](\.0*)?$"
@@ -125,6 +134,7 @@ class FileReport:
     bad: dict[str, int] = field(default_factory=dict)
     examples: list[dict] = field(default_factory=list)
     stopped_at_line: int | None = None
+    error: str | None = None
 
     @property
     def bad_rows(self) -> int:
@@ -252,18 +262,22 @@ def _ingest_file(index: int, path: Path, pinned: str | None, d: DataConfig, role
     from tqdm.auto import tqdm
 
     with tqdm(desc=path.name, unit="row", unit_scale=True, disable=not progress) as bar:
-        for table, lines in blocks:
-            table = table.rename_columns([raw_folder.LABEL if n == roles.label else n for n in table.column_names])
-            if pinned:
-                writers[pinned].write(table)
-            else:
-                codes = split_codes(lines, index, seed, fractions["valid"], fractions["test"])
-                for code, split in enumerate(raw_folder.SPLITS):
-                    writers[split].write(table.filter(pa.array(codes == code)))
-            bar.update(table.num_rows)
+        try:
+            for table, lines in blocks:
+                table = table.rename_columns([raw_folder.LABEL if n == roles.label else n
+                                              for n in table.column_names])
+                if pinned:
+                    writers[pinned].write(table)
+                else:
+                    codes = split_codes(lines, index, seed, fractions["valid"], fractions["test"])
+                    for code, split in enumerate(raw_folder.SPLITS):
+                        writers[split].write(table.filter(pa.array(codes == code)))
+                bar.update(table.num_rows)
+        except _DamagedFile as err:
+            report.error = str(err)
     for w in writers.values():
         w.close()
-    if report.rows_read == 0 and report.bad_rows == 0:
+    if report.rows_read == 0 and report.bad_rows == 0 and report.error is None:
         raise BadInputError(f"{path} is empty: expected rows of {'Criteo TSV' if d.source == 'criteo' else 'data'}")
     return {"report": report, "rows_written": {s: w.rows for s, w in writers.items()}}
 
@@ -307,8 +321,21 @@ def _read_text(path: Path, names: list[str] | None, kinds: dict[str, str], delim
                roles: Roles | None = None) -> Iterator[tuple[pa.Table, np.ndarray]]:
     block_bytes = max(1 << 20, chunk_rows * _BYTES_PER_ROW_GUESS)
     for first_line, block in _line_blocks(path, block_bytes):
+        if isinstance(block, _LongLine):
+            if names is None and header:
+                raise BadInputError(f"{path}: the header line is longer than {MAX_LINE_BYTES} bytes; expected a "
+                                    "line naming the columns")
+            report.rows_read += 1
+            report.add_bad(first_line, "line_too_long", _too_long(block.length), block.excerpt)
+            if stop_on_bad:
+                report.stopped_at_line = first_line
+                return
+            continue
         if names is None:
             header_line, _, block = block.partition(b"\n")
+            if len(header_line.rstrip(b"\r")) > MAX_LINE_BYTES:
+                raise BadInputError(f"{path}: the header line is longer than {MAX_LINE_BYTES} bytes; expected a "
+                                    "line naming the columns")
             names = _header(header_line, delimiter, path)
             roles.check_against(names, str(path))  # type: ignore[union-attr]
             first_line += 1
@@ -332,25 +359,98 @@ def _quote_line(excerpt: _Excerpts, lines: np.ndarray, first_line: int, row: int
     return excerpt(int(lines[row]) - first_line)
 
 
-def _line_blocks(path: Path, block_bytes: int) -> Iterator[tuple[int, bytes]]:
-    """(number of the first line, bytes of whole lines ending in a newline), decompressing by suffix."""
+@dataclass
+class _LongLine:
+    """A line longer than :data:`MAX_LINE_BYTES`, skipped while reading: its start and length."""
+
+    excerpt: bytes
+    length: int
+
+
+class _DamagedFile(BadInputError):
+    """A compressed input that does not decompress to the end."""
+
+
+def _too_long(length: int) -> str:
+    return f"the line is longer than {MAX_LINE_BYTES} bytes ({length}{'+' if length > MAX_LINE_BYTES else ''})"
+
+
+def _line_blocks(path: Path, block_bytes: int) -> Iterator[tuple[int, bytes | _LongLine]]:
+    """(number of the first line, bytes of whole lines ending in a newline), decompressing by suffix.
+
+    A file whose first line end is a lone ``\r`` (no ``\n`` in the first read) has ``\r`` line
+    ends: they become ``\n``. A line that grows past :data:`MAX_LINE_BYTES` is not kept: a
+    :class:`_LongLine` stands for it. A compressed file that stops decompressing raises
+    :class:`_DamagedFile` after the blocks before the damage.
+    """
     line = 1
     carry = b""
-    with pa.input_stream(str(path), compression="detect") as stream:
-        while True:
-            data = stream.read(block_bytes)
-            if not data:
-                break
+    newline: bytes | None = None
+    skipping = 0  # bytes of an over-long line seen so far
+    try:
+        for data in _reads(path, block_bytes):
+            if newline is None and (b"\n" in data or b"\r" in data):
+                newline = b"\n" if b"\n" in data else b"\r"
+            if newline == b"\r":
+                data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+            if skipping:
+                cut = data.find(b"\n")
+                if cut < 0:
+                    skipping += len(data)
+                    continue
+                skipping = 0
+                data = data[cut + 1 :]
+                line += 1
             data = carry + data
             cut = data.rfind(b"\n")
             if cut < 0:
                 carry = data
-                continue
-            block, carry = data[: cut + 1], data[cut + 1 :]
-            yield line, block
-            line += block.count(b"\n")
+            else:
+                block, carry = data[: cut + 1], data[cut + 1 :]
+                yield line, block
+                line += block.count(b"\n")
+            if len(carry) > MAX_LINE_BYTES + 1:  # + 1: room for a \r before the \n
+                yield line, _LongLine(carry[:200], len(carry))
+                carry, skipping = b"", len(carry)
+    except (OSError, pa.ArrowInvalid) as err:
+        raise _DamagedFile(_damage_message(path, line - 1, err)) from err
     if carry:
         yield line, carry + b"\n"
+
+
+def _reads(path: Path, size: int) -> Iterator[bytes]:
+    """The (decompressed) bytes of ``path`` in pieces of about ``size``; read in small steps so that
+    what comes before a damaged part of a compressed file is yielded before the error is raised."""
+    pieces: list[bytes] = []
+    have = 0
+    with pa.input_stream(str(path), compression="detect") as stream:
+        try:
+            while piece := stream.read(min(size, 1 << 20)):
+                pieces.append(piece)
+                have += len(piece)
+                if have >= size:
+                    yield b"".join(pieces)
+                    pieces, have = [], 0
+        except (OSError, pa.ArrowInvalid):
+            if pieces:
+                yield b"".join(pieces)
+            raise
+    if pieces:
+        yield b"".join(pieces)
+
+
+def _damage_message(path: Path, lines: int, err: Exception) -> str:
+    codec = _CODECS.get(path.suffix.lower(), "compressed")
+    detail = " ".join(str(err).split())
+    if "truncated" in detail.lower():
+        what = f"ends early (truncated {codec} data)"
+    elif lines == 0:
+        what = f"is not valid {codec} data"
+    else:
+        what = f"is damaged ({codec} data that does not decompress)"
+    where = f" after line {lines}" if lines else ""
+    return (f"{path} {what}{where}: {detail}. Download or compress the file again, or take it out of data.path; "
+            "nothing was written")
 
 
 def _header(line: bytes, delimiter: str, path: Path) -> list[str]:
@@ -393,6 +493,21 @@ def _parse_block(block: bytes, first_line: int, names: list[str], kinds: dict[st
     for i in np.flatnonzero(~keep):
         report.add_bad(first_line + int(i), "wrong_field_count", f"expected {expected} fields, found an empty line",
                        b"")
+    long = np.flatnonzero(keep & (lengths > MAX_LINE_BYTES))
+    long = long[lengths[long] - (data[ends[long] - 1] == 13) > MAX_LINE_BYTES]
+    for i in long:
+        keep[i] = False
+        report.add_bad(first_line + int(i), "line_too_long", _too_long(int(lengths[i])), excerpt(i)[:200])
+    if b"\r" in block:
+        carriage = np.flatnonzero(data == 13)
+        carriage = carriage[data[carriage + 1] != 10]  # \r\n is a line end; the block ends in \n
+        for i in np.unique(np.searchsorted(ends, carriage)):
+            if keep[i]:
+                keep[i] = False
+                at = int(carriage[np.searchsorted(carriage, starts[i])] - starts[i])
+                report.add_bad(first_line + int(i), "carriage_return",
+                               f"a carriage return (\\r) inside the line at byte {at}; a line ends at \\n or "
+                               "\\r\\n", excerpt(i))
     high = np.flatnonzero(data >= 0x80)
     if high.size:
         for i in np.unique(np.searchsorted(ends, high)):
@@ -402,14 +517,21 @@ def _parse_block(block: bytes, first_line: int, names: list[str], kinds: dict[st
                 keep[i] = False
                 report.add_bad(first_line + int(i), "invalid_utf8",
                                f"invalid UTF-8 ({err.reason}) at byte {err.start} of the line", excerpt(i))
-    kept = np.flatnonzero(keep)
-    if kept.size < starts.size:
-        data = data[np.repeat(keep, lengths + 1)]
-    if kept.size == 0:
+    table, rejected, kept = _parse_kept(data, keep, lengths, names, kinds, delimiter, quoting)
+    if table is not None and quoting and (table.num_rows + len(rejected) != kept.size
+                                          or _open_quotes(excerpt, kept[-1:], delimiter)):
+        # A quote left open merges lines into one row (or takes the line end at the end of the block):
+        # such lines are malformed, the rest are parsed again.
+        for i in _open_quotes(excerpt, kept, delimiter):
+            keep[i] = False
+            report.add_bad(first_line + i, "open_quote", "a quoted value does not end on its line", excerpt(i))
+        table, rejected, kept = _parse_kept(data, keep, lengths, names, kinds, delimiter, quoting)
+        if table is not None and table.num_rows + len(rejected) != kept.size:
+            raise BadInputError(f"{report.file}: lines {first_line}..{first_line + len(starts) - 1} do not split "
+                                "into one row per line; check the quoting there")
+    if table is None:
         empty = pa.table({n: pa.array([], pa.string()) for n in kinds})
         return empty, np.zeros(0, dtype=np.int64), excerpt
-    clean = data.tobytes() if kept.size < starts.size else block
-    table, rejected = _parse_typed_or_text(clean, names, kinds, delimiter, quoting)
     for number, expected_columns, actual_columns in rejected:
         index = int(kept[number - 1])
         report.add_bad(first_line + index, "wrong_field_count",
@@ -417,6 +539,30 @@ def _parse_block(block: bytes, first_line: int, names: list[str], kinds: dict[st
     rejected = [number - 1 for number, _, _ in rejected]
     rows = np.delete(kept, rejected) if rejected else kept
     return table, first_line + rows.astype(np.int64), excerpt
+
+
+def _parse_kept(data: np.ndarray, keep: np.ndarray, lengths: np.ndarray, names: list[str], kinds: dict[str, str],
+                delimiter: str, quoting: bool) -> tuple[pa.Table | None, list[tuple[int, int, int]], np.ndarray]:
+    """Parse the kept lines of a block: (table or None when no line is kept, rejected rows, kept indices)."""
+    kept = np.flatnonzero(keep)
+    if kept.size == 0:
+        return None, [], kept
+    clean = data[np.repeat(keep, lengths + 1)].tobytes() if kept.size < keep.size else data.tobytes()
+    table, rejected = _parse_typed_or_text(clean, names, kinds, delimiter, quoting)
+    return table, rejected, kept
+
+
+def _open_quotes(excerpt: _Excerpts, rows: np.ndarray, delimiter: str) -> list[int]:
+    """The rows whose line leaves a quoted value open (a field that would run on to the next line)."""
+    found = []
+    for i in rows:
+        line = excerpt(int(i))
+        if b'"' in line:
+            fields = next(csv.reader([line.decode("utf-8", errors="replace").rstrip("\r") + "\n"],
+                                     delimiter=delimiter))
+            if any("\n" in f for f in fields):
+                found.append(int(i))
+    return found
 
 
 _PARSE_TYPES = {"label": pa.int64(), "int": pa.int64(), "float": pa.float64(), "string": pa.string(),
@@ -492,6 +638,12 @@ def _check_and_convert(table: pa.Table, lines: np.ndarray, kinds: dict[str, str]
             value = "" if value is None else value if isinstance(value, str) else str(value)
             if kind == "label":
                 what, reason = "bad_label", f"{name}: expected 0 or 1, found {value!r}"
+            elif kind == "float" and _is_infinite(value):
+                shown = value if len(value) <= 40 else value[:37] + "..."
+                what, reason = "out_of_range", f"{name}: {shown!r} is not a finite number"
+            elif kind == "int" and value and value.lstrip("-").isdigit():
+                shown = value if len(value) <= 40 else value[:37] + "..."
+                what, reason = "out_of_range", f"{name}: {shown!r} is outside the 64-bit integer range"
             else:
                 noun = "an integer" if kind == "int" else "a number"
                 what, reason = "not_a_number", f"{name}: {value!r} is not {noun}"
@@ -503,6 +655,13 @@ def _check_and_convert(table: pa.Table, lines: np.ndarray, kinds: dict[str, str]
     return pa.Table.from_arrays(columns, names=list(kinds)), lines
 
 
+def _is_infinite(value: str) -> bool:
+    try:
+        return np.isinf(float(value))
+    except ValueError:
+        return False
+
+
 def _is_text(t: pa.DataType) -> bool:
     return pa.types.is_string(t) or pa.types.is_large_string(t)
 
@@ -512,14 +671,29 @@ def _values_ok(column: pa.ChunkedArray, kind: str) -> np.ndarray | None:
     if kind == "label" and not _is_text(column.type):
         values = pc.cast(column, pa.float64()).to_numpy(zero_copy_only=False)
         return (values == 0) | (values == 1)  # a null (NaN) label is bad too
+    if kind == "float" and pa.types.is_floating(column.type):
+        return ~pc.fill_null(pc.is_inf(column), False).to_numpy(zero_copy_only=False).astype(bool)
     if not _is_text(column.type):
         return None
     if kind == "label":
         ok = pc.match_substring_regex(column, _LABEL_PATTERN)
     elif kind == "int":
-        ok = pc.match_substring_regex(column, _INT_PATTERN)
+        ok = pc.fill_null(pc.match_substring_regex(column, _INT_PATTERN), False).to_numpy(zero_copy_only=False)
+        ok = ok.astype(bool)
+        long = np.flatnonzero(ok & (pc.fill_null(pc.utf8_length(column), 0).to_numpy(zero_copy_only=False)
+                                    >= _INT64_DIGITS))
+        for i in long:
+            digits = column[int(i)].as_py()
+            negative = digits.startswith("-")
+            digits = digits.lstrip("-").lstrip("0")
+            ok[i] = len(digits) <= _INT64_DIGITS and (int(digits or "0") <= (2**63 if negative else 2**63 - 1))
+        return ok
     elif kind == "float":
-        ok = pc.or_(pc.match_substring_regex(column, _FLOAT_PATTERN), pc.match_substring_regex(column, _NAN_PATTERN))
+        number = pc.and_(pc.match_substring_regex(column, _FLOAT_PATTERN), pc.not_equal(column, ""))
+        values = pc.cast(pc.if_else(number, column, pa.scalar(None, column.type)), pa.float64())
+        ok = pc.and_(pc.or_(pc.match_substring_regex(column, _FLOAT_PATTERN),
+                            pc.match_substring_regex(column, _NAN_PATTERN)),
+                     pc.invert(pc.fill_null(pc.is_inf(values), False)))
     else:
         return None
     return pc.fill_null(ok, False).to_numpy(zero_copy_only=False).astype(bool)
@@ -658,7 +832,7 @@ def _combine(results: list[dict], d: DataConfig) -> dict:
     for r in reports:
         for kind, count in r.bad.items():
             bad[kind] = bad.get(kind, 0) + count
-    failed = d.on_bad_lines == "error" and any(r.bad_rows for r in reports)
+    failed = (d.on_bad_lines == "error" and any(r.bad_rows for r in reports)) or any(r.error for r in reports)
     written = {s: sum(r["rows_written"][s] for r in results) for s in raw_folder.SPLITS}
     return {
         "status": "failed" if failed else "ok",
@@ -670,7 +844,8 @@ def _combine(results: list[dict], d: DataConfig) -> dict:
         "examples": [e for r in reports for e in sorted(r.examples, key=lambda e: e["line"])][:EXAMPLES],
         "rows_written": {s: (0 if failed else n) for s, n in written.items()},
         "files": [{"file": r.file, "rows_read": r.rows_read, "rows_kept": r.rows_kept, "bad": r.bad,
-                   "stopped_at_line": r.stopped_at_line} for r in reports],
+                   "stopped_at_line": r.stopped_at_line, **({"error": r.error} if r.error else {})}
+                  for r in reports],
     }
 
 
@@ -683,6 +858,10 @@ def _print_report(report: dict) -> None:
 
 
 def _failure_message(report: dict) -> str:
+    damaged = [f["error"] for f in report["files"] if f.get("error")]
+    if damaged:
+        return damaged[0] + (f" ({len(damaged) - 1} more damaged file(s) in ingest_report.json)"
+                             if len(damaged) > 1 else "")
     first = "; ".join(f"{Path(e['file']).name} line {e['line']}: {e['reason']} ({e['excerpt'][:60]!r})"
                       for e in report["examples"][:3])
     return (f"malformed input rows ({report['bad_rows']} found before stopping: {report['bad']}): {first}. "

@@ -79,7 +79,7 @@ def as_float64(values: Any, name: str | None = None) -> Any:
     if isinstance(dtype, pd.ArrowDtype) and (pa.types.is_integer(dtype.pyarrow_dtype)
                                              or pa.types.is_floating(dtype.pyarrow_dtype)):
         try:
-            return as_arrow(values).cast(pa.float64()).to_numpy(zero_copy_only=False)
+            return as_arrow(values).cast(pa.float64(), safe=False).to_numpy(zero_copy_only=False)
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
             pass  # the general path below says what is wrong
     series = values if isinstance(values, pd.Series) else pd.Series(values, name=name, copy=False)
@@ -87,7 +87,7 @@ def as_float64(values: Any, name: str | None = None) -> Any:
         return series.to_numpy(dtype="float64")
     try:
         if hasattr(series.array, "__arrow_array__"):
-            return pa.array(series.array).cast(pa.float64()).to_numpy(zero_copy_only=False)
+            return pa.array(series.array).cast(pa.float64(), safe=False).to_numpy(zero_copy_only=False)
         return series.to_numpy(dtype="float64", na_value=np.nan)
     except (TypeError, ValueError, pa.ArrowInvalid, pa.ArrowNotImplementedError) as err:
         raise BadInputError(f"column {series.name!r}: expected numbers, found dtype {series.dtype} ({err})") from err

@@ -1,0 +1,274 @@
+"""Hostile ingest files through the real data stage: no traceback, every bad line counted with its number.
+
+Cases (the count is in docs/HOSTILE_INPUT.md, "Ingest files"): a stray carriage return inside a
+line (Criteo plain and gzip, CSV), ``\\r\\n`` line ends, ``\\r``-only line ends (Criteo, CSV),
+lines over the length limit (Criteo, CSV, a header), a truncated gzip, a file named ``.gz`` that is
+not gzip, integers at and beyond the int64 range (typed and text paths), integers above 2^53
+through the ETL, quotes left open (CSV, TSV) and infinite numbers (typed and text paths).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.data.readers import MAX_LINE_BYTES
+from pipeline.errors import BadInputError
+from pipeline.stages import data as data_stage
+from pipeline.stages.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+TABLE = ["data.source=table", "data.label=clicked", "data.continuous=price", "data.categorical=user"]
+
+
+def _criteo_line(i: int) -> str:
+    ints = [str(i * 13 + k) if (i + k) % 4 else "" for k in range(13)]
+    cats = [f"{(i * 31 + k) % 997:08x}" for k in range(26)]
+    return "\t".join([str(i % 2), *ints, *cats])
+
+
+def _criteo(n: int = 60) -> list[str]:
+    return [_criteo_line(i) for i in range(1, n + 1)]
+
+
+def _table(n: int = 60) -> list[str]:
+    return ["clicked,price,user"] + [f"{i % 2},{i * 1.5},u{i % 7}" for i in range(1, n + 1)]
+
+
+def _ingest(tmp_path: Path, path: Path, *overrides: str) -> dict:
+    """Run the data stage (a table for files named rows.*, else Criteo); return ``raw/ingest_report.json``."""
+    source = list(TABLE) if path.name.startswith("rows") else ["data.source=criteo"]
+    cfg = load_config(None, [f"workdir={tmp_path / 'work'}", "data.chunk_rows=16", *source,
+                             f"data.path={path}", *overrides])
+    data_stage.run(cfg)
+    return json.loads((cfg.paths.raw / "ingest_report.json").read_text())
+
+
+def _failed_report(tmp_path: Path, path: Path, *overrides: str) -> tuple[str, dict]:
+    with pytest.raises(BadInputError) as err:
+        _ingest(tmp_path, path, *overrides)
+    found = list((tmp_path / "work").glob("*/raw/ingest_report.json"))
+    return str(err.value), (json.loads(found[0].read_text()) if found else None)
+
+
+def _raw_rows(tmp_path: Path) -> pa.Table:
+    parts = sorted((tmp_path / "work").glob("*/raw/*/part-*.parquet"))
+    return pa.concat_tables([pq.read_table(p) for p in parts])
+
+
+def _write(path: Path, data: bytes) -> Path:
+    path.write_bytes(gzip.compress(data) if path.suffix == ".gz" else data)
+    return path
+
+
+@pytest.mark.parametrize("name", ["day.tsv", "day.tsv.gz"])
+def test_a_stray_carriage_return_is_one_counted_line_and_numbers_stay_right(tmp_path, name):
+    lines = _criteo()
+    lines[3] = lines[3].replace("\t", "\t\r", 5)  # splits a field of line 4
+    lines[7] = "\t".join(["1", "abc"] + lines[7].split("\t")[2:])  # line 8: a non-number after it
+    path = _write(tmp_path / name, ("\r\n".join(lines) + "\r\n").encode())
+    report = _ingest(tmp_path, path, "data.on_bad_lines=skip")
+    assert (report["rows_read"], report["rows_kept"]) == (60, 58)
+    assert report["bad"] == {"carriage_return": 1, "not_a_number": 1}
+    assert [e["line"] for e in report["examples"]] == [4, 8]
+    assert report["examples"][0]["reason"].startswith("a carriage return (\\r) inside the line at byte 2;")
+    assert report["examples"][1]["reason"] == "I1: 'abc' is not an integer"
+    table = _raw_rows(tmp_path)
+    assert table.num_rows == 58 and not any("\r" in (v or "") for v in table.column("C26").to_pylist())
+
+    message, report = _failed_report(tmp_path, path)
+    assert f"{path.name} line 4: a carriage return" in message and "data.on_bad_lines=skip" in message
+    assert report["status"] == "failed" and report["bad"]["carriage_return"] == 1
+
+
+def test_a_stray_carriage_return_in_a_csv_line(tmp_path):
+    lines = _table()
+    lines[5] = "1,2.5\r,u3"  # line 6 of the file
+    path = _write(tmp_path / "rows.csv", ("\n".join(lines) + "\n").encode())
+    report = _ingest(tmp_path, path, "data.on_bad_lines=skip")
+    assert report["bad"] == {"carriage_return": 1} and report["examples"][0]["line"] == 6
+    assert (report["rows_read"], report["rows_kept"]) == (60, 59)
+
+
+@pytest.mark.parametrize("name", ["day.tsv", "rows.csv", "rows.csv.gz"])
+def test_carriage_return_only_line_ends_are_line_ends(tmp_path, name):
+    lines = _criteo(300) if name.startswith("day") else _table(300)
+    bad = 41 if name.startswith("day") else 42  # the file's line 42 (header included) / 41
+    fields = lines[bad - 1].split("\t" if name.startswith("day") else ",")
+    fields[1] = "oops"
+    lines[bad - 1] = ("\t" if name.startswith("day") else ",").join(fields)
+    path = _write(tmp_path / name, ("\r".join(lines) + "\r").encode())
+    report = _ingest(tmp_path, path, "data.on_bad_lines=skip")
+    assert (report["rows_read"], report["rows_kept"], report["bad_rows"]) == (300, 299, 1)
+    assert report["examples"][0]["line"] == bad and "'oops'" in report["examples"][0]["reason"]
+
+
+@pytest.mark.parametrize("name", ["day.tsv", "rows.csv"])
+def test_over_long_lines_are_counted_not_fatal(tmp_path, name):
+    criteo = name.startswith("day")
+    lines = _criteo(400) if criteo else _table(400)
+    sep = "\t" if criteo else ","
+    lines[5] += "x" * (MAX_LINE_BYTES + 1)              # over by one byte
+    lines[20] += "y" * (9 << 20)                         # much longer than a read block
+    lines[30] += "z" * (MAX_LINE_BYTES - len(lines[30]) - 1)  # at the limit: read whole
+    lines[99] = sep.join(["1"] * 2)                      # a short line after them keeps its number
+    path = _write(tmp_path / name, ("\n".join(lines) + "\n").encode())
+    report = _ingest(tmp_path, path, "data.on_bad_lines=skip")
+    assert report["bad"] == {"line_too_long": 2, "wrong_field_count": 1}
+    assert [e["line"] for e in report["examples"]] == [6, 21, 100]
+    assert f"longer than {MAX_LINE_BYTES} bytes" in report["examples"][0]["reason"]
+    assert (report["rows_read"], report["rows_kept"]) == (400, 397)
+    column = "C26" if criteo else "user"
+    assert max(len(v) for v in _raw_rows(tmp_path).column(column).to_pylist()) > MAX_LINE_BYTES - 400
+
+    message, report = _failed_report(tmp_path, path)
+    assert f"{name} line 6: the line is longer than" in message
+    assert report["files"][0]["stopped_at_line"] >= 6
+
+
+def test_an_over_long_header_is_one_clear_error(tmp_path):
+    path = _write(tmp_path / "rows.csv", ("clicked,price,user" + "," * (MAX_LINE_BYTES + 5) + "\n1,2,a\n").encode())
+    message, _ = _failed_report(tmp_path, path, "data.on_bad_lines=skip")
+    assert "rows.csv" in message and "header line" in message and "longer than" in message
+
+
+def _damaged_gz(tmp_path: Path, kind: str) -> Path:
+    data = ("\n".join(_criteo(20_000)) + "\n").encode()
+    path = tmp_path / "day.tsv.gz"
+    if kind == "truncated":
+        packed = gzip.compress(data)
+        path.write_bytes(packed[: len(packed) * 3 // 5])
+    else:
+        path.write_bytes(data)  # plain text named .gz
+    return path
+
+
+@pytest.mark.parametrize("kind", ["truncated", "not gzip"])
+@pytest.mark.parametrize("mode", ["error", "skip"])
+def test_a_damaged_gzip_is_one_error_naming_the_file(tmp_path, kind, mode):
+    path = _damaged_gz(tmp_path, kind)
+    message, report = _failed_report(tmp_path, path, f"data.on_bad_lines={mode}")
+    assert str(path) in message and "\n" not in message
+    assert ("ends early" if kind == "truncated" else "not valid gzip") in message
+    assert report["status"] == "failed" and report["rows_written"] == {"train": 0, "valid": 0, "test": 0}
+    assert report["files"][0]["error"] == message
+    rows = report["files"][0]["rows_read"]
+    assert (rows > 0) if kind == "truncated" else (rows == 0)
+    if kind == "truncated":
+        assert f"after line {rows}" in message
+    assert not list((tmp_path / "work").glob("*/raw/meta.json"))
+    assert not list((tmp_path / "work").glob("*/raw/*/*.parquet"))
+
+
+def test_a_damaged_gzip_among_several_files_names_that_file(tmp_path):
+    folder = tmp_path / "days"
+    folder.mkdir()
+    _write(folder / "day_0.tsv.gz", ("\n".join(_criteo(50)) + "\n").encode())
+    (folder / "day_1.tsv.gz").write_bytes(b"not gzip at all\n")
+    message, report = _failed_report(tmp_path, folder)
+    assert str(folder / "day_1.tsv.gz") in message
+    assert [f["rows_read"] for f in report["files"]] == [50, 0]
+
+
+def test_the_cli_prints_one_error_line_for_a_damaged_gzip(tmp_path):
+    path = _damaged_gz(tmp_path, "truncated")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "pipeline", "data", f"workdir={tmp_path / 'work'}",
+                           "data.source=criteo", f"data.path={path}"], check=False, cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and str(path) in errors[0] and "Traceback" not in done.stderr
+
+
+INT64_MAX, INT64_MIN = 2**63 - 1, -(2**63)
+FITS = [INT64_MAX, INT64_MIN, 1234567890123456789, 2**53 + 1, -(2**53) - 1, 7]
+DOES_NOT_FIT = ["9223372036854775808", "-9223372036854775809", "12345678901234567890", "1" * 400]
+
+
+@pytest.mark.parametrize("with_text_path", [False, True])
+def test_every_int64_is_accepted_and_nothing_beyond(tmp_path, with_text_path):
+    lines = _criteo(40)
+
+    def with_i1(line: str, value) -> str:
+        fields = line.split("\t")
+        fields[1] = str(value)
+        return "\t".join(fields)
+
+    for k, value in enumerate(FITS):
+        lines[k] = with_i1(lines[k], value)
+    if with_text_path:  # a value that does not parse sends the block to the checked text path
+        for k, value in enumerate(DOES_NOT_FIT):
+            lines[10 + k] = with_i1(lines[10 + k], value)
+    path = _write(tmp_path / "day.tsv", ("\n".join(lines) + "\n").encode())
+    report = _ingest(tmp_path, path, "data.on_bad_lines=skip", "data.chunk_rows=100")
+    if with_text_path:
+        assert report["bad"] == {"out_of_range": 4}
+        assert [e["line"] for e in report["examples"]] == [11, 12, 13, 14]
+        assert "outside the 64-bit integer range" in report["examples"][0]["reason"]
+    else:
+        assert report["bad"] == {}
+    values = set(_raw_rows(tmp_path).column("I1").to_pylist())
+    assert set(FITS) <= values
+
+
+def test_the_etl_accepts_every_integer_ingest_accepts(tmp_path):
+    from pipeline.stages import etl as etl_stage
+
+    lines = _criteo(400)
+    for k, value in enumerate([INT64_MAX, 2**53 + 1, INT64_MIN, 10**17 + 3] * 50):
+        fields = lines[k * 2].split("\t")
+        fields[1 + k % 13] = str(value)
+        lines[k * 2] = "\t".join(fields)
+    path = _write(tmp_path / "day.tsv", ("\n".join(lines) + "\n").encode())
+    cfg = load_config(None, [f"workdir={tmp_path / 'work'}", "device=cpu", "etl.cluster=threads",
+                             "data.source=criteo", f"data.path={path}", "data.valid_fraction=0.2",
+                             "data.test_fraction=0.2"])
+    etl_stage.run(cfg)
+    train = pa.concat_tables([pq.read_table(p) for p in sorted((cfg.paths.processed / "train").glob("*.parquet"))])
+    assert train.num_rows > 100
+    for name in [f"I{i}" for i in range(1, 14)]:
+        values = train.column(name).to_numpy(zero_copy_only=False)
+        assert values.dtype.kind == "f" and pa.compute.all(pa.compute.is_finite(train.column(name))).as_py()
+
+
+@pytest.mark.parametrize("name", ["rows.csv", "rows.tsv"])
+def test_a_quote_left_open_is_one_counted_line(tmp_path, name):
+    sep = "," if name.endswith(".csv") else "\t"
+    lines = [line.replace(",", sep) for line in _table(60)]
+    lines[5] = sep.join(["1", "2", '"abc'])            # line 6: the quote runs on into line 7
+    lines[10] = sep.join(["1", "2", '"a'])             # lines 11-12: a quoted line end
+    lines[11] = 'b"'
+    lines[60] = sep.join(["0", "3", '"last'])          # the last line
+    path = _write(tmp_path / name, ("\n".join(lines) + "\n").encode())
+    report = _ingest(tmp_path, path, "data.on_bad_lines=skip")
+    assert report["bad"] == {"open_quote": 3, "wrong_field_count": 1}
+    assert [(e["line"], e["reason"]) for e in report["examples"]] == [
+        (6, "a quoted value does not end on its line"), (11, "a quoted value does not end on its line"),
+        (12, "expected 3 fields, found 1"), (61, "a quoted value does not end on its line")]
+    assert (report["rows_read"], report["rows_kept"]) == (60, 56)
+    assert not any("\n" in v for v in _raw_rows(tmp_path).column("user").to_pylist())
+
+
+@pytest.mark.parametrize("with_text_path", [False, True])
+def test_infinite_numbers_are_counted_not_kept(tmp_path, with_text_path):
+    lines = _table(60)
+    for line, value in zip((3, 4, 5, 6), ("inf", "-Infinity", "1e400", "1" * 400)):
+        lines[line - 1] = f"1,{value},u1"
+    if with_text_path:
+        lines[9] = "1,oops,u1"
+    path = _write(tmp_path / "rows.csv", ("\n".join(lines) + "\n").encode())
+    report = _ingest(tmp_path, path, "data.on_bad_lines=skip")
+    assert report["bad"] == {"out_of_range": 4, **({"not_a_number": 1} if with_text_path else {})}
+    assert [e["line"] for e in report["examples"]][:4] == [3, 4, 5, 6]
+    assert all(e["reason"].endswith("is not a finite number") for e in report["examples"][:4])
+    prices = _raw_rows(tmp_path).column("price").to_numpy(zero_copy_only=False)
+    assert len(prices) == 60 - len(report["examples"]) and all(abs(p) < 1e300 for p in prices)
