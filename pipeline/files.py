@@ -41,6 +41,20 @@ def atomic_open(path: str | Path, mode: str = "wb") -> Iterator[Any]:
         tmp.unlink(missing_ok=True)
 
 
+def remove_tmp_files(folder: str | Path, recursive: bool = False) -> list[Path]:
+    """Delete the ``*.tmp`` files that killed writes left in ``folder`` (and below it with ``recursive``).
+
+    Call it only while nothing writes there. Returns the files removed.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    found = [p for p in (folder.rglob("*.tmp") if recursive else folder.glob("*.tmp")) if p.is_file()]
+    for p in found:
+        p.unlink(missing_ok=True)
+    return found
+
+
 def write_text(path: str | Path, text: str) -> None:
     """Write ``text`` to ``path`` atomically."""
     with atomic_open(path, "w") as f:

@@ -12,6 +12,8 @@ Loading reads, for each table part the new plan puts on this rank (any world siz
 unsharded collection), the saved pieces whose rows overlap it (memory-mapped) and copies the
 overlap: resharding on load. Files are written as ``.tmp`` and renamed; ``meta.json`` is written
 last by rank 0, after every rank finished, so a folder without it is an unfinished save.
+:func:`check_sharded_checkpoint` says, without loading the weights, whether a folder is a whole,
+readable checkpoint (what a resume tries before it changes any state).
 
 Example::
 
@@ -23,6 +25,8 @@ Example::
 from __future__ import annotations
 
 import json
+import re
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -30,15 +34,63 @@ import torch
 import torch.distributed as dist
 
 from pipeline.distributed.embedding import ShardedEmbeddingCollection, table_tensors
-from pipeline.distributed.types import ShardingPlan
+from pipeline.distributed.types import PlanError, ShardingPlan
+from pipeline.errors import BadInputError
 from pipeline.files import atomic_open, write_json
 from pipeline.modules.collection import EmbeddingCollection
 
 CHECKPOINT_VERSION = 1
+_ZIP_HEADER = b"PK\x03\x04"
 
 
-class ShardedCheckpointError(ValueError):
-    """A sharded checkpoint that is unfinished, of another version, or does not match the model."""
+class CheckpointError(BadInputError):
+    """A checkpoint that cannot be read (missing, truncated, not a torch file, another version)."""
+
+
+class ShardedCheckpointError(CheckpointError):
+    """A sharded checkpoint that is unfinished, damaged, of another version, or does not match the model."""
+
+
+def load_torch_file(path: str | Path, label: str, error: type[CheckpointError] = CheckpointError,
+                    **load_args: Any) -> Any:
+    """``torch.load(path, weights_only=True, **load_args)``, or ``error`` in one line: "<label> is unreadable: why".
+
+    The file is first checked to be a whole ``torch.save`` file (a zip archive with its end), so a
+    truncated, empty or foreign file is named as such rather than by the unpickler's message.
+    """
+    path = Path(path)
+    problem = torch_file_problem(path)
+    if problem is None:
+        try:
+            return torch.load(path, weights_only=True, **load_args)
+        except Exception as err:  # noqa: BLE001 - whatever the unpickler raises, the file is unreadable
+            problem = f"torch.load cannot read it: {_load_error(err)}"
+    raise error(f"{label} is unreadable: {problem}")
+
+
+def torch_file_problem(path: Path) -> str | None:
+    """Why ``path`` is not a whole file written by ``torch.save`` (checked from its size and zip structure), or None."""
+    if not path.is_file():
+        return "the file is missing"
+    size = path.stat().st_size
+    if size == 0:
+        return "empty file (0 bytes)"
+    with open(path, "rb") as f:
+        head = f.read(len(_ZIP_HEADER))
+    if head != _ZIP_HEADER:
+        return f"not a torch checkpoint file ({size:,} bytes that do not start as torch.save writes)"
+    if not zipfile.is_zipfile(path):
+        return f"truncated ({size:,} bytes; the end of the file is missing)"
+    return None
+
+
+def _load_error(err: Exception) -> str:
+    text = str(err)
+    unsafe = re.search(r"Unsupported global: GLOBAL (\S+)", text)
+    if unsafe:
+        return f"it holds a pickled object ({unsafe.group(1)}), and checkpoints are loaded without running code"
+    first = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    return f"{type(err).__name__}: {first[:300]}" if first else type(err).__name__
 
 
 def _save(obj: Any, path: Path) -> None:
@@ -88,14 +140,52 @@ def save_sharded_checkpoint(folder: str | Path, collections: dict[str, ShardedEm
 
 
 def read_meta(folder: str | Path) -> dict[str, Any]:
+    """The folder's ``meta.json``; :class:`ShardedCheckpointError` for an unfinished save or another version."""
     folder = Path(folder)
     meta_path = folder / "meta.json"
+    unreadable = f"sharded checkpoint {folder} is unreadable"
     if not meta_path.is_file():
-        raise ShardedCheckpointError(f"{folder} holds no finished sharded checkpoint (no meta.json)")
-    meta = json.loads(meta_path.read_text())
-    if meta.get("version") != CHECKPOINT_VERSION:
-        raise ShardedCheckpointError(f"{folder}: checkpoint version {meta.get('version')}, "
-                                     f"expected {CHECKPOINT_VERSION}")
+        raise ShardedCheckpointError(f"{unreadable}: no meta.json (an unfinished save)")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (UnicodeDecodeError, ValueError) as err:
+        raise ShardedCheckpointError(f"{unreadable}: meta.json is not JSON ({err})") from err
+    found = meta.get("version") if isinstance(meta, dict) else type(meta).__name__
+    if found != CHECKPOINT_VERSION:
+        raise ShardedCheckpointError(f"{unreadable}: expected version {CHECKPOINT_VERSION}, found {found}")
+    return meta
+
+
+def check_sharded_checkpoint(folder: str | Path) -> dict[str, Any]:
+    """The ``meta.json`` of ``folder`` once every file it lists reads as a whole; else :class:`ShardedCheckpointError`.
+
+    Reads ``dense.pt`` and maps each embedding piece (checking its rows and dim against the meta),
+    so the cost is the dense state plus one small read per piece, not the tables.
+    """
+    folder = Path(folder)
+    meta = read_meta(folder)
+    unreadable = f"sharded checkpoint {folder} is unreadable"
+    try:
+        pieces = []
+        for path, saved in meta["collections"].items():
+            plan = ShardingPlan.from_dict(saved["plan"])
+            for table in saved["tables"]:
+                for lo, hi in sorted(set(plan[table["name"]].row_ranges)):
+                    pieces.append((_piece_path(folder, path, table["name"], lo, hi), (hi - lo, table["dim"])))
+        for key in ("step", "world_size"):
+            int(meta[key])
+    except (KeyError, TypeError, ValueError, PlanError) as err:
+        raise ShardedCheckpointError(f"{unreadable}: meta.json is malformed ({type(err).__name__}: {err})") from err
+    dense = load_torch_file(folder / "dense.pt", f"sharded checkpoint {folder}: dense.pt", ShardedCheckpointError)
+    if not isinstance(dense, dict) or not {"dense", "extra"} <= dense.keys():
+        raise ShardedCheckpointError(f"{unreadable}: dense.pt holds no dense state")
+    for piece, shape in pieces:
+        name = piece.relative_to(folder)
+        values = load_torch_file(piece, f"sharded checkpoint {folder}: {name}", ShardedCheckpointError, mmap=True)
+        weight = values.get("weight") if isinstance(values, dict) else None
+        if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != shape:
+            found = tuple(weight.shape) if isinstance(weight, torch.Tensor) else "none"
+            raise ShardedCheckpointError(f"{unreadable}: {name} holds weights of shape {found}, expected {shape}")
     return meta
 
 
@@ -127,7 +217,8 @@ def load_sharded_checkpoint(folder: str | Path,
             target.set_step(saved["embedding_step"])
         else:
             target.step.fill_(saved["embedding_step"])
-    return torch.load(folder / "dense.pt", map_location="cpu", weights_only=True)
+    return load_torch_file(folder / "dense.pt", f"sharded checkpoint {folder}: dense.pt", ShardedCheckpointError,
+                           map_location="cpu")
 
 
 def _fill(folder: Path, path: str, name: str, lo: int, hi: int, views: dict[str, torch.Tensor],
@@ -137,7 +228,9 @@ def _fill(folder: Path, path: str, name: str, lo: int, hi: int, views: dict[str,
         a, b = max(lo, plo), min(hi, phi)
         if a >= b:
             continue
-        piece = torch.load(_piece_path(folder, path, name, plo, phi), map_location="cpu", weights_only=True, mmap=True)
+        file = _piece_path(folder, path, name, plo, phi)
+        piece = load_torch_file(file, f"sharded checkpoint {folder}: {file.relative_to(folder)}", ShardedCheckpointError,
+                                map_location="cpu", mmap=True)
         for key, view in views.items():
             if key not in piece:
                 raise ShardedCheckpointError(f"{folder}: table {name} was saved without {key!r} (another optimizer?)")

@@ -14,6 +14,9 @@ read back) plus one ``rank-R.pt`` per rank with its loader position and RNG stat
 
 Both keep the newest ``keep`` checkpoints. Every file is written atomically (a kill mid-save leaves
 the previous checkpoint intact), and no code is pickled, so loading runs nothing from the file.
+A resume takes the newest checkpoint that reads whole (``newest_readable``): each newer one that
+does not (truncated, empty, foreign, another version, an unfinished sharded folder) is reported in
+one line and passed over. The ``*.tmp`` files of a killed save go at the next start or save.
 
 Example::
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 import random
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,9 +37,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from pipeline.distributed.checkpoint import load_sharded_checkpoint, read_meta, save_sharded_checkpoint
+from pipeline.distributed.checkpoint import (
+    CheckpointError,
+    ShardedCheckpointError,
+    check_sharded_checkpoint,
+    load_sharded_checkpoint,
+    load_torch_file,
+    read_meta,
+    save_sharded_checkpoint,
+)
 from pipeline.distributed.world import World
-from pipeline.files import atomic_open
+from pipeline.files import atomic_open, remove_tmp_files
 from pipeline.train.model import model_from_spec
 
 if TYPE_CHECKING:
@@ -44,10 +56,8 @@ if TYPE_CHECKING:
 CHECKPOINT_VERSION = 1
 _NAME = re.compile(r"^step-(\d+)\.pt$")
 _SHARDED = ".sharded"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be read or does not match this version."""
+_SHARDED_NAME = re.compile(r"^step-(\d+)\.sharded$")
+_PLAIN_KEYS = ("step", "epoch", "model", "dense_optimizer", "loader", "rng")
 
 
 @dataclass
@@ -74,8 +84,12 @@ def latest_checkpoint(folder: str | Path) -> Path | None:
 
 
 def save_checkpoint(folder: str | Path, state: dict[str, Any], keep: int = 2) -> Path:
-    """Write ``state`` as ``folder/step-<state['step']>.pt`` atomically, then drop all but the newest ``keep``."""
+    """Write ``state`` as ``folder/step-<state['step']>.pt`` atomically, then drop all but the newest ``keep``.
+
+    The ``*.tmp`` files of earlier saves that were killed are removed first.
+    """
     path = Path(folder) / f"step-{int(state['step']):08d}.pt"
+    remove_tmp_files(folder)
     with atomic_open(path) as f:
         torch.save({"version": CHECKPOINT_VERSION, **state}, f)
     for old in checkpoints(folder)[: -max(1, keep)]:
@@ -83,25 +97,36 @@ def save_checkpoint(folder: str | Path, state: dict[str, Any], keep: int = 2) ->
     return path
 
 
-def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    path = Path(path)
-    try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as err:
-        raise CheckpointError(f"cannot read checkpoint {path}: {err}") from err
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu", **load_args: Any) -> dict[str, Any]:
+    """The state saved in ``path``; :class:`CheckpointError` in one line naming the file and what is wrong."""
+    label = f"checkpoint {path}"
+    state = load_torch_file(path, label, map_location=map_location, **load_args)
     if not isinstance(state, dict) or state.get("version") != CHECKPOINT_VERSION:
         found = state.get("version") if isinstance(state, dict) else type(state).__name__
-        raise CheckpointError(f"checkpoint {path}: expected version {CHECKPOINT_VERSION}, found {found}")
+        raise CheckpointError(f"{label} is unreadable: expected version {CHECKPOINT_VERSION}, found {found}")
     return state
 
 
-def sharded_checkpoints(folder: str | Path) -> list[Path]:
-    """Finished sharded checkpoint folders (with ``meta.json``) in ``folder``, oldest step first."""
+def sharded_checkpoints(folder: str | Path, finished: bool = True) -> list[Path]:
+    """Sharded checkpoint folders in ``folder``, oldest step first: the finished ones (with ``meta.json``), or all."""
     folder = Path(folder)
     if not folder.is_dir():
         return []
-    found = [p for p in folder.glob(f"step-*{_SHARDED}") if (p / "meta.json").is_file()]
-    return sorted(found, key=lambda p: int(p.name[len("step-"):-len(_SHARDED)]))
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if p.is_dir() and (m := _SHARDED_NAME.match(p.name))]
+    return [p for _, p in sorted(found) if not finished or (p / "meta.json").is_file()]
+
+
+def _newest_readable(candidates: list[Path], check: Callable[[Path], None]) -> Path | None:
+    """The first of ``candidates`` (newest first) that ``check`` passes; one line for each one passed over."""
+    for i, path in enumerate(candidates):
+        try:
+            check(path)
+            return path
+        except CheckpointError as err:
+            then = (f"falling back to {candidates[i + 1]}" if i + 1 < len(candidates)
+                    else f"no readable checkpoint left in {path.parent}: starting fresh")
+            print(f"[train] {err}; {then}", flush=True)
+    return None
 
 
 def rng_state() -> dict[str, Any]:
@@ -127,6 +152,25 @@ class PlainCheckpoints:
 
     def latest(self) -> Path | None:
         return latest_checkpoint(self.folder)
+
+    def candidates(self) -> list[Path]:
+        """Every checkpoint a resume could start from, newest first."""
+        return checkpoints(self.folder)[::-1]
+
+    def check(self, path: Path) -> None:
+        """Raise :class:`CheckpointError` unless ``path`` reads whole (its tensors are mapped, not read)."""
+        state = load_checkpoint(path, mmap=True)
+        missing = [key for key in _PLAIN_KEYS if key not in state]
+        if missing:
+            raise CheckpointError(f"checkpoint {path} is unreadable: it lacks {', '.join(missing)}")
+
+    def newest_readable(self) -> Path | None:
+        """The newest checkpoint that reads whole; each newer one is reported in a line and passed over."""
+        return _newest_readable(self.candidates(), self.check)
+
+    def remove_stale(self) -> None:
+        """Remove what killed saves left (``*.tmp``); only while nothing saves."""
+        remove_tmp_files(self.folder)
 
     def clear(self) -> None:
         for old in self.folder.glob("step-*.pt*"):
@@ -168,6 +212,35 @@ class ShardedCheckpoints:
         found = sharded_checkpoints(self.folder)
         return found[-1] if found else None
 
+    def candidates(self) -> list[Path]:
+        """Every checkpoint folder a resume could start from (unfinished ones too, to report them), newest first."""
+        return sharded_checkpoints(self.folder, finished=False)[::-1]
+
+    def check(self, path: Path) -> None:
+        """Raise :class:`ShardedCheckpointError` unless the folder ``path`` reads whole for this world."""
+        meta = check_sharded_checkpoint(path)
+        if meta["world_size"] != self.world.size:
+            return  # the ranks' loader positions and RNG states are not used
+        for rank in range(self.world.size):
+            mine = load_torch_file(path / f"rank-{rank}.pt", f"sharded checkpoint {path}: rank-{rank}.pt",
+                                   ShardedCheckpointError, mmap=True)
+            if not isinstance(mine, dict) or not {"loader", "rng"} <= mine.keys():
+                raise ShardedCheckpointError(f"sharded checkpoint {path} is unreadable: rank-{rank}.pt holds no "
+                                             "loader position and RNG states")
+
+    def newest_readable(self) -> Path | None:
+        """The newest folder that reads whole, as rank 0 finds it (on every rank); newer ones are reported."""
+        found = _newest_readable(self.candidates(), self.check) if self.world.is_writer else None
+        found = self.world.gather_objects(str(found) if found else None)[0]
+        return Path(found) if found else None
+
+    def remove_stale(self) -> None:
+        """Remove what killed saves left (``*.tmp`` files, folders without ``meta.json``); rank 0, while nothing saves."""
+        remove_tmp_files(self.folder, recursive=True)
+        for folder in sharded_checkpoints(self.folder, finished=False):
+            if not (folder / "meta.json").is_file():
+                shutil.rmtree(folder, ignore_errors=True)
+
     def clear(self) -> None:
         for old in self.folder.glob("step-*"):
             shutil.rmtree(old) if old.is_dir() else old.unlink()
@@ -175,8 +248,10 @@ class ShardedCheckpoints:
     def save(self, trainer: Trainer) -> Path:
         s, world = trainer.state, self.world
         folder = self.folder / f"step-{s.step:08d}{_SHARDED}"
-        if world.is_writer and folder.exists():
-            shutil.rmtree(folder)
+        if world.is_writer:
+            self.remove_stale()
+            if folder.exists():
+                shutil.rmtree(folder)
         world.barrier()
         with atomic_open(folder / f"rank-{world.rank}.pt") as f:
             torch.save({"loader": {**trainer.loader.state_dict(), "epoch": s.epoch, "batches": s.batch},
@@ -206,7 +281,8 @@ class ShardedCheckpoints:
         model.load_dense_state_dict({k: v.to(trainer.device) for k, v in saved["dense"]["model"].items()})
         trainer.optimizer.load_state_dict(saved["dense"]["dense_optimizer"])
         if meta["world_size"] == world.size:
-            mine = torch.load(path / f"rank-{world.rank}.pt", map_location="cpu", weights_only=True)
+            mine = load_torch_file(path / f"rank-{world.rank}.pt", f"sharded checkpoint {path}: rank-{world.rank}.pt",
+                                   ShardedCheckpointError, map_location="cpu")
             trainer.loader.load_state_dict(mine["loader"])
             epoch, batch = int(mine["loader"]["epoch"]), int(mine["loader"]["batches"])
             set_rng_state(mine["rng"])

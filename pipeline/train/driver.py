@@ -45,7 +45,7 @@ from pipeline.distributed.model_parallel import DistributedModelParallel, make_p
 from pipeline.distributed.types import ShardingPlan
 from pipeline.distributed.world import World
 from pipeline.errors import UserError
-from pipeline.files import atomic_open, write_json
+from pipeline.files import atomic_open, remove_tmp_files, write_json
 from pipeline.loader import Loader
 from pipeline.schema import Schema
 from pipeline.train.checkpoint import PlainCheckpoints, ShardedCheckpoints
@@ -83,6 +83,7 @@ def _train(cfg: TrainConfig, data: Path, out: Path, schema: Schema, seed: int, w
     device = world.device
     if world.is_writer:
         out.mkdir(parents=True, exist_ok=True)
+        remove_tmp_files(out)
     random.seed(seed)
     torch.manual_seed(seed)
 
@@ -90,7 +91,7 @@ def _train(cfg: TrainConfig, data: Path, out: Path, schema: Schema, seed: int, w
     spec = model_spec(cfg, schema, device.type, seed)
     model, checkpoints = _place(model_from_spec(spec, backend=cfg.embedding_backend), cfg, world, distributed,
                                 out / "checkpoints")
-    if cfg.resume and checkpoints.latest() is not None:
+    if cfg.resume and checkpoints.candidates():
         check_same_model(spec, out)
     world.barrier()  # every rank has read the old model.json before it is replaced
     if world.is_writer:
@@ -102,14 +103,16 @@ def _train(cfg: TrainConfig, data: Path, out: Path, schema: Schema, seed: int, w
     valid_loader = Loader(data / "valid", cfg.eval_batch_size, schema=schema, **shard)
     test_loader = Loader(data / "test", cfg.eval_batch_size, schema=schema, **shard)
     trainer = Trainer(model, cfg, out, train_loader, world, checkpoints)
-    found = checkpoints.latest() if cfg.resume else None
+    if cfg.resume and not checkpoints.candidates() and world.is_writer:
+        print(f"[train] train.resume=true but no checkpoint in {checkpoints.folder}: starting fresh", flush=True)
+    found = checkpoints.newest_readable() if cfg.resume else None
     if found is not None:
         if world.is_writer:
+            checkpoints.remove_stale()
             print(f"[train] resuming from {found}", flush=True)
+        world.barrier()
         trainer.resume_from(found)
     else:
-        if cfg.resume and world.is_writer:
-            print(f"[train] train.resume=true but no checkpoint in {checkpoints.folder}: starting fresh", flush=True)
         trainer.start_fresh()
     try:
         fitted = trainer.fit(lambda: evaluate(model, valid_loader, device, trainer.amp, world), callbacks)

@@ -15,7 +15,7 @@ checkpoint format (:mod:`pipeline.train.checkpoint`) matches it. :class:`Callbac
 Example::
 
     trainer = Trainer(model, cfg.train, out_dir, train_loader, World(device=device))
-    trainer.start_fresh()                       # or trainer.resume_from(trainer.checkpoints.latest())
+    trainer.start_fresh()                       # or trainer.resume_from(trainer.checkpoints.newest_readable())
     trainer.fit(evaluate_valid=lambda: evaluate(model, valid_loader, device))
 """
 
