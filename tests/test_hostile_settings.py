@@ -189,7 +189,7 @@ def test_a_hostile_value_in_the_yaml_file_names_the_setting(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("content", [b"\xff\xfe\x00bin\x00", b"- 1\n- 2\n", b"--- {a: 1}\n--- {b: 2}\n",
-                                     b"train: !!python/object:os.system {}\n"])
+                                     b"train: !!python/object:os.system {}\n", b"train:\n  lr: 0.1\n  lr: 0.2\n"])
 def test_a_config_file_that_is_not_settings_is_refused(tmp_path, capsys, content):
     f = tmp_path / "s.yaml"
     f.write_bytes(content)

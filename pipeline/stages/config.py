@@ -178,6 +178,8 @@ def _tree(node: yaml.Node | None, where: str) -> Any:
     for key, value in node.value:
         if not isinstance(key, yaml.ScalarNode):
             raise ConfigError(f"{where}, line {key.start_mark.line + 1}: a key must be a plain name")
+        if key.value in out:
+            raise ConfigError(f"{where}, line {key.start_mark.line + 1}: {key.value} is given twice")
         out[key.value] = _tree(value, where)
     return out
 
