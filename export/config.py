@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pipeline.errors import check_range
+
 DENSE_BACKENDS = ("python", "pytorch")
 INSTANCE_KINDS = ("auto", "cpu", "gpu")
 CACHE_POLICIES = ("lru", "lfu", "none")
@@ -35,10 +37,10 @@ class ExportConfig:
                               ("cache_policy", CACHE_POLICIES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"export.{name}: expected one of {', '.join(allowed)}, got {getattr(self, name)!r}")
-        if self.max_batch_size <= 0 or self.instances <= 0 or self.dense_threads <= 0:
-            raise ValueError("export.max_batch_size, export.instances and export.dense_threads must be positive")
-        if not 0 <= self.cache_fraction <= 1:
-            raise ValueError(f"export.cache_fraction: expected a value in [0, 1], got {self.cache_fraction}")
+        for name in ("max_batch_size", "instances", "dense_threads"):
+            check_range(f"export.{name}", getattr(self, name), 1)
+        check_range("export.max_queue_delay_us", self.max_queue_delay_us, 0)
+        check_range("export.cache_fraction", self.cache_fraction, 0, 1)
 
 
 @dataclass
@@ -56,3 +58,11 @@ class ServeConfig:
     smoke_rows: int = field(default=8, metadata={"help": "raw test rows sent as the smoke request"})
     once: bool = field(default=False, metadata={
         "help": "stop the server after the smoke request (for scripts) instead of serving until Ctrl-C"})
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise ValueError("serve.host: expected an address to bind, e.g. 127.0.0.1, got an empty text")
+        check_range("serve.http_port", self.http_port, 0, 65535)
+        check_range("serve.grpc_port", self.grpc_port, 0, 65535)
+        check_range("serve.startup_timeout", self.startup_timeout, 0, low_open=True)
+        check_range("serve.smoke_rows", self.smoke_rows, 1)

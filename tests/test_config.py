@@ -52,3 +52,17 @@ def test_nproc_is_for_training_only(capsys):
     with pytest.raises(SystemExit):
         main(["run", "etl", "--nproc", "2"])
     assert "applies to `run train` only" in capsys.readouterr().err
+
+
+def test_a_refused_value_names_its_setting_once(capsys):
+    assert main(["config", "show", "train.lr=-1"]) == 2
+    assert capsys.readouterr().err == "error: train.lr: expected a finite number > 0, got -1.0\n"
+    assert main(["config", "show", "data.rows=0"]) == 2
+    assert capsys.readouterr().err == "error: data.rows: expected an integer >= 1, got 0\n"
+
+
+def test_lists_and_mappings_from_the_command_line():
+    cfg = load_config(None, ["train.bottom_mlp=64,32", "train.top_mlp=[128, 1]", "etl.hash_buckets={C3: 100000}",
+                             "etl.hash_buckets.C4=7", "data.categorical="])
+    assert (cfg.train.bottom_mlp, cfg.train.top_mlp) == ([64, 32], [128, 1])
+    assert cfg.etl.hash_buckets == {"C3": 100000, "C4": 7} and cfg.data.categorical == []

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pipeline.errors import check_range
+
 
 @dataclass
 class DataConfig:
@@ -52,14 +54,13 @@ class DataConfig:
             raise ValueError(f"data.on_bad_lines: expected error or skip, got {self.on_bad_lines!r}")
         if self.source != "synthetic" and not self.path:
             raise ValueError(f"data.path is required for data.source={self.source}")
-        if self.rows <= 0 or self.chunk_rows <= 0:
-            raise ValueError(f"data.rows and data.chunk_rows must be positive, got {self.rows} and {self.chunk_rows}")
-        if self.size <= 0:
-            raise ValueError(f"data.size must be positive, got {self.size}")
+        check_range("data.rows", self.rows, 1)
+        check_range("data.chunk_rows", self.chunk_rows, 1)
+        check_range("data.size", self.size, 0, low_open=True)
+        check_range("data.valid_fraction", self.valid_fraction, 0, 1, high_open=True)
+        check_range("data.test_fraction", self.test_fraction, 0, 1, high_open=True)
         if not self.list_separator:
             raise ValueError("data.list_separator must not be empty")
-        if not 0 <= self.valid_fraction < 1 or not 0 <= self.test_fraction < 1:
-            raise ValueError("data.valid_fraction and data.test_fraction must be in [0, 1)")
         if self.valid_fraction + self.test_fraction >= 1:
             raise ValueError("data.valid_fraction + data.test_fraction must leave rows for training")
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pipeline.errors import check_range
+
 
 @dataclass
 class DistributedConfig:
@@ -27,14 +29,14 @@ class DistributedConfig:
     timeout_s: float = field(default=600.0, metadata={"help": "seconds a collective may wait before failing"})
 
     def __post_init__(self) -> None:
-        if self.nproc < 1:
-            raise ValueError(f"distributed.nproc: expected at least 1, got {self.nproc}")
-        if self.memory_per_rank_mb < 0:
-            raise ValueError(f"distributed.memory_per_rank_mb: expected >= 0, got {self.memory_per_rank_mb}")
+        check_range("distributed.nproc", self.nproc, 1)
+        check_range("distributed.memory_per_rank_mb", self.memory_per_rank_mb, 0)
+        check_range("distributed.timeout_s", self.timeout_s, 0, low_open=True)
         if self.comm_dtype not in ("fp32", "bf16"):
             raise ValueError(f"distributed.comm_dtype: expected fp32 or bf16, got {self.comm_dtype!r}")
         allowed = ("table_wise", "row_wise", "data_parallel")
         for table, value in self.sharding.items():
-            if value.partition(":")[0] not in allowed:
+            kind, colon, rank = value.partition(":")
+            if kind not in allowed or (colon and (kind != "table_wise" or not rank.isdigit())):
                 raise ValueError(f"distributed.sharding.{table}: expected table_wise[:RANK], row_wise or "
                                  f"data_parallel, got {value!r}")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pipeline.errors import check_range
+
 
 @dataclass
 class EtlConfig:
@@ -28,3 +30,14 @@ class EtlConfig:
         default_factory=dict, metadata={"help": "columns hashed into N buckets instead of a vocabulary"}
     )
     row_group_rows: int = field(default=65_536, metadata={"help": "parquet row group size of the output"})
+
+    def __post_init__(self) -> None:
+        if self.cluster not in ("auto", "local", "threads"):
+            raise ValueError(f"etl.cluster: expected auto, local or threads, got {self.cluster!r}")
+        check_range("etl.workers", self.workers, 0)
+        check_range("etl.gpu_threads", self.gpu_threads, 1)
+        check_range("etl.freq_threshold", self.freq_threshold, 0)
+        check_range("etl.max_vocab_size", self.max_vocab_size, 0)
+        check_range("etl.row_group_rows", self.row_group_rows, 1)
+        for column, buckets in self.hash_buckets.items():
+            check_range(f"etl.hash_buckets.{column}", buckets, 1)

@@ -11,23 +11,37 @@ from pipeline.errors import BadInputError
 
 
 def check_raw_files(splits: dict[str, list[Path]], roles: dict) -> None:
-    """One BadInputError listing every declared column that is missing or of the wrong type."""
+    """One BadInputError naming each file whose declared columns are missing or of the wrong type.
+
+    Every file's footer is read (a few KB each), so a column missing from any one file, or a file
+    that is not parquet, is found before any work starts.
+    """
     expected = {roles["label"]: "label", **{c: "continuous" for c in roles["continuous"]},
                 **{c: "categorical" for c in roles["categorical"]}, **{c: "multihot" for c in roles.get("multihot", [])}}
     if not splits.get("train"):
         raise BadInputError("no raw training data: expected raw/train/part-*.parquet")
     problems = []
     for files in splits.values():
-        for path in files[:1] + files[-1:] if files else []:
-            schema = pq.read_schema(path)
+        for path in files:
+            try:
+                schema = pq.read_schema(path)
+            except (OSError, pa.ArrowException) as err:
+                problems.append(f"{path} is not a readable parquet file ({(str(err).splitlines() or [''])[0]})")
+                continue
             for name, role in expected.items():
                 if name not in schema.names:
-                    problems.append(f"{path}: column {name!r} ({role}) is missing (found {schema.names})")
+                    problems.append(f"{path}: column {name!r} ({role}) is missing (found {_short(schema.names)})")
                 elif not _type_fits(role, schema.field(name).type):
-                    problems.append(f"{path}: column {name!r} should be {_EXPECTED_TYPES[role]}, found {schema.field(name).type}")
+                    problems.append(f"{path}: column {name!r} should be {_EXPECTED_TYPES[role]}, "
+                                    f"found {schema.field(name).type}")
     if problems:
-        unique = list(dict.fromkeys(problems))
-        raise BadInputError("the raw files do not match meta.json:\n  " + "\n  ".join(unique[:20]))
+        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        raise BadInputError(f"the raw files do not match meta.json: {shown}. Make the raw data again "
+                            "(python -m pipeline data) or fix the files")
+
+
+def _short(names: list[str]) -> str:
+    return str(names) if len(names) <= 8 else f"{len(names)} columns: {names[:4]} ... {names[-2:]}"
 
 
 _EXPECTED_TYPES = {

@@ -46,7 +46,7 @@ WORKFLOW_VERSION = 1
 
 
 class WorkflowVersionError(UserError):
-    """A saved workflow written by an incompatible version of this code."""
+    """A saved workflow this code cannot use: another format version, or a corrupt or incomplete folder."""
 
 
 class Workflow:
@@ -238,36 +238,67 @@ class Workflow:
 
     @classmethod
     def load(cls, path: str | Path, library: str = "pandas") -> Workflow:
-        """Read a workflow saved by :meth:`save` (on any library), to read files with ``library``."""
+        """Read a workflow saved by :meth:`save` (on any library), to read files with ``library``.
+
+        A record of another version, or a corrupt or incomplete folder (unparsable JSON, missing
+        keys, a broken graph, a missing vocabulary file) raises :class:`WorkflowVersionError` naming it.
+        """
         path = Path(path)
         record_path = path / "workflow.json"
         if not record_path.is_file():
             raise FileNotFoundError(f"no saved workflow at {path} (expected {record_path}): run the ETL first")
-        record = json.loads(record_path.read_text())
+        again = "rerun the ETL to write it again"
+        try:
+            record = json.loads(record_path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError) as err:
+            raise WorkflowVersionError(f"{record_path} is not a readable workflow record ({err}); {again}") from None
+        if not isinstance(record, dict):
+            raise WorkflowVersionError(f"{record_path}: expected a JSON object, found {type(record).__name__}; {again}")
         if record.get("format") != WORKFLOW_FORMAT or record.get("version") != WORKFLOW_VERSION:
             raise WorkflowVersionError(
                 f"{record_path}: expected {WORKFLOW_FORMAT} version {WORKFLOW_VERSION}, found "
-                f"{record.get('format')} version {record.get('version')}; rerun the ETL to write it again"
+                f"{record.get('format')} version {record.get('version')}; {again}"
             )
-        built: dict[int, Node] = {}
-        for entry in record["nodes"]:
-            parents = [built[i] for i in entry["parents"]]
-            if "columns" in entry:
-                built[entry["id"]] = Node(columns=entry["columns"])
-            elif "op" in entry:
-                spec = entry["op"]
-                if spec["type"] not in REGISTRY:
-                    raise WorkflowVersionError(f"{record_path}: unknown operator {spec['type']!r}")
-                op = REGISTRY[spec["type"]](**spec["params"])
-                op.set_state(spec["state"], path / spec["dir"])
-                built[entry["id"]] = Node(parents, op=op)
-            else:
-                built[entry["id"]] = Node(parents)
-        return cls(built[record["output"]], library=library)
+        missing = [k for k in ("input_columns", "output_columns", "output", "nodes") if k not in record]
+        if missing:
+            raise WorkflowVersionError(f"{record_path} is incomplete: it lacks {', '.join(missing)}; {again}")
+        try:
+            workflow = cls(_graph_of(record, path), library=library)
+        except WorkflowVersionError:
+            raise
+        except (LookupError, TypeError, ValueError, AttributeError, OSError) as err:
+            reason = (str(err).splitlines() or [""])[0]
+            raise WorkflowVersionError(
+                f"{record_path} or its files under {path} are corrupt or incomplete "
+                f"({type(err).__name__}: {reason}); {again}") from None
+        for key in ("input_columns", "output_columns"):
+            if list(getattr(workflow, key)) != record[key]:
+                raise WorkflowVersionError(f"{record_path}: the graph gives other {key.replace('_', ' ')} than the "
+                                           f"record lists ({_short(getattr(workflow, key))}); {again}")
+        return workflow
 
     def __repr__(self) -> str:
         lines = [f"  {_short(cols)} >> {op!r}" for op, cols in self.operators()]
         return "Workflow(\n" + "\n".join(lines) + f"\n) -> {_short(self.output_columns)}"
+
+
+def _graph_of(record: dict, path: Path) -> Node:
+    """The output node of a saved record's graph, each operator with its parameters and fitted state."""
+    built: dict[int, Node] = {}
+    for entry in record["nodes"]:
+        parents = [built[i] for i in entry["parents"]]
+        if "columns" in entry:
+            built[entry["id"]] = Node(columns=entry["columns"])
+        elif "op" in entry:
+            spec = entry["op"]
+            if spec["type"] not in REGISTRY:
+                raise WorkflowVersionError(f"{path / 'workflow.json'}: unknown operator {spec['type']!r}")
+            op = REGISTRY[spec["type"]](**spec["params"])
+            op.set_state(spec["state"], path / spec["dir"])
+            built[entry["id"]] = Node(parents, op=op)
+        else:
+            built[entry["id"]] = Node(parents)
+    return built[record["output"]]
 
 
 def _evaluate_pandas(df: pd.DataFrame, nodes: list[Node]) -> pd.DataFrame:

@@ -9,10 +9,13 @@ Example::
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+
+from pipeline.errors import check_range
 
 POOLINGS = ("sum", "mean")
 OPTIMIZERS = ("sgd", "adagrad", "adam")
@@ -56,6 +59,12 @@ class EmbeddingOptimizerConfig:
     def __post_init__(self) -> None:
         if self.kind not in OPTIMIZERS:
             raise ValueError(f"embedding optimizer: expected one of {OPTIMIZERS}, got {self.kind!r}")
+        if not math.isfinite(self.lr):
+            raise ValueError(f"embedding optimizer: expected a finite lr, got {self.lr}")
+        check_range("embedding optimizer eps", self.eps, 0)
+        check_range("embedding optimizer beta1", self.beta1, 0, 1, high_open=True)
+        check_range("embedding optimizer beta2", self.beta2, 0, 1, high_open=True)
+        check_range("embedding optimizer weight_decay", self.weight_decay, 0)
 
     def state_shapes(self, total_rows: int, total_elements: int) -> dict[str, int]:
         """Name -> length of each flat fp32 state tensor this optimizer keeps."""

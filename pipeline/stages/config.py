@@ -14,6 +14,7 @@ A field's ``metadata["help"]`` is what ``python -m pipeline --help`` prints.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ import yaml
 from export.config import ExportConfig, ServeConfig
 from pipeline.data.config import DataConfig
 from pipeline.distributed.config import DistributedConfig
+from pipeline.errors import check_range
 from pipeline.etl.config import EtlConfig
 from pipeline.train.config import TrainConfig
 
@@ -88,6 +90,12 @@ class PipelineConfig:
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda", "auto"):
             raise ConfigError(f"device: expected cpu, cuda or auto, got {self.device!r}")
+        if not self.workdir:
+            raise ConfigError("workdir: expected a folder, got an empty text")
+        try:
+            check_range("seed", self.seed, 0, 2**32 - 1)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
 
     @property
     def paths(self) -> Paths:
@@ -95,28 +103,98 @@ class PipelineConfig:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> PipelineConfig:
-    """Build the settings: defaults, then the YAML file, then ``key=value`` overrides."""
+    """Build the settings: defaults, then the YAML file, then ``key=value`` overrides.
+
+    Values are read by the type of their setting, not by YAML's guesses: a text setting keeps the
+    text as written (``data.name=0123`` stays ``"0123"``), a float takes ``1e-5``, ``1E5`` and
+    ``.5``, an integer is decimal. Lists take ``a,b`` or ``[a, b]``, mappings ``{k: v}``.
+    """
     tree: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
-        loaded = yaml.safe_load(path.read_text()) or {}
+            raise ConfigError(f"config file {path} does not exist" if not path.exists()
+                              else f"config file {path} is not a file")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise ConfigError(f"config file {path} cannot be read as UTF-8 text ({err})") from None
+        loaded = _tree(_compose(text, f"config file {path}"), f"config file {path}")
+        if loaded is None:
+            loaded = {}
         if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {path}: expected a mapping at the top, got {type(loaded).__name__}")
+            raise ConfigError(f"config file {path}: expected a mapping (sections data:, train:, ...) at the top, "
+                              f"got a {_kind(loaded)}")
         tree = loaded
     for item in overrides:
         key, sep, raw = item.partition("=")
-        if not sep or not key:
+        if not sep or not key.strip():
             raise ConfigError(f"override {item!r}: expected key=value, e.g. data.rows=2000000")
         node = tree
         *parents, leaf = key.strip().split(".")
         for part in parents:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
+            child = _parsed(node[part]) if part in node else {}
+            if not isinstance(child, dict):
                 raise ConfigError(f"override {item!r}: {part} is not a section")
-        node[leaf] = yaml.safe_load(raw) if raw.strip() else None
+            node[part] = child
+            node = child
+        node[leaf] = _Text(raw, f"override {item!r}")
     return _build(PipelineConfig, tree, "")
+
+
+@dataclass(frozen=True)
+class _Text:
+    """A value as typed on the command line, parsed only once the setting's type is known."""
+
+    text: str
+    where: str
+
+
+def _compose(text: str, where: str) -> yaml.Node | None:
+    """The YAML node tree of ``text`` (nothing converted yet); a syntax error names where, line and column."""
+    try:
+        return yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+        at = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"{where}{at}: not valid YAML: {problem}") from None
+
+
+_PLAIN_TAGS = {f"tag:yaml.org,2002:{t}" for t in ("str", "int", "float", "bool", "null", "seq", "map", "timestamp")}
+
+
+def _tree(node: yaml.Node | None, where: str) -> Any:
+    """Mappings as dicts of nodes (so overrides can be merged in); scalars and sequences stay nodes."""
+    if node is not None and node.tag not in _PLAIN_TAGS:
+        raise ConfigError(f"{where}, line {node.start_mark.line + 1}, column {node.start_mark.column + 1}: "
+                          f"the tag {node.tag!r} is not allowed in settings")
+    if isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            _tree(item, where)
+    if not isinstance(node, yaml.MappingNode):
+        return node
+    out: dict[str, Any] = {}
+    for key, value in node.value:
+        if not isinstance(key, yaml.ScalarNode):
+            raise ConfigError(f"{where}, line {key.start_mark.line + 1}: a key must be a plain name")
+        if key.value in out:
+            raise ConfigError(f"{where}, line {key.start_mark.line + 1}: {key.value} is given twice")
+        out[key.value] = _tree(value, where)
+    return out
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, dict):
+        return "mapping"
+    return "list" if isinstance(value, yaml.SequenceNode) else "single value"
+
+
+def _parsed(value: Any) -> Any:
+    """A command-line text as YAML nodes (for settings that are lists, mappings or sections)."""
+    if isinstance(value, _Text):
+        return _tree(_compose(value.text, value.where), value.where)
+    return value
 
 
 def _build(cls: type, tree: dict[str, Any], prefix: str) -> Any:
@@ -132,6 +210,7 @@ def _build(cls: type, tree: dict[str, Any], prefix: str) -> Any:
     for name, value in tree.items():
         hint = hints[name]
         if dataclasses.is_dataclass(hint):
+            value = {} if _is_null(value) else _parsed(value)
             if not isinstance(value, dict):
                 raise ConfigError(f"{prefix}{name} is a section: give it as a mapping or use {prefix}{name}.KEY=VALUE")
             kwargs[name] = _build(hint, value, f"{prefix}{name}.")
@@ -142,46 +221,97 @@ def _build(cls: type, tree: dict[str, Any], prefix: str) -> Any:
     except ConfigError:
         raise
     except (TypeError, ValueError) as err:
-        raise ConfigError(f"{prefix.rstrip('.') or 'settings'}: {err}") from err
+        message = str(err)
+        section = prefix.rstrip(".")
+        if section and message.startswith(prefix):
+            raise ConfigError(message) from None
+        raise ConfigError(f"{section or 'settings'}: {message}") from None
+
+
+_TRUE = ("true", "yes", "on")
+_FALSE = ("false", "no", "off")
+_SPECIAL_FLOATS = {".nan": math.nan, ".inf": math.inf, "+.inf": math.inf, "-.inf": -math.inf}
+
+
+def _scalar_text(value: Any, name: str, expected: str) -> str:
+    if isinstance(value, _Text):
+        return value.text
+    if isinstance(value, yaml.ScalarNode):
+        return value.value
+    raise ConfigError(f"{name}: expected {expected}, got a {_kind(value)}")
+
+
+def _is_null(value: Any) -> bool:
+    if isinstance(value, _Text):
+        return value.text.strip().lower() in ("", "null", "~")
+    return isinstance(value, yaml.ScalarNode) and value.tag == "tag:yaml.org,2002:null" and not value.style
 
 
 def _coerce(value: Any, hint: Any, name: str) -> Any:
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
+        if type(None) in args and _is_null(value):
             return None
+        errors = []
         for arg in args:
             if arg is type(None):
                 continue
             try:
                 return _coerce(value, arg, name)
-            except ConfigError:
-                pass
-        raise ConfigError(f"{name}: expected {hint}, got {value!r}")
+            except ConfigError as err:
+                errors.append(str(err))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{name}: expected {hint}")
     if origin in (list, tuple):
-        if isinstance(value, str):
-            value = [v for v in value.split(",") if v]
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{name}: expected a list, got {value!r}")
         inner = args[0] if args else Any
-        return [_coerce(v, inner, name) for v in value]
+        if isinstance(value, _Text) and not value.text.strip().startswith("["):
+            return [_coerce(_Text(v.strip(), value.where), inner, name) for v in value.text.split(",") if v.strip()]
+        value = _parsed(value)
+        if isinstance(value, yaml.ScalarNode) and not value.style:
+            return [_coerce(_Text(v.strip(), name), inner, name) for v in value.value.split(",") if v.strip()]
+        if not isinstance(value, yaml.SequenceNode):
+            raise ConfigError(f"{name}: expected a list (a,b or [a, b]), got a {_kind(value)}")
+        return [_coerce(v, inner, name) for v in value.value]
     if origin is dict:
+        value = _parsed(value)
         if not isinstance(value, dict):
-            raise ConfigError(f"{name}: expected a mapping, got {value!r}")
+            raise ConfigError(f"{name}: expected a mapping ({{key: value}}), got a {_kind(value)}")
         kt, vt = args or (Any, Any)
-        return {_coerce(k, kt, name): _coerce(v, vt, name) for k, v in value.items()}
-    if hint is Any:
-        return value
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if hint is str and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return str(value)
-    if hint is int and isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(hint, type) and not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
-        raise ConfigError(f"{name}: expected {getattr(hint, '__name__', hint)}, got {value!r}")
-    return value
+        return {_coerce(_Text(k, name), kt, f"{name}.{k}"): _coerce(v, vt, f"{name}.{k}") for k, v in value.items()}
+    if hint is str:
+        return _scalar_text(value, name, "a text")
+    text = _scalar_text(value, name, getattr(hint, "__name__", str(hint))).strip()
+    if hint is bool:
+        if text.lower() in _TRUE:
+            return True
+        if text.lower() in _FALSE:
+            return False
+        raise ConfigError(f"{name}: expected true or false, got {text!r}")
+    if hint is int:
+        try:
+            return int(text, 10)
+        except ValueError:
+            pass
+        number = _float(text)
+        if number is not None and math.isfinite(number) and number.is_integer():
+            return int(number)
+        raise ConfigError(f"{name}: expected int (a decimal integer), got {text!r}")
+    if hint is float:
+        number = _float(text)
+        if number is None:
+            raise ConfigError(f"{name}: expected float (a number such as 0.01, 1e-5 or .5), got {text!r}")
+        return number
+    raise ConfigError(f"{name}: settings of type {hint} cannot be read")
+
+
+def _float(text: str) -> float | None:
+    special = _SPECIAL_FLOATS.get(text.lower())
+    if special is not None:
+        return special
+    try:
+        return float(text)
+    except ValueError:
+        return None
 
 
 def describe(cls: type = PipelineConfig, prefix: str = "") -> list[tuple[str, str, str]]:

@@ -12,7 +12,7 @@ it on ``train``, transforms ``train``, ``valid`` and ``test``, and writes
 
 Example::
 
-    python -m pipeline run etl data.rows=200000 etl.freq_threshold=2 etl.hash_buckets={C3:100000}
+    python -m pipeline run etl data.rows=200000 etl.freq_threshold=2 'etl.hash_buckets={C3: 100000}'
 """
 
 from __future__ import annotations

@@ -24,7 +24,9 @@ from pipeline.stages.config import PipelineConfig
 def run(cfg: PipelineConfig) -> dict:
     """Write the model repository (or, with ``export.update``, a new embedding store version)."""
     from pipeline.data.raw_folder import RawDataset
+    from pipeline.etl.workflow import Workflow
 
+    Workflow.load(cfg.paths.workflow)  # a corrupt or incomplete workflow stops here, not in the server
     model, schema = load_trained_model(cfg)
     etl_schema = Schema.load(cfg.paths.schema)
     if etl_schema.cardinalities() != schema.cardinalities():

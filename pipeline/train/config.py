@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pipeline.errors import check_range
+
 MODELS = ("dlrm", "dcnv2", "deepfm", "wide_deep")
 PRESETS = ("auto", "small", "mlperf")
 DENSE_OPTIMIZERS = ("sgd", "adam", "adagrad")
@@ -75,10 +77,17 @@ class TrainConfig:
                               ("multihot_pooling", ("sum", "mean"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"train.{name}: expected one of {', '.join(allowed)}, got {getattr(self, name)!r}")
-        for name in ("epochs", "batch_size", "eval_batch_size"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"train.{name}: expected a positive number, got {getattr(self, name)}")
+        for name in ("epochs", "batch_size", "eval_batch_size", "keep_checkpoints", "log_every"):
+            check_range(f"train.{name}", getattr(self, name), 1)
+        for name in ("embedding_dim", "cross_layers", "cross_rank", "max_steps", "eval_every", "warmup_steps",
+                     "decay_start", "threads", "checkpoint_every"):
+            check_range(f"train.{name}", getattr(self, name), 0)
+        for name in ("bottom_mlp", "top_mlp"):
+            for width in getattr(self, name):
+                check_range(f"train.{name} (each width)", width, 1)
         if self.top_mlp and self.top_mlp[-1] != 1:
             raise ValueError(f"train.top_mlp: the last width must be 1 (one logit), got {self.top_mlp}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"train.min_lr_ratio: expected a value in [0, 1], got {self.min_lr_ratio}")
+        check_range("train.lr", self.lr, 0, low_open=True)
+        check_range("train.embedding_lr", self.embedding_lr, 0, low_open=True)
+        check_range("train.weight_decay", self.weight_decay, 0)
+        check_range("train.min_lr_ratio", self.min_lr_ratio, 0, 1)

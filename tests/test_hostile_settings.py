@@ -1,0 +1,285 @@
+"""Hostile settings and saved artifacts through the real command line.
+
+Each refused case must end with exit code 2 and exactly one ``error: ...`` line naming the setting
+or the file, never a traceback; each accepted case must keep what the user wrote. The counts of
+these cases are in ``docs/HOSTILE_INPUT.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import typing
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from pipeline.etl import Categorify, FillMissing, Normalize, Workflow
+from pipeline.etl.workflow import WorkflowVersionError
+from pipeline.stages.cli import main
+from pipeline.stages.config import PipelineConfig, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _refused(capsys, argv: list[str], *expected: str) -> str:
+    """Run the CLI; it must exit 2 with one ``error:`` line that holds every ``expected`` text."""
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    for text in expected:
+        assert text in err, err
+    return err
+
+
+def _shown(capsys, *overrides: str) -> dict:
+    assert main(["config", "show", *overrides]) == 0
+    return yaml.safe_load(capsys.readouterr().out)
+
+
+# -- settings on the command line -------------------------------------------------------------
+
+REFUSED_OVERRIDES = [
+    ("train.lr=.nan", "train.lr", "> 0"),
+    ("train.lr=nan", "train.lr", "> 0"),
+    ("train.lr=inf", "train.lr", "> 0"),
+    ("train.lr=-0.1", "train.lr", "> 0"),
+    ("train.lr=0", "train.lr", "> 0"),
+    ("train.embedding_lr=-.inf", "train.embedding_lr", "> 0"),
+    ("train.weight_decay=-1e-4", "train.weight_decay", ">= 0"),
+    ("train.min_lr_ratio=1.5", "train.min_lr_ratio", "[0, 1]"),
+    ("serve.http_port=70000", "serve.http_port", "[0, 65535]"),
+    ("serve.grpc_port=-1", "serve.grpc_port", "[0, 65535]"),
+    ("serve.startup_timeout=nan", "serve.startup_timeout", "> 0"),
+    ("serve.smoke_rows=0", "serve.smoke_rows", ">= 1"),
+    ("data.size=inf", "data.size", "> 0"),
+    ("data.valid_fraction=1.5", "data.valid_fraction", "[0, 1)"),
+    ("data.test_fraction=nan", "data.test_fraction", "[0, 1)"),
+    ("data.rows=0", "data.rows", ">= 1"),
+    ("export.cache_fraction=nan", "export.cache_fraction", "[0, 1]"),
+    ("export.max_queue_delay_us=-5", "export.max_queue_delay_us", ">= 0"),
+    ("distributed.timeout_s=0", "distributed.timeout_s", "> 0"),
+    ("distributed.memory_per_rank_mb=.inf", "distributed.memory_per_rank_mb", ">= 0"),
+    ("distributed.sharding={t_C1: 'table_wise:x'}", "distributed.sharding.t_C1", "table_wise"),
+    ("etl.row_group_rows=0", "etl.row_group_rows", ">= 1"),
+    ("etl.workers=-1", "etl.workers", ">= 0"),
+    ("etl.hash_buckets={C1: 0}", "etl.hash_buckets.C1", ">= 1"),
+    ("etl.cluster=dask", "etl.cluster", "auto, local or threads"),
+    ("train.log_every=0", "train.log_every", ">= 1"),
+    ("train.keep_checkpoints=0", "train.keep_checkpoints", ">= 1"),
+    ("train.bottom_mlp=64,-3", "train.bottom_mlp", ">= 1"),
+    ("seed=-1", "seed", "[0, 4294967295]"),
+    ("data.rows=0x1F", "data.rows", "decimal integer"),
+    ("data.rows=0o17", "data.rows", "decimal integer"),
+    ("train.epochs=1.5", "train.epochs", "integer"),
+    ("train.resume=maybe", "train.resume", "true or false"),
+    ("train.top_mlp=[64, 1", "train.top_mlp=[64, 1", "column"),
+]
+
+
+@pytest.mark.parametrize("override, name, allowed", REFUSED_OVERRIDES, ids=[c[0] for c in REFUSED_OVERRIDES])
+def test_a_hostile_override_is_one_error_line_naming_the_setting_and_its_range(capsys, override, name, allowed):
+    _refused(capsys, ["config", "show", override], name, allowed)
+
+
+def test_a_hostile_override_through_python_dash_m_has_no_traceback(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for override in ("train.lr=.nan", "serve.http_port=70000", "data.rows=0x1F"):
+        proc = subprocess.run([sys.executable, "-m", "pipeline", "run", "train", f"workdir={tmp_path}", override],
+                              check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, proc.stderr
+        lines = proc.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and override.split("=")[0] in lines[0], proc.stderr
+    assert not (tmp_path / "synthetic").exists()
+
+
+def _numeric_settings(cls=PipelineConfig, prefix=""):
+    """(key, hostile values) of every setting that holds numbers, found from the dataclasses."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        hint, key = hints[f.name], f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(hint):
+            yield from _numeric_settings(hint, f"{key}.")
+        elif hint is float:
+            yield key, ["-1", ".nan", "inf", "-.inf"]
+        elif hint is int:
+            yield key, ["-1"]
+        elif typing.get_args(hint) == (int,):
+            yield key, ["-1", "0"]
+        elif typing.get_args(hint) == (str, int):
+            yield key, ["{t: -1}", "{t: 0}"]
+
+
+NUMERIC = list(_numeric_settings())
+
+
+@pytest.mark.parametrize("key, values", NUMERIC, ids=[k for k, _ in NUMERIC])
+def test_every_numeric_setting_has_a_range(capsys, key, values):
+    """No number of the settings may be negative, and none may be nan or infinite."""
+    for value in values:
+        _refused(capsys, ["config", "show", f"{key}={value}"], key, "expected")
+
+
+def test_string_settings_keep_the_text_as_written(capsys):
+    shown = _shown(capsys, "data.name=0123", "workdir=0x1F", "data.label=1e3", "data.categorical=0123,0x1F,true",
+                   "data.list_separator=;", "etl.scheduler=tcp://10.0.0.5:8786", "data.continuous=[07, 1_000]")
+    assert shown["data"]["name"] == "0123"
+    assert shown["workdir"] == "0x1F"
+    assert shown["data"]["label"] == "1e3"
+    assert shown["data"]["categorical"] == ["0123", "0x1F", "true"]
+    assert shown["data"]["continuous"] == ["07", "1_000"]
+    assert shown["data"]["list_separator"] == ";"
+    assert shown["etl"]["scheduler"] == "tcp://10.0.0.5:8786"
+    assert str(load_config(None, ["data.name=0123"]).paths.root) == "data/0123"
+
+
+def test_string_settings_keep_the_text_as_written_in_the_yaml_file(tmp_path):
+    f = tmp_path / "s.yaml"
+    f.write_text("workdir: 0x1F\ndata:\n  name: 0123\n  label: 1_0\n  categorical: [0123, on, 1e3]\n"
+                 "etl:\n  hash_buckets: {0123: 7}\n")
+    cfg = load_config(f)
+    assert (cfg.workdir, cfg.data.name, cfg.data.label) == ("0x1F", "0123", "1_0")
+    assert cfg.data.categorical == ["0123", "on", "1e3"]
+    assert cfg.etl.hash_buckets == {"0123": 7}
+
+
+@pytest.mark.parametrize("text, value", [("1e-5", 1e-5), ("1E5", 1e5), (".5", 0.5), ("3", 3.0), ("2.5e-3", 2.5e-3)])
+def test_floats_in_every_notation(tmp_path, text, value):
+    assert load_config(None, [f"train.lr={text}"]).train.lr == value
+    f = tmp_path / "s.yaml"
+    f.write_text(f"train:\n  lr: {text}\n")
+    got = load_config(f).train.lr
+    assert got == value and isinstance(got, float)
+
+
+def test_integers_are_decimal(capsys):
+    cfg = load_config(None, ["data.rows=0123", "train.epochs=2.0", "data.chunk_rows=1_000"])
+    assert (cfg.data.rows, cfg.train.epochs, cfg.data.chunk_rows) == (123, 2, 1000)
+
+
+# -- the YAML file ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, line, column", [
+    ("train:\n  lr: [0.1\n  epochs: 2\n", 3, 9),
+    ("data:\n\trows: 5\n", 2, 1),
+    ("train: {lr: 0.1\n", 2, 1),
+    ("a: b\n- c\n", 2, 1),
+])
+def test_a_yaml_syntax_error_names_the_file_line_and_column(tmp_path, capsys, text, line, column):
+    f = tmp_path / "bad.yaml"
+    f.write_text(text)
+    err = _refused(capsys, ["config", "show", "--config", str(f)], str(f), f"line {line}")
+    assert "column" in err
+
+
+def test_a_hostile_value_in_the_yaml_file_names_the_setting(tmp_path, capsys):
+    f = tmp_path / "s.yaml"
+    f.write_text("train:\n  lr: .nan\n")
+    _refused(capsys, ["config", "show", "--config", str(f)], "train.lr", "> 0")
+    f.write_text("serve:\n  http_port: 99999\n")
+    _refused(capsys, ["config", "show", "--config", str(f)], "serve.http_port", "[0, 65535]")
+
+
+@pytest.mark.parametrize("content", [b"\xff\xfe\x00bin\x00", b"- 1\n- 2\n", b"--- {a: 1}\n--- {b: 2}\n",
+                                     b"train: !!python/object:os.system {}\n", b"train:\n  lr: 0.1\n  lr: 0.2\n"])
+def test_a_config_file_that_is_not_settings_is_refused(tmp_path, capsys, content):
+    f = tmp_path / "s.yaml"
+    f.write_bytes(content)
+    _refused(capsys, ["config", "show", "--config", str(f)], str(f))
+
+
+def test_a_folder_as_the_config_file_is_refused(tmp_path, capsys):
+    _refused(capsys, ["config", "show", "--config", str(tmp_path)], str(tmp_path))
+
+
+# -- saved artifacts: the workflow -------------------------------------------------------------
+
+def _saved_workflow(folder: Path) -> Path:
+    rng = np.random.default_rng(0)
+    frame = pd.DataFrame({"I1": rng.random(200), "C1": rng.choice(["a", "b", "c"], 200)})
+    workflow = Workflow((["I1"] >> FillMissing() >> Normalize()) + (["C1"] >> Categorify()))
+    workflow.fit(frame)
+    return workflow.save(folder)
+
+
+def _corrupt(folder: Path, how: str) -> None:
+    record_path = folder / "workflow.json"
+    record = json.loads(record_path.read_text())
+    if how == "not json":
+        record_path.write_text(record_path.read_text()[:50])
+        return
+    if how == "empty":
+        record_path.write_text("")
+        return
+    if how == "a list":
+        record_path.write_text("[1, 2]")
+        return
+    if how == "no nodes":
+        del record["nodes"]
+    elif how == "version 99":
+        record["version"] = 99
+    elif how == "no output":
+        del record["output"]
+    elif how == "parent out of range":
+        record["nodes"][-1]["parents"] = [42]
+    elif how == "operator params":
+        next(n for n in record["nodes"] if "op" in n)["op"]["params"] = {"bogus": 1}
+    elif how == "operator state":
+        next(n for n in record["nodes"] if "op" in n)["op"]["state"] = {}
+    elif how == "output columns":
+        record["output_columns"] = ["I1", "other"]
+    elif how == "vocabulary file":
+        for path in (folder / "ops").rglob("*.parquet"):
+            path.unlink()
+    record_path.write_text(json.dumps(record))
+
+
+CORRUPTIONS = ["not json", "empty", "a list", "no nodes", "version 99", "no output", "parent out of range",
+               "operator params", "operator state", "output columns", "vocabulary file"]
+
+
+@pytest.mark.parametrize("how", CORRUPTIONS)
+def test_a_corrupt_workflow_is_refused_when_loaded(tmp_path, how):
+    folder = _saved_workflow(tmp_path / "workflow")
+    _corrupt(folder, how)
+    with pytest.raises(WorkflowVersionError, match="workflow"):
+        Workflow.load(folder)
+
+
+@pytest.mark.parametrize("how", ["not json", "no nodes", "version 99", "vocabulary file"])
+def test_run_export_refuses_a_corrupt_workflow(tmp_path, capsys, how):
+    folder = _saved_workflow(tmp_path / "synthetic" / "workflow")
+    _corrupt(folder, how)
+    _refused(capsys, ["run", "export", f"workdir={tmp_path}", "device=cpu"], str(folder))
+    assert not (tmp_path / "synthetic" / "export").exists()
+
+
+# -- saved artifacts: raw parquet files ---------------------------------------------------------
+
+def test_a_column_missing_from_a_middle_raw_file_names_that_file_and_column(tmp_path, capsys):
+    args = [f"workdir={tmp_path}", "device=cpu", "data.rows=3000", "data.chunk_rows=500", "etl.cluster=threads"]
+    assert main(["data", *args]) == 0
+    capsys.readouterr()
+    files = sorted((tmp_path / "synthetic" / "raw" / "train").glob("part-*.parquet"))
+    assert len(files) >= 3
+    middle = files[len(files) // 2]
+    pq.write_table(pq.read_table(middle).drop_columns(["C5"]), middle)
+    _refused(capsys, ["run", "etl", *args], middle.name, "'C5'")
+    assert not (tmp_path / "synthetic" / "processed").exists()
+
+
+def test_an_unreadable_raw_file_names_that_file(tmp_path, capsys):
+    args = [f"workdir={tmp_path}", "device=cpu", "data.rows=3000", "data.chunk_rows=500", "etl.cluster=threads"]
+    assert main(["data", *args]) == 0
+    capsys.readouterr()
+    files = sorted((tmp_path / "synthetic" / "raw" / "valid").glob("part-*.parquet"))
+    files[0].write_bytes(files[0].read_bytes()[:100])
+    _refused(capsys, ["run", "etl", *args], files[0].name)
