@@ -65,8 +65,9 @@ def raw_params(cfg: PipelineConfig) -> dict:
 
 def _ensure(cfg: PipelineConfig, progress: bool) -> tuple[RawDataset, bool]:
     """The dataset as it is when its settings match, or when it was ingested from files and the settings
-    do not name a source (``data.name=X`` alone); rebuilt when synthetic with other settings; a dataset
-    ingested from files is replaced by other file settings only with ``data.rebuild=true``."""
+    do not name a source (``data.name=X`` alone). Made again when synthetic with other settings, or
+    ingested with other reading settings from the same, unchanged files; replaced by other (or changed)
+    files only with ``data.rebuild=true``, since what it was made from may be gone."""
     root = cfg.paths.raw
     params = raw_params(cfg)
     meta = raw_folder.read_meta(root)
@@ -79,13 +80,14 @@ def _ensure(cfg: PipelineConfig, progress: bool) -> tuple[RawDataset, bool]:
         changed = sorted(k for k in set(old) | set(params) if old.get(k) != params.get(k))
         detail = ", ".join(f"{k}: {old.get(k)!r} -> {params.get(k)!r}" for k in changed)
         from_files = old.get("source", "synthetic") != "synthetic"
-        if from_files and not cfg.data.rebuild:
+        other_files = old.get("inputs") != params.get("inputs")
+        if from_files and other_files and not cfg.data.rebuild:
             if cfg.data.source == "synthetic":
                 inputs = ", ".join(i["path"] for i in old.get("inputs", [])) or "files"
                 print(f"[data] using {root} as it was made (source {old['source']}, from {inputs}); "
                       "data.rebuild=true makes it again", flush=True)
                 return RawDataset.load(root), False
-            raise UserError(f"{root} was ingested from files with other settings ({detail}); "
+            raise UserError(f"{root} was ingested from other files, or they changed since ({detail}); "
                             f"data.rebuild=true replaces it, or give another data.name")
         print(f"[data] {root} was made with other settings ({detail}): rebuilding it", flush=True)
     raw_folder.clear(root)
