@@ -3,8 +3,9 @@
 One artifact serves both backends: the ``dense`` python-backend model loads it with
 ``torch.jit.load``, and Triton's ``pytorch`` backend (``export.dense_backend=pytorch``, in a full
 Triton container) loads the same file as ``model.pt``. Inputs are the continuous features
-``[B, num_dense]`` and the pooled embeddings ``[B, embedding_dim_total]`` (float32); the output is
-``sigmoid(logits)`` as ``[B, 1]``.
+``[B, num_dense]`` and the pooled embeddings ``[B, embedding_dim_total]`` (float32), or the pooled
+embeddings alone when the model has no continuous feature; the output is ``sigmoid(logits)`` as
+``[B, 1]``.
 
 Example::
 
@@ -31,12 +32,28 @@ class _Probability(nn.Module):
         return torch.sigmoid(self.dense_part(dense, pooled).float()).reshape(-1, 1)
 
 
+class _PooledProbability(nn.Module):
+    """For a model without continuous features: the pooled embeddings are the only input."""
+
+    def __init__(self, dense_part: nn.Module) -> None:
+        super().__init__()
+        self.dense_part = dense_part
+
+    def forward(self, pooled: torch.Tensor) -> torch.Tensor:
+        dense = pooled.new_zeros((pooled.shape[0], 0))
+        return torch.sigmoid(self.dense_part(dense, pooled).float()).reshape(-1, 1)
+
+
 def save_dense(model, path: str | Path) -> Path:
     """Trace ``model.dense_part()`` (a :class:`pipeline.modules.models.RecModel`) on CPU and save it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    wrapper = _Probability(model.dense_part()).eval().cpu()
-    example = (torch.zeros(2, model.num_dense), torch.zeros(2, model.embedding.output_dim))
+    pooled = torch.zeros(2, model.embedding.output_dim)
+    if model.num_dense:
+        wrapper, example = _Probability(model.dense_part()), (torch.zeros(2, model.num_dense), pooled)
+    else:
+        wrapper, example = _PooledProbability(model.dense_part()), (pooled,)
+    wrapper = wrapper.eval().cpu()
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         traced = torch.jit.trace(wrapper, example, check_trace=False)
@@ -63,8 +80,10 @@ class DenseRunner:
             device = f"cuda:{args['model_instance_device_id']}"
         return cls(Path(args["model_repository"]) / args["model_version"] / "model.pt", device)
 
-    def __call__(self, dense: np.ndarray, pooled: np.ndarray) -> np.ndarray:
+    def __call__(self, dense: np.ndarray | None, pooled: np.ndarray) -> np.ndarray:
+        """``dense`` is None for a model without continuous features (its module takes ``pooled`` alone)."""
+        inputs = [pooled] if dense is None else [dense, pooled]
         with torch.inference_mode():
-            out = self.module(torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32)).to(self.device),
-                              torch.from_numpy(np.ascontiguousarray(pooled, dtype=np.float32)).to(self.device))
+            out = self.module(*(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).to(self.device)
+                                for x in inputs))
         return out.cpu().numpy()

@@ -32,8 +32,8 @@ class InProcessModel:
 
     def features(self, raw: pd.DataFrame) -> tuple[torch.Tensor, KeyedJaggedTensor]:
         processed = self.workflow.transform(raw)
-        dense = torch.from_numpy(
-            np.stack([processed[c].to_numpy(dtype=np.float32) for c in self.schema.continuous], axis=1))
+        columns = [processed[c].to_numpy(dtype=np.float32) for c in self.schema.continuous]
+        dense = torch.from_numpy(np.stack(columns, axis=1) if columns else np.zeros((len(processed), 0), np.float32))
         values, lengths = [], []
         multihot = set(self.schema.multihot)
         for name in self.schema.sparse:

@@ -57,7 +57,7 @@ class LookupInstance:
             log_error(f"store version {self.lookup.version} kept, the new one could not be opened: {err}")
 
     def pooled(self, inputs: dict[str, np.ndarray]) -> np.ndarray:
-        return self.lookup(inputs[CATEGORICAL_IDS], inputs.get(MULTIHOT_IDS), inputs.get(MULTIHOT_LENGTHS))
+        return self.lookup(inputs.get(CATEGORICAL_IDS), inputs.get(MULTIHOT_IDS), inputs.get(MULTIHOT_LENGTHS))
 
     def close(self) -> None:
         self._stop.set()

@@ -5,7 +5,7 @@ pooled bags of every slot, concatenated in slot order, ``sum`` or ``mean``, an e
 zeros), from the tables export wrote to the store, one cache tier per table in front of it.
 
 Inputs, as the ``preprocess`` model emits them: ``categorical`` ``[B, C]`` int64 ids (one per
-one-hot feature, in ``config.categorical`` order) and, when the schema has multi-hot features,
+one-hot feature, in ``config.categorical`` order; None when there is none) and, when the schema has multi-hot features,
 ``multihot_ids`` ``[B, W]`` (each row's bags packed feature after feature, then padding) with
 ``multihot_lengths`` ``[B, M]``.
 
@@ -103,10 +103,10 @@ class EmbeddingLookup:
         self.refreshes += 1
         return True
 
-    def __call__(self, categorical: np.ndarray, multihot_ids: np.ndarray | None = None,
+    def __call__(self, categorical: np.ndarray | None, multihot_ids: np.ndarray | None = None,
                  multihot_lengths: np.ndarray | None = None) -> np.ndarray:
-        categorical = np.asarray(categorical)
-        batch = categorical.shape[0]
+        batch = _batch_size(categorical, multihot_lengths, len(self.config.categorical))
+        categorical = np.asarray(categorical) if categorical is not None else np.zeros((batch, 0), np.int64)
         bags = _unpack_multihot(multihot_ids, multihot_lengths, batch, len(self.config.multihot))
         pieces = []
         for table, feature, mean in zip(self.config.slot_tables, self.config.slot_features, self.config.slot_mean):
@@ -138,6 +138,18 @@ class EmbeddingLookup:
             "hits": hits, "misses": misses, "evictions": sum(s["evictions"] for s in tables.values()),
             "hit_rate": hits / (hits + misses) if hits + misses else 0.0, "tables": tables,
         }
+
+
+def _batch_size(categorical: np.ndarray | None, multihot_lengths: np.ndarray | None, onehot: int) -> int:
+    if onehot:
+        if categorical is None:
+            raise BadInputError(f"expected categorical ids for {onehot} one-hot features, got none")
+        return np.asarray(categorical).shape[0]
+    if categorical is not None:
+        return np.asarray(categorical).shape[0]
+    if multihot_lengths is None:
+        raise BadInputError("expected categorical ids or multi-hot lengths, got neither")
+    return np.asarray(multihot_lengths).shape[0]
 
 
 def _unpack_multihot(ids: np.ndarray | None, lengths: np.ndarray | None, batch: int,

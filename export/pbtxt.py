@@ -50,20 +50,30 @@ class EnsembleSpec:
         return [t for t in self.features if t.name != DENSE]
 
     @property
-    def dense_input(self) -> Tensor:
-        return next(t for t in self.features if t.name == DENSE)
+    def dense_input(self) -> Tensor | None:
+        """``DENSE``, or None when the schema has no continuous feature (the tensor is left out)."""
+        return next((t for t in self.features if t.name == DENSE), None)
+
+    @property
+    def dense_inputs(self) -> list[Tensor]:
+        """What the dense model takes: ``DENSE`` (when the schema has continuous features), then ``EMBEDDINGS``."""
+        return [t for t in (self.dense_input, self.embeddings) if t is not None]
 
     @classmethod
     def build(cls, raw: RawColumns, schema: Schema, embedding_dim_total: int) -> EnsembleSpec:
+        """A tensor whose kind of feature the schema lacks is left out of every config (no ``dims: [ 0 ]``)."""
         multihot = set(schema.multihot)
         onehot = [c for c in schema.sparse if c not in multihot]
-        if not schema.continuous or not onehot:
-            raise UserError(
-                f"export needs at least one continuous and one one-hot categorical feature; the schema has "
-                f"continuous={schema.continuous}, one-hot={onehot}")
+        if not schema.sparse:
+            raise UserError("export needs at least one categorical or multi-hot feature (the models embed them); "
+                            "the schema has none")
         tensors = [Tensor(n, "FP64", (1,)) for n in raw.continuous]
         tensors += [Tensor(n, "STRING", (1,)) for n in (*raw.categorical, *raw.multihot)]
-        features = [Tensor(DENSE, "FP32", (len(schema.continuous),)), Tensor(CATEGORICAL_IDS, "INT64", (len(onehot),))]
+        features = []
+        if schema.continuous:
+            features.append(Tensor(DENSE, "FP32", (len(schema.continuous),)))
+        if onehot:
+            features.append(Tensor(CATEGORICAL_IDS, "INT64", (len(onehot),)))
         if multihot:
             features += [Tensor(MULTIHOT_IDS, "INT64", (-1,)), Tensor(MULTIHOT_LENGTHS, "INT64", (len(multihot),))]
         return cls(tensors, features, Tensor(EMBEDDINGS, "FP32", (embedding_dim_total,)),
@@ -132,7 +142,7 @@ def _python_model(name: str, inputs: list[Tensor], outputs: list[Tensor], option
 
 
 def _dense(spec: EnsembleSpec, options: ModelOptions) -> str:
-    inputs = [spec.dense_input, spec.embeddings]
+    inputs = spec.dense_inputs
     if options.dense_backend == "python":
         return _python_model("dense", inputs, [spec.prediction], options,
                              parameters={"intra_op_threads": str(options.dense_threads)})
@@ -144,11 +154,11 @@ def _dense(spec: EnsembleSpec, options: ModelOptions) -> str:
             + _io(renamed_in, renamed_out) + _scheduling(options))
 
 
-def dense_tensor_names(options: ModelOptions) -> tuple[list[str], str]:
+def dense_tensor_names(spec: EnsembleSpec, options: ModelOptions) -> tuple[list[str], str]:
     """The dense model's own input names and output name, for the ensemble's maps."""
     if options.dense_backend == "pytorch":
-        return ["INPUT__0", "INPUT__1"], "OUTPUT__0"
-    return [DENSE, EMBEDDINGS], PREDICTION
+        return [f"INPUT__{i}" for i in range(len(spec.dense_inputs))], "OUTPUT__0"
+    return [t.name for t in spec.dense_inputs], PREDICTION
 
 
 def _step(model: str, inputs: dict[str, str], outputs: dict[str, str]) -> str:
@@ -158,14 +168,14 @@ def _step(model: str, inputs: dict[str, str], outputs: dict[str, str]) -> str:
 
 
 def _ensemble(spec: EnsembleSpec, options: ModelOptions) -> str:
-    dense_inputs, dense_output = dense_tensor_names(options)
+    dense_inputs, dense_output = dense_tensor_names(spec, options)
     steps = [_step("preprocess", {t.name: t.name for t in spec.raw}, {t.name: t.name for t in spec.features})]
     if options.fuse_dense:
         steps.append(_step("ranker", {t.name: t.name for t in spec.features}, {PREDICTION: PREDICTION}))
     else:
         steps += [
             _step("embedding", {t.name: t.name for t in spec.embedding_inputs}, {EMBEDDINGS: EMBEDDINGS}),
-            _step("dense", dict(zip(dense_inputs, [DENSE, EMBEDDINGS])), {dense_output: PREDICTION}),
+            _step("dense", dict(zip(dense_inputs, [t.name for t in spec.dense_inputs])), {dense_output: PREDICTION}),
         ]
     return (f'name: "ensemble"\nplatform: "ensemble"\nmax_batch_size: {options.max_batch_size}\n'
             + _io(spec.raw, [spec.prediction])

@@ -13,7 +13,8 @@ pandas with arrow-backed dtypes (what the ETL's reader gives the workflow), and 
 ``Workflow.transform`` as offline runs on it. The processed frame becomes the tensors the next
 models take: ``DENSE`` ``[B, n_cont]`` float32, ``CATEGORICAL_IDS`` ``[B, n_onehot]`` int64 and, with
 multi-hot features, ``MULTIHOT_IDS`` ``[B, W]`` (each row's bags packed, then ``-1``) and
-``MULTIHOT_LENGTHS`` ``[B, n_multihot]``.
+``MULTIHOT_LENGTHS`` ``[B, n_multihot]``. A tensor whose kind of feature the schema lacks is not
+emitted (the configs leave it out too).
 
 Example::
 
@@ -146,10 +147,11 @@ class Preprocessor:
 
     def tensors(self, processed: pd.DataFrame) -> dict[str, np.ndarray]:
         """The processed frame as the tensors ``embedding`` and ``dense`` take."""
-        out = {
-            DENSE: _matrix(processed, self.schema.continuous, np.float32),
-            CATEGORICAL_IDS: _matrix(processed, self.onehot, np.int64),
-        }
+        out = {}
+        if self.schema.continuous:
+            out[DENSE] = _matrix(processed, self.schema.continuous, np.float32)
+        if self.onehot:
+            out[CATEGORICAL_IDS] = _matrix(processed, self.onehot, np.int64)
         if self.multihot:
             out[MULTIHOT_IDS], out[MULTIHOT_LENGTHS] = _pack_bags(processed, self.multihot)
         return out

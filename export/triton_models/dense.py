@@ -23,7 +23,7 @@ class TritonPythonModel:
         self.inputs = [i["name"] for i in config["input"]]
 
     def _compute(self, inputs):
-        return {"PREDICTION": self.runner(inputs[DENSE], inputs["EMBEDDINGS"])}
+        return {"PREDICTION": self.runner(inputs.get(DENSE), inputs["EMBEDDINGS"])}
 
     def execute(self, requests):
         return respond(requests, self.inputs, self._compute, pb_utils, self.name)

@@ -23,7 +23,7 @@ class TritonPythonModel:
         self.inputs = [i["name"] for i in config["input"]]
 
     def _compute(self, inputs):
-        return {"PREDICTION": self.runner(inputs[DENSE], self.instance.pooled(inputs))}
+        return {"PREDICTION": self.runner(inputs.get(DENSE), self.instance.pooled(inputs))}
 
     def execute(self, requests):
         self.instance.refresh(lambda message: pb_utils.Logger.log_error(f"{self.name}: {message}"))

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from pipeline.errors import BadInputError
 from pipeline.modules.columns import ColumnRun, assemble_columns
 from pipeline.modules.collection import EmbeddingCollection
 from pipeline.modules.configs import EmbeddingOptimizerConfig, TableConfig, tables_from_schema
@@ -224,7 +225,8 @@ def build_model(name: str, schema: Schema, sizes: ModelSizes, optimizer: Embeddi
     if name not in MODEL_CLASSES:
         raise ValueError(f"model: expected one of {sorted(MODEL_CLASSES)}, got {name!r}")
     if not schema.sparse:
-        raise ValueError("the schema has no categorical or multi-hot feature: these models need at least one")
+        raise BadInputError("the schema has no categorical or multi-hot feature, and every model embeds at least "
+                            "one: give the data some with data.categorical or data.multihot")
     generator = torch.Generator().manual_seed(seed)
     tables = model_tables(name, schema, sizes)
     embedding = EmbeddingCollection(tables, schema.sparse, optimizer, weights_dtype=weights_dtype, backend=backend,
