@@ -6,7 +6,8 @@
      "model": model.state_dict()           (embedding weights + their optimizer state + dense part),
      "dense_optimizer": optimizer.state_dict(),
      "loader": the train loader's state (plain values),
-     "rng": {"torch": ByteTensor, "cuda": [ByteTensor, ...], "python": list}}
+     "rng": {"torch": ByteTensor, "cuda": [ByteTensor, ...], "python": list},
+     "early_stopping": LoopState.progress(), "best_model": the best epoch's model.state_dict() or None}
 
 :class:`ShardedCheckpoints` (N ranks) writes folders ``checkpoints/step-NNNNNNNN.sharded/``: the
 tables and dense state of :mod:`pipeline.distributed.checkpoint` (which any number of ranks can
@@ -62,11 +63,23 @@ _PLAIN_KEYS = ("step", "epoch", "model", "dense_optimizer", "loader", "rng")
 
 @dataclass
 class LoopState:
-    """Where training is: steps done, the current epoch and its next batch."""
+    """Where training is: steps done, the current epoch and its next batch; with early stopping, the best
+    epoch so far (its valid scores, the step and epoch count at its end), the epochs since it, whether
+    training stopped early."""
 
     step: int = 0
     epoch: int = 0
     batch: int = 0
+    best_valid: dict | None = None
+    best_step: int = 0
+    best_epoch: int = 0
+    bad_epochs: int = 0
+    stopped: bool = False
+
+    def progress(self) -> dict[str, Any]:
+        """The early-stopping fields, as plain values."""
+        return {"best_valid": self.best_valid, "best_step": self.best_step, "best_epoch": self.best_epoch,
+                "bad_epochs": self.bad_epochs, "stopped": self.stopped}
 
 
 def checkpoints(folder: str | Path) -> list[Path]:
@@ -185,6 +198,8 @@ class PlainCheckpoints:
             "dense_optimizer": trainer.optimizer.state_dict(),
             "loader": {**trainer.loader.state_dict(), "epoch": s.epoch, "batches": s.batch},
             "rng": rng_state(),
+            "early_stopping": s.progress(),
+            "best_model": trainer.best_weights,
         }, keep=self.keep)
 
     def load(self, trainer: Trainer, path: Path) -> tuple[LoopState, dict[str, Any]]:
@@ -194,8 +209,11 @@ class PlainCheckpoints:
         trainer.optimizer.load_state_dict(ckpt["dense_optimizer"])
         trainer.loader.load_state_dict(ckpt["loader"])
         set_rng_state({k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in ckpt["rng"].items()})
+        best = ckpt.get("best_model")
+        trainer.best_weights = {k: v.cpu() for k, v in best.items()} if best is not None else None
         loader = ckpt["loader"]
-        return LoopState(step=int(ckpt["step"]), epoch=int(loader["epoch"]), batch=int(loader["batches"])), {}
+        return LoopState(step=int(ckpt["step"]), epoch=int(loader["epoch"]), batch=int(loader["batches"]),
+                         **ckpt.get("early_stopping", {})), {}
 
     def model_state(self, model: nn.Module, spec: dict) -> dict[str, torch.Tensor]:
         """The trained weights as one process's model holds them (``model`` is that model)."""

@@ -46,9 +46,13 @@ class TrainConfig:
         "help": "fused sparse optimizer of the tables: sgd | adagrad (row-wise) | adam (lazy)"})
     embedding_lr: float = field(default=0.2, metadata={"help": "peak learning rate of the embedding tables"})
     weight_decay: float = field(default=0.0, metadata={"help": "L2 weight decay (dense and embedding)"})
-    warmup_steps: int = field(default=100, metadata={"help": "linear warmup from 0 to the peak lr"})
+    warmup_fraction: float = field(default=0.2, metadata={
+        "help": "linear warmup from 0 to the peak lr over this fraction of the run's steps"})
+    warmup_steps: int = field(default=0, metadata={
+        "help": "warmup over this many steps instead of warmup_fraction (0: use warmup_fraction)"})
     decay: str = field(default="cosine", metadata={"help": "none | linear | cosine decay after warmup"})
-    decay_start: int = field(default=0, metadata={"help": "step where decay begins (0: right after warmup)"})
+    decay_start: int = field(default=0, metadata={
+        "help": "step where decay begins (0: right after warmup); it ends at the run's last step"})
     min_lr_ratio: float = field(default=0.1, metadata={"help": "lr at the last step, as a fraction of the peak"})
 
     embedding_dtype: str = field(default="fp32", metadata={"help": "fp32 | fp16 | bf16 embedding weights"})
@@ -62,6 +66,10 @@ class TrainConfig:
 
     threads: int = field(default=0, metadata={
         "help": "torch CPU threads while training (0: all cores but one, which the loader's thread uses)"})
+
+    early_stopping: int = field(default=2, metadata={
+        "help": "keep the epoch of the best valid AUC (scored on test, saved as model.pt) and stop after N "
+                "epochs without improvement (0: off, the last epoch is kept)"})
 
     checkpoint_every: int = field(default=200, metadata={
         "help": "save a checkpoint every N steps (0: only at the end)"})
@@ -80,7 +88,7 @@ class TrainConfig:
         for name in ("epochs", "batch_size", "eval_batch_size", "keep_checkpoints", "log_every"):
             check_range(f"train.{name}", getattr(self, name), 1)
         for name in ("embedding_dim", "cross_layers", "cross_rank", "max_steps", "eval_every", "warmup_steps",
-                     "decay_start", "threads", "checkpoint_every"):
+                     "decay_start", "threads", "checkpoint_every", "early_stopping"):
             check_range(f"train.{name}", getattr(self, name), 0)
         for name in ("bottom_mlp", "top_mlp"):
             for width in getattr(self, name):
@@ -91,3 +99,4 @@ class TrainConfig:
         check_range("train.embedding_lr", self.embedding_lr, 0, low_open=True)
         check_range("train.weight_decay", self.weight_decay, 0)
         check_range("train.min_lr_ratio", self.min_lr_ratio, 0, 1)
+        check_range("train.warmup_fraction", self.warmup_fraction, 0, 1, high_open=True)

@@ -16,10 +16,12 @@ Outputs under ``out`` (written by rank 0)::
 
     model.json          what was built (see :mod:`pipeline.train.model`)
     plan.json           N ranks: where each table lives
-    model.pt            the final ``model.state_dict()`` as one process holds it (``load_trained`` reads it)
+    model.pt            the kept ``model.state_dict()`` as one process holds it (``load_trained`` reads it):
+                        the best epoch's by valid AUC with ``train.early_stopping``, else the last
     checkpoints/        see :mod:`pipeline.train.checkpoint`
     metrics.jsonl       one JSON object per line: training loss / lr / samples/s, valid scores
-    result.json         test AUC and log loss (one process: and the oracle's, the gap), throughput
+    result.json         test AUC and log loss (one process: and the oracle's, the gap), throughput, and
+                        ``kept``: the epoch and step whose weights were scored (null: the last)
 
 Example::
 
@@ -103,6 +105,9 @@ def _train(cfg: TrainConfig, data: Path, out: Path, schema: Schema, seed: int, w
     valid_loader = Loader(data / "valid", cfg.eval_batch_size, schema=schema, **shard)
     test_loader = Loader(data / "test", cfg.eval_batch_size, schema=schema, **shard)
     trainer = Trainer(model, cfg, out, train_loader, world, checkpoints)
+    if cfg.early_stopping and not trainer.keeps_best and world.is_writer:
+        print(f"[train] train.early_stopping applies to one process: the {world.size} ranks train every epoch "
+              "and the last one is scored", flush=True)
     if cfg.resume and not checkpoints.candidates() and world.is_writer:
         print(f"[train] train.resume=true but no checkpoint in {checkpoints.folder}: starting fresh", flush=True)
     found = checkpoints.newest_readable() if cfg.resume else None
@@ -185,7 +190,7 @@ def _summary(cfg: TrainConfig, spec: dict, world: World, fitted: dict, test: dic
     if world.size > 1:
         return {"model": spec["model"], "device": world.device.type, "ranks": world.size, "steps": fitted["steps"],
                 "epochs": cfg.epochs, "batch_size_per_rank": cfg.batch_size,
-                "samples_per_s_per_rank": fitted["samples_per_s"], "valid": fitted["valid"], "test": test,
+                "samples_per_s_per_rank": fitted["samples_per_s"], "valid": fitted["valid"], "kept": None, "test": test,
                 "seconds": seconds, "plan": str(out / "plan.json")}
     oracle = json.loads(oracle_path.read_text()) if oracle_path and oracle_path.is_file() else None
     gap = oracle["test"]["auc"] - test["auc"] if oracle else None
@@ -193,7 +198,7 @@ def _summary(cfg: TrainConfig, spec: dict, world: World, fitted: dict, test: dic
     settings.update({k: v for k, v in spec["sizes"].items() if k in settings})  # the sizes used, not 0 / [] for "auto"
     return {"model": spec["model"], "device": world.device.type, "steps": fitted["steps"], "epochs": cfg.epochs,
             "batch_size": cfg.batch_size, "samples_per_s": fitted["samples_per_s"], "valid": fitted["valid"],
-            "test": test, "oracle": oracle, "test_auc_gap_to_oracle": gap, "seconds": seconds,
+            "kept": fitted["kept"], "test": test, "oracle": oracle, "test_auc_gap_to_oracle": gap, "seconds": seconds,
             "settings": settings}
 
 
@@ -208,4 +213,7 @@ def _report(result: dict, path: Path) -> None:
     if oracle:
         scores += (f" | oracle AUC {oracle['test']['auc']:.4f}, logloss {oracle['test']['logloss']:.4f}"
                    f" | gap {result['test_auc_gap_to_oracle']:.4f}")
+    kept = result["kept"]
+    if kept and kept["step"] != kept["last_step"]:
+        scores += f" | kept epoch {kept['epoch']} (step {kept['step']}, the best valid AUC {kept['valid']['auc']:.4f})"
     print(f"[train] {scores} | {result['samples_per_s']:,.0f} samples/s | {path}", flush=True)

@@ -22,6 +22,7 @@ Example::
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
@@ -34,15 +35,19 @@ from pipeline.distributed.world import World
 from pipeline.train.checkpoint import LoopState, PlainCheckpoints, ShardedCheckpoints
 from pipeline.train.config import TrainConfig
 from pipeline.train.evaluate import autocast
-from pipeline.train.schedule import lr_at
+from pipeline.train.schedule import lr_at, warmup_steps
 
 
 class Callback:
     """What :meth:`Trainer.fit` calls as training goes; override the methods you need.
 
-    ``on_step`` runs at the end of each step, after that step's checkpoint and evaluation when they
-    are due. An exception raised by a callback ends training there, as a crash would.
+    ``on_fit_start`` runs once before the first step of a fresh or a resumed run. ``on_step`` runs at
+    the end of each step, after that step's evaluation and checkpoint when they are due. An exception
+    raised by a callback ends training there, as a crash would.
     """
+
+    def on_fit_start(self, trainer: Trainer) -> None:
+        pass
 
     def on_step(self, trainer: Trainer) -> None:
         pass
@@ -86,9 +91,13 @@ class Trainer:
         self.steps_per_epoch = steps_per_epoch
         total = cfg.epochs * steps_per_epoch
         self.total_steps = min(total, cfg.max_steps) if cfg.max_steps > 0 else total
+        self.warmup_steps = warmup_steps(self.total_steps, cfg.warmup_fraction, cfg.warmup_steps)
         self.optimizer = dense_optimizer(cfg.optimizer, model.parameters(), cfg.lr, cfg.weight_decay)
         self.amp = cfg.amp == "bf16" or (cfg.amp == "auto" and self.device.type == "cuda")
         self.state = LoopState()
+        # The best epoch's weights, on the host; a sharded model scores its last epoch.
+        self.keeps_best = cfg.early_stopping > 0 and isinstance(self.checkpoints, PlainCheckpoints)
+        self.best_weights: dict[str, torch.Tensor] | None = None
 
     @property
     def metrics_path(self) -> Path:
@@ -97,7 +106,7 @@ class Trainer:
     def lrs(self, step: int) -> tuple[float, float]:
         """(dense lr, embedding lr) of ``step``."""
         c = self.cfg
-        kw = dict(warmup_steps=c.warmup_steps, total_steps=self.total_steps, decay=c.decay,
+        kw = dict(warmup_steps=self.warmup_steps, total_steps=self.total_steps, decay=c.decay,
                   decay_start=c.decay_start, min_ratio=c.min_lr_ratio)
         return lr_at(step, c.lr, **kw), lr_at(step, c.embedding_lr, **kw)
 
@@ -122,8 +131,11 @@ class Trainer:
         return self.checkpoints.save(self)
 
     def fit(self, evaluate_valid: Callable[[], dict] | None = None, callbacks: Sequence[Callback] = ()) -> dict:
-        """Train until ``total_steps``; returns the last valid scores and the throughput."""
+        """Train until ``total_steps`` (or an early stop); returns the kept weights' valid scores, which
+        epoch was kept (``kept``, None without early stopping) and the throughput."""
         c = self.cfg
+        for callback in callbacks:
+            callback.on_fit_start(self)
         self.model.train()
         bar = tqdm(total=self.total_steps, initial=self.state.step, desc="train", unit="step",
                    disable=not (c.progress and self.world.is_writer), dynamic_ncols=True)
@@ -133,7 +145,7 @@ class Trainer:
         last_valid: dict = {}
         last_valid_step = -1
         try:
-            while self.state.step < self.total_steps:
+            while self.state.step < self.total_steps and not self.state.stopped:
                 epoch = self.state.epoch
                 batches = self._open_epoch(epoch, self.state.batch)
                 tick = time.perf_counter()
@@ -160,12 +172,15 @@ class Trainer:
                         loss_sum.zero_()
                         window_steps, window_samples, window_time = 0, 0, 0.0
                     bar.update(1)
-                    if c.checkpoint_every and step % c.checkpoint_every == 0 and step < self.total_steps:
-                        self._save(callbacks)
                     epoch_done = self.state.batch == 0
                     due = c.eval_every and step % c.eval_every == 0
-                    if evaluate_valid is not None and (due or (epoch_done and not c.eval_every)):
+                    if evaluate_valid is not None and (due or epoch_done):
                         last_valid, last_valid_step = self._evaluate(evaluate_valid, epoch, callbacks), step
+                        if epoch_done:
+                            self._judge(last_valid, epoch_end=True)
+                    if (c.checkpoint_every and step % c.checkpoint_every == 0 and step < self.total_steps
+                            and not self.state.stopped):
+                        self._save(callbacks)
                     for callback in callbacks:
                         callback.on_step(self)
                     if step >= self.total_steps or epoch_done:
@@ -179,11 +194,40 @@ class Trainer:
             bar.close()
         if evaluate_valid is not None and last_valid_step != self.state.step:
             last_valid = self._evaluate(evaluate_valid, self.state.epoch, callbacks)
+            self._judge(last_valid, epoch_end=False)
         self._save(callbacks)
+        kept = self._restore_best()
         train_time += window_time
         train_samples += window_samples
-        return {"steps": self.state.step, "valid": last_valid,
+        return {"steps": self.state.step, "valid": kept["valid"] if kept else last_valid, "kept": kept,
                 "samples_per_s": train_samples / train_time if train_time else float("nan")}
+
+    def _judge(self, scores: dict, epoch_end: bool) -> None:
+        """Early stopping: keep the weights when ``scores`` beat the best so far; count an epoch without
+        improvement otherwise, and stop after ``early_stopping`` of them in a row."""
+        if not self.keeps_best:
+            return
+        s = self.state
+        auc = scores.get("auc", float("nan"))
+        if math.isfinite(auc) and (s.best_valid is None or auc > s.best_valid["auc"]):
+            s.best_valid, s.best_step, s.best_epoch, s.bad_epochs = dict(scores), s.step, s.epoch, 0
+            self.best_weights = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        elif epoch_end:
+            s.bad_epochs += 1
+            s.stopped = s.bad_epochs >= self.cfg.early_stopping and s.step < self.total_steps
+            if s.stopped:
+                self._log({"event": "early_stop", "step": s.step, "epoch": s.epoch, "best_epoch": s.best_epoch,
+                           "best_auc": s.best_valid["auc"] if s.best_valid else None})
+
+    def _restore_best(self) -> dict | None:
+        """Load the best weights into the model (after the last checkpoint was saved); what was kept."""
+        s = self.state
+        if not self.keeps_best or self.best_weights is None or s.best_valid is None:
+            return None
+        if s.best_step != s.step:
+            self.model.load_state_dict(self.best_weights)
+        return {"epoch": s.best_epoch, "step": s.best_step, "valid": s.best_valid, "last_step": s.step,
+                "stopped_early": s.stopped}
 
     def _open_epoch(self, epoch: int, batch: int) -> Iterable:
         self.loader.load_state_dict({**self.loader.state_dict(), "epoch": epoch, "batches": batch})

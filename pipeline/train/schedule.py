@@ -1,9 +1,12 @@
 """The learning-rate schedule: a pure function of the step, so a resumed run gets the same rates.
 
 Linear warmup from 0 to the peak over ``warmup_steps``, flat until ``decay_start``, then a linear or
-cosine decay to ``min_ratio * peak`` at ``total_steps``.
+cosine decay to ``min_ratio * peak`` at ``total_steps``. :func:`warmup_steps` sizes the warmup as a
+fraction of the run, so a short run reaches its peak and decays as a long one does.
 
 Example::
+
+    warmup_steps(36, fraction=0.2)                                  # 8
 
     lr_at(0, peak=0.1, warmup_steps=10, total_steps=100)            # 0.01 (the first step's lr)
     lr_at(99, peak=0.1, warmup_steps=10, total_steps=100, decay="cosine", min_ratio=0.0)  # ~0.00003
@@ -12,6 +15,16 @@ Example::
 from __future__ import annotations
 
 import math
+
+
+def warmup_steps(total_steps: int, fraction: float, steps: int = 0) -> int:
+    """The warmup of a run of ``total_steps``: ``steps`` when set, else ``fraction`` of the run (at least one
+    step when ``fraction > 0``), always leaving the last step to the decay."""
+    if steps > 0:
+        return steps
+    if fraction <= 0 or total_steps <= 1:
+        return 0
+    return min(total_steps - 1, max(1, math.ceil(fraction * total_steps)))
 
 
 def lr_at(step: int, peak: float, warmup_steps: int, total_steps: int, decay: str = "cosine",

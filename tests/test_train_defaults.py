@@ -1,0 +1,114 @@
+"""Training defaults that adapt to the run: the lr schedule as fractions of it, the best epoch kept."""
+
+import json
+
+import pytest
+import torch
+
+from pipeline.schema import Schema
+from pipeline.stages.config import load_config
+from pipeline.stages.train import run
+from pipeline.train.driver import train
+from pipeline.train.loop import Callback, Trainer
+from pipeline.train.schedule import lr_at, warmup_steps
+from tests.test_train import SMALL, Crash, CrashAfter, _assert_same_state, _write_data
+
+# The defaults under test: no train.warmup_steps (SMALL sets one), early stopping left as it is.
+BASE = [s for s in SMALL if not s.startswith("train.warmup_steps")]
+
+
+def _config(workdir, *overrides):
+    return load_config(None, [f"workdir={workdir}", *BASE, *overrides])
+
+
+def _train(cfg, callbacks=()):
+    return train(cfg.train, cfg.paths.processed, cfg.paths.train, schema=Schema.load(cfg.paths.schema),
+                 seed=cfg.seed, callbacks=callbacks)
+
+
+class _Batches:
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+
+def test_a_short_run_reaches_the_peak_lr_and_decays_with_the_default_settings():
+    cfg = load_config(None, ["device=cpu"]).train
+    trainer = Trainer(torch.nn.Linear(1, 1), cfg, "/nonexistent", _Batches(36))
+    dense = [trainer.lrs(step)[0] for step in range(36)]
+    assert max(dense) == pytest.approx(cfg.lr)
+    peak = dense.index(max(dense))
+    assert peak == warmup_steps(36, cfg.warmup_fraction) - 1 and 0 < peak < 18
+    assert all(a >= b for a, b in zip(dense[peak:], dense[peak + 1:]))
+    assert dense[-1] == pytest.approx(cfg.lr * cfg.min_lr_ratio)
+
+
+def test_warmup_is_a_fraction_of_the_run_unless_given_in_steps():
+    assert warmup_steps(36, 0.05) == 2
+    assert warmup_steps(10_000, 0.05) == 500
+    assert warmup_steps(36, 0.05, steps=100) == 100
+    assert warmup_steps(1, 0.05) == 0 and warmup_steps(36, 0.0) == 0
+    assert lr_at(1, 1.0, warmup_steps=warmup_steps(36, 0.05), total_steps=36) == 1.0
+
+
+class LaterEpochsWorse(Callback):
+    """From the second epoch on, trains at a huge lr (a pure function of the step, so a resumed run does
+    the same), and records the weights at the end of the first epoch."""
+
+    def __init__(self):
+        self.first_epoch = None
+
+    def on_fit_start(self, trainer):
+        planned = trainer.lrs
+        epoch = trainer.steps_per_epoch
+        trainer.lrs = lambda step: (50.0, 500.0) if step >= epoch else planned(step)
+
+    def on_evaluation(self, trainer, scores):
+        if trainer.state.step == trainer.steps_per_epoch and trainer.state.batch == 0:
+            self.first_epoch = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+def test_the_best_epoch_is_kept_scored_and_saved_and_training_stops_after_it(tmp_path):
+    cfg = _config(tmp_path, "train.epochs=5", "train.early_stopping=2", "train.warmup_steps=3")
+    _write_data(cfg)
+    worse = LaterEpochsWorse()
+    result = _train(cfg, [worse])
+    assert result["kept"]["epoch"] == 1 and result["kept"]["step"] == 12 and result["kept"]["stopped_early"]
+    assert result["steps"] == 36  # epochs 2 and 3 did not improve: stopped before epoch 4
+    _assert_same_state(torch.load(cfg.paths.train / "model.pt", weights_only=True), worse.first_epoch)
+    saved = json.loads((cfg.paths.train / "result.json").read_text())
+    lines = [json.loads(line) for line in (cfg.paths.train / "metrics.jsonl").read_text().splitlines()]
+    valid = [r for r in lines if r.get("split") == "valid"]
+    assert [r["step"] for r in valid] == [12, 24, 36]
+    assert saved["kept"]["epoch"] == 1 and saved["valid"]["auc"] == valid[0]["auc"] > valid[-1]["auc"]
+    assert any(r.get("event") == "early_stop" and r["best_epoch"] == 1 for r in lines)
+
+
+def test_without_early_stopping_the_last_epoch_is_kept(tmp_path):
+    cfg = _config(tmp_path, "train.epochs=2", "train.early_stopping=0")
+    _write_data(cfg)
+    worse = LaterEpochsWorse()
+    result = _train(cfg, [worse])
+    assert result["kept"] is None and result["steps"] == 24
+    last = torch.load(cfg.paths.train / "model.pt", weights_only=True)
+    assert any(not torch.equal(last[k], worse.first_epoch[k]) for k in last)
+
+
+def test_resume_with_early_stopping_ends_with_the_same_weights_and_choice(tmp_path):
+    common = ["train.epochs=4", "train.early_stopping=2", "train.checkpoint_every=5", "train.warmup_steps=3"]
+    straight = _config(tmp_path / "straight", *common)
+    _write_data(straight)
+    expected = _train(straight, [LaterEpochsWorse()])
+
+    crashed = _config(tmp_path / "crashed", *common)
+    _write_data(crashed)
+    with pytest.raises(Crash):
+        _train(crashed, [LaterEpochsWorse(), CrashAfter(27)])
+    got = _train(_config(tmp_path / "crashed", *common, "train.resume=true"), [LaterEpochsWorse()])
+    assert got["kept"] == expected["kept"] and expected["kept"]["epoch"] == 1
+    assert got["steps"] == expected["steps"] == 36
+    assert got["test"]["auc"] == expected["test"]["auc"]
+    _assert_same_state(torch.load(straight.paths.train / "model.pt", weights_only=True),
+                       torch.load(crashed.paths.train / "model.pt", weights_only=True))
