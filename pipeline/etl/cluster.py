@@ -39,8 +39,6 @@ def choose_cluster(etl: EtlConfig, input_bytes: int) -> str:
     """``"scheduler"``, ``"local"`` or ``"threads"`` for these settings and this much input."""
     if etl.scheduler:
         return "scheduler"
-    if etl.cluster not in ("auto", "local", "threads"):
-        raise UserError(f"etl.cluster: expected auto, local or threads, got {etl.cluster!r}")
     if etl.cluster == "auto":
         return "local" if input_bytes >= AUTO_LOCAL_BYTES else "threads"
     return etl.cluster
