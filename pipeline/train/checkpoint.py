@@ -163,9 +163,6 @@ class PlainCheckpoints:
     def __init__(self, folder: str | Path, keep: int = 2) -> None:
         self.folder, self.keep = Path(folder), keep
 
-    def latest(self) -> Path | None:
-        return latest_checkpoint(self.folder)
-
     def candidates(self) -> list[Path]:
         """Every checkpoint a resume could start from, newest first."""
         return checkpoints(self.folder)[::-1]
