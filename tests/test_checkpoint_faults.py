@@ -12,7 +12,6 @@ import torch
 
 from pipeline.distributed.checkpoint import ShardedCheckpointError
 from pipeline.distributed.world import World
-from pipeline.loader.synthetic import criteo_schema, write_processed
 from pipeline.schema import Schema
 from pipeline.stages.config import load_config
 from pipeline.stages.train import run
@@ -25,7 +24,7 @@ from pipeline.train.checkpoint import (
     sharded_checkpoints,
 )
 from pipeline.train.driver import train
-from pipeline.train.loop import Callback
+from tests.test_train import Crash, CrashAfter, _final_state, _write_data
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["device=cpu", "train.batch_size=128", "train.eval_batch_size=512", "train.embedding_dim=8",
@@ -36,28 +35,6 @@ PLAIN = ["train.epochs=2", "train.checkpoint_every=5", "train.keep_checkpoints=3
 
 def _config(workdir, *overrides):
     return load_config(None, [f"workdir={workdir}", *SMALL, *overrides])
-
-
-def _write_data(cfg):
-    schema = criteo_schema(size=0.0001, categorical=5, continuous=3, multihot={"M1": 3})
-    write_processed(cfg.paths.processed, schema, {"train": 1500, "valid": 300, "test": 300}, row_group_rows=500, seed=7)
-
-
-class Crash(RuntimeError):
-    """Stops a run as a crash would."""
-
-
-class CrashAfter(Callback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_step(self, trainer) -> None:
-        if trainer.state.step == self.step:
-            raise Crash(f"stopping after step {self.step}")
-
-
-def _final_state(cfg):
-    return torch.load(cfg.paths.train / "model.pt", weights_only=True)
 
 
 def _assert_same_state(a, b):

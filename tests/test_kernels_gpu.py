@@ -15,6 +15,7 @@ import torch
 from pipeline.modules.collection import EmbeddingCollection
 from pipeline.modules.configs import EmbeddingOptimizerConfig, TableConfig
 from pipeline.sparse import KeyedJaggedTensor
+from tests.test_kernels_ops import train_steps
 
 pytestmark = pytest.mark.gpu
 
@@ -256,22 +257,9 @@ def _compare_compiled_with_eager(optimizer: str) -> None:
         labels = (torch.rand(64, generator=g) < 0.5).float()
         batches.append((torch.randn(64, 3, generator=g).cuda(), kjt, labels.cuda()))
     lrs = [0.05, 0.04, 0.03, 0.02, 0.01]
-
-    def run(model, step_fn):
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        losses = []
-        for (dense, kjt, labels), lr in zip(batches, lrs):
-            model.embedding.set_lr(lr)
-            loss = torch.nn.functional.binary_cross_entropy_with_logits(step_fn(dense, kjt), labels)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        return torch.tensor(losses)
-
     torch._dynamo.reset()
-    expected = run(eager, eager)
-    got = run(compiled, torch.compile(compiled, fullgraph=True))
+    expected = train_steps(eager, eager, batches, lrs)
+    got = train_steps(compiled, torch.compile(compiled, fullgraph=True), batches, lrs)
     # Inductor fuses and reorders the dense part's fp32 arithmetic (the embedding kernels are the same
     # launches), so results agree to fp32 rounding accumulated over a few steps, not bit for bit.
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)

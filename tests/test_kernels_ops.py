@@ -93,7 +93,7 @@ def _batches(model: DLRM, steps: int, batch: int, device: str):
 
 
 def train_steps(model, step_fn, batches, lrs):
-    """Losses of one optimizer step per batch (dense SGD, the embedding's fused Adam at ``lrs[i]``)."""
+    """Losses of one optimizer step per batch (dense SGD, the embedding's fused optimizer at ``lrs[i]``)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
     for (dense, kjt, labels), lr in zip(batches, lrs):
