@@ -89,6 +89,17 @@ def test_same_seed_same_model_and_tables_follow_the_schema():
                      ("w_T1", 15, 1)]
 
 
+def test_logistic_regression_is_one_weight_per_category_and_dense_feature_starting_at_zero():
+    model = build_model("logistic", _schema(), SIZES, seed=3)
+    assert [(t.name, t.rows, t.dim) for t in model.embedding.tables] == [("w_C1", 20, 1), ("w_C2", 30, 1),
+                                                                          ("w_T1", 15, 1)]
+    assert not model.embedding.weights.any()
+    assert sum(p.numel() for p in model.parameters()) == 3 + 1  # one weight per dense feature and the bias
+    deepfm = build_model("deepfm", _schema(), SIZES, seed=3)
+    for table in deepfm.embedding.tables:  # deep rows start random, the wide (linear) ones at zero
+        assert deepfm.embedding.table_weight(table.name).any() == (not table.name.startswith("w_"))
+
+
 def test_dlrm_interaction_width_and_bad_bottom_mlp():
     model = build_model("dlrm", _schema(), SIZES)
     # 3 slots + the bottom output: 4 vectors, 6 pairs, plus the bottom output itself.

@@ -25,7 +25,7 @@ from pipeline.stages.train import run
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["device=cpu", "train.batch_size=128", "train.eval_batch_size=512", "train.embedding_dim=8",
          "train.bottom_mlp=[16,8]", "train.top_mlp=[16,1]", "train.progress=false", "train.log_every=4",
-         "train.warmup_steps=3", "train.threads=1"]
+         "train.warmup_steps=3", "train.threads=1", "train.epochs=1"]
 
 
 def _config(workdir, *overrides):

@@ -10,7 +10,7 @@ from pipeline.stages.config import load_config
 from pipeline.stages.train import run
 from pipeline.train.driver import train
 from pipeline.train.loop import Callback, Trainer
-from pipeline.train.schedule import lr_at, warmup_steps
+from pipeline.train.schedule import MIN_AUTO_STEPS, epochs_for, lr_at, warmup_steps
 from tests.test_train import SMALL, Crash, CrashAfter, _assert_same_state, _write_data
 
 # The defaults under test: no train.warmup_steps (SMALL sets one), early stopping left as it is.
@@ -35,7 +35,7 @@ class _Batches:
 
 
 def test_a_short_run_reaches_the_peak_lr_and_decays_with_the_default_settings():
-    cfg = load_config(None, ["device=cpu"]).train
+    cfg = load_config(None, ["device=cpu", "train.epochs=1"]).train
     trainer = Trainer(torch.nn.Linear(1, 1), cfg, "/nonexistent", _Batches(36))
     dense = [trainer.lrs(step)[0] for step in range(36)]
     assert max(dense) == pytest.approx(cfg.lr)
@@ -51,6 +51,28 @@ def test_warmup_is_a_fraction_of_the_run_unless_given_in_steps():
     assert warmup_steps(36, 0.05, steps=100) == 100
     assert warmup_steps(1, 0.05) == 0 and warmup_steps(36, 0.0) == 0
     assert lr_at(1, 1.0, warmup_steps=warmup_steps(36, 0.05), total_steps=36) == 1.0
+
+
+def test_left_to_choose_small_data_gets_enough_passes_and_large_data_one():
+    assert load_config(None, []).train.epochs == 0
+    assert epochs_for(36) == -(-MIN_AUTO_STEPS // 36) > 1
+    assert epochs_for(MIN_AUTO_STEPS) == epochs_for(10 * MIN_AUTO_STEPS) == 1
+    assert epochs_for(36, epochs=2) == 2
+    trainer = Trainer(torch.nn.Linear(1, 1), load_config(None, ["device=cpu"]).train, "/nonexistent", _Batches(36))
+    assert trainer.total_steps == epochs_for(36) * 36
+
+
+def test_with_the_defaults_dlrm_beats_logistic_regression_on_a_small_table(tmp_path):
+    """A 20k-row table gives 8 steps per pass at the default batch: one pass does not train DLRM (it lost to
+    the linear baseline by 0.08 AUC); the passes chosen for small data and early stopping make it win."""
+    import argparse
+
+    from pipeline.bench import quality
+
+    cfg = load_config(None, [f"workdir={tmp_path}", "device=cpu", "data.rows=20000", "train.threads=1"])
+    result = quality.run(argparse.Namespace(models="dlrm"), cfg)["models"]
+    assert result["dlrm"]["epochs"] > 1 and result["dlrm"]["kept_epoch"] < result["dlrm"]["epochs"]
+    assert result["dlrm"]["test_auc"] > result["logistic"]["test_auc"]
 
 
 class LaterEpochsWorse(Callback):

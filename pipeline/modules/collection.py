@@ -74,7 +74,7 @@ class EmbeddingCollection(nn.Module):
 
         weights = torch.empty(self.packing.total_elements, dtype=torch.float32)
         for t, table in enumerate(self.tables):
-            bound = init_scale if init_scale is not None else table.rows ** -0.5
+            bound = next(b for b in (init_scale, table.init_scale, table.rows ** -0.5) if b is not None)
             start = self.packing.weights_offsets[t]
             weights[start : start + table.rows * table.dim].uniform_(-bound, bound, generator=generator)
         self.register_buffer("weights", weights.to(WEIGHT_DTYPES[weights_dtype]))

@@ -24,13 +24,17 @@ WEIGHT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfl
 
 @dataclass
 class TableConfig:
-    """One embedding table: ``rows x dim``, serving the listed features (several: a shared table)."""
+    """One embedding table: ``rows x dim``, serving the listed features (several: a shared table).
+
+    Rows start uniform in ``[-init_scale, init_scale]``; ``None``: ``1 / sqrt(rows)``, as DLRM does.
+    """
 
     name: str
     rows: int
     dim: int
     features: list[str]
     pooling: str = "sum"
+    init_scale: float | None = None
 
     def __post_init__(self) -> None:
         if self.rows <= 0 or self.dim <= 0:
@@ -39,6 +43,8 @@ class TableConfig:
             raise ValueError(f"table {self.name}: lists no features")
         if self.pooling not in POOLINGS:
             raise ValueError(f"table {self.name}: pooling must be one of {POOLINGS}, got {self.pooling!r}")
+        if self.init_scale is not None and not (math.isfinite(self.init_scale) and self.init_scale >= 0):
+            raise ValueError(f"table {self.name}: init_scale must be a finite number >= 0, got {self.init_scale}")
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""CTR models built from the schema: DLRM, DCNv2, DeepFM and Wide&Deep.
+"""CTR models built from the schema: DLRM, DCNv2, DeepFM, Wide&Deep, and logistic regression.
 
 Every model is an embedding part and a dense part that can run apart (export serves them as two
 Triton models)::
@@ -15,7 +15,8 @@ Example::
 The embedding tables are one :class:`~pipeline.modules.collection.EmbeddingCollection` (optimizer
 fused in backward); ``model.parameters()`` holds only the dense part, for a regular torch optimizer.
 DeepFM and Wide&Deep add a dim-1 "wide" table per sparse feature to the same collection, after the
-deep tables, so one lookup serves both parts.
+deep tables, so one lookup serves both parts. Logistic regression has only those dim-1 tables and a
+linear term per dense feature: the baseline every other model has to beat on the same data.
 """
 
 from __future__ import annotations
@@ -208,20 +209,40 @@ class DeepFM(_WideDeepBase):
         return wide + fm.to(deep.dtype) + deep
 
 
-MODEL_CLASSES = {cls.name: cls for cls in (DLRM, DCNv2, DeepFM, WideDeep)}
+class LogisticRegression(RecModel):
+    """One weight per category of each sparse feature (dim-1 tables) and per dense feature, plus a bias."""
+
+    name = "logistic"
+
+    def __init__(self, embedding: EmbeddingCollection, num_dense: int, sizes: ModelSizes) -> None:
+        super().__init__(embedding, num_dense)
+        self.linear = nn.Linear(num_dense, 1) if num_dense else None
+        self.bias = nn.Parameter(torch.zeros(1)) if not num_dense else None
+
+    def dense_forward(self, dense, pooled):
+        logit = pooled.float().sum(1)
+        if self.linear is not None:
+            return logit + self.linear(dense.float()).squeeze(1)
+        return logit + self.bias
+
+
+MODEL_CLASSES = {cls.name: cls for cls in (DLRM, DCNv2, DeepFM, WideDeep, LogisticRegression)}
 
 
 def model_tables(name: str, schema: Schema, sizes: ModelSizes) -> list[TableConfig]:
-    """The embedding tables of model ``name``: one per sparse feature, plus dim-1 wide ones for deepfm / wide_deep."""
+    """The embedding tables of model ``name``: one per sparse feature, plus dim-1 wide ones for deepfm / wide_deep
+    (logistic: only the dim-1 ones)."""
     tables = tables_from_schema(schema, sizes.embedding_dim, pooling=sizes.multihot_pooling)
-    if name in ("deepfm", "wide_deep"):
-        tables += [TableConfig(f"w_{t.features[0]}", t.rows, 1, t.features, t.pooling) for t in tables]
-    return tables
+    # A linear model's weights start at zero.
+    wide = [TableConfig(f"w_{t.features[0]}", t.rows, 1, t.features, t.pooling, init_scale=0.0) for t in tables]
+    if name == "logistic":
+        return wide
+    return tables + wide if name in ("deepfm", "wide_deep") else tables
 
 
 def build_model(name: str, schema: Schema, sizes: ModelSizes, optimizer: EmbeddingOptimizerConfig | None = None,
                 weights_dtype: str = "fp32", backend: str = "auto", seed: int = 0) -> RecModel:
-    """A model of kind ``name`` (dlrm | dcnv2 | deepfm | wide_deep) for the features of ``schema``."""
+    """A model of kind ``name`` (dlrm | dcnv2 | deepfm | wide_deep | logistic) for the features of ``schema``."""
     if name not in MODEL_CLASSES:
         raise ValueError(f"model: expected one of {sorted(MODEL_CLASSES)}, got {name!r}")
     if not schema.sparse:

@@ -40,6 +40,7 @@ BENCHES = {
     "train_distributed": "pipeline.bench.train_distributed",
     "embedding": "pipeline.bench.embedding",
     "serve": "pipeline.bench.serve",
+    "quality": "pipeline.bench.quality",
 }
 
 

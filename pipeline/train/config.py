@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from pipeline.errors import check_range
 
-MODELS = ("dlrm", "dcnv2", "deepfm", "wide_deep")
+MODELS = ("dlrm", "dcnv2", "deepfm", "wide_deep", "logistic")
 PRESETS = ("auto", "small", "mlperf")
 DENSE_OPTIMIZERS = ("sgd", "adam", "adagrad")
 EMBEDDING_OPTIMIZERS = ("sgd", "adagrad", "adam")
@@ -23,7 +23,8 @@ class TrainConfig:
     bottom 64-32, top 128-64-1); ``auto`` takes ``mlperf`` on a GPU and ``small`` on CPU.
     """
 
-    model: str = field(default="dlrm", metadata={"help": "dlrm | dcnv2 | deepfm | wide_deep"})
+    model: str = field(default="dlrm", metadata={
+        "help": "dlrm | dcnv2 | deepfm | wide_deep | logistic (the linear baseline)"})
     preset: str = field(default="auto", metadata={"help": "auto | small | mlperf: default sizes (auto: by device)"})
     embedding_dim: int = field(default=0, metadata={"help": "dim of every embedding table (0: from preset)"})
     bottom_mlp: list[int] = field(default_factory=list, metadata={
@@ -34,7 +35,9 @@ class TrainConfig:
     cross_rank: int = field(default=0, metadata={"help": "dcnv2: rank of each cross layer (0: full rank)"})
     multihot_pooling: str = field(default="mean", metadata={"help": "sum | mean pooling of multi-hot features"})
 
-    epochs: int = field(default=1, metadata={"help": "passes over the training split"})
+    epochs: int = field(default=0, metadata={
+        "help": "passes over the training split (0: one, or as many as give 300 steps when one pass is shorter; "
+                "early stopping ends the run when validation stops improving)"})
     max_steps: int = field(default=0, metadata={"help": "stop after this many steps (0: run all epochs)"})
     batch_size: int = field(default=2048, metadata={"help": "samples per step (per rank)"})
     eval_batch_size: int = field(default=16384, metadata={"help": "samples per evaluation batch"})
@@ -85,9 +88,9 @@ class TrainConfig:
                               ("multihot_pooling", ("sum", "mean"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"train.{name}: expected one of {', '.join(allowed)}, got {getattr(self, name)!r}")
-        for name in ("epochs", "batch_size", "eval_batch_size", "keep_checkpoints", "log_every"):
+        for name in ("batch_size", "eval_batch_size", "keep_checkpoints", "log_every"):
             check_range(f"train.{name}", getattr(self, name), 1)
-        for name in ("embedding_dim", "cross_layers", "cross_rank", "max_steps", "eval_every", "warmup_steps",
+        for name in ("epochs", "embedding_dim", "cross_layers", "cross_rank", "max_steps", "eval_every", "warmup_steps",
                      "decay_start", "threads", "checkpoint_every", "early_stopping"):
             check_range(f"train.{name}", getattr(self, name), 0)
         for name in ("bottom_mlp", "top_mlp"):

@@ -189,14 +189,15 @@ def _summary(cfg: TrainConfig, spec: dict, world: World, fitted: dict, test: dic
     """What ``result.json`` holds."""
     if world.size > 1:
         return {"model": spec["model"], "device": world.device.type, "ranks": world.size, "steps": fitted["steps"],
-                "epochs": cfg.epochs, "batch_size_per_rank": cfg.batch_size,
+                "epochs": fitted["epochs"], "batch_size_per_rank": cfg.batch_size,
                 "samples_per_s_per_rank": fitted["samples_per_s"], "valid": fitted["valid"], "kept": None, "test": test,
                 "seconds": seconds, "plan": str(out / "plan.json")}
     oracle = json.loads(oracle_path.read_text()) if oracle_path and oracle_path.is_file() else None
     gap = oracle["test"]["auc"] - test["auc"] if oracle else None
     settings = dataclasses.asdict(cfg)
     settings.update({k: v for k, v in spec["sizes"].items() if k in settings})  # the sizes used, not 0 / [] for "auto"
-    return {"model": spec["model"], "device": world.device.type, "steps": fitted["steps"], "epochs": cfg.epochs,
+    settings["epochs"] = fitted["epochs"]
+    return {"model": spec["model"], "device": world.device.type, "steps": fitted["steps"], "epochs": fitted["epochs"],
             "batch_size": cfg.batch_size, "samples_per_s": fitted["samples_per_s"], "valid": fitted["valid"],
             "kept": fitted["kept"], "test": test, "oracle": oracle, "test_auc_gap_to_oracle": gap, "seconds": seconds,
             "settings": settings}

@@ -35,7 +35,7 @@ from pipeline.distributed.world import World
 from pipeline.train.checkpoint import LoopState, PlainCheckpoints, ShardedCheckpoints
 from pipeline.train.config import TrainConfig
 from pipeline.train.evaluate import autocast
-from pipeline.train.schedule import lr_at, warmup_steps
+from pipeline.train.schedule import epochs_for, lr_at, warmup_steps
 
 
 class Callback:
@@ -89,7 +89,8 @@ class Trainer:
         self.checkpoints = checkpoints or PlainCheckpoints(self.out_dir / "checkpoints", cfg.keep_checkpoints)
         self.loader = train_loader
         self.steps_per_epoch = steps_per_epoch
-        total = cfg.epochs * steps_per_epoch
+        self.epochs = epochs_for(steps_per_epoch, cfg.epochs)
+        total = self.epochs * steps_per_epoch
         self.total_steps = min(total, cfg.max_steps) if cfg.max_steps > 0 else total
         self.warmup_steps = warmup_steps(self.total_steps, cfg.warmup_fraction, cfg.warmup_steps)
         self.optimizer = dense_optimizer(cfg.optimizer, model.parameters(), cfg.lr, cfg.weight_decay)
@@ -199,7 +200,8 @@ class Trainer:
         kept = self._restore_best()
         train_time += window_time
         train_samples += window_samples
-        return {"steps": self.state.step, "valid": kept["valid"] if kept else last_valid, "kept": kept,
+        return {"steps": self.state.step, "epochs": self.epochs, "valid": kept["valid"] if kept else last_valid,
+                "kept": kept,
                 "samples_per_s": train_samples / train_time if train_time else float("nan")}
 
     def _judge(self, scores: dict, epoch_end: bool) -> None:

@@ -2,7 +2,8 @@
 
 Linear warmup from 0 to the peak over ``warmup_steps``, flat until ``decay_start``, then a linear or
 cosine decay to ``min_ratio * peak`` at ``total_steps``. :func:`warmup_steps` sizes the warmup as a
-fraction of the run, so a short run reaches its peak and decays as a long one does.
+fraction of the run, so a short run reaches its peak and decays as a long one does. :func:`epochs_for`
+sizes the run itself when ``train.epochs`` is left to choose.
 
 Example::
 
@@ -15,6 +16,17 @@ Example::
 from __future__ import annotations
 
 import math
+
+# Fewer optimizer steps than this do not train a model to its quality, whatever the learning rate.
+MIN_AUTO_STEPS = 300
+
+
+def epochs_for(steps_per_epoch: int, epochs: int = 0) -> int:
+    """``epochs`` when set, else one pass over the data, or as many passes as give ``MIN_AUTO_STEPS`` steps when
+    one pass is shorter (a small table: early stopping then ends the run when validation stops improving)."""
+    if epochs > 0:
+        return epochs
+    return max(1, math.ceil(MIN_AUTO_STEPS / max(1, steps_per_epoch)))
 
 
 def warmup_steps(total_steps: int, fraction: float, steps: int = 0) -> int:
