@@ -29,7 +29,7 @@ LAYERS: dict[str, int] = {
     "main": 8,
 }
 CORE = {"pipeline", "pipeline.errors", "pipeline.schema", "pipeline.device", "pipeline.sparse", "pipeline.files",
-        "pipeline.registry"}
+        "pipeline.registry", "pipeline.progress"}
 
 
 def package_of(module: str) -> str | None:

@@ -28,7 +28,7 @@ from tests.test_train import Crash, CrashAfter, _final_state, _write_data
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["device=cpu", "train.batch_size=128", "train.eval_batch_size=512", "train.embedding_dim=8",
-         "train.bottom_mlp=[16,8]", "train.top_mlp=[16,1]", "train.progress=false", "train.log_every=4",
+         "train.bottom_mlp=[16,8]", "train.top_mlp=[16,1]", "progress=off", "train.log_every=4",
          "train.warmup_steps=3", "train.threads=1", "seed=3"]
 PLAIN = ["train.epochs=2", "train.checkpoint_every=5", "train.keep_checkpoints=3", "train.embedding_optimizer=adam"]
 
@@ -79,7 +79,7 @@ def _crashed_run(workdir: Path):
     _write_data(cfg)
     with pytest.raises(Crash):
         train(cfg.train, cfg.paths.processed, cfg.paths.train, schema=Schema.load(cfg.paths.schema), seed=cfg.seed,
-              callbacks=[CrashAfter(17)])
+              callbacks=[CrashAfter(17)], progress=cfg.progress)
     folder = cfg.paths.train / "checkpoints"
     assert [p.name for p in checkpoints(folder)] == ["step-00000005.pt", "step-00000010.pt", "step-00000015.pt"]
     return cfg, folder

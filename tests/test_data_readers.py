@@ -50,12 +50,12 @@ def criteo_file(request, tmp_path):
 
 
 def _cfg(tmp_path, *overrides):
-    return load_config(None, [f"workdir={tmp_path / 'work'}", "data.chunk_rows=64", *overrides])
+    return load_config(None, [f"workdir={tmp_path / 'work'}", "data.chunk_rows=64", "progress=off", *overrides])
 
 
 def test_criteo_skip_counts_and_reports_every_malformed_row(tmp_path, criteo_file, capsys):
     cfg = _cfg(tmp_path, "data.source=criteo", f"data.path={criteo_file}", "data.on_bad_lines=skip")
-    raw = ensure_raw(cfg, progress=False)
+    raw = ensure_raw(cfg)
     good = ROWS - len(MALFORMED)
     assert sum(raw.rows.values()) == good
     report = json.loads((raw.root / "ingest_report.json").read_text())
@@ -84,7 +84,7 @@ def test_criteo_skip_counts_and_reports_every_malformed_row(tmp_path, criteo_fil
 def test_criteo_error_mode_stops_names_the_first_problems_and_saves_the_report(tmp_path, criteo_file):
     cfg = _cfg(tmp_path, "data.source=criteo", f"data.path={criteo_file}")
     with pytest.raises(BadInputError) as err:
-        ensure_raw(cfg, progress=False)
+        ensure_raw(cfg)
     message = str(err.value)
     assert "line 5: expected 40 fields, found 39" in message and "data.on_bad_lines=skip" in message
     raw = cfg.paths.raw
@@ -102,8 +102,7 @@ def test_criteo_rows_that_parse_but_are_wrong(tmp_path):
     lines[6] = "\t".join(_criteo_line(7)[:20])
     path = tmp_path / "day.tsv"
     path.write_text("\n".join(lines))  # no newline at the end
-    raw = ensure_raw(_cfg(tmp_path, "data.source=criteo", f"data.path={path}", "data.on_bad_lines=skip"),
-                     progress=False)
+    raw = ensure_raw(_cfg(tmp_path, "data.source=criteo", f"data.path={path}", "data.on_bad_lines=skip"))
     report = json.loads((raw.root / "ingest_report.json").read_text())
     assert [(e["line"], e["reason"]) for e in report["examples"]] == [
         (3, "label: expected 0 or 1, found '2'"), (7, "expected 40 fields, found 20")]
@@ -154,7 +153,7 @@ def test_table_reader_with_multihot(tmp_path, name):
         pq.write_table(pa.table(rows), path)
     else:
         _write_text(path, "," if name.endswith(".csv") else "\t", rows)
-    raw = ensure_raw(_cfg(tmp_path, *TABLE_ROLES, f"data.path={path}", "data.valid_fraction=0.2"), progress=False)
+    raw = ensure_raw(_cfg(tmp_path, *TABLE_ROLES, f"data.path={path}", "data.valid_fraction=0.2"))
     assert (raw.label, raw.continuous, raw.categorical, raw.multihot) == ("label", ["price"], ["user"], ["tags"])
     table = pa.concat_tables([pq.read_table(p) for s in ("train", "valid", "test") for p in raw.splits[s]])
     assert table.num_rows == 40 and table.column_names == ["label", "price", "user", "tags"]
@@ -174,7 +173,7 @@ def test_table_reader_counts_bad_numbers_and_labels(tmp_path):
     path.write_text("\ufeffclicked,price,user\r\n1,2.5,a\r\n0,oops,b\r\n3,1,c\r\n1,1e3,d\r\n0,nan,e\r\n")
     cfg = _cfg(tmp_path, "data.source=table", f"data.path={path}", "data.label=clicked",
                "data.continuous=price", "data.categorical=user", "data.on_bad_lines=skip")
-    raw = ensure_raw(cfg, progress=False)
+    raw = ensure_raw(cfg)
     report = json.loads((raw.root / "ingest_report.json").read_text())
     assert report["bad"] == {"not_a_number": 1, "bad_label": 1}
     assert [(e["line"], e["reason"]) for e in report["examples"]] == [
@@ -192,7 +191,7 @@ def test_separate_files_per_split(tmp_path):
         _write_text(tmp_path / name, ",", rows)
     cfg = _cfg(tmp_path, *TABLE_ROLES, f"data.path={tmp_path / 'train.csv'}",
                f"data.valid_path={tmp_path / 'valid.csv'}", f"data.test_path={tmp_path / 'test.csv'}")
-    raw = ensure_raw(cfg, progress=False)
+    raw = ensure_raw(cfg)
     assert raw.rows == {"train": 40, "valid": 40, "test": 40}
 
 
@@ -203,7 +202,7 @@ def test_many_files_are_read_in_parallel_and_numbered_in_order(tmp_path):
         (folder / f"day_{day}.tsv").write_bytes(b"".join(
             ("\t".join(_criteo_line(day * 100 + i)) + "\n").encode() for i in range(1, 101)))
     cfg = _cfg(tmp_path, "data.source=criteo", f"data.path={folder}", "data.chunk_rows=30")
-    raw = ensure_raw(cfg, progress=False)
+    raw = ensure_raw(cfg)
     assert sum(raw.rows.values()) == 300
     names = [p.name for p in raw.splits["train"]]
     assert names == [f"part-{i:05d}.parquet" for i in range(len(names))]
@@ -225,16 +224,16 @@ def test_clear_errors_for_unusable_input(tmp_path, setup, message):
                "data.continuous=price", "data.categorical=user")
     with pytest.raises(BadInputError, match=message.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")
                        .replace(")", r"\)")):
-        ensure_raw(cfg, progress=False)
+        ensure_raw(cfg)
 
 
 def test_empty_criteo_file_and_missing_roles(tmp_path):
     empty = tmp_path / "day.tsv.gz"
     empty.write_bytes(gzip.compress(b""))
     with pytest.raises(BadInputError, match="is empty"):
-        ensure_raw(_cfg(tmp_path, "data.source=criteo", f"data.path={empty}"), progress=False)
+        ensure_raw(_cfg(tmp_path, "data.source=criteo", f"data.path={empty}"))
     with pytest.raises(BadInputError, match="needs column roles"):
-        ensure_raw(_cfg(tmp_path, "data.source=table", f"data.path={empty}"), progress=False)
+        ensure_raw(_cfg(tmp_path, "data.source=table", f"data.path={empty}"))
 
 
 def test_parquet_integer_categories_nan_and_bad_labels(tmp_path):
@@ -247,7 +246,7 @@ def test_parquet_integer_categories_nan_and_bad_labels(tmp_path):
     }), path)
     cfg = _cfg(tmp_path, "data.source=table", f"data.path={path}", "data.label=clicked", "data.continuous=price",
                "data.categorical=item", "data.multihot=tags", "data.on_bad_lines=skip")
-    raw = ensure_raw(cfg, progress=False)
+    raw = ensure_raw(cfg)
     report = json.loads((raw.root / "ingest_report.json").read_text())
     assert report["bad"] == {"bad_label": 2}
     assert [(e["line"], e["reason"]) for e in report["examples"]] == [

@@ -17,14 +17,14 @@ ROWS = 30_000
 
 def _cfg(tmp_path, *overrides):
     return load_config(None, [f"workdir={tmp_path}", f"data.rows={ROWS}", "data.chunk_rows=7000", "seed=5",
-                              *overrides])
+                              "progress=off", *overrides])
 
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("stage")
     cfg = _cfg(tmp_path)
-    return cfg, ensure_raw(cfg, progress=False)
+    return cfg, ensure_raw(cfg)
 
 
 def test_raw_layout_and_meta(made):
@@ -67,23 +67,23 @@ def test_oracle_is_written_and_can_be_recomputed(made):
 def test_reused_when_settings_match_rebuilt_when_not(made, capsys):
     cfg, raw = made
     stamp = raw.splits["train"][0].stat().st_mtime_ns
-    again = ensure_raw(cfg, progress=False)
+    again = ensure_raw(cfg)
     assert again.rows == raw.rows and raw.splits["train"][0].stat().st_mtime_ns == stamp
     assert "building" not in capsys.readouterr().out
     # chunking is not part of the params: the rows would be the same
     assert ensure_raw(load_config(None, [f"workdir={cfg.workdir}", f"data.rows={ROWS}", "data.chunk_rows=5000",
-                                         "seed=5"]), progress=False).rows == raw.rows
-    smaller = ensure_raw(_cfg(cfg.workdir, "data.size=0.002"), progress=False)
+                                         "seed=5"])).rows == raw.rows
+    smaller = ensure_raw(_cfg(cfg.workdir, "data.size=0.002"))
     assert "size: 0.01 -> 0.002" in capsys.readouterr().out
     assert smaller.params["size"] == 0.002
-    ensure_raw(cfg, progress=False)  # leave the module's data as it was
+    ensure_raw(cfg)  # leave the module's data as it was
 
 
 def test_unfinished_folder_is_rebuilt(tmp_path, capsys):
     cfg = _cfg(tmp_path, "data.rows=5000")
-    ensure_raw(cfg, progress=False)
+    ensure_raw(cfg)
     (cfg.paths.raw / "meta.json").unlink()
-    raw = ensure_raw(cfg, progress=False)
+    raw = ensure_raw(cfg)
     assert "no finished raw data" in capsys.readouterr().out
     assert RawDataset.load(cfg.paths.raw).rows == raw.rows
 
@@ -107,11 +107,11 @@ def test_a_dataset_ingested_from_files_is_kept_and_replaced_only_on_request(tmp_
     table(tmp_path / "b.parquet", 300, 2)
     roles = ["data.source=table", "data.name=mine", "data.label=clicked", "data.continuous=[price]",
              "data.categorical=[item]"]
-    made = ensure_raw(_cfg(tmp_path, *roles, f"data.path={tmp_path / 'a.parquet'}"), progress=False)
+    made = ensure_raw(_cfg(tmp_path, *roles, f"data.path={tmp_path / 'a.parquet'}"))
     assert made.source == "table" and sum(made.rows.values()) == 400
     capsys.readouterr()
     # a later stage given only the dataset's name uses it as it was made
-    again = ensure_raw(_cfg(tmp_path, "data.name=mine"), progress=False)
+    again = ensure_raw(_cfg(tmp_path, "data.name=mine"))
     assert again.source == "table" and again.rows == made.rows
     assert "as it was made" in capsys.readouterr().out
     # other files under the same name are refused without data.rebuild=true, and nothing is replaced
@@ -119,5 +119,5 @@ def test_a_dataset_ingested_from_files_is_kept_and_replaced_only_on_request(tmp_
     assert main(["data", f"workdir={tmp_path}", *other]) == 2
     assert "data.rebuild=true" in capsys.readouterr().err
     assert RawDataset.load(made.root).rows == made.rows
-    rebuilt = ensure_raw(_cfg(tmp_path, *other, "data.rebuild=true"), progress=False)
+    rebuilt = ensure_raw(_cfg(tmp_path, *other, "data.rebuild=true"))
     assert sum(rebuilt.rows.values()) == 300

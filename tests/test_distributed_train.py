@@ -39,7 +39,7 @@ def _score_alone(cfg) -> dict:
 
 def test_two_ranks_train_and_write_a_model_one_process_can_score(processed):
     overrides = [f"workdir={processed}", "device=cpu", "train.batch_size=512", "train.max_steps=12", "train.epochs=2",
-                 "train.checkpoint_every=5", "train.progress=false", "train.log_every=5", "train.eval_every=6",
+                 "train.checkpoint_every=5", "progress=off", "train.log_every=5", "train.eval_every=6",
                  "train.embedding_backend=torch"]
     assert relaunch(["run", "train", *overrides], 2) == 0
     cfg = load_config(None, overrides)
@@ -60,7 +60,7 @@ def test_two_ranks_train_and_write_a_model_one_process_can_score(processed):
 
 def test_three_ranks_resume_what_two_ranks_saved(processed):
     overrides = [f"workdir={processed}", "device=cpu", "train.batch_size=512", "train.max_steps=14", "train.epochs=2",
-                 "train.checkpoint_every=5", "train.progress=false", "train.log_every=5", "train.eval_every=0",
+                 "train.checkpoint_every=5", "progress=off", "train.log_every=5", "train.eval_every=0",
                  "train.embedding_backend=torch", "train.resume=true"]
     assert relaunch(["run", "train", *overrides], 3) == 0
     cfg = load_config(None, overrides)

@@ -24,7 +24,7 @@ from pipeline.stages.train import run
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["device=cpu", "train.batch_size=128", "train.eval_batch_size=512", "train.embedding_dim=8",
-         "train.bottom_mlp=[16,8]", "train.top_mlp=[16,1]", "train.progress=false", "train.log_every=4",
+         "train.bottom_mlp=[16,8]", "train.top_mlp=[16,1]", "progress=off", "train.log_every=4",
          "train.warmup_steps=3", "train.threads=1", "train.epochs=1"]
 
 
@@ -56,7 +56,7 @@ class CrashAfter(Callback):
 def _train(cfg, callbacks=()):
     """What ``run(cfg)`` does in one process, with ``callbacks`` passed to the loop."""
     return train(cfg.train, cfg.paths.processed, cfg.paths.train, schema=Schema.load(cfg.paths.schema),
-                 seed=cfg.seed, callbacks=callbacks)
+                 seed=cfg.seed, callbacks=callbacks, progress=cfg.progress)
 
 
 def _final_state(cfg):

@@ -23,7 +23,7 @@ def _config(workdir, *overrides):
 
 def _train(cfg, callbacks=()):
     return train(cfg.train, cfg.paths.processed, cfg.paths.train, schema=Schema.load(cfg.paths.schema),
-                 seed=cfg.seed, callbacks=callbacks)
+                 seed=cfg.seed, callbacks=callbacks, progress=cfg.progress)
 
 
 class _Batches:

@@ -47,8 +47,8 @@ def _profile(args, workdir: Path, tmp: Path) -> dict:
     from pipeline.etl.output import output_arrow_schema, write_part
 
     cfg = load_config(overrides=[f"workdir={workdir}", f"data.rows={args.rows}", "data.valid_fraction=0",
-                                 "data.test_fraction=0"])
-    raw = ensure_raw(cfg, progress=False)
+                                 "data.test_fraction=0", "progress=off"])
+    raw = ensure_raw(cfg)
     files, roles = raw.splits["train"], roles_of(raw)
     workflow = default_workflow(roles, cfg.etl, library=args.backend)
     sync = _synchroniser(args.backend)

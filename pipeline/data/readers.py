@@ -55,6 +55,7 @@ from pipeline.data import raw_folder
 from pipeline.data.config import DataConfig
 from pipeline.errors import BadInputError
 from pipeline.files import write_json
+from pipeline.progress import Progress
 
 READER_VERSION = 1
 CRITEO_CONTINUOUS = [f"I{i}" for i in range(1, 14)]
@@ -208,7 +209,7 @@ def ingest_params(d: DataConfig) -> dict:
     }
 
 
-def ingest(d: DataConfig, seed: int, root: Path, params: dict, progress: bool = True) -> dict:
+def ingest(d: DataConfig, seed: int, root: Path, params: dict, progress: str | bool = "auto") -> dict:
     """Read every input file into ``root`` (the raw layout); write ``ingest_report.json`` and ``meta.json``.
 
     Returns the report. Raises :class:`BadInputError` on malformed rows when ``on_bad_lines=error``
@@ -251,7 +252,7 @@ def ingest(d: DataConfig, seed: int, root: Path, params: dict, progress: bool = 
 
 
 def _ingest_file(index: int, path: Path, pinned: str | None, d: DataConfig, roles: Roles, seed: int,
-                 fractions: dict[str, float], root: Path, progress: bool = False) -> dict:
+                 fractions: dict[str, float], root: Path, progress: str | bool = "off") -> dict:
     report = FileReport(str(path))
     writers = {s: raw_folder.PartWriter(root / s, d.chunk_rows, prefix=f"f{index:05d}") for s in raw_folder.SPLITS}
     stop = d.on_bad_lines == "error"
@@ -259,9 +260,7 @@ def _ingest_file(index: int, path: Path, pinned: str | None, d: DataConfig, role
         blocks = read_criteo(path, d.chunk_rows, report, stop)
     else:
         blocks = read_table(path, roles, d.chunk_rows, report, stop, d.list_separator)
-    from tqdm.auto import tqdm
-
-    with tqdm(desc=path.name, unit="row", unit_scale=True, disable=not progress) as bar:
+    with Progress(path.name, unit="row", mode=progress, scaled=True) as bar:
         try:
             for table, lines in blocks:
                 table = table.rename_columns([raw_folder.LABEL if n == roles.label else n
@@ -282,13 +281,12 @@ def _ingest_file(index: int, path: Path, pinned: str | None, d: DataConfig, role
     return {"report": report, "rows_written": {s: w.rows for s, w in writers.items()}}
 
 
-def _ingest_in_parallel(jobs: list, args: tuple, progress: bool) -> list[dict]:
+def _ingest_in_parallel(jobs: list, args: tuple, progress: str | bool) -> list[dict]:
     import dask
     from dask.callbacks import Callback
-    from tqdm.auto import tqdm
 
     tasks = [dask.delayed(_ingest_file, pure=False)(*job, *args) for job in jobs]
-    with tqdm(total=len(tasks), desc="files", unit="file", disable=not progress) as bar:
+    with Progress("files", total=len(tasks), unit="file", mode=progress) as bar:
 
         class _Tick(Callback):
             def _posttask(self, key, result, dsk, state, worker_id):

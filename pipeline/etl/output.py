@@ -31,7 +31,7 @@ SPLITS = ("train", "valid", "test")
 
 def write_outputs(workflow: Workflow, splits: dict[str, list[Path]], roles: dict, etl: EtlConfig, processed: Path,
                   workflow_dir: Path, schema_path: Path, library: str = "pandas",
-                  progress: bool = True) -> tuple[dict[str, int], Schema]:
+                  progress: str | bool = "auto") -> tuple[dict[str, int], Schema]:
     """Transform every split with the fitted workflow into ``processed/<split>``, then save the
     workflow to ``workflow_dir`` and the schema the workflow computes to ``schema_path``.
 
@@ -56,7 +56,7 @@ def write_outputs(workflow: Workflow, splits: dict[str, list[Path]], roles: dict
 
 
 def transform_split(workflow: Workflow, files: list[Path], folder: Path, row_group_rows: int, library: str,
-                    progress: bool = True) -> int:
+                    progress: str | bool = "auto") -> int:
     """Transform one split's parquet files into ``folder/part-*.parquet``; returns the rows written."""
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True, exist_ok=True)
@@ -70,7 +70,7 @@ def transform_split(workflow: Workflow, files: list[Path], folder: Path, row_gro
         delayed(write_part, pure=False)(part, folder / f"part-{i:05d}.parquet", schema, row_group_rows)
         for i, part in enumerate(out.to_delayed())
     ]
-    return int(sum(compute(*writes, desc=f"transform {folder.name}", progress=progress)))
+    return int(sum(compute(*writes, desc=f"transform {folder.stem}", progress=progress)))
 
 
 def write_part(df: Any, path: Path, schema: pa.Schema, row_group_rows: int) -> int:

@@ -1,23 +1,24 @@
-"""``compute``: ``dask.compute`` with a tqdm bar, on threads (per task) or on a distributed client (per result).
+"""``compute``: ``dask.compute`` with progress (:mod:`pipeline.progress`), on threads (per task) or on a
+distributed client (per result).
 
 Example::
 
-    counts, = compute(ddf["C1"].value_counts(), desc="fit")
+    counts, = compute(ddf["C1"].value_counts(), desc="fit", progress="plain")
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from tqdm.auto import tqdm
+from pipeline.progress import Progress, progress_mode
 
 
-def compute(*collections: Any, desc: str = "dask", progress: bool = True) -> tuple:
-    """Compute Dask collections together, showing a bar of finished tasks when ``progress`` is on."""
+def compute(*collections: Any, desc: str = "dask", progress: str | bool = "auto") -> tuple:
+    """Compute Dask collections together, showing the finished tasks as ``progress`` asks."""
     import dask
 
     client = current_client()
-    if not progress:
+    if progress_mode(progress) == "off":
         return dask.compute(*collections)
     if client is not None:
         from distributed import as_completed
@@ -25,11 +26,11 @@ def compute(*collections: Any, desc: str = "dask", progress: bool = True) -> tup
         leaves: list = []
         shape = _flatten(collections, leaves)
         futures = client.compute(leaves)
-        with tqdm(total=len(futures), desc=desc, unit="result", leave=False) as bar:
+        with Progress(desc, total=len(futures), unit="result", mode=progress) as bar:
             for _ in as_completed(futures):
                 bar.update(1)
         return _rebuild(shape, iter(client.gather(futures)))
-    with _TqdmCallback(desc):
+    with _ProgressCallback(desc, progress):
         return dask.compute(*collections)
 
 
@@ -71,17 +72,18 @@ def current_client() -> Any:
         return None
 
 
-class _TqdmCallback:
-    """A dask local-scheduler callback that advances a tqdm bar per finished task."""
+class _ProgressCallback:
+    """A dask local-scheduler callback that counts finished tasks."""
 
-    def __init__(self, desc: str):
+    def __init__(self, desc: str, progress: str | bool):
         from dask.callbacks import Callback
 
         bar_holder: dict[str, Any] = {}
 
         class _Callback(Callback):
             def _start_state(self, dsk, state):
-                bar_holder["bar"] = tqdm(total=len(dsk), desc=desc, unit="task", leave=False)
+                tasks = sum(len(state[k]) for k in ("ready", "waiting", "running", "finished"))  # not the data keys
+                bar_holder["bar"] = Progress(desc, total=tasks, unit="task", mode=progress)
 
             def _posttask(self, key, result, dsk, state, worker_id):
                 bar_holder["bar"].update(1)

@@ -101,10 +101,11 @@ class Workflow:
             results[id(node)] = node.op.compute_output_schema(columns) if node.op else columns
         return results[id(self.output)]
 
-    def fit(self, data: Any, progress: bool = False) -> Workflow:
+    def fit(self, data: Any, progress: str | bool = "off") -> Workflow:
         """Compute every operator's statistics from ``data`` (Dask or pandas DataFrame, or parquet path).
 
-        Runs on the current Dask scheduler (a ``distributed.Client`` if one is active).
+        Runs on the current Dask scheduler (a ``distributed.Client`` if one is active); ``progress`` is a
+        mode of :mod:`pipeline.progress`.
         """
         ddf = self._as_dask(data)
         self._check_columns(ddf.columns, "the data to fit")
@@ -367,7 +368,7 @@ def _lists_as_arrow(df: pd.DataFrame) -> pd.DataFrame:
     return df.assign(**converted) if converted else df
 
 
-def _compute_by_kind(lazy: list, progress: bool) -> list:
+def _compute_by_kind(lazy: list, progress: str | bool) -> list:
     """Compute statistics built from Dask DataFrame expressions and from ``dask.delayed`` separately.
 
     Dask warns (and materializes the expressions) when both kinds are computed together.

@@ -28,6 +28,7 @@ from pipeline.data.config import DataConfig
 from pipeline.distributed.config import DistributedConfig
 from pipeline.errors import check_range
 from pipeline.etl.config import EtlConfig
+from pipeline.progress import MODES as PROGRESS_MODES
 from pipeline.train.config import TrainConfig
 
 
@@ -80,6 +81,9 @@ class PipelineConfig:
         metadata={"help": "cpu | cuda | auto (auto picks cuda only when a GPU is really usable, and says so)"},
     )
     seed: int = field(default=0, metadata={"help": "seed for everything random (data, shuffling, weights)"})
+    progress: str = field(default="auto", metadata={
+        "help": "auto | bar | plain | off: progress of every stage (auto: a bar on a terminal, else a plain "
+                "line at most every 5 s, as a log file wants)"})
     data: DataConfig = field(default_factory=DataConfig)
     etl: EtlConfig = field(default_factory=EtlConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -90,6 +94,8 @@ class PipelineConfig:
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda", "auto"):
             raise ConfigError(f"device: expected cpu, cuda or auto, got {self.device!r}")
+        if self.progress not in PROGRESS_MODES:
+            raise ConfigError(f"progress: expected one of {', '.join(PROGRESS_MODES)}, got {self.progress!r}")
         if not self.workdir:
             raise ConfigError("workdir: expected a folder, got an empty text")
         try:

@@ -17,20 +17,19 @@ from __future__ import annotations
 
 import time
 
-from tqdm.auto import tqdm
-
 from pipeline.data import raw_folder, readers, synthetic
 from pipeline.data.raw_folder import RawDataset
 from pipeline.data.metrics import ClickMetrics
 from pipeline.errors import UserError
 from pipeline.files import write_json
+from pipeline.progress import Progress
 from pipeline.stages.config import PipelineConfig
 
 
 def run(cfg: PipelineConfig) -> dict:
     """``python -m pipeline data``: make sure the raw data exists; return a summary."""
     start = time.perf_counter()
-    raw, built = _ensure(cfg, progress=True)
+    raw, built = _ensure(cfg)
     summary = {
         "raw": str(raw.root),
         "source": raw.source,
@@ -46,9 +45,9 @@ def run(cfg: PipelineConfig) -> dict:
     return summary
 
 
-def ensure_raw(cfg: PipelineConfig, progress: bool = True) -> RawDataset:
+def ensure_raw(cfg: PipelineConfig) -> RawDataset:
     """The raw dataset of ``cfg``, generated or ingested only if ``cfg.paths.raw`` lacks it."""
-    return _ensure(cfg, progress)[0]
+    return _ensure(cfg)[0]
 
 
 def raw_params(cfg: PipelineConfig) -> dict:
@@ -63,7 +62,7 @@ def raw_params(cfg: PipelineConfig) -> dict:
     return params
 
 
-def _ensure(cfg: PipelineConfig, progress: bool) -> tuple[RawDataset, bool]:
+def _ensure(cfg: PipelineConfig) -> tuple[RawDataset, bool]:
     """The dataset as it is when its settings match, or when it was ingested from files and the settings
     do not name a source (``data.name=X`` alone). Made again when synthetic with other settings, or
     ingested with other reading settings from the same, unchanged files; replaced by other (or changed)
@@ -92,20 +91,20 @@ def _ensure(cfg: PipelineConfig, progress: bool) -> tuple[RawDataset, bool]:
         print(f"[data] {root} was made with other settings ({detail}): rebuilding it", flush=True)
     raw_folder.clear(root)
     if cfg.data.source == "synthetic":
-        _generate(cfg, params, progress)
+        _generate(cfg, params)
     else:
-        readers.ingest(cfg.data, cfg.seed, root, params, progress=progress)
+        readers.ingest(cfg.data, cfg.seed, root, params, progress=cfg.progress)
     return RawDataset.load(root), True
 
 
-def _generate(cfg: PipelineConfig, params: dict, progress: bool) -> None:
+def _generate(cfg: PipelineConfig, params: dict) -> None:
     d = cfg.data
     root = cfg.paths.raw
     model = synthetic.ClickModel.create(cfg.seed, d.size)
     rows = synthetic.split_rows(d.rows, d.valid_fraction, d.test_fraction)
     chunks = sum(-(-n // d.chunk_rows) for n in rows.values())
     oracle = {}
-    with tqdm(total=chunks, desc="synthetic data", unit="chunk", disable=not progress) as bar:
+    with Progress("synthetic data", total=chunks, unit="chunk", mode=cfg.progress) as bar:
         for split, n in rows.items():
             writer = raw_folder.PartWriter(root / split, d.chunk_rows)
             metrics = ClickMetrics()

@@ -43,11 +43,11 @@ def run(cfg: PipelineConfig) -> dict:
     with etl_client(cfg.etl, input_bytes=input_bytes, library=library) as where:
         print(f"[etl] running on {where}", flush=True)
         t = time.perf_counter()
-        workflow.fit(read_parquet(raw.splits["train"], workflow.input_columns, library), progress=True)
+        workflow.fit(read_parquet(raw.splits["train"], workflow.input_columns, library), progress=cfg.progress)
         timings["fit_s"] = round(time.perf_counter() - t, 2)
         t = time.perf_counter()
         rows, schema = write_outputs(workflow, raw.splits, roles, cfg.etl, cfg.paths.processed, cfg.paths.workflow,
-                                     cfg.paths.schema, library)
+                                     cfg.paths.schema, library, progress=cfg.progress)
         timings["transform_s"] = round(time.perf_counter() - t, 2)
     summary = {
         "processed": str(cfg.paths.processed),

@@ -79,7 +79,6 @@ class TrainConfig:
     keep_checkpoints: int = field(default=2, metadata={"help": "checkpoints kept on disk (the newest)"})
     resume: bool = field(default=False, metadata={"help": "continue from the newest checkpoint under paths.train"})
     log_every: int = field(default=20, metadata={"help": "write a metrics line every N steps"})
-    progress: bool = field(default=True, metadata={"help": "show a progress bar"})
 
     def __post_init__(self) -> None:
         for name, allowed in (("model", MODELS), ("preset", PRESETS), ("optimizer", DENSE_OPTIMIZERS),

@@ -61,11 +61,12 @@ _WEIGHT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
 def train(cfg: TrainConfig, data: str | Path, out: str | Path, *, schema: Schema, seed: int = 0,
           world: World | None = None, distributed: DistributedConfig | None = None, oracle: str | Path | None = None,
-          callbacks: Sequence[Callback] = ()) -> dict:
+          callbacks: Sequence[Callback] = (), progress: str | bool = "auto") -> dict:
     """Train on the splits under ``data`` into ``out``; returns the summary (also printed, and on every rank).
 
     ``distributed`` says how N ranks shard the tables; ``oracle`` is the data generator's
-    ``oracle.json`` (the AUC of the true click probabilities), compared with on a world of one.
+    ``oracle.json`` (the AUC of the true click probabilities), compared with on a world of one;
+    ``progress`` is a mode of :mod:`pipeline.progress`, shown by the writer rank.
     """
     world = world or World()
     threads = torch.get_num_threads()
@@ -74,13 +75,14 @@ def train(cfg: TrainConfig, data: str | Path, out: str | Path, *, schema: Schema
         torch.set_num_threads(cfg.threads if cfg.threads > 0 else max(1, (os.cpu_count() or 2) - 1))
     try:
         return _train(cfg, Path(data), Path(out), schema, seed, world, distributed or DistributedConfig(),
-                      Path(oracle) if oracle else None, callbacks)
+                      Path(oracle) if oracle else None, callbacks, progress)
     finally:
         torch.set_num_threads(threads)
 
 
 def _train(cfg: TrainConfig, data: Path, out: Path, schema: Schema, seed: int, world: World,
-           distributed: DistributedConfig, oracle_path: Path | None, callbacks: Sequence[Callback]) -> dict:
+           distributed: DistributedConfig, oracle_path: Path | None, callbacks: Sequence[Callback],
+           progress: str | bool) -> dict:
     start = time.perf_counter()
     device = world.device
     if world.is_writer:
@@ -120,7 +122,7 @@ def _train(cfg: TrainConfig, data: Path, out: Path, schema: Schema, seed: int, w
     else:
         trainer.start_fresh()
     try:
-        fitted = trainer.fit(lambda: evaluate(model, valid_loader, device, trainer.amp, world), callbacks)
+        fitted = trainer.fit(lambda: evaluate(model, valid_loader, device, trainer.amp, world), callbacks, progress)
         if world.is_writer:
             with atomic_open(out / "model.pt") as f:
                 torch.save(checkpoints.model_state(model, spec), f)

@@ -29,9 +29,9 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 from pipeline.distributed.world import World
+from pipeline.progress import Progress
 from pipeline.train.checkpoint import LoopState, PlainCheckpoints, ShardedCheckpoints
 from pipeline.train.config import TrainConfig
 from pipeline.train.evaluate import autocast
@@ -131,15 +131,19 @@ class Trainer:
     def save(self) -> Path:
         return self.checkpoints.save(self)
 
-    def fit(self, evaluate_valid: Callable[[], dict] | None = None, callbacks: Sequence[Callback] = ()) -> dict:
+    def fit(self, evaluate_valid: Callable[[], dict] | None = None, callbacks: Sequence[Callback] = (),
+            progress: str | bool = "auto") -> dict:
         """Train until ``total_steps`` (or an early stop); returns the kept weights' valid scores, which
-        epoch was kept (``kept``, None without early stopping) and the throughput."""
+        epoch was kept (``kept``, None without early stopping) and the throughput.
+
+        ``progress`` (a mode of :mod:`pipeline.progress`) shows the steps, loss, lr and samples/s on the
+        writer rank."""
         c = self.cfg
         for callback in callbacks:
             callback.on_fit_start(self)
         self.model.train()
-        bar = tqdm(total=self.total_steps, initial=self.state.step, desc="train", unit="step",
-                   disable=not (c.progress and self.world.is_writer), dynamic_ncols=True)
+        bar = Progress("train", total=self.total_steps, unit="step", initial=self.state.step,
+                       mode=progress if self.world.is_writer else "off")
         loss_sum = torch.zeros((), device=self.device)
         window_steps, window_samples, window_time = 0, 0, 0.0
         train_time, train_samples = 0.0, 0
@@ -167,7 +171,7 @@ class Trainer:
                         lr, emb_lr = self.lrs(step - 1)
                         self._log({"step": step, "epoch": epoch, "loss": loss, "lr": lr, "embedding_lr": emb_lr,
                                    "samples_per_s": rate})
-                        bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{rate:,.0f}")
+                        bar.set_fields({"loss": f"{loss:.4f}", "lr": f"{lr:.3g}", "samples/s": f"{rate:,.0f}"})
                         train_time += window_time
                         train_samples += window_samples
                         loss_sum.zero_()

@@ -1,0 +1,124 @@
+"""Progress of a long loop, as the ``progress`` setting asks: a bar, a plain line now and then, or nothing.
+
+``bar`` draws a tqdm bar (on stderr). ``plain`` prints a line on stdout at most every 5 seconds and a
+last one when the loop ends, readable in a log file::
+
+    [train] step 1200/5000 (24%) 3.1k step/s, eta 1m12s, loss=0.4512, lr=0.0093, samples/s=52,310
+    [train] step 5000/5000 (100%) 3.1k step/s, in 1m36s, loss=0.4470, lr=0.001, samples/s=52,980
+
+``auto`` is ``bar`` when stderr is a terminal and ``plain`` otherwise; ``off`` shows nothing. Library
+functions take the mode as a plain argument (``progress: str | bool``, True meaning ``auto`` and
+False ``off``); the stages pass ``PipelineConfig.progress`` down.
+
+Example::
+
+    with Progress("synthetic data", total=12, unit="chunk", mode=cfg.progress) as bar:
+        for chunk in chunks:
+            ...
+            bar.update(1)
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Self
+
+MODES = ("auto", "bar", "plain", "off")
+PLAIN_EVERY_S = 5.0
+
+
+def progress_mode(progress: str | bool) -> str:
+    """``bar``, ``plain`` or ``off``: what ``progress`` (a mode of :data:`MODES`, True or False) means here."""
+    if isinstance(progress, bool):
+        progress = "auto" if progress else "off"
+    if progress not in MODES:
+        raise ValueError(f"progress: expected one of {', '.join(MODES)}, got {progress!r}")
+    if progress == "auto":
+        return "bar" if sys.stderr.isatty() else "plain"
+    return progress
+
+
+class Progress:
+    """Counts ``unit``s done out of ``total`` (None: not known) under the name ``desc``.
+
+    ``scaled`` shows large counts as ``1.2M``; ``fields`` (:meth:`set_fields`) follow the count in both
+    forms, e.g. the training loss; ``every_s`` is the least time between two plain lines.
+    """
+
+    def __init__(self, desc: str, total: int | None = None, unit: str = "it", mode: str | bool = "auto",
+                 initial: int = 0, scaled: bool = False, every_s: float = PLAIN_EVERY_S) -> None:
+        self.desc, self.total, self.unit, self.n, self.scaled = desc, total, unit, initial, scaled
+        self.mode = progress_mode(mode)
+        self.fields: dict[str, str] = {}
+        self._initial, self._every_s = initial, every_s
+        self._start = self._printed = time.monotonic()
+        self._bar = None
+        if self.mode == "bar":
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total, initial=initial, desc=desc, unit=unit, unit_scale=scaled,
+                             dynamic_ncols=True)
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        if self._bar is not None:
+            self._bar.update(n)
+        elif self.mode == "plain":
+            now = time.monotonic()
+            if now - self._printed >= self._every_s:
+                self._printed = now
+                print(self.line(now, last=False), flush=True)
+
+    def set_fields(self, fields: dict[str, str]) -> None:
+        self.fields.update(fields)
+        if self._bar is not None:
+            self._bar.set_postfix(self.fields, refresh=False)
+
+    def close(self) -> None:
+        """End the bar, or print the last plain line; once."""
+        if self._bar is not None:
+            self._bar.close()
+        elif self.mode == "plain":
+            print(self.line(time.monotonic(), last=True), flush=True)
+        self.mode, self._bar = "off", None
+
+    def line(self, now: float, last: bool) -> str:
+        """The plain line: count, rate, then the time left (or, for the last, the time taken) and the fields."""
+        elapsed = now - self._start
+        shown = _scaled if self.scaled else str
+        count = f"{self.unit} {shown(self.n)}"
+        if self.total is not None:
+            count += f"/{shown(self.total)} ({100 * self.n / self.total if self.total else 100:.0f}%)"
+        rate = (self.n - self._initial) / elapsed if elapsed > 0 else 0.0
+        parts = [f"[{self.desc}] {count} {_scaled(rate)} {self.unit}/s"]
+        if last:
+            parts.append(f"in {_duration(elapsed)}")
+        elif self.total is not None and rate > 0:
+            parts.append(f"eta {_duration((self.total - self.n) / rate)}")
+        return ", ".join(parts + [f"{k}={v}" for k, v in self.fields.items()])
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _scaled(x: float) -> str:
+    """3 significant digits with k / M / G: ``3.1k``, ``120``, ``0.25``."""
+    for suffix in ("", "k", "M"):
+        if abs(x) < 999.5:
+            return f"{x:.3g}{suffix}"
+        x /= 1000
+    return f"{x:.3g}G"
+
+
+def _duration(seconds: float) -> str:
+    """``4.2s``, ``42s``, ``1m12s``, ``2h03m``."""
+    if seconds < 10:
+        return f"{seconds:.1f}s"
+    s = round(seconds)
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
