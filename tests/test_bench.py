@@ -57,3 +57,70 @@ def test_bench_train_refuses_a_zipf_exponent_that_is_not_positive(tmp_path, caps
     assert main(["bench", "train", *TINY_TRAIN, "--ids", "zipf", "--zipf-exponent", "0", f"workdir={tmp_path}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: --zipf-exponent: expected a number > 0, got 0.0"]
+
+
+SMALL_STAGE = ["train.batch_size=128", "train.eval_batch_size=512", "train.embedding_dim=8", "train.bottom_mlp=[16,8]",
+               "train.top_mlp=[16,1]", "train.progress=false", "train.log_every=4", "train.threads=1"]
+
+
+def _processed(workdir, rows=1500) -> None:
+    """Processed data where the default settings look for it under ``workdir``."""
+    from pipeline.loader.synthetic import criteo_schema, write_processed
+    from pipeline.stages.config import load_config
+
+    cfg = load_config(None, [f"workdir={workdir}"])
+    schema = criteo_schema(size=0.0001, categorical=5, continuous=3, multihot={"M1": 3})
+    write_processed(cfg.paths.processed, schema, {"train": rows, "valid": 300, "test": 300}, row_group_rows=500, seed=7)
+
+
+def test_bench_e2e_reports_every_rate_and_where_the_stage_time_goes(tmp_path, capsys):
+    _processed(tmp_path)
+    out = tmp_path / "out"
+    # 12 timed steps after 2: steps 3..14, across the end of the 12-batch epoch (its last batch 92 rows),
+    # with an evaluation (steps 5, 10, 12) and a checkpoint (step 6) among them
+    assert main(["bench", "e2e", "--device", "cpu", "--steps", "12", "--warmup", "2", "--optimizer", "adam",
+                 "--dense-optimizer", "sgd", "--profile", "2", "--out", str(out), f"workdir={tmp_path}", *SMALL_STAGE,
+                 "train.eval_every=5", "train.checkpoint_every=6"]) == 0
+    r = json.loads((out / "e2e.json").read_text())
+    assert r["steps"] == 12 and r["stage_samples"] == 11 * 128 + 92 and r["batch"] == 128
+    assert r["embedding_optimizer"] == "adam" and r["dense_optimizer"] == "sgd" and r["model"] == "dlrm"
+    for key in ("stage_samples_per_s", "stage_without_evaluation_and_checkpoints_samples_per_s",
+                "step_alone_samples_per_s", "loader_alone_samples_per_s"):
+        assert r[key] > 0, key
+    regions = r["regions_seconds"]
+    assert {"batch wait", "step", "loss read", "log", "evaluation", "checkpoint"} <= set(regions)
+    assert all(v >= 0 for v in regions.values())
+    assert sum(regions.values()) == pytest.approx(r["stage_seconds"], rel=1e-6)
+    assert sum(r["difference_seconds"].values()) == pytest.approx(r["stage_seconds"] - r["step_alone_seconds"],
+                                                                  rel=1e-6, abs=1e-9)
+    assert r["stage_samples_per_s"] == pytest.approx(r["stage_samples"] / r["stage_seconds"])
+    assert r["host_syncs"] is None  # not counted on the CPU
+    assert (out / "trace.json").stat().st_size > 0 and "Self CPU" in (out / "profile.txt").read_text()
+    # the stage's own outputs, from its own code: the loss logged every 4 steps, up to where the bench stopped it
+    lines = [json.loads(line) for line in (out / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines if "loss" in x] == [4, 8, 12, 16]
+    assert not (out / "train" / "model.pt").exists()
+    printed = capsys.readouterr().out
+    for text in ("(a) training stage", "(b) step alone", "(c) loader alone", "batch wait", "(a) - (b)"):
+        assert text in printed
+
+
+def test_bench_e2e_without_processed_data_says_which_stage_to_run(tmp_path, capsys):
+    assert main(["bench", "e2e", "--device", "cpu", f"workdir={tmp_path}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: no processed data at ")
+    assert "python -m pipeline run etl" in err[0]
+
+
+@pytest.mark.gpu
+def test_bench_e2e_on_the_gpu_counts_the_loss_reads_as_the_only_syncs_of_a_step(tmp_path):
+    _processed(tmp_path, rows=40_000)
+    out = tmp_path / "out"
+    assert main(["bench", "e2e", "--device", "cuda", "--steps", "20", "--warmup", "5", "--out", str(out),
+                 f"workdir={tmp_path}", *SMALL_STAGE, "train.checkpoint_every=0", "train.eval_every=0"]) == 0
+    r = json.loads((out / "e2e.json").read_text())
+    syncs = r["host_syncs"]
+    assert syncs["steps"] == 4
+    assert syncs["sites"], "the loss read every train.log_every steps is a sync"
+    assert not [s for s in syncs["sites"] if "pipeline/modules" in s or "pipeline/kernels" in s], syncs["sites"]
+    assert sum(r["regions_seconds"].values()) == pytest.approx(r["stage_seconds"], rel=1e-6)
