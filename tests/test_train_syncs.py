@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from pipeline.distributed.world import World
 from pipeline.loader import Loader
 from pipeline.loader.synthetic import criteo_schema, write_processed
 from pipeline.modules.configs import EmbeddingOptimizerConfig
@@ -59,14 +60,14 @@ def _data(tmp_path, rows=640):
     return tmp_path / "processed"
 
 
-def _trainer(tmp_path, name, device="cpu", optimizer="adam", **settings):
+def _trainer(tmp_path, name, device="cpu", optimizer="adam", backend="auto", **settings):
     data = _data(tmp_path)
     schema = Schema.load(data / "schema.json")
     cfg = TrainConfig(model=name, batch_size=64, optimizer=optimizer, progress=False, checkpoint_every=0, **settings)
-    model = build_model(name, schema, SIZES, EmbeddingOptimizerConfig("adagrad", lr=0.1)).to(device)
+    model = build_model(name, schema, SIZES, EmbeddingOptimizerConfig("adagrad", lr=0.1), backend=backend).to(device)
     model.embedding.validate_ids = False  # as the driver trains on a GPU: the loader checks the ids
     loader = Loader(data / "train", cfg.batch_size, shuffle=True, device=device)
-    return Trainer(model, cfg, tmp_path / "out", loader, checkpoints=None), loader
+    return Trainer(model, cfg, tmp_path / "out", loader, World(device=torch.device(device))), loader
 
 
 @pytest.mark.parametrize("name", sorted(MODEL_CLASSES))
@@ -127,7 +128,7 @@ def test_the_loop_times_its_regions_and_they_add_up_to_its_wall_time(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", sorted(MODEL_CLASSES))
 def test_a_training_step_on_the_gpu_does_not_sync(tmp_path, name):
-    trainer, loader = _trainer(tmp_path, name, device="cuda")
+    trainer, loader = _trainer(tmp_path, name, device="cuda", backend="cuda")
     with loader:
         batches = list(loader)[:3]
     trainer.train_step(batches[0])  # first use: the step counter is read once, the kernels are compiled

@@ -127,7 +127,7 @@ class StageProbe(Callback):
         partial = tmp_path(trace)
         profiler.export_chrome_trace(str(partial))
         os.replace(partial, trace)
-        sort = "cuda_time_total" if self.device.type == "cuda" else "cpu_time_total"
+        sort = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
         write_text(self.out / "profile.txt", profiler.key_averages().table(sort_by=sort, row_limit=40) + "\n")
         self.profile = str(trace)
 
