@@ -48,8 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="uniform: every row of a table alike; zipf: row of rank r drawn with probability "
                              "~ r**-exponent, the ranks spread over each table by a fixed permutation")
     parser.add_argument("--zipf-exponent", type=float, default=ZIPF_EXPONENT,
-                        help="skew of --ids zipf (> 0); the default 1.1 is a power law a little above 1, the "
-                             "heavy head of Criteo's large features (the synthetic data draws 1.25-1.6)")
+                        help="skew of --ids zipf (> 0); default 1.1, in the 1.05-1.2 range taken as Criteo-like "
+                             "for its large tables (the synthetic data generator draws 1.25-1.6, more skewed)")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
                         help="our tables' fused optimizer: sgd | adagrad (row-wise) | adam (lazy); the baseline's "
                              "tables take torch's SGD | Adagrad (element-wise) | SparseAdam")
