@@ -129,6 +129,29 @@ def test_sgd_update_equals_weights_minus_lr_times_autograd_gradient():
     assert int(emb.step) == 1
 
 
+@pytest.mark.parametrize("tables", [
+    # the features in another order than the batch's
+    [TableConfig("c", 5, 4, ["C3"]), TableConfig("a", 10, 2, ["C1"]), TableConfig("b", 7, 4, ["C2"], pooling="mean")],
+    # every feature in two tables, as DeepFM's deep and wide ones
+    [TableConfig("a", 10, 4, ["C1"]), TableConfig("b", 7, 4, ["C2"]), TableConfig("c", 5, 4, ["C3"]),
+     TableConfig("wa", 10, 1, ["C1"]), TableConfig("wb", 7, 1, ["C2"], pooling="mean"), TableConfig("wc", 5, 1, ["C3"])],
+], ids=["reordered", "twice"])
+def test_forward_and_update_match_loops_when_tables_reorder_or_repeat_the_features(tables):
+    gen = torch.Generator().manual_seed(4)
+    emb = EmbeddingCollection(tables, FEATURES, EmbeddingOptimizerConfig("sgd", lr=0.5), generator=gen)
+    kjt, bags = _random_kjt(gen, batch=7)
+    bags[2][3] = []  # an empty bag
+    kjt = KeyedJaggedTensor.from_lists(FEATURES, bags)
+    out = emb(kjt)
+    torch.testing.assert_close(out, _naive_forward(emb, bags))
+    before = {t.name: emb.table_weight(t.name).clone() for t in tables}
+    grad_out = torch.randn(out.shape, generator=gen)
+    (out * grad_out).sum().backward()
+    naive = _naive_row_grads(emb, bags, grad_out)
+    for t in tables:
+        torch.testing.assert_close(emb.table_weight(t.name), before[t.name] - 0.5 * naive[t.name])
+
+
 def test_sgd_weight_decay_and_low_precision_weights():
     emb = EmbeddingCollection([TableConfig("t", 4, 2, ["C1"])], ["C1"],
                               EmbeddingOptimizerConfig("sgd", lr=0.1, weight_decay=0.5), weights_dtype="bf16")

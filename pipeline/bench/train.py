@@ -1,18 +1,30 @@
 """Training step throughput (samples/s): our DLRM against a plain PyTorch DLRM of the same shape, same run.
 
-Ours: the schema-built DLRM, its EmbeddingCollection applying SGD to the touched rows inside the
-backward. Baseline: one ``nn.EmbeddingBag(sparse=True)`` per table, the same MLPs and interaction,
-``torch.optim.SGD`` over everything (sparse gradients for the tables). Both train on the same
-pre-made random batches (one-hot ids, uniform over each table); the rounds alternate between the
-two so that load from other processes hits both alike; the median round is reported.
+Ours: the schema-built DLRM, its EmbeddingCollection applying its fused sparse optimizer (``--optimizer``:
+SGD, row-wise Adagrad or lazy Adam) to the touched rows inside the backward; the MLPs take SGD.
+Baseline: one ``nn.EmbeddingBag(sparse=True)`` per table, the same MLPs and interaction, the MLPs
+under ``torch.optim.SGD`` and the tables under torch's nearest optimizer for sparse gradients:
+``SGD``, ``Adagrad`` (element-wise, with a dense state as large as the tables) or ``SparseAdam``
+(lazy, like ours). Both train on the same pre-made batches of one-hot ids, uniform over each table
+or Zipf-skewed (``--ids zipf``); the rounds alternate between the two so that load from other
+processes hits both alike; the median round is reported.
 
     python -m pipeline bench train                       # CPU: 26 x 100k rows, dim 64, batch 2048
     python -m pipeline bench train --device cuda --preset mlperf --batch 65536   # bf16 autocast on GPU
+    python -m pipeline bench train --device cuda --preset mlperf --batch 65536 --ids zipf --optimizer adam
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+
+IDS = ("uniform", "zipf")
+OPTIMIZERS = ("sgd", "adagrad", "adam")
+BASELINE_OPTIMIZERS = {"sgd": "SGD", "adagrad": "Adagrad", "adam": "SparseAdam"}
+"""The torch optimizer the baseline's tables take for each of ours (all accept sparse gradients)."""
+ZIPF_EXPONENT = 1.1
+HOT_FRACTION = 0.01
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,17 +44,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--amp", choices=["auto", "bf16", "off"], default="auto",
                         help="bf16 autocast of the MLPs (auto: on GPU only)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--ids", choices=IDS, default="uniform",
+                        help="uniform: every row of a table alike; zipf: row of rank r drawn with probability "
+                             "~ r**-exponent, the ranks spread over each table by a fixed permutation")
+    parser.add_argument("--zipf-exponent", type=float, default=ZIPF_EXPONENT,
+                        help="skew of --ids zipf (> 0); default 1.1, in the 1.05-1.2 range taken as Criteo-like "
+                             "for its large tables (the synthetic data generator draws 1.25-1.6, more skewed)")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
+                        help="our tables' fused optimizer: sgd | adagrad (row-wise) | adam (lazy); the baseline's "
+                             "tables take torch's SGD | Adagrad (element-wise) | SparseAdam")
+    parser.add_argument("--json", metavar="FILE", help="also write the figures and settings as JSON")
 
 
 def run(args: argparse.Namespace, cfg) -> dict:
     import statistics
     import time
 
+    import numpy as np
     import torch
 
     from pipeline.device import resolve_device
+    from pipeline.errors import UserError
+    from pipeline.files import write_json
     from pipeline.train.evaluate import autocast
 
+    if not args.zipf_exponent > 0:
+        raise UserError(f"--zipf-exponent: expected a number > 0, got {args.zipf_exponent}")
     device = torch.device(resolve_device(cfg.device).kind)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -53,27 +80,34 @@ def run(args: argparse.Namespace, cfg) -> dict:
         [1024, 1024, 512, 256, 1] if args.preset == "mlperf" else [512, 256, 1])
     torch.manual_seed(cfg.seed)
 
-    batches = _batches(args, device, n=4)
+    rng = np.random.default_rng(cfg.seed)
+    ids = [draw_ids(args.ids, args.rows, (args.batch, args.tables), args.zipf_exponent, rng) for _ in range(4)]
+    distinct = [np.unique(b[:, t]).size for b in ids for t in range(args.tables)]
+    skew = {"hot_rows_share": hot_rows_share(args.ids, args.rows, args.zipf_exponent),
+            "distinct_rows_per_batch": float(np.mean(distinct))}
+    batches = _batches(ids, device)
     ours = _ours(args, dim, bottom, top, device)
     baseline = _plain_dlrm(args.tables, args.rows, dim, bottom, top).to(device)
-    base_opt = torch.optim.SGD(baseline.parameters(), lr=0.01)
-    our_opt = torch.optim.SGD(ours.parameters(), lr=0.01)
+    our_opts = [torch.optim.SGD(ours.parameters(), lr=0.01)]
+    base_opts = _baseline_optimizers(baseline, args.optimizer, lr=0.01)
 
-    def train_step(model, optimizer, dense, sparse, label):
+    def train_step(model, optimizers, dense, sparse, label):
         with autocast(device, amp):
             logits = model(dense, sparse)
         loss = torch.nn.functional.binary_cross_entropy_with_logits(logits.float(), label)
-        optimizer.zero_grad(set_to_none=True)
+        for optimizer in optimizers:
+            optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        optimizer.step()
+        for optimizer in optimizers:
+            optimizer.step()
 
     def our_step(batch):
         dense, kjt, _, label = batch
-        train_step(ours, our_opt, dense, kjt, label)
+        train_step(ours, our_opts, dense, kjt, label)
 
     def base_step(batch):
-        dense, _, ids, label = batch
-        train_step(baseline, base_opt, dense, ids, label)
+        dense, _, table_ids, label = batch
+        train_step(baseline, base_opts, dense, table_ids, label)
 
     def timed(step_fn, steps):
         _sync(device)
@@ -89,11 +123,18 @@ def run(args: argparse.Namespace, cfg) -> dict:
     for _ in range(args.rounds):
         rates["ours"].append(timed(our_step, args.steps))
         rates["plain_pytorch"].append(timed(base_step, args.steps))
+    baseline_opt = BASELINE_OPTIMIZERS[args.optimizer]
     result = {
         "device": device.type,
         "backend": ours.embedding.backend.name,
         "shape": f"{args.tables} tables x {args.rows} rows, dim {dim}, bottom {bottom}, top {top}",
         "batch": args.batch,
+        "ids": args.ids,
+        "zipf_exponent": args.zipf_exponent if args.ids == "zipf" else None,
+        **skew,
+        "optimizer": args.optimizer,
+        "baseline_optimizer": f"{baseline_opt} (tables), SGD (MLPs)",
+        "dense_optimizer": "SGD",
         "amp_bf16": amp,
         "threads": torch.get_num_threads(),
         "ours_samples_per_s": statistics.median(rates["ours"]),
@@ -101,27 +142,68 @@ def run(args: argparse.Namespace, cfg) -> dict:
         "rounds": rates,
     }
     result["speedup"] = result["ours_samples_per_s"] / result["plain_pytorch_samples_per_s"]
+    drawn = f"zipf, exponent {args.zipf_exponent:g}" if args.ids == "zipf" else "uniform"
     print(f"bench train on {device.type} ({result['threads']} threads), {result['shape']}, batch {args.batch}, "
           f"bf16 autocast {amp}, embedding backend {result['backend']}")
-    print(f"  ours (fused sparse SGD):            {result['ours_samples_per_s']:>12,.0f} samples/s")
-    print(f"  plain PyTorch (EmbeddingBag + SGD): {result['plain_pytorch_samples_per_s']:>12,.0f} samples/s")
-    print(f"  ratio ours / plain:                 {result['speedup']:>12.2f}")
+    print(f"  ids {drawn}: {skew['hot_rows_share']:.1%} of ids on the hottest {HOT_FRACTION:.0%} of rows, "
+          f"{skew['distinct_rows_per_batch']:,.0f} distinct rows per table and batch")
+    ours_label = f"ours (fused sparse {args.optimizer}, MLPs SGD):"
+    base_label = f"plain PyTorch (EmbeddingBag + {baseline_opt}, MLPs SGD):"
+    width = max(len(ours_label), len(base_label))
+    print(f"  {ours_label:<{width}} {result['ours_samples_per_s']:>12,.0f} samples/s")
+    print(f"  {base_label:<{width}} {result['plain_pytorch_samples_per_s']:>12,.0f} samples/s")
+    print(f"  {'ratio ours / plain:':<{width}} {result['speedup']:>12.2f}")
+    if args.json:
+        write_json(args.json, result)
     return result
 
 
-def _batches(args, device, n):
+def draw_ids(kind: str, rows: int, shape: tuple[int, int], exponent: float, rng):
+    """int64 ids in ``[0, rows)`` of shape ``(batch, tables)`` (a numpy array): uniform, or Zipf over each table.
+
+    Zipf: rank ``r`` (1..rows) is drawn with probability about ``r**-exponent``
+    (:func:`pipeline.data.synthetic.zipf_ranks`), and table ``t`` puts rank ``r`` on row
+    ``(c_t + (r - 1) * a) mod rows``, a fixed permutation (``a`` near ``0.618 * rows`` and prime to it,
+    ``c_t`` drawn per table), so the hot rows of a table are spread over it rather than packed at row 0.
+    """
+    import numpy as np
+
+    from pipeline.data.synthetic import zipf_ranks
+
+    if kind == "uniform":
+        return rng.integers(0, rows, size=shape, dtype=np.int64)
+    ranks = zipf_ranks(rng.random(shape), rows, exponent).astype(np.int64)
+    stride = max(1, int(rows * 0.6180339887))
+    while math.gcd(stride, rows) != 1:
+        stride += 1
+    start = rng.integers(0, rows, size=shape[1], dtype=np.int64)
+    return (start[None, :] + (ranks - 1) * stride) % rows
+
+
+def hot_rows_share(kind: str, rows: int, exponent: float) -> float:
+    """The probability that an id of :func:`draw_ids` falls on the hottest 1% of its table's rows."""
+    hot = max(1, int(rows * HOT_FRACTION))
+    if kind == "uniform":
+        return hot / rows
+    if exponent == 1:
+        return math.log(hot + 1) / math.log(rows + 1)
+    return ((hot + 1) ** (1 - exponent) - 1) / ((rows + 1) ** (1 - exponent) - 1)
+
+
+def _batches(ids: list, device):
     import torch
 
     from pipeline.sparse import KeyedJaggedTensor
 
-    keys = [f"C{i + 1}" for i in range(args.tables)]
     out = []
-    for _ in range(n):
-        ids = torch.randint(0, args.rows, (args.batch, args.tables))
-        dense = torch.randn(args.batch, 13)
-        label = torch.randint(0, 2, (args.batch,)).float()
-        kjt = KeyedJaggedTensor.from_dense(keys, ids)
-        out.append((dense.to(device), kjt.to(device), ids.to(device), label.to(device)))
+    for table_ids in ids:
+        batch, tables = table_ids.shape
+        keys = [f"C{i + 1}" for i in range(tables)]
+        table_ids = torch.from_numpy(table_ids)
+        dense = torch.randn(batch, 13)
+        label = torch.randint(0, 2, (batch,)).float()
+        kjt = KeyedJaggedTensor.from_dense(keys, table_ids)
+        out.append((dense.to(device), kjt.to(device), table_ids.to(device), label.to(device)))
     return out
 
 
@@ -134,9 +216,20 @@ def _ours(args, dim, bottom, top, device):
                     + [Column(f"I{i + 1}", "continuous", "float32") for i in range(13)]
                     + [Column(f"C{i + 1}", "categorical", "int32", cardinality=args.rows) for i in range(args.tables)])
     sizes = ModelSizes(embedding_dim=dim, bottom_mlp=bottom, top_mlp=top)
-    model = build_model("dlrm", schema, sizes, EmbeddingOptimizerConfig("sgd", lr=0.01), backend=args.backend)
+    model = build_model("dlrm", schema, sizes, EmbeddingOptimizerConfig(args.optimizer, lr=0.01),
+                        backend=args.backend)
     model.embedding.validate_ids = False  # the baseline does not check ids either
     return model.to(device)
+
+
+def _baseline_optimizers(model, kind: str, lr: float) -> list:
+    """SGD for the MLPs; the tables' sparse gradients to torch's optimizer of ``kind``."""
+    import torch
+
+    tables = list(model.tables.parameters())
+    dense = [p for name, p in model.named_parameters() if not name.startswith("tables.")]
+    sparse = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad, "adam": torch.optim.SparseAdam}[kind]
+    return [torch.optim.SGD(dense, lr=lr), sparse(tables, lr=lr)]
 
 
 def _sync(device):

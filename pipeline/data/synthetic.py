@@ -253,7 +253,7 @@ def draw(model: ClickModel, split_id: int, index: int, rows: int) -> Draws:
     """The draws of block ``index`` of a split: the same numbers for the same seed, split and block."""
     rng = np.random.default_rng([model.seed, split_id, index])
     u = rng.random((26, rows))
-    ranks = _zipf_ranks(u, model.cardinality[:, None], model.zipf_exponent[:, None])
+    ranks = zipf_ranks(u, model.cardinality[:, None], model.zipf_exponent[:, None])
     cat_null = rng.random((26, rows), dtype=np.float32) < _CAT_NULL_RATE[:, None]
     z = rng.standard_normal((13, rows))
     counts = np.floor(np.exp(_DENSE_MU[:, None] + _DENSE_SIGMA[:, None] * z)).astype(np.int64) - 1
@@ -266,11 +266,20 @@ def draw(model: ClickModel, split_id: int, index: int, rows: int) -> Draws:
     return Draws(ranks, cat_null, counts, dense_null, label_uniform)
 
 
-def _zipf_ranks(u: np.ndarray, k: np.ndarray, s: np.ndarray) -> np.ndarray:
-    """Inverse CDF of the continuous power law x**-s on [1, k+1), floored: ranks 1..k, rank 1 most frequent."""
+def zipf_ranks(u: np.ndarray, k: np.ndarray | int, s: np.ndarray | float) -> np.ndarray:
+    """Inverse CDF of the continuous power law x**-s on [1, k+1), floored: ranks 1..k, rank 1 most frequent.
+
+    ``u``: uniform draws in [0, 1); ``k`` and ``s`` (> 0) broadcast against it; ``s == 1`` is the
+    log-uniform law.
+    """
+    k, s = np.asarray(k), np.asarray(s, dtype=np.float64)
     one_minus_s = 1.0 - s
-    span = (k + 1.0) ** one_minus_s - 1.0
-    x = (1.0 + u * span) ** (1.0 / one_minus_s)
+    if np.any(one_minus_s == 0):
+        safe = np.where(one_minus_s == 0, 1.0, one_minus_s)
+        x = np.where(one_minus_s == 0, (k + 1.0) ** u, (1.0 + u * ((k + 1.0) ** safe - 1.0)) ** (1.0 / safe))
+    else:
+        span = (k + 1.0) ** one_minus_s - 1.0
+        x = (1.0 + u * span) ** (1.0 / one_minus_s)
     return np.minimum(x.astype(np.int32), k.astype(np.int32))
 
 

@@ -71,6 +71,11 @@ class EmbeddingCollection(nn.Module):
         self._backend_key: tuple | None = None
         self._key_of_slot = [self.feature_names.index(f) for f in self.packing.slot_features]
         self._identity_slots = self._key_of_slot == list(range(len(self.feature_names)))
+        # Every feature in the same number of slots (a reordering, or DeepFM's deep and wide tables): the
+        # slots hold that many times the batch's ids, a count known without reading the device.
+        uses = [self._key_of_slot.count(k) for k in range(len(self.feature_names))]
+        self._slot_repeats = uses[0] if uses and len(set(uses)) == 1 else 0
+        self._slot_keys: dict[str, torch.Tensor] = {}
 
         weights = torch.empty(self.packing.total_elements, dtype=torch.float32)
         for t, table in enumerate(self.tables):
@@ -154,20 +159,32 @@ class EmbeddingCollection(nn.Module):
         values = kjt.values.to(device=self.weights.device, dtype=torch.int64)
         offsets = kjt.offsets().to(self.weights.device)
         if not self._identity_slots:
-            values, offsets = _select_keys(values, offsets, b, self._key_of_slot)
+            device = str(values.device)
+            if device not in self._slot_keys:
+                self._slot_keys[device] = torch.tensor(self._key_of_slot, dtype=torch.int64, device=values.device)
+            values, offsets = _select_keys(values, offsets, b, self._slot_keys[device],
+                                           self._slot_repeats * values.numel() if self._slot_repeats else None)
         if self.validate_ids and b:
             check_ids(values, offsets, b, self.packing.tensors(values.device)["slot_rows"], *self._slot_names)
         return values, offsets, b
 
 
-def _select_keys(values: torch.Tensor, offsets: torch.Tensor, batch_size: int,
-                 keys: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Bags of ``keys`` (repeats allowed), in that order, from key-major ``values`` / ``offsets``."""
+def _select_keys(values: torch.Tensor, offsets: torch.Tensor, batch_size: int, keys: torch.Tensor,
+                 size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bags of ``keys`` (int64 on the values' device, repeats allowed), in that order, from key-major
+    ``values`` / ``offsets``, gathered on the device. ``size``: how many ids the keys select, when the
+    caller knows it; else it is read from the device (one sync)."""
     b = batch_size
-    pieces, piece_offsets, start = [], [offsets.new_zeros(1)], 0
-    for k in keys:
-        lo, hi = int(offsets[k * b]), int(offsets[(k + 1) * b])
-        pieces.append(values[lo:hi])
-        piece_offsets.append(offsets[k * b + 1 : (k + 1) * b + 1] - lo + start)
-        start += hi - lo
-    return torch.cat(pieces), torch.cat(piece_offsets)
+    if b == 0:
+        return values[:0], offsets.new_zeros(1)
+    starts = offsets[::b]  # where each key's ids begin, then the end
+    key_starts = starts[keys]
+    lengths = starts[1:][keys] - key_starts
+    begins = torch.cumsum(lengths, 0) - lengths  # where each selected key's ids go
+    if size is None:
+        size = int(lengths.sum())
+    piece = torch.repeat_interleave(torch.arange(keys.numel(), device=keys.device), lengths, output_size=size)
+    index = torch.arange(size, device=keys.device) - begins[piece] + key_starts[piece]
+    bag_ends = keys[:, None] * b + torch.arange(1, b + 1, device=keys.device)
+    selected = offsets[bag_ends] - key_starts[:, None] + begins[:, None]
+    return values.index_select(0, index), torch.cat([offsets.new_zeros(1), selected.flatten()])

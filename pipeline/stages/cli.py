@@ -37,6 +37,7 @@ BENCHES = {
     "etl": "pipeline.bench.etl",
     "loader": "pipeline.bench.loader",
     "train": "pipeline.bench.train",
+    "e2e": "pipeline.bench.e2e",
     "train_distributed": "pipeline.bench.train_distributed",
     "embedding": "pipeline.bench.embedding",
     "serve": "pipeline.bench.serve",

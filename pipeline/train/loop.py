@@ -11,6 +11,7 @@ The same loop trains one process and N ranks: the :class:`~pipeline.distributed.
 who writes the files, the model is the plain model or its ``DistributedModelParallel``, and the
 checkpoint format (:mod:`pipeline.train.checkpoint`) matches it. :class:`Callback` objects passed to
 :meth:`Trainer.fit` see each step, checkpoint and evaluation (tests stop a run through one).
+:class:`Timings` (``trainer.timings``) holds the host seconds spent in each part of the loop.
 
 Example::
 
@@ -59,6 +60,31 @@ class Callback:
         pass
 
 
+class Timings:
+    """Host seconds :meth:`Trainer.fit` spends in each part of training, by region.
+
+    The regions tile the loop: each :meth:`mark` charges the time since the previous one to its
+    region, so they add up to the loop's wall time. ``batch wait``: waiting for the next batch (and
+    opening an epoch); ``step``: forward, backward and the optimizers (on a GPU, mostly launching
+    kernels that run later); ``loss read``: the loss read to the host every ``log_every`` steps (on a
+    GPU, waiting for the steps queued before it); ``log``: the metrics line and the progress bar's
+    text; ``progress``: the progress bar; ``evaluation``; ``checkpoint``; ``callbacks``.
+    """
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.last = time.perf_counter()
+
+    def restart(self) -> None:
+        """Start timing from now (the time since the last mark is charged nowhere)."""
+        self.last = time.perf_counter()
+
+    def mark(self, region: str) -> None:
+        now = time.perf_counter()
+        self.seconds[region] = self.seconds.get(region, 0.0) + now - self.last
+        self.last = now
+
+
 def dense_optimizer(name: str, params, lr: float, weight_decay: float) -> torch.optim.Optimizer:
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay)
@@ -99,6 +125,7 @@ class Trainer:
         # The best epoch's weights, on the host; a sharded model scores its last epoch.
         self.keeps_best = cfg.early_stopping > 0 and isinstance(self.checkpoints, PlainCheckpoints)
         self.best_weights: dict[str, torch.Tensor] | None = None
+        self.timings = Timings()
 
     @property
     def metrics_path(self) -> Path:
@@ -149,13 +176,16 @@ class Trainer:
         train_time, train_samples = 0.0, 0
         last_valid: dict = {}
         last_valid_step = -1
+        mark = self.timings.mark
+        self.timings.restart()
         try:
             while self.state.step < self.total_steps and not self.state.stopped:
                 epoch = self.state.epoch
                 batches = self._open_epoch(epoch, self.state.batch)
                 tick = time.perf_counter()
                 for batch in batches:
-                    loss_sum += self._step(batch)
+                    mark("batch wait")
+                    loss_sum += self.train_step(batch)
                     self.state.step += 1
                     self.state.batch += 1
                     if self.state.batch >= self.steps_per_epoch:
@@ -165,8 +195,10 @@ class Trainer:
                     window_samples += batch.batch_size
                     window_time += now - tick
                     step = self.state.step
+                    mark("step")
                     if step % c.log_every == 0 or step == self.total_steps:
                         loss = float(loss_sum) / window_steps
+                        mark("loss read")
                         rate = window_samples / max(window_time, 1e-9)
                         lr, emb_lr = self.lrs(step - 1)
                         self._log({"step": step, "epoch": epoch, "loss": loss, "lr": lr, "embedding_lr": emb_lr,
@@ -176,18 +208,23 @@ class Trainer:
                         train_samples += window_samples
                         loss_sum.zero_()
                         window_steps, window_samples, window_time = 0, 0, 0.0
+                        mark("log")
                     bar.update(1)
+                    mark("progress")
                     epoch_done = self.state.batch == 0
                     due = c.eval_every and step % c.eval_every == 0
                     if evaluate_valid is not None and (due or epoch_done):
                         last_valid, last_valid_step = self._evaluate(evaluate_valid, epoch, callbacks), step
                         if epoch_done:
                             self._judge(last_valid, epoch_end=True)
+                        mark("evaluation")
                     if (c.checkpoint_every and step % c.checkpoint_every == 0 and step < self.total_steps
                             and not self.state.stopped):
                         self._save(callbacks)
+                        mark("checkpoint")
                     for callback in callbacks:
                         callback.on_step(self)
+                    mark("callbacks")
                     if step >= self.total_steps or epoch_done:
                         break
                     tick = time.perf_counter()
@@ -200,7 +237,9 @@ class Trainer:
         if evaluate_valid is not None and last_valid_step != self.state.step:
             last_valid = self._evaluate(evaluate_valid, self.state.epoch, callbacks)
             self._judge(last_valid, epoch_end=False)
+            mark("evaluation")
         self._save(callbacks)
+        mark("checkpoint")
         kept = self._restore_best()
         train_time += window_time
         train_samples += window_samples
@@ -239,7 +278,9 @@ class Trainer:
         self.loader.load_state_dict({**self.loader.state_dict(), "epoch": epoch, "batches": batch})
         return iter(self.loader)
 
-    def _step(self, batch) -> torch.Tensor:
+    def train_step(self, batch) -> torch.Tensor:
+        """One optimizer step on ``batch`` with the lrs of ``state.step``; the loss, detached, left on the
+        device (nothing is read back to the host). :meth:`fit` calls it once per step."""
         lr, emb_lr = self.lrs(self.state.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr

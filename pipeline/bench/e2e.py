@@ -1,0 +1,264 @@
+"""The training stage end to end on one device: its samples/s beside its step alone and its loader alone.
+
+On the processed data the settings select (``<workdir>/<dataset>/processed``, which ``python -m
+pipeline run etl`` makes), in one process, with the batch size and optimizers given here and every
+other training setting as configured:
+
+* (a) **stage**: the training stage's own code (:func:`pipeline.train.driver.train`: the model of
+  ``train.model``, the shuffled loader, the loop with its logging, progress bar, evaluation and
+  checkpoints at their configured intervals), timed over ``--steps`` steps after ``--warmup``, and
+  stopped after them (no final evaluation, save or test scoring);
+* (b) **step alone**: the same model and optimizers (the stage's, trained on) stepping through 4
+  batches of the same split made beforehand on the device: ``Trainer.train_step`` and nothing else;
+* (c) **loader alone**: a loader like the stage's (same split, batch, shuffling, seed and device)
+  handing out the same batches as the timed steps, the consumer doing nothing with them;
+* (d) **where the stage's time goes**: the loop's own timers (``Trainer.timings``) over the timed
+  steps, which add up to their wall time, and the difference (a) - (b) split into the regions beyond
+  the step (waiting for batches, logging, progress bar, evaluation, checkpoints) and the rest: the
+  stage's step and loss reads minus the step alone (negative where compute overlapped the others).
+
+On a GPU, times are taken after ``torch.cuda.synchronize()`` at the ends of each timed run (never
+inside it), and the host syncs of the ``train.log_every`` steps after the timed ones are counted by
+the line of code that made them (``torch.cuda.set_sync_debug_mode("warn")``). ``--profile N``
+profiles N steps after that with ``torch.profiler`` (``trace.json``, ``profile.txt``). Everything is
+written under ``--out``: ``e2e.json`` (the figures and settings) and ``train/`` (the stage's outputs).
+
+    python -m pipeline bench e2e                                  # the configured dataset and model
+    python -m pipeline bench e2e --device cuda --steps 400 --batch 65536 --optimizer adam --profile 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+BATCHES_ALONE = 4
+STEP_REGIONS = ("step", "loss read", "end sync")
+"""The loop's regions where a step's own work is done or waited for; the others are beyond the step."""
+OTHER_REGIONS = ("batch wait", "log", "progress", "evaluation", "checkpoint", "callbacks")
+BEYOND_STEP = "step + loss read + end sync - (b)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--steps", type=int, default=200, help="timed steps of each measurement")
+    parser.add_argument("--warmup", type=int, default=20, help="untimed steps of the stage before them")
+    parser.add_argument("--batch", type=int, default=0, help="samples per step (0: train.batch_size)")
+    parser.add_argument("--optimizer", choices=["sgd", "adagrad", "adam"],
+                        help="the tables' fused optimizer (default: train.embedding_optimizer)")
+    parser.add_argument("--dense-optimizer", choices=["sgd", "adam", "adagrad"],
+                        help="the dense part's optimizer (default: train.optimizer)")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="also profile N steps of the stage with torch.profiler (trace.json under --out)")
+    parser.add_argument("--out", default="", metavar="DIR",
+                        help="folder of e2e.json, the stage's outputs and the trace "
+                             "(default: <workdir>/bench/e2e-<dataset>)")
+
+
+def run(args: argparse.Namespace, cfg) -> dict:
+    import os
+    from pathlib import Path
+
+    import torch
+
+    from pipeline.bench.stage_probe import StageProbe, StopRun
+    from pipeline.device import resolve_device
+    from pipeline.distributed.world import World
+    from pipeline.errors import UserError
+    from pipeline.files import write_json
+    from pipeline.schema import Schema
+    from pipeline.train.driver import train
+
+    for name in ("steps", "warmup", "batch", "profile"):
+        low = 1 if name in ("steps", "warmup") else 0
+        if getattr(args, name) < low:
+            raise UserError(f"--{name}: expected an integer >= {low}, got {getattr(args, name)}")
+    if not cfg.paths.schema.is_file():
+        raise UserError(f"no processed data at {cfg.paths.processed} (no schema.json there): run "
+                        "`python -m pipeline run etl` with the same data settings first")
+    schema = Schema.load(cfg.paths.schema)
+    device = torch.device(resolve_device(cfg.device).kind)
+    out = Path(args.out) if args.out else Path(cfg.workdir) / "bench" / f"e2e-{cfg.data.dataset_name}"
+    settings = _stage_settings(cfg.train, args, schema)
+    sync_steps = settings.log_every if device.type == "cuda" else 0
+    probe = StageProbe(args.warmup, args.steps, sync_steps, args.profile, settings.batch_size, schema.rows["train"],
+                       device, out)
+    print(f"[bench e2e] the training stage: {args.warmup} warm-up steps, {args.steps} timed"
+          + (f", {sync_steps} counting host syncs" if sync_steps else "")
+          + (f", {args.profile} profiled" if args.profile else ""), flush=True)
+    try:
+        train(settings, cfg.paths.processed, out / "train", schema=schema, seed=cfg.seed, world=World(device=device),
+              callbacks=[probe])
+    except StopRun:
+        pass
+    finally:
+        probe.close()
+    if probe.window is None:
+        raise UserError(f"the training stage ended at step {probe.last_step}, before the {probe.end} steps this "
+                        "bench runs (early stopping? see train.early_stopping); ask fewer --steps or --warmup")
+    trainer = probe.trainer
+
+    threads = torch.get_num_threads()
+    if device.type == "cpu":  # as the stage trains (pipeline.train.driver)
+        torch.set_num_threads(settings.threads if settings.threads > 0 else max(1, (os.cpu_count() or 2) - 1))
+    try:
+        step_rate = _step_alone(trainer, cfg.paths.processed, schema, settings.batch_size, cfg.seed, device,
+                                args.steps)
+    finally:
+        torch.set_num_threads(threads)
+    loader_rate = _loader_alone(cfg.paths.processed, schema, settings.batch_size, cfg.seed, device, args.warmup,
+                                args.steps)
+    result = _result(args, cfg, settings, trainer, probe, step_rate, loader_rate, device, out)
+    _report(result)
+    write_json(out / "e2e.json", result)
+    print(f"[bench e2e] {out / 'e2e.json'}", flush=True)
+    return result
+
+
+def _stage_settings(train_cfg, args, schema):
+    """The stage's settings: the configured ones with this bench's batch and optimizers, started fresh, and
+    enough epochs for every step the bench runs (it stops the run itself)."""
+    import dataclasses
+
+    batch = args.batch or train_cfg.batch_size
+    needed = args.warmup + args.steps + train_cfg.log_every + args.profile + 1
+    per_epoch = math.ceil(schema.rows["train"] / batch)
+    return dataclasses.replace(
+        train_cfg, batch_size=batch, resume=False,
+        embedding_optimizer=args.optimizer or train_cfg.embedding_optimizer,
+        optimizer=args.dense_optimizer or train_cfg.optimizer,
+        epochs=max(train_cfg.epochs, math.ceil(needed / per_epoch) + 1),
+        max_steps=max(train_cfg.max_steps, needed) if train_cfg.max_steps else 0)
+
+
+def _step_alone(trainer, data, schema, batch: int, seed: int, device, steps: int) -> float:
+    """Samples/s of ``trainer.train_step`` over a few batches of the split, already on the device."""
+    import itertools
+    import time
+
+    from pipeline.bench.stage_probe import sync
+    from pipeline.loader import Loader
+
+    with Loader(data / "train", batch, schema=schema, shuffle=True, seed=seed, device=device) as loader:
+        batches = list(itertools.islice(iter(loader), BATCHES_ALONE))
+    for batch_ in batches[:2]:
+        trainer.train_step(batch_)
+    sync(device)
+    start, samples = time.perf_counter(), 0
+    for i in range(steps):
+        trainer.train_step(batches[i % len(batches)])
+        samples += batches[i % len(batches)].batch_size
+    sync(device)
+    return samples / (time.perf_counter() - start)
+
+
+def _loader_alone(data, schema, batch: int, seed: int, device, warmup: int, steps: int) -> float:
+    """Samples/s of a loader like the stage's over the batches of its timed steps (epochs run on as needed)."""
+    import time
+
+    from pipeline.bench.stage_probe import sync
+    from pipeline.loader import Loader
+
+    taken, samples, start = 0, 0, 0.0
+    with Loader(data / "train", batch, schema=schema, shuffle=True, seed=seed, device=device) as loader:
+        while True:
+            for item in loader:
+                taken += 1
+                if taken > warmup:
+                    samples += item.batch_size
+                if taken == warmup:
+                    sync(device)
+                    start = time.perf_counter()
+                elif taken == warmup + steps:
+                    sync(device)
+                    return samples / (time.perf_counter() - start)
+
+
+def _result(args, cfg, settings, trainer, probe, step_rate, loader_rate, device, out) -> dict:
+    import torch
+
+    window = probe.window
+    wall, samples = window["seconds"], window["samples"]
+    measured = window["regions"]
+    regions = {k: measured[k] for k in (*STEP_REGIONS, *OTHER_REGIONS) if k in measured}
+    regions.update(measured)  # regions of callbacks other than the bench's, after the loop's own
+    step_alone_s = samples / step_rate
+    beyond = {k: v for k, v in regions.items() if k not in STEP_REGIONS}
+    beyond[BEYOND_STEP] = sum(regions.get(k, 0.0) for k in STEP_REGIONS) - step_alone_s
+    unscored = wall - regions.get("evaluation", 0.0) - regions.get("checkpoint", 0.0)
+    return {
+        "device": device.type,
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "data": str(cfg.paths.processed),
+        "train_rows": trainer.loader.total_rows,
+        "batches_per_epoch": trainer.steps_per_epoch,
+        "model": settings.model,
+        "embedding_backend": trainer.model.embedding.backend.name,
+        "batch": settings.batch_size,
+        "embedding_optimizer": settings.embedding_optimizer,
+        "dense_optimizer": settings.optimizer,
+        "amp_bf16": trainer.amp,
+        "threads": settings.threads or None,
+        "log_every": settings.log_every,
+        "eval_every": settings.eval_every,
+        "checkpoint_every": settings.checkpoint_every,
+        "progress": settings.progress,
+        "warmup": args.warmup,
+        "steps": window["steps"],
+        "stage_samples_per_s": samples / wall,
+        "stage_without_evaluation_and_checkpoints_samples_per_s": samples / unscored,
+        "step_alone_samples_per_s": step_rate,
+        "loader_alone_samples_per_s": loader_rate,
+        "stage_seconds": wall,
+        "stage_samples": samples,
+        "regions_seconds": regions,
+        "step_alone_seconds": step_alone_s,
+        "difference_seconds": beyond,
+        "host_syncs": probe.syncs,
+        "profile": probe.profile,
+        "out": str(out),
+    }
+
+
+def _report(r: dict) -> None:
+    where = f"{r['device']} ({r['gpu']})" if r["gpu"] else r["device"]
+    evaluation = f"every {r['eval_every']} steps" if r["eval_every"] else "at each epoch's end"
+    checkpoint = f"every {r['checkpoint_every']} steps" if r["checkpoint_every"] else "at the end only"
+    print(f"\nbench e2e on {where}: {r['model']}, batch {r['batch']}, tables {r['embedding_optimizer']}, "
+          f"dense {r['dense_optimizer']}, bf16 autocast {r['amp_bf16']}, embedding backend {r['embedding_backend']}")
+    print(f"  data {r['data']}: {r['train_rows']:,} train rows, {r['batches_per_epoch']:,} batches per epoch; "
+          f"loss logged every {r['log_every']} steps, evaluation {evaluation}, checkpoint {checkpoint}, "
+          f"progress bar {'on' if r['progress'] else 'off'}")
+    print(f"  {r['warmup']} warm-up steps, then {r['steps']} timed ({r['stage_samples']:,} samples)\n")
+    rates = [("(a) training stage, as run", r["stage_samples_per_s"]),
+             ("    without its evaluation and checkpoints", r["stage_without_evaluation_and_checkpoints_samples_per_s"]),
+             (f"(b) step alone, batches already on {r['device']}", r["step_alone_samples_per_s"]),
+             (f"(c) loader alone, shuffled, to {r['device']}", r["loader_alone_samples_per_s"])]
+    width = max(len(name) for name, _ in rates)
+    print(f"  {'':<{width}}  {'samples/s':>14}")
+    for name, rate in rates:
+        print(f"  {name:<{width}}  {rate:>14,.0f}")
+
+    steps, wall = r["steps"], r["stage_seconds"]
+    rows = list(r["regions_seconds"].items())
+    width = max([len(k) for k, _ in rows] + [len(k) for k in r["difference_seconds"]] + [24])
+    print(f"\n  (d) the stage's {wall:.3f} s, by the loop's regions")
+    print(f"    {'region':<{width}}  {'seconds':>9}  {'ms/step':>9}  {'share':>6}")
+    for name, seconds in rows:
+        print(f"    {name:<{width}}  {seconds:>9.3f}  {1000 * seconds / steps:>9.2f}  {seconds / wall:>6.1%}")
+    print(f"    {'sum':<{width}}  {sum(s for _, s in rows):>9.3f}")
+    gap = wall - r["step_alone_seconds"]
+    print(f"\n    (a) - (b): {wall:.3f} s - {r['step_alone_seconds']:.3f} s = {gap:.3f} s "
+          f"({1000 * gap / steps:.2f} ms/step), of which")
+    for name, seconds in r["difference_seconds"].items():
+        print(f"    {name:<{width}}  {seconds:>9.3f}  {1000 * seconds / steps:>9.2f}")
+    syncs = r["host_syncs"]
+    if syncs is None:
+        print("\n  host syncs: not counted on the CPU (there is no device to wait for)")
+    else:
+        print(f"\n  host syncs in {syncs['steps']} steps after the timed ones: {syncs['count']}"
+              + (f" ({syncs['per_step']:.2f} per step)" if syncs["steps"] else ""))
+        for site, count in list(syncs["sites"].items())[:10]:
+            print(f"    {count:>6}  {site}")
+    if r["profile"]:
+        print(f"\n  profile: {r['profile']} (and profile.txt beside it)")
+

@@ -1,0 +1,126 @@
+"""The benchmarks run on tiny shapes on the CPU and report every figure; the ids they draw are as described."""
+
+import json
+
+import numpy as np
+import pytest
+
+from pipeline.bench.train import draw_ids, hot_rows_share
+from pipeline.stages.cli import main
+
+TINY_TRAIN = ["--tables", "3", "--rows", "2000", "--dim", "4", "--batch", "128", "--steps", "2", "--rounds", "1",
+              "--warmup", "1", "--bottom", "8", "--top", "8,1", "--threads", "1", "--device", "cpu"]
+
+
+@pytest.mark.parametrize("exponent", [1.1, 1.0, 0.8])
+def test_zipf_ids_are_skewed_within_range_and_spread_over_the_table(exponent):
+    rows = 1000
+    ids = draw_ids("zipf", rows, (200_000, 4), exponent, np.random.default_rng(0))
+    assert ids.dtype == np.int64 and ids.min() >= 0 and ids.max() < rows
+    for t in range(4):
+        counts = np.sort(np.bincount(ids[:, t], minlength=rows))[::-1]
+        top = counts[: rows // 100].sum() / counts.sum()  # the hottest 1% of rows
+        assert top > 10 * 0.01
+        assert top == pytest.approx(hot_rows_share("zipf", rows, exponent), abs=0.01)
+        hottest = np.argsort(np.bincount(ids[:, t], minlength=rows))[::-1][:10]
+        assert hottest.max() - hottest.min() > rows // 4  # not packed at the start of the table
+    assert len({int(np.bincount(ids[:, t]).argmax()) for t in range(4)}) == 4  # each table its own hot row
+
+
+def test_uniform_ids_are_not_skewed():
+    rows = 1000
+    ids = draw_ids("uniform", rows, (200_000, 2), 1.1, np.random.default_rng(0))
+    assert ids.min() >= 0 and ids.max() < rows
+    counts = np.sort(np.bincount(ids[:, 0], minlength=rows))[::-1]
+    assert counts[: rows // 100].sum() / counts.sum() < 0.02
+    assert hot_rows_share("uniform", rows, 1.1) == 0.01
+
+
+@pytest.mark.parametrize("ids,optimizer,baseline", [("zipf", "adam", "SparseAdam"), ("uniform", "adagrad", "Adagrad"),
+                                                    ("zipf", "sgd", "SGD")])
+def test_bench_train_reports_rates_and_its_settings(tmp_path, capsys, ids, optimizer, baseline):
+    out = tmp_path / "train.json"
+    assert main(["bench", "train", *TINY_TRAIN, "--ids", ids, "--optimizer", optimizer, "--json", str(out),
+                 f"workdir={tmp_path}"]) == 0
+    result = json.loads(out.read_text())
+    assert result["ours_samples_per_s"] > 0 and result["plain_pytorch_samples_per_s"] > 0
+    assert result["ids"] == ids and result["optimizer"] == optimizer
+    assert result["baseline_optimizer"].startswith(baseline)
+    assert (result["zipf_exponent"] == 1.1) == (ids == "zipf")
+    assert 0 < result["distinct_rows_per_batch"] <= 128
+    printed = capsys.readouterr().out
+    assert f"fused sparse {optimizer}" in printed and f"EmbeddingBag + {baseline}" in printed
+    assert ("zipf, exponent 1.1" in printed) == (ids == "zipf")
+
+
+def test_bench_train_refuses_a_zipf_exponent_that_is_not_positive(tmp_path, capsys):
+    assert main(["bench", "train", *TINY_TRAIN, "--ids", "zipf", "--zipf-exponent", "0", f"workdir={tmp_path}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --zipf-exponent: expected a number > 0, got 0.0"]
+
+
+SMALL_STAGE = ["train.batch_size=128", "train.eval_batch_size=512", "train.embedding_dim=8", "train.bottom_mlp=[16,8]",
+               "train.top_mlp=[16,1]", "train.progress=false", "train.log_every=4", "train.threads=1"]
+
+
+def _processed(workdir, rows=1500) -> None:
+    """Processed data where the default settings look for it under ``workdir``."""
+    from pipeline.loader.synthetic import criteo_schema, write_processed
+    from pipeline.stages.config import load_config
+
+    cfg = load_config(None, [f"workdir={workdir}"])
+    schema = criteo_schema(size=0.0001, categorical=5, continuous=3, multihot={"M1": 3})
+    write_processed(cfg.paths.processed, schema, {"train": rows, "valid": 300, "test": 300}, row_group_rows=500, seed=7)
+
+
+def test_bench_e2e_reports_every_rate_and_where_the_stage_time_goes(tmp_path, capsys):
+    _processed(tmp_path)
+    out = tmp_path / "out"
+    # 12 timed steps after 2: steps 3..14, across the end of the 12-batch epoch (its last batch 92 rows),
+    # with an evaluation (steps 5, 10, 12) and a checkpoint (step 6) among them
+    assert main(["bench", "e2e", "--device", "cpu", "--steps", "12", "--warmup", "2", "--optimizer", "adam",
+                 "--dense-optimizer", "sgd", "--profile", "2", "--out", str(out), f"workdir={tmp_path}", *SMALL_STAGE,
+                 "train.eval_every=5", "train.checkpoint_every=6"]) == 0
+    r = json.loads((out / "e2e.json").read_text())
+    assert r["steps"] == 12 and r["stage_samples"] == 11 * 128 + 92 and r["batch"] == 128
+    assert r["embedding_optimizer"] == "adam" and r["dense_optimizer"] == "sgd" and r["model"] == "dlrm"
+    for key in ("stage_samples_per_s", "stage_without_evaluation_and_checkpoints_samples_per_s",
+                "step_alone_samples_per_s", "loader_alone_samples_per_s"):
+        assert r[key] > 0, key
+    regions = r["regions_seconds"]
+    assert {"batch wait", "step", "loss read", "log", "evaluation", "checkpoint"} <= set(regions)
+    assert all(v >= 0 for v in regions.values())
+    assert sum(regions.values()) == pytest.approx(r["stage_seconds"], rel=1e-6)
+    assert sum(r["difference_seconds"].values()) == pytest.approx(r["stage_seconds"] - r["step_alone_seconds"],
+                                                                  rel=1e-6, abs=1e-9)
+    assert r["stage_samples_per_s"] == pytest.approx(r["stage_samples"] / r["stage_seconds"])
+    assert r["host_syncs"] is None  # not counted on the CPU
+    assert (out / "trace.json").stat().st_size > 0 and "Self CPU" in (out / "profile.txt").read_text()
+    # the stage's own outputs, from its own code: the loss logged every 4 steps, up to where the bench stopped it
+    lines = [json.loads(line) for line in (out / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines if "loss" in x] == [4, 8, 12, 16]
+    assert not (out / "train" / "model.pt").exists()
+    printed = capsys.readouterr().out
+    for text in ("(a) training stage", "(b) step alone", "(c) loader alone", "batch wait", "(a) - (b)"):
+        assert text in printed
+
+
+def test_bench_e2e_without_processed_data_says_which_stage_to_run(tmp_path, capsys):
+    assert main(["bench", "e2e", "--device", "cpu", f"workdir={tmp_path}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: no processed data at ")
+    assert "python -m pipeline run etl" in err[0]
+
+
+@pytest.mark.gpu
+def test_bench_e2e_on_the_gpu_counts_the_loss_reads_as_the_only_syncs_of_a_step(tmp_path):
+    _processed(tmp_path, rows=40_000)
+    out = tmp_path / "out"
+    assert main(["bench", "e2e", "--device", "cuda", "--steps", "20", "--warmup", "5", "--out", str(out),
+                 f"workdir={tmp_path}", *SMALL_STAGE, "train.checkpoint_every=0", "train.eval_every=0"]) == 0
+    r = json.loads((out / "e2e.json").read_text())
+    syncs = r["host_syncs"]
+    assert syncs["steps"] == 4
+    assert syncs["sites"], "the loss read every train.log_every steps is a sync"
+    assert not [s for s in syncs["sites"] if "pipeline/modules" in s or "pipeline/kernels" in s], syncs["sites"]
+    assert sum(r["regions_seconds"].values()) == pytest.approx(r["stage_seconds"], rel=1e-6)
