@@ -60,7 +60,7 @@ def test_bench_train_refuses_a_zipf_exponent_that_is_not_positive(tmp_path, caps
 
 
 SMALL_STAGE = ["train.batch_size=128", "train.eval_batch_size=512", "train.embedding_dim=8", "train.bottom_mlp=[16,8]",
-               "train.top_mlp=[16,1]", "train.progress=false", "train.log_every=4", "train.threads=1"]
+               "train.top_mlp=[16,1]", "progress=off", "train.log_every=4", "train.threads=1"]
 
 
 def _processed(workdir, rows=1500) -> None:

@@ -63,7 +63,7 @@ def _data(tmp_path, rows=640):
 def _trainer(tmp_path, name, device="cpu", optimizer="adam", backend="auto", **settings):
     data = _data(tmp_path)
     schema = Schema.load(data / "schema.json")
-    cfg = TrainConfig(model=name, batch_size=64, optimizer=optimizer, progress=False, checkpoint_every=0, **settings)
+    cfg = TrainConfig(model=name, batch_size=64, optimizer=optimizer, checkpoint_every=0, **settings)
     model = build_model(name, schema, SIZES, EmbeddingOptimizerConfig("adagrad", lr=0.1), backend=backend).to(device)
     model.embedding.validate_ids = False  # as the driver trains on a GPU: the loader checks the ids
     loader = Loader(data / "train", cfg.batch_size, shuffle=True, device=device)

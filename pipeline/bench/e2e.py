@@ -87,7 +87,7 @@ def run(args: argparse.Namespace, cfg) -> dict:
           + (f", {args.profile} profiled" if args.profile else ""), flush=True)
     try:
         train(settings, cfg.paths.processed, out / "train", schema=schema, seed=cfg.seed, world=World(device=device),
-              callbacks=[probe])
+              callbacks=[probe], progress=cfg.progress)
     except StopRun:
         pass
     finally:
@@ -201,7 +201,7 @@ def _result(args, cfg, settings, trainer, probe, step_rate, loader_rate, device,
         "log_every": settings.log_every,
         "eval_every": settings.eval_every,
         "checkpoint_every": settings.checkpoint_every,
-        "progress": settings.progress,
+        "progress": cfg.progress,
         "warmup": args.warmup,
         "steps": window["steps"],
         "stage_samples_per_s": samples / wall,
@@ -227,7 +227,7 @@ def _report(r: dict) -> None:
           f"dense {r['dense_optimizer']}, bf16 autocast {r['amp_bf16']}, embedding backend {r['embedding_backend']}")
     print(f"  data {r['data']}: {r['train_rows']:,} train rows, {r['batches_per_epoch']:,} batches per epoch; "
           f"loss logged every {r['log_every']} steps, evaluation {evaluation}, checkpoint {checkpoint}, "
-          f"progress bar {'on' if r['progress'] else 'off'}")
+          f"progress {r['progress']}")
     print(f"  {r['warmup']} warm-up steps, then {r['steps']} timed ({r['stage_samples']:,} samples)\n")
     rates = [("(a) training stage, as run", r["stage_samples_per_s"]),
              ("    without its evaluation and checkpoints", r["stage_without_evaluation_and_checkpoints_samples_per_s"]),
