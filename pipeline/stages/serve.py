@@ -24,6 +24,7 @@ from export.client import Client
 from export.server import server_problem, start_server
 from pipeline.errors import UserError
 from pipeline.stages.config import PipelineConfig
+from pipeline.stages.export import exported_run
 
 
 def run(cfg: PipelineConfig, smoke: bool = False) -> dict:
@@ -50,10 +51,12 @@ def run(cfg: PipelineConfig, smoke: bool = False) -> dict:
               f"{[round(float(p), 4) for p in probabilities]}", flush=True)
         summary = {"served": True, "http": server.http_url, "grpc": server.grpc_url, "ready_s": round(ready_s, 2),
                    "smoke_rows": len(rows), "smoke_predictions": probabilities.tolist()}
-        difference = _difference_from_in_process(cfg, rows, probabilities)
-        if difference is not None:
+        exported = exported_run(cfg)
+        if exported is not None and (exported / "model.pt").is_file():
+            difference = _difference_from_in_process(cfg, exported, rows, probabilities)
             summary["max_difference_from_in_process"] = difference
-            print(f"[serve] largest difference from the in-process model: {difference:.2e}", flush=True)
+            print(f"[serve] largest difference from the in-process model of run {exported.name}: {difference:.2e}",
+                  flush=True)
         if smoke or cfg.serve.once:
             return summary
         print("[serve] serving; Ctrl-C or SIGTERM stops the server", flush=True)
@@ -79,15 +82,13 @@ def sample_rows(cfg: PipelineConfig, rows: int, split: str = "test") -> pd.DataF
     return table.slice(0, rows).to_pandas(types_mapper=pd.ArrowDtype)
 
 
-def _difference_from_in_process(cfg: PipelineConfig, rows: pd.DataFrame, served) -> float | None:
-    """How far the served probabilities are from the trained model's own, when it is available here."""
-    if not (cfg.paths.train / "model.pt").is_file():
-        return None
+def _difference_from_in_process(cfg: PipelineConfig, folder: Path, rows: pd.DataFrame, served) -> float:
+    """How far the served probabilities are from those of the model trained in ``folder``, run in this process."""
     from export.inprocess import InProcessModel
     from pipeline.etl.workflow import Workflow
-    from pipeline.stages.export import load_trained_model
+    from pipeline.train.model import load_trained
 
-    model, schema = load_trained_model(cfg)
+    model, schema = load_trained(folder, device="cpu")
     expected = InProcessModel(model, schema, Workflow.load(cfg.paths.workflow)).predict(rows)
     return float(abs(expected - served).max())
 
