@@ -54,8 +54,11 @@ def test_a_run_name_in_use_is_refused_without_resume(tmp_path):
     cfg = _config(tmp_path, "train.max_steps=2", "train.run=baseline")
     _write_data(cfg)
     assert run(cfg)["run"] == "baseline"
+    folder = cfg.paths.train / "baseline"
+    before = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
     with pytest.raises(UserError, match="train.run=baseline: .* already holds a run; continue it with train.resume"):
         run(cfg)
+    assert {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()} == before
 
 
 def test_an_interrupted_run_leaves_latest_on_the_previous_finished_run(tmp_path):
