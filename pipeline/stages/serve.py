@@ -24,7 +24,6 @@ from export.client import Client
 from export.server import server_problem, start_server
 from pipeline.errors import UserError
 from pipeline.stages.config import PipelineConfig
-from pipeline.stages.export import exported_run
 
 
 def run(cfg: PipelineConfig, smoke: bool = False) -> dict:
@@ -51,11 +50,11 @@ def run(cfg: PipelineConfig, smoke: bool = False) -> dict:
               f"{[round(float(p), 4) for p in probabilities]}", flush=True)
         summary = {"served": True, "http": server.http_url, "grpc": server.grpc_url, "ready_s": round(ready_s, 2),
                    "smoke_rows": len(rows), "smoke_predictions": probabilities.tolist()}
-        exported = exported_run(cfg)
-        if exported is not None and (exported / "model.pt").is_file():
-            difference = _difference_from_in_process(cfg, exported, rows, probabilities)
+        compared = _difference_from_in_process(cfg, rows, probabilities)
+        if compared is not None:
+            run_name, difference = compared
             summary["max_difference_from_in_process"] = difference
-            print(f"[serve] largest difference from the in-process model of run {exported.name}: {difference:.2e}",
+            print(f"[serve] largest difference from the in-process model of run {run_name}: {difference:.2e}",
                   flush=True)
         if smoke or cfg.serve.once:
             return summary
@@ -82,15 +81,20 @@ def sample_rows(cfg: PipelineConfig, rows: int, split: str = "test") -> pd.DataF
     return table.slice(0, rows).to_pandas(types_mapper=pd.ArrowDtype)
 
 
-def _difference_from_in_process(cfg: PipelineConfig, folder: Path, rows: pd.DataFrame, served) -> float:
-    """How far the served probabilities are from those of the model trained in ``folder``, run in this process."""
+def _difference_from_in_process(cfg: PipelineConfig, rows: pd.DataFrame, served) -> tuple[str, float] | None:
+    """The exported run's name and how far the served probabilities are from its model's, run in this process
+    (None when ``export.json`` names no run or its model is not here)."""
     from export.inprocess import InProcessModel
     from pipeline.etl.workflow import Workflow
+    from pipeline.stages.export import exported_run
     from pipeline.train.model import load_trained
 
+    folder = exported_run(cfg)
+    if folder is None or not (folder / "model.pt").is_file():
+        return None
     model, schema = load_trained(folder, device="cpu")
     expected = InProcessModel(model, schema, Workflow.load(cfg.paths.workflow)).predict(rows)
-    return float(abs(expected - served).max())
+    return folder.name, float(abs(expected - served).max())
 
 
 def _raise_interrupt(signum, frame):
