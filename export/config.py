@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pipeline.errors import check_range
+from pipeline.train.config import check_run_name
 
 DENSE_BACKENDS = ("python", "pytorch")
 INSTANCE_KINDS = ("auto", "cpu", "gpu")
@@ -31,6 +32,9 @@ class ExportConfig:
         "help": "one 'ranker' model (embedding lookup + dense) in place of 'embedding' and 'dense': one hop less"})
     update: bool = field(default=False, metadata={
         "help": "write only a new embedding store version; a running server picks it up without a restart"})
+    run: str = field(default="", metadata={
+        "help": "the finished training run to export, a folder name under train/ (empty: train/latest, the newest "
+                "finished run; so `run all` exports the run it trained)"})
 
     def __post_init__(self) -> None:
         for name, allowed in (("dense_backend", DENSE_BACKENDS), ("instance_kind", INSTANCE_KINDS),
@@ -41,6 +45,7 @@ class ExportConfig:
             check_range(f"export.{name}", getattr(self, name), 1)
         check_range("export.max_queue_delay_us", self.max_queue_delay_us, 0)
         check_range("export.cache_fraction", self.cache_fraction, 0, 1)
+        check_run_name("export.run", self.run)
 
 
 @dataclass

@@ -7,7 +7,7 @@ Layout (``<workdir>/<dataset>/export``)::
     dense/config.pbtxt        1/model.py   1/model.pt      (TorchScript; the pytorch backend reads it too)
     ensemble/config.pbtxt     1/
     (export.fuse_dense: ranker/ holds layout.json, store/ and model.pt, in place of embedding/ and dense/)
-    export.json               what was exported, from where, and the store version
+    export.json               what was exported, from where (``trained``: the training run), and the store version
 
 ``update=True`` writes only a new version of the embedding store (the running ``embedding`` model
 switches to it before its next batch, without a restart); the dense part must be unchanged, since
@@ -80,15 +80,19 @@ def raw_columns(raw_data: RawDataset, list_separator: str) -> RawColumns:
 
 
 def write_repository(model, schema: Schema, workflow_dir: str | Path, raw: RawColumns, out: str | Path,
-                     options: ModelOptions | None = None, update: bool = False) -> dict:
-    """Export ``model`` (a trained RecModel) with its ETL workflow; returns a summary dict."""
+                     options: ModelOptions | None = None, update: bool = False, trained: dict | None = None) -> dict:
+    """Export ``model`` (a trained RecModel) with its ETL workflow; returns a summary dict.
+
+    ``trained`` describes where the model comes from (its training run, model kind, test AUC); it is
+    recorded in ``export.json`` as it is.
+    """
     options = options or ModelOptions()
     out = Path(out)
     model = model.eval()
     fingerprint = dense_fingerprint(model)
     workflow_dir = Path(workflow_dir)
     if update:
-        return _update_tables(model, out, fingerprint, workflow_dir)
+        return _update_tables(model, out, fingerprint, workflow_dir, trained)
     if not (workflow_dir / "workflow.json").is_file():
         raise UserError(f"no saved workflow at {workflow_dir}: run `python -m pipeline run etl` first")
     spec = EnsembleSpec.build(raw, schema, model.embedding.output_dim)
@@ -118,7 +122,8 @@ def write_repository(model, schema: Schema, workflow_dir: str | Path, raw: RawCo
         "models": list(configs), "lookup_model": lookup_model, "store_version": version,
         "dense_fingerprint": fingerprint,
         "embedding_dim_total": model.embedding.output_dim, "tables": model.embedding.packing.table_names,
-        "options": vars(options), "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "options": vars(options), "trained": trained,
+        "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     (staging / EXPORT_RECORD).write_text(json.dumps(summary, indent=2) + "\n")
     if out.exists():
@@ -127,7 +132,7 @@ def write_repository(model, schema: Schema, workflow_dir: str | Path, raw: RawCo
     return {**summary, "repository": str(out)}
 
 
-def _update_tables(model, out: Path, fingerprint: str, workflow_dir: Path) -> dict:
+def _update_tables(model, out: Path, fingerprint: str, workflow_dir: Path, trained: dict | None) -> dict:
     record_path = out / EXPORT_RECORD
     if not record_path.is_file():
         raise UserError(f"export.update=true needs an existing export at {out}; run the export once without it")
@@ -146,6 +151,7 @@ def _update_tables(model, out: Path, fingerprint: str, workflow_dir: Path) -> di
                         f"{sorted(record['tables'])}; export with export.update=false")
     version = write_version(lookup_dir(out) / "store", tables)
     record["store_version"] = version
+    record["trained"] = trained
     record["updated_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     write_json(record_path, record)
     return {**record, "repository": str(out), "updated": True, "previous_version": version - 1}

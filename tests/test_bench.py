@@ -1,6 +1,7 @@
 """The benchmarks run on tiny shapes on the CPU and report every figure; the ids they draw are as described."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -97,9 +98,11 @@ def test_bench_e2e_reports_every_rate_and_where_the_stage_time_goes(tmp_path, ca
     assert r["host_syncs"] is None  # not counted on the CPU
     assert (out / "trace.json").stat().st_size > 0 and "Self CPU" in (out / "profile.txt").read_text()
     # the stage's own outputs, from its own code: the loss logged every 4 steps, up to where the bench stopped it
-    lines = [json.loads(line) for line in (out / "train" / "metrics.jsonl").read_text().splitlines()]
+    run = Path(r["stage_run"])
+    assert run.parent == out / "train"
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines if "loss" in x] == [4, 8, 12, 16]
-    assert not (out / "train" / "model.pt").exists()
+    assert not (run / "model.pt").exists()
     printed = capsys.readouterr().out
     for text in ("(a) training stage", "(b) step alone", "(c) loader alone", "batch wait", "(a) - (b)"):
         assert text in printed

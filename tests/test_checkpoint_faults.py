@@ -24,6 +24,7 @@ from pipeline.train.checkpoint import (
     sharded_checkpoints,
 )
 from pipeline.train.driver import train
+from pipeline.train.runs import newest_run
 from tests.test_train import Crash, CrashAfter, _final_state, _write_data
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,7 +81,7 @@ def _crashed_run(workdir: Path):
     with pytest.raises(Crash):
         train(cfg.train, cfg.paths.processed, cfg.paths.train, schema=Schema.load(cfg.paths.schema), seed=cfg.seed,
               callbacks=[CrashAfter(17)], progress=cfg.progress)
-    folder = cfg.paths.train / "checkpoints"
+    folder = newest_run(cfg.paths.train) / "checkpoints"
     assert [p.name for p in checkpoints(folder)] == ["step-00000005.pt", "step-00000010.pt", "step-00000015.pt"]
     return cfg, folder
 
@@ -91,7 +92,7 @@ def test_resume_falls_back_past_a_damaged_newest_checkpoint(how, reason, straigh
     cfg, folder = _crashed_run(tmp_path)
     _damage(folder / "step-00000015.pt", how)
     (folder / "step-00000020.pt.tmp").write_bytes(b"a save killed half way")
-    (cfg.paths.train / "model.pt.tmp").write_bytes(b"a save killed half way")
+    (folder.parent / "model.pt.tmp").write_bytes(b"a save killed half way")
     capsys.readouterr()
     run(_config(tmp_path, *PLAIN, "train.resume=true"))
     out = capsys.readouterr().out
@@ -156,7 +157,7 @@ def sharded_run(tmp_path_factory):
     cfg = _config(workdir, *SHARDED)
     _write_data(cfg)
     assert relaunch(["run", "train", f"workdir={workdir}", *SMALL, *SHARDED], 2) == 0
-    folder = cfg.paths.train / "checkpoints"
+    folder = cfg.paths.train / "latest" / "checkpoints"
     assert [p.name for p in sharded_checkpoints(folder)] == [f"step-{s:08d}.sharded" for s in (5, 10, 12)]
     return workdir, _final_state(cfg)
 
@@ -174,9 +175,9 @@ def test_sharded_resume_falls_back_past_damaged_folders(damage_12, damage_10, sh
     from pipeline.distributed.launch import relaunch
 
     source, final = sharded_run
-    shutil.copytree(source, tmp_path, dirs_exist_ok=True)
+    shutil.copytree(source, tmp_path, symlinks=True, dirs_exist_ok=True)
     cfg = _config(tmp_path, *SHARDED)
-    folder = cfg.paths.train / "checkpoints"
+    folder = newest_run(cfg.paths.train) / "checkpoints"
     twelve, ten = folder / "step-00000012.sharded", folder / "step-00000010.sharded"
     actions = {
         "no meta.json": lambda f: (f / "meta.json").unlink(),
@@ -195,7 +196,7 @@ def test_sharded_resume_falls_back_past_damaged_folders(damage_12, damage_10, sh
     for path in (twelve, ten):
         with pytest.raises(ShardedCheckpointError, match=f"sharded checkpoint {path}.* is unreadable: "):
             ShardedCheckpoints(folder, World(rank=0, size=2)).check(path)
-    (cfg.paths.train / "model.pt").unlink()
+    (folder.parent / "model.pt").unlink()
     capfd.readouterr()
     assert relaunch(["run", "train", f"workdir={tmp_path}", *SMALL, *SHARDED, "train.resume=true"], 2) == 0
     out = capfd.readouterr().out

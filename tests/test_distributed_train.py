@@ -29,7 +29,7 @@ def _score_alone(cfg) -> dict:
     from pipeline.train.evaluate import evaluate
     from pipeline.train.model import load_trained
 
-    model, _ = load_trained(cfg.paths.train, backend="torch")
+    model, _ = load_trained(cfg.paths.train / "latest", backend="torch")
     loader = Loader(cfg.paths.processed / "test", 4096, schema=Schema.load(cfg.paths.schema), device="cpu")
     try:
         return evaluate(model, loader, torch.device("cpu"))
@@ -43,7 +43,7 @@ def test_two_ranks_train_and_write_a_model_one_process_can_score(processed):
                  "train.embedding_backend=torch"]
     assert relaunch(["run", "train", *overrides], 2) == 0
     cfg = load_config(None, overrides)
-    out = cfg.paths.train
+    out = cfg.paths.train / "latest"
     result = json.loads((out / "result.json").read_text())
     assert result["ranks"] == 2 and result["steps"] == 12
     assert result["test"]["rows"] == json.loads(cfg.paths.schema.read_text())["rows"]["test"]
@@ -64,7 +64,7 @@ def test_three_ranks_resume_what_two_ranks_saved(processed):
                  "train.embedding_backend=torch", "train.resume=true"]
     assert relaunch(["run", "train", *overrides], 3) == 0
     cfg = load_config(None, overrides)
-    out = cfg.paths.train
+    out = cfg.paths.train / "latest"
     result = json.loads((out / "result.json").read_text())
     assert result["ranks"] == 3 and result["steps"] == 14
     events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]

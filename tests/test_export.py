@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -244,12 +243,3 @@ def test_update_refuses_a_changed_workflow(multihot_pipeline, tmp_path):
         write_repository(model, schema, changed, raw, cfg.paths.export, update=True)
     summary = write_repository(model, schema, cfg.paths.workflow, raw, cfg.paths.export, update=True)
     assert summary["updated"] and summary["store_version"] == 2
-
-
-def test_export_names_the_model_and_score_it_exports(tmp_path):
-    from pipeline.stages.export import trained_model_summary
-
-    (tmp_path / "model.json").write_text(json.dumps({"model": "dlrm"}))
-    assert trained_model_summary(tmp_path) == f"dlrm from {tmp_path} (no test score: {tmp_path / 'result.json'} is missing)"
-    (tmp_path / "result.json").write_text(json.dumps({"test": {"auc": 0.79271}}))
-    assert trained_model_summary(tmp_path) == f"dlrm from {tmp_path}, test AUC 0.7927"

@@ -19,6 +19,7 @@ from pipeline.train.checkpoint import CheckpointError, checkpoints, latest_check
 from pipeline.train.driver import train
 from pipeline.train.loop import Callback
 from pipeline.train.model import load_trained
+from pipeline.train.runs import newest_run
 from pipeline.train.schedule import lr_at
 from pipeline.stages.train import run
 
@@ -60,7 +61,7 @@ def _train(cfg, callbacks=()):
 
 
 def _final_state(cfg):
-    return torch.load(cfg.paths.train / "model.pt", weights_only=True)
+    return torch.load(cfg.paths.train / "latest" / "model.pt", weights_only=True)
 
 
 def _assert_same_state(a, b):
@@ -98,7 +99,7 @@ def test_stage_writes_outputs_and_load_trained_reproduces_the_test_scores(tmp_pa
     cfg = _config(tmp_path, "train.checkpoint_every=5", "train.model=dcnv2")
     _write_data(cfg)
     result = run(cfg)
-    out = cfg.paths.train
+    out = cfg.paths.train / "latest"
     assert f"[train] test AUC {result['test']['auc']:.4f}" in capsys.readouterr().out
     saved = json.loads((out / "result.json").read_text())
     assert saved["test"]["rows"] == 300 and 0 <= saved["test"]["auc"] <= 1
@@ -108,7 +109,7 @@ def test_stage_writes_outputs_and_load_trained_reproduces_the_test_scores(tmp_pa
     assert train_steps == [4, 8, 12] and any(r.get("split") == "valid" for r in lines)
     assert [p.name for p in checkpoints(out / "checkpoints")] == ["step-00000010.pt", "step-00000012.pt"]
 
-    model, schema = load_trained(cfg.paths.train)
+    model, schema = load_trained(out)
     from pipeline.loader import Loader
     from pipeline.train.evaluate import evaluate
 
@@ -121,8 +122,8 @@ def test_result_records_the_sizes_used_not_the_auto_settings(tmp_path):
     cfg = _config(tmp_path, "train.embedding_dim=0", "train.bottom_mlp=[]", "train.top_mlp=[]", "train.max_steps=2")
     _write_data(cfg, train_rows=300)
     run(cfg)
-    sizes = json.loads((cfg.paths.train / "model.json").read_text())["sizes"]
-    settings = json.loads((cfg.paths.train / "result.json").read_text())["settings"]
+    sizes = json.loads((cfg.paths.train / "latest" / "model.json").read_text())["sizes"]
+    settings = json.loads((cfg.paths.train / "latest" / "result.json").read_text())["settings"]
     assert sizes["embedding_dim"] > 0 and sizes["bottom_mlp"] and sizes["top_mlp"]
     assert [settings[k] for k in ("embedding_dim", "bottom_mlp", "top_mlp")] == \
         [sizes[k] for k in ("embedding_dim", "bottom_mlp", "top_mlp")]
@@ -138,12 +139,13 @@ def test_resume_after_a_crash_mid_epoch_ends_with_the_same_weights(tmp_path):
     _write_data(crashed)
     with pytest.raises(Crash):
         _train(crashed, [CrashAfter(17)])
-    assert latest_checkpoint(crashed.paths.train / "checkpoints").name == "step-00000015.pt"
-    assert not (crashed.paths.train / "model.pt").exists()
+    interrupted = newest_run(crashed.paths.train)
+    assert latest_checkpoint(interrupted / "checkpoints").name == "step-00000015.pt"
+    assert not (interrupted / "model.pt").exists()
     run(_config(tmp_path / "crashed", *common, "train.resume=true"))
 
     _assert_same_state(_final_state(straight), _final_state(crashed))
-    lines = [json.loads(line) for line in (crashed.paths.train / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (interrupted / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in lines if "loss" in r]
     assert steps == sorted(set(steps)) and steps[-1] == 24
     assert any(r.get("event") == "resume" and r["step"] == 15 for r in lines)
@@ -157,10 +159,10 @@ def test_resume_after_killing_the_process(tmp_path):
 
     victim = _config(tmp_path / "victim", *common)
     _write_data(victim, train_rows=4000)
-    args = [f"workdir={tmp_path / 'victim'}", *SMALL, *common]
+    args = [f"workdir={tmp_path / 'victim'}", *SMALL, *common, "train.run=killed"]
     proc = subprocess.Popen([sys.executable, "-m", "pipeline", "run", "train", *args], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    folder = victim.paths.train / "checkpoints"
+    folder = victim.paths.train / "killed" / "checkpoints"
     deadline = time.monotonic() + 120
     while proc.poll() is None and time.monotonic() < deadline:
         if latest_checkpoint(folder) is not None:
@@ -169,8 +171,8 @@ def test_resume_after_killing_the_process(tmp_path):
         time.sleep(0.02)
     proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL, f"the training ended before it could be killed: {proc.stderr.read()}"
-    assert not (victim.paths.train / "model.pt").exists()
-    run(_config(tmp_path / "victim", *common, "train.resume=true"))
+    assert not (victim.paths.train / "killed" / "model.pt").exists()
+    run(_config(tmp_path / "victim", *common, "train.run=killed", "train.resume=true"))
     _assert_same_state(_final_state(straight), _final_state(victim))
 
 
@@ -210,10 +212,10 @@ def test_stage_trains_on_gpu_with_bf16_autocast(tmp_path):
     _write_data(cfg, train_rows=3000)
     result = run(cfg)
     assert result["device"] == "cuda" and result["steps"] == 48
-    lines = [json.loads(line) for line in (cfg.paths.train / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (cfg.paths.train / "latest" / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in lines if "loss" in r]
     assert all(0 < loss < 2 for loss in losses)
-    model, _ = load_trained(cfg.paths.train, device="cuda")
+    model, _ = load_trained(cfg.paths.train / "latest", device="cuda")
     assert model.embedding.weights.is_cuda
 
 
@@ -239,11 +241,12 @@ def test_validation_every_n_steps_and_at_the_end(tmp_path):
     assert [s for kind, s in recorder.seen if kind == "step"] == list(range(1, 13))
     assert [e for e in recorder.seen if e[0] != "step"] == [("valid", 300), ("valid", 300), ("valid", 300),
                                                            ("step-00000012.pt", 12)]
-    lines = [json.loads(line) for line in (cfg.paths.train / "metrics.jsonl").read_text().splitlines()]
+    out = cfg.paths.train / result["run"]
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     valid = [r for r in lines if r.get("split") == "valid"]
     assert [r["step"] for r in valid] == [5, 10, 12]
     assert result["valid"]["auc"] == valid[-1]["auc"]
-    assert [p.name for p in checkpoints(cfg.paths.train / "checkpoints")] == ["step-00000012.pt"]
+    assert [p.name for p in checkpoints(out / "checkpoints")] == ["step-00000012.pt"]
 
 
 def test_a_split_that_does_not_hold_the_schemas_rows_is_refused(tmp_path):
@@ -254,4 +257,4 @@ def test_a_split_that_does_not_hold_the_schemas_rows_is_refused(tmp_path):
     shutil.copy(extra, train_dir / "part-99999.parquet")  # a file of another run left in the split
     with pytest.raises(UserError, match=r"train holds .* rows in .* files where .*schema.json says 1,500"):
         run(cfg)
-    assert not (cfg.paths.train / "model.pt").exists()
+    assert not cfg.paths.train.exists()

@@ -99,9 +99,10 @@ def test_the_best_epoch_is_kept_scored_and_saved_and_training_stops_after_it(tmp
     result = _train(cfg, [worse])
     assert result["kept"]["epoch"] == 1 and result["kept"]["step"] == 12 and result["kept"]["stopped_early"]
     assert result["steps"] == 36  # epochs 2 and 3 did not improve: stopped before epoch 4
-    _assert_same_state(torch.load(cfg.paths.train / "model.pt", weights_only=True), worse.first_epoch)
-    saved = json.loads((cfg.paths.train / "result.json").read_text())
-    lines = [json.loads(line) for line in (cfg.paths.train / "metrics.jsonl").read_text().splitlines()]
+    out = cfg.paths.train / "latest"
+    _assert_same_state(torch.load(out / "model.pt", weights_only=True), worse.first_epoch)
+    saved = json.loads((out / "result.json").read_text())
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     valid = [r for r in lines if r.get("split") == "valid"]
     assert [r["step"] for r in valid] == [12, 24, 36]
     assert saved["kept"]["epoch"] == 1 and saved["valid"]["auc"] == valid[0]["auc"] > valid[-1]["auc"]
@@ -114,7 +115,7 @@ def test_without_early_stopping_the_last_epoch_is_kept(tmp_path):
     worse = LaterEpochsWorse()
     result = _train(cfg, [worse])
     assert result["kept"] is None and result["steps"] == 24
-    last = torch.load(cfg.paths.train / "model.pt", weights_only=True)
+    last = torch.load(cfg.paths.train / "latest" / "model.pt", weights_only=True)
     assert any(not torch.equal(last[k], worse.first_epoch[k]) for k in last)
 
 
@@ -132,5 +133,5 @@ def test_resume_with_early_stopping_ends_with_the_same_weights_and_choice(tmp_pa
     assert got["kept"] == expected["kept"] and expected["kept"]["epoch"] == 1
     assert got["steps"] == expected["steps"] == 36
     assert got["test"]["auc"] == expected["test"]["auc"]
-    _assert_same_state(torch.load(straight.paths.train / "model.pt", weights_only=True),
-                       torch.load(crashed.paths.train / "model.pt", weights_only=True))
+    _assert_same_state(torch.load(straight.paths.train / "latest" / "model.pt", weights_only=True),
+                       torch.load(crashed.paths.train / "latest" / "model.pt", weights_only=True))

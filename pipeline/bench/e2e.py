@@ -21,7 +21,8 @@ On a GPU, times are taken after ``torch.cuda.synchronize()`` at the ends of each
 inside it), and the host syncs of the ``train.log_every`` steps after the timed ones are counted by
 the line of code that made them (``torch.cuda.set_sync_debug_mode("warn")``). ``--profile N``
 profiles N steps after that with ``torch.profiler`` (``trace.json``, ``profile.txt``). Everything is
-written under ``--out``: ``e2e.json`` (the figures and settings) and ``train/`` (the stage's outputs).
+written under ``--out``: ``e2e.json`` (the figures and settings) and ``train/<run>/`` (the stage's outputs,
+named in ``e2e.json`` as ``stage_run``).
 
     python -m pipeline bench e2e                                  # the configured dataset and model
     python -m pipeline bench e2e --device cuda --steps 400 --batch 65536 --optimizer adam --profile 20
@@ -216,6 +217,7 @@ def _result(args, cfg, settings, trainer, probe, step_rate, loader_rate, device,
         "host_syncs": probe.syncs,
         "profile": probe.profile,
         "out": str(out),
+        "stage_run": str(trainer.out_dir),
     }
 
 

@@ -64,6 +64,7 @@ class Paths:
 
     @property
     def train(self) -> Path:
+        """The training runs: one folder each, and ``latest``, the newest finished (:mod:`pipeline.train.runs`)."""
         return self.root / "train"
 
     @property

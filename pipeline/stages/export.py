@@ -1,12 +1,14 @@
 """The export stage's runner: ``python -m pipeline run export``.
 
-``run`` reads what earlier stages wrote (the raw layout, ``schema.json``, the saved workflow and the
-trained checkpoint) and writes the Triton repository under ``cfg.paths.export``
-(``export.update=true``: only a new embedding store version).
+``run`` reads what earlier stages wrote (the raw layout, ``schema.json``, the saved workflow and a
+finished training run: ``export.run``, or ``train/latest``) and writes the Triton repository under
+``cfg.paths.export`` (``export.update=true``: only a new embedding store version). It says which run,
+model and test AUC it exports, and records them in the repository's ``export.json`` (``trained``).
 
 Example::
 
     python -m pipeline run export export.cache_policy=lfu
+    python -m pipeline run export export.run=20261201-171500-dlrm
 """
 
 from __future__ import annotations
@@ -15,40 +17,67 @@ import json
 from pathlib import Path
 
 from export.pbtxt import ModelOptions
-from export.repository import raw_columns, write_repository
+from export.repository import EXPORT_RECORD, raw_columns, write_repository
 from pipeline.errors import UserError
 from pipeline.schema import Schema
 from pipeline.stages.config import PipelineConfig
+from pipeline.train.runs import is_finished, latest_run, runs
 
 
 def run(cfg: PipelineConfig) -> dict:
     """Write the model repository (or, with ``export.update``, a new embedding store version)."""
     from pipeline.data.raw_folder import RawDataset
     from pipeline.etl.workflow import Workflow
+    from pipeline.train.model import load_trained
 
     Workflow.load(cfg.paths.workflow)  # a corrupt or incomplete workflow stops here, not in the server
-    model, schema = load_trained_model(cfg)
+    folder = trained_run(cfg)
+    model, schema = load_trained(folder, device="cpu")
     etl_schema = Schema.load(cfg.paths.schema)
     if etl_schema.cardinalities() != schema.cardinalities():
-        raise UserError(f"the ETL output in {cfg.paths.processed} changed since the model was trained "
+        raise UserError(f"the ETL output in {cfg.paths.processed} changed since the run {folder} was trained "
                         "(other cardinalities): run `python -m pipeline run train` again before exporting")
+    trained = trained_record(folder)
     raw = raw_columns(RawDataset.load(cfg.paths.raw), cfg.data.list_separator)
     summary = write_repository(model, schema, cfg.paths.workflow, raw, cfg.paths.export, model_options(cfg),
-                               update=cfg.export.update)
+                               update=cfg.export.update, trained=trained)
     what = f"embedding store version {summary['store_version']}" if cfg.export.update else "model repository"
-    summary["trained"] = trained_model_summary(cfg.paths.train)
-    print(f"[export] wrote the {what} to {cfg.paths.export}: {summary['trained']}", flush=True)
+    print(f"[export] wrote the {what} to {cfg.paths.export}: run {trained['run']}, {trained['model']}, "
+          f"test AUC {trained['test_auc']:.4f}", flush=True)
     return summary
 
 
-def trained_model_summary(folder: Path) -> str:
-    """Which model is exported, in words: its kind, its folder, and its test AUC when training finished."""
-    spec = json.loads((folder / "model.json").read_text())
-    result_path = folder / "result.json"
-    result = json.loads(result_path.read_text()) if result_path.is_file() else None
-    if result is None or "test" not in result:
-        return f"{spec['model']} from {folder} (no test score: {result_path} is missing)"
-    return f"{spec['model']} from {folder}, test AUC {result['test']['auc']:.4f}"
+def trained_run(cfg: PipelineConfig) -> Path:
+    """The folder of the finished training run to export: ``export.run``, or the one ``train/latest`` points at."""
+    root = cfg.paths.train
+    name = cfg.export.run
+    if not name:
+        folder = latest_run(root)
+        if folder is None:
+            raise UserError(f"no finished training run in {root} (train/latest): run `python -m pipeline run train` "
+                            "first, or name a finished run with export.run=NAME")
+        return folder
+    folder = root / name
+    if not (folder / "model.json").is_file():
+        known = ", ".join(p.name for p in runs(root)) or "none"
+        raise UserError(f"export.run={name}: there is no training run {folder} (runs there: {known}); name one of "
+                        "them, or leave export.run empty for train/latest")
+    if not is_finished(folder):
+        raise UserError(f"export.run={name}: the run in {folder} did not finish (no model.pt or result.json); "
+                        f"continue it with `python -m pipeline run train train.run={name} train.resume=true`")
+    return folder
+
+
+def trained_record(folder: Path) -> dict:
+    """What is exported, from the finished run in ``folder``: its name and folder, model kind and test AUC."""
+    result = json.loads((folder / "result.json").read_text())
+    return {"run": folder.name, "folder": str(folder), "model": result["model"], "test_auc": result["test"]["auc"]}
+
+
+def exported_run(cfg: PipelineConfig) -> Path | None:
+    """The folder of the training run the repository at ``cfg.paths.export`` was exported from (None: not recorded)."""
+    record = json.loads((cfg.paths.export / EXPORT_RECORD).read_text()).get("trained")
+    return cfg.paths.train / record["run"] if record else None
 
 
 def model_options(cfg: PipelineConfig) -> ModelOptions:
@@ -77,11 +106,3 @@ def _instance_kind(cfg: PipelineConfig) -> str:
         raise UserError(f"export.instance_kind=gpu, but {problem}")
     print(f"[export] instance_kind auto: CPU instances, because {problem}", flush=True)
     return "cpu"
-
-
-def load_trained_model(cfg: PipelineConfig):
-    """The trained model of ``cfg.paths.train`` (on the CPU, in eval mode) and the schema it was trained with."""
-    from pipeline.train.model import load_trained
-
-    model, schema = load_trained(cfg.paths.train, device="cpu")
-    return model.eval(), schema

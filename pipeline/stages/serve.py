@@ -50,10 +50,12 @@ def run(cfg: PipelineConfig, smoke: bool = False) -> dict:
               f"{[round(float(p), 4) for p in probabilities]}", flush=True)
         summary = {"served": True, "http": server.http_url, "grpc": server.grpc_url, "ready_s": round(ready_s, 2),
                    "smoke_rows": len(rows), "smoke_predictions": probabilities.tolist()}
-        difference = _difference_from_in_process(cfg, rows, probabilities)
-        if difference is not None:
+        compared = _difference_from_in_process(cfg, rows, probabilities)
+        if compared is not None:
+            run_name, difference = compared
             summary["max_difference_from_in_process"] = difference
-            print(f"[serve] largest difference from the in-process model: {difference:.2e}", flush=True)
+            print(f"[serve] largest difference from the in-process model of run {run_name}: {difference:.2e}",
+                  flush=True)
         if smoke or cfg.serve.once:
             return summary
         print("[serve] serving; Ctrl-C or SIGTERM stops the server", flush=True)
@@ -79,17 +81,20 @@ def sample_rows(cfg: PipelineConfig, rows: int, split: str = "test") -> pd.DataF
     return table.slice(0, rows).to_pandas(types_mapper=pd.ArrowDtype)
 
 
-def _difference_from_in_process(cfg: PipelineConfig, rows: pd.DataFrame, served) -> float | None:
-    """How far the served probabilities are from the trained model's own, when it is available here."""
-    if not (cfg.paths.train / "model.pt").is_file():
-        return None
+def _difference_from_in_process(cfg: PipelineConfig, rows: pd.DataFrame, served) -> tuple[str, float] | None:
+    """The exported run's name and how far the served probabilities are from its model's, run in this process
+    (None when ``export.json`` names no run or its model is not here)."""
     from export.inprocess import InProcessModel
     from pipeline.etl.workflow import Workflow
-    from pipeline.stages.export import load_trained_model
+    from pipeline.stages.export import exported_run
+    from pipeline.train.model import load_trained
 
-    model, schema = load_trained_model(cfg)
+    folder = exported_run(cfg)
+    if folder is None or not (folder / "model.pt").is_file():
+        return None
+    model, schema = load_trained(folder, device="cpu")
     expected = InProcessModel(model, schema, Workflow.load(cfg.paths.workflow)).predict(rows)
-    return float(abs(expected - served).max())
+    return folder.name, float(abs(expected - served).max())
 
 
 def _raise_interrupt(signum, frame):

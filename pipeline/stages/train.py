@@ -1,11 +1,13 @@
 """The training stage's runner: ``python -m pipeline run train`` (see :mod:`pipeline.train.driver`).
 
 ``run(cfg)`` joins the world torchrun describes (one process when not launched by torchrun), runs
-the ETL stage first when its output is missing, and trains with the settings of ``cfg``.
+the ETL stage first when its output is missing, and trains with the settings of ``cfg`` into a run
+folder of ``cfg.paths.train`` (see :mod:`pipeline.train.runs`).
 
 Example::
 
     summary = run(load_config(None, ["train.epochs=2"]))
+    cfg.paths.train / summary["run"]      # its folder; cfg.paths.train / "latest" points at it
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pipeline.train.driver import train
 
 
 def run(cfg: PipelineConfig) -> dict:
-    """Train, evaluate on valid and test, write the outputs; return the summary (also printed)."""
+    """Train, evaluate on valid and test, write the run's outputs; return the summary (also printed)."""
     world = World.from_env(resolve_device(cfg.device).kind, cfg.distributed.timeout_s)
     if world.is_writer and not cfg.paths.schema.is_file():
         print(f"[train] no ETL output at {cfg.paths.processed}: running the ETL stage first", flush=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from pipeline.errors import check_range
@@ -12,6 +13,14 @@ DENSE_OPTIMIZERS = ("sgd", "adam", "adagrad")
 EMBEDDING_OPTIMIZERS = ("sgd", "adagrad", "adam")
 DECAYS = ("none", "linear", "cosine")
 AMP = ("auto", "bf16", "off")
+LATEST = "latest"  # <train>/latest: the newest finished run (see pipeline.train.runs)
+
+
+def check_run_name(setting: str, name: str) -> None:
+    """Raise ``ValueError`` unless ``name`` is empty or can be a run's folder name under ``train/``."""
+    if name and (name == LATEST or name.endswith(".tmp") or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name)):
+        raise ValueError(f"{setting}: expected a folder name of letters, digits, '.', '_' and '-' (not {LATEST!r}, "
+                         f"not ending in .tmp), got {name!r}")
 
 
 @dataclass
@@ -77,7 +86,12 @@ class TrainConfig:
     checkpoint_every: int = field(default=200, metadata={
         "help": "save a checkpoint every N steps (0: only at the end)"})
     keep_checkpoints: int = field(default=2, metadata={"help": "checkpoints kept on disk (the newest)"})
-    resume: bool = field(default=False, metadata={"help": "continue from the newest checkpoint under paths.train"})
+    run: str = field(default="", metadata={
+        "help": "this run's folder under train/ (empty: a new one named by UTC time and model, e.g. "
+                "20261201-171500-dlrm); a name in use is refused unless train.resume=true"})
+    resume: bool = field(default=False, metadata={
+        "help": "continue a run from its newest checkpoint: the run train.run names (it must exist), else the "
+                "run most recently started or resumed, finished or not (none yet: a new run)"})
     log_every: int = field(default=20, metadata={"help": "write a metrics line every N steps"})
 
     def __post_init__(self) -> None:
@@ -102,3 +116,4 @@ class TrainConfig:
         check_range("train.weight_decay", self.weight_decay, 0)
         check_range("train.min_lr_ratio", self.min_lr_ratio, 0, 1)
         check_range("train.warmup_fraction", self.warmup_fraction, 0, 1, high_open=True)
+        check_run_name("train.run", self.run)

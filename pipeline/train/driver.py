@@ -12,7 +12,10 @@ sharded checkpoints, and the scores are computed over the predictions of every r
     python -m pipeline run train --nproc 2                        # 2 ranks on this node, through torchrun
     torchrun --nproc-per-node 2 -m pipeline run train
 
-Outputs under ``out`` (written by rank 0)::
+Each training writes its own run folder under ``runs`` (``<workdir>/<dataset>/train``), named by
+``train.run`` or by its start and model, and moves ``runs/latest`` to it once it finished (see
+:mod:`pipeline.train.runs`); ``train.resume=true`` continues a run in its folder. Outputs in the run
+folder (written by rank 0)::
 
     model.json          what was built (see :mod:`pipeline.train.model`)
     plan.json           N ranks: where each table lives
@@ -20,12 +23,14 @@ Outputs under ``out`` (written by rank 0)::
                         the best epoch's by valid AUC with ``train.early_stopping``, else the last
     checkpoints/        see :mod:`pipeline.train.checkpoint`
     metrics.jsonl       one JSON object per line: training loss / lr / samples/s, valid scores
-    result.json         test AUC and log loss (one process: and the oracle's, the gap), throughput, and
-                        ``kept``: the epoch and step whose weights were scored (null: the last)
+    result.json         the run's name, test AUC and log loss (one process: and the oracle's, the gap),
+                        throughput, and ``kept``: the epoch and step whose weights were scored (null: the
+                        last); written last, so a run with a result.json is finished
 
 Example::
 
     result = train(cfg.train, cfg.paths.processed, cfg.paths.train, schema=schema, seed=cfg.seed)
+    cfg.paths.train / result["run"]      # the run's folder; cfg.paths.train / "latest" points at it
 """
 
 from __future__ import annotations
@@ -55,14 +60,16 @@ from pipeline.train.config import TrainConfig
 from pipeline.train.evaluate import evaluate
 from pipeline.train.loop import Callback, Trainer
 from pipeline.train.model import check_same_model, model_from_spec, model_spec
+from pipeline.train.runs import choose_run, mark_latest
 
 _WEIGHT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
 
-def train(cfg: TrainConfig, data: str | Path, out: str | Path, *, schema: Schema, seed: int = 0,
+def train(cfg: TrainConfig, data: str | Path, runs: str | Path, *, schema: Schema, seed: int = 0,
           world: World | None = None, distributed: DistributedConfig | None = None, oracle: str | Path | None = None,
           callbacks: Sequence[Callback] = (), progress: str | bool = "auto") -> dict:
-    """Train on the splits under ``data`` into ``out``; returns the summary (also printed, and on every rank).
+    """Train on the splits under ``data`` into a run folder under ``runs``; returns the summary (also
+    printed, and on every rank), whose ``run`` names the folder.
 
     ``distributed`` says how N ranks shard the tables; ``oracle`` is the data generator's
     ``oracle.json`` (the AUC of the true click probabilities), compared with on a world of one;
@@ -74,25 +81,26 @@ def train(cfg: TrainConfig, data: str | Path, out: str | Path, *, schema: Schema
         # The loader's thread takes one core; torchrun's ranks get their share in World.from_env.
         torch.set_num_threads(cfg.threads if cfg.threads > 0 else max(1, (os.cpu_count() or 2) - 1))
     try:
-        return _train(cfg, Path(data), Path(out), schema, seed, world, distributed or DistributedConfig(),
+        return _train(cfg, Path(data), Path(runs), schema, seed, world, distributed or DistributedConfig(),
                       Path(oracle) if oracle else None, callbacks, progress)
     finally:
         torch.set_num_threads(threads)
 
 
-def _train(cfg: TrainConfig, data: Path, out: Path, schema: Schema, seed: int, world: World,
+def _train(cfg: TrainConfig, data: Path, runs: Path, schema: Schema, seed: int, world: World,
            distributed: DistributedConfig, oracle_path: Path | None, callbacks: Sequence[Callback],
            progress: str | bool) -> dict:
     start = time.perf_counter()
     device = world.device
-    if world.is_writer:
-        out.mkdir(parents=True, exist_ok=True)
-        remove_tmp_files(out)
     random.seed(seed)
     torch.manual_seed(seed)
 
     check_splits(data, schema)
     spec = model_spec(cfg, schema, device.type, seed)
+    out = _run_folder(runs, cfg, world)
+    if world.is_writer:
+        remove_tmp_files(out)
+        print(f"[train] run {out.name} in {runs}", flush=True)
     model, checkpoints = _place(model_from_spec(spec, backend=cfg.embedding_backend), cfg, world, distributed,
                                 out / "checkpoints")
     if cfg.resume and checkpoints.candidates():
@@ -133,6 +141,7 @@ def _train(cfg: TrainConfig, data: Path, out: Path, schema: Schema, seed: int, w
     result = _summary(cfg, spec, world, fitted, test, oracle_path, out, time.perf_counter() - start)
     if world.is_writer:
         write_json(out / "result.json", result)
+        mark_latest(out)
         _report(result, out / "result.json")
     world.barrier()
     return result
@@ -148,6 +157,20 @@ def check_splits(data: Path, schema: Schema) -> None:
             raise UserError(f"{data / split} holds {found:,} rows in {len(files)} files where {data / 'schema.json'} "
                             f"says {expected:,}: the ETL output is incomplete or mixed; run "
                             "`python -m pipeline run etl` again")
+
+
+def _run_folder(runs: Path, cfg: TrainConfig, world: World) -> Path:
+    """The run folder rank 0 chose (:func:`~pipeline.train.runs.choose_run`), on every rank; its refusal on every rank."""
+    chosen: Path | UserError | None = None
+    if world.is_writer:
+        try:
+            chosen = choose_run(runs, cfg)
+        except UserError as err:
+            chosen = err
+    chosen = world.gather_objects(chosen)[0]
+    if isinstance(chosen, UserError):
+        raise chosen
+    return chosen
 
 
 def _place(model: nn.Module, cfg: TrainConfig, world: World, distributed: DistributedConfig,
@@ -190,8 +213,8 @@ def _summary(cfg: TrainConfig, spec: dict, world: World, fitted: dict, test: dic
              out: Path, seconds: float) -> dict:
     """What ``result.json`` holds."""
     if world.size > 1:
-        return {"model": spec["model"], "device": world.device.type, "ranks": world.size, "steps": fitted["steps"],
-                "epochs": fitted["epochs"], "batch_size_per_rank": cfg.batch_size,
+        return {"run": out.name, "model": spec["model"], "device": world.device.type, "ranks": world.size,
+                "steps": fitted["steps"], "epochs": fitted["epochs"], "batch_size_per_rank": cfg.batch_size,
                 "samples_per_s_per_rank": fitted["samples_per_s"], "valid": fitted["valid"], "kept": None, "test": test,
                 "seconds": seconds, "plan": str(out / "plan.json")}
     oracle = json.loads(oracle_path.read_text()) if oracle_path and oracle_path.is_file() else None
@@ -199,8 +222,9 @@ def _summary(cfg: TrainConfig, spec: dict, world: World, fitted: dict, test: dic
     settings = dataclasses.asdict(cfg)
     settings.update({k: v for k, v in spec["sizes"].items() if k in settings})  # the sizes used, not 0 / [] for "auto"
     settings["epochs"] = fitted["epochs"]
-    return {"model": spec["model"], "device": world.device.type, "steps": fitted["steps"], "epochs": fitted["epochs"],
-            "batch_size": cfg.batch_size, "samples_per_s": fitted["samples_per_s"], "valid": fitted["valid"],
+    return {"run": out.name, "model": spec["model"], "device": world.device.type, "steps": fitted["steps"],
+            "epochs": fitted["epochs"], "batch_size": cfg.batch_size, "samples_per_s": fitted["samples_per_s"],
+            "valid": fitted["valid"],
             "kept": fitted["kept"], "test": test, "oracle": oracle, "test_auc_gap_to_oracle": gap, "seconds": seconds,
             "settings": settings}
 

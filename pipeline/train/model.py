@@ -2,14 +2,14 @@
 
 A spec lists the model kind, its sizes, the embedding optimizer and dtype, the seed, the tables and
 the schema: everything :func:`model_from_spec` needs to build the same (untrained) model again.
-A training folder holds ``model.json`` (the spec) and ``model.pt`` (the final ``state_dict``, as
+A run's folder (:mod:`pipeline.train.runs`) holds ``model.json`` (the spec) and ``model.pt`` (the final ``state_dict``, as
 one process holds it), which :func:`load_trained` reads.
 
 Example::
 
     spec = model_spec(cfg.train, schema, "cpu", seed=0)
     model = model_from_spec(spec)
-    model, schema = load_trained("data/synthetic/train")   # for export: model.embedding, model.dense_forward
+    model, schema = load_trained("data/synthetic/train/latest")   # for export: model.embedding, model.dense_forward
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def load_trained(folder: str | Path, device: str | torch.device = "cpu",
 
     Example::
 
-        model, schema = load_trained(cfg.paths.train)
+        model, schema = load_trained(cfg.paths.train / "latest")
         pooled = model.embedding(kjt)                  # the embedding part (one Triton model)
         logits = model.dense_forward(dense, pooled)    # the dense part (another)
         model.embedding.table_weight("t_C1")           # a table's [rows, dim] weights

@@ -1,0 +1,108 @@
+"""Training runs side by side: each training writes its own folder under the training root, and
+``latest`` names the newest one that finished.
+
+Layout (``<workdir>/<dataset>/train``)::
+
+    20261201-171500-dlrm/     model.json, model.pt, result.json, metrics.jsonl, checkpoints/ (see driver)
+    20261201-173012-dcnv2/
+    latest -> 20261201-173012-dcnv2
+
+A run is finished once its ``result.json`` is written, the driver's last write; only then does
+``latest`` (a relative symlink, replaced atomically) move to it, so a run that fails or is
+interrupted leaves it on the previous finished run.
+
+Example::
+
+    folder = choose_run("data/synthetic/train", cfg.train)   # a new run, or the one train.resume continues
+    latest_run("data/synthetic/train")                        # the newest finished run, or None
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from pipeline.errors import UserError
+from pipeline.files import tmp_path
+from pipeline.train.config import LATEST, TrainConfig
+
+
+def new_run_name(model: str, when: float | None = None) -> str:
+    """A readable name for a new run: its start in UTC and its model, e.g. ``20261201-171500-dlrm``."""
+    return f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime(when))}-{model}"
+
+
+def choose_run(root: str | Path, cfg: TrainConfig) -> Path:
+    """The folder the training of ``cfg`` writes (created): the run to resume with ``cfg.resume``
+    (``cfg.run``, else the run most recently started or resumed), else ``cfg.run`` when it is not in
+    use, else a new run of :func:`new_run_name` (``-2``, ``-3``, ... appended when that name is taken)."""
+    root = Path(root)
+    if cfg.resume and cfg.run:
+        folder = root / cfg.run
+        if not folder.is_dir():
+            known = ", ".join(p.name for p in runs(root)) or "none"
+            raise UserError(f"train.resume=true, but there is no run train.run={cfg.run} in {root} "
+                            f"(runs there: {known}); name one of them, or leave train.resume=false for a new run")
+        return folder
+    if cfg.resume:
+        newest = newest_run(root)
+        if newest is not None:
+            return newest
+    if cfg.run:
+        folder = root / cfg.run
+        if folder.is_dir() and any(folder.iterdir()):
+            raise UserError(f"train.run={cfg.run}: {folder} already holds a run; continue it with train.resume=true, "
+                            "or choose another train.run")
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
+    root.mkdir(parents=True, exist_ok=True)
+    name = new_run_name(cfg.model)
+    folder, n = root / name, 1
+    while True:
+        try:
+            folder.mkdir()
+            return folder
+        except FileExistsError:
+            n += 1
+            folder = root / f"{name}-{n}"
+
+
+def runs(root: str | Path) -> list[Path]:
+    """The runs under ``root`` (folders with a ``model.json``), the one most recently started or resumed last."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.name != LATEST and not p.is_symlink() and (p / "model.json").is_file()]
+    return sorted(found, key=lambda p: ((p / "model.json").stat().st_mtime_ns, p.name))
+
+
+def newest_run(root: str | Path) -> Path | None:
+    """The run most recently started or resumed, finished or not; None when there is none."""
+    found = runs(root)
+    return found[-1] if found else None
+
+
+def is_finished(folder: str | Path) -> bool:
+    """Whether the run in ``folder`` finished: its model, weights and ``result.json`` are written."""
+    folder = Path(folder)
+    return all((folder / name).is_file() for name in ("model.json", "model.pt", "result.json"))
+
+
+def latest_run(root: str | Path) -> Path | None:
+    """The newest finished run, which ``<root>/latest`` points at; None when there is none."""
+    link = Path(root) / LATEST
+    if not link.is_symlink():
+        return None
+    folder = Path(root) / os.readlink(link)
+    return folder if is_finished(folder) else None
+
+
+def mark_latest(folder: str | Path) -> None:
+    """Point ``latest`` beside ``folder`` at it (a relative symlink, made aside and renamed over the old one)."""
+    folder = Path(folder)
+    link = folder.parent / LATEST
+    aside = tmp_path(link)
+    aside.unlink(missing_ok=True)
+    os.symlink(folder.name, aside)
+    os.replace(aside, link)
