@@ -5,6 +5,7 @@ geometry and per-slot arrays derived from a table packing are right."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -155,8 +156,8 @@ def test_launch_arguments_match_kernel_signatures(tmp_path, monkeypatch):
     tables = [TableConfig("a", 50, 8, ["a"]), TableConfig("b", 20, 300, ["b"], pooling="mean")]
     packing = TablePacking.build(tables)
     slots = SlotArrays.from_packing(packing, "cpu")
-    indices = torch.tensor([1, 2, 3, 4, 5, 6], dtype=torch.int64)
-    offsets = torch.tensor([0, 2, 3, 5, 6], dtype=torch.int64)
+    indices = torch.arange(200, dtype=torch.int64) % 20  # more ids than one update segment: both update kernels
+    offsets = torch.tensor([0, 60, 100, 170, 200], dtype=torch.int64)
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         weights = torch.zeros(packing.total_elements, dtype=dtype)
         launcher.pooled_forward(weights, slots, indices, offsets, 2)
@@ -166,8 +167,16 @@ def test_launch_arguments_match_kernel_signatures(tmp_path, monkeypatch):
                      }.get(opt, {})
             launcher.backward_update(weights, state, slots, indices, offsets, 2,
                                      torch.zeros(2, packing.total_dim), opt, 0.1, 1)
-    assert {f for f, _ in launches} >= {"pooled_forward_f32", "sparse_update_adam_bf16_i32_c2", "row_keys_i32"}
+    assert {f for f, _ in launches} >= {"pooled_forward_f32", "sparse_update_adam_bf16_i32_c2",
+                                        "sparse_update_adam_bf16_i32_c2_long", "row_keys_i32"}
     for function, args in launches:
         assert function in entries, f"{function} is not a kernel of the .cu sources"
         passed = [_CTYPE_TO_PTX[type(a).__name__] for a in args]
         assert passed == [t.replace("s", "u") for t in entries[function]], function
+
+
+def test_the_update_segment_is_the_same_in_the_launcher_and_the_kernel():
+    from pipeline.kernels.embedding import launcher
+
+    source = (KERNEL_DIR / "embedding/embedding_backward.cu").read_text()
+    assert re.search(r"#define SEGMENT (\d+)", source).group(1) == str(launcher.SEGMENT)

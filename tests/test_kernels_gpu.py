@@ -31,6 +31,9 @@ CASES = {
     # over 65536 bags: the forward pools 8 consecutive bags per thread group
     "large_batch": ([(100_000, 32, ["a"], "sum"), (50, 7, ["b"], "mean"), (1000, 64, ["c"], "sum")], ["a", "b", "c"],
                     30_000, 3, None),
+    # thousands of ids on a few rows: their runs cross many update segments (summed apart, then together)
+    "tiny_tables_hot_rows": ([(3, 128, ["a"], "sum"), (7, 300, ["b"], "mean"), (20_000, 64, ["c"], "sum")],
+                             ["a", "b", "c"], 20_000, 2, None),
     "zero_batch": ([(10, 16, ["a"], "sum"), (10, 8, ["b"], "sum")], ["a", "b"], 0, 3, None),
     "all_empty": ([(10, 16, ["a"], "sum"), (10, 8, ["b"], "mean")], ["a", "b"], 16, 0, None),
 }

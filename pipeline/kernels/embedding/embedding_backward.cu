@@ -4,12 +4,15 @@
 //    index into row-wise state, shared tables included) and the bag it came from.
 // 2. (host) torch.sort of the keys groups equal rows together; the bags follow their keys.
 // 3. sparse_update: a group of `lanes` threads per sorted position; only the first position of each
-//    run of equal keys does work. It finds the row's table from the key (binary search over the
-//    tables' first rows) and starts loading the row and its optimizer state at once, while it sums
-//    the gradient rows of all occurrences of the row (scaled by 1/len for mean-pooled bags) in fp32
-//    registers; then it applies SGD, row-wise Adagrad or lazy Adam to that row alone and stores it in
-//    the weights' dtype (round to nearest or stochastic rounding; optionally through an fp32 master
-//    copy). No atomics: each row has exactly one owner.
+//    segment (a run of equal keys, cut at every SEGMENT positions) does work. It finds the row's table
+//    from the key (binary search over the tables' first rows) and, for a whole run, starts loading the
+//    row and its optimizer state at once, while it sums the gradient rows of the segment (scaled by
+//    1/len for mean-pooled bags) in fp32 registers; then it applies SGD, row-wise Adagrad or lazy Adam
+//    to that row alone and stores it in the weights' dtype (round to nearest or stochastic rounding;
+//    optionally through an fp32 master copy). A run cut into several segments stores their sums.
+// 4. sparse_update_long: the runs cut into segments; a group per run adds its segments' sums in order
+//    and updates the row as above. No atomics: each row has exactly one owner, and sums are in a fixed
+//    order, so results do not depend on scheduling.
 #include "embedding_common.cuh"
 
 enum { OPT_SGD = 0, OPT_ADAGRAD = 1, OPT_ADAM = 2 };
@@ -80,102 +83,16 @@ __device__ __forceinline__ int table_of(K key, const long long* __restrict__ tab
     return lo;
 }
 
-// CHUNKS: how many lanes * N column chunks a row may span (1, or enough for dim 512).
-template <typename W, typename K, int OPT, int CHUNKS>
-__device__ __forceinline__ void sparse_update(
-    W* __restrict__ weights, float* __restrict__ master, float* __restrict__ state1, float* __restrict__ state2,
-    const K* __restrict__ sorted_keys, const int* __restrict__ sorted_bags, const long long* __restrict__ offsets,
-    const long long* __restrict__ table_row_starts, const long long* __restrict__ table_weight_offsets,
-    const long long* __restrict__ table_dims, int num_tables, const long long* __restrict__ output_offsets,
-    const unsigned char* __restrict__ slot_mean, const float* __restrict__ grad,
-    long long nnz, int num_slots, int batch_size, int log_lanes, int weights_aligned, int grad_aligned,
+// Weight decay, the optimizer and the store of one row whose gradient sum is in g; w, m1, m2 hold the
+// row and its Adam moments, `before` its row-wise Adagrad sum, all loaded by load_row.
+template <typename W, int OPT, int CHUNKS, int N>
+__device__ __forceinline__ void update_row(
+    W* __restrict__ wrow, float* __restrict__ mrow, float* __restrict__ state1, float* __restrict__ state2,
+    long long key, long long elem, int D, int lane, int lanes, unsigned int mask, bool vec_w,
+    float (&w)[CHUNKS][N], float (&m1)[CHUNKS][N], float (&m2)[CHUNKS][N], float (&g)[CHUNKS][N], float before,
     float lr, float eps, float beta1, float beta2, float bias1, float bias2, float weight_decay,
     int stochastic, unsigned long long seed) {
-    constexpr int N = Vec<W>::N;
-    const int lanes = 1 << log_lanes;
-    const int lane = threadIdx.x & (lanes - 1);
-    const long long pos = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> log_lanes;
-    if (pos >= nnz) return;
-    const K key = sorted_keys[pos];
-    if (pos > 0 && sorted_keys[pos - 1] == key) return;
-    const unsigned int mask = group_mask(lanes);
-
-    const int t = table_of<K>(key, table_row_starts, num_tables);
-    const int D = (int)table_dims[t];
-    const long long elem = table_weight_offsets[t] + ((long long)key - table_row_starts[t]) * D;
-    const long long grad_stride = output_offsets[num_slots];
-    const bool vec_w = weights_aligned && (elem % N == 0) && (D % N == 0);
-    const bool vec_g = grad_aligned && (D % N == 0);
     const int chunk = lanes * N;
-    W* wrow = weights + elem;
-    float* mrow = master ? master + elem : nullptr;
-
-    // The row and its state are loaded first, so they travel while the gradient is summed.
-    float w[CHUNKS][N], m1[CHUNKS][N], m2[CHUNKS][N], g[CHUNKS][N];
-#pragma unroll
-    for (int c = 0; c < CHUNKS; ++c) {
-        const int d0 = c * chunk + lane * N;
-#pragma unroll
-        for (int k = 0; k < N; ++k) w[c][k] = m1[c][k] = m2[c][k] = g[c][k] = 0.0f;
-        if (d0 < D) {
-            if (mrow) load_elems<float, N>(mrow, d0, D, vec_w, w[c]);
-            else load_elems<W, N>(wrow, d0, D, vec_w, w[c]);
-            if constexpr (OPT == OPT_ADAM) {
-                load_elems<float, N>(state1 + elem, d0, D, vec_w, m1[c]);
-                load_elems<float, N>(state2 + elem, d0, D, vec_w, m2[c]);
-            }
-        }
-    }
-    float before = 0.0f;
-    if constexpr (OPT == OPT_ADAGRAD) before = state1[key];
-
-    for (long long base = pos;; base += lanes) {
-        const long long j = base + lane;
-        const bool in = j < nnz && sorted_keys[j] == key;
-        const int n = __popc(__ballot_sync(mask, in));
-        long long goff = 0;
-        float scale = 0.0f;
-        if (in) {
-            const int bag = sorted_bags[j];
-            const int s = bag / batch_size;
-            goff = (long long)(bag - s * batch_size) * grad_stride + output_offsets[s];
-            scale = slot_mean[s] ? 1.0f / (float)max(offsets[bag + 1] - offsets[bag], 1LL) : 1.0f;
-        }
-        int u = 0;
-        for (; u + 2 <= n; u += 2) {
-            const long long o0 = __shfl_sync(mask, goff, u, lanes);
-            const long long o1 = __shfl_sync(mask, goff, u + 1, lanes);
-            const float f0 = __shfl_sync(mask, scale, u, lanes);
-            const float f1 = __shfl_sync(mask, scale, u + 1, lanes);
-#pragma unroll
-            for (int c = 0; c < CHUNKS; ++c) {
-                const int d0 = c * chunk + lane * N;
-                if (d0 < D) {
-                    float v0[N], v1[N];
-                    load_elems<float, N>(grad + o0, d0, D, vec_g, v0);
-                    load_elems<float, N>(grad + o1, d0, D, vec_g, v1);
-#pragma unroll
-                    for (int k = 0; k < N; ++k) g[c][k] += f0 * v0[k] + f1 * v1[k];
-                }
-            }
-        }
-        for (; u < n; ++u) {
-            const long long o = __shfl_sync(mask, goff, u, lanes);
-            const float f = __shfl_sync(mask, scale, u, lanes);
-#pragma unroll
-            for (int c = 0; c < CHUNKS; ++c) {
-                const int d0 = c * chunk + lane * N;
-                if (d0 < D) {
-                    float v[N];
-                    load_elems<float, N>(grad + o, d0, D, vec_g, v);
-#pragma unroll
-                    for (int k = 0; k < N; ++k) g[c][k] += f * v[k];
-                }
-            }
-        }
-        if (n < lanes) break;
-    }
-
 #pragma unroll
     for (int c = 0; c < CHUNKS; ++c)
 #pragma unroll
@@ -227,20 +144,241 @@ __device__ __forceinline__ void sparse_update(
     }
 }
 
+// Loads a row (or its fp32 master copy), its Adam moments and its row-wise Adagrad sum into registers.
+template <typename W, int OPT, int CHUNKS, int N>
+__device__ __forceinline__ void load_row(
+    const W* __restrict__ wrow, const float* __restrict__ mrow, const float* __restrict__ state1,
+    const float* __restrict__ state2, long long key, long long elem, int D, int lane, int lanes, bool vec_w,
+    float (&w)[CHUNKS][N], float (&m1)[CHUNKS][N], float (&m2)[CHUNKS][N], float& before) {
+    const int chunk = lanes * N;
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c) {
+        const int d0 = c * chunk + lane * N;
+#pragma unroll
+        for (int k = 0; k < N; ++k) w[c][k] = m1[c][k] = m2[c][k] = 0.0f;
+        if (d0 < D) {
+            if (mrow) load_elems<float, N>(mrow, d0, D, vec_w, w[c]);
+            else load_elems<W, N>(wrow, d0, D, vec_w, w[c]);
+            if constexpr (OPT == OPT_ADAM) {
+                load_elems<float, N>(state1 + elem, d0, D, vec_w, m1[c]);
+                load_elems<float, N>(state2 + elem, d0, D, vec_w, m2[c]);
+            }
+        }
+    }
+    before = 0.0f;
+    if constexpr (OPT == OPT_ADAGRAD) before = state1[key];
+}
+
+// Sorted positions are cut into segments of at most SEGMENT: a segment starts where a row's run of
+// equal keys starts or at a multiple of SEGMENT. So a row that occurs thousands of times in a batch
+// (a skewed id, a tiny table) is summed by many thread groups at once instead of serialising on one.
+// A segment holding a whole run updates its row at once; the segments of a longer run store their
+// partial sums, and sparse_update_long adds them in position order (deterministic) and updates.
+// Partial slots: 2 * (pos / SEGMENT), plus 1 for a run that starts inside a segment's span.
+#define SEGMENT 64
+
+// CHUNKS: how many lanes * N column chunks a row may span (1, or enough for dim 512).
+template <typename W, typename K, int OPT, int CHUNKS>
+__device__ __forceinline__ void sparse_update(
+    W* __restrict__ weights, float* __restrict__ master, float* __restrict__ state1, float* __restrict__ state2,
+    const K* __restrict__ sorted_keys, const int* __restrict__ sorted_bags, const long long* __restrict__ offsets,
+    const long long* __restrict__ table_row_starts, const long long* __restrict__ table_weight_offsets,
+    const long long* __restrict__ table_dims, int num_tables, const long long* __restrict__ output_offsets,
+    const unsigned char* __restrict__ slot_mean, const float* __restrict__ grad, float* __restrict__ partials,
+    long long nnz, int num_slots, int batch_size, int log_lanes, int weights_aligned, int grad_aligned,
+    float lr, float eps, float beta1, float beta2, float bias1, float bias2, float weight_decay,
+    int stochastic, unsigned long long seed) {
+    constexpr int N = Vec<W>::N;
+    const int lanes = 1 << log_lanes;
+    const int lane = threadIdx.x & (lanes - 1);
+    const long long pos = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> log_lanes;
+    if (pos >= nnz) return;
+    const K key = sorted_keys[pos];
+    const bool run_start = pos == 0 || sorted_keys[pos - 1] != key;
+    const bool at_boundary = pos % SEGMENT == 0;
+    if (!run_start && !at_boundary) return;
+    const long long seg_end = min(nnz, (pos / SEGMENT + 1) * SEGMENT);
+    const bool split = !run_start || (seg_end < nnz && sorted_keys[seg_end] == key);
+    const unsigned int mask = group_mask(lanes);
+
+    const int t = table_of<K>(key, table_row_starts, num_tables);
+    const int D = (int)table_dims[t];
+    const long long elem = table_weight_offsets[t] + ((long long)key - table_row_starts[t]) * D;
+    const long long grad_stride = output_offsets[num_slots];
+    const bool vec_w = weights_aligned && (elem % N == 0) && (D % N == 0);
+    const bool vec_g = grad_aligned && (D % N == 0);
+    const int chunk = lanes * N;
+    W* wrow = weights + elem;
+    float* mrow = master ? master + elem : nullptr;
+
+    // A whole run's row and state are loaded first, so they travel while the gradient is summed.
+    float w[CHUNKS][N], m1[CHUNKS][N], m2[CHUNKS][N], g[CHUNKS][N];
+    float before = 0.0f;
+    if (!split) load_row<W, OPT, CHUNKS, N>(wrow, mrow, state1, state2, key, elem, D, lane, lanes, vec_w, w, m1, m2,
+                                            before);
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c)
+#pragma unroll
+        for (int k = 0; k < N; ++k) g[c][k] = 0.0f;
+
+    for (long long base = pos;; base += lanes) {
+        const long long j = base + lane;
+        const bool in = j < seg_end && sorted_keys[j] == key;
+        const int n = __popc(__ballot_sync(mask, in));
+        long long goff = 0;
+        float scale = 0.0f;
+        if (in) {
+            const int bag = sorted_bags[j];
+            const int s = bag / batch_size;
+            goff = (long long)(bag - s * batch_size) * grad_stride + output_offsets[s];
+            scale = slot_mean[s] ? 1.0f / (float)max(offsets[bag + 1] - offsets[bag], 1LL) : 1.0f;
+        }
+        int u = 0;
+        for (; u + 2 <= n; u += 2) {
+            const long long o0 = __shfl_sync(mask, goff, u, lanes);
+            const long long o1 = __shfl_sync(mask, goff, u + 1, lanes);
+            const float f0 = __shfl_sync(mask, scale, u, lanes);
+            const float f1 = __shfl_sync(mask, scale, u + 1, lanes);
+#pragma unroll
+            for (int c = 0; c < CHUNKS; ++c) {
+                const int d0 = c * chunk + lane * N;
+                if (d0 < D) {
+                    float v0[N], v1[N];
+                    load_elems<float, N>(grad + o0, d0, D, vec_g, v0);
+                    load_elems<float, N>(grad + o1, d0, D, vec_g, v1);
+#pragma unroll
+                    for (int k = 0; k < N; ++k) g[c][k] += f0 * v0[k] + f1 * v1[k];
+                }
+            }
+        }
+        for (; u < n; ++u) {
+            const long long o = __shfl_sync(mask, goff, u, lanes);
+            const float f = __shfl_sync(mask, scale, u, lanes);
+#pragma unroll
+            for (int c = 0; c < CHUNKS; ++c) {
+                const int d0 = c * chunk + lane * N;
+                if (d0 < D) {
+                    float v[N];
+                    load_elems<float, N>(grad + o, d0, D, vec_g, v);
+#pragma unroll
+                    for (int k = 0; k < N; ++k) g[c][k] += f * v[k];
+                }
+            }
+        }
+        if (n < lanes) break;
+    }
+
+    if (split) {
+        float* slot = partials + (2 * (pos / SEGMENT) + (at_boundary ? 0 : 1)) * (long long)(CHUNKS * chunk);
+#pragma unroll
+        for (int c = 0; c < CHUNKS; ++c) {
+            const int d0 = c * chunk + lane * N;
+            if (d0 < D) store_f32<N>(slot, d0, D, true, g[c]);
+        }
+        return;
+    }
+    update_row<W, OPT, CHUNKS, N>(wrow, mrow, state1, state2, (long long)key, elem, D, lane, lanes, mask, vec_w, w,
+                                  m1, m2, g, before, lr, eps, beta1, beta2, bias1, bias2, weight_decay, stochastic,
+                                  seed);
+}
+
+// The rows whose run crosses a segment boundary: a group per segment k owns the run that crosses
+// its end and starts inside it; it adds that run's partial sums in position order and updates.
+template <typename W, typename K, int OPT, int CHUNKS>
+__device__ __forceinline__ void sparse_update_long(
+    W* __restrict__ weights, float* __restrict__ master, float* __restrict__ state1, float* __restrict__ state2,
+    const K* __restrict__ sorted_keys, const long long* __restrict__ table_row_starts,
+    const long long* __restrict__ table_weight_offsets, const long long* __restrict__ table_dims, int num_tables,
+    const float* __restrict__ partials, long long nnz, int log_lanes, int weights_aligned,
+    float lr, float eps, float beta1, float beta2, float bias1, float bias2, float weight_decay,
+    int stochastic, unsigned long long seed) {
+    constexpr int N = Vec<W>::N;
+    const int lanes = 1 << log_lanes;
+    const int lane = threadIdx.x & (lanes - 1);
+    const long long k = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> log_lanes;
+    const long long first = k * SEGMENT, end = first + SEGMENT;
+    if (end >= nnz) return;
+    const K key = sorted_keys[end];
+    if (sorted_keys[end - 1] != key) return;                 // no run crosses this segment's end
+    if (first > 0 && sorted_keys[first - 1] == key) return;  // the run started in an earlier segment
+    const unsigned int mask = group_mask(lanes);
+
+    const int t = table_of<K>(key, table_row_starts, num_tables);
+    const int D = (int)table_dims[t];
+    const long long elem = table_weight_offsets[t] + ((long long)key - table_row_starts[t]) * D;
+    const bool vec_w = weights_aligned && (elem % N == 0) && (D % N == 0);
+    const int chunk = lanes * N;
+    const long long stride = (long long)(CHUNKS * chunk);
+    W* wrow = weights + elem;
+    float* mrow = master ? master + elem : nullptr;
+
+    float w[CHUNKS][N], m1[CHUNKS][N], m2[CHUNKS][N], g[CHUNKS][N];
+    float before = 0.0f;
+    load_row<W, OPT, CHUNKS, N>(wrow, mrow, state1, state2, key, elem, D, lane, lanes, vec_w, w, m1, m2, before);
+    const float* head = partials + (2 * k + (sorted_keys[first] == key ? 0 : 1)) * stride;
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c) {
+        const int d0 = c * chunk + lane * N;
+        if (d0 < D) load_elems<float, N>(head, d0, D, true, g[c]);
+        else
+#pragma unroll
+            for (int q = 0; q < N; ++q) g[c][q] = 0.0f;
+    }
+    // The run ends before the first position past `end` with another key (binary search), so the
+    // partial sums to add are known up front and their loads overlap.
+    long long lo = end, hi = nnz;
+    while (hi - lo > 1) {
+        const long long mid = lo + (hi - lo) / 2;
+        if (sorted_keys[mid] == key) lo = mid;
+        else hi = mid;
+    }
+    const long long last = lo / SEGMENT;
+#pragma unroll 4
+    for (long long m = k + 1; m <= last; ++m) {
+        const float* part = partials + 2 * m * stride;
+#pragma unroll
+        for (int c = 0; c < CHUNKS; ++c) {
+            const int d0 = c * chunk + lane * N;
+            if (d0 < D) {
+                float v[N];
+                load_elems<float, N>(part, d0, D, true, v);
+#pragma unroll
+                for (int q = 0; q < N; ++q) g[c][q] += v[q];
+            }
+        }
+    }
+    update_row<W, OPT, CHUNKS, N>(wrow, mrow, state1, state2, (long long)key, elem, D, lane, lanes, mask, vec_w, w,
+                                  m1, m2, g, before, lr, eps, beta1, beta2, bias1, bias2, weight_decay, stochastic,
+                                  seed);
+}
+
 #define SPARSE_UPDATE(NAME, W, K, OPT, CHUNKS)                                                          \
     extern "C" __global__ void __launch_bounds__(256) NAME(                                             \
         W* weights, float* master, float* state1, float* state2, const K* sorted_keys,                  \
         const int* sorted_bags, const long long* offsets, const long long* table_row_starts,            \
         const long long* table_weight_offsets, const long long* table_dims, int num_tables,             \
         const long long* output_offsets, const unsigned char* slot_mean, const float* grad,             \
-        long long nnz, int num_slots, int batch_size, int log_lanes, int weights_aligned,               \
-        int grad_aligned, float lr, float eps, float beta1, float beta2, float bias1, float bias2,      \
-        float weight_decay, int stochastic, unsigned long long seed) {                                  \
+        float* partials, long long nnz, int num_slots, int batch_size, int log_lanes,                   \
+        int weights_aligned, int grad_aligned, float lr, float eps, float beta1, float beta2,           \
+        float bias1, float bias2, float weight_decay, int stochastic, unsigned long long seed) {        \
         sparse_update<W, K, OPT, CHUNKS>(weights, master, state1, state2, sorted_keys, sorted_bags,     \
                                          offsets, table_row_starts, table_weight_offsets, table_dims,   \
-                                         num_tables, output_offsets, slot_mean, grad, nnz, num_slots,   \
-                                         batch_size, log_lanes, weights_aligned, grad_aligned, lr, eps, \
-                                         beta1, beta2, bias1, bias2, weight_decay, stochastic, seed);   \
+                                         num_tables, output_offsets, slot_mean, grad, partials, nnz,    \
+                                         num_slots, batch_size, log_lanes, weights_aligned,             \
+                                         grad_aligned, lr, eps, beta1, beta2, bias1, bias2,             \
+                                         weight_decay, stochastic, seed);                               \
+    }                                                                                                   \
+    extern "C" __global__ void __launch_bounds__(256) NAME##_long(                                      \
+        W* weights, float* master, float* state1, float* state2, const K* sorted_keys,                  \
+        const long long* table_row_starts, const long long* table_weight_offsets,                       \
+        const long long* table_dims, int num_tables, const float* partials, long long nnz,              \
+        int log_lanes, int weights_aligned, float lr, float eps, float beta1, float beta2,              \
+        float bias1, float bias2, float weight_decay, int stochastic, unsigned long long seed) {        \
+        sparse_update_long<W, K, OPT, CHUNKS>(weights, master, state1, state2, sorted_keys,             \
+                                              table_row_starts, table_weight_offsets, table_dims,       \
+                                              num_tables, partials, nnz, log_lanes, weights_aligned,    \
+                                              lr, eps, beta1, beta2, bias1, bias2, weight_decay,        \
+                                              stochastic, seed);                                        \
     }
 
 // Names: sparse_update_<optimizer>_<weights dtype>_<key type>_c<chunks>; wide rows (c4 for fp32, c2

@@ -25,6 +25,7 @@ BLOCK = 256
 BAGS_PER_GROUP = 8  # consecutive bags one thread group pools: more row loads in flight for one-hot bags
 SMALL_BATCH_BAGS = 1 << 16  # below this many bags, one bag per group keeps every multiprocessor busy
 MAX_UPDATE_DIM = 512
+SEGMENT = 64  # sorted positions per thread group in the update; as SEGMENT in embedding_backward.cu
 _DTYPE_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 _OPTIMIZERS = ("sgd", "adagrad", "adam")
 
@@ -178,13 +179,21 @@ def backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor], slots
     grad_aligned = slots.columns_aligned and slots.total_dim % 4 == 0
     weights_aligned = weights.data_ptr() % 16 == 0 and all(
         t is None or t.data_ptr() % 16 == 0 for t in (master_weights, state1 if optimizer == "adam" else None, state2))
+    # Two partial-sum slots per segment of SEGMENT sorted positions, each as wide as a row's lanes.
+    segments = (nnz + SEGMENT - 1) // SEGMENT
+    partials = torch.empty(2 * segments * chunks * (width << log_lanes), dtype=torch.float32, device=weights.device)
+    update = [f32(lr), f32(eps), f32(beta1), f32(beta2), f32(1.0 - beta1**step), f32(1.0 - beta2**step),
+              f32(weight_decay), i32(stochastic_rounding), u64(_mix(seed, step))]
+    tables = [ptr(slots.table_row_starts), ptr(slots.table_weight_offsets), ptr(slots.table_dims),
+              i32(slots.table_dims.numel())]
     launch(BACKWARD_SOURCE, name, weights.device, (nnz + rows_per_block - 1) // rows_per_block, BLOCK,
            [ptr(weights), ptr(master_weights), ptr(state1), ptr(state2), ptr(sorted_keys), ptr(sorted_bags),
-            ptr(offsets), ptr(slots.table_row_starts), ptr(slots.table_weight_offsets), ptr(slots.table_dims),
-            i32(slots.table_dims.numel()), ptr(slots.output_offsets), ptr(slots.mean), ptr(grad), i64(nnz), i32(slots.num_slots), i32(batch_size), i32(log_lanes),
-            i32(weights_aligned), i32(grad_aligned), f32(lr), f32(eps), f32(beta1), f32(beta2),
-            f32(1.0 - beta1**step), f32(1.0 - beta2**step), f32(weight_decay), i32(stochastic_rounding),
-            u64(_mix(seed, step))])
+            ptr(offsets), *tables, ptr(slots.output_offsets), ptr(slots.mean), ptr(grad), ptr(partials), i64(nnz),
+            i32(slots.num_slots), i32(batch_size), i32(log_lanes), i32(weights_aligned), i32(grad_aligned), *update])
+    if segments > 1:
+        launch(BACKWARD_SOURCE, f"{name}_long", weights.device, (segments + rows_per_block - 1) // rows_per_block,
+               BLOCK, [ptr(weights), ptr(master_weights), ptr(state1), ptr(state2), ptr(sorted_keys), *tables,
+                       ptr(partials), i64(nnz), i32(log_lanes), i32(weights_aligned), *update])
 
 
 def _state_for(optimizer: str, state: dict[str, torch.Tensor], weights: torch.Tensor,
