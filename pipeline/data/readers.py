@@ -262,7 +262,7 @@ def ingest(d: DataConfig, seed: int, root: Path, params: dict, progress: bool = 
     pinned = {s for _, s in files if s}
     rule = SplitRule(seed, 0.0 if "valid" in pinned else d.valid_fraction,
                      0.0 if "test" in pinned else d.test_fraction)
-    if roles.time:
+    if roles.time and (rule.valid_fraction or rule.test_fraction):
         rule = replace(rule, cuts=_time_cuts([p for p, s in files if s is None], roles, d, rule))
     jobs = [(i, path, split) for i, (path, split) in enumerate(files)]
     args = (d, roles, rule, root)
@@ -291,7 +291,7 @@ def ingest(d: DataConfig, seed: int, root: Path, params: dict, progress: bool = 
         "categorical": roles.categorical,
         "multihot": roles.multihot,
         "rows": report["rows_written"],
-        **({"time_column": roles.time, "time_cuts": rule.cuts.record()} if rule.cuts else {}),
+        **({"time_column": roles.time, "time_cuts": rule.cuts.record() if rule.cuts else None} if roles.time else {}),
     })
     return report
 
