@@ -258,3 +258,106 @@ def test_parquet_integer_categories_nan_and_bad_labels(tmp_path):
         {"label": 1, "price": 1.0, "item": "7", "tags": ["1", "2"]},
         {"label": 0, "price": None, "item": "8", "tags": []},
     ]
+
+
+# Splits by time (data.time_column)
+
+TIMED = ["data.source=table", "data.label=clicked", "data.continuous=[row]", "data.categorical=[user]",
+         "data.time_column=ts"]
+
+
+def _timed_rows(n: int, time) -> list[dict]:
+    """Rows ``row`` 0..n-1 whose time grows with ``row`` (``time(row)``), shuffled."""
+    order = np.random.default_rng(1).permutation(n)
+    return [{"clicked": int(i % 2), "row": int(i), "user": f"u{i % 7}", "ts": time(int(i))} for i in order]
+
+
+def _write_files(folder, rows: list[dict], files: int, suffix: str) -> None:
+    folder.mkdir()
+    for f, part in enumerate(np.array_split(np.arange(len(rows)), files)):
+        chunk = [rows[i] for i in part]
+        if suffix == "parquet":
+            pq.write_table(pa.table({k: [r[k] for r in chunk] for k in chunk[0]}), folder / f"part{f}.parquet")
+        else:
+            lines = [",".join(chunk[0])] + [",".join(str(r[k]) for k in r) for r in chunk]
+            (folder / f"part{f}.csv").write_text("\n".join(lines) + "\n")
+
+
+def _rows_of(raw, split: str) -> list[int]:
+    return sorted(int(v) for p in raw.splits[split] for v in pq.read_table(p).column("row").to_pylist())
+
+
+@pytest.mark.parametrize("suffix", ["csv", "parquet"])
+def test_a_time_column_puts_the_latest_rows_in_test_and_those_just_before_in_valid(tmp_path, suffix):
+    def time(i):  # ISO text in the CSV, some with a zone (UTC+1 written one hour later); epoch seconds in parquet
+        if suffix == "parquet":
+            return 1_700_000_000 + 60 * i
+        minute = np.datetime64("2024-03-01T00:00") + np.timedelta64(i, "m")
+        return f"{minute + np.timedelta64(1, 'h')}:00+01:00" if i % 5 == 0 else str(minute)
+
+    _write_files(tmp_path / "days", _timed_rows(300, time), files=3, suffix=suffix)
+    cfg = _cfg(tmp_path, *TIMED, f"data.path={tmp_path / 'days'}", "data.valid_fraction=0.2",
+               "data.test_fraction=0.1", "data.chunk_rows=40")
+    raw = ensure_raw(cfg)
+    assert _rows_of(raw, "test") == list(range(270, 300))
+    assert _rows_of(raw, "valid") == list(range(210, 270))
+    assert _rows_of(raw, "train") == list(range(210))
+    assert pq.read_table(raw.splits["train"][0]).column_names == ["label", "row", "user"]  # ts is no feature
+    meta = json.loads((raw.root / "meta.json").read_text())
+    assert meta["time_column"] == "ts" and meta["params"]["time_column"] == "ts"
+    first = {"valid": time(210), "test": time(270)}
+    if suffix == "csv":
+        first = {"valid": "2024-03-01T03:30", "test": "2024-03-01T04:30"}
+    assert meta["time_cuts"] == first
+
+
+def test_rows_of_the_time_at_a_cut_go_to_the_later_split(tmp_path):
+    path = tmp_path / "days.csv"
+    lines = ["clicked,row,user,ts"] + [f"{i % 2},{i},u{i % 3},2024-01-{1 + i // 10:02d}" for i in range(100)]
+    path.write_text("\n".join(lines) + "\n")
+    common = [*TIMED, f"data.path={path}", "data.valid_fraction=0.2", "data.test_fraction=0.15"]
+    raw = ensure_raw(_cfg(tmp_path, *common))
+    # test: the latest 15 rows start within day 9 (rows 80..89), so all of day 9 and 10 go there
+    assert _rows_of(raw, "test") == list(range(80, 100))
+    assert _rows_of(raw, "valid") == list(range(60, 80))  # the 20 rows before the test cut start in day 7
+    assert raw.rows == {"train": 60, "valid": 20, "test": 20}
+    same = ensure_raw(_cfg(tmp_path / "again", *common))
+    assert all(_rows_of(same, s) == _rows_of(raw, s) for s in ("train", "valid", "test"))
+    path.write_text("\n".join(lines[:1] + [f"{i % 2},{i},u,2024-01-01" for i in range(20)]) + "\n")
+    with pytest.raises(BadInputError, match="data.time_column=ts: the first test time is 2024-01-01, the earliest"):
+        ensure_raw(_cfg(tmp_path / "one-day", *common))
+
+
+def test_with_test_path_pinned_valid_is_the_latest_part_of_path(tmp_path):
+    _write_files(tmp_path / "days", _timed_rows(200, lambda i: 1_000 + i), files=2, suffix="csv")
+    test = tmp_path / "test.csv"
+    test.write_text("clicked,row,user,ts\n" + "".join(f"1,{1000 + i},u1,{5_000 + i}\n" for i in range(7)))
+    cfg = _cfg(tmp_path, *TIMED, f"data.path={tmp_path / 'days'}", f"data.test_path={test}",
+               "data.valid_fraction=0.25", "data.test_fraction=0.1")
+    raw = ensure_raw(cfg)
+    assert _rows_of(raw, "valid") == list(range(150, 200))
+    assert _rows_of(raw, "train") == list(range(150))
+    assert _rows_of(raw, "test") == list(range(1000, 1007))
+
+
+def test_with_both_splits_pinned_no_time_pass_runs_and_path_is_all_train(tmp_path, capsys):
+    _write_files(tmp_path / "days", _timed_rows(50, lambda i: 1_000 + i), files=1, suffix="csv")
+    other = tmp_path / "other.csv"
+    other.write_text("clicked,row,user,ts\n" + "".join(f"1,{1000 + i},u1,{5_000 + i}\n" for i in range(5)))
+    raw = ensure_raw(_cfg(tmp_path, *TIMED, f"data.path={tmp_path / 'days'}", f"data.valid_path={other}",
+                          f"data.test_path={other}"))
+    assert raw.rows == {"train": 50, "valid": 5, "test": 5}
+    assert "reading the time column" not in capsys.readouterr().out
+    meta = json.loads((raw.root / "meta.json").read_text())
+    assert meta["time_column"] == "ts" and meta["time_cuts"] is None
+
+
+def test_the_time_column_is_part_of_how_a_dataset_was_made(tmp_path, capsys):
+    _write_files(tmp_path / "days", _timed_rows(100, lambda i: i), files=1, suffix="csv")
+    common = [*TIMED[:-1], f"data.path={tmp_path / 'days'}", "data.test_fraction=0.2"]
+    by_time = ensure_raw(_cfg(tmp_path, *common, "data.time_column=ts"))
+    assert _rows_of(by_time, "test") == list(range(80, 100))
+    at_random = ensure_raw(_cfg(tmp_path, *common, "data.ignore=[ts]"))
+    assert "made with other settings" in capsys.readouterr().out
+    assert _rows_of(at_random, "test") != list(range(80, 100))
+    assert "time_column" not in json.loads((at_random.root / "meta.json").read_text())

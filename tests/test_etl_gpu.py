@@ -196,7 +196,7 @@ def test_cudf_fill_missing_median_and_bucketize_match_pandas():
     cpu = Workflow(["x"] >> FillMissing(strategy="median")).fit(frame)
     gpu = Workflow(["x"] >> FillMissing(strategy="median"))
     gpu.fit(_dask_cudf(cudf.from_pandas(frame)))
-    assert gpu.operators()[0][0].fill_values["x"] == pytest.approx(cpu.operators()[0][0].fill_values["x"], abs=1e-9)
+    assert gpu.operators()[0][0].fill_values["x"] == cpu.operators()[0][0].fill_values["x"] == np.nanmedian(frame["x"])
     buckets = Workflow(["x"] >> Bucketize([-10.0, 0.0, 3.5, 20.0]))
     np.testing.assert_array_equal(buckets.transform(cudf.from_pandas(frame))["x"].to_numpy(),
                                   buckets.transform(frame)["x"].to_numpy())
@@ -440,3 +440,36 @@ def test_cudf_branches_on_a_stand_in_equal_the_pandas_path(stand_in):
                                            equal_nan=True, err_msg=name)
             else:
                 np.testing.assert_array_equal(got[name].to_numpy(), want[name].to_numpy(), err_msg=name)
+
+
+@pytest.mark.parametrize("points", [65_536, 50])
+def test_cudf_median_and_missing_indicator_on_a_stand_in_equal_the_pandas_path(stand_in, monkeypatch, points):
+    import dask
+    import dask.dataframe as dd
+
+    from pipeline.etl import MissingIndicator
+    from pipeline.etl.ops import median
+
+    monkeypatch.setattr(median, "SUMMARY_POINTS", points)  # 50: compressed on the "GPU", then a second pass
+    rng = np.random.default_rng(2)
+    n = 4500
+    frame = pd.DataFrame({"x": np.where(rng.random(n) < 0.2, np.nan, rng.normal(0, 10, n)),
+                          "y": np.where(rng.random(n) < 0.3, np.nan, np.floor(rng.lognormal(2, 1.5, n)))})
+
+    def features():
+        return (["x", "y"] >> FillMissing(strategy="median")) + (["x", "y"] >> MissingIndicator())
+
+    cpu = Workflow(features()).fit(frame)
+    gpu_frame = stand_in.DataFrame(frame)
+    parts = dd.from_map(lambda i: gpu_frame.iloc[i * 1500:(i + 1) * 1500], range(3), meta=gpu_frame.iloc[:0],
+                        enforce_metadata=False)
+    with dask.config.set(scheduler="sync"):
+        gpu = Workflow(features()).fit(parts)
+    medians = {name: np.nanmedian(frame[name]) for name in ("x", "y")}
+    assert gpu.operators()[0][0].fill_values == cpu.operators()[0][0].fill_values == medians
+    got = pd.DataFrame(Workflow.transform_partition(gpu_frame, gpu.output))
+    want = cpu.transform(frame)
+    assert list(got.columns) == list(want.columns) == ["x", "y", "x_missing", "y_missing"]
+    for name in want.columns:
+        np.testing.assert_array_equal(got[name].to_numpy(float), want[name].to_numpy(float), err_msg=name)
+    np.testing.assert_array_equal(want["y_missing"].to_numpy(), frame["y"].isna().to_numpy().astype(np.float32))

@@ -240,16 +240,42 @@ def test_continuous_chain_matches_pandas():
         assert out[name].dtype == np.float32
 
 
-def test_fill_missing_median_is_close_to_the_true_median():
-    rng = np.random.default_rng(5)
-    values = rng.normal(10, 3, 4000)
-    values[::7] = np.nan
-    train = pd.DataFrame({"X": values})
-    workflow = Workflow(["X"] >> FillMissing(strategy="median")).fit(dd.from_pandas(train, npartitions=4))
-    filled = workflow.transform(pd.DataFrame({"X": [np.nan, 1.0]}))["X"]
-    # Dask's median merges per-partition percentiles: approximate, so compare with a tolerance.
-    assert abs(filled[0] - np.nanmedian(values)) < 0.1
-    assert filled[1] == 1.0
+def _drifting_partitions(rng) -> tuple[dd.DataFrame, dict[str, np.ndarray]]:
+    """Partitions of very different sizes whose values drift (as files of successive days), one all-missing."""
+    pieces, columns = [], {"I": [], "F": []}
+    for size, shift in ((3000, 0), (7, 500), (0, 0), (1200, 40), (25, 0), (900, 2000)):
+        counts = np.floor(rng.lognormal(2, 1.5, size)) + shift
+        floats = rng.normal(shift, 3, size)
+        counts[rng.random(size) < 0.2] = np.nan
+        floats[rng.random(size) < 0.1] = np.nan
+        if size == 25:
+            counts[:] = np.nan
+        pieces.append(pd.DataFrame({"I": counts, "F": floats}))
+        columns["I"].append(counts)
+        columns["F"].append(floats)
+    meta = pieces[0].iloc[:0]
+    return dd.from_map(lambda p: p, pieces, meta=meta), {k: np.concatenate(v) for k, v in columns.items()}
+
+
+@pytest.mark.parametrize("points", [65_536, 50, 1])
+def test_fill_missing_median_is_exact_over_uneven_drifting_partitions(monkeypatch, points):
+    from pipeline.etl.ops import median
+
+    monkeypatch.setattr(median, "SUMMARY_POINTS", points)  # 50 and 1: summaries compressed, a second pass
+    data, values = _drifting_partitions(np.random.default_rng(5))
+    workflow = Workflow(["I", "F"] >> FillMissing(strategy="median")).fit(data)
+    filled = workflow.transform(pd.DataFrame({"I": [np.nan, 1.0], "F": [np.nan, np.nan]}))
+    for name in ("I", "F"):
+        assert _op(workflow, name).fill_values[name] == np.nanmedian(values[name]), name
+        assert filled[name][0] == np.nanmedian(values[name])
+    assert filled["I"][1] == 1.0
+
+
+def test_fill_missing_median_of_ties_an_even_count_and_no_values():
+    train = pd.DataFrame({"T": [5.0, 5.0, 5.0, 1.0, np.nan], "E": [1.0, 2.0, 4.0, 10.0, np.nan],
+                          "N": [np.nan] * 5})
+    workflow = Workflow(["T", "E", "N"] >> FillMissing(-1.0, strategy="median")).fit(train)
+    assert _op(workflow, "T").fill_values == {"T": 5.0, "E": 3.0, "N": -1.0}
 
 
 def test_normalize_constant_column_is_only_centred():

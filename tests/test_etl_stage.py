@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.errors import BadInputError
-from pipeline.etl import Workflow
+from pipeline.etl import Normalize, Workflow
 from pipeline.etl.raw_check import check_raw_files
 from pipeline.stages.etl import run
 from pipeline.schema import Schema
@@ -38,7 +38,9 @@ def test_stage_writes_the_contract(synthetic_run):
     cfg, summary = synthetic_run
     schema = Schema.load(cfg.paths.schema)
     meta = json.loads((cfg.paths.raw / "meta.json").read_text())
-    assert schema.label == "label" and schema.continuous == meta["continuous"] and schema.sparse == meta["categorical"]
+    indicators = [f"{name}_missing" for name in meta["continuous"]]
+    assert schema.label == "label" and schema.sparse == meta["categorical"]
+    assert schema.continuous == meta["continuous"] + indicators
     assert schema.rows == meta["rows"] == summary["rows"]
     train = _read(cfg.paths.processed / "train")
     raw_train = pa.concat_tables([pq.read_table(p) for p in sorted((cfg.paths.raw / "train").glob("part-*.parquet"))])
@@ -56,6 +58,41 @@ def test_stage_writes_the_contract(synthetic_run):
     for part in (cfg.paths.processed / "train").glob("part-*.parquet"):
         meta_part = pq.read_metadata(part)
         assert all(meta_part.row_group(i).num_rows <= 2048 for i in range(meta_part.num_row_groups))
+
+
+def test_a_missing_value_becomes_the_median_and_its_indicator_is_one_exactly_there(synthetic_run):
+    cfg, _ = synthetic_run
+    raw_train = pd.concat([pd.read_parquet(p) for p in sorted((cfg.paths.raw / "train").glob("part-*.parquet"))],
+                          ignore_index=True)
+    train = _read(cfg.paths.processed / "train").to_pandas()
+    workflow = Workflow.load(cfg.paths.workflow)
+    normalize = next(op for op, _ in workflow.operators() if isinstance(op, Normalize))
+    for name in [c for c in raw_train.columns if c.startswith("I")]:
+        missing = raw_train[name].isna().to_numpy()
+        np.testing.assert_array_equal(train[f"{name}_missing"].to_numpy(), missing.astype(np.float32))
+        median = float(raw_train[name].median())
+        at_median = np.float32((np.log1p(max(median, 0.0)) - normalize.means[name]) / normalize.stds[name])
+        assert (train[name][missing] == at_median).all(), name
+        filled = workflow.transform(raw_train.iloc[:1].assign(**{name: None}))
+        assert filled[name].iloc[0] == at_median and filled[f"{name}_missing"].iloc[0] == 1.0
+    assert train["I1_missing"].sum() > 0 and train["I2_missing"].sum() == 0  # I2 is never missing
+    fill = json.loads((cfg.paths.workflow / "workflow.json").read_text())
+    saved = next(n["op"] for n in fill["nodes"] if n.get("op", {}).get("type") == "FillMissing")
+    assert saved["params"]["strategy"] == "median"
+    assert saved["state"]["fill_values"]["I5"] == float(raw_train["I5"].median())
+
+
+def test_missing_indicators_can_be_left_out_and_must_not_take_an_input_name(tmp_path):
+    cfg = _config(tmp_path, "data.rows=3000", "etl.missing_indicator=false")
+    run(cfg)
+    assert Schema.load(cfg.paths.schema).continuous == [f"I{i}" for i in range(1, 14)]
+    rows = "label,price,price_missing\n" + "".join(f"{i % 2},{i},{i % 3}\n" for i in range(60))
+    (tmp_path / "clash.csv").write_text(rows)
+    clash = _config(tmp_path, "data.source=table", f"data.path={tmp_path / 'clash.csv'}", "data.name=clash",
+                    "data.continuous=[price]", "data.categorical=[price_missing]")
+    with pytest.raises(BadInputError, match=r"etl.missing_indicator adds the column\(s\) \['price_missing'\], which "
+                                            "the data already has.*etl.missing_indicator=false"):
+        run(clash)
 
 
 def test_reloaded_workflow_transforms_raw_rows_to_the_written_output(synthetic_run):

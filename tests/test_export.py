@@ -243,3 +243,36 @@ def test_update_refuses_a_changed_workflow(multihot_pipeline, tmp_path):
         write_repository(model, schema, changed, raw, cfg.paths.export, update=True)
     summary = write_repository(model, schema, cfg.paths.workflow, raw, cfg.paths.export, update=True)
     assert summary["updated"] and summary["store_version"] == 2
+
+
+@pytest.mark.parametrize("model", ["dlrm", "wide_deep"])
+def test_a_row_with_every_continuous_value_missing_gets_an_unsaturated_prediction(tmp_path, model):
+    """Continuous values far from 0 (a day count, a price), rarely or never missing in training: a missing
+    value filled with 0 became an extreme input after Normalize (thousands of standard deviations), and a
+    model's prediction for such a row saturated at 0 or 1."""
+    from pipeline.stages.train import run as run_train
+    from pipeline.train.model import load_trained
+    from tests.test_train import SMALL
+
+    rng = np.random.default_rng(3)
+    n = 4000
+    days, price, shop = rng.normal(10_000, 30, n).round(), rng.normal(1_000, 5, n), rng.integers(0, 20, n)
+    click = rng.random(n) < 1 / (1 + np.exp(-((days - 10_000) / 30 + (price - 1_000) / 10 + shop % 3 - 1)))
+    table = pa.table({
+        "label": pa.array(click.astype(np.int8)),
+        "days": pa.array(days.astype(np.int64)),
+        "price": pa.array(price, mask=rng.random(n) < 0.02),
+        "shop": pa.array([f"s{v}" for v in shop]),
+    })
+    pq.write_table(table, tmp_path / "clicks.parquet")
+    cfg = load_config(None, [f"workdir={tmp_path}", "data.source=table", f"data.path={tmp_path / 'clicks.parquet'}",
+                             "data.continuous=[days,price]", "data.categorical=[shop]", "etl.cluster=threads",
+                             *SMALL, "train.epochs=2", f"train.model={model}"])
+    run_train(cfg)
+    model, schema = load_trained(cfg.paths.train / "latest")
+    assert schema.continuous == ["days", "price", "days_missing", "price_missing"]
+    rows = table.slice(0, 20).to_pandas(types_mapper=pd.ArrowDtype)
+    for name in ("days", "price"):
+        rows[name] = pd.Series([None] * len(rows), dtype=rows[name].dtype)
+    predictions = InProcessModel(model, schema, Workflow.load(cfg.paths.workflow)).predict(rows)
+    assert ((predictions > 0.001) & (predictions < 0.999)).all(), predictions

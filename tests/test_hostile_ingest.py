@@ -4,7 +4,8 @@ Cases (the count is in docs/HOSTILE_INPUT.md, "Ingest files"): a stray carriage 
 line (Criteo plain and gzip, CSV), ``\\r\\n`` line ends, ``\\r``-only line ends (Criteo, CSV),
 lines over the length limit (Criteo, CSV, a header), a truncated gzip, a file named ``.gz`` that is
 not gzip, integers at and beyond the int64 range (typed and text paths), integers above 2^53
-through the ETL, quotes left open (CSV, TSV) and infinite numbers (typed and text paths).
+through the ETL, quotes left open (CSV, TSV), infinite numbers (typed and text paths), bad times
+(CSV, parquet) and time settings that cannot work.
 """
 
 from __future__ import annotations
@@ -272,3 +273,53 @@ def test_infinite_numbers_are_counted_not_kept(tmp_path, with_text_path):
     assert all(e["reason"].endswith("is not a finite number") for e in report["examples"][:4])
     prices = _raw_rows(tmp_path).column("price").to_numpy(zero_copy_only=False)
     assert len(prices) == 60 - len(report["examples"]) and all(abs(p) < 1e300 for p in prices)
+
+
+BAD_TIMES = {3: ("", "ts: the time is missing"), 5: ("yesterday", "ts: 'yesterday' is not a time"),
+             8: ("2024-13-01", "ts: '2024-13-01' is not a time"), 9: ("12.5", "ts: '12.5' is not a time")}
+TIMED = [*TABLE, "data.time_column=ts"]
+
+
+@pytest.mark.parametrize("name", ["rows.csv", "rows.parquet"])
+def test_bad_times_are_counted_lines_with_their_numbers(tmp_path, name):
+    times = [f"2024-02-{1 + i:02d}T08:00:00" for i in range(20)]
+    for line, (value, _) in BAD_TIMES.items():
+        times[line - 2] = value
+    path = tmp_path / name
+    if name.endswith(".parquet"):  # row numbers count from 1 there, without a header line
+        times = [None if t == "" else t for t in [times[0], *times]]
+        pq.write_table(pa.table({"clicked": [i % 2 for i in range(21)], "price": [1.5 * i for i in range(21)],
+                                 "user": [f"u{i}" for i in range(21)], "ts": times}), path)
+    else:
+        path.write_text("clicked,price,user,ts\n" + "".join(f"{i % 2},{1.5 * i},u{i},{t}\n" for i, t in enumerate(times)))
+    report = _ingest(tmp_path, path, *TIMED[len(TABLE):], "data.on_bad_lines=skip")
+    assert report["bad"] == {"bad_time": 4} and report["rows_kept"] == report["rows_read"] - 4
+    assert [(e["line"], BAD_TIMES[e["line"]][1] in e["reason"]) for e in report["examples"]] == [
+        (line, True) for line in sorted(BAD_TIMES)]
+    message, failed = _failed_report(tmp_path / "strict", path, *TIMED[len(TABLE):])
+    assert f"{name} line 3: ts: the time is missing" in message and failed["status"] == "failed"
+
+
+@pytest.mark.parametrize("rows, setting, message", [
+    ([f"1,1.0,u,{'2024-01-02' if i % 2 else 1_700_000_000 + i}" for i in range(10)], "data.time_column=ts",
+     r"data.time_column=ts: the column holds integers \(.*rows.csv line 2\) and dates \(.*rows.csv line 3\)"),
+    ([f"{i % 2},1.0,u,2024-01-01" for i in range(10)], "data.time_column=ts",
+     "data.time_column=ts: the first test time is 2024-01-01, the earliest of the rows, so no row is left"),
+    ([f"1,1.0,u,{i}" for i in range(10)], "data.time_column=when", r"declared column\(s\) \['when'\] not found"),
+    ([f"1,1.0,u,{i}" for i in range(10)], "data.time_column=clicked", "data.time_column='clicked' names the label"),
+    ([f"1,1.0,u,{i}" for i in range(10)], "data.ignore=[ts]",
+     "data.time_column='ts' names a column data.ignore drops"),
+])
+def test_time_settings_that_cannot_work_are_one_clear_error(tmp_path, rows, setting, message):
+    path = tmp_path / "rows.csv"
+    path.write_text("clicked,price,user,ts\n" + "\n".join(rows) + "\n")
+    with pytest.raises(BadInputError, match=message):
+        _ingest(tmp_path, path, "data.time_column=ts", setting)
+    assert not list((tmp_path / "work").glob("*/raw/meta.json"))
+
+
+def test_a_time_column_needs_a_table(tmp_path):
+    from pipeline.stages.config import ConfigError
+
+    with pytest.raises(ConfigError, match="data.time_column needs data.source=table"):
+        load_config(None, ["data.source=criteo", "data.path=day.tsv", "data.time_column=ts"])

@@ -44,6 +44,11 @@ class DataConfig:
     )
     ignore: list[str] = field(default_factory=list, metadata={"help": "table: columns of the input to drop"})
     list_separator: str = field(default="|", metadata={"help": "table, CSV/TSV: separator inside a multi-hot cell"})
+    time_column: str = field(default="", metadata={
+        "help": "table: a column ordering the rows in time (integers such as epoch seconds, or ISO 8601 dates and "
+                "times; a feature only if listed as one): test gets the latest data.test_fraction of the rows, "
+                "valid the data.valid_fraction before them (unless pinned by their paths), the rows of a time at "
+                "a cut the later split; empty: rows are split at random"})
     rebuild: bool = field(default=False, metadata={
         "help": "replace an existing dataset ingested from files when these settings differ from how it was made"})
 
@@ -54,6 +59,9 @@ class DataConfig:
             raise ValueError(f"data.on_bad_lines: expected error or skip, got {self.on_bad_lines!r}")
         if self.source != "synthetic" and not self.path:
             raise ValueError(f"data.path is required for data.source={self.source}")
+        if self.time_column and self.source != "table":
+            raise ValueError(f"data.time_column needs data.source=table (data.source={self.source} has no column "
+                             "of its own to order rows by)")
         check_range("data.rows", self.rows, 1)
         check_range("data.chunk_rows", self.chunk_rows, 1)
         check_range("data.size", self.size, 0, low_open=True)

@@ -7,7 +7,10 @@
                                          (nulls); multi-hot list<string>
     <raw>/test/part-00000.parquet ...
     <raw>/meta.json                      {"version": 1, "source", "params", "label", "continuous",
-                                          "categorical", "multihot", "rows": {"train", "valid", "test"}}
+                                          "categorical", "multihot", "rows": {"train", "valid", "test"}};
+                                          split by time also "time_column" and "time_cuts": {"valid",
+                                          "test"} (the first time of each, null when it has none;
+                                          "time_cuts" null when both splits have their own files)
     <raw>/oracle.json                    synthetic only: AUC / logloss of the true probabilities per split
     <raw>/ingest_report.json             criteo / table only: rows read, kept, malformed (with examples)
 

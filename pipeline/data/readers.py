@@ -28,6 +28,16 @@ The label column is written as ``label`` whatever its input name. Rows go to tra
 test by a hash of ``(seed, file, line)`` against ``data.valid_fraction`` and
 ``data.test_fraction``, unless ``data.valid_path`` / ``data.test_path`` name their own files.
 
+With ``data.time_column`` (tables) the rows of ``data.path`` are split by time instead: test is
+the latest ``data.test_fraction`` of them, valid the ``data.valid_fraction`` just before, train the
+rest (a split pinned by its own path takes no rows of ``data.path``). A first pass reads only the
+time column of every file (in parallel) and finds the two cut times, exact order statistics of
+the values; the ingest pass then sends each row to the split of its time, and rows of the time at
+a cut all go to the later split. A time is an integer (epoch seconds, milliseconds: one unit for
+all rows) or ISO 8601 text (a date, or a date and time, without a zone read as UTC), or a parquet
+timestamp or date column; all rows hold integers or all hold dates. A missing or unreadable time
+makes the row malformed (``bad_time``). The time column is written only when it is also a feature.
+
 Example::
 
     roles = criteo_roles()
@@ -42,7 +52,7 @@ import functools
 import glob
 import io
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +63,7 @@ import pyarrow.parquet as pq
 
 from pipeline.data import raw_folder
 from pipeline.data.config import DataConfig
+from pipeline.data.time_split import FORMS, TIME_KEY, TimeCuts, time_keys
 from pipeline.errors import BadInputError
 from pipeline.files import write_json
 from pipeline.progress import Progress
@@ -86,17 +97,21 @@ class Roles:
     categorical: list[str]
     multihot: list[str] = field(default_factory=list)
     ignore: list[str] = field(default_factory=list)
+    time: str = ""
+    """The column that orders the rows in time (a feature too only if listed in a role); empty: none."""
 
     @property
     def columns(self) -> list[str]:
+        """The columns written: the label and the features."""
         return [self.label, *self.continuous, *self.categorical, *self.multihot]
 
     def check_against(self, found: list[str], where: str) -> None:
         """Raise a :class:`BadInputError` if declared columns are absent or the file has undeclared ones."""
-        missing = [c for c in self.columns if c not in found]
+        declared = self.columns + ([self.time] if self.time and self.time not in self.columns else [])
+        missing = [c for c in declared if c not in found]
         if missing:
             raise BadInputError(f"{where}: declared column(s) {missing} not found; the file has columns {found}")
-        unknown = [c for c in found if c not in self.columns and c not in self.ignore]
+        unknown = [c for c in found if c not in declared and c not in self.ignore]
         if unknown:
             raise BadInputError(
                 f"{where}: column(s) {unknown} have no role; expected only {self.columns}. Declare them in "
@@ -111,7 +126,7 @@ def criteo_roles() -> Roles:
 
 def table_roles(d: DataConfig) -> Roles:
     """The roles declared in the settings; a clear error when they are unusable."""
-    roles = Roles(d.label, list(d.continuous), list(d.categorical), list(d.multihot), list(d.ignore))
+    roles = Roles(d.label, list(d.continuous), list(d.categorical), list(d.multihot), list(d.ignore), d.time_column)
     if not (roles.continuous or roles.categorical or roles.multihot):
         raise BadInputError("data.source=table needs column roles: set data.continuous, data.categorical "
                             "and/or data.multihot (and data.label), e.g. data.categorical=user,item")
@@ -122,6 +137,9 @@ def table_roles(d: DataConfig) -> Roles:
     repeated = sorted({c for c in names if names.count(c) > 1})
     if repeated:
         raise BadInputError(f"column(s) {repeated} are given more than one role")
+    if roles.time and roles.time in (roles.label, *roles.ignore):
+        what = "the label" if roles.time == roles.label else "a column data.ignore drops"
+        raise BadInputError(f"data.time_column={roles.time!r} names {what}: name the column that holds the rows' times")
     return roles
 
 
@@ -136,6 +154,8 @@ class FileReport:
     examples: list[dict] = field(default_factory=list)
     stopped_at_line: int | None = None
     error: str | None = None
+    time_forms: dict[str, int] = field(default_factory=dict)
+    """With a time column: each form of time seen (integer, date/time) and the first line holding it."""
 
     @property
     def bad_rows(self) -> int:
@@ -171,14 +191,36 @@ def read_table(path: str | Path, roles: Roles, chunk_rows: int, report: FileRepo
 
     Text: the first line names the columns; continuous columns become float64. Parquet: integer
     columns stay int64, floating ones float64; integer categorical columns become strings.
+    With a time column in ``roles``, each table also has the rows' time keys (int64) as column
+    :data:`~pipeline.data.time_split.TIME_KEY`, and a row without a usable time is malformed.
     """
-    path = Path(path)
+    yield from _read_table(Path(path), roles, _kinds(roles, integer_continuous=False), chunk_rows, report,
+                           stop_on_bad, list_separator)
+
+
+def read_times(path: str | Path, roles: Roles, chunk_rows: int, list_separator: str = "|"
+               ) -> tuple[np.ndarray, FileReport]:
+    """The first pass of a split by time: the time keys of a table's rows (only the time column is
+    converted; a row malformed in another column is still counted), and the report (its ``time_forms``)."""
+    report = FileReport(str(path))
+    keys = []
+    try:
+        for table, _ in _read_table(Path(path), roles, {roles.time: "time"}, chunk_rows, report, False,
+                                    list_separator):
+            keys.append(table.column(TIME_KEY).to_numpy())
+    except _DamagedFile:
+        pass  # the ingest pass reports it
+    return (np.concatenate(keys) if keys else np.zeros(0, np.int64)), report
+
+
+def _read_table(path: Path, roles: Roles, kinds: dict[str, str], chunk_rows: int, report: FileReport,
+                stop_on_bad: bool, list_separator: str) -> Iterator[tuple[pa.Table, np.ndarray]]:
     fmt = _table_format(path)
     if fmt == "parquet":
-        yield from _read_parquet(path, roles, chunk_rows, report, stop_on_bad, list_separator)
+        yield from _read_parquet(path, roles, kinds, chunk_rows, report, stop_on_bad, list_separator)
     else:
-        yield from _read_text(path, None, _kinds(roles, integer_continuous=False), _TEXT_SUFFIXES[fmt], True,
-                              True, chunk_rows, report, stop_on_bad, list_separator, roles)
+        yield from _read_text(path, None, kinds, _TEXT_SUFFIXES[fmt], True, True, chunk_rows, report, stop_on_bad,
+                              list_separator, roles)
 
 
 # ----------------------------------------------------------------------------------------- ingest
@@ -206,6 +248,7 @@ def ingest_params(d: DataConfig) -> dict:
         **({"roles": {"label": d.label, "continuous": d.continuous, "categorical": d.categorical,
                       "multihot": d.multihot, "ignore": d.ignore}, "list_separator": d.list_separator}
            if d.source == "table" else {}),
+        **({"time_column": d.time_column} if d.time_column else {}),
     }
 
 
@@ -218,10 +261,12 @@ def ingest(d: DataConfig, seed: int, root: Path, params: dict, progress: str | b
     files = input_files(d)
     roles = criteo_roles() if d.source == "criteo" else table_roles(d)
     pinned = {s for _, s in files if s}
-    fractions = {"valid": 0.0 if "valid" in pinned else d.valid_fraction,
-                 "test": 0.0 if "test" in pinned else d.test_fraction}
+    rule = SplitRule(seed, 0.0 if "valid" in pinned else d.valid_fraction,
+                     0.0 if "test" in pinned else d.test_fraction)
+    if roles.time and (rule.valid_fraction or rule.test_fraction):
+        rule = replace(rule, cuts=_time_cuts([p for p, s in files if s is None], roles, d, rule))
     jobs = [(i, path, split) for i, (path, split) in enumerate(files)]
-    args = (d, roles, seed, fractions, root)
+    args = (d, roles, rule, root)
     raw_folder.clear(root)
     if len(jobs) == 1:
         results = [_ingest_file(*jobs[0], *args, progress=progress)]
@@ -247,12 +292,54 @@ def ingest(d: DataConfig, seed: int, root: Path, params: dict, progress: str | b
         "categorical": roles.categorical,
         "multihot": roles.multihot,
         "rows": report["rows_written"],
+        **({"time_column": roles.time, "time_cuts": rule.cuts.record() if rule.cuts else None} if roles.time else {}),
     })
     return report
 
 
-def _ingest_file(index: int, path: Path, pinned: str | None, d: DataConfig, roles: Roles, seed: int,
-                 fractions: dict[str, float], root: Path, progress: str | bool = "off") -> dict:
+@dataclass(frozen=True)
+class SplitRule:
+    """Where a row of ``data.path`` goes: by time with ``cuts``, else by a hash of (seed, file, line)
+    against the fractions (:func:`split_codes`)."""
+
+    seed: int
+    valid_fraction: float
+    test_fraction: float
+    cuts: TimeCuts | None = None
+
+    def codes(self, table: pa.Table, lines: np.ndarray, file_index: int) -> np.ndarray:
+        """0 (train), 1 (valid) or 2 (test) for each row of ``table``."""
+        if self.cuts is not None:
+            return self.cuts.codes(table.column(TIME_KEY).to_numpy())
+        return split_codes(lines, file_index, self.seed, self.valid_fraction, self.test_fraction)
+
+
+def _time_cuts(paths: list[Path], roles: Roles, d: DataConfig, rule: SplitRule) -> TimeCuts:
+    """The first pass of a split by time: every file's time keys (in parallel), then the cuts."""
+    print(f"[data] reading the time column {roles.time!r} of {len(paths)} file(s) to split by time", flush=True)
+    if len(paths) == 1:
+        results = [read_times(paths[0], roles, d.chunk_rows, d.list_separator)]
+    else:
+        import dask
+
+        results = list(dask.compute(*[dask.delayed(read_times, pure=False)(p, roles, d.chunk_rows, d.list_separator)
+                                      for p in paths]))
+    forms = {}
+    for _, report in results:
+        for form, line in report.time_forms.items():
+            forms.setdefault(form, f"{report.file} line {line}")
+    if len(forms) > 1:
+        raise BadInputError(f"data.time_column={roles.time}: the column holds integers ({forms['integer']}) and "
+                            f"dates ({forms['date/time']}), which do not compare; give every time in one form")
+    keys = np.concatenate([k for k, _ in results]) if results else np.zeros(0, np.int64)
+    cuts = TimeCuts.of(keys, rule.valid_fraction, rule.test_fraction, roles.time, dated="date/time" in forms)
+    starts = ", ".join(f"{split} from {time}" for split, time in cuts.record().items() if time is not None)
+    print(f"[data] split by {roles.time}: {starts or 'every row in train'}", flush=True)
+    return cuts
+
+
+def _ingest_file(index: int, path: Path, pinned: str | None, d: DataConfig, roles: Roles, rule: SplitRule,
+                 root: Path, progress: str | bool = "off") -> dict:
     report = FileReport(str(path))
     writers = {s: raw_folder.PartWriter(root / s, d.chunk_rows, prefix=f"f{index:05d}") for s in raw_folder.SPLITS}
     stop = d.on_bad_lines == "error"
@@ -263,12 +350,12 @@ def _ingest_file(index: int, path: Path, pinned: str | None, d: DataConfig, role
     with Progress(path.name, unit="row", mode=progress, scaled=True) as bar:
         try:
             for table, lines in blocks:
-                table = table.rename_columns([raw_folder.LABEL if n == roles.label else n
-                                              for n in table.column_names])
+                codes = None if pinned else rule.codes(table, lines, index)
+                table = table.select(roles.columns).rename_columns([raw_folder.LABEL if n == roles.label else n
+                                                                    for n in roles.columns])
                 if pinned:
                     writers[pinned].write(table)
                 else:
-                    codes = split_codes(lines, index, seed, fractions["valid"], fractions["test"])
                     for code, split in enumerate(raw_folder.SPLITS):
                         writers[split].write(table.filter(pa.array(codes == code)))
                 bar.update(table.num_rows)
@@ -342,7 +429,7 @@ def _read_text(path: Path, names: list[str] | None, kinds: dict[str, str], delim
         table, lines, excerpt = _parse_block(block, first_line, names, kinds, delimiter, quoting, report)
         report.rows_read += len(excerpt.starts)
         quote = functools.partial(_quote_line, excerpt, lines, first_line)
-        table, lines = _check_and_convert(table, lines, kinds, separator, report, quote)
+        table, lines = _check_and_convert(table, lines, kinds, separator, report, quote, roles.time if roles else "")
         if stop_on_bad and report.bad_rows:
             report.stopped_at_line = first_line + len(excerpt.starts) - 1
             return
@@ -564,7 +651,7 @@ def _open_quotes(excerpt: _Excerpts, rows: np.ndarray, delimiter: str) -> list[i
 
 
 _PARSE_TYPES = {"label": pa.int64(), "int": pa.int64(), "float": pa.float64(), "string": pa.string(),
-                "list": pa.string()}
+                "list": pa.string(), "time": pa.string()}
 
 
 def _parse_typed_or_text(data: bytes, names: list[str], kinds: dict[str, str], delimiter: str, quoting: bool
@@ -616,14 +703,18 @@ def _kinds(roles: Roles, integer_continuous: bool) -> dict[str, str]:
     kinds.update({c: "int" if integer_continuous else "float" for c in roles.continuous})
     kinds.update({c: "string" for c in roles.categorical})
     kinds.update({c: "list" for c in roles.multihot})
+    if roles.time and roles.time not in kinds:
+        kinds[roles.time] = "time"  # read for the split, not written
     return kinds
 
 
 def _check_and_convert(table: pa.Table, lines: np.ndarray, kinds: dict[str, str], separator: str,
-                       report: FileReport, quote) -> tuple[pa.Table, np.ndarray]:
+                       report: FileReport, quote, time: str = "") -> tuple[pa.Table, np.ndarray]:
     """Report rows whose values do not fit the column kinds, drop them, and type the rest.
 
-    ``quote(i)`` gives the text to show for row ``i`` in the report.
+    ``quote(i)`` gives the text to show for row ``i`` in the report. With a ``time`` column, a row
+    without a usable time is bad too, and the rest get their time keys as column ``TIME_KEY``; a
+    column of kind ``time`` is not in the output.
     """
     bad = np.zeros(table.num_rows, dtype=bool)
     for name, kind in kinds.items():
@@ -647,10 +738,25 @@ def _check_and_convert(table: pa.Table, lines: np.ndarray, kinds: dict[str, str]
                 what, reason = "not_a_number", f"{name}: {value!r} is not {noun}"
             report.add_bad(int(lines[i]), what, reason, quote(int(i)))
         bad |= ~ok
+    if time:
+        keys, ok, dated = time_keys(table.column(time))
+        for i in np.flatnonzero(~ok & ~bad):
+            value = table.column(time)[int(i)].as_py()
+            reason = (f"{time}: the time is missing" if value in (None, "") else
+                      f"{time}: {str(value)[:40]!r} is not a time (an integer, or an ISO 8601 date or date and time)")
+            report.add_bad(int(lines[i]), "bad_time", reason, quote(int(i)))
+        bad |= ~ok
+        for form, found in zip(FORMS, (~bad & ~dated, ~bad & dated)):
+            if found.any() and form not in report.time_forms:
+                report.time_forms[form] = int(lines[np.argmax(found)])
     if bad.any():
         table, lines = table.filter(pa.array(~bad)), lines[~bad]
-    columns = [_convert(table.column(name), kind, separator) for name, kind in kinds.items()]
-    return pa.Table.from_arrays(columns, names=list(kinds)), lines
+    names = [name for name, kind in kinds.items() if kind != "time"]
+    columns = [_convert(table.column(name), kinds[name], separator) for name in names]
+    if time:
+        columns.append(pa.array(keys[~bad]))
+        names.append(TIME_KEY)
+    return pa.Table.from_arrays(columns, names=names), lines
 
 
 def _is_infinite(value: str) -> bool:
@@ -741,20 +847,19 @@ def _drop_empty_items(lists: pa.ChunkedArray | pa.Array) -> pa.Array:
 # ----------------------------------------------------------------------------------------- parquet
 
 
-def _read_parquet(path: Path, roles: Roles, chunk_rows: int, report: FileReport, stop_on_bad: bool,
-                  separator: str) -> Iterator[tuple[pa.Table, np.ndarray]]:
+def _read_parquet(path: Path, roles: Roles, kinds: dict[str, str], chunk_rows: int, report: FileReport,
+                  stop_on_bad: bool, separator: str) -> Iterator[tuple[pa.Table, np.ndarray]]:
     try:
         file = pq.ParquetFile(path)
     except (pa.ArrowInvalid, OSError) as err:
         raise BadInputError(f"{path}: expected a parquet file, could not read it ({err})") from err
     roles.check_against(file.schema_arrow.names, str(path))
-    kinds = _kinds(roles, integer_continuous=False)
     for name, kind in kinds.items():
         _check_parquet_type(path, name, kind, file.schema_arrow.field(name).type)
     if file.metadata.num_rows == 0:
         raise BadInputError(f"{path} is empty: expected rows with columns {roles.columns}")
     first = 1
-    for batch in file.iter_batches(batch_size=chunk_rows, columns=roles.columns):
+    for batch in file.iter_batches(batch_size=chunk_rows, columns=list(kinds)):
         table = pa.Table.from_batches([batch])
         lines = np.arange(first, first + table.num_rows, dtype=np.int64)
         first += table.num_rows
@@ -763,7 +868,7 @@ def _read_parquet(path: Path, roles: Roles, chunk_rows: int, report: FileReport,
         def quote(i: int, table=table) -> str:
             return "row " + ", ".join(f"{n}={table.column(n)[i].as_py()!r}" for n in kinds)
 
-        table, lines = _check_and_convert(table, lines, kinds, separator, report, quote)
+        table, lines = _check_and_convert(table, lines, kinds, separator, report, quote, roles.time)
         if stop_on_bad and report.bad_rows:
             report.stopped_at_line = int(first - 1)
             return
@@ -780,6 +885,9 @@ def _check_parquet_type(path: Path, name: str, kind: str, t: pa.DataType) -> Non
         ok, expected = numeric or _is_text(t), "a numeric column"
     elif kind == "string":
         ok, expected = _is_text(t) or pa.types.is_integer(t), "a string or integer column"
+    elif kind == "time":
+        ok = numeric or _is_text(t) or pa.types.is_timestamp(t) or pa.types.is_date(t)
+        expected = "integers, ISO 8601 text, timestamps or dates"
     else:
         ok = _is_text(t) or ((pa.types.is_list(t) or pa.types.is_large_list(t)) and (
             _is_text(t.value_type) or pa.types.is_integer(t.value_type)))

@@ -11,8 +11,9 @@ The click model is built to be learnable from the data it generates:
 * each categorical feature has effects only on its *head*: at most 32 values, each with
   probability at least 0.5% (seen 4,000 times in 800k rows); the long tail and nulls share a
   zero effect;
-* dense effects are smooth functions of ``log1p(max(x, 0))`` with nulls counting as 0, i.e. of
-  what a standard ETL (fill 0, clip at 0, log) gives a model;
+* dense effects are smooth functions of ``log1p(max(x, 0))`` with nulls counting as 0: what a
+  standard ETL (clip at 0, log) gives a model, with a missing value's own effect, which a model
+  learns from a missing indicator beside the filled value;
 * six pairwise interactions are latent dot products (dimension 4) between the head values of two
   lower-cardinality features: what DLRM's dot interaction learns;
 * the intercept is calibrated to a ~25% click rate, as in Criteo, and the overall strength

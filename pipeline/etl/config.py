@@ -29,6 +29,9 @@ class EtlConfig:
     hash_buckets: dict[str, int] = field(
         default_factory=dict, metadata={"help": "columns hashed into N buckets instead of a vocabulary"}
     )
+    missing_indicator: bool = field(default=True, metadata={
+        "help": "beside each continuous feature, a continuous feature <name>_missing: 1.0 where the value was "
+                "missing (and filled with the column's median), else 0.0"})
     row_group_rows: int = field(default=65_536, metadata={"help": "parquet row group size of the output"})
 
     def __post_init__(self) -> None:

@@ -2,7 +2,16 @@
 
 Categorical and multi-hot columns -> ``Categorify(etl.freq_threshold, etl.max_vocab_size)``, or
 ``HashBucket(n)`` for columns named in ``etl.hash_buckets`` (multi-hot too); continuous ->
-``FillMissing(0) >> Clip(min_value=0) >> LogOp >> Normalize``; the label -> float32.
+``FillMissing(strategy="median") >> Clip(min_value=0) >> LogOp >> Normalize``, and with
+``etl.missing_indicator`` a ``<name>_missing`` column beside each (``MissingIndicator``); the
+label -> float32.
+
+A missing value is filled with the column's median, not 0: a column whose values sit far from 0
+(timestamps, prices, ages) would otherwise turn every missing value into an extreme input after
+Normalize, and a model's prediction for such a row saturates. The indicator keeps what the median
+hides, that the value was missing, which in click logs is often a signal of its own; it is a 0/1
+continuous feature (the dense layers see it next to the filled value, so a model can learn a
+missing value's own effect), not a categorical one (an embedding table per column for two values).
 
 Example::
 
@@ -17,7 +26,7 @@ from typing import Any
 from pipeline.errors import BadInputError
 from pipeline.etl.config import EtlConfig
 from pipeline.etl.graph import Node
-from pipeline.etl.ops import Cast, Categorify, Clip, FillMissing, HashBucket, LogOp, Normalize
+from pipeline.etl.ops import Cast, Categorify, Clip, FillMissing, HashBucket, LogOp, MissingIndicator, Normalize
 from pipeline.etl.workflow import Workflow
 
 
@@ -32,15 +41,23 @@ def default_workflow(roles: dict, etl: EtlConfig, library: str = "pandas") -> Wo
 
     ``roles`` is ``{"label": name, "continuous": [...], "categorical": [...], "multihot": [...]}``
     as in ``raw/meta.json``. Output columns come in the order label, continuous, categorical,
-    multi-hot, each in the order given.
+    multi-hot, each in the order given; the missing indicators follow the continuous columns.
     """
     sparse = list(roles["categorical"]) + list(roles.get("multihot", []))
     unknown = sorted(set(etl.hash_buckets) - set(sparse))
     if unknown:
         raise BadInputError(f"etl.hash_buckets names {unknown}, which are not categorical columns; those are {sparse}")
     parts: list[Node] = [[roles["label"]] >> Cast("float32")]
-    if roles["continuous"]:
-        parts.append(list(roles["continuous"]) >> FillMissing(0.0) >> Clip(min_value=0) >> LogOp() >> Normalize())
+    continuous = list(roles["continuous"])
+    if continuous:
+        parts.append(continuous >> FillMissing(strategy="median") >> Clip(min_value=0) >> LogOp() >> Normalize())
+    if continuous and etl.missing_indicator:
+        indicators = MissingIndicator().output_columns(continuous)
+        taken = sorted(set(indicators) & {roles["label"], *continuous, *sparse})
+        if taken:
+            raise BadInputError(f"etl.missing_indicator adds the column(s) {taken}, which the data already has: "
+                                "rename them in the input, or set etl.missing_indicator=false")
+        parts.append(continuous >> MissingIndicator())
     for group in _runs(sparse, etl.hash_buckets):
         if group[0] in etl.hash_buckets:
             parts.append(group >> HashBucket(etl.hash_buckets[group[0]]))

@@ -1,8 +1,9 @@
 """Workflow: fit an operator graph on a Dask DataFrame, transform data, save and load it.
 
 ``fit`` computes the statistics of every stateful operator with Dask reductions, in phases (an
-operator whose input comes out of another stateful operator waits for it); the operators of one
-phase are computed together. ``transform`` maps partitions, and also takes
+operator whose input comes out of another stateful operator waits for it, and an operator that
+needs a second pass, such as FillMissing's exact median of many distinct values, takes the next
+phase too); the operators of one phase are computed together. ``transform`` maps partitions, and also takes
 a plain pandas DataFrame: this is the serving entry point (raw request rows in, model features out;
 unseen values -> OOV, missing -> the null code or the fill value)::
 
@@ -111,14 +112,14 @@ class Workflow:
         self._check_columns(ddf.columns, "the data to fit")
         pending = [n for n in self._nodes if n.op and n.op.stateful]
         for node in pending:
-            node.op._fitted = False
+            node.op.start_fit()
         while pending:
             ready = [n for n in pending if all(a.op.fitted for a in n.walk() if a.op and a is not n)]
             lazy = [n.op.fit(self._lazy_input(ddf, n)) for n in ready]
             computed = _compute_by_kind(lazy, progress)
             for node, stats in zip(ready, computed):
                 node.op.fit_finalize(stats)
-            pending = [n for n in pending if n not in ready]
+            pending = [n for n in pending if not n.op.fitted]
         return self
 
     def transform(self, data: Any) -> Any:
@@ -324,7 +325,8 @@ def _evaluate_pandas(df: pd.DataFrame, nodes: list[Node]) -> pd.DataFrame:
         if node.op is None:
             results[id(node)] = inputs
         elif node.op.columnwise:
-            results[id(node)] = {name: node.op.transform_column(name, values) for name, values in inputs.items()}
+            results[id(node)] = {out: node.op.transform_column(name, values)
+                                 for (name, values), out in zip(inputs.items(), node.op.output_columns(list(inputs)))}
         else:
             out = node.op.transform(_frame(inputs, df.index))
             results[id(node)] = {name: _values(out[name]) for name in out.columns}

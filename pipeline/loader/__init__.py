@@ -6,7 +6,7 @@ Example::
 
     with Loader("data/synthetic/processed/train", batch_size=4096, shuffle=True, device="cuda") as loader:
         for batch in loader:
-            batch.dense, batch.sparse, batch.label   # [B, 13] float32, KeyedJaggedTensor, [B] float32
+            batch.dense, batch.sparse, batch.label   # [B, n_continuous] float32, KeyedJaggedTensor, [B] float32
 """
 
 from pipeline.loader.batch import Batch

@@ -2,7 +2,7 @@
 
 from pipeline.etl.ops.base import Operator
 from pipeline.etl.ops.categorify import Categorify
-from pipeline.etl.ops.continuous import Bucketize, Cast, Clip, FillMissing, LogOp, Normalize
+from pipeline.etl.ops.continuous import Bucketize, Cast, Clip, FillMissing, LogOp, MissingIndicator, Normalize
 from pipeline.etl.ops.hashing import HashBucket, HashedCross
 from pipeline.etl.ops.lambda_op import LambdaOp
 
@@ -16,6 +16,7 @@ __all__ = [
     "HashedCross",
     "LambdaOp",
     "LogOp",
+    "MissingIndicator",
     "Normalize",
     "Operator",
 ]

@@ -55,27 +55,35 @@ class Operator:
         return Node([Node.of(columns)], op=self)
 
     def output_columns(self, columns: list[str]) -> list[str]:
-        """Names of the columns this operator produces from ``columns`` (by default the same)."""
+        """Names of the columns this operator produces from ``columns`` (by default the same; a
+        column-by-column operator gives one name per input, in order)."""
         return list(columns)
 
     def compute_output_schema(self, inputs: list[ColumnSchema]) -> list[ColumnSchema]:
-        """The schema of each output column from the input columns' (by default one output per input)."""
+        """The schema of each output column from the input columns' (by default one output per input,
+        named by :meth:`output_columns`)."""
+        names = self.output_columns([column.name for column in inputs])
         return [
-            replace(column, tags=column.with_tags(self.output_tags), dtype=self.output_dtype or column.dtype,
-                    **self.column_properties(column.name))
-            for column in inputs
+            replace(column, name=name, tags=column.with_tags(self.output_tags),
+                    dtype=self.output_dtype or column.dtype, **self.column_properties(column.name))
+            for column, name in zip(inputs, names)
         ]
 
     def column_properties(self, name: str) -> dict:
         """``ColumnSchema`` fields this operator sets on output ``name`` (e.g. ``cardinality``)."""
         return {}
 
+    def start_fit(self) -> None:
+        """Forget an earlier fit: ``Workflow.fit`` calls it before the first :meth:`fit`."""
+        self._fitted = False
+
     def fit(self, ddf: Any) -> Any:
         """Lazy statistics over a Dask DataFrame holding exactly the input columns."""
         return None
 
     def fit_finalize(self, stats: Any) -> None:
-        """Keep the computed statistics as plain values."""
+        """Keep the computed statistics as plain values; an operator that needs another pass over the
+        data leaves itself unfitted, and ``Workflow.fit`` calls :meth:`fit` again in the next phase."""
 
     @property
     def fitted(self) -> bool:
@@ -84,9 +92,10 @@ class Operator:
     def transform(self, df: Any) -> Any:
         """Transform one partition (a pandas or cuDF DataFrame with exactly the input columns).
 
-        By default each column goes through :meth:`transform_column`.
+        By default each column goes through :meth:`transform_column`, named by :meth:`output_columns`.
         """
-        return frame_like(df, {name: self.transform_column(name, df[name]) for name in df.columns})
+        names = self.output_columns(list(df.columns))
+        return frame_like(df, {out: self.transform_column(name, df[name]) for name, out in zip(df.columns, names)})
 
     def transform_column(self, name: str, values: Any) -> Any:
         """Transform one column: a pandas Series or array, or a cuDF Series; returns its new values."""

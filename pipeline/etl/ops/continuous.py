@@ -1,9 +1,12 @@
-"""Operators on numeric columns: FillMissing, Clip, LogOp, Normalize, Bucketize, Cast.
+"""Operators on numeric columns: FillMissing, MissingIndicator, Clip, LogOp, Normalize, Bucketize, Cast.
 
 Each takes numbers of any numeric dtype (nullable, arrow-backed or plain) and returns float64
-(FillMissing, Clip, LogOp), float32 (Normalize) or int32 (Bucketize). The usual chain is::
+(FillMissing, Clip, LogOp), float32 (MissingIndicator, Normalize) or int32 (Bucketize). The usual
+chain, with the indicators beside it, is::
 
-    ["I1", "I2"] >> FillMissing() >> Clip(min_value=0) >> LogOp() >> Normalize()
+    conts = ["I1", "I2"]
+    (conts >> FillMissing(strategy="median") >> Clip(min_value=0) >> LogOp() >> Normalize())
+    + (conts >> MissingIndicator())
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import numpy as np
 from pipeline.etl.column_schema import CATEGORICAL, CONTINUOUS
 from pipeline.etl.frames import as_float64, frame_like, is_cudf
 from pipeline.etl.ops.base import Operator
+from pipeline.etl.ops.median import Pivot, summaries, windows
 
 
 def _floats(df: Any) -> Any:
@@ -25,8 +29,10 @@ def _floats(df: Any) -> Any:
 class FillMissing(Operator):
     """Replace missing values by a constant (``fill_value``, default 0) or by each column's median.
 
-    ``strategy="median"`` computes an approximate median with Dask's per-partition percentiles
-    (exact when the data is one partition), so it needs a fit. Output is float64.
+    ``strategy="median"`` fills with the exact median of the fitted rows (the mean of the two middle
+    values for an even count; ``fill_value`` for a column without values), computed in bounded
+    memory (:mod:`pipeline.etl.ops.median`: one pass, a second over the columns with more distinct
+    values than a summary keeps). Output is float64.
 
     Example: ``["I1"] >> FillMissing()`` or ``["I1"] >> FillMissing(strategy="median")``.
     """
@@ -40,18 +46,25 @@ class FillMissing(Operator):
         self.fill_value = float(fill_value)
         self.strategy = strategy
         self.fill_values: dict[str, float] = {}
+        self._pivots: dict[str, Pivot] = {}
 
     @property
     def stateful(self) -> bool:  # type: ignore[override]
         return self.strategy == "median"
 
+    def start_fit(self) -> None:
+        super().start_fit()
+        self.fill_values, self._pivots = {}, {}
+
     def fit(self, ddf: Any) -> Any:
-        floats = ddf.map_partitions(_floats, meta=_floats(ddf._meta))
-        return {name: floats[name].quantile(0.5) for name in ddf.columns}
+        return windows(ddf, self._pivots) if self._pivots else summaries(ddf)
 
     def fit_finalize(self, stats: Any) -> None:
-        self.fill_values = {name: float(v) for name, v in stats.items()}
-        self._fitted = True
+        self._pivots = {name: v for name, v in stats.items() if isinstance(v, Pivot)}
+        for name, median in stats.items():
+            if not isinstance(median, Pivot):
+                self.fill_values[name] = float(median) if np.isfinite(median) else self.fill_value
+        self._fitted = not self._pivots
 
     def transform_column(self, name: str, values: Any) -> Any:
         if self.strategy == "median":
@@ -67,6 +80,27 @@ class FillMissing(Operator):
     def set_state(self, state: dict, directory) -> None:
         self.fill_values = dict(state["fill_values"])
         self._fitted = True
+
+
+class MissingIndicator(Operator):
+    """``<name>_missing``: 1.0 where a value is missing (null or NaN), else 0.0, as a float32 continuous feature.
+
+    Beside :class:`FillMissing`, it keeps what filling hides: that the value was not there.
+
+    Example: ``(["I1"] >> FillMissing(strategy="median")) + (["I1"] >> MissingIndicator())``
+    gives ``I1`` and ``I1_missing``.
+    """
+
+    output_tags = frozenset({CONTINUOUS})
+    output_dtype = "float32"
+    suffix = "_missing"
+
+    def output_columns(self, columns: list[str]) -> list[str]:
+        return [name + self.suffix for name in columns]
+
+    def transform_column(self, name: str, values: Any) -> Any:
+        v = as_float64(values, name)
+        return v.isna().astype("float32") if is_cudf(v) else np.isnan(v).astype(np.float32)
 
 
 class Clip(Operator):

@@ -1,0 +1,205 @@
+"""Exact medians of Dask columns in bounded memory, the same on pandas and cuDF partitions.
+
+Round one: each partition's present values become a :class:`Summary` (sorted distinct values and
+their counts), merged by a tree of 8. A summary of more than :data:`SUMMARY_POINTS` values is
+compressed to that many evenly spaced order statistics, each standing for its block of rows, and
+adds the block size to its ``error`` (how many ranks a value read from it may be off). Without
+compression the root gives the exact median. Otherwise it gives a :class:`Pivot`: an estimate and
+the error bound.
+
+Round two, only for such columns: each partition counts its values below, equal to and above the
+pivot and keeps the ``width`` values nearest to it on each side (a :class:`Window`); merged, they
+hold the exact middle values.
+
+The median of an even count is the mean of the two middle values (as numpy's and pandas'); a
+column without values has none (NaN).
+
+Example::
+
+    stats = compute(summaries(ddf))               # {column: median or Pivot}
+    pivots = {c: p for c, p in stats.items() if isinstance(p, Pivot)}
+    exact = compute(windows(ddf[list(pivots)], pivots)) if pivots else {}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from pipeline.etl.frames import as_float64, is_cudf
+
+SUMMARY_POINTS = 65_536
+"""Distinct values a summary keeps exactly; beyond, it keeps this many order statistics."""
+_SPLIT_EVERY = 8
+
+
+@dataclass
+class Summary:
+    """Sorted distinct values with their counts; ``error``: how many ranks a value may be off (0: exact)."""
+
+    values: np.ndarray
+    counts: np.ndarray
+    error: int = 0
+
+
+@dataclass(frozen=True)
+class Pivot:
+    """A median estimate whose rank is within ``width - 1`` of the middle ranks."""
+
+    value: float
+    width: int
+
+
+@dataclass
+class Window:
+    """Rows below, equal to and above ``pivot``, and the ``width`` values nearest it on each side (ascending)."""
+
+    pivot: Pivot
+    below: int
+    equal: int
+    above: int
+    lower: np.ndarray
+    upper: np.ndarray
+
+
+def summaries(ddf: Any) -> dict[str, Any]:
+    """Round one, lazy: ``{column: Delayed[float | Pivot]}``, each partition read once for all columns."""
+    from dask import delayed
+
+    names = list(ddf.columns)
+    parts = [delayed(_summarize_partition, pure=True)(part, names) for part in ddf.to_delayed()]
+    return {name: _tree([part[name] for part in parts], _merge_summaries, _estimate) for name in names}
+
+
+def windows(ddf: Any, pivots: dict[str, Pivot]) -> dict[str, Any]:
+    """Round two, lazy: ``{column: Delayed[float]}``, the exact medians of the columns of ``pivots``."""
+    from dask import delayed
+
+    parts = [delayed(_window_partition, pure=True)(part, pivots) for part in ddf[list(pivots)].to_delayed()]
+    return {name: _tree([part[name] for part in parts], _merge_windows, _exact) for name in pivots}
+
+
+def _tree(items: list, merge: Callable, finish: Callable) -> Any:
+    from dask import delayed
+
+    while len(items) > _SPLIT_EVERY:
+        items = [delayed(merge, pure=True)(*items[i : i + _SPLIT_EVERY]) for i in range(0, len(items), _SPLIT_EVERY)]
+    return delayed(finish, pure=True)(*items)
+
+
+# ----------------------------------------------------------------------------------------- round one
+
+
+def _summarize_partition(df: Any, names: list[str]) -> dict[str, Summary]:
+    return {name: _summarize(as_float64(df[name], name)) for name in names}
+
+
+def _summarize(values: Any) -> Summary:
+    if is_cudf(values):
+        present = values.dropna()
+        counts = present.value_counts()
+        if len(counts) > SUMMARY_POINTS:  # the order statistics, sorted on the GPU
+            middles, sizes = _blocks(len(present))
+            return Summary(present.sort_values().iloc[middles].to_numpy().astype(np.float64), sizes, int(sizes.max()))
+        counts = counts.sort_index()
+        return Summary(counts.index.to_numpy().astype(np.float64), counts.to_numpy().astype(np.int64))
+    present = values[~np.isnan(values)]
+    distinct, counts = np.unique(present, return_counts=True)
+    return _compress(Summary(distinct, counts.astype(np.int64)))
+
+
+def _blocks(total: int) -> tuple[np.ndarray, np.ndarray]:
+    """For ``total`` > :data:`SUMMARY_POINTS` sorted rows: the middle rank and the size of each of that many blocks."""
+    bounds = np.arange(SUMMARY_POINTS + 1, dtype=np.int64) * total // SUMMARY_POINTS
+    return (bounds[:-1] + bounds[1:]) // 2, np.diff(bounds)
+
+
+def _compress(summary: Summary) -> Summary:
+    if len(summary.values) <= SUMMARY_POINTS:
+        return summary
+    middles, sizes = _blocks(int(summary.counts.sum()))
+    at = np.searchsorted(np.cumsum(summary.counts), middles, side="right")
+    return Summary(summary.values[at], sizes, summary.error + int(sizes.max()))
+
+
+def _merged(parts: tuple[Summary, ...]) -> Summary:
+    values = np.concatenate([p.values for p in parts])
+    distinct, inverse = np.unique(values, return_inverse=True)
+    counts = np.bincount(inverse, weights=np.concatenate([p.counts for p in parts]), minlength=len(distinct))
+    return Summary(distinct, counts.astype(np.int64), sum(p.error for p in parts))
+
+
+def _merge_summaries(*parts: Summary) -> Summary:
+    return _compress(_merged(parts))
+
+
+def _estimate(*parts: Summary) -> float | Pivot:
+    """The median when no summary was compressed, else the pivot for round two (the root is not compressed)."""
+    summary = _merged(parts)
+    rows = int(summary.counts.sum())
+    if rows == 0:
+        return float("nan")
+    cumulative = np.cumsum(summary.counts)
+    low, high = (summary.values[np.searchsorted(cumulative, rank, side="right")] for rank in _middle(rows))
+    if summary.error:
+        return Pivot(float(low), summary.error + 1)
+    return float((low + high) / 2)
+
+
+def _middle(rows: int) -> tuple[int, int]:
+    return (rows - 1) // 2, rows // 2
+
+
+# ----------------------------------------------------------------------------------------- round two
+
+
+def _window_partition(df: Any, pivots: dict[str, Pivot]) -> dict[str, Window]:
+    return {name: _window(as_float64(df[name], name), pivot) for name, pivot in pivots.items()}
+
+
+def _window(values: Any, pivot: Pivot) -> Window:
+    if is_cudf(values):
+        present = values.dropna()
+        lower, upper = present[present < pivot.value], present[present > pivot.value]
+        below, above = len(lower), len(upper)
+        lower = np.sort(lower.nlargest(pivot.width).to_numpy().astype(np.float64))
+        upper = np.sort(upper.nsmallest(pivot.width).to_numpy().astype(np.float64))
+        return Window(pivot, below, len(present) - below - above, above, lower, upper)
+    present = values[~np.isnan(values)]
+    lower, upper = present[present < pivot.value], present[present > pivot.value]
+    return Window(pivot, len(lower), len(present) - len(lower) - len(upper), len(upper),
+                  _largest(lower, pivot.width), -_largest(-upper, pivot.width)[::-1])
+
+
+def _largest(values: np.ndarray, k: int) -> np.ndarray:
+    """The ``k`` largest values, ascending."""
+    if len(values) > k:
+        values = np.partition(values, len(values) - k)[len(values) - k :]
+    return np.sort(values)
+
+
+def _merge_windows(*parts: Window) -> Window:
+    width = parts[0].pivot.width
+    return Window(parts[0].pivot, sum(p.below for p in parts), sum(p.equal for p in parts),
+                  sum(p.above for p in parts), _largest(np.concatenate([p.lower for p in parts]), width),
+                  -_largest(-np.concatenate([p.upper for p in parts]), width)[::-1])
+
+
+def _exact(*parts: Window) -> float:
+    window = _merge_windows(*parts)
+    rows = window.below + window.equal + window.above
+
+    def value(rank: int) -> float:
+        if window.below <= rank < window.below + window.equal:
+            return window.pivot.value
+        side, at = ((window.lower, len(window.lower) - (window.below - rank)) if rank < window.below
+                    else (window.upper, rank - window.below - window.equal))
+        if not 0 <= at < len(side):
+            raise RuntimeError(f"median: rank {rank} of {rows} is outside the window around {window.pivot}")
+        return float(side[at])
+
+    low, high = (value(rank) for rank in _middle(rows))
+    return (low + high) / 2
