@@ -31,9 +31,10 @@ CASES = {
     # over 65536 bags: the forward pools 8 consecutive bags per thread group
     "large_batch": ([(100_000, 32, ["a"], "sum"), (50, 7, ["b"], "mean"), (1000, 64, ["c"], "sum")], ["a", "b", "c"],
                     30_000, 3, None),
-    # thousands of ids on a few rows: their runs cross many update segments (summed apart, then together)
+    # over a thousand ids on each of a few rows: their runs cross many update segments (summed apart, then
+    # together); more would only test fp32 summation order against the reference's
     "tiny_tables_hot_rows": ([(3, 128, ["a"], "sum"), (7, 300, ["b"], "mean"), (20_000, 64, ["c"], "sum")],
-                             ["a", "b", "c"], 20_000, 2, None),
+                             ["a", "b", "c"], 4_000, 2, None),
     "zero_batch": ([(10, 16, ["a"], "sum"), (10, 8, ["b"], "sum")], ["a", "b"], 0, 3, None),
     "all_empty": ([(10, 16, ["a"], "sum"), (10, 8, ["b"], "mean")], ["a", "b"], 16, 0, None),
 }
