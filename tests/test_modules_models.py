@@ -103,9 +103,22 @@ def test_logistic_regression_is_one_weight_per_category_and_dense_feature_starti
 def test_dlrm_interaction_width_and_bad_bottom_mlp():
     model = build_model("dlrm", _schema(), SIZES)
     # 3 slots + the bottom output: 4 vectors, 6 pairs, plus the bottom output itself.
-    assert model.top[0].in_features == 8 + 6
+    assert model.top[0].pad == 2 and model.top[1].in_features == 8 + 6 + 2  # padded to a multiple of 8
     with pytest.raises(ValueError, match="must end in the embedding dim 8"):
         build_model("dlrm", _schema(), ModelSizes(8, [16, 4], [8, 1]))
+
+
+def test_dcnv2_is_mlperfs_dlrm_dcnv2_with_the_mlperf_preset():
+    sizes = ModelSizes.preset("mlperf")
+    model = build_model("dcnv2", _schema(), sizes)
+    width = sizes.bottom_mlp[-1] + 3 * 128  # the bottom MLP's output and three pooled embeddings
+    assert len(model.cross) == 3
+    low, up = model.cross[0]
+    assert (low.in_features, low.out_features, up.out_features) == (width, 512, width)
+    dense, sparse, _ = _planted_batch(torch.Generator().manual_seed(2), 8)
+    assert model(dense, sparse).shape == (8,)
+    full = build_model("dcnv2", _schema(), SIZES)  # the small preset keeps full-rank cross layers
+    assert isinstance(full.cross[0], torch.nn.Linear) and full.cross[0].in_features == SIZES.bottom_mlp[-1] + 3 * 8
 
 
 def test_presets():

@@ -33,7 +33,7 @@ from pipeline.modules.configs import EmbeddingOptimizerConfig, TableConfig, tabl
 from pipeline.schema import Schema
 
 PRESETS = {
-    "mlperf": dict(embedding_dim=128, bottom_mlp=[512, 256, 128], top_mlp=[1024, 1024, 512, 256, 1]),
+    "mlperf": dict(embedding_dim=128, bottom_mlp=[512, 256, 128], top_mlp=[1024, 1024, 512, 256, 1], cross_rank=512),
     "small": dict(embedding_dim=32, bottom_mlp=[64, 32], top_mlp=[128, 64, 1]),
 }
 
@@ -70,9 +70,29 @@ class ModelSizes:
         return sizes
 
 
+# Tensor-core GEMMs want rows of a multiple of 8 elements (16 bytes in bf16); other widths fall back to
+# kernels several times slower.
+ALIGN = 8
+
+
+class PadColumns(nn.Module):
+    """Appends ``pad`` zero columns, so the next layer's input width is a multiple of :data:`ALIGN`."""
+
+    def __init__(self, pad: int) -> None:
+        super().__init__()
+        self.pad = pad
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.pad(x, (0, self.pad))
+
+
 def mlp(widths: list[int], in_dim: int, last_activation: bool) -> nn.Sequential:
-    """Linear + ReLU layers of the given widths; the last layer without ReLU unless ``last_activation``."""
+    """Linear + ReLU layers of the given widths; the last layer without ReLU unless ``last_activation``.
+    An input width that is not a multiple of :data:`ALIGN` is padded with zero columns first."""
     layers: list[nn.Module] = []
+    if in_dim % ALIGN:
+        layers.append(PadColumns(-in_dim % ALIGN))
+        in_dim += -in_dim % ALIGN
     for i, width in enumerate(widths):
         layers.append(nn.Linear(in_dim, width))
         if i < len(widths) - 1 or last_activation:
@@ -144,13 +164,17 @@ class DLRM(RecModel):
 
 
 class DCNv2(RecModel):
-    """DCN-V2 (stacked): cross layers ``x = x0 * (W x + b) + x`` (full or low rank), then a deep MLP."""
+    """DCN-V2 (stacked), as MLPerf's DLRM-DCNv2: the bottom MLP's output and the embeddings concatenated
+    into ``x0``, cross layers ``x = x0 * (W x + b) + x`` (full rank, or low rank ``W = U V``), then the
+    top MLP."""
 
     name = "dcnv2"
 
     def __init__(self, embedding: EmbeddingCollection, num_dense: int, sizes: ModelSizes) -> None:
         super().__init__(embedding, num_dense)
-        width = num_dense + embedding.output_dim
+        if num_dense:
+            self.bottom = mlp(sizes.bottom_mlp, num_dense, last_activation=True)
+        width = (sizes.bottom_mlp[-1] if num_dense else 0) + embedding.output_dim
         rank = sizes.cross_rank
         self.cross = nn.ModuleList(
             nn.Linear(width, width) if rank <= 0 else nn.Sequential(nn.Linear(width, rank, bias=False),
@@ -160,7 +184,11 @@ class DCNv2(RecModel):
         self.deep = mlp(sizes.top_mlp, width, last_activation=False)
 
     def dense_forward(self, dense, pooled):
-        x0 = torch.cat([dense, pooled.to(dense.dtype)], dim=1)
+        if self.num_dense:
+            bottom = self.bottom(dense)
+            x0 = torch.cat([bottom, pooled.to(bottom.dtype)], dim=1)
+        else:
+            x0 = pooled
         x = x0
         for layer in self.cross:
             x = x0 * layer(x) + x

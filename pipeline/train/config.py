@@ -41,7 +41,9 @@ class TrainConfig:
     top_mlp: list[int] = field(default_factory=list, metadata={
         "help": "top / deep MLP widths ending in 1 (empty: from preset)"})
     cross_layers: int = field(default=3, metadata={"help": "dcnv2: cross layers"})
-    cross_rank: int = field(default=0, metadata={"help": "dcnv2: rank of each cross layer (0: full rank)"})
+    cross_rank: int = field(default=0, metadata={
+        "help": "dcnv2: rank of each cross layer (0: the preset's: 512 for mlperf, as MLPerf's DLRM-DCNv2; full "
+                "rank for small)"})
     multihot_pooling: str = field(default="mean", metadata={"help": "sum | mean pooling of multi-hot features"})
 
     epochs: int = field(default=0, metadata={
