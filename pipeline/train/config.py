@@ -77,6 +77,9 @@ class TrainConfig:
     embedding_backend: str = field(default="auto", metadata={
         "help": "torch | cuda | auto: embedding compute (auto: fused CUDA kernels when usable)"})
     amp: str = field(default="auto", metadata={"help": "auto | bf16 | off: bf16 autocast (auto: on GPU only)"})
+    compile: str = field(default="auto", metadata={
+        "help": "auto | on | off: torch.compile the dense part and the loss of a one-process run, fusing its "
+                "small kernels (auto: on GPU only; the first steps then take the compile time)"})
 
     threads: int = field(default=0, metadata={
         "help": "torch CPU threads while training (0: all cores but one, which the loader's thread uses)"})
@@ -99,6 +102,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for name, allowed in (("model", MODELS), ("preset", PRESETS), ("optimizer", DENSE_OPTIMIZERS),
                               ("embedding_optimizer", EMBEDDING_OPTIMIZERS), ("decay", DECAYS), ("amp", AMP),
+                              ("compile", ("auto", "on", "off")),
                               ("embedding_dtype", ("fp32", "fp16", "bf16")),
                               ("multihot_pooling", ("sum", "mean"))):
             if getattr(self, name) not in allowed:

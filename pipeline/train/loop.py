@@ -22,6 +22,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
@@ -32,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.distributed.world import World
+from pipeline.modules.models import RecModel
 from pipeline.progress import Progress
 from pipeline.train.checkpoint import LoopState, PlainCheckpoints, ShardedCheckpoints
 from pipeline.train.config import TrainConfig
@@ -126,6 +128,10 @@ class Trainer:
         self.keeps_best = cfg.early_stopping > 0 and isinstance(self.checkpoints, PlainCheckpoints)
         self.best_weights: dict[str, torch.Tensor] | None = None
         self.timings = Timings()
+        # The dense part and the loss compiled as one graph (the embedding lookup stays an eager custom op).
+        compiled = cfg.compile == "on" or (cfg.compile == "auto" and self.device.type == "cuda")
+        self._dense_loss = (torch.compile(functools.partial(_dense_loss, model, self.amp), dynamic=False)
+                            if compiled and isinstance(model, RecModel) else None)
 
     @property
     def metrics_path(self) -> Path:
@@ -286,9 +292,12 @@ class Trainer:
             group["lr"] = lr
         self.model.embedding.set_lr(emb_lr)
         batch = batch.to(self.device, non_blocking=True)
-        with autocast(self.device, self.amp):
-            logits = self.model(batch.dense, batch.sparse)
-        loss = F.binary_cross_entropy_with_logits(logits.float(), batch.label.float())
+        if self._dense_loss is not None:
+            loss = self._dense_loss(batch.dense, self.model.embedding(batch.sparse), batch.label)
+        else:
+            with autocast(self.device, self.amp):
+                logits = self.model(batch.dense, batch.sparse)
+            loss = F.binary_cross_entropy_with_logits(logits.float(), batch.label.float())
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self.optimizer.step()
@@ -315,6 +324,14 @@ class Trainer:
         self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(record) + "\n")
+
+
+def _dense_loss(model: RecModel, amp: bool, dense: torch.Tensor, pooled: torch.Tensor,
+                label: torch.Tensor) -> torch.Tensor:
+    """The mean log loss of ``model``'s dense part on the pooled embeddings, bf16 autocast when ``amp``."""
+    with autocast(dense.device, amp):
+        logits = model.dense_forward(dense, pooled)
+    return F.binary_cross_entropy_with_logits(logits.float(), label.float())
 
 
 def _close(batches: Iterable) -> None:
