@@ -10,7 +10,8 @@ it when
 - its JSON is nested deeper than ``max_json_depth`` (400; a linear scan that skips JSON strings,
   over the JSON part alone when ``Inference-Header-Content-Length`` says binary tensors follow),
 - its framing is malformed (400: a bad or repeated ``Content-Length``, both ``Content-Length`` and
-  ``Transfer-Encoding``, a bad chunk, a body that is not the gzip / deflate data it claims to be),
+  ``Transfer-Encoding``, a bad chunk, a body that is not the gzip / deflate data it claims to be, a
+  header too long or folded over lines; 415 / 501 for an encoding other than gzip, deflate, chunked),
 
 and otherwise forwards it to Triton's HTTP port on loopback over one kept-alive connection per
 client connection. While Triton is down (restarting) a request gets 503 with ``Retry-After``.
@@ -39,20 +40,17 @@ from http.server import BaseHTTPRequestHandler
 import numpy as np
 
 CLIENT_TIMEOUT_S = 60.0
-"""An idle or stalled client connection is closed after this long without a byte."""
+"""A client that stalls inside a request (its headers or body) is dropped after this long without a
+byte; a kept-alive connection may idle between requests as long as its client likes."""
 UPSTREAM_TIMEOUT_S = 600.0
 """The longest wait for Triton's answer to one request."""
 
-_HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade",
+_HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade", "expect",
                "content-length"}
 _DIGITS = re.compile(r"[0-9]{1,18}")
 _HEX = re.compile(rb"[0-9a-fA-F]{1,15}")
-# A JSON string, or the rest of the text after an opening quote that is never closed.
-_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"?', re.DOTALL)
-_NOT_BRACKET = bytes(sorted(set(range(256)) - set(b"[]{}")))
-_STEP = np.zeros(256, np.int8)
-_STEP[list(b"[{")] = 1
-_STEP[list(b"]}")] = -1
+_STRUCTURE = b'[]{}"'
+_NOT_STRUCTURE = bytes(sorted(set(range(256)) - set(_STRUCTURE)))
 _BLOCK = 1 << 20
 
 
@@ -66,11 +64,27 @@ class RequestLimits:
 
 def json_depth(text: bytes) -> int:
     """How deeply the arrays and objects of JSON ``text`` nest (0 for a scalar), in linear time and
-    without parsing: brackets inside strings do not count, text after an unclosed quote neither."""
-    brackets = _STRING.sub(b"", text).translate(None, _NOT_BRACKET)
-    depth = deepest = 0
-    for start in range(0, len(brackets), _BLOCK):
-        steps = _STEP[np.frombuffer(brackets, np.uint8, min(_BLOCK, len(brackets) - start), start)]
+    memory, without parsing: brackets inside strings do not count, nor those after an unclosed quote.
+
+    Escaped backslashes, then escaped quotes are dropped (what is left of a run of backslashes escapes
+    the next character, as in JSON); then only quotes and brackets are kept, two quotes in a row are
+    dropped (which changes no other quote's parity: most strings go) and a bracket counts when an even
+    number of quotes comes before it. Where the text is not JSON, what follows the first error may be
+    counted wrongly, but a parser stops there.
+    """
+    if b"\\" in text:
+        text = text.replace(b"\\\\", b"").replace(b'\\"', b"")
+    kept = text.translate(None, _NOT_STRUCTURE).replace(b'""', b"")
+    has_quotes = b'"' in kept
+    depth = deepest = quotes = 0
+    for start in range(0, len(kept), _BLOCK):
+        chars = np.frombuffer(kept, np.uint8, min(_BLOCK, len(kept) - start), start)
+        steps = (chars & 2).view(np.int8) - 1  # [ and { have bit 1 set: +1; ] and }: -1
+        if has_quotes:
+            quote = chars == ord('"')
+            quoted = np.cumsum(quote, dtype=np.int32) + quotes
+            steps[quote | (quoted % 2 == 1)] = 0
+            quotes = int(quoted[-1]) % 2
         running = np.cumsum(steps, dtype=np.int32) + depth
         deepest, depth = max(deepest, int(running.max())), int(running[-1])
     return deepest
@@ -133,10 +147,9 @@ class _Refused(Exception):
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
-    server_version, sys_version = "pipeline-http-guard", ""
     timeout = CLIENT_TIMEOUT_S
     server: _GuardServer
-    _upstream: http.client.HTTPConnection | None = None
+    _upstream: socket.socket | None = None
 
     def setup(self) -> None:
         self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -144,7 +157,7 @@ class _Handler(BaseHTTPRequestHandler):
         super().setup()
 
     def disconnect(self) -> None:
-        for sock in (self.connection, self._upstream and self._upstream.sock):
+        for sock in (self.connection, self._upstream):
             try:
                 if sock is not None:
                     sock.shutdown(socket.SHUT_RDWR)
@@ -165,8 +178,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def finish(self) -> None:
         self.server.handlers.discard(self)
-        if self._upstream is not None:
-            self._upstream.close()
+        self._close_upstream()
         super().finish()
 
     def do_GET(self) -> None:
@@ -219,12 +231,12 @@ class _Handler(BaseHTTPRequestHandler):
             body = self._read_exactly(size)
         else:
             body = b""
-        coding = (self.headers.get("Content-Encoding") or "identity").strip().lower()
+        coding = ", ".join(self.headers.get_all("Content-Encoding") or ["identity"]).strip().lower()
         if coding in ("gzip", "deflate"):
             body = _decompressed(body, limit)
             del self.headers["Content-Encoding"]
         elif coding != "identity":
-            raise _Refused(415, f"Content-Encoding {coding!r} is not supported: use gzip, deflate or none")
+            raise _Refused(415, f"Content-Encoding {coding!r} is not supported: use one of gzip, deflate or none")
         return body
 
     def _read_chunked(self, limit: int) -> bytes:
@@ -267,40 +279,42 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _forward(self, body: bytes) -> None:
         headers = [(k, v) for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP]
+        if any("\r" in v or "\n" in v for _, v in headers):
+            self._reply_error(400, "a header value runs over several lines")
+            return
+        head = [f"{self.command} {self.path} HTTP/1.1", *(f"{k}: {v}" for k, v in headers),
+                f"Content-Length: {len(body)}"]
+        request = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
         for attempt in range(2):
-            reused = self._upstream is not None and self._upstream.sock is not None
-            if self._upstream is None:
-                self._upstream = http.client.HTTPConnection(*self.server.upstream, timeout=UPSTREAM_TIMEOUT_S)
+            reused = self._upstream is not None
             try:
-                self._upstream.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)
-                for key, value in headers:
-                    self._upstream.putheader(key, value)
-                self._upstream.putheader("Content-Length", str(len(body)))
-                self._upstream.endheaders(body)
-                reply = self._upstream.getresponse()
+                if self._upstream is None:
+                    self._upstream = socket.create_connection(self.server.upstream, timeout=UPSTREAM_TIMEOUT_S)
+                    self._upstream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                self._upstream.sendall(request)
+                reply = http.client.HTTPResponse(self._upstream, method=self.command)
+                reply.begin()
                 data = reply.read()
                 break
-            except (http.client.InvalidURL, ValueError) as err:  # a path or header http.client will not send
-                self._upstream.close()
-                self._reply_error(400, f"bad request line or header: {err}")
-                return
             except TimeoutError:
-                self._upstream.close()
+                self._close_upstream()
                 self._reply_error(504, f"the model server did not answer within {UPSTREAM_TIMEOUT_S:.0f} s")
                 return
             except (OSError, http.client.HTTPException):
-                self._upstream.close()  # a kept-alive connection Triton closed: one retry on a new one
+                self._close_upstream()  # a kept-alive connection Triton closed: one retry on a new one
                 if attempt or not reused:
                     self._reply_error(503, "the model server is not available (restarting?): retry shortly",
                                       extra=[("Retry-After", "1")])
                     return
-        self.send_response(reply.status, reply.reason)
-        for key, value in reply.getheaders():
-            if key.lower() not in _HOP_BY_HOP:
-                self.send_header(key, value)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        if reply.will_close:
+            self._close_upstream()
+        self._reply(reply.status, reply.reason,
+                    [(k, v) for k, v in reply.getheaders() if k.lower() not in _HOP_BY_HOP], data)
+
+    def _close_upstream(self) -> None:
+        if self._upstream is not None:
+            self._upstream.close()
+            self._upstream = None
 
     def _drain(self) -> None:
         """Read and drop what the client still sends for a while, so that closing does not reset the
@@ -316,19 +330,18 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _reply_error(self, status: int, message: str, close: bool = False,
                      extra: list[tuple[str, str]] = ()) -> None:
+        headers = [("Content-Type", "application/json"), *extra]
         data = json.dumps({"error": message}).encode()
-        if close:
-            self.close_connection = True
+        self._reply(status, self.responses.get(status, ("Error",))[0], headers, data, close)
+
+    def _reply(self, status: int, reason: str, headers: list[tuple[str, str]], data: bytes, close: bool = False) -> None:
+        """The whole answer in one write (no wait on Nagle's algorithm)."""
+        self.close_connection = self.close_connection or close
+        head = [f"HTTP/1.1 {status} {reason}", *(f"{k}: {v}" for k, v in headers), f"Content-Length: {len(data)}"]
+        if self.close_connection:
+            head.append("Connection: close")
         try:
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            for key, value in extra:
-                self.send_header(key, value)
-            if close:
-                self.send_header("Connection", "close")
-            self.end_headers()
-            self.wfile.write(data)
+            self.wfile.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + data)
         except OSError:
             self.close_connection = True
 

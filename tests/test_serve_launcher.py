@@ -4,6 +4,7 @@ guard's limits and framing checks in front of a real server, and restarting a se
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import http.client
 import json
@@ -201,6 +202,7 @@ def test_the_guard_refuses_what_is_over_its_limits_and_forwards_the_rest(guarded
         ("not gzip at all", _post(good, Content_Encoding="gzip"), 400, "not the gzip / deflate data"),
         ("gzip cut short", _post(gzip.compress(good)[:-10], Content_Encoding="gzip"), 400, "ends early"),
         ("an unknown encoding", _post(good, Content_Encoding="br"), 415, "'br' is not supported"),
+        ("gzip twice", _post(gzip.compress(gzip.compress(good)), Content_Encoding="gzip, gzip"), 415, "one of"),
         ("a length that is not a number", _post(good, Content_Length="0x10"), 400, "bad Content-Length"),
         ("two different lengths", _post(good, Content_Length="3\r\nContent-Length: 4"), 400, "bad Content-Length"),
         ("length and chunked", _post(_chunked(good), Content_Length="3", Transfer_Encoding="chunked"), 400,
@@ -212,19 +214,18 @@ def test_the_guard_refuses_what_is_over_its_limits_and_forwards_the_rest(guarded
         ("a JSON header longer than the body", _post(good, Inference_Header_Content_Length="9999"), 400,
          "bad Inference-Header-Content-Length"),
         ("a header line over 64 KiB", _post(good, X_Long="x" * 70_000), 431, "Line too long"),
+        ("a folded header line", _post(good, X_Folded="a\r\n b"), 400, "runs over several lines"),
+        ("not HTTP at all (TLS)", b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n", 400, "Bad request syntax"),
     ]
     for what, request, status, fragment in refused:
         got, headers, body = _exchange(guarded, request)
         assert got == status and fragment in json.loads(body)["error"], f"{what}: {got} {body!r}"
         assert headers["Content-Type"] == "application/json", what
-    host, port = guarded.http_url.rsplit(":", 1)
-    with socket.create_connection((host, int(port)), timeout=30) as sock:
-        sock.sendall(b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n")  # not HTTP at all (TLS)
-        assert "Bad request syntax" in json.loads(sock.makefile("rb").read())["error"]
     forwarded = [
         ("plain JSON", _post(good)),
         ("chunked", _post(_chunked(good, 7), Transfer_Encoding="chunked")),
         ("gzip", _post(gzip.compress(good), Content_Encoding="gzip")),
+        ("100-continue", _post(good, Expect="100-continue")),
         ("JSON at the depth limit", _post(_infer_json([[1, 2]], nesting=15))),
     ]
     for what, request in forwarded:
@@ -260,19 +261,24 @@ def test_clients_keep_their_connection_and_binary_data_is_not_scanned(guarded):
 def test_a_server_that_dies_is_restarted_behind_the_guard_then_given_up(repository, capsys):
     server = TritonServer(repository, limits=LIMITS).start()
     seen: dict[str, object] = {}
+    given_up = threading.Event()
 
     def kill_twice():
-        first = seen["first"] = server.pid
-        os.kill(first, signal.SIGKILL)
-        while _alive(first):
-            time.sleep(0.01)
-        seen["during"] = _exchange(server, _post(_infer_json([[1, 2]])))
-        deadline = time.monotonic() + 60
-        while _exchange(server, b"GET /v2/health/ready HTTP/1.1\r\n\r\n")[0] != 200 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        seen["after"] = _exchange(server, _post(_infer_json([[1, 2]])))
-        seen["second"] = server.pid
-        os.kill(server.pid, signal.SIGKILL)
+        try:
+            first = seen["first"] = server.pid
+            os.kill(first, signal.SIGKILL)
+            while _alive(first):
+                time.sleep(0.01)
+            seen["during"] = _exchange(server, _post(_infer_json([[1, 2]])))
+            deadline = time.monotonic() + 60
+            while _exchange(server, b"GET /v2/health/ready HTTP/1.1\r\n\r\n")[0] != 200 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            seen["after"] = _exchange(server, _post(_infer_json([[1, 2]])))
+            seen["second"] = server.pid
+        finally:  # the second death; repeated until supervise gives up, also should a step above fail
+            while not given_up.wait(0.2):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(server.pid, signal.SIGKILL)
 
     killer = threading.Thread(target=kill_twice)
     urls, restarts = (server.http_url, server.grpc_url), []
@@ -281,6 +287,7 @@ def test_a_server_that_dies_is_restarted_behind_the_guard_then_given_up(reposito
         with pytest.raises(UserError, match=r"killed by SIGKILL, after 1 restarts within serve.restart_window_s=60 "
                                             r"s: gave up \(its log: .*tritonserver.log\)"):
             supervise(server, ServeConfig(max_restarts=1, restart_window_s=60), restarts)
+        given_up.set()
         killer.join(30)
         assert len(restarts) == 1 and (server.http_url, server.grpc_url) == urls
         status, headers, body = seen["during"]
@@ -289,6 +296,7 @@ def test_a_server_that_dies_is_restarted_behind_the_guard_then_given_up(reposito
         assert status == 200 and json.loads(body)["outputs"][0]["data"] == [2, 4]
         out = capsys.readouterr().out
         assert "killed by SIGKILL; restarting it on the same ports (restart 1 of at most 1 within 60 s" in out
-        assert "restarted in" in out and f"(pid {seen['second']})" in out and seen["second"] != seen["first"]
+        assert seen["second"] != seen["first"]
     finally:
+        given_up.set()
         server.stop()

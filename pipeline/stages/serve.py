@@ -78,9 +78,9 @@ def run(cfg: PipelineConfig, smoke: bool = False) -> dict:
 
 
 def supervise(server: TritonServer, serve: ServeConfig, restarts: list[float]) -> None:
-    """Watch the server until interrupted; start it again when it dies, appending to ``restarts`` the time
-    of each restart; give up with a UserError when it died more than ``serve.max_restarts`` times within
-    ``serve.restart_window_s``."""
+    """Watch the server until interrupted and start it again when it dies (also while starting again),
+    appending the time of each restart to ``restarts``; give up with a UserError when it died after
+    ``serve.max_restarts`` restarts within ``serve.restart_window_s``."""
     while True:
         while server.is_alive():
             time.sleep(0.2)
@@ -97,8 +97,9 @@ def supervise(server: TritonServer, serve: ServeConfig, restarts: list[float]) -
         started = time.perf_counter()
         try:
             server.restart()
-        except ServerError:
-            raise UserError(f"tritonserver did not start again (its log: {server.log_path})") from None
+        except ServerError as err:
+            print(f"[serve] tritonserver did not start again: {str(err).splitlines()[0]}", flush=True)
+            continue
         print(f"[serve] tritonserver restarted in {time.perf_counter() - started:.1f} s (pid {server.pid})",
               flush=True)
 
