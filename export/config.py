@@ -10,6 +10,10 @@ from pipeline.train.config import check_run_name
 DENSE_BACKENDS = ("python", "pytorch")
 INSTANCE_KINDS = ("auto", "cpu", "gpu")
 CACHE_POLICIES = ("lru", "lfu", "none")
+MAX_REQUEST_MB = 2047.0
+"""The guard holds each request body in memory whole."""
+MAX_JSON_DEPTH = 1000
+"""Well below the depths that crash Triton's recursive JSON parser (a request's data nested 40,000 deep)."""
 
 
 @dataclass
@@ -53,7 +57,8 @@ class ServeConfig:
     """How the Triton server is started."""
 
     host: str = field(default="127.0.0.1", metadata={"help": "address to bind (loopback unless asked)"})
-    http_port: int = field(default=0, metadata={"help": "HTTP port (0: a free one)"})
+    http_port: int = field(default=0, metadata={
+        "help": "HTTP port (0: a free one), served by a guard that forwards requests within the limits to Triton"})
     grpc_port: int = field(default=0, metadata={"help": "gRPC port (0: a free one)"})
     binary: str = field(default="", metadata={
         "help": "tritonserver executable (empty: one on PATH, else the one bundled with nvidia-pytriton)"})
@@ -61,6 +66,16 @@ class ServeConfig:
         "help": "venv the python models run in (empty: $PIPELINE_TRITON_ENV or .venv-triton; needs numpy<2)"})
     startup_timeout: float = field(default=180.0, metadata={"help": "seconds to wait for the server to be ready"})
     smoke_rows: int = field(default=8, metadata={"help": "raw test rows sent as the smoke request"})
+    max_request_mb: float = field(default=64.0, metadata={
+        "help": "largest HTTP request body in MiB (decompressed); larger ones get 413 and never reach Triton"})
+    max_json_depth: int = field(default=64, metadata={
+        "help": "deepest nesting of an HTTP request's JSON (a request of the model needs about 5; Triton crashes "
+                "on tens of thousands); deeper ones get 400 and never reach Triton"})
+    max_restarts: int = field(default=5, metadata={
+        "help": "restarts of a tritonserver that died, within serve.restart_window_s, before serving gives up "
+                "(0: never restart)"})
+    restart_window_s: float = field(default=600.0, metadata={
+        "help": "seconds over which serve.max_restarts is counted"})
     once: bool = field(default=False, metadata={
         "help": "stop the server after the smoke request (for scripts) instead of serving until Ctrl-C"})
 
@@ -71,3 +86,7 @@ class ServeConfig:
         check_range("serve.grpc_port", self.grpc_port, 0, 65535)
         check_range("serve.startup_timeout", self.startup_timeout, 0, low_open=True)
         check_range("serve.smoke_rows", self.smoke_rows, 1)
+        check_range("serve.max_request_mb", self.max_request_mb, 0, MAX_REQUEST_MB, low_open=True)
+        check_range("serve.max_json_depth", self.max_json_depth, 1, MAX_JSON_DEPTH)
+        check_range("serve.max_restarts", self.max_restarts, 0)
+        check_range("serve.restart_window_s", self.restart_window_s, 0, low_open=True)

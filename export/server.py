@@ -9,12 +9,18 @@ then SIGKILL to its process group), never by name; if the Python process that st
 without stopping it (even by SIGKILL), the kernel sends it SIGTERM (Linux's parent-death signal;
 so start servers from a thread that lives as long as they should, e.g. the main thread).
 
+Triton's HTTP port is not exposed as it is: one JSON body nested deep enough crashes it. With request
+limits (as :func:`start_server` sets them from the serve settings) the public HTTP port is an
+:class:`~export.guard.HttpGuard` in this process, which forwards requests within the limits to
+Triton's HTTP port on 127.0.0.1. :meth:`TritonServer.restart` starts a server that died again on the
+same ports, the guard's public port staying open meanwhile.
+
 Example::
 
     with TritonServer("data/synthetic/export") as server:
-        print(server.http_url, server.grpc_url)   # 127.0.0.1:PORT each
+        print(server.http_url, server.grpc_url)   # 127.0.0.1:PORT each (Triton's own)
 
-    if server_problem(ServeConfig()) is None:       # the same, from the serve settings
+    if server_problem(ServeConfig()) is None:       # from the serve settings, HTTP through the guard
         server = start_server("data/synthetic/export", ServeConfig())
 """
 
@@ -35,6 +41,7 @@ from pathlib import Path
 
 from export.config import ServeConfig
 from export.environment import ModelsEnv, ServerBinary, find_models_env, find_server, make_backend_dir, server_env
+from export.guard import HttpGuard, RequestLimits
 from pipeline.errors import UserError
 
 SHM_DIR = Path("/dev/shm")
@@ -98,7 +105,10 @@ class TritonServer:
     """One ``tritonserver`` process serving ``repository``.
 
     ``binary`` and ``models_env`` default to :func:`find_server` and :func:`find_models_env`.
-    Ports 0 mean free ones. ``startup_timeout`` bounds the wait for readiness.
+    Ports 0 mean free ones. ``startup_timeout`` bounds the wait for readiness. With ``limits``, the
+    HTTP port is an :class:`~export.guard.HttpGuard` that forwards what is within them to Triton's
+    own HTTP port on 127.0.0.1 (``triton_http_port``). The log is ``log_path`` (default: in the
+    server's working folder, removed on stop), emptied on start and kept through restarts.
     """
 
     def __init__(
@@ -112,6 +122,8 @@ class TritonServer:
         models_env: str | Path | None = None,
         startup_timeout: float = 180.0,
         log_verbose: int = 0,
+        limits: RequestLimits | None = None,
+        log_path: str | Path | None = None,
     ) -> None:
         self.repository = Path(repository).resolve()
         if not self.repository.is_dir():
@@ -129,9 +141,11 @@ class TritonServer:
         self.shm_prefix = f"pipeline_{os.getpid()}_{uuid.uuid4().hex[:8]}_"
         self._workdir = Path(tempfile.mkdtemp(prefix="pipeline-triton-"))
         self._remove_workdir = weakref.finalize(self, shutil.rmtree, self._workdir, True)
-        self.log_path = self._workdir / "tritonserver.log"
+        self.log_path = Path(log_path) if log_path else self._workdir / "tritonserver.log"
+        self.limits = limits
+        self.guard: HttpGuard | None = None
         self.process: subprocess.Popen | None = None
-        self.http_port = self.grpc_port = 0
+        self.http_port = self.grpc_port = self.triton_http_port = 0
         self._finalizer: weakref.finalize | None = None
 
     @property
@@ -143,6 +157,10 @@ class TritonServer:
         return f"{self.host}:{self.grpc_port}"
 
     @property
+    def _triton_http_host(self) -> str:
+        return "127.0.0.1" if self.limits is not None else self.host
+
+    @property
     def pid(self) -> int | None:
         return self.process.pid if self.process else None
 
@@ -150,32 +168,78 @@ class TritonServer:
         return self.process is not None and self.process.poll() is None
 
     def start(self) -> TritonServer:
-        """Start the server and wait until it is ready; retries once on a port taken meanwhile."""
-        attempts = 1 if all(self._ports) else 3
+        """Start the server (and the guard) and wait until it is ready; retries on a port taken meanwhile."""
         for port in filter(None, self._ports):
             if not _is_free(self.host, port):
                 raise ServerError(f"port {port} on {self.host} is already in use: choose another or 0 for a free one")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log_path.write_bytes(b"")
+        if self.limits is not None:
+            try:
+                self.guard = HttpGuard(self.host, self._ports[0], self.limits)
+            except OSError as err:
+                raise ServerError(f"the HTTP port {self._ports[0]} on {self.host} cannot be bound ({err}): "
+                                  "choose another or 0 for a free one") from None
+        try:
+            self._start_triton()
+        except BaseException:
+            self._stop_guard()
+            raise
+        if self.guard is not None:
+            self.guard.start()
+        return self
+
+    def _start_triton(self) -> None:
+        triton_http = 0 if self.guard else self._ports[0]
+        attempts = 1 if triton_http and self._ports[1] else 3
         for attempt in range(attempts):
-            self.http_port = self._ports[0] or free_port(self.host)
+            self.triton_http_port = triton_http or free_port(self._triton_http_host)
             self.grpc_port = self._ports[1] or free_port(self.host)
+            if self.guard is None:
+                self.http_port = self.triton_http_port
+            else:
+                self.http_port = self.guard.port
+                self.guard.upstream = (self._triton_http_host, self.triton_http_port)
             self._launch()
             try:
                 self._wait_ready()
-                return self
+                return
             except ServerError:
                 log = self.log_tail()
                 self._end_process()
                 if attempt + 1 == attempts or "already in use" not in log:
                     raise
-        return self
+
+    def restart(self) -> None:
+        """Start the server again on the same ports (after it died) and wait until it is ready; the
+        guard keeps the public HTTP port meanwhile, answering 503."""
+        self._end_process()
+        self._launch()
+        try:
+            self._wait_ready()
+        except ServerError:
+            self._end_process()
+            raise
+
+    def exit_description(self) -> str:
+        """How the process ended: "killed by SIGKILL", "exited with code 1", or "running"."""
+        code = self.process.poll() if self.process else None
+        if code is None:
+            return "running"
+        if code < 0:
+            try:
+                return f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"killed by signal {-code}"
+        return f"exited with code {code}"
 
     def _launch(self) -> None:
         backend_dir = make_backend_dir(self.binary, self.models_env, self._workdir / "backends")
         cmd = [
             str(self.binary.executable),
             f"--model-repository={self.repository}",
-            f"--http-address={self.host}",
-            f"--http-port={self.http_port}",
+            f"--http-address={self._triton_http_host}",
+            f"--http-port={self.triton_http_port}",
             f"--grpc-address={self.host}",
             f"--grpc-port={self.grpc_port}",
             "--allow-metrics=false",
@@ -196,14 +260,14 @@ class TritonServer:
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.startup_timeout
-        url = f"http://{self.http_url}/v2/health/ready"
+        url = f"http://{self._triton_http_host}:{self.triton_http_port}/v2/health/ready"
         while time.monotonic() < deadline:
             if not self.is_alive():
                 raise ServerError(f"tritonserver exited with code {self.process.returncode} before it was ready:\n"
                                   + self.log_tail())
             try:
                 with urllib.request.urlopen(url, timeout=1) as reply:
-                    if reply.status == 200 and self.is_alive() and _listens_on(self.process.pid, self.http_port):
+                    if reply.status == 200 and self.is_alive() and _listens_on(self.process.pid, self.triton_http_port):
                         return
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 pass
@@ -211,11 +275,18 @@ class TritonServer:
         raise ServerError(f"tritonserver was not ready after {self.startup_timeout:.0f} s:\n" + self.log_tail())
 
     def stop(self, timeout: float = 30.0) -> int | None:
-        """SIGTERM by PID, SIGKILL to its process group after ``timeout``; removes its /dev/shm regions and
-        its working folder (the log with it: read :meth:`log_tail` before)."""
+        """Stops the guard; SIGTERM by PID, SIGKILL to its process group after ``timeout``; removes its /dev/shm
+        regions and its working folder (the log with it, unless ``log_path`` was given: read :meth:`log_tail`
+        before)."""
+        self._stop_guard()
         code = self._end_process(timeout)
         self._remove_workdir()
         return code
+
+    def _stop_guard(self) -> None:
+        if self.guard is not None:
+            self.guard.stop()
+            self.guard = None
 
     def _end_process(self, timeout: float = 30.0) -> int | None:
         code = None
@@ -261,11 +332,13 @@ def server_problem(serve: ServeConfig) -> str | None:
     return None
 
 
-def start_server(repository: str | Path, serve: ServeConfig) -> TritonServer:
-    """A started server on ``repository``, with the host, ports, binary and environment of ``serve``."""
+def start_server(repository: str | Path, serve: ServeConfig, log_path: str | Path | None = None) -> TritonServer:
+    """A started server on ``repository``, with the host, ports, binary, environment and request limits of
+    ``serve`` (its HTTP port is guarded), logging to ``log_path`` when given."""
+    limits = RequestLimits(max_body_bytes=int(serve.max_request_mb * 2**20), max_json_depth=serve.max_json_depth)
     return TritonServer(repository, host=serve.host, http_port=serve.http_port, grpc_port=serve.grpc_port,
                         binary=serve.binary, models_env=serve.models_env or None,
-                        startup_timeout=serve.startup_timeout).start()
+                        startup_timeout=serve.startup_timeout, limits=limits, log_path=log_path).start()
 
 
 def _terminate(process: subprocess.Popen, shm_prefix: str, timeout: float = 30.0) -> int | None:

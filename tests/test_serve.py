@@ -1,12 +1,15 @@
 """The exported ensemble in a real Triton server, queried over HTTP and gRPC with tritonclient.
 
 One server is started for the whole module (start-up takes seconds): raw rows go in, and the
-probabilities must equal the in-process model's. The last test stops it and checks that no process
-and no /dev/shm region is left behind (the fixture stops it too if a test fails first).
+probabilities must equal the in-process model's. Its HTTP port is the guard, with the default limits.
+The last test stops it and checks that no process and no /dev/shm region is left behind (the fixture
+stops it too if a test fails first).
 """
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import re
 import signal
@@ -14,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -181,6 +185,72 @@ def test_a_bad_request_among_concurrent_good_ones_fails_alone(served):
         np.testing.assert_allclose(results[i], expected, rtol=0, atol=1e-5)
 
 
+def test_a_deeply_nested_json_request_gets_400_and_the_server_keeps_serving(served):
+    from tritonclient import http as triton
+
+    cfg, _, reference, server = served
+    batch = cfg.export.max_batch_size
+    rows = _rows(cfg)
+    rows = rows.iloc[np.arange(batch) % len(rows)].reset_index(drop=True)
+    with Client(server.http_url, "http") as client:
+        columns = client.columns(rows)
+    inputs = []
+    for name, array in columns.items():
+        tensor = triton.InferInput(name, list(array.shape), "BYTES" if array.dtype == object else "FP64")
+        tensor.set_data_from_numpy(array, binary_data=False)
+        inputs.append(tensor)
+    output = triton.InferRequestedOutput("PREDICTION", binary_data=False)
+    largest_legitimate, json_size = triton.InferenceServerClient.generate_request_body(inputs, [output])
+    assert json_size is None and len(largest_legitimate) > 100_000  # all of it JSON: a batch of the maximum
+    host, port = server.http_url.rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    hostile = b'{"inputs":' + b"[" * 200_000 + b"]" * 200_000 + b"}"
+    connection.request("POST", "/v2/models/ensemble/infer", hostile)
+    reply = connection.getresponse()
+    assert reply.status == 400, reply.status
+    assert "200001 levels deep" in json.loads(reply.read())["error"]
+    connection.request("POST", "/v2/models/ensemble/infer", largest_legitimate)  # the same kept-alive connection
+    reply = connection.getresponse()
+    answer = json.loads(reply.read())
+    assert reply.status == 200, answer
+    np.testing.assert_allclose(answer["outputs"][0]["data"], reference.predict(rows), rtol=0, atol=1e-5)
+    connection.close()
+    assert server.is_alive()
+
+
+def test_an_oversized_body_gets_413_before_it_is_sent(served):
+    cfg, _, reference, server = served
+    host, port = server.http_url.rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    connection.putrequest("POST", "/v2/models/ensemble/infer")
+    connection.putheader("Content-Length", str(int(cfg.serve.max_request_mb * 2**20) + 1))
+    connection.endheaders()
+    reply = connection.getresponse()
+    assert reply.status == 413 and reply.getheader("Connection") == "close"
+    assert "serve.max_request_mb" in json.loads(reply.read())["error"]
+    connection.close()
+    rows = _rows(cfg).iloc[:5]
+    with Client(server.http_url, "http") as client:
+        np.testing.assert_allclose(client.predict(rows), reference.predict(rows), rtol=0, atol=1e-5)
+
+
+def test_a_deeply_nested_grpc_message_is_refused_and_the_server_keeps_serving(served):
+    import grpc
+
+    cfg, _, reference, server = served
+    group = 99 << 3  # an unknown field number, as nested groups: protobuf's recursion limit refuses them
+    start, end = bytes([(group | 3) & 0x7F | 0x80, group >> 7]), bytes([(group | 4) & 0x7F | 0x80, group >> 7])
+    with grpc.insecure_channel(server.grpc_url) as channel:
+        infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+        with pytest.raises(grpc.RpcError) as caught:
+            infer(b"\x0a\x08ensemble" + start * 200_000 + end * 200_000, timeout=60)
+    assert caught.value.code() == grpc.StatusCode.INTERNAL and "Unable to parse" in caught.value.details()
+    rows = _rows(cfg).iloc[:5]
+    with Client(server.grpc_url, "grpc") as client:
+        np.testing.assert_allclose(client.predict(rows), reference.predict(rows), rtol=0, atol=1e-5)
+    assert server.is_alive()
+
+
 def test_cache_counters_are_reported(served):
     cfg, _, _, server = served
     with Client(server.grpc_url, "grpc") as client:
@@ -269,32 +339,59 @@ def test_fused_ranker_serves_the_same_predictions(served, tmp_path):
         server.stop()
 
 
-def test_cli_serve_answers_then_stops_cleanly_on_sigterm(served):
+def _read_until(process: subprocess.Popen, marker: str, timeout: float = 120) -> str:
+    lines = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if marker in line:
+            break
+    return "".join(lines)
+
+
+def _dead(pid: int) -> bool:
+    try:
+        return "State:\tZ" in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
+
+
+def test_cli_serve_restarts_a_killed_server_and_stops_cleanly_on_sigterm(served):
     cfg = served[0]
     command = [sys.executable, "-m", "pipeline", "run", "serve", f"workdir={cfg.workdir}", "device=cpu"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            line = process.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if "Ctrl-C or SIGTERM" in line:
-                break
-        text = "".join(lines)
+        text = _read_until(process, "Ctrl-C or SIGTERM")
         assert "smoke request: 8 raw rows" in text, text
         server_pid = int(re.search(r"ready in .* \(pid (\d+)\)", text).group(1))
-        grpc = re.search(r"gRPC  (\S+)", text).group(1)
-        assert grpc.startswith("127.0.0.1:")
-        with Client(grpc, "grpc") as client:
+        http_url, grpc_url = re.search(r"HTTP  (\S+)   gRPC  (\S+)", text).groups()
+        assert grpc_url.startswith("127.0.0.1:") and http_url.startswith("127.0.0.1:")
+        with Client(grpc_url, "grpc") as client:
             assert client.predict(_rows(cfg).iloc[:3]).shape == (3,)
+        os.kill(server_pid, signal.SIGKILL)
+        while not _dead(server_pid):
+            time.sleep(0.01)
+        host, port = http_url.rsplit(":", 1)
+        connection = http.client.HTTPConnection(host, int(port), timeout=60)
+        connection.request("GET", "/v2/health/ready")
+        reply = connection.getresponse()
+        assert reply.status == 503 and "retry shortly" in json.loads(reply.read())["error"]  # the port stays open
+        text = _read_until(process, "restarted in")
+        assert f"tritonserver (pid {server_pid}) killed by SIGKILL; restarting it on the same ports" in text, text
+        restarted_pid = int(re.search(r"restarted in .* \(pid (\d+)\)", text).group(1))
+        for url, protocol in ((http_url, "http"), (grpc_url, "grpc")):
+            with Client(url, protocol) as client:
+                assert client.predict(_rows(cfg).iloc[:3]).shape == (3,)
+        assert cfg.paths.serve_log.read_text().count("Started GRPCInferenceService") == 2  # one log, both starts
         process.send_signal(signal.SIGTERM)
         assert process.wait(60) == 0
-        assert "stopping" in process.stdout.read()
-        with pytest.raises(ProcessLookupError):
-            os.kill(server_pid, 0)
+        assert "stopping (tritonserver restarts: 1)" in process.stdout.read()
+        for pid in (server_pid, restarted_pid):
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
     finally:
         if process.poll() is None:
             process.kill()

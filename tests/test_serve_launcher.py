@@ -1,20 +1,32 @@
 """The server launcher on a one-model repository (numpy only, so it starts in seconds): ports, the
-PID check, the models' environment, and no leftovers when the starting process is killed."""
+PID check, the models' environment, no leftovers when the starting process is killed, the HTTP
+guard's limits and framing checks in front of a real server, and restarting a server that died."""
 
 from __future__ import annotations
 
+import contextlib
+import gzip
+import http.client
+import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from export.config import ServeConfig
 from export.environment import find_models_env, find_server
+from export.guard import RequestLimits, json_depth
 from export.server import SHM_DIR, ServerError, TritonServer, _listens_on
+from pipeline.errors import UserError
+from pipeline.stages.serve import supervise
 
 CONFIG = """
 name: "twice"
@@ -125,3 +137,166 @@ def test_a_stopped_or_dropped_server_leaves_no_working_folder(repository):
     del never_started
     gc.collect()
     assert not folder.exists()
+
+
+LIMITS = RequestLimits(max_body_bytes=1 << 20, max_json_depth=16)
+INFER = "/v2/models/twice/infer"
+
+
+@pytest.fixture(scope="module")
+def guarded(repository):
+    with TritonServer(repository, limits=LIMITS) as server:
+        yield server
+
+
+def _exchange(server: TritonServer, request: bytes) -> tuple[int, dict, bytes]:
+    """Send raw bytes on a new connection; the status, headers and body of the one answer."""
+    host, port = server.http_url.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(request)
+        reply = http.client.HTTPResponse(sock)
+        reply.begin()
+        return reply.status, dict(reply.getheaders()), reply.read()
+
+
+def _post(body: bytes, **headers: str) -> bytes:
+    lines = [f"POST {INFER} HTTP/1.1", "Host: x", *(f"{k.replace('_', '-')}: {v}" for k, v in headers.items())]
+    if "Transfer_Encoding" not in headers and "Content_Length" not in headers:
+        lines.append(f"Content-Length: {len(body)}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+def _chunked(body: bytes, size: int = 1000) -> bytes:
+    parts = [b"%x\r\n%s\r\n" % (len(body[i:i + size]), body[i:i + size]) for i in range(0, len(body), size)]
+    return b"".join(parts) + b"0\r\n\r\n"
+
+
+def _infer_json(x: list[list[float]], nesting: int = 0) -> bytes:
+    """An inference request of ``x``, with a key Triton ignores holding arrays nested ``nesting`` deep."""
+    extra = b'"ignored": ' + b"[" * nesting + b"]" * nesting + b", " if nesting else b""
+    tensor = {"name": "X", "shape": [len(x), 2], "datatype": "FP32", "data": x}
+    return b"{" + extra + json.dumps({"inputs": [tensor]}).encode()[1:]
+
+
+def test_json_depth_counts_brackets_outside_strings():
+    assert json_depth(b"3") == 0 and json_depth(b"") == 0
+    assert json_depth(b'{"a": [[1], [2]], "b": {"c": []}}') == 3
+    assert json_depth(b'["[[[{{", "\\"[[[", "\\\\", []]') == 2  # brackets in strings, escaped quotes
+    assert json_depth(b'[1, "[[[[ never closed') == 1
+    assert json_depth(b"[" * 3_000_000) == 3_000_000  # past one block of the scan
+    assert json_depth(b"[]" * 2_000_000) == 1
+
+
+def test_the_guard_refuses_what_is_over_its_limits_and_forwards_the_rest(guarded):
+    good, deep = _infer_json([[1, 2]]), _infer_json([[1, 2]], nesting=16)
+    refused = [
+        ("JSON one level too deep", _post(deep), 400, "nests 17 levels deep, more than the 16 allowed"),
+        ("JSON 200,000 levels deep", _post(b"[" * 200_000 + b"]" * 200_000), 400, "200000 levels deep"),
+        ("a length over the limit, body not sent", _post(b"", Content_Length=str((1 << 20) + 1)), 413,
+         "more than the 1048576 allowed (serve.max_request_mb)"),
+        ("a chunked body over the limit", _post(_chunked(b" " * ((1 << 20) + 1), 1 << 16),
+                                                Transfer_Encoding="chunked"), 413, "serve.max_request_mb"),
+        ("gzip over the limit once decompressed", _post(gzip.compress(b" " * (8 << 20)), Content_Encoding="gzip"),
+         413, "decompressed request body is over"),
+        ("gzip of deep JSON", _post(gzip.compress(deep), Content_Encoding="gzip"), 400, "17 levels deep"),
+        ("not gzip at all", _post(good, Content_Encoding="gzip"), 400, "not the gzip / deflate data"),
+        ("gzip cut short", _post(gzip.compress(good)[:-10], Content_Encoding="gzip"), 400, "ends early"),
+        ("an unknown encoding", _post(good, Content_Encoding="br"), 415, "'br' is not supported"),
+        ("gzip twice", _post(gzip.compress(gzip.compress(good)), Content_Encoding="gzip, gzip"), 415, "one of"),
+        ("a length that is not a number", _post(good, Content_Length="0x10"), 400, "bad Content-Length"),
+        ("two different lengths", _post(good, Content_Length="3\r\nContent-Length: 4"), 400, "bad Content-Length"),
+        ("length and chunked", _post(_chunked(good), Content_Length="3", Transfer_Encoding="chunked"), 400,
+         "both Content-Length and Transfer-Encoding"),
+        ("a chunk size that is not hex", _post(b"zz\r\n", Transfer_Encoding="chunked"), 400, "bad chunk size"),
+        ("a chunk longer than it says", _post(b"2\r\nabc\r\n0\r\n\r\n", Transfer_Encoding="chunked"), 400,
+         "does not end where its size says"),
+        ("another transfer encoding", _post(good, Transfer_Encoding="gzip, chunked"), 501, "only chunked"),
+        ("a JSON header longer than the body", _post(good, Inference_Header_Content_Length="9999"), 400,
+         "bad Inference-Header-Content-Length"),
+        ("a header line over 64 KiB", _post(good, X_Long="x" * 70_000), 431, "Line too long"),
+        ("a folded header line", _post(good, X_Folded="a\r\n b"), 400, "runs over several lines"),
+        ("not HTTP at all (TLS)", b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n", 400, "Bad request syntax"),
+    ]
+    for what, request, status, fragment in refused:
+        got, headers, body = _exchange(guarded, request)
+        assert got == status and fragment in json.loads(body)["error"], f"{what}: {got} {body!r}"
+        assert headers["Content-Type"] == "application/json", what
+    forwarded = [
+        ("plain JSON", _post(good)),
+        ("chunked", _post(_chunked(good, 7), Transfer_Encoding="chunked")),
+        ("gzip", _post(gzip.compress(good), Content_Encoding="gzip")),
+        ("100-continue", _post(good, Expect="100-continue")),
+        ("JSON at the depth limit", _post(_infer_json([[1, 2]], nesting=15))),
+    ]
+    for what, request in forwarded:
+        got, _, body = _exchange(guarded, request)
+        assert got == 200 and json.loads(body)["outputs"][0]["data"] == [2, 4], f"{what}: {body!r}"
+    assert guarded.is_alive()
+
+
+def test_clients_keep_their_connection_and_binary_data_is_not_scanned(guarded):
+    from tritonclient import http as triton
+
+    client = triton.InferenceServerClient(guarded.http_url)
+    brackets = np.frombuffer(b"[" * 4 * 16, np.float32).reshape(8, 2)  # raw bytes '[' after the JSON header
+    x = triton.InferInput("X", [8, 2], "FP32")
+    x.set_data_from_numpy(brackets)
+    np.testing.assert_array_equal(client.infer("twice", [x]).as_numpy("Y"), 2 * brackets)
+    for compression in ("gzip", "deflate"):
+        got = client.infer("twice", [x], request_compression_algorithm=compression).as_numpy("Y")
+        np.testing.assert_array_equal(got, 2 * brackets)
+    host, port = guarded.http_url.rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    for body, status in ((_infer_json([[1, 2]]), 200), (b"[" * 100 + b"]" * 100, 400), (_infer_json([[3, 4]]), 200)):
+        connection.request("POST", INFER, body)
+        reply = connection.getresponse()
+        assert reply.status == status and reply.getheader("Connection") != "close", reply.read()
+        reply.read()
+    first = connection.sock
+    connection.request("GET", "/v2/health/ready")
+    assert connection.getresponse().status == 200 and connection.sock is first  # one connection throughout
+    connection.close()
+
+
+def test_a_server_that_dies_is_restarted_behind_the_guard_then_given_up(repository, capsys):
+    server = TritonServer(repository, limits=LIMITS).start()
+    seen: dict[str, object] = {}
+    given_up = threading.Event()
+
+    def kill_twice():
+        try:
+            first = seen["first"] = server.pid
+            os.kill(first, signal.SIGKILL)
+            while _alive(first):
+                time.sleep(0.01)
+            seen["during"] = _exchange(server, _post(_infer_json([[1, 2]])))
+            deadline = time.monotonic() + 60
+            while _exchange(server, b"GET /v2/health/ready HTTP/1.1\r\n\r\n")[0] != 200 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            seen["after"] = _exchange(server, _post(_infer_json([[1, 2]])))
+            seen["second"] = server.pid
+        finally:  # the second death; repeated until supervise gives up, also should a step above fail
+            while not given_up.wait(0.2):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(server.pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_twice)
+    urls, restarts = (server.http_url, server.grpc_url), []
+    try:
+        killer.start()
+        with pytest.raises(UserError, match=r"killed by SIGKILL, after 1 restarts within serve.restart_window_s=60 "
+                                            r"s: gave up \(its log: .*tritonserver.log\)"):
+            supervise(server, ServeConfig(max_restarts=1, restart_window_s=60), restarts)
+        given_up.set()
+        killer.join(30)
+        assert len(restarts) == 1 and (server.http_url, server.grpc_url) == urls
+        status, headers, body = seen["during"]
+        assert status == 503 and headers["Retry-After"] == "1" and "retry shortly" in json.loads(body)["error"]
+        status, _, body = seen["after"]
+        assert status == 200 and json.loads(body)["outputs"][0]["data"] == [2, 4]
+        out = capsys.readouterr().out
+        assert "killed by SIGKILL; restarting it on the same ports (restart 1 of at most 1 within 60 s" in out
+        assert seen["second"] != seen["first"]
+    finally:
+        given_up.set()
+        server.stop()

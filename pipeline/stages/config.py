@@ -71,6 +71,10 @@ class Paths:
     def export(self) -> Path:
         return self.root / "export"
 
+    @property
+    def serve_log(self) -> Path:
+        return self.root / "serve" / "tritonserver.log"
+
 
 @dataclass
 class PipelineConfig:
