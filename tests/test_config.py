@@ -56,7 +56,7 @@ def test_nproc_is_for_training_only(capsys):
 
 def test_a_refused_value_names_its_setting_once(capsys):
     assert main(["config", "show", "train.lr=-1"]) == 2
-    assert capsys.readouterr().err == "error: train.lr: expected a finite number > 0, got -1.0\n"
+    assert capsys.readouterr().err == "error: train.lr: expected a finite number >= 0, got -1.0\n"
     assert main(["config", "show", "data.rows=0"]) == 2
     assert capsys.readouterr().err == "error: data.rows: expected an integer >= 1, got 0\n"
 

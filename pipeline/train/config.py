@@ -55,10 +55,13 @@ class TrainConfig:
     eval_every: int = field(default=0, metadata={"help": "evaluate on valid every N steps (0: at each epoch's end)"})
 
     optimizer: str = field(default="adam", metadata={"help": "dense optimizer: sgd | adam | adagrad"})
-    lr: float = field(default=0.01, metadata={"help": "peak learning rate of the dense part"})
+    lr: float = field(default=0.0, metadata={
+        "help": "peak learning rate of the dense part (0: the optimizer's: adam and adagrad 0.01; sgd 0.75 per "
+                "2048 samples of the batch, the linear scaling rule, 24 at MLPerf's 65536)"})
     embedding_optimizer: str = field(default="adagrad", metadata={
         "help": "fused sparse optimizer of the tables: sgd | adagrad (row-wise) | adam (lazy)"})
-    embedding_lr: float = field(default=0.2, metadata={"help": "peak learning rate of the embedding tables"})
+    embedding_lr: float = field(default=0.0, metadata={
+        "help": "peak learning rate of the embedding tables (0: the optimizer's: adagrad 0.2, adam 0.01, sgd 16)"})
     weight_decay: float = field(default=0.0, metadata={"help": "L2 weight decay (dense and embedding)"})
     warmup_fraction: float = field(default=0.2, metadata={
         "help": "linear warmup from 0 to the peak lr over this fraction of the run's steps"})
@@ -117,9 +120,24 @@ class TrainConfig:
                 check_range(f"train.{name} (each width)", width, 1)
         if self.top_mlp and self.top_mlp[-1] != 1:
             raise ValueError(f"train.top_mlp: the last width must be 1 (one logit), got {self.top_mlp}")
-        check_range("train.lr", self.lr, 0, low_open=True)
-        check_range("train.embedding_lr", self.embedding_lr, 0, low_open=True)
+        check_range("train.lr", self.lr, 0)
+        check_range("train.embedding_lr", self.embedding_lr, 0)
         check_range("train.weight_decay", self.weight_decay, 0)
         check_range("train.min_lr_ratio", self.min_lr_ratio, 0, 1)
         check_range("train.warmup_fraction", self.warmup_fraction, 0, 1, high_open=True)
         check_run_name("train.run", self.run)
+
+    @property
+    def dense_lr(self) -> float:
+        """The dense part's peak lr: ``lr``, or the optimizer's default for this batch size."""
+        if self.lr > 0:
+            return self.lr
+        return 0.75 * self.batch_size / 2048 if self.optimizer == "sgd" else 0.01
+
+    @property
+    def table_lr(self) -> float:
+        """The tables' peak lr: ``embedding_lr``, or the optimizer's default. SGD tables get a large one: a
+        row's gradient is its occurrences' share of the batch's mean loss, so a rare row moves little."""
+        if self.embedding_lr > 0:
+            return self.embedding_lr
+        return {"adagrad": 0.2, "adam": 0.01, "sgd": 16.0}[self.embedding_optimizer]

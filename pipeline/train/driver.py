@@ -221,7 +221,7 @@ def _summary(cfg: TrainConfig, spec: dict, world: World, fitted: dict, test: dic
     gap = oracle["test"]["auc"] - test["auc"] if oracle else None
     settings = dataclasses.asdict(cfg)
     settings.update({k: v for k, v in spec["sizes"].items() if k in settings})  # the sizes used, not 0 / [] for "auto"
-    settings["epochs"] = fitted["epochs"]
+    settings.update(epochs=fitted["epochs"], lr=cfg.dense_lr, embedding_lr=cfg.table_lr)
     return {"run": out.name, "model": spec["model"], "device": world.device.type, "steps": fitted["steps"],
             "epochs": fitted["epochs"], "batch_size": cfg.batch_size, "samples_per_s": fitted["samples_per_s"],
             "valid": fitted["valid"],

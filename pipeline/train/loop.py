@@ -121,7 +121,7 @@ class Trainer:
         total = self.epochs * steps_per_epoch
         self.total_steps = min(total, cfg.max_steps) if cfg.max_steps > 0 else total
         self.warmup_steps = warmup_steps(self.total_steps, cfg.warmup_fraction, cfg.warmup_steps)
-        self.optimizer = dense_optimizer(cfg.optimizer, model.parameters(), cfg.lr, cfg.weight_decay)
+        self.optimizer = dense_optimizer(cfg.optimizer, model.parameters(), cfg.dense_lr, cfg.weight_decay)
         self.amp = cfg.amp == "bf16" or (cfg.amp == "auto" and self.device.type == "cuda")
         self.state = LoopState()
         # The best epoch's weights, on the host; a sharded model scores its last epoch.
@@ -142,7 +142,7 @@ class Trainer:
         c = self.cfg
         kw = dict(warmup_steps=self.warmup_steps, total_steps=self.total_steps, decay=c.decay,
                   decay_start=c.decay_start, min_ratio=c.min_lr_ratio)
-        return lr_at(step, c.lr, **kw), lr_at(step, c.embedding_lr, **kw)
+        return lr_at(step, c.dense_lr, **kw), lr_at(step, c.table_lr, **kw)
 
     def start_fresh(self) -> None:
         """Forget earlier runs' checkpoints and metrics in ``out_dir``."""

@@ -32,7 +32,7 @@ MODEL_SPEC_VERSION = 1
 def model_spec(cfg: TrainConfig, schema: Schema, device_kind: str, seed: int = 0) -> dict:
     """What to build for ``cfg`` on ``schema``, as plain data (sizes of preset ``auto`` follow ``device_kind``)."""
     sizes = ModelSizes.from_train_config(cfg, device_kind)
-    optimizer = EmbeddingOptimizerConfig(cfg.embedding_optimizer, lr=cfg.embedding_lr, weight_decay=cfg.weight_decay,
+    optimizer = EmbeddingOptimizerConfig(cfg.embedding_optimizer, lr=cfg.table_lr, weight_decay=cfg.weight_decay,
                                          master_weights=cfg.embedding_master_weights,
                                          stochastic_rounding=cfg.embedding_stochastic_rounding)
     tables = model_tables(cfg.model, schema, sizes)
