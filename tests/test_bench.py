@@ -127,3 +127,18 @@ def test_bench_e2e_on_the_gpu_counts_the_loss_reads_as_the_only_syncs_of_a_step(
     assert syncs["sites"], "the loss read every train.log_every steps is a sync"
     assert not [s for s in syncs["sites"] if "pipeline/modules" in s or "pipeline/kernels" in s], syncs["sites"]
     assert sum(r["regions_seconds"].values()) == pytest.approx(r["stage_seconds"], rel=1e-6)
+
+
+@pytest.mark.gpu
+def test_bench_embedding_interaction_times_the_fused_kernels_and_torch(tmp_path, capsys):
+    out = tmp_path / "interaction.json"
+    assert main(["bench", "embedding", "--interaction", "--batch", "4096", "--reps", "3", "--json", str(out),
+                 f"workdir={tmp_path}"]) == 0
+    r = json.loads(out.read_text())
+    assert (r["vectors"], r["dim"], r["pairs"]) == (27, 128, 351)
+    assert [row["dtype"] for row in r["results"]] == ["bf16", "fp32"]
+    for row in r["results"]:
+        assert 0 < row["floor_forward_ms"] < row["floor_forward_backward_ms"]
+        for key in ("fused_forward_ms", "fused_forward_backward_ms", "torch_forward_ms", "torch_forward_backward_ms"):
+            assert row[key] > 0
+    assert "speed-up" in capsys.readouterr().out

@@ -42,7 +42,7 @@ def _nvrtc():
 
 
 def test_there_are_kernel_sources():
-    assert {"embedding/embedding_forward.cu", "embedding/embedding_backward.cu"} <= set(SOURCES)
+    assert {"embedding/embedding_forward.cu", "embedding/embedding_backward.cu", "interaction/interaction.cu"} <= set(SOURCES)
 
 
 @pytest.mark.parametrize("source", SOURCES)

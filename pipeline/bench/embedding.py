@@ -2,6 +2,7 @@
 
     python -m pipeline bench embedding                        # 26 tables of 1M..10M rows, dim 128, batch 65536
     python -m pipeline bench embedding --hots 1,20 --optimizer adagrad --rows-max 4000000
+    python -m pipeline bench embedding --interaction          # DLRM's dot interaction of the pooled vectors
 
 For each bag size (one-hot, 20-hot, ...) it times, with CUDA events (median after warm-up, rotating
 three batches), the ``cuda`` backend's table-batched forward and its fused backward + sparse update
@@ -13,6 +14,13 @@ same run: forward, each id and its row read once and the output written once; ba
 each id and the gradient row of each occurrence read once, and each touched row (with its
 optimizer state) read and written once. Ids are uniform over each table. Needs a CUDA GPU
 and CuPy.
+
+``--interaction`` times, instead, what DLRM does next with the pooled vectors: the dot interaction of
+``--tables`` + 1 vectors of ``--dim`` per sample (bf16, then fp32), forward and forward + backward
+through autograd, the fused ``pipeline::dot_interaction`` kernels against ``torch.bmm`` + the pair
+pick as one column run per row (:mod:`pipeline.modules.columns`). Its byte floor is the vectors read
+and the pairs written (forward), and the vectors and the pairs' gradient read and the vectors'
+gradient written (backward), at the device-to-device copy's rate.
 """
 
 from __future__ import annotations
@@ -40,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-baseline", action="store_true", help="skip torch.nn.EmbeddingBag")
     parser.add_argument("--sweep-bags-per-group", default="", metavar="K,K,...",
                         help="also time the forward with each of these bags per thread group (tuning)")
+    parser.add_argument("--interaction", action="store_true",
+                        help="time DLRM's dot interaction of --tables + 1 vectors of --dim instead: the fused "
+                             "kernels against torch.bmm + the pair pick, bf16 and fp32, against the byte floor")
     parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
 
 
@@ -57,6 +68,8 @@ def run(args: argparse.Namespace, cfg) -> dict:  # noqa: ARG001  (the pipeline s
 
     if pipeline.kernels.kernels_problem():
         raise DeviceError(f"bench embedding needs the CUDA kernels: {pipeline.kernels.kernels_problem()}")
+    if args.interaction:
+        return _interaction(torch, args)
     from pipeline.kernels.embedding import CudaBackend, launcher
 
     hots = [int(h) for h in str(args.hots).split(",") if h]
@@ -192,6 +205,65 @@ class _Baseline:
 
     def _run(self, pieces):
         return self.torch.cat([bag(ind, off) for bag, (ind, off) in zip(self.bags, pieces)], dim=1)
+
+
+def _interaction(torch, args: argparse.Namespace) -> dict:
+    from pipeline.kernels.interaction import pair_count
+
+    batch, v, dim = args.batch, args.tables + 1, args.dim
+    copy_bw = _copy_bandwidth(torch)
+    print(f"[bench embedding --interaction] {torch.cuda.get_device_name()} | batch {batch}, {v} vectors of dim {dim} "
+          f"({pair_count(v)} pairs) | device-to-device copy {copy_bw / 1e12:.2f} TB/s", flush=True)
+    results = []
+    for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        row = _interaction_row(torch, (batch, v, dim), dtype, copy_bw, args.reps)
+        results.append({"dtype": name, **row})
+        torch.cuda.empty_cache()
+        print(f"  {name}: fused forward {row['fused_forward_ms']:.3f} ms, forward+backward "
+              f"{row['fused_forward_backward_ms']:.3f} ms (byte floor {row['floor_forward_ms']:.3f} / "
+              f"{row['floor_forward_backward_ms']:.3f}) | torch bmm + pick {row['torch_forward_ms']:.3f} / "
+              f"{row['torch_forward_backward_ms']:.3f} ms | speed-up {row['speedup_forward']:.1f}x / "
+              f"{row['speedup_forward_backward']:.1f}x", flush=True)
+    summary = {"device": torch.cuda.get_device_name(), "copy_tb_s": copy_bw / 1e12, "batch": batch, "vectors": v,
+               "dim": dim, "pairs": pair_count(v), "results": results}
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _interaction_row(torch, shape: tuple[int, int, int], dtype, copy_bw: float, reps: int) -> dict:
+    """Fused and torch times of one dtype (forward without autograd; forward + backward through autograd)."""
+    from pipeline.kernels.interaction import dot_interaction, launcher, pair_count
+    from pipeline.modules.columns import ColumnRun, assemble_columns
+
+    batch, v, dim = shape
+    pairs = pair_count(v)
+    runs = [ColumnRun(0, i * v, i * v + i) for i in range(1, v)]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(shape, device="cuda", generator=g).to(dtype).requires_grad_()
+    grad = torch.randn(batch, pairs, device="cuda", generator=g).to(dtype)
+    assert launcher.supported(x)
+    es = x.element_size()
+    floor_fwd = (batch * v * dim + batch * pairs) * es / copy_bw * 1e3
+    floor_bwd = (2 * batch * v * dim + batch * pairs) * es / copy_bw * 1e3
+
+    def bmm_and_pick(x):
+        return assemble_columns([torch.bmm(x, x.transpose(1, 2)).flatten(1)], runs)
+
+    def forward(fn):
+        with torch.no_grad():
+            fn(x)
+
+    def forward_backward(fn):
+        torch.autograd.grad(fn(x), x, grad)
+
+    row = {"floor_forward_ms": floor_fwd, "floor_forward_backward_ms": floor_fwd + floor_bwd}
+    for label, fn in (("fused", dot_interaction), ("torch", bmm_and_pick)):
+        row[f"{label}_forward_ms"] = _median_ms(torch, lambda fn=fn: forward(fn), reps)
+        row[f"{label}_forward_backward_ms"] = _median_ms(torch, lambda fn=fn: forward_backward(fn), reps)
+    row["speedup_forward"] = row["torch_forward_ms"] / row["fused_forward_ms"]
+    row["speedup_forward_backward"] = row["torch_forward_backward_ms"] / row["fused_forward_backward_ms"]
+    return row
 
 
 def _geometric(lo: int, hi: int, n: int) -> list[int]:

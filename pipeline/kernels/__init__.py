@@ -1,10 +1,11 @@
 """Custom CUDA kernels, compiled at run time with NVRTC through CuPy, registered as ``torch.library`` ops.
 
-One sub-package per op family, FBGEMM style; :mod:`pipeline.kernels.embedding` holds the ``.cu``
-sources (forward and backward apart, a shared ``.cuh``), the plain-torch reference beside them (the
-CPU path and the test oracle), the launchers, and the ``pipeline::`` custom ops with their fake
-implementations and autograd. Importing this package needs neither CuPy nor a GPU; the CUDA
-implementations fall back to the reference where :func:`kernels_problem` names what is missing.
+One sub-package per op family, FBGEMM style: :mod:`pipeline.kernels.embedding` (pooled lookups and
+the fused sparse-optimizer backward) and :mod:`pipeline.kernels.interaction` (DLRM's pairwise dot
+interaction). Each holds the ``.cu`` sources, the plain-torch reference beside them (the CPU path and
+the test oracle), the launchers, and the ``pipeline::`` custom ops with their fake implementations and
+autograd. Importing this package needs neither CuPy nor a GPU; the CUDA implementations fall back to
+the reference where :func:`kernels_problem` names what is missing.
 
 Example::
 

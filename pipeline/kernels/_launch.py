@@ -35,8 +35,10 @@ def f32(v: float) -> ctypes.c_float:
     return ctypes.c_float(float(v))
 
 
-def launch(source: str, function: str, device: torch.device, grid: int, block: int, args: list) -> None:
-    """Run ``function`` of ``source`` with ``grid`` x ``block`` threads on the current stream of ``device``."""
+def launch(source: str, function: str, device: torch.device, grid: int, block: int, args: list,
+           shared: int = 0) -> None:
+    """Run ``function`` of ``source`` with ``grid`` x ``block`` threads and ``shared`` bytes of dynamic shared
+    memory per block (at most 48 KiB) on the current stream of ``device``."""
     from cupy.cuda import driver
 
     if grid <= 0:
@@ -46,4 +48,4 @@ def launch(source: str, function: str, device: torch.device, grid: int, block: i
     params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
     stream = torch.cuda.current_stream(index).cuda_stream
     with torch.cuda.device(index):
-        driver.launchKernel(handle, grid, 1, 1, block, 1, 1, 0, stream, ctypes.addressof(params), 0)
+        driver.launchKernel(handle, grid, 1, 1, block, 1, 1, shared, stream, ctypes.addressof(params), 0)

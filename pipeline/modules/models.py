@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from pipeline.errors import BadInputError
-from pipeline.modules.columns import ColumnRun, assemble_columns
+from pipeline.kernels.interaction import dot_interaction, pair_count
 from pipeline.modules.collection import EmbeddingCollection
 from pipeline.modules.configs import EmbeddingOptimizerConfig, TableConfig, tables_from_schema
 from pipeline.schema import Schema
@@ -145,11 +145,7 @@ class DLRM(RecModel):
             if sizes.bottom_mlp[-1] != dim:
                 raise ValueError(f"DLRM: the bottom MLP must end in the embedding dim {dim}, got {sizes.bottom_mlp}")
             self.bottom = mlp(sizes.bottom_mlp, num_dense, last_activation=True)
-        vectors = self.num_slots + (1 if num_dense else 0)
-        # The pairs (i, j), j < i, of the flattened [vectors x vectors] dot products, row by row
-        # (torch.tril_indices' order): one run of columns per row, picked without a scatter backward.
-        self._pair_runs = [ColumnRun(0, i * vectors, i * vectors + i) for i in range(1, vectors)]
-        pairs = vectors * (vectors - 1) // 2
+        pairs = pair_count(self.num_slots + (1 if num_dense else 0))
         self.top = mlp(sizes.top_mlp, (dim if num_dense else 0) + pairs, last_activation=False)
 
     def dense_forward(self, dense, pooled):
@@ -158,7 +154,8 @@ class DLRM(RecModel):
         if self.num_dense:
             x = self.bottom(dense)
             vectors = torch.cat([x.unsqueeze(1), vectors.to(x.dtype)], dim=1)
-        dots = assemble_columns([torch.bmm(vectors, vectors.transpose(1, 2)).flatten(1)], self._pair_runs)
+        # <v_i, v_j> for j < i, row by row (torch.tril_indices' order): the fused kernels on CUDA
+        dots = dot_interaction(vectors)
         top_in = torch.cat([x, dots], dim=1) if self.num_dense else dots
         return self.top(top_in).squeeze(1)
 
