@@ -7,13 +7,14 @@ without the GIL), checks them and packs them into one int32 block, in a pinned b
 target is a GPU. Per window the producer then makes the window on the target device: on a GPU,
 one asynchronous copy of the block on a side CUDA stream, the rows permuted there by an order
 computed there, the columns laid out so that every batch is a view; it records one event that
-the consumer's stream waits on before the window's first batch, so loading overlaps compute and
-the host's work per batch is making a few Python objects. With ``reader="cudf"`` (a GPU only) the
+the consumer's stream waits on before the window's first batch, so loading overlaps compute, and
+queues the window's batches (views of it) as one item: the host's work per batch is nothing but
+the training thread taking the next one from a list. With ``reader="cudf"`` (a GPU only) the
 reader threads read row groups with cuDF straight into device memory and build the block there
 (:mod:`pipeline.loader.cudf_read`), skipping the pinned host copy; what follows the block is the
-same for both readers. Batches wait in a bounded queue; an error in a thread is put on the queue
+same for both readers. Windows wait in a bounded queue; an error in a thread is put on the queue
 and raised in the consumer; stopping (``break``, :meth:`Loader.close`, ``with``, garbage
-collection) sets a stop event that the producer checks between batches and in its timed ``put``,
+collection) sets a stop event that the producer checks between windows and in its timed ``put``,
 and joins it (and the readers).
 
 Order, sharding and the remainder (see :mod:`pipeline.loader.plan`): rank ``r`` of ``world_size``
@@ -84,7 +85,7 @@ class Loader:
             least 4 of the largest row group (a row group that two windows share is read by both), at
             most the rows of a rank, rounded up to a multiple of ``batch_size``. On a GPU, the loader
             holds ``read_threads + 1`` pinned host buffers of a window each.
-        prefetch: batches made ahead and waiting in the queue.
+        prefetch: windows made ahead (their batches ready) and waiting in the queue.
         read_threads: windows read at once, each decoded on pyarrow's threads (default: 4, at most the CPU cores).
         validate: check nulls, labels and id ranges while reading (cheap; on by default).
         reader: ``"pyarrow"`` (row groups decoded on the host) or ``"cudf"`` (decoded by cuDF into GPU
@@ -104,7 +105,7 @@ class Loader:
         world_size: int = 1,
         device: str | torch.device = "cpu",
         window_rows: int = 1 << 20,
-        prefetch: int = 8,
+        prefetch: int = 1,
         read_threads: int | None = None,
         validate: bool = True,
         reader: str = "pyarrow",
@@ -214,13 +215,14 @@ class Loader:
                 item = producer.get()
                 if item is None:
                     break
-                batch, arrival = item
-                if arrival is not None:  # the first batch of a window made on the loader's stream
+                batches, arrival = item
+                if arrival is not None:  # a window made on the loader's stream
                     stream = torch.cuda.current_stream(self.device)
                     stream.wait_event(arrival.ready)
                     arrival.window.record_stream(stream)
-                self._consumed += 1
-                yield batch
+                for batch in batches:
+                    self._consumed += 1
+                    yield batch
             self.epoch, self._consumed = epoch + 1, 0
         finally:
             producer.stop()
@@ -283,7 +285,7 @@ class _Arrival:
 
 
 class _Producer:
-    """One epoch's background thread: has windows read, makes them on the device, fills the queue with batches."""
+    """One epoch's background thread: has windows read, makes them on the device, queues their batches."""
 
     def __init__(self, loader: Loader, epoch: int, start_batch: int) -> None:
         self._split = loader._split
@@ -313,11 +315,8 @@ class _Producer:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join()
 
-    def get(self) -> tuple[Batch, _Arrival | None] | None:
-        """The next batch and, for a window's first batch on a GPU, its arrival; ``None`` at the end.
-
-        Re-raises the thread's error.
-        """
+    def get(self) -> tuple[list[Batch], _Arrival | None] | None:
+        """The next window's batches and, on a GPU, its arrival; ``None`` at the end. Re-raises the thread's error."""
         while True:
             try:
                 item = self._queue.get(timeout=0.1)
@@ -381,10 +380,8 @@ class _Producer:
             if self._stream is not None:
                 arrival = _Arrival(torch.cuda.Event(), made)
                 arrival.ready.record(self._stream)
-            for begin, end in window.batch_bounds:
-                if not self._put((made.batch(begin, end), arrival)):
-                    return
-                arrival = None
+            if not self._put(([made.batch(begin, end) for begin, end in window.batch_bounds], arrival)):
+                return
 
     def _read(self, window: plan.Window) -> tuple[Chunk, np.ndarray | None]:
         """A reader thread's work: the window's rows, decoded and packed, and its order when made on the host."""
