@@ -342,8 +342,6 @@ class _Producer:
     def _run(self) -> None:
         executor = ThreadPoolExecutor(self._read_threads, thread_name_prefix="pipeline-loader-read")
         try:
-            if self._pool is not None:
-                self._pool.reset()
             if self._stream is not None:
                 with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
                     self._produce(executor)
@@ -356,6 +354,8 @@ class _Producer:
             executor.shutdown(wait=True, cancel_futures=True)
             if self._stream is not None:
                 self._stream.synchronize()  # no copy out of the pool's buffers is left in flight
+            if self._pool is not None:
+                self._pool.clear()
 
     def _produce(self, executor: ThreadPoolExecutor) -> None:
         upcoming = iter(self._windows)
