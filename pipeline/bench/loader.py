@@ -24,7 +24,8 @@ producer), and, for the shuffled loader on the device, how it shares the GIL wit
 thread: a Python thread spinning beside it (the worst case of a training thread) is timed, and
 the share of its time it waited for the GIL (neither running nor waiting for a CPU, from Linux's
 per-thread ``schedstat``) is what the loader's threads held; the loader's rate beside it is
-shown too. On a GPU the copies to the device per window are counted with ``torch.profiler``.
+shown too; and the Python calls per batch in all of the process's threads (the host work that
+holds the GIL). On a GPU the copies to the device per window are counted with ``torch.profiler``.
 
     python -m pipeline bench loader                            # 2M rows, batch 4096
     python -m pipeline bench loader --rows 20000000 --batch-size 65536 --device cuda
@@ -128,6 +129,9 @@ def run(args: argparse.Namespace, cfg) -> dict:
         print(f"\nLoader {target}, shuffled, beside a Python thread spinning: {rate:,.0f} samples/s; the thread "
               f"waited for the GIL {blocked:.1%} of the time")
         figures |= {f"Loader {target} beside a Python thread": rate, "GIL share held by the loader": blocked}
+    calls = _python_calls_per_batch(Loader(folder, args.batch_size, shuffle=True, device=target, **settings))
+    print(f"Python calls per batch (shuffled, {target}; the loader's threads and the consumer): {calls:,.0f}")
+    figures[f"Python calls per batch, {target}"] = calls
     if device.is_cuda:
         copies = _copies_per_window(Loader(folder, args.batch_size, shuffle=True, device="cuda", **settings))
         print(f"copies to the GPU per window (shuffled, cuda): {copies:.2f}")
@@ -230,6 +234,34 @@ def _beside_a_python_thread(loader) -> tuple[float, float] | None:
         stop.set()
         thread.join()
     return rate, max(0.0, spun[0])
+
+
+def _python_calls_per_batch(loader) -> float:
+    """Python functions and builtins called per batch over one shuffled epoch, in every thread of the
+    process (after an epoch that imports what the first use imports): the host's work that holds the GIL."""
+    import itertools
+    import sys
+    import threading
+
+    calls = itertools.count()
+
+    def count(frame, event, arg) -> None:
+        if event in ("call", "c_call"):
+            next(calls)
+
+    with loader:
+        for _ in loader:
+            pass
+        batches = 0
+        threading.setprofile(count)
+        sys.setprofile(count)
+        try:
+            for _ in loader:
+                batches += 1
+        finally:
+            sys.setprofile(None)
+            threading.setprofile(None)
+    return next(calls) / batches
 
 
 def _copies_per_window(loader) -> float:

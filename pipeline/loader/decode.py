@@ -4,8 +4,8 @@
 types (checked against the schema before any row is read). :func:`read_window` reads the rows of
 a window (a few segments of row groups) with pyarrow: one ``read_row_groups`` call per file, its
 columns decoded on pyarrow's threads, and the rows packed into one int32 block by two arrow
-``to_tensor`` calls, so the Python work (and the GIL held) per window is a few dozen calls,
-whatever its rows. It checks, vectorized over the window, that there are no nulls, that labels
+``to_tensor`` calls, so the Python work (and the GIL held) per window is a few hundred short
+calls, whatever its rows. It checks, vectorized over the window, that there are no nulls, that labels
 are 0/1 and that ids are within their table's cardinality; when a check fails, the window's
 segments are checked one by one to name the file, column, row and value of the first bad one.
 
