@@ -141,3 +141,5 @@ def test_bench_loader_reports_rates_cpu_time_and_the_gil_share(tmp_path, capsys)
         assert samples_per_s > 0 and cpu_ms > 0, name
     assert "Loader cpu, shuffled, beside a Python thread spinning:" in printed
     assert "waited for the GIL" in printed
+    calls = [line for line in printed.splitlines() if line.startswith("Python calls per batch")]
+    assert len(calls) == 1 and float(calls[0].split()[-1].replace(",", "")) > 0
