@@ -2,6 +2,9 @@
 
 import json
 
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -75,6 +78,17 @@ def test_with_the_defaults_dlrm_beats_logistic_regression_on_a_small_table(tmp_p
     assert result["dlrm"]["test_auc"] > result["logistic"]["test_auc"]
 
 
+def _write_learnable_data(cfg):
+    """The small random table of the training tests, its label made a function of ``I1``: the first epoch
+    learns it (valid AUC 0.7 to 0.9), so the epochs that :class:`LaterEpochsWorse` spoils score worse
+    whatever the order of the rows (on random labels every epoch scores about 0.5, and which is best is luck)."""
+    _write_data(cfg)
+    for path in cfg.paths.processed.glob("*/part-*.parquet"):
+        table = pq.read_table(path)
+        label = pc.cast(pc.greater(table.column("I1"), 1.9), pa.float32())
+        pq.write_table(table.set_column(0, "label", label), path, row_group_size=500)
+
+
 class LaterEpochsWorse(Callback):
     """From the second epoch on, trains at a huge lr (a pure function of the step, so a resumed run does
     the same), and records the weights at the end of the first epoch."""
@@ -94,7 +108,7 @@ class LaterEpochsWorse(Callback):
 
 def test_the_best_epoch_is_kept_scored_and_saved_and_training_stops_after_it(tmp_path):
     cfg = _config(tmp_path, "train.epochs=5", "train.early_stopping=2", "train.warmup_steps=3")
-    _write_data(cfg)
+    _write_learnable_data(cfg)
     worse = LaterEpochsWorse()
     result = _train(cfg, [worse])
     assert result["kept"]["epoch"] == 1 and result["kept"]["step"] == 12 and result["kept"]["stopped_early"]
@@ -111,7 +125,7 @@ def test_the_best_epoch_is_kept_scored_and_saved_and_training_stops_after_it(tmp
 
 def test_without_early_stopping_the_last_epoch_is_kept(tmp_path):
     cfg = _config(tmp_path, "train.epochs=2", "train.early_stopping=0")
-    _write_data(cfg)
+    _write_learnable_data(cfg)
     worse = LaterEpochsWorse()
     result = _train(cfg, [worse])
     assert result["kept"] is None and result["steps"] == 24
@@ -122,11 +136,11 @@ def test_without_early_stopping_the_last_epoch_is_kept(tmp_path):
 def test_resume_with_early_stopping_ends_with_the_same_weights_and_choice(tmp_path):
     common = ["train.epochs=4", "train.early_stopping=2", "train.checkpoint_every=5", "train.warmup_steps=3"]
     straight = _config(tmp_path / "straight", *common)
-    _write_data(straight)
+    _write_learnable_data(straight)
     expected = _train(straight, [LaterEpochsWorse()])
 
     crashed = _config(tmp_path / "crashed", *common)
-    _write_data(crashed)
+    _write_learnable_data(crashed)
     with pytest.raises(Crash):
         _train(crashed, [LaterEpochsWorse(), CrashAfter(27)])
     got = _train(_config(tmp_path / "crashed", *common, "train.resume=true"), [LaterEpochsWorse()])
