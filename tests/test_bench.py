@@ -142,3 +142,19 @@ def test_bench_embedding_interaction_times_the_fused_kernels_and_torch(tmp_path,
         for key in ("fused_forward_ms", "fused_forward_backward_ms", "torch_forward_ms", "torch_forward_backward_ms"):
             assert row[key] > 0
     assert "speed-up" in capsys.readouterr().out
+
+
+def test_bench_loader_reports_rates_cpu_time_and_the_gil_share(tmp_path, capsys):
+    assert main(["bench", "loader", "--rows", "30000", "--batch-size", "1024", "--naive-rows", "2000", "--epochs", "1",
+                 "--window-rows", "8192", "--device", "cpu", f"workdir={tmp_path}"]) == 0
+    printed = capsys.readouterr().out
+    assert "30,000 rows" in printed and "windows of 30,720 rows" in printed  # at most the rows, in batches
+    lines = {line.split("  ")[0]: line.split() for line in printed.splitlines() if "x  " in line}
+    for name in ("pyarrow read_table", "per-row Dataset + DataLoader", "Loader host side (read, check, pack)",
+                 "Loader cpu, in order", "Loader cpu, shuffled", "Loader cpu, shuffled, no checks"):
+        samples_per_s, cpu_ms = float(lines[name][-3].replace(",", "")), float(lines[name][-1])
+        assert samples_per_s > 0 and cpu_ms > 0, name
+    assert "Loader cpu, shuffled, beside a Python thread spinning:" in printed
+    assert "waited for the GIL" in printed
+    calls = [line for line in printed.splitlines() if line.startswith("Python calls per batch")]
+    assert len(calls) == 1 and float(calls[0].split()[-1].replace(",", "")) > 0

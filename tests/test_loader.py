@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import sys
 import threading
+import time
 import types
 from pathlib import Path
 
@@ -114,7 +115,7 @@ def epoch_rows(loader: Loader) -> list[list[int]]:
 
 def small(split: Path, **kw) -> Loader:
     kw.setdefault("batch_size", 32)
-    kw.setdefault("buffer_row_groups", 2)
+    kw.setdefault("window_rows", 128)
     return Loader(split, **kw)
 
 
@@ -145,7 +146,7 @@ def test_shuffle_is_seeded_per_epoch_and_keeps_every_row_once(split):
 
 
 def test_shuffle_mixes_rows_across_row_groups(split):
-    batch = next(iter(small(split, shuffle=True, seed=0, batch_size=64, buffer_row_groups=4)))
+    batch = next(iter(small(split, shuffle=True, seed=0, batch_size=64)))
     groups = {r // GROUP_ROWS for r in rows_of(batch)}
     assert len(groups) > 1
 
@@ -284,7 +285,7 @@ def test_an_error_in_the_reading_thread_is_raised_in_the_consumer(tmp_path):
     labels[150] = 0.5
     pq.write_table(table.set_column(0, "label", pa.array(labels)), folder / "part-1.parquet", row_group_size=GROUP_ROWS)
     before = threading.active_count()
-    loader = Loader(folder, batch_size=32, buffer_row_groups=1, prefetch=1)
+    loader = Loader(folder, batch_size=32, window_rows=64, prefetch=1)
     seen = 0
     with pytest.raises(BadInputError) as err:
         for _ in loader:
@@ -386,12 +387,104 @@ def test_batch_to_and_repr(split):
     assert "1000 rows" in repr(loader)
 
 
+def onehot_schema() -> Schema:
+    """The test schema without its multi-hot column: the files are the same, ``M1`` is not read."""
+    return Schema([c for c in make_schema().columns if c.role != "multihot"], row_group_rows=GROUP_ROWS)
+
+
+def test_windows_are_whole_batches_at_least_four_row_groups_at_most_a_rank(split):
+    assert small(split, window_rows=100).window_rows == 4 * GROUP_ROWS
+    assert small(split, window_rows=1 << 20).window_rows == 1024
+    assert small(split, window_rows=1 << 20, rank=1, world_size=4).window_rows == 256
+    assert small(split, batch_size=48, window_rows=1000).window_rows == 1008
+    assert small(split, batch_size=300, window_rows=1).window_rows == 300
+
+
+def test_a_window_is_read_with_one_call_per_file(split, monkeypatch):
+    calls = []
+    read = pq.ParquetFile.read_row_groups
+
+    def recorded(self, row_groups, *args, **kwargs):
+        calls.append(list(row_groups))
+        return read(self, row_groups, *args, **kwargs)
+
+    monkeypatch.setattr(pq.ParquetFile, "read_row_groups", recorded)
+    batches = list(small(split, window_rows=1024))  # one window: every row
+    assert [r for b in batches for r in rows_of(b)] == list(range(ROWS))
+    assert calls == [[0, 1, 2, 3, 4], [0], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]  # 300, 10 and 690 rows
+
+
+def test_batches_of_a_window_are_views_of_it(split):
+    loader = small(split, schema=onehot_schema(), shuffle=True, window_rows=256)
+    batches = list(loader)
+    assert len(batches) == 32 and loader.window_rows // loader.batch_size == 8
+
+    def storages(batch: Batch) -> tuple[int, ...]:
+        tensors = (batch.dense, batch.label, batch.sparse.values, batch.sparse.lengths)
+        return tuple(t.untyped_storage().data_ptr() for t in tensors)
+
+    for first, last in [(0, 8), (8, 16), (16, 24), (24, 31)]:  # batch 31 is the short last one
+        assert len({storages(b) for b in batches[first:last]}) == 1
+    assert storages(batches[0]) != storages(batches[8])
+    for batch in batches:
+        rows = np.array(rows_of(batch))
+        assert batch.sparse.keys == ["C1", "C2", "C3"]
+        assert batch.sparse.values.tolist() == np.concatenate([rows % CARD[k] for k in ("C1", "C2", "C3")]).tolist()
+        assert batch.sparse.lengths.tolist() == [1] * 3 * len(rows)
+
+
+def test_windows_are_read_ahead_by_the_reader_threads_and_no_further(tmp_path, monkeypatch):
+    from pipeline.loader import loader as loader_module
+
+    folder = write_split(tmp_path / "train", [0, 3000])  # 12 windows of 256 rows
+    read = loader_module.read_window
+    started: list[int] = []
+
+    def recorded(split_, segments, *args, **kwargs):
+        started.append(segments[0].group.first_row + segments[0].start)
+        return read(split_, segments, *args, **kwargs)
+
+    monkeypatch.setattr(loader_module, "read_window", recorded)
+    loader = small(folder, window_rows=256, read_threads=2, prefetch=1)
+    it = iter(loader)
+    next(it)
+    deadline = time.monotonic() + 10
+    while len(started) < 5 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)
+    # Window 0 is handed out, 1 waits in the queue, 2 waits to be queued, 3 and 4 are read by the 2 threads.
+    assert sorted(started) == [0, 256, 512, 768, 1024]
+    assert [r for b in it for r in rows_of(b)] == list(range(32, 3000))
+    assert sorted(started) == list(range(0, 3000, 256))
+
+
+def test_int64_ids_give_the_batches_of_int32_ids(tmp_path, split):
+    schema = make_schema()
+    schema.columns[3] = Column("C1", "categorical", "int64", cardinality=CARD["C1"])
+    folder = write_split(tmp_path / "train", [0, 300, 310, 1000], schema)  # the files of ``split``
+    for path in folder.glob("part-*.parquet"):
+        table = pq.read_table(path)
+        pq.write_table(table.set_column(3, "C1", table.column("C1").cast(pa.int64())), path,
+                       row_group_size=GROUP_ROWS)
+    same_batches(list(small(split, shuffle=True)), list(small(folder, shuffle=True)))
+
+
+def test_nulls_are_refused_also_without_checks(tmp_path):
+    folder = bad_split(tmp_path)
+    rewrite(folder, "C2", pa.array([None if i == 30 else 1 for i in range(100)], type=pa.int32()))
+    with pytest.raises(BadInputError, match=r"'C2' has 1 null values, the first at row 30"):
+        list(Loader(folder, batch_size=16, validate=False))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shuffle, read_threads", [(False, 8), (True, 8), (True, 1)])
-def test_cuda_batches_equal_cpu_batches(split, shuffle, read_threads):
-    # One reader thread has a pool of 4 pinned buffers for 18 row groups: buffers are recycled.
-    cpu = list(small(split, shuffle=shuffle, seed=4))
-    gpu_loader = small(split, shuffle=shuffle, seed=4, device="cuda", read_threads=read_threads)
+@pytest.mark.parametrize("multihot", [True, False])
+def test_cuda_batches_equal_cpu_batches(split, shuffle, read_threads, multihot):
+    # One reader thread has a pool of 2 pinned buffers for 4 windows: buffers are recycled. Without
+    # the multi-hot column the order is made on the GPU, with it on the host.
+    schema = None if multihot else onehot_schema()
+    cpu = list(small(split, schema=schema, shuffle=shuffle, seed=4))
+    gpu_loader = small(split, schema=schema, shuffle=shuffle, seed=4, device="cuda", read_threads=read_threads)
     for _ in range(2):
         gpu = list(gpu_loader)
         assert len(cpu) == len(gpu)
@@ -400,11 +493,11 @@ def test_cuda_batches_equal_cpu_batches(split, shuffle, read_threads):
             assert torch.equal(a.dense, b.dense.cpu()) and torch.equal(a.label, b.label.cpu())
             assert torch.equal(a.sparse.values, b.sparse.values.cpu())
             assert torch.equal(a.sparse.lengths, b.sparse.lengths.cpu())
-        cpu = list(small(split, shuffle=shuffle, seed=4)) if not shuffle else cpu_next_epoch(split)
+        cpu = list(small(split, schema=schema, shuffle=shuffle, seed=4)) if not shuffle else cpu_next_epoch(split, schema)
 
 
-def cpu_next_epoch(split):
-    loader = small(split, shuffle=True, seed=4)
+def cpu_next_epoch(split, schema):
+    loader = small(split, schema=schema, shuffle=True, seed=4)
     loader.set_epoch(1)
     return list(loader)
 
@@ -419,6 +512,34 @@ def test_cuda_early_stop_leaves_no_thread(split):
     rows = rows_of(next(iter(loader)))
     assert rows == list(range(8))
     assert threading.active_count() == before
+
+
+@pytest.mark.gpu
+def test_cuda_window_is_one_copy_to_the_device_and_nothing_comes_back(split):
+    from torch.profiler import ProfilerActivity, profile
+
+    loader = small(split, schema=onehot_schema(), shuffle=True, device="cuda", window_rows=256)
+    list(loader)  # the first epoch makes the pinned buffers
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        batches = list(loader)
+        torch.cuda.synchronize()
+    copies = [e.name for e in prof.events() if "Memcpy" in e.name]
+    assert len(batches) == 32 and sum("HtoD" in name for name in copies) == 4, copies  # one per window
+    assert not [name for name in copies if "DtoH" in name]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stop_after", [3, 8, 13])
+def test_cuda_resumes_as_the_cpu_loader_runs(split, stop_after):
+    settings = {"schema": onehot_schema(), "shuffle": True, "seed": 9, "rank": 1, "world_size": 2}
+    reference = list(small(split, **settings))
+    first = small(split, device="cuda", **settings)
+    for i, _ in enumerate(first):
+        if i + 1 == stop_after:
+            break
+    resumed = small(split, device="cuda", **settings)
+    resumed.load_state_dict(first.state_dict())
+    same_batches(reference[stop_after:], list(resumed))
 
 
 # reader="cudf": on CPU machines its logic runs on a small stand-in for cuDF (below); on a GPU with
@@ -561,7 +682,7 @@ def test_cudf_reader_on_a_stand_in_names_bad_values_as_pyarrow_does(tmp_path, st
     # Two ranks: rank 1 starts inside the second row group (rows 50..99), so a bad row before 50
     # fails only rank 0, for both readers.
     for rank in range(2):
-        settings = {"batch_size": 16, "rank": rank, "world_size": 2, "buffer_row_groups": 1}
+        settings = {"batch_size": 16, "rank": rank, "world_size": 2, "window_rows": 64}
         want = outcome(Loader(folder, **settings))
         same_outcome(want, outcome(Loader(folder, reader="cudf", **settings)))
     assert isinstance(outcome(Loader(folder, batch_size=16)), str), "the bad value is found by a full read"
@@ -654,7 +775,7 @@ def test_cuda_cudf_reader_names_bad_values_as_pyarrow_does(tmp_path, real_cudf, 
     folder = bad_split(tmp_path)
     rewrite(folder, *bad_inputs()[case])
     for rank in range(2):
-        settings = {"batch_size": 16, "rank": rank, "world_size": 2, "buffer_row_groups": 1}
+        settings = {"batch_size": 16, "rank": rank, "world_size": 2, "window_rows": 64}
         want = outcome(Loader(folder, **settings))
         got = outcome(Loader(folder, reader="cudf", device="cuda", **settings))
         assert type(want) is type(got), (want, got)

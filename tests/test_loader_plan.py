@@ -1,10 +1,21 @@
-"""The shard plan from row counts alone: equal shards, padding that wraps, windows and batch bounds."""
+"""The shard plan from row counts alone: equal shards, padding that wraps, windows and batch bounds, orders."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import torch
 
-from pipeline.loader.plan import RowGroup, Segment, group_order, plan_shard, shard_segments_from, window_order, windows
+from pipeline.loader.plan import (
+    RowGroup,
+    Segment,
+    _hash32,
+    group_order,
+    plan_shard,
+    window_order,
+    window_segments,
+    windows,
+)
 
 
 def groups(*rows: int) -> list[RowGroup]:
@@ -39,7 +50,9 @@ def test_windows_cut_batches_and_skip_to_a_batch():
     assert all_windows[-1].batch_bounds == ((0, 4), (4, 6))
     later = windows(shard, window_rows=12, batch_size=4, start_batch=4)
     assert later[0].index == 1 and later[0].first_batch == 4 and later[0].batch_bounds == ((4, 8), (8, 12))
-    assert positions(shard_segments_from(shard, 12)) == list(range(12, 30))
+    assert positions(window_segments(shard, 12, 30)) == list(range(12, 30))
+    assert positions(window_segments(shard, 5, 12)) == list(range(5, 12))
+    assert [(s.group.index, s.start, s.stop) for s in window_segments(shard, 5, 12)] == [(0, 5, 10), (1, 0, 2)]
     with pytest.raises(ValueError, match="multiple of batch_size"):
         windows(shard, window_rows=10, batch_size=4)
 
@@ -51,3 +64,39 @@ def test_orders_are_seeded_and_padding_stays_last():
     perm = window_order(10, 8, True, 0, 0, 0, 0)
     assert sorted(perm[:8]) == list(range(8)) and list(perm[8:]) == [8, 9]
     assert window_order(10, 10, False, 0, 0, 0, 0) is None
+
+
+def test_window_order_is_a_seeded_permutation_that_moves_rows_far():
+    rows = 100_000
+    perm = window_order(rows, rows, True, 3, 1, 0, 2)
+    assert perm.dtype == np.int64 and np.array_equal(np.sort(perm), np.arange(rows))
+    assert np.array_equal(perm, window_order(rows, rows, True, 3, 1, 0, 2))
+    others = [window_order(rows, rows, True, *key) for key in [(4, 1, 0, 2), (3, 2, 0, 2), (3, 1, 1, 2), (3, 1, 0, 3)]]
+    assert all(np.mean(perm == other) < 0.001 for other in others), "each of seed, epoch, rank, window counts"
+    assert np.mean(np.abs(np.diff(perm))) > rows / 4, "neighbours end up far apart"
+    assert abs(np.corrcoef(np.arange(rows), perm)[0, 1]) < 0.02
+
+
+def lowbias32(v: int) -> int:
+    """The reference, in Python's unbounded integers."""
+    v ^= v >> 16
+    v = v * 0x7FEB352D % 2**32
+    v ^= v >> 15
+    v = v * 0x846CA68B % 2**32
+    return v ^ (v >> 16)
+
+
+def test_the_position_hash_is_lowbias32_in_numpy_and_torch_and_a_bijection():
+    x = np.concatenate([np.arange(1 << 16), [2**31 - 1, 2**32 - 1, 123_456_789, 0xDEADBEEF]]).astype(np.int64)
+    expected = np.array([lowbias32(v) for v in x.tolist()])
+    assert np.array_equal(_hash32(x), expected)
+    assert np.array_equal(_hash32(torch.from_numpy(x)).numpy(), expected)
+    assert len(np.unique(expected)) == len(x)
+
+
+@pytest.mark.gpu
+def test_window_order_on_a_gpu_equals_the_host_order():
+    for rows, real in [(1 << 20, 1 << 20), (1000, 997)]:
+        host = window_order(rows, real, True, 5, 2, 1, 7)
+        device = window_order(rows, real, True, 5, 2, 1, 7, device="cuda")
+        assert device.is_cuda and np.array_equal(device.cpu().numpy(), host)

@@ -1,17 +1,23 @@
-"""From decoded chunks to batches.
+"""From a window's packed block to batches.
 
-A window is a run of rows (pieces of consecutive chunks) shuffled together. It is built on the
-target device, permuted once, and batches are then cut from it as slices:
+A window is built once on the target device from its chunk (:class:`~pipeline.loader.decode.Chunk`),
+permuted once, and its batches are then views of it:
 
-* on a GPU, each chunk's pinned block goes to the device in one asynchronous copy (the reader
-  threads already packed it; the cudf reader made it on the device already), the window is joined
-  and permuted there, and a batch costs a few small kernels; the host thread only issues work;
-* on the CPU, the window is joined and permuted with numpy, whose single-threaded copies do not
-  compete with the training thread's OpenMP pool (torch's CPU copies would).
+* on a GPU, the block goes to the device in one asynchronous copy from its pinned buffer (the
+  cudf reader made it there already), its rows are permuted there by an order computed there,
+  the continuous columns are transposed to ``[rows, n_cont]`` and the one-hot ids widened to int64
+  in a batch-major layout ``[batches, n_onehot, batch_size]``: a few kernels per window. A batch is
+  then slices of those tensors (its sparse values and lengths too): no copy, no kernel, no host
+  work but making the Python objects;
+* on the CPU the same with numpy, whose single-threaded copies do not compete with the training
+  thread's OpenMP pool (torch's CPU copies would).
+
+Multi-hot bags are the slower path: they are permuted on the host (with the same order), copied
+on their own, and a batch joins its keys' values with one concatenation.
 
 Example::
 
-    window = make_window([Piece(chunk, 0, chunk.rows)], placement, torch.device("cpu"), order=None)
+    window = make_window(chunk, placement, torch.device("cpu"), batch_size=512, order=None)
     batch = window.batch(0, 512)
 """
 
@@ -53,181 +59,148 @@ class SparsePlacement:
                 onehot_row += 1
         return cls(tuple(sparse), continuous, tuple(runs))
 
-
-@dataclass(frozen=True)
-class Piece:
-    """Rows ``[start, stop)`` of a chunk."""
-
-    chunk: Chunk
-    start: int
-    stop: int
-
     @property
-    def rows(self) -> int:
-        return self.stop - self.start
+    def onehot(self) -> int:
+        return sum(last - first for kind, first, last in self.runs if kind == "onehot")
 
 
-def make_window(pieces: list[Piece], placement: SparsePlacement, device: torch.device,
-                order: np.ndarray | None) -> _Window:
-    """The window of ``pieces`` on ``device``, its rows in ``order`` (a permutation, or ``None``)."""
-    if device.type == "cpu":
-        return _NumpyWindow(pieces, placement, order)
-    return _TorchWindow(pieces, placement, device, order)
+@dataclass
+class Bag:
+    """A multi-hot feature of a window, permuted: ``host_offsets`` cut ``values`` without a device sync."""
+
+    host_offsets: np.ndarray
+    values: torch.Tensor
+    lengths: torch.Tensor
 
 
-class _Window:
-    """Batches cut from a permuted window: :meth:`batch` gives rows ``[begin, end)``."""
+class Window:
+    """A permuted window's tensors; :meth:`batch` gives rows ``[begin, end)`` (``begin`` a multiple of the batch size)."""
 
-    placement: SparsePlacement
+    def __init__(self, placement: SparsePlacement, batch_size: int, label: torch.Tensor, dense: torch.Tensor,
+                 ids: torch.Tensor, tail: torch.Tensor, ones: torch.Tensor, bags: list[Bag]) -> None:
+        self.placement, self.batch_size = placement, batch_size
+        self.label, self.dense = label, dense
+        self.ids, self.tail = ids, tail
+        """``ids[k]``: batch ``k``'s one-hot ids ``[n_onehot, batch_size]``; ``tail``: those of a last short batch."""
+        self.ones, self.bags = ones, bags
 
     def batch(self, begin: int, end: int) -> Batch:
         size = end - begin
+        k = begin // self.batch_size
+        slab = self.ids[k] if k < len(self.ids) else self.tail
         values, lengths = [], []
         for kind, first, last in self.placement.runs:
             if kind == "onehot":
-                values.append(self._onehot(first, last, begin, end))
-                lengths.append(self._ones((last - first) * size))
+                values.append(slab[first:last].reshape(-1))
+                lengths.append(self.ones[: (last - first) * size])
             else:
-                bag_values, bag_lengths = self._bag_slice(first, begin, end)
-                values.append(bag_values)
-                lengths.append(bag_lengths)
-        sparse = KeyedJaggedTensor(self.placement.keys, self._cat(values), self._cat(lengths))
-        dense, label = self._rows(begin, end)
-        return Batch(dense, sparse, label)
+                bag = self.bags[first]
+                values.append(bag.values[int(bag.host_offsets[begin]) : int(bag.host_offsets[end])])
+                lengths.append(bag.lengths[begin:end])
+        sparse = KeyedJaggedTensor(self.placement.keys, _cat(values, self.ones), _cat(lengths, self.ones))
+        return Batch(self.dense[begin:end], sparse, self.label[begin:end])
+
+    def record_stream(self, stream: torch.cuda.Stream) -> None:
+        """Mark the window's tensors (every batch is a view of them) as used on ``stream``."""
+        for tensor in (self.label, self.dense, self.ids, self.tail, self.ones):
+            tensor.record_stream(stream)
+        for bag in self.bags:
+            bag.values.record_stream(stream)
+            bag.lengths.record_stream(stream)
 
 
-class _NumpyWindow(_Window):
-    def __init__(self, pieces: list[Piece], placement: SparsePlacement, order: np.ndarray | None) -> None:
-        self.placement = placement
-        parts = [np.asarray(p.chunk.block[:, p.start : p.stop]) for p in pieces]
-        block = np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+def make_window(chunk: Chunk, placement: SparsePlacement, device: torch.device, batch_size: int,
+                order: np.ndarray | torch.Tensor | None, pool: PinnedPool | None = None) -> Window:
+    """The window of ``chunk`` on ``device``, its rows in ``order`` (a permutation, or ``None``).
+
+    On a GPU this queues work on the current stream; ``order`` may be on the device or the host
+    (a host order is needed with multi-hot bags, which are permuted on the host).
+    """
+    if device.type == "cpu":
+        return _numpy_window(chunk, placement, batch_size, order)
+    return _device_window(chunk, placement, device, batch_size, order, pool)
+
+
+def _numpy_window(chunk: Chunk, placement: SparsePlacement, batch_size: int, order: np.ndarray | None) -> Window:
+    block = chunk.block.numpy() if isinstance(chunk.block, torch.Tensor) else chunk.block
+    if order is not None:
+        permuted = np.empty_like(block)
+        for row, out in zip(block, permuted):  # row by row: each gather stays within one column's cache lines
+            np.take(row, order, out=out)
+        block = permuted
+    n = placement.continuous
+    label = block[0].view(np.float32).copy()
+    dense = np.ascontiguousarray(block[1 : 1 + n].T).view(np.float32)
+    ids = block[1 + n :]
+    full = ids.shape[1] // batch_size
+    batches = np.empty((full, ids.shape[0], batch_size), dtype=np.int64)
+    batches[...] = ids[:, : full * batch_size].reshape(ids.shape[0], full, batch_size).transpose(1, 0, 2)
+    tail = ids[:, full * batch_size :].astype(np.int64)
+    bags = []
+    for offsets, values in chunk.bags:
         if order is not None:
-            block = block.take(order, axis=1)
-        n = placement.continuous
-        self._label = np.ascontiguousarray(block[0]).view(np.float32)
-        self._dense = np.ascontiguousarray(block[1 : 1 + n].T).view(np.float32)
-        self._ids = block[1 + n :].astype(np.int64)
-        self._bags = []
-        for index in range(len(pieces[0].chunk.bags)):
-            offsets, values = _join_bags([p.chunk.bag_slice(index, p.start, p.stop) for p in pieces])
-            if order is not None:
-                offsets, values = _gather_bags(offsets, values, order)
-            self._bags.append((offsets, values.astype(np.int64, copy=False)))
-
-    def _rows(self, begin: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.from_numpy(self._dense[begin:end]), torch.from_numpy(self._label[begin:end])
-
-    def _onehot(self, first: int, last: int, begin: int, end: int) -> np.ndarray:
-        return self._ids[first:last, begin:end]
-
-    def _bag_slice(self, index: int, begin: int, end: int) -> tuple[np.ndarray, np.ndarray]:
-        offsets, values = self._bags[index]
-        return values[offsets[begin] : offsets[end]], np.diff(offsets[begin : end + 1])
-
-    @staticmethod
-    def _ones(n: int) -> np.ndarray:
-        return np.ones(n, dtype=np.int64)
-
-    @staticmethod
-    def _cat(parts: list[np.ndarray]) -> torch.Tensor:
-        if not parts:
-            return torch.zeros(0, dtype=torch.int64)
-        if len(parts) == 1:
-            return torch.from_numpy(np.ascontiguousarray(parts[0]).reshape(-1))
-        return torch.from_numpy(np.concatenate([p.reshape(-1) for p in parts]))
+            offsets, values = _gather_bags(offsets, values, order)
+        bags.append(Bag(offsets, torch.from_numpy(values.astype(np.int64, copy=False)),
+                        torch.from_numpy(np.diff(offsets))))
+    ones = torch.ones(placement.onehot * batch_size, dtype=torch.int64)
+    return Window(placement, batch_size, torch.from_numpy(label), torch.from_numpy(dense), torch.from_numpy(batches),
+                  torch.from_numpy(tail), ones, bags)
 
 
-class _TorchWindow(_Window):
-    def __init__(self, pieces: list[Piece], placement: SparsePlacement, device: torch.device,
-                 order: np.ndarray | None) -> None:
-        self.placement, self._device = placement, device
-        parts = [_device_block(p.chunk, device)[:, p.start : p.stop] for p in pieces]
-        block = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
-        index = None if order is None else _to(torch.from_numpy(order), device)
-        if index is not None:
-            block = block.index_select(1, index)
-        n = placement.continuous
-        self._label = block[0].contiguous().view(torch.float32)
-        self._dense = block[1 : 1 + n].t().contiguous().view(torch.float32)
-        self._ids = block[1 + n :].long()
-        self._bags = []
-        for bag in range(len(pieces[0].chunk.bags)):
-            offsets, values = _join_bags([p.chunk.bag_slice(bag, p.start, p.stop) for p in pieces])
-            host_offsets = offsets
-            if order is not None:
-                host_offsets = np.zeros_like(offsets)
-                np.cumsum(np.diff(offsets).take(order), out=host_offsets[1:])
-            offsets_t, values_t = _to(torch.from_numpy(offsets), device), _to(torch.from_numpy(values), device).long()
-            if index is not None:
-                lengths = offsets_t[1:].index_select(0, index) - offsets_t[:-1].index_select(0, index)
-                new_offsets = _to(torch.from_numpy(host_offsets), device)
-                positions = torch.repeat_interleave(
-                    offsets_t[:-1].index_select(0, index) - new_offsets[:-1], lengths, output_size=len(values)
-                )
-                positions += torch.arange(len(values), device=device)
-                offsets_t, values_t = new_offsets, values_t.index_select(0, positions)
-            self._bags.append((offsets_t, values_t, host_offsets))
-
-    def _rows(self, begin: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._dense[begin:end], self._label[begin:end]
-
-    def _onehot(self, first: int, last: int, begin: int, end: int) -> torch.Tensor:
-        return self._ids[first:last, begin:end]
-
-    def _bag_slice(self, index: int, begin: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        offsets, values, host_offsets = self._bags[index]
-        lengths = offsets[begin + 1 : end + 1] - offsets[begin:end]
-        return values[int(host_offsets[begin]) : int(host_offsets[end])], lengths
-
-    def _ones(self, n: int) -> torch.Tensor:
-        return torch.ones(n, dtype=torch.int64, device=self._device)
-
-    def _cat(self, parts: list[torch.Tensor]) -> torch.Tensor:
-        if not parts:
-            return torch.zeros(0, dtype=torch.int64, device=self._device)
-        if len(parts) == 1:
-            return parts[0].reshape(-1)
-        return torch.cat([p.reshape(-1) for p in parts])
+def _device_window(chunk: Chunk, placement: SparsePlacement, device: torch.device, batch_size: int,
+                   order: np.ndarray | torch.Tensor | None, pool: PinnedPool | None) -> Window:
+    block = upload(chunk, device, pool)
+    index = None
+    if order is not None:
+        index = order if isinstance(order, torch.Tensor) else _to(torch.from_numpy(order), device)
+        block = block.index_select(1, index)
+    n = placement.continuous
+    label = block[0].view(torch.float32).clone()
+    dense = block[1 : 1 + n].t().contiguous().view(torch.float32)
+    ids = block[1 + n :]
+    full = ids.shape[1] // batch_size
+    batches = torch.empty((full, ids.shape[0], batch_size), dtype=torch.int64, device=device)
+    batches.copy_(ids[:, : full * batch_size].reshape(ids.shape[0], full, batch_size).transpose(0, 1))
+    tail = ids[:, full * batch_size :].to(torch.int64).contiguous()
+    bags = []
+    for offsets, values in chunk.bags:
+        if order is not None:
+            offsets, values = _gather_bags(offsets, values, order)
+        offsets_t = _to(torch.from_numpy(offsets), device)
+        bags.append(Bag(offsets, _to(torch.from_numpy(values), device).long(), offsets_t[1:] - offsets_t[:-1]))
+    ones = torch.ones(placement.onehot * batch_size, dtype=torch.int64, device=device)
+    return Window(placement, batch_size, label, dense, batches, tail, ones, bags)
 
 
-def upload(chunk: Chunk, device: torch.device, pool: PinnedPool | None = None) -> None:
-    """Queue the copy of the chunk's block to ``device`` and give its pinned buffer back to ``pool``.
+def upload(chunk: Chunk, device: torch.device, pool: PinnedPool | None = None) -> torch.Tensor:
+    """The chunk's block on ``device``: one asynchronous copy, its pinned buffer given back to ``pool`` after it.
 
     A block a reader thread already made on the device (the cudf reader) is not copied: the current
     stream waits for it, and the caching allocator is told that this stream uses its memory.
     """
+    stream = torch.cuda.current_stream(device)
     if chunk.ready is not None:
-        stream = torch.cuda.current_stream(device)
         stream.wait_event(chunk.ready)
-        chunk.on_device.record_stream(stream)
-        chunk.ready = None
-    if chunk.on_device is not None:
-        return
-    chunk.on_device = _to(chunk.pinned if chunk.pinned is not None else torch.from_numpy(chunk.block), device)
-    if chunk.buffer is not None and pool is not None:
-        pool.release(chunk.buffer, copied_on=torch.cuda.current_stream(device))
-        chunk.buffer = chunk.pinned = None
+        chunk.block.record_stream(stream)
+        return chunk.block
+    if chunk.buffer is None:
+        return _to(torch.from_numpy(chunk.block), device)
+    block = chunk.pinned().to(device, non_blocking=True)
+    if pool is not None:
+        pool.release(chunk.buffer, copied_on=stream)
+    chunk.buffer = None
+    return block
 
 
-def _device_block(chunk: Chunk, device: torch.device) -> torch.Tensor:
-    upload(chunk, device)
-    return chunk.on_device
+def _cat(parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    if not parts:
+        return torch.zeros(0, dtype=torch.int64, device=like.device)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host to device, asynchronously when the memory is pinned (small arrays are pinned first)."""
-    if not tensor.is_pinned():
-        tensor = tensor.pin_memory()
-    return tensor.to(device, non_blocking=True)
-
-
-def _join_bags(parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
-    if len(parts) == 1:
-        return parts[0]
-    lengths = np.concatenate([np.diff(offsets) for offsets, _ in parts])
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    return offsets, np.concatenate([values for _, values in parts])
+    """Host to device, asynchronously (small arrays are pinned first)."""
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def _gather_bags(offsets: np.ndarray, values: np.ndarray, order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

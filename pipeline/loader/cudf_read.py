@@ -1,26 +1,28 @@
 """The cudf reader: each row group read by cuDF straight into GPU memory and packed there.
 
-``Loader(..., device="cuda", reader="cudf")`` reads segments with :func:`read_segment` in place of
-the pyarrow one: ``cudf.read_parquet(path, columns=..., row_groups=[i])`` decodes the row group on
-the GPU, and the chunk's int32 block (label and continuous float32 bits, one-hot ids, laid out as
-:class:`~pipeline.loader.decode.Chunk` says) is filled on the device from the columns through
-DLPack: no host copy, no pinned buffer. The checks (nulls, 0/1 labels, ids within their table) run
+``Loader(..., device="cuda", reader="cudf")`` reads windows with :func:`read_window` in place of
+the pyarrow one: for each of the window's segments, ``cudf.read_parquet(path, columns=...,
+row_groups=[i])`` decodes the row group on the GPU, and its part of the window's int32 block (label
+and continuous float32 bits, one-hot ids, laid out as :class:`~pipeline.loader.decode.Chunk` says)
+is filled on the device from the columns through DLPack: no host copy, no pinned buffer. The checks (nulls, 0/1 labels, ids within their table) run
 there, vectorized, at one device sync per row group; a failure is located afterwards and named
 with the pyarrow reader's messages. Multi-hot columns come from cuDF's list lengths and leaves and,
 as with the pyarrow reader, are kept on the host (windows shuffle bags with host offsets), where
-their ids are checked. Windows, shuffling, sharding, resuming and batches are shared.
+their ids are checked. Segments are checked in order, so the first bad value named is the one the
+pyarrow reader names. Windows, shuffling, sharding, resuming and batches are shared.
 
 cuDF is imported only by :func:`check` (after a usable GPU was found) and when reading.
 
 Example::
 
     check("cuda")      # ReaderError naming what is missing (the device, a GPU, cuDF), else None
-    chunk = read_segment(split, segment, validate=True, device=torch.device("cuda", 0))
+    chunk = read_window(split, [segment], validate=True, device=torch.device("cuda", 0))
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -66,25 +68,28 @@ def cudf_problem() -> str | None:
     return None
 
 
-def read_segment(split: Split, segment: Segment, validate: bool, device: torch.device) -> Chunk:
-    """Read and pack the rows of one segment on ``device`` (thread-safe)."""
+def read_window(split: Split, segments: Sequence[Segment], validate: bool, device: torch.device) -> Chunk:
+    """Read and pack the rows of ``segments``, in their order, on ``device`` (thread-safe)."""
     import cudf
 
-    group = segment.group
-    path = split.files[group.file]
-    where = RowPosition(path, group, segment.start)
     cuda = device.type == "cuda"
     with torch.cuda.device(device) if cuda else contextlib.nullcontext():
-        frame = cudf.read_parquet(str(path), columns=split.columns, row_groups=[group.index])
-        if validate:
-            _check_nulls(frame, split.columns, segment, where)
-        block = _block(frame, split, segment, device, where, validate)
-        bags = [_bag(frame[name], split, name, segment, where, validate) for name in split.schema.multihot]
+        blocks, bags = [], []
+        for segment in segments:
+            group = segment.group
+            path = split.files[group.file]
+            where = RowPosition(path, group, segment.start)
+            frame = cudf.read_parquet(str(path), columns=split.columns, row_groups=[group.index])
+            if validate:
+                _check_nulls(frame, split.columns, segment, where)
+            blocks.append(_block(frame, split, segment, device, where, validate))
+            bags.append([_bag(frame[name], split, name, segment, where, validate) for name in split.schema.multihot])
+        block = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
         ready = None
         if cuda:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(device))
-    return Chunk(block, bags, on_device=block if cuda else None, ready=ready)
+    return Chunk(block, [_join_bags(parts) for parts in zip(*bags)], ready=ready)
 
 
 def _tensor(series, segment: Segment) -> torch.Tensor:
@@ -127,6 +132,15 @@ def _block(frame, split: Split, segment: Segment, device: torch.device, where: R
                 raise label_error(schema.label, _scalar(label, first), where, first)
             raise id_error(columns[k - 1], _scalar(ids[k - 1], first), where, first)
     return block
+
+
+def _join_bags(parts: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    if len(parts) == 1:
+        return parts[0]
+    lengths = np.concatenate([np.diff(offsets) for offsets, _ in parts])
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return offsets, np.concatenate([values for _, values in parts])
 
 
 def _scalar(values: torch.Tensor, index: int) -> np.generic:

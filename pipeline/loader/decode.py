@@ -1,15 +1,18 @@
-"""Reading the ETL's parquet files into numpy columns, with cheap checks of what was read.
+"""Reading the ETL's parquet files into one packed block per window, with cheap checks of what was read.
 
 :func:`open_split` reads every file's footer once: the row groups (for the plan) and the column
-types (checked against the schema before any row is read). :func:`read_segment` reads one row
-group with pyarrow, keeps the rows a segment needs and turns each column into a numpy array
-without per-row Python; it checks, vectorized, that there are no nulls, that labels are 0/1 and
-that ids are within their table's cardinality, and names the file, column, row and value when not.
+types (checked against the schema before any row is read). :func:`read_window` reads the rows of
+a window (a few segments of row groups) with pyarrow: one ``read_row_groups`` call per file, its
+columns decoded on pyarrow's threads, and the rows packed into one int32 block by two arrow
+``to_tensor`` calls, so the Python work (and the GIL held) per window is a few hundred short
+calls, whatever its rows. It checks, vectorized over the window, that there are no nulls, that labels
+are 0/1 and that ids are within their table's cardinality; when a check fails, the window's
+segments are checked one by one to name the file, column, row and value of the first bad one.
 
 Example::
 
     split = open_split(find_files("data/synthetic/processed/train"), schema)
-    chunk = read_segment(split, Segment(split.groups[0], 0, 100))
+    chunk = read_window(split, [Segment(split.groups[0], 0, 100)])
     chunk.block[0].view("float32")[:5]     # the first 5 labels
 """
 
@@ -58,32 +61,35 @@ class Split:
     def columns(self) -> list[str]:
         return [self.schema.label, *self.schema.continuous, *self.schema.sparse]
 
+    @property
+    def block_rows(self) -> int:
+        """Rows of a packed block: the label, the continuous columns and the one-hot columns."""
+        return 1 + len(self.schema.continuous) + len(self.onehot)
+
 
 @dataclass
 class Chunk:
-    """Decoded rows, packed for copying: ``block`` is int32 ``[1 + n_cont + n_onehot, rows]`` holding the
-    label and the continuous columns (float32 bits) and the one-hot ids; ``bags`` the multi-hot columns."""
+    """A window's decoded rows, packed for one copy: ``block`` is int32 ``[1 + n_cont + n_onehot, rows]``
+    holding the label and the continuous columns (float32 bits) and the one-hot ids; ``bags`` the
+    multi-hot columns."""
 
     block: np.ndarray | torch.Tensor
     """A numpy array, or (the cudf reader) a tensor already on the target device."""
     bags: list[tuple[np.ndarray, np.ndarray]]
     """Per multi-hot feature: (offsets int64 of length rows + 1 starting at 0, values)."""
-    pinned: torch.Tensor | None = None
-    """The pinned tensor whose memory ``block`` is (GPU targets), for asynchronous copies."""
     buffer: torch.Tensor | None = None
-    """The pool buffer holding ``pinned``, to give back once the copy to the device is queued."""
-    on_device: torch.Tensor | None = None
-    """``block`` on the GPU once copied there (the chunk may feed two windows)."""
+    """The pinned pool buffer whose memory ``block`` is (GPU targets): the source of the copy to the
+    device, given back to the pool once that copy is queued."""
     ready: torch.cuda.Event | None = None
-    """Set when a reader thread made ``on_device`` on its own stream: the producer's stream waits on it."""
+    """Set when a reader thread made ``block`` on the device on its own stream: the producer's stream waits on it."""
 
     @property
     def rows(self) -> int:
         return self.block.shape[1]
 
-    def bag_slice(self, index: int, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
-        offsets, values = self.bags[index]
-        return offsets[start : stop + 1] - offsets[start], values[offsets[start] : offsets[stop]]
+    def pinned(self) -> torch.Tensor:
+        """The block as a tensor over its pinned buffer."""
+        return self.buffer[: self.block.size].view(self.block.shape)
 
 
 def find_files(data: str | Path | Sequence[str | Path]) -> list[Path]:
@@ -138,54 +144,118 @@ def expected_type(column: Column) -> pa.DataType:
     return pa.list_(ids) if column.role == "multihot" else ids
 
 
-def read_segment(
+def read_window(
     split: Split,
-    segment: Segment,
+    segments: Sequence[Segment],
     validate: bool = True,
     buffers: PinnedPool | None = None,
     stop: threading.Event | None = None,
 ) -> Chunk:
-    """Read and decode the rows of one segment (thread-safe: each call opens its own reader).
+    """Read, check and pack the rows of ``segments``, in their order (thread-safe: each call opens its own readers).
 
-    With ``buffers`` the block is packed into one of the pool's pinned buffers, ready for an
-    asynchronous copy to a GPU; ``chunk.buffer`` must then go back to the pool once copied.
+    With ``buffers`` the block is packed into one of the pool's pinned buffers, ready for one
+    asynchronous copy to a GPU; ``chunk.buffer`` must then go back to the pool once that copy is queued.
+    Nulls are always refused (they cannot be packed); ``validate`` adds the checks of labels and ids.
     """
-    group = segment.group
-    path = split.files[group.file]
-    with pq.ParquetFile(path, metadata=split.metadata[group.file], memory_map=True) as pf:
-        table = pf.read_row_group(group.index, columns=split.columns, use_threads=False)
-    if segment.start or segment.stop != group.rows:
-        table = table.slice(segment.start, segment.rows)
-    shape = (1 + len(split.schema.continuous) + len(split.onehot), segment.rows)
+    table = _read_rows(split, segments)
+    if not _passes_checks(split, table, validate):
+        _raise_first_problem(split, table, segments, validate)
+    shape = (split.block_rows, table.num_rows)
+    buffer = None
     if buffers is None:
-        return _decode(split, table, RowPosition(path, group, segment.start), validate, np.empty(shape, dtype=np.int32))
-    buffer = buffers.acquire(stop or threading.Event())
+        block = np.empty(shape, dtype=np.int32)
+    else:
+        buffer = buffers.acquire(stop or threading.Event())
+        block = buffer[: shape[0] * shape[1]].numpy().reshape(shape)
     try:
-        pinned = buffer[: shape[0] * shape[1]].view(shape)
-        chunk = _decode(split, table, RowPosition(path, group, segment.start), validate, pinned.numpy())
+        _pack(split, table, block)
+        bags = [_bag(table.column(name)) for name in split.schema.multihot]
     except BaseException:
-        buffers.release(buffer)
+        if buffer is not None:
+            buffers.release(buffer)
         raise
-    chunk.pinned, chunk.buffer = pinned, buffer
-    return chunk
+    return Chunk(block, bags, buffer)
 
 
-def _decode(split: Split, table: pa.Table, where: RowPosition, validate: bool, block: np.ndarray) -> Chunk:
+def _read_rows(split: Split, segments: Sequence[Segment]) -> pa.Table:
+    """The segments' rows in order; each file's row groups are read by one call, decoded on pyarrow's threads."""
+    wanted: dict[int, set[int]] = {}
+    for seg in segments:
+        wanted.setdefault(seg.group.file, set()).add(seg.group.index)
+    tables, first_row = {}, {}
+    for file, indices in wanted.items():
+        indices = sorted(indices)
+        with pq.ParquetFile(split.files[file], metadata=split.metadata[file], memory_map=True) as pf:
+            tables[file] = pf.read_row_groups(indices, columns=split.columns, use_threads=True)
+        row = 0
+        for index in indices:
+            first_row[file, index] = row
+            row += split.metadata[file].row_group(index).num_rows
+    return pa.concat_tables(
+        [tables[s.group.file].slice(first_row[s.group.file, s.group.index] + s.start, s.rows) for s in segments]
+    )
+
+
+def _passes_checks(split: Split, table: pa.Table, validate: bool) -> bool:
+    """Whether the whole window is free of nulls and (``validate``) of bad labels and ids: a few vectorized calls."""
+    if any(table.column(name).null_count for name in split.columns):
+        return False
+    if not validate:
+        return True
     schema = split.schema
-    onehot = split.onehot
-    label = _numpy(table, schema.label, where, validate)
-    if validate:
-        _check_label(label, schema.label, where)
-    block[0] = label.view(np.int32)
-    for row, name in enumerate(schema.continuous, start=1):
-        block[row] = _numpy(table, name, where, validate).view(np.int32)
-    for row, name in enumerate(onehot, start=1 + len(schema.continuous)):
-        values = _numpy(table, name, where, validate)
-        if validate:
-            check_ids(values, schema.column(name), where)
-        block[row] = values
-    bags = [_bag(table, schema.column(name), where, validate) for name in schema.multihot]
-    return Chunk(block, bags)
+    label = table.column(schema.label).to_numpy()
+    if ((label != 0) & (label != 1)).any():
+        return False
+    for name in split.onehot + schema.multihot:
+        values = table.column(name)
+        if name in schema.multihot:
+            values = pc.list_flatten(values)
+        if len(values):
+            low, high = pc.min_max(values).values()
+            if low.as_py() < 0 or high.as_py() >= schema.column(name).cardinality:
+                return False
+    return True
+
+
+def _raise_first_problem(split: Split, table: pa.Table, segments: Sequence[Segment], validate: bool) -> None:
+    """Check the window's segments one by one and raise the error of the first bad value."""
+    start = 0
+    for seg in segments:
+        where = RowPosition(split.files[seg.group.file], seg.group, seg.start)
+        _check_segment(split, table.slice(start, seg.rows), where, validate)
+        start += seg.rows
+    raise AssertionError("a check of the window failed, but none of its segments")
+
+
+def _check_segment(split: Split, table: pa.Table, where: RowPosition, validate: bool) -> None:
+    schema = split.schema
+    for name in [schema.label, *schema.continuous, *split.onehot, *schema.multihot]:
+        array = _array(table, name)
+        if array.null_count:
+            raise null_error(name, array.is_null().to_numpy(zero_copy_only=False), where)
+        if not validate or name in schema.continuous:
+            continue
+        if name == schema.label:
+            _check_label(array.to_numpy(), name, where)
+        elif name in schema.multihot:
+            offsets, values = _bag(array)
+            check_ids(values, schema.column(name), where, rows=offsets)
+        else:
+            check_ids(array.to_numpy(), schema.column(name), where)
+
+
+def _pack(split: Split, table: pa.Table, block: np.ndarray) -> None:
+    """Fill ``block`` with the label and continuous bits and the one-hot ids: one arrow call for each part."""
+    schema = split.schema
+    n = 1 + len(schema.continuous)
+    floats = table.select([schema.label, *schema.continuous])
+    block[:n] = np.asarray(floats.to_tensor(row_major=False)).T.view(np.int32)
+    if split.onehot:
+        ids = table.select(split.onehot)
+        for i, field in enumerate(ids.schema):
+            if field.type != pa.int32():  # int64 ids, checked (when validating) before they are narrowed
+                ids = ids.set_column(i, field.name, pc.cast(ids.column(i), pa.int32(), safe=False))
+        block[n:] = np.asarray(ids.to_tensor(row_major=False)).T
 
 
 @dataclass(frozen=True)
@@ -223,16 +293,9 @@ def _check_types(path: Path, arrow_schema: pa.Schema, schema: Schema) -> None:
             raise BadInputError(f"{path}: column {column.name!r} ({column.role}) should be {want}, found {got}")
 
 
-def _array(table: pa.Table, name: str, where: RowPosition, validate: bool) -> pa.Array:
+def _array(table: pa.Table, name: str) -> pa.Array:
     column = table.column(name)
-    array = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
-    if validate and array.null_count:
-        raise null_error(name, array.is_null().to_numpy(zero_copy_only=False), where)
-    return array
-
-
-def _numpy(table: pa.Table, name: str, where: RowPosition, validate: bool) -> np.ndarray:
-    return _array(table, name, where, validate).to_numpy(zero_copy_only=False)
+    return column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
 
 
 def _check_label(label: np.ndarray, name: str, where: RowPosition) -> None:
@@ -277,11 +340,10 @@ def id_error(column: Column, value: np.generic, where: RowPosition, row: int) ->
     )
 
 
-def _bag(table: pa.Table, column: Column, where: RowPosition, validate: bool) -> tuple[np.ndarray, np.ndarray]:
-    array = _array(table, column.name, where, validate)
+def _bag(column: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets int64 from 0, values) of a list column."""
+    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
     offsets = array.offsets.to_numpy().astype(np.int64)
     values = pc.list_flatten(array).to_numpy(zero_copy_only=False)
     offsets -= offsets[0]
-    if validate:
-        check_ids(values, column, where, rows=offsets)
     return offsets, values

@@ -1,16 +1,21 @@
 """``Loader``: batches from the ETL's parquet files, read ahead by a background thread.
 
-A producer thread drives a small pool of reader threads that read row groups with pyarrow (which
-releases the GIL), check them and pack each into one int32 block (in pinned memory when the target
-is a GPU). The producer joins blocks into windows of a few row groups on the target device,
-permutes a window's rows when shuffling, and cuts batches from it. On a GPU the copies and the
-cutting run on a side CUDA stream; each batch carries an event that the consumer's stream waits on,
-so loading overlaps compute. With ``reader="cudf"`` (a GPU only) the reader threads read row groups
-with cuDF straight into device memory and build each block there (:mod:`pipeline.loader.cudf_read`),
-skipping the pinned host copy; what follows the block is the same for both readers. Batches wait
-in a bounded queue; an error in a thread is put on the queue and raised in the consumer; stopping
-(``break``, :meth:`Loader.close`, ``with``, garbage collection) sets a stop event that the producer
-checks between batches and in its timed ``put``, and joins it (and the readers).
+The shard is read in windows of about ``window_rows`` rows (a multiple of the batch size). A
+producer thread keeps ``read_threads`` windows being read by a small pool of reader threads: each
+reads its window's row groups with pyarrow (one call per file, decoded on pyarrow's threads,
+without the GIL), checks them and packs them into one int32 block, in a pinned buffer when the
+target is a GPU. Per window the producer then makes the window on the target device: on a GPU,
+one asynchronous copy of the block on a side CUDA stream, the rows permuted there by an order
+computed there, the columns laid out so that every batch is a view; it records one event that
+the consumer's stream waits on before the window's first batch, so loading overlaps compute, and
+queues the window's batches (views of it) as one item: the host's work per batch is nothing but
+the training thread taking the next one from a list. With ``reader="cudf"`` (a GPU only) the
+reader threads read row groups with cuDF straight into device memory and build the block there
+(:mod:`pipeline.loader.cudf_read`), skipping the pinned host copy; what follows the block is the
+same for both readers. Windows wait in a bounded queue; an error in a thread is put on the queue
+and raised in the consumer; stopping (``break``, :meth:`Loader.close`, ``with``, garbage
+collection) sets a stop event that the producer checks between windows and in its timed ``put``,
+and joins it (and the readers).
 
 Order, sharding and the remainder (see :mod:`pipeline.loader.plan`): rank ``r`` of ``world_size``
 gets a contiguous part of the epoch's row-group sequence, every rank the same number of rows and
@@ -21,7 +26,8 @@ the remainder of ``N / world_size`` and each rank's short last batch are dropped
 
 Resuming: ``state_dict()`` says which epoch is running and how many of its batches were handed
 out; after ``load_state_dict(state)`` the next iteration starts exactly at the next batch, reading
-from the window (a few row groups) that holds it, not from the start of the epoch.
+from the window that holds it, not from the start of the epoch. The batches do not depend on the
+device, the reader or ``read_threads``.
 
 Example::
 
@@ -35,26 +41,27 @@ Example::
 
 from __future__ import annotations
 
-import functools
 import os
 import queue
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
+import numpy as np
 import torch
 
 from pipeline.errors import UserError
 from pipeline.loader import collate, cudf_read, plan
 from pipeline.loader.batch import Batch
-from pipeline.loader.decode import Chunk, Split, find_files, open_split, read_segment
+from pipeline.loader.decode import Chunk, Split, find_files, open_split, read_window
 from pipeline.loader.pinned import PinnedPool
 from pipeline.schema import Schema
 
-STATE_VERSION = 1
+STATE_VERSION = 2
 
 
 class LoaderStateError(UserError, ValueError):
@@ -69,14 +76,17 @@ class Loader:
             parquet file, or a list of files.
         batch_size: samples per batch, per rank.
         schema: the ETL's schema (a :class:`Schema` or a path); default ``<data>/../schema.json``.
-        shuffle: shuffle the row-group order and rows within a buffer, seeded by ``(seed, epoch)``.
+        shuffle: shuffle the row-group order and the rows within a window, seeded by ``(seed, epoch)``.
         seed: the shuffling seed.
         drop_last: drop the short last batch (and the rows that do not divide among ranks).
         rank, world_size: this process's shard for distributed training.
         device: where batches land (``"cpu"``, ``"cuda"``, ``"cuda:1"``, a ``torch.device``).
-        buffer_row_groups: about how many row groups are read and shuffled together.
-        prefetch: batches made ahead and waiting in the queue.
-        read_threads: row groups decoded in parallel (default: the CPU cores, at most 8).
+        window_rows: about how many rows are read, copied to the device and shuffled together: at
+            least 4 of the largest row group (a row group that two windows share is read by both), at
+            most the rows of a rank, rounded up to a multiple of ``batch_size``. On a GPU, the loader
+            holds ``read_threads + 1`` pinned host buffers of a window each.
+        prefetch: windows made ahead (their batches ready) and waiting in the queue.
+        read_threads: windows read at once, each decoded on pyarrow's threads (default: 4, at most the CPU cores).
         validate: check nulls, labels and id ranges while reading (cheap; on by default).
         reader: ``"pyarrow"`` (row groups decoded on the host) or ``"cudf"`` (decoded by cuDF into GPU
             memory; needs ``device="cuda"`` and cuDF). Both give the same batches.
@@ -94,8 +104,8 @@ class Loader:
         rank: int = 0,
         world_size: int = 1,
         device: str | torch.device = "cpu",
-        buffer_row_groups: int = 4,
-        prefetch: int = 8,
+        window_rows: int = 1 << 20,
+        prefetch: int = 1,
         read_threads: int | None = None,
         validate: bool = True,
         reader: str = "pyarrow",
@@ -104,9 +114,9 @@ class Loader:
             raise ValueError(f"batch_size: expected a positive number, got {batch_size}")
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"expected 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
-        read_threads = read_threads or min(8, os.cpu_count() or 1)
+        read_threads = read_threads or min(4, os.cpu_count() or 1)
         for name, value in (
-            ("buffer_row_groups", buffer_row_groups),
+            ("window_rows", window_rows),
             ("prefetch", prefetch),
             ("read_threads", read_threads),
         ):
@@ -129,12 +139,12 @@ class Loader:
         self.device = _target(device)
         self.prefetch, self.read_threads, self.validate = prefetch, read_threads, validate
         self.reader = reader
-        group_rows = self.schema.row_group_rows or -(-self._split.rows // len(self._split.groups))
-        self.window_rows = max(1, round(buffer_row_groups * group_rows / batch_size)) * batch_size
         self._placement = collate.SparsePlacement.of(self.schema.sparse, self.schema.multihot,
                                                      len(self.schema.continuous))
         first = self._shard(0)
         self.rows_per_rank, self.padding, self._batches = first.rows, first.padding, first.batches
+        largest = max(g.rows for g in self._split.groups)
+        self.window_rows = _round_up(min(max(window_rows, 4 * largest), max(1, self.rows_per_rank)), batch_size)
         if self._batches == 0:
             raise UserError(
                 f"{self.total_rows} rows over {world_size} rank(s) give {self.rows_per_rank} rows per rank, "
@@ -147,9 +157,8 @@ class Loader:
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._pool = None
         if self._stream is not None and reader == "pyarrow":
-            block_rows = 1 + len(self.schema.continuous) + len(self._placement.keys) - len(self.schema.multihot)
-            most = max(g.rows for g in self._split.groups)
-            self._pool = PinnedPool(count=_lookahead(self.read_threads) + 2, numel=block_rows * most)
+            # The windows being read, and one whose copy to the device may be in flight.
+            self._pool = PinnedPool(count=self.read_threads + 1, numel=self._split.block_rows * self.window_rows)
 
     @property
     def total_rows(self) -> int:
@@ -206,13 +215,14 @@ class Loader:
                 item = producer.get()
                 if item is None:
                     break
-                batch, event = item
-                if event is not None:
+                batches, arrival = item
+                if arrival is not None:  # a window made on the loader's stream
                     stream = torch.cuda.current_stream(self.device)
-                    stream.wait_event(event)
-                    batch.record_stream(stream)
-                self._consumed += 1
-                yield batch
+                    stream.wait_event(arrival.ready)
+                    arrival.window.record_stream(stream)
+                for batch in batches:
+                    self._consumed += 1
+                    yield batch
             self.epoch, self._consumed = epoch + 1, 0
         finally:
             producer.stop()
@@ -266,8 +276,16 @@ class Loader:
 _END = None
 
 
+@dataclass(frozen=True)
+class _Arrival:
+    """A window made on the loader's CUDA stream: ``ready`` once its kernels are done."""
+
+    ready: torch.cuda.Event
+    window: collate.Window
+
+
 class _Producer:
-    """One epoch's background thread: reads windows, cuts batches, fills the queue."""
+    """One epoch's background thread: has windows read, makes them on the device, queues their batches."""
 
     def __init__(self, loader: Loader, epoch: int, start_batch: int) -> None:
         self._split = loader._split
@@ -278,9 +296,13 @@ class _Producer:
         self._validate = loader.validate
         self._reader = loader.reader
         self._read_threads = loader.read_threads
+        self._batch_size = loader.batch_size
         self._shard = loader._shard(epoch)
         self._windows = plan.windows(self._shard, loader.window_rows, loader.batch_size, start_batch)
         self._order_seed = (loader.shuffle, loader.seed, epoch, loader.rank)
+        # The order is made where the rows are permuted: on the device, but on the host for the
+        # CPU and for multi-hot bags (permuted on the host).
+        self._host_order = self._device.type == "cpu" or bool(self._split.schema.multihot)
         self._queue: queue.Queue = queue.Queue(maxsize=loader.prefetch)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pipeline-loader", daemon=True)
@@ -293,8 +315,8 @@ class _Producer:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join()
 
-    def get(self) -> tuple[Batch, Any] | None:
-        """The next batch and its CUDA event (or ``None``), ``None`` at the end; re-raises the thread's error."""
+    def get(self) -> tuple[list[Batch], _Arrival | None] | None:
+        """The next window's batches and, on a GPU, its arrival; ``None`` at the end. Re-raises the thread's error."""
         while True:
             try:
                 item = self._queue.get(timeout=0.1)
@@ -320,8 +342,6 @@ class _Producer:
     def _run(self) -> None:
         executor = ThreadPoolExecutor(self._read_threads, thread_name_prefix="pipeline-loader-read")
         try:
-            if self._pool is not None:
-                self._pool.reset()
             if self._stream is not None:
                 with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
                     self._produce(executor)
@@ -334,98 +354,52 @@ class _Producer:
             executor.shutdown(wait=True, cancel_futures=True)
             if self._stream is not None:
                 self._stream.synchronize()  # no copy out of the pool's buffers is left in flight
+            if self._pool is not None:
+                self._pool.clear()
 
     def _produce(self, executor: ThreadPoolExecutor) -> None:
-        if not self._windows:
-            return
-        cuda = self._stream is not None
-        if self._reader == "cudf":
-            read = functools.partial(cudf_read.read_segment, self._split, validate=self._validate, device=self._device)
-        else:
-            read = functools.partial(
-                read_segment, self._split, validate=self._validate, buffers=self._pool, stop=self._stop
-            )
-        reader = _SegmentReader(
-            plan.shard_segments_from(self._shard, self._windows[0].start),
-            read,
-            executor,
-            _lookahead(self._read_threads),
-            self._device,
-            self._pool,
-        )
-        real_rows = self._shard.rows - self._shard.padding
-        shuffle, seed, epoch, rank = self._order_seed
-        orders: dict[int, Future] = {}
-        for i, window in enumerate(self._windows):
+        upcoming = iter(self._windows)
+        reads: deque[Future] = deque()
+
+        def read_next() -> None:
+            window = next(upcoming, None)
+            if window is not None:
+                reads.append(executor.submit(self._read, window))
+
+        for _ in range(self._read_threads):
+            read_next()
+        for window in self._windows:
             if self._stop.is_set():
                 return
-            for ahead in self._windows[i : i + 2]:
-                if ahead.index not in orders:
-                    real = max(0, min(ahead.stop, real_rows) - ahead.start)
-                    orders[ahead.index] = executor.submit(
-                        plan.window_order, ahead.stop - ahead.start, real, shuffle, seed, epoch, rank, ahead.index
-                    )
-            pieces = reader.take(window.stop - window.start)
-            order = orders.pop(window.index).result()
-            device_window = collate.make_window(pieces, self._placement, self._device, order)
-            for begin, end in window.batch_bounds:
-                batch = device_window.batch(begin, end)
-                event = None
-                if cuda:
-                    event = torch.cuda.Event()
-                    event.record(self._stream)
-                if not self._put((batch, event)):
-                    return
+            chunk, order = reads.popleft().result()
+            read_next()
+            if order is None and not self._host_order:
+                order = self._order(window, self._device)
+            made = collate.make_window(chunk, self._placement, self._device, self._batch_size, order, self._pool)
+            arrival = None
+            if self._stream is not None:
+                arrival = _Arrival(torch.cuda.Event(), made)
+                arrival.ready.record(self._stream)
+            if not self._put(([made.batch(begin, end) for begin, end in window.batch_bounds], arrival)):
+                return
+
+    def _read(self, window: plan.Window) -> tuple[Chunk, np.ndarray | None]:
+        """A reader thread's work: the window's rows, decoded and packed, and its order when made on the host."""
+        segments = plan.window_segments(self._shard, window.start, window.stop)
+        if self._reader == "cudf":
+            chunk = cudf_read.read_window(self._split, segments, self._validate, self._device)
+        else:
+            chunk = read_window(self._split, segments, self._validate, self._pool, self._stop)
+        return chunk, self._order(window, "cpu") if self._host_order else None
+
+    def _order(self, window: plan.Window, device: torch.device | str) -> np.ndarray | torch.Tensor | None:
+        shuffle, seed, epoch, rank = self._order_seed
+        real = max(0, min(window.stop, self._shard.rows - self._shard.padding) - window.start)
+        return plan.window_order(window.stop - window.start, real, shuffle, seed, epoch, rank, window.index, device)
 
 
-class _SegmentReader:
-    """Decoded segments in order, read ahead by an executor; :meth:`take` returns the next rows."""
-
-    def __init__(
-        self,
-        segments: list[plan.Segment],
-        read: Callable[[plan.Segment], Chunk],
-        executor: ThreadPoolExecutor,
-        lookahead: int,
-        device: torch.device,
-        pool: PinnedPool | None,
-    ) -> None:
-        self._read, self._executor = read, executor
-        self._device, self._pool = device, pool
-        self._segments = iter(segments)
-        self._pending: deque[Future] = deque()
-        self._lookahead = lookahead
-        self._chunk: Chunk | None = None
-        self._offset = 0
-
-    def take(self, rows: int) -> list[collate.Piece]:
-        pieces = []
-        while rows:
-            if self._chunk is None or self._offset == self._chunk.rows:
-                self._chunk, self._offset = self._next(), 0
-            n = min(rows, self._chunk.rows - self._offset)
-            pieces.append(collate.Piece(self._chunk, self._offset, self._offset + n))
-            self._offset += n
-            rows -= n
-        return pieces
-
-    def _next(self) -> Chunk:
-        while len(self._pending) < self._lookahead:
-            segment = next(self._segments, None)
-            if segment is None:
-                break
-            self._pending.append(self._executor.submit(self._read, segment))
-        if not self._pending:
-            raise RuntimeError("the shard plan asked for more rows than its segments hold")
-        chunk = self._pending.popleft().result()
-        if self._device.type == "cuda":
-            collate.upload(chunk, self._device, self._pool)  # frees its pinned buffer for the next read
-        return chunk
-
-
-def _lookahead(read_threads: int) -> int:
-    """Row groups read ahead of the producer (each holds a pinned buffer until the producer takes it)."""
-    return 2 * read_threads
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 def _target(device: str | torch.device) -> torch.device:

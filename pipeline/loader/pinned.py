@@ -1,10 +1,11 @@
 """A fixed set of pinned host buffers, reused once the device copy out of each has finished.
 
 Pinning memory (``cudaHostAlloc``) is slow and takes a process-wide lock, so reader threads that
-pinned a new block per row group spent more time pinning than decoding. Here the buffers are made
-once per loader; a reader takes one, fills it, and the producer gives it back right after queueing
-the copy to the device, with an event that says when the copy is done. A reader that finds no free
-buffer waits on the oldest such event.
+pinned a new block per read spent more time pinning than decoding. Here the buffers are made once
+per iteration of a loader (from torch's cache of pinned memory after the first); a reader takes
+one, fills it, and the producer gives it back right after queueing the copy to the device, with an
+event that says when the copy is done. A reader that finds no free buffer waits on the oldest such
+event.
 
 Example::
 
@@ -37,13 +38,16 @@ class PinnedPool:
         self._copying: deque[tuple[torch.Tensor, torch.cuda.Event]] = deque()
         self._lock = threading.Lock()
 
-    def reset(self) -> None:
-        """Every buffer free again (call when no copy from them is in flight, e.g. after a stream sync)."""
+    def clear(self) -> None:
+        """Let go of every buffer (call when no copy from them is in flight, e.g. after a stream sync).
+
+        The next :meth:`acquire` makes new ones, which torch's cache of pinned memory serves without
+        pinning again, so loaders that do not run at once (train, valid, test) share that memory.
+        """
         with self._lock:
             self._copying.clear()
             self._free = queue.Queue()
-            for buffer in self._buffers:
-                self._free.put(buffer)
+            self._buffers.clear()
 
     def acquire(self, stop: threading.Event) -> torch.Tensor:
         while True:

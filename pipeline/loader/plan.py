@@ -13,7 +13,9 @@ The order of an epoch:
    taken again from the start of the sequence (fewer than ``world_size`` rows in all, always at
    the end of the shard); ``S = N // world_size`` when it is true (the remainder is dropped);
 3. a shard is read in windows of ``window_rows`` rows (a multiple of the batch size); with
-   shuffling, the real rows of each window are permuted by ``(seed, epoch, rank, window)``;
+   shuffling, the real rows of each window are permuted by ``(seed, epoch, rank, window)``: they
+   are sorted by a keyed hash of their position (:func:`window_order`), integer arithmetic that
+   gives the same permutation computed with numpy on the host or with torch on a GPU;
 4. batches are cut in order from the windows: ``ceil(S / B)`` of them, the last one short, or
    ``S // B`` with ``drop_last`` (the last short batch dropped).
 
@@ -30,6 +32,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 
 @dataclass(frozen=True)
@@ -129,25 +132,63 @@ def windows(shard: Shard, window_rows: int, batch_size: int, start_batch: int = 
 
 
 def window_order(
-    rows: int, real_rows: int, shuffle: bool, seed: int, epoch: int, rank: int, index: int
-) -> np.ndarray | None:
-    """The permutation of a window's rows (``None``: keep the order); padding rows stay last."""
+    rows: int, real_rows: int, shuffle: bool, seed: int, epoch: int, rank: int, index: int,
+    device: torch.device | str = "cpu",
+) -> np.ndarray | torch.Tensor | None:
+    """The permutation of a window's rows (``None``: keep the order); padding rows stay last.
+
+    int64 positions: a numpy array for the CPU, a tensor made on ``device`` (no host work but a
+    few kernel launches) otherwise. The real rows are sorted by ``hash(position)``, a bijection of
+    32-bit integers keyed by ``(seed, epoch, rank, index)``: the keys are distinct, so the sorted
+    order is unique, whatever sort and device computed it.
+    """
     if not shuffle:
         return None
-    perm = np.random.default_rng([seed, epoch, rank, index]).permutation(real_rows)
-    if real_rows < rows:
-        perm = np.concatenate([perm, np.arange(real_rows, rows)])
-    return perm
+    keys = np.random.SeedSequence([seed, epoch, rank, index]).generate_state(ROUNDS)
+    device = torch.device(device)
+    if device.type == "cpu":
+        x = np.arange(real_rows, dtype=np.int64)
+        tail = np.arange(real_rows, rows, dtype=np.int64)
+    else:
+        x = torch.arange(real_rows, dtype=torch.int64, device=device)
+        tail = torch.arange(real_rows, rows, dtype=torch.int64, device=device)
+    for key in keys:
+        x = _hash32(x ^ int(key))
+    perm = x.astype(np.uint32).argsort() if device.type == "cpu" else x.argsort()
+    if real_rows == rows:
+        return perm
+    return np.concatenate([perm, tail]) if device.type == "cpu" else torch.cat([perm, tail])
 
 
-def shard_segments_from(shard: Shard, row: int) -> list[Segment]:
-    """The shard's segments from shard row ``row`` on (the first one cut to start there)."""
+ROUNDS = 3
+"""Keyed rounds of the position hash of :func:`window_order`."""
+
+
+def _hash32(x):
+    """A bijection of 32-bit integers held in int64 (numpy or torch): lowbias32 (xorshift-multiply)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _mul32(x, c: int):
+    """``x * c mod 2**32`` for ``0 <= x < 2**32``, in 16-bit halves so that no int64 product overflows."""
+    return ((x & 0xFFFF) * c + ((((x >> 16) * c) & 0xFFFF) << 16)) & 0xFFFFFFFF
+
+
+def window_segments(shard: Shard, start: int, stop: int) -> list[Segment]:
+    """The shard's segments covering its rows ``[start, stop)``, the first and last cut to fit."""
     out, position = [], 0
     for seg in shard.segments:
-        if position + seg.rows > row:
-            skip = max(0, row - position)
-            out.append(Segment(seg.group, seg.start + skip, seg.stop, seg.padding) if skip else seg)
+        lo, hi = max(start, position), min(stop, position + seg.rows)
+        if lo < hi:
+            begin = seg.start + lo - position
+            out.append(Segment(seg.group, begin, begin + hi - lo, seg.padding))
         position += seg.rows
+        if position >= stop:
+            break
     return out
 
 
