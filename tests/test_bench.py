@@ -54,6 +54,14 @@ def test_bench_train_reports_rates_and_its_settings(tmp_path, capsys, ids, optim
     assert ("zipf, exponent 1.1" in printed) == (ids == "zipf")
 
 
+def test_bench_train_compiles_our_dense_part_as_the_stage_does(tmp_path, capsys):
+    out = tmp_path / "train.json"
+    assert main(["bench", "train", *TINY_TRAIN, "--compile", "on", "--json", str(out), f"workdir={tmp_path}"]) == 0
+    result = json.loads(out.read_text())
+    assert result["compiled"] and result["ours_samples_per_s"] > 0
+    assert "our dense part compiled True" in capsys.readouterr().out
+
+
 def test_bench_train_refuses_a_zipf_exponent_that_is_not_positive(tmp_path, capsys):
     assert main(["bench", "train", *TINY_TRAIN, "--ids", "zipf", "--zipf-exponent", "0", f"workdir={tmp_path}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

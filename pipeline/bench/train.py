@@ -53,10 +53,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
                         help="our tables' fused optimizer: sgd | adagrad (row-wise) | adam (lazy); the baseline's "
                              "tables take torch's SGD | Adagrad (element-wise) | SparseAdam")
+    parser.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
+                        help="torch.compile our dense part and loss, as the training stage does (auto: on a GPU); "
+                             "the plain PyTorch model runs eager")
     parser.add_argument("--json", metavar="FILE", help="also write the figures and settings as JSON")
 
 
 def run(args: argparse.Namespace, cfg) -> dict:
+    import functools
     import statistics
     import time
 
@@ -67,6 +71,7 @@ def run(args: argparse.Namespace, cfg) -> dict:
     from pipeline.errors import UserError
     from pipeline.files import write_json
     from pipeline.train.evaluate import autocast
+    from pipeline.train.loop import dense_loss
 
     if not args.zipf_exponent > 0:
         raise UserError(f"--zipf-exponent: expected a number > 0, got {args.zipf_exponent}")
@@ -101,9 +106,20 @@ def run(args: argparse.Namespace, cfg) -> dict:
         for optimizer in optimizers:
             optimizer.step()
 
+    compiled = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
+    loss_of = torch.compile(functools.partial(dense_loss, ours, amp), dynamic=False) if compiled else None
+
     def our_step(batch):
         dense, kjt, _, label = batch
-        train_step(ours, our_opts, dense, kjt, label)
+        if loss_of is None:
+            train_step(ours, our_opts, dense, kjt, label)
+            return
+        loss = loss_of(dense, ours.embedding(kjt), label)
+        for optimizer in our_opts:
+            optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        for optimizer in our_opts:
+            optimizer.step()
 
     def base_step(batch):
         dense, _, table_ids, label = batch
@@ -136,6 +152,7 @@ def run(args: argparse.Namespace, cfg) -> dict:
         "baseline_optimizer": f"{baseline_opt} (tables), SGD (MLPs)",
         "dense_optimizer": "SGD",
         "amp_bf16": amp,
+        "compiled": compiled,
         "threads": torch.get_num_threads(),
         "ours_samples_per_s": statistics.median(rates["ours"]),
         "plain_pytorch_samples_per_s": statistics.median(rates["plain_pytorch"]),
@@ -144,7 +161,7 @@ def run(args: argparse.Namespace, cfg) -> dict:
     result["speedup"] = result["ours_samples_per_s"] / result["plain_pytorch_samples_per_s"]
     drawn = f"zipf, exponent {args.zipf_exponent:g}" if args.ids == "zipf" else "uniform"
     print(f"bench train on {device.type} ({result['threads']} threads), {result['shape']}, batch {args.batch}, "
-          f"bf16 autocast {amp}, embedding backend {result['backend']}")
+          f"bf16 autocast {amp}, our dense part compiled {compiled}, embedding backend {result['backend']}")
     print(f"  ids {drawn}: {skew['hot_rows_share']:.1%} of ids on the hottest {HOT_FRACTION:.0%} of rows, "
           f"{skew['distinct_rows_per_batch']:,.0f} distinct rows per table and batch")
     ours_label = f"ours (fused sparse {args.optimizer}, MLPs SGD):"

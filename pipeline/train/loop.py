@@ -130,7 +130,7 @@ class Trainer:
         self.timings = Timings()
         # The dense part and the loss compiled as one graph (the embedding lookup stays an eager custom op).
         compiled = cfg.compile == "on" or (cfg.compile == "auto" and self.device.type == "cuda")
-        self._dense_loss = (torch.compile(functools.partial(_dense_loss, model, self.amp), dynamic=False)
+        self._dense_loss = (torch.compile(functools.partial(dense_loss, model, self.amp), dynamic=False)
                             if compiled and isinstance(model, RecModel) else None)
 
     @property
@@ -326,7 +326,7 @@ class Trainer:
             f.write(json.dumps(record) + "\n")
 
 
-def _dense_loss(model: RecModel, amp: bool, dense: torch.Tensor, pooled: torch.Tensor,
+def dense_loss(model: RecModel, amp: bool, dense: torch.Tensor, pooled: torch.Tensor,
                 label: torch.Tensor) -> torch.Tensor:
     """The mean log loss of ``model``'s dense part on the pooled embeddings, bf16 autocast when ``amp``."""
     with autocast(dense.device, amp):
