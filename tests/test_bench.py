@@ -5,6 +5,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from pipeline.bench.train import draw_ids, hot_rows_share
 from pipeline.stages.cli import main
@@ -166,3 +167,18 @@ def test_bench_loader_reports_rates_cpu_time_and_the_gil_share(tmp_path, capsys)
     assert "waited for the GIL" in printed
     calls = [line for line in printed.splitlines() if line.startswith("Python calls per batch")]
     assert len(calls) == 1 and float(calls[0].split()[-1].replace(",", "")) > 0
+
+
+@pytest.mark.parametrize("ids", ["uniform", "zipf"])
+def test_bench_embedding_draws_each_tables_ids_in_range_uniform_or_skewed(ids):
+    import numpy as np
+
+    from pipeline.bench.embedding import batch_of_ids
+
+    rows, batch, hot = [5000, 40], 512, 3
+    indices, offsets = batch_of_ids(torch, rows, batch, hot, seed=1, ids=ids, device="cpu")
+    assert offsets.tolist() == list(range(0, 2 * batch * hot + 1, hot))
+    first, second = indices[: batch * hot].numpy(), indices[batch * hot:].numpy()
+    assert 0 <= first.min() and first.max() < 5000 and 0 <= second.min() and second.max() < 40
+    top = np.sort(np.bincount(first, minlength=5000))[::-1][:50].sum() / first.size  # the hottest 1% of rows
+    assert (top > 0.3) == (ids == "zipf")

@@ -12,8 +12,8 @@ pooled outputs, ``backward`` and the torch optimizer of the same kind stepping o
 gradients. Bandwidth is bytes over time, as a fraction of a device-to-device copy measured in the
 same run: forward, each id and its row read once and the output written once; backward + update,
 each id and the gradient row of each occurrence read once, and each touched row (with its
-optimizer state) read and written once. Ids are uniform over each table. Needs a CUDA GPU
-and CuPy.
+optimizer state) read and written once. Ids are uniform over each table, or Zipf-skewed with
+``--ids zipf`` (fewer touched rows, long runs of one row in the update). Needs a CUDA GPU and CuPy.
 
 ``--interaction`` times, instead, what DLRM does next with the pooled vectors: the dot interaction of
 ``--tables`` + 1 vectors of ``--dim`` per sample (bf16, then fp32), forward and forward + backward
@@ -30,6 +30,8 @@ import json
 import statistics
 from pathlib import Path
 
+from pipeline.bench.train import IDS, ZIPF_EXPONENT
+
 GOALS = {"forward_fraction_of_copy": 0.70, "speedup_one_hot": 5.0, "speedup_multi_hot": 20.0}
 
 
@@ -40,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dim", type=int, default=128, help="embedding dim of every table")
     parser.add_argument("--batch", type=int, default=65536, help="samples per batch")
     parser.add_argument("--hots", default="1,20", help="ids per bag to measure, comma separated")
+    parser.add_argument("--ids", choices=IDS, default="uniform",
+                        help="uniform over each table, or Zipf (hot rows spread over the table, as bench train)")
+    parser.add_argument("--zipf-exponent", type=float, default=ZIPF_EXPONENT, help="exponent of --ids zipf")
     parser.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="fp32", help="weights dtype")
     parser.add_argument("--optimizer", choices=["sgd", "adagrad"], default="sgd",
                         help="sparse optimizer (torch side: optim.SGD / optim.Adagrad on sparse gradients)")
@@ -89,12 +94,12 @@ def run(args: argparse.Namespace, cfg) -> dict:  # noqa: ARG001  (the pipeline s
     gib = packing.total_elements * es / 2**30
     print(f"[bench embedding] {torch.cuda.get_device_name()} | {args.tables} tables, {min(rows):,}..{max(rows):,} rows "
           f"({packing.total_rows:,} rows, {gib:.1f} GiB {args.dtype}), dim {args.dim}, batch {args.batch}, "
-          f"{args.optimizer} | device-to-device copy {copy_bw / 1e12:.2f} TB/s", flush=True)
+          f"{args.optimizer}, ids {args.ids} | device-to-device copy {copy_bw / 1e12:.2f} TB/s", flush=True)
 
     baseline = None if args.no_baseline else _Baseline(torch, weights, packing, args.optimizer, opt.lr)
     results = []
     for hot in hots:
-        batches = [_batch(torch, rows, args.batch, hot, seed) for seed in range(3)]
+        batches = [batch_of_ids(torch, rows, args.batch, hot, seed, args.ids, args.zipf_exponent) for seed in range(3)]
         grad = torch.randn(args.batch, packing.total_dim, device=device)
         nnz = batches[0][0].numel()
         cycle = _Cycle(batches)
@@ -142,7 +147,8 @@ def run(args: argparse.Namespace, cfg) -> dict:  # noqa: ARG001  (the pipeline s
         torch.cuda.empty_cache()
         _print_row(row)
 
-    summary = dict(device=torch.cuda.get_device_name(), copy_tb_s=copy_bw / 1e12, tables=args.tables,
+    summary = dict(device=torch.cuda.get_device_name(), copy_tb_s=copy_bw / 1e12, tables=args.tables, ids=args.ids,
+                   zipf_exponent=args.zipf_exponent if args.ids == "zipf" else None,
                    rows=rows, dim=args.dim, batch=args.batch, dtype=args.dtype, optimizer=args.optimizer,
                    results=results, goals=GOALS)
     if args.json:
@@ -272,11 +278,17 @@ def _geometric(lo: int, hi: int, n: int) -> list[int]:
     return [int(round(lo * (hi / lo) ** (i / (n - 1)))) for i in range(n)]
 
 
-def _batch(torch, rows, batch, hot, seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    ids = [torch.randint(0, r, (batch * hot,), device="cuda", generator=g) for r in rows]
-    indices = torch.cat(ids)
-    offsets = torch.arange(0, len(rows) * batch + 1, device="cuda", dtype=torch.int64) * hot
+def batch_of_ids(torch, rows, batch, hot, seed, ids="uniform", exponent=ZIPF_EXPONENT, device="cuda"):
+    """``(indices, offsets)``: ``hot`` ids per bag of every table, slot-major, uniform or Zipf as ``bench
+    train`` draws them."""
+    import numpy as np
+
+    from pipeline.bench.train import draw_ids
+
+    rng = np.random.default_rng(seed)
+    drawn = [draw_ids(ids, r, (batch * hot, 1), exponent, rng)[:, 0] for r in rows]
+    indices = torch.from_numpy(np.concatenate(drawn)).to(device)
+    offsets = torch.arange(0, len(rows) * batch + 1, device=device, dtype=torch.int64) * hot
     return indices, offsets
 
 
