@@ -98,6 +98,9 @@ def test_logistic_regression_is_one_weight_per_category_and_dense_feature_starti
     deepfm = build_model("deepfm", _schema(), SIZES, seed=3)
     for table in deepfm.embedding.tables:  # deep rows start random, the wide (linear) ones at zero
         assert deepfm.embedding.table_weight(table.name).any() == (not table.name.startswith("w_"))
+    # DeepFM's factors start small (the FM term multiplies pairs of them); DLRM's at 1/sqrt(rows)
+    assert deepfm.embedding.table_weight("t_C1").abs().max() <= 0.01
+    assert build_model("dlrm", _schema(), SIZES, seed=3).embedding.table_weight("t_C1").abs().max() > 0.05
 
 
 def test_dlrm_interaction_width_and_bad_bottom_mlp():

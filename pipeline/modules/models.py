@@ -21,6 +21,7 @@ linear term per dense feature: the baseline every other model has to beat on the
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -69,6 +70,8 @@ class ModelSizes:
             sizes.bottom_mlp = sizes.bottom_mlp[:-1] + [train.embedding_dim]
         return sizes
 
+
+FM_INIT_SCALE = 0.01
 
 # Tensor-core GEMMs want rows of a multiple of 8 elements (16 bytes in bf16); other widths fall back to
 # kernels several times slower.
@@ -258,6 +261,8 @@ def model_tables(name: str, schema: Schema, sizes: ModelSizes) -> list[TableConf
     """The embedding tables of model ``name``: one per sparse feature, plus dim-1 wide ones for deepfm / wide_deep
     (logistic: only the dim-1 ones)."""
     tables = tables_from_schema(schema, sizes.embedding_dim, pooling=sizes.multihot_pooling)
+    if name == "deepfm":  # factorization-machine factors start small (N(0, 0.01) in the FM literature)
+        tables = [dataclasses.replace(t, init_scale=FM_INIT_SCALE) for t in tables]
     # A linear model's weights start at zero.
     wide = [TableConfig(f"w_{t.features[0]}", t.rows, 1, t.features, t.pooling, init_scale=0.0) for t in tables]
     if name == "logistic":
