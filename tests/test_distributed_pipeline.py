@@ -1,7 +1,8 @@
 """The pipelined training step (``distributed.pipeline``: each batch's input dist started while the
 batch before it trains) trains the same weights as the plain one-batch-at-a-time loop, on 2 and 3
 gloo ranks, for table-wise, row-wise, data-parallel and mixed plans, through epoch ends, a short last
-batch and evaluation between steps; and a pipelined run killed mid-epoch resumes exactly.
+batch, evaluation between steps and a last step inside an epoch (a batch started ahead, never
+trained); and a pipelined run killed mid-epoch resumes exactly.
 
 Each rank count is one spawn: every rank runs the training driver for each plan both ways, then a
 pipelined run that crashes after a mid-epoch checkpoint and its resume.
@@ -23,12 +24,16 @@ from pipeline.train.loop import Callback
 from tests.test_train import Crash, CrashAfter
 
 TABLES = ["t_C1", "t_C2", "t_C3", "t_C4", "t_C5", "t_M1"]
-# 1500 rows: per rank 6 batches of 128 (the last short) on 2 ranks, 4 on 3; two epochs.
+# 1500 rows: per rank 6 batches of 128 (the last short) on 2 ranks, 4 on 3; two epochs less the last batch.
 SETTINGS = ["device=cpu", "progress=off", "seed=3", "train.batch_size=128", "train.eval_batch_size=512",
             "train.embedding_dim=8", "train.bottom_mlp=[16,8]", "train.top_mlp=[16,1]", "train.epochs=2",
             "train.log_every=4", "train.eval_every=4", "train.checkpoint_every=5", "train.warmup_steps=3",
             "train.embedding_backend=torch", "train.embedding_optimizer=adam", "train.early_stopping=0"]
-CRASH_STEP = 7  # after the checkpoint of step 5, which is mid-epoch on 2 and on 3 ranks
+CRASH_STEP = 6  # after the checkpoint of step 5, which is mid-epoch on 2 and on 3 ranks
+
+
+def batches_per_epoch(world: int) -> int:
+    return -(-1500 // world // 128)
 
 
 def plans(world: int) -> dict[str, dict[str, str]]:
@@ -50,7 +55,8 @@ class Ahead(Callback):
 
 def _train(rank: int, world: int, workdir: str, name: str, sharding: dict, pipeline: bool, *extra: str,
            callbacks=()) -> dict:
-    cfg = load_config(None, [f"workdir={workdir}", *SETTINGS, *extra])
+    steps = 2 * batches_per_epoch(world) - 1
+    cfg = load_config(None, [f"workdir={workdir}", *SETTINGS, f"train.max_steps={steps}", *extra])
     return train(cfg.train, cfg.paths.processed, cfg.paths.train / name, schema=Schema.load(cfg.paths.schema),
                  seed=cfg.seed, world=World(rank, world), callbacks=callbacks, progress="off",
                  distributed=DistributedConfig(sharding=sharding, pipeline=pipeline))
@@ -91,12 +97,12 @@ def test_the_pipelined_step_trains_as_the_plain_one_and_resumes_exactly(tmp_path
     write_processed(cfg.paths.processed, criteo_schema(size=0.0001, categorical=5, continuous=3, multihot={"M1": 3}),
                     {"train": 1500, "valid": 300, "test": 300}, row_group_rows=500, seed=7)
     results = spawn(_both_ways_and_resumed, world, "gloo", args=(str(tmp_path),))
-    batches = -(-1500 // world // 128)
+    batches = batches_per_epoch(world)
     for got in results:
         for (kind, pipeline), seen in got["ahead"].items():
             # inside an epoch the loader is one batch ahead of training when pipelined, never otherwise
             assert seen == [int(pipeline)] * (2 * (batches - 1)), (kind, pipeline)
-            assert got["steps"][kind, pipeline] == 2 * batches
+            assert got["steps"][kind, pipeline] == 2 * batches - 1
     final = results[0]["final"]
     for kind in plans(world):
         _assert_same(final[f"{kind}-False"], final[f"{kind}-True"], f"{kind} plan, pipelined vs plain")
