@@ -69,10 +69,11 @@ class Timings:
 
     The regions tile the loop: each :meth:`mark` charges the time since the previous one to its
     region, so they add up to the loop's wall time. ``batch wait``: waiting for the next batch (and
-    opening an epoch; with a ``pipeline``, also reading and starting the batch after it); ``step``: forward, backward and the optimizers (on a GPU, mostly launching
-    kernels that run later); ``loss read``: the loss read to the host every ``log_every`` steps (on a
-    GPU, waiting for the steps queued before it); ``log``: the metrics line and the progress bar's
-    text; ``progress``: the progress bar; ``evaluation``; ``checkpoint``; ``callbacks``.
+    opening an epoch; with a ``pipeline``, also reading and starting the batch after it); ``step``:
+    forward, backward and the optimizers (on a GPU, mostly launching kernels that run later);
+    ``loss read``: the loss read to the host every ``log_every`` steps (on a GPU, waiting for the steps
+    queued before it); ``log``: the metrics line and the progress bar's text; ``progress``: the
+    progress bar; ``evaluation``; ``checkpoint``; ``callbacks``.
     """
 
     def __init__(self) -> None:
