@@ -1,4 +1,5 @@
-"""Model-parallel embedding training over ranks: World, planner, sharded collection, DDP wrapper, checkpoints.
+"""Model-parallel embedding training over ranks: World, planner, sharded collection, DDP wrapper, training
+pipeline, checkpoints.
 
 Launch one process per GPU with ``python -m pipeline run train --nproc N`` or
 ``torchrun --nproc-per-node N -m pipeline run train``; on several nodes add torchrun's rendezvous
@@ -20,6 +21,7 @@ _EXPORTS = {
     "ShardedEmbeddingCollection": "pipeline.distributed.embedding",
     "ShardingPlan": "pipeline.distributed.types",
     "ShardingType": "pipeline.distributed.types",
+    "SparseDistPipeline": "pipeline.distributed.train_pipeline",
     "Topology": "pipeline.distributed.planner",
     "World": "pipeline.distributed.world",
     "init_from_env": "pipeline.distributed.comm",

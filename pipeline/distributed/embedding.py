@@ -11,7 +11,9 @@ A batch goes through three calls, torchrec's ``ShardedEmbeddingBagCollection`` s
 training loop can overlap the next batch's id exchange with this batch's compute:
 ``input_dist(kjt).wait().wait()`` (ids to the ranks holding their rows; the first ``wait()`` reads
 the split sizes on the host), ``compute(bags)`` (the local lookups), ``output_dist(pooled,
-bags).wait()`` (pooled vectors back, assembled in column order). ``forward`` is those in a row.
+bags).wait()`` (pooled vectors back, assembled in column order). ``forward`` is those in a row, or,
+given a :class:`StartedInputDist` (a batch whose input dist a pipelined loop started a step ahead,
+see :mod:`pipeline.distributed.train_pipeline`), the wait for it and the last two.
 
 Gradient scale: every rank's pooled gradient is divided by the world size before it leaves, the
 same averaging DistributedDataParallel applies to the dense part. Training on ``W`` ranks with a
@@ -65,6 +67,30 @@ def table_tensors(ec: EmbeddingCollection, name: str) -> dict[str, torch.Tensor]
             start = packing.weights_offsets[t]
             out[key] = buf[start : start + rows * dim].view(rows, dim)
     return out
+
+
+class StartedInputDist:
+    """A batch's sparse features on their way to the ranks that look them up: what a pipelined loop
+    passes to the model in place of the KeyedJaggedTensor, ``collection``'s input dist of
+    ``features`` started ahead. ``wait()`` (``forward`` calls it) gives the received bags."""
+
+    def __init__(self, collection: ShardedEmbeddingCollection, features: KeyedJaggedTensor) -> None:
+        self.collection, self.features = collection, features
+        self.sent: Awaitable[Awaitable[list[LocalBags]]] | None = collection.input_dist(features)
+
+    @property
+    def batch_size(self) -> int:
+        return self.features.batch_size
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> StartedInputDist:
+        """Itself: the exchange runs where it was started (on the collection's device)."""
+        return self
+
+    def wait(self) -> list[LocalBags]:
+        if self.sent is None:
+            raise RuntimeError("this batch's input dist was waited for already")
+        sent, self.sent = self.sent, None
+        return sent.wait().wait()
 
 
 class ShardedEmbeddingCollection(nn.Module):
@@ -207,8 +233,13 @@ class ShardedEmbeddingCollection(nn.Module):
         blocks = AwaitableList([st.output_dist(p, x) for st, p, x in zip(self.strategies, pooled, bags)])
         return blocks.then(self._assemble)
 
-    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
-        bags = self.input_dist(features).wait().wait()
+    def forward(self, features: KeyedJaggedTensor | StartedInputDist) -> torch.Tensor:
+        if isinstance(features, StartedInputDist):
+            if features.collection is not self:
+                raise ValueError("this input dist was started by another sharded collection")
+            bags = features.wait()
+        else:
+            bags = self.input_dist(features).wait().wait()
         if not bags:  # no tables
             return torch.empty(features.batch_size, 0, device=self.device)
         return self.output_dist(self.compute(bags), bags).wait()

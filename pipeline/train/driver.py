@@ -5,7 +5,9 @@ the :class:`~pipeline.loader.Loader`, scores ``valid`` along the way and ``test`
 :class:`~pipeline.distributed.world.World` it is given decides the rest: on a world of one the
 plain model with ``.pt`` checkpoints; on N ranks each rank reads its shard of every split, the
 model trains through :class:`~pipeline.distributed.model_parallel.DistributedModelParallel` with
-sharded checkpoints, and the scores are computed over the predictions of every rank. Launch::
+sharded checkpoints, each batch's id exchange started while the batch before it trains
+(``distributed.pipeline``, :mod:`pipeline.distributed.train_pipeline`), and the scores are computed
+over the predictions of every rank. Launch::
 
     python -m pipeline run train                                  # one process: CPU or the GPU, by device
     python -m pipeline run train train.model=dcnv2 train.resume=true
@@ -49,6 +51,7 @@ from torch import nn
 
 from pipeline.distributed.config import DistributedConfig
 from pipeline.distributed.model_parallel import DistributedModelParallel, make_planner
+from pipeline.distributed.train_pipeline import SparseDistPipeline
 from pipeline.distributed.types import ShardingPlan
 from pipeline.distributed.world import World
 from pipeline.errors import UserError
@@ -114,7 +117,8 @@ def _train(cfg: TrainConfig, data: Path, runs: Path, schema: Schema, seed: int, 
     train_loader = Loader(data / "train", cfg.batch_size, schema=schema, shuffle=True, seed=seed, **shard)
     valid_loader = Loader(data / "valid", cfg.eval_batch_size, schema=schema, **shard)
     test_loader = Loader(data / "test", cfg.eval_batch_size, schema=schema, **shard)
-    trainer = Trainer(model, cfg, out, train_loader, world, checkpoints)
+    pipeline = SparseDistPipeline(model, device) if world.size > 1 and distributed.pipeline else None
+    trainer = Trainer(model, cfg, out, train_loader, world, checkpoints, pipeline)
     if cfg.early_stopping and not trainer.keeps_best and world.is_writer:
         print(f"[train] train.early_stopping applies to one process: the {world.size} ranks train every epoch "
               "and the last one is scored", flush=True)

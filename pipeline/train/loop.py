@@ -9,7 +9,9 @@ states travel in the checkpoint).
 
 The same loop trains one process and N ranks: the :class:`~pipeline.distributed.world.World` says
 who writes the files, the model is the plain model or its ``DistributedModelParallel``, and the
-checkpoint format (:mod:`pipeline.train.checkpoint`) matches it. :class:`Callback` objects passed to
+checkpoint format (:mod:`pipeline.train.checkpoint`) matches it; on N ranks the driver may pass a
+``pipeline`` that hands out each batch with the next one's input dist already started (the
+checkpoints still count the batches trained). :class:`Callback` objects passed to
 :meth:`Trainer.fit` see each step, checkpoint and evaluation (tests stop a run through one).
 :class:`Timings` (``trainer.timings``) holds the host seconds spent in each part of the loop.
 
@@ -27,7 +29,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -67,10 +69,11 @@ class Timings:
 
     The regions tile the loop: each :meth:`mark` charges the time since the previous one to its
     region, so they add up to the loop's wall time. ``batch wait``: waiting for the next batch (and
-    opening an epoch); ``step``: forward, backward and the optimizers (on a GPU, mostly launching
-    kernels that run later); ``loss read``: the loss read to the host every ``log_every`` steps (on a
-    GPU, waiting for the steps queued before it); ``log``: the metrics line and the progress bar's
-    text; ``progress``: the progress bar; ``evaluation``; ``checkpoint``; ``callbacks``.
+    opening an epoch; with a ``pipeline``, also reading and starting the batch after it); ``step``:
+    forward, backward and the optimizers (on a GPU, mostly launching kernels that run later);
+    ``loss read``: the loss read to the host every ``log_every`` steps (on a GPU, waiting for the steps
+    queued before it); ``log``: the metrics line and the progress bar's text; ``progress``: the
+    progress bar; ``evaluation``; ``checkpoint``; ``callbacks``.
     """
 
     def __init__(self) -> None:
@@ -102,10 +105,14 @@ class Trainer:
 
     ``checkpoints`` is the format of the saves (default: :class:`PlainCheckpoints` under
     ``out_dir/checkpoints``; a ``DistributedModelParallel`` takes :class:`ShardedCheckpoints`).
+    ``pipeline`` wraps each epoch's batch iterator (a
+    :class:`~pipeline.distributed.train_pipeline.SparseDistPipeline`: each batch's input dist started
+    a step ahead); the loop counts the batches it consumed, not those the loader handed out.
     """
 
     def __init__(self, model: torch.nn.Module, cfg: TrainConfig, out_dir: str | Path, train_loader,
-                 world: World | None = None, checkpoints: PlainCheckpoints | ShardedCheckpoints | None = None) -> None:
+                 world: World | None = None, checkpoints: PlainCheckpoints | ShardedCheckpoints | None = None,
+                 pipeline: Callable[[Iterator], Iterator] | None = None) -> None:
         steps_per_epoch = len(train_loader)
         if steps_per_epoch <= 0:
             raise ValueError(f"expected at least one training batch per epoch, got {steps_per_epoch}")
@@ -116,6 +123,7 @@ class Trainer:
         self.out_dir = Path(out_dir)
         self.checkpoints = checkpoints or PlainCheckpoints(self.out_dir / "checkpoints", cfg.keep_checkpoints)
         self.loader = train_loader
+        self.pipeline = pipeline
         self.steps_per_epoch = steps_per_epoch
         self.epochs = epochs_for(steps_per_epoch, cfg.epochs)
         total = self.epochs * steps_per_epoch
@@ -282,7 +290,8 @@ class Trainer:
 
     def _open_epoch(self, epoch: int, batch: int) -> Iterable:
         self.loader.load_state_dict({**self.loader.state_dict(), "epoch": epoch, "batches": batch})
-        return iter(self.loader)
+        batches = iter(self.loader)
+        return self.pipeline(batches) if self.pipeline is not None else batches
 
     def train_step(self, batch) -> torch.Tensor:
         """One optimizer step on ``batch`` with the lrs of ``state.step``; the loss, detached, left on the

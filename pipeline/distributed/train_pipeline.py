@@ -1,0 +1,105 @@
+"""A training loop's batches one step ahead, the next batch's id exchange under way: TorchRec's
+``TrainPipelineSparseDist`` in its simplest shape.
+
+``SparseDistPipeline(dmp, device)`` wraps an epoch's iterator of :class:`~pipeline.loader.Batch`.
+Before it hands out batch ``i`` it has read batch ``i + 1`` from the loader, moved it to the device
+and started its input dist (:class:`~pipeline.distributed.embedding.StartedInputDist` in place of
+its ``sparse``), so that exchange runs while batch ``i``'s forward, backward and optimizer do; the
+model's sharded ``embedding`` waits for it at the start of step ``i + 1``. The batches, their order
+and every computation are those of a plain loop, so both train the same weights; only the loader is
+one batch further (a caller that saves the loader's position counts the batches it consumed). An
+epoch's last batch has nothing ahead of it.
+
+On CUDA the copy and the launch run on a side stream that first waits for the work queued on the
+compute stream (so no memory of an earlier batch is reused while that work may still read it); the
+compute stream waits for the side stream's event before a batch is used. No host synchronization is
+added. On CPU there are no streams and gloo runs the exchange on its own threads.
+
+Example::
+
+    pipeline = SparseDistPipeline(dmp, device)
+    batches = pipeline(iter(loader))
+    for batch in batches:
+        loss = loss_of(dmp(batch.dense, batch.sparse), batch.label)   # waits for the started exchange
+        ...
+    batches.close()           # waits for an exchange still in flight (all ranks stop at the same batch)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from pipeline.distributed.embedding import ShardedEmbeddingCollection, StartedInputDist
+from pipeline.loader import Batch
+
+
+class SparseDistPipeline:
+    """Makes an iterator of batches run one ahead through ``model.embedding``'s input dist."""
+
+    def __init__(self, model: nn.Module, device: torch.device | str) -> None:
+        embedding = model.embedding
+        if not isinstance(embedding, ShardedEmbeddingCollection):
+            raise TypeError(f"expected a model whose embedding is sharded, got {type(embedding).__name__}")
+        self.embedding = embedding
+        self.device = torch.device(device)
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    def __call__(self, batches: Iterator[Batch]) -> OneAhead:
+        return OneAhead(batches, self)
+
+    def start(self, batch: Batch) -> tuple[Batch, torch.cuda.Event | None]:
+        """``batch`` on the device with its input dist started; the event the compute stream waits for."""
+        if self.stream is None:
+            batch = batch.to(self.device)
+            return Batch(batch.dense, StartedInputDist(self.embedding, batch.sparse), batch.label), None
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            batch = batch.to(self.device, non_blocking=True)
+            started = Batch(batch.dense, StartedInputDist(self.embedding, batch.sparse), batch.label)
+            return started, self.stream.record_event()
+
+
+class OneAhead:
+    """The batches of ``source``, each handed out after the next one was started (see the module)."""
+
+    def __init__(self, source: Iterator[Batch], pipeline: SparseDistPipeline) -> None:
+        self.source, self.pipeline = source, pipeline
+        self.ahead: tuple[Batch, torch.cuda.Event | None] | None = None
+        self.exhausted = False
+
+    def __iter__(self) -> OneAhead:
+        return self
+
+    def __next__(self) -> Batch:
+        if self.ahead is None:
+            self.ahead = self._read()
+        current, self.ahead = self.ahead, None
+        if current is None:
+            raise StopIteration
+        self.ahead = self._read()
+        batch, ready = current
+        if ready is not None:
+            torch.cuda.current_stream(self.pipeline.device).wait_event(ready)
+        return batch
+
+    def _read(self) -> tuple[Batch, torch.cuda.Event | None] | None:
+        if self.exhausted:
+            return None
+        try:
+            return self.pipeline.start(next(self.source))
+        except StopIteration:
+            self.exhausted = True
+            return None
+
+    def close(self) -> None:
+        """Wait for the input dist started ahead (every rank stops at the same batch), close the source."""
+        if self.ahead is not None:
+            self.ahead[0].sparse.wait()
+            self.ahead = None
+        self.exhausted = True
+        close = getattr(self.source, "close", None)
+        if callable(close):
+            close()
