@@ -533,13 +533,18 @@ def test_cuda_window_is_one_copy_to_the_device_and_nothing_comes_back(split):
 def test_cuda_resumes_as_the_cpu_loader_runs(split, stop_after):
     settings = {"schema": onehot_schema(), "shuffle": True, "seed": 9, "rank": 1, "world_size": 2}
     reference = list(small(split, **settings))
-    first = small(split, device="cuda", **settings)
+    same_batches(reference[stop_after:], _resumed_after(lambda: small(split, device="cuda", **settings), stop_after))
+
+
+def _resumed_after(make, stop_after: int) -> list:
+    """The batches of a loader from ``make()`` resumed from the state of another one stopped after ``stop_after``."""
+    first = make()
     for i, _ in enumerate(first):
         if i + 1 == stop_after:
             break
-    resumed = small(split, device="cuda", **settings)
+    resumed = make()
     resumed.load_state_dict(first.state_dict())
-    same_batches(reference[stop_after:], list(resumed))
+    return list(resumed)
 
 
 # reader="cudf": on CPU machines its logic runs on a small stand-in for cuDF (below); on a GPU with
@@ -760,13 +765,8 @@ def test_cuda_cudf_reader_gives_the_pyarrow_batches(split, real_cudf, shuffle):
 def test_cuda_cudf_reader_resumes_mid_epoch(split, real_cudf, stop_after):
     settings = {"shuffle": True, "seed": 7, "rank": 1, "world_size": 2, "device": "cuda"}
     reference = list(small(split, **settings))
-    first = small(split, reader="cudf", **settings)
-    for i, _ in enumerate(first):
-        if i + 1 == stop_after:
-            break
-    resumed = small(split, reader="cudf", **settings)
-    resumed.load_state_dict(first.state_dict())
-    same_batches([b.to("cpu") for b in reference[stop_after:]], list(resumed))
+    same_batches([b.to("cpu") for b in reference[stop_after:]],
+                 _resumed_after(lambda: small(split, reader="cudf", **settings), stop_after))
 
 
 @pytest.mark.gpu
