@@ -3,11 +3,12 @@
 :func:`open_split` reads every file's footer once: the row groups (for the plan) and the column
 types (checked against the schema before any row is read). :func:`read_window` reads the rows of
 a window (a few segments of row groups) with pyarrow: one ``read_row_groups`` call per file, its
-columns decoded on pyarrow's threads, and the rows packed into one int32 block by two arrow
-``to_tensor`` calls, so the Python work (and the GIL held) per window is a few hundred short
-calls, whatever its rows. It checks, vectorized over the window, that there are no nulls, that labels
-are 0/1 and that ids are within their table's cardinality; when a check fails, the window's
-segments are checked one by one to name the file, column, row and value of the first bad one.
+columns decoded on pyarrow's threads, and each column's chunks copied straight into its row of one
+int32 block, so the Python work (and the GIL held) per window is a few hundred short calls,
+whatever its rows. It checks that there are no nulls (from arrow's counts), then, with numpy over
+the packed block, that labels are 0/1 and that ids are within their table's cardinality; when a
+check fails, the window's segments are checked one by one to name the file, column, row and value
+of the first bad one.
 
 Example::
 
@@ -158,7 +159,7 @@ def read_window(
     Nulls are always refused (they cannot be packed); ``validate`` adds the checks of labels and ids.
     """
     table = _read_rows(split, segments)
-    if not _passes_checks(split, table, validate):
+    if any(table.column(name).null_count for name in split.columns) or not _wide_ids_fit(split, table, validate):
         _raise_first_problem(split, table, segments, validate)
     shape = (split.block_rows, table.num_rows)
     buffer = None
@@ -169,7 +170,12 @@ def read_window(
         block = buffer[: shape[0] * shape[1]].numpy().reshape(shape)
     try:
         _pack(split, table, block)
+        if validate and not _block_passes_checks(split, block):
+            _raise_first_problem(split, table, segments, validate)
         bags = [_bag(table.column(name)) for name in split.schema.multihot]
+        if validate and not all(_ids_fit(values, split.schema.column(name)) for name, (_, values) in
+                                zip(split.schema.multihot, bags)):
+            _raise_first_problem(split, table, segments, validate)
     except BaseException:
         if buffer is not None:
             buffers.release(buffer)
@@ -196,25 +202,36 @@ def _read_rows(split: Split, segments: Sequence[Segment]) -> pa.Table:
     )
 
 
-def _passes_checks(split: Split, table: pa.Table, validate: bool) -> bool:
-    """Whether the whole window is free of nulls and (``validate``) of bad labels and ids: a few vectorized calls."""
-    if any(table.column(name).null_count for name in split.columns):
-        return False
+def _wide_ids_fit(split: Split, table: pa.Table, validate: bool) -> bool:
+    """Whether the one-hot int64 id columns hold ids of their tables (checked before they are narrowed to int32)."""
     if not validate:
         return True
-    schema = split.schema
-    label = table.column(schema.label).to_numpy()
-    if ((label != 0) & (label != 1)).any():
-        return False
-    for name in split.onehot + schema.multihot:
+    for name in split.onehot:
         values = table.column(name)
-        if name in schema.multihot:
-            values = pc.list_flatten(values)
-        if len(values):
+        if values.type == pa.int64() and len(values):
             low, high = pc.min_max(values).values()
-            if low.as_py() < 0 or high.as_py() >= schema.column(name).cardinality:
+            if low.as_py() < 0 or high.as_py() >= split.schema.column(name).cardinality:
                 return False
     return True
+
+
+def _block_passes_checks(split: Split, block: np.ndarray) -> bool:
+    """Whether the packed labels are 0/1 and the one-hot ids within their tables: a few numpy passes over the block."""
+    if not block.shape[1]:
+        return True
+    label = block[0].view(np.float32)
+    if not np.logical_or(label == 0, label == 1).all():
+        return False
+    n = 1 + len(split.schema.continuous)
+    if not split.onehot:
+        return True
+    ids = block[n:]
+    high = np.array([split.schema.column(name).cardinality for name in split.onehot])
+    return bool((ids.min(axis=1) >= 0).all() and (ids.max(axis=1) < high).all())
+
+
+def _ids_fit(values: np.ndarray, column: Column) -> bool:
+    return not len(values) or (values.min() >= 0 and values.max() < column.cardinality)
 
 
 def _raise_first_problem(split: Split, table: pa.Table, segments: Sequence[Segment], validate: bool) -> None:
@@ -245,17 +262,17 @@ def _check_segment(split: Split, table: pa.Table, where: RowPosition, validate: 
 
 
 def _pack(split: Split, table: pa.Table, block: np.ndarray) -> None:
-    """Fill ``block`` with the label and continuous bits and the one-hot ids: one arrow call for each part."""
+    """Fill ``block`` with the label and continuous bits and the one-hot ids, each column's chunks copied
+    straight into its row (no intermediate tensor); int64 ids are narrowed in that copy."""
     schema = split.schema
     n = 1 + len(schema.continuous)
-    floats = table.select([schema.label, *schema.continuous])
-    block[:n] = np.asarray(floats.to_tensor(row_major=False)).T.view(np.int32)
-    if split.onehot:
-        ids = table.select(split.onehot)
-        for i, field in enumerate(ids.schema):
-            if field.type != pa.int32():  # int64 ids, checked (when validating) before they are narrowed
-                ids = ids.set_column(i, field.name, pc.cast(ids.column(i), pa.int32(), safe=False))
-        block[n:] = np.asarray(ids.to_tensor(row_major=False)).T
+    for i, name in enumerate([schema.label, *schema.continuous, *split.onehot]):
+        row = block[i].view(np.float32) if i < n else block[i]
+        start = 0
+        for chunk in table.column(name).chunks:
+            values = chunk.to_numpy(zero_copy_only=False)
+            row[start : start + len(values)] = values
+            start += len(values)
 
 
 @dataclass(frozen=True)
