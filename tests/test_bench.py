@@ -182,3 +182,26 @@ def test_bench_embedding_draws_each_tables_ids_in_range_uniform_or_skewed(ids):
     assert 0 <= first.min() and first.max() < 5000 and 0 <= second.min() and second.max() < 40
     top = np.sort(np.bincount(first, minlength=5000))[::-1][:50].sum() / first.size  # the hottest 1% of rows
     assert (top > 0.3) == (ids == "zipf")
+
+
+def test_bench_serve_reports_latency_steps_throughput_and_cache_hit_rates(tmp_path, capsys):
+    from export.server import server_problem
+    from pipeline.stages.config import load_config
+
+    problem = server_problem(load_config(None, []).serve)
+    if problem:
+        pytest.fail(f"the serving bench needs a Triton server and the models' environment (make serve-env): {problem}")
+    out = tmp_path / "serve.json"
+    assert main(["bench", "serve", "--rows", "3000", "--batches", "1,16", "--requests", "5", "--clients", "2",
+                 "--seconds", "0.5", "--throughput-batch", "8", "--workdir", str(tmp_path / "work"),
+                 "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    for batch in ("1", "16"):
+        for path in ("ensemble", "in_process", "model_only"):
+            assert 0 < r["latency"][batch][path]["p50_ms"] <= r["latency"][batch][path]["p99_ms"], (batch, path)
+        assert r["steps"][batch]["ensemble (server side)"] > 0
+    assert r["throughput"]["ensemble_rows_per_s"] > 0 and r["throughput"]["in_process_rows_per_s"] > 0
+    assert r["served_cache"]["hits"] > 0
+    assert set(r["cache_offline"]) == {"rows", "lru@0.05", "lru@0.25", "lfu@0.05", "lfu@0.25"}
+    assert all(0 <= v <= 1 for k, v in r["cache_offline"].items() if k != "rows")
+    assert "ensemble p50" in capsys.readouterr().out

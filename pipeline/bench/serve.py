@@ -248,7 +248,7 @@ def _offline_hit_rates(cfg, reference, rows) -> dict[str, float]:
     out = {"rows": len(ids)}
     for policy in ("lru", "lfu"):
         for fraction in (0.05, 0.25):
-            lookup = EmbeddingLookup(lookup_dir(export) / "store", packing, policy, fraction, min_cache_rows=0)
+            lookup = EmbeddingLookup(lookup_dir(export) / "store", layout, policy, fraction, min_cache_rows=0)
             for i in range(0, half, 64):
                 lookup(ids[i: min(i + 64, half)])
             warm = lookup.stats()
