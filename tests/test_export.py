@@ -1,5 +1,6 @@
 """Export without a server: generated configs agree with each other, and the served path's parts
-(preprocess -> embedding lookup -> dense) equal the in-process model, multi-hot features included."""
+(preprocess -> embedding lookup -> dense) equal the in-process model, multi-hot features included;
+BYTES tensors encode and decode as Triton's own code does."""
 
 from __future__ import annotations
 
@@ -211,14 +212,27 @@ def test_preprocess_names_what_is_wrong_with_a_request(multihot_pipeline):
         preprocess(dict(good, C1=np.zeros((3, 1))))
 
 
-def test_bytes_tensors_decode_like_the_python_backend():
-    from export.batching import deserialize_bytes_tensor
+@pytest.mark.parametrize("values", [
+    [b"68fd1e64", b"", "é".encode(), b"x" * 300, b"a|b"],  # lengths differ: found in one pass
+    [b"68fd1e64", b"0c1885c5", b"19e54d61"],  # one length: found at once
+    [b"", b"", b""],
+    [b"68fd1e64", b"ab\x00", b"\x00\x01", b""],  # NUL bytes: an object array keeps them
+    [b"x"],
+])
+def test_bytes_tensors_encode_and_decode_as_tritons_own_code(values):
+    from tritonclient.utils import serialize_byte_tensor
 
-    values = [b"68fd1e64", b"", "é".encode(), b"\x00\x01", b"x" * 300]
-    encoded = b"".join(len(v).to_bytes(4, "little") + v for v in values)
-    decoded = deserialize_bytes_tensor(encoded)
-    assert decoded.dtype == object and decoded.tolist() == values
-    assert deserialize_bytes_tensor(b"").tolist() == []
+    from export.wire import decode_bytes, encode_bytes
+
+    array = np.array(values, dtype=object).reshape(-1, 1)
+    encoded = encode_bytes(array)
+    assert encoded == serialize_byte_tensor(array).item()
+    decoded = decode_bytes(np.frombuffer(encoded, dtype=np.uint8))
+    assert decoded.shape == (len(values),) and decoded.tolist() == values
+    assert decoded.dtype.kind == ("O" if any(b"\x00" in v for v in values) else "S")
+    assert decode_bytes(np.frombuffer(encoded, dtype=np.uint8)[:0]).tolist() == []
+    with pytest.raises(ValueError, match="add up to"):
+        decode_bytes(np.frombuffer(encoded[:-1] + b"\x07\x00\x00\x00", dtype=np.uint8))
 
 
 def test_gpu_instances_need_torch_with_cuda_in_the_models_environment():

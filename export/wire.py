@@ -1,0 +1,102 @@
+"""Triton's BYTES tensors on the wire, encoded and decoded with numpy instead of a Python call per value.
+
+On the wire a BYTES tensor is its values one after the other, each as its length (4 bytes,
+little-endian) then its bytes. tritonclient encodes, and the python backend decodes, value by value
+in Python: at a batch of 1,024 raw rows with 26 string columns that is 26,624 values each way and
+more time than the model's. Here:
+
+- :func:`encode_bytes` (the client): the values' lengths in one pass, their bytes joined in one, the
+  two interleaved by numpy.
+- :func:`decode_bytes` (the served models, installed over the python backend's
+  ``deserialize_bytes_tensor``, which the stub calls on every BYTES input): the values come back as
+  one fixed-width ``S`` array, built by numpy from where each value starts. Where every value has the
+  same length those starts are known at once; otherwise one pass over the lengths alone finds them.
+  A value holding a NUL byte cannot live in an ``S`` array (numpy and Arrow read such values up to
+  their NUL), so a tensor with one comes back as an object array of ``bytes``, as the backend's own
+  function returns it.
+
+Example::
+
+    encoded = encode_bytes(np.array([b"68fd1e64", b""], dtype=object))
+    decode_bytes(np.frombuffer(encoded, np.uint8)).tolist()      # [b"68fd1e64", b""]
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+_LENGTH = struct.Struct("<I")
+
+
+def encode_bytes(values: np.ndarray) -> bytes:
+    """The wire form of ``values`` (any shape; ``bytes`` as they are, anything else as its UTF-8 text)."""
+    flat = np.asarray(values, dtype=object).reshape(-1)
+    try:
+        joined = b"".join(flat)
+    except TypeError:  # not every value is bytes
+        flat = [v if isinstance(v, bytes) else str(v).encode() for v in flat]
+        joined = b"".join(flat)
+    lengths = np.fromiter(map(len, flat), dtype="<u4", count=len(flat))
+    out = np.empty(4 * len(flat) + len(joined), dtype=np.uint8)
+    prefixes = _prefixes(lengths)
+    is_value = np.ones(out.size, dtype=bool)
+    is_value[prefixes] = False
+    out[prefixes] = lengths.view(np.uint8).reshape(-1, 4)
+    out[is_value] = np.frombuffer(joined, dtype=np.uint8)
+    return out.tobytes()
+
+
+def decode_bytes(encoded) -> np.ndarray:
+    """The values of a wire-form BYTES tensor (``bytes`` or a uint8 array), flat, in order."""
+    buffer = np.frombuffer(encoded, dtype=np.uint8)
+    if buffer.size == 0:
+        return np.empty(0, dtype=object)
+    first = _LENGTH.unpack_from(buffer)[0] if buffer.size >= 4 else -1
+    if first >= 0 and buffer.size % (4 + first) == 0:
+        records = buffer.reshape(-1, 4 + first)
+        if len(records) == 1 or (records[:, :4] == records[0, :4]).all():  # one length: no pass needed
+            values = records[:, 4:]
+            if first == 0:
+                return np.zeros(len(records), dtype="S1")
+            return np.ascontiguousarray(values).view(f"S{first}").reshape(-1) if values.all() else _objects(buffer)
+    lengths = _lengths(buffer)
+    is_value = np.ones(buffer.size, dtype=bool)
+    is_value[_prefixes(lengths)] = False
+    values = buffer[is_value]
+    if not values.all():
+        return _objects(buffer)
+    width = max(int(lengths.max()), 1)
+    out = np.zeros((lengths.size, width), dtype=np.uint8)
+    out[np.arange(width) < lengths[:, None]] = values
+    return out.view(f"S{width}").reshape(-1)
+
+
+def _lengths(buffer: np.ndarray) -> np.ndarray:
+    """Each value's length, in one pass over the lengths alone."""
+    data = buffer.tobytes()
+    unpack = _LENGTH.unpack_from
+    found = []
+    offset = 0
+    while offset + 4 <= len(data):
+        (length,) = unpack(data, offset)
+        found.append(length)
+        offset += 4 + length
+    if offset != len(data):
+        raise ValueError(f"a BYTES tensor of {len(data)} bytes whose value lengths add up to {offset}")
+    return np.array(found, dtype=np.int64)
+
+
+def _prefixes(lengths: np.ndarray) -> np.ndarray:
+    """Where each value's 4 length bytes lie in the wire form, ``[n, 4]``."""
+    strides = lengths.astype(np.int64) + 4
+    return (np.cumsum(strides) - strides)[:, None] + np.arange(4)
+
+
+def _objects(buffer: np.ndarray) -> np.ndarray:
+    """The values as an object array of ``bytes``, as the python backend's own function returns them."""
+    data = buffer.tobytes()
+    lengths = _lengths(buffer)
+    starts = _prefixes(lengths)[:, 0] + 4
+    return np.array([data[start: start + n] for start, n in zip(starts.tolist(), lengths.tolist())], dtype=object)
