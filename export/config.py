@@ -10,6 +10,7 @@ from pipeline.train.config import check_run_name
 DENSE_BACKENDS = ("python", "pytorch")
 INSTANCE_KINDS = ("auto", "cpu", "gpu")
 CACHE_POLICIES = ("lru", "lfu", "none")
+FUSE = ("auto", "all", "none")
 MAX_REQUEST_MB = 2047.0
 """The guard holds each request body in memory whole."""
 MAX_JSON_DEPTH = 1000
@@ -32,8 +33,11 @@ class ExportConfig:
     cache_fraction: float = field(default=0.25, metadata={"help": "rows of each table kept in the cache, as a fraction"})
     dense_threads: int = field(default=1, metadata={
         "help": "torch threads of each CPU dense instance (1: small requests, cores left to the other models)"})
-    fuse_dense: bool = field(default=False, metadata={
-        "help": "one 'ranker' model (embedding lookup + dense) in place of 'embedding' and 'dense': one hop less"})
+    fuse: str = field(default="auto", metadata={
+        "help": "all | none | auto: all serves raw rows with one python model, 'ranker' (the workflow, the embedding "
+                "lookup and the dense part in one process: one hop); none chains preprocess -> embedding -> dense, "
+                "each with its own instances (export.dense_backend=pytorch needs it); auto: all for CPU instances "
+                "with the python dense backend, else none"})
     update: bool = field(default=False, metadata={
         "help": "write only a new embedding store version; a running server picks it up without a restart"})
     run: str = field(default="", metadata={
@@ -42,7 +46,7 @@ class ExportConfig:
 
     def __post_init__(self) -> None:
         for name, allowed in (("dense_backend", DENSE_BACKENDS), ("instance_kind", INSTANCE_KINDS),
-                              ("cache_policy", CACHE_POLICIES)):
+                              ("cache_policy", CACHE_POLICIES), ("fuse", FUSE)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"export.{name}: expected one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         for name in ("max_batch_size", "instances", "dense_threads"):

@@ -199,9 +199,11 @@ def test_bench_serve_reports_latency_steps_throughput_and_cache_hit_rates(tmp_pa
     for batch in ("1", "16"):
         for path in ("ensemble", "in_process", "model_only"):
             assert 0 < r["latency"][batch][path]["p50_ms"] <= r["latency"][batch][path]["p99_ms"], (batch, path)
-        assert r["steps"][batch]["ensemble (server side)"] > 0
+        steps = r["steps"][batch]  # one model, raw rows in: its execute within its compute within the ensemble
+        assert 0 < steps["ranker model"] <= steps["ranker"] <= steps["ensemble (server side)"]
+        assert steps["ranker queue"] >= 0 and "preprocess" not in steps
     assert r["throughput"]["ensemble_rows_per_s"] > 0 and r["throughput"]["in_process_rows_per_s"] > 0
     assert r["served_cache"]["hits"] > 0
     assert set(r["cache_offline"]) == {"rows", "lru@0.05", "lru@0.25", "lfu@0.05", "lfu@0.25"}
     assert all(0 <= v <= 1 for k, v in r["cache_offline"].items() if k != "rows")
-    assert "ensemble p50" in capsys.readouterr().out
+    assert "ensemble / in-process p50" in capsys.readouterr().out

@@ -52,7 +52,7 @@ def _tensors(config: str) -> dict[str, tuple[str, str]]:
 @pytest.mark.parametrize("dense_backend", ["python", "pytorch"])
 def test_every_ensemble_step_maps_tensors_the_models_declare_alike(dense_backend):
     spec = EnsembleSpec.build(_raw(), _schema(), embedding_dim_total=48)
-    configs = model_configs(spec, ModelOptions(max_batch_size=64, dense_backend=dense_backend))
+    configs = model_configs(spec, ModelOptions(max_batch_size=64, dense_backend=dense_backend, fused=False))
     ensemble = configs["ensemble"]
     ensemble_tensors = _tensors(ensemble.split("ensemble_scheduling")[0])
     wired = dict(ensemble_tensors)
@@ -72,19 +72,28 @@ def test_every_ensemble_step_maps_tensors_the_models_declare_alike(dense_backend
         assert 'platform: "pytorch_libtorch"' in configs["dense"]
 
 
-def test_fused_export_has_one_ranker_step_after_preprocess():
+def test_fused_export_is_one_ranker_step_from_the_raw_columns():
     spec = EnsembleSpec.build(_raw(), _schema(), embedding_dim_total=48)
-    configs = model_configs(spec, ModelOptions(fuse_dense=True))
-    assert sorted(configs) == ["ensemble", "preprocess", "ranker"]
+    configs = model_configs(spec, ModelOptions())
+    assert sorted(configs) == ["ensemble", "ranker"]
     steps = re.findall(r'model_name: "(\w+)"', configs["ensemble"])
-    assert steps == ["preprocess", "ranker"]
+    assert steps == ["ranker"]
     ranker = _tensors(configs["ranker"])
-    for name, declared in _tensors(configs["preprocess"]).items():
-        if name in ("DENSE", "CATEGORICAL_IDS", "MULTIHOT_IDS", "MULTIHOT_LENGTHS"):
-            assert ranker[name] == declared
+    assert ranker == _tensors(configs["ensemble"].split("ensemble_scheduling")[0])  # raw columns in, PREDICTION out
     assert ranker["PREDICTION"] == ("FP32", "1") and 'key: "intra_op_threads"' in configs["ranker"]
-    with pytest.raises(UserError, match="fuse_dense=true .* needs export.dense_backend=python"):
-        model_configs(spec, ModelOptions(fuse_dense=True, dense_backend="pytorch"))
+    assert "ranker" not in model_configs(spec, ModelOptions(dense_backend="pytorch"))  # auto: the chain
+    assert "ranker" not in model_configs(spec, ModelOptions(instance_kind="gpu"))
+    with pytest.raises(UserError, match="fuse=all .* needs export.dense_backend=python"):
+        model_configs(spec, ModelOptions(dense_backend="pytorch", fused=True))
+
+
+@pytest.mark.parametrize(("settings", "fused"), [([], True), (["export.fuse=none"], False),
+                                                  (["export.dense_backend=pytorch"], False),
+                                                  (["export.fuse=all", "export.instance_kind=cpu"], True)])
+def test_fuse_auto_serves_one_model_on_cpu_instances_with_the_python_dense_backend(settings, fused):
+    from pipeline.stages.export import model_options
+
+    assert model_options(load_config(None, ["device=cpu", *settings])).fused == fused
 
 
 def test_instance_groups_and_dynamic_batching_are_options():
@@ -93,9 +102,11 @@ def test_instance_groups_and_dynamic_batching_are_options():
     assert "kind: KIND_GPU count: 2" in gpu["dense"] and "kind: KIND_GPU count: 2" in gpu["embedding"]
     assert "kind: KIND_CPU" in gpu["preprocess"]  # pandas runs on the CPU whatever the device
     assert "dynamic_batching" not in gpu["dense"]
-    cpu = model_configs(spec, ModelOptions(max_queue_delay_us=250))
+    cpu = model_configs(spec, ModelOptions(max_queue_delay_us=250, fused=False))
     assert "max_queue_delay_microseconds: 250" in cpu["embedding"]
     assert "MULTIHOT" not in cpu["preprocess"]
+    fused = model_configs(spec, ModelOptions(instances=3, max_queue_delay_us=250))
+    assert "kind: KIND_CPU count: 3" in fused["ranker"] and "max_queue_delay_microseconds: 250" in fused["ranker"]
 
 
 def test_export_settings_are_checked():
@@ -187,9 +198,10 @@ def test_served_parts_equal_in_process_with_multihot_unseen_and_missing(multihot
     expected = InProcessModel(model, schema, Workflow.load(cfg.paths.workflow)).predict(rows)
     assert expected.std() > 0.05
 
-    preprocess = Preprocessor.load(export / "preprocess" / "1" / "artifacts")
-    lookup = EmbeddingLookup(export / "embedding" / "store", LookupConfig.load(export / "embedding" / "1" / "layout.json"))
-    dense = DenseRunner(export / "dense" / "1" / "model.pt")
+    ranker = export / "ranker"  # the preprocess, lookup and dense parts of the one served model
+    preprocess = Preprocessor.load(ranker / "1" / "artifacts")
+    lookup = EmbeddingLookup(ranker / "store", LookupConfig.load(ranker / "1" / "layout.json"))
+    dense = DenseRunner(ranker / "1" / "model.pt")
     tensors = preprocess(_request(rows, raw))
     assert tensors["MULTIHOT_LENGTHS"].shape == (len(rows), 1)
     pooled = lookup(tensors["CATEGORICAL_IDS"], tensors["MULTIHOT_IDS"], tensors["MULTIHOT_LENGTHS"])
@@ -198,7 +210,7 @@ def test_served_parts_equal_in_process_with_multihot_unseen_and_missing(multihot
 
 def test_preprocess_names_what_is_wrong_with_a_request(multihot_pipeline):
     cfg, _, _, raw, rows = multihot_pipeline
-    preprocess = Preprocessor.load(Path(cfg.paths.export) / "preprocess" / "1" / "artifacts")
+    preprocess = Preprocessor.load(Path(cfg.paths.export) / "ranker" / "1" / "artifacts")
     good = _request(rows.iloc[:3], raw)
     with pytest.raises(BadInputError, match=r"missing raw columns \['C2'\]"):
         preprocess({k: v for k, v in good.items() if k != "C2"})

@@ -1,4 +1,4 @@
-"""The exported ensemble in a real Triton server, queried over HTTP and gRPC with tritonclient.
+"""The exported ensemble (one `ranker` model, and the chain of three) in a real Triton server, queried over HTTP and gRPC.
 
 One server is started for the whole module (start-up takes seconds): raw rows go in, and the
 probabilities must equal the in-process model's. Its HTTP port is the guard, with the default limits.
@@ -317,24 +317,23 @@ def test_update_refuses_a_changed_dense_part(served):
         write_repository(changed, reference.schema, cfg.paths.workflow, None, cfg.paths.export, update=True)
 
 
-def test_fused_ranker_serves_the_same_predictions(served, tmp_path):
+def test_the_chain_of_three_models_serves_the_same_predictions(served, tmp_path):
     import dataclasses
 
     cfg, model, reference, _ = served
-    fused = dataclasses.replace(cfg, workdir=str(tmp_path),
-                                export=dataclasses.replace(cfg.export, fuse_dense=True))
+    chain = dataclasses.replace(cfg, workdir=str(tmp_path), export=dataclasses.replace(cfg.export, fuse="none"))
     raw_data = RawDataset.load(cfg.paths.raw)
     raw = raw_columns(raw_data, cfg.data.list_separator)
-    summary = write_repository(model, reference.schema, cfg.paths.workflow, raw, fused.paths.export,
-                               model_options(fused))
-    assert summary["models"] == ["preprocess", "ranker", "ensemble"]
+    summary = write_repository(model, reference.schema, cfg.paths.workflow, raw, chain.paths.export,
+                               model_options(chain))
+    assert summary["models"] == ["preprocess", "embedding", "dense", "ensemble"]
     rows = _rows(cfg).iloc[:100]
-    server = start_server(fused.paths.export, fused.serve)
+    server = start_server(chain.paths.export, chain.serve)
     try:
         with Client(server.grpc_url, "grpc") as client:
             np.testing.assert_allclose(client.predict(rows), reference.predict(rows), rtol=0, atol=1e-5)
         time.sleep(0.5)
-        assert cache_stats(fused.paths.export)["misses"] > 0
+        assert cache_stats(chain.paths.export)["misses"] > 0
     finally:
         server.stop()
 

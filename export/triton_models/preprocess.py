@@ -2,7 +2,7 @@
 
 The same ``Workflow.transform`` as offline runs here (export/preprocess.py), so what the model sees
 when served is what it saw in training. Its BYTES inputs are decoded by numpy (export/wire.py).
-Exported as ``preprocess/1/model.py``.
+Exported as ``preprocess/1/model.py`` (``export.fuse=none``; ``ranker`` does this work otherwise).
 """
 
 import json

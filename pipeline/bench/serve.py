@@ -76,7 +76,9 @@ def run(args: argparse.Namespace, cfg) -> dict:
                 results["steps"][batch] = steps
                 print(f"[bench serve] batch {batch:5d}: ensemble p50 {served['p50_ms']:.2f} ms p99 "
                       f"{served['p99_ms']:.2f} ms | in-process p50 {local['p50_ms']:.2f} ms p99 {local['p99_ms']:.2f} ms"
-                      f" | model forward alone p50 {model_only['p50_ms']:.2f} ms | steps (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in steps.items()), flush=True)
+                      f" | ensemble / in-process p50 {served['p50_ms'] / local['p50_ms']:.2f}x"
+                      f" | model forward alone p50 {model_only['p50_ms']:.2f} ms | steps (ms): "
+                      + ", ".join(f"{k} {v:.2f}" for k, v in steps.items()), flush=True)
         results["throughput"] = _throughput(server, rows, args, reference)
         print(f"[bench serve] throughput, {args.clients} gRPC clients x batch {args.throughput_batch}: "
               f"{results['throughput']['ensemble_rows_per_s']:,.0f} rows/s ensemble, "
@@ -158,27 +160,29 @@ def _model_stats(client) -> dict[str, dict[str, int]]:
             "queue": int(infer["queue"].get("ns", 0)),
             "compute": int(infer["compute_input"].get("ns", 0)) + int(infer["compute_infer"].get("ns", 0))
             + int(infer["compute_output"].get("ns", 0)),
+            "model": int(infer["compute_infer"].get("ns", 0)),
             "total": int(infer["success"].get("ns", 0)),
         }
     return out
 
 
 def _per_request(before: dict, after: dict) -> dict[str, float]:
+    """Per request, ms: each model's compute (its inputs in, its ``execute``, its outputs out), the part
+    in its ``execute`` alone (``model``), its queue, and the ensemble's whole time in the server."""
     out = {}
-    for name in ("preprocess", "embedding", "dense", "ranker", "ensemble"):
+    for name in ("ranker", "preprocess", "embedding", "dense", "ensemble"):
         if name not in after:
             continue
         count = after[name]["count"] - before.get(name, {}).get("count", 0)
         if count <= 0:
             continue
-        total = (after[name]["total"] - before.get(name, {}).get("total", 0)) / count / 1e6
+        ms = {key: (after[name][key] - before.get(name, {}).get(key, 0)) / count / 1e6 for key in after[name]}
         if name == "ensemble":
-            out["ensemble (server side)"] = total
+            out["ensemble (server side)"] = ms["total"]
         else:
-            compute = (after[name]["compute"] - before[name]["compute"]) / count / 1e6
-            queue = (after[name]["queue"] - before[name]["queue"]) / count / 1e6
-            out[name] = compute
-            out[f"{name} queue"] = queue
+            out[name] = ms["compute"]
+            out[f"{name} model"] = ms["model"]
+            out[f"{name} queue"] = ms["queue"]
     return out
 
 
@@ -236,11 +240,11 @@ def _offline_hit_rates(cfg, reference, rows) -> dict[str, float]:
     """
     from export.lookup import EmbeddingLookup, LookupConfig
     from export.preprocess import Preprocessor
-    from export.repository import lookup_dir
+    from export.repository import artifacts_dir, lookup_dir
     from pipeline.stages.serve import sample_rows
 
     export = cfg.paths.export
-    preprocess = Preprocessor.load(export / "preprocess" / "1" / "artifacts")
+    preprocess = Preprocessor.load(artifacts_dir(export))
     traffic = sample_rows(cfg, 1 << 30, split="train")
     ids = preprocess.tensors(reference.workflow.transform(traffic))["CATEGORICAL_IDS"]
     half = len(ids) // 2
