@@ -125,16 +125,14 @@ class Client:
     def _infer_grpc(self, columns: dict[str, np.ndarray]) -> np.ndarray:
         from tritonclient.utils import triton_to_np_dtype
 
+        arrays = {name: np.asarray(array) for name, array in columns.items()}
+        strings = [name for name, array in arrays.items() if array.dtype.kind in "OSU"]
+        contents = dict(zip(strings, encode_bytes([arrays[name] for name in strings])))
         request = self._messages.ModelInferRequest(model_name=self.model)
-        for name, array in columns.items():
-            array = np.asarray(array)
-            tensor = request.inputs.add(name=name, shape=array.shape)
-            if array.dtype.kind in "OSU":
-                tensor.datatype = "BYTES"
-                request.raw_input_contents.append(encode_bytes(array))
-            else:
-                tensor.datatype = self._triton_dtype(array.dtype)
-                request.raw_input_contents.append(array.tobytes())
+        for name, array in arrays.items():
+            datatype = "BYTES" if name in contents else self._triton_dtype(array.dtype)
+            request.inputs.add(name=name, datatype=datatype, shape=array.shape)
+            request.raw_input_contents.append(contents[name] if name in contents else array.tobytes())
         request.outputs.add(name=PREDICTION)
         reply = self._call(self._stub.ModelInfer, request, timeout=self.timeout_s)
         output = reply.outputs[0]

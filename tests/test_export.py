@@ -237,8 +237,10 @@ def test_bytes_tensors_encode_and_decode_as_tritons_own_code(values):
     from export.wire import decode_bytes, encode_bytes
 
     array = np.array(values, dtype=object).reshape(-1, 1)
-    encoded = encode_bytes(array)
+    other = np.array([[b"zz", "y"]], dtype=object)
+    encoded, encoded_other = encode_bytes([array, other])  # encoded together, each as on its own
     assert encoded == serialize_byte_tensor(array).item()
+    assert encoded_other == serialize_byte_tensor(other).item() and encode_bytes([array[:0], other])[0] == b""
     decoded = decode_bytes(np.frombuffer(encoded, dtype=np.uint8))
     assert decoded.shape == (len(values),) and decoded.tolist() == values
     assert decoded.dtype.kind == ("O" if any(b"\x00" in v for v in values) else "S")
