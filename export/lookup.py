@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from export.cache import TableCaches, make_caches
-from export.store import current_version, open_current
+from export.store import current_stamp, current_version, open_current
 from pipeline.errors import BadInputError
 
 
@@ -80,6 +80,7 @@ class EmbeddingLookup:
         self.cache_fraction = cache_fraction
         self.min_cache_rows = min_cache_rows
         self.refreshes = 0
+        self._stamp = current_stamp(self.store_root)
         store = open_current(self.store_root)
         self.version = store.version
         self.caches: TableCaches = make_caches(
@@ -106,12 +107,17 @@ class EmbeddingLookup:
 
     def refresh(self) -> bool:
         """Switch to the store's current version if it changed; True when it did."""
+        stamp = current_stamp(self.store_root)
+        if stamp == self._stamp:
+            return False
         if current_version(self.store_root) == self.version:
+            self._stamp = stamp
             return False
         store = open_current(self.store_root)
         self.caches.refill(store.tables)
         self._set_rows(store.tables)
         self.version = store.version
+        self._stamp = stamp
         self.refreshes += 1
         return True
 

@@ -8,7 +8,7 @@ import torch
 
 from export.cache import LfuCache, LruCache, NoCache, make_caches, make_tier
 from export.lookup import EmbeddingLookup, LookupConfig
-from export.store import current_version, open_current, write_version
+from export.store import current_stamp, current_version, open_current, write_version
 from pipeline.errors import BadInputError
 from pipeline.modules import EmbeddingCollection, TableConfig
 from pipeline.schema import Column, Schema
@@ -31,6 +31,15 @@ def test_versions_are_written_whole_and_old_ones_pruned(tmp_path):
     np.testing.assert_array_equal(store.tables["t"], _table(seed=3))
     assert sorted(p.name for p in root.glob("v*")) == ["v000002", "v000003"]
     np.testing.assert_array_equal(first.tables["t"], _table(seed=1))  # still mapped after pruning
+
+
+def test_every_new_version_changes_the_stamp_of_current(tmp_path):
+    assert current_stamp(tmp_path) is None
+    write_version(tmp_path, {"t": _table(seed=1)})
+    first = current_stamp(tmp_path)
+    assert first is not None and current_stamp(tmp_path) == first
+    write_version(tmp_path, {"t": _table(seed=2)})
+    assert current_stamp(tmp_path) != first
 
 
 def test_store_rejects_a_table_that_is_not_2d(tmp_path):
