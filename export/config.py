@@ -28,7 +28,9 @@ class ExportConfig:
         "help": "auto | cpu | gpu: instance groups of embedding and dense (auto: gpu when the device is cuda)"})
     instances: int = field(default=1, metadata={"help": "instances of each model"})
     dynamic_batching: bool = field(default=True, metadata={"help": "let Triton merge concurrent requests"})
-    max_queue_delay_us: int = field(default=100, metadata={"help": "dynamic batching: longest wait for more requests"})
+    max_queue_delay_us: int = field(default=0, metadata={
+        "help": "dynamic batching: longest wait for more requests (0: none; requests that queued while the model "
+                "was busy are still merged)"})
     cache_policy: str = field(default="lru", metadata={"help": "lru | lfu | none: the cache of hot embedding rows"})
     cache_fraction: float = field(default=0.25, metadata={"help": "rows of each table kept in the cache, as a fraction"})
     dense_threads: int = field(default=1, metadata={

@@ -88,7 +88,7 @@ class ModelOptions:
     instance_kind: str = "cpu"  # cpu | gpu
     instances: int = 1
     dynamic_batching: bool = True
-    max_queue_delay_us: int = 100
+    max_queue_delay_us: int = 0
     dense_backend: str = "python"  # python | pytorch
     cache_policy: str = "lru"
     cache_fraction: float = 0.25

@@ -105,8 +105,9 @@ def test_instance_groups_and_dynamic_batching_are_options():
     cpu = model_configs(spec, ModelOptions(max_queue_delay_us=250, fused=False))
     assert "max_queue_delay_microseconds: 250" in cpu["embedding"]
     assert "MULTIHOT" not in cpu["preprocess"]
-    fused = model_configs(spec, ModelOptions(instances=3, max_queue_delay_us=250))
-    assert "kind: KIND_CPU count: 3" in fused["ranker"] and "max_queue_delay_microseconds: 250" in fused["ranker"]
+    fused = model_configs(spec, ModelOptions(instances=3))
+    assert "kind: KIND_CPU count: 3" in fused["ranker"]
+    assert "max_queue_delay_microseconds: 0" in fused["ranker"]  # no wait: a lone request runs at once
 
 
 def test_export_settings_are_checked():
