@@ -250,6 +250,21 @@ def test_bytes_tensors_encode_and_decode_as_tritons_own_code(values):
         decode_bytes(np.frombuffer(encoded[:-1] + b"\x07\x00\x00\x00", dtype=np.uint8))
 
 
+@pytest.mark.parametrize("odd", [None, b"x" * 300, b"ab\x00c", b"abc\x00\x00\x00\x00", b"\x00\x00\x00"])
+def test_a_large_tensor_of_text_decodes_from_its_zero_bytes_or_value_by_value(odd):
+    """Thousands of values, some empty, of several lengths; with one value of 256 bytes or more, or holding NUL
+    bytes (also a run of them that looks like an empty value), the zero bytes are not the lengths' alone."""
+    from export.wire import decode_bytes, encode_bytes
+
+    rng = np.random.default_rng(0)
+    values = [b"" if rng.random() < 0.3 else b"%x" % rng.integers(1, 1 << 40) for _ in range(2000)]
+    if odd is not None:
+        values[777] = odd
+    decoded = decode_bytes(np.frombuffer(encode_bytes([np.array(values, dtype=object)])[0], dtype=np.uint8))
+    assert decoded.tolist() == values
+    assert decoded.dtype.kind == ("O" if odd is not None and b"\x00" in odd else "S")
+
+
 def test_gpu_instances_need_torch_with_cuda_in_the_models_environment():
     from export.environment import cuda_problem
     from pipeline.stages.export import model_options
