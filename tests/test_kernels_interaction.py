@@ -173,7 +173,7 @@ def test_launch_arguments_match_kernel_signatures(tmp_path, monkeypatch):
 
 
 def test_no_kernel_spills_registers(tmp_path):
-    result = subprocess.run([_nvcc(), "-arch=sm_90", "-std=c++17", "-cubin", "-Xptxas", "-v", "-o",
+    result = subprocess.run([_nvcc(), "-arch=sm_90", "-std=c++17", "-I", str(KERNEL_DIR), "-cubin", "-Xptxas", "-v", "-o",
                              str(tmp_path / "k.cubin"), str(KERNEL_DIR / SOURCE)],
                             check=False, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
