@@ -56,8 +56,9 @@ class TrainConfig:
 
     optimizer: str = field(default="adam", metadata={"help": "dense optimizer: sgd | adam | adagrad"})
     lr: float = field(default=0.0, metadata={
-        "help": "peak learning rate of the dense part (0: the optimizer's: adam and adagrad 0.01; sgd 0.75 per "
-                "2048 samples of the batch, the linear scaling rule, 24 at MLPerf's 65536)"})
+        "help": "peak learning rate of the dense part (0: the optimizer's: adam and adagrad 0.01 (dcnv2: adam 0.001, "
+                "adagrad 0.005); sgd 0.75 per 2048 samples of the batch, the linear scaling rule, 24 at MLPerf's "
+                "65536)"})
     embedding_optimizer: str = field(default="adagrad", metadata={
         "help": "fused sparse optimizer of the tables: sgd | adagrad (row-wise) | adam (lazy)"})
     embedding_lr: float = field(default=0.0, metadata={
@@ -133,7 +134,13 @@ class TrainConfig:
         """The dense part's peak lr: ``lr``, or the optimizer's default for this batch size."""
         if self.lr > 0:
             return self.lr
-        return 0.75 * self.batch_size / 2048 if self.optimizer == "sgd" else 0.01
+        if self.optimizer == "sgd":
+            return 0.75 * self.batch_size / 2048
+        if self.model == "dcnv2":
+            # a cross layer multiplies x0 by a product of two wide matrices: Adam's full-size steps at 0.01 on
+            # the MLPerf widths blow the loss up at the end of warmup and leave the network dead
+            return 0.001 if self.optimizer == "adam" else 0.005
+        return 0.01
 
     @property
     def table_lr(self) -> float:
