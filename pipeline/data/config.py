@@ -33,6 +33,9 @@ class DataConfig:
     valid_fraction: float = field(default=0.1, metadata={"help": "fraction of rows in the validation split"})
     test_fraction: float = field(default=0.1, metadata={"help": "fraction of rows in the test split"})
     chunk_rows: int = field(default=250_000, metadata={"help": "rows per generated / ingested chunk (memory bound)"})
+    workers: int = field(default=0, metadata={
+        "help": "synthetic: processes making rows (0: one per core from 4M rows, where they pay for their start; "
+                "1: this process)"})
     on_bad_lines: str = field(
         default="error", metadata={"help": "error | skip: what a malformed input row does (skipped rows are counted)"}
     )
@@ -64,6 +67,7 @@ class DataConfig:
                              "of its own to order rows by)")
         check_range("data.rows", self.rows, 1)
         check_range("data.chunk_rows", self.chunk_rows, 1)
+        check_range("data.workers", self.workers, 0)
         check_range("data.size", self.size, 0, low_open=True)
         check_range("data.valid_fraction", self.valid_fraction, 0, 1, high_open=True)
         check_range("data.test_fraction", self.test_fraction, 0, 1, high_open=True)

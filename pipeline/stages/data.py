@@ -15,7 +15,11 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
+import os
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 from pipeline.data import raw_folder, readers, synthetic
 from pipeline.data.raw_folder import RawDataset
@@ -24,6 +28,10 @@ from pipeline.errors import UserError
 from pipeline.files import write_json
 from pipeline.progress import Progress
 from pipeline.stages.config import PipelineConfig
+
+
+PARALLEL_FROM_ROWS = 4_000_000
+"""Synthetic data of this many rows or more is made by one process per core (``data.workers=0``)."""
 
 
 def run(cfg: PipelineConfig) -> dict:
@@ -103,12 +111,17 @@ def _generate(cfg: PipelineConfig, params: dict) -> None:
     model = synthetic.ClickModel.create(cfg.seed, d.size)
     rows = synthetic.split_rows(d.rows, d.valid_fraction, d.test_fraction)
     chunks = sum(-(-n // d.chunk_rows) for n in rows.values())
+    workers = d.workers or ((os.cpu_count() or 1) if d.rows >= PARALLEL_FROM_ROWS else 1)
     oracle = {}
-    with Progress("synthetic data", total=chunks, unit="chunk", mode=cfg.progress) as bar:
+    with contextlib.ExitStack() as stack:
+        pool = None
+        if workers > 1:  # blocks are independent: each process makes whole blocks, sharing no GIL
+            pool = stack.enter_context(ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")))
+        bar = stack.enter_context(Progress("synthetic data", total=chunks, unit="chunk", mode=cfg.progress))
         for split, n in rows.items():
             writer = raw_folder.PartWriter(root / split, d.chunk_rows)
             metrics = ClickMetrics()
-            for chunk in synthetic.iter_split(model, split, n, d.chunk_rows):
+            for chunk in synthetic.iter_split(model, split, n, d.chunk_rows, pool, ahead=2 * workers):
                 writer.write(chunk.table)
                 metrics.update(chunk.table.column(synthetic.LABEL).to_numpy(), chunk.probability)
                 bar.update(1)
