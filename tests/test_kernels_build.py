@@ -201,3 +201,18 @@ def test_the_update_segment_is_the_same_in_the_launcher_and_the_kernel():
 
     source = (KERNEL_DIR / "embedding/embedding_backward.cu").read_text()
     assert re.search(r"#define SEGMENT (\d+)", source).group(1) == str(launcher.SEGMENT)
+
+
+def test_every_kernel_source_is_packaged():
+    """A wheel (a non-editable install) carries every ``.cu`` and ``.cuh``: the package-data patterns of
+    pyproject.toml match them all, those in the kernel packages' subfolders too."""
+    import fnmatch
+    import tomllib
+
+    root = KERNEL_DIR.parent.parent
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["pipeline"]
+    sources = [p.relative_to(root / "pipeline").as_posix() for p in KERNEL_DIR.rglob("*.cu*")]
+    assert sources
+    unpackaged = [s for s in sources if not any(fnmatch.fnmatchcase(s, pat) and s.count("/") == pat.count("/")
+                                                for pat in patterns)]
+    assert not unpackaged
