@@ -423,8 +423,10 @@ def test_wrong_arguments_say_what_was_expected():
         HashTable(SLOTS, 4, policy="custom").find_or_insert(torch.tensor([1]), torch.zeros(1, 4))
 
 
-def test_on_cpu_the_table_runs_the_reference():
-    assert HashTable(SLOTS, 1).backend == "torch"
+def test_on_cpu_the_table_runs_the_reference_and_refuses_the_kernels():
+    assert HashTable(SLOTS, 1).backend == HashTable(SLOTS, 1, backend="torch").backend == "torch"
+    with pytest.raises(ValueError, match="backend 'cuda' cannot run here: the CUDA kernels need a CUDA device, got cpu"):
+        HashTable(SLOTS, 1, backend="cuda")
 
 
 # --- the kernels' source and launch arguments, checked on CPU ---------------------------------------------------
@@ -471,9 +473,7 @@ def _cuda_pair(capacity: int, dim: int, policy: str) -> tuple[HashTable, HashTab
 
     if kernels_problem():
         pytest.skip(f"the kernels cannot run here: {kernels_problem()}")
-    cuda, cpu = HashTable(capacity, dim, "cuda", policy), HashTable(capacity, dim, "cpu", policy)
-    assert cuda.backend == "cuda" and cpu.backend == "torch"
-    return cuda, cpu
+    return HashTable(capacity, dim, "cuda", policy, backend="cuda"), HashTable(capacity, dim, "cpu", policy)
 
 
 def _same(a, b) -> None:

@@ -1,8 +1,9 @@
 """``HashTable``: a fixed-capacity table of 64-bit keys and float rows in one device's memory.
 
-On CUDA (where :func:`pipeline.kernels.kernels_problem` finds nothing missing) the operations run the
-kernels of ``hashtable.cu`` through :mod:`.launcher`; elsewhere the plain-torch :mod:`.reference`, on
-the table's device. Both leave the very same state after any sequence of calls. The layout, the order
+With ``backend="auto"`` the operations run the kernels of ``hashtable.cu`` (:mod:`.launcher`) on CUDA
+where :func:`pipeline.kernels.kernels_problem` finds nothing missing, else the plain-torch
+:mod:`.reference` on the table's device; ``"cuda"`` and ``"torch"`` ask for one of them. Both leave
+the very same state after any sequence of calls. The layout, the order
 a call applies its keys in, and the score policies are in ``docs/HASHTABLE.md``.
 
 Example::
@@ -26,6 +27,7 @@ from pipeline.kernels.hashtable import reference
 from pipeline.kernels.hashtable.reference import CUSTOM, LFU, LRU, SLOTS, Storage
 
 POLICIES = {"lru": LRU, "lfu": LFU, "custom": CUSTOM}
+BACKENDS = ("auto", "cuda", "torch")
 
 
 class Evicted(NamedTuple):
@@ -49,10 +51,10 @@ class FoundOrInserted(NamedTuple):
 
 
 @functools.cache
-def _kernels_usable() -> bool:
+def _kernels_problem() -> str | None:
     from pipeline.kernels import kernels_problem
 
-    return kernels_problem() is None
+    return kernels_problem()
 
 
 class HashTable:
@@ -62,10 +64,11 @@ class HashTable:
     (``clock``, 1 for the first writing call); ``"lfu"``: how many times the key was given to writing
     calls; ``"custom"``: the ``scores`` given with it. A full bucket gives the slot of its lowest score
     to a new key of a strictly higher score. :attr:`values` is the ``[capacity, dim]`` row tensor that
-    the slots index.
+    the slots index. ``backend``: ``"auto"``, ``"cuda"`` (the kernels) or ``"torch"`` (the reference).
     """
 
-    def __init__(self, capacity: int, dim: int, device: torch.device | str = "cpu", policy: str = "lru") -> None:
+    def __init__(self, capacity: int, dim: int, device: torch.device | str = "cpu", policy: str = "lru",
+                 backend: str = "auto") -> None:
         if not isinstance(capacity, int) or capacity <= 0 or capacity % SLOTS or capacity // SLOTS >= 2**31:
             raise ValueError(f"hash table: capacity must be a positive multiple of {SLOTS} below {SLOTS * 2**31}, "
                              f"got {capacity!r}")
@@ -73,16 +76,22 @@ class HashTable:
             raise ValueError(f"hash table: dim must be a positive integer, got {dim!r}")
         if policy not in POLICIES:
             raise ValueError(f"hash table: policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"hash table: backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
         self.capacity, self.dim, self.policy = capacity, dim, policy
         self.device = torch.device(device)
+        problem = f"the CUDA kernels need a CUDA device, got {self.device}" if self.device.type != "cuda" \
+            else _kernels_problem()
+        if backend == "cuda" and problem:
+            raise ValueError(f"hash table: backend 'cuda' cannot run here: {problem}")
         self.clock = 0
         self._storage = Storage.empty(capacity, dim, self.device)
-        if self.device.type == "cuda" and _kernels_usable():
+        if backend == "torch" or problem:
+            self._impl = reference
+        else:
             from pipeline.kernels.hashtable import launcher
 
             self._impl = launcher
-        else:
-            self._impl = reference
 
     @property
     def backend(self) -> str:
