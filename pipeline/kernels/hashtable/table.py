@@ -78,14 +78,15 @@ class HashTable:
             raise ValueError(f"hash table: policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         if backend not in BACKENDS:
             raise ValueError(f"hash table: backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-        self.capacity, self.dim, self.policy = capacity, dim, policy
-        self.device = torch.device(device)
-        problem = f"the CUDA kernels need a CUDA device, got {self.device}" if self.device.type != "cuda" \
+        device = torch.device(device)
+        problem = f"the CUDA kernels need a CUDA device, got {device}" if device.type != "cuda" \
             else _kernels_problem()
         if backend == "cuda" and problem:
             raise ValueError(f"hash table: backend 'cuda' cannot run here: {problem}")
+        self.capacity, self.dim, self.policy = capacity, dim, policy
         self.clock = 0
-        self._storage = Storage.empty(capacity, dim, self.device)
+        self._storage = Storage.empty(capacity, dim, device)
+        self.device = self._storage.digests.device  # "cuda" becomes "cuda:0", as the tensors given will say
         if backend == "torch" or problem:
             self._impl = reference
         else:
