@@ -6,13 +6,14 @@ digest byte (0: empty), a 64-bit key, a 64-bit score, and a row of ``dim`` float
 bucket or nowhere. No key value is reserved, so key 0 and ``0xFFFF_FFFF_FFFF_FFFF`` (-1) are keys like
 any other: emptiness is the digest byte's, and a key whose hash has a low byte of 0 gets digest 1.
 
-A writing call (:func:`place`) applies the call's distinct keys one at a time in the order of their
-hash (:func:`order_keys`, unsigned), so the bucket of each is decided by the keys before it in its own
-bucket only; the kernels give every bucket to one warp that walks its keys in that order, and this
-reference walks every bucket in rounds (round ``r``: the ``r``-th key of each bucket, all buckets at
-once). Where a key goes: its own slot if it is in the table, else the bucket's lowest empty slot, else,
-if its score is higher than the lowest score among the bucket's slots this call has not touched, that
-slot (the lowest slot on ties), whose key is evicted; else nowhere. The rules are in ``docs/HASHTABLE.md``.
+A writing call (:func:`place`) first finds its keys that are in the table: they keep their slots, get
+their scores, and no key of the call evicts them. Then it places its new keys one at a time in the order
+of their hashes (:func:`order_keys`, unsigned): the bucket's lowest empty slot, else, if the key's score
+is higher than the lowest score among the bucket's slots the call has not touched, that slot (the
+lowest slot on ties), whose key is evicted; else nowhere. Where a key goes depends only on the keys of
+its own bucket before it, so the kernels give every bucket to one warp that walks its keys in that
+order, and this reference walks all buckets at once in rounds (round ``r``: the ``r``-th new key of
+each bucket). The rules are in ``docs/HASHTABLE.md``.
 
 Example::
 

@@ -3,8 +3,8 @@
 With ``backend="auto"`` the operations run the kernels of ``hashtable.cu`` (:mod:`.launcher`) on CUDA
 where :func:`pipeline.kernels.kernels_problem` finds nothing missing, else the plain-torch
 :mod:`.reference` on the table's device; ``"cuda"`` and ``"torch"`` ask for one of them. Both leave
-the very same state after any sequence of calls. The layout, the order
-a call applies its keys in, and the score policies are in ``docs/HASHTABLE.md``.
+the very same state after any sequence of calls. The layout, the order a call applies its keys in,
+and the score policies are in ``docs/HASHTABLE.md``.
 
 Example::
 
@@ -113,16 +113,16 @@ class HashTable:
     def insert_or_assign(self, keys: torch.Tensor, values: torch.Tensor,
                          scores: torch.Tensor | None = None) -> Inserted:
         """Give each key its row of ``values`` ``[n, dim]`` (a repeated key: its last one, and its last
-        score), inserting the keys that are missing where their bucket has room."""
+        score), inserting the missing keys where their bucket has an empty slot or a lower score to evict."""
         keys = self._keys(keys)
         placed, evicted = self._place(keys, self._rows(values, keys, "values"), scores, assign=True)
         return Inserted(placed.slots, evicted)
 
     def find_or_insert(self, keys: torch.Tensor, init: torch.Tensor,
                        scores: torch.Tensor | None = None) -> FoundOrInserted:
-        """Each key's slot and row, inserting the missing keys with their row of ``init`` ``[n, dim]`` (a
-        repeated key: its first one, and its first score). The training path: rows of new ids start
-        from ``init``."""
+        """Each key's slot and row, inserting the missing keys as :meth:`insert_or_assign` does, with their
+        row of ``init`` ``[n, dim]`` (a repeated key: its first one, and its first score). The training
+        path: rows of new ids start from ``init``."""
         keys = self._keys(keys)
         init = self._rows(init, keys, "init")
         placed, evicted = self._place(keys, init, scores, assign=False)
