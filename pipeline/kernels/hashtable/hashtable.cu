@@ -35,10 +35,12 @@ __device__ __forceinline__ unsigned int digest_of(u64 h) {
     return low == 0u ? 1u : low;
 }
 
-// Bit j set where byte j of `word` equals the byte repeated four times in `target4`.
+// Bit j set where byte j of `word` equals the byte repeated four times in `target4`: the zero bytes of
+// their xor, found exactly (the sums stay within each byte, so no carry crosses into the next).
 __device__ __forceinline__ unsigned int byte_matches(unsigned int word, unsigned int target4) {
-    const unsigned int equal = __vcmpeq4(word, target4);  // 0xff in each equal byte
-    return ((equal >> 7) & 1u) | ((equal >> 14) & 2u) | ((equal >> 21) & 4u) | ((equal >> 28) & 8u);
+    const unsigned int x = word ^ target4;
+    const unsigned int zero = ~(((x & 0x7f7f7f7fu) + 0x7f7f7f7fu) | x | 0x7f7f7f7fu);  // 0x80 in each zero byte
+    return ((zero >> 7) & 1u) | ((zero >> 14) & 2u) | ((zero >> 21) & 4u) | ((zero >> 28) & 8u);
 }
 
 // Keys whose signed order is the unsigned order of their hashes (bucket first), for torch.sort.
@@ -76,7 +78,7 @@ __device__ __forceinline__ void copy_row(float* __restrict__ dst, const float* _
 }
 
 // Find: a group of FIND_GROUP threads per key. The group loads the bucket's 128 digests with one
-// 16-byte load per thread, compares them four at a time with __vcmpeq4, loads the keys only where a
+// 16-byte load per thread, compares them four at a time (byte_matches), loads the keys only where a
 // digest matches, and the thread that finds the key hands its slot to the group, which copies the row
 // (or zeros) to out[i]. `out` and `slots` may be null (not wanted).
 extern "C" __global__ void __launch_bounds__(256) find_keys(
