@@ -192,12 +192,19 @@ def _measure(torch, device: str, capacity: int, dim: int, load: float, batch: in
     return row
 
 
+def _rate(keys_per_s: float) -> str:
+    for scale, unit in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if keys_per_s >= scale:
+            return f"{keys_per_s / scale:.2f}{unit}"
+    return f"{keys_per_s:.0f}"
+
+
 def _print_row(row: dict) -> None:
     line = (f"  dim {row['dim']:>4}  load {row['load']:.2f} ({row['measured_load']:.3f}) | find "
-            f"{row['find_keys_per_s'] / 1e6:,.1f}M keys/s ({100 * row['find_fraction_of_copy']:.0f}% of copy) | "
-            f"insert_or_assign {row['insert_or_assign_keys_per_s'] / 1e6:,.1f}M keys/s "
+            f"{_rate(row['find_keys_per_s'])} keys/s ({100 * row['find_fraction_of_copy']:.0f}% of copy) | "
+            f"insert_or_assign {_rate(row['insert_or_assign_keys_per_s'])} keys/s "
             f"({100 * row['insert_fraction_of_copy']:.0f}% of copy)")
     if "reference_find_keys_per_s" in row:
-        line += (f" | reference: find {row['reference_find_keys_per_s'] / 1e6:,.1f}M, insert_or_assign "
-                 f"{row['reference_insert_or_assign_keys_per_s'] / 1e6:,.1f}M keys/s")
+        line += (f" | reference: find {_rate(row['reference_find_keys_per_s'])}, insert_or_assign "
+                 f"{_rate(row['reference_insert_or_assign_keys_per_s'])} keys/s")
     print(line, flush=True)
