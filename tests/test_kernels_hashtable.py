@@ -15,7 +15,7 @@ import torch
 from pipeline.errors import BadInputError
 from pipeline.kernels._compile import KERNEL_DIR
 from pipeline.kernels.hashtable import SLOTS, HashTable, launcher, reference
-from tests.test_kernels_build import _ptx_params
+from tests.test_kernels_build import _CTYPE_TO_PTX, _ptx_params
 
 SOURCE = "hashtable/hashtable.cu"
 M64 = 2**64
@@ -438,9 +438,6 @@ def test_the_constants_are_the_same_in_python_and_in_the_kernels():
     assert int(defines["SLOTS"]) == SLOTS
     assert int(defines["FIND_GROUP"]) == launcher.FIND_GROUP and int(defines["COPY_GROUP"]) == launcher.COPY_GROUP
     assert (int(defines["LRU"]), int(defines["LFU"])) == (reference.LRU, reference.LFU)
-
-
-_CTYPE_TO_PTX = {"c_void_p": "u64", "c_int": "u32", "c_long": "u64", "c_ulong": "u64", "c_float": "f32"}
 
 
 def test_launch_arguments_match_kernel_signatures(tmp_path, monkeypatch):
