@@ -169,6 +169,38 @@ def test_bench_loader_reports_rates_cpu_time_and_the_gil_share(tmp_path, capsys)
     assert len(calls) == 1 and float(calls[0].split()[-1].replace(",", "")) > 0
 
 
+def test_bench_hashtable_on_the_cpu_times_the_reference_at_each_dim_and_load(tmp_path, capsys):
+    out = tmp_path / "hashtable.json"
+    assert main(["bench", "hashtable", "--device", "cpu", "--capacity", "1024", "--batch", "256", "--dims", "8,12",
+                 "--loads", "0.5,0.9", "--reps", "2", "--json", str(out), f"workdir={tmp_path}"]) == 0
+    r = json.loads(out.read_text())
+    assert (r["backend"], r["capacity"], r["batch"]) == ("torch", 1024, 256) and r["copy_gb_s"] > 0
+    assert [(row["dim"], row["load"]) for row in r["results"]] == [(8, 0.5), (8, 0.9), (12, 0.5), (12, 0.9)]
+    for row in r["results"]:
+        assert row["measured_load"] == pytest.approx(row["load"], abs=0.01)
+        assert row["find_keys_per_s"] > 0 and row["insert_or_assign_keys_per_s"] > 0
+        assert row["find_bytes_per_key"] == 145 + 8 * row["dim"] and 0 < row["find_fraction_of_copy"] < 1
+        assert "reference_find_keys_per_s" not in row
+    assert "dim   12  load 0.90" in capsys.readouterr().out
+
+
+def test_bench_hashtable_refuses_a_capacity_that_is_not_whole_buckets(tmp_path, capsys):
+    assert main(["bench", "hashtable", "--device", "cpu", "--capacity", "1000", f"workdir={tmp_path}"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: --capacity: expected a positive multiple of 128, got 1000"]
+
+
+@pytest.mark.gpu
+def test_bench_hashtable_on_the_gpu_times_the_kernels_and_the_reference(tmp_path):
+    out = tmp_path / "hashtable.json"
+    assert main(["bench", "hashtable", "--capacity", str(1 << 20), "--batch", str(1 << 16), "--dims", "64",
+                 "--loads", "0.75", "--reps", "3", "--json", str(out), f"workdir={tmp_path}"]) == 0
+    (row,) = json.loads(out.read_text())["results"]
+    for key in ("find_keys_per_s", "insert_or_assign_keys_per_s", "reference_find_keys_per_s",
+                "reference_insert_or_assign_keys_per_s"):
+        assert row[key] > 0, key
+
+
 @pytest.mark.parametrize("ids", ["uniform", "zipf"])
 def test_bench_embedding_draws_each_tables_ids_in_range_uniform_or_skewed(ids):
     import numpy as np

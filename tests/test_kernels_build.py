@@ -68,7 +68,7 @@ def test_a_source_brings_the_headers_its_headers_include():
     by the name it is included by."""
     from pipeline.kernels._compile import _program
 
-    for source in SOURCES:
+    for source in (s for s in SOURCES if s.split("/")[0] in ("embedding", "interaction")):  # the 16-bit families
         _, names, texts = _program(source)
         assert "floats.cuh" in names, source
         assert texts[names.index("floats.cuh")].endswith((KERNEL_DIR / "floats.cuh").read_text())

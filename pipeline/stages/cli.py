@@ -40,6 +40,7 @@ BENCHES = {
     "e2e": "pipeline.bench.e2e",
     "train_distributed": "pipeline.bench.train_distributed",
     "embedding": "pipeline.bench.embedding",
+    "hashtable": "pipeline.bench.hashtable",
     "serve": "pipeline.bench.serve",
     "quality": "pipeline.bench.quality",
 }
