@@ -47,7 +47,6 @@ def relaunch(argv: list[str], nproc: int, torchrun_args: list[str] | None = None
 
     if nproc < 1:
         raise ValueError(f"--nproc: expected at least 1, got {nproc}")
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off (shared machines)
     args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={nproc}", *(torchrun_args or []),
                                          "--module", module, *strip_nproc(argv)])
     try:
