@@ -152,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             print(_settings_epilog())
             return 0
         cfg = _config_from(args)
+        _refuse_all_but_training_under_torchrun(args)
         if args.command == "run" and cfg.distributed.nproc > 1:
             from pipeline.distributed.launch import relaunch, under_torchrun
 
@@ -177,6 +178,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {err}", file=sys.stderr)
             return 2
         raise
+
+
+def _refuse_all_but_training_under_torchrun(args: argparse.Namespace) -> None:
+    """Only the training stage runs on the processes torchrun started; every other command, run by each
+    of them, would write the same files at once."""
+    from pipeline.distributed.launch import launched_processes
+    from pipeline.errors import UserError
+
+    launched = launched_processes()
+    if launched > 1 and not (args.command == "run" and args.stage == "train"):
+        what = f"run {args.stage}" if args.command == "run" else args.command
+        raise UserError(f"`{what}` under torchrun ({launched} processes): only `run train` runs on several "
+                        f"processes; run `python -m pipeline {what}` once without torchrun, then train under it")
 
 
 def _is_user_error(err: Exception) -> bool:
