@@ -233,7 +233,11 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     parser.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
-    run(parser.parse_args(argv))
+    try:
+        run(parser.parse_args(argv))
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     return 0
 
 
