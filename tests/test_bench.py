@@ -214,3 +214,33 @@ def test_bench_embedding_draws_each_tables_ids_in_range_uniform_or_skewed(ids):
     assert 0 <= first.min() and first.max() < 5000 and 0 <= second.min() and second.max() < 40
     top = np.sort(np.bincount(first, minlength=5000))[::-1][:50].sum() / first.size  # the hottest 1% of rows
     assert (top > 0.3) == (ids == "zipf")
+
+
+TINY_DISTRIBUTED = ["--tables", "3", "--rows", "500", "--dim", "4", "--mlp", "small", "--batch", "64", "--steps", "2",
+                    "--rounds", "1", "--warmup", "1", "--device", "cpu"]
+
+
+def test_bench_train_distributed_times_the_pipelined_step_and_the_plain_loop(tmp_path, capsys):
+    out = tmp_path / "distributed.json"
+    assert main(["bench", "train_distributed", *TINY_DISTRIBUTED, "--nproc", "1,2", "--loop", "pipelined,plain",
+                 "--out", str(out), f"workdir={tmp_path}"]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert list(results) == ["1", "2/fp32/pipelined", "2/fp32/plain"]
+    assert [r["loop"] for r in results.values()] == ["plain", "pipelined", "plain"]
+    for r in results.values():
+        assert r["samples_per_s"] > 0 and r["profiled_step_ms"] > 0 and r["scaling_efficiency"] > 0
+    for key in ("2/fp32/pipelined", "2/fp32/plain"):
+        assert results[key]["comm_ms_per_step"] > 0 and results[key]["plan"]["world_size"] == 2
+    # The pipelined step trains the weights the plain loop does: the same loss after the same steps.
+    assert results["2/fp32/pipelined"]["loss"] == pytest.approx(results["2/fp32/plain"]["loss"], abs=1e-7)
+    printed = capsys.readouterr().out
+    assert "2/fp32/pipelined" in printed and "2/fp32/plain" in printed
+
+
+def test_bench_train_distributed_times_the_pipelined_step_unless_told(tmp_path, capsys):
+    from pipeline.stages.cli import build_parser
+
+    assert build_parser().parse_args(["bench", "train_distributed"]).loop == "pipelined"
+    assert main(["bench", "train_distributed", *TINY_DISTRIBUTED, "--loop", "async", f"workdir={tmp_path}"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: --loop: expected pipelined, plain or pipelined,plain, got 'async'"]

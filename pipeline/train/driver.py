@@ -13,11 +13,13 @@ over the predictions of every rank. Launch::
     python -m pipeline run train train.model=dcnv2 train.resume=true
     python -m pipeline run train --nproc 2                        # 2 ranks on this node, through torchrun
     torchrun --nproc-per-node 2 -m pipeline run train
+    torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint HOST0:29500 --rdzv-id job1 \\
+        -m pipeline run train workdir=/shared/pipeline            # on each of 2 nodes, workdir shared (README.md)
 
 Each training writes its own run folder under ``runs`` (``<workdir>/<dataset>/train``), named by
 ``train.run`` or by its start and model, and moves ``runs/latest`` to it once it finished (see
 :mod:`pipeline.train.runs`); ``train.resume=true`` continues a run in its folder. Outputs in the run
-folder (written by rank 0)::
+folder (written by global rank 0, which names it for every rank)::
 
     model.json          what was built (see :mod:`pipeline.train.model`)
     plan.json           N ranks: where each table lives
