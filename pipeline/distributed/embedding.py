@@ -53,22 +53,6 @@ _STRATEGIES = (TableWiseSharding, RowWiseSharding, DataParallelSharding)
 _COMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def table_tensors(ec: EmbeddingCollection, name: str) -> dict[str, torch.Tensor]:
-    """Views of table ``name`` in ``ec``: ``weight`` ``[rows, dim]`` and each optimizer state, by row."""
-    packing = ec.packing
-    t = packing.table_names.index(name)
-    rows, dim = packing.rows[t], packing.dims[t]
-    out = {"weight": ec.table_weight(name)}
-    per_row = packing.total_rows != packing.total_elements
-    for key, buf in ec.optimizer_state().items():
-        if per_row and buf.numel() == packing.total_rows:
-            out[key] = buf[packing.row_offsets[t] : packing.row_offsets[t] + rows]
-        else:
-            start = packing.weights_offsets[t]
-            out[key] = buf[start : start + rows * dim].view(rows, dim)
-    return out
-
-
 class StartedInputDist:
     """A batch's sparse features on their way to the ranks that look them up: what a pipelined loop
     passes to the model in place of the KeyedJaggedTensor, ``collection``'s input dist of
@@ -166,7 +150,7 @@ class ShardedEmbeddingCollection(nn.Module):
         sharded.set_lr(ec.lr)
         with torch.no_grad():
             for name, lo, hi, local in sharded.local_shards():
-                for key, tensor in table_tensors(ec, name).items():
+                for key, tensor in ec.table_views(name).items():
                     local[key].copy_(tensor[lo:hi])
             sharded.set_step(int(ec.step))
         return sharded
@@ -202,7 +186,7 @@ class ShardedEmbeddingCollection(nn.Module):
             for t in st.table_ids:
                 name = self.tables[t].name
                 lo, hi = self.plan[name].rows_on(self.rank)
-                yield name, lo, hi, table_tensors(st.local, name)
+                yield name, lo, hi, st.local.table_views(name)
 
     def _init_weights(self, seed: int) -> None:
         with torch.no_grad():
