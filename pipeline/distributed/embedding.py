@@ -5,7 +5,9 @@ KeyedJaggedTensor of its own batch and gets ``[B, sum of slot dims]`` in the sam
 backward the rows are updated in place by the fused optimizer of the rank that holds them. Tables
 are served by one strategy per sharding type the plan uses (``tw_sharding``, ``rw_sharding``,
 ``dp_sharding``), each looking up through a local EmbeddingCollection, so the local compute uses
-the registered backend.
+the registered backend; a local collection holding a host-cached part of a table (the plan's
+``cache_rows``) is a :class:`~pipeline.modules.cached_collection.HostCachedCollection`, whose lookup
+first brings the batch's rows into the part's device cache.
 
 A batch goes through three calls, torchrec's ``ShardedEmbeddingBagCollection`` split, so that a
 training loop can overlap the next batch's id exchange with this batch's compute:
@@ -45,6 +47,7 @@ from pipeline.distributed.types import Awaitable, AwaitableList, ShardingPlan, S
 from pipeline.errors import BadInputError
 from pipeline.modules.columns import ColumnRun, assemble_columns, merge_runs
 from pipeline.kernels.embedding import TablePacking
+from pipeline.modules.cached_collection import HostCachedCollection
 from pipeline.modules.collection import EmbeddingCollection
 from pipeline.modules.configs import EmbeddingOptimizerConfig, TableConfig, check_features
 from pipeline.sparse import KeyedJaggedTensor
@@ -110,8 +113,11 @@ class ShardedEmbeddingCollection(nn.Module):
         self.device = torch.device(device)
 
         def make(local_tables, keys):
-            return EmbeddingCollection(local_tables, keys, self.optimizer, weights_dtype=weights_dtype,
-                                       backend=backend, validate_ids=False).to(self.device)
+            cached = {t.name: plan[t.name].cache_rows_on(self.rank) for t in local_tables if plan[t.name].cache_rows}
+            options = {"weights_dtype": weights_dtype, "backend": backend, "validate_ids": False}
+            local = (HostCachedCollection(local_tables, keys, cached, self.optimizer, **options) if cached
+                     else EmbeddingCollection(local_tables, keys, self.optimizer, **options))
+            return local.to(self.device)
 
         if comm_dtype not in _COMM_DTYPES:
             raise ValueError(f"comm_dtype: expected one of {list(_COMM_DTYPES)}, got {comm_dtype!r}")
@@ -179,7 +185,8 @@ class ShardedEmbeddingCollection(nn.Module):
                 st.local.set_lr(lr)
 
     def local_shards(self) -> Iterator[tuple[str, int, int, dict[str, torch.Tensor]]]:
-        """``(table, lo, hi, views)``: every table part on this rank with its global rows ``[lo, hi)``."""
+        """``(table, lo, hi, views)``: every table part on this rank with its global rows ``[lo, hi)`` (a
+        host-cached part: its host tensors, its cache written back and emptied)."""
         for st in self.strategies:
             if st.local is None:
                 continue
