@@ -64,8 +64,8 @@ def make_plan(kind: str, world: int) -> ShardingPlan:
 
 
 SCENARIOS = [("table_wise", "adagrad", "fp32"), ("row_wise", "adagrad", "fp32"), ("data_parallel", "adagrad", "fp32"),
-             ("mixed", "adagrad", "fp32"), ("mixed", "adam", "fp32"), ("mixed", "sgd", "fp32"), ("mixed", "adagrad", "bf16"),
-             ("host_cached", "adam", "fp32")]
+             ("mixed", "adagrad", "fp32"), ("mixed", "adam", "fp32"), ("mixed", "sgd", "fp32"),
+             ("mixed", "adagrad", "bf16"), ("host_cached", "adam", "fp32")]
 
 
 def optimizer(kind: str) -> EmbeddingOptimizerConfig:

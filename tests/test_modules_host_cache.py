@@ -160,7 +160,8 @@ def test_the_least_recently_used_row_goes_and_a_dirty_one_is_written_back():
     cache.prefetch(torch.tensor([5]), host, device, training=True)  # row 1 and 2 the least recent: row 1 goes
     assert host["weight"][1, 0] == 100.0 and cache.stats.evictions == 2 and cache.stats.writebacks == 1
     assert cache.index.find(torch.tensor([1, 2, 4, 5])).ge(0).tolist() == [False, True, True, True]
-    with pytest.raises(CacheTooSmall, match="table t: a batch needs 3 rows copied into its device cache of 3 rows, but only 2 slots"):
+    with pytest.raises(CacheTooSmall, match="table t: a batch needs 3 rows copied into its device cache of 3 rows, but "
+                                            "only 2 slots"):
         cache.prefetch(torch.tensor([6, 7, 8]), host, device, training=True)
 
 
