@@ -5,7 +5,8 @@ with ``distributed.memory_per_rank_mb`` at a quarter of what its tables take: th
 the large ones, the caches evict, and the run ends with the very weights and test AUC of the run
 with every table in memory, and reports each cache's hit rate. A run killed after a checkpoint
 resumes into other cache sizes and still ends there; the export of a host-cached run writes the
-trained tables to the embedding store, and the exported parts answer as the model does in process.
+trained tables to the embedding store, and the exported parts answer as the model does in process; a
+plan file host-caches a table of one process too.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import pandas as pd
 import pytest
 import torch
 
+from pipeline.distributed.types import ParameterSharding, ShardingPlan
+from pipeline.errors import UserError
 from pipeline.schema import Schema
 from pipeline.stages.config import load_config
 from pipeline.stages.train import run as run_train
@@ -128,3 +131,18 @@ def test_the_export_of_a_host_cached_run_serves_its_trained_tables(runs):
     expected = InProcessModel(model, schema, Workflow.load(cfg.paths.workflow)).predict(rows)
     assert expected.std() > 0.01
     np.testing.assert_allclose(served, expected, rtol=0, atol=1e-5)
+
+
+def test_a_plan_file_host_caches_a_table_of_one_process_and_one_for_another_world_is_refused(runs, tmp_path):
+    common = runs[0]
+    tables = json.loads((load_config(None, common).paths.train / "in-memory" / "model.json").read_text())["tables"]
+    for world in (1, 2):
+        plan = ShardingPlan(world, {t["name"]: ParameterSharding.table_wise(
+            t["name"], t["rows"], 0, cache_rows=200 if t["name"] == "t_C12" else 0) for t in tables})
+        plan.save(tmp_path / f"plan-{world}.json")
+    planned = [*common, "train.max_steps=20", f"distributed.plan_file={tmp_path / 'plan-1.json'}"]
+    result = run_train(load_config(None, [*planned, "train.run=planned"]))
+    assert list(result["embedding_cache"]) == ["t_C12"] and result["embedding_cache"]["t_C12"]["evictions"] > 0
+    refused = [*common, "train.run=refused", f"distributed.plan_file={tmp_path / 'plan-2.json'}"]
+    with pytest.raises(UserError, match=r"plan_file=.*plan-2.json: the plan is for 2 ranks, this world has 1"):
+        run_train(load_config(None, refused))

@@ -199,14 +199,13 @@ def _place(model: nn.Module, cfg: TrainConfig, world: World, distributed: Distri
     checkpoints. On N ranks: the model sharded by ``DistributedModelParallel`` and sharded checkpoints.
     """
     if distributed.plan_file:
-        plans, planner = {"embedding": ShardingPlan.load(distributed.plan_file)}, None
+        plans, planner = {"embedding": _plan_file(distributed.plan_file, model.embedding.tables, world.size)}, None
     else:
         plans = None
         planner = make_planner(distributed, world.size, world.device, batch_size=cfg.batch_size,
                                optimizer=cfg.embedding_optimizer, weight_bytes=_WEIGHT_BYTES[cfg.embedding_dtype])
     if world.size == 1:
         plan = plans["embedding"] if plans else planner.plan(model.embedding.tables)
-        plan.validate(model.embedding.tables, 1)
         cached = {name: p.cache_rows for name, p in plan.tables.items() if p.cache_rows}
         if cached:
             model.embedding = HostCachedCollection.from_collection(model.embedding, cached)
@@ -217,6 +216,16 @@ def _place(model: nn.Module, cfg: TrainConfig, world: World, distributed: Distri
         return model, PlainCheckpoints(folder, cfg.keep_checkpoints)
     dmp = DistributedModelParallel(model, plans, planner, world.device, comm_dtype=distributed.comm_dtype)
     return dmp, ShardedCheckpoints(folder, world, cfg.keep_checkpoints)
+
+
+def _plan_file(path: str, tables: Sequence, world_size: int) -> ShardingPlan:
+    """The plan saved in ``path``, checked against the model's tables and the world."""
+    try:
+        plan = ShardingPlan.load(path)
+        plan.validate(tables, world_size)
+    except (OSError, ValueError, KeyError, TypeError) as err:  # PlanError and a JSON error are ValueErrors
+        raise UserError(f"distributed.plan_file={path}: {err}") from err
+    return plan
 
 
 def _describe(model: nn.Module, spec: dict, world: World, out: Path) -> None:
