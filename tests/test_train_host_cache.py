@@ -5,8 +5,8 @@ with ``distributed.memory_per_rank_mb`` at a quarter of what its tables take: th
 the large ones, the caches evict, and the run ends with the very weights and test AUC of the run
 with every table in memory, and reports each cache's hit rate. A run killed after a checkpoint
 resumes into other cache sizes and still ends there; the export of a host-cached run writes the
-trained tables to the embedding store, and the exported parts answer as the model does in process; a
-plan file host-caches a table of one process too.
+trained tables to the embedding store, the exported parts answer as the model does in process, and
+a real Triton server serves it; a plan file host-caches a table of one process too.
 """
 
 from __future__ import annotations
@@ -131,6 +131,21 @@ def test_the_export_of_a_host_cached_run_serves_its_trained_tables(runs):
     expected = InProcessModel(model, schema, Workflow.load(cfg.paths.workflow)).predict(rows)
     assert expected.std() > 0.01
     np.testing.assert_allclose(served, expected, rtol=0, atol=1e-5)
+
+
+def test_a_real_server_serves_the_host_cached_run(runs):
+    from export.server import server_problem
+    from pipeline.stages.export import run as run_export
+    from pipeline.stages.serve import run as serve
+
+    cfg = load_config(None, [*runs[0], "export.run=host-cached"])
+    problem = server_problem(cfg.serve)
+    if problem:
+        pytest.fail(f"the serving tests need a Triton server and the models' environment (make serve-env): {problem}")
+    if not (cfg.paths.export / "export.json").is_file():
+        run_export(cfg)
+    served = serve(cfg, smoke=True)
+    assert served["served"] and served["max_difference_from_in_process"] < 1e-5
 
 
 def test_a_plan_file_host_caches_a_table_of_one_process_and_one_for_another_world_is_refused(runs, tmp_path):
