@@ -33,8 +33,8 @@ class PlannerError(UserError):
 class Topology:
     """The ranks a plan is for, and what each can hold and move.
 
-    ``memory_per_rank``: bytes of embedding storage (weights + optimizer state) one rank may hold;
-    ``None``: no limit. ``batch_size``: samples per rank and step; ``pooling_factors``: mean ids per
+    ``memory_per_rank``: bytes of embedding storage (weights + optimizer state) one rank may hold in
+    device memory (a host-cached table: its device cache); ``None``: no limit. ``batch_size``: samples per rank and step; ``pooling_factors``: mean ids per
     bag of each feature (1 when not given). Bandwidths (bytes/s) only rank the options against each
     other; their defaults are an H200's memory and an NVLink-class link, and a PCIe 5 x16 link to the
     host (what the misses of host-cached tables cross).
