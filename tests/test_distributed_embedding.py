@@ -12,6 +12,7 @@ input dist launched before the current lookup (as a pipelined loop does), train 
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -46,7 +47,7 @@ def make_plan(kind: str, world: int) -> ShardingPlan:
         return ShardingPlan(world, {t.name: ParameterSharding.data_parallel(t.name, t.rows, world) for t in TABLES})
     if kind == "host_cached":  # parts in host memory behind device caches: t4's the least that holds 2 steps
         ids = [{v for r in range(world) for v in batch(step, r)[0]["E"].values.tolist()} for step in range(STEPS)]
-        least = max(len(a | b) for a, b in zip(ids, ids[1:]))
+        least = max(len(a | b) for a, b in itertools.pairwise(ids))
         return ShardingPlan(world, {
             "t0": ParameterSharding.table_wise("t0", 50, world - 1, cache_rows=9),
             "t1": ParameterSharding.row_wise("t1", 37, world, cache_rows=37),   # each part's cache: the part
