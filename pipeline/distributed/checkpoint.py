@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeline.distributed.embedding import ShardedEmbeddingCollection, table_tensors
+from pipeline.distributed.embedding import ShardedEmbeddingCollection
 from pipeline.distributed.types import PlanError, ShardingPlan
 from pipeline.errors import BadInputError
 from pipeline.files import atomic_open, write_json
@@ -204,7 +204,7 @@ def load_sharded_checkpoint(folder: str | Path,
         if isinstance(target, ShardedEmbeddingCollection):
             parts = list(target.local_shards())
         else:
-            parts = [(name, 0, target.packing.rows[t], table_tensors(target, name))
+            parts = [(name, 0, target.packing.rows[t], target.table_views(name))
                      for t, name in enumerate(target.packing.table_names)]
         for name, lo, hi, views in parts:
             if name not in saved_rows:

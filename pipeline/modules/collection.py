@@ -63,6 +63,9 @@ class EmbeddingCollection(nn.Module):
         self.feature_names = list(feature_names)
         check_features(self.tables, self.feature_names)
         self.packing = TablePacking.build(self.tables)
+        # The layout of the tensors the ops read (``weights``, ``state_*``): here the tables themselves; a
+        # collection with host-cached tables (:mod:`pipeline.modules.cached_collection`) holds their caches.
+        self.storage_packing = self.packing
         self.optimizer = optimizer or EmbeddingOptimizerConfig()
         self.lr = self.optimizer.lr
         self.backend_name = backend
@@ -132,23 +135,30 @@ class EmbeddingCollection(nn.Module):
         self._hyper[0] = self.lr
 
     def table_weight(self, name: str) -> torch.Tensor:
-        """Table ``name`` as a ``[rows, dim]`` view of the flat storage (for export and tests)."""
+        """Table ``name`` as a ``[rows, dim]`` view of its storage (for export and tests)."""
+        return self.table_views(name)["weight"]
+
+    def table_views(self, name: str) -> dict[str, torch.Tensor]:
+        """Views of table ``name``: ``weight`` ``[rows, dim]`` and each optimizer state by row (what checkpoints
+        read and write)."""
         t = self.packing.table_names.index(name)
-        start = self.packing.weights_offsets[t]
-        return self.weights[start : start + self.packing.rows[t] * self.packing.dims[t]].view(
-            self.packing.rows[t], self.packing.dims[t])
+        return flat_views(self.storage_packing, {"weight": self.weights, **self.optimizer_state()}, t)
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
-        indices, offsets, batch_size = self.slot_bags(features)
+        return self.lookup(*self.slot_bags(features))
+
+    def lookup(self, indices: torch.Tensor, offsets: torch.Tensor, batch_size: int) -> torch.Tensor:
+        """The pooled bags of :meth:`slot_bags`' ``(indices, offsets, batch_size)``, ids of ``storage_packing``'s
+        rows; in training, the fused update of those rows in backward."""
         backend = self.backend
         if torch.is_grad_enabled() and self.training:
             state, opt = self.optimizer_state(), self.optimizer
             return backend.lookup_op(
                 self._trigger, self.weights, state.get("momentum1"), state.get("momentum2"),
                 state.get("master_weights"), self.step, self._hyper, indices, offsets, batch_size,
-                *self.packing.op_args(), opt.kind, opt.eps, opt.beta1, opt.beta2, opt.weight_decay,
+                *self.storage_packing.op_args(), opt.kind, opt.eps, opt.beta1, opt.beta2, opt.weight_decay,
                 backend.stochastic(opt), backend.seed)
-        return backend.forward(self.weights, self.packing, indices, offsets, batch_size)
+        return backend.forward(self.weights, self.storage_packing, indices, offsets, batch_size)
 
     def slot_bags(self, kjt: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         """``(indices, offsets, batch_size)`` of ``kjt`` in slot order on the weights' device, ids checked
@@ -167,6 +177,21 @@ class EmbeddingCollection(nn.Module):
         if self.validate_ids and b:
             check_ids(values, offsets, b, self.packing.tensors(values.device)["slot_rows"], *self._slot_names)
         return values, offsets, b
+
+
+def flat_views(packing: TablePacking, flat: dict[str, torch.Tensor], t: int) -> dict[str, torch.Tensor]:
+    """Table ``t``'s part of each flat tensor laid out by ``packing`` (weights and per-element state:
+    ``[rows, dim]``; per-row state: ``[rows]``)."""
+    rows, dim = packing.rows[t], packing.dims[t]
+    per_row = packing.total_rows != packing.total_elements
+    out = {}
+    for key, buf in flat.items():
+        if per_row and buf.numel() == packing.total_rows:
+            out[key] = buf[packing.row_offsets[t] : packing.row_offsets[t] + rows]
+        else:
+            start = packing.weights_offsets[t]
+            out[key] = buf[start : start + rows * dim].view(rows, dim)
+    return out
 
 
 def _select_keys(values: torch.Tensor, offsets: torch.Tensor, batch_size: int, keys: torch.Tensor,

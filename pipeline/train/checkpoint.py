@@ -201,7 +201,9 @@ class PlainCheckpoints:
 
     def load(self, trainer: Trainer, path: Path) -> tuple[LoopState, dict[str, Any]]:
         """Restore ``trainer`` from ``path``; returns where the loop stands and fields for the resume record."""
-        ckpt = load_checkpoint(path, map_location=trainer.device)
+        # Read into host memory and copied into the model's tensors from there: a host-cached table does not fit
+        # the device.
+        ckpt = load_checkpoint(path, map_location="cpu")
         trainer.model.load_state_dict(ckpt["model"])
         trainer.optimizer.load_state_dict(ckpt["dense_optimizer"])
         trainer.loader.load_state_dict(ckpt["loader"])
