@@ -52,11 +52,13 @@ from __future__ import annotations
 import csv
 import functools
 import glob
+import importlib
 import io
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import pyarrow as pa
@@ -182,16 +184,24 @@ class FileReport:
 # ----------------------------------------------------------------------------------------- readers
 
 
-def read_criteo(path: str | Path, chunk_rows: int, report: FileReport, stop_on_bad: bool = False
-                ) -> Iterator[tuple[pa.Table, np.ndarray]]:
+def read_criteo(path: str | Path, chunk_rows: int, report: FileReport, stop_on_bad: bool = False,
+                xp: ModuleType | None = None) -> Iterator[tuple[pa.Table, np.ndarray]]:
     """Valid rows of a Criteo TSV (plain or compressed) as typed tables, with their line numbers.
 
     Malformed rows go to ``report``; with ``stop_on_bad`` reading ends after the first block that
-    has any (``report.stopped_at_line`` says where).
+    has any (``report.stopped_at_line`` says where). With an array module ``xp`` (numpy, or cupy
+    for the GPU) each block is parsed by :mod:`pipeline.data.vectorized_text` instead of
+    ``pyarrow.csv``: the same tables, line numbers and report.
     """
     roles = criteo_roles()
     kinds = _kinds(roles, integer_continuous=True)
-    yield from _read_text(Path(path), roles.columns, kinds, "\t", False, False, chunk_rows, report, stop_on_bad, "|")
+    parse = None
+    if xp is not None:
+        from pipeline.data.vectorized_text import parse_criteo_block
+
+        parse = functools.partial(parse_criteo_block, xp)
+    yield from _read_text(Path(path), roles.columns, kinds, "\t", False, False, chunk_rows, report, stop_on_bad, "|",
+                          parse=parse)
 
 
 def read_table(path: str | Path, roles: Roles, chunk_rows: int, report: FileReport, stop_on_bad: bool = False,
@@ -261,10 +271,12 @@ def ingest_params(d: DataConfig) -> dict:
     }
 
 
-def ingest(d: DataConfig, seed: int, root: Path, params: dict, progress: str | bool = "auto") -> dict:
+def ingest(d: DataConfig, seed: int, root: Path, params: dict, progress: str | bool = "auto",
+           array_module: str | None = None) -> dict:
     """Read every input file into ``root`` (the raw layout); write ``ingest_report.json`` and ``meta.json``.
 
-    Returns the report. Raises :class:`BadInputError` on malformed rows when ``on_bad_lines=error``
+    ``array_module`` (``"numpy"`` or ``"cupy"``) parses Criteo text with array operations
+    (:func:`read_criteo`'s ``xp``); None: with ``pyarrow.csv``. Returns the report. Raises :class:`BadInputError` on malformed rows when ``on_bad_lines=error``
     (after saving the report), and on missing, empty or mismatched inputs.
     """
     files = input_files(d)
@@ -275,7 +287,7 @@ def ingest(d: DataConfig, seed: int, root: Path, params: dict, progress: str | b
     if roles.time and (rule.valid_fraction or rule.test_fraction):
         rule = replace(rule, cuts=_time_cuts([p for p, s in files if s is None], roles, d, rule))
     jobs = [(i, path, split) for i, (path, split) in enumerate(files)]
-    args = (d, roles, rule, root)
+    args = (d, roles, rule, root, array_module)
     raw_folder.clear(root)
     if len(jobs) == 1:
         results = [_ingest_file(*jobs[0], *args, progress=progress)]
@@ -348,12 +360,13 @@ def _time_cuts(paths: list[Path], roles: Roles, d: DataConfig, rule: SplitRule) 
 
 
 def _ingest_file(index: int, path: Path, pinned: str | None, d: DataConfig, roles: Roles, rule: SplitRule,
-                 root: Path, progress: str | bool = "off") -> dict:
+                 root: Path, array_module: str | None, progress: str | bool = "off") -> dict:
     report = FileReport(str(path))
     writers = {s: raw_folder.PartWriter(root / s, d.chunk_rows, prefix=f"f{index:05d}") for s in raw_folder.SPLITS}
     stop = d.on_bad_lines == "error"
     if d.source == "criteo":
-        blocks = read_criteo(path, d.chunk_rows, report, stop)
+        xp = importlib.import_module(array_module) if array_module else None
+        blocks = read_criteo(path, d.chunk_rows, report, stop, xp)
     else:
         blocks = read_table(path, roles, d.chunk_rows, report, stop, d.list_separator)
     with Progress(path.name, unit="row", mode=progress, scaled=True) as bar:
@@ -412,7 +425,9 @@ def split_codes(lines: np.ndarray, file_index: int, seed: int, valid_fraction: f
 
 def _read_text(path: Path, names: list[str] | None, kinds: dict[str, str], delimiter: str, quoting: bool,
                header: bool, chunk_rows: int, report: FileReport, stop_on_bad: bool, separator: str,
-               roles: Roles | None = None) -> Iterator[tuple[pa.Table, np.ndarray]]:
+               roles: Roles | None = None, parse=None) -> Iterator[tuple[pa.Table, np.ndarray]]:
+    """``parse(block, first_line, report)``, when given, turns a block of lines into (table, line
+    numbers, lines in the block) in place of ``pyarrow.csv`` and the checks."""
     block_bytes = max(1 << 20, chunk_rows * _BYTES_PER_ROW_GUESS)
     for first_line, block in _line_blocks(path, block_bytes):
         if isinstance(block, _LongLine):
@@ -435,12 +450,17 @@ def _read_text(path: Path, names: list[str] | None, kinds: dict[str, str], delim
             first_line += 1
             if not block:
                 continue
-        table, lines, excerpt = _parse_block(block, first_line, names, kinds, delimiter, quoting, report)
-        report.rows_read += len(excerpt.starts)
-        quote = functools.partial(_quote_line, excerpt, lines, first_line)
-        table, lines = _check_and_convert(table, lines, kinds, separator, report, quote, roles.time if roles else "")
+        if parse is None:
+            table, lines, excerpt = _parse_block(block, first_line, names, kinds, delimiter, quoting, report)
+            count = len(excerpt.starts)
+            quote = functools.partial(_quote_line, excerpt, lines, first_line)
+            table, lines = _check_and_convert(table, lines, kinds, separator, report, quote,
+                                              roles.time if roles else "")
+        else:
+            table, lines, count = parse(block, first_line, report)
+        report.rows_read += count
         if stop_on_bad and report.bad_rows:
-            report.stopped_at_line = first_line + len(excerpt.starts) - 1
+            report.stopped_at_line = first_line + count - 1
             return
         report.rows_kept += table.num_rows
         if table.num_rows:
