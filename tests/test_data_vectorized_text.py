@@ -165,6 +165,9 @@ def test_block_cuts_do_not_change_what_the_vectorized_parse_finds(xp):
 def test_files_with_no_row(tmp_path, xp, data):
     report = _assert_same(_write(tmp_path / "day.tsv", data), xp)
     assert report.rows_kept == 0
+    block = data if data.endswith(b"\n") or not data else data + b"\n"  # a block is whole lines
+    table, kept, count = parse_criteo_block(pytest.importorskip(xp), block, 1, FileReport("f"))
+    assert (table.num_rows, kept.size, count) == (0, 0, block.count(b"\n"))
 
 
 @pytest.mark.parametrize("xp", XPS)

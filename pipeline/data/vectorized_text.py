@@ -49,9 +49,11 @@ KINDS = ["wrong_field_count", "line_too_long", "carriage_return", "invalid_utf8"
          "out_of_range"]
 # A malformed line's first problem, numbered in the order the Arrow path looks (0: none). The problem
 # LABEL + k is column I<k>; the kind of each problem is KINDS[PROBLEM_KINDS[problem]] (an integer
-# column's problems: not_a_number, or out_of_range for digits outside the int64 range).
+# column's problem is not_a_number, or out_of_range for digits outside the int64 range).
 EMPTY, LONG, CARRIAGE, UTF8, FIELD_COUNT, LABEL = 1, 2, 3, 4, 5, 6
-PROBLEM_KINDS = [-1, 0, 1, 2, 3, 0, 4] + [5] * len(CRITEO_CONTINUOUS)
+PROBLEM_KINDS = [-1] + [KINDS.index(kind) for kind in (
+    "wrong_field_count", "line_too_long", "carriage_return", "invalid_utf8", "wrong_field_count", "bad_label",
+    *["not_a_number"] * len(CRITEO_CONTINUOUS))]
 NL, CR, TAB, MINUS, ZERO, DOT = 10, 13, 9, 45, 48, 46
 INT64_DIGITS = 19
 _LONE_CR = re.compile(rb"\r(?!\n)")
@@ -64,7 +66,7 @@ def parse_criteo_block(xp: ModuleType, block: bytes, first_line: int, report: Fi
     data = xp.asarray(np.frombuffer(block, dtype=np.uint8))
     index = xp.int32 if len(block) < 2**31 else xp.int64  # positions in the block: half the memory traffic
     ends = xp.flatnonzero(data == NL).astype(index)
-    starts = xp.concatenate([xp.zeros(1, ends.dtype), ends[:-1] + 1])
+    starts = xp.concatenate([xp.zeros(1, ends.dtype), ends + 1])[:-1]
     crlf = (ends > starts) & (data[xp.maximum(ends - 1, 0)] == CR)
     stops = ends - crlf.astype(ends.dtype)  # a \r\n line's \r is not content
     problem = xp.zeros(ends.size, dtype=xp.uint8)
@@ -104,7 +106,7 @@ def parse_criteo_block(xp: ModuleType, block: bytes, first_line: int, report: Fi
     _report(xp, block, first_line, report, starts, ends, problem, kind)
 
     good = value_problem == 0
-    table = _table(xp, data, good, values[:, good], field_starts[good], field_ends[good])
+    table = _table(xp, data, values[:, good], field_starts[good], field_ends[good])
     lines = first_line + _host(rows[good]).astype(np.int64)
     return table, lines, int(ends.size)
 
@@ -139,8 +141,8 @@ def _segments(xp: ModuleType, starts, ends):
     if filled.size:  # each segment's first byte jumps there from the last byte of the segment before
         before = xp.concatenate([xp.full(1, -1, lengths.dtype), ends[filled[:-1]] - 1])
         positions[offsets[filled]] = starts[filled] - before
-    xp.cumsum(positions, out=positions)
-    positions -= 1
+        xp.cumsum(positions, out=positions)
+        positions -= 1
     return positions, offsets
 
 
@@ -148,9 +150,10 @@ def _segment_of(xp: ModuleType, offsets):
     """The segment of each byte laid out by :func:`_segments`."""
     filled = xp.flatnonzero(offsets[1:] > offsets[:-1])
     first = xp.zeros(int(offsets[-1]), dtype=offsets.dtype)
-    first[offsets[filled]] = 1
-    xp.cumsum(first, out=first)
-    first -= 1
+    if filled.size:
+        first[offsets[filled]] = 1
+        xp.cumsum(first, out=first)
+        first -= 1
     return filled[first]
 
 
@@ -191,7 +194,7 @@ def _integers(xp: ModuleType, data, starts, ends):
     return values, written_ok, fits
 
 
-def _table(xp: ModuleType, data, good, values, field_starts, field_ends) -> pa.Table:
+def _table(xp: ModuleType, data, values, field_starts, field_ends) -> pa.Table:
     """The kept rows as the Arrow path types them, built on the host from the columns copied back."""
     ints = len(CRITEO_CONTINUOUS)
     rows = field_starts.shape[0]
