@@ -16,19 +16,20 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import multiprocessing
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor
 
 from pipeline.data import raw_folder, readers, synthetic
-from pipeline.data.raw_folder import RawDataset
 from pipeline.data.metrics import ClickMetrics
+from pipeline.data.raw_folder import RawDataset
+from pipeline.device import resolve_device
 from pipeline.errors import UserError
 from pipeline.files import write_json
 from pipeline.progress import Progress
 from pipeline.stages.config import PipelineConfig
-
 
 PARALLEL_FROM_ROWS = 4_000_000
 """Synthetic data of this many rows or more is made by one process per core (``data.workers=0``)."""
@@ -70,6 +71,23 @@ def raw_params(cfg: PipelineConfig) -> dict:
     return params
 
 
+def criteo_array_module(cfg: PipelineConfig) -> str | None:
+    """What parses Criteo text as ``data.reader`` asks: ``"cupy"`` or ``"numpy"`` (vectorized), or None
+    (``pyarrow.csv``). ``auto`` takes the GPU where CuPy is installed and the device is cuda."""
+    d = cfg.data
+    has_cupy = importlib.util.find_spec("cupy") is not None
+    if d.source != "criteo" or d.reader == "arrow" or (d.reader == "auto" and not has_cupy):
+        return None
+    cuda = resolve_device(cfg.device).is_cuda
+    if d.reader == "vectorized" and cuda and not has_cupy:
+        raise UserError("data.reader=vectorized on the GPU needs CuPy (pip install cupy-cuda13x); "
+                        "or set device=cpu to parse with numpy")
+    module = ("cupy" if cuda else "numpy") if d.reader == "vectorized" else ("cupy" if cuda else None)
+    if module:
+        print(f"[data] Criteo text parsed with {module} (data.reader={d.reader})", flush=True)
+    return module
+
+
 def _ensure(cfg: PipelineConfig) -> tuple[RawDataset, bool]:
     """The dataset as it is when its settings match, or when it was ingested from files and the settings
     do not name a source (``data.name=X`` alone). Made again when synthetic with other settings, or
@@ -101,7 +119,7 @@ def _ensure(cfg: PipelineConfig) -> tuple[RawDataset, bool]:
     if cfg.data.source == "synthetic":
         _generate(cfg, params)
     else:
-        readers.ingest(cfg.data, cfg.seed, root, params, progress=cfg.progress)
+        readers.ingest(cfg.data, cfg.seed, root, params, progress=cfg.progress, array_module=criteo_array_module(cfg))
     return RawDataset.load(root), True
 
 
