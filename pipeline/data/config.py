@@ -39,7 +39,7 @@ class DataConfig:
     on_bad_lines: str = field(
         default="error", metadata={"help": "error | skip: what a malformed input row does (skipped rows are counted)"}
     )
-    reader: str = field(default="auto", metadata={
+    reader: str = field(default="arrow", metadata={
         "help": "criteo: auto | arrow | vectorized: how the TSV text is parsed and checked. arrow: pyarrow.csv; "
                 "vectorized: array operations, through CuPy on the GPU when the device is cuda, else numpy; both "
                 "give the same rows and report. auto: vectorized on a usable GPU with CuPy installed, else arrow"})
