@@ -86,6 +86,10 @@ def write_repository(model, schema: Schema, workflow_dir: str | Path, raw: RawCo
     ``trained`` describes where the model comes from (its training run, model kind, test AUC); it is
     recorded in ``export.json`` as it is.
     """
+    dynamic = [t.name for t in model.embedding.tables if t.dynamic]
+    if dynamic:
+        raise UserError(f"tables {', '.join(dynamic)} are dynamic (raw 64-bit ids, in the rows of a hash table), "
+                        "which the served model cannot look up yet: export a model trained without etl.hash_ids")
     options = options or ModelOptions()
     out = Path(out)
     model = model.eval()

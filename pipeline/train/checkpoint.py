@@ -142,6 +142,13 @@ def _newest_readable(candidates: list[Path], check: Callable[[Path], None]) -> P
     return None
 
 
+def cpu_copy(state: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a ``state_dict()`` in host memory, the extra states of modules (dicts of tensors and plain
+    values, such as a dynamic table's ids) included."""
+    return {k: cpu_copy(v) if isinstance(v, dict) else v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor)
+            else v for k, v in state.items()}
+
+
 def rng_state() -> dict[str, Any]:
     """Every RNG the training loop draws from, as tensors and lists."""
     state = {"torch": torch.get_rng_state(), "python": _to_lists(random.getstate())}
@@ -209,7 +216,7 @@ class PlainCheckpoints:
         trainer.loader.load_state_dict(ckpt["loader"])
         set_rng_state({k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in ckpt["rng"].items()})
         best = ckpt.get("best_model")
-        trainer.best_weights = {k: v.cpu() for k, v in best.items()} if best is not None else None
+        trainer.best_weights = cpu_copy(best) if best is not None else None
         loader = ckpt["loader"]
         return LoopState(step=int(ckpt["step"]), epoch=int(loader["epoch"]), batch=int(loader["batches"]),
                          **ckpt.get("early_stopping", {})), {}

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from pipeline.distributed.world import World
 from pipeline.modules.models import RecModel
 from pipeline.progress import Progress
-from pipeline.train.checkpoint import LoopState, PlainCheckpoints, ShardedCheckpoints
+from pipeline.train.checkpoint import LoopState, PlainCheckpoints, ShardedCheckpoints, cpu_copy
 from pipeline.train.config import TrainConfig
 from pipeline.train.evaluate import autocast
 from pipeline.train.schedule import epochs_for, lr_at, warmup_steps
@@ -270,7 +270,7 @@ class Trainer:
         auc = scores.get("auc", float("nan"))
         if math.isfinite(auc) and (s.best_valid is None or auc > s.best_valid["auc"]):
             s.best_valid, s.best_step, s.best_epoch, s.bad_epochs = dict(scores), s.step, s.epoch, 0
-            self.best_weights = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+            self.best_weights = cpu_copy(self.model.state_dict())
         elif epoch_end:
             s.bad_epochs += 1
             s.stopped = s.bad_epochs >= self.cfg.early_stopping and s.step < self.total_steps
