@@ -188,3 +188,12 @@ def test_dynamic_table_settings_are_checked():
     with pytest.raises(ValueError, match="admit_after"):
         TableConfig("u", 1000, 4, ["U"], admit_after=2)
     assert DYNAMIC_ROWS == SLOTS
+
+
+def test_a_collection_with_dynamic_tables_is_not_host_cached():
+    from pipeline.errors import UserError
+    from pipeline.modules.cached_collection import HostCachedCollection
+
+    tables = [*_tables(True, rows=SLOTS), TableConfig("s", 50, 4, ["S"])]
+    with pytest.raises(UserError, match=r"tables \['s'\] would be host-cached beside the dynamic tables u, t"):
+        HostCachedCollection(tables, [*FEATURES, "S"], {"s": 10})

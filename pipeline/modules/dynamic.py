@@ -36,16 +36,23 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
-from pipeline.kernels.hashtable import HashTable
-from pipeline.kernels.hashtable.reference import mix64
+from pipeline.kernels.hashtable import SLOTS, HashTable
+from pipeline.kernels.hashtable.reference import bucket_of, mix64
 
 _CODE = 1 << 24  # a slot is kept in its hash table row as two floats below 2**24, exact in float32
 _SEED_MIX = 0x5851F42D4C957F2D  # odd: spreads (seed, column) over the hash's input
+_OWNER_SALT = 0x2545F4914F6CDD1D  # the owner's hash differs from the bucket's, so a rank fills all its buckets
+
+
+def owner_rank(keys: torch.Tensor, world: int) -> torch.Tensor:
+    """int64 ``[n]``: the rank that holds each id's row when its dynamic table is sharded row-wise over ``world``
+    ranks (a hash of the id, independent of the bucket it takes there)."""
+    return bucket_of(mix64(keys ^ _OWNER_SALT), world)
 
 
 class DynamicTable(nn.Module):
@@ -124,6 +131,30 @@ class DynamicTable(nn.Module):
         uniform = ((bits >> 40) & ((1 << 24) - 1)).float() / (1 << 24)  # 24 random bits in [0, 1)
         return (uniform * 2 - 1) * self.bound
 
+    def content(self, views: dict[str, torch.Tensor]) -> dict:
+        """What the table holds, by id, for a table of any capacity to take (:meth:`load_content`); ``views``:
+        the table's rows and optimizer state by slot (see :func:`content_of`)."""
+        return content_of(self.get_extra_state(), views)
+
+    def load_content(self, views: dict[str, torch.Tensor], contents: Sequence[dict],
+                     owned: Callable[[torch.Tensor], torch.Tensor] | None = None) -> int:
+        """Replace the table's ids by those of ``contents`` (:meth:`content` of tables of any capacity) that
+        ``owned`` keeps (a bool mask of keys; default all), their rows and state written to ``views``. Each id
+        takes a slot of its bucket, the most recent first; those a full bucket cannot take are dropped, and
+        counted in the result. Scores and the clock are kept, so ids leave in the order they would have;
+        ``evictions`` is the sum of the contents' where all their ids are taken, else it starts at 0."""
+        ids = _merged(contents, owned)
+        slots = _place_as_loaded(self.ids, ids, lambda s: torch.stack([s // _CODE, s % _CODE], 1).float())
+        kept = slots >= 0
+        for name, view in views.items():
+            view.zero_()
+            view[slots[kept]] = ids["rows"][name][kept].to(view.device, view.dtype)
+        if self.candidates is not None:
+            candidates = _merged([c["candidates"] for c in contents if "candidates" in c], owned)
+            _place_as_loaded(self.candidates, candidates, None)
+        self.evictions = sum(int(c["evictions"]) for c in contents) if owned is None else 0
+        return int((~kept).sum())
+
     def get_extra_state(self) -> dict:
         state = {"ids": self.ids.state_dict(), "evictions": self.evictions}
         if self.candidates is not None:
@@ -135,6 +166,58 @@ class DynamicTable(nn.Module):
         self.evictions = int(state["evictions"])
         if self.candidates is not None:
             self.candidates.load_state_dict(state["candidates"])
+
+
+def content_of(state: dict, views: dict[str, torch.Tensor]) -> dict:
+    """A dynamic table's content by id from its extra state and ``views`` (its rows and optimizer state by
+    slot, as a checkpoint holds them): ``keys``, their ``scores``, ``rows`` (each of ``views`` at their
+    slots), the ``clock`` and ``evictions``, and the admission ``candidates`` (keys, scores, clock, counts)."""
+    ids = state["ids"]
+    out = {"keys": ids["keys"], "scores": ids["scores"], "clock": ids["clock"], "evictions": state["evictions"],
+           "rows": {name: view[ids["slots"].to(view.device)] for name, view in views.items()}}
+    if "candidates" in state:
+        c = state["candidates"]
+        out["candidates"] = {"keys": c["keys"], "scores": c["scores"], "clock": c["clock"],
+                             "rows": {"count": c["values"]}}
+    return out
+
+
+def _merged(contents: Sequence[dict], owned: Callable[[torch.Tensor], torch.Tensor] | None) -> dict:
+    """The ids of several :meth:`DynamicTable.content` (or of their candidates) that ``owned`` keeps, as one."""
+    keep = [owned(c["keys"]) if owned is not None else torch.ones_like(c["keys"], dtype=torch.bool) for c in contents]
+
+    def cat(part: Callable[[dict], torch.Tensor]) -> torch.Tensor:
+        return torch.cat([part(c)[m] for c, m in zip(contents, keep)])
+
+    return {"keys": cat(lambda c: c["keys"]), "scores": cat(lambda c: c["scores"]),
+            "clock": max(int(c["clock"]) for c in contents),
+            "rows": {name: cat(lambda c, name=name: c["rows"][name]) for name in contents[0]["rows"]}}
+
+
+def _place_as_loaded(table: HashTable, ids: dict, code: Callable[[torch.Tensor], torch.Tensor] | None) -> torch.Tensor:
+    """Load ``ids`` (keys, scores, clock, rows) into ``table``, each in the first free slot of its bucket taken
+    in order of recency (ties: by key), a bucket's overflow dropped; its rows are ``code(slot)``, or the ids'
+    ``count`` row. Returns each id's slot, -1 where dropped."""
+    keys = ids["keys"].to(table.device)
+    scores = ids["scores"].to(table.device)
+    bucket = bucket_of(mix64(keys), table.capacity // SLOTS)
+    order = torch.argsort(keys)
+    order = order[torch.argsort(-scores[order], stable=True)]
+    order = order[torch.argsort(bucket[order], stable=True)]
+    ordered = bucket[order]
+    first = torch.ones_like(ordered, dtype=torch.bool)
+    first[1:] = ordered[1:] != ordered[:-1]
+    position = torch.arange(keys.numel(), device=keys.device)
+    start = torch.where(first, position, 0).cummax(0).values if keys.numel() else position
+    within = position - start
+    slots = torch.full_like(keys, -1)
+    slots[order] = torch.where(within < SLOTS, ordered * SLOTS + within, -1)
+    kept = slots >= 0
+    values = code(slots[kept]) if code is not None else ids["rows"]["count"].to(table.device)[kept]
+    table.load_state_dict({"keys": keys[kept], "values": values, "scores": scores[kept], "slots": slots[kept],
+                           "capacity": table.capacity, "dim": table.dim, "policy": table.policy,
+                           "clock": ids["clock"]})
+    return slots
 
 
 class DynamicTables(nn.Module):

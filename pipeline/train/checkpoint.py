@@ -42,6 +42,7 @@ from pipeline.distributed.checkpoint import (
     CheckpointError,
     ShardedCheckpointError,
     check_sharded_checkpoint,
+    cpu_copy,
     load_sharded_checkpoint,
     load_torch_file,
     read_meta,
@@ -140,13 +141,6 @@ def _newest_readable(candidates: list[Path], check: Callable[[Path], None]) -> P
                     else f"no readable checkpoint left in {path.parent}: starting fresh")
             print(f"[train] {err}; {then}", flush=True)
     return None
-
-
-def cpu_copy(state: dict[str, Any]) -> dict[str, Any]:
-    """A copy of a ``state_dict()`` in host memory, the extra states of modules (dicts of tensors and plain
-    values, such as a dynamic table's ids) included."""
-    return {k: cpu_copy(v) if isinstance(v, dict) else v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor)
-            else v for k, v in state.items()}
 
 
 def rng_state() -> dict[str, Any]:

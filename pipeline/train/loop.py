@@ -34,10 +34,11 @@ from typing import Callable, Iterable, Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
+from pipeline.distributed.checkpoint import cpu_copy
 from pipeline.distributed.world import World
 from pipeline.modules.models import RecModel
 from pipeline.progress import Progress
-from pipeline.train.checkpoint import LoopState, PlainCheckpoints, ShardedCheckpoints, cpu_copy
+from pipeline.train.checkpoint import LoopState, PlainCheckpoints, ShardedCheckpoints
 from pipeline.train.config import TrainConfig
 from pipeline.train.evaluate import autocast
 from pipeline.train.schedule import epochs_for, lr_at, warmup_steps
