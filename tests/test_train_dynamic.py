@@ -6,7 +6,6 @@ import shutil
 import pytest
 import torch
 
-from pipeline.errors import UserError
 from pipeline.schema import Schema
 from pipeline.stages.cli import main
 from pipeline.stages.config import load_config
@@ -100,16 +99,44 @@ def test_resume_after_a_crash_ends_with_the_same_ids_rows_and_state(processed, t
     _same(*final)
 
 
-def test_export_refuses_dynamic_tables_in_one_line(processed, tmp_path, capsys):
-    cfg = _config(_copy(processed, tmp_path), "train.max_steps=3")
-    run(cfg)
-    from pipeline.stages.export import run as run_export
+def test_the_exported_parts_look_raw_ids_up_as_the_trained_model(processed, tmp_path):
+    import numpy as np
+    import pandas as pd
 
-    with pytest.raises(UserError, match="t_C1, t_C4 .*dynamic"):
-        run_export(cfg)
-    assert main(["run", "export", f"workdir={tmp_path}", *SMALL]) == 2
-    err = capsys.readouterr().err
-    assert err.count("error:") == 1 and "Traceback" not in err
+    from export.dense import DenseRunner
+    from export.inprocess import InProcessModel
+    from export.lookup import EmbeddingLookup, LookupConfig
+    from export.preprocess import Preprocessor
+    from export.repository import raw_columns
+    from pipeline.data.raw_folder import RawDataset
+    from pipeline.etl.workflow import Workflow
+    from pipeline.stages.export import run as run_export
+    from pipeline.stages.serve import sample_rows
+
+    cfg = _config(_copy(processed, tmp_path), "train.max_steps=20", "train.model=wide_deep",
+                  "train.multihot_pooling=mean")
+    run(cfg)
+    run_export(cfg)
+    model, schema = load_trained(cfg.paths.train / "latest")
+    rows = sample_rows(cfg, 200)
+    rows.loc[0:9, "C1"] = "never-seen-before"  # no row: it reads zeros, as in training
+    rows.loc[5:14, "C4"] = None
+    expected = InProcessModel(model, schema, Workflow.load(cfg.paths.workflow)).predict(rows)
+    assert expected.std() > 0.01
+
+    export = cfg.paths.export
+    raw = raw_columns(RawDataset.load(cfg.paths.raw), cfg.data.list_separator)
+    request = {c: rows[c].to_numpy(dtype=np.float64, na_value=np.nan).reshape(-1, 1) for c in raw.continuous}
+    for c in raw.categorical:
+        request[c] = np.array([b"" if pd.isna(v) else str(v).encode() for v in rows[c].tolist()],
+                              dtype=object).reshape(-1, 1)
+    tensors = Preprocessor.load(export / "preprocess" / "1" / "artifacts")(request)
+    lookup = EmbeddingLookup(export / "embedding" / "store", LookupConfig.load(export / "embedding" / "1" / "layout.json"))
+    pooled = lookup(tensors["CATEGORICAL_IDS"])
+    served = DenseRunner(export / "dense" / "1" / "model.pt")(tensors["DENSE"], pooled)[:, 0]
+    np.testing.assert_allclose(served, expected, rtol=0, atol=1e-5)
+    ids = model.embedding.dynamic["t_C1"].stats()["ids"]
+    assert lookup.tiers["t_C1"].table.shape[0] == ids + 1  # its ids' rows and the zero row
 
 
 def test_a_model_json_without_the_dynamic_fields_builds_its_model(tmp_path):
@@ -124,3 +151,14 @@ def test_a_model_json_without_the_dynamic_fields_builds_its_model(tmp_path):
     assert model.embedding.dynamic is None and len(model.embedding.tables) == 3
     (tmp_path / "model.json").write_text(json.dumps(older))
     check_same_model(spec, tmp_path)  # the same model: resuming it is not refused
+
+
+def test_run_all_serves_raw_ids_as_the_trained_model(tmp_path, capsys):
+    import re
+
+    args = ["run", "all", f"workdir={tmp_path}", "device=cpu", "data.rows=6000", "etl.cluster=threads",
+            "etl.hash_ids={C1: 1024, C4: 256}", "train.max_steps=20", "train.batch_size=256", "progress=off"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    difference = re.search(r"largest difference from the in-process model of run \S+: (\S+)", out)
+    assert difference and float(difference.group(1)) <= 1e-5, out[-2000:]
