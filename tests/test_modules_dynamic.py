@@ -71,11 +71,11 @@ def _rows(emb, name: str, codes: torch.Tensor, raw: bool, key: str = "weight") -
     return table[slots]
 
 
-@pytest.mark.parametrize("kind", ["sgd", "adagrad", "adam"])
-def test_a_dynamic_table_trains_as_the_static_table_when_every_id_gets_a_row(kind):
-    optimizer = EmbeddingOptimizerConfig(kind, lr=0.1)
-    static = EmbeddingCollection(_tables(False), FEATURES, optimizer)
-    dynamic = EmbeddingCollection(_tables(True, rows=4 * SLOTS), FEATURES, optimizer)
+@pytest.mark.parametrize("kind, dtype", [("sgd", "fp32"), ("adagrad", "fp32"), ("adam", "fp32"), ("adagrad", "bf16")])
+def test_a_dynamic_table_trains_as_the_static_table_when_every_id_gets_a_row(kind, dtype):
+    optimizer = EmbeddingOptimizerConfig(kind, lr=0.1, master_weights=dtype != "fp32")
+    static = EmbeddingCollection(_tables(False), FEATURES, optimizer, weights_dtype=dtype)
+    dynamic = EmbeddingCollection(_tables(True, rows=4 * SLOTS), FEATURES, optimizer, weights_dtype=dtype)
     batches = _batches(12)
     assert _fit(dynamic, batches, raw=True) == _fit(static, batches, raw=False)
     codes = torch.arange(VOCAB)
@@ -197,3 +197,29 @@ def test_a_collection_with_dynamic_tables_is_not_host_cached():
     tables = [*_tables(True, rows=SLOTS), TableConfig("s", 50, 4, ["S"])]
     with pytest.raises(UserError, match=r"tables \['s'\] would be host-cached beside the dynamic tables u, t"):
         HostCachedCollection(tables, [*FEATURES, "S"], {"s": 10})
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_ids_take_the_slots_and_rows_they_take_on_the_cpu():
+    def make(device):
+        return EmbeddingCollection(_tables(True, rows=SLOTS, admit_after=2, init_scale=None), FEATURES,
+                                   EmbeddingOptimizerConfig("adagrad", lr=0.1),
+                                   generator=torch.Generator().manual_seed(3)).to(device)
+
+    cpu, gpu = make("cpu"), make("cuda")
+    assert gpu.dynamic["u"].ids.backend == "cuda" and gpu.backend.name == "cuda"
+    head = torch.linspace(-1, 1, cpu.output_dim)
+    for u, t, lengths, label in _batches(25, vocab=300, seed=6):
+        for emb in (cpu, gpu):
+            kjt = _kjt(u, t, lengths, raw=True).to(emb.weights.device)
+            out = emb(kjt) @ head.to(emb.weights.device)
+            F.binary_cross_entropy_with_logits(out, label.to(out.device)).backward()
+    assert cpu.dynamic["t"].stats()["evictions"] > 0
+    for name in ("u", "t"):
+        a, b = cpu.dynamic[name].get_extra_state(), gpu.dynamic[name].get_extra_state()
+        assert a["evictions"] == b["evictions"]
+        for part in ("ids", "candidates"):
+            for key in ("keys", "slots", "scores"):
+                assert torch.equal(a[part][key], b[part][key].cpu()), (name, part, key)
+        # the fused CUDA update sums each row's gradients in another order than the reference
+        torch.testing.assert_close(gpu.table_weight(name).cpu(), cpu.table_weight(name), atol=1e-5, rtol=1e-4)

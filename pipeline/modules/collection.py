@@ -189,7 +189,7 @@ class EmbeddingCollection(nn.Module):
                                            self._slot_repeats * values.numel() if self._slot_repeats else None)
         if self.dynamic is not None:
             values, offsets = self.dynamic.map_ids(values, offsets, b, torch.is_grad_enabled() and self.training,
-                                                   {"weight": self.weights, **self.optimizer_state()})
+                                                   self.table_views)
         if self.validate_ids and b:
             check_ids(values, offsets, b, self.packing.tensors(values.device)["slot_rows"], *self._slot_names)
         return values, offsets, b

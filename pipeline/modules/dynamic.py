@@ -238,10 +238,10 @@ class DynamicTables(nn.Module):
         return self.tables[name]
 
     def map_ids(self, values: torch.Tensor, offsets: torch.Tensor, batch_size: int, train: bool,
-                storage: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+                views: Callable[[str], dict[str, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
         """``values`` / ``offsets`` (slot-major) with the ids of dynamic slots replaced by their slots, the
-        ids without one left out. ``train``: ids are placed (new ones admitted, their rows in ``storage``,
-        the flat ``weight`` and optimizer state tensors, started), else only looked up."""
+        ids without one left out. ``train``: ids are placed (new ones admitted, their rows and optimizer state
+        started in ``views(table)``, the collection's ``table_views``), else only looked up."""
         b = batch_size
         bounds = offsets[:: b].tolist() if b else [0] * (self.packing.num_slots + 1)
         values = values.clone()
@@ -251,7 +251,10 @@ class DynamicTables(nn.Module):
             keys = torch.cat([values[lo:hi] for lo, hi in pieces])
             if train:
                 slots, new_slots, new_keys = table.place(keys)
-                self._start_rows(t, table, new_slots, new_keys, storage)
+                if new_slots.numel():  # new ids' rows from the table's init, their optimizer state zero
+                    rows = table.init_rows(new_keys)
+                    for name, view in views(table.name).items():
+                        view[new_slots] = rows.to(view.dtype) if name in ("weight", "master_weights") else 0
             else:
                 slots = table.find(keys)
             at = 0
@@ -265,21 +268,6 @@ class DynamicTables(nn.Module):
         dropped = torch.searchsorted(offsets, (~keep).nonzero().squeeze(1), right=True) - 1
         lengths = lengths - torch.bincount(dropped, minlength=lengths.numel())
         return values[keep], torch.cat([offsets.new_zeros(1), torch.cumsum(lengths, 0)])
-
-    def _start_rows(self, t: int, table: DynamicTable, slots: torch.Tensor, keys: torch.Tensor,
-                    storage: dict[str, torch.Tensor]) -> None:
-        """New ids' rows from the table's init, their optimizer state zero."""
-        if not slots.numel():
-            return
-        rows = table.init_rows(keys)
-        packing = self.packing
-        count, dim = packing.rows[t], packing.dims[t]
-        for name, flat in storage.items():
-            if flat.numel() == packing.total_rows and packing.total_rows != packing.total_elements:
-                flat[packing.row_offsets[t] : packing.row_offsets[t] + count][slots] = 0
-                continue
-            view = flat[packing.weights_offsets[t] : packing.weights_offsets[t] + count * dim].view(count, dim)
-            view[slots] = rows.to(flat.dtype) if name in ("weight", "master_weights") else 0
 
     def pool_means(self, pooled: torch.Tensor, lengths: torch.Tensor, batch_size: int) -> torch.Tensor:
         """``pooled`` with the ``mean`` slots of dynamic tables (pooled as sums) divided by their whole bags'
