@@ -109,7 +109,12 @@ class Schema:
         return {c.name: c.cardinality for c in self.columns if c.role in ("categorical", "multihot")}
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The ``schema.json`` contents; ``dynamic`` appears on the dynamic columns only."""
+        out = asdict(self)
+        for column in out["columns"]:
+            if not column["dynamic"]:
+                del column["dynamic"]
+        return out
 
     def save(self, path: str | Path) -> None:
         write_json(path, self.to_dict())

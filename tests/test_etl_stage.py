@@ -134,6 +134,8 @@ def test_hash_ids_keep_columns_as_64_bit_ids_marked_dynamic_in_the_schema(tmp_pa
     assert schema.dynamic == ["C1", "C3"] and schema.sparse[:3] == ["C1", "C2", "C3"]
     c1 = schema.column("C1")
     assert (c1.dtype, c1.cardinality, schema.column("C2").dynamic) == ("int64", 1024, False)
+    columns = {c["name"]: c for c in json.loads(cfg.paths.schema.read_text())["columns"]}
+    assert columns["C1"]["dynamic"] is True and "dynamic" not in columns["C2"]  # a static column's is as before
     train = _read(cfg.paths.processed / "train")
     raw = pa.concat_tables([pq.read_table(p) for p in sorted((cfg.paths.raw / "train").glob("part-*.parquet"))])
     assert train.schema.field("C1").type == pa.int64()
