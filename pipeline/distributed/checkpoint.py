@@ -255,24 +255,26 @@ def _fill_dynamic(folder: Path, path: str, name: str, lo: int, hi: int, views: d
                   ranges: list[tuple[int, int]], table: DynamicTable,
                   owned: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
     """A dynamic table's part: the saved part of the same rows whole, else the ids it owns of every saved part."""
-    pieces = []
-    for plo, phi in ranges:
-        file = _piece_path(folder, path, name, plo, phi)
-        piece = load_torch_file(file, f"sharded checkpoint {folder}: {file.relative_to(folder)}", ShardedCheckpointError,
-                                map_location="cpu")
-        missing = [key for key in (*views, "dynamic") if key not in piece]
+
+    def piece(lo: int, hi: int) -> dict:
+        file = _piece_path(folder, path, name, lo, hi)
+        saved = load_torch_file(file, f"sharded checkpoint {folder}: {file.relative_to(folder)}",
+                                ShardedCheckpointError, map_location="cpu")
+        missing = [key for key in (*views, "dynamic") if key not in saved]
         if missing:
             raise ShardedCheckpointError(f"{folder}: dynamic table {name} was saved without {missing} (another "
                                          "optimizer, or a static table of that name?)")
-        if (plo, phi) == (lo, hi):
-            with torch.no_grad():
-                for key, view in views.items():
-                    view.copy_(piece[key])
-            table.set_extra_state(piece["dynamic"])
-            return
-        pieces.append(content_of(piece["dynamic"], {key: piece[key] for key in views}))
+        return saved
+
     with torch.no_grad():
-        table.load_content(views, pieces, owned)
+        if (lo, hi) in ranges:
+            same = piece(lo, hi)
+            for key, view in views.items():
+                view.copy_(same[key])
+            table.set_extra_state(same["dynamic"])
+            return
+        parts = [piece(plo, phi) for plo, phi in ranges]
+        table.load_content(views, [content_of(p["dynamic"], {key: p[key] for key in views}) for p in parts], owned)
 
 
 def _fill(folder: Path, path: str, name: str, lo: int, hi: int, views: dict[str, torch.Tensor],
