@@ -181,7 +181,8 @@ def test_ranks_train_raw_ids_resume_on_another_count_and_one_process_scores_thei
             events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
             assert [e["saved_by_ranks"] for e in events if e.get("event") == "resume"] == [2]
         model, schema = load_trained(out, backend="torch")
-        assert model.embedding.dynamic["t_C1"].stats()["ids"] > 0
+        ids = model.embedding.dynamic["t_C1"].stats()["ids"]
+        assert ids > 0 and result["dynamic_tables"]["t_C1"]["ids"] == ids  # summed over the ranks' parts
         loader = Loader(cfg.paths.processed / "test", 4096, schema=schema, device="cpu")
         try:
             alone = evaluate(model, loader, torch.device("cpu"))

@@ -73,6 +73,7 @@ def test_raw_ids_train_dynamic_tables_that_evict_and_score_as_they_trained(proce
     result = run(cfg)
     assert result["test"]["auc"] > 0.6
     model, _ = load_trained(cfg.paths.train / "latest")
+    assert result["dynamic_tables"]["t_C4"] == {"rows": 128, **model.embedding.dynamic["t_C4"].stats()}
     assert sorted(model.embedding.dynamic.tables) == ["t_C1", "t_C4", "w_C1", "w_C4"]  # deep and wide tables
     c4 = model.embedding.dynamic["t_C4"].stats()
     assert c4["ids"] > 100 and c4["evictions"] > 0 and c4["candidates"] > 0
