@@ -2,7 +2,9 @@
 
 It computes exactly what :class:`pipeline.modules.EmbeddingCollection` computes in eval mode (the
 pooled bags of every slot, concatenated in slot order, ``sum`` or ``mean``, an empty bag pooling to
-zeros), from the tables export wrote to the store, one cache tier per table in front of it.
+zeros), from the tables export wrote to the store, one cache tier per table in front of it. The raw
+ids of a dynamic table are found among the store's ids of that table first; an id it does not hold
+reads the table's last row, zeros (and counts in a mean, as in training).
 
 Inputs, as the ``preprocess`` model emits them: ``categorical`` ``[B, C]`` int64 ids (one per
 one-hot feature, in ``config.categorical`` order; None when there is none) and, when the schema has multi-hot features,
@@ -59,7 +61,7 @@ class LookupConfig:
         return cls(
             slot_tables=[packing.table_names[t] for t in packing.slot_table],
             slot_features=list(packing.slot_features),
-            slot_mean=list(packing.slot_mean),
+            slot_mean=[collection.tables[t].pooling == "mean" for t in packing.slot_table],
             categorical=[f for f in collection.feature_names if f not in multihot],
             multihot=[f for f in collection.feature_names if f in multihot],
         )
@@ -85,6 +87,7 @@ class EmbeddingLookup:
         if missing:
             raise ValueError(f"the store at {self.store_root} has no tables {missing}")
         self._rows = {name: table.shape[0] for name, table in store.tables.items()}
+        self._keys = store.keys
         self._column_of = {f: i for i, f in enumerate(config.categorical)}
         self._multihot_of = {f: i for i, f in enumerate(config.multihot)}
 
@@ -99,6 +102,7 @@ class EmbeddingLookup:
         for name, tier in self.tiers.items():
             tier.refill(store.tables[name])
             self._rows[name] = store.tables[name].shape[0]
+        self._keys = store.keys
         self.version = store.version
         self.refreshes += 1
         return True
@@ -111,16 +115,26 @@ class EmbeddingLookup:
         pieces = []
         for table, feature, mean in zip(self.config.slot_tables, self.config.slot_features, self.config.slot_mean):
             if feature in self._column_of:
-                ids = categorical[:, self._column_of[feature]]
-                self._check(ids, feature, table)
+                ids = self._rows_of(categorical[:, self._column_of[feature]], feature, table)
                 pieces.append(self.tiers[table].lookup(ids).astype(np.float32, copy=False))
             else:
                 rows_of_value, ids = bags[self._multihot_of[feature]]
-                self._check(ids, feature, table)
+                ids = self._rows_of(ids, feature, table)
                 pieces.append(_pool(self.tiers[table].lookup(ids), rows_of_value, batch, mean))
         if not pieces:
             return np.zeros((batch, 0), dtype=np.float32)
         return np.concatenate(pieces, axis=1)
+
+    def _rows_of(self, ids: np.ndarray, feature: str, table: str) -> np.ndarray:
+        """The rows of ``ids`` in ``table``: the ids themselves, checked, or a dynamic table's rows of its raw ids."""
+        keys = self._keys.get(table)
+        if keys is None:
+            self._check(ids, feature, table)
+            return ids
+        at = np.searchsorted(keys, ids)
+        found = at < len(keys)
+        found[found] = keys[at[found]] == ids[found]
+        return np.where(found, at, len(keys))
 
     def _check(self, ids: np.ndarray, feature: str, table: str) -> None:
         if ids.size and (ids.min() < 0 or ids.max() >= self._rows[table]):

@@ -125,6 +125,35 @@ def test_hash_buckets_and_thresholds(tmp_path):
     assert _read(cfg.paths.processed / "train")["C1"].to_numpy().max() <= 50
 
 
+def test_hash_ids_keep_columns_as_64_bit_ids_marked_dynamic_in_the_schema(tmp_path):
+    from pipeline.etl.ops.hashing import hash_ids
+
+    cfg = _config(tmp_path, "data.rows=3000", "etl.hash_ids={C1: 1024, C3: 256}")
+    run(cfg)
+    schema = Schema.load(cfg.paths.schema)
+    assert schema.dynamic == ["C1", "C3"] and schema.sparse[:3] == ["C1", "C2", "C3"]
+    c1 = schema.column("C1")
+    assert (c1.dtype, c1.cardinality, schema.column("C2").dynamic) == ("int64", 1024, False)
+    columns = {c["name"]: c for c in json.loads(cfg.paths.schema.read_text())["columns"]}
+    assert columns["C1"]["dynamic"] is True and "dynamic" not in columns["C2"]  # a static column's is as before
+    train = _read(cfg.paths.processed / "train")
+    raw = pa.concat_tables([pq.read_table(p) for p in sorted((cfg.paths.raw / "train").glob("part-*.parquet"))])
+    assert train.schema.field("C1").type == pa.int64()
+    strings = pa.compute.cast(raw["C1"], pa.string()).combine_chunks()
+    assert train["C1"].to_numpy().tolist() == hash_ids(strings).tolist()
+    assert len(np.unique(train["C1"].to_numpy())) == pa.compute.count_distinct(raw["C1"], mode="all").as_py()
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("etl.hash_ids={C1: 1000}", "etl.hash_ids.C1: expected a multiple of 128"),
+    ("etl.hash_ids={C1: 0}", "etl.hash_ids.C1: expected an integer >= 128"),
+    ("etl.hash_ids={nope: 128}", r"etl.hash_ids names \['nope'\]"),
+])
+def test_hash_ids_settings_are_checked(tmp_path, setting, message):
+    with pytest.raises((ValueError, BadInputError), match=message):
+        run(_config(tmp_path, "data.rows=3000", setting))
+
+
 def test_multihot_table_source(tmp_path):
     rows = ["label,price,shop,tags"]
     rng = np.random.default_rng(0)

@@ -32,7 +32,7 @@ Example (under torchrun, one process per GPU)::
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -50,6 +50,7 @@ from pipeline.kernels.embedding import TablePacking
 from pipeline.modules.cached_collection import HostCachedCollection
 from pipeline.modules.collection import EmbeddingCollection
 from pipeline.modules.configs import EmbeddingOptimizerConfig, TableConfig, check_features
+from pipeline.modules.dynamic import DynamicTable, owner_rank
 from pipeline.sparse import KeyedJaggedTensor
 
 _STRATEGIES = (TableWiseSharding, RowWiseSharding, DataParallelSharding)
@@ -156,6 +157,12 @@ class ShardedEmbeddingCollection(nn.Module):
         sharded.set_lr(ec.lr)
         with torch.no_grad():
             for name, lo, hi, local in sharded.local_shards():
+                part = sharded.dynamic_part(name)
+                if part is not None:  # the ids this part owns, placed in its own slots
+                    table, owned = part
+                    table.seed.copy_(ec.dynamic[name].seed)
+                    table.load_content(local, [ec.dynamic[name].content(ec.table_views(name))], owned)
+                    continue
                 for key, tensor in ec.table_views(name).items():
                     local[key].copy_(tensor[lo:hi])
             sharded.set_step(int(ec.step))
@@ -195,10 +202,22 @@ class ShardedEmbeddingCollection(nn.Module):
                 lo, hi = self.plan[name].rows_on(self.rank)
                 yield name, lo, hi, st.local.table_views(name)
 
+    def dynamic_part(self, name: str) -> tuple[DynamicTable, Callable[[torch.Tensor], torch.Tensor] | None] | None:
+        """This rank's part of dynamic table ``name`` and which ids it owns (None: all, the table is whole
+        here), or None for a static table."""
+        for st in self.strategies:
+            if st.local is not None and st.local.dynamic is not None and name in st.local.dynamic.tables:
+                if st.sharding_type == ShardingType.ROW_WISE:
+                    return st.local.dynamic[name], lambda keys: owner_rank(keys, self.world_size) == self.rank
+                return st.local.dynamic[name], None
+        return None
+
     def _init_weights(self, seed: int) -> None:
         with torch.no_grad():
             for name, lo, hi, local in self.local_shards():
                 t = self.packing.table_names.index(name)
+                if self.tables[t].dynamic:  # its rows start as their ids come
+                    continue
                 gen = torch.Generator().manual_seed(seed * 1_000_003 + t * 7919 + lo)
                 bound = self.tables[t].rows ** -0.5
                 w = torch.empty(hi - lo, self.tables[t].dim).uniform_(-bound, bound, generator=gen)

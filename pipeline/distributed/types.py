@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Generic, TypeVar
 
 from pipeline.files import write_text
+from pipeline.schema import DYNAMIC_ROWS
 
 PLAN_VERSION = 1
 
@@ -148,6 +149,21 @@ class ParameterSharding:
                 "row_ranges": [list(r) for r in self.row_ranges], "cache_rows": self.cache_rows}
 
 
+def _check_dynamic(table, p: ParameterSharding) -> None:
+    """A dynamic table (its rows follow its ids, placed by a hash table) is table-wise, or row-wise in whole
+    buckets of its hash table per rank; a copy per rank (data-parallel) would place ids apart on each."""
+    if p.sharding_type == ShardingType.DATA_PARALLEL:
+        raise PlanError(f"table {table.name} is dynamic (its rows follow its ids): it cannot be data_parallel, whose "
+                        "copies would place ids apart on each rank; place it table_wise or row_wise")
+    if p.cache_rows:
+        raise PlanError(f"table {table.name} is dynamic (its rows follow its ids, placed by a hash table on the "
+                        "device): it cannot be host-cached; place it table_wise or row_wise in device memory")
+    if p.sharding_type == ShardingType.ROW_WISE and any((hi - lo) % DYNAMIC_ROWS for lo, hi in p.row_ranges):
+        raise PlanError(f"table {table.name} is dynamic: row-wise, each rank needs a multiple of {DYNAMIC_ROWS} "
+                        f"rows (whole buckets of its hash table), got ranges {p.row_ranges}; give it a capacity "
+                        f"that is a multiple of {DYNAMIC_ROWS} x {len(p.ranks)} ranks, or place it table_wise")
+
+
 @dataclass
 class ShardingPlan:
     """Every table's :class:`ParameterSharding` for a world of ``world_size`` ranks."""
@@ -194,6 +210,8 @@ class ShardingPlan:
                 raise PlanError(f"table {t.name}: a device cache of {p.cache_rows} rows for a {p.sharding_type.value} "
                                 f"table of {t.rows} rows (host-cached tables are table-wise or row-wise, their cache "
                                 "1 row to all of them)")
+            if getattr(t, "dynamic", False):
+                _check_dynamic(t, p)
 
     def describe(self, tables: Sequence | None = None, storage: dict[str, float] | None = None) -> str:
         """A table of the placements, for the log."""

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pipeline.errors import UserError
 from pipeline.kernels.embedding import TablePacking
 from pipeline.modules.collection import EmbeddingCollection, flat_views
 from pipeline.modules.configs import WEIGHT_DTYPES, EmbeddingOptimizerConfig, TableConfig
@@ -64,6 +65,11 @@ class HostCachedCollection(EmbeddingCollection):
                  optimizer: EmbeddingOptimizerConfig | None = None, weights_dtype: str = "fp32",
                  backend: str = "auto", init_scale: float | None = None, validate_ids: bool = True,
                  generator: torch.Generator | None = None) -> None:
+        dynamic = [t.name for t in tables if t.dynamic]
+        if dynamic:
+            raise UserError(f"tables {sorted(cache_rows)} would be host-cached beside the dynamic tables "
+                            f"{', '.join(dynamic)}, which a host-cached collection does not hold: give the tables room "
+                            "in device memory (distributed.memory_per_rank_mb), or train on more ranks")
         super().__init__(tables, feature_names, optimizer, weights_dtype, backend, init_scale, validate_ids, generator)
         names = self.packing.table_names
         unknown = sorted(set(cache_rows) - set(names))

@@ -25,6 +25,7 @@ optimizer step); the weights are buffers, not parameters, so ``model.parameters(
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Sequence
 
 import torch
@@ -35,6 +36,7 @@ from pipeline.kernels.embedding import TablePacking
 from pipeline.kernels.embedding.ops import check_ids
 from pipeline.modules.backends import resolve_backend
 from pipeline.modules.configs import WEIGHT_DTYPES, EmbeddingOptimizerConfig, TableConfig, check_features
+from pipeline.modules.dynamic import DynamicTables
 from pipeline.sparse import KeyedJaggedTensor
 
 
@@ -62,7 +64,9 @@ class EmbeddingCollection(nn.Module):
         self.tables = list(tables)
         self.feature_names = list(feature_names)
         check_features(self.tables, self.feature_names)
-        self.packing = TablePacking.build(self.tables)
+        # The ops pool a dynamic table's bags as sums: ids without a row leave them, and a mean divides by
+        # the whole bag after the lookup (pipeline.modules.dynamic).
+        self.packing = TablePacking.build([replace(t, pooling="sum") if t.dynamic else t for t in self.tables])
         # The layout of the tensors the ops read (``weights``, ``state_*``): here the tables themselves; a
         # collection with host-cached tables (:mod:`pipeline.modules.cached_collection`) holds their caches.
         self.storage_packing = self.packing
@@ -82,8 +86,11 @@ class EmbeddingCollection(nn.Module):
 
         weights = torch.empty(self.packing.total_elements, dtype=torch.float32)
         for t, table in enumerate(self.tables):
-            bound = next(b for b in (init_scale, table.init_scale, table.rows ** -0.5) if b is not None)
             start = self.packing.weights_offsets[t]
+            if table.dynamic:  # its rows start as their ids come
+                weights[start : start + table.rows * table.dim].zero_()
+                continue
+            bound = next(b for b in (init_scale, table.init_scale, table.rows ** -0.5) if b is not None)
             weights[start : start + table.rows * table.dim].uniform_(-bound, bound, generator=generator)
         self.register_buffer("weights", weights.to(WEIGHT_DTYPES[weights_dtype]))
         if self.optimizer.master_weights and weights_dtype != "fp32":
@@ -91,6 +98,9 @@ class EmbeddingCollection(nn.Module):
         for name, size in self.optimizer.state_shapes(self.packing.total_rows, self.packing.total_elements).items():
             self.register_buffer(f"state_{name}", torch.zeros(size, dtype=torch.float32))
         self.register_buffer("step", torch.zeros((), dtype=torch.int64))
+        dynamic = [t for t in self.tables if t.dynamic]
+        seeds = torch.randint(0, 2**62, (len(dynamic),), generator=generator).tolist() if dynamic else []
+        self.dynamic = DynamicTables(dynamic, self.packing, self.feature_names, seeds) if dynamic else None
         # Host-side [lr, step, step known] the ops read without a device sync; the step is re-read from the
         # device counter after a checkpoint load. Plain attributes: not in the state dict, not moved by .to().
         self._hyper = torch.tensor([self.lr, 0.0, 0.0], dtype=torch.float64)
@@ -145,7 +155,9 @@ class EmbeddingCollection(nn.Module):
         return flat_views(self.storage_packing, {"weight": self.weights, **self.optimizer_state()}, t)
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
-        return self.lookup(*self.slot_bags(features))
+        pooled = self.lookup(*self.slot_bags(features))
+        return pooled if self.dynamic is None else self.dynamic.pool_means(pooled, features.lengths,
+                                                                          features.batch_size)
 
     def lookup(self, indices: torch.Tensor, offsets: torch.Tensor, batch_size: int) -> torch.Tensor:
         """The pooled bags of :meth:`slot_bags`' ``(indices, offsets, batch_size)``, ids of ``storage_packing``'s
@@ -162,7 +174,8 @@ class EmbeddingCollection(nn.Module):
 
     def slot_bags(self, kjt: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         """``(indices, offsets, batch_size)`` of ``kjt`` in slot order on the weights' device, ids checked
-        when ``validate_ids``: what the backends take."""
+        when ``validate_ids``: what the backends take. The ids of dynamic tables become their slots (placed
+        in training, as the update will follow), those without a slot left out."""
         if kjt.keys != self.feature_names:
             raise BadInputError(f"expected sparse features {self.feature_names} in this order, got {kjt.keys}")
         b = kjt.batch_size
@@ -174,6 +187,9 @@ class EmbeddingCollection(nn.Module):
                 self._slot_keys[device] = torch.tensor(self._key_of_slot, dtype=torch.int64, device=values.device)
             values, offsets = _select_keys(values, offsets, b, self._slot_keys[device],
                                            self._slot_repeats * values.numel() if self._slot_repeats else None)
+        if self.dynamic is not None:
+            values, offsets = self.dynamic.map_ids(values, offsets, b, torch.is_grad_enabled() and self.training,
+                                                   self.table_views)
         if self.validate_ids and b:
             check_ids(values, offsets, b, self.packing.tensors(values.device)["slot_rows"], *self._slot_names)
         return values, offsets, b

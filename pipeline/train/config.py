@@ -79,6 +79,9 @@ class TrainConfig:
         "help": "fp16/bf16 tables: keep an fp32 master copy that the optimizer updates"})
     embedding_stochastic_rounding: bool = field(default=False, metadata={
         "help": "fp16/bf16 tables: stochastic rounding of updated rows (cuda backend)"})
+    admit_after: int = field(default=1, metadata={
+        "help": "dynamic tables (the columns of etl.hash_ids): an id gets its row at its N-th occurrence in "
+                "training batches (1: at first sight); until then it reads a zero row and is not updated"})
     embedding_backend: str = field(default="auto", metadata={
         "help": "torch | cuda | auto: embedding compute (auto: fused CUDA kernels when usable)"})
     amp: str = field(default="auto", metadata={"help": "auto | bf16 | off: bf16 autocast (auto: on GPU only)"})
@@ -112,7 +115,7 @@ class TrainConfig:
                               ("multihot_pooling", ("sum", "mean"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"train.{name}: expected one of {', '.join(allowed)}, got {getattr(self, name)!r}")
-        for name in ("batch_size", "eval_batch_size", "keep_checkpoints", "log_every"):
+        for name in ("batch_size", "eval_batch_size", "keep_checkpoints", "log_every", "admit_after"):
             check_range(f"train.{name}", getattr(self, name), 1)
         for name in ("epochs", "embedding_dim", "cross_layers", "cross_rank", "max_steps", "eval_every", "warmup_steps",
                      "decay_start", "threads", "checkpoint_every", "early_stopping"):

@@ -32,8 +32,9 @@ folder (written by global rank 0, which names it for every rank)::
     result.json         the run's name, test AUC and log loss (one process: and the oracle's, the gap),
                         throughput, and ``kept``: the epoch and step whose weights were scored (null: the
                         last); with host-cached tables, ``embedding_cache``: each one's training rows found
-                        in its device cache (also printed); written last, so a run with a result.json is
-                        finished
+                        in its device cache; with dynamic tables, ``dynamic_tables``: each one's ids, rows,
+                        evictions and admission candidates (both also printed); written last, so a run with
+                        a result.json is finished
 
 Example::
 
@@ -64,6 +65,7 @@ from pipeline.errors import UserError
 from pipeline.files import atomic_open, remove_tmp_files, write_json
 from pipeline.loader import Loader
 from pipeline.modules.cached_collection import HostCachedCollection
+from pipeline.modules.dynamic import DynamicTable
 from pipeline.modules.host_cache import CacheStats
 from pipeline.schema import Schema
 from pipeline.train.checkpoint import PlainCheckpoints, ShardedCheckpoints
@@ -154,11 +156,17 @@ def _train(cfg: TrainConfig, data: Path, runs: Path, schema: Schema, seed: int, 
     caches = _cache_stats(model, world)
     if caches:
         result["embedding_cache"] = caches
+    dynamic = _dynamic_stats(model, world)
+    if dynamic:
+        result["dynamic_tables"] = dynamic
     if world.is_writer:
         for name, c in caches.items():
             print(f"[train] device cache of {name}: {c['hit_rate']:.1%} of the training batches' rows found there "
                   f"({c['rows'] - c['hits']:,} of {c['rows']:,} copied in from host memory, "
                   f"{c['evictions']:,} evicted, {c['writebacks']:,} of them written back)", flush=True)
+        for name, d in dynamic.items():
+            print(f"[train] dynamic table {name}: {d['ids']:,} ids in its {d['rows']:,} rows, {d['evictions']:,} "
+                  f"evicted, {d['candidates']:,} counted toward admission", flush=True)
         write_json(out / "result.json", result)
         mark_latest(out)
         _report(result, out / "result.json")
@@ -258,6 +266,16 @@ def _cache_stats(model: nn.Module, world: World) -> dict[str, dict]:
         for name, stats in part.items():
             total[name] = total.get(name, CacheStats()) + stats
     return {name: {**dataclasses.asdict(s), "hit_rate": s.hit_rate} for name, s in sorted(total.items())}
+
+
+def _dynamic_stats(model: nn.Module, world: World) -> dict[str, dict]:
+    """Each dynamic table's ids holding a row, rows, evictions and admission candidates, summed over its parts
+    on every rank."""
+    mine = [(m.name, {"rows": m.capacity, **m.stats()}) for m in model.modules() if isinstance(m, DynamicTable)]
+    total: dict[str, dict] = {}
+    for name, stats in (part for rank in world.gather_objects(mine) for part in rank):
+        total[name] = {key: total.get(name, {}).get(key, 0) + value for key, value in stats.items()}
+    return dict(sorted(total.items()))
 
 
 def _summary(cfg: TrainConfig, spec: dict, world: World, fitted: dict, test: dict, oracle_path: Path | None,

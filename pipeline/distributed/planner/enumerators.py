@@ -4,7 +4,8 @@ A table may go table-wise, row-wise, data-parallel, or host-cached: table-wise i
 memory, behind a device cache (:func:`~pipeline.distributed.planner.estimators.min_cache_rows` at
 least). Constraints (from ``DistributedConfig.sharding``) narrow a table to one of these, and
 ``table_wise:RANK`` / ``host_cached:RANK`` pin its owner. Row-wise needs at least one row per rank;
-a world of one has table-wise and host-cached only.
+a world of one has table-wise and host-cached only. A dynamic table goes table-wise, or row-wise in
+whole buckets of 128 rows per rank, in device memory.
 
 Example::
 
@@ -16,8 +17,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pipeline.distributed.planner.estimators import min_cache_rows, step_cost, storage_per_rank
-from pipeline.distributed.planner.types import ShardingOption, Topology
+from pipeline.distributed.planner.types import PlannerError, ShardingOption, Topology
 from pipeline.distributed.types import ShardingType
+from pipeline.schema import DYNAMIC_ROWS
 
 HOST_CACHED = "host_cached"
 
@@ -65,6 +67,8 @@ class EmbeddingEnumerator:
                     raise ValueError(f"sharding of {table.name}: row-wise needs at least one row per rank, "
                                      f"the table has {table.rows} rows for {topology.world_size} ranks")
                 kinds.remove(ShardingType.ROW_WISE)
+            if getattr(table, "dynamic", False):
+                kinds, cached = self._dynamic_kinds(table, kinds), False
             options = [
                 ShardingOption(table.name, k, table.rows, table.dim, storage_per_rank(table, k, topology),
                                step_cost(table, k, topology), pinned if k == ShardingType.TABLE_WISE else None)
@@ -78,3 +82,18 @@ class EmbeddingEnumerator:
                     step_cost(table, ShardingType.TABLE_WISE, topology, host_cached=True), pinned, rows))
             out[table.name] = options
         return out
+
+    def _dynamic_kinds(self, table, kinds: list[ShardingType]) -> list[ShardingType]:
+        """The kinds of ``kinds`` a dynamic table allows (see ``ShardingPlan.validate``); a constraint to
+        another (no kind left: host_cached) is refused."""
+        world = self.topology.world_size
+        allowed = [k for k in kinds if k == ShardingType.TABLE_WISE
+                   or (k == ShardingType.ROW_WISE and table.rows % (DYNAMIC_ROWS * world) == 0)]
+        if not allowed:
+            why = ("a host-cached table's rows cannot follow its ids" if not kinds
+                   else "data_parallel copies would place its ids apart on each rank"
+                   if kinds == [ShardingType.DATA_PARALLEL]
+                   else f"row-wise needs a capacity that is a multiple of {DYNAMIC_ROWS} x {world} ranks, it has "
+                        f"{table.rows}")
+            raise PlannerError(f"sharding of {table.name}: the table is dynamic and {why}; place it table_wise")
+        return allowed
