@@ -2,7 +2,9 @@
 
 It computes exactly what :class:`pipeline.modules.EmbeddingCollection` computes in eval mode (the
 pooled bags of every slot, concatenated in slot order, ``sum`` or ``mean``, an empty bag pooling to
-zeros), from the tables export wrote to the store, one cache tier per table in front of it.
+zeros), from the tables export wrote to the store, one cache tier per table in front of it. The raw
+ids of a dynamic table are found among the store's ids of that table first; an id it does not hold
+reads the table's last row, zeros (and counts in a mean, as in training).
 
 Inputs, as the ``preprocess`` model emits them: ``categorical`` ``[B, C]`` int64 ids (one per
 one-hot feature, in ``config.categorical`` order; None when there is none) and, when the schema has multi-hot features,
@@ -33,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from export.cache import TableCaches, make_caches
-from export.store import current_stamp, current_version, open_current
+from export.store import StoreVersion, current_stamp, current_version, open_current
 from pipeline.errors import BadInputError
 
 
@@ -63,7 +65,7 @@ class LookupConfig:
         return cls(
             slot_tables=[packing.table_names[t] for t in packing.slot_table],
             slot_features=list(packing.slot_features),
-            slot_mean=list(packing.slot_mean),
+            slot_mean=[collection.tables[t].pooling == "mean" for t in packing.slot_table],
             categorical=[f for f in collection.feature_names if f not in multihot],
             multihot=[f for f in collection.feature_names if f in multihot],
         )
@@ -89,7 +91,7 @@ class EmbeddingLookup:
         if missing:
             raise ValueError(f"the store at {self.store_root} has no tables {missing}")
         self._table_of = dict(zip(config.slot_features, config.slot_tables))
-        self._set_rows(store.tables)
+        self._set_rows(store)
         self._column_of = {f: i for i, f in enumerate(config.categorical)}
         self._multihot_of = {f: i for i, f in enumerate(config.multihot)}
         kinds: dict[tuple, list[int]] = {}
@@ -98,8 +100,9 @@ class EmbeddingLookup:
                 kinds.setdefault((store.tables[table].shape[1], store.tables[table].dtype.str), []).append(k)
         self._onehot_groups = list(kinds.values())
 
-    def _set_rows(self, tables: dict[str, np.ndarray]) -> None:
-        self._rows = {name: table.shape[0] for name, table in tables.items()}
+    def _set_rows(self, store: StoreVersion) -> None:
+        self._rows = {name: table.shape[0] for name, table in store.tables.items()}
+        self._keys = store.keys
         self._column_rows = np.array([self._rows[self._table_of[f]] for f in self.config.categorical], dtype=np.int64)
 
     def _capacity(self, rows: int) -> int:
@@ -115,7 +118,7 @@ class EmbeddingLookup:
             return False
         store = open_current(self.store_root)
         self.caches.refill(store.tables)
-        self._set_rows(store.tables)
+        self._set_rows(store)
         self.version = store.version
         self._stamp = stamp
         self.refreshes += 1
@@ -129,6 +132,7 @@ class EmbeddingLookup:
         slots = list(zip(self.config.slot_tables, self.config.slot_features, self.config.slot_mean))
         if not slots:
             return np.zeros((batch, 0), dtype=np.float32)
+        categorical, bags = self._find_keys(categorical, bags)
         self._check(categorical, bags)
         pieces: list[np.ndarray] = [np.empty(0)] * len(slots)
         for group in self._onehot_groups:  # the one-hot slots whose tables share a dim: one lookup
@@ -143,6 +147,27 @@ class EmbeddingLookup:
                 rows_of_value, ids = bags[self._multihot_of[feature]]
                 pieces[k] = _pool(self.caches.lookup([table], ids[:, None])[:, 0], rows_of_value, batch, mean)
         return np.concatenate(pieces, axis=1, dtype=np.float32)
+
+    def _find_keys(self, categorical: np.ndarray,
+                   bags: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
+        """The dynamic tables' raw ids replaced by their rows (an id the store does not hold by the last row)."""
+        if not self._keys:
+            return categorical, bags
+        categorical = categorical.copy()
+        for c, feature in enumerate(self.config.categorical):
+            if self._table_of[feature] in self._keys:
+                categorical[:, c] = self._rows_of_keys(categorical[:, c], self._keys[self._table_of[feature]])
+        bags = [(rows, self._rows_of_keys(ids, self._keys[self._table_of[feature]]))
+                if self._table_of[feature] in self._keys else (rows, ids)
+                for feature, (rows, ids) in zip(self.config.multihot, bags)]
+        return categorical, bags
+
+    @staticmethod
+    def _rows_of_keys(ids: np.ndarray, keys: np.ndarray) -> np.ndarray:
+        at = np.searchsorted(keys, ids)
+        found = at < len(keys)
+        found[found] = keys[at[found]] == ids[found]
+        return np.where(found, at, len(keys))
 
     def _check(self, categorical: np.ndarray, bags: list[tuple[np.ndarray, np.ndarray]]) -> None:
         """Every id within its table (the one-hot ones in one step); the first one outside is named."""

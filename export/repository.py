@@ -62,16 +62,23 @@ def dense_fingerprint(model) -> str:
     return digest.hexdigest()
 
 
-def embedding_tables(model) -> dict[str, np.ndarray]:
-    """Every table of the model's embedding collection, as ``[rows, dim]`` numpy arrays."""
+def embedding_tables(model) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Every table of the model's embedding collection, as ``[rows, dim]`` numpy arrays, and the ids of the
+    dynamic ones: the rows of their ids in ascending order of the ids, then a zero row (see :mod:`export.store`)."""
     collection = model.embedding
-    tables = {}
+    tables, keys = {}, {}
     for name in collection.packing.table_names:
-        weight = collection.table_weight(name).detach().cpu()
+        weight = collection.table_weight(name).detach()
+        if collection.dynamic is not None and name in collection.dynamic.tables:
+            content = collection.dynamic[name].content({"weight": weight})
+            order = torch.argsort(content["keys"])
+            keys[name] = content["keys"][order].cpu().numpy()
+            weight = torch.cat([content["rows"]["weight"][order], weight.new_zeros(1, weight.shape[1])])
+        weight = weight.cpu()
         if weight.dtype == torch.bfloat16:
             weight = weight.float()  # numpy has no bfloat16; the widening is exact
         tables[name] = weight.numpy()
-    return tables
+    return tables, keys
 
 
 def raw_columns(raw_data: RawDataset, list_separator: str) -> RawColumns:
@@ -120,7 +127,8 @@ def write_repository(model, schema: Schema, workflow_dir: str | Path, raw: RawCo
     schema.save(artifacts / "schema.json")
 
     LookupConfig.from_collection(model.embedding, schema).save(staging / lookup_model / "1" / "layout.json")
-    version = write_version(staging / lookup_model / "store", embedding_tables(model))
+    tables, keys = embedding_tables(model)
+    version = write_version(staging / lookup_model / "store", tables, keys=keys)
     save_dense(model, staging / dense_model / "1" / "model.pt")
 
     summary = {
@@ -151,11 +159,11 @@ def _update_tables(model, out: Path, fingerprint: str, workflow_dir: Path, train
         raise UserError(
             "export.update=true replaces only the embedding tables, but the checkpoint's dense part differs "
             "from the exported one: export with export.update=false and restart the server")
-    tables = embedding_tables(model)
+    tables, keys = embedding_tables(model)
     if sorted(tables) != sorted(record["tables"]):
         raise UserError(f"export.update=true: the model's tables {sorted(tables)} are not the exported "
                         f"{sorted(record['tables'])}; export with export.update=false")
-    version = write_version(lookup_dir(out) / "store", tables)
+    version = write_version(lookup_dir(out) / "store", tables, keys=keys)
     record["store_version"] = version
     record["trained"] = trained
     record["updated_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

@@ -1,5 +1,8 @@
 """The host store: every row of every embedding table, one memory-mapped ``.npy`` file per table.
 
+A dynamic table (raw 64-bit ids) is stored as the rows of its ids in ascending order of the ids, then
+one zero row (that of every id it does not hold), beside ``<table>.keys.npy``, those ids (int64).
+
 Versions make online updates safe (HugeCTR HPS style): each version is a folder ``v000001/`` holding
 the tables and a ``manifest.json``; the file ``CURRENT`` names the version being served. A writer
 fills a new folder completely, then replaces ``CURRENT`` atomically (write a temp file, rename), so
@@ -12,6 +15,7 @@ Example::
     write_version("repo/embedding/store", {"t_C1": np.ones((10, 4), np.float32)})   # -> 1
     store = open_current("repo/embedding/store")
     store.version, store.tables["t_C1"].shape                                       # 1, (10, 4)
+    write_version(root, {"t_user": rows}, keys={"t_user": ids})                     # rows: len(ids) + 1
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ class StoreVersion:
     version: int
     path: Path
     tables: dict[str, np.ndarray]
+    keys: dict[str, np.ndarray]
+    """The ids of each dynamic table, ascending: row ``i`` is ``keys[i]``'s, the last row every other id's."""
 
 
 def current_version(root: str | Path) -> int:
@@ -58,8 +64,10 @@ def current_stamp(root: str | Path) -> tuple[int, int, int] | None:
     return stat.st_ino, stat.st_mtime_ns, stat.st_size
 
 
-def write_version(root: str | Path, tables: dict[str, np.ndarray], keep: int = 2) -> int:
-    """Write ``tables`` (name -> ``[rows, dim]`` array) as the next version, make it current, return it."""
+def write_version(root: str | Path, tables: dict[str, np.ndarray], keep: int = 2,
+                  keys: dict[str, np.ndarray] | None = None) -> int:
+    """Write ``tables`` (name -> ``[rows, dim]`` array) as the next version, make it current, return it.
+    ``keys``: the ids of the dynamic tables (name -> ascending int64, one fewer than the table's rows)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     existing = [int(p.name[1:]) for p in root.glob("v*") if p.name[1:].isdigit()]
@@ -75,6 +83,13 @@ def write_version(root: str | Path, tables: dict[str, np.ndarray], keep: int = 2
             raise ValueError(f"table {name}: expected a [rows, dim] array, got shape {array.shape}")
         np.save(staging / f"{name}.npy", array)
         manifest["tables"][name] = {"rows": int(array.shape[0]), "dim": int(array.shape[1]), "dtype": str(array.dtype)}
+        if name in (keys or {}):
+            ids = np.ascontiguousarray(keys[name], dtype=np.int64)
+            if ids.shape != (array.shape[0] - 1,) or (np.diff(ids) <= 0).any():
+                raise ValueError(f"table {name}: expected {array.shape[0] - 1} ascending distinct ids, one per row "
+                                 f"but the last, got shape {ids.shape}")
+            np.save(staging / f"{name}.keys.npy", ids)
+            manifest["tables"][name]["dynamic"] = True
     (staging / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     staging.rename(folder)
     write_text(root / CURRENT, f"v{version:06d}\n")
@@ -101,11 +116,16 @@ def _open_version(root: Path, version: int) -> StoreVersion:
     manifest = json.loads((folder / "manifest.json").read_text())
     if manifest.get("format") != STORE_FORMAT:
         raise UserError(f"embedding store {folder}: format {manifest.get('format')} is not {STORE_FORMAT}; re-export")
-    tables = {}
+    tables, keys = {}, {}
     for name, meta in manifest["tables"].items():
         array = np.load(folder / f"{name}.npy", mmap_mode="r")
         if array.shape != (meta["rows"], meta["dim"]):
             raise UserError(f"embedding store {folder}: table {name} has shape {array.shape}, manifest says "
                             f"{(meta['rows'], meta['dim'])}")
         tables[name] = array
-    return StoreVersion(version, folder, tables)
+        if meta.get("dynamic"):
+            keys[name] = np.load(folder / f"{name}.keys.npy", mmap_mode="r")
+            if keys[name].shape != (meta["rows"] - 1,):
+                raise UserError(f"embedding store {folder}: table {name} has {meta['rows']} rows but "
+                                f"{keys[name].shape[0]} ids; re-export")
+    return StoreVersion(version, folder, tables, keys)

@@ -1,7 +1,9 @@
 """``schema.json``: what the ETL wrote, read by every later stage.
 
 The schema names each output column with its role, dtype and (for categorical columns) the
-cardinality, i.e. the embedding table size including the reserved indices. The order of
+cardinality, i.e. the embedding table size including the reserved indices. A *dynamic* column
+holds raw 64-bit ids (``int64``, any value, no vocabulary: hashes of the raw values) and its
+cardinality is the capacity of the dynamic embedding table that learns them. The order of
 ``categorical`` is the order of the sparse features everywhere after the ETL (loader, embedding
 tables, export).
 
@@ -21,6 +23,9 @@ from pipeline.files import write_json
 
 SCHEMA_VERSION = 1
 ROLES = ("label", "continuous", "categorical", "multihot")
+DYNAMIC_ROWS = 128
+"""A dynamic column's cardinality (its table's capacity) is a multiple of this: whole buckets of the
+table's hash table (``pipeline.kernels.hashtable.SLOTS``)."""
 
 
 class SchemaError(ValueError):
@@ -35,15 +40,23 @@ class Column:
     role: str
     dtype: str
     cardinality: int = 0
-    """Embedding table size (categorical and multihot only), reserved indices included."""
+    """Embedding table size (categorical and multihot only), reserved indices included; a dynamic
+    column's: the capacity of its table."""
     max_length: int = 0
     """Multihot only: the longest list seen at fit time."""
+    dynamic: bool = False
+    """Categorical and multihot only: raw int64 ids (any value, not ``< cardinality``) for a dynamic table."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise SchemaError(f"column {self.name}: role must be one of {ROLES}, got {self.role!r}")
         if self.role in ("categorical", "multihot") and self.cardinality <= 0:
             raise SchemaError(f"column {self.name}: a {self.role} column needs a positive cardinality")
+        if self.dynamic and (self.role not in ("categorical", "multihot") or "int64" not in self.dtype
+                             or self.cardinality % DYNAMIC_ROWS):
+            raise SchemaError(f"column {self.name}: a dynamic column is categorical or multihot, of int64 ids, with "
+                              f"a cardinality that is a multiple of {DYNAMIC_ROWS}; this one is {self.role} "
+                              f"{self.dtype} of {self.cardinality}")
 
 
 @dataclass
@@ -81,6 +94,11 @@ class Schema:
     def multihot(self) -> list[str]:
         return [c.name for c in self.columns if c.role == "multihot"]
 
+    @property
+    def dynamic(self) -> list[str]:
+        """The sparse features of raw 64-bit ids (dynamic tables), in feature order."""
+        return [c.name for c in self.columns if c.dynamic]
+
     def column(self, name: str) -> Column:
         for c in self.columns:
             if c.name == name:
@@ -91,7 +109,12 @@ class Schema:
         return {c.name: c.cardinality for c in self.columns if c.role in ("categorical", "multihot")}
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The ``schema.json`` contents; ``dynamic`` appears on the dynamic columns only."""
+        out = asdict(self)
+        for column in out["columns"]:
+            if not column["dynamic"]:
+                del column["dynamic"]
+        return out
 
     def save(self, path: str | Path) -> None:
         write_json(path, self.to_dict())

@@ -169,6 +169,38 @@ def test_bench_loader_reports_rates_cpu_time_and_the_gil_share(tmp_path, capsys)
     assert len(calls) == 1 and float(calls[0].split()[-1].replace(",", "")) > 0
 
 
+def test_bench_hashtable_on_the_cpu_times_the_reference_at_each_dim_and_load(tmp_path, capsys):
+    out = tmp_path / "hashtable.json"
+    assert main(["bench", "hashtable", "--device", "cpu", "--capacity", "1024", "--batch", "256", "--dims", "8,12",
+                 "--loads", "0.5,0.9", "--reps", "2", "--json", str(out), f"workdir={tmp_path}"]) == 0
+    r = json.loads(out.read_text())
+    assert (r["backend"], r["capacity"], r["batch"]) == ("torch", 1024, 256) and r["copy_gb_s"] > 0
+    assert [(row["dim"], row["load"]) for row in r["results"]] == [(8, 0.5), (8, 0.9), (12, 0.5), (12, 0.9)]
+    for row in r["results"]:
+        assert row["measured_load"] == pytest.approx(row["load"], abs=0.01)
+        assert row["find_keys_per_s"] > 0 and row["insert_or_assign_keys_per_s"] > 0
+        assert row["find_bytes_per_key"] == 145 + 8 * row["dim"] and 0 < row["find_fraction_of_copy"] < 1
+        assert "reference_find_keys_per_s" not in row
+    assert "dim   12  load 0.90" in capsys.readouterr().out
+
+
+def test_bench_hashtable_refuses_a_capacity_that_is_not_whole_buckets(tmp_path, capsys):
+    assert main(["bench", "hashtable", "--device", "cpu", "--capacity", "1000", f"workdir={tmp_path}"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: --capacity: expected a positive multiple of 128, got 1000"]
+
+
+@pytest.mark.gpu
+def test_bench_hashtable_on_the_gpu_times_the_kernels_and_the_reference(tmp_path):
+    out = tmp_path / "hashtable.json"
+    assert main(["bench", "hashtable", "--capacity", str(1 << 20), "--batch", str(1 << 16), "--dims", "64",
+                 "--loads", "0.75", "--reps", "3", "--json", str(out), f"workdir={tmp_path}"]) == 0
+    (row,) = json.loads(out.read_text())["results"]
+    for key in ("find_keys_per_s", "insert_or_assign_keys_per_s", "reference_find_keys_per_s",
+                "reference_insert_or_assign_keys_per_s"):
+        assert row[key] > 0, key
+
+
 @pytest.mark.parametrize("ids", ["uniform", "zipf"])
 def test_bench_embedding_draws_each_tables_ids_in_range_uniform_or_skewed(ids):
     import numpy as np
@@ -207,3 +239,42 @@ def test_bench_serve_reports_latency_steps_throughput_and_cache_hit_rates(tmp_pa
     assert set(r["cache_offline"]) == {"rows", "lru@0.05", "lru@0.25", "lfu@0.05", "lfu@0.25"}
     assert all(0 <= v <= 1 for k, v in r["cache_offline"].items() if k != "rows")
     assert "ensemble / in-process p50" in capsys.readouterr().out
+
+
+TINY_DISTRIBUTED = ["--tables", "3", "--rows", "500", "--dim", "4", "--mlp", "small", "--batch", "64", "--steps", "2",
+                    "--rounds", "1", "--warmup", "1", "--device", "cpu"]
+
+
+def test_bench_train_distributed_times_the_pipelined_step_and_the_plain_loop(tmp_path, capsys):
+    out = tmp_path / "distributed.json"
+    assert main(["bench", "train_distributed", *TINY_DISTRIBUTED, "--nproc", "1,2", "--loop", "pipelined,plain",
+                 "--out", str(out), f"workdir={tmp_path}"]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert list(results) == ["1", "2/fp32/pipelined", "2/fp32/plain"]
+    assert [r["loop"] for r in results.values()] == ["plain", "pipelined", "plain"]
+    for r in results.values():
+        assert r["samples_per_s"] > 0 and r["profiled_step_ms"] > 0 and r["scaling_efficiency"] > 0
+    for key in ("2/fp32/pipelined", "2/fp32/plain"):
+        assert results[key]["comm_ms_per_step"] > 0 and results[key]["plan"]["world_size"] == 2
+    # The pipelined step trains the weights the plain loop does: the same loss after the same steps.
+    assert results["2/fp32/pipelined"]["loss"] == pytest.approx(results["2/fp32/plain"]["loss"], abs=1e-7)
+    printed = capsys.readouterr().out
+    assert "2/fp32/pipelined" in printed and "2/fp32/plain" in printed
+
+
+def test_bench_train_distributed_times_the_pipelined_step_unless_told(tmp_path, capsys):
+    from pipeline.stages.cli import build_parser
+
+    assert build_parser().parse_args(["bench", "train_distributed"]).loop == "pipelined"
+    assert main(["bench", "train_distributed", *TINY_DISTRIBUTED, "--loop", "async", f"workdir={tmp_path}"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: --loop: expected pipelined, plain or pipelined,plain, got 'async'"]
+
+
+def test_bench_data_times_every_criteo_reader_on_the_same_file(tmp_path, capsys):
+    assert main(["bench", "data", "--rows", "20000", "--ingest-rows", "3000", "--baseline-rows", "2000",
+                 f"workdir={tmp_path}", "device=cpu"]) == 0
+    printed = capsys.readouterr().out
+    for reader in ("arrow", "vectorized, numpy"):
+        assert f"criteo read + check + type ({reader})" in printed
+    assert "vectorized, cupy" not in printed

@@ -6,7 +6,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.data.readers import split_codes
+from pipeline.data.readers import FileReport, read_criteo, split_codes
 from pipeline.errors import BadInputError
 from pipeline.stages.config import load_config
 from pipeline.stages.data import ensure_raw
@@ -107,6 +107,69 @@ def test_criteo_rows_that_parse_but_are_wrong(tmp_path):
     assert [(e["line"], e["reason"]) for e in report["examples"]] == [
         (3, "label: expected 0 or 1, found '2'"), (7, "expected 40 fields, found 20")]
     assert sum(raw.rows.values()) == 48
+
+
+def _read_criteo(path, chunk_rows: int = 64) -> tuple[pa.Table | None, np.ndarray, FileReport]:
+    report = FileReport(str(path))
+    blocks = list(read_criteo(path, chunk_rows, report))
+    table = pa.concat_tables([t for t, _ in blocks]) if blocks else None
+    return table, np.concatenate([lines for _, lines in blocks]) if blocks else np.zeros(0, np.int64), report
+
+
+# values Arrow's typed parse took (hex, spaces around a number, a label written 00 / 01 / -0) while
+# the checks of the text path refuse them: the same line was kept or malformed by what else its block held
+REFUSED = {2: (1, "0x10", "not_a_number"), 3: (2, " 7", "not_a_number"), 4: (3, "7 ", "not_a_number"),
+           5: (0, "00", "bad_label"), 6: (0, "01", "bad_label"), 7: (0, "-0", "bad_label"),
+           8: (4, "0X1f", "not_a_number")}
+
+
+@pytest.mark.parametrize("with_text_path", [False, True])
+def test_a_value_is_judged_alone_whatever_else_its_block_holds(tmp_path, with_text_path):
+    lines = [_criteo_line(i) for i in range(1, 21)]
+    for line, (column, value, _) in REFUSED.items():
+        lines[line - 1][column] = value
+    if with_text_path:  # a value that does not convert sends the block to the text path
+        lines[14][5] = "zz"
+    path = tmp_path / "day.tsv"
+    path.write_text("".join("\t".join(fields) + "\n" for fields in lines))
+    _, kept, report = _read_criteo(path)
+    want = {"not_a_number": 4 + with_text_path, "bad_label": 3}
+    assert report.bad == want and report.rows_kept == 20 - sum(want.values())
+    assert set(REFUSED) & set(kept.tolist()) == set()
+
+
+def test_a_byte_order_mark_is_dropped_at_the_start_of_the_file_only(tmp_path):
+    lines = ["\t".join(_criteo_line(i)) for i in range(1, 3)]
+    path = tmp_path / "day.tsv"
+    path.write_bytes(("\ufeff" + lines[0] + "\n" + lines[1] + "\n").encode())
+    table, kept, report = _read_criteo(path)
+    assert kept.tolist() == [1, 2] and table.column("label").to_pylist() == [1, 0] and report.bad == {}
+    # line 2 is the first line Arrow parses in its block, once the empty line before it is taken out
+    path.write_bytes(("\n\ufeff" + lines[1] + "\n").encode())
+    table, kept, report = _read_criteo(path)
+    assert table is None and report.bad == {"wrong_field_count": 1, "bad_label": 1}
+    assert report.examples[1]["reason"] == "label: expected 0 or 1, found '\\ufeff0'"
+
+
+def test_text_that_is_not_an_integer_is_not_called_out_of_range(tmp_path):
+    lines = [_criteo_line(i) for i in range(1, 5)]
+    lines[0][1], lines[1][1], lines[2][1] = "--5", "\u0663", "99999999999999999999"
+    path = tmp_path / "day.tsv"
+    path.write_text("".join("\t".join(fields) + "\n" for fields in lines))
+    _, _, report = _read_criteo(path)
+    assert [e["reason"] for e in report.examples] == [
+        "I1: '--5' is not an integer", "I1: '\u0663' is not an integer",
+        "I1: '99999999999999999999' is outside the 64-bit integer range"]
+
+
+def test_a_line_with_two_problems_is_counted_once(tmp_path):
+    lines = ["\t".join(_criteo_line(i)).encode() for i in range(1, 5)]
+    lines[1] = lines[1].replace(b"\t", b"\t\r", 1) + b"\xff"  # a stray \r and broken UTF-8
+    path = tmp_path / "day.tsv"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    _, kept, report = _read_criteo(path)
+    assert report.bad == {"carriage_return": 1} and (report.rows_read, report.rows_kept) == (4, 3)
+    assert len(report.examples) == 1 and kept.tolist() == [1, 3, 4]
 
 
 def test_splits_are_deterministic_by_line_and_follow_the_fractions():

@@ -121,3 +121,14 @@ def test_a_dataset_ingested_from_files_is_kept_and_replaced_only_on_request(tmp_
     assert RawDataset.load(made.root).rows == made.rows
     rebuilt = ensure_raw(_cfg(tmp_path, *other, "data.rebuild=true"))
     assert sum(rebuilt.rows.values()) == 300
+
+
+def test_processes_make_the_same_rows_and_oracle(tmp_path):
+    """``data.workers=2``: blocks made by two processes, in order, give the files and oracle of one process."""
+    other = ensure_raw(_cfg(tmp_path, "data.rows=150000", "data.workers=2"))
+    alone = ensure_raw(_cfg(tmp_path / "alone", "data.rows=150000", "data.workers=1"))
+    assert other.oracle == alone.oracle
+    for split in ("train", "valid", "test"):
+        assert [p.name for p in other.splits[split]] == [p.name for p in alone.splits[split]]
+        for a, b in zip(other.splits[split], alone.splits[split]):
+            assert pq.read_table(a).equals(pq.read_table(b))

@@ -4,12 +4,15 @@ Every rank trains a ShardedEmbeddingCollection on its own batch (uneven sizes, e
 table, mean-pooled multi-hot bags, several dims); the parent process trains the plain collection on
 the concatenated batch and compares each rank's outputs at every step and the final rows and
 optimizer state of every table part a rank holds, for table-wise, row-wise, data-parallel and mixed
-plans with each fused optimizer; and the three calls, with each next batch's input dist launched
-before the current lookup (as a pipelined loop does), train exactly as ``forward`` does.
+plans with each fused optimizer, and a plan with table-wise and row-wise parts host-cached (in host
+memory behind device caches, one small enough to evict); and the three calls, with each next batch's
+input dist launched before the current lookup (as a pipelined loop does), train exactly as
+``forward`` does.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -17,6 +20,7 @@ import torch
 
 from pipeline.distributed import ParameterSharding, ShardedEmbeddingCollection, ShardingPlan
 from pipeline.distributed.spawn import spawn
+from pipeline.modules.cached_collection import HostCachedCollection
 from pipeline.modules.collection import EmbeddingCollection
 from pipeline.modules.configs import EmbeddingOptimizerConfig, TableConfig
 from pipeline.sparse import KeyedJaggedTensor
@@ -41,6 +45,16 @@ def make_plan(kind: str, world: int) -> ShardingPlan:
         return ShardingPlan(world, {t.name: ParameterSharding.row_wise(t.name, t.rows, world) for t in TABLES})
     if kind == "data_parallel":
         return ShardingPlan(world, {t.name: ParameterSharding.data_parallel(t.name, t.rows, world) for t in TABLES})
+    if kind == "host_cached":  # parts in host memory behind device caches: t4's the least that holds 2 steps
+        ids = [{v for r in range(world) for v in batch(step, r)[0]["E"].values.tolist()} for step in range(STEPS)]
+        least = max(len(a | b) for a, b in itertools.pairwise(ids))
+        return ShardingPlan(world, {
+            "t0": ParameterSharding.table_wise("t0", 50, world - 1, cache_rows=9),
+            "t1": ParameterSharding.row_wise("t1", 37, world, cache_rows=37),   # each part's cache: the part
+            "t2": ParameterSharding.data_parallel("t2", 101, world),
+            "t3": ParameterSharding.table_wise("t3", 9, 0),
+            "t4": ParameterSharding.table_wise("t4", 64, 0, cache_rows=least),
+        })
     return ShardingPlan(world, {
         "t0": ParameterSharding.table_wise("t0", 50, world - 1),
         "t1": ParameterSharding.row_wise("t1", 37, world),
@@ -51,7 +65,8 @@ def make_plan(kind: str, world: int) -> ShardingPlan:
 
 
 SCENARIOS = [("table_wise", "adagrad", "fp32"), ("row_wise", "adagrad", "fp32"), ("data_parallel", "adagrad", "fp32"),
-             ("mixed", "adagrad", "fp32"), ("mixed", "adam", "fp32"), ("mixed", "sgd", "fp32"), ("mixed", "adagrad", "bf16")]
+             ("mixed", "adagrad", "fp32"), ("mixed", "adam", "fp32"), ("mixed", "sgd", "fp32"),
+             ("mixed", "adagrad", "bf16"), ("host_cached", "adam", "fp32")]
 
 
 def optimizer(kind: str) -> EmbeddingOptimizerConfig:
@@ -103,7 +118,10 @@ def _train_sharded(rank: int, world: int, device: str) -> list[dict]:
             kjt, _ = batch(99, rank)
             outputs.append(sharded(kjt.to(device)).cpu())
         backends = {st.local.backend.name for st in sharded.strategies if st.local is not None}
-        out.append({"outputs": outputs, "shards": shards, "step": sharded.step, "backends": backends})
+        evictions = sum(s.evictions for st in sharded.strategies if isinstance(st.local, HostCachedCollection)
+                        for s in st.local.cache_stats().values())
+        out.append({"outputs": outputs, "shards": shards, "step": sharded.step, "backends": backends,
+                    "evictions": evictions})
     return out
 
 
@@ -161,6 +179,8 @@ def _check(world: int, results: list[list[dict]], gpu: bool = False) -> None:
                     torch.testing.assert_close(value, full[key][lo:hi], **(tol or {"atol": 2e-6, "rtol": 1e-5}),
                                                msg=lambda m, at=f"{kind}/{opt}/{comm}: {name}.{key} rows {lo}..{hi}": f"{at}: {m}")
         assert held == {(t.name, row) for t in TABLES for row in range(t.rows)}, f"{kind}: some rows are held by no rank"
+        if kind == "host_cached":
+            assert results[0][i]["evictions"] > 0, "t4's cache on rank 0 should have evicted rows"
 
 
 # CI runs 2 and 3 ranks; PIPELINE_TEST_WORLDS=4,8 runs more (the code must not assume 2).

@@ -1,5 +1,6 @@
 """The training stage on 2 ranks through torchrun's launcher: sharded training, sharded checkpoints,
-and an unsharded ``model.pt`` that scores the test split exactly as the 2 ranks did together."""
+and an unsharded ``model.pt`` that scores the test split exactly as the 2 ranks did together, also
+when a budget far below the tables has them host-cached."""
 
 from __future__ import annotations
 
@@ -72,4 +73,21 @@ def test_three_ranks_resume_what_two_ranks_saved(processed):
     assert resume and resume[-1]["step"] == 12 and resume[-1]["saved_by_ranks"] == 2
     alone = _score_alone(cfg)
     # see above: one process with the weights the three ranks ended with
+    assert alone["auc"] == pytest.approx(result["test"]["auc"], abs=1e-6)
+
+
+def test_two_ranks_train_host_cached_tables_and_one_process_scores_their_model(processed):
+    overrides = [f"workdir={processed}", "device=cpu", "train.batch_size=64", "train.max_steps=40",
+                 "train.checkpoint_every=15", "progress=off", "train.embedding_backend=torch", "train.run=host-cached",
+                 "distributed.memory_per_rank_mb=0.3"]
+    assert relaunch(["run", "train", *overrides], 2) == 0
+    cfg = load_config(None, overrides)
+    out = cfg.paths.train / "latest"
+    result = json.loads((out / "result.json").read_text())
+    cached = {p["table"]: p["cache_rows"] for p in json.loads((out / "plan.json").read_text())["tables"]
+              if p["cache_rows"]}
+    assert cached and sorted(result["embedding_cache"]) == sorted(cached)
+    assert any(s["evictions"] > 0 for s in result["embedding_cache"].values())
+    alone = _score_alone(cfg)
+    # model.pt, read back from the last sharded checkpoint: the host tables, their dirty rows written back
     assert alone["auc"] == pytest.approx(result["test"]["auc"], abs=1e-6)

@@ -19,11 +19,13 @@ from pipeline.etl import (
     FillMissing,
     HashBucket,
     HashedCross,
+    HashIds,
     LambdaOp,
     LogOp,
     Normalize,
     Workflow,
 )
+from pipeline.etl.column_schema import input_schema
 from pipeline.etl.ops.murmur import combine_row_hashes, hash_combine, murmur3_int64, murmur3_strings
 
 
@@ -196,6 +198,33 @@ def test_hash_bucket_on_multihot_lists_hashes_each_element():
     assert str(out["M"].dtype) == "list<item: int32>[pyarrow]"
 
 
+def _raw_id(text: str | None) -> int:
+    """HashIds' id of a value's text: its mmh3 with seed 0 (high half) and seed 1 (low half), as an int64."""
+    if text is None:
+        return 0
+    bits = mmh3.hash(text.encode(), 0, signed=False) << 32 | mmh3.hash(text.encode(), 1, signed=False)
+    return bits - 2**64 if bits >= 2**63 else bits
+
+
+def test_hash_ids_are_64_bit_hashes_of_the_values_text():
+    words = ["a", "hello", None, "", "ünï", "5"]
+    numbers = [5, None, -3, 2**33, 0, 5]
+    cells = [["a", None, "hello"], None, [], ["a"], ["5"], []]
+    df = pd.DataFrame({"S": words, "N": pd.array(numbers, dtype="Int64"), "M": cells})
+    workflow = Workflow(["S", "N", "M"] >> HashIds(1024)).fit(df)
+    out = workflow.transform(df)
+    assert out["S"].tolist() == [_raw_id(w) for w in words] and out["S"].dtype == np.int64
+    assert out["N"].tolist() == [_raw_id(None if v is None else str(v)) for v in numbers]  # as Categorify, text
+    assert out["N"][0] == out["S"][5]
+    assert [list(x) for x in out["M"]] == [[_raw_id(v) for v in cell] if cell is not None else [] for cell in cells]
+    assert str(out["M"].dtype) == "list<item: int64>[pyarrow]"
+    schema = {c.name: c for c in workflow.output_schema(input_schema({"label": "y", "continuous": [],
+                                                                        "categorical": ["S", "N"],
+                                                                        "multihot": ["M"]}))}
+    assert all(c.dynamic and c.cardinality == 1024 and c.dtype == "int64" for c in schema.values())
+    assert schema["M"].is_list and schema["M"].max_length == 3
+
+
 def test_hashed_cross_matches_mmh3_and_folds_like_cudf():
     a_values, b_values, c_values = ["x", "y", None, "x"], [1, 2, 3, None], ["p", "q", "r", "s"]
     df = pd.DataFrame({"A": a_values, "B": pd.array(b_values, dtype="Int64"), "C": c_values})
@@ -320,6 +349,7 @@ def test_bad_numbers_say_what_was_expected():
     (lambda: Clip(), "give min_value, max_value or both"),
     (lambda: Bucketize([3, 1]), "increasing"),
     (lambda: HashBucket(0), "num_buckets must be >= 1"),
+    (lambda: HashIds(1000), "capacity must be a positive multiple of 128"),
     (lambda: FillMissing(strategy="mode"), "constant or median"),
     (lambda: ["A"] >> HashedCross(10), "two or more columns"),
     (lambda: Categorify(freq_threshold=-1), ">= 0"),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -182,6 +184,40 @@ def test_lookup_equals_the_embedding_collection(tmp_path):
 
     with pytest.raises(BadInputError, match="feature C2: id 30 is outside table t_C2"):
         lookup(np.array([[0, 30, 0]]), np.zeros((1, 1)), np.zeros((1, 1)))
+
+
+def test_lookup_of_raw_ids_equals_the_dynamic_tables_unknown_ids_reading_zeros_counted_by_mean(tmp_path):
+    from export.repository import embedding_tables
+
+    schema = Schema([Column("label", "label", "int8"), Column("U", "categorical", "int64", cardinality=256, dynamic=True),
+                     Column("M1", "multihot", "list<int64>", cardinality=128, max_length=4, dynamic=True)])
+    tables = [TableConfig("t_U", 256, 8, ["U"], dynamic=True), TableConfig("t_M1", 128, 4, ["M1"], pooling="mean",
+                                                                          dynamic=True, admit_after=2)]
+    collection = EmbeddingCollection(tables, ["U", "M1"], generator=torch.Generator().manual_seed(0))
+    rng = np.random.default_rng(0)
+    vocabulary = rng.integers(-(2**63), 2**63 - 1, 50)
+    for _ in range(5):  # training places the ids it meets (those of M1 at their second occurrence)
+        bags = [list(vocabulary[rng.integers(0, 50, rng.integers(0, 4))]) for _ in range(16)]
+        collection(KeyedJaggedTensor.from_lists(["U", "M1"], [[[v] for v in vocabulary[rng.integers(0, 50, 16)]],
+                                                               bags])).sum().backward()
+    collection.eval()
+    tables, keys = embedding_tables(SimpleNamespace(embedding=collection))
+    assert tables["t_U"].shape[0] == keys["t_U"].shape[0] + 1 and not tables["t_U"][-1].any()
+    write_version(tmp_path, tables, keys=keys)
+    lookup = EmbeddingLookup(tmp_path, LookupConfig.from_collection(collection, schema), min_cache_rows=4)
+
+    batch = 40
+    seen_or_not = np.concatenate([vocabulary, rng.integers(-(2**63), 2**63 - 1, 20)])  # 20 never seen
+    cat = seen_or_not[rng.integers(0, 70, batch)][:, None]
+    bags = [list(seen_or_not[rng.integers(0, 70, rng.integers(0, 5))]) for _ in range(batch)]
+    packed = np.full((batch, 4), -1)
+    for i, b in enumerate(bags):
+        packed[i, : len(b)] = b
+    kjt = KeyedJaggedTensor.from_lists(["U", "M1"], [[[v] for v in cat[:, 0]], bags])
+    with torch.no_grad():
+        expected = collection(kjt).numpy()
+    for _ in range(2):
+        np.testing.assert_allclose(lookup(cat, packed, np.array([[len(b)] for b in bags])), expected, rtol=0, atol=1e-6)
 
 
 def test_refresh_switches_version_and_keeps_hot_rows(tmp_path):

@@ -49,7 +49,7 @@ def test_there_are_kernel_sources():
 def test_source_compiles_with_nvcc_for_sm90(source, tmp_path):
     nvcc = _nvcc()
     result = subprocess.run(
-        [nvcc, "-arch=sm_90", "-std=c++17", "-cubin", "-Werror", "all-warnings", "-o", str(tmp_path / "k.cubin"),
+        [nvcc, "-arch=sm_90", "-std=c++17", "-I", str(KERNEL_DIR), "-cubin", "-Werror", "all-warnings", "-o", str(tmp_path / "k.cubin"),
          str(KERNEL_DIR / source)], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, f"nvcc failed on {source}:\n{result.stderr}"
     assert (tmp_path / "k.cubin").read_bytes()[:4] == b"\x7fELF"
@@ -61,6 +61,27 @@ def test_source_compiles_with_nvrtc(source):
     from pipeline.kernels._compile import compile_cubin
 
     assert compile_cubin(source, "sm_90")[:4] == b"\x7fELF"
+
+
+def test_a_source_brings_the_headers_its_headers_include():
+    """NVRTC has no include path: every header, the shared ones under the kernel folder too, is handed to it
+    by the name it is included by."""
+    from pipeline.kernels._compile import _program
+
+    for source in (s for s in SOURCES if s.split("/")[0] in ("embedding", "interaction")):  # the 16-bit families
+        _, names, texts = _program(source)
+        assert "floats.cuh" in names, source
+        assert texts[names.index("floats.cuh")].endswith((KERNEL_DIR / "floats.cuh").read_text())
+    _, names, _ = _program("embedding/embedding_forward.cu")
+    assert names == ["embedding_common.cuh", "floats.cuh"]
+
+
+def test_a_missing_header_names_the_file_that_includes_it(tmp_path):
+    from pipeline.kernels._compile import _program
+
+    (tmp_path / "k.cu").write_text('#include "nowhere.cuh"\n')
+    with pytest.raises(FileNotFoundError, match=r"k\.cu: included header 'nowhere\.cuh'"):
+        _program(tmp_path / "k.cu")
 
 
 def test_compile_error_names_file_line_and_log(tmp_path):
@@ -136,7 +157,7 @@ def _ptx_params(source: str, tmp_path) -> dict[str, list[str]]:
     import re
 
     out = tmp_path / (Path(source).name + ".ptx")
-    subprocess.run([_nvcc(), "-arch=sm_90", "-std=c++17", "-ptx", "-o", str(out), str(KERNEL_DIR / source)],
+    subprocess.run([_nvcc(), "-arch=sm_90", "-std=c++17", "-I", str(KERNEL_DIR), "-ptx", "-o", str(out), str(KERNEL_DIR / source)],
                    check=True, capture_output=True, timeout=600)
     entries = {}
     for name, params in re.findall(r"\.entry\s+(\w+)\s*\(([^)]*)\)", out.read_text()):
@@ -180,3 +201,18 @@ def test_the_update_segment_is_the_same_in_the_launcher_and_the_kernel():
 
     source = (KERNEL_DIR / "embedding/embedding_backward.cu").read_text()
     assert re.search(r"#define SEGMENT (\d+)", source).group(1) == str(launcher.SEGMENT)
+
+
+def test_every_kernel_source_is_packaged():
+    """A wheel (a non-editable install) carries every ``.cu`` and ``.cuh``: the package-data patterns of
+    pyproject.toml match them all, those in the kernel packages' subfolders too."""
+    import fnmatch
+    import tomllib
+
+    root = KERNEL_DIR.parent.parent
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["pipeline"]
+    sources = [p.relative_to(root / "pipeline").as_posix() for p in KERNEL_DIR.rglob("*.cu*")]
+    assert sources
+    unpackaged = [s for s in sources if not any(fnmatch.fnmatchcase(s, pat) and s.count("/") == pat.count("/")
+                                                for pat in patterns)]
+    assert not unpackaged

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import re
 import subprocess
+import threading
 
 import pytest
 import torch
@@ -172,7 +173,7 @@ def test_launch_arguments_match_kernel_signatures(tmp_path, monkeypatch):
 
 
 def test_no_kernel_spills_registers(tmp_path):
-    result = subprocess.run([_nvcc(), "-arch=sm_90", "-std=c++17", "-cubin", "-Xptxas", "-v", "-o",
+    result = subprocess.run([_nvcc(), "-arch=sm_90", "-std=c++17", "-I", str(KERNEL_DIR), "-cubin", "-Xptxas", "-v", "-o",
                              str(tmp_path / "k.cubin"), str(KERNEL_DIR / SOURCE)],
                             check=False, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
@@ -301,6 +302,19 @@ def test_the_ops_run_the_kernels_on_cuda_and_the_reference_past_64_vectors(dtype
     assert not launcher.supported(wide)
     assert torch.equal(dot_interaction(wide), reference.dot_interaction(wide))
     assert torch.equal(ops.interaction_backward(wide, wide_grad), reference.dot_interaction_backward(wide, wide_grad))
+
+
+@pytest.mark.gpu
+def test_kernels_launch_from_a_thread_that_made_no_cuda_call():
+    """A fresh thread (like autograd's backward thread) has no current CUDA context until a runtime call
+    makes one: the launch must make it, not fail with an invalid context."""
+    vectors, grad = _case((8, 27, 32), torch.float32, seed=8)
+    expected = launcher.backward(vectors, grad)
+    results = []
+    worker = threading.Thread(target=lambda: results.append(launcher.backward(vectors, grad)))
+    worker.start()
+    worker.join()
+    assert len(results) == 1 and torch.equal(results[0], expected)
 
 
 @pytest.mark.gpu

@@ -795,3 +795,59 @@ def test_cuda_cudf_reader_early_stop_leaves_no_thread(split, real_cudf):
     assert rows_of(next(iter(loader))) == list(range(8))
     loader.close()
     assert threading.active_count() == before
+
+
+def raw_id(rows: np.ndarray) -> np.ndarray:
+    """A row's raw 64-bit id: all over the int64 range (negative, above 2**32), one per row."""
+    with np.errstate(over="ignore"):
+        return rows.astype(np.int64) * np.int64(-7046029254386353131) + np.int64(5)
+
+
+def dynamic_split(folder: Path) -> Path:
+    """``split``'s rows with a dynamic one-hot column ``D1`` (between C1 and M1) and a dynamic multi-hot ``D2``
+    (last), both of raw 64-bit ids, far beyond their cardinality."""
+    schema = make_schema()
+    schema.columns.insert(4, Column("D1", "categorical", "int64", cardinality=256, dynamic=True))
+    schema.columns.append(Column("D2", "multihot", "list<int64>", cardinality=128, max_length=3, dynamic=True))
+    write_split(folder, [0, 300, 310, 1000], schema)
+    for path in folder.glob("part-*.parquet"):
+        table = pq.read_table(path)
+        rows = table.column("I1").to_numpy().astype(np.int64)
+        table = table.add_column(4, "D1", pa.array(raw_id(rows)))
+        table = table.append_column("D2", pa.array([raw_id(np.array(bag_of(int(r)), dtype=np.int64)) for r in rows],
+                                                   type=pa.list_(pa.int64())))
+        pq.write_table(table, path, row_group_size=GROUP_ROWS)
+    return folder
+
+
+def check_dynamic_batch(batch: Batch) -> None:
+    rows = np.array(rows_of(batch))
+    assert batch.sparse.keys == ["C1", "D1", "M1", "C2", "C3", "D2"]
+    assert batch.sparse["D1"].values.tolist() == raw_id(rows).tolist()
+    assert batch.sparse["D2"].values.tolist() == [int(v) for r in rows for v in raw_id(np.array(bag_of(int(r))))]
+    assert batch.sparse["C3"].values.tolist() == (rows % CARD["C3"]).tolist()
+    assert batch.sparse["M1"].values.tolist() == [v for r in rows for v in bag_of(int(r))]
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_dynamic_columns_keep_their_64_bit_ids_unchecked(tmp_path, shuffle):
+    folder = dynamic_split(tmp_path / "train")
+    batches = list(small(folder, shuffle=shuffle, seed=3))
+    assert sorted(r for b in batches for r in rows_of(b)) == list(range(ROWS))
+    for batch in batches:
+        check_dynamic_batch(batch)
+
+
+def test_dynamic_columns_through_the_cudf_reader_on_a_stand_in(tmp_path, stand_in):
+    folder = dynamic_split(tmp_path / "train")
+    same_batches(list(small(folder, shuffle=True, seed=3)), list(small(folder, reader="cudf", shuffle=True, seed=3)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("reader", ["pyarrow", "cudf"])
+def test_cuda_dynamic_columns_equal_cpu_batches(tmp_path, reader):
+    if reader == "cudf":
+        pytest.importorskip("cudf")
+    folder = dynamic_split(tmp_path / "train")
+    same_batches(list(small(folder, shuffle=True, seed=3)),
+                 list(small(folder, shuffle=True, seed=3, device="cuda", reader=reader)))

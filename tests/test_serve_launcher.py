@@ -275,6 +275,9 @@ def test_a_server_that_dies_is_restarted_behind_the_guard_then_given_up(reposito
                 time.sleep(0.05)
             seen["after"] = _exchange(server, _post(_infer_json([[1, 2]])))
             seen["second"] = server.pid
+        except Exception as err:  # noqa: BLE001  (shown by the assertions below, which would only miss a key)
+            seen["error"] = repr(err)
+            raise
         finally:  # the second death; repeated until supervise gives up, also should a step above fail
             while not given_up.wait(0.2):
                 with contextlib.suppress(ProcessLookupError):
@@ -290,6 +293,7 @@ def test_a_server_that_dies_is_restarted_behind_the_guard_then_given_up(reposito
         given_up.set()
         killer.join(30)
         assert len(restarts) == 1 and (server.http_url, server.grpc_url) == urls
+        assert "error" not in seen, f"the requests around the restart failed: {seen['error']}"
         status, headers, body = seen["during"]
         assert status == 503 and headers["Retry-After"] == "1" and "retry shortly" in json.loads(body)["error"]
         status, _, body = seen["after"]

@@ -168,3 +168,39 @@ def test_sgd_left_to_choose_its_lr_scales_with_the_batch_and_learns(tmp_path):
     _train(run_cfg)
     settings = json.loads((run_cfg.paths.train / "latest" / "result.json").read_text())["settings"]
     assert settings["lr"] == 0.75 * 128 / 2048 and settings["embedding_lr"] == 16.0
+
+
+def test_dcnv2_left_to_choose_its_lr_does_not_blow_up_at_the_mlperf_widths():
+    """At the MLPerf widths (x0 of 27 x 128, cross layers of rank 512), Adam at 0.01 took the loss past 9 by
+    the end of a warmup and left the network dead (test AUC 0.50 on the 10M-row synthetic split); the
+    default lr for DCNv2 keeps the loss where it started while the warmup climbs."""
+    from pipeline.modules.configs import EmbeddingOptimizerConfig
+    from pipeline.modules.models import ModelSizes, build_model
+    from pipeline.schema import Column
+    from pipeline.sparse import KeyedJaggedTensor
+
+    features, cardinality = 26, 50
+    schema = Schema([Column("label", "label", "float32"), *[Column(f"I{i}", "continuous", "float32") for i in range(13)],
+                     *[Column(f"C{i}", "categorical", "int32", cardinality=cardinality) for i in range(features)]])
+    cfg = load_config(None, ["train.model=dcnv2"]).train
+    assert load_config(None, ["train.model=dcnv2", "train.optimizer=adagrad"]).train.dense_lr == 0.005
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    model = build_model("dcnv2", schema, ModelSizes.preset("mlperf"), EmbeddingOptimizerConfig("adagrad", lr=0.2),
+                        seed=0)
+    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.dense_lr)
+    effects = torch.linspace(-1, 1, cardinality)
+    losses = []
+    for step in range(24):
+        optimizer.param_groups[0]["lr"] = cfg.dense_lr * min(1.0, (step + 1) / 8)
+        dense = torch.randn(64, 13, generator=gen)
+        ids = torch.randint(0, cardinality, (features, 64), generator=gen)
+        label = torch.bernoulli(torch.sigmoid(dense[:, 0] - dense[:, 1] + effects[ids].sum(0) / 3), generator=gen)
+        sparse = KeyedJaggedTensor([f"C{i}" for i in range(features)], ids.flatten(),
+                                   torch.ones(features * 64, dtype=torch.int64))
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(model(dense, sparse), label)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert max(losses) < 1.0, losses

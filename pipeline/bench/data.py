@@ -1,7 +1,10 @@
 """Data stage speed: synthetic rows/s (alone and with the parquet write) and Criteo ingest rows/s.
 
 Baselines, measured in the same run: the same synthetic strings made the usual way (a Python
-f-string per value, then ``pa.array``), and ``pandas.read_csv`` on the same Criteo TSV.
+f-string per value, then ``pa.array``), and ``pandas.read_csv`` on the same Criteo TSV. The Criteo
+TSV is read by each reader of ``data.reader`` on the same file: Arrow, vectorized on numpy and, where
+the device is a GPU with CuPy, vectorized on CuPy (after an untimed read of a small file, which
+compiles CuPy's kernels); their rows and reports must be equal.
 
     python -m pipeline bench data --rows 2000000 --ingest-rows 500000
     python -m pipeline.bench.data --rows 2000000          # the same, without the CLI registry
@@ -30,7 +33,7 @@ def run(args: argparse.Namespace, cfg) -> dict:
     import pyarrow as pa
     import pyarrow.csv as pacsv
 
-    from pipeline.data import raw_folder, readers, synthetic
+    from pipeline.data import raw_folder, synthetic
 
     model = synthetic.ClickModel.create(cfg.seed, cfg.data.size)
     chunk_rows = cfg.data.chunk_rows
@@ -76,10 +79,7 @@ def run(args: argparse.Namespace, cfg) -> dict:
                                                                   quoting_style="none")) as out:
                 for chunk in synthetic.iter_split(model, "valid", args.ingest_rows, chunk_rows):
                     out.write_table(chunk.table)
-            with _Timer("criteo read + check + type", args.ingest_rows):
-                report = readers.FileReport(str(tsv))
-                for _ in readers.read_criteo(tsv, chunk_rows, report):
-                    pass
+            _time_criteo_readers(tsv, args.ingest_rows, chunk_rows, cfg.device, _Timer)
             with _Timer("baseline: pandas.read_csv", args.ingest_rows):
                 for _ in pd.read_csv(tsv, sep="\t", header=None, chunksize=chunk_rows):
                     pass
@@ -90,6 +90,36 @@ def run(args: argparse.Namespace, cfg) -> dict:
     for name, (wall, cpu) in results.items():
         print(f"{name:46s}{wall:12,.0f}{cpu:14,.0f}")
     return {name: {"rows_per_s": wall, "rows_per_cpu_s": cpu} for name, (wall, cpu) in results.items()}
+
+
+def _time_criteo_readers(tsv, rows: int, chunk_rows: int, device: str, timer) -> None:
+    """Time ``read_criteo`` on ``tsv`` with each array module; raise if their rows or reports differ."""
+    import importlib.util
+    from pathlib import Path
+
+    import numpy
+
+    from pipeline.data import readers
+    from pipeline.device import resolve_device
+
+    modules = {"arrow": None, "vectorized, numpy": numpy}
+    if importlib.util.find_spec("cupy") is not None and resolve_device(device).is_cuda:
+        import cupy
+
+        modules["vectorized, cupy"] = cupy
+    small = Path(tsv).with_name("small.tsv")
+    with open(tsv, "rb") as full:
+        small.write_bytes(b"".join(line for _, line in zip(range(1000), full)))
+    reports = {}
+    for name, xp in modules.items():
+        for _ in readers.read_criteo(small, chunk_rows, readers.FileReport(str(small)), xp=xp):
+            pass
+        report = readers.FileReport(str(tsv))
+        with timer(f"criteo read + check + type ({name})", rows):
+            kept = sum(table.num_rows for table, _ in readers.read_criteo(tsv, chunk_rows, report, xp=xp))
+        reports[name] = (kept, report)
+    if any(found != reports["arrow"] for found in reports.values()):
+        raise RuntimeError(f"the Criteo readers disagree on {tsv}: {reports}")
 
 
 if __name__ == "__main__":

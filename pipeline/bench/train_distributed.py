@@ -4,13 +4,19 @@ For each rank count the ranks train the schema-built DLRM (the MLPerf shape by d
 dim 128, bottom 512-256-128, top 1024-1024-512-256-1, 65536 samples per rank and step) on pre-made
 random batches (one-hot ids, uniform over each table, different on every rank). One rank trains
 the plain model (no sharding, no DDP: the baseline); N ranks train it through
-DistributedModelParallel (the planner's plan, table-wise unless ``--sharding`` says otherwise).
-Reported: samples/s over all ranks (median of the rounds), scaling efficiency
+DistributedModelParallel (the planner's plan, table-wise unless ``--sharding`` says otherwise),
+pipelined as the training stage trains them (``--loop pipelined``: each next batch's id exchange
+started by the stage's :class:`~pipeline.distributed.train_pipeline.SparseDistPipeline` while a
+batch trains), one batch after the other (``--loop plain``), or both (``--loop pipelined,plain``, one
+run each). Reported: samples/s over all ranks (median of the rounds), scaling efficiency
 ``rate(N) / (N * rate(1))``, and from one extra profiled round (collectives synchronized and
-timed) the all-to-all / all-reduce time per step beside the rest of the step.
+timed) the all-to-all / all-reduce time per step beside the rest of the step, and the loss of the
+trained weights on each rank's first batch (the mean over the ranks: the same for both loops, which
+train the same weights).
 
     python -m pipeline.bench.train_distributed --device cuda --nproc 1,2
     python -m pipeline.bench.train_distributed --device cpu --nproc 1,2 --rows 20000 --dim 16 --batch 1024
+    python -m pipeline bench train_distributed --device cpu --nproc 2 --loop pipelined,plain --mlp small
 """
 
 from __future__ import annotations
@@ -19,6 +25,10 @@ import argparse
 import json
 import statistics
 import sys
+
+from pipeline.errors import UserError
+
+LOOPS = ("pipelined", "plain")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="table_wise | row_wise | data_parallel | auto (the planner's choice)")
     parser.add_argument("--comm", default="fp32",
                         help="fp32 | bf16 | fp32,bf16: dtype(s) of the pooled vectors between ranks (one run each)")
+    parser.add_argument("--loop", default="pipelined",
+                        help="pipelined | plain | pipelined,plain: N ranks' step as the training stage runs it (the "
+                        "next batch's id exchange started while one trains) or one batch after the other (one run each)")
     parser.add_argument("--out", default="", help="also write the results as JSON here")
     parser.add_argument("--profile", default="", metavar="DIR",
                         help="also profile a few steps per rank (torch.profiler) and write the op tables to DIR")
@@ -55,22 +68,28 @@ def run(args: argparse.Namespace, cfg=None) -> dict:
         raise SystemExit(f"--nproc {max(counts)} needs as many GPUs, found {torch.cuda.device_count()}")
     backend = "nccl" if device == "cuda" else "gloo"
     comms = [c for c in str(args.comm).split(",") if c]
+    loops = [lp for lp in str(args.loop).split(",") if lp]
+    if not loops or any(lp not in LOOPS for lp in loops):
+        raise UserError(f"--loop: expected pipelined, plain or pipelined,plain, got {args.loop!r}")
     results = {}
     for n in counts:
-        for comm in (comms if n > 1 else ["-"]):
-            per_rank = spawn(_worker, n, backend, args=({**vars(args), "comm": comm}, device), timeout_s=900)
-            results[f"{n}" if n == 1 else f"{n}/{comm}"] = _summarize(n, per_rank, args)
+        runs = [(comm, loop) for comm in comms for loop in loops] if n > 1 else [("-", "plain")]
+        for comm, loop in runs:
+            per_rank = spawn(_worker, n, backend, args=({**vars(args), "comm": comm, "loop": loop}, device),
+                             timeout_s=900)
+            results[f"{n}" if n == 1 else f"{n}/{comm}/{loop}"] = {**_summarize(n, per_rank, args), "loop": loop}
     base = results.get("1")
     for r in results.values():
         r["scaling_efficiency"] = r["samples_per_s"] / (r["ranks"] * base["samples_per_s"]) if base else None
     shape = (f"{args.tables} tables x {args.rows} rows, dim {args.dim}, mlp {args.mlp}, "
              f"batch {args.batch} per rank, sharding {args.sharding}")
     print(f"bench train_distributed on {device} ({backend}): {shape}")
-    print(f"  {'ranks/exchange':>14} {'samples/s':>14} {'efficiency':>10} {'step ms':>9} {'comm ms':>9} {'rest ms':>9}")
+    print(f"  {'ranks/exchange/loop':>19} {'samples/s':>14} {'efficiency':>10} {'step ms':>9} {'comm ms':>9} "
+          f"{'rest ms':>9} {'loss':>8}")
     for key, r in results.items():
         eff = f"{r['scaling_efficiency']:.3f}" if r["scaling_efficiency"] is not None else "-"
-        print(f"  {key:>14} {r['samples_per_s']:>14,.0f} {eff:>10} {r['profiled_step_ms']:>9.2f} "
-              f"{r['comm_ms_per_step']:>9.2f} {r['profiled_step_ms'] - r['comm_ms_per_step']:>9.2f}")
+        print(f"  {key:>19} {r['samples_per_s']:>14,.0f} {eff:>10} {r['profiled_step_ms']:>9.2f} "
+              f"{r['comm_ms_per_step']:>9.2f} {r['profiled_step_ms'] - r['comm_ms_per_step']:>9.2f} {r['loss']:>8.5f}")
     out = {"device": device, "shape": shape, "results": results}
     if args.out:
         with open(args.out, "w") as f:
@@ -88,11 +107,13 @@ def _summarize(n: int, per_rank: list[dict], args) -> dict:
         "comm_ms_per_step": max(r["comm_ms_per_step"] for r in per_rank),
         "plan": per_rank[0].get("plan"),
         "embedding_backend": per_rank[0]["embedding_backend"],
+        "loss": statistics.fmean(r["loss"] for r in per_rank),
     }
 
 
 def _worker(rank: int, world: int, args: dict, device_kind: str) -> dict:
     import contextlib
+    import itertools
     import time
 
     import torch
@@ -100,6 +121,8 @@ def _worker(rank: int, world: int, args: dict, device_kind: str) -> dict:
 
     from pipeline.distributed import DistributedModelParallel, EmbeddingShardingPlanner, Topology
     from pipeline.distributed.comm import CommTimer
+    from pipeline.distributed.train_pipeline import SparseDistPipeline
+    from pipeline.loader import Batch
     from pipeline.modules.configs import EmbeddingOptimizerConfig
     from pipeline.modules.models import ModelSizes, build_model
     from pipeline.schema import Column, Schema
@@ -133,9 +156,11 @@ def _worker(rank: int, world: int, args: dict, device_kind: str) -> dict:
     batches = []
     for _ in range(2):
         ids = torch.randint(0, a.rows, (a.batch, a.tables), generator=gen)
-        batches.append((torch.randn(a.batch, 13, generator=gen).to(device),
-                        KeyedJaggedTensor.from_dense(keys, ids).to(device),
-                        torch.randint(0, 2, (a.batch,), generator=gen).float().to(device)))
+        batches.append(Batch(torch.randn(a.batch, 13, generator=gen), KeyedJaggedTensor.from_dense(keys, ids),
+                             torch.randint(0, 2, (a.batch,), generator=gen).float()).to(device))
+    # The batches in turn; pipelined, each handed out with the next one's input dist started.
+    ahead = SparseDistPipeline(net, device)(itertools.cycle(batches)) if a.loop == "pipelined" else None
+    source = ahead if ahead is not None else itertools.cycle(batches)
 
     def sync():
         if device.type == "cuda":
@@ -143,12 +168,12 @@ def _worker(rank: int, world: int, args: dict, device_kind: str) -> dict:
         if world > 1:
             torch.distributed.barrier()
 
-    def step(i):
-        dense, kjt, label = batches[i % len(batches)]
+    def step():
+        batch = next(source)
         ctx = torch.autocast("cuda", dtype=torch.bfloat16) if amp else contextlib.nullcontext()
         with ctx:
-            logits = net(dense, kjt)
-        loss = F.binary_cross_entropy_with_logits(logits.float(), label)
+            logits = net(batch.dense, batch.sparse)
+        loss = F.binary_cross_entropy_with_logits(logits.float(), batch.label)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -156,8 +181,8 @@ def _worker(rank: int, world: int, args: dict, device_kind: str) -> dict:
     def timed(steps):
         sync()
         start = time.perf_counter()
-        for i in range(steps):
-            step(i)
+        for _ in range(steps):
+            step()
         sync()
         return time.perf_counter() - start
 
@@ -169,13 +194,18 @@ def _worker(rank: int, world: int, args: dict, device_kind: str) -> dict:
     seconds = timed(a.steps)
     timer.enabled = False
     if a.profile:
-        _profile(timed, device, f"{a.profile}/ranks{world}-{a.comm}-rank{rank}.txt")
+        _profile(timed, device, f"{a.profile}/ranks{world}-{a.comm}-{a.loop}-rank{rank}.txt")
+    if ahead is not None:
+        ahead.close()
+    with torch.no_grad():  # the trained weights' loss on this rank's first batch: the same for both loops
+        loss = F.binary_cross_entropy_with_logits(net(batches[0].dense, batches[0].sparse).float(), batches[0].label)
     if world > 1:
         backend_name = next((st.local.backend.name for st in embedding.strategies if st.local is not None), "?")
     else:
         backend_name = embedding.backend.name
     return {"rates": rates, "profiled_step_ms": 1e3 * seconds / a.steps,
-            "comm_ms_per_step": 1e3 * timer.seconds / a.steps, "plan": plan, "embedding_backend": backend_name}
+            "comm_ms_per_step": 1e3 * timer.seconds / a.steps, "plan": plan, "embedding_backend": backend_name,
+            "loss": float(loss)}
 
 
 def _profile(timed, device, path: str, steps: int = 5) -> None:
@@ -203,7 +233,11 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     parser.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
-    run(parser.parse_args(argv))
+    try:
+        run(parser.parse_args(argv))
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     return 0
 
 

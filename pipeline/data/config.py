@@ -33,9 +33,16 @@ class DataConfig:
     valid_fraction: float = field(default=0.1, metadata={"help": "fraction of rows in the validation split"})
     test_fraction: float = field(default=0.1, metadata={"help": "fraction of rows in the test split"})
     chunk_rows: int = field(default=250_000, metadata={"help": "rows per generated / ingested chunk (memory bound)"})
+    workers: int = field(default=0, metadata={
+        "help": "synthetic: processes making rows (0: one per core from 4M rows, where they pay for their start; "
+                "1: this process)"})
     on_bad_lines: str = field(
         default="error", metadata={"help": "error | skip: what a malformed input row does (skipped rows are counted)"}
     )
+    reader: str = field(default="arrow", metadata={
+        "help": "criteo: auto | arrow | vectorized: how the TSV text is parsed and checked. arrow: pyarrow.csv; "
+                "vectorized: array operations, through CuPy on the GPU when the device is cuda, else numpy; both "
+                "give the same rows and report. auto: vectorized on a usable GPU with CuPy installed, else arrow"})
     label: str = field(default="label", metadata={"help": "table: the 0/1 label column"})
     continuous: list[str] = field(default_factory=list, metadata={"help": "table: numeric feature columns"})
     categorical: list[str] = field(default_factory=list, metadata={"help": "table: categorical feature columns"})
@@ -57,6 +64,11 @@ class DataConfig:
             raise ValueError(f"data.source: expected synthetic, criteo or table, got {self.source!r}")
         if self.on_bad_lines not in ("error", "skip"):
             raise ValueError(f"data.on_bad_lines: expected error or skip, got {self.on_bad_lines!r}")
+        if self.reader not in ("auto", "arrow", "vectorized"):
+            raise ValueError(f"data.reader: expected auto, arrow or vectorized, got {self.reader!r}")
+        if self.reader == "vectorized" and self.source != "criteo":
+            raise ValueError(f"data.reader=vectorized parses Criteo TSV only, not data.source={self.source}: "
+                             "set data.reader=auto or arrow")
         if self.source != "synthetic" and not self.path:
             raise ValueError(f"data.path is required for data.source={self.source}")
         if self.time_column and self.source != "table":
@@ -64,6 +76,7 @@ class DataConfig:
                              "of its own to order rows by)")
         check_range("data.rows", self.rows, 1)
         check_range("data.chunk_rows", self.chunk_rows, 1)
+        check_range("data.workers", self.workers, 0)
         check_range("data.size", self.size, 0, low_open=True)
         check_range("data.valid_fraction", self.valid_fraction, 0, 1, high_open=True)
         check_range("data.test_fraction", self.test_fraction, 0, 1, high_open=True)

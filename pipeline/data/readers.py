@@ -14,14 +14,16 @@ of fields. A block with such rows is parsed again on one thread (to learn their 
 a block with a value that does not convert is parsed again as text and checked column by column,
 so one bad row never takes its block down and every bad row is counted with its line number.
 Malformed rows: the wrong number of fields (empty lines included), broken UTF-8, a non-number in a
-numeric column, an integer outside the int64 range, an infinite number, a label other than 0/1, a
-quoted value left open at the end of its line, a ``\r`` inside a line (line ends are ``\n`` or
-``\r\n``; a file whose first read has ``\r`` but no ``\n`` has ``\r`` line ends), a line longer than
-:data:`MAX_LINE_BYTES`. A compressed file that is truncated or not of its format stops the ingest
-with one error naming it, whatever ``data.on_bad_lines`` says. ``data.on_bad_lines=error`` (the
-default) stops at the first block that has any and raises a :class:`~pipeline.errors.BadInputError`
-naming them; ``skip`` drops them. Either way they are counted, with examples, in
-``ingest_report.json``.
+numeric column (an integer is ``-?[0-9]+``: not ``0x1f``, not `` 7``), an integer outside the int64
+range, an infinite number, a label other than 0/1 (``0``, ``1``, ``1.0``; not ``01``), a quoted
+value left open at the end of its line, a ``\r`` inside a line (line ends are ``\n`` or ``\r\n``; a
+file whose first read has ``\r`` but no ``\n`` has ``\r`` line ends), a line longer than
+:data:`MAX_LINE_BYTES`. A byte-order mark is dropped at the start of a file and is part of its line
+anywhere else. Each value is judged on its own, whatever else its block holds. A compressed file
+that is truncated or not of its format stops the ingest with one error naming it, whatever
+``data.on_bad_lines`` says. ``data.on_bad_lines=error`` (the default) stops at the first block that
+has any and raises a :class:`~pipeline.errors.BadInputError` naming them; ``skip`` drops them.
+Either way they are counted, with examples, in ``ingest_report.json``.
 Several input files are read in parallel as Dask tasks, one per file.
 
 The label column is written as ``label`` whatever its input name. Rows go to train / valid /
@@ -50,10 +52,13 @@ from __future__ import annotations
 import csv
 import functools
 import glob
+import importlib
 import io
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import pyarrow as pa
@@ -81,7 +86,9 @@ _PARQUET_SUFFIXES = {".parquet", ".pq"}
 _CODECS = {".gz": "gzip", ".bz2": "bzip2", ".zst": "zstd", ".lz4": "lz4"}
 _COMPRESSION_SUFFIXES = set(_CODECS)
 _BYTES_PER_ROW_GUESS = 200
+_BOM = b"\xef\xbb\xbf"
 _INT_PATTERN = r"^(-?[0-9]+)?$"  # empty is missing; the int64 range is checked apart
+_DIGITS_PATTERN = r"-?[0-9]+"
 _INT64_DIGITS = 19
 _FLOAT_PATTERN = r"^([+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?)?$"
 _NAN_PATTERN = r"^[+-]?(nan|NaN|NAN)$"
@@ -163,6 +170,10 @@ class FileReport:
 
     def add_bad(self, line: int, kind: str, reason: str, excerpt: bytes | str) -> None:
         self.bad[kind] = self.bad.get(kind, 0) + 1
+        self.add_example(line, reason, excerpt)
+
+    def add_example(self, line: int, reason: str, excerpt: bytes | str) -> None:
+        """Keep a malformed line as an example while there are fewer than :data:`EXAMPLES` (not counted)."""
         if len(self.examples) < EXAMPLES:
             if isinstance(excerpt, bytes):
                 excerpt = excerpt.decode("utf-8", errors="backslashreplace")
@@ -173,16 +184,24 @@ class FileReport:
 # ----------------------------------------------------------------------------------------- readers
 
 
-def read_criteo(path: str | Path, chunk_rows: int, report: FileReport, stop_on_bad: bool = False
-                ) -> Iterator[tuple[pa.Table, np.ndarray]]:
+def read_criteo(path: str | Path, chunk_rows: int, report: FileReport, stop_on_bad: bool = False,
+                xp: ModuleType | None = None) -> Iterator[tuple[pa.Table, np.ndarray]]:
     """Valid rows of a Criteo TSV (plain or compressed) as typed tables, with their line numbers.
 
     Malformed rows go to ``report``; with ``stop_on_bad`` reading ends after the first block that
-    has any (``report.stopped_at_line`` says where).
+    has any (``report.stopped_at_line`` says where). With an array module ``xp`` (numpy, or cupy
+    for the GPU) each block is parsed by :mod:`pipeline.data.vectorized_text` instead of
+    ``pyarrow.csv``: the same tables, line numbers and report.
     """
     roles = criteo_roles()
     kinds = _kinds(roles, integer_continuous=True)
-    yield from _read_text(Path(path), roles.columns, kinds, "\t", False, False, chunk_rows, report, stop_on_bad, "|")
+    parse = None
+    if xp is not None:
+        from pipeline.data.vectorized_text import parse_criteo_block
+
+        parse = functools.partial(parse_criteo_block, xp)
+    yield from _read_text(Path(path), roles.columns, kinds, "\t", False, False, chunk_rows, report, stop_on_bad, "|",
+                          parse=parse)
 
 
 def read_table(path: str | Path, roles: Roles, chunk_rows: int, report: FileReport, stop_on_bad: bool = False,
@@ -252,10 +271,12 @@ def ingest_params(d: DataConfig) -> dict:
     }
 
 
-def ingest(d: DataConfig, seed: int, root: Path, params: dict, progress: str | bool = "auto") -> dict:
+def ingest(d: DataConfig, seed: int, root: Path, params: dict, progress: str | bool = "auto",
+           array_module: str | None = None) -> dict:
     """Read every input file into ``root`` (the raw layout); write ``ingest_report.json`` and ``meta.json``.
 
-    Returns the report. Raises :class:`BadInputError` on malformed rows when ``on_bad_lines=error``
+    ``array_module`` (``"numpy"`` or ``"cupy"``) parses Criteo text with array operations
+    (:func:`read_criteo`'s ``xp``); None: with ``pyarrow.csv``. Returns the report. Raises :class:`BadInputError` on malformed rows when ``on_bad_lines=error``
     (after saving the report), and on missing, empty or mismatched inputs.
     """
     files = input_files(d)
@@ -266,7 +287,7 @@ def ingest(d: DataConfig, seed: int, root: Path, params: dict, progress: str | b
     if roles.time and (rule.valid_fraction or rule.test_fraction):
         rule = replace(rule, cuts=_time_cuts([p for p, s in files if s is None], roles, d, rule))
     jobs = [(i, path, split) for i, (path, split) in enumerate(files)]
-    args = (d, roles, rule, root)
+    args = (d, roles, rule, root, array_module)
     raw_folder.clear(root)
     if len(jobs) == 1:
         results = [_ingest_file(*jobs[0], *args, progress=progress)]
@@ -339,12 +360,13 @@ def _time_cuts(paths: list[Path], roles: Roles, d: DataConfig, rule: SplitRule) 
 
 
 def _ingest_file(index: int, path: Path, pinned: str | None, d: DataConfig, roles: Roles, rule: SplitRule,
-                 root: Path, progress: str | bool = "off") -> dict:
+                 root: Path, array_module: str | None, progress: str | bool = "off") -> dict:
     report = FileReport(str(path))
     writers = {s: raw_folder.PartWriter(root / s, d.chunk_rows, prefix=f"f{index:05d}") for s in raw_folder.SPLITS}
     stop = d.on_bad_lines == "error"
     if d.source == "criteo":
-        blocks = read_criteo(path, d.chunk_rows, report, stop)
+        xp = importlib.import_module(array_module) if array_module else None
+        blocks = read_criteo(path, d.chunk_rows, report, stop, xp)
     else:
         blocks = read_table(path, roles, d.chunk_rows, report, stop, d.list_separator)
     with Progress(path.name, unit="row", mode=progress, scaled=True) as bar:
@@ -403,7 +425,9 @@ def split_codes(lines: np.ndarray, file_index: int, seed: int, valid_fraction: f
 
 def _read_text(path: Path, names: list[str] | None, kinds: dict[str, str], delimiter: str, quoting: bool,
                header: bool, chunk_rows: int, report: FileReport, stop_on_bad: bool, separator: str,
-               roles: Roles | None = None) -> Iterator[tuple[pa.Table, np.ndarray]]:
+               roles: Roles | None = None, parse=None) -> Iterator[tuple[pa.Table, np.ndarray]]:
+    """``parse(block, first_line, report)``, when given, turns a block of lines into (table, line
+    numbers, lines in the block) in place of ``pyarrow.csv`` and the checks."""
     block_bytes = max(1 << 20, chunk_rows * _BYTES_PER_ROW_GUESS)
     for first_line, block in _line_blocks(path, block_bytes):
         if isinstance(block, _LongLine):
@@ -426,12 +450,17 @@ def _read_text(path: Path, names: list[str] | None, kinds: dict[str, str], delim
             first_line += 1
             if not block:
                 continue
-        table, lines, excerpt = _parse_block(block, first_line, names, kinds, delimiter, quoting, report)
-        report.rows_read += len(excerpt.starts)
-        quote = functools.partial(_quote_line, excerpt, lines, first_line)
-        table, lines = _check_and_convert(table, lines, kinds, separator, report, quote, roles.time if roles else "")
+        if parse is None:
+            table, lines, excerpt = _parse_block(block, first_line, names, kinds, delimiter, quoting, report)
+            count = len(excerpt.starts)
+            quote = functools.partial(_quote_line, excerpt, lines, first_line)
+            table, lines = _check_and_convert(table, lines, kinds, separator, report, quote,
+                                              roles.time if roles else "")
+        else:
+            table, lines, count = parse(block, first_line, report)
+        report.rows_read += count
         if stop_on_bad and report.bad_rows:
-            report.stopped_at_line = first_line + len(excerpt.starts) - 1
+            report.stopped_at_line = first_line + count - 1
             return
         report.rows_kept += table.num_rows
         if table.num_rows:
@@ -460,12 +489,30 @@ def _too_long(length: int) -> str:
     return f"the line is longer than {MAX_LINE_BYTES} bytes ({length}{'+' if length > MAX_LINE_BYTES else ''})"
 
 
+def _field_count_reason(expected: int, found: int | None) -> str:
+    """Why a line has the wrong number of fields (``found`` None: the line is empty)."""
+    return f"expected {expected} fields, found {'an empty line' if found is None else found}"
+
+
+def _carriage_return_reason(at: int) -> str:
+    return f"a carriage return (\\r) inside the line at byte {at}; a line ends at \\n or \\r\\n"
+
+
+def _utf8_reason(line: bytes) -> str | None:
+    """Why ``line`` is not UTF-8; None when it is."""
+    try:
+        line.decode("utf-8")
+    except UnicodeDecodeError as err:
+        return f"invalid UTF-8 ({err.reason}) at byte {err.start} of the line"
+    return None
+
+
 def _line_blocks(path: Path, block_bytes: int) -> Iterator[tuple[int, bytes | _LongLine]]:
     """(number of the first line, bytes of whole lines ending in a newline), decompressing by suffix.
 
-    A file whose first line end is a lone ``\r`` (no ``\n`` in the first read) has ``\r`` line
-    ends: they become ``\n``. A line that grows past :data:`MAX_LINE_BYTES` is not kept: a
-    :class:`_LongLine` stands for it. A compressed file that stops decompressing raises
+    A byte-order mark at the start of the file is dropped. A file whose first line end is a lone
+    ``\r`` (no ``\n`` in the first read) has ``\r`` line ends: they become ``\n``. A line that
+    grows past :data:`MAX_LINE_BYTES` is not kept: a :class:`_LongLine` stands for it. A compressed file that stops decompressing raises
     :class:`_DamagedFile` after the blocks before the damage.
     """
     line = 1
@@ -473,7 +520,9 @@ def _line_blocks(path: Path, block_bytes: int) -> Iterator[tuple[int, bytes | _L
     newline: bytes | None = None
     skipping = 0  # bytes of an over-long line seen so far
     try:
-        for data in _reads(path, block_bytes):
+        for index, data in enumerate(_reads(path, block_bytes)):
+            if index == 0:
+                data = data.removeprefix(_BOM)
             if newline is None and (b"\n" in data or b"\r" in data):
                 newline = b"\n" if b"\n" in data else b"\r"
             if newline == b"\r":
@@ -576,8 +625,7 @@ def _parse_block(block: bytes, first_line: int, names: list[str], kinds: dict[st
     keep = ~((lengths == 0) | ((lengths == 1) & (data[starts] == 13)))
     expected = len(names)
     for i in np.flatnonzero(~keep):
-        report.add_bad(first_line + int(i), "wrong_field_count", f"expected {expected} fields, found an empty line",
-                       b"")
+        report.add_bad(first_line + int(i), "wrong_field_count", _field_count_reason(expected, None), b"")
     long = np.flatnonzero(keep & (lengths > MAX_LINE_BYTES))
     long = long[lengths[long] - (data[ends[long] - 1] == 13) > MAX_LINE_BYTES]
     for i in long:
@@ -590,18 +638,14 @@ def _parse_block(block: bytes, first_line: int, names: list[str], kinds: dict[st
             if keep[i]:
                 keep[i] = False
                 at = int(carriage[np.searchsorted(carriage, starts[i])] - starts[i])
-                report.add_bad(first_line + int(i), "carriage_return",
-                               f"a carriage return (\\r) inside the line at byte {at}; a line ends at \\n or "
-                               "\\r\\n", excerpt(i))
+                report.add_bad(first_line + int(i), "carriage_return", _carriage_return_reason(at), excerpt(i))
     high = np.flatnonzero(data >= 0x80)
     if high.size:
         for i in np.unique(np.searchsorted(ends, high)):
-            try:
-                excerpt(i).decode("utf-8")
-            except UnicodeDecodeError as err:
+            reason = _utf8_reason(excerpt(i)) if keep[i] else None
+            if reason:
                 keep[i] = False
-                report.add_bad(first_line + int(i), "invalid_utf8",
-                               f"invalid UTF-8 ({err.reason}) at byte {err.start} of the line", excerpt(i))
+                report.add_bad(first_line + int(i), "invalid_utf8", reason, excerpt(i))
     table, rejected, kept = _parse_kept(data, keep, lengths, names, kinds, delimiter, quoting)
     if table is not None and quoting and (table.num_rows + len(rejected) != kept.size
                                           or _open_quotes(excerpt, kept[-1:], delimiter)):
@@ -619,8 +663,8 @@ def _parse_block(block: bytes, first_line: int, names: list[str], kinds: dict[st
         return empty, np.zeros(0, dtype=np.int64), excerpt
     for number, expected_columns, actual_columns in rejected:
         index = int(kept[number - 1])
-        report.add_bad(first_line + index, "wrong_field_count",
-                       f"expected {expected_columns} fields, found {actual_columns}", excerpt(index))
+        report.add_bad(first_line + index, "wrong_field_count", _field_count_reason(expected_columns, actual_columns),
+                       excerpt(index))
     rejected = [number - 1 for number, _, _ in rejected]
     rows = np.delete(kept, rejected) if rejected else kept
     return table, first_line + rows.astype(np.int64), excerpt
@@ -633,6 +677,8 @@ def _parse_kept(data: np.ndarray, keep: np.ndarray, lengths: np.ndarray, names: 
     if kept.size == 0:
         return None, [], kept
     clean = data[np.repeat(keep, lengths + 1)].tobytes() if kept.size < keep.size else data.tobytes()
+    if clean.startswith(_BOM):  # Arrow drops one byte-order mark at the start of what it parses: not the line's own
+        clean = _BOM + clean
     table, rejected = _parse_typed_or_text(clean, names, kinds, delimiter, quoting)
     return table, rejected, kept
 
@@ -650,7 +696,7 @@ def _open_quotes(excerpt: _Excerpts, rows: np.ndarray, delimiter: str) -> list[i
     return found
 
 
-_PARSE_TYPES = {"label": pa.int64(), "int": pa.int64(), "float": pa.float64(), "string": pa.string(),
+_PARSE_TYPES = {"label": pa.string(), "int": pa.int64(), "float": pa.float64(), "string": pa.string(),
                 "list": pa.string(), "time": pa.string()}
 
 
@@ -658,8 +704,15 @@ def _parse_typed_or_text(data: bytes, names: list[str], kinds: dict[str, str], d
                          ) -> tuple[pa.Table, list[tuple[int, int, int]]]:
     """Parse with the final types (the fast path); a block where a value does not convert is parsed
     again as text, so that the checks can name each bad row. Rows with the wrong field count come
-    back as (line number within ``data``, expected fields, found fields)."""
-    for types in ({n: _PARSE_TYPES[k] for n, k in kinds.items()}, {n: pa.string() for n in kinds}):
+    back as (line number within ``data``, expected fields, found fields).
+
+    Arrow's numbers also take what the checks refuse (hex integers, spaces around a number), so a
+    block holding such bytes goes to the text path at once: a value is kept or refused on its own,
+    whatever else its block holds. Labels are always checked as text (Arrow reads ``00`` as 0)."""
+    text = {n: pa.string() for n in kinds}
+    typed = text if _may_hold_numbers_only_arrow_takes(data, kinds, delimiter) else {
+        n: _PARSE_TYPES[k] for n, k in kinds.items()}
+    for types in (typed, text):
         text = all(t == pa.string() for t in types.values())
         try:
             table, rejected = _parse_csv(data, names, types, delimiter, quoting, threads=True, text=text)
@@ -671,6 +724,15 @@ def _parse_typed_or_text(data: bytes, names: list[str], kinds: dict[str, str], d
             if text:
                 raise
     raise AssertionError("unreachable")
+
+
+def _may_hold_numbers_only_arrow_takes(data: bytes, kinds: dict[str, str], delimiter: str) -> bool:
+    """Whether ``data`` has bytes of a number Arrow's parse takes and the checks refuse: spaces (or
+    tabs, in a CSV) around a number, or a hex integer (``0x1f``)."""
+    numeric = set(kinds.values()) & {"int", "float"}
+    marks = ([b" "] + ([b"\t"] if delimiter != "\t" else [])) if numeric else []
+    marks += [b"x", b"X"] if "int" in numeric else []
+    return any(mark in data for mark in marks)
 
 
 def _parse_csv(data: bytes, names: list[str], types: dict[str, pa.DataType], delimiter: str, quoting: bool,
@@ -724,18 +786,7 @@ def _check_and_convert(table: pa.Table, lines: np.ndarray, kinds: dict[str, str]
             continue
         for i in np.flatnonzero(~ok & ~bad):
             value = column[int(i)].as_py()
-            value = "" if value is None else value if isinstance(value, str) else str(value)
-            if kind == "label":
-                what, reason = "bad_label", f"{name}: expected 0 or 1, found {value!r}"
-            elif kind == "float" and _is_infinite(value):
-                shown = value if len(value) <= 40 else value[:37] + "..."
-                what, reason = "out_of_range", f"{name}: {shown!r} is not a finite number"
-            elif kind == "int" and value and value.lstrip("-").isdigit():
-                shown = value if len(value) <= 40 else value[:37] + "..."
-                what, reason = "out_of_range", f"{name}: {shown!r} is outside the 64-bit integer range"
-            else:
-                noun = "an integer" if kind == "int" else "a number"
-                what, reason = "not_a_number", f"{name}: {value!r} is not {noun}"
+            what, reason = _value_problem(name, kind, "" if value is None else str(value))
             report.add_bad(int(lines[i]), what, reason, quote(int(i)))
         bad |= ~ok
     if time:
@@ -757,6 +808,18 @@ def _check_and_convert(table: pa.Table, lines: np.ndarray, kinds: dict[str, str]
         columns.append(pa.array(keys[~bad]))
         names.append(TIME_KEY)
     return pa.Table.from_arrays(columns, names=names), lines
+
+
+def _value_problem(name: str, kind: str, value: str) -> tuple[str, str]:
+    """(kind of problem, reason) of a value of column ``name`` that does not fit its ``kind``."""
+    shown = value if len(value) <= 40 else value[:37] + "..."
+    if kind == "label":
+        return "bad_label", f"{name}: expected 0 or 1, found {value!r}"
+    if kind == "float" and _is_infinite(value):
+        return "out_of_range", f"{name}: {shown!r} is not a finite number"
+    if kind == "int" and re.fullmatch(_DIGITS_PATTERN, value):
+        return "out_of_range", f"{name}: {shown!r} is outside the 64-bit integer range"
+    return "not_a_number", f"{name}: {value!r} is not {'an integer' if kind == 'int' else 'a number'}"
 
 
 def _is_infinite(value: str) -> bool:

@@ -35,7 +35,10 @@ Example::
 
 from __future__ import annotations
 
+import itertools
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import numpy as np
@@ -217,19 +220,21 @@ def generate_block(model: ClickModel, split: str, index: int, rows: int = BLOCK_
     return SyntheticChunk(table, probability)
 
 
-def iter_split(model: ClickModel, split: str, rows: int, chunk_rows: int) -> Iterator[SyntheticChunk]:
+def iter_split(model: ClickModel, split: str, rows: int, chunk_rows: int,
+               pool: Executor | None = None, ahead: int = 0) -> Iterator[SyntheticChunk]:
     """The ``rows`` rows of a split, in chunks of ``chunk_rows`` (the last may be shorter).
 
     The concatenated rows are the same whatever ``chunk_rows`` is; memory holds at most about
-    ``chunk_rows + BLOCK_ROWS`` rows.
+    ``chunk_rows + BLOCK_ROWS`` rows. With ``pool`` (an executor, e.g. of processes) the blocks are
+    made there, ``ahead`` of them at a time, and come back in order: the rows are the same.
     """
     if chunk_rows <= 0:
         raise ValueError(f"chunk_rows must be positive, got {chunk_rows}")
     pending: list[SyntheticChunk] = []
     pending_rows = 0
     blocks = -(-rows // BLOCK_ROWS)
-    for index in range(blocks):
-        pending.append(generate_block(model, split, index, min(BLOCK_ROWS, rows - index * BLOCK_ROWS)))
+    for index, block in enumerate(_blocks(model, split, rows, pool, ahead)):
+        pending.append(block)
         pending_rows += len(pending[-1])
         while pending_rows >= chunk_rows or (index == blocks - 1 and pending_rows):
             merged = _concat(pending)
@@ -237,6 +242,22 @@ def iter_split(model: ClickModel, split: str, rows: int, chunk_rows: int) -> Ite
             yield SyntheticChunk(merged.table.slice(0, take), merged.probability[:take])
             rest = SyntheticChunk(merged.table.slice(take), merged.probability[take:])
             pending, pending_rows = ([rest] if len(rest) else []), len(rest)
+
+
+def _blocks(model: ClickModel, split: str, rows: int, pool: Executor | None, ahead: int) -> Iterator[SyntheticChunk]:
+    """A split's blocks in order, made here or ``ahead`` at a time in ``pool``."""
+    jobs = iter([(model, split, index, min(BLOCK_ROWS, rows - index * BLOCK_ROWS))
+                 for index in range(-(-rows // BLOCK_ROWS))])
+    if pool is None:
+        yield from (generate_block(*job) for job in jobs)
+        return
+    running = deque(pool.submit(generate_block, *job) for job in itertools.islice(jobs, max(1, ahead)))
+    while running:
+        block = running.popleft().result()
+        job = next(jobs, None)
+        if job is not None:
+            running.append(pool.submit(generate_block, *job))
+        yield block
 
 
 @dataclass

@@ -5,12 +5,17 @@ Layout of a checkpoint folder (shared by all ranks; on several nodes, a shared f
     meta.json                     version, world size, step, and per collection path: its plan,
                                   tables, feature order and the embedding optimizer's step
     embedding/<path>/<table>/rows-<lo>-<hi>.pt
-                                  {"weight": [hi-lo, dim], "momentum1": ..., ...} of global rows lo..hi
+                                  {"weight": [hi-lo, dim], "momentum1": ..., ...} of global rows lo..hi;
+                                  a dynamic table's part: its rows by slot, and "dynamic": its ids, their
+                                  slots and scores (the part's extra state)
     dense.pt                      rank 0: the dense state (identical on every rank) and ``extra``
 
 Loading reads, for each table part the new plan puts on this rank (any world size, or the plain
 unsharded collection), the saved pieces whose rows overlap it (memory-mapped) and copies the
-overlap: resharding on load. Files are written as ``.tmp`` and renamed; ``meta.json`` is written
+overlap: resharding on load. A dynamic table's part is read back whole into the same part (the same
+plan), else rebuilt from the ids of every saved part that the new part owns, each with its rows and
+state, placed anew in its slots (most recent first; ``DynamicTable.load_content``). Files are
+written as ``.tmp`` and renamed; ``meta.json`` is written
 last by rank 0, after every rank finished, so a folder without it is an unfinished save.
 :func:`check_sharded_checkpoint` says, without loading the weights, whether a folder is a whole,
 readable checkpoint (what a resume tries before it changes any state).
@@ -27,17 +32,19 @@ from __future__ import annotations
 import json
 import re
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from pipeline.distributed.embedding import ShardedEmbeddingCollection, table_tensors
+from pipeline.distributed.embedding import ShardedEmbeddingCollection
 from pipeline.distributed.types import PlanError, ShardingPlan
 from pipeline.errors import BadInputError
 from pipeline.files import atomic_open, write_json
 from pipeline.modules.collection import EmbeddingCollection
+from pipeline.modules.dynamic import DynamicTable, content_of
 
 CHECKPOINT_VERSION = 1
 _ZIP_HEADER = b"PK\x03\x04"
@@ -93,6 +100,13 @@ def _load_error(err: Exception) -> str:
     return f"{type(err).__name__}: {first[:300]}" if first else type(err).__name__
 
 
+def cpu_copy(state: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a ``state_dict()`` in host memory, the extra states of modules (dicts of tensors and plain
+    values, such as a dynamic table's ids) included."""
+    return {k: cpu_copy(v) if isinstance(v, dict) else v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor)
+            else v for k, v in state.items()}
+
+
 def _save(obj: Any, path: Path) -> None:
     with atomic_open(path) as f:
         torch.save(obj, f)
@@ -118,7 +132,11 @@ def save_sharded_checkpoint(folder: str | Path, collections: dict[str, ShardedEm
             p = sharded.plan[name]
             if p.sharding_type.value == "data_parallel" and rank != 0:
                 continue
-            _save({k: v.detach().cpu().contiguous() for k, v in views.items()}, _piece_path(folder, path, name, lo, hi))
+            piece = {k: v.detach().cpu().contiguous() for k, v in views.items()}
+            part = sharded.dynamic_part(name)
+            if part is not None:
+                piece["dynamic"] = cpu_copy(part[0].get_extra_state())
+            _save(piece, _piece_path(folder, path, name, lo, hi))
         meta["world_size"] = sharded.world_size
         meta["collections"][path] = {
             "plan": sharded.plan.to_dict(),
@@ -203,8 +221,10 @@ def load_sharded_checkpoint(folder: str | Path,
         saved_rows = {t["name"]: (t["rows"], t["dim"]) for t in saved["tables"]}
         if isinstance(target, ShardedEmbeddingCollection):
             parts = list(target.local_shards())
+            dynamic_part = target.dynamic_part
         else:
-            parts = [(name, 0, target.packing.rows[t], table_tensors(target, name))
+            dynamic_part = _whole_dynamic_table(target)
+            parts = [(name, 0, target.packing.rows[t], target.table_views(name))
                      for t, name in enumerate(target.packing.table_names)]
         for name, lo, hi, views in parts:
             if name not in saved_rows:
@@ -212,13 +232,49 @@ def load_sharded_checkpoint(folder: str | Path,
             if (views["weight"].shape[1], ) != (saved_rows[name][1], ) or hi > saved_rows[name][0]:
                 raise ShardedCheckpointError(f"{folder}: table {name} is {saved_rows[name][0]} x {saved_rows[name][1]} "
                                              f"there, the model wants rows {lo}..{hi} of dim {views['weight'].shape[1]}")
-            _fill(folder, path, name, lo, hi, views, sorted(set(saved_plan[name].row_ranges)))
+            ranges = sorted(set(saved_plan[name].row_ranges))
+            part = dynamic_part(name)
+            if part is None:
+                _fill(folder, path, name, lo, hi, views, ranges)
+            else:
+                _fill_dynamic(folder, path, name, lo, hi, views, ranges, *part)
         if isinstance(target, ShardedEmbeddingCollection):
             target.set_step(saved["embedding_step"])
         else:
             target.step.fill_(saved["embedding_step"])
     return load_torch_file(folder / "dense.pt", f"sharded checkpoint {folder}: dense.pt", ShardedCheckpointError,
                            map_location="cpu")
+
+
+def _whole_dynamic_table(ec: EmbeddingCollection) -> Callable[[str], tuple[DynamicTable, None] | None]:
+    """``dynamic_part`` of a plain collection: its dynamic table ``name``, which owns every id."""
+    return lambda name: (ec.dynamic[name], None) if ec.dynamic is not None and name in ec.dynamic.tables else None
+
+
+def _fill_dynamic(folder: Path, path: str, name: str, lo: int, hi: int, views: dict[str, torch.Tensor],
+                  ranges: list[tuple[int, int]], table: DynamicTable,
+                  owned: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+    """A dynamic table's part: the saved part of the same rows whole, else the ids it owns of every saved part."""
+
+    def piece(lo: int, hi: int) -> dict:
+        file = _piece_path(folder, path, name, lo, hi)
+        saved = load_torch_file(file, f"sharded checkpoint {folder}: {file.relative_to(folder)}",
+                                ShardedCheckpointError, map_location="cpu")
+        missing = [key for key in (*views, "dynamic") if key not in saved]
+        if missing:
+            raise ShardedCheckpointError(f"{folder}: dynamic table {name} was saved without {missing} (another "
+                                         "optimizer, or a static table of that name?)")
+        return saved
+
+    with torch.no_grad():
+        if (lo, hi) in ranges:
+            same = piece(lo, hi)
+            for key, view in views.items():
+                view.copy_(same[key])
+            table.set_extra_state(same["dynamic"])
+            return
+        parts = [piece(plo, phi) for plo, phi in ranges]
+        table.load_content(views, [content_of(p["dynamic"], {key: p[key] for key in views}) for p in parts], owned)
 
 
 def _fill(folder: Path, path: str, name: str, lo: int, hi: int, views: dict[str, torch.Tensor],

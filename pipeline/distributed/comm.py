@@ -179,6 +179,7 @@ def init_from_env(device_kind: str = "cpu", timeout_s: float = 600.0) -> tuple[i
         return 0, 1, 0
     if not dist.is_initialized():
         if device_kind == "cuda":
+            os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off (shared machines)
             torch.cuda.set_device(local_rank)
         else:
             # Ranks of one machine share its cores; torch's default (all cores each) oversubscribes them.

@@ -5,7 +5,9 @@ KeyedJaggedTensor of its own batch and gets ``[B, sum of slot dims]`` in the sam
 backward the rows are updated in place by the fused optimizer of the rank that holds them. Tables
 are served by one strategy per sharding type the plan uses (``tw_sharding``, ``rw_sharding``,
 ``dp_sharding``), each looking up through a local EmbeddingCollection, so the local compute uses
-the registered backend.
+the registered backend; a local collection holding a host-cached part of a table (the plan's
+``cache_rows``) is a :class:`~pipeline.modules.cached_collection.HostCachedCollection`, whose lookup
+first brings the batch's rows into the part's device cache.
 
 A batch goes through three calls, torchrec's ``ShardedEmbeddingBagCollection`` split, so that a
 training loop can overlap the next batch's id exchange with this batch's compute:
@@ -30,7 +32,7 @@ Example (under torchrun, one process per GPU)::
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -45,28 +47,14 @@ from pipeline.distributed.types import Awaitable, AwaitableList, ShardingPlan, S
 from pipeline.errors import BadInputError
 from pipeline.modules.columns import ColumnRun, assemble_columns, merge_runs
 from pipeline.kernels.embedding import TablePacking
+from pipeline.modules.cached_collection import HostCachedCollection
 from pipeline.modules.collection import EmbeddingCollection
 from pipeline.modules.configs import EmbeddingOptimizerConfig, TableConfig, check_features
+from pipeline.modules.dynamic import DynamicTable, owner_rank
 from pipeline.sparse import KeyedJaggedTensor
 
 _STRATEGIES = (TableWiseSharding, RowWiseSharding, DataParallelSharding)
 _COMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def table_tensors(ec: EmbeddingCollection, name: str) -> dict[str, torch.Tensor]:
-    """Views of table ``name`` in ``ec``: ``weight`` ``[rows, dim]`` and each optimizer state, by row."""
-    packing = ec.packing
-    t = packing.table_names.index(name)
-    rows, dim = packing.rows[t], packing.dims[t]
-    out = {"weight": ec.table_weight(name)}
-    per_row = packing.total_rows != packing.total_elements
-    for key, buf in ec.optimizer_state().items():
-        if per_row and buf.numel() == packing.total_rows:
-            out[key] = buf[packing.row_offsets[t] : packing.row_offsets[t] + rows]
-        else:
-            start = packing.weights_offsets[t]
-            out[key] = buf[start : start + rows * dim].view(rows, dim)
-    return out
 
 
 class StartedInputDist:
@@ -126,8 +114,11 @@ class ShardedEmbeddingCollection(nn.Module):
         self.device = torch.device(device)
 
         def make(local_tables, keys):
-            return EmbeddingCollection(local_tables, keys, self.optimizer, weights_dtype=weights_dtype,
-                                       backend=backend, validate_ids=False).to(self.device)
+            cached = {t.name: plan[t.name].cache_rows_on(self.rank) for t in local_tables if plan[t.name].cache_rows}
+            options = {"weights_dtype": weights_dtype, "backend": backend, "validate_ids": False}
+            local = (HostCachedCollection(local_tables, keys, cached, self.optimizer, **options) if cached
+                     else EmbeddingCollection(local_tables, keys, self.optimizer, **options))
+            return local.to(self.device)
 
         if comm_dtype not in _COMM_DTYPES:
             raise ValueError(f"comm_dtype: expected one of {list(_COMM_DTYPES)}, got {comm_dtype!r}")
@@ -166,7 +157,13 @@ class ShardedEmbeddingCollection(nn.Module):
         sharded.set_lr(ec.lr)
         with torch.no_grad():
             for name, lo, hi, local in sharded.local_shards():
-                for key, tensor in table_tensors(ec, name).items():
+                part = sharded.dynamic_part(name)
+                if part is not None:  # the ids this part owns, placed in its own slots
+                    table, owned = part
+                    table.seed.copy_(ec.dynamic[name].seed)
+                    table.load_content(local, [ec.dynamic[name].content(ec.table_views(name))], owned)
+                    continue
+                for key, tensor in ec.table_views(name).items():
                     local[key].copy_(tensor[lo:hi])
             sharded.set_step(int(ec.step))
         return sharded
@@ -195,19 +192,32 @@ class ShardedEmbeddingCollection(nn.Module):
                 st.local.set_lr(lr)
 
     def local_shards(self) -> Iterator[tuple[str, int, int, dict[str, torch.Tensor]]]:
-        """``(table, lo, hi, views)``: every table part on this rank with its global rows ``[lo, hi)``."""
+        """``(table, lo, hi, views)``: every table part on this rank with its global rows ``[lo, hi)`` (a
+        host-cached part: its host tensors, its cache written back and emptied)."""
         for st in self.strategies:
             if st.local is None:
                 continue
             for t in st.table_ids:
                 name = self.tables[t].name
                 lo, hi = self.plan[name].rows_on(self.rank)
-                yield name, lo, hi, table_tensors(st.local, name)
+                yield name, lo, hi, st.local.table_views(name)
+
+    def dynamic_part(self, name: str) -> tuple[DynamicTable, Callable[[torch.Tensor], torch.Tensor] | None] | None:
+        """This rank's part of dynamic table ``name`` and which ids it owns (None: all, the table is whole
+        here), or None for a static table."""
+        for st in self.strategies:
+            if st.local is not None and st.local.dynamic is not None and name in st.local.dynamic.tables:
+                if st.sharding_type == ShardingType.ROW_WISE:
+                    return st.local.dynamic[name], lambda keys: owner_rank(keys, self.world_size) == self.rank
+                return st.local.dynamic[name], None
+        return None
 
     def _init_weights(self, seed: int) -> None:
         with torch.no_grad():
             for name, lo, hi, local in self.local_shards():
                 t = self.packing.table_names.index(name)
+                if self.tables[t].dynamic:  # its rows start as their ids come
+                    continue
                 gen = torch.Generator().manual_seed(seed * 1_000_003 + t * 7919 + lo)
                 bound = self.tables[t].rows ** -0.5
                 w = torch.empty(hi - lo, self.tables[t].dim).uniform_(-bound, bound, generator=gen)

@@ -27,7 +27,7 @@ Example (what :class:`~pipeline.distributed.embedding.ShardedEmbeddingCollection
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -52,13 +52,15 @@ def slot_key(packing: TablePacking, slot: int) -> str:
 
 def local_tables(tables: Sequence[TableConfig], packing: TablePacking, table_ids: Sequence[int],
                  rows: dict[int, int] | None = None, pooling: str | None = None) -> list[TableConfig]:
-    """Local copies of ``tables[table_ids]`` serving their slot keys, with ``rows`` / ``pooling`` overridden."""
+    """Local copies of ``tables[table_ids]`` serving their slot keys, with ``rows`` / ``pooling`` overridden (a
+    dynamic table's part keeps the whole table's init scale, since its new rows start as the whole table's do)."""
     out = []
     for t in table_ids:
         keys = [slot_key(packing, s) for s in range(packing.num_slots) if packing.slot_table[s] == t]
         table = tables[t]
-        out.append(TableConfig(table.name, (rows or {}).get(t, table.rows), table.dim, keys,
-                               pooling or table.pooling))
+        init_scale = table.init_scale if table.init_scale is not None or not table.dynamic else table.rows ** -0.5
+        out.append(replace(table, rows=(rows or {}).get(t, table.rows), features=keys,
+                           pooling=pooling or table.pooling, init_scale=init_scale))
     return out
 
 
@@ -98,6 +100,8 @@ class EmbeddingSharding(nn.Module):
         self.register_buffer("slot_keys", torch.tensor(keys, dtype=torch.int64), persistent=False)
         self.register_buffer("slot_rows", torch.tensor([packing.rows[packing.slot_table[s]] for s in slots],
                                                        dtype=torch.int64), persistent=False)
+        self.dynamic_slots: list[int] = []
+        """Positions in ``slots`` of dynamic tables' slots (a subclass sets them): any int64 id, not checked."""
 
     @classmethod
     def tables_of_type(cls, tables: Sequence[TableConfig], plan: ShardingPlan) -> list[int]:
@@ -135,6 +139,10 @@ class EmbeddingSharding(nn.Module):
     def check_ids(self, values: torch.Tensor, nnz: torch.Tensor) -> None:
         limit = torch.repeat_interleave(self.slot_rows, nnz, output_size=values.numel())
         bad = (values < 0) | (values >= limit)
+        if self.dynamic_slots:
+            checked = torch.ones(len(self.slots), dtype=torch.bool, device=values.device)
+            checked[self.dynamic_slots] = False
+            bad &= torch.repeat_interleave(checked, nnz, output_size=values.numel())
         if bool(bad.any()):
             i = int(bad.nonzero()[0, 0])
             k = int(torch.searchsorted(exclusive_cumsum(nnz)[1:], torch.tensor(i, device=nnz.device), right=True))

@@ -1,18 +1,22 @@
-"""Start N training processes on this node through torchrun's own machinery.
+"""Start N training processes on this node through torchrun's own machinery, or run in those torchrun started.
 
 ``python -m pipeline run train --nproc 2 ...`` calls :func:`relaunch`, which runs
 ``torchrun --standalone --nproc-per-node 2 -m pipeline run train ...`` in-process through
 ``torch.distributed.run`` (elastic launch: a local rendezvous, workers restarted on failure if asked,
 the first worker error reported with its traceback). The same works by hand, and across nodes with
-torchrun's rendezvous flags::
+torchrun's rendezvous flags, one launcher per node (README.md, "Training")::
 
     torchrun --nproc-per-node 2 -m pipeline run train train.batch_size=65536
-    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST0:29500 \\
-        --rdzv-id job42 -m pipeline run train          # the same command on each node
+    torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint HOST0:29500 \\
+        --rdzv-id job1 -m pipeline run train workdir=/shared/pipeline    # the same command on each node
+
+A process torchrun started (:func:`under_torchrun`) spawns nothing: it joins the world torchrun
+describes (:meth:`pipeline.distributed.world.World.from_env`), whatever ``--nproc`` says.
 
 Example::
 
     relaunch(["run", "train", "--nproc", "2", "train.epochs=1"], nproc=2)
+    launched_processes()        # 4 in each rank of the two-node command above, 1 outside torchrun
 """
 
 from __future__ import annotations
@@ -40,6 +44,11 @@ def under_torchrun() -> bool:
     return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def launched_processes() -> int:
+    """How many processes torchrun started together with this one, over every node (1 outside torchrun)."""
+    return int(os.environ["WORLD_SIZE"]) if under_torchrun() else 1
+
+
 def relaunch(argv: list[str], nproc: int, torchrun_args: list[str] | None = None, module: str = "pipeline") -> int:
     """Run ``python -m <module> <argv>`` as ``nproc`` workers under torchrun on this node; 0 on success."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -47,7 +56,6 @@ def relaunch(argv: list[str], nproc: int, torchrun_args: list[str] | None = None
 
     if nproc < 1:
         raise ValueError(f"--nproc: expected at least 1, got {nproc}")
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off (shared machines)
     args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={nproc}", *(torchrun_args or []),
                                          "--module", module, *strip_nproc(argv)])
     try:

@@ -1,10 +1,13 @@
 """Row-wise sharding: a table's rows split in contiguous ranges over all ranks.
 
-Each id goes to the rank holding its row (with the row renumbered from that range's start); every
-rank sum-pools the ids it got per bag, the partial pools travel back and are summed where the sample
-lives. Mean pooling is applied after that sum (dividing by the whole bag's length), so the local
-tables always sum. Backward: the pooled gradient is sent to every rank (the sum's gradient is the
-same for each part), where the local collection's fused optimizer updates the rows it holds.
+Each id goes to the rank holding its row (with the row renumbered from that range's start); an id of
+a dynamic table goes whole to the rank a hash of it picks
+(:func:`~pipeline.modules.dynamic.owner_rank`), whose part of the table, a dynamic table of its
+range's rows, places it. Every rank sum-pools the ids it got per bag, the partial pools travel back
+and are summed where the sample lives. Mean pooling is applied after that sum (dividing by the
+whole bag's length, ids without a row included), so the local tables always sum. Backward: the
+pooled gradient is sent to every rank (the sum's gradient is the same for each part), where the
+local collection's fused optimizer updates the rows it holds.
 
 Example::
 
@@ -32,6 +35,7 @@ from pipeline.distributed.embedding_sharding import (
 from pipeline.distributed.types import Awaitable, ShardingPlan, ShardingType
 from pipeline.kernels.embedding import TablePacking
 from pipeline.modules.configs import TableConfig
+from pipeline.modules.dynamic import owner_rank
 
 
 class RowWiseSharding(EmbeddingSharding):
@@ -48,6 +52,7 @@ class RowWiseSharding(EmbeddingSharding):
         self.table_ids = rw
         self.block_slots = [self.slots]  # the output dist returns one block, [B, dims of all slots]
         ranges = {t: plan[tables[t].name].row_ranges for t in rw}
+        self.dynamic_slots = [i for i, s in enumerate(self.slots) if tables[packing.slot_table[s]].dynamic]
         for t in rw:
             q, rem = divmod(tables[t].rows, world)
             expected = [(r * q + min(r, rem), (r + 1) * q + min(r + 1, rem)) for r in range(world)]
@@ -62,6 +67,9 @@ class RowWiseSharding(EmbeddingSharding):
         slot_rows = [tables[packing.slot_table[s]].rows for s in self.slots]
         self.register_buffer("_q", torch.tensor([r // world for r in slot_rows], dtype=torch.int64), persistent=False)
         self.register_buffer("_rem", torch.tensor([r % world for r in slot_rows], dtype=torch.int64), persistent=False)
+        dynamic = torch.zeros(len(self.slots), dtype=torch.bool)
+        dynamic[self.dynamic_slots] = True
+        self.register_buffer("_dynamic", dynamic, persistent=False)
         mean = [packing.slot_mean[s] for s in self.slots]
         self.has_mean = any(mean)
         self.register_buffer("_mean", torch.tensor(mean, dtype=torch.bool), persistent=False)
@@ -80,6 +88,10 @@ class RowWiseSharding(EmbeddingSharding):
         dest = torch.where(values < big, torch.div(values, q + 1, rounding_mode="floor"),
                            rem + torch.div(values - big, q, rounding_mode="floor"))
         local_ids = values - (dest * q + torch.minimum(dest, rem))
+        if self.dynamic_slots:
+            dynamic = self._dynamic[slot]
+            dest = torch.where(dynamic, owner_rank(values, w), dest)
+            local_ids = torch.where(dynamic, values, local_ids)
         lengths_by_dest = torch.bincount(dest * (s * b) + bag, minlength=w * s * b)
         nnz_by_dest = torch.bincount(dest, minlength=w)
         order = torch.sort(dest, stable=True).indices

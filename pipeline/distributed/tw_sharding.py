@@ -45,6 +45,7 @@ class TableWiseSharding(EmbeddingSharding):
         self.slots_by_owner = [len(x) for x in by_owner]
         self.dims_by_owner = [sum(packing.slot_dims[s] for s in x) for x in by_owner]
         self.table_ids = [t for t in owner if owner[t] == rank]
+        self.dynamic_slots = [i for i, s in enumerate(self.slots) if tables[packing.slot_table[s]].dynamic]
         self.local_features = [slot_key(packing, s) for s in by_owner[rank]]
         self.local = make_collection(local_tables(tables, packing, self.table_ids), self.local_features) \
             if self.table_ids else None

@@ -10,6 +10,10 @@ Three ways to place a table (torchrec's names):
 - ``data_parallel``: a copy of the table on every rank; lookups stay local and the row gradients of
   all ranks are summed (all-reduce) before the one identical update of every copy.
 
+A table-wise or row-wise table may also be *host-cached* (``cache_rows > 0``, TorchRec's
+``fused_uvm_caching``): each part of it stays in its rank's host memory, and that many of its rows
+live in a device cache (:mod:`pipeline.modules.cached_collection`).
+
 Example::
 
     plan = ShardingPlan(2, {"t_C1": ParameterSharding.table_wise("t_C1", 1000, rank=1),
@@ -32,6 +36,7 @@ from pathlib import Path
 from typing import Generic, TypeVar
 
 from pipeline.files import write_text
+from pipeline.schema import DYNAMIC_ROWS
 
 PLAN_VERSION = 1
 
@@ -103,12 +108,14 @@ def even_row_ranges(rows: int, parts: int) -> list[tuple[int, int]]:
 
 @dataclass
 class ParameterSharding:
-    """Placement of one table: the sharding type, the ranks and (per rank) the global rows held."""
+    """Placement of one table: the sharding type, the ranks and (per rank) the global rows held; with
+    ``cache_rows``, each part in host memory behind a device cache of that many rows (at most the part's)."""
 
     table: str
     sharding_type: ShardingType
     ranks: list[int]
     row_ranges: list[tuple[int, int]]
+    cache_rows: int = 0
 
     def __post_init__(self) -> None:
         self.sharding_type = ShardingType(self.sharding_type)
@@ -117,12 +124,12 @@ class ParameterSharding:
             raise PlanError(f"table {self.table}: {len(self.ranks)} ranks but {len(self.row_ranges)} row ranges")
 
     @classmethod
-    def table_wise(cls, table: str, rows: int, rank: int) -> ParameterSharding:
-        return cls(table, ShardingType.TABLE_WISE, [rank], [(0, rows)])
+    def table_wise(cls, table: str, rows: int, rank: int, cache_rows: int = 0) -> ParameterSharding:
+        return cls(table, ShardingType.TABLE_WISE, [rank], [(0, rows)], cache_rows)
 
     @classmethod
-    def row_wise(cls, table: str, rows: int, world_size: int) -> ParameterSharding:
-        return cls(table, ShardingType.ROW_WISE, list(range(world_size)), even_row_ranges(rows, world_size))
+    def row_wise(cls, table: str, rows: int, world_size: int, cache_rows: int = 0) -> ParameterSharding:
+        return cls(table, ShardingType.ROW_WISE, list(range(world_size)), even_row_ranges(rows, world_size), cache_rows)
 
     @classmethod
     def data_parallel(cls, table: str, rows: int, world_size: int) -> ParameterSharding:
@@ -132,9 +139,29 @@ class ParameterSharding:
         """The global row range ``[lo, hi)`` this table keeps on ``rank``, or None."""
         return self.row_ranges[self.ranks.index(rank)] if rank in self.ranks else None
 
+    def cache_rows_on(self, rank: int) -> int:
+        """The device cache rows of this table's part on ``rank`` (0: the part lives in device memory)."""
+        lo, hi = self.rows_on(rank) or (0, 0)
+        return min(self.cache_rows, hi - lo)
+
     def to_dict(self) -> dict:
         return {"table": self.table, "sharding_type": self.sharding_type.value, "ranks": list(self.ranks),
-                "row_ranges": [list(r) for r in self.row_ranges]}
+                "row_ranges": [list(r) for r in self.row_ranges], "cache_rows": self.cache_rows}
+
+
+def _check_dynamic(table, p: ParameterSharding) -> None:
+    """A dynamic table (its rows follow its ids, placed by a hash table) is table-wise, or row-wise in whole
+    buckets of its hash table per rank; a copy per rank (data-parallel) would place ids apart on each."""
+    if p.sharding_type == ShardingType.DATA_PARALLEL:
+        raise PlanError(f"table {table.name} is dynamic (its rows follow its ids): it cannot be data_parallel, whose "
+                        "copies would place ids apart on each rank; place it table_wise or row_wise")
+    if p.cache_rows:
+        raise PlanError(f"table {table.name} is dynamic (its rows follow its ids, placed by a hash table on the "
+                        "device): it cannot be host-cached; place it table_wise or row_wise in device memory")
+    if p.sharding_type == ShardingType.ROW_WISE and any((hi - lo) % DYNAMIC_ROWS for lo, hi in p.row_ranges):
+        raise PlanError(f"table {table.name} is dynamic: row-wise, each rank needs a multiple of {DYNAMIC_ROWS} "
+                        f"rows (whole buckets of its hash table), got ranges {p.row_ranges}; give it a capacity "
+                        f"that is a multiple of {DYNAMIC_ROWS} x {len(p.ranks)} ranks, or place it table_wise")
 
 
 @dataclass
@@ -179,6 +206,12 @@ class ShardingPlan:
                 raise PlanError(f"table {t.name}: a table-wise table lives on one rank, got {p.ranks}")
             if p.sharding_type == ShardingType.DATA_PARALLEL and p.ranks != list(range(self.world_size)):
                 raise PlanError(f"table {t.name}: a data-parallel table lives on every rank, got {p.ranks}")
+            if p.cache_rows and (p.sharding_type == ShardingType.DATA_PARALLEL or not 0 < p.cache_rows <= t.rows):
+                raise PlanError(f"table {t.name}: a device cache of {p.cache_rows} rows for a {p.sharding_type.value} "
+                                f"table of {t.rows} rows (host-cached tables are table-wise or row-wise, their cache "
+                                "1 row to all of them)")
+            if getattr(t, "dynamic", False):
+                _check_dynamic(t, p)
 
     def describe(self, tables: Sequence | None = None, storage: dict[str, float] | None = None) -> str:
         """A table of the placements, for the log."""
@@ -193,6 +226,8 @@ class ShardingPlan:
                 where = "all"
             else:
                 where = str(p.ranks[0])
+            if p.cache_rows:
+                where += f", host-cached: {p.cache_rows:,} rows in device memory"
             lines.append(f"  {name:<20} {shape:>18} {p.sharding_type.value:<14} {where}")
         if storage:
             lines.append("  storage per rank (MiB): " + ", ".join(f"{r}: {v / 2**20:.1f}" for r, v in storage.items()))
@@ -209,7 +244,7 @@ class ShardingPlan:
         tables = {}
         for item in d["tables"]:
             p = ParameterSharding(item["table"], ShardingType(item["sharding_type"]), list(item["ranks"]),
-                                  [tuple(r) for r in item["row_ranges"]])
+                                  [tuple(r) for r in item["row_ranges"]], int(item.get("cache_rows", 0)))
             tables[p.table] = p
         return cls(int(d["world_size"]), tables)
 

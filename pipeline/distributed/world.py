@@ -60,6 +60,13 @@ class World:
         if self.size > 1:
             dist.barrier()
 
+    def close(self) -> None:
+        """Leave the process group once every rank is done: a gloo group left to the interpreter's exit can
+        abort the process there (``terminate called without an active exception``)."""
+        if self.size > 1 and dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
     def gather_objects(self, value: Any) -> list[Any]:
         """Every rank's ``value`` (picklable), in rank order, on every rank."""
         if self.size == 1:

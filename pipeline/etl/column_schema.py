@@ -37,6 +37,8 @@ class ColumnSchema:
     """Embedding table size of a categorical column, reserved codes included."""
     max_length: int = 0
     """List columns: the longest list seen at fit time."""
+    dynamic: bool = False
+    """Raw 64-bit ids for a dynamic table (``HashIds``); ``cardinality`` is then the table's capacity."""
 
     def with_tags(self, tags: frozenset[str]) -> frozenset[str]:
         """This column's tags after an operator that declares ``tags``."""
@@ -70,5 +72,6 @@ def to_schema(columns: list[ColumnSchema], rows: dict[str, int], row_group_rows:
         out.append(Column(name=column.name, role=role,
                           dtype=f"list<{column.dtype}>" if column.is_list else column.dtype,
                           cardinality=column.cardinality if sparse else 0,
-                          max_length=column.max_length if role == "multihot" else 0))
+                          max_length=column.max_length if role == "multihot" else 0,
+                          dynamic=column.dynamic and sparse))
     return Schema(columns=out, row_group_rows=row_group_rows, rows=rows)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pipeline.errors import check_range
+from pipeline.schema import DYNAMIC_ROWS
 
 
 @dataclass
@@ -29,6 +30,9 @@ class EtlConfig:
     hash_buckets: dict[str, int] = field(
         default_factory=dict, metadata={"help": "columns hashed into N buckets instead of a vocabulary"}
     )
+    hash_ids: dict[str, int] = field(default_factory=dict, metadata={
+        "help": "columns kept as 64-bit hashes of their values (no vocabulary), each learned by a dynamic "
+                "embedding table of N rows (a multiple of 128): new values get rows as training meets them"})
     missing_indicator: bool = field(default=True, metadata={
         "help": "beside each continuous feature, a continuous feature <name>_missing: 1.0 where the value was "
                 "missing (and filled with the column's median), else 0.0"})
@@ -44,3 +48,12 @@ class EtlConfig:
         check_range("etl.row_group_rows", self.row_group_rows, 1)
         for column, buckets in self.hash_buckets.items():
             check_range(f"etl.hash_buckets.{column}", buckets, 1)
+        for column, capacity in self.hash_ids.items():
+            check_range(f"etl.hash_ids.{column}", capacity, DYNAMIC_ROWS)
+            if capacity % DYNAMIC_ROWS:
+                raise ValueError(f"etl.hash_ids.{column}: expected a multiple of {DYNAMIC_ROWS} (whole buckets of "
+                                 f"the table's hash table), got {capacity}")
+        both = sorted(set(self.hash_ids) & set(self.hash_buckets))
+        if both:
+            raise ValueError(f"etl.hash_ids and etl.hash_buckets both name {both}: a column is hashed into buckets "
+                             "or kept as 64-bit ids, not both")

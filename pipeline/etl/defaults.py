@@ -1,7 +1,8 @@
 """The standard workflow for a raw dataset's column roles.
 
 Categorical and multi-hot columns -> ``Categorify(etl.freq_threshold, etl.max_vocab_size)``, or
-``HashBucket(n)`` for columns named in ``etl.hash_buckets`` (multi-hot too); continuous ->
+``HashBucket(n)`` for columns named in ``etl.hash_buckets``, or ``HashIds(capacity)`` (raw 64-bit ids
+for dynamic tables) for those named in ``etl.hash_ids`` (multi-hot too); continuous ->
 ``FillMissing(strategy="median") >> Clip(min_value=0) >> LogOp >> Normalize``, and with
 ``etl.missing_indicator`` a ``<name>_missing`` column beside each (``MissingIndicator``); the
 label -> float32.
@@ -26,7 +27,17 @@ from typing import Any
 from pipeline.errors import BadInputError
 from pipeline.etl.config import EtlConfig
 from pipeline.etl.graph import Node
-from pipeline.etl.ops import Cast, Categorify, Clip, FillMissing, HashBucket, LogOp, MissingIndicator, Normalize
+from pipeline.etl.ops import (
+    Cast,
+    Categorify,
+    Clip,
+    FillMissing,
+    HashBucket,
+    HashIds,
+    LogOp,
+    MissingIndicator,
+    Normalize,
+)
 from pipeline.etl.workflow import Workflow
 
 
@@ -44,9 +55,10 @@ def default_workflow(roles: dict, etl: EtlConfig, library: str = "pandas") -> Wo
     multi-hot, each in the order given; the missing indicators follow the continuous columns.
     """
     sparse = list(roles["categorical"]) + list(roles.get("multihot", []))
-    unknown = sorted(set(etl.hash_buckets) - set(sparse))
-    if unknown:
-        raise BadInputError(f"etl.hash_buckets names {unknown}, which are not categorical columns; those are {sparse}")
+    for setting, named in (("etl.hash_buckets", etl.hash_buckets), ("etl.hash_ids", etl.hash_ids)):
+        unknown = sorted(set(named) - set(sparse))
+        if unknown:
+            raise BadInputError(f"{setting} names {unknown}, which are not categorical columns; those are {sparse}")
     parts: list[Node] = [[roles["label"]] >> Cast("float32")]
     continuous = list(roles["continuous"])
     if continuous:
@@ -58,9 +70,11 @@ def default_workflow(roles: dict, etl: EtlConfig, library: str = "pandas") -> Wo
             raise BadInputError(f"etl.missing_indicator adds the column(s) {taken}, which the data already has: "
                                 "rename them in the input, or set etl.missing_indicator=false")
         parts.append(continuous >> MissingIndicator())
-    for group in _runs(sparse, etl.hash_buckets):
+    for group in _runs(sparse, etl.hash_buckets, etl.hash_ids):
         if group[0] in etl.hash_buckets:
             parts.append(group >> HashBucket(etl.hash_buckets[group[0]]))
+        elif group[0] in etl.hash_ids:
+            parts.append(group >> HashIds(etl.hash_ids[group[0]]))
         else:
             parts.append(group >> Categorify(freq_threshold=etl.freq_threshold, max_vocab_size=etl.max_vocab_size))
     output = parts[0]
@@ -69,11 +83,11 @@ def default_workflow(roles: dict, etl: EtlConfig, library: str = "pandas") -> Wo
     return Workflow(output, library=library)
 
 
-def _runs(columns: list[str], hashed: dict[str, int]) -> list[list[str]]:
+def _runs(columns: list[str], hashed: dict[str, int], ids: dict[str, int]) -> list[list[str]]:
     """Consecutive columns with the same treatment, so the output keeps the given order."""
     runs: list[tuple[tuple, list[str]]] = []
     for name in columns:
-        key = ("hash", hashed[name]) if name in hashed else ("vocab",)
+        key = ("hash", hashed[name]) if name in hashed else ("ids", ids[name]) if name in ids else ("vocab",)
         if runs and runs[-1][0] == key:
             runs[-1][1].append(name)
         else:

@@ -164,10 +164,10 @@ def _list_offsets(lists: pa.Array) -> pa.Array:
 
 
 def lists_from_flat(values: np.ndarray, lengths: np.ndarray, index: Any = None) -> pd.Series:
-    """A pandas Series of list<int32> cells (arrow-backed) from flat values and per-row lengths."""
+    """A pandas Series of list cells (arrow-backed) from flat int32 or int64 values and per-row lengths."""
     offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
     np.cumsum(lengths, out=offsets[1:])
-    arrow = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=pa.int32()))
+    arrow = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=pa.from_numpy_dtype(values.dtype)))
     return pd.Series(pd.arrays.ArrowExtensionArray(arrow), index=index)
 
 

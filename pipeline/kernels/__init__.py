@@ -4,7 +4,8 @@ One sub-package per op family, FBGEMM style: :mod:`pipeline.kernels.embedding` (
 the fused sparse-optimizer backward) and :mod:`pipeline.kernels.interaction` (DLRM's pairwise dot
 interaction). Each holds the ``.cu`` sources, the plain-torch reference beside them (the CPU path and
 the test oracle), the launchers, and the ``pipeline::`` custom ops with their fake implementations and
-autograd. Importing this package needs neither CuPy nor a GPU; the CUDA implementations fall back to
+autograd. :mod:`pipeline.kernels.hashtable` is the GPU hash table of embedding ids, its kernels and
+reference behind one class, ``HashTable``. Importing this package needs neither CuPy nor a GPU; the CUDA implementations fall back to
 the reference where :func:`kernels_problem` names what is missing.
 
 Example::

@@ -39,15 +39,31 @@ def _headers_of(source: str) -> list[str]:
     return sorted(set(re.findall(r'^\s*#include\s+"([^"]+)"', source, flags=re.MULTILINE)))
 
 
+def _header_path(name: str, including: Path) -> Path:
+    """A quoted include: beside the file that includes it, else at the top of this folder (shared headers)."""
+    for folder in (including.parent, KERNEL_DIR):
+        if (folder / name).is_file():
+            return folder / name
+    raise FileNotFoundError(f"{including}: included header {name!r} is neither beside it nor in {KERNEL_DIR}")
+
+
 def _program(name: str | Path) -> tuple[str, list[str], list[str]]:
-    """(source with #line, header names, header texts) of a ``.cu`` file (a path under this folder, or any path)."""
+    """(source with #line, header names, header texts) of a ``.cu`` file (a path under this folder, or any
+    path), with the headers its headers include: NVRTC gets every one by the name it is included by."""
     path = KERNEL_DIR / name
     if not path.is_file():
         raise FileNotFoundError(f"kernel source {path} does not exist")
     source = f'#line 1 "{path.name}"\n' + path.read_text()
-    names = _headers_of(source)
-    texts = [f'#line 1 "{h}"\n' + (path.parent / h).read_text() for h in names]
-    return source, names, texts
+    headers: dict[str, str] = {}
+    pending = [(h, path) for h in _headers_of(source)]
+    while pending:
+        header, including = pending.pop()
+        if header not in headers:
+            text = _header_path(header, including).read_text()
+            headers[header] = f'#line 1 "{header}"\n' + text
+            pending += [(h, _header_path(header, including)) for h in _headers_of(text)]
+    names = sorted(headers)
+    return source, names, [headers[h] for h in names]
 
 
 def compile_cubin(name: str | Path, arch: str) -> bytes:

@@ -39,13 +39,17 @@ def launch(source: str, function: str, device: torch.device, grid: int, block: i
            shared: int = 0) -> None:
     """Run ``function`` of ``source`` with ``grid`` x ``block`` threads and ``shared`` bytes of dynamic shared
     memory per block (at most 48 KiB) on the current stream of ``device``."""
-    from cupy.cuda import driver
+    from cupy.cuda import driver, runtime
 
     if grid <= 0:
         return
     index = device.index if device.index is not None else torch.cuda.current_device()
-    handle = kernel_handle(source, function, index)
     params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
     stream = torch.cuda.current_stream(index).cuda_stream
     with torch.cuda.device(index):
+        if not driver.ctxGetCurrent():
+            # A thread that made no CUDA runtime call yet (autograd's backward thread, a user's thread) has no
+            # current context, and torch does not set the device it already reports: the driver needs one.
+            runtime.setDevice(index)
+        handle = kernel_handle(source, function, index)
         driver.launchKernel(handle, grid, 1, 1, block, 1, 1, shared, stream, ctypes.addressof(params), 0)

@@ -6,7 +6,8 @@ permuted once, and its batches are then views of it:
 * on a GPU, the block goes to the device in one asynchronous copy from its pinned buffer (the
   cudf reader made it there already), its rows are permuted there by an order computed there,
   the continuous columns are transposed to ``[rows, n_cont]`` and the one-hot ids widened to int64
-  in a batch-major layout ``[batches, n_onehot, batch_size]``: a few kernels per window. A batch is
+  in a batch-major layout ``[batches, n_onehot, batch_size]`` (a wide column's two 32-bit halves
+  joined there): a few kernels per window. A batch is
   then slices of those tensors (its sparse values and lengths too): no copy, no kernel, no host
   work but making the Python objects;
 * on the CPU the same with numpy, whose single-threaded copies do not compete with the training
@@ -23,6 +24,7 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,9 +44,12 @@ class SparsePlacement:
     continuous: int
     runs: tuple[tuple[str, int, int], ...]
     """``("onehot", first_row, end_row)`` of the one-hot id matrix, or ``("bag", bag_index, 0)``."""
+    wide: tuple[int, ...] = ()
+    """The rows of the one-hot id matrix that hold raw 64-bit ids, whose high halves follow the matrix."""
 
     @classmethod
-    def of(cls, sparse: list[str], multihot: list[str], continuous: int) -> SparsePlacement:
+    def of(cls, sparse: list[str], multihot: list[str], continuous: int,
+           dynamic: Sequence[str] = ()) -> SparsePlacement:
         runs: list[tuple[str, int, int]] = []
         onehot_row = bag = 0
         for key in sparse:
@@ -57,7 +62,8 @@ class SparsePlacement:
             else:
                 runs.append(("onehot", onehot_row, onehot_row + 1))
                 onehot_row += 1
-        return cls(tuple(sparse), continuous, tuple(runs))
+        onehot = [key for key in sparse if key not in multihot]
+        return cls(tuple(sparse), continuous, tuple(runs), tuple(onehot.index(key) for key in onehot if key in dynamic))
 
     @property
     def onehot(self) -> int:
@@ -131,16 +137,22 @@ def _numpy_window(chunk: Chunk, placement: SparsePlacement, batch_size: int, ord
     n = placement.continuous
     label = block[0].view(np.float32).copy()
     dense = np.ascontiguousarray(block[1 : 1 + n].T).view(np.float32)
-    ids = block[1 + n :]
+    ids = block[1 + n : 1 + n + placement.onehot]
     full = ids.shape[1] // batch_size
     batches = np.empty((full, ids.shape[0], batch_size), dtype=np.int64)
     batches[...] = ids[:, : full * batch_size].reshape(ids.shape[0], full, batch_size).transpose(1, 0, 2)
     tail = ids[:, full * batch_size :].astype(np.int64)
+    if placement.wide:
+        wide, high = list(placement.wide), block[1 + n + placement.onehot :].astype(np.int64) << 32
+        batches[:, wide] = (batches[:, wide] & 0xFFFFFFFF) | high[:, : full * batch_size].reshape(
+            len(wide), full, batch_size).transpose(1, 0, 2)
+        tail[wide] = (tail[wide] & 0xFFFFFFFF) | high[:, full * batch_size :]
     bags = []
     for offsets, values in chunk.bags:
         if order is not None:
             offsets, values = _gather_bags(offsets, values, order)
-        bags.append(Bag(offsets, torch.from_numpy(values.astype(np.int64, copy=False)),
+        # int64 values read straight from arrow are its read-only buffer: copied, as torch tensors are writable
+        bags.append(Bag(offsets, torch.from_numpy(values.astype(np.int64, copy=not values.flags.writeable)),
                         torch.from_numpy(np.diff(offsets))))
     ones = torch.ones(placement.onehot * batch_size, dtype=torch.int64)
     return Window(placement, batch_size, torch.from_numpy(label), torch.from_numpy(dense), torch.from_numpy(batches),
@@ -157,11 +169,17 @@ def _device_window(chunk: Chunk, placement: SparsePlacement, device: torch.devic
     n = placement.continuous
     label = block[0].view(torch.float32).clone()
     dense = block[1 : 1 + n].t().contiguous().view(torch.float32)
-    ids = block[1 + n :]
+    ids = block[1 + n : 1 + n + placement.onehot]
     full = ids.shape[1] // batch_size
     batches = torch.empty((full, ids.shape[0], batch_size), dtype=torch.int64, device=device)
     batches.copy_(ids[:, : full * batch_size].reshape(ids.shape[0], full, batch_size).transpose(0, 1))
     tail = ids[:, full * batch_size :].to(torch.int64).contiguous()
+    if placement.wide:
+        wide = list(placement.wide)
+        high = block[1 + n + placement.onehot :].to(torch.int64) << 32
+        batches[:, wide] = (batches[:, wide] & 0xFFFFFFFF) | high[:, : full * batch_size].reshape(
+            len(wide), full, batch_size).transpose(0, 1)
+        tail[wide] = (tail[wide] & 0xFFFFFFFF) | high[:, full * batch_size :]
     bags = []
     for offsets, values in chunk.bags:
         if order is not None:

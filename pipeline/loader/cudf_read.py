@@ -112,7 +112,7 @@ def _block(frame, split: Split, segment: Segment, device: torch.device, where: R
            validate: bool) -> torch.Tensor:
     schema = split.schema
     continuous = len(schema.continuous)
-    block = torch.empty((1 + continuous + len(split.onehot), segment.rows), dtype=torch.int32, device=device)
+    block = torch.empty((split.block_rows, segment.rows), dtype=torch.int32, device=device)
     label = _tensor(frame[schema.label], segment)
     block[0] = label.view(torch.int32)
     for row, name in enumerate(schema.continuous, start=1):
@@ -120,8 +120,13 @@ def _block(frame, split: Split, segment: Segment, device: torch.device, where: R
     ids = [_tensor(frame[name], segment) for name in split.onehot]
     for row, values in enumerate(ids, start=1 + continuous):
         block[row] = values  # int64 ids are checked below before the narrowing matters
+    for row, name in enumerate(split.wide, start=1 + continuous + len(split.onehot)):
+        halves = ids[split.onehot.index(name)].contiguous().view(torch.int32).view(-1, 2)
+        block[1 + continuous + split.onehot.index(name)] = halves[:, 0]
+        block[row] = halves[:, 1]
     if validate:
-        columns = [schema.column(name) for name in split.onehot]
+        ids = [values for name, values in zip(split.onehot, ids) if name not in split.wide]
+        columns = [schema.column(name) for name in split.onehot if name not in split.wide]
         bad = [(label != 0) & (label != 1)]
         bad += [(values < 0) | (values >= column.cardinality) for values, column in zip(ids, columns)]
         flags = torch.stack([b.any() for b in bad]).tolist()  # the one device sync of the checks
@@ -156,6 +161,6 @@ def _bag(series, split: Split, name: str, segment: Segment, where: RowPosition, 
     lo, hi = offsets[segment.start], offsets[segment.stop]
     values = series.list.leaves.to_numpy()[lo:hi]
     offsets = offsets[segment.start : segment.stop + 1] - lo
-    if validate:
+    if validate and not split.schema.column(name).dynamic:
         check_ids(values, split.schema.column(name), where, rows=offsets)
     return offsets, values

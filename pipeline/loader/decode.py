@@ -6,9 +6,9 @@ a window (a few segments of row groups) with pyarrow: one ``read_row_groups`` ca
 columns decoded on pyarrow's threads, and each column's chunks copied straight into its row of one
 int32 block, so the Python work (and the GIL held) per window is a few hundred short calls,
 whatever its rows. It checks that there are no nulls (from arrow's counts), then, with numpy over
-the packed block, that labels are 0/1 and that ids are within their table's cardinality; when a
-check fails, the window's segments are checked one by one to name the file, column, row and value
-of the first bad one.
+the packed block, that labels are 0/1 and that ids are within their table's cardinality (not those
+of dynamic columns: raw 64-bit ids, any value); when a check fails, the window's segments are
+checked one by one to name the file, column, row and value of the first bad one.
 
 Example::
 
@@ -59,19 +59,27 @@ class Split:
         return [c for c in self.schema.sparse if c not in set(self.schema.multihot)]
 
     @property
+    def wide(self) -> list[str]:
+        """The one-hot columns of raw 64-bit ids (dynamic): each takes a second row of the block."""
+        dynamic = set(self.schema.dynamic)
+        return [c for c in self.onehot if c in dynamic]
+
+    @property
     def columns(self) -> list[str]:
         return [self.schema.label, *self.schema.continuous, *self.schema.sparse]
 
     @property
     def block_rows(self) -> int:
-        """Rows of a packed block: the label, the continuous columns and the one-hot columns."""
-        return 1 + len(self.schema.continuous) + len(self.onehot)
+        """Rows of a packed block: the label, the continuous columns, the one-hot columns, and the high
+        halves of the wide ones."""
+        return 1 + len(self.schema.continuous) + len(self.onehot) + len(self.wide)
 
 
 @dataclass
 class Chunk:
-    """A window's decoded rows, packed for one copy: ``block`` is int32 ``[1 + n_cont + n_onehot, rows]``
-    holding the label and the continuous columns (float32 bits) and the one-hot ids; ``bags`` the
+    """A window's decoded rows, packed for one copy: ``block`` is int32 ``[1 + n_cont + n_onehot + n_wide,
+    rows]`` holding the label and the continuous columns (float32 bits), the one-hot ids (the low 32 bits
+    of a wide column's), then the high 32 bits of each wide column (:attr:`Split.wide`); ``bags`` the
     multi-hot columns."""
 
     block: np.ndarray | torch.Tensor
@@ -174,7 +182,7 @@ def read_window(
             _raise_first_problem(split, table, segments, validate)
         bags = [_bag(table.column(name)) for name in split.schema.multihot]
         if validate and not all(_ids_fit(values, split.schema.column(name)) for name, (_, values) in
-                                zip(split.schema.multihot, bags)):
+                                zip(split.schema.multihot, bags) if not split.schema.column(name).dynamic):
             _raise_first_problem(split, table, segments, validate)
     except BaseException:
         if buffer is not None:
@@ -203,10 +211,11 @@ def _read_rows(split: Split, segments: Sequence[Segment]) -> pa.Table:
 
 
 def _wide_ids_fit(split: Split, table: pa.Table, validate: bool) -> bool:
-    """Whether the one-hot int64 id columns hold ids of their tables (checked before they are narrowed to int32)."""
+    """Whether the one-hot int64 id columns hold ids of their tables (checked before they are narrowed to int32;
+    dynamic columns are packed whole)."""
     if not validate:
         return True
-    for name in split.onehot:
+    for name in _checked(split.onehot, split.schema):
         values = table.column(name)
         if values.type == pa.int64() and len(values):
             low, high = pc.min_max(values).values()
@@ -223,11 +232,17 @@ def _block_passes_checks(split: Split, block: np.ndarray) -> bool:
     if not np.logical_or(label == 0, label == 1).all():
         return False
     n = 1 + len(split.schema.continuous)
-    if not split.onehot:
+    checked = [n + i for i, name in enumerate(split.onehot) if not split.schema.column(name).dynamic]
+    if not checked:
         return True
-    ids = block[n:]
-    high = np.array([split.schema.column(name).cardinality for name in split.onehot])
+    ids = block[checked] if len(checked) < len(split.onehot) else block[n : n + len(checked)]
+    high = np.array([split.schema.column(name).cardinality for name in _checked(split.onehot, split.schema)])
     return bool((ids.min(axis=1) >= 0).all() and (ids.max(axis=1) < high).all())
+
+
+def _checked(names: list[str], schema: Schema) -> list[str]:
+    """The columns of ``names`` whose ids are checked against their cardinality: all but the dynamic ones."""
+    return [name for name in names if not schema.column(name).dynamic]
 
 
 def _ids_fit(values: np.ndarray, column: Column) -> bool:
@@ -250,7 +265,7 @@ def _check_segment(split: Split, table: pa.Table, where: RowPosition, validate: 
         array = _array(table, name)
         if array.null_count:
             raise null_error(name, array.is_null().to_numpy(zero_copy_only=False), where)
-        if not validate or name in schema.continuous:
+        if not validate or name in schema.continuous or name in schema.dynamic:
             continue
         if name == schema.label:
             _check_label(array.to_numpy(), name, where)
@@ -263,14 +278,20 @@ def _check_segment(split: Split, table: pa.Table, where: RowPosition, validate: 
 
 def _pack(split: Split, table: pa.Table, block: np.ndarray) -> None:
     """Fill ``block`` with the label and continuous bits and the one-hot ids, each column's chunks copied
-    straight into its row (no intermediate tensor); int64 ids are narrowed in that copy."""
+    straight into its row (no intermediate tensor); int64 ids are narrowed in that copy, but for the wide
+    columns', whose 32-bit halves go to their row and to their high row."""
     schema = split.schema
     n = 1 + len(schema.continuous)
+    high_row = {name: len(block) - len(split.wide) + k for k, name in enumerate(split.wide)}
     for i, name in enumerate([schema.label, *schema.continuous, *split.onehot]):
         row = block[i].view(np.float32) if i < n else block[i]
         start = 0
         for chunk in table.column(name).chunks:
             values = chunk.to_numpy(zero_copy_only=False)
+            if name in high_row:
+                halves = values.astype("<i8", copy=False).view("<i4").reshape(-1, 2)
+                values = halves[:, 0]
+                block[high_row[name], start : start + len(values)] = halves[:, 1]
             row[start : start + len(values)] = values
             start += len(values)
 
@@ -299,7 +320,7 @@ def _check_types(path: Path, arrow_schema: pa.Schema, schema: Schema) -> None:
                 f"{path}: column {column.name!r} of the schema ({column.role}) is missing; "
                 f"the file has {arrow_schema.names}"
             )
-        if column.cardinality > np.iinfo(np.int32).max:
+        if column.cardinality > np.iinfo(np.int32).max and not column.dynamic:
             raise BadInputError(f"column {column.name!r}: cardinality {column.cardinality} does not fit int32 ids")
         want, got = expected_type(column), arrow_schema.field(column.name).type
         if column.role == "multihot" and pa.types.is_large_list(got):

@@ -140,7 +140,7 @@ class Loader:
         self.prefetch, self.read_threads, self.validate = prefetch, read_threads, validate
         self.reader = reader
         self._placement = collate.SparsePlacement.of(self.schema.sparse, self.schema.multihot,
-                                                     len(self.schema.continuous))
+                                                     len(self.schema.continuous), self.schema.dynamic)
         first = self._shard(0)
         self.rows_per_rank, self.padding, self._batches = first.rows, first.padding, first.batches
         largest = max(g.rows for g in self._split.groups)

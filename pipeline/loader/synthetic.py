@@ -1,8 +1,8 @@
 """Processed-data look-alikes: parquet files and a ``schema.json`` shaped like the ETL's output.
 
 For the loader's benchmark and examples, where a dataset of a given size is wanted without running
-the data and ETL stages. Values are random (uniform ids, 0/1 labels, log-normal-ish dense values);
-only the shape and the types follow the ETL contract.
+the data and ETL stages. Values are random (uniform ids, 0/1 labels, log-normal-ish dense values; a dynamic column's ids
+are ``cardinality`` random 64-bit values); only the shape and the types follow the ETL contract.
 
 Example::
 
@@ -57,14 +57,23 @@ def random_table(schema: Schema, rows: int, rng: np.random.Generator) -> pa.Tabl
         elif column.role == "continuous":
             arrays[column.name] = pa.array(np.log1p(rng.exponential(8.0, rows)).astype(np.float32))
         elif column.role == "categorical":
-            arrays[column.name] = pa.array(rng.integers(0, column.cardinality, rows, dtype=np.int32))
+            arrays[column.name] = pa.array(_ids(column, rows, rng))
         else:
             lengths = rng.integers(0, column.max_length + 1, rows)
             offsets = np.zeros(rows + 1, dtype=np.int32)
             np.cumsum(lengths, out=offsets[1:])
-            values = pa.array(rng.integers(0, column.cardinality, int(offsets[-1]), dtype=np.int32))
-            arrays[column.name] = pa.ListArray.from_arrays(pa.array(offsets), values)
+            arrays[column.name] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(_ids(column, int(offsets[-1]), rng)))
     return pa.table(arrays)
+
+
+def _ids(column: Column, count: int, rng: np.random.Generator) -> np.ndarray:
+    """``count`` uniform ids of ``column``: codes below its cardinality, or (dynamic) that many random int64s."""
+    codes = rng.integers(0, column.cardinality, count, dtype=np.int32)
+    if not column.dynamic:
+        return codes
+    vocabulary = np.random.default_rng(column.cardinality).integers(-(2**63), 2**63 - 1, column.cardinality,
+                                                                    dtype=np.int64)
+    return vocabulary[codes]
 
 
 def write_processed(

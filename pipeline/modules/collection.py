@@ -25,6 +25,7 @@ optimizer step); the weights are buffers, not parameters, so ``model.parameters(
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Sequence
 
 import torch
@@ -35,6 +36,7 @@ from pipeline.kernels.embedding import TablePacking
 from pipeline.kernels.embedding.ops import check_ids
 from pipeline.modules.backends import resolve_backend
 from pipeline.modules.configs import WEIGHT_DTYPES, EmbeddingOptimizerConfig, TableConfig, check_features
+from pipeline.modules.dynamic import DynamicTables
 from pipeline.sparse import KeyedJaggedTensor
 
 
@@ -62,7 +64,12 @@ class EmbeddingCollection(nn.Module):
         self.tables = list(tables)
         self.feature_names = list(feature_names)
         check_features(self.tables, self.feature_names)
-        self.packing = TablePacking.build(self.tables)
+        # The ops pool a dynamic table's bags as sums: ids without a row leave them, and a mean divides by
+        # the whole bag after the lookup (pipeline.modules.dynamic).
+        self.packing = TablePacking.build([replace(t, pooling="sum") if t.dynamic else t for t in self.tables])
+        # The layout of the tensors the ops read (``weights``, ``state_*``): here the tables themselves; a
+        # collection with host-cached tables (:mod:`pipeline.modules.cached_collection`) holds their caches.
+        self.storage_packing = self.packing
         self.optimizer = optimizer or EmbeddingOptimizerConfig()
         self.lr = self.optimizer.lr
         self.backend_name = backend
@@ -79,8 +86,11 @@ class EmbeddingCollection(nn.Module):
 
         weights = torch.empty(self.packing.total_elements, dtype=torch.float32)
         for t, table in enumerate(self.tables):
-            bound = next(b for b in (init_scale, table.init_scale, table.rows ** -0.5) if b is not None)
             start = self.packing.weights_offsets[t]
+            if table.dynamic:  # its rows start as their ids come
+                weights[start : start + table.rows * table.dim].zero_()
+                continue
+            bound = next(b for b in (init_scale, table.init_scale, table.rows ** -0.5) if b is not None)
             weights[start : start + table.rows * table.dim].uniform_(-bound, bound, generator=generator)
         self.register_buffer("weights", weights.to(WEIGHT_DTYPES[weights_dtype]))
         if self.optimizer.master_weights and weights_dtype != "fp32":
@@ -88,6 +98,9 @@ class EmbeddingCollection(nn.Module):
         for name, size in self.optimizer.state_shapes(self.packing.total_rows, self.packing.total_elements).items():
             self.register_buffer(f"state_{name}", torch.zeros(size, dtype=torch.float32))
         self.register_buffer("step", torch.zeros((), dtype=torch.int64))
+        dynamic = [t for t in self.tables if t.dynamic]
+        seeds = torch.randint(0, 2**62, (len(dynamic),), generator=generator).tolist() if dynamic else []
+        self.dynamic = DynamicTables(dynamic, self.packing, self.feature_names, seeds) if dynamic else None
         # Host-side [lr, step, step known] the ops read without a device sync; the step is re-read from the
         # device counter after a checkpoint load. Plain attributes: not in the state dict, not moved by .to().
         self._hyper = torch.tensor([self.lr, 0.0, 0.0], dtype=torch.float64)
@@ -132,27 +145,37 @@ class EmbeddingCollection(nn.Module):
         self._hyper[0] = self.lr
 
     def table_weight(self, name: str) -> torch.Tensor:
-        """Table ``name`` as a ``[rows, dim]`` view of the flat storage (for export and tests)."""
+        """Table ``name`` as a ``[rows, dim]`` view of its storage (for export and tests)."""
+        return self.table_views(name)["weight"]
+
+    def table_views(self, name: str) -> dict[str, torch.Tensor]:
+        """Views of table ``name``: ``weight`` ``[rows, dim]`` and each optimizer state by row (what checkpoints
+        read and write)."""
         t = self.packing.table_names.index(name)
-        start = self.packing.weights_offsets[t]
-        return self.weights[start : start + self.packing.rows[t] * self.packing.dims[t]].view(
-            self.packing.rows[t], self.packing.dims[t])
+        return flat_views(self.storage_packing, {"weight": self.weights, **self.optimizer_state()}, t)
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
-        indices, offsets, batch_size = self.slot_bags(features)
+        pooled = self.lookup(*self.slot_bags(features))
+        return pooled if self.dynamic is None else self.dynamic.pool_means(pooled, features.lengths,
+                                                                          features.batch_size)
+
+    def lookup(self, indices: torch.Tensor, offsets: torch.Tensor, batch_size: int) -> torch.Tensor:
+        """The pooled bags of :meth:`slot_bags`' ``(indices, offsets, batch_size)``, ids of ``storage_packing``'s
+        rows; in training, the fused update of those rows in backward."""
         backend = self.backend
         if torch.is_grad_enabled() and self.training:
             state, opt = self.optimizer_state(), self.optimizer
             return backend.lookup_op(
                 self._trigger, self.weights, state.get("momentum1"), state.get("momentum2"),
                 state.get("master_weights"), self.step, self._hyper, indices, offsets, batch_size,
-                *self.packing.op_args(), opt.kind, opt.eps, opt.beta1, opt.beta2, opt.weight_decay,
+                *self.storage_packing.op_args(), opt.kind, opt.eps, opt.beta1, opt.beta2, opt.weight_decay,
                 backend.stochastic(opt), backend.seed)
-        return backend.forward(self.weights, self.packing, indices, offsets, batch_size)
+        return backend.forward(self.weights, self.storage_packing, indices, offsets, batch_size)
 
     def slot_bags(self, kjt: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         """``(indices, offsets, batch_size)`` of ``kjt`` in slot order on the weights' device, ids checked
-        when ``validate_ids``: what the backends take."""
+        when ``validate_ids``: what the backends take. The ids of dynamic tables become their slots (placed
+        in training, as the update will follow), those without a slot left out."""
         if kjt.keys != self.feature_names:
             raise BadInputError(f"expected sparse features {self.feature_names} in this order, got {kjt.keys}")
         b = kjt.batch_size
@@ -164,9 +187,27 @@ class EmbeddingCollection(nn.Module):
                 self._slot_keys[device] = torch.tensor(self._key_of_slot, dtype=torch.int64, device=values.device)
             values, offsets = _select_keys(values, offsets, b, self._slot_keys[device],
                                            self._slot_repeats * values.numel() if self._slot_repeats else None)
+        if self.dynamic is not None:
+            values, offsets = self.dynamic.map_ids(values, offsets, b, torch.is_grad_enabled() and self.training,
+                                                   self.table_views)
         if self.validate_ids and b:
             check_ids(values, offsets, b, self.packing.tensors(values.device)["slot_rows"], *self._slot_names)
         return values, offsets, b
+
+
+def flat_views(packing: TablePacking, flat: dict[str, torch.Tensor], t: int) -> dict[str, torch.Tensor]:
+    """Table ``t``'s part of each flat tensor laid out by ``packing`` (weights and per-element state:
+    ``[rows, dim]``; per-row state: ``[rows]``)."""
+    rows, dim = packing.rows[t], packing.dims[t]
+    per_row = packing.total_rows != packing.total_elements
+    out = {}
+    for key, buf in flat.items():
+        if per_row and buf.numel() == packing.total_rows:
+            out[key] = buf[packing.row_offsets[t] : packing.row_offsets[t] + rows]
+        else:
+            start = packing.weights_offsets[t]
+            out[key] = buf[start : start + rows * dim].view(rows, dim)
+    return out
 
 
 def _select_keys(values: torch.Tensor, offsets: torch.Tensor, batch_size: int, keys: torch.Tensor,

@@ -16,6 +16,7 @@ from typing import Sequence
 import torch
 
 from pipeline.errors import check_range
+from pipeline.schema import DYNAMIC_ROWS
 
 POOLINGS = ("sum", "mean")
 OPTIMIZERS = ("sgd", "adagrad", "adam")
@@ -27,6 +28,9 @@ class TableConfig:
     """One embedding table: ``rows x dim``, serving the listed features (several: a shared table).
 
     Rows start uniform in ``[-init_scale, init_scale]``; ``None``: ``1 / sqrt(rows)``, as DLRM does.
+    ``dynamic``: the table takes raw int64 ids (any value) and ``rows`` is its capacity, a multiple of
+    128: an id gets a row when it comes in training (after ``admit_after`` occurrences), the least
+    recently used id of a full bucket is evicted (see :mod:`pipeline.modules.dynamic`).
     """
 
     name: str
@@ -35,6 +39,8 @@ class TableConfig:
     features: list[str]
     pooling: str = "sum"
     init_scale: float | None = None
+    dynamic: bool = False
+    admit_after: int = 1
 
     def __post_init__(self) -> None:
         if self.rows <= 0 or self.dim <= 0:
@@ -45,6 +51,12 @@ class TableConfig:
             raise ValueError(f"table {self.name}: pooling must be one of {POOLINGS}, got {self.pooling!r}")
         if self.init_scale is not None and not (math.isfinite(self.init_scale) and self.init_scale >= 0):
             raise ValueError(f"table {self.name}: init_scale must be a finite number >= 0, got {self.init_scale}")
+        if self.dynamic and self.rows % DYNAMIC_ROWS:
+            raise ValueError(f"table {self.name}: a dynamic table's rows (its capacity) must be a multiple of "
+                             f"{DYNAMIC_ROWS}, got {self.rows}")
+        if self.admit_after < 1 or (self.admit_after > 1 and not self.dynamic):
+            raise ValueError(f"table {self.name}: admit_after must be >= 1, and above 1 only for a dynamic table; "
+                             f"got {self.admit_after}")
 
 
 @dataclass
@@ -89,11 +101,13 @@ def check_features(tables: Sequence[TableConfig], feature_names: Sequence[str]) 
 
 
 def tables_from_schema(schema, dim: int, pooling: str = "sum", shared: dict[str, list[str]] | None = None,
-                       dims: dict[str, int] | None = None, prefix: str = "t_") -> list[TableConfig]:
+                       dims: dict[str, int] | None = None, prefix: str = "t_", admit_after: int = 1) -> list[TableConfig]:
     """One table per sparse feature of ``schema`` (in feature order), sized by its cardinality.
 
     ``shared`` maps a table name to the features it serves (sized by the largest cardinality);
-    ``dims`` overrides the dim per feature; multi-hot features use ``pooling``.
+    ``dims`` overrides the dim per feature; multi-hot features use ``pooling``. The dynamic columns
+    of the schema (raw 64-bit ids) get dynamic tables of their cardinality, which admit an id after
+    ``admit_after`` occurrences.
 
     Example::
 
@@ -101,6 +115,7 @@ def tables_from_schema(schema, dim: int, pooling: str = "sum", shared: dict[str,
     """
     cards = schema.cardinalities()
     multihot = set(schema.multihot)
+    dynamic = set(schema.dynamic)
     shared = shared or {}
     dims = dims or {}
     in_shared = {f: name for name, feats in shared.items() for f in feats}
@@ -112,9 +127,16 @@ def tables_from_schema(schema, dim: int, pooling: str = "sum", shared: dict[str,
                 continue
             feats = shared[name]
             done.add(name)
+            if len({f in dynamic for f in feats}) > 1:
+                raise ValueError(f"table {name}: shares dynamic features (raw ids) with others; share a table "
+                                 "among dynamic features only, or among static ones")
+            is_dynamic = feats[0] in dynamic
             tables.append(TableConfig(name, max(cards[f] for f in feats), dims.get(feature, dim), list(feats),
-                                      pooling if any(f in multihot for f in feats) else "sum"))
+                                      pooling if any(f in multihot for f in feats) else "sum", dynamic=is_dynamic,
+                                      admit_after=admit_after if is_dynamic else 1))
         else:
+            is_dynamic = feature in dynamic
             tables.append(TableConfig(f"{prefix}{feature}", cards[feature], dims.get(feature, dim), [feature],
-                                      pooling if feature in multihot else "sum"))
+                                      pooling if feature in multihot else "sum", dynamic=is_dynamic,
+                                      admit_after=admit_after if is_dynamic else 1))
     return tables

@@ -257,29 +257,31 @@ class LogisticRegression(RecModel):
 MODEL_CLASSES = {cls.name: cls for cls in (DLRM, DCNv2, DeepFM, WideDeep, LogisticRegression)}
 
 
-def model_tables(name: str, schema: Schema, sizes: ModelSizes) -> list[TableConfig]:
+def model_tables(name: str, schema: Schema, sizes: ModelSizes, admit_after: int = 1) -> list[TableConfig]:
     """The embedding tables of model ``name``: one per sparse feature, plus dim-1 wide ones for deepfm / wide_deep
-    (logistic: only the dim-1 ones)."""
-    tables = tables_from_schema(schema, sizes.embedding_dim, pooling=sizes.multihot_pooling)
+    (logistic: only the dim-1 ones). The schema's dynamic features get dynamic tables that admit an id after
+    ``admit_after`` occurrences."""
+    tables = tables_from_schema(schema, sizes.embedding_dim, pooling=sizes.multihot_pooling, admit_after=admit_after)
     if name == "deepfm":  # factorization-machine factors start small (N(0, 0.01) in the FM literature)
         tables = [dataclasses.replace(t, init_scale=FM_INIT_SCALE) for t in tables]
     # A linear model's weights start at zero.
-    wide = [TableConfig(f"w_{t.features[0]}", t.rows, 1, t.features, t.pooling, init_scale=0.0) for t in tables]
+    wide = [dataclasses.replace(t, name=f"w_{t.features[0]}", dim=1, init_scale=0.0) for t in tables]
     if name == "logistic":
         return wide
     return tables + wide if name in ("deepfm", "wide_deep") else tables
 
 
 def build_model(name: str, schema: Schema, sizes: ModelSizes, optimizer: EmbeddingOptimizerConfig | None = None,
-                weights_dtype: str = "fp32", backend: str = "auto", seed: int = 0) -> RecModel:
-    """A model of kind ``name`` (dlrm | dcnv2 | deepfm | wide_deep | logistic) for the features of ``schema``."""
+                weights_dtype: str = "fp32", backend: str = "auto", seed: int = 0, admit_after: int = 1) -> RecModel:
+    """A model of kind ``name`` (dlrm | dcnv2 | deepfm | wide_deep | logistic) for the features of ``schema``
+    (``admit_after``: of its dynamic tables, see :func:`model_tables`)."""
     if name not in MODEL_CLASSES:
         raise ValueError(f"model: expected one of {sorted(MODEL_CLASSES)}, got {name!r}")
     if not schema.sparse:
         raise BadInputError("the schema has no categorical or multi-hot feature, and every model embeds at least "
                             "one: give the data some with data.categorical or data.multihot")
     generator = torch.Generator().manual_seed(seed)
-    tables = model_tables(name, schema, sizes)
+    tables = model_tables(name, schema, sizes, admit_after)
     embedding = EmbeddingCollection(tables, schema.sparse, optimizer, weights_dtype=weights_dtype, backend=backend,
                                     generator=generator)
     with torch.random.fork_rng(devices=[]):

@@ -40,6 +40,7 @@ BENCHES = {
     "e2e": "pipeline.bench.e2e",
     "train_distributed": "pipeline.bench.train_distributed",
     "embedding": "pipeline.bench.embedding",
+    "hashtable": "pipeline.bench.hashtable",
     "serve": "pipeline.bench.serve",
     "quality": "pipeline.bench.quality",
 }
@@ -115,7 +116,7 @@ def _config_from(args: argparse.Namespace) -> config_mod.PipelineConfig:
         overrides.append(f"device={args.device}")
     if getattr(args, "scheduler", None):
         overrides.append(f"etl.scheduler={args.scheduler}")
-    if getattr(args, "nproc", None):
+    if args.command == "run" and args.nproc:  # bench train_distributed has an --nproc of its own
         overrides.append(f"distributed.nproc={args.nproc}")
     if getattr(args, "on_bad_lines", None):
         overrides.append(f"data.on_bad_lines={args.on_bad_lines}")
@@ -152,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             print(_settings_epilog())
             return 0
         cfg = _config_from(args)
+        _refuse_all_but_training_under_torchrun(args)
         if args.command == "run" and cfg.distributed.nproc > 1:
             from pipeline.distributed.launch import relaunch, under_torchrun
 
@@ -177,6 +179,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {err}", file=sys.stderr)
             return 2
         raise
+
+
+def _refuse_all_but_training_under_torchrun(args: argparse.Namespace) -> None:
+    """Only the training stage runs on the processes torchrun started; every other command, run by each
+    of them, would write the same files at once."""
+    from pipeline.distributed.launch import launched_processes
+    from pipeline.errors import UserError
+
+    launched = launched_processes()
+    if launched > 1 and not (args.command == "run" and args.stage == "train"):
+        what = f"run {args.stage}" if args.command == "run" else args.command
+        raise UserError(f"`{what}` under torchrun ({launched} processes): only `run train` runs on several "
+                        f"processes; run `python -m pipeline {what}` once without torchrun, then train under it")
 
 
 def _is_user_error(err: Exception) -> bool:

@@ -15,15 +15,24 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import multiprocessing
+import os
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 from pipeline.data import raw_folder, readers, synthetic
-from pipeline.data.raw_folder import RawDataset
 from pipeline.data.metrics import ClickMetrics
+from pipeline.data.raw_folder import RawDataset
+from pipeline.device import resolve_device
 from pipeline.errors import UserError
 from pipeline.files import write_json
 from pipeline.progress import Progress
 from pipeline.stages.config import PipelineConfig
+
+PARALLEL_FROM_ROWS = 4_000_000
+"""Synthetic data of this many rows or more is made by one process per core (``data.workers=0``)."""
 
 
 def run(cfg: PipelineConfig) -> dict:
@@ -62,6 +71,23 @@ def raw_params(cfg: PipelineConfig) -> dict:
     return params
 
 
+def criteo_array_module(cfg: PipelineConfig) -> str | None:
+    """What parses Criteo text as ``data.reader`` asks: ``"cupy"`` or ``"numpy"`` (vectorized), or None
+    (``pyarrow.csv``). ``auto`` takes the GPU where CuPy is installed and the device is cuda."""
+    d = cfg.data
+    has_cupy = importlib.util.find_spec("cupy") is not None
+    if d.source != "criteo" or d.reader == "arrow" or (d.reader == "auto" and not has_cupy):
+        return None
+    cuda = resolve_device(cfg.device).is_cuda
+    if d.reader == "vectorized" and cuda and not has_cupy:
+        raise UserError("data.reader=vectorized on the GPU needs CuPy (pip install cupy-cuda13x); "
+                        "or set device=cpu to parse with numpy")
+    module = ("cupy" if cuda else "numpy") if d.reader == "vectorized" else ("cupy" if cuda else None)
+    if module:
+        print(f"[data] Criteo text parsed with {module} (data.reader={d.reader})", flush=True)
+    return module
+
+
 def _ensure(cfg: PipelineConfig) -> tuple[RawDataset, bool]:
     """The dataset as it is when its settings match, or when it was ingested from files and the settings
     do not name a source (``data.name=X`` alone). Made again when synthetic with other settings, or
@@ -93,7 +119,7 @@ def _ensure(cfg: PipelineConfig) -> tuple[RawDataset, bool]:
     if cfg.data.source == "synthetic":
         _generate(cfg, params)
     else:
-        readers.ingest(cfg.data, cfg.seed, root, params, progress=cfg.progress)
+        readers.ingest(cfg.data, cfg.seed, root, params, progress=cfg.progress, array_module=criteo_array_module(cfg))
     return RawDataset.load(root), True
 
 
@@ -103,12 +129,17 @@ def _generate(cfg: PipelineConfig, params: dict) -> None:
     model = synthetic.ClickModel.create(cfg.seed, d.size)
     rows = synthetic.split_rows(d.rows, d.valid_fraction, d.test_fraction)
     chunks = sum(-(-n // d.chunk_rows) for n in rows.values())
+    workers = d.workers or ((os.cpu_count() or 1) if d.rows >= PARALLEL_FROM_ROWS else 1)
     oracle = {}
-    with Progress("synthetic data", total=chunks, unit="chunk", mode=cfg.progress) as bar:
+    with contextlib.ExitStack() as stack:
+        pool = None
+        if workers > 1:  # blocks are independent: each process makes whole blocks, sharing no GIL
+            pool = stack.enter_context(ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")))
+        bar = stack.enter_context(Progress("synthetic data", total=chunks, unit="chunk", mode=cfg.progress))
         for split, n in rows.items():
             writer = raw_folder.PartWriter(root / split, d.chunk_rows)
             metrics = ClickMetrics()
-            for chunk in synthetic.iter_split(model, split, n, d.chunk_rows):
+            for chunk in synthetic.iter_split(model, split, n, d.chunk_rows, pool, ahead=2 * workers):
                 writer.write(chunk.table)
                 metrics.update(chunk.table.column(synthetic.LABEL).to_numpy(), chunk.probability)
                 bar.update(1)

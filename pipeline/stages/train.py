@@ -28,6 +28,8 @@ def run(cfg: PipelineConfig) -> dict:
 
         run_etl(cfg)
     world.barrier()
-    return train(cfg.train, cfg.paths.processed, cfg.paths.train, schema=Schema.load(cfg.paths.schema),
-                 seed=cfg.seed, world=world, distributed=cfg.distributed, oracle=cfg.paths.oracle,
-                 progress=cfg.progress)
+    summary = train(cfg.train, cfg.paths.processed, cfg.paths.train, schema=Schema.load(cfg.paths.schema),
+                    seed=cfg.seed, world=world, distributed=cfg.distributed, oracle=cfg.paths.oracle,
+                    progress=cfg.progress)
+    world.close()
+    return summary

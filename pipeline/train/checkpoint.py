@@ -42,6 +42,7 @@ from pipeline.distributed.checkpoint import (
     CheckpointError,
     ShardedCheckpointError,
     check_sharded_checkpoint,
+    cpu_copy,
     load_sharded_checkpoint,
     load_torch_file,
     read_meta,
@@ -201,13 +202,15 @@ class PlainCheckpoints:
 
     def load(self, trainer: Trainer, path: Path) -> tuple[LoopState, dict[str, Any]]:
         """Restore ``trainer`` from ``path``; returns where the loop stands and fields for the resume record."""
-        ckpt = load_checkpoint(path, map_location=trainer.device)
+        # Read into host memory and copied into the model's tensors from there: a host-cached table does not fit
+        # the device.
+        ckpt = load_checkpoint(path, map_location="cpu")
         trainer.model.load_state_dict(ckpt["model"])
         trainer.optimizer.load_state_dict(ckpt["dense_optimizer"])
         trainer.loader.load_state_dict(ckpt["loader"])
         set_rng_state({k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in ckpt["rng"].items()})
         best = ckpt.get("best_model")
-        trainer.best_weights = {k: v.cpu() for k, v in best.items()} if best is not None else None
+        trainer.best_weights = cpu_copy(best) if best is not None else None
         loader = ckpt["loader"]
         return LoopState(step=int(ckpt["step"]), epoch=int(loader["epoch"]), batch=int(loader["batches"]),
                          **ckpt.get("early_stopping", {})), {}

@@ -56,8 +56,9 @@ class TrainConfig:
 
     optimizer: str = field(default="adam", metadata={"help": "dense optimizer: sgd | adam | adagrad"})
     lr: float = field(default=0.0, metadata={
-        "help": "peak learning rate of the dense part (0: the optimizer's: adam and adagrad 0.01; sgd 0.75 per "
-                "2048 samples of the batch, the linear scaling rule, 24 at MLPerf's 65536)"})
+        "help": "peak learning rate of the dense part (0: the optimizer's: adam and adagrad 0.01 (dcnv2: adam 0.001, "
+                "adagrad 0.005); sgd 0.75 per 2048 samples of the batch, the linear scaling rule, 24 at MLPerf's "
+                "65536)"})
     embedding_optimizer: str = field(default="adagrad", metadata={
         "help": "fused sparse optimizer of the tables: sgd | adagrad (row-wise) | adam (lazy)"})
     embedding_lr: float = field(default=0.0, metadata={
@@ -78,6 +79,9 @@ class TrainConfig:
         "help": "fp16/bf16 tables: keep an fp32 master copy that the optimizer updates"})
     embedding_stochastic_rounding: bool = field(default=False, metadata={
         "help": "fp16/bf16 tables: stochastic rounding of updated rows (cuda backend)"})
+    admit_after: int = field(default=1, metadata={
+        "help": "dynamic tables (the columns of etl.hash_ids): an id gets its row at its N-th occurrence in "
+                "training batches (1: at first sight); until then it reads a zero row and is not updated"})
     embedding_backend: str = field(default="auto", metadata={
         "help": "torch | cuda | auto: embedding compute (auto: fused CUDA kernels when usable)"})
     amp: str = field(default="auto", metadata={"help": "auto | bf16 | off: bf16 autocast (auto: on GPU only)"})
@@ -111,7 +115,7 @@ class TrainConfig:
                               ("multihot_pooling", ("sum", "mean"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"train.{name}: expected one of {', '.join(allowed)}, got {getattr(self, name)!r}")
-        for name in ("batch_size", "eval_batch_size", "keep_checkpoints", "log_every"):
+        for name in ("batch_size", "eval_batch_size", "keep_checkpoints", "log_every", "admit_after"):
             check_range(f"train.{name}", getattr(self, name), 1)
         for name in ("epochs", "embedding_dim", "cross_layers", "cross_rank", "max_steps", "eval_every", "warmup_steps",
                      "decay_start", "threads", "checkpoint_every", "early_stopping"):
@@ -133,7 +137,13 @@ class TrainConfig:
         """The dense part's peak lr: ``lr``, or the optimizer's default for this batch size."""
         if self.lr > 0:
             return self.lr
-        return 0.75 * self.batch_size / 2048 if self.optimizer == "sgd" else 0.01
+        if self.optimizer == "sgd":
+            return 0.75 * self.batch_size / 2048
+        if self.model == "dcnv2":
+            # a cross layer multiplies x0 by a product of two wide matrices: Adam's full-size steps at 0.01 on
+            # the MLPerf widths blow the loss up at the end of warmup and leave the network dead
+            return 0.001 if self.optimizer == "adam" else 0.005
+        return 0.01
 
     @property
     def table_lr(self) -> float:

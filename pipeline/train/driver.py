@@ -3,7 +3,9 @@
 :func:`train` builds the model of ``cfg.model`` from the schema, trains it on ``<data>/train`` with
 the :class:`~pipeline.loader.Loader`, scores ``valid`` along the way and ``test`` at the end. The
 :class:`~pipeline.distributed.world.World` it is given decides the rest: on a world of one the
-plain model with ``.pt`` checkpoints; on N ranks each rank reads its shard of every split, the
+plain model with ``.pt`` checkpoints, its tables that do not fit ``distributed.memory_per_rank_mb``
+(or that ``distributed.sharding`` names ``host_cached``) in host memory behind device caches of their
+hot rows (:mod:`pipeline.modules.cached_collection`); on N ranks each rank reads its shard of every split, the
 model trains through :class:`~pipeline.distributed.model_parallel.DistributedModelParallel` with
 sharded checkpoints, each batch's id exchange started while the batch before it trains
 (``distributed.pipeline``, :mod:`pipeline.distributed.train_pipeline`), and the scores are computed
@@ -13,11 +15,13 @@ over the predictions of every rank. Launch::
     python -m pipeline run train train.model=dcnv2 train.resume=true
     python -m pipeline run train --nproc 2                        # 2 ranks on this node, through torchrun
     torchrun --nproc-per-node 2 -m pipeline run train
+    torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint HOST0:29500 --rdzv-id job1 \\
+        -m pipeline run train workdir=/shared/pipeline            # on each of 2 nodes, workdir shared (README.md)
 
 Each training writes its own run folder under ``runs`` (``<workdir>/<dataset>/train``), named by
 ``train.run`` or by its start and model, and moves ``runs/latest`` to it once it finished (see
 :mod:`pipeline.train.runs`); ``train.resume=true`` continues a run in its folder. Outputs in the run
-folder (written by rank 0)::
+folder (written by global rank 0, which names it for every rank)::
 
     model.json          what was built (see :mod:`pipeline.train.model`)
     plan.json           N ranks: where each table lives
@@ -27,7 +31,10 @@ folder (written by rank 0)::
     metrics.jsonl       one JSON object per line: training loss / lr / samples/s, valid scores
     result.json         the run's name, test AUC and log loss (one process: and the oracle's, the gap),
                         throughput, and ``kept``: the epoch and step whose weights were scored (null: the
-                        last); written last, so a run with a result.json is finished
+                        last); with host-cached tables, ``embedding_cache``: each one's training rows found
+                        in its device cache; with dynamic tables, ``dynamic_tables``: each one's ids, rows,
+                        evictions and admission candidates (both also printed); written last, so a run with
+                        a result.json is finished
 
 Example::
 
@@ -57,6 +64,9 @@ from pipeline.distributed.world import World
 from pipeline.errors import UserError
 from pipeline.files import atomic_open, remove_tmp_files, write_json
 from pipeline.loader import Loader
+from pipeline.modules.cached_collection import HostCachedCollection
+from pipeline.modules.dynamic import DynamicTable
+from pipeline.modules.host_cache import CacheStats
 from pipeline.schema import Schema
 from pipeline.train.checkpoint import PlainCheckpoints, ShardedCheckpoints
 from pipeline.train.config import TrainConfig
@@ -143,7 +153,20 @@ def _train(cfg: TrainConfig, data: Path, runs: Path, schema: Schema, seed: int, 
         for loader in (train_loader, valid_loader, test_loader):
             loader.close()
     result = _summary(cfg, spec, world, fitted, test, oracle_path, out, time.perf_counter() - start)
+    caches = _cache_stats(model, world)
+    if caches:
+        result["embedding_cache"] = caches
+    dynamic = _dynamic_stats(model, world)
+    if dynamic:
+        result["dynamic_tables"] = dynamic
     if world.is_writer:
+        for name, c in caches.items():
+            print(f"[train] device cache of {name}: {c['hit_rate']:.1%} of the training batches' rows found there "
+                  f"({c['rows'] - c['hits']:,} of {c['rows']:,} copied in from host memory, "
+                  f"{c['evictions']:,} evicted, {c['writebacks']:,} of them written back)", flush=True)
+        for name, d in dynamic.items():
+            print(f"[train] dynamic table {name}: {d['ids']:,} ids in its {d['rows']:,} rows, {d['evictions']:,} "
+                  f"evicted, {d['candidates']:,} counted toward admission", flush=True)
         write_json(out / "result.json", result)
         mark_latest(out)
         _report(result, out / "result.json")
@@ -181,23 +204,38 @@ def _place(model: nn.Module, cfg: TrainConfig, world: World, distributed: Distri
            folder: Path) -> tuple[nn.Module, PlainCheckpoints | ShardedCheckpoints]:
     """The model as the loop trains it and its checkpoint format in ``folder``.
 
-    On a world of one: the model itself and ``.pt`` checkpoints. On N ranks: the model sharded by
-    ``DistributedModelParallel`` and sharded checkpoints.
+    On a world of one: the model itself, the tables the plan host-caches (those over the memory
+    budget, or named by ``distributed.sharding``) in host memory behind device caches, and ``.pt``
+    checkpoints. On N ranks: the model sharded by ``DistributedModelParallel`` and sharded checkpoints.
     """
+    if distributed.plan_file:
+        plans, planner = {"embedding": _plan_file(distributed.plan_file, model.embedding.tables, world.size)}, None
+    else:
+        plans = None
+        planner = make_planner(distributed, world.size, world.device, batch_size=cfg.batch_size,
+                               optimizer=cfg.embedding_optimizer, weight_bytes=_WEIGHT_BYTES[cfg.embedding_dtype])
     if world.size == 1:
+        plan = plans["embedding"] if plans else planner.plan(model.embedding.tables)
+        cached = {name: p.cache_rows for name, p in plan.tables.items() if p.cache_rows}
+        if cached:
+            model.embedding = HostCachedCollection.from_collection(model.embedding, cached)
         model = model.to(world.device)
         # The loader checks every id against its table while reading (on the host); checking again on a
         # GPU would cost a device sync per step.
         model.embedding.validate_ids = world.device.type != "cuda"
         return model, PlainCheckpoints(folder, cfg.keep_checkpoints)
-    if distributed.plan_file:
-        plans, planner = {"embedding": ShardingPlan.load(distributed.plan_file)}, None
-    else:
-        plans = None
-        planner = make_planner(distributed, world.size, world.device, batch_size=cfg.batch_size,
-                               optimizer=cfg.embedding_optimizer, weight_bytes=_WEIGHT_BYTES[cfg.embedding_dtype])
     dmp = DistributedModelParallel(model, plans, planner, world.device, comm_dtype=distributed.comm_dtype)
     return dmp, ShardedCheckpoints(folder, world, cfg.keep_checkpoints)
+
+
+def _plan_file(path: str, tables: Sequence, world_size: int) -> ShardingPlan:
+    """The plan saved in ``path``, checked against the model's tables and the world."""
+    try:
+        plan = ShardingPlan.load(path)
+        plan.validate(tables, world_size)
+    except (OSError, ValueError, KeyError, TypeError) as err:  # PlanError and a JSON error are ValueErrors
+        raise UserError(f"distributed.plan_file={path}: {err}") from err
+    return plan
 
 
 def _describe(model: nn.Module, spec: dict, world: World, out: Path) -> None:
@@ -211,6 +249,33 @@ def _describe(model: nn.Module, spec: dict, world: World, out: Path) -> None:
           f"{sum(t['rows'] for t in tables):,} embedding rows, "
           f"{sum(p.numel() for p in model.parameters()):,} dense parameters, "
           f"embedding backend {model.embedding.backend.name}", flush=True)
+    if isinstance(model.embedding, HostCachedCollection):
+        rows = {t["name"]: t["rows"] for t in tables}
+        cached = ", ".join(f"{c.table} ({c.slots:,} of {rows[c.table]:,} rows)"
+                           for c in model.embedding.caches.values())
+        print(f"[train] host-cached tables, in host memory behind a device cache of their hot rows: {cached}",
+              flush=True)
+
+
+def _cache_stats(model: nn.Module, world: World) -> dict[str, dict]:
+    """Each host-cached table's counts of its training batches' rows (see ``CacheStats``), summed over the
+    ranks, with the share found in the device cache (``hit_rate``)."""
+    total: dict[str, CacheStats] = {}
+    mine = [m.cache_stats() for m in model.modules() if isinstance(m, HostCachedCollection)]
+    for part in (stats for rank in world.gather_objects(mine) for stats in rank):
+        for name, stats in part.items():
+            total[name] = total.get(name, CacheStats()) + stats
+    return {name: {**dataclasses.asdict(s), "hit_rate": s.hit_rate} for name, s in sorted(total.items())}
+
+
+def _dynamic_stats(model: nn.Module, world: World) -> dict[str, dict]:
+    """Each dynamic table's ids holding a row, rows, evictions and admission candidates, summed over its parts
+    on every rank."""
+    mine = [(m.name, {"rows": m.capacity, **m.stats()}) for m in model.modules() if isinstance(m, DynamicTable)]
+    total: dict[str, dict] = {}
+    for name, stats in (part for rank in world.gather_objects(mine) for part in rank):
+        total[name] = {key: total.get(name, {}).get(key, 0) + value for key, value in stats.items()}
+    return dict(sorted(total.items()))
 
 
 def _summary(cfg: TrainConfig, spec: dict, world: World, fitted: dict, test: dict, oracle_path: Path | None,

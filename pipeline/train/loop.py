@@ -34,6 +34,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
+from pipeline.distributed.checkpoint import cpu_copy
 from pipeline.distributed.world import World
 from pipeline.modules.models import RecModel
 from pipeline.progress import Progress
@@ -270,7 +271,7 @@ class Trainer:
         auc = scores.get("auc", float("nan"))
         if math.isfinite(auc) and (s.best_valid is None or auc > s.best_valid["auc"]):
             s.best_valid, s.best_step, s.best_epoch, s.bad_epochs = dict(scores), s.step, s.epoch, 0
-            self.best_weights = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+            self.best_weights = cpu_copy(self.model.state_dict())
         elif epoch_end:
             s.bad_epochs += 1
             s.stopped = s.bad_epochs >= self.cfg.early_stopping and s.step < self.total_steps

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from pipeline.errors import UserError
-from pipeline.modules.configs import EmbeddingOptimizerConfig
+from pipeline.modules.configs import EmbeddingOptimizerConfig, TableConfig
 from pipeline.modules.models import ModelSizes, RecModel, build_model, model_tables
 from pipeline.schema import Schema
 from pipeline.train.config import TrainConfig
@@ -35,7 +35,7 @@ def model_spec(cfg: TrainConfig, schema: Schema, device_kind: str, seed: int = 0
     optimizer = EmbeddingOptimizerConfig(cfg.embedding_optimizer, lr=cfg.table_lr, weight_decay=cfg.weight_decay,
                                          master_weights=cfg.embedding_master_weights,
                                          stochastic_rounding=cfg.embedding_stochastic_rounding)
-    tables = model_tables(cfg.model, schema, sizes)
+    tables = model_tables(cfg.model, schema, sizes, cfg.admit_after)
     return {
         "version": MODEL_SPEC_VERSION,
         "model": cfg.model,
@@ -43,6 +43,7 @@ def model_spec(cfg: TrainConfig, schema: Schema, device_kind: str, seed: int = 0
         "embedding_optimizer": asdict(optimizer),
         "embedding_dtype": cfg.embedding_dtype,
         "seed": seed,
+        "admit_after": cfg.admit_after,
         "feature_names": list(schema.sparse),
         "tables": [asdict(table) for table in tables],
         "embedding_output_dim": sum(table.dim * len(table.features) for table in tables),
@@ -58,11 +59,16 @@ def model_from_spec(spec: dict, backend: str = "auto") -> RecModel:
     schema = Schema.from_dict(spec["schema"])
     model = build_model(spec["model"], schema, ModelSizes(**spec["sizes"]),
                         EmbeddingOptimizerConfig(**spec["embedding_optimizer"]), weights_dtype=spec["embedding_dtype"],
-                        backend=backend, seed=spec["seed"])
+                        backend=backend, seed=spec["seed"], admit_after=spec.get("admit_after", 1))
     built = [asdict(t) for t in model.embedding.tables]
-    if built != spec["tables"]:
+    if built != _tables(spec):
         raise UserError("model.json lists other tables than its schema builds; retrain the model")
     return model
+
+
+def _tables(spec: dict) -> list[dict]:
+    """The spec's tables with every field (one the spec leaves out takes its default)."""
+    return [asdict(TableConfig(**t)) for t in spec["tables"]]
 
 
 def check_same_model(spec: dict, folder: str | Path) -> None:
@@ -72,6 +78,7 @@ def check_same_model(spec: dict, folder: str | Path) -> None:
     if not previous.is_file():
         return
     old = json.loads(previous.read_text())
+    old["tables"] = _tables(old)
     differ = [k for k in ("model", "sizes", "embedding_optimizer", "embedding_dtype", "tables", "feature_names")
               if old.get(k) != spec.get(k)]
     if differ:

@@ -4,6 +4,7 @@ Example::
 
     storage_per_rank(table, ShardingType.ROW_WISE, topology)   # bytes on each of the ranks
     step_cost(table, ShardingType.TABLE_WISE, topology)         # seconds per step, all ranks together
+    min_cache_rows(table, topology)                             # the least device cache of it host-cached
 """
 
 from __future__ import annotations
@@ -20,13 +21,22 @@ def bytes_per_row(dim: int, topology: Topology) -> float:
     return dim * topology.weight_bytes + state
 
 
-def storage_per_rank(table, kind: ShardingType, topology: Topology) -> float:
+def storage_per_rank(table, kind: ShardingType, topology: Topology, cache_rows: int = 0) -> float:
+    """Device bytes on each rank holding a part: the part, or its device cache when host-cached."""
     rows = table.rows if kind != ShardingType.ROW_WISE else math.ceil(table.rows / topology.world_size)
-    return rows * bytes_per_row(table.dim, topology)
+    return (cache_rows or rows) * bytes_per_row(table.dim, topology)
 
 
-def step_cost(table, kind: ShardingType, topology: Topology) -> float:
-    """Seconds per step over all ranks: memory traffic of lookups and updates, plus communication."""
+def min_cache_rows(table, topology: Topology) -> int:
+    """The device cache a table-wise host-cached table needs: room for the ids of two steps from every
+    rank (a batch, and the one prefetched while it trains), at most the whole table."""
+    ids = topology.batch_size * topology.world_size * sum(topology.pooling_factors.get(f, 1.0) for f in table.features)
+    return min(table.rows, math.ceil(2 * ids))
+
+
+def step_cost(table, kind: ShardingType, topology: Topology, host_cached: bool = False) -> float:
+    """Seconds per step over all ranks: memory traffic of lookups and updates, plus communication; host-cached,
+    plus every id's row copied in and back over the host link (the worst case, all misses)."""
     w = topology.world_size
     pooling = sum(topology.pooling_factors.get(f, 1.0) for f in table.features)
     bags = topology.batch_size * w * len(table.features)
@@ -37,4 +47,5 @@ def step_cost(table, kind: ShardingType, topology: Topology) -> float:
         return lookup + allreduce / topology.comm_bandwidth
     ids = bags * pooling / len(table.features) * 8
     pooled = 2 * bags * table.dim * 4 * (w if kind == ShardingType.ROW_WISE else 1)
-    return lookup + cross * (ids + pooled) / topology.comm_bandwidth
+    misses = 2 * bags * pooling / len(table.features) * bytes_per_row(table.dim, topology) if host_cached else 0.0
+    return lookup + cross * (ids + pooled) / topology.comm_bandwidth + misses / topology.host_bandwidth

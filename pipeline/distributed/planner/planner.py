@@ -47,8 +47,8 @@ class EmbeddingShardingPlanner:
         budget = self.topology.memory_per_rank or 0.0
         raise PlannerError(
             f"cannot place {len(options)} embedding tables on {self.topology.world_size} rank(s) with "
-            f"{budget / MiB:.2f} MiB each ({tried} proposals tried, the last ending in row-wise for every table "
-            f"that allows it): they need at least {total / MiB:.2f} MiB in total, "
+            f"{budget / MiB:.2f} MiB each ({tried} proposals tried, the last host-caching every table that allows "
+            f"it, each with the least device cache a step needs): they need at least {total / MiB:.2f} MiB in total, "
             f"{total / self.topology.world_size / MiB:.2f} MiB per rank; last attempt: {last}",
             last.needed if last else [], last.available if last else [])
 
@@ -58,7 +58,7 @@ class EmbeddingShardingPlanner:
         for t in tables:
             p = plan[t.name]
             for r in p.ranks:
-                out[r] += storage_per_rank(t, p.sharding_type, self.topology)
+                out[r] += storage_per_rank(t, p.sharding_type, self.topology, p.cache_rows_on(r))
         return out
 
     def describe(self, plan: ShardingPlan, tables: Sequence) -> str:

@@ -33,10 +33,11 @@ class PlannerError(UserError):
 class Topology:
     """The ranks a plan is for, and what each can hold and move.
 
-    ``memory_per_rank``: bytes of embedding storage (weights + optimizer state) one rank may hold;
-    ``None``: no limit. ``batch_size``: samples per rank and step; ``pooling_factors``: mean ids per
+    ``memory_per_rank``: bytes of embedding storage (weights + optimizer state) one rank may hold in
+    device memory (a host-cached table: its device cache); ``None``: no limit. ``batch_size``: samples per rank and step; ``pooling_factors``: mean ids per
     bag of each feature (1 when not given). Bandwidths (bytes/s) only rank the options against each
-    other; their defaults are an H200's memory and an NVLink-class link.
+    other; their defaults are an H200's memory and an NVLink-class link, and a PCIe 5 x16 link to the
+    host (what the misses of host-cached tables cross).
     """
 
     world_size: int
@@ -47,6 +48,7 @@ class Topology:
     pooling_factors: dict[str, float] = field(default_factory=dict)
     hbm_bandwidth: float = 4.0e12
     comm_bandwidth: float = 1.5e11
+    host_bandwidth: float = 5.0e10
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -67,6 +69,9 @@ class ShardingOption:
     """Estimated seconds per step, summed over the ranks it loads."""
     rank: int | None = None
     """TW only: the owner, once partitioned (or pinned by a constraint)."""
+    cache_rows: int = 0
+    """Host-cached (table-wise, in the owner's host memory): the least device cache rows it needs, what
+    ``storage_per_rank`` counts (the partitioner gives it more where the budget allows); 0: not host-cached."""
 
 
 class Enumerator(Protocol):

@@ -3,7 +3,7 @@
 from pipeline.etl.ops.base import Operator
 from pipeline.etl.ops.categorify import Categorify
 from pipeline.etl.ops.continuous import Bucketize, Cast, Clip, FillMissing, LogOp, MissingIndicator, Normalize
-from pipeline.etl.ops.hashing import HashBucket, HashedCross
+from pipeline.etl.ops.hashing import HashBucket, HashedCross, HashIds
 from pipeline.etl.ops.lambda_op import LambdaOp
 
 __all__ = [
@@ -13,6 +13,7 @@ __all__ = [
     "Clip",
     "FillMissing",
     "HashBucket",
+    "HashIds",
     "HashedCross",
     "LambdaOp",
     "LogOp",

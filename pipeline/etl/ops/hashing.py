@@ -1,4 +1,4 @@
-"""HashBucket and HashedCross: categorical values to buckets without a vocabulary.
+"""HashBucket, HashedCross and HashIds: categorical values to buckets, or to raw 64-bit ids, without a vocabulary.
 
 The hash is MurmurHash3_x86_32 (seed 0) of each value's bytes (UTF-8 for strings, 8 little-endian
 bytes for integers), folded into a row hash with Boost's ``hash_combine`` starting from the seed
@@ -13,6 +13,12 @@ Example::
 
     ["C3", "tags"] >> HashBucket(1_000_000)   # "tags" may be a multi-hot (list) column
     ["C1", "C2"] >> HashedCross(100_000)      # one new column "C1_C2"
+    ["user"] >> HashIds(1 << 20)              # int64 ids for a dynamic table of 2**20 rows
+
+HashIds gives each value the 64 bits of MurmurHash3_x86_32 of its text with seed 0 (high half) and
+seed 1 (low half), numbers taken as their decimal text as Categorify takes them; a missing value is
+id 0. The ids are not codes of a table: the dynamic table that learns them gives rows to the ids it
+meets (``docs/HASHTABLE.md``). On cuDF the values are hashed through host memory (correct, not fast).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from pipeline.errors import BadInputError
 from pipeline.etl.column_schema import CATEGORICAL, ColumnSchema
 from pipeline.etl.frames import (
     as_arrow,
+    as_arrow_strings,
     cudf_from_pandas,
     cudf_integral,
     cudf_to_pandas,
@@ -42,6 +49,7 @@ from pipeline.etl.frames import (
 )
 from pipeline.etl.ops.base import Operator
 from pipeline.etl.ops.murmur import GOLDEN, combine_row_hashes, murmur3_int64, murmur3_strings
+from pipeline.schema import DYNAMIC_ROWS
 
 NULL_INDEX = 0
 
@@ -129,6 +137,54 @@ class HashedCross(Operator):
 
     def get_params(self) -> dict:
         return {"num_buckets": self.num_buckets}
+
+
+class HashIds(HashBucket):
+    """Hash each value of each column to an int64 id for a dynamic embedding table of ``capacity`` rows (a
+    multiple of 128); the schema marks the columns dynamic, their cardinality the capacity."""
+
+    output_dtype = "int64"
+
+    def __init__(self, capacity: int):
+        if int(capacity) < DYNAMIC_ROWS or int(capacity) % DYNAMIC_ROWS:
+            raise ValueError(f"HashIds: capacity must be a positive multiple of {DYNAMIC_ROWS}, got {capacity}")
+        self.capacity = int(capacity)
+        self.multihot: dict[str, bool] = {}
+        self.max_lengths: dict[str, int] = {}
+
+    def column_properties(self, name: str) -> dict:
+        multihot = bool(self.multihot.get(name))
+        return {"cardinality": self.capacity, "is_list": multihot, "dynamic": True,
+                "max_length": self.max_lengths[name] if multihot else 0}
+
+    def transform(self, df: Any) -> Any:
+        self._require_fitted()
+        if is_cudf(df):
+            return frame_like(df, {name: cudf_from_pandas(self.transform_column(name, cudf_to_pandas(df[name])),
+                                                          df[name]) for name in df.columns})
+        return frame_like(df, {name: self.transform_column(name, df[name]) for name in df.columns})
+
+    def transform_column(self, name: str, values: Any) -> Any:
+        if not self.multihot.get(name):
+            return hash_ids(as_arrow_strings(values, name=name))
+        lists = as_arrow(values, name)
+        if pa.types.is_null(lists.type):
+            lists = lists.cast(pa.list_(pa.string()))
+        if not (pa.types.is_list(lists.type) or pa.types.is_large_list(lists.type)):
+            raise BadInputError(f"column {name!r}: expected lists (multi-hot), found {lists.type}")
+        flat = pc.list_flatten(lists)
+        ids = hash_ids(as_arrow_strings(pd.arrays.ArrowExtensionArray(flat), name=name))
+        return lists_from_flat(ids, list_lengths(lists), getattr(values, "index", None))
+
+    def get_params(self) -> dict:
+        return {"capacity": self.capacity}
+
+
+def hash_ids(strings: pa.Array) -> np.ndarray:
+    """int64 ids of strings: MurmurHash3_x86_32 of each with seed 0 (high 32 bits) and seed 1 (low); null: 0."""
+    high = murmur3_strings(strings, seed=0).astype(np.uint64) << np.uint64(32)
+    ids = (high | murmur3_strings(strings, seed=1).astype(np.uint64)).view(np.int64)
+    return np.where(strings.is_null().to_numpy(zero_copy_only=False), 0, ids)
 
 
 def _bucket(df: Any, names: list[str], num_buckets: int) -> Any:

@@ -1,34 +1,9 @@
-// Shared by the embedding kernels: 16-bit float storage types, conversions, 16-byte row loads and
-// stores, sub-warp masks and the hash behind stochastic rounding. Self-contained (no CUDA headers),
-// so NVRTC compiles it with no include path and nvcc compiles it as is.
+// Shared by the embedding kernels: rounding modes, 16-byte row loads and stores, sub-warp masks and the
+// hash behind stochastic rounding, over the storage types of floats.cuh. Self-contained (no CUDA
+// headers): NVRTC compiles it with no include path.
 #pragma once
 
-struct __align__(2) f16 { unsigned short bits; };
-struct __align__(2) bf16 { unsigned short bits; };
-
-__device__ __forceinline__ float to_f32(float v) { return v; }
-__device__ __forceinline__ float to_f32(f16 v) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.bits));
-    return f;
-}
-__device__ __forceinline__ float to_f32(bf16 v) { return __uint_as_float(((unsigned int)v.bits) << 16); }
-
-__device__ __forceinline__ float half_bits_to_f32(unsigned short bits, f16) { return to_f32(f16{bits}); }
-__device__ __forceinline__ float half_bits_to_f32(unsigned short bits, bf16) { return to_f32(bf16{bits}); }
-
-template <typename T> __device__ __forceinline__ T round_nearest(float x);
-template <> __device__ __forceinline__ float round_nearest<float>(float x) { return x; }
-template <> __device__ __forceinline__ f16 round_nearest<f16>(float x) {
-    f16 r;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.bits) : "f"(x));
-    return r;
-}
-template <> __device__ __forceinline__ bf16 round_nearest<bf16>(float x) {
-    bf16 r;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r.bits) : "f"(x));
-    return r;
-}
+#include "floats.cuh"
 
 __device__ __forceinline__ f16 round_toward_zero(float x, f16) {
     f16 r;

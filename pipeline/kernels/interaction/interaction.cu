@@ -19,39 +19,25 @@
 // Shared rows are ROW_WORDS words apart, four more than a chunk, so the fragment loads of 8 rows
 // x 4 words hit 32 different banks; the fp32 backward reads X down its columns and takes
 // COLUMN_ROW_WORDS for the same reason. Self-contained (no CUDA headers): NVRTC compiles it with
-// no include path and nvcc compiles it as is.
+// no include path.
 
 #define CHUNK_WORDS 64
 #define ROW_WORDS 68
 #define COLUMN_ROW_WORDS 72
 
+#include "floats.cuh"
+
 typedef unsigned int u32;
 typedef unsigned short u16;
 
-struct __align__(2) f16 { u16 bits; };
-struct __align__(2) bf16 { u16 bits; };
-
 extern __shared__ __align__(16) u32 smem[];
-
-template <typename T> __device__ __forceinline__ T round_to(float x);
-template <> __device__ __forceinline__ float round_to<float>(float x) { return x; }
-template <> __device__ __forceinline__ f16 round_to<f16>(float x) {
-    f16 r;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.bits) : "f"(x));
-    return r;
-}
-template <> __device__ __forceinline__ bf16 round_to<bf16>(float x) {
-    bf16 r;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r.bits) : "f"(x));
-    return r;
-}
 
 // Two results of one row, side by side in shared memory (col even): as they are stored in T.
 __device__ __forceinline__ void store_two(u32* row, int col, float a, float b, float) {
     *reinterpret_cast<float2*>(row + col) = make_float2(a, b);
 }
 template <typename T> __device__ __forceinline__ void store_two(u32* row, int col, float a, float b, T) {
-    row[col >> 1] = (u32)round_to<T>(a).bits | ((u32)round_to<T>(b).bits << 16);
+    row[col >> 1] = (u32)round_nearest<T>(a).bits | ((u32)round_nearest<T>(b).bits << 16);
 }
 
 // One 32-bit word of a fragment: two 16-bit values, or an fp32 value as a high and a low tf32 part.
@@ -212,7 +198,7 @@ __device__ __forceinline__ void dot_interaction_forward(const T* __restrict__ x,
 #pragma unroll
                 for (int q = 0; q < 4; ++q) {
                     const int i = m * 16 + g + (q >> 1) * 8, j = n * 8 + 2 * t + (q & 1);
-                    if (j < i && i < V) staged[i * (i - 1) / 2 + j] = round_to<T>(c[m][n][q]);
+                    if (j < i && i < V) staged[i * (i - 1) / 2 + j] = round_nearest<T>(c[m][n][q]);
                 }
         __syncwarp();
         T* ob = out + (long long)b * pairs;

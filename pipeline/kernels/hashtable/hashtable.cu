@@ -1,0 +1,252 @@
+// The hash table of embedding ids: find, the placement of a writing call's keys, and row copies.
+//
+// Layout (docs/HASHTABLE.md): `capacity` = num_buckets * SLOTS slots; per slot a digest byte (0: empty),
+// a 64-bit key, a 64-bit score, and a row of `dim` floats in `values` [capacity, dim]. A key's hash
+// h = mix64(key) picks its bucket ((h >> 32) * num_buckets >> 32) and its digest (h & 0xff, or 1 when
+// that is 0). The plain-torch reference (reference.py) is the same table, operation for operation.
+// Self-contained (no CUDA headers), so NVRTC compiles it with no include path and nvcc compiles it as is.
+
+#define SLOTS 128       // slots per bucket, as in reference.py
+#define FIND_GROUP 8    // threads per key in find_keys: each holds 16 of the bucket's digests
+#define COPY_GROUP 8    // threads per row in copy_rows
+#define FULL_WARP 0xffffffffu
+#define LRU 0           // score policies, as in reference.py
+#define LFU 1
+#define MAX_SCORE 0x7fffffffffffffffll
+
+typedef unsigned long long u64;
+
+// MurmurHash3's 64-bit finalizer: a bijection, so distinct keys have distinct hashes.
+__device__ __forceinline__ u64 mix64(u64 h) {
+    h ^= h >> 33;
+    h *= 0xff51afd7ed558ccdull;
+    h ^= h >> 33;
+    h *= 0xc4ceb9fe1a85ec53ull;
+    h ^= h >> 33;
+    return h;
+}
+
+__device__ __forceinline__ long long bucket_of(u64 h, long long num_buckets) {
+    return (long long)(((h >> 32) * (u64)num_buckets) >> 32);
+}
+
+__device__ __forceinline__ unsigned int digest_of(u64 h) {
+    const unsigned int low = (unsigned int)(h & 0xffu);
+    return low == 0u ? 1u : low;
+}
+
+// Bit j set where byte j of `word` equals the byte repeated four times in `target4`: the zero bytes of
+// their xor, found exactly (the sums stay within each byte, so no carry crosses into the next).
+__device__ __forceinline__ unsigned int byte_matches(unsigned int word, unsigned int target4) {
+    const unsigned int x = word ^ target4;
+    const unsigned int zero = ~(((x & 0x7f7f7f7fu) + 0x7f7f7f7fu) | x | 0x7f7f7f7fu);  // 0x80 in each zero byte
+    return ((zero >> 7) & 1u) | ((zero >> 14) & 2u) | ((zero >> 21) & 4u) | ((zero >> 28) & 8u);
+}
+
+// Keys whose signed order is the unsigned order of their hashes (bucket first), for torch.sort.
+extern "C" __global__ void __launch_bounds__(256) hash_order_keys(const long long* __restrict__ keys, long long n,
+                                                                  long long* __restrict__ out) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = (long long)(mix64((u64)keys[i]) ^ 0x8000000000000000ull);
+}
+
+// Copies one row of `dim` floats with the `lanes` threads of a group (`g`: this thread's rank), 16-byte
+// accesses when `aligned` (dim % 4 == 0, both rows on 16-byte boundaries), four in flight per thread.
+// A null `src` writes zeros.
+__device__ __forceinline__ void copy_row(float* __restrict__ dst, const float* __restrict__ src, int dim, bool aligned,
+                                         int g, int lanes) {
+    if (aligned) {
+        const int vectors = dim >> 2;
+        const float4* s = reinterpret_cast<const float4*>(src);
+        float4* d = reinterpret_cast<float4*>(dst);
+        for (int v0 = g; v0 < vectors; v0 += 4 * lanes) {
+            float4 r[4];
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                const int v = v0 + u * lanes;
+                r[u] = (src != nullptr && v < vectors) ? __ldg(s + v) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            }
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                const int v = v0 + u * lanes;
+                if (v < vectors) d[v] = r[u];
+            }
+        }
+    } else {
+        for (int c = g; c < dim; c += lanes) dst[c] = src != nullptr ? __ldg(src + c) : 0.0f;
+    }
+}
+
+// Find: a group of FIND_GROUP threads per key. The group loads the bucket's 128 digests with one
+// 16-byte load per thread, compares them four at a time (byte_matches), loads the keys only where a
+// digest matches, and the thread that finds the key hands its slot to the group, which copies the row
+// (or zeros) to out[i]. `out` and `slots` may be null (not wanted).
+extern "C" __global__ void __launch_bounds__(256) find_keys(
+    const unsigned char* __restrict__ digests, const long long* __restrict__ table_keys,
+    const float* __restrict__ values, long long num_buckets, int dim, int aligned,
+    const long long* __restrict__ keys, long long n,
+    float* __restrict__ out, bool* __restrict__ found, long long* __restrict__ slots) {
+    const long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / FIND_GROUP;
+    if (i >= n) return;  // the whole group: its threads share i
+    const int g = threadIdx.x % FIND_GROUP;
+    const unsigned int group = ((1u << FIND_GROUP) - 1u) << ((threadIdx.x & 31u) & ~(unsigned int)(FIND_GROUP - 1));
+    const u64 key = (u64)keys[i];
+    const u64 h = mix64(key);
+    const long long base = bucket_of(h, num_buckets) * SLOTS;
+    const unsigned int target = digest_of(h) * 0x01010101u;
+    const uint4 d = __ldg(reinterpret_cast<const uint4*>(digests + base) + g);
+    unsigned int hits = byte_matches(d.x, target) | (byte_matches(d.y, target) << 4) |
+                        (byte_matches(d.z, target) << 8) | (byte_matches(d.w, target) << 12);
+    int pos = -1;
+    while (hits != 0u) {
+        const int p = 16 * g + __ffs(hits) - 1;
+        hits &= hits - 1u;
+        if ((u64)__ldg(table_keys + base + p) == key) {
+            pos = p;
+            break;
+        }
+    }
+    const unsigned int holder = __ballot_sync(group, pos >= 0);
+    if (holder != 0u) pos = __shfl_sync(group, pos, __ffs(holder) - 1);
+    const long long slot = holder != 0u ? base + pos : -1;
+    if (g == 0) {
+        found[i] = holder != 0u;
+        if (slots != nullptr) slots[i] = slot;
+    }
+    if (out != nullptr)
+        copy_row(out + i * dim, slot >= 0 ? values + slot * dim : nullptr, dim, aligned != 0, g, FIND_GROUP);
+}
+
+// The placement of a writing call: one warp per bucket walks the bucket's distinct keys in hash order
+// (`ordered`: hash_order_keys sorted, `order`: their batch positions, stable) twice. First the keys in
+// the table: each keeps its slot and gets its score. Then the new keys, one at a time: the lowest empty
+// slot, else, if the key's score is higher than the lowest score among the slots this call has not
+// touched, that slot (the lowest slot on ties), whose key is evicted, else none. Lane l keeps the
+// digests of slots 4l..4l+3 in a register and a bit per slot touched by this call; a slot's key and
+// score are read and written by its own lane only, but the slot's old score under LFU, which every
+// lane reads. Writes digests, keys and scores; the rows are copied by the caller (copy_rows).
+//
+// Out, per batch position p: slots[p] (-1: not placed), was_new[p], writers[p] (the slot the row of
+// position p goes to, -1: none; the key's last position with `assign`, else its first and only when
+// new), and, at a key's first position, evicted[p] (zeroed by the caller) with the evicted key and score.
+extern "C" __global__ void __launch_bounds__(256) place_keys(
+    unsigned char* __restrict__ digests, long long* __restrict__ table_keys, long long* __restrict__ table_scores,
+    long long num_buckets, const long long* __restrict__ keys, const long long* __restrict__ ordered,
+    const long long* __restrict__ order, long long n, const long long* __restrict__ given_scores, int policy,
+    long long clock, int assign, long long* __restrict__ slots, bool* __restrict__ was_new,
+    long long* __restrict__ writers, bool* __restrict__ evicted, long long* __restrict__ evicted_keys,
+    long long* __restrict__ evicted_scores) {
+    const long long start = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int lane = threadIdx.x & 31;
+    if (start >= n) return;  // the whole warp
+    const long long bucket = bucket_of((u64)ordered[start] ^ 0x8000000000000000ull, num_buckets);
+    if (start > 0 && bucket_of((u64)ordered[start - 1] ^ 0x8000000000000000ull, num_buckets) == bucket) return;
+    const long long base = bucket * SLOTS;
+    const long long mine = base + 4 * lane;  // this lane's first slot
+    unsigned int digest4 = *reinterpret_cast<const unsigned int*>(digests + mine);  // byte j: slot mine + j
+    unsigned int touched = 0u;                                                    // bit j: slot mine + j
+
+    for (int placing_new = 0; placing_new < 2; ++placing_new) {
+        for (long long i = start, end; i < n; i = end) {
+            const u64 h = (u64)ordered[i] ^ 0x8000000000000000ull;
+            if (bucket_of(h, num_buckets) != bucket) break;
+            for (end = i + 1; end < n && ordered[end] == ordered[i];) ++end;
+            const long long first = order[i];
+            const long long key = keys[first];
+            const unsigned int digest = digest_of(h);
+
+            // Its slot if it is in the table: the digests, then the keys where they match.
+            int own = -1;
+            for (unsigned int hits = byte_matches(digest4, digest * 0x01010101u); hits != 0u; hits &= hits - 1u) {
+                const int j = __ffs(hits) - 1;
+                if (table_keys[mine + j] == key) {
+                    own = 4 * lane + j;
+                    break;
+                }
+            }
+            const unsigned int holder = __ballot_sync(FULL_WARP, own >= 0);
+            const bool found = holder != 0u;
+            if (found == (placing_new != 0)) continue;  // a found key in the first walk, a new one in the second
+
+            bool has_empty = false;
+            long long lowest = MAX_SCORE;
+            int pos;
+            if (found) {
+                pos = __shfl_sync(FULL_WARP, own, __ffs(holder) - 1);
+            } else {
+                const unsigned int empty = byte_matches(digest4, 0u);
+                const unsigned int with_empty = __ballot_sync(FULL_WARP, empty != 0u);
+                has_empty = with_empty != 0u;
+                if (has_empty) {
+                    pos = __shfl_sync(FULL_WARP, 4 * lane + __ffs(empty) - 1, __ffs(with_empty) - 1);
+                } else {
+                    // A full bucket: the lowest score among the slots not touched, the lowest slot on ties
+                    // (SLOTS: none below MAX_SCORE).
+                    pos = SLOTS;
+                    for (int j = 0; j < 4; ++j) {
+                        if (((touched >> j) & 1u) == 0u && table_scores[mine + j] < lowest) {
+                            lowest = table_scores[mine + j];
+                            pos = 4 * lane + j;
+                        }
+                    }
+                    for (int offset = 16; offset > 0; offset >>= 1) {
+                        const long long other = __shfl_xor_sync(FULL_WARP, lowest, offset);
+                        const int other_pos = __shfl_xor_sync(FULL_WARP, pos, offset);
+                        if (other < lowest || (other == lowest && other_pos < pos)) {
+                            lowest = other;
+                            pos = other_pos;
+                        }
+                    }
+                }
+            }
+
+            const long long last = order[end - 1];
+            long long score;
+            if (policy == LRU) score = clock;
+            else if (policy == LFU) score = (found ? table_scores[base + pos] : 0) + (end - i);
+            else score = given_scores[assign ? last : first];
+            const bool evict = !found && !has_empty && pos < SLOTS && score > lowest;
+            const bool stored = found || has_empty || evict;
+            const long long slot = stored ? base + pos : -1;
+            __syncwarp();  // every lane has read the old score before its lane writes the new one
+
+            if (stored && (pos >> 2) == lane) {
+                const int j = pos & 3;
+                if (evict) {
+                    evicted_keys[first] = table_keys[mine + j];
+                    evicted_scores[first] = lowest;
+                }
+                if (!found) {
+                    digest4 = (digest4 & ~(0xffu << (8 * j))) | (digest << (8 * j));
+                    digests[mine + j] = (unsigned char)digest;
+                    table_keys[mine + j] = key;
+                }
+                table_scores[mine + j] = score;
+                touched |= 1u << j;
+            }
+            if (lane == 0) evicted[first] = evict;
+            const long long writer = !stored ? -1 : assign ? last : found ? -1 : first;
+            for (long long q = i + lane; q < end; q += 32) {
+                const long long p = order[q];
+                slots[p] = slot;
+                was_new[p] = !found;
+                writers[p] = p == writer ? slot : -1;
+            }
+        }
+    }
+}
+
+// Row copies, a group of COPY_GROUP threads per row i < n: dst[d] = src[s], d = dst_index[i] (or i when
+// dst_index is null; skipped when d < 0), s = src_index[i] (or i when null), fallback[i] when s < 0.
+extern "C" __global__ void __launch_bounds__(256) copy_rows(
+    float* __restrict__ dst, const long long* __restrict__ dst_index, const float* __restrict__ src,
+    const long long* __restrict__ src_index, const float* __restrict__ fallback, long long n, int dim,
+    int aligned) {
+    const long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / COPY_GROUP;
+    if (i >= n) return;
+    const int g = threadIdx.x % COPY_GROUP;
+    const long long d = dst_index != nullptr ? dst_index[i] : i;
+    if (d < 0) return;
+    const long long s = src_index != nullptr ? src_index[i] : i;
+    copy_row(dst + d * dim, s >= 0 ? src + s * dim : fallback + i * dim, dim, aligned != 0, g, COPY_GROUP);
+}

@@ -1,0 +1,97 @@
+"""The hash table's operations through the kernels of ``hashtable.cu``: the same functions, arguments and
+results as :mod:`.reference`, on CUDA tensors.
+
+``place`` orders the batch with one ``torch.sort`` of ``hash_order_keys`` (stable: a repeated key's
+positions stay in batch order), then one warp per bucket places the bucket's keys (``place_keys``);
+``find`` and ``locate`` give each key a group of ``FIND_GROUP`` threads; rows move with ``copy_rows``.
+
+Example::
+
+    placed = place(storage, keys, None, policy=LRU, clock=1, assign=True)
+    write_rows(storage.values, placed.writers, rows)
+    values, found = find(storage, keys)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline.kernels._launch import i32, i64, launch, ptr
+from pipeline.kernels.hashtable.reference import Placement, Storage
+
+SOURCE = "hashtable/hashtable.cu"
+BLOCK = 256
+FIND_GROUP = 8  # threads per key in find_keys; as FIND_GROUP in hashtable.cu
+COPY_GROUP = 8  # threads per row in copy_rows; as COPY_GROUP in hashtable.cu
+WARP = 32
+
+
+def _blocks(threads: int) -> int:
+    return -(-threads // BLOCK)
+
+
+def _aligned(*tensors: torch.Tensor | None) -> bool:
+    """Rows that 16-byte accesses can move: a multiple of 4 floats, every tensor on a 16-byte boundary."""
+    present = [t for t in tensors if t is not None]
+    return present[0].shape[-1] % 4 == 0 and all(t.data_ptr() % 16 == 0 for t in present)
+
+
+def _find(storage: Storage, keys: torch.Tensor, values: bool) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    n = keys.numel()
+    out = torch.empty(n, storage.values.shape[1], dtype=torch.float32, device=keys.device) if values else None
+    found = torch.empty(n, dtype=torch.bool, device=keys.device)
+    slots = torch.empty(n, dtype=torch.int64, device=keys.device)
+    dim = storage.values.shape[1]
+    launch(SOURCE, "find_keys", keys.device, _blocks(n * FIND_GROUP), BLOCK,
+           [ptr(storage.digests), ptr(storage.keys), ptr(storage.values), i64(storage.num_buckets), i32(dim),
+            i32(_aligned(storage.values, out)), ptr(keys), i64(n), ptr(out), ptr(found), ptr(slots)])
+    return out, found, slots
+
+
+def locate(storage: Storage, keys: torch.Tensor) -> torch.Tensor:
+    """int64 ``[n]``: the slot of each key, -1 where it is not in the table."""
+    return _find(storage, keys, values=False)[2]
+
+
+def find(storage: Storage, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float32 ``[n, dim]``: each key's row, zeros where it is missing; bool ``[n]``: found)."""
+    out, found, _ = _find(storage, keys, values=True)
+    return out, found
+
+
+def _copy_rows(dst: torch.Tensor, dst_index: torch.Tensor | None, src: torch.Tensor, src_index: torch.Tensor | None,
+               fallback: torch.Tensor | None, n: int) -> None:
+    launch(SOURCE, "copy_rows", dst.device, _blocks(n * COPY_GROUP), BLOCK,
+           [ptr(dst), ptr(dst_index), ptr(src), ptr(src_index), ptr(fallback), i64(n), i32(dst.shape[1]),
+            i32(_aligned(dst, src, fallback))])
+
+
+def read_rows(values: torch.Tensor, slots: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    """``[n, dim]``: row ``slots[p]`` of ``values``, or ``fallback[p]`` where ``slots[p] < 0``."""
+    out = torch.empty_like(fallback)
+    _copy_rows(out, None, values, slots, fallback, slots.numel())
+    return out
+
+
+def write_rows(values: torch.Tensor, writers: torch.Tensor, rows: torch.Tensor) -> None:
+    """``values[writers[p]] = rows[p]`` where ``writers[p] >= 0`` (distinct slots)."""
+    _copy_rows(values, writers, rows, None, None, writers.numel())
+
+
+def place(storage: Storage, keys: torch.Tensor, scores: torch.Tensor | None, policy: int, clock: int,
+          assign: bool) -> Placement:
+    """As :func:`.reference.place`: decide every key's slot and write the slots' digests, keys and scores."""
+    n = keys.numel()
+    device = keys.device
+    hashed = torch.empty_like(keys)
+    launch(SOURCE, "hash_order_keys", device, _blocks(n), BLOCK, [ptr(keys), i64(n), ptr(hashed)])
+    ordered, order = torch.sort(hashed, stable=True)
+    slots, writers = torch.empty_like(keys), torch.empty_like(keys)
+    was_new = torch.empty(n, dtype=torch.bool, device=device)
+    evicted = torch.zeros(n, dtype=torch.bool, device=device)
+    evicted_keys, evicted_scores = torch.empty_like(keys), torch.empty_like(keys)
+    launch(SOURCE, "place_keys", device, _blocks(n * WARP), BLOCK,
+           [ptr(storage.digests), ptr(storage.keys), ptr(storage.scores), i64(storage.num_buckets), ptr(keys),
+            ptr(ordered), ptr(order), i64(n), ptr(scores), i32(policy), i64(clock), i32(assign), ptr(slots),
+            ptr(was_new), ptr(writers), ptr(evicted), ptr(evicted_keys), ptr(evicted_scores)])
+    return Placement(slots, was_new, writers, evicted, evicted_keys, evicted_scores)

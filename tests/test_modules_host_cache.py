@@ -1,0 +1,172 @@
+"""Host-cached tables train exactly as tables kept whole in device memory, for caches of 1% to 100% of them.
+
+A :class:`HostCachedCollection` and the plain collection it was made from train on the same batches
+(Zipf-skewed ids, multi-hot mean-pooled bags, a table shared by two features, a second table on one
+feature, a table left in device memory): every step's output and the final rows and optimizer state
+must be equal, bit for bit with SGD, while the small caches evict and write rows back. Then: a
+prefetch run one batch ahead never evicts the rows of the batch still training; the state dict is the
+plain collection's and resumes into another cache size; the cache's least-recently-used order and
+write-back, and the error of a batch that does not fit.
+"""
+
+import pytest
+import torch
+
+from pipeline.modules.cached_collection import HostCachedCollection
+from pipeline.modules.collection import EmbeddingCollection
+from pipeline.modules.configs import EmbeddingOptimizerConfig, TableConfig
+from pipeline.modules.host_cache import CacheTooSmall, RowCache
+from pipeline.sparse import KeyedJaggedTensor
+
+FEATURES = ["A", "B", "C", "D"]
+TABLES = [
+    TableConfig("big", 20_000, 8, ["A"]),
+    TableConfig("shared", 20_000, 4, ["B", "C"], pooling="mean"),   # B multi-hot, C one-hot
+    TableConfig("small", 50, 8, ["D"]),                             # stays in device memory
+    TableConfig("wide", 5_000, 16, ["A"]),                          # a second table on feature A
+]
+CACHED = ("big", "shared", "wide")
+ROWS = {t.name: t.rows for t in TABLES}
+BATCH = 16
+STEPS = 30
+
+
+def batch(step: int, size: int = BATCH) -> tuple[KeyedJaggedTensor, torch.Tensor]:
+    """Zipf-like ids (most of them on a few hundred rows), B with 0 to 3 ids per sample."""
+    g = torch.Generator().manual_seed(step)
+    bags = []
+    for f, limit in zip(FEATURES, (5_000, 20_000, 20_000, 50)):
+        lengths = torch.randint(0, 4, (size,), generator=g) if f == "B" else torch.ones(size, dtype=torch.int64)
+        ids = (torch.rand(int(lengths.sum()), generator=g) ** 4 * limit).long()
+        bags.append([chunk.tolist() for chunk in ids.split(lengths.tolist())])
+    target = torch.randn(size, 8 + 4 + 4 + 8 + 16, generator=g)
+    return KeyedJaggedTensor.from_lists(FEATURES, bags), target
+
+
+def plain(opt: str, weights_dtype: str = "fp32", master: bool = False) -> EmbeddingCollection:
+    optimizer = EmbeddingOptimizerConfig(opt, lr=0.05, master_weights=master)
+    return EmbeddingCollection(TABLES, FEATURES, optimizer, weights_dtype=weights_dtype, backend="torch",
+                               generator=torch.Generator().manual_seed(7))
+
+
+def cache_rows(fraction: float) -> dict[str, int]:
+    return {name: max(1, int(fraction * ROWS[name])) for name in CACHED}
+
+
+def train(ec, steps: range, ahead: bool = False) -> list[torch.Tensor]:
+    """``steps`` batches; ``ahead``: each next batch prefetched before this one's lookup and update."""
+    outputs = []
+    prefetched = ec.prefetch(batch(steps[0])[0]) if ahead else None
+    for step in steps:
+        kjt, target = batch(step)
+        if ahead:
+            current, prefetched = prefetched, (ec.prefetch(batch(step + 1)[0]) if step + 1 < steps.stop else None)
+            kjt = current
+        out = ec(kjt)
+        (out * target).sum().backward()
+        outputs.append(out.detach())
+    return outputs
+
+
+def assert_same(a, b, exact: bool) -> None:
+    if exact:
+        assert torch.equal(a, b)
+    else:
+        torch.testing.assert_close(a, b)
+
+
+def assert_same_state(reference: EmbeddingCollection, other: EmbeddingCollection, exact: bool) -> None:
+    expected, got = reference.state_dict(), other.state_dict()
+    assert list(got) == list(expected)
+    for key in expected:
+        assert_same(expected[key], got[key], exact)
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adagrad", "adam"])
+@pytest.mark.parametrize("fraction", [0.01, 0.1, 0.5, 1.0])
+def test_host_cached_tables_train_like_tables_in_device_memory(opt, fraction):
+    reference = plain(opt)
+    cached = HostCachedCollection.from_collection(plain(opt), cache_rows(fraction))
+    exact = opt == "sgd"
+    for want, got in zip(train(reference, range(STEPS)), train(cached, range(STEPS))):
+        assert_same(want, got, exact)
+    assert_same_state(reference, cached, exact)
+    stats = cached.cache_stats()
+    assert sorted(stats) == sorted(CACHED)
+    assert cached.weights.numel() < reference.weights.numel() or fraction == 1.0
+    for name, s in stats.items():
+        assert 0 < s.hits < s.rows
+        if fraction == 0.01:
+            assert s.evictions > 0 and s.writebacks > 0, name
+        if fraction == 1.0:
+            assert s.evictions == 0, name
+    # A lookup outside training with more distinct rows than a cache holds goes in halves of its samples.
+    reference.eval()
+    cached.eval()
+    with torch.no_grad():
+        kjt, _ = batch(1000, size=2000)
+        assert_same(reference(kjt), cached(kjt), exact)
+
+
+def test_sixteen_bit_tables_with_master_weights_train_alike():
+    reference = plain("adagrad", "bf16", master=True)
+    cached = HostCachedCollection.from_collection(plain("adagrad", "bf16", master=True), cache_rows(0.01))
+    for want, got in zip(train(reference, range(STEPS)), train(cached, range(STEPS))):
+        torch.testing.assert_close(want, got)
+    assert "state_master_weights" in cached.state_dict()
+    assert_same_state(reference, cached, exact=False)
+
+
+def test_a_prefetch_one_batch_ahead_spares_the_rows_of_the_batch_still_training():
+    reference = plain("adagrad")
+    cached = HostCachedCollection.from_collection(plain("adagrad"), cache_rows(0.01))
+    for want, got in zip(train(reference, range(STEPS)), train(cached, range(STEPS), ahead=True)):
+        torch.testing.assert_close(want, got)
+    assert_same_state(reference, cached, exact=False)
+    assert all(s.evictions > 0 for s in cached.cache_stats().values())
+
+
+def test_the_state_dict_is_the_plain_collections_and_resumes_into_another_cache_size():
+    reference = plain("adam")
+    cached = HostCachedCollection.from_collection(plain("adam"), cache_rows(0.01))
+    train(reference, range(10))
+    train(cached, range(10))
+    saved = {k: v.clone() for k, v in cached.state_dict().items()}
+    assert_same_state(reference, cached, exact=False)
+    train(reference, range(10, 20))
+    for other in (HostCachedCollection(TABLES, FEATURES, cache_rows(0.5), reference.optimizer, backend="torch"),
+                  HostCachedCollection(TABLES, FEATURES, cache_rows(0.01), reference.optimizer, backend="torch"),
+                  EmbeddingCollection(TABLES, FEATURES, reference.optimizer, backend="torch")):
+        other.load_state_dict(saved)
+        train(other, range(10, 20))
+        assert_same_state(reference, other, exact=False)
+    # Rows written through a cached table's views are what the next lookup reads.
+    views = cached.table_views("big")
+    with torch.no_grad():
+        views["weight"][batch(10)[0]["A"].values] = 3.0
+    assert torch.all(cached(batch(10)[0])[:, :8] == 3.0)
+
+
+def test_the_least_recently_used_row_goes_and_a_dirty_one_is_written_back():
+    host = {"weight": torch.arange(10.0).view(10, 1)}
+    device = {"weight": torch.zeros(3, 1)}
+    cache = RowCache("t", 3)
+    slots = cache.prefetch(torch.tensor([1, 2, 1]), host, device, training=True)
+    assert slots[0] == slots[2] and device["weight"][slots, 0].tolist() == [1.0, 2.0, 1.0]
+    device["weight"][slots[0]] = 100.0  # row 1 updated in the cache
+    cache.prefetch(torch.tensor([3]), host, device, training=False)  # the empty slot
+    cache.prefetch(torch.tensor([4]), host, device, training=True)  # rows 1, 2 spared: row 3 goes, clean
+    assert host["weight"][:, 0].tolist() == list(range(10))
+    cache.prefetch(torch.tensor([5]), host, device, training=True)  # row 1 and 2 the least recent: row 1 goes
+    assert host["weight"][1, 0] == 100.0 and cache.stats.evictions == 2 and cache.stats.writebacks == 1
+    assert cache.index.find(torch.tensor([1, 2, 4, 5])).ge(0).tolist() == [False, True, True, True]
+    with pytest.raises(CacheTooSmall, match="table t: a batch needs 3 rows copied into its device cache of 3 rows, but "
+                                            "only 2 slots"):
+        cache.prefetch(torch.tensor([6, 7, 8]), host, device, training=True)
+
+
+def test_a_training_batch_larger_than_a_cache_is_refused_naming_the_table():
+    cached = HostCachedCollection.from_collection(plain("sgd"), {"big": 40})
+    kjt, _ = batch(0, size=100)
+    with pytest.raises(CacheTooSmall, match="table big"):
+        cached(kjt)

@@ -1,0 +1,123 @@
+"""Training on several nodes: README.md's torchrun command, run as two nodes of this machine (two
+launchers meeting at a c10d rendezvous on 127.0.0.1, 2 gloo processes each), trains what
+``run train --nproc 4`` trains on one node, into one run folder that only global rank 0 writes; every
+command but the training is refused in the processes torchrun started."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.loader.synthetic import criteo_schema, write_processed
+from pipeline.stages.config import load_config
+from pipeline.train.checkpoint import sharded_checkpoints
+
+ROOT = Path(__file__).resolve().parents[1]
+SETTINGS = ["device=cpu", "progress=off", "train.batch_size=128", "train.eval_batch_size=512", "train.epochs=1",
+            "train.max_steps=6", "train.checkpoint_every=4", "train.embedding_dim=8", "train.bottom_mlp=[16,8]",
+            "train.top_mlp=[16,1]", "train.log_every=3"]
+
+
+def readme_command() -> list[str]:
+    """The words of README.md's several-node command (the one line starting ``torchrun --nnodes``)."""
+    text = (ROOT / "README.md").read_text().replace("\\\n", " ")
+    lines = [line for line in text.splitlines() if line.startswith("torchrun --nnodes")]
+    assert len(lines) == 1, "README.md shows one several-node torchrun command"
+    return shlex.split(lines[0], comments=True)
+
+
+def flag(words: list[str], name: str) -> str:
+    return words[words.index(name) + 1]
+
+
+def node_command(words: list[str], endpoint: str, workdir: Path) -> list[str]:
+    """``words`` run by this Python (torchrun is ``python -m torch.distributed.run``), meeting at
+    ``endpoint``, in ``workdir``, with the small training of :data:`SETTINGS`."""
+    words = list(words)
+    words[words.index("--rdzv-endpoint") + 1] = endpoint
+    words = [f"workdir={workdir}" if w.startswith("workdir=") else w for w in words]
+    return [sys.executable, "-m", "torch.distributed.run", *words[1:], *SETTINGS]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_nodes(commands: list[list[str]], timeout_s: float = 300) -> None:
+    """Start every command at once (one launcher per node) and wait for all; fail with their output."""
+    nodes = [subprocess.Popen(c, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for c in commands]
+    try:
+        outputs = [node.communicate(timeout=timeout_s)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+                node.wait()
+    for node, output in zip(nodes, outputs):
+        assert node.returncode == 0, f"{shlex.join(node.args)} failed:\n{output}"
+
+
+def finished_run(train: Path, name: str) -> tuple[dict, dict[str, torch.Tensor], str]:
+    """``result.json``, the weights of ``model.pt`` (those of the newest checkpoint, as one process holds
+    them) and the newest checkpoint's name, of the run ``name`` under ``train``."""
+    out = train / name
+    weights = torch.load(out / "model.pt", map_location="cpu", weights_only=True)
+    return json.loads((out / "result.json").read_text()), weights, sharded_checkpoints(out / "checkpoints")[-1].name
+
+
+def test_two_nodes_train_what_four_processes_of_one_node_train(tmp_path):
+    words = readme_command()
+    assert flag(words, "--rdzv-backend") == "c10d"
+    assert words[words.index("-m"):][:4] == ["-m", "pipeline", "run", "train"]
+    nodes, per_node = int(flag(words, "--nnodes")), int(flag(words, "--nproc-per-node"))
+    assert (nodes, per_node) == (2, 2)  # what two cores run in a test
+    cfg = load_config(None, [f"workdir={tmp_path}"])
+    schema = criteo_schema(size=0.0001, categorical=5, continuous=3, multihot={"M1": 3})
+    write_processed(cfg.paths.processed, schema, {"train": 4096, "valid": 512, "test": 1024}, row_group_rows=512,
+                    seed=3)
+    train = cfg.paths.train
+
+    run_nodes([[sys.executable, "-m", "pipeline", "run", "train", "--nproc", str(nodes * per_node),
+                f"workdir={tmp_path}", *SETTINGS, "train.run=one-node"]])
+    endpoint = f"127.0.0.1:{free_port()}"
+    run_nodes([node_command(words, endpoint, tmp_path) for _ in range(nodes)])
+
+    runs = sorted(p.name for p in train.iterdir() if p.is_dir() and not p.is_symlink())
+    assert len(runs) == 2 and "one-node" in runs  # the ranks of both nodes wrote one run folder
+    (several,) = set(runs) - {"one-node"}
+    assert (train / "latest").resolve() == (train / several).resolve()
+    one_result, one_weights, one_checkpoint = finished_run(train, "one-node")
+    result, weights, checkpoint = finished_run(train, several)
+
+    assert result["ranks"] == one_result["ranks"] == nodes * per_node
+    assert result["steps"] == one_result["steps"] == 6 and checkpoint == one_checkpoint
+    assert json.loads((train / several / "plan.json").read_text())["world_size"] == nodes * per_node
+    assert weights.keys() == one_weights.keys()
+    for key, value in one_weights.items():
+        torch.testing.assert_close(weights[key], value, msg=lambda m, key=key: f"{key}: {m}")
+    assert result["test"]["rows"] == 1024
+    assert result["test"]["auc"] == pytest.approx(one_result["test"]["auc"], abs=1e-6)
+    assert result["test"]["logloss"] == pytest.approx(one_result["test"]["logloss"], abs=1e-6)
+
+
+@pytest.mark.parametrize("argv,what", [(["run", "etl"], "run etl"), (["run", "all"], "run all"), (["data"], "data")])
+def test_under_torchrun_only_the_training_runs(tmp_path, monkeypatch, capsys, argv, what):
+    from pipeline.stages.cli import main
+
+    for name, value in {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)  # what torchrun gives the second process of a node
+    assert main([*argv, f"workdir={tmp_path}", "device=cpu"]) == 2
+    expected = (f"error: `{what}` under torchrun (4 processes): only `run train` runs on several processes; "
+                f"run `python -m pipeline {what}` once without torchrun, then train under it")
+    assert capsys.readouterr().err.strip().splitlines() == [expected]
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,165 @@
+"""Dynamic tables through the stages: the ETL's raw 64-bit ids, the loader, training, resuming, export."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from pipeline.schema import Schema
+from pipeline.stages.cli import main
+from pipeline.stages.config import load_config
+from pipeline.stages.etl import run as run_etl
+from pipeline.stages.train import run
+from pipeline.train.driver import train
+from pipeline.train.loop import Callback
+from pipeline.train.model import load_trained
+
+SMALL = ["device=cpu", "data.rows=6000", "etl.cluster=threads", "etl.row_group_rows=1024", "progress=off",
+         "etl.hash_ids={C1: 256, C4: 128}", "train.batch_size=128", "train.eval_batch_size=512",
+         "train.embedding_dim=8", "train.bottom_mlp=[16,8]", "train.top_mlp=[16,1]", "train.log_every=4",
+         "train.warmup_steps=3", "train.threads=1", "train.admit_after=2"]
+
+
+def _config(workdir, *overrides):
+    return load_config(None, [f"workdir={workdir}", *SMALL, *overrides])
+
+
+@pytest.fixture(scope="module")
+def processed(tmp_path_factory):
+    """The workdir of a data and ETL run whose C1 and C4 are raw ids (C4: more values than its 128 rows)."""
+    workdir = tmp_path_factory.mktemp("dynamic")
+    run_etl(_config(workdir))
+    return workdir
+
+
+def _copy(processed, workdir):
+    """A workdir holding the processed data of ``processed`` (its own runs)."""
+    shutil.copytree(processed / "synthetic" / "processed", workdir / "synthetic" / "processed")
+    shutil.copytree(processed / "synthetic" / "workflow", workdir / "synthetic" / "workflow")
+    shutil.copytree(processed / "synthetic" / "raw", workdir / "synthetic" / "raw")
+    return workdir
+
+
+class Crash(RuntimeError):
+    """Stops a run as a crash would."""
+
+
+class CrashAfter(Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step(self, trainer) -> None:
+        if trainer.state.step == self.step:
+            raise Crash(f"stopping after step {self.step}")
+
+
+def _same(a, b, where="") -> None:
+    """Equal state dicts, the dynamic tables' extra states (nested dicts of tensors and values) included."""
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            _same(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    else:
+        assert a == b, where
+
+
+def test_raw_ids_train_dynamic_tables_that_evict_and_score_as_they_trained(processed, tmp_path):
+    cfg = _config(_copy(processed, tmp_path), "train.epochs=2", "train.model=deepfm")
+    schema = Schema.load(cfg.paths.schema)
+    assert schema.dynamic == ["C1", "C4"]
+    result = run(cfg)
+    assert result["test"]["auc"] > 0.6
+    model, _ = load_trained(cfg.paths.train / "latest")
+    assert result["dynamic_tables"]["t_C4"] == {"rows": 128, **model.embedding.dynamic["t_C4"].stats()}
+    assert sorted(model.embedding.dynamic.tables) == ["t_C1", "t_C4", "w_C1", "w_C4"]  # deep and wide tables
+    c4 = model.embedding.dynamic["t_C4"].stats()
+    assert c4["ids"] > 100 and c4["evictions"] > 0 and c4["candidates"] > 0
+    assert model.embedding.dynamic["t_C1"].stats()["evictions"] == 0
+
+    from pipeline.loader import Loader
+    from pipeline.train.evaluate import evaluate
+
+    again = evaluate(model, Loader(cfg.paths.processed / "test", 512, schema=schema), torch.device("cpu"))
+    assert again["auc"] == pytest.approx(result["test"]["auc"], abs=1e-6)
+
+
+def test_resume_after_a_crash_ends_with_the_same_ids_rows_and_state(processed, tmp_path):
+    common = ["train.epochs=2", "train.checkpoint_every=7", "train.embedding_optimizer=adam", "seed=3"]
+    straight = _config(_copy(processed, tmp_path / "straight"), *common)
+    run(straight)
+    crashed = _config(_copy(processed, tmp_path / "crashed"), *common)
+    with pytest.raises(Crash):
+        train(crashed.train, crashed.paths.processed, crashed.paths.train, schema=Schema.load(crashed.paths.schema),
+              seed=crashed.seed, callbacks=[CrashAfter(30)], progress="off")
+    run(_config(tmp_path / "crashed", *common, "train.resume=true"))
+    final = [torch.load(c.paths.train / "latest" / "model.pt", weights_only=True) for c in (straight, crashed)]
+    assert any(key.endswith("_extra_state") for key in final[0])
+    _same(*final)
+
+
+def test_the_exported_parts_look_raw_ids_up_as_the_trained_model(processed, tmp_path):
+    import numpy as np
+    import pandas as pd
+
+    from export.dense import DenseRunner
+    from export.inprocess import InProcessModel
+    from export.lookup import EmbeddingLookup, LookupConfig
+    from export.preprocess import Preprocessor
+    from export.repository import raw_columns
+    from pipeline.data.raw_folder import RawDataset
+    from pipeline.etl.workflow import Workflow
+    from pipeline.stages.export import run as run_export
+    from pipeline.stages.serve import sample_rows
+
+    cfg = _config(_copy(processed, tmp_path), "train.max_steps=20", "train.model=wide_deep",
+                  "train.multihot_pooling=mean")
+    run(cfg)
+    run_export(cfg)
+    model, schema = load_trained(cfg.paths.train / "latest")
+    rows = sample_rows(cfg, 200)
+    rows.loc[0:9, "C1"] = "never-seen-before"  # no row: it reads zeros, as in training
+    rows.loc[5:14, "C4"] = None
+    expected = InProcessModel(model, schema, Workflow.load(cfg.paths.workflow)).predict(rows)
+    assert expected.std() > 0.01
+
+    export = cfg.paths.export
+    raw = raw_columns(RawDataset.load(cfg.paths.raw), cfg.data.list_separator)
+    request = {c: rows[c].to_numpy(dtype=np.float64, na_value=np.nan).reshape(-1, 1) for c in raw.continuous}
+    for c in raw.categorical:
+        request[c] = np.array([b"" if pd.isna(v) else str(v).encode() for v in rows[c].tolist()],
+                              dtype=object).reshape(-1, 1)
+    tensors = Preprocessor.load(export / "preprocess" / "1" / "artifacts")(request)
+    lookup = EmbeddingLookup(export / "embedding" / "store", LookupConfig.load(export / "embedding" / "1" / "layout.json"))
+    pooled = lookup(tensors["CATEGORICAL_IDS"])
+    served = DenseRunner(export / "dense" / "1" / "model.pt")(tensors["DENSE"], pooled)[:, 0]
+    np.testing.assert_allclose(served, expected, rtol=0, atol=1e-5)
+    ids = model.embedding.dynamic["t_C1"].stats()["ids"]
+    assert lookup.tiers["t_C1"].table.shape[0] == ids + 1  # its ids' rows and the zero row
+
+
+def test_a_model_json_without_the_dynamic_fields_builds_its_model(tmp_path):
+    from pipeline.loader.synthetic import criteo_schema
+    from pipeline.train.model import check_same_model, model_from_spec, model_spec
+
+    cfg = _config(tmp_path)
+    spec = model_spec(cfg.train, criteo_schema(size=0.0001, categorical=3, continuous=2), "cpu")
+    older = {k: v for k, v in spec.items() if k != "admit_after"}
+    older["tables"] = [{k: v for k, v in t.items() if k not in ("dynamic", "admit_after")} for t in spec["tables"]]
+    model = model_from_spec(older)
+    assert model.embedding.dynamic is None and len(model.embedding.tables) == 3
+    (tmp_path / "model.json").write_text(json.dumps(older))
+    check_same_model(spec, tmp_path)  # the same model: resuming it is not refused
+
+
+def test_run_all_serves_raw_ids_as_the_trained_model(tmp_path, capsys):
+    import re
+
+    args = ["run", "all", f"workdir={tmp_path}", "device=cpu", "data.rows=6000", "etl.cluster=threads",
+            "etl.hash_ids={C1: 1024, C4: 256}", "train.max_steps=20", "train.batch_size=256", "progress=off"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    difference = re.search(r"largest difference from the in-process model of run \S+: (\S+)", out)
+    assert difference and float(difference.group(1)) <= 1e-5, out[-2000:]
