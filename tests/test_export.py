@@ -250,6 +250,16 @@ def test_bytes_tensors_encode_and_decode_as_tritons_own_code(values):
         decode_bytes(np.frombuffer(encoded[:-1] + b"\x07\x00\x00\x00", dtype=np.uint8))
 
 
+def test_values_neither_bytes_nor_text_encode_as_tritons_own_code_writes_them():
+    from tritonclient.utils import serialize_byte_tensor
+
+    from export.wire import encode_bytes
+
+    for values in ([b"68fd1e64", 5, None, "é"], [None, None], [b"a", float("nan")]):
+        array = np.array(values, dtype=object)
+        assert encode_bytes([array]) == [serialize_byte_tensor(array).item()]
+
+
 @pytest.mark.parametrize("odd", [None, b"x" * 300, b"ab\x00c", b"abc\x00\x00\x00\x00", b"\x00\x00\x00"])
 def test_a_large_tensor_of_text_decodes_from_its_zero_bytes_or_value_by_value(odd):
     """Thousands of values, some empty, of several lengths; with one value of 256 bytes or more, or holding NUL
