@@ -216,6 +216,18 @@ def test_bench_embedding_draws_each_tables_ids_in_range_uniform_or_skewed(ids):
     assert (top > 0.3) == (ids == "zipf")
 
 
+def test_bench_serve_times_its_paths_in_turn_in_blocks():
+    """The ensemble and the in-process model are timed in blocks of 10 calls taken in turn, not one path's
+    requests all before the other's: a change of load on the machine falls on both alike."""
+    from pipeline.bench.serve import _timed_in_turn
+
+    calls = []
+    timed = _timed_in_turn({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, 25)
+    assert calls[20:] == ["a"] * 10 + ["b"] * 10 + ["a"] * 10 + ["b"] * 10 + ["a"] * 5 + ["b"] * 5  # after the warm-up
+    assert {name: t["requests"] for name, t in timed.items()} == {"a": 25, "b": 25}
+    assert 0 <= timed["a"]["p50_ms"] <= timed["a"]["p99_ms"]
+
+
 def test_bench_serve_reports_latency_steps_throughput_and_cache_hit_rates(tmp_path, capsys):
     from export.server import server_problem
     from pipeline.stages.config import load_config

@@ -4,7 +4,7 @@ Makes a small synthetic dataset (``--rows``), runs the ETL, builds the configure
 speed does not depend on the weights) and exports it under ``--workdir``; starts the real server.
 Then, for batch 1, 64 and 1024 raw rows: p50 / p99 latency of ``--requests`` sequential gRPC
 requests, and of the in-process model on the same rows (workflow transform + forward, no server;
-and the forward alone on features computed beforehand);
+and the forward alone on features computed beforehand), the three timed in turn, 10 calls at a time;
 the time each ensemble step took (Triton's own statistics); throughput with ``--clients``
 concurrent gRPC clients; and the embedding cache's hit rate on the raw rows, whose categorical
 values are Zipf-distributed (served LRU, plus LRU / LFU at several cache sizes offline).
@@ -66,11 +66,12 @@ def run(args: argparse.Namespace, cfg) -> dict:
             for batch in batches:
                 frame = rows.iloc[:batch]
                 request = client.columns(frame)
-                served = _timed(lambda request=request: client.infer(request), args.requests)
-                local = _timed(lambda frame=frame: reference.predict(frame), args.requests)
-                model_only = _timed(_forward_only(reference, frame), args.requests)
+                timed = _timed_in_turn({"ensemble": lambda request=request: client.infer(request),
+                                        "in_process": lambda frame=frame: reference.predict(frame),
+                                        "model_only": _forward_only(reference, frame)}, args.requests)
+                served, local, model_only = timed["ensemble"], timed["in_process"], timed["model_only"]
                 before = _model_stats(client)
-                _timed(lambda request=request: client.infer(request), max(20, args.requests // 4))
+                _timed_in_turn({"ensemble": lambda request=request: client.infer(request)}, max(20, args.requests // 4))
                 steps = _per_request(before, _model_stats(client))
                 results["latency"][batch] = {"ensemble": served, "in_process": local, "model_only": model_only}
                 results["steps"][batch] = steps
@@ -121,20 +122,26 @@ def _prepare(cfg):
     return reference, sample_rows(cfg, 1 << 30)
 
 
-def _timed(fn, repeats: int) -> dict:
+def _timed_in_turn(fns: dict, repeats: int, block: int = 10) -> dict[str, dict]:
+    """p50 / p99 of ``repeats`` calls of each function, in blocks of ``block`` calls taken in turn: on a
+    shared machine a change of load falls on all of them alike, and each block runs as warm as a loop of
+    its own (the first call of a block, after the others ran, is the only cold one)."""
     import time
 
     import numpy as np
 
-    for _ in range(min(10, repeats)):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1000)
-    return {"p50_ms": float(np.percentile(times, 50)), "p99_ms": float(np.percentile(times, 99)),
-            "requests": repeats}
+    for fn in fns.values():
+        for _ in range(min(10, repeats)):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    while len(times[next(iter(fns))]) < repeats:
+        for name, fn in fns.items():
+            for _ in range(min(block, repeats - len(times[name]))):
+                t = time.perf_counter()
+                fn()
+                times[name].append((time.perf_counter() - t) * 1000)
+    return {name: {"p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)), "requests": repeats}
+            for name, ms in times.items()}
 
 
 def _forward_only(reference, frame):
