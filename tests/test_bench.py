@@ -80,6 +80,19 @@ def test_bench_train_times_dynamic_tables_on_the_same_ids_beside_the_static_ones
     assert "ours, dynamic tables (capacity 2,048):" in printed and "ratio static / dynamic tables:" in printed
 
 
+@pytest.mark.gpu
+def test_bench_train_places_the_ids_of_dynamic_tables_with_the_hash_table_kernels_on_the_gpu(tmp_path):
+    out = tmp_path / "train.json"
+    assert main(["bench", "train", "--tables", "3", "--rows", "20000", "--batch", "4096", "--steps", "3", "--rounds",
+                 "2", "--warmup", "2", "--device", "cuda", "--ids", "zipf", "--dynamic", "--json", str(out),
+                 f"workdir={tmp_path}", "train.admit_after=2"]) == 0
+    result = json.loads(out.read_text())
+    assert (result["backend"], result["compiled"], result["amp_bf16"]) == ("cuda", True, True)
+    tables = result["dynamic_tables"]
+    assert tables["hashtable_backend"] == "cuda" and tables["ids"] > 0 and tables["candidates"] > 0
+    assert result["ours_dynamic_samples_per_s"] > 0 and result["static_over_dynamic"] > 0
+
+
 def test_bench_train_times_static_tables_alone_unless_told(tmp_path):
     out = tmp_path / "train.json"
     assert main(["bench", "train", *TINY_TRAIN, "--json", str(out), f"workdir={tmp_path}"]) == 0
