@@ -280,7 +280,8 @@ def _batches(ids: list, rows: int, device) -> list[StepBatch]:
         raw = mix64(table_ids + torch.arange(tables, dtype=torch.int64) * rows)
         dense = torch.randn(batch, 13)
         label = torch.randint(0, 2, (batch,)).float()
-        out.append(StepBatch(dense.to(device), table_ids.to(device), KeyedJaggedTensor.from_dense(keys, table_ids).to(device),
+        out.append(StepBatch(dense.to(device), table_ids.to(device),
+                             KeyedJaggedTensor.from_dense(keys, table_ids).to(device),
                              KeyedJaggedTensor.from_dense(keys, raw).to(device), label.to(device)))
     return out
 
