@@ -9,15 +9,23 @@ under ``torch.optim.SGD`` and the tables under torch's nearest optimizer for spa
 or Zipf-skewed (``--ids zipf``); the rounds alternate between the two so that load from other
 processes hits both alike; the median round is reported.
 
+With ``--dynamic``, a third model joins the rounds: our DLRM with dynamic tables of the same shape
+(``etl.hash_ids``' columns: raw 64-bit ids, placed in each table's rows by its hash table as the
+training stage does, admitted after ``train.admit_after`` occurrences, the least recently used evicted),
+trained on the same ids, each row's as a 64-bit id of its own; its step includes the mapping of the
+batch's ids to rows. It reports its samples/s and the ratio of the static tables' to it.
+
     python -m pipeline bench train                       # CPU: 26 x 100k rows, dim 64, batch 2048
     python -m pipeline bench train --device cuda --preset mlperf --batch 65536   # bf16 autocast on GPU
     python -m pipeline bench train --device cuda --preset mlperf --batch 65536 --ids zipf --optimizer adam
+    python -m pipeline bench train --device cuda --preset mlperf --batch 65536 --ids zipf --dynamic
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+from typing import Any, NamedTuple
 
 IDS = ("uniform", "zipf")
 OPTIMIZERS = ("sgd", "adagrad", "adam")
@@ -56,6 +64,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
                         help="torch.compile our dense part and loss, as the training stage does (auto: on a GPU); "
                              "the plain PyTorch model runs eager")
+    parser.add_argument("--dynamic", action="store_true",
+                        help="also train our DLRM with dynamic tables of the same shape (raw 64-bit ids placed in "
+                             "their rows by a hash table, admitted after train.admit_after occurrences) on the same "
+                             "ids, and report its samples/s and the ratio static / dynamic")
     parser.add_argument("--json", metavar="FILE", help="also write the figures and settings as JSON")
 
 
@@ -70,6 +82,7 @@ def run(args: argparse.Namespace, cfg) -> dict:
     from pipeline.device import resolve_device
     from pipeline.errors import UserError
     from pipeline.files import write_json
+    from pipeline.schema import DYNAMIC_ROWS
     from pipeline.train.evaluate import autocast
     from pipeline.train.loop import dense_loss
 
@@ -90,11 +103,11 @@ def run(args: argparse.Namespace, cfg) -> dict:
     distinct = [np.unique(b[:, t]).size for b in ids for t in range(args.tables)]
     skew = {"hot_rows_share": hot_rows_share(args.ids, args.rows, args.zipf_exponent),
             "distinct_rows_per_batch": float(np.mean(distinct))}
-    batches = _batches(ids, device)
+    batches = _batches(ids, args.rows, device)
     ours = _ours(args, dim, bottom, top, device)
     baseline = _plain_dlrm(args.tables, args.rows, dim, bottom, top).to(device)
-    our_opts = [torch.optim.SGD(ours.parameters(), lr=0.01)]
     base_opts = _baseline_optimizers(baseline, args.optimizer, lr=0.01)
+    compiled = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
 
     def train_step(model, optimizers, dense, sparse, label):
         with autocast(device, amp):
@@ -106,24 +119,33 @@ def run(args: argparse.Namespace, cfg) -> dict:
         for optimizer in optimizers:
             optimizer.step()
 
-    compiled = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
-    loss_of = torch.compile(functools.partial(dense_loss, ours, amp), dynamic=False) if compiled else None
+    def our_step(model):
+        """A step of our ``model`` as the training stage takes it: the lookup (and a dynamic table's mapping of
+        ids to rows) eager, the dense part and loss compiled where ``compiled``, the MLPs under SGD."""
+        optimizers = [torch.optim.SGD(model.parameters(), lr=0.01)]
+        loss_of = torch.compile(functools.partial(dense_loss, model, amp), dynamic=False) if compiled else None
 
-    def our_step(batch):
-        dense, kjt, _, label = batch
-        if loss_of is None:
-            train_step(ours, our_opts, dense, kjt, label)
-            return
-        loss = loss_of(dense, ours.embedding(kjt), label)
-        for optimizer in our_opts:
-            optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        for optimizer in our_opts:
-            optimizer.step()
+        def step(dense, kjt, label):
+            if loss_of is None:
+                train_step(model, optimizers, dense, kjt, label)
+                return
+            loss = loss_of(dense, model.embedding(kjt), label)
+            for optimizer in optimizers:
+                optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            for optimizer in optimizers:
+                optimizer.step()
 
-    def base_step(batch):
-        dense, _, table_ids, label = batch
-        train_step(baseline, base_opts, dense, table_ids, label)
+        return step
+
+    ours_step = our_step(ours)
+    steps = {"ours": lambda b: ours_step(b.dense, b.kjt, b.label),
+             "plain_pytorch": lambda b: train_step(baseline, base_opts, b.dense, b.ids, b.label)}
+    capacity = -(-args.rows // DYNAMIC_ROWS) * DYNAMIC_ROWS
+    if args.dynamic:
+        dynamic = _ours(args, dim, bottom, top, device, capacity=capacity, admit_after=cfg.train.admit_after)
+        dynamic_step = our_step(dynamic)
+        steps["ours_dynamic"] = lambda b: dynamic_step(b.dense, b.raw, b.label)
 
     def timed(step_fn, steps):
         _sync(device)
@@ -133,12 +155,13 @@ def run(args: argparse.Namespace, cfg) -> dict:
         _sync(device)
         return args.batch * steps / (time.perf_counter() - start)
 
-    timed(our_step, args.warmup)
-    timed(base_step, args.warmup)
-    rates: dict[str, list[float]] = {"ours": [], "plain_pytorch": []}
+    for step in steps.values():
+        timed(step, args.warmup)
+    placed_before = _placed(dynamic) if args.dynamic else 0
+    rates: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(args.rounds):
-        rates["ours"].append(timed(our_step, args.steps))
-        rates["plain_pytorch"].append(timed(base_step, args.steps))
+        for name, step in steps.items():
+            rates[name].append(timed(step, args.steps))
     baseline_opt = BASELINE_OPTIMIZERS[args.optimizer]
     result = {
         "device": device.type,
@@ -159,17 +182,41 @@ def run(args: argparse.Namespace, cfg) -> dict:
         "rounds": rates,
     }
     result["speedup"] = result["ours_samples_per_s"] / result["plain_pytorch_samples_per_s"]
+    if args.dynamic:
+        tables = list(dynamic.embedding.dynamic.tables.values())
+        stats = [table.stats() for table in tables]
+        result["ours_dynamic_samples_per_s"] = statistics.median(rates["ours_dynamic"])
+        result["static_over_dynamic"] = result["ours_samples_per_s"] / result["ours_dynamic_samples_per_s"]
+        result["dynamic_tables"] = {
+            "capacity": capacity,
+            "admit_after": cfg.train.admit_after,
+            "hashtable_backend": tables[0].ids.backend,
+            "distinct_ids_per_table": float(np.mean([np.unique(np.concatenate([b[:, t] for b in ids])).size
+                                                     for t in range(args.tables)])),
+            "ids": sum(s["ids"] for s in stats),
+            "evictions": sum(s["evictions"] for s in stats),
+            "candidates": sum(s["candidates"] for s in stats),
+            "placed_while_timed": _placed(dynamic) - placed_before,
+        }
     drawn = f"zipf, exponent {args.zipf_exponent:g}" if args.ids == "zipf" else "uniform"
     print(f"bench train on {device.type} ({result['threads']} threads), {result['shape']}, batch {args.batch}, "
           f"bf16 autocast {amp}, our dense part compiled {compiled}, embedding backend {result['backend']}")
     print(f"  ids {drawn}: {skew['hot_rows_share']:.1%} of ids on the hottest {HOT_FRACTION:.0%} of rows, "
           f"{skew['distinct_rows_per_batch']:,.0f} distinct rows per table and batch")
-    ours_label = f"ours (fused sparse {args.optimizer}, MLPs SGD):"
-    base_label = f"plain PyTorch (EmbeddingBag + {baseline_opt}, MLPs SGD):"
-    width = max(len(ours_label), len(base_label))
-    print(f"  {ours_label:<{width}} {result['ours_samples_per_s']:>12,.0f} samples/s")
-    print(f"  {base_label:<{width}} {result['plain_pytorch_samples_per_s']:>12,.0f} samples/s")
+    labels = {"ours": f"ours (fused sparse {args.optimizer}, MLPs SGD):",
+              "plain_pytorch": f"plain PyTorch (EmbeddingBag + {baseline_opt}, MLPs SGD):",
+              "ours_dynamic": f"ours, dynamic tables (capacity {capacity:,}):"}
+    width = max(len(labels[name]) for name in steps)
+    for name in steps:
+        print(f"  {labels[name]:<{width}} {result[f'{name}_samples_per_s']:>12,.0f} samples/s")
     print(f"  {'ratio ours / plain:':<{width}} {result['speedup']:>12.2f}")
+    if args.dynamic:
+        d = result["dynamic_tables"]
+        print(f"  {'ratio static / dynamic tables:':<{width}} {result['static_over_dynamic']:>12.2f}")
+        print(f"  dynamic tables (hash table backend {d['hashtable_backend']}, train.admit_after={d['admit_after']}): "
+              f"{d['distinct_ids_per_table']:,.0f} distinct ids per table in the batches; in the {args.tables} tables, "
+              f"{d['ids']:,} ids held, {d['evictions']:,} evicted, {d['placed_while_timed']:,} placed during the "
+              "timed steps")
     if args.json:
         write_json(args.json, result)
     return result
@@ -207,9 +254,22 @@ def hot_rows_share(kind: str, rows: int, exponent: float) -> float:
     return ((hot + 1) ** (1 - exponent) - 1) / ((rows + 1) ** (1 - exponent) - 1)
 
 
-def _batches(ids: list, device):
+class StepBatch(NamedTuple):
+    """One pre-made batch, as each model takes it."""
+
+    dense: Any  # float32 [batch, 13]
+    ids: Any  # int64 [batch, tables]: the rows, for the plain PyTorch model
+    kjt: Any  # the rows as a KeyedJaggedTensor, for our static tables
+    raw: Any  # each row as a 64-bit id of its own, as a KeyedJaggedTensor, for our dynamic tables
+    label: Any  # float32 [batch]
+
+
+def _batches(ids: list, rows: int, device) -> list[StepBatch]:
+    """The batches of the rows ``ids`` (numpy ``[batch, tables]`` each) on ``device``. A dynamic table sees
+    row ``r`` of table ``t`` as the id ``mix64(t * rows + r)`` (distinct rows, distinct ids, spread over 64 bits)."""
     import torch
 
+    from pipeline.kernels.hashtable.reference import mix64
     from pipeline.sparse import KeyedJaggedTensor
 
     out = []
@@ -217,24 +277,29 @@ def _batches(ids: list, device):
         batch, tables = table_ids.shape
         keys = [f"C{i + 1}" for i in range(tables)]
         table_ids = torch.from_numpy(table_ids)
+        raw = mix64(table_ids + torch.arange(tables, dtype=torch.int64) * rows)
         dense = torch.randn(batch, 13)
         label = torch.randint(0, 2, (batch,)).float()
-        kjt = KeyedJaggedTensor.from_dense(keys, table_ids)
-        out.append((dense.to(device), kjt.to(device), table_ids.to(device), label.to(device)))
+        out.append(StepBatch(dense.to(device), table_ids.to(device),
+                             KeyedJaggedTensor.from_dense(keys, table_ids).to(device),
+                             KeyedJaggedTensor.from_dense(keys, raw).to(device), label.to(device)))
     return out
 
 
-def _ours(args, dim, bottom, top, device):
+def _ours(args, dim, bottom, top, device, capacity: int = 0, admit_after: int = 1):
+    """Our DLRM as the training stage builds it from a schema: static tables of ``args.rows`` rows, or with
+    ``capacity``, dynamic tables of that capacity (the schema's columns of raw 64-bit ids)."""
     from pipeline.modules.configs import EmbeddingOptimizerConfig
     from pipeline.modules.models import ModelSizes, build_model
     from pipeline.schema import Column, Schema
 
+    sparse = [Column(f"C{i + 1}", "categorical", "int64", cardinality=capacity, dynamic=True) if capacity else
+              Column(f"C{i + 1}", "categorical", "int32", cardinality=args.rows) for i in range(args.tables)]
     schema = Schema([Column("label", "label", "float32")]
-                    + [Column(f"I{i + 1}", "continuous", "float32") for i in range(13)]
-                    + [Column(f"C{i + 1}", "categorical", "int32", cardinality=args.rows) for i in range(args.tables)])
+                    + [Column(f"I{i + 1}", "continuous", "float32") for i in range(13)] + sparse)
     sizes = ModelSizes(embedding_dim=dim, bottom_mlp=bottom, top_mlp=top)
     model = build_model("dlrm", schema, sizes, EmbeddingOptimizerConfig(args.optimizer, lr=0.01),
-                        backend=args.backend)
+                        backend=args.backend, admit_after=admit_after)
     model.embedding.validate_ids = False  # the baseline does not check ids either
     return model.to(device)
 
@@ -247,6 +312,11 @@ def _baseline_optimizers(model, kind: str, lr: float) -> list:
     dense = [p for name, p in model.named_parameters() if not name.startswith("tables.")]
     sparse = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad, "adam": torch.optim.SparseAdam}[kind]
     return [torch.optim.SGD(dense, lr=lr), sparse(tables, lr=lr)]
+
+
+def _placed(model) -> int:
+    """How many ids the dynamic tables of ``model`` have placed so far (each took an empty row or evicted an id)."""
+    return sum(t.stats()["ids"] + t.stats()["evictions"] for t in model.embedding.dynamic.tables.values())
 
 
 def _sync(device):
