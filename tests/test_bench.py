@@ -142,6 +142,11 @@ def test_bench_e2e_reports_every_rate_and_where_the_stage_time_goes(tmp_path, ca
                                                                   rel=1e-6, abs=1e-9)
     assert r["stage_samples_per_s"] == pytest.approx(r["stage_samples"] / r["stage_seconds"])
     assert r["host_syncs"] is None  # not counted on the CPU
+    # the dense part's matrix products: DLRM's MLPs alone are 4-6 FLOPs per weight a sample (forward and backward)
+    assert r["dense_gemm_flops_per_sample"] > 4 * r["dense_weights"]
+    assert r["dense_gemm_tflops_at_step_alone"] == pytest.approx(
+        r["dense_gemm_flops_per_sample"] * r["step_alone_samples_per_s"] / 1e12)
+    assert r["reference_gemm_tflops"] is None
     assert (out / "trace.json").stat().st_size > 0 and "Self CPU" in (out / "profile.txt").read_text()
     # the stage's own outputs, from its own code: the loss logged every 4 steps, up to where the bench stopped it
     run = Path(r["stage_run"])
@@ -150,7 +155,8 @@ def test_bench_e2e_reports_every_rate_and_where_the_stage_time_goes(tmp_path, ca
     assert [x["step"] for x in lines if "loss" in x] == [4, 8, 12, 16]
     assert not (run / "model.pt").exists()
     printed = capsys.readouterr().out
-    for text in ("(a) training stage", "(b) step alone", "(c) loader alone", "batch wait", "(a) - (b)"):
+    for text in ("(a) training stage", "(b) step alone", "(c) loader alone", "batch wait", "(a) - (b)",
+                 "the dense part's matrix products"):
         assert text in printed
 
 
@@ -172,6 +178,7 @@ def test_bench_e2e_on_the_gpu_counts_the_loss_reads_as_the_only_syncs_of_a_step(
     assert syncs["steps"] == 4
     assert syncs["sites"], "the loss read every train.log_every steps is a sync"
     assert not [s for s in syncs["sites"] if "pipeline/modules" in s or "pipeline/kernels" in s], syncs["sites"]
+    assert r["reference_gemm_tflops"] > 0 and r["dense_gemm_tflops_at_step_alone"] > 0
     assert sum(r["regions_seconds"].values()) == pytest.approx(r["stage_seconds"], rel=1e-6)
 
 
