@@ -250,9 +250,9 @@ def _describe(model: nn.Module, spec: dict, world: World, out: Path) -> None:
           f"{sum(p.numel() for p in model.parameters()):,} dense parameters, "
           f"embedding backend {model.embedding.backend.name}", flush=True)
     if isinstance(model.embedding, HostCachedCollection):
-        rows = {t["name"]: t["rows"] for t in tables}
-        cached = ", ".join(f"{c.table} ({c.slots:,} of {rows[c.table]:,} rows)"
-                           for c in model.embedding.caches.values())
+        slots = {t.name: t.slots for t in model.embedding.cache.tables}
+        cached = ", ".join(f"{t['name']} ({slots[t['name']]:,} of {t['rows']:,} rows)" for t in tables
+                           if t["name"] in slots)
         print(f"[train] host-cached tables, in host memory behind a device cache of their hot rows: {cached}",
               flush=True)
 
