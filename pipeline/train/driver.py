@@ -58,7 +58,7 @@ from torch import nn
 
 from pipeline.distributed.config import DistributedConfig
 from pipeline.distributed.model_parallel import DistributedModelParallel, make_planner
-from pipeline.distributed.train_pipeline import SparseDistPipeline
+from pipeline.distributed.train_pipeline import CachePrefetchPipeline, SparseDistPipeline
 from pipeline.distributed.types import ShardingPlan
 from pipeline.distributed.world import World
 from pipeline.errors import UserError
@@ -127,7 +127,11 @@ def _train(cfg: TrainConfig, data: Path, runs: Path, schema: Schema, seed: int, 
     train_loader = Loader(data / "train", cfg.batch_size, schema=schema, shuffle=True, seed=seed, **shard)
     valid_loader = Loader(data / "valid", cfg.eval_batch_size, schema=schema, **shard)
     test_loader = Loader(data / "test", cfg.eval_batch_size, schema=schema, **shard)
-    pipeline = SparseDistPipeline(model, device) if world.size > 1 and distributed.pipeline else None
+    pipeline = None
+    if distributed.pipeline and world.size > 1:
+        pipeline = SparseDistPipeline(model, device)
+    elif distributed.pipeline and isinstance(model.embedding, HostCachedCollection):
+        pipeline = CachePrefetchPipeline(model, device)
     trainer = Trainer(model, cfg, out, train_loader, world, checkpoints, pipeline)
     if cfg.early_stopping and not trainer.keeps_best and world.is_writer:
         print(f"[train] train.early_stopping applies to one process: the {world.size} ranks train every epoch "
