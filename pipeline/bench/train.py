@@ -1,4 +1,6 @@
-"""Training step throughput (samples/s): our DLRM against a plain PyTorch DLRM of the same shape, same run.
+"""Training step throughput (samples/s): our DLRM against a plain PyTorch DLRM of the same shape, same run;
+or, with ``--embedding-budget-mb``, our DLRM with its tables in device memory against the same model with
+its tables placed by the planner under that budget.
 
 Ours: the schema-built DLRM, its EmbeddingCollection applying its fused sparse optimizer (``--optimizer``:
 SGD, row-wise Adagrad or lazy Adam) to the touched rows inside the backward; the MLPs take SGD.
@@ -9,9 +11,21 @@ under ``torch.optim.SGD`` and the tables under torch's nearest optimizer for spa
 or Zipf-skewed (``--ids zipf``); the rounds alternate between the two so that load from other
 processes hits both alike; the median round is reported.
 
+``--embedding-budget-mb N``: the planner places the tables as the training stage does under
+``distributed.memory_per_rank_mb=N`` on one process (the tables that do not fit host-cached: in host
+memory behind device caches of their hot rows, the caches sharing what the budget leaves), and the
+step of that model, its rows prefetched a step ahead as the stage does
+(:class:`~pipeline.distributed.train_pipeline.CachePrefetchPipeline`), is timed against the same model
+with every table in device memory, on the same stream of batches: a fresh batch every step (warm-up,
+then the rounds'), since a cache would hold a few batches used again whole. It reports both rates, their
+ratio and each host-cached table's cache hit rate over the timed steps. On the CPU the budget is
+simulated as on a GPU: the caches are tensors of their own beside the host tables.
+
     python -m pipeline bench train                       # CPU: 26 x 100k rows, dim 64, batch 2048
     python -m pipeline bench train --device cuda --preset mlperf --batch 65536   # bf16 autocast on GPU
     python -m pipeline bench train --device cuda --preset mlperf --batch 65536 --ids zipf --optimizer adam
+    python -m pipeline bench train --device cuda --preset mlperf --batch 65536 --rows 4000000 --ids zipf \
+        --optimizer adagrad --embedding-budget-mb 16384 --warmup 50
 """
 
 from __future__ import annotations
@@ -56,11 +70,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
                         help="torch.compile our dense part and loss, as the training stage does (auto: on a GPU); "
                              "the plain PyTorch model runs eager")
+    parser.add_argument("--embedding-budget-mb", type=float, default=0.0,
+                        help="device memory in MiB for the embedding tables (as distributed.memory_per_rank_mb): time "
+                             "the model with its tables placed under it (host-cached where they do not fit) against "
+                             "the same model with every table in device memory, instead of plain PyTorch (0: off)")
     parser.add_argument("--json", metavar="FILE", help="also write the figures and settings as JSON")
 
 
 def run(args: argparse.Namespace, cfg) -> dict:
-    import functools
     import statistics
     import time
 
@@ -70,15 +87,16 @@ def run(args: argparse.Namespace, cfg) -> dict:
     from pipeline.device import resolve_device
     from pipeline.errors import UserError
     from pipeline.files import write_json
-    from pipeline.train.evaluate import autocast
-    from pipeline.train.loop import dense_loss
 
     if not args.zipf_exponent > 0:
         raise UserError(f"--zipf-exponent: expected a number > 0, got {args.zipf_exponent}")
+    if args.embedding_budget_mb < 0:
+        raise UserError(f"--embedding-budget-mb: expected a number >= 0, got {args.embedding_budget_mb}")
     device = torch.device(resolve_device(cfg.device).kind)
     if args.threads:
         torch.set_num_threads(args.threads)
     amp = args.amp == "bf16" or (args.amp == "auto" and device.type == "cuda")
+    compiled = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
     dim = args.dim or (128 if args.preset == "mlperf" else 64)
     bottom = ([int(w) for w in args.bottom.split(",")] if args.bottom else [512, 256]) + [dim]
     top = [int(w) for w in args.top.split(",")] if args.top else (
@@ -86,60 +104,53 @@ def run(args: argparse.Namespace, cfg) -> dict:
     torch.manual_seed(cfg.seed)
 
     rng = np.random.default_rng(cfg.seed)
-    ids = [draw_ids(args.ids, args.rows, (args.batch, args.tables), args.zipf_exponent, rng) for _ in range(4)]
-    distinct = [np.unique(b[:, t]).size for b in ids for t in range(args.tables)]
+    budget = args.embedding_budget_mb
+    count = args.warmup + args.rounds * args.steps if budget else 4
+    # One draw for the whole stream: each table's hot rows stay where they are from batch to batch.
+    ids = np.split(draw_ids(args.ids, args.rows, (count * args.batch, args.tables), args.zipf_exponent, rng), count)
+    distinct = [np.unique(b[:, t]).size for b in ids[:4] for t in range(args.tables)]
     skew = {"hot_rows_share": hot_rows_share(args.ids, args.rows, args.zipf_exponent),
             "distinct_rows_per_batch": float(np.mean(distinct))}
     batches = _batches(ids, device)
+    del ids
     ours = _ours(args, dim, bottom, top, device)
-    baseline = _plain_dlrm(args.tables, args.rows, dim, bottom, top).to(device)
-    our_opts = [torch.optim.SGD(ours.parameters(), lr=0.01)]
-    base_opts = _baseline_optimizers(baseline, args.optimizer, lr=0.01)
+    our_step = _our_step(ours, amp, compiled)
 
-    def train_step(model, optimizers, dense, sparse, label):
-        with autocast(device, amp):
-            logits = model(dense, sparse)
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits.float(), label)
-        for optimizer in optimizers:
-            optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        for optimizer in optimizers:
-            optimizer.step()
+    def ours_on(round_batches):
+        for dense, kjt, _, label in round_batches:
+            our_step(dense, kjt, label)
 
-    compiled = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
-    loss_of = torch.compile(functools.partial(dense_loss, ours, amp), dynamic=False) if compiled else None
+    if budget:
+        placed, topology = _placed(args, dim, bottom, top, device)
+        rival, rival_name = _through_caches(placed, _our_step(placed, amp, compiled), device), "host_cached"
+        rounds = [batches[args.warmup + r * args.steps : args.warmup + (r + 1) * args.steps] for r in range(args.rounds)]
+        warmup = batches[: args.warmup]
+    else:
+        baseline = _plain_dlrm(args.tables, args.rows, dim, bottom, top).to(device)
+        base_step = _plain_step(baseline, _baseline_optimizers(baseline, args.optimizer, lr=0.01), amp)
 
-    def our_step(batch):
-        dense, kjt, _, label = batch
-        if loss_of is None:
-            train_step(ours, our_opts, dense, kjt, label)
-            return
-        loss = loss_of(dense, ours.embedding(kjt), label)
-        for optimizer in our_opts:
-            optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        for optimizer in our_opts:
-            optimizer.step()
+        def rival(round_batches):
+            for dense, _, table_ids, label in round_batches:
+                base_step(dense, table_ids, label)
 
-    def base_step(batch):
-        dense, _, table_ids, label = batch
-        train_step(baseline, base_opts, dense, table_ids, label)
+        rival_name = "plain_pytorch"
+        rounds = [[batches[i % len(batches)] for i in range(args.steps)]] * args.rounds
+        warmup = [batches[i % len(batches)] for i in range(args.warmup)]
 
-    def timed(step_fn, steps):
+    def timed(train_on, round_batches):
         _sync(device)
         start = time.perf_counter()
-        for i in range(steps):
-            step_fn(batches[i % len(batches)])
+        train_on(round_batches)
         _sync(device)
-        return args.batch * steps / (time.perf_counter() - start)
+        return args.batch * len(round_batches) / (time.perf_counter() - start)
 
-    timed(our_step, args.warmup)
-    timed(base_step, args.warmup)
-    rates: dict[str, list[float]] = {"ours": [], "plain_pytorch": []}
-    for _ in range(args.rounds):
-        rates["ours"].append(timed(our_step, args.steps))
-        rates["plain_pytorch"].append(timed(base_step, args.steps))
-    baseline_opt = BASELINE_OPTIMIZERS[args.optimizer]
+    for train_on in (ours_on, rival):
+        timed(train_on, warmup)
+    found_before = dict(placed.embedding.cache_stats()) if budget else {}
+    rates: dict[str, list[float]] = {"ours": [], rival_name: []}
+    for round_batches in rounds:
+        rates["ours"].append(timed(ours_on, round_batches))
+        rates[rival_name].append(timed(rival, round_batches))
     result = {
         "device": device.type,
         "backend": ours.embedding.backend.name,
@@ -149,30 +160,155 @@ def run(args: argparse.Namespace, cfg) -> dict:
         "zipf_exponent": args.zipf_exponent if args.ids == "zipf" else None,
         **skew,
         "optimizer": args.optimizer,
-        "baseline_optimizer": f"{baseline_opt} (tables), SGD (MLPs)",
         "dense_optimizer": "SGD",
         "amp_bf16": amp,
         "compiled": compiled,
         "threads": torch.get_num_threads(),
         "ours_samples_per_s": statistics.median(rates["ours"]),
-        "plain_pytorch_samples_per_s": statistics.median(rates["plain_pytorch"]),
+        f"{rival_name}_samples_per_s": statistics.median(rates[rival_name]),
         "rounds": rates,
     }
-    result["speedup"] = result["ours_samples_per_s"] / result["plain_pytorch_samples_per_s"]
     drawn = f"zipf, exponent {args.zipf_exponent:g}" if args.ids == "zipf" else "uniform"
     print(f"bench train on {device.type} ({result['threads']} threads), {result['shape']}, batch {args.batch}, "
           f"bf16 autocast {amp}, our dense part compiled {compiled}, embedding backend {result['backend']}")
     print(f"  ids {drawn}: {skew['hot_rows_share']:.1%} of ids on the hottest {HOT_FRACTION:.0%} of rows, "
           f"{skew['distinct_rows_per_batch']:,.0f} distinct rows per table and batch")
-    ours_label = f"ours (fused sparse {args.optimizer}, MLPs SGD):"
-    base_label = f"plain PyTorch (EmbeddingBag + {baseline_opt}, MLPs SGD):"
-    width = max(len(ours_label), len(base_label))
-    print(f"  {ours_label:<{width}} {result['ours_samples_per_s']:>12,.0f} samples/s")
-    print(f"  {base_label:<{width}} {result['plain_pytorch_samples_per_s']:>12,.0f} samples/s")
-    print(f"  {'ratio ours / plain:':<{width}} {result['speedup']:>12.2f}")
+    if budget:
+        result.update(_placement_figures(placed, topology, found_before, budget))
+        result["host_cached_ratio"] = result["host_cached_samples_per_s"] / result["ours_samples_per_s"]
+        _print_placement(result, args.optimizer)
+    else:
+        baseline_opt = BASELINE_OPTIMIZERS[args.optimizer]
+        result["baseline_optimizer"] = f"{baseline_opt} (tables), SGD (MLPs)"
+        result["speedup"] = result["ours_samples_per_s"] / result["plain_pytorch_samples_per_s"]
+        _print_rates([(f"ours (fused sparse {args.optimizer}, MLPs SGD):", result["ours_samples_per_s"]),
+                      (f"plain PyTorch (EmbeddingBag + {baseline_opt}, MLPs SGD):",
+                       result["plain_pytorch_samples_per_s"])], "ratio ours / plain:", result["speedup"])
     if args.json:
         write_json(args.json, result)
     return result
+
+
+def _our_step(model, amp: bool, compiled: bool):
+    """One training step of our model on ``(dense, sparse, label)``: its dense part and loss compiled (as the
+    training stage does) when ``compiled``, its tables updated in the backward, its MLPs by SGD."""
+    import functools
+
+    import torch
+
+    from pipeline.train.loop import dense_loss
+
+    loss_of = functools.partial(dense_loss, model, amp)
+    if compiled:
+        loss_of = torch.compile(loss_of, dynamic=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step(dense, sparse, label):
+        loss = loss_of(dense, model.embedding(sparse), label)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    return step
+
+
+def _plain_step(model, optimizers: list, amp: bool):
+    """One training step of the plain PyTorch model (eager) on ``(dense, ids, label)``."""
+    import torch
+
+    from pipeline.train.evaluate import autocast
+
+    def step(dense, ids, label):
+        with autocast(dense.device, amp):
+            logits = model(dense, ids)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits.float(), label)
+        for optimizer in optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        for optimizer in optimizers:
+            optimizer.step()
+
+    return step
+
+
+def _placed(args, dim, bottom, top, device):
+    """Our model with its tables placed by the planner under ``--embedding-budget-mb``, as the training stage
+    places them on one process, and the planner's topology."""
+    from pipeline.distributed.config import DistributedConfig
+    from pipeline.distributed.model_parallel import make_planner
+    from pipeline.errors import UserError
+    from pipeline.modules.cached_collection import HostCachedCollection
+
+    model = _ours(args, dim, bottom, top, "cpu")
+    planner = make_planner(DistributedConfig(memory_per_rank_mb=args.embedding_budget_mb), 1, device,
+                           batch_size=args.batch, optimizer=args.optimizer, weight_bytes=4)
+    plan = planner.plan(model.embedding.tables)
+    cached = {name: p.cache_rows for name, p in plan.tables.items() if p.cache_rows}
+    if not cached:
+        raise UserError(f"--embedding-budget-mb {args.embedding_budget_mb:g}: every table fits in it, so none is "
+                        "host-cached: give a budget below what the tables take")
+    model.embedding = HostCachedCollection.from_collection(model.embedding, cached)
+    return model.to(device), planner.topology
+
+
+def _through_caches(model, step, device):
+    """Trains on a round's batches as the training stage does with host-cached tables: each batch's rows
+    prefetched into the caches while the batch before trains."""
+    from pipeline.distributed.train_pipeline import CachePrefetchPipeline
+    from pipeline.loader import Batch
+
+    pipeline = CachePrefetchPipeline(model, device)
+
+    def train_on(round_batches):
+        for batch in pipeline(Batch(dense, kjt, label) for dense, kjt, _, label in round_batches):
+            step(batch.dense, batch.sparse, batch.label)
+
+    return train_on
+
+
+def _placement_figures(model, topology, found_before: dict, budget_mb: float) -> dict:
+    """The budget against the tables, each host-cached table's cache and its hit rate over the timed steps."""
+    from pipeline.distributed.planner.estimators import bytes_per_row
+
+    tables = model.embedding.tables
+    size = sum(t.rows * bytes_per_row(t.dim, topology) for t in tables) / 2**20
+    cached = {t.name: t.slots for t in model.embedding.cache.tables}
+    hit_rates = {}
+    for name, stats in model.embedding.cache_stats().items():
+        before = found_before[name]
+        rows = stats.rows - before.rows
+        hit_rates[name] = (stats.hits - before.hits) / rows if rows else float("nan")
+    return {"embedding_budget_mb": budget_mb, "tables_mb": size, "tables_over_budget": size / budget_mb,
+            "host_cached_tables": {t.name: {"rows": t.rows, "cache_rows": cached[t.name]} for t in tables
+                                   if t.name in cached},
+            "tables_in_device_memory": [t.name for t in tables if t.name not in cached],
+            "hit_rates": hit_rates}
+
+
+def _print_placement(result: dict, optimizer: str) -> None:
+    cached, resident = result["host_cached_tables"], result["tables_in_device_memory"]
+    cache_rows = sum(c["cache_rows"] for c in cached.values())
+    print(f"  embedding budget {_mib(result['embedding_budget_mb'])} MiB, tables {_mib(result['tables_mb'])} MiB "
+          f"({result['tables_over_budget']:.2f}x): {len(resident)} tables in device memory, {len(cached)} host-cached "
+          f"behind device caches of {cache_rows:,} rows in all")
+    _print_rates([(f"ours, every table in device memory (fused sparse {optimizer}):", result["ours_samples_per_s"]),
+                  ("ours, tables placed under the budget:", result["host_cached_samples_per_s"])],
+                 "ratio placed / in device memory:", result["host_cached_ratio"])
+    rates = sorted(result["hit_rates"].items(), key=lambda item: item[1])
+    print("  cache hit rate over the timed steps (the share of a batch's distinct rows found in the cache): "
+          + ", ".join(f"{name} {rate:.1%} ({cached[name]['cache_rows']:,} of {cached[name]['rows']:,} rows)"
+                      for name, rate in rates))
+
+
+def _mib(value: float) -> str:
+    return f"{value:,.0f}" if value >= 10 else f"{value:.3g}"
+
+
+def _print_rates(rates: list[tuple[str, float]], ratio_label: str, ratio: float) -> None:
+    width = max(len(label) for label, _ in rates + [(ratio_label, 0)])
+    for label, rate in rates:
+        print(f"  {label:<{width}} {rate:>12,.0f} samples/s")
+    print(f"  {ratio_label:<{width}} {ratio:>12.2f}")
 
 
 def draw_ids(kind: str, rows: int, shape: tuple[int, int], exponent: float, rng):
