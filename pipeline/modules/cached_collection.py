@@ -1,7 +1,7 @@
 """``HostCachedCollection``: an EmbeddingCollection some of whose tables live in host memory behind device caches.
 
-Each table named in ``cache_rows`` keeps every row and its optimizer state in host memory (pinned once
-the collection is on a GPU) and that many rows, with their state, on the device, in the caches that one
+Each table named in ``cache_rows`` keeps every row and its optimizer state in host memory and that many
+rows, with their state, on the device, in the caches that one
 :class:`~pipeline.modules.host_cache.RowCache` keeps the books of (least recently used out, dirty rows
 written back); the other tables stay whole on the device, as in the plain collection. A batch's lookup
 first maps the ids of the cached tables to cache slots, then runs the collection's own lookup and fused
@@ -174,12 +174,6 @@ class HostCachedCollection(EmbeddingCollection):
                 host, device = flat_views(self.packing, self.host, t), flat_views(self.storage_packing, storage, t)
                 for key in host:
                     (device if to_device else host)[key].copy_((host if to_device else device)[key])
-
-    def _apply(self, fn, recurse=True):
-        out = super()._apply(fn, recurse)
-        if self.weights.is_cuda and not self.host["weight"].is_pinned():
-            self.host = {key: value.pin_memory() for key, value in self.host.items()}
-        return out
 
     def cache_stats(self) -> dict[str, CacheStats]:
         """Each cached table's counts of its training batches' rows: looked up, found, evicted, written back."""
