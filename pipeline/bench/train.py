@@ -233,21 +233,29 @@ def _plain_step(model, optimizers: list, amp: bool):
 
 def _placed(args, dim, bottom, top, device):
     """Our model with its tables placed by the planner under ``--embedding-budget-mb``, as the training stage
-    places them on one process, and the planner's topology."""
+    places them on one process (the same values as :func:`_ours`'), and the planner's topology."""
+    import torch
+
     from pipeline.distributed.config import DistributedConfig
     from pipeline.distributed.model_parallel import make_planner
     from pipeline.errors import UserError
     from pipeline.modules.cached_collection import HostCachedCollection
 
     model = _ours(args, dim, bottom, top, "cpu")
+    ec = model.embedding
     planner = make_planner(DistributedConfig(memory_per_rank_mb=args.embedding_budget_mb), 1, device,
                            batch_size=args.batch, optimizer=args.optimizer, weight_bytes=4)
-    plan = planner.plan(model.embedding.tables)
+    plan = planner.plan(ec.tables)
     cached = {name: p.cache_rows for name, p in plan.tables.items() if p.cache_rows}
     if not cached:
         raise UserError(f"--embedding-budget-mb {args.embedding_budget_mb:g}: every table fits in it, so none is "
                         "host-cached: give a budget below what the tables take")
-    model.embedding = HostCachedCollection.from_collection(model.embedding, cached)
+    # The plain tables go before the host-cached ones are drawn (by build_model's generator, seed 0), so that
+    # host memory holds the tables once.
+    tables, features, optimizer = ec.tables, ec.feature_names, ec.optimizer
+    model.embedding = ec = None
+    model.embedding = HostCachedCollection(tables, features, cached, optimizer, backend=args.backend, validate_ids=False,
+                                           generator=torch.Generator().manual_seed(0))
     return model.to(device), planner.topology
 
 
@@ -294,10 +302,9 @@ def _print_placement(result: dict, optimizer: str) -> None:
     _print_rates([(f"ours, every table in device memory (fused sparse {optimizer}):", result["ours_samples_per_s"]),
                   ("ours, tables placed under the budget:", result["host_cached_samples_per_s"])],
                  "ratio placed / in device memory:", result["host_cached_ratio"])
-    rates = sorted(result["hit_rates"].items(), key=lambda item: item[1])
-    print("  cache hit rate over the timed steps (the share of a batch's distinct rows found in the cache): "
-          + ", ".join(f"{name} {rate:.1%} ({cached[name]['cache_rows']:,} of {cached[name]['rows']:,} rows)"
-                      for name, rate in rates))
+    print("  cache hit rate over the timed steps (the share of a batch's distinct rows found in the cache):")
+    for name, rate in result["hit_rates"].items():
+        print(f"    {name}: {rate:6.1%}, a cache of {cached[name]['cache_rows']:,} of its {cached[name]['rows']:,} rows")
 
 
 def _mib(value: float) -> str:
