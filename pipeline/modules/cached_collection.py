@@ -175,6 +175,10 @@ class HostCachedCollection(EmbeddingCollection):
                 for key in host:
                     (device if to_device else host)[key].copy_((host if to_device else device)[key])
 
+    def _apply(self, fn, recurse=True):
+        self._side = None  # the books on the new device are marked as the side stream's at its first use
+        return super()._apply(fn, recurse)
+
     def cache_stats(self) -> dict[str, CacheStats]:
         """Each cached table's counts of its training batches' rows: looked up, found, evicted, written back."""
         return self.cache.stats
@@ -315,6 +319,8 @@ class HostCachedCollection(EmbeddingCollection):
         compute = torch.cuda.current_stream(self.weights.device)
         if self._side is None:
             self._side = torch.cuda.Stream(self.weights.device)
+            for books in self.cache.buffers():  # made on the compute stream, used and replaced on the side one
+                books.record_stream(self._side)
         if after is None:
             self._side.wait_stream(compute)
         else:  # and the lookup made without a prefetch (an evaluation between steps): its slots may be evicted now
