@@ -25,7 +25,7 @@ simulated as on a GPU: the caches are tensors of their own beside the host table
     python -m pipeline bench train --device cuda --preset mlperf --batch 65536   # bf16 autocast on GPU
     python -m pipeline bench train --device cuda --preset mlperf --batch 65536 --ids zipf --optimizer adam
     python -m pipeline bench train --device cuda --preset mlperf --batch 65536 --rows 4000000 --ids zipf \
-        --optimizer adagrad --embedding-budget-mb 16384 --warmup 50
+        --optimizer adagrad --embedding-budget-mb 16384 --warmup 100
 """
 
 from __future__ import annotations

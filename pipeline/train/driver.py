@@ -5,7 +5,8 @@ the :class:`~pipeline.loader.Loader`, scores ``valid`` along the way and ``test`
 :class:`~pipeline.distributed.world.World` it is given decides the rest: on a world of one the
 plain model with ``.pt`` checkpoints, its tables that do not fit ``distributed.memory_per_rank_mb``
 (or that ``distributed.sharding`` names ``host_cached``) in host memory behind device caches of their
-hot rows (:mod:`pipeline.modules.cached_collection`); on N ranks each rank reads its shard of every split, the
+hot rows (:mod:`pipeline.modules.cached_collection`), each batch's rows prefetched into them while the
+batch before trains (``distributed.pipeline``); on N ranks each rank reads its shard of every split, the
 model trains through :class:`~pipeline.distributed.model_parallel.DistributedModelParallel` with
 sharded checkpoints, each batch's id exchange started while the batch before it trains
 (``distributed.pipeline``, :mod:`pipeline.distributed.train_pipeline`), and the scores are computed
