@@ -276,12 +276,13 @@ class HostCachedCollection(EmbeddingCollection):
         done, self._written_back = self._written_back, None
         if done is None:
             return
+        rows = [done.rows[lo:hi] - self.packing.groups[g].row_start for g, lo, hi in done.groups]
         for key, flat in self.host.items():
             at = 0
-            for g, lo, hi in done.groups:
+            for (g, lo, hi), group_rows in zip(done.groups, rows):
                 view = _group_view(self.packing, flat, g)
                 part = done.values[key][at : at + (hi - lo) * view[0].numel()].view(hi - lo, *view.shape[1:])
-                view.index_copy_(0, done.rows[lo:hi] - self.packing.groups[g].row_start, part)
+                view.index_copy_(0, group_rows, part)
                 at += part.numel()
 
     def _copy_in(self, rows: torch.Tensor, victims: torch.Tensor, by_table: list[int]) -> None:
@@ -289,14 +290,15 @@ class HostCachedCollection(EmbeddingCollection):
         gathered into pinned memory, one copy per tensor to the device, scattered there."""
         groups = list(self._groups_of(by_table))
         at = victims + self.slot_group_row[self.cache.slot_table[victims]]
+        host_rows = [rows[lo:hi] - self.packing.groups[g].row_start for g, lo, hi in groups]
         for key, flat in self.host.items():
             views = [_group_view(self.packing, flat, g) for g, _, _ in groups]
             staged = self._host_buffer(f"missing {key}", sum(v[0].numel() * (hi - lo)
                                                               for v, (_, lo, hi) in zip(views, groups)), flat.dtype)
             start = 0
-            for view, (g, lo, hi) in zip(views, groups):
-                part = staged[start : start + (hi - lo) * view[0].numel()].view(hi - lo, *view.shape[1:])
-                torch.index_select(view, 0, rows[lo:hi] - self.packing.groups[g].row_start, out=part)
+            for view, group_rows in zip(views, host_rows):
+                part = staged[start : start + group_rows.numel() * view[0].numel()].view(-1, *view.shape[1:])
+                torch.index_select(view, 0, group_rows, out=part)
                 start += part.numel()
             arrived = staged.to(self.weights.device, non_blocking=True)
             storage = self._storage()[key]
@@ -323,9 +325,9 @@ class HostCachedCollection(EmbeddingCollection):
                 books.record_stream(self._side)
         if after is None:
             self._side.wait_stream(compute)
-        else:  # and the lookup made without a prefetch (an evaluation between steps): its slots may be evicted now
+        else:
             self._side.wait_event(after)
-            if self._looked_up is not None:
+            if self._looked_up is not None:  # a lookup made without a prefetch (an evaluation between steps)
                 self._side.wait_event(self._looked_up)
         try:
             with torch.cuda.stream(self._side):
