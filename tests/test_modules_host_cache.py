@@ -172,6 +172,26 @@ def test_the_least_recently_used_row_goes_and_a_dirty_one_is_written_back():
         step([6, 7, 8], training=True)
 
 
+class CountedWaits(HostCachedCollection):
+    """The collection, counting the host's waits for the device (every read back goes through ``_wait``)."""
+
+    waits = 0
+
+    def _wait(self, event) -> None:
+        self.waits += 1
+        super()._wait(event)
+
+
+def test_a_step_waits_for_the_device_twice_for_all_its_tables_and_once_when_no_row_is_missing():
+    cached = CountedWaits.from_collection(plain("adagrad"), cache_rows(0.1))
+    waits = []
+    for kjt, target in (batch(0), batch(1), batch(1)):  # the third: every row in the caches already
+        before = cached.waits
+        (cached(kjt) * target).sum().backward()
+        waits.append(cached.waits - before)
+    assert waits == [2, 2, 1]
+
+
 def test_a_training_batch_larger_than_a_cache_is_refused_naming_the_table():
     cached = HostCachedCollection.from_collection(plain("sgd"), {"big": 40})
     kjt, _ = batch(0, size=100)

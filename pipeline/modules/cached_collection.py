@@ -355,13 +355,13 @@ class HostCachedCollection(EmbeddingCollection):
     def _read(self, values: torch.Tensor, name: str, wait: bool = True) -> torch.Tensor:
         """``values`` in host memory (pinned, reused per ``name``); ``wait``: the host waits for them, else the
         copy is under way (a later wait on the stream covers it)."""
-        if not values.is_cuda:
-            return values
-        out = self._host_buffer(name, values.numel(), values.dtype)
-        out.copy_(values.reshape(-1), non_blocking=True)
+        out = values
+        if values.is_cuda:
+            out = self._host_buffer(name, values.numel(), values.dtype).view(values.shape)
+            out.copy_(values, non_blocking=True)
         if wait:
             self._wait(self._event())
-        return out.view(values.shape)
+        return out
 
     def _host_buffer(self, name: str, size: int, dtype: torch.dtype) -> torch.Tensor:
         """``size`` elements of host memory kept per ``name`` (pinned on a GPU), grown as needed."""
