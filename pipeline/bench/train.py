@@ -24,8 +24,7 @@ simulated as on a GPU: the caches are tensors of their own beside the host table
     python -m pipeline bench train                       # CPU: 26 x 100k rows, dim 64, batch 2048
     python -m pipeline bench train --device cuda --preset mlperf --batch 65536   # bf16 autocast on GPU
     python -m pipeline bench train --device cuda --preset mlperf --batch 65536 --ids zipf --optimizer adam
-    python -m pipeline bench train --device cuda --preset mlperf --batch 65536 --rows 4000000 --ids zipf \
-        --optimizer adagrad --embedding-budget-mb 16384 --warmup 100
+    python -m pipeline bench train --device cuda --preset mlperf --batch 65536 --rows 4000000 --ids zipf --optimizer adagrad --embedding-budget-mb 16384 --warmup 100
 """
 
 from __future__ import annotations
