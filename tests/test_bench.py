@@ -63,6 +63,43 @@ def test_bench_train_compiles_our_dense_part_as_the_stage_does(tmp_path, capsys)
     assert "our dense part compiled True" in capsys.readouterr().out
 
 
+def test_bench_train_times_dynamic_tables_on_the_same_ids_beside_the_static_ones(tmp_path, capsys):
+    out = tmp_path / "train.json"
+    assert main(["bench", "train", *TINY_TRAIN, "--ids", "zipf", "--dynamic", "--json", str(out), f"workdir={tmp_path}",
+                 "train.admit_after=2"]) == 0
+    result = json.loads(out.read_text())
+    static, dynamic = result["ours_samples_per_s"], result["ours_dynamic_samples_per_s"]
+    assert static > 0 and dynamic > 0 and len(result["rounds"]["ours_dynamic"]) == 1
+    assert result["static_over_dynamic"] == pytest.approx(static / dynamic)
+    tables = result["dynamic_tables"]
+    assert (tables["capacity"], tables["admit_after"], tables["hashtable_backend"]) == (2048, 2, "torch")
+    # Rows for the ids seen twice in the three steps (a warm-up, two timed); those seen once are counted.
+    assert 0 < tables["ids"] < 3 * tables["distinct_ids_per_table"] and tables["candidates"] > 0
+    assert tables["distinct_ids_per_table"] <= 2000 and tables["evictions"] == 0
+    printed = capsys.readouterr().out
+    assert "ours, dynamic tables (capacity 2,048):" in printed and "ratio static / dynamic tables:" in printed
+
+
+@pytest.mark.gpu
+def test_bench_train_places_the_ids_of_dynamic_tables_with_the_hash_table_kernels_on_the_gpu(tmp_path):
+    out = tmp_path / "train.json"
+    assert main(["bench", "train", "--tables", "3", "--rows", "20000", "--batch", "4096", "--steps", "3", "--rounds",
+                 "2", "--warmup", "2", "--device", "cuda", "--ids", "zipf", "--dynamic", "--json", str(out),
+                 f"workdir={tmp_path}", "train.admit_after=2"]) == 0
+    result = json.loads(out.read_text())
+    assert (result["backend"], result["compiled"], result["amp_bf16"]) == ("cuda", True, True)
+    tables = result["dynamic_tables"]
+    assert tables["hashtable_backend"] == "cuda" and tables["ids"] > 0 and tables["candidates"] > 0
+    assert result["ours_dynamic_samples_per_s"] > 0 and result["static_over_dynamic"] > 0
+
+
+def test_bench_train_times_static_tables_alone_unless_told(tmp_path):
+    out = tmp_path / "train.json"
+    assert main(["bench", "train", *TINY_TRAIN, "--json", str(out), f"workdir={tmp_path}"]) == 0
+    result = json.loads(out.read_text())
+    assert "ours_dynamic_samples_per_s" not in result and set(result["rounds"]) == {"ours", "plain_pytorch"}
+
+
 def test_bench_train_refuses_a_zipf_exponent_that_is_not_positive(tmp_path, capsys):
     assert main(["bench", "train", *TINY_TRAIN, "--ids", "zipf", "--zipf-exponent", "0", f"workdir={tmp_path}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -94,6 +131,14 @@ def test_bench_train_refuses_a_budget_that_every_table_fits(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [("error: --embedding-budget-mb 100: every table fits in it, so none is host-cached: give a budget "
                     "below what the tables take")]
+
+
+def test_bench_train_refuses_dynamic_tables_under_a_budget(tmp_path, capsys):
+    assert main(["bench", "train", *TINY_TRAIN, "--dynamic", "--embedding-budget-mb", "0.038",
+                 f"workdir={tmp_path}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [("error: --dynamic with --embedding-budget-mb: give one of them: the budget places static tables, "
+                    "host-caching those that do not fit, and dynamic tables are not placed under it")]
 
 
 SMALL_STAGE = ["train.batch_size=128", "train.eval_batch_size=512", "train.embedding_dim=8", "train.bottom_mlp=[16,8]",

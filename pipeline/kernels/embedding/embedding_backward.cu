@@ -10,8 +10,6 @@
 //    1/len for mean-pooled bags) in fp32 registers; then it applies SGD, row-wise Adagrad or lazy Adam
 //    to that row alone and stores it in the weights' dtype (round to nearest or stochastic rounding;
 //    optionally through an fp32 master copy). A run cut into several segments stores their sums.
-//    Rows of one chunk of lanes (every dim up to 128 in fp32) take sparse_update_window instead: a
-//    group per WINDOW positions, their loads all in flight at once (see there).
 // 4. sparse_update_long: the runs cut into segments; a group per run adds its segments' sums in order
 //    and updates the row as above. No atomics: each row has exactly one owner, and sums are in a fixed
 //    order, so results do not depend on scheduling.
@@ -180,28 +178,21 @@ __device__ __forceinline__ void load_row(
 #define SEGMENT 64
 
 // CHUNKS: how many lanes * N column chunks a row may span (1, or enough for dim 512).
-// The run of equal keys (cut into segments as above) that starts at sorted position `pos`, or nothing
-// when no run or segment starts there; one thread group.
-#define UPDATE_PARAMS                                                                                   \
-    W* __restrict__ weights, float* __restrict__ master, float* __restrict__ state1, float* __restrict__ state2, \
-    const K* __restrict__ sorted_keys, const int* __restrict__ sorted_bags, const long long* __restrict__ offsets, \
-    const long long* __restrict__ table_row_starts, const long long* __restrict__ table_weight_offsets,  \
-    const long long* __restrict__ table_dims, int num_tables, const long long* __restrict__ output_offsets, \
-    const unsigned char* __restrict__ slot_mean, const float* __restrict__ grad, float* __restrict__ partials, \
-    long long nnz, int num_slots, int batch_size, int log_lanes, int weights_aligned, int grad_aligned,  \
-    float lr, float eps, float beta1, float beta2, float bias1, float bias2, float weight_decay,         \
-    int stochastic, unsigned long long seed
-#define UPDATE_ARGS                                                                                     \
-    weights, master, state1, state2, sorted_keys, sorted_bags, offsets, table_row_starts,               \
-    table_weight_offsets, table_dims, num_tables, output_offsets, slot_mean, grad, partials, nnz,        \
-    num_slots, batch_size, log_lanes, weights_aligned, grad_aligned, lr, eps, beta1, beta2, bias1,      \
-    bias2, weight_decay, stochastic, seed
-
 template <typename W, typename K, int OPT, int CHUNKS>
-__device__ __forceinline__ void update_run(long long pos, UPDATE_PARAMS) {
+__device__ __forceinline__ void sparse_update(
+    W* __restrict__ weights, float* __restrict__ master, float* __restrict__ state1, float* __restrict__ state2,
+    const K* __restrict__ sorted_keys, const int* __restrict__ sorted_bags, const long long* __restrict__ offsets,
+    const long long* __restrict__ table_row_starts, const long long* __restrict__ table_weight_offsets,
+    const long long* __restrict__ table_dims, int num_tables, const long long* __restrict__ output_offsets,
+    const unsigned char* __restrict__ slot_mean, const float* __restrict__ grad, float* __restrict__ partials,
+    long long nnz, int num_slots, int batch_size, int log_lanes, int weights_aligned, int grad_aligned,
+    float lr, float eps, float beta1, float beta2, float bias1, float bias2, float weight_decay,
+    int stochastic, unsigned long long seed) {
     constexpr int N = Vec<W>::N;
     const int lanes = 1 << log_lanes;
     const int lane = threadIdx.x & (lanes - 1);
+    const long long pos = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> log_lanes;
+    if (pos >= nnz) return;
     const K key = sorted_keys[pos];
     const bool run_start = pos == 0 || sorted_keys[pos - 1] != key;
     const bool at_boundary = pos % SEGMENT == 0;
@@ -291,129 +282,6 @@ __device__ __forceinline__ void update_run(long long pos, UPDATE_PARAMS) {
                                   seed);
 }
 
-// One thread group per sorted position (rows wider than one chunk of the group's lanes).
-template <typename W, typename K, int OPT, int CHUNKS>
-__device__ __forceinline__ void sparse_update(UPDATE_PARAMS) {
-    const long long pos = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> log_lanes;
-    if (pos < nnz) update_run<W, K, OPT, CHUNKS>(pos, UPDATE_ARGS);
-}
-
-// One thread group per WINDOW sorted positions (a WINDOW divides SEGMENT, so a window lies in one
-// segment), for rows of one chunk. Every lane reads the window's keys, bags and tables at once, then
-// issues the gradient rows of all its positions and the rows and states of the runs ending in it
-// before it adds or stores anything: WINDOW independent chains of loads in flight per group instead
-// of one. Runs that start and end inside the window and are not cut by a segment boundary are summed
-// in position order and updated here; a run that starts here and goes on past the window, or a
-// segment's head that continues an earlier run, is handed to update_run (the per-position path).
-#define WINDOW 4
-
-template <typename W, typename K, int OPT>
-__device__ __forceinline__ void sparse_update_window(UPDATE_PARAMS) {
-    constexpr int N = Vec<W>::N;
-    const int lanes = 1 << log_lanes;
-    const int lane = threadIdx.x & (lanes - 1);
-    const long long p0 = (((long long)blockIdx.x * blockDim.x + threadIdx.x) >> log_lanes) * WINDOW;
-    if (p0 >= nnz) return;
-    const unsigned int mask = group_mask(lanes);
-    const long long grad_stride = output_offsets[num_slots];
-    const int d0 = lane * N;
-
-    K key[WINDOW];
-    bool valid[WINDOW];
-#pragma unroll
-    for (int r = 0; r < WINDOW; ++r) {
-        valid[r] = p0 + r < nnz;
-        key[r] = valid[r] ? sorted_keys[p0 + r] : (K)0;
-    }
-    const bool before_same = p0 > 0 && sorted_keys[p0 - 1] == key[0];
-    const bool after_same = p0 + WINDOW < nnz && sorted_keys[p0 + WINDOW] == key[WINDOW - 1];
-
-    // start[r]: a run, or a segment's part of one, starts at r (as in update_run); fast[r]: r lies in a
-    // run this group sums and updates itself; last[r]: r ends such a run. Positions before the first
-    // start belong to a run an earlier group sums.
-    bool start[WINDOW], fast[WINDOW], last[WINDOW];
-    long long handed_head = -1, handed_tail = -1;  // positions handed to update_run
-    {
-        bool here = false;
-#pragma unroll
-        for (int r = 0; r < WINDOW; ++r) {
-            start[r] = valid[r] && (r == 0 ? (!before_same || p0 % SEGMENT == 0) : key[r - 1] != key[r]);
-            if (start[r]) here = !(r == 0 && before_same);  // a segment's head inside a longer run: handed
-            if (start[r] && !here) handed_head = p0;
-            fast[r] = valid[r] && here;
-        }
-        int tail = 0;
-#pragma unroll
-        for (int r = 0; r < WINDOW; ++r) {
-            const bool ends = r + 1 < WINDOW ? (!valid[r + 1] || key[r + 1] != key[r]) : !after_same;
-            last[r] = fast[r] && ends;
-            if (start[r]) tail = r;
-        }
-        // The run still open at the window's end goes on past it, perhaps across the segment's end.
-        if (fast[WINDOW - 1] && !last[WINDOW - 1]) {
-#pragma unroll
-            for (int r = 0; r < WINDOW; ++r)
-                if (r >= tail) fast[r] = false;
-            handed_tail = p0 + tail;
-        }
-    }
-
-    // Loads: the gradient row of each position summed here, and the row and state of each run ending here.
-    float g[WINDOW][N], w[WINDOW][1][N], m1[WINDOW][1][N], m2[WINDOW][1][N], before[WINDOW];
-    long long elem[WINDOW];
-    int dim[WINDOW];
-    bool vec_w[WINDOW];
-#pragma unroll
-    for (int r = 0; r < WINDOW; ++r) {
-        elem[r] = 0;
-        dim[r] = 0;
-        vec_w[r] = false;
-        before[r] = 0.0f;
-#pragma unroll
-        for (int k = 0; k < N; ++k) g[r][k] = w[r][0][k] = m1[r][0][k] = m2[r][0][k] = 0.0f;
-        if (!fast[r]) continue;
-        const int t = table_of<K>(key[r], table_row_starts, num_tables);
-        const int D = (int)table_dims[t];
-        dim[r] = D;
-        const int bag = sorted_bags[p0 + r];
-        const int slot = bag / batch_size;
-        const long long goff = (long long)(bag - slot * batch_size) * grad_stride + output_offsets[slot];
-        const float scale = slot_mean[slot] ? 1.0f / (float)max(offsets[bag + 1] - offsets[bag], 1LL) : 1.0f;
-        if (d0 < D) {
-            load_elems<float, N>(grad + goff, d0, D, grad_aligned && (D % N == 0), g[r]);
-#pragma unroll
-            for (int k = 0; k < N; ++k) g[r][k] *= scale;
-        }
-        if (last[r]) {
-            elem[r] = table_weight_offsets[t] + ((long long)key[r] - table_row_starts[t]) * D;
-            vec_w[r] = weights_aligned && (elem[r] % N == 0) && (D % N == 0);
-            load_row<W, OPT, 1, N>(weights + elem[r], master ? master + elem[r] : nullptr, state1, state2,
-                                   (long long)key[r], elem[r], D, lane, lanes, vec_w[r], w[r], m1[r], m2[r],
-                                   before[r]);
-        }
-    }
-
-    // Sums in position order and updates, run by run.
-    float sum[1][N];
-#pragma unroll
-    for (int k = 0; k < N; ++k) sum[0][k] = 0.0f;
-#pragma unroll
-    for (int r = 0; r < WINDOW; ++r) {
-        if (!fast[r]) continue;
-#pragma unroll
-        for (int k = 0; k < N; ++k) sum[0][k] = start[r] ? g[r][k] : sum[0][k] + g[r][k];
-        if (last[r]) {
-            W* wrow = weights + elem[r];
-            update_row<W, OPT, 1, N>(wrow, master ? master + elem[r] : nullptr, state1, state2, (long long)key[r],
-                                     elem[r], dim[r], lane, lanes, mask, vec_w[r], w[r], m1[r], m2[r], sum,
-                                     before[r], lr, eps, beta1, beta2, bias1, bias2, weight_decay, stochastic,
-                                     seed);
-        }
-    }
-    if (handed_head >= 0) update_run<W, K, OPT, 1>(handed_head, UPDATE_ARGS);
-    if (handed_tail >= 0) update_run<W, K, OPT, 1>(handed_tail, UPDATE_ARGS);
-}
-
 // The rows whose run crosses a segment boundary: a group per segment k owns the run that crosses
 // its end and starts inside it; it adds that run's partial sums in position order and updates.
 template <typename W, typename K, int OPT, int CHUNKS>
@@ -493,8 +361,12 @@ __device__ __forceinline__ void sparse_update_long(
         float* partials, long long nnz, int num_slots, int batch_size, int log_lanes,                   \
         int weights_aligned, int grad_aligned, float lr, float eps, float beta1, float beta2,           \
         float bias1, float bias2, float weight_decay, int stochastic, unsigned long long seed) {        \
-        if constexpr (CHUNKS == 1) sparse_update_window<W, K, OPT>(UPDATE_ARGS);                        \
-        else sparse_update<W, K, OPT, CHUNKS>(UPDATE_ARGS);                                             \
+        sparse_update<W, K, OPT, CHUNKS>(weights, master, state1, state2, sorted_keys, sorted_bags,     \
+                                         offsets, table_row_starts, table_weight_offsets, table_dims,   \
+                                         num_tables, output_offsets, slot_mean, grad, partials, nnz,    \
+                                         num_slots, batch_size, log_lanes, weights_aligned,             \
+                                         grad_aligned, lr, eps, beta1, beta2, bias1, bias2,             \
+                                         weight_decay, stochastic, seed);                               \
     }                                                                                                   \
     extern "C" __global__ void __launch_bounds__(256) NAME##_long(                                      \
         W* weights, float* master, float* state1, float* state2, const K* sorted_keys,                  \

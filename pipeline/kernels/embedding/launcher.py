@@ -26,7 +26,6 @@ BAGS_PER_GROUP = 8  # consecutive bags one thread group pools: more row loads in
 SMALL_BATCH_BAGS = 1 << 16  # below this many bags, one bag per group keeps every multiprocessor busy
 MAX_UPDATE_DIM = 512
 SEGMENT = 64  # sorted positions per thread group in the update; as SEGMENT in embedding_backward.cu
-WINDOW = 4  # sorted positions per thread group for rows of one chunk; as WINDOW in embedding_backward.cu
 _DTYPE_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 _OPTIMIZERS = ("sgd", "adagrad", "adam")
 
@@ -187,8 +186,7 @@ def backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor], slots
               f32(weight_decay), i32(stochastic_rounding), u64(_mix(seed, step))]
     tables = [ptr(slots.table_row_starts), ptr(slots.table_weight_offsets), ptr(slots.table_dims),
               i32(slots.table_dims.numel())]
-    groups = (nnz + WINDOW - 1) // WINDOW if chunks == 1 else nnz
-    launch(BACKWARD_SOURCE, name, weights.device, (groups + rows_per_block - 1) // rows_per_block, BLOCK,
+    launch(BACKWARD_SOURCE, name, weights.device, (nnz + rows_per_block - 1) // rows_per_block, BLOCK,
            [ptr(weights), ptr(master_weights), ptr(state1), ptr(state2), ptr(sorted_keys), ptr(sorted_bags),
             ptr(offsets), *tables, ptr(slots.output_offsets), ptr(slots.mean), ptr(grad), ptr(partials), i64(nnz),
             i32(slots.num_slots), i32(batch_size), i32(log_lanes), i32(weights_aligned), i32(grad_aligned), *update])
