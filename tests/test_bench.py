@@ -106,6 +106,41 @@ def test_bench_train_refuses_a_zipf_exponent_that_is_not_positive(tmp_path, caps
     assert err == ["error: --zipf-exponent: expected a number > 0, got 0.0"]
 
 
+def test_bench_train_times_tables_placed_under_a_budget_against_all_in_device_memory(tmp_path, capsys):
+    out = tmp_path / "train.json"
+    # 3 tables of 2000 rows x 4 fp32 and a row of Adagrad state: 0.114 MiB, 3x the budget
+    assert main(["bench", "train", *TINY_TRAIN, "--ids", "zipf", "--optimizer", "adagrad", "--rounds", "2",
+                 "--embedding-budget-mb", "0.038", "--json", str(out), f"workdir={tmp_path}"]) == 0
+    result = json.loads(out.read_text())
+    assert result["ours_samples_per_s"] > 0 and result["host_cached_samples_per_s"] > 0
+    assert result["host_cached_ratio"] == result["host_cached_samples_per_s"] / result["ours_samples_per_s"]
+    assert len(result["rounds"]["ours"]) == len(result["rounds"]["host_cached"]) == 2
+    assert result["tables_over_budget"] == pytest.approx(3.0, rel=0.01)
+    cached = result["host_cached_tables"]
+    assert sorted([*cached, *result["tables_in_device_memory"]]) == ["t_C1", "t_C2", "t_C3"]
+    assert sorted(cached) == sorted(result["hit_rates"])
+    assert all(c["cache_rows"] < c["rows"] == 2000 for c in cached.values())
+    assert all(0 < rate < 1 for rate in result["hit_rates"].values())
+    printed = capsys.readouterr().out
+    assert f"{len(cached)} host-cached behind device caches" in printed
+    assert "ratio placed / in device memory:" in printed and "cache hit rate over the timed steps" in printed
+
+
+def test_bench_train_refuses_a_budget_that_every_table_fits(tmp_path, capsys):
+    assert main(["bench", "train", *TINY_TRAIN, "--embedding-budget-mb", "100", f"workdir={tmp_path}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [("error: --embedding-budget-mb 100: every table fits in it, so none is host-cached: give a budget "
+                    "below what the tables take")]
+
+
+def test_bench_train_refuses_dynamic_tables_under_a_budget(tmp_path, capsys):
+    assert main(["bench", "train", *TINY_TRAIN, "--dynamic", "--embedding-budget-mb", "0.038",
+                 f"workdir={tmp_path}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [("error: --dynamic with --embedding-budget-mb: give one of them: the budget places static tables, "
+                    "host-caching those that do not fit, and dynamic tables are not placed under it")]
+
+
 SMALL_STAGE = ["train.batch_size=128", "train.eval_batch_size=512", "train.embedding_dim=8", "train.bottom_mlp=[16,8]",
                "train.top_mlp=[16,1]", "progress=off", "train.log_every=4", "train.threads=1"]
 
