@@ -63,10 +63,82 @@ def test_bench_train_compiles_our_dense_part_as_the_stage_does(tmp_path, capsys)
     assert "our dense part compiled True" in capsys.readouterr().out
 
 
+def test_bench_train_times_dynamic_tables_on_the_same_ids_beside_the_static_ones(tmp_path, capsys):
+    out = tmp_path / "train.json"
+    assert main(["bench", "train", *TINY_TRAIN, "--ids", "zipf", "--dynamic", "--json", str(out), f"workdir={tmp_path}",
+                 "train.admit_after=2"]) == 0
+    result = json.loads(out.read_text())
+    static, dynamic = result["ours_samples_per_s"], result["ours_dynamic_samples_per_s"]
+    assert static > 0 and dynamic > 0 and len(result["rounds"]["ours_dynamic"]) == 1
+    assert result["static_over_dynamic"] == pytest.approx(static / dynamic)
+    tables = result["dynamic_tables"]
+    assert (tables["capacity"], tables["admit_after"], tables["hashtable_backend"]) == (2048, 2, "torch")
+    # Rows for the ids seen twice in the three steps (a warm-up, two timed); those seen once are counted.
+    assert 0 < tables["ids"] < 3 * tables["distinct_ids_per_table"] and tables["candidates"] > 0
+    assert tables["distinct_ids_per_table"] <= 2000 and tables["evictions"] == 0
+    printed = capsys.readouterr().out
+    assert "ours, dynamic tables (capacity 2,048):" in printed and "ratio static / dynamic tables:" in printed
+
+
+@pytest.mark.gpu
+def test_bench_train_places_the_ids_of_dynamic_tables_with_the_hash_table_kernels_on_the_gpu(tmp_path):
+    out = tmp_path / "train.json"
+    assert main(["bench", "train", "--tables", "3", "--rows", "20000", "--batch", "4096", "--steps", "3", "--rounds",
+                 "2", "--warmup", "2", "--device", "cuda", "--ids", "zipf", "--dynamic", "--json", str(out),
+                 f"workdir={tmp_path}", "train.admit_after=2"]) == 0
+    result = json.loads(out.read_text())
+    assert (result["backend"], result["compiled"], result["amp_bf16"]) == ("cuda", True, True)
+    tables = result["dynamic_tables"]
+    assert tables["hashtable_backend"] == "cuda" and tables["ids"] > 0 and tables["candidates"] > 0
+    assert result["ours_dynamic_samples_per_s"] > 0 and result["static_over_dynamic"] > 0
+
+
+def test_bench_train_times_static_tables_alone_unless_told(tmp_path):
+    out = tmp_path / "train.json"
+    assert main(["bench", "train", *TINY_TRAIN, "--json", str(out), f"workdir={tmp_path}"]) == 0
+    result = json.loads(out.read_text())
+    assert "ours_dynamic_samples_per_s" not in result and set(result["rounds"]) == {"ours", "plain_pytorch"}
+
+
 def test_bench_train_refuses_a_zipf_exponent_that_is_not_positive(tmp_path, capsys):
     assert main(["bench", "train", *TINY_TRAIN, "--ids", "zipf", "--zipf-exponent", "0", f"workdir={tmp_path}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: --zipf-exponent: expected a number > 0, got 0.0"]
+
+
+def test_bench_train_times_tables_placed_under_a_budget_against_all_in_device_memory(tmp_path, capsys):
+    out = tmp_path / "train.json"
+    # 3 tables of 2000 rows x 4 fp32 and a row of Adagrad state: 0.114 MiB, 3x the budget
+    assert main(["bench", "train", *TINY_TRAIN, "--ids", "zipf", "--optimizer", "adagrad", "--rounds", "2",
+                 "--embedding-budget-mb", "0.038", "--json", str(out), f"workdir={tmp_path}"]) == 0
+    result = json.loads(out.read_text())
+    assert result["ours_samples_per_s"] > 0 and result["host_cached_samples_per_s"] > 0
+    assert result["host_cached_ratio"] == result["host_cached_samples_per_s"] / result["ours_samples_per_s"]
+    assert len(result["rounds"]["ours"]) == len(result["rounds"]["host_cached"]) == 2
+    assert result["tables_over_budget"] == pytest.approx(3.0, rel=0.01)
+    cached = result["host_cached_tables"]
+    assert sorted([*cached, *result["tables_in_device_memory"]]) == ["t_C1", "t_C2", "t_C3"]
+    assert sorted(cached) == sorted(result["hit_rates"])
+    assert all(c["cache_rows"] < c["rows"] == 2000 for c in cached.values())
+    assert all(0 < rate < 1 for rate in result["hit_rates"].values())
+    printed = capsys.readouterr().out
+    assert f"{len(cached)} host-cached behind device caches" in printed
+    assert "ratio placed / in device memory:" in printed and "cache hit rate over the timed steps" in printed
+
+
+def test_bench_train_refuses_a_budget_that_every_table_fits(tmp_path, capsys):
+    assert main(["bench", "train", *TINY_TRAIN, "--embedding-budget-mb", "100", f"workdir={tmp_path}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [("error: --embedding-budget-mb 100: every table fits in it, so none is host-cached: give a budget "
+                    "below what the tables take")]
+
+
+def test_bench_train_refuses_dynamic_tables_under_a_budget(tmp_path, capsys):
+    assert main(["bench", "train", *TINY_TRAIN, "--dynamic", "--embedding-budget-mb", "0.038",
+                 f"workdir={tmp_path}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [("error: --dynamic with --embedding-budget-mb: give one of them: the budget places static tables, "
+                    "host-caching those that do not fit, and dynamic tables are not placed under it")]
 
 
 SMALL_STAGE = ["train.batch_size=128", "train.eval_batch_size=512", "train.embedding_dim=8", "train.bottom_mlp=[16,8]",
@@ -105,6 +177,11 @@ def test_bench_e2e_reports_every_rate_and_where_the_stage_time_goes(tmp_path, ca
                                                                   rel=1e-6, abs=1e-9)
     assert r["stage_samples_per_s"] == pytest.approx(r["stage_samples"] / r["stage_seconds"])
     assert r["host_syncs"] is None  # not counted on the CPU
+    # the dense part's matrix products: DLRM's MLPs alone are 4-6 FLOPs per weight a sample (forward and backward)
+    assert r["dense_gemm_flops_per_sample"] > 4 * r["dense_weights"]
+    assert r["dense_gemm_tflops_at_step_alone"] == pytest.approx(
+        r["dense_gemm_flops_per_sample"] * r["step_alone_samples_per_s"] / 1e12)
+    assert r["reference_gemm_tflops"] is None
     assert (out / "trace.json").stat().st_size > 0 and "Self CPU" in (out / "profile.txt").read_text()
     # the stage's own outputs, from its own code: the loss logged every 4 steps, up to where the bench stopped it
     run = Path(r["stage_run"])
@@ -113,7 +190,8 @@ def test_bench_e2e_reports_every_rate_and_where_the_stage_time_goes(tmp_path, ca
     assert [x["step"] for x in lines if "loss" in x] == [4, 8, 12, 16]
     assert not (run / "model.pt").exists()
     printed = capsys.readouterr().out
-    for text in ("(a) training stage", "(b) step alone", "(c) loader alone", "batch wait", "(a) - (b)"):
+    for text in ("(a) training stage", "(b) step alone", "(c) loader alone", "batch wait", "(a) - (b)",
+                 "the dense part's matrix products"):
         assert text in printed
 
 
@@ -135,6 +213,7 @@ def test_bench_e2e_on_the_gpu_counts_the_loss_reads_as_the_only_syncs_of_a_step(
     assert syncs["steps"] == 4
     assert syncs["sites"], "the loss read every train.log_every steps is a sync"
     assert not [s for s in syncs["sites"] if "pipeline/modules" in s or "pipeline/kernels" in s], syncs["sites"]
+    assert r["reference_gemm_tflops"] > 0 and r["dense_gemm_tflops_at_step_alone"] > 0
     assert sum(r["regions_seconds"].values()) == pytest.approx(r["stage_seconds"], rel=1e-6)
 
 

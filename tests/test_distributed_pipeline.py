@@ -2,7 +2,8 @@
 batch before it trains) trains the same weights as the plain one-batch-at-a-time loop, on 2 and 3
 gloo ranks, for table-wise, row-wise, data-parallel and mixed plans, through epoch ends, a short last
 batch, evaluation between steps and a last step inside an epoch (a batch started ahead, never
-trained); and a pipelined run killed mid-epoch resumes exactly.
+trained); and a pipelined run killed mid-epoch resumes exactly. One process with a host-cached table
+(each batch's rows prefetched into its device cache while the batch before trains) does the same.
 
 Each rank count is one spawn: every rank runs the training driver for each plan both ways, then a
 pipelined run that crashes after a mid-epoch checkpoint and its resume.
@@ -107,3 +108,29 @@ def test_the_pipelined_step_trains_as_the_plain_one_and_resumes_exactly(tmp_path
     for kind in plans(world):
         _assert_same(final[f"{kind}-False"], final[f"{kind}-True"], f"{kind} plan, pipelined vs plain")
     _assert_same(final["mixed-True"], final["resumed"], "pipelined, crashed and resumed vs straight")
+
+
+def _one_process(workdir, name: str, pipeline: bool, *extra: str, callbacks=()) -> dict:
+    # 0.15 MiB: every table but t_C3 (1,015 rows) in device memory, t_C3 behind a cache of 314 rows
+    cfg = load_config(None, [f"workdir={workdir}", *SETTINGS, f"train.max_steps={2 * batches_per_epoch(1) - 1}",
+                             *extra])
+    return train(cfg.train, cfg.paths.processed, cfg.paths.train / name, schema=Schema.load(cfg.paths.schema),
+                 seed=cfg.seed, callbacks=callbacks, progress="off",
+                 distributed=DistributedConfig(memory_per_rank_mb=0.15, pipeline=pipeline))
+
+
+def test_one_process_prefetches_host_cached_rows_a_step_ahead_and_trains_the_same_weights(tmp_path):
+    cfg = load_config(None, [f"workdir={tmp_path}", *SETTINGS])
+    write_processed(cfg.paths.processed, criteo_schema(size=0.0001, categorical=5, continuous=3, multihot={"M1": 3}),
+                    {"train": 1500, "valid": 300, "test": 300}, row_group_rows=500, seed=7)
+    batches = batches_per_epoch(1)
+    for pipeline in (False, True):
+        ahead = Ahead()
+        result = _one_process(tmp_path, f"cached-{pipeline}", pipeline, callbacks=[ahead])
+        assert ahead.seen == [int(pipeline)] * (2 * (batches - 1))
+        assert list(result["embedding_cache"]) == ["t_C3"] and result["embedding_cache"]["t_C3"]["evictions"] > 0
+    with pytest.raises(Crash):
+        _one_process(tmp_path, "resumed", True, callbacks=[CrashAfter(CRASH_STEP)])
+    _one_process(tmp_path, "resumed", True, "train.resume=true")
+    plain, pipelined, resumed = (_final(tmp_path, name) for name in ("cached-False", "cached-True", "resumed"))
+    assert all(torch.equal(plain[key], pipelined[key]) and torch.equal(plain[key], resumed[key]) for key in plain)

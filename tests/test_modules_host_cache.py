@@ -15,7 +15,7 @@ import torch
 from pipeline.modules.cached_collection import HostCachedCollection
 from pipeline.modules.collection import EmbeddingCollection
 from pipeline.modules.configs import EmbeddingOptimizerConfig, TableConfig
-from pipeline.modules.host_cache import CacheTooSmall, RowCache
+from pipeline.modules.host_cache import CachedTable, CacheStats, CacheTooSmall, RowCache
 from pipeline.sparse import KeyedJaggedTensor
 
 FEATURES = ["A", "B", "C", "D"]
@@ -43,9 +43,9 @@ def batch(step: int, size: int = BATCH) -> tuple[KeyedJaggedTensor, torch.Tensor
     return KeyedJaggedTensor.from_lists(FEATURES, bags), target
 
 
-def plain(opt: str, weights_dtype: str = "fp32", master: bool = False) -> EmbeddingCollection:
+def plain(opt: str, weights_dtype: str = "fp32", master: bool = False, backend: str = "torch") -> EmbeddingCollection:
     optimizer = EmbeddingOptimizerConfig(opt, lr=0.05, master_weights=master)
-    return EmbeddingCollection(TABLES, FEATURES, optimizer, weights_dtype=weights_dtype, backend="torch",
+    return EmbeddingCollection(TABLES, FEATURES, optimizer, weights_dtype=weights_dtype, backend=backend,
                                generator=torch.Generator().manual_seed(7))
 
 
@@ -148,21 +148,48 @@ def test_the_state_dict_is_the_plain_collections_and_resumes_into_another_cache_
 
 
 def test_the_least_recently_used_row_goes_and_a_dirty_one_is_written_back():
-    host = {"weight": torch.arange(10.0).view(10, 1)}
-    device = {"weight": torch.zeros(3, 1)}
-    cache = RowCache("t", 3)
-    slots = cache.prefetch(torch.tensor([1, 2, 1]), host, device, training=True)
-    assert slots[0] == slots[2] and device["weight"][slots, 0].tolist() == [1.0, 2.0, 1.0]
-    device["weight"][slots[0]] = 100.0  # row 1 updated in the cache
-    cache.prefetch(torch.tensor([3]), host, device, training=False)  # the empty slot
-    cache.prefetch(torch.tensor([4]), host, device, training=True)  # rows 1, 2 spared: row 3 goes, clean
-    assert host["weight"][:, 0].tolist() == list(range(10))
-    cache.prefetch(torch.tensor([5]), host, device, training=True)  # row 1 and 2 the least recent: row 1 goes
-    assert host["weight"][1, 0] == 100.0 and cache.stats.evictions == 2 and cache.stats.writebacks == 1
+    cache = RowCache([CachedTable("t", rows=10, slots=3, first_row=0)])
+
+    def step(rows: list[int], training: bool):
+        placement = cache.place(torch.tensor(rows))
+        counts = placement.counts.tolist()
+        cache.admit(counts, training)
+        moves = placement.moves(sum(counts[0]), sum(counts[4]))
+        cache.commit(placement, moves, training)
+        return placement.slot[placement.inverse].tolist(), moves
+
+    slots, _ = step([1, 2, 1], training=True)
+    assert slots[0] == slots[2] != slots[1]
+    step([3], training=False)  # the empty slot
+    _, moves = step([4], training=True)  # rows 1, 2 spared: row 3 goes, clean
+    assert moves.written_back_slots.tolist() == [] and moves.missing_rows.tolist() == [4]
+    _, moves = step([5], training=True)  # rows 1 and 2 the least recent, row 1's slot first: row 1 goes, dirty
+    assert moves.written_back_slots.tolist() == [slots[0]] == moves.victims.tolist()
+    assert cache.stats["t"] == CacheStats(rows=4, hits=0, evictions=2, writebacks=1)
     assert cache.index.find(torch.tensor([1, 2, 4, 5])).ge(0).tolist() == [False, True, True, True]
     with pytest.raises(CacheTooSmall, match="table t: a batch needs 3 rows copied into its device cache of 3 rows, but "
                                             "only 2 slots"):
-        cache.prefetch(torch.tensor([6, 7, 8]), host, device, training=True)
+        step([6, 7, 8], training=True)
+
+
+class CountedWaits(HostCachedCollection):
+    """The collection, counting the host's waits for the device (every read back goes through ``_wait``)."""
+
+    waits = 0
+
+    def _wait(self, event) -> None:
+        self.waits += 1
+        super()._wait(event)
+
+
+def test_a_step_waits_for_the_device_twice_for_all_its_tables_and_once_when_no_row_is_missing():
+    cached = CountedWaits.from_collection(plain("adagrad"), cache_rows(0.1))
+    waits = []
+    for kjt, target in (batch(0), batch(1), batch(1)):  # the third: every row in the caches already
+        before = cached.waits
+        (cached(kjt) * target).sum().backward()
+        waits.append(cached.waits - before)
+    assert waits == [2, 2, 1]
 
 
 def test_a_training_batch_larger_than_a_cache_is_refused_naming_the_table():
@@ -170,3 +197,40 @@ def test_a_training_batch_larger_than_a_cache_is_refused_naming_the_table():
     kjt, _ = batch(0, size=100)
     with pytest.raises(CacheTooSmall, match="table big"):
         cached(kjt)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_a_step_ahead_host_cached_tables_train_alike_and_sync_nothing_but_their_events():
+    """The prefetch of each next batch runs after the step before was queued, its side stream waiting for an
+    event recorded before that step, as the training pipeline runs it; after the first steps (kernels
+    compiled, the step counter read), ``set_sync_debug_mode("error")`` sees no sync: the prefetch's host
+    waits are event waits on its side stream."""
+    reference = plain("adagrad", backend="cuda").cuda()
+    cached = HostCachedCollection.from_collection(plain("adagrad", backend="cuda"), cache_rows(0.01)).cuda()
+    for ec in (reference, cached):
+        ec.validate_ids = False
+    data = [(kjt.to("cuda"), target.cuda()) for kjt, target in map(batch, range(STEPS))]
+    expected = []
+    for kjt, target in data:
+        out = reference(kjt)
+        (out * target).sum().backward()
+        expected.append(out.detach())
+    stream = torch.cuda.current_stream()
+    got = []
+    read_at = stream.record_event()
+    ahead, read_at = cached.prefetch(data[0][0], after=read_at), stream.record_event()
+    try:
+        for step, (_, target) in enumerate(data):
+            if step == 2:
+                torch.cuda.set_sync_debug_mode("error")
+            out = cached(ahead)
+            (out * target).sum().backward()
+            got.append(out.detach())
+            if step + 1 < STEPS:
+                ahead, read_at = cached.prefetch(data[step + 1][0], after=read_at), stream.record_event()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for want, have in zip(expected, got):
+        torch.testing.assert_close(want, have)
+    assert_same_state(reference, cached, exact=False)
+    assert all(s.evictions > 0 and s.writebacks > 0 for s in cached.cache_stats().values())

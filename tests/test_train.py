@@ -219,6 +219,27 @@ def test_stage_trains_on_gpu_with_bf16_autocast(tmp_path):
     assert model.embedding.weights.is_cuda
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["sgd", "adam"])
+def test_dense_optimizer_on_gpu_is_fused_and_steps_like_the_unfused_one(name):
+    from pipeline.train.loop import dense_optimizer
+    torch.manual_seed(0)
+    weights = [torch.randn(64, 32, device="cuda"), torch.randn(32, device="cuda")]
+    grads = [[torch.randn_like(w) for w in weights] for _ in range(3)]
+    results = []
+    for device in ("cuda", "cpu"):
+        params = [torch.nn.Parameter(w.clone()) for w in weights]
+        opt = dense_optimizer(name, params, 0.01, 1e-4, torch.device(device))
+        assert bool(opt.param_groups[0].get("fused")) == (device == "cuda")
+        for step in grads:
+            for p, g in zip(params, step):
+                p.grad = g.clone()
+            opt.step()
+        results.append([p.detach() for p in params])
+    for fused, plain in zip(*results):
+        torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-6)
+
+
 class Recorder(Callback):
     def __init__(self) -> None:
         self.seen: list[tuple[str, int]] = []

@@ -83,6 +83,29 @@ def test_a_training_step_reads_nothing_back_from_the_device(tmp_path, name, opti
     assert reads.seen == []
 
 
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_a_host_cached_step_reads_nothing_back_but_its_counts_and_missing_rows(tmp_path, pipelined):
+    """The step of a model with host-cached tables (their rows prefetched at the lookup, or a step ahead):
+    none of the operations above. Its host waits are for copies to pinned memory on its side stream
+    (``HostCachedCollection._read``: the per-table counts, and the missing rows' numbers), no-ops here."""
+    from pipeline.distributed.train_pipeline import CachePrefetchPipeline
+    from pipeline.modules.cached_collection import HostCachedCollection
+
+    trainer, loader = _trainer(tmp_path, "dlrm", optimizer="adagrad")
+    model = trainer.model
+    model.embedding = HostCachedCollection.from_collection(model.embedding, {"t_C3": 200, "t_M1": 400})
+    with loader:
+        batches = iter(list(loader)[:6])
+    if pipelined:
+        batches = CachePrefetchPipeline(model, "cpu")(batches)
+    trainer.train_step(next(batches))
+    with HostReads(trainer.optimizer) as reads:
+        for batch in batches:
+            trainer.train_step(batch)
+    assert reads.seen == []
+    assert all(s.evictions > 0 for s in model.embedding.cache_stats().values())
+
+
 def test_shared_tables_with_a_feature_left_out_read_one_number(tmp_path):
     """Tables that do not serve every feature the same number of times: the ids they select are counted
     with one read (one sync per step), not one per table."""

@@ -11,7 +11,12 @@ other training setting as configured:
 * (b) **step alone**: the same model and optimizers (the stage's, trained on) stepping through 4
   batches of the same split made beforehand on the device: ``Trainer.train_step`` and nothing else;
 * (c) **loader alone**: a loader like the stage's (same split, batch, shuffling, seed and device)
-  handing out the same batches as the timed steps, the consumer doing nothing with them;
+  reading whole shuffled passes over the split, the consumer doing nothing with the batches: the best of
+  two passes, each timed from its start (a window of the timed steps alone would count the windows its
+  reader threads read ahead during the warm-up);
+* the dense part's GEMM work: its matrix products' FLOPs per sample, forward and backward (counted by
+  ``torch.utils.flop_counter`` on a small batch), the rate (b) does them at, and on a GPU that rate
+  against a bf16 GEMM of 16384 x 4096 x 4096 timed in the same run;
 * (d) **where the stage's time goes**: the loop's own timers (``Trainer.timings``) over the timed
   steps, which add up to their wall time, and the difference (a) - (b) split into the regions beyond
   the step (waiting for batches, logging, progress bar, evaluation, checkpoints) and the rest: the
@@ -106,9 +111,9 @@ def run(args: argparse.Namespace, cfg) -> dict:
                                 args.steps)
     finally:
         torch.set_num_threads(threads)
-    loader_rate = _loader_alone(cfg.paths.processed, schema, settings.batch_size, cfg.seed, device, args.warmup,
-                                args.steps)
+    loader_rate = _loader_alone(cfg.paths.processed, schema, settings.batch_size, cfg.seed, device)
     result = _result(args, cfg, settings, trainer, probe, step_rate, loader_rate, device, out)
+    result.update(_gemm_work(trainer, step_rate, device))
     _report(result)
     write_json(out / "e2e.json", result)
     print(f"[bench e2e] {out / 'e2e.json'}", flush=True)
@@ -152,26 +157,60 @@ def _step_alone(trainer, data, schema, batch: int, seed: int, device, steps: int
     return samples / (time.perf_counter() - start)
 
 
-def _loader_alone(data, schema, batch: int, seed: int, device, warmup: int, steps: int) -> float:
-    """Samples/s of a loader like the stage's over the batches of its timed steps (epochs run on as needed)."""
+def _loader_alone(data, schema, batch: int, seed: int, device, passes: int = 2) -> float:
+    """Samples/s of a loader like the stage's over whole shuffled passes, each timed from its start: the best."""
     import time
 
     from pipeline.bench.stage_probe import sync
     from pipeline.loader import Loader
 
-    taken, samples, start = 0, 0, 0.0
+    best = 0.0
     with Loader(data / "train", batch, schema=schema, shuffle=True, seed=seed, device=device) as loader:
-        while True:
+        for epoch in range(passes):
+            loader.load_state_dict({**loader.state_dict(), "epoch": epoch, "batches": 0})
+            sync(device)
+            start, samples = time.perf_counter(), 0
             for item in loader:
-                taken += 1
-                if taken > warmup:
-                    samples += item.batch_size
-                if taken == warmup:
-                    sync(device)
-                    start = time.perf_counter()
-                elif taken == warmup + steps:
-                    sync(device)
-                    return samples / (time.perf_counter() - start)
+                samples += item.batch_size
+            sync(device)
+            best = max(best, samples / (time.perf_counter() - start))
+    return best
+
+
+def _gemm_work(trainer, step_rate: float, device) -> dict:
+    """The dense part's matrix-product FLOPs per sample (forward + backward, counted on a small batch), the
+    rate the step alone does them at, and on a GPU a bf16 GEMM's rate in this run for scale."""
+    import time
+
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from pipeline.bench.stage_probe import sync
+    from pipeline.train.loop import dense_loss
+
+    model, rows = trainer.model, 64
+    dense = torch.randn(rows, model.num_dense, device=device)
+    pooled = torch.randn(rows, model.embedding.output_dim, device=device, requires_grad=True)
+    label = torch.randint(0, 2, (rows,), device=device).float()
+    with FlopCounterMode(display=False) as counter:
+        dense_loss(model, trainer.amp, dense, pooled, label).backward()
+    model.zero_grad(set_to_none=True)
+    per_sample = counter.get_total_flops() / rows
+    weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    result = {"dense_weights": weights, "dense_gemm_flops_per_sample": per_sample, "dense_gemm_tflops_at_step_alone": per_sample * step_rate / 1e12,
+              "reference_gemm_tflops": None}
+    if device.type == "cuda":
+        a = torch.randn(16384, 4096, device=device, dtype=torch.bfloat16)
+        b = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+        for _ in range(3):
+            a @ b
+        sync(device)
+        start, reps = time.perf_counter(), 20
+        for _ in range(reps):
+            a @ b
+        sync(device)
+        result["reference_gemm_tflops"] = 2 * 16384 * 4096 * 4096 * reps / (time.perf_counter() - start) / 1e12
+    return result
 
 
 def _result(args, cfg, settings, trainer, probe, step_rate, loader_rate, device, out) -> dict:
@@ -261,6 +300,10 @@ def _report(r: dict) -> None:
               + (f" ({syncs['per_step']:.2f} per step)" if syncs["steps"] else ""))
         for site, count in list(syncs["sites"].items())[:10]:
             print(f"    {count:>6}  {site}")
+    gemm = (f"; a bf16 GEMM of 16384 x 4096 x 4096 ran at {r['reference_gemm_tflops']:,.0f} TFLOPS here"
+            if r["reference_gemm_tflops"] else "")
+    print(f"\n  the dense part's matrix products: {r['dense_gemm_flops_per_sample'] / 1e6:,.1f} MFLOP a sample "
+          f"(forward + backward), done at {r['dense_gemm_tflops_at_step_alone']:.3g} TFLOPS in (b){gemm}")
     if r["profile"]:
         print(f"\n  profile: {r['profile']} (and profile.txt beside it)")
 

@@ -1,4 +1,6 @@
-"""Training step throughput (samples/s): our DLRM against a plain PyTorch DLRM of the same shape, same run.
+"""Training step throughput (samples/s): our DLRM against a plain PyTorch DLRM of the same shape, same run;
+with ``--dynamic``, also our DLRM with dynamic tables; with ``--embedding-budget-mb``, our DLRM with its tables
+in device memory against the same model with its tables placed under that budget.
 
 Ours: the schema-built DLRM, its EmbeddingCollection applying its fused sparse optimizer (``--optimizer``:
 SGD, row-wise Adagrad or lazy Adam) to the touched rows inside the backward; the MLPs take SGD.
@@ -6,12 +8,32 @@ Baseline: one ``nn.EmbeddingBag(sparse=True)`` per table, the same MLPs and inte
 under ``torch.optim.SGD`` and the tables under torch's nearest optimizer for sparse gradients:
 ``SGD``, ``Adagrad`` (element-wise, with a dense state as large as the tables) or ``SparseAdam``
 (lazy, like ours). Both train on the same pre-made batches of one-hot ids, uniform over each table
-or Zipf-skewed (``--ids zipf``); the rounds alternate between the two so that load from other
-processes hits both alike; the median round is reported.
+or Zipf-skewed (``--ids zipf``), four batches in turn; the rounds alternate between the models so that
+load from other processes hits them alike; the median round is reported. The ids of a run are drawn
+once for all its batches, so each table's hot rows stay where they are from batch to batch.
+
+``--dynamic``: a third model joins the rounds: our DLRM with dynamic tables of the same shape
+(``etl.hash_ids``' columns: raw 64-bit ids, placed in each table's rows by its hash table as the
+training stage does, admitted after ``train.admit_after`` occurrences, the least recently used evicted),
+trained on the same ids, each row's as a 64-bit id of its own; its step includes the mapping of the
+batch's ids to rows. It reports its samples/s and the ratio of the static tables' to it.
+
+``--embedding-budget-mb N``: the planner places the tables as the training stage does under
+``distributed.memory_per_rank_mb=N`` on one process (the tables that do not fit host-cached: in host
+memory behind device caches of their hot rows, the caches sharing what the budget leaves), and the
+step of that model, its rows prefetched a step ahead as the stage does
+(:class:`~pipeline.distributed.train_pipeline.CachePrefetchPipeline`), is timed against the same model
+with every table in device memory, on the same stream of batches: a fresh batch every step (warm-up,
+then the rounds'), since a cache would hold a few batches used again whole. It reports both rates, their
+ratio and each host-cached table's cache hit rate over the timed steps; no plain PyTorch model is built.
+On the CPU the budget is simulated as on a GPU: the caches are tensors of their own beside the host
+tables. It places static tables, so it is not taken with ``--dynamic``.
 
     python -m pipeline bench train                       # CPU: 26 x 100k rows, dim 64, batch 2048
     python -m pipeline bench train --device cuda --preset mlperf --batch 65536   # bf16 autocast on GPU
     python -m pipeline bench train --device cuda --preset mlperf --batch 65536 --ids zipf --optimizer adam
+    python -m pipeline bench train --device cuda --preset mlperf --batch 65536 --ids zipf --dynamic
+    python -m pipeline bench train --device cuda --preset mlperf --batch 65536 --rows 2000000 --ids zipf --optimizer adagrad --embedding-budget-mb 8192 --warmup 30
 """
 
 from __future__ import annotations
@@ -21,10 +43,10 @@ import math
 
 IDS = ("uniform", "zipf")
 OPTIMIZERS = ("sgd", "adagrad", "adam")
-BASELINE_OPTIMIZERS = {"sgd": "SGD", "adagrad": "Adagrad", "adam": "SparseAdam"}
-"""The torch optimizer the baseline's tables take for each of ours (all accept sparse gradients)."""
 ZIPF_EXPONENT = 1.1
 HOT_FRACTION = 0.01
+ROTATING_BATCHES = 4
+"""Without a budget, the models train on this many pre-made batches in turn."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,90 +78,98 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
                         help="torch.compile our dense part and loss, as the training stage does (auto: on a GPU); "
                              "the plain PyTorch model runs eager")
+    parser.add_argument("--dynamic", action="store_true",
+                        help="also train our DLRM with dynamic tables of the same shape (raw 64-bit ids placed in "
+                             "their rows by a hash table, admitted after train.admit_after occurrences) on the same "
+                             "ids, and report its samples/s and the ratio static / dynamic (not with "
+                             "--embedding-budget-mb)")
+    parser.add_argument("--embedding-budget-mb", type=float, default=0.0,
+                        help="device memory in MiB for the embedding tables (as distributed.memory_per_rank_mb): time "
+                             "the model with its tables placed under it (host-cached where they do not fit) against "
+                             "the same model with every table in device memory, instead of plain PyTorch, on a fresh "
+                             "batch every step (0: off; not with --dynamic)")
     parser.add_argument("--json", metavar="FILE", help="also write the figures and settings as JSON")
 
 
 def run(args: argparse.Namespace, cfg) -> dict:
-    import functools
     import statistics
     import time
 
     import numpy as np
     import torch
 
+    from pipeline.bench.train_dynamic import DynamicTraining, print_dynamic_tables
+    from pipeline.bench.train_host_cached import HostCachedTraining, print_hit_rates, print_placement
+    from pipeline.bench.train_models import our_dlrm, our_training, print_rates, step_batches
+    from pipeline.bench.train_plain import BASELINE_OPTIMIZERS, plain_training
     from pipeline.device import resolve_device
     from pipeline.errors import UserError
     from pipeline.files import write_json
-    from pipeline.train.evaluate import autocast
-    from pipeline.train.loop import dense_loss
+    from pipeline.modules.models import ModelSizes
 
+    budget = args.embedding_budget_mb
     if not args.zipf_exponent > 0:
         raise UserError(f"--zipf-exponent: expected a number > 0, got {args.zipf_exponent}")
+    if budget < 0:
+        raise UserError(f"--embedding-budget-mb: expected a number >= 0, got {budget}")
+    if budget and args.dynamic:
+        raise UserError("--dynamic with --embedding-budget-mb: give one of them: the budget places static tables, "
+                        "host-caching those that do not fit, and dynamic tables are not placed under it")
     device = torch.device(resolve_device(cfg.device).kind)
     if args.threads:
         torch.set_num_threads(args.threads)
     amp = args.amp == "bf16" or (args.amp == "auto" and device.type == "cuda")
+    compiled = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
     dim = args.dim or (128 if args.preset == "mlperf" else 64)
     bottom = ([int(w) for w in args.bottom.split(",")] if args.bottom else [512, 256]) + [dim]
     top = [int(w) for w in args.top.split(",")] if args.top else (
         [1024, 1024, 512, 256, 1] if args.preset == "mlperf" else [512, 256, 1])
+    sizes = ModelSizes(embedding_dim=dim, bottom_mlp=bottom, top_mlp=top)
     torch.manual_seed(cfg.seed)
 
     rng = np.random.default_rng(cfg.seed)
-    ids = [draw_ids(args.ids, args.rows, (args.batch, args.tables), args.zipf_exponent, rng) for _ in range(4)]
-    distinct = [np.unique(b[:, t]).size for b in ids for t in range(args.tables)]
+    count = args.warmup + args.rounds * args.steps if budget else ROTATING_BATCHES
+    # One draw for the whole stream: each table's hot rows stay where they are from batch to batch.
+    ids = np.split(draw_ids(args.ids, args.rows, (count * args.batch, args.tables), args.zipf_exponent, rng), count)
+    distinct = [np.unique(b[:, t]).size for b in ids[:ROTATING_BATCHES] for t in range(args.tables)]
     skew = {"hot_rows_share": hot_rows_share(args.ids, args.rows, args.zipf_exponent),
             "distinct_rows_per_batch": float(np.mean(distinct))}
-    batches = _batches(ids, device)
-    ours = _ours(args, dim, bottom, top, device)
-    baseline = _plain_dlrm(args.tables, args.rows, dim, bottom, top).to(device)
-    our_opts = [torch.optim.SGD(ours.parameters(), lr=0.01)]
-    base_opts = _baseline_optimizers(baseline, args.optimizer, lr=0.01)
+    batches = step_batches(ids, args.rows, device, raw=args.dynamic)
+    del ids
+    if budget:
+        warmup = batches[: args.warmup]
+        rounds = [batches[args.warmup + r * args.steps : args.warmup + (r + 1) * args.steps] for r in range(args.rounds)]
+    else:
+        warmup = [batches[i % count] for i in range(args.warmup)]
+        rounds = [[batches[i % count] for i in range(args.steps)]] * args.rounds
 
-    def train_step(model, optimizers, dense, sparse, label):
-        with autocast(device, amp):
-            logits = model(dense, sparse)
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits.float(), label)
-        for optimizer in optimizers:
-            optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        for optimizer in optimizers:
-            optimizer.step()
+    ours = our_dlrm(args, sizes, device)
+    models = {"ours": our_training(ours, amp, compiled)}
+    if budget:
+        host_cached = models["host_cached"] = HostCachedTraining(args, sizes, device, amp, compiled)
+    else:
+        models["plain_pytorch"] = plain_training(args, sizes, device, amp)
+        if args.dynamic:
+            dynamic = models["ours_dynamic"] = DynamicTraining(args, sizes, device, amp, compiled,
+                                                               cfg.train.admit_after)
 
-    compiled = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
-    loss_of = torch.compile(functools.partial(dense_loss, ours, amp), dynamic=False) if compiled else None
-
-    def our_step(batch):
-        dense, kjt, _, label = batch
-        if loss_of is None:
-            train_step(ours, our_opts, dense, kjt, label)
-            return
-        loss = loss_of(dense, ours.embedding(kjt), label)
-        for optimizer in our_opts:
-            optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        for optimizer in our_opts:
-            optimizer.step()
-
-    def base_step(batch):
-        dense, _, table_ids, label = batch
-        train_step(baseline, base_opts, dense, table_ids, label)
-
-    def timed(step_fn, steps):
+    def timed(train_on, round_batches):
         _sync(device)
         start = time.perf_counter()
-        for i in range(steps):
-            step_fn(batches[i % len(batches)])
+        train_on(round_batches)
         _sync(device)
-        return args.batch * steps / (time.perf_counter() - start)
+        return args.batch * len(round_batches) / (time.perf_counter() - start)
 
-    timed(our_step, args.warmup)
-    timed(base_step, args.warmup)
-    rates: dict[str, list[float]] = {"ours": [], "plain_pytorch": []}
-    for _ in range(args.rounds):
-        rates["ours"].append(timed(our_step, args.steps))
-        rates["plain_pytorch"].append(timed(base_step, args.steps))
-    baseline_opt = BASELINE_OPTIMIZERS[args.optimizer]
+    for train_on in models.values():
+        timed(train_on, warmup)
+    if budget:
+        host_cached.start_timing()
+    elif args.dynamic:
+        dynamic.start_timing()
+    rates: dict[str, list[float]] = {name: [] for name in models}
+    for round_batches in rounds:
+        for name, train_on in models.items():
+            rates[name].append(timed(train_on, round_batches))
     result = {
         "device": device.type,
         "backend": ours.embedding.backend.name,
@@ -149,27 +179,44 @@ def run(args: argparse.Namespace, cfg) -> dict:
         "zipf_exponent": args.zipf_exponent if args.ids == "zipf" else None,
         **skew,
         "optimizer": args.optimizer,
-        "baseline_optimizer": f"{baseline_opt} (tables), SGD (MLPs)",
         "dense_optimizer": "SGD",
         "amp_bf16": amp,
         "compiled": compiled,
         "threads": torch.get_num_threads(),
-        "ours_samples_per_s": statistics.median(rates["ours"]),
-        "plain_pytorch_samples_per_s": statistics.median(rates["plain_pytorch"]),
+        **{f"{name}_samples_per_s": statistics.median(rates[name]) for name in models},
         "rounds": rates,
     }
-    result["speedup"] = result["ours_samples_per_s"] / result["plain_pytorch_samples_per_s"]
     drawn = f"zipf, exponent {args.zipf_exponent:g}" if args.ids == "zipf" else "uniform"
     print(f"bench train on {device.type} ({result['threads']} threads), {result['shape']}, batch {args.batch}, "
           f"bf16 autocast {amp}, our dense part compiled {compiled}, embedding backend {result['backend']}")
     print(f"  ids {drawn}: {skew['hot_rows_share']:.1%} of ids on the hottest {HOT_FRACTION:.0%} of rows, "
           f"{skew['distinct_rows_per_batch']:,.0f} distinct rows per table and batch")
-    ours_label = f"ours (fused sparse {args.optimizer}, MLPs SGD):"
-    base_label = f"plain PyTorch (EmbeddingBag + {baseline_opt}, MLPs SGD):"
-    width = max(len(ours_label), len(base_label))
-    print(f"  {ours_label:<{width}} {result['ours_samples_per_s']:>12,.0f} samples/s")
-    print(f"  {base_label:<{width}} {result['plain_pytorch_samples_per_s']:>12,.0f} samples/s")
-    print(f"  {'ratio ours / plain:':<{width}} {result['speedup']:>12.2f}")
+    if budget:
+        result.update(host_cached.figures())
+        result["host_cached_ratio"] = result["host_cached_samples_per_s"] / result["ours_samples_per_s"]
+        print_placement(result)
+        print_rates([(f"ours, every table in device memory (fused sparse {args.optimizer}):",
+                      result["ours_samples_per_s"]),
+                     ("ours, tables placed under the budget:", result["host_cached_samples_per_s"])],
+                    [("ratio placed / in device memory:", result["host_cached_ratio"])])
+        print_hit_rates(result)
+    else:
+        baseline_opt = BASELINE_OPTIMIZERS[args.optimizer]
+        result["baseline_optimizer"] = f"{baseline_opt} (tables), SGD (MLPs)"
+        result["speedup"] = result["ours_samples_per_s"] / result["plain_pytorch_samples_per_s"]
+        printed_rates = [(f"ours (fused sparse {args.optimizer}, MLPs SGD):", result["ours_samples_per_s"]),
+                         (f"plain PyTorch (EmbeddingBag + {baseline_opt}, MLPs SGD):",
+                          result["plain_pytorch_samples_per_s"])]
+        ratios = [("ratio ours / plain:", result["speedup"])]
+        if args.dynamic:
+            result["static_over_dynamic"] = result["ours_samples_per_s"] / result["ours_dynamic_samples_per_s"]
+            result["dynamic_tables"] = dynamic.figures(batches)
+            printed_rates.append((f"ours, dynamic tables (capacity {dynamic.capacity:,}):",
+                                  result["ours_dynamic_samples_per_s"]))
+            ratios.append(("ratio static / dynamic tables:", result["static_over_dynamic"]))
+        print_rates(printed_rates, ratios)
+        if args.dynamic:
+            print_dynamic_tables(result["dynamic_tables"], args.tables)
     if args.json:
         write_json(args.json, result)
     return result
@@ -207,78 +254,8 @@ def hot_rows_share(kind: str, rows: int, exponent: float) -> float:
     return ((hot + 1) ** (1 - exponent) - 1) / ((rows + 1) ** (1 - exponent) - 1)
 
 
-def _batches(ids: list, device):
-    import torch
-
-    from pipeline.sparse import KeyedJaggedTensor
-
-    out = []
-    for table_ids in ids:
-        batch, tables = table_ids.shape
-        keys = [f"C{i + 1}" for i in range(tables)]
-        table_ids = torch.from_numpy(table_ids)
-        dense = torch.randn(batch, 13)
-        label = torch.randint(0, 2, (batch,)).float()
-        kjt = KeyedJaggedTensor.from_dense(keys, table_ids)
-        out.append((dense.to(device), kjt.to(device), table_ids.to(device), label.to(device)))
-    return out
-
-
-def _ours(args, dim, bottom, top, device):
-    from pipeline.modules.configs import EmbeddingOptimizerConfig
-    from pipeline.modules.models import ModelSizes, build_model
-    from pipeline.schema import Column, Schema
-
-    schema = Schema([Column("label", "label", "float32")]
-                    + [Column(f"I{i + 1}", "continuous", "float32") for i in range(13)]
-                    + [Column(f"C{i + 1}", "categorical", "int32", cardinality=args.rows) for i in range(args.tables)])
-    sizes = ModelSizes(embedding_dim=dim, bottom_mlp=bottom, top_mlp=top)
-    model = build_model("dlrm", schema, sizes, EmbeddingOptimizerConfig(args.optimizer, lr=0.01),
-                        backend=args.backend)
-    model.embedding.validate_ids = False  # the baseline does not check ids either
-    return model.to(device)
-
-
-def _baseline_optimizers(model, kind: str, lr: float) -> list:
-    """SGD for the MLPs; the tables' sparse gradients to torch's optimizer of ``kind``."""
-    import torch
-
-    tables = list(model.tables.parameters())
-    dense = [p for name, p in model.named_parameters() if not name.startswith("tables.")]
-    sparse = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad, "adam": torch.optim.SparseAdam}[kind]
-    return [torch.optim.SGD(dense, lr=lr), sparse(tables, lr=lr)]
-
-
 def _sync(device):
     import torch
 
     if device.type == "cuda":
         torch.cuda.synchronize()
-
-
-def _plain_dlrm(tables, rows, dim, bottom, top):
-    import torch
-    from torch import nn
-
-    from pipeline.modules.models import mlp
-
-    class PlainDLRM(nn.Module):
-        """DLRM in plain PyTorch: EmbeddingBag(sparse=True) per table, bottom / top MLP, dot interaction."""
-
-        def __init__(self, tables, rows, dim, bottom, top):
-            super().__init__()
-            self.tables = nn.ModuleList(nn.EmbeddingBag(rows, dim, mode="sum", sparse=True) for _ in range(tables))
-            self.bottom = mlp(bottom, 13, last_activation=True)
-            n = tables + 1
-            r, c = torch.tril_indices(n, n, offset=-1)
-            self.register_buffer("pairs", r * n + c, persistent=False)
-            self.top = mlp(top, dim + r.numel(), last_activation=False)
-
-        def forward(self, dense, ids):
-            x = self.bottom(dense)
-            pooled = [table(ids[:, t : t + 1]) for t, table in enumerate(self.tables)]
-            vectors = torch.stack([x] + [p.to(x.dtype) for p in pooled], dim=1)
-            dots = torch.bmm(vectors, vectors.transpose(1, 2)).flatten(1)[:, self.pairs]
-            return self.top(torch.cat([x, dots], dim=1)).squeeze(1)
-
-    return PlainDLRM(tables, rows, dim, bottom, top)

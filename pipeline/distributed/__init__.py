@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
+    "CachePrefetchPipeline": "pipeline.distributed.train_pipeline",
     "DistributedConfig": "pipeline.distributed.config",
     "DistributedModelParallel": "pipeline.distributed.model_parallel",
     "EmbeddingShardingPlanner": "pipeline.distributed.planner",

@@ -1,5 +1,6 @@
-"""A training loop's batches one step ahead, the next batch's id exchange under way: TorchRec's
-``TrainPipelineSparseDist`` in its simplest shape.
+"""A training loop's batches one step ahead: on N ranks the next batch's id exchange under way (TorchRec's
+``TrainPipelineSparseDist`` in its simplest shape); on one process with host-cached tables the next
+batch's rows on their way into the device caches (TorchRec's prefetch pipeline).
 
 ``SparseDistPipeline(dmp, device)`` wraps an epoch's iterator of :class:`~pipeline.loader.Batch`.
 Before it hands out batch ``i`` it has read batch ``i + 1`` from the loader, moved it to the device
@@ -14,6 +15,14 @@ On CUDA the copy and the launch run on a side stream that first waits for the wo
 compute stream (so no memory of an earlier batch is reused while that work may still read it); the
 compute stream waits for the side stream's event before a batch is used. No host synchronization is
 added. On CPU there are no streams and gloo runs the exchange on its own threads.
+
+``CachePrefetchPipeline(model, device)`` does the same for a model whose embedding is a
+:class:`~pipeline.modules.cached_collection.HostCachedCollection`: it hands out batch ``i`` with its
+``sparse`` already prefetched (:class:`~pipeline.modules.cached_collection.Prefetched`), the prefetch
+run when the loop asked for batch ``i``, after it queued batch ``i - 1``'s step. On a GPU the prefetch's
+side stream waits for an event recorded before that step (when batch ``i`` was read, so its ids are
+ready, and every earlier step was queued), not for the step itself: the prefetch's host waits and copies
+run while batch ``i - 1`` computes. Batch ``i + 1`` is read from the loader before ``i`` is handed out.
 
 Example::
 
@@ -34,6 +43,7 @@ from torch import nn
 
 from pipeline.distributed.embedding import ShardedEmbeddingCollection, StartedInputDist
 from pipeline.loader import Batch
+from pipeline.modules.cached_collection import HostCachedCollection
 
 
 class SparseDistPipeline:
@@ -100,6 +110,63 @@ class OneAhead:
             self.ahead[0].sparse.wait()
             self.ahead = None
         self.exhausted = True
+        close = getattr(self.source, "close", None)
+        if callable(close):
+            close()
+
+
+class CachePrefetchPipeline:
+    """Makes an iterator of batches hand out each batch with its rows prefetched into ``model.embedding``'s
+    device caches, the prefetch overlapping the step before (see the module)."""
+
+    def __init__(self, model: nn.Module, device: torch.device | str) -> None:
+        embedding = model.embedding
+        if not isinstance(embedding, HostCachedCollection):
+            raise TypeError(f"expected a model whose embedding is host-cached, got {type(embedding).__name__}")
+        self.embedding = embedding
+        self.device = torch.device(device)
+
+    def __call__(self, batches: Iterator[Batch]) -> PrefetchAhead:
+        return PrefetchAhead(batches, self)
+
+
+class PrefetchAhead:
+    """The batches of ``source``, each prefetched when asked for, the next one read already (see the module)."""
+
+    def __init__(self, source: Iterator[Batch], pipeline: CachePrefetchPipeline) -> None:
+        self.source, self.pipeline = source, pipeline
+        self.ahead: Batch | None = None
+        self.read_at: torch.cuda.Event | None = None
+        self.started = self.exhausted = False
+
+    def __iter__(self) -> PrefetchAhead:
+        return self
+
+    def __next__(self) -> Batch:
+        if not self.started:
+            self.started = True
+            self._read()
+        batch, after = self.ahead, self.read_at
+        if batch is None:
+            raise StopIteration
+        prefetched = self.pipeline.embedding.prefetch(batch.sparse, after=after)
+        self._read()
+        return Batch(batch.dense, prefetched, batch.label)
+
+    def _read(self) -> None:
+        """The next batch on the device, and the compute stream's event after it (and every step queued so far)."""
+        self.ahead = None
+        if not self.exhausted:
+            try:
+                self.ahead = next(self.source).to(self.pipeline.device, non_blocking=True)
+            except StopIteration:
+                self.exhausted = True
+        device = self.pipeline.device
+        self.read_at = torch.cuda.current_stream(device).record_event() if device.type == "cuda" else None
+
+    def close(self) -> None:
+        """Drop the batch read ahead, close the source."""
+        self.ahead, self.exhausted = None, True
         close = getattr(self.source, "close", None)
         if callable(close):
             close()

@@ -1,26 +1,52 @@
 """``HostCachedCollection``: an EmbeddingCollection some of whose tables live in host memory behind device caches.
 
-Each table named in ``cache_rows`` keeps every row and its optimizer state in host memory (pinned once
-the collection is on a GPU) and that many rows, with their state, on the device in a
-:class:`~pipeline.modules.host_cache.RowCache` (least recently used out, dirty rows written back); the
-other tables stay whole on the device, as in the plain collection. A batch's lookup first maps the
-ids of the cached tables to cache slots (:meth:`RowCache.prefetch`: misses copied in, evicted dirty
-rows written back), then runs the collection's own lookup and fused update on the device tensors
-with those slots for ids, so a training step reads and writes device memory only. The values are
-those of the plain collection: the same rows, updated by the same code.
+Each table named in ``cache_rows`` keeps every row and its optimizer state in host memory and that many
+rows, with their state, on the device, in the caches that one
+:class:`~pipeline.modules.host_cache.RowCache` keeps the books of (least recently used out, dirty rows
+written back); the other tables stay whole on the device, as in the plain collection. A batch's lookup
+first maps the ids of the cached tables to cache slots, then runs the collection's own lookup and fused
+update on the device tensors with those slots for ids, so a training step reads and writes device
+memory only. The values are those of the plain collection: the same rows, updated by the same code.
+
+A batch's prefetch (:meth:`HostCachedCollection.prefetch`, or the start of its lookup), for all the
+cached tables at once, on a GPU on a side stream of its own:
+
+1. each id of a cached table named by its global row; :meth:`RowCache.place` finds the batch's rows and
+   picks the slots of the missing ones, on the device;
+2. **host wait 1**: the per-table counts read back (missing rows, free slots, distinct rows, evictions,
+   write-backs); a batch that does not fit raises :class:`~pipeline.modules.host_cache.CacheTooSmall`
+   here, before anything changed; the rows the batch before wrote back reach the host tables;
+3. the missing rows' numbers copied to the host; behind that copy, the dirty rows of the slots they
+   take gathered on the device and copied to pinned host memory, one copy per tensor (weight, each
+   optimizer state) for all the tables, which the next batch's step 2 (or a flush) writes into the
+   host tables;
+4. **host wait 2** (only when rows are missing): for the missing rows' numbers; the host gathers the rows
+   and their state from the host tables into pinned memory, and one copy per tensor sends them to the
+   device, where they are scattered into their slots; then the index, the recency order and the dirty
+   slots are updated (:meth:`RowCache.commit`) and each id gets its slot.
+
+The copies are asynchronous (``non_blocking`` from and to pinned memory) and run on the side stream;
+the two waits are for events of that stream only, never for the compute stream, and are the only
+reads of the device: no ``.item()``, ``.tolist()`` of a device tensor, ``nonzero`` or boolean-mask
+indexing, ``unique`` or other op whose output size depends on the data runs in a step (flushes, state
+dicts and the halving of an evaluation batch that does not fit may read more). The compute stream waits
+for the side stream's work before the batch's lookup. On the CPU the same code runs on one stream.
 
 When the prefetch runs: at the start of each batch's lookup, after the previous batch's backward
-updated its rows (on a GPU, after it in stream order). :meth:`HostCachedCollection.prefetch` may also
-run one batch ahead (``self(prefetched)`` looks it up later), while the batch before computes: a
-prefetch never evicts the rows of the training batch prefetched before it, whose update may still be
-pending. A training batch's distinct rows of a table, with those of the batch before, must fit its
-cache (else :class:`~pipeline.modules.host_cache.CacheTooSmall`); a lookup outside training that
-does not fit is looked up in halves of its samples.
+updated its rows, the side stream first waiting for all the compute stream's work. Or one batch ahead
+(``prefetch(kjt, after=event)``, ``self(prefetched)`` looks it up later), while the batch before
+computes: a prefetch never evicts the rows of the training batch prefetched before it, whose update may
+still be pending, and its side stream waits only for ``after``, an event of the compute stream after
+which the batch's ids are ready and every earlier batch's update is queued
+(:class:`~pipeline.distributed.train_pipeline.CachePrefetchPipeline` records it), so the host waits and
+copies overlap the batch before. A training batch's distinct rows of a table, with those of the batch
+before, must fit its cache (else :class:`~pipeline.modules.host_cache.CacheTooSmall`); a lookup outside
+training that does not fit is looked up in halves of its samples.
 
 The state dict is the plain collection's (every table whole, dirty rows written back first), so
 checkpoints, ``model.pt`` and export read a host-cached collection as a plain one, and a state dict
 loads into any cache size. :meth:`~pipeline.modules.collection.EmbeddingCollection.table_views` of a
-cached table are its host tensors, its cache emptied (after a write-back) so that what is written
+cached table are its host tensors, the caches emptied (after a write-back) so that what is written
 into them is what the next lookup reads.
 
 Example::
@@ -32,18 +58,18 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from pipeline.errors import UserError
 from pipeline.kernels.embedding import TablePacking
 from pipeline.modules.collection import EmbeddingCollection, flat_views
 from pipeline.modules.configs import WEIGHT_DTYPES, EmbeddingOptimizerConfig, TableConfig
-from pipeline.modules.host_cache import CacheStats, CacheTooSmall, RowCache
+from pipeline.modules.host_cache import NO_ROW, CachedTable, CacheStats, CacheTooSmall, RowCache
 from pipeline.sparse import KeyedJaggedTensor
 
 
@@ -54,6 +80,21 @@ class Prefetched:
     indices: torch.Tensor
     offsets: torch.Tensor
     batch_size: int
+    generation: int
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Prefetched:
+        """Itself: its rows are in the caches of the collection's device."""
+        return self
+
+
+@dataclass
+class _WrittenBack:
+    """Rows on their way from the caches to the host tables: their global rows and values (host memory), and
+    the range of them in each dim group (``(group, lo, hi)``)."""
+
+    rows: torch.Tensor
+    values: dict[str, torch.Tensor]
+    groups: list[tuple[int, int, int]]
 
 
 class HostCachedCollection(EmbeddingCollection):
@@ -75,10 +116,6 @@ class HostCachedCollection(EmbeddingCollection):
         unknown = sorted(set(cache_rows) - set(names))
         if unknown:
             raise ValueError(f"cache_rows names tables {unknown} that the collection does not have; it has {names}")
-        for name, slots in cache_rows.items():
-            rows = self.packing.rows[names.index(name)]
-            if not 1 <= slots <= rows:
-                raise ValueError(f"table {name}: expected a cache of 1 to {rows} rows, got {slots}")
         # super() built every table whole, in host memory: those tensors become the host tables, and the
         # device tensors shrink to the other tables and the caches.
         self.host = self._storage()
@@ -89,8 +126,29 @@ class HostCachedCollection(EmbeddingCollection):
             size = self.storage_packing.total_rows if per_row and full.numel() == self.packing.total_rows \
                 else self.storage_packing.total_elements
             setattr(self, _buffer(key), full.new_zeros(size))
-        self.caches = nn.ModuleDict({name: RowCache(name, slots) for name, slots in cache_rows.items()})
+        self.cache = RowCache([CachedTable(name, self.packing.rows[names.index(name)], slots,
+                                           self.packing.row_offsets[names.index(name)])
+                               for name, slots in cache_rows.items()])
+        cached = [names.index(name) for name in self.cache.names]
+        self._cached = set(cached)
+        group_of_dim = {g.dim: i for i, g in enumerate(self.packing.groups)}
+        self.groups = [group_of_dim[self.packing.dims[t]] for t in cached]
+        """The dim group of each cached table (in the caches' order, which groups them)."""
+        first_row, first_slot = [-1] * len(names), [0] * len(names)
+        storage_row = []
+        for c, t in enumerate(cached):
+            first_row[t], first_slot[t] = self.packing.row_offsets[t], self.cache.slot_bounds[c]
+            group = self.storage_packing.groups[self.groups[c]]
+            storage_row.append(self.storage_packing.row_offsets[t] - self.cache.slot_bounds[c] - group.row_start)
+        self.register_buffer("first_row", torch.tensor(first_row), persistent=False)
+        self.register_buffer("first_slot", torch.tensor(first_slot), persistent=False)
+        self.register_buffer("slot_group_row", torch.tensor(storage_row), persistent=False)
         self._copy_resident(to_device=True)
+        self._generation = 0
+        self._side: torch.cuda.Stream | None = None
+        self._looked_up: torch.cuda.Event | None = None
+        self._buffers_on_host: dict[str, torch.Tensor] = {}
+        self._written_back: _WrittenBack | None = None
 
     @classmethod
     def from_collection(cls, ec: EmbeddingCollection, cache_rows: dict[str, int]) -> HostCachedCollection:
@@ -106,82 +164,240 @@ class HostCachedCollection(EmbeddingCollection):
         """The flat device tensors by view key: ``weight`` and each optimizer state."""
         return {"weight": self.weights, **self.optimizer_state()}
 
-    def _views(self, name: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """Cached table ``name``'s host tensors ``[rows, ...]`` and its cache's device tensors ``[slots, ...]``."""
-        t = self.packing.table_names.index(name)
-        return flat_views(self.packing, self.host, t), flat_views(self.storage_packing, self._storage(), t)
-
     def _copy_resident(self, to_device: bool) -> None:
         """The tables that are not cached, between the host tensors and the device ones."""
         storage = self._storage()
         with torch.no_grad():
             for t, name in enumerate(self.packing.table_names):
-                if name in self.caches:
+                if t in self._cached:
                     continue
                 host, device = flat_views(self.packing, self.host, t), flat_views(self.storage_packing, storage, t)
                 for key in host:
                     (device if to_device else host)[key].copy_((host if to_device else device)[key])
 
     def _apply(self, fn, recurse=True):
-        out = super()._apply(fn, recurse)
-        if self.weights.is_cuda and not self.host["weight"].is_pinned():
-            self.host = {key: value.pin_memory() for key, value in self.host.items()}
-        return out
+        self._side = None  # the books on the new device are marked as the side stream's at its first use
+        return super()._apply(fn, recurse)
 
     def cache_stats(self) -> dict[str, CacheStats]:
         """Each cached table's counts of its training batches' rows: looked up, found, evicted, written back."""
-        return {name: cache.stats for name, cache in self.caches.items()}
+        return self.cache.stats
 
     def table_views(self, name: str) -> dict[str, torch.Tensor]:
-        if name not in self.caches:
+        if name not in self.cache.names:
             return super().table_views(name)
-        host, device = self._views(name)
-        self.caches[name].flush(host, device)
-        self.caches[name].drop()
-        return host
+        self._flush()
+        self._drop()
+        return flat_views(self.packing, self.host, self.packing.table_names.index(name))
 
-    def prefetch(self, features: KeyedJaggedTensor) -> Prefetched:
+    def prefetch(self, features: KeyedJaggedTensor, after: torch.cuda.Event | None = None) -> Prefetched:
         """``features``' rows in the caches now, for their training lookup later (``self(prefetched)``), at
-        most one batch ahead of the batch training."""
-        indices, offsets, batch_size = self.slot_bags(features)
-        return Prefetched(self._to_slots(indices, offsets, batch_size, training=True), offsets, batch_size)
+        most one batch ahead of the batch training. ``after``: on a GPU, an event of the compute stream after
+        which ``features`` are ready and every batch before the one prefetched last is queued (default: all
+        the compute stream's work queued so far)."""
+        with self._on_side(after):
+            indices, offsets, batch_size = self.slot_bags(features)
+            slots = self._to_slots(indices, offsets, batch_size, True)
+        return Prefetched(*self._handed_over(slots, offsets), batch_size, self._generation)
 
     def forward(self, features: KeyedJaggedTensor | Prefetched) -> torch.Tensor:
         if isinstance(features, Prefetched):
+            if features.generation != self._generation:
+                raise RuntimeError("a batch prefetched before the caches were emptied (a state dict loaded, "
+                                   "table views taken): prefetch it again")
             return self.lookup(features.indices, features.offsets, features.batch_size)
         return self._cached_lookup(*self.slot_bags(features), torch.is_grad_enabled() and self.training)
 
     def _cached_lookup(self, indices: torch.Tensor, offsets: torch.Tensor, batch_size: int,
                        training: bool) -> torch.Tensor:
         try:
-            slots = self._to_slots(indices, offsets, batch_size, training)
+            with self._on_side(None):
+                slots = self._to_slots(indices, offsets, batch_size, training)
         except CacheTooSmall:
             if training or batch_size < 2:
                 raise
             half = batch_size // 2
             return torch.cat([self._cached_lookup(*_samples(indices, offsets, batch_size, lo, hi), hi - lo, False)
                               for lo, hi in ((0, half), (half, batch_size))])
-        return self.lookup(slots, offsets, batch_size)
+        pooled = self.lookup(self._handed_over(slots)[0], offsets, batch_size)
+        self._looked_up = self._event()
+        return pooled
 
-    def _to_slots(self, indices: torch.Tensor, offsets: torch.Tensor, batch_size: int,
-                  training: bool) -> torch.Tensor:
-        """``indices`` (slot-major bags) with every id of a cached table replaced by its cache slot."""
+    def _to_slots(self, indices: torch.Tensor, offsets: torch.Tensor, batch_size: int, training: bool) -> torch.Tensor:
+        """``indices`` (slot-major bags) with every id of a cached table replaced by its cache slot (see the
+        module for the steps), on the side stream (:meth:`_on_side`)."""
         if indices.numel() == 0:
             return indices
-        counts = offsets[batch_size::batch_size] - offsets[:-1:batch_size]
-        table_of_id = torch.repeat_interleave(self.packing.tensors(indices.device)["slot_table"], counts,
-                                              output_size=indices.numel())
-        out = indices.clone()
-        for name, cache in self.caches.items():
-            mine = (table_of_id == self.packing.table_names.index(name)).nonzero().squeeze(1)
-            if mine.numel():
-                out[mine] = cache.prefetch(indices[mine], *self._views(name), training)
+        with torch.no_grad():
+            counts = offsets[batch_size::batch_size] - offsets[:-1:batch_size]
+            table = torch.repeat_interleave(self.packing.tensors(indices.device)["slot_table"], counts,
+                                            output_size=indices.numel())
+            first_row = self.first_row[table]
+            placement = self.cache.place(torch.where(first_row >= 0, first_row + indices, NO_ROW))
+            by_table = self._read(placement.counts, "counts").tolist()  # host wait 1
+            self.cache.admit(by_table, training)
+            self._finish_write_back()
+            missing, written = by_table[0], by_table[4]
+            moves = placement.moves(sum(missing), sum(written))
+            if moves.victims.numel():
+                rows = self._read(moves.missing_rows, "missing rows", wait=False)
+                arrived = self._event()
+                if moves.written_back_slots.numel():
+                    self._start_write_back(moves.written_back_slots, written)
+                self._wait(arrived)  # host wait 2
+                self._copy_in(rows, moves.victims, missing)
+            self.cache.commit(placement, moves, training)
+            slots = placement.slot[placement.inverse.clamp(min=0)] - self.first_slot[table]
+            return torch.where(first_row >= 0, slots, indices)
+
+    def _groups_of(self, by_table: list[int]) -> Iterator[tuple[int, int, int]]:
+        """``(group, lo, hi)``: the range of each dim group's cached tables in rows counted ``by_table``."""
+        lo = 0
+        for group in dict.fromkeys(self.groups):
+            hi = lo + sum(n for n, g in zip(by_table, self.groups) if g == group)
+            if hi > lo:
+                yield group, lo, hi
+            lo = hi
+
+    def _start_write_back(self, slots: torch.Tensor, by_table: list[int]) -> None:
+        """Copy the rows of ``slots`` (by table, counted ``by_table``) and their global rows to host memory; the
+        next :meth:`_finish_write_back` writes them into the host tables."""
+        groups = list(self._groups_of(by_table))
+        at = slots + self.slot_group_row[self.cache.slot_table[slots]]
+        values = {}
+        for key, flat in self._storage().items():
+            parts = [_group_view(self.storage_packing, flat, g).index_select(0, at[lo:hi]) for g, lo, hi in groups]
+            values[key] = self._read(torch.cat([p.reshape(-1) for p in parts]), f"written back {key}", wait=False)
+        self._written_back = _WrittenBack(self._read(self.cache.index.rows_of(slots), "written back rows", wait=False),
+                                          values, groups)
+
+    def _finish_write_back(self) -> None:
+        """The rows copied out by :meth:`_start_write_back`, now in host memory, into the host tables."""
+        done, self._written_back = self._written_back, None
+        if done is None:
+            return
+        rows = [done.rows[lo:hi] - self.packing.groups[g].row_start for g, lo, hi in done.groups]
+        for key, flat in self.host.items():
+            at = 0
+            for (g, lo, hi), group_rows in zip(done.groups, rows):
+                view = _group_view(self.packing, flat, g)
+                part = done.values[key][at : at + (hi - lo) * view[0].numel()].view(hi - lo, *view.shape[1:])
+                view.index_copy_(0, group_rows, part)
+                at += part.numel()
+
+    def _copy_in(self, rows: torch.Tensor, victims: torch.Tensor, by_table: list[int]) -> None:
+        """The host tables' ``rows`` (on the host, by table, counted ``by_table``) into the cache slots ``victims``:
+        gathered into pinned memory, one copy per tensor to the device, scattered there."""
+        groups = list(self._groups_of(by_table))
+        at = victims + self.slot_group_row[self.cache.slot_table[victims]]
+        host_rows = [rows[lo:hi] - self.packing.groups[g].row_start for g, lo, hi in groups]
+        for key, flat in self.host.items():
+            views = [_group_view(self.packing, flat, g) for g, _, _ in groups]
+            staged = self._host_buffer(f"missing {key}", sum(v[0].numel() * (hi - lo)
+                                                              for v, (_, lo, hi) in zip(views, groups)), flat.dtype)
+            start = 0
+            for view, group_rows in zip(views, host_rows):
+                part = staged[start : start + group_rows.numel() * view[0].numel()].view(-1, *view.shape[1:])
+                torch.index_select(view, 0, group_rows, out=part)
+                start += part.numel()
+            arrived = staged.to(self.weights.device, non_blocking=True)
+            storage = self._storage()[key]
+            start = 0
+            for g, lo, hi in groups:
+                view = _group_view(self.storage_packing, storage, g)
+                n = (hi - lo) * view[0].numel()
+                view.index_copy_(0, at[lo:hi], arrived[start : start + n].view(hi - lo, *view.shape[1:]))
+                start += n
+
+    # The side stream and the host's reads of it.
+
+    @contextlib.contextmanager
+    def _on_side(self, after: torch.cuda.Event | None):
+        """Run the block on the side stream (on a GPU), after ``after`` or the compute stream's work so far; the
+        compute stream waits for it after."""
+        if not self.weights.is_cuda:
+            yield
+            return
+        compute = torch.cuda.current_stream(self.weights.device)
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.weights.device)
+            for books in self.cache.buffers():  # made on the compute stream, used and replaced on the side one
+                books.record_stream(self._side)
+        if after is None:
+            self._side.wait_stream(compute)
+        else:
+            self._side.wait_event(after)
+            if self._looked_up is not None:  # a lookup made without a prefetch (an evaluation between steps)
+                self._side.wait_event(self._looked_up)
+        try:
+            with torch.cuda.stream(self._side):
+                yield
+        finally:
+            compute.wait_stream(self._side)
+
+    def _handed_over(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``tensors``, made on the side stream, marked as used by the compute stream (so that their memory is
+        not given to the side stream again before the compute stream is done with them)."""
+        for tensor in tensors:
+            if tensor.is_cuda:
+                tensor.record_stream(torch.cuda.current_stream(tensor.device))
+        return tensors
+
+    def _event(self) -> torch.cuda.Event | None:
+        return torch.cuda.current_stream(self.weights.device).record_event() if self.weights.is_cuda else None
+
+    @staticmethod
+    def _wait(event: torch.cuda.Event | None) -> None:
+        """A host wait: for the side stream's work up to ``event`` (the compute stream runs on)."""
+        if event is not None:
+            event.synchronize()
+
+    def _read(self, values: torch.Tensor, name: str, wait: bool = True) -> torch.Tensor:
+        """``values`` in host memory (pinned, reused per ``name``); ``wait``: the host waits for them, else the
+        copy is under way (a later wait on the stream covers it)."""
+        out = values
+        if values.is_cuda:
+            out = self._host_buffer(name, values.numel(), values.dtype).view(values.shape)
+            out.copy_(values, non_blocking=True)
+        if wait:
+            self._wait(self._event())
         return out
+
+    def _host_buffer(self, name: str, size: int, dtype: torch.dtype) -> torch.Tensor:
+        """``size`` elements of host memory kept per ``name`` (pinned on a GPU), grown as needed."""
+        buffer = self._buffers_on_host.get(name)
+        if buffer is None or buffer.numel() < size or buffer.dtype != dtype:
+            buffer = torch.empty(max(size, 2 * buffer.numel() if buffer is not None else 0), dtype=dtype,
+                                 pin_memory=self.weights.is_cuda)
+            self._buffers_on_host[name] = buffer
+        return buffer[:size]
+
+    # Whole-cache operations: not per step.
+
+    def _flush(self) -> None:
+        """Every dirty row written back to the host tables (the rows stay in the caches, clean)."""
+        with self._on_side(None), torch.no_grad():
+            self._wait(self._event())
+            self._finish_write_back()
+            slots = self.cache.dirty_slots()
+            if slots.numel():
+                table = self.cache.slot_table[slots].cpu()
+                by_table = torch.bincount(table, minlength=len(self.cache.tables)).tolist()
+                self._start_write_back(slots, by_table)
+                self._wait(self._event())
+                self._finish_write_back()
+                self.cache.cleaned(slots)
+
+    def _drop(self) -> None:
+        """Every cache emptied, without writing back (prefetched batches not yet looked up are void)."""
+        with self._on_side(None):
+            self._written_back = None
+            self.cache.drop()
+        self._generation += 1
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         # The plain collection's state: every table whole, in the host tensors.
-        for name, cache in self.caches.items():
-            cache.flush(*self._views(name))
+        self._flush()
         self._copy_resident(to_device=False)
         for name, buf in self._buffers.items():
             if name not in self._non_persistent_buffers_set:
@@ -191,6 +407,7 @@ class HostCachedCollection(EmbeddingCollection):
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
         names = [name for name in self._buffers if name not in self._non_persistent_buffers_set]
+        self._drop()
         with torch.no_grad():
             for name in names:
                 target = self.host[_key(name)] if name != "step" else self.step
@@ -202,17 +419,13 @@ class HostCachedCollection(EmbeddingCollection):
                                       f"{tuple(given.shape)}, the collection's is {tuple(target.shape)}")
                 else:
                     target.copy_(given)
-        for cache in self.caches.values():
-            cache.drop()
         self._copy_resident(to_device=True)
         if strict:
             unexpected_keys.extend(key for key in state_dict if key.startswith(prefix)
                                    and key[len(prefix):].split(".", 1)[0] not in (*names, *self._modules))
 
     def extra_repr(self) -> str:
-        cached = ", ".join(f"{c.table}: {c.slots:,} of {self.packing.rows[self.packing.table_names.index(c.table)]:,}"
-                           for c in self.caches.values())
-        return f"host-cached tables (device cache rows of rows): {cached}"
+        return f"host-cached tables (device cache rows of rows): {self.cache.extra_repr()}"
 
 
 def _buffer(key: str) -> str:
@@ -221,6 +434,15 @@ def _buffer(key: str) -> str:
 
 def _key(buffer: str) -> str:
     return "weight" if buffer == "weights" else buffer[len("state_"):]
+
+
+def _group_view(packing: TablePacking, flat: torch.Tensor, g: int) -> torch.Tensor:
+    """Dim group ``g``'s part of a flat tensor laid out by ``packing``: ``[rows, dim]``, or ``[rows]`` for
+    per-row state."""
+    group = packing.groups[g]
+    if packing.total_rows != packing.total_elements and flat.numel() == packing.total_rows:
+        return flat[group.row_start : group.row_start + group.rows]
+    return flat[group.start : group.start + group.rows * group.dim].view(group.rows, group.dim)
 
 
 def _samples(indices: torch.Tensor, offsets: torch.Tensor, batch_size: int, lo: int,

@@ -5,7 +5,8 @@ the :class:`~pipeline.loader.Loader`, scores ``valid`` along the way and ``test`
 :class:`~pipeline.distributed.world.World` it is given decides the rest: on a world of one the
 plain model with ``.pt`` checkpoints, its tables that do not fit ``distributed.memory_per_rank_mb``
 (or that ``distributed.sharding`` names ``host_cached``) in host memory behind device caches of their
-hot rows (:mod:`pipeline.modules.cached_collection`); on N ranks each rank reads its shard of every split, the
+hot rows (:mod:`pipeline.modules.cached_collection`), each batch's rows prefetched into them while the
+batch before trains (``distributed.pipeline``); on N ranks each rank reads its shard of every split, the
 model trains through :class:`~pipeline.distributed.model_parallel.DistributedModelParallel` with
 sharded checkpoints, each batch's id exchange started while the batch before it trains
 (``distributed.pipeline``, :mod:`pipeline.distributed.train_pipeline`), and the scores are computed
@@ -58,7 +59,7 @@ from torch import nn
 
 from pipeline.distributed.config import DistributedConfig
 from pipeline.distributed.model_parallel import DistributedModelParallel, make_planner
-from pipeline.distributed.train_pipeline import SparseDistPipeline
+from pipeline.distributed.train_pipeline import CachePrefetchPipeline, SparseDistPipeline
 from pipeline.distributed.types import ShardingPlan
 from pipeline.distributed.world import World
 from pipeline.errors import UserError
@@ -127,7 +128,11 @@ def _train(cfg: TrainConfig, data: Path, runs: Path, schema: Schema, seed: int, 
     train_loader = Loader(data / "train", cfg.batch_size, schema=schema, shuffle=True, seed=seed, **shard)
     valid_loader = Loader(data / "valid", cfg.eval_batch_size, schema=schema, **shard)
     test_loader = Loader(data / "test", cfg.eval_batch_size, schema=schema, **shard)
-    pipeline = SparseDistPipeline(model, device) if world.size > 1 and distributed.pipeline else None
+    pipeline = None
+    if distributed.pipeline and world.size > 1:
+        pipeline = SparseDistPipeline(model, device)
+    elif distributed.pipeline and isinstance(model.embedding, HostCachedCollection):
+        pipeline = CachePrefetchPipeline(model, device)
     trainer = Trainer(model, cfg, out, train_loader, world, checkpoints, pipeline)
     if cfg.early_stopping and not trainer.keeps_best and world.is_writer:
         print(f"[train] train.early_stopping applies to one process: the {world.size} ranks train every epoch "
@@ -250,9 +255,9 @@ def _describe(model: nn.Module, spec: dict, world: World, out: Path) -> None:
           f"{sum(p.numel() for p in model.parameters()):,} dense parameters, "
           f"embedding backend {model.embedding.backend.name}", flush=True)
     if isinstance(model.embedding, HostCachedCollection):
-        rows = {t["name"]: t["rows"] for t in tables}
-        cached = ", ".join(f"{c.table} ({c.slots:,} of {rows[c.table]:,} rows)"
-                           for c in model.embedding.caches.values())
+        slots = {t.name: t.slots for t in model.embedding.cache.tables}
+        cached = ", ".join(f"{t['name']} ({slots[t['name']]:,} of {t['rows']:,} rows)" for t in tables
+                           if t["name"] in slots)
         print(f"[train] host-cached tables, in host memory behind a device cache of their hot rows: {cached}",
               flush=True)
 
