@@ -24,7 +24,7 @@ Compute = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
 
 def respond(requests: list, input_names: list[str], compute: Compute, pb_utils, model: str) -> list:
     """Run ``compute`` on the requests' inputs; return exactly one response per request, in order."""
-    inputs: list[dict[str, np.ndarray] | Exception] = [_read(r, input_names, pb_utils) for r in requests]
+    inputs: list[dict[str, np.ndarray] | Exception] = [_read(r, input_names) for r in requests]
     good = [i for i, x in enumerate(inputs) if not isinstance(x, Exception)]
     results: list[dict[str, np.ndarray] | Exception | None] = list(inputs)
     merged = _stack([inputs[i] for i in good]) if len(good) > 1 else None
@@ -44,14 +44,13 @@ def respond(requests: list, input_names: list[str], compute: Compute, pb_utils, 
     return [_response(x, pb_utils, model) for x in results]
 
 
-def _read(request, names: list[str], pb_utils) -> dict[str, np.ndarray] | Exception:
-    out = {}
-    for name in names:
-        tensor = pb_utils.get_input_tensor_by_name(request, name)
-        if tensor is None:
-            return UserError(f"missing input {name}")
-        out[name] = tensor.as_numpy()
-    return out
+def _read(request, names: list[str]) -> dict[str, np.ndarray] | Exception:
+    """The request's inputs by name, read in one pass (``pb_utils.get_input_tensor_by_name`` scans them all per name)."""
+    given = {tensor.name(): tensor for tensor in request.inputs()}
+    missing = [name for name in names if name not in given]
+    if missing:
+        return UserError(f"missing input {missing[0]}")
+    return {name: given[name].as_numpy() for name in names}
 
 
 def _stack(parts: list[dict[str, np.ndarray]]) -> tuple[dict[str, np.ndarray], list[int]] | None:
@@ -80,24 +79,3 @@ def _response(result, pb_utils, model: str):
                                           error=pb_utils.TritonError(f"{model}: {kind}{result}", code))
     return pb_utils.InferenceResponse(
         output_tensors=[pb_utils.Tensor(n, np.ascontiguousarray(a)) for n, a in result.items()])
-
-
-def deserialize_bytes_tensor(encoded: bytes) -> np.ndarray:
-    """A faster drop-in for ``pb_utils.deserialize_bytes_tensor`` (length-prefixed bytes -> object array).
-
-    The python backend decodes every BYTES input with that function, one ``struct`` call per
-    string; raw categorical columns make it the largest cost after the workflow at large batches.
-    ``model.py`` files install this one over it.
-    """
-    out = []
-    append = out.append
-    view = memoryview(encoded)
-    from_bytes = int.from_bytes
-    offset, end = 0, len(encoded)
-    while offset < end:
-        length = from_bytes(view[offset: offset + 4], "little")
-        offset += 4
-        append(view[offset: offset + length].tobytes())
-        offset += length
-    return np.array(out, dtype=np.object_)
-

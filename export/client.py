@@ -7,6 +7,10 @@ handling, and unseen categories get the out-of-vocabulary index. A label column 
 other column the model does not take is an error (a misspelt name would otherwise read as missing). The input names, types and order
 come from the server's own model metadata, so nothing is repeated here.
 
+Over gRPC the client speaks through Triton's generated stub (``tritonclient.grpc.service_pb2_grpc``):
+each tensor travels as raw bytes, string columns encoded by numpy (:func:`export.wire.encode_bytes`)
+rather than value by value in Python. Over HTTP it uses ``tritonclient.http``.
+
 Example::
 
     with Client("127.0.0.1:8001", protocol="grpc") as client:
@@ -22,9 +26,12 @@ from typing import Any
 
 import numpy as np
 
+from export.wire import encode_bytes
 from pipeline.errors import BadInputError, UserError
 
 PREDICTION = "PREDICTION"
+MAX_GRPC_MESSAGE = 2**31 - 1
+"""Triton's own limit on a gRPC message; grpc's default (4 MiB) would refuse a large batch."""
 
 
 class ServingError(UserError):
@@ -48,10 +55,15 @@ class Client:
         if protocol == "http":
             import tritonclient.http as triton
             self._client = triton.InferenceServerClient(url, connection_timeout=timeout_s, network_timeout=timeout_s)
+            self._triton = triton
         else:
-            import tritonclient.grpc as triton
-            self._client = triton.InferenceServerClient(url)
-        self._triton = triton
+            import grpc
+            from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+            self._channel = grpc.insecure_channel(url, options=[("grpc.max_send_message_length", MAX_GRPC_MESSAGE),
+                                                                ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE)])
+            self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
+            self._messages = service_pb2
         self._inputs: list[tuple[str, str]] | None = None
         self._separator = "|"
 
@@ -59,12 +71,14 @@ class Client:
     def inputs(self) -> list[tuple[str, str]]:
         """(name, Triton datatype) of every raw input, in the ensemble's order."""
         if self._inputs is None:
-            meta = self._call(self._client.get_model_metadata, self.model)
-            config = self._call(self._client.get_model_config, self.model)
             if self.protocol == "grpc":
+                meta = self._call(self._stub.ModelMetadata, self._messages.ModelMetadataRequest(name=self.model))
+                config = self._call(self._stub.ModelConfig, self._messages.ModelConfigRequest(name=self.model))
                 self._inputs = [(i.name, i.datatype) for i in meta.inputs]
                 params = {k: v.string_value for k, v in config.config.parameters.items()}
             else:
+                meta = self._call(self._client.get_model_metadata, self.model)
+                config = self._call(self._client.get_model_config, self.model)
                 self._inputs = [(i["name"], i["datatype"]) for i in meta["inputs"]]
                 params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
             self._separator = params.get("list_separator", "|")
@@ -95,6 +109,8 @@ class Client:
 
     def infer(self, columns: dict[str, np.ndarray]) -> np.ndarray:
         """Send exactly these tensors (name -> array; dtype gives the Triton type) and return ``[B]``."""
+        if self.protocol == "grpc":
+            return self._infer_grpc(columns)
         request = []
         for name, array in columns.items():
             array = np.asarray(array)
@@ -102,18 +118,40 @@ class Client:
             tensor = self._triton.InferInput(name, list(array.shape), datatype)
             tensor.set_data_from_numpy(array.astype(object) if datatype == "BYTES" else array)
             request.append(tensor)
-        outputs = [self._triton.InferRequestedOutput(PREDICTION)]
-        kwargs = {"client_timeout": self.timeout_s} if self.protocol == "grpc" else {}
-        result = self._call(self._client.infer, self.model, request, outputs=outputs, **kwargs)
+        result = self._call(self._client.infer, self.model, request,
+                            outputs=[self._triton.InferRequestedOutput(PREDICTION)])
         return result.as_numpy(PREDICTION).reshape(-1)
+
+    def _infer_grpc(self, columns: dict[str, np.ndarray]) -> np.ndarray:
+        from tritonclient.utils import triton_to_np_dtype
+
+        arrays = {name: np.asarray(array) for name, array in columns.items()}
+        strings = [name for name, array in arrays.items() if array.dtype.kind in "OSU"]
+        contents = dict(zip(strings, encode_bytes([arrays[name] for name in strings])))
+        request = self._messages.ModelInferRequest(model_name=self.model)
+        for name, array in arrays.items():
+            datatype = "BYTES" if name in contents else self._triton_dtype(array.dtype)
+            request.inputs.add(name=name, datatype=datatype, shape=array.shape)
+            request.raw_input_contents.append(contents[name] if name in contents else array.tobytes())
+        request.outputs.add(name=PREDICTION)
+        reply = self._call(self._stub.ModelInfer, request, timeout=self.timeout_s)
+        output = reply.outputs[0]
+        return np.frombuffer(reply.raw_output_contents[0], dtype=triton_to_np_dtype(output.datatype)).copy()
 
     def inference_statistics(self) -> dict:
         """Every model's counters and cumulative times (Triton's statistics extension), as JSON data."""
-        kwargs = {"as_json": True} if self.protocol == "grpc" else {}
-        return self._call(self._client.get_inference_statistics, **kwargs)
+        if self.protocol == "grpc":
+            from google.protobuf.json_format import MessageToDict
+
+            reply = self._call(self._stub.ModelStatistics, self._messages.ModelStatisticsRequest())
+            return MessageToDict(reply, preserving_proto_field_name=True)
+        return self._call(self._client.get_inference_statistics)
 
     def close(self) -> None:
-        self._client.close()
+        if self.protocol == "grpc":
+            self._channel.close()
+        else:
+            self._client.close()
 
     def __enter__(self) -> Client:  # noqa: PYI034
         return self
@@ -122,12 +160,19 @@ class Client:
         self.close()
 
     def _call(self, fn, *args, **kwargs):
+        if self.protocol == "grpc":
+            import grpc
+
+            try:
+                return fn(*args, **kwargs)
+            except grpc.RpcError as err:
+                raise ServingError(f"{self.model} at {self.url} (grpc): {err.details()}", str(err.code())) from err
         from tritonclient.utils import InferenceServerException
 
         try:
             return fn(*args, **kwargs)
         except InferenceServerException as err:
-            raise ServingError(f"{self.model} at {self.url} ({self.protocol}): {err.message()}", err.status()) from err
+            raise ServingError(f"{self.model} at {self.url} (http): {err.message()}", err.status()) from err
 
     @staticmethod
     def _triton_dtype(dtype: np.dtype) -> str:

@@ -10,6 +10,7 @@ from pipeline.train.config import check_run_name
 DENSE_BACKENDS = ("python", "pytorch")
 INSTANCE_KINDS = ("auto", "cpu", "gpu")
 CACHE_POLICIES = ("lru", "lfu", "none")
+FUSE = ("auto", "all", "none")
 MAX_REQUEST_MB = 2047.0
 """The guard holds each request body in memory whole."""
 MAX_JSON_DEPTH = 1000
@@ -27,13 +28,18 @@ class ExportConfig:
         "help": "auto | cpu | gpu: instance groups of embedding and dense (auto: gpu when the device is cuda)"})
     instances: int = field(default=1, metadata={"help": "instances of each model"})
     dynamic_batching: bool = field(default=True, metadata={"help": "let Triton merge concurrent requests"})
-    max_queue_delay_us: int = field(default=100, metadata={"help": "dynamic batching: longest wait for more requests"})
+    max_queue_delay_us: int = field(default=0, metadata={
+        "help": "dynamic batching: longest wait for more requests (0: none; requests that queued while the model "
+                "was busy are still merged)"})
     cache_policy: str = field(default="lru", metadata={"help": "lru | lfu | none: the cache of hot embedding rows"})
     cache_fraction: float = field(default=0.25, metadata={"help": "rows of each table kept in the cache, as a fraction"})
     dense_threads: int = field(default=1, metadata={
         "help": "torch threads of each CPU dense instance (1: small requests, cores left to the other models)"})
-    fuse_dense: bool = field(default=False, metadata={
-        "help": "one 'ranker' model (embedding lookup + dense) in place of 'embedding' and 'dense': one hop less"})
+    fuse: str = field(default="auto", metadata={
+        "help": "all | none | auto: all serves raw rows with one python model, 'ranker' (the workflow, the embedding "
+                "lookup and the dense part in one process: one hop); none chains preprocess -> embedding -> dense, "
+                "each with its own instances (export.dense_backend=pytorch needs it); auto: all for CPU instances "
+                "with the python dense backend, else none"})
     update: bool = field(default=False, metadata={
         "help": "write only a new embedding store version; a running server picks it up without a restart"})
     run: str = field(default="", metadata={
@@ -42,7 +48,7 @@ class ExportConfig:
 
     def __post_init__(self) -> None:
         for name, allowed in (("dense_backend", DENSE_BACKENDS), ("instance_kind", INSTANCE_KINDS),
-                              ("cache_policy", CACHE_POLICIES)):
+                              ("cache_policy", CACHE_POLICIES), ("fuse", FUSE)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"export.{name}: expected one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         for name in ("max_batch_size", "instances", "dense_threads"):

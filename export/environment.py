@@ -9,7 +9,8 @@ Clients may use numpy 2.
 
 The stub finds its environment through ``python3`` on ``PATH``; :func:`server_env` puts the
 environment's ``bin`` first there, and its interpreter's library folder first on
-``LD_LIBRARY_PATH``, so that the stub links the same libpython.
+``LD_LIBRARY_PATH``, so that the stub links the same libpython. It also sets glibc's memory
+thresholds (:data:`MALLOC`), so that the models reuse their buffers from one request to the next.
 
 Example::
 
@@ -148,9 +149,18 @@ def make_backend_dir(server: ServerBinary, env: ModelsEnv, where: Path) -> Path 
     return where
 
 
+MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(64 << 20), "MALLOC_TRIM_THRESHOLD_": str(256 << 20)}
+"""glibc's ``mallopt`` settings of the server and its models (unless the environment sets them): glibc
+gives a freed buffer over 128 KiB back to the kernel at once, so every request of a few hundred rows
+faulted its buffers' pages in again (about 500 page faults at 300 rows, 1,000 and 3 ms of the model's
+time at 1,024). Buffers under 64 MiB now come from the heap, which keeps up to 256 MiB free for the
+next request."""
+
+
 def server_env(env: ModelsEnv) -> dict[str, str]:
-    """The server's process environment: the models' venv first on PATH, its libpython first to link."""
-    out = dict(os.environ)
+    """The server's process environment: the models' venv first on PATH, its libpython first to link, and
+    the memory settings of :data:`MALLOC`."""
+    out = {**MALLOC, **os.environ}
     out["PATH"] = f"{env.bin}{os.pathsep}{out.get('PATH', '')}"
     libs = [env.libdir] + [p for p in out.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]
     out["LD_LIBRARY_PATH"] = os.pathsep.join(libs)

@@ -11,7 +11,11 @@ one-hot feature, in ``config.categorical`` order; None when there is none) and, 
 ``multihot_ids`` ``[B, W]`` (each row's bags packed feature after feature, then padding) with
 ``multihot_lengths`` ``[B, M]``.
 
-A new store version is picked up by :meth:`refresh` (called before each batch): the tiers keep
+The one-hot ids of a batch go to the caches in one request (``export.cache.make_caches``; one per
+dim where the tables' dims differ, and one per multi-hot feature): the ``lru`` and ``lfu`` caches
+find and gather the rows of all those tables in one vectorised step.
+
+A new store version is picked up by :meth:`refresh` (called before each batch): the caches keep
 their hot ids and re-read those rows from the new version, and a batch is always computed from
 one version.
 
@@ -30,8 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
-from export.cache import CacheTier, make_tier
-from export.store import current_version, open_current
+from export.cache import TableCaches, make_caches
+from export.store import StoreVersion, current_stamp, current_version, open_current
 from pipeline.errors import BadInputError
 
 
@@ -78,32 +82,45 @@ class EmbeddingLookup:
         self.cache_fraction = cache_fraction
         self.min_cache_rows = min_cache_rows
         self.refreshes = 0
+        self._stamp = current_stamp(self.store_root)
         store = open_current(self.store_root)
         self.version = store.version
-        self.tiers: dict[str, CacheTier] = {
-            name: make_tier(policy, table, self._capacity(table.shape[0])) for name, table in store.tables.items()
-        }
-        missing = sorted(set(config.slot_tables) - set(self.tiers))
+        self.caches: TableCaches = make_caches(
+            policy, store.tables, {name: self._capacity(table.shape[0]) for name, table in store.tables.items()})
+        missing = sorted(set(config.slot_tables) - set(store.tables))
         if missing:
             raise ValueError(f"the store at {self.store_root} has no tables {missing}")
-        self._rows = {name: table.shape[0] for name, table in store.tables.items()}
-        self._keys = store.keys
+        self._table_of = dict(zip(config.slot_features, config.slot_tables))
+        self._set_rows(store)
         self._column_of = {f: i for i, f in enumerate(config.categorical)}
         self._multihot_of = {f: i for i, f in enumerate(config.multihot)}
+        kinds: dict[tuple, list[int]] = {}
+        for k, (table, feature) in enumerate(zip(config.slot_tables, config.slot_features)):
+            if feature in self._column_of:
+                kinds.setdefault((store.tables[table].shape[1], store.tables[table].dtype.str), []).append(k)
+        self._onehot_groups = list(kinds.values())
+
+    def _set_rows(self, store: StoreVersion) -> None:
+        self._rows = {name: table.shape[0] for name, table in store.tables.items()}
+        self._keys = store.keys
+        self._column_rows = np.array([self._rows[self._table_of[f]] for f in self.config.categorical], dtype=np.int64)
 
     def _capacity(self, rows: int) -> int:
         return min(rows, max(self.min_cache_rows, int(rows * self.cache_fraction)))
 
     def refresh(self) -> bool:
         """Switch to the store's current version if it changed; True when it did."""
+        stamp = current_stamp(self.store_root)
+        if stamp == self._stamp:
+            return False
         if current_version(self.store_root) == self.version:
+            self._stamp = stamp
             return False
         store = open_current(self.store_root)
-        for name, tier in self.tiers.items():
-            tier.refill(store.tables[name])
-            self._rows[name] = store.tables[name].shape[0]
-        self._keys = store.keys
+        self.caches.refill(store.tables)
+        self._set_rows(store)
         self.version = store.version
+        self._stamp = stamp
         self.refreshes += 1
         return True
 
@@ -112,39 +129,65 @@ class EmbeddingLookup:
         batch = _batch_size(categorical, multihot_lengths, len(self.config.categorical))
         categorical = np.asarray(categorical) if categorical is not None else np.zeros((batch, 0), np.int64)
         bags = _unpack_multihot(multihot_ids, multihot_lengths, batch, len(self.config.multihot))
-        pieces = []
-        for table, feature, mean in zip(self.config.slot_tables, self.config.slot_features, self.config.slot_mean):
-            if feature in self._column_of:
-                ids = self._rows_of(categorical[:, self._column_of[feature]], feature, table)
-                pieces.append(self.tiers[table].lookup(ids).astype(np.float32, copy=False))
-            else:
-                rows_of_value, ids = bags[self._multihot_of[feature]]
-                ids = self._rows_of(ids, feature, table)
-                pieces.append(_pool(self.tiers[table].lookup(ids), rows_of_value, batch, mean))
-        if not pieces:
+        slots = list(zip(self.config.slot_tables, self.config.slot_features, self.config.slot_mean))
+        if not slots:
             return np.zeros((batch, 0), dtype=np.float32)
-        return np.concatenate(pieces, axis=1)
+        categorical, bags = self._find_keys(categorical, bags)
+        self._check(categorical, bags)
+        pieces: list[np.ndarray] = [np.empty(0)] * len(slots)
+        for group in self._onehot_groups:  # the one-hot slots whose tables share a dim: one lookup
+            rows = self.caches.lookup([slots[k][0] for k in group],
+                                      categorical[:, [self._column_of[slots[k][1]] for k in group]])
+            if group == list(range(len(slots))):  # every slot, in order: the rows are the answer as they are
+                return rows.reshape(batch, -1).astype(np.float32, copy=False)
+            for j, k in enumerate(group):
+                pieces[k] = rows[:, j]
+        for k, (table, feature, mean) in enumerate(slots):
+            if feature in self._multihot_of:
+                rows_of_value, ids = bags[self._multihot_of[feature]]
+                pieces[k] = _pool(self.caches.lookup([table], ids[:, None])[:, 0], rows_of_value, batch, mean)
+        return np.concatenate(pieces, axis=1, dtype=np.float32)
 
-    def _rows_of(self, ids: np.ndarray, feature: str, table: str) -> np.ndarray:
-        """The rows of ``ids`` in ``table``: the ids themselves, checked, or a dynamic table's rows of its raw ids."""
-        keys = self._keys.get(table)
-        if keys is None:
-            self._check(ids, feature, table)
-            return ids
+    def _find_keys(self, categorical: np.ndarray,
+                   bags: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
+        """The dynamic tables' raw ids replaced by their rows (an id the store does not hold by the last row)."""
+        if not self._keys:
+            return categorical, bags
+        categorical = categorical.copy()
+        for c, feature in enumerate(self.config.categorical):
+            if self._table_of[feature] in self._keys:
+                categorical[:, c] = self._rows_of_keys(categorical[:, c], self._keys[self._table_of[feature]])
+        bags = [(rows, self._rows_of_keys(ids, self._keys[self._table_of[feature]]))
+                if self._table_of[feature] in self._keys else (rows, ids)
+                for feature, (rows, ids) in zip(self.config.multihot, bags)]
+        return categorical, bags
+
+    @staticmethod
+    def _rows_of_keys(ids: np.ndarray, keys: np.ndarray) -> np.ndarray:
         at = np.searchsorted(keys, ids)
         found = at < len(keys)
         found[found] = keys[at[found]] == ids[found]
         return np.where(found, at, len(keys))
 
-    def _check(self, ids: np.ndarray, feature: str, table: str) -> None:
-        if ids.size and (ids.min() < 0 or ids.max() >= self._rows[table]):
-            bad = ids[(ids < 0) | (ids >= self._rows[table])][0]
-            raise BadInputError(f"feature {feature}: id {bad} is outside table {table} "
-                                f"(expected 0 <= id < {self._rows[table]})")
+    def _check(self, categorical: np.ndarray, bags: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        """Every id within its table (the one-hot ones in one step); the first one outside is named."""
+        named = []
+        if categorical.size:
+            bad = np.flatnonzero(((categorical < 0) | (categorical >= self._column_rows)).any(axis=0))
+            named += [(self.config.categorical[c], categorical[:, c]) for c in bad[:1]]
+        for feature, (_, ids) in zip(self.config.multihot, bags):
+            if ids.size and (ids.min() < 0 or ids.max() >= self._rows[self._table_of[feature]]):
+                named.append((feature, ids))
+        if named:
+            feature, ids = named[0]
+            table = self._table_of[feature]
+            rows = self._rows[table]
+            raise BadInputError(f"feature {feature}: id {ids[(ids < 0) | (ids >= rows)][0]} is outside table {table} "
+                                f"(expected 0 <= id < {rows})")
 
     def stats(self) -> dict:
         """Counters per table and in total, the hit rate over distinct ids, and the store version."""
-        tables = {name: tier.stats() for name, tier in self.tiers.items()}
+        tables = self.caches.stats()
         hits = sum(s["hits"] for s in tables.values())
         misses = sum(s["misses"] for s in tables.values())
         return {

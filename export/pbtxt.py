@@ -88,24 +88,29 @@ class ModelOptions:
     instance_kind: str = "cpu"  # cpu | gpu
     instances: int = 1
     dynamic_batching: bool = True
-    max_queue_delay_us: int = 100
+    max_queue_delay_us: int = 0
     dense_backend: str = "python"  # python | pytorch
     cache_policy: str = "lru"
     cache_fraction: float = 0.25
     dense_threads: int = 1
-    fuse_dense: bool = False  # one "ranker" model (lookup + dense) in place of "embedding" and "dense"
+    fused: bool | None = None
+    """One ``ranker`` model (raw rows -> probabilities) in place of ``preprocess``, ``embedding`` and ``dense``;
+    None: where that was measured faster, CPU instances with the python dense backend."""
+
+    def __post_init__(self) -> None:
+        if self.fused is None:
+            self.fused = self.instance_kind == "cpu" and self.dense_backend == "python"
 
 
 def model_configs(spec: EnsembleSpec, options: ModelOptions) -> dict[str, str]:
     """Model name -> the text of its ``config.pbtxt``."""
     cache = {"cache_policy": options.cache_policy, "cache_fraction": str(options.cache_fraction)}
-    if options.fuse_dense:
+    if options.fused:
         if options.dense_backend != "python":
-            raise UserError("export.fuse_dense=true runs the dense part in the python backend: "
-                            "it needs export.dense_backend=python")
+            raise UserError("export.fuse=all runs the dense part in the python backend: "
+                            "it needs export.dense_backend=python (or export.fuse=none)")
         return {
-            "preprocess": _python_model("preprocess", spec.raw, spec.features, options, kind="cpu"),
-            "ranker": _python_model("ranker", spec.features, [spec.prediction], options,
+            "ranker": _python_model("ranker", spec.raw, [spec.prediction], options,
                                     parameters={**cache, "intra_op_threads": str(options.dense_threads)}),
             "ensemble": _ensemble(spec, options),
         }
@@ -168,12 +173,13 @@ def _step(model: str, inputs: dict[str, str], outputs: dict[str, str]) -> str:
 
 
 def _ensemble(spec: EnsembleSpec, options: ModelOptions) -> str:
-    dense_inputs, dense_output = dense_tensor_names(spec, options)
-    steps = [_step("preprocess", {t.name: t.name for t in spec.raw}, {t.name: t.name for t in spec.features})]
-    if options.fuse_dense:
-        steps.append(_step("ranker", {t.name: t.name for t in spec.features}, {PREDICTION: PREDICTION}))
+    raw = {t.name: t.name for t in spec.raw}
+    if options.fused:
+        steps = [_step("ranker", raw, {PREDICTION: PREDICTION})]
     else:
-        steps += [
+        dense_inputs, dense_output = dense_tensor_names(spec, options)
+        steps = [
+            _step("preprocess", raw, {t.name: t.name for t in spec.features}),
             _step("embedding", {t.name: t.name for t in spec.embedding_inputs}, {EMBEDDINGS: EMBEDDINGS}),
             _step("dense", dict(zip(dense_inputs, [t.name for t in spec.dense_inputs])), {dense_output: PREDICTION}),
         ]

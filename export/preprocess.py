@@ -8,17 +8,18 @@ The wire format of a raw row, one Triton input per raw column (``RawColumns`` sa
   workflow's null index); a value never seen at fit time gets the out-of-vocabulary index.
 - multi-hot column: ``TYPE_STRING`` ``[1]``, the values joined by ``list_separator``; empty: missing.
 
-The request columns are turned into an Arrow table with the raw parquet's own types, then into
-pandas with arrow-backed dtypes (what the ETL's reader gives the workflow), and the *same*
-``Workflow.transform`` as offline runs on it. The processed frame becomes the tensors the next
-models take: ``DENSE`` ``[B, n_cont]`` float32, ``CATEGORICAL_IDS`` ``[B, n_onehot]`` int64 and, with
-multi-hot features, ``MULTIHOT_IDS`` ``[B, W]`` (each row's bags packed, then ``-1``) and
-``MULTIHOT_LENGTHS`` ``[B, n_multihot]``. A tensor whose kind of feature the schema lacks is not
-emitted (the configs leave it out too).
+The request columns become Arrow arrays with the raw parquet's own types, wrapped as pandas'
+arrow-backed arrays (what a column of the frame the ETL's reader gives the workflow holds), and the
+*same* column code as offline runs on them (``Workflow.transform_columns``: ``Workflow.transform``
+without building a DataFrame in or out). The processed columns become the tensors the model takes:
+``DENSE`` ``[B, n_cont]`` float32, ``CATEGORICAL_IDS`` ``[B, n_onehot]`` int64 and, with multi-hot
+features, ``MULTIHOT_IDS`` ``[B, W]`` (each row's bags packed, then ``-1``) and ``MULTIHOT_LENGTHS``
+``[B, n_multihot]``. A tensor whose kind of feature the schema lacks is not emitted (the configs leave
+it out too).
 
 Example::
 
-    pre = Preprocessor.load("repo/preprocess/1/artifacts")
+    pre = Preprocessor.load("repo/ranker/1/artifacts")
     tensors = pre({"I1": np.array([[1.0]]), "C1": np.array([[b"68fd1e64"]], dtype=object), ...})
     tensors["CATEGORICAL_IDS"].shape     # (1, 26)
 """
@@ -26,9 +27,10 @@ Example::
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -77,10 +79,15 @@ class RawColumns:
         return cls(types(continuous), types(categorical), types(multihot), list_separator, label)
 
 
-class Preprocessor:
-    """Applies ``transform`` (the saved workflow's) to request columns and emits the model tensors."""
+Columns = Mapping[str, Any]
+"""Column name -> the column's values for every row (a numpy or pandas array, or a pandas Series)."""
 
-    def __init__(self, raw: RawColumns, schema: Schema, transform: Callable[[pd.DataFrame], pd.DataFrame]) -> None:
+
+class Preprocessor:
+    """Applies ``transform`` (the saved workflow's ``transform_columns``) to request columns and emits the
+    model tensors."""
+
+    def __init__(self, raw: RawColumns, schema: Schema, transform: Callable[[Columns], Columns]) -> None:
         self.raw = raw
         self.schema = schema
         self.transform = transform
@@ -89,6 +96,7 @@ class Preprocessor:
         self.multihot = [c for c in schema.sparse if c in multihot]
         self._types = {name: _arrow_type(t) for name, t in
                        {**raw.continuous, **raw.categorical, **raw.multihot, **raw.label}.items()}
+        self._integer = np.array([pa.types.is_integer(self._types[n]) for n in raw.continuous], dtype=bool)
 
     @classmethod
     def load(cls, folder: str | Path) -> Preprocessor:
@@ -98,10 +106,10 @@ class Preprocessor:
         folder = Path(folder)
         workflow = Workflow.load(folder / "workflow", library="pandas")
         return cls(RawColumns.load(folder / "raw_columns.json"), Schema.load(folder / "schema.json"),
-                   workflow.transform)
+                   workflow.transform_columns)
 
-    def frame(self, columns: dict[str, np.ndarray]) -> pd.DataFrame:
-        """The raw rows as pandas with arrow-backed dtypes, as the ETL reads its parquet input."""
+    def columns(self, columns: dict[str, np.ndarray]) -> dict[str, pd.arrays.ArrowExtensionArray]:
+        """The request's raw columns as arrow-backed pandas arrays, typed as the ETL reads its parquet input."""
         missing = [n for n in self.raw.names if n not in columns]
         if missing:
             raise BadInputError(f"missing raw columns {missing}; expected {self.raw.names}")
@@ -115,7 +123,7 @@ class Preprocessor:
         for name in (*self.raw.categorical, *self.raw.multihot):
             if rows[name].dtype.kind not in "OSU":
                 raise BadInputError(f"column {name}: expected strings (BYTES), got dtype {rows[name].dtype}")
-        arrays = {name: self._continuous(name, rows[name]) for name in self.raw.continuous}
+        arrays = self._continuous(rows) if self.raw.continuous else {}
         categorical = list(self.raw.categorical)
         if categorical:
             strings = _strings(np.concatenate([rows[n] for n in categorical]))
@@ -126,27 +134,32 @@ class Preprocessor:
             arrays[name] = _cast(split, self._types[name])
         for name in self.raw.label:
             arrays[name] = pa.array(np.zeros(batch, dtype=np.int64)).cast(self._types[name])
-        return pd.DataFrame({name: pd.arrays.ArrowExtensionArray(array) for name, array in arrays.items()},
-                            copy=False)
+        return {name: pd.arrays.ArrowExtensionArray(array) for name, array in arrays.items()}
 
-    def _continuous(self, name: str, values: np.ndarray) -> pa.Array:
-        if values.dtype.kind not in "fiu":
-            raise BadInputError(f"column {name}: expected numbers (FP64), got dtype {values.dtype}")
-        values = values.astype(np.float64, copy=False)
+    def _continuous(self, rows: dict[str, np.ndarray]) -> dict[str, pa.Array]:
+        """The continuous columns, checked together; a column's first problem is named, columns in order."""
+        names = list(self.raw.continuous)
+        for name in names:
+            if rows[name].dtype.kind not in "fiu":
+                raise BadInputError(f"column {name}: expected numbers (FP64), got dtype {rows[name].dtype}")
+        values = np.stack([rows[n] for n in names]).astype(np.float64, copy=False)  # [column, row]
         missing = np.isnan(values)
-        if np.isinf(values).any():
-            raise BadInputError(f"column {name}: expected finite numbers or NaN (missing), got inf")
-        target = self._types[name]
-        if pa.types.is_integer(target):
-            present = values[~missing]
-            if present.size and (np.floor(present) != present).any():
-                bad = present[np.floor(present) != present][0]
-                raise BadInputError(f"column {name}: the raw column is {target}, expected whole numbers, got {bad}")
-            return pa.array(np.where(missing, 0, values).astype(np.int64), mask=missing).cast(target)
-        return pa.array(values, mask=missing).cast(target)
+        infinite = np.isinf(values).any(axis=1)
+        whole = np.where(missing, 0, values)
+        fractional = (np.floor(whole) != whole).any(axis=1) & self._integer
+        if infinite.any() or fractional.any():
+            c = int(np.flatnonzero(infinite | fractional)[0])
+            if infinite[c]:
+                raise BadInputError(f"column {names[c]}: expected finite numbers or NaN (missing), got inf")
+            bad = whole[c][np.floor(whole[c]) != whole[c]][0]
+            raise BadInputError(f"column {names[c]}: the raw column is {self._types[names[c]]}, expected whole "
+                                f"numbers, got {bad}")
+        integers = whole.astype(np.int64) if self._integer.any() else None
+        return {name: _cast(pa.array(integers[c] if self._integer[c] else values[c], mask=missing[c]),
+                            self._types[name]) for c, name in enumerate(names)}
 
-    def tensors(self, processed: pd.DataFrame) -> dict[str, np.ndarray]:
-        """The processed frame as the tensors ``embedding`` and ``dense`` take."""
+    def tensors(self, processed: Columns) -> dict[str, np.ndarray]:
+        """The processed columns (or a processed DataFrame) as the tensors of the lookup and the dense part."""
         out = {}
         if self.schema.continuous:
             out[DENSE] = _matrix(processed, self.schema.continuous, np.float32)
@@ -157,7 +170,7 @@ class Preprocessor:
         return out
 
     def __call__(self, columns: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return self.tensors(self.transform(self.frame(columns)))
+        return self.tensors(self.transform(self.columns(columns)))
 
 
 def _arrow_type(text: str) -> pa.DataType:
@@ -181,17 +194,19 @@ def _cast(array: pa.Array, target: pa.DataType) -> pa.Array:
     return array if array.type == target else array.cast(target)
 
 
-def _matrix(frame: pd.DataFrame, columns: list[str], dtype) -> np.ndarray:
-    if not columns:
-        return np.zeros((len(frame), 0), dtype=dtype)
-    return np.stack([frame[c].to_numpy(dtype=dtype) for c in columns], axis=1)
+def _matrix(processed: Columns, columns: list[str], dtype) -> np.ndarray:
+    out = np.empty((len(processed[columns[0]]), len(columns)), dtype=dtype)
+    for j, name in enumerate(columns):
+        values = processed[name]
+        out[:, j] = values.to_numpy(dtype=dtype) if hasattr(values, "to_numpy") else np.asarray(values, dtype=dtype)
+    return out
 
 
-def _pack_bags(frame: pd.DataFrame, columns: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    batch = len(frame)
+def _pack_bags(processed: Columns, columns: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    batch = len(processed[columns[0]])
     bags = []
     for c in columns:
-        arr = pa.array(frame[c])
+        arr = pa.array(processed[c])
         values = pc.list_flatten(arr).to_numpy(zero_copy_only=False).astype(np.int64)
         lengths = pc.fill_null(pc.list_value_length(arr), 0).to_numpy(zero_copy_only=False).astype(np.int64)
         bags.append((values, lengths))

@@ -1,15 +1,20 @@
-"""Write the Triton model repository of a trained model: preprocess -> embedding -> dense, as one ensemble.
+"""Write the Triton model repository of a trained model: raw rows -> probabilities, served as ``ensemble``.
 
 Layout (``<workdir>/<dataset>/export``)::
 
-    preprocess/config.pbtxt   1/model.py   1/artifacts/{raw_columns.json, schema.json, workflow/}
-    embedding/config.pbtxt    1/model.py   1/layout.json   store/{CURRENT, v000001/<table>.npy ...}
-    dense/config.pbtxt        1/model.py   1/model.pt      (TorchScript; the pytorch backend reads it too)
+    ranker/config.pbtxt       1/model.py   1/artifacts/{raw_columns.json, schema.json, workflow/}
+                              1/layout.json   1/model.pt   store/{CURRENT, v000001/<table>.npy ...}
     ensemble/config.pbtxt     1/
-    (export.fuse_dense: ranker/ holds layout.json, store/ and model.pt, in place of embedding/ and dense/)
     export.json               what was exported, from where (``trained``: the training run), and the store version
 
-``update=True`` writes only a new version of the embedding store (the running ``embedding`` model
+or, with ``ModelOptions(fused=False)`` (``export.fuse=none``), the three models of the chain, each with
+its part of the files above::
+
+    preprocess/config.pbtxt   1/model.py   1/artifacts/{raw_columns.json, schema.json, workflow/}
+    embedding/config.pbtxt    1/model.py   1/layout.json   store/
+    dense/config.pbtxt        1/model.py   1/model.pt      (TorchScript; the pytorch backend reads it too)
+
+``update=True`` writes only a new version of the embedding store (the running model that holds it
 switches to it before its next batch, without a restart); the dense part must be unchanged, since
 serving new tables with an old dense part (or the reverse) would mix two models.
 
@@ -113,10 +118,10 @@ def write_repository(model, schema: Schema, workflow_dir: str | Path, raw: RawCo
     for name in configs:
         if 'backend: "python"' in configs[name]:
             shutil.copyfile(MODELS_SOURCE / f"{name}.py", staging / name / "1" / "model.py")
-    lookup_model = "ranker" if options.fuse_dense else "embedding"
-    dense_model = "ranker" if options.fuse_dense else "dense"
+    preprocess_model, lookup_model, dense_model = ("ranker",) * 3 if options.fused else \
+        ("preprocess", "embedding", "dense")
 
-    artifacts = staging / "preprocess" / "1" / "artifacts"
+    artifacts = staging / preprocess_model / "1" / "artifacts"
     shutil.copytree(workflow_dir, artifacts / "workflow")
     raw.save(artifacts / "raw_columns.json")
     schema.save(artifacts / "schema.json")
@@ -127,7 +132,8 @@ def write_repository(model, schema: Schema, workflow_dir: str | Path, raw: RawCo
     save_dense(model, staging / dense_model / "1" / "model.pt")
 
     summary = {
-        "models": list(configs), "lookup_model": lookup_model, "store_version": version,
+        "models": list(configs), "preprocess_model": preprocess_model, "lookup_model": lookup_model,
+        "store_version": version,
         "dense_fingerprint": fingerprint,
         "embedding_dim_total": model.embedding.output_dim, "tables": model.embedding.packing.table_names,
         "options": vars(options), "trained": trained,
@@ -144,7 +150,7 @@ def _update_tables(model, out: Path, fingerprint: str, workflow_dir: Path, train
     record_path = out / EXPORT_RECORD
     if not record_path.is_file():
         raise UserError(f"export.update=true needs an existing export at {out}; run the export once without it")
-    served_workflow = out / "preprocess" / "1" / "artifacts" / "workflow" / "workflow.json"
+    served_workflow = artifacts_dir(out) / "workflow" / "workflow.json"
     if (workflow_dir / "workflow.json").read_bytes() != served_workflow.read_bytes():
         raise UserError("export.update=true replaces only the embedding tables, but the ETL workflow changed since "
                         "the export (ids would no longer match rows): export with export.update=false and restart")
@@ -171,17 +177,24 @@ def store_version(out: str | Path) -> int:
 
 
 def lookup_dir(out: str | Path) -> Path:
-    """The folder of the model that holds the store: ``embedding``, or ``ranker`` when fused."""
-    out = Path(out)
+    """The folder of the model that holds the store: ``ranker``, or ``embedding`` in the chain of three."""
+    return Path(out) / _recorded(out, "lookup_model", "embedding")
+
+
+def artifacts_dir(out: str | Path) -> Path:
+    """The folder of the saved workflow, schema and raw columns: in ``ranker``, or ``preprocess`` in the chain."""
+    return Path(out) / _recorded(out, "preprocess_model", "preprocess") / "1" / "artifacts"
+
+
+def _recorded(out: str | Path, key: str, default: str) -> str:
     try:
-        name = json.loads((out / EXPORT_RECORD).read_text()).get("lookup_model", "embedding")
+        return json.loads((Path(out) / EXPORT_RECORD).read_text()).get(key, default)
     except FileNotFoundError:
-        name = "embedding"
-    return out / name
+        return default
 
 
 def cache_stats(out: str | Path) -> dict:
-    """The embedding cache counters of the running ``embedding`` instances, summed (written every 0.2 s).
+    """The embedding cache counters of the running instances that look up embeddings, summed (written every 0.2 s).
 
     Files of instances whose process is gone are ignored. ``hit_rate`` is over distinct ids per batch.
     """

@@ -54,6 +54,16 @@ def current_version(root: str | Path) -> int:
         return 0
 
 
+def current_stamp(root: str | Path) -> tuple[int, int, int] | None:
+    """What tells ``CURRENT`` as it is now apart from an earlier one (None when absent), without reading it: a
+    writer replaces the file, so a new version means a new stamp (one ``stat``, cheap enough for every batch)."""
+    try:
+        stat = os.stat(Path(root) / CURRENT)
+    except FileNotFoundError:
+        return None
+    return stat.st_ino, stat.st_mtime_ns, stat.st_size
+
+
 def write_version(root: str | Path, tables: dict[str, np.ndarray], keep: int = 2,
                   keys: dict[str, np.ndarray] | None = None) -> int:
     """Write ``tables`` (name -> ``[rows, dim]`` array) as the next version, make it current, return it.

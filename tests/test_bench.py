@@ -295,6 +295,43 @@ def test_bench_embedding_draws_each_tables_ids_in_range_uniform_or_skewed(ids):
     assert (top > 0.3) == (ids == "zipf")
 
 
+def test_bench_serve_times_its_paths_in_turn_in_blocks():
+    """The ensemble and the in-process model are timed in blocks of 10 calls taken in turn, not one path's
+    requests all before the other's: a change of load on the machine falls on both alike."""
+    from pipeline.bench.serve import _timed_in_turn
+
+    calls = []
+    timed = _timed_in_turn({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, 25)
+    assert calls[20:] == ["a"] * 10 + ["b"] * 10 + ["a"] * 10 + ["b"] * 10 + ["a"] * 5 + ["b"] * 5  # after the warm-up
+    assert {name: t["requests"] for name, t in timed.items()} == {"a": 25, "b": 25}
+    assert 0 <= timed["a"]["p50_ms"] <= timed["a"]["p99_ms"]
+
+
+def test_bench_serve_reports_latency_steps_throughput_and_cache_hit_rates(tmp_path, capsys):
+    from export.server import server_problem
+    from pipeline.stages.config import load_config
+
+    problem = server_problem(load_config(None, []).serve)
+    if problem:
+        pytest.fail(f"the serving bench needs a Triton server and the models' environment (make serve-env): {problem}")
+    out = tmp_path / "serve.json"
+    assert main(["bench", "serve", "--rows", "3000", "--batches", "1,16", "--requests", "5", "--clients", "2",
+                 "--seconds", "0.5", "--throughput-batch", "8", "--workdir", str(tmp_path / "work"),
+                 "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    for batch in ("1", "16"):
+        for path in ("ensemble", "in_process", "model_only"):
+            assert 0 < r["latency"][batch][path]["p50_ms"] <= r["latency"][batch][path]["p99_ms"], (batch, path)
+        steps = r["steps"][batch]  # one model, raw rows in: its execute within its compute within the ensemble
+        assert 0 < steps["ranker model"] <= steps["ranker"] <= steps["ensemble (server side)"]
+        assert steps["ranker queue"] >= 0 and "preprocess" not in steps
+    assert r["throughput"]["ensemble_rows_per_s"] > 0 and r["throughput"]["in_process_rows_per_s"] > 0
+    assert r["served_cache"]["hits"] > 0
+    assert set(r["cache_offline"]) == {"rows", "lru@0.05", "lru@0.25", "lfu@0.05", "lfu@0.25"}
+    assert all(0 <= v <= 1 for k, v in r["cache_offline"].items() if k != "rows")
+    assert "ensemble / in-process p50" in capsys.readouterr().out
+
+
 TINY_DISTRIBUTED = ["--tables", "3", "--rows", "500", "--dim", "4", "--mlp", "small", "--batch", "64", "--steps", "2",
                     "--rounds", "1", "--warmup", "1", "--device", "cpu"]
 

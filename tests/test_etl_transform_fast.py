@@ -19,6 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from pipeline.errors import BadInputError
 from pipeline.etl import (
     Bucketize,
     Cast,
@@ -112,6 +113,19 @@ def test_fast_path_equals_the_partition_path(fitted, rows, seed):
     _assert_identical(fitted.transform(frame), Workflow.transform_partition(frame, fitted.output))
 
 
+@pytest.mark.parametrize("rows", [0, 1, 64, 1024])
+def test_transform_columns_equals_transform_without_a_frame(fitted, rows):
+    frame = _frame(rows, seed=2)
+    columns = {name: frame[name].array if isinstance(frame[name].dtype, pd.api.extensions.ExtensionDtype)
+               else frame[name].to_numpy() for name in frame.columns}
+    arrays = fitted.transform_columns(columns)
+    assert list(arrays) == fitted.output_columns
+    assert not any(isinstance(values, pd.Series) for values in arrays.values())
+    _assert_identical(pd.DataFrame(arrays, index=frame.index), fitted.transform(frame))
+    with pytest.raises(BadInputError, match=r"the columns to transform: .*missing \['tags'\]"):
+        fitted.transform_columns({k: v for k, v in columns.items() if k != "tags"})
+
+
 def test_a_refit_vocabulary_is_looked_up_afresh():
     workflow = Workflow(["C"] >> Categorify())
     one_row = pd.DataFrame({"C": ["b"]})
@@ -154,7 +168,8 @@ SERVE_PYTHON = Path(__file__).resolve().parents[1] / ".venv-triton" / "bin" / "p
 
 @pytest.mark.skipif(not SERVE_PYTHON.exists(), reason="the serving environment (make serve-env) is not built here")
 def test_fast_path_equals_the_partition_path_in_the_serving_environment(tmp_path):
-    """The same comparison under numpy 1.26 / pandas 2.2, on frames as the parquet reader and plain pandas give them."""
+    """The same comparisons under numpy 1.26 / pandas 2.2, on frames as the parquet reader and plain pandas give them
+    (and ``transform_columns`` on their columns)."""
     _workflow(saveable=True).fit(_frame(400, seed=0)).save(tmp_path / "wf")
     for rows in (0, 1, 64):
         table = pa.Table.from_pandas(_frame(rows, seed=1), preserve_index=False).replace_schema_metadata(None)
@@ -168,6 +183,10 @@ def test_fast_path_equals_the_partition_path_in_the_serving_environment(tmp_path
         "    for frame in (table.to_pandas(types_mapper=pd.ArrowDtype), table.to_pandas()):\n"
         "        fast, reference = workflow.transform(frame), Workflow.transform_partition(frame, workflow.output)\n"
         "        pd.testing.assert_frame_equal(fast, reference, check_exact=True)\n"
+        "        columns = {n: frame[n].array if isinstance(frame[n].dtype, pd.api.extensions.ExtensionDtype)\n"
+        "                   else frame[n].to_numpy() for n in frame.columns}\n"
+        "        arrays = pd.DataFrame(workflow.transform_columns(columns), index=frame.index)\n"
+        "        pd.testing.assert_frame_equal(arrays, fast, check_exact=True)\n"
         "        for name in reference.columns:\n"
         "            a, b = fast[name].to_numpy(), reference[name].to_numpy()\n"
         "            assert a.dtype.kind != 'f' or (a.view(f'u{a.itemsize}') == b.view(f'u{b.itemsize}')).all(), name\n"

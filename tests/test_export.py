@@ -1,5 +1,6 @@
 """Export without a server: generated configs agree with each other, and the served path's parts
-(preprocess -> embedding lookup -> dense) equal the in-process model, multi-hot features included."""
+(preprocess -> embedding lookup -> dense) equal the in-process model, multi-hot features included;
+BYTES tensors encode and decode as Triton's own code does."""
 
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def _tensors(config: str) -> dict[str, tuple[str, str]]:
 @pytest.mark.parametrize("dense_backend", ["python", "pytorch"])
 def test_every_ensemble_step_maps_tensors_the_models_declare_alike(dense_backend):
     spec = EnsembleSpec.build(_raw(), _schema(), embedding_dim_total=48)
-    configs = model_configs(spec, ModelOptions(max_batch_size=64, dense_backend=dense_backend))
+    configs = model_configs(spec, ModelOptions(max_batch_size=64, dense_backend=dense_backend, fused=False))
     ensemble = configs["ensemble"]
     ensemble_tensors = _tensors(ensemble.split("ensemble_scheduling")[0])
     wired = dict(ensemble_tensors)
@@ -71,19 +72,28 @@ def test_every_ensemble_step_maps_tensors_the_models_declare_alike(dense_backend
         assert 'platform: "pytorch_libtorch"' in configs["dense"]
 
 
-def test_fused_export_has_one_ranker_step_after_preprocess():
+def test_fused_export_is_one_ranker_step_from_the_raw_columns():
     spec = EnsembleSpec.build(_raw(), _schema(), embedding_dim_total=48)
-    configs = model_configs(spec, ModelOptions(fuse_dense=True))
-    assert sorted(configs) == ["ensemble", "preprocess", "ranker"]
+    configs = model_configs(spec, ModelOptions())
+    assert sorted(configs) == ["ensemble", "ranker"]
     steps = re.findall(r'model_name: "(\w+)"', configs["ensemble"])
-    assert steps == ["preprocess", "ranker"]
+    assert steps == ["ranker"]
     ranker = _tensors(configs["ranker"])
-    for name, declared in _tensors(configs["preprocess"]).items():
-        if name in ("DENSE", "CATEGORICAL_IDS", "MULTIHOT_IDS", "MULTIHOT_LENGTHS"):
-            assert ranker[name] == declared
+    assert ranker == _tensors(configs["ensemble"].split("ensemble_scheduling")[0])  # raw columns in, PREDICTION out
     assert ranker["PREDICTION"] == ("FP32", "1") and 'key: "intra_op_threads"' in configs["ranker"]
-    with pytest.raises(UserError, match="fuse_dense=true .* needs export.dense_backend=python"):
-        model_configs(spec, ModelOptions(fuse_dense=True, dense_backend="pytorch"))
+    assert "ranker" not in model_configs(spec, ModelOptions(dense_backend="pytorch"))  # auto: the chain
+    assert "ranker" not in model_configs(spec, ModelOptions(instance_kind="gpu"))
+    with pytest.raises(UserError, match="fuse=all .* needs export.dense_backend=python"):
+        model_configs(spec, ModelOptions(dense_backend="pytorch", fused=True))
+
+
+@pytest.mark.parametrize(("settings", "fused"), [([], True), (["export.fuse=none"], False),
+                                                  (["export.dense_backend=pytorch"], False),
+                                                  (["export.fuse=all", "export.instance_kind=cpu"], True)])
+def test_fuse_auto_serves_one_model_on_cpu_instances_with_the_python_dense_backend(settings, fused):
+    from pipeline.stages.export import model_options
+
+    assert model_options(load_config(None, ["device=cpu", *settings])).fused == fused
 
 
 def test_instance_groups_and_dynamic_batching_are_options():
@@ -92,9 +102,12 @@ def test_instance_groups_and_dynamic_batching_are_options():
     assert "kind: KIND_GPU count: 2" in gpu["dense"] and "kind: KIND_GPU count: 2" in gpu["embedding"]
     assert "kind: KIND_CPU" in gpu["preprocess"]  # pandas runs on the CPU whatever the device
     assert "dynamic_batching" not in gpu["dense"]
-    cpu = model_configs(spec, ModelOptions(max_queue_delay_us=250))
+    cpu = model_configs(spec, ModelOptions(max_queue_delay_us=250, fused=False))
     assert "max_queue_delay_microseconds: 250" in cpu["embedding"]
     assert "MULTIHOT" not in cpu["preprocess"]
+    fused = model_configs(spec, ModelOptions(instances=3))
+    assert "kind: KIND_CPU count: 3" in fused["ranker"]
+    assert "max_queue_delay_microseconds: 0" in fused["ranker"]  # no wait: a lone request runs at once
 
 
 def test_export_settings_are_checked():
@@ -186,9 +199,10 @@ def test_served_parts_equal_in_process_with_multihot_unseen_and_missing(multihot
     expected = InProcessModel(model, schema, Workflow.load(cfg.paths.workflow)).predict(rows)
     assert expected.std() > 0.05
 
-    preprocess = Preprocessor.load(export / "preprocess" / "1" / "artifacts")
-    lookup = EmbeddingLookup(export / "embedding" / "store", LookupConfig.load(export / "embedding" / "1" / "layout.json"))
-    dense = DenseRunner(export / "dense" / "1" / "model.pt")
+    ranker = export / "ranker"  # the preprocess, lookup and dense parts of the one served model
+    preprocess = Preprocessor.load(ranker / "1" / "artifacts")
+    lookup = EmbeddingLookup(ranker / "store", LookupConfig.load(ranker / "1" / "layout.json"))
+    dense = DenseRunner(ranker / "1" / "model.pt")
     tensors = preprocess(_request(rows, raw))
     assert tensors["MULTIHOT_LENGTHS"].shape == (len(rows), 1)
     pooled = lookup(tensors["CATEGORICAL_IDS"], tensors["MULTIHOT_IDS"], tensors["MULTIHOT_LENGTHS"])
@@ -197,7 +211,7 @@ def test_served_parts_equal_in_process_with_multihot_unseen_and_missing(multihot
 
 def test_preprocess_names_what_is_wrong_with_a_request(multihot_pipeline):
     cfg, _, _, raw, rows = multihot_pipeline
-    preprocess = Preprocessor.load(Path(cfg.paths.export) / "preprocess" / "1" / "artifacts")
+    preprocess = Preprocessor.load(Path(cfg.paths.export) / "ranker" / "1" / "artifacts")
     good = _request(rows.iloc[:3], raw)
     with pytest.raises(BadInputError, match=r"missing raw columns \['C2'\]"):
         preprocess({k: v for k, v in good.items() if k != "C2"})
@@ -211,14 +225,54 @@ def test_preprocess_names_what_is_wrong_with_a_request(multihot_pipeline):
         preprocess(dict(good, C1=np.zeros((3, 1))))
 
 
-def test_bytes_tensors_decode_like_the_python_backend():
-    from export.batching import deserialize_bytes_tensor
+@pytest.mark.parametrize("values", [
+    [b"68fd1e64", b"", "é".encode(), b"x" * 300, b"a|b"],  # lengths differ: found in one pass
+    [b"68fd1e64", b"0c1885c5", b"19e54d61"],  # one length: found at once
+    [b"", b"", b""],
+    [b"68fd1e64", b"ab\x00", b"\x00\x01", b""],  # NUL bytes: an object array keeps them
+    [b"x"],
+])
+def test_bytes_tensors_encode_and_decode_as_tritons_own_code(values):
+    from tritonclient.utils import serialize_byte_tensor
 
-    values = [b"68fd1e64", b"", "é".encode(), b"\x00\x01", b"x" * 300]
-    encoded = b"".join(len(v).to_bytes(4, "little") + v for v in values)
-    decoded = deserialize_bytes_tensor(encoded)
-    assert decoded.dtype == object and decoded.tolist() == values
-    assert deserialize_bytes_tensor(b"").tolist() == []
+    from export.wire import decode_bytes, encode_bytes
+
+    array = np.array(values, dtype=object).reshape(-1, 1)
+    other = np.array([[b"zz", "y"]], dtype=object)
+    encoded, encoded_other = encode_bytes([array, other])  # encoded together, each as on its own
+    assert encoded == serialize_byte_tensor(array).item()
+    assert encoded_other == serialize_byte_tensor(other).item() and encode_bytes([array[:0], other])[0] == b""
+    decoded = decode_bytes(np.frombuffer(encoded, dtype=np.uint8))
+    assert decoded.shape == (len(values),) and decoded.tolist() == values
+    assert decoded.dtype.kind == ("O" if any(b"\x00" in v for v in values) else "S")
+    assert decode_bytes(np.frombuffer(encoded, dtype=np.uint8)[:0]).tolist() == []
+    with pytest.raises(ValueError, match="add up to"):
+        decode_bytes(np.frombuffer(encoded[:-1] + b"\x07\x00\x00\x00", dtype=np.uint8))
+
+
+def test_values_neither_bytes_nor_text_encode_as_tritons_own_code_writes_them():
+    from tritonclient.utils import serialize_byte_tensor
+
+    from export.wire import encode_bytes
+
+    for values in ([b"68fd1e64", 5, None, "é"], [None, None], [b"a", float("nan")]):
+        array = np.array(values, dtype=object)
+        assert encode_bytes([array]) == [serialize_byte_tensor(array).item()]
+
+
+@pytest.mark.parametrize("odd", [None, b"x" * 300, b"ab\x00c", b"abc\x00\x00\x00\x00", b"\x00\x00\x00"])
+def test_a_large_tensor_of_text_decodes_from_its_zero_bytes_or_value_by_value(odd):
+    """Thousands of values, some empty, of several lengths; with one value of 256 bytes or more, or holding NUL
+    bytes (also a run of them that looks like an empty value), the zero bytes are not the lengths' alone."""
+    from export.wire import decode_bytes, encode_bytes
+
+    rng = np.random.default_rng(0)
+    values = [b"" if rng.random() < 0.3 else b"%x" % rng.integers(1, 1 << 40) for _ in range(2000)]
+    if odd is not None:
+        values[777] = odd
+    decoded = decode_bytes(np.frombuffer(encode_bytes([np.array(values, dtype=object)])[0], dtype=np.uint8))
+    assert decoded.tolist() == values
+    assert decoded.dtype.kind == ("O" if odd is not None and b"\x00" in odd else "S")
 
 
 def test_gpu_instances_need_torch_with_cuda_in_the_models_environment():

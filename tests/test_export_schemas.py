@@ -77,7 +77,7 @@ def test_configs_leave_out_the_tensors_of_absent_feature_kinds(shape):
                      {c: "list<item: string>" for c in roles.get("multihot", [])})
     spec = EnsembleSpec.build(raw, Schema(columns), embedding_dim_total=16)
     for backend in ("python", "pytorch"):
-        configs = model_configs(spec, ModelOptions(dense_backend=backend))
+        configs = model_configs(spec, ModelOptions(dense_backend=backend, fused=False))  # the tensors between models
         text = "\n".join(configs.values())
         assert "DENSE" not in text and "dims: [  ]" not in text and not re.search(r"dims: \[ [^\]]*\b0\b", text)
         assert ("CATEGORICAL_IDS" in text) == ("categorical" in roles)
@@ -85,8 +85,8 @@ def test_configs_leave_out_the_tensors_of_absent_feature_kinds(shape):
     assert [t.name for t in spec.dense_inputs] == ["EMBEDDINGS"]
 
 
-@pytest.mark.parametrize(("shape", "fuse_dense"), [(s, False) for s in sorted(SHAPES)] + [("onehot_multihot", True)])
-def test_served_predictions_equal_in_process_without_continuous_features(shape, fuse_dense, tmp_path):
+@pytest.mark.parametrize(("shape", "fused"), [(s, True) for s in sorted(SHAPES)] + [("onehot_multihot", False)])
+def test_served_predictions_equal_in_process_without_continuous_features(shape, fused, tmp_path):
     roles, name = SHAPES[shape]
     cfg, table = _dataset(tmp_path, roles)
     problem = server_problem(cfg.serve)
@@ -98,7 +98,7 @@ def test_served_predictions_equal_in_process_without_continuous_features(shape, 
     with torch.no_grad():  # rows large enough that an untrained model's answers differ from row to row
         model.embedding.weights.uniform_(-10, 10, generator=torch.Generator().manual_seed(1))
     raw = raw_columns(RawDataset.load(cfg.paths.raw), cfg.data.list_separator)
-    write_repository(model, schema, cfg.paths.workflow, raw, cfg.paths.export, ModelOptions(fuse_dense=fuse_dense))
+    write_repository(model, schema, cfg.paths.workflow, raw, cfg.paths.export, ModelOptions(fused=fused))
     rows = table.slice(0, 150).to_pandas(types_mapper=pd.ArrowDtype)
     if "C1" in rows:
         rows.loc[0:4, "C1"] = "never-seen"

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from export.cache import LfuCache, LruCache, NoCache, make_tier
+from export.cache import LfuCache, LruCache, NoCache, make_caches, make_tier
 from export.lookup import EmbeddingLookup, LookupConfig
-from export.store import current_version, open_current, write_version
+from export.store import current_stamp, current_version, open_current, write_version
 from pipeline.errors import BadInputError
 from pipeline.modules import EmbeddingCollection, TableConfig
 from pipeline.schema import Column, Schema
@@ -33,6 +33,15 @@ def test_versions_are_written_whole_and_old_ones_pruned(tmp_path):
     np.testing.assert_array_equal(store.tables["t"], _table(seed=3))
     assert sorted(p.name for p in root.glob("v*")) == ["v000002", "v000003"]
     np.testing.assert_array_equal(first.tables["t"], _table(seed=1))  # still mapped after pruning
+
+
+def test_every_new_version_changes_the_stamp_of_current(tmp_path):
+    assert current_stamp(tmp_path) is None
+    write_version(tmp_path, {"t": _table(seed=1)})
+    first = current_stamp(tmp_path)
+    assert first is not None and current_stamp(tmp_path) == first
+    write_version(tmp_path, {"t": _table(seed=2)})
+    assert current_stamp(tmp_path) != first
 
 
 def test_store_rejects_a_table_that_is_not_2d(tmp_path):
@@ -82,6 +91,38 @@ def test_more_misses_than_capacity_never_evicts_rows_of_the_same_batch():
     rows = cache.lookup(np.arange(1, 20))
     np.testing.assert_array_equal(rows, table[1:20])
     assert set(cache.cached_ids().tolist()) >= {1, 2}
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_one_lookup_of_many_tables_keeps_each_tables_cache_as_its_own_tier_would(policy):
+    tables = {"a": _table(rows=300, seed=1), "b": _table(rows=40, seed=2), "c": _table(rows=1000, seed=3)}
+    capacities = {"a": 50, "b": 40, "c": 20}
+    caches = make_caches(policy, tables, capacities)
+    alone = {name: make_tier(policy, table, capacities[name]) for name, table in tables.items()}
+    rng = np.random.default_rng(0)
+    for batch in (1, 64, 7, 300, 64, 64):
+        ids = np.stack([rng.zipf(1.3, size=batch) % len(tables[n]) for n in ("c", "a", "b")], axis=1)
+        rows = caches.lookup(["c", "a", "b"], ids)
+        for j, name in enumerate(("c", "a", "b")):
+            np.testing.assert_array_equal(rows[:, j], tables[name][ids[:, j]])
+            np.testing.assert_array_equal(alone[name].lookup(ids[:, j]), tables[name][ids[:, j]])
+    assert caches.stats() == {name: tier.stats() for name, tier in alone.items()}
+    assert caches.stats()["c"]["evictions"] > 0 and caches.stats()["b"]["hits"] > 0
+    for name, tier in alone.items():
+        assert sorted(caches.cached_ids(name).tolist()) == sorted(tier.cached_ids().tolist())
+    caches.refill({name: table + 1 for name, table in tables.items()})
+    np.testing.assert_array_equal(caches.lookup(["b"], np.array([[3], [5]]))[:, 0], tables["b"][[3, 5]] + 1)
+
+
+def test_tables_of_other_dims_are_cached_apart_and_other_tiers_one_by_one():
+    tables = {"wide": _table(rows=30, dim=1), "deep": _table(rows=30, dim=4)}
+    for policy in ("lru", "none"):
+        caches = make_caches(policy, tables, {"wide": 10, "deep": 10})
+        ids = np.array([[1, 2], [3, 3]])
+        np.testing.assert_array_equal(caches.lookup(["deep"], ids[:, :1])[:, 0], tables["deep"][[1, 3]])
+        np.testing.assert_array_equal(caches.lookup(["wide"], ids[:, 1:])[:, 0], tables["wide"][[2, 3]])
+    with pytest.raises(ValueError, match="differ in dim"):
+        make_caches("lru", tables, {"wide": 10, "deep": 10}).lookup(["deep", "wide"], ids)
 
 
 def test_unknown_policy_is_named():

@@ -1,4 +1,4 @@
-"""The exported ensemble in a real Triton server, queried over HTTP and gRPC with tritonclient.
+"""The exported ensemble (one `ranker` model, and the chain of three) in a real Triton server, queried over HTTP and gRPC.
 
 One server is started for the whole module (start-up takes seconds): raw rows go in, and the
 probabilities must equal the in-process model's. Its HTTP port is the guard, with the default limits.
@@ -251,6 +251,34 @@ def test_a_deeply_nested_grpc_message_is_refused_and_the_server_keeps_serving(se
     assert server.is_alive()
 
 
+def _page_faults(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[7])  # minor faults
+
+
+def test_the_served_model_keeps_its_memory_between_large_requests(served):
+    """glibc gives a freed buffer over 128 KiB back to the kernel at once: with its defaults every request of
+    300 rows faulted about 500 pages of the model's buffers in again (export.environment.MALLOC)."""
+    cfg, _, _, server = served
+    models = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(int(p.name)) == server.pid]
+    assert models, "the python backend runs the model in a process of the server's"
+    with Client(server.grpc_url, "grpc") as client:
+        request = client.columns(_rows(cfg))
+        for _ in range(5):
+            client.infer(request)
+        before = {pid: _page_faults(pid) for pid in models}
+        for _ in range(20):
+            client.infer(request)
+        faults = max(_page_faults(pid) - before[pid] for pid in models) / 20
+    assert faults < 50, f"{faults:.0f} page faults per request of {len(_rows(cfg))} rows"
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError):
+        return None
+
+
 def test_cache_counters_are_reported(served):
     cfg, _, _, server = served
     with Client(server.grpc_url, "grpc") as client:
@@ -317,24 +345,23 @@ def test_update_refuses_a_changed_dense_part(served):
         write_repository(changed, reference.schema, cfg.paths.workflow, None, cfg.paths.export, update=True)
 
 
-def test_fused_ranker_serves_the_same_predictions(served, tmp_path):
+def test_the_chain_of_three_models_serves_the_same_predictions(served, tmp_path):
     import dataclasses
 
     cfg, model, reference, _ = served
-    fused = dataclasses.replace(cfg, workdir=str(tmp_path),
-                                export=dataclasses.replace(cfg.export, fuse_dense=True))
+    chain = dataclasses.replace(cfg, workdir=str(tmp_path), export=dataclasses.replace(cfg.export, fuse="none"))
     raw_data = RawDataset.load(cfg.paths.raw)
     raw = raw_columns(raw_data, cfg.data.list_separator)
-    summary = write_repository(model, reference.schema, cfg.paths.workflow, raw, fused.paths.export,
-                               model_options(fused))
-    assert summary["models"] == ["preprocess", "ranker", "ensemble"]
+    summary = write_repository(model, reference.schema, cfg.paths.workflow, raw, chain.paths.export,
+                               model_options(chain))
+    assert summary["models"] == ["preprocess", "embedding", "dense", "ensemble"]
     rows = _rows(cfg).iloc[:100]
-    server = start_server(fused.paths.export, fused.serve)
+    server = start_server(chain.paths.export, chain.serve)
     try:
         with Client(server.grpc_url, "grpc") as client:
             np.testing.assert_allclose(client.predict(rows), reference.predict(rows), rtol=0, atol=1e-5)
         time.sleep(0.5)
-        assert cache_stats(fused.paths.export)["misses"] > 0
+        assert cache_stats(chain.paths.export)["misses"] > 0
     finally:
         server.stop()
 

@@ -108,7 +108,8 @@ def test_the_exported_parts_look_raw_ids_up_as_the_trained_model(processed, tmp_
     from export.inprocess import InProcessModel
     from export.lookup import EmbeddingLookup, LookupConfig
     from export.preprocess import Preprocessor
-    from export.repository import raw_columns
+    from export.repository import artifacts_dir, lookup_dir, raw_columns
+    from export.store import open_current
     from pipeline.data.raw_folder import RawDataset
     from pipeline.etl.workflow import Workflow
     from pipeline.stages.export import run as run_export
@@ -131,13 +132,14 @@ def test_the_exported_parts_look_raw_ids_up_as_the_trained_model(processed, tmp_
     for c in raw.categorical:
         request[c] = np.array([b"" if pd.isna(v) else str(v).encode() for v in rows[c].tolist()],
                               dtype=object).reshape(-1, 1)
-    tensors = Preprocessor.load(export / "preprocess" / "1" / "artifacts")(request)
-    lookup = EmbeddingLookup(export / "embedding" / "store", LookupConfig.load(export / "embedding" / "1" / "layout.json"))
+    tensors = Preprocessor.load(artifacts_dir(export))(request)
+    served_by = lookup_dir(export)  # ranker: the workflow, the lookup and the dense part in one model
+    lookup = EmbeddingLookup(served_by / "store", LookupConfig.load(served_by / "1" / "layout.json"))
     pooled = lookup(tensors["CATEGORICAL_IDS"])
-    served = DenseRunner(export / "dense" / "1" / "model.pt")(tensors["DENSE"], pooled)[:, 0]
+    served = DenseRunner(served_by / "1" / "model.pt")(tensors["DENSE"], pooled)[:, 0]
     np.testing.assert_allclose(served, expected, rtol=0, atol=1e-5)
     ids = model.embedding.dynamic["t_C1"].stats()["ids"]
-    assert lookup.tiers["t_C1"].table.shape[0] == ids + 1  # its ids' rows and the zero row
+    assert open_current(served_by / "store").tables["t_C1"].shape[0] == ids + 1  # its ids' rows and the zero row
 
 
 def test_a_model_json_without_the_dynamic_fields_builds_its_model(tmp_path):

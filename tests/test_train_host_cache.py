@@ -98,7 +98,7 @@ def test_the_export_of_a_host_cached_run_serves_its_trained_tables(runs):
     from export.inprocess import InProcessModel
     from export.lookup import EmbeddingLookup, LookupConfig
     from export.preprocess import Preprocessor
-    from export.repository import lookup_dir, raw_columns
+    from export.repository import artifacts_dir, lookup_dir, raw_columns
     from export.store import open_current
     from pipeline.data.raw_folder import RawDataset
     from pipeline.etl.workflow import Workflow
@@ -122,11 +122,11 @@ def test_the_export_of_a_host_cached_run_serves_its_trained_tables(runs):
         request[c] = np.array([b"" if pd.isna(v) else str(v).encode() for v in rows[c].tolist()],
                               dtype=object).reshape(-1, 1)
     export = cfg.paths.export
-    tensors = Preprocessor.load(export / "preprocess" / "1" / "artifacts")(request)
-    layout = LookupConfig.load(export / "embedding" / "1" / "layout.json")
-    lookup = EmbeddingLookup(export / "embedding" / "store", layout)
+    tensors = Preprocessor.load(artifacts_dir(export))(request)
+    served_by = lookup_dir(export)  # ranker: the workflow, the lookup and the dense part in one model
+    lookup = EmbeddingLookup(served_by / "store", LookupConfig.load(served_by / "1" / "layout.json"))
     pooled = lookup(tensors["CATEGORICAL_IDS"], tensors.get("MULTIHOT_IDS"), tensors.get("MULTIHOT_LENGTHS"))
-    served = DenseRunner(export / "dense" / "1" / "model.pt")(tensors["DENSE"], pooled)[:, 0]
+    served = DenseRunner(served_by / "1" / "model.pt")(tensors["DENSE"], pooled)[:, 0]
     model, _ = load_trained(cfg.paths.train / "host-cached")
     expected = InProcessModel(model, schema, Workflow.load(cfg.paths.workflow)).predict(rows)
     assert expected.std() > 0.01

@@ -1,7 +1,8 @@
 """Triton python model ``preprocess``: raw request columns -> model features, with the saved ETL workflow.
 
 The same ``Workflow.transform`` as offline runs here (export/preprocess.py), so what the model sees
-when served is what it saw in training. Exported as ``preprocess/1/model.py``.
+when served is what it saw in training. Its BYTES inputs are decoded by numpy (export/wire.py).
+Exported as ``preprocess/1/model.py`` (``export.fuse=none``; ``ranker`` does this work otherwise).
 """
 
 import json
@@ -9,10 +10,11 @@ from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
 
-from export.batching import deserialize_bytes_tensor, respond
+from export.batching import respond
 from export.preprocess import Preprocessor
+from export.wire import decode_bytes
 
-pb_utils.deserialize_bytes_tensor = deserialize_bytes_tensor
+pb_utils.deserialize_bytes_tensor = decode_bytes
 
 
 class TritonPythonModel:

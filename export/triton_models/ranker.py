@@ -1,16 +1,25 @@
-"""Triton python model ``ranker``: the embedding lookup and the dense part in one model
-(``export.fuse_dense=true``), one hop less than ``embedding`` then ``dense``.
+"""Triton python model ``ranker``: raw request columns -> click probabilities, in one model.
 
-Exported as ``ranker/1/model.py``, with the store beside it as for ``embedding``.
+The saved ETL workflow (export/preprocess.py), the embedding lookup through its cache and the host
+store (export/instance.py) and the dense part (export/dense.py) run one after the other in this
+process: one python-backend hop per request, where the chain ``preprocess`` -> ``embedding`` ->
+``dense`` (``export.fuse=none``) takes three. Its BYTES inputs are decoded by numpy (export/wire.py).
+Exported as ``ranker/1/model.py``, with ``artifacts/``, ``layout.json`` and ``model.pt`` beside it
+and the store in ``ranker/store``.
 """
 
 import json
+from pathlib import Path
+
 import triton_python_backend_utils as pb_utils
 
 from export.batching import respond
 from export.dense import DenseRunner
 from export.instance import LookupInstance
-from export.preprocess import DENSE
+from export.preprocess import DENSE, Preprocessor
+from export.wire import decode_bytes
+
+pb_utils.deserialize_bytes_tensor = decode_bytes
 
 
 class TritonPythonModel:
@@ -18,12 +27,14 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         self.name = config["name"]
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        self.preprocessor = Preprocessor.load(Path(args["model_repository"]) / args["model_version"] / "artifacts")
         self.runner = DenseRunner.for_instance(args, params)
         self.instance = LookupInstance(args, params)
         self.inputs = [i["name"] for i in config["input"]]
 
     def _compute(self, inputs):
-        return {"PREDICTION": self.runner(inputs.get(DENSE), self.instance.pooled(inputs))}
+        features = self.preprocessor(inputs)
+        return {"PREDICTION": self.runner(features.get(DENSE), self.instance.pooled(features))}
 
     def execute(self, requests):
         self.instance.refresh(lambda message: pb_utils.Logger.log_error(f"{self.name}: {message}"))

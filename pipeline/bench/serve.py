@@ -4,7 +4,7 @@ Makes a small synthetic dataset (``--rows``), runs the ETL, builds the configure
 speed does not depend on the weights) and exports it under ``--workdir``; starts the real server.
 Then, for batch 1, 64 and 1024 raw rows: p50 / p99 latency of ``--requests`` sequential gRPC
 requests, and of the in-process model on the same rows (workflow transform + forward, no server;
-and the forward alone on features computed beforehand);
+and the forward alone on features computed beforehand), the three timed in turn, 10 calls at a time;
 the time each ensemble step took (Triton's own statistics); throughput with ``--clients``
 concurrent gRPC clients; and the embedding cache's hit rate on the raw rows, whose categorical
 values are Zipf-distributed (served LRU, plus LRU / LFU at several cache sizes offline).
@@ -66,17 +66,20 @@ def run(args: argparse.Namespace, cfg) -> dict:
             for batch in batches:
                 frame = rows.iloc[:batch]
                 request = client.columns(frame)
-                served = _timed(lambda request=request: client.infer(request), args.requests)
-                local = _timed(lambda frame=frame: reference.predict(frame), args.requests)
-                model_only = _timed(_forward_only(reference, frame), args.requests)
+                timed = _timed_in_turn({"ensemble": lambda request=request: client.infer(request),
+                                        "in_process": lambda frame=frame: reference.predict(frame),
+                                        "model_only": _forward_only(reference, frame)}, args.requests)
+                served, local, model_only = timed["ensemble"], timed["in_process"], timed["model_only"]
                 before = _model_stats(client)
-                _timed(lambda request=request: client.infer(request), max(20, args.requests // 4))
+                _timed_in_turn({"ensemble": lambda request=request: client.infer(request)}, max(20, args.requests // 4))
                 steps = _per_request(before, _model_stats(client))
                 results["latency"][batch] = {"ensemble": served, "in_process": local, "model_only": model_only}
                 results["steps"][batch] = steps
                 print(f"[bench serve] batch {batch:5d}: ensemble p50 {served['p50_ms']:.2f} ms p99 "
                       f"{served['p99_ms']:.2f} ms | in-process p50 {local['p50_ms']:.2f} ms p99 {local['p99_ms']:.2f} ms"
-                      f" | model forward alone p50 {model_only['p50_ms']:.2f} ms | steps (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in steps.items()), flush=True)
+                      f" | ensemble / in-process p50 {served['p50_ms'] / local['p50_ms']:.2f}x"
+                      f" | model forward alone p50 {model_only['p50_ms']:.2f} ms | steps (ms): "
+                      + ", ".join(f"{k} {v:.2f}" for k, v in steps.items()), flush=True)
         results["throughput"] = _throughput(server, rows, args, reference)
         print(f"[bench serve] throughput, {args.clients} gRPC clients x batch {args.throughput_batch}: "
               f"{results['throughput']['ensemble_rows_per_s']:,.0f} rows/s ensemble, "
@@ -119,20 +122,26 @@ def _prepare(cfg):
     return reference, sample_rows(cfg, 1 << 30)
 
 
-def _timed(fn, repeats: int) -> dict:
+def _timed_in_turn(fns: dict, repeats: int, block: int = 10) -> dict[str, dict]:
+    """p50 / p99 of ``repeats`` calls of each function, in blocks of ``block`` calls taken in turn: on a
+    shared machine a change of load falls on all of them alike, and each block runs as warm as a loop of
+    its own (the first call of a block, after the others ran, is the only cold one)."""
     import time
 
     import numpy as np
 
-    for _ in range(min(10, repeats)):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1000)
-    return {"p50_ms": float(np.percentile(times, 50)), "p99_ms": float(np.percentile(times, 99)),
-            "requests": repeats}
+    for fn in fns.values():
+        for _ in range(min(10, repeats)):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    while len(times[next(iter(fns))]) < repeats:
+        for name, fn in fns.items():
+            for _ in range(min(block, repeats - len(times[name]))):
+                t = time.perf_counter()
+                fn()
+                times[name].append((time.perf_counter() - t) * 1000)
+    return {name: {"p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)), "requests": repeats}
+            for name, ms in times.items()}
 
 
 def _forward_only(reference, frame):
@@ -158,27 +167,29 @@ def _model_stats(client) -> dict[str, dict[str, int]]:
             "queue": int(infer["queue"].get("ns", 0)),
             "compute": int(infer["compute_input"].get("ns", 0)) + int(infer["compute_infer"].get("ns", 0))
             + int(infer["compute_output"].get("ns", 0)),
+            "model": int(infer["compute_infer"].get("ns", 0)),
             "total": int(infer["success"].get("ns", 0)),
         }
     return out
 
 
 def _per_request(before: dict, after: dict) -> dict[str, float]:
+    """Per request, ms: each model's compute (its inputs in, its ``execute``, its outputs out), the part
+    in its ``execute`` alone (``model``), its queue, and the ensemble's whole time in the server."""
     out = {}
-    for name in ("preprocess", "embedding", "dense", "ranker", "ensemble"):
+    for name in ("ranker", "preprocess", "embedding", "dense", "ensemble"):
         if name not in after:
             continue
         count = after[name]["count"] - before.get(name, {}).get("count", 0)
         if count <= 0:
             continue
-        total = (after[name]["total"] - before.get(name, {}).get("total", 0)) / count / 1e6
+        ms = {key: (after[name][key] - before.get(name, {}).get(key, 0)) / count / 1e6 for key in after[name]}
         if name == "ensemble":
-            out["ensemble (server side)"] = total
+            out["ensemble (server side)"] = ms["total"]
         else:
-            compute = (after[name]["compute"] - before[name]["compute"]) / count / 1e6
-            queue = (after[name]["queue"] - before[name]["queue"]) / count / 1e6
-            out[name] = compute
-            out[f"{name} queue"] = queue
+            out[name] = ms["compute"]
+            out[f"{name} model"] = ms["model"]
+            out[f"{name} queue"] = ms["queue"]
     return out
 
 
@@ -236,11 +247,11 @@ def _offline_hit_rates(cfg, reference, rows) -> dict[str, float]:
     """
     from export.lookup import EmbeddingLookup, LookupConfig
     from export.preprocess import Preprocessor
-    from export.repository import lookup_dir
+    from export.repository import artifacts_dir, lookup_dir
     from pipeline.stages.serve import sample_rows
 
     export = cfg.paths.export
-    preprocess = Preprocessor.load(export / "preprocess" / "1" / "artifacts")
+    preprocess = Preprocessor.load(artifacts_dir(export))
     traffic = sample_rows(cfg, 1 << 30, split="train")
     ids = preprocess.tensors(reference.workflow.transform(traffic))["CATEGORICAL_IDS"]
     half = len(ids) // 2
@@ -248,7 +259,7 @@ def _offline_hit_rates(cfg, reference, rows) -> dict[str, float]:
     out = {"rows": len(ids)}
     for policy in ("lru", "lfu"):
         for fraction in (0.05, 0.25):
-            lookup = EmbeddingLookup(lookup_dir(export) / "store", packing, policy, fraction, min_cache_rows=0)
+            lookup = EmbeddingLookup(lookup_dir(export) / "store", layout, policy, fraction, min_cache_rows=0)
             for i in range(0, half, 64):
                 lookup(ids[i: min(i + 64, half)])
             warm = lookup.stats()

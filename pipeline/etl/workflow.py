@@ -9,6 +9,7 @@ unseen values -> OOV, missing -> the null code or the fill value)::
 
     workflow = Workflow.load("data/synthetic/workflow")
     features = workflow.transform(pandas_rows)      # a pandas DataFrame
+    arrays = workflow.transform_columns(columns)    # the same, column name -> array, without DataFrames
 
 A saved workflow is ``workflow.json`` (graph, operator parameters and statistics, a format
 version) plus parquet vocabularies under ``ops/<node>/``; nothing is pickled, and loading checks
@@ -28,6 +29,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +142,20 @@ class Workflow:
         # One graph key holds the graph and its statistics: each worker receives it once, not once per task.
         graph = delayed(self.output, pure=False)
         return ddf.map_partitions(self.transform_partition, graph, meta=meta, enforce_metadata=False)
+
+    def transform_columns(self, columns: Mapping[str, Any]) -> dict[str, Any]:
+        """The serving path without a DataFrame: raw columns as arrays in, output columns as arrays out.
+
+        ``columns`` maps each input column to an array of the same rows (numpy, or a pandas extension
+        array such as ``pd.arrays.ArrowExtensionArray``: what a column of the frame would hold). The
+        result is what :meth:`transform` gives for the frame of those columns, column by column, as
+        numpy or extension arrays; a column passed through unchanged is the input array itself.
+        """
+        self._require_fitted()
+        self._check_columns(columns, "the columns to transform")
+        rows = len(next(iter(columns.values()))) if columns else 0
+        values = _evaluate_columns(columns.__getitem__, pd.RangeIndex(rows), self._nodes)
+        return {name: _values(column) for name, column in values.items()}
 
     def fit_transform(self, data: Any) -> Any:
         ddf = self._as_dask(data) if not isinstance(data, pd.DataFrame) else data
@@ -307,12 +323,20 @@ def _evaluate_pandas(df: pd.DataFrame, nodes: list[Node]) -> pd.DataFrame:
     """Run the graph on an in-memory pandas frame, column by column (the serving path).
 
     Same result as :meth:`Workflow.transform_partition` (the partition path), without a DataFrame per node:
-    each column travels as an array, a column-by-column operator runs its ``transform_column`` on
-    it, and one frame is built at the end. Any other operator gets a frame of its input columns
-    and its own ``transform``.
+    each column travels as an array (:func:`_evaluate_columns`), and one frame is built at the end.
+    """
+    # A copy, as the partition path gives: without copy-on-write (pandas 2), a column passed
+    # through would otherwise share its memory with the caller's frame.
+    return _frame(_evaluate_columns(_column_reader(df), df.index, nodes), df.index, copy=True)
+
+
+def _evaluate_columns(read: Callable[[str], Any], index: pd.Index, nodes: list[Node]) -> dict[str, Any]:
+    """The output columns of the graph, from ``read(name)``, the raw column ``name`` as an array.
+
+    A column-by-column operator runs its ``transform_column`` on each array; any other operator gets
+    a frame of its input columns (on ``index``) and its own ``transform``.
     """
     results: dict[int, dict[str, Any]] = {}
-    read = _column_reader(df)
     for node in nodes:
         if node.is_selection:
             results[id(node)] = {name: read(name) for name in node.output_columns}
@@ -328,11 +352,9 @@ def _evaluate_pandas(df: pd.DataFrame, nodes: list[Node]) -> pd.DataFrame:
             results[id(node)] = {out: node.op.transform_column(name, values)
                                  for (name, values), out in zip(inputs.items(), node.op.output_columns(list(inputs)))}
         else:
-            out = node.op.transform(_frame(inputs, df.index))
+            out = node.op.transform(_frame(inputs, index))
             results[id(node)] = {name: _values(out[name]) for name in out.columns}
-    # A copy, as the partition path gives: without copy-on-write (pandas 2), a column passed
-    # through would otherwise share its memory with the caller's frame.
-    return _frame(results[id(nodes[-1])], df.index, copy=True)
+    return results[id(nodes[-1])]
 
 
 def _column_reader(df: pd.DataFrame):

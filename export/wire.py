@@ -1,0 +1,154 @@
+"""Triton's BYTES tensors on the wire, encoded and decoded with numpy instead of a Python call per value.
+
+On the wire a BYTES tensor is its values one after the other, each as its length (4 bytes,
+little-endian) then its bytes. tritonclient encodes, and the python backend decodes, value by value
+in Python: at a batch of 1,024 raw rows with 26 string columns that is 26,624 values each way and
+more time than the model's. Here:
+
+- :func:`encode_bytes` (the client): the values' lengths and bytes read off one Arrow array of them,
+  interleaved by numpy; all the string columns of a request at once.
+- :func:`decode_bytes` (the served models, installed over the python backend's
+  ``deserialize_bytes_tensor``, which the stub calls on every BYTES input): the values come back as
+  one fixed-width ``S`` array, built by numpy from where each value starts. Where every value has the
+  same length those starts are known at once; where the values are text (under 256 bytes, no NUL
+  byte) numpy reads them off the zero bytes, which are then those of the lengths alone; otherwise one
+  Python pass over the lengths finds them.
+  A value holding a NUL byte cannot live in an ``S`` array (numpy and Arrow read such values up to
+  their NUL), so a tensor with one comes back as an object array of ``bytes``, as the backend's own
+  function returns it.
+
+Example::
+
+    c1, c2 = encode_bytes([np.array([b"68fd1e64", b""], dtype=object), np.array([[b"a"]], dtype=object)])
+    decode_bytes(np.frombuffer(c1, np.uint8)).tolist()      # [b"68fd1e64", b""]
+"""
+
+from __future__ import annotations
+
+import struct
+from itertools import pairwise
+
+import numpy as np
+import pyarrow as pa
+
+_LENGTH = struct.Struct("<I")
+_ZEROS_FROM = 4096
+"""Tensors of at least this many bytes look for their values' lengths in their zero bytes; below it one
+Python pass over the lengths costs less than the numpy calls."""
+
+
+def encode_bytes(arrays: list[np.ndarray]) -> list[bytes]:
+    """The wire form of each array (any shape; ``bytes`` as they are, anything else as its UTF-8 text),
+    all encoded in one pass: a request's string columns cost one numpy call each step, not one per column."""
+    flat = np.concatenate([np.asarray(a, dtype=object).reshape(-1) for a in arrays]) if arrays else np.empty(0, object)
+    lengths, joined = _lengths_and_bytes(flat)
+    starts = _starts(lengths)
+    out = np.empty(int(starts[-1]), dtype=np.uint8)
+    prefixes = starts[:-1, None] + np.arange(4)
+    is_value = np.ones(out.size, dtype=bool)
+    is_value[prefixes] = False
+    out[prefixes] = lengths.astype("<u4").view(np.uint8).reshape(-1, 4)
+    out[is_value] = joined
+    encoded = out.tobytes()
+    bounds = starts[np.cumsum([0] + [np.asarray(a).size for a in arrays])].tolist()
+    return [encoded[start:end] for start, end in pairwise(bounds)]
+
+
+def _lengths_and_bytes(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The values' lengths and their bytes one after the other: read off the Arrow array of the values
+    (one pass in C++; Arrow writes ``str`` as its UTF-8 text too) where each is ``bytes`` or ``str``, else
+    value by value."""
+    try:
+        array = pa.array(values, type=pa.large_binary())
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        array = None
+    if array is not None and array.null_count == 0:
+        offsets = np.frombuffer(array.buffers()[1], dtype=np.int64, count=len(array) + 1)
+        data = array.buffers()[2]
+        return np.diff(offsets), np.frombuffer(data, dtype=np.uint8, count=int(offsets[-1])) if data else np.empty(0, np.uint8)
+    encoded = [v if isinstance(v, bytes) else str(v).encode() for v in values]
+    return np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded)), np.frombuffer(b"".join(encoded), np.uint8)
+
+
+def decode_bytes(encoded) -> np.ndarray:
+    """The values of a wire-form BYTES tensor (``bytes`` or a uint8 array), flat, in order."""
+    buffer = np.frombuffer(encoded, dtype=np.uint8)
+    if buffer.size == 0:
+        return np.empty(0, dtype=object)
+    first = _LENGTH.unpack_from(buffer)[0] if buffer.size >= 4 else -1
+    if first >= 0 and buffer.size % (4 + first) == 0:
+        records = buffer.reshape(-1, 4 + first)
+        if len(records) == 1 or (records[:, :4] == records[0, :4]).all():  # one length: no pass needed
+            values = records[:, 4:]
+            if first == 0:
+                return np.zeros(len(records), dtype="S1")
+            return np.ascontiguousarray(values).view(f"S{first}").reshape(-1) if values.all() else _objects(buffer)
+    lengths = _lengths(buffer)
+    is_value = np.ones(buffer.size, dtype=bool)
+    is_value[_starts(lengths)[:-1, None] + np.arange(4)] = False
+    values = buffer[is_value]
+    if not values.all():
+        return _objects(buffer)
+    width = max(int(lengths.max()), 1)
+    out = np.zeros((lengths.size, width), dtype=np.uint8)
+    out[np.arange(width) < lengths[:, None]] = values
+    return out.view(f"S{width}").reshape(-1)
+
+
+def _lengths(buffer: np.ndarray) -> np.ndarray:
+    """Each value's length: read off the zero bytes of a large tensor of text values, else in one pass."""
+    if buffer.size >= _ZEROS_FROM:
+        lengths = _lengths_from_zeros(buffer)
+        if lengths is not None:
+            return lengths
+    data = buffer.tobytes()
+    unpack = _LENGTH.unpack_from
+    found = []
+    offset = 0
+    while offset + 4 <= len(data):
+        (length,) = unpack(data, offset)
+        found.append(length)
+        offset += 4 + length
+    if offset != len(data):
+        raise ValueError(f"a BYTES tensor of {len(data)} bytes whose value lengths add up to {offset}")
+    return np.array(found, dtype=np.int64)
+
+
+def _lengths_from_zeros(buffer: np.ndarray) -> np.ndarray | None:
+    """The lengths where every value is under 256 bytes and holds no NUL byte (text), else None.
+
+    Then the zero bytes are exactly those of the lengths: 3 after the first length byte of a value
+    with bytes, 4 for an empty value. So every run of zeros is 3 long (the value starts at the byte
+    before it) or 4 per empty value; the values found that way are kept only if each one starts
+    where the one before ends, which is the decoding itself.
+    """
+    zero = np.concatenate(([False], buffer == 0, [False]))
+    edges = np.flatnonzero(zero[1:] != zero[:-1])
+    run_starts, runs = edges[0::2], edges[1::2] - edges[0::2]
+    three = runs == 3
+    if run_starts.size == 0 or not (three | (runs % 4 == 0)).all():
+        return None
+    counts = np.where(three, 1, runs // 4)
+    within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    starts = np.repeat(np.where(three, run_starts - 1, run_starts), counts) + 4 * within
+    if starts[-1] + 4 > buffer.size:
+        return None
+    wide = buffer.astype(np.int64)
+    lengths = wide[starts] | wide[starts + 1] << 8 | wide[starts + 2] << 16 | wide[starts + 3] << 24
+    ends = starts + 4 + lengths
+    if starts[0] != 0 or ends[-1] != buffer.size or not np.array_equal(starts[1:], ends[:-1]):
+        return None
+    return lengths
+
+
+def _starts(lengths: np.ndarray) -> np.ndarray:
+    """Where each value (its 4 length bytes, then its bytes) starts in the wire form, then where the last ends."""
+    return np.concatenate([[0], np.cumsum(lengths.astype(np.int64) + 4)])
+
+
+def _objects(buffer: np.ndarray) -> np.ndarray:
+    """The values as an object array of ``bytes``, as the python backend's own function returns them."""
+    data = buffer.tobytes()
+    lengths = _lengths(buffer)
+    starts = _starts(lengths)[:-1] + 4
+    return np.array([data[start: start + n] for start, n in zip(starts.tolist(), lengths.tolist())], dtype=object)
