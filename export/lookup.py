@@ -2,7 +2,8 @@
 
 It computes exactly what :class:`pipeline.modules.EmbeddingCollection` computes in eval mode (the
 pooled bags of every slot, concatenated in slot order, ``sum`` or ``mean``, an empty bag pooling to
-zeros), from the tables export wrote to the store, one cache tier per table in front of it. The raw
+zeros), from the tables export wrote to the store, with caches of their hot rows in front of it (each
+table keeping its own capacity and counters, all of them checked in one step; see below). The raw
 ids of a dynamic table are found among the store's ids of that table first; an id it does not hold
 reads the table's last row, zeros (and counts in a mean, as in training).
 
