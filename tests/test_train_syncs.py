@@ -247,6 +247,8 @@ def test_a_training_step_on_the_gpu_does_not_sync(tmp_path, name):
 
 @pytest.mark.gpu
 def test_a_training_step_of_dynamic_tables_on_the_gpu_waits_for_it_once(tmp_path):
+    """The kernels place the ids of 12 dynamic tables (DeepFM's deep and wide ones) and nothing syncs but the
+    mapping's one read of a few numbers per step."""
     import warnings
 
     trainer, loader = _dynamic_trainer(tmp_path, "deepfm", 6, 1, device="cuda")
