@@ -22,6 +22,10 @@ adds nothing to its bag and gets no update, and a ``mean`` bag still counts it. 
 such ids from the bags it gives the ops (whose dynamic slots therefore pool sums) and divides the
 ``mean`` slots by their whole bags' lengths after the lookup.
 
+The ids of all the dynamic tables of a collection are mapped in one pass (:class:`DynamicTables`), every
+size known on the host: a training step waits for the device once for them all, three times with
+admission, and on a GPU the hash table's kernels do the placing.
+
 The hash tables' content (ids, slots, scores, the clock) is the module's extra state, so a
 checkpoint of the collection holds it beside the rows and their optimizer state, and a resumed run
 places ids as the uninterrupted one does.
