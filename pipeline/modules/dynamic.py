@@ -67,6 +67,12 @@ def draw_rows(keys: torch.Tensor, hashes: torch.Tensor, bound: float | torch.Ten
     return (uniform * 2 - 1) * bound
 
 
+def slot_codes(slots: torch.Tensor) -> torch.Tensor:
+    """float32 ``[n, 2]``: the row of a dynamic table's hash table that holds each slot, exactly (two floats below
+    2**24), so that ``find`` answers the slot."""
+    return torch.stack([slots // _CODE, slots % _CODE], 1).float()
+
+
 def owner_rank(keys: torch.Tensor, world: int) -> torch.Tensor:
     """int64 ``[n]``: the rank that holds each id's row when its dynamic table is sharded row-wise over ``world``
     ranks (a hash of the id, independent of the bucket it takes there)."""
@@ -106,21 +112,18 @@ class DynamicTable(nn.Module):
 
     def find(self, keys: torch.Tensor) -> torch.Tensor:
         """int64 ``[n]``: each id's slot, -1 where it has none. Changes nothing."""
-        codes, found = self.ids.find(keys)
+        codes, found = self.ids.find(keys)  # an id's row of ``ids`` holds its slot (see slot_codes)
         slots = codes[:, 0].long() * _CODE + codes[:, 1].long()
         return torch.where(found, slots, -1)
 
     def insert(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Training: place admitted ids ``keys`` (repeats allowed) with one ``find_or_insert``. ``(slots [n], new
-        [n])``: each id's slot (-1: its bucket is full of ids of this call), and where the id took its slot in this
-        call (its row and optimizer state are the caller's to start). Reads nothing from the device."""
+        """Training: place admitted ids ``keys`` (repeats allowed) with one ``find_or_insert``. ``(slots [n],
+        was_new [n])``: each id's slot (-1: its bucket is full of ids of this call), and whether the id was new to
+        the table (where it has a slot, it took it now: its row and optimizer state are the caller's to start, and
+        the slot's row of ``ids`` is the caller's to write, :func:`slot_codes`). Reads nothing from the device."""
         placed = self.ids.find_or_insert(keys, torch.zeros(keys.numel(), 2, device=keys.device))
         self.evictions += placed.evicted.count
-        # Every placed id's row holds its slot, rewritten where it did already; an id without a slot writes slot
-        # 0's own code to slot 0, so no two positions write different rows.
-        held = placed.slots.clamp(min=0)
-        self.ids.values[held] = torch.stack([held // _CODE, held % _CODE], 1).float()
-        return placed.slots, placed.was_new & (placed.slots >= 0)
+        return placed.slots, placed.was_new
 
     def count(self, keys: torch.Tensor) -> torch.Tensor:
         """Training with ``admit_after > 1``: count ids ``keys`` (ids without a slot, repeats allowed) as candidates.
@@ -153,7 +156,7 @@ class DynamicTable(nn.Module):
         counted in the result. Scores and the clock are kept, so ids leave in the order they would have;
         ``evictions`` is the sum of the contents' where all their ids are taken, else it starts at 0."""
         ids = _merged(contents, owned)
-        slots = _place_as_loaded(self.ids, ids, lambda s: torch.stack([s // _CODE, s % _CODE], 1).float())
+        slots = _place_as_loaded(self.ids, ids, slot_codes)
         kept = slots >= 0
         for name, view in views.items():
             view.zero_()
@@ -273,8 +276,9 @@ class DynamicTables(nn.Module):
         tables = list(self.tables.values())
         keys = [_cat([values[starts[s] : starts[s + 1]] for s in slots]) for slots in self.table_slots]
         if train:
-            slots, new = self._place(tables, keys)
-            new_by_group = [_cat([new[i] for i in members]) for _, members in self.groups]
+            slots, was_new = self._place(tables, keys)
+            new_by_group = [_cat([was_new[i] for i in members]) & (_cat([slots[i] for i in members]) >= 0)
+                            for _, members in self.groups]
         else:
             slots, new_by_group = [table.find(k) for table, k in zip(tables, keys)], []
         lost, *started = _read([(_cat(slots) < 0).sum(), *(n.sum() for n in new_by_group)])
@@ -301,9 +305,10 @@ class DynamicTables(nn.Module):
         return mapped[_positions(keep, mapped.numel() - lost)], kept[offsets]
 
     def _place(self, tables: list[DynamicTable], keys: list[torch.Tensor]) -> tuple[list, list]:
-        """Per table, ``(slots, new)`` of its ids (see :meth:`DynamicTable.insert`), an id not admitted yet
-        without a slot. The tables that admit after N occurrences first look their ids up, count the others and
-        place the admitted ones: two reads of the device for all of them."""
+        """Per table, ``(slots, was_new)`` of its ids (see :meth:`DynamicTable.insert`), an id not admitted yet
+        without a slot; each placed id's row of its table's ``ids`` written with its slot. The tables that admit
+        after N occurrences first look their ids up, count the others and place the admitted ones: two reads of
+        the device for all of them."""
         admitting = [i for i, table in enumerate(tables) if table.candidates is not None]
         admitted: dict[int, torch.Tensor] = {}
         if admitting:
@@ -313,7 +318,7 @@ class DynamicTables(nn.Module):
                 known[i] = known[i].index_put((at,), tables[i].count(keys[i][at]))
             admitted = {i: _positions(known[i], count)
                         for i, count in zip(admitting, _read([known[i].sum() for i in admitting]))}
-        slots, new = [], []
+        slots, was_new = [], []
         for i, (table, k) in enumerate(zip(tables, keys)):
             if i not in admitted:
                 placed, fresh = table.insert(k)
@@ -323,8 +328,15 @@ class DynamicTables(nn.Module):
                 placed = torch.full_like(k, -1).index_put((at,), placed_at)
                 fresh = torch.zeros_like(k, dtype=torch.bool).index_put((at,), fresh_at)
             slots.append(placed)
-            new.append(fresh)
-        return slots, new
+            was_new.append(fresh)
+        # Each placed id's row holds its slot, rewritten where it did already; an id without a slot writes slot 0's
+        # own code to slot 0, so no two positions write different rows.
+        held = _cat(slots).clamp(min=0)
+        codes, start = slot_codes(held), 0
+        for table, placed in zip(tables, slots):
+            table.ids.values[held[start : start + placed.numel()]] = codes[start : start + placed.numel()]
+            start += placed.numel()
+        return slots, was_new
 
     def _start_rows(self, group: int, keys: list[torch.Tensor], slots: list[torch.Tensor], new: torch.Tensor,
                     count: int, offsets: torch.Tensor, batch_size: int, flat: dict[str, torch.Tensor]) -> None:
