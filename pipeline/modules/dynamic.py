@@ -282,7 +282,7 @@ class DynamicTables(nn.Module):
         else:
             slots, new_by_group = [table.find(k) for table, k in zip(tables, keys)], []
         lost, *started = _read([(_cat(slots) < 0).sum(), *(n.sum() for n in new_by_group)])
-        for group, new, count in zip(range(len(self.groups)), new_by_group, started):
+        for group, (new, count) in enumerate(zip(new_by_group, started)):
             if count:
                 self._start_rows(group, keys, slots, new, count, offsets, b, flat)
 
