@@ -4,7 +4,9 @@ Layout (torchrec's): for ``F`` keys (features) and a batch of ``B`` samples, ``l
 entries, key-major (all samples of key 0, then key 1, ...), and ``values`` holds the ids of every
 bag concatenated in that same order. A one-hot feature has length 1 per sample (0 when missing
 after the ETL is impossible: the ETL maps missing to index 0); a multi-hot feature has any length,
-0 included (an empty bag pools to zeros).
+0 included (an empty bag pools to zeros). ``length_per_key``, when the maker knows it on the host (the
+loader does, and ``from_dense``), is each key's number of ids: a consumer then cuts ``values`` by key
+without reading the device.
 
 Example::
 
@@ -35,17 +37,24 @@ class JaggedTensor:
 
 
 class KeyedJaggedTensor:
-    """Sparse features of a batch: ``keys``, ``values`` (int ids) and ``lengths`` (``F * B``, key-major)."""
+    """Sparse features of a batch: ``keys``, ``values`` (int ids), ``lengths`` (``F * B``, key-major) and, when
+    known on the host, ``length_per_key`` (the ids of each key: ``F`` ints summing to ``len(values)``)."""
 
-    __slots__ = ("keys", "values", "lengths", "_offsets")
+    __slots__ = ("keys", "values", "lengths", "length_per_key", "_offsets")
 
-    def __init__(self, keys: Sequence[str], values: torch.Tensor, lengths: torch.Tensor) -> None:
+    def __init__(self, keys: Sequence[str], values: torch.Tensor, lengths: torch.Tensor,
+                 length_per_key: Sequence[int] | None = None) -> None:
         self.keys = list(keys)
         self.values = values
         self.lengths = lengths
+        self.length_per_key = list(length_per_key) if length_per_key is not None else None
         self._offsets: torch.Tensor | None = None
         if self.keys and lengths.numel() % len(self.keys):
             raise ValueError(f"lengths has {lengths.numel()} entries, not a multiple of {len(self.keys)} keys")
+        if self.length_per_key is not None and (len(self.length_per_key) != len(self.keys)
+                                                or sum(self.length_per_key) != values.numel()):
+            raise ValueError(f"length_per_key {self.length_per_key} does not give each of the {len(self.keys)} keys "
+                             f"its ids of the {values.numel()} values")
 
     @property
     def batch_size(self) -> int:
@@ -68,11 +77,12 @@ class KeyedJaggedTensor:
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "KeyedJaggedTensor":
         return KeyedJaggedTensor(
-            self.keys, self.values.to(device, non_blocking=non_blocking), self.lengths.to(device, non_blocking=non_blocking)
+            self.keys, self.values.to(device, non_blocking=non_blocking), self.lengths.to(device, non_blocking=non_blocking),
+            self.length_per_key,
         )
 
     def pin_memory(self) -> "KeyedJaggedTensor":
-        return KeyedJaggedTensor(self.keys, self.values.pin_memory(), self.lengths.pin_memory())
+        return KeyedJaggedTensor(self.keys, self.values.pin_memory(), self.lengths.pin_memory(), self.length_per_key)
 
     def record_stream(self, stream: "torch.cuda.Stream") -> None:
         self.values.record_stream(stream)
@@ -91,7 +101,8 @@ class KeyedJaggedTensor:
         if ids.dim() != 2 or ids.shape[1] != len(keys):
             raise ValueError(f"expected ids of shape [batch, {len(keys)}], got {tuple(ids.shape)}")
         values = ids.t().reshape(-1).to(torch.int64)
-        return cls(keys, values, torch.ones(values.numel(), dtype=torch.int64, device=ids.device))
+        return cls(keys, values, torch.ones(values.numel(), dtype=torch.int64, device=ids.device),
+                   [ids.shape[0]] * len(keys))
 
     def __repr__(self) -> str:
         return f"KeyedJaggedTensor(keys={self.keys}, batch_size={self.batch_size}, nnz={self.values.numel()})"

@@ -354,6 +354,31 @@ def test_an_empty_batch_changes_nothing_and_returns_empty_results():
     assert all(torch.equal(before[name], after[name]) for name in before)
 
 
+def test_erase_where_removes_the_selected_positions_keys_only():
+    table = HashTable(SLOTS, 1)
+    table.insert_or_assign(torch.arange(10), torch.zeros(10, 1))
+    first = _by_slot(table)[0]  # slot 0 cleared while keys not in the table are given too
+    keys = torch.tensor([3, 4, 3, 99, first, 6, 98])
+    where = torch.tensor([True, False, False, True, True, False, False])
+    assert table.erase(keys, where=where).tolist() == [True, False, False, False, True, False, False]
+    assert sorted(exported(table)) == sorted(set(range(10)) - {3, first})
+    assert table.erase(torch.tensor([99, 98]), where=torch.tensor([True, True])).tolist() == [False, False]
+    assert table.size() == 8 and table.erase(torch.tensor([4]), where=torch.tensor([False])).tolist() == [False]
+
+
+def test_evictions_are_counted_on_the_device_and_selected_when_read():
+    table = HashTable(SLOTS, 2, policy="lru")
+    rows = torch.arange(2.0 * SLOTS).view(SLOTS, 2)
+    table.insert_or_assign(torch.arange(SLOTS), rows)
+    before = _by_slot(table)
+    out = table.find_or_insert(torch.tensor([500, 501, 500, 502]), torch.ones(4, 2))
+    assert isinstance(out.evicted.count, torch.Tensor) and out.evicted.count.item() == 3
+    keys, values, scores = out.evicted
+    assert sorted(keys.tolist()) == sorted(before[:3]) and scores.tolist() == [1, 1, 1]
+    assert torch.equal(values, rows[keys])  # each evicted key's row, copied out before the new rows went in
+    assert table.find_or_insert(torch.tensor([500]), torch.ones(1, 2)).evicted.count.item() == 0
+
+
 def test_clear_empties_the_table_and_export_lists_it_by_slot():
     table = HashTable(2 * SLOTS, 2)
     table.insert_or_assign(torch.arange(50), torch.randn(50, 2))
@@ -452,8 +477,9 @@ def test_launch_arguments_match_kernel_signatures(tmp_path, monkeypatch):
     launcher.place(storage, keys, torch.zeros(10, dtype=torch.int64), reference.CUSTOM, 3, True)
     launcher.write_rows(storage.values, torch.zeros(10, dtype=torch.int64), torch.zeros(10, 8))
     launcher.read_rows(storage.values, torch.zeros(10, dtype=torch.int64), torch.zeros(10, 8))
+    launcher.take_rows(storage.values, torch.zeros(10, dtype=torch.int64), torch.ones(10, dtype=torch.bool))
     assert [f for _, f, *_ in launches] == ["find_keys", "find_keys", "hash_order_keys", "place_keys", "copy_rows",
-                                           "copy_rows"]
+                                           "copy_rows", "copy_rows"]
     groups = {"find_keys": launcher.FIND_GROUP, "place_keys": 32, "copy_rows": launcher.COPY_GROUP,
               "hash_order_keys": 1}
     for source, function, grid, block, args in launches:
@@ -478,6 +504,7 @@ def _same(a, b) -> None:
     if isinstance(a, torch.Tensor):
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.cpu(), b.cpu())
     else:
+        a, b = tuple(a), tuple(b)
         assert len(a) == len(b)
         for x, y in zip(a, b):
             _same(x, y)

@@ -107,6 +107,7 @@ def check_batch(batch: Batch) -> None:
     )
     assert batch.sparse.values.tolist() == expected.values.tolist()
     assert torch.equal(batch.sparse.lengths, expected.lengths)
+    assert batch.sparse.length_per_key == expected.lengths.view(4, -1).sum(1).tolist()
 
 
 def epoch_rows(loader: Loader) -> list[list[int]]:
@@ -827,6 +828,7 @@ def check_dynamic_batch(batch: Batch) -> None:
     assert batch.sparse["D2"].values.tolist() == [int(v) for r in rows for v in raw_id(np.array(bag_of(int(r))))]
     assert batch.sparse["C3"].values.tolist() == (rows % CARD["C3"]).tolist()
     assert batch.sparse["M1"].values.tolist() == [v for r in rows for v in bag_of(int(r))]
+    assert batch.sparse.length_per_key == batch.sparse.lengths.view(6, -1).sum(1).tolist()
 
 
 @pytest.mark.parametrize("shuffle", [False, True])

@@ -27,3 +27,11 @@ def test_from_dense_is_key_major():
 def test_lengths_must_match_keys():
     with pytest.raises(ValueError, match="multiple of 2 keys"):
         KeyedJaggedTensor(["a", "b"], torch.tensor([1]), torch.tensor([1, 0, 0]))
+
+
+def test_length_per_key_is_known_from_dense_ids_moves_with_the_batch_and_is_checked():
+    kjt = KeyedJaggedTensor.from_dense(["a", "b"], torch.tensor([[1, 10], [2, 20], [3, 30]]))
+    assert kjt.length_per_key == [3, 3] and kjt.to("cpu").length_per_key == [3, 3]
+    assert KeyedJaggedTensor.from_lists(["a"], [[[1, 2]]]).length_per_key is None
+    with pytest.raises(ValueError, match="length_per_key"):
+        KeyedJaggedTensor(["a", "b"], torch.tensor([1, 2, 3]), torch.tensor([1, 2]), [1, 1])

@@ -3,28 +3,50 @@ the loss once per logged line.
 
 On the CPU a sync cannot be seen, so a dispatch mode records the operations that make one on a GPU:
 a tensor read as a Python number (``.item()``, ``float``, ``int``, ``bool``), ``nonzero`` and what is
-built on it (boolean-mask indexing, ``masked_select``), ``unique`` and ``repeat_interleave`` without
-``output_size``. On a GPU, ``torch.cuda.set_sync_debug_mode("error")`` turns a real sync into an error.
+built on it (boolean-mask indexing, reading or writing, ``masked_select``), ``unique`` and
+``repeat_interleave`` without ``output_size``. The hash table's plain-torch stand-ins for its kernels
+(``pipeline.kernels.hashtable.reference``: placing keys, finding them, copying rows) are left out: on a GPU
+the kernels run instead, and read nothing back. A function mode records the copies of a tensor to the host
+(``.tolist()``, ``.cpu()``, ``.numpy()``), the reads a step makes on purpose, which the dispatch mode does
+not see on the CPU. On a GPU, ``torch.cuda.set_sync_debug_mode`` turns a real sync into an error or a
+warning.
 """
 
 import json
+import sys
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipeline.distributed.world import World
+from pipeline.kernels.hashtable import reference
 from pipeline.loader import Loader
 from pipeline.loader.synthetic import criteo_schema, write_processed
 from pipeline.modules.configs import EmbeddingOptimizerConfig
 from pipeline.modules.models import MODEL_CLASSES, ModelSizes, build_model
-from pipeline.schema import Schema
+from pipeline.schema import Column, Schema
 from pipeline.train.config import TrainConfig
 from pipeline.train.loop import Trainer
 
 SIZES = ModelSizes(embedding_dim=4, bottom_mlp=[8, 4], top_mlp=[8, 1])
 _SYNCING = {"aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten._unique2", "aten.unique_dim",
             "aten.unique_consecutive"}
+_INDEXING = {"aten.index", "aten.index_put", "aten.index_put_", "aten._index_put_impl_"}
+_COPIES = {torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy}
+# The hash table reference's functions that run as kernels on a GPU (pipeline.kernels.hashtable.launcher's).
+_KERNEL_STAND_INS = {getattr(reference, name).__code__
+                     for name in ("place", "locate", "find", "read_rows", "take_rows", "write_rows")}
+
+
+def _in_kernel_stand_in() -> bool:
+    frame = sys._getframe()
+    while frame is not None:
+        if frame.f_code in _KERNEL_STAND_INS:
+            return True
+        frame = frame.f_back
+    return False
 
 
 class HostReads(TorchDispatchMode):
@@ -42,16 +64,30 @@ class HostReads(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func.overloadpacket._qualified_op_name.replace("::", ".")
-        bool_index = name == "aten.index" and any(i is not None and i.dtype == torch.bool for i in args[1])
+        bool_index = name in _INDEXING and any(i is not None and i.dtype == torch.bool for i in args[1])
         unsized = name == "aten.repeat_interleave" and kwargs.get("output_size") is None and (
             len(args) < 4 or args[3] is None) and isinstance(args[0], torch.Tensor) and args[0].dim() > 0
-        if (name in _SYNCING or bool_index or unsized) and not self._host_counter(args[0]):
+        if (name in _SYNCING or bool_index or unsized) and not self._host_counter(args[0]) \
+                and not _in_kernel_stand_in():
             self.seen.append(name)
         return func(*args, **kwargs)
 
     def _host_counter(self, tensor: torch.Tensor) -> bool:
         states = self.optimizer.state.values() if self.optimizer is not None else ()
         return any(s.get("step") is not None and s["step"].data_ptr() == tensor.data_ptr() for s in states)
+
+
+class HostCopies(TorchFunctionMode):
+    """Records each copy of a tensor to the host (``.tolist()``, ``.cpu()``, ``.numpy()``), by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _COPIES and not _in_kernel_stand_in():
+            self.seen.append(f"Tensor.{func.__name__}")
+        return func(*args, **(kwargs or {}))
 
 
 def _data(tmp_path, rows=640):
@@ -121,6 +157,50 @@ def test_shared_tables_with_a_feature_left_out_read_one_number(tmp_path):
     assert reads.seen == ["aten._local_scalar_dense"]
 
 
+def _dynamic_trainer(tmp_path, name: str, tables: int, admit_after: int, device: str = "cpu"):
+    """A trainer of ``name`` whose first ``tables`` sparse columns are raw 64-bit ids in dynamic tables of 128 rows,
+    beside two static columns and a multi-hot one. The data holds 1024 ids per raw column, so the tables evict."""
+    raw = {f"C{i + 1}" for i in range(tables)}
+
+    def schema(rows: int) -> Schema:
+        base = criteo_schema(size=0.0001, categorical=tables + 2, continuous=3, multihot={"M1": 3})
+        return Schema([Column(c.name, c.role, "int64", cardinality=rows, dynamic=True) if c.name in raw else c
+                       for c in base.columns])
+
+    data = tmp_path / "processed"
+    write_processed(data, schema(1024), {"train": 640}, row_group_rows=320, seed=3)
+    cfg = TrainConfig(model=name, batch_size=64, optimizer="adam", checkpoint_every=0)
+    model = build_model(name, schema(128), SIZES, EmbeddingOptimizerConfig("adagrad", lr=0.1), admit_after=admit_after,
+                        backend="cuda" if device == "cuda" else "auto").to(device)
+    model.embedding.validate_ids = False
+    loader = Loader(data / "train", cfg.batch_size, shuffle=True, device=device)
+    return Trainer(model, cfg, tmp_path / "out", loader, World(device=torch.device(device))), loader
+
+
+@pytest.mark.parametrize("admit_after, reads", [(1, 1), (2, 3)])
+@pytest.mark.parametrize("name", ["dlrm", "deepfm"])
+def test_dynamic_tables_read_the_device_a_fixed_number_of_times_a_step_whatever_their_number(tmp_path, name,
+                                                                                             admit_after, reads):
+    """Mapping the ids of every dynamic table of a training step copies one set of numbers to the host (the
+    rows to start, the ids without a row), two more with admission (the ids to count, those admitted), and does
+    none of the operations above: with 2 tables as with 6, and DeepFM's deep and wide tables, two dims, in the
+    same reads."""
+    seen = {}
+    for tables in (2, 6):
+        trainer, loader = _dynamic_trainer(tmp_path / str(tables), name, tables, admit_after)
+        with loader:
+            batches = list(loader)[:5]
+        trainer.train_step(batches[0])
+        with HostReads(trainer.optimizer) as syncs, HostCopies() as copies:
+            for batch in batches[1:]:
+                trainer.train_step(batch)
+        seen[tables] = syncs.seen + copies.seen
+        stats = [t.stats() for t in trainer.model.embedding.dynamic.tables.values()]
+        assert len(stats) == tables * (2 if name == "deepfm" else 1)
+        assert all(s["candidates"] > 0 if admit_after > 1 else s["evictions"] > 0 for s in stats), stats
+    assert seen[2] == seen[6] == ["Tensor.tolist"] * reads * 4
+
+
 def test_the_loop_reads_the_loss_once_per_logged_line(tmp_path):
     trainer, loader = _trainer(tmp_path, "dlrm", log_every=4, max_steps=10)
     trainer.start_fresh()
@@ -163,3 +243,28 @@ def test_a_training_step_on_the_gpu_does_not_sync(tmp_path, name):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+def test_a_training_step_of_dynamic_tables_on_the_gpu_waits_for_it_once(tmp_path):
+    """The kernels place the ids of 12 dynamic tables (DeepFM's deep and wide ones) and nothing syncs but the
+    mapping's one read of a few numbers per step."""
+    import warnings
+
+    trainer, loader = _dynamic_trainer(tmp_path, "deepfm", 6, 1, device="cuda")
+    assert trainer.model.embedding.dynamic["t_C1"].ids.backend == "cuda"
+    with loader:
+        batches = list(loader)[:4]
+    trainer.train_step(batches[0])  # first use: the kernels are compiled
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for batch in batches[1:]:
+                trainer.train_step(batch)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    waits = [w for w in caught if "synchronizing" in str(w.message)]
+    assert len(waits) == len(batches) - 1, [str(w.message) for w in caught]

@@ -94,16 +94,19 @@ class Window:
         size = end - begin
         k = begin // self.batch_size
         slab = self.ids[k] if k < len(self.ids) else self.tail
-        values, lengths = [], []
+        values, lengths, per_key = [], [], []
         for kind, first, last in self.placement.runs:
             if kind == "onehot":
                 values.append(slab[first:last].reshape(-1))
                 lengths.append(self.ones[: (last - first) * size])
+                per_key += [size] * (last - first)
             else:
                 bag = self.bags[first]
-                values.append(bag.values[int(bag.host_offsets[begin]) : int(bag.host_offsets[end])])
+                lo, hi = int(bag.host_offsets[begin]), int(bag.host_offsets[end])
+                values.append(bag.values[lo:hi])
                 lengths.append(bag.lengths[begin:end])
-        sparse = KeyedJaggedTensor(self.placement.keys, _cat(values, self.ones), _cat(lengths, self.ones))
+                per_key.append(hi - lo)
+        sparse = KeyedJaggedTensor(self.placement.keys, _cat(values, self.ones), _cat(lengths, self.ones), per_key)
         return Batch(self.dense[begin:end], sparse, self.label[begin:end])
 
     def record_stream(self, stream: torch.cuda.Stream) -> None:

@@ -175,21 +175,25 @@ class EmbeddingCollection(nn.Module):
     def slot_bags(self, kjt: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         """``(indices, offsets, batch_size)`` of ``kjt`` in slot order on the weights' device, ids checked
         when ``validate_ids``: what the backends take. The ids of dynamic tables become their slots (placed
-        in training, as the update will follow), those without a slot left out."""
+        in training, as the update will follow), those without a slot left out. ``kjt.length_per_key``, when
+        given, saves reading the keys' sizes from the device."""
         if kjt.keys != self.feature_names:
             raise BadInputError(f"expected sparse features {self.feature_names} in this order, got {kjt.keys}")
         b = kjt.batch_size
         values = kjt.values.to(device=self.weights.device, dtype=torch.int64)
         offsets = kjt.offsets().to(self.weights.device)
+        per_key = kjt.length_per_key
+        slot_counts = [per_key[k] for k in self._key_of_slot] if per_key is not None else None
         if not self._identity_slots:
             device = str(values.device)
             if device not in self._slot_keys:
                 self._slot_keys[device] = torch.tensor(self._key_of_slot, dtype=torch.int64, device=values.device)
-            values, offsets = _select_keys(values, offsets, b, self._slot_keys[device],
-                                           self._slot_repeats * values.numel() if self._slot_repeats else None)
+            size = self._slot_repeats * values.numel() if self._slot_repeats else \
+                sum(slot_counts) if slot_counts is not None else None
+            values, offsets = _select_keys(values, offsets, b, self._slot_keys[device], size)
         if self.dynamic is not None:
             values, offsets = self.dynamic.map_ids(values, offsets, b, torch.is_grad_enabled() and self.training,
-                                                   self.table_views)
+                                                   {"weight": self.weights, **self.optimizer_state()}, slot_counts)
         if self.validate_ids and b:
             check_ids(values, offsets, b, self.packing.tensors(values.device)["slot_rows"], *self._slot_names)
         return values, offsets, b

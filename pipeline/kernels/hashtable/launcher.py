@@ -3,7 +3,8 @@ results as :mod:`.reference`, on CUDA tensors.
 
 ``place`` orders the batch with one ``torch.sort`` of ``hash_order_keys`` (stable: a repeated key's
 positions stay in batch order), then one warp per bucket places the bucket's keys (``place_keys``);
-``find`` and ``locate`` give each key a group of ``FIND_GROUP`` threads; rows move with ``copy_rows``.
+``find`` and ``locate`` give each key a group of ``FIND_GROUP`` threads; rows move with ``copy_rows``
+(``read_rows``, ``take_rows``, ``write_rows``).
 
 Example::
 
@@ -70,6 +71,15 @@ def read_rows(values: torch.Tensor, slots: torch.Tensor, fallback: torch.Tensor)
     """``[n, dim]``: row ``slots[p]`` of ``values``, or ``fallback[p]`` where ``slots[p] < 0``."""
     out = torch.empty_like(fallback)
     _copy_rows(out, None, values, slots, fallback, slots.numel())
+    return out
+
+
+def take_rows(values: torch.Tensor, slots: torch.Tensor, taken: torch.Tensor) -> torch.Tensor:
+    """``[n, dim]``: row ``slots[p]`` of ``values`` where ``taken[p]`` (there ``slots[p] >= 0``); the other rows are
+    left unset."""
+    n = slots.numel()
+    out = torch.empty(n, values.shape[1], dtype=values.dtype, device=values.device)
+    _copy_rows(out, torch.where(taken, torch.arange(n, device=slots.device), -1), values, slots, None, n)
     return out
 
 

@@ -134,6 +134,12 @@ def read_rows(values: torch.Tensor, slots: torch.Tensor, fallback: torch.Tensor)
     return torch.where((slots >= 0)[:, None], values[slots.clamp(min=0)], fallback)
 
 
+def take_rows(values: torch.Tensor, slots: torch.Tensor, taken: torch.Tensor) -> torch.Tensor:
+    """``[n, dim]``: row ``slots[p]`` of ``values`` where ``taken[p]`` (there ``slots[p] >= 0``); the other rows are
+    unspecified (zeros here)."""
+    return torch.where(taken[:, None], values[slots.clamp(min=0)], 0.0)
+
+
 def write_rows(values: torch.Tensor, writers: torch.Tensor, rows: torch.Tensor) -> None:
     """``values[writers[p]] = rows[p]`` where ``writers[p] >= 0`` (distinct slots)."""
     mask = writers >= 0

@@ -12,6 +12,7 @@ Example::
     placed = table.find_or_insert(ids, init=torch.randn(len(ids), 64, device="cuda") * 0.01)
     rows = table.values[placed.slots]           # the rows of the batch's ids, by slot
     write_back(placed.evicted)                  # keys, rows and scores pushed out of full buckets
+    evictions += placed.evicted.count           # their number, on the device
     values, found = table.find(ids)
 """
 
@@ -30,12 +31,37 @@ POLICIES = {"lru": LRU, "lfu": LFU, "custom": CUSTOM}
 BACKENDS = ("auto", "cuda", "torch")
 
 
-class Evicted(NamedTuple):
-    """What a call pushed out of full buckets, in the batch order of the keys that took the slots."""
+class Evicted:
+    """What a call pushed out of full buckets, in the batch order of the keys that took the slots: ``keys`` (int64
+    ``[e]``), ``values`` (float32 ``[e, dim]``) and ``scores`` (int64 ``[e]``), selected on first use, which reads
+    ``e`` from the device; ``count`` (``e`` as an int64 tensor on the device) reads nothing."""
 
-    keys: torch.Tensor  # int64 [e]
-    values: torch.Tensor  # float32 [e, dim]
-    scores: torch.Tensor  # int64 [e]
+    def __init__(self, taken: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor) -> None:
+        self._taken = taken  # bool [n]: at the batch position of each key that evicted another
+        self._padded = keys, values, scores  # per batch position, meaningful where taken
+
+    @functools.cached_property
+    def count(self) -> torch.Tensor:
+        return self._taken.sum()
+
+    @functools.cached_property
+    def _positions(self) -> torch.Tensor:
+        return self._taken.nonzero().squeeze(1)
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self._padded[0][self._positions]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self._padded[1][self._positions]
+
+    @property
+    def scores(self) -> torch.Tensor:
+        return self._padded[2][self._positions]
+
+    def __iter__(self):
+        return iter((self.keys, self.values, self.scores))
 
 
 class Inserted(NamedTuple):
@@ -129,12 +155,20 @@ class HashTable:
         values = self._impl.read_rows(self._storage.values, placed.slots, init)
         return FoundOrInserted(placed.slots, values, placed.was_new, evicted)
 
-    def erase(self, keys: torch.Tensor) -> torch.Tensor:
-        """Remove the keys; bool ``[n]``: the key was in the table."""
+    def erase(self, keys: torch.Tensor, where: torch.Tensor | None = None) -> torch.Tensor:
+        """Remove the keys, or those of them at the positions where bool ``where`` ``[n]`` is true (a batch of a
+        size known on the host, not a selection of one, which reads the device); bool ``[n]``: the key was in the
+        table (and is removed)."""
         slots = self._impl.locate(self._storage, self._keys(keys))
-        found = slots >= 0
-        self._storage.digests[slots[found]] = 0
-        return found
+        if where is not None:
+            slots = torch.where(where, slots, -1)
+        if slots.numel():
+            # One write per position, no selection: a position without a key there writes 0 to the highest slot
+            # cleared, or, where none is, slot 0's own digest back.
+            last = slots.max()
+            target = torch.where(slots >= 0, slots, last.clamp(min=0))
+            self._storage.digests[target] = torch.where(last >= 0, 0, self._storage.digests[target])
+        return slots >= 0
 
     def size(self) -> int:
         """How many keys the table holds."""
@@ -195,10 +229,9 @@ class HashTable:
         scores = self._scores(scores, keys)
         self.clock += 1
         placed = self._impl.place(self._storage, keys, scores, POLICIES[self.policy], self.clock, assign)
-        taken = placed.evicted.nonzero().squeeze(1)
         # an evicting key's slot still holds the evicted row: copied out before the new rows are written
-        evicted = Evicted(placed.evicted_keys[taken], self._storage.values[placed.slots[taken]],
-                          placed.evicted_scores[taken])
+        evicted = Evicted(placed.evicted, placed.evicted_keys,
+                          self._impl.take_rows(self._storage.values, placed.slots, placed.evicted), placed.evicted_scores)
         self._impl.write_rows(self._storage.values, placed.writers, rows)
         return placed, evicted
 
