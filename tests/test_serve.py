@@ -265,11 +265,16 @@ def test_the_served_model_keeps_its_memory_between_large_requests(served):
         request = client.columns(_rows(cfg))
         for _ in range(5):
             client.infer(request)
-        before = {pid: _page_faults(pid) for pid in models}
-        for _ in range(20):
-            client.infer(request)
-        faults = max(_page_faults(pid) - before[pid] for pid in models) / 20
-    assert faults < 50, f"{faults:.0f} page faults per request of {len(_rows(cfg))} rows"
+        # the quietest of four blocks of 5 requests: a fault at every request shows in each block, while a
+        # one-off event (another process pressing on memory, a page of the store read once) falls in one
+        blocks = []
+        for _ in range(4):
+            before = {pid: _page_faults(pid) for pid in models}
+            for _ in range(5):
+                client.infer(request)
+            blocks.append(max(_page_faults(pid) - before[pid] for pid in models) / 5)
+        faults = min(blocks)
+    assert faults < 50, f"{faults:.0f} page faults per request of {len(_rows(cfg))} rows (blocks: {blocks})"
 
 
 def _parent(pid: int) -> int | None:
