@@ -150,7 +150,7 @@ def make_backend_dir(server: ServerBinary, env: ModelsEnv, where: Path) -> Path 
 
 
 MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(64 << 20), "MALLOC_TRIM_THRESHOLD_": str(256 << 20)}
-"""glibc's ``mallopt`` settings of the server and its models (unless the environment sets them): glibc
+"""glibc's ``mallopt`` settings of the server and its models: glibc
 gives a freed buffer over 128 KiB back to the kernel at once, so every request of a few hundred rows
 faulted its buffers' pages in again (about 500 page faults at 300 rows, 1,000 and 3 ms of the model's
 time at 1,024). Buffers under 64 MiB now come from the heap, which keeps up to 256 MiB free for the
@@ -159,8 +159,10 @@ next request."""
 
 def server_env(env: ModelsEnv) -> dict[str, str]:
     """The server's process environment: the models' venv first on PATH, its libpython first to link, and
-    the memory settings of :data:`MALLOC`."""
-    out = {**MALLOC, **os.environ}
+    the memory settings of :data:`MALLOC`, over any the process has: Dask's nanny sets
+    ``MALLOC_TRIM_THRESHOLD_=65536`` in the environment of a process that started a local cluster (the ETL
+    of ``run all``), which would make the models fault their buffers in again at every request."""
+    out = {**os.environ, **MALLOC}
     out["PATH"] = f"{env.bin}{os.pathsep}{out.get('PATH', '')}"
     libs = [env.libdir] + [p for p in out.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]
     out["LD_LIBRARY_PATH"] = os.pathsep.join(libs)

@@ -330,3 +330,15 @@ def test_a_row_with_every_continuous_value_missing_gets_an_unsaturated_predictio
         rows[name] = pd.Series([None] * len(rows), dtype=rows[name].dtype)
     predictions = InProcessModel(model, schema, Workflow.load(cfg.paths.workflow)).predict(rows)
     assert ((predictions > 0.001) & (predictions < 0.999)).all(), predictions
+
+
+def test_the_server_keeps_its_memory_settings_over_a_dask_parents_environment(monkeypatch, tmp_path):
+    """A process that started a local Dask cluster has MALLOC_TRIM_THRESHOLD_=65536 in its environment (the
+    nanny's pre-spawn settings): the server and its models must still get the thresholds that keep buffers."""
+    from export.environment import MALLOC, ModelsEnv, server_env
+
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "65536")
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
+    env = server_env(ModelsEnv(tmp_path, "3.11", str(tmp_path / "lib")))
+    assert {k: env[k] for k in MALLOC} == MALLOC
+    assert env["PATH"].startswith(str(tmp_path / "bin"))
