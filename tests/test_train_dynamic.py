@@ -12,8 +12,8 @@ from pipeline.stages.config import load_config
 from pipeline.stages.etl import run as run_etl
 from pipeline.stages.train import run
 from pipeline.train.driver import train
-from pipeline.train.loop import Callback
 from pipeline.train.model import load_trained
+from tests.test_train import Crash, CrashAfter
 
 SMALL = ["device=cpu", "data.rows=6000", "etl.cluster=threads", "etl.row_group_rows=1024", "progress=off",
          "etl.hash_ids={C1: 256, C4: 128}", "train.batch_size=128", "train.eval_batch_size=512",
@@ -39,19 +39,6 @@ def _copy(processed, workdir):
     shutil.copytree(processed / "synthetic" / "workflow", workdir / "synthetic" / "workflow")
     shutil.copytree(processed / "synthetic" / "raw", workdir / "synthetic" / "raw")
     return workdir
-
-
-class Crash(RuntimeError):
-    """Stops a run as a crash would."""
-
-
-class CrashAfter(Callback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_step(self, trainer) -> None:
-        if trainer.state.step == self.step:
-            raise Crash(f"stopping after step {self.step}")
 
 
 def _same(a, b, where="") -> None:

@@ -26,7 +26,7 @@ from pipeline.schema import Schema
 from pipeline.stages.config import load_config
 from pipeline.stages.train import run as run_train
 from pipeline.train.driver import train
-from pipeline.train.loop import Callback
+from tests.test_train import CrashAfter
 
 BUDGET_MB = "0.25"  # the tables take 1.08 MiB (8,604 rows x 32 fp32 + a row of Adagrad state)
 
@@ -64,15 +64,6 @@ def test_a_budget_far_below_the_tables_trains_the_same_model(runs):
     assert "[train] host-cached tables, in host memory behind a device cache of their hot rows: t_C3 (" in printed
     for name, s in stats.items():
         assert f"[train] device cache of {name}: {s['hit_rate']:.1%} of the training batches' rows found" in printed
-
-
-class CrashAfter(Callback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_step(self, trainer) -> None:
-        if trainer.state.step == self.step:
-            raise RuntimeError(f"stopping after step {self.step}")
 
 
 def test_a_host_cached_run_resumes_into_other_cache_sizes(runs):
