@@ -559,6 +559,26 @@ def test_cuda_table_equals_the_reference_on_large_batches():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_cuda_table_equals_the_reference_on_hot_keys_repeated_thousands_of_times(policy):
+    """Skewed batches, as Zipf ids give: a key repeated 127, 128, 129 and thousands of times (the warp scans a
+    key's repeats 128 at a time), a hot key last in hash order (its run ends the batch), LFU counting every repeat."""
+    g = torch.Generator().manual_seed(8)
+    cuda, cpu = _cuda_pair(16 * SLOTS, 8, policy)
+    for step in range(4):
+        hot = torch.randint(-(2**63), 2**63 - 1, (6,), generator=g)
+        counts = torch.tensor([1, 127, 128, 129, 5000 + step, 20_000])
+        cold = torch.randint(-(2**63), 2**63 - 1, (3000,), generator=g)
+        keys = torch.cat([cold, torch.repeat_interleave(hot, counts)])
+        last = max(cold.tolist(), key=lambda k: fmix64(k))  # the last key in hash order: its run ends the batch's
+        keys = torch.cat([keys, torch.tensor([last]).repeat(300)])
+        keys = keys[torch.randperm(keys.numel(), generator=g)]
+        _run_both(cuda, cpu, "find_or_insert" if step % 2 else "insert_or_assign", keys,
+                  random_rows(keys.numel(), 8, g))
+    _run_both(cuda, cpu, "find", keys[::7])
+
+
+@pytest.mark.gpu
 def test_cuda_table_edge_keys_repeats_and_empty_batches():
     cuda, cpu = _cuda_pair(SLOTS, 4, "custom")
     zero_digest = next(k for k in range(2, 100_000) if fmix64(k) & 0xFF == 0)

@@ -117,6 +117,28 @@ extern "C" __global__ void __launch_bounds__(256) find_keys(
         copy_row(out + i * dim, slot >= 0 ? values + slot * dim : nullptr, dim, aligned != 0, g, FIND_GROUP);
 }
 
+// The end of the run of positions from i on that hold ordered[i] (one key's repeats), found by the whole warp,
+// 128 positions an iteration: a hot key repeated thousands of times in a batch costs tens of loads, not thousands.
+__device__ __forceinline__ long long run_end(const long long* __restrict__ ordered, long long n, long long i,
+                                             int lane) {
+    const long long value = ordered[i];
+    long long end = i + 1;
+    for (;;) {
+        int first_other = 4;  // the first of this lane's four positions that ends the run (4: none)
+#pragma unroll
+        for (int j = 3; j >= 0; --j) {
+            const long long q = end + 4 * lane + j;
+            if (q >= n || ordered[q] != value) first_other = j;
+        }
+        const unsigned int stops = __ballot_sync(FULL_WARP, first_other < 4);
+        if (stops != 0u) {
+            const int l = __ffs(stops) - 1;
+            return end + 4 * l + __shfl_sync(FULL_WARP, first_other, l);
+        }
+        end += 128;
+    }
+}
+
 // The placement of a writing call: one warp per bucket walks the bucket's distinct keys in hash order
 // (`ordered`: hash_order_keys sorted, `order`: their batch positions, stable) twice. First the keys in
 // the table: each keeps its slot and gets its score. Then the new keys, one at a time: the lowest empty
@@ -150,7 +172,7 @@ extern "C" __global__ void __launch_bounds__(256) place_keys(
         for (long long i = start, end; i < n; i = end) {
             const u64 h = (u64)ordered[i] ^ 0x8000000000000000ull;
             if (bucket_of(h, num_buckets) != bucket) break;
-            for (end = i + 1; end < n && ordered[end] == ordered[i];) ++end;
+            end = run_end(ordered, n, i, lane);
             const long long first = order[i];
             const long long key = keys[first];
             const unsigned int digest = digest_of(h);
