@@ -2,7 +2,8 @@
 
 This is the reference the served ensemble must equal (and the baseline ``bench serve`` measures it
 against): the same ``Workflow.transform``, then the model's own ``forward`` on a
-:class:`~pipeline.sparse.KeyedJaggedTensor`, with no Triton, cache or store in between.
+:class:`~pipeline.sparse.KeyedJaggedTensor`, with no Triton, cache or store in between. The model runs
+on the device its weights are on (a GPU model against GPU instances).
 
 Example::
 
@@ -23,12 +24,14 @@ from pipeline.sparse import KeyedJaggedTensor
 
 
 class InProcessModel:
-    """``predict(raw DataFrame) -> probabilities``; ``features(...)`` gives the model inputs alone."""
+    """``predict(raw DataFrame) -> probabilities``; ``features(...)`` gives the model inputs alone, on the model's
+    device."""
 
     def __init__(self, model, schema: Schema, workflow) -> None:
         self.model = model.eval()
         self.schema = schema
         self.workflow = workflow
+        self.device = next(model.parameters()).device
 
     def features(self, raw: pd.DataFrame) -> tuple[torch.Tensor, KeyedJaggedTensor]:
         processed = self.workflow.transform(raw)
@@ -46,9 +49,11 @@ class InProcessModel:
                 lengths.append(np.ones(len(processed), dtype=np.int64))
         kjt = KeyedJaggedTensor(self.schema.sparse, torch.from_numpy(np.concatenate(values)),
                                 torch.from_numpy(np.concatenate(lengths).astype(np.int64)))
+        if self.device.type != "cpu":
+            return dense.to(self.device, non_blocking=True), kjt.to(self.device, non_blocking=True)
         return dense, kjt
 
     def predict(self, raw: pd.DataFrame) -> np.ndarray:
         dense, kjt = self.features(raw)
         with torch.inference_mode():
-            return torch.sigmoid(self.model(dense, kjt).float()).reshape(-1).numpy()
+            return torch.sigmoid(self.model(dense, kjt).float()).reshape(-1).cpu().numpy()

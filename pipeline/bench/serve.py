@@ -45,9 +45,10 @@ def run(args: argparse.Namespace, cfg) -> dict:
         etl=dataclasses.replace(cfg.etl, cluster="threads"))
     batches = [int(b) for b in args.batches.split(",") if b]
     cfg = dataclasses.replace(cfg, export=dataclasses.replace(cfg.export, max_batch_size=max(batches + [1024])))
-    reference, rows = _prepare(cfg)
-    print(f"[bench serve] {len(rows):,} raw test rows; model {cfg.train.model}; {os.cpu_count()} cores; "
-          f"load {os.getloadavg()[0]:.2f}", flush=True)
+    reference, rows, exported = _prepare(cfg)
+    served_by = f"{' + '.join(m for m in exported['models'] if m != 'ensemble')} ({exported['options']['instance_kind']})"
+    print(f"[bench serve] {len(rows):,} raw test rows; model {cfg.train.model} on {reference.device.type}, served by "
+          f"{served_by}; {os.cpu_count()} cores; load {os.getloadavg()[0]:.2f}", flush=True)
 
     from export.client import Client
     from export.repository import cache_stats
@@ -57,6 +58,7 @@ def run(args: argparse.Namespace, cfg) -> dict:
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k in ("requests", "clients", "seconds", "rows")),
         "machine": f"{platform.node()} ({os.cpu_count()} cores, {platform.machine()})",
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "load_average": os.getloadavg()[0],
+        "device": reference.device.type, "served_by": served_by,
         "latency": {}, "steps": {}}
     started = time.perf_counter()
     server = start_server(cfg.paths.export, cfg.serve)
@@ -104,6 +106,7 @@ def _prepare(cfg):
     from export.inprocess import InProcessModel
     from export.repository import raw_columns, write_repository
     from pipeline.data.raw_folder import RawDataset
+    from pipeline.device import resolve_device
     from pipeline.etl.workflow import Workflow
     from pipeline.modules.models import ModelSizes, build_model
     from pipeline.schema import Schema
@@ -115,11 +118,13 @@ def _prepare(cfg):
     make_data(cfg)
     run_etl(cfg)  # always: the raw data may have just been rebuilt
     schema = Schema.load(cfg.paths.schema)
-    model = build_model(cfg.train.model, schema, ModelSizes.from_train_config(cfg.train, "cpu"), seed=cfg.seed).eval()
+    device = resolve_device(cfg.device).kind  # a GPU model is served by GPU instances (export.instance_kind=auto)
+    model = build_model(cfg.train.model, schema, ModelSizes.from_train_config(cfg.train, device), seed=cfg.seed)
+    model = model.to(device).eval()
     raw = raw_columns(RawDataset.load(cfg.paths.raw), cfg.data.list_separator)
-    write_repository(model, schema, cfg.paths.workflow, raw, cfg.paths.export, model_options(cfg))
+    exported = write_repository(model, schema, cfg.paths.workflow, raw, cfg.paths.export, model_options(cfg))
     reference = InProcessModel(model, schema, Workflow.load(cfg.paths.workflow))
-    return reference, sample_rows(cfg, 1 << 30)
+    return reference, sample_rows(cfg, 1 << 30), exported
 
 
 def _timed_in_turn(fns: dict, repeats: int, block: int = 10) -> dict[str, dict]:
@@ -152,7 +157,7 @@ def _forward_only(reference, frame):
 
     def forward():
         with torch.inference_mode():
-            return torch.sigmoid(reference.model(dense, kjt))
+            return torch.sigmoid(reference.model(dense, kjt)).cpu()  # the answer on the host, as served
 
     return forward
 
