@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import copy
 import warnings
 from pathlib import Path
 
@@ -45,15 +46,16 @@ class _PooledProbability(nn.Module):
 
 
 def save_dense(model, path: str | Path) -> Path:
-    """Trace ``model.dense_part()`` (a :class:`pipeline.modules.models.RecModel`) on CPU and save it."""
+    """Trace ``model.dense_part()`` (a :class:`pipeline.modules.models.RecModel`) on CPU and save it; ``model``
+    itself stays on its device and in its mode (a copy is traced)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     pooled = torch.zeros(2, model.embedding.output_dim)
+    dense_layers = copy.deepcopy(model, {id(model.embedding): None}).eval().cpu()  # the tables stay where they are
     if model.num_dense:
-        wrapper, example = _Probability(model.dense_part()), (torch.zeros(2, model.num_dense), pooled)
+        wrapper, example = _Probability(dense_layers.dense_part()), (torch.zeros(2, model.num_dense), pooled)
     else:
-        wrapper, example = _PooledProbability(model.dense_part()), (pooled,)
-    wrapper = wrapper.eval().cpu()
+        wrapper, example = _PooledProbability(dense_layers.dense_part()), (pooled,)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         traced = torch.jit.trace(wrapper, example, check_trace=False)

@@ -131,6 +131,19 @@ def test_traced_dense_part_equals_the_model_at_any_batch_size(tmp_path, name):
         np.testing.assert_allclose(got[:, 0], expected, rtol=0, atol=1e-6)
 
 
+def test_saving_the_dense_part_leaves_the_model_as_it_was_and_saves_no_table(tmp_path):
+    schema = Schema([Column("label", "label", "float32"), Column("I1", "continuous", "float32"),
+                     Column("C1", "categorical", "int32", cardinality=200_000)])
+    model = build_model("dlrm", schema, ModelSizes.preset("small")).train()
+    weights = model.embedding.weights
+    path = save_dense(model, tmp_path / "model.pt")
+    assert all(m.training for m in model.modules()), "the model's mode was changed"
+    assert model.embedding.weights is weights and model.embedding is not None
+    table_bytes = weights.numel() * weights.element_size()
+    dense_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not n.startswith("embedding"))
+    assert path.stat().st_size < dense_bytes + table_bytes / 2, "the embedding tables were saved with the dense part"
+
+
 def test_the_models_environment_must_have_numpy_below_2():
     with pytest.raises(UserError, match="numpy 2.*expected numpy<2"):
         find_models_env(REPO / ".venv")

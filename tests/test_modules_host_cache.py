@@ -40,7 +40,8 @@ def batch(step: int, size: int = BATCH) -> tuple[KeyedJaggedTensor, torch.Tensor
         ids = (torch.rand(int(lengths.sum()), generator=g) ** 4 * limit).long()
         bags.append([chunk.tolist() for chunk in ids.split(lengths.tolist())])
     target = torch.randn(size, 8 + 4 + 4 + 8 + 16, generator=g)
-    return KeyedJaggedTensor.from_lists(FEATURES, bags), target
+    kjt = KeyedJaggedTensor.from_lists(FEATURES, bags)  # each key's number of ids known, as the loader's batches
+    return KeyedJaggedTensor(FEATURES, kjt.values, kjt.lengths, [sum(map(len, bag)) for bag in bags]), target
 
 
 def plain(opt: str, weights_dtype: str = "fp32", master: bool = False, backend: str = "torch") -> EmbeddingCollection:

@@ -35,7 +35,7 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("serve-gpu")
-    cfg = load_config(None, [f"workdir={workdir}", "data.rows=3000", "etl.cluster=threads", "device=cuda",
+    cfg = load_config(None, [f"workdir={workdir}", "data.rows=3000", "etl.cluster=threads", "device=cpu",
                              "export.instance_kind=gpu", "export.max_batch_size=512"])
     problem = server_problem(cfg.serve)
     if problem:

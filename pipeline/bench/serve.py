@@ -103,6 +103,8 @@ def run(args: argparse.Namespace, cfg) -> dict:
 
 
 def _prepare(cfg):
+    import dataclasses
+
     from export.inprocess import InProcessModel
     from export.repository import raw_columns, write_repository
     from pipeline.data.raw_folder import RawDataset
@@ -115,8 +117,9 @@ def _prepare(cfg):
     from pipeline.stages.export import model_options
     from pipeline.stages.serve import sample_rows
 
-    make_data(cfg)
-    run_etl(cfg)  # always: the raw data may have just been rebuilt
+    etl_cfg = dataclasses.replace(cfg, device="auto")  # the GPU's model needs no cuDF: pandas where it is missing
+    make_data(etl_cfg)
+    run_etl(etl_cfg)  # always: the raw data may have just been rebuilt
     schema = Schema.load(cfg.paths.schema)
     device = resolve_device(cfg.device).kind  # a GPU model is served by GPU instances (export.instance_kind=auto)
     model = build_model(cfg.train.model, schema, ModelSizes.from_train_config(cfg.train, device), seed=cfg.seed)
