@@ -200,6 +200,40 @@ def test_a_training_batch_larger_than_a_cache_is_refused_naming_the_table():
         cached(kjt)
 
 
+def test_rows_move_as_whole_words_and_host_tables_are_mapped_only_for_a_gpu():
+    from pipeline.kernels.host_rows import copy_rows, map_to_device, rows_movable
+
+    assert rows_movable(torch.zeros(4, 6, dtype=torch.bfloat16)) and rows_movable(torch.zeros(4))
+    assert not rows_movable(torch.zeros(4, 3, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="4-byte words"):
+        copy_rows(torch.zeros(4, 3, dtype=torch.bfloat16), torch.arange(2), torch.zeros(4, 3, dtype=torch.bfloat16),
+                  torch.arange(2))
+    with pytest.raises(ValueError, match="contiguous"):
+        copy_rows(torch.zeros(4, 8).t(), torch.arange(2), torch.zeros(8, 4), torch.arange(2))
+    if not torch.cuda.is_available():
+        assert not map_to_device(torch.zeros(10, 4), torch.device("cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,shape", [(torch.float32, (5000, 12)), (torch.bfloat16, (5000, 6)),
+                                         (torch.float32, (5000,)), (torch.float16, (5000, 130))])
+def test_on_a_gpu_rows_move_between_device_memory_and_mapped_host_tables_as_indexing_moves_them(dtype, shape):
+    from pipeline.kernels.host_rows import copy_rows, map_to_device
+
+    g = torch.Generator().manual_seed(3)
+    host = torch.randn(shape, generator=g).to(dtype)
+    assert map_to_device(host, torch.device("cuda")) and map_to_device(host, torch.device("cuda"))
+    cache = torch.zeros((300, *shape[1:]), dtype=dtype, device="cuda")
+    rows, slots = torch.randperm(5000, generator=g)[:200], torch.randperm(300, generator=g)[:200]
+    copy_rows(cache, slots.cuda(), host, rows.cuda())
+    torch.cuda.synchronize()
+    assert torch.equal(cache[slots.cuda()].cpu(), host[rows])
+    cache[slots.cuda()] = (cache[slots.cuda()].float() * 2 + 1).to(dtype)
+    copy_rows(host, rows.cuda(), cache, slots.cuda())
+    torch.cuda.synchronize()
+    assert torch.equal(host[rows], cache[slots.cuda()].cpu())
+
+
 @pytest.mark.gpu
 def test_on_a_gpu_a_step_ahead_host_cached_tables_train_alike_and_sync_nothing_but_their_events():
     """The prefetch of each next batch runs after the step before was queued, its side stream waiting for an

@@ -25,6 +25,11 @@ cached tables at once, on a GPU on a side stream of its own:
    device, where they are scattered into their slots; then the index, the recency order and the dirty
    slots are updated (:meth:`RowCache.commit`) and each id gets its slot.
 
+On a GPU whose kernels can address page-locked host memory (:mod:`pipeline.kernels.host_rows`), the host
+tables are page-locked where they lie and mapped for the GPU once, and steps 3 and 4 need no host: the GPU
+itself writes the dirty rows of the victim slots into the host tables and reads the missing rows into their
+slots, each row crossing the bus once, with no host wait 2, no staging copy and no gather on the host.
+
 The copies are asynchronous (``non_blocking`` from and to pinned memory) and run on the side stream;
 the two waits are for events of that stream only, never for the compute stream, and are the only
 reads of the device: no ``.item()``, ``.tolist()`` of a device tensor, ``nonzero`` or boolean-mask
@@ -67,6 +72,7 @@ import torch
 
 from pipeline.errors import UserError
 from pipeline.kernels.embedding import TablePacking
+from pipeline.kernels.host_rows import copy_rows, map_to_device, rows_movable
 from pipeline.modules.collection import EmbeddingCollection, flat_views
 from pipeline.modules.configs import WEIGHT_DTYPES, EmbeddingOptimizerConfig, TableConfig
 from pipeline.modules.host_cache import NO_ROW, CachedTable, CacheStats, CacheTooSmall, RowCache
@@ -149,6 +155,7 @@ class HostCachedCollection(EmbeddingCollection):
         self._looked_up: torch.cuda.Event | None = None
         self._buffers_on_host: dict[str, torch.Tensor] = {}
         self._written_back: _WrittenBack | None = None
+        self._mapped: bool | None = None  # see _host_mapped
 
     @classmethod
     def from_collection(cls, ec: EmbeddingCollection, cache_rows: dict[str, int]) -> HostCachedCollection:
@@ -176,6 +183,7 @@ class HostCachedCollection(EmbeddingCollection):
                     (device if to_device else host)[key].copy_((host if to_device else device)[key])
 
     def _apply(self, fn, recurse=True):
+        self._mapped = None
         self._side = None  # the books on the new device are marked as the side stream's at its first use
         return super()._apply(fn, recurse)
 
@@ -239,7 +247,12 @@ class HostCachedCollection(EmbeddingCollection):
             self._finish_write_back()
             missing, written = by_table[0], by_table[4]
             moves = placement.moves(sum(missing), sum(written))
-            if moves.victims.numel():
+            if moves.victims.numel() and self._host_mapped():
+                if moves.written_back_slots.numel():
+                    self._move_rows(moves.written_back_slots, self.cache.index.rows_of(moves.written_back_slots),
+                                    written, to_host=True)
+                self._move_rows(moves.victims, moves.missing_rows, missing, to_host=False)
+            elif moves.victims.numel():
                 rows = self._read(moves.missing_rows, "missing rows", wait=False)
                 arrived = self._event()
                 if moves.written_back_slots.numel():
@@ -258,6 +271,32 @@ class HostCachedCollection(EmbeddingCollection):
             if hi > lo:
                 yield group, lo, hi
             lo = hi
+
+    def _host_mapped(self) -> bool:
+        """On a GPU, the host tables are page-locked and mapped for its kernels (once), so that rows move between
+        them and the caches with no host work (:meth:`_move_rows`); else they move through the host."""
+        if self._mapped is None:
+            device = self.weights.device
+            self._mapped = device.type == "cuda" and all(
+                rows_movable(_group_view(self.packing, flat, g)) for flat in self.host.values()
+                for g in range(len(self.packing.groups))) and all(map_to_device(flat, device)
+                                                                   for flat in self.host.values())
+        return self._mapped
+
+    def _move_rows(self, slots: torch.Tensor, rows: torch.Tensor, by_table: list[int], to_host: bool) -> None:
+        """Between the cache ``slots`` and the host tables' global ``rows`` (both by table, counted ``by_table``, on
+        the device), every tensor (weight, each optimizer state), copied by the GPU through the mapping of the host
+        tables: ``to_host`` writes the rows back, else the rows are brought into the slots."""
+        at = slots + self.slot_group_row[self.cache.slot_table[slots]]
+        for key, flat in self._storage().items():
+            for g, lo, hi in self._groups_of(by_table):
+                cache = _group_view(self.storage_packing, flat, g)
+                host = _group_view(self.packing, self.host[key], g)
+                host_rows = rows[lo:hi] - self.packing.groups[g].row_start
+                if to_host:
+                    copy_rows(host, host_rows, cache, at[lo:hi])
+                else:
+                    copy_rows(cache, at[lo:hi], host, host_rows)
 
     def _start_write_back(self, slots: torch.Tensor, by_table: list[int]) -> None:
         """Copy the rows of ``slots`` (by table, counted ``by_table``) and their global rows to host memory; the
