@@ -1,7 +1,8 @@
 """The hash table: the reference against a dict of the visible state (buckets never full) and against the
 documented rules applied one key at a time in pure Python (full buckets, eviction), the edge keys,
-repeated keys, empty batches, checkpoints; the kernels' build and launch arguments on CPU; and on a GPU
-(marker ``gpu``) the CUDA table against the reference, state and results, after the same calls."""
+repeated keys, empty batches, checkpoints; a group of tables, its one call for all against each table's own;
+the kernels' build and launch arguments on CPU; and on a GPU (marker ``gpu``) the CUDA table and group
+against the reference, state and results, after the same calls."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 
 from pipeline.errors import BadInputError
 from pipeline.kernels._compile import KERNEL_DIR
-from pipeline.kernels.hashtable import SLOTS, HashTable, launcher, reference
+from pipeline.kernels.hashtable import SLOTS, HashTable, HashTableGroup, launcher, reference
 from tests.test_kernels_build import _CTYPE_TO_PTX, _ptx_params
 
 SOURCE = "hashtable/hashtable.cu"
@@ -454,6 +455,134 @@ def test_on_cpu_the_table_runs_the_reference_and_refuses_the_kernels():
         HashTable(SLOTS, 1, backend="cuda")
 
 
+# --- a group of tables: one call for the keys of all, each table's own result ------------------------------------
+
+GROUP_CAPACITIES = [SLOTS, 3 * SLOTS, SLOTS, 2 * SLOTS]
+
+
+def _rows_of(keys: torch.Tensor, dim: int) -> torch.Tensor:
+    """Rows drawn from each key alone (as a dynamic table draws its new rows): a repeated key's are all the same."""
+    return (keys[:, None] % 997 + torch.arange(dim)).float()
+
+
+def _group_batch(rng: random.Random, g: torch.Generator, universe: list[int], tables: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(keys, tables)``: each table's keys of a batch, drawn from one universe (a key in two tables is two keys),
+    some tables without any, now and then a key repeated thousands of times in one table and a few in another;
+    the tables' keys interleaved at random."""
+    parts = [random_batch(universe, rng, 300) if rng.random() > 0.25 else torch.zeros(0, dtype=torch.int64)
+             for _ in range(tables)]
+    if rng.random() < 0.4:
+        hot = rng.choice(universe)
+        parts[rng.randrange(tables)] = torch.cat([parts[0], torch.tensor([hot]).repeat(rng.randint(1000, 3000))])
+        parts[rng.randrange(tables)] = torch.cat([parts[1], torch.tensor([hot]).repeat(5)])
+    keys = torch.cat(parts)
+    owner = torch.repeat_interleave(torch.arange(tables), torch.tensor([p.numel() for p in parts]))
+    perm = torch.randperm(keys.numel(), generator=g)
+    return keys[perm], owner[perm]
+
+
+def _side_by_side() -> tuple[torch.Tensor, torch.Tensor]:
+    """One key alone in tables 0 and 2 (one bucket each) and nothing in table 1: sorted by table then hash, its
+    repeats of both tables are neighbours, in the same bucket number of their tables."""
+    return torch.tensor([-1] * 2000 + [-1] * 300), torch.tensor([0] * 2000 + [2] * 300)
+
+
+def _check_group_call(group: HashTableGroup, alone: list[HashTable], keys: torch.Tensor, owner: torch.Tensor,
+                      scores: torch.Tensor | None) -> int:
+    """The group's call against each table's ``find_or_insert`` of its keys, bit for bit; then the caller's part
+    (the evicted rows read from their slots, the new keys' rows written) and the tables' states. Returns the
+    evictions."""
+    dim = group.dim
+    want = [table.find_or_insert(keys[owner == t], _rows_of(keys[owner == t], dim),
+                                 None if scores is None else scores[owner == t]) for t, table in enumerate(alone)]
+    got = group.find_or_insert(keys, owner, scores)
+    assert got.evictions.tolist() == [w.evicted.count.item() for w in want]
+    for t, (w, table) in enumerate(zip(want, group.tables)):
+        at = owner == t
+        slots, taken = got.slots[at], got.evicted[at]
+        assert torch.equal(slots, w.slots) and torch.equal(got.was_new[at], w.was_new)
+        assert torch.equal(got.evicted_keys[at][taken], w.evicted.keys)
+        assert torch.equal(got.evicted_scores[at][taken], w.evicted.scores)
+        assert torch.equal(table.values[slots[taken]], w.evicted.values)  # still in the slots the new keys took
+        new = got.was_new[at] & (slots >= 0)
+        table.values[slots[new]] = _rows_of(keys[at][new], dim)
+        mine, theirs = storage_of(table), storage_of(alone[t])
+        assert all(torch.equal(mine[name], theirs[name]) for name in mine), t
+        assert table.clock == alone[t].clock
+    return sum(got.evictions.tolist())
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "custom"])
+def test_a_groups_call_places_each_key_as_its_tables_own_call_would(policy):
+    """Tables of several capacities, full buckets (a universe of 600 keys for 128 to 384 slots), keys in two
+    tables, the edge keys, hot keys repeated thousands of times, tables without keys, erasures between calls."""
+    dim, rng, g = 3, random.Random(7), torch.Generator().manual_seed(7)
+    universe = EDGE_KEYS + [rng.randrange(-(2**63), 2**63) for _ in range(600)]
+    group = HashTableGroup(GROUP_CAPACITIES, dim, policy=policy)
+    alone = [HashTable(c, dim, policy=policy) for c in GROUP_CAPACITIES]
+    evictions = 0
+    for step in range(30):
+        keys, owner = _group_batch(rng, g, universe, len(alone)) if step else _side_by_side()
+        if step == 5:
+            keys, owner = keys[:0], owner[:0]
+        scores = torch.randint(0, 40, (keys.numel(),), generator=g) if policy == "custom" else None
+        evictions += _check_group_call(group, alone, keys, owner, scores)
+        t = rng.randrange(len(alone))
+        gone = random_batch(universe, rng, 60)
+        assert torch.equal(group.tables[t].erase(gone), alone[t].erase(gone))
+        probe = random_batch(universe, rng, 200)
+        owners = torch.randint(0, len(alone), (probe.numel(),), generator=g)
+        assert group.locate(probe, owners).tolist() == [alone[o].locate(k.view(1)).item()
+                                                         for k, o in zip(probe, owners.tolist())]
+    assert evictions > 0 or policy == "lfu"
+
+
+def test_a_group_shares_one_clock_and_each_table_keeps_its_lru_order():
+    group = HashTableGroup([SLOTS, SLOTS], 1)
+    a, b = group.tables
+    a.insert_or_assign(torch.arange(SLOTS), torch.zeros(SLOTS, 1))  # a alone: clock 1
+    a.find_or_insert(torch.arange(64), torch.zeros(64, 1))  # clock 2 for its first 64 keys
+    placed = group.find_or_insert(torch.tensor([1000, 1001, 5]), torch.tensor([0, 1, 1]))
+    assert a.clock == b.clock == 3 and placed.was_new.tolist() == [True, True, True]
+    assert placed.evictions.tolist() == [1, 0] and placed.evicted_scores[0].item() == 1
+    assert placed.evicted_keys[0].item() in range(64, SLOTS)  # a's least recent key went
+    assert exported(a)[1000][1] == exported(b)[1001][1] == exported(b)[5][1] == 3
+
+
+def test_each_table_of_a_group_is_a_table_of_its_own_slots():
+    group = HashTableGroup([2 * SLOTS, SLOTS, 3 * SLOTS], 2, policy="custom")
+    for t, table in enumerate(group.tables):
+        table.insert_or_assign(torch.arange(100) + t, torch.full((100, 2), float(t)), torch.arange(100))
+    before = [storage_of(table) for table in group.tables]
+    state = group.tables[1].state_dict()
+    group.tables[1].clear()
+    assert group.tables[1].size() == 0 and [t.size() for t in group.tables] == [100, 0, 100]
+    alone = HashTable(SLOTS, 2, policy="custom")
+    alone.load_state_dict(state)
+    group.tables[1].load_state_dict(alone.state_dict())
+    after = [storage_of(table) for table in group.tables]
+    assert all(torch.equal(x[name], y[name]) for x, y in zip(before, after) for name in x)
+    values, found = group.tables[2].find(torch.tensor([2, 1]))
+    assert found.tolist() == [True, False] and values.tolist() == [[2.0, 2.0], [0.0, 0.0]]
+    assert group.locate(torch.tensor([2, 2, 2, 1]), torch.tensor([0, 1, 2, 2])).tolist() == [
+        group.tables[0].locate(torch.tensor([2])).item(), group.tables[1].locate(torch.tensor([2])).item(),
+        group.tables[2].locate(torch.tensor([2])).item(), -1]
+
+
+def test_a_groups_wrong_arguments_say_what_was_expected():
+    with pytest.raises(ValueError, match="capacity must be a positive multiple of 128"):
+        HashTableGroup([SLOTS, 100], 2)
+    with pytest.raises(ValueError, match="1 to 32767 tables, got 0"):
+        HashTableGroup([], 2)
+    group = HashTableGroup([SLOTS, SLOTS], 2)
+    with pytest.raises(ValueError, match=r"tables must be integers \(3,\) on cpu \(each key's table\), got "
+                                         r"torch.float32 \(3,\)"):
+        group.find_or_insert(torch.arange(3), torch.zeros(3))
+    with pytest.raises(ValueError, match="scores are given only to a table of policy 'custom'"):
+        group.find_or_insert(torch.arange(3), torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64))
+
+
 # --- the kernels' source and launch arguments, checked on CPU ---------------------------------------------------
 
 
@@ -478,8 +607,11 @@ def test_launch_arguments_match_kernel_signatures(tmp_path, monkeypatch):
     launcher.write_rows(storage.values, torch.zeros(10, dtype=torch.int64), torch.zeros(10, 8))
     launcher.read_rows(storage.values, torch.zeros(10, dtype=torch.int64), torch.zeros(10, 8))
     launcher.take_rows(storage.values, torch.zeros(10, dtype=torch.int64), torch.ones(10, dtype=torch.bool))
+    tables, bucket_starts = torch.zeros(10, dtype=torch.int16), torch.tensor([0, 1, 2])  # a group of two tables
+    launcher.locate(storage, keys, tables, bucket_starts)
+    launcher.place(storage, keys, None, reference.LRU, 3, False, tables, bucket_starts)
     assert [f for _, f, *_ in launches] == ["find_keys", "find_keys", "hash_order_keys", "place_keys", "copy_rows",
-                                           "copy_rows", "copy_rows"]
+                                           "copy_rows", "copy_rows", "find_keys", "hash_order_keys", "place_keys"]
     groups = {"find_keys": launcher.FIND_GROUP, "place_keys": 32, "copy_rows": launcher.COPY_GROUP,
               "hash_order_keys": 1}
     for source, function, grid, block, args in launches:
@@ -608,3 +740,49 @@ def test_cuda_table_state_dict_loads_into_the_reference_and_back():
     back = HashTable(8 * SLOTS, 8, "cpu")
     back.load_state_dict(cuda.state_dict())
     _same(back.export(), cpu.export())
+
+
+def _cuda_group_pair(capacities: list[int], dim: int, policy: str) -> tuple[HashTableGroup, HashTableGroup]:
+    from pipeline.kernels import kernels_problem
+
+    if kernels_problem():
+        pytest.skip(f"the kernels cannot run here: {kernels_problem()}")
+    return (HashTableGroup(capacities, dim, "cuda", policy, backend="cuda"),
+            HashTableGroup(capacities, dim, "cpu", policy))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["lru", "lfu", "custom"])
+def test_cuda_group_equals_the_reference_group_after_random_calls(policy):
+    """The group's one call for all tables: the kernels against the reference, results and every table's state,
+    with full buckets, keys in two tables, hot keys repeated thousands of times, tables without keys, a table of
+    one bucket beside larger ones (its first bucket follows the last of the table before it)."""
+    rng, g = random.Random(11), torch.Generator().manual_seed(11)
+    capacities = [SLOTS, 3 * SLOTS, SLOTS, 64 * SLOTS, 2 * SLOTS]
+    universe = EDGE_KEYS + [rng.randrange(-(2**63), 2**63) for _ in range(4000)]
+    cuda, cpu = _cuda_group_pair(capacities, 4, policy)
+    for step in range(30):
+        keys, owner = _group_batch(rng, g, universe, len(capacities)) if step else _side_by_side()
+        scores = torch.randint(0, 40, (keys.numel(),), generator=g) if policy == "custom" else None
+        got = cuda.find_or_insert(keys.cuda(), owner.cuda(), scores.cuda() if scores is not None else None)
+        _same(got, cpu.find_or_insert(keys, owner, scores))
+        for x, y in zip(cuda.tables, cpu.tables):
+            _same_state(x, y)
+        probe = random_batch(universe, rng, 500)
+        owners = torch.randint(0, len(capacities), (probe.numel(),), generator=g)
+        _same(cuda.locate(probe.cuda(), owners.cuda()), cpu.locate(probe, owners))
+        t = rng.randrange(len(capacities))
+        _run_both(cuda.tables[t], cpu.tables[t], "erase", random_batch(universe, rng, 100))
+
+
+@pytest.mark.gpu
+def test_cuda_group_equals_the_reference_group_on_large_batches():
+    g = torch.Generator().manual_seed(12)
+    capacities = [256 * SLOTS] * 6 + [SLOTS, 4096 * SLOTS]
+    cuda, cpu = _cuda_group_pair(capacities, 2, "lru")
+    for _ in range(3):
+        keys = torch.randint(0, 400_000, (300_000,), generator=g)  # the same keys in several tables
+        owner = torch.randint(0, len(capacities), (keys.numel(),), generator=g)
+        _same(cuda.find_or_insert(keys.cuda(), owner.cuda()), cpu.find_or_insert(keys, owner))
+    for x, y in zip(cuda.tables, cpu.tables):
+        _same_state(x, y)

@@ -6,9 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline.kernels.hashtable import SLOTS
+from pipeline.kernels.hashtable import SLOTS, HashTable, reference
 from pipeline.modules.collection import EmbeddingCollection
 from pipeline.modules.configs import EmbeddingOptimizerConfig, TableConfig
+from pipeline.modules.dynamic import slot_codes
 from pipeline.schema import DYNAMIC_ROWS
 from pipeline.sparse import KeyedJaggedTensor
 
@@ -180,6 +181,47 @@ def test_a_checkpoint_resumes_exactly_ids_scores_rows_and_optimizer_state():
             assert a[key]["evictions"] == b[key]["evictions"]
         else:
             assert torch.equal(a[key], b[key]), key
+
+
+def test_the_ids_of_all_tables_are_placed_by_one_call_each_as_its_own_table_would(monkeypatch):
+    """Four dynamic tables (one with two features, one admitting after 2, a static one between them), every
+    training batch's ids placed by one placement for all the tables (and one of each admitting table's
+    candidates), each table ending as a hash table of its own given its ids batch after batch would: the same
+    ids, slots, scores and clock. Some batches hold no id of a table."""
+    features = ["A", "B", "S", "C", "D"]
+    tables = [TableConfig("ab", 2 * SLOTS, 4, ["A", "B"], dynamic=True), TableConfig("s", 50, 4, ["S"]),
+              TableConfig("c", SLOTS, 2, ["C"], dynamic=True),
+              TableConfig("d", 3 * SLOTS, 4, ["D"], dynamic=True, admit_after=2)]
+    emb = EmbeddingCollection(tables, features, EmbeddingOptimizerConfig("adagrad", lr=0.1))
+    alone = {"ab": HashTable(2 * SLOTS, 2), "c": HashTable(SLOTS, 2), "d": HashTable(3 * SLOTS, 2)}
+    placements = []
+    place = reference.place
+    monkeypatch.setattr(reference, "place", lambda *a, **k: placements.append(1) or place(*a, **k))
+    gen = torch.Generator().manual_seed(9)
+    for step in range(12):
+        ids = {f: _raw(torch.randint(0, 600, (int(torch.randint(0, 40, (1,), generator=gen)),), generator=gen))
+               for f in features if f != "S"}
+        if step % 4 == 1:
+            ids["C"] = ids["C"][:0]
+        lengths = {f: torch.zeros(8, dtype=torch.int64) for f in features}
+        for f, v in ids.items():  # each feature's ids in one bag of its own, the other bags empty
+            lengths[f][step % 8] = v.numel()
+        kjt = KeyedJaggedTensor(features, torch.cat([ids["A"], ids["B"], torch.zeros(0, dtype=torch.int64),
+                                                     ids["C"], ids["D"]]),
+                                torch.cat([lengths[f] for f in features]))
+        placements.clear()
+        emb(kjt).sum().backward()
+        assert len(placements) == 2  # the group's one, and the admitting table's candidates'
+        admitted = emb.dynamic["d"].find(ids["D"]) >= 0  # placed now, or before
+        for name, keys in (("ab", torch.cat([ids["A"], ids["B"]])), ("c", ids["C"]), ("d", ids["D"][admitted])):
+            alone[name].find_or_insert(keys, torch.zeros(keys.numel(), 2))
+    for name, table in alone.items():
+        state, want = emb.dynamic[name].get_extra_state()["ids"], table.state_dict()
+        for key in ("keys", "slots", "scores"):
+            assert torch.equal(state[key], want[key]), (name, key)
+        assert state["clock"] == want["clock"] == 12
+        assert torch.equal(state["values"], slot_codes(state["slots"]))  # the checkpoint's format, as before
+    assert emb.dynamic["c"].stats()["evictions"] > 0
 
 
 def test_dynamic_table_settings_are_checked():

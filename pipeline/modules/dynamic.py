@@ -23,8 +23,10 @@ such ids from the bags it gives the ops (whose dynamic slots therefore pool sums
 ``mean`` slots by their whole bags' lengths after the lookup.
 
 The ids of all the dynamic tables of a collection are mapped in one pass (:class:`DynamicTables`), every
-size known on the host: a training step waits for the device once for them all, three times with
-admission, and on a GPU the hash table's kernels do the placing.
+size known on the host: their hash tables are made together (a
+:class:`~pipeline.kernels.hashtable.HashTableGroup`), so one call places the ids of them all (on a GPU, one
+sort by hash, one by table and one placement kernel), and a training step waits for the device once for
+them all, three times with admission.
 
 The hash tables' content (ids, slots, scores, the clock) is the module's extra state, so a
 checkpoint of the collection holds it beside the rows and their optimizer state, and a resumed run
@@ -46,7 +48,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from pipeline.kernels.hashtable import SLOTS, HashTable
+from pipeline.kernels.hashtable import SLOTS, HashTable, HashTableGroup
 from pipeline.kernels.hashtable.reference import bucket_of, mix64
 
 _CODE = 1 << 24  # a slot is kept in its hash table row as two floats below 2**24, exact in float32
@@ -68,8 +70,8 @@ def draw_rows(keys: torch.Tensor, hashes: torch.Tensor, bound: float | torch.Ten
 
 
 def slot_codes(slots: torch.Tensor) -> torch.Tensor:
-    """float32 ``[n, 2]``: the row of a dynamic table's hash table that holds each slot, exactly (two floats below
-    2**24), so that ``find`` answers the slot."""
+    """float32 ``[n, 2]``: the row of a dynamic table's hash table at each slot, the slot itself, exactly (two floats
+    below 2**24): what its state dict holds beside each id, as ``find`` of the id would answer it."""
     return torch.stack([slots // _CODE, slots % _CODE], 1).float()
 
 
@@ -80,29 +82,23 @@ def owner_rank(keys: torch.Tensor, world: int) -> torch.Tensor:
 
 
 class DynamicTable(nn.Module):
-    """The ids of one dynamic table (``config.rows`` slots) and their slots; ``seed`` draws new rows."""
+    """The ids of one dynamic table (``config.rows`` slots) and their slots; ``seed`` draws new rows. Its hash table
+    ``ids`` and its count of ``evictions`` are its collection's (:class:`DynamicTables`), which places the ids of
+    all its tables at once."""
 
-    def __init__(self, config, seed: int) -> None:
+    def __init__(self, config, seed: int, ids: HashTable, evictions: torch.Tensor) -> None:
         super().__init__()
         self.name, self.capacity, self.dim = config.name, config.rows, config.dim
         self.admit_after = config.admit_after
         self.bound = config.init_scale if config.init_scale is not None else config.rows ** -0.5
-        self.register_buffer("seed", torch.tensor(seed, dtype=torch.int64))  # moves with .to(): the tables follow
-        self.evictions = torch.zeros((), dtype=torch.int64)  # counted on the device, read by stats()
-        self.ids = self._table(2)
-        self.candidates = self._table(1) if self.admit_after > 1 else None
+        self.register_buffer("seed", torch.tensor(seed, dtype=torch.int64, device=ids.device))
+        self._hold(ids, evictions)
 
-    def _table(self, dim: int) -> HashTable:
-        return HashTable(self.capacity, dim, device=self.seed.device, policy="lru")
-
-    def _apply(self, fn, recurse=True):
-        out = super()._apply(fn, recurse)
-        if self.seed.device != self.ids.device:
-            state = self.get_extra_state()
-            self.ids = self._table(2)
-            self.candidates = self._table(1) if self.admit_after > 1 else None
-            self.set_extra_state(state)
-        return out
+    def _hold(self, ids: HashTable, evictions: torch.Tensor) -> None:
+        """Take ``ids`` (empty, its rows the codes of their own slots, :func:`slot_codes`) and ``evictions`` (a zero
+        on the same device, counted in place), and new empty admission candidates there."""
+        self.ids, self.evictions = ids, evictions
+        self.candidates = HashTable(self.capacity, 1, device=ids.device, policy="lru") if self.admit_after > 1 else None
 
     def stats(self) -> dict[str, int]:
         """``ids``: ids holding a slot; ``evictions``: ids evicted so far; ``candidates``: ids counted
@@ -112,18 +108,7 @@ class DynamicTable(nn.Module):
 
     def find(self, keys: torch.Tensor) -> torch.Tensor:
         """int64 ``[n]``: each id's slot, -1 where it has none. Changes nothing."""
-        codes, found = self.ids.find(keys)  # an id's row of ``ids`` holds its slot (see slot_codes)
-        slots = codes[:, 0].long() * _CODE + codes[:, 1].long()
-        return torch.where(found, slots, -1)
-
-    def insert(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Training: place admitted ids ``keys`` (repeats allowed) with one ``find_or_insert``. ``(slots [n],
-        was_new [n])``: each id's slot (-1: its bucket is full of ids of this call), and whether the id was new to
-        the table (where it has a slot, it took it now: its row and optimizer state are the caller's to start, and
-        the slot's row of ``ids`` is the caller's to write, :func:`slot_codes`). Reads nothing from the device."""
-        placed = self.ids.find_or_insert(keys, torch.zeros(keys.numel(), 2, device=keys.device))
-        self.evictions += placed.evicted.count
-        return placed.slots, placed.was_new
+        return self.ids.locate(keys)
 
     def count(self, keys: torch.Tensor) -> torch.Tensor:
         """Training with ``admit_after > 1``: count ids ``keys`` (ids without a slot, repeats allowed) as candidates.
@@ -164,8 +149,7 @@ class DynamicTable(nn.Module):
         if self.candidates is not None:
             candidates = _merged([c["candidates"] for c in contents if "candidates" in c], owned)
             _place_as_loaded(self.candidates, candidates, None)
-        self.evictions = torch.tensor(sum(int(c["evictions"]) for c in contents) if owned is None else 0,
-                                      device=self.seed.device)
+        self.evictions.fill_(sum(int(c["evictions"]) for c in contents) if owned is None else 0)
         return int((~kept).sum())
 
     def get_extra_state(self) -> dict:
@@ -176,7 +160,7 @@ class DynamicTable(nn.Module):
 
     def set_extra_state(self, state: dict) -> None:
         self.ids.load_state_dict(state["ids"])
-        self.evictions = torch.tensor(int(state["evictions"]), device=self.seed.device)
+        self.evictions.fill_(int(state["evictions"]))
         if self.candidates is not None:
             self.candidates.load_state_dict(state["candidates"])
 
@@ -236,30 +220,48 @@ def _place_as_loaded(table: HashTable, ids: dict, code: Callable[[torch.Tensor],
 class DynamicTables(nn.Module):
     """The dynamic tables of a collection: their ids to slots in the slot-major bags the ops take.
 
-    A batch is mapped in one pass over all the tables, every size known on the host: a table's ids are pieces
-    of the batch (cut by each slot's number of ids, which comes with the batch or else is read from the device),
-    placed by one ``find_or_insert`` of its hash table; the rows of the ids placed anew in the tables of one dim
-    are then drawn and written together, and the ids without a slot left out. Nothing in it waits for the
-    device but one read of a few numbers for all the tables (how many rows to start, how many ids have no
-    slot), and, with admission, two reads before it (how many ids to count, how many are admitted)."""
+    Their hash tables are made together, one :class:`~pipeline.kernels.hashtable.HashTableGroup`, so a batch's
+    ids of all the tables are placed by one call: the ids of the dynamic slots in slot order (a table's slots are
+    consecutive), each with its table, one sort and one placement kernel for them all. The rows of the ids placed
+    anew in the tables of one dim are then drawn and written together, and the ids without a slot left out.
+    Nothing in it waits for the device but one read of a few numbers for all the tables (how many rows to start,
+    how many ids have no slot), and, with admission, two reads before it (how many ids to count, how many are
+    admitted)."""
 
     def __init__(self, tables: Sequence, packing, feature_names: Sequence[str], seeds: Sequence[int]) -> None:
         super().__init__()
         self.packing = packing
-        self.tables = nn.ModuleDict({t.name: DynamicTable(t, seed) for t, seed in zip(tables, seeds)})
+        self.ids, self.evictions = _hash_tables([t.rows for t in tables], torch.device("cpu"))
+        self.tables = nn.ModuleDict({t.name: DynamicTable(t, seed, ids, self.evictions[i])
+                                     for i, (t, seed, ids) in enumerate(zip(tables, seeds, self.ids.tables))})
         self.table_ids = [packing.table_names.index(t.name) for t in tables]
         self.table_slots = [[s for s in range(packing.num_slots) if packing.slot_table[s] == t] for t in self.table_ids]
-        self.slots = sorted(s for slots in self.table_slots for s in slots)
-        # The dim groups of the flat storage that hold dynamic tables, with those tables (positions in ``tables``):
-        # the new rows of a group are drawn and written together.
-        self.groups = [(g, [i for i, t in enumerate(self.table_ids) if packing.dims[t] == g.dim])
-                       for g in packing.groups if g.dim in {packing.dims[t] for t in self.table_ids}]
+        self.slots = [s for slots in self.table_slots for s in slots]  # ascending: the packing's tables in order
+        dynamic = set(self.slots)
+        # The slots in runs of consecutive dynamic or static ones: (first, end, dynamic).
+        edges = [s for s in range(1, packing.num_slots) if (s in dynamic) != (s - 1 in dynamic)]
+        self.runs = [(a, e, a in dynamic) for a, e in zip([0, *edges], [*edges, packing.num_slots])]
+        # The dim groups of the flat storage that hold dynamic tables: the new rows of a group are drawn and written
+        # together.
+        self.groups = [g for g in packing.groups if g.dim in {packing.dims[t] for t in self.table_ids}]
         mean = {t.name for t in tables if t.pooling == "mean"}
         self.mean_slots = [s for s in self.slots if packing.table_names[packing.slot_table[s]] in mean]
         self.mean_keys = [list(feature_names).index(packing.slot_features[s]) for s in self.mean_slots]
 
     def __getitem__(self, name: str) -> DynamicTable:
         return self.tables[name]
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        tables = list(self.tables.values())
+        device = tables[0].seed.device
+        if device != self.ids.device:
+            states = [table.get_extra_state() for table in tables]
+            self.ids, self.evictions = _hash_tables([table.capacity for table in tables], device)
+            for i, (table, ids, state) in enumerate(zip(tables, self.ids.tables, states)):
+                table._hold(ids, self.evictions[i])
+                table.set_extra_state(state)
+        return out
 
     def map_ids(self, values: torch.Tensor, offsets: torch.Tensor, batch_size: int, train: bool,
                 flat: dict[str, torch.Tensor], slot_counts: Sequence[int] | None = None
@@ -273,85 +275,69 @@ class DynamicTables(nn.Module):
             starts = [0, *itertools.accumulate(slot_counts)]
         else:
             starts = offsets[::b].tolist() if b else [0] * (self.packing.num_slots + 1)
-        tables = list(self.tables.values())
-        keys = [_cat([values[starts[s] : starts[s + 1]] for s in slots]) for slots in self.table_slots]
+        keys = _cat([values[starts[first] : starts[end]] for first, end, dynamic in self.runs if dynamic])
+        on = self._device_tensors(values.device)
+        owner = torch.repeat_interleave(on["slot_tables"], _slot_sizes(offsets, b)[on["slots"]],
+                                        output_size=keys.numel()) if b else torch.zeros_like(keys)  # each id's table
         if train:
-            slots, was_new = self._place(tables, keys)
-            new_by_group = [_cat([was_new[i] for i in members]) & (_cat([slots[i] for i in members]) >= 0)
-                            for _, members in self.groups]
+            slots, was_new = self._place(keys, owner, starts)
+            new = was_new & (slots >= 0)
+            new_by_group = [new] if len(self.groups) == 1 else \
+                [new & (on["table_groups"][owner] == group) for group in range(len(self.groups))]
         else:
-            slots, new_by_group = [table.find(k) for table, k in zip(tables, keys)], []
-        lost, *started = _read([(_cat(slots) < 0).sum(), *(n.sum() for n in new_by_group)])
+            slots, new_by_group = self.ids.locate(keys, owner), []
+        lost, *started = _read([(slots < 0).sum(), *(new.sum() for new in new_by_group)])
         for group, (new, count) in enumerate(zip(new_by_group, started)):
             if count:
-                self._start_rows(group, keys, slots, new, count, offsets, b, flat)
+                self._start_rows(group, keys, slots, owner, _positions(new, count), flat)
 
-        parts, used = [], [0] * len(tables)
-        table_of = {s: i for i, slots_of in enumerate(self.table_slots) for s in slots_of}
-        for s in range(self.packing.num_slots):
-            if s in table_of:
-                i, size = table_of[s], starts[s + 1] - starts[s]
-                parts.append(slots[i][used[i] : used[i] + size])
-                used[i] += size
-            else:
-                parts.append(values[starts[s] : starts[s + 1]])
+        parts, at = [], 0
+        for first, end, dynamic in self.runs:
+            size = starts[end] - starts[first]
+            parts.append(slots[at : at + size] if dynamic else values[starts[first] : starts[end]])
+            at += size if dynamic else 0
         mapped = _cat(parts)
         if not lost:
             return mapped, offsets
-        dynamic = torch.repeat_interleave(self._device_tensors(values.device)["slot_dynamic"],
-                                          _slot_sizes(offsets, b), output_size=mapped.numel())
+        dynamic = torch.repeat_interleave(on["slot_dynamic"], _slot_sizes(offsets, b), output_size=mapped.numel())
         keep = ~dynamic | (mapped >= 0)
         kept = torch.cat([offsets.new_zeros(1), torch.cumsum(keep, 0)])  # ids kept before each position
         return mapped[_positions(keep, mapped.numel() - lost)], kept[offsets]
 
-    def _place(self, tables: list[DynamicTable], keys: list[torch.Tensor]) -> tuple[list, list]:
-        """Per table, ``(slots, was_new)`` of its ids (see :meth:`DynamicTable.insert`), an id not admitted yet
-        without a slot; each placed id's row of its table's ``ids`` written with its slot. The tables that admit
-        after N occurrences first look their ids up, count the others and place the admitted ones: two reads of
-        the device for all of them."""
-        admitting = [i for i, table in enumerate(tables) if table.candidates is not None]
-        admitted: dict[int, torch.Tensor] = {}
-        if admitting:
-            known = {i: tables[i].find(keys[i]) >= 0 for i in admitting}
-            for i, fresh in zip(admitting, _read([(~known[i]).sum() for i in admitting])):
-                at = _positions(~known[i], fresh)
-                known[i] = known[i].index_put((at,), tables[i].count(keys[i][at]))
-            admitted = {i: _positions(known[i], count)
-                        for i, count in zip(admitting, _read([known[i].sum() for i in admitting]))}
-        slots, was_new = [], []
-        for i, (table, k) in enumerate(zip(tables, keys)):
-            if i not in admitted:
-                placed, fresh = table.insert(k)
-            else:
-                at = admitted[i]
-                placed_at, fresh_at = table.insert(k[at])
-                placed = torch.full_like(k, -1).index_put((at,), placed_at)
-                fresh = torch.zeros_like(k, dtype=torch.bool).index_put((at,), fresh_at)
-            slots.append(placed)
-            was_new.append(fresh)
-        # Each placed id's row holds its slot, rewritten where it did already; an id without a slot writes slot 0's
-        # own code to slot 0, so no two positions write different rows.
-        held = _cat(slots).clamp(min=0)
-        codes, start = slot_codes(held), 0
-        for table, placed in zip(tables, slots):
-            table.ids.values[held[start : start + placed.numel()]] = codes[start : start + placed.numel()]
-            start += placed.numel()
-        return slots, was_new
-
-    def _start_rows(self, group: int, keys: list[torch.Tensor], slots: list[torch.Tensor], new: torch.Tensor,
-                    count: int, offsets: torch.Tensor, batch_size: int, flat: dict[str, torch.Tensor]) -> None:
-        """Start the rows of the ids that took their slot in this batch in the tables of dim group ``group``
-        (``new``: where, over those tables' ids; ``count`` of them, a repeated id each time): drawn from each
-        table's init, their optimizer state zero."""
-        stored, members = self.groups[group]
-        group_slots, slot_member, row_offsets, bounds = self._device_tensors(new.device)["groups"][group]
-        at = _positions(new, count)
-        ends = torch.cumsum(_slot_sizes(offsets, batch_size)[group_slots], 0)  # of each slot's ids in the group's
-        member = slot_member[torch.searchsorted(ends, at, right=True)]
+    def _place(self, keys: torch.Tensor, owner: torch.Tensor, starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(slots, was_new)`` of the ids ``keys`` of tables ``owner`` (as :meth:`HashTableGroup.find_or_insert`
+        gives them), placed by one call of the tables' group, an id not admitted yet without a slot. The tables
+        that admit after N occurrences first look their ids up and count the others: two reads of the device for
+        all of them (how many to count, how many to place)."""
         tables = list(self.tables.values())
-        hashes = column_hashes(torch.stack([tables[i].seed for i in members]), stored.dim)
-        rows = draw_rows(_cat([keys[i] for i in members])[at], hashes[member], bounds[member][:, None])
-        row = row_offsets[member] + _cat([slots[i] for i in members])[at]  # of the collection's row-wise state
+        admitting = [i for i, table in enumerate(tables) if table.candidates is not None]
+        if not admitting:
+            placed = self.ids.find_or_insert(keys, owner)
+            self.evictions += placed.evictions
+            return placed.slots, placed.was_new
+        bounds = [0, *itertools.accumulate(starts[slots[-1] + 1] - starts[slots[0]] for slots in self.table_slots)]
+        placing = (self.ids.locate(keys, owner) >= 0) | self._device_tensors(keys.device)["admit_all"][owner]
+        for i, fresh in zip(admitting, _read([(~placing[bounds[i] : bounds[i + 1]]).sum() for i in admitting])):
+            mine = placing[bounds[i] : bounds[i + 1]]  # a view: the admitted ids join the placed in place
+            at = _positions(~mine, fresh)
+            mine.index_put_((at,), tables[i].count(keys[bounds[i] : bounds[i + 1]][at]))
+        [count] = _read([placing.sum()])
+        at = _positions(placing, count)
+        placed = self.ids.find_or_insert(keys[at], owner[at])
+        self.evictions += placed.evictions
+        return (torch.full_like(keys, -1).index_put_((at,), placed.slots),
+                torch.zeros_like(placing).index_put_((at,), placed.was_new))
+
+    def _start_rows(self, group: int, keys: torch.Tensor, slots: torch.Tensor, owner: torch.Tensor, at: torch.Tensor,
+                    flat: dict[str, torch.Tensor]) -> None:
+        """Start the rows of the ids at positions ``at``, which took their slot in this batch in tables of dim group
+        ``group`` (a repeated id each time): drawn from each table's init, their optimizer state zero."""
+        stored = self.groups[group]
+        on = self._device_tensors(keys.device)
+        table = owner[at]
+        hashes = column_hashes(torch.stack([t.seed for t in self.tables.values()]), stored.dim)
+        rows = draw_rows(keys[at], hashes[table], on["bounds"][table][:, None])
+        row = on["row_offsets"][table] + slots[at]  # of the collection's row-wise state
         packing = self.packing
         for name, tensor in flat.items():
             if packing.total_rows != packing.total_elements and tensor.numel() == packing.total_rows:
@@ -373,13 +359,14 @@ class DynamicTables(nn.Module):
             def tensor(values, dtype=torch.int64):
                 return torch.tensor(values, dtype=dtype, device=device)
 
-            groups = []  # per dim group: its tables' slots in order, each slot's table, the tables' rows and bounds
-            for _, members in self.groups:
-                groups.append((tensor([s for i in members for s in self.table_slots[i]]),
-                               tensor([j for j, i in enumerate(members) for _ in self.table_slots[i]]),
-                               tensor([p.row_offsets[self.table_ids[i]] for i in members]),
-                               tensor([tables[i].bound for i in members], torch.float32)))
-            return {"slot_dynamic": tensor([s in self.slots for s in range(p.num_slots)], torch.bool), "groups": groups,
+            dims = [g.dim for g in self.groups]
+            return {"slot_dynamic": tensor([s in self.slots for s in range(p.num_slots)], torch.bool),
+                    "slots": tensor(self.slots), "slot_tables": tensor([i for i, s in enumerate(self.table_slots)
+                                                                        for _ in s]),
+                    "table_groups": tensor([dims.index(p.dims[t]) for t in self.table_ids]),
+                    "admit_all": tensor([t.candidates is None for t in tables], torch.bool),
+                    "row_offsets": tensor([p.row_offsets[t] for t in self.table_ids]),
+                    "bounds": tensor([t.bound for t in tables], torch.float32),
                     "mean_slots": tensor(self.mean_slots), "mean_keys": tensor(self.mean_keys),
                     "columns": tensor([s for s in range(p.num_slots) for _ in range(p.slot_dims[s])])}
 
@@ -395,6 +382,16 @@ class DynamicTables(nn.Module):
         whole = lengths.view(-1, batch_size)[self._device_tensors(lengths.device)["mean_keys"]]
         scale[on["mean_slots"]] = 1 / whole.to(pooled.device).float().clamp(min=1)
         return pooled * scale.t()[:, on["columns"]]
+
+
+def _hash_tables(capacities: list[int], device: torch.device) -> tuple[HashTableGroup, torch.Tensor]:
+    """The hash tables of dynamic tables of ``capacities``, made together on ``device``, empty, each row the code
+    of its own slot (:func:`slot_codes`); and their evictions, int64 zeros."""
+    group = HashTableGroup(capacities, 2, device, "lru")
+    for table in group.tables:
+        slots = torch.arange(table.capacity, device=device)
+        table.values[:, 0], table.values[:, 1] = slots // _CODE, slots % _CODE
+    return group, torch.zeros(len(capacities), dtype=torch.int64, device=device)
 
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:

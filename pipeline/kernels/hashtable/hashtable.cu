@@ -4,6 +4,9 @@
 // a 64-bit key, a 64-bit score, and a row of `dim` floats in `values` [capacity, dim]. A key's hash
 // h = mix64(key) picks its bucket ((h >> 32) * num_buckets >> 32) and its digest (h & 0xff, or 1 when
 // that is 0). The plain-torch reference (reference.py) is the same table, operation for operation.
+// The tables of a group share one storage: table t holds buckets bucket_starts[t] .. bucket_starts[t + 1] - 1, a
+// key given with its table (`tables`, int16) lives among its table's buckets, and the slots a call returns count
+// from its table's first; a lone table passes null for both, its buckets being the storage's num_buckets.
 // Self-contained (no CUDA headers), so NVRTC compiles it with no include path and nvcc compiles it as is.
 
 #define SLOTS 128       // slots per bucket, as in reference.py
@@ -28,6 +31,18 @@ __device__ __forceinline__ u64 mix64(u64 h) {
 
 __device__ __forceinline__ long long bucket_of(u64 h, long long num_buckets) {
     return (long long)(((h >> 32) * (u64)num_buckets) >> 32);
+}
+
+// The buckets of a key's table: the first of the storage and how many.
+struct TableBuckets {
+    long long first, count;
+};
+
+__device__ __forceinline__ TableBuckets table_buckets(const long long* __restrict__ bucket_starts, int table,
+                                                      long long num_buckets) {
+    if (bucket_starts == nullptr) return {0, num_buckets};
+    const long long first = bucket_starts[table];
+    return {first, bucket_starts[table + 1] - first};
 }
 
 __device__ __forceinline__ unsigned int digest_of(u64 h) {
@@ -83,8 +98,8 @@ __device__ __forceinline__ void copy_row(float* __restrict__ dst, const float* _
 // (or zeros) to out[i]. `out` and `slots` may be null (not wanted).
 extern "C" __global__ void __launch_bounds__(256) find_keys(
     const unsigned char* __restrict__ digests, const long long* __restrict__ table_keys,
-    const float* __restrict__ values, long long num_buckets, int dim, int aligned,
-    const long long* __restrict__ keys, long long n,
+    const float* __restrict__ values, long long num_buckets, const long long* __restrict__ bucket_starts,
+    const short* __restrict__ tables, int dim, int aligned, const long long* __restrict__ keys, long long n,
     float* __restrict__ out, bool* __restrict__ found, long long* __restrict__ slots) {
     const long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / FIND_GROUP;
     if (i >= n) return;  // the whole group: its threads share i
@@ -92,7 +107,8 @@ extern "C" __global__ void __launch_bounds__(256) find_keys(
     const unsigned int group = ((1u << FIND_GROUP) - 1u) << ((threadIdx.x & 31u) & ~(unsigned int)(FIND_GROUP - 1));
     const u64 key = (u64)keys[i];
     const u64 h = mix64(key);
-    const long long base = bucket_of(h, num_buckets) * SLOTS;
+    const TableBuckets span = table_buckets(bucket_starts, tables != nullptr ? tables[i] : 0, num_buckets);
+    const long long base = (span.first + bucket_of(h, span.count)) * SLOTS;
     const unsigned int target = digest_of(h) * 0x01010101u;
     const uint4 d = __ldg(reinterpret_cast<const uint4*>(digests + base) + g);
     unsigned int hits = byte_matches(d.x, target) | (byte_matches(d.y, target) << 4) |
@@ -111,16 +127,17 @@ extern "C" __global__ void __launch_bounds__(256) find_keys(
     const long long slot = holder != 0u ? base + pos : -1;
     if (g == 0) {
         found[i] = holder != 0u;
-        if (slots != nullptr) slots[i] = slot;
+        if (slots != nullptr) slots[i] = slot >= 0 ? slot - span.first * SLOTS : -1;
     }
     if (out != nullptr)
         copy_row(out + i * dim, slot >= 0 ? values + slot * dim : nullptr, dim, aligned != 0, g, FIND_GROUP);
 }
 
-// The end of the run of positions from i on that hold ordered[i] (one key's repeats), found by the whole warp,
-// 128 positions an iteration: a hot key repeated thousands of times in a batch costs tens of loads, not thousands.
-__device__ __forceinline__ long long run_end(const long long* __restrict__ ordered, long long n, long long i,
-                                             int lane) {
+// The end of the run of positions from i on that hold ordered[i] of table `table` (one key's repeats in one
+// table), found by the whole warp, 128 positions an iteration: a hot key repeated thousands of times in a batch
+// costs tens of loads, not thousands.
+__device__ __forceinline__ long long run_end(const long long* __restrict__ ordered, const short* __restrict__ tables,
+                                             int table, long long n, long long i, int lane) {
     const long long value = ordered[i];
     long long end = i + 1;
     for (;;) {
@@ -128,7 +145,7 @@ __device__ __forceinline__ long long run_end(const long long* __restrict__ order
 #pragma unroll
         for (int j = 3; j >= 0; --j) {
             const long long q = end + 4 * lane + j;
-            if (q >= n || ordered[q] != value) first_other = j;
+            if (q >= n || ordered[q] != value || (tables != nullptr && tables[q] != table)) first_other = j;
         }
         const unsigned int stops = __ballot_sync(FULL_WARP, first_other < 4);
         if (stops != 0u) {
@@ -140,7 +157,8 @@ __device__ __forceinline__ long long run_end(const long long* __restrict__ order
 }
 
 // The placement of a writing call: one warp per bucket walks the bucket's distinct keys in hash order
-// (`ordered`: hash_order_keys sorted, `order`: their batch positions, stable) twice. First the keys in
+// (`ordered`: hash_order_keys sorted, `order`: their batch positions, stable; for a group, then sorted by table,
+// stable, `tables` the table of each sorted position) twice. First the keys in
 // the table: each keeps its slot and gets its score. Then the new keys, one at a time: the lowest empty
 // slot, else, if the key's score is higher than the lowest score among the slots this call has not
 // touched, that slot (the lowest slot on ties), whose key is evicted, else none. Lane l keeps the
@@ -148,31 +166,38 @@ __device__ __forceinline__ long long run_end(const long long* __restrict__ order
 // score are read and written by its own lane only, but the slot's old score under LFU, which every
 // lane reads. Writes digests, keys and scores; the rows are copied by the caller (copy_rows).
 //
-// Out, per batch position p: slots[p] (-1: not placed), was_new[p], writers[p] (the slot the row of
-// position p goes to, -1: none; the key's last position with `assign`, else its first and only when
-// new), and, at a key's first position, evicted[p] (zeroed by the caller) with the evicted key and score.
+// Out, per batch position p: slots[p] (in the key's table, -1: not placed), was_new[p], writers[p] (the
+// slot of the storage the row of position p goes to, -1: none; the key's last position with `assign`, else
+// its first and only when new), and, at a key's first position, evicted[p] (zeroed by the caller) with the
+// evicted key and score; evictions[t] (zeroed by the caller) counts the keys evicted from table t.
 extern "C" __global__ void __launch_bounds__(256) place_keys(
     unsigned char* __restrict__ digests, long long* __restrict__ table_keys, long long* __restrict__ table_scores,
-    long long num_buckets, const long long* __restrict__ keys, const long long* __restrict__ ordered,
-    const long long* __restrict__ order, long long n, const long long* __restrict__ given_scores, int policy,
-    long long clock, int assign, long long* __restrict__ slots, bool* __restrict__ was_new,
-    long long* __restrict__ writers, bool* __restrict__ evicted, long long* __restrict__ evicted_keys,
-    long long* __restrict__ evicted_scores) {
+    long long num_buckets, const long long* __restrict__ bucket_starts, const short* __restrict__ tables,
+    const long long* __restrict__ keys, const long long* __restrict__ ordered, const long long* __restrict__ order,
+    long long n, const long long* __restrict__ given_scores, int policy, long long clock, int assign,
+    long long* __restrict__ slots, bool* __restrict__ was_new, long long* __restrict__ writers,
+    bool* __restrict__ evicted, long long* __restrict__ evicted_keys, long long* __restrict__ evicted_scores,
+    long long* __restrict__ evictions) {
     const long long start = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int lane = threadIdx.x & 31;
     if (start >= n) return;  // the whole warp
-    const long long bucket = bucket_of((u64)ordered[start] ^ 0x8000000000000000ull, num_buckets);
-    if (start > 0 && bucket_of((u64)ordered[start - 1] ^ 0x8000000000000000ull, num_buckets) == bucket) return;
-    const long long base = bucket * SLOTS;
+    const int table = tables != nullptr ? tables[start] : 0;
+    const TableBuckets span = table_buckets(bucket_starts, table, num_buckets);
+    const long long bucket = bucket_of((u64)ordered[start] ^ 0x8000000000000000ull, span.count);  // in its table
+    if (start > 0 && (tables == nullptr || tables[start - 1] == table) &&
+        bucket_of((u64)ordered[start - 1] ^ 0x8000000000000000ull, span.count) == bucket)
+        return;
+    const long long base = (span.first + bucket) * SLOTS;
     const long long mine = base + 4 * lane;  // this lane's first slot
     unsigned int digest4 = *reinterpret_cast<const unsigned int*>(digests + mine);  // byte j: slot mine + j
     unsigned int touched = 0u;                                                    // bit j: slot mine + j
+    long long evicted_here = 0;
 
     for (int placing_new = 0; placing_new < 2; ++placing_new) {
         for (long long i = start, end; i < n; i = end) {
             const u64 h = (u64)ordered[i] ^ 0x8000000000000000ull;
-            if (bucket_of(h, num_buckets) != bucket) break;
-            end = run_end(ordered, n, i, lane);
+            if ((tables != nullptr && tables[i] != table) || bucket_of(h, span.count) != bucket) break;
+            end = run_end(ordered, tables, table, n, i, lane);
             const long long first = order[i];
             const long long key = keys[first];
             const unsigned int digest = digest_of(h);
@@ -247,15 +272,19 @@ extern "C" __global__ void __launch_bounds__(256) place_keys(
                 touched |= 1u << j;
             }
             if (lane == 0) evicted[first] = evict;
+            evicted_here += evict;
             const long long writer = !stored ? -1 : assign ? last : found ? -1 : first;
+            const long long in_table = stored ? slot - span.first * SLOTS : -1;
             for (long long q = i + lane; q < end; q += 32) {
                 const long long p = order[q];
-                slots[p] = slot;
+                slots[p] = in_table;
                 was_new[p] = !found;
                 writers[p] = p == writer ? slot : -1;
             }
         }
     }
+    if (lane == 0 && evicted_here != 0)
+        atomicAdd(reinterpret_cast<unsigned long long*>(evictions + table), (unsigned long long)evicted_here);
 }
 
 // Row copies, a group of COPY_GROUP threads per row i < n: dst[d] = src[s], d = dst_index[i] (or i when

@@ -2,9 +2,9 @@
 results as :mod:`.reference`, on CUDA tensors.
 
 ``place`` orders the batch with one ``torch.sort`` of ``hash_order_keys`` (stable: a repeated key's
-positions stay in batch order), then one warp per bucket places the bucket's keys (``place_keys``);
-``find`` and ``locate`` give each key a group of ``FIND_GROUP`` threads; rows move with ``copy_rows``
-(``read_rows``, ``take_rows``, ``write_rows``).
+positions stay in batch order), and for the tables of a group a second, stable, of each key's table (int16),
+then one warp per bucket places the bucket's keys (``place_keys``); ``find`` and ``locate`` give each key a
+group of ``FIND_GROUP`` threads; rows move with ``copy_rows`` (``read_rows``, ``take_rows``, ``write_rows``).
 
 Example::
 
@@ -37,21 +37,25 @@ def _aligned(*tensors: torch.Tensor | None) -> bool:
     return present[0].shape[-1] % 4 == 0 and all(t.data_ptr() % 16 == 0 for t in present)
 
 
-def _find(storage: Storage, keys: torch.Tensor, values: bool) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+def _find(storage: Storage, keys: torch.Tensor, values: bool, tables: torch.Tensor | None = None,
+          bucket_starts: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
     n = keys.numel()
     out = torch.empty(n, storage.values.shape[1], dtype=torch.float32, device=keys.device) if values else None
     found = torch.empty(n, dtype=torch.bool, device=keys.device)
     slots = torch.empty(n, dtype=torch.int64, device=keys.device)
     dim = storage.values.shape[1]
     launch(SOURCE, "find_keys", keys.device, _blocks(n * FIND_GROUP), BLOCK,
-           [ptr(storage.digests), ptr(storage.keys), ptr(storage.values), i64(storage.num_buckets), i32(dim),
-            i32(_aligned(storage.values, out)), ptr(keys), i64(n), ptr(out), ptr(found), ptr(slots)])
+           [ptr(storage.digests), ptr(storage.keys), ptr(storage.values), i64(storage.num_buckets), ptr(bucket_starts),
+            ptr(tables), i32(dim), i32(_aligned(storage.values, out)), ptr(keys), i64(n), ptr(out), ptr(found),
+            ptr(slots)])
     return out, found, slots
 
 
-def locate(storage: Storage, keys: torch.Tensor) -> torch.Tensor:
-    """int64 ``[n]``: the slot of each key, -1 where it is not in the table."""
-    return _find(storage, keys, values=False)[2]
+def locate(storage: Storage, keys: torch.Tensor, tables: torch.Tensor | None = None,
+           bucket_starts: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 ``[n]``: the slot of each key, -1 where it is not in the table (with ``tables``, int16: in its table of a
+    group, as :func:`.reference.locate`)."""
+    return _find(storage, keys, False, tables, bucket_starts)[2]
 
 
 def find(storage: Storage, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,19 +93,25 @@ def write_rows(values: torch.Tensor, writers: torch.Tensor, rows: torch.Tensor) 
 
 
 def place(storage: Storage, keys: torch.Tensor, scores: torch.Tensor | None, policy: int, clock: int,
-          assign: bool) -> Placement:
-    """As :func:`.reference.place`: decide every key's slot and write the slots' digests, keys and scores."""
+          assign: bool, tables: torch.Tensor | None = None, bucket_starts: torch.Tensor | None = None) -> Placement:
+    """As :func:`.reference.place` (``tables``: int16): decide every key's slot and write the slots' digests, keys
+    and scores."""
     n = keys.numel()
     device = keys.device
     hashed = torch.empty_like(keys)
     launch(SOURCE, "hash_order_keys", device, _blocks(n), BLOCK, [ptr(keys), i64(n), ptr(hashed)])
     ordered, order = torch.sort(hashed, stable=True)
+    if tables is not None:  # by table, each table's keys still in hash order (.reference.sort_order)
+        tables, by_table = torch.sort(tables[order], stable=True)
+        order, ordered = order[by_table], ordered[by_table]
     slots, writers = torch.empty_like(keys), torch.empty_like(keys)
     was_new = torch.empty(n, dtype=torch.bool, device=device)
     evicted = torch.zeros(n, dtype=torch.bool, device=device)
     evicted_keys, evicted_scores = torch.empty_like(keys), torch.empty_like(keys)
+    evictions = torch.zeros(1 if tables is None else bucket_starts.numel() - 1, dtype=torch.int64, device=device)
     launch(SOURCE, "place_keys", device, _blocks(n * WARP), BLOCK,
-           [ptr(storage.digests), ptr(storage.keys), ptr(storage.scores), i64(storage.num_buckets), ptr(keys),
-            ptr(ordered), ptr(order), i64(n), ptr(scores), i32(policy), i64(clock), i32(assign), ptr(slots),
-            ptr(was_new), ptr(writers), ptr(evicted), ptr(evicted_keys), ptr(evicted_scores)])
-    return Placement(slots, was_new, writers, evicted, evicted_keys, evicted_scores)
+           [ptr(storage.digests), ptr(storage.keys), ptr(storage.scores), i64(storage.num_buckets), ptr(bucket_starts),
+            ptr(tables), ptr(keys), ptr(ordered), ptr(order), i64(n), ptr(scores), i32(policy), i64(clock),
+            i32(assign), ptr(slots), ptr(was_new), ptr(writers), ptr(evicted), ptr(evicted_keys), ptr(evicted_scores),
+            ptr(evictions)])
+    return Placement(slots, was_new, writers, evicted, evicted_keys, evicted_scores, evictions)

@@ -15,6 +15,10 @@ its own bucket before it, so the kernels give every bucket to one warp that walk
 order, and this reference walks all buckets at once in rounds (round ``r``: the ``r``-th new key of
 each bucket). The rules are in ``docs/HASHTABLE.md``.
 
+Several tables can share one storage (a group, :mod:`.group`): table ``t`` holds buckets ``bucket_starts[t]`` to
+``bucket_starts[t + 1] - 1`` of it, and a call given each key's table (``tables``) places or finds every key among
+its own table's buckets, as that table's own call would, with slots counted from its table's first.
+
 Example::
 
     storage = Storage.empty(capacity=1024, dim=8, device="cpu")
@@ -59,16 +63,21 @@ class Storage:
     def num_buckets(self) -> int:
         return self.digests.numel() // SLOTS
 
+    def part(self, start: int, end: int) -> Storage:
+        """Slots ``start`` to ``end - 1`` (whole buckets), as a storage of their own that shares these tensors."""
+        return Storage(self.digests[start:end], self.keys[start:end], self.scores[start:end], self.values[start:end])
+
 
 class Placement(NamedTuple):
     """Where a writing call put each key of its batch (position ``p`` is the batch's ``p``-th key)."""
 
-    slots: torch.Tensor  # int64 [n]: the key's slot after the call, -1 where it could not be placed
+    slots: torch.Tensor  # int64 [n]: the key's slot after the call (in its table), -1 where it could not be placed
     was_new: torch.Tensor  # bool [n]: the key was not in the table before the call
-    writers: torch.Tensor  # int64 [n]: the slot the row given at position p goes to, -1 for none
+    writers: torch.Tensor  # int64 [n]: the slot of the storage the row given at position p goes to, -1 for none
     evicted: torch.Tensor  # bool [n]: true at the first position of a key that evicted another
     evicted_keys: torch.Tensor  # int64 [n]: the key evicted, where ``evicted``
     evicted_scores: torch.Tensor  # int64 [n]: its score, where ``evicted``
+    evictions: torch.Tensor  # int64 [tables]: how many keys the call evicted from each table (one: a lone table)
 
 
 def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -103,22 +112,47 @@ def order_keys(keys: torch.Tensor) -> torch.Tensor:
     return mix64(keys) ^ _SIGN
 
 
+def home_buckets(h: torch.Tensor, num_buckets: int, tables: torch.Tensor | None = None,
+                 bucket_starts: torch.Tensor | None = None) -> torch.Tensor:
+    """The bucket of the storage that hashes ``h`` live in: of a lone table's ``num_buckets``, or, given ``tables``
+    (each hash's table) and ``bucket_starts`` (int64 ``[tables + 1]``), among the buckets of table ``tables[i]``."""
+    if tables is None:
+        return bucket_of(h, num_buckets)
+    table = tables.long()
+    first = bucket_starts[table]
+    return first + bucket_of(h, bucket_starts[table + 1] - first)
+
+
 def _bucket_slots(buckets: torch.Tensor) -> torch.Tensor:
     """``[m, SLOTS]``: the slots of each of ``buckets``."""
     return buckets[:, None] * SLOTS + torch.arange(SLOTS, device=buckets.device)
 
 
-def locate(storage: Storage, keys: torch.Tensor) -> torch.Tensor:
-    """int64 ``[n]``: the slot of each key, -1 where it is not in the table."""
+def _locate_in(storage: Storage, keys: torch.Tensor, buckets: torch.Tensor) -> torch.Tensor:
+    """int64 ``[n]``: the slot of the storage holding each key in bucket ``buckets[i]``, -1 where it is not there."""
     out = torch.full_like(keys, -1)
     for start in range(0, keys.numel(), CHUNK):
         part = keys[start : start + CHUNK]
-        h = mix64(part)
-        slots = _bucket_slots(bucket_of(h, storage.num_buckets))
-        match = (storage.digests[slots] == digest_of(h)[:, None]) & (storage.keys[slots] == part[:, None])
+        slots = _bucket_slots(buckets[start : start + CHUNK])
+        match = (storage.digests[slots] == digest_of(mix64(part))[:, None]) & (storage.keys[slots] == part[:, None])
         pos = match.to(torch.uint8).argmax(1, keepdim=True)
         out[start : start + CHUNK] = torch.where(match.any(1), slots.gather(1, pos).squeeze(1), -1)
     return out
+
+
+def _in_table(slots: torch.Tensor, tables: torch.Tensor | None, bucket_starts: torch.Tensor | None) -> torch.Tensor:
+    """Slots of the storage (-1: none) as slots of each one's table, counted from the table's first."""
+    if tables is None:
+        return slots
+    return torch.where(slots >= 0, slots - bucket_starts[tables.long()] * SLOTS, -1)
+
+
+def locate(storage: Storage, keys: torch.Tensor, tables: torch.Tensor | None = None,
+           bucket_starts: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 ``[n]``: the slot of each key, -1 where it is not in the table (with ``tables``: in its table, see
+    :func:`home_buckets`)."""
+    slots = _locate_in(storage, keys, home_buckets(mix64(keys), storage.num_buckets, tables, bucket_starts))
+    return _in_table(slots, tables, bucket_starts)
 
 
 def find(storage: Storage, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,21 +180,36 @@ def write_rows(values: torch.Tensor, writers: torch.Tensor, rows: torch.Tensor) 
     values[writers[mask]] = rows[mask]
 
 
+def sort_order(keys: torch.Tensor, tables: torch.Tensor | None = None) -> torch.Tensor:
+    """The positions of ``keys`` by table (given ``tables``), then by hash (unsigned), a key's repeats in batch order:
+    so each bucket's keys are together in hash order. Two stable sorts, not one of a key packing both: the hash
+    takes all 64 bits."""
+    _, order = torch.sort(order_keys(keys), stable=True)
+    if tables is not None:
+        order = order[torch.sort(tables[order], stable=True).indices]
+    return order
+
+
 def place(storage: Storage, keys: torch.Tensor, scores: torch.Tensor | None, policy: int, clock: int,
-          assign: bool) -> Placement:
+          assign: bool, tables: torch.Tensor | None = None, bucket_starts: torch.Tensor | None = None) -> Placement:
     """Decide the slot of every key of a writing call and write the slots' digests, keys and scores (not
     the rows: the caller copies what was evicted first, then writes them with :func:`write_rows`).
 
     ``assign``: insert-or-assign (a key's row and custom score come from its last position) or, if
     false, find-or-insert (from its first position, and the row is written only for a key that is new).
     The score a key gets: ``LRU``: ``clock``; ``LFU``: its score before (0 if new) plus its
-    occurrences in the batch; ``CUSTOM``: ``scores`` at the position above.
+    occurrences in the batch; ``CUSTOM``: ``scores`` at the position above. With ``tables`` and
+    ``bucket_starts``, the tables of a group at once (see :func:`home_buckets`): a key and its repeats in
+    one table are a key of that table alone.
     """
     n = keys.numel()
-    _, order = torch.sort(order_keys(keys), stable=True)
+    order = sort_order(keys, tables)
     ordered = keys[order]
     run_start = torch.ones(n, dtype=torch.bool, device=keys.device)
     run_start[1:] = ordered[1:] != ordered[:-1]
+    if tables is not None:
+        ordered_tables = tables[order]
+        run_start[1:] |= ordered_tables[1:] != ordered_tables[:-1]
     run_end = torch.ones_like(run_start)
     run_end[:-1] = run_start[1:]
     first, last = order[run_start], order[run_end]
@@ -168,13 +217,14 @@ def place(storage: Storage, keys: torch.Tensor, scores: torch.Tensor | None, pol
     count = torch.diff(starts, append=starts.new_tensor([n]))
     source = last if assign else first
     h = mix64(keys[first])
-    run = _Runs(keys[first], count, None if scores is None else scores[source], bucket_of(h, storage.num_buckets),
-                digest_of(h))
+    run_table = tables[first] if tables is not None else None
+    run = _Runs(keys[first], count, None if scores is None else scores[source],
+                home_buckets(h, storage.num_buckets, run_table, bucket_starts), digest_of(h))
     segment, _ = _groups(run.bucket)  # the runs of one bucket are consecutive
     touched = torch.zeros(int(segment[-1]) + 1 if n else 0, SLOTS, dtype=torch.bool, device=keys.device)
 
     # The keys in the table first: each keeps its slot, gets its score, and no key of the call evicts it.
-    run.slot = locate(storage, run.keys)
+    run.slot = _locate_in(storage, run.keys, run.bucket)
     run.found = run.slot >= 0
     held = run.found.nonzero().squeeze(1)
     slot = run.slot[held]
@@ -195,7 +245,7 @@ def place(storage: Storage, keys: torch.Tensor, scores: torch.Tensor | None, pol
 
     run_of = run_start.cumsum(0) - 1  # the run of each ordered position
     slots = torch.empty_like(keys)
-    slots[order] = run.slot[run_of]
+    slots[order] = _in_table(run.slot, run_table, bucket_starts)[run_of]
     was_new = torch.empty_like(run_start)
     was_new[order] = ~run.found[run_of]
     writes = run.slot >= 0 if assign else (run.slot >= 0) & ~run.found
@@ -205,7 +255,9 @@ def place(storage: Storage, keys: torch.Tensor, scores: torch.Tensor | None, pol
     evicted[first] = run.evicted
     evicted_keys, evicted_scores = torch.zeros_like(keys), torch.zeros_like(keys)
     evicted_keys[first], evicted_scores[first] = run.evicted_key, run.evicted_score
-    return Placement(slots, was_new, writers, evicted, evicted_keys, evicted_scores)
+    evictions = torch.zeros(1 if tables is None else bucket_starts.numel() - 1, dtype=torch.int64, device=keys.device)
+    evictions.index_add_(0, run_table.long() if tables is not None else torch.zeros_like(run.keys), run.evicted.long())
+    return Placement(slots, was_new, writers, evicted, evicted_keys, evicted_scores, evictions)
 
 
 def _groups(sorted_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

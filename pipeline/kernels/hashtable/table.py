@@ -36,13 +36,11 @@ class Evicted:
     ``[e]``), ``values`` (float32 ``[e, dim]``) and ``scores`` (int64 ``[e]``), selected on first use, which reads
     ``e`` from the device; ``count`` (``e`` as an int64 tensor on the device) reads nothing."""
 
-    def __init__(self, taken: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor) -> None:
+    def __init__(self, taken: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor,
+                 count: torch.Tensor) -> None:
         self._taken = taken  # bool [n]: at the batch position of each key that evicted another
         self._padded = keys, values, scores  # per batch position, meaningful where taken
-
-    @functools.cached_property
-    def count(self) -> torch.Tensor:
-        return self._taken.sum()
+        self.count = count
 
     @functools.cached_property
     def _positions(self) -> torch.Tensor:
@@ -91,19 +89,13 @@ class HashTable:
     calls; ``"custom"``: the ``scores`` given with it. A full bucket gives the slot of its lowest score
     to a new key of a strictly higher score. :attr:`values` is the ``[capacity, dim]`` row tensor that
     the slots index. ``backend``: ``"auto"``, ``"cuda"`` (the kernels) or ``"torch"`` (the reference).
+    ``storage``: the table's slots, ``capacity`` of them of ``dim`` floats on ``device``, empty (a part of a
+    :class:`~pipeline.kernels.hashtable.group.HashTableGroup`'s); new ones by default.
     """
 
     def __init__(self, capacity: int, dim: int, device: torch.device | str = "cpu", policy: str = "lru",
-                 backend: str = "auto") -> None:
-        if not isinstance(capacity, int) or capacity <= 0 or capacity % SLOTS or capacity // SLOTS >= 2**31:
-            raise ValueError(f"hash table: capacity must be a positive multiple of {SLOTS} below {SLOTS * 2**31}, "
-                             f"got {capacity!r}")
-        if not isinstance(dim, int) or dim <= 0:
-            raise ValueError(f"hash table: dim must be a positive integer, got {dim!r}")
-        if policy not in POLICIES:
-            raise ValueError(f"hash table: policy must be one of {', '.join(POLICIES)}, got {policy!r}")
-        if backend not in BACKENDS:
-            raise ValueError(f"hash table: backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+                 backend: str = "auto", storage: Storage | None = None) -> None:
+        check_settings(capacity, dim, policy, backend)
         device = torch.device(device)
         problem = f"the CUDA kernels need a CUDA device, got {device}" if device.type != "cuda" \
             else _kernels_problem()
@@ -111,7 +103,7 @@ class HashTable:
             raise ValueError(f"hash table: backend 'cuda' cannot run here: {problem}")
         self.capacity, self.dim, self.policy = capacity, dim, policy
         self.clock = 0
-        self._storage = Storage.empty(capacity, dim, device)
+        self._storage = storage if storage is not None else Storage.empty(capacity, dim, device)
         self.device = self._storage.digests.device  # "cuda" becomes "cuda:0", as the tensors given will say
         if backend == "torch" or problem:
             self._impl = reference
@@ -135,6 +127,10 @@ class HashTable:
         Changes nothing, scores included."""
         keys = self._keys(keys)
         return self._impl.find(self._storage, keys)
+
+    def locate(self, keys: torch.Tensor) -> torch.Tensor:
+        """int64 ``[n]``: each key's slot, -1 where it is missing. Changes nothing, scores included."""
+        return self._impl.locate(self._storage, self._keys(keys))
 
     def insert_or_assign(self, keys: torch.Tensor, values: torch.Tensor,
                          scores: torch.Tensor | None = None) -> Inserted:
@@ -231,17 +227,13 @@ class HashTable:
         placed = self._impl.place(self._storage, keys, scores, POLICIES[self.policy], self.clock, assign)
         # an evicting key's slot still holds the evicted row: copied out before the new rows are written
         evicted = Evicted(placed.evicted, placed.evicted_keys,
-                          self._impl.take_rows(self._storage.values, placed.slots, placed.evicted), placed.evicted_scores)
+                          self._impl.take_rows(self._storage.values, placed.slots, placed.evicted), placed.evicted_scores,
+                          placed.evictions[0])
         self._impl.write_rows(self._storage.values, placed.writers, rows)
         return placed, evicted
 
     def _keys(self, keys: torch.Tensor) -> torch.Tensor:
-        if not isinstance(keys, torch.Tensor) or keys.dtype != torch.int64 or keys.dim() != 1:
-            found = f"{keys.dtype} {tuple(keys.shape)}" if isinstance(keys, torch.Tensor) else type(keys).__name__
-            raise ValueError(f"hash table: keys must be a 1-D int64 tensor, got {found}")
-        if keys.device != self.device:
-            raise ValueError(f"hash table: keys must be on the table's device {self.device}, got {keys.device}")
-        return keys.contiguous()
+        return checked_keys(keys, self.device)
 
     def _rows(self, rows: torch.Tensor, keys: torch.Tensor, name: str) -> torch.Tensor:
         shape = (keys.numel(), self.dim)
@@ -253,15 +245,45 @@ class HashTable:
         return rows.contiguous()
 
     def _scores(self, scores: torch.Tensor | None, keys: torch.Tensor) -> torch.Tensor | None:
-        if self.policy != "custom":
-            if scores is not None:
-                raise ValueError(f"hash table: scores are given only to a table of policy 'custom', this one is "
-                                 f"{self.policy!r}")
-            return None
-        if not isinstance(scores, torch.Tensor) or scores.dtype != torch.int64 or tuple(scores.shape) != keys.shape \
-                or scores.device != self.device:
-            found = f"{scores.dtype} {tuple(scores.shape)} on {scores.device}" if isinstance(scores, torch.Tensor) \
-                else type(scores).__name__
-            raise ValueError(f"hash table: policy 'custom' needs int64 scores {tuple(keys.shape)} on {self.device}, "
-                             f"got {found}")
-        return scores.contiguous()
+        return checked_scores(scores, keys, self.policy, self.device)
+
+
+def check_settings(capacity: int, dim: int, policy: str, backend: str) -> None:
+    """Raise ValueError saying what is wrong with a table's settings, if anything is."""
+    if not isinstance(capacity, int) or capacity <= 0 or capacity % SLOTS or capacity // SLOTS >= 2**31:
+        raise ValueError(f"hash table: capacity must be a positive multiple of {SLOTS} below {SLOTS * 2**31}, "
+                         f"got {capacity!r}")
+    if not isinstance(dim, int) or dim <= 0:
+        raise ValueError(f"hash table: dim must be a positive integer, got {dim!r}")
+    if policy not in POLICIES:
+        raise ValueError(f"hash table: policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"hash table: backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+
+
+def checked_keys(keys: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``keys`` contiguous, once known to be a 1-D int64 tensor on ``device``."""
+    if not isinstance(keys, torch.Tensor) or keys.dtype != torch.int64 or keys.dim() != 1:
+        found = f"{keys.dtype} {tuple(keys.shape)}" if isinstance(keys, torch.Tensor) else type(keys).__name__
+        raise ValueError(f"hash table: keys must be a 1-D int64 tensor, got {found}")
+    if keys.device != device:
+        raise ValueError(f"hash table: keys must be on the table's device {device}, got {keys.device}")
+    return keys.contiguous()
+
+
+def checked_scores(scores: torch.Tensor | None, keys: torch.Tensor, policy: str,
+                   device: torch.device) -> torch.Tensor | None:
+    """``scores`` contiguous, once known to be what a writing call of ``policy`` takes: int64 ``[n]`` on ``device``
+    for ``"custom"``, else None."""
+    if policy != "custom":
+        if scores is not None:
+            raise ValueError(f"hash table: scores are given only to a table of policy 'custom', this one is "
+                             f"{policy!r}")
+        return None
+    if not isinstance(scores, torch.Tensor) or scores.dtype != torch.int64 or tuple(scores.shape) != keys.shape \
+            or scores.device != device:
+        found = f"{scores.dtype} {tuple(scores.shape)} on {scores.device}" if isinstance(scores, torch.Tensor) \
+            else type(scores).__name__
+        raise ValueError(f"hash table: policy 'custom' needs int64 scores {tuple(keys.shape)} on {device}, "
+                         f"got {found}")
+    return scores.contiguous()
