@@ -10,6 +10,8 @@ so a GPU tier plugs in beside the CPU ones without touching the embedding model 
 imported only for one): ``register_tier(name, "module:attr")``. Here: ``lru`` and ``lfu``,
 vectorized with numpy (a direct-mapped index of 4 bytes per table row, no Python loop per id),
 ``none``, and in :mod:`export.cache_torch` ``gpu-lru`` / ``gpu-lfu`` (the same policies on a torch device).
+A full cache evicts its rows of lowest priority (the oldest lookup, or the fewest lookups), a tie
+going to the lower slot, so that every tier evicts the same rows.
 
 The embedding lookup asks for the rows of all its tables at once (:func:`make_caches`,
 :class:`TableCaches`). A tier class that can serve several tables in one step says so with a
@@ -220,7 +222,7 @@ class _ArrayCaches:
             priority = self._priority[start: start + capacity].copy()
             priority[protected] = np.iinfo(np.int64).max
             priority[slots] = np.iinfo(np.int64).max
-            victims = np.argpartition(priority, n_evict - 1)[:n_evict]
+            victims = _lowest(priority, n_evict)
             self._slot_of[self._key_of[start + victims]] = -1
             self._evictions[t] += n_evict
             slots = np.concatenate([slots, victims])
@@ -265,6 +267,14 @@ class _LfuCaches(_ArrayCaches):
 
     def _initial_priority(self, counts):
         return counts
+
+
+def _lowest(priority: np.ndarray, n: int) -> np.ndarray:
+    """The positions of the ``n`` lowest ``priority`` values in their order, a tie going to the lower position."""
+    kth = np.partition(priority, n - 1)[n - 1]
+    below = np.flatnonzero(priority < kth)
+    below = below[np.argsort(priority[below], kind="stable")]
+    return np.concatenate([below, np.flatnonzero(priority == kth)[: n - below.size]])
 
 
 class _ByDim:

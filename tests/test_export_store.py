@@ -84,6 +84,15 @@ def test_lfu_keeps_the_frequent_rows():
     assert sorted(cache.cached_ids().tolist()) == [1, 3]
 
 
+def test_a_tie_evicts_the_lower_slots():
+    for tier in (LruCache(_table(rows=40), 21), LfuCache(_table(rows=40), 21)):
+        tier.lookup(np.arange(20, -1, -1))  # ids 0..20 in slots 0..20, all of one priority
+        tier.lookup(np.arange(0, 21, 3))    # every third one looked up again
+        tier.lookup(np.arange(21, 28))      # 7 rows out: the lowest slots of the lower priority
+        assert sorted(set(range(28)) - set(tier.cached_ids().tolist())) == [1, 2, 4, 5, 7, 8, 10]
+        assert tier.stats()["evictions"] == 7
+
+
 def test_more_misses_than_capacity_never_evicts_rows_of_the_same_batch():
     table = _table(rows=100)
     cache = LruCache(table, 4)
