@@ -346,19 +346,23 @@ def test_a_gpu_lookup_of_many_tables_waits_for_the_device_once():
 
     rng = np.random.default_rng(0)
     tables = {f"t{i}": _table(rows=int(rows), seed=i) for i, rows in enumerate(rng.integers(5, 500, 26))}
-    caches = make_caches("gpu-lru", tables, {name: 4 for name in tables})
-    requests = [np.stack([rng.integers(0, len(t), 32) for t in tables.values()], axis=1) for _ in range(3)]
+    caches = make_caches("gpu-lru", tables, {name: 64 for name in tables})
+    requests = [np.stack([rng.integers(0, len(t), 32) for t in tables.values()], axis=1) for _ in range(4)]
     caches.lookup(list(tables), requests[0])
     torch.cuda.set_sync_debug_mode("warn")
     try:
         with warnings.catch_warnings(record=True) as seen:
             warnings.filterwarnings("always", message=".*synchronizing CUDA operation")
-            for ids in requests + requests[-1:]:  # misses, then all hits
+            for ids in requests[1:]:  # misses and evictions
                 caches.lookup(list(tables), ids)
+            misses = sum(s["misses"] for s in caches.stats().values())
+            caches.lookup(list(tables), requests[-1])  # every id hits
     finally:
         torch.cuda.set_sync_debug_mode(0)
     syncs = [w for w in seen if "synchronizing CUDA operation" in str(w.message)]
-    assert len(syncs) == 4, [str(w.message) for w in syncs]
+    assert len(syncs) == 4, [f"{w.filename}:{w.lineno} {w.message}" for w in syncs]
+    stats = caches.stats().values()
+    assert sum(s["misses"] for s in stats) == misses and sum(s["evictions"] for s in stats) > 0
 
 
 @pytest.mark.gpu
