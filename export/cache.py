@@ -9,15 +9,18 @@ Tiers are named in :data:`TIERS`, a dict of lazy ``"module:attr"`` entries impor
 so a GPU tier plugs in beside the CPU ones without touching the embedding model (and torch is
 imported only for one): ``register_tier(name, "module:attr")``. Here: ``lru`` and ``lfu``,
 vectorized with numpy (a direct-mapped index of 4 bytes per table row, no Python loop per id),
-``none``, and in :mod:`export.cache_torch` ``gpu-lru`` / ``gpu-lfu`` (the same policies on a torch device).
+``none``, and in :mod:`export.cache_torch` ``gpu-lru`` / ``gpu-lfu`` (the same policies on a torch device,
+giving the same answers, counters and evictions). A full cache evicts its rows of lowest priority (the
+oldest lookup, or the fewest lookups), a tie going to the lower slot, so that every tier evicts the
+same rows.
 
 The embedding lookup asks for the rows of all its tables at once (:func:`make_caches`,
 :class:`TableCaches`). A tier class that can serve several tables in one step says so with a
-``for_tables`` class method: ``lru`` and ``lfu`` keep every table's cache in one set of arrays, so
-a batch's ids of all tables are deduplicated, found and gathered by one numpy call each, not one
-per table (a model has tens of small tables: at a batch of one row, the calls per table cost far
-more than the rows). Each table keeps its own capacity, evictions and counters. Other tiers are
-looked up table by table.
+``for_tables`` class method: ``lru`` and ``lfu`` keep every table's cache in one set of arrays (and
+``gpu-lru`` / ``gpu-lfu`` in one set of tensors), so a batch's ids of all tables are deduplicated,
+found and gathered by one call each, not one per table (a model has tens of small tables: at a
+batch of one row, the calls per table cost far more than the rows). Each table keeps its own
+capacity, evictions and counters. Other tiers are looked up table by table.
 
 Example::
 
@@ -76,8 +79,8 @@ TIERS = Registry("cache policy", {
     "lru": "export.cache:LruCache",
     "lfu": "export.cache:LfuCache",
     "none": "export.cache:NoCache",
-    "gpu-lru": "export.cache_torch:gpu_lru",
-    "gpu-lfu": "export.cache_torch:gpu_lfu",
+    "gpu-lru": "export.cache_torch:TorchLruCache",
+    "gpu-lfu": "export.cache_torch:TorchLfuCache",
 })
 """Tier name -> ``"module:attr"`` of its factory: ``factory(table, capacity) -> CacheTier``."""
 register_tier = TIERS.register
@@ -220,7 +223,7 @@ class _ArrayCaches:
             priority = self._priority[start: start + capacity].copy()
             priority[protected] = np.iinfo(np.int64).max
             priority[slots] = np.iinfo(np.int64).max
-            victims = np.argpartition(priority, n_evict - 1)[:n_evict]
+            victims = _lowest(priority, n_evict)
             self._slot_of[self._key_of[start + victims]] = -1
             self._evictions[t] += n_evict
             slots = np.concatenate([slots, victims])
@@ -267,10 +270,18 @@ class _LfuCaches(_ArrayCaches):
         return counts
 
 
+def _lowest(priority: np.ndarray, n: int) -> np.ndarray:
+    """The positions of the ``n`` lowest ``priority`` values in their order, a tie going to the lower position."""
+    kth = np.partition(priority, n - 1)[n - 1]
+    below = np.flatnonzero(priority < kth)
+    below = below[np.argsort(priority[below], kind="stable")]
+    return np.concatenate([below, np.flatnonzero(priority == kth)[: n - below.size]])
+
+
 class _ByDim:
     """Caches of tables of several dims or dtypes: one set of arrays per kind, each request sent to its own."""
 
-    def __init__(self, groups: list[_ArrayCaches]) -> None:
+    def __init__(self, groups: list) -> None:
         self.groups = groups
         self._group_of = {name: group for group in groups for name in group.tables}
 
@@ -291,14 +302,14 @@ class _ByDim:
             group.refill({name: tables[name] for name in group.tables})
 
 
-class _ArrayCache:
-    """One table's tier, on the multi-table machinery of :attr:`caches`."""
+class OneTableTier:
+    """One table's tier, on the multi-table caches of :attr:`caches` (``options``: their settings beyond the tables)."""
 
-    caches: type[_ArrayCaches]
+    caches: type
     _TABLE = "table"
 
-    def __init__(self, table: np.ndarray, capacity: int) -> None:
-        self._caches = self.caches({self._TABLE: table}, {self._TABLE: capacity})
+    def __init__(self, table: np.ndarray, capacity: int, **options) -> None:
+        self._caches = self.caches({self._TABLE: table}, {self._TABLE: capacity}, **options)
         self.capacity = int(self._caches.capacities[0])
 
     @property
@@ -320,22 +331,22 @@ class _ArrayCache:
         self._caches.refill({self._TABLE: table})
 
     @classmethod
-    def for_tables(cls, tables: dict[str, np.ndarray], capacities: dict[str, int]) -> TableCaches:
+    def for_tables(cls, tables: dict[str, np.ndarray], capacities: dict[str, int], **options) -> TableCaches:
         """The caches of ``tables`` in one set of arrays per dim and dtype."""
         kinds: dict[tuple, dict[str, np.ndarray]] = {}
         for name, table in tables.items():
             kinds.setdefault((table.shape[1:], table.dtype.str), {})[name] = table
-        groups = [cls.caches(group, capacities) for group in kinds.values()]
+        groups = [cls.caches(group, capacities, **options) for group in kinds.values()]
         return groups[0] if len(groups) == 1 else _ByDim(groups)
 
 
-class LruCache(_ArrayCache):
+class LruCache(OneTableTier):
     """Least recently used: evicts the rows whose last lookup is oldest."""
 
     caches = _LruCaches
 
 
-class LfuCache(_ArrayCache):
+class LfuCache(OneTableTier):
     """Least frequently used: evicts the rows looked up the fewest times since they were cached."""
 
     caches = _LfuCaches

@@ -14,7 +14,8 @@ one-hot feature, in ``config.categorical`` order; None when there is none) and, 
 
 The one-hot ids of a batch go to the caches in one request (``export.cache.make_caches``; one per
 dim where the tables' dims differ, and one per multi-hot feature): the ``lru`` and ``lfu`` caches
-find and gather the rows of all those tables in one vectorised step.
+find and gather the rows of all those tables in one vectorised step, and ``gpu-lru`` / ``gpu-lfu`` (a
+``KIND_GPU`` instance's) in one step on the GPU, waiting for it once.
 
 A new store version is picked up by :meth:`refresh` (called before each batch): the caches keep
 their hot ids and re-read those rows from the new version, and a batch is always computed from

@@ -84,6 +84,18 @@ def test_lfu_keeps_the_frequent_rows():
     assert sorted(cache.cached_ids().tolist()) == [1, 3]
 
 
+def test_a_tie_evicts_the_lower_slots():
+    from export.cache_torch import TorchLfuCache, TorchLruCache
+
+    for tier in (LruCache(_table(rows=40), 21), LfuCache(_table(rows=40), 21),
+                 TorchLruCache(_table(rows=40), 21, device="cpu"), TorchLfuCache(_table(rows=40), 21, device="cpu")):
+        tier.lookup(np.arange(20, -1, -1))  # ids 0..20 in slots 0..20, all of one priority
+        tier.lookup(np.arange(0, 21, 3))    # every third one looked up again
+        tier.lookup(np.arange(21, 28))      # 7 rows out: the lowest slots of the lower priority
+        assert sorted(set(range(28)) - set(tier.cached_ids().tolist())) == [1, 2, 4, 5, 7, 8, 10]
+        assert tier.stats()["evictions"] == 7
+
+
 def test_more_misses_than_capacity_never_evicts_rows_of_the_same_batch():
     table = _table(rows=100)
     cache = LruCache(table, 4)
@@ -133,7 +145,7 @@ def test_unknown_policy_is_named():
 def test_tiers_are_registered_by_module_and_name_and_imported_on_use():
     from export.cache import TIERS, register_tier
 
-    assert TIERS["gpu-lru"] == "export.cache_torch:gpu_lru"
+    assert TIERS["gpu-lru"] == "export.cache_torch:TorchLruCache"
     register_tier("lru-again", "export.cache:LruCache")
     assert isinstance(make_tier("lru-again", _table(), 4), LruCache)
     del TIERS["lru-again"]
@@ -246,36 +258,126 @@ def test_a_broken_new_version_leaves_the_served_one_untouched(tmp_path):
     np.testing.assert_array_equal(lookup(np.array([[3]])), _table(seed=1)[[3]])
 
 
-def _torch_cache_checks(device):
-    from export.cache_torch import TorchCache
+def _same_as_the_numpy_tiers(device, steps=120):
+    """The torch tiers of all tables in one step, and of each table on its own, against the numpy ``for_tables``:
+    the same answers, counters, evictions and cached ids after every lookup of a random sequence (repeated ids,
+    full caches, tables of different sizes and capacities, one of capacity 0, empty requests), then after a
+    new version of the tables (hot ids kept) and one of another shape (cold)."""
+    from export.cache_torch import TorchLfuCache, TorchLruCache
 
-    table = _table(rows=500)
-    for policy in ("lru", "lfu"):
-        cache = TorchCache(table, 50, device=device, policy=policy)
+    capacities = {"a": 50, "b": 40, "c": 20, "d": 0, "e": 3}
+    order = ["c", "a", "e", "b", "d"]
+    for torch_tier, numpy_tier in ((TorchLruCache, LruCache), (TorchLfuCache, LfuCache)):
+        tables = {"a": _table(rows=300, seed=1), "b": _table(rows=40, seed=2), "c": _table(rows=1000, seed=3),
+                  "d": _table(rows=9, seed=4), "e": _table(rows=500, seed=5)}
+        ours = torch_tier.for_tables(tables, capacities, device=device)
+        alone = {name: torch_tier(table, capacities[name], device=device) for name, table in tables.items()}
+        expected = numpy_tier.for_tables(tables, capacities)
         rng = np.random.default_rng(0)
-        distinct = 0
-        for _ in range(20):
-            ids = rng.zipf(1.3, size=300) % 500
-            distinct += np.unique(ids).size
-            np.testing.assert_array_equal(cache.lookup(ids), table[ids])
-        stats = cache.stats()
-        assert stats["hits"] + stats["misses"] == distinct
-        assert stats["hits"] > 0 and stats["evictions"] > 0 and stats["size"] == 50
-    lru = TorchCache(_table(rows=10), 2, device=device)
-    lru.lookup(np.array([1, 1, 2]))
-    lru.lookup(np.array([1]))
-    lru.lookup(np.array([3]))
-    assert sorted(lru.cached_ids().tolist()) == [1, 3]
-    lru.refill(_table(rows=10, seed=5))
-    np.testing.assert_array_equal(lru.lookup(np.array([3, 1])), _table(rows=10, seed=5)[[3, 1]])
+        for step in range(steps):
+            if step == steps // 2:
+                tables = {name: table + 1 for name, table in tables.items()}
+                for caches in (ours, expected):
+                    caches.refill(tables)
+                for name, tier in alone.items():
+                    tier.refill(tables[name])
+            batch = int(rng.choice([0, 1, 2, 7, 32, 64]))
+            ids = np.stack([rng.zipf(1.3, size=batch) % len(tables[n]) for n in order], axis=1)
+            rows = ours.lookup(order, ids)
+            np.testing.assert_array_equal(rows, expected.lookup(order, ids))
+            np.testing.assert_array_equal(rows, np.stack([tables[n][ids[:, j]] for j, n in enumerate(order)], axis=1))
+            for j, name in enumerate(order):
+                np.testing.assert_array_equal(alone[name].lookup(ids[:, j]), rows[:, j])
+            assert ours.stats() == expected.stats() == {name: tier.stats() for name, tier in alone.items()}, step
+            for name in order:
+                assert ours.cached_ids(name).tolist() == expected.cached_ids(name).tolist() \
+                    == alone[name].cached_ids().tolist()
+        stats = ours.stats()
+        assert stats["c"]["evictions"] > 0 and stats["e"]["evictions"] > 0 and stats["b"]["hits"] > 0
+        assert stats["d"] == {"hits": 0, "misses": stats["d"]["misses"], "evictions": 0, "size": 0, "capacity": 0}
+        tables["b"] = _table(rows=60, seed=6)
+        ours.refill(tables)
+        assert ours.stats()["b"]["size"] == ours.stats()["a"]["size"] == 0
+        np.testing.assert_array_equal(ours.lookup(["b"], np.array([[55]]))[:, 0], tables["b"][[55]])
 
 
-def test_torch_tier_on_the_cpu():
-    _torch_cache_checks("cpu")
+def test_torch_tiers_on_the_cpu_answer_count_and_evict_as_the_numpy_tiers():
+    _same_as_the_numpy_tiers("cpu")
+
+
+@pytest.mark.parametrize("misses", [False, True])
+def test_a_torch_lookup_of_many_tables_reads_the_device_once(misses):
+    """On the CPU, no operation that would wait for a GPU (see tests/test_train_syncs.py), and the same two
+    copies to the host (the answer, and the missed ids with the hit counts) for 3 tables as for 26."""
+    from export.cache_torch import TorchLruCache
+    from tests.test_train_syncs import HostCopies, HostReads
+
+    rng = np.random.default_rng(0)
+    for count in (3, 26):
+        tables = {f"t{i}": _table(rows=int(rows), seed=i) for i, rows in enumerate(rng.integers(5, 500, count))}
+        caches = TorchLruCache.for_tables(tables, {name: 4 if misses else len(t) for name, t in tables.items()},
+                                          device="cpu")
+        ids = np.stack([rng.integers(0, len(t), 32) for t in tables.values()], axis=1)
+        caches.lookup(list(tables), ids)
+        if misses:
+            ids = np.stack([rng.integers(0, len(t), 32) for t in tables.values()], axis=1)
+        before = caches.stats()
+        with HostReads() as reads, HostCopies() as copies:
+            caches.lookup(list(tables), ids)
+        assert reads.seen == [] and copies.seen == ["Tensor.numpy"] * 2, (count, reads.seen, copies.seen)
+        stats = caches.stats()
+        if misses:
+            assert all(stats[name]["evictions"] > before[name]["evictions"] for name in tables)
+        else:
+            assert stats == {name: {**s, "hits": stats[name]["hits"]} for name, s in before.items()}
 
 
 @pytest.mark.gpu
-def test_torch_tier_on_the_gpu():
-    _torch_cache_checks("cuda")
-    cache = make_tier("gpu-lfu", _table(rows=100), 10)
-    assert cache.device.type == "cuda"
+def test_torch_tiers_on_the_gpu_answer_count_and_evict_as_the_numpy_tiers():
+    _same_as_the_numpy_tiers("cuda")
+    caches = make_caches("gpu-lfu", {"t": _table(rows=100)}, {"t": 10})
+    assert caches.device.type == "cuda"
+
+
+@pytest.mark.gpu
+def test_a_gpu_lookup_of_many_tables_waits_for_the_device_once():
+    """Every lookup, with misses or not, makes one sync (the read of its answer), whatever the number of tables."""
+    import warnings
+
+    rng = np.random.default_rng(0)
+    tables = {f"t{i}": _table(rows=int(rows), seed=i) for i, rows in enumerate(rng.integers(5, 500, 26))}
+    caches = make_caches("gpu-lru", tables, {name: 64 for name in tables})
+    requests = [np.stack([rng.integers(0, len(t), 32) for t in tables.values()], axis=1) for _ in range(4)]
+    caches.lookup(list(tables), requests[0])
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.filterwarnings("always", message=".*synchronizing CUDA operation")
+            for ids in requests[1:]:  # misses and evictions
+                caches.lookup(list(tables), ids)
+            misses = sum(s["misses"] for s in caches.stats().values())
+            caches.lookup(list(tables), requests[-1])  # every id hits
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    syncs = [w for w in seen if "synchronizing CUDA operation" in str(w.message)]
+    assert len(syncs) == 4, [f"{w.filename}:{w.lineno} {w.message}" for w in syncs]
+    stats = caches.stats().values()
+    assert sum(s["misses"] for s in stats) == misses and sum(s["evictions"] for s in stats) > 0
+
+
+@pytest.mark.gpu
+def test_the_lookup_through_gpu_caches_answers_as_through_numpy_caches(tmp_path):
+    collection, schema = _collection_and_schema()
+    config = LookupConfig.from_collection(collection, schema)
+    write_version(tmp_path, {n: collection.table_weight(n).numpy() for n in collection.packing.table_names})
+    lookups = {policy: EmbeddingLookup(tmp_path, config, policy=policy, cache_fraction=0.1, min_cache_rows=3)
+               for policy in ("lru", "gpu-lru")}
+    rng = np.random.default_rng(0)
+    for batch in (1, 32, 7, 32):
+        cat = np.stack([rng.integers(0, 40, batch), rng.integers(0, 30, batch), rng.integers(0, 40, batch)], axis=1)
+        lengths = rng.integers(0, 5, (batch, 1))
+        packed = rng.integers(0, 20, (batch, 4))
+        answers = [lookup(cat, packed, lengths) for lookup in lookups.values()]
+        np.testing.assert_array_equal(answers[0], answers[1])
+    stats = [lookup.stats() for lookup in lookups.values()]
+    assert stats[0]["tables"] == stats[1]["tables"] and stats[1]["evictions"] > 0
