@@ -96,6 +96,7 @@ class Preprocessor:
         self.schema = schema
         self.transform = transform
         multihot = set(schema.multihot)
+        self.continuous = schema.continuous
         self.onehot = [c for c in schema.sparse if c not in multihot]
         self.multihot = [c for c in schema.sparse if c in multihot]
         self._types = {name: _arrow_type(t) for name, t in
@@ -186,8 +187,8 @@ class Preprocessor:
     def tensors(self, processed: Columns) -> dict[str, np.ndarray]:
         """The processed columns (or a processed DataFrame) as the tensors of the lookup and the dense part."""
         out = {}
-        if self.schema.continuous:
-            out[DENSE] = _matrix(processed, self.schema.continuous, np.float32)
+        if self.continuous:
+            out[DENSE] = _matrix(processed, self.continuous, np.float32)
         if self.onehot:
             out[CATEGORICAL_IDS] = _matrix(processed, self.onehot, np.int64)
         if self.multihot:
