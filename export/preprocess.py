@@ -208,6 +208,13 @@ def _arrow_type(text: str) -> pa.DataType:
 
 
 def _strings(values: np.ndarray) -> pa.Array:
+    """The text of bytes values as an Arrow string array: the empty value missing (null), invalid UTF-8 replaced."""
+    if values.dtype.kind == "S":  # Arrow reads each value up to its first NUL byte: empty where that is the first
+        empty = np.ascontiguousarray(values).view(np.uint8)[:: values.dtype.itemsize] == 0
+        try:
+            return pa.array(values, type=pa.binary(), mask=empty).cast(pa.string())
+        except pa.ArrowInvalid:
+            pass  # not UTF-8: replaced below
     try:
         array = pa.array(values, type=pa.binary()).cast(pa.string())
     except (pa.ArrowInvalid, pa.ArrowTypeError):

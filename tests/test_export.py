@@ -243,6 +243,8 @@ def test_preprocess_names_what_is_wrong_with_a_request(multihot_pipeline):
 
 @pytest.mark.parametrize("batch", [1, 32, 1000])
 def test_preprocess_equals_the_workflow_column_by_column_on_the_raw_rows(multihot_pipeline, batch):
+    from export.wire import decode_bytes, encode_bytes
+
     """The request's tensors (the continuous columns in one matrix, each operator's columns computed together)
     equal, bit for bit, those of the ETL's own path: the raw rows as its reader gives them (arrow-backed, the raw
     parquet's types) through every operator column by column (``Workflow.transform_partition``)."""
@@ -260,13 +262,17 @@ def test_preprocess_equals_the_workflow_column_by_column_on_the_raw_rows(multiho
     preprocess = Preprocessor.load(Path(cfg.paths.export) / "ranker" / "1" / "artifacts")
     workflow = Workflow.load(cfg.paths.workflow)
     expected = preprocess.tensors(Workflow.transform_partition(frame, workflow.output))
-    got = preprocess(_request(frame, raw))
-    assert sorted(got) == ["CATEGORICAL_IDS", "DENSE", "MULTIHOT_IDS", "MULTIHOT_LENGTHS"]
-    for name, values in expected.items():
-        assert got[name].dtype == values.dtype and got[name].shape == values.shape, name
-        assert got[name].flags.c_contiguous, name
-        bits = f"u{values.itemsize}"
-        assert (got[name].view(bits) == values.view(bits)).all(), name
+    request = _request(frame, raw)  # strings as object arrays of bytes; as the served models decode them, below
+    wire = {name: decode_bytes(np.frombuffer(encode_bytes([values])[0], dtype=np.uint8)).reshape(-1, 1)
+            if values.dtype == object else values for name, values in request.items()}
+    assert wire["C1"].dtype.kind == "S"
+    for got in (preprocess(request), preprocess(wire)):
+        assert sorted(got) == ["CATEGORICAL_IDS", "DENSE", "MULTIHOT_IDS", "MULTIHOT_LENGTHS"]
+        for name, values in expected.items():
+            assert got[name].dtype == values.dtype and got[name].shape == values.shape, name
+            assert got[name].flags.c_contiguous, name
+            bits = f"u{values.itemsize}"
+            assert (got[name].view(bits) == values.view(bits)).all(), name
 
 
 @pytest.mark.parametrize("values", [
