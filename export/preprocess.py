@@ -106,6 +106,7 @@ class Preprocessor:
         # An integer column's whole numbers lie in [low, high): both bounds exact as float64 (powers of two).
         self._low = np.array([[np.iinfo(dtypes[c]).min] for c in self._integers], np.float64)
         self._high = np.array([[np.iinfo(dtypes[c]).max + 1] for c in self._integers], np.float64)
+        # The columns of each raw type but float64, whose values pass through it (float32 rounds, -0 becomes 0).
         self._narrow = {d: np.flatnonzero([e == d for e in dtypes]) for d in set(dtypes) - {np.dtype(np.float64)}}
 
     @classmethod
