@@ -8,14 +8,18 @@ The wire format of a raw row, one Triton input per raw column (``RawColumns`` sa
   workflow's null index); a value never seen at fit time gets the out-of-vocabulary index.
 - multi-hot column: ``TYPE_STRING`` ``[1]``, the values joined by ``list_separator``; empty: missing.
 
-The request columns become Arrow arrays with the raw parquet's own types, wrapped as pandas'
-arrow-backed arrays (what a column of the frame the ETL's reader gives the workflow holds), and the
-*same* column code as offline runs on them (``Workflow.transform_columns``: ``Workflow.transform``
-without building a DataFrame in or out). The processed columns become the tensors the model takes:
-``DENSE`` ``[B, n_cont]`` float32, ``CATEGORICAL_IDS`` ``[B, n_onehot]`` int64 and, with multi-hot
-features, ``MULTIHOT_IDS`` ``[B, W]`` (each row's bags packed, then ``-1``) and ``MULTIHOT_LENGTHS``
-``[B, n_multihot]``. A tensor whose kind of feature the schema lacks is not emitted (the configs leave
-it out too).
+The continuous columns are checked and stacked once, into one float64 matrix ``[column, row]``
+holding each value as its raw parquet type holds it (an integer column's whole numbers, in that
+integer type's range; NaN: missing): each column is a row of it, the numbers the numeric operators
+read of the ETL's column (``as_float64``). The string columns become Arrow arrays with the raw
+parquet's own types, wrapped as pandas' arrow-backed arrays (what a column of the frame the ETL's
+reader gives the workflow holds). The *same* operators as offline run on them
+(``Workflow.transform_columns``: ``Workflow.transform`` without building a DataFrame in or out, the
+columns of an operator computed together where it can, as it would compute each). The processed
+columns become the tensors the model takes, each stacked in one copy: ``DENSE`` ``[B, n_cont]``
+float32, ``CATEGORICAL_IDS`` ``[B, n_onehot]`` int64 and, with multi-hot features, ``MULTIHOT_IDS``
+``[B, W]`` (each row's bags packed, then ``-1``) and ``MULTIHOT_LENGTHS`` ``[B, n_multihot]``. A
+tensor whose kind of feature the schema lacks is not emitted (the configs leave it out too).
 
 Example::
 
@@ -37,7 +41,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline.errors import BadInputError
+from pipeline.errors import BadInputError, UserError
 from pipeline.schema import Schema
 
 DENSE = "DENSE"
@@ -92,11 +96,18 @@ class Preprocessor:
         self.schema = schema
         self.transform = transform
         multihot = set(schema.multihot)
+        self.continuous = schema.continuous
         self.onehot = [c for c in schema.sparse if c not in multihot]
         self.multihot = [c for c in schema.sparse if c in multihot]
         self._types = {name: _arrow_type(t) for name, t in
                        {**raw.continuous, **raw.categorical, **raw.multihot, **raw.label}.items()}
-        self._integer = np.array([pa.types.is_integer(self._types[n]) for n in raw.continuous], dtype=bool)
+        dtypes = [_numeric_dtype(name, self._types[name]) for name in raw.continuous]
+        self._integers = np.flatnonzero([d.kind in "iu" for d in dtypes])
+        # An integer column's whole numbers lie in [low, high): both bounds exact as float64 (powers of two).
+        self._low = np.array([[np.iinfo(dtypes[c]).min] for c in self._integers], np.float64)
+        self._high = np.array([[np.iinfo(dtypes[c]).max + 1] for c in self._integers], np.float64)
+        # The columns of each raw type but float64, whose values pass through it (float32 rounds, -0 becomes 0).
+        self._narrow = {d: np.flatnonzero([e == d for e in dtypes]) for d in set(dtypes) - {np.dtype(np.float64)}}
 
     @classmethod
     def load(cls, folder: str | Path) -> Preprocessor:
@@ -108,8 +119,9 @@ class Preprocessor:
         return cls(RawColumns.load(folder / "raw_columns.json"), Schema.load(folder / "schema.json"),
                    workflow.transform_columns)
 
-    def columns(self, columns: dict[str, np.ndarray]) -> dict[str, pd.arrays.ArrowExtensionArray]:
-        """The request's raw columns as arrow-backed pandas arrays, typed as the ETL reads its parquet input."""
+    def columns(self, columns: dict[str, np.ndarray]) -> dict[str, Any]:
+        """The request's raw columns as the workflow takes them: each continuous column a float64 row of one
+        matrix, the others arrow-backed pandas arrays typed as the ETL reads its parquet input."""
         missing = [n for n in self.raw.names if n not in columns]
         if missing:
             raise BadInputError(f"missing raw columns {missing}; expected {self.raw.names}")
@@ -123,7 +135,7 @@ class Preprocessor:
         for name in (*self.raw.categorical, *self.raw.multihot):
             if rows[name].dtype.kind not in "OSU":
                 raise BadInputError(f"column {name}: expected strings (BYTES), got dtype {rows[name].dtype}")
-        arrays = self._continuous(rows) if self.raw.continuous else {}
+        arrays: dict[str, pa.Array] = {}
         categorical = list(self.raw.categorical)
         if categorical:
             strings = _strings(np.concatenate([rows[n] for n in categorical]))
@@ -132,37 +144,52 @@ class Preprocessor:
         for name in self.raw.multihot:
             split = pc.split_pattern(_strings(rows[name]), self.raw.list_separator)
             arrays[name] = _cast(split, self._types[name])
-        for name in self.raw.label:
-            arrays[name] = pa.array(np.zeros(batch, dtype=np.int64)).cast(self._types[name])
-        return {name: pd.arrays.ArrowExtensionArray(array) for name, array in arrays.items()}
+        numbers = self._continuous(rows) if self.raw.continuous else {}
+        numbers.update((name, np.zeros(batch)) for name in self.raw.label)  # read by the workflow, not by the model
+        return {**numbers, **{name: pd.arrays.ArrowExtensionArray(array) for name, array in arrays.items()}}
 
-    def _continuous(self, rows: dict[str, np.ndarray]) -> dict[str, pa.Array]:
-        """The continuous columns, checked together; a column's first problem is named, columns in order."""
+    def _continuous(self, rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The continuous columns, checked together (a column's first problem is named, columns in order), as
+        the rows of one float64 matrix: each value as its raw type holds it, NaN where missing."""
         names = list(self.raw.continuous)
         for name in names:
             if rows[name].dtype.kind not in "fiu":
                 raise BadInputError(f"column {name}: expected numbers (FP64), got dtype {rows[name].dtype}")
-        values = np.stack([rows[n] for n in names]).astype(np.float64, copy=False)  # [column, row]
+        values = np.array([rows[n] for n in names], dtype=np.float64)  # [column, row]
         missing = np.isnan(values)
-        infinite = np.isinf(values).any(axis=1)
-        whole = np.where(missing, 0, values)
-        fractional = (np.floor(whole) != whole).any(axis=1) & self._integer
-        if infinite.any() or fractional.any():
-            c = int(np.flatnonzero(infinite | fractional)[0])
-            if infinite[c]:
-                raise BadInputError(f"column {names[c]}: expected finite numbers or NaN (missing), got inf")
-            bad = whole[c][np.floor(whole[c]) != whole[c]][0]
-            raise BadInputError(f"column {names[c]}: the raw column is {self._types[names[c]]}, expected whole "
-                                f"numbers, got {bad}")
-        integers = whole.astype(np.int64) if self._integer.any() else None
-        return {name: _cast(pa.array(integers[c] if self._integer[c] else values[c], mask=missing[c]),
-                            self._types[name]) for c, name in enumerate(names)}
+        whole = np.where(missing, 0.0, values)
+        bad = np.isinf(whole)
+        if len(self._integers):
+            ints = whole[self._integers]
+            bad[self._integers] |= (np.floor(ints) != ints) | (ints < self._low) | (ints >= self._high)
+        if bad.any():
+            self._refuse(names, whole, bad)
+        with np.errstate(over="ignore"):  # a float32 column's values beyond its range are inf, as Arrow casts them
+            for dtype, index in self._narrow.items():
+                whole[index] = whole[index].astype(dtype).astype(np.float64)
+        whole[missing] = np.nan
+        return dict(zip(names, whole))
+
+    def _refuse(self, names: list[str], whole: np.ndarray, bad: np.ndarray) -> None:
+        """Name the first column with values its raw type cannot hold (``bad``): its infinite, else fractional,
+        else out-of-range values."""
+        c = int(np.flatnonzero(bad.any(axis=1))[0])
+        column, kind = whole[c], self._types[names[c]]
+        if np.isinf(column).any():
+            raise BadInputError(f"column {names[c]}: expected finite numbers or NaN (missing), got inf")
+        fractional = column[np.floor(column) != column]
+        if len(fractional):
+            raise BadInputError(f"column {names[c]}: the raw column is {kind}, expected whole numbers, "
+                                f"got {fractional[0]}")
+        limits = np.iinfo(kind.to_pandas_dtype())
+        raise BadInputError(f"column {names[c]}: the raw column is {kind}, expected whole numbers from {limits.min} "
+                            f"to {limits.max}, got {column[bad[c]][0]:.0f}")
 
     def tensors(self, processed: Columns) -> dict[str, np.ndarray]:
         """The processed columns (or a processed DataFrame) as the tensors of the lookup and the dense part."""
         out = {}
-        if self.schema.continuous:
-            out[DENSE] = _matrix(processed, self.schema.continuous, np.float32)
+        if self.continuous:
+            out[DENSE] = _matrix(processed, self.continuous, np.float32)
         if self.onehot:
             out[CATEGORICAL_IDS] = _matrix(processed, self.onehot, np.int64)
         if self.multihot:
@@ -182,6 +209,13 @@ def _arrow_type(text: str) -> pa.DataType:
 
 
 def _strings(values: np.ndarray) -> pa.Array:
+    """The text of bytes values as an Arrow string array: the empty value missing (null), invalid UTF-8 replaced."""
+    if values.dtype.kind == "S":  # Arrow reads each value up to its first NUL byte: empty where that is the first
+        empty = np.ascontiguousarray(values).view(np.uint8)[:: values.dtype.itemsize] == 0
+        try:
+            return pa.array(values, type=pa.binary(), mask=empty).cast(pa.string())
+        except pa.ArrowInvalid:
+            pass  # not UTF-8: replaced below
     try:
         array = pa.array(values, type=pa.binary()).cast(pa.string())
     except (pa.ArrowInvalid, pa.ArrowTypeError):
@@ -190,16 +224,23 @@ def _strings(values: np.ndarray) -> pa.Array:
     return pc.if_else(pc.equal(array, ""), pa.scalar(None, pa.string()), array)
 
 
+def _numeric_dtype(name: str, kind: pa.DataType) -> np.dtype:
+    """The numpy dtype of a continuous raw column's Arrow type: an integer or floating type (the raw layout's)."""
+    if not (pa.types.is_integer(kind) or pa.types.is_floating(kind)):
+        raise UserError(f"raw_columns.json: the continuous column {name} has type {kind}; expected an integer or "
+                        "floating type (the raw layout's int64 or float64): export the model again")
+    return np.dtype(kind.to_pandas_dtype())
+
+
 def _cast(array: pa.Array, target: pa.DataType) -> pa.Array:
     return array if array.type == target else array.cast(target)
 
 
 def _matrix(processed: Columns, columns: list[str], dtype) -> np.ndarray:
-    out = np.empty((len(processed[columns[0]]), len(columns)), dtype=dtype)
-    for j, name in enumerate(columns):
-        values = processed[name]
-        out[:, j] = values.to_numpy(dtype=dtype) if hasattr(values, "to_numpy") else np.asarray(values, dtype=dtype)
-    return out
+    """The columns side by side, ``[row, column]`` of ``dtype``, in one copy where they are numpy arrays."""
+    arrays = [values if isinstance(values, np.ndarray) else values.to_numpy(dtype=dtype) if hasattr(values, "to_numpy")
+              else np.asarray(values, dtype=dtype) for values in (processed[name] for name in columns)]
+    return np.stack(arrays, axis=1).astype(dtype, copy=False)
 
 
 def _pack_bags(processed: Columns, columns: list[str]) -> tuple[np.ndarray, np.ndarray]:

@@ -236,6 +236,43 @@ def test_preprocess_names_what_is_wrong_with_a_request(multihot_pipeline):
         preprocess(dict(good, I1=np.full((3, 1), 0.5)))
     with pytest.raises(BadInputError, match="C1: expected strings"):
         preprocess(dict(good, C1=np.zeros((3, 1))))
+    with pytest.raises(BadInputError, match="I1: the raw column is int64, expected whole numbers from "
+                                            "-9223372036854775808 to 9223372036854775807, got 9223372036854775808"):
+        preprocess(dict(good, I1=np.full((3, 1), 2.0**63)))  # was taken as -2**63
+
+
+@pytest.mark.parametrize("batch", [1, 32, 1000])
+def test_preprocess_equals_the_workflow_column_by_column_on_the_raw_rows(multihot_pipeline, batch):
+    from export.wire import decode_bytes, encode_bytes
+
+    """The request's tensors (the continuous columns in one matrix, each operator's columns computed together)
+    equal, bit for bit, those of the ETL's own path: the raw rows as its reader gives them (arrow-backed, the raw
+    parquet's types) through every operator column by column (``Workflow.transform_partition``)."""
+    cfg, _, _, raw, rows = multihot_pipeline
+    rng = np.random.default_rng(batch)
+    frame = rows.iloc[rng.integers(0, len(rows), batch)].reset_index(drop=True)
+    unseen, missing = rng.random((2, batch)) < 0.2
+    frame.loc[unseen, "C1"] = "never-seen"
+    frame.loc[missing, "C2"] = None  # an empty string in the request
+    frame.loc[unseen, "I1"] = 10**12
+    frame.loc[missing, "I2"] = None
+    frame.loc[unseen & ~missing, "I2"] = -0.0
+    bags = [["m1", "unseen-item", "m1"] if u else None if m else v for u, m, v in zip(unseen, missing, frame["M1"])]
+    frame["M1"] = pd.Series(bags, dtype=frame["M1"].dtype)
+    preprocess = Preprocessor.load(Path(cfg.paths.export) / "ranker" / "1" / "artifacts")
+    workflow = Workflow.load(cfg.paths.workflow)
+    expected = preprocess.tensors(Workflow.transform_partition(frame, workflow.output))
+    request = _request(frame, raw)  # strings as object arrays of bytes; as the served models decode them, below
+    wire = {name: decode_bytes(np.frombuffer(encode_bytes([values])[0], dtype=np.uint8)).reshape(-1, 1)
+            if values.dtype == object else values for name, values in request.items()}
+    assert wire["C1"].dtype.kind == "S"
+    for got in (preprocess(request), preprocess(wire)):
+        assert sorted(got) == ["CATEGORICAL_IDS", "DENSE", "MULTIHOT_IDS", "MULTIHOT_LENGTHS"]
+        for name, values in expected.items():
+            assert got[name].dtype == values.dtype and got[name].shape == values.shape, name
+            assert got[name].flags.c_contiguous, name
+            bits = f"u{values.itemsize}"
+            assert (got[name].view(bits) == values.view(bits)).all(), name
 
 
 @pytest.mark.parametrize("values", [

@@ -65,11 +65,12 @@ class Workflow:
         self.output = Node.of(output)
         self.library = library
         self._nodes = list(self.output.walk())
+        self._inputs = self.output.raw_columns()
 
     @property
     def input_columns(self) -> list[str]:
         """The raw columns the workflow reads."""
-        return self.output.raw_columns()
+        return list(self._inputs)
 
     @property
     def output_columns(self) -> list[str]:
@@ -174,7 +175,7 @@ class Workflow:
 
     def _check_columns(self, columns: Any, what: str) -> None:
         present = set(columns)
-        missing = [c for c in self.input_columns if c not in present]
+        missing = [c for c in self._inputs if c not in present]
         if missing:
             raise BadInputError(
                 f"{what}: expected the columns {self.input_columns}; missing {missing}; found {list(columns)}"
@@ -333,7 +334,8 @@ def _evaluate_pandas(df: pd.DataFrame, nodes: list[Node]) -> pd.DataFrame:
 def _evaluate_columns(read: Callable[[str], Any], index: pd.Index, nodes: list[Node]) -> dict[str, Any]:
     """The output columns of the graph, from ``read(name)``, the raw column ``name`` as an array.
 
-    A column-by-column operator runs its ``transform_column`` on each array; any other operator gets
+    A column-by-column operator gets all its input arrays at once (``transform_many``, which runs
+    ``transform_column`` on each unless the operator computes them together); any other operator gets
     a frame of its input columns (on ``index``) and its own ``transform``.
     """
     results: dict[int, dict[str, Any]] = {}
@@ -349,8 +351,7 @@ def _evaluate_columns(read: Callable[[str], Any], index: pd.Index, nodes: list[N
         if node.op is None:
             results[id(node)] = inputs
         elif node.op.columnwise:
-            results[id(node)] = {out: node.op.transform_column(name, values)
-                                 for (name, values), out in zip(inputs.items(), node.op.output_columns(list(inputs)))}
+            results[id(node)] = node.op.transform_many(inputs)
         else:
             out = node.op.transform(_frame(inputs, index))
             results[id(node)] = {name: _values(out[name]) for name in out.columns}

@@ -3,8 +3,11 @@
 An operator works on the columns its node hands it. Most operators map each column on its own:
 they implement ``transform_column`` (one column in: a pandas Series or array, or a cuDF Series;
 its values out), which both the Dask path (each partition, through ``transform``) and the
-in-memory serving path (``Workflow.transform`` of a pandas frame, column by column) run. An
-operator that needs several columns at once overrides ``transform`` instead.
+in-memory serving path (``Workflow.transform`` of a pandas frame, column by column) run. The
+serving path hands such an operator all its columns at once (``transform_many``: by default each
+through ``transform_column``); an operator may compute them together there (one matrix of all its
+numeric columns, one pass over all its vocabularies), giving exactly what ``transform_column`` gives
+each. An operator that needs several columns at once overrides ``transform`` instead.
 
 Stateful operators return lazy Dask objects from ``fit`` (computed by the workflow together with
 every other operator of the same phase), turn the computed values into plain Python / numpy state
@@ -101,9 +104,16 @@ class Operator:
         """Transform one column: a pandas Series or array, or a cuDF Series; returns its new values."""
         raise NotImplementedError(f"{type(self).__name__} implements neither transform nor transform_column")
 
+    def transform_many(self, columns: dict[str, Any]) -> dict[str, Any]:
+        """Transform several columns of the same rows (name -> values): output name -> new values, what
+        :meth:`transform_column` gives each, named by :meth:`output_columns`."""
+        names = self.output_columns(list(columns))
+        return {out: self.transform_column(name, values) for (name, values), out in zip(columns.items(), names)}
+
     @property
     def columnwise(self) -> bool:
-        """True when ``transform`` is the column-by-column default, so callers may run ``transform_column``."""
+        """True when ``transform`` is the column-by-column default, so callers may run ``transform_column``
+        (or ``transform_many``)."""
         return type(self).transform is Operator.transform
 
     def get_params(self) -> dict:

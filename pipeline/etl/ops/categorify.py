@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from itertools import chain, repeat
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -49,8 +50,16 @@ OOV_INDEX = 1
 RESERVED = 2
 _SINGLE_REDUCTION_PARTITIONS = 64
 _LOOKUP_ROWS = 4096
-"""Up to this many values, and when the vocabulary is over four times larger, values are looked up
-in a dictionary of the vocabulary (built once) instead of hashing the whole vocabulary per call."""
+_INDEX_IN_SETUP = 700
+"""Up to ``_LOOKUP_ROWS`` values, values are looked up in a dictionary of the vocabulary (built once)
+while that costs less than Arrow's ``index_in``, which hashes the whole vocabulary on every call and
+sets up about as long as it takes to hash ``_INDEX_IN_SETUP`` values: a dictionary look-up, in Python,
+costs about three times what a value hashed by Arrow does."""
+
+
+def _looked_up(rows: int, vocabulary: int) -> bool:
+    """Whether ``rows`` values are looked up in the dictionary of a vocabulary of ``vocabulary`` values."""
+    return rows <= _LOOKUP_ROWS and 3 * rows < vocabulary + _INDEX_IN_SETUP
 
 
 class Categorify(Operator):
@@ -148,6 +157,28 @@ class Categorify(Operator):
             return _encode_lists(values, vocab, name)
         return _encode(as_arrow_strings(values, keep_dictionary=True, name=name), vocab)
 
+    def transform_many(self, columns: dict[str, Any]) -> dict[str, Any]:
+        """The codes of several columns of the same rows: the one-hot string columns that are looked up in their
+        vocabularies' dictionaries all in one pass (:func:`_look_up`), any other column as :meth:`transform_column`."""
+        self._require_fitted()
+        if not columns or is_cudf(next(iter(columns.values()))):  # the columns of one frame: one library
+            return super().transform_many(columns)
+        rows = len(next(iter(columns.values())))
+        codes, strings = {}, {}
+        for name, values in columns.items():
+            vocab = self.vocabularies[name]
+            if self.multihot[name]:
+                codes[name] = _encode_lists(values, vocab, name)
+                continue
+            values = as_arrow_strings(values, keep_dictionary=True, name=name)
+            if values.type == pa.string() and _looked_up(rows, len(vocab)):
+                strings[name] = values
+            else:
+                codes[name] = _encode(values, vocab)
+        if strings:
+            codes.update(zip(strings, _look_up(list(strings.values()), [self.vocabularies[n] for n in strings])))
+        return {name: codes[name] for name in columns}
+
     def get_params(self) -> dict:
         return {"freq_threshold": self.freq_threshold, "max_vocab_size": self.max_vocab_size, "split_out": self.split_out}
 
@@ -192,7 +223,7 @@ def _encode(values: pa.Array, vocab: pa.Array) -> np.ndarray:
         if indices.null_count:
             codes[indices.is_null().to_numpy(zero_copy_only=False)] = NULL_INDEX
         return codes
-    if len(values) <= _LOOKUP_ROWS and len(values) * 4 < len(vocab):
+    if _looked_up(len(values), len(vocab)):
         get = _codes_by_value(vocab).get
         return np.array([get(value, OOV_INDEX) for value in values.to_numpy(zero_copy_only=False)], dtype=np.int32)
     # Finished in numpy: fewer Arrow calls, which dominate on a few rows.
@@ -201,6 +232,16 @@ def _encode(values: pa.Array, vocab: pa.Array) -> np.ndarray:
     if values.null_count:
         codes[values.is_null().to_numpy(zero_copy_only=False)] = NULL_INDEX
     return codes.astype(np.int32, copy=False)
+
+
+def _look_up(strings: list[pa.Array], vocabs: list[pa.Array]) -> np.ndarray:
+    """int32 codes ``[column, row]`` of string arrays of one length, each looked up in the dictionary of its
+    vocabulary (what :func:`_encode` does to each), in one pass over all their values."""
+    values = pa.concat_arrays(strings).to_numpy(zero_copy_only=False).tolist()  # a list: read faster than an array
+    rows = len(strings[0])
+    found = (map(_codes_by_value(vocab).get, values[k * rows: (k + 1) * rows], repeat(OOV_INDEX))
+             for k, vocab in enumerate(vocabs))
+    return np.fromiter(chain.from_iterable(found), dtype=np.int32, count=len(values)).reshape(len(strings), rows)
 
 
 def _encode_lists(values: Any, vocab: pa.Array, name: str | None = None) -> pd.Series:

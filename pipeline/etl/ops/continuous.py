@@ -7,6 +7,10 @@ chain, with the indicators beside it, is::
     conts = ["I1", "I2"]
     (conts >> FillMissing(strategy="median") >> Clip(min_value=0) >> LogOp() >> Normalize())
     + (conts >> MissingIndicator())
+
+The operators of that chain also compute all their columns at once (``transform_many``, the serving
+path): numpy columns stacked into one float64 matrix ``[column, row]``, each column's parameter
+broadcast down its row, the same arithmetic on every value as ``transform_column``'s.
 """
 
 from __future__ import annotations
@@ -26,7 +30,27 @@ def _floats(df: Any) -> Any:
     return frame_like(df, {name: as_float64(df[name]) for name in df.columns})
 
 
-class FillMissing(Operator):
+class _Matrix(Operator):
+    """A column-by-column numeric operator that also computes many numpy columns as one matrix."""
+
+    def transform_many(self, columns: dict[str, Any]) -> dict[str, Any]:
+        if not columns or is_cudf(next(iter(columns.values()))):  # the columns of one frame: one library
+            return super().transform_many(columns)
+        names = list(columns)
+        rows = np.array([as_float64(values, name) for name, values in columns.items()])  # np.stack, in one call
+        return dict(zip(self.output_columns(names), self.transform_rows(names, rows)))
+
+    def transform_rows(self, names: list[str], rows: np.ndarray) -> np.ndarray:
+        """The columns ``names``, one float64 row each (NaN: missing), transformed together: one row out per row in."""
+        raise NotImplementedError
+
+
+def _per_row(values: list[float]) -> np.ndarray:
+    """One value per column, shaped to broadcast down the rows of a ``[column, row]`` matrix."""
+    return np.array(values, dtype=np.float64).reshape(-1, 1)
+
+
+class FillMissing(_Matrix):
     """Replace missing values by a constant (``fill_value``, default 0) or by each column's median.
 
     ``strategy="median"`` fills with the exact median of the fitted rows (the mean of the two middle
@@ -71,6 +95,11 @@ class FillMissing(Operator):
             self._require_fitted()
         return _fillna(as_float64(values, name), self.fill_values.get(name, self.fill_value))
 
+    def transform_rows(self, names: list[str], rows: np.ndarray) -> np.ndarray:
+        if self.strategy == "median":
+            self._require_fitted()
+        return _fillna(rows, _per_row([self.fill_values.get(name, self.fill_value) for name in names]))
+
     def get_params(self) -> dict:
         return {"fill_value": self.fill_value, "strategy": self.strategy}
 
@@ -82,7 +111,7 @@ class FillMissing(Operator):
         self._fitted = True
 
 
-class MissingIndicator(Operator):
+class MissingIndicator(_Matrix):
     """``<name>_missing``: 1.0 where a value is missing (null or NaN), else 0.0, as a float32 continuous feature.
 
     Beside :class:`FillMissing`, it keeps what filling hides: that the value was not there.
@@ -102,8 +131,11 @@ class MissingIndicator(Operator):
         v = as_float64(values, name)
         return v.isna().astype("float32") if is_cudf(v) else np.isnan(v).astype(np.float32)
 
+    def transform_rows(self, names: list[str], rows: np.ndarray) -> np.ndarray:
+        return np.isnan(rows).astype(np.float32)
 
-class Clip(Operator):
+
+class Clip(_Matrix):
     """Limit values to ``[min_value, max_value]`` (either may be None); missing values stay missing."""
 
     output_tags = frozenset({CONTINUOUS})
@@ -118,11 +150,14 @@ class Clip(Operator):
     def transform_column(self, name: str, values: Any) -> Any:
         return as_float64(values, name).clip(self.min_value, self.max_value)
 
+    def transform_rows(self, names: list[str], rows: np.ndarray) -> np.ndarray:
+        return rows.clip(self.min_value, self.max_value)
+
     def get_params(self) -> dict:
         return {"min_value": self.min_value, "max_value": self.max_value}
 
 
-class LogOp(Operator):
+class LogOp(_Matrix):
     """``log1p(x)``: tames heavy-tailed counts. Clip to ``min_value=0`` first: below -1 gives NaN."""
 
     output_tags = frozenset({CONTINUOUS})
@@ -132,8 +167,11 @@ class LogOp(Operator):
         v = as_float64(values, name)
         return _log1p_cudf(v) if is_cudf(v) else np.log1p(v)
 
+    def transform_rows(self, names: list[str], rows: np.ndarray) -> np.ndarray:
+        return np.log1p(rows)
 
-class Normalize(Operator):
+
+class Normalize(_Matrix):
     """``(x - mean) / std`` with mean and (sample, ddof=1) std from fit; output float32.
 
     A constant column (std 0 or undefined) is only centred. Missing values stay NaN, so put
@@ -167,9 +205,17 @@ class Normalize(Operator):
 
     def transform_column(self, name: str, values: Any) -> Any:
         self._require_fitted()
+        return ((as_float64(values, name) - self.means[name]) / self._std(name)).astype("float32")
+
+    def transform_rows(self, names: list[str], rows: np.ndarray) -> np.ndarray:
+        self._require_fitted()
+        means = _per_row([self.means[name] for name in names])
+        return ((rows - means) / _per_row([self._std(name) for name in names])).astype(np.float32)
+
+    def _std(self, name: str) -> float:
+        """The divisor of ``name``: its std, or 1.0 for a constant column (only centred)."""
         std = self.stds[name]
-        std = std if np.isfinite(std) and std > 0 else 1.0
-        return ((as_float64(values, name) - self.means[name]) / std).astype("float32")
+        return std if np.isfinite(std) and std > 0 else 1.0
 
     def get_state(self) -> dict:
         return {"means": self.means, "stds": self.stds}
