@@ -6,7 +6,7 @@ Then, for batch 1, 64 and 1024 raw rows: p50 / p99 latency of ``--requests`` seq
 requests, and of the in-process model on the same rows (workflow transform + forward, no server;
 and the forward alone on features computed beforehand), the three timed in turn, 10 calls at a time;
 the time each ensemble step took (Triton's own statistics); throughput with ``--clients``
-concurrent gRPC clients; and the embedding cache's hit rate on the raw rows, whose categorical
+concurrent gRPC client processes; and the embedding cache's hit rate on the raw rows, whose categorical
 values are Zipf-distributed (served LRU, plus LRU / LFU at several cache sizes offline).
 
     python -m pipeline bench serve --requests 200 --clients 8
@@ -21,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rows", type=int, default=50_000, help="synthetic rows made for the benchmark")
     parser.add_argument("--batches", default="1,64,1024", help="batch sizes, comma-separated")
     parser.add_argument("--requests", type=int, default=200, help="sequential requests per batch size")
-    parser.add_argument("--clients", type=int, default=8, help="concurrent gRPC clients for throughput")
+    parser.add_argument("--clients", type=int, default=8, help="concurrent gRPC client processes for throughput")
     parser.add_argument("--seconds", type=float, default=10.0, help="duration of the throughput run")
     parser.add_argument("--throughput-batch", type=int, default=64, help="rows per request in the throughput run")
     parser.add_argument("--workdir", default="data/bench-serve", help="where the benchmark's data and export go")
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace, cfg) -> dict:
                       f" | model forward alone p50 {model_only['p50_ms']:.2f} ms | steps (ms): "
                       + ", ".join(f"{k} {v:.2f}" for k, v in steps.items()), flush=True)
         results["throughput"] = _throughput(server, rows, args, reference)
-        print(f"[bench serve] throughput, {args.clients} gRPC clients x batch {args.throughput_batch}: "
+        print(f"[bench serve] throughput, {args.clients} gRPC client processes x batch {args.throughput_batch}: "
               f"{results['throughput']['ensemble_rows_per_s']:,.0f} rows/s ensemble, "
               f"{results['throughput']['in_process_rows_per_s']:,.0f} rows/s in-process (one thread)", flush=True)
         time.sleep(0.5)
@@ -202,6 +202,11 @@ def _per_request(before: dict, after: dict) -> dict[str, float]:
 
 
 def _throughput(server, rows, args, reference) -> dict:
+    """Rows/s through the server with ``args.clients`` client processes (each its own Python and gRPC connection,
+    as separate users are: threads of one process would share its interpreter), each sending its requests of
+    ``args.throughput_batch`` rows in turn, counted over the same ``args.seconds`` window; then the in-process
+    model on one thread over the same rows."""
+    import multiprocessing
     import threading
     import time
 
@@ -209,42 +214,67 @@ def _throughput(server, rows, args, reference) -> dict:
 
     batch = args.throughput_batch
     frames = [rows.iloc[i: i + batch] for i in range(0, min(len(rows), batch * 64), batch)]
-    done = [0] * args.clients
-    errors: list[Exception] = []
-    stop = threading.Event()
-
-    def worker(k):
-        with Client(server.grpc_url, "grpc") as client:
-            requests = [client.columns(f) for f in frames]
-            i = k
-            while not stop.is_set():
-                try:
-                    client.infer(requests[i % len(requests)])
-                except Exception as err:  # noqa: BLE001
-                    errors.append(err)
-                    return
-                done[k] += len(frames[i % len(frames)])
-                i += 1
-
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(args.clients)]
-    for t in threads:
-        t.start()
-    time.sleep(1.0)  # warm-up: every client connected and converted its requests
-    start_rows, start = sum(done), time.perf_counter()
-    time.sleep(args.seconds)
-    served = (sum(done) - start_rows) / (time.perf_counter() - start)
-    stop.set()
-    for t in threads:
-        t.join(60)
+    with Client(server.grpc_url, "grpc") as client:
+        requests = [(client.columns(f), len(f)) for f in frames]
+    context = multiprocessing.get_context("spawn")  # no fork of a process that holds gRPC and torch threads
+    ready, window, results = context.Barrier(args.clients + 1), context.Array("d", 2), context.Queue()
+    workers = [context.Process(target=_client_process, daemon=True,
+                               args=(server.grpc_url, requests[k:] + requests[:k], ready, window, results))
+               for k in range(args.clients)]
+    for worker in workers:
+        worker.start()
+    try:
+        try:
+            ready.wait(timeout=300)  # every client connected and answered once
+            window[0] = time.time() + 0.5
+            window[1] = window[0] + args.seconds
+            ready.wait(timeout=60)
+        except threading.BrokenBarrierError:
+            pass  # a client failed: its error is in the results
+        counts = [results.get(timeout=args.seconds + 120) for _ in workers]
+    finally:
+        for worker in workers:
+            worker.join(timeout=10)
+            if worker.is_alive():
+                worker.kill()
+    errors = [c for c in counts if isinstance(c, str)]
     if errors:
         raise RuntimeError(f"throughput run: {errors[0]}")
+    served = sum(counts) / args.seconds
     t = time.perf_counter()
     local_rows = 0
     while time.perf_counter() - t < min(args.seconds, 5.0):
         reference.predict(frames[local_rows // batch % len(frames)])
         local_rows += batch
     local = local_rows / (time.perf_counter() - t)
-    return {"clients": args.clients, "batch": batch, "ensemble_rows_per_s": served, "in_process_rows_per_s": local}
+    return {"clients": args.clients, "client_processes": True, "batch": batch, "ensemble_rows_per_s": served,
+            "in_process_rows_per_s": local}
+
+
+def _client_process(url: str, requests: list, ready, window, results) -> None:
+    """One throughput client: sends ``requests`` (``(tensors, rows)``) in turn and puts the rows answered within the
+    window the parent sets (``window``: start and end, ``time.time()``) on ``results``, or its error as text."""
+    import time
+
+    from export.client import Client
+
+    try:
+        with Client(url, "grpc") as client:
+            client.infer(requests[0][0])
+            ready.wait(timeout=300)
+            ready.wait(timeout=60)
+            start, end = window[0], window[1]
+            answered, i = 0, 0
+            while time.time() < end:
+                tensors, n = requests[i % len(requests)]
+                client.infer(tensors)
+                if start <= time.time() <= end:
+                    answered += n
+                i += 1
+        results.put(answered)
+    except BaseException as err:  # noqa: BLE001 - the parent reports it
+        results.put(f"{type(err).__name__}: {err}")
+        ready.abort()
 
 
 def _offline_hit_rates(cfg, reference, rows) -> dict[str, float]:
