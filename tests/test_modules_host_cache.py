@@ -9,6 +9,8 @@ plain collection's and resumes into another cache size; the cache's least-recent
 write-back, and the error of a batch that does not fit.
 """
 
+import gc
+
 import pytest
 import torch
 
@@ -223,6 +225,9 @@ def test_on_a_gpu_rows_move_between_device_memory_and_mapped_host_tables_as_inde
     g = torch.Generator().manual_seed(3)
     host = torch.randn(shape, generator=g).to(dtype)
     assert map_to_device(host, torch.device("cuda")) and map_to_device(host, torch.device("cuda"))
+    gc.collect()  # the mapping lives as long as the tensor: registering it again is refused as done already
+    size = host.numel() * host.element_size()
+    assert int(torch.cuda.cudart().cudaHostRegister(host.data_ptr(), size, 0)) != 0
     cache = torch.zeros((300, *shape[1:]), dtype=dtype, device="cuda")
     rows, slots = torch.randperm(5000, generator=g)[:200], torch.randperm(300, generator=g)[:200]
     copy_rows(cache, slots.cuda(), host, rows.cuda())

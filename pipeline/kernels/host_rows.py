@@ -37,8 +37,9 @@ def _host_pointers_usable(index: int) -> bool:
 
 
 def map_to_device(tensor: torch.Tensor, device: torch.device) -> bool:
-    """Page-lock the (contiguous) host ``tensor``'s memory and map it for ``device``'s kernels, until the tensor is
-    freed; False where that cannot be done (then copy rows through the host instead)."""
+    """Page-lock the (contiguous) host ``tensor``'s memory and map it for ``device``'s kernels, until this tensor
+    object is freed (keep it while the GPU uses the memory); False where that cannot be done (then copy rows
+    through the host instead)."""
     if tensor.is_cuda or not tensor.is_contiguous() or tensor.numel() == 0:
         return False
     from pipeline.kernels import kernels_problem
@@ -51,7 +52,7 @@ def map_to_device(tensor: torch.Tensor, device: torch.device) -> bool:
     if int(torch.cuda.cudart().cudaHostRegister(address, size, _REGISTER_PORTABLE_MAPPED)) != 0:
         return False
     _MAPPED[address] = size
-    weakref.finalize(tensor.untyped_storage(), _unmap, address)
+    weakref.finalize(tensor, _unmap, address)  # not its storage: a storage object is made anew at each call
     return True
 
 
