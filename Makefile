@@ -22,16 +22,28 @@ env: $(VENV)/.installed serve-env
 # Python. Triton's python-backend stub is built against numpy 1.x and receives zeros from numpy 2,
 # so the models run here (numpy<2), found through PATH (export/environment.py).
 # pyarrow 26 requires numpy 2, hence <26.
-TRITON_VENV ?= .venv-triton
+# On a GPU machine the models take the CUDA torch that $(PYTHON) already has (it stays behind this
+# environment's own packages on sys.path):   make serve-env MODELS_TORCH=system
+# Without network access, from wheels (tools/offline-wheels.sh):   PIP_OPTIONS="--no-index --find-links DIR"
+TRITON_VENV  ?= .venv-triton
+MODELS_TORCH ?= pip
+PIP_OPTIONS  ?=
+MODELS_PIP   := $(TRITON_VENV)/bin/python -m pip install -q $(PIP_OPTIONS)
 serve-env: $(TRITON_VENV)/.installed
 
 $(TRITON_VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(TRITON_VENV)
-	$(TRITON_VENV)/bin/python -m pip install -q --upgrade pip
-	$(TRITON_VENV)/bin/python -m pip install -q $(TORCH_INDEX) "$(TORCH_SPEC)" "numpy>=1.24,<2" "pandas>=2.2,<2.3" "pyarrow>=15,<26" "pyyaml>=6" "tqdm>=4.60"
-	$(TRITON_VENV)/bin/python -m pip install -q --no-deps -e .
+	$(MODELS_PIP) --upgrade pip setuptools
+ifeq ($(MODELS_TORCH),system)
+	$(PYTHON) -c "import pathlib, sys, torch; pathlib.Path(sys.argv[1]).write_text(str(pathlib.Path(torch.__file__).parent.parent) + '\n')" \
+	  "$$($(TRITON_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/system-torch.pth"
+	$(MODELS_PIP) "numpy>=1.24,<2" "pandas>=2.2,<2.3" "pyarrow>=15,<26" "pyyaml>=6" "tqdm>=4.60"
+else
+	$(MODELS_PIP) $(TORCH_INDEX) "$(TORCH_SPEC)" "numpy>=1.24,<2" "pandas>=2.2,<2.3" "pyarrow>=15,<26" "pyyaml>=6" "tqdm>=4.60"
+endif
+	$(MODELS_PIP) --no-deps -e .
 	# the server binary and python-backend stubs; its own dependencies are client-side, not needed here
-	$(TRITON_VENV)/bin/python -m pip install -q --no-deps "nvidia-pytriton>=0.7,<0.8"
+	$(MODELS_PIP) --no-deps "nvidia-pytriton>=0.7,<0.8"
 	touch $@
 
 $(VENV)/.installed: pyproject.toml Makefile

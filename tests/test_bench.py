@@ -317,7 +317,7 @@ def test_bench_serve_reports_latency_steps_throughput_and_cache_hit_rates(tmp_pa
     out = tmp_path / "serve.json"
     assert main(["bench", "serve", "--rows", "3000", "--batches", "1,16", "--requests", "5", "--clients", "2",
                  "--seconds", "0.5", "--throughput-batch", "8", "--workdir", str(tmp_path / "work"),
-                 "--out", str(out)]) == 0
+                 "--json", str(out)]) == 0
     r = json.loads(out.read_text())
     for batch in ("1", "16"):
         for path in ("ensemble", "in_process", "model_only"):

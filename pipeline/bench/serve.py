@@ -25,12 +25,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seconds", type=float, default=10.0, help="duration of the throughput run")
     parser.add_argument("--throughput-batch", type=int, default=64, help="rows per request in the throughput run")
     parser.add_argument("--workdir", default="data/bench-serve", help="where the benchmark's data and export go")
-    parser.add_argument("--out", default="", help="also write the results as JSON here")
+    parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
 
 
 def run(args: argparse.Namespace, cfg) -> dict:
     import dataclasses
-    import json
     import os
     import platform
     import time
@@ -53,6 +52,7 @@ def run(args: argparse.Namespace, cfg) -> dict:
     from export.client import Client
     from export.repository import cache_stats
     from export.server import start_server
+    from pipeline.files import write_json
 
     results: dict = {"command": "python -m pipeline bench serve " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k in ("requests", "clients", "seconds", "rows")),
@@ -96,9 +96,8 @@ def run(args: argparse.Namespace, cfg) -> dict:
           f"{results['served_cache']['hit_rate']:.3f} (repeated requests); steady state on "
           f"{results['cache_offline']['rows']:,} train rows: " + ", ".join(
               f"{k} {v:.3f}" for k, v in results["cache_offline"].items() if k != "rows"), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
+    if args.json:
+        write_json(args.json, results)
     return results
 
 

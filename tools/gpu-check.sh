@@ -1,0 +1,143 @@
+#!/usr/bin/env bash
+# The GPU checks, on a GPU machine, by group: tests against their references and the benchmarks of
+# docs/BENCHMARKS.md, each step logged to $OUT/<group>-<step>.log and summed up at the end.
+#
+#   OUT=/tmp/out bash tools/gpu-check.sh GROUP...
+#
+# Groups, in the order given:
+#   setup      install the wheels of tools/offline-wheels.sh (parts d0..dN found under KIT, gathered
+#              in KIT_STORE as they arrive, installed once all are there: base into SITE, the served
+#              models' environment into MODELS_ENV with the machine's torch) and cuDF from RAPIDS_PARTS
+#   preflight  versions, the GPU, what --device auto picks
+#   kernels    every `-m gpu` test but serving and ETL (hash table, embedding kernels, dynamic and
+#              host-cached tables, syncs of a training step, the embedding store)
+#   train      bench train at the MLPerf shape, Zipf and uniform ids, row-wise Adagrad
+#   dynamic    bench train --dynamic, Zipf and uniform ids
+#   hostcache  bench train --embedding-budget-mb: 26 x 2M rows under 8 GiB, then 26 x 4M under 16 GiB
+#   serve      the GPU serving tests, then bench serve --device cuda, three models and one (ranker)
+#   e2e        run etl of 10M synthetic rows (once), then bench e2e of each model on it
+#   etl        the cuDF-vs-pandas tests, bench etl --device cuda, the ETL stage on cuDF
+# A step that fails or runs out of time is recorded and the next one runs. All steps share one time
+# budget (CHECK_BUDGET_S, 560 s by default: one call of a machine lent for ten minutes).
+# Knobs: PYTHON (python3), SITE (/tmp/site), KIT (.kit), KIT_STORE (/root/kit), MODELS_ENV
+# (/tmp/venv-triton), RAPIDS_PARTS, E2E_WORKDIR (/tmp/e2e), E2E_MODELS (dlrm dcnv2 deepfm wide_deep),
+# ETL_BENCH_ARGS, SERVE_ARGS (extra settings for bench serve, e.g. export.instances=4).
+set -o pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-check-out}
+PY=${PYTHON:-python3}
+SITE=${SITE:-/tmp/site}
+KIT=${KIT:-.kit}
+KIT_STORE=${KIT_STORE:-/root/kit}
+MODELS_ENV=${MODELS_ENV:-/tmp/venv-triton}
+BUDGET=${CHECK_BUDGET_S:-560}
+mkdir -p "$OUT" "$SITE"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}" PIPELINE_TRITON_ENV="$MODELS_ENV"
+summary=$(mktemp)
+
+step() {  # step NAME LIMIT_S COMMAND...: run with a timeout cut to the budget left; never fatal
+  local name=$1 limit=$2; shift 2
+  local left=$((BUDGET - SECONDS - 5))
+  if [ "$left" -lt 15 ]; then echo "$name: skipped (budget spent)" | tee -a "$summary"; return; fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  local t0=$SECONDS rc
+  echo "== $name (limit ${limit}s): $*" | tee "$OUT/$name.log"
+  timeout --kill-after=10 "$limit" "$@" >> "$OUT/$name.log" 2>&1; rc=$?
+  echo "$name: rc=$rc$([ $rc -eq 124 ] && echo ' (timed out)') in $((SECONDS - t0))s" | tee -a "$summary"
+  tail -n 3 "$OUT/$name.log"
+}
+
+install_kit() {  # gather the parts that came, install once every part is there
+  mkdir -p "$KIT_STORE"
+  cp -n "$KIT"/d*/part* "$KIT"/d*/count "$KIT_STORE"/ 2>/dev/null
+  [ -f "$KIT_STORE/installed" ] && { echo "kit already installed"; return 0; }
+  local want have; want=$(cat "$KIT_STORE/count" 2>/dev/null || echo 0); have=$(ls "$KIT_STORE"/part* 2>/dev/null | wc -l)
+  echo "kit parts: $have of $want"
+  [ "$want" -gt 0 ] && [ "$have" -eq "$want" ] || return 0
+  # shellcheck disable=SC2046
+  cat $(ls "$KIT_STORE"/part* | sort -V) | tar x -C "$KIT_STORE" || return 1
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$KIT_STORE"/base/*.whl || return 1
+  make serve-env MODELS_TORCH=system PYTHON="$PY" TRITON_VENV="$MODELS_ENV" \
+    PIP_OPTIONS="--no-index --find-links $KIT_STORE/models --find-links $KIT_STORE/base" || return 1
+  touch "$KIT_STORE/installed"
+}
+
+install_rapids() {
+  "$PY" -c "import cudf" 2>/dev/null && { echo "cudf importable"; return 0; }
+  [ -n "${RAPIDS_PARTS:-}" ] || { echo "cudf not importable and RAPIDS_PARTS not set"; return 0; }
+  local work; work=$(mktemp -d)
+  # shellcheck disable=SC2046
+  cat $(ls -d "$RAPIDS_PARTS"/d*/part* "$RAPIDS_PARTS"/part* 2>/dev/null | sort -V) > "$work/all.tar"
+  tar xf "$work/all.tar" -C "$work" && "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" \
+    $(find "$work" -name '*.whl')
+}
+
+mlperf=(--device cuda --preset mlperf --batch 65536)
+for group in "$@"; do
+  case $group in
+    setup)
+      export -f install_kit install_rapids; export PY SITE KIT KIT_STORE MODELS_ENV RAPIDS_PARTS
+      step setup-kit 300 bash -c install_kit
+      step setup-rapids 240 bash -c install_rapids ;;
+    preflight)
+      step preflight 90 "$PY" -c "
+import importlib, subprocess, sys
+print(sys.version)
+try:
+    subprocess.run(['nvidia-smi', '--query-gpu=name,memory.total,driver_version', '--format=csv'], check=False)
+except OSError as err:
+    print('nvidia-smi:', err)
+for name in ['numpy', 'pandas', 'pyarrow', 'torch', 'cupy', 'dask', 'distributed', 'dask_cuda', 'cudf', 'yaml',
+             'tqdm', 'pytest', 'mmh3', 'tritonclient']:
+    try:
+        print(f'{name:12}', getattr(importlib.import_module(name), '__version__', '?'))
+    except Exception as err:
+        print(f'{name:12} MISSING ({type(err).__name__}: {err})')
+from pipeline.device import resolve_device
+print('--device auto:', resolve_device('auto'))
+" ;;
+    kernels)
+      step kernels-tests 420 "$PY" -m pytest -q -rs -m gpu -p no:cacheprovider tests \
+        --ignore=tests/test_serve_gpu.py --ignore=tests/test_etl_gpu.py ;;
+    train)
+      for ids in uniform zipf; do
+        step "train-$ids" 150 "$PY" -m pipeline bench train "${mlperf[@]}" --rows 1000000 --ids "$ids" \
+          --optimizer adagrad --steps 20 --rounds 3 --json "$OUT/train-$ids.json"
+      done ;;
+    dynamic)
+      for ids in zipf uniform; do
+        step "dynamic-$ids" 200 "$PY" -m pipeline bench train "${mlperf[@]}" --ids "$ids" --dynamic \
+          --json "$OUT/dynamic-$ids.json"
+      done ;;
+    hostcache)
+      step hostcache-2m 240 "$PY" -m pipeline bench train "${mlperf[@]}" --rows 2000000 --ids zipf --optimizer adagrad \
+        --embedding-budget-mb 8192 --warmup 30 --steps 20 --rounds 3 --json "$OUT/hostcache-2m.json"
+      step hostcache-4m 420 "$PY" -m pipeline bench train "${mlperf[@]}" --rows 4000000 --ids zipf --optimizer adagrad \
+        --embedding-budget-mb 16384 --warmup 100 --steps 20 --rounds 3 --json "$OUT/hostcache-4m.json" ;;
+    serve)
+      step serve-tests 240 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_serve_gpu.py
+      for fuse in none all; do
+        # shellcheck disable=SC2086
+        step "serve-$fuse" 200 "$PY" -m pipeline bench serve --device cuda --batches 1,32,64,1024 --requests 200 \
+          --clients 16 --throughput-batch 1024 --seconds 5 --json "$OUT/serve-$fuse.json" export.fuse="$fuse" \
+          workdir=/tmp/serve-bench ${SERVE_ARGS:-}
+      done ;;
+    e2e)
+      w=${E2E_WORKDIR:-/tmp/e2e}
+      [ -f "$w/synthetic/processed/schema.json" ] || step e2e-etl 420 "$PY" -m pipeline run etl --device cpu \
+        workdir="$w" data.size=1.0 data.rows=10000000
+      for model in ${E2E_MODELS:-dlrm dcnv2 deepfm wide_deep}; do
+        step "e2e-$model" 150 "$PY" -m pipeline bench e2e --device cuda --batch 65536 --steps 100 --warmup 20 \
+          workdir="$w" data.size=1.0 data.rows=10000000 train.model="$model" --json "$OUT/e2e-$model.json"
+      done ;;
+    etl)
+      step etl-tests 180 env PIPELINE_ETL_GPU_ROWS="${ETL_GPU_TEST_ROWS:-2000000}" \
+        "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_etl_gpu.py
+      # shellcheck disable=SC2086
+      step etl-bench 400 "$PY" -m pipeline bench etl --device cuda --rows "${ETL_BENCH_ROWS:-20000000}" --workers 0 \
+        --repeats 2 --json "$OUT/bench-etl.json" --report "$OUT/etl-tasks.json" ${ETL_BENCH_ARGS:-} workdir=/tmp/etl-bench
+      step etl-stage 60 "$PY" -m pipeline run etl --device cuda data.rows=500000 etl.cluster=local workdir=/tmp/etl-stage ;;
+    *) echo "unknown group $group (setup preflight kernels train dynamic hostcache serve e2e etl)"; exit 2 ;;
+  esac
+done
+echo "== summary ($SECONDS s)"; cat "$summary"
