@@ -57,7 +57,8 @@ install_kit() {  # gather the parts that came, install once every part is there
   # shellcheck disable=SC2046
   cat $(ls "$KIT_STORE"/part* | sort -V) | tar x -C "$KIT_STORE" || return 1
   "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$KIT_STORE"/base/*.whl || return 1
-  make serve-env MODELS_TORCH=system PYTHON="$PY" TRITON_VENV="$MODELS_ENV" \
+  # the models' environment holds all it needs: the server's stub does not see PYTHONPATH
+  env -u PYTHONPATH make serve-env MODELS_TORCH=system PYTHON="$PY" TRITON_VENV="$MODELS_ENV" \
     PIP_OPTIONS="--no-index --find-links $KIT_STORE/models --find-links $KIT_STORE/base" || return 1
   touch "$KIT_STORE/installed"
 }

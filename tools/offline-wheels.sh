@@ -28,7 +28,7 @@ mkdir -p "$dir/base" "$dir/models"
 # The machine's own numpy, pandas, pyarrow and torch stay: they are built for its CUDA and for each other.
 $pip download -q "${platform[@]}" -d "$dir/base" "dask[dataframe]>=2024.12" "distributed>=2024.12" "pyyaml>=6" \
   "tqdm>=4.60" "tritonclient[http,grpc]>=2.40" "pytest>=8" "pytest-timeout>=2.2" "mmh3>=4"
-rm -f "$dir"/base/{numpy,pandas,pyarrow,ml_dtypes,torch}-*.whl
+rm -f "$dir"/base/{numpy,pandas,pyarrow,torch}-*.whl
 $pip download -q "${platform[@]}" -d "$dir/models" "numpy>=1.24,<2" "pandas>=2.2,<2.3" pip "setuptools>=68"
 $pip download -q "${platform[@]}" --no-deps -d "$dir/models" "nvidia-pytriton>=0.7,<0.8"
 echo "$dir/base: $(ls "$dir/base" | wc -l) wheels, $(du -sh "$dir/base" | cut -f1)"
