@@ -5,9 +5,10 @@
 #   OUT=/tmp/out bash tools/gpu-check.sh GROUP...
 #
 # Groups, in the order given:
-#   setup      install the wheels of tools/offline-wheels.sh (parts d0..dN found under KIT, gathered
-#              in KIT_STORE as they arrive, installed once all are there: base into SITE, the served
-#              models' environment into MODELS_ENV with the machine's torch) and cuDF from RAPIDS_PARTS
+#   setup      install the wheels of tools/offline-wheels.sh (parts found under KIT/d*, gathered in
+#              KIT_STORE as they arrive over several calls; each set installed once all its parts are
+#              there: base into SITE, the served models' environment into MODELS_ENV with the machine's
+#              torch) and cuDF from RAPIDS_PARTS
 #   preflight  versions, the GPU, what --device auto picks
 #   kernels    every `-m gpu` test but serving and ETL (hash table, embedding kernels, dynamic and
 #              host-cached tables, syncs of a training step, the embedding store)
@@ -47,20 +48,28 @@ step() {  # step NAME LIMIT_S COMMAND...: run with a timeout cut to the budget l
   tail -n 3 "$OUT/$name.log"
 }
 
-install_kit() {  # gather the parts that came, install once every part is there
+install_kit() {  # gather the parts that came; install each set (base, models) once all its parts are there
   mkdir -p "$KIT_STORE"
-  cp -n "$KIT"/d*/part* "$KIT"/d*/count "$KIT_STORE"/ 2>/dev/null
-  [ -f "$KIT_STORE/installed" ] && { echo "kit already installed"; return 0; }
-  local want have; want=$(cat "$KIT_STORE/count" 2>/dev/null || echo 0); have=$(ls "$KIT_STORE"/part* 2>/dev/null | wc -l)
-  echo "kit parts: $have of $want"
-  [ "$want" -gt 0 ] && [ "$have" -eq "$want" ] || return 0
-  # shellcheck disable=SC2046
-  cat $(ls "$KIT_STORE"/part* | sort -V) | tar x -C "$KIT_STORE" || return 1
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$KIT_STORE"/base/*.whl || return 1
-  # the models' environment holds all it needs: the server's stub does not see PYTHONPATH
-  env -u PYTHONPATH make serve-env MODELS_TORCH=system PYTHON="$PY" TRITON_VENV="$MODELS_ENV" \
-    PIP_OPTIONS="--no-index --find-links $KIT_STORE/models --find-links $KIT_STORE/base" || return 1
-  touch "$KIT_STORE/installed"
+  cp -n "$KIT"/d*/*.tar.*-of-* "$KIT_STORE"/ 2>/dev/null
+  local set parts want
+  for set in base models; do
+    [ -f "$KIT_STORE/$set.installed" ] && { echo "$set: installed"; continue; }
+    parts=$(ls "$KIT_STORE/$set".tar.*-of-* 2>/dev/null | wc -l)
+    want=$(ls "$KIT_STORE/$set".tar.*-of-* 2>/dev/null | head -1 | sed 's/.*-of-//')
+    echo "$set: $parts of ${want:-?} parts here"
+    [ -n "$want" ] && [ "$parts" -eq "$want" ] || continue
+    [ "$set" = models ] && [ ! -f "$KIT_STORE/base.installed" ] && continue  # its find-links need base
+    # shellcheck disable=SC2046
+    cat $(ls "$KIT_STORE/$set".tar.*-of-* | sort -V) | tar x -C "$KIT_STORE" || return 1
+    if [ "$set" = base ]; then
+      "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$KIT_STORE"/base/*.whl || return 1
+    else
+      # the models' environment holds all it needs: the server's stub does not see PYTHONPATH
+      env -u PYTHONPATH make serve-env MODELS_TORCH=system PYTHON="$PY" TRITON_VENV="$MODELS_ENV" \
+        PIP_OPTIONS="--no-index --find-links $KIT_STORE/models --find-links $KIT_STORE/base" || return 1
+    fi
+    touch "$KIT_STORE/$set.installed"
+  done
 }
 
 install_rapids() {

@@ -9,9 +9,9 @@
 #   DIR/models/  the served models' environment: numpy<2 (Triton's python-backend stub is built against
 #                numpy 1.x), pandas 2.2, pip, setuptools, and nvidia-pytriton for the tritonserver binary
 #
-# With PART_MB, DIR/wheels.tar is also cut into DIR/d0/part0, DIR/d1/part1, ... of at most PART_MB MiB
-# each, for a transfer that limits the size of what it carries (each folder also says how many parts there
-# are, in `count`); `cat` them in order to get the tar back.
+# With PART_MB, each folder is also put in a tar cut into parts of at most PART_MB MiB, one part a folder:
+# DIR/d0/base.tar.1-of-1, DIR/d1/models.tar.1-of-2, DIR/d2/models.tar.2-of-2, for a transfer that limits
+# the size of what it carries; `cat` a tar's parts in order to get it back.
 #
 # On the GPU machine (README, "GPU machines"):
 #   pip install --no-index --no-deps --target SITE DIR/base/*.whl && export PYTHONPATH=SITE
@@ -34,11 +34,17 @@ $pip download -q "${platform[@]}" --no-deps -d "$dir/models" "nvidia-pytriton>=0
 echo "$dir/base: $(ls "$dir/base" | wc -l) wheels, $(du -sh "$dir/base" | cut -f1)"
 echo "$dir/models: $(ls "$dir/models" | wc -l) wheels, $(du -sh "$dir/models" | cut -f1)"
 if [ -n "$part_mb" ]; then
-  rm -rf "$dir"/wheels.tar "$dir"/d[0-9]*
-  tar cf "$dir/wheels.tar" -C "$dir" base models
-  split -b "${part_mb}M" -d -a 1 "$dir/wheels.tar" "$dir/part"
+  rm -rf "$dir"/d[0-9]* "$dir"/*.tar
   i=0
-  for part in "$dir"/part[0-9]; do mkdir -p "$dir/d$i" && mv "$part" "$dir/d$i/part$i"; i=$((i + 1)); done
-  for ((j = 0; j < i; j++)); do echo "$i" > "$dir/d$j/count"; done
-  echo "$dir/wheels.tar in $i parts of at most $part_mb MiB: $dir/d0 .. $dir/d$((i - 1))"
+  for set in base models; do
+    tar cf "$dir/$set.tar" -C "$dir" "$set"
+    split -b "${part_mb}M" -d -a 2 "$dir/$set.tar" "$dir/$set.tar.part"
+    parts=("$dir/$set.tar.part"*)
+    for k in "${!parts[@]}"; do
+      mkdir -p "$dir/d$i" && mv "${parts[$k]}" "$dir/d$i/$set.tar.$((k + 1))-of-${#parts[@]}"
+      i=$((i + 1))
+    done
+    rm "$dir/$set.tar"
+  done
+  echo "parts of at most $part_mb MiB, one a folder: $(cd "$dir" && ls d*/* | tr '\n' ' ')"
 fi
