@@ -282,11 +282,13 @@ def test_a_split_that_does_not_hold_the_schemas_rows_is_refused(tmp_path):
 
 
 def test_the_compiled_dense_part_trains_like_eager(tmp_path):
-    """train.compile=on compiles the dense part and the loss (the default on a GPU): same weights as eager."""
+    """train.compile=on compiles the dense part and the loss (the default on a GPU), max-autotune with kernels
+    chosen by timing: same weights as eager."""
     states = {}
-    for mode in ("off", "on"):
+    for mode in ("off", "on", "max-autotune"):
         cfg = _config(tmp_path / mode, f"train.compile={mode}", "train.max_steps=6", "train.checkpoint_every=0")
         _write_data(cfg)
         _train(cfg)
         states[mode] = _final_state(cfg)
     _assert_same_state(states["on"], states["off"])
+    _assert_same_state(states["max-autotune"], states["off"])

@@ -16,7 +16,8 @@
 #   dynamic    bench train --dynamic, Zipf and uniform ids
 #   hostcache  bench train --embedding-budget-mb: 26 x 2M rows under 8 GiB, then 26 x 4M under 16 GiB
 #   serve      the GPU serving tests, then bench serve --device cuda, three models and one (ranker)
-#   e2e        run etl of 10M synthetic rows (once), then bench e2e of each model on it
+#   e2e        run etl of 10M synthetic rows (once), then bench e2e of each model on it, and of DCNv2
+#              with train.compile=max-autotune
 #   etl        the cuDF-vs-pandas tests, bench etl --device cuda, the ETL stage on cuDF
 # A step that fails or runs out of time is recorded and the next one runs. All steps share one time
 # budget (CHECK_BUDGET_S, 560 s by default: one call of a machine lent for ten minutes).
@@ -138,8 +139,11 @@ print('--device auto:', resolve_device('auto'))
         workdir="$w" data.size=1.0 data.rows=10000000
       for model in ${E2E_MODELS:-dlrm dcnv2 deepfm wide_deep}; do
         step "e2e-$model" 150 "$PY" -m pipeline bench e2e --device cuda --batch 65536 --steps 100 --warmup 20 \
-          workdir="$w" data.size=1.0 data.rows=10000000 train.model="$model" --json "$OUT/e2e-$model.json"
-      done ;;
+          workdir="$w" data.size=1.0 data.rows=10000000 train.model="$model" --out "$OUT/e2e-$model"
+      done
+      step e2e-dcnv2-autotune 400 "$PY" -m pipeline bench e2e --device cuda --batch 65536 --steps 100 --warmup 20 \
+        workdir="$w" data.size=1.0 data.rows=10000000 train.model=dcnv2 train.compile=max-autotune \
+        --out "$OUT/e2e-dcnv2-autotune" ;;
     etl)
       step etl-tests 180 env PIPELINE_ETL_GPU_ROWS="${ETL_GPU_TEST_ROWS:-2000000}" \
         "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_etl_gpu.py

@@ -41,6 +41,8 @@ from __future__ import annotations
 import argparse
 import math
 
+from pipeline.train.config import COMPILE_MODES
+
 IDS = ("uniform", "zipf")
 OPTIMIZERS = ("sgd", "adagrad", "adam")
 ZIPF_EXPONENT = 1.1
@@ -75,9 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
                         help="our tables' fused optimizer: sgd | adagrad (row-wise) | adam (lazy); the baseline's "
                              "tables take torch's SGD | Adagrad (element-wise) | SparseAdam")
-    parser.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
-                        help="torch.compile our dense part and loss, as the training stage does (auto: on a GPU); "
-                             "the plain PyTorch model runs eager")
+    parser.add_argument("--compile", choices=COMPILE_MODES, default="auto",
+                        help="torch.compile our dense part and loss, as the training stage does (train.compile; "
+                             "auto: on a GPU); the plain PyTorch model runs eager")
     parser.add_argument("--dynamic", action="store_true",
                         help="also train our DLRM with dynamic tables of the same shape (raw 64-bit ids placed in "
                              "their rows by a hash table, admitted after train.admit_after occurrences) on the same "
@@ -119,7 +121,7 @@ def run(args: argparse.Namespace, cfg) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     amp = args.amp == "bf16" or (args.amp == "auto" and device.type == "cuda")
-    compiled = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
+    compiled = args.compile != "off" and (args.compile != "auto" or device.type == "cuda")
     dim = args.dim or (128 if args.preset == "mlperf" else 64)
     bottom = ([int(w) for w in args.bottom.split(",")] if args.bottom else [512, 256]) + [dim]
     top = [int(w) for w in args.top.split(",")] if args.top else (
@@ -144,13 +146,13 @@ def run(args: argparse.Namespace, cfg) -> dict:
         rounds = [[batches[i % count] for i in range(args.steps)]] * args.rounds
 
     ours = our_dlrm(args, sizes, device)
-    models = {"ours": our_training(ours, amp, compiled)}
+    models = {"ours": our_training(ours, amp, args.compile)}
     if budget:
-        host_cached = models["host_cached"] = HostCachedTraining(args, sizes, device, amp, compiled)
+        host_cached = models["host_cached"] = HostCachedTraining(args, sizes, device, amp, args.compile)
     else:
         models["plain_pytorch"] = plain_training(args, sizes, device, amp)
         if args.dynamic:
-            dynamic = models["ours_dynamic"] = DynamicTraining(args, sizes, device, amp, compiled,
+            dynamic = models["ours_dynamic"] = DynamicTraining(args, sizes, device, amp, args.compile,
                                                                cfg.train.admit_after)
 
     def timed(train_on, round_batches):
@@ -182,6 +184,7 @@ def run(args: argparse.Namespace, cfg) -> dict:
         "dense_optimizer": "SGD",
         "amp_bf16": amp,
         "compiled": compiled,
+        "compile": args.compile,
         "threads": torch.get_num_threads(),
         **{f"{name}_samples_per_s": statistics.median(rates[name]) for name in models},
         "rounds": rates,

@@ -8,7 +8,7 @@ class DynamicTraining:
     """Our DLRM with dynamic tables (admitted after ``admit_after`` occurrences), trained on the ``raw`` ids of a
     list of ``StepBatch``, one step each, and the figures of its tables."""
 
-    def __init__(self, args, sizes, device, amp: bool, compiled: bool, admit_after: int):
+    def __init__(self, args, sizes, device, amp: bool, compiled: str, admit_after: int):
         from pipeline.bench.train_models import our_dlrm, our_step
         from pipeline.schema import DYNAMIC_ROWS
 

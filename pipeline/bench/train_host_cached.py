@@ -10,7 +10,7 @@ class HostCachedTraining:
     :func:`~pipeline.bench.train_models.our_dlrm`'s), trained on the ``kjt`` of a list of ``StepBatch``, one step
     each, and the figures of its placement and caches."""
 
-    def __init__(self, args, sizes, device, amp: bool, compiled: bool):
+    def __init__(self, args, sizes, device, amp: bool, compiled: str):
         from pipeline.bench.train_models import our_step
         from pipeline.distributed.train_pipeline import CachePrefetchPipeline
 

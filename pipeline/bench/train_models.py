@@ -58,19 +58,18 @@ def our_dlrm(args, sizes, device, capacity: int = 0, admit_after: int = 1):
     return model.to(device)
 
 
-def our_step(model, amp: bool, compiled: bool):
+def our_step(model, amp: bool, compiled: str):
     """One training step of our ``model`` on ``(dense, sparse, label)`` as the training stage takes it: the
-    lookup (and a dynamic table's mapping of ids to rows) eager, the dense part and loss compiled where
-    ``compiled``, the tables updated in the backward, the MLPs by SGD."""
+    lookup (and a dynamic table's mapping of ids to rows) eager, the dense part and loss compiled as
+    ``compiled`` (a ``train.compile`` setting) says, the tables updated in the backward, the MLPs by SGD."""
     import functools
 
     import torch
 
-    from pipeline.train.loop import dense_loss
+    from pipeline.train.loop import compiled_dense_loss, dense_loss
 
-    loss_of = functools.partial(dense_loss, model, amp)
-    if compiled:
-        loss_of = torch.compile(loss_of, dynamic=False)
+    device = next(model.parameters()).device
+    loss_of = compiled_dense_loss(model, amp, compiled, device) or functools.partial(dense_loss, model, amp)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 
     def step(dense, sparse, label):
@@ -82,7 +81,7 @@ def our_step(model, amp: bool, compiled: bool):
     return step
 
 
-def our_training(model, amp: bool, compiled: bool):
+def our_training(model, amp: bool, compiled: str):
     """Trains our ``model`` (static tables, all in device memory) on the ``kjt`` of a list of ``StepBatch``, one
     step each."""
     step = our_step(model, amp, compiled)

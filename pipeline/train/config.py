@@ -13,6 +13,7 @@ DENSE_OPTIMIZERS = ("sgd", "adam", "adagrad")
 EMBEDDING_OPTIMIZERS = ("sgd", "adagrad", "adam")
 DECAYS = ("none", "linear", "cosine")
 AMP = ("auto", "bf16", "off")
+COMPILE_MODES = ("auto", "on", "off", "max-autotune")
 LATEST = "latest"  # <train>/latest: the newest finished run (see pipeline.train.runs)
 
 
@@ -86,8 +87,10 @@ class TrainConfig:
         "help": "torch | cuda | auto: embedding compute (auto: fused CUDA kernels when usable)"})
     amp: str = field(default="auto", metadata={"help": "auto | bf16 | off: bf16 autocast (auto: on GPU only)"})
     compile: str = field(default="auto", metadata={
-        "help": "auto | on | off: torch.compile the dense part and the loss of a one-process run, fusing its "
-                "small kernels (auto: on GPU only; the first steps then take the compile time)"})
+        "help": "auto | on | off | max-autotune: torch.compile the dense part and the loss of a one-process run, "
+                "fusing its small kernels (auto: on GPU only; the first steps then take the compile time); "
+                "max-autotune also times generated matrix-product kernels, with the element-wise work after "
+                "them fused in, against the library's at the first step (minutes), and keeps the fastest"})
 
     threads: int = field(default=0, metadata={
         "help": "torch CPU threads while training (0: all cores but one, which the loader's thread uses)"})
@@ -110,7 +113,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for name, allowed in (("model", MODELS), ("preset", PRESETS), ("optimizer", DENSE_OPTIMIZERS),
                               ("embedding_optimizer", EMBEDDING_OPTIMIZERS), ("decay", DECAYS), ("amp", AMP),
-                              ("compile", ("auto", "on", "off")),
+                              ("compile", COMPILE_MODES),
                               ("embedding_dtype", ("fp32", "fp16", "bf16")),
                               ("multihot_pooling", ("sum", "mean"))):
             if getattr(self, name) not in allowed:

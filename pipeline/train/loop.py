@@ -142,9 +142,8 @@ class Trainer:
         self.best_weights: dict[str, torch.Tensor] | None = None
         self.timings = Timings()
         # The dense part and the loss compiled as one graph (the embedding lookup stays an eager custom op).
-        compiled = cfg.compile == "on" or (cfg.compile == "auto" and self.device.type == "cuda")
-        self._dense_loss = (torch.compile(functools.partial(dense_loss, model, self.amp), dynamic=False)
-                            if compiled and isinstance(model, RecModel) else None)
+        self._dense_loss = (compiled_dense_loss(model, self.amp, cfg.compile, self.device)
+                            if isinstance(model, RecModel) else None)
 
     @property
     def metrics_path(self) -> Path:
@@ -346,6 +345,18 @@ def dense_loss(model: RecModel, amp: bool, dense: torch.Tensor, pooled: torch.Te
     with autocast(dense.device, amp):
         logits = model.dense_forward(dense, pooled)
     return F.binary_cross_entropy_with_logits(logits.float(), label.float())
+
+
+def compiled_dense_loss(model: RecModel, amp: bool, setting: str, device: torch.device):
+    """:func:`dense_loss` of ``model`` compiled as ``train.compile`` says (``auto``: on a GPU), else None.
+
+    ``max-autotune`` lets Inductor time its own matrix-product kernels, with the element-wise work that
+    follows them fused in, against the library's, and keep the fastest (no CUDA graphs: the embedding
+    lookup runs eagerly between steps)."""
+    if setting == "off" or (setting == "auto" and device.type != "cuda"):
+        return None
+    mode = "max-autotune-no-cudagraphs" if setting == "max-autotune" else None
+    return torch.compile(functools.partial(dense_loss, model, amp), dynamic=False, mode=mode)
 
 
 def _close(batches: Iterable) -> None:
