@@ -14,7 +14,7 @@
 #              host-cached tables, syncs of a training step, the embedding store)
 #   train      bench train at the MLPerf shape, Zipf and uniform ids, row-wise Adagrad
 #   dynamic    bench train --dynamic, Zipf and uniform ids
-#   hostcache  bench train --embedding-budget-mb: 26 x 2M rows under 8 GiB, then 26 x 4M under 16 GiB
+#   hostcache  bench train --embedding-budget-mb: 26 x 2M rows under 8 GiB, then 26 x 5M under a quarter
 #   serve      the GPU serving tests, then bench serve --device cuda, three models and one (ranker)
 #   e2e        run etl of 10M synthetic rows (once), then bench e2e of each model on it, and of DCNv2
 #              with train.compile=max-autotune
@@ -123,8 +123,10 @@ print('--device auto:', resolve_device('auto'))
     hostcache)
       step hostcache-2m 240 "$PY" -m pipeline bench train "${mlperf[@]}" --rows 2000000 --ids zipf --optimizer adagrad \
         --embedding-budget-mb 8192 --warmup 30 --steps 20 --rounds 3 --json "$OUT/hostcache-2m.json"
-      step hostcache-4m 420 "$PY" -m pipeline bench train "${mlperf[@]}" --rows 4000000 --ids zipf --optimizer adagrad \
-        --embedding-budget-mb 16384 --warmup 100 --steps 20 --rounds 3 --json "$OUT/hostcache-4m.json" ;;
+      # 26 x 5M rows x dim 128: 62 GiB of fp32 tables (the host holds them once more for the model in device
+      # memory), a quarter of it for the embeddings on the device
+      step hostcache-5m 420 "$PY" -m pipeline bench train "${mlperf[@]}" --rows 5000000 --ids zipf --optimizer adagrad \
+        --embedding-budget-mb 15872 --warmup 100 --steps 20 --rounds 3 --json "$OUT/hostcache-5m.json" ;;
     serve)
       step serve-tests 240 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_serve_gpu.py
       for fuse in none all; do
