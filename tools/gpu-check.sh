@@ -123,8 +123,8 @@ print('--device auto:', resolve_device('auto'))
     hostcache)
       step hostcache-2m 240 "$PY" -m pipeline bench train "${mlperf[@]}" --rows 2000000 --ids zipf --optimizer adagrad \
         --embedding-budget-mb 8192 --warmup 30 --steps 20 --rounds 3 --json "$OUT/hostcache-2m.json"
-      # 26 x 5M rows x dim 128: 62 GiB of fp32 tables (the host holds them once more for the model in device
-      # memory), a quarter of it for the embeddings on the device
+      # 26 x 5M rows x dim 128: 62 GiB of fp32 tables, in host memory for the host-cached model and in device
+      # memory for the other; a quarter of it is the host-cached model's device budget
       step hostcache-5m 420 "$PY" -m pipeline bench train "${mlperf[@]}" --rows 5000000 --ids zipf --optimizer adagrad \
         --embedding-budget-mb 15872 --warmup 100 --steps 20 --rounds 3 --json "$OUT/hostcache-5m.json" ;;
     serve)
