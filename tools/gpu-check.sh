@@ -108,7 +108,7 @@ from pipeline.device import resolve_device
 print('--device auto:', resolve_device('auto'))
 " ;;
     kernels)
-      step kernels-tests 420 "$PY" -m pytest -q -rs -m gpu -p no:cacheprovider tests \
+      step kernels-tests 420 "$PY" -m pytest -q -rs -m gpu -p no:cacheprovider --continue-on-collection-errors tests \
         --ignore=tests/test_serve_gpu.py --ignore=tests/test_etl_gpu.py ;;
     train)
       for ids in uniform zipf; do
