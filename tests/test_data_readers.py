@@ -290,6 +290,20 @@ def test_clear_errors_for_unusable_input(tmp_path, setup, message):
         ensure_raw(cfg)
 
 
+@pytest.mark.parametrize("name", ["rows.csv", "rows.parquet"])
+def test_a_declared_column_named_twice_is_one_clear_error(tmp_path, name):
+    path = tmp_path / name
+    columns = [pa.array([1, 0]), pa.array([1.5, 2.5]), pa.array([7.0, 8.0]), pa.array(["a", "b"])]
+    if name.endswith(".parquet"):
+        pq.write_table(pa.Table.from_arrays(columns, names=["clicked", "price", "price", "user"]), path)
+    else:
+        path.write_text("clicked,price,price,user\n1,1.5,7.0,a\n0,2.5,8.0,b\n")
+    cfg = _cfg(tmp_path, "data.source=table", f"data.path={path}", "data.label=clicked",
+               "data.continuous=price", "data.categorical=user")
+    with pytest.raises(BadInputError, match=rf"{path}: the column name\(s\) \['price'\] appear more than once"):
+        ensure_raw(cfg)
+
+
 def test_empty_criteo_file_and_missing_roles(tmp_path):
     empty = tmp_path / "day.tsv.gz"
     empty.write_bytes(gzip.compress(b""))

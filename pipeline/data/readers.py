@@ -113,8 +113,13 @@ class Roles:
         return [self.label, *self.continuous, *self.categorical, *self.multihot]
 
     def check_against(self, found: list[str], where: str) -> None:
-        """Raise a :class:`BadInputError` if declared columns are absent or the file has undeclared ones."""
+        """Raise a :class:`BadInputError` if declared columns are absent or named more than once, or the
+        file has undeclared ones."""
         declared = self.columns + ([self.time] if self.time and self.time not in self.columns else [])
+        repeated = sorted({c for c in declared if found.count(c) > 1})
+        if repeated:
+            raise BadInputError(f"{where}: the column name(s) {repeated} appear more than once (columns {found}), so "
+                                "which one holds the data is unclear: give each column its own name")
         missing = [c for c in declared if c not in found]
         if missing:
             raise BadInputError(f"{where}: declared column(s) {missing} not found; the file has columns {found}")
