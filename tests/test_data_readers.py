@@ -337,6 +337,29 @@ def test_parquet_integer_categories_nan_and_bad_labels(tmp_path):
     ]
 
 
+def test_parquet_unsigned_and_dictionary_columns_are_checked_as_their_values(tmp_path):
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.table({
+        "clicked": pa.array(["1", "0", "1", "2", "0"]).dictionary_encode(),
+        "price": pa.array(["1.5", "oops", "2.5", "3", "4"]).dictionary_encode(),
+        "count": pa.array([2**63 - 1, 7, 2**64 - 1, 8, None], pa.uint64()),
+        "item": pa.array(["a", "b", "a", "c", None]).dictionary_encode(),
+    }), path)
+    cfg = _cfg(tmp_path, "data.source=table", f"data.path={path}", "data.label=clicked",
+               "data.continuous=[price,count]", "data.categorical=item", "data.on_bad_lines=skip")
+    raw = ensure_raw(cfg)
+    report = json.loads((raw.root / "ingest_report.json").read_text())
+    assert report["bad"] == {"not_a_number": 1, "out_of_range": 1, "bad_label": 1}
+    assert [(e["line"], e["reason"]) for e in report["examples"]] == [
+        (2, "price: 'oops' is not a number"), (3, "count: '18446744073709551615' is outside the 64-bit integer range"),
+        (4, "clicked: expected 0 or 1, found '2'")]
+    table = pa.concat_tables([pq.read_table(p) for s in raw.splits.values() for p in s])
+    assert table.schema.field("count").type == pa.int64() and table.schema.field("item").type == pa.string()
+    assert sorted(table.to_pylist(), key=lambda r: r["price"]) == [
+        {"label": 1, "price": 1.5, "count": 2**63 - 1, "item": "a"},
+        {"label": 0, "price": 4.0, "count": None, "item": None}]
+
+
 # Splits by time (data.time_column)
 
 TIMED = ["data.source=table", "data.label=clicked", "data.continuous=[row]", "data.categorical=[user]",

@@ -783,6 +783,8 @@ def _check_and_convert(table: pa.Table, lines: np.ndarray, kinds: dict[str, str]
     without a usable time is bad too, and the rest get their time keys as column ``TIME_KEY``; a
     column of kind ``time`` is not in the output.
     """
+    table = pa.Table.from_arrays([pc.cast(c, c.type.value_type) if pa.types.is_dictionary(c.type) else c
+                                  for c in table.columns], names=table.column_names)  # checked as plain values
     bad = np.zeros(table.num_rows, dtype=bool)
     for name, kind in kinds.items():
         column = table.column(name)
@@ -822,7 +824,7 @@ def _value_problem(name: str, kind: str, value: str) -> tuple[str, str]:
         return "bad_label", f"{name}: expected 0 or 1, found {value!r}"
     if kind == "float" and _is_infinite(value):
         return "out_of_range", f"{name}: {shown!r} is not a finite number"
-    if kind == "int" and re.fullmatch(_DIGITS_PATTERN, value):
+    if kind in ("int", "float") and re.fullmatch(_DIGITS_PATTERN, value):
         return "out_of_range", f"{name}: {shown!r} is outside the 64-bit integer range"
     return "not_a_number", f"{name}: {value!r} is not {'an integer' if kind == 'int' else 'a number'}"
 
@@ -845,6 +847,9 @@ def _values_ok(column: pa.ChunkedArray, kind: str) -> np.ndarray | None:
         return (values == 0) | (values == 1)  # a null (NaN) label is bad too
     if kind == "float" and pa.types.is_floating(column.type):
         return ~pc.fill_null(pc.is_inf(column), False).to_numpy(zero_copy_only=False).astype(bool)
+    if kind in ("int", "float") and pa.types.is_uint64(column.type):  # the raw layout's integers are int64
+        return pc.fill_null(pc.less_equal(column, pa.scalar(2**63 - 1, pa.uint64())), True).to_numpy(
+            zero_copy_only=False).astype(bool)
     if not _is_text(column.type):
         return None
     if kind == "label":
@@ -876,9 +881,6 @@ def _convert(column: pa.ChunkedArray, kind: str, separator: str) -> pa.ChunkedAr
     t = column.type
     if kind == "label":
         return pc.cast(pc.cast(column, pa.float64()) if _is_text(t) else column, pa.int8())
-    if pa.types.is_dictionary(t):
-        column = pc.cast(column, t.value_type)
-        t = column.type
     if _is_text(t):
         missing = pc.equal(column, "")
         if kind == "float":
