@@ -203,6 +203,18 @@ def test_wrong_raw_types_are_reported_together(tmp_path):
         assert expected in message
 
 
+def test_training_rows_of_one_label_are_one_clear_error(tmp_path):
+    path = tmp_path / "clicks.csv"
+    path.write_text("clicked,price,user\n" + "".join(f"1,{i * 0.5},u{i % 3}\n" for i in range(300)))
+    roles = ["data.source=table", f"data.path={path}", "data.label=clicked", "data.continuous=[price]",
+             "data.categorical=[user]"]
+    with pytest.raises(BadInputError, match=r"every one of the \d+ training rows has the label 1: .*data.label"):
+        run(_config(tmp_path, *roles))
+    path.write_text("clicked,price,user\n" + "".join(f"{int(i % 50 == 0)},{i * 0.5},u{i % 3}\n" for i in range(300)))
+    cfg = _config(tmp_path, *roles, "data.rebuild=true")
+    assert sum(run(cfg)["rows"].values()) == 300
+
+
 def test_hash_buckets_naming_an_unknown_column(tmp_path):
     with pytest.raises(BadInputError, match=r"etl.hash_buckets names \['nope'\]"):
         run(_config(tmp_path, "data.rows=3000", "etl.hash_buckets={nope: 10}"))
