@@ -215,6 +215,15 @@ def test_training_rows_of_one_label_are_one_clear_error(tmp_path):
     assert sum(run(cfg)["rows"].values()) == 300
 
 
+def test_input_too_small_to_leave_training_rows_is_one_clear_error(tmp_path):
+    path = tmp_path / "clicks.csv"
+    path.write_text("clicked,price\n1,2.5\n0,3.5\n")
+    cfg = _config(tmp_path, "data.source=table", f"data.path={path}", "data.label=clicked",
+                  "data.continuous=[price]", "data.valid_fraction=0.45", "data.test_fraction=0.45")
+    with pytest.raises(BadInputError, match=r"no training rows .*data.path more rows.*data.valid_fraction"):
+        run(cfg)
+
+
 def test_hash_buckets_naming_an_unknown_column(tmp_path):
     with pytest.raises(BadInputError, match=r"etl.hash_buckets names \['nope'\]"):
         run(_config(tmp_path, "data.rows=3000", "etl.hash_buckets={nope: 10}"))

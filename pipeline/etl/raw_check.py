@@ -20,7 +20,8 @@ def check_raw_files(splits: dict[str, list[Path]], roles: dict) -> None:
     expected = {roles["label"]: "label", **{c: "continuous" for c in roles["continuous"]},
                 **{c: "categorical" for c in roles["categorical"]}, **{c: "multihot" for c in roles.get("multihot", [])}}
     if not splits.get("train"):
-        raise BadInputError("no raw training data: expected raw/train/part-*.parquet")
+        raise BadInputError("the raw data has no training rows (raw/train is empty): give data.path more rows, or "
+                            "leave more of them to training with a smaller data.valid_fraction / data.test_fraction")
     problems = []
     for files in splits.values():
         for path in files:
