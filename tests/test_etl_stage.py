@@ -181,14 +181,16 @@ def test_multihot_table_source(tmp_path):
 
 
 def test_declared_column_missing_from_the_raw_files_is_one_clear_error(tmp_path):
+    from pipeline.data.raw_folder import RawDataset
+    from pipeline.etl.defaults import roles_of
+
     cfg = _config(tmp_path, "data.rows=3000")
     run(cfg)
-    meta_path = cfg.paths.raw / "meta.json"
-    meta = json.loads(meta_path.read_text())
-    meta["continuous"].append("I99")
-    meta_path.write_text(json.dumps(meta))
-    with pytest.raises(BadInputError, match=r"column 'I99' \(continuous\) is missing"):
-        run(cfg)
+    raw = RawDataset.load(cfg.paths.raw)
+    roles = roles_of(raw)
+    roles["continuous"].append("I99")
+    with pytest.raises(BadInputError, match=r"column 'I99' \(continuous\) is missing.*remove .*meta.json"):
+        check_raw_files(raw.splits, roles)
 
 
 def test_wrong_raw_types_are_reported_together(tmp_path):

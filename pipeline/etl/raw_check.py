@@ -38,8 +38,9 @@ def check_raw_files(splits: dict[str, list[Path]], roles: dict) -> None:
                                     f"found {schema.field(name).type}")
     if problems:
         shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
-        raise BadInputError(f"the raw files do not match meta.json: {shown}. Make the raw data again "
-                            "(python -m pipeline data) or fix the files")
+        root = splits["train"][0].parent.parent
+        raise BadInputError(f"the raw files do not match meta.json: {shown}. Fix the files, or remove "
+                            f"{root / 'meta.json'} and run `python -m pipeline data` to make them again")
 
 
 def check_labels(files: list[Path], label: str) -> None:
