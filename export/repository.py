@@ -3,7 +3,7 @@
 Layout (``<workdir>/<dataset>/export``)::
 
     ranker/config.pbtxt       1/model.py   1/artifacts/{raw_columns.json, schema.json, workflow/}
-                              1/layout.json   1/model.pt   store/{CURRENT, v000001/<table>.npy ...}
+                              1/layout.json   1/model.pt   store/{CURRENT, v000001/00000.npy ...}
     ensemble/config.pbtxt     1/
     export.json               what was exported, from where (``trained``: the training run), and the store version
 

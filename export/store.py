@@ -1,7 +1,9 @@
 """The host store: every row of every embedding table, one memory-mapped ``.npy`` file per table.
 
-A dynamic table (raw 64-bit ids) is stored as the rows of its ids in ascending order of the ids, then
-one zero row (that of every id it does not hold), beside ``<table>.keys.npy``, those ids (int64).
+The files are numbered in the order of the tables (``00000.npy`` ...), and the manifest names each
+table's file, so that any table name (any length, any characters) gives a file name. A dynamic
+table (raw 64-bit ids) is stored as the rows of its ids in ascending order of the ids, then one
+zero row (that of every id it does not hold), beside ``<number>.keys.npy``, those ids (int64).
 
 Versions make online updates safe (HugeCTR HPS style): each version is a folder ``v000001/`` holding
 the tables and a ``manifest.json``; the file ``CURRENT`` names the version being served. A writer
@@ -31,7 +33,7 @@ import numpy as np
 from pipeline.errors import UserError
 from pipeline.files import write_text
 
-STORE_FORMAT = 1
+STORE_FORMAT = 2
 CURRENT = "CURRENT"
 
 
@@ -77,18 +79,20 @@ def write_version(root: str | Path, tables: dict[str, np.ndarray], keep: int = 2
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     manifest = {"format": STORE_FORMAT, "version": version, "tables": {}}
-    for name, array in tables.items():
+    for index, (name, array) in enumerate(tables.items()):
         array = np.ascontiguousarray(array)
         if array.ndim != 2:
             raise ValueError(f"table {name}: expected a [rows, dim] array, got shape {array.shape}")
-        np.save(staging / f"{name}.npy", array)
-        manifest["tables"][name] = {"rows": int(array.shape[0]), "dim": int(array.shape[1]), "dtype": str(array.dtype)}
+        file = f"{index:05d}"
+        np.save(staging / f"{file}.npy", array)
+        manifest["tables"][name] = {"file": file, "rows": int(array.shape[0]), "dim": int(array.shape[1]),
+                                    "dtype": str(array.dtype)}
         if name in (keys or {}):
             ids = np.ascontiguousarray(keys[name], dtype=np.int64)
             if ids.shape != (array.shape[0] - 1,) or (np.diff(ids) <= 0).any():
                 raise ValueError(f"table {name}: expected {array.shape[0] - 1} ascending distinct ids, one per row "
                                  f"but the last, got shape {ids.shape}")
-            np.save(staging / f"{name}.keys.npy", ids)
+            np.save(staging / f"{file}.keys.npy", ids)
             manifest["tables"][name]["dynamic"] = True
     (staging / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     staging.rename(folder)
@@ -118,13 +122,13 @@ def _open_version(root: Path, version: int) -> StoreVersion:
         raise UserError(f"embedding store {folder}: format {manifest.get('format')} is not {STORE_FORMAT}; re-export")
     tables, keys = {}, {}
     for name, meta in manifest["tables"].items():
-        array = np.load(folder / f"{name}.npy", mmap_mode="r")
+        array = np.load(folder / f"{meta['file']}.npy", mmap_mode="r")
         if array.shape != (meta["rows"], meta["dim"]):
             raise UserError(f"embedding store {folder}: table {name} has shape {array.shape}, manifest says "
                             f"{(meta['rows'], meta['dim'])}")
         tables[name] = array
         if meta.get("dynamic"):
-            keys[name] = np.load(folder / f"{name}.keys.npy", mmap_mode="r")
+            keys[name] = np.load(folder / f"{meta['file']}.keys.npy", mmap_mode="r")
             if keys[name].shape != (meta["rows"] - 1,):
                 raise UserError(f"embedding store {folder}: table {name} has {meta['rows']} rows but "
                                 f"{keys[name].shape[0]} ids; re-export")

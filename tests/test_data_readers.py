@@ -290,6 +290,20 @@ def test_clear_errors_for_unusable_input(tmp_path, setup, message):
         ensure_raw(cfg)
 
 
+@pytest.mark.parametrize("name", ["rows.csv", "rows.parquet"])
+def test_a_declared_column_named_twice_is_one_clear_error(tmp_path, name):
+    path = tmp_path / name
+    columns = [pa.array([1, 0]), pa.array([1.5, 2.5]), pa.array([7.0, 8.0]), pa.array(["a", "b"])]
+    if name.endswith(".parquet"):
+        pq.write_table(pa.Table.from_arrays(columns, names=["clicked", "price", "price", "user"]), path)
+    else:
+        path.write_text("clicked,price,price,user\n1,1.5,7.0,a\n0,2.5,8.0,b\n")
+    cfg = _cfg(tmp_path, "data.source=table", f"data.path={path}", "data.label=clicked",
+               "data.continuous=price", "data.categorical=user")
+    with pytest.raises(BadInputError, match=rf"{path}: the column name\(s\) \['price'\] appear more than once"):
+        ensure_raw(cfg)
+
+
 def test_empty_criteo_file_and_missing_roles(tmp_path):
     empty = tmp_path / "day.tsv.gz"
     empty.write_bytes(gzip.compress(b""))
@@ -321,6 +335,29 @@ def test_parquet_integer_categories_nan_and_bad_labels(tmp_path):
         {"label": 1, "price": 1.0, "item": "7", "tags": ["1", "2"]},
         {"label": 0, "price": None, "item": "8", "tags": []},
     ]
+
+
+def test_parquet_unsigned_and_dictionary_columns_are_checked_as_their_values(tmp_path):
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.table({
+        "clicked": pa.array(["1", "0", "1", "2", "0"]).dictionary_encode(),
+        "price": pa.array(["1.5", "oops", "2.5", "3", "4"]).dictionary_encode(),
+        "count": pa.array([2**63 - 1, 7, 2**64 - 1, 8, None], pa.uint64()),
+        "item": pa.array(["a", "b", "a", "c", None]).dictionary_encode(),
+    }), path)
+    cfg = _cfg(tmp_path, "data.source=table", f"data.path={path}", "data.label=clicked",
+               "data.continuous=[price,count]", "data.categorical=item", "data.on_bad_lines=skip")
+    raw = ensure_raw(cfg)
+    report = json.loads((raw.root / "ingest_report.json").read_text())
+    assert report["bad"] == {"not_a_number": 1, "out_of_range": 1, "bad_label": 1}
+    assert [(e["line"], e["reason"]) for e in report["examples"]] == [
+        (2, "price: 'oops' is not a number"), (3, "count: '18446744073709551615' is outside the 64-bit integer range"),
+        (4, "clicked: expected 0 or 1, found '2'")]
+    table = pa.concat_tables([pq.read_table(p) for s in raw.splits.values() for p in s])
+    assert table.schema.field("count").type == pa.int64() and table.schema.field("item").type == pa.string()
+    assert sorted(table.to_pylist(), key=lambda r: r["price"]) == [
+        {"label": 1, "price": 1.5, "count": 2**63 - 1, "item": "a"},
+        {"label": 0, "price": 4.0, "count": None, "item": None}]
 
 
 # Splits by time (data.time_column)

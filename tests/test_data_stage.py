@@ -8,6 +8,7 @@ import pytest
 from pipeline.data import synthetic
 from pipeline.data.raw_folder import RawDataset
 from pipeline.data.metrics import ClickMetrics, roc_auc
+from pipeline.errors import UserError
 from pipeline.stages.cli import main
 from pipeline.stages.config import load_config
 from pipeline.stages.data import ensure_raw, run
@@ -86,6 +87,37 @@ def test_unfinished_folder_is_rebuilt(tmp_path, capsys):
     raw = ensure_raw(cfg)
     assert "no finished raw data" in capsys.readouterr().out
     assert RawDataset.load(cfg.paths.raw).rows == raw.rows
+
+
+@pytest.mark.parametrize("damage", ["removed", "truncated", "added"])
+def test_a_damaged_raw_folder_is_noticed_and_made_again(tmp_path, capsys, damage):
+    cfg = _cfg(tmp_path, "data.rows=20000", "data.chunk_rows=4000")
+    made = ensure_raw(cfg)
+    whole = {s: pa.concat_tables([pq.read_table(p) for p in made.splits[s]]) for s in made.splits}
+    part = made.splits["train"][1]
+    if damage == "removed":
+        part.unlink()
+    elif damage == "truncated":
+        part.write_bytes(part.read_bytes()[: part.stat().st_size // 2])
+    else:
+        part.with_name("part-00099.parquet").write_bytes(part.read_bytes())
+    capsys.readouterr()
+    again = ensure_raw(cfg)
+    assert "building it again" in capsys.readouterr().out
+    assert again.rows == made.rows
+    for split, table in whole.items():
+        assert pa.concat_tables([pq.read_table(p) for p in again.splits[split]]).equals(table)
+
+
+def test_a_damaged_dataset_named_alone_is_one_clear_error(tmp_path):
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.table({"clicked": np.arange(600) % 2, "price": np.arange(600) * 0.5}), path)
+    roles = ["data.source=table", "data.name=mine", "data.label=clicked", "data.continuous=[price]"]
+    made = ensure_raw(_cfg(tmp_path, *roles, f"data.path={path}"))
+    made.splits["train"][0].unlink()
+    with pytest.raises(UserError, match=r"holds 0 rows in 0 part\(s\) where .*meta.json says .*data.path"):
+        ensure_raw(_cfg(tmp_path, "data.name=mine"))
+    assert ensure_raw(_cfg(tmp_path, *roles, f"data.path={path}")).rows == made.rows
 
 
 def test_cli_data_command(tmp_path, capsys):

@@ -307,6 +307,17 @@ def test_fill_missing_median_of_ties_an_even_count_and_no_values():
     assert _op(workflow, "T").fill_values == {"T": 5.0, "E": 3.0, "N": -1.0}
 
 
+@pytest.mark.parametrize("points", [65_536, 1])
+def test_fill_missing_median_of_the_largest_floats_is_finite(monkeypatch, points):
+    from pipeline.etl.ops import median
+
+    monkeypatch.setattr(median, "SUMMARY_POINTS", points)  # 1: the exact median from the second pass
+    big = np.finfo(np.float64).max
+    train = pd.DataFrame({"H": [big, big, np.nan, 1e308], "L": [-big, -big, -big, -big]})
+    workflow = Workflow(["H", "L"] >> FillMissing(strategy="median")).fit(dd.from_pandas(train, npartitions=2))
+    assert _op(workflow, "H").fill_values == {"H": big, "L": -big}
+
+
 def test_normalize_constant_column_is_only_centred():
     train = pd.DataFrame({"X": [4.0, 4.0, 4.0]})
     out = Workflow(["X"] >> Normalize()).fit(train).transform(pd.DataFrame({"X": [4.0, 6.0]}))

@@ -181,14 +181,16 @@ def test_multihot_table_source(tmp_path):
 
 
 def test_declared_column_missing_from_the_raw_files_is_one_clear_error(tmp_path):
+    from pipeline.data.raw_folder import RawDataset
+    from pipeline.etl.defaults import roles_of
+
     cfg = _config(tmp_path, "data.rows=3000")
     run(cfg)
-    meta_path = cfg.paths.raw / "meta.json"
-    meta = json.loads(meta_path.read_text())
-    meta["continuous"].append("I99")
-    meta_path.write_text(json.dumps(meta))
-    with pytest.raises(BadInputError, match=r"column 'I99' \(continuous\) is missing"):
-        run(cfg)
+    raw = RawDataset.load(cfg.paths.raw)
+    roles = roles_of(raw)
+    roles["continuous"].append("I99")
+    with pytest.raises(BadInputError, match=r"column 'I99' \(continuous\) is missing.*remove .*meta.json"):
+        check_raw_files(raw.splits, roles)
 
 
 def test_wrong_raw_types_are_reported_together(tmp_path):
@@ -201,6 +203,27 @@ def test_wrong_raw_types_are_reported_together(tmp_path):
     for expected in ("'label' should be integer", "'I1' should be integer or float, found string",
                      "'C1' should be string or integer, found double", "'M' should be list"):
         assert expected in message
+
+
+def test_training_rows_of_one_label_are_one_clear_error(tmp_path):
+    path = tmp_path / "clicks.csv"
+    path.write_text("clicked,price,user\n" + "".join(f"1,{i * 0.5},u{i % 3}\n" for i in range(300)))
+    roles = ["data.source=table", f"data.path={path}", "data.label=clicked", "data.continuous=[price]",
+             "data.categorical=[user]"]
+    with pytest.raises(BadInputError, match=r"every one of the \d+ training rows has the label 1: .*data.label"):
+        run(_config(tmp_path, *roles))
+    path.write_text("clicked,price,user\n" + "".join(f"{int(i % 50 == 0)},{i * 0.5},u{i % 3}\n" for i in range(300)))
+    cfg = _config(tmp_path, *roles, "data.rebuild=true")
+    assert sum(run(cfg)["rows"].values()) == 300
+
+
+def test_input_too_small_to_leave_training_rows_is_one_clear_error(tmp_path):
+    path = tmp_path / "clicks.csv"
+    path.write_text("clicked,price\n1,2.5\n0,3.5\n")
+    cfg = _config(tmp_path, "data.source=table", f"data.path={path}", "data.label=clicked",
+                  "data.continuous=[price]", "data.valid_fraction=0.45", "data.test_fraction=0.45")
+    with pytest.raises(BadInputError, match=r"no training rows .*data.path more rows.*data.valid_fraction"):
+        run(cfg)
 
 
 def test_hash_buckets_naming_an_unknown_column(tmp_path):

@@ -76,13 +76,24 @@ def test_save_load_round_trip_gives_identical_output(tmp_path):
     workflow.save(tmp_path / "wf")
     record = json.loads((tmp_path / "wf" / "workflow.json").read_text())
     assert record["version"] == 1 and record["output_columns"] == workflow.output_columns
-    assert sorted(p.name for p in (tmp_path / "wf").rglob("*.parquet")) == ["C1.parquet", "M.parquet"]
+    assert sorted(p.name for p in (tmp_path / "wf").rglob("*.parquet")) == ["00000-C1.parquet", "00001-M.parquet"]
     loaded = Workflow.load(tmp_path / "wf")
     pd.testing.assert_frame_equal(loaded.transform(test), before)
     lazy = loaded.transform(dd.from_pandas(test, npartitions=2)).compute()
     pd.testing.assert_frame_equal(lazy, before)
     workflow.save(tmp_path / "wf")  # saving over an existing workflow replaces it
     pd.testing.assert_frame_equal(Workflow.load(tmp_path / "wf").transform(test), before)
+
+
+def test_any_column_name_saves_and_loads(tmp_path):
+    names = ["a/b", "..", "L" * 300, "prix unitaire é", "%2F"]
+    train = pd.DataFrame({name: [f"v{(i + k) % 5}" for i in range(40)] for k, name in enumerate(names)})
+    workflow = Workflow(names >> Categorify()).fit(dd.from_pandas(train, npartitions=2))
+    before = workflow.transform(train)
+    loaded = Workflow.load(workflow.save(tmp_path / "wf"))
+    assert len(list((tmp_path / "wf").rglob("*.parquet"))) == len(names)
+    pd.testing.assert_frame_equal(loaded.transform(train), before)
+    assert all(before[name].nunique() == 5 for name in names)
 
 
 def test_serving_rows_with_unseen_and_missing_values(tmp_path):

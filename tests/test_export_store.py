@@ -44,6 +44,19 @@ def test_every_new_version_changes_the_stamp_of_current(tmp_path):
     assert current_stamp(tmp_path) != first
 
 
+def test_any_table_name_is_stored_and_read_back(tmp_path):
+    names = ["t_a/b", "t_" + "L" * 300, "t_prix é", "t_.."]
+    tables = {name: _table(rows=10 + k, seed=k) for k, name in enumerate(names)}
+    ids = np.arange(9, dtype=np.int64) * 3  # one per row of the first table but its last
+    write_version(tmp_path, tables, keys={"t_a/b": ids})
+    store = open_current(tmp_path)
+    assert list(store.tables) == names and list(store.keys) == ["t_a/b"]
+    for name, table in tables.items():
+        np.testing.assert_array_equal(store.tables[name], table)
+    np.testing.assert_array_equal(store.keys["t_a/b"], ids)
+    assert all(p.name.isascii() for p in (tmp_path / "v000001").iterdir())
+
+
 def test_store_rejects_a_table_that_is_not_2d(tmp_path):
     with pytest.raises(ValueError, match="expected a \\[rows, dim\\] array"):
         write_version(tmp_path, {"t": np.zeros(5, np.float32)})
@@ -251,7 +264,7 @@ def test_a_broken_new_version_leaves_the_served_one_untouched(tmp_path):
     write_version(tmp_path, {"t": _table(seed=1)})
     lookup = EmbeddingLookup(tmp_path, config, min_cache_rows=10)
     write_version(tmp_path, {"t": _table(seed=2)})
-    (tmp_path / "v000002" / "t.npy").write_bytes(b"not an array")
+    (tmp_path / "v000002" / "00000.npy").write_bytes(b"not an array")
     with pytest.raises(ValueError):
         lookup.refresh()
     assert lookup.version == 1

@@ -281,6 +281,23 @@ def test_a_split_that_does_not_hold_the_schemas_rows_is_refused(tmp_path):
     assert not cfg.paths.train.exists()
 
 
+def test_a_truncated_split_file_is_refused_naming_it(tmp_path):
+    cfg = _config(tmp_path)
+    _write_data(cfg)
+    part = sorted((cfg.paths.processed / "valid").glob("*.parquet"))[0]
+    part.write_bytes(part.read_bytes()[: part.stat().st_size // 2])
+    with pytest.raises(UserError, match=rf"{part} is not a readable parquet file .*run `python -m pipeline run etl`"):
+        run(cfg)
+    assert not cfg.paths.train.exists()
+
+
+def test_an_empty_split_is_refused_naming_the_settings_that_give_it_rows(tmp_path):
+    cfg = _config(tmp_path, "data.rows=3000", "data.test_fraction=0")
+    with pytest.raises(UserError, match=r"the test split has no rows .*data.test_fraction"):
+        run(cfg)
+    assert Schema.load(cfg.paths.schema).rows["test"] == 0 and not cfg.paths.train.exists()
+
+
 def test_the_compiled_dense_part_trains_like_eager(tmp_path):
     """train.compile=on compiles the dense part and the loss (the default on a GPU), max-autotune with kernels
     chosen by timing: same weights as eager."""

@@ -98,6 +98,28 @@ def read_meta(root: Path) -> dict | None:
     return meta if meta.get("version") == RAW_VERSION else None
 
 
+def damage(root: Path, meta: dict) -> str | None:
+    """Why the parts of a finished raw folder do not hold the rows and columns ``meta.json`` records (a
+    part removed, added, truncated, not parquet or without a column), or None when every split is whole.
+    Reads only the parts' footers."""
+    root = Path(root)
+    columns = [meta["label"], *meta["continuous"], *meta["categorical"], *meta["multihot"]]
+    for split in SPLITS:
+        parts = sorted((root / split).glob("part-*.parquet"))
+        found = 0
+        for part in parts:
+            try:
+                footer = pq.read_metadata(part)
+            except (OSError, pa.ArrowException) as err:
+                return f"{part} is not a readable parquet file ({(str(err).splitlines() or [''])[0]})"
+            missing = [c for c in columns if c not in footer.schema.names]
+            if missing:
+                return f"{part} has no column(s) {missing}"
+            found += footer.num_rows
+        expected = int(meta["rows"].get(split, 0))
+        if found != expected:
+            return f"{root / split} holds {found:,} rows in {len(parts)} part(s) where {root / META} says {expected:,}"
+    return None
 
 
 def clear(root: Path) -> None:

@@ -113,8 +113,13 @@ class Roles:
         return [self.label, *self.continuous, *self.categorical, *self.multihot]
 
     def check_against(self, found: list[str], where: str) -> None:
-        """Raise a :class:`BadInputError` if declared columns are absent or the file has undeclared ones."""
+        """Raise a :class:`BadInputError` if declared columns are absent or named more than once, or the
+        file has undeclared ones."""
         declared = self.columns + ([self.time] if self.time and self.time not in self.columns else [])
+        repeated = sorted({c for c in declared if found.count(c) > 1})
+        if repeated:
+            raise BadInputError(f"{where}: the column name(s) {repeated} appear more than once (columns {found}), so "
+                                "which one holds the data is unclear: give each column its own name")
         missing = [c for c in declared if c not in found]
         if missing:
             raise BadInputError(f"{where}: declared column(s) {missing} not found; the file has columns {found}")
@@ -778,6 +783,8 @@ def _check_and_convert(table: pa.Table, lines: np.ndarray, kinds: dict[str, str]
     without a usable time is bad too, and the rest get their time keys as column ``TIME_KEY``; a
     column of kind ``time`` is not in the output.
     """
+    table = pa.Table.from_arrays([pc.cast(c, c.type.value_type) if pa.types.is_dictionary(c.type) else c
+                                  for c in table.columns], names=table.column_names)  # checked as plain values
     bad = np.zeros(table.num_rows, dtype=bool)
     for name, kind in kinds.items():
         column = table.column(name)
@@ -817,7 +824,7 @@ def _value_problem(name: str, kind: str, value: str) -> tuple[str, str]:
         return "bad_label", f"{name}: expected 0 or 1, found {value!r}"
     if kind == "float" and _is_infinite(value):
         return "out_of_range", f"{name}: {shown!r} is not a finite number"
-    if kind == "int" and re.fullmatch(_DIGITS_PATTERN, value):
+    if kind in ("int", "float") and re.fullmatch(_DIGITS_PATTERN, value):
         return "out_of_range", f"{name}: {shown!r} is outside the 64-bit integer range"
     return "not_a_number", f"{name}: {value!r} is not {'an integer' if kind == 'int' else 'a number'}"
 
@@ -840,6 +847,9 @@ def _values_ok(column: pa.ChunkedArray, kind: str) -> np.ndarray | None:
         return (values == 0) | (values == 1)  # a null (NaN) label is bad too
     if kind == "float" and pa.types.is_floating(column.type):
         return ~pc.fill_null(pc.is_inf(column), False).to_numpy(zero_copy_only=False).astype(bool)
+    if kind in ("int", "float") and pa.types.is_uint64(column.type):  # the raw layout's integers are int64
+        return pc.fill_null(pc.less_equal(column, pa.scalar(2**63 - 1, pa.uint64())), True).to_numpy(
+            zero_copy_only=False).astype(bool)
     if not _is_text(column.type):
         return None
     if kind == "label":
@@ -871,9 +881,6 @@ def _convert(column: pa.ChunkedArray, kind: str, separator: str) -> pa.ChunkedAr
     t = column.type
     if kind == "label":
         return pc.cast(pc.cast(column, pa.float64()) if _is_text(t) else column, pa.int8())
-    if pa.types.is_dictionary(t):
-        column = pc.cast(column, t.value_type)
-        t = column.type
     if _is_text(t):
         missing = pc.equal(column, "")
         if kind == "float":

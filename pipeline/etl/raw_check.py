@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline.errors import BadInputError
@@ -19,7 +20,8 @@ def check_raw_files(splits: dict[str, list[Path]], roles: dict) -> None:
     expected = {roles["label"]: "label", **{c: "continuous" for c in roles["continuous"]},
                 **{c: "categorical" for c in roles["categorical"]}, **{c: "multihot" for c in roles.get("multihot", [])}}
     if not splits.get("train"):
-        raise BadInputError("no raw training data: expected raw/train/part-*.parquet")
+        raise BadInputError("the raw data has no training rows (raw/train is empty): give data.path more rows, or "
+                            "leave more of them to training with a smaller data.valid_fraction / data.test_fraction")
     problems = []
     for files in splits.values():
         for path in files:
@@ -36,8 +38,26 @@ def check_raw_files(splits: dict[str, list[Path]], roles: dict) -> None:
                                     f"found {schema.field(name).type}")
     if problems:
         shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
-        raise BadInputError(f"the raw files do not match meta.json: {shown}. Make the raw data again "
-                            "(python -m pipeline data) or fix the files")
+        root = splits["train"][0].parent.parent
+        raise BadInputError(f"the raw files do not match meta.json: {shown}. Fix the files, or remove "
+                            f"{root / 'meta.json'} and run `python -m pipeline data` to make them again")
+
+
+def check_labels(files: list[Path], label: str) -> None:
+    """A BadInputError when the training rows hold one label only: a click model learns nothing from them,
+    and its AUC is undefined. Reads only the label column."""
+    seen: set = set()
+    rows = 0
+    for path in files:
+        column = pq.read_table(path, columns=[label]).column(label)
+        rows += len(column)
+        seen.update(pc.unique(column).to_pylist())
+        if len(seen) > 1:
+            return
+    if rows:
+        raise BadInputError(f"every one of the {rows:,} training rows has the label {seen.pop()!r}: a click model "
+                            "needs rows of both labels (0 and 1); check that data.label names the click column, "
+                            "or give data with clicks and non-clicks")
 
 
 def _short(names: list[str]) -> str:

@@ -92,13 +92,18 @@ def _ensure(cfg: PipelineConfig) -> tuple[RawDataset, bool]:
     """The dataset as it is when its settings match, or when it was ingested from files and the settings
     do not name a source (``data.name=X`` alone). Made again when synthetic with other settings, or
     ingested with other reading settings from the same, unchanged files; replaced by other (or changed)
-    files only with ``data.rebuild=true``, since what it was made from may be gone."""
+    files only with ``data.rebuild=true``, since what it was made from may be gone. A dataset whose
+    parts do not hold the rows ``meta.json`` records (a part removed, added or truncated) is made again
+    from what made it."""
     root = cfg.paths.raw
     params = raw_params(cfg)
     meta = raw_folder.read_meta(root)
+    damage = raw_folder.damage(root, meta) if meta is not None else None
     if meta is not None and meta.get("params") == params:
-        return RawDataset.load(root), False
-    if meta is None:
+        if damage is None:
+            return RawDataset.load(root), False
+        print(f"[data] {damage}: building it again", flush=True)
+    elif meta is None:
         print(f"[data] no finished raw data in {root}: building it", flush=True)
     else:
         old = meta.get("params", {})
@@ -109,6 +114,9 @@ def _ensure(cfg: PipelineConfig) -> tuple[RawDataset, bool]:
         if from_files and other_files and not cfg.data.rebuild:
             if cfg.data.source == "synthetic":
                 inputs = ", ".join(i["path"] for i in old.get("inputs", [])) or "files"
+                if damage is not None:
+                    raise UserError(f"{damage}: the dataset is damaged; make it again from {inputs} with the "
+                                    f"settings it was made with (data.source={old['source']}, data.path=...)")
                 print(f"[data] using {root} as it was made (source {old['source']}, from {inputs}); "
                       "data.rebuild=true makes it again", flush=True)
                 return RawDataset.load(root), False

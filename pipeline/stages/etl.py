@@ -23,7 +23,7 @@ from pipeline.etl.cluster import etl_client
 from pipeline.etl.defaults import default_workflow, roles_of
 from pipeline.etl.frame_library import choose_frame_library, read_parquet
 from pipeline.etl.output import SPLITS, write_outputs
-from pipeline.etl.raw_check import check_raw_files
+from pipeline.etl.raw_check import check_labels, check_raw_files
 from pipeline.stages.config import PipelineConfig
 from pipeline.stages.data import ensure_raw
 
@@ -36,6 +36,7 @@ def run(cfg: PipelineConfig) -> dict:
     raw = ensure_raw(cfg)
     roles = roles_of(raw)
     check_raw_files(raw.splits, roles)
+    check_labels(raw.splits["train"], roles["label"])
     workflow = default_workflow(roles, cfg.etl, library=library)
     files = [f for split in SPLITS for f in raw.splits[split]]
     input_bytes = sum(f.stat().st_size for f in files)

@@ -53,6 +53,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 from torch import nn
@@ -181,10 +182,22 @@ def _train(cfg: TrainConfig, data: Path, runs: Path, schema: Schema, seed: int, 
 
 def check_splits(data: Path, schema: Schema) -> None:
     """Refuse processed splits whose files do not hold the rows ``schema.json`` promises (a mix of two
-    ETL runs, a file removed or added by hand), before any training on them."""
+    ETL runs, a file removed, added or truncated by hand) or that hold no rows, before any training on
+    them."""
     for split, expected in schema.rows.items():
+        if expected == 0:
+            raise UserError(f"the {split} split has no rows ({data / 'schema.json'}): training needs rows in train, "
+                            f"valid and test; give the {split} split rows (more input rows, a larger "
+                            "data.valid_fraction / data.test_fraction, or data.valid_path / data.test_path) and run "
+                            "the data and ETL stages again")
         files = sorted((data / split).glob("*.parquet"))
-        found = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
+        found = 0
+        for f in files:
+            try:
+                found += pq.read_metadata(f).num_rows
+            except (OSError, pa.ArrowException) as err:
+                raise UserError(f"{f} is not a readable parquet file ({(str(err).splitlines() or [''])[0]}): the "
+                                "ETL output is damaged; run `python -m pipeline run etl` again") from err
         if found != expected:
             raise UserError(f"{data / split} holds {found:,} rows in {len(files)} files where {data / 'schema.json'} "
                             f"says {expected:,}: the ETL output is incomplete or mixed; run "

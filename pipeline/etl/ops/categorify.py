@@ -186,18 +186,18 @@ class Categorify(Operator):
         return {
             "columns": {
                 name: {
-                    "file": _vocab_file(name),
+                    "file": _vocab_file(index, name),
                     "size": len(vocab),
                     "multihot": self.multihot[name],
                     "max_length": self.max_lengths.get(name, 0),
                 }
-                for name, vocab in self.vocabularies.items()
+                for index, (name, vocab) in enumerate(self.vocabularies.items())
             }
         }
 
     def save_artifacts(self, directory: Path) -> None:
-        for name, vocab in self.vocabularies.items():
-            path = directory / _vocab_file(name)
+        for index, (name, vocab) in enumerate(self.vocabularies.items()):
+            path = directory / _vocab_file(index, name)
             path.parent.mkdir(parents=True, exist_ok=True)
             pq.write_table(pa.table({"value": vocab, "count": pa.array(self.counts[name])}), path)
 
@@ -397,8 +397,10 @@ def _counts_to_arrow(stat: dict) -> dict:
     return {**stat, "counts": counts}
 
 
-def _vocab_file(name: str) -> str:
-    return f"categories/{quote(name, safe='')}.parquet"
+def _vocab_file(index: int, name: str) -> str:
+    """The vocabulary file of the op's ``index``-th column: numbered, so that any column name (of any
+    length, with any characters) gives a file name; the name's start follows, for a reader of the folder."""
+    return f"categories/{index:05d}-{quote(name, safe='')[:100]}.parquet"
 
 
 def _plain_strings(series: Any) -> Any:

@@ -23,6 +23,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -146,11 +147,17 @@ def _estimate(*parts: Summary) -> float | Pivot:
     low, high = (summary.values[np.searchsorted(cumulative, rank, side="right")] for rank in _middle(rows))
     if summary.error:
         return Pivot(float(low), summary.error + 1)
-    return float((low + high) / 2)
+    return _midpoint(float(low), float(high))
 
 
 def _middle(rows: int) -> tuple[int, int]:
     return (rows - 1) // 2, rows // 2
+
+
+def _midpoint(low: float, high: float) -> float:
+    """The mean of two middle values, finite for any two finite floats (``1e308 + 1e308`` overflows)."""
+    total = low + high
+    return total / 2 if math.isfinite(total) else low / 2 + high / 2
 
 
 # ----------------------------------------------------------------------------------------- round two
@@ -202,4 +209,4 @@ def _exact(*parts: Window) -> float:
         return float(side[at])
 
     low, high = (value(rank) for rank in _middle(rows))
-    return (low + high) / 2
+    return _midpoint(low, high)
