@@ -234,6 +234,39 @@ def test_the_guard_refuses_what_is_over_its_limits_and_forwards_the_rest(guarded
     assert guarded.is_alive()
 
 
+def test_a_request_whose_json_triton_cannot_read_gets_400_and_the_next_one_its_answer(guarded):
+    """Triton answers these with 500 (its JSON reader's errors are INTERNAL); they are the request's fault."""
+    def tensor(**changed):
+        return json.dumps({"inputs": [{"name": "X", "shape": [1, 2], "datatype": "FP32", "data": [1, 2], **changed}]})
+
+    unreadable = [
+        ("text in a number tensor", tensor(data=["a", "b"]), "Unable to parse 'data'"),
+        ("null for a number", tensor(data=[None, 1]), "Unable to parse 'data'"),
+        ("fewer values than the shape", tensor(data=[1]), "does not match true shape"),
+        ("a negative dimension", tensor(shape=[-1, 2]), "Unable to parse 'shape'"),
+        ("no inputs", json.dumps({"outputs": []}), "Unable to parse 'inputs'"),
+        ("a number beyond float64", tensor().replace("[1, 2]", "[1e400, 2]"), "Number too big"),
+        ("a lone surrogate escape", tensor(name="\ud800"), "surrogate"),
+        ("not JSON", "{inputs: []}", "failed to parse the request JSON buffer"),
+    ]
+    host, port = guarded.http_url.rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    for what, body, fragment in unreadable:
+        connection.request("POST", INFER, body.encode())
+        reply = connection.getresponse()
+        text = reply.read()
+        assert reply.status == 400 and fragment in json.loads(text)["error"], f"{what}: {reply.status} {text!r}"
+        connection.request("POST", INFER, _infer_json([[1, 2]]))
+        reply = connection.getresponse()
+        assert reply.status == 200 and json.loads(reply.read())["outputs"][0]["data"] == [2, 4], what
+    connection.request("POST", "/v2/models/absent/infer", _infer_json([[1, 2]]))
+    reply = connection.getresponse()
+    assert reply.status == 404, reply.read()  # Triton's other statuses pass as they are
+    reply.read()
+    connection.close()
+    assert guarded.is_alive()
+
+
 def test_clients_keep_their_connection_and_binary_data_is_not_scanned(guarded):
     from tritonclient import http as triton
 
