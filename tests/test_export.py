@@ -236,9 +236,14 @@ def test_preprocess_names_what_is_wrong_with_a_request(multihot_pipeline):
         preprocess(dict(good, I1=np.full((3, 1), 0.5)))
     with pytest.raises(BadInputError, match="C1: expected strings"):
         preprocess(dict(good, C1=np.zeros((3, 1))))
+    above = np.nextafter(2.0**63, np.inf)  # 2**63 is int64's max as float64; the next float64 is no int64
     with pytest.raises(BadInputError, match="I1: the raw column is int64, expected whole numbers from "
-                                            "-9223372036854775808 to 9223372036854775807, got 9223372036854775808"):
-        preprocess(dict(good, I1=np.full((3, 1), 2.0**63)))  # was taken as -2**63
+                                            "-9223372036854775808 to 9223372036854775807, got 9223372036854777856"):
+        preprocess(dict(good, I1=np.full((3, 1), above)))
+    with pytest.raises(BadInputError, match=r"I1: .* got 1e\+300$"):
+        preprocess(dict(good, I1=np.full((3, 1), 1e300)))
+    with pytest.raises(BadInputError, match="I2: expected finite numbers or NaN \\(missing\\), got -inf"):
+        preprocess(dict(good, I2=np.full((3, 1), -np.inf)))
 
 
 @pytest.mark.parametrize("batch", [1, 32, 1000])
@@ -255,6 +260,7 @@ def test_preprocess_equals_the_workflow_column_by_column_on_the_raw_rows(multiho
     frame.loc[unseen, "C1"] = "never-seen"
     frame.loc[missing, "C2"] = None  # an empty string in the request
     frame.loc[unseen, "I1"] = 10**12
+    frame.loc[missing, "I1"] = np.where(np.arange(batch)[missing] % 2, 2**63 - 1, -(2**63))  # sent as +-2.0**63
     frame.loc[missing, "I2"] = None
     frame.loc[unseen & ~missing, "I2"] = -0.0
     bags = [["m1", "unseen-item", "m1"] if u else None if m else v for u, m, v in zip(unseen, missing, frame["M1"])]

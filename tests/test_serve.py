@@ -114,6 +114,18 @@ def test_dicts_and_criteo_tsv_lines_give_the_same_predictions(served):
             client.predict([])
 
 
+def test_the_extremes_of_an_integer_column_are_served_as_the_etl_reads_them(served):
+    """int64's max travels as 2.0**63 (the float64 nearest it, which the ETL computes too), its min exactly."""
+    cfg, _, reference, server = served
+    rows = _rows(cfg).iloc[:6]
+    extremes = [2**63 - 1, -(2**63), 2**63 - 1, 0, 2**53 + 1, -(2**63)]
+    rows = rows.assign(I1=pd.array(extremes, dtype=rows["I1"].dtype), I4=pd.array(extremes[::-1], dtype=rows["I4"].dtype))
+    expected = reference.predict(rows)
+    for url, protocol in ((server.http_url, "http"), (server.grpc_url, "grpc")):
+        with Client(url, protocol) as client:
+            np.testing.assert_allclose(client.predict(rows), expected, rtol=0, atol=1e-5, err_msg=protocol)
+
+
 def _bad_requests(good: dict[str, np.ndarray], max_batch: int) -> list[tuple[str, dict, str]]:
     def changed(**columns):
         out = dict(good)
