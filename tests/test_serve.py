@@ -383,6 +383,46 @@ def test_the_chain_of_three_models_serves_the_same_predictions(served, tmp_path)
         server.stop()
 
 
+def test_serve_names_a_missing_or_damaged_file_of_the_repository_before_starting(served, tmp_path):
+    import dataclasses
+    import shutil
+
+    from pipeline.errors import UserError
+    from pipeline.stages.serve import run as serve
+
+    cfg = served[0]
+    damaged = dataclasses.replace(cfg, workdir=str(tmp_path))
+    export = damaged.paths.export
+
+    def truncate(path):
+        path.write_bytes(path.read_bytes()[:-100])
+
+    store = export / "ranker" / "store"
+    cases = [
+        ("ranker/1/model.pt", Path.unlink, "ranker/1/model.pt is missing"),
+        ("ranker/1/model.py", Path.unlink, "ranker/1/model.py is missing"),  # Triton waited for it until timeout
+        ("ranker/1/artifacts/workflow/workflow.json", truncate, "workflow.json has"),
+        ("ranker/config.pbtxt", Path.unlink, "ranker/config.pbtxt is missing"),
+        ("ranker/store/CURRENT", Path.unlink, f"the embedding store {store} does not open (no embedding store"),
+        ("ranker/store/v*/t_C3.npy", truncate, f"the embedding store {store} does not open"),
+        ("export.json", Path.unlink, "no model repository at"),
+    ]
+    for pattern, damage, fragment in cases:
+        shutil.rmtree(export, ignore_errors=True)
+        shutil.copytree(cfg.paths.export, export)
+        damage(next(export.glob(pattern)))
+        started = time.monotonic()
+        with pytest.raises(UserError) as caught:
+            serve(damaged)
+        assert fragment in str(caught.value) and "\n" not in str(caught.value), f"{pattern}: {caught.value}"
+        assert "run `python -m pipeline run export`" in str(caught.value), pattern
+        assert time.monotonic() - started < 5, f"{pattern}: a server was started"
+    command = [sys.executable, "-m", "pipeline", "run", "serve", f"workdir={tmp_path}", "device=cpu"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2 and done.stderr.startswith("error: no model repository at"), done.stderr
+    assert len(done.stderr.splitlines()) == 1, done.stderr
+
+
 def _read_until(process: subprocess.Popen, marker: str, timeout: float = 120) -> str:
     lines = []
     deadline = time.monotonic() + timeout
