@@ -317,7 +317,8 @@ class _Handler(BaseHTTPRequestHandler):
         status, reason = reply.status, reply.reason
         if status == 500 and _is_request_json_error(data):
             status, reason = 400, self.responses[400][0]
-        self._reply(status, reason, [(k, v) for k, v in reply.getheaders() if k.lower() not in _HOP_BY_HOP], data)
+        headers = [(k, v) for k, v in reply.getheaders() if k.lower() not in _HOP_BY_HOP]
+        self._reply(status, reason, headers, data)
 
     def _close_upstream(self) -> None:
         if self._upstream is not None:

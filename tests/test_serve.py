@@ -119,7 +119,8 @@ def test_the_extremes_of_an_integer_column_are_served_as_the_etl_reads_them(serv
     cfg, _, reference, server = served
     rows = _rows(cfg).iloc[:6]
     extremes = [2**63 - 1, -(2**63), 2**63 - 1, 0, 2**53 + 1, -(2**63)]
-    rows = rows.assign(I1=pd.array(extremes, dtype=rows["I1"].dtype), I4=pd.array(extremes[::-1], dtype=rows["I4"].dtype))
+    rows = rows.assign(I1=pd.array(extremes, dtype=rows["I1"].dtype),
+                       I4=pd.array(extremes[::-1], dtype=rows["I4"].dtype))
     expected = reference.predict(rows)
     for url, protocol in ((server.http_url, "http"), (server.grpc_url, "grpc")):
         with Client(url, protocol) as client:
