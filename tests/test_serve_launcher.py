@@ -89,8 +89,9 @@ def test_ports_pid_check_and_the_models_environment(repository):
         x.set_data_from_numpy(np.arange(6, dtype=np.float32).reshape(3, 2))
         # the numpy<2 models' environment gets the inputs intact (numpy 2 there would give zeros)
         np.testing.assert_array_equal(client.infer("twice", [x]).as_numpy("Y"), 2 * np.arange(6).reshape(3, 2))
-        with pytest.raises(ServerError, match=f"port {server.http_port} on 127.0.0.1 is already in use"):
-            TritonServer(repository, http_port=server.http_port, grpc_port=0).start()
+        for kind, port in (("http", server.http_port), ("grpc", server.grpc_port)):
+            with pytest.raises(ServerError, match=f"serve.{kind}_port: port {port} on 127.0.0.1 is already in use"):
+                TritonServer(repository, **{f"{kind}_port": port}).start()
         pid, regions = server.pid, server.shm_regions()
         assert regions
     assert not _alive(pid)
