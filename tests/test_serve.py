@@ -363,6 +363,34 @@ def test_update_refuses_a_changed_dense_part(served):
         write_repository(changed, reference.schema, cfg.paths.workflow, None, cfg.paths.export, update=True)
 
 
+def test_a_damaged_store_version_is_logged_once_and_the_served_one_kept(served):
+    from export.repository import lookup_dir
+    from export.store import open_current, write_version
+
+    cfg, _, _, server = served
+    rows = _rows(cfg).iloc[:16]
+    store = lookup_dir(cfg.paths.export) / "store"
+    served_now = open_current(store)
+    tables = {name: np.array(table) for name, table in served_now.tables.items()}
+    complaint = "could not be opened"
+    complaints = server.log_path.read_text().count(complaint)
+    with Client(server.grpc_url, "grpc") as client:
+        before = client.predict(rows)
+        damaged = write_version(store, tables)
+        table = store / f"v{damaged:06d}" / f"{next(iter(tables))}.npy"
+        table.write_bytes(table.read_bytes()[:-100])
+        for _ in range(10):
+            np.testing.assert_array_equal(client.predict(rows), before)
+        time.sleep(0.5)
+        assert server.log_path.read_text().count(complaint) == complaints + 1, "one line, not one per batch"
+        repaired = write_version(store, tables)
+        np.testing.assert_array_equal(client.predict(rows), before)
+    deadline = time.monotonic() + 5
+    while cache_stats(cfg.paths.export)["versions"] != [repaired] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert cache_stats(cfg.paths.export)["versions"] == [repaired] and served_now.version < damaged < repaired
+
+
 def test_the_chain_of_three_models_serves_the_same_predictions(served, tmp_path):
     import dataclasses
 
