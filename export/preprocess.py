@@ -42,6 +42,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from export.wire import fixed_width_fits
 from pipeline.errors import BadInputError, UserError
 from pipeline.schema import Schema
 
@@ -141,7 +142,7 @@ class Preprocessor:
         arrays: dict[str, pa.Array] = {}
         categorical = list(self.raw.categorical)
         if categorical:
-            strings = _strings(np.concatenate([rows[n] for n in categorical]))
+            strings = _strings(_concatenate_strings([rows[n] for n in categorical]))
             for k, name in enumerate(categorical):
                 arrays[name] = _cast(strings.slice(k * batch, batch), self._types[name])
         for name in self.raw.multihot:
@@ -216,6 +217,16 @@ def _arrow_type(text: str) -> pa.DataType:
         return pa.list_(_arrow_type(inner))
     aliases = {"string": pa.string(), "large_string": pa.large_string()}
     return aliases.get(text) or pa.type_for_alias(text)
+
+
+def _concatenate_strings(arrays: list[np.ndarray]) -> np.ndarray:
+    """The string columns one after the other: one ``S`` array where its width costs little, else an object array
+    (a column of long values would widen every value of every column to their length)."""
+    fixed = [a for a in arrays if a.dtype.kind == "S"]
+    width = max((a.dtype.itemsize for a in fixed), default=0)
+    if not fixed_width_fits(width, sum(a.size for a in fixed), sum(a.nbytes for a in fixed)):
+        arrays = [a.astype(object) if a.dtype.kind == "S" else a for a in arrays]
+    return np.concatenate(arrays)
 
 
 def _strings(values: np.ndarray) -> pa.Array:

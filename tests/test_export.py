@@ -260,6 +260,7 @@ def test_preprocess_equals_the_workflow_column_by_column_on_the_raw_rows(multiho
     frame.loc[unseen, "C1"] = "never-seen"
     frame.loc[missing, "C2"] = None  # an empty string in the request
     frame.loc[unseen, "I1"] = 10**12
+    frame.loc[0, "C2"] = "x" * (1 << 20)  # one long value: the columns' strings go as objects, not 1 MiB each
     frame.loc[missing, "I1"] = np.where(np.arange(batch)[missing] % 2, 2**63 - 1, -(2**63))  # sent as +-2.0**63
     frame.loc[missing, "I2"] = None
     frame.loc[unseen & ~missing, "I2"] = -0.0
@@ -314,6 +315,18 @@ def test_values_neither_bytes_nor_text_encode_as_tritons_own_code_writes_them():
     for values in ([b"68fd1e64", 5, None, "é"], [None, None], [b"a", float("nan")]):
         array = np.array(values, dtype=object)
         assert encode_bytes([array]) == [serialize_byte_tensor(array).item()]
+
+
+def test_one_long_value_among_short_ones_decodes_to_objects_not_a_wide_array():
+    from export.wire import decode_bytes, encode_bytes
+
+    values = [b"%x" % i for i in range(1024)]
+    values[5] = b"x" * (1 << 20)
+    decoded = decode_bytes(np.frombuffer(encode_bytes([np.array(values, dtype=object)])[0], dtype=np.uint8))
+    assert decoded.dtype == object and decoded.tolist() == values  # an S array would be 1024 x 1 MiB
+    values[5] = b"x" * 300  # a little wider than the rest: one fixed-width array still
+    decoded = decode_bytes(np.frombuffer(encode_bytes([np.array(values, dtype=object)])[0], dtype=np.uint8))
+    assert decoded.dtype == "S300" and decoded.tolist() == values
 
 
 @pytest.mark.parametrize("odd", [None, b"x" * 300, b"ab\x00c", b"abc\x00\x00\x00\x00", b"\x00\x00\x00"])

@@ -290,6 +290,28 @@ def test_the_served_model_keeps_its_memory_between_large_requests(served):
     assert faults < 50, f"{faults:.0f} page faults per request of {len(_rows(cfg))} rows (blocks: {blocks})"
 
 
+def _peak_memory(pid: int) -> int:
+    """The most resident memory process ``pid`` has held, in bytes."""
+    line = next(s for s in Path(f"/proc/{pid}/status").read_text().splitlines() if s.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
+
+def test_one_long_value_among_short_ones_costs_memory_for_its_own_bytes(served):
+    """A value of 256 KiB in a batch of the maximum: the strings of all 26 columns in one fixed-width array took
+    26 x 512 x 256 KiB (3.4 GB) and seconds; they cost their own bytes now, and the answer is the in-process one."""
+    cfg, _, reference, server = served
+    models = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(int(p.name)) == server.pid]
+    rows = _rows(cfg)
+    rows = rows.iloc[np.arange(cfg.export.max_batch_size) % len(rows)].reset_index(drop=True)
+    rows.loc[7, "C1"] = "x" * (256 << 10)
+    rows.loc[9, "C2"] = "é" * (64 << 10)
+    before = {pid: _peak_memory(pid) for pid in models}
+    with Client(server.grpc_url, "grpc") as client:
+        np.testing.assert_allclose(client.predict(rows), reference.predict(rows), rtol=0, atol=1e-5)
+    grown = max(_peak_memory(pid) - before[pid] for pid in models)
+    assert grown < 256 << 20, f"the model's peak memory grew by {grown / 2**20:.0f} MiB"
+
+
 def _parent(pid: int) -> int | None:
     try:
         return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
