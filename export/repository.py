@@ -155,11 +155,17 @@ def _update_tables(model, out: Path, fingerprint: str, workflow_dir: Path, train
     record_path = out / EXPORT_RECORD
     if not record_path.is_file():
         raise UserError(f"export.update=true needs an existing export at {out}; run the export once without it")
+    try:
+        record = json.loads(record_path.read_text())
+        if not {"dense_fingerprint", "tables"} <= set(record):
+            raise ValueError("it has no dense_fingerprint or no tables")
+    except (OSError, ValueError, TypeError) as err:
+        raise UserError(f"{record_path} cannot be read ({err}): export with export.update=false and restart the "
+                        "server") from None
     served_workflow = artifacts_dir(out) / "workflow" / "workflow.json"
     if (workflow_dir / "workflow.json").read_bytes() != served_workflow.read_bytes():
         raise UserError("export.update=true replaces only the embedding tables, but the ETL workflow changed since "
                         "the export (ids would no longer match rows): export with export.update=false and restart")
-    record = json.loads(record_path.read_text())
     if record["dense_fingerprint"] != fingerprint:
         raise UserError(
             "export.update=true replaces only the embedding tables, but the checkpoint's dense part differs "

@@ -246,6 +246,29 @@ def test_preprocess_names_what_is_wrong_with_a_request(multihot_pipeline):
         preprocess(dict(good, I2=np.full((3, 1), -np.inf)))
 
 
+def test_an_update_over_a_damaged_store_or_record_repairs_it_or_names_the_file(multihot_pipeline, tmp_path):
+    import shutil
+
+    from export.store import current_version
+    from pipeline.errors import UserError
+
+    cfg, model, schema, _, _ = multihot_pipeline
+    export = tmp_path / "export"
+    shutil.copytree(cfg.paths.export, export)
+    current = export / "ranker" / "store" / "CURRENT"
+    for garbage in (b"garbage\n", b"", b"\xff\xfe"):
+        current.write_bytes(garbage)
+        with pytest.raises(UserError, match="CURRENT holds .*, not a store version such as v000001"):
+            current_version(current.parent)
+        summary = write_repository(model, schema, cfg.paths.workflow, None, export, update=True)
+        assert current_version(current.parent) == summary["store_version"]  # a new version replaces it
+    record = export / "export.json"
+    for damaged in ("{", "[]", "{}"):
+        record.write_text(damaged)
+        with pytest.raises(UserError, match="export.json cannot be read .*: export with export.update=false"):
+            write_repository(model, schema, cfg.paths.workflow, None, export, update=True)
+
+
 @pytest.mark.parametrize("batch", [1, 32, 1000])
 def test_preprocess_equals_the_workflow_column_by_column_on_the_raw_rows(multihot_pipeline, batch):
     from export.wire import decode_bytes, encode_bytes
