@@ -34,11 +34,11 @@ import pyarrow as pa
 
 _LENGTH = struct.Struct("<I")
 _ZEROS_FROM = 4096
-_SPARE_BYTES = 1 << 20
-"""A fixed-width array of values may take this much more memory than :data:`_SPARE_FACTOR` times their bytes."""
-_SPARE_FACTOR = 4
 """Tensors of at least this many bytes look for their values' lengths in their zero bytes; below it one
 Python pass over the lengths costs less than the numpy calls."""
+_SPARE_FACTOR = 4
+_SPARE_BYTES = 1 << 20
+"""A fixed-width array of values may take up to :data:`_SPARE_FACTOR` times their bytes, and this much more."""
 
 
 def encode_bytes(arrays: list[np.ndarray]) -> list[bytes]:
