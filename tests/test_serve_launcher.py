@@ -78,6 +78,16 @@ def test_the_server_binary_comes_with_the_models_environment():
     assert (server.bundled_root / "python_backend_stubs" / env.python_version).is_dir()
 
 
+def test_a_models_environment_that_does_not_work_is_named_on_one_line(tmp_path):
+    import venv
+
+    venv.create(tmp_path / "bare", with_pip=False)  # a Python without numpy
+    with pytest.raises(UserError) as caught:
+        find_models_env(tmp_path / "bare")
+    message = str(caught.value)
+    assert "No module named 'numpy'" in message and "make serve-env" in message and "\n" not in message, message
+
+
 def test_ports_pid_check_and_the_models_environment(repository):
     from tritonclient import http
 
