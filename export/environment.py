@@ -73,7 +73,11 @@ def _inspect(path: Path) -> ModelsEnv:
         )
     done = subprocess.run([str(python), "-c", _PROBE], check=False, capture_output=True, text=True, timeout=60)
     if done.returncode != 0:
-        raise UserError(f"the models' environment {path} does not work: {done.stderr.strip()[-500:]}")
+        lines = done.stderr.strip().splitlines()  # a traceback: its last line says what failed
+        why = lines[-1][:300] if lines else f"its python exited with code {done.returncode}"
+        raise UserError(f"the models' environment {path} does not work ({why}): run `make serve-env` (or set "
+                        f"serve.models_env / ${ENV_VARIABLE} to a venv with numpy<2, pandas, pyarrow, torch and this "
+                        "project)")
     info = json.loads(done.stdout.strip().splitlines()[-1])
     if int(info["numpy"].split(".")[0]) >= 2:
         raise UserError(

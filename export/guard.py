@@ -15,6 +15,9 @@ it when
 
 and otherwise forwards it to Triton's HTTP port on loopback over one kept-alive connection per
 client connection. While Triton is down (restarting) a request gets 503 with ``Retry-After``.
+Triton answers a request whose JSON it cannot read as a tensor request (text in a number tensor, a
+``data`` of another shape, a number beyond float64, a bad surrogate escape, no ``inputs``) with 500,
+as if the server had failed: the guard passes those answers on as 400, the request's fault.
 
 Example::
 
@@ -52,6 +55,9 @@ _HEX = re.compile(rb"[0-9a-fA-F]{1,15}")
 _STRUCTURE = b'[]{}"'
 _NOT_STRUCTURE = bytes(sorted(set(range(256)) - set(_STRUCTURE)))
 _BLOCK = 1 << 20
+_REQUEST_JSON_ERRORS = ("Unable to parse ", "failed to parse the request JSON buffer")
+"""How Triton's errors about a request's JSON begin; it gives them status 500 (its JSON reader's errors are
+INTERNAL)."""
 
 
 @dataclass(frozen=True)
@@ -308,8 +314,11 @@ class _Handler(BaseHTTPRequestHandler):
                     return
         if reply.will_close:
             self._close_upstream()
-        self._reply(reply.status, reply.reason,
-                    [(k, v) for k, v in reply.getheaders() if k.lower() not in _HOP_BY_HOP], data)
+        status, reason = reply.status, reply.reason
+        if status == 500 and _is_request_json_error(data):
+            status, reason = 400, self.responses[400][0]
+        headers = [(k, v) for k, v in reply.getheaders() if k.lower() not in _HOP_BY_HOP]
+        self._reply(status, reason, headers, data)
 
     def _close_upstream(self) -> None:
         if self._upstream is not None:
@@ -344,6 +353,15 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + data)
         except OSError:
             self.close_connection = True
+
+
+def _is_request_json_error(data: bytes) -> bool:
+    """Whether Triton's error answer ``data`` says that it could not read the request's JSON."""
+    try:
+        message = json.loads(data).get("error", "")
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(message, str) and message.startswith(_REQUEST_JSON_ERRORS)
 
 
 def _decompressed(body: bytes, limit: int) -> bytes:

@@ -50,11 +50,12 @@ class LookupInstance:
         self._writer.start()
 
     def refresh(self, log_error: Callable[[str], None]) -> None:
-        """Switch to a newer store version; if it can't be opened, keep serving the current one."""
+        """Switch to a newer store version; if it can't be opened, keep serving the current one and say so once."""
         try:
             self.lookup.refresh()
         except Exception as err:  # noqa: BLE001
-            log_error(f"store version {self.lookup.version} kept, the new one could not be opened: {err}")
+            log_error(f"store version {self.lookup.version} kept, the new one in {self.lookup.store_root} could not "
+                      f"be opened: {err}; it is not tried again until another is written (export.update=true)")
 
     def pooled(self, inputs: dict[str, np.ndarray]) -> np.ndarray:
         return self.lookup(inputs.get(CATEGORICAL_IDS), inputs.get(MULTIHOT_IDS), inputs.get(MULTIHOT_LENGTHS))

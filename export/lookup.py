@@ -104,6 +104,7 @@ class EmbeddingLookup:
 
     def _set_rows(self, store: StoreVersion) -> None:
         self._rows = {name: table.shape[0] for name, table in store.tables.items()}
+        self._widths = {name: (table.shape[1], table.dtype) for name, table in store.tables.items()}
         self._keys = store.keys
         self._column_rows = np.array([self._rows[self._table_of[f]] for f in self.config.categorical], dtype=np.int64)
 
@@ -111,20 +112,34 @@ class EmbeddingLookup:
         return min(rows, max(self.min_cache_rows, int(rows * self.cache_fraction)))
 
     def refresh(self) -> bool:
-        """Switch to the store's current version if it changed; True when it did."""
+        """Switch to the store's current version if it changed; True when it did.
+
+        A version that does not open, or whose tables are not the served ones (by name, width and dtype), raises
+        before anything changes, and is not tried again until ``CURRENT`` names another."""
         stamp = current_stamp(self.store_root)
         if stamp == self._stamp:
             return False
+        self._stamp = stamp
         if current_version(self.store_root) == self.version:
-            self._stamp = stamp
             return False
         store = open_current(self.store_root)
+        self._check_like_served(store)
         self.caches.refill(store.tables)
         self._set_rows(store)
         self.version = store.version
-        self._stamp = stamp
         self.refreshes += 1
         return True
+
+    def _check_like_served(self, store: StoreVersion) -> None:
+        """Raise a ValueError naming the first table of ``store`` that is not as the served one, or missing."""
+        if sorted(store.tables) != sorted(self._widths):
+            raise ValueError(f"store version {store.version} has the tables {sorted(store.tables)}, "
+                             f"the served one {sorted(self._widths)}")
+        for name, table in store.tables.items():
+            if (table.shape[1], table.dtype) != self._widths[name]:
+                dim, dtype = self._widths[name]
+                raise ValueError(f"store version {store.version}: table {name} has rows of {table.shape[1]} "
+                                 f"{table.dtype}, the served one of {dim} {dtype}")
 
     def __call__(self, categorical: np.ndarray | None, multihot_ids: np.ndarray | None = None,
                  multihot_lengths: np.ndarray | None = None) -> np.ndarray:

@@ -3,7 +3,8 @@
 The wire format of a raw row, one Triton input per raw column (``RawColumns`` says which):
 
 - continuous column: ``TYPE_FP64`` ``[1]``; NaN means missing (the workflow's fill value applies);
-  an integer raw column takes whole numbers only.
+  an integer raw column takes whole numbers from its type's min to its max as float64 holds it (int64's
+  2**63 - 1 arrives as 2.0**63, the float64 nearest it, which the ETL computes from it too).
 - categorical column: ``TYPE_STRING`` (bytes) ``[1]``; the empty string means missing (the
   workflow's null index); a value never seen at fit time gets the out-of-vocabulary index.
 - multi-hot column: ``TYPE_STRING`` ``[1]``, the values joined by ``list_separator``; empty: missing.
@@ -41,6 +42,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from export.wire import fixed_width_fits
 from pipeline.errors import BadInputError, UserError
 from pipeline.schema import Schema
 
@@ -103,11 +105,13 @@ class Preprocessor:
                        {**raw.continuous, **raw.categorical, **raw.multihot, **raw.label}.items()}
         dtypes = [_numeric_dtype(name, self._types[name]) for name in raw.continuous]
         self._integers = np.flatnonzero([d.kind in "iu" for d in dtypes])
-        # An integer column's whole numbers lie in [low, high): both bounds exact as float64 (powers of two).
+        # An integer column takes the float64 values of its type's integers: from its min to its max as float64
+        # holds it (int64's 2**63 - 1 rounds to 2**63, the value a client sends for it and the ETL computes).
         self._low = np.array([[np.iinfo(dtypes[c]).min] for c in self._integers], np.float64)
-        self._high = np.array([[np.iinfo(dtypes[c]).max + 1] for c in self._integers], np.float64)
-        # The columns of each raw type but float64, whose values pass through it (float32 rounds, -0 becomes 0).
-        self._narrow = {d: np.flatnonzero([e == d for e in dtypes]) for d in set(dtypes) - {np.dtype(np.float64)}}
+        self._high = np.array([[np.iinfo(dtypes[c]).max] for c in self._integers], np.float64)
+        # The columns of each floating raw type but float64, whose values pass through it (float32 rounds).
+        self._narrow = {d: np.flatnonzero([e == d for e in dtypes])
+                        for d in set(dtypes) - {np.dtype(np.float64)} if d.kind == "f"}
 
     @classmethod
     def load(cls, folder: str | Path) -> Preprocessor:
@@ -138,7 +142,7 @@ class Preprocessor:
         arrays: dict[str, pa.Array] = {}
         categorical = list(self.raw.categorical)
         if categorical:
-            strings = _strings(np.concatenate([rows[n] for n in categorical]))
+            strings = _strings(_concatenate_strings([rows[n] for n in categorical]))
             for k, name in enumerate(categorical):
                 arrays[name] = _cast(strings.slice(k * batch, batch), self._types[name])
         for name in self.raw.multihot:
@@ -161,12 +165,13 @@ class Preprocessor:
         bad = np.isinf(whole)
         if len(self._integers):
             ints = whole[self._integers]
-            bad[self._integers] |= (np.floor(ints) != ints) | (ints < self._low) | (ints >= self._high)
+            bad[self._integers] |= (np.floor(ints) != ints) | (ints < self._low) | (ints > self._high)
         if bad.any():
             self._refuse(names, whole, bad)
         with np.errstate(over="ignore"):  # a float32 column's values beyond its range are inf, as Arrow casts them
             for dtype, index in self._narrow.items():
                 whole[index] = whole[index].astype(dtype).astype(np.float64)
+        whole[self._integers] += 0.0  # an integer holds no -0: -0.0 + 0.0 is 0.0
         whole[missing] = np.nan
         return dict(zip(names, whole))
 
@@ -175,15 +180,16 @@ class Preprocessor:
         else out-of-range values."""
         c = int(np.flatnonzero(bad.any(axis=1))[0])
         column, kind = whole[c], self._types[names[c]]
-        if np.isinf(column).any():
-            raise BadInputError(f"column {names[c]}: expected finite numbers or NaN (missing), got inf")
+        infinite = column[np.isinf(column)]
+        if len(infinite):
+            raise BadInputError(f"column {names[c]}: expected finite numbers or NaN (missing), got {infinite[0]}")
         fractional = column[np.floor(column) != column]
         if len(fractional):
             raise BadInputError(f"column {names[c]}: the raw column is {kind}, expected whole numbers, "
                                 f"got {fractional[0]}")
         limits = np.iinfo(kind.to_pandas_dtype())
         raise BadInputError(f"column {names[c]}: the raw column is {kind}, expected whole numbers from {limits.min} "
-                            f"to {limits.max}, got {column[bad[c]][0]:.0f}")
+                            f"to {limits.max}, got {_whole_number(column[bad[c]][0])}")
 
     def tensors(self, processed: Columns) -> dict[str, np.ndarray]:
         """The processed columns (or a processed DataFrame) as the tensors of the lookup and the dense part."""
@@ -200,12 +206,27 @@ class Preprocessor:
         return self.tensors(self.transform(self.columns(columns)))
 
 
+def _whole_number(value: float) -> str:
+    """A whole float64 as its integer digits where they are few (2**63 as 9223372036854775808), else as 1e+300."""
+    return f"{value:.0f}" if abs(value) < 1e21 else f"{value:g}"
+
+
 def _arrow_type(text: str) -> pa.DataType:
     if text.startswith("list<"):
         inner = text[len("list<"):-1].split(":", 1)[-1].strip()
         return pa.list_(_arrow_type(inner))
     aliases = {"string": pa.string(), "large_string": pa.large_string()}
     return aliases.get(text) or pa.type_for_alias(text)
+
+
+def _concatenate_strings(arrays: list[np.ndarray]) -> np.ndarray:
+    """The string columns one after the other: one ``S`` array where its width costs little, else an object array
+    (a column of long values would widen every value of every column to their length)."""
+    fixed = [a for a in arrays if a.dtype.kind == "S"]
+    width = max((a.dtype.itemsize for a in fixed), default=0)
+    if not fixed_width_fits(width, sum(a.size for a in fixed), sum(a.nbytes for a in fixed)):
+        arrays = [a.astype(object) if a.dtype.kind == "S" else a for a in arrays]
+    return np.concatenate(arrays)
 
 
 def _strings(values: np.ndarray) -> pa.Array:

@@ -5,7 +5,8 @@ Layout (``<workdir>/<dataset>/export``)::
     ranker/config.pbtxt       1/model.py   1/artifacts/{raw_columns.json, schema.json, workflow/}
                               1/layout.json   1/model.pt   store/{CURRENT, v000001/00000.npy ...}
     ensemble/config.pbtxt     1/
-    export.json               what was exported, from where (``trained``: the training run), and the store version
+    export.json               what was exported, from where (``trained``: the training run), the store version,
+                              and every other file written but the store's, with its size (``files``)
 
 or, with ``ModelOptions(fused=False)`` (``export.fuse=none``), the three models of the chain, each with
 its part of the files above::
@@ -13,6 +14,9 @@ its part of the files above::
     preprocess/config.pbtxt   1/model.py   1/artifacts/{raw_columns.json, schema.json, workflow/}
     embedding/config.pbtxt    1/model.py   1/layout.json   store/
     dense/config.pbtxt        1/model.py   1/model.pt      (TorchScript; the pytorch backend reads it too)
+
+:func:`check_repository` finds a file of those that is gone or of another size, or a store whose current
+version does not open, before a server is started on the repository.
 
 ``update=True`` writes only a new version of the embedding store (the running model that holds it
 switches to it before its next batch, without a restart); the dense part must be unchanged, since
@@ -41,7 +45,7 @@ from export.dense import save_dense
 from export.lookup import LookupConfig
 from export.pbtxt import EnsembleSpec, ModelOptions, model_configs
 from export.preprocess import RawColumns
-from export.store import current_version, write_version
+from export.store import current_version, open_current, write_version
 from pipeline.data.raw_folder import RawDataset
 from pipeline.errors import UserError
 from pipeline.files import write_json
@@ -138,6 +142,7 @@ def write_repository(model, schema: Schema, workflow_dir: str | Path, raw: RawCo
         "embedding_dim_total": model.embedding.output_dim, "tables": model.embedding.packing.table_names,
         "options": vars(options), "trained": trained,
         "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "files": _file_sizes(staging),
     }
     (staging / EXPORT_RECORD).write_text(json.dumps(summary, indent=2) + "\n")
     if out.exists():
@@ -150,11 +155,17 @@ def _update_tables(model, out: Path, fingerprint: str, workflow_dir: Path, train
     record_path = out / EXPORT_RECORD
     if not record_path.is_file():
         raise UserError(f"export.update=true needs an existing export at {out}; run the export once without it")
+    try:
+        record = json.loads(record_path.read_text())
+        if not {"dense_fingerprint", "tables"} <= set(record):
+            raise ValueError("it has no dense_fingerprint or no tables")
+    except (OSError, ValueError, TypeError) as err:
+        raise UserError(f"{record_path} cannot be read ({err}): export with export.update=false and restart the "
+                        "server") from None
     served_workflow = artifacts_dir(out) / "workflow" / "workflow.json"
     if (workflow_dir / "workflow.json").read_bytes() != served_workflow.read_bytes():
         raise UserError("export.update=true replaces only the embedding tables, but the ETL workflow changed since "
                         "the export (ids would no longer match rows): export with export.update=false and restart")
-    record = json.loads(record_path.read_text())
     if record["dense_fingerprint"] != fingerprint:
         raise UserError(
             "export.update=true replaces only the embedding tables, but the checkpoint's dense part differs "
@@ -169,6 +180,40 @@ def _update_tables(model, out: Path, fingerprint: str, workflow_dir: Path, train
     record["updated_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     write_json(record_path, record)
     return {**record, "repository": str(out), "updated": True, "previous_version": version - 1}
+
+
+def _file_sizes(root: Path) -> dict[str, int]:
+    """Every file under ``root`` but those of the embedding store (its versions change with updates and carry
+    their own manifest), by path relative to ``root``, with its size in bytes."""
+    files = (path for path in sorted(root.rglob("*")) if path.is_file())
+    return {str(path.relative_to(root)): path.stat().st_size for path in files
+            if path.relative_to(root).parts[1:2] != ("store",)}
+
+
+def check_repository(out: str | Path) -> None:
+    """Raise a :class:`UserError` naming what is wrong with the repository at ``out``: no ``export.json``, a file
+    export wrote that is gone or of another size, or an embedding store whose current version does not open."""
+    out = Path(out)
+    again = "run `python -m pipeline run export` again"
+    try:
+        record = json.loads((out / EXPORT_RECORD).read_text())
+    except FileNotFoundError:
+        raise UserError(f"no model repository at {out} (no {EXPORT_RECORD}): run `python -m pipeline run export` "
+                        "first") from None
+    except (OSError, ValueError) as err:
+        raise UserError(f"{out / EXPORT_RECORD} cannot be read ({err}): {again}") from None
+    for name, size in record.get("files", {}).items():
+        path = out / name
+        if not path.is_file():
+            raise UserError(f"the model repository at {out} is damaged: {name} is missing; {again}")
+        if path.stat().st_size != size:
+            raise UserError(f"the model repository at {out} is damaged: {name} has {path.stat().st_size} bytes, "
+                            f"export wrote {size}; {again}")
+    store = lookup_dir(out) / "store"
+    try:
+        open_current(store)
+    except (OSError, ValueError, KeyError, UserError) as err:
+        raise UserError(f"the embedding store {store} does not open ({err}); {again}") from None
 
 
 def store_version(out: str | Path) -> int:

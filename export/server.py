@@ -169,9 +169,10 @@ class TritonServer:
 
     def start(self) -> TritonServer:
         """Start the server (and the guard) and wait until it is ready; retries on a port taken meanwhile."""
-        for port in filter(None, self._ports):
-            if not _is_free(self.host, port):
-                raise ServerError(f"port {port} on {self.host} is already in use: choose another or 0 for a free one")
+        for kind, port in zip(("http", "grpc"), self._ports):
+            if port and not _is_free(self.host, port):
+                raise ServerError(f"serve.{kind}_port: port {port} on {self.host} is already in use: choose another "
+                                  "or 0 for a free one")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path.write_bytes(b"")
         if self.limits is not None:

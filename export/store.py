@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,11 +50,16 @@ class StoreVersion:
 
 
 def current_version(root: str | Path) -> int:
-    """The version ``CURRENT`` names (0 when the store is empty)."""
+    """The version ``CURRENT`` names (0 when the store is empty); a UserError naming the file when it names none."""
+    path = Path(root) / CURRENT
     try:
-        return int((Path(root) / CURRENT).read_text().strip().lstrip("v"))
+        text = path.read_bytes().strip()
     except FileNotFoundError:
         return 0
+    if not re.fullmatch(rb"v?[0-9]{1,9}", text):
+        raise UserError(f"{path} holds {text[:40]!r}, not a store version such as v000001: write a new version "
+                        "(`python -m pipeline run export export.update=true`) or export again")
+    return int(text.lstrip(b"v"))
 
 
 def current_stamp(root: str | Path) -> tuple[int, int, int] | None:
@@ -73,7 +79,11 @@ def write_version(root: str | Path, tables: dict[str, np.ndarray], keep: int = 2
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     existing = [int(p.name[1:]) for p in root.glob("v*") if p.name[1:].isdigit()]
-    version = max(existing + [current_version(root)], default=0) + 1
+    try:
+        served = current_version(root)
+    except UserError:
+        served = 0  # a CURRENT that names no version is replaced below
+    version = max(existing + [served], default=0) + 1
     folder = root / f"v{version:06d}"
     staging = root / f".staging-v{version:06d}-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)

@@ -15,7 +15,8 @@ more time than the model's. Here:
   Python pass over the lengths finds them.
   A value holding a NUL byte cannot live in an ``S`` array (numpy and Arrow read such values up to
   their NUL), so a tensor with one comes back as an object array of ``bytes``, as the backend's own
-  function returns it.
+  function returns it. So does a tensor whose ``S`` array would take far more memory than its values
+  (:func:`fixed_width_fits`): one value of 1 MiB among 1,024 short ones would make it 1 GiB.
 
 Example::
 
@@ -35,6 +36,9 @@ _LENGTH = struct.Struct("<I")
 _ZEROS_FROM = 4096
 """Tensors of at least this many bytes look for their values' lengths in their zero bytes; below it one
 Python pass over the lengths costs less than the numpy calls."""
+_SPARE_FACTOR = 4
+_SPARE_BYTES = 1 << 20
+"""A fixed-width array of values may take up to :data:`_SPARE_FACTOR` times their bytes, and this much more."""
 
 
 def encode_bytes(arrays: list[np.ndarray]) -> list[bytes]:
@@ -90,6 +94,8 @@ def decode_bytes(encoded) -> np.ndarray:
     if not values.all():
         return _objects(buffer)
     width = max(int(lengths.max()), 1)
+    if not fixed_width_fits(width, lengths.size, values.size):
+        return _objects(buffer, lengths)
     out = np.zeros((lengths.size, width), dtype=np.uint8)
     out[np.arange(width) < lengths[:, None]] = values
     return out.view(f"S{width}").reshape(-1)
@@ -146,9 +152,15 @@ def _starts(lengths: np.ndarray) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(lengths.astype(np.int64) + 4)])
 
 
-def _objects(buffer: np.ndarray) -> np.ndarray:
+def fixed_width_fits(width: int, count: int, value_bytes: int) -> bool:
+    """Whether ``count`` values of ``value_bytes`` bytes in all may live in an ``S{width}`` array: at most a few
+    times their bytes (a tensor of short text, or of one length, does; one long value among short ones does not)."""
+    return width * count <= _SPARE_FACTOR * value_bytes + _SPARE_BYTES
+
+
+def _objects(buffer: np.ndarray, lengths: np.ndarray | None = None) -> np.ndarray:
     """The values as an object array of ``bytes``, as the python backend's own function returns them."""
     data = buffer.tobytes()
-    lengths = _lengths(buffer)
+    lengths = _lengths(buffer) if lengths is None else lengths
     starts = _starts(lengths)[:-1] + 4
     return np.array([data[start: start + n] for start, n in zip(starts.tolist(), lengths.tolist())], dtype=object)

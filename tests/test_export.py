@@ -236,9 +236,37 @@ def test_preprocess_names_what_is_wrong_with_a_request(multihot_pipeline):
         preprocess(dict(good, I1=np.full((3, 1), 0.5)))
     with pytest.raises(BadInputError, match="C1: expected strings"):
         preprocess(dict(good, C1=np.zeros((3, 1))))
+    above = np.nextafter(2.0**63, np.inf)  # 2**63 is int64's max as float64; the next float64 is no int64
     with pytest.raises(BadInputError, match="I1: the raw column is int64, expected whole numbers from "
-                                            "-9223372036854775808 to 9223372036854775807, got 9223372036854775808"):
-        preprocess(dict(good, I1=np.full((3, 1), 2.0**63)))  # was taken as -2**63
+                                            "-9223372036854775808 to 9223372036854775807, got 9223372036854777856"):
+        preprocess(dict(good, I1=np.full((3, 1), above)))
+    with pytest.raises(BadInputError, match=r"I1: .* got 1e\+300$"):
+        preprocess(dict(good, I1=np.full((3, 1), 1e300)))
+    with pytest.raises(BadInputError, match="I2: expected finite numbers or NaN \\(missing\\), got -inf"):
+        preprocess(dict(good, I2=np.full((3, 1), -np.inf)))
+
+
+def test_an_update_over_a_damaged_store_or_record_repairs_it_or_names_the_file(multihot_pipeline, tmp_path):
+    import shutil
+
+    from export.store import current_version
+    from pipeline.errors import UserError
+
+    cfg, model, schema, _, _ = multihot_pipeline
+    export = tmp_path / "export"
+    shutil.copytree(cfg.paths.export, export)
+    current = export / "ranker" / "store" / "CURRENT"
+    for garbage in (b"garbage\n", b"", b"\xff\xfe"):
+        current.write_bytes(garbage)
+        with pytest.raises(UserError, match="CURRENT holds .*, not a store version such as v000001"):
+            current_version(current.parent)
+        summary = write_repository(model, schema, cfg.paths.workflow, None, export, update=True)
+        assert current_version(current.parent) == summary["store_version"]  # a new version replaces it
+    record = export / "export.json"
+    for damaged in ("{", "[]", "{}"):
+        record.write_text(damaged)
+        with pytest.raises(UserError, match="export.json cannot be read .*: export with export.update=false"):
+            write_repository(model, schema, cfg.paths.workflow, None, export, update=True)
 
 
 @pytest.mark.parametrize("batch", [1, 32, 1000])
@@ -255,6 +283,8 @@ def test_preprocess_equals_the_workflow_column_by_column_on_the_raw_rows(multiho
     frame.loc[unseen, "C1"] = "never-seen"
     frame.loc[missing, "C2"] = None  # an empty string in the request
     frame.loc[unseen, "I1"] = 10**12
+    frame.loc[0, "C2"] = "x" * (1 << 20)  # one long value: the columns' strings go as objects, not 1 MiB each
+    frame.loc[missing, "I1"] = np.where(np.arange(batch)[missing] % 2, 2**63 - 1, -(2**63))  # sent as +-2.0**63
     frame.loc[missing, "I2"] = None
     frame.loc[unseen & ~missing, "I2"] = -0.0
     bags = [["m1", "unseen-item", "m1"] if u else None if m else v for u, m, v in zip(unseen, missing, frame["M1"])]
@@ -308,6 +338,18 @@ def test_values_neither_bytes_nor_text_encode_as_tritons_own_code_writes_them():
     for values in ([b"68fd1e64", 5, None, "é"], [None, None], [b"a", float("nan")]):
         array = np.array(values, dtype=object)
         assert encode_bytes([array]) == [serialize_byte_tensor(array).item()]
+
+
+def test_one_long_value_among_short_ones_decodes_to_objects_not_a_wide_array():
+    from export.wire import decode_bytes, encode_bytes
+
+    values = [b"%x" % i for i in range(1024)]
+    values[5] = b"x" * (1 << 20)
+    decoded = decode_bytes(np.frombuffer(encode_bytes([np.array(values, dtype=object)])[0], dtype=np.uint8))
+    assert decoded.dtype == object and decoded.tolist() == values  # an S array would be 1024 x 1 MiB
+    values[5] = b"x" * 300  # a little wider than the rest: one fixed-width array still
+    decoded = decode_bytes(np.frombuffer(encode_bytes([np.array(values, dtype=object)])[0], dtype=np.uint8))
+    assert decoded.dtype == "S300" and decoded.tolist() == values
 
 
 @pytest.mark.parametrize("odd", [None, b"x" * 300, b"ab\x00c", b"abc\x00\x00\x00\x00", b"\x00\x00\x00"])

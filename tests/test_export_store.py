@@ -269,6 +269,28 @@ def test_a_broken_new_version_leaves_the_served_one_untouched(tmp_path):
         lookup.refresh()
     assert lookup.version == 1
     np.testing.assert_array_equal(lookup(np.array([[3]])), _table(seed=1)[[3]])
+    assert not lookup.refresh(), "a version that does not open is tried once, not at every batch"
+    write_version(tmp_path, {"t": _table(seed=3)})
+    assert lookup.refresh() and lookup.version == 3
+
+
+def test_a_new_version_with_other_tables_is_refused_whole(tmp_path):
+    """A table of another width, or one missing: refused before any cache holds a row of it, not served half."""
+    config = LookupConfig(["t", "u"], ["C1", "C2"], [False, False], ["C1", "C2"])
+    first = {"t": _table(seed=1), "u": _table(seed=2)}
+    write_version(tmp_path, first)
+    lookup = EmbeddingLookup(tmp_path, config, min_cache_rows=10)
+    ids = np.array([[3, 4], [5, 6]])
+    served = np.concatenate([first["t"][[3, 5]], first["u"][[4, 6]]], axis=1)
+    np.testing.assert_array_equal(lookup(ids), served)
+    wider = np.concatenate([_table(seed=4), _table(seed=4)], axis=1)
+    for tables, message in (({"t": _table(seed=3), "u": wider}, "table u has rows of 8 float32, the served one of 4"),
+                            ({"t": _table(seed=3)}, r"has the tables \['t'\], the served one \['t', 'u'\]")):
+        write_version(tmp_path, tables)
+        with pytest.raises(ValueError, match=message):
+            lookup.refresh()
+        assert lookup.version == 1
+        np.testing.assert_array_equal(lookup(ids), served)
 
 
 def _same_as_the_numpy_tiers(device, steps=120):

@@ -114,6 +114,19 @@ def test_dicts_and_criteo_tsv_lines_give_the_same_predictions(served):
             client.predict([])
 
 
+def test_the_extremes_of_an_integer_column_are_served_as_the_etl_reads_them(served):
+    """int64's max travels as 2.0**63 (the float64 nearest it, which the ETL computes too), its min exactly."""
+    cfg, _, reference, server = served
+    rows = _rows(cfg).iloc[:6]
+    extremes = [2**63 - 1, -(2**63), 2**63 - 1, 0, 2**53 + 1, -(2**63)]
+    rows = rows.assign(I1=pd.array(extremes, dtype=rows["I1"].dtype),
+                       I4=pd.array(extremes[::-1], dtype=rows["I4"].dtype))
+    expected = reference.predict(rows)
+    for url, protocol in ((server.http_url, "http"), (server.grpc_url, "grpc")):
+        with Client(url, protocol) as client:
+            np.testing.assert_allclose(client.predict(rows), expected, rtol=0, atol=1e-5, err_msg=protocol)
+
+
 def _bad_requests(good: dict[str, np.ndarray], max_batch: int) -> list[tuple[str, dict, str]]:
     def changed(**columns):
         out = dict(good)
@@ -277,6 +290,28 @@ def test_the_served_model_keeps_its_memory_between_large_requests(served):
     assert faults < 50, f"{faults:.0f} page faults per request of {len(_rows(cfg))} rows (blocks: {blocks})"
 
 
+def _peak_memory(pid: int) -> int:
+    """The most resident memory process ``pid`` has held, in bytes."""
+    line = next(s for s in Path(f"/proc/{pid}/status").read_text().splitlines() if s.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
+
+def test_one_long_value_among_short_ones_costs_memory_for_its_own_bytes(served):
+    """A value of 256 KiB in a batch of the maximum: the strings of all 26 columns in one fixed-width array took
+    26 x 512 x 256 KiB (3.4 GB) and seconds; they cost their own bytes now, and the answer is the in-process one."""
+    cfg, _, reference, server = served
+    models = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(int(p.name)) == server.pid]
+    rows = _rows(cfg)
+    rows = rows.iloc[np.arange(cfg.export.max_batch_size) % len(rows)].reset_index(drop=True)
+    rows.loc[7, "C1"] = "x" * (256 << 10)
+    rows.loc[9, "C2"] = "é" * (64 << 10)
+    before = {pid: _peak_memory(pid) for pid in models}
+    with Client(server.grpc_url, "grpc") as client:
+        np.testing.assert_allclose(client.predict(rows), reference.predict(rows), rtol=0, atol=1e-5)
+    grown = max(_peak_memory(pid) - before[pid] for pid in models)
+    assert grown < 256 << 20, f"the model's peak memory grew by {grown / 2**20:.0f} MiB"
+
+
 def _parent(pid: int) -> int | None:
     try:
         return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
@@ -350,6 +385,34 @@ def test_update_refuses_a_changed_dense_part(served):
         write_repository(changed, reference.schema, cfg.paths.workflow, None, cfg.paths.export, update=True)
 
 
+def test_a_damaged_store_version_is_logged_once_and_the_served_one_kept(served):
+    from export.repository import lookup_dir
+    from export.store import open_current, write_version
+
+    cfg, _, _, server = served
+    rows = _rows(cfg).iloc[:16]
+    store = lookup_dir(cfg.paths.export) / "store"
+    served_now = open_current(store)
+    tables = {name: np.array(table) for name, table in served_now.tables.items()}
+    complaint = "could not be opened"
+    complaints = server.log_path.read_text().count(complaint)
+    with Client(server.grpc_url, "grpc") as client:
+        before = client.predict(rows)
+        damaged = write_version(store, tables)
+        table = store / f"v{damaged:06d}" / f"{next(iter(tables))}.npy"
+        table.write_bytes(table.read_bytes()[:-100])
+        for _ in range(10):
+            np.testing.assert_array_equal(client.predict(rows), before)
+        time.sleep(0.5)
+        assert server.log_path.read_text().count(complaint) == complaints + 1, "one line, not one per batch"
+        repaired = write_version(store, tables)
+        np.testing.assert_array_equal(client.predict(rows), before)
+    deadline = time.monotonic() + 5
+    while cache_stats(cfg.paths.export)["versions"] != [repaired] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert cache_stats(cfg.paths.export)["versions"] == [repaired] and served_now.version < damaged < repaired
+
+
 def test_the_chain_of_three_models_serves_the_same_predictions(served, tmp_path):
     import dataclasses
 
@@ -369,6 +432,46 @@ def test_the_chain_of_three_models_serves_the_same_predictions(served, tmp_path)
         assert cache_stats(chain.paths.export)["misses"] > 0
     finally:
         server.stop()
+
+
+def test_serve_names_a_missing_or_damaged_file_of_the_repository_before_starting(served, tmp_path):
+    import dataclasses
+    import shutil
+
+    from pipeline.errors import UserError
+    from pipeline.stages.serve import run as serve
+
+    cfg = served[0]
+    damaged = dataclasses.replace(cfg, workdir=str(tmp_path))
+    export = damaged.paths.export
+
+    def truncate(path):
+        path.write_bytes(path.read_bytes()[:-100])
+
+    store = export / "ranker" / "store"
+    cases = [
+        ("ranker/1/model.pt", Path.unlink, "ranker/1/model.pt is missing"),
+        ("ranker/1/model.py", Path.unlink, "ranker/1/model.py is missing"),  # Triton waited for it until timeout
+        ("ranker/1/artifacts/workflow/workflow.json", truncate, "workflow.json has"),
+        ("ranker/config.pbtxt", Path.unlink, "ranker/config.pbtxt is missing"),
+        ("ranker/store/CURRENT", Path.unlink, f"the embedding store {store} does not open (no embedding store"),
+        ("ranker/store/CURRENT-version/t_C3.npy", truncate, f"the embedding store {store} does not open"),
+        ("export.json", Path.unlink, "no model repository at"),
+    ]
+    for path, damage, fragment in cases:
+        shutil.rmtree(export, ignore_errors=True)
+        shutil.copytree(cfg.paths.export, export)
+        damage(export / path.replace("CURRENT-version", (store / "CURRENT").read_text().strip()))
+        started = time.monotonic()
+        with pytest.raises(UserError) as caught:
+            serve(damaged)
+        assert fragment in str(caught.value) and "\n" not in str(caught.value), f"{path}: {caught.value}"
+        assert "run `python -m pipeline run export`" in str(caught.value), path
+        assert time.monotonic() - started < 5, f"{path}: a server was started"
+    command = [sys.executable, "-m", "pipeline", "run", "serve", f"workdir={tmp_path}", "device=cpu"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2 and done.stderr.startswith("error: no model repository at"), done.stderr
+    assert len(done.stderr.splitlines()) == 1, done.stderr
 
 
 def _read_until(process: subprocess.Popen, marker: str, timeout: float = 120) -> str:

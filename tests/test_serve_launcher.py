@@ -78,6 +78,16 @@ def test_the_server_binary_comes_with_the_models_environment():
     assert (server.bundled_root / "python_backend_stubs" / env.python_version).is_dir()
 
 
+def test_a_models_environment_that_does_not_work_is_named_on_one_line(tmp_path):
+    import venv
+
+    venv.create(tmp_path / "bare", with_pip=False)  # a Python without numpy
+    with pytest.raises(UserError) as caught:
+        find_models_env(tmp_path / "bare")
+    message = str(caught.value)
+    assert "No module named 'numpy'" in message and "make serve-env" in message and "\n" not in message, message
+
+
 def test_ports_pid_check_and_the_models_environment(repository):
     from tritonclient import http
 
@@ -89,8 +99,9 @@ def test_ports_pid_check_and_the_models_environment(repository):
         x.set_data_from_numpy(np.arange(6, dtype=np.float32).reshape(3, 2))
         # the numpy<2 models' environment gets the inputs intact (numpy 2 there would give zeros)
         np.testing.assert_array_equal(client.infer("twice", [x]).as_numpy("Y"), 2 * np.arange(6).reshape(3, 2))
-        with pytest.raises(ServerError, match=f"port {server.http_port} on 127.0.0.1 is already in use"):
-            TritonServer(repository, http_port=server.http_port, grpc_port=0).start()
+        for kind, port in (("http", server.http_port), ("grpc", server.grpc_port)):
+            with pytest.raises(ServerError, match=f"serve.{kind}_port: port {port} on 127.0.0.1 is already in use"):
+                TritonServer(repository, **{f"{kind}_port": port}).start()
         pid, regions = server.pid, server.shm_regions()
         assert regions
     assert not _alive(pid)
@@ -231,6 +242,39 @@ def test_the_guard_refuses_what_is_over_its_limits_and_forwards_the_rest(guarded
     for what, request in forwarded:
         got, _, body = _exchange(guarded, request)
         assert got == 200 and json.loads(body)["outputs"][0]["data"] == [2, 4], f"{what}: {body!r}"
+    assert guarded.is_alive()
+
+
+def test_a_request_whose_json_triton_cannot_read_gets_400_and_the_next_one_its_answer(guarded):
+    """Triton answers these with 500 (its JSON reader's errors are INTERNAL); they are the request's fault."""
+    def tensor(**changed):
+        return json.dumps({"inputs": [{"name": "X", "shape": [1, 2], "datatype": "FP32", "data": [1, 2], **changed}]})
+
+    unreadable = [
+        ("text in a number tensor", tensor(data=["a", "b"]), "Unable to parse 'data'"),
+        ("null for a number", tensor(data=[None, 1]), "Unable to parse 'data'"),
+        ("fewer values than the shape", tensor(data=[1]), "does not match true shape"),
+        ("a negative dimension", tensor(shape=[-1, 2]), "Unable to parse 'shape'"),
+        ("no inputs", json.dumps({"outputs": []}), "Unable to parse 'inputs'"),
+        ("a number beyond float64", tensor().replace("[1, 2]", "[1e400, 2]"), "Number too big"),
+        ("a lone surrogate escape", tensor(name="\ud800"), "surrogate"),
+        ("not JSON", "{inputs: []}", "failed to parse the request JSON buffer"),
+    ]
+    host, port = guarded.http_url.rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    for what, body, fragment in unreadable:
+        connection.request("POST", INFER, body.encode())
+        reply = connection.getresponse()
+        text = reply.read()
+        assert reply.status == 400 and fragment in json.loads(text)["error"], f"{what}: {reply.status} {text!r}"
+        connection.request("POST", INFER, _infer_json([[1, 2]]))
+        reply = connection.getresponse()
+        assert reply.status == 200 and json.loads(reply.read())["outputs"][0]["data"] == [2, 4], what
+    connection.request("POST", "/v2/models/absent/infer", _infer_json([[1, 2]]))
+    reply = connection.getresponse()
+    assert reply.status == 404, reply.read()  # Triton's other statuses pass as they are
+    reply.read()
+    connection.close()
     assert guarded.is_alive()
 
 

@@ -23,22 +23,22 @@ from __future__ import annotations
 
 import signal
 import time
-from pathlib import Path
 
 import pandas as pd
 import pyarrow.parquet as pq
 
 from export.client import Client
 from export.config import ServeConfig
+from export.repository import check_repository
 from export.server import ServerError, TritonServer, server_problem, start_server
 from pipeline.errors import UserError
 from pipeline.stages.config import PipelineConfig
 
 
 def run(cfg: PipelineConfig, smoke: bool = False) -> dict:
-    """Serve the exported repository; ``smoke``: stop after one served request."""
-    if not (Path(cfg.paths.export) / "ensemble" / "config.pbtxt").is_file():
-        raise UserError(f"no model repository at {cfg.paths.export}: run `python -m pipeline run export` first")
+    """Serve the exported repository (checked first: a file missing or damaged is named before any server
+    starts); ``smoke``: stop after one served request."""
+    check_repository(cfg.paths.export)
     problem = server_problem(cfg.serve)
     if problem:
         if smoke:
