@@ -54,7 +54,6 @@ import functools
 import glob
 import importlib
 import io
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -68,18 +67,24 @@ import pyarrow.parquet as pq
 
 from pipeline.data import raw_folder
 from pipeline.data.config import DataConfig
+from pipeline.data.text_format import (
+    CRITEO_CATEGORICAL,
+    CRITEO_CONTINUOUS,
+    EXAMPLES,
+    MAX_LINE_BYTES,
+    FileReport,
+    carriage_return_reason,
+    field_count_reason,
+    too_long,
+    utf8_reason,
+    value_problem,
+)
 from pipeline.data.time_split import FORMS, TIME_KEY, TimeCuts, time_keys
 from pipeline.errors import BadInputError
 from pipeline.files import write_json
 from pipeline.progress import Progress
 
 READER_VERSION = 1
-CRITEO_CONTINUOUS = [f"I{i}" for i in range(1, 14)]
-CRITEO_CATEGORICAL = [f"C{i}" for i in range(1, 27)]
-EXAMPLES = 20
-"""How many malformed rows are kept as examples (per file, and in the report)."""
-MAX_LINE_BYTES = 1 << 20
-"""A text line longer than this (its line end not counted) is a malformed line, ``line_too_long``."""
 
 _TEXT_SUFFIXES = {".csv": ",", ".tsv": "\t", ".tab": "\t", ".txt": "\t"}
 _PARQUET_SUFFIXES = {".parquet", ".pq"}
@@ -88,7 +93,6 @@ _COMPRESSION_SUFFIXES = set(_CODECS)
 _BYTES_PER_ROW_GUESS = 200
 _BOM = b"\xef\xbb\xbf"
 _INT_PATTERN = r"^(-?[0-9]+)?$"  # empty is missing; the int64 range is checked apart
-_DIGITS_PATTERN = r"-?[0-9]+"
 _INT64_DIGITS = 19
 _FLOAT_PATTERN = r"^([+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?)?$"
 _NAN_PATTERN = r"^[+-]?(nan|NaN|NAN)$"
@@ -153,37 +157,6 @@ def table_roles(d: DataConfig) -> Roles:
         what = "the label" if roles.time == roles.label else "a column data.ignore drops"
         raise BadInputError(f"data.time_column={roles.time!r} names {what}: name the column that holds the rows' times")
     return roles
-
-
-@dataclass
-class FileReport:
-    """What reading one input file found."""
-
-    file: str
-    rows_read: int = 0
-    rows_kept: int = 0
-    bad: dict[str, int] = field(default_factory=dict)
-    examples: list[dict] = field(default_factory=list)
-    stopped_at_line: int | None = None
-    error: str | None = None
-    time_forms: dict[str, int] = field(default_factory=dict)
-    """With a time column: each form of time seen (integer, date/time) and the first line holding it."""
-
-    @property
-    def bad_rows(self) -> int:
-        return sum(self.bad.values())
-
-    def add_bad(self, line: int, kind: str, reason: str, excerpt: bytes | str) -> None:
-        self.bad[kind] = self.bad.get(kind, 0) + 1
-        self.add_example(line, reason, excerpt)
-
-    def add_example(self, line: int, reason: str, excerpt: bytes | str) -> None:
-        """Keep a malformed line as an example while there are fewer than :data:`EXAMPLES` (not counted)."""
-        if len(self.examples) < EXAMPLES:
-            if isinstance(excerpt, bytes):
-                excerpt = excerpt.decode("utf-8", errors="backslashreplace")
-            excerpt = excerpt if len(excerpt) <= 100 else excerpt[:97] + "..."
-            self.examples.append({"file": self.file, "line": line, "reason": reason, "excerpt": excerpt})
 
 
 # ----------------------------------------------------------------------------------------- readers
@@ -440,7 +413,7 @@ def _read_text(path: Path, names: list[str] | None, kinds: dict[str, str], delim
                 raise BadInputError(f"{path}: the header line is longer than {MAX_LINE_BYTES} bytes; expected a "
                                     "line naming the columns")
             report.rows_read += 1
-            report.add_bad(first_line, "line_too_long", _too_long(block.length), block.excerpt)
+            report.add_bad(first_line, "line_too_long", too_long(block.length), block.excerpt)
             if stop_on_bad:
                 report.stopped_at_line = first_line
                 return
@@ -488,28 +461,6 @@ class _LongLine:
 
 class _DamagedFile(BadInputError):
     """A compressed input that does not decompress to the end."""
-
-
-def _too_long(length: int) -> str:
-    return f"the line is longer than {MAX_LINE_BYTES} bytes ({length}{'+' if length > MAX_LINE_BYTES else ''})"
-
-
-def _field_count_reason(expected: int, found: int | None) -> str:
-    """Why a line has the wrong number of fields (``found`` None: the line is empty)."""
-    return f"expected {expected} fields, found {'an empty line' if found is None else found}"
-
-
-def _carriage_return_reason(at: int) -> str:
-    return f"a carriage return (\\r) inside the line at byte {at}; a line ends at \\n or \\r\\n"
-
-
-def _utf8_reason(line: bytes) -> str | None:
-    """Why ``line`` is not UTF-8; None when it is."""
-    try:
-        line.decode("utf-8")
-    except UnicodeDecodeError as err:
-        return f"invalid UTF-8 ({err.reason}) at byte {err.start} of the line"
-    return None
 
 
 def _line_blocks(path: Path, block_bytes: int) -> Iterator[tuple[int, bytes | _LongLine]]:
@@ -630,12 +581,12 @@ def _parse_block(block: bytes, first_line: int, names: list[str], kinds: dict[st
     keep = ~((lengths == 0) | ((lengths == 1) & (data[starts] == 13)))
     expected = len(names)
     for i in np.flatnonzero(~keep):
-        report.add_bad(first_line + int(i), "wrong_field_count", _field_count_reason(expected, None), b"")
+        report.add_bad(first_line + int(i), "wrong_field_count", field_count_reason(expected, None), b"")
     long = np.flatnonzero(keep & (lengths > MAX_LINE_BYTES))
     long = long[lengths[long] - (data[ends[long] - 1] == 13) > MAX_LINE_BYTES]
     for i in long:
         keep[i] = False
-        report.add_bad(first_line + int(i), "line_too_long", _too_long(int(lengths[i])), excerpt(i)[:200])
+        report.add_bad(first_line + int(i), "line_too_long", too_long(int(lengths[i])), excerpt(i)[:200])
     if b"\r" in block:
         carriage = np.flatnonzero(data == 13)
         carriage = carriage[data[carriage + 1] != 10]  # \r\n is a line end; the block ends in \n
@@ -643,11 +594,11 @@ def _parse_block(block: bytes, first_line: int, names: list[str], kinds: dict[st
             if keep[i]:
                 keep[i] = False
                 at = int(carriage[np.searchsorted(carriage, starts[i])] - starts[i])
-                report.add_bad(first_line + int(i), "carriage_return", _carriage_return_reason(at), excerpt(i))
+                report.add_bad(first_line + int(i), "carriage_return", carriage_return_reason(at), excerpt(i))
     high = np.flatnonzero(data >= 0x80)
     if high.size:
         for i in np.unique(np.searchsorted(ends, high)):
-            reason = _utf8_reason(excerpt(i)) if keep[i] else None
+            reason = utf8_reason(excerpt(i)) if keep[i] else None
             if reason:
                 keep[i] = False
                 report.add_bad(first_line + int(i), "invalid_utf8", reason, excerpt(i))
@@ -668,7 +619,7 @@ def _parse_block(block: bytes, first_line: int, names: list[str], kinds: dict[st
         return empty, np.zeros(0, dtype=np.int64), excerpt
     for number, expected_columns, actual_columns in rejected:
         index = int(kept[number - 1])
-        report.add_bad(first_line + index, "wrong_field_count", _field_count_reason(expected_columns, actual_columns),
+        report.add_bad(first_line + index, "wrong_field_count", field_count_reason(expected_columns, actual_columns),
                        excerpt(index))
     rejected = [number - 1 for number, _, _ in rejected]
     rows = np.delete(kept, rejected) if rejected else kept
@@ -793,7 +744,7 @@ def _check_and_convert(table: pa.Table, lines: np.ndarray, kinds: dict[str, str]
             continue
         for i in np.flatnonzero(~ok & ~bad):
             value = column[int(i)].as_py()
-            what, reason = _value_problem(name, kind, "" if value is None else str(value))
+            what, reason = value_problem(name, kind, "" if value is None else str(value))
             report.add_bad(int(lines[i]), what, reason, quote(int(i)))
         bad |= ~ok
     if time:
@@ -815,25 +766,6 @@ def _check_and_convert(table: pa.Table, lines: np.ndarray, kinds: dict[str, str]
         columns.append(pa.array(keys[~bad]))
         names.append(TIME_KEY)
     return pa.Table.from_arrays(columns, names=names), lines
-
-
-def _value_problem(name: str, kind: str, value: str) -> tuple[str, str]:
-    """(kind of problem, reason) of a value of column ``name`` that does not fit its ``kind``."""
-    shown = value if len(value) <= 40 else value[:37] + "..."
-    if kind == "label":
-        return "bad_label", f"{name}: expected 0 or 1, found {value!r}"
-    if kind == "float" and _is_infinite(value):
-        return "out_of_range", f"{name}: {shown!r} is not a finite number"
-    if kind in ("int", "float") and re.fullmatch(_DIGITS_PATTERN, value):
-        return "out_of_range", f"{name}: {shown!r} is outside the 64-bit integer range"
-    return "not_a_number", f"{name}: {value!r} is not {'an integer' if kind == 'int' else 'a number'}"
-
-
-def _is_infinite(value: str) -> bool:
-    try:
-        return np.isinf(float(value))
-    except ValueError:
-        return False
 
 
 def _is_text(t: pa.DataType) -> bool:

@@ -30,17 +30,17 @@ from types import ModuleType
 import numpy as np
 import pyarrow as pa
 
-from pipeline.data.readers import (
+from pipeline.data.text_format import (
     CRITEO_CATEGORICAL,
     CRITEO_CONTINUOUS,
     EXAMPLES,
     MAX_LINE_BYTES,
     FileReport,
-    _carriage_return_reason,
-    _field_count_reason,
-    _too_long,
-    _utf8_reason,
-    _value_problem,
+    carriage_return_reason,
+    field_count_reason,
+    too_long,
+    utf8_reason,
+    value_problem,
 )
 
 FIELDS = 1 + len(CRITEO_CONTINUOUS) + len(CRITEO_CATEGORICAL)
@@ -236,18 +236,18 @@ def _reason(problem: int, line: bytes) -> tuple[str, bytes]:
     """The reason the Arrow path gives for ``line``'s ``problem``, and the excerpt it shows."""
     content = line[:-1] if line.endswith(b"\r") else line
     if problem == EMPTY:
-        return _field_count_reason(FIELDS, None), b""
+        return field_count_reason(FIELDS, None), b""
     if problem == LONG:
-        return _too_long(len(line)), line[:200]
+        return too_long(len(line)), line[:200]
     if problem == CARRIAGE:
-        return _carriage_return_reason(_LONE_CR.search(line + b"\n").start()), line
+        return carriage_return_reason(_LONE_CR.search(line + b"\n").start()), line
     if problem == UTF8:
-        return str(_utf8_reason(line)), line
+        return str(utf8_reason(line)), line
     if problem == FIELD_COUNT:
-        return _field_count_reason(FIELDS, content.count(b"\t") + 1), line
+        return field_count_reason(FIELDS, content.count(b"\t") + 1), line
     column = problem - LABEL
     value = content.split(b"\t")[column].decode("utf-8")
-    return _value_problem(NAMES[column], "label" if column == 0 else "int", value)[1], line
+    return value_problem(NAMES[column], "label" if column == 0 else "int", value)[1], line
 
 
 def _host(array) -> np.ndarray:

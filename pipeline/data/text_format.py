@@ -1,0 +1,93 @@
+"""What the Criteo readers share: Criteo's columns, the longest line, what makes a row of an input
+malformed and how the reason reads, and the report of one input file.
+
+The Arrow reader (:mod:`pipeline.data.readers`) and the vectorized one
+(:mod:`pipeline.data.vectorized_text`) judge rows by these, so their reports are the same.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+CRITEO_CONTINUOUS = [f"I{i}" for i in range(1, 14)]
+CRITEO_CATEGORICAL = [f"C{i}" for i in range(1, 27)]
+EXAMPLES = 20
+"""How many malformed rows are kept as examples (per file, and in the report)."""
+MAX_LINE_BYTES = 1 << 20
+"""A text line longer than this (its line end not counted) is a malformed line, ``line_too_long``."""
+DIGITS_PATTERN = r"-?[0-9]+"
+
+
+@dataclass
+class FileReport:
+    """What reading one input file found."""
+
+    file: str
+    rows_read: int = 0
+    rows_kept: int = 0
+    bad: dict[str, int] = field(default_factory=dict)
+    examples: list[dict] = field(default_factory=list)
+    stopped_at_line: int | None = None
+    error: str | None = None
+    time_forms: dict[str, int] = field(default_factory=dict)
+    """With a time column: each form of time seen (integer, date/time) and the first line holding it."""
+
+    @property
+    def bad_rows(self) -> int:
+        return sum(self.bad.values())
+
+    def add_bad(self, line: int, kind: str, reason: str, excerpt: bytes | str) -> None:
+        self.bad[kind] = self.bad.get(kind, 0) + 1
+        self.add_example(line, reason, excerpt)
+
+    def add_example(self, line: int, reason: str, excerpt: bytes | str) -> None:
+        """Keep a malformed line as an example while there are fewer than :data:`EXAMPLES` (not counted)."""
+        if len(self.examples) < EXAMPLES:
+            if isinstance(excerpt, bytes):
+                excerpt = excerpt.decode("utf-8", errors="backslashreplace")
+            excerpt = excerpt if len(excerpt) <= 100 else excerpt[:97] + "..."
+            self.examples.append({"file": self.file, "line": line, "reason": reason, "excerpt": excerpt})
+
+
+def too_long(length: int) -> str:
+    return f"the line is longer than {MAX_LINE_BYTES} bytes ({length}{'+' if length > MAX_LINE_BYTES else ''})"
+
+
+def field_count_reason(expected: int, found: int | None) -> str:
+    """Why a line has the wrong number of fields (``found`` None: the line is empty)."""
+    return f"expected {expected} fields, found {'an empty line' if found is None else found}"
+
+
+def carriage_return_reason(at: int) -> str:
+    return f"a carriage return (\\r) inside the line at byte {at}; a line ends at \\n or \\r\\n"
+
+
+def utf8_reason(line: bytes) -> str | None:
+    """Why ``line`` is not UTF-8; None when it is."""
+    try:
+        line.decode("utf-8")
+    except UnicodeDecodeError as err:
+        return f"invalid UTF-8 ({err.reason}) at byte {err.start} of the line"
+    return None
+
+
+def value_problem(name: str, kind: str, value: str) -> tuple[str, str]:
+    """(kind of problem, reason) of a value of column ``name`` that does not fit its ``kind``."""
+    shown = value if len(value) <= 40 else value[:37] + "..."
+    if kind == "label":
+        return "bad_label", f"{name}: expected 0 or 1, found {value!r}"
+    if kind == "float" and is_infinite(value):
+        return "out_of_range", f"{name}: {shown!r} is not a finite number"
+    if kind in ("int", "float") and re.fullmatch(DIGITS_PATTERN, value):
+        return "out_of_range", f"{name}: {shown!r} is outside the 64-bit integer range"
+    return "not_a_number", f"{name}: {value!r} is not {'an integer' if kind == 'int' else 'a number'}"
+
+
+def is_infinite(value: str) -> bool:
+    try:
+        return np.isinf(float(value))
+    except ValueError:
+        return False
