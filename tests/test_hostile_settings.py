@@ -19,6 +19,7 @@ import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 import pytest
+import torch
 import yaml
 
 from pipeline.etl import Categorify, FillMissing, Normalize, Workflow
@@ -282,3 +283,43 @@ def test_an_unreadable_raw_file_names_that_file(tmp_path, capsys):
     files = sorted((tmp_path / "synthetic" / "raw" / "valid").glob("part-*.parquet"))
     files[0].write_bytes(files[0].read_bytes()[:100])
     _refused(capsys, ["run", "etl", *args], files[0].name)
+
+
+# -- model sizes that the model cannot be built with --------------------------------------------
+
+def _processed(workdir: Path) -> list[str]:
+    """Small processed splits under ``workdir``; the arguments that train on them."""
+    from pipeline.loader.synthetic import criteo_schema, write_processed
+
+    args = [f"workdir={workdir}", "device=cpu", "progress=off", "train.batch_size=64", "train.max_steps=2",
+            "train.threads=1"]
+    write_processed(load_config(None, args).paths.processed, criteo_schema(size=0.0001, categorical=3, continuous=2),
+                    {"train": 200, "valid": 100, "test": 100}, row_group_rows=100, seed=1)
+    return args
+
+
+@pytest.mark.parametrize("sizes, expected", [
+    (["train.bottom_mlp=[8]"], ("train.bottom_mlp=[8]", "embedding dim (32, the small preset's)",
+                                "train.embedding_dim=8")),
+    (["train.bottom_mlp=[16,8]", "train.embedding_dim=4"], ("train.bottom_mlp=[16, 8]", "(4, train.embedding_dim)")),
+    (["train.model=dcnv2", "train.embedding_dim=8", "train.cross_rank=100000"],
+     ("train.cross_rank=100000", "width of the cross layers, 32", "train.cross_rank=32 or less")),
+    (["train.model=dcnv2", "train.preset=mlperf", "train.embedding_dim=4"],
+     ("train.cross_rank (0: the mlperf preset's)=512", "train.cross_rank=16 or less")),
+])
+def test_model_sizes_that_do_not_fit_together_are_one_error_line_before_a_run_starts(tmp_path, capsys, sizes,
+                                                                                    expected):
+    args = _processed(tmp_path)
+    _refused(capsys, ["run", "train", *args, *sizes], *expected)
+    assert not (tmp_path / "synthetic" / "train").exists()
+
+
+def test_dcnv2_with_zero_cross_layers_has_none(tmp_path, capsys):
+    from pipeline.modules.models import ModelSizes
+
+    cfg = load_config(None, ["train.model=dcnv2", "train.cross_layers=0"])
+    assert ModelSizes.from_train_config(cfg.train, "cpu").cross_layers == 0
+    args = _processed(tmp_path)
+    assert main(["run", "train", *args, "train.model=dcnv2", "train.cross_layers=0", "train.run=deep"]) == 0
+    weights = torch.load(tmp_path / "synthetic" / "train" / "deep" / "model.pt", weights_only=True)
+    assert not [k for k in weights if k.startswith("cross.")] and [k for k in weights if k.startswith("deep.")]

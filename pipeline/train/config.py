@@ -40,7 +40,8 @@ class TrainConfig:
         "help": "DLRM bottom MLP widths, the last = embedding dim (empty: from preset)"})
     top_mlp: list[int] = field(default_factory=list, metadata={
         "help": "top / deep MLP widths ending in 1 (empty: from preset)"})
-    cross_layers: int = field(default=3, metadata={"help": "dcnv2: cross layers"})
+    cross_layers: int = field(default=3, metadata={
+        "help": "dcnv2: cross layers (0: none, the deep MLP alone)"})
     cross_rank: int = field(default=0, metadata={
         "help": "dcnv2: rank of each cross layer (0: the preset's: 512 for mlperf, as MLPerf's DLRM-DCNv2; full "
                 "rank for small)"})
