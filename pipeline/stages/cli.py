@@ -116,7 +116,7 @@ def _config_from(args: argparse.Namespace) -> config_mod.PipelineConfig:
         overrides.append(f"device={args.device}")
     if getattr(args, "scheduler", None):
         overrides.append(f"etl.scheduler={args.scheduler}")
-    if args.command == "run" and args.nproc:  # bench train_distributed has an --nproc of its own
+    if args.command == "run" and args.nproc is not None:  # bench train_distributed has an --nproc of its own
         overrides.append(f"distributed.nproc={args.nproc}")
     if getattr(args, "on_bad_lines", None):
         overrides.append(f"data.on_bad_lines={args.on_bad_lines}")
