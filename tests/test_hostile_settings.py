@@ -323,3 +323,21 @@ def test_dcnv2_with_zero_cross_layers_has_none(tmp_path, capsys):
     assert main(["run", "train", *args, "train.model=dcnv2", "train.cross_layers=0", "train.run=deep"]) == 0
     weights = torch.load(tmp_path / "synthetic" / "train" / "deep" / "model.pt", weights_only=True)
     assert not [k for k in weights if k.startswith("cross.")] and [k for k in weights if k.startswith("deep.")]
+
+
+def test_an_empty_section_in_the_yaml_file_takes_overrides(tmp_path, capsys):
+    f = tmp_path / "s.yaml"
+    f.write_text("train:\ndata: ~\nserve:\n  smoke_rows: 3\n")
+    shown = _shown(capsys, "--config", str(f), "train.epochs=2", "data.rows=5", "serve.http_port=8000")
+    assert (shown["train"]["epochs"], shown["data"]["rows"]) == (2, 5)
+    assert (shown["serve"]["smoke_rows"], shown["serve"]["http_port"]) == (3, 8000)
+
+
+def test_a_section_given_a_value_in_the_yaml_file_is_blamed_on_the_file_under_overrides(tmp_path, capsys):
+    f = tmp_path / "s.yaml"
+    f.write_text("seed: 1\ntrain: 3\n")
+    _refused(capsys, ["config", "show", "--config", str(f), "train.epochs=2"], str(f), "line 2", "train is a section")
+
+
+def test_nproc_zero_is_refused(capsys):
+    _refused(capsys, ["run", "train", "--nproc", "0"], "distributed.nproc", ">= 1")
