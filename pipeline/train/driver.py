@@ -228,7 +228,7 @@ def _place(model: nn.Module, cfg: TrainConfig, world: World, distributed: Distri
         # The loader checks every id against its table while reading (on the host); checking again on a
         # GPU would cost a device sync per step.
         model.embedding.validate_ids = world.device.type != "cuda"
-        return model, PlainCheckpoints(folder, cfg.keep_checkpoints)
+        return model, PlainCheckpoints(folder, cfg.keep_checkpoints, model)
     dmp = DistributedModelParallel(model, plans, planner, world.device, comm_dtype=distributed.comm_dtype)
     return dmp, ShardedCheckpoints(folder, world, cfg.keep_checkpoints)
 
