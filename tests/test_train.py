@@ -184,6 +184,19 @@ def test_resume_with_another_model_is_refused(tmp_path):
         run(_config(tmp_path, "train.max_steps=3", "train.resume=true", "train.model=deepfm"))
 
 
+def test_resume_on_the_output_of_another_etl_with_other_dense_features_is_refused(tmp_path):
+    """The ETL run again with fewer continuous columns (etl.missing_indicator=false) under a run: its bottom
+    MLP would take other inputs, and every checkpoint would be passed over for a fresh start."""
+    cfg = _config(tmp_path, "train.max_steps=3", "train.checkpoint_every=2", "train.run=r")
+    _write_data(cfg)
+    run(cfg)
+    schema = criteo_schema(size=0.0001, categorical=5, continuous=2, multihot={"M1": 3})
+    shutil.rmtree(cfg.paths.processed)
+    write_processed(cfg.paths.processed, schema, {"train": 1500, "valid": 300, "test": 300}, row_group_rows=500, seed=7)
+    with pytest.raises(UserError, match=r"another model \(different num_dense\).*ETL output"):
+        run(_config(tmp_path, "train.max_steps=3", "train.resume=true", "train.run=r"))
+
+
 def test_ids_beyond_the_table_are_reported_with_feature_and_value(tmp_path):
     cfg = _config(tmp_path, "train.max_steps=2")
     _write_data(cfg)

@@ -96,11 +96,12 @@ def check_same_model(spec: dict, folder: str | Path) -> None:
         return
     old = json.loads(previous.read_text())
     old["tables"] = _tables(old)
-    differ = [k for k in ("model", "sizes", "embedding_optimizer", "embedding_dtype", "tables", "feature_names")
-              if old.get(k) != spec.get(k)]
+    differ = [k for k in ("model", "sizes", "embedding_optimizer", "embedding_dtype", "tables", "feature_names",
+                          "num_dense") if old.get(k) != spec.get(k)]
     if differ:
         raise UserError(f"train.resume=true, but the checkpoints in {folder / 'checkpoints'} are of another model "
-                        f"(different {', '.join(differ)}); rerun without train.resume or with the same settings")
+                        f"(different {', '.join(differ)}); rerun without train.resume, or with the settings and the "
+                        "ETL output the run was trained with")
 
 
 def load_trained(folder: str | Path, device: str | torch.device = "cpu",
