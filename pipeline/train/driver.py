@@ -45,6 +45,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -95,15 +96,16 @@ def train(cfg: TrainConfig, data: str | Path, runs: str | Path, *, schema: Schem
         # The loader's thread takes one core; torchrun's ranks get their share in World.from_env.
         torch.set_num_threads(cfg.threads if cfg.threads > 0 else max(1, (os.cpu_count() or 2) - 1))
     try:
-        return _train(cfg, Path(data), Path(runs), schema, seed, world, distributed or DistributedConfig(),
-                      Path(oracle) if oracle else None, callbacks, progress)
+        with contextlib.ExitStack() as held:  # the run folder's lock, released however the training ends
+            return _train(cfg, Path(data), Path(runs), schema, seed, world, distributed or DistributedConfig(),
+                          Path(oracle) if oracle else None, callbacks, progress, held)
     finally:
         torch.set_num_threads(threads)
 
 
 def _train(cfg: TrainConfig, data: Path, runs: Path, schema: Schema, seed: int, world: World,
            distributed: DistributedConfig, oracle_path: Path | None, callbacks: Sequence[Callback],
-           progress: str | bool) -> dict:
+           progress: str | bool, held: contextlib.ExitStack) -> dict:
     start = time.perf_counter()
     device = world.device
     random.seed(seed)
@@ -111,7 +113,7 @@ def _train(cfg: TrainConfig, data: Path, runs: Path, schema: Schema, seed: int, 
 
     check_splits(data, schema)
     spec = model_spec(cfg, schema, device.type, seed)
-    out = _run_folder(runs, cfg, world)
+    out = _run_folder(runs, cfg, world, held)
     if world.is_writer:
         remove_tmp_files(out)
         print(f"[train] run {out.name} in {runs}", flush=True)
@@ -191,12 +193,13 @@ def check_splits(data: Path, schema: Schema) -> None:
                             "`python -m pipeline run etl` again")
 
 
-def _run_folder(runs: Path, cfg: TrainConfig, world: World) -> Path:
-    """The run folder rank 0 chose (:func:`~pipeline.train.runs.choose_run`), on every rank; its refusal on every rank."""
+def _run_folder(runs: Path, cfg: TrainConfig, world: World, held: contextlib.ExitStack) -> Path:
+    """The run folder rank 0 chose (:func:`~pipeline.train.runs.choose_run`) and locked until ``held`` closes, on
+    every rank; its refusal on every rank."""
     chosen: Path | UserError | None = None
     if world.is_writer:
         try:
-            chosen = choose_run(runs, cfg)
+            chosen = held.enter_context(choose_run(runs, cfg))
         except UserError as err:
             chosen = err
     chosen = world.gather_objects(chosen)[0]
