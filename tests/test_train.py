@@ -303,3 +303,32 @@ def test_the_compiled_dense_part_trains_like_eager(tmp_path):
         _train(cfg)
         states[mode] = _final_state(cfg)
     _assert_same_state(states["on"], states["off"])
+
+
+class CtrlCAfter(Callback):
+    """Raises ``KeyboardInterrupt`` at the end of step ``step``, as Ctrl-C does."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step(self, trainer) -> None:
+        if trainer.state.step == self.step:
+            raise KeyboardInterrupt
+
+
+def test_ctrl_c_says_how_to_continue_and_that_continues_the_run(tmp_path, capsys):
+    common = ["train.epochs=2", "train.checkpoint_every=5", "seed=3"]
+    straight = _config(tmp_path / "straight", *common)
+    _write_data(straight)
+    run(straight)
+    cfg = _config(tmp_path / "stopped", *common)
+    _write_data(cfg)
+    with pytest.raises(KeyboardInterrupt):
+        _train(cfg, [CtrlCAfter(12)])
+    name = newest_run(cfg.paths.train).name
+    lines = [line for line in capsys.readouterr().out.splitlines() if "interrupted" in line]
+    assert lines == [f"[train] interrupted at step 12: rerun with train.resume=true train.run={name} to continue it "
+                     "from its checkpoint step-00000010.pt"]
+    run(_config(tmp_path / "stopped", *common, "train.resume=true", f"train.run={name}"))
+    assert f"[train] resuming from {cfg.paths.train / name / 'checkpoints' / 'step-00000010.pt'}" in capsys.readouterr().out
+    _assert_same_state(_final_state(straight), _final_state(cfg))

@@ -156,6 +156,10 @@ def _train(cfg: TrainConfig, data: Path, runs: Path, schema: Schema, seed: int, 
             with atomic_open(out / "model.pt") as f:
                 torch.save(checkpoints.model_state(model, spec), f)
         test = evaluate(model, test_loader, device, trainer.amp, world)
+    except KeyboardInterrupt:
+        if world.is_writer:
+            _how_to_continue(out, trainer.state.step, next(iter(checkpoints.candidates()), None))
+        raise
     finally:
         for loader in (train_loader, valid_loader, test_loader):
             loader.close()
@@ -179,6 +183,13 @@ def _train(cfg: TrainConfig, data: Path, runs: Path, schema: Schema, seed: int, 
         _report(result, out / "result.json")
     world.barrier()
     return result
+
+
+def _how_to_continue(out: Path, step: int, checkpoint: Path | None) -> None:
+    """Say, on Ctrl-C, how the interrupted run continues."""
+    where = f"from its checkpoint {checkpoint.name}" if checkpoint else "from its start (no checkpoint was saved yet)"
+    print(f"[train] interrupted at step {step}: rerun with train.resume=true train.run={out.name} to continue it "
+          f"{where}", flush=True)
 
 
 def check_splits(data: Path, schema: Schema) -> None:
