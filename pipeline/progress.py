@@ -64,7 +64,7 @@ class Progress:
         self.n += n
         if self._bar is not None:
             self._bar.update(n)
-        elif self.mode == "plain":
+        elif self.mode == "plain" and (self.total is None or self.n < self.total):  # close() prints the last
             now = time.monotonic()
             if now - self._printed >= self._every_s:
                 self._printed = now

@@ -57,6 +57,13 @@ def _damage(path: Path, how: str) -> None:
     elif how == "version":
         state = torch.load(path, weights_only=True)
         torch.save({**state, "version": 99}, path)
+    elif how == "foreign":  # another model's checkpoint: a layer wider, one more
+        state = torch.load(path, weights_only=True)
+        model = dict(state["model"])
+        name = next(k for k, v in model.items() if k.startswith("top.") and v.dim() == 2)
+        model[name] = torch.zeros(model[name].shape[0] + 1, model[name].shape[1])
+        model["cross.0.weight"] = torch.zeros(4, 4)
+        torch.save({**state, "model": model}, path)
     else:
         raise ValueError(how)
 
@@ -87,7 +94,8 @@ def _crashed_run(workdir: Path):
 
 
 @pytest.mark.parametrize("how,reason", [("truncated", "truncated"), ("zero", "empty file"),
-                                        ("garbage", "not a torch checkpoint"), ("version", "expected version 1, found 99")])
+                                        ("garbage", "not a torch checkpoint"), ("version", "expected version 1, found 99"),
+                                        ("foreign", "another model's weights (2 differ: cross.0.weight is not in this model")])
 def test_resume_falls_back_past_a_damaged_newest_checkpoint(how, reason, straight, tmp_path, capsys):
     cfg, folder = _crashed_run(tmp_path)
     _damage(folder / "step-00000015.pt", how)

@@ -66,3 +66,29 @@ def test_lists_and_mappings_from_the_command_line():
                              "etl.hash_buckets.C4=7", "data.categorical="])
     assert (cfg.train.bottom_mlp, cfg.train.top_mlp) == ([64, 32], [128, 1])
     assert cfg.etl.hash_buckets == {"C3": 100000, "C4": 7} and cfg.data.categorical == []
+
+
+def test_every_command_help_says_what_it_does_and_gives_examples_that_parse(tmp_path, capsys):
+    import shlex
+
+    from pipeline.stages.cli import EXAMPLES, _config_from, build_parser
+
+    parser = build_parser()
+    for command in ("data", "run", "bench", "config", "settings"):
+        with pytest.raises(SystemExit):
+            parser.parse_args([command, "--help"])
+        text = capsys.readouterr().out
+        assert "examples:" in text and f"python -m pipeline {command}" in text, text
+        description = text.split("\n\n")[1]
+        assert not description.startswith(("positional", "options")), text
+    (tmp_path / "my.yaml").write_text("train:\n  epochs: 2\n")
+    for command, lines in EXAMPLES.items():
+        for line in lines:
+            for part in line.split("#")[0].split("&&"):
+                words = shlex.split(part.split("|")[0].split(">")[0].replace("my.yaml", str(tmp_path / "my.yaml")))
+                assert words[:3] == ["python", "-m", "pipeline"], line
+                args, extra = parser.parse_known_args(words[3:])
+                assert all("=" in word and not word.startswith("-") for word in extra), line
+                if args.command != "settings":
+                    args.overrides = list(args.overrides or []) + extra
+                    _config_from(args)

@@ -19,6 +19,7 @@ import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 import pytest
+import torch
 import yaml
 
 from pipeline.etl import Categorify, FillMissing, Normalize, Workflow
@@ -281,3 +282,61 @@ def test_a_damaged_raw_file_is_named_and_the_data_made_again(tmp_path, capsys, d
     assert f"{middle}" in out and "building it again" in out
     assert pq.read_table(middle).equals(whole)
     assert json.loads((tmp_path / "synthetic" / "processed" / "schema.json").read_text())["rows"]["train"] == 2400
+
+
+# -- model sizes that the model cannot be built with --------------------------------------------
+
+def _processed(workdir: Path) -> list[str]:
+    """Small processed splits under ``workdir``; the arguments that train on them."""
+    from pipeline.loader.synthetic import criteo_schema, write_processed
+
+    args = [f"workdir={workdir}", "device=cpu", "progress=off", "train.batch_size=64", "train.max_steps=2",
+            "train.threads=1"]
+    write_processed(load_config(None, args).paths.processed, criteo_schema(size=0.0001, categorical=3, continuous=2),
+                    {"train": 200, "valid": 100, "test": 100}, row_group_rows=100, seed=1)
+    return args
+
+
+@pytest.mark.parametrize("sizes, expected", [
+    (["train.bottom_mlp=[8]"], ("train.bottom_mlp=[8]", "embedding dim (32, the small preset's)",
+                                "train.embedding_dim=8")),
+    (["train.bottom_mlp=[16,8]", "train.embedding_dim=4"], ("train.bottom_mlp=[16, 8]", "(4, train.embedding_dim)")),
+    (["train.model=dcnv2", "train.embedding_dim=8", "train.cross_rank=100000"],
+     ("train.cross_rank=100000", "width of the cross layers, 32", "train.cross_rank=32 or less")),
+    (["train.model=dcnv2", "train.preset=mlperf", "train.embedding_dim=4"],
+     ("train.cross_rank (0: the mlperf preset's)=512", "train.cross_rank=16 or less")),
+])
+def test_model_sizes_that_do_not_fit_together_are_one_error_line_before_a_run_starts(tmp_path, capsys, sizes,
+                                                                                    expected):
+    args = _processed(tmp_path)
+    _refused(capsys, ["run", "train", *args, *sizes], *expected)
+    assert not (tmp_path / "synthetic" / "train").exists()
+
+
+def test_dcnv2_with_zero_cross_layers_has_none(tmp_path, capsys):
+    from pipeline.modules.models import ModelSizes
+
+    cfg = load_config(None, ["train.model=dcnv2", "train.cross_layers=0"])
+    assert ModelSizes.from_train_config(cfg.train, "cpu").cross_layers == 0
+    args = _processed(tmp_path)
+    assert main(["run", "train", *args, "train.model=dcnv2", "train.cross_layers=0", "train.run=deep"]) == 0
+    weights = torch.load(tmp_path / "synthetic" / "train" / "deep" / "model.pt", weights_only=True)
+    assert not [k for k in weights if k.startswith("cross.")] and [k for k in weights if k.startswith("deep.")]
+
+
+def test_an_empty_section_in_the_yaml_file_takes_overrides(tmp_path, capsys):
+    f = tmp_path / "s.yaml"
+    f.write_text("train:\ndata: ~\nserve:\n  smoke_rows: 3\n")
+    shown = _shown(capsys, "--config", str(f), "train.epochs=2", "data.rows=5", "serve.http_port=8000")
+    assert (shown["train"]["epochs"], shown["data"]["rows"]) == (2, 5)
+    assert (shown["serve"]["smoke_rows"], shown["serve"]["http_port"]) == (3, 8000)
+
+
+def test_a_section_given_a_value_in_the_yaml_file_is_blamed_on_the_file_under_overrides(tmp_path, capsys):
+    f = tmp_path / "s.yaml"
+    f.write_text("seed: 1\ntrain: 3\n")
+    _refused(capsys, ["config", "show", "--config", str(f), "train.epochs=2"], str(f), "line 2", "train is a section")
+
+
+def test_nproc_zero_is_refused(capsys):
+    _refused(capsys, ["run", "train", "--nproc", "0"], "distributed.nproc", ">= 1")

@@ -81,6 +81,16 @@ def test_plain_lines_come_at_most_once_per_interval_and_once_at_the_end(capsys):
     assert "eta " in lines[0] and lines[-1].startswith("[work] item 60/60 (100%) ") and ", in " in lines[-1]
 
 
+def test_the_last_count_is_printed_once_even_when_its_interval_is_due(capsys):
+    with Progress("work", total=3, unit="item", mode="plain", every_s=0.0) as bar:
+        for _ in range(3):
+            bar.update(1)
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(" item/s")[0].rsplit(" ", 1)[0] for line in lines] == [
+        "[work] item 1/3 (33%)", "[work] item 2/3 (67%)", "[work] item 3/3 (100%)"], lines
+    assert ", in " in lines[-1]
+
+
 def test_modes():
     assert progress_mode(False) == progress_mode("off") == "off"
     assert progress_mode("plain") == "plain" and progress_mode("bar") == "bar"

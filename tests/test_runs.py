@@ -4,6 +4,11 @@ newest finished one, resume of the named or the newest run, and export (and serv
 import json
 import os
 import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -59,6 +64,30 @@ def test_a_run_name_in_use_is_refused_without_resume(tmp_path):
     with pytest.raises(UserError, match="train.run=baseline: .* already holds a run; continue it with train.resume"):
         run(cfg)
     assert {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()} == before
+
+
+def test_a_run_being_trained_by_another_process_is_refused_until_that_process_ends(tmp_path, capsys):
+    cfg = _config(tmp_path, "train.run=busy")
+    _write_data(cfg)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    endless = [f"workdir={tmp_path}", *SMALL, "train.run=busy", "train.epochs=100000", "train.early_stopping=0"]
+    first = subprocess.Popen([sys.executable, "-m", "pipeline", "run", "train", *endless], env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (cfg.paths.train / "busy" / "metrics.jsonl").is_file() and first.poll() is None:
+            assert time.monotonic() < deadline, "the first training did not start"
+            time.sleep(0.05)
+        assert first.poll() is None, first.stderr.read()
+        capsys.readouterr()
+        _one_error_line(capsys, ["run", "train", *endless, "train.resume=true"],
+                        f"error: the run {cfg.paths.train / 'busy'} is being trained by another process")
+        assert first.poll() is None, "the first training ended before the second one started"
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=60)
+    # the lock ends with the process that held it, killed or not
+    assert run(_config(tmp_path, "train.run=busy", "train.resume=true", "train.max_steps=2"))["run"] == "busy"
 
 
 def test_an_interrupted_run_leaves_latest_on_the_previous_finished_run(tmp_path):

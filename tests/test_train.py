@@ -184,6 +184,19 @@ def test_resume_with_another_model_is_refused(tmp_path):
         run(_config(tmp_path, "train.max_steps=3", "train.resume=true", "train.model=deepfm"))
 
 
+def test_resume_on_the_output_of_another_etl_with_other_dense_features_is_refused(tmp_path):
+    """The ETL run again with fewer continuous columns (etl.missing_indicator=false) under a run: its bottom
+    MLP would take other inputs, and every checkpoint would be passed over for a fresh start."""
+    cfg = _config(tmp_path, "train.max_steps=3", "train.checkpoint_every=2", "train.run=r")
+    _write_data(cfg)
+    run(cfg)
+    schema = criteo_schema(size=0.0001, categorical=5, continuous=2, multihot={"M1": 3})
+    shutil.rmtree(cfg.paths.processed)
+    write_processed(cfg.paths.processed, schema, {"train": 1500, "valid": 300, "test": 300}, row_group_rows=500, seed=7)
+    with pytest.raises(UserError, match=r"another model \(different num_dense\).*ETL output"):
+        run(_config(tmp_path, "train.max_steps=3", "train.resume=true", "train.run=r"))
+
+
 def test_ids_beyond_the_table_are_reported_with_feature_and_value(tmp_path):
     cfg = _config(tmp_path, "train.max_steps=2")
     _write_data(cfg)
@@ -309,3 +322,32 @@ def test_the_compiled_dense_part_trains_like_eager(tmp_path):
         states[mode] = _final_state(cfg)
     _assert_same_state(states["on"], states["off"])
     _assert_same_state(states["max-autotune"], states["off"])
+
+
+class CtrlCAfter(Callback):
+    """Raises ``KeyboardInterrupt`` at the end of step ``step``, as Ctrl-C does."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step(self, trainer) -> None:
+        if trainer.state.step == self.step:
+            raise KeyboardInterrupt
+
+
+def test_ctrl_c_says_how_to_continue_and_that_continues_the_run(tmp_path, capsys):
+    common = ["train.epochs=2", "train.checkpoint_every=5", "seed=3"]
+    straight = _config(tmp_path / "straight", *common)
+    _write_data(straight)
+    run(straight)
+    cfg = _config(tmp_path / "stopped", *common)
+    _write_data(cfg)
+    with pytest.raises(KeyboardInterrupt):
+        _train(cfg, [CtrlCAfter(12)])
+    name = newest_run(cfg.paths.train).name
+    lines = [line for line in capsys.readouterr().out.splitlines() if "interrupted" in line]
+    assert lines == [f"[train] interrupted at step 12: rerun with train.resume=true train.run={name} to continue it "
+                     "from its checkpoint step-00000010.pt"]
+    run(_config(tmp_path / "stopped", *common, "train.resume=true", f"train.run={name}"))
+    assert f"[train] resuming from {cfg.paths.train / name / 'checkpoints' / 'step-00000010.pt'}" in capsys.readouterr().out
+    _assert_same_state(_final_state(straight), _final_state(cfg))

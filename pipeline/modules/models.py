@@ -59,13 +59,18 @@ class ModelSizes:
         values.update({k: v for k, v in overrides.items() if v not in (None, 0, [])})
         return cls(**values)
 
+    @staticmethod
+    def preset_name(preset: str, device_kind: str) -> str:
+        """The preset that ``preset`` names on ``device_kind`` (``auto``: mlperf on cuda, small on cpu)."""
+        return preset if preset != "auto" else ("mlperf" if device_kind == "cuda" else "small")
+
     @classmethod
     def from_train_config(cls, train, device_kind: str) -> "ModelSizes":
         """The preset of ``train.preset`` (``auto``: mlperf on cuda, small on cpu) with the set sizes on top."""
-        preset = train.preset if train.preset != "auto" else ("mlperf" if device_kind == "cuda" else "small")
-        sizes = cls.preset(preset, embedding_dim=train.embedding_dim, bottom_mlp=list(train.bottom_mlp),
-                           top_mlp=list(train.top_mlp), cross_layers=train.cross_layers, cross_rank=train.cross_rank,
+        sizes = cls.preset(cls.preset_name(train.preset, device_kind), embedding_dim=train.embedding_dim,
+                           bottom_mlp=list(train.bottom_mlp), top_mlp=list(train.top_mlp), cross_rank=train.cross_rank,
                            multihot_pooling=train.multihot_pooling)
+        sizes.cross_layers = train.cross_layers  # no preset sets it, and 0 (no cross layer) is a size of its own
         if not train.bottom_mlp and train.embedding_dim and sizes.bottom_mlp[-1] != train.embedding_dim:
             sizes.bottom_mlp = sizes.bottom_mlp[:-1] + [train.embedding_dim]
         return sizes

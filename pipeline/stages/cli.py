@@ -66,25 +66,57 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", metavar="key=value", help="settings, e.g. data.rows=2000000")
 
 
+EXAMPLES = {
+    # command: lines of its --help's examples
+    "pipeline": ["python -m pipeline run all                           # data, ETL, training, export, a served request",
+                 "python -m pipeline run train train.model=dcnv2 train.epochs=2",
+                 "python -m pipeline config show --config my.yaml     # the settings a run would use",
+                 "python -m pipeline settings                         # every setting, its default and meaning"],
+    "data": ["python -m pipeline data data.rows=2000000",
+             "python -m pipeline data data.source=criteo data.path=day_0.gz --on-bad-lines skip",
+             "python -m pipeline data data.source=table data.path=clicks.csv data.label=clicked "
+             "data.categorical=[user,item]"],
+    "run": ["python -m pipeline run all workdir=/tmp/work data.rows=200000",
+            "python -m pipeline run etl --scheduler tcp://10.0.0.5:8786",
+            "python -m pipeline run train train.model=deepfm train.run=deepfm-1",
+            "python -m pipeline run train train.resume=true train.run=deepfm-1   # continue it after Ctrl-C",
+            "python -m pipeline run train --nproc 2 --device cuda",
+            "python -m pipeline run export export.run=deepfm-1 && python -m pipeline run serve"],
+    "bench": ["python -m pipeline bench train --preset cpu",
+              "python -m pipeline bench quality workdir=/tmp/work data.rows=200000"],
+    "config": ["python -m pipeline config show train.epochs=3",
+               "python -m pipeline config show --config my.yaml > effective.yaml"],
+    "settings": ["python -m pipeline settings | grep train."],
+}
+
+
+def _examples(command: str) -> str:
+    return "examples:\n" + "\n".join(f"  {line}" for line in EXAMPLES[command])
+
+
 def build_parser() -> argparse.ArgumentParser:
     fmt = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(
         prog="python -m pipeline",
         description="An end-to-end recommender pipeline: data -> ETL -> training -> Triton export -> serving.",
-        epilog="`python -m pipeline settings` lists every setting; see README.md for the stages.",
+        epilog=_examples("pipeline") + "\n\n`python -m pipeline COMMAND --help` says more of each; see README.md "
+        "for the stages.",
         formatter_class=fmt,
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("data", help="make the synthetic data, or ingest a Criteo / table file into parquet",
-                       epilog=_settings_epilog(), formatter_class=fmt)
+                       description="Make the raw data under workdir/<dataset>/raw/: the synthetic Criteo-like rows "
+                       "(data.source=synthetic), or a Criteo TSV or a table (CSV, TSV, parquet) read into parquet "
+                       "splits, its malformed rows counted in raw/ingest_report.json.",
+                       epilog=_examples("data") + "\n\n" + _settings_epilog(), formatter_class=fmt)
     p.add_argument("--on-bad-lines", choices=["error", "skip"], help="malformed input rows (data.on_bad_lines=...)")
     _common(p)
 
     p = sub.add_parser("run", help="run one stage, or all of them in order",
                        description="Run a stage. `all` runs data, etl, train, export and a served smoke request, "
                        "each stage reading what the previous one wrote under workdir/<dataset>/.",
-                       epilog=_settings_epilog(), formatter_class=fmt)
+                       epilog=_examples("run") + "\n\n" + _settings_epilog(), formatter_class=fmt)
     p.add_argument("stage", choices=list(STAGES) + ["all"], help="etl | train | export | serve | all (and data)")
     p.add_argument("--scheduler", metavar="ADDRESS", help="ETL on an existing Dask scheduler (etl.scheduler=...)")
     p.add_argument("--on-bad-lines", choices=["error", "skip"], help="malformed input rows (data.on_bad_lines=...)")
@@ -93,7 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
 
     p = sub.add_parser("bench", help="measure a stage against its baseline (figures for docs/BENCHMARKS.md)",
-                       formatter_class=fmt)
+                       description="Time a stage or a part against its baseline in the same run and print both; "
+                       "`python -m pipeline bench WHAT --help` says what each one measures and its options.",
+                       epilog=_examples("bench"), formatter_class=fmt)
     bench_sub = p.add_subparsers(dest="bench", required=True, metavar="WHAT")
     for name, module in BENCHES.items():
         mod = importlib.import_module(module)
@@ -102,11 +136,16 @@ def build_parser() -> argparse.ArgumentParser:
         mod.add_arguments(bp)
         _common(bp)
 
-    p = sub.add_parser("config", help="print the effective settings as YAML", formatter_class=fmt)
+    p = sub.add_parser("config", help="print the effective settings as YAML",
+                       description="Print the settings a command would use (defaults, then --config, then "
+                       "key=value) as YAML, which --config reads back.",
+                       epilog=_examples("config"), formatter_class=fmt)
     p.add_argument("action", choices=["show"])
     _common(p)
 
-    sub.add_parser("settings", help="list every setting with its default and meaning")
+    sub.add_parser("settings", help="list every setting with its default and meaning",
+                   description="List every setting (key=value, or nested sections of a --config YAML file) with "
+                   "its default and meaning.", epilog=_examples("settings"), formatter_class=fmt)
     return parser
 
 
@@ -116,7 +155,7 @@ def _config_from(args: argparse.Namespace) -> config_mod.PipelineConfig:
         overrides.append(f"device={args.device}")
     if getattr(args, "scheduler", None):
         overrides.append(f"etl.scheduler={args.scheduler}")
-    if args.command == "run" and args.nproc:  # bench train_distributed has an --nproc of its own
+    if args.command == "run" and args.nproc is not None:  # bench train_distributed has an --nproc of its own
         overrides.append(f"distributed.nproc={args.nproc}")
     if getattr(args, "on_bad_lines", None):
         overrides.append(f"data.on_bad_lines={args.on_bad_lines}")

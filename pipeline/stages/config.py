@@ -143,10 +143,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ConfigError(f"override {item!r}: expected key=value, e.g. data.rows=2000000")
         node = tree
         *parents, leaf = key.strip().split(".")
-        for part in parents:
-            child = _parsed(node[part]) if part in node else {}
+        for depth, part in enumerate(parents):
+            given = node.get(part)
+            child = {} if given is None or _is_null(given) else _parsed(given)
             if not isinstance(child, dict):
-                raise ConfigError(f"override {item!r}: {part} is not a section")
+                section = ".".join(parents[: depth + 1])
+                if isinstance(given, yaml.Node):
+                    raise ConfigError(f"config file {path}, line {given.start_mark.line + 1}: {section} is a section: "
+                                      f"give it as a mapping of its settings, or leave it empty")
+                raise ConfigError(f"override {item!r}: {section} is not a section")
             node[part] = child
             node = child
         node[leaf] = _Text(raw, f"override {item!r}")

@@ -143,6 +143,19 @@ def _newest_readable(candidates: list[Path], check: Callable[[Path], None]) -> P
     return None
 
 
+def _check_same_weights(path: Path, saved: Any, expected: dict[str, Any]) -> None:
+    """Raise :class:`CheckpointError` unless ``saved`` has the names of ``expected`` and, for its tensors, their shapes."""
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"checkpoint {path} is unreadable: its model is a {type(saved).__name__}, not weights")
+    differ = [f"{k} is not in this model" for k in saved.keys() - expected.keys()]
+    differ += [f"{k} is missing" for k in expected.keys() - saved.keys()]
+    differ += [f"{k} is {list(saved[k].shape)} where this model's is {list(v.shape)}" for k, v in expected.items()
+               if isinstance(v, torch.Tensor) and isinstance(saved.get(k), torch.Tensor) and saved[k].shape != v.shape]
+    if differ:
+        raise CheckpointError(f"checkpoint {path} holds another model's weights ({len(differ)} differ: "
+                              f"{'; '.join(sorted(differ)[:2])})")
+
+
 def rng_state() -> dict[str, Any]:
     """Every RNG the training loop draws from, as tensors and lists."""
     state = {"torch": torch.get_rng_state(), "python": _to_lists(random.getstate())}
@@ -159,10 +172,14 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 class PlainCheckpoints:
-    """One ``step-N.pt`` file per save: the whole state of a single-process :class:`Trainer`."""
+    """One ``step-N.pt`` file per save: the whole state of a single-process :class:`Trainer`.
 
-    def __init__(self, folder: str | Path, keep: int = 2) -> None:
-        self.folder, self.keep = Path(folder), keep
+    Given the ``model`` they are saved from, a checkpoint whose weights are not that model's (their
+    names or shapes differ: another model's file copied in) does not read whole.
+    """
+
+    def __init__(self, folder: str | Path, keep: int = 2, model: nn.Module | None = None) -> None:
+        self.folder, self.keep, self.model = Path(folder), keep, model
 
     def candidates(self) -> list[Path]:
         """Every checkpoint a resume could start from, newest first."""
@@ -174,6 +191,8 @@ class PlainCheckpoints:
         missing = [key for key in _PLAIN_KEYS if key not in state]
         if missing:
             raise CheckpointError(f"checkpoint {path} is unreadable: it lacks {', '.join(missing)}")
+        if self.model is not None:
+            _check_same_weights(path, state["model"], self.model.state_dict())
 
     def newest_readable(self) -> Path | None:
         """The newest checkpoint that reads whole; each newer one is reported in a line and passed over."""

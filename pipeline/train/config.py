@@ -41,7 +41,8 @@ class TrainConfig:
         "help": "DLRM bottom MLP widths, the last = embedding dim (empty: from preset)"})
     top_mlp: list[int] = field(default_factory=list, metadata={
         "help": "top / deep MLP widths ending in 1 (empty: from preset)"})
-    cross_layers: int = field(default=3, metadata={"help": "dcnv2: cross layers"})
+    cross_layers: int = field(default=3, metadata={
+        "help": "dcnv2: cross layers (0: none, the deep MLP alone)"})
     cross_rank: int = field(default=0, metadata={
         "help": "dcnv2: rank of each cross layer (0: the preset's: 512 for mlperf, as MLPerf's DLRM-DCNv2; full "
                 "rank for small)"})
@@ -64,7 +65,7 @@ class TrainConfig:
         "help": "fused sparse optimizer of the tables: sgd | adagrad (row-wise) | adam (lazy)"})
     embedding_lr: float = field(default=0.0, metadata={
         "help": "peak learning rate of the embedding tables (0: the optimizer's: adagrad 0.2 (deepfm 0.02), adam "
-                "0.01, sgd 16)"})
+                "0.01, sgd 16 (deepfm 1.6))"})
     weight_decay: float = field(default=0.0, metadata={"help": "L2 weight decay (dense and embedding)"})
     warmup_fraction: float = field(default=0.2, metadata={
         "help": "linear warmup from 0 to the peak lr over this fraction of the run's steps"})
@@ -154,6 +155,8 @@ class TrainConfig:
         row's gradient is its occurrences' share of the batch's mean loss, so a rare row moves little."""
         if self.embedding_lr > 0:
             return self.embedding_lr
-        if self.embedding_optimizer == "adagrad" and self.model == "deepfm":
-            return 0.02  # the factorization machine multiplies pairs of rows: a large step moves every pair
+        if self.model == "deepfm" and self.embedding_optimizer in ("adagrad", "sgd"):
+            # the factorization machine multiplies pairs of rows: a large step moves every pair (SGD at 4 sends
+            # the loss to infinity over Criteo's 26 features)
+            return {"adagrad": 0.02, "sgd": 1.6}[self.embedding_optimizer]
         return {"adagrad": 0.2, "adam": 0.01, "sgd": 16.0}[self.embedding_optimizer]

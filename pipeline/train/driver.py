@@ -45,6 +45,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -96,15 +97,16 @@ def train(cfg: TrainConfig, data: str | Path, runs: str | Path, *, schema: Schem
         # The loader's thread takes one core; torchrun's ranks get their share in World.from_env.
         torch.set_num_threads(cfg.threads if cfg.threads > 0 else max(1, (os.cpu_count() or 2) - 1))
     try:
-        return _train(cfg, Path(data), Path(runs), schema, seed, world, distributed or DistributedConfig(),
-                      Path(oracle) if oracle else None, callbacks, progress)
+        with contextlib.ExitStack() as held:  # the run folder's lock, released however the training ends
+            return _train(cfg, Path(data), Path(runs), schema, seed, world, distributed or DistributedConfig(),
+                          Path(oracle) if oracle else None, callbacks, progress, held)
     finally:
         torch.set_num_threads(threads)
 
 
 def _train(cfg: TrainConfig, data: Path, runs: Path, schema: Schema, seed: int, world: World,
            distributed: DistributedConfig, oracle_path: Path | None, callbacks: Sequence[Callback],
-           progress: str | bool) -> dict:
+           progress: str | bool, held: contextlib.ExitStack) -> dict:
     start = time.perf_counter()
     device = world.device
     random.seed(seed)
@@ -112,7 +114,7 @@ def _train(cfg: TrainConfig, data: Path, runs: Path, schema: Schema, seed: int, 
 
     check_splits(data, schema)
     spec = model_spec(cfg, schema, device.type, seed)
-    out = _run_folder(runs, cfg, world)
+    out = _run_folder(runs, cfg, world, held)
     if world.is_writer:
         remove_tmp_files(out)
         print(f"[train] run {out.name} in {runs}", flush=True)
@@ -155,6 +157,10 @@ def _train(cfg: TrainConfig, data: Path, runs: Path, schema: Schema, seed: int, 
             with atomic_open(out / "model.pt") as f:
                 torch.save(checkpoints.model_state(model, spec), f)
         test = evaluate(model, test_loader, device, trainer.amp, world)
+    except KeyboardInterrupt:
+        if world.is_writer:
+            _how_to_continue(out, trainer.state.step, next(iter(checkpoints.candidates()), None))
+        raise
     finally:
         for loader in (train_loader, valid_loader, test_loader):
             loader.close()
@@ -178,6 +184,13 @@ def _train(cfg: TrainConfig, data: Path, runs: Path, schema: Schema, seed: int, 
         _report(result, out / "result.json")
     world.barrier()
     return result
+
+
+def _how_to_continue(out: Path, step: int, checkpoint: Path | None) -> None:
+    """Say, on Ctrl-C, how the interrupted run continues."""
+    where = f"from its checkpoint {checkpoint.name}" if checkpoint else "from its start (no checkpoint was saved yet)"
+    print(f"[train] interrupted at step {step}: rerun with train.resume=true train.run={out.name} to continue it "
+          f"{where}", flush=True)
 
 
 def check_splits(data: Path, schema: Schema) -> None:
@@ -204,12 +217,13 @@ def check_splits(data: Path, schema: Schema) -> None:
                             "`python -m pipeline run etl` again")
 
 
-def _run_folder(runs: Path, cfg: TrainConfig, world: World) -> Path:
-    """The run folder rank 0 chose (:func:`~pipeline.train.runs.choose_run`), on every rank; its refusal on every rank."""
+def _run_folder(runs: Path, cfg: TrainConfig, world: World, held: contextlib.ExitStack) -> Path:
+    """The run folder rank 0 chose (:func:`~pipeline.train.runs.choose_run`) and locked until ``held`` closes, on
+    every rank; its refusal on every rank."""
     chosen: Path | UserError | None = None
     if world.is_writer:
         try:
-            chosen = choose_run(runs, cfg)
+            chosen = held.enter_context(choose_run(runs, cfg))
         except UserError as err:
             chosen = err
     chosen = world.gather_objects(chosen)[0]
@@ -241,7 +255,7 @@ def _place(model: nn.Module, cfg: TrainConfig, world: World, distributed: Distri
         # The loader checks every id against its table while reading (on the host); checking again on a
         # GPU would cost a device sync per step.
         model.embedding.validate_ids = world.device.type != "cuda"
-        return model, PlainCheckpoints(folder, cfg.keep_checkpoints)
+        return model, PlainCheckpoints(folder, cfg.keep_checkpoints, model)
     dmp = DistributedModelParallel(model, plans, planner, world.device, comm_dtype=distributed.comm_dtype)
     return dmp, ShardedCheckpoints(folder, world, cfg.keep_checkpoints)
 

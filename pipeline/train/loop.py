@@ -125,7 +125,7 @@ class Trainer:
         self.world = world or World()
         self.device = self.world.device
         self.out_dir = Path(out_dir)
-        self.checkpoints = checkpoints or PlainCheckpoints(self.out_dir / "checkpoints", cfg.keep_checkpoints)
+        self.checkpoints = checkpoints or PlainCheckpoints(self.out_dir / "checkpoints", cfg.keep_checkpoints, model)
         self.loader = train_loader
         self.pipeline = pipeline
         self.steps_per_epoch = steps_per_epoch

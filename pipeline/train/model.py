@@ -36,6 +36,8 @@ def model_spec(cfg: TrainConfig, schema: Schema, device_kind: str, seed: int = 0
                                          master_weights=cfg.embedding_master_weights,
                                          stochastic_rounding=cfg.embedding_stochastic_rounding)
     tables = model_tables(cfg.model, schema, sizes, cfg.admit_after)
+    output_dim = sum(table.dim * len(table.features) for table in tables)
+    _check_sizes(cfg, sizes, ModelSizes.preset_name(cfg.preset, device_kind), len(schema.continuous), output_dim)
     return {
         "version": MODEL_SPEC_VERSION,
         "model": cfg.model,
@@ -46,10 +48,25 @@ def model_spec(cfg: TrainConfig, schema: Schema, device_kind: str, seed: int = 0
         "admit_after": cfg.admit_after,
         "feature_names": list(schema.sparse),
         "tables": [asdict(table) for table in tables],
-        "embedding_output_dim": sum(table.dim * len(table.features) for table in tables),
+        "embedding_output_dim": output_dim,
         "num_dense": len(schema.continuous),
         "schema": schema.to_dict(),
     }
+
+
+def _check_sizes(cfg: TrainConfig, sizes: ModelSizes, preset: str, num_dense: int, output_dim: int) -> None:
+    """Refuse sizes the model of ``cfg`` cannot be built with (or only larger and no better), naming the
+    settings or the preset that set them."""
+    if cfg.model == "dlrm" and num_dense and sizes.bottom_mlp[-1] != sizes.embedding_dim:
+        dim_from = "train.embedding_dim" if cfg.embedding_dim else f"the {preset} preset's"
+        raise UserError(f"train.bottom_mlp={sizes.bottom_mlp}: DLRM's bottom MLP must end in the embedding dim "
+                        f"({sizes.embedding_dim}, {dim_from}), as its output meets the embeddings in dot products; "
+                        f"end it in {sizes.embedding_dim}, or set train.embedding_dim={sizes.bottom_mlp[-1]}")
+    width = (sizes.bottom_mlp[-1] if num_dense else 0) + output_dim
+    if cfg.model == "dcnv2" and sizes.cross_rank > width:
+        rank_from = "train.cross_rank" if cfg.cross_rank else f"train.cross_rank (0: the {preset} preset's)"
+        raise UserError(f"{rank_from}={sizes.cross_rank} is larger than the width of the cross layers, {width}, where "
+                        f"a full-rank layer is smaller and as expressive; set train.cross_rank={width} or less")
 
 
 def model_from_spec(spec: dict, backend: str = "auto") -> RecModel:
@@ -79,11 +96,12 @@ def check_same_model(spec: dict, folder: str | Path) -> None:
         return
     old = json.loads(previous.read_text())
     old["tables"] = _tables(old)
-    differ = [k for k in ("model", "sizes", "embedding_optimizer", "embedding_dtype", "tables", "feature_names")
-              if old.get(k) != spec.get(k)]
+    differ = [k for k in ("model", "sizes", "embedding_optimizer", "embedding_dtype", "tables", "feature_names",
+                          "num_dense") if old.get(k) != spec.get(k)]
     if differ:
         raise UserError(f"train.resume=true, but the checkpoints in {folder / 'checkpoints'} are of another model "
-                        f"(different {', '.join(differ)}); rerun without train.resume or with the same settings")
+                        f"(different {', '.join(differ)}); rerun without train.resume, or with the settings and the "
+                        "ETL output the run was trained with")
 
 
 def load_trained(folder: str | Path, device: str | torch.device = "cpu",

@@ -11,14 +11,20 @@ A run is finished once its ``result.json`` is written, the driver's last write; 
 ``latest`` (a relative symlink, replaced atomically) move to it, so a run that fails or is
 interrupted leaves it on the previous finished run.
 
+A run folder is locked while a process trains it (``.lock``, an ``flock`` that ends with the
+process however it ends), so a second training of the same run at once is refused.
+
 Example::
 
-    folder = choose_run("data/synthetic/train", cfg.train)   # a new run, or the one train.resume continues
-    latest_run("data/synthetic/train")                        # the newest finished run, or None
+    with choose_run("data/synthetic/train", cfg.train) as folder:   # a new run, or the one train.resume continues
+        ...                                                          # train into folder
+    latest_run("data/synthetic/train")                               # the newest finished run, or None
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 import time
 from pathlib import Path
@@ -33,8 +39,8 @@ def new_run_name(model: str, when: float | None = None) -> str:
     return f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime(when))}-{model}"
 
 
-def choose_run(root: str | Path, cfg: TrainConfig) -> Path:
-    """The folder the training of ``cfg`` writes (created): the run to resume with ``cfg.resume``
+def choose_run(root: str | Path, cfg: TrainConfig) -> RunLock:
+    """The folder the training of ``cfg`` writes (created), locked: the run to resume with ``cfg.resume``
     (``cfg.run``, else the run most recently started or resumed), else ``cfg.run`` when it is not in
     use, else a new run of :func:`new_run_name` (``-2``, ``-3``, ... appended when that name is taken)."""
     root = Path(root)
@@ -44,28 +50,62 @@ def choose_run(root: str | Path, cfg: TrainConfig) -> Path:
             known = ", ".join(p.name for p in runs(root)) or "none"
             raise UserError(f"train.resume=true, but there is no run train.run={cfg.run} in {root} "
                             f"(runs there: {known}); name one of them, or leave train.resume=false for a new run")
-        return folder
+        return RunLock(folder)
     if cfg.resume:
         newest = newest_run(root)
         if newest is not None:
-            return newest
+            return RunLock(newest)
     if cfg.run:
         folder = root / cfg.run
-        if folder.is_dir() and any(folder.iterdir()):
+        folder.mkdir(parents=True, exist_ok=True)
+        lock = RunLock(folder)
+        if any(p.name != LOCK_FILE for p in folder.iterdir()):
+            lock.release()
             raise UserError(f"train.run={cfg.run}: {folder} already holds a run; continue it with train.resume=true, "
                             "or choose another train.run")
-        folder.mkdir(parents=True, exist_ok=True)
-        return folder
+        return lock
     root.mkdir(parents=True, exist_ok=True)
     name = new_run_name(cfg.model)
     folder, n = root / name, 1
     while True:
         try:
             folder.mkdir()
-            return folder
+            return RunLock(folder)
         except FileExistsError:
             n += 1
             folder = root / f"{name}-{n}"
+
+
+LOCK_FILE = ".lock"
+
+
+class RunLock:
+    """An exclusive lock on the run ``folder`` while this process trains it (``flock`` on ``folder/.lock``);
+    a context manager that gives the folder and releases the lock. Refused with :class:`UserError` when
+    another process holds it. On a filesystem without locks, says so in a line and locks nothing."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._file = open(folder / LOCK_FILE, "a")
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                print(f"[train] cannot lock {folder / LOCK_FILE} ({err.strerror}): a second training of this run at "
+                      "once would not be refused", flush=True)
+                return
+            self.release()
+            raise UserError(f"the run {folder} is being trained by another process now; wait for it to end, or "
+                            "choose another train.run") from None
+
+    def release(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> Path:
+        return self.folder
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
 
 def runs(root: str | Path) -> list[Path]:
