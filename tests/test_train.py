@@ -351,3 +351,17 @@ def test_ctrl_c_says_how_to_continue_and_that_continues_the_run(tmp_path, capsys
     run(_config(tmp_path / "stopped", *common, "train.resume=true", f"train.run={name}"))
     assert f"[train] resuming from {cfg.paths.train / name / 'checkpoints' / 'step-00000010.pt'}" in capsys.readouterr().out
     _assert_same_state(_final_state(straight), _final_state(cfg))
+
+
+def test_a_diverged_run_stops_with_an_error_naming_the_learning_rates_and_is_not_the_latest(tmp_path):
+    """SGD at an lr far too high makes the loss nan within a few steps: the run stops at the next logged loss
+    with one error naming the learning rates, where it went on to the end, scored nan and became train/latest."""
+    good = _config(tmp_path, "train.max_steps=4", "train.log_every=2", "train.run=good")
+    _write_data(good)
+    run(good)
+    cfg = _config(tmp_path, "train.max_steps=40", "train.log_every=2", "train.optimizer=sgd", "train.lr=1e12",
+                  "train.warmup_steps=1", "train.run=diverged")
+    with pytest.raises(UserError, match=r"training loss became (nan|inf) by step \d+ \(train.lr .*lower learning rates"):
+        run(cfg)
+    assert (cfg.paths.train / "latest").resolve().name == "good"
+    assert not (cfg.paths.train / "diverged" / "result.json").exists()

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from pipeline.distributed.checkpoint import cpu_copy
 from pipeline.distributed.world import World
+from pipeline.errors import UserError
 from pipeline.modules.models import RecModel
 from pipeline.progress import Progress
 from pipeline.train.checkpoint import LoopState, PlainCheckpoints, ShardedCheckpoints
@@ -219,6 +220,7 @@ class Trainer:
                         mark("loss read")
                         rate = window_samples / max(window_time, 1e-9)
                         lr, emb_lr = self.lrs(step - 1)
+                        self._check_finite(loss, step, lr, emb_lr)
                         self._log({"step": step, "epoch": epoch, "loss": loss, "lr": lr, "embedding_lr": emb_lr,
                                    "samples_per_s": rate})
                         bar.set_fields({"loss": f"{loss:.4f}", "lr": f"{lr:.3g}", "samples/s": f"{rate:,.0f}"})
@@ -329,6 +331,19 @@ class Trainer:
         for callback in callbacks:
             callback.on_evaluation(self, result)
         return result
+
+    def _check_finite(self, loss: float, step: int, lr: float, emb_lr: float) -> None:
+        """Stop a run whose loss has diverged (on every rank at the same step: a rank's nan reaches the others'
+        weights through the gradient all-reduce a step later, and ranks that stopped apart would wait for
+        each other)."""
+        finite = math.isfinite(loss)
+        if self.world.size > 1:
+            finite = all(self.world.gather_objects(finite))
+        if not finite:
+            raise UserError(
+                f"train: the training loss became {loss if not math.isfinite(loss) else 'nan on another rank'} by step "
+                f"{step} (train.lr {lr:.3g}, train.embedding_lr {emb_lr:.3g} at that step): the model diverged, and "
+                "this run is not kept as trained; rerun with lower learning rates (or train.warmup_steps longer)")
 
     def _log(self, record: dict) -> None:
         if not self.world.is_writer:
