@@ -20,7 +20,7 @@
 #              with train.compile=max-autotune
 #   etl        the cuDF-vs-pandas tests, bench etl --device cuda, the ETL stage on cuDF
 # A step that fails or runs out of time is recorded and the next one runs. All steps share one time
-# budget (CHECK_BUDGET_S, 560 s by default: one call of a machine lent for ten minutes).
+# budget (CHECK_BUDGET_S, 560 s by default: under a ten-minute limit on one command).
 # Knobs: PYTHON (python3), SITE (/tmp/site), KIT (.kit), KIT_STORE (/root/kit), MODELS_ENV
 # (/tmp/venv-triton), RAPIDS_PARTS, E2E_WORKDIR (/tmp/e2e), E2E_MODELS (dlrm dcnv2 deepfm wide_deep),
 # ETL_BENCH_ARGS, SERVE_ARGS (extra settings for bench serve, e.g. export.instances=4).
