@@ -399,7 +399,8 @@ def test_a_damaged_store_version_is_logged_once_and_the_served_one_kept(served):
     with Client(server.grpc_url, "grpc") as client:
         before = client.predict(rows)
         damaged = write_version(store, tables)
-        table = store / f"v{damaged:06d}" / f"{next(iter(tables))}.npy"
+        folder = store / f"v{damaged:06d}"
+        table = folder / f"{json.loads((folder / 'manifest.json').read_text())['tables'][next(iter(tables))]['file']}.npy"
         table.write_bytes(table.read_bytes()[:-100])
         for _ in range(10):
             np.testing.assert_array_equal(client.predict(rows), before)
@@ -455,13 +456,15 @@ def test_serve_names_a_missing_or_damaged_file_of_the_repository_before_starting
         ("ranker/1/artifacts/workflow/workflow.json", truncate, "workflow.json has"),
         ("ranker/config.pbtxt", Path.unlink, "ranker/config.pbtxt is missing"),
         ("ranker/store/CURRENT", Path.unlink, f"the embedding store {store} does not open (no embedding store"),
-        ("ranker/store/CURRENT-version/t_C3.npy", truncate, f"the embedding store {store} does not open"),
+        ("ranker/store/CURRENT-version/t_C3-file.npy", truncate, f"the embedding store {store} does not open"),
         ("export.json", Path.unlink, "no model repository at"),
     ]
     for path, damage, fragment in cases:
         shutil.rmtree(export, ignore_errors=True)
         shutil.copytree(cfg.paths.export, export)
-        damage(export / path.replace("CURRENT-version", (store / "CURRENT").read_text().strip()))
+        version = store / (store / "CURRENT").read_text().strip()
+        c3 = json.loads((version / "manifest.json").read_text())["tables"]["t_C3"]["file"]  # the store numbers its files
+        damage(export / path.replace("CURRENT-version", version.name).replace("t_C3-file", c3))
         started = time.monotonic()
         with pytest.raises(UserError) as caught:
             serve(damaged)
