@@ -121,6 +121,21 @@ class PerTable:
             tier.refill(tables[table])
 
 
+def shared_layout(tables: dict[str, np.ndarray], capacities: dict[str, int]
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(rows, capacities, first keys, first slots) of ``[rows, dim]`` tables that share one key space (a row's
+    key is its id plus its table's first key) and one array of slots (each table a segment of its capacity,
+    at most its rows)."""
+    for name, table in tables.items():
+        if table.ndim != 2:
+            raise ValueError(f"table {name}: expected a [rows, dim] table, got shape {table.shape}")
+    rows = np.array([t.shape[0] for t in tables.values()], dtype=np.int64)
+    kept = np.array([int(max(0, min(capacities[n], t.shape[0]))) for n, t in tables.items()], dtype=np.int64)
+    first_key = np.concatenate([[0], np.cumsum(rows)[:-1]]).astype(np.int64)
+    first_slot = np.concatenate([[0], np.cumsum(kept)]).astype(np.int64)
+    return rows, kept, first_key, first_slot
+
+
 class _ArrayCaches:
     """The LRU / LFU machinery over tables of one dim and dtype, in one set of arrays.
 
@@ -130,17 +145,10 @@ class _ArrayCaches:
     """
 
     def __init__(self, tables: dict[str, np.ndarray], capacities: dict[str, int]) -> None:
-        for name, table in tables.items():
-            if table.ndim != 2:
-                raise ValueError(f"table {name}: expected a [rows, dim] table, got shape {table.shape}")
+        rows, self.capacities, self._first_key, self._first_slot = shared_layout(tables, capacities)
         self.tables = dict(tables)
         self._names = list(tables)
         self._index = {name: i for i, name in enumerate(tables)}
-        rows = np.array([t.shape[0] for t in tables.values()], dtype=np.int64)
-        self.capacities = np.array([int(max(0, min(capacities[n], t.shape[0]))) for n, t in tables.items()],
-                                   dtype=np.int64)
-        self._first_key = np.concatenate([[0], np.cumsum(rows)[:-1]]).astype(np.int64)
-        self._first_slot = np.concatenate([[0], np.cumsum(self.capacities)]).astype(np.int64)
         slots = int(self._first_slot[-1])
         first = next(iter(tables.values()))
         self._slot_of = np.full(int(rows.sum()), -1, dtype=np.int32 if slots < 2**31 else np.int64)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from export.cache import OneTableTier
+from export.cache import OneTableTier, shared_layout
 
 _TOP = torch.iinfo(torch.int64).max
 
@@ -45,18 +45,11 @@ class TorchCaches:
 
     def __init__(self, tables: dict[str, np.ndarray], capacities: dict[str, int],
                  device: str | torch.device = "cuda") -> None:
-        for name, table in tables.items():
-            if table.ndim != 2:
-                raise ValueError(f"table {name}: expected a [rows, dim] table, got shape {table.shape}")
+        rows, self.capacities, self._first_key, self._first_slot = shared_layout(tables, capacities)
         self.device = torch.device(device)
         self.tables = dict(tables)
         self._names = list(tables)
         self._index = {name: i for i, name in enumerate(tables)}
-        rows = np.array([t.shape[0] for t in tables.values()], dtype=np.int64)
-        self.capacities = np.array([int(max(0, min(capacities[n], t.shape[0]))) for n, t in tables.items()],
-                                   dtype=np.int64)
-        self._first_key = np.concatenate([[0], np.cumsum(rows)[:-1]]).astype(np.int64)
-        self._first_slot = np.concatenate([[0], np.cumsum(self.capacities)]).astype(np.int64)
         self._spare = int(self._first_slot[-1])
         first = next(iter(tables.values()))
         self._dim, self._dtype = first.shape[1], first.dtype
