@@ -44,14 +44,15 @@ class Crash(RuntimeError):
 
 
 class CrashAfter(Callback):
-    """Raises :class:`Crash` at the end of step ``step`` (after its checkpoint, if one is due)."""
+    """Raises ``error`` (:class:`Crash`; ``KeyboardInterrupt`` as Ctrl-C does) at the end of step ``step``
+    (after its checkpoint, if one is due)."""
 
-    def __init__(self, step: int) -> None:
-        self.step = step
+    def __init__(self, step: int, error: type[BaseException] = Crash) -> None:
+        self.step, self.error = step, error
 
     def on_step(self, trainer) -> None:
         if trainer.state.step == self.step:
-            raise Crash(f"stopping after step {self.step}")
+            raise self.error(f"stopping after step {self.step}")
 
 
 def _train(cfg, callbacks=()):
@@ -324,17 +325,6 @@ def test_the_compiled_dense_part_trains_like_eager(tmp_path):
     _assert_same_state(states["max-autotune"], states["off"])
 
 
-class CtrlCAfter(Callback):
-    """Raises ``KeyboardInterrupt`` at the end of step ``step``, as Ctrl-C does."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_step(self, trainer) -> None:
-        if trainer.state.step == self.step:
-            raise KeyboardInterrupt
-
-
 def test_ctrl_c_says_how_to_continue_and_that_continues_the_run(tmp_path, capsys):
     common = ["train.epochs=2", "train.checkpoint_every=5", "seed=3"]
     straight = _config(tmp_path / "straight", *common)
@@ -343,7 +333,7 @@ def test_ctrl_c_says_how_to_continue_and_that_continues_the_run(tmp_path, capsys
     cfg = _config(tmp_path / "stopped", *common)
     _write_data(cfg)
     with pytest.raises(KeyboardInterrupt):
-        _train(cfg, [CtrlCAfter(12)])
+        _train(cfg, [CrashAfter(12, KeyboardInterrupt)])
     name = newest_run(cfg.paths.train).name
     lines = [line for line in capsys.readouterr().out.splitlines() if "interrupted" in line]
     assert lines == [f"[train] interrupted at step 12: rerun with train.resume=true train.run={name} to continue it "
