@@ -108,6 +108,7 @@ def run(args: argparse.Namespace, cfg) -> dict:
     from pipeline.errors import UserError
     from pipeline.files import write_json
     from pipeline.modules.models import ModelSizes
+    from pipeline.train.loop import compiles
 
     budget = args.embedding_budget_mb
     if not args.zipf_exponent > 0:
@@ -121,7 +122,7 @@ def run(args: argparse.Namespace, cfg) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     amp = args.amp == "bf16" or (args.amp == "auto" and device.type == "cuda")
-    compiled = args.compile != "off" and (args.compile != "auto" or device.type == "cuda")
+    compiled = compiles(args.compile, device)
     dim = args.dim or (128 if args.preset == "mlperf" else 64)
     bottom = ([int(w) for w in args.bottom.split(",")] if args.bottom else [512, 256]) + [dim]
     top = [int(w) for w in args.top.split(",")] if args.top else (

@@ -362,13 +362,18 @@ def dense_loss(model: RecModel, amp: bool, dense: torch.Tensor, pooled: torch.Te
     return F.binary_cross_entropy_with_logits(logits.float(), label.float())
 
 
+def compiles(setting: str, device: torch.device) -> bool:
+    """Whether a ``train.compile`` setting compiles on ``device`` (``auto``: on a GPU)."""
+    return setting != "off" and (setting != "auto" or device.type == "cuda")
+
+
 def compiled_dense_loss(model: RecModel, amp: bool, setting: str, device: torch.device):
     """:func:`dense_loss` of ``model`` compiled as ``train.compile`` says (``auto``: on a GPU), else None.
 
     ``max-autotune`` lets Inductor time its own matrix-product kernels, with the element-wise work that
     follows them fused in, against the library's, and keep the fastest (no CUDA graphs: the embedding
     lookup runs eagerly between steps)."""
-    if setting == "off" or (setting == "auto" and device.type != "cuda"):
+    if not compiles(setting, device):
         return None
     mode = "max-autotune-no-cudagraphs" if setting == "max-autotune" else None
     return torch.compile(functools.partial(dense_loss, model, amp), dynamic=False, mode=mode)
