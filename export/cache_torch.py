@@ -70,7 +70,7 @@ class TorchCaches:
         """Mark this lookup's ``slots`` (one per id, repeats included) as looked up."""
         raise NotImplementedError
 
-    def _initial_priority(self, counts: torch.Tensor) -> torch.Tensor | int:
+    def _initial_priority(self, counts: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     def lookup(self, tables: list[str], ids: np.ndarray) -> np.ndarray:
@@ -151,7 +151,7 @@ class TorchCaches:
             evicting = np.flatnonzero(evict)
             span = int(self._first_slot[evicting[0]]), int(self._first_slot[evicting[-1] + 1])
             victims = self._victims(plan[2 * new.size + free_slots.size:], span, protected, slots)
-            self._slot_of[self._key_of[victims]] = self._spare
+            self._slot_of.index_fill_(0, self._key_of[victims], self._spare)
             slots = torch.cat([slots, victims])
         self._key_of[slots] = new_keys
         self._slot_of[new_keys] = slots
@@ -164,8 +164,8 @@ class TorchCaches:
         ``protected`` and ``taken`` ones last in their table."""
         start, end = span
         priority = self._priority.clone()
-        priority[protected] = _TOP
-        priority[taken] = _TOP
+        priority.index_fill_(0, protected, _TOP)
+        priority.index_fill_(0, taken, _TOP)
         by_priority = torch.sort(priority[start:end], stable=True).indices
         order = by_priority[torch.sort(self._table_of_slot[start:end][by_priority], stable=True).indices]
         return order[at - start] + start
@@ -211,7 +211,7 @@ class _TorchLruCaches(TorchCaches):
         self._priority.index_fill_(0, slots, self._tick)
 
     def _initial_priority(self, counts):
-        return self._tick
+        return torch.full_like(counts, self._tick)
 
 
 class _TorchLfuCaches(TorchCaches):

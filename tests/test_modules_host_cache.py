@@ -226,8 +226,10 @@ def test_on_a_gpu_rows_move_between_device_memory_and_mapped_host_tables_as_inde
     host = torch.randn(shape, generator=g).to(dtype)
     assert map_to_device(host, torch.device("cuda")) and map_to_device(host, torch.device("cuda"))
     gc.collect()  # the mapping lives as long as the tensor: registering it again is refused as done already
-    size = host.numel() * host.element_size()
-    assert int(torch.cuda.cudart().cudaHostRegister(host.data_ptr(), size, 0)) != 0
+    from cupy.cuda import runtime
+
+    with pytest.raises(runtime.CUDARuntimeError):
+        runtime.hostRegister(host.data_ptr(), host.numel() * host.element_size(), 0)
     cache = torch.zeros((300, *shape[1:]), dtype=dtype, device="cuda")
     rows, slots = torch.randperm(5000, generator=g)[:200], torch.randperm(300, generator=g)[:200]
     copy_rows(cache, slots.cuda(), host, rows.cuda())
@@ -237,6 +239,23 @@ def test_on_a_gpu_rows_move_between_device_memory_and_mapped_host_tables_as_inde
     copy_rows(host, rows.cuda(), cache, slots.cuda())
     torch.cuda.synchronize()
     assert torch.equal(host[rows], cache[slots.cuda()].cpu())
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_memory_registered_elsewhere_is_not_mapped_again_and_leaves_no_error_behind():
+    """A refused registration is reported as False (the rows then move through the host), and the CUDA error it
+    raised is cleared: the next operation on the device runs."""
+    from cupy.cuda import runtime
+
+    from pipeline.kernels.host_rows import map_to_device
+
+    host = torch.zeros(4096, 8)
+    runtime.hostRegister(host.data_ptr(), host.numel() * host.element_size(), 0)
+    try:
+        assert not map_to_device(host, torch.device("cuda"))
+        assert torch.ones(3, device="cuda").sum().item() == 3
+    finally:
+        runtime.hostUnregister(host.data_ptr())
 
 
 @pytest.mark.gpu

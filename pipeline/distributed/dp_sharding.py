@@ -86,7 +86,7 @@ class DataParallelSharding(EmbeddingSharding):
             tensors = packing.tensors(device)
             nnz = segment_sums(offsets[1:] - offsets[:-1], packing.num_slots)
             base = tensors["row_offsets"][tensors["slot_table"]]
-            touched[torch.repeat_interleave(base, nnz, output_size=values.numel()) + values] = 1.0
+            touched.index_fill_(0, torch.repeat_interleave(base, nnz, output_size=values.numel()) + values, 1.0)
         both = all_reduce(torch.cat([row_grad, touched]), self.group, async_op=False).wait()
         row_grad, touched = both[: packing.total_elements], both[packing.total_elements :]
         ec.step += 1
@@ -101,7 +101,7 @@ class DataParallelSharding(EmbeddingSharding):
         dims = idx["dims"][t]
         # One bag per touched row, in the first slot of its table: bags slot-major, rows ascending.
         lengths = torch.zeros(packing.num_slots, n, dtype=torch.int64, device=device)
-        lengths.view(-1)[slot * n + torch.arange(n, device=device)] = 1
+        lengths.view(-1).index_fill_(0, slot * n + torch.arange(n, device=device), 1)
         order = torch.sort(slot, stable=True).indices
         total = int(dims.sum())
         bag = torch.repeat_interleave(torch.arange(n, device=device), dims, output_size=total)

@@ -49,7 +49,11 @@ def map_to_device(tensor: torch.Tensor, device: torch.device) -> bool:
     address, size = tensor.data_ptr(), tensor.numel() * tensor.element_size()
     if _MAPPED.get(address, 0) >= size:
         return True
-    if int(torch.cuda.cudart().cudaHostRegister(address, size, _REGISTER_PORTABLE_MAPPED)) != 0:
+    from cupy.cuda import runtime
+
+    try:  # through CuPy, which clears the runtime's last error on a refusal (torch would report it later)
+        runtime.hostRegister(address, size, _REGISTER_PORTABLE_MAPPED)
+    except runtime.CUDARuntimeError:
         return False
     _MAPPED[address] = size
     weakref.finalize(tensor, _unmap, address)  # not its storage: a storage object is made anew at each call
@@ -62,7 +66,12 @@ _MAPPED: dict[int, int] = {}
 
 def _unmap(address: int) -> None:
     if _MAPPED.pop(address, None) is not None:
-        torch.cuda.cudart().cudaHostUnregister(address)
+        from cupy.cuda import runtime
+
+        try:
+            runtime.hostUnregister(address)
+        except runtime.CUDARuntimeError:
+            pass  # at interpreter exit the runtime may be gone already
 
 
 def _words(rows: torch.Tensor) -> torch.Tensor:

@@ -108,7 +108,7 @@ class SortedIndex(nn.Module):
         n = self.sorted_rows.numel()
         positions = torch.arange(n, device=slots.device)
         removed = torch.zeros(n, dtype=torch.int64, device=slots.device)
-        removed[torch.searchsorted(self.sorted_rows, self.slot_rows[slots])] = 1
+        removed.index_fill_(0, torch.searchsorted(self.sorted_rows, self.slot_rows[slots]), 1)
         removed_before = torch.cat([removed.new_zeros(1), torch.cumsum(removed, 0)])
         kept_at = positions - removed_before[:-1] + torch.searchsorted(rows, self.sorted_rows)
         below = torch.searchsorted(self.sorted_rows, rows)
@@ -292,7 +292,7 @@ class RowCache(nn.Module):
 
     def cleaned(self, slots: torch.Tensor) -> None:
         """``slots``' rows were written back: clean."""
-        self.dirty[slots] = False
+        self.dirty.index_fill_(0, slots, False)
 
     def drop(self) -> None:
         """Forget every row held, without writing any back."""

@@ -107,7 +107,7 @@ def place(storage: Storage, keys: torch.Tensor, scores: torch.Tensor | None, pol
     slots, writers = torch.empty_like(keys), torch.empty_like(keys)
     was_new = torch.empty(n, dtype=torch.bool, device=device)
     evicted = torch.zeros(n, dtype=torch.bool, device=device)
-    evicted_keys, evicted_scores = torch.empty_like(keys), torch.empty_like(keys)
+    evicted_keys, evicted_scores = torch.zeros_like(keys), torch.zeros_like(keys)  # 0 where nothing was evicted
     evictions = torch.zeros(1 if tables is None else bucket_starts.numel() - 1, dtype=torch.int64, device=device)
     launch(SOURCE, "place_keys", device, _blocks(n * WARP), BLOCK,
            [ptr(storage.digests), ptr(storage.keys), ptr(storage.scores), i64(storage.num_buckets), ptr(bucket_starts),
