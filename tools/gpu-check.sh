@@ -109,7 +109,7 @@ print('--device auto:', resolve_device('auto'))
 " ;;
     kernels)
       step kernels-tests 420 "$PY" -m pytest -q -rs -m gpu -p no:cacheprovider --continue-on-collection-errors tests \
-        --ignore=tests/test_serve_gpu.py --ignore=tests/test_etl_gpu.py ;;
+        --ignore=tests/test_serve_gpu.py --ignore=tests/test_etl_gpu.py --ignore=tests/test_notebooks.py ;;
     train)
       for ids in uniform zipf; do
         step "train-$ids" 150 "$PY" -m pipeline bench train "${mlperf[@]}" --rows 1000000 --ids "$ids" \
