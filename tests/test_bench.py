@@ -63,6 +63,20 @@ def test_bench_train_compiles_our_dense_part_as_the_stage_does(tmp_path, capsys)
     assert "our dense part compiled True" in capsys.readouterr().out
 
 
+def test_bench_train_profiles_more_steps_of_each_model_after_the_timed_rounds(tmp_path, capsys):
+    out = tmp_path / "train.json"
+    assert main(["bench", "train", *TINY_TRAIN, "--embedding-budget-mb", "0.02", "--profile", "2", "--json", str(out),
+                 f"workdir={tmp_path}"]) == 0
+    result = json.loads(out.read_text())
+    assert set(result["profile"]) == {"ours", "host_cached"}
+    for name, figures in result["profile"].items():
+        assert figures["steps"] == 2 and figures["wall_ms_per_step"] > 0
+        text = (tmp_path / f"profile-{name}.txt").read_text()
+        assert text.startswith(f"{name}: 2 steps") and "aten::" in text
+    assert "profile of host_cached: 2 steps" in capsys.readouterr().out
+    assert main(["bench", "train", *TINY_TRAIN, "--profile", "-1", f"workdir={tmp_path}"]) == 2
+
+
 def test_bench_train_times_dynamic_tables_on_the_same_ids_beside_the_static_ones(tmp_path, capsys):
     out = tmp_path / "train.json"
     assert main(["bench", "train", *TINY_TRAIN, "--ids", "zipf", "--dynamic", "--json", str(out), f"workdir={tmp_path}",

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 
 from pipeline.train.config import COMPILE_MODES
 
@@ -91,6 +92,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the same model with every table in device memory, instead of plain PyTorch, on a fresh "
                              "batch every step (0: off; not with --dynamic)")
     parser.add_argument("--json", metavar="FILE", help="also write the figures and settings as JSON")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="after the timed rounds, profile N more steps of each model with torch.profiler: its "
+                             "ms a step, its kernels' ms a step on the device, and the top operations in "
+                             "profile-<model>.txt beside --json (or in the workdir)")
 
 
 def run(args: argparse.Namespace, cfg) -> dict:
@@ -104,6 +109,7 @@ def run(args: argparse.Namespace, cfg) -> dict:
     from pipeline.bench.train_host_cached import HostCachedTraining, print_hit_rates, print_placement
     from pipeline.bench.train_models import our_dlrm, our_training, print_rates, step_batches
     from pipeline.bench.train_plain import BASELINE_OPTIMIZERS, plain_training
+    from pipeline.bench.train_profile import print_profiles, profile_steps
     from pipeline.device import resolve_device
     from pipeline.errors import UserError
     from pipeline.files import write_json
@@ -113,6 +119,8 @@ def run(args: argparse.Namespace, cfg) -> dict:
     budget = args.embedding_budget_mb
     if not args.zipf_exponent > 0:
         raise UserError(f"--zipf-exponent: expected a number > 0, got {args.zipf_exponent}")
+    if args.profile < 0:
+        raise UserError(f"--profile: expected a number of steps >= 0, got {args.profile}")
     if budget < 0:
         raise UserError(f"--embedding-budget-mb: expected a number >= 0, got {budget}")
     if budget and args.dynamic:
@@ -131,7 +139,7 @@ def run(args: argparse.Namespace, cfg) -> dict:
     torch.manual_seed(cfg.seed)
 
     rng = np.random.default_rng(cfg.seed)
-    count = args.warmup + args.rounds * args.steps if budget else ROTATING_BATCHES
+    count = args.warmup + args.rounds * args.steps + args.profile if budget else ROTATING_BATCHES
     # One draw for the whole stream: each table's hot rows stay where they are from batch to batch.
     ids = np.split(draw_ids(args.ids, args.rows, (count * args.batch, args.tables), args.zipf_exponent, rng), count)
     distinct = [np.unique(b[:, t]).size for b in ids[:ROTATING_BATCHES] for t in range(args.tables)]
@@ -145,6 +153,7 @@ def run(args: argparse.Namespace, cfg) -> dict:
     else:
         warmup = [batches[i % count] for i in range(args.warmup)]
         rounds = [[batches[i % count] for i in range(args.steps)]] * args.rounds
+    profiled = batches[count - args.profile:] if budget else [batches[i % count] for i in range(args.profile)]
 
     ours = our_dlrm(args, sizes, device)
     models = {"ours": our_training(ours, amp, args.compile)}
@@ -221,6 +230,12 @@ def run(args: argparse.Namespace, cfg) -> dict:
         print_rates(printed_rates, ratios)
         if args.dynamic:
             print_dynamic_tables(result["dynamic_tables"], args.tables)
+    if args.profile:
+        folder = Path(args.json).parent if args.json else Path(cfg.workdir)
+        folder.mkdir(parents=True, exist_ok=True)
+        result["profile"] = {name: profile_steps(name, train_on, profiled, device, folder)
+                             for name, train_on in models.items()}
+        print_profiles(result["profile"])
     if args.json:
         write_json(args.json, result)
     return result

@@ -359,7 +359,9 @@ class HostCachedCollection(EmbeddingCollection):
             return
         compute = torch.cuda.current_stream(self.weights.device)
         if self._side is None:
-            self._side = torch.cuda.Stream(self.weights.device)
+            # high priority: the next batch's books and row copies run beside the compute stream's large
+            # kernels rather than after them, so its counts reach the host while the step computes
+            self._side = torch.cuda.Stream(self.weights.device, priority=-1)
             for books in self.cache.buffers():  # made on the compute stream, used and replaced on the side one
                 books.record_stream(self._side)
         if after is None:
