@@ -158,7 +158,8 @@ def run(args: argparse.Namespace, cfg) -> dict:
     ours = our_dlrm(args, sizes, device)
     models = {"ours": our_training(ours, amp, args.compile)}
     if budget:
-        host_cached = models["host_cached"] = HostCachedTraining(args, sizes, device, amp, args.compile)
+        host_cached = models["host_cached"] = HostCachedTraining(args, sizes, device, amp, args.compile,
+                                                                    cfg.distributed.sharding)
     else:
         models["plain_pytorch"] = plain_training(args, sizes, device, amp)
         if args.dynamic:

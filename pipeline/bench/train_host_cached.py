@@ -8,14 +8,15 @@ from __future__ import annotations
 class HostCachedTraining:
     """Our DLRM of ``sizes`` with its tables placed under ``args.embedding_budget_mb`` (the same values as
     :func:`~pipeline.bench.train_models.our_dlrm`'s), trained on the ``kjt`` of a list of ``StepBatch``, one step
-    each, and the figures of its placement and caches."""
+    each, and the figures of its placement and caches. ``sharding``: the tables' pinned placements
+    (``distributed.sharding``), as the training stage takes them."""
 
-    def __init__(self, args, sizes, device, amp: bool, compiled: str):
+    def __init__(self, args, sizes, device, amp: bool, compiled: str, sharding: dict[str, str]):
         from pipeline.bench.train_models import our_step
         from pipeline.distributed.train_pipeline import CachePrefetchPipeline
 
         self.budget_mb = args.embedding_budget_mb
-        self.model, self._topology = _placed_under_budget(args, sizes, device)
+        self.model, self._topology = _placed_under_budget(args, sizes, device, sharding)
         self._step = our_step(self.model, amp, compiled)
         self._pipeline = CachePrefetchPipeline(self.model, device)
         self._found_before_timing: dict = {}
@@ -49,9 +50,9 @@ class HostCachedTraining:
                 "hit_rates": hit_rates}
 
 
-def _placed_under_budget(args, sizes, device):
-    """Our DLRM with its tables placed by the planner under ``args.embedding_budget_mb``, as the training stage
-    places them on one process, and the planner's topology."""
+def _placed_under_budget(args, sizes, device, sharding: dict[str, str]):
+    """Our DLRM with its tables placed by the planner under ``args.embedding_budget_mb`` and the pinned placements
+    ``sharding``, as the training stage places them on one process, and the planner's topology."""
     import torch
 
     from pipeline.bench.train_models import our_dlrm
@@ -62,7 +63,8 @@ def _placed_under_budget(args, sizes, device):
 
     model = our_dlrm(args, sizes, "cpu")
     ec = model.embedding
-    planner = make_planner(DistributedConfig(memory_per_rank_mb=args.embedding_budget_mb), 1, device,
+    planner = make_planner(DistributedConfig(memory_per_rank_mb=args.embedding_budget_mb, sharding=dict(sharding)), 1,
+                           device,
                            batch_size=args.batch, optimizer=args.optimizer, weight_bytes=4)
     plan = planner.plan(ec.tables)
     cached = {name: p.cache_rows for name, p in plan.tables.items() if p.cache_rows}
