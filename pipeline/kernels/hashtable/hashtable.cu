@@ -156,6 +156,35 @@ __device__ __forceinline__ long long run_end(const long long* __restrict__ order
     }
 }
 
+// The table of the storage's bucket `b`: the last t < num_tables with bucket_starts[t] <= b.
+__device__ __forceinline__ int table_of_bucket(const long long* __restrict__ bucket_starts, int num_tables,
+                                               long long b) {
+    int lo = 0, hi = num_tables - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (bucket_starts[mid] <= b) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
+// The first sorted position whose key is of `table` and `bucket` (of the table's `count` buckets) or after them,
+// n where none is: a binary search, each lane of the warp the same one.
+__device__ __forceinline__ long long first_position(const long long* __restrict__ ordered,
+                                                    const short* __restrict__ tables, long long n, int table,
+                                                    long long bucket, long long count) {
+    long long lo = 0, hi = n;
+    while (lo < hi) {
+        const long long mid = (lo + hi) >> 1;
+        const int t = tables != nullptr ? tables[mid] : 0;
+        const bool before = t < table ||
+                            (t == table && bucket_of((u64)ordered[mid] ^ 0x8000000000000000ull, count) < bucket);
+        if (before) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
 // The placement of a writing call: one warp per bucket walks the bucket's distinct keys in hash order
 // (`ordered`: hash_order_keys sorted, `order`: their batch positions, stable; for a group, then sorted by table,
 // stable, `tables` the table of each sorted position) twice. First the keys in
@@ -165,6 +194,11 @@ __device__ __forceinline__ long long run_end(const long long* __restrict__ order
 // digests of slots 4l..4l+3 in a register and a bit per slot touched by this call; a slot's key and
 // score are read and written by its own lane only, but the slot's old score under LFU, which every
 // lane reads. Writes digests, keys and scores; the rows are copied by the caller (copy_rows).
+// With `per_bucket`, warp w places the keys of the storage's bucket w (num_buckets warps, which the caller uses
+// when the batch has at least as many keys: a warp a bucket, each finding its keys by a binary search); else
+// warp w looks at sorted position w (n warps) and places its bucket's keys if w is the first of them. Either
+// way every launched warp may hold a bucket, rather than one warp in as many as a bucket has positions (which
+// would keep the blocks of long-running warps resident with their other warps idle).
 //
 // Out, per batch position p: slots[p] (in the key's table, -1: not placed), was_new[p], writers[p] (the
 // slot of the storage the row of position p goes to, -1: none; the key's last position with `assign`, else
@@ -177,16 +211,31 @@ extern "C" __global__ void __launch_bounds__(256) place_keys(
     long long n, const long long* __restrict__ given_scores, int policy, long long clock, int assign,
     long long* __restrict__ slots, bool* __restrict__ was_new, long long* __restrict__ writers,
     bool* __restrict__ evicted, long long* __restrict__ evicted_keys, long long* __restrict__ evicted_scores,
-    long long* __restrict__ evictions) {
-    const long long start = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    long long* __restrict__ evictions, int per_bucket, int num_tables) {
+    const long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int lane = threadIdx.x & 31;
-    if (start >= n) return;  // the whole warp
-    const int table = tables != nullptr ? tables[start] : 0;
-    const TableBuckets span = table_buckets(bucket_starts, table, num_buckets);
-    const long long bucket = bucket_of((u64)ordered[start] ^ 0x8000000000000000ull, span.count);  // in its table
-    if (start > 0 && (tables == nullptr || tables[start - 1] == table) &&
-        bucket_of((u64)ordered[start - 1] ^ 0x8000000000000000ull, span.count) == bucket)
-        return;
+    long long start, bucket;  // the bucket's first sorted position; the bucket, in its table
+    int table;
+    TableBuckets span;
+    if (per_bucket) {
+        if (warp >= num_buckets) return;  // the whole warp
+        table = tables != nullptr ? table_of_bucket(bucket_starts, num_tables, warp) : 0;
+        span = table_buckets(bucket_starts, table, num_buckets);
+        bucket = warp - span.first;
+        start = first_position(ordered, tables, n, table, bucket, span.count);
+        if (start >= n || (tables != nullptr && tables[start] != table) ||
+            bucket_of((u64)ordered[start] ^ 0x8000000000000000ull, span.count) != bucket)
+            return;  // no key of this call in the bucket
+    } else {
+        start = warp;
+        if (start >= n) return;
+        table = tables != nullptr ? tables[start] : 0;
+        span = table_buckets(bucket_starts, table, num_buckets);
+        bucket = bucket_of((u64)ordered[start] ^ 0x8000000000000000ull, span.count);
+        if (start > 0 && (tables == nullptr || tables[start - 1] == table) &&
+            bucket_of((u64)ordered[start - 1] ^ 0x8000000000000000ull, span.count) == bucket)
+            return;  // not the bucket's first position
+    }
     const long long base = (span.first + bucket) * SLOTS;
     const long long mine = base + 4 * lane;  // this lane's first slot
     unsigned int digest4 = *reinterpret_cast<const unsigned int*>(digests + mine);  // byte j: slot mine + j

@@ -108,10 +108,12 @@ def place(storage: Storage, keys: torch.Tensor, scores: torch.Tensor | None, pol
     was_new = torch.empty(n, dtype=torch.bool, device=device)
     evicted = torch.zeros(n, dtype=torch.bool, device=device)
     evicted_keys, evicted_scores = torch.zeros_like(keys), torch.zeros_like(keys)  # 0 where nothing was evicted
-    evictions = torch.zeros(1 if tables is None else bucket_starts.numel() - 1, dtype=torch.int64, device=device)
-    launch(SOURCE, "place_keys", device, _blocks(n * WARP), BLOCK,
+    num_tables = 1 if tables is None else bucket_starts.numel() - 1
+    evictions = torch.zeros(num_tables, dtype=torch.int64, device=device)
+    per_bucket = storage.num_buckets <= n  # a warp a bucket, else a warp a position (see place_keys)
+    launch(SOURCE, "place_keys", device, _blocks((storage.num_buckets if per_bucket else n) * WARP), BLOCK,
            [ptr(storage.digests), ptr(storage.keys), ptr(storage.scores), i64(storage.num_buckets), ptr(bucket_starts),
             ptr(tables), ptr(keys), ptr(ordered), ptr(order), i64(n), ptr(scores), i32(policy), i64(clock),
             i32(assign), ptr(slots), ptr(was_new), ptr(writers), ptr(evicted), ptr(evicted_keys), ptr(evicted_scores),
-            ptr(evictions)])
+            ptr(evictions), i32(per_bucket), i32(num_tables)])
     return Placement(slots, was_new, writers, evicted, evicted_keys, evicted_scores, evictions)
