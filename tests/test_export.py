@@ -110,6 +110,18 @@ def test_instance_groups_and_dynamic_batching_are_options():
     assert "max_queue_delay_microseconds: 0" in fused["ranker"]  # no wait: a lone request runs at once
 
 
+def test_instances_default_to_one_per_core_up_to_a_limit(monkeypatch):
+    from export.config import AUTO_INSTANCES_MAX
+    from pipeline.stages.export import model_options
+
+    for cores, expected in ((1, 1), (2, 2), (64, AUTO_INSTANCES_MAX)):
+        monkeypatch.setattr("os.cpu_count", lambda cores=cores: cores)
+        assert model_options(load_config(None, ["device=cpu"])).instances == expected
+    assert model_options(load_config(None, ["device=cpu", "export.instances=3"])).instances == 3
+    with pytest.raises(ConfigError, match="export.instances"):
+        load_config(None, ["export.instances=-1"])
+
+
 def test_export_settings_are_checked():
     with pytest.raises(ConfigError, match="export.cache_policy: expected one of lru, lfu, none, got 'fifo'"):
         load_config(None, ["export.cache_policy=fifo"])
