@@ -38,6 +38,9 @@ class ExportConfig:
                 "was busy are still merged)"})
     cache_policy: str = field(default="lru", metadata={"help": "lru | lfu | none: the cache of hot embedding rows"})
     cache_fraction: float = field(default=0.25, metadata={"help": "rows of each table kept in the cache, as a fraction"})
+    cuda_graphs: bool = field(default=True, metadata={
+        "help": "GPU instances run the dense part as CUDA graphs, one per batch size padded to a power of two "
+                "(its few small layers are bound by kernel launches); CPU instances always run it as it is"})
     dense_threads: int = field(default=1, metadata={
         "help": "torch threads of each CPU dense instance (1: small requests, cores left to the other models)"})
     fuse: str = field(default="auto", metadata={
