@@ -84,6 +84,8 @@ def decode_bytes(encoded) -> np.ndarray:
     buffer = np.frombuffer(encoded, dtype=np.uint8)
     if buffer.size == 0:
         return np.empty(0, dtype=object)
+    if buffer.size < _SPLIT_BELOW:
+        return _from_list(_split(buffer.tobytes()))
     first = _LENGTH.unpack_from(buffer)[0] if buffer.size >= 4 else -1
     if first >= 0 and buffer.size % (4 + first) == 0:
         records = buffer.reshape(-1, 4 + first)
@@ -92,8 +94,6 @@ def decode_bytes(encoded) -> np.ndarray:
             if first == 0:
                 return np.zeros(len(records), dtype="S1")
             return np.ascontiguousarray(values).view(f"S{first}").reshape(-1) if values.all() else _objects(buffer)
-    if buffer.size < _SPLIT_BELOW:
-        return _from_list(_split(buffer.tobytes()))
     lengths = _lengths(buffer)
     is_value = np.ones(buffer.size, dtype=bool)
     is_value[_starts(lengths)[:-1, None] + np.arange(4)] = False
