@@ -146,7 +146,8 @@ class DenseRunner:
         batch = padded_batch(rows, self.max_batch) if self.cuda_graphs and rows else None
         with torch.inference_mode():
             if batch is not None:
-                return self._graph(batch, inputs)(inputs, rows)
+                with torch.cuda.device(self.device):  # the graph's device, whichever the process made current
+                    return self._graph(batch, inputs)(inputs, rows)
             out = self.module(*(torch.from_numpy(x).to(self.device) for x in inputs))
         return out.cpu().numpy()
 
