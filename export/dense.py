@@ -94,7 +94,7 @@ class _Graph:
                 module(*self._inputs())
         torch.cuda.current_stream(device).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):  # other threads may use CUDA
             self.output = module(*self._inputs())
 
     def _inputs(self) -> list[torch.Tensor]:
