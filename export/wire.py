@@ -9,12 +9,12 @@ more time than the model's. Here:
   interleaved by numpy; all the string columns of a request at once.
 - :func:`decode_bytes` (the served models, installed over the python backend's
   ``deserialize_bytes_tensor``, which the stub calls on every BYTES input): the values come back as
-  one fixed-width ``S`` array, built by numpy from where each value starts. Where every value has the
-  same length those starts are known at once; a small tensor (under :data:`_SPLIT_BELOW` bytes: a
-  request of up to about a hundred rows) is cut into its values by one Python pass and handed to numpy
-  as a list, which costs a quarter of the numpy calls below at 32 rows; in a larger one, where the
-  values are text (under 256 bytes, no NUL byte) numpy reads the starts off the zero bytes, which are
-  then those of the lengths alone; otherwise one Python pass over the lengths finds them.
+  one fixed-width ``S`` array. A small tensor (under :data:`_SPLIT_BELOW` bytes: a request of up to
+  about a hundred rows) is cut into its values by one Python pass and handed to numpy as a list, which
+  at 32 rows costs a third of the numpy calls below. A larger one is built by numpy from where each
+  value starts: where every value has the same length those starts are known at once; where the
+  values are text (under 256 bytes, no NUL byte) numpy reads them off the zero bytes, which are then
+  those of the lengths alone; otherwise one Python pass over the lengths finds them.
   A value holding a NUL byte cannot live in an ``S`` array (numpy and Arrow read such values up to
   their NUL), so a tensor with one comes back as an object array of ``bytes``, as the backend's own
   function returns it. So does a tensor whose ``S`` array would take far more memory than its values

@@ -100,8 +100,8 @@ def auto_instances(kind: str) -> int:
     model (Triton counts those per GPU), this machine's cores shared among its GPUs.
 
     A python model's instance is one process that computes one request at a time on one core (one torch thread),
-    so concurrent clients are served at once only by several; on 2 cores, 8 clients got 40 % more rows/s from 2
-    instances than from 1, and no more from 4 (docs/BENCHMARKS.md, Serving)."""
+    so concurrent clients are served at once only by several; on 2 cores, 8 clients got up to 40 % more rows/s
+    from 2 instances than from 1 (not in every run), and no more from 4 (docs/BENCHMARKS.md, Serving)."""
     cores = os.cpu_count() or 1
     if kind == "gpu":
         import torch
