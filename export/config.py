@@ -11,6 +11,8 @@ DENSE_BACKENDS = ("python", "pytorch")
 INSTANCE_KINDS = ("auto", "cpu", "gpu")
 CACHE_POLICIES = ("lru", "lfu", "none")
 FUSE = ("auto", "all", "none")
+AUTO_INSTANCES_MAX = 8
+"""Instances of each model that ``export.instances=0`` makes at most: each holds its own embedding cache."""
 MAX_REQUEST_MB = 2047.0
 """The guard holds each request body in memory whole."""
 MAX_JSON_DEPTH = 1000
@@ -26,13 +28,19 @@ class ExportConfig:
         "help": "python (bundled server) | pytorch (Triton's libtorch backend, in a full Triton container)"})
     instance_kind: str = field(default="auto", metadata={
         "help": "auto | cpu | gpu: instance groups of embedding and dense (auto: gpu when the device is cuda)"})
-    instances: int = field(default=1, metadata={"help": "instances of each model"})
+    instances: int = field(default=0, metadata={
+        "help": "instances of each model (of a GPU model: per GPU); 0: one per core of the exporting machine, at most "
+                f"{AUTO_INSTANCES_MAX} (a python model's instance is one process computing one request at a time, so "
+                "concurrent requests need several; each holds its own cache of hot rows)"})
     dynamic_batching: bool = field(default=True, metadata={"help": "let Triton merge concurrent requests"})
     max_queue_delay_us: int = field(default=0, metadata={
         "help": "dynamic batching: longest wait for more requests (0: none; requests that queued while the model "
                 "was busy are still merged)"})
     cache_policy: str = field(default="lru", metadata={"help": "lru | lfu | none: the cache of hot embedding rows"})
     cache_fraction: float = field(default=0.25, metadata={"help": "rows of each table kept in the cache, as a fraction"})
+    cuda_graphs: bool = field(default=True, metadata={
+        "help": "GPU instances run the dense part as CUDA graphs, one per batch size padded to a power of two "
+                "(its few small layers are bound by kernel launches); CPU instances always run it as it is"})
     dense_threads: int = field(default=1, metadata={
         "help": "torch threads of each CPU dense instance (1: small requests, cores left to the other models)"})
     fuse: str = field(default="auto", metadata={
@@ -51,8 +59,9 @@ class ExportConfig:
                               ("cache_policy", CACHE_POLICIES), ("fuse", FUSE)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"export.{name}: expected one of {', '.join(allowed)}, got {getattr(self, name)!r}")
-        for name in ("max_batch_size", "instances", "dense_threads"):
+        for name in ("max_batch_size", "dense_threads"):
             check_range(f"export.{name}", getattr(self, name), 1)
+        check_range("export.instances", self.instances, 0)
         check_range("export.max_queue_delay_us", self.max_queue_delay_us, 0)
         check_range("export.cache_fraction", self.cache_fraction, 0, 1)
         check_run_name("export.run", self.run)

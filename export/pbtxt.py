@@ -93,6 +93,7 @@ class ModelOptions:
     cache_policy: str = "lru"
     cache_fraction: float = 0.25
     dense_threads: int = 1
+    cuda_graphs: bool = True
     fused: bool | None = None
     """One ``ranker`` model (raw rows -> probabilities) in place of ``preprocess``, ``embedding`` and ``dense``;
     None: where that was measured faster, CPU instances with the python dense backend."""
@@ -111,7 +112,7 @@ def model_configs(spec: EnsembleSpec, options: ModelOptions) -> dict[str, str]:
                             "it needs export.dense_backend=python (or export.fuse=none)")
         return {
             "ranker": _python_model("ranker", spec.raw, [spec.prediction], options,
-                                    parameters={**cache, "intra_op_threads": str(options.dense_threads)}),
+                                    parameters={**cache, **_dense_parameters(options)}),
             "ensemble": _ensemble(spec, options),
         }
     return {
@@ -121,6 +122,10 @@ def model_configs(spec: EnsembleSpec, options: ModelOptions) -> dict[str, str]:
         "dense": _dense(spec, options),
         "ensemble": _ensemble(spec, options),
     }
+
+
+def _dense_parameters(options: ModelOptions) -> dict[str, str]:
+    return {"intra_op_threads": str(options.dense_threads), "cuda_graphs": str(options.cuda_graphs).lower()}
 
 
 def _io(inputs: list[Tensor], outputs: list[Tensor]) -> str:
@@ -150,7 +155,7 @@ def _dense(spec: EnsembleSpec, options: ModelOptions) -> str:
     inputs = spec.dense_inputs
     if options.dense_backend == "python":
         return _python_model("dense", inputs, [spec.prediction], options,
-                             parameters={"intra_op_threads": str(options.dense_threads)})
+                             parameters=_dense_parameters(options))
     if options.dense_backend != "pytorch":
         raise UserError(f"export.dense_backend: expected python or pytorch, got {options.dense_backend!r}")
     renamed_in = [Tensor(f"INPUT__{i}", t.dtype, t.dims) for i, t in enumerate(inputs)]

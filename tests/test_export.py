@@ -110,6 +110,44 @@ def test_instance_groups_and_dynamic_batching_are_options():
     assert "max_queue_delay_microseconds: 0" in fused["ranker"]  # no wait: a lone request runs at once
 
 
+def test_instances_default_to_one_per_core_up_to_a_limit(monkeypatch):
+    from export.config import AUTO_INSTANCES_MAX
+    from pipeline.stages.export import model_options
+
+    for cores, expected in ((1, 1), (2, 2), (64, AUTO_INSTANCES_MAX)):
+        monkeypatch.setattr("os.cpu_count", lambda cores=cores: cores)
+        assert model_options(load_config(None, ["device=cpu"])).instances == expected
+    assert model_options(load_config(None, ["device=cpu", "export.instances=3"])).instances == 3
+    with pytest.raises(ConfigError, match="export.instances"):
+        load_config(None, ["export.instances=-1"])
+
+
+@pytest.mark.parametrize("max_batch", [1, 7, 64, 1000])
+def test_a_batch_is_padded_to_the_smallest_graph_batch_that_holds_it(max_batch):
+    from export.dense import padded_batch
+
+    sizes = sorted({1 << k for k in range(max_batch.bit_length()) if 1 << k <= max_batch} | {max_batch})
+    for rows in range(max_batch + 3):
+        expected = next((size for size in sizes if size >= rows), None)
+        assert padded_batch(rows, max_batch) == expected, rows
+
+
+def test_cuda_graphs_are_a_dense_parameter_and_cpu_runners_run_the_module_as_it_is(tmp_path):
+    from export.dense import DenseRunner
+
+    spec = EnsembleSpec.build(_raw(False), _schema(False), embedding_dim_total=32)
+    assert 'key: "cuda_graphs" value: { string_value: "true" }' in model_configs(spec, ModelOptions())["ranker"]
+    chain = model_configs(spec, ModelOptions(fused=False, cuda_graphs=False))
+    assert 'key: "cuda_graphs" value: { string_value: "false" }' in chain["dense"]
+    model = build_model("dlrm", _schema(False), ModelSizes.preset("small"), seed=0).eval()
+    path = save_dense(model, tmp_path / "model.pt")
+    runner = DenseRunner(path, cuda_graphs=True)
+    assert not runner.cuda_graphs
+    rng = np.random.default_rng(0)
+    dense, pooled = rng.normal(size=(5, model.num_dense)), rng.normal(size=(5, model.embedding.output_dim))
+    assert np.array_equal(runner(dense, pooled), DenseRunner(path)(dense, pooled))
+
+
 def test_export_settings_are_checked():
     with pytest.raises(ConfigError, match="export.cache_policy: expected one of lru, lfu, none, got 'fifo'"):
         load_config(None, ["export.cache_policy=fifo"])

@@ -44,7 +44,7 @@ ROWS = 300
 def served(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("serve")
     cfg = load_config(None, [f"workdir={workdir}", "data.rows=3000", "etl.cluster=threads", "device=cpu",
-                             "export.max_batch_size=512"])
+                             "export.max_batch_size=512", "export.instances=1"])  # one cache: its counters
     problem = server_problem(cfg.serve)
     if problem:
         pytest.fail(f"the serving tests need a Triton server and the models' environment (make serve-env): {problem}")

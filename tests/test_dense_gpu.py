@@ -1,0 +1,39 @@
+"""The served dense part on a GPU as CUDA graphs against the same module run as it is (marker ``gpu``).
+
+Batches of every padding case (one row, a power of two, between two, the largest graph batch, beyond it) go
+through one runner with graphs and one without, in turn, so a graph replays after others and after batches of
+other sizes; the answers must be equal.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from export.dense import DenseRunner, save_dense
+from pipeline.modules.models import ModelSizes, build_model
+from pipeline.schema import Column, Schema
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("num_dense", [2, 0])
+def test_cuda_graphs_answer_as_the_module_run_as_it_is(tmp_path, num_dense):
+    columns = [Column("label", "label", "float32"), Column("C1", "categorical", "int32", cardinality=50),
+               Column("C2", "categorical", "int32", cardinality=7)]
+    columns += [Column(f"I{k}", "continuous", "float32") for k in range(num_dense)]
+    model = build_model("dlrm", Schema(columns), ModelSizes.preset("small"), seed=0).eval()
+    path = save_dense(model, tmp_path / "model.pt")
+    graphs = DenseRunner(path, "cuda", cuda_graphs=True, max_batch=64)
+    eager = DenseRunner(path, "cuda")
+    assert graphs.cuda_graphs and not eager.cuda_graphs
+    rng = np.random.default_rng(0)
+    for rows in (1, 3, 64, 17, 32, 100, 3, 1):
+        dense = rng.normal(size=(rows, num_dense)).astype(np.float32) if num_dense else None
+        pooled = rng.normal(size=(rows, model.embedding.output_dim)).astype(np.float32)
+        got, expected = graphs(dense, pooled), eager(dense, pooled)
+        assert got.shape == expected.shape == (rows, 1)
+        # The same kernels on the same inputs; cuBLAS may pick another algorithm for the padded batch size.
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    torch.cuda.synchronize()
