@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks, on a GPU machine, by group: tests against their references and the benchmarks of
-# docs/BENCHMARKS.md, each step logged to $OUT/<group>-<step>.log and summed up at the end.
+# docs/BENCHMARKS.md, each step logged to <step>.log (its figures and profiles beside it) in CHECK_LOGS, and
+# at the end all of it packed into $OUT/gpu-check.tgz with the summary in $OUT/summary.txt (two files: a
+# transfer that brings back few files gets everything).
 #
 #   OUT=/tmp/out bash tools/gpu-check.sh GROUP...
 #
@@ -27,13 +29,14 @@
 set -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-check-out}
+W=${CHECK_LOGS:-/tmp/gpu-check}
 PY=${PYTHON:-python3}
 SITE=${SITE:-/tmp/site}
 KIT=${KIT:-.kit}
 KIT_STORE=${KIT_STORE:-/root/kit}
 MODELS_ENV=${MODELS_ENV:-/tmp/venv-triton}
 BUDGET=${CHECK_BUDGET_S:-560}
-mkdir -p "$OUT" "$SITE"
+mkdir -p "$OUT" "$SITE" "$W"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}" PIPELINE_TRITON_ENV="$MODELS_ENV"
 summary=$(mktemp)
 
@@ -43,10 +46,10 @@ step() {  # step NAME LIMIT_S COMMAND...: run with a timeout cut to the budget l
   if [ "$left" -lt 15 ]; then echo "$name: skipped (budget spent)" | tee -a "$summary"; return; fi
   [ "$limit" -gt "$left" ] && limit=$left
   local t0=$SECONDS rc
-  echo "== $name (limit ${limit}s): $*" | tee "$OUT/$name.log"
-  timeout --kill-after=10 "$limit" "$@" >> "$OUT/$name.log" 2>&1; rc=$?
+  echo "== $name (limit ${limit}s): $*" | tee "$W/$name.log"
+  timeout --kill-after=10 "$limit" "$@" >> "$W/$name.log" 2>&1; rc=$?
   echo "$name: rc=$rc$([ $rc -eq 124 ] && echo ' (timed out)') in $((SECONDS - t0))s" | tee -a "$summary"
-  tail -n 3 "$OUT/$name.log"
+  tail -n 3 "$W/$name.log"
 }
 
 install_kit() {  # gather the parts that came; install each set (base, models) once all its parts are there
@@ -113,26 +116,26 @@ print('--device auto:', resolve_device('auto'))
     train)
       for ids in uniform zipf; do
         step "train-$ids" 150 "$PY" -m pipeline bench train "${mlperf[@]}" --rows 1000000 --ids "$ids" \
-          --optimizer adagrad --steps 20 --rounds 3 --json "$OUT/train-$ids.json"
+          --optimizer adagrad --steps 20 --rounds 3 --json "$W/train-$ids/result.json"
       done ;;
     dynamic)
       for ids in zipf uniform; do
         step "dynamic-$ids" 200 "$PY" -m pipeline bench train "${mlperf[@]}" --ids "$ids" --dynamic \
-          --json "$OUT/dynamic-$ids.json"
+          --profile 5 --json "$W/dynamic-$ids/result.json"
       done ;;
     hostcache)
       step hostcache-2m 240 "$PY" -m pipeline bench train "${mlperf[@]}" --rows 2000000 --ids zipf --optimizer adagrad \
-        --embedding-budget-mb 8192 --warmup 30 --steps 20 --rounds 3 --json "$OUT/hostcache-2m.json"
+        --embedding-budget-mb 8192 --warmup 30 --steps 20 --rounds 3 --profile 5 --json "$W/hostcache-2m/result.json"
       # 26 x 5M rows x dim 128: 62 GiB of fp32 tables, in host memory for the host-cached model and in device
       # memory for the other; a quarter of it is the host-cached model's device budget
       step hostcache-5m 420 "$PY" -m pipeline bench train "${mlperf[@]}" --rows 5000000 --ids zipf --optimizer adagrad \
-        --embedding-budget-mb 15872 --warmup 100 --steps 20 --rounds 3 --json "$OUT/hostcache-5m.json" ;;
+        --embedding-budget-mb 15872 --warmup 100 --steps 20 --rounds 3 --json "$W/hostcache-5m/result.json" ;;
     serve)
       step serve-tests 240 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_serve_gpu.py
       for fuse in none all; do
         # shellcheck disable=SC2086
         step "serve-$fuse" 200 "$PY" -m pipeline bench serve --device cuda --batches 1,32,64,1024 --requests 200 \
-          --clients 16 --throughput-batch 1024 --seconds 5 --json "$OUT/serve-$fuse.json" export.fuse="$fuse" \
+          --clients 16 --throughput-batch 1024 --seconds 5 --json "$W/serve-$fuse.json" export.fuse="$fuse" \
           workdir=/tmp/serve-bench ${SERVE_ARGS:-}
       done ;;
     e2e)
@@ -141,19 +144,21 @@ print('--device auto:', resolve_device('auto'))
         workdir="$w" data.size=1.0 data.rows=10000000
       for model in ${E2E_MODELS:-dlrm dcnv2 deepfm wide_deep}; do
         step "e2e-$model" 150 "$PY" -m pipeline bench e2e --device cuda --batch 65536 --steps 100 --warmup 20 \
-          workdir="$w" data.size=1.0 data.rows=10000000 train.model="$model" --out "$OUT/e2e-$model"
+          workdir="$w" data.size=1.0 data.rows=10000000 train.model="$model" --out "$W/e2e-$model"
       done
       step e2e-dcnv2-autotune 400 "$PY" -m pipeline bench e2e --device cuda --batch 65536 --steps 100 --warmup 20 \
         workdir="$w" data.size=1.0 data.rows=10000000 train.model=dcnv2 train.compile=max-autotune \
-        --out "$OUT/e2e-dcnv2-autotune" ;;
+        --out "$W/e2e-dcnv2-autotune" ;;
     etl)
       step etl-tests 180 env PIPELINE_ETL_GPU_ROWS="${ETL_GPU_TEST_ROWS:-2000000}" \
         "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_etl_gpu.py
       # shellcheck disable=SC2086
       step etl-bench 400 "$PY" -m pipeline bench etl --device cuda --rows "${ETL_BENCH_ROWS:-20000000}" --workers 0 \
-        --repeats 2 --json "$OUT/bench-etl.json" --report "$OUT/etl-tasks.json" ${ETL_BENCH_ARGS:-} workdir=/tmp/etl-bench
+        --repeats 2 --json "$W/bench-etl.json" --report "$W/etl-tasks.json" ${ETL_BENCH_ARGS:-} workdir=/tmp/etl-bench
       step etl-stage 60 "$PY" -m pipeline run etl --device cuda data.rows=500000 etl.cluster=local workdir=/tmp/etl-stage ;;
     *) echo "unknown group $group (setup preflight kernels train dynamic hostcache serve e2e etl)"; exit 2 ;;
   esac
 done
 echo "== summary ($SECONDS s)"; cat "$summary"
+cp "$summary" "$OUT/summary.txt" && cp "$summary" "$W/summary.txt"
+tar czf "$OUT/gpu-check.tgz" -C "$W" .
