@@ -95,14 +95,21 @@ def model_options(cfg: PipelineConfig) -> ModelOptions:
         fused={"all": True, "none": False, "auto": None}[cfg.export.fuse])
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity: ``taskset``, a container's cpuset), not the host's."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def auto_instances(kind: str) -> int:
-    """Instances of each model for ``export.instances=0``: one per core, at most ``AUTO_INSTANCES_MAX``; of a GPU
-    model (Triton counts those per GPU), this machine's cores shared among its GPUs.
+    """Instances of each model for ``export.instances=0``: one per usable core (:func:`usable_cores`), at most
+    ``AUTO_INSTANCES_MAX``; of a GPU model (Triton counts those per GPU), those cores shared among the GPUs.
 
     A python model's instance is one process that computes one request at a time on one core (one torch thread),
     so concurrent clients are served at once only by several; on 2 cores, 8 clients got up to 40 % more rows/s
     from 2 instances than from 1 (not in every run), and no more from 4 (docs/BENCHMARKS.md, Serving)."""
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     if kind == "gpu":
         import torch
 
