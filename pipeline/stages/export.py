@@ -46,7 +46,23 @@ def run(cfg: PipelineConfig) -> dict:
     what = f"embedding store version {summary['store_version']}" if cfg.export.update else "model repository"
     print(f"[export] wrote the {what} to {cfg.paths.export}: run {trained['run']}, {trained['model']}, "
           f"test AUC {trained['test_auc']:.4f}", flush=True)
+    if not cfg.export.update:
+        print(_instances_line(cfg, summary), flush=True)
     return summary
+
+
+def _instances_line(cfg: PipelineConfig, summary: dict) -> str:
+    """How many instances serve each model, and the memory their caches of hot rows take together."""
+    from export.lookup import cache_rows
+    from export.store import open_current
+
+    instances = summary["options"]["instances"]
+    tables = open_current(Path(summary["repository"]) / summary["lookup_model"] / "store").tables.values()
+    per_instance = sum(cache_rows(t.shape[0], cfg.export.cache_fraction) * t.shape[1] * t.itemsize for t in tables)
+    how = f"one per usable core, at most {AUTO_INSTANCES_MAX}" if cfg.export.instances == 0 else "export.instances"
+    return (f"[export] {instances} instance(s) of each model ({how}), each a process of its own with its own cache "
+            f"of hot rows: {instances * per_instance / 2**20:,.1f} MiB of caches in all at "
+            f"export.cache_fraction={cfg.export.cache_fraction}")
 
 
 def trained_run(cfg: PipelineConfig) -> Path:
