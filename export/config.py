@@ -29,7 +29,7 @@ class ExportConfig:
     instance_kind: str = field(default="auto", metadata={
         "help": "auto | cpu | gpu: instance groups of embedding and dense (auto: gpu when the device is cuda)"})
     instances: int = field(default=0, metadata={
-        "help": "instances of each model (of a GPU model: per GPU); 0: one per core of the exporting machine, at most "
+        "help": "instances of each model (of a GPU model: per GPU); 0: one per core the export may run on, at most "
                 f"{AUTO_INSTANCES_MAX} (a python model's instance is one process computing one request at a time, so "
                 "concurrent requests need several; each holds its own cache of hot rows)"})
     dynamic_batching: bool = field(default=True, metadata={"help": "let Triton merge concurrent requests"})

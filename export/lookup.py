@@ -109,7 +109,7 @@ class EmbeddingLookup:
         self._column_rows = np.array([self._rows[self._table_of[f]] for f in self.config.categorical], dtype=np.int64)
 
     def _capacity(self, rows: int) -> int:
-        return min(rows, max(self.min_cache_rows, int(rows * self.cache_fraction)))
+        return cache_rows(rows, self.cache_fraction, self.min_cache_rows)
 
     def refresh(self) -> bool:
         """Switch to the store's current version if it changed; True when it did.
@@ -212,6 +212,11 @@ class EmbeddingLookup:
             "hits": hits, "misses": misses, "evictions": sum(s["evictions"] for s in tables.values()),
             "hit_rate": hits / (hits + misses) if hits + misses else 0.0, "tables": tables,
         }
+
+
+def cache_rows(rows: int, fraction: float, min_rows: int = 1024) -> int:
+    """Rows of a table of ``rows`` that an instance's cache holds: ``fraction`` of them, at least ``min_rows``."""
+    return min(rows, max(min_rows, int(rows * fraction)))
 
 
 def _batch_size(categorical: np.ndarray | None, multihot_lengths: np.ndarray | None, onehot: int) -> int:

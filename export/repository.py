@@ -18,8 +18,8 @@ its part of the files above::
 :func:`check_repository` finds a file of those that is gone or of another size, or a store whose current
 version does not open, before a server is started on the repository.
 
-``update=True`` writes only a new version of the embedding store (the running model that holds it
-switches to it before its next batch, without a restart); the dense part must be unchanged, since
+``update=True`` writes only a new version of the embedding store (every running instance of the model
+that holds it switches to it, without a restart: see :mod:`export.instance`); the dense part must be unchanged, since
 serving new tables with an old dense part (or the reverse) would mix two models.
 
 Example::

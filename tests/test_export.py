@@ -115,12 +115,25 @@ def test_instances_default_to_one_per_core_up_to_a_limit(monkeypatch):
     from pipeline.stages.export import model_options
 
     for cores, expected in ((1, 1), (2, 2), (64, AUTO_INSTANCES_MAX)):
-        monkeypatch.setattr("os.cpu_count", lambda cores=cores: cores)
+        monkeypatch.setattr("os.sched_getaffinity", lambda pid, cores=cores: set(range(cores)))
         assert model_options(load_config(None, ["device=cpu"])).instances == expected
     assert model_options(load_config(None, ["device=cpu", "export.instances=3"])).instances == 3
     with pytest.raises(ConfigError, match="export.instances"):
         load_config(None, ["export.instances=-1"])
 
+
+def test_instances_default_to_the_cores_this_process_may_run_on():
+    """A process confined to one core (taskset, a container's cpuset) gets one instance, not one per core of the host."""
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("taskset") is None:
+        pytest.skip("needs taskset (util-linux)")
+    command = ["taskset", "-c", "0", sys.executable, "-c",
+               "from pipeline.stages.export import auto_instances; print(auto_instances('cpu'))"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "1"
 
 @pytest.mark.parametrize("max_batch", [1, 7, 64, 1000])
 def test_a_batch_is_padded_to_the_smallest_graph_batch_that_holds_it(max_batch):

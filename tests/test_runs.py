@@ -179,7 +179,11 @@ def test_export_of_a_named_older_run_exports_it_and_serve_compares_with_it(two_r
 def test_export_takes_latest_and_refuses_a_missing_or_unfinished_run(two_runs, capsys):
     data, _, newer = two_runs
     assert main(["run", "export", *SMALL, *data]) == 0
-    assert f": run {newer['run']}, dcnv2, test AUC {newer['test']['auc']:.4f}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f": run {newer['run']}, dcnv2, test AUC {newer['test']['auc']:.4f}" in out
+    from pipeline.stages.export import auto_instances
+
+    assert f"[export] {auto_instances('cpu')} instance(s) of each model (one per usable core, at most" in out, out
 
     _one_error_line(capsys, ["run", "export", *SMALL, *data, "export.run=nope"], "export.run=nope", "older",
                     newer["run"])

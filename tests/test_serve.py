@@ -38,13 +38,15 @@ from pipeline.stages.export import model_options
 from pipeline.stages.serve import sample_rows
 
 ROWS = 300
+INSTANCES = 2
+"""Instances of the served model: several, as the default gives on any machine of more than one core."""
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("serve")
     cfg = load_config(None, [f"workdir={workdir}", "data.rows=3000", "etl.cluster=threads", "device=cpu",
-                             "export.max_batch_size=512", "export.instances=1"])  # one cache: its counters
+                             "export.max_batch_size=512", f"export.instances={INSTANCES}"])
     problem = server_problem(cfg.serve)
     if problem:
         pytest.fail(f"the serving tests need a Triton server and the models' environment (make serve-env): {problem}")
@@ -319,17 +321,17 @@ def _parent(pid: int) -> int | None:
         return None
 
 
-def test_cache_counters_are_reported(served):
+def test_cache_counters_are_reported_by_every_instance(served):
     cfg, _, _, server = served
     with Client(server.grpc_url, "grpc") as client:
-        client.predict(_rows(cfg).iloc[:50])
-        client.predict(_rows(cfg).iloc[:50])
+        for _ in range(INSTANCES + 1):  # one instance at least gets the same rows twice
+            client.predict(_rows(cfg).iloc[:50])
     deadline = time.monotonic() + 5
     stats = cache_stats(cfg.paths.export)
     while stats["hits"] == 0 and time.monotonic() < deadline:
         time.sleep(0.1)
         stats = cache_stats(cfg.paths.export)
-    assert stats["instances"] == 1 and stats["policy"] == "lru"
+    assert stats["instances"] == INSTANCES and stats["policy"] == "lru"
     assert stats["hits"] > 0 and stats["misses"] > 0 and 0 < stats["hit_rate"] < 1
 
 
@@ -378,6 +380,23 @@ def test_embedding_update_is_picked_up_without_restart_and_never_mixed(served):
     assert kinds == sorted(kinds, key=lambda k: k == "new"), "an old answer came after a new one"
 
 
+def test_an_update_reaches_every_instance_without_a_request(served):
+    """An idle instance switches too: its counters say which version it serves, and it does not hold on to a
+    version export has pruned."""
+    from export.repository import lookup_dir
+    from export.store import open_current, write_version
+
+    cfg, _, _, server = served
+    with Client(server.grpc_url, "grpc") as client:
+        client.predict(_rows(cfg).iloc[:4])
+    store = lookup_dir(cfg.paths.export) / "store"
+    version = write_version(store, {name: np.array(table) for name, table in open_current(store).tables.items()})
+    deadline = time.monotonic() + 5
+    while cache_stats(cfg.paths.export)["versions"] != [version] * INSTANCES and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert cache_stats(cfg.paths.export)["versions"] == [version] * INSTANCES
+
+
 def test_update_refuses_a_changed_dense_part(served):
     cfg, _, reference, _ = served
     changed = build_model("dlrm", reference.schema, ModelSizes.preset("small"), seed=99)
@@ -405,13 +424,14 @@ def test_a_damaged_store_version_is_logged_once_and_the_served_one_kept(served):
         for _ in range(10):
             np.testing.assert_array_equal(client.predict(rows), before)
         time.sleep(0.5)
-        assert server.log_path.read_text().count(complaint) == complaints + 1, "one line, not one per batch"
+        assert server.log_path.read_text().count(complaint) == complaints + INSTANCES, \
+            "one line per instance, not one per batch"
         repaired = write_version(store, tables)
         np.testing.assert_array_equal(client.predict(rows), before)
     deadline = time.monotonic() + 5
-    while cache_stats(cfg.paths.export)["versions"] != [repaired] and time.monotonic() < deadline:
+    while cache_stats(cfg.paths.export)["versions"] != [repaired] * INSTANCES and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert cache_stats(cfg.paths.export)["versions"] == [repaired] and served_now.version < damaged < repaired
+    assert cache_stats(cfg.paths.export)["versions"] == [repaired] * INSTANCES and served_now.version < damaged < repaired
 
 
 def test_the_chain_of_three_models_serves_the_same_predictions(served, tmp_path):

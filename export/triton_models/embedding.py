@@ -18,14 +18,15 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         self.name = config["name"]
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
-        self.instance = LookupInstance(args, params)
+        self.instance = LookupInstance(
+            args, params, lambda message: pb_utils.Logger.log_error(f"{self.name}: {message}"))
         self.inputs = [i["name"] for i in config["input"]]
 
     def _compute(self, inputs):
         return {"EMBEDDINGS": self.instance.pooled(inputs)}
 
     def execute(self, requests):
-        self.instance.refresh(lambda message: pb_utils.Logger.log_error(f"{self.name}: {message}"))
+        self.instance.refresh()
         return respond(requests, self.inputs, self._compute, pb_utils, self.name)
 
     def finalize(self):

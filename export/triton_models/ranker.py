@@ -29,7 +29,8 @@ class TritonPythonModel:
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         self.preprocessor = Preprocessor.load(Path(args["model_repository"]) / args["model_version"] / "artifacts")
         self.runner = DenseRunner.for_instance(args, params)
-        self.instance = LookupInstance(args, params)
+        self.instance = LookupInstance(
+            args, params, lambda message: pb_utils.Logger.log_error(f"{self.name}: {message}"))
         self.inputs = [i["name"] for i in config["input"]]
 
     def _compute(self, inputs):
@@ -37,7 +38,7 @@ class TritonPythonModel:
         return {"PREDICTION": self.runner(features.get(DENSE), self.instance.pooled(features))}
 
     def execute(self, requests):
-        self.instance.refresh(lambda message: pb_utils.Logger.log_error(f"{self.name}: {message}"))
+        self.instance.refresh()
         return respond(requests, self.inputs, self._compute, pb_utils, self.name)
 
     def finalize(self):

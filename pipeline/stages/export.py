@@ -46,7 +46,23 @@ def run(cfg: PipelineConfig) -> dict:
     what = f"embedding store version {summary['store_version']}" if cfg.export.update else "model repository"
     print(f"[export] wrote the {what} to {cfg.paths.export}: run {trained['run']}, {trained['model']}, "
           f"test AUC {trained['test_auc']:.4f}", flush=True)
+    if not cfg.export.update:
+        print(_instances_line(cfg, summary), flush=True)
     return summary
+
+
+def _instances_line(cfg: PipelineConfig, summary: dict) -> str:
+    """How many instances serve each model, and the memory their caches of hot rows take together."""
+    from export.lookup import cache_rows
+    from export.store import open_current
+
+    instances = summary["options"]["instances"]
+    tables = open_current(Path(summary["repository"]) / summary["lookup_model"] / "store").tables.values()
+    per_instance = sum(cache_rows(t.shape[0], cfg.export.cache_fraction) * t.shape[1] * t.itemsize for t in tables)
+    how = f"one per usable core, at most {AUTO_INSTANCES_MAX}" if cfg.export.instances == 0 else "export.instances"
+    return (f"[export] {instances} instance(s) of each model ({how}), each a process of its own with its own cache "
+            f"of hot rows: {instances * per_instance / 2**20:,.1f} MiB of caches in all at "
+            f"export.cache_fraction={cfg.export.cache_fraction}")
 
 
 def trained_run(cfg: PipelineConfig) -> Path:
@@ -95,14 +111,21 @@ def model_options(cfg: PipelineConfig) -> ModelOptions:
         fused={"all": True, "none": False, "auto": None}[cfg.export.fuse])
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity: ``taskset``, a container's cpuset), not the host's."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def auto_instances(kind: str) -> int:
-    """Instances of each model for ``export.instances=0``: one per core, at most ``AUTO_INSTANCES_MAX``; of a GPU
-    model (Triton counts those per GPU), this machine's cores shared among its GPUs.
+    """Instances of each model for ``export.instances=0``: one per usable core (:func:`usable_cores`), at most
+    ``AUTO_INSTANCES_MAX``; of a GPU model (Triton counts those per GPU), those cores shared among the GPUs.
 
     A python model's instance is one process that computes one request at a time on one core (one torch thread),
     so concurrent clients are served at once only by several; on 2 cores, 8 clients got up to 40 % more rows/s
     from 2 instances than from 1 (not in every run), and no more from 4 (docs/BENCHMARKS.md, Serving)."""
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     if kind == "gpu":
         import torch
 
