@@ -119,7 +119,7 @@ def _train(cfg: TrainConfig, data: Path, runs: Path, schema: Schema, seed: int, 
         remove_tmp_files(out)
         print(f"[train] run {out.name} in {runs}", flush=True)
     model, checkpoints = _place(model_from_spec(spec, backend=cfg.embedding_backend), cfg, world, distributed,
-                                out / "checkpoints")
+                                out / "checkpoints", schema)
     if cfg.resume and checkpoints.candidates():
         check_same_model(spec, out)
     world.barrier()  # every rank has read the old model.json before it is replaced
@@ -233,19 +233,21 @@ def _run_folder(runs: Path, cfg: TrainConfig, world: World, held: contextlib.Exi
 
 
 def _place(model: nn.Module, cfg: TrainConfig, world: World, distributed: DistributedConfig,
-           folder: Path) -> tuple[nn.Module, PlainCheckpoints | ShardedCheckpoints]:
+           folder: Path, schema: Schema) -> tuple[nn.Module, PlainCheckpoints | ShardedCheckpoints]:
     """The model as the loop trains it and its checkpoint format in ``folder``.
 
     On a world of one: the model itself, the tables the plan host-caches (those over the memory
     budget, or named by ``distributed.sharding``) in host memory behind device caches, and ``.pt``
     checkpoints. On N ranks: the model sharded by ``DistributedModelParallel`` and sharded checkpoints.
+    A host-cached table's least cache holds two batches of its multi-hot columns' longest lists.
     """
     if distributed.plan_file:
         plans, planner = {"embedding": _plan_file(distributed.plan_file, model.embedding.tables, world.size)}, None
     else:
         plans = None
         planner = make_planner(distributed, world.size, world.device, batch_size=cfg.batch_size,
-                               optimizer=cfg.embedding_optimizer, weight_bytes=_WEIGHT_BYTES[cfg.embedding_dtype])
+                               optimizer=cfg.embedding_optimizer, weight_bytes=_WEIGHT_BYTES[cfg.embedding_dtype],
+                               max_ids_per_sample={c: schema.column(c).max_length for c in schema.multihot})
     if world.size == 1:
         plan = plans["embedding"] if plans else planner.plan(model.embedding.tables)
         cached = {name: p.cache_rows for name, p in plan.tables.items() if p.cache_rows}
