@@ -180,3 +180,18 @@ def test_a_multi_hot_host_cached_table_gets_a_cache_that_holds_its_batches(multi
         run_train(load_config(None, [*multihot, "train.run=refused", "distributed.memory_per_rank_mb=0.04"]))
     result = run_train(load_config(None, [*multihot, "train.run=tight", "distributed.memory_per_rank_mb=0.06"]))
     assert "t_tags" in result["embedding_cache"] and result["embedding_cache"]["t_tags"]["evictions"] > 0
+
+
+def test_a_plan_file_whose_cache_cannot_hold_two_batches_is_refused_before_training(multihot, tmp_path):
+    cfg = load_config(None, multihot)
+    run_train(load_config(None, [*multihot, "train.run=planned-source", "train.max_steps=2"]))
+    tables = json.loads((cfg.paths.train / "planned-source" / "model.json").read_text())["tables"]
+    for name, rows in (("small", 150), ("enough", 384)):  # two batches of 32 samples of 6 tags: 384
+        ShardingPlan(1, {t["name"]: ParameterSharding.table_wise(t["name"], t["rows"], 0, cache_rows=rows if
+                         t["name"] == "t_tags" else 0) for t in tables}).save(tmp_path / f"{name}.json")
+    with pytest.raises(UserError, match=r"small.json: the device cache of t_tags holds 150 rows, but two batches of "
+                                        r"train.batch_size=32 need 384: give it cache_rows of at least 384"):
+        run_train(load_config(None, [*multihot, "train.run=small", f"distributed.plan_file={tmp_path / 'small.json'}"]))
+    result = run_train(load_config(None, [*multihot, "train.run=enough",
+                                          f"distributed.plan_file={tmp_path / 'enough.json'}"]))
+    assert result["embedding_cache"]["t_tags"]["evictions"] > 0
