@@ -60,6 +60,8 @@ def test_planner_error_reports_needed_and_available_per_rank():
     message = str(err.value)
     assert "2 rank(s) with 1.00 MiB each" in message and "MiB per rank" in message
     assert "host-cached in a device cache of 8,192 rows at least" in message  # 2 steps x 2 ranks x 2048 ids
+    assert message.endswith("give each rank more (distributed.memory_per_rank_mb), lower train.batch_size (a device "
+                            "cache holds two batches of ids), or train on more ranks")
     assert err.value.available == [2**20] * 2 and len(err.value.needed) == 2
     assert max(err.value.needed) > 2**20
     with pytest.raises(PlannerError, match=r"pinned to rank 0"):

@@ -171,7 +171,8 @@ def test_the_least_recently_used_row_goes_and_a_dirty_one_is_written_back():
     assert cache.stats["t"] == CacheStats(rows=4, hits=0, evictions=2, writebacks=1)
     assert cache.index.find(torch.tensor([1, 2, 4, 5])).ge(0).tolist() == [False, True, True, True]
     with pytest.raises(CacheTooSmall, match="table t: a batch needs 3 rows copied into its device cache of 3 rows, but "
-                                            "only 2 slots"):
+                                            r"only 2 slots.*larger cache \(distributed.memory_per_rank_mb, or its "
+                                            r"cache_rows in distributed.plan_file\), or lower train.batch_size$"):
         step([6, 7, 8], training=True)
 
 

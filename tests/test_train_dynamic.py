@@ -6,6 +6,7 @@ import shutil
 import pytest
 import torch
 
+from pipeline.errors import UserError
 from pipeline.schema import Schema
 from pipeline.stages.cli import main
 from pipeline.stages.config import load_config
@@ -85,6 +86,15 @@ def test_resume_after_a_crash_ends_with_the_same_ids_rows_and_state(processed, t
     final = [torch.load(c.paths.train / "latest" / "model.pt", weights_only=True) for c in (straight, crashed)]
     assert any(key.endswith("_extra_state") for key in final[0])
     _same(*final)
+
+
+def test_resume_with_another_admit_after_is_refused_naming_the_setting(processed, tmp_path):
+    cfg = _config(_copy(processed, tmp_path), "train.max_steps=8", "train.checkpoint_every=4")
+    with pytest.raises(Crash):
+        train(cfg.train, cfg.paths.processed, cfg.paths.train, schema=Schema.load(cfg.paths.schema),
+              seed=cfg.seed, callbacks=[CrashAfter(5)], progress="off")
+    with pytest.raises(UserError, match=r"trained with train.admit_after=2, not 3: resume with train.admit_after=2"):
+        run(_config(tmp_path, "train.max_steps=8", "train.resume=true", "train.admit_after=3"))
 
 
 def test_the_exported_parts_look_raw_ids_up_as_the_trained_model(processed, tmp_path):

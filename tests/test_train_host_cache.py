@@ -152,3 +152,46 @@ def test_a_plan_file_host_caches_a_table_of_one_process_and_one_for_another_worl
     refused = [*common, "train.run=refused", f"distributed.plan_file={tmp_path / 'plan-2.json'}"]
     with pytest.raises(UserError, match=r"plan_file=.*plan-2.json: the plan is for 2 ranks, this world has 1"):
         run_train(load_config(None, refused))
+
+
+@pytest.fixture(scope="module")
+def multihot(tmp_path_factory):
+    """A table with a multi-hot column of 6 ids a sample, drawn from 2,000 values: a batch of 32 samples has
+    about 190 distinct ids of it, three times the 64 rows that two batches of one id a sample would need."""
+    from pipeline.stages.cli import run_stages
+
+    folder = tmp_path_factory.mktemp("host-cache-multihot")
+    rng = np.random.default_rng(0)
+    n = 2000
+    pd.DataFrame({"clicked": rng.integers(0, 2, n), "price": rng.random(n),
+                  "user": [f"u{u}" for u in rng.integers(0, 1000, n)],
+                  "tags": ["|".join(map(str, row)) for row in rng.integers(0, 2000, (n, 6))]}).to_csv(
+        folder / "tags.csv", index=False)
+    common = [f"workdir={folder}", "device=cpu", "data.source=table", f"data.path={folder / 'tags.csv'}",
+              "data.label=clicked", "data.continuous=[price]", "data.categorical=[user]", "data.multihot=[tags]",
+              "etl.cluster=threads", "progress=off", "train.batch_size=32", "train.epochs=1", "train.threads=1"]
+    run_stages(["data", "etl"], load_config(None, common))
+    return common
+
+
+def test_a_multi_hot_host_cached_table_gets_a_cache_that_holds_its_batches(multihot):
+    # Two batches of 32 samples of 6 tags: 384 rows of t_tags (0.05 MiB) at least, beside t_user's 64.
+    with pytest.raises(UserError, match=r"t_tags \(1986 x 32, host-cached in a device cache of 384 rows at least"):
+        run_train(load_config(None, [*multihot, "train.run=refused", "distributed.memory_per_rank_mb=0.04"]))
+    result = run_train(load_config(None, [*multihot, "train.run=tight", "distributed.memory_per_rank_mb=0.06"]))
+    assert "t_tags" in result["embedding_cache"] and result["embedding_cache"]["t_tags"]["evictions"] > 0
+
+
+def test_a_plan_file_whose_cache_cannot_hold_two_batches_is_refused_before_training(multihot, tmp_path):
+    cfg = load_config(None, multihot)
+    run_train(load_config(None, [*multihot, "train.run=planned-source", "train.max_steps=2"]))
+    tables = json.loads((cfg.paths.train / "planned-source" / "model.json").read_text())["tables"]
+    for name, rows in (("small", 150), ("enough", 384)):  # two batches of 32 samples of 6 tags: 384
+        ShardingPlan(1, {t["name"]: ParameterSharding.table_wise(t["name"], t["rows"], 0, cache_rows=rows if
+                         t["name"] == "t_tags" else 0) for t in tables}).save(tmp_path / f"{name}.json")
+    with pytest.raises(UserError, match=r"small.json: the device cache of t_tags holds 150 rows, but two batches of "
+                                        r"train.batch_size=32 need 384: give it cache_rows of at least 384"):
+        run_train(load_config(None, [*multihot, "train.run=small", f"distributed.plan_file={tmp_path / 'small.json'}"]))
+    result = run_train(load_config(None, [*multihot, "train.run=enough",
+                                          f"distributed.plan_file={tmp_path / 'enough.json'}"]))
+    assert result["embedding_cache"]["t_tags"]["evictions"] > 0

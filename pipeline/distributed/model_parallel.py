@@ -30,14 +30,17 @@ from pipeline.modules.collection import EmbeddingCollection
 
 
 def make_planner(cfg: DistributedConfig, world_size: int, device: torch.device | str, batch_size: int = 2048,
-                 optimizer: str = "adagrad", weight_bytes: int = 4) -> EmbeddingShardingPlanner:
-    """The planner for ``cfg``: its memory budget (or the device's), its per-table overrides."""
+                 optimizer: str = "adagrad", weight_bytes: int = 4,
+                 max_ids_per_sample: dict[str, int] | None = None) -> EmbeddingShardingPlanner:
+    """The planner for ``cfg``: its memory budget (or the device's), its per-table overrides;
+    ``max_ids_per_sample``: the most ids a sample has per feature, where more than one (multi-hot)."""
     budget = cfg.memory_per_rank_mb * 2**20 if cfg.memory_per_rank_mb else None
     device = torch.device(device)
     if budget is None and device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         budget = 0.5 * free
-    topology = Topology(world_size, budget, batch_size=batch_size, weight_bytes=weight_bytes, optimizer=optimizer)
+    topology = Topology(world_size, budget, batch_size=batch_size, weight_bytes=weight_bytes, optimizer=optimizer,
+                        max_ids_per_sample=dict(max_ids_per_sample or {}))
     return EmbeddingShardingPlanner(topology, cfg.sharding)
 
 

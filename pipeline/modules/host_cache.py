@@ -261,7 +261,8 @@ class RowCache(nn.Module):
                 raise CacheTooSmall(
                     f"table {table.name}: a batch needs {missing:,} rows copied into its device cache of "
                     f"{table.slots:,} rows, but only {free:,} slots hold none of the batch's {rows:,} distinct rows "
-                    "and none the training batch before it uses: give the table a larger cache")
+                    "and none the training batch before it uses: give the table a larger cache (distributed.memory_per_rank_mb, "
+                    "or its cache_rows in distributed.plan_file), or lower train.batch_size")
         if training:
             for t, table in enumerate(self.tables):
                 self.stats[table.name] += CacheStats(by_name["rows"][t], by_name["rows"][t] - by_name["missing"][t],

@@ -61,6 +61,8 @@ from torch import nn
 
 from pipeline.distributed.config import DistributedConfig
 from pipeline.distributed.model_parallel import DistributedModelParallel, make_planner
+from pipeline.distributed.planner import Topology
+from pipeline.distributed.planner.estimators import min_cache_rows
 from pipeline.distributed.train_pipeline import CachePrefetchPipeline, SparseDistPipeline
 from pipeline.distributed.types import ShardingPlan
 from pipeline.distributed.world import World
@@ -119,7 +121,7 @@ def _train(cfg: TrainConfig, data: Path, runs: Path, schema: Schema, seed: int, 
         remove_tmp_files(out)
         print(f"[train] run {out.name} in {runs}", flush=True)
     model, checkpoints = _place(model_from_spec(spec, backend=cfg.embedding_backend), cfg, world, distributed,
-                                out / "checkpoints")
+                                out / "checkpoints", schema)
     if cfg.resume and checkpoints.candidates():
         check_same_model(spec, out)
     world.barrier()  # every rank has read the old model.json before it is replaced
@@ -233,22 +235,27 @@ def _run_folder(runs: Path, cfg: TrainConfig, world: World, held: contextlib.Exi
 
 
 def _place(model: nn.Module, cfg: TrainConfig, world: World, distributed: DistributedConfig,
-           folder: Path) -> tuple[nn.Module, PlainCheckpoints | ShardedCheckpoints]:
+           folder: Path, schema: Schema) -> tuple[nn.Module, PlainCheckpoints | ShardedCheckpoints]:
     """The model as the loop trains it and its checkpoint format in ``folder``.
 
     On a world of one: the model itself, the tables the plan host-caches (those over the memory
     budget, or named by ``distributed.sharding``) in host memory behind device caches, and ``.pt``
     checkpoints. On N ranks: the model sharded by ``DistributedModelParallel`` and sharded checkpoints.
+    A host-cached table's least cache holds two batches of its multi-hot columns' longest lists.
     """
+    longest = {c: max(1, schema.column(c).max_length) for c in schema.multihot}
     if distributed.plan_file:
         plans, planner = {"embedding": _plan_file(distributed.plan_file, model.embedding.tables, world.size)}, None
     else:
         plans = None
         planner = make_planner(distributed, world.size, world.device, batch_size=cfg.batch_size,
-                               optimizer=cfg.embedding_optimizer, weight_bytes=_WEIGHT_BYTES[cfg.embedding_dtype])
+                               optimizer=cfg.embedding_optimizer, weight_bytes=_WEIGHT_BYTES[cfg.embedding_dtype],
+                               max_ids_per_sample=longest)
     if world.size == 1:
         plan = plans["embedding"] if plans else planner.plan(model.embedding.tables)
         cached = {name: p.cache_rows for name, p in plan.tables.items() if p.cache_rows}
+        if plans:
+            _check_cache_rows(cached, model.embedding.tables, cfg.batch_size, longest, distributed.plan_file)
         if cached:
             model.embedding = HostCachedCollection.from_collection(model.embedding, cached)
         model = model.to(world.device)
@@ -258,6 +265,21 @@ def _place(model: nn.Module, cfg: TrainConfig, world: World, distributed: Distri
         return model, PlainCheckpoints(folder, cfg.keep_checkpoints, model)
     dmp = DistributedModelParallel(model, plans, planner, world.device, comm_dtype=distributed.comm_dtype)
     return dmp, ShardedCheckpoints(folder, world, cfg.keep_checkpoints)
+
+
+def _check_cache_rows(cache_rows: dict[str, int], tables: Sequence, batch_size: int, longest: dict[str, int],
+                      path: str) -> None:
+    """Refuse a plan file's device cache that cannot hold two training batches of its table's ids (a batch, and
+    the one prefetched while it trains), each sample with its multi-hot columns' longest lists."""
+    topology = Topology(1, batch_size=batch_size, max_ids_per_sample=longest)
+    for table in tables:
+        if table.name not in cache_rows:
+            continue
+        need = min_cache_rows(table, topology)
+        if cache_rows[table.name] < need:
+            raise UserError(f"distributed.plan_file={path}: the device cache of {table.name} holds "
+                            f"{cache_rows[table.name]:,} rows, but two batches of train.batch_size={batch_size} need "
+                            f"{need:,}: give it cache_rows of at least {need:,}, or lower train.batch_size")
 
 
 def _plan_file(path: str, tables: Sequence, world_size: int) -> ShardingPlan:

@@ -96,6 +96,12 @@ def check_same_model(spec: dict, folder: str | Path) -> None:
         return
     old = json.loads(previous.read_text())
     old["tables"] = _tables(old)
+    trained = {t["admit_after"] for t in old["tables"] if t["dynamic"]}
+    now = {t["admit_after"] for t in spec["tables"] if t["dynamic"]}
+    if trained and now and trained != now:
+        raise UserError(f"train.resume=true, but the checkpoints in {folder / 'checkpoints'} were trained with "
+                        f"train.admit_after={min(trained)}, not {min(now)}: resume with train.admit_after={min(trained)}, "
+                        "or rerun without train.resume")
     differ = [k for k in ("model", "sizes", "embedding_optimizer", "embedding_dtype", "tables", "feature_names",
                           "num_dense") if old.get(k) != spec.get(k)]
     if differ:

@@ -29,9 +29,10 @@ def storage_per_rank(table, kind: ShardingType, topology: Topology, cache_rows: 
 
 def min_cache_rows(table, topology: Topology) -> int:
     """The device cache a table-wise host-cached table needs: room for the ids of two steps from every
-    rank (a batch, and the one prefetched while it trains), at most the whole table."""
-    ids = topology.batch_size * topology.world_size * sum(topology.pooling_factors.get(f, 1.0) for f in table.features)
-    return min(table.rows, math.ceil(2 * ids))
+    rank (a batch, and the one prefetched while it trains), each sample with the most ids it may have,
+    at least one row and at most the whole table."""
+    ids = topology.batch_size * topology.world_size * sum(topology.max_ids_per_sample.get(f, 1) for f in table.features)
+    return min(table.rows, max(1, 2 * ids))
 
 
 def step_cost(table, kind: ShardingType, topology: Topology, host_cached: bool = False) -> float:

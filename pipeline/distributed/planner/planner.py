@@ -49,7 +49,9 @@ class EmbeddingShardingPlanner:
             f"cannot place {len(options)} embedding tables on {self.topology.world_size} rank(s) with "
             f"{budget / MiB:.2f} MiB each ({tried} proposals tried, the last host-caching every table that allows "
             f"it, each with the least device cache a step needs): they need at least {total / MiB:.2f} MiB in total, "
-            f"{total / self.topology.world_size / MiB:.2f} MiB per rank; last attempt: {last}",
+            f"{total / self.topology.world_size / MiB:.2f} MiB per rank; last attempt: {last}; give each rank more "
+            f"(distributed.memory_per_rank_mb), lower train.batch_size (a device cache holds two batches of ids), "
+            f"or train on more ranks",
             last.needed if last else [], last.available if last else [])
 
     def storage(self, plan: ShardingPlan, tables: Sequence) -> dict[int, float]:

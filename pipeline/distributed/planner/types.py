@@ -35,7 +35,9 @@ class Topology:
 
     ``memory_per_rank``: bytes of embedding storage (weights + optimizer state) one rank may hold in
     device memory (a host-cached table: its device cache); ``None``: no limit. ``batch_size``: samples per rank and step; ``pooling_factors``: mean ids per
-    bag of each feature (1 when not given). Bandwidths (bytes/s) only rank the options against each
+    bag of each feature (1 when not given); ``max_ids_per_sample``: the most ids one sample has in each
+    feature (1 when not given; a multi-hot column's longest list), what a host-cached table's least
+    device cache is sized for. Bandwidths (bytes/s) only rank the options against each
     other; their defaults are an H200's memory and an NVLink-class link, and a PCIe 5 x16 link to the
     host (what the misses of host-cached tables cross).
     """
@@ -46,6 +48,7 @@ class Topology:
     weight_bytes: int = 4
     optimizer: str = "adagrad"
     pooling_factors: dict[str, float] = field(default_factory=dict)
+    max_ids_per_sample: dict[str, int] = field(default_factory=dict)
     hbm_bandwidth: float = 4.0e12
     comm_bandwidth: float = 1.5e11
     host_bandwidth: float = 5.0e10
