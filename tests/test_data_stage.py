@@ -164,3 +164,21 @@ def test_processes_make_the_same_rows_and_oracle(tmp_path):
         assert [p.name for p in other.splits[split]] == [p.name for p in alone.splits[split]]
         for a, b in zip(other.splits[split], alone.splits[split]):
             assert pq.read_table(a).equals(pq.read_table(b))
+
+
+def test_a_raw_folder_with_a_multi_hot_column_is_whole(tmp_path):
+    """A list column's parquet leaf is named 'element': the check reads the top-level columns, so a dataset with
+    multi-hot columns is not taken for damaged (and built again) at every run."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pipeline.data import raw_folder
+
+    meta = {"label": "label", "continuous": ["I1"], "categorical": ["C1"], "multihot": ["tags"],
+            "rows": {"train": 2, "valid": 0, "test": 0}}
+    (tmp_path / "train").mkdir()
+    table = pa.table({"label": [0, 1], "I1": [1.0, 2.0], "C1": ["a", "b"], "tags": pa.array([["x", "y"], []])})
+    pq.write_table(table, tmp_path / "train" / "part-00000.parquet")
+    assert raw_folder.damage(tmp_path, meta) is None
+    pq.write_table(table.drop(["tags"]), tmp_path / "train" / "part-00000.parquet")
+    assert "has no column(s) ['tags']" in raw_folder.damage(tmp_path, meta)

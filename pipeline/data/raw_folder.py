@@ -112,7 +112,8 @@ def damage(root: Path, meta: dict) -> str | None:
                 footer = pq.read_metadata(part)
             except (OSError, pa.ArrowException) as err:
                 return f"{part} is not a readable parquet file ({(str(err).splitlines() or [''])[0]})"
-            missing = [c for c in columns if c not in footer.schema.names]
+            names = footer.schema.to_arrow_schema().names  # top-level columns (a list column's leaf is 'element')
+            missing = [c for c in columns if c not in names]
             if missing:
                 return f"{part} has no column(s) {missing}"
             found += footer.num_rows
