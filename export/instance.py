@@ -4,8 +4,12 @@
 Used by the ``embedding`` model and by ``ranker`` (embedding and dense in one model). Every 0.2 s a
 background thread switches to a newer store version (so an instance that gets no request switches
 too, and lets go of the versions export prunes) and writes the counters to
-``stats/instance-<pid>.json`` beside the store (see :func:`export.repository.cache_stats`); the
-model also refreshes before each batch, so the first request after an update gets the new version.
+``stats/instance-<pid>-<start>.json`` beside the store, with the identity of its process (boot, pid, start
+time); :func:`live_stats` reads only the files whose process still runs, so a file left by an instance that
+crashed or by an earlier server never counts, even where its pid now belongs to another process. A clean
+stop (``finalize``) removes the instance's file, and an instance that starts removes the files of processes
+that are gone. The model also refreshes before each batch, so the first request after an update gets the
+new version.
 A ``KIND_GPU`` instance caches hot rows in its GPU's memory.
 
 Example (inside a ``model.py``)::
@@ -30,6 +34,37 @@ from export.preprocess import CATEGORICAL_IDS, MULTIHOT_IDS, MULTIHOT_LENGTHS
 from pipeline.files import write_text
 
 STATS_EVERY_S = 0.2
+STATS_FOLDER = "stats"
+
+
+def process_identity(pid: int) -> str | None:
+    """``<boot id>:<pid>:<start time>`` of the running process ``pid``, or None where there is none: two processes
+    never share it, also when the kernel gives a finished process's pid to a new one."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        start = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+    return f"{boot}:{pid}:{start}"
+
+
+def live_stats(model_dir: str | Path, prune: bool = False) -> list[dict]:
+    """The counters in ``<model_dir>/stats`` of the instances whose process runs now; with ``prune``, the files
+    of the others (a crashed instance, an earlier server, an older format) are removed."""
+    live = []
+    for path in sorted((Path(model_dir) / STATS_FOLDER).glob("instance-*.json")):
+        try:
+            stats = json.loads(path.read_text())
+            alive = stats["process"] == process_identity(int(stats["pid"]))
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError, KeyError, TypeError):
+            alive = False
+        if alive:
+            live.append(stats)
+        elif prune:
+            path.unlink(missing_ok=True)
+    return live
 
 
 class LookupInstance:
@@ -47,10 +82,15 @@ class LookupInstance:
             policy = f"gpu-{policy}"
         self.lookup = EmbeddingLookup(model_dir / "store", config, policy=policy,
                                       cache_fraction=float(params.get("cache_fraction", "0.25")))
-        self._stats_path = model_dir / "stats" / f"instance-{os.getpid()}.json"
+        self._identity = {"pid": os.getpid(), "process": process_identity(os.getpid())}
+        start = self._identity["process"].rsplit(":", 1)[1]
+        self._stats_path = model_dir / STATS_FOLDER / f"instance-{os.getpid()}-{start}.json"
         self._stats_path.parent.mkdir(exist_ok=True)
+        live_stats(model_dir, prune=True)
         self._log_error = log_error
         self._lock = threading.Lock()  # one version per lookup: the background thread refreshes too
+        self._file_lock = threading.Lock()  # no write after close removed the file
+        self._closed = False
         self._stop = threading.Event()
         self._writer = threading.Thread(target=self._background_loop, daemon=True)
         self._writer.start()
@@ -70,19 +110,24 @@ class LookupInstance:
             return self.lookup(inputs.get(CATEGORICAL_IDS), inputs.get(MULTIHOT_IDS), inputs.get(MULTIHOT_LENGTHS))
 
     def close(self) -> None:
+        """Stop the background thread and remove this instance's counters: a stopped instance serves nothing."""
         self._stop.set()
         self._writer.join(timeout=2)
+        with self._file_lock:
+            self._closed = True
+            self._stats_path.unlink(missing_ok=True)
 
     def _background_loop(self) -> None:
         last = None
         while not self._stop.wait(STATS_EVERY_S):
             self.refresh()
             last = self._write(last)
-        self._write(None)
 
     def _write(self, last: str | None) -> str:
         with self._lock:
-            text = json.dumps(self.lookup.stats())
+            text = json.dumps({**self._identity, **self.lookup.stats()})
         if text != last:
-            write_text(self._stats_path, text)
+            with self._file_lock:
+                if not self._closed:
+                    write_text(self._stats_path, text)
         return text

@@ -42,6 +42,7 @@ import pyarrow.parquet as pq
 import torch
 
 from export.dense import save_dense
+from export.instance import live_stats
 from export.lookup import LookupConfig
 from export.pbtxt import EnsembleSpec, ModelOptions, model_configs
 from export.preprocess import RawColumns
@@ -239,19 +240,14 @@ def _recorded(out: str | Path, key: str, default: str) -> str:
 
 
 def cache_stats(out: str | Path) -> dict:
-    """The embedding cache counters of the running instances that look up embeddings, summed (written every 0.2 s).
+    """The embedding cache counters of the running instances that look up embeddings, summed (written every 0.2 s),
+    with ``instances``: how many there are (each warms a cache of its own) and ``model``: the model they serve.
 
-    Files of instances whose process is gone are ignored. ``hit_rate`` is over distinct ids per batch.
+    Only the files of instances whose process runs now count (:func:`export.instance.live_stats`). ``hit_rate``
+    is over distinct ids per batch.
     """
-    totals = {"instances": 0, "hits": 0, "misses": 0, "evictions": 0, "versions": []}
-    for path in sorted((lookup_dir(out) / "stats").glob("instance-*.json")):
-        pid = path.stem.split("-", 1)[1]
-        if not Path(f"/proc/{pid}").exists():
-            continue
-        try:
-            stats = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
+    totals = {"model": lookup_dir(out).name, "instances": 0, "hits": 0, "misses": 0, "evictions": 0, "versions": []}
+    for stats in live_stats(lookup_dir(out)):
         totals["instances"] += 1
         for key in ("hits", "misses", "evictions"):
             totals[key] += stats[key]

@@ -20,7 +20,8 @@ from export.inprocess import InProcessModel
 from export.lookup import EmbeddingLookup, LookupConfig
 from export.pbtxt import EnsembleSpec, ModelOptions, model_configs
 from export.preprocess import Preprocessor, RawColumns
-from export.repository import write_repository
+from export.instance import live_stats, process_identity
+from export.repository import cache_stats, write_repository
 from pipeline.errors import BadInputError, UserError
 from pipeline.etl.workflow import Workflow
 from pipeline.modules.models import ModelSizes, build_model
@@ -485,3 +486,25 @@ def test_the_server_keeps_its_memory_settings_over_a_dask_parents_environment(mo
     env = server_env(ModelsEnv(tmp_path, "3.11", str(tmp_path / "lib")))
     assert {k: env[k] for k in MALLOC} == MALLOC
     assert env["PATH"].startswith(str(tmp_path / "bin"))
+
+
+def test_cache_stats_count_only_files_whose_own_process_runs(tmp_path):
+    """A stats file whose pid now belongs to another process (a recycled pid: here this test's own), whether it
+    records another start of that pid or is of the older format without one, is not an instance's; the file of a
+    process that runs is. Pruning removes the others."""
+    import json
+    import os
+
+    stats_dir = tmp_path / "embedding" / "stats"
+    stats_dir.mkdir(parents=True)
+    counters = {"hits": 5, "misses": 5, "evictions": 0, "version": 1, "policy": "lru"}
+    me = process_identity(os.getpid())
+    boot, pid, start = me.rsplit(":", 2)
+    (stats_dir / f"instance-{pid}.json").write_text(json.dumps({**counters, "hits": 1000}))
+    (stats_dir / f"instance-{pid}-{int(start) - 1}.json").write_text(json.dumps(
+        {**counters, "hits": 1000, "pid": os.getpid(), "process": f"{boot}:{pid}:{int(start) - 1}"}))
+    (stats_dir / f"instance-{pid}-{start}.json").write_text(json.dumps({**counters, "pid": os.getpid(), "process": me}))
+    stats = cache_stats(tmp_path)
+    assert (stats["model"], stats["instances"], stats["hits"], stats["hit_rate"]) == ("embedding", 1, 5, 0.5)
+    assert len(live_stats(tmp_path / "embedding", prune=True)) == 1
+    assert [p.name for p in stats_dir.iterdir()] == [f"instance-{pid}-{start}.json"]

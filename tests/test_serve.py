@@ -540,6 +540,7 @@ def test_cli_serve_restarts_a_killed_server_and_stops_cleanly_on_sigterm(served)
         text = _read_until(process, "restarted in")
         assert f"tritonserver (pid {server_pid}) killed by SIGKILL; restarting it on the same ports" in text, text
         restarted_pid = int(re.search(r"restarted in .* \(pid (\d+)\)", text).group(1))
+        _wait_for_stats(cfg, 2 * INSTANCES)  # this server's and the module's: the killed instances' files are gone
         for url, protocol in ((http_url, "http"), (grpc_url, "grpc")):
             with Client(url, protocol) as client:
                 assert client.predict(_rows(cfg).iloc[:3]).shape == (3,)
@@ -547,6 +548,7 @@ def test_cli_serve_restarts_a_killed_server_and_stops_cleanly_on_sigterm(served)
         process.send_signal(signal.SIGTERM)
         assert process.wait(60) == 0
         assert "stopping (tritonserver restarts: 1)" in process.stdout.read()
+        _wait_for_stats(cfg, INSTANCES)  # the module's server's alone: a clean stop removes its instances' files
         for pid in (server_pid, restarted_pid):
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)
@@ -578,3 +580,20 @@ def test_stopping_leaves_no_process_and_no_shared_memory(served):
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
     assert server.shm_regions() == []
+    assert _stats_files(served[0]) == [], "a clean stop removes its instances' counters"
+
+
+def _stats_files(cfg) -> list[str]:
+    from export.repository import lookup_dir
+
+    return sorted(p.name for p in (lookup_dir(cfg.paths.export) / "stats").glob("instance-*"))
+
+
+def _wait_for_stats(cfg, instances: int) -> None:
+    """Wait until the stats folder holds exactly the files of ``instances`` running instances, all counted."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not (
+            len(_stats_files(cfg)) == cache_stats(cfg.paths.export)["instances"] == instances):
+        time.sleep(0.1)
+    assert (len(_stats_files(cfg)), cache_stats(cfg.paths.export)["instances"]) == (instances, instances), \
+        _stats_files(cfg)

@@ -7,7 +7,8 @@ requests, and of the in-process model on the same rows (workflow transform + for
 and the forward alone on features computed beforehand), the three timed in turn, 10 calls at a time;
 the time each ensemble step took (Triton's own statistics); throughput with ``--clients``
 concurrent gRPC client processes; and the embedding cache's hit rate on the raw rows, whose categorical
-values are Zipf-distributed (served LRU, plus LRU / LFU at several cache sizes offline).
+values are Zipf-distributed (served LRU, summed over the instances of the model that looks up embeddings, said
+beside it since each warms a cache of its own; plus LRU / LFU at several cache sizes offline).
 
     python -m pipeline bench serve --requests 200 --clients 8
 """
@@ -88,12 +89,15 @@ def run(args: argparse.Namespace, cfg) -> dict:
               f"{results['throughput']['in_process_rows_per_s']:,.0f} rows/s in-process (one thread)", flush=True)
         time.sleep(0.5)
         served_cache = cache_stats(cfg.paths.export)
-        results["served_cache"] = {k: served_cache[k] for k in ("hits", "misses", "evictions", "hit_rate")}
+        results["served_cache"] = {k: served_cache[k] for k in ("model", "instances", "hits", "misses", "evictions",
+                                                                "hit_rate")}
     finally:
         server.stop()
     results["cache_offline"] = _offline_hit_rates(cfg, reference, rows)
-    print(f"[bench serve] served LRU cache (fraction {cfg.export.cache_fraction}): hit rate "
-          f"{results['served_cache']['hit_rate']:.3f} (repeated requests); steady state on "
+    served_cache = results["served_cache"]
+    print(f"[bench serve] served LRU cache (fraction {cfg.export.cache_fraction}) of {served_cache['model']}, "
+          f"{served_cache['instances']} instance(s) each warming its own: hit rate "
+          f"{served_cache['hit_rate']:.3f} (repeated requests); steady state on "
           f"{results['cache_offline']['rows']:,} train rows: " + ", ".join(
               f"{k} {v:.3f}" for k, v in results["cache_offline"].items() if k != "rows"), flush=True)
     if args.json:
