@@ -105,6 +105,7 @@ def run(args: argparse.Namespace, cfg) -> dict:
     import numpy as np
     import torch
 
+    from pipeline.bench.stage_probe import sync
     from pipeline.bench.train_dynamic import DynamicTraining, print_dynamic_tables
     from pipeline.bench.train_host_cached import HostCachedTraining, print_hit_rates, print_placement
     from pipeline.bench.train_models import our_dlrm, our_training, print_rates, step_batches
@@ -167,10 +168,10 @@ def run(args: argparse.Namespace, cfg) -> dict:
                                                                cfg.train.admit_after)
 
     def timed(train_on, round_batches):
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         train_on(round_batches)
-        _sync(device)
+        sync(device)
         return args.batch * len(round_batches) / (time.perf_counter() - start)
 
     for train_on in models.values():
@@ -272,10 +273,3 @@ def hot_rows_share(kind: str, rows: int, exponent: float) -> float:
     if exponent == 1:
         return math.log(hot + 1) / math.log(rows + 1)
     return ((hot + 1) ** (1 - exponent) - 1) / ((rows + 1) ** (1 - exponent) - 1)
-
-
-def _sync(device):
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize()

@@ -13,16 +13,17 @@ def profile_steps(name: str, train_on, batches: list, device, folder: Path) -> d
     of the operations' table (by time on the device, then by time on the host)."""
     import torch
 
+    from pipeline.bench.stage_probe import sync
     from pipeline.files import write_text
 
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    _sync(device)
+    sync(device)
     with torch.profiler.profile(activities=activities) as profiler:
         start = time.perf_counter()
         train_on(batches)
-        _sync(device)
+        sync(device)
         wall = time.perf_counter() - start
     events = profiler.key_averages()
     steps = len(batches)
@@ -46,10 +47,3 @@ def print_profiles(profiles: dict) -> None:
         kernels = (f", kernels {p['kernels_ms_per_step']:.2f} ms a step, {p['launches_per_step']:.0f} launches"
                    if p["launches_per_step"] else "")
         print(f"  profile of {name}: {p['steps']} steps, {p['wall_ms_per_step']:.2f} ms a step{kernels} ({p['file']})")
-
-
-def _sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
