@@ -16,6 +16,7 @@
 #define LRU 0           // score policies, as in reference.py
 #define LFU 1
 #define MAX_SCORE 0x7fffffffffffffffll
+#define SIGN_BIT 0x8000000000000000ull  // flipped in a hash, its unsigned order is the signed one
 
 typedef unsigned long long u64;
 
@@ -62,7 +63,12 @@ __device__ __forceinline__ unsigned int byte_matches(unsigned int word, unsigned
 extern "C" __global__ void __launch_bounds__(256) hash_order_keys(const long long* __restrict__ keys, long long n,
                                                                   long long* __restrict__ out) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) out[i] = (long long)(mix64((u64)keys[i]) ^ 0x8000000000000000ull);
+    if (i < n) out[i] = (long long)(mix64((u64)keys[i]) ^ SIGN_BIT);
+}
+
+// The hash of sorted position i (hash_order_keys' output, sorted).
+__device__ __forceinline__ u64 hash_at(const long long* __restrict__ ordered, long long i) {
+    return (u64)ordered[i] ^ SIGN_BIT;
 }
 
 // Copies one row of `dim` floats with the `lanes` threads of a group (`g`: this thread's rank), 16-byte
@@ -178,7 +184,7 @@ __device__ __forceinline__ long long first_position(const long long* __restrict_
         const long long mid = (lo + hi) >> 1;
         const int t = tables != nullptr ? tables[mid] : 0;
         const bool before = t < table ||
-                            (t == table && bucket_of((u64)ordered[mid] ^ 0x8000000000000000ull, count) < bucket);
+                            (t == table && bucket_of(hash_at(ordered, mid), count) < bucket);
         if (before) lo = mid + 1;
         else hi = mid;
     }
@@ -224,16 +230,16 @@ extern "C" __global__ void __launch_bounds__(256) place_keys(
         bucket = warp - span.first;
         start = first_position(ordered, tables, n, table, bucket, span.count);
         if (start >= n || (tables != nullptr && tables[start] != table) ||
-            bucket_of((u64)ordered[start] ^ 0x8000000000000000ull, span.count) != bucket)
+            bucket_of(hash_at(ordered, start), span.count) != bucket)
             return;  // no key of this call in the bucket
     } else {
         start = warp;
         if (start >= n) return;
         table = tables != nullptr ? tables[start] : 0;
         span = table_buckets(bucket_starts, table, num_buckets);
-        bucket = bucket_of((u64)ordered[start] ^ 0x8000000000000000ull, span.count);
+        bucket = bucket_of(hash_at(ordered, start), span.count);
         if (start > 0 && (tables == nullptr || tables[start - 1] == table) &&
-            bucket_of((u64)ordered[start - 1] ^ 0x8000000000000000ull, span.count) == bucket)
+            bucket_of(hash_at(ordered, start - 1), span.count) == bucket)
             return;  // not the bucket's first position
     }
     const long long base = (span.first + bucket) * SLOTS;
@@ -244,7 +250,7 @@ extern "C" __global__ void __launch_bounds__(256) place_keys(
 
     for (int placing_new = 0; placing_new < 2; ++placing_new) {
         for (long long i = start, end; i < n; i = end) {
-            const u64 h = (u64)ordered[i] ^ 0x8000000000000000ull;
+            const u64 h = hash_at(ordered, i);
             if ((tables != nullptr && tables[i] != table) || bucket_of(h, span.count) != bucket) break;
             end = run_end(ordered, tables, table, n, i, lane);
             const long long first = order[i];
