@@ -8,7 +8,7 @@ too, and lets go of the versions export prunes) and writes the counters to
 time); :func:`live_stats` reads only the files whose process still runs, so a file left by an instance that
 crashed or by an earlier server never counts, even where its pid now belongs to another process. A clean
 stop (``finalize``) removes the instance's file, and an instance that starts removes the files of processes
-that are gone. The model also refreshes before each batch, so the first request after an update gets the
+that are gone (their half-written ``.tmp`` files too). The model also refreshes before each batch, so the first request after an update gets the
 new version.
 A ``KIND_GPU`` instance caches hot rows in its GPU's memory.
 
@@ -64,7 +64,22 @@ def live_stats(model_dir: str | Path, prune: bool = False) -> list[dict]:
             live.append(stats)
         elif prune:
             path.unlink(missing_ok=True)
+    if prune:
+        for path in (Path(model_dir) / STATS_FOLDER).glob("instance-*.json.tmp"):
+            if not _writer_runs(path):
+                path.unlink(missing_ok=True)
     return live
+
+
+def _writer_runs(tmp: Path) -> bool:
+    """Whether the process named in ``instance-<pid>-<start>.json.tmp`` runs now (a killed one leaves its
+    half-written file behind)."""
+    try:
+        pid, start = tmp.name[len("instance-"):-len(".json.tmp")].split("-")
+        identity = process_identity(int(pid))
+    except ValueError:
+        return False
+    return identity is not None and identity.split(":", 1)[1] == f"{pid}:{start}"
 
 
 class LookupInstance:

@@ -491,7 +491,8 @@ def test_the_server_keeps_its_memory_settings_over_a_dask_parents_environment(mo
 def test_cache_stats_count_only_files_whose_own_process_runs(tmp_path):
     """A stats file whose pid now belongs to another process (a recycled pid: here this test's own), whether it
     records another start of that pid or is of the older format without one, is not an instance's; the file of a
-    process that runs is. Pruning removes the others."""
+    process that runs is. Pruning removes the others, and the half-written files a killed instance left, but not
+those of a process that runs (it may be writing)."""
     import json
     import os
 
@@ -506,5 +507,8 @@ def test_cache_stats_count_only_files_whose_own_process_runs(tmp_path):
     (stats_dir / f"instance-{pid}-{start}.json").write_text(json.dumps({**counters, "pid": os.getpid(), "process": me}))
     stats = cache_stats(tmp_path)
     assert (stats["model"], stats["instances"], stats["hits"], stats["hit_rate"]) == ("embedding", 1, 5, 0.5)
+    (stats_dir / f"instance-{pid}-{int(start) - 1}.json.tmp").write_text('{"hits": 10')
+    (stats_dir / f"instance-{pid}-{start}.json.tmp").write_text('{"hits": 10')
     assert len(live_stats(tmp_path / "embedding", prune=True)) == 1
-    assert [p.name for p in stats_dir.iterdir()] == [f"instance-{pid}-{start}.json"]
+    assert sorted(p.name for p in stats_dir.iterdir()) == [f"instance-{pid}-{start}.json",
+                                                           f"instance-{pid}-{start}.json.tmp"]
