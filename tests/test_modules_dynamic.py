@@ -224,6 +224,85 @@ def test_the_ids_of_all_tables_are_placed_by_one_call_each_as_its_own_table_woul
     assert emb.dynamic["c"].stats()["evictions"] > 0
 
 
+def _evicting_batches(steps: int, admit_after: int, seed: int):
+    """Batches whose U holds 80 ids never seen before, each ``admit_after`` times (placed at once: in a table of 128
+    slots they evict ids of the batch before), and 40 ids of a small vocabulary (counted toward admission over the
+    batches); T bags of 0 to 2 ids of a vocabulary of 300."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        fresh = torch.randint(0, 2**40, (80,), generator=gen)
+        u = torch.cat([fresh.repeat(admit_after), torch.randint(0, 60, (40,), generator=gen)])
+        lengths = torch.randint(0, 3, (u.numel(),), generator=gen)
+        t = torch.randint(0, 300, (int(lengths.sum()),), generator=gen)
+        out.append((u, t, lengths, (u % 2).float()))
+    return out
+
+
+def _train_ahead(emb, batches, ahead: bool) -> tuple[list[torch.Tensor], int]:
+    """The pooled outputs of training ``emb`` on ``batches`` (raw ids); ``ahead``: each next batch prefetched before
+    this one's lookup and update, the most a side stream can run ahead of the compute stream. Checks, as it goes,
+    that a prefetch evicted ids of the batch training (returned last: how many times)."""
+    head = torch.linspace(-1, 1, emb.output_dim)
+    kjts = [_kjt(u, t, lengths, raw=True) for u, t, lengths, _ in batches]
+    outputs, evicting = [], 0
+    current = emb.prefetch(kjts[0]) if ahead else None
+    for step, (kjt, (_, _, _, label)) in enumerate(zip(kjts, batches)):
+        if ahead:
+            placed = emb.dynamic["u"].find(kjt.values[: label.numel()]) >= 0
+            following = emb.prefetch(kjts[step + 1]) if step + 1 < len(kjts) else None
+            evicting += int((placed & (emb.dynamic["u"].find(kjt.values[: label.numel()]) < 0)).any())
+            kjt, current = current, following
+        pooled = emb(kjt)
+        F.binary_cross_entropy_with_logits(pooled @ head, label).backward()
+        outputs.append(pooled.detach())
+    return outputs, evicting
+
+
+@pytest.mark.parametrize("kind, admit_after", [("sgd", 1), ("sgd", 3), ("adagrad", 2)])
+def test_ids_placed_a_step_ahead_train_as_ids_placed_at_their_lookup(kind, admit_after):
+    """Tables of one bucket, batches of 80 new ids and 40 others for U (with admission, the ids not admitted yet find
+    no slot): each placement evicts ids of the batch before, whose update is still to come when the placement runs
+    ahead. The rows the evicted ids' slots take are started at the lookup, after that update, so every step's
+    output, the rows, the optimizer state and the hash tables (ids, slots, scores, candidates, evictions) equal
+    those of each batch placed at its lookup, bit for bit."""
+
+    def make():
+        return EmbeddingCollection(_tables(True, rows=SLOTS, admit_after=admit_after, init_scale=None), FEATURES,
+                                   EmbeddingOptimizerConfig(kind, lr=0.1), generator=torch.Generator().manual_seed(5))
+
+    batches = _evicting_batches(8, admit_after, seed=8)
+    at_lookup, ahead = make(), make()
+    expected, _ = _train_ahead(at_lookup, batches, ahead=False)
+    got, evicting = _train_ahead(ahead, batches, ahead=True)
+    assert evicting == len(batches) - 1
+    for want, have in zip(expected, got):
+        assert torch.equal(want, have)
+    a, b = at_lookup.state_dict(), ahead.state_dict()
+    assert a.keys() == b.keys()
+    for key in a:
+        if key.endswith("_extra_state"):
+            assert a[key]["evictions"] == b[key]["evictions"] > 0, key
+            for part in ("ids", "candidates") if admit_after > 1 else ("ids",):
+                for name, value in a[key][part].items():
+                    assert torch.equal(value, b[key][part][name]) if isinstance(value, torch.Tensor) \
+                        else value == b[key][part][name], (key, part, name)
+        else:
+            assert torch.equal(a[key], b[key]), key
+    if admit_after > 1:
+        assert ahead.dynamic["u"].stats()["candidates"] > 0
+
+
+def test_a_batch_prefetched_before_a_state_dict_was_loaded_is_refused():
+    emb = EmbeddingCollection(_tables(True, rows=SLOTS), FEATURES)
+    u, t, lengths, _ = _batches(1)[0]
+    prefetched = emb.prefetch(_kjt(u, t, lengths, raw=True))
+    emb.load_state_dict(emb.state_dict())
+    with pytest.raises(RuntimeError, match="prefetched before a state dict was loaded"):
+        emb(prefetched)
+    emb(emb.prefetch(_kjt(u, t, lengths, raw=True))).sum().backward()
+
+
 def test_dynamic_table_settings_are_checked():
     with pytest.raises(ValueError, match="multiple of 128"):
         TableConfig("u", 1000, 4, ["U"], dynamic=True)

@@ -18,6 +18,7 @@ from pipeline.modules.cached_collection import HostCachedCollection
 from pipeline.modules.collection import EmbeddingCollection
 from pipeline.modules.configs import EmbeddingOptimizerConfig, TableConfig
 from pipeline.modules.host_cache import CachedTable, CacheStats, CacheTooSmall, RowCache
+from pipeline.modules.side_stream import SideStream
 from pipeline.sparse import KeyedJaggedTensor
 
 FEATURES = ["A", "B", "C", "D"]
@@ -176,23 +177,24 @@ def test_the_least_recently_used_row_goes_and_a_dirty_one_is_written_back():
         step([6, 7, 8], training=True)
 
 
-class CountedWaits(HostCachedCollection):
-    """The collection, counting the host's waits for the device (every read back goes through ``_wait``)."""
+class CountedWaits(SideStream):
+    """A side stream counting the host's waits for the device (every read back goes through ``wait``)."""
 
     waits = 0
 
-    def _wait(self, event) -> None:
+    def wait(self, event) -> None:
         self.waits += 1
-        super()._wait(event)
+        super().wait(event)
 
 
 def test_a_step_waits_for_the_device_twice_for_all_its_tables_and_once_when_no_row_is_missing():
-    cached = CountedWaits.from_collection(plain("adagrad"), cache_rows(0.1))
+    cached = HostCachedCollection.from_collection(plain("adagrad"), cache_rows(0.1))
+    cached.side = side = CountedWaits(replaced=cached.cache.buffers)
     waits = []
     for kjt, target in (batch(0), batch(1), batch(1)):  # the third: every row in the caches already
-        before = cached.waits
+        before = side.waits
         (cached(kjt) * target).sum().backward()
-        waits.append(cached.waits - before)
+        waits.append(side.waits - before)
     assert waits == [2, 2, 1]
 
 

@@ -13,6 +13,7 @@ from pipeline.stages.config import load_config
 from pipeline.stages.etl import run as run_etl
 from pipeline.stages.train import run
 from pipeline.train.driver import train
+from pipeline.train.loop import Callback
 from pipeline.train.model import load_trained
 from tests.test_train import Crash, CrashAfter
 
@@ -74,25 +75,50 @@ def test_raw_ids_train_dynamic_tables_that_evict_and_score_as_they_trained(proce
     assert again["auc"] == pytest.approx(result["test"]["auc"], abs=1e-6)
 
 
-def test_resume_after_a_crash_ends_with_the_same_ids_rows_and_state(processed, tmp_path):
-    common = ["train.epochs=2", "train.checkpoint_every=7", "train.embedding_optimizer=adam", "seed=3"]
-    straight = _config(_copy(processed, tmp_path / "straight"), *common)
-    run(straight)
+class Pipelines(Callback):
+    """Records the training pipeline of each run it sees (None: the loop reads its batches itself)."""
+
+    def __init__(self) -> None:
+        self.seen: list[str | None] = []
+
+    def on_fit_start(self, trainer) -> None:
+        self.seen.append(type(trainer.pipeline).__name__ if trainer.pipeline is not None else None)
+
+
+def _stage(cfg, callbacks=()):
+    """The training stage's run of ``cfg``, with ``callbacks``."""
+    return train(cfg.train, cfg.paths.processed, cfg.paths.train, schema=Schema.load(cfg.paths.schema), seed=cfg.seed,
+                 distributed=cfg.distributed, callbacks=callbacks, progress="off")
+
+
+def test_ids_placed_a_step_ahead_and_resumed_train_and_score_as_one_batch_after_the_other(processed, tmp_path):
+    """The stage places each batch's ids while the batch before trains (distributed.pipeline, the default); a run
+    that crashes and resumes so ends with the ids, rows and state of an uninterrupted run that places each batch at
+    its lookup, and every validation between steps scores alike: no batch is placed before the evaluation and the
+    checkpoint of the step before."""
+    common = ["train.epochs=2", "train.checkpoint_every=7", "train.eval_every=10", "train.embedding_optimizer=adam",
+              "seed=3"]
+    pipelines = Pipelines()
+    straight = _config(_copy(processed, tmp_path / "straight"), *common, "distributed.pipeline=false")
+    _stage(straight, [pipelines])
     crashed = _config(_copy(processed, tmp_path / "crashed"), *common)
     with pytest.raises(Crash):
-        train(crashed.train, crashed.paths.processed, crashed.paths.train, schema=Schema.load(crashed.paths.schema),
-              seed=crashed.seed, callbacks=[CrashAfter(30)], progress="off")
-    run(_config(tmp_path / "crashed", *common, "train.resume=true"))
+        _stage(crashed, [pipelines, CrashAfter(30)])
+    _stage(_config(tmp_path / "crashed", *common, "train.resume=true"), [pipelines])
+    assert pipelines.seen == [None, "PrefetchPipeline", "PrefetchPipeline"]
     final = [torch.load(c.paths.train / "latest" / "model.pt", weights_only=True) for c in (straight, crashed)]
     assert any(key.endswith("_extra_state") for key in final[0])
     _same(*final)
+    scores = [[(r["step"], r["auc"]) for r in map(json.loads, (c.paths.train / "latest" / "metrics.jsonl")
+                                                  .read_text().splitlines()) if r.get("split") == "valid"]
+              for c in (straight, crashed)]
+    assert len(scores[0]) >= 7 and scores[0] == scores[1]
 
 
 def test_resume_with_another_admit_after_is_refused_naming_the_setting(processed, tmp_path):
     cfg = _config(_copy(processed, tmp_path), "train.max_steps=8", "train.checkpoint_every=4")
     with pytest.raises(Crash):
-        train(cfg.train, cfg.paths.processed, cfg.paths.train, schema=Schema.load(cfg.paths.schema),
-              seed=cfg.seed, callbacks=[CrashAfter(5)], progress="off")
+        _stage(cfg, [CrashAfter(5)])
     with pytest.raises(UserError, match=r"trained with train.admit_after=2, not 3: resume with train.admit_after=2"):
         run(_config(tmp_path, "train.max_steps=8", "train.resume=true", "train.admit_after=3"))
 

@@ -26,6 +26,7 @@ from pipeline.loader import Loader
 from pipeline.loader.synthetic import criteo_schema, write_processed
 from pipeline.modules.configs import EmbeddingOptimizerConfig
 from pipeline.modules.models import MODEL_CLASSES, ModelSizes, build_model
+from pipeline.modules.side_stream import SideStream
 from pipeline.schema import Column, Schema
 from pipeline.train.config import TrainConfig
 from pipeline.train.loop import Trainer
@@ -124,7 +125,7 @@ def test_a_host_cached_step_reads_nothing_back_but_its_counts_and_missing_rows(t
     """The step of a model with host-cached tables (their rows prefetched at the lookup, or a step ahead):
     none of the operations above. Its host waits are for copies to pinned memory on its side stream
     (``HostCachedCollection._read``: the per-table counts, and the missing rows' numbers), no-ops here."""
-    from pipeline.distributed.train_pipeline import CachePrefetchPipeline
+    from pipeline.distributed.train_pipeline import PrefetchPipeline
     from pipeline.modules.cached_collection import HostCachedCollection
 
     trainer, loader = _trainer(tmp_path, "dlrm", optimizer="adagrad")
@@ -133,7 +134,7 @@ def test_a_host_cached_step_reads_nothing_back_but_its_counts_and_missing_rows(t
     with loader:
         batches = iter(list(loader)[:6])
     if pipelined:
-        batches = CachePrefetchPipeline(model, "cpu")(batches)
+        batches = PrefetchPipeline(model, "cpu")(batches)
     trainer.train_step(next(batches))
     with HostReads(trainer.optimizer) as reads:
         for batch in batches:
@@ -177,22 +178,29 @@ def _dynamic_trainer(tmp_path, name: str, tables: int, admit_after: int, device:
     return Trainer(model, cfg, tmp_path / "out", loader, World(device=torch.device(device))), loader
 
 
-@pytest.mark.parametrize("admit_after, reads", [(1, 1), (2, 3)])
-@pytest.mark.parametrize("name", ["dlrm", "deepfm"])
+@pytest.mark.parametrize("name, admit_after, reads, pipelined", [
+    ("dlrm", 1, 1, False), ("dlrm", 2, 3, False), ("deepfm", 1, 1, False), ("deepfm", 2, 3, False),
+    ("dlrm", 2, 3, True), ("deepfm", 1, 1, True)])
 def test_dynamic_tables_read_the_device_a_fixed_number_of_times_a_step_whatever_their_number(tmp_path, name,
-                                                                                             admit_after, reads):
+                                                                                             admit_after, reads,
+                                                                                             pipelined):
     """Mapping the ids of every dynamic table of a training step copies one set of numbers to the host (the
     rows to start, the ids without a row), two more with admission (the ids to count, those admitted), and does
     none of the operations above: with 2 tables as with 6, and DeepFM's deep and wide tables, two dims, in the
-    same reads."""
+    same reads; ``pipelined``: each batch's ids placed a step ahead (the training pipeline), the same reads, and
+    the step itself adds none."""
+    from pipeline.distributed.train_pipeline import PrefetchPipeline
+
     seen = {}
     for tables in (2, 6):
         trainer, loader = _dynamic_trainer(tmp_path / str(tables), name, tables, admit_after)
         with loader:
-            batches = list(loader)[:5]
-        trainer.train_step(batches[0])
+            batches = iter(list(loader)[:5])
+        if pipelined:
+            batches = PrefetchPipeline(trainer.model, "cpu")(batches)
+        trainer.train_step(next(batches))
         with HostReads(trainer.optimizer) as syncs, HostCopies() as copies:
-            for batch in batches[1:]:
+            for batch in batches:
                 trainer.train_step(batch)
         seen[tables] = syncs.seen + copies.seen
         stats = [t.stats() for t in trainer.model.embedding.dynamic.tables.values()]
@@ -245,26 +253,57 @@ def test_a_training_step_on_the_gpu_does_not_sync(tmp_path, name):
     torch.cuda.synchronize()
 
 
-@pytest.mark.gpu
-def test_a_training_step_of_dynamic_tables_on_the_gpu_waits_for_it_once(tmp_path):
-    """The kernels place the ids of 12 dynamic tables (DeepFM's deep and wide ones) and nothing syncs but the
-    mapping's one read of a few numbers per step."""
-    import warnings
+class CountedWaits(SideStream):
+    """A side stream counting the host's waits for it (every read back goes through ``wait``)."""
 
-    trainer, loader = _dynamic_trainer(tmp_path, "deepfm", 6, 1, device="cuda")
-    assert trainer.model.embedding.dynamic["t_C1"].ids.backend == "cuda"
-    with loader:
-        batches = list(loader)[:4]
-    trainer.train_step(batches[0])  # first use: the kernels are compiled
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            for batch in batches[1:]:
+    waits = 0
+
+    def wait(self, event) -> None:
+        self.waits += 1
+        super().wait(event)
+
+
+@pytest.mark.gpu
+def test_a_training_step_of_dynamic_tables_on_the_gpu_waits_for_its_side_stream_once_and_syncs_nothing(tmp_path):
+    """The kernels place the ids of 12 dynamic tables (DeepFM's deep and wide ones) on the collection's side stream:
+    the host waits for an event of that stream once a step (the mapping's one read of a few numbers), and
+    ``set_sync_debug_mode("error")`` sees no sync, each batch placed at its lookup or a step ahead through the
+    training pipeline (its side stream waiting for the event recorded when the batch was read, not for the step
+    before). Both end with the same ids, slots and scores, and the same rows to float tolerance."""
+    from pipeline.distributed.train_pipeline import PrefetchPipeline
+
+    trained = {}
+    for pipelined in (False, True):
+        torch.manual_seed(0)
+        trainer, loader = _dynamic_trainer(tmp_path / str(pipelined), "deepfm", 6, 1, device="cuda")
+        embedding = trainer.model.embedding
+        assert embedding.dynamic["t_C1"].ids.backend == "cuda"
+        embedding.side = side = CountedWaits()
+        with loader:
+            batches = iter(list(loader)[:6])
+        if pipelined:
+            batches = PrefetchPipeline(trainer.model, "cuda")(batches)
+        trainer.train_step(next(batches))  # first use: the kernels are compiled, the step counter read
+        torch.cuda.synchronize()
+        waits, steps = side.waits, 0
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for batch in batches:
                 trainer.train_step(batch)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    torch.cuda.synchronize()
-    waits = [w for w in caught if "synchronizing" in str(w.message)]
-    assert len(waits) == len(batches) - 1, [str(w.message) for w in caught]
+                steps += 1
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()
+        assert steps == 5 and side.waits - waits == steps
+        trained[pipelined] = embedding
+    at_lookup, ahead = trained[False], trained[True]
+    assert sum(t.stats()["evictions"] for t in ahead.dynamic.tables.values()) > 0
+    for name in at_lookup.dynamic.tables:
+        a, b = at_lookup.dynamic[name].get_extra_state(), ahead.dynamic[name].get_extra_state()
+        assert a["evictions"] == b["evictions"], name
+        for key in ("keys", "slots", "scores"):
+            assert torch.equal(a["ids"][key], b["ids"][key]), (name, key)
+    # the fused CUDA update may sum a row's gradients in another order from run to run
+    for key, value in at_lookup.state_dict().items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            torch.testing.assert_close(ahead.state_dict()[key], value, atol=1e-5, rtol=1e-4)

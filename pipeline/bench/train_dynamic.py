@@ -1,26 +1,32 @@
 """``bench train --dynamic``: our DLRM with dynamic tables of the static ones' shape, trained on the same ids (each
-row's as a 64-bit id of its own), its step including the mapping of the batch's ids to rows."""
+row's as a 64-bit id of its own) as the training stage trains it: each batch's ids placed in the tables while the
+batch before trains, its new rows started at its lookup."""
 
 from __future__ import annotations
 
 
 class DynamicTraining:
     """Our DLRM with dynamic tables (admitted after ``admit_after`` occurrences), trained on the ``raw`` ids of a
-    list of ``StepBatch``, one step each, and the figures of its tables."""
+    list of ``StepBatch``, one step each, through the training stage's
+    :class:`~pipeline.distributed.train_pipeline.PrefetchPipeline`, and the figures of its tables."""
 
     def __init__(self, args, sizes, device, amp: bool, compiled: str, admit_after: int):
         from pipeline.bench.train_models import our_dlrm, our_step
+        from pipeline.distributed.train_pipeline import PrefetchPipeline
         from pipeline.schema import DYNAMIC_ROWS
 
         self.capacity = -(-args.rows // DYNAMIC_ROWS) * DYNAMIC_ROWS  # whole buckets of the hash table
         self.admit_after = admit_after
         self.model = our_dlrm(args, sizes, device, capacity=self.capacity, admit_after=admit_after)
         self._step = our_step(self.model, amp, compiled)
+        self._pipeline = PrefetchPipeline(self.model, device)
         self._placed_before_timing = 0
 
     def __call__(self, batches) -> None:
-        for batch in batches:
-            self._step(batch.dense, batch.raw, batch.label)
+        from pipeline.loader import Batch
+
+        for batch in self._pipeline(Batch(b.dense, b.raw, b.label) for b in batches):
+            self._step(batch.dense, batch.sparse, batch.label)
 
     def start_timing(self) -> None:
         self._placed_before_timing = self._placed()

@@ -13,12 +13,12 @@ class HostCachedTraining:
 
     def __init__(self, args, sizes, device, amp: bool, compiled: str, sharding: dict[str, str]):
         from pipeline.bench.train_models import our_step
-        from pipeline.distributed.train_pipeline import CachePrefetchPipeline
+        from pipeline.distributed.train_pipeline import PrefetchPipeline
 
         self.budget_mb = args.embedding_budget_mb
         self.model, self._topology = _placed_under_budget(args, sizes, device, sharding)
         self._step = our_step(self.model, amp, compiled)
-        self._pipeline = CachePrefetchPipeline(self.model, device)
+        self._pipeline = PrefetchPipeline(self.model, device)
         self._found_before_timing: dict = {}
 
     def __call__(self, batches) -> None:

@@ -13,12 +13,12 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "CachePrefetchPipeline": "pipeline.distributed.train_pipeline",
     "DistributedConfig": "pipeline.distributed.config",
     "DistributedModelParallel": "pipeline.distributed.model_parallel",
     "EmbeddingShardingPlanner": "pipeline.distributed.planner",
     "ParameterSharding": "pipeline.distributed.types",
     "PlannerError": "pipeline.distributed.planner",
+    "PrefetchPipeline": "pipeline.distributed.train_pipeline",
     "ShardedEmbeddingCollection": "pipeline.distributed.embedding",
     "ShardingPlan": "pipeline.distributed.types",
     "ShardingType": "pipeline.distributed.types",

@@ -31,8 +31,9 @@ class DistributedConfig:
         "help": "fp32 | bf16: dtype of the pooled vectors (and their gradients) sent between ranks"})
     pipeline: bool = field(default=True, metadata={
         "help": "N ranks: read the next batch and start its id exchange while this one trains (TorchRec's "
-                "sparse-dist pipeline); one process with host-cached tables: copy the next batch's rows into the "
-                "device caches while this one trains; the same weights as false: one batch after the other"})
+                "sparse-dist pipeline); one process with host-cached or dynamic tables: copy the next batch's rows "
+                "into the device caches, or place its ids in the dynamic tables, while this one trains; the same "
+                "weights as false: one batch after the other"})
     timeout_s: float = field(default=600.0, metadata={"help": "seconds a collective may wait before failing"})
 
     def __post_init__(self) -> None:

@@ -1,6 +1,7 @@
 """A training loop's batches one step ahead: on N ranks the next batch's id exchange under way (TorchRec's
-``TrainPipelineSparseDist`` in its simplest shape); on one process with host-cached tables the next
-batch's rows on their way into the device caches (TorchRec's prefetch pipeline).
+``TrainPipelineSparseDist`` in its simplest shape); on one process with host-cached or dynamic tables the
+next batch's lookup prepared (TorchRec's prefetch pipeline): its rows on their way into the device caches,
+its ids placed in the dynamic tables.
 
 ``SparseDistPipeline(dmp, device)`` wraps an epoch's iterator of :class:`~pipeline.loader.Batch`.
 Before it hands out batch ``i`` it has read batch ``i + 1`` from the loader, moved it to the device
@@ -16,13 +17,17 @@ compute stream (so no memory of an earlier batch is reused while that work may s
 compute stream waits for the side stream's event before a batch is used. No host synchronization is
 added. On CPU there are no streams and gloo runs the exchange on its own threads.
 
-``CachePrefetchPipeline(model, device)`` does the same for a model whose embedding is a
-:class:`~pipeline.modules.cached_collection.HostCachedCollection`: it hands out batch ``i`` with its
-``sparse`` already prefetched (:class:`~pipeline.modules.cached_collection.Prefetched`), the prefetch
-run when the loop asked for batch ``i``, after it queued batch ``i - 1``'s step. On a GPU the prefetch's
-side stream waits for an event recorded before that step (when batch ``i`` was read, so its ids are
-ready, and every earlier step was queued), not for the step itself: the prefetch's host waits and copies
-run while batch ``i - 1`` computes. Batch ``i + 1`` is read from the loader before ``i`` is handed out.
+``PrefetchPipeline(model, device)`` does the same for a model whose embedding prefetches
+(:attr:`~pipeline.modules.collection.EmbeddingCollection.prefetches`: a
+:class:`~pipeline.modules.cached_collection.HostCachedCollection`, or a collection with dynamic tables): it
+hands out batch ``i`` with its ``sparse`` already prefetched (:class:`~pipeline.modules.collection.Prefetched`:
+its rows copied into the caches, or its ids placed in the dynamic tables, whose new rows its lookup starts),
+the prefetch run when the loop asked for batch ``i``, after it queued batch ``i - 1``'s step, and after batch
+``i - 1``'s evaluation and checkpoint, which therefore see the tables as a loop without the pipeline does. On
+a GPU the prefetch's side stream waits for an event recorded before that step (when batch ``i`` was read, so
+its ids are ready, and every earlier step was queued), not for the step itself: the prefetch's host waits and
+copies run while batch ``i - 1`` computes. Batch ``i + 1`` is read from the loader before ``i`` is handed out,
+and prefetched only when the loop asks for it.
 
 Example::
 
@@ -43,7 +48,7 @@ from torch import nn
 
 from pipeline.distributed.embedding import ShardedEmbeddingCollection, StartedInputDist
 from pipeline.loader import Batch
-from pipeline.modules.cached_collection import HostCachedCollection
+from pipeline.modules.collection import EmbeddingCollection
 
 
 class SparseDistPipeline:
@@ -115,14 +120,16 @@ class OneAhead:
             close()
 
 
-class CachePrefetchPipeline:
-    """Makes an iterator of batches hand out each batch with its rows prefetched into ``model.embedding``'s
-    device caches, the prefetch overlapping the step before (see the module)."""
+class PrefetchPipeline:
+    """Makes an iterator of batches hand out each batch prefetched by ``model.embedding`` (its rows in the device
+    caches of host-cached tables, its ids placed in dynamic tables), the prefetch overlapping the step before (see
+    the module)."""
 
     def __init__(self, model: nn.Module, device: torch.device | str) -> None:
         embedding = model.embedding
-        if not isinstance(embedding, HostCachedCollection):
-            raise TypeError(f"expected a model whose embedding is host-cached, got {type(embedding).__name__}")
+        if not (isinstance(embedding, EmbeddingCollection) and embedding.prefetches):
+            kind = "a collection with neither" if isinstance(embedding, EmbeddingCollection) else type(embedding).__name__
+            raise TypeError(f"expected a model whose embedding has host-cached or dynamic tables, got {kind}")
         self.embedding = embedding
         self.device = torch.device(device)
 
@@ -133,7 +140,7 @@ class CachePrefetchPipeline:
 class PrefetchAhead:
     """The batches of ``source``, each prefetched when asked for, the next one read already (see the module)."""
 
-    def __init__(self, source: Iterator[Batch], pipeline: CachePrefetchPipeline) -> None:
+    def __init__(self, source: Iterator[Batch], pipeline: PrefetchPipeline) -> None:
         self.source, self.pipeline = source, pipeline
         self.ahead: Batch | None = None
         self.read_at: torch.cuda.Event | None = None

@@ -43,7 +43,7 @@ updated its rows, the side stream first waiting for all the compute stream's wor
 computes: a prefetch never evicts the rows of the training batch prefetched before it, whose update may
 still be pending, and its side stream waits only for ``after``, an event of the compute stream after
 which the batch's ids are ready and every earlier batch's update is queued
-(:class:`~pipeline.distributed.train_pipeline.CachePrefetchPipeline` records it), so the host waits and
+(:class:`~pipeline.distributed.train_pipeline.PrefetchPipeline` records it), so the host waits and
 copies overlap the batch before. A training batch's distinct rows of a table, with those of the batch
 before, must fit its cache (else :class:`~pipeline.modules.host_cache.CacheTooSmall`); a lookup outside
 training that does not fit is looked up in halves of its samples.
@@ -63,7 +63,6 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -73,24 +72,11 @@ import torch
 from pipeline.errors import UserError
 from pipeline.kernels.embedding import TablePacking
 from pipeline.kernels.host_rows import copy_rows, map_to_device, rows_movable
-from pipeline.modules.collection import EmbeddingCollection, flat_views
+from pipeline.modules.collection import EmbeddingCollection, Prefetched, flat_views
 from pipeline.modules.configs import WEIGHT_DTYPES, EmbeddingOptimizerConfig, TableConfig
 from pipeline.modules.host_cache import NO_ROW, CachedTable, CacheStats, CacheTooSmall, RowCache
+from pipeline.modules.side_stream import SideStream
 from pipeline.sparse import KeyedJaggedTensor
-
-
-@dataclass
-class Prefetched:
-    """A batch whose rows :meth:`HostCachedCollection.prefetch` put in the caches: its bags, ids as slots."""
-
-    indices: torch.Tensor
-    offsets: torch.Tensor
-    batch_size: int
-    generation: int
-
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> Prefetched:
-        """Itself: its rows are in the caches of the collection's device."""
-        return self
 
 
 @dataclass
@@ -150,10 +136,8 @@ class HostCachedCollection(EmbeddingCollection):
         self.register_buffer("first_slot", torch.tensor(first_slot), persistent=False)
         self.register_buffer("slot_group_row", torch.tensor(storage_row), persistent=False)
         self._copy_resident(to_device=True)
-        self._generation = 0
-        self._side: torch.cuda.Stream | None = None
-        self._looked_up: torch.cuda.Event | None = None
-        self._buffers_on_host: dict[str, torch.Tensor] = {}
+        # The books are made on the compute stream, used and replaced on the side stream.
+        self.side = SideStream(replaced=self.cache.buffers)
         self._written_back: _WrittenBack | None = None
         self._mapped: bool | None = None  # see _host_mapped
 
@@ -184,8 +168,12 @@ class HostCachedCollection(EmbeddingCollection):
 
     def _apply(self, fn, recurse=True):
         self._mapped = None
-        self._side = None  # the books on the new device are marked as the side stream's at its first use
         return super()._apply(fn, recurse)
+
+    @property
+    def prefetches(self) -> bool:
+        """Always: a batch's rows move into the caches ahead of its lookup."""
+        return True
 
     def cache_stats(self) -> dict[str, CacheStats]:
         """Each cached table's counts of its training batches' rows: looked up, found, evicted, written back."""
@@ -203,23 +191,20 @@ class HostCachedCollection(EmbeddingCollection):
         most one batch ahead of the batch training. ``after``: on a GPU, an event of the compute stream after
         which ``features`` are ready and every batch before the one prefetched last is queued (default: all
         the compute stream's work queued so far)."""
-        with self._on_side(after):
+        with self.side.run(self.weights.device, after):
             indices, offsets, batch_size = self.slot_bags(features)
             slots = self._to_slots(indices, offsets, batch_size, True)
-        return Prefetched(*self._handed_over(slots, offsets), batch_size, self._generation)
+        return Prefetched(*self.side.hand_over(slots, offsets), batch_size, self._generation)
 
     def forward(self, features: KeyedJaggedTensor | Prefetched) -> torch.Tensor:
         if isinstance(features, Prefetched):
-            if features.generation != self._generation:
-                raise RuntimeError("a batch prefetched before the caches were emptied (a state dict loaded, "
-                                   "table views taken): prefetch it again")
-            return self.lookup(features.indices, features.offsets, features.batch_size)
+            return super().forward(features)
         return self._cached_lookup(*self.slot_bags(features), torch.is_grad_enabled() and self.training)
 
     def _cached_lookup(self, indices: torch.Tensor, offsets: torch.Tensor, batch_size: int,
                        training: bool) -> torch.Tensor:
         try:
-            with self._on_side(None):
+            with self.side.run(self.weights.device, None):
                 slots = self._to_slots(indices, offsets, batch_size, training)
         except CacheTooSmall:
             if training or batch_size < 2:
@@ -227,13 +212,13 @@ class HostCachedCollection(EmbeddingCollection):
             half = batch_size // 2
             return torch.cat([self._cached_lookup(*_samples(indices, offsets, batch_size, lo, hi), hi - lo, False)
                               for lo, hi in ((0, half), (half, batch_size))])
-        pooled = self.lookup(self._handed_over(slots)[0], offsets, batch_size)
-        self._looked_up = self._event()
+        pooled = self.lookup(self.side.hand_over(slots)[0], offsets, batch_size)
+        self.side.follow(self.weights.device)  # a later prefetch's slots may take this lookup's rows
         return pooled
 
     def _to_slots(self, indices: torch.Tensor, offsets: torch.Tensor, batch_size: int, training: bool) -> torch.Tensor:
         """``indices`` (slot-major bags) with every id of a cached table replaced by its cache slot (see the
-        module for the steps), on the side stream (:meth:`_on_side`)."""
+        module for the steps), on the side stream (:attr:`side`)."""
         if indices.numel() == 0:
             return indices
         with torch.no_grad():
@@ -242,7 +227,7 @@ class HostCachedCollection(EmbeddingCollection):
                                             output_size=indices.numel())
             first_row = self.first_row[table]
             placement = self.cache.place(torch.where(first_row >= 0, first_row + indices, NO_ROW))
-            by_table = self._read(placement.counts, "counts").tolist()  # host wait 1
+            by_table = self.side.read(placement.counts, "counts").tolist()  # host wait 1
             self.cache.admit(by_table, training)
             self._finish_write_back()
             missing, written = by_table[0], by_table[4]
@@ -253,11 +238,11 @@ class HostCachedCollection(EmbeddingCollection):
                                     written, to_host=True)
                 self._move_rows(moves.victims, moves.missing_rows, missing, to_host=False)
             elif moves.victims.numel():
-                rows = self._read(moves.missing_rows, "missing rows", wait=False)
-                arrived = self._event()
+                rows = self.side.read(moves.missing_rows, "missing rows", wait=False)
+                arrived = self.side.event(self.weights.device)
                 if moves.written_back_slots.numel():
                     self._start_write_back(moves.written_back_slots, written)
-                self._wait(arrived)  # host wait 2
+                self.side.wait(arrived)  # host wait 2
                 self._copy_in(rows, moves.victims, missing)
             self.cache.commit(placement, moves, training)
             slots = placement.slot[placement.inverse.clamp(min=0)] - self.first_slot[table]
@@ -306,9 +291,9 @@ class HostCachedCollection(EmbeddingCollection):
         values = {}
         for key, flat in self._storage().items():
             parts = [_group_view(self.storage_packing, flat, g).index_select(0, at[lo:hi]) for g, lo, hi in groups]
-            values[key] = self._read(torch.cat([p.reshape(-1) for p in parts]), f"written back {key}", wait=False)
-        self._written_back = _WrittenBack(self._read(self.cache.index.rows_of(slots), "written back rows", wait=False),
-                                          values, groups)
+            values[key] = self.side.read(torch.cat([p.reshape(-1) for p in parts]), f"written back {key}", wait=False)
+        rows = self.side.read(self.cache.index.rows_of(slots), "written back rows", wait=False)
+        self._written_back = _WrittenBack(rows, values, groups)
 
     def _finish_write_back(self) -> None:
         """The rows copied out by :meth:`_start_write_back`, now in host memory, into the host tables."""
@@ -332,8 +317,9 @@ class HostCachedCollection(EmbeddingCollection):
         host_rows = [rows[lo:hi] - self.packing.groups[g].row_start for g, lo, hi in groups]
         for key, flat in self.host.items():
             views = [_group_view(self.packing, flat, g) for g, _, _ in groups]
-            staged = self._host_buffer(f"missing {key}", sum(v[0].numel() * (hi - lo)
-                                                              for v, (_, lo, hi) in zip(views, groups)), flat.dtype)
+            staged = self.side.host_buffer(f"missing {key}", sum(v[0].numel() * (hi - lo)
+                                                                 for v, (_, lo, hi) in zip(views, groups)),
+                                           flat.dtype, pinned=self.weights.is_cuda)
             start = 0
             for view, group_rows in zip(views, host_rows):
                 part = staged[start : start + group_rows.numel() * view[0].numel()].view(-1, *view.shape[1:])
@@ -348,90 +334,25 @@ class HostCachedCollection(EmbeddingCollection):
                 view.index_copy_(0, at[lo:hi], arrived[start : start + n].view(hi - lo, *view.shape[1:]))
                 start += n
 
-    # The side stream and the host's reads of it.
-
-    @contextlib.contextmanager
-    def _on_side(self, after: torch.cuda.Event | None):
-        """Run the block on the side stream (on a GPU), after ``after`` or the compute stream's work so far; the
-        compute stream waits for it after."""
-        if not self.weights.is_cuda:
-            yield
-            return
-        compute = torch.cuda.current_stream(self.weights.device)
-        if self._side is None:
-            # high priority: the next batch's books and row copies run beside the compute stream's large
-            # kernels rather than after them, so its counts reach the host while the step computes
-            self._side = torch.cuda.Stream(self.weights.device, priority=-1)
-            for books in self.cache.buffers():  # made on the compute stream, used and replaced on the side one
-                books.record_stream(self._side)
-        if after is None:
-            self._side.wait_stream(compute)
-        else:
-            self._side.wait_event(after)
-            if self._looked_up is not None:  # a lookup made without a prefetch (an evaluation between steps)
-                self._side.wait_event(self._looked_up)
-        try:
-            with torch.cuda.stream(self._side):
-                yield
-        finally:
-            compute.wait_stream(self._side)
-
-    def _handed_over(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """``tensors``, made on the side stream, marked as used by the compute stream (so that their memory is
-        not given to the side stream again before the compute stream is done with them)."""
-        for tensor in tensors:
-            if tensor.is_cuda:
-                tensor.record_stream(torch.cuda.current_stream(tensor.device))
-        return tensors
-
-    def _event(self) -> torch.cuda.Event | None:
-        return torch.cuda.current_stream(self.weights.device).record_event() if self.weights.is_cuda else None
-
-    @staticmethod
-    def _wait(event: torch.cuda.Event | None) -> None:
-        """A host wait: for the side stream's work up to ``event`` (the compute stream runs on)."""
-        if event is not None:
-            event.synchronize()
-
-    def _read(self, values: torch.Tensor, name: str, wait: bool = True) -> torch.Tensor:
-        """``values`` in host memory (pinned, reused per ``name``); ``wait``: the host waits for them, else the
-        copy is under way (a later wait on the stream covers it)."""
-        out = values
-        if values.is_cuda:
-            out = self._host_buffer(name, values.numel(), values.dtype).view(values.shape)
-            out.copy_(values, non_blocking=True)
-        if wait:
-            self._wait(self._event())
-        return out
-
-    def _host_buffer(self, name: str, size: int, dtype: torch.dtype) -> torch.Tensor:
-        """``size`` elements of host memory kept per ``name`` (pinned on a GPU), grown as needed."""
-        buffer = self._buffers_on_host.get(name)
-        if buffer is None or buffer.numel() < size or buffer.dtype != dtype:
-            buffer = torch.empty(max(size, 2 * buffer.numel() if buffer is not None else 0), dtype=dtype,
-                                 pin_memory=self.weights.is_cuda)
-            self._buffers_on_host[name] = buffer
-        return buffer[:size]
-
     # Whole-cache operations: not per step.
 
     def _flush(self) -> None:
         """Every dirty row written back to the host tables (the rows stay in the caches, clean)."""
-        with self._on_side(None), torch.no_grad():
-            self._wait(self._event())
+        with self.side.run(self.weights.device, None), torch.no_grad():
+            self.side.wait(self.side.event(self.weights.device))
             self._finish_write_back()
             slots = self.cache.dirty_slots()
             if slots.numel():
                 table = self.cache.slot_table[slots].cpu()
                 by_table = torch.bincount(table, minlength=len(self.cache.tables)).tolist()
                 self._start_write_back(slots, by_table)
-                self._wait(self._event())
+                self.side.wait(self.side.event(self.weights.device))
                 self._finish_write_back()
                 self.cache.cleaned(slots)
 
     def _drop(self) -> None:
         """Every cache emptied, without writing back (prefetched batches not yet looked up are void)."""
-        with self._on_side(None):
+        with self.side.run(self.weights.device, None):
             self._written_back = None
             self.cache.drop()
         self._generation += 1

@@ -14,6 +14,10 @@ Example::
     loss_fn(head(pooled)).backward()   # rows of t_C1 / t_C2 touched by kjt are updated here
     emb.set_lr(0.01)             # the training loop sets the lr every step
 
+With dynamic tables (:mod:`pipeline.modules.dynamic`), a training batch's ids may be placed a step ahead,
+while the batch before computes: ``prefetched = emb.prefetch(kjt)``, then ``emb(prefetched)`` (the training
+pipeline does it, :class:`~pipeline.distributed.train_pipeline.PrefetchPipeline`).
+
 A *slot* is one (table, feature) pair; the output columns are the slots in order: tables in the
 given order, and within a table its features in the listed order. The backend (``torch`` | ``cuda``
 | ``auto``, see :mod:`pipeline.modules.backends`) never changes the model code; the contract and the
@@ -25,7 +29,8 @@ optimizer step); the weights are buffers, not parameters, so ``model.parameters(
 
 from __future__ import annotations
 
-from dataclasses import replace
+import contextlib
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import torch
@@ -36,8 +41,27 @@ from pipeline.kernels.embedding import TablePacking
 from pipeline.kernels.embedding.ops import check_ids
 from pipeline.modules.backends import resolve_backend
 from pipeline.modules.configs import WEIGHT_DTYPES, EmbeddingOptimizerConfig, TableConfig, check_features
-from pipeline.modules.dynamic import DynamicTables
+from pipeline.modules.dynamic import DynamicTables, NewRows
+from pipeline.modules.side_stream import SideStream
 from pipeline.sparse import KeyedJaggedTensor
+
+
+@dataclass
+class Prefetched:
+    """A batch whose lookup's work ahead :meth:`EmbeddingCollection.prefetch` did: its bags in slot order, ids as the
+    rows they read, and what its lookup still does (start the new rows of dynamic tables, whose ``mean`` slots
+    divide by the bags' ``lengths``)."""
+
+    indices: torch.Tensor
+    offsets: torch.Tensor
+    batch_size: int
+    generation: int
+    lengths: torch.Tensor | None = None  # the batch's, key-major
+    new_rows: list[NewRows] = field(default_factory=list)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Prefetched:
+        """Itself: its ids are placed on the collection's device."""
+        return self
 
 
 class EmbeddingCollection(nn.Module):
@@ -107,7 +131,9 @@ class EmbeddingCollection(nn.Module):
         self._trigger = torch.empty(0, requires_grad=True)  # makes autograd run the fused update in backward
         self._slot_names = ("\n".join(self.packing.slot_features),
                                    "\n".join(self.packing.table_names[t] for t in self.packing.slot_table))
-        self.register_load_state_dict_post_hook(lambda module, keys: module._hyper.__setitem__(2, 0.0))
+        self.side = SideStream()  # where a batch's work ahead of its lookup runs (pipeline.modules.side_stream)
+        self._generation = 0  # counts the state dicts loaded: a batch prefetched before one is void
+        self.register_load_state_dict_post_hook(lambda module, keys: module._loaded())
         self._resolve_backend_if_usable()
 
     @property
@@ -136,6 +162,19 @@ class EmbeddingCollection(nn.Module):
         except ValueError:
             self._backend = None
 
+    def _loaded(self) -> None:
+        """After a state dict was loaded: the step is read again, batches prefetched before are void, and the side
+        stream's next work waits for what the load wrote."""
+        self._hyper[2] = 0.0
+        self._generation += 1
+        self.side.follow(self.weights.device)
+
+    @property
+    def prefetches(self) -> bool:
+        """Whether :meth:`prefetch` does a batch's work ahead of its lookup (here: placing the ids of dynamic
+        tables), so that a training pipeline runs it while the batch before trains."""
+        return self.dynamic is not None
+
     def optimizer_state(self) -> dict[str, torch.Tensor]:
         return {name[len("state_"):]: buf for name, buf in self.named_buffers() if name.startswith("state_")}
 
@@ -154,10 +193,29 @@ class EmbeddingCollection(nn.Module):
         t = self.packing.table_names.index(name)
         return flat_views(self.storage_packing, {"weight": self.weights, **self.optimizer_state()}, t)
 
-    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
-        pooled = self.lookup(*self.slot_bags(features))
+    def forward(self, features: KeyedJaggedTensor | Prefetched) -> torch.Tensor:
+        if not isinstance(features, Prefetched):
+            features = self._placed(features, torch.is_grad_enabled() and self.training)
+        elif features.generation != self._generation:
+            raise RuntimeError("a batch prefetched before a state dict was loaded (or the caches of host-cached "
+                               "tables emptied, their table views taken): prefetch it again")
+        pooled = self.lookup(*self._ready(features))
         return pooled if self.dynamic is None else self.dynamic.pool_means(pooled, features.lengths,
                                                                           features.batch_size)
+
+    def prefetch(self, features: KeyedJaggedTensor, after: torch.cuda.Event | None = None) -> Prefetched:
+        """``features``' ids placed in the dynamic tables now, for their training lookup later (``self(prefetched)``,
+        once), at most one batch ahead of the batch training. ``after``: on a GPU, an event of the compute stream
+        after which ``features`` are ready and every batch before the one prefetched last is queued (default: all
+        the compute stream's work queued so far).
+
+        Only the ids' placement runs here (on a GPU on the side stream, after ``after``): the hash tables change,
+        the collection's rows do not. The rows of the ids placed anew are written at the lookup, on the compute
+        stream, after the update of the batch before: that batch may have used the slot an id of this batch takes
+        now (its id evicted here), and the new row must land after that update, never under it. The batch before
+        reads and updates its slots as placed for it, which this placement does not move, so the rows and the
+        hash tables end as they do with each batch placed at its lookup (see :mod:`pipeline.modules.dynamic`)."""
+        return self._placed(features, True, after)
 
     def lookup(self, indices: torch.Tensor, offsets: torch.Tensor, batch_size: int) -> torch.Tensor:
         """The pooled bags of :meth:`slot_bags`' ``(indices, offsets, batch_size)``, ids of ``storage_packing``'s
@@ -175,28 +233,44 @@ class EmbeddingCollection(nn.Module):
     def slot_bags(self, kjt: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         """``(indices, offsets, batch_size)`` of ``kjt`` in slot order on the weights' device, ids checked
         when ``validate_ids``: what the backends take. The ids of dynamic tables become their slots (placed
-        in training, as the update will follow), those without a slot left out. ``kjt.length_per_key``, when
-        given, saves reading the keys' sizes from the device."""
+        in training, as the update will follow, and the new rows started), those without a slot left out.
+        ``kjt.length_per_key``, when given, saves reading the keys' sizes from the device."""
+        return self._ready(self._placed(kjt, torch.is_grad_enabled() and self.training))
+
+    def _placed(self, kjt: KeyedJaggedTensor, train: bool, after: torch.cuda.Event | None = None) -> Prefetched:
+        """:meth:`slot_bags` of ``kjt`` but the start of new rows: with dynamic tables, their ids placed (``train``)
+        or found on the side stream (after ``after``, or all the compute stream's work), the results handed over to
+        the compute stream, which waits for them."""
         if kjt.keys != self.feature_names:
             raise BadInputError(f"expected sparse features {self.feature_names} in this order, got {kjt.keys}")
         b = kjt.batch_size
-        values = kjt.values.to(device=self.weights.device, dtype=torch.int64)
-        offsets = kjt.offsets().to(self.weights.device)
-        per_key = kjt.length_per_key
-        slot_counts = [per_key[k] for k in self._key_of_slot] if per_key is not None else None
-        if not self._identity_slots:
-            device = str(values.device)
-            if device not in self._slot_keys:
-                self._slot_keys[device] = torch.tensor(self._key_of_slot, dtype=torch.int64, device=values.device)
-            size = self._slot_repeats * values.numel() if self._slot_repeats else \
-                sum(slot_counts) if slot_counts is not None else None
-            values, offsets = _select_keys(values, offsets, b, self._slot_keys[device], size)
+        device = self.weights.device
+        new_rows: list[NewRows] = []
+        with self.side.run(device, after) if self.dynamic is not None else contextlib.nullcontext():
+            values = kjt.values.to(device=device, dtype=torch.int64)
+            offsets = kjt.offsets().to(device)
+            per_key = kjt.length_per_key
+            slot_counts = [per_key[k] for k in self._key_of_slot] if per_key is not None else None
+            if not self._identity_slots:
+                if str(device) not in self._slot_keys:
+                    self._slot_keys[str(device)] = torch.tensor(self._key_of_slot, dtype=torch.int64, device=device)
+                size = self._slot_repeats * values.numel() if self._slot_repeats else \
+                    sum(slot_counts) if slot_counts is not None else None
+                values, offsets = _select_keys(values, offsets, b, self._slot_keys[str(device)], size)
+            if self.dynamic is not None:
+                values, offsets, new_rows = self.dynamic.place(values, offsets, b, train, slot_counts, self.side)
+            if self.validate_ids and b:
+                check_ids(values, offsets, b, self.packing.tensors(device)["slot_rows"], *self._slot_names)
         if self.dynamic is not None:
-            values, offsets = self.dynamic.map_ids(values, offsets, b, torch.is_grad_enabled() and self.training,
-                                                   {"weight": self.weights, **self.optimizer_state()}, slot_counts)
-        if self.validate_ids and b:
-            check_ids(values, offsets, b, self.packing.tensors(values.device)["slot_rows"], *self._slot_names)
-        return values, offsets, b
+            self.side.hand_over(values, offsets, *(t for rows in new_rows for t in (rows.rows, rows.weights)))
+        return Prefetched(values, offsets, b, self._generation, kjt.lengths, new_rows)
+
+    def _ready(self, batch: Prefetched) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """``batch``'s ``(indices, offsets, batch_size)`` for the lookup, its new rows started first (on the current
+        stream, after the work queued on it before: the update of the batch before)."""
+        if batch.new_rows:
+            self.dynamic.start_rows(batch.new_rows, {"weight": self.weights, **self.optimizer_state()})
+        return batch.indices, batch.offsets, batch.batch_size
 
 
 def flat_views(packing: TablePacking, flat: dict[str, torch.Tensor], t: int) -> dict[str, torch.Tensor]:

@@ -26,7 +26,31 @@ The ids of all the dynamic tables of a collection are mapped in one pass (:class
 size known on the host: their hash tables are made together (a
 :class:`~pipeline.kernels.hashtable.HashTableGroup`), so one call places the ids of them all (on a GPU, one
 sort by hash, one by table and one placement kernel), and a training step waits for the device once for
-them all, three times with admission.
+them all, three times with admission. On a GPU the mapping runs on the collection's side stream
+(:mod:`pipeline.modules.side_stream`), and those waits are for that stream only.
+
+A batch's mapping is two parts. The placement (:meth:`DynamicTables.place`: the hash tables' find-or-insert,
+the admission counts, the counts read back, the ids replaced by slots, the new rows drawn) changes the hash
+tables and nothing else. The start of the new rows (:meth:`DynamicTables.start_rows`: their weights written,
+their optimizer state zeroed in the collection's flat tensors) is queued on the compute stream when the batch
+is looked up. So the placement may run a step ahead, while the batch before still computes
+(:meth:`~pipeline.modules.collection.EmbeddingCollection.prefetch`): batch ``i``'s placement on the side stream
+beside step ``i - 1``'s forward, backward and update. That gives the same rows and hash tables as placing each
+batch at its lookup, because:
+
+- step ``i - 1`` reads and updates the slots its own placement gave it, held in its bags; batch ``i``'s
+  placement changes which id holds a slot, not the rows, so it cannot change what step ``i - 1`` computes;
+- an id of batch ``i - 1`` that batch ``i``'s placement evicts gives its slot to a new id of batch ``i``. The
+  new id's row is written at batch ``i``'s lookup, on the compute stream, so after step ``i - 1``'s update of
+  that slot: the update lands on the old id's row, which the new row then replaces, as when batch ``i`` is
+  placed after step ``i - 1``. Written at the placement instead, the new row would take step ``i - 1``'s
+  update of the old id;
+- the placements run in the batches' order, each once (admission counts each batch once), and the rows they
+  draw depend on the ids alone, so the hash tables and the new rows are those of the batches placed at their
+  lookups;
+- a batch is placed when the training loop asks for it (after the step before was queued, evaluated and
+  checkpointed), so an evaluation or a checkpoint between two steps sees the tables as a loop without the
+  step ahead does.
 
 The hash tables' content (ids, slots, scores, the clock) is the module's extra state, so a
 checkpoint of the collection holds it beside the rows and their optimizer state, and a resumed run
@@ -44,12 +68,14 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from pipeline.kernels.hashtable import SLOTS, HashTable, HashTableGroup
 from pipeline.kernels.hashtable.reference import bucket_of, mix64
+from pipeline.modules.side_stream import SideStream
 
 _CODE = 1 << 24  # a slot is kept in its hash table row as two floats below 2**24, exact in float32
 _SEED_MIX = 0x5851F42D4C957F2D  # odd: spreads (seed, column) over the hash's input
@@ -79,6 +105,14 @@ def owner_rank(keys: torch.Tensor, world: int) -> torch.Tensor:
     """int64 ``[n]``: the rank that holds each id's row when its dynamic table is sharded row-wise over ``world``
     ranks (a hash of the id, independent of the bucket it takes there)."""
     return bucket_of(mix64(keys ^ _OWNER_SALT), world)
+
+
+class NewRows(NamedTuple):
+    """The rows that ids placed anew in tables of one dim group take: where, and what they start from."""
+
+    group: int  # the dim group of the collection's flat storage
+    rows: torch.Tensor  # int64 [n]: the rows of the collection's row-wise state (table offset + slot)
+    weights: torch.Tensor  # float32 [n, dim]: their weights, drawn from each table's init
 
 
 class DynamicTable(nn.Module):
@@ -221,12 +255,12 @@ class DynamicTables(nn.Module):
     """The dynamic tables of a collection: their ids to slots in the slot-major bags the ops take.
 
     Their hash tables are made together, one :class:`~pipeline.kernels.hashtable.HashTableGroup`, so a batch's
-    ids of all the tables are placed by one call: the ids of the dynamic slots in slot order (a table's slots are
-    consecutive), each with its table, one sort and one placement kernel for them all. The rows of the ids placed
-    anew in the tables of one dim are then drawn and written together, and the ids without a slot left out.
-    Nothing in it waits for the device but one read of a few numbers for all the tables (how many rows to start,
-    how many ids have no slot), and, with admission, two reads before it (how many ids to count, how many are
-    admitted)."""
+    ids of all the tables are placed by one call (:meth:`place`): the ids of the dynamic slots in slot order (a
+    table's slots are consecutive), each with its table, one sort and one placement kernel for them all. The rows
+    of the ids placed anew in the tables of one dim are then drawn together, and the ids without a slot left out;
+    :meth:`start_rows` writes the new rows later, at the batch's lookup (see the module for why). Nothing in it
+    waits for the device but one read of a few numbers for all the tables (how many rows to start, how many ids
+    have no slot), and, with admission, two reads before it (how many ids to count, how many are admitted)."""
 
     def __init__(self, tables: Sequence, packing, feature_names: Sequence[str], seeds: Sequence[int]) -> None:
         super().__init__()
@@ -263,33 +297,32 @@ class DynamicTables(nn.Module):
                 table.set_extra_state(state)
         return out
 
-    def map_ids(self, values: torch.Tensor, offsets: torch.Tensor, batch_size: int, train: bool,
-                flat: dict[str, torch.Tensor], slot_counts: Sequence[int] | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def place(self, values: torch.Tensor, offsets: torch.Tensor, batch_size: int, train: bool,
+              slot_counts: Sequence[int] | None, side: SideStream) -> tuple[torch.Tensor, torch.Tensor, list[NewRows]]:
         """``values`` / ``offsets`` (slot-major) with the ids of dynamic slots replaced by their slots, the ids
-        without one left out. ``train``: ids are placed (new ones admitted, their rows and optimizer state started
-        in ``flat``: the collection's weights and optimizer state by name, laid out by ``packing``), else only
-        looked up. ``slot_counts``: each slot's number of ids, when known on the host."""
+        without one left out, and the rows that ids placed anew take (for :meth:`start_rows`). ``train``: ids are
+        placed (new ones admitted), else only looked up (no new rows). ``slot_counts``: each slot's number of ids,
+        when known on the host. Changes the hash tables only, never the collection's rows; reads the device through
+        ``side`` (the collection's :class:`~pipeline.modules.side_stream.SideStream`, on whose stream it runs)."""
         b = batch_size
         if slot_counts is not None:
             starts = [0, *itertools.accumulate(slot_counts)]
         else:
-            starts = offsets[::b].tolist() if b else [0] * (self.packing.num_slots + 1)
+            starts = side.read(offsets[::b], "dynamic starts").tolist() if b else [0] * (self.packing.num_slots + 1)
         keys = _cat([values[starts[first] : starts[end]] for first, end, dynamic in self.runs if dynamic])
         on = self._device_tensors(values.device)
         owner = torch.repeat_interleave(on["slot_tables"], _slot_sizes(offsets, b)[on["slots"]],
                                         output_size=keys.numel()) if b else torch.zeros_like(keys)  # each id's table
         if train:
-            slots, was_new = self._place(keys, owner, starts)
+            slots, was_new = self._place(keys, owner, starts, side)
             new = was_new & (slots >= 0)
             new_by_group = [new] if len(self.groups) == 1 else \
                 [new & (on["table_groups"][owner] == group) for group in range(len(self.groups))]
         else:
             slots, new_by_group = self.ids.locate(keys, owner), []
-        lost, *started = _read([(slots < 0).sum(), *(new.sum() for new in new_by_group)])
-        for group, (new, count) in enumerate(zip(new_by_group, started)):
-            if count:
-                self._start_rows(group, keys, slots, owner, _positions(new, count), flat)
+        lost, *started = _read(side, [(slots < 0).sum(), *(new.sum() for new in new_by_group)])
+        new_rows = [self._new_rows(group, keys, slots, owner, _positions(new, count))
+                    for group, (new, count) in enumerate(zip(new_by_group, started)) if count]
 
         parts, at = [], 0
         for first, end, dynamic in self.runs:
@@ -298,13 +331,14 @@ class DynamicTables(nn.Module):
             at += size if dynamic else 0
         mapped = _cat(parts)
         if not lost:
-            return mapped, offsets
+            return mapped, offsets, new_rows
         dynamic = torch.repeat_interleave(on["slot_dynamic"], _slot_sizes(offsets, b), output_size=mapped.numel())
         keep = ~dynamic | (mapped >= 0)
         kept = torch.cat([offsets.new_zeros(1), torch.cumsum(keep, 0)])  # ids kept before each position
-        return mapped[_positions(keep, mapped.numel() - lost)], kept[offsets]
+        return mapped[_positions(keep, mapped.numel() - lost)], kept[offsets], new_rows
 
-    def _place(self, keys: torch.Tensor, owner: torch.Tensor, starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _place(self, keys: torch.Tensor, owner: torch.Tensor, starts: list[int],
+               side: SideStream) -> tuple[torch.Tensor, torch.Tensor]:
         """``(slots, was_new)`` of the ids ``keys`` of tables ``owner`` (as :meth:`HashTableGroup.find_or_insert`
         gives them), placed by one call of the tables' group, an id not admitted yet without a slot. The tables
         that admit after N occurrences first look their ids up and count the others: two reads of the device for
@@ -317,37 +351,42 @@ class DynamicTables(nn.Module):
             return placed.slots, placed.was_new
         bounds = [0, *itertools.accumulate(starts[slots[-1] + 1] - starts[slots[0]] for slots in self.table_slots)]
         placing = (self.ids.locate(keys, owner) >= 0) | self._device_tensors(keys.device)["admit_all"][owner]
-        for i, fresh in zip(admitting, _read([(~placing[bounds[i] : bounds[i + 1]]).sum() for i in admitting])):
+        for i, fresh in zip(admitting, _read(side, [(~placing[bounds[i] : bounds[i + 1]]).sum() for i in admitting])):
             mine = placing[bounds[i] : bounds[i + 1]]  # a view: the admitted ids join the placed in place
             at = _positions(~mine, fresh)
             mine.index_put_((at,), tables[i].count(keys[bounds[i] : bounds[i + 1]][at]))
-        [count] = _read([placing.sum()])
+        [count] = _read(side, [placing.sum()])
         at = _positions(placing, count)
         placed = self.ids.find_or_insert(keys[at], owner[at])
         self.evictions += placed.evictions
         return (torch.full_like(keys, -1).index_put_((at,), placed.slots),
                 torch.zeros_like(placing).index_put_((at,), placed.was_new))
 
-    def _start_rows(self, group: int, keys: torch.Tensor, slots: torch.Tensor, owner: torch.Tensor, at: torch.Tensor,
-                    flat: dict[str, torch.Tensor]) -> None:
-        """Start the rows of the ids at positions ``at``, which took their slot in this batch in tables of dim group
-        ``group`` (a repeated id each time): drawn from each table's init, their optimizer state zero."""
-        stored = self.groups[group]
+    def _new_rows(self, group: int, keys: torch.Tensor, slots: torch.Tensor, owner: torch.Tensor,
+                  at: torch.Tensor) -> NewRows:
+        """The rows of the ids at positions ``at``, which took their slot in this batch in tables of dim group
+        ``group`` (a repeated id each time), drawn from each table's init."""
         on = self._device_tensors(keys.device)
         table = owner[at]
-        hashes = column_hashes(torch.stack([t.seed for t in self.tables.values()]), stored.dim)
-        rows = draw_rows(keys[at], hashes[table], on["bounds"][table][:, None])
-        row = on["row_offsets"][table] + slots[at]  # of the collection's row-wise state
+        hashes = column_hashes(torch.stack([t.seed for t in self.tables.values()]), self.groups[group].dim)
+        weights = draw_rows(keys[at], hashes[table], on["bounds"][table][:, None])
+        return NewRows(group, on["row_offsets"][table] + slots[at], weights)
+
+    def start_rows(self, new_rows: Sequence[NewRows], flat: dict[str, torch.Tensor]) -> None:
+        """Write ``new_rows`` (of :meth:`place`) into ``flat`` (the collection's weights and optimizer state by name,
+        laid out by ``packing``), on the current stream: each row's weights, its optimizer state zero."""
         packing = self.packing
-        for name, tensor in flat.items():
-            if packing.total_rows != packing.total_elements and tensor.numel() == packing.total_rows:
-                tensor.index_fill_(0, row, 0)
-                continue
-            view = tensor[stored.start : stored.start + stored.rows * stored.dim].view(stored.rows, stored.dim)
-            if name in ("weight", "master_weights"):
-                view.index_put_((row - stored.row_start,), rows.to(view.dtype))
-            else:
-                view.index_fill_(0, row - stored.row_start, 0)
+        for group, row, weights in new_rows:
+            stored = self.groups[group]
+            for name, tensor in flat.items():
+                if packing.total_rows != packing.total_elements and tensor.numel() == packing.total_rows:
+                    tensor.index_fill_(0, row, 0)
+                    continue
+                view = tensor[stored.start : stored.start + stored.rows * stored.dim].view(stored.rows, stored.dim)
+                if name in ("weight", "master_weights"):
+                    view.index_put_((row - stored.row_start,), weights.to(view.dtype))
+                else:
+                    view.index_fill_(0, row - stored.row_start, 0)
 
     def _device_tensors(self, device: torch.device) -> dict:
         """What the mapping indexes with, made once per device (a tensor made from host values in a step would
@@ -398,9 +437,9 @@ def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _read(numbers: list[torch.Tensor]) -> list[int]:
-    """Numbers computed on the device, read to the host at once (one wait for the device)."""
-    return torch.stack(numbers).tolist() if numbers else []
+def _read(side: SideStream, numbers: list[torch.Tensor]) -> list[int]:
+    """Numbers computed on the device, read to the host at once (one wait for the side stream)."""
+    return side.read(torch.stack(numbers), "dynamic counts").tolist() if numbers else []
 
 
 def _positions(mask: torch.Tensor, count: int) -> torch.Tensor:

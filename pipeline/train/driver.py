@@ -5,8 +5,8 @@ the :class:`~pipeline.loader.Loader`, scores ``valid`` along the way and ``test`
 :class:`~pipeline.distributed.world.World` it is given decides the rest: on a world of one the
 plain model with ``.pt`` checkpoints, its tables that do not fit ``distributed.memory_per_rank_mb``
 (or that ``distributed.sharding`` names ``host_cached``) in host memory behind device caches of their
-hot rows (:mod:`pipeline.modules.cached_collection`), each batch's rows prefetched into them while the
-batch before trains (``distributed.pipeline``); on N ranks each rank reads its shard of every split, the
+hot rows (:mod:`pipeline.modules.cached_collection`), each batch's rows prefetched into them (and the ids of
+its dynamic tables placed) while the batch before trains (``distributed.pipeline``); on N ranks each rank reads its shard of every split, the
 model trains through :class:`~pipeline.distributed.model_parallel.DistributedModelParallel` with
 sharded checkpoints, each batch's id exchange started while the batch before it trains
 (``distributed.pipeline``, :mod:`pipeline.distributed.train_pipeline`), and the scores are computed
@@ -63,7 +63,7 @@ from pipeline.distributed.config import DistributedConfig
 from pipeline.distributed.model_parallel import DistributedModelParallel, make_planner
 from pipeline.distributed.planner import Topology
 from pipeline.distributed.planner.estimators import min_cache_rows
-from pipeline.distributed.train_pipeline import CachePrefetchPipeline, SparseDistPipeline
+from pipeline.distributed.train_pipeline import PrefetchPipeline, SparseDistPipeline
 from pipeline.distributed.types import ShardingPlan
 from pipeline.distributed.world import World
 from pipeline.errors import UserError
@@ -136,8 +136,8 @@ def _train(cfg: TrainConfig, data: Path, runs: Path, schema: Schema, seed: int, 
     pipeline = None
     if distributed.pipeline and world.size > 1:
         pipeline = SparseDistPipeline(model, device)
-    elif distributed.pipeline and isinstance(model.embedding, HostCachedCollection):
-        pipeline = CachePrefetchPipeline(model, device)
+    elif distributed.pipeline and model.embedding.prefetches:
+        pipeline = PrefetchPipeline(model, device)
     trainer = Trainer(model, cfg, out, train_loader, world, checkpoints, pipeline)
     if cfg.early_stopping and not trainer.keeps_best and world.is_writer:
         print(f"[train] train.early_stopping applies to one process: the {world.size} ranks train every epoch "

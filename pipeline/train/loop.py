@@ -9,9 +9,10 @@ states travel in the checkpoint).
 
 The same loop trains one process and N ranks: the :class:`~pipeline.distributed.world.World` says
 who writes the files, the model is the plain model or its ``DistributedModelParallel``, and the
-checkpoint format (:mod:`pipeline.train.checkpoint`) matches it; on N ranks the driver may pass a
-``pipeline`` that hands out each batch with the next one's input dist already started (the
-checkpoints still count the batches trained). :class:`Callback` objects passed to
+checkpoint format (:mod:`pipeline.train.checkpoint`) matches it; the driver may pass a ``pipeline``
+that hands out each batch with work of the next one under way (on N ranks its input dist; on one
+process its rows prefetched into the caches of host-cached tables, or its ids placed in dynamic tables;
+the checkpoints still count the batches trained). :class:`Callback` objects passed to
 :meth:`Trainer.fit` see each step, checkpoint and evaluation (tests stop a run through one).
 :class:`Timings` (``trainer.timings``) holds the host seconds spent in each part of the loop.
 
@@ -112,7 +113,8 @@ class Trainer:
     ``out_dir/checkpoints``; a ``DistributedModelParallel`` takes :class:`ShardedCheckpoints`).
     ``pipeline`` wraps each epoch's batch iterator (a
     :class:`~pipeline.distributed.train_pipeline.SparseDistPipeline`: each batch's input dist started
-    a step ahead); the loop counts the batches it consumed, not those the loader handed out.
+    a step ahead; a :class:`~pipeline.distributed.train_pipeline.PrefetchPipeline`: each batch prefetched
+    while the batch before trains); the loop counts the batches it consumed, not those the loader handed out.
     """
 
     def __init__(self, model: torch.nn.Module, cfg: TrainConfig, out_dir: str | Path, train_loader,
