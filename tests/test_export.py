@@ -496,6 +496,20 @@ def test_one_long_value_among_short_ones_decodes_to_objects_not_a_wide_array():
     assert decoded.dtype == "S300" and decoded.tolist() == values
 
 
+@pytest.mark.parametrize("rows", [8, 32, 1024])
+def test_a_request_of_one_length_and_empty_values_decodes_whole(rows):
+    """A ``[B, 26]`` tensor of Criteo's ids: 8 hex digits or empty (missing), runs of empty values too; each value is
+    copied as one 8-byte item, under and over the size where numpy takes over from the Python pass."""
+    from export.wire import decode_bytes, encode_bytes
+
+    rng = np.random.default_rng(rows)
+    values = np.array([b"" if rng.random() < 0.4 else b"%08x" % rng.integers(0, 1 << 32) for _ in range(rows * 26)],
+                      dtype=object).reshape(rows, 26)
+    values[rows // 2, 3:9] = b""
+    decoded = decode_bytes(np.frombuffer(encode_bytes([values])[0], dtype=np.uint8))
+    assert decoded.dtype == "S8" and decoded.tolist() == values.reshape(-1).tolist()
+
+
 @pytest.mark.parametrize("odd", [None, b"x" * 300, b"ab\x00c", b"abc\x00\x00\x00\x00", b"\x00\x00\x00"])
 def test_a_large_tensor_of_text_decodes_from_its_zero_bytes_or_value_by_value(odd):
     """Thousands of values, some empty, of several lengths; with one value of 256 bytes or more, or holding NUL
