@@ -32,6 +32,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from pipeline.errors import BadInputError
 
@@ -100,22 +102,14 @@ class RequestLayout:
         label (nor in ``ignore``) is an error, as a misspelt name would otherwise read as missing."""
         columns, batch = self._columns(rows, {self.label, *ignore} - {""})
         out: dict[str, np.ndarray] = {}
-        for names, values, missing, integer in ((self.integers, INTEGERS, INTEGERS_MISSING, True),
-                                                (self.floats, FLOATS, FLOATS_MISSING, False)):
-            if names:
-                out[values] = np.zeros((batch, len(names)), np.int64 if integer else np.float64)
-                out[missing] = np.zeros((batch, len(names)), bool)
-                for j, name in enumerate(names):
-                    if name in columns:
-                        out[values][:, j], out[missing][:, j] = _numbers(columns[name], name, integer)
-                    else:
-                        out[missing][:, j] = True
-        for names, tensor in ((self.strings, STRINGS), (self.lists, LISTS)):
-            if names:
-                out[tensor] = np.full((batch, len(names)), b"", dtype=object)
-                for j, name in enumerate(names):
-                    if name in columns:
-                        out[tensor][:, j] = _texts(columns[name], self.list_separator)
+        if self.integers:
+            out[INTEGERS], out[INTEGERS_MISSING] = _number_matrix(columns, self.integers, batch, integer=True)
+        if self.floats:
+            out[FLOATS], out[FLOATS_MISSING] = _number_matrix(columns, self.floats, batch, integer=False)
+        if self.strings:
+            out[STRINGS] = _text_matrix(columns, self.strings, batch, self.list_separator)
+        if self.lists:
+            out[LISTS] = _text_matrix(columns, self.lists, batch, self.list_separator)
         return out
 
     def _columns(self, rows: Any, ignored: set[str]) -> tuple[dict[str, Any], int]:
@@ -161,29 +155,76 @@ class RequestLayout:
         return {name: [f[k] if f[k] != "" else None for f in fields] for k, name in enumerate(self.columns)}
 
 
-def _numbers(values: Any, name: str, integer: bool) -> tuple[np.ndarray, np.ndarray]:
-    """A column's values as int64 (``integer``) or float64, 0 where missing, and where they are missing."""
-    array = _numeric_array(values)
-    if array is not None:
-        missing = np.isnan(array) if array.dtype.kind == "f" else np.zeros(array.shape, bool)
-        if hasattr(values, "isna"):
-            missing |= np.asarray(values.isna(), dtype=bool)
-        if array.dtype.kind in "iub" and integer:
-            if array.dtype == np.uint64 and (array[~missing] >= _INT64_END).any():
-                row = int(np.flatnonzero(~missing & (array >= _INT64_END))[0])
-                raise BadInputError(_not_int64(name, row, array[row]))
-            return np.where(missing, 0, array).astype(np.int64), missing
-        floats = np.where(missing, 0.0, array.astype(np.float64))
-        if integer:
-            bad = (np.floor(floats) != floats) | (floats < _INT64_LOW) | (floats >= _INT64_END)
-            if bad.any():
-                row = int(np.flatnonzero(bad)[0])
-                raise BadInputError(_not_int64(name, row, array[row]))
-            return floats.astype(np.int64), missing
-        if np.isinf(floats).any():
-            row = int(np.flatnonzero(np.isinf(floats))[0])
-            raise BadInputError(f"column {name}, row {row}: expected a finite number or missing, got {_shown(array[row])}")
-        return floats, missing
+def _number_matrix(columns: Mapping[str, Any], names: tuple[str, ...], batch: int, integer: bool
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """The columns ``names`` side by side ``[row, column]`` as int64 (``integer``) or float64, 0 where missing, and
+    where they are missing (an absent column: everywhere). The columns Arrow holds in that type are read together
+    in one pass, any other one alone."""
+    values = np.zeros((batch, len(names)), np.int64 if integer else np.float64)
+    missing = np.ones((batch, len(names)), bool)
+    kind = pa.int64() if integer else pa.float64()
+    together: dict[int, pa.Array] = {}
+    for j, name in enumerate(names):
+        if name in columns:
+            array = _arrow(columns[name])
+            if array is not None and array.type == kind:
+                together[j] = array
+            else:
+                values[:, j], missing[:, j] = _numbers(columns[name], array, name, integer)
+    if together:
+        numbers, absent = _numeric(pa.concat_arrays(list(together.values())))
+        numbers, absent = numbers.reshape(len(together), batch), absent.reshape(len(together), batch)
+        if not integer and np.isinf(numbers).any():
+            k, row = (int(i[0]) for i in np.nonzero(np.isinf(numbers)))
+            raise BadInputError(_not_finite(names[list(together)[k]], row, numbers[k, row]))
+        values[:, list(together)] = np.where(absent, 0, numbers).T
+        missing[:, list(together)] = absent.T
+    return values, missing
+
+
+def _numbers(values: Any, array: pa.Array | None, name: str, integer: bool) -> tuple[np.ndarray, np.ndarray]:
+    """One column's values (``array``: as Arrow holds them, if it does) as int64 (``integer``) or float64, 0 where
+    missing, and where they are missing."""
+    read = None if array is None else _numeric(array)
+    if read is None:
+        return _numbers_one_by_one(values, name, integer)
+    numbers, missing = read
+    if numbers.dtype.kind in "iub" and integer:
+        if numbers.dtype == np.uint64 and (numbers[~missing] >= _INT64_END).any():
+            row = int(np.flatnonzero(~missing & (numbers >= _INT64_END))[0])
+            raise BadInputError(_not_int64(name, row, numbers[row]))
+        return np.where(missing, 0, numbers).astype(np.int64), missing
+    floats = np.where(missing, 0.0, numbers.astype(np.float64))
+    if integer:
+        bad = (np.floor(floats) != floats) | (floats < _INT64_LOW) | (floats >= _INT64_END)
+        if bad.any():
+            row = int(np.flatnonzero(bad)[0])
+            raise BadInputError(_not_int64(name, row, numbers[row]))
+        return floats.astype(np.int64), missing
+    if np.isinf(floats).any():
+        row = int(np.flatnonzero(np.isinf(floats))[0])
+        raise BadInputError(_not_finite(name, row, numbers[row]))
+    return floats, missing
+
+
+def _numeric(array: pa.Array) -> tuple[np.ndarray, np.ndarray] | None:
+    """An Arrow array of numbers as numpy (0 where null) and where they are missing (null or NaN); None where it
+    does not hold numbers."""
+    kind = array.type
+    if pa.types.is_null(kind):
+        return np.zeros(len(array)), np.ones(len(array), bool)
+    if not (pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)):
+        return None
+    missing = array.is_null().to_numpy(zero_copy_only=False) if array.null_count else np.zeros(len(array), bool)
+    numbers = pc.fill_null(array, False if pa.types.is_boolean(kind) else pa.scalar(0, kind))
+    numbers = numbers.to_numpy(zero_copy_only=False)
+    if numbers.dtype.kind == "f":
+        missing = missing | np.isnan(numbers)
+    return numbers, missing
+
+
+def _numbers_one_by_one(values: Any, name: str, integer: bool) -> tuple[np.ndarray, np.ndarray]:
+    values = values.tolist() if hasattr(values, "tolist") else list(values)
     out = np.zeros(len(values), np.int64 if integer else np.float64)
     missing = np.zeros(len(values), bool)
     for i, value in enumerate(values):
@@ -196,18 +237,59 @@ def _numbers(values: Any, name: str, integer: bool) -> tuple[np.ndarray, np.ndar
     return out, missing
 
 
-def _numeric_array(values: Any) -> np.ndarray | None:
-    """The values as a numpy array of numbers (NaN where a float is missing; 0 where an integer is, which
-    ``values.isna()`` then tells), or None where they are Python objects to read one by one."""
-    dtype = getattr(values, "dtype", None)
-    if isinstance(dtype, np.dtype):
-        return np.asarray(values) if dtype.kind in "iufb" else None
-    kind = getattr(dtype, "kind", "O")  # pandas' nullable and arrow-backed numbers
-    if kind in "iu":
-        return values.to_numpy(dtype=np.int64 if kind == "i" else np.uint64, na_value=0)
-    if kind == "f":
-        return values.to_numpy(dtype=np.float64, na_value=np.nan)
-    return None
+def _text_matrix(columns: Mapping[str, Any], names: tuple[str, ...], batch: int, separator: str) -> np.ndarray:
+    """The columns ``names`` side by side ``[row, column]`` as UTF-8 bytes (a multi-hot cell's values joined by
+    ``separator``), empty where missing (an absent column: everywhere). The columns Arrow holds as text or lists of
+    text are read together in one pass, any other one value by value."""
+    out = np.full((batch, len(names)), b"", dtype=object)
+    together: dict[int, pa.Array] = {}
+    for j, name in enumerate(names):
+        if name in columns:
+            text = _as_text(_arrow(columns[name]), separator)
+            if text is not None:
+                together[j] = text
+            else:
+                values = columns[name]
+                values = values.tolist() if hasattr(values, "tolist") else values
+                out[:, j] = [b"" if _is_missing(v) else _to_bytes(v, separator) for v in values]
+    if together:
+        joined = pc.fill_null(pa.concat_arrays(list(together.values())), pa.scalar(b"", pa.large_binary()))
+        out[:, list(together)] = joined.to_numpy(zero_copy_only=False).reshape(len(together), batch).T
+    return out
+
+
+def _as_text(array: pa.Array | None, separator: str) -> pa.Array | None:
+    """Text, or lists of text (joined by ``separator``), as large binary values; None for anything else."""
+    if array is None:
+        return None
+    if pa.types.is_null(array.type):
+        return pa.nulls(len(array), pa.large_binary())
+    if _is_list(array.type) and _is_text(array.type.value_type) and pc.list_flatten(array).null_count == 0:
+        array = pc.binary_join(array, separator)
+    return array.cast(pa.large_binary()) if _is_text(array.type) else None
+
+
+def _is_text(kind: pa.DataType) -> bool:
+    return pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_binary(kind) \
+        or pa.types.is_large_binary(kind)
+
+
+def _is_list(kind: pa.DataType) -> bool:
+    return pa.types.is_list(kind) or pa.types.is_large_list(kind)
+
+
+def _arrow(values: Any) -> pa.Array | None:
+    """The values (a pandas Series or array, a numpy array, a list) as one Arrow array, NaN as null where numpy holds
+    them; None where Arrow cannot hold them in one type."""
+    array = getattr(values, "array", values)  # a Series' own array: Arrow takes an arrow-backed one as it is
+    try:
+        if hasattr(array, "__arrow_array__"):
+            converted = pa.array(array)
+        else:
+            converted = pa.array(np.asarray(array) if hasattr(array, "dtype") else array, from_pandas=True)
+    except (pa.ArrowException, TypeError, ValueError, OverflowError):
+        return None
+    return converted.combine_chunks() if isinstance(converted, pa.ChunkedArray) else converted
 
 
 def _integer(value: Any, name: str, row: int) -> int:
@@ -231,7 +313,7 @@ def _integer(value: Any, name: str, row: int) -> int:
         number = int(value)
     except (TypeError, ValueError):
         raise BadInputError(f"column {name}, row {row}: expected a whole number or missing, got {value!r}") from None
-    if not _INT64_LOW <= number < _INT64_END:
+    if number != value or not _INT64_LOW <= number < _INT64_END:  # a Decimal's fraction too
         raise BadInputError(_not_int64(name, row, value))
     return number
 
@@ -246,6 +328,10 @@ def _float(value: Any, name: str, row: int) -> float:
     return 0.0 if math.isnan(number) else number
 
 
+def _not_finite(name: str, row: int, value: Any) -> str:
+    return f"column {name}, row {row}: expected a finite number or missing, got {_shown(value)}"
+
+
 def _not_int64(name: str, row: int, value: Any) -> str:
     return (f"column {name}, row {row}: the raw column is int64, expected a whole number from {_INT64_LOW} to "
             f"{_INT64_END - 1} or missing, got {_shown(value)}")
@@ -254,13 +340,6 @@ def _not_int64(name: str, row: int, value: Any) -> str:
 def _shown(value: Any) -> str:
     """A value as the user wrote it: numpy's scalars as the Python numbers they hold."""
     return repr(value.item() if isinstance(value, np.generic) else value)
-
-
-def _texts(values: Any, separator: str) -> list[bytes]:
-    """A column's values as UTF-8 bytes (a multi-hot cell's values joined by ``separator``); missing: empty."""
-    if hasattr(values, "tolist"):
-        values = values.tolist()
-    return [b"" if _is_missing(v) else _to_bytes(v, separator) for v in values]
 
 
 def _is_missing(value: Any) -> bool:

@@ -5,6 +5,7 @@ BYTES tensors encode and decode as Triton's own code does."""
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 from pathlib import Path
 
 import numpy as np
@@ -146,6 +147,7 @@ def test_request_tensors_are_built_by_column_name_from_every_kind_of_rows():
     ({"I1": np.array([2**63], dtype=np.uint64)}, "column I1, row 0: .* got 9223372036854775808"),
     ({"I1": [2**63]}, "column I1, row 0: .* got 9223372036854775808"),
     ({"I1": ["seven"]}, "column I1, row 0: expected a whole number or missing, got 'seven'"),
+    ({"I1": [Decimal(7), Decimal("2.5")]}, "column I1, row 1: .* got Decimal\\('2.5'\\)"),
     ({"F1": [1.0, float("inf")]}, "column F1, row 1: expected a finite number or missing, got inf"),
     ({"F1": np.array([-np.inf])}, "column F1, row 0: expected a finite number or missing, got -inf"),
     ({"F1": ["1,5"]}, "column F1, row 0: expected a number or missing, got '1,5'"),
