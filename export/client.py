@@ -1,31 +1,34 @@
 """A small client of the served ensemble: raw rows in, click probabilities out, over HTTP or gRPC.
 
-Rows may be a pandas DataFrame, a list of dicts (column -> value), or Criteo TSV lines (label
-first, optional; then the continuous and categorical columns in order; empty fields are missing).
-Missing values may be ``None`` / NaN or absent keys; the server applies the workflow's missing
-handling, and unseen categories get the out-of-vocabulary index. A label column is ignored; any
-other column the model does not take is an error (a misspelt name would otherwise read as missing). The input names, types and order
-come from the server's own model metadata, so nothing is repeated here.
+Rows may be a pandas DataFrame, a dict of columns (name -> values), a list of dicts (column ->
+value), or TSV lines (label first, optional; then the columns in the layout's order, Criteo's I1..I13
+and C1..C26; empty fields are missing). Missing values may be ``None`` / NaN or absent columns; the
+server applies the workflow's missing handling, and unseen categories get the out-of-vocabulary
+index. A label column is ignored; any other column the model does not take is an error (a misspelt
+name would otherwise read as missing). The rows become one tensor per kind of raw column
+(:mod:`export.request`), each column placed by name where the ensemble's own ``layout`` parameter
+says, so nothing is repeated here.
 
 Over gRPC the client speaks through Triton's generated stub (``tritonclient.grpc.service_pb2_grpc``):
-each tensor travels as raw bytes, string columns encoded by numpy (:func:`export.wire.encode_bytes`)
+each tensor travels as raw bytes, the string tensors encoded by numpy (:func:`export.wire.encode_bytes`)
 rather than value by value in Python. Over HTTP it uses ``tritonclient.http``.
 
 Example::
 
     with Client("127.0.0.1:8001", protocol="grpc") as client:
         client.predict([{"I1": 3, "C1": "68fd1e64"}, {"I1": None}])     # numpy [2] probabilities
+        client.predict({"I1": [3, None], "C1": ["68fd1e64", "unseen"]})
         client.predict(open("day_0.tsv").readlines()[:100])
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from export.request import LAYOUT_PARAMETER, RequestLayout
 from export.wire import encode_bytes
 from pipeline.errors import BadInputError, UserError
 
@@ -64,55 +67,42 @@ class Client:
                                                                 ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE)])
             self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
             self._messages = service_pb2
-        self._inputs: list[tuple[str, str]] | None = None
-        self._separator = "|"
+        self._layout: RequestLayout | None = None
 
     @property
-    def inputs(self) -> list[tuple[str, str]]:
-        """(name, Triton datatype) of every raw input, in the ensemble's order."""
-        if self._inputs is None:
+    def layout(self) -> RequestLayout:
+        """The raw columns of each request tensor, in order: the served ensemble's ``layout`` parameter."""
+        if self._layout is None:
             if self.protocol == "grpc":
-                meta = self._call(self._stub.ModelMetadata, self._messages.ModelMetadataRequest(name=self.model))
                 config = self._call(self._stub.ModelConfig, self._messages.ModelConfigRequest(name=self.model))
-                self._inputs = [(i.name, i.datatype) for i in meta.inputs]
                 params = {k: v.string_value for k, v in config.config.parameters.items()}
             else:
-                meta = self._call(self._client.get_model_metadata, self.model)
                 config = self._call(self._client.get_model_config, self.model)
-                self._inputs = [(i["name"], i["datatype"]) for i in meta["inputs"]]
                 params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
-            self._separator = params.get("list_separator", "|")
-            if params.get("label"):
-                self.ignore_columns.add(params["label"])
-        return self._inputs
+            if LAYOUT_PARAMETER not in params:
+                raise ServingError(f"{self.model} at {self.url} declares no request layout (its config has no "
+                                   f"parameter {LAYOUT_PARAMETER!r}): export the model again "
+                                   "(python -m pipeline run export) and restart the server")
+            self._layout = RequestLayout.from_json(params[LAYOUT_PARAMETER])
+        return self._layout
 
     def predict(self, rows: Any) -> np.ndarray:
-        """Probabilities ``[B]`` for raw rows (DataFrame, list of dicts, or Criteo TSV lines)."""
-        columns = self.columns(rows)
-        if not len(next(iter(columns.values()))):
+        """Probabilities ``[B]`` for raw rows (a DataFrame, a dict of columns, a list of dicts, or TSV lines)."""
+        tensors = self.tensors(rows)
+        if not len(next(iter(tensors.values()))):
             raise BadInputError("empty batch: expected at least one row")
-        return self.infer(columns)
+        return self.infer(tensors)
 
-    def columns(self, rows: Any) -> dict[str, np.ndarray]:
-        """The request tensors for ``rows`` (``[B, 1]`` each), without sending them."""
-        if isinstance(rows, str):
-            rows = rows.splitlines()
-        if hasattr(rows, "columns") and hasattr(rows, "iloc"):
-            return self._from_frame(rows)
-        rows = list(rows)
-        if rows and all(isinstance(r, (str, bytes)) for r in rows):
-            return self._from_tsv(rows)
-        if all(isinstance(r, dict) for r in rows):
-            return self._from_dicts(rows)
-        raise BadInputError("rows: expected a DataFrame, a list of dicts or TSV lines, got "
-                            f"{type(rows[0]).__name__ if rows else 'an empty list'}")
+    def tensors(self, rows: Any) -> dict[str, np.ndarray]:
+        """The request tensors for ``rows`` (one per kind of raw column, :mod:`export.request`), without sending."""
+        return self.layout.tensors(rows, ignore=self.ignore_columns)
 
-    def infer(self, columns: dict[str, np.ndarray]) -> np.ndarray:
+    def infer(self, tensors: dict[str, np.ndarray]) -> np.ndarray:
         """Send exactly these tensors (name -> array; dtype gives the Triton type) and return ``[B]``."""
         if self.protocol == "grpc":
-            return self._infer_grpc(columns)
+            return self._infer_grpc(tensors)
         request = []
-        for name, array in columns.items():
+        for name, array in tensors.items():
             array = np.asarray(array)
             datatype = "BYTES" if array.dtype.kind in "OSU" else self._triton_dtype(array.dtype)
             tensor = self._triton.InferInput(name, list(array.shape), datatype)
@@ -122,10 +112,10 @@ class Client:
                             outputs=[self._triton.InferRequestedOutput(PREDICTION)])
         return result.as_numpy(PREDICTION).reshape(-1)
 
-    def _infer_grpc(self, columns: dict[str, np.ndarray]) -> np.ndarray:
+    def _infer_grpc(self, tensors: dict[str, np.ndarray]) -> np.ndarray:
         from tritonclient.utils import triton_to_np_dtype
 
-        arrays = {name: np.asarray(array) for name, array in columns.items()}
+        arrays = {name: np.asarray(array) for name, array in tensors.items()}
         strings = [name for name, array in arrays.items() if array.dtype.kind in "OSU"]
         contents = dict(zip(strings, encode_bytes([arrays[name] for name in strings])))
         request = self._messages.ModelInferRequest(model_name=self.model)
@@ -179,71 +169,3 @@ class Client:
         from tritonclient.utils import np_to_triton_dtype
 
         return np_to_triton_dtype(dtype)
-
-    def _from_frame(self, frame) -> dict[str, np.ndarray]:
-        names = {n for n, _ in self.inputs}
-        unknown = sorted(set(map(str, frame.columns)) - names - self.ignore_columns)
-        if unknown:
-            raise BadInputError(f"unknown columns {unknown}; the model takes {[n for n, _ in self.inputs]}")
-        out = {}
-        for name, datatype in self.inputs:
-            values = frame[name].tolist() if name in frame.columns else [None] * len(frame)
-            out[name] = self._encode(values, name, datatype)
-        return out
-
-    def _from_dicts(self, rows: list[dict]) -> dict[str, np.ndarray]:
-        names = {n for n, _ in self.inputs}
-        unknown = sorted({k for r in rows for k in r} - names - self.ignore_columns)
-        if unknown:
-            raise BadInputError(f"unknown columns {unknown}; the model takes {[n for n, _ in self.inputs]}")
-        return {name: self._encode([r.get(name) for r in rows], name, datatype) for name, datatype in self.inputs}
-
-    def _from_tsv(self, lines: list[str | bytes]) -> dict[str, np.ndarray]:
-        n = len(self.inputs)
-        fields = []
-        for number, line in enumerate(lines, 1):
-            text = line.decode() if isinstance(line, bytes) else line
-            parts = text.rstrip("\r\n").split("\t")
-            if len(parts) == n + 1:
-                parts = parts[1:]
-            elif len(parts) != n:
-                raise BadInputError(f"TSV line {number}: expected {n} fields (or {n + 1} with the label first), "
-                                    f"found {len(parts)}")
-            fields.append(parts)
-        return {name: self._encode([f[k] if f[k] != "" else None for f in fields], name, datatype)
-                for k, (name, datatype) in enumerate(self.inputs)}
-
-    def _encode(self, values: list, name: str, datatype: str) -> np.ndarray:
-        if datatype == "FP64":
-            out = np.empty(len(values), dtype=np.float64)
-            for i, v in enumerate(values):
-                try:
-                    out[i] = math.nan if _is_missing(v) else float(v)
-                except (TypeError, ValueError):
-                    raise BadInputError(f"column {name}, row {i}: expected a number or missing, got {v!r}") from None
-            return out.reshape(-1, 1)
-        encoded = [b"" if _is_missing(v) else _to_bytes(v, self._separator) for v in values]
-        return np.array(encoded, dtype=object).reshape(-1, 1)
-
-
-def _is_missing(value: Any) -> bool:
-    if value is None:
-        return True
-    if isinstance(value, float) and math.isnan(value):
-        return True
-    try:
-        import pandas as pd
-
-        return value is pd.NA or value is pd.NaT
-    except ImportError:  # pragma: no cover
-        return False
-
-
-def _to_bytes(value: Any, separator: str) -> bytes:
-    if isinstance(value, bytes):
-        return value
-    if isinstance(value, str):
-        return value.encode()
-    if isinstance(value, Iterable):
-        return separator.join(str(v) for v in value).encode()
-    return str(value).encode()

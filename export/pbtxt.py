@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from export.preprocess import CATEGORICAL_IDS, DENSE, MULTIHOT_IDS, MULTIHOT_LENGTHS, RawColumns
+from export.request import LAYOUT_PARAMETER, RequestLayout
 from pipeline.errors import UserError
 from pipeline.schema import Schema
 
@@ -40,10 +41,9 @@ class EnsembleSpec:
     raw: list[Tensor]
     features: list[Tensor]
     embeddings: Tensor
+    layout: RequestLayout
+    """Which raw columns the raw tensors hold, in order: the ensemble's ``layout`` parameter, read by clients."""
     prediction: Tensor = field(default_factory=lambda: Tensor(PREDICTION, "FP32", (1,)))
-    list_separator: str = "|"
-    label: str = ""
-    """The raw label column: not an input; clients may send rows that still carry it."""
 
     @property
     def embedding_inputs(self) -> list[Tensor]:
@@ -67,8 +67,9 @@ class EnsembleSpec:
         if not schema.sparse:
             raise UserError("export needs at least one categorical or multi-hot feature (the models embed them); "
                             "the schema has none")
-        tensors = [Tensor(n, "FP64", (1,)) for n in raw.continuous]
-        tensors += [Tensor(n, "STRING", (1,)) for n in (*raw.categorical, *raw.multihot)]
+        layout = raw.layout
+        tensors = [Tensor(t.name, "STRING" if t.datatype == "BYTES" else t.datatype, (len(t.columns),))
+                   for t in layout.inputs]
         features = []
         if schema.continuous:
             features.append(Tensor(DENSE, "FP32", (len(schema.continuous),)))
@@ -76,8 +77,7 @@ class EnsembleSpec:
             features.append(Tensor(CATEGORICAL_IDS, "INT64", (len(onehot),)))
         if multihot:
             features += [Tensor(MULTIHOT_IDS, "INT64", (-1,)), Tensor(MULTIHOT_LENGTHS, "INT64", (len(multihot),))]
-        return cls(tensors, features, Tensor(EMBEDDINGS, "FP32", (embedding_dim_total,)),
-                   list_separator=raw.list_separator, label=next(iter(raw.label), ""))
+        return cls(tensors, features, Tensor(EMBEDDINGS, "FP32", (embedding_dim_total,)), layout)
 
 
 @dataclass
@@ -142,7 +142,13 @@ def _scheduling(options: ModelOptions, kind: str | None = None) -> str:
 
 
 def _parameters(values: dict[str, str]) -> str:
-    return "".join(f'parameters {{ key: "{k}" value: {{ string_value: "{v}" }} }}\n' for k, v in values.items())
+    return "".join(f'parameters {{ key: "{k}" value: {{ string_value: "{_quoted(v)}" }} }}\n'
+                   for k, v in values.items())
+
+
+def _quoted(text: str) -> str:
+    """``text`` inside a protobuf text-format string: its backslashes and double quotes escaped."""
+    return text.replace("\\", "\\\\").replace('"', '\\"')
 
 
 def _python_model(name: str, inputs: list[Tensor], outputs: list[Tensor], options: ModelOptions,
@@ -191,4 +197,4 @@ def _ensemble(spec: EnsembleSpec, options: ModelOptions) -> str:
     return (f'name: "ensemble"\nplatform: "ensemble"\nmax_batch_size: {options.max_batch_size}\n'
             + _io(spec.raw, [spec.prediction])
             + "ensemble_scheduling {\n  step [\n" + ",\n".join(steps) + "\n  ]\n}\n"
-            + _parameters({"list_separator": spec.list_separator, "label": spec.label}))
+            + _parameters({LAYOUT_PARAMETER: spec.layout.to_json()}))

@@ -1,32 +1,29 @@
-"""Raw request columns -> model features, with the saved ETL workflow: the ``preprocess`` model's work.
+"""Raw request tensors -> model features, with the saved ETL workflow: the ``preprocess`` model's work.
 
-The wire format of a raw row, one Triton input per raw column (``RawColumns`` says which):
+A request holds one tensor per kind of raw column (:mod:`export.request`): ``INTEGERS`` and
+``FLOATS`` with their ``*_MISSING`` masks, ``STRINGS`` and ``LISTS``, their columns in the order of
+:attr:`RawColumns.layout`. A categorical value never seen at fit time gets the out-of-vocabulary
+index; a missing one the workflow's null index; a missing number the workflow's fill value.
 
-- continuous column: ``TYPE_FP64`` ``[1]``; NaN means missing (the workflow's fill value applies);
-  an integer raw column takes whole numbers from its type's min to its max as float64 holds it (int64's
-  2**63 - 1 arrives as 2.0**63, the float64 nearest it, which the ETL computes from it too).
-- categorical column: ``TYPE_STRING`` (bytes) ``[1]``; the empty string means missing (the
-  workflow's null index); a value never seen at fit time gets the out-of-vocabulary index.
-- multi-hot column: ``TYPE_STRING`` ``[1]``, the values joined by ``list_separator``; empty: missing.
-
-The continuous columns are checked and stacked once, into one float64 matrix ``[column, row]``
-holding each value as its raw parquet type holds it (an integer column's whole numbers, in that
-integer type's range; NaN: missing): each column is a row of it, the numbers the numeric operators
-read of the ETL's column (``as_float64``). The string columns become Arrow arrays with the raw
-parquet's own types, wrapped as pandas' arrow-backed arrays (what a column of the frame the ETL's
-reader gives the workflow holds). The *same* operators as offline run on them
-(``Workflow.transform_columns``: ``Workflow.transform`` without building a DataFrame in or out, the
-columns of an operator computed together where it can, as it would compute each). The processed
-columns become the tensors the model takes, each stacked in one copy: ``DENSE`` ``[B, n_cont]``
-float32, ``CATEGORICAL_IDS`` ``[B, n_onehot]`` int64 and, with multi-hot features, ``MULTIHOT_IDS``
-``[B, W]`` (each row's bags packed, then ``-1``) and ``MULTIHOT_LENGTHS`` ``[B, n_multihot]``. A
-tensor whose kind of feature the schema lacks is not emitted (the configs leave it out too).
+The numbers are checked and stacked once, into one float64 matrix ``[column, row]`` in the raw
+columns' order (NaN: missing): each column is a row of it, the numbers the numeric operators read of
+the ETL's column (``as_float64``: an int64 value beyond 2**53 rounds to the nearest float64 there
+too). The strings of a tensor are read in one pass, column after column, into one Arrow array whose
+slices are the columns, with the raw parquet's own types, wrapped as pandas' arrow-backed arrays (what
+a column of the frame the ETL's reader gives the workflow holds). The *same* operators as offline
+run on them (``Workflow.transform_columns``: ``Workflow.transform`` without building a DataFrame in
+or out, the columns of an operator computed together where it can, as it would compute each). The
+processed columns become the tensors the model takes, each stacked in one copy: ``DENSE`` ``[B,
+n_cont]`` float32, ``CATEGORICAL_IDS`` ``[B, n_onehot]`` int64 and, with multi-hot features,
+``MULTIHOT_IDS`` ``[B, W]`` (each row's bags packed, then ``-1``) and ``MULTIHOT_LENGTHS`` ``[B,
+n_multihot]``. A tensor whose kind of feature the schema lacks is not emitted (the configs leave it out
+too).
 
 Example::
 
     pre = Preprocessor.load("repo/ranker/1/artifacts")
-    tensors = pre({"I1": np.array([[1.0]]), "C1": np.array([[b"68fd1e64"]], dtype=object), ...})
-    tensors["CATEGORICAL_IDS"].shape     # (1, 26)
+    tensors = pre(pre.raw.layout.tensors(raw_rows))      # raw_rows: a DataFrame, dicts, TSV lines
+    tensors["CATEGORICAL_IDS"].shape     # (B, 26)
 """
 
 from __future__ import annotations
@@ -42,7 +39,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from export.wire import fixed_width_fits
+from export.request import FLOATS, FLOATS_MISSING, INTEGERS, INTEGERS_MISSING, LISTS, STRINGS, RequestLayout
 from pipeline.errors import BadInputError, UserError
 from pipeline.schema import Schema
 
@@ -64,8 +61,13 @@ class RawColumns:
     """The label column and its type: the workflow reads it too, so requests get a placeholder (zeros)."""
 
     @property
-    def names(self) -> list[str]:
-        return [*self.continuous, *self.categorical, *self.multihot]
+    def layout(self) -> RequestLayout:
+        """The request's tensors: the int64 continuous columns, the double ones, the categorical, the multi-hot."""
+        kinds = {name: _number_kind(name, kind) for name, kind in self.continuous.items()}
+        return RequestLayout(integers=[n for n, k in kinds.items() if k == "int64"],
+                             floats=[n for n, k in kinds.items() if k == "double"],
+                             strings=list(self.categorical), lists=list(self.multihot),
+                             list_separator=self.list_separator, label=next(iter(self.label), ""))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
@@ -103,15 +105,12 @@ class Preprocessor:
         self.multihot = [c for c in schema.sparse if c in multihot]
         self._types = {name: _arrow_type(t) for name, t in
                        {**raw.continuous, **raw.categorical, **raw.multihot, **raw.label}.items()}
-        dtypes = [_numeric_dtype(name, self._types[name]) for name in raw.continuous]
-        self._integers = np.flatnonzero([d.kind in "iu" for d in dtypes])
-        # An integer column takes the float64 values of its type's integers: from its min to its max as float64
-        # holds it (int64's 2**63 - 1 rounds to 2**63, the value a client sends for it and the ETL computes).
-        self._low = np.array([[np.iinfo(dtypes[c]).min] for c in self._integers], np.float64)
-        self._high = np.array([[np.iinfo(dtypes[c]).max] for c in self._integers], np.float64)
-        # The columns of each floating raw type but float64, whose values pass through it (float32 rounds).
-        self._narrow = {d: np.flatnonzero([e == d for e in dtypes])
-                        for d in set(dtypes) - {np.dtype(np.float64)} if d.kind == "f"}
+        self.layout = raw.layout
+        self._inputs = {t.name: (t.datatype, t.columns) for t in self.layout.inputs}
+        order = {name: row for row, name in enumerate(raw.continuous)}
+        # each number tensor's columns: their rows of the [column, row] matrix (a slice where they follow each other)
+        self._rows = {tensor: _as_slice([order[n] for n in names])
+                      for tensor, names in ((INTEGERS, self.layout.integers), (FLOATS, self.layout.floats)) if names}
 
     @classmethod
     def load(cls, folder: str | Path) -> Preprocessor:
@@ -123,73 +122,63 @@ class Preprocessor:
         return cls(RawColumns.load(folder / "raw_columns.json"), Schema.load(folder / "schema.json"),
                    workflow.transform_columns)
 
-    def columns(self, columns: dict[str, np.ndarray]) -> dict[str, Any]:
+    def columns(self, tensors: Mapping[str, np.ndarray]) -> dict[str, Any]:
         """The request's raw columns as the workflow takes them: each continuous column a float64 row of one
         matrix, the others arrow-backed pandas arrays typed as the ETL reads its parquet input."""
-        missing = [n for n in self.raw.names if n not in columns]
-        if missing:
-            raise BadInputError(f"missing raw columns {missing}; expected {self.raw.names}")
-        rows = {n: np.asarray(columns[n]).reshape(-1) for n in self.raw.names}
-        sizes = {n: a.shape[0] for n, a in rows.items()}
+        batch = self._check(tensors)
+        out: dict[str, Any] = self._numbers(tensors, batch) if self.raw.continuous else {}
+        out.update((name, np.zeros(batch)) for name in self.raw.label)  # read by the workflow, not by the model
+        if STRINGS in self._inputs:
+            out.update(self._column_arrays(_strings(_by_column(tensors[STRINGS])), self.layout.strings, batch))
+        if LISTS in self._inputs:
+            lists = pc.split_pattern(_strings(_by_column(tensors[LISTS])), self.raw.list_separator)
+            out.update(self._column_arrays(lists, self.layout.lists, batch))
+        return out
+
+    def _check(self, tensors: Mapping[str, np.ndarray]) -> int:
+        """The batch size, after checking that every tensor is there, of its dtype, its columns and that size."""
+        sizes = {}
+        for name, (datatype, columns) in self._inputs.items():
+            if name not in tensors:
+                raise BadInputError(f"missing input {name}; expected {list(self._inputs)}")
+            array = tensors[name]
+            if not (array.dtype.kind in "OSU" if datatype == "BYTES" else array.dtype == _DTYPES[datatype]):
+                raise BadInputError(f"input {name}: expected {datatype}, got the numpy dtype {array.dtype}")
+            if array.ndim != 2 or array.shape[1] != len(columns):
+                raise BadInputError(f"input {name}: expected the shape [rows, {len(columns)}] (columns "
+                                    f"{_named(columns)}), got {list(array.shape)}")
+            sizes[name] = array.shape[0]
         if len(set(sizes.values())) > 1:
-            raise BadInputError(f"every raw column needs the same number of rows, got {sizes}")
-        if not sizes or next(iter(sizes.values())) == 0:
-            raise BadInputError("empty batch: expected at least one row")
+            raise BadInputError(f"every input needs the same number of rows, got {sizes}")
         batch = next(iter(sizes.values()))
-        for name in (*self.raw.categorical, *self.raw.multihot):
-            if rows[name].dtype.kind not in "OSU":
-                raise BadInputError(f"column {name}: expected strings (BYTES), got dtype {rows[name].dtype}")
-        arrays: dict[str, pa.Array] = {}
-        categorical = list(self.raw.categorical)
-        if categorical:
-            strings = _strings(_concatenate_strings([rows[n] for n in categorical]))
-            for k, name in enumerate(categorical):
-                arrays[name] = _cast(strings.slice(k * batch, batch), self._types[name])
-        for name in self.raw.multihot:
-            split = pc.split_pattern(_strings(rows[name]), self.raw.list_separator)
-            arrays[name] = _cast(split, self._types[name])
-        numbers = self._continuous(rows) if self.raw.continuous else {}
-        numbers.update((name, np.zeros(batch)) for name in self.raw.label)  # read by the workflow, not by the model
-        return {**numbers, **{name: pd.arrays.ArrowExtensionArray(array) for name, array in arrays.items()}}
+        if batch == 0:
+            raise BadInputError("empty batch: expected at least one row")
+        return batch
 
-    def _continuous(self, rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """The continuous columns, checked together (a column's first problem is named, columns in order), as
-        the rows of one float64 matrix: each value as its raw type holds it, NaN where missing."""
-        names = list(self.raw.continuous)
-        for name in names:
-            if rows[name].dtype.kind not in "fiu":
-                raise BadInputError(f"column {name}: expected numbers (FP64), got dtype {rows[name].dtype}")
-        values = np.array([rows[n] for n in names], dtype=np.float64)  # [column, row]
-        missing = np.isnan(values)
-        whole = np.where(missing, 0.0, values)
-        bad = np.isinf(whole)
-        if len(self._integers):
-            ints = whole[self._integers]
-            bad[self._integers] |= (np.floor(ints) != ints) | (ints < self._low) | (ints > self._high)
-        if bad.any():
-            self._refuse(names, whole, bad)
-        with np.errstate(over="ignore"):  # a float32 column's values beyond its range are inf, as Arrow casts them
-            for dtype, index in self._narrow.items():
-                whole[index] = whole[index].astype(dtype).astype(np.float64)
-        whole[self._integers] += 0.0  # an integer holds no -0: -0.0 + 0.0 is 0.0
-        whole[missing] = np.nan
-        return dict(zip(names, whole))
+    def _numbers(self, tensors: Mapping[str, np.ndarray], batch: int) -> dict[str, np.ndarray]:
+        """The continuous columns as the rows of one float64 matrix, in the raw columns' order: each value as its
+        raw type holds it, NaN where missing."""
+        matrix = np.empty((len(self.raw.continuous), batch))
+        missing = np.empty(matrix.shape, dtype=bool)
+        for values, mask in ((INTEGERS, INTEGERS_MISSING), (FLOATS, FLOATS_MISSING)):
+            if values in self._rows:
+                rows = self._rows[values]
+                matrix[rows] = tensors[values].T
+                missing[rows] = tensors[mask].T
+        if FLOATS in self._rows:
+            floats = matrix[self._rows[FLOATS]]
+            infinite = np.isinf(floats) & ~missing[self._rows[FLOATS]]
+            if infinite.any():
+                column, row = (int(k[0]) for k in np.nonzero(infinite))
+                raise BadInputError(f"input {FLOATS}, column {self.layout.floats[column]}, row {row}: expected finite "
+                                    f"numbers (missing: {FLOATS_MISSING}), got {floats[column, row]}")
+        matrix[missing] = np.nan
+        return dict(zip(self.raw.continuous, matrix))
 
-    def _refuse(self, names: list[str], whole: np.ndarray, bad: np.ndarray) -> None:
-        """Name the first column with values its raw type cannot hold (``bad``): its infinite, else fractional,
-        else out-of-range values."""
-        c = int(np.flatnonzero(bad.any(axis=1))[0])
-        column, kind = whole[c], self._types[names[c]]
-        infinite = column[np.isinf(column)]
-        if len(infinite):
-            raise BadInputError(f"column {names[c]}: expected finite numbers or NaN (missing), got {infinite[0]}")
-        fractional = column[np.floor(column) != column]
-        if len(fractional):
-            raise BadInputError(f"column {names[c]}: the raw column is {kind}, expected whole numbers, "
-                                f"got {fractional[0]}")
-        limits = np.iinfo(kind.to_pandas_dtype())
-        raise BadInputError(f"column {names[c]}: the raw column is {kind}, expected whole numbers from {limits.min} "
-                            f"to {limits.max}, got {_whole_number(column[bad[c]][0])}")
+    def _column_arrays(self, values: pa.Array, names: tuple[str, ...], batch: int) -> dict[str, Any]:
+        """The slices of one Arrow array of columns one after the other, as the pandas arrays the workflow reads."""
+        return {name: pd.arrays.ArrowExtensionArray(_cast(values.slice(k * batch, batch), self._types[name]))
+                for k, name in enumerate(names)}
 
     def tensors(self, processed: Columns) -> dict[str, np.ndarray]:
         """The processed columns (or a processed DataFrame) as the tensors of the lookup and the dense part."""
@@ -202,13 +191,9 @@ class Preprocessor:
             out[MULTIHOT_IDS], out[MULTIHOT_LENGTHS] = _pack_bags(processed, self.multihot)
         return out
 
-    def __call__(self, columns: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return self.tensors(self.transform(self.columns(columns)))
-
-
-def _whole_number(value: float) -> str:
-    """A whole float64 as its integer digits where they are few (2**63 as 9223372036854775808), else as 1e+300."""
-    return f"{value:.0f}" if abs(value) < 1e21 else f"{value:g}"
+    def __call__(self, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The model's tensors for a request's tensors (:mod:`export.request`)."""
+        return self.tensors(self.transform(self.columns(tensors)))
 
 
 def _arrow_type(text: str) -> pa.DataType:
@@ -217,16 +202,6 @@ def _arrow_type(text: str) -> pa.DataType:
         return pa.list_(_arrow_type(inner))
     aliases = {"string": pa.string(), "large_string": pa.large_string()}
     return aliases.get(text) or pa.type_for_alias(text)
-
-
-def _concatenate_strings(arrays: list[np.ndarray]) -> np.ndarray:
-    """The string columns one after the other: one ``S`` array where its width costs little, else an object array
-    (a column of long values would widen every value of every column to their length)."""
-    fixed = [a for a in arrays if a.dtype.kind == "S"]
-    width = max((a.dtype.itemsize for a in fixed), default=0)
-    if not fixed_width_fits(width, sum(a.size for a in fixed), sum(a.nbytes for a in fixed)):
-        arrays = [a.astype(object) if a.dtype.kind == "S" else a for a in arrays]
-    return np.concatenate(arrays)
 
 
 def _strings(values: np.ndarray) -> pa.Array:
@@ -245,12 +220,30 @@ def _strings(values: np.ndarray) -> pa.Array:
     return pc.if_else(pc.equal(array, ""), pa.scalar(None, pa.string()), array)
 
 
-def _numeric_dtype(name: str, kind: pa.DataType) -> np.dtype:
-    """The numpy dtype of a continuous raw column's Arrow type: an integer or floating type (the raw layout's)."""
-    if not (pa.types.is_integer(kind) or pa.types.is_floating(kind)):
-        raise UserError(f"raw_columns.json: the continuous column {name} has type {kind}; expected an integer or "
-                        "floating type (the raw layout's int64 or float64): export the model again")
-    return np.dtype(kind.to_pandas_dtype())
+def _number_kind(name: str, kind: str) -> str:
+    """``int64`` or ``double``: the raw layout's types of a continuous column."""
+    if kind not in ("int64", "double"):
+        raise UserError(f"raw_columns.json: the continuous column {name} has type {kind}; expected int64 or double "
+                        "(the raw layout's): make the raw data again (python -m pipeline data) and export again")
+    return kind
+
+
+_DTYPES = {"INT64": np.dtype(np.int64), "FP64": np.dtype(np.float64), "BOOL": np.dtype(bool)}
+"""The numpy dtype of each request datatype but BYTES (any array of bytes or text)."""
+
+
+def _named(columns: tuple[str, ...]) -> str:
+    return ", ".join(columns) if len(columns) <= 4 else f"{columns[0]}, {columns[1]}, ..., {columns[-1]}"
+
+
+def _as_slice(rows: list[int]) -> slice | list[int]:
+    """``rows`` as a slice where they follow each other (a view of the matrix, not a copy), else as they are."""
+    return slice(rows[0], rows[-1] + 1) if rows == list(range(rows[0], rows[-1] + 1)) else rows
+
+
+def _by_column(values: np.ndarray) -> np.ndarray:
+    """A ``[rows, columns]`` tensor's values column after column, flat (one copy)."""
+    return np.ascontiguousarray(values.T).reshape(-1)
 
 
 def _cast(array: pa.Array, target: pa.DataType) -> pa.Array:

@@ -5,6 +5,7 @@ BYTES tensors encode and decode as Triton's own code does."""
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 from pathlib import Path
 
 import numpy as np
@@ -68,9 +69,98 @@ def test_every_ensemble_step_maps_tensors_the_models_declare_alike(dense_backend
             wired[value] = declared[key]
     assert wired["PREDICTION"] == ("FP32", "1")
     assert wired["EMBEDDINGS"] == ("FP32", "48")
-    assert ensemble_tensors["I1"] == ("FP64", "1") and ensemble_tensors["M1"] == ("STRING", "1")
+    assert ensemble_tensors == {"INTEGERS": ("INT64", "1"), "INTEGERS_MISSING": ("BOOL", "1"), "FLOATS": ("FP64", "1"),
+                                "FLOATS_MISSING": ("BOOL", "1"), "STRINGS": ("STRING", "2"), "LISTS": ("STRING", "1"),
+                                "PREDICTION": ("FP32", "1")}
     if dense_backend == "pytorch":
         assert 'platform: "pytorch_libtorch"' in configs["dense"]
+
+
+def test_the_ensemble_declares_the_request_layout_clients_read():
+    """The columns of each request tensor, in order, as a parameter of the ensemble's config: parsed by protobuf's
+    own text-format reader, names with quotes, backslashes and other scripts come back as they were."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    from export.request import RequestLayout
+
+    odd = {'I"1': "int64", "I\\2": "double", "I3": "int64", "prix €": "double"}
+    raw = RawColumns(odd, {"C1": "string", 'C"\\n': "string"}, {"M1": "list<item: string>"}, list_separator="\t",
+                     label={"label": "int8"})
+    spec = EnsembleSpec.build(raw, _schema(), embedding_dim_total=48)
+    for options in (ModelOptions(), ModelOptions(fused=False)):
+        config = text_format.Parse(model_configs(spec, options)["ensemble"], model_config_pb2.ModelConfig())
+        layout = RequestLayout.from_json(config.parameters["layout"].string_value)
+        assert layout == raw.layout
+        assert (layout.integers, layout.floats) == (('I"1', "I3"), ("I\\2", "prix €"))
+        assert (layout.strings, layout.lists, layout.list_separator, layout.label) == (
+            ("C1", 'C"\\n'), ("M1",), "\t", "label")
+        assert [(t.name, list(t.dims)) for t in config.input] == [
+            ("INTEGERS", [2]), ("INTEGERS_MISSING", [2]), ("FLOATS", [2]), ("FLOATS_MISSING", [2]), ("STRINGS", [2]),
+            ("LISTS", [1])]
+    with pytest.raises(UserError, match="raw_columns.json: the continuous column I1 has type float.*int64 or double"):
+        _ = RawColumns({"I1": "float"}, {"C1": "string"}).layout
+
+
+def test_request_tensors_are_built_by_column_name_from_every_kind_of_rows():
+    """A DataFrame, a dict of columns, a list of dicts and TSV lines give the same tensors: each value as it is
+    (int64's extremes too), a missing one 0 (JSON has no NaN) and marked in its mask, an absent column missing."""
+    from export.request import RequestLayout
+
+    layout = RequestLayout(integers=("I1", "I2"), floats=("F1",), strings=("C1", "C2"), lists=("M1",),
+                           list_separator="|", label="clicked")
+    frame = pd.DataFrame({
+        "clicked": [1, 0, 1],
+        "I1": pd.array([2**63 - 1, None, -(2**63)], dtype=pd.ArrowDtype(pa.int64())),
+        "F1": pd.array([-0.0, None, 2.5], dtype=pd.ArrowDtype(pa.float64())),
+        "C2": pd.array(["é", None, ""], dtype=pd.ArrowDtype(pa.string())),
+        "C1": ["68fd1e64", None, "x"],
+        "M1": pd.array([["a", "b"], None, []], dtype=pd.ArrowDtype(pa.list_(pa.string()))),
+    })
+    records = [{k: v for k, v in r.items() if v is not None} for r in
+               [{"I1": 2**63 - 1, "F1": -0.0, "C1": "68fd1e64", "C2": "é", "M1": ["a", "b"]},
+                {"I1": None, "F1": float("nan"), "C1": None, "C2": None, "M1": None, "clicked": 0},
+                {"I1": -(2**63), "F1": 2.5, "C1": "x", "C2": "", "M1": []}]]
+    lines = ["1\t9223372036854775807\t\t-0.0\t68fd1e64\té\ta|b", "0\t\t\t\t\t\t", "-9223372036854775808\t\t2.5\tx\t\t"]
+    columns = {"M1": [["a", "b"], None, []], "C1": ["68fd1e64", None, "x"], "C2": ["é", None, ""],
+               "I1": [2**63 - 1, None, -(2**63)], "F1": np.array([-0.0, np.nan, 2.5])}
+    expected = layout.tensors(frame)
+    assert expected["INTEGERS"].tolist() == [[2**63 - 1, 0], [0, 0], [-(2**63), 0]]
+    assert expected["INTEGERS_MISSING"].tolist() == [[False, True], [True, True], [False, True]]
+    assert np.array_equal(expected["FLOATS"], [[-0.0], [0.0], [2.5]]) and np.signbit(expected["FLOATS"][0, 0])
+    assert expected["FLOATS_MISSING"].tolist() == [[False], [True], [False]]
+    assert expected["STRINGS"].tolist() == [[b"68fd1e64", "é".encode()], [b"", b""], [b"x", b""]]
+    assert expected["LISTS"].tolist() == [[b"a|b"], [b""], [b""]]
+    for rows in (records, lines, "\n".join(lines), columns):
+        got = layout.tensors(rows)
+        assert list(got) == list(expected)
+        for name, values in expected.items():
+            assert got[name].dtype == values.dtype and got[name].tolist() == values.tolist(), (name, rows)
+    got = layout.tensors({"I1": np.array([2**63 - 1, 7, -(2**63)])})  # a numpy array of int64: missing nothing
+    assert got["INTEGERS"][:, 0].tolist() == [2**63 - 1, 7, -(2**63)] and not got["INTEGERS_MISSING"][:, 0].any()
+
+
+@pytest.mark.parametrize(("rows", "message"), [
+    ({"I1": [1, 2.5]}, "column I1, row 1: the raw column is int64, expected a whole number from -9223372036854775808 "
+                       "to 9223372036854775807 or missing, got 2.5"),
+    ({"I1": np.array([1.0, 1e19])}, "column I1, row 1: .* got 1e\\+19"),
+    ({"I1": np.array([2**63], dtype=np.uint64)}, "column I1, row 0: .* got 9223372036854775808"),
+    ({"I1": [2**63]}, "column I1, row 0: .* got 9223372036854775808"),
+    ({"I1": ["seven"]}, "column I1, row 0: expected a whole number or missing, got 'seven'"),
+    ({"I1": [Decimal(7), Decimal("2.5")]}, "column I1, row 1: .* got Decimal\\('2.5'\\)"),
+    ({"F1": [1.0, float("inf")]}, "column F1, row 1: expected a finite number or missing, got inf"),
+    ({"F1": np.array([-np.inf])}, "column F1, row 0: expected a finite number or missing, got -inf"),
+    ({"F1": ["1,5"]}, "column F1, row 0: expected a number or missing, got '1,5'"),
+    ({"I1": [1, 2], "C1": ["a"]}, "every column needs the same number of rows, got \\{'I1': 2, 'C1': 1\\}"),
+    ([{"I01": 3}], "unknown columns \\['I01'\\]; the model takes \\['I1', 'F1', 'C1'\\]"),
+    (["1\t2"], "TSV line 1: expected 3 fields \\(or 4 with the label first\\), found 2"),
+    ([{"I1": 1}, 7], "rows: expected a DataFrame, a dict of columns, a list of dicts or TSV lines, got a list of int"),
+])
+def test_request_tensors_name_the_column_and_row_of_a_value_they_cannot_carry(rows, message):
+    from export.request import RequestLayout
+
+    with pytest.raises(BadInputError, match=message):
+        RequestLayout(integers=("I1",), floats=("F1",), strings=("C1",)).tensors(rows)
 
 
 def test_fused_export_is_one_ranker_step_from_the_raw_columns():
@@ -241,20 +331,6 @@ def multihot_pipeline(tmp_path_factory):
     return cfg, model, schema, raw, rows
 
 
-def _request(rows: pd.DataFrame, raw: RawColumns) -> dict[str, np.ndarray]:
-    def text(v):
-        if v is None or v is pd.NA or (isinstance(v, float) and np.isnan(v)):
-            return b""
-        if isinstance(v, (list, np.ndarray)):
-            return raw.list_separator.join(map(str, v)).encode()
-        return str(v).encode()
-
-    out = {c: rows[c].to_numpy(dtype=np.float64, na_value=np.nan).reshape(-1, 1) for c in raw.continuous}
-    for c in [*raw.categorical, *raw.multihot]:
-        out[c] = np.array([text(v) for v in rows[c].tolist()], dtype=object).reshape(-1, 1)
-    return out
-
-
 def test_served_parts_equal_in_process_with_multihot_unseen_and_missing(multihot_pipeline):
     cfg, model, schema, raw, rows = multihot_pipeline
     rows = rows.copy()
@@ -268,7 +344,7 @@ def test_served_parts_equal_in_process_with_multihot_unseen_and_missing(multihot
     preprocess = Preprocessor.load(ranker / "1" / "artifacts")
     lookup = EmbeddingLookup(ranker / "store", LookupConfig.load(ranker / "1" / "layout.json"))
     dense = DenseRunner(ranker / "1" / "model.pt")
-    tensors = preprocess(_request(rows, raw))
+    tensors = preprocess(raw.layout.tensors(rows))
     assert tensors["MULTIHOT_LENGTHS"].shape == (len(rows), 1)
     pooled = lookup(tensors["CATEGORICAL_IDS"], tensors["MULTIHOT_IDS"], tensors["MULTIHOT_LENGTHS"])
     np.testing.assert_allclose(dense(tensors["DENSE"], pooled)[:, 0], expected, rtol=0, atol=1e-5)
@@ -277,25 +353,43 @@ def test_served_parts_equal_in_process_with_multihot_unseen_and_missing(multihot
 def test_preprocess_names_what_is_wrong_with_a_request(multihot_pipeline):
     cfg, _, _, raw, rows = multihot_pipeline
     preprocess = Preprocessor.load(Path(cfg.paths.export) / "ranker" / "1" / "artifacts")
-    good = _request(rows.iloc[:3], raw)
-    with pytest.raises(BadInputError, match=r"missing raw columns \['C2'\]"):
-        preprocess({k: v for k, v in good.items() if k != "C2"})
-    with pytest.raises(BadInputError, match="empty batch"):
-        preprocess({k: v[:0] for k, v in good.items()})
-    with pytest.raises(BadInputError, match="same number of rows"):
-        preprocess(dict(good, I2=np.zeros((5, 1))))
-    with pytest.raises(BadInputError, match="I1: the raw column is int64, expected whole numbers, got 0.5"):
-        preprocess(dict(good, I1=np.full((3, 1), 0.5)))
-    with pytest.raises(BadInputError, match="C1: expected strings"):
-        preprocess(dict(good, C1=np.zeros((3, 1))))
-    above = np.nextafter(2.0**63, np.inf)  # 2**63 is int64's max as float64; the next float64 is no int64
-    with pytest.raises(BadInputError, match="I1: the raw column is int64, expected whole numbers from "
-                                            "-9223372036854775808 to 9223372036854775807, got 9223372036854777856"):
-        preprocess(dict(good, I1=np.full((3, 1), above)))
-    with pytest.raises(BadInputError, match=r"I1: .* got 1e\+300$"):
-        preprocess(dict(good, I1=np.full((3, 1), 1e300)))
-    with pytest.raises(BadInputError, match="I2: expected finite numbers or NaN \\(missing\\), got -inf"):
-        preprocess(dict(good, I2=np.full((3, 1), -np.inf)))
+    good = raw.layout.tensors(rows.iloc[:3])
+    assert sorted(good) == ["FLOATS", "FLOATS_MISSING", "INTEGERS", "INTEGERS_MISSING", "LISTS", "STRINGS"]
+    cases = [
+        ({k: v for k, v in good.items() if k != "STRINGS"}, r"missing input STRINGS; expected \['INTEGERS', "),
+        ({k: v[:0] for k, v in good.items()}, "empty batch"),
+        (dict(good, FLOATS=np.zeros((5, 1))), r"every input needs the same number of rows, got \{.*'FLOATS': 5"),
+        (dict(good, STRINGS=good["STRINGS"][:, :1]),
+         r"input STRINGS: expected the shape \[rows, 2\] \(columns C1, C2\), got \[3, 1\]"),
+        (dict(good, LISTS=good["LISTS"].reshape(-1)), r"input LISTS: expected the shape \[rows, 1\] \(columns M1\)"),
+        (dict(good, INTEGERS=good["INTEGERS"].astype(np.float64)),
+         "input INTEGERS: expected INT64, got the numpy dtype float64"),
+        (dict(good, INTEGERS_MISSING=good["INTEGERS_MISSING"].astype(np.int8)),
+         "input INTEGERS_MISSING: expected BOOL, got the numpy dtype int8"),
+        (dict(good, STRINGS=np.zeros((3, 2))), "input STRINGS: expected BYTES, got the numpy dtype float64"),
+        (dict(good, FLOATS=np.array([[1.0], [-np.inf], [np.inf]])),
+         r"input FLOATS, column I2, row 1: expected finite numbers \(missing: FLOATS_MISSING\), got -inf"),
+    ]
+    for request, message in cases:
+        with pytest.raises(BadInputError, match=message):
+            preprocess(request)
+
+
+def test_a_missing_number_is_its_mask_or_a_nan_and_a_masked_value_is_ignored(multihot_pipeline):
+    cfg, _, _, raw, rows = multihot_pipeline
+    rows = rows.iloc[:6].reset_index(drop=True)
+    preprocess = Preprocessor.load(Path(cfg.paths.export) / "ranker" / "1" / "artifacts")
+    missing = rows.assign(I1=pd.Series([None] * 6, dtype=rows["I1"].dtype),
+                          I2=pd.Series([None] * 6, dtype=rows["I2"].dtype))
+    expected = preprocess(raw.layout.tensors(missing))
+    offline = preprocess.tensors(Workflow.load(cfg.paths.workflow).transform(missing))
+    assert np.array_equal(expected["DENSE"], offline["DENSE"]) and np.isin(offline["DENSE"][:, 2:], 1.0).all()
+    good = raw.layout.tensors(rows)
+    everywhere = np.ones((6, 1), bool)
+    for request in (dict(good, INTEGERS_MISSING=everywhere, FLOATS_MISSING=everywhere),
+                    dict(good, INTEGERS_MISSING=everywhere, FLOATS=np.full((6, 1), np.nan)),
+                    dict(good, INTEGERS_MISSING=everywhere, FLOATS_MISSING=everywhere, FLOATS=np.full((6, 1), np.inf))):
+        assert np.array_equal(preprocess(request)["DENSE"], expected["DENSE"])
 
 
 def test_an_update_over_a_damaged_store_or_record_repairs_it_or_names_the_file(multihot_pipeline, tmp_path):
@@ -335,8 +429,8 @@ def test_preprocess_equals_the_workflow_column_by_column_on_the_raw_rows(multiho
     frame.loc[unseen, "C1"] = "never-seen"
     frame.loc[missing, "C2"] = None  # an empty string in the request
     frame.loc[unseen, "I1"] = 10**12
-    frame.loc[0, "C2"] = "x" * (1 << 20)  # one long value: the columns' strings go as objects, not 1 MiB each
-    frame.loc[missing, "I1"] = np.where(np.arange(batch)[missing] % 2, 2**63 - 1, -(2**63))  # sent as +-2.0**63
+    frame.loc[0, "C2"] = "x" * (1 << 20)  # one long value: the strings go as objects, not 1 MiB each
+    frame.loc[missing, "I1"] = np.where(np.arange(batch)[missing] % 2, 2**63 - 1, -(2**63))  # int64's extremes
     frame.loc[missing, "I2"] = None
     frame.loc[unseen & ~missing, "I2"] = -0.0
     bags = [["m1", "unseen-item", "m1"] if u else None if m else v for u, m, v in zip(unseen, missing, frame["M1"])]
@@ -344,10 +438,10 @@ def test_preprocess_equals_the_workflow_column_by_column_on_the_raw_rows(multiho
     preprocess = Preprocessor.load(Path(cfg.paths.export) / "ranker" / "1" / "artifacts")
     workflow = Workflow.load(cfg.paths.workflow)
     expected = preprocess.tensors(Workflow.transform_partition(frame, workflow.output))
-    request = _request(frame, raw)  # strings as object arrays of bytes; as the served models decode them, below
-    wire = {name: decode_bytes(np.frombuffer(encode_bytes([values])[0], dtype=np.uint8)).reshape(-1, 1)
+    request = raw.layout.tensors(frame)  # strings as object arrays of bytes; as the served models decode them, below
+    wire = {name: decode_bytes(np.frombuffer(encode_bytes([values])[0], dtype=np.uint8)).reshape(values.shape)
             if values.dtype == object else values for name, values in request.items()}
-    assert wire["C1"].dtype.kind == "S"
+    assert wire["LISTS"].dtype.kind == "S" and request["INTEGERS"][missing, 0].tolist() == frame["I1"][missing].tolist()
     for got in (preprocess(request), preprocess(wire)):
         assert sorted(got) == ["CATEGORICAL_IDS", "DENSE", "MULTIHOT_IDS", "MULTIHOT_LENGTHS"]
         for name, values in expected.items():
@@ -402,6 +496,20 @@ def test_one_long_value_among_short_ones_decodes_to_objects_not_a_wide_array():
     values[5] = b"x" * 300  # a little wider than the rest: one fixed-width array still
     decoded = decode_bytes(np.frombuffer(encode_bytes([np.array(values, dtype=object)])[0], dtype=np.uint8))
     assert decoded.dtype == "S300" and decoded.tolist() == values
+
+
+@pytest.mark.parametrize("rows", [8, 32, 1024])
+def test_a_request_of_one_length_and_empty_values_decodes_whole(rows):
+    """A ``[B, 26]`` tensor of Criteo's ids: 8 hex digits or empty (missing), runs of empty values too; each value is
+    copied as one 8-byte item, under and over the size where numpy takes over from the Python pass."""
+    from export.wire import decode_bytes, encode_bytes
+
+    rng = np.random.default_rng(rows)
+    values = np.array([b"" if rng.random() < 0.4 else b"%08x" % rng.integers(0, 1 << 32) for _ in range(rows * 26)],
+                      dtype=object).reshape(rows, 26)
+    values[rows // 2, 3:9] = b""
+    decoded = decode_bytes(np.frombuffer(encode_bytes([values])[0], dtype=np.uint8))
+    assert decoded.dtype == "S8" and decoded.tolist() == values.reshape(-1).tolist()
 
 
 @pytest.mark.parametrize("odd", [None, b"x" * 300, b"ab\x00c", b"abc\x00\x00\x00\x00", b"\x00\x00\x00"])

@@ -1,10 +1,13 @@
 """Export serves every schema shape training accepts: only one-hot categorical, only multi-hot,
-categorical + multi-hot (no continuous feature in each), with served predictions equal to the
-in-process model; a schema with only continuous features is refused clearly at training time."""
+categorical + multi-hot (no continuous feature in each), and every kind of raw column at once (integers,
+floats, strings, lists; over gRPC, HTTP and HTTP with JSON tensors), with served predictions equal to
+the in-process model; a schema with only continuous features is refused clearly at training time."""
 
 from __future__ import annotations
 
+import json
 import re
+import threading
 
 import numpy as np
 import pandas as pd
@@ -13,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from export.client import Client
+from export.client import Client, ServingError
 from export.inprocess import InProcessModel
 from export.pbtxt import EnsembleSpec, ModelOptions, model_configs
 from export.preprocess import RawColumns
@@ -110,6 +113,90 @@ def test_served_predictions_equal_in_process_without_continuous_features(shape, 
             with Client(url, protocol) as client:
                 np.testing.assert_allclose(client.predict(rows), expected, rtol=0, atol=1e-5)
                 np.testing.assert_allclose(client.predict(rows.iloc[:1]), expected[:1], rtol=0, atol=1e-5)
+    finally:
+        server.stop()
+
+
+def _infer_as_json(url: str, tensors: dict[str, np.ndarray]) -> np.ndarray:
+    """The ensemble's answer to ``tensors`` sent as JSON (tritonclient's ``binary_data=False``), checked to be
+    valid JSON: no NaN, which Triton's JSON reader does not take."""
+    from tritonclient import http as triton
+    from tritonclient.utils import np_to_triton_dtype
+
+    inputs = []
+    for name, array in tensors.items():
+        tensor = triton.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+        tensor.set_data_from_numpy(array, binary_data=False)
+        inputs.append(tensor)
+    outputs = [triton.InferRequestedOutput("PREDICTION", binary_data=False)]
+    body, binary_size = triton.InferenceServerClient.generate_request_body(inputs, outputs)
+    assert binary_size is None
+    json.loads(body, parse_constant=lambda word: pytest.fail(f"{word} in the JSON request"))
+    client = triton.InferenceServerClient(url)
+    try:
+        return client.infer("ensemble", inputs, outputs=outputs).as_numpy("PREDICTION").reshape(-1)
+    finally:
+        client.close()
+
+
+def test_every_kind_of_raw_column_is_served_over_grpc_http_and_json(tmp_path):
+    """Integer and floating numbers, strings and lists, each with missing values, one tensor per kind: the answers
+    over gRPC, HTTP and HTTP with JSON tensors (which have no NaN: a missing number travels as its mask) equal the
+    in-process model's. An infinity among the floats gets its own error, also among concurrent good requests, and
+    the server keeps serving."""
+    cfg, table = _dataset(tmp_path, {"continuous": ["I1", "I2"], "categorical": ["C1", "C2"], "multihot": ["M1"]})
+    problem = server_problem(cfg.serve)
+    if problem:
+        pytest.fail(f"the serving tests need a Triton server and the models' environment (make serve-env): {problem}")
+    schema = Schema.load(cfg.paths.schema)
+    model = build_model("dlrm", schema, ModelSizes.preset("small", multihot_pooling="mean"), seed=1).eval()
+    with torch.no_grad():
+        model.embedding.weights.uniform_(-10, 10, generator=torch.Generator().manual_seed(1))
+    raw = raw_columns(RawDataset.load(cfg.paths.raw), cfg.data.list_separator)
+    assert (raw.layout.integers, raw.layout.floats, raw.layout.lists) == (("I1",), ("I2",), ("M1",))
+    write_repository(model, schema, cfg.paths.workflow, raw, cfg.paths.export, ModelOptions())
+    rows = table.slice(0, 150).to_pandas(types_mapper=pd.ArrowDtype)
+    rows.loc[0:4, "C1"] = "never-seen"
+    rows.loc[3:9, "I2"] = None
+    assert rows[["I1", "C1", "M1"]].isna().any().all()
+    expected = InProcessModel(model, schema, Workflow.load(cfg.paths.workflow)).predict(rows)
+    assert expected.std() > 0.01
+    server = start_server(cfg.paths.export, cfg.serve)
+    try:
+        with Client(server.http_url, "http") as http, Client(server.grpc_url, "grpc") as grpc:
+            good = grpc.tensors(rows)
+            assert good["FLOATS_MISSING"][3:10].all() and not np.isnan(good["FLOATS"]).any()
+            for client in (http, grpc):
+                np.testing.assert_allclose(client.predict(rows), expected, rtol=0, atol=1e-5, err_msg=client.protocol)
+            np.testing.assert_allclose(_infer_as_json(server.http_url, good), expected, rtol=0, atol=1e-5)
+            bad = dict(good, FLOATS=good["FLOATS"].copy())
+            bad["FLOATS"][[5, 20]] = np.inf  # row 5's is masked as missing: ignored
+            for client, status in ((http, "400"), (grpc, "StatusCode.INVALID_ARGUMENT")):
+                with pytest.raises(ServingError) as caught:
+                    client.infer(bad)
+                assert "input FLOATS, column I2, row 20: expected finite numbers" in str(caught.value)
+                assert caught.value.status == status, client.protocol
+                np.testing.assert_allclose(client.infer(good), expected, rtol=0, atol=1e-5)
+
+        results: dict[int, object] = {}
+
+        def send(i):
+            with Client(server.grpc_url, "grpc") as own:
+                try:
+                    results[i] = own.infer(bad if i == 3 else good)
+                except ServingError as err:
+                    results[i] = err
+
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert isinstance(results[3], ServingError) and "FLOATS, column I2" in str(results[3])
+        assert results[3].status == "StatusCode.INVALID_ARGUMENT"
+        for i in set(range(8)) - {3}:
+            np.testing.assert_allclose(results[i], expected, rtol=0, atol=1e-5)
+        assert server.is_alive()
     finally:
         server.stop()
 

@@ -106,7 +106,7 @@ def test_gpu_instances_pick_up_a_new_embedding_store_without_restart(served):
 
     def keep_asking():
         with Client(server.grpc_url, "grpc") as client:
-            request = client.columns(rows)
+            request = client.tensors(rows)
             while not stop.is_set():
                 try:
                     answers.append(client.infer(request))

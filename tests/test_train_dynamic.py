@@ -125,7 +125,6 @@ def test_resume_with_another_admit_after_is_refused_naming_the_setting(processed
 
 def test_the_exported_parts_look_raw_ids_up_as_the_trained_model(processed, tmp_path):
     import numpy as np
-    import pandas as pd
 
     from export.dense import DenseRunner
     from export.inprocess import InProcessModel
@@ -151,11 +150,7 @@ def test_the_exported_parts_look_raw_ids_up_as_the_trained_model(processed, tmp_
 
     export = cfg.paths.export
     raw = raw_columns(RawDataset.load(cfg.paths.raw), cfg.data.list_separator)
-    request = {c: rows[c].to_numpy(dtype=np.float64, na_value=np.nan).reshape(-1, 1) for c in raw.continuous}
-    for c in raw.categorical:
-        request[c] = np.array([b"" if pd.isna(v) else str(v).encode() for v in rows[c].tolist()],
-                              dtype=object).reshape(-1, 1)
-    tensors = Preprocessor.load(artifacts_dir(export))(request)
+    tensors = Preprocessor.load(artifacts_dir(export))(raw.layout.tensors(rows))
     served_by = lookup_dir(export)  # ranker: the workflow, the lookup and the dense part in one model
     lookup = EmbeddingLookup(served_by / "store", LookupConfig.load(served_by / "1" / "layout.json"))
     pooled = lookup(tensors["CATEGORICAL_IDS"])

@@ -108,12 +108,8 @@ def test_the_export_of_a_host_cached_run_serves_its_trained_tables(runs):
 
     rows = sample_rows(cfg, 200)
     raw = raw_columns(RawDataset.load(cfg.paths.raw), cfg.data.list_separator)
-    request = {c: rows[c].to_numpy(dtype=np.float64, na_value=np.nan).reshape(-1, 1) for c in raw.continuous}
-    for c in raw.categorical:
-        request[c] = np.array([b"" if pd.isna(v) else str(v).encode() for v in rows[c].tolist()],
-                              dtype=object).reshape(-1, 1)
     export = cfg.paths.export
-    tensors = Preprocessor.load(artifacts_dir(export))(request)
+    tensors = Preprocessor.load(artifacts_dir(export))(raw.layout.tensors(rows))
     served_by = lookup_dir(export)  # ranker: the workflow, the lookup and the dense part in one model
     lookup = EmbeddingLookup(served_by / "store", LookupConfig.load(served_by / "1" / "layout.json"))
     pooled = lookup(tensors["CATEGORICAL_IDS"], tensors.get("MULTIHOT_IDS"), tensors.get("MULTIHOT_LENGTHS"))

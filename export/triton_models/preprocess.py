@@ -1,7 +1,8 @@
-"""Triton python model ``preprocess``: raw request columns -> model features, with the saved ETL workflow.
+"""Triton python model ``preprocess``: raw request tensors -> model features, with the saved ETL workflow.
 
 The same ``Workflow.transform`` as offline runs here (export/preprocess.py), so what the model sees
-when served is what it saw in training. Its BYTES inputs are decoded by numpy (export/wire.py).
+when served is what it saw in training. Its inputs are one tensor per kind of raw column (export/request.py),
+the BYTES ones decoded by numpy (export/wire.py).
 Exported as ``preprocess/1/model.py`` (``export.fuse=none``; ``ranker`` does this work otherwise).
 """
 

@@ -1,9 +1,10 @@
-"""Triton python model ``ranker``: raw request columns -> click probabilities, in one model.
+"""Triton python model ``ranker``: raw request tensors -> click probabilities, in one model.
 
 The saved ETL workflow (export/preprocess.py), the embedding lookup through its cache and the host
 store (export/instance.py) and the dense part (export/dense.py) run one after the other in this
 process: one python-backend hop per request, where the chain ``preprocess`` -> ``embedding`` ->
-``dense`` (``export.fuse=none``) takes three. Its BYTES inputs are decoded by numpy (export/wire.py).
+``dense`` (``export.fuse=none``) takes three. Its inputs are one tensor per kind of raw column
+(export/request.py), the BYTES ones decoded by numpy (export/wire.py).
 Exported as ``ranker/1/model.py``, with ``artifacts/``, ``layout.json`` and ``model.pt`` beside it
 and the store in ``ranker/store``.
 """

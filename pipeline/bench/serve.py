@@ -68,7 +68,7 @@ def run(args: argparse.Namespace, cfg) -> dict:
         with Client(server.grpc_url, "grpc") as client:
             for batch in batches:
                 frame = rows.iloc[:batch]
-                request = client.columns(frame)
+                request = client.tensors(frame)
                 timed = _timed_in_turn({"ensemble": lambda request=request: client.infer(request),
                                         "in_process": lambda frame=frame: reference.predict(frame),
                                         "model_only": _forward_only(reference, frame)}, args.requests)
@@ -218,7 +218,7 @@ def _throughput(server, rows, args, reference) -> dict:
     batch = args.throughput_batch
     frames = [rows.iloc[i: i + batch] for i in range(0, min(len(rows), batch * 64), batch)]
     with Client(server.grpc_url, "grpc") as client:
-        requests = [(client.columns(f), len(f)) for f in frames]
+        requests = [(client.tensors(f), len(f)) for f in frames]
     context = multiprocessing.get_context("spawn")  # no fork of a process that holds gRPC and torch threads
     ready, window, results = context.Barrier(args.clients + 1), context.Array("d", 2), context.Queue()
     workers = [context.Process(target=_client_process, daemon=True,
