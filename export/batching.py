@@ -13,18 +13,24 @@ Example (inside a ``model.py``)::
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
+from typing import ContextManager
 
 import numpy as np
 
 from pipeline.errors import UserError
 
 Compute = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
+Timed = Callable[[str], ContextManager]
 
 
-def respond(requests: list, input_names: list[str], compute: Compute, pb_utils, model: str) -> list:
-    """Run ``compute`` on the requests' inputs; return exactly one response per request, in order."""
-    inputs: list[dict[str, np.ndarray] | Exception] = [_read(r, input_names) for r in requests]
+def respond(requests: list, input_names: list[str], compute: Compute, pb_utils, model: str,
+            timed: Timed = lambda phase: contextlib.nullcontext()) -> list:
+    """Run ``compute`` on the requests' inputs; return exactly one response per request, in order. ``timed(phase)``
+    times reading the inputs (``inputs``) and making the responses (``outputs``)."""
+    with timed("inputs"):
+        inputs: list[dict[str, np.ndarray] | Exception] = [_read(r, input_names) for r in requests]
     good = [i for i, x in enumerate(inputs) if not isinstance(x, Exception)]
     results: list[dict[str, np.ndarray] | Exception | None] = list(inputs)
     merged = _stack([inputs[i] for i in good]) if len(good) > 1 else None
@@ -41,7 +47,8 @@ def respond(requests: list, input_names: list[str], compute: Compute, pb_utils, 
             results[i] = compute(inputs[i])
         except Exception as err:  # noqa: BLE001
             results[i] = err
-    return [_response(x, pb_utils, model) for x in results]
+    with timed("outputs"):
+        return [_response(x, pb_utils, model) for x in results]
 
 
 def _read(request, names: list[str]) -> dict[str, np.ndarray] | Exception:

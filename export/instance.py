@@ -8,7 +8,9 @@ too, and lets go of the versions export prunes) and writes the counters to
 time); :func:`live_stats` reads only the files whose process still runs, so a file left by an instance that
 crashed or by an earlier server never counts, even where its pid now belongs to another process. A clean
 stop (``finalize``) removes the instance's file, and an instance that starts removes the files of processes
-that are gone (their half-written ``.tmp`` files too). The model also refreshes before each batch, so the first request after an update gets the
+that are gone (their half-written ``.tmp`` files too). Beside the cache counters the file holds the host time
+the model spent in each phase of its batches (``phases_ns``: the store version's refresh, reading the inputs,
+preprocess, lookup, dense, writing the outputs) and the number of batches, so a benchmark can say where a served request's time goes. The model also refreshes before each batch, so the first request after an update gets the
 new version.
 A ``KIND_GPU`` instance caches hot rows in its GPU's memory.
 
@@ -21,10 +23,12 @@ Example (inside a ``model.py``)::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -106,6 +110,8 @@ class LookupInstance:
         self._lock = threading.Lock()  # one version per lookup: the background thread refreshes too
         self._file_lock = threading.Lock()  # no write after close removed the file
         self._closed = False
+        self._phases_ns: dict[str, int] = {}
+        self._batches = 0
         self._stop = threading.Event()
         self._writer = threading.Thread(target=self._background_loop, daemon=True)
         self._writer.start()
@@ -124,6 +130,20 @@ class LookupInstance:
         with self._lock:
             return self.lookup(inputs.get(CATEGORICAL_IDS), inputs.get(MULTIHOT_IDS), inputs.get(MULTIHOT_LENGTHS))
 
+    @contextlib.contextmanager
+    def timed(self, phase: str) -> Iterator[None]:
+        """Add the host time of the block to ``phase``'s total (written with the counters: ``phases_ns``). Work the
+        block queued on a GPU and did not wait for counts in the phase that waits for it."""
+        start = time.perf_counter_ns()
+        try:
+            yield
+        finally:
+            self._phases_ns[phase] = self._phases_ns.get(phase, 0) + time.perf_counter_ns() - start
+
+    def count_batch(self) -> None:
+        """One more batch executed (the phases' totals are over ``batches``)."""
+        self._batches += 1
+
     def close(self) -> None:
         """Stop the background thread and remove this instance's counters: a stopped instance serves nothing."""
         self._stop.set()
@@ -140,7 +160,8 @@ class LookupInstance:
 
     def _write(self, last: str | None) -> str:
         with self._lock:
-            text = json.dumps({**self._identity, **self.lookup.stats()})
+            text = json.dumps({**self._identity, **self.lookup.stats(), "batches": self._batches,
+                               "phases_ns": dict(self._phases_ns)})
         if text != last:
             with self._file_lock:
                 if not self._closed:

@@ -244,13 +244,17 @@ def cache_stats(out: str | Path) -> dict:
     with ``instances``: how many there are (each warms a cache of its own) and ``model``: the model they serve.
 
     Only the files of instances whose process runs now count (:func:`export.instance.live_stats`). ``hit_rate``
-    is over distinct ids per batch.
+    is over distinct ids per batch. ``batches`` and ``phases_ns``: the batches that model executed and the host time
+    it spent in each phase of them (refresh, inputs, preprocess, lookup, dense, outputs), summed.
     """
-    totals = {"model": lookup_dir(out).name, "instances": 0, "hits": 0, "misses": 0, "evictions": 0, "versions": []}
+    totals = {"model": lookup_dir(out).name, "instances": 0, "hits": 0, "misses": 0, "evictions": 0, "versions": [],
+              "batches": 0, "phases_ns": {}}
     for stats in live_stats(lookup_dir(out)):
         totals["instances"] += 1
-        for key in ("hits", "misses", "evictions"):
-            totals[key] += stats[key]
+        for key in ("hits", "misses", "evictions", "batches"):
+            totals[key] += stats.get(key, 0)
+        for phase, ns in stats.get("phases_ns", {}).items():
+            totals["phases_ns"][phase] = totals["phases_ns"].get(phase, 0) + ns
         totals["versions"].append(stats["version"])
         totals.setdefault("policy", stats["policy"])
     seen = totals["hits"] + totals["misses"]

@@ -350,6 +350,9 @@ def test_bench_serve_reports_latency_steps_throughput_and_cache_hit_rates(tmp_pa
         steps = r["steps"][batch]  # one model, raw rows in: its execute within its compute within the ensemble
         assert 0 < steps["ranker model"] <= steps["ranker"] <= steps["ensemble (server side)"]
         assert steps["ranker queue"] >= 0 and "preprocess" not in steps
+        phases = r["phases"][batch]  # inside the ranker's execute: each phase of its batches, host time
+        assert set(phases) == {"refresh", "inputs", "preprocess", "lookup", "dense", "outputs"} and min(phases.values()) > 0
+        assert sum(phases.values()) <= 1.1 * steps["ranker model"], (phases, steps)
     assert r["throughput"]["ensemble_rows_per_s"] > 0 and r["throughput"]["in_process_rows_per_s"] > 0
     assert r["served_cache"]["hits"] > 0
     exported = json.loads((tmp_path / "work" / "bench-serve-3000" / "export" / "export.json").read_text())

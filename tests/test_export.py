@@ -613,8 +613,12 @@ those of a process that runs (it may be writing)."""
     (stats_dir / f"instance-{pid}-{int(start) - 1}.json").write_text(json.dumps(
         {**counters, "hits": 1000, "pid": os.getpid(), "process": f"{boot}:{pid}:{int(start) - 1}"}))
     (stats_dir / f"instance-{pid}-{start}.json").write_text(json.dumps({**counters, "pid": os.getpid(), "process": me}))
+    mine = json.loads((stats_dir / f"instance-{pid}-{start}.json").read_text())
+    (stats_dir / f"instance-{pid}-{start}.json").write_text(json.dumps(
+        {**mine, "batches": 4, "phases_ns": {"inputs": 400, "lookup": 4000}}))
     stats = cache_stats(tmp_path)
     assert (stats["model"], stats["instances"], stats["hits"], stats["hit_rate"]) == ("embedding", 1, 5, 0.5)
+    assert (stats["batches"], stats["phases_ns"]) == (4, {"inputs": 400, "lookup": 4000})
     (stats_dir / f"instance-{pid}-{int(start) - 1}.json.tmp").write_text('{"hits": 10')
     (stats_dir / f"instance-{pid}-{start}.json.tmp").write_text('{"hits": 10')
     assert len(live_stats(tmp_path / "embedding", prune=True)) == 1

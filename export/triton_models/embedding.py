@@ -23,11 +23,14 @@ class TritonPythonModel:
         self.inputs = [i["name"] for i in config["input"]]
 
     def _compute(self, inputs):
-        return {"EMBEDDINGS": self.instance.pooled(inputs)}
+        with self.instance.timed("lookup"):
+            return {"EMBEDDINGS": self.instance.pooled(inputs)}
 
     def execute(self, requests):
-        self.instance.refresh()
-        return respond(requests, self.inputs, self._compute, pb_utils, self.name)
+        with self.instance.timed("refresh"):
+            self.instance.refresh()
+        self.instance.count_batch()
+        return respond(requests, self.inputs, self._compute, pb_utils, self.name, self.instance.timed)
 
     def finalize(self):
         self.instance.close()

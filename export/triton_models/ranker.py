@@ -35,12 +35,19 @@ class TritonPythonModel:
         self.inputs = [i["name"] for i in config["input"]]
 
     def _compute(self, inputs):
-        features = self.preprocessor(inputs)
-        return {"PREDICTION": self.runner(features.get(DENSE), self.instance.pooled(features))}
+        timed = self.instance.timed
+        with timed("preprocess"):
+            features = self.preprocessor(inputs)
+        with timed("lookup"):
+            pooled = self.instance.pooled(features)
+        with timed("dense"):
+            return {"PREDICTION": self.runner(features.get(DENSE), pooled)}
 
     def execute(self, requests):
-        self.instance.refresh()
-        return respond(requests, self.inputs, self._compute, pb_utils, self.name)
+        with self.instance.timed("refresh"):
+            self.instance.refresh()
+        self.instance.count_batch()
+        return respond(requests, self.inputs, self._compute, pb_utils, self.name, self.instance.timed)
 
     def finalize(self):
         self.instance.close()

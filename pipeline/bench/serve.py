@@ -5,7 +5,9 @@ speed does not depend on the weights) and exports it under ``--workdir``; starts
 Then, for batch 1, 64 and 1024 raw rows: p50 / p99 latency of ``--requests`` sequential gRPC
 requests, and of the in-process model on the same rows (workflow transform + forward, no server;
 and the forward alone on features computed beforehand), the three timed in turn, 10 calls at a time;
-the time each ensemble step took (Triton's own statistics); throughput with ``--clients``
+the time each ensemble step took (Triton's own statistics) and, inside the model that looks up embeddings, each
+phase of its batches (the store's refresh, inputs read, preprocess, lookup, dense, outputs: host time, so GPU work shows
+where the host waits for it); throughput with ``--clients``
 concurrent gRPC client processes; and the embedding cache's hit rate on the raw rows, whose categorical
 values are Zipf-distributed (served LRU, summed over the instances of the model that looks up embeddings, said
 beside it since each warms a cache of its own; plus LRU / LFU at several cache sizes offline).
@@ -51,6 +53,7 @@ def run(args: argparse.Namespace, cfg) -> dict:
           f"{served_by}; {os.cpu_count()} cores; load {os.getloadavg()[0]:.2f}", flush=True)
 
     from export.client import Client
+    from export.instance import STATS_EVERY_S
     from export.repository import cache_stats
     from export.server import start_server
     from pipeline.files import write_json
@@ -60,7 +63,7 @@ def run(args: argparse.Namespace, cfg) -> dict:
         "machine": f"{platform.node()} ({os.cpu_count()} cores, {platform.machine()})",
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "load_average": os.getloadavg()[0],
         "device": reference.device.type, "served_by": served_by,
-        "latency": {}, "steps": {}}
+        "latency": {}, "steps": {}, "phases": {}}
     started = time.perf_counter()
     server = start_server(cfg.paths.export, cfg.serve)
     results["startup_s"] = round(time.perf_counter() - started, 2)
@@ -73,16 +76,22 @@ def run(args: argparse.Namespace, cfg) -> dict:
                                         "in_process": lambda frame=frame: reference.predict(frame),
                                         "model_only": _forward_only(reference, frame)}, args.requests)
                 served, local, model_only = timed["ensemble"], timed["in_process"], timed["model_only"]
-                before = _model_stats(client)
+                time.sleep(2 * STATS_EVERY_S)  # the instances' phase totals written since the last request
+                before, phases_before = _model_stats(client), cache_stats(cfg.paths.export)
                 _timed_in_turn({"ensemble": lambda request=request: client.infer(request)}, max(20, args.requests // 4))
+                time.sleep(2 * STATS_EVERY_S)
                 steps = _per_request(before, _model_stats(client))
+                phases = _per_batch(phases_before, cache_stats(cfg.paths.export))
                 results["latency"][batch] = {"ensemble": served, "in_process": local, "model_only": model_only}
                 results["steps"][batch] = steps
+                results["phases"][batch] = phases
                 print(f"[bench serve] batch {batch:5d}: ensemble p50 {served['p50_ms']:.2f} ms p99 "
                       f"{served['p99_ms']:.2f} ms | in-process p50 {local['p50_ms']:.2f} ms p99 {local['p99_ms']:.2f} ms"
                       f" | ensemble / in-process p50 {served['p50_ms'] / local['p50_ms']:.2f}x"
                       f" | model forward alone p50 {model_only['p50_ms']:.2f} ms | steps (ms): "
-                      + ", ".join(f"{k} {v:.2f}" for k, v in steps.items()), flush=True)
+                      + ", ".join(f"{k} {v:.2f}" for k, v in steps.items())
+                      + f" | {phases_before['model']}'s phases (ms a batch): "
+                      + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()), flush=True)
         results["throughput"] = _throughput(server, rows, args, reference)
         print(f"[bench serve] throughput, {args.clients} gRPC client processes x batch {args.throughput_batch}: "
               f"{results['throughput']['ensemble_rows_per_s']:,.0f} rows/s ensemble, "
@@ -182,6 +191,15 @@ def _model_stats(client) -> dict[str, dict[str, int]]:
             "total": int(infer["success"].get("ns", 0)),
         }
     return out
+
+
+def _per_batch(before: dict, after: dict) -> dict[str, float]:
+    """Per batch the lookup model executed between two :func:`~export.repository.cache_stats`, ms: the host time of
+    each of its phases (the store's refresh, inputs read, preprocess, lookup, dense, outputs made)."""
+    batches = after["batches"] - before["batches"]
+    if batches <= 0:
+        return {}
+    return {phase: (ns - before["phases_ns"].get(phase, 0)) / batches / 1e6 for phase, ns in after["phases_ns"].items()}
 
 
 def _per_request(before: dict, after: dict) -> dict[str, float]:
