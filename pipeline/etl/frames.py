@@ -29,6 +29,15 @@ def is_cudf(obj: Any) -> bool:
     return found
 
 
+def array_module(array: Any) -> Any:
+    """The array library of an array: ``cupy`` for a CuPy array (cuDF columns' values), else ``numpy``."""
+    if type(array).__module__.split(".")[0] == "cupy":
+        import cupy
+
+        return cupy
+    return np
+
+
 def frame_like(like: Any, columns: dict[str, Any]) -> Any:
     """A DataFrame of the same library (and index) as ``like`` from named columns."""
     if is_cudf(like):
@@ -256,6 +265,24 @@ def cudf_from_pandas(values: Any, like: Any) -> Any:
     out.index = like.index
     out.name = like.name
     return out
+
+
+def cudf_lists_from_flat(values: Any, lengths: Any, index: Any = None, name: Any = None) -> Any:
+    """A cuDF Series of list cells from flat values and per-row lengths (CuPy arrays), no cell missing:
+    what :func:`lists_from_flat` is on pandas, built on the GPU.
+
+    cuDF has no public constructor of a list column from offsets; pylibcudf (libcudf's Python API, which
+    cuDF is built on) has: a LIST column whose children are the int32 offsets and the values.
+    """
+    import cudf
+    import cupy
+    import pylibcudf as plc
+
+    offsets = cupy.zeros(len(lengths) + 1, dtype=cupy.int32)
+    offsets[1:] = cupy.cumsum(lengths, dtype=cupy.int64)
+    children = [cudf.Series(offsets).to_pylibcudf()[0], cudf.Series(values).to_pylibcudf()[0]]
+    column = plc.Column(plc.DataType(plc.TypeId.LIST), len(lengths), None, None, 0, 0, children)
+    return cudf.Series.from_pylibcudf(column, {"name": name, "index": index})
 
 
 def cudf_longest_list(series: Any) -> Any:
