@@ -28,6 +28,7 @@ from pipeline.etl import (
     HashBucket,
     HashedCross,
     LogOp,
+    MissingIndicator,
     Normalize,
     Workflow,
 )
@@ -84,6 +85,7 @@ def _workflow(backend: str) -> Workflow:
     features = (
         (["label"] >> Cast("float32"))
         + (CONTINUOUS >> FillMissing(0.0) >> Clip(min_value=0) >> LogOp() >> Normalize())
+        + (CONTINUOUS >> MissingIndicator())
         + (CATEGORICAL >> Categorify(freq_threshold=2))
         + (["M"] >> Categorify())
         + (["H", "K"] >> HashBucket(100_003))
@@ -455,7 +457,8 @@ def _stand_in_modules(offset: int) -> dict:
     cudf.concat = lambda objs, ignore_index=False: (Series if isinstance(objs[0], pd.Series) else DataFrame)(
         pd.concat(objs, ignore_index=ignore_index))
     cupy = types.ModuleType("cupy")
-    for name in ("arange", "full", "where", "zeros", "uint32", "int32", "int64", "log1p", "digitize", "asarray"):
+    for name in ("arange", "empty", "full", "where", "zeros", "uint32", "int32", "int64", "float64", "log1p", "digitize",
+                 "asarray"):
         setattr(cupy, name, getattr(np, name))
     cupy.ndarray = type("ndarray", (), {})  # dask registers cupy.ndarray as a chunk type
     return {"cudf": cudf, "cupy": cupy, "dask_cudf": types.ModuleType("dask_cudf")}

@@ -102,6 +102,17 @@ def as_float64(values: Any, name: str | None = None) -> Any:
         raise BadInputError(f"column {series.name!r}: expected numbers, found dtype {series.dtype} ({err})") from err
 
 
+def cudf_float_rows(columns: list[Any]) -> Any:
+    """Equally long cuDF numeric Series as one CuPy float64 matrix ``[column, row]``, NaN for a missing value
+    (the values of a float column with nulls hold NaN there), as :func:`as_float64` reads each."""
+    import cupy
+
+    rows = cupy.empty((len(columns), len(columns[0]) if columns else 0), dtype=cupy.float64)
+    for i, values in enumerate(columns):
+        rows[i] = values.astype("float64").values
+    return rows
+
+
 def as_arrow(values: Any, name: str | None = None) -> pa.Array:
     """A pandas Series or array as one contiguous pyarrow array (strings, numbers or lists)."""
     if isinstance(values, pd.Series):
