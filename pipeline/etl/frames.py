@@ -283,7 +283,8 @@ def cudf_lists_from_flat(values: Any, lengths: Any, index: Any = None, name: Any
     what :func:`lists_from_flat` is on pandas, built on the GPU.
 
     cuDF has no public constructor of a list column from offsets; pylibcudf (libcudf's Python API, which
-    cuDF is built on) has: a LIST column whose children are the int32 offsets and the values.
+    cuDF is built on) has: a LIST column whose children are the int32 offsets and the values, each a
+    column over a CuPy array (``Column.from_array`` keeps a reference to it).
     """
     import cudf
     import cupy
@@ -291,7 +292,7 @@ def cudf_lists_from_flat(values: Any, lengths: Any, index: Any = None, name: Any
 
     offsets = cupy.zeros(len(lengths) + 1, dtype=cupy.int32)
     offsets[1:] = cupy.cumsum(lengths, dtype=cupy.int64)
-    children = [cudf.Series(offsets).to_pylibcudf()[0], cudf.Series(values).to_pylibcudf()[0]]
+    children = [plc.Column.from_array(offsets), plc.Column.from_array(cupy.ascontiguousarray(values))]
     column = plc.Column(plc.DataType(plc.TypeId.LIST), len(lengths), None, None, 0, 0, children)
     return cudf.Series.from_pylibcudf(column, {"name": name, "index": index})
 

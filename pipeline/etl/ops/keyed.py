@@ -70,7 +70,7 @@ def distinct_by_key(keys: Any, values: Any, weights: Any = None) -> tuple[Any, A
     n = len(keys)
     if not n:
         return xp.zeros(0, dtype=xp.int64), xp.zeros(0, dtype=xp.int64)
-    order = xp.argsort(keys, kind="stable")
+    order = _stable_argsort(keys)
     ordered = keys[order]
     starts_mask = xp.concatenate([xp.ones(1, dtype=bool), ordered[1:] != ordered[:-1]])
     starts = xp.flatnonzero(starts_mask)
@@ -165,7 +165,7 @@ def key_table(values: Any) -> KeyTable:
     """The :class:`KeyTable` of a vocabulary, a Series of distinct strings without missing ones."""
     keys = string_keys(values)
     xp = array_module(keys)
-    order = xp.argsort(keys, kind="stable")
+    order = _stable_argsort(keys)
     ordered = keys[order]
     exact = not bool((ordered[1:] == ordered[:-1]).any()) if len(ordered) > 1 else True
     return KeyTable(ordered, order.astype(xp.int64), values.reset_index(drop=True), exact)
@@ -186,6 +186,13 @@ def look_up(table: KeyTable, strings: Any) -> Any:
     at = xp.minimum(xp.searchsorted(table.keys, keys), len(table.keys) - 1)
     positions = table.positions[at]
     return xp.where(_equal(strings, table.values.take(positions)), positions, -1)
+
+
+def _stable_argsort(keys: Any) -> Any:
+    """The positions that sort ``keys``, equal keys in their order (CuPy's sort is always stable: a radix
+    sort of integers; numpy's must be asked)."""
+    xp = array_module(keys)
+    return xp.argsort(keys, kind="stable") if xp is np else xp.argsort(keys)
 
 
 def missing(values: Any) -> Any:
