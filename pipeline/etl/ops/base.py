@@ -4,10 +4,11 @@ An operator works on the columns its node hands it. Most operators map each colu
 they implement ``transform_column`` (one column in: a pandas Series or array, or a cuDF Series;
 its values out), which both the Dask path (each partition, through ``transform``) and the
 in-memory serving path (``Workflow.transform`` of a pandas frame, column by column) run. The
-serving path hands such an operator all its columns at once (``transform_many``: by default each
-through ``transform_column``); an operator may compute them together there (one matrix of all its
-numeric columns, one pass over all its vocabularies), giving exactly what ``transform_column`` gives
-each. An operator that needs several columns at once overrides ``transform`` instead.
+serving path, and ``transform`` of a cuDF partition, hand such an operator all its columns at once
+(``transform_many``: by default each through ``transform_column``); an operator may compute them
+together there (one matrix of all its numeric columns, numpy or CuPy, one pass over all its
+vocabularies), giving exactly what ``transform_column`` gives each. An operator that needs several
+columns at once overrides ``transform`` instead.
 
 Stateful operators return lazy Dask objects from ``fit`` (computed by the workflow together with
 every other operator of the same phase), turn the computed values into plain Python / numpy state
