@@ -158,7 +158,7 @@ class Clip(_Matrix):
         return as_float64(values, name).clip(self.min_value, self.max_value)
 
     def transform_rows(self, names: list[str], rows: Any) -> Any:
-        return rows.clip(self.min_value, self.max_value)
+        return array_module(rows).clip(rows, self.min_value, self.max_value)
 
     def get_params(self) -> dict:
         return {"min_value": self.min_value, "max_value": self.max_value}
