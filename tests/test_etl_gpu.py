@@ -158,7 +158,7 @@ def test_cudf_fit_and_transform_equal_pandas(raw, pandas_run, tmp_path):
     _assert_same_output(gpu_table, cpu_table)
     assert (cpu_table["C1"].to_numpy() == 1).any(), "the valid split should hold unseen values (OOV)"
     # cuDF's writer options (output.cudf_writer_options): the stage's row groups, no statistics
-    metadata = pq.ParquetFile(sorted((tmp_path / "out-cudf").glob("part-*.parquet"))[0]).metadata
+    metadata = pq.ParquetFile(min((tmp_path / "out-cudf").glob("part-*.parquet"))).metadata
     assert metadata.row_group(0).num_rows == min(65_536, metadata.num_rows)
     assert not any(metadata.row_group(0).column(i).is_stats_set for i in range(metadata.num_columns))
 
@@ -295,6 +295,7 @@ def test_cudf_categorify_equals_pandas_with_colliding_keys_and_missing_lists(mon
 
     if collide:
         monkeypatch.setattr(keyed, "string_keys", lambda s: s.str.len().fillna(0).astype("uint64").values)
+
     def features():
         return (["s", "i"] >> Categorify(freq_threshold=2)) + (["M"] >> Categorify(max_vocab_size=30))
 

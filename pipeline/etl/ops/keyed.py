@@ -38,6 +38,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -134,7 +135,7 @@ def count_columns(columns: list[Any]) -> list[Any]:
     firsts = values.take(rows).reset_index(drop=True)
     bounds = xp.searchsorted(kept[rows], xp.asarray(offsets)).tolist()
     out = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
+    for start, end in pairwise(bounds):
         distinct = firsts.iloc[start:end]
         out.append(_frame(distinct, {"key": string_keys(distinct), "count": counts[start:end], "value": distinct}))
     return out
