@@ -399,3 +399,24 @@ def test_bench_data_times_every_criteo_reader_on_the_same_file(tmp_path, capsys)
     for reader in ("arrow", "vectorized, numpy"):
         assert f"criteo read + check + type ({reader})" in printed
     assert "vectorized, cupy" not in printed
+
+
+def test_etl_profile_times_each_step_of_one_partition(tmp_path):
+    """tools/etl_profile.py on pandas: every step it reports on either backend but the cuDF-only ones."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("etl_profile", Path(__file__).parent.parent / "tools/etl_profile.py")
+    profile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(profile)
+    summary = profile.main(["--backend", "pandas", "--rows", "5000", "--repeats", "1", "--workdir", str(tmp_path),
+                            "--json", str(tmp_path / "profile.json")])
+    assert json.loads((tmp_path / "profile.json").read_text()) == summary
+    steps = " | ".join(summary["ms"])
+    for step in ("read", "fit (all statistics", "fit task: Categorify counts (26 cols)", "fit task: FillMissing median",
+                 "fit task: Normalize moments", "transform Categorify (26 cols)", "transform MissingIndicator",
+                 "Categorify: 64-bit keys", "Categorify: counts in one sort", "Categorify: codes by key",
+                 "Categorify: codes by string", "continuous chain, column by column", "continuous chain, one matrix",
+                 "write (parquet, one file)", "write (parquet, to memory)"):
+        assert step in steps, step
+    assert all(ms >= 0 for ms in summary["ms"].values())
+    assert summary["notes"]["write (parquet, to memory)"].endswith("MB")

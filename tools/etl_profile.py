@@ -1,10 +1,21 @@
 """Where one ETL partition's time goes, without Dask: read, each operator's fit statistics and
-transform, and the write, on one backend in this process (one GPU for cuDF).
+transform, the pieces of Categorify and the continuous chain, and the write, on one backend in this
+process (one GPU for cuDF).
 
 The stage's default workflow on synthetic Criteo-like rows (the data stage's generator). Each step
 runs ``--repeats`` times after one warm-up run (cuDF compiles kernels on first use); the best time is
 printed. On cuDF the device is synchronised around every timed step. Compare with the Dask run's
-per-task report (``bench etl --report``) to see what the cluster adds.
+per-task report (``bench etl --report``) to see what the cluster adds. The steps:
+
+- read; fit: the whole workflow (Dask's sync scheduler, one partition), then each fit task on the
+  partition: Categorify's counts of all its columns, FillMissing's median summaries, Normalize's moments;
+- transform: each operator, the whole graph; Categorify's pieces (the 64-bit keys of every column, the
+  look-ups in the vocabularies' sorted keys, and for comparison the string merge and a string
+  ``value_counts`` that the keys replace on cuDF); the continuous chain column by column and as one
+  matrix;
+- write: the output partition to a file and to memory (the encoding alone), and on cuDF with other
+  writer options (cuDF's default pages and statistics, no dictionary, no compression) and to memory
+  followed by one write of the file, each with the size it wrote.
 
     python3 tools/etl_profile.py --backend cudf --rows 5000000
     CUDF_SPILL=on python3 tools/etl_profile.py --backend cudf --rows 5000000    # with cuDF spilling
@@ -14,6 +25,7 @@ per-task report (``bench etl --report``) to see what the cluster adds.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import sys
 import tempfile
@@ -53,8 +65,9 @@ def _profile(args, workdir: Path, tmp: Path) -> dict:
     workflow = default_workflow(roles, cfg.etl, library=args.backend)
     sync = _synchroniser(args.backend)
     timings: dict[str, float] = {}
+    notes: dict[str, str] = {}
 
-    def timed(name: str, fn):
+    def timed(name: str, fn, note=None):
         best, result = float("inf"), None
         for i in range(args.repeats + 1):
             sync()
@@ -64,7 +77,10 @@ def _profile(args, workdir: Path, tmp: Path) -> dict:
             if i:  # the first run warms up
                 best = min(best, time.perf_counter() - t)
         timings[name] = best
-        print(f"{name:44} {best * 1e3:10.1f} ms", flush=True)
+        extra = f"  {note(result)}" if note else ""
+        if extra:
+            notes[name] = extra.strip()
+        print(f"{name:60} {best * 1e3:10.1f} ms{extra}", flush=True)
         return result
 
     frame = timed("read (one partition, all input columns)", lambda: _read_one(files, workflow.input_columns,
@@ -74,6 +90,7 @@ def _profile(args, workdir: Path, tmp: Path) -> dict:
         ddf = read_parquet(files, workflow.input_columns, args.backend)
         single = ddf.repartition(npartitions=1) if ddf.npartitions > 1 else ddf
         timed("fit (all statistics, Dask sync scheduler)", lambda: workflow.fit(single))
+    _fit_tasks(frame, workflow, timed)
     for node in workflow.output.walk():
         if node.op is None:
             continue
@@ -81,11 +98,18 @@ def _profile(args, workdir: Path, tmp: Path) -> dict:
         label = f"transform {type(node.op).__name__} ({len(node.input_columns)} cols)"
         timed(label, lambda op=node.op, df=source: op.transform(df))
     out = timed("transform (whole graph, one call)", lambda: workflow.transform_partition(frame, workflow.output))
+    _categorify_pieces(frame, workflow, timed)
+    _continuous_chain(frame, workflow, timed)
     schema = output_arrow_schema(out.iloc[:0] if hasattr(out, "iloc") else out)
-    timed("write (parquet, one file)", lambda: write_part(out, tmp / "out.parquet", schema, cfg.etl.row_group_rows))
+    rows = cfg.etl.row_group_rows
+    path = tmp / "out.parquet"
+    timed("write (parquet, one file)", lambda: write_part(out, path, schema, rows), lambda _: _size(path))
+    timed("write (parquet, to memory)", lambda: _to_memory(lambda buffer: write_part(out, buffer, schema, rows)),
+          lambda written: f"{written / 1e6:.1f} MB")
     if args.backend == "cudf":
-        _cudf_alternatives(frame, workflow, timed)
-    summary = {"backend": args.backend, "rows": len(frame), "ms": {k: round(v * 1e3, 2) for k, v in timings.items()}}
+        _cudf_writer_variants(out, schema, rows, tmp, timed)
+    summary = {"backend": args.backend, "rows": len(frame), "ms": {k: round(v * 1e3, 2) for k, v in timings.items()},
+               "notes": notes}
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
     return summary
@@ -110,33 +134,129 @@ def _synchroniser(backend: str):
     return cupy.cuda.runtime.deviceSynchronize
 
 
-def _cudf_alternatives(frame, workflow, timed) -> None:
-    """Pieces of Categorify's cuDF encoding on their own, summed over its columns."""
-    import cudf
-    import cupy
+def _size(path: Path) -> str:
+    return f"{path.stat().st_size / 1e6:.1f} MB"
 
-    from pipeline.etl.frames import cudf_strings
+
+def _to_memory(write) -> int:
+    """Bytes ``write(buffer)`` put into an in-memory buffer: the writer's work without a file system."""
+    buffer = io.BytesIO()
+    write(buffer)
+    return buffer.getbuffer().nbytes
+
+
+def _categorical(workflow):
     from pipeline.etl.ops.categorify import Categorify
 
-    op, columns = next((op, cols) for op, cols in workflow.operators() if isinstance(op, Categorify))
-    tables = {name: cudf.Series.from_arrow(op.vocabularies[name]) for name in columns}
+    return next((op, cols) for op, cols in workflow.operators() if isinstance(op, Categorify))
 
-    def each(fn):
-        return lambda: [fn(name) for name in columns]
 
-    def merge(name, how):
-        values = frame[name]
-        rows = cudf.DataFrame({"value": values, "row": cupy.arange(len(values), dtype="int32")})
-        table = cudf.DataFrame({"value": tables[name], "code": cupy.arange(len(tables[name]), dtype="int32")})
-        return rows.merge(table, on="value", how=how)
+def _continuous(workflow) -> list:
+    """The continuous chain's operators in order, with their columns (FillMissing >> Clip >> LogOp >> Normalize)."""
+    from pipeline.etl.ops.continuous import Clip, FillMissing, LogOp, Normalize
 
-    timed("  Categorify: cudf_strings", each(lambda name: cudf_strings(frame[name])))
-    timed("  Categorify: vocabulary to the GPU", each(lambda name: cudf.Series.from_arrow(op.vocabularies[name])))
-    timed("  Categorify: left merge", each(lambda name: merge(name, "left")))
-    timed("  Categorify: left merge + sort", each(lambda name: merge(name, "left").sort_values("row")))
-    timed("  Categorify: inner merge", each(lambda name: merge(name, "inner")))
-    timed("  Categorify: value_counts", each(lambda name: frame[name].value_counts(sort=False)))
-    timed("  Categorify: isna", each(lambda name: frame[name].isna().values))
+    return [(op, cols) for op, cols in workflow.operators() if isinstance(op, (FillMissing, Clip, LogOp, Normalize))]
+
+
+def _fit_tasks(frame, workflow, timed) -> None:
+    """Each fit task of the stage's workflow on the whole partition, as one Dask task runs it."""
+    from pipeline.etl.ops import median
+    from pipeline.etl.ops.categorify import _count_partition
+    from pipeline.etl.ops.continuous import _floats
+
+    op, columns = _categorical(workflow)
+    multihot = {name: op.multihot[name] for name in columns}
+    timed(f"fit task: Categorify counts ({len(columns)} cols)", lambda: _count_partition(frame[columns], columns, multihot))
+    chain = _continuous(workflow)
+    if chain:
+        names = chain[0][1]
+        timed(f"fit task: FillMissing median summaries ({len(names)} cols)",
+              lambda: median._summarize_partition(frame[names], names))
+
+        def moments():
+            floats = _floats(frame[names])
+            return floats.count(), floats.sum(), (floats * floats).sum()
+
+        timed(f"fit task: Normalize moments ({len(names)} cols, before the chain)", moments)
+
+
+def _categorify_pieces(frame, workflow, timed) -> None:
+    """Categorify's transform split into its pieces, and the string operations the keys replace on cuDF."""
+    from pipeline.etl.frames import is_cudf
+    from pipeline.etl.ops import keyed
+    from pipeline.etl.ops.categorify import _codes_by_strings, _flat_strings, _key_table, _keyed_codes, _plain_strings
+
+    op, columns = _categorical(workflow)
+    strings = {name: (_flat_strings if op.multihot[name] else _plain_strings)(frame[name]) for name in columns}
+    each = len(columns)
+    timed(f"  Categorify: text of the values ({each} cols)",
+          lambda: [(_flat_strings if op.multihot[n] else _plain_strings)(frame[n]) for n in columns])
+    timed(f"  Categorify: 64-bit keys ({each} cols)", lambda: [keyed.string_keys(strings[n]) for n in columns])
+    timed(f"  Categorify: counts in one sort ({each} cols)", lambda: keyed.count_columns(list(strings.values())))
+    timed(f"  Categorify: key tables, built anew ({each} vocabularies)",
+          lambda: [keyed.key_table(_key_table(op.vocabularies[n], strings[n]).values) for n in columns])
+    timed(f"  Categorify: codes by key ({each} cols)",
+          lambda: [_keyed_codes(strings[n], op.vocabularies[n]) for n in columns])
+    timed(f"  Categorify: codes by string ({each} cols)",
+          lambda: [_codes_by_strings(strings[n], op.vocabularies[n]) for n in columns])
+    if is_cudf(frame):
+        timed(f"  Categorify: value_counts of strings ({each} cols)",
+              lambda: [strings[n].value_counts(sort=False) for n in columns])
+
+
+def _continuous_chain(frame, workflow, timed) -> None:
+    """The continuous chain on its columns as a partition runs it, each operator's output a frame: column by
+    column (``transform_column``, a pandas partition's way) and as one matrix (``transform_many``, a cuDF
+    partition's way)."""
+    from pipeline.etl.frames import frame_like
+
+    chain = _continuous(workflow)
+    if not chain:
+        return
+    names = chain[0][1]
+
+    def column_by_column():
+        df = frame[names]
+        for op, _ in chain:
+            df = frame_like(df, {name: op.transform_column(name, df[name]) for name in df.columns})
+        return df
+
+    def matrix():
+        df = frame[names]
+        for op, _ in chain:
+            df = frame_like(df, op.transform_many({name: df[name] for name in df.columns}))
+        return df
+
+    timed(f"  continuous chain, column by column ({len(names)} cols)", column_by_column)
+    timed(f"  continuous chain, one matrix ({len(names)} cols)", matrix)
+
+
+def _cudf_writer_variants(out, schema, rows: int, tmp: Path, timed) -> None:
+    """cuDF's writer with other options than the stage's, to a file, with the size each wrote."""
+    from pipeline.etl.output import cudf_output_frame, cudf_writer_options
+
+    frame = cudf_output_frame(out, schema)
+    chosen = cudf_writer_options(rows)
+    defaults = {k: v for k, v in chosen.items() if k not in ("statistics", "max_page_size_rows")}
+    variants = {
+        "cuDF's default pages and statistics": defaults,
+        "no dictionary": {**chosen, "use_dictionary": False},
+        "no compression": {**chosen, "compression": None},
+    }
+    for name, options in variants.items():
+        path = tmp / f"variant-{len(name)}.parquet"
+        timed(f"  write: {name}", lambda options=options, path=path: frame.to_parquet(path, **options),
+              lambda _, path=path: _size(path))
+
+    def through_memory():
+        # libcudf writes a file chunk by chunk (one copy from the device and one pwrite per column chunk of
+        # a row group, through KvikIO); this copies each chunk to host memory and writes the file at once.
+        buffer = io.BytesIO()
+        frame.to_parquet(buffer, **chosen)
+        (tmp / "through-memory.parquet").write_bytes(buffer.getbuffer())
+
+    timed("  write: to memory, then the file in one write", through_memory,
+          lambda _: _size(tmp / "through-memory.parquet"))
 
 
 if __name__ == "__main__":

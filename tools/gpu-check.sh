@@ -20,12 +20,13 @@
 #   serve      the GPU serving tests, then bench serve --device cuda, three models and one (ranker)
 #   e2e        run etl of 10M synthetic rows (once), then bench e2e of each model on it, and of DCNv2
 #              with train.compile=max-autotune
-#   etl        the cuDF-vs-pandas tests, bench etl --device cuda, the ETL stage on cuDF
+#   etl        the cuDF-vs-pandas tests, bench etl --device cuda, tools/etl_profile.py --backend cudf
+#              (one partition's steps), the ETL stage on cuDF
 # A step that fails or runs out of time is recorded and the next one runs. All steps share one time
 # budget (CHECK_BUDGET_S, 560 s by default: under a ten-minute limit on one command).
 # Knobs: PYTHON (python3), SITE (/tmp/site), KIT (.kit), KIT_STORE (/root/kit), MODELS_ENV
 # (/tmp/venv-triton), RAPIDS_PARTS, E2E_WORKDIR (/tmp/e2e), E2E_MODELS (dlrm dcnv2 deepfm wide_deep),
-# ETL_BENCH_ARGS, SERVE_ARGS (extra settings for bench serve, e.g. export.instances=4).
+# ETL_BENCH_ARGS, ETL_PROFILE_ROWS, SERVE_ARGS (extra settings for bench serve, e.g. export.instances=4).
 set -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-check-out}
@@ -155,6 +156,8 @@ print('--device auto:', resolve_device('auto'))
       # shellcheck disable=SC2086
       step etl-bench 400 "$PY" -m pipeline bench etl --device cuda --rows "${ETL_BENCH_ROWS:-20000000}" --workers 0 \
         --repeats 2 --json "$W/bench-etl.json" --report "$W/etl-tasks.json" ${ETL_BENCH_ARGS:-} workdir=/tmp/etl-bench
+      step etl-profile 150 "$PY" tools/etl_profile.py --backend cudf --rows "${ETL_PROFILE_ROWS:-5000000}" \
+        --json "$W/etl-profile.json" --workdir /tmp/etl-profile
       step etl-stage 60 "$PY" -m pipeline run etl --device cuda data.rows=500000 etl.cluster=local workdir=/tmp/etl-stage ;;
     *) echo "unknown group $group (setup preflight kernels train dynamic hostcache serve e2e etl)"; exit 2 ;;
   esac

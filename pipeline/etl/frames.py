@@ -29,6 +29,15 @@ def is_cudf(obj: Any) -> bool:
     return found
 
 
+def array_module(array: Any) -> Any:
+    """The array library of an array: ``cupy`` for a CuPy array (cuDF columns' values), else ``numpy``."""
+    if type(array).__module__.split(".")[0] == "cupy":
+        import cupy
+
+        return cupy
+    return np
+
+
 def frame_like(like: Any, columns: dict[str, Any]) -> Any:
     """A DataFrame of the same library (and index) as ``like`` from named columns."""
     if is_cudf(like):
@@ -91,6 +100,17 @@ def as_float64(values: Any, name: str | None = None) -> Any:
         return series.to_numpy(dtype="float64", na_value=np.nan)
     except (TypeError, ValueError, pa.ArrowInvalid, pa.ArrowNotImplementedError) as err:
         raise BadInputError(f"column {series.name!r}: expected numbers, found dtype {series.dtype} ({err})") from err
+
+
+def cudf_float_rows(columns: list[Any]) -> Any:
+    """Equally long cuDF numeric Series as one CuPy float64 matrix ``[column, row]``, NaN for a missing value
+    (the values of a float column with nulls hold NaN there), as :func:`as_float64` reads each."""
+    import cupy
+
+    rows = cupy.empty((len(columns), len(columns[0]) if columns else 0), dtype=cupy.float64)
+    for i, values in enumerate(columns):
+        rows[i] = values.astype("float64").values
+    return rows
 
 
 def as_arrow(values: Any, name: str | None = None) -> pa.Array:
@@ -256,6 +276,25 @@ def cudf_from_pandas(values: Any, like: Any) -> Any:
     out.index = like.index
     out.name = like.name
     return out
+
+
+def cudf_lists_from_flat(values: Any, lengths: Any, index: Any = None, name: Any = None) -> Any:
+    """A cuDF Series of list cells from flat values and per-row lengths (CuPy arrays), no cell missing:
+    what :func:`lists_from_flat` is on pandas, built on the GPU.
+
+    cuDF has no public constructor of a list column from offsets; pylibcudf (libcudf's Python API, which
+    cuDF is built on) has: a LIST column whose children are the int32 offsets and the values, each a
+    column over a CuPy array (``Column.from_array`` keeps a reference to it).
+    """
+    import cudf
+    import cupy
+    import pylibcudf as plc
+
+    offsets = cupy.zeros(len(lengths) + 1, dtype=cupy.int32)
+    offsets[1:] = cupy.cumsum(lengths, dtype=cupy.int64)
+    children = [plc.Column.from_array(offsets), plc.Column.from_array(cupy.ascontiguousarray(values))]
+    column = plc.Column(plc.DataType(plc.TypeId.LIST), len(lengths), None, None, 0, 0, children)
+    return cudf.Series.from_pylibcudf(column, {"name": name, "index": index})
 
 
 def cudf_longest_list(series: Any) -> Any:

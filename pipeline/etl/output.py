@@ -83,10 +83,11 @@ def write_part(df: Any, path: Path, schema: pa.Schema, row_group_rows: int) -> i
     """Write one output partition as plain arrow types (pyarrow: no pandas metadata; cuDF's writer
     adds its pandas metadata, which the loader does not read); returns the rows written.
 
-    Only the integer code columns are dictionary-encoded: floats rarely repeat enough to pay for
-    the attempt. A column (and a list column's items) without nulls in the partition is written as
-    required (not null), as cuDF's writer does. A cuDF partition is written by cuDF's GPU parquet writer, without a copy to
-    host; both frame libraries write the same types and values (a missing or NaN float is a null).
+    Only the integer code columns are dictionary-encoded: on the CPU, floats rarely repeat enough to
+    pay for the attempt. A column (and a list column's items) without nulls in the partition is written
+    as required (not null), as cuDF's writer does. A cuDF partition is written by cuDF's GPU parquet
+    writer (:func:`cudf_writer_options`), without a copy to host; both frame libraries write the same
+    types and values (a missing or NaN float is a null).
     """
     if is_cudf(df):
         return _write_cudf(df, path, schema, row_group_rows)
@@ -109,19 +110,43 @@ def _required_where_no_nulls(table: pa.Table) -> pa.Schema:
     return pa.schema(fields)
 
 
+def cudf_writer_options(row_group_rows: int) -> dict:
+    """The options of cuDF's parquet writer (``DataFrame.to_parquet``) for an output partition.
+
+    - ``compression="LZ4"``: the pages the loader decodes fastest, as on pandas (``COMPRESSION``).
+    - ``statistics="NONE"``: nothing reads the min/max of the processed files (the loader reads row
+      counts), so the writer skips computing them for every page and column chunk.
+    - dictionary encoding where a column chunk's dictionary stays small (cuDF's default policy,
+      ADAPTIVE): codes, labels and missing indicators then take a few bits a value, so there is less to
+      compress, to copy to host memory and to write; pyarrow (the loader's reader) decodes such pages
+      as fast as plain ones.
+    - ``max_page_size_rows``: one page per column chunk of a row group (up to cuDF's 512 KiB a page),
+      as pyarrow writes them, instead of cuDF's 20,000 rows: fewer pages to encode, compress and read.
+    """
+    return {"index": False, "compression": "LZ4", "statistics": "NONE", "row_group_size_rows": row_group_rows,
+            "max_page_size_rows": row_group_rows}
+
+
 def _write_cudf(df: Any, path: Path, schema: pa.Schema, row_group_rows: int) -> int:
-    """A cuDF partition written on the GPU: the schema's columns and order, NaN turned to null."""
+    """A cuDF partition written on the GPU (:func:`cudf_writer_options`): the schema's columns and order,
+    NaN turned to null."""
+    out = cudf_output_frame(df, schema)
+    out.to_parquet(path, **cudf_writer_options(row_group_rows))
+    return len(out)
+
+
+def cudf_output_frame(df: Any, schema: pa.Schema) -> Any:
+    """The cuDF frame to write: the schema's columns in its order and types, a NaN float a null (as on pandas)."""
     columns = {}
     for field in schema:
         column = df[field.name]
-        if pa.types.is_floating(field.type):
-            column = column.nans_to_nulls().astype(field.type.to_pandas_dtype())
-        elif pa.types.is_integer(field.type):
-            column = column.astype(field.type.to_pandas_dtype())
+        if pa.types.is_floating(field.type) or pa.types.is_integer(field.type):
+            dtype = field.type.to_pandas_dtype()
+            column = column if column.dtype == dtype else column.astype(dtype)
+            if pa.types.is_floating(field.type):
+                column = column.nans_to_nulls()
         columns[field.name] = column
-    out = cudf_frame(columns)
-    out.to_parquet(path, index=False, row_group_size_rows=row_group_rows, compression=COMPRESSION.upper())
-    return len(out)
+    return cudf_frame(columns)
 
 
 def output_arrow_schema(meta: Any) -> pa.Schema:

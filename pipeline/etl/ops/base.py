@@ -4,10 +4,11 @@ An operator works on the columns its node hands it. Most operators map each colu
 they implement ``transform_column`` (one column in: a pandas Series or array, or a cuDF Series;
 its values out), which both the Dask path (each partition, through ``transform``) and the
 in-memory serving path (``Workflow.transform`` of a pandas frame, column by column) run. The
-serving path hands such an operator all its columns at once (``transform_many``: by default each
-through ``transform_column``); an operator may compute them together there (one matrix of all its
-numeric columns, one pass over all its vocabularies), giving exactly what ``transform_column`` gives
-each. An operator that needs several columns at once overrides ``transform`` instead.
+serving path, and ``transform`` of a cuDF partition, hand such an operator all its columns at once
+(``transform_many``: by default each through ``transform_column``); an operator may compute them
+together there (one matrix of all its numeric columns, numpy or CuPy, one pass over all its
+vocabularies), giving exactly what ``transform_column`` gives each. An operator that needs several
+columns at once overrides ``transform`` instead.
 
 Stateful operators return lazy Dask objects from ``fit`` (computed by the workflow together with
 every other operator of the same phase), turn the computed values into plain Python / numpy state
@@ -34,7 +35,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from pipeline.etl.column_schema import ColumnSchema
-from pipeline.etl.frames import frame_like
+from pipeline.etl.frames import frame_like, is_cudf
 from pipeline.etl.graph import ColumnsLike, Node
 
 REGISTRY: dict[str, type[Operator]] = {}
@@ -95,8 +96,13 @@ class Operator:
     def transform(self, df: Any) -> Any:
         """Transform one partition (a pandas or cuDF DataFrame with exactly the input columns).
 
-        By default each column goes through :meth:`transform_column`, named by :meth:`output_columns`.
+        By default each column of a pandas partition goes through :meth:`transform_column`, named by
+        :meth:`output_columns`; a cuDF partition's columns go through :meth:`transform_many` together,
+        which an operator may compute as one array on the GPU (on pandas, stacking a partition's columns
+        costs a copy that column by column does not).
         """
+        if is_cudf(df):
+            return frame_like(df, self.transform_many({name: df[name] for name in df.columns}))
         names = self.output_columns(list(df.columns))
         return frame_like(df, {out: self.transform_column(name, df[name]) for name, out in zip(df.columns, names)})
 

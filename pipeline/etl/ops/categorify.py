@@ -8,6 +8,11 @@ therefore has ``len(vocabulary) + 2`` rows. Vocabularies are saved as parquet (v
 Multi-hot columns (lists of values) share the same scheme per element; a missing list becomes an
 empty list and a missing element becomes 0.
 
+On cuDF the values are counted and looked up by 64-bit keys of their text, each checked against the
+text (:mod:`pipeline.etl.ops.keyed`): the counts of all columns of a partition come from one sort, the
+codes from a binary search of the vocabulary's sorted keys, with the same vocabularies and codes as on
+pandas, where string columns are read as Arrow dictionaries and only their distinct values are worked on.
+
 Example::
 
     ["C1", "C2"] >> Categorify(freq_threshold=3, max_vocab_size=100_000)
@@ -30,10 +35,11 @@ import pyarrow.parquet as pq
 
 from pipeline.etl.column_schema import CATEGORICAL
 from pipeline.etl.frames import (
+    array_module,
     as_arrow_lists,
     as_arrow_strings,
     cudf_from_pandas,
-    cudf_longest_list,
+    cudf_lists_from_flat,
     cudf_strings,
     cudf_to_pandas,
     empty_series,
@@ -44,6 +50,7 @@ from pipeline.etl.frames import (
     looks_multihot,
 )
 from pipeline.etl.ops.base import Operator
+from pipeline.etl.ops.keyed import KeyTable, count_columns, key_table, look_up, merge_counts, missing
 
 NULL_INDEX = 0
 OOV_INDEX = 1
@@ -251,27 +258,53 @@ def _encode_lists(values: Any, vocab: pa.Array, name: str | None = None) -> pd.S
 
 
 def _encode_cudf(series: Any, vocab: pa.Array, multihot: bool) -> Any:
-    """The cuDF path: a hash join of the values with the vocabulary ``(value, code)`` on the GPU.
+    """The cuDF path: codes from the vocabulary's sorted 64-bit keys on the GPU (:func:`_keyed_codes`).
 
-    The values become the same text as on pandas (:func:`cudf_strings`). An inner join gives the
-    row number and code of every value found; the codes are scattered into an array that starts as
-    OOV (a join does not keep the row order, and a scatter costs less than sorting by row number);
-    missing values get the null code. Multi-hot lists go through host memory and the pandas code
-    (correct, not fast).
+    The values become the same text as on pandas (:func:`cudf_strings`). Multi-hot lists: their
+    leaves are coded the same way and put back into lists of the same lengths on the GPU, a missing
+    list becoming an empty one (as on pandas); a column whose missing lists still hold values (libcudf
+    builds none) goes through host memory and the pandas code.
     """
-    if multihot:
-        codes = _encode_lists(cudf_to_pandas(series), vocab)
-        return cudf_from_pandas(codes, series)
+    import cudf
+
+    if not multihot:
+        return cudf.Series(_keyed_codes(cudf_strings(series), vocab), index=series.index, name=series.name)
+    lengths = series.list.len().fillna(0).astype("int32")
+    leaves = series.list.leaves
+    if len(series) and int(lengths.sum()) != len(leaves):
+        return cudf_from_pandas(_encode_lists(cudf_to_pandas(series), vocab), series)
+    return cudf_lists_from_flat(_keyed_codes(cudf_strings(leaves), vocab), lengths.values, series.index, series.name)
+
+
+def _keyed_codes(strings: Any, vocab: pa.Array) -> Any:
+    """int32 codes of a Series of strings (cuDF or pandas) found through the vocabulary's keys
+    (:func:`keyed.look_up`), as an array of the Series' library; a vocabulary holding two values of one
+    key is looked up by its strings instead."""
+    table = _key_table(vocab, strings)
+    if not table.exact:
+        return _codes_by_strings(strings, vocab)
+    positions = look_up(table, strings)
+    xp = array_module(positions)
+    codes = xp.where(positions >= 0, positions + RESERVED, OOV_INDEX)
+    return xp.where(missing(strings), NULL_INDEX, codes).astype(xp.int32)
+
+
+def _codes_by_strings(strings: Any, vocab: pa.Array) -> Any:
+    """int32 codes of a Series of strings through the strings themselves: on cuDF a hash join of the values
+    with the vocabulary ``(value, code)``, the codes scattered by row number (a join does not keep the row
+    order, and a scatter costs less than a sort); on pandas :func:`_encode`."""
+    if not is_cudf(strings):
+        return _encode(as_arrow_strings(strings), vocab)
     import cudf
     import cupy
 
-    values = cudf_strings(series).reset_index(drop=True)
+    values = strings.reset_index(drop=True)
     rows = cudf.DataFrame({"value": values, "row": cupy.arange(len(values), dtype="int32")})
     found = rows.merge(_gpu_vocabulary(vocab, values.dtype), on="value", how="inner")
     codes = cupy.full(len(values), OOV_INDEX, dtype="int32")
     codes[found["row"].values] = found["code"].values
     codes[values.isna().values] = NULL_INDEX
-    return cudf.Series(codes, index=series.index, name=series.name)
+    return codes
 
 
 def _per_vocabulary(cache: dict, vocab: pa.Array, build: Callable[[], Any], variant: Any = None) -> Any:
@@ -317,10 +350,26 @@ def _gpu_vocabulary(vocab: pa.Array, dtype: Any) -> Any:
     }), variant=str(dtype))
 
 
+_KEY_TABLES: dict[tuple, KeyTable] = {}
+
+
+def _key_table(vocab: pa.Array, like: Any) -> KeyTable:
+    """The :class:`~pipeline.etl.ops.keyed.KeyTable` of a vocabulary in the library (and string dtype) of
+    the Series ``like``: on the GPU for cuDF, built on first use and kept while ``vocab`` lives."""
+    def build() -> KeyTable:
+        if is_cudf(like):
+            import cudf
+
+            return key_table(cudf.Series.from_arrow(vocab.cast(pa.string())).astype(like.dtype))
+        return key_table(pd.Series(pd.arrays.ArrowExtensionArray(vocab.cast(pa.string()))))
+
+    return _per_vocabulary(_KEY_TABLES, vocab, build, variant=(type(like).__module__, str(like.dtype)))
+
+
 def _tree_counts(ddf: Any, multihot: dict[str, bool], split_every: int = 8) -> dict:
     """Value counts of every column in one pass per partition, merged by a tree per column.
 
-    Each partition is read once for all columns and counted (Arrow on pandas partitions, cuDF on
+    Each partition is read once for all columns and counted (Arrow on pandas partitions, by key on
     the GPU); each column then has its own tree of merges, so different columns' vocabularies end
     on different workers. The root of each tree is an Arrow table (cuDF counts leave the GPU there).
     Selecting columns with ``ddf[name]`` instead would read every partition once per column.
@@ -340,7 +389,7 @@ def _tree_counts(ddf: Any, multihot: dict[str, bool], split_every: int = 8) -> d
 
 def _count_partition(df: Any, names: list[str], multihot: dict[str, bool]) -> dict:
     if is_cudf(df):
-        return _count_partition_cudf(df, names, multihot)
+        return _count_partition_keyed(df, names, multihot)
     out = {}
     for name in names:
         if multihot[name]:
@@ -351,18 +400,15 @@ def _count_partition(df: Any, names: list[str], multihot: dict[str, bool]) -> di
     return out
 
 
-def _count_partition_cudf(df: Any, names: list[str], multihot: dict[str, bool]) -> dict:
-    """Counts as cuDF frames ``(value, count)`` of the values' text (:func:`cudf_strings`), nulls left out."""
-    out = {}
+def _count_partition_keyed(df: Any, names: list[str], multihot: dict[str, bool]) -> dict:
+    """Counts of the values' text (what the pandas path counts, :func:`_plain_strings`), multi-hot leaves
+    too, as frames ``(key, count, value)`` from one sort of all columns' keys (:func:`keyed.count_columns`):
+    the cuDF path, which runs on pandas frames too."""
+    strings = [(_flat_strings if multihot[name] else _plain_strings)(df[name]) for name in names]
+    out = {name: {"counts": counts} for name, counts in zip(names, count_columns(strings))}
     for name in names:
-        column = df[name]
-        values = cudf_strings(column.list.leaves if multihot[name] else column)
-        counted = values.value_counts(sort=False, dropna=True)
-        counts = type(df)({"value": counted.index.to_series().reset_index(drop=True),
-                           "count": counted.reset_index(drop=True).astype("int64")})
-        out[name] = {"counts": counts}
         if multihot[name]:
-            out[name]["max_length"] = int(cudf_longest_list(column).iloc[0])
+            out[name]["max_length"] = int(longest_list(df[name]).iloc[0])
     return out
 
 
@@ -374,25 +420,24 @@ def _counts_table(values: pa.Array) -> pa.Table:
 
 def _merge_counts(*parts: dict) -> dict:
     tables = [p["counts"] for p in parts]
-    if is_cudf(tables[0]):
-        import cudf
-
-        merged_table = cudf.concat(tables, ignore_index=True).groupby("value", sort=False).agg({"count": "sum"})
-        merged = {"counts": merged_table.reset_index()}
-    else:
+    if isinstance(tables[0], pa.Table):
         # combine_chunks copies into fresh buffers: tables that travelled between workers may be unaligned for Acero.
         table = pa.concat_tables(tables).combine_chunks()
         merged = {"counts": table.group_by("value").aggregate([("count", "sum")]).rename_columns(["value", "count"])}
+    else:
+        merged = {"counts": merge_counts(tables)}
     if "max_length" in parts[0]:
         merged["max_length"] = max(p["max_length"] for p in parts)
     return merged
 
 
 def _counts_to_arrow(stat: dict) -> dict:
-    """A column's merged counts as an Arrow table ``(value: string, count: int64)``."""
+    """A column's merged counts as an Arrow table ``(value: string, count: int64)`` (counts by key leave the GPU here)."""
     counts = stat["counts"]
-    if is_cudf(counts):
-        table = counts.to_arrow(preserve_index=False)
+    if not isinstance(counts, pa.Table):
+        counts = counts[["value", "count"]]
+        table = (counts.to_arrow(preserve_index=False) if is_cudf(counts)
+                 else pa.Table.from_pandas(counts, preserve_index=False))
         counts = pa.table({"value": table["value"].cast(pa.string()), "count": table["count"].cast(pa.int64())})
     return {**stat, "counts": counts}
 

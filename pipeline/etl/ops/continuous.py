@@ -8,9 +8,10 @@ chain, with the indicators beside it, is::
     (conts >> FillMissing(strategy="median") >> Clip(min_value=0) >> LogOp() >> Normalize())
     + (conts >> MissingIndicator())
 
-The operators of that chain also compute all their columns at once (``transform_many``, the serving
-path): numpy columns stacked into one float64 matrix ``[column, row]``, each column's parameter
-broadcast down its row, the same arithmetic on every value as ``transform_column``'s.
+The operators of that chain also compute all their columns at once (``transform_many``: the serving
+path, and every cuDF partition): the columns stacked into one float64 matrix ``[column, row]`` (numpy,
+or CuPy on the GPU, where one kernel over the matrix replaces several cuDF calls per column), each
+column's parameter broadcast down its row, the same arithmetic on every value as ``transform_column``'s.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.etl.column_schema import CATEGORICAL, CONTINUOUS
-from pipeline.etl.frames import as_float64, frame_like, is_cudf
+from pipeline.etl.frames import array_module, as_float64, cudf_float_rows, frame_like, is_cudf
 from pipeline.etl.ops.base import Operator
 from pipeline.etl.ops.median import Pivot, summaries, windows
 
@@ -31,23 +32,29 @@ def _floats(df: Any) -> Any:
 
 
 class _Matrix(Operator):
-    """A column-by-column numeric operator that also computes many numpy columns as one matrix."""
+    """A column-by-column numeric operator that also computes many columns as one matrix (numpy, or CuPy
+    for cuDF columns)."""
 
     def transform_many(self, columns: dict[str, Any]) -> dict[str, Any]:
-        if not columns or is_cudf(next(iter(columns.values()))):  # the columns of one frame: one library
-            return super().transform_many(columns)
+        if not columns:
+            return {}
         names = list(columns)
-        rows = np.array([as_float64(values, name) for name, values in columns.items()])  # np.stack, in one call
+        if is_cudf(next(iter(columns.values()))):  # the columns of one frame: one library
+            rows = cudf_float_rows(list(columns.values()))
+        else:
+            rows = np.array([as_float64(values, name) for name, values in columns.items()])  # np.stack, in one call
         return dict(zip(self.output_columns(names), self.transform_rows(names, rows)))
 
-    def transform_rows(self, names: list[str], rows: np.ndarray) -> np.ndarray:
-        """The columns ``names``, one float64 row each (NaN: missing), transformed together: one row out per row in."""
+    def transform_rows(self, names: list[str], rows: Any) -> Any:
+        """The columns ``names``, one float64 row each of a numpy or CuPy matrix (NaN: missing), transformed
+        together: one row out per row in, of the same array library."""
         raise NotImplementedError
 
 
-def _per_row(values: list[float]) -> np.ndarray:
-    """One value per column, shaped to broadcast down the rows of a ``[column, row]`` matrix."""
-    return np.array(values, dtype=np.float64).reshape(-1, 1)
+def _per_row(values: list[float], rows: Any) -> Any:
+    """One value per column, shaped to broadcast down the rows of the ``[column, row]`` matrix ``rows`` (and
+    of its array library)."""
+    return array_module(rows).asarray(np.array(values, dtype=np.float64).reshape(-1, 1))
 
 
 class FillMissing(_Matrix):
@@ -95,10 +102,10 @@ class FillMissing(_Matrix):
             self._require_fitted()
         return _fillna(as_float64(values, name), self.fill_values.get(name, self.fill_value))
 
-    def transform_rows(self, names: list[str], rows: np.ndarray) -> np.ndarray:
+    def transform_rows(self, names: list[str], rows: Any) -> Any:
         if self.strategy == "median":
             self._require_fitted()
-        return _fillna(rows, _per_row([self.fill_values.get(name, self.fill_value) for name in names]))
+        return _fillna(rows, _per_row([self.fill_values.get(name, self.fill_value) for name in names], rows))
 
     def get_params(self) -> dict:
         return {"fill_value": self.fill_value, "strategy": self.strategy}
@@ -131,8 +138,8 @@ class MissingIndicator(_Matrix):
         v = as_float64(values, name)
         return v.isna().astype("float32") if is_cudf(v) else np.isnan(v).astype(np.float32)
 
-    def transform_rows(self, names: list[str], rows: np.ndarray) -> np.ndarray:
-        return np.isnan(rows).astype(np.float32)
+    def transform_rows(self, names: list[str], rows: Any) -> Any:
+        return array_module(rows).isnan(rows).astype(np.float32)
 
 
 class Clip(_Matrix):
@@ -150,8 +157,8 @@ class Clip(_Matrix):
     def transform_column(self, name: str, values: Any) -> Any:
         return as_float64(values, name).clip(self.min_value, self.max_value)
 
-    def transform_rows(self, names: list[str], rows: np.ndarray) -> np.ndarray:
-        return rows.clip(self.min_value, self.max_value)
+    def transform_rows(self, names: list[str], rows: Any) -> Any:
+        return array_module(rows).clip(rows, self.min_value, self.max_value)
 
     def get_params(self) -> dict:
         return {"min_value": self.min_value, "max_value": self.max_value}
@@ -167,8 +174,8 @@ class LogOp(_Matrix):
         v = as_float64(values, name)
         return _log1p_cudf(v) if is_cudf(v) else np.log1p(v)
 
-    def transform_rows(self, names: list[str], rows: np.ndarray) -> np.ndarray:
-        return np.log1p(rows)
+    def transform_rows(self, names: list[str], rows: Any) -> Any:
+        return array_module(rows).log1p(rows)
 
 
 class Normalize(_Matrix):
@@ -207,10 +214,10 @@ class Normalize(_Matrix):
         self._require_fitted()
         return ((as_float64(values, name) - self.means[name]) / self._std(name)).astype("float32")
 
-    def transform_rows(self, names: list[str], rows: np.ndarray) -> np.ndarray:
+    def transform_rows(self, names: list[str], rows: Any) -> Any:
         self._require_fitted()
-        means = _per_row([self.means[name] for name in names])
-        return ((rows - means) / _per_row([self._std(name) for name in names])).astype(np.float32)
+        means = _per_row([self.means[name] for name in names], rows)
+        return ((rows - means) / _per_row([self._std(name) for name in names], rows)).astype(np.float32)
 
     def _std(self, name: str) -> float:
         """The divisor of ``name``: its std, or 1.0 for a constant column (only centred)."""
@@ -273,10 +280,11 @@ class Cast(Operator):
         return {"dtype": self.dtype}
 
 
-def _fillna(values: Any, fill: float) -> Any:
+def _fillna(values: Any, fill: Any) -> Any:
     if is_cudf(values):
         return values.fillna(fill)
-    return np.where(np.isnan(values), fill, values)
+    xp = array_module(values)
+    return xp.where(xp.isnan(values), fill, values)
 
 
 def _log1p_cudf(values: Any) -> Any:

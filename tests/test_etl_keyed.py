@@ -1,0 +1,135 @@
+"""Categorify by 64-bit keys (the cuDF path's counting and look-ups, :mod:`pipeline.etl.ops.keyed`), run on
+pandas: the same counts, vocabularies and codes as the pandas path's Arrow code, and exact when keys collide
+(a key function that gives every string of one length the same key)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+
+from pipeline.etl import Categorify, Workflow
+from pipeline.etl.ops import keyed
+from pipeline.etl.ops.categorify import (
+    _count_partition,
+    _count_partition_keyed,
+    _counts_to_arrow,
+    _encode,
+    _flat_strings,
+    _keyed_codes,
+    _merge_counts,
+    _plain_strings,
+)
+
+NAMES = ["s", "i", "M"]
+MULTIHOT = {"s": False, "i": False, "M": True}
+
+
+def _rows(n: int, seed: int, unseen: bool = False) -> pd.DataFrame:
+    """Strings (Zipf, with nulls and non-ASCII text), integers with nulls, lists with missing lists and elements."""
+    rng = np.random.default_rng(seed)
+    shift = 1000 if unseen else 0
+    strings = [None if r < 0.1 else f"v{z % 700 + shift * (r > 0.8)}é" for r, z in zip(rng.random(n), rng.zipf(1.3, n))]
+    lists = [None if r < 0.1 else [None if j == 0 else f"t{j + shift * (r > 0.8)}" for j in rng.integers(0, 40, k)]
+             for r, k in zip(rng.random(n), rng.integers(0, 4, n))]
+    return pd.DataFrame({
+        "s": pd.array(strings, dtype="string"),
+        "i": pd.array(np.where(rng.random(n) < 0.15, None, rng.zipf(1.5, n) % 400 + shift * (rng.random(n) > 0.8)),
+                      dtype="Int64"),
+        "M": pd.Series(pd.arrays.ArrowExtensionArray(pa.array(lists, pa.list_(pa.string())))),
+    })
+
+
+def _as_dict(table: pa.Table) -> dict:
+    return dict(zip(table["value"].to_pylist(), table["count"].to_pylist()))
+
+
+def _keyed_fit(parts: list[pd.DataFrame], **params) -> Categorify:
+    """A Categorify fitted as the cuDF path fits it: keyed counts of each partition, merged in a tree of 2."""
+    level = [_count_partition_keyed(part, NAMES, MULTIHOT) for part in parts]
+    stats = {}
+    for name in NAMES:
+        column = [chunk[name] for chunk in level]
+        while len(column) > 1:
+            column = [_merge_counts(*column[i:i + 2]) for i in range(0, len(column), 2)]
+        stats[name] = _counts_to_arrow(column[0])
+    op = Categorify(**params)
+    op.start_fit()
+    op.fit_finalize(stats)
+    return op
+
+
+def _weak_keys(strings: pd.Series) -> np.ndarray:
+    """A key function that collides on purpose: every string of one length has the same key."""
+    return strings.str.len().fillna(0).to_numpy().astype(np.uint64)
+
+
+def test_keyed_counts_of_a_partition_equal_the_arrow_counts():
+    df = _rows(3000, seed=1)
+    by_keys = _count_partition_keyed(df, NAMES, MULTIHOT)
+    by_arrow = _count_partition(df, NAMES, MULTIHOT)
+    for name in NAMES:
+        assert _as_dict(_counts_to_arrow(by_keys[name])["counts"]) == _as_dict(by_arrow[name]["counts"]), name
+    assert by_keys["M"]["max_length"] == by_arrow["M"]["max_length"] == 3
+    assert sum(_as_dict(by_arrow["s"]["counts"]).values()) == int(df["s"].notna().sum())
+
+
+@pytest.mark.parametrize("collide", [False, True], ids=["xxhash-like keys", "colliding keys"])
+@pytest.mark.parametrize("params", [{}, {"freq_threshold": 3, "max_vocab_size": 50}], ids=["all", "threshold"])
+def test_keyed_vocabularies_and_codes_equal_the_pandas_path(monkeypatch, collide, params):
+    if collide:
+        monkeypatch.setattr(keyed, "string_keys", _weak_keys)
+    train = _rows(6000, seed=2)
+    parts = [train.iloc[i:i + 1500] for i in range(0, len(train), 1500)]
+    expected = Workflow(NAMES >> Categorify(**params)).fit(train).operators()[0][0]
+    fitted = _keyed_fit(parts, **params)
+    for name in NAMES:
+        assert fitted.vocabularies[name].equals(expected.vocabularies[name]), name
+        np.testing.assert_array_equal(fitted.counts[name], expected.counts[name], err_msg=name)
+    assert fitted.max_lengths == expected.max_lengths
+    valid = _rows(2000, seed=3, unseen=True)
+    for name in ("s", "i"):
+        codes = _keyed_codes(_plain_strings(valid[name]), expected.vocabularies[name])
+        want = expected.transform_column(name, valid[name])
+        np.testing.assert_array_equal(codes, want, err_msg=name)
+        assert (want == 1).any() and (want == 0).any() and (want >= 2).any(), "OOV, missing and known values"
+    leaves = pc.list_flatten(pa.array(valid["M"].array))
+    np.testing.assert_array_equal(_keyed_codes(_flat_strings(valid["M"]), expected.vocabularies["M"]),
+                                  _encode(leaves, expected.vocabularies["M"]))
+
+
+def test_colliding_values_are_counted_apart_at_every_level(monkeypatch):
+    monkeypatch.setattr(keyed, "string_keys", _weak_keys)
+    first = keyed.count_columns([pd.Series(["ab", "cd", "ab", None, "e", "fg"]), pd.Series(["xy", "x", "xy"])])
+    assert [dict(zip(f["value"], f["count"])) for f in first] == [{"ab": 2, "cd": 1, "e": 1, "fg": 1},
+                                                                  {"xy": 2, "x": 1}]
+    second = keyed.count_columns([pd.Series(["cd", "hi", "cd"])])[0]
+    merged = keyed.merge_counts([first[0], second])
+    assert dict(zip(merged["value"], merged["count"])) == {"ab": 2, "cd": 3, "e": 1, "fg": 1, "hi": 1}
+    rows, counts = keyed.distinct_by_key(np.array([7, 7, 7, 7], dtype=np.uint64), pd.Series(["a", "b", "a", "c"]),
+                                         np.array([1, 10, 100, 1000]))
+    assert dict(zip(pd.Series(["a", "b", "a", "c"]).take(rows), counts)) == {"a": 101, "b": 10, "c": 1000}
+
+
+def test_a_look_up_confirms_each_key_by_its_value(monkeypatch):
+    monkeypatch.setattr(keyed, "string_keys", _weak_keys)
+    table = keyed.key_table(pd.Series(["a", "bb", "ccc"]))
+    assert table.exact
+    positions = keyed.look_up(table, pd.Series(["a", "x", "bb", "yy", None, "ccc", "dddd"]))
+    np.testing.assert_array_equal(positions, [0, -1, 1, -1, -1, 2, -1])
+    shared = keyed.key_table(pd.Series(["ab", "cd"]))
+    assert not shared.exact
+    with pytest.raises(ValueError, match="by its strings"):
+        keyed.look_up(shared, pd.Series(["ab"]))
+    vocab = pa.array(["ab", "cd", "e"])
+    np.testing.assert_array_equal(_keyed_codes(pd.Series(["cd", "ab", "zz", None, "e", "f"]), vocab),
+                                  [3, 2, 1, 0, 4, 1])
+
+
+def test_keyed_counts_of_empty_and_all_missing_columns():
+    empty, missing = pd.Series([], dtype="string"), pd.Series([None, None], dtype="string")
+    out = keyed.count_columns([empty, missing, pd.Series(["a"], dtype="string")])
+    assert [len(f) for f in out] == [0, 0, 1]
+    assert keyed.look_up(keyed.key_table(pd.Series([], dtype="string")), missing).tolist() == [-1, -1]
