@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import ContextManager
+from contextlib import AbstractContextManager
 
 import numpy as np
 
 from pipeline.errors import UserError
 
 Compute = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
-Timed = Callable[[str], ContextManager]
+Timed = Callable[[str], AbstractContextManager]
 
 
 def respond(requests: list, input_names: list[str], compute: Compute, pb_utils, model: str,

@@ -29,6 +29,7 @@ LAYERS: dict[str, int] = {
     "main": 8,
 }
 CORE = {"pipeline", "pipeline.errors", "pipeline.schema", "pipeline.device", "pipeline.sparse", "pipeline.files",
+        "pipeline.parquet",
         "pipeline.registry", "pipeline.progress"}
 
 

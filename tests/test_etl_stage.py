@@ -13,9 +13,9 @@ import pytest
 from pipeline.errors import BadInputError
 from pipeline.etl import Normalize, Workflow
 from pipeline.etl.raw_check import check_raw_files
-from pipeline.stages.etl import run
 from pipeline.schema import Schema
 from pipeline.stages.config import load_config
+from pipeline.stages.etl import run
 
 
 def _config(tmp_path, *overrides):
@@ -113,6 +113,31 @@ def test_outputs_are_lz4_with_columns_without_nulls_required(synthetic_run):
         group = pf.metadata.row_group(0)
         assert {group.column(i).compression for i in range(group.num_columns)} <= {"LZ4", "LZ4_RAW"}
         assert not any(field.nullable for field in pf.schema_arrow)
+
+
+def test_uncompressed_outputs_hold_the_same_table_and_the_loader_reads_the_same_batches(synthetic_run, tmp_path):
+    """``etl.compression=none``: the same required columns and values in plain pages, batches equal to LZ4's."""
+    from pipeline.loader import Loader
+
+    cfg, _ = synthetic_run
+    plain = _config(tmp_path, "etl.compression=none")
+    run(plain)
+    for path in sorted((plain.paths.processed / "train").glob("part-*.parquet")):
+        group = pq.ParquetFile(path).metadata.row_group(0)
+        assert {group.column(i).compression for i in range(group.num_columns)} == {"UNCOMPRESSED"}
+        assert not any(field.nullable for field in pq.ParquetFile(path).schema_arrow)
+    assert _read(plain.paths.processed / "train").equals(_read(cfg.paths.processed / "train"))
+    batches = [list(Loader(c.paths.processed / "train", 512, shuffle=True, seed=1)) for c in (cfg, plain)]
+    for a, b in zip(*batches, strict=True):
+        assert a.dense.equal(b.dense) and a.label.equal(b.label) and a.sparse.values.equal(b.sparse.values)
+
+
+def test_an_unknown_compression_is_one_error_line(tmp_path, capsys):
+    from pipeline.__main__ import main
+
+    assert main(["run", "etl", f"workdir={tmp_path}", "etl.compression=gzip"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and "etl.compression" in err[0] and "lz4" in err[0], err
 
 
 def test_hash_buckets_and_thresholds(tmp_path):

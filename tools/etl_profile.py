@@ -51,12 +51,12 @@ def _profile(args, workdir: Path, tmp: Path) -> dict:
 
     import dask
 
-    from pipeline.stages.config import load_config
-    from pipeline.stages.data import ensure_raw
+    from pipeline.etl.defaults import default_workflow, roles_of
     from pipeline.etl.frame_library import read_parquet
     from pipeline.etl.graph import Node
-    from pipeline.etl.defaults import default_workflow, roles_of
     from pipeline.etl.output import output_arrow_schema, write_part
+    from pipeline.stages.config import load_config
+    from pipeline.stages.data import ensure_raw
 
     cfg = load_config(overrides=[f"workdir={workdir}", f"data.rows={args.rows}", "data.valid_fraction=0",
                                  "data.test_fraction=0", "progress=off"])
@@ -103,8 +103,9 @@ def _profile(args, workdir: Path, tmp: Path) -> dict:
     schema = output_arrow_schema(out.iloc[:0] if hasattr(out, "iloc") else out)
     rows = cfg.etl.row_group_rows
     path = tmp / "out.parquet"
-    timed("write (parquet, one file)", lambda: write_part(out, path, schema, rows), lambda _: _size(path))
-    timed("write (parquet, to memory)", lambda: _to_memory(lambda buffer: write_part(out, buffer, schema, rows)),
+    packing = cfg.etl.compression
+    timed("write (parquet, one file)", lambda: write_part(out, path, schema, rows, packing), lambda _: _size(path))
+    timed("write (parquet, to memory)", lambda: _to_memory(lambda buffer: write_part(out, buffer, schema, rows, packing)),
           lambda written: f"{written / 1e6:.1f} MB")
     if args.backend == "cudf":
         _cudf_writer_variants(out, schema, rows, tmp, timed)

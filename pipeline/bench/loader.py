@@ -2,8 +2,8 @@
 
 The data: a processed split written directly in the ETL's format (label, 13 float32 continuous,
 26 int32 categorical codes with Criteo-like cardinalities, row groups of 65,536 rows, random
-values) under ``<workdir>/bench/loader-<rows>/``, made once and reused; or ``--data FOLDER``, a split
-the ETL wrote (e.g. ``data/synthetic/processed/train``).
+values, pages compressed as ``etl.compression`` says) under ``<workdir>/bench/loader-<rows>-<compression>/``,
+made once and reused; or ``--data FOLDER``, a split the ETL wrote (e.g. ``data/synthetic/processed/train``).
 
 Measured, each over the whole split, the consumer doing nothing with the batches:
 
@@ -65,13 +65,14 @@ def run(args: argparse.Namespace, cfg) -> dict:
     if args.data:
         folder = Path(args.data)
     else:
-        root = Path(cfg.workdir) / "bench" / f"loader-{args.rows}"
+        root = Path(cfg.workdir) / "bench" / f"loader-{args.rows}-{cfg.etl.compression}"
         folder = root / "train"
         if not (root / "schema.json").is_file() or Schema.load(root / "schema.json").rows.get("train") != args.rows:
             print(f"[bench loader] writing {args.rows:,} synthetic processed rows to {root} ...", flush=True)
             start = time.perf_counter()
             files = max(1, args.rows // 2_000_000)
-            write_processed(root, criteo_schema(size=0.01), {"train": args.rows}, files_per_split=files, seed=cfg.seed)
+            write_processed(root, criteo_schema(size=0.01), {"train": args.rows}, files_per_split=files, seed=cfg.seed,
+                            compression=cfg.etl.compression)
             print(f"[bench loader] written in {time.perf_counter() - start:.1f} s", flush=True)
     device = resolve_device(cfg.device)
     settings = {k: v for k, v in (("read_threads", args.read_threads), ("window_rows", args.window_rows)) if v}

@@ -16,8 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from pipeline.etl.column_schema import input_schema, to_schema
 from pipeline.etl.config import EtlConfig
@@ -25,6 +23,7 @@ from pipeline.etl.frame_library import read_parquet
 from pipeline.etl.frames import cudf_frame, is_cudf
 from pipeline.etl.progress import compute
 from pipeline.etl.workflow import Workflow
+from pipeline.parquet import DEFAULT_COMPRESSION, write_table
 from pipeline.schema import Schema
 
 SPLITS = ("train", "valid", "test")
@@ -46,7 +45,8 @@ def write_outputs(workflow: Workflow, splits: dict[str, list[Path]], roles: dict
     rows = {}
     for split in SPLITS:
         rows[split] = transform_split(workflow, splits.get(split, []), processed / f"{split}.partial",
-                                      etl.row_group_rows, library, progress=progress)
+                                      etl.row_group_rows, library, progress=progress,
+                                      compression=etl.compression)
     for split in SPLITS:
         shutil.rmtree(processed / split, ignore_errors=True)
         (processed / f"{split}.partial").rename(processed / split)
@@ -57,7 +57,7 @@ def write_outputs(workflow: Workflow, splits: dict[str, list[Path]], roles: dict
 
 
 def transform_split(workflow: Workflow, files: list[Path], folder: Path, row_group_rows: int, library: str,
-                    progress: str | bool = "auto") -> int:
+                    progress: str | bool = "auto", compression: str = DEFAULT_COMPRESSION) -> int:
     """Transform one split's parquet files into ``folder/part-*.parquet``; returns the rows written."""
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True, exist_ok=True)
@@ -68,52 +68,31 @@ def transform_split(workflow: Workflow, files: list[Path], folder: Path, row_gro
     out = workflow.transform(read_parquet(files, workflow.input_columns, library))
     schema = output_arrow_schema(out._meta)
     writes = [
-        delayed(write_part, pure=False)(part, folder / f"part-{i:05d}.parquet", schema, row_group_rows)
+        delayed(write_part, pure=False)(part, folder / f"part-{i:05d}.parquet", schema, row_group_rows, compression)
         for i, part in enumerate(out.to_delayed())
     ]
     return int(sum(compute(*writes, desc=f"transform {folder.stem}", progress=progress)))
 
 
-# LZ4 and columns marked required where they hold no nulls: the loader decodes such files with about a
-# third of the CPU that snappy-compressed nullable columns take, at the same size on disk.
-COMPRESSION = "lz4"
-
-
-def write_part(df: Any, path: Path, schema: pa.Schema, row_group_rows: int) -> int:
+def write_part(df: Any, path: Path, schema: pa.Schema, row_group_rows: int, compression: str) -> int:
     """Write one output partition as plain arrow types (pyarrow: no pandas metadata; cuDF's writer
     adds its pandas metadata, which the loader does not read); returns the rows written.
 
-    Only the integer code columns are dictionary-encoded: on the CPU, floats rarely repeat enough to
-    pay for the attempt. A column (and a list column's items) without nulls in the partition is written
-    as required (not null), as cuDF's writer does. A cuDF partition is written by cuDF's GPU parquet
-    writer (:func:`cudf_writer_options`), without a copy to host; both frame libraries write the same
-    types and values (a missing or NaN float is a null).
+    A pandas partition is written as :mod:`pipeline.parquet` says (required columns where there are no nulls,
+    integer columns dictionary-encoded, ``compression``). A cuDF partition is written by cuDF's GPU parquet
+    writer (:func:`cudf_writer_options`), without a copy to host; both frame libraries write the same types and
+    values (a missing or NaN float is a null).
     """
     if is_cudf(df):
-        return _write_cudf(df, path, schema, row_group_rows)
-    table = pa.Table.from_pandas(df, schema=schema, preserve_index=False).replace_schema_metadata(None)
-    table = table.cast(_required_where_no_nulls(table))
-    codes = [f.name for f in schema if not pa.types.is_floating(f.type)]
-    pq.write_table(table, path, row_group_size=row_group_rows, use_dictionary=codes, compression=COMPRESSION)
-    return table.num_rows
+        return _write_cudf(df, path, schema, row_group_rows, compression)
+    return write_table(pa.Table.from_pandas(df, schema=schema, preserve_index=False), path, row_group_rows,
+                       compression)
 
 
-def _required_where_no_nulls(table: pa.Table) -> pa.Schema:
-    """The table's schema with each column, and a list column's items, marked required where it holds no nulls:
-    what cuDF's writer writes."""
-    fields = []
-    for field, column in zip(table.schema, table.columns):
-        kind = field.type
-        if pa.types.is_list(kind) and not pc.list_flatten(column).null_count:
-            kind = pa.list_(kind.value_field.with_nullable(False))
-        fields.append(pa.field(field.name, kind, nullable=column.null_count > 0))
-    return pa.schema(fields)
-
-
-def cudf_writer_options(row_group_rows: int) -> dict:
+def cudf_writer_options(row_group_rows: int, compression: str = DEFAULT_COMPRESSION) -> dict:
     """The options of cuDF's parquet writer (``DataFrame.to_parquet``) for an output partition.
 
-    - ``compression="LZ4"``: the pages the loader decodes fastest, as on pandas (``COMPRESSION``).
+    - ``compression``: as on pandas (:mod:`pipeline.parquet`; LZ4 by default).
     - ``statistics="NONE"``: nothing reads the min/max of the processed files (the loader reads row
       counts), so the writer skips computing them for every page and column chunk.
     - dictionary encoding where a column chunk's dictionary stays small (cuDF's default policy,
@@ -123,15 +102,16 @@ def cudf_writer_options(row_group_rows: int) -> dict:
     - ``max_page_size_rows``: one page per column chunk of a row group (up to cuDF's 512 KiB a page),
       as pyarrow writes them, instead of cuDF's 20,000 rows: fewer pages to encode, compress and read.
     """
-    return {"index": False, "compression": "LZ4", "statistics": "NONE", "row_group_size_rows": row_group_rows,
+    return {"index": False, "compression": None if compression == "none" else compression.upper(),
+            "statistics": "NONE", "row_group_size_rows": row_group_rows,
             "max_page_size_rows": row_group_rows}
 
 
-def _write_cudf(df: Any, path: Path, schema: pa.Schema, row_group_rows: int) -> int:
+def _write_cudf(df: Any, path: Path, schema: pa.Schema, row_group_rows: int, compression: str) -> int:
     """A cuDF partition written on the GPU (:func:`cudf_writer_options`): the schema's columns and order,
     NaN turned to null."""
     out = cudf_output_frame(df, schema)
-    out.to_parquet(path, **cudf_writer_options(row_group_rows))
+    out.to_parquet(path, **cudf_writer_options(row_group_rows, compression))
     return len(out)
 
 

@@ -19,6 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.parquet import DEFAULT_COMPRESSION, required_where_no_nulls, writer_options
 from pipeline.schema import Column, Schema
 
 CRITEO_CARDINALITIES = (
@@ -83,8 +84,10 @@ def write_processed(
     row_group_rows: int = 65_536,
     files_per_split: int = 1,
     seed: int = 0,
+    compression: str = DEFAULT_COMPRESSION,
 ) -> Schema:
-    """Write ``folder/<split>/part-<i>.parquet`` with ``splits[split]`` random rows each, and ``schema.json``."""
+    """Write ``folder/<split>/part-<i>.parquet`` with ``splits[split]`` random rows each, and ``schema.json``, as
+    the ETL writes its output (:mod:`pipeline.parquet`)."""
     folder = Path(folder)
     rng = np.random.default_rng(seed)
     for split, rows in splits.items():
@@ -94,11 +97,14 @@ def write_processed(
             old.unlink()
         bounds = np.linspace(0, rows, files_per_split + 1).astype(int)
         for i in range(files_per_split):
-            with pq.ParquetWriter(out / f"part-{i}.parquet", random_table(schema, 0, rng).schema) as writer:
+            table = random_table(schema, 0, rng)
+            with pq.ParquetWriter(out / f"part-{i}.parquet", required_where_no_nulls(table),
+                                  **writer_options(table.schema, compression)) as writer:
                 done = bounds[i]
                 while done < bounds[i + 1]:
                     n = min(row_group_rows, bounds[i + 1] - done)
-                    writer.write_table(random_table(schema, n, rng), row_group_size=row_group_rows)
+                    table = random_table(schema, n, rng)
+                    writer.write_table(table.cast(required_where_no_nulls(table)), row_group_size=row_group_rows)
                     done += n
     schema = Schema(schema.columns, row_group_rows=row_group_rows, rows=dict(splits))
     schema.save(folder / "schema.json")
