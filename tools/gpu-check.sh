@@ -18,6 +18,7 @@
 #   dynamic    bench train --dynamic, Zipf and uniform ids
 #   hostcache  bench train --embedding-budget-mb: 26 x 2M rows under 8 GiB, then 26 x 5M under a quarter
 #   serve      the GPU serving tests, then bench serve --device cuda, three models and one (ranker)
+#   loader     bench loader on 8M synthetic rows, LZ4 pages and uncompressed (etl.compression)
 #   e2e        run etl of 10M synthetic rows (once), then bench e2e of each model on it, and of DCNv2
 #              with train.compile=max-autotune
 #   etl        the cuDF-vs-pandas tests, bench etl --device cuda, tools/etl_profile.py --backend cudf
@@ -150,6 +151,12 @@ print('--device auto:', resolve_device('auto'))
       step e2e-dcnv2-autotune 400 "$PY" -m pipeline bench e2e --device cuda --batch 65536 --steps 100 --warmup 20 \
         workdir="$w" data.size=1.0 data.rows=10000000 train.model=dcnv2 train.compile=max-autotune \
         --out "$W/e2e-dcnv2-autotune" ;;
+    loader)
+      # the loader alone on 8M synthetic rows as the ETL writes them, LZ4 pages (the default) and plain ones
+      for packing in lz4 none; do
+        step "loader-$packing" 150 "$PY" -m pipeline bench loader --device cuda --rows 8000000 --batch-size 65536 \
+          --epochs 2 etl.compression="$packing" workdir=/tmp/loader-bench
+      done ;;
     etl)
       step etl-tests 180 env PIPELINE_ETL_GPU_ROWS="${ETL_GPU_TEST_ROWS:-2000000}" \
         "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_etl_gpu.py
@@ -159,7 +166,7 @@ print('--device auto:', resolve_device('auto'))
       step etl-profile 150 "$PY" tools/etl_profile.py --backend cudf --rows "${ETL_PROFILE_ROWS:-5000000}" \
         --json "$W/etl-profile.json" --workdir /tmp/etl-profile
       step etl-stage 60 "$PY" -m pipeline run etl --device cuda data.rows=500000 etl.cluster=local workdir=/tmp/etl-stage ;;
-    *) echo "unknown group $group (setup preflight kernels train dynamic hostcache serve e2e etl)"; exit 2 ;;
+    *) echo "unknown group $group (setup preflight kernels train dynamic hostcache serve loader e2e etl)"; exit 2 ;;
   esac
 done
 echo "== summary ($SECONDS s)"; cat "$summary"
