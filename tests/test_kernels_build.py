@@ -199,7 +199,7 @@ def test_launch_arguments_match_kernel_signatures(tmp_path, monkeypatch):
 def test_the_update_segment_is_the_same_in_the_launcher_and_the_kernel():
     from pipeline.kernels.embedding import launcher
 
-    source = (KERNEL_DIR / "embedding/embedding_backward.cu").read_text()
+    source = (KERNEL_DIR / "embedding/embedding_update.cuh").read_text()
     assert re.search(r"#define SEGMENT (\d+)", source).group(1) == str(launcher.SEGMENT)
 
 

@@ -25,7 +25,7 @@ BLOCK = 256
 BAGS_PER_GROUP = 8  # consecutive bags one thread group pools: more row loads in flight for one-hot bags
 SMALL_BATCH_BAGS = 1 << 16  # below this many bags, one bag per group keeps every multiprocessor busy
 MAX_UPDATE_DIM = 512
-SEGMENT = 64  # sorted positions per thread group in the update; as SEGMENT in embedding_backward.cu
+SEGMENT = 64  # sorted positions per thread group in the update; as SEGMENT in embedding_update.cuh
 _DTYPE_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 _OPTIMIZERS = ("sgd", "adagrad", "adam")
 
