@@ -1,4 +1,4 @@
-// Shared by the fused update kernels (embedding_backward.cu): the segments
+// Shared by the fused update kernels (embedding_backward.cu, embedding_update_runs.cu): the segments
 // sorted positions are cut into, a bag's gradient row, the sum of a segment's gradient rows, and the
 // load, optimizer step and store of one row. Self-contained (no CUDA headers), like the headers it includes.
 #pragma once
