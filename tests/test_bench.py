@@ -305,6 +305,42 @@ def test_bench_hashtable_on_the_gpu_times_the_kernels_and_the_reference(tmp_path
         assert row[key] > 0, key
 
 
+def test_bench_embedding_sweeps_the_update_kernels_named_or_all_of_them():
+    from pipeline.bench.embedding import update_kernels_to_sweep
+    from pipeline.kernels.embedding.launcher import UPDATE_KERNELS
+
+    assert update_kernels_to_sweep("") == []
+    assert update_kernels_to_sweep("all") == list(UPDATE_KERNELS) and "position" in UPDATE_KERNELS
+    assert update_kernels_to_sweep("segments_looped,position") == ["segments_looped", "position"]
+
+
+def test_bench_embedding_refuses_an_unknown_update_kernel_before_it_looks_for_a_gpu(tmp_path, capsys):
+    assert main(["bench", "embedding", "--sweep-update-kernels", "position,by_row", f"workdir={tmp_path}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --sweep-update-kernels: expected names among position, ")
+    assert err[0].endswith("(or all), got by_row")
+
+
+@pytest.mark.gpu
+def test_bench_embedding_times_every_update_kernel_against_the_byte_floor(tmp_path, capsys):
+    from pipeline.kernels.embedding.launcher import UPDATE_KERNEL, UPDATE_KERNELS
+
+    out = tmp_path / "embedding.json"
+    assert main(["bench", "embedding", "--tables", "3", "--rows-min", "1000", "--rows-max", "100000", "--batch", "4096",
+                 "--hots", "1,4", "--optimizer", "adagrad", "--ids", "zipf", "--no-baseline", "--reps", "2",
+                 "--sweep-update-kernels", "all", "--json", str(out), f"workdir={tmp_path}"]) == 0
+    r = json.loads(out.read_text())
+    assert r["update_kernel"] == UPDATE_KERNEL
+    for row in r["results"]:
+        assert list(row["backward_update_ms_by_kernel"]) == list(UPDATE_KERNELS)
+        assert all(ms > 0 for ms in row["backward_update_ms_by_kernel"].values())
+        assert row["floor_ms"] > 0 and row["time_over_floor"] == pytest.approx(
+            (row["forward_ms"] + row["backward_update_ms"]) / row["floor_ms"])
+        for name, ms in row["backward_update_ms_by_kernel"].items():
+            assert row["time_over_floor_by_kernel"][name] == pytest.approx((row["forward_ms"] + ms) / row["floor_ms"])
+    assert "backward + update by update kernel" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("ids", ["uniform", "zipf"])
 def test_bench_embedding_draws_each_tables_ids_in_range_uniform_or_skewed(ids):
     import numpy as np

@@ -1,6 +1,7 @@
 """CPU checks of the CUDA kernels: every ``.cu`` compiles (nvcc, and NVRTC where CuPy is installed),
-compiler errors name the file and line, the package imports without CuPy or a GPU, and the launch
-geometry and per-slot arrays derived from a table packing are right."""
+compiler errors name the file and line, the package imports without CuPy or a GPU, the launch
+geometry and per-slot arrays derived from a table packing are right, every candidate update kernel is
+launched with the arguments its signature declares, and none of the per-segment ones spills."""
 
 from __future__ import annotations
 
@@ -45,14 +46,31 @@ def test_there_are_kernel_sources():
     assert {"embedding/embedding_forward.cu", "embedding/embedding_backward.cu", "interaction/interaction.cu"} <= set(SOURCES)
 
 
-@pytest.mark.parametrize("source", SOURCES)
-def test_source_compiles_with_nvcc_for_sm90(source, tmp_path):
+@pytest.fixture(scope="module")
+def nvcc_build(tmp_path_factory):
+    """``build(source)``: nvcc's run on ``source`` for sm_90 (cubin, warnings as errors, ptxas's register
+    and spill report) and the PTX it kept, each source compiled once for the module's tests."""
     nvcc = _nvcc()
-    result = subprocess.run(
-        [nvcc, "-arch=sm_90", "-std=c++17", "-I", str(KERNEL_DIR), "-cubin", "-Werror", "all-warnings", "-o", str(tmp_path / "k.cubin"),
-         str(KERNEL_DIR / source)], capture_output=True, text=True, timeout=600)
+    built = {}
+
+    def build(source: str) -> tuple[subprocess.CompletedProcess, Path]:
+        if source not in built:
+            out = tmp_path_factory.mktemp("nvcc")
+            result = subprocess.run(
+                [nvcc, "-arch=sm_90", "-std=c++17", "-I", str(KERNEL_DIR), "-cubin", "-Werror", "all-warnings",
+                 "--resource-usage", "--keep", "--keep-dir", str(out), "-o", str(out / "k.cubin"),
+                 str(KERNEL_DIR / source)], capture_output=True, text=True, timeout=900)
+            built[source] = (result, out)
+        return built[source]
+
+    return build
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_source_compiles_with_nvcc_for_sm90(source, nvcc_build):
+    result, out = nvcc_build(source)
     assert result.returncode == 0, f"nvcc failed on {source}:\n{result.stderr}"
-    assert (tmp_path / "k.cubin").read_bytes()[:4] == b"\x7fELF"
+    assert (out / "k.cubin").read_bytes()[:4] == b"\x7fELF"
 
 
 @pytest.mark.parametrize("source", SOURCES)
@@ -152,28 +170,61 @@ def test_slot_arrays_follow_the_packing():
 _CTYPE_TO_PTX = {"c_void_p": "u64", "c_int": "u32", "c_long": "u64", "c_ulong": "u64", "c_float": "f32"}
 
 
+def _ptx_entries(ptx: str) -> dict[str, list[str]]:
+    """Entry name -> the PTX types of its parameters."""
+    return {name: re.findall(r"\.param\s+\.(\w+)", params)
+            for name, params in re.findall(r"\.entry\s+(\w+)\s*\(([^)]*)\)", ptx)}
+
+
 def _ptx_params(source: str, tmp_path) -> dict[str, list[str]]:
     """Entry name -> the PTX types of its parameters, from nvcc's PTX of ``source``."""
-    import re
-
     out = tmp_path / (Path(source).name + ".ptx")
     subprocess.run([_nvcc(), "-arch=sm_90", "-std=c++17", "-I", str(KERNEL_DIR), "-ptx", "-o", str(out), str(KERNEL_DIR / source)],
                    check=True, capture_output=True, timeout=600)
-    entries = {}
-    for name, params in re.findall(r"\.entry\s+(\w+)\s*\(([^)]*)\)", out.read_text()):
-        entries[name] = re.findall(r"\.param\s+\.(\w+)", params)
-    return entries
+    return _ptx_entries(out.read_text())
 
 
-def test_launch_arguments_match_kernel_signatures(tmp_path, monkeypatch):
+def _built_ptx_params(source: str, nvcc_build) -> dict[str, list[str]]:
+    """As :func:`_ptx_params`, from the PTX the module's nvcc run on ``source`` kept."""
+    result, out = nvcc_build(source)
+    assert result.returncode == 0, result.stderr
+    return _ptx_entries((out / (Path(source).stem + ".ptx")).read_text())
+
+
+def _ptxas_report(source: str, nvcc_build) -> dict[str, tuple[int, int]]:
+    """Entry name -> (registers, bytes spilled: stores + loads), from ptxas's report on ``source``."""
+    result, _ = nvcc_build(source)
+    assert result.returncode == 0, result.stderr
+    report, name, spilled = {}, None, 0
+    for line in result.stderr.splitlines():
+        if m := re.search(r"Compiling entry function '(\w+)'", line):
+            name = m.group(1)
+        elif m := re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line):
+            spilled = int(m.group(1)) + int(m.group(2))
+        elif m := re.search(r"Used (\d+) registers", line):
+            report[name] = (int(m.group(1)), spilled)
+    return report
+
+
+UPDATE_SOURCES = ("embedding/embedding_forward.cu", "embedding/embedding_backward.cu",
+                  "embedding/embedding_update_runs.cu")
+
+
+@pytest.mark.parametrize("update_kernel", ["position", "segments", "segments_looped", "segments_looped_capped",
+                                           "segments_looped_capped_2vec"])
+def test_launch_arguments_match_kernel_signatures(update_kernel, nvcc_build, monkeypatch):
     from pipeline.kernels.embedding import launcher
 
-    entries = {**_ptx_params("embedding/embedding_forward.cu", tmp_path),
-               **_ptx_params("embedding/embedding_backward.cu", tmp_path)}
+    entries = {name: params for source in UPDATE_SOURCES
+               for name, params in _built_ptx_params(source, nvcc_build).items()}
     launches = []
     monkeypatch.setattr(launcher, "launch",
-                        lambda source, function, device, grid, block, args: launches.append((function, args)))
+                        lambda source, function, device, grid, block, args: launches.append((function, grid, args)))
     monkeypatch.setattr(launcher, "_check", lambda *a: None)
+    # how many blocks stay resident is the GPU's to say; here a number below the one-group-per-segment grid
+    monkeypatch.setattr(launcher, "resident_blocks", lambda source, function, device, block: 3)
+    monkeypatch.setattr(launcher, "UPDATE_KERNEL", update_kernel)
+    kernel = launcher.UPDATE_KERNELS[update_kernel]
     tables = [TableConfig("a", 50, 8, ["a"]), TableConfig("b", 20, 300, ["b"], pooling="mean")]
     packing = TablePacking.build(tables)
     slots = SlotArrays.from_packing(packing, "cpu")
@@ -188,18 +239,73 @@ def test_launch_arguments_match_kernel_signatures(tmp_path, monkeypatch):
                      }.get(opt, {})
             launcher.backward_update(weights, state, slots, indices, offsets, 2,
                                      torch.zeros(2, packing.total_dim), opt, 0.1, 1)
-    assert {f for f, _ in launches} >= {"pooled_forward_f32", "sparse_update_adam_bf16_i32_c2",
-                                        "sparse_update_adam_bf16_i32_c2_long", "row_keys_i32"}
-    for function, args in launches:
+    functions = {f for f, _, _ in launches}
+    assert {"pooled_forward_f32", "sparse_update_adam_bf16_i32_c2_long", "row_keys_i32"} <= functions
+    if kernel.per_segment:
+        assert {"count_segments_i32", "compact_segments_i32"} <= functions
+        prefix = "sparse_update_runs_capped" if kernel.capped else "sparse_update_runs"
+        assert f"{prefix}_adam_bf16_i32_c2" in functions and "sparse_update_adam_bf16_i32_c2" not in functions
+        # the looped kernels get the resident blocks; the others a group for each of the 200 positions
+        grids = {grid for f, grid, _ in launches if f.startswith(prefix)}
+        assert grids == ({3} if kernel.looped else {200 // (256 // 32)})
+    else:
+        assert "sparse_update_adam_bf16_i32_c2" in functions and not any("segments" in f for f in functions)
+    for function, _, args in launches:
         assert function in entries, f"{function} is not a kernel of the .cu sources"
         passed = [_CTYPE_TO_PTX[type(a).__name__] for a in args]
         assert passed == [t.replace("s", "u") for t in entries[function]], function
 
 
+def test_an_unknown_update_kernel_is_refused_before_any_work(monkeypatch):
+    from pipeline.kernels.embedding import launcher
+
+    monkeypatch.setattr(launcher, "_check", lambda *a: None)
+    monkeypatch.setattr(launcher, "launch", lambda *a: pytest.fail("launched a kernel"))
+    monkeypatch.setattr(launcher, "UPDATE_KERNEL", "by_row")
+    packing = TablePacking.build([TableConfig("a", 10, 8, ["a"])])
+    with pytest.raises(ValueError, match=r"update kernel: expected one of \('position', 'segments', .*got 'by_row'"):
+        launcher.backward_update(torch.zeros(packing.total_elements), {}, SlotArrays.from_packing(packing, "cpu"),
+                                 torch.tensor([1, 2]), torch.tensor([0, 1, 2]), 2, torch.zeros(2, 8), "sgd", 0.1, 1)
+
+
+def test_two_vectors_a_lane_halve_the_lanes_of_rows_one_pass_covers():
+    from pipeline.kernels.embedding.launcher import UPDATE_KERNELS, segment_lanes
+
+    two, one = UPDATE_KERNELS["segments_looped_capped_2vec"], UPDATE_KERNELS["segments_looped_capped"]
+    fp32, bf16 = _vector_width(torch.float32), _vector_width(torch.bfloat16)
+    assert segment_lanes(two, _log_lanes(128, fp32), 1) == (4, 2)  # dim 128 fp32: 16 lanes of 2 x 4 floats
+    assert segment_lanes(two, _log_lanes(128, bf16), 1) == (3, 2)  # dim 128 bf16: 8 lanes of 2 x 8
+    assert segment_lanes(two, _log_lanes(16, fp32), 1) == (1, 2)
+    assert segment_lanes(two, _log_lanes(4, fp32), 1) == (0, 1)  # one lane already: nothing to halve
+    assert segment_lanes(two, 5, 4) == (5, 4)  # wide rows keep their 32 lanes of 4 vectors
+    assert segment_lanes(one, 5, 1) == (5, 1)
+    for log_lanes, chunks in [(5, 1), (4, 1), (2, 1)]:  # the partial sums keep their width
+        half_lanes, half_chunks = segment_lanes(two, log_lanes, chunks)
+        assert half_chunks << half_lanes == chunks << log_lanes
+
+
+def test_no_per_segment_update_kernel_spills_and_the_capped_ones_fit_more_blocks(nvcc_build):
+    """The capped kernels are bounded to as many resident blocks as their registers allow without spilling:
+    a spill (a compiler that allocates otherwise, a change of the kernel) must lower their bound."""
+    report = _ptxas_report("embedding/embedding_update_runs.cu", nvcc_build)
+    capped = {name: regs for name, (regs, _) in report.items() if name.startswith("sparse_update_runs_capped_")}
+    assert len(capped) == 42 and len(report) == 2 * 42 + 4  # 3 optimizers x 7 row shapes x 2 key types, twice
+    assert {name: spilled for name, (_, spilled) in report.items() if spilled} == {}
+
+    def blocks(regs):  # resident blocks of 256 threads: 64K registers a multiprocessor, 8 a thread at a time
+        return 65536 // (-(-regs // 8) * 8 * 256)
+
+    more = {name for name, regs in capped.items()
+            if blocks(regs) > blocks(report[name.replace("_capped", "")][0])}
+    assert {"sparse_update_runs_capped_adagrad_f32_i32_c1", "sparse_update_runs_capped_sgd_f32_i32_c1",
+            "sparse_update_runs_capped_adagrad_f32_i32_c2"} <= more
+    assert all(blocks(regs) >= blocks(report[name.replace("_capped", "")][0]) for name, regs in capped.items())
+
+
 def test_the_update_segment_is_the_same_in_the_launcher_and_the_kernel():
     from pipeline.kernels.embedding import launcher
 
-    source = (KERNEL_DIR / "embedding/embedding_backward.cu").read_text()
+    source = (KERNEL_DIR / "embedding/embedding_update.cuh").read_text()
     assert re.search(r"#define SEGMENT (\d+)", source).group(1) == str(launcher.SEGMENT)
 
 

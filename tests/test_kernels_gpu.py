@@ -4,7 +4,8 @@ Every case runs the same batch through two collections with identical weights, o
 compares the pooled output, then the weights and optimizer state after the fused backward updates.
 Shapes cover a zero batch, empty bags, duplicate ids within and across bags, a shared table, dims
 that are not a multiple of 4 (1, 7, 12, 130), rows wider than one warp pass (300), tables from 3 to
-300k rows, and fp32 / fp16 / bf16 weights.
+300k rows, and fp32 / fp16 / bf16 weights. The update's checks run with every candidate update
+kernel (``launcher.UPDATE_KERNELS``), and so do those of Zipf-hot rows with tens of thousands of ids.
 """
 
 from __future__ import annotations
@@ -12,12 +13,20 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pipeline.kernels.embedding import launcher
 from pipeline.modules.collection import EmbeddingCollection
 from pipeline.modules.configs import EmbeddingOptimizerConfig, TableConfig
 from pipeline.sparse import KeyedJaggedTensor
 from tests.test_kernels_ops import train_steps
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(params=list(launcher.UPDATE_KERNELS))
+def update_kernel(request, monkeypatch):
+    """Each candidate update kernel in turn, as the one every fused update of the test runs."""
+    monkeypatch.setattr(launcher, "UPDATE_KERNEL", request.param)
+    return request.param
 
 DTYPES = ["fp32", "fp16", "bf16"]
 OPTIMIZERS = ["sgd", "adagrad", "adam"]
@@ -112,7 +121,7 @@ def test_forward_writes_every_column():
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", list(CASES))
-def test_backward_update_matches_reference(case, dtype, optimizer):
+def test_backward_update_matches_reference(case, dtype, optimizer, update_kernel):
     (ref, cuda), tables, features, batch, max_len, cap = _pair(case, dtype, optimizer)
     before = cuda.weights.clone()
     for step in range(3):
@@ -144,7 +153,7 @@ def test_update_rejects_rows_wider_than_supported():
         out.sum().backward()
 
 
-def test_stochastic_rounding_is_unbiased_where_nearest_stalls():
+def test_stochastic_rounding_is_unbiased_where_nearest_stalls(update_kernel):
     from pipeline.kernels.embedding import CudaBackend
 
     rows, dim = 4096, 64
@@ -170,7 +179,7 @@ def test_stochastic_rounding_is_unbiased_where_nearest_stalls():
     assert abs(values.mean().item() - exact) < 5 * sigma
 
 
-def test_master_weights_keep_fp32_updates():
+def test_master_weights_keep_fp32_updates(update_kernel):
     spec, features, batch, max_len, cap = CASES["multi_hot_odd_dims"]
     tables = _tables(spec)
     opt = EmbeddingOptimizerConfig("adagrad", lr=0.05)
@@ -191,6 +200,55 @@ def test_master_weights_keep_fp32_updates():
     half.backend.backward_update(half.weights, state, half.packing, indices, offsets, b, grad, opt, opt.lr, 1)
     torch.testing.assert_close(master, ref.weights, rtol=1e-5, atol=1e-6)
     assert torch.equal(half.weights, master.half())
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_zipf_hot_rows_with_tens_of_thousands_of_ids_match_reference(dtype, optimizer, update_kernel):
+    """Zipf-skewed ids put tens of thousands of occurrences of a batch on its hottest rows, so their runs
+    cross hundreds of update segments, summed apart and then together. Weights, gradients and the
+    learning rate are multiples of powers of two small enough that every sum and SGD step is exact in
+    fp32, in any order: SGD must give the reference's bits, the others its values to the usual
+    tolerance; and the same update twice gives the same bits (no atomics, a fixed order). Rows of at
+    most 128 columns, so the kernels that halve a row's lanes halve them here."""
+    import numpy as np
+
+    from pipeline.bench.train import draw_ids
+
+    # bags of 8 ids: a mean-pooled bag's gradient is scaled by 1/8, exactly
+    tables = [TableConfig("hot", 1000, 128, ["a"]), TableConfig("mean", 20_000, 64, ["b"], pooling="mean"),
+              TableConfig("narrow", 50, 12, ["c"])]
+    features, batch, hot = ["a", "b", "c"], 16_384, 8
+    opt = EmbeddingOptimizerConfig(optimizer, lr=2.0**-4)
+    ref, cuda = (EmbeddingCollection(tables, features, opt, weights_dtype=dtype, backend=backend).cuda()
+                 for backend in ("torch", "cuda"))
+    rng = np.random.default_rng(5)
+    ids = np.concatenate([draw_ids("zipf", t.rows, (batch * hot, 1), 1.1, rng)[:, 0] for t in tables])
+    hottest = [np.bincount(ids[t * batch * hot : (t + 1) * batch * hot]).max() for t in range(len(tables))]
+    assert min(hottest) >= 10_000 and max(hottest) >= 20_000
+    lengths = torch.full((len(features) * batch,), hot, dtype=torch.int64)
+    kjt = KeyedJaggedTensor(features, torch.from_numpy(ids), lengths).to("cuda")
+    g = torch.Generator("cuda").manual_seed(1)
+    grad = torch.randint(-4, 5, (batch, ref.output_dim), device="cuda", generator=g).float() / 8
+    start = (torch.randint(-64, 65, ref.weights.shape, device="cuda", generator=g).float() / 128).to(ref.weights.dtype)
+    indices, offsets, b = cuda.slot_bags(kjt)
+    results = []
+    for emb in (ref, cuda, cuda):
+        emb.weights.copy_(start)
+        for state in emb.optimizer_state().values():
+            state.zero_()
+        emb.backend.backward_update(emb.weights, emb.optimizer_state(), emb.packing, indices, offsets, b, grad, opt,
+                                    opt.lr, 1)
+        results.append((emb.weights.clone(), {k: v.clone() for k, v in emb.optimizer_state().items()}))
+    (ref_w, ref_state), (w, state), (again_w, again_state) = results
+    assert torch.equal(again_w, w) and all(torch.equal(again_state[k], v) for k, v in state.items())
+    assert not torch.equal(w, start)
+    if optimizer == "sgd":
+        assert torch.equal(w, ref_w)
+    else:
+        torch.testing.assert_close(w.float(), ref_w.float(), **_tolerance(dtype, optimizer))
+        for name, value in ref_state.items():
+            torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-5)
 
 
 def test_dlrm_follows_the_reference_loss_curve():

@@ -15,6 +15,10 @@ each id and the gradient row of each occurrence read once, and each touched row 
 optimizer state) read and written once. Ids are uniform over each table, or Zipf-skewed with
 ``--ids zipf`` (fewer touched rows, long runs of one row in the update). Needs a CUDA GPU and CuPy.
 
+``--sweep-update-kernels`` also times the backward + update with each candidate kernel of the update
+(``launcher.UPDATE_KERNELS``, ``docs/EMBEDDING.md``) side by side, each as forward + backward + update
+over the byte floor of those bytes at the device-to-device copy's rate.
+
 ``--interaction`` times, instead, what DLRM does next with the pooled vectors: the dot interaction of
 ``--tables`` + 1 vectors of ``--dim`` per sample (bf16, then fp32), forward and forward + backward
 through autograd, the fused ``pipeline::dot_interaction`` kernels against ``torch.bmm`` + the pair
@@ -53,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-baseline", action="store_true", help="skip torch.nn.EmbeddingBag")
     parser.add_argument("--sweep-bags-per-group", default="", metavar="K,K,...",
                         help="also time the forward with each of these bags per thread group (tuning)")
+    parser.add_argument("--sweep-update-kernels", default="", metavar="NAME,NAME,...|all",
+                        help="also time the backward + update with each of these candidate update kernels "
+                             "(all: every one), against the byte floor")
     parser.add_argument("--interaction", action="store_true",
                         help="time DLRM's dot interaction of --tables + 1 vectors of --dim instead: the fused "
                              "kernels against torch.bmm + the pair pick, bf16 and fp32, against the byte floor")
@@ -64,6 +71,7 @@ def run(args: argparse.Namespace, cfg) -> dict:  # noqa: ARG001  (the pipeline s
 
     from pipeline.device import DeviceError, gpu_problem
 
+    update_kernels = update_kernels_to_sweep(args.sweep_update_kernels)
     problem = gpu_problem()
     if problem:
         raise DeviceError(f"bench embedding needs a CUDA GPU: {problem}")
@@ -124,6 +132,11 @@ def run(args: argparse.Namespace, cfg) -> dict:  # noqa: ARG001  (the pipeline s
         if sweep:
             print(f"  {hot:>2}-hot forward by bags per group: "
                   + ", ".join(f"{k}: {ms:.3f} ms" for k, ms in sweep.items()), flush=True)
+        by_kernel = {}
+        for name in update_kernels:
+            kept, launcher.UPDATE_KERNEL = launcher.UPDATE_KERNEL, name
+            by_kernel[name] = _median_ms(torch, bwd, args.reps)
+            launcher.UPDATE_KERNEL = kept
         t_fwd = _median_ms(torch, fwd, args.reps)
         t_bwd = _median_ms(torch, bwd, args.reps)
         t_sort = _median_ms(torch, sort_only, args.reps)
@@ -133,10 +146,18 @@ def run(args: argparse.Namespace, cfg) -> dict:  # noqa: ARG001  (the pipeline s
         # the row-owner algorithm's fewest bytes: each occurrence's id and gradient row, each touched row
         # (and its state) read and written once; the sort's traffic is not counted
         bwd_bytes = nnz * (8 + args.dim * 4) + unique * (2 * args.dim * es + state_bytes)
+        floor_ms = (fwd_bytes + bwd_bytes) / copy_bw * 1e3
         row = dict(hot=hot, nnz=nnz, forward_ms_by_bags_per_group=sweep, unique_rows=unique, forward_ms=t_fwd, backward_update_ms=t_bwd,
                    sort_ms=t_sort, forward_tb_s=fwd_bytes / t_fwd / 1e9, backward_tb_s=bwd_bytes / t_bwd / 1e9,
                    forward_fraction_of_copy=fwd_bytes / t_fwd / 1e9 / (copy_bw / 1e12),
-                   backward_fraction_of_copy=bwd_bytes / t_bwd / 1e9 / (copy_bw / 1e12))
+                   backward_fraction_of_copy=bwd_bytes / t_bwd / 1e9 / (copy_bw / 1e12),
+                   floor_ms=floor_ms, time_over_floor=(t_fwd + t_bwd) / floor_ms,
+                   backward_update_ms_by_kernel=by_kernel,
+                   time_over_floor_by_kernel={k: (t_fwd + ms) / floor_ms for k, ms in by_kernel.items()})
+        if by_kernel:
+            print(f"  {hot:>2}-hot backward + update by update kernel (fwd + bwd + update over the byte floor, "
+                  f"{floor_ms:.3f} ms): " + ", ".join(f"{k}: {ms:.3f} ms ({row['time_over_floor_by_kernel'][k]:.2f}x)"
+                                                     for k, ms in by_kernel.items()), flush=True)
         if baseline is not None:
             row.update(baseline.measure(batches, grad, args.batch, args.baseline_reps))
             row["speedup_forward"] = row["torch_forward_ms"] / t_fwd
@@ -150,10 +171,25 @@ def run(args: argparse.Namespace, cfg) -> dict:  # noqa: ARG001  (the pipeline s
     summary = dict(device=torch.cuda.get_device_name(), copy_tb_s=copy_bw / 1e12, tables=args.tables, ids=args.ids,
                    zipf_exponent=args.zipf_exponent if args.ids == "zipf" else None,
                    rows=rows, dim=args.dim, batch=args.batch, dtype=args.dtype, optimizer=args.optimizer,
-                   results=results, goals=GOALS)
+                   update_kernel=launcher.UPDATE_KERNEL, results=results, goals=GOALS)
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def update_kernels_to_sweep(names: str) -> list[str]:
+    """The candidate update kernels ``--sweep-update-kernels`` names (``all``: every one), in its order."""
+    from pipeline.errors import UserError
+    from pipeline.kernels.embedding.launcher import UPDATE_KERNELS
+
+    if names == "all":
+        return list(UPDATE_KERNELS)
+    chosen = [n for n in names.split(",") if n]
+    unknown = [n for n in chosen if n not in UPDATE_KERNELS]
+    if unknown:
+        raise UserError(f"--sweep-update-kernels: expected names among {', '.join(UPDATE_KERNELS)} (or all), "
+                        f"got {', '.join(unknown)}")
+    return chosen
 
 
 class _Cycle:
@@ -329,7 +365,7 @@ def _print_row(row: dict) -> None:
             f"forward {row['forward_ms']:8.3f} ms ({row['forward_tb_s']:.2f} TB/s, "
             f"{100 * row['forward_fraction_of_copy']:.0f}% of copy) | "
             f"backward+update {row['backward_update_ms']:8.3f} ms (sort {row['sort_ms']:.3f}; "
-            f"{row['backward_tb_s']:.2f} TB/s)")
+            f"{row['backward_tb_s']:.2f} TB/s) | {row['time_over_floor']:.2f}x the byte floor")
     if "torch_step_ms" in row:
         line += (f"\n          torch EmbeddingBag: forward {row['torch_forward_ms']:.3f} ms, "
                  f"forward+backward {row['torch_forward_backward_ms']:.3f} ms, "

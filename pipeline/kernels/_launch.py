@@ -9,6 +9,7 @@ surrounding torch work like any torch op.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
@@ -53,3 +54,21 @@ def launch(source: str, function: str, device: torch.device, grid: int, block: i
             runtime.setDevice(index)
         handle = kernel_handle(source, function, index)
         driver.launchKernel(handle, grid, 1, 1, block, 1, 1, shared, stream, ctypes.addressof(params), 0)
+
+
+def resident_blocks(source: str, function: str, device: torch.device, block: int) -> int:
+    """How many blocks of ``block`` threads of ``function`` the GPU ``device`` keeps resident at once: its
+    multiprocessors times the blocks one holds (registers, shared memory and threads allowing)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _resident_blocks(source, function, index, block)
+
+
+@functools.cache
+def _resident_blocks(source: str, function: str, device_index: int, block: int) -> int:
+    import cupy
+    from cupy.cuda import driver
+
+    handle = kernel_handle(source, function, device_index)
+    with cupy.cuda.Device(device_index):
+        per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(handle, block, 0)
+    return max(per_sm, 1) * torch.cuda.get_device_properties(device_index).multi_processor_count

@@ -13,9 +13,7 @@
 // 4. sparse_update_long: the runs cut into segments; a group per run adds its segments' sums in order
 //    and updates the row as above. No atomics: each row has exactly one owner, and sums are in a fixed
 //    order, so results do not depend on scheduling.
-#include "embedding_common.cuh"
-
-enum { OPT_SGD = 0, OPT_ADAGRAD = 1, OPT_ADAM = 2 };
+#include "embedding_update.cuh"
 
 template <typename K>
 __device__ __forceinline__ void row_keys(
@@ -42,35 +40,6 @@ __device__ __forceinline__ void row_keys(
 ROW_KEYS(row_keys_i32, int)
 ROW_KEYS(row_keys_i64, long long)
 
-template <typename W, int N>
-__device__ __forceinline__ void store_weights(W* p, int d0, int D, bool aligned, const float (&v)[N],
-                                              bool stochastic, unsigned long long seed, long long elem) {
-    if constexpr (sizeof(W) == 4) {
-        store_f32<N>(reinterpret_cast<float*>(p), d0, D, aligned, v);
-    } else {
-        unsigned short bits[N];
-#pragma unroll
-        for (int k = 0; k < N; ++k)
-            bits[k] = stochastic ? round_stochastic<W>(v[k], mix_hash(seed, (unsigned long long)(elem + d0 + k))).bits
-                                 : round_nearest<W>(v[k]).bits;
-        if (aligned) {
-#pragma unroll
-            for (int q = 0; q < N / 8; ++q) {
-                uint4 w;
-                w.x = bits[8 * q] | ((unsigned int)bits[8 * q + 1] << 16);
-                w.y = bits[8 * q + 2] | ((unsigned int)bits[8 * q + 3] << 16);
-                w.z = bits[8 * q + 4] | ((unsigned int)bits[8 * q + 5] << 16);
-                w.w = bits[8 * q + 6] | ((unsigned int)bits[8 * q + 7] << 16);
-                *reinterpret_cast<uint4*>(p + d0 + 8 * q) = w;
-            }
-        } else {
-#pragma unroll
-            for (int k = 0; k < N; ++k)
-                if (d0 + k < D) p[d0 + k].bits = bits[k];
-        }
-    }
-}
-
 // The table holding global row `key`: the last t with table_row_starts[t] <= key.
 template <typename K>
 __device__ __forceinline__ int table_of(K key, const long long* __restrict__ table_row_starts, int num_tables) {
@@ -82,100 +51,6 @@ __device__ __forceinline__ int table_of(K key, const long long* __restrict__ tab
     }
     return lo;
 }
-
-// Weight decay, the optimizer and the store of one row whose gradient sum is in g; w, m1, m2 hold the
-// row and its Adam moments, `before` its row-wise Adagrad sum, all loaded by load_row.
-template <typename W, int OPT, int CHUNKS, int N>
-__device__ __forceinline__ void update_row(
-    W* __restrict__ wrow, float* __restrict__ mrow, float* __restrict__ state1, float* __restrict__ state2,
-    long long key, long long elem, int D, int lane, int lanes, unsigned int mask, bool vec_w,
-    float (&w)[CHUNKS][N], float (&m1)[CHUNKS][N], float (&m2)[CHUNKS][N], float (&g)[CHUNKS][N], float before,
-    float lr, float eps, float beta1, float beta2, float bias1, float bias2, float weight_decay,
-    int stochastic, unsigned long long seed) {
-    const int chunk = lanes * N;
-#pragma unroll
-    for (int c = 0; c < CHUNKS; ++c)
-#pragma unroll
-        for (int k = 0; k < N; ++k) g[c][k] += weight_decay * w[c][k];
-
-    if constexpr (OPT == OPT_SGD) {
-#pragma unroll
-        for (int c = 0; c < CHUNKS; ++c)
-#pragma unroll
-            for (int k = 0; k < N; ++k) w[c][k] -= lr * g[c][k];
-    } else if constexpr (OPT == OPT_ADAGRAD) {
-        float sq = 0.0f;
-#pragma unroll
-        for (int c = 0; c < CHUNKS; ++c)
-#pragma unroll
-            for (int k = 0; k < N; ++k) sq += g[c][k] * g[c][k];
-        for (int off = lanes / 2; off > 0; off >>= 1) sq += __shfl_xor_sync(mask, sq, off, lanes);
-        const float m = before + sq / (float)D;
-        if (lane == 0) state1[key] = m;
-        const float step = lr / (sqrtf(m) + eps);
-#pragma unroll
-        for (int c = 0; c < CHUNKS; ++c)
-#pragma unroll
-            for (int k = 0; k < N; ++k) w[c][k] -= step * g[c][k];
-    } else {
-#pragma unroll
-        for (int c = 0; c < CHUNKS; ++c) {
-            const int d0 = c * chunk + lane * N;
-            if (d0 < D) {
-#pragma unroll
-                for (int k = 0; k < N; ++k) {
-                    m1[c][k] = beta1 * m1[c][k] + (1.0f - beta1) * g[c][k];
-                    m2[c][k] = beta2 * m2[c][k] + (1.0f - beta2) * g[c][k] * g[c][k];
-                    w[c][k] -= lr * (m1[c][k] / bias1) / (sqrtf(m2[c][k] / bias2) + eps);
-                }
-                store_f32<N>(state1 + elem, d0, D, vec_w, m1[c]);
-                store_f32<N>(state2 + elem, d0, D, vec_w, m2[c]);
-            }
-        }
-    }
-
-#pragma unroll
-    for (int c = 0; c < CHUNKS; ++c) {
-        const int d0 = c * chunk + lane * N;
-        if (d0 < D) {
-            if (mrow) store_f32<N>(mrow, d0, D, vec_w, w[c]);
-            store_weights<W, N>(wrow, d0, D, vec_w, w[c], stochastic != 0, seed, elem);
-        }
-    }
-}
-
-// Loads a row (or its fp32 master copy), its Adam moments and its row-wise Adagrad sum into registers.
-template <typename W, int OPT, int CHUNKS, int N>
-__device__ __forceinline__ void load_row(
-    const W* __restrict__ wrow, const float* __restrict__ mrow, const float* __restrict__ state1,
-    const float* __restrict__ state2, long long key, long long elem, int D, int lane, int lanes, bool vec_w,
-    float (&w)[CHUNKS][N], float (&m1)[CHUNKS][N], float (&m2)[CHUNKS][N], float& before) {
-    const int chunk = lanes * N;
-#pragma unroll
-    for (int c = 0; c < CHUNKS; ++c) {
-        const int d0 = c * chunk + lane * N;
-#pragma unroll
-        for (int k = 0; k < N; ++k) w[c][k] = m1[c][k] = m2[c][k] = 0.0f;
-        if (d0 < D) {
-            if (mrow) load_elems<float, N>(mrow, d0, D, vec_w, w[c]);
-            else load_elems<W, N>(wrow, d0, D, vec_w, w[c]);
-            if constexpr (OPT == OPT_ADAM) {
-                load_elems<float, N>(state1 + elem, d0, D, vec_w, m1[c]);
-                load_elems<float, N>(state2 + elem, d0, D, vec_w, m2[c]);
-            }
-        }
-    }
-    before = 0.0f;
-    if constexpr (OPT == OPT_ADAGRAD) before = state1[key];
-}
-
-// Sorted positions are cut into segments of at most SEGMENT: a segment starts where a row's run of
-// equal keys starts or at a multiple of SEGMENT. So a row that occurs thousands of times in a batch
-// (a skewed id, a tiny table) is summed by many thread groups at once instead of serialising on one.
-// A segment holding a whole run updates its row at once; the segments of a longer run store their
-// partial sums, and sparse_update_long adds them in position order (deterministic) and updates.
-// Partial slots: 2 * (pos / SEGMENT), plus 1 for a run that starts inside a segment's span.
-#define SEGMENT 64
 
 // CHUNKS: how many lanes * N column chunks a row may span (1, or enough for dim 512).
 template <typename W, typename K, int OPT, int CHUNKS>
@@ -227,44 +102,8 @@ __device__ __forceinline__ void sparse_update(
         const int n = __popc(__ballot_sync(mask, in));
         long long goff = 0;
         float scale = 0.0f;
-        if (in) {
-            const int bag = sorted_bags[j];
-            const int s = bag / batch_size;
-            goff = (long long)(bag - s * batch_size) * grad_stride + output_offsets[s];
-            scale = slot_mean[s] ? 1.0f / (float)max(offsets[bag + 1] - offsets[bag], 1LL) : 1.0f;
-        }
-        int u = 0;
-        for (; u + 2 <= n; u += 2) {
-            const long long o0 = __shfl_sync(mask, goff, u, lanes);
-            const long long o1 = __shfl_sync(mask, goff, u + 1, lanes);
-            const float f0 = __shfl_sync(mask, scale, u, lanes);
-            const float f1 = __shfl_sync(mask, scale, u + 1, lanes);
-#pragma unroll
-            for (int c = 0; c < CHUNKS; ++c) {
-                const int d0 = c * chunk + lane * N;
-                if (d0 < D) {
-                    float v0[N], v1[N];
-                    load_elems<float, N>(grad + o0, d0, D, vec_g, v0);
-                    load_elems<float, N>(grad + o1, d0, D, vec_g, v1);
-#pragma unroll
-                    for (int k = 0; k < N; ++k) g[c][k] += f0 * v0[k] + f1 * v1[k];
-                }
-            }
-        }
-        for (; u < n; ++u) {
-            const long long o = __shfl_sync(mask, goff, u, lanes);
-            const float f = __shfl_sync(mask, scale, u, lanes);
-#pragma unroll
-            for (int c = 0; c < CHUNKS; ++c) {
-                const int d0 = c * chunk + lane * N;
-                if (d0 < D) {
-                    float v[N];
-                    load_elems<float, N>(grad + o, d0, D, vec_g, v);
-#pragma unroll
-                    for (int k = 0; k < N; ++k) g[c][k] += f * v[k];
-                }
-            }
-        }
+        if (in) bag_gradient(sorted_bags[j], batch_size, grad_stride, output_offsets, slot_mean, offsets, goff, scale);
+        add_gradient_rows<CHUNKS, N>(grad, goff, scale, n, D, lane, lanes, mask, vec_g, g);
         if (n < lanes) break;
     }
 

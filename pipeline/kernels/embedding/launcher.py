@@ -9,6 +9,9 @@ Example::
     slots = SlotArrays.from_packing(packing, weights.device)
     pooled = pooled_forward(weights, slots, indices, offsets, batch_size)        # [B, total_dim] fp32
     backward_update(weights, state, slots, indices, offsets, batch_size, grad, "adagrad", lr=0.05, step=1)
+
+The fused update has candidate kernels (:data:`UPDATE_KERNELS`, ``docs/EMBEDDING.md``); :data:`UPDATE_KERNEL`
+names the one ``backward_update`` runs.
 """
 
 from __future__ import annotations
@@ -17,17 +20,50 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.kernels._launch import f32, i32, i64, launch, ptr, u64
+from pipeline.kernels._launch import f32, i32, i64, launch, ptr, resident_blocks, u64
 
 FORWARD_SOURCE = "embedding/embedding_forward.cu"
 BACKWARD_SOURCE = "embedding/embedding_backward.cu"
+RUNS_SOURCE = "embedding/embedding_update_runs.cu"
 BLOCK = 256
 BAGS_PER_GROUP = 8  # consecutive bags one thread group pools: more row loads in flight for one-hot bags
 SMALL_BATCH_BAGS = 1 << 16  # below this many bags, one bag per group keeps every multiprocessor busy
 MAX_UPDATE_DIM = 512
-SEGMENT = 64  # sorted positions per thread group in the update; as SEGMENT in embedding_backward.cu
+SEGMENT = 64  # sorted positions per thread group in the update; as SEGMENT in embedding_update.cuh
 _DTYPE_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 _OPTIMIZERS = ("sgd", "adagrad", "adam")
+
+
+@dataclass(frozen=True)
+class UpdateKernel:
+    """How the fused update is scheduled on the GPU. Every way sums a row's gradient rows in the same
+    order and owns each row once (with two vectors a lane, a row-wise Adagrad sum of squares adds its
+    terms in another order).
+
+    ``per_segment``: list the segments first (``embedding_update_runs.cu``) and give thread groups
+    segments, not sorted positions; ``looped``: launch only as many groups as stay resident, each looping
+    over segments with the next one's record loaded ahead (else one group per segment the batch may
+    hold); ``capped``: kernels whose registers are capped to keep more blocks resident without
+    spilling; ``vectors_per_lane``: 2 gives a row that one pass of lanes covers half the lanes, two
+    16-byte vectors each, so a warp updates two rows at once.
+    """
+
+    per_segment: bool = False
+    looped: bool = False
+    capped: bool = False
+    vectors_per_lane: int = 1
+
+
+# Each candidate adds one change to the one before it, so a side-by-side timing (bench embedding
+# --sweep-update-kernels) shows what each is worth; why each should be faster: embedding_update_runs.cu.
+UPDATE_KERNELS = {
+    "position": UpdateKernel(),
+    "segments": UpdateKernel(per_segment=True),
+    "segments_looped": UpdateKernel(per_segment=True, looped=True),
+    "segments_looped_capped": UpdateKernel(per_segment=True, looped=True, capped=True),
+    "segments_looped_capped_2vec": UpdateKernel(per_segment=True, looped=True, capped=True, vectors_per_lane=2),
+}
+UPDATE_KERNEL = "position"  # the one backward_update runs: the fastest measured so far (docs/BENCHMARKS.md)
 
 
 @dataclass(frozen=True)
@@ -162,6 +198,7 @@ def backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor], slots
         raise ValueError(f"expected fp32 master weights shaped {tuple(weights.shape)} on {weights.device}, "
                          f"got {master_weights.dtype} {tuple(master_weights.shape)} on {master_weights.device}")
     state1, state2 = _state_for(optimizer, state, weights, slots)
+    kernel = update_kernel()
     nnz = indices.numel()
     if batch_size == 0 or nnz == 0:
         return
@@ -173,8 +210,7 @@ def backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor], slots
     log_lanes = _log_lanes(slots.max_dim, width)
     chunks = 1 if slots.max_dim <= (width << log_lanes) else MAX_UPDATE_DIM // (32 * width)
     key = "i64" if sorted_keys.dtype == torch.int64 else "i32"
-    name = f"sparse_update_{optimizer}_{_DTYPE_NAMES[weights.dtype]}_{key}_c{chunks}"
-    rows_per_block = BLOCK >> log_lanes
+    kinds = f"{optimizer}_{_DTYPE_NAMES[weights.dtype]}_{key}"
     step = max(int(step), 1)
     grad_aligned = slots.columns_aligned and slots.total_dim % 4 == 0
     weights_aligned = weights.data_ptr() % 16 == 0 and all(
@@ -184,16 +220,71 @@ def backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor], slots
     partials = torch.empty(2 * segments * chunks * (width << log_lanes), dtype=torch.float32, device=weights.device)
     update = [f32(lr), f32(eps), f32(beta1), f32(beta2), f32(1.0 - beta1**step), f32(1.0 - beta2**step),
               f32(weight_decay), i32(stochastic_rounding), u64(_mix(seed, step))]
+    rows = [ptr(weights), ptr(master_weights), ptr(state1), ptr(state2)]
     tables = [ptr(slots.table_row_starts), ptr(slots.table_weight_offsets), ptr(slots.table_dims),
               i32(slots.table_dims.numel())]
-    launch(BACKWARD_SOURCE, name, weights.device, (nnz + rows_per_block - 1) // rows_per_block, BLOCK,
-           [ptr(weights), ptr(master_weights), ptr(state1), ptr(state2), ptr(sorted_keys), ptr(sorted_bags),
-            ptr(offsets), *tables, ptr(slots.output_offsets), ptr(slots.mean), ptr(grad), ptr(partials), i64(nnz),
-            i32(slots.num_slots), i32(batch_size), i32(log_lanes), i32(weights_aligned), i32(grad_aligned), *update])
+    if kernel.per_segment:
+        segments_list = list_segments(sorted_keys, sorted_bags)
+        seg_log_lanes, seg_chunks = segment_lanes(kernel, log_lanes, chunks)
+        name = f"sparse_update_runs{'_capped' if kernel.capped else ''}_{kinds}_c{seg_chunks}"
+        groups_per_block = BLOCK >> seg_log_lanes
+        grid = (nnz + groups_per_block - 1) // groups_per_block
+        if kernel.looped:
+            grid = min(grid, resident_blocks(RUNS_SOURCE, name, weights.device, BLOCK))
+        launch(RUNS_SOURCE, name, weights.device, grid, BLOCK,
+               [*rows, *map(ptr, segments_list), i64(nnz), ptr(sorted_bags), ptr(offsets), ptr(slots.weight_offsets),
+                ptr(slots.row_offsets), ptr(slots.output_offsets), ptr(slots.mean), ptr(grad), ptr(partials),
+                i32(slots.num_slots), i32(batch_size), i32(seg_log_lanes), i32(weights_aligned), i32(grad_aligned),
+                *update])
+    else:
+        rows_per_block = BLOCK >> log_lanes
+        launch(BACKWARD_SOURCE, f"sparse_update_{kinds}_c{chunks}", weights.device,
+               (nnz + rows_per_block - 1) // rows_per_block, BLOCK,
+               [*rows, ptr(sorted_keys), ptr(sorted_bags), ptr(offsets), *tables, ptr(slots.output_offsets),
+                ptr(slots.mean), ptr(grad), ptr(partials), i64(nnz), i32(slots.num_slots), i32(batch_size),
+                i32(log_lanes), i32(weights_aligned), i32(grad_aligned), *update])
     if segments > 1:
-        launch(BACKWARD_SOURCE, f"{name}_long", weights.device, (segments + rows_per_block - 1) // rows_per_block,
-               BLOCK, [ptr(weights), ptr(master_weights), ptr(state1), ptr(state2), ptr(sorted_keys), *tables,
-                       ptr(partials), i64(nnz), i32(log_lanes), i32(weights_aligned), *update])
+        launch(BACKWARD_SOURCE, f"sparse_update_{kinds}_c{chunks}_long", weights.device,
+               (segments + (BLOCK >> log_lanes) - 1) // (BLOCK >> log_lanes), BLOCK,
+               [*rows, ptr(sorted_keys), *tables, ptr(partials), i64(nnz), i32(log_lanes), i32(weights_aligned),
+                *update])
+
+
+def update_kernel() -> UpdateKernel:
+    """The candidate :data:`UPDATE_KERNEL` names."""
+    if UPDATE_KERNEL not in UPDATE_KERNELS:
+        raise ValueError(f"update kernel: expected one of {tuple(UPDATE_KERNELS)}, got {UPDATE_KERNEL!r}")
+    return UPDATE_KERNELS[UPDATE_KERNEL]
+
+
+def segment_lanes(kernel: UpdateKernel, log_lanes: int, chunks: int) -> tuple[int, int]:
+    """(log2 lanes, chunks) of a row in ``kernel``: half the lanes and two chunks where one pass of
+    ``1 << log_lanes`` lanes covers the row and ``kernel`` asks for two vectors a lane; else as given."""
+    if kernel.vectors_per_lane == 2 and chunks == 1 and log_lanes > 0:
+        return log_lanes - 1, 2
+    return log_lanes, chunks
+
+
+def list_segments(sorted_keys: torch.Tensor, sorted_bags: torch.Tensor) -> list[torch.Tensor]:
+    """The segments of the sorted positions, listed on the device with no host sync:
+    ``[seg_begin, seg_key, seg_bag, seg_split, count]``, as the per-segment kernels read them
+    (``embedding_update_runs.cu``). Sized for ``nnz`` segments; ``count`` (one int32) says how many there are."""
+    device, nnz = sorted_keys.device, sorted_keys.numel()
+    if nnz >= 2**31:
+        raise ValueError(f"the per-segment update kernels take fewer than 2**31 ids a batch, got {nnz}")
+    key = "i64" if sorted_keys.dtype == torch.int64 else "i32"
+    blocks = (nnz + BLOCK - 1) // BLOCK
+    block_ends = torch.empty(blocks, dtype=torch.int32, device=device)
+    launch(RUNS_SOURCE, f"count_segments_{key}", device, blocks, BLOCK, [ptr(sorted_keys), i64(nnz), ptr(block_ends)])
+    block_ends.cumsum_(0)
+    seg_begin = torch.empty(nnz + 1, dtype=torch.int32, device=device)
+    seg_key = torch.empty(nnz, dtype=sorted_keys.dtype, device=device)
+    seg_bag = torch.empty(nnz, dtype=torch.int32, device=device)
+    seg_split = torch.empty(nnz, dtype=torch.uint8, device=device)
+    launch(RUNS_SOURCE, f"compact_segments_{key}", device, blocks, BLOCK,
+           [ptr(sorted_keys), ptr(sorted_bags), i64(nnz), ptr(block_ends), ptr(seg_begin), ptr(seg_key),
+            ptr(seg_bag), ptr(seg_split)])
+    return [seg_begin, seg_key, seg_bag, seg_split, block_ends[blocks - 1:]]
 
 
 def _state_for(optimizer: str, state: dict[str, torch.Tensor], weights: torch.Tensor,
