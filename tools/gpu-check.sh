@@ -12,8 +12,10 @@
 #              there: base into SITE, the served models' environment into MODELS_ENV with the machine's
 #              torch) and cuDF from RAPIDS_PARTS
 #   preflight  versions, the GPU, what --device auto picks
-#   kernels    every `-m gpu` test but serving and ETL (hash table, embedding kernels, dynamic and
+#   kernels    every `-m gpu` test but serving, ETL and the embedding kernels' (hash table, dynamic and
 #              host-cached tables, syncs of a training step, the embedding store)
+#   embedding  the embedding kernels' GPU tests (every update kernel), then bench embedding's sweep of the
+#              update kernels against the byte floor, uniform and Zipf ids
 #   train      bench train at the MLPerf shape, Zipf and uniform ids, row-wise Adagrad
 #   dynamic    bench train --dynamic, Zipf and uniform ids
 #   hostcache  bench train --embedding-budget-mb: 26 x 2M rows under 8 GiB, then 26 x 5M under a quarter
@@ -114,7 +116,14 @@ print('--device auto:', resolve_device('auto'))
 " ;;
     kernels)
       step kernels-tests 420 "$PY" -m pytest -q -rs -m gpu -p no:cacheprovider --continue-on-collection-errors tests \
-        --ignore=tests/test_serve_gpu.py --ignore=tests/test_etl_gpu.py --ignore=tests/test_notebooks.py ;;
+        --ignore=tests/test_serve_gpu.py --ignore=tests/test_etl_gpu.py --ignore=tests/test_notebooks.py \
+        --ignore=tests/test_kernels_gpu.py ;;
+    embedding)
+      step embedding-tests 360 "$PY" -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_kernels_gpu.py
+      for ids in uniform zipf; do
+        step "embedding-sweep-$ids" 150 "$PY" -m pipeline bench embedding --device cuda --hots 1,20 --ids "$ids" \
+          --optimizer adagrad --no-baseline --sweep-update-kernels all
+      done ;;
     train)
       for ids in uniform zipf; do
         step "train-$ids" 150 "$PY" -m pipeline bench train "${mlperf[@]}" --rows 1000000 --ids "$ids" \
@@ -166,7 +175,7 @@ print('--device auto:', resolve_device('auto'))
       step etl-profile 150 "$PY" tools/etl_profile.py --backend cudf --rows "${ETL_PROFILE_ROWS:-5000000}" \
         --json "$W/etl-profile.json" --workdir /tmp/etl-profile
       step etl-stage 60 "$PY" -m pipeline run etl --device cuda data.rows=500000 etl.cluster=local workdir=/tmp/etl-stage ;;
-    *) echo "unknown group $group (setup preflight kernels train dynamic hostcache serve loader e2e etl)"; exit 2 ;;
+    *) echo "unknown group $group (setup preflight kernels embedding train dynamic hostcache serve loader e2e etl)"; exit 2 ;;
   esac
 done
 echo "== summary ($SECONDS s)"; cat "$summary"
