@@ -101,8 +101,9 @@ class HostCachedCollection(EmbeddingCollection):
         dynamic = [t.name for t in tables if t.dynamic]
         if dynamic:
             raise UserError(f"tables {sorted(cache_rows)} would be host-cached beside the dynamic tables "
-                            f"{', '.join(dynamic)}, which a host-cached collection does not hold: give the tables room "
-                            "in device memory (distributed.memory_per_rank_mb), or train on more ranks")
+                            f"{', '.join(dynamic)}, which a host-cached collection does not hold: remove their host_cached "
+                            "pins from distributed.sharding, or give the tables room in device memory "
+                            "(distributed.memory_per_rank_mb), or train on more ranks")
         super().__init__(tables, feature_names, optimizer, weights_dtype, backend, init_scale, validate_ids, generator)
         names = self.packing.table_names
         unknown = sorted(set(cache_rows) - set(names))
