@@ -36,6 +36,7 @@ from pipeline.etl.frame_library import FrameLibraryError, choose_frame_library, 
 from pipeline.etl.ops import Cast
 from pipeline.etl.ops.hashing import murmur3_column
 from pipeline.etl.ops.murmur import combine_row_hashes
+from tests.test_etl_keyed import categorical_rows
 
 ROWS = int(os.environ.get("PIPELINE_ETL_GPU_ROWS", "2000000"))
 FILES = 4
@@ -237,21 +238,6 @@ def test_cudf_partition_with_repeated_index_labels_transforms_like_pandas():
     np.testing.assert_allclose(got["x"].to_numpy(float), want["x"].to_numpy(float), rtol=1e-6)
 
 
-def _categorical_rows(n: int, seed: int, unseen: bool = False) -> pd.DataFrame:
-    """Strings (Zipf, nulls, non-ASCII text), integers with nulls, lists with missing lists and elements."""
-    rng = np.random.default_rng(seed)
-    shift = 1000 if unseen else 0
-    strings = [None if r < 0.1 else f"v{z % 700 + shift * (r > 0.8)}é" for r, z in zip(rng.random(n), rng.zipf(1.3, n))]
-    lists = [None if r < 0.1 else [None if j == 0 else f"t{j + shift * (r > 0.8)}" for j in rng.integers(0, 40, k)]
-             for r, k in zip(rng.random(n), rng.integers(0, 4, n))]
-    return pd.DataFrame({
-        "s": pd.array(strings, dtype="string"),
-        "i": pd.array(np.where(rng.random(n) < 0.15, None, rng.zipf(1.5, n) % 400 + shift * (rng.random(n) > 0.8)),
-                      dtype="Int64"),
-        "M": pd.Series(pd.arrays.ArrowExtensionArray(pa.array(lists, pa.list_(pa.string())))),
-    })
-
-
 def _to_cudf(frame: pd.DataFrame):
     import cudf
 
@@ -265,7 +251,7 @@ def test_keyed_counts_and_look_ups_on_cudf_equal_pandas():
     from pipeline.etl.ops import keyed
     from pipeline.etl.ops.categorify import _flat_strings, _plain_strings
 
-    cpu = _categorical_rows(20_000, seed=4)
+    cpu = categorical_rows(20_000, seed=4)
     gpu = _to_cudf(cpu)
     take = {"s": _plain_strings, "i": _plain_strings, "M": _flat_strings}
     cpu_columns = [take[name](cpu[name]) for name in take]
@@ -299,7 +285,7 @@ def test_cudf_categorify_equals_pandas_with_colliding_keys_and_missing_lists(mon
     def features():
         return (["s", "i"] >> Categorify(freq_threshold=2)) + (["M"] >> Categorify(max_vocab_size=30))
 
-    train, valid = _categorical_rows(30_000, seed=5), _categorical_rows(5_000, seed=6, unseen=True)
+    train, valid = categorical_rows(30_000, seed=5), categorical_rows(5_000, seed=6, unseen=True)
     cpu = Workflow(features()).fit(train)
     gpu = Workflow(features())
     with dask.config.set(scheduler="sync"):  # in this process, where the key function is replaced

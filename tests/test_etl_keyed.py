@@ -27,7 +27,7 @@ NAMES = ["s", "i", "M"]
 MULTIHOT = {"s": False, "i": False, "M": True}
 
 
-def _rows(n: int, seed: int, unseen: bool = False) -> pd.DataFrame:
+def categorical_rows(n: int, seed: int, unseen: bool = False) -> pd.DataFrame:
     """Strings (Zipf, with nulls and non-ASCII text), integers with nulls, lists with missing lists and elements."""
     rng = np.random.default_rng(seed)
     shift = 1000 if unseen else 0
@@ -67,7 +67,7 @@ def _weak_keys(strings: pd.Series) -> np.ndarray:
 
 
 def test_keyed_counts_of_a_partition_equal_the_arrow_counts():
-    df = _rows(3000, seed=1)
+    df = categorical_rows(3000, seed=1)
     by_keys = _count_partition_keyed(df, NAMES, MULTIHOT)
     by_arrow = _count_partition(df, NAMES, MULTIHOT)
     for name in NAMES:
@@ -81,7 +81,7 @@ def test_keyed_counts_of_a_partition_equal_the_arrow_counts():
 def test_keyed_vocabularies_and_codes_equal_the_pandas_path(monkeypatch, collide, params):
     if collide:
         monkeypatch.setattr(keyed, "string_keys", _weak_keys)
-    train = _rows(6000, seed=2)
+    train = categorical_rows(6000, seed=2)
     parts = [train.iloc[i:i + 1500] for i in range(0, len(train), 1500)]
     expected = Workflow(NAMES >> Categorify(**params)).fit(train).operators()[0][0]
     fitted = _keyed_fit(parts, **params)
@@ -89,7 +89,7 @@ def test_keyed_vocabularies_and_codes_equal_the_pandas_path(monkeypatch, collide
         assert fitted.vocabularies[name].equals(expected.vocabularies[name]), name
         np.testing.assert_array_equal(fitted.counts[name], expected.counts[name], err_msg=name)
     assert fitted.max_lengths == expected.max_lengths
-    valid = _rows(2000, seed=3, unseen=True)
+    valid = categorical_rows(2000, seed=3, unseen=True)
     for name in ("s", "i"):
         codes = _keyed_codes(_plain_strings(valid[name]), expected.vocabularies[name])
         want = expected.transform_column(name, valid[name])
