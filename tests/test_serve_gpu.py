@@ -10,6 +10,7 @@ in-process GPU model's. A new embedding store version is picked up without a res
 from __future__ import annotations
 
 import dataclasses
+import re
 import threading
 import time
 
@@ -19,7 +20,7 @@ import torch
 
 from export.client import Client
 from export.inprocess import InProcessModel
-from export.repository import cache_stats, raw_columns, store_version, write_repository
+from export.repository import cache_stats, lookup_dir, raw_columns, store_version, write_repository
 from export.server import server_problem, start_server
 from pipeline.data.raw_folder import RawDataset
 from pipeline.etl.workflow import Workflow
@@ -77,11 +78,15 @@ def test_gpu_instances_answer_as_the_model_on_the_gpu_in_process(served, protoco
     expected = reference.predict(rows)
     assert expected.std() > 0.05, "the fixture model's predictions should spread out"
     url = server.http_url if protocol == "http" else server.grpc_url
+    instances = int(re.search(r"count: (\d+)", (lookup_dir(export) / "config.pbtxt").read_text()).group(1))
     with Client(url, protocol) as client:
         got = client.predict(rows)
-        again = client.predict(rows.iloc[::-1])  # the same rows again: now from the GPU cache
+        # the same rows again, once more than there are instances (each caches on its own): at least one
+        # instance sees them a second time and answers from its GPU cache
+        again = [client.predict(rows.iloc[::-1]) for _ in range(instances)]
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5)
-    np.testing.assert_allclose(again, expected[::-1], rtol=0, atol=1e-5)
+    for answer in again:
+        np.testing.assert_allclose(answer, expected[::-1], rtol=0, atol=1e-5)
     deadline = time.monotonic() + 5
     stats = cache_stats(export)
     while stats["hits"] == 0 and time.monotonic() < deadline:

@@ -63,7 +63,7 @@ UPDATE_KERNELS = {
     "segments_looped_capped": UpdateKernel(per_segment=True, looped=True, capped=True),
     "segments_looped_capped_2vec": UpdateKernel(per_segment=True, looped=True, capped=True, vectors_per_lane=2),
 }
-UPDATE_KERNEL = "position"  # the one backward_update runs: the fastest measured so far (docs/BENCHMARKS.md)
+UPDATE_KERNEL = "segments_looped_capped"  # the one backward_update runs: the fastest measured (docs/BENCHMARKS.md)
 
 
 @dataclass(frozen=True)
@@ -198,8 +198,8 @@ def backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor], slots
         raise ValueError(f"expected fp32 master weights shaped {tuple(weights.shape)} on {weights.device}, "
                          f"got {master_weights.dtype} {tuple(master_weights.shape)} on {master_weights.device}")
     state1, state2 = _state_for(optimizer, state, weights, slots)
-    kernel = update_kernel()
     nnz = indices.numel()
+    kernel = update_kernel() if nnz < 2**31 else UPDATE_KERNELS["position"]  # per-segment positions are int32
     if batch_size == 0 or nnz == 0:
         return
     indices, offsets = indices.contiguous(), offsets.contiguous()
