@@ -60,6 +60,9 @@ def map_to_device(tensor: torch.Tensor, device: torch.device) -> bool:
     return True
 
 
+HOST_COPY_BLOCKS = 0
+"""The most blocks a copy between host and device memory launches (0: one group of threads a row)."""
+
 _MAPPED: dict[int, int] = {}
 """The host memory mapped so far: address -> bytes."""
 
@@ -103,6 +106,9 @@ def copy_rows(dst: torch.Tensor, dst_rows: torch.Tensor, src: torch.Tensor, src_
         raise ValueError(f"copy_rows: rows of {dst.shape[1]} words into rows of {src.shape[1]}")
     dim = dst.shape[1]
     aligned = dim % 4 == 0 and dst.data_ptr() % 16 == 0 and src.data_ptr() % 16 == 0
-    launch(SOURCE, "copy_rows", dst_rows.device, -(-n * COPY_GROUP // BLOCK), BLOCK,
+    blocks = -(-n * COPY_GROUP // BLOCK)
+    if HOST_COPY_BLOCKS:
+        blocks = min(blocks, HOST_COPY_BLOCKS)
+    launch(SOURCE, "copy_rows", dst_rows.device, blocks, BLOCK,
            [ptr(dst), ptr(dst_rows.contiguous()), ptr(src), ptr(src_rows.contiguous()), ptr(None), i64(n), i32(dim),
             i32(aligned)])
