@@ -221,16 +221,16 @@ def test_rows_move_as_whole_words_and_host_tables_are_mapped_only_for_a_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("blocks", [0, 1, 3], ids=["a group a row", "1 block", "3 blocks"])
+@pytest.mark.parametrize("blocks_per_sm", [0.5, 1e-6, 100], ids=["half the SMs", "1 block", "a group a row"])
 @pytest.mark.parametrize("dtype,shape", [(torch.float32, (5000, 12)), (torch.bfloat16, (5000, 6)),
                                          (torch.float32, (5000,)), (torch.float16, (5000, 130))])
-def test_on_a_gpu_rows_move_between_device_memory_and_mapped_host_tables_as_indexing_moves_them(dtype, shape, blocks,
-                                                                                             monkeypatch):
+def test_on_a_gpu_rows_move_between_device_memory_and_mapped_host_tables_as_indexing_moves_them(dtype, shape,
+                                                                                             blocks_per_sm, monkeypatch):
     """Also with fewer blocks launched than rows need (each group then copies several rows in turn)."""
     from pipeline.kernels import host_rows
     from pipeline.kernels.host_rows import copy_rows, map_to_device
 
-    monkeypatch.setattr(host_rows, "HOST_COPY_BLOCKS", blocks)
+    monkeypatch.setattr(host_rows, "HOST_COPY_BLOCKS_PER_SM", blocks_per_sm)
 
     g = torch.Generator().manual_seed(3)
     host = torch.randn(shape, generator=g).to(dtype)

@@ -60,8 +60,11 @@ def map_to_device(tensor: torch.Tensor, device: torch.device) -> bool:
     return True
 
 
-HOST_COPY_BLOCKS = 0
-"""The most blocks a copy between host and device memory launches (0: one group of threads a row)."""
+HOST_COPY_BLOCKS_PER_SM = 0.5
+"""Blocks a copy between host and device memory launches per multiprocessor of the GPU (fewer where its rows need
+fewer). Its rows wait on the bus, not on the multiprocessors: on the H200 random 512-byte rows crossed at 16.8 GB/s
+on half of them as on all (15.9), and beside the compute stream's GEMMs the copies on half of them slowed those
+GEMMs little where on all they stalled them (docs/BENCHMARKS.md, "Tables larger than the device")."""
 
 _MAPPED: dict[int, int] = {}
 """The host memory mapped so far: address -> bytes."""
@@ -75,6 +78,11 @@ def _unmap(address: int) -> None:
             runtime.hostUnregister(address)
         except runtime.CUDARuntimeError:
             pass  # at interpreter exit the runtime may be gone already
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def _words(rows: torch.Tensor) -> torch.Tensor:
@@ -106,9 +114,7 @@ def copy_rows(dst: torch.Tensor, dst_rows: torch.Tensor, src: torch.Tensor, src_
         raise ValueError(f"copy_rows: rows of {dst.shape[1]} words into rows of {src.shape[1]}")
     dim = dst.shape[1]
     aligned = dim % 4 == 0 and dst.data_ptr() % 16 == 0 and src.data_ptr() % 16 == 0
-    blocks = -(-n * COPY_GROUP // BLOCK)
-    if HOST_COPY_BLOCKS:
-        blocks = min(blocks, HOST_COPY_BLOCKS)
+    blocks = min(-(-n * COPY_GROUP // BLOCK), max(1, int(_multiprocessors(dst_rows.device) * HOST_COPY_BLOCKS_PER_SM)))
     launch(SOURCE, "copy_rows", dst_rows.device, blocks, BLOCK,
            [ptr(dst), ptr(dst_rows.contiguous()), ptr(src), ptr(src_rows.contiguous()), ptr(None), i64(n), i32(dim),
             i32(aligned)])
