@@ -28,6 +28,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -70,16 +71,17 @@ class _Staging:
         self._layout, end = [], 0
         for shape, dtype in specs:
             dtype = np.dtype(dtype)
-            self._layout.append((end, tuple(shape), dtype))
-            end += -(-int(np.prod(shape)) * dtype.itemsize // _ALIGN) * _ALIGN
+            size = math.prod(shape) * dtype.itemsize
+            self._layout.append((end, size, tuple(shape), dtype))
+            end += -(-size // _ALIGN) * _ALIGN
         self._end = end
         if self._pending:
             self._sent.synchronize()
             self._pending = False
         if end > self._host.numel():
             self._allocate(max(end, 2 * self._host.numel(), 1 << 16))
-        return [self._host_bytes[start: start + int(np.prod(shape)) * dtype.itemsize].view(dtype).reshape(shape)
-                for start, shape, dtype in self._layout]
+        return [self._host_bytes[start: start + size].view(dtype).reshape(shape)
+                for start, size, shape, dtype in self._layout]
 
     def send(self) -> list[torch.Tensor]:
         """The reserved arrays on the device (one copy), as views of its buffer, valid until the next send."""
@@ -87,8 +89,8 @@ class _Staging:
             self._on_device[: self._end].copy_(self._host[: self._end], non_blocking=True)
             self._sent.record(torch.cuda.current_stream(self.device))
             self._pending = True
-        return [self._on_device[start: start + int(np.prod(shape)) * dtype.itemsize].view(_torch_dtype(dtype))
-                .view(shape) for start, shape, dtype in self._layout]
+        return [self._on_device[start: start + size].view(_torch_dtype(dtype)).view(shape)
+                for start, size, shape, dtype in self._layout]
 
 
 class DeviceRows:
@@ -144,8 +146,14 @@ class DeviceRows:
         self.rows[slots] = rows
 
 
+_TORCH_DTYPES: dict[np.dtype, torch.dtype] = {}
+
+
 def _torch_dtype(dtype: np.dtype) -> torch.dtype:
-    return torch.from_numpy(np.zeros(1, dtype=dtype)).dtype
+    found = _TORCH_DTYPES.get(dtype)
+    if found is None:
+        found = _TORCH_DTYPES[dtype] = torch.from_numpy(np.zeros(1, dtype=dtype)).dtype
+    return found
 
 
 class _OnDevice:

@@ -12,10 +12,13 @@ one-hot feature, in ``config.categorical`` order; None when there is none) and, 
 ``multihot_ids`` ``[B, W]`` (each row's bags packed feature after feature, then padding) with
 ``multihot_lengths`` ``[B, M]``.
 
-The one-hot ids of a batch go to the caches in one request (``export.cache.make_caches``; one per
-dim where the tables' dims differ, and one per multi-hot feature): the ``lru`` and ``lfu`` caches
-find and gather the rows of all those tables in one vectorised step, and ``gpu-lru`` / ``gpu-lfu`` (a
-``KIND_GPU`` instance's) in one step on the GPU, waiting for it once.
+The one-hot ids and the multi-hot bags of a batch go to the caches in one request
+(``export.cache.make_caches``, ``lookup_parts``; one per dim where the tables' dims differ): the caches
+find the rows of all those tables in one vectorised step of their index on the host, and gather them
+where they keep them. The ``lru`` and ``lfu`` caches answer with numpy; ``gpu-lru`` / ``gpu-lfu`` (a
+``KIND_GPU`` instance's, on its GPU) with a tensor on their device, never waiting for it: the bags are
+pooled there too (all multi-hot features in one step), and the dense part of the same process takes the
+answer as it is.
 
 A new store version is picked up by :meth:`refresh` (called before each batch): the caches keep
 their hot ids and re-read those rows from the new version, and a batch is always computed from
@@ -25,6 +28,7 @@ Example::
 
     lookup = EmbeddingLookup("repo/embedding/store", LookupConfig.load("repo/embedding/layout.json"))
     pooled = lookup(np.array([[3, 7]]))          # [1, total_dim] float32
+    EmbeddingLookup(store, config, policy="gpu-lru", device="cuda:0")(ids)   # a tensor on cuda:0
     lookup.stats()["hit_rate"]
 """
 
@@ -218,6 +222,9 @@ class Bags(NamedTuple):
     starts: np.ndarray
 
 
+_NO_BAGS = Bags(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(1, np.int64))
+
+
 @dataclass
 class _Group:
     """The slots whose tables share a dim and dtype: looked up in one step of the caches, then pooled."""
@@ -315,7 +322,7 @@ def _unpack_multihot(ids: np.ndarray | None, lengths: np.ndarray | None, batch: 
     """The values of the packed ``[B, W]`` multi-hot ids (each row's bags feature after feature, then padding),
     grouped by feature (:class:`Bags`), in one step for all features."""
     if features == 0:
-        return Bags(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(1, np.int64))
+        return _NO_BAGS
     if ids is None or lengths is None:
         raise BadInputError(f"expected multi-hot ids and lengths for {features} features, got none")
     ids = np.asarray(ids, dtype=np.int64).reshape(batch, -1)
