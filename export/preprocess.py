@@ -9,11 +9,13 @@ The numbers are checked and stacked once, into one float64 matrix ``[column, row
 columns' order (NaN: missing): each column is a row of it, the numbers the numeric operators read of
 the ETL's column (``as_float64``: an int64 value beyond 2**53 rounds to the nearest float64 there
 too). The strings of a tensor are read in one pass, column after column, into one Arrow array whose
-slices are the columns, with the raw parquet's own types, wrapped as pandas' arrow-backed arrays (what
-a column of the frame the ETL's reader gives the workflow holds). The *same* operators as offline
-run on them (``Workflow.transform_columns``: ``Workflow.transform`` without building a DataFrame in
-or out, the columns of an operator computed together where it can, as it would compute each). The
-processed columns become the tensors the model takes, each stacked in one copy: ``DENSE`` ``[B,
+slices are the columns, of the raw parquet's own type. The workflow gets them kind by kind
+(:mod:`pipeline.etl.blocks`: the matrix, the text array), and any column read alone is what a column of
+the frame the ETL's reader gives the workflow holds (a row of the matrix, an arrow-backed pandas array).
+The *same* operators as offline run on them (``Workflow.transform_columns``: ``Workflow.transform``
+without building a DataFrame in or out, the columns of an operator computed together where it can, as
+it would compute each, and kept in blocks from one operator to the next). The processed columns become
+the tensors the model takes, each cut from its blocks in one copy: ``DENSE`` ``[B,
 n_cont]`` float32, ``CATEGORICAL_IDS`` ``[B, n_onehot]`` int64 and, with multi-hot features,
 ``MULTIHOT_IDS`` ``[B, W]`` (each row's bags packed, then ``-1``) and ``MULTIHOT_LENGTHS`` ``[B,
 n_multihot]``. A tensor whose kind of feature the schema lacks is not emitted (the configs leave it out
