@@ -349,7 +349,7 @@ class _ArrayCaches:
         self.tables = {name: tables[name] for name in self._names}
         slots = np.concatenate([np.arange(start, start + used) for start, used in zip(self._first_slot, self._used)])
         if slots.size:
-            rows = np.empty((slots.size, self._dim), dtype=next(iter(tables.values())).dtype)
+            rows = np.empty((slots.size, self._dim), dtype=self.tables[self._names[0]].dtype)
             self._fetch(self._key_of[slots], self._used, rows)
             self._rows.write(slots, rows)
 
