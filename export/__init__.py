@@ -9,7 +9,9 @@
                                            store)
 
 On CPU instances the three run in one python model, ``ranker`` (one python-backend hop per request);
-``export.fuse=none`` serves them as three models chained by the ensemble. A request holds one tensor
+``export.fuse=none`` serves them as three models chained by the ensemble. On GPU instances the cache's hot
+rows and its answer, the pooled embeddings, stay in GPU memory: the dense part takes them there (in the
+chain, ``embedding`` hands them to ``dense`` through DLPack). A request holds one tensor
 per kind of raw column (``request``: integers, floats, strings, lists, in the order the ensemble's
 ``layout`` parameter gives); ``wire`` encodes and decodes its string tensors with numpy.
 

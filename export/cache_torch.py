@@ -1,238 +1,184 @@
-"""The cache tiers on a torch device: hot rows in GPU memory, the same policies and answers as the numpy tiers.
+"""The cache tiers whose rows live on a torch device: hot rows in GPU memory, the answer a tensor there.
 
 Named ``gpu-lru`` and ``gpu-lfu`` in :data:`export.cache.TIERS` (:class:`TorchLruCache`, :class:`TorchLfuCache`);
-the ``embedding`` model uses them for a ``KIND_GPU`` instance (device ``cuda:<instance device id>``). As in the
-numpy ``lru`` / ``lfu``, the caches of all tables of one dim and dtype live in one set of tensors
-(:class:`TorchCaches`: key -> slot over the rows of all tables, slot -> key, rows, priorities; each table owns
-a segment of the slots, its capacity, and evicts within it), so one lookup serves a request's ids of every
-table, waiting for the device once:
+the embedding lookup uses them for a ``KIND_GPU`` instance (device ``cuda:<instance device id>``). They are the
+numpy ``lru`` / ``lfu`` caches (one index on the host for all tables of one dim and dtype, each table a segment
+of the slots with its own capacity and evictions: the same answers, counters and evictions) with their rows in
+a :class:`DeviceRows` store, so a lookup never waits for the device:
 
-- the ids go to the device in one copy, are deduplicated there by one sort, and the hits gathered there;
-- one read brings back the answer (a missed id's row left blank) with the distinct missed ids and each
-  table's number of hits: the counters are kept on the host from these sizes, and nothing more is read
-  when every id hit;
-- the missed rows are read from the memory-mapped store tables on the host, filled into the answer,
-  and go to the device in one copy, where they are cached (the victims of the tables that evict found
-  by sorting their slots by table, priority and slot) while the host goes on.
+- the index finds every id's slot on the host;
+- every id hit: the slots go to the device in one copy and the rows are gathered there;
+- some missed: their rows are read from the memory-mapped store tables on the host straight into a page-locked
+  buffer beside the slots and where each missed row goes (its new slot, or its place in the answer when its
+  table's cache has no room), all of it goes to the device in one copy, and the rows are cached and filled in
+  there.
 
-``device="cpu"`` runs the same code on the CPU, which is how it is tested without a GPU.
+The answer is a tensor on the device, computed on its current stream: the dense part takes it as it is, and the
+first read of a result on the host (the probabilities) waits for it.
+
+``device="cpu"`` runs the same code on the CPU (the page-locked buffer is then plain memory and nothing is
+copied), which is how it is tested without a GPU.
 
 Example::
 
     caches = TorchLruCache.for_tables({"t_C1": table_1, "t_C2": table_2}, {"t_C1": 1000, "t_C2": 50}, device="cuda:0")
-    rows = caches.lookup(["t_C1", "t_C2"], np.array([[5, 3], [7, 3]]))     # numpy [2 rows, 2 tables, dim]
+    rows = caches.lookup(["t_C1", "t_C2"], np.array([[5, 3], [7, 3]]))     # tensor [2 rows, 2 tables, dim] on cuda:0
     cache = TorchLfuCache(store_table, capacity=100_000)                    # one table, on the current GPU
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
-from export.cache import OneTableTier, shared_layout
+from export.cache import OneTableTier, _LfuCaches, _LruCaches
 
-_TOP = torch.iinfo(torch.int64).max
+_ALIGN = 64
+"""Each array in a staging buffer starts at a multiple of this many bytes (any dtype's alignment)."""
 
 
-class TorchCaches:
-    """The LRU / LFU machinery over tables of one dim and dtype on ``device``; numpy in and out.
+class _Staging:
+    """Arrays for a device, written into one page-locked host buffer and sent with one copy.
 
-    A row's key is its id plus its table's first key. ``_slot_of[key]`` is its slot, or the spare slot
-    past the last (``_spare``) where it is not cached, so every gather and scatter runs without a mask:
-    a missed key reads the spare row and touches the spare priority. Subclasses say how a slot's
-    priority is kept.
+    The buffers are kept and grown: :meth:`reserve` hands out views of the host buffer (waiting, when the copy
+    of the last :meth:`send` has not run yet, for that copy alone), :meth:`send` copies the bytes reserved and
+    returns the same views of the device buffer. On the CPU the two buffers are one and nothing is copied.
     """
 
-    def __init__(self, tables: dict[str, np.ndarray], capacities: dict[str, int],
-                 device: str | torch.device = "cuda") -> None:
-        rows, self.capacities, self._first_key, self._first_slot = shared_layout(tables, capacities)
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._cuda = device.type == "cuda"
+        self._sent = torch.cuda.Event() if self._cuda else None
+        self._pending = False
+        self._layout: list[tuple[int, tuple[int, ...], np.dtype]] = []
+        self._end = 0
+        self._allocate(0)
+
+    def _allocate(self, size: int) -> None:
+        if self._cuda:
+            self._host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            self._host_bytes = self._host.numpy()
+            self._on_device = torch.empty(size, dtype=torch.uint8, device=self.device)
+        else:
+            self._host_bytes = np.empty(size, dtype=np.uint8)
+            self._host = self._on_device = torch.from_numpy(self._host_bytes)
+
+    def reserve(self, specs: list[tuple[tuple[int, ...], np.dtype]]) -> list[np.ndarray]:
+        """Host views of the given shapes and dtypes to fill before :meth:`send`."""
+        self._layout, end = [], 0
+        for shape, dtype in specs:
+            dtype = np.dtype(dtype)
+            size = math.prod(shape) * dtype.itemsize
+            self._layout.append((end, size, tuple(shape), dtype))
+            end += -(-size // _ALIGN) * _ALIGN
+        self._end = end
+        if self._pending:
+            self._sent.synchronize()
+            self._pending = False
+        if end > self._host.numel():
+            self._allocate(max(end, 2 * self._host.numel(), 1 << 16))
+        return [self._host_bytes[start: start + size].view(dtype).reshape(shape)
+                for start, size, shape, dtype in self._layout]
+
+    def send(self) -> list[torch.Tensor]:
+        """The reserved arrays on the device (one copy), as views of its buffer, valid until the next send."""
+        if self._cuda:
+            self._on_device[: self._end].copy_(self._host[: self._end], non_blocking=True)
+            self._sent.record(torch.cuda.current_stream(self.device))
+            self._pending = True
+        return [self._on_device[start: start + size].view(_torch_dtype(dtype)).view(shape)
+                for start, size, shape, dtype in self._layout]
+
+
+class DeviceRows:
+    """The cached rows of a set of caches on a torch device (the row store of :class:`export.cache.HostRows`'s
+    interface), plus one spare row that an id whose row is not cached reads before its row is filled in."""
+
+    def __init__(self, slots: int, dim: int, dtype: np.dtype, device: str | torch.device = "cuda") -> None:
         self.device = torch.device(device)
-        self.tables = dict(tables)
-        self._names = list(tables)
-        self._index = {name: i for i, name in enumerate(tables)}
-        self._spare = int(self._first_slot[-1])
-        first = next(iter(tables.values()))
-        self._dim, self._dtype = first.shape[1], first.dtype
-        on = {"device": self.device}
-        self._slot_of = torch.full((int(rows.sum()),), self._spare, dtype=torch.int64, **on)
-        self._key_of = torch.full((self._spare + 1,), -1, dtype=torch.int64, **on)
-        self._rows = torch.zeros((self._spare + 1, self._dim), dtype=_torch_dtype(first.dtype), **on)
-        self._priority = torch.zeros(self._spare + 1, dtype=torch.int64, **on)
-        self._table_of_slot = torch.from_numpy(np.repeat(np.arange(len(tables)), self.capacities)).to(self.device)
-        self._first_keys = torch.from_numpy(self._first_key).to(self.device)
-        self._used = np.zeros(len(tables), dtype=np.int64)
-        self._tick = 0
-        self._hits = np.zeros(len(tables), dtype=np.int64)
-        self._misses = np.zeros(len(tables), dtype=np.int64)
-        self._evictions = np.zeros(len(tables), dtype=np.int64)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.rows = torch.zeros((slots + 1, dim), dtype=_torch_dtype(dtype), device=self.device)
+        self._dtype = np.dtype(dtype)
+        self._spare = slots
+        self._staging = _Staging(self.device)
 
-    def _touch(self, slots: torch.Tensor) -> None:
-        """Mark this lookup's ``slots`` (one per id, repeats included) as looked up."""
-        raise NotImplementedError
+    def empty(self) -> torch.Tensor:
+        return self.rows[:0]
 
-    def _initial_priority(self, counts: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+    def take(self, slots: np.ndarray) -> torch.Tensor:
+        (host,) = self._staging.reserve([(slots.shape, np.int64)])
+        host[...] = slots
+        (on_device,) = self._staging.send()
+        return self.rows.index_select(0, on_device)
 
-    def lookup(self, tables: list[str], ids: np.ndarray) -> np.ndarray:
-        first_keys = self._first_key[[self._index[table] for table in tables]]
-        keys = (np.asarray(ids, dtype=np.int64).reshape(-1, len(tables)) + first_keys).reshape(-1)
-        return self._lookup_keys(keys).reshape(-1, len(tables), self._dim)
-
-    def _lookup_keys(self, keys: np.ndarray) -> np.ndarray:
-        if keys.size == 0:
-            return np.empty((0, self._dim), dtype=self._dtype)
-        self._tick += 1
-        keys_on_device = self._to_device(keys)
-        slots = self._slot_of[keys_on_device]
-        self._touch(slots)
-        answer, report = self._read(self._rows[slots], self._report(keys_on_device, slots))
-        self._hits += report[keys.size:]
-        missed = report[: keys.size]
-        missed = missed[missed >= 0]
-        if missed.size == 0:
-            return answer
-        misses = np.bincount(np.searchsorted(self._first_key, missed, side="right") - 1, minlength=len(self._names))
-        self._misses += misses
-        fetched = self._fetch(missed, misses)
-        at = np.minimum(np.searchsorted(missed, keys), missed.size - 1)
-        was_missed = missed[at] == keys
-        answer[was_missed] = fetched[at[was_missed]]
-        self._insert(missed, fetched, np.bincount(at[was_missed], minlength=missed.size), misses,
-                     report[keys.size:], slots)
+    def serve(self, unique_slots: np.ndarray, hit: np.ndarray, inverse: np.ndarray, new_slots: np.ndarray,
+              cached: np.ndarray, fetch: Callable[[np.ndarray], None]) -> torch.Tensor:
+        inverse = inverse.reshape(-1)
+        missed = np.flatnonzero(~hit)
+        after = unique_slots.astype(np.int64)
+        after[missed[cached]] = new_slots
+        slots = after[inverse]
+        uncached = np.flatnonzero(slots < 0)  # a missed id whose table's cache had no room: filled in below
+        slots[uncached] = self._spare
+        ints = (slots, new_slots, cached, uncached, (np.cumsum(~hit) - 1)[inverse[uncached]])
+        host = self._staging.reserve([((missed.size, self.rows.shape[1]), self._dtype)]
+                                     + [(a.shape, np.int64) for a in ints])
+        fetch(host[0])
+        for view, values in zip(host[1:], ints):
+            view[...] = values
+        fetched, slots, new_slots, cached, uncached, source = self._staging.send()
+        if len(new_slots):
+            self.rows[new_slots] = fetched[cached]
+        answer = self.rows.index_select(0, slots)
+        if len(uncached):
+            answer[uncached] = fetched[source]
         return answer
 
-    def _report(self, keys: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """The distinct keys not cached, in order, then -1 up to ``keys``' length; then each table's distinct hits."""
-        ordered, order = torch.sort(keys)
-        first = torch.ones_like(ordered, dtype=torch.bool)
-        first[1:] = ordered[1:] != ordered[:-1]
-        cached = slots[order] < self._spare
-        table = torch.searchsorted(self._first_keys, ordered, right=True) - 1
-        hits = torch.zeros(len(self._names), dtype=torch.int64, device=self.device)
-        hits.index_add_(0, table, (first & cached).to(torch.int64))
-        missed = first & ~cached
-        report = torch.full((ordered.numel() + 1,), -1, dtype=torch.int64, device=self.device)
-        report.scatter_(0, torch.where(missed, missed.cumsum(0) - 1, ordered.numel()), ordered)
-        return torch.cat([report[:-1], hits])
-
-    def _fetch(self, keys: np.ndarray, per_table: np.ndarray) -> np.ndarray:
-        """The store's rows of ``keys``, grouped by table (``per_table`` of each, in table order)."""
-        rows = np.empty((keys.size, self._dim), dtype=self._dtype)
-        ends = np.cumsum(per_table)
-        for t in np.flatnonzero(per_table).tolist():
-            start = ends[t] - per_table[t]
-            rows[start: ends[t]] = self.tables[self._names[t]][keys[start: ends[t]] - self._first_key[t]]
-        return rows
-
-    def _insert(self, keys: np.ndarray, rows: np.ndarray, counts: np.ndarray, misses: np.ndarray,
-                hits: np.ndarray, protected: torch.Tensor) -> None:
-        """Cache the missed ``keys`` (in order, with their ``rows`` and numbers of occurrences; ``misses`` and
-        ``hits`` per table): each table's first keys, as many as its capacity holds beside its hits, go to its
-        free slots, then to those of lowest priority, never one of ``protected`` (this lookup's slots)."""
-        room = np.maximum(0, np.minimum(misses, self.capacities - hits))
-        free = np.minimum(self.capacities - self._used, room)
-        evict = room - free
-        table = np.repeat(np.arange(len(self._names)), misses)
-        rank = np.arange(keys.size) - np.repeat(np.cumsum(misses) - misses, misses)  # among its table's misses
-        to_free = np.flatnonzero(rank < free[table])
-        to_evict = np.flatnonzero((rank >= free[table]) & (rank < room[table]))
-        free_slots = self._first_slot[table[to_free]] + self._used[table[to_free]] + rank[to_free]
-        victims_at = self._first_slot[table[to_evict]] + rank[to_evict] - free[table[to_evict]]
-        self._used += free
-        self._evictions += evict
-        new = np.concatenate([to_free, to_evict])
-        if new.size == 0:
-            return
-        plan = self._to_device(np.concatenate([keys[new], counts[new], free_slots, victims_at]))
-        new_rows = self._to_device(rows[new])
-        new_keys, new_counts = plan[: new.size], plan[new.size: 2 * new.size]
-        slots = plan[2 * new.size: 2 * new.size + free_slots.size]
-        if to_evict.size:
-            evicting = np.flatnonzero(evict)
-            span = int(self._first_slot[evicting[0]]), int(self._first_slot[evicting[-1] + 1])
-            victims = self._victims(plan[2 * new.size + free_slots.size:], span, protected, slots)
-            self._slot_of.index_fill_(0, self._key_of[victims], self._spare)
-            slots = torch.cat([slots, victims])
-        self._key_of[slots] = new_keys
-        self._slot_of[new_keys] = slots
-        self._rows[slots] = new_rows
-        self._priority[slots] = self._initial_priority(new_counts)
-
-    def _victims(self, at: torch.Tensor, span: tuple[int, int], protected: torch.Tensor,
-                taken: torch.Tensor) -> torch.Tensor:
-        """The slots at positions ``at`` when the slots of ``span`` are ordered by table, priority and slot,
-        ``protected`` and ``taken`` ones last in their table."""
-        start, end = span
-        priority = self._priority.clone()
-        priority.index_fill_(0, protected, _TOP)
-        priority.index_fill_(0, taken, _TOP)
-        by_priority = torch.sort(priority[start:end], stable=True).indices
-        order = by_priority[torch.sort(self._table_of_slot[start:end][by_priority], stable=True).indices]
-        return order[at - start] + start
-
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        tensor = torch.from_numpy(np.ascontiguousarray(array))
-        if self.device.type == "cuda":
-            return tensor.pin_memory().to(self.device, non_blocking=True)
-        return tensor
-
-    def _read(self, *tensors: torch.Tensor) -> list[np.ndarray]:
-        """``tensors`` copied to the host, waiting for the device once."""
-        copies = [tensor.to("cpu", non_blocking=True) for tensor in tensors]
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        return [copy.numpy() for copy in copies]
-
-    def cached_ids(self, table: str) -> np.ndarray:
-        t = self._index[table]
-        start = int(self._first_slot[t])
-        return self._read(self._key_of[start: start + int(self._used[t])])[0] - self._first_key[t]
-
-    def refill(self, tables: dict[str, np.ndarray]) -> None:
-        if any(tables[name].shape != table.shape or tables[name].dtype != table.dtype
-               for name, table in self.tables.items()):  # other shapes: start cold
-            self.__init__({name: tables[name] for name in self._names},
-                          dict(zip(self._names, self.capacities.tolist())), self.device)
-            return
-        self.tables = {name: tables[name] for name in self._names}
-        slots = np.concatenate([np.arange(start, start + used) for start, used in zip(self._first_slot, self._used)])
-        if slots.size:
-            keys = self._read(self._key_of[: self._spare])[0][slots]
-            self._rows[self._to_device(slots)] = self._to_device(self._fetch(keys, self._used))
-
-    def stats(self) -> dict[str, dict[str, int]]:
-        return {name: {"hits": int(self._hits[t]), "misses": int(self._misses[t]),
-                       "evictions": int(self._evictions[t]), "size": int(self._used[t]),
-                       "capacity": int(self.capacities[t])} for name, t in self._index.items()}
+    def write(self, slots: np.ndarray, rows: np.ndarray) -> None:
+        host_rows, host_slots = self._staging.reserve([(rows.shape, self._dtype), (slots.shape, np.int64)])
+        host_rows[...] = rows
+        host_slots[...] = slots
+        rows, slots = self._staging.send()
+        self.rows[slots] = rows
 
 
-class _TorchLruCaches(TorchCaches):
-    def _touch(self, slots):
-        self._priority.index_fill_(0, slots, self._tick)
-
-    def _initial_priority(self, counts):
-        return torch.full_like(counts, self._tick)
-
-
-class _TorchLfuCaches(TorchCaches):
-    def _touch(self, slots):
-        self._priority.index_add_(0, slots, torch.ones_like(slots))
-
-    def _initial_priority(self, counts):
-        return counts
+_TORCH_DTYPES: dict[np.dtype, torch.dtype] = {}
 
 
 def _torch_dtype(dtype: np.dtype) -> torch.dtype:
-    return torch.from_numpy(np.zeros(1, dtype=dtype)).dtype
+    found = _TORCH_DTYPES.get(dtype)
+    if found is None:
+        found = _TORCH_DTYPES[dtype] = torch.from_numpy(np.zeros(1, dtype=dtype)).dtype
+    return found
+
+
+class _OnDevice:
+    row_store = DeviceRows
+
+    @property
+    def device(self) -> torch.device:
+        return self._rows.device
+
+
+class _TorchLruCaches(_OnDevice, _LruCaches):
+    pass
+
+
+class _TorchLfuCaches(_OnDevice, _LfuCaches):
+    pass
 
 
 class TorchLruCache(OneTableTier):
-    """The ``gpu-lru`` tier: least recently used, on ``device`` (the current CUDA device unless given)."""
+    """The ``gpu-lru`` tier: least recently used, its rows on ``device`` (the current CUDA device unless given)."""
 
     caches = _TorchLruCaches
 
 
 class TorchLfuCache(OneTableTier):
-    """The ``gpu-lfu`` tier: least frequently used, on ``device`` (the current CUDA device unless given)."""
+    """The ``gpu-lfu`` tier: least frequently used, its rows on ``device`` (the current CUDA device unless given)."""
 
     caches = _TorchLfuCaches

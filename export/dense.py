@@ -10,10 +10,11 @@ embeddings alone when the model has no continuous feature; the output is ``sigmo
 On a GPU the forward of a few small layers is bound by its kernel launches, not by its arithmetic.
 So a runner on a GPU (``cuda_graphs=True``, ``export.cuda_graphs``) replays CUDA graphs: one captured
 per padded batch size (:func:`padded_batch`: the powers of two up to ``max_batch``, then
-``max_batch``) on first use, into whose static input a batch's continuous features and pooled
-embeddings are copied side by side, in one host-to-device copy from a page-locked buffer; the rows
-past the batch are padding (the model computes each row on its own), the answer is the batch's rows.
-A batch larger than ``max_batch``, and every batch on the CPU, runs the module as it is.
+``max_batch``) on first use, into whose static inputs a batch's continuous features and pooled
+embeddings are copied: from the host in one host-to-device copy from a page-locked buffer, and the
+pooled embeddings of a GPU cache (a tensor on the device) from where they are, never through the host;
+the rows past the batch are padding (the model computes each row on its own), the answer is the batch's
+rows. A batch larger than ``max_batch``, and every batch on the CPU, runs the module as it is.
 
 Example::
 
@@ -81,40 +82,47 @@ def padded_batch(rows: int, max_batch: int) -> int | None:
 
 
 class _Graph:
-    """The module captured for ``batch`` rows of ``width`` input columns (continuous, then pooled)."""
+    """The module captured for ``batch`` rows of inputs of ``widths`` columns (continuous, then pooled).
 
-    def __init__(self, module, batch: int, split: int | None, width: int, device: torch.device) -> None:
-        self.host = torch.zeros(batch, width, pin_memory=True)
-        self.input = torch.zeros(batch, width, device=device)
-        self._split = split
+    Its static inputs lie one after the other in one device buffer, and a page-locked host buffer of the same
+    layout holds the host's inputs: when every input comes from the host, the buffer goes over in one copy;
+    an input already on the device (the pooled rows of a GPU cache) is copied there from where it is.
+    """
+
+    def __init__(self, module, batch: int, widths: list[int], device: torch.device) -> None:
+        self.host = torch.zeros(batch * sum(widths), pin_memory=True)
+        self.buffer = torch.zeros(batch * sum(widths), device=device)
+        bounds = np.cumsum([0] + [batch * w for w in widths]).tolist()
+        self._host_inputs = [self.host.numpy()[start:end].reshape(batch, -1) for start, end in zip(bounds, bounds[1:])]
+        self._pinned = [self.host[start:end].view(batch, -1) for start, end in zip(bounds, bounds[1:])]
+        self.inputs = [self.buffer[start:end].view(batch, -1) for start, end in zip(bounds, bounds[1:])]
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             for _ in range(3):  # warm up outside the capture (TorchScript profiles its first runs)
-                module(*self._inputs())
+                module(*self.inputs)
         torch.cuda.current_stream(device).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):  # other threads may use CUDA
-            self.output = module(*self._inputs())
+            self.output = module(*self.inputs)
 
-    def _inputs(self) -> list[torch.Tensor]:
-        if self._split is None:
-            return [self.input]
-        return [self.input[:, : self._split], self.input[:, self._split:]]
-
-    def __call__(self, columns: list[np.ndarray], rows: int) -> np.ndarray:
-        host = self.host.numpy()
-        start = 0
-        for x in columns:
-            host[:rows, start: start + x.shape[1]] = x
-            start += x.shape[1]
-        self.input.copy_(self.host, non_blocking=True)
+    def __call__(self, columns: list, rows: int) -> np.ndarray:
+        on_host = [isinstance(x, np.ndarray) for x in columns]
+        for x, host, is_host in zip(columns, self._host_inputs, on_host):
+            if is_host:
+                host[:rows] = x
+        if all(on_host):
+            self.buffer.copy_(self.host, non_blocking=True)
+        else:
+            for x, pinned, static, is_host in zip(columns, self._pinned, self.inputs, on_host):
+                static[:rows].copy_(pinned[:rows] if is_host else x, non_blocking=True)
         self.graph.replay()
         return self.output[:rows].cpu().numpy()
 
 
 class DenseRunner:
-    """Runs the saved dense part: numpy in, numpy ``[B, 1]`` float32 probabilities out."""
+    """Runs the saved dense part: numpy (or, for the pooled embeddings, a tensor) in, numpy ``[B, 1]`` float32
+    probabilities out."""
 
     def __init__(self, path: str | Path, device: str = "cpu", cuda_graphs: bool = False,
                  max_batch: int = 1024) -> None:
@@ -139,22 +147,23 @@ class DenseRunner:
                    cuda_graphs=params.get("cuda_graphs", "true") == "true",
                    max_batch=json.loads(args["model_config"])["max_batch_size"])
 
-    def __call__(self, dense: np.ndarray | None, pooled: np.ndarray) -> np.ndarray:
-        """``dense`` is None for a model without continuous features (its module takes ``pooled`` alone)."""
-        inputs = [np.ascontiguousarray(x, dtype=np.float32) for x in ([pooled] if dense is None else [dense, pooled])]
+    def __call__(self, dense: np.ndarray | None, pooled) -> np.ndarray:
+        """``dense`` is None for a model without continuous features (its module takes ``pooled`` alone). ``pooled``
+        is numpy, or a tensor (the answer of a cache whose rows are on a device), taken where it is."""
+        inputs = [x if isinstance(x, torch.Tensor) else np.ascontiguousarray(x, dtype=np.float32)
+                  for x in ([pooled] if dense is None else [dense, pooled])]
         rows = len(pooled)
         batch = padded_batch(rows, self.max_batch) if self.cuda_graphs and rows else None
         with torch.inference_mode():
             if batch is not None:
                 with torch.cuda.device(self.device):  # the graph's device, whichever the process made current
                     return self._graph(batch, inputs)(inputs, rows)
-            out = self.module(*(torch.from_numpy(x).to(self.device) for x in inputs))
+            out = self.module(*(x.to(self.device, torch.float32) if isinstance(x, torch.Tensor)
+                                else torch.from_numpy(x).to(self.device) for x in inputs))
         return out.cpu().numpy()
 
-    def _graph(self, batch: int, inputs: list[np.ndarray]) -> _Graph:
+    def _graph(self, batch: int, inputs: list) -> _Graph:
         graph = self._graphs.get(batch)
         if graph is None:
-            split = None if len(inputs) == 1 else inputs[0].shape[1]
-            width = sum(x.shape[1] for x in inputs)
-            graph = self._graphs[batch] = _Graph(self.module, batch, split, width, self.device)
+            graph = self._graphs[batch] = _Graph(self.module, batch, [x.shape[1] for x in inputs], self.device)
         return graph

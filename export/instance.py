@@ -12,7 +12,7 @@ that are gone (their half-written ``.tmp`` files too). Beside the cache counters
 the model spent in each phase of its batches (``phases_ns``: the store version's refresh, reading the inputs,
 preprocess, lookup, dense, writing the outputs) and the number of batches, so a benchmark can say where a served request's time goes. The model also refreshes before each batch, so the first request after an update gets the
 new version.
-A ``KIND_GPU`` instance caches hot rows in its GPU's memory.
+A ``KIND_GPU`` instance caches hot rows in its GPU's memory, and its pooled embeddings stay there.
 
 Example (inside a ``model.py``)::
 
@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from export.cache import Rows
 from export.lookup import EmbeddingLookup, LookupConfig
 from export.preprocess import CATEGORICAL_IDS, MULTIHOT_IDS, MULTIHOT_LENGTHS
 from pipeline.files import write_text
@@ -93,14 +94,14 @@ class LookupInstance:
     def __init__(self, args: dict, params: dict[str, str], log_error: Callable[[str], None]) -> None:
         model_dir = Path(args["model_repository"])
         config = LookupConfig.load(model_dir / args["model_version"] / "layout.json")
-        policy = params.get("cache_policy", "lru")
+        policy, device = params.get("cache_policy", "lru"), None
         if args.get("model_instance_kind") == "GPU" and policy != "none":
             import torch
 
             torch.cuda.set_device(int(args["model_instance_device_id"]))
-            policy = f"gpu-{policy}"
+            policy, device = f"gpu-{policy}", f"cuda:{args['model_instance_device_id']}"
         self.lookup = EmbeddingLookup(model_dir / "store", config, policy=policy,
-                                      cache_fraction=float(params.get("cache_fraction", "0.25")))
+                                      cache_fraction=float(params.get("cache_fraction", "0.25")), device=device)
         self._identity = {"pid": os.getpid(), "process": process_identity(os.getpid())}
         start = self._identity["process"].rsplit(":", 1)[1]
         self._stats_path = model_dir / STATS_FOLDER / f"instance-{os.getpid()}-{start}.json"
@@ -126,7 +127,9 @@ class LookupInstance:
                                 f"{self.lookup.store_root} could not be opened: {err}; it is not tried again "
                                 "until another is written (export.update=true)")
 
-    def pooled(self, inputs: dict[str, np.ndarray]) -> np.ndarray:
+    def pooled(self, inputs: dict[str, np.ndarray]) -> Rows:
+        """The pooled embeddings of a batch's features: numpy, or a tensor on the instance's GPU (its rows cached
+        there), which the dense part of the same process takes as it is."""
         with self._lock:
             return self.lookup(inputs.get(CATEGORICAL_IDS), inputs.get(MULTIHOT_IDS), inputs.get(MULTIHOT_LENGTHS))
 

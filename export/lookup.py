@@ -12,10 +12,13 @@ one-hot feature, in ``config.categorical`` order; None when there is none) and, 
 ``multihot_ids`` ``[B, W]`` (each row's bags packed feature after feature, then padding) with
 ``multihot_lengths`` ``[B, M]``.
 
-The one-hot ids of a batch go to the caches in one request (``export.cache.make_caches``; one per
-dim where the tables' dims differ, and one per multi-hot feature): the ``lru`` and ``lfu`` caches
-find and gather the rows of all those tables in one vectorised step, and ``gpu-lru`` / ``gpu-lfu`` (a
-``KIND_GPU`` instance's) in one step on the GPU, waiting for it once.
+The one-hot ids and the multi-hot bags of a batch go to the caches in one request
+(``export.cache.make_caches``, ``lookup_parts``; one per dim where the tables' dims differ): the caches
+find the rows of all those tables in one vectorised step of their index on the host, and gather them
+where they keep them. The ``lru`` and ``lfu`` caches answer with numpy; ``gpu-lru`` / ``gpu-lfu`` (a
+``KIND_GPU`` instance's, on its GPU) with a tensor on their device, never waiting for it: the bags are
+pooled there too (all multi-hot features in one step), and the dense part of the same process takes the
+answer as it is.
 
 A new store version is picked up by :meth:`refresh` (called before each batch): the caches keep
 their hot ids and re-read those rows from the new version, and a batch is always computed from
@@ -25,6 +28,7 @@ Example::
 
     lookup = EmbeddingLookup("repo/embedding/store", LookupConfig.load("repo/embedding/layout.json"))
     pooled = lookup(np.array([[3, 7]]))          # [1, total_dim] float32
+    EmbeddingLookup(store, config, policy="gpu-lru", device="cuda:0")(ids)   # a tensor on cuda:0
     lookup.stats()["hit_rate"]
 """
 
@@ -33,10 +37,11 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
-from export.cache import TableCaches, make_caches
+from export.cache import Rows, TableCaches, make_caches
 from export.store import StoreVersion, current_stamp, current_version, open_current
 from pipeline.errors import BadInputError
 
@@ -74,10 +79,12 @@ class LookupConfig:
 
 
 class EmbeddingLookup:
-    """Pooled embeddings of a batch through ``policy`` caches (``lru`` | ``lfu`` | ``none`` | registered)."""
+    """Pooled embeddings of a batch through ``policy`` caches (``lru`` | ``lfu`` | ``none`` | registered);
+    ``device``: where a ``gpu-`` policy keeps its rows (default: the current CUDA device). The answer is numpy,
+    or a tensor on that device."""
 
     def __init__(self, store_root: str | Path, config: LookupConfig, policy: str = "lru",
-                 cache_fraction: float = 0.25, min_cache_rows: int = 1024) -> None:
+                 cache_fraction: float = 0.25, min_cache_rows: int = 1024, device: str | None = None) -> None:
         self.store_root = Path(store_root)
         self.config = config
         self.policy = policy
@@ -88,25 +95,22 @@ class EmbeddingLookup:
         store = open_current(self.store_root)
         self.version = store.version
         self.caches: TableCaches = make_caches(
-            policy, store.tables, {name: self._capacity(table.shape[0]) for name, table in store.tables.items()})
+            policy, store.tables, {name: self._capacity(table.shape[0]) for name, table in store.tables.items()},
+            **({} if device is None else {"device": device}))
         missing = sorted(set(config.slot_tables) - set(store.tables))
         if missing:
             raise ValueError(f"the store at {self.store_root} has no tables {missing}")
         self._table_of = dict(zip(config.slot_features, config.slot_tables))
+        self._groups = _groups(config, store.tables)
+        self._multihot_tables = [self._table_of[f] for f in config.multihot]
         self._set_rows(store)
-        self._column_of = {f: i for i, f in enumerate(config.categorical)}
-        self._multihot_of = {f: i for i, f in enumerate(config.multihot)}
-        kinds: dict[tuple, list[int]] = {}
-        for k, (table, feature) in enumerate(zip(config.slot_tables, config.slot_features)):
-            if feature in self._column_of:
-                kinds.setdefault((store.tables[table].shape[1], store.tables[table].dtype.str), []).append(k)
-        self._onehot_groups = list(kinds.values())
 
     def _set_rows(self, store: StoreVersion) -> None:
         self._rows = {name: table.shape[0] for name, table in store.tables.items()}
         self._widths = {name: (table.shape[1], table.dtype) for name, table in store.tables.items()}
         self._keys = store.keys
         self._column_rows = np.array([self._rows[self._table_of[f]] for f in self.config.categorical], dtype=np.int64)
+        self._multihot_rows = np.array([self._rows[t] for t in self._multihot_tables], dtype=np.int64)
 
     def _capacity(self, rows: int) -> int:
         return cache_rows(rows, self.cache_fraction, self.min_cache_rows)
@@ -142,31 +146,22 @@ class EmbeddingLookup:
                                  f"{table.dtype}, the served one of {dim} {dtype}")
 
     def __call__(self, categorical: np.ndarray | None, multihot_ids: np.ndarray | None = None,
-                 multihot_lengths: np.ndarray | None = None) -> np.ndarray:
+                 multihot_lengths: np.ndarray | None = None) -> Rows:
         batch = _batch_size(categorical, multihot_lengths, len(self.config.categorical))
+        if not self.config.slot_tables:
+            return np.zeros((batch, 0), dtype=np.float32)
         categorical = np.asarray(categorical) if categorical is not None else np.zeros((batch, 0), np.int64)
         bags = _unpack_multihot(multihot_ids, multihot_lengths, batch, len(self.config.multihot))
-        slots = list(zip(self.config.slot_tables, self.config.slot_features, self.config.slot_mean))
-        if not slots:
-            return np.zeros((batch, 0), dtype=np.float32)
         categorical, bags = self._find_keys(categorical, bags)
         self._check(categorical, bags)
-        pieces: list[np.ndarray] = [np.empty(0)] * len(slots)
-        for group in self._onehot_groups:  # the one-hot slots whose tables share a dim: one lookup
-            rows = self.caches.lookup([slots[k][0] for k in group],
-                                      categorical[:, [self._column_of[slots[k][1]] for k in group]])
-            if group == list(range(len(slots))):  # every slot, in order: the rows are the answer as they are
-                return rows.reshape(batch, -1).astype(np.float32, copy=False)
-            for j, k in enumerate(group):
-                pieces[k] = rows[:, j]
-        for k, (table, feature, mean) in enumerate(slots):
-            if feature in self._multihot_of:
-                rows_of_value, ids = bags[self._multihot_of[feature]]
-                pieces[k] = _pool(self.caches.lookup([table], ids[:, None])[:, 0], rows_of_value, batch, mean)
-        return np.concatenate(pieces, axis=1, dtype=np.float32)
+        pieces = [group.pooled(self.caches, categorical, bags, batch) for group in self._groups]
+        if len(pieces) == 1 and self._groups[0].in_slot_order:
+            return pieces[0]
+        by_slot = sorted((slot, piece[:, k * group.dim: (k + 1) * group.dim])
+                         for group, piece in zip(self._groups, pieces) for k, slot in enumerate(group.slots))
+        return _concatenated([piece for _, piece in by_slot])
 
-    def _find_keys(self, categorical: np.ndarray,
-                   bags: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
+    def _find_keys(self, categorical: np.ndarray, bags: Bags) -> tuple[np.ndarray, Bags]:
         """The dynamic tables' raw ids replaced by their rows (an id the store does not hold by the last row)."""
         if not self._keys:
             return categorical, bags
@@ -174,10 +169,12 @@ class EmbeddingLookup:
         for c, feature in enumerate(self.config.categorical):
             if self._table_of[feature] in self._keys:
                 categorical[:, c] = self._rows_of_keys(categorical[:, c], self._keys[self._table_of[feature]])
-        bags = [(rows, self._rows_of_keys(ids, self._keys[self._table_of[feature]]))
-                if self._table_of[feature] in self._keys else (rows, ids)
-                for feature, (rows, ids) in zip(self.config.multihot, bags)]
-        return categorical, bags
+        ids = bags.ids.copy()
+        for j, table in enumerate(self._multihot_tables):
+            if table in self._keys:
+                of_j = slice(bags.starts[j], bags.starts[j + 1])
+                ids[of_j] = self._rows_of_keys(ids[of_j], self._keys[table])
+        return categorical, bags._replace(ids=ids)
 
     @staticmethod
     def _rows_of_keys(ids: np.ndarray, keys: np.ndarray) -> np.ndarray:
@@ -186,15 +183,17 @@ class EmbeddingLookup:
         found[found] = keys[at[found]] == ids[found]
         return np.where(found, at, len(keys))
 
-    def _check(self, categorical: np.ndarray, bags: list[tuple[np.ndarray, np.ndarray]]) -> None:
-        """Every id within its table (the one-hot ones in one step); the first one outside is named."""
+    def _check(self, categorical: np.ndarray, bags: Bags) -> None:
+        """Every id within its table (the one-hot ones in one step, the multi-hot ones in another); the first one
+        outside is named."""
         named = []
-        if categorical.size:
+        if categorical.size and not _all_below(categorical, self._column_rows):
             bad = np.flatnonzero(((categorical < 0) | (categorical >= self._column_rows)).any(axis=0))
             named += [(self.config.categorical[c], categorical[:, c]) for c in bad[:1]]
-        for feature, (_, ids) in zip(self.config.multihot, bags):
-            if ids.size and (ids.min() < 0 or ids.max() >= self._rows[self._table_of[feature]]):
-                named.append((feature, ids))
+        if bags.ids.size:
+            feature = np.repeat(np.arange(len(self.config.multihot)), np.diff(bags.starts))
+            bad = np.flatnonzero((bags.ids < 0) | (bags.ids >= self._multihot_rows[feature]))
+            named += [(self.config.multihot[feature[i]], bags.ids[i: i + 1]) for i in bad[:1]]
         if named:
             feature, ids = named[0]
             table = self._table_of[feature]
@@ -214,6 +213,94 @@ class EmbeddingLookup:
         }
 
 
+class Bags(NamedTuple):
+    """A batch's multi-hot values, feature after feature (``starts[j]``: where feature ``j``'s begin, ``starts[-1]``
+    their number), each feature's in row order: their ids and rows."""
+
+    ids: np.ndarray
+    rows: np.ndarray
+    starts: np.ndarray
+
+
+_NO_BAGS = Bags(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(1, np.int64))
+
+
+@dataclass
+class _Group:
+    """The slots whose tables share a dim and dtype: looked up in one step of the caches, then pooled."""
+
+    dim: int
+    slots: list[int]
+    """The group's slots, in slot order: its output holds their pooled rows side by side in this order."""
+    onehot_tables: list[str]
+    onehot_columns: list[int] | None
+    """The columns of the categorical ids that hold the one-hot slots' ids; None: all of them, in order."""
+    multihot_tables: list[str]
+    multihot_features: list[int]
+    multihot_mean: np.ndarray
+    onehot_at: np.ndarray
+    multihot_at: np.ndarray
+    in_slot_order: bool
+    """Whether the group holds every slot: its output is then the whole answer."""
+    _on_device: dict = field(default_factory=dict)
+
+    def pooled(self, caches: TableCaches, categorical: np.ndarray, bags: Bags, batch: int) -> Rows:
+        """``[batch, len(slots) * dim]`` float32: the group's pooled rows."""
+        parts = []
+        if self.onehot_tables:
+            ids = categorical if self.onehot_columns is None else categorical[:, self.onehot_columns]
+            parts.append((self.onehot_tables, ids))
+        parts += [([table], bags.ids[bags.starts[j]: bags.starts[j + 1], None])
+                  for table, j in zip(self.multihot_tables, self.multihot_features)]
+        rows = caches.lookup_parts(parts)
+        if not self.multihot_tables:
+            return _float32(rows[0].reshape(batch, -1))
+        out = _empty_like(rows[0], (batch, len(self.slots), self.dim))
+        onehot_at, multihot_at = self._places(out)
+        if self.onehot_tables:
+            out[:, onehot_at] = _float32(rows[0])
+        out[:, multihot_at] = _pool([part[:, 0] for part in rows[len(rows) - len(self.multihot_tables):]], bags,
+                                    self.multihot_features, self.multihot_mean, batch)
+        return out.reshape(batch, -1)
+
+    def _places(self, out: Rows) -> tuple[Rows, Rows]:
+        """Where the one-hot and the multi-hot slots go in the group's output, as indices of its array library
+        (on its device: indexing a device tensor with host indices would copy them there and wait)."""
+        if isinstance(out, np.ndarray):
+            return self.onehot_at, self.multihot_at
+        places = self._on_device.get(out.device)
+        if places is None:
+            import torch
+
+            places = self._on_device[out.device] = (torch.from_numpy(self.onehot_at).to(out.device),
+                                                    torch.from_numpy(self.multihot_at).to(out.device))
+        return places
+
+
+def _groups(config: LookupConfig, tables: dict[str, np.ndarray]) -> list[_Group]:
+    """The slots grouped by the dim and dtype of their tables, in the order of their first slots."""
+    column_of = {f: i for i, f in enumerate(config.categorical)}
+    multihot_of = {f: i for i, f in enumerate(config.multihot)}
+    kinds: dict[tuple, list[int]] = {}
+    for k, table in enumerate(config.slot_tables):
+        kinds.setdefault((tables[table].shape[1], tables[table].dtype.str), []).append(k)
+    groups = []
+    for (dim, _), slots in kinds.items():
+        onehot = [k for k in slots if config.slot_features[k] in column_of]
+        multihot = [k for k in slots if config.slot_features[k] in multihot_of]
+        columns = [column_of[config.slot_features[k]] for k in onehot]
+        groups.append(_Group(
+            dim=dim, slots=slots, onehot_tables=[config.slot_tables[k] for k in onehot],
+            onehot_columns=None if columns == list(range(len(config.categorical))) else columns,
+            multihot_tables=[config.slot_tables[k] for k in multihot],
+            multihot_features=[multihot_of[config.slot_features[k]] for k in multihot],
+            multihot_mean=np.array([config.slot_mean[k] for k in multihot], dtype=bool),
+            onehot_at=np.array([slots.index(k) for k in onehot], dtype=np.int64),
+            multihot_at=np.array([slots.index(k) for k in multihot], dtype=np.int64),
+            in_slot_order=slots == list(range(len(config.slot_tables)))))
+    return groups
+
+
 def cache_rows(rows: int, fraction: float, min_rows: int = 1024) -> int:
     """Rows of a table of ``rows`` that an instance's cache holds: ``fraction`` of them, at least ``min_rows``."""
     return min(rows, max(min_rows, int(rows * fraction)))
@@ -231,11 +318,11 @@ def _batch_size(categorical: np.ndarray | None, multihot_lengths: np.ndarray | N
     return np.asarray(multihot_lengths).shape[0]
 
 
-def _unpack_multihot(ids: np.ndarray | None, lengths: np.ndarray | None, batch: int,
-                     features: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Per multi-hot feature: (row of each value, the values), from the packed ``[B, W]`` form."""
+def _unpack_multihot(ids: np.ndarray | None, lengths: np.ndarray | None, batch: int, features: int) -> Bags:
+    """The values of the packed ``[B, W]`` multi-hot ids (each row's bags feature after feature, then padding),
+    grouped by feature (:class:`Bags`), in one step for all features."""
     if features == 0:
-        return []
+        return _NO_BAGS
     if ids is None or lengths is None:
         raise BadInputError(f"expected multi-hot ids and lengths for {features} features, got none")
     ids = np.asarray(ids, dtype=np.int64).reshape(batch, -1)
@@ -245,19 +332,58 @@ def _unpack_multihot(ids: np.ndarray | None, lengths: np.ndarray | None, batch: 
     ends = np.cumsum(lengths, axis=1)
     if batch and ends[:, -1].max(initial=0) > ids.shape[1]:
         raise BadInputError(f"multi-hot lengths add up to {ends[:, -1].max()} but rows hold {ids.shape[1]} ids")
-    position = np.arange(ids.shape[1])
-    feature_of = (position[None, :, None] >= ends[:, None, :]).sum(-1)
-    out = []
-    for j in range(features):
-        rows, cols = np.nonzero(feature_of == j)
-        out.append((rows, ids[rows, cols]))
-    return out
+    rows, columns = np.nonzero(np.arange(ids.shape[1]) < ends[:, -1:])
+    feature = (columns[:, None] >= ends[rows]).sum(axis=1)
+    order = np.argsort(feature, kind="stable")
+    starts = np.concatenate([[0], np.cumsum(np.bincount(feature, minlength=features))])
+    return Bags(ids[rows, columns][order], rows[order], starts)
 
 
-def _pool(rows: np.ndarray, row_of_value: np.ndarray, batch: int, mean: bool) -> np.ndarray:
-    out = np.zeros((batch, rows.shape[1]), dtype=np.float32)
-    np.add.at(out, row_of_value, rows.astype(np.float32, copy=False))
-    if mean:
-        counts = np.bincount(row_of_value, minlength=batch).astype(np.float32)
-        out /= np.maximum(counts, 1)[:, None]
-    return out
+def _pool(rows: list[Rows], bags: Bags, features: list[int], mean: np.ndarray, batch: int) -> Rows:
+    """``[batch, len(features), dim]`` float32: the rows of each of ``features``' values summed over each bag (their
+    mean where ``mean``), an empty bag giving zeros; all features in one step."""
+    slot = np.repeat(np.arange(len(features)), [bags.starts[j + 1] - bags.starts[j] for j in features])
+    rows_of = np.concatenate([bags.rows[bags.starts[j]: bags.starts[j + 1]] for j in features])
+    target = rows_of * len(features) + slot
+    counts = np.bincount(target, minlength=batch * len(features)).reshape(batch, len(features))
+    divisor = np.where(mean, np.maximum(counts, 1), 1).astype(np.float32)
+    if isinstance(rows[0], np.ndarray):
+        out = np.zeros((batch * len(features), rows[0].shape[1]), dtype=np.float32)
+        np.add.at(out, target, np.concatenate(rows).astype(np.float32, copy=False))
+        out = out.reshape(batch, len(features), -1)
+        return out / divisor[:, :, None] if mean.any() else out
+    import torch
+
+    device = rows[0].device
+    out = torch.zeros((batch * len(features), rows[0].shape[1]), dtype=torch.float32, device=device)
+    out.index_add_(0, torch.from_numpy(target).to(device, non_blocking=True), torch.cat(rows).float())
+    out = out.view(batch, len(features), -1)
+    return out / torch.from_numpy(divisor).to(device, non_blocking=True)[:, :, None] if mean.any() else out
+
+
+def _all_below(ids: np.ndarray, rows: np.ndarray) -> bool:
+    """Whether every id is within ``0 <= id < rows`` of its column, in one comparison (a negative id read as
+    unsigned is above every row count)."""
+    if ids.dtype != np.int64:
+        ids = ids.astype(np.int64)
+    return bool(np.less(ids.view(np.uint64), rows.view(np.uint64)).all())
+
+
+def _float32(rows: Rows) -> Rows:
+    return rows.astype(np.float32, copy=False) if isinstance(rows, np.ndarray) else rows.float()
+
+
+def _empty_like(rows: Rows, shape: tuple[int, ...]) -> Rows:
+    if isinstance(rows, np.ndarray):
+        return np.empty(shape, dtype=np.float32)
+    import torch
+
+    return torch.empty(shape, dtype=torch.float32, device=rows.device)
+
+
+def _concatenated(pieces: list[Rows]) -> Rows:
+    if isinstance(pieces[0], np.ndarray):
+        return np.concatenate(pieces, axis=1)
+    import torch
+
+    return torch.cat(pieces, dim=1)

@@ -160,8 +160,11 @@ def _python_model(name: str, inputs: list[Tensor], outputs: list[Tensor], option
 def _dense(spec: EnsembleSpec, options: ModelOptions) -> str:
     inputs = spec.dense_inputs
     if options.dense_backend == "python":
+        # On GPU instances the pooled embeddings of ``embedding`` stay in GPU memory (the python backend moves
+        # every input to the host unless told not to).
+        on_gpu = {"FORCE_CPU_ONLY_INPUT_TENSORS": "no"} if options.instance_kind == "gpu" else {}
         return _python_model("dense", inputs, [spec.prediction], options,
-                             parameters=_dense_parameters(options))
+                             parameters={**_dense_parameters(options), **on_gpu})
     if options.dense_backend != "pytorch":
         raise UserError(f"export.dense_backend: expected python or pytorch, got {options.dense_backend!r}")
     renamed_in = [Tensor(f"INPUT__{i}", t.dtype, t.dims) for i, t in enumerate(inputs)]

@@ -9,11 +9,13 @@ The numbers are checked and stacked once, into one float64 matrix ``[column, row
 columns' order (NaN: missing): each column is a row of it, the numbers the numeric operators read of
 the ETL's column (``as_float64``: an int64 value beyond 2**53 rounds to the nearest float64 there
 too). The strings of a tensor are read in one pass, column after column, into one Arrow array whose
-slices are the columns, with the raw parquet's own types, wrapped as pandas' arrow-backed arrays (what
-a column of the frame the ETL's reader gives the workflow holds). The *same* operators as offline
-run on them (``Workflow.transform_columns``: ``Workflow.transform`` without building a DataFrame in
-or out, the columns of an operator computed together where it can, as it would compute each). The
-processed columns become the tensors the model takes, each stacked in one copy: ``DENSE`` ``[B,
+slices are the columns, of the raw parquet's own type. The workflow gets them kind by kind
+(:mod:`pipeline.etl.blocks`: the matrix, the text array), and any column read alone is what a column of
+the frame the ETL's reader gives the workflow holds (a row of the matrix, an arrow-backed pandas array).
+The *same* operators as offline run on them (``Workflow.transform_columns``: ``Workflow.transform``
+without building a DataFrame in or out, the columns of an operator computed together where it can, as
+it would compute each, and kept in blocks from one operator to the next). The processed columns become
+the tensors the model takes, each cut from its blocks in one copy: ``DENSE`` ``[B,
 n_cont]`` float32, ``CATEGORICAL_IDS`` ``[B, n_onehot]`` int64 and, with multi-hot features,
 ``MULTIHOT_IDS`` ``[B, W]`` (each row's bags packed, then ``-1``) and ``MULTIHOT_LENGTHS`` ``[B,
 n_multihot]``. A tensor whose kind of feature the schema lacks is not emitted (the configs leave it out
@@ -41,6 +43,7 @@ import pyarrow.compute as pc
 
 from export.request import FLOATS, FLOATS_MISSING, INTEGERS, INTEGERS_MISSING, LISTS, STRINGS, RequestLayout
 from pipeline.errors import BadInputError, UserError
+from pipeline.etl.blocks import BlockColumns, ColumnRows, ColumnSlices
 from pipeline.schema import Schema
 
 DENSE = "DENSE"
@@ -122,18 +125,22 @@ class Preprocessor:
         return cls(RawColumns.load(folder / "raw_columns.json"), Schema.load(folder / "schema.json"),
                    workflow.transform_columns)
 
-    def columns(self, tensors: Mapping[str, np.ndarray]) -> dict[str, Any]:
-        """The request's raw columns as the workflow takes them: each continuous column a float64 row of one
-        matrix, the others arrow-backed pandas arrays typed as the ETL reads its parquet input."""
+    def columns(self, tensors: Mapping[str, np.ndarray]) -> BlockColumns:
+        """The request's raw columns as the workflow takes them, kind by kind (:mod:`pipeline.etl.blocks`): the
+        continuous columns as the float64 rows of one matrix, the text (and list) columns one after the other in
+        one Arrow array typed as the ETL reads its parquet input (or, where their types differ, each an
+        arrow-backed pandas array)."""
         batch = self._check(tensors)
-        out: dict[str, Any] = self._numbers(tensors, batch) if self.raw.continuous else {}
-        out.update((name, np.zeros(batch)) for name in self.raw.label)  # read by the workflow, not by the model
+        blocks: list[Mapping[str, Any]] = []
+        if self.raw.continuous:
+            blocks.append(ColumnRows(list(self.raw.continuous), self._numbers(tensors, batch)))
+        blocks.append({name: np.zeros(batch) for name in self.raw.label})  # read by the workflow, not by the model
         if STRINGS in self._inputs:
-            out.update(self._column_arrays(_strings(_by_column(tensors[STRINGS])), self.layout.strings, batch))
+            blocks.append(self._text_columns(_strings(_by_column(tensors[STRINGS])), self.layout.strings, batch))
         if LISTS in self._inputs:
             lists = pc.split_pattern(_strings(_by_column(tensors[LISTS])), self.raw.list_separator)
-            out.update(self._column_arrays(lists, self.layout.lists, batch))
-        return out
+            blocks.append(self._text_columns(lists, self.layout.lists, batch))
+        return BlockColumns(blocks)
 
     def _check(self, tensors: Mapping[str, np.ndarray]) -> int:
         """The batch size, after checking that every tensor is there, of its dtype, its columns and that size."""
@@ -155,7 +162,7 @@ class Preprocessor:
             raise BadInputError("empty batch: expected at least one row")
         return batch
 
-    def _numbers(self, tensors: Mapping[str, np.ndarray], batch: int) -> dict[str, np.ndarray]:
+    def _numbers(self, tensors: Mapping[str, np.ndarray], batch: int) -> np.ndarray:
         """The continuous columns as the rows of one float64 matrix, in the raw columns' order: each value as its
         raw type holds it, NaN where missing."""
         matrix = np.empty((len(self.raw.continuous), batch))
@@ -173,10 +180,13 @@ class Preprocessor:
                 raise BadInputError(f"input {FLOATS}, column {self.layout.floats[column]}, row {row}: expected finite "
                                     f"numbers (missing: {FLOATS_MISSING}), got {floats[column, row]}")
         matrix[missing] = np.nan
-        return dict(zip(self.raw.continuous, matrix))
+        return matrix
 
-    def _column_arrays(self, values: pa.Array, names: tuple[str, ...], batch: int) -> dict[str, Any]:
-        """The slices of one Arrow array of columns one after the other, as the pandas arrays the workflow reads."""
+    def _text_columns(self, values: pa.Array, names: tuple[str, ...], batch: int) -> Mapping[str, Any]:
+        """The columns one after the other in ``values``: as they are where each has their type, else each as the
+        pandas array of its own type that the workflow reads."""
+        if all(self._types[name] == values.type for name in names):
+            return ColumnSlices(list(names), values, batch)
         return {name: pd.arrays.ArrowExtensionArray(_cast(values.slice(k * batch, batch), self._types[name]))
                 for k, name in enumerate(names)}
 
@@ -251,7 +261,12 @@ def _cast(array: pa.Array, target: pa.DataType) -> pa.Array:
 
 
 def _matrix(processed: Columns, columns: list[str], dtype) -> np.ndarray:
-    """The columns side by side, ``[row, column]`` of ``dtype``, in one copy where they are numpy arrays."""
+    """The columns side by side, ``[row, column]`` of ``dtype``, in one copy where they are rows of blocks or numpy
+    arrays."""
+    if isinstance(processed, BlockColumns):
+        matrix = processed.matrix(columns, dtype)
+        if matrix is not None:
+            return matrix
     arrays = [values if isinstance(values, np.ndarray) else values.to_numpy(dtype=dtype) if hasattr(values, "to_numpy")
               else np.asarray(values, dtype=dtype) for values in (processed[name] for name in columns)]
     return np.stack(arrays, axis=1).astype(dtype, copy=False)

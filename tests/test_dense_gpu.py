@@ -36,4 +36,8 @@ def test_cuda_graphs_answer_as_the_module_run_as_it_is(tmp_path, num_dense):
         assert got.shape == expected.shape == (rows, 1)
         # The same kernels on the same inputs; cuBLAS may pick another algorithm for the padded batch size.
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+        # the pooled rows of a GPU cache, a tensor on the device: copied into the graph's input there
+        on_device = torch.from_numpy(pooled).cuda()
+        np.testing.assert_array_equal(graphs(dense, on_device), got)
+        np.testing.assert_allclose(eager(dense, on_device), expected, rtol=0, atol=0)
     torch.cuda.synchronize()

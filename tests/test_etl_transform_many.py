@@ -76,7 +76,7 @@ def _assert_same(many: dict, alone: dict) -> None:
     assert list(many) == list(alone)
     for name, expected in alone.items():
         got = many[name]
-        if isinstance(expected, pd.Series):  # multi-hot lists
+        if isinstance(expected, (pd.Series, pd.api.extensions.ExtensionArray)):  # multi-hot lists
             assert pa.array(got).equals(pa.array(expected)), name
             continue
         expected, got = np.asarray(expected), np.asarray(got)
@@ -130,3 +130,60 @@ def test_a_refit_vocabulary_is_looked_up_afresh_by_the_many_column_transform():
     assert {n: v.tolist() for n, v in workflow.transform_columns(one_row).items()} == {"C": [3], "D": [3]}
     workflow.fit(pd.DataFrame({"C": list("abbbcc") * 3, "D": list("xxxyyz") * 3}))
     assert {n: v.tolist() for n, v in workflow.transform_columns(one_row).items()} == {"C": [2], "D": [2]}
+
+
+def _blocks_workflow() -> tuple[Workflow, list[str], list[str], list[str]]:
+    """The ETL's usual graph (numbers filled, clipped, logged and normalized beside their missing indicators; text
+    and list columns through one Categorify), fitted on in-memory rows."""
+    numbers, words, lists = ["a", "b", "c"], ["small", "large", "object"], ["tags"]
+    graph = (numbers >> FillMissing(strategy="median") >> Clip(min_value=0) >> LogOp() >> Normalize()) \
+        + (numbers >> MissingIndicator()) + ((words + lists) >> Categorify())
+    fit = {**dict(zip(numbers, (v for v in _numbers(400, 1).values()))), **_categories(6000, 0)}
+    frame = pd.DataFrame({name: pd.Series(fit[name]) for name in numbers + words})
+    frame["tags"] = pd.Series(pd.arrays.ArrowExtensionArray(pa.array(
+        [[f"t{(i * j) % 9}" for j in range(i % 4)] for i in range(len(frame))], pa.list_(pa.string()))))
+    return Workflow(graph).fit(frame), numbers, words, lists
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_columns_in_blocks_give_the_bits_of_the_same_columns_one_by_one(rows):
+    """A request's columns kind by kind (a matrix of numbers, the text and the list columns each in one Arrow
+    array) through ``transform_columns``: each output column holds the bits of the same columns handed over one by
+    one, and the numbers and the codes come out as the rows of one matrix each."""
+    from pipeline.etl.blocks import BlockColumns, ColumnRows, ColumnSlices
+
+    workflow, numbers, words, lists = _blocks_workflow()
+    drawn = _numbers(rows, seed=rows + 3)
+    matrix = np.array([drawn["f64"], drawn["int_rows"], drawn["constant"]])
+    text = pa.concat_arrays([pa.array(_words(rows, rows + k, size), pa.string()) for k, size in enumerate((3, 5000, 60))])
+    tags = pa.array([None if i % 5 == 0 else [f"t{(i + j) % 11}" for j in range(i % 3)] for i in range(rows)],
+                    pa.list_(pa.string()))
+    blocks = BlockColumns([ColumnRows(numbers, matrix), ColumnSlices(words, text, rows), ColumnSlices(lists, tags, rows)])
+    one_by_one = {**dict(zip(numbers, matrix)), **{name: blocks[name] for name in words + lists}}
+    got = workflow.transform_columns(blocks)
+    assert isinstance(got, BlockColumns)
+    _assert_same({name: got[name] for name in got}, workflow.transform_columns(one_by_one))
+    dense = got.matrix(numbers + [f"{n}_missing" for n in numbers], np.float32)
+    assert dense is not None and dense.shape == (rows, 6) and dense.flags.c_contiguous
+    codes = got.matrix(words, np.int64)
+    assert codes is not None or rows > 16, "at a few rows every text column is looked up in one pass: one matrix"
+    if codes is not None:
+        np.testing.assert_array_equal(codes, np.stack([got[name] for name in words], axis=1))
+
+
+def test_a_block_selects_its_columns_without_a_copy_where_they_follow_each_other():
+    from pipeline.etl.blocks import BlockColumns, ColumnRows, ColumnSlices
+
+    matrix = np.arange(12.0).reshape(4, 3)
+    rows = ColumnRows(["w", "x", "y", "z"], matrix)
+    assert rows.select(["w", "x", "y", "z"]) is rows
+    assert np.shares_memory(rows.select(["x", "y"]).matrix, matrix)
+    assert rows.select(["z", "w"]).matrix.tolist() == [[9.0, 10.0, 11.0], [0.0, 1.0, 2.0]]
+    text = ColumnSlices(["p", "q"], pa.array(["a", None, "b", "c", "d", None]), rows=3)
+    assert text["q"].tolist()[:2] == ["c", "d"] and pd.isna(text["q"][2])
+    both = BlockColumns([rows, text, {"label": np.zeros(3)}])
+    assert list(both) == ["w", "x", "y", "z", "p", "q", "label"]
+    assert both.matrix(["y", "z", "label"], np.float32) is None
+    assert both.matrix(["y", "z", "w"], np.float32).tolist() == [[6, 9, 0], [7, 10, 1], [8, 11, 2]]
+    mixed = both.select(["z", "p", "q"])
+    assert isinstance(mixed, BlockColumns) and [type(b).__name__ for b in mixed.blocks] == ["ColumnRows", "ColumnSlices"]

@@ -199,6 +199,9 @@ def test_instance_groups_and_dynamic_batching_are_options():
     fused = model_configs(spec, ModelOptions(instances=3))
     assert "kind: KIND_CPU count: 3" in fused["ranker"]
     assert "max_queue_delay_microseconds: 0" in fused["ranker"]  # no wait: a lone request runs at once
+    # the GPU dense model takes the pooled embeddings where the GPU embedding model leaves them
+    keep_on_gpu = 'parameters { key: "FORCE_CPU_ONLY_INPUT_TENSORS" value: { string_value: "no" } }'
+    assert keep_on_gpu in gpu["dense"] and keep_on_gpu not in model_configs(spec, ModelOptions(fused=False))["dense"]
 
 
 def test_instances_default_to_one_per_core_up_to_a_limit(monkeypatch):
@@ -250,6 +253,9 @@ def test_cuda_graphs_are_a_dense_parameter_and_cpu_runners_run_the_module_as_it_
     rng = np.random.default_rng(0)
     dense, pooled = rng.normal(size=(5, model.num_dense)), rng.normal(size=(5, model.embedding.output_dim))
     assert np.array_equal(runner(dense, pooled), DenseRunner(path)(dense, pooled))
+    # pooled embeddings that a cache left as a tensor on its device are taken as they are
+    on_device = torch.from_numpy(pooled.astype(np.float32))
+    assert np.array_equal(runner(dense, on_device), runner(dense, pooled))
 
 
 def test_export_settings_are_checked():

@@ -319,10 +319,12 @@ def _same_as_the_numpy_tiers(device, steps=120):
             batch = int(rng.choice([0, 1, 2, 7, 32, 64]))
             ids = np.stack([rng.zipf(1.3, size=batch) % len(tables[n]) for n in order], axis=1)
             rows = ours.lookup(order, ids)
+            assert isinstance(rows, torch.Tensor) and rows.device.type == torch.device(device).type
+            rows = rows.cpu().numpy()
             np.testing.assert_array_equal(rows, expected.lookup(order, ids))
             np.testing.assert_array_equal(rows, np.stack([tables[n][ids[:, j]] for j, n in enumerate(order)], axis=1))
             for j, name in enumerate(order):
-                np.testing.assert_array_equal(alone[name].lookup(ids[:, j]), rows[:, j])
+                np.testing.assert_array_equal(alone[name].lookup(ids[:, j]).cpu().numpy(), rows[:, j])
             assert ours.stats() == expected.stats() == {name: tier.stats() for name, tier in alone.items()}, step
             for name in order:
                 assert ours.cached_ids(name).tolist() == expected.cached_ids(name).tolist() \
@@ -333,7 +335,7 @@ def _same_as_the_numpy_tiers(device, steps=120):
         tables["b"] = _table(rows=60, seed=6)
         ours.refill(tables)
         assert ours.stats()["b"]["size"] == ours.stats()["a"]["size"] == 0
-        np.testing.assert_array_equal(ours.lookup(["b"], np.array([[55]]))[:, 0], tables["b"][[55]])
+        np.testing.assert_array_equal(ours.lookup(["b"], np.array([[55]]))[:, 0].cpu().numpy(), tables["b"][[55]])
 
 
 def test_torch_tiers_on_the_cpu_answer_count_and_evict_as_the_numpy_tiers():
@@ -341,9 +343,9 @@ def test_torch_tiers_on_the_cpu_answer_count_and_evict_as_the_numpy_tiers():
 
 
 @pytest.mark.parametrize("misses", [False, True])
-def test_a_torch_lookup_of_many_tables_reads_the_device_once(misses):
-    """On the CPU, no operation that would wait for a GPU (see tests/test_train_syncs.py), and the same two
-    copies to the host (the answer, and the missed ids with the hit counts) for 3 tables as for 26."""
+def test_a_torch_lookup_of_many_tables_reads_nothing_back_from_the_device(misses):
+    """On the CPU, no operation that would wait for a GPU (see tests/test_train_syncs.py) and no copy to the host,
+    for 3 tables as for 26: the index is on the host, and the answer stays a tensor on the device."""
     from export.cache_torch import TorchLruCache
     from tests.test_train_syncs import HostCopies, HostReads
 
@@ -358,8 +360,10 @@ def test_a_torch_lookup_of_many_tables_reads_the_device_once(misses):
             ids = np.stack([rng.integers(0, len(t), 32) for t in tables.values()], axis=1)
         before = caches.stats()
         with HostReads() as reads, HostCopies() as copies:
-            caches.lookup(list(tables), ids)
-        assert reads.seen == [] and copies.seen == ["Tensor.numpy"] * 2, (count, reads.seen, copies.seen)
+            rows = caches.lookup(list(tables), ids)
+        assert reads.seen == [] and copies.seen == [], (count, reads.seen, copies.seen)
+        assert isinstance(rows, torch.Tensor) and rows.shape == (32, count, 4)
+        np.testing.assert_array_equal(rows.numpy(), np.stack([t[ids[:, j]] for j, t in enumerate(tables.values())], 1))
         stats = caches.stats()
         if misses:
             assert all(stats[name]["evictions"] > before[name]["evictions"] for name in tables)
@@ -375,8 +379,8 @@ def test_torch_tiers_on_the_gpu_answer_count_and_evict_as_the_numpy_tiers():
 
 
 @pytest.mark.gpu
-def test_a_gpu_lookup_of_many_tables_waits_for_the_device_once():
-    """Every lookup, with misses or not, makes one sync (the read of its answer), whatever the number of tables."""
+def test_a_gpu_lookup_of_many_tables_never_waits_for_the_device():
+    """No lookup, with misses or not, waits for the GPU, whatever the number of tables: the answer stays there."""
     import warnings
 
     rng = np.random.default_rng(0)
@@ -388,31 +392,65 @@ def test_a_gpu_lookup_of_many_tables_waits_for_the_device_once():
     try:
         with warnings.catch_warnings(record=True) as seen:
             warnings.filterwarnings("always", message=".*synchronizing CUDA operation")
-            for ids in requests[1:]:  # misses and evictions
-                caches.lookup(list(tables), ids)
+            answers = [caches.lookup(list(tables), ids) for ids in requests[1:]]  # misses and evictions
             misses = sum(s["misses"] for s in caches.stats().values())
-            caches.lookup(list(tables), requests[-1])  # every id hits
+            answers.append(caches.lookup(list(tables), requests[-1]))  # every id hits
     finally:
         torch.cuda.set_sync_debug_mode(0)
     syncs = [w for w in seen if "synchronizing CUDA operation" in str(w.message)]
-    assert len(syncs) == 4, [f"{w.filename}:{w.lineno} {w.message}" for w in syncs]
+    assert syncs == [], [f"{w.filename}:{w.lineno} {w.message}" for w in syncs]
+    for ids, rows in zip(requests[1:] + requests[-1:], answers):
+        assert rows.device.type == "cuda"
+        np.testing.assert_array_equal(rows.cpu().numpy(), np.stack([t[ids[:, j]] for j, t in enumerate(tables.values())], 1))
     stats = caches.stats().values()
     assert sum(s["misses"] for s in stats) == misses and sum(s["evictions"] for s in stats) > 0
 
 
-@pytest.mark.gpu
-def test_the_lookup_through_gpu_caches_answers_as_through_numpy_caches(tmp_path):
+def _lookups_compared(tmp_path, device):
+    """The lookup through ``gpu-lru`` caches on ``device`` against the one through numpy ``lru`` caches, over one-hot
+    ids and multi-hot bags (mean pooled, empty ones too), cold and warm caches, evictions, then a new store version:
+    the same answers (a float32 tensor on the device against numpy), the same counters, and nothing read back from
+    the device on the way (on the CPU, no operation that would wait for a GPU and no copy to the host)."""
+    from tests.test_train_syncs import HostCopies, HostReads
+
     collection, schema = _collection_and_schema()
     config = LookupConfig.from_collection(collection, schema)
     write_version(tmp_path, {n: collection.table_weight(n).numpy() for n in collection.packing.table_names})
-    lookups = {policy: EmbeddingLookup(tmp_path, config, policy=policy, cache_fraction=0.1, min_cache_rows=3)
-               for policy in ("lru", "gpu-lru")}
+    lookups = {policy: EmbeddingLookup(tmp_path, config, policy=policy, cache_fraction=0.1, min_cache_rows=3,
+                                       device=device if policy == "gpu-lru" else None) for policy in ("lru", "gpu-lru")}
     rng = np.random.default_rng(0)
-    for batch in (1, 32, 7, 32):
+
+    def compare(batch):
         cat = np.stack([rng.integers(0, 40, batch), rng.integers(0, 30, batch), rng.integers(0, 40, batch)], axis=1)
         lengths = rng.integers(0, 5, (batch, 1))
         packed = rng.integers(0, 20, (batch, 4))
-        answers = [lookup(cat, packed, lengths) for lookup in lookups.values()]
-        np.testing.assert_array_equal(answers[0], answers[1])
+        with HostReads() as reads, HostCopies() as copies:
+            on_device = lookups["gpu-lru"](cat, packed, lengths)
+        if device == "cpu":
+            assert reads.seen == [] and copies.seen == [], (reads.seen, copies.seen)
+        assert isinstance(on_device, torch.Tensor) and on_device.device.type == torch.device(device).type
+        assert on_device.dtype == torch.float32 and on_device.shape == (batch, config_width)
+        expected = lookups["lru"](cat, packed, lengths)
+        np.testing.assert_allclose(on_device.cpu().numpy(), expected, rtol=0, atol=1e-6)
+        return cat, expected
+
+    config_width = sum(collection.tables[t].dim for t in collection.packing.slot_table)
+    for batch in (1, 32, 7, 32, 64):
+        compare(batch)
     stats = [lookup.stats() for lookup in lookups.values()]
-    assert stats[0]["tables"] == stats[1]["tables"] and stats[1]["evictions"] > 0
+    assert stats[0]["tables"] == stats[1]["tables"] and stats[1]["evictions"] > 0 and stats[1]["hits"] > 0
+    tables = {n: collection.table_weight(n).numpy() + 1 for n in collection.packing.table_names}
+    write_version(tmp_path, tables)
+    assert all(lookup.refresh() for lookup in lookups.values())
+    cat, expected = compare(16)
+    np.testing.assert_array_equal(expected[:, :8], tables["t_C1"][cat[:, 0]])  # the new version's rows
+    assert lookups["lru"].stats()["tables"] == lookups["gpu-lru"].stats()["tables"]
+
+
+def test_the_lookup_through_torch_caches_on_the_cpu_answers_and_counts_as_through_numpy_caches(tmp_path):
+    _lookups_compared(tmp_path, "cpu")
+
+
+@pytest.mark.gpu
+def test_the_lookup_through_gpu_caches_answers_as_through_numpy_caches(tmp_path):
+    _lookups_compared(tmp_path, "cuda")

@@ -8,6 +8,7 @@ GPU and use the cuDF API. cuDF is never imported here: a cuDF object is recognis
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -38,11 +39,12 @@ def array_module(array: Any) -> Any:
     return np
 
 
-def frame_like(like: Any, columns: dict[str, Any]) -> Any:
-    """A DataFrame of the same library (and index) as ``like`` from named columns."""
+def frame_like(like: Any, columns: Mapping[str, Any]) -> Any:
+    """A DataFrame of the same library (and index) as ``like`` from named columns (any mapping of them, such as the
+    rows of one matrix that an operator's ``transform_many`` gives)."""
     if is_cudf(like):
         return cudf_frame(columns, like.index)
-    return pd.DataFrame(columns, index=like.index)
+    return pd.DataFrame(dict(columns), index=like.index)
 
 
 def cudf_frame(columns: dict[str, Any], index: Any = None) -> Any:

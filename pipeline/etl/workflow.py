@@ -37,6 +37,7 @@ import numpy as np
 import pandas as pd
 
 from pipeline.errors import BadInputError, UserError
+from pipeline.etl.blocks import BlockColumns
 from pipeline.etl.column_schema import ColumnSchema
 from pipeline.etl.frame_library import FRAME_LIBRARIES, read_parquet
 from pipeline.etl.frames import as_arrow_lists, frame_like, is_cudf
@@ -151,11 +152,18 @@ class Workflow:
         array such as ``pd.arrays.ArrowExtensionArray``: what a column of the frame would hold). The
         result is what :meth:`transform` gives for the frame of those columns, column by column, as
         numpy or extension arrays; a column passed through unchanged is the input array itself.
+        ``columns`` given as :class:`~pipeline.etl.blocks.BlockColumns` (a request's columns kind by kind)
+        stay in their blocks through the operators that compute many columns at once, and the result is a
+        ``BlockColumns`` too (the same columns, by name).
         """
         self._require_fitted()
         self._check_columns(columns, "the columns to transform")
         rows = len(next(iter(columns.values()))) if columns else 0
-        values = _evaluate_columns(columns.__getitem__, pd.RangeIndex(rows), self._nodes)
+        if isinstance(columns, BlockColumns):
+            values = _evaluate_columns(columns.select, pd.RangeIndex(rows), self._nodes, blocks=True)
+            return values if isinstance(values, BlockColumns) else BlockColumns([values])
+        values = _evaluate_columns(lambda names: {name: columns[name] for name in names}, pd.RangeIndex(rows),
+                                   self._nodes)
         return {name: _values(column) for name, column in values.items()}
 
     def fit_transform(self, data: Any) -> Any:
@@ -328,26 +336,36 @@ def _evaluate_pandas(df: pd.DataFrame, nodes: list[Node]) -> pd.DataFrame:
     """
     # A copy, as the partition path gives: without copy-on-write (pandas 2), a column passed
     # through would otherwise share its memory with the caller's frame.
-    return _frame(_evaluate_columns(_column_reader(df), df.index, nodes), df.index, copy=True)
+    read = _column_reader(df)
+    return _frame(_evaluate_columns(lambda names: {name: read(name) for name in names}, df.index, nodes), df.index,
+                  copy=True)
 
 
-def _evaluate_columns(read: Callable[[str], Any], index: pd.Index, nodes: list[Node]) -> dict[str, Any]:
-    """The output columns of the graph, from ``read(name)``, the raw column ``name`` as an array.
+def _evaluate_columns(select: Callable[[list[str]], Mapping[str, Any]], index: pd.Index, nodes: list[Node],
+                      blocks: bool = False) -> Mapping[str, Any]:
+    """The output columns of the graph, from ``select(names)``, the raw columns ``names`` as arrays by name.
 
     A column-by-column operator gets all its input arrays at once (``transform_many``, which runs
     ``transform_column`` on each unless the operator computes them together); any other operator gets
-    a frame of its input columns (on ``index``) and its own ``transform``.
+    a frame of its input columns (on ``index``) and its own ``transform``. With ``blocks``, the columns of a
+    node with one parent are that parent's columns as they are, and a union keeps its parents' blocks side by
+    side (:class:`~pipeline.etl.blocks.BlockColumns`).
     """
-    results: dict[int, dict[str, Any]] = {}
+    results: dict[int, Mapping[str, Any]] = {}
     for node in nodes:
         if node.is_selection:
-            results[id(node)] = {name: read(name) for name in node.output_columns}
+            results[id(node)] = select(node.output_columns)
             continue
-        inputs: dict[str, Any] = {}
-        for parent in node.parents:
-            columns = results[id(parent)]
-            for name in parent.output_columns:
-                inputs[name] = columns[name]
+        if blocks and len(node.parents) == 1:
+            inputs = results[id(node.parents[0])]
+        elif blocks and node.op is None:
+            inputs = BlockColumns([results[id(parent)] for parent in node.parents])
+        else:
+            inputs = {}
+            for parent in node.parents:
+                columns = results[id(parent)]
+                for name in parent.output_columns:
+                    inputs[name] = columns[name]
         if node.op is None:
             results[id(node)] = inputs
         elif node.op.columnwise:

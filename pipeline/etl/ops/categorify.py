@@ -21,7 +21,7 @@ Example::
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from itertools import chain, repeat
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from pipeline.etl.blocks import BlockColumns, ColumnRows, ColumnSlices
 from pipeline.etl.column_schema import CATEGORICAL
 from pipeline.etl.frames import (
     array_module,
@@ -164,27 +165,38 @@ class Categorify(Operator):
             return _encode_lists(values, vocab, name)
         return _encode(as_arrow_strings(values, keep_dictionary=True, name=name), vocab)
 
-    def transform_many(self, columns: dict[str, Any]) -> dict[str, Any]:
+    def transform_many(self, columns: Mapping[str, Any]) -> Mapping[str, Any]:
         """The codes of several columns of the same rows: the one-hot string columns that are looked up in their
-        vocabularies' dictionaries all in one pass (:func:`_look_up`), any other column as :meth:`transform_column`."""
+        vocabularies' dictionaries all in one pass (:func:`_look_up`), any other column as :meth:`transform_column`.
+        Text columns given as one :class:`~pipeline.etl.blocks.ColumnSlices` are read from its one array; when all
+        of them are looked up in the one pass, their codes are the rows of one matrix (a
+        :class:`~pipeline.etl.blocks.ColumnRows`)."""
         self._require_fitted()
         if not columns or is_cudf(next(iter(columns.values()))):  # the columns of one frame: one library
             return super().transform_many(columns)
+        if isinstance(columns, BlockColumns):  # each block as it is (text and lists apart)
+            return BlockColumns([self.transform_many(block) for block in columns.blocks])
+        names = list(columns)
+        text = isinstance(columns, ColumnSlices) and columns.array.type == pa.string()
+        if text and not any(self.multihot[name] for name in names) and all(
+                _looked_up(columns.rows, len(self.vocabularies[name])) for name in names):
+            return ColumnRows(names, _look_up(columns.array, columns.rows, [self.vocabularies[n] for n in names]))
         rows = len(next(iter(columns.values())))
         codes, strings = {}, {}
-        for name, values in columns.items():
+        for name in names:
             vocab = self.vocabularies[name]
             if self.multihot[name]:
-                codes[name] = _encode_lists(values, vocab, name)
+                codes[name] = _encode_lists(columns[name], vocab, name)
                 continue
-            values = as_arrow_strings(values, keep_dictionary=True, name=name)
+            values = columns.arrow(name) if text else as_arrow_strings(columns[name], keep_dictionary=True, name=name)
             if values.type == pa.string() and _looked_up(rows, len(vocab)):
                 strings[name] = values
             else:
                 codes[name] = _encode(values, vocab)
         if strings:
-            codes.update(zip(strings, _look_up(list(strings.values()), [self.vocabularies[n] for n in strings])))
-        return {name: codes[name] for name in columns}
+            found = _look_up(pa.concat_arrays(list(strings.values())), rows, [self.vocabularies[n] for n in strings])
+            codes.update(zip(strings, found))
+        return {name: codes[name] for name in names}
 
     def get_params(self) -> dict:
         return {"freq_threshold": self.freq_threshold, "max_vocab_size": self.max_vocab_size, "split_out": self.split_out}
@@ -241,14 +253,14 @@ def _encode(values: pa.Array, vocab: pa.Array) -> np.ndarray:
     return codes.astype(np.int32, copy=False)
 
 
-def _look_up(strings: list[pa.Array], vocabs: list[pa.Array]) -> np.ndarray:
-    """int32 codes ``[column, row]`` of string arrays of one length, each looked up in the dictionary of its
-    vocabulary (what :func:`_encode` does to each), in one pass over all their values."""
-    values = pa.concat_arrays(strings).to_numpy(zero_copy_only=False).tolist()  # a list: read faster than an array
-    rows = len(strings[0])
+def _look_up(values: pa.Array, rows: int, vocabs: list[pa.Array]) -> np.ndarray:
+    """int32 codes ``[column, row]`` of string columns of ``rows`` values each, one after the other in ``values``,
+    each looked up in the dictionary of its vocabulary (what :func:`_encode` does to each), in one pass over all
+    their values."""
+    values = values.to_numpy(zero_copy_only=False).tolist()  # a list: read faster than an array
     found = (map(_codes_by_value(vocab).get, values[k * rows: (k + 1) * rows], repeat(OOV_INDEX))
              for k, vocab in enumerate(vocabs))
-    return np.fromiter(chain.from_iterable(found), dtype=np.int32, count=len(values)).reshape(len(strings), rows)
+    return np.fromiter(chain.from_iterable(found), dtype=np.int32, count=len(values)).reshape(len(vocabs), rows)
 
 
 def _encode_lists(values: Any, vocab: pa.Array, name: str | None = None) -> pd.Series:

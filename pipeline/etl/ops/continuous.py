@@ -16,10 +16,12 @@ column's parameter broadcast down its row, the same arithmetic on every value as
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
+from pipeline.etl.blocks import ColumnRows
 from pipeline.etl.column_schema import CATEGORICAL, CONTINUOUS
 from pipeline.etl.frames import array_module, as_float64, cudf_float_rows, frame_like, is_cudf
 from pipeline.etl.ops.base import Operator
@@ -35,15 +37,20 @@ class _Matrix(Operator):
     """A column-by-column numeric operator that also computes many columns as one matrix (numpy, or CuPy
     for cuDF columns)."""
 
-    def transform_many(self, columns: dict[str, Any]) -> dict[str, Any]:
+    def transform_many(self, columns: Mapping[str, Any]) -> Mapping[str, Any]:
+        """All the columns as one matrix, the rows of a :class:`~pipeline.etl.blocks.ColumnRows` in and out (whose
+        matrix is taken as it is: no copy per column)."""
         if not columns:
             return {}
         names = list(columns)
-        if is_cudf(next(iter(columns.values()))):  # the columns of one frame: one library
+        if isinstance(columns, ColumnRows):
+            rows = columns.matrix
+            rows = rows if rows.dtype == np.float64 else rows.astype(np.float64)
+        elif is_cudf(next(iter(columns.values()))):  # the columns of one frame: one library
             rows = cudf_float_rows(list(columns.values()))
         else:
             rows = np.array([as_float64(values, name) for name, values in columns.items()])  # np.stack, in one call
-        return dict(zip(self.output_columns(names), self.transform_rows(names, rows)))
+        return ColumnRows(self.output_columns(names), self.transform_rows(names, rows))
 
     def transform_rows(self, names: list[str], rows: Any) -> Any:
         """The columns ``names``, one float64 row each of a numpy or CuPy matrix (NaN: missing), transformed

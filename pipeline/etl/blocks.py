@@ -1,0 +1,145 @@
+"""Columns of one kind held together, so that the operators that compute many columns at once take them so.
+
+The serving path gets a request's columns kind by kind (:mod:`export.preprocess`: a matrix of its numbers, one
+Arrow array of its strings). Handed over column by column, each column would cost Python calls of its own in
+every operator; as blocks, an operator's ``transform_many`` computes all of them in one step:
+
+- :class:`ColumnRows`: numeric columns, each a row of one 2-D array ``[column, row]`` (numpy, or CuPy): what the
+  numeric operators compute on (their ``transform_rows``), and what they answer with;
+- :class:`ColumnSlices`: text columns one after the other in one Arrow array, each ``rows`` long: Categorify looks
+  all of them up in one pass;
+- :class:`BlockColumns`: several blocks (or plain dicts of columns) side by side, by name.
+
+Each is a read-only mapping of column name -> the column as a frame would hold it (a row of the matrix; an
+arrow-backed pandas array), so any operator or code that reads columns one by one sees what it would see
+without blocks. :meth:`select` takes some columns of a block as a block (a selection of the workflow's graph),
+and :meth:`BlockColumns.matrix` gives columns side by side ``[row, column]`` in one step where they are rows of
+blocks.
+
+Example::
+
+    numbers = ColumnRows(["I1", "I2"], np.array([[1.0, np.nan], [3.0, 4.0]]))   # two columns of two rows
+    strings = ColumnSlices(["C1", "C2"], pa.array(["a", None, "b", "c"]), rows=2)
+    columns = BlockColumns([numbers, strings])
+    workflow.transform_columns(columns).matrix(["I1", "I2"], np.float32)   # [2 rows, 2 columns], or None
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+
+
+class ColumnRows(Mapping):
+    """Columns ``names``, each a row of ``matrix`` ``[column, row]``."""
+
+    def __init__(self, names: list[str], matrix: Any) -> None:
+        self.names = list(names)
+        self.matrix = matrix
+        self._rows: dict[str, int] | None = None
+
+    @property
+    def _row(self) -> dict[str, int]:
+        if self._rows is None:  # made when a column is read by name: a block that goes through whole needs none
+            self._rows = {name: k for k, name in enumerate(self.names)}
+        return self._rows
+
+    def __getitem__(self, name: str) -> Any:
+        return self.matrix[self._row[name]]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def select(self, names: list[str]) -> ColumnRows:
+        """The columns ``names`` as a block: this one where they are all of it, in order."""
+        if names == self.names:
+            return self
+        return ColumnRows(names, self.matrix[_positions([self._row[name] for name in names])])
+
+
+class ColumnSlices(Mapping):
+    """Columns ``names`` of ``rows`` values each, one after the other in the Arrow array ``array``."""
+
+    def __init__(self, names: list[str], array: pa.Array, rows: int) -> None:
+        self.names = list(names)
+        self.array = array
+        self.rows = rows
+        self._at = {name: k for k, name in enumerate(self.names)}
+
+    def arrow(self, name: str) -> pa.Array:
+        """The column ``name`` as an Arrow array (a slice: no copy)."""
+        return self.array.slice(self._at[name] * self.rows, self.rows)
+
+    def __getitem__(self, name: str) -> Any:
+        return pd.arrays.ArrowExtensionArray(self.arrow(name))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def select(self, names: list[str]) -> ColumnSlices:
+        if names == self.names:
+            return self
+        return ColumnSlices(names, pa.concat_arrays([self.arrow(name) for name in names]), self.rows)
+
+
+class BlockColumns(Mapping):
+    """Several blocks of columns (or plain mappings of them), side by side by name; no name in two of them."""
+
+    def __init__(self, blocks: list[Mapping]) -> None:
+        self.blocks = [inner for block in blocks for inner in (block.blocks if isinstance(block, BlockColumns)
+                                                               else [block]) if len(inner)]
+        self._block_of = {name: block for block in self.blocks for name in block}
+
+    def __getitem__(self, name: str) -> Any:
+        column = self._block_of[name][name]
+        return column.array if isinstance(column, pd.Series) else column  # the array, as in a frame's column
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._block_of)
+
+    def __len__(self) -> int:
+        return len(self._block_of)
+
+    def select(self, names: list[str]) -> Mapping:
+        """The columns ``names`` by block: each run of them that one block holds as that block's selection."""
+        parts = [block.select(run) if hasattr(block, "select") else {name: block[name] for name in run}
+                 for block, run in self._runs(names)]
+        return parts[0] if len(parts) == 1 else BlockColumns(parts)
+
+    def matrix(self, names: list[str], dtype: Any) -> np.ndarray | None:
+        """The columns ``names`` side by side, ``[row, column]`` of ``dtype``, in one copy from the matrices of the
+        blocks that hold them; None unless every run of them is rows of one :class:`ColumnRows`."""
+        runs = self._runs(names)
+        if not all(isinstance(block, ColumnRows) and isinstance(block.matrix, np.ndarray) for block, _ in runs):
+            return None
+        parts = [block.select(run).matrix for block, run in runs]
+        return np.ascontiguousarray((parts[0] if len(parts) == 1 else np.concatenate(parts)).T, dtype=dtype)
+
+    def _runs(self, names: list[str]) -> list[tuple[Mapping, list[str]]]:
+        """``names`` cut into runs that one block holds, in order (a whole block's names compared at once)."""
+        runs, at = [], 0
+        while at < len(names):
+            block = self._block_of[names[at]]
+            end = at + len(block)
+            if names[at:end] != list(block):
+                end = at + 1
+                while end < len(names) and self._block_of[names[end]] is block:
+                    end += 1
+            runs.append((block, names[at:end]))
+            at = end
+        return runs
+
+
+def _positions(rows: list[int]) -> slice | list[int]:
+    """``rows`` as a slice where they follow each other (a view of the matrix, not a copy), else as they are."""
+    return slice(rows[0], rows[-1] + 1) if rows == list(range(rows[0], rows[-1] + 1)) else rows
