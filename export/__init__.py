@@ -8,7 +8,7 @@
                                           (export/lookup, cache,    (export/dense)
                                            store)
 
-On CPU instances the three run in one python model, ``ranker`` (one python-backend hop per request);
+By default the three run in one python model, ``ranker`` (one python-backend hop per request);
 ``export.fuse=none`` serves them as three models chained by the ensemble. On GPU instances the cache's hot
 rows and its answer, the pooled embeddings, stay in GPU memory: the dense part takes them there (in the
 chain, ``embedding`` hands them to ``dense`` through DLPack). A request holds one tensor

@@ -96,11 +96,12 @@ class ModelOptions:
     cuda_graphs: bool = True
     fused: bool | None = None
     """One ``ranker`` model (raw rows -> probabilities) in place of ``preprocess``, ``embedding`` and ``dense``;
-    None: where that was measured faster, CPU instances with the python dense backend."""
+    None: wherever it can, with the python dense backend (measured faster than the chain on CPU and on GPU
+    instances, docs/BENCHMARKS.md)."""
 
     def __post_init__(self) -> None:
         if self.fused is None:
-            self.fused = self.instance_kind == "cpu" and self.dense_backend == "python"
+            self.fused = self.dense_backend == "python"
 
 
 def model_configs(spec: EnsembleSpec, options: ModelOptions) -> dict[str, str]:

@@ -173,7 +173,7 @@ def test_fused_export_is_one_ranker_step_from_the_raw_columns():
     assert ranker == _tensors(configs["ensemble"].split("ensemble_scheduling")[0])  # raw columns in, PREDICTION out
     assert ranker["PREDICTION"] == ("FP32", "1") and 'key: "intra_op_threads"' in configs["ranker"]
     assert "ranker" not in model_configs(spec, ModelOptions(dense_backend="pytorch"))  # auto: the chain
-    assert "ranker" not in model_configs(spec, ModelOptions(instance_kind="gpu"))
+    assert "ranker" in model_configs(spec, ModelOptions(instance_kind="gpu"))  # auto: one model on GPU instances too
     with pytest.raises(UserError, match="fuse=all .* needs export.dense_backend=python"):
         model_configs(spec, ModelOptions(dense_backend="pytorch", fused=True))
 
@@ -181,7 +181,7 @@ def test_fused_export_is_one_ranker_step_from_the_raw_columns():
 @pytest.mark.parametrize(("settings", "fused"), [([], True), (["export.fuse=none"], False),
                                                   (["export.dense_backend=pytorch"], False),
                                                   (["export.fuse=all", "export.instance_kind=cpu"], True)])
-def test_fuse_auto_serves_one_model_on_cpu_instances_with_the_python_dense_backend(settings, fused):
+def test_fuse_auto_serves_one_model_with_the_python_dense_backend(settings, fused):
     from pipeline.stages.export import model_options
 
     assert model_options(load_config(None, ["device=cpu", *settings])).fused == fused
@@ -189,7 +189,7 @@ def test_fuse_auto_serves_one_model_on_cpu_instances_with_the_python_dense_backe
 
 def test_instance_groups_and_dynamic_batching_are_options():
     spec = EnsembleSpec.build(_raw(False), _schema(False), embedding_dim_total=32)
-    gpu = model_configs(spec, ModelOptions(instance_kind="gpu", instances=2, dynamic_batching=False))
+    gpu = model_configs(spec, ModelOptions(instance_kind="gpu", instances=2, dynamic_batching=False, fused=False))
     assert "kind: KIND_GPU count: 2" in gpu["dense"] and "kind: KIND_GPU count: 2" in gpu["embedding"]
     assert "kind: KIND_CPU" in gpu["preprocess"]  # pandas runs on the CPU whatever the device
     assert "dynamic_batching" not in gpu["dense"]
