@@ -246,6 +246,8 @@ class TritonServer:
             "--allow-metrics=false",
             f"--log-verbose={self.log_verbose}",
             "--exit-timeout-secs=10",
+            # every config.pbtxt is complete as written: no python stub is started per model just to complete it
+            "--disable-auto-complete-config",
             f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
         ]
         if backend_dir is not None:

@@ -5,10 +5,8 @@ launched with the arguments its signature declares, and none of the per-segment 
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -20,16 +18,6 @@ from pipeline.kernels.embedding import TablePacking
 from pipeline.modules.configs import TableConfig
 
 SOURCES = sorted(str(p.relative_to(KERNEL_DIR)) for p in KERNEL_DIR.rglob("*.cu"))
-
-
-def _nvcc() -> str:
-    found = shutil.which("nvcc") or next(
-        (str(p) for p in (Path("/usr/local/cuda/bin/nvcc"),) if p.is_file()), None)
-    if found is None:
-        if os.environ.get("CI"):
-            pytest.fail("nvcc is not on PATH nor in /usr/local/cuda/bin, and CI is set: the kernels can't be checked")
-        pytest.skip("nvcc is not on PATH nor in /usr/local/cuda/bin")
-    return found
 
 
 def _nvrtc():
@@ -46,28 +34,9 @@ def test_there_are_kernel_sources():
     assert {"embedding/embedding_forward.cu", "embedding/embedding_backward.cu", "interaction/interaction.cu"} <= set(SOURCES)
 
 
-@pytest.fixture(scope="module")
-def nvcc_build(tmp_path_factory):
-    """``build(source)``: nvcc's run on ``source`` for sm_90 (cubin, warnings as errors, ptxas's register
-    and spill report) and the PTX it kept, each source compiled once for the module's tests."""
-    nvcc = _nvcc()
-    built = {}
-
-    def build(source: str) -> tuple[subprocess.CompletedProcess, Path]:
-        if source not in built:
-            out = tmp_path_factory.mktemp("nvcc")
-            result = subprocess.run(
-                [nvcc, "-arch=sm_90", "-std=c++17", "-I", str(KERNEL_DIR), "-cubin", "-Werror", "all-warnings",
-                 "--resource-usage", "--keep", "--keep-dir", str(out), "-o", str(out / "k.cubin"),
-                 str(KERNEL_DIR / source)], capture_output=True, text=True, timeout=900)
-            built[source] = (result, out)
-        return built[source]
-
-    return build
-
-
 @pytest.mark.parametrize("source", SOURCES)
 def test_source_compiles_with_nvcc_for_sm90(source, nvcc_build):
+    nvcc_build.start(SOURCES)  # all of them side by side, while this test waits for its own
     result, out = nvcc_build(source)
     assert result.returncode == 0, f"nvcc failed on {source}:\n{result.stderr}"
     assert (out / "k.cubin").read_bytes()[:4] == b"\x7fELF"
@@ -176,16 +145,9 @@ def _ptx_entries(ptx: str) -> dict[str, list[str]]:
             for name, params in re.findall(r"\.entry\s+(\w+)\s*\(([^)]*)\)", ptx)}
 
 
-def _ptx_params(source: str, tmp_path) -> dict[str, list[str]]:
-    """Entry name -> the PTX types of its parameters, from nvcc's PTX of ``source``."""
-    out = tmp_path / (Path(source).name + ".ptx")
-    subprocess.run([_nvcc(), "-arch=sm_90", "-std=c++17", "-I", str(KERNEL_DIR), "-ptx", "-o", str(out), str(KERNEL_DIR / source)],
-                   check=True, capture_output=True, timeout=600)
-    return _ptx_entries(out.read_text())
-
-
 def _built_ptx_params(source: str, nvcc_build) -> dict[str, list[str]]:
-    """As :func:`_ptx_params`, from the PTX the module's nvcc run on ``source`` kept."""
+    """Entry name -> the PTX types of its parameters, from the PTX nvcc made of ``source`` (the ``nvcc_build``
+    fixture)."""
     result, out = nvcc_build(source)
     assert result.returncode == 0, result.stderr
     return _ptx_entries((out / (Path(source).stem + ".ptx")).read_text())

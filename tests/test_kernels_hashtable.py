@@ -16,7 +16,7 @@ import torch
 from pipeline.errors import BadInputError
 from pipeline.kernels._compile import KERNEL_DIR
 from pipeline.kernels.hashtable import SLOTS, HashTable, HashTableGroup, launcher, reference
-from tests.test_kernels_build import _CTYPE_TO_PTX, _ptx_params
+from tests.test_kernels_build import _CTYPE_TO_PTX, _built_ptx_params
 
 SOURCE = "hashtable/hashtable.cu"
 M64 = 2**64
@@ -594,8 +594,8 @@ def test_the_constants_are_the_same_in_python_and_in_the_kernels():
     assert (int(defines["LRU"]), int(defines["LFU"])) == (reference.LRU, reference.LFU)
 
 
-def test_launch_arguments_match_kernel_signatures(tmp_path, monkeypatch):
-    entries = _ptx_params(SOURCE, tmp_path)
+def test_launch_arguments_match_kernel_signatures(nvcc_build, monkeypatch):
+    entries = _built_ptx_params(SOURCE, nvcc_build)
     launches = []
     monkeypatch.setattr(launcher, "launch", lambda source, function, device, grid, block, args:
                         launches.append((source, function, grid, block, args)))

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import re
-import subprocess
 import threading
 
 import pytest
@@ -18,7 +17,7 @@ from pipeline.modules.collection import EmbeddingCollection
 from pipeline.modules.configs import EmbeddingOptimizerConfig, TableConfig
 from pipeline.modules.models import DLRM, ModelSizes
 from pipeline.sparse import KeyedJaggedTensor
-from tests.test_kernels_build import _nvcc, _ptx_params
+from tests.test_kernels_build import _built_ptx_params
 from tests.test_kernels_ops import train_steps
 
 SOURCE = "interaction/interaction.cu"
@@ -152,8 +151,8 @@ def test_compiled_dlrm_holds_the_op_as_one_node_and_trains_like_eager():
 # --- the kernels' build and launch arguments (CPU) ------------------------------------------------------
 
 
-def test_launch_arguments_match_kernel_signatures(tmp_path, monkeypatch):
-    entries = _ptx_params(SOURCE, tmp_path)
+def test_launch_arguments_match_kernel_signatures(nvcc_build, monkeypatch):
+    entries = _built_ptx_params(SOURCE, nvcc_build)
     launches = []
     monkeypatch.setattr(launcher, "launch", lambda source, function, device, grid, block, args, shared:
                         launches.append((function, args, block, shared)))
@@ -172,10 +171,8 @@ def test_launch_arguments_match_kernel_signatures(tmp_path, monkeypatch):
         assert block % 32 == 0 and 0 < block <= 128 and shared <= launcher.BLOCK_SHARED_BYTES
 
 
-def test_no_kernel_spills_registers(tmp_path):
-    result = subprocess.run([_nvcc(), "-arch=sm_90", "-std=c++17", "-I", str(KERNEL_DIR), "-cubin", "-Xptxas", "-v", "-o",
-                             str(tmp_path / "k.cubin"), str(KERNEL_DIR / SOURCE)],
-                            check=False, capture_output=True, text=True, timeout=600)
+def test_no_kernel_spills_registers(nvcc_build):
+    result, _ = nvcc_build(SOURCE)
     assert result.returncode == 0, result.stderr
     spills = re.findall(r"(\d+) bytes spill stores", result.stderr)
     assert len(spills) == 24 and set(spills) == {"0"}, result.stderr

@@ -2,6 +2,8 @@
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ from pipeline.stages.train import run
 from pipeline.train.driver import train
 from pipeline.train.loop import Callback
 from pipeline.train.model import load_trained
-from tests.test_train import Crash, CrashAfter
+from tests.test_train import ROOT, Crash, CrashAfter
 
 SMALL = ["device=cpu", "data.rows=6000", "etl.cluster=threads", "etl.row_group_rows=1024", "progress=off",
          "etl.hash_ids={C1: 256, C4: 128}", "train.batch_size=128", "train.eval_batch_size=512",
@@ -187,8 +189,15 @@ def test_run_all_trains_raw_ids_to_the_auc_of_categorify_and_serves_them_as_the_
 
     common = ["device=cpu", "data.rows=100000", "etl.cluster=threads", "progress=off", "serve.smoke_rows=256"]
     hashed = ["etl.hash_ids={C12: 1024, C21: 512}"]
-    assert main(["run", "train", f"workdir={tmp_path / 'categorify'}", *common]) == 0
-    assert main(["run", "all", f"workdir={tmp_path / 'dynamic'}", *common, *hashed]) == 0
+    # the run with Categorify, side by side with `run all` in this process
+    categorify_run = subprocess.Popen([sys.executable, "-m", "pipeline", "run", "train",
+                                       f"workdir={tmp_path / 'categorify'}", *common],
+                                      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert main(["run", "all", f"workdir={tmp_path / 'dynamic'}", *common, *hashed]) == 0
+    finally:
+        categorify_out = categorify_run.communicate(timeout=600)[0]
+    assert categorify_run.returncode == 0, categorify_out[-2000:]
     out = capsys.readouterr().out
     categorify, dynamic = (load_config(None, [f"workdir={tmp_path / name}", *common, *extra])
                            for name, extra in (("categorify", []), ("dynamic", hashed)))
