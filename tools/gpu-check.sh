@@ -18,7 +18,8 @@
 #              update kernels against the byte floor, uniform and Zipf ids
 #   train      bench train at the MLPerf shape, Zipf and uniform ids, row-wise Adagrad
 #   dynamic    bench train --dynamic, Zipf and uniform ids
-#   hostcache  bench train --embedding-budget-mb: 26 x 2M rows under 8 GiB, then 26 x 5M under a quarter
+#   hostcache  bench train --embedding-budget-mb: 26 x 2M rows under 8 GiB
+#   hostcache-large  the same at 26 x 5M rows (62 GiB of tables) under a quarter of them (a call of its own)
 #   serve      the GPU serving tests, then bench serve --device cuda, three models and one (ranker)
 #   loader     bench loader on 8M synthetic rows, LZ4 pages and uncompressed (etl.compression)
 #   e2e        run etl of 10M synthetic rows (once), then bench e2e of each model on it, and of DCNv2
@@ -136,7 +137,8 @@ print('--device auto:', resolve_device('auto'))
       done ;;
     hostcache)
       step hostcache-2m 240 "$PY" -m pipeline bench train "${mlperf[@]}" --rows 2000000 --ids zipf --optimizer adagrad \
-        --embedding-budget-mb 8192 --warmup 30 --steps 20 --rounds 3 --profile 5 --json "$W/hostcache-2m/result.json"
+        --embedding-budget-mb 8192 --warmup 30 --steps 20 --rounds 3 --profile 5 --json "$W/hostcache-2m/result.json" ;;
+    hostcache-large)
       # 26 x 5M rows x dim 128: 62 GiB of fp32 tables, in host memory for the host-cached model and in device
       # memory for the other; a quarter of it is the host-cached model's device budget
       step hostcache-5m 420 "$PY" -m pipeline bench train "${mlperf[@]}" --rows 5000000 --ids zipf --optimizer adagrad \
@@ -175,7 +177,7 @@ print('--device auto:', resolve_device('auto'))
       step etl-profile 150 "$PY" tools/etl_profile.py --backend cudf --rows "${ETL_PROFILE_ROWS:-5000000}" \
         --json "$W/etl-profile.json" --workdir /tmp/etl-profile
       step etl-stage 60 "$PY" -m pipeline run etl --device cuda data.rows=500000 etl.cluster=local workdir=/tmp/etl-stage ;;
-    *) echo "unknown group $group (setup preflight kernels embedding train dynamic hostcache serve loader e2e etl)"; exit 2 ;;
+    *) echo "unknown group $group (setup preflight kernels embedding train dynamic hostcache hostcache-large serve loader e2e etl)"; exit 2 ;;
   esac
 done
 echo "== summary ($SECONDS s)"; cat "$summary"
