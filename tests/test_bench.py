@@ -457,3 +457,9 @@ def test_etl_profile_times_each_step_of_one_partition(tmp_path):
         assert step in steps, step
     assert all(ms >= 0 for ms in summary["ms"].values())
     assert summary["notes"]["write (parquet, to memory)"].endswith("MB")
+
+
+def test_stream_busy_time_counts_overlapping_kernels_once():
+    from pipeline.bench.train_profile import _union_us
+
+    assert _union_us([(5, 6), (0, 2), (1, 3)]) == 4 and _union_us([(0, 10), (2, 3)]) == 10 and _union_us([]) == 0
