@@ -111,8 +111,7 @@ def test_the_pipelined_step_trains_as_the_plain_one_and_resumes_exactly(tmp_path
 
 
 def _one_process(workdir, name: str, pipeline: bool, *extra: str, callbacks=()) -> dict:
-    # 0.15 MiB: every table but the two largest (t_C3 and t_M1) in device memory, those behind caches of as many
-    # rows each, smaller than the tables
+    # 0.15 MiB: every table but t_C3 (1,015 rows) in device memory, t_C3 behind a cache of 314 rows
     cfg = load_config(None, [f"workdir={workdir}", *SETTINGS, f"train.max_steps={2 * batches_per_epoch(1) - 1}",
                              *extra])
     return train(cfg.train, cfg.paths.processed, cfg.paths.train / name, schema=Schema.load(cfg.paths.schema),
@@ -129,8 +128,7 @@ def test_one_process_prefetches_host_cached_rows_a_step_ahead_and_trains_the_sam
         ahead = Ahead()
         result = _one_process(tmp_path, f"cached-{pipeline}", pipeline, callbacks=[ahead])
         assert ahead.seen == [int(pipeline)] * (2 * (batches - 1))
-        assert sorted(result["embedding_cache"]) == ["t_C3", "t_M1"]
-        assert all(stats["evictions"] > 0 for stats in result["embedding_cache"].values())
+        assert list(result["embedding_cache"]) == ["t_C3"] and result["embedding_cache"]["t_C3"]["evictions"] > 0
     with pytest.raises(Crash):
         _one_process(tmp_path, "resumed", True, callbacks=[CrashAfter(CRASH_STEP)])
     _one_process(tmp_path, "resumed", True, "train.resume=true")

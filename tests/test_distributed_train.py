@@ -79,7 +79,7 @@ def test_three_ranks_resume_what_two_ranks_saved(processed):
 def test_two_ranks_train_host_cached_tables_and_one_process_scores_their_model(processed):
     overrides = [f"workdir={processed}", "device=cpu", "train.batch_size=64", "train.max_steps=40",
                  "train.checkpoint_every=15", "progress=off", "train.embedding_backend=torch", "train.run=host-cached",
-                 "distributed.memory_per_rank_mb=0.2"]
+                 "distributed.memory_per_rank_mb=0.3"]
     assert relaunch(["run", "train", *overrides], 2) == 0
     cfg = load_config(None, overrides)
     out = cfg.paths.train / "latest"

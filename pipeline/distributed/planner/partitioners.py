@@ -1,10 +1,8 @@
 """Assign a proposal to ranks: row-wise and data-parallel parts go everywhere, table-wise tables
 largest-cost first to the least loaded rank that still has room (memory, then balance of cost).
 A host-cached table is placed as a table-wise one of its least device cache; then the caches on each
-rank share what its budget leaves by water-filling: each gets as many rows as the others, up to its
-whole table, never below its least cache (without a budget: each cache holds its whole table). Equal
-rows, not bytes in proportion to the tables: a batch brings as many ids to each table, and where ids
-are skewed a table's hottest rows, not its size, decide what a cache row is worth.
+rank share what its budget leaves, in proportion to their tables' sizes (without a budget: each
+cache holds its whole table).
 
 Example::
 
@@ -63,26 +61,14 @@ class GreedyPartitioner:
     @staticmethod
     def _grow_caches(cached: list[ShardingOption], placed: dict[str, ParameterSharding], left: float | None,
                      topology: Topology) -> None:
-        """The host-cached tables of one rank: their caches, beyond their least, share the ``left`` bytes as
-        :func:`water_level` rows each (``None``: no budget, every cache the whole table)."""
-        if not cached:
-            return
-        level = None if left is None else water_level(cached, left, topology)
+        """The host-cached tables of one rank: their caches share the ``left`` bytes in proportion to their
+        tables' sizes, up to the whole table (``None``: no budget, every cache the whole table)."""
+        sizes = {o.table: o.rows * bytes_per_row(o.dim, topology) for o in cached}
         for o in cached:
-            placed[o.table].cache_rows = o.rows if level is None else min(o.rows, max(o.cache_rows, level))
+            extra = o.rows if left is None else int(left * sizes[o.table] / sum(sizes.values()) // bytes_per_row(
+                o.dim, topology))
+            placed[o.table].cache_rows = min(o.rows, o.cache_rows + extra)
 
-
-def water_level(cached: list[ShardingOption], left: float, topology: Topology) -> int:
-    """The most rows ``c`` such that giving each table ``min(rows, max(least cache, c))`` rows takes at most
-    ``left`` bytes beyond the least caches."""
-    def extra(c: int) -> float:
-        return sum((min(o.rows, max(o.cache_rows, c)) - o.cache_rows) * bytes_per_row(o.dim, topology) for o in cached)
-
-    lo, hi = 0, max(o.rows for o in cached)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if extra(mid) <= left else (lo, mid - 1)
-    return lo
 
 def _mib(values: list[float]) -> str:
     return "[" + ", ".join(f"{v / MiB:.2f}" for v in values) + "]"

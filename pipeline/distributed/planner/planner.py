@@ -1,9 +1,4 @@
-"""``EmbeddingShardingPlanner``: enumerate, propose, partition; the first proposal that fits wins, unless it
-host-caches tables: then each next proposal (one more table host-cached, the largest left) wins over it while the
-tables it newly host-caches have more rows than the smallest device cache of the plan before. So the caches end
-at a water level: the tables larger than it host-cached behind caches of about as many rows each, the smaller ones
-kept whole. Under skewed ids that beats keeping some large tables whole and starving the others' caches: the
-budget holds the hottest rows of every table.
+"""``EmbeddingShardingPlanner``: enumerate, propose, partition; the first proposal that fits wins.
 
 Example::
 
@@ -38,7 +33,6 @@ class EmbeddingShardingPlanner:
         options = self.enumerator.enumerate(tables)
         last: PlannerError | None = None
         tried = 0
-        chosen: ShardingPlan | None = None
         for proposal in self.proposer.propose(options):
             tried += 1
             try:
@@ -47,13 +41,7 @@ class EmbeddingShardingPlanner:
                 last = err
                 continue
             plan.validate(tables, self.topology.world_size)
-            if chosen is not None and not _caches_more_rows(chosen, plan):
-                return chosen
-            chosen = plan
-            if not any(p.cache_rows for p in plan.tables.values()):
-                return plan
-        if chosen is not None:
-            return chosen
+            return plan
         total = sum(min(o.storage_per_rank * (self.topology.world_size if o.sharding_type != ShardingType.TABLE_WISE
                                               else 1) for o in opts) for opts in options.values())
         budget = self.topology.memory_per_rank or 0.0
@@ -77,16 +65,3 @@ class EmbeddingShardingPlanner:
 
     def describe(self, plan: ShardingPlan, tables: Sequence) -> str:
         return plan.describe(tables, self.storage(plan, tables))
-
-
-def _caches_more_rows(before: ShardingPlan, after: ShardingPlan) -> bool:
-    """``after`` host-caches tables ``before`` kept in device memory, each with more rows than ``before``'s
-    smallest device cache (the water level, see the module) and behind a cache smaller than itself."""
-    level = min(p.cache_rows for p in before.tables.values() if p.cache_rows)
-    new = [p for name, p in after.tables.items() if p.cache_rows and not before[name].cache_rows]
-    return bool(new) and all(level < _rows(p) and p.cache_rows < _rows(p) for p in new)
-
-
-def _rows(p) -> int:
-    lo, hi = p.row_ranges[0]
-    return hi - lo
