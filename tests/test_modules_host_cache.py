@@ -152,9 +152,7 @@ def test_the_state_dict_is_the_plain_collections_and_resumes_into_another_cache_
     assert torch.all(cached(batch(10)[0])[:, :8] == 3.0)
 
 
-def test_the_least_recently_used_row_goes_and_a_dirty_one_is_written_back():
-    cache = RowCache([CachedTable("t", rows=10, slots=3, first_row=0)])
-
+def stepper(cache: RowCache):
     def step(rows: list[int], training: bool):
         placement = cache.place(torch.tensor(rows))
         counts = placement.counts.tolist()
@@ -162,6 +160,12 @@ def test_the_least_recently_used_row_goes_and_a_dirty_one_is_written_back():
         moves = placement.moves(sum(counts[0]), sum(counts[4]))
         cache.commit(placement, moves, training)
         return placement.slot[placement.inverse].tolist(), moves
+    return step
+
+
+def test_the_least_recently_used_row_goes_and_a_dirty_one_is_written_back():
+    cache = RowCache([CachedTable("t", rows=10, slots=3, first_row=0)])
+    step = stepper(cache)
 
     slots, _ = step([1, 2, 1], training=True)
     assert slots[0] == slots[2] != slots[1]
@@ -176,6 +180,25 @@ def test_the_least_recently_used_row_goes_and_a_dirty_one_is_written_back():
                                             r"only 2 slots.*larger cache \(distributed.memory_per_rank_mb, or its "
                                             r"cache_rows in distributed.plan_file\), or lower train.batch_size$"):
         step([6, 7, 8], training=True)
+
+
+def test_a_row_found_in_the_cache_stays_while_rows_seen_once_go_up_to_the_protected_share():
+    cache = RowCache([CachedTable("t", rows=100, slots=5, first_row=0), CachedTable("u", rows=100, slots=5,
+                                                                                     first_row=100)])
+    step = stepper(cache)
+    held = lambda rows: cache.index.find(torch.tensor(rows)).ge(0).tolist()  # noqa: E731
+    for rows in ([1], [1], [2], [3], [4], [5]):  # 1 found again: protected; 2 to 5 seen once
+        step(rows, training=False)
+    step([6], training=False)  # least recently used: 1; but it is protected, so 2 goes
+    assert held([1, 2, 3]) == [True, False, True]
+    for rows in ([3], [4], [5], [6]):  # 5 rows found again: the limit is 4 (0.8 x 5)
+        step(rows, training=False)
+    assert cache.protected[:5].sum().item() == 4   # 1, the least recent of them, protected no more
+    step([7], training=False)
+    assert held([1, 3, 4, 5, 6, 7]) == [False, True, True, True, True, True]
+    assert not cache.protected[5:].any()    # the other table's books untouched
+    step([100, 100 + 1], training=False)
+    assert held([100, 101, 1]) == [True, True, False]
 
 
 class CountedWaits(SideStream):

@@ -2,7 +2,7 @@
 
 Each table named in ``cache_rows`` keeps every row and its optimizer state in host memory and that many
 rows, with their state, on the device, in the caches that one
-:class:`~pipeline.modules.host_cache.RowCache` keeps the books of (least recently used out, dirty rows
+:class:`~pipeline.modules.host_cache.RowCache` keeps the books of (segmented LRU out, dirty rows
 written back); the other tables stay whole on the device, as in the plain collection. A batch's lookup
 first maps the ids of the cached tables to cache slots, then runs the collection's own lookup and fused
 update on the device tensors with those slots for ids, so a training step reads and writes device
@@ -22,7 +22,7 @@ cached tables at once, on a GPU on a side stream of its own:
    host tables;
 4. **host wait 2** (only when rows are missing): for the missing rows' numbers; the host gathers the rows
    and their state from the host tables into pinned memory, and one copy per tensor sends them to the
-   device, where they are scattered into their slots; then the index, the recency order and the dirty
+   device, where they are scattered into their slots; then the index, the eviction order and the dirty
    slots are updated (:meth:`RowCache.commit`) and each id gets its slot.
 
 On a GPU whose kernels can address page-locked host memory (:mod:`pipeline.kernels.host_rows`), the host

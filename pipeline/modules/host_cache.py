@@ -9,7 +9,7 @@ calls, none of which reads the device from the host:
 
 1. :meth:`RowCache.place` (changes nothing): the batch's rows sorted, its distinct ones found in the
    index (row -> slot); each missing row given a slot of its table that neither this batch nor the
-   training batch before it uses, the least recently used first (empty slots before any); the slots
+   training batch before it uses, first in the eviction order (empty slots before any); the slots
    among those whose row a training batch used since it came in (dirty), to be written back; and per
    table the counts the host must see (missing rows, free slots, distinct rows, evictions, write-backs);
 2. :meth:`RowCache.admit`, with those counts read on the host: :class:`CacheTooSmall` for a batch that
@@ -22,9 +22,14 @@ Each is a fixed number of whole-array operations (sort, search, prefix sums, sca
 ids and the caches' slots, whatever the number of tables: no per-table loop, and no operation whose
 output size depends on the data (which on a GPU would wait for it).
 
-Recency is an order of each table's slots, least recently used first, kept rather than sorted: a batch
-moves the slots it used to the end of their table's range (in slot order) and keeps the others' order,
-a stable partition done with prefix sums. The index sits behind :class:`CacheIndex` (find, rows_of,
+The eviction order is a segmented LRU, an order of each table's slots kept rather than sorted: first the
+rows not found in the cache since they came in, then the *protected* ones (found there at least once), each
+part least recently used first, then the slots the last batch used. A batch moves the slots it used to the end
+of their table's range (in slot order) and keeps the others' order, a stable partition done with prefix sums;
+beyond :data:`PROTECTED` of a table's slots, its protected rows least recently used lose their protection. So a
+row seen once, as most rows of a skewed table's long tail are, leaves before a row that came back, and a pass
+over many such rows (an evaluation) does not push the hot rows out. On Zipf ids (the CPU bench of
+``docs/BENCHMARKS.md``) it found 57% of a batch's rows where least recently used out found 53%. The index sits behind :class:`CacheIndex` (find, rows_of,
 assign, clear). :class:`SortedIndex` keeps the held rows sorted and finds rows with
 ``torch.searchsorted``: fully associative (no set of slots can overflow while others are free); a
 batch's new rows, sorted already, are merged into it by their ranks, not sorted again. A GPU hash
@@ -57,6 +62,10 @@ from pipeline.errors import UserError
 
 NO_ROW = torch.iinfo(torch.int64).max
 """The row of an id no cache holds (an id of a table kept whole on the device), and of padding: sorts last."""
+
+PROTECTED = 0.8
+"""The share of a cache's slots whose rows may be protected: found in the cache since they came in, they leave
+only after the rows that were not (segmented LRU)."""
 
 COUNTS = ("missing", "free", "rows", "evictions", "writebacks")
 """The rows of :attr:`Placement.counts`, one column per table."""
@@ -185,10 +194,10 @@ class Moves:
 
 
 class RowCache(nn.Module):
-    """The device caches of ``tables`` (sorted by ``first_row``): least recently used out, dirty rows written back.
+    """The device caches of ``tables`` (sorted by ``first_row``): segmented LRU out, dirty rows written back.
 
-    It holds the bookkeeping only (index, recency order, dirty and spared slots, on the caches' device) and
-    each table's :class:`CacheStats` (on the host); the rows themselves are the caller's to copy.
+    It holds the bookkeeping only (index, eviction order, protected, dirty and spared slots, on the caches'
+    device) and each table's :class:`CacheStats` (on the host); the rows themselves are the caller's to copy.
     """
 
     def __init__(self, tables: Sequence[CachedTable], index: CacheIndex | None = None) -> None:
@@ -217,6 +226,9 @@ class RowCache(nn.Module):
         self.register_buffer("segment_start", first_slot[slot_table], persistent=False)
         self.register_buffer("order", torch.arange(self.slots), persistent=False)
         self.register_buffer("dirty", torch.zeros(self.slots, dtype=torch.bool), persistent=False)
+        self.register_buffer("protected", torch.zeros(self.slots, dtype=torch.bool), persistent=False)
+        self.register_buffer("protect_limit", torch.tensor([int(PROTECTED * t.slots) for t in self.tables]),
+                             persistent=False)
         self.register_buffer("spared", torch.zeros(self.slots, dtype=torch.bool), persistent=False)
         self.stats = {t.name: CacheStats() for t in self.tables}
 
@@ -269,19 +281,36 @@ class RowCache(nn.Module):
                                                      by_name["evictions"][t], by_name["writebacks"][t])
 
     def commit(self, placement: Placement, moves: Moves, training: bool) -> None:
-        """The batch's rows in their slots from now on, the most recently used; ``training``: its slots dirty,
-        and spared by the next placement."""
+        """The batch's rows in their slots from now on, the most recently used; a row found in its slot
+        protected; ``training``: its slots dirty, and spared by the next placement."""
         s = self.slots
         if moves.victims.numel():
             self.index.assign(moves.victims, moves.missing_rows)
+            self.protected[moves.victims] = False
+        found = torch.where(placement.missing | (placement.slot < 0), s, placement.slot)
+        self.protected |= _mask(s, found)
         used = _mask(s, torch.where(placement.slot >= 0, placement.slot, s))
-        kept_in_order = ~used[self.order]
-        kept_before, used_before = _counts_before(kept_in_order), _counts_before(used)
-        kept = (kept_before[self.slot_ends] - kept_before[self.first_slot])[self.slot_table]
-        kept_at = self.segment_start + kept_before[:-1] - kept_before[self.segment_start]
-        used_at = self.segment_start + kept + used_before[:-1] - used_before[self.segment_start]
-        self.order = _scatter(s, (torch.where(kept_in_order, kept_at, s), self.order),
+        # The new order of each table's slots: [kept, not protected] [kept, protected] [used], each part in the
+        # order it had (the used ones in slot order).
+        order, table = self.order, self.slot_table
+        kept_in_order = ~used[order]
+        safe_in_order = kept_in_order & self.protected[order]
+        open_in_order = kept_in_order & ~safe_in_order
+        open_before, safe_before, used_before = (_counts_before(open_in_order), _counts_before(safe_in_order),
+                                                 _counts_before(used))
+        opened = (open_before[self.slot_ends] - open_before[self.first_slot])[table]
+        safe = (safe_before[self.slot_ends] - safe_before[self.first_slot])[table]
+        open_at = self.segment_start + open_before[:-1] - open_before[self.segment_start]
+        safe_rank = safe_before[:-1] - safe_before[self.segment_start]
+        used_at = self.segment_start + opened + safe + used_before[:-1] - used_before[self.segment_start]
+        self.order = _scatter(s, (torch.where(open_in_order, open_at, s), order),
+                              (torch.where(safe_in_order, self.segment_start + opened + safe_rank, s), order),
                               (torch.where(used, used_at, s), torch.arange(s, device=used.device)))
+        # Over its limit, a table's protected rows the least recently used are protected no more: where they
+        # stand, the most recent of the rows next to go.
+        found_before = _counts_before(used & self.protected)
+        excess = safe + (found_before[self.slot_ends] - found_before[self.first_slot])[table] - self.protect_limit[table]
+        self.protected &= ~_mask(s, torch.where(safe_in_order & (safe_rank < excess), order, s))
         self.dirty &= ~_mask(s, moves.victims)
         if training:
             self.dirty |= used
@@ -300,6 +329,7 @@ class RowCache(nn.Module):
         self.index.clear()
         self.order.copy_(torch.arange(self.slots, device=self.order.device))
         self.dirty.zero_()
+        self.protected.zero_()
         self.spared.zero_()
 
     def extra_repr(self) -> str:
