@@ -43,7 +43,7 @@ import pyarrow.compute as pc
 
 from export.request import FLOATS, FLOATS_MISSING, INTEGERS, INTEGERS_MISSING, LISTS, STRINGS, RequestLayout
 from pipeline.errors import BadInputError, UserError
-from pipeline.etl.blocks import BlockColumns, ColumnRows, ColumnSlices
+from pipeline.etl.blocks import BlockColumns, ColumnBytes, ColumnRows, ColumnSlices
 from pipeline.schema import Schema
 
 DENSE = "DENSE"
@@ -109,6 +109,10 @@ class Preprocessor:
         self._types = {name: _arrow_type(t) for name, t in
                        {**raw.continuous, **raw.categorical, **raw.multihot, **raw.label}.items()}
         self.layout = raw.layout
+        text = [self._types[name] == pa.string() for name in self.layout.strings]
+        # the STRINGS tensor's columns of the text type, and the others (numbers the workflow reads as such)
+        self._strings_by_type = ([k for k, is_text in enumerate(text) if is_text],
+                                 [k for k, is_text in enumerate(text) if not is_text])
         self._inputs = {t.name: (t.datatype, t.columns) for t in self.layout.inputs}
         order = {name: row for row, name in enumerate(raw.continuous)}
         # each number tensor's columns: their rows of the [column, row] matrix (a slice where they follow each other)
@@ -136,10 +140,10 @@ class Preprocessor:
             blocks.append(ColumnRows(list(self.raw.continuous), self._numbers(tensors, batch)))
         blocks.append({name: np.zeros(batch) for name in self.raw.label})  # read by the workflow, not by the model
         if STRINGS in self._inputs:
-            blocks.append(self._text_columns(_strings(_by_column(tensors[STRINGS])), self.layout.strings, batch))
+            blocks.append(self._strings_columns(_by_column(tensors[STRINGS]), batch))
         if LISTS in self._inputs:
             lists = pc.split_pattern(_strings(_by_column(tensors[LISTS])), self.raw.list_separator)
-            blocks.append(self._text_columns(lists, self.layout.lists, batch))
+            blocks.append(self._typed_columns(lists, self.layout.lists, batch))
         return BlockColumns(blocks)
 
     def _check(self, tensors: Mapping[str, np.ndarray]) -> int:
@@ -182,9 +186,22 @@ class Preprocessor:
         matrix[missing] = np.nan
         return matrix
 
-    def _text_columns(self, values: pa.Array, names: tuple[str, ...], batch: int) -> Mapping[str, Any]:
-        """The columns one after the other in ``values``: as they are where each has their type, else each as the
-        pandas array of its own type that the workflow reads."""
+    def _strings_columns(self, values: np.ndarray, batch: int) -> Mapping[str, Any]:
+        """The ``STRINGS`` tensor's columns (its values column after column): those of the text type as their
+        fixed-width bytes where these hold the text :func:`_strings` reads (:class:`ColumnBytes`), any other as
+        :meth:`_typed_columns` makes them."""
+        text, others = self._strings_by_type
+        if not text or not _fixed_width_text(values):
+            return self._typed_columns(_strings(values), self.layout.strings, batch)
+        blocks = [ColumnBytes([self.layout.strings[k] for k in text], _columns_of(values, text, batch), batch)]
+        if others:
+            blocks.append(self._typed_columns(_strings(_columns_of(values, others, batch)),
+                                              tuple(self.layout.strings[k] for k in others), batch))
+        return blocks[0] if len(blocks) == 1 else BlockColumns(blocks)
+
+    def _typed_columns(self, values: pa.Array, names: tuple[str, ...], batch: int) -> Mapping[str, Any]:
+        """The columns one after the other in ``values`` (Arrow strings or lists): as they are where each has their
+        type, else each as the pandas array of its own type that the workflow reads."""
         if all(self._types[name] == values.type for name in names):
             return ColumnSlices(list(names), values, batch)
         return {name: pd.arrays.ArrowExtensionArray(_cast(values.slice(k * batch, batch), self._types[name]))
@@ -230,6 +247,29 @@ def _strings(values: np.ndarray) -> pa.Array:
     return pc.if_else(pc.equal(array, ""), pa.scalar(None, pa.string()), array)
 
 
+def _fixed_width_text(values: np.ndarray) -> bool:
+    """Whether the values of a numpy array are fixed-width bytes that :func:`_strings` reads as they are: an ``S``
+    array of UTF-8 whose values hold no NUL byte before their zero padding (Arrow's text of a value ends at its
+    first NUL)."""
+    if values.dtype.kind != "S" or not values.size:
+        return False
+    width = values.dtype.itemsize
+    flat = np.ascontiguousarray(values).view(np.uint8)
+    follows_a_nul = (flat[:-1] == 0) & (flat[1:] != 0)
+    follows_a_nul[width - 1:: width] = False  # a value's first byte after the one before it
+    if follows_a_nul.any():
+        return False
+    if flat.max() < 0x80:  # ASCII
+        return True
+    ended = np.zeros((len(values), width + 1), dtype=np.uint8)  # a zero after each value: none runs on
+    ended[:, :-1] = flat.reshape(len(values), width)
+    try:
+        ended.tobytes().decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
 def _number_kind(name: str, kind: str) -> str:
     """``int64`` or ``double``: the raw layout's types of a continuous column."""
     if kind not in ("int64", "double"):
@@ -254,6 +294,13 @@ def _as_slice(rows: list[int]) -> slice | list[int]:
 def _by_column(values: np.ndarray) -> np.ndarray:
     """A ``[rows, columns]`` tensor's values column after column, flat (one copy)."""
     return np.ascontiguousarray(values.T).reshape(-1)
+
+
+def _columns_of(values: np.ndarray, columns: list[int], batch: int) -> np.ndarray:
+    """The columns ``columns`` of a tensor's values column after column (``batch`` each), one after the other."""
+    if columns == list(range(len(values) // batch)):
+        return values
+    return np.concatenate([values[k * batch: (k + 1) * batch] for k in columns])
 
 
 def _cast(array: pa.Array, target: pa.DataType) -> pa.Array:
