@@ -44,6 +44,7 @@ import pyarrow.compute as pc
 from export.request import FLOATS, FLOATS_MISSING, INTEGERS, INTEGERS_MISSING, LISTS, STRINGS, RequestLayout
 from pipeline.errors import BadInputError, UserError
 from pipeline.etl.blocks import BlockColumns, ColumnBytes, ColumnRows, ColumnSlices
+from pipeline.etl.frames import list_lengths
 from pipeline.schema import Schema
 
 DENSE = "DENSE"
@@ -121,13 +122,17 @@ class Preprocessor:
 
     @classmethod
     def load(cls, folder: str | Path) -> Preprocessor:
-        """From the files export wrote: ``raw_columns.json``, ``schema.json`` and ``workflow/``."""
+        """From the files export wrote: ``raw_columns.json``, ``schema.json`` and ``workflow/``; ready to answer."""
         from pipeline.etl.workflow import Workflow
 
         folder = Path(folder)
         workflow = Workflow.load(folder / "workflow", library="pandas")
-        return cls(RawColumns.load(folder / "raw_columns.json"), Schema.load(folder / "schema.json"),
-                   workflow.transform_columns)
+        preprocess = cls(RawColumns.load(folder / "raw_columns.json"), Schema.load(folder / "schema.json"),
+                         workflow.transform_columns)
+        # A row with every value missing: the operators build what they keep between requests (a vocabulary's
+        # index: seconds for millions of values) now, not at the first request.
+        preprocess(preprocess.layout.tensors([{}]))
+        return preprocess
 
     def columns(self, tensors: Mapping[str, np.ndarray]) -> BlockColumns:
         """The request's raw columns as the workflow takes them, kind by kind (:mod:`pipeline.etl.blocks`): the
@@ -320,19 +325,30 @@ def _matrix(processed: Columns, columns: list[str], dtype) -> np.ndarray:
 
 
 def _pack_bags(processed: Columns, columns: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    batch = len(processed[columns[0]])
-    bags = []
-    for c in columns:
-        arr = pa.array(processed[c])
-        values = pc.list_flatten(arr).to_numpy(zero_copy_only=False).astype(np.int64)
-        lengths = pc.fill_null(pc.list_value_length(arr), 0).to_numpy(zero_copy_only=False).astype(np.int64)
-        bags.append((values, lengths))
-    lengths = np.stack([b[1] for b in bags], axis=1)
-    width = int(lengths.sum(axis=1).max(initial=0))
-    packed = np.full((batch, max(width, 1)), -1, dtype=np.int64)
-    starts = np.concatenate([np.zeros((batch, 1), np.int64), np.cumsum(lengths, axis=1)], axis=1)
-    for j, (values, lens) in enumerate(bags):
-        rows = np.repeat(np.arange(batch), lens)
-        within = np.arange(values.size) - np.repeat(np.cumsum(lens) - lens, lens)
-        packed[rows, starts[rows, j] + within] = values
+    """The multi-hot columns' bags as ``MULTIHOT_IDS`` (each row's bags one after the other, then -1) and
+    ``MULTIHOT_LENGTHS`` ``[row, column]``, all columns' values placed in one step."""
+    lists = _lists(processed, columns)
+    batch = len(lists) // len(columns)
+    by_column = list_lengths(lists)  # the bags column after column, each column's row after row
+    lengths = np.ascontiguousarray(by_column.reshape(len(columns), batch).T)
+    values = pc.list_flatten(lists).to_numpy(zero_copy_only=False).astype(np.int64)
+    packed = np.full((batch, max(int(lengths.sum(axis=1).max(initial=0)), 1)), -1, dtype=np.int64)
+    bag = np.repeat(np.arange(len(by_column)), by_column)  # each value's bag: column * batch + row
+    row, column = bag % batch, bag // batch
+    first = np.cumsum(by_column) - by_column  # each bag's first value
+    within_row = np.cumsum(lengths, axis=1) - lengths  # where each bag starts in its row
+    packed[row, within_row[row, column] + np.arange(len(values)) - first[bag]] = values
     return packed, lengths
+
+
+def _lists(processed: Columns, columns: list[str]) -> pa.Array:
+    """The columns' lists of ids one after the other in one Arrow array: the block that holds them as it is, else
+    each column's (as int64 lists where their types differ)."""
+    if isinstance(processed, BlockColumns):
+        block = processed.select(columns)
+        if isinstance(block, ColumnSlices):
+            return block.array
+    arrays = [pa.array(processed[name]) for name in columns]
+    if len({array.type for array in arrays}) > 1:
+        arrays = [array.cast(pa.list_(pa.int64())) for array in arrays]
+    return pa.concat_arrays(arrays)

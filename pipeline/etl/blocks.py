@@ -112,15 +112,14 @@ class ColumnBytes(ColumnSlices):
         self._at = {name: k for k, name in enumerate(self.names)}
 
     @cached_property
+    def lengths(self) -> np.ndarray:
+        """The bytes of each value (0: missing)."""
+        return fixed_width_lengths(self.fixed_width)
+
+    @cached_property
     def array(self) -> pa.Array:  # type: ignore[override]
         values = np.ascontiguousarray(self.fixed_width)
-        width = values.dtype.itemsize
-        flat = values.view(np.uint8)
-        padded = flat.reshape(len(values), width)
-        if width % 8:
-            padded = np.zeros((len(values), -(-width // 8) * 8), dtype=np.uint8)
-            padded[:, :width] = flat.reshape(len(values), width)
-        lengths = _nonzero_bytes(padded.view("<u8"))
+        flat, lengths = values.view(np.uint8), self.lengths
         offsets = np.zeros(len(values) + 1, dtype=np.int32)
         np.cumsum(lengths, out=offsets[1:])
         present = lengths > 0
@@ -129,9 +128,14 @@ class ColumnBytes(ColumnSlices):
                                                                 pa.py_buffer(flat[flat != 0])])
 
     def select(self, names: list[str]) -> ColumnBytes:
+        """The columns ``names`` as a block: this one where they are all of it, in order; a view of its bytes where
+        they follow each other."""
         if names == self.names:
             return self
-        parts = [self.fixed_width[self._at[name] * self.rows: (self._at[name] + 1) * self.rows] for name in names]
+        at = _positions([self._at[name] for name in names])
+        if isinstance(at, slice):
+            return ColumnBytes(names, self.fixed_width[at.start * self.rows: at.stop * self.rows], self.rows)
+        parts = [self.fixed_width[k * self.rows: (k + 1) * self.rows] for k in at]
         return ColumnBytes(names, np.concatenate(parts), self.rows)
 
 
@@ -195,10 +199,18 @@ _HIGH = np.uint64(0x8080808080808080)
 _ONES = np.uint64(0x0101010101010101)
 
 
-def _nonzero_bytes(words: np.ndarray) -> np.ndarray:
-    """The count of nonzero bytes of each row of 64-bit words ``[n, W]``, with a few word operations (a reduction
-    along short rows of bytes costs numpy far more): a byte's high bit marks it nonzero, and a multiply adds them."""
-    counts = np.zeros(len(words), dtype=np.int64)
+def fixed_width_lengths(values: np.ndarray) -> np.ndarray:
+    """The length of each value of a numpy ``S`` array whose values hold no NUL byte (int64): its count of nonzero
+    bytes, found with a few operations on 64-bit words (a byte's high bit set where it is nonzero, the marks added by a
+    multiply), which cost numpy far less than a reduction along each value's few bytes."""
+    n, width = len(values), values.dtype.itemsize
+    raw = np.ascontiguousarray(values).view(np.uint8).reshape(n, width)
+    if width % 8:
+        padded = np.zeros((n, -(-width // 8) * 8), dtype=np.uint8)
+        padded[:, :width] = raw
+        raw = padded
+    words = raw.view("<u8")
+    counts = np.zeros(n, dtype=np.int64)
     for k in range(words.shape[1]):
         word = words[:, k]
         marks = ((((word & _LOW7) + _LOW7) | word) & _HIGH) >> np.uint64(7)

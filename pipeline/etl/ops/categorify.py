@@ -162,30 +162,20 @@ class Categorify(Operator):
         """The codes of several columns of the same rows, what :meth:`transform_column` gives each, all their values
         found in one pass of the operator's :class:`~pipeline.etl.ops.text_lookup.VocabularyIndex` (up to
         :data:`_INDEXED_VALUES` values; more, as from a large frame, go column by column through Arrow's
-        ``index_in``). A block of text columns (:class:`~pipeline.etl.blocks.ColumnSlices`, or the request's fixed-width
-        bytes, :class:`~pipeline.etl.blocks.ColumnBytes`) gives the rows of one matrix of codes
-        (:class:`~pipeline.etl.blocks.ColumnRows`); a block of multi-hot columns one Arrow array of lists of codes."""
+        ``index_in``). Blocks stay blocks (:meth:`_block`)."""
         self._require_fitted()
         if isinstance(columns, BlockColumns):  # each block as it is (text and lists apart)
             return BlockColumns([self.transform_many(block) for block in columns.blocks])
-        if not columns or not isinstance(columns, ColumnSlices) and is_cudf(next(iter(columns.values()))):
-            return super().transform_many(columns)  # the columns of one frame: one library
+        if isinstance(columns, ColumnSlices):
+            found = self._block(columns)
+            if found is not None:
+                return found
+        elif not columns or is_cudf(next(iter(columns.values()))):  # the columns of one frame: one library
+            return super().transform_many(columns)
         names = list(columns)
-        rows = columns.rows if isinstance(columns, ColumnSlices) else len(next(iter(columns.values())))
+        rows = len(next(iter(columns.values())))
         if rows * len(names) > _INDEXED_VALUES:
             return super().transform_many(columns)
-        if isinstance(columns, ColumnSlices) and not any(self.multihot[name] for name in names):
-            if isinstance(columns, ColumnBytes) or pa.types.is_string(columns.array.type):
-                text = (TextWords.of_fixed_width(columns.fixed_width) if isinstance(columns, ColumnBytes)
-                        else TextWords.of_arrow(columns.array))
-                return ColumnRows(names, self._indexed(names, text, rows).reshape(len(names), rows))
-        if isinstance(columns, ColumnSlices) and all(self.multihot[name] for name in names):
-            lists = as_arrow_lists(pd.arrays.ArrowExtensionArray(columns.array))
-            lengths = list_lengths(lists)
-            each = lengths.reshape(len(names), rows).sum(axis=1)
-            codes = self._indexed(names, TextWords.of_arrow(pc.list_flatten(lists)), each)
-            offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-            return ColumnSlices(names, pa.ListArray.from_arrays(pa.array(offsets), pa.array(codes)), rows)
         codes, strings = {}, {}
         for name in names:
             if self.multihot[name]:
@@ -206,6 +196,28 @@ class Categorify(Operator):
             found = self._indexed(list(strings), TextWords.of_arrow(values), rows).reshape(len(strings), rows)
             codes.update(zip(strings, found))
         return {name: codes[name] for name in names}
+
+    def _block(self, block: ColumnSlices) -> Mapping[str, Any] | None:
+        """The codes of a block in one pass: of text columns (Arrow strings, or a request's fixed-width bytes,
+        :class:`~pipeline.etl.blocks.ColumnBytes`) as the rows of one matrix (:class:`~pipeline.etl.blocks.ColumnRows`),
+        of multi-hot columns as one Arrow array of lists; None for any other block, or one too large."""
+        names, rows = list(block), block.rows
+        if rows * len(names) > _INDEXED_VALUES:
+            return None
+        multihot = [self.multihot[name] for name in names]
+        if isinstance(block, ColumnBytes) and not any(multihot):
+            text = TextWords.of_fixed_width(block.fixed_width)
+            return ColumnRows(names, self._indexed(names, text, rows).reshape(len(names), rows))
+        kind = block.array.type
+        if pa.types.is_string(kind) and not any(multihot):
+            return ColumnRows(names, self._indexed(names, TextWords.of_arrow(block.array), rows).reshape(len(names), rows))
+        if pa.types.is_list(kind) and pa.types.is_string(kind.value_type) and all(multihot):
+            lengths = list_lengths(block.array)
+            each = lengths.reshape(len(names), rows).sum(axis=1)
+            codes = self._indexed(names, TextWords.of_arrow(pc.list_flatten(block.array)), each)
+            offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+            return ColumnSlices(names, pa.ListArray.from_arrays(pa.array(offsets), pa.array(codes)), rows)
+        return None
 
     def _indexed(self, names: list[str], values: TextWords, each: Any) -> np.ndarray:
         """int32 codes of ``values``, those of the columns ``names`` one after the other: ``each[k]`` values of the

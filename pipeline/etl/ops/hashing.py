@@ -24,7 +24,7 @@ meets (``docs/HASHTABLE.md``). On cuDF the values are hashed through host memory
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pandas as pd
@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.errors import BadInputError
-from pipeline.etl.blocks import BlockColumns, ColumnRows, ColumnSlices
+from pipeline.etl.blocks import BlockColumns, ColumnBytes, ColumnRows, ColumnSlices
 from pipeline.etl.column_schema import CATEGORICAL, ColumnSchema
 from pipeline.etl.frames import (
     as_arrow,
@@ -50,7 +50,7 @@ from pipeline.etl.frames import (
     looks_multihot,
 )
 from pipeline.etl.ops.base import Operator
-from pipeline.etl.ops.murmur import GOLDEN, combine_row_hashes, murmur3_int64, murmur3_strings
+from pipeline.etl.ops.murmur import GOLDEN, combine_row_hashes, murmur3_fixed_width, murmur3_int64, murmur3_strings
 from pipeline.schema import DYNAMIC_ROWS
 
 NULL_INDEX = 0
@@ -67,6 +67,8 @@ class HashBucket(Operator):
     stateful = True
     output_tags = frozenset({CATEGORICAL})
     output_dtype = "int32"
+    _seeds: ClassVar[tuple[int, ...]] = (0,)
+    """The seeds of the murmur3 hashes of a value that make its code (:meth:`_of_hashes`)."""
 
     def __init__(self, num_buckets: int):
         if int(num_buckets) < 1:
@@ -98,29 +100,41 @@ class HashBucket(Operator):
         return _bucket([values], [name], self.num_buckets)
 
     def transform_many(self, columns: Mapping[str, Any]) -> Mapping[str, Any]:
-        """What :meth:`transform_column` gives each column; a block of text columns
-        (:class:`~pipeline.etl.blocks.ColumnSlices`, or a request's bytes, :class:`~pipeline.etl.blocks.ColumnBytes`)
-        hashed in one pass, its codes the rows of one matrix (:class:`~pipeline.etl.blocks.ColumnRows`), and a block
-        of multi-hot columns in one pass too, one Arrow array of lists of codes."""
+        """What :meth:`transform_column` gives each column; a block of text columns hashed in one pass, its codes the
+        rows of one matrix (:class:`~pipeline.etl.blocks.ColumnRows`): a request's fixed-width bytes
+        (:class:`~pipeline.etl.blocks.ColumnBytes`) where they lie, Arrow strings
+        (:class:`~pipeline.etl.blocks.ColumnSlices`) otherwise; a block of multi-hot columns in one pass too, one
+        Arrow array of lists of codes."""
         self._require_fitted()
         if isinstance(columns, BlockColumns):  # each block as it is (text and lists apart)
             return BlockColumns([self.transform_many(block) for block in columns.blocks])
-        if isinstance(columns, ColumnSlices) and len(columns):
-            names, kind = list(columns), columns.array.type
-            multihot = [bool(self.multihot.get(name)) for name in names]
-            if not any(multihot) and (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-                codes = self._hashed(columns.array, names[0])
-                return ColumnRows(names, codes.reshape(len(names), columns.rows))
-            if all(multihot) and pa.types.is_list(kind) and pa.types.is_string(kind.value_type):
-                lists = columns.array
-                codes = self._hashed(pc.list_flatten(lists), names[0])
-                offsets = np.concatenate([[0], np.cumsum(list_lengths(lists))]).astype(np.int32)
-                return ColumnSlices(names, pa.ListArray.from_arrays(pa.array(offsets), pa.array(codes)), columns.rows)
+        if not isinstance(columns, ColumnSlices) or not len(columns):
+            return super().transform_many(columns)
+        names = list(columns)
+        multihot = [bool(self.multihot.get(name)) for name in names]
+        if not any(multihot) and isinstance(columns, ColumnBytes):
+            lengths = columns.lengths
+            codes = self._of_hashes(murmur3_fixed_width(columns.fixed_width, lengths, self._seeds), lengths == 0)
+            return ColumnRows(names, codes.reshape(len(names), columns.rows))
+        kind = columns.array.type
+        if not any(multihot) and (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+            return ColumnRows(names, self._of_text(columns.array).reshape(len(names), columns.rows))
+        if all(multihot) and pa.types.is_list(kind) and pa.types.is_string(kind.value_type):
+            lists = columns.array
+            codes = self._of_text(pc.list_flatten(lists))
+            offsets = np.concatenate([[0], np.cumsum(list_lengths(lists))]).astype(np.int32)
+            return ColumnSlices(names, pa.ListArray.from_arrays(pa.array(offsets), pa.array(codes)), columns.rows)
         return super().transform_many(columns)
 
-    def _hashed(self, values: pa.Array, name: str) -> np.ndarray:
-        """The codes of values (strings or integers; those of several columns alike): their buckets, 0 where missing."""
-        return _buckets(values, name, self.num_buckets)
+    def _of_text(self, values: pa.Array) -> np.ndarray:
+        """The codes of Arrow text, those of several columns alike (what :meth:`transform_column` gives each)."""
+        hashes = np.stack([murmur3_strings(values, seed=seed) for seed in self._seeds])
+        return self._of_hashes(hashes, values.is_null().to_numpy(zero_copy_only=False))
+
+    def _of_hashes(self, hashes: np.ndarray, missing: np.ndarray) -> np.ndarray:
+        """The codes of values from their hashes ``[seed, value]``: their buckets, 0 where missing."""
+        codes = (combine_row_hashes([hashes[0]]) % np.uint32(self.num_buckets)).astype(np.int64) + 1
+        return np.where(missing, NULL_INDEX, codes).astype(np.int32)
 
     def get_params(self) -> dict:
         return {"num_buckets": self.num_buckets}
@@ -167,6 +181,7 @@ class HashIds(HashBucket):
     multiple of 128); the schema marks the columns dynamic, their cardinality the capacity."""
 
     output_dtype = "int64"
+    _seeds = (0, 1)
 
     def __init__(self, capacity: int):
         if int(capacity) < DYNAMIC_ROWS or int(capacity) % DYNAMIC_ROWS:
@@ -195,8 +210,8 @@ class HashIds(HashBucket):
         ids = hash_ids(as_arrow_strings(pd.arrays.ArrowExtensionArray(flat), name=name))
         return lists_from_flat(ids, list_lengths(lists), getattr(values, "index", None))
 
-    def _hashed(self, values: pa.Array, name: str) -> np.ndarray:
-        return hash_ids(as_arrow_strings(pd.arrays.ArrowExtensionArray(values), name=name))
+    def _of_hashes(self, hashes: np.ndarray, missing: np.ndarray) -> np.ndarray:
+        return np.where(missing, 0, _ids(hashes[0], hashes[1]))
 
     def get_params(self) -> dict:
         return {"capacity": self.capacity}
@@ -204,9 +219,12 @@ class HashIds(HashBucket):
 
 def hash_ids(strings: pa.Array) -> np.ndarray:
     """int64 ids of strings: MurmurHash3_x86_32 of each with seed 0 (high 32 bits) and seed 1 (low); null: 0."""
-    high = murmur3_strings(strings, seed=0).astype(np.uint64) << np.uint64(32)
-    ids = (high | murmur3_strings(strings, seed=1).astype(np.uint64)).view(np.int64)
+    ids = _ids(murmur3_strings(strings, seed=0), murmur3_strings(strings, seed=1))
     return np.where(strings.is_null().to_numpy(zero_copy_only=False), 0, ids)
+
+
+def _ids(high: np.ndarray, low: np.ndarray) -> np.ndarray:
+    return ((high.astype(np.uint64) << np.uint64(32)) | low.astype(np.uint64)).view(np.int64)
 
 
 def _bucket(columns: list[Any], names: list[str], num_buckets: int) -> Any:

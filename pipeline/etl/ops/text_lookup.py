@@ -33,6 +33,9 @@ import pyarrow as pa
 
 LONG_BYTES = 128
 """Values longer than this many bytes are looked up by their bytes in a dictionary, not through their key."""
+_SEARCHED = 64
+"""Up to this many values are found by a binary search of the sorted keys: ``get_indexer`` costs about 15 us of
+checks a call (the cost of a search of some 200 values), then about 10 ns a value against the search's 100 ns."""
 
 
 @dataclass(frozen=True)
@@ -109,7 +112,7 @@ class TextWords:
 
 class VocabularyIndex:
     """The values of several columns' vocabularies (by column name, Arrow string arrays of distinct values), found
-    by :meth:`positions`; built once, about 70 bytes a value."""
+    by :meth:`positions`; built once, about 90 bytes a value (a third of it the hash table)."""
 
     def __init__(self, vocabularies: Mapping[str, pa.Array]) -> None:
         sizes = [len(vocab) for vocab in vocabularies.values()]
@@ -121,26 +124,32 @@ class VocabularyIndex:
         self._seeds = _mix(np.arange(1, len(sizes) + 1, dtype=np.uint64))
         self._runs: dict[tuple[str, ...], tuple[np.ndarray, np.ndarray]] = {}
         keys, counts = _keys(values.words, self._seeds[columns])
-        odd = np.zeros(len(keys), dtype=bool)
+        positions = np.arange(len(keys)) - np.repeat(starts[:-1], sizes)
+        odd = np.zeros(len(keys), dtype=bool)  # the values looked up by their bytes
         odd[list(values.by_bytes)] = True
-        shared = pd.Index(keys).duplicated(keep=False) & ~odd
-        held = np.flatnonzero(~shared & ~odd)
-        self._held, self._ambiguous = len(held), bool(shared.any())
-        self._index = pd.Index(np.concatenate([keys[held], np.unique(keys[shared])]))
-        # by row, with one more that never matches: what a key absent from the index (or ambiguous) reads
-        self._rows = np.concatenate([held, np.full(len(self._index) - len(held) + 1, len(keys))])
-        self._positions = np.concatenate([np.arange(len(keys)) - np.repeat(starts[:-1], sizes), [0]])
-        self._counts = np.concatenate([counts, [255]]).astype(np.uint8)
-        self._first = np.concatenate([values.words[:, 0], [0]])
-        # the words after the first, each value's one after the other, then zeros that a comparison past the last reads
-        rest = values.words[:, 1:]
-        self._rest = np.concatenate([rest[rest != 0], np.zeros(LONG_BYTES // 8, np.uint64)])
-        more = np.maximum(counts - 1, 0)
-        self._rest_starts = np.concatenate([np.cumsum(more) - more, [0]])
+        held = np.flatnonzero(~odd)
+        index, shared = pd.Index(keys[held]), np.zeros(0, np.uint64)
+        if not index.is_unique:  # a key of two values (or a value there twice): those are looked up by their bytes
+            twice = index.duplicated(keep=False)
+            shared, odd[held[twice]], held = np.unique(keys[held[twice]]), True, held[~twice]
+            index = pd.Index(np.concatenate([keys[held], shared]))
+        self._index, self._held = index, len(held)
+        # by position in the index: what each value held there is; then the shared keys' and an absent key's (at -1),
+        # which match no value
+        never = len(shared) + 1
+        self._first = np.concatenate([values.words[held, 0], np.zeros(never, np.uint64)])
+        self._counts = np.concatenate([counts[held], np.full(never, 255)]).astype(np.uint8)
+        self._positions = np.concatenate([positions[held], np.zeros(never, np.int64)])
+        rest, more = values.words[held, 1:], np.maximum(counts[held] - 1, 0)
+        self._rest = np.concatenate([rest[rest != 0], np.zeros(LONG_BYTES // 8, np.uint64)])  # the words after the first
+        self._rest_starts = np.concatenate([np.cumsum(more) - more, np.zeros(never, np.int64)])
         self._by_bytes: dict[tuple[int, bytes], int] = {}
-        for row in np.flatnonzero(shared | odd)[::-1].tolist():  # from the last: a value there twice keeps its first row
-            self._by_bytes[int(columns[row]), values.value(row)] = int(self._positions[row])
+        for row in np.flatnonzero(odd)[::-1].tolist():  # from the last: a value there twice keeps its first row
+            self._by_bytes[int(columns[row]), values.value(row)] = int(positions[row])
         self._index.get_indexer(keys[:1])  # the hash table, built now rather than at the first look-up
+        # the index's keys sorted, for a few values: a binary search of each costs less than get_indexer's own checks
+        order = np.argsort(self._index.to_numpy())
+        self._sorted_keys, self._sorted_at = self._index.to_numpy()[order], order
 
     def positions(self, values: TextWords, names: Sequence[str], each: int | np.ndarray, first: int = 0,
                   absent: int = -1, missing: int = -1) -> np.ndarray:
@@ -149,15 +158,15 @@ class VocabularyIndex:
         ``each[k]`` of the k-th (one number: as many of each)."""
         numbers, seeds = self._columns(tuple(names))
         keys, counts = _keys(values.words, np.repeat(seeds, each))
-        at = self._index.get_indexer(keys)
-        rows = self._rows[at]
-        same = (self._counts[rows] == counts) & (self._first[rows] == values.words[:, 0])
+        at = self._index.get_indexer(keys) if len(keys) > _SEARCHED else self._searched(keys)
+        same = (self._counts[at] == counts) & (self._first[at] == values.words[:, 0])
         if values.words.shape[1] > 1:
-            starts = self._rest_starts[rows]
+            starts = self._rest_starts[at]
             for k in range(1, values.words.shape[1]):  # the words of each, up to its count
                 same &= (counts <= k) | (self._rest[starts + (k - 1)] == values.words[:, k])
-        out = np.where(same, self._positions[rows] + first, absent)
-        asked = [*values.by_bytes, *(np.flatnonzero(at >= self._held).tolist() if self._ambiguous else ())]
+        out = np.where(same, self._positions[at] + first, absent)
+        shared = len(self._index) > self._held
+        asked = [*values.by_bytes, *(np.flatnonzero(at >= self._held).tolist() if shared else ())]
         if asked:
             columns = np.repeat(numbers, each)
             for row in asked:
@@ -165,6 +174,13 @@ class VocabularyIndex:
         if values.missing is not None:
             out[values.missing] = missing
         return out
+
+    def _searched(self, keys: np.ndarray) -> np.ndarray:
+        """The position of each key in the index, -1 where absent (what ``get_indexer`` gives), by binary search."""
+        if not len(self._sorted_keys):
+            return np.full(len(keys), -1, dtype=np.int64)
+        found = np.minimum(np.searchsorted(self._sorted_keys, keys), len(self._sorted_keys) - 1)
+        return np.where(self._sorted_keys[found] == keys, self._sorted_at[found], -1)
 
     def _columns(self, names: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
         """The numbers of the columns ``names`` and their keys' seeds (kept: a request's columns come in one order)."""
