@@ -8,10 +8,13 @@ index; a missing one the workflow's null index; a missing number the workflow's 
 The numbers are checked and stacked once, into one float64 matrix ``[column, row]`` in the raw
 columns' order (NaN: missing): each column is a row of it, the numbers the numeric operators read of
 the ETL's column (``as_float64``: an int64 value beyond 2**53 rounds to the nearest float64 there
-too). The strings of a tensor are read in one pass, column after column, into one Arrow array whose
-slices are the columns, of the raw parquet's own type. The workflow gets them kind by kind
-(:mod:`pipeline.etl.blocks`: the matrix, the text array), and any column read alone is what a column of
-the frame the ETL's reader gives the workflow holds (a row of the matrix, an arrow-backed pandas array).
+too). The text columns of ``STRINGS`` stay the fixed-width bytes the served model decodes
+(:class:`~pipeline.etl.blocks.ColumnBytes`: Categorify, HashBucket and HashIds read them in place) where those
+bytes are the text Arrow reads (UTF-8, no NUL byte inside a value); otherwise, and for ``LISTS``, the strings are
+read in one pass, column after column, into one Arrow array whose slices are the columns, of the raw parquet's
+own type. The workflow gets them kind by kind (:mod:`pipeline.etl.blocks`: the matrix, the bytes or the text
+array), and any column read alone is what a column of the frame the ETL's reader gives the workflow holds (a row
+of the matrix, an arrow-backed pandas array).
 The *same* operators as offline run on them (``Workflow.transform_columns``: ``Workflow.transform``
 without building a DataFrame in or out, the columns of an operator computed together where it can, as
 it would compute each, and kept in blocks from one operator to the next). The processed columns become

@@ -144,13 +144,16 @@ def test_fixed_width_strings_are_read_as_arrow_reads_them(served):
     """Fixed-width bytes with a NUL byte inside a value are read up to it (Arrow's reading), and bytes that are not
     UTF-8 with the invalid bytes replaced: the same tensors as a request of that text."""
     preprocess, _ = served
-    frame = _table(4, seed=9, unseen=0.0).select(["label", *preprocess.raw.layout.columns]).to_pandas(types_mapper=pd.ArrowDtype)
+    table = _table(4, seed=9, unseen=0.0).select(["label", *preprocess.raw.layout.columns])
+    frame = table.to_pandas(types_mapper=pd.ArrowDtype)
     request = preprocess.raw.layout.tensors(frame)
     for sent, read in (([b"c11\x00tail", b"c2", b"", b"c11"], [b"c11", b"c2", b"", b"c11"]),
                        ([b"\xff\xfec1", b"c2", b"", b"c11"], ["\ufffd\ufffdc1".encode(), b"c2", b"", b"c11"])):
-        strings, text = np.full(request["STRINGS"].shape, b"21", object), np.full(request["STRINGS"].shape, b"21", object)
+        strings = np.full(request["STRINGS"].shape, b"21", object)  # a number: K, where it is, reads it
+        text = strings.copy()
         strings[:, 0], text[:, 0] = sent, read
-        _assert_same_bits(preprocess(dict(request, STRINGS=strings.astype("S"))), preprocess(dict(request, STRINGS=text)))
+        fixed_width = dict(request, STRINGS=strings.astype("S"))
+        _assert_same_bits(preprocess(fixed_width), preprocess(dict(request, STRINGS=text)))
 
 
 def _reference(vocabularies: dict, values: list, names: list[str]) -> list[int]:

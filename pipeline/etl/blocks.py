@@ -199,18 +199,24 @@ _HIGH = np.uint64(0x8080808080808080)
 _ONES = np.uint64(0x0101010101010101)
 
 
-def fixed_width_lengths(values: np.ndarray) -> np.ndarray:
-    """The length of each value of a numpy ``S`` array whose values hold no NUL byte (int64): its count of nonzero
-    bytes, found with a few operations on 64-bit words (a byte's high bit set where it is nonzero, the marks added by a
-    multiply), which cost numpy far less than a reduction along each value's few bytes."""
+def fixed_width_words(values: np.ndarray) -> np.ndarray:
+    """The values of a numpy ``S`` array as rows of little-endian 64-bit words ``[n, W]``, zero after each value's
+    bytes (a view of them where their width is a multiple of 8 bytes)."""
     n, width = len(values), values.dtype.itemsize
     raw = np.ascontiguousarray(values).view(np.uint8).reshape(n, width)
     if width % 8:
         padded = np.zeros((n, -(-width // 8) * 8), dtype=np.uint8)
         padded[:, :width] = raw
         raw = padded
-    words = raw.view("<u8")
-    counts = np.zeros(n, dtype=np.int64)
+    return raw.view("<u8")
+
+
+def fixed_width_lengths(values: np.ndarray) -> np.ndarray:
+    """The length of each value of a numpy ``S`` array whose values hold no NUL byte (int64): its count of nonzero
+    bytes, found with a few operations on 64-bit words (a byte's high bit set where it is nonzero, the marks added by a
+    multiply), which cost numpy far less than a reduction along each value's few bytes."""
+    words = fixed_width_words(values)
+    counts = np.zeros(len(words), dtype=np.int64)
     for k in range(words.shape[1]):
         word = words[:, k]
         marks = ((((word & _LOW7) + _LOW7) | word) & _HIGH) >> np.uint64(7)

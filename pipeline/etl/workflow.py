@@ -346,9 +346,9 @@ def _evaluate_columns(select: Callable[[list[str]], Mapping[str, Any]], index: p
 
     A column-by-column operator gets all its input arrays at once (``transform_many``, which runs
     ``transform_column`` on each unless the operator computes them together); any other operator gets
-    a frame of its input columns (on ``index``, or 0..n-1 for a number of rows) and its own ``transform``. With ``blocks``, the columns of a
-    node with one parent are that parent's columns as they are, and a union keeps its parents' blocks side by
-    side (:class:`~pipeline.etl.blocks.BlockColumns`).
+    a frame of its input columns (on ``index``; on 0..n-1 where it is a number of rows) and its own
+    ``transform``. With ``blocks``, the columns of a node with one parent are that parent's columns as they are,
+    and a union keeps its parents' blocks side by side (:class:`~pipeline.etl.blocks.BlockColumns`).
     """
     results: dict[int, Mapping[str, Any]] = {}
     for node in nodes:

@@ -13,6 +13,12 @@ text (:mod:`pipeline.etl.ops.keyed`): the counts of all columns of a partition c
 codes from a binary search of the vocabulary's sorted keys, with the same vocabularies and codes as on
 pandas, where string columns are read as Arrow dictionaries and only their distinct values are worked on.
 
+A pandas partition's column is looked up with Arrow's ``index_in``, which hashes the vocabulary at each call.
+The serving path (``transform_many``: a request's columns, or a small frame's) instead keeps one index of all the
+operator's vocabularies between calls (:mod:`pipeline.etl.ops.text_lookup`: 64-bit keys of each value's column and
+bytes, built on first use) and finds every value of all its columns in one pass, straight from the request's
+fixed-width bytes where they come so.
+
 Example::
 
     ["C1", "C2"] >> Categorify(freq_threshold=3, max_vocab_size=100_000)
@@ -205,12 +211,11 @@ class Categorify(Operator):
         if rows * len(names) > _INDEXED_VALUES:
             return None
         multihot = [self.multihot[name] for name in names]
-        if isinstance(block, ColumnBytes) and not any(multihot):
-            text = TextWords.of_fixed_width(block.fixed_width)
+        if not any(multihot) and (isinstance(block, ColumnBytes) or pa.types.is_string(block.array.type)):
+            text = (TextWords.of_fixed_width(block.fixed_width) if isinstance(block, ColumnBytes)
+                    else TextWords.of_arrow(block.array))
             return ColumnRows(names, self._indexed(names, text, rows).reshape(len(names), rows))
         kind = block.array.type
-        if pa.types.is_string(kind) and not any(multihot):
-            return ColumnRows(names, self._indexed(names, TextWords.of_arrow(block.array), rows).reshape(len(names), rows))
         if pa.types.is_list(kind) and pa.types.is_string(kind.value_type) and all(multihot):
             lengths = list_lengths(block.array)
             each = lengths.reshape(len(names), rows).sum(axis=1)
@@ -267,7 +272,8 @@ class Categorify(Operator):
         self._fitted = True
 
 
-def _encode(values: pa.Array, vocab: pa.Array, indexed: Callable[[pa.Array], np.ndarray] | None = None) -> np.ndarray:
+def _encode(values: pa.Array, vocab: pa.Array,
+            indexed: Callable[[pa.Array], np.ndarray] | None = None) -> np.ndarray:
     """int32 codes of a string (or dictionary of strings) array: found by ``indexed`` (the operator's index) where
     given, else by Arrow's ``index_in`` (which hashes the vocabulary at each call: the way of a large partition)."""
     if pa.types.is_dictionary(values.type):

@@ -8,6 +8,8 @@ bytes for integers), folded into a row hash with Boost's ``hash_combine`` starti
 On cuDF each column is hashed on the GPU with ``Series.hash_values(method="murmur3")`` (libcudf)
 and folded here with the same ``hash_combine``, so both backends give the same buckets whichever
 way the installed libcudf folds columns (:func:`cudf_single_column_offset` explains why that matters).
+HashBucket and HashIds map each column on its own (``transform_column``); on the serving path a block of text
+or list columns is hashed in one pass, a request's fixed-width bytes in place (``murmur3_fixed_width``).
 
 Example::
 

@@ -5,7 +5,7 @@ vocabulary again on every call, and a Python dictionary costs a Python call per 
 once per operator: each vocabulary value gets a 64-bit key of its column and its bytes, the keys of all the
 operator's columns go into one ``pandas.Index`` (whose ``get_indexer`` keeps a C hash table between calls), and
 the values of a request, all columns together, are keyed the same way with a few numpy steps and found in one
-``get_indexer`` call.
+``get_indexer`` call (a few values by a binary search of the keys sorted, which costs less than that call).
 
 A value's bytes are read as little-endian 64-bit words, zero after its end (:class:`TextWords`); its key starts
 from its column and folds in each of its words with a bijective mix, so two columns never give one value the same
@@ -31,6 +31,8 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+from pipeline.etl.blocks import fixed_width_words
+
 LONG_BYTES = 128
 """Values longer than this many bytes are looked up by their bytes in a dictionary, not through their key."""
 _SEARCHED = 64
@@ -42,9 +44,9 @@ checks a call (the cost of a search of some 200 values), then about 10 ns a valu
 class TextWords:
     """Text values as rows of 64-bit words: each value's bytes little-endian, then zeros.
 
-    ``words`` ``[n, W]`` uint64 (``W``: the words of the longest value held, at least one); ``missing`` a bool per value, or None
-    where none is; ``by_bytes``: by row, the bytes of the values the words do not hold (those with a NUL byte or
-    longer than :data:`LONG_BYTES`; their words are zero).
+    ``words`` ``[n, W]`` uint64 (``W``: the words of the longest value held, at least one); ``missing`` a bool per
+    value, or None where none is; ``by_bytes``: by row, the bytes of the values the words do not hold (those with a
+    NUL byte or longer than :data:`LONG_BYTES`; their words are zero).
     """
 
     words: np.ndarray
@@ -62,13 +64,7 @@ class TextWords:
     @classmethod
     def of_fixed_width(cls, values: np.ndarray) -> TextWords:
         """The values of a numpy ``S`` array (none holding a NUL byte before its zero padding), an empty one missing."""
-        n, width = len(values), values.dtype.itemsize
-        raw = np.ascontiguousarray(values).view(np.uint8).reshape(n, width)
-        if width % 8:
-            padded = np.zeros((n, -(-width // 8) * 8), dtype=np.uint8)
-            padded[:, :width] = raw
-            raw = padded
-        words = raw.view("<u8")
+        words = fixed_width_words(values)
         missing = words[:, 0] == 0
         by_bytes = {}
         if words.shape[1] > LONG_BYTES // 8:
@@ -141,7 +137,8 @@ class VocabularyIndex:
         self._counts = np.concatenate([counts[held], np.full(never, 255)]).astype(np.uint8)
         self._positions = np.concatenate([positions[held], np.zeros(never, np.int64)])
         rest, more = values.words[held, 1:], np.maximum(counts[held] - 1, 0)
-        self._rest = np.concatenate([rest[rest != 0], np.zeros(LONG_BYTES // 8, np.uint64)])  # the words after the first
+        # the words after the first, each value's one after the other
+        self._rest = np.concatenate([rest[rest != 0], np.zeros(LONG_BYTES // 8, np.uint64)])
         self._rest_starts = np.concatenate([np.cumsum(more) - more, np.zeros(never, np.int64)])
         self._by_bytes: dict[tuple[int, bytes], int] = {}
         for row in np.flatnonzero(odd)[::-1].tolist():  # from the last: a value there twice keeps its first row
