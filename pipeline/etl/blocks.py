@@ -184,8 +184,9 @@ class BlockColumns(Mapping):
         runs, at = [], 0
         while at < len(names):
             block = self._block_of[names[at]]
-            end = at + len(block)
-            if names[at:end] != list(block):
+            whole = block.names if isinstance(block, (ColumnRows, ColumnSlices)) else list(block)
+            end = at + len(whole)
+            if names[at:end] != whole:
                 end = at + 1
                 while end < len(names) and self._block_of[names[end]] is block:
                     end += 1
