@@ -181,7 +181,7 @@ def test_the_vocabulary_index_finds_what_a_dictionary_finds(seed):
                     for k, size in enumerate((0, 3, 50, 400))}
     index = VocabularyIndex(vocabularies)
     names = list(vocabularies)
-    for rows in (1, 7, 600):
+    for rows in (1, 7, 100, 600):  # the binary search of the keys, and (2,400 values) the hash table
         looked_up = [[None if rng.random() < 0.1 else value() for _ in range(rows)] for _ in names]
         flat = [v for column in looked_up for v in column]
         expected = _reference(vocabularies, flat, [name for name in names for _ in range(rows)])
@@ -217,7 +217,7 @@ def test_values_sharing_a_key_are_told_apart_by_their_bytes():
     assert one != other and keys[0] == keys[1]
     both = VocabularyIndex({"c": pa.array(["a", one, other])})
     alone = VocabularyIndex({"c": pa.array(["a", one])})
-    for times in (1, 100):  # a few values (a binary search of the keys) and many (the hash table)
+    for times in (1, 600):  # a few values (a binary search of the keys) and many (the hash table)
         values = TextWords.of_arrow(pa.array([one, other, "a", "b"] * times))
         assert both.positions(values, ["c"], 4 * times).tolist() == [1, 2, 0, -1] * times
         assert alone.positions(values, ["c"], 4 * times).tolist() == [1, -1, 0, -1] * times  # its key, not it

@@ -35,9 +35,12 @@ from pipeline.etl.blocks import fixed_width_words
 
 LONG_BYTES = 128
 """Values longer than this many bytes are looked up by their bytes in a dictionary, not through their key."""
-_SEARCHED = 64
-"""Up to this many values are found by a binary search of the sorted keys: ``get_indexer`` costs about 15 us of
-checks a call (the cost of a search of some 200 values), then about 10 ns a value against the search's 100 ns."""
+_SEARCHED = (64, 2048)
+"""Up to this many values are found by a binary search of the sorted keys (the second: of an index of at most
+:data:`_CACHED_KEYS` keys, which a search reads from the CPU's caches): ``get_indexer`` runs about 40 Python steps
+a call, some 15 us warm and 250 us when the CPU's caches are cold (as between two requests of a served model), the
+search one numpy call, then 10 to 20 ns a value against 100 ns or more (a cache miss a step of a large index)."""
+_CACHED_KEYS = 1 << 18
 
 
 @dataclass(frozen=True)
@@ -155,7 +158,8 @@ class VocabularyIndex:
         ``each[k]`` of the k-th (one number: as many of each)."""
         numbers, seeds = self._columns(tuple(names))
         keys, counts = _keys(values.words, np.repeat(seeds, each))
-        at = self._index.get_indexer(keys) if len(keys) > _SEARCHED else self._searched(keys)
+        searched = _SEARCHED[len(self._sorted_keys) <= _CACHED_KEYS]
+        at = self._searched(keys) if len(keys) <= searched else self._index.get_indexer(keys)
         same = (self._counts[at] == counts) & (self._first[at] == values.words[:, 0])
         if values.words.shape[1] > 1:
             starts = self._rest_starts[at]
