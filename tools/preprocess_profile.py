@@ -3,13 +3,16 @@
 Loads the preprocess of an export (``ranker/1/artifacts``, or ``preprocess/1/artifacts`` of the chain) as the
 served model does, makes requests of the raw test rows with the client's code (``RequestLayout.tensors``), their
 strings encoded and decoded as on the wire (``export/wire.py``: what the python backend hands the model), and
-times ``Preprocessor.__call__`` on 8 different requests in turn, warm: the median of ``--calls`` calls per batch
+times ``Preprocessor.__call__`` on 8 different requests in turn: the median of ``--calls`` calls (after 30) per batch
 size, each of ``--rounds`` rounds, and its phases (the request's columns as blocks, the workflow's
-``transform_columns``, the model's tensors cut from them). Only the public ``Preprocessor`` API is used, so the
-same file times any revision: put that revision first on ``PYTHONPATH``.
+``transform_columns``, the model's tensors cut from them). With ``--cold`` a 128 MiB array is written before each
+call, which empties the CPU's caches as the rest of a served request and the server's other processes do between
+two preprocesses of one instance (a warm loop of the same call measures code that stays in cache). Only the public
+``Preprocessor`` API is used, so the same file times any revision: put that revision first on ``PYTHONPATH``; run it
+with the served models' memory settings (``export.environment.MALLOC``) to time their allocations.
 
-    python tools/preprocess_profile.py --export data/synthetic/export
-    for code in /path/to/before .; do PYTHONPATH=$code python tools/preprocess_profile.py --export data/synthetic/export; done
+    python tools/preprocess_profile.py --export data/synthetic/export --cold
+    for code in /path/to/before .; do PYTHONPATH=$code python tools/preprocess_profile.py --export X; done
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batches", default="1,32,1024", help="batch sizes, comma-separated")
     parser.add_argument("--calls", type=int, default=300, help="timed calls per batch size and round")
     parser.add_argument("--rounds", type=int, default=3, help="rounds over all batch sizes")
+    parser.add_argument("--cold", action="store_true", help="empty the CPU's caches before each call")
     parser.add_argument("--json", metavar="FILE", help="also write the timings as JSON")
     args = parser.parse_args(argv)
 
@@ -51,15 +55,19 @@ def main(argv: list[str] | None = None) -> dict:
 
     requests = {batch: [on_the_wire(preprocess.raw.layout.tensors(rows.iloc[start: start + batch]))
                         for start in (k * batch % max(len(rows) - batch, 1) for k in range(8))] for batch in batches}
-    results: dict = {"code": str(Path(export.preprocess.__file__).resolve().parents[1]), "rounds": []}
-    print(f"[preprocess] {artifacts} ({results['code']}); {len(rows):,} raw rows; p50 of {args.calls} calls, ms",
-          flush=True)
+    results: dict = {"code": str(Path(export.preprocess.__file__).resolve().parents[1]), "cold": args.cold,
+                     "rounds": []}
+    print(f"[preprocess] {artifacts} ({results['code']}); {len(rows):,} raw rows; p50 of {args.calls} calls"
+          f"{', caches emptied before each' if args.cold else ''}, ms", flush=True)
+    spill = np.ones(16 << 20) if args.cold else None
     for round_ in range(args.rounds):
         figures = {}
         for batch in batches:
             times = {"total": [], "columns": [], "transform": [], "tensors": []}
             for call in range(args.calls + 30):
                 request = requests[batch][call % 8]
+                if spill is not None:
+                    spill += 1.0
                 start = time.perf_counter()
                 columns = preprocess.columns(request)
                 middle = time.perf_counter()
