@@ -8,10 +8,13 @@ index; a missing one the workflow's null index; a missing number the workflow's 
 The numbers are checked and stacked once, into one float64 matrix ``[column, row]`` in the raw
 columns' order (NaN: missing): each column is a row of it, the numbers the numeric operators read of
 the ETL's column (``as_float64``: an int64 value beyond 2**53 rounds to the nearest float64 there
-too). The strings of a tensor are read in one pass, column after column, into one Arrow array whose
-slices are the columns, of the raw parquet's own type. The workflow gets them kind by kind
-(:mod:`pipeline.etl.blocks`: the matrix, the text array), and any column read alone is what a column of
-the frame the ETL's reader gives the workflow holds (a row of the matrix, an arrow-backed pandas array).
+too). The text columns of ``STRINGS`` stay the fixed-width bytes the served model decodes
+(:class:`~pipeline.etl.blocks.ColumnBytes`: Categorify, HashBucket and HashIds read them in place) where those
+bytes are the text Arrow reads (UTF-8, no NUL byte inside a value); otherwise, and for ``LISTS``, the strings are
+read in one pass, column after column, into one Arrow array whose slices are the columns, of the raw parquet's
+own type. The workflow gets them kind by kind (:mod:`pipeline.etl.blocks`: the matrix, the bytes or the text
+array), and any column read alone is what a column of the frame the ETL's reader gives the workflow holds (a row
+of the matrix, an arrow-backed pandas array).
 The *same* operators as offline run on them (``Workflow.transform_columns``: ``Workflow.transform``
 without building a DataFrame in or out, the columns of an operator computed together where it can, as
 it would compute each, and kept in blocks from one operator to the next). The processed columns become
@@ -43,7 +46,8 @@ import pyarrow.compute as pc
 
 from export.request import FLOATS, FLOATS_MISSING, INTEGERS, INTEGERS_MISSING, LISTS, STRINGS, RequestLayout
 from pipeline.errors import BadInputError, UserError
-from pipeline.etl.blocks import BlockColumns, ColumnRows, ColumnSlices
+from pipeline.etl.blocks import BlockColumns, ColumnBytes, ColumnRows, ColumnSlices
+from pipeline.etl.frames import list_lengths
 from pipeline.schema import Schema
 
 DENSE = "DENSE"
@@ -109,6 +113,10 @@ class Preprocessor:
         self._types = {name: _arrow_type(t) for name, t in
                        {**raw.continuous, **raw.categorical, **raw.multihot, **raw.label}.items()}
         self.layout = raw.layout
+        text = [self._types[name] == pa.string() for name in self.layout.strings]
+        # the STRINGS tensor's columns of the text type, and the others (numbers the workflow reads as such)
+        self._strings_by_type = ([k for k, is_text in enumerate(text) if is_text],
+                                 [k for k, is_text in enumerate(text) if not is_text])
         self._inputs = {t.name: (t.datatype, t.columns) for t in self.layout.inputs}
         order = {name: row for row, name in enumerate(raw.continuous)}
         # each number tensor's columns: their rows of the [column, row] matrix (a slice where they follow each other)
@@ -117,13 +125,17 @@ class Preprocessor:
 
     @classmethod
     def load(cls, folder: str | Path) -> Preprocessor:
-        """From the files export wrote: ``raw_columns.json``, ``schema.json`` and ``workflow/``."""
+        """From the files export wrote: ``raw_columns.json``, ``schema.json`` and ``workflow/``; ready to answer."""
         from pipeline.etl.workflow import Workflow
 
         folder = Path(folder)
         workflow = Workflow.load(folder / "workflow", library="pandas")
-        return cls(RawColumns.load(folder / "raw_columns.json"), Schema.load(folder / "schema.json"),
-                   workflow.transform_columns)
+        preprocess = cls(RawColumns.load(folder / "raw_columns.json"), Schema.load(folder / "schema.json"),
+                         workflow.transform_columns)
+        # A row with every value missing: the operators build what they keep between requests (a vocabulary's
+        # index: seconds for millions of values) now, not at the first request.
+        preprocess(preprocess.layout.tensors([{}]))
+        return preprocess
 
     def columns(self, tensors: Mapping[str, np.ndarray]) -> BlockColumns:
         """The request's raw columns as the workflow takes them, kind by kind (:mod:`pipeline.etl.blocks`): the
@@ -136,10 +148,10 @@ class Preprocessor:
             blocks.append(ColumnRows(list(self.raw.continuous), self._numbers(tensors, batch)))
         blocks.append({name: np.zeros(batch) for name in self.raw.label})  # read by the workflow, not by the model
         if STRINGS in self._inputs:
-            blocks.append(self._text_columns(_strings(_by_column(tensors[STRINGS])), self.layout.strings, batch))
+            blocks.append(self._strings_columns(_by_column(tensors[STRINGS]), batch))
         if LISTS in self._inputs:
             lists = pc.split_pattern(_strings(_by_column(tensors[LISTS])), self.raw.list_separator)
-            blocks.append(self._text_columns(lists, self.layout.lists, batch))
+            blocks.append(self._typed_columns(lists, self.layout.lists, batch))
         return BlockColumns(blocks)
 
     def _check(self, tensors: Mapping[str, np.ndarray]) -> int:
@@ -182,9 +194,22 @@ class Preprocessor:
         matrix[missing] = np.nan
         return matrix
 
-    def _text_columns(self, values: pa.Array, names: tuple[str, ...], batch: int) -> Mapping[str, Any]:
-        """The columns one after the other in ``values``: as they are where each has their type, else each as the
-        pandas array of its own type that the workflow reads."""
+    def _strings_columns(self, values: np.ndarray, batch: int) -> Mapping[str, Any]:
+        """The ``STRINGS`` tensor's columns (its values column after column): those of the text type as their
+        fixed-width bytes where these hold the text :func:`_strings` reads (:class:`ColumnBytes`), any other as
+        :meth:`_typed_columns` makes them."""
+        text, others = self._strings_by_type
+        if not text or not _fixed_width_text(values):
+            return self._typed_columns(_strings(values), self.layout.strings, batch)
+        blocks = [ColumnBytes([self.layout.strings[k] for k in text], _columns_of(values, text, batch), batch)]
+        if others:
+            blocks.append(self._typed_columns(_strings(_columns_of(values, others, batch)),
+                                              tuple(self.layout.strings[k] for k in others), batch))
+        return blocks[0] if len(blocks) == 1 else BlockColumns(blocks)
+
+    def _typed_columns(self, values: pa.Array, names: tuple[str, ...], batch: int) -> Mapping[str, Any]:
+        """The columns one after the other in ``values`` (Arrow strings or lists): as they are where each has their
+        type, else each as the pandas array of its own type that the workflow reads."""
         if all(self._types[name] == values.type for name in names):
             return ColumnSlices(list(names), values, batch)
         return {name: pd.arrays.ArrowExtensionArray(_cast(values.slice(k * batch, batch), self._types[name]))
@@ -230,6 +255,29 @@ def _strings(values: np.ndarray) -> pa.Array:
     return pc.if_else(pc.equal(array, ""), pa.scalar(None, pa.string()), array)
 
 
+def _fixed_width_text(values: np.ndarray) -> bool:
+    """Whether the values of a numpy array are fixed-width bytes that :func:`_strings` reads as they are: an ``S``
+    array of UTF-8 whose values hold no NUL byte before their zero padding (Arrow's text of a value ends at its
+    first NUL)."""
+    if values.dtype.kind != "S" or not values.size:
+        return False
+    width = values.dtype.itemsize
+    flat = np.ascontiguousarray(values).view(np.uint8)
+    follows_a_nul = (flat[:-1] == 0) & (flat[1:] != 0)
+    follows_a_nul[width - 1:: width] = False  # a value's first byte after the one before it
+    if follows_a_nul.any():
+        return False
+    if flat.max() < 0x80:  # ASCII
+        return True
+    ended = np.zeros((len(values), width + 1), dtype=np.uint8)  # a zero after each value: none runs on
+    ended[:, :-1] = flat.reshape(len(values), width)
+    try:
+        ended.tobytes().decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
 def _number_kind(name: str, kind: str) -> str:
     """``int64`` or ``double``: the raw layout's types of a continuous column."""
     if kind not in ("int64", "double"):
@@ -256,6 +304,13 @@ def _by_column(values: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(values.T).reshape(-1)
 
 
+def _columns_of(values: np.ndarray, columns: list[int], batch: int) -> np.ndarray:
+    """The columns ``columns`` of a tensor's values column after column (``batch`` each), one after the other."""
+    if columns == list(range(len(values) // batch)):
+        return values
+    return np.concatenate([values[k * batch: (k + 1) * batch] for k in columns])
+
+
 def _cast(array: pa.Array, target: pa.DataType) -> pa.Array:
     return array if array.type == target else array.cast(target)
 
@@ -273,19 +328,30 @@ def _matrix(processed: Columns, columns: list[str], dtype) -> np.ndarray:
 
 
 def _pack_bags(processed: Columns, columns: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    batch = len(processed[columns[0]])
-    bags = []
-    for c in columns:
-        arr = pa.array(processed[c])
-        values = pc.list_flatten(arr).to_numpy(zero_copy_only=False).astype(np.int64)
-        lengths = pc.fill_null(pc.list_value_length(arr), 0).to_numpy(zero_copy_only=False).astype(np.int64)
-        bags.append((values, lengths))
-    lengths = np.stack([b[1] for b in bags], axis=1)
-    width = int(lengths.sum(axis=1).max(initial=0))
-    packed = np.full((batch, max(width, 1)), -1, dtype=np.int64)
-    starts = np.concatenate([np.zeros((batch, 1), np.int64), np.cumsum(lengths, axis=1)], axis=1)
-    for j, (values, lens) in enumerate(bags):
-        rows = np.repeat(np.arange(batch), lens)
-        within = np.arange(values.size) - np.repeat(np.cumsum(lens) - lens, lens)
-        packed[rows, starts[rows, j] + within] = values
+    """The multi-hot columns' bags as ``MULTIHOT_IDS`` (each row's bags one after the other, then -1) and
+    ``MULTIHOT_LENGTHS`` ``[row, column]``, all columns' values placed in one step."""
+    lists = _lists(processed, columns)
+    batch = len(lists) // len(columns)
+    by_column = list_lengths(lists)  # the bags column after column, each column's row after row
+    lengths = np.ascontiguousarray(by_column.reshape(len(columns), batch).T)
+    values = pc.list_flatten(lists).to_numpy(zero_copy_only=False).astype(np.int64)
+    packed = np.full((batch, max(int(lengths.sum(axis=1).max(initial=0)), 1)), -1, dtype=np.int64)
+    bag = np.repeat(np.arange(len(by_column)), by_column)  # each value's bag: column * batch + row
+    row, column = bag % batch, bag // batch
+    first = np.cumsum(by_column) - by_column  # each bag's first value
+    within_row = np.cumsum(lengths, axis=1) - lengths  # where each bag starts in its row
+    packed[row, within_row[row, column] + np.arange(len(values)) - first[bag]] = values
     return packed, lengths
+
+
+def _lists(processed: Columns, columns: list[str]) -> pa.Array:
+    """The columns' lists of ids one after the other in one Arrow array: the block that holds them as it is, else
+    each column's (as int64 lists where their types differ)."""
+    if isinstance(processed, BlockColumns):
+        block = processed.select(columns)
+        if isinstance(block, ColumnSlices):
+            return block.array
+    arrays = [pa.array(processed[name]) for name in columns]
+    if len({array.type for array in arrays}) > 1:
+        arrays = [array.cast(pa.list_(pa.int64())) for array in arrays]
+    return pa.concat_arrays(arrays)

@@ -113,14 +113,22 @@ def test_categorify_columns_together_equal_each_alone(freq_threshold, max_vocab_
     _assert_same(fitted.transform_many(columns), _each(fitted, columns))
 
 
-def test_categorify_looks_small_batches_up_in_one_pass_and_large_ones_as_each_column_would():
-    """At 32 rows every one-hot string column goes through the one pass; at 1,000 rows only the large vocabulary."""
+def test_categorify_finds_a_block_in_one_pass_up_to_a_bound_and_beyond_it_each_column_alone(monkeypatch):
+    """Up to ``_INDEXED_VALUES`` values a block of text columns is looked up in one pass of the operator's index
+    (its codes the rows of one matrix); beyond it each column goes through ``index_in`` alone: the same codes."""
+    from pipeline.etl.blocks import ColumnRows, ColumnSlices
+
     fitted = _fitted(Categorify(), _categories(6000, 0))
-    vocabularies = {name: len(fitted.vocabularies[name]) for name in ("small", "large", "object")}
-    assert vocabularies["small"] == 4 and vocabularies["large"] > 3000  # "" is a value of each
-    looked_up = {rows: [name for name, size in vocabularies.items() if categorify._looked_up(rows, size)]
-                 for rows in (32, 1000)}
-    assert looked_up == {32: ["small", "large", "object"], 1000: ["large"]}
+    names = ["small", "large", "object"]
+    text = pa.concat_arrays([pa.array(_words(32, k, size), pa.string()) for k, size in enumerate((3, 5000, 60))])
+    block = ColumnSlices(names, text, rows=32)
+    together = fitted.transform_many(block)
+    assert isinstance(together, ColumnRows)
+    monkeypatch.setattr(categorify, "_INDEXED_VALUES", 3 * 32 - 1)
+    alone = fitted.transform_many(block)
+    assert not isinstance(alone, ColumnRows)
+    _assert_same({name: together[name] for name in names}, alone)
+    _assert_same(alone, _each(fitted, {name: block[name] for name in names}))
 
 
 def test_a_refit_vocabulary_is_looked_up_afresh_by_the_many_column_transform():

@@ -7,7 +7,8 @@ every operator; as blocks, an operator's ``transform_many`` computes all of them
 - :class:`ColumnRows`: numeric columns, each a row of one 2-D array ``[column, row]`` (numpy, or CuPy): what the
   numeric operators compute on (their ``transform_rows``), and what they answer with;
 - :class:`ColumnSlices`: text columns one after the other in one Arrow array, each ``rows`` long: Categorify looks
-  all of them up in one pass;
+  all of them up in one pass; :class:`ColumnBytes`: the same as the fixed-width bytes a request brings, the Arrow
+  array made only for an operator that asks for it;
 - :class:`BlockColumns`: several blocks (or plain dicts of columns) side by side, by name.
 
 Each is a read-only mapping of column name -> the column as a frame would hold it (a row of the matrix; an
@@ -27,6 +28,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -47,6 +49,10 @@ class ColumnRows(Mapping):
         if self._rows is None:  # made when a column is read by name: a block that goes through whole needs none
             self._rows = {name: k for k, name in enumerate(self.names)}
         return self._rows
+
+    @property
+    def rows(self) -> int:
+        return self.matrix.shape[1]
 
     def __getitem__(self, name: str) -> Any:
         return self.matrix[self._row[name]]
@@ -92,6 +98,47 @@ class ColumnSlices(Mapping):
         return ColumnSlices(names, pa.concat_arrays([self.arrow(name) for name in names]), self.rows)
 
 
+class ColumnBytes(ColumnSlices):
+    """Text columns ``names`` of ``rows`` values each, one after the other in the numpy ``S`` array ``fixed_width``, as
+    a request brings them: each value's text is its bytes up to the array's zero padding (UTF-8 holding no NUL
+    byte), an empty value is missing. An operator that takes text in one pass reads ``fixed_width``; the Arrow array
+    of the strings, what any other reader of a column gets, is made the first time one asks, from the bytes' buffers
+    (no pass per value)."""
+
+    def __init__(self, names: list[str], fixed_width: np.ndarray, rows: int) -> None:
+        self.names = list(names)
+        self.fixed_width = fixed_width
+        self.rows = rows
+        self._at = {name: k for k, name in enumerate(self.names)}
+
+    @cached_property
+    def lengths(self) -> np.ndarray:
+        """The bytes of each value (0: missing)."""
+        return fixed_width_lengths(self.fixed_width)
+
+    @cached_property
+    def array(self) -> pa.Array:  # type: ignore[override]
+        values = np.ascontiguousarray(self.fixed_width)
+        flat, lengths = values.view(np.uint8), self.lengths
+        offsets = np.zeros(len(values) + 1, dtype=np.int32)
+        np.cumsum(lengths, out=offsets[1:])
+        present = lengths > 0
+        validity = None if present.all() else pa.py_buffer(np.packbits(present, bitorder="little"))
+        return pa.Array.from_buffers(pa.string(), len(values), [validity, pa.py_buffer(offsets),
+                                                                pa.py_buffer(flat[flat != 0])])
+
+    def select(self, names: list[str]) -> ColumnBytes:
+        """The columns ``names`` as a block: this one where they are all of it, in order; a view of its bytes where
+        they follow each other."""
+        if names == self.names:
+            return self
+        at = _positions([self._at[name] for name in names])
+        if isinstance(at, slice):
+            return ColumnBytes(names, self.fixed_width[at.start * self.rows: at.stop * self.rows], self.rows)
+        parts = [self.fixed_width[k * self.rows: (k + 1) * self.rows] for k in at]
+        return ColumnBytes(names, np.concatenate(parts), self.rows)
+
+
 class BlockColumns(Mapping):
     """Several blocks of columns (or plain mappings of them), side by side by name; no name in two of them."""
 
@@ -106,6 +153,13 @@ class BlockColumns(Mapping):
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._block_of)
+
+    @property
+    def rows(self) -> int:
+        """The number of rows of its columns (read off the first block, without making a column of it)."""
+        for block in self.blocks:
+            return block.rows if hasattr(block, "rows") else len(next(iter(block.values())))
+        return 0
 
     def __len__(self) -> int:
         return len(self._block_of)
@@ -130,14 +184,45 @@ class BlockColumns(Mapping):
         runs, at = [], 0
         while at < len(names):
             block = self._block_of[names[at]]
-            end = at + len(block)
-            if names[at:end] != list(block):
+            whole = block.names if isinstance(block, (ColumnRows, ColumnSlices)) else list(block)
+            end = at + len(whole)
+            if names[at:end] != whole:
                 end = at + 1
                 while end < len(names) and self._block_of[names[end]] is block:
                     end += 1
             runs.append((block, names[at:end]))
             at = end
         return runs
+
+
+_LOW7 = np.uint64(0x7F7F7F7F7F7F7F7F)
+_HIGH = np.uint64(0x8080808080808080)
+_ONES = np.uint64(0x0101010101010101)
+
+
+def fixed_width_words(values: np.ndarray) -> np.ndarray:
+    """The values of a numpy ``S`` array as rows of little-endian 64-bit words ``[n, W]``, zero after each value's
+    bytes (a view of them where their width is a multiple of 8 bytes)."""
+    n, width = len(values), values.dtype.itemsize
+    raw = np.ascontiguousarray(values).view(np.uint8).reshape(n, width)
+    if width % 8:
+        padded = np.zeros((n, -(-width // 8) * 8), dtype=np.uint8)
+        padded[:, :width] = raw
+        raw = padded
+    return raw.view("<u8")
+
+
+def fixed_width_lengths(values: np.ndarray) -> np.ndarray:
+    """The length of each value of a numpy ``S`` array whose values hold no NUL byte (int64): its count of nonzero
+    bytes, found with a few operations on 64-bit words (a byte's high bit set where it is nonzero, the marks added by a
+    multiply), which cost numpy far less than a reduction along each value's few bytes."""
+    words = fixed_width_words(values)
+    counts = np.zeros(len(words), dtype=np.int64)
+    for k in range(words.shape[1]):
+        word = words[:, k]
+        marks = ((((word & _LOW7) + _LOW7) | word) & _HIGH) >> np.uint64(7)
+        counts += ((marks * _ONES) >> np.uint64(56)).astype(np.int64)
+    return counts
 
 
 def _positions(rows: list[int]) -> slice | list[int]:

@@ -158,12 +158,11 @@ class Workflow:
         """
         self._require_fitted()
         self._check_columns(columns, "the columns to transform")
-        rows = len(next(iter(columns.values()))) if columns else 0
         if isinstance(columns, BlockColumns):
-            values = _evaluate_columns(columns.select, pd.RangeIndex(rows), self._nodes, blocks=True)
+            values = _evaluate_columns(columns.select, columns.rows, self._nodes, blocks=True)
             return values if isinstance(values, BlockColumns) else BlockColumns([values])
-        values = _evaluate_columns(lambda names: {name: columns[name] for name in names}, pd.RangeIndex(rows),
-                                   self._nodes)
+        rows = len(next(iter(columns.values()))) if columns else 0
+        values = _evaluate_columns(lambda names: {name: columns[name] for name in names}, rows, self._nodes)
         return {name: _values(column) for name, column in values.items()}
 
     def fit_transform(self, data: Any) -> Any:
@@ -341,15 +340,15 @@ def _evaluate_pandas(df: pd.DataFrame, nodes: list[Node]) -> pd.DataFrame:
                   copy=True)
 
 
-def _evaluate_columns(select: Callable[[list[str]], Mapping[str, Any]], index: pd.Index, nodes: list[Node],
+def _evaluate_columns(select: Callable[[list[str]], Mapping[str, Any]], index: pd.Index | int, nodes: list[Node],
                       blocks: bool = False) -> Mapping[str, Any]:
     """The output columns of the graph, from ``select(names)``, the raw columns ``names`` as arrays by name.
 
     A column-by-column operator gets all its input arrays at once (``transform_many``, which runs
     ``transform_column`` on each unless the operator computes them together); any other operator gets
-    a frame of its input columns (on ``index``) and its own ``transform``. With ``blocks``, the columns of a
-    node with one parent are that parent's columns as they are, and a union keeps its parents' blocks side by
-    side (:class:`~pipeline.etl.blocks.BlockColumns`).
+    a frame of its input columns (on ``index``; on 0..n-1 where it is a number of rows) and its own
+    ``transform``. With ``blocks``, the columns of a node with one parent are that parent's columns as they are,
+    and a union keeps its parents' blocks side by side (:class:`~pipeline.etl.blocks.BlockColumns`).
     """
     results: dict[int, Mapping[str, Any]] = {}
     for node in nodes:
@@ -389,7 +388,8 @@ def _column_reader(df: pd.DataFrame):
     return lambda name: get(positions[name])
 
 
-def _frame(columns: dict[str, Any], index: pd.Index, copy: bool = False) -> pd.DataFrame:
+def _frame(columns: Mapping[str, Any], index: pd.Index | int, copy: bool = False) -> pd.DataFrame:
+    index = index if isinstance(index, pd.Index) else pd.RangeIndex(index)
     return pd.DataFrame({name: _values(v) for name, v in columns.items()}, index=index, copy=copy)
 
 

@@ -13,6 +13,12 @@ text (:mod:`pipeline.etl.ops.keyed`): the counts of all columns of a partition c
 codes from a binary search of the vocabulary's sorted keys, with the same vocabularies and codes as on
 pandas, where string columns are read as Arrow dictionaries and only their distinct values are worked on.
 
+A pandas partition's column is looked up with Arrow's ``index_in``, which hashes the vocabulary at each call.
+The serving path (``transform_many``: a request's columns, or a small frame's) instead keeps one index of all the
+operator's vocabularies between calls (:mod:`pipeline.etl.ops.text_lookup`: 64-bit keys of each value's column and
+bytes, built on first use) and finds every value of all its columns in one pass, straight from the request's
+fixed-width bytes where they come so.
+
 Example::
 
     ["C1", "C2"] >> Categorify(freq_threshold=3, max_vocab_size=100_000)
@@ -22,7 +28,6 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Mapping
-from itertools import chain, repeat
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -33,7 +38,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from pipeline.etl.blocks import BlockColumns, ColumnRows, ColumnSlices
+from pipeline.etl.blocks import BlockColumns, ColumnBytes, ColumnRows, ColumnSlices
 from pipeline.etl.column_schema import CATEGORICAL
 from pipeline.etl.frames import (
     array_module,
@@ -52,22 +57,15 @@ from pipeline.etl.frames import (
 )
 from pipeline.etl.ops.base import Operator
 from pipeline.etl.ops.keyed import KeyTable, count_columns, key_table, look_up, merge_counts, missing
+from pipeline.etl.ops.text_lookup import TextWords, VocabularyIndex
 
 NULL_INDEX = 0
 OOV_INDEX = 1
 RESERVED = 2
 _SINGLE_REDUCTION_PARTITIONS = 64
-_LOOKUP_ROWS = 4096
-_INDEX_IN_SETUP = 700
-"""Up to ``_LOOKUP_ROWS`` values, values are looked up in a dictionary of the vocabulary (built once)
-while that costs less than Arrow's ``index_in``, which hashes the whole vocabulary on every call and
-sets up about as long as it takes to hash ``_INDEX_IN_SETUP`` values: a dictionary look-up, in Python,
-costs about three times what a value hashed by Arrow does."""
-
-
-def _looked_up(rows: int, vocabulary: int) -> bool:
-    """Whether ``rows`` values are looked up in the dictionary of a vocabulary of ``vocabulary`` values."""
-    return rows <= _LOOKUP_ROWS and 3 * rows < vocabulary + _INDEX_IN_SETUP
+_INDEXED_VALUES = 1 << 20
+"""``transform_many`` finds up to this many values (rows times columns) in one pass of the index; more (a large
+frame's) go column by column through Arrow's ``index_in``, whose memory is one column's."""
 
 
 class Categorify(Operator):
@@ -155,6 +153,7 @@ class Categorify(Operator):
             table = table.slice(0, self.max_vocab_size)
         self.vocabularies[name] = table["value"].combine_chunks().cast(pa.string())
         self.counts[name] = table["count"].to_numpy()
+        self.__dict__.pop("_index", None)
 
     def transform_column(self, name: str, values: Any) -> Any:
         self._require_fitted()
@@ -166,37 +165,76 @@ class Categorify(Operator):
         return _encode(as_arrow_strings(values, keep_dictionary=True, name=name), vocab)
 
     def transform_many(self, columns: Mapping[str, Any]) -> Mapping[str, Any]:
-        """The codes of several columns of the same rows: the one-hot string columns that are looked up in their
-        vocabularies' dictionaries all in one pass (:func:`_look_up`), any other column as :meth:`transform_column`.
-        Text columns given as one :class:`~pipeline.etl.blocks.ColumnSlices` are read from its one array; when all
-        of them are looked up in the one pass, their codes are the rows of one matrix (a
-        :class:`~pipeline.etl.blocks.ColumnRows`)."""
+        """The codes of several columns of the same rows, what :meth:`transform_column` gives each, all their values
+        found in one pass of the operator's :class:`~pipeline.etl.ops.text_lookup.VocabularyIndex` (up to
+        :data:`_INDEXED_VALUES` values; more, as from a large frame, go column by column through Arrow's
+        ``index_in``). Blocks stay blocks (:meth:`_block`)."""
         self._require_fitted()
-        if not columns or is_cudf(next(iter(columns.values()))):  # the columns of one frame: one library
-            return super().transform_many(columns)
         if isinstance(columns, BlockColumns):  # each block as it is (text and lists apart)
             return BlockColumns([self.transform_many(block) for block in columns.blocks])
+        if isinstance(columns, ColumnSlices):
+            found = self._block(columns)
+            if found is not None:
+                return found
+        elif not columns or is_cudf(next(iter(columns.values()))):  # the columns of one frame: one library
+            return super().transform_many(columns)
         names = list(columns)
-        text = isinstance(columns, ColumnSlices) and columns.array.type == pa.string()
-        if text and not any(self.multihot[name] for name in names) and all(
-                _looked_up(columns.rows, len(self.vocabularies[name])) for name in names):
-            return ColumnRows(names, _look_up(columns.array, columns.rows, [self.vocabularies[n] for n in names]))
         rows = len(next(iter(columns.values())))
+        if rows * len(names) > _INDEXED_VALUES:
+            return super().transform_many(columns)
         codes, strings = {}, {}
         for name in names:
-            vocab = self.vocabularies[name]
             if self.multihot[name]:
-                codes[name] = _encode_lists(columns[name], vocab, name)
+                lists = as_arrow_lists(columns[name], name)
+                flat = pc.list_flatten(lists)
+                flat = self._indexed([name], TextWords.of_arrow(flat), len(flat))
+                codes[name] = lists_from_flat(flat, list_lengths(lists), getattr(columns[name], "index", None))
                 continue
-            values = columns.arrow(name) if text else as_arrow_strings(columns[name], keep_dictionary=True, name=name)
-            if values.type == pa.string() and _looked_up(rows, len(vocab)):
-                strings[name] = values
+            values = as_arrow_strings(columns[name], keep_dictionary=True, name=name)
+            if pa.types.is_dictionary(values.type):
+                codes[name] = _encode(values, self.vocabularies[name], lambda dictionary, name=name: self._indexed(
+                    [name], TextWords.of_arrow(dictionary), len(dictionary)))
             else:
-                codes[name] = _encode(values, vocab)
+                strings[name] = values
         if strings:
-            found = _look_up(pa.concat_arrays(list(strings.values())), rows, [self.vocabularies[n] for n in strings])
+            kinds = {values.type for values in strings.values()}
+            values = pa.concat_arrays([v if len(kinds) == 1 else v.cast(pa.large_string()) for v in strings.values()])
+            found = self._indexed(list(strings), TextWords.of_arrow(values), rows).reshape(len(strings), rows)
             codes.update(zip(strings, found))
         return {name: codes[name] for name in names}
+
+    def _block(self, block: ColumnSlices) -> Mapping[str, Any] | None:
+        """The codes of a block in one pass: of text columns (Arrow strings, or a request's fixed-width bytes,
+        :class:`~pipeline.etl.blocks.ColumnBytes`) as the rows of one matrix (:class:`~pipeline.etl.blocks.ColumnRows`),
+        of multi-hot columns as one Arrow array of lists; None for any other block, or one too large."""
+        names, rows = list(block), block.rows
+        if rows * len(names) > _INDEXED_VALUES:
+            return None
+        multihot = [self.multihot[name] for name in names]
+        if not any(multihot) and (isinstance(block, ColumnBytes) or pa.types.is_string(block.array.type)):
+            text = (TextWords.of_fixed_width(block.fixed_width) if isinstance(block, ColumnBytes)
+                    else TextWords.of_arrow(block.array))
+            return ColumnRows(names, self._indexed(names, text, rows).reshape(len(names), rows))
+        kind = block.array.type
+        if pa.types.is_list(kind) and pa.types.is_string(kind.value_type) and all(multihot):
+            lengths = list_lengths(block.array)
+            each = lengths.reshape(len(names), rows).sum(axis=1)
+            codes = self._indexed(names, TextWords.of_arrow(pc.list_flatten(block.array)), each)
+            offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+            return ColumnSlices(names, pa.ListArray.from_arrays(pa.array(offsets), pa.array(codes)), rows)
+        return None
+
+    def _indexed(self, names: list[str], values: TextWords, each: Any) -> np.ndarray:
+        """int32 codes of ``values``, those of the columns ``names`` one after the other: ``each[k]`` values of the
+        k-th column (one number: as many of each)."""
+        index = self.__dict__.get("_index")
+        if index is None:  # built on first use, dropped whenever a vocabulary is set
+            index = self._index = VocabularyIndex(self.vocabularies)
+        return index.positions(values, names, each, RESERVED, OOV_INDEX, NULL_INDEX).astype(np.int32)
+
+    def __getstate__(self) -> dict:
+        """Without the index (:meth:`_indexed`): a copy sent to a Dask worker builds its own when it needs one."""
+        return {key: value for key, value in self.__dict__.items() if key != "_index"}
 
     def get_params(self) -> dict:
         return {"freq_threshold": self.freq_threshold, "max_vocab_size": self.max_vocab_size, "split_out": self.split_out}
@@ -227,40 +265,32 @@ class Categorify(Operator):
                 raise ValueError(f"vocabulary of {name}: expected {info['size']} values, the file has {table.num_rows}")
             self.vocabularies[name] = table["value"].combine_chunks().cast(pa.string())
             self.counts[name] = table["count"].to_numpy()
+            self.__dict__.pop("_index", None)
             self.multihot[name] = info["multihot"]
             if info["multihot"]:
                 self.max_lengths[name] = info["max_length"]
         self._fitted = True
 
 
-def _encode(values: pa.Array, vocab: pa.Array) -> np.ndarray:
-    """int32 codes of a string (or dictionary of strings) array."""
+def _encode(values: pa.Array, vocab: pa.Array,
+            indexed: Callable[[pa.Array], np.ndarray] | None = None) -> np.ndarray:
+    """int32 codes of a string (or dictionary of strings) array: found by ``indexed`` (the operator's index) where
+    given, else by Arrow's ``index_in`` (which hashes the vocabulary at each call: the way of a large partition)."""
     if pa.types.is_dictionary(values.type):
-        per_value = _encode(values.dictionary, vocab)
+        per_value = _encode(values.dictionary, vocab, indexed)
         indices = values.indices
         codes = per_value[pc.fill_null(indices, 0).to_numpy(zero_copy_only=False)] if len(per_value) else np.zeros(len(values), np.int32)
         if indices.null_count:
             codes[indices.is_null().to_numpy(zero_copy_only=False)] = NULL_INDEX
         return codes
-    if _looked_up(len(values), len(vocab)):
-        get = _codes_by_value(vocab).get
-        return np.array([get(value, OOV_INDEX) for value in values.to_numpy(zero_copy_only=False)], dtype=np.int32)
+    if indexed is not None:
+        return indexed(values)
     # Finished in numpy: fewer Arrow calls, which dominate on a few rows.
     codes = pc.fill_null(pc.index_in(values, value_set=vocab), -1).to_numpy(zero_copy_only=False) + RESERVED
     codes[codes < RESERVED] = OOV_INDEX
     if values.null_count:
         codes[values.is_null().to_numpy(zero_copy_only=False)] = NULL_INDEX
     return codes.astype(np.int32, copy=False)
-
-
-def _look_up(values: pa.Array, rows: int, vocabs: list[pa.Array]) -> np.ndarray:
-    """int32 codes ``[column, row]`` of string columns of ``rows`` values each, one after the other in ``values``,
-    each looked up in the dictionary of its vocabulary (what :func:`_encode` does to each), in one pass over all
-    their values."""
-    values = values.to_numpy(zero_copy_only=False).tolist()  # a list: read faster than an array
-    found = (map(_codes_by_value(vocab).get, values[k * rows: (k + 1) * rows], repeat(OOV_INDEX))
-             for k, vocab in enumerate(vocabs))
-    return np.fromiter(chain.from_iterable(found), dtype=np.int32, count=len(values)).reshape(len(vocabs), rows)
 
 
 def _encode_lists(values: Any, vocab: pa.Array, name: str | None = None) -> pd.Series:
@@ -328,24 +358,6 @@ def _per_vocabulary(cache: dict, vocab: pa.Array, build: Callable[[], Any], vari
         value = cache[key] = build()
         weakref.finalize(vocab, cache.pop, key, None)
     return value
-
-
-_CODES_BY_VALUE: dict[tuple, dict[str | None, int]] = {}
-
-
-def _codes_by_value(vocab: pa.Array) -> dict[str | None, int]:
-    """``{value: code}`` of a vocabulary (``None``: the null code), built on first use, dropped with it.
-
-    About 100 bytes per value, once: a few rows then cost a few dictionary look-ups instead of
-    hashing every value of the vocabulary again.
-    """
-    def build() -> dict[str | None, int]:
-        # Reversed: were a value there twice, its first position would win, as with index_in.
-        codes = dict(zip(reversed(vocab.to_pylist()), range(RESERVED + len(vocab) - 1, RESERVED - 1, -1)))
-        codes[None] = NULL_INDEX
-        return codes
-
-    return _per_vocabulary(_CODES_BY_VALUE, vocab, build)
 
 
 _GPU_VOCABULARIES: dict[tuple, Any] = {}

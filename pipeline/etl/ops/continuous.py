@@ -16,7 +16,7 @@ column's parameter broadcast down its row, the same arithmetic on every value as
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -57,11 +57,19 @@ class _Matrix(Operator):
         together: one row out per row in, of the same array library."""
         raise NotImplementedError
 
+    def _per_row(self, parameter: Callable[[str], float], names: list[str], rows: Any) -> Any:
+        """``parameter`` of each column, shaped to broadcast down the rows of the ``[column, row]`` matrix ``rows``
+        (and of its array library); kept per columns and parameter until the fitted state changes (a request's
+        columns come in one order)."""
+        kept = self.__dict__.setdefault("_parameters", {})
+        key = (parameter.__name__, tuple(names))
+        values = kept.get(key)
+        if values is None:
+            values = kept[key] = np.array([parameter(name) for name in names], dtype=np.float64).reshape(-1, 1)
+        return values if isinstance(rows, np.ndarray) else array_module(rows).asarray(values)
 
-def _per_row(values: list[float], rows: Any) -> Any:
-    """One value per column, shaped to broadcast down the rows of the ``[column, row]`` matrix ``rows`` (and
-    of its array library)."""
-    return array_module(rows).asarray(np.array(values, dtype=np.float64).reshape(-1, 1))
+    def _fitted_state_changed(self) -> None:
+        self.__dict__.pop("_parameters", None)
 
 
 class FillMissing(_Matrix):
@@ -93,6 +101,7 @@ class FillMissing(_Matrix):
     def start_fit(self) -> None:
         super().start_fit()
         self.fill_values, self._pivots = {}, {}
+        self._fitted_state_changed()
 
     def fit(self, ddf: Any) -> Any:
         return windows(ddf, self._pivots) if self._pivots else summaries(ddf)
@@ -102,6 +111,7 @@ class FillMissing(_Matrix):
         for name, median in stats.items():
             if not isinstance(median, Pivot):
                 self.fill_values[name] = float(median) if np.isfinite(median) else self.fill_value
+        self._fitted_state_changed()
         self._fitted = not self._pivots
 
     def transform_column(self, name: str, values: Any) -> Any:
@@ -112,7 +122,10 @@ class FillMissing(_Matrix):
     def transform_rows(self, names: list[str], rows: Any) -> Any:
         if self.strategy == "median":
             self._require_fitted()
-        return _fillna(rows, _per_row([self.fill_values.get(name, self.fill_value) for name in names], rows))
+        return _fillna(rows, self._per_row(self._fill, names, rows))
+
+    def _fill(self, name: str) -> float:
+        return self.fill_values.get(name, self.fill_value)
 
     def get_params(self) -> dict:
         return {"fill_value": self.fill_value, "strategy": self.strategy}
@@ -122,6 +135,7 @@ class FillMissing(_Matrix):
 
     def set_state(self, state: dict, directory) -> None:
         self.fill_values = dict(state["fill_values"])
+        self._fitted_state_changed()
         self._fitted = True
 
 
@@ -215,6 +229,7 @@ class Normalize(_Matrix):
             self.means[name] = total / n if n else float("nan")
             var = (sq - total * total / n) / (n - 1) if n > 1 else float("nan")
             self.stds[name] = float(np.sqrt(max(var, 0.0))) if np.isfinite(var) else float("nan")
+        self._fitted_state_changed()
         self._fitted = True
 
     def transform_column(self, name: str, values: Any) -> Any:
@@ -223,8 +238,11 @@ class Normalize(_Matrix):
 
     def transform_rows(self, names: list[str], rows: Any) -> Any:
         self._require_fitted()
-        means = _per_row([self.means[name] for name in names], rows)
-        return ((rows - means) / _per_row([self._std(name) for name in names], rows)).astype(np.float32)
+        means = self._per_row(self._mean, names, rows)
+        return ((rows - means) / self._per_row(self._std, names, rows)).astype(np.float32)
+
+    def _mean(self, name: str) -> float:
+        return self.means[name]
 
     def _std(self, name: str) -> float:
         """The divisor of ``name``: its std, or 1.0 for a constant column (only centred)."""
@@ -237,6 +255,7 @@ class Normalize(_Matrix):
     def set_state(self, state: dict, directory) -> None:
         self.means = dict(state["means"])
         self.stds = dict(state["stds"])
+        self._fitted_state_changed()
         self._fitted = True
 
 

@@ -8,6 +8,8 @@ bytes for integers), folded into a row hash with Boost's ``hash_combine`` starti
 On cuDF each column is hashed on the GPU with ``Series.hash_values(method="murmur3")`` (libcudf)
 and folded here with the same ``hash_combine``, so both backends give the same buckets whichever
 way the installed libcudf folds columns (:func:`cudf_single_column_offset` explains why that matters).
+HashBucket and HashIds map each column on its own (``transform_column``); on the serving path a block of text
+or list columns is hashed in one pass, a request's fixed-width bytes in place (``murmur3_fixed_width``).
 
 Example::
 
@@ -23,7 +25,8 @@ meets (``docs/HASHTABLE.md``). On cuDF the values are hashed through host memory
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import numpy as np
 import pandas as pd
@@ -31,6 +34,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.errors import BadInputError
+from pipeline.etl.blocks import BlockColumns, ColumnBytes, ColumnRows, ColumnSlices
 from pipeline.etl.column_schema import CATEGORICAL, ColumnSchema
 from pipeline.etl.frames import (
     as_arrow,
@@ -48,7 +52,7 @@ from pipeline.etl.frames import (
     looks_multihot,
 )
 from pipeline.etl.ops.base import Operator
-from pipeline.etl.ops.murmur import GOLDEN, combine_row_hashes, murmur3_int64, murmur3_strings
+from pipeline.etl.ops.murmur import GOLDEN, combine_row_hashes, murmur3_fixed_width, murmur3_int64, murmur3_strings
 from pipeline.schema import DYNAMIC_ROWS
 
 NULL_INDEX = 0
@@ -65,6 +69,8 @@ class HashBucket(Operator):
     stateful = True
     output_tags = frozenset({CATEGORICAL})
     output_dtype = "int32"
+    _seeds: ClassVar[tuple[int, ...]] = (0,)
+    """The seeds of the murmur3 hashes of a value that make its code (:meth:`_of_hashes`)."""
 
     def __init__(self, num_buckets: int):
         if int(num_buckets) < 1:
@@ -89,15 +95,48 @@ class HashBucket(Operator):
         self.multihot = {name: name in self.max_lengths for name in stats["columns"]}
         self._fitted = True
 
-    def transform(self, df: Any) -> Any:
+    def transform_column(self, name: str, values: Any) -> Any:
         self._require_fitted()
-        out = {}
-        for name in df.columns:
-            if self.multihot.get(name):
-                out[name] = _bucket_lists(df[name], self.num_buckets)
-            else:
-                out[name] = _bucket(df, [name], self.num_buckets)
-        return frame_like(df, out)
+        if self.multihot.get(name):
+            return _bucket_lists(values, self.num_buckets, name)
+        return _bucket([values], [name], self.num_buckets)
+
+    def transform_many(self, columns: Mapping[str, Any]) -> Mapping[str, Any]:
+        """What :meth:`transform_column` gives each column; a block of text columns hashed in one pass, its codes the
+        rows of one matrix (:class:`~pipeline.etl.blocks.ColumnRows`): a request's fixed-width bytes
+        (:class:`~pipeline.etl.blocks.ColumnBytes`) where they lie, Arrow strings
+        (:class:`~pipeline.etl.blocks.ColumnSlices`) otherwise; a block of multi-hot columns in one pass too, one
+        Arrow array of lists of codes."""
+        self._require_fitted()
+        if isinstance(columns, BlockColumns):  # each block as it is (text and lists apart)
+            return BlockColumns([self.transform_many(block) for block in columns.blocks])
+        if not isinstance(columns, ColumnSlices) or not len(columns):
+            return super().transform_many(columns)
+        names = list(columns)
+        multihot = [bool(self.multihot.get(name)) for name in names]
+        if not any(multihot) and isinstance(columns, ColumnBytes):
+            lengths = columns.lengths
+            codes = self._of_hashes(murmur3_fixed_width(columns.fixed_width, lengths, self._seeds), lengths == 0)
+            return ColumnRows(names, codes.reshape(len(names), columns.rows))
+        kind = columns.array.type
+        if not any(multihot) and (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+            return ColumnRows(names, self._of_text(columns.array).reshape(len(names), columns.rows))
+        if all(multihot) and pa.types.is_list(kind) and pa.types.is_string(kind.value_type):
+            lists = columns.array
+            codes = self._of_text(pc.list_flatten(lists))
+            offsets = np.concatenate([[0], np.cumsum(list_lengths(lists))]).astype(np.int32)
+            return ColumnSlices(names, pa.ListArray.from_arrays(pa.array(offsets), pa.array(codes)), columns.rows)
+        return super().transform_many(columns)
+
+    def _of_text(self, values: pa.Array) -> np.ndarray:
+        """The codes of Arrow text, those of several columns alike (what :meth:`transform_column` gives each)."""
+        hashes = np.stack([murmur3_strings(values, seed=seed) for seed in self._seeds])
+        return self._of_hashes(hashes, values.is_null().to_numpy(zero_copy_only=False))
+
+    def _of_hashes(self, hashes: np.ndarray, missing: np.ndarray) -> np.ndarray:
+        """The codes of values from their hashes ``[seed, value]``: their buckets, 0 where missing."""
+        codes = (combine_row_hashes([hashes[0]]) % np.uint32(self.num_buckets)).astype(np.int64) + 1
+        return np.where(missing, NULL_INDEX, codes).astype(np.int32)
 
     def get_params(self) -> dict:
         return {"num_buckets": self.num_buckets}
@@ -133,7 +172,7 @@ class HashedCross(Operator):
 
     def transform(self, df: Any) -> Any:
         names = list(df.columns)
-        return frame_like(df, {"_".join(names): _bucket(df, names, self.num_buckets)})
+        return frame_like(df, {"_".join(names): _bucket([df[name] for name in names], names, self.num_buckets)})
 
     def get_params(self) -> dict:
         return {"num_buckets": self.num_buckets}
@@ -144,6 +183,7 @@ class HashIds(HashBucket):
     multiple of 128); the schema marks the columns dynamic, their cardinality the capacity."""
 
     output_dtype = "int64"
+    _seeds = (0, 1)
 
     def __init__(self, capacity: int):
         if int(capacity) < DYNAMIC_ROWS or int(capacity) % DYNAMIC_ROWS:
@@ -157,14 +197,10 @@ class HashIds(HashBucket):
         return {"cardinality": self.capacity, "is_list": multihot, "dynamic": True,
                 "max_length": self.max_lengths[name] if multihot else 0}
 
-    def transform(self, df: Any) -> Any:
-        self._require_fitted()
-        if is_cudf(df):
-            return frame_like(df, {name: cudf_from_pandas(self.transform_column(name, cudf_to_pandas(df[name])),
-                                                          df[name]) for name in df.columns})
-        return frame_like(df, {name: self.transform_column(name, df[name]) for name in df.columns})
-
     def transform_column(self, name: str, values: Any) -> Any:
+        self._require_fitted()
+        if is_cudf(values):  # through host memory
+            return cudf_from_pandas(self.transform_column(name, cudf_to_pandas(values)), values)
         if not self.multihot.get(name):
             return hash_ids(as_arrow_strings(values, name=name))
         lists = as_arrow(values, name)
@@ -176,45 +212,59 @@ class HashIds(HashBucket):
         ids = hash_ids(as_arrow_strings(pd.arrays.ArrowExtensionArray(flat), name=name))
         return lists_from_flat(ids, list_lengths(lists), getattr(values, "index", None))
 
+    def _of_hashes(self, hashes: np.ndarray, missing: np.ndarray) -> np.ndarray:
+        return np.where(missing, 0, _ids(hashes[0], hashes[1]))
+
     def get_params(self) -> dict:
         return {"capacity": self.capacity}
 
 
 def hash_ids(strings: pa.Array) -> np.ndarray:
     """int64 ids of strings: MurmurHash3_x86_32 of each with seed 0 (high 32 bits) and seed 1 (low); null: 0."""
-    high = murmur3_strings(strings, seed=0).astype(np.uint64) << np.uint64(32)
-    ids = (high | murmur3_strings(strings, seed=1).astype(np.uint64)).view(np.int64)
+    ids = _ids(murmur3_strings(strings, seed=0), murmur3_strings(strings, seed=1))
     return np.where(strings.is_null().to_numpy(zero_copy_only=False), 0, ids)
 
 
-def _bucket(df: Any, names: list[str], num_buckets: int) -> Any:
-    if is_cudf(df):
-        return _bucket_cudf(df, names, num_buckets)
-    hashes, missing = [], np.zeros(len(df), dtype=bool)
-    for name in names:
-        values = as_arrow(df[name])
+def _ids(high: np.ndarray, low: np.ndarray) -> np.ndarray:
+    return ((high.astype(np.uint64) << np.uint64(32)) | low.astype(np.uint64)).view(np.int64)
+
+
+def _bucket(columns: list[Any], names: list[str], num_buckets: int) -> Any:
+    """The codes of rows of one or more columns (pandas Series or arrays, or cuDF Series): each row's hashes folded
+    into one, 0 where any value is missing."""
+    if is_cudf(columns[0]):
+        return _bucket_cudf(columns, names, num_buckets)
+    if len(columns) == 1:
+        return _buckets(as_arrow(columns[0], names[0]), names[0], num_buckets)
+    hashes, missing = [], np.zeros(len(columns[0]), dtype=bool)
+    for name, values in zip(names, columns):
+        values = as_arrow(values, name)
         missing |= values.is_null().to_numpy(zero_copy_only=False)
         hashes.append(murmur3_column(values, name))
-    if not names or len(df) == 0:
-        return np.zeros(len(df), dtype=np.int32)
-    row = combine_row_hashes(hashes)
-    codes = (row % np.uint32(num_buckets)).astype(np.int64) + 1
+    if len(missing) == 0:
+        return np.zeros(0, dtype=np.int32)
+    codes = (combine_row_hashes(hashes) % np.uint32(num_buckets)).astype(np.int64) + 1
     return np.where(missing, NULL_INDEX, codes).astype(np.int32)
 
 
-def _bucket_lists(series: Any, num_buckets: int) -> Any:
-    if is_cudf(series):  # lists go through host memory and the code below (correct, not fast)
-        return cudf_from_pandas(_bucket_lists(cudf_to_pandas(series), num_buckets), series)
-    lists = as_arrow(series)
+def _buckets(values: pa.Array, name: str, num_buckets: int) -> np.ndarray:
+    """The code of each value of one Arrow array (strings or integers): its bucket, 0 where missing."""
+    if len(values) == 0:
+        return np.zeros(0, dtype=np.int32)
+    codes = (combine_row_hashes([murmur3_column(values, name)]) % np.uint32(num_buckets)).astype(np.int64) + 1
+    return np.where(values.is_null().to_numpy(zero_copy_only=False), NULL_INDEX, codes).astype(np.int32)
+
+
+def _bucket_lists(values: Any, num_buckets: int, name: str) -> Any:
+    if is_cudf(values):  # lists go through host memory and the code below (correct, not fast)
+        return cudf_from_pandas(_bucket_lists(cudf_to_pandas(values), num_buckets, name), values)
+    lists = as_arrow(values, name)
     if pa.types.is_null(lists.type):
         lists = lists.cast(pa.list_(pa.string()))
     if not (pa.types.is_list(lists.type) or pa.types.is_large_list(lists.type)):
-        raise BadInputError(f"column {series.name!r}: expected lists (multi-hot), found {lists.type}")
-    values = pc.list_flatten(lists)
-    row = combine_row_hashes([murmur3_column(values, series.name)])
-    codes = (row % np.uint32(num_buckets)).astype(np.int64) + 1
-    codes = np.where(values.is_null().to_numpy(zero_copy_only=False), NULL_INDEX, codes).astype(np.int32)
-    return lists_from_flat(codes, list_lengths(lists), series.index)
+        raise BadInputError(f"column {name!r}: expected lists (multi-hot), found {lists.type}")
+    codes = _buckets(pc.list_flatten(lists), name, num_buckets)
+    return lists_from_flat(codes, list_lengths(lists), getattr(values, "index", None))
 
 
 def murmur3_column(values: pa.Array, name: str) -> np.ndarray:
@@ -233,16 +283,15 @@ def murmur3_column(values: pa.Array, name: str) -> np.ndarray:
     raise BadInputError(f"column {name!r}: hashing expects strings or integers, found {kind}")
 
 
-def _bucket_cudf(df: Any, names: list[str], num_buckets: int) -> Any:
+def _bucket_cudf(columns: list[Any], names: list[str], num_buckets: int) -> Any:
     """Buckets on the GPU: libcudf's murmur3 of each column, folded with :func:`hash_combine` in CuPy."""
     import cudf
     import cupy
 
     offset = cupy.uint32(cudf_single_column_offset())
-    row = cupy.zeros(len(df), dtype=cupy.uint32)
-    missing = cupy.zeros(len(df), dtype=bool)
-    for name in names:
-        column = df[name]
+    row = cupy.zeros(len(columns[0]), dtype=cupy.uint32)
+    missing = cupy.zeros(len(columns[0]), dtype=bool)
+    for name, column in zip(names, columns):
         if column.dtype.kind in "iuf":
             column = cudf_integral(column)  # hashed as 8 little-endian bytes, as on pandas
         elif column.dtype.kind not in "OSU" and str(column.dtype) not in ("str", "string"):
@@ -251,7 +300,7 @@ def _bucket_cudf(df: Any, names: list[str], num_buckets: int) -> Any:
         h = column.hash_values(method="murmur3", seed=0).astype("uint32").values - offset
         row = row ^ (h + cupy.uint32(GOLDEN) + (row << cupy.uint32(6)) + (row >> cupy.uint32(2)))
     codes = (row % cupy.uint32(num_buckets)).astype(cupy.int64) + 1
-    return cudf.Series(cupy.where(missing, NULL_INDEX, codes).astype(cupy.int32), index=df.index)
+    return cudf.Series(cupy.where(missing, NULL_INDEX, codes).astype(cupy.int32), index=columns[0].index)
 
 
 _OFFSET: list[int] = []
