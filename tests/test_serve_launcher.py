@@ -62,7 +62,7 @@ def repository(tmp_path_factory):
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone; or going while read (ESRCH)
         return False
     return "State:\tZ" not in state
 
