@@ -28,9 +28,8 @@ part least recently used first, then the slots the last batch used. A batch move
 of their table's range (in slot order) and keeps the others' order, a stable partition done with prefix sums;
 beyond :data:`PROTECTED` of a table's slots, its protected rows least recently used lose their protection. So a
 row seen once, as most rows of a skewed table's long tail are, leaves before a row that came back, and a pass
-over many such rows (an evaluation) does not push the hot rows out. On Zipf ids (the CPU bench of
-``docs/BENCHMARKS.md``) it found 57% of a batch's rows where least recently used out found 53%. The index sits behind :class:`CacheIndex` (find, rows_of,
-assign, clear). :class:`SortedIndex` keeps the held rows sorted and finds rows with
+over many such rows (an evaluation) does not push the hot rows out. The index sits behind :class:`CacheIndex`
+(find, rows_of, assign, clear). :class:`SortedIndex` keeps the held rows sorted and finds rows with
 ``torch.searchsorted``: fully associative (no set of slots can overflow while others are free); a
 batch's new rows, sorted already, are merged into it by their ranks, not sorted again. A GPU hash
 table can take its place.
@@ -298,8 +297,8 @@ class RowCache(nn.Module):
         open_in_order = kept_in_order & ~safe_in_order
         open_before, safe_before, used_before = (_counts_before(open_in_order), _counts_before(safe_in_order),
                                                  _counts_before(used))
-        opened = (open_before[self.slot_ends] - open_before[self.first_slot])[table]
-        safe = (safe_before[self.slot_ends] - safe_before[self.first_slot])[table]
+        opened = _segment_sums(open_before, self.first_slot, self.slot_ends)[table]
+        safe = _segment_sums(safe_before, self.first_slot, self.slot_ends)[table]
         open_at = self.segment_start + open_before[:-1] - open_before[self.segment_start]
         safe_rank = safe_before[:-1] - safe_before[self.segment_start]
         used_at = self.segment_start + opened + safe + used_before[:-1] - used_before[self.segment_start]
@@ -308,8 +307,8 @@ class RowCache(nn.Module):
                               (torch.where(used, used_at, s), torch.arange(s, device=used.device)))
         # Over its limit, a table's protected rows the least recently used are protected no more: where they
         # stand, the most recent of the rows next to go.
-        found_before = _counts_before(used & self.protected)
-        excess = safe + (found_before[self.slot_ends] - found_before[self.first_slot])[table] - self.protect_limit[table]
+        found = _segment_sums(_counts_before(used & self.protected), self.first_slot, self.slot_ends)
+        excess = safe + (found - self.protect_limit)[table]
         self.protected &= ~_mask(s, torch.where(safe_in_order & (safe_rank < excess), order, s))
         self.dirty &= ~_mask(s, moves.victims)
         if training:

@@ -135,8 +135,7 @@ class HashBucket(Operator):
 
     def _of_hashes(self, hashes: np.ndarray, missing: np.ndarray) -> np.ndarray:
         """The codes of values from their hashes ``[seed, value]``: their buckets, 0 where missing."""
-        codes = (combine_row_hashes([hashes[0]]) % np.uint32(self.num_buckets)).astype(np.int64) + 1
-        return np.where(missing, NULL_INDEX, codes).astype(np.int32)
+        return _codes([hashes[0]], missing, self.num_buckets)
 
     def get_params(self) -> dict:
         return {"num_buckets": self.num_buckets}
@@ -243,6 +242,11 @@ def _bucket(columns: list[Any], names: list[str], num_buckets: int) -> Any:
         hashes.append(murmur3_column(values, name))
     if len(missing) == 0:
         return np.zeros(0, dtype=np.int32)
+    return _codes(hashes, missing, num_buckets)
+
+
+def _codes(hashes: list[np.ndarray], missing: np.ndarray, num_buckets: int) -> np.ndarray:
+    """The code of each row from its values' hashes: folded into one, its bucket; 0 where ``missing``."""
     codes = (combine_row_hashes(hashes) % np.uint32(num_buckets)).astype(np.int64) + 1
     return np.where(missing, NULL_INDEX, codes).astype(np.int32)
 
@@ -251,8 +255,7 @@ def _buckets(values: pa.Array, name: str, num_buckets: int) -> np.ndarray:
     """The code of each value of one Arrow array (strings or integers): its bucket, 0 where missing."""
     if len(values) == 0:
         return np.zeros(0, dtype=np.int32)
-    codes = (combine_row_hashes([murmur3_column(values, name)]) % np.uint32(num_buckets)).astype(np.int64) + 1
-    return np.where(values.is_null().to_numpy(zero_copy_only=False), NULL_INDEX, codes).astype(np.int32)
+    return _codes([murmur3_column(values, name)], values.is_null().to_numpy(zero_copy_only=False), num_buckets)
 
 
 def _bucket_lists(values: Any, num_buckets: int, name: str) -> Any:
