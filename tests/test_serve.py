@@ -36,6 +36,7 @@ from pipeline.schema import Schema
 from pipeline.stages.config import load_config
 from pipeline.stages.export import model_options
 from pipeline.stages.serve import sample_rows
+from tests.test_serve_launcher import _alive
 
 ROWS = 300
 INSTANCES = 2
@@ -494,13 +495,6 @@ def _read_until(process: subprocess.Popen, marker: str, timeout: float = 120) ->
     return "".join(lines)
 
 
-def _dead(pid: int) -> bool:
-    try:
-        return "State:\tZ" in Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return True
-
-
 def test_cli_serve_restarts_a_killed_server_and_stops_cleanly_on_sigterm(served):
     cfg = served[0]
     command = [sys.executable, "-m", "pipeline", "run", "serve", f"workdir={cfg.workdir}", "device=cpu"]
@@ -514,7 +508,7 @@ def test_cli_serve_restarts_a_killed_server_and_stops_cleanly_on_sigterm(served)
         with Client(grpc_url, "grpc") as client:
             assert client.predict(_rows(cfg).iloc[:3]).shape == (3,)
         os.kill(server_pid, signal.SIGKILL)
-        while not _dead(server_pid):
+        while _alive(server_pid):
             time.sleep(0.01)
         host, port = http_url.rsplit(":", 1)
         connection = http.client.HTTPConnection(host, int(port), timeout=60)
