@@ -24,8 +24,9 @@
 #   loader     bench loader on 8M synthetic rows, LZ4 pages and uncompressed (etl.compression)
 #   e2e        run etl of 10M synthetic rows (once), then bench e2e of each model on it, and of DCNv2
 #              with train.compile=max-autotune
-#   etl        the cuDF-vs-pandas tests, bench etl --device cuda, tools/etl_profile.py --backend cudf
-#              (one partition's steps), the ETL stage on cuDF
+#   etl        the cuDF-vs-pandas tests, tools/etl_profile.py --backend cudf (one partition's steps), the ETL
+#              stage on cuDF, bench data's Criteo TSV readers (CuPy against the CPU's)
+#   etl-bench  bench etl --device cuda: cuDF against every CPU core and plain pandas (a call of its own)
 # A step that fails or runs out of time is recorded and the next one runs. All steps share one time
 # budget (CHECK_BUDGET_S, 560 s by default: under a ten-minute limit on one command).
 # Knobs: PYTHON (python3), SITE (/tmp/site), KIT (.kit), KIT_STORE (/root/kit), MODELS_ENV
@@ -171,13 +172,16 @@ print('--device auto:', resolve_device('auto'))
     etl)
       step etl-tests 180 env PIPELINE_ETL_GPU_ROWS="${ETL_GPU_TEST_ROWS:-2000000}" \
         "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_etl_gpu.py
-      # shellcheck disable=SC2086
-      step etl-bench 400 "$PY" -m pipeline bench etl --device cuda --rows "${ETL_BENCH_ROWS:-20000000}" --workers 0 \
-        --repeats 2 --json "$W/bench-etl.json" --report "$W/etl-tasks.json" ${ETL_BENCH_ARGS:-} workdir=/tmp/etl-bench
       step etl-profile 150 "$PY" tools/etl_profile.py --backend cudf --rows "${ETL_PROFILE_ROWS:-5000000}" \
         --json "$W/etl-profile.json" --workdir /tmp/etl-profile
-      step etl-stage 60 "$PY" -m pipeline run etl --device cuda data.rows=500000 etl.cluster=local workdir=/tmp/etl-stage ;;
-    *) echo "unknown group $group (setup preflight kernels embedding train dynamic hostcache hostcache-large serve loader e2e etl)"; exit 2 ;;
+      step etl-stage 60 "$PY" -m pipeline run etl --device cuda data.rows=500000 etl.cluster=local workdir=/tmp/etl-stage
+      step etl-tsv 150 "$PY" -m pipeline bench data --rows 1000000 --ingest-rows "${TSV_ROWS:-5000000}" device=cuda \
+        workdir=/tmp/tsv-bench ;;
+    etl-bench)
+      # shellcheck disable=SC2086
+      step etl-bench 540 "$PY" -m pipeline bench etl --device cuda --rows "${ETL_BENCH_ROWS:-20000000}" --workers 0 \
+        --repeats 2 --json "$W/bench-etl.json" --report "$W/etl-tasks.json" ${ETL_BENCH_ARGS:-} workdir=/tmp/etl-bench ;;
+    *) echo "unknown group $group (setup preflight kernels embedding train dynamic hostcache hostcache-large serve loader e2e etl etl-bench)"; exit 2 ;;
   esac
 done
 echo "== summary ($SECONDS s)"; cat "$summary"
