@@ -33,6 +33,7 @@ from pipeline.etl import (
     Workflow,
 )
 from pipeline.etl.frame_library import FrameLibraryError, choose_frame_library, read_parquet
+from pipeline.etl.output import cudf_row_group_rows
 from pipeline.etl.ops import Cast
 from pipeline.etl.ops.hashing import murmur3_column
 from pipeline.etl.ops.murmur import combine_row_hashes
@@ -160,7 +161,7 @@ def test_cudf_fit_and_transform_equal_pandas(raw, pandas_run, tmp_path):
     assert (cpu_table["C1"].to_numpy() == 1).any(), "the valid split should hold unseen values (OOV)"
     # cuDF's writer options (output.cudf_writer_options): the stage's row groups, no statistics
     metadata = pq.ParquetFile(min((tmp_path / "out-cudf").glob("part-*.parquet"))).metadata
-    assert metadata.row_group(0).num_rows == min(65_536, metadata.num_rows)
+    assert metadata.row_group(0).num_rows == min(cudf_row_group_rows(65_536), metadata.num_rows)
     assert not any(metadata.row_group(0).column(i).is_stats_set for i in range(metadata.num_columns))
 
 

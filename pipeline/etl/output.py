@@ -101,10 +101,23 @@ def cudf_writer_options(row_group_rows: int, compression: str = DEFAULT_COMPRESS
       as fast as plain ones.
     - ``max_page_size_rows``: one page per column chunk of a row group (up to cuDF's 512 KiB a page),
       as pyarrow writes them, instead of cuDF's 20,000 rows: fewer pages to encode, compress and read.
+
+    libcudf builds row groups from whole page fragments of :data:`CUDF_FRAGMENT_ROWS` rows (an option
+    ``to_parquet`` does not expose), so its row groups hold :func:`cudf_row_group_rows` rows: 65,000 for
+    the default 65,536. Nothing reads the row group size from the schema; the loader reads each file's.
     """
     return {"index": False, "compression": None if compression == "none" else compression.upper(),
             "statistics": "NONE", "row_group_size_rows": row_group_rows,
             "max_page_size_rows": row_group_rows}
+
+
+CUDF_FRAGMENT_ROWS = 5_000
+"""Rows of a page fragment of libcudf's parquet writer (its default ``max_page_fragment_size``)."""
+
+
+def cudf_row_group_rows(row_group_rows: int) -> int:
+    """The rows of a row group that cuDF's writer writes when asked for ``row_group_rows``: whole fragments."""
+    return max(CUDF_FRAGMENT_ROWS, row_group_rows - row_group_rows % CUDF_FRAGMENT_ROWS)
 
 
 def _write_cudf(df: Any, path: Path, schema: pa.Schema, row_group_rows: int, compression: str) -> int:
