@@ -8,7 +8,8 @@ printed. On cuDF the device is synchronised around every timed step. Compare wit
 per-task report (``bench etl --report``) to see what the cluster adds. The steps:
 
 - read; fit: the whole workflow (Dask's sync scheduler, one partition), then each fit task on the
-  partition: Categorify's counts of all its columns, FillMissing's median summaries, Normalize's moments;
+  partition: Categorify's counts of all its columns, FillMissing's median summaries and windows, Normalize's
+  moments;
 - transform: each operator, the whole graph; Categorify's pieces (the 64-bit keys of every column, the
   look-ups in the vocabularies' sorted keys, and for comparison the string merge and a string
   ``value_counts`` that the keys replace on cuDF); the continuous chain column by column and as one
@@ -163,7 +164,7 @@ def _fit_tasks(frame, workflow, timed) -> None:
     """Each fit task of the stage's workflow on the whole partition, as one Dask task runs it."""
     from pipeline.etl.ops import median
     from pipeline.etl.ops.categorify import _count_partition
-    from pipeline.etl.ops.continuous import _floats
+    from pipeline.etl.ops.continuous import _moments
 
     op, columns = _categorical(workflow)
     multihot = {name: op.multihot[name] for name in columns}
@@ -174,11 +175,11 @@ def _fit_tasks(frame, workflow, timed) -> None:
         timed(f"fit task: FillMissing median summaries ({len(names)} cols)",
               lambda: median._summarize_partition(frame[names], names))
 
-        def moments():
-            floats = _floats(frame[names])
-            return floats.count(), floats.sum(), (floats * floats).sum()
-
-        timed(f"fit task: Normalize moments ({len(names)} cols, before the chain)", moments)
+        pivots = {name: median.Pivot(1.0, median.SUMMARY_POINTS) for name in names}
+        timed(f"fit task: FillMissing median windows ({len(names)} cols)",
+              lambda: median._window_partition(frame[names], pivots))
+        timed(f"fit task: Normalize moments ({len(names)} cols, before the chain)",
+              lambda: _moments(frame[names], names))
 
 
 def _categorify_pieces(frame, workflow, timed) -> None:

@@ -115,6 +115,16 @@ def cudf_float_rows(columns: list[Any]) -> Any:
     return rows
 
 
+def float_rows(df: Any, names: list[str]) -> Any:
+    """The columns ``names`` of a frame as one float64 matrix ``[column, row]``, NaN for a missing value: CuPy for
+    cuDF (:func:`cudf_float_rows`), numpy for pandas (:func:`as_float64` of each)."""
+    if is_cudf(df):
+        return cudf_float_rows([df[name] for name in names])
+    if not names:
+        return np.zeros((0, len(df)), dtype=np.float64)
+    return np.stack([as_float64(df[name], name) for name in names])
+
+
 def as_arrow(values: Any, name: str | None = None) -> pa.Array:
     """A pandas Series or array as one contiguous pyarrow array (strings, numbers or lists)."""
     if isinstance(values, pd.Series):

@@ -23,14 +23,28 @@ import numpy as np
 
 from pipeline.etl.blocks import ColumnRows
 from pipeline.etl.column_schema import CATEGORICAL, CONTINUOUS
-from pipeline.etl.frames import array_module, as_float64, cudf_float_rows, frame_like, is_cudf
+from pipeline.etl.frames import array_module, as_float64, cudf_float_rows, float_rows, is_cudf
 from pipeline.etl.ops.base import Operator
 from pipeline.etl.ops.median import Pivot, summaries, windows
 
 
-def _floats(df: Any) -> Any:
-    """Every column of a partition as float64 (NaN or null for missing)."""
-    return frame_like(df, {name: as_float64(df[name]) for name in df.columns})
+def _moments(df: Any, names: list[str]) -> np.ndarray:
+    """``[3, column]`` float64 on the host: the count of present values, their sum and their sum of squares."""
+    rows = float_rows(df, names)
+    xp = array_module(rows)
+    present = ~xp.isnan(rows)
+    values = xp.where(present, rows, 0.0)
+    moments = xp.stack([present.sum(axis=1).astype(xp.float64), values.sum(axis=1), (values * values).sum(axis=1)])
+    return moments.get() if xp is not np else moments
+
+
+def _sum(*parts: np.ndarray) -> np.ndarray:
+    return np.sum(parts, axis=0)
+
+
+def _moments_by_name(names: list[str], *parts: np.ndarray) -> dict[str, tuple[float, float, float]]:
+    total = _sum(*parts)
+    return {name: (float(total[0, k]), float(total[1, k]), float(total[2, k])) for k, name in enumerate(names)}
 
 
 class _Matrix(Operator):
@@ -215,17 +229,20 @@ class Normalize(_Matrix):
         self.stds: dict[str, float] = {}
 
     def fit(self, ddf: Any) -> Any:
-        floats = ddf.map_partitions(_floats, meta=_floats(ddf._meta))
-        # One pass of count, sum and sum of squares in float64, on both frame libraries (NVTabular's
-        # moments do the same). Dask's DataFrame.std() is not used: on cuDF frames it fails in dask
-        # 2026.7 (it iterates a cuDF index, which cuDF refuses).
-        return {"count": floats.count(), "sum": floats.sum(), "sumsq": (floats * floats).sum()}
+        # Count, sum and sum of squares in float64 (NVTabular's moments do the same), all columns of a
+        # partition as one matrix in one task (three Dask reductions would pass over it three times),
+        # summed by a tree of 8.
+        from dask import delayed
+
+        names = list(ddf.columns)
+        parts = [delayed(_moments, pure=True)(part, names) for part in ddf.to_delayed()]
+        while len(parts) > 8:
+            parts = [delayed(_sum, pure=True)(*parts[i:i + 8]) for i in range(0, len(parts), 8)]
+        return delayed(_moments_by_name, pure=True)(names, *parts)
 
     def fit_finalize(self, stats: Any) -> None:
-        counts, sums, squares = (_to_dict(stats[k]) for k in ("count", "sum", "sumsq"))
         self.means, self.stds = {}, {}
-        for name, count in counts.items():
-            n, total, sq = float(count), float(sums[name]), float(squares[name])
+        for name, (n, total, sq) in stats.items():
             self.means[name] = total / n if n else float("nan")
             var = (sq - total * total / n) / (n - 1) if n > 1 else float("nan")
             self.stds[name] = float(np.sqrt(max(var, 0.0))) if np.isfinite(var) else float("nan")
@@ -330,6 +347,3 @@ def _digitize_cudf(values: Any, boundaries: list[float]) -> Any:
     filled = values.fillna(np.inf).values
     return cudf.Series(cupy.digitize(filled, cupy.asarray(boundaries)), index=values.index, name=values.name)
 
-
-def _to_dict(series: Any) -> dict:
-    return series.to_pandas().to_dict() if is_cudf(series) else series.to_dict()

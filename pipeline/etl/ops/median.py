@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.etl.frames import as_float64, is_cudf
+from pipeline.etl.frames import array_module, float_rows
 
 SUMMARY_POINTS = 65_536
 """Distinct values a summary keeps exactly; beyond, it keeps this many order statistics."""
@@ -95,21 +95,34 @@ def _tree(items: list, merge: Callable, finish: Callable) -> Any:
 
 
 def _summarize_partition(df: Any, names: list[str]) -> dict[str, Summary]:
-    return {name: _summarize(as_float64(df[name], name)) for name in names}
+    rows = _sorted_rows(df, names)
+    return {name: _summarize(rows[k]) for k, name in enumerate(names)}
 
 
-def _summarize(values: Any) -> Summary:
-    if is_cudf(values):
-        present = values.dropna()
-        counts = present.value_counts()
-        if len(counts) > SUMMARY_POINTS:  # the order statistics, sorted on the GPU
-            middles, sizes = _blocks(len(present))
-            return Summary(present.sort_values().iloc[middles].to_numpy().astype(np.float64), sizes, int(sizes.max()))
-        counts = counts.sort_index()
-        return Summary(counts.index.to_numpy().astype(np.float64), counts.to_numpy().astype(np.int64))
-    present = values[~np.isnan(values)]
-    distinct, counts = np.unique(present, return_counts=True)
-    return _compress(Summary(distinct, counts.astype(np.int64)))
+def _sorted_rows(df: Any, names: list[str]) -> Any:
+    """The columns ``names`` as one float64 matrix ``[column, row]`` (numpy, or CuPy for cuDF), each row sorted
+    with its missing values (NaN) last: one sort for all columns."""
+    rows = float_rows(df, names)
+    return array_module(rows).sort(rows, axis=1)
+
+
+def _summarize(ordered: Any) -> Summary:
+    """The summary of one sorted row of :func:`_sorted_rows`, copied to the host."""
+    xp = array_module(ordered)
+    present = ordered[: len(ordered) - int(xp.isnan(ordered).sum())]
+    n = len(present)
+    if not n:
+        return Summary(np.zeros(0, dtype=np.float64), np.zeros(0, dtype=np.int64))
+    starts = xp.flatnonzero(xp.concatenate([xp.ones(1, dtype=bool), present[1:] != present[:-1]]))
+    if len(starts) > SUMMARY_POINTS:  # the order statistics
+        middles, sizes = _blocks(n)
+        return Summary(_host(present[xp.asarray(middles)]), sizes, int(sizes.max()))
+    counts = xp.diff(xp.concatenate([starts, xp.full(1, n, dtype=starts.dtype)]))
+    return Summary(_host(present[starts]), _host(counts).astype(np.int64))
+
+
+def _host(array: Any) -> np.ndarray:
+    return array.get() if array_module(array) is not np else array
 
 
 def _blocks(total: int) -> tuple[np.ndarray, np.ndarray]:
@@ -164,21 +177,21 @@ def _midpoint(low: float, high: float) -> float:
 
 
 def _window_partition(df: Any, pivots: dict[str, Pivot]) -> dict[str, Window]:
-    return {name: _window(as_float64(df[name], name), pivot) for name, pivot in pivots.items()}
+    names = list(pivots)
+    rows = _sorted_rows(df, names)
+    return {name: _window(rows[k], pivots[name]) for k, name in enumerate(names)}
 
 
-def _window(values: Any, pivot: Pivot) -> Window:
-    if is_cudf(values):
-        present = values.dropna()
-        lower, upper = present[present < pivot.value], present[present > pivot.value]
-        below, above = len(lower), len(upper)
-        lower = np.sort(lower.nlargest(pivot.width).to_numpy().astype(np.float64))
-        upper = np.sort(upper.nsmallest(pivot.width).to_numpy().astype(np.float64))
-        return Window(pivot, below, len(present) - below - above, above, lower, upper)
-    present = values[~np.isnan(values)]
-    lower, upper = present[present < pivot.value], present[present > pivot.value]
-    return Window(pivot, len(lower), len(present) - len(lower) - len(upper), len(upper),
-                  _largest(lower, pivot.width), -_largest(-upper, pivot.width)[::-1])
+def _window(ordered: Any, pivot: Pivot) -> Window:
+    """The window of one sorted row of :func:`_sorted_rows` around ``pivot``."""
+    xp = array_module(ordered)
+    n = len(ordered) - int(xp.isnan(ordered).sum())
+    present = ordered[:n]
+    at = xp.full(1, pivot.value, dtype=present.dtype)
+    below, not_above = (int(xp.searchsorted(present, at, side=side)[0]) for side in ("left", "right"))
+    lower = _host(present[max(0, below - pivot.width):below]).astype(np.float64)
+    upper = _host(present[not_above:not_above + pivot.width]).astype(np.float64)
+    return Window(pivot, below, not_above - below, n - not_above, lower, upper)
 
 
 def _largest(values: np.ndarray, k: int) -> np.ndarray:
