@@ -43,6 +43,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=2, help="timed runs of each step after a warm-up (best kept)")
     parser.add_argument("--workdir", default="", help="where the raw rows are generated (default: a temporary folder)")
     parser.add_argument("--json", metavar="FILE", help="also write the timings as JSON")
+    parser.add_argument("--python-profile", metavar="FILE",
+                        help="also write where the host's time goes (cProfile, the 40 costliest calls by own time and by "
+                             "total time) in one whole-graph transform and one write")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="etl-profile-") as tmp:
         return _profile(args, Path(args.workdir or tmp), Path(tmp))
@@ -108,6 +111,10 @@ def _profile(args, workdir: Path, tmp: Path) -> dict:
     timed("write (parquet, one file)", lambda: write_part(out, path, schema, rows, packing), lambda _: _size(path))
     timed("write (parquet, to memory)", lambda: _to_memory(lambda buffer: write_part(out, buffer, schema, rows, packing)),
           lambda written: f"{written / 1e6:.1f} MB")
+    if args.python_profile:
+        _python_profile(Path(args.python_profile), sync, {
+            "transform (whole graph, one call)": lambda: workflow.transform_partition(frame, workflow.output),
+            "write (parquet, one file)": lambda: write_part(out, path, schema, rows, packing)})
     if args.backend == "cudf":
         _cudf_writer_variants(out, schema, rows, tmp, timed)
     summary = {"backend": args.backend, "rows": len(frame), "ms": {k: round(v * 1e3, 2) for k, v in timings.items()},
@@ -138,6 +145,27 @@ def _synchroniser(backend: str):
 
 def _size(path: Path) -> str:
     return f"{path.stat().st_size / 1e6:.1f} MB"
+
+
+def _python_profile(path: Path, sync, steps: dict) -> None:
+    """cProfile of each step (run once more, warm), the costliest calls by own time and by total time."""
+    import cProfile
+    import io
+    import pstats
+
+    out = io.StringIO()
+    for name, fn in steps.items():
+        profile = cProfile.Profile()
+        sync()
+        profile.enable()
+        fn()
+        sync()
+        profile.disable()
+        for order in ("tottime", "cumulative"):
+            out.write(f"== {name}, by {order}\n")
+            pstats.Stats(profile, stream=out).sort_stats(order).print_stats(40)
+    path.write_text(out.getvalue())
+    print(f"python profile: {path}")
 
 
 def _to_memory(write) -> int:
