@@ -220,6 +220,31 @@ def test_cudf_fill_missing_median_and_bucketize_match_pandas():
 
 
 @pytest.mark.gpu
+def test_cudf_matrix_rows_handed_to_operators_that_take_series_transform_like_pandas():
+    """A numeric chain's CuPy matrix going on to an operator that takes cuDF Series, and a union of a matrix with
+    Series going into a numeric operator."""
+    import cudf
+
+    from pipeline.etl import Bucketize
+
+    rng = np.random.default_rng(6)
+    n = 20_000
+    frame = pd.DataFrame({"x": np.where(rng.random(n) < 0.2, np.nan, rng.normal(0, 10, n)),
+                          "f": rng.integers(0, 50, n).astype(np.float64),
+                          "y": np.where(rng.random(n) < 0.1, np.nan, rng.normal(20, 30, n)),
+                          "g": rng.integers(-5, 30, n).astype(np.float64)})
+    workflow = Workflow((((["x"] >> FillMissing() >> Clip(min_value=0)) + ["f"]) >> LogOp())
+                        + (["y"] >> FillMissing() >> Clip(min_value=0) >> Bucketize([0.0, 10.0, 50.0]))
+                        + (["g"] >> Clip(min_value=0) >> Categorify())).fit(frame)
+    want = workflow.transform(frame)
+    got = workflow.transform(cudf.from_pandas(frame)).to_pandas()
+    assert list(got.columns) == list(want.columns)
+    for name in want.columns:
+        np.testing.assert_allclose(got[name].to_numpy(float), want[name].to_numpy(float), rtol=1e-12, equal_nan=True,
+                                   err_msg=name)
+
+
+@pytest.mark.gpu
 def test_cudf_partition_with_repeated_index_labels_transforms_like_pandas():
     """Partitions put together from several files repeat index labels: cuDF must not align on them."""
     import cudf
@@ -511,7 +536,10 @@ def test_cudf_branches_on_a_stand_in_equal_the_pandas_path(stand_in):
             assert all(op_gpu.stds[c] == pytest.approx(op_cpu.stds[c]) for c in cols)
     extra = (["s", "i", "f"] >> HashBucket(100_003)) + (["x"] >> Bucketize([-10.0, 0.0, 3.5]))
     extra = Workflow(extra).fit(frame)
-    for workflow in (cpu, extra):
+    # a numeric operator's matrix handed to one that takes Series, and a union of a matrix and Series
+    mixed = Workflow((((["x"] >> FillMissing() >> Clip(min_value=0)) + ["f"]) >> LogOp())
+                     + (["y"] >> Clip(min_value=0) >> Bucketize([0.0, 10.0, 50.0]))).fit(frame)
+    for workflow in (cpu, extra, mixed):
         want = workflow.transform(frame)
         got = Workflow.transform_partition(gpu_frame, workflow.output)
         assert type(got).__module__.startswith("cudf")

@@ -105,13 +105,14 @@ def as_float64(values: Any, name: str | None = None) -> Any:
 
 
 def cudf_float_rows(columns: list[Any]) -> Any:
-    """Equally long cuDF numeric Series as one CuPy float64 matrix ``[column, row]``, NaN for a missing value
+    """Equally long cuDF numeric Series (or CuPy arrays) as one CuPy float64 matrix ``[column, row]``, NaN for a missing value
     (the values of a float column with nulls hold NaN there), as :func:`as_float64` reads each."""
     import cupy
 
     rows = cupy.empty((len(columns), len(columns[0]) if columns else 0), dtype=cupy.float64)
     for i, values in enumerate(columns):
-        rows[i] = values.astype("float64").values
+        values = values.astype("float64")
+        rows[i] = values if array_module(values) is cupy else values.values
     return rows
 
 

@@ -203,7 +203,15 @@ class Workflow:
 
     @staticmethod
     def transform_partition(df: Any, output: Node) -> Any:
-        """Run the graph up to ``output`` on one partition (pandas or cuDF): what every Dask task runs."""
+        """Run the graph up to ``output`` on one partition (pandas or cuDF): what every Dask task runs.
+
+        A cuDF partition's columns go through the graph as blocks (:func:`_evaluate_columns`): a chain of
+        numeric operators passes one CuPy matrix along, and the frame is built once, at the end.
+        """
+        if is_cudf(df):
+            values = _evaluate_columns(lambda names: {name: df[name] for name in names}, df.index,
+                                       list(output.walk()), blocks=True, like=df)
+            return frame_like(df, {name: values[name] for name in output.output_columns})
         results: dict[int, Any] = {}
         for node in output.walk():
             if node.is_selection:
@@ -341,14 +349,15 @@ def _evaluate_pandas(df: pd.DataFrame, nodes: list[Node]) -> pd.DataFrame:
 
 
 def _evaluate_columns(select: Callable[[list[str]], Mapping[str, Any]], index: pd.Index | int, nodes: list[Node],
-                      blocks: bool = False) -> Mapping[str, Any]:
+                      blocks: bool = False, like: Any = None) -> Mapping[str, Any]:
     """The output columns of the graph, from ``select(names)``, the raw columns ``names`` as arrays by name.
 
     A column-by-column operator gets all its input arrays at once (``transform_many``, which runs
     ``transform_column`` on each unless the operator computes them together); any other operator gets
     a frame of its input columns (on ``index``; on 0..n-1 where it is a number of rows) and its own
     ``transform``. With ``blocks``, the columns of a node with one parent are that parent's columns as they are,
-    and a union keeps its parents' blocks side by side (:class:`~pipeline.etl.blocks.BlockColumns`).
+    and a union keeps its parents' blocks side by side (:class:`~pipeline.etl.blocks.BlockColumns`). With ``like``
+    (a cuDF frame), an operator that takes a frame gets one of ``like``'s library and index.
     """
     results: dict[int, Mapping[str, Any]] = {}
     for node in nodes:
@@ -365,14 +374,23 @@ def _evaluate_columns(select: Callable[[list[str]], Mapping[str, Any]], index: p
                 columns = results[id(parent)]
                 for name in parent.output_columns:
                     inputs[name] = columns[name]
+        if like is not None and node.op is not None and not node.op.takes_rows and not isinstance(inputs, dict):
+            inputs = _as_series(like, inputs)
         if node.op is None:
             results[id(node)] = inputs
         elif node.op.columnwise:
             results[id(node)] = node.op.transform_many(inputs)
         else:
-            out = node.op.transform(_frame(inputs, index))
+            out = node.op.transform(_frame(inputs, index) if like is None else frame_like(like, inputs))
             results[id(node)] = {name: _values(out[name]) for name in out.columns}
     return results[id(nodes[-1])]
+
+
+def _as_series(like: Any, columns: Mapping[str, Any]) -> dict[str, Any]:
+    """Columns of blocks (rows of a CuPy matrix among them) as Series of the cuDF frame ``like``, for an operator
+    that takes Series only."""
+    frame = frame_like(like, columns)
+    return {name: frame[name] for name in frame.columns}
 
 
 def _column_reader(df: pd.DataFrame):

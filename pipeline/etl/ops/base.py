@@ -116,6 +116,10 @@ class Operator:
         names = self.output_columns(list(columns))
         return {out: self.transform_column(name, values) for (name, values), out in zip(columns.items(), names)}
 
+    takes_rows = False
+    """Whether :meth:`transform_many` takes the rows of a CuPy matrix (a :class:`~pipeline.etl.blocks.ColumnRows` on
+    the GPU) as well as cuDF Series; a cuDF partition's blocks become Series before any other operator."""
+
     @property
     def columnwise(self) -> bool:
         """True when ``transform`` is the column-by-column default, so callers may run ``transform_column``

@@ -51,6 +51,8 @@ class _Matrix(Operator):
     """A column-by-column numeric operator that also computes many columns as one matrix (numpy, or CuPy
     for cuDF columns)."""
 
+    takes_rows = True
+
     def transform_many(self, columns: Mapping[str, Any]) -> Mapping[str, Any]:
         """All the columns as one matrix, the rows of a :class:`~pipeline.etl.blocks.ColumnRows` in and out (whose
         matrix is taken as it is: no copy per column)."""
@@ -60,7 +62,7 @@ class _Matrix(Operator):
         if isinstance(columns, ColumnRows):
             rows = columns.matrix
             rows = rows if rows.dtype == np.float64 else rows.astype(np.float64)
-        elif is_cudf(next(iter(columns.values()))):  # the columns of one frame: one library
+        elif is_cudf(first := next(iter(columns.values()))) or array_module(first) is not np:  # cuDF, or CuPy rows
             rows = cudf_float_rows(list(columns.values()))
         else:
             rows = np.array([as_float64(values, name) for name, values in columns.items()])  # np.stack, in one call
