@@ -287,7 +287,9 @@ def test_keyed_counts_and_look_ups_on_cudf_equal_pandas():
     for got, want in zip(keyed.count_columns(gpu_columns), keyed.count_columns(cpu_columns)):
         got = got.to_pandas()
         assert dict(zip(got["value"], got["count"])) == dict(zip(want["value"], want["count"]))
-        assert (got["key"].to_numpy() == keyed.string_keys(_to_cudf(got[["value"]])["value"]).get()).all()
+        values = _to_cudf(got[["value"]])["value"]
+        assert (got["key"].to_numpy() == keyed.string_keys(values).get()).all()
+        assert (got["check"].to_numpy() == keyed.string_keys(values, keyed.CHECK_SEED).get()).all()
     vocabulary = sorted(set(cpu["s"].dropna()))[::2]
     table = keyed.key_table(_to_cudf(pd.DataFrame({"v": vocabulary}))["v"])
     assert table.exact
@@ -299,14 +301,16 @@ def test_keyed_counts_and_look_ups_on_cudf_equal_pandas():
 @pytest.mark.parametrize("collide", [False, True], ids=["xxhash64", "colliding keys"])
 def test_cudf_categorify_equals_pandas_with_colliding_keys_and_missing_lists(monkeypatch, collide):
     """Categorify on cuDF with a key function that gives every string of one length the same key: the
-    partitions' counts, their merges and the look-ups must still tell the values apart (and the multi-hot
+    partitions' counts, their merges and the look-ups must still tell the values apart by their check keys (and the multi-hot
     column's missing lists become empty lists, missing elements 0, built on the GPU)."""
     import dask
 
     from pipeline.etl.ops import keyed
 
-    if collide:
-        monkeypatch.setattr(keyed, "string_keys", lambda s: s.str.len().fillna(0).astype("uint64").values)
+    if collide:  # weak keys, real check keys
+        strong = keyed.string_keys
+        monkeypatch.setattr(keyed, "string_keys", lambda s, seed=0: strong(s, seed) if seed else
+                            s.str.len().fillna(0).astype("uint64").values)
 
     def features():
         return (["s", "i"] >> Categorify(freq_threshold=2)) + (["M"] >> Categorify(max_vocab_size=30))

@@ -214,7 +214,7 @@ def _categorify_pieces(frame, workflow, timed) -> None:
     """Categorify's transform split into its pieces, and the string operations the keys replace on cuDF."""
     from pipeline.etl.frames import is_cudf
     from pipeline.etl.ops import keyed
-    from pipeline.etl.ops.categorify import _codes_by_strings, _flat_strings, _key_table, _keyed_codes, _plain_strings
+    from pipeline.etl.ops.categorify import _codes_by_strings, _flat_strings, _keyed_codes, _plain_strings, _vocabulary_series
 
     op, columns = _categorical(workflow)
     strings = {name: (_flat_strings if op.multihot[name] else _plain_strings)(frame[name]) for name in columns}
@@ -223,8 +223,9 @@ def _categorify_pieces(frame, workflow, timed) -> None:
           lambda: [(_flat_strings if op.multihot[n] else _plain_strings)(frame[n]) for n in columns])
     timed(f"  Categorify: 64-bit keys ({each} cols)", lambda: [keyed.string_keys(strings[n]) for n in columns])
     timed(f"  Categorify: counts in one sort ({each} cols)", lambda: keyed.count_columns(list(strings.values())))
+    vocabularies = {n: _vocabulary_series(op.vocabularies[n], strings[n]) for n in columns}
     timed(f"  Categorify: key tables, built anew ({each} vocabularies)",
-          lambda: [keyed.key_table(_key_table(op.vocabularies[n], strings[n]).values) for n in columns])
+          lambda: [keyed.key_table(vocabularies[n]) for n in columns])
     timed(f"  Categorify: codes by key ({each} cols)",
           lambda: [_keyed_codes(strings[n], op.vocabularies[n]) for n in columns])
     timed(f"  Categorify: codes by string ({each} cols)",

@@ -380,14 +380,17 @@ _KEY_TABLES: dict[tuple, KeyTable] = {}
 def _key_table(vocab: pa.Array, like: Any) -> KeyTable:
     """The :class:`~pipeline.etl.ops.keyed.KeyTable` of a vocabulary in the library (and string dtype) of
     the Series ``like``: on the GPU for cuDF, built on first use and kept while ``vocab`` lives."""
-    def build() -> KeyTable:
-        if is_cudf(like):
-            import cudf
+    return _per_vocabulary(_KEY_TABLES, vocab, lambda: key_table(_vocabulary_series(vocab, like)),
+                           variant=(type(like).__module__, str(like.dtype)))
 
-            return key_table(cudf.Series.from_arrow(vocab.cast(pa.string())).astype(like.dtype))
-        return key_table(pd.Series(pd.arrays.ArrowExtensionArray(vocab.cast(pa.string()))))
 
-    return _per_vocabulary(_KEY_TABLES, vocab, build, variant=(type(like).__module__, str(like.dtype)))
+def _vocabulary_series(vocab: pa.Array, like: Any) -> Any:
+    """A vocabulary as a Series of strings of the library (and string dtype) of the Series ``like``."""
+    if is_cudf(like):
+        import cudf
+
+        return cudf.Series.from_arrow(vocab.cast(pa.string())).astype(like.dtype)
+    return pd.Series(pd.arrays.ArrowExtensionArray(vocab.cast(pa.string())))
 
 
 def _tree_counts(ddf: Any, multihot: dict[str, bool], split_every: int = 8) -> dict:
@@ -426,7 +429,7 @@ def _count_partition(df: Any, names: list[str], multihot: dict[str, bool]) -> di
 
 def _count_partition_keyed(df: Any, names: list[str], multihot: dict[str, bool]) -> dict:
     """Counts of the values' text (what the pandas path counts, :func:`_plain_strings`), multi-hot leaves
-    too, as frames ``(key, count, value)`` from one sort of all columns' keys (:func:`keyed.count_columns`):
+    too, as frames ``(key, check, count, value)`` from one sort of all columns' keys (:func:`keyed.count_columns`):
     the cuDF path, which runs on pandas frames too."""
     strings = [(_flat_strings if multihot[name] else _plain_strings)(df[name]) for name in names]
     out = {name: {"counts": counts} for name, counts in zip(names, count_columns(strings))}

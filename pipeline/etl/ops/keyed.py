@@ -1,8 +1,8 @@
-"""Categorical values counted and looked up by 64-bit keys (hashes of their text), checked against the text.
+"""Categorical values counted and looked up by 64-bit keys (hashes of their text), each checked by a second one.
 
 Categorify's cuDF path works here. libcudf's string ``value_counts`` and merge on strings hash and
-compare every string inside a hash table, column by column; here each string is hashed once
-(:func:`string_keys`: xxHash64, one GPU thread a row) and the rest is integer work:
+compare every string inside a hash table, column by column; here each string is hashed twice
+(:func:`value_keys`: xxHash64 with two seeds, one GPU thread a row) and the rest is integer work:
 
 - :func:`count_columns`: the value counts of all categorical columns of a partition from ONE stable
   radix sort of 64-bit words, each a column's index in the top bits above its value's key, instead of
@@ -11,12 +11,15 @@ compare every string inside a hash table, column by column; here each string is 
 - :func:`key_table` and :func:`look_up`: a vocabulary's keys sorted once, each value found by a binary
   search (``searchsorted``) of its key instead of a string merge.
 
-A hash is not one-to-one, so no key is trusted alone. Counting, each value is compared with the first
-value of its key (a gather from the distinct values and one string comparison per row); where two values
-share a key, the rows of that key are counted by value instead (:func:`distinct_by_key`), so two
-values are never merged. Looking up, the value found for a key is compared with the value looked up,
-so a value unseen at fit that shares a vocabulary value's key is absent, not that value; a vocabulary
-holding two values of one key (``KeyTable.exact`` false) is left to the caller to look up by strings.
+A hash is not one-to-one, so no key is trusted alone: each value also has a check key (the same hash
+with another seed). Counting, each row's check key is compared with that of the first row of its key;
+where they differ, the rows of that key are grouped by (key, check key) instead, so two values that
+share a key are never merged. Looking up, the check key of the value found for a key must equal the
+looked-up value's, so a value unseen at fit that shares a vocabulary value's key is absent, not that
+value. Two different values are taken for one only when both 64-bit hashes collide (about 2^-128 for a
+pair, and 2^-64 even for values crafted against one seed); comparing the text instead would move every
+row's string through memory once more, the largest cost of the look-ups. A vocabulary holding two
+values of one key (``KeyTable.exact`` false) is left to the caller to look up by strings.
 
 Why hashes rather than other integer keys: cuDF's parquet reader gives strings, not the files'
 dictionary codes (libcudf 26.10 can transcode parquet dictionaries only through a C++ reader option
@@ -29,7 +32,7 @@ the end tell the libraries apart.
 
 Example::
 
-    counts = count_columns([strings_c1, strings_c2])          # one frame (key, count, value) per column
+    counts = count_columns([strings_c1, strings_c2])          # one frame (key, check, count, value) per column
     vocab = merge_counts([counts_from_part_1, counts_from_part_2])
     table = key_table(vocabulary_values)
     positions = look_up(table, strings_c1)                     # -1: absent or missing
@@ -47,51 +50,57 @@ import pandas as pd
 from pipeline.etl.frames import array_module, cudf_frame, is_cudf
 
 
-def string_keys(strings: Any) -> Any:
-    """The 64-bit key (uint64) of each value of a Series of strings, any key for a missing one.
+CHECK_SEED = 0x5EEDC0DE
+"""The seed of the check keys (:func:`value_keys`); the keys have seed 0."""
+
+
+def string_keys(strings: Any, seed: int = 0) -> Any:
+    """A 64-bit hash (uint64) of each value of a Series of strings, with ``seed``, any hash for a missing one.
 
     cuDF: libcudf's xxHash64 of the UTF-8 bytes (``Series.hash_values(method="xxhash64")``); pandas:
-    pandas' 64-bit hash of values. Either gives equal keys to equal strings of its library.
+    pandas' 64-bit hash of values (its hash key made from ``seed``). Either gives equal hashes to equal
+    strings of its library.
     """
     if is_cudf(strings):
-        return strings.hash_values(method="xxhash64").values
-    return pd.util.hash_pandas_object(strings, index=False).to_numpy()
+        return strings.hash_values(method="xxhash64", seed=seed).values
+    return pd.util.hash_pandas_object(strings, index=False, hash_key=f"{seed:016x}"[-16:] if seed else
+                                      "0123456789123456").to_numpy()
 
 
-def distinct_by_key(keys: Any, values: Any, weights: Any = None) -> tuple[Any, Any]:
-    """The distinct values of ``values`` found through ``keys``: a row of each and the sum of its rows' weights.
+def value_keys(strings: Any) -> tuple[Any, Any]:
+    """The key and the check key (uint64 each) of each value of a Series of strings."""
+    return string_keys(strings), string_keys(strings, CHECK_SEED)
 
-    ``values``: a Series of strings without missing ones; ``keys``: an array of one uint64 per value,
-    equal for equal values; ``weights``: int64 per row (None: 1 each). Rows are grouped by a stable
-    sort of the keys; each row's value is compared with the first value of its key, and the rows of a
-    key holding several values are grouped by value instead. Returns ``(rows, counts)``: for each
-    distinct value the first row holding it and its total weight, in no particular order.
+
+def distinct_by_key(keys: Any, checks: Any, weights: Any = None) -> tuple[Any, Any]:
+    """The distinct values of rows given by their ``keys`` and check keys: a row of each and the sum of its rows' weights.
+
+    ``keys``, ``checks``: arrays of one uint64 per row, equal for equal values; ``weights``: int64 per row
+    (None: 1 each). Rows are grouped by a stable sort of the keys; each row's check key is compared with
+    that of the first row of its key, and where any differs all rows are grouped by (key, check key)
+    instead. Returns ``(rows, counts)``: for each distinct value the first row holding it and its total
+    weight, in no particular order.
     """
     xp = array_module(keys)
     n = len(keys)
     if not n:
         return xp.zeros(0, dtype=xp.int64), xp.zeros(0, dtype=xp.int64)
     order = _stable_argsort(keys)
-    ordered = keys[order]
-    starts_mask = xp.concatenate([xp.ones(1, dtype=bool), ordered[1:] != ordered[:-1]])
+    starts_mask = _run_starts(keys[order])
     starts = xp.flatnonzero(starts_mask)
-    first = order[starts]
     group = xp.empty(n, dtype=xp.int64)
     group[order] = xp.cumsum(starts_mask) - 1
-    counts = _run_sums(weights, order, starts, n, xp)
-    # The distinct keys' first values gathered first, then one per row: each gather reads a small column.
-    same = _equal(values, values.take(first).take(group))
-    if bool(same.all()):
-        return first, counts
-    shared = xp.zeros(len(starts), dtype=bool)
-    shared[group[~same]] = True
-    rows = xp.flatnonzero(shared[group])
-    row_weights = xp.ones(len(rows), dtype=xp.int64) if weights is None else weights[rows]
-    by_value = _frame(values, {"value": values.take(rows), "row": rows, "count": row_weights})
-    by_value = by_value.groupby("value", sort=False).agg({"row": "min", "count": "sum"})
-    kept = ~shared
-    return (xp.concatenate([first[kept], _array(by_value["row"]).astype(xp.int64)]),
-            xp.concatenate([counts[kept], _array(by_value["count"]).astype(xp.int64)]))
+    if not bool((checks == checks[order[starts]][group]).all()):  # two values of one key: by both keys
+        order = xp.lexsort(xp.stack([checks, keys]))
+        starts_mask = _run_starts(keys[order]) | _run_starts(checks[order])
+        starts = xp.flatnonzero(starts_mask)
+    return order[starts], _run_sums(weights, order, starts, n, xp)
+
+
+def _run_starts(ordered: Any) -> Any:
+    """Whether each value of a sorted array starts a run of equal values."""
+    xp = array_module(ordered)
+    return xp.concatenate([xp.ones(1, dtype=bool), ordered[1:] != ordered[:-1]])
 
 
 def _run_sums(weights: Any, order: Any, starts: Any, n: int, xp: Any) -> Any:
@@ -108,85 +117,87 @@ def count_columns(columns: list[Any]) -> list[Any]:
 
     ``columns``: Series of strings (of one library), missing values left out of the counts. Each
     column's keys lose their top bits to the column's index, so one sort of all columns' words groups
-    each column's values; the counts are checked against the strings (:func:`distinct_by_key`).
-    Returns one frame per column: ``key`` (its value's full key), ``count``, ``value``, one row per
-    distinct value.
+    each column's values; the check keys keep values of one key apart (:func:`distinct_by_key`). Only
+    the distinct values' strings are gathered. Returns one frame per column: ``key`` (its value's full
+    key), ``check``, ``count``, ``value``, one row per distinct value.
     """
     if not columns:
         return []
-    all_keys = [string_keys(strings) for strings in columns]
-    xp = array_module(all_keys[0])
+    all_keys = [value_keys(strings) for strings in columns]
+    xp = array_module(all_keys[0][0])
     tag_bits = (len(columns) - 1).bit_length()
-    words, present = [], []
-    for index, (strings, keys) in enumerate(zip(columns, all_keys)):
+    words, checks, present = [], [], []
+    for index, (strings, (keys, check)) in enumerate(zip(columns, all_keys)):
         if tag_bits:
             keys = (keys >> xp.uint64(tag_bits)) | xp.uint64(index << (64 - tag_bits))
         words.append(keys)
+        checks.append(check)
         present.append(~missing(strings))
     offsets = np.cumsum([0] + [len(strings) for strings in columns]).tolist()
-    words, present = xp.concatenate(words), xp.concatenate(present)
-    values = _concat(columns)
+    words, checks, present = xp.concatenate(words), xp.concatenate(checks), xp.concatenate(present)
     kept = xp.flatnonzero(present)
-    if len(kept) < len(values):
-        words, values = words[kept], values.take(kept)
-    rows, counts = distinct_by_key(words, values)
+    if len(kept) < len(words):
+        words, checks = words[kept], checks[kept]
+    rows, counts = distinct_by_key(words, checks)
     by_row = xp.argsort(rows)
-    rows, counts = rows[by_row], counts[by_row]
-    firsts = values.take(rows).reset_index(drop=True)
-    bounds = xp.searchsorted(kept[rows], xp.asarray(offsets)).tolist()
+    rows, counts = kept[rows[by_row]], counts[by_row]  # rows of all columns one after the other, ascending
+    bounds = xp.searchsorted(rows, xp.asarray(offsets)).tolist()
     out = []
-    for start, end in pairwise(bounds):
-        distinct = firsts.iloc[start:end]
-        out.append(_frame(distinct, {"key": string_keys(distinct), "count": counts[start:end], "value": distinct}))
+    for index, (start, end) in enumerate(pairwise(bounds)):
+        at = rows[start:end] - offsets[index]
+        keys, check = all_keys[index]
+        distinct = columns[index].reset_index(drop=True).take(at).reset_index(drop=True)
+        out.append(_frame(distinct, {"key": keys[at], "check": check[at], "count": counts[start:end],
+                                     "value": distinct}))
     return out
 
 
 def merge_counts(parts: list[Any]) -> Any:
     """Frames of :func:`count_columns` (or of this function) for one column, merged into one: counts of equal
-    values summed, values of one key told apart by their strings."""
+    values summed, values of one key told apart by their check keys."""
     merged = _concat(parts) if len(parts) > 1 else parts[0]
-    keys, values = _array(merged["key"]), merged["value"].reset_index(drop=True)
-    rows, counts = distinct_by_key(keys, values, _array(merged["count"]))
+    keys, checks, values = _array(merged["key"]), _array(merged["check"]), merged["value"].reset_index(drop=True)
+    rows, counts = distinct_by_key(keys, checks, _array(merged["count"]))
     distinct = values.take(rows).reset_index(drop=True)
-    return _frame(distinct, {"key": keys[rows], "count": counts, "value": distinct})
+    return _frame(distinct, {"key": keys[rows], "check": checks[rows], "count": counts, "value": distinct})
 
 
 @dataclass(frozen=True)
 class KeyTable:
-    """A vocabulary ready for :func:`look_up`: its keys sorted, the position of each, and its values."""
+    """A vocabulary ready for :func:`look_up`: its keys sorted, the check key and the position of each."""
 
     keys: Any
+    checks: Any
     positions: Any
-    values: Any
     exact: bool
     """False when two of its values share a key: :func:`look_up` cannot tell them apart."""
 
 
 def key_table(values: Any) -> KeyTable:
     """The :class:`KeyTable` of a vocabulary, a Series of distinct strings without missing ones."""
-    keys = string_keys(values)
+    keys, checks = value_keys(values)
     xp = array_module(keys)
     order = _stable_argsort(keys)
     ordered = keys[order]
     exact = not bool((ordered[1:] == ordered[:-1]).any()) if len(ordered) > 1 else True
-    return KeyTable(ordered, order.astype(xp.int64), values.reset_index(drop=True), exact)
+    return KeyTable(ordered, checks[order], order.astype(xp.int64), exact)
 
 
 def look_up(table: KeyTable, strings: Any) -> Any:
     """The vocabulary position of each value of a Series of strings; -1 where absent or missing.
 
-    The key of each value is searched among the table's sorted keys and the value found there is
-    compared with it, so only the same string gives a position. The table must be exact.
+    The key of each value is searched among the table's sorted keys; the key found there and its check
+    key must both equal the value's. The table must be exact.
     """
-    keys = string_keys(strings)
+    keys, checks = value_keys(strings)
     xp = array_module(keys)
     if not table.exact:
         raise ValueError("look_up: the vocabulary holds values of one key; look it up by its strings")
     if not len(table.keys):
         return xp.full(len(keys), -1, dtype=xp.int64)
     at = xp.minimum(xp.searchsorted(table.keys, keys), len(table.keys) - 1)
-    positions = table.positions[at]
-    return xp.where(_equal(strings, table.values.take(positions)), positions, -1)
+    found = (table.keys[at] == keys) & (table.checks[at] == checks) & ~missing(strings)
+    return xp.where(found, table.positions[at], -1)
 
 
 def _stable_argsort(keys: Any) -> Any:
@@ -199,14 +210,6 @@ def _stable_argsort(keys: Any) -> Any:
 def missing(values: Any) -> Any:
     """Whether each value of a Series is missing, as an array (CuPy for cuDF, numpy for pandas)."""
     return _array(values.isna())
-
-
-def _equal(left: Any, right: Any) -> Any:
-    """Whether two equally long Series hold the same value at each position (missing: False), as an array."""
-    same = left.reset_index(drop=True) == right.reset_index(drop=True)
-    if is_cudf(same):
-        return same.fillna(False).values
-    return same.to_numpy(dtype=bool, na_value=False)
 
 
 def _array(series: Any) -> Any:
