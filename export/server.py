@@ -283,6 +283,7 @@ class TritonServer:
         before)."""
         self._stop_guard()
         code = self._end_process(timeout)
+        _prune_instance_stats(self.repository)
         self._remove_workdir()
         return code
 
@@ -357,6 +358,15 @@ def _terminate(process: subprocess.Popen, shm_prefix: str, timeout: float = 30.0
         for region in SHM_DIR.glob(f"{shm_prefix}*"):
             region.unlink(missing_ok=True)
     return process.returncode
+
+
+def _prune_instance_stats(repository: str | Path) -> None:
+    """Remove the counters files of the repository's model instances that no longer run: an instance removes its
+    own when it finalizes, but one killed on the way out (a server past its exit timeout) leaves it behind."""
+    from export.instance import STATS_FOLDER, live_stats
+
+    for stats in Path(repository).glob(f"*/{STATS_FOLDER}"):
+        live_stats(stats.parent, prune=True)
 
 
 def _die_with_parent() -> None:
