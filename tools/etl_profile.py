@@ -15,7 +15,8 @@ per-task report (``bench etl --report``) to see what the cluster adds. The steps
   ``value_counts`` that the keys replace on cuDF); the continuous chain column by column and as one
   matrix;
 - write: the output partition to a file and to memory (the encoding alone), and on cuDF with other
-  writer options (cuDF's default pages and statistics, no dictionary, no compression) and to memory
+  writer options (cuDF's default pages and statistics, no dictionary, no compression, row groups of
+  1M rows) and to memory
   followed by one write of the file, each with the size it wrote.
 
     python3 tools/etl_profile.py --backend cudf --rows 5000000
@@ -273,6 +274,7 @@ def _cudf_writer_variants(out, schema, rows: int, tmp: Path, timed) -> None:
         "cuDF's default pages and statistics": defaults,
         "no dictionary": {**chosen, "use_dictionary": False},
         "no compression": {**chosen, "compression": None},
+        "row groups of 1M rows": {**chosen, "row_group_size_rows": 1_000_000, "max_page_size_rows": 1_000_000},
     }
     for name, options in variants.items():
         path = tmp / f"variant-{len(name)}.parquet"
