@@ -16,8 +16,7 @@ per-task report (``bench etl --report``) to see what the cluster adds. The steps
   matrix;
 - write: the output partition to a file and to memory (the encoding alone), and on cuDF with other
   writer options (cuDF's default pages and statistics, no dictionary, no compression, row groups of
-  1M rows) and to memory
-  followed by one write of the file, each with the size it wrote.
+  1M rows) and to memory followed by one write of the file, each with the size it wrote.
 
     python3 tools/etl_profile.py --backend cudf --rows 5000000
     CUDF_SPILL=on python3 tools/etl_profile.py --backend cudf --rows 5000000    # with cuDF spilling
