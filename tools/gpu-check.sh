@@ -173,7 +173,7 @@ print('--device auto:', resolve_device('auto'))
       step etl-tests 180 env PIPELINE_ETL_GPU_ROWS="${ETL_GPU_TEST_ROWS:-2000000}" \
         "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_etl_gpu.py
       step etl-profile 150 "$PY" tools/etl_profile.py --backend cudf --rows "${ETL_PROFILE_ROWS:-5000000}" \
-        --json "$W/etl-profile.json" --workdir /tmp/etl-profile
+        --json "$W/etl-profile.json" --workdir /tmp/etl-profile --python-profile "$W/etl-python-profile.txt"
       step etl-stage 60 "$PY" -m pipeline run etl --device cuda data.rows=500000 etl.cluster=local workdir=/tmp/etl-stage
       step etl-tsv 150 "$PY" -m pipeline bench data --rows 1000000 --ingest-rows "${TSV_ROWS:-5000000}" device=cuda \
         workdir=/tmp/tsv-bench ;;
