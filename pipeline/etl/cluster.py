@@ -6,7 +6,7 @@
 - ``etl.cluster = "local"``: a ``distributed.LocalCluster`` with ``etl.workers`` single-threaded
   worker processes (0: one per core), or on the cudf backend a ``dask_cuda.LocalCUDACluster``:
   one worker per GPU (``etl.workers`` of them if set) with ``etl.gpu_threads`` threads, each with an RMM pool of
-  :data:`RMM_POOL_FRACTION` of its GPU's memory and cuDF's own spilling to host memory on;
+  :data:`RMM_POOL_FRACTION` of its GPU's memory and, with ``etl.gpu_spill``, cuDF's own spilling to host memory;
 - ``etl.cluster = "threads"``: Dask's threaded scheduler in this process, no cluster at all;
 - ``etl.cluster = "auto"``: a LocalCluster when the input is at least :data:`AUTO_LOCAL_BYTES` of
   parquet (starting worker processes costs about a second and pays off on large inputs only),
@@ -68,11 +68,11 @@ def etl_client(etl: EtlConfig, input_bytes: int = 0, library: str = "pandas",
             yield f"scheduler {etl.scheduler} ({len(client.scheduler_info()['workers'])} workers)"
         return
 
-    with _local_cluster(etl.workers, library, etl.gpu_threads) as cluster, Client(cluster) as client:
+    with _local_cluster(etl.workers, library, etl.gpu_threads, etl.gpu_spill) as cluster, Client(cluster) as client:
         yield f"{type(cluster).__name__}({len(client.scheduler_info()['workers'])} workers)"
 
 
-def _local_cluster(workers: int, library: str, gpu_threads: int = 1):
+def _local_cluster(workers: int, library: str, gpu_threads: int = 1, gpu_spill: bool = True):
     if library == "cudf":
         try:
             from dask_cuda import LocalCUDACluster
@@ -80,11 +80,12 @@ def _local_cluster(workers: int, library: str, gpu_threads: int = 1):
             raise UserError(f"the cudf backend needs dask-cuda for its cluster ({type(err).__name__}: {err}): "
                             "install it or use --device cpu") from err
         # enable_cudf_spill: cuDF spills its own buffers to host memory when the GPU fills up, which
-        # the dask-cuda docs advise for Dask cuDF ETL (finer than spilling whole task outputs).
+        # the dask-cuda docs advise for Dask cuDF ETL (finer than spilling whole task outputs); its spill
+        # manager tracks every buffer, which data that fits the GPU can do without (etl.gpu_spill=false).
         if gpu_threads < 1:
             raise UserError(f"etl.gpu_threads: expected 1 or more, got {gpu_threads}")
         return LocalCUDACluster(n_workers=workers or None, threads_per_worker=gpu_threads, dashboard_address=None,
-                                rmm_pool_size=_rmm_pool_bytes(), enable_cudf_spill=True)
+                                rmm_pool_size=_rmm_pool_bytes(), enable_cudf_spill=gpu_spill)
     from distributed import LocalCluster
 
     return LocalCluster(

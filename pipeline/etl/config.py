@@ -26,6 +26,10 @@ class EtlConfig:
         default=1, metadata={"help": "threads of each LocalCUDACluster worker (2: one partition is read or "
                                      "written while another is computed on the same GPU)"}
     )
+    gpu_spill: bool = field(
+        default=True, metadata={"help": "cuDF spills its buffers to host memory when a GPU fills up (false: no "
+                                        "spill manager tracking every buffer, for data that fits the GPUs)"}
+    )
     freq_threshold: int = field(default=0, metadata={"help": "Categorify: values seen fewer times map to OOV"})
     max_vocab_size: int = field(default=0, metadata={"help": "Categorify: keep at most this many values (0: all)"})
     hash_buckets: dict[str, int] = field(
