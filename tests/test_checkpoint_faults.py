@@ -2,6 +2,7 @@
 (``.pt`` or a sharded folder) is reported in one line and the run resumes from the newest readable
 one, ending with the weights of an uninterrupted run; stale ``*.tmp`` files of a killed save go."""
 
+import json
 import shutil
 import subprocess
 import sys
@@ -109,6 +110,21 @@ def test_resume_falls_back_past_a_damaged_newest_checkpoint(how, reason, straigh
     assert f"[train] resuming from {folder / 'step-00000010.pt'}" in out
     _assert_same_state(straight, _final_state(cfg))
     assert _tmp_files(cfg.paths.train) == []
+
+
+def test_resuming_a_finished_run_trains_nothing_and_says_so(tmp_path, capsys):
+    cfg = _config(tmp_path, *PLAIN)
+    _write_data(cfg)
+    run(cfg)
+    before = _final_state(cfg)
+    capsys.readouterr()
+    run(_config(tmp_path, *PLAIN, "train.resume=true"))
+    out = capsys.readouterr().out
+    assert "no step trained (the run had finished)" in out and "nan" not in out.lower(), out
+    result = json.loads((newest_run(cfg.paths.train) / "result.json").read_text(),
+                        parse_constant=lambda name: pytest.fail(f"result.json holds {name}"))
+    assert result["samples_per_s"] is None and result["steps"] == 24
+    _assert_same_state(before, _final_state(cfg))
 
 
 def test_no_readable_checkpoint_starts_fresh_and_says_so(straight, tmp_path, capsys):

@@ -356,8 +356,9 @@ def _report(result: dict, path: Path) -> None:
     test = result["test"]
     scores = f"test AUC {test['auc']:.4f}, logloss {test['logloss']:.4f}"
     if "ranks" in result:
-        rate = result["samples_per_s_per_rank"] * result["ranks"]
-        print(f"[train] {result['ranks']} ranks: {scores} | {rate:,.0f} samples/s over all ranks | {path}", flush=True)
+        rate = result["samples_per_s_per_rank"]
+        speed = _speed(rate * result["ranks"] if rate is not None else None, " over all ranks")
+        print(f"[train] {result['ranks']} ranks: {scores} | {speed} | {path}", flush=True)
         return
     oracle = result["oracle"]
     if oracle:
@@ -366,4 +367,11 @@ def _report(result: dict, path: Path) -> None:
     kept = result["kept"]
     if kept and kept["step"] != kept["last_step"]:
         scores += f" | kept epoch {kept['epoch']} (step {kept['step']}, the best valid AUC {kept['valid']['auc']:.4f})"
-    print(f"[train] {scores} | {result['samples_per_s']:,.0f} samples/s | {path}", flush=True)
+    print(f"[train] {scores} | {_speed(result['samples_per_s'])} | {path}", flush=True)
+
+
+def _speed(samples_per_s: float | None, where: str = "") -> str:
+    """The training speed for the last line of a run; a run resumed after its last step trained none."""
+    if samples_per_s is None:
+        return "no step trained (the run had finished)"
+    return f"{samples_per_s:,.0f} samples/s{where}"

@@ -182,7 +182,8 @@ class Trainer:
     def fit(self, evaluate_valid: Callable[[], dict] | None = None, callbacks: Sequence[Callback] = (),
             progress: str | bool = "auto") -> dict:
         """Train until ``total_steps`` (or an early stop); returns the kept weights' valid scores, which
-        epoch was kept (``kept``, None without early stopping) and the throughput.
+        epoch was kept (``kept``, None without early stopping) and the throughput (``samples_per_s``, None when
+        no step was trained: a run resumed after its last step).
 
         ``progress`` (a mode of :mod:`pipeline.progress`) shows the steps, loss, lr and samples/s on the
         writer rank."""
@@ -267,7 +268,7 @@ class Trainer:
         train_samples += window_samples
         return {"steps": self.state.step, "epochs": self.epochs, "valid": kept["valid"] if kept else last_valid,
                 "kept": kept,
-                "samples_per_s": train_samples / train_time if train_time else float("nan")}
+                "samples_per_s": train_samples / train_time if train_time else None}
 
     def _judge(self, scores: dict, epoch_end: bool) -> None:
         """Early stopping: keep the weights when ``scores`` beat the best so far; count an epoch without
