@@ -14,9 +14,10 @@ per-task report (``bench etl --report``) to see what the cluster adds. The steps
   look-ups in the vocabularies' sorted keys, and for comparison the string merge and a string
   ``value_counts`` that the keys replace on cuDF); the continuous chain column by column and as one
   matrix;
-- write: the output partition to a file and to memory (the encoding alone), and on cuDF with other
-  writer options (cuDF's default pages and statistics, no dictionary, no compression, row groups of
-  1M rows) and to memory followed by one write of the file, each with the size it wrote.
+- write: the output partition to a file and to memory (the encoding alone), and on cuDF straight to the
+  file by libcudf (the stage encodes into memory first) with the stage's options and with others (cuDF's
+  default pages and statistics, no dictionary, no compression, row groups of 1M rows), each with the size
+  it wrote.
 
     python3 tools/etl_profile.py --backend cudf --rows 5000000
     CUDF_SPILL=on python3 tools/etl_profile.py --backend cudf --rows 5000000    # with cuDF spilling
@@ -150,7 +151,6 @@ def _size(path: Path) -> str:
 def _python_profile(path: Path, sync, steps: dict) -> None:
     """cProfile of each step (run once more, warm), the costliest calls by own time and by total time."""
     import cProfile
-    import io
     import pstats
 
     out = io.StringIO()
@@ -214,7 +214,13 @@ def _categorify_pieces(frame, workflow, timed) -> None:
     """Categorify's transform split into its pieces, and the string operations the keys replace on cuDF."""
     from pipeline.etl.frames import is_cudf
     from pipeline.etl.ops import keyed
-    from pipeline.etl.ops.categorify import _codes_by_strings, _flat_strings, _keyed_codes, _plain_strings, _vocabulary_series
+    from pipeline.etl.ops.categorify import (
+        _codes_by_strings,
+        _flat_strings,
+        _keyed_codes,
+        _plain_strings,
+        _vocabulary_series,
+    )
 
     op, columns = _categorical(workflow)
     strings = {name: (_flat_strings if op.multihot[name] else _plain_strings)(frame[name]) for name in columns}
@@ -263,13 +269,16 @@ def _continuous_chain(frame, workflow, timed) -> None:
 
 
 def _cudf_writer_variants(out, schema, rows: int, tmp: Path, timed) -> None:
-    """cuDF's writer with other options than the stage's, to a file, with the size each wrote."""
+    """cuDF's writer straight to a file (libcudf copies and writes each column chunk of each row group on its own,
+    through KvikIO; the stage encodes into memory and writes the file once), with the stage's options and with
+    others, with the size each wrote."""
     from pipeline.etl.output import cudf_output_frame, cudf_writer_options
 
     frame = cudf_output_frame(out, schema)
     chosen = cudf_writer_options(rows)
     defaults = {k: v for k, v in chosen.items() if k not in ("statistics", "max_page_size_rows")}
     variants = {
+        "the stage's options, straight to the file": chosen,
         "cuDF's default pages and statistics": defaults,
         "no dictionary": {**chosen, "use_dictionary": False},
         "no compression": {**chosen, "compression": None},
@@ -279,16 +288,6 @@ def _cudf_writer_variants(out, schema, rows: int, tmp: Path, timed) -> None:
         path = tmp / f"variant-{len(name)}.parquet"
         timed(f"  write: {name}", lambda options=options, path=path: frame.to_parquet(path, **options),
               lambda _, path=path: _size(path))
-
-    def through_memory():
-        # libcudf writes a file chunk by chunk (one copy from the device and one pwrite per column chunk of
-        # a row group, through KvikIO); this copies each chunk to host memory and writes the file at once.
-        buffer = io.BytesIO()
-        frame.to_parquet(buffer, **chosen)
-        (tmp / "through-memory.parquet").write_bytes(buffer.getbuffer())
-
-    timed("  write: to memory, then the file in one write", through_memory,
-          lambda _: _size(tmp / "through-memory.parquet"))
 
 
 if __name__ == "__main__":

@@ -127,16 +127,15 @@ def _write_cudf(df: Any, path: Path | Any, schema: pa.Schema, row_group_rows: in
 
     Encoded into host memory, then written to the file in one call: given a path, libcudf copies each
     column chunk of each row group from the device and writes it with a call of its own (through KvikIO),
-    which took a third of the write's time on the H200 (``tools/etl_profile.py``, "to memory, then the
-    file in one write").
+    which took a third of the write's time on the H200 (``tools/etl_profile.py``: "write (parquet, one file)"
+    against "the stage's options, straight to the file").
     """
     out = cudf_output_frame(df, schema)
-    if not isinstance(path, (str, Path)):
-        out.to_parquet(path, **cudf_writer_options(row_group_rows, compression))
-        return len(out)
-    buffer = io.BytesIO()
+    to_file = isinstance(path, (str, Path))
+    buffer = io.BytesIO() if to_file else path
     out.to_parquet(buffer, **cudf_writer_options(row_group_rows, compression))
-    Path(path).write_bytes(buffer.getbuffer())
+    if to_file:
+        Path(path).write_bytes(buffer.getbuffer())
     return len(out)
 
 

@@ -16,6 +16,7 @@ column's parameter broadcast down its row, the same arithmetic on every value as
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -25,7 +26,7 @@ from pipeline.etl.blocks import ColumnRows
 from pipeline.etl.column_schema import CATEGORICAL, CONTINUOUS
 from pipeline.etl.frames import array_module, as_float64, cudf_float_rows, float_rows, is_cudf
 from pipeline.etl.ops.base import Operator
-from pipeline.etl.ops.median import Pivot, summaries, windows
+from pipeline.etl.ops.median import Pivot, reduce_tree, summaries, windows
 
 
 def _moments(df: Any, names: list[str]) -> np.ndarray:
@@ -233,14 +234,12 @@ class Normalize(_Matrix):
     def fit(self, ddf: Any) -> Any:
         # Count, sum and sum of squares in float64 (NVTabular's moments do the same), all columns of a
         # partition as one matrix in one task (three Dask reductions would pass over it three times),
-        # summed by a tree of 8.
+        # summed by a tree.
         from dask import delayed
 
         names = list(ddf.columns)
         parts = [delayed(_moments, pure=True)(part, names) for part in ddf.to_delayed()]
-        while len(parts) > 8:
-            parts = [delayed(_sum, pure=True)(*parts[i:i + 8]) for i in range(0, len(parts), 8)]
-        return delayed(_moments_by_name, pure=True)(names, *parts)
+        return reduce_tree(parts, _sum, functools.partial(_moments_by_name, names))
 
     def fit_finalize(self, stats: Any) -> None:
         self.means, self.stds = {}, {}

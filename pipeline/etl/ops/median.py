@@ -72,7 +72,7 @@ def summaries(ddf: Any) -> dict[str, Any]:
 
     names = list(ddf.columns)
     parts = [delayed(_summarize_partition, pure=True)(part, names) for part in ddf.to_delayed()]
-    return {name: _tree([part[name] for part in parts], _merge_summaries, _estimate) for name in names}
+    return {name: reduce_tree([part[name] for part in parts], _merge_summaries, _estimate) for name in names}
 
 
 def windows(ddf: Any, pivots: dict[str, Pivot]) -> dict[str, Any]:
@@ -80,10 +80,11 @@ def windows(ddf: Any, pivots: dict[str, Pivot]) -> dict[str, Any]:
     from dask import delayed
 
     parts = [delayed(_window_partition, pure=True)(part, pivots) for part in ddf[list(pivots)].to_delayed()]
-    return {name: _tree([part[name] for part in parts], _merge_windows, _exact) for name in pivots}
+    return {name: reduce_tree([part[name] for part in parts], _merge_windows, _exact) for name in pivots}
 
 
-def _tree(items: list, merge: Callable, finish: Callable) -> Any:
+def reduce_tree(items: list, merge: Callable, finish: Callable) -> Any:
+    """Lazy: ``finish`` of the Dask delayed ``items`` after merging them 8 at a time (``merge``) until 8 are left."""
     from dask import delayed
 
     while len(items) > _SPLIT_EVERY:
@@ -106,10 +107,15 @@ def _sorted_rows(df: Any, names: list[str]) -> Any:
     return array_module(rows).sort(rows, axis=1)
 
 
+def _present(ordered: Any) -> Any:
+    """A sorted row of :func:`_sorted_rows` without its missing values (its end)."""
+    return ordered[: len(ordered) - int(array_module(ordered).isnan(ordered).sum())]
+
+
 def _summarize(ordered: Any) -> Summary:
     """The summary of one sorted row of :func:`_sorted_rows`, copied to the host."""
     xp = array_module(ordered)
-    present = ordered[: len(ordered) - int(xp.isnan(ordered).sum())]
+    present = _present(ordered)
     n = len(present)
     if not n:
         return Summary(np.zeros(0, dtype=np.float64), np.zeros(0, dtype=np.int64))
@@ -185,8 +191,8 @@ def _window_partition(df: Any, pivots: dict[str, Pivot]) -> dict[str, Window]:
 def _window(ordered: Any, pivot: Pivot) -> Window:
     """The window of one sorted row of :func:`_sorted_rows` around ``pivot``."""
     xp = array_module(ordered)
-    n = len(ordered) - int(xp.isnan(ordered).sum())
-    present = ordered[:n]
+    present = _present(ordered)
+    n = len(present)
     at = xp.full(1, pivot.value, dtype=present.dtype)
     below, not_above = (int(xp.searchsorted(present, at, side=side)[0]) for side in ("left", "right"))
     lower = _host(present[max(0, below - pivot.width):below]).astype(np.float64)
