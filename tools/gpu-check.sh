@@ -17,10 +17,12 @@
 #   embedding  the embedding kernels' GPU tests (every update kernel), then bench embedding's sweep of the
 #              update kernels against the byte floor, uniform and Zipf ids
 #   train      bench train at the MLPerf shape, Zipf and uniform ids, row-wise Adagrad
-#   dynamic    bench train --dynamic, Zipf and uniform ids
+#   dynamic    bench train --dynamic, Zipf and uniform ids, 26 tables of DYNAMIC_ROWS (1,000,000) rows of capacity
 #   hostcache  bench train --embedding-budget-mb: 26 x 2M rows under 8 GiB
 #   hostcache-large  the same at 26 x 5M rows (62 GiB of tables) under a quarter of them (a call of its own)
 #   serve      the GPU serving tests, then bench serve --device cuda, three models and one (ranker)
+#   serve-profile  bench serve --device cuda of the ranker alone, then tools/serve_profile.py on its export: where a
+#              request's time goes (client, transport and Triton, the python backend, the model's work)
 #   loader     bench loader on 8M synthetic rows, LZ4 pages and uncompressed (etl.compression)
 #   e2e        run etl of 10M synthetic rows (once), then bench e2e of each model on it, and of DCNv2
 #              with train.compile=max-autotune
@@ -31,7 +33,7 @@
 # budget (CHECK_BUDGET_S, 560 s by default: under a ten-minute limit on one command).
 # Knobs: PYTHON (python3), SITE (/tmp/site), KIT (.kit), KIT_STORE (/root/kit), MODELS_ENV
 # (/tmp/venv-triton), RAPIDS_PARTS, E2E_WORKDIR (/tmp/e2e), E2E_MODELS (dlrm dcnv2 deepfm wide_deep),
-# ETL_BENCH_ARGS, ETL_PROFILE_ROWS, SERVE_ARGS (extra settings for bench serve, e.g. export.instances=4).
+# DYNAMIC_ROWS, ETL_BENCH_ARGS, ETL_PROFILE_ROWS, SERVE_ARGS (extra settings for bench serve, e.g. export.instances=4).
 set -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-check-out}
@@ -134,7 +136,7 @@ print('--device auto:', resolve_device('auto'))
     dynamic)
       for ids in zipf uniform; do
         step "dynamic-$ids" 200 "$PY" -m pipeline bench train "${mlperf[@]}" --ids "$ids" --dynamic \
-          --profile 5 --json "$W/dynamic-$ids/result.json"
+          --rows "${DYNAMIC_ROWS:-1000000}" --profile 5 --json "$W/dynamic-$ids/result.json"
       done ;;
     hostcache)
       step hostcache-2m 240 "$PY" -m pipeline bench train "${mlperf[@]}" --rows 2000000 --ids zipf --optimizer adagrad \
@@ -152,6 +154,15 @@ print('--device auto:', resolve_device('auto'))
           --clients 16 --throughput-batch 1024 --seconds 5 --json "$W/serve-$fuse.json" export.fuse="$fuse" \
           workdir=/tmp/serve-bench ${SERVE_ARGS:-}
       done ;;
+    serve-profile)
+      # shellcheck disable=SC2086
+      step serve-ranker 200 "$PY" -m pipeline bench serve --device cuda --batches 1,32,64,1024 --requests 200 \
+        --clients 16 --throughput-batch 1024 --seconds 5 --json "$W/serve-ranker.json" export.fuse=all \
+        workdir=/tmp/serve-profile ${SERVE_ARGS:-}
+      step serve-profile 150 "$PY" tools/serve_profile.py --export "$(ls -d /tmp/serve-profile/*/export | head -1)" \
+        --batches 1,32,1024 --requests 200 --rounds 2 --json "$W/serve-profile.json"
+      step serve-profile-1 150 "$PY" tools/serve_profile.py --export "$(ls -d /tmp/serve-profile/*/export | head -1)" \
+        --batches 1,32 --requests 200 --rounds 2 --instances 1 --json "$W/serve-profile-1.json" ;;
     e2e)
       w=${E2E_WORKDIR:-/tmp/e2e}
       [ -f "$w/synthetic/processed/schema.json" ] || step e2e-etl 420 "$PY" -m pipeline run etl --device cpu \
@@ -181,7 +192,7 @@ print('--device auto:', resolve_device('auto'))
       # shellcheck disable=SC2086
       step etl-bench 540 "$PY" -m pipeline bench etl --device cuda --rows "${ETL_BENCH_ROWS:-20000000}" --workers 0 \
         --repeats 2 --json "$W/bench-etl.json" --report "$W/etl-tasks.json" ${ETL_BENCH_ARGS:-} workdir=/tmp/etl-bench ;;
-    *) echo "unknown group $group (setup preflight kernels embedding train dynamic hostcache hostcache-large serve loader e2e etl etl-bench)"; exit 2 ;;
+    *) echo "unknown group $group (setup preflight kernels embedding train dynamic hostcache hostcache-large serve serve-profile loader e2e etl etl-bench)"; exit 2 ;;
   esac
 done
 echo "== summary ($SECONDS s)"; cat "$summary"
