@@ -8,7 +8,8 @@ built on it (boolean-mask indexing, reading or writing, ``masked_select``), ``un
 (``pipeline.kernels.hashtable.reference``: placing keys, finding them, copying rows) are left out: on a GPU
 the kernels run instead, and read nothing back. A function mode records the copies of a tensor to the host
 (``.tolist()``, ``.cpu()``, ``.numpy()``), the reads a step makes on purpose, which the dispatch mode does
-not see on the CPU. On a GPU, ``torch.cuda.set_sync_debug_mode`` turns a real sync into an error or a
+not see on the CPU, and a Python number written by a tensor index (``x[rows] = False``): on a GPU the number is
+copied from pageable host memory, which waits for the stream (``index_fill_`` takes it as an argument instead). On a GPU, ``torch.cuda.set_sync_debug_mode`` turns a real sync into an error or a
 warning.
 """
 
@@ -79,7 +80,8 @@ class HostReads(TorchDispatchMode):
 
 
 class HostCopies(TorchFunctionMode):
-    """Records each copy of a tensor to the host (``.tolist()``, ``.cpu()``, ``.numpy()``), by name."""
+    """Records each copy of a tensor to the host (``.tolist()``, ``.cpu()``, ``.numpy()``), and each Python number
+    written by a tensor index (a copy to the device), by name."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -88,7 +90,14 @@ class HostCopies(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in _COPIES and not _in_kernel_stand_in():
             self.seen.append(f"Tensor.{func.__name__}")
+        if func is torch.Tensor.__setitem__ and _number_by_tensor_index(*args[1:]) and not _in_kernel_stand_in():
+            self.seen.append("Tensor.__setitem__ of a number")
         return func(*args, **(kwargs or {}))
+
+
+def _number_by_tensor_index(index, value) -> bool:
+    parts = index if isinstance(index, tuple) else (index,)
+    return isinstance(value, (bool, int, float)) and any(isinstance(p, torch.Tensor) for p in parts)
 
 
 def _data(tmp_path, rows=640):
@@ -114,10 +123,10 @@ def test_a_training_step_reads_nothing_back_from_the_device(tmp_path, name, opti
     with loader:
         batches = list(loader)[:3]
     trainer.train_step(batches[0])  # first use: the optimizers make their state
-    with HostReads(trainer.optimizer) as reads:
+    with HostReads(trainer.optimizer) as reads, HostCopies() as copies:
         for batch in batches[1:]:
             trainer.train_step(batch)
-    assert reads.seen == []
+    assert reads.seen == copies.seen == []
 
 
 @pytest.mark.parametrize("pipelined", [False, True])
@@ -136,10 +145,11 @@ def test_a_host_cached_step_reads_nothing_back_but_its_counts_and_missing_rows(t
     if pipelined:
         batches = PrefetchPipeline(model, "cpu")(batches)
     trainer.train_step(next(batches))
-    with HostReads(trainer.optimizer) as reads:
+    with HostReads(trainer.optimizer) as reads, HostCopies() as copies:
         for batch in batches:
             trainer.train_step(batch)
     assert reads.seen == []
+    assert "Tensor.__setitem__ of a number" not in copies.seen
     assert all(s.evictions > 0 for s in model.embedding.cache_stats().values())
 
 

@@ -285,7 +285,7 @@ class RowCache(nn.Module):
         s = self.slots
         if moves.victims.numel():
             self.index.assign(moves.victims, moves.missing_rows)
-            self.protected[moves.victims] = False
+            self.protected.index_fill_(0, moves.victims, False)  # a number written by index would wait for the device
         found = torch.where(placement.missing | (placement.slot < 0), s, placement.slot)
         self.protected |= _mask(s, found)
         used = _mask(s, torch.where(placement.slot >= 0, placement.slot, s))
