@@ -610,10 +610,11 @@ def test_launch_arguments_match_kernel_signatures(nvcc_build, monkeypatch):
     tables, bucket_starts = torch.zeros(10, dtype=torch.int16), torch.tensor([0, 1, 2])  # a group of two tables
     launcher.locate(storage, keys, tables, bucket_starts)
     launcher.place(storage, keys, None, reference.LRU, 3, False, tables, bucket_starts)
-    assert [f for _, f, *_ in launches] == ["find_keys", "find_keys", "hash_order_keys", "place_keys", "copy_rows",
-                                           "copy_rows", "copy_rows", "find_keys", "hash_order_keys", "place_keys"]
+    assert [f for _, f, *_ in launches] == ["find_keys", "find_keys", "hash_order_keys", "bucket_firsts", "place_keys",
+                                           "copy_rows", "copy_rows", "copy_rows", "find_keys", "hash_order_keys",
+                                           "bucket_firsts", "place_keys"]
     groups = {"find_keys": launcher.FIND_GROUP, "place_keys": 32, "copy_rows": launcher.COPY_GROUP,
-              "hash_order_keys": 1}
+              "hash_order_keys": 1, "bucket_firsts": 1}
     for source, function, grid, block, args in launches:
         assert source == SOURCE and function in entries, function
         assert [_CTYPE_TO_PTX[type(a).__name__] for a in args] == [t.replace("s", "u") for t in entries[function]]

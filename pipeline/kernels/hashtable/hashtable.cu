@@ -162,46 +162,65 @@ __device__ __forceinline__ long long run_end(const long long* __restrict__ order
     }
 }
 
-// The table of the storage's bucket `b`: the last t < num_tables with bucket_starts[t] <= b.
-__device__ __forceinline__ int table_of_bucket(const long long* __restrict__ bucket_starts, int num_tables,
-                                               long long b) {
-    int lo = 0, hi = num_tables - 1;
-    while (lo < hi) {
-        const int mid = (lo + hi + 1) >> 1;
-        if (bucket_starts[mid] <= b) lo = mid;
-        else hi = mid - 1;
-    }
-    return lo;
+// The first sorted position of each storage bucket that holds a key of the call (`firsts`, filled with -1 by the
+// caller), a thread a position: the position whose bucket differs from the one before it writes itself.
+extern "C" __global__ void __launch_bounds__(256) bucket_firsts(const long long* __restrict__ ordered,
+                                                                const short* __restrict__ tables, long long n,
+                                                                long long num_buckets,
+                                                                const long long* __restrict__ bucket_starts,
+                                                                long long* __restrict__ firsts) {
+    const long long q = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (q >= n) return;
+    const int table = tables != nullptr ? tables[q] : 0;
+    const TableBuckets span = table_buckets(bucket_starts, table, num_buckets);
+    const long long bucket = bucket_of(hash_at(ordered, q), span.count);
+    if (q == 0 || (tables != nullptr && tables[q - 1] != table) || bucket_of(hash_at(ordered, q - 1), span.count) != bucket)
+        firsts[span.first + bucket] = q;
 }
 
-// The first sorted position whose key is of `table` and `bucket` (of the table's `count` buckets) or after them,
-// n where none is: a binary search, each lane of the warp the same one.
-__device__ __forceinline__ long long first_position(const long long* __restrict__ ordered,
-                                                    const short* __restrict__ tables, long long n, int table,
-                                                    long long bucket, long long count) {
-    long long lo = 0, hi = n;
-    while (lo < hi) {
-        const long long mid = (lo + hi) >> 1;
-        const int t = tables != nullptr ? tables[mid] : 0;
-        const bool before = t < table ||
-                            (t == table && bucket_of(hash_at(ordered, mid), count) < bucket);
-        if (before) lo = mid + 1;
-        else hi = mid;
-    }
-    return lo;
+// Whether sorted position q is one of the bucket's: of `table`, its hash in `bucket` (of the table's `count`).
+__device__ __forceinline__ bool in_bucket(const long long* __restrict__ ordered, const short* __restrict__ tables,
+                                          long long n, int table, long long bucket, long long count, long long q) {
+    return q < n && (tables == nullptr || tables[q] == table) && bucket_of(hash_at(ordered, q), count) == bucket;
 }
 
-// The placement of a writing call: one warp per bucket walks the bucket's distinct keys in hash order
-// (`ordered`: hash_order_keys sorted, `order`: their batch positions, stable; for a group, then sorted by table,
-// stable, `tables` the table of each sorted position) twice. First the keys in
-// the table: each keeps its slot and gets its score. Then the new keys, one at a time: the lowest empty
-// slot, else, if the key's score is higher than the lowest score among the slots this call has not
-// touched, that slot (the lowest slot on ties), whose key is evicted, else none. Lane l keeps the
-// digests of slots 4l..4l+3 in a register and a bit per slot touched by this call; a slot's key and
-// score are read and written by its own lane only, but the slot's old score under LFU, which every
-// lane reads. Writes digests, keys and scores; the rows are copied by the caller (copy_rows).
-// With `per_bucket`, warp w places the keys of the storage's bucket w (num_buckets warps, which the caller uses
-// when the batch has at least as many keys: a warp a bucket, each finding its keys by a binary search); else
+// Whether sorted positions a and b hold one key of one table.
+__device__ __forceinline__ bool same_key(const long long* __restrict__ ordered, const short* __restrict__ tables,
+                                         long long a, long long b) {
+    return ordered[a] == ordered[b] && (tables == nullptr || tables[a] == tables[b]);
+}
+
+// The slot of the bucket (0 .. SLOTS - 1) that holds `key`, whose digest is `digest`, -1 where none or where the lane
+// is not `active`; every lane of the warp looks up its own key. Lane l holds the digests of slots 4l .. 4l + 3 in
+// `digest4`, which each lane reads from it in turn; a key is read only where a digest matches.
+__device__ __forceinline__ int slot_in_bucket(unsigned int digest4, const long long* __restrict__ table_keys,
+                                              long long base, long long key, unsigned int digest, bool active) {
+    const unsigned int target = digest * 0x01010101u;
+    int own = -1;
+    for (int l = 0; l < 32; ++l) {
+        const unsigned int word = __shfl_sync(FULL_WARP, digest4, l);
+        if (!active || own >= 0) continue;
+        for (unsigned int hits = byte_matches(word, target); hits != 0u; hits &= hits - 1u) {
+            const int j = 4 * l + __ffs(hits) - 1;
+            if (table_keys[base + j] == key) {
+                own = j;
+                break;
+            }
+        }
+    }
+    return own;
+}
+
+// The placement of a writing call: one warp per bucket walks the bucket's keys in hash order (`ordered`:
+// hash_order_keys sorted, `order`: their batch positions, stable; for a group, then sorted by table, stable,
+// `tables` the table of each sorted position) twice. First the keys in the table, 32 positions at once: each keeps
+// its slot and gets its score. Then the new keys, one at a time: the lowest empty slot, else, if the key's score is
+// higher than the lowest score among the slots this call has not touched, that slot (the lowest slot on ties), whose
+// key is evicted, else none. Lane l keeps the digests of slots 4l..4l+3 in a register and a bit per slot touched by
+// this call; a slot's digest and key are written by its own lane only. Writes digests, keys and scores; the rows are
+// copied by the caller (copy_rows).
+// With `firsts` (bucket_firsts'), warp w places the keys of the storage's bucket w (num_buckets warps, which the
+// caller uses when the batch has at least as many keys: a warp a bucket, starting where `firsts` says); else
 // warp w looks at sorted position w (n warps) and places its bucket's keys if w is the first of them. Either
 // way every launched warp may hold a bucket, rather than one warp in as many as a bucket has positions (which
 // would keep the blocks of long-running warps resident with their other warps idle).
@@ -217,21 +236,19 @@ extern "C" __global__ void __launch_bounds__(256) place_keys(
     long long n, const long long* __restrict__ given_scores, int policy, long long clock, int assign,
     long long* __restrict__ slots, bool* __restrict__ was_new, long long* __restrict__ writers,
     bool* __restrict__ evicted, long long* __restrict__ evicted_keys, long long* __restrict__ evicted_scores,
-    long long* __restrict__ evictions, int per_bucket, int num_tables) {
+    long long* __restrict__ evictions, const long long* __restrict__ firsts) {
     const long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int lane = threadIdx.x & 31;
     long long start, bucket;  // the bucket's first sorted position; the bucket, in its table
     int table;
     TableBuckets span;
-    if (per_bucket) {
+    if (firsts != nullptr) {
         if (warp >= num_buckets) return;  // the whole warp
-        table = tables != nullptr ? table_of_bucket(bucket_starts, num_tables, warp) : 0;
+        start = firsts[warp];
+        if (start < 0) return;  // no key of this call in the bucket
+        table = tables != nullptr ? tables[start] : 0;
         span = table_buckets(bucket_starts, table, num_buckets);
         bucket = warp - span.first;
-        start = first_position(ordered, tables, n, table, bucket, span.count);
-        if (start >= n || (tables != nullptr && tables[start] != table) ||
-            bucket_of(hash_at(ordered, start), span.count) != bucket)
-            return;  // no key of this call in the bucket
     } else {
         start = warp;
         if (start >= n) return;
@@ -248,56 +265,81 @@ extern "C" __global__ void __launch_bounds__(256) place_keys(
     unsigned int touched = 0u;                                                    // bit j: slot mine + j
     long long evicted_here = 0;
 
-    for (int placing_new = 0; placing_new < 2; ++placing_new) {
-        for (long long i = start, end; i < n; i = end) {
-            const u64 h = hash_at(ordered, i);
-            if ((tables != nullptr && tables[i] != table) || bucket_of(h, span.count) != bucket) break;
-            end = run_end(ordered, tables, table, n, i, lane);
-            const long long first = order[i];
-            const long long key = keys[first];
-            const unsigned int digest = digest_of(h);
-
-            // Its slot if it is in the table: the digests, then the keys where they match.
-            int own = -1;
-            for (unsigned int hits = byte_matches(digest4, digest * 0x01010101u); hits != 0u; hits &= hits - 1u) {
-                const int j = __ffs(hits) - 1;
-                if (table_keys[mine + j] == key) {
-                    own = 4 * lane + j;
-                    break;
-                }
+    // First walk: the keys already in the table, 32 sorted positions at a time, a lane a position (a repeated key's
+    // positions each find its slot). Each keeps its slot and gets its score: under LRU the clock; under LFU one
+    // more a position; a given score written by the key's first position (its last with `assign`).
+    for (long long i0 = start;; i0 += 32) {
+        const long long q = i0 + lane;
+        const bool here = in_bucket(ordered, tables, n, table, bucket, span.count, q);
+        const unsigned int present = __ballot_sync(FULL_WARP, here);
+        if (present == 0u) break;  // the bucket's positions are contiguous
+        const long long p = here ? order[q] : 0;
+        const int own = slot_in_bucket(digest4, table_keys, base, here ? keys[p] : 0,
+                                       here ? digest_of(hash_at(ordered, q)) : 0u, here);
+        if (own >= 0) {
+            const long long slot = base + own;
+            const bool first = q == start || !same_key(ordered, tables, q - 1, q);
+            const bool last = q + 1 >= n || !same_key(ordered, tables, q, q + 1);
+            if (policy == LRU) {
+                if (first) table_scores[slot] = clock;
+            } else if (policy == LFU) {
+                atomicAdd(reinterpret_cast<unsigned long long*>(table_scores + slot), 1ull);
+            } else if (assign ? last : first) {
+                table_scores[slot] = given_scores[p];
             }
-            const unsigned int holder = __ballot_sync(FULL_WARP, own >= 0);
-            const bool found = holder != 0u;
-            if (found == (placing_new != 0)) continue;  // a found key in the first walk, a new one in the second
+            slots[p] = slot - span.first * SLOTS;
+            was_new[p] = false;
+            writers[p] = assign && last ? slot : -1;
+        }
+        for (int l = 0; l < 32; ++l) {  // the slots found are touched, each marked by the lane that holds it
+            const int held = __shfl_sync(FULL_WARP, own, l);
+            if (held >= 0 && (held >> 2) == lane) touched |= 1u << (held & 3);
+        }
+        if (present != FULL_WARP) break;
+    }
 
-            bool has_empty = false;
+    // Second walk: the new keys, one at a time in sorted order (each placement changes what the next one finds):
+    // the lowest empty slot, else, if the key's score is higher than the lowest score among the slots this call has
+    // not touched, that slot (the lowest slot on ties), whose key is evicted, else none. The walk looks at 32
+    // positions at a time and places only the first positions of keys not in the table.
+    for (long long i0 = start;; i0 += 32) {
+        const long long q = i0 + lane;
+        const bool here = in_bucket(ordered, tables, n, table, bucket, span.count, q);
+        const unsigned int present = __ballot_sync(FULL_WARP, here);
+        if (present == 0u) break;
+        const bool first = here && (q == start || !same_key(ordered, tables, q - 1, q));
+        const int own = slot_in_bucket(digest4, table_keys, base, first ? keys[order[q]] : 0,
+                                       first ? digest_of(hash_at(ordered, q)) : 0u, first);
+        for (unsigned int todo = __ballot_sync(FULL_WARP, first && own < 0); todo != 0u; todo &= todo - 1u) {
+            const long long i = i0 + __ffs(todo) - 1;
+            const long long end = run_end(ordered, tables, table, n, i, lane);
+            const long long first_at = order[i];
+            const long long key = keys[first_at];
+            const unsigned int digest = digest_of(hash_at(ordered, i));
+
+            const unsigned int empty = byte_matches(digest4, 0u);
+            const unsigned int with_empty = __ballot_sync(FULL_WARP, empty != 0u);
+            const bool has_empty = with_empty != 0u;
             long long lowest = MAX_SCORE;
             int pos;
-            if (found) {
-                pos = __shfl_sync(FULL_WARP, own, __ffs(holder) - 1);
+            if (has_empty) {
+                pos = __shfl_sync(FULL_WARP, 4 * lane + __ffs(empty) - 1, __ffs(with_empty) - 1);
             } else {
-                const unsigned int empty = byte_matches(digest4, 0u);
-                const unsigned int with_empty = __ballot_sync(FULL_WARP, empty != 0u);
-                has_empty = with_empty != 0u;
-                if (has_empty) {
-                    pos = __shfl_sync(FULL_WARP, 4 * lane + __ffs(empty) - 1, __ffs(with_empty) - 1);
-                } else {
-                    // A full bucket: the lowest score among the slots not touched, the lowest slot on ties
-                    // (SLOTS: none below MAX_SCORE).
-                    pos = SLOTS;
-                    for (int j = 0; j < 4; ++j) {
-                        if (((touched >> j) & 1u) == 0u && table_scores[mine + j] < lowest) {
-                            lowest = table_scores[mine + j];
-                            pos = 4 * lane + j;
-                        }
+                // A full bucket: the lowest score among the slots not touched, the lowest slot on ties
+                // (SLOTS: none below MAX_SCORE).
+                pos = SLOTS;
+                for (int j = 0; j < 4; ++j) {
+                    if (((touched >> j) & 1u) == 0u && table_scores[mine + j] < lowest) {
+                        lowest = table_scores[mine + j];
+                        pos = 4 * lane + j;
                     }
-                    for (int offset = 16; offset > 0; offset >>= 1) {
-                        const long long other = __shfl_xor_sync(FULL_WARP, lowest, offset);
-                        const int other_pos = __shfl_xor_sync(FULL_WARP, pos, offset);
-                        if (other < lowest || (other == lowest && other_pos < pos)) {
-                            lowest = other;
-                            pos = other_pos;
-                        }
+                }
+                for (int offset = 16; offset > 0; offset >>= 1) {
+                    const long long other = __shfl_xor_sync(FULL_WARP, lowest, offset);
+                    const int other_pos = __shfl_xor_sync(FULL_WARP, pos, offset);
+                    if (other < lowest || (other == lowest && other_pos < pos)) {
+                        lowest = other;
+                        pos = other_pos;
                     }
                 }
             }
@@ -305,38 +347,38 @@ extern "C" __global__ void __launch_bounds__(256) place_keys(
             const long long last = order[end - 1];
             long long score;
             if (policy == LRU) score = clock;
-            else if (policy == LFU) score = (found ? table_scores[base + pos] : 0) + (end - i);
-            else score = given_scores[assign ? last : first];
-            const bool evict = !found && !has_empty && pos < SLOTS && score > lowest;
-            const bool stored = found || has_empty || evict;
+            else if (policy == LFU) score = end - i;
+            else score = given_scores[assign ? last : first_at];
+            const bool evict = !has_empty && pos < SLOTS && score > lowest;
+            const bool stored = has_empty || evict;
             const long long slot = stored ? base + pos : -1;
-            __syncwarp();  // every lane has read the old score before its lane writes the new one
+            __syncwarp();  // every lane has read the old scores before the slot's lane writes the new one
 
             if (stored && (pos >> 2) == lane) {
                 const int j = pos & 3;
                 if (evict) {
-                    evicted_keys[first] = table_keys[mine + j];
-                    evicted_scores[first] = lowest;
+                    evicted_keys[first_at] = table_keys[mine + j];
+                    evicted_scores[first_at] = lowest;
                 }
-                if (!found) {
-                    digest4 = (digest4 & ~(0xffu << (8 * j))) | (digest << (8 * j));
-                    digests[mine + j] = (unsigned char)digest;
-                    table_keys[mine + j] = key;
-                }
+                digest4 = (digest4 & ~(0xffu << (8 * j))) | (digest << (8 * j));
+                digests[mine + j] = (unsigned char)digest;
+                table_keys[mine + j] = key;
                 table_scores[mine + j] = score;
                 touched |= 1u << j;
             }
-            if (lane == 0) evicted[first] = evict;
+            if (lane == 0) evicted[first_at] = evict;
             evicted_here += evict;
-            const long long writer = !stored ? -1 : assign ? last : found ? -1 : first;
+            const long long writer = !stored ? -1 : assign ? last : first_at;
             const long long in_table = stored ? slot - span.first * SLOTS : -1;
-            for (long long q = i + lane; q < end; q += 32) {
-                const long long p = order[q];
-                slots[p] = in_table;
-                was_new[p] = !found;
-                writers[p] = p == writer ? slot : -1;
+            for (long long r = i + lane; r < end; r += 32) {
+                const long long at = order[r];
+                slots[at] = in_table;
+                was_new[at] = true;
+                writers[at] = at == writer ? slot : -1;
             }
+            __syncwarp();  // the next key sees this one's slot
         }
+        if (present != FULL_WARP) break;
     }
     if (lane == 0 && evicted_here != 0)
         atomicAdd(reinterpret_cast<unsigned long long*>(evictions + table), (unsigned long long)evicted_here);

@@ -3,7 +3,8 @@ results as :mod:`.reference`, on CUDA tensors.
 
 ``place`` orders the batch with one ``torch.sort`` of ``hash_order_keys`` (stable: a repeated key's
 positions stay in batch order), and for the tables of a group a second, stable, of each key's table (int16),
-then one warp per bucket places the bucket's keys (``place_keys``); ``find`` and ``locate`` give each key a
+then one warp per bucket places the bucket's keys (``place_keys``, each bucket's first position found by
+``bucket_firsts`` where the batch has at least as many keys as the storage buckets); ``find`` and ``locate`` give each key a
 group of ``FIND_GROUP`` threads; rows move with ``copy_rows`` (``read_rows``, ``take_rows``, ``write_rows``).
 
 Example::
@@ -110,10 +111,14 @@ def place(storage: Storage, keys: torch.Tensor, scores: torch.Tensor | None, pol
     evicted_keys, evicted_scores = torch.zeros_like(keys), torch.zeros_like(keys)  # 0 where nothing was evicted
     num_tables = 1 if tables is None else bucket_starts.numel() - 1
     evictions = torch.zeros(num_tables, dtype=torch.int64, device=device)
-    per_bucket = storage.num_buckets <= n  # a warp a bucket, else a warp a position (see place_keys)
-    launch(SOURCE, "place_keys", device, _blocks((storage.num_buckets if per_bucket else n) * WARP), BLOCK,
+    firsts = None
+    if storage.num_buckets <= n:  # a warp a bucket, else a warp a position (see place_keys)
+        firsts = torch.full((storage.num_buckets,), -1, dtype=torch.int64, device=device)
+        launch(SOURCE, "bucket_firsts", device, _blocks(n), BLOCK,
+               [ptr(ordered), ptr(tables), i64(n), i64(storage.num_buckets), ptr(bucket_starts), ptr(firsts)])
+    launch(SOURCE, "place_keys", device, _blocks((storage.num_buckets if firsts is not None else n) * WARP), BLOCK,
            [ptr(storage.digests), ptr(storage.keys), ptr(storage.scores), i64(storage.num_buckets), ptr(bucket_starts),
             ptr(tables), ptr(keys), ptr(ordered), ptr(order), i64(n), ptr(scores), i32(policy), i64(clock),
             i32(assign), ptr(slots), ptr(was_new), ptr(writers), ptr(evicted), ptr(evicted_keys), ptr(evicted_scores),
-            ptr(evictions), i32(per_bucket), i32(num_tables)])
+            ptr(evictions), ptr(firsts)])
     return Placement(slots, was_new, writers, evicted, evicted_keys, evicted_scores, evictions)
