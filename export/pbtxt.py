@@ -94,6 +94,7 @@ class ModelOptions:
     cache_fraction: float = 0.25
     dense_threads: int = 1
     cuda_graphs: bool = True
+    pin_instances: bool = False
     fused: bool | None = None
     """One ``ranker`` model (raw rows -> probabilities) in place of ``preprocess``, ``embedding`` and ``dense``;
     None: wherever it can, with the python dense backend (measured faster than the chain on CPU and on GPU
@@ -154,8 +155,9 @@ def _quoted(text: str) -> str:
 
 def _python_model(name: str, inputs: list[Tensor], outputs: list[Tensor], options: ModelOptions,
                   kind: str | None = None, parameters: dict[str, str] | None = None) -> str:
+    pinned = {"pin_cores": "true"} if options.pin_instances else {}  # export.instance.pin_to_core
     return (f'name: "{name}"\nbackend: "python"\nmax_batch_size: {options.max_batch_size}\n'
-            + _io(inputs, outputs) + _scheduling(options, kind) + _parameters(parameters or {}))
+            + _io(inputs, outputs) + _scheduling(options, kind) + _parameters({**(parameters or {}), **pinned}))
 
 
 def _dense(spec: EnsembleSpec, options: ModelOptions) -> str:

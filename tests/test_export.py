@@ -4,6 +4,8 @@ BYTES tensors encode and decode as Triton's own code does."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from decimal import Decimal
 from pathlib import Path
@@ -18,10 +20,10 @@ import torch
 from export.dense import DenseRunner, save_dense
 from export.environment import find_models_env
 from export.inprocess import InProcessModel
+from export.instance import live_stats, process_identity
 from export.lookup import EmbeddingLookup, LookupConfig
 from export.pbtxt import EnsembleSpec, ModelOptions, model_configs
 from export.preprocess import Preprocessor, RawColumns
-from export.instance import live_stats, process_identity
 from export.repository import cache_stats, write_repository
 from pipeline.errors import BadInputError, UserError
 from pipeline.etl.workflow import Workflow
@@ -258,6 +260,41 @@ def test_cuda_graphs_are_a_dense_parameter_and_cpu_runners_run_the_module_as_it_
     assert np.array_equal(runner(dense, on_device), runner(dense, pooled))
 
 
+def test_pinned_instances_run_every_thread_on_a_core_of_their_own_by_index():
+    """``export.pin_instances``: every python model's config asks its instances to keep to a core; an instance pins
+    all its process's threads, those started before too, to the core its index picks (from the last one)."""
+    import subprocess
+    import sys
+
+    spec = EnsembleSpec.build(_raw(False), _schema(False), embedding_dim_total=32)
+    for fused in (True, False):
+        configs = model_configs(spec, ModelOptions(fused=fused, pin_instances=True))
+        python = [name for name, text in configs.items() if 'backend: "python"' in text]
+        assert python and all('key: "pin_cores" value: { string_value: "true" }' in configs[n] for n in python)
+    assert "pin_cores" not in "".join(model_configs(spec, ModelOptions()).values())
+
+    code = """
+import json, os, sys, threading
+from pathlib import Path
+from export.instance import pin_to_core
+stop = threading.Event()
+started = threading.Thread(target=stop.wait)
+started.start()
+core = pin_to_core({"model_instance_name": sys.argv[1]}, {"pin_cores": sys.argv[2]})
+cores = {int(t.name): sorted(os.sched_getaffinity(int(t.name))) for t in Path("/proc/self/task").iterdir()}
+stop.set()
+print(json.dumps([core, sorted(os.sched_getaffinity(0)), list(cores.values())]))
+"""
+    usable = sorted(os.sched_getaffinity(0))
+    for name, pin, expected in (("ranker_0_0", "true", usable[-1]), ("ranker_0_1", "true", usable[-2 % len(usable)]),
+                                (f"dense_0_{len(usable)}", "true", usable[-1]), ("ranker_0_0", "false", None)):
+        out = subprocess.run([sys.executable, "-c", code, name, pin], capture_output=True, text=True, check=True,
+                             cwd=Path(__file__).resolve().parents[1]).stdout
+        core, main, threads = json.loads(out)
+        assert core == expected
+        assert len(threads) >= 2 and all(t == ([expected] if pin == "true" else usable) for t in threads), threads
+
+
 def test_export_settings_are_checked():
     with pytest.raises(ConfigError, match="export.cache_policy: expected one of lru, lfu, none, got 'fifo'"):
         load_config(None, ["export.cache_policy=fifo"])
@@ -321,8 +358,8 @@ def multihot_pipeline(tmp_path_factory):
                              "etl.cluster=threads", "device=cpu"])
     from export.repository import raw_columns
     from pipeline.data.raw_folder import RawDataset
-    from pipeline.stages.etl import run as run_etl
     from pipeline.stages.data import run as make_data
+    from pipeline.stages.etl import run as run_etl
     from pipeline.stages.export import model_options
 
     make_data(cfg)

@@ -95,9 +95,10 @@ class TritonPythonModel:
 '''
 
 
-def _copy_repository(export: Path, work: Path, instances: int = 0) -> list[str]:
+def _copy_repository(export: Path, work: Path, instances: int = 0, pin: bool = False) -> list[str]:
     """The export's models in ``work`` (the stores linked, not copied), each python model wrapped, the floors added,
-    with ``instances`` instances each where given; the names of the models to time, the served entry first."""
+    with ``instances`` instances each where given, pinned to cores with ``pin`` (``export.pin_instances``); the names
+    of the models to time, the served entry first."""
     for model in sorted(p for p in export.iterdir() if (p / "config.pbtxt").is_file()):
         target = work / model.name
         shutil.copytree(model, target, ignore=shutil.ignore_patterns("store", "stats"))
@@ -126,9 +127,13 @@ def _copy_repository(export: Path, work: Path, instances: int = 0) -> list[str]:
     (work / "floor" / "1" / "served.py").write_text(_FLOOR)
     (work / "floor" / "1" / "model.py").write_text(_WRAPPER.format(name="floor", floor=""))
     timed.append("floor")
-    if instances:
-        for config in work.glob("*/config.pbtxt"):
-            config.write_text(re.sub(r"count: [0-9]+", f"count: {instances}", config.read_text()))
+    for config in work.glob("*/config.pbtxt"):
+        text = config.read_text()
+        if instances:
+            text = re.sub(r"count: [0-9]+", f"count: {instances}", text)
+        if pin and 'backend: "python"' in text and "pin_cores" not in text:
+            text += 'parameters { key: "pin_cores" value: { string_value: "true" } }\n'
+        config.write_text(text)
     return timed
 
 
@@ -157,6 +162,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--requests", type=int, default=320, help="timed requests per model and batch size")
     parser.add_argument("--rounds", type=int, default=2, help="rounds over the models, each batch size")
     parser.add_argument("--instances", type=int, default=0, help="instances of each model (default: as exported)")
+    parser.add_argument("--pin", action="store_true", help="each instance on a core of its own (export.pin_instances)")
     parser.add_argument("--json", metavar="FILE", help="also write the timings as JSON")
     args = parser.parse_args(argv)
 
@@ -170,10 +176,11 @@ def main(argv: list[str] | None = None) -> dict:
     rows = pq.read_table(args.raw or export.parent / "raw" / "test").to_pandas()
     requests = args.requests
     results: dict = {"export": str(export), "requests": requests, "instances": args.instances or "as exported",
+                     "pinned": args.pin,
                      "batches": {}}
     with tempfile.TemporaryDirectory(prefix="serve-profile-") as tmp:
         work = Path(tmp)
-        models = _copy_repository(export, work, args.instances)
+        models = _copy_repository(export, work, args.instances, args.pin)
         with TritonServer(work) as server:
             clients = {m: Client(server.grpc_url, "grpc", model=m) for m in models}
             ready = clients["ensemble"]

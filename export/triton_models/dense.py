@@ -7,10 +7,12 @@ Exported as ``dense/1/model.py``.
 """
 
 import json
+
 import triton_python_backend_utils as pb_utils
 
 from export.batching import respond
 from export.dense import DenseRunner
+from export.instance import pin_to_core
 from export.preprocess import DENSE
 
 
@@ -19,6 +21,7 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         self.name = config["name"]
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        pin_to_core(args, params)
         self.runner = DenseRunner.for_instance(args, params)
         self.inputs = [i["name"] for i in config["input"]]
 

@@ -10,7 +10,7 @@ import json
 import triton_python_backend_utils as pb_utils
 
 from export.batching import respond
-from export.instance import LookupInstance
+from export.instance import LookupInstance, pin_to_core
 
 
 class TritonPythonModel:
@@ -18,6 +18,7 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         self.name = config["name"]
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        pin_to_core(args, params)
         self.instance = LookupInstance(
             args, params, lambda message: pb_utils.Logger.log_error(f"{self.name}: {message}"))
         self.inputs = [i["name"] for i in config["input"]]

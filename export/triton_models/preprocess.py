@@ -12,6 +12,7 @@ from pathlib import Path
 import triton_python_backend_utils as pb_utils
 
 from export.batching import respond
+from export.instance import pin_to_core
 from export.preprocess import Preprocessor
 from export.wire import decode_bytes
 
@@ -22,6 +23,7 @@ class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
         self.name = config["name"]
+        pin_to_core(args, {k: v["string_value"] for k, v in config.get("parameters", {}).items()})
         folder = Path(args["model_repository"]) / args["model_version"] / "artifacts"
         self.preprocessor = Preprocessor.load(folder)
         self.inputs = [i["name"] for i in config["input"]]

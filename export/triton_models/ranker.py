@@ -16,7 +16,7 @@ import triton_python_backend_utils as pb_utils
 
 from export.batching import respond
 from export.dense import DenseRunner
-from export.instance import LookupInstance
+from export.instance import LookupInstance, pin_to_core
 from export.preprocess import DENSE, Preprocessor
 from export.wire import decode_bytes
 
@@ -28,6 +28,7 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         self.name = config["name"]
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        pin_to_core(args, params)
         self.preprocessor = Preprocessor.load(Path(args["model_repository"]) / args["model_version"] / "artifacts")
         self.runner = DenseRunner.for_instance(args, params)
         self.instance = LookupInstance(
