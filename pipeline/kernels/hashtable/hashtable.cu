@@ -265,35 +265,54 @@ extern "C" __global__ void __launch_bounds__(256) place_keys(
     unsigned int touched = 0u;                                                    // bit j: slot mine + j
     long long evicted_here = 0;
 
-    // First walk: the keys already in the table, 32 sorted positions at a time, a lane a position (a repeated key's
-    // positions each find its slot). Each keeps its slot and gets its score: under LRU the clock; under LFU one
-    // more a position; a given score written by the key's first position (its last with `assign`).
+    // First walk: the keys already in the table, 32 sorted positions at a time. The lanes at the first position of
+    // a key look it up together (a repeated key's other positions take its slot from the lane of its first position
+    // in the chunk, or from the chunk before); each key keeps its slot and gets its score: under LRU the clock,
+    // under LFU its occurrences added, a given score from the key's first position (its last with `assign`).
+    int carried = -1;     // the slot of the key the chunk before ended in (-1: none)
+    int first_own = -1;   // this lane's slot in the bucket's first chunk, which the second walk reuses
+    bool one_chunk = false;
     for (long long i0 = start;; i0 += 32) {
         const long long q = i0 + lane;
         const bool here = in_bucket(ordered, tables, n, table, bucket, span.count, q);
         const unsigned int present = __ballot_sync(FULL_WARP, here);
         if (present == 0u) break;  // the bucket's positions are contiguous
+        const bool starts_run = here && (q == start || !same_key(ordered, tables, q - 1, q));
+        const unsigned int starts = __ballot_sync(FULL_WARP, starts_run);
         const long long p = here ? order[q] : 0;
-        const int own = slot_in_bucket(digest4, table_keys, base, here ? keys[p] : 0,
-                                       here ? digest_of(hash_at(ordered, q)) : 0u, here);
-        if (own >= 0) {
+        int own = -1;
+        if (starts != 0u)
+            own = slot_in_bucket(digest4, table_keys, base, starts_run ? keys[p] : 0,
+                                 starts_run ? digest_of(hash_at(ordered, q)) : 0u, starts_run);
+        const unsigned int upto = starts & ((2u << lane) - 1u);  // the run starts at or before this lane
+        const int from = upto != 0u ? 31 - __clz(upto) : 0;
+        const int taken = __shfl_sync(FULL_WARP, own, from);
+        own = upto != 0u ? taken : carried;
+        carried = __shfl_sync(FULL_WARP, own, 31);
+        if (here && own >= 0) {
             const long long slot = base + own;
-            const bool first = q == start || !same_key(ordered, tables, q - 1, q);
             const bool last = q + 1 >= n || !same_key(ordered, tables, q, q + 1);
             if (policy == LRU) {
-                if (first) table_scores[slot] = clock;
+                if (starts_run) table_scores[slot] = clock;
             } else if (policy == LFU) {
-                atomicAdd(reinterpret_cast<unsigned long long*>(table_scores + slot), 1ull);
-            } else if (assign ? last : first) {
+                // the lane that ends the run's part of this chunk adds the part's positions
+                if (lane == 31 || ((present >> (lane + 1)) & 1u) == 0u || ((starts >> (lane + 1)) & 1u) != 0u)
+                    atomicAdd(reinterpret_cast<unsigned long long*>(table_scores + slot),
+                              (unsigned long long)(lane - from + 1));
+            } else if (assign ? last : starts_run) {
                 table_scores[slot] = given_scores[p];
             }
             slots[p] = slot - span.first * SLOTS;
             was_new[p] = false;
             writers[p] = assign && last ? slot : -1;
         }
-        for (int l = 0; l < 32; ++l) {  // the slots found are touched, each marked by the lane that holds it
-            const int held = __shfl_sync(FULL_WARP, own, l);
-            if (held >= 0 && (held >> 2) == lane) touched |= 1u << (held & 3);
+        for (unsigned int found = __ballot_sync(FULL_WARP, starts_run && own >= 0); found != 0u; found &= found - 1u) {
+            const int held = __shfl_sync(FULL_WARP, own, __ffs(found) - 1);  // touched, marked by its slot's lane
+            if ((held >> 2) == lane) touched |= 1u << (held & 3);
+        }
+        if (i0 == start) {
+            first_own = own;
+            one_chunk = present != FULL_WARP;
         }
         if (present != FULL_WARP) break;
     }
@@ -308,8 +327,12 @@ extern "C" __global__ void __launch_bounds__(256) place_keys(
         const unsigned int present = __ballot_sync(FULL_WARP, here);
         if (present == 0u) break;
         const bool first = here && (q == start || !same_key(ordered, tables, q - 1, q));
-        const int own = slot_in_bucket(digest4, table_keys, base, first ? keys[order[q]] : 0,
-                                       first ? digest_of(hash_at(ordered, q)) : 0u, first);
+        int own = -1;
+        if (i0 == start && one_chunk)
+            own = first_own;  // no key placed yet: as the first walk found them
+        else if (__ballot_sync(FULL_WARP, first) != 0u)
+            own = slot_in_bucket(digest4, table_keys, base, first ? keys[order[q]] : 0,
+                                 first ? digest_of(hash_at(ordered, q)) : 0u, first);
         for (unsigned int todo = __ballot_sync(FULL_WARP, first && own < 0); todo != 0u; todo &= todo - 1u) {
             const long long i = i0 + __ffs(todo) - 1;
             const long long end = run_end(ordered, tables, table, n, i, lane);
