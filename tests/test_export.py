@@ -519,6 +519,20 @@ def test_bytes_tensors_encode_and_decode_as_tritons_own_code(values):
         decode_bytes(np.frombuffer(encoded[:-1] + b"\x07\x00\x00\x00", dtype=np.uint8))
 
 
+def test_a_large_request_encodes_as_tritons_own_code_too():
+    """From ``_JOIN_FROM`` values Arrow joins each to its length: the same bytes, split at the same bounds."""
+    from tritonclient.utils import serialize_byte_tensor
+
+    from export.wire import _JOIN_FROM, decode_bytes, encode_bytes
+
+    rng = np.random.default_rng(0)
+    values = [b"x" * int(n) if n % 3 else "é" * int(n) for n in rng.integers(0, 40, _JOIN_FROM + 5)]
+    first, second = np.array(values[:-7], dtype=object).reshape(-1, 2), np.array(values[-7:], dtype=object)
+    assert encode_bytes([first, second]) == [serialize_byte_tensor(first).item(), serialize_byte_tensor(second).item()]
+    decoded = decode_bytes(np.frombuffer(encode_bytes([first])[0], dtype=np.uint8))
+    assert decoded.tolist() == [v if isinstance(v, bytes) else v.encode() for v in values[:-7]]
+
+
 def test_values_neither_bytes_nor_text_encode_as_tritons_own_code_writes_them():
     from tritonclient.utils import serialize_byte_tensor
 
