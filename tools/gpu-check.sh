@@ -22,7 +22,8 @@
 #   hostcache-large  the same at 26 x 5M rows (62 GiB of tables) under a quarter of them (a call of its own)
 #   serve      the GPU serving tests, then bench serve --device cuda, three models and one (ranker)
 #   serve-profile  bench serve --device cuda of the ranker alone, then tools/serve_profile.py on its export: where a
-#              request's time goes (client, transport and Triton, the python backend, the model's work)
+#              request's time goes (client, transport and Triton, the python backend, the model's work), with the
+#              instances as exported, one instance, and each on a core of its own (--pin)
 #   loader     bench loader on 8M synthetic rows, LZ4 pages and uncompressed (etl.compression)
 #   e2e        run etl of 10M synthetic rows (once), then bench e2e of each model on it, and of DCNv2
 #              with train.compile=max-autotune
@@ -158,11 +159,13 @@ print('--device auto:', resolve_device('auto'))
       # shellcheck disable=SC2086
       step serve-ranker 200 "$PY" -m pipeline bench serve --device cuda --batches 1,32,64,1024 --requests 200 \
         --clients 16 --throughput-batch 1024 --seconds 5 --json "$W/serve-ranker.json" export.fuse=all \
-        workdir=/tmp/serve-profile ${SERVE_ARGS:-}
+        --workdir /tmp/serve-profile ${SERVE_ARGS:-}
       step serve-profile 150 "$PY" tools/serve_profile.py --export "$(ls -d /tmp/serve-profile/*/export | head -1)" \
         --batches 1,32,1024 --requests 200 --rounds 2 --json "$W/serve-profile.json"
       step serve-profile-1 150 "$PY" tools/serve_profile.py --export "$(ls -d /tmp/serve-profile/*/export | head -1)" \
-        --batches 1,32 --requests 200 --rounds 2 --instances 1 --json "$W/serve-profile-1.json" ;;
+        --batches 1,32 --requests 200 --rounds 2 --instances 1 --json "$W/serve-profile-1.json"
+      step serve-profile-pinned 150 "$PY" tools/serve_profile.py --export "$(ls -d /tmp/serve-profile/*/export | head -1)" \
+        --batches 1,32,1024 --requests 200 --rounds 2 --pin --json "$W/serve-profile-pinned.json" ;;
     e2e)
       w=${E2E_WORKDIR:-/tmp/e2e}
       [ -f "$w/synthetic/processed/schema.json" ] || step e2e-etl 420 "$PY" -m pipeline run etl --device cpu \
