@@ -59,14 +59,14 @@ def encode_bytes(arrays: list[np.ndarray]) -> list[bytes]:
     """The wire form of each array (any shape; ``bytes`` as they are, anything else as its UTF-8 text),
     all encoded in one pass: a request's string columns cost one call each step, not one per column."""
     flat = np.concatenate([np.asarray(a, dtype=object).reshape(-1) for a in arrays]) if arrays else np.empty(0, object)
-    encoded, lengths = _wire_form(flat)
-    starts = _starts(lengths)
+    encoded, starts = _wire_form(flat)
     bounds = starts[np.cumsum([0] + [np.asarray(a).size for a in arrays])].tolist()
     return [encoded[start:end] for start, end in pairwise(bounds)]
 
 
 def _wire_form(values: np.ndarray) -> tuple[bytes, np.ndarray]:
-    """The values one after the other, each as its length (4 bytes, little-endian) then its bytes; and the lengths.
+    """The values one after the other, each as its length (4 bytes, little-endian) then its bytes; and where each
+    value's length starts in it, then where the last value ends.
 
     Where every value is ``bytes`` or ``str``, Arrow reads them in one pass (writing ``str`` as its UTF-8 text too)
     and joins each value to its length's 4 bytes (``binary_join_element_wise``), its data then the wire form (below
@@ -78,7 +78,7 @@ def _wire_form(values: np.ndarray) -> tuple[bytes, np.ndarray]:
     if array is None or array.null_count or not len(array):
         encoded = [v if isinstance(v, bytes) else str(v).encode() for v in values]
         return (b"".join(_LENGTH.pack(len(v)) + v for v in encoded),
-                np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded)))
+                _starts(np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))))
     offsets = np.frombuffer(array.buffers()[1], dtype=np.int64, count=len(array) + 1)
     lengths = np.diff(offsets)
     if len(array) < _JOIN_FROM:  # interleaved by numpy
@@ -90,12 +90,12 @@ def _wire_form(values: np.ndarray) -> tuple[bytes, np.ndarray]:
         out[prefixes] = lengths.astype("<u4").view(np.uint8).reshape(-1, 4)
         data = array.buffers()[2]
         out[is_value] = np.frombuffer(data, dtype=np.uint8, count=int(offsets[-1])) if data else []
-        return out.tobytes(), lengths
+        return out.tobytes(), starts
     prefixes = pa.FixedSizeBinaryArray.from_buffers(pa.binary(4), len(array),
                                                     [None, pa.py_buffer(lengths.astype("<u4").tobytes())])
     joined = pc.binary_join_element_wise(prefixes.cast(pa.large_binary()), array, pa.scalar(b"", pa.large_binary()))
-    offsets = np.frombuffer(joined.buffers()[1], dtype=np.int64, count=len(joined) + 1)
-    return memoryview(joined.buffers()[2])[offsets[0]:offsets[-1]].tobytes(), lengths
+    ends = np.frombuffer(joined.buffers()[1], dtype=np.int64, count=len(joined) + 1)
+    return memoryview(joined.buffers()[2])[ends[0]:ends[-1]].tobytes(), ends - ends[0]
 
 
 def decode_bytes(encoded) -> np.ndarray:
