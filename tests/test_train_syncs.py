@@ -9,8 +9,8 @@ built on it (boolean-mask indexing, reading or writing, ``masked_select``), ``un
 the kernels run instead, and read nothing back. A function mode records the copies of a tensor to the host
 (``.tolist()``, ``.cpu()``, ``.numpy()``), the reads a step makes on purpose, which the dispatch mode does
 not see on the CPU, and a Python number written by a tensor index (``x[rows] = False``): on a GPU the number is
-copied from pageable host memory, which waits for the stream (``index_fill_`` takes it as an argument instead). On a GPU, ``torch.cuda.set_sync_debug_mode`` turns a real sync into an error or a
-warning.
+copied from pageable host memory, which waits for the stream (``index_fill_`` takes it as an argument instead).
+On a GPU, ``torch.cuda.set_sync_debug_mode`` turns a real sync into an error or a warning.
 """
 
 import json

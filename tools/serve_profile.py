@@ -138,10 +138,8 @@ def _copy_repository(export: Path, work: Path, instances: int = 0, pin: bool = F
 
 
 def _stats(client, model: str) -> dict[str, int]:
-    from google.protobuf.json_format import MessageToDict
-
-    reply = client._call(client._stub.ModelStatistics, client._messages.ModelStatisticsRequest(name=model))
-    stats = MessageToDict(reply, preserving_proto_field_name=True)["model_stats"][0]["inference_stats"]
+    """Triton's counters of ``model`` (``Client.inference_statistics``): requests, and ns in each part."""
+    stats = next(m for m in client.inference_statistics()["model_stats"] if m["name"] == model)["inference_stats"]
     kinds = ("success", "queue", "compute_input", "compute_infer", "compute_output")
     return {"count": int(stats["success"].get("count", 0)), **{k: int(stats[k].get("ns", 0)) for k in kinds}}
 
@@ -174,10 +172,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     export = Path(args.export)
     rows = pq.read_table(args.raw or export.parent / "raw" / "test").to_pandas()
-    requests = args.requests
-    results: dict = {"export": str(export), "requests": requests, "instances": args.instances or "as exported",
-                     "pinned": args.pin,
-                     "batches": {}}
+    results: dict = {"export": str(export), "requests": args.requests, "instances": args.instances or "as exported",
+                     "pinned": args.pin, "batches": {}}
     with tempfile.TemporaryDirectory(prefix="serve-profile-") as tmp:
         work = Path(tmp)
         models = _copy_repository(export, work, args.instances, args.pin)
@@ -189,7 +185,7 @@ def main(argv: list[str] | None = None) -> dict:
                 figures: dict = {}
                 for _ in range(args.rounds):
                     spans = []
-                    for _ in range(30 + requests):
+                    for _ in range(30 + args.requests):
                         start = time.perf_counter_ns()
                         ready._call(ready._stub.ModelReady, ready._messages.ModelReadyRequest(name="ensemble"))
                         spans.append(time.perf_counter_ns() - start)
@@ -200,7 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
                             client.infer(tensors)
                         before = _stats(client, model)
                         calls = []
-                        for _ in range(requests):
+                        for _ in range(args.requests):
                             start = time.perf_counter_ns()
                             client.infer(tensors)
                             calls.append((start, time.perf_counter_ns()))
