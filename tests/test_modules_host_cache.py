@@ -87,11 +87,20 @@ def assert_same_state(reference: EmbeddingCollection, other: EmbeddingCollection
         assert_same(expected[key], got[key], exact)
 
 
+def through_the_host(cached: HostCachedCollection) -> HostCachedCollection:
+    """Rows moved as on a GPU whose kernels cannot address host memory: gathered and scattered by the host."""
+    cached._mapped = False
+    return cached
+
+
 @pytest.mark.parametrize("opt", ["sgd", "adagrad", "adam"])
 @pytest.mark.parametrize("fraction", [0.01, 0.1, 0.5, 1.0])
-def test_host_cached_tables_train_like_tables_in_device_memory(opt, fraction):
+@pytest.mark.parametrize("moved", ["directly", "through the host"])
+def test_host_cached_tables_train_like_tables_in_device_memory(opt, fraction, moved):
     reference = plain(opt)
     cached = HostCachedCollection.from_collection(plain(opt), cache_rows(fraction))
+    if moved == "through the host":
+        through_the_host(cached)
     exact = opt == "sgd"
     for want, got in zip(train(reference, range(STEPS)), train(cached, range(STEPS))):
         assert_same(want, got, exact)
@@ -156,7 +165,7 @@ def stepper(cache: RowCache):
     def step(rows: list[int], training: bool):
         placement = cache.place(torch.tensor(rows))
         counts = placement.counts.tolist()
-        cache.admit(counts, training)
+        cache.admit(counts)
         moves = placement.moves(sum(counts[0]), sum(counts[4]))
         cache.commit(placement, moves, training)
         return placement.slot[placement.inverse].tolist(), moves
@@ -211,21 +220,38 @@ class CountedWaits(SideStream):
         super().wait(event)
 
 
-def test_a_step_waits_for_the_device_twice_for_all_its_tables_and_once_when_no_row_is_missing():
-    cached = HostCachedCollection.from_collection(plain("adagrad"), cache_rows(0.1))
+def waits_per_batch(cached: HostCachedCollection, batches, training: bool = True) -> list[int]:
     cached.side = side = CountedWaits(replaced=cached.cache.buffers)
     waits = []
-    for kjt, target in (batch(0), batch(1), batch(1)):  # the third: every row in the caches already
+    for kjt, target in batches:
         before = side.waits
-        (cached(kjt) * target).sum().backward()
+        if training:
+            (cached(kjt) * target).sum().backward()
+        else:
+            with torch.no_grad():
+                cached(kjt)
         waits.append(side.waits - before)
-    assert waits == [2, 2, 1]
+    return waits
 
 
-def test_a_training_batch_larger_than_a_cache_is_refused_naming_the_table():
+def test_a_training_step_never_waits_for_the_device_and_a_lookup_outside_it_waits_once_for_all_its_tables():
+    cached = HostCachedCollection.from_collection(plain("adagrad"), cache_rows(0.1))
+    assert waits_per_batch(cached, (batch(0), batch(1), batch(1))) == [0, 0, 0]
+    assert waits_per_batch(cached, (batch(2), batch(2)), training=False) == [1, 1]
+
+
+def test_where_rows_move_through_the_host_a_step_waits_twice_for_all_its_tables_and_once_when_none_is_missing():
+    cached = through_the_host(HostCachedCollection.from_collection(plain("adagrad"), cache_rows(0.1)))
+    assert waits_per_batch(cached, (batch(0), batch(1), batch(1))) == [2, 2, 1]  # the third: every row held
+
+
+@pytest.mark.parametrize("moved", ["directly", "through the host"])
+def test_a_training_batch_larger_than_a_cache_is_refused_naming_the_table(moved):
     cached = HostCachedCollection.from_collection(plain("sgd"), {"big": 40})
+    if moved == "through the host":
+        through_the_host(cached)
     kjt, _ = batch(0, size=100)
-    with pytest.raises(CacheTooSmall, match="table big"):
+    with pytest.raises(CacheTooSmall, match="table big: a batch needs 81 rows copied into its device cache of 40 rows, but only 40 slots"):
         cached(kjt)
 
 

@@ -100,21 +100,28 @@ def rows_movable(rows: torch.Tensor) -> bool:
     return rows.dim() >= 1 and (rows[0].numel() * rows.element_size()) % 4 == 0
 
 
-def copy_rows(dst: torch.Tensor, dst_rows: torch.Tensor, src: torch.Tensor, src_rows: torch.Tensor) -> None:
-    """``dst[dst_rows[i]] = src[src_rows[i]]`` for every ``i`` (``dst_rows`` distinct): ``dst`` and ``src`` (``[n, ...]``,
-    the same row size) in device memory or in mapped host memory (:func:`map_to_device`), the int64 row numbers
-    on the device; on its current stream."""
+def copy_rows(dst: torch.Tensor, dst_rows: torch.Tensor, src: torch.Tensor, src_rows: torch.Tensor,
+              bounds: torch.Tensor | None = None) -> None:
+    """``dst[dst_rows[i]] = src[src_rows[i]]`` for every ``i`` (``dst_rows`` distinct), or with ``bounds`` (two int64
+    on the rows' device) for ``bounds[0] <= i < bounds[1]`` only: a range the host need not read. ``dst`` and ``src``
+    (``[n, ...]``, the same row size) in device memory or in mapped host memory (:func:`map_to_device`), the int64
+    row numbers on the device; on its current stream. On the CPU, by indexing."""
     n = dst_rows.numel()
     if src_rows.numel() != n:
         raise ValueError(f"copy_rows: {n} destination rows for {src_rows.numel()} source rows")
     if not n:
         return
-    dst, src = _words(dst), _words(src)
-    if dst.shape[1] != src.shape[1]:
-        raise ValueError(f"copy_rows: rows of {dst.shape[1]} words into rows of {src.shape[1]}")
-    dim = dst.shape[1]
+    dst_words, src_words = _words(dst), _words(src)
+    dim = dst_words.shape[1]
+    if src_words.shape[1] != dim:
+        raise ValueError(f"copy_rows: rows of {src_words.shape[1]} words into rows of {dim}")
+    if dst_rows.device.type == "cpu":
+        lo, hi = bounds.tolist() if bounds is not None else (0, n)
+        dst[dst_rows[lo:hi]] = src[src_rows[lo:hi]]
+        return
+    dst, src = dst_words, src_words
     aligned = dim % 4 == 0 and dst.data_ptr() % 16 == 0 and src.data_ptr() % 16 == 0
     blocks = min(-(-n * COPY_GROUP // BLOCK), max(1, int(_multiprocessors(dst_rows.device) * HOST_COPY_BLOCKS_PER_SM)))
     launch(SOURCE, "copy_rows", dst_rows.device, blocks, BLOCK,
            [ptr(dst), ptr(dst_rows.contiguous()), ptr(src), ptr(src_rows.contiguous()), ptr(None), i64(n), i32(dim),
-            i32(aligned)])
+            i32(aligned), ptr(None if bounds is None else bounds.contiguous())])

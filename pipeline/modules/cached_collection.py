@@ -13,29 +13,31 @@ cached tables at once, on a GPU on a side stream of its own:
 
 1. each id of a cached table named by its global row; :meth:`RowCache.place` finds the batch's rows and
    picks the slots of the missing ones, on the device;
-2. **host wait 1**: the per-table counts read back (missing rows, free slots, distinct rows, evictions,
-   write-backs); a batch that does not fit raises :class:`~pipeline.modules.host_cache.CacheTooSmall`
-   here, before anything changed; the rows the batch before wrote back reach the host tables;
-3. the missing rows' numbers copied to the host; behind that copy, the dirty rows of the slots they
-   take gathered on the device and copied to pinned host memory, one copy per tensor (weight, each
-   optimizer state) for all the tables, which the next batch's step 2 (or a flush) writes into the
-   host tables;
-4. **host wait 2** (only when rows are missing): for the missing rows' numbers; the host gathers the rows
-   and their state from the host tables into pinned memory, and one copy per tensor sends them to the
-   device, where they are scattered into their slots; then the index, the eviction order and the dirty
-   slots are updated (:meth:`RowCache.commit`) and each id gets its slot.
+2. on the CPU, and on a GPU whose kernels can address page-locked host memory (:mod:`pipeline.kernels.host_rows`:
+   the host tables are page-locked where they lie and mapped for the GPU once), the rows move without the host:
+   the dirty rows of the slots the missing rows take are written into the host tables, then the missing rows read
+   into their slots, each row crossing the bus once, every copy taking its size and each table's range from the
+   device. A training batch's counts are never read back in the step: the host does not wait at all. A batch that
+   does not fit its caches moves nothing and is reported, as :class:`~pipeline.modules.host_cache.CacheTooSmall`,
+   once the host has the copy of its overflow flags (at a later batch's prefetch, or at once on the CPU; a flush,
+   a state dict or the stats wait for it), the training since then void;
+3. elsewhere, and for a lookup outside training: **host wait 1**, the per-table counts read back (missing rows,
+   free slots, distinct rows, evictions, write-backs); a batch that does not fit raises
+   :class:`~pipeline.modules.host_cache.CacheTooSmall` here, before anything changed. Where the rows cannot move
+   directly, the missing rows' numbers are copied to the host, the dirty rows of the slots they take gathered on
+   the device and copied to pinned host memory (one copy per tensor for all the tables, which the next batch's
+   wait 1 or a flush writes into the host tables), then **host wait 2**: the host gathers the missing rows and
+   their state into pinned memory, and one copy per tensor sends them to the device, where they are scattered
+   into their slots;
+4. the index, the eviction order, the dirty slots and the stats are updated (:meth:`RowCache.commit`) and each
+   id gets its slot.
 
-On a GPU whose kernels can address page-locked host memory (:mod:`pipeline.kernels.host_rows`), the host
-tables are page-locked where they lie and mapped for the GPU once, and steps 3 and 4 need no host: the GPU
-itself writes the dirty rows of the victim slots into the host tables and reads the missing rows into their
-slots, each row crossing the bus once, with no host wait 2, no staging copy and no gather on the host.
-
-The copies are asynchronous (``non_blocking`` from and to pinned memory) and run on the side stream;
-the two waits are for events of that stream only, never for the compute stream, and are the only
-reads of the device: no ``.item()``, ``.tolist()`` of a device tensor, ``nonzero`` or boolean-mask
-indexing, ``unique`` or other op whose output size depends on the data runs in a step (flushes, state
-dicts and the halving of an evaluation batch that does not fit may read more). The compute stream waits
-for the side stream's work before the batch's lookup. On the CPU the same code runs on one stream.
+The copies are asynchronous and run on the side stream; a host wait is for an event of that stream only,
+never for the compute stream, and is the only read of the device: no ``.item()``, ``.tolist()`` of a device
+tensor, ``nonzero`` or boolean-mask indexing, ``unique`` or other op whose output size depends on the data runs
+in a step (flushes, state dicts, stats and the halving of an evaluation batch that does not fit may read more).
+The compute stream waits for the side stream's work before the batch's lookup. On the CPU the same code runs on
+one stream.
 
 When the prefetch runs: at the start of each batch's lookup, after the previous batch's backward
 updated its rows, the side stream first waiting for all the compute stream's work. Or one batch ahead
@@ -136,11 +138,17 @@ class HostCachedCollection(EmbeddingCollection):
         self.register_buffer("first_row", torch.tensor(first_row), persistent=False)
         self.register_buffer("first_slot", torch.tensor(first_slot), persistent=False)
         self.register_buffer("slot_group_row", torch.tensor(storage_row), persistent=False)
+        spans = {}
+        for c, group in enumerate(self.groups):
+            spans[group] = (spans.get(group, (c, c))[0], c + 1)
+        self.register_buffer("group_spans", torch.tensor(list(spans.values())), persistent=False)
+        """The first and last-plus-one cached table of each dim group (in the caches' order, which groups them)."""
         self._copy_resident(to_device=True)
         # The books are made on the compute stream, used and replaced on the side stream.
         self.side = SideStream(replaced=self.cache.buffers)
         self._written_back: _WrittenBack | None = None
-        self._mapped: bool | None = None  # see _host_mapped
+        self._mapped: bool | None = None  # see _rows_move_directly
+        self._overflow: tuple[torch.Tensor, torch.cuda.Event | None] | None = None  # see _check_overflow
 
     @classmethod
     def from_collection(cls, ec: EmbeddingCollection, cache_rows: dict[str, int]) -> HostCachedCollection:
@@ -178,6 +186,7 @@ class HostCachedCollection(EmbeddingCollection):
 
     def cache_stats(self) -> dict[str, CacheStats]:
         """Each cached table's counts of its training batches' rows: looked up, found, evicted, written back."""
+        self._check_overflow(wait=True)
         return self.cache.stats
 
     def table_views(self, name: str) -> dict[str, torch.Tensor]:
@@ -222,32 +231,53 @@ class HostCachedCollection(EmbeddingCollection):
         module for the steps), on the side stream (:attr:`side`)."""
         if indices.numel() == 0:
             return indices
+        self._check_overflow(wait=False)
         with torch.no_grad():
             counts = offsets[batch_size::batch_size] - offsets[:-1:batch_size]
             table = torch.repeat_interleave(self.packing.tensors(indices.device)["slot_table"], counts,
                                             output_size=indices.numel())
             first_row = self.first_row[table]
             placement = self.cache.place(torch.where(first_row >= 0, first_row + indices, NO_ROW))
-            by_table = self.side.read(placement.counts, "counts").tolist()  # host wait 1
-            self.cache.admit(by_table, training)
-            self._finish_write_back()
-            missing, written = by_table[0], by_table[4]
-            moves = placement.moves(sum(missing), sum(written))
-            if moves.victims.numel() and self._host_mapped():
-                if moves.written_back_slots.numel():
-                    self._move_rows(moves.written_back_slots, self.cache.index.rows_of(moves.written_back_slots),
-                                    written, to_host=True)
-                self._move_rows(moves.victims, moves.missing_rows, missing, to_host=False)
+            direct = self._rows_move_directly()
+            if training and direct:
+                moves = placement.moves()  # no host wait: the copies take their sizes from the device
+            else:
+                by_table = self.side.read(placement.counts, "counts").tolist()  # the host waits
+                self.cache.admit(by_table)
+                self._finish_write_back()
+                moves = placement.moves(sum(by_table[0]), sum(by_table[4]))
+            if direct:
+                written_back = moves.written_back_slots
+                rows = torch.where(written_back >= 0, self.cache.index.rows_of(written_back.clamp(min=0)), NO_ROW)
+                self._move_rows(written_back, rows, moves.written_back_ends, to_host=True)
+                self._move_rows(moves.victims, moves.missing_rows, moves.missing_ends, to_host=False)
             elif moves.victims.numel():
                 rows = self.side.read(moves.missing_rows, "missing rows", wait=False)
                 arrived = self.side.event(self.weights.device)
                 if moves.written_back_slots.numel():
-                    self._start_write_back(moves.written_back_slots, written)
-                self.side.wait(arrived)  # host wait 2
-                self._copy_in(rows, moves.victims, missing)
+                    self._start_write_back(moves.written_back_slots, by_table[4])
+                self.side.wait(arrived)  # the host waits
+                self._copy_in(rows, moves.victims, by_table[0])
             self.cache.commit(placement, moves, training)
+            if training and direct:
+                self._overflow = (self.side.read(self.cache.overflow, "overflow", wait=False),
+                                  self.side.event(self.weights.device))
+                self._check_overflow(wait=False)
             slots = placement.slot[placement.inverse.clamp(min=0)] - self.first_slot[table]
             return torch.where(first_row >= 0, slots, indices)
+
+    def _check_overflow(self, wait: bool) -> None:
+        """Raise :class:`CacheTooSmall` if a training batch committed without a host wait did not fit its cache, as
+        far as the host has its copy of :attr:`RowCache.overflow` (``wait``: waiting for the last one)."""
+        if self._overflow is None:
+            return
+        overflow, copied = self._overflow
+        if copied is not None:
+            if not (wait or copied.query()):
+                return
+            self.side.wait(copied)
+        self._overflow = None
+        self.cache.check_overflow(overflow.tolist())
 
     def _groups_of(self, by_table: list[int]) -> Iterator[tuple[int, int, int]]:
         """``(group, lo, hi)``: the range of each dim group's cached tables in rows counted ``by_table``."""
@@ -258,37 +288,42 @@ class HostCachedCollection(EmbeddingCollection):
                 yield group, lo, hi
             lo = hi
 
-    def _host_mapped(self) -> bool:
-        """On a GPU, the host tables are page-locked and mapped for its kernels (once), so that rows move between
-        them and the caches with no host work (:meth:`_move_rows`); else they move through the host."""
+    def _rows_move_directly(self) -> bool:
+        """Rows move between the host tables and the caches with no host work (:meth:`_move_rows`): on the CPU, by
+        indexing; on a GPU, where the host tables are page-locked and mapped for its kernels (once). Else they move
+        through the host (:meth:`_copy_in`, :meth:`_start_write_back`)."""
         if self._mapped is None:
             device = self.weights.device
-            self._mapped = device.type == "cuda" and all(
+            self._mapped = device.type == "cpu" or all(
                 rows_movable(_group_view(self.packing, flat, g)) for flat in self.host.values()
                 for g in range(len(self.packing.groups))) and all(map_to_device(flat, device)
                                                                    for flat in self.host.values())
         return self._mapped
 
-    def _move_rows(self, slots: torch.Tensor, rows: torch.Tensor, by_table: list[int], to_host: bool) -> None:
-        """Between the cache ``slots`` and the host tables' global ``rows`` (both by table, counted ``by_table``, on
-        the device), every tensor (weight, each optimizer state), copied by the GPU through the mapping of the host
-        tables: ``to_host`` writes the rows back, else the rows are brought into the slots. The rows go in the order of
-        their host addresses (the missing ones come sorted; the written-back ones, in slot order, are sorted here):
-        on the H200 sorted rows crossed the bus at 28 GB/s against 16 GB/s in random order. Sorting by global row
-        keeps the tables' ranges, whose global rows are ascending too."""
+    def _move_rows(self, slots: torch.Tensor, rows: torch.Tensor, ends: torch.Tensor, to_host: bool) -> None:
+        """Between the cache ``slots`` and the host tables' global ``rows`` (both by table, each table's part ending at
+        ``ends``, on the device; padding after the last), every tensor (weight, each optimizer state), copied without
+        the host (:mod:`pipeline.kernels.host_rows`): ``to_host`` writes the rows back, else the rows are brought into
+        the slots. The rows go in the order of their host addresses (the missing ones come sorted; the written-back
+        ones, in slot order, are sorted here, padding last): on the H200 sorted rows crossed the bus at 28 GB/s
+        against 16 GB/s in random order. Sorting by global row keeps the tables' ranges, whose global rows are
+        ascending too."""
+        if not slots.numel():
+            return
         if to_host:
             rows, order = torch.sort(rows)
             slots = slots[order]
         at = slots + self.slot_group_row[self.cache.slot_table[slots]]
-        for key, flat in self._storage().items():
-            for g, lo, hi in self._groups_of(by_table):
+        bounds = torch.cat([ends.new_zeros(1), ends])[self.group_spans]
+        for k, g in enumerate(dict.fromkeys(self.groups)):
+            host_rows = rows - self.packing.groups[g].row_start
+            for key, flat in self._storage().items():
                 cache = _group_view(self.storage_packing, flat, g)
                 host = _group_view(self.packing, self.host[key], g)
-                host_rows = rows[lo:hi] - self.packing.groups[g].row_start
                 if to_host:
-                    copy_rows(host, host_rows, cache, at[lo:hi])
+                    copy_rows(host, host_rows, cache, at, bounds[k])
                 else:
-                    copy_rows(cache, at[lo:hi], host, host_rows)
+                    copy_rows(cache, at, host, host_rows, bounds[k])
 
     def _start_write_back(self, slots: torch.Tensor, by_table: list[int]) -> None:
         """Copy the rows of ``slots`` (by table, counted ``by_table``) and their global rows to host memory; the
@@ -345,6 +380,7 @@ class HostCachedCollection(EmbeddingCollection):
 
     def _flush(self) -> None:
         """Every dirty row written back to the host tables (the rows stay in the caches, clean)."""
+        self._check_overflow(wait=True)
         with self.side.run(self.weights.device, None), torch.no_grad():
             self.side.wait(self.side.event(self.weights.device))
             self._finish_write_back()
@@ -360,7 +396,7 @@ class HostCachedCollection(EmbeddingCollection):
     def _drop(self) -> None:
         """Every cache emptied, without writing back (prefetched batches not yet looked up are void)."""
         with self.side.run(self.weights.device, None):
-            self._written_back = None
+            self._written_back = self._overflow = None
             self.cache.drop()
         self._generation += 1
 

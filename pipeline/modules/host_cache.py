@@ -4,19 +4,26 @@ A host-cached table (:mod:`pipeline.modules.cached_collection`) keeps every row 
 in host memory, and ``slots`` of them, with their state, in a cache on the device. :class:`RowCache`
 keeps the books of every such table of a collection at once, on the device: a row is named by its
 *global row* (its table's row offset in host memory plus its id), a slot by its position among all the
-caches' slots (each table's slots one range, in the order of its rows). A batch goes through three
+caches' slots (each table's slots one range, in the order of its rows). A batch goes through these
 calls, none of which reads the device from the host:
 
 1. :meth:`RowCache.place` (changes nothing): the batch's rows sorted, its distinct ones found in the
    index (row -> slot); each missing row given a slot of its table that neither this batch nor the
    training batch before it uses, first in the eviction order (empty slots before any); the slots
    among those whose row a training batch used since it came in (dirty), to be written back; and per
-   table the counts the host must see (missing rows, free slots, distinct rows, evictions, write-backs);
-2. :meth:`RowCache.admit`, with those counts read on the host: :class:`CacheTooSmall` for a batch that
-   does not fit, before anything changed; a training batch's counts added to each table's stats;
-3. :meth:`RowCache.commit`, once the caller moved the rows (:meth:`Placement.moves`: the collection
-   writes the dirty rows back to the host and copies the missing ones in): the index, the recency order,
-   the dirty and spared slots updated.
+   table the counts (missing rows, free slots, distinct rows, evictions, write-backs);
+2. :meth:`Placement.moves`: the rows to move, gathered at the front of arrays whose size the host knows
+   without reading the device (the batch's), with where each table's part starts and ends on the device;
+   or, with the totals of the counts read on the host, of exactly their sizes;
+3. :meth:`RowCache.commit`, once the caller moved the rows (the dirty rows written back to the host, the
+   missing ones copied in): the index, the recency order, the dirty and spared slots updated, and a training
+   batch's counts added to each table's stats (on the device: :attr:`RowCache.stats` reads them).
+
+A batch that does not fit (more missing rows in a table than it has slots free) must not change the caches:
+either the host reads the counts first and :meth:`RowCache.admit` raises :class:`CacheTooSmall`, or, where the
+host does not wait for the counts, :meth:`RowCache.place` gives such a table's missing rows no slot of their
+own (they read its first slot) and :meth:`RowCache.commit` records the overflow, which
+:meth:`RowCache.check_overflow` raises as :class:`CacheTooSmall` once the host reads it.
 
 Each is a fixed number of whole-array operations (sort, search, prefix sums, scatters) over the batch's
 ids and the caches' slots, whatever the number of tables: no per-table loop, and no operation whose
@@ -41,9 +48,9 @@ Example::
 
     cache = RowCache([CachedTable("t_C3", rows=10_000_000, slots=400_000, first_row=0)])
     placement = cache.place(rows)                            # rows: global rows of a batch's ids, NO_ROW else
-    cache.admit(placement.counts.tolist(), training=True)    # or CacheTooSmall
-    moves = placement.moves(missing, written_back)           # the totals of placement.counts
-    ... copy moves.written_back_slots out, moves.missing_rows in at moves.victims ...
+    cache.admit(placement.counts.tolist())                   # or CacheTooSmall (a read of the device)
+    moves = placement.moves()                                # or .moves(missing, written_back): exact sizes
+    ... copy moves.written_back_slots out, moves.missing_rows in at moves.victims (moves.missing_bounds) ...
     cache.commit(placement, moves, training=True)
     placement.slot[placement.inverse]                        # each id's slot
 """
@@ -85,7 +92,7 @@ class CacheIndex(Protocol):
 
     def assign(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """``slots`` hold ``rows`` from now on (the rows they held are forgotten); ``rows`` are sorted and
-        none of them is held."""
+        none of them is held; a slot of -1 (padding, its row ``NO_ROW``) is skipped."""
 
     def clear(self) -> None:
         """Every slot empty."""
@@ -115,16 +122,17 @@ class SortedIndex(nn.Module):
         new row lands after the kept entries and the new rows before it."""
         n = self.sorted_rows.numel()
         positions = torch.arange(n, device=slots.device)
-        removed = torch.zeros(n, dtype=torch.int64, device=slots.device)
-        removed.index_fill_(0, torch.searchsorted(self.sorted_rows, self.slot_rows[slots]), 1)
-        removed_before = torch.cat([removed.new_zeros(1), torch.cumsum(removed, 0)])
+        valid = slots >= 0
+        held = torch.searchsorted(self.sorted_rows, self.slot_rows[slots.clamp(min=0)])
+        removed = _mask(n, torch.where(valid, held, n))
+        removed_before = _counts_before(removed)
         kept_at = positions - removed_before[:-1] + torch.searchsorted(rows, self.sorted_rows)
         below = torch.searchsorted(self.sorted_rows, rows)
-        new_at = torch.arange(rows.numel(), device=rows.device) + below - removed_before[below]
-        kept_at = torch.where(removed.bool(), n, kept_at)
+        new_at = torch.where(valid, torch.arange(rows.numel(), device=rows.device) + below - removed_before[below], n)
+        kept_at = torch.where(removed, n, kept_at)
         self.sorted_rows = _scatter(n, (kept_at, self.sorted_rows), (new_at, rows))
         self.sorted_slots = _scatter(n, (kept_at, self.sorted_slots), (new_at, slots))
-        self.slot_rows[slots] = rows
+        self.slot_rows = _scatter(n, (positions, self.slot_rows), (torch.where(valid, slots, n), rows))
 
     def clear(self) -> None:
         self.slot_rows.copy_(-1 - torch.arange(self.slot_rows.numel(), device=self.slot_rows.device))
@@ -163,9 +171,10 @@ class CachedTable:
 @dataclass
 class Placement:
     """Where a batch's rows go (:meth:`RowCache.place`): per distinct row (``rows``, sorted, ``NO_ROW``
-    padding after them), its slot after the batch (``slot``, -1 for padding), whether it was missing, and for
-    a missing one the slot it takes (``victim``) and whether that slot's row is written back (``dirty``);
-    ``inverse``: each id's distinct row; ``counts``: ``[len(COUNTS), tables]``."""
+    padding after them), its slot after the batch (``slot``, -1 for padding), whether it moves in (``missing``:
+    missing, in a table where the batch fits), and for such a row the slot it takes (``victim``) and whether
+    that slot's row is written back (``dirty``); ``inverse``: each id's distinct row; ``table_ends``: where each
+    table's distinct rows end; ``counts``: ``[len(COUNTS), tables]``."""
 
     rows: torch.Tensor
     inverse: torch.Tensor
@@ -173,23 +182,32 @@ class Placement:
     missing: torch.Tensor
     victim: torch.Tensor
     dirty: torch.Tensor
+    table_ends: torch.Tensor
     counts: torch.Tensor
 
-    def moves(self, missing: int, written_back: int) -> Moves:
-        """The rows moved, gathered into arrays of their sizes (``missing`` and ``written_back``, the totals of
-        ``counts`` the host read)."""
-        return Moves(*_compact(self.missing, missing, self.rows, self.victim),
-                     *_compact(self.dirty, written_back, self.victim))
+    def moves(self, missing: int | None = None, written_back: int | None = None) -> Moves:
+        """The rows moved, gathered at the front of arrays of the batch's size (slot -1 and row ``NO_ROW`` after
+        them); or, given the totals of ``counts`` read on the host (``missing``, ``written_back``), of exactly those
+        sizes."""
+        size = self.rows.numel()
+        missing_rows, victims = _compact(self.missing, size if missing is None else missing, (self.rows, NO_ROW),
+                                         (self.victim, -1))
+        written_back_slots, = _compact(self.dirty, size if written_back is None else written_back, (self.victim, -1))
+        return Moves(missing_rows, victims, written_back_slots, _counts_before(self.missing)[self.table_ends],
+                     _counts_before(self.dirty)[self.table_ends])
 
 
 @dataclass
 class Moves:
     """A batch's missing rows (sorted, by table) with the slots they take, and the slots whose rows are written
-    back first (by table too)."""
+    back first (by table too); ``missing_ends`` and ``written_back_ends``: where each table's part of them ends
+    (on the device). Past the last table's end: padding (row ``NO_ROW``, slot -1)."""
 
     missing_rows: torch.Tensor
     victims: torch.Tensor
     written_back_slots: torch.Tensor
+    missing_ends: torch.Tensor
+    written_back_ends: torch.Tensor
 
 
 class RowCache(nn.Module):
@@ -229,7 +247,19 @@ class RowCache(nn.Module):
         self.register_buffer("protect_limit", torch.tensor([int(PROTECTED * t.slots) for t in self.tables]),
                              persistent=False)
         self.register_buffer("spared", torch.zeros(self.slots, dtype=torch.bool), persistent=False)
-        self.stats = {t.name: CacheStats() for t in self.tables}
+        tables = len(self.tables)
+        self.register_buffer("totals", torch.zeros(len(COUNTS), tables, dtype=torch.int64), persistent=False)
+        """The counts of the training batches so far, summed."""
+        self.register_buffer("overflow", torch.zeros(1 + len(COUNTS), tables, dtype=torch.int64), persistent=False)
+        """Per table, whether a batch did not fit, then that first batch's counts (:meth:`check_overflow`)."""
+
+    @property
+    def stats(self) -> dict[str, CacheStats]:
+        """Each table's counts of its training batches' rows (a read of the device: not per step)."""
+        by_name = dict(zip(COUNTS, self.totals.tolist()))
+        return {t.name: CacheStats(by_name["rows"][i], by_name["rows"][i] - by_name["missing"][i],
+                                   by_name["evictions"][i], by_name["writebacks"][i])
+                for i, t in enumerate(self.tables)}
 
     def place(self, rows: torch.Tensor) -> Placement:
         """Where the rows of a batch's ids go: ``rows`` holds each id's global row, ``NO_ROW`` for an id of a
@@ -253,39 +283,44 @@ class RowCache(nn.Module):
         free_at = self.segment_start + free_before[:-1] - free_before[self.segment_start]
         candidates = _scatter(s, (torch.where(free_in_order, free_at, s), self.order), fill=0)
         missing_before = _counts_before(missing)
+        wanted = _segment_sums(missing_before, starts, ends)
+        fits = (wanted <= free)[table]  # else the table's missing rows take no slot (they read its first one)
+        moved = missing & fits
         rank = missing_before[:-1] - missing_before[starts[table]]
-        victim = torch.where(missing, candidates[(self.first_slot[table] + rank).clamp_(max=s - 1)], -1)
-        held = missing & (self.index.rows_of(victim.clamp(min=0)) >= 0)
-        dirty = missing & self.dirty[victim.clamp(min=0)]
-        counts = torch.stack([_segment_sums(missing_before, starts, ends), free, ends - starts,
-                              _segment_sums(_counts_before(held), starts, ends),
+        victim = torch.where(moved, candidates[(self.first_slot[table] + rank).clamp_(max=s - 1)], -1)
+        held = moved & (self.index.rows_of(victim.clamp(min=0)) >= 0)
+        dirty = moved & self.dirty[victim.clamp(min=0)]
+        counts = torch.stack([wanted, free, ends - starts, _segment_sums(_counts_before(held), starts, ends),
                               _segment_sums(_counts_before(dirty), starts, ends)])
-        return Placement(distinct, inverse, torch.where(missing, victim, found), missing, victim, dirty, counts)
+        slot = torch.where(missing, torch.where(fits, victim, self.first_slot[table]), found)
+        return Placement(distinct, inverse, slot, moved, victim, dirty, ends, counts)
 
-    def admit(self, counts: list[list[int]], training: bool) -> None:
-        """Raise :class:`CacheTooSmall` for a table whose missing rows outnumber its free slots; else count a
-        training batch's rows in each table's stats. ``counts``: :attr:`Placement.counts` on the host."""
+    def admit(self, counts: list[list[int]]) -> None:
+        """Raise :class:`CacheTooSmall` for a table whose missing rows outnumber its free slots (``counts``:
+        :attr:`Placement.counts` on the host), before anything changed."""
         by_name = dict(zip(COUNTS, counts))
         for t, table in enumerate(self.tables):
-            missing, free, rows = by_name["missing"][t], by_name["free"][t], by_name["rows"][t]
-            if missing > free:
-                raise CacheTooSmall(
-                    f"table {table.name}: a batch needs {missing:,} rows copied into its device cache of "
-                    f"{table.slots:,} rows, but only {free:,} slots hold none of the batch's {rows:,} distinct rows "
-                    "and none the training batch before it uses: give the table a larger cache (distributed.memory_per_rank_mb, "
-                    "or its cache_rows in distributed.plan_file), or lower train.batch_size")
-        if training:
-            for t, table in enumerate(self.tables):
-                self.stats[table.name] += CacheStats(by_name["rows"][t], by_name["rows"][t] - by_name["missing"][t],
-                                                     by_name["evictions"][t], by_name["writebacks"][t])
+            if by_name["missing"][t] > by_name["free"][t]:
+                raise _too_small(table, by_name["missing"][t], by_name["free"][t], by_name["rows"][t])
+
+    def check_overflow(self, overflow: list[list[int]]) -> None:
+        """Raise :class:`CacheTooSmall` for the first table a committed batch did not fit, from :attr:`overflow` read
+        on the host (such a batch's missing rows read other rows: the training that follows is void)."""
+        flagged, *counts = overflow
+        by_name = dict(zip(COUNTS, counts))
+        for t, table in enumerate(self.tables):
+            if flagged[t]:
+                self.overflow.zero_()
+                raise _too_small(table, by_name["missing"][t], by_name["free"][t], by_name["rows"][t])
 
     def commit(self, placement: Placement, moves: Moves, training: bool) -> None:
         """The batch's rows in their slots from now on, the most recently used; a row found in its slot
         protected; ``training``: its slots dirty, and spared by the next placement."""
         s = self.slots
+        victims = _mask(s, torch.where(moves.victims >= 0, moves.victims, s))
         if moves.victims.numel():
             self.index.assign(moves.victims, moves.missing_rows)
-            self.protected.index_fill_(0, moves.victims, False)  # a number written by index would wait for the device
+            self.protected &= ~victims
         found = torch.where(placement.missing | (placement.slot < 0), s, placement.slot)
         self.protected |= _mask(s, found)
         used = _mask(s, torch.where(placement.slot >= 0, placement.slot, s))
@@ -310,10 +345,15 @@ class RowCache(nn.Module):
         found = _segment_sums(_counts_before(used & self.protected), self.first_slot, self.slot_ends)
         excess = safe + (found - self.protect_limit)[table]
         self.protected &= ~_mask(s, torch.where(safe_in_order & (safe_rank < excess), order, s))
-        self.dirty &= ~_mask(s, moves.victims)
+        self.dirty &= ~victims
         if training:
             self.dirty |= used
             self.spared = used
+            self.totals += placement.counts
+        overflow = placement.counts[0] > placement.counts[1]
+        first = overflow & (self.overflow[0] == 0)
+        self.overflow[1:] = torch.where(first, placement.counts, self.overflow[1:])
+        self.overflow[0] |= overflow
 
     def dirty_slots(self) -> torch.Tensor:
         """The slots whose rows a training batch used since they came in (a read of the device: not per step)."""
@@ -330,6 +370,7 @@ class RowCache(nn.Module):
         self.dirty.zero_()
         self.protected.zero_()
         self.spared.zero_()
+        self.overflow.zero_()
 
     def extra_repr(self) -> str:
         return ", ".join(f"{t.name}: {t.slots:,} of {t.rows:,}" for t in self.tables)
@@ -359,7 +400,16 @@ def _segment_sums(before: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor
     return before[ends] - before[starts]
 
 
-def _compact(flags: torch.Tensor, size: int, *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Each of ``values`` at the ``size`` positions where ``flags`` is set, in order (``size``: their count)."""
+def _compact(flags: torch.Tensor, size: int, *values: tuple[torch.Tensor, int]) -> tuple[torch.Tensor, ...]:
+    """Each of ``values`` (an array and its padding) at the positions where ``flags`` is set, in order, then padding
+    up to ``size`` (at least their count)."""
     at = torch.where(flags, torch.cumsum(flags, 0) - 1, size)
-    return tuple(_scatter(size, (at, v)) for v in values)
+    return tuple(_scatter(size, (at, v), fill=fill) for v, fill in values)
+
+
+def _too_small(table: CachedTable, missing: int, free: int, rows: int) -> CacheTooSmall:
+    return CacheTooSmall(
+        f"table {table.name}: a batch needs {missing:,} rows copied into its device cache of {table.slots:,} rows, but "
+        f"only {free:,} slots hold none of the batch's {rows:,} distinct rows and none the training batch before it "
+        "uses: give the table a larger cache (distributed.memory_per_rank_mb, or its cache_rows in "
+        "distributed.plan_file), or lower train.batch_size")

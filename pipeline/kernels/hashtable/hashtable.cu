@@ -407,17 +407,20 @@ extern "C" __global__ void __launch_bounds__(256) place_keys(
         atomicAdd(reinterpret_cast<unsigned long long*>(evictions + table), (unsigned long long)evicted_here);
 }
 
-// Row copies, a group of COPY_GROUP threads per row i < n: dst[d] = src[s], d = dst_index[i] (or i when
-// dst_index is null; skipped when d < 0), s = src_index[i] (or i when null), fallback[i] when s < 0. A group
+// Row copies, a group of COPY_GROUP threads per row i < n (with `bounds`, only bounds[0] <= i < bounds[1]: a
+// range the device knows and the host does not): dst[d] = src[s], d = dst_index[i] (or i when dst_index is
+// null; skipped when d < 0), s = src_index[i] (or i when null), fallback[i] when s < 0. A group
 // takes rows i, i + groups, ... (groups: all the launched ones), so a launch of fewer blocks than rows / groups
 // a block copies them all on fewer multiprocessors (rows crossing the bus wait on it, not on the SMs).
 extern "C" __global__ void __launch_bounds__(256) copy_rows(
     float* __restrict__ dst, const long long* __restrict__ dst_index, const float* __restrict__ src,
     const long long* __restrict__ src_index, const float* __restrict__ fallback, long long n, int dim,
-    int aligned) {
+    int aligned, const long long* __restrict__ bounds) {
     const long long groups = (long long)gridDim.x * blockDim.x / COPY_GROUP;
     const int g = threadIdx.x % COPY_GROUP;
-    for (long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / COPY_GROUP; i < n; i += groups) {
+    const long long lo = bounds != nullptr ? bounds[0] : 0;
+    const long long hi = bounds != nullptr ? min(bounds[1], n) : n;
+    for (long long i = lo + ((long long)blockIdx.x * blockDim.x + threadIdx.x) / COPY_GROUP; i < hi; i += groups) {
         const long long d = dst_index != nullptr ? dst_index[i] : i;
         if (d < 0) continue;
         const long long s = src_index != nullptr ? src_index[i] : i;

@@ -69,7 +69,7 @@ def _copy_rows(dst: torch.Tensor, dst_index: torch.Tensor | None, src: torch.Ten
                fallback: torch.Tensor | None, n: int) -> None:
     launch(SOURCE, "copy_rows", dst.device, _blocks(n * COPY_GROUP), BLOCK,
            [ptr(dst), ptr(dst_index), ptr(src), ptr(src_index), ptr(fallback), i64(n), i32(dst.shape[1]),
-            i32(_aligned(dst, src, fallback))])
+            i32(_aligned(dst, src, fallback)), ptr(None)])
 
 
 def read_rows(values: torch.Tensor, slots: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
