@@ -122,25 +122,6 @@ def test_host_cached_tables_train_like_tables_in_device_memory(opt, fraction, mo
         assert_same(reference(kjt), cached(kjt), exact)
 
 
-def test_a_batch_missing_more_rows_than_the_staging_holds_brings_the_others_straight_into_their_slots():
-    """The staging of the rows brought in is sized by the batches before: small batches, then larger ones."""
-    reference = plain("adagrad")
-    cached = HostCachedCollection.from_collection(plain("adagrad"), cache_rows(0.1))
-    staged = []
-    for step, size in enumerate([2, 2, 2, 16, 16, 4, 32]):
-        outputs = []
-        for ec in (reference, cached):
-            kjt, target = batch(step, size=size)
-            out = ec(kjt)
-            (out * target).sum().backward()
-            outputs.append(out.detach())
-        assert_same(*outputs, exact=False)
-        staged.append((cached._staged_rows, cached._most_missing))
-    assert 0 < staged[3][0] < staged[3][1]  # the first batch of 16 missed more rows than the staging held
-    assert staged[3][0] < staged[4][0]      # which then grew
-    assert_same_state(reference, cached, exact=False)
-
-
 def test_sixteen_bit_tables_with_master_weights_train_alike():
     reference = plain("adagrad", "bf16", master=True)
     cached = HostCachedCollection.from_collection(plain("adagrad", "bf16", master=True), cache_rows(0.01))

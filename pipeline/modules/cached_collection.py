@@ -76,7 +76,7 @@ from pipeline.kernels.embedding import TablePacking
 from pipeline.kernels.host_rows import copy_rows, map_to_device, rows_movable
 from pipeline.modules.collection import EmbeddingCollection, Prefetched, flat_views
 from pipeline.modules.configs import WEIGHT_DTYPES, EmbeddingOptimizerConfig, TableConfig
-from pipeline.modules.host_cache import NO_ROW, CachedTable, CacheStats, CacheTooSmall, Moves, RowCache
+from pipeline.modules.host_cache import NO_ROW, CachedTable, CacheStats, CacheTooSmall, RowCache
 from pipeline.modules.side_stream import SideStream
 from pipeline.sparse import KeyedJaggedTensor
 
@@ -149,8 +149,6 @@ class HostCachedCollection(EmbeddingCollection):
         self._written_back: _WrittenBack | None = None
         self._mapped: bool | None = None  # see _rows_move_directly
         self._overflow: tuple[torch.Tensor, torch.cuda.Event | None] | None = None  # see _check_overflow
-        self._most_missing = self._staged_rows = 0
-        self._staging_buffers: dict[tuple[int, str], torch.Tensor] = {}
 
     @classmethod
     def from_collection(cls, ec: EmbeddingCollection, cache_rows: dict[str, int]) -> HostCachedCollection:
@@ -179,7 +177,6 @@ class HostCachedCollection(EmbeddingCollection):
 
     def _apply(self, fn, recurse=True):
         self._mapped = None
-        self._staging_buffers, self._staged_rows = {}, 0
         return super()._apply(fn, recurse)
 
     @property
@@ -250,7 +247,10 @@ class HostCachedCollection(EmbeddingCollection):
                 self._finish_write_back()
                 moves = placement.moves(sum(by_table[0]), sum(by_table[4]))
             if direct:
-                self._exchange(moves)
+                written_back = moves.written_back_slots
+                rows = torch.where(written_back >= 0, self.cache.index.rows_of(written_back.clamp(min=0)), NO_ROW)
+                self._move_rows(written_back, rows, moves.written_back_ends, to_host=True)
+                self._move_rows(moves.victims, moves.missing_rows, moves.missing_ends, to_host=False)
             elif moves.victims.numel():
                 rows = self.side.read(moves.missing_rows, "missing rows", wait=False)
                 arrived = self.side.event(self.weights.device)
@@ -260,16 +260,15 @@ class HostCachedCollection(EmbeddingCollection):
                 self._copy_in(rows, moves.victims, by_table[0])
             self.cache.commit(placement, moves, training)
             if training and direct:
-                books = torch.cat([self.cache.overflow, placement.counts[:1]])
-                self._overflow = self.side.read(books, "overflow", wait=False), self.side.event(self.weights.device)
+                self._overflow = (self.side.read(self.cache.overflow, "overflow", wait=False),
+                                  self.side.event(self.weights.device))
                 self._check_overflow(wait=False)
             slots = placement.slot[placement.inverse.clamp(min=0)] - self.first_slot[table]
             return torch.where(first_row >= 0, slots, indices)
 
     def _check_overflow(self, wait: bool) -> None:
         """Raise :class:`CacheTooSmall` if a training batch committed without a host wait did not fit its cache, as
-        far as the host has its copy of :attr:`RowCache.overflow` (``wait``: waiting for the last one), which comes
-        with that batch's missing rows (the most of them size the staging of :meth:`_exchange`)."""
+        far as the host has its copy of :attr:`RowCache.overflow` (``wait``: waiting for the last one)."""
         if self._overflow is None:
             return
         overflow, copied = self._overflow
@@ -278,9 +277,7 @@ class HostCachedCollection(EmbeddingCollection):
                 return
             self.side.wait(copied)
         self._overflow = None
-        *overflow, missing = overflow.tolist()
-        self._most_missing = max(self._most_missing, sum(missing))
-        self.cache.check_overflow(overflow)
+        self.cache.check_overflow(overflow.tolist())
 
     def _groups_of(self, by_table: list[int]) -> Iterator[tuple[int, int, int]]:
         """``(group, lo, hi)``: the range of each dim group's cached tables in rows counted ``by_table``."""
@@ -303,61 +300,30 @@ class HostCachedCollection(EmbeddingCollection):
                                                                    for flat in self.host.values())
         return self._mapped
 
-    def _exchange(self, moves: Moves) -> None:
-        """The dirty rows of the victim slots written back to the host tables and the missing rows brought into those
-        slots, every tensor (weight, each optimizer state), without the host (:mod:`pipeline.kernels.host_rows`), the
-        two directions crossing the bus at once: the missing rows land in a device staging buffer (as many as it
-        holds: a quarter more than the most a training batch missed so far) on a second stream beside the write-back,
-        then move into their slots; any beyond it come from the host tables straight into their slots after the
-        write-back. Rows cross in the order of their host addresses: the missing ones come sorted, the written-back
-        ones (in slot order) are sorted here, padding last; on the H200 sorted rows crossed the bus at 28 GB/s
-        against 16 GB/s in random order. Sorting by global row keeps the tables' ranges, whose global rows ascend."""
-        device = self.weights.device
-        rows, victims = moves.missing_rows, moves.victims
-        into = victims + self.slot_group_row[self.cache.slot_table[victims]]
-        bounds = self._group_bounds(moves.missing_ends)
-        staging = self._staging(victims.numel())
-        staged = bounds.clamp(max=self._staged_rows)
-        positions = torch.arange(victims.numel(), device=device)
-        if self._staged_rows:
-            with self.side.beside(device):
-                for (g, key, cache, host), k in self._views():
-                    copy_rows(staging[g, key], positions, host, rows - self.packing.groups[g].row_start, staged[k])
-        written_back = moves.written_back_slots
-        out_rows, order = torch.sort(torch.where(written_back >= 0,
-                                                 self.cache.index.rows_of(written_back.clamp(min=0)), NO_ROW))
-        written_back = written_back[order]
-        out_bounds = self._group_bounds(moves.written_back_ends)
-        out_of = written_back + self.slot_group_row[self.cache.slot_table[written_back]]
-        for (g, key, cache, host), k in self._views():
-            copy_rows(host, out_rows - self.packing.groups[g].row_start, cache, out_of, out_bounds[k])
-        self.side.join(device)
-        rest = bounds.clamp(min=self._staged_rows)
-        for (g, key, cache, host), k in self._views():
-            if self._staged_rows:
-                copy_rows(cache, into, staging[g, key], positions, staged[k])
-            copy_rows(cache, into, host, rows - self.packing.groups[g].row_start, rest[k])
-
-    def _group_bounds(self, ends: torch.Tensor) -> torch.Tensor:
-        """``[groups, 2]``: the range of each dim group's cached tables in rows whose tables' parts end at ``ends``."""
-        return torch.cat([ends.new_zeros(1), ends])[self.group_spans]
-
-    def _views(self) -> Iterator[tuple[tuple[int, str, torch.Tensor, torch.Tensor], int]]:
-        """``((group, key, cache rows, host rows), k)`` for each dim group ``k``-th among the cached tables' and each
-        tensor (weight, each optimizer state)."""
+    def _move_rows(self, slots: torch.Tensor, rows: torch.Tensor, ends: torch.Tensor, to_host: bool) -> None:
+        """Between the cache ``slots`` and the host tables' global ``rows`` (both by table, each table's part ending at
+        ``ends``, on the device; padding after the last), every tensor (weight, each optimizer state), copied without
+        the host (:mod:`pipeline.kernels.host_rows`): ``to_host`` writes the rows back, else the rows are brought into
+        the slots. The rows go in the order of their host addresses (the missing ones come sorted; the written-back
+        ones, in slot order, are sorted here, padding last): on the H200 sorted rows crossed the bus at 28 GB/s
+        against 16 GB/s in random order. Sorting by global row keeps the tables' ranges, whose global rows are
+        ascending too."""
+        if not slots.numel():
+            return
+        if to_host:
+            rows, order = torch.sort(rows)
+            slots = slots[order]
+        at = slots + self.slot_group_row[self.cache.slot_table[slots]]
+        bounds = torch.cat([ends.new_zeros(1), ends])[self.group_spans]
         for k, g in enumerate(dict.fromkeys(self.groups)):
+            host_rows = rows - self.packing.groups[g].row_start
             for key, flat in self._storage().items():
-                yield (g, key, _group_view(self.storage_packing, flat, g), _group_view(self.packing, self.host[key], g)), k
-
-    def _staging(self, limit: int) -> dict[tuple[int, str], torch.Tensor]:
-        """The staging buffers of :meth:`_exchange` by dim group and tensor, grown to a quarter more rows than the most
-        a training batch missed so far (at most ``limit``)."""
-        want = min(limit, -(-self._most_missing * 5 // 4))
-        if want > self._staged_rows:
-            self._staging_buffers = {(g, key): cache.new_empty((want, *cache.shape[1:]))
-                                     for (g, key, cache, _), _ in self._views()}
-            self._staged_rows = want
-        return self._staging_buffers
+                cache = _group_view(self.storage_packing, flat, g)
+                host = _group_view(self.packing, self.host[key], g)
+                if to_host:
+                    copy_rows(host, host_rows, cache, at, bounds[k])
+                else:
+                    copy_rows(cache, at, host, host_rows, bounds[k])
 
     def _start_write_back(self, slots: torch.Tensor, by_table: list[int]) -> None:
         """Copy the rows of ``slots`` (by table, counted ``by_table``) and their global rows to host memory; the

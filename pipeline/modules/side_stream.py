@@ -46,7 +46,6 @@ class SideStream:
         self._replaced = replaced
         self._stream: torch.cuda.Stream | None = None
         self._followed: torch.cuda.Event | None = None
-        self._second: torch.cuda.Stream | None = None
         self._buffers: dict[tuple[str, bool], torch.Tensor] = {}
 
     def stream(self, device: torch.device) -> torch.cuda.Stream | None:
@@ -80,29 +79,8 @@ class SideStream:
         try:
             with torch.cuda.stream(side):
                 yield
-                self.join(device)
         finally:
             compute.wait_stream(side)
-
-    @contextlib.contextmanager
-    def beside(self, device: torch.device) -> Iterator[None]:
-        """Run the block on a second stream of ``device``, after the side stream's work queued so far and beside the
-        work queued on it after; :meth:`join` makes the side stream wait for it. Inside :meth:`run` only, whose end
-        joins it too. On the CPU, in order on the host."""
-        side = self.stream(device)
-        if side is None:
-            yield
-            return
-        if self._second is None or self._second.device != device:
-            self._second = torch.cuda.Stream(device, priority=-1)
-        self._second.wait_stream(side)
-        with torch.cuda.stream(self._second):
-            yield
-
-    def join(self, device: torch.device) -> None:
-        """The side stream's later work waits for the work queued :meth:`beside` it."""
-        if self._second is not None and device.type == "cuda":
-            torch.cuda.current_stream(device).wait_stream(self._second)
 
     def follow(self, device: torch.device) -> None:
         """The compute stream's work queued so far changed what the blocks change (a lookup without a block of its
