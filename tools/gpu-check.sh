@@ -20,6 +20,8 @@
 #   dynamic    bench train --dynamic, Zipf and uniform ids, 26 tables of DYNAMIC_ROWS (1,000,000) rows of capacity
 #   hostcache  bench train --embedding-budget-mb: 26 x 2M rows under 8 GiB
 #   hostcache-large  the same at 26 x 5M rows (62 GiB of tables) under a quarter of them (a call of its own)
+#   host-copies  tools/host_copies.py: rows between device and host memory (row kernel against copy engines) out of a
+#              host table of HOST_COPY_ROWS (38,000,000: 19.5 GB, the 19 host tables of `hostcache`)
 #   serve      the GPU serving tests, then bench serve --device cuda, three models and one (ranker)
 #   serve-profile  bench serve --device cuda of the ranker alone, then tools/serve_profile.py on its export: where a
 #              request's time goes (client, transport and Triton, the python backend, the model's work), with the
@@ -147,6 +149,8 @@ print('--device auto:', resolve_device('auto'))
       # memory for the other; a quarter of it is the host-cached model's device budget
       step hostcache-5m 420 "$PY" -m pipeline bench train "${mlperf[@]}" --rows 5000000 --ids zipf --optimizer adagrad \
         --embedding-budget-mb 15872 --warmup 100 --steps 20 --rounds 3 --json "$W/hostcache-5m/result.json" ;;
+    host-copies)
+      step host-copies 240 "$PY" tools/host_copies.py --rows "${HOST_COPY_ROWS:-38000000}" --json "$W/host-copies.json" ;;
     serve)
       step serve-tests 240 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_serve_gpu.py
       for fuse in none all; do
