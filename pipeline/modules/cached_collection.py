@@ -17,7 +17,8 @@ cached tables at once, on a GPU on a side stream of its own:
    the host tables are page-locked where they lie and mapped for the GPU once), the rows move without the host:
    the dirty rows of the slots the missing rows take are written into the host tables, then the missing rows read
    into their slots, each row crossing the bus once, every copy taking its size and each table's range from the
-   device. A training batch's counts are never read back in the step: the host does not wait at all. A batch that
+   device, on a stream of their own (:meth:`SideStream.beside`), so that the next batch's books need not wait for
+   them. A training batch's counts are never read back in the step: the host does not wait at all. A batch that
    does not fit its caches moves nothing and is reported, as :class:`~pipeline.modules.host_cache.CacheTooSmall`,
    once the host has the copy of its overflow flags (at a later batch's prefetch, or at once on the CPU; a flush,
    a state dict or the stats wait for it), the training since then void;
@@ -249,8 +250,12 @@ class HostCachedCollection(EmbeddingCollection):
             if direct:
                 written_back = moves.written_back_slots
                 rows = torch.where(written_back >= 0, self.cache.index.rows_of(written_back.clamp(min=0)), NO_ROW)
-                self._move_rows(written_back, rows, moves.written_back_ends, to_host=True)
-                self._move_rows(moves.victims, moves.missing_rows, moves.missing_ends, to_host=False)
+                # on a stream of their own: the next batch's books need not wait for this batch's copies
+                with self.side.beside(self.weights.device):
+                    self.side.lend(written_back, rows, moves.victims, moves.missing_rows, moves.missing_ends,
+                                   moves.written_back_ends)
+                    self._move_rows(written_back, rows, moves.written_back_ends, to_host=True)
+                    self._move_rows(moves.victims, moves.missing_rows, moves.missing_ends, to_host=False)
             elif moves.victims.numel():
                 rows = self.side.read(moves.missing_rows, "missing rows", wait=False)
                 arrived = self.side.event(self.weights.device)
@@ -382,6 +387,7 @@ class HostCachedCollection(EmbeddingCollection):
         """Every dirty row written back to the host tables (the rows stay in the caches, clean)."""
         self._check_overflow(wait=True)
         with self.side.run(self.weights.device, None), torch.no_grad():
+            self.side.join(self.weights.device)
             self.side.wait(self.side.event(self.weights.device))
             self._finish_write_back()
             slots = self.cache.dirty_slots()
@@ -398,6 +404,8 @@ class HostCachedCollection(EmbeddingCollection):
         with self.side.run(self.weights.device, None):
             self._written_back = self._overflow = None
             self.cache.drop()
+            self.side.join(self.weights.device)  # the host tables may be written next: no copy of the GPU's under way
+            self.side.wait(self.side.event(self.weights.device))
         self._generation += 1
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):

@@ -10,6 +10,9 @@ runs here instead, on a side stream of high priority, and the host waits only fo
   compute stream's work up to the last :meth:`SideStream.follow` (work that changed what the blocks change);
 - at the end of the block the compute stream waits for the side stream, so whatever the compute stream runs later
   sees what the block did, and whatever it ran before was not waited for;
+- work of a block that later blocks need not wait for (the rows a batch copies, which the next batch's books do not
+  read) goes on a third stream (:meth:`SideStream.beside`), which the compute stream waits for too at the end of the
+  block;
 - the host reads a block's numbers through pinned memory (:meth:`SideStream.read`): a copy on the side stream,
   then a wait for that stream's event, never a synchronization of the device or of the compute stream;
 - a tensor made in a block and used later on the compute stream is handed over (:meth:`SideStream.hand_over`:
@@ -46,6 +49,7 @@ class SideStream:
         self._replaced = replaced
         self._stream: torch.cuda.Stream | None = None
         self._followed: torch.cuda.Event | None = None
+        self._copies: torch.cuda.Stream | None = None
         self._buffers: dict[tuple[str, bool], torch.Tensor] = {}
 
     def stream(self, device: torch.device) -> torch.cuda.Stream | None:
@@ -81,6 +85,38 @@ class SideStream:
                 yield
         finally:
             compute.wait_stream(side)
+            if self._copies is not None:
+                compute.wait_stream(self._copies)
+
+    @contextlib.contextmanager
+    def beside(self, device: torch.device) -> Iterator[None]:
+        """Inside :meth:`run`: run the block on a third stream of ``device`` (made at its first use), after the side
+        stream's work so far, in order with what earlier such blocks queued, and beside the side stream's later work,
+        which does not wait for it (unless :meth:`join` says so); the compute stream waits for it at the end of the
+        block of :meth:`run`. A tensor made on the side stream and used here must be marked with :meth:`lend`. On the
+        CPU, the block runs in order on the host."""
+        side = self.stream(device)
+        if side is None:
+            yield
+            return
+        if self._copies is None or self._copies.device != device:
+            self._copies = torch.cuda.Stream(device, priority=-1)
+        self._copies.wait_stream(side)
+        with torch.cuda.stream(self._copies):
+            yield
+
+    def lend(self, *tensors: torch.Tensor) -> None:
+        """``tensors``, made on the side stream, are used by the work queued :meth:`beside` it: their memory waits for
+        that work before the side stream gets it again."""
+        if self._copies is not None:
+            for tensor in tensors:
+                if tensor.is_cuda:
+                    tensor.record_stream(self._copies)
+
+    def join(self, device: torch.device) -> None:
+        """The current stream's later work waits for all the work queued :meth:`beside` the side stream."""
+        if self._copies is not None and device.type == "cuda":
+            torch.cuda.current_stream(device).wait_stream(self._copies)
 
     def follow(self, device: torch.device) -> None:
         """The compute stream's work queued so far changed what the blocks change (a lookup without a block of its
