@@ -26,8 +26,9 @@ the prefetch run when the loop asked for batch ``i``, after it queued batch ``i 
 ``i - 1``'s evaluation and checkpoint, which therefore see the tables as a loop without the pipeline does. On
 a GPU the prefetch's side stream waits for an event recorded before that step (when batch ``i`` was read, so
 its ids are ready, and every earlier step was queued), not for the step itself: the prefetch's host waits and
-copies run while batch ``i - 1`` computes. Batch ``i + 1`` is read from the loader before ``i`` is handed out,
-and prefetched only when the loop asks for it.
+copies run while batch ``i - 1`` computes. Batch ``i + 1`` is read from the loader, and its event recorded, before
+``i`` is prefetched (so that event follows the step queued last but not the compute stream's wait for ``i``'s
+prefetch), and prefetched only when the loop asks for it.
 
 Example::
 
@@ -156,8 +157,10 @@ class PrefetchAhead:
         batch, after = self.ahead, self.read_at
         if batch is None:
             raise StopIteration
-        prefetched = self.pipeline.embedding.prefetch(batch.sparse, after=after)
+        # the next batch read first: its event then follows the step queued last, not this prefetch's work, which
+        # the compute stream waits for from here on (the next prefetch's books need not wait for this one's copies)
         self._read()
+        prefetched = self.pipeline.embedding.prefetch(batch.sparse, after=after)
         return Batch(batch.dense, prefetched, batch.label)
 
     def _read(self) -> None:
