@@ -12,6 +12,8 @@
 #              there: base into SITE, the served models' environment into MODELS_ENV with the machine's
 #              torch) and cuDF from RAPIDS_PARTS
 #   preflight  versions, the GPU, what --device auto picks
+#   warm       every kernel source compiled for the GPU into the kernels' disk cache, all at once (a fresh machine
+#              otherwise compiles each at its first launch, one after the other, inside the first benchmark's time)
 #   kernels    every `-m gpu` test but serving, ETL and the embedding kernels' (hash table, dynamic and
 #              host-cached tables, syncs of a training step, the embedding store)
 #   embedding  the embedding kernels' GPU tests (every update kernel), then bench embedding's sweep of the
@@ -120,6 +122,19 @@ for name in ['numpy', 'pandas', 'pyarrow', 'torch', 'cupy', 'dask', 'distributed
         print(f'{name:12} MISSING ({type(err).__name__}: {err})')
 from pipeline.device import resolve_device
 print('--device auto:', resolve_device('auto'))
+" ;;
+    warm)
+      step warm 240 "$PY" -c "
+import concurrent.futures, pathlib, time, torch
+from pipeline.kernels._compile import cached_cubin
+root = pathlib.Path('pipeline/kernels')
+sources = sorted(str(p.relative_to(root)) for p in root.rglob('*.cu'))
+arch = 'sm_%d%d' % torch.cuda.get_device_capability(0)
+start = time.time()
+with concurrent.futures.ProcessPoolExecutor() as pool:
+    for name, path in zip(sources, pool.map(cached_cubin, sources, [arch] * len(sources))):
+        print(f'{name}: {path}')
+print(f'{len(sources)} sources in {time.time() - start:.0f} s')
 " ;;
     kernels)
       step kernels-tests 420 "$PY" -m pytest -q -rs -m gpu -p no:cacheprovider --continue-on-collection-errors tests \
