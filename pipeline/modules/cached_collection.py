@@ -33,12 +33,12 @@ cached tables at once, on a GPU on a side stream of its own:
 4. the index, the eviction order, the dirty slots and the stats are updated (:meth:`RowCache.commit`) and each
    id gets its slot.
 
-The copies are asynchronous and run on the side stream; a host wait is for an event of that stream only,
-never for the compute stream, and is the only read of the device: no ``.item()``, ``.tolist()`` of a device
-tensor, ``nonzero`` or boolean-mask indexing, ``unique`` or other op whose output size depends on the data runs
-in a step (flushes, state dicts, stats and the halving of an evaluation batch that does not fit may read more).
-The compute stream waits for the side stream's work before the batch's lookup. On the CPU the same code runs on
-one stream.
+The copies are asynchronous and run on the side stream or the one beside it; a host wait is for an event of
+those streams only, never for the compute stream, and is the only read of the device: no ``.item()``,
+``.tolist()`` of a device tensor, ``nonzero`` or boolean-mask indexing, ``unique`` or other op whose output size
+depends on the data runs in a step (flushes, state dicts, stats and the halving of an evaluation batch that does
+not fit may read more). The compute stream waits for both streams' work before the batch's lookup. On the CPU
+the same code runs on one stream.
 
 When the prefetch runs: at the start of each batch's lookup, after the previous batch's backward
 updated its rows, the side stream first waiting for all the compute stream's work. Or one batch ahead
