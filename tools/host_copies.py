@@ -18,7 +18,6 @@ import argparse
 import ctypes
 import json
 import mmap
-import statistics
 import time
 
 
@@ -35,6 +34,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     import torch
     from cupy.cuda import runtime
 
+    from pipeline.bench.embedding import median_ms
     from pipeline.kernels.host_rows import copy_rows, map_to_device
 
     device = torch.device("cuda")
@@ -42,17 +42,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     size = rows * dim * 4
 
     def timed(fn) -> float:
-        fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(args.reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        return statistics.median(times)
+        return median_ms(torch, fn, args.reps)
 
     def pageable():
         return torch.empty(rows, dim), None
@@ -111,15 +101,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
         record("state in, sorted (4 B a row)", timed(lambda: copy_rows(state, at, host_state, ordered)), n * 4 / 1e6)
         record("state out, sorted (4 B a row)", timed(lambda: copy_rows(host_state, ordered, state, at)), n * 4 / 1e6)
         other = ordered.flip(0)
-        record("in and out at once, sorted", timed(lambda: both(lambda: copy_rows(host, ordered, slots, at),
-                                                                lambda: copy_rows(staging, at, host, other))), 2 * moved)
+        record("in and out at once, sorted",
+               timed(lambda: both(lambda: copy_rows(host, ordered, slots, at),
+                                  lambda: copy_rows(staging, at, host, other))), 2 * moved)
         if kind == "pageable":
             first, second = host[:n], host[n: 2 * n]
             record("copy engine in, contiguous", timed(lambda: staging.copy_(first, non_blocking=True)))
             record("copy engine out, contiguous", timed(lambda: first.copy_(slots, non_blocking=True)))
-            record("copy engines in and out at once", timed(lambda: both(lambda: first.copy_(slots, non_blocking=True),
-                                                                         lambda: staging.copy_(second, non_blocking=True))),
-                   2 * moved)
+            record("copy engines in and out at once",
+                   timed(lambda: both(lambda: first.copy_(slots, non_blocking=True),
+                                      lambda: staging.copy_(second, non_blocking=True))), 2 * moved)
         host = host_state = None  # the mapping goes with the tensors
         torch.cuda.synchronize()
         if kind == "cudaHostAlloc":

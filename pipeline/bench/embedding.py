@@ -127,7 +127,7 @@ def run(args: argparse.Namespace, cfg) -> dict:  # noqa: ARG001  (the pipeline s
         sweep = {}
         for k in [int(v) for v in str(args.sweep_bags_per_group).split(",") if v]:
             kept, launcher.BAGS_PER_GROUP = launcher.BAGS_PER_GROUP, k
-            sweep[k] = _median_ms(torch, fwd, args.reps)
+            sweep[k] = median_ms(torch, fwd, args.reps)
             launcher.BAGS_PER_GROUP = kept
         if sweep:
             print(f"  {hot:>2}-hot forward by bags per group: "
@@ -135,11 +135,11 @@ def run(args: argparse.Namespace, cfg) -> dict:  # noqa: ARG001  (the pipeline s
         by_kernel = {}
         for name in update_kernels:
             kept, launcher.UPDATE_KERNEL = launcher.UPDATE_KERNEL, name
-            by_kernel[name] = _median_ms(torch, bwd, args.reps)
+            by_kernel[name] = median_ms(torch, bwd, args.reps)
             launcher.UPDATE_KERNEL = kept
-        t_fwd = _median_ms(torch, fwd, args.reps)
-        t_bwd = _median_ms(torch, bwd, args.reps)
-        t_sort = _median_ms(torch, sort_only, args.reps)
+        t_fwd = median_ms(torch, fwd, args.reps)
+        t_bwd = median_ms(torch, bwd, args.reps)
+        t_sort = median_ms(torch, sort_only, args.reps)
         unique = _unique_rows(torch, batches[0], packing, args.batch)
         state_bytes = {"sgd": 0, "adagrad": 8}[args.optimizer]
         fwd_bytes = nnz * (args.dim * es + 8) + args.batch * packing.total_dim * 4
@@ -235,8 +235,8 @@ class _Baseline:
             self._run(cycle.next()).backward(grad)
             self.opt.step()
 
-        out = dict(torch_forward_ms=_median_ms(torch, fwd, reps), torch_forward_backward_ms=_median_ms(torch, fwd_bwd, reps),
-                   torch_step_ms=_median_ms(torch, step, reps))
+        out = dict(torch_forward_ms=median_ms(torch, fwd, reps), torch_forward_backward_ms=median_ms(torch, fwd_bwd, reps),
+                   torch_step_ms=median_ms(torch, step, reps))
         self.opt.zero_grad(set_to_none=True)
         return out
 
@@ -301,8 +301,8 @@ def _interaction_row(torch, shape: tuple[int, int, int], dtype, copy_bw: float, 
 
     row = {"floor_forward_ms": floor_fwd, "floor_forward_backward_ms": floor_fwd + floor_bwd}
     for label, fn in (("fused", dot_interaction), ("torch", bmm_and_pick)):
-        row[f"{label}_forward_ms"] = _median_ms(torch, lambda fn=fn: forward(fn), reps)
-        row[f"{label}_forward_backward_ms"] = _median_ms(torch, lambda fn=fn: forward_backward(fn), reps)
+        row[f"{label}_forward_ms"] = median_ms(torch, lambda fn=fn: forward(fn), reps)
+        row[f"{label}_forward_backward_ms"] = median_ms(torch, lambda fn=fn: forward_backward(fn), reps)
     row["speedup_forward"] = row["torch_forward_ms"] / row["fused_forward_ms"]
     row["speedup_forward_backward"] = row["torch_forward_backward_ms"] / row["fused_forward_backward_ms"]
     return row
@@ -340,12 +340,14 @@ def _copy_bandwidth(torch, nbytes: int = 4 << 30) -> float:
     """Bytes read + written per second by a device-to-device copy of ``nbytes``."""
     src = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
     dst = torch.empty_like(src)
-    ms = _median_ms(torch, lambda: dst.copy_(src), 20)
+    ms = median_ms(torch, lambda: dst.copy_(src), 20)
     del src, dst
     return 2 * nbytes / (ms / 1e3)
 
 
-def _median_ms(torch, fn, reps: int, warmup: int = 3) -> float:
+def median_ms(torch, fn, reps: int, warmup: int = 3) -> float:
+    """The median time of ``fn`` over ``reps`` calls on the current CUDA stream (CUDA events), in ms, after
+    ``warmup`` calls."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
