@@ -63,13 +63,15 @@ def pin_to_core(args: dict, params: dict[str, str]) -> int | None:
 
 def process_identity(pid: int) -> str | None:
     """``<boot id>:<pid>:<start time>`` of the running process ``pid``, or None where there is none: two processes
-    never share it, also when the kernel gives a finished process's pid to a new one."""
+    never share it, also when the kernel gives a finished process's pid to a new one. A process that ended and is
+    not reaped yet (a zombie: a killed server's stub until its new parent collects it) runs no more."""
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-        start = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        state, start = fields[0], fields[19]
     except (OSError, IndexError):
         return None
-    return f"{boot}:{pid}:{start}"
+    return None if state in ("Z", "X") else f"{boot}:{pid}:{start}"
 
 
 def live_stats(model_dir: str | Path, prune: bool = False) -> list[dict]:

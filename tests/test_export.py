@@ -653,6 +653,26 @@ def test_the_server_keeps_its_memory_settings_over_a_dask_parents_environment(mo
     assert env["PATH"].startswith(str(tmp_path / "bin"))
 
 
+def test_a_process_that_ended_runs_no_more_before_it_is_reaped():
+    """A killed server's stubs stay zombies until their new parent collects them: their stats files are not an
+    instance's then, and the restarted instances prune them."""
+    import subprocess
+    import time
+
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        assert process_identity(child.pid) is not None
+        child.kill()
+        state = lambda: Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]  # noqa: E731
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and state() != "Z":
+            time.sleep(0.01)
+        assert state() == "Z"
+        assert process_identity(child.pid) is None  # ended, not reaped yet (this test has not waited for it)
+    finally:
+        child.wait()
+
+
 def test_cache_stats_count_only_files_whose_own_process_runs(tmp_path):
     """A stats file whose pid now belongs to another process (a recycled pid: here this test's own), whether it
     records another start of that pid or is of the older format without one, is not an instance's; the file of a
