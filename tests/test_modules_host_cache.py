@@ -17,7 +17,7 @@ import torch
 from pipeline.modules.cached_collection import HostCachedCollection
 from pipeline.modules.collection import EmbeddingCollection
 from pipeline.modules.configs import EmbeddingOptimizerConfig, TableConfig
-from pipeline.modules.host_cache import CachedTable, CacheStats, CacheTooSmall, RowCache
+from pipeline.modules.host_cache import NO_ROW, CachedTable, CacheStats, CacheTooSmall, RowCache
 from pipeline.modules.side_stream import SideStream
 from pipeline.sparse import KeyedJaggedTensor
 
@@ -208,6 +208,37 @@ def test_a_row_found_in_the_cache_stays_while_rows_seen_once_go_up_to_the_protec
     assert not cache.protected[5:].any()    # the other table's books untouched
     step([100, 100 + 1], training=False)
     assert held([100, 101, 1]) == [True, True, False]
+
+
+def test_the_books_traced_whole_as_a_gpu_compiles_them_keep_the_same_caches():
+    """On a GPU the books (place, moves, commit) run compiled: each traces into one graph, no break, and the graphs
+    keep the caches as the eager code does, through evictions, write-backs, evaluation batches, a batch that does
+    not fit, and moves of exact sizes (the host read the counts) or padded ones (it did not)."""
+    tables = [CachedTable("t", rows=500, slots=90, first_row=0), CachedTable("u", rows=900, slots=60, first_row=500)]
+    eager, traced = RowCache(tables), RowCache(tables)
+    graph = {name: torch.compile(getattr(cls, name).__wrapped__, backend="aot_eager", fullgraph=True)
+             for cls, name in ((RowCache, "place"), (RowCache, "commit"), (type(eager.place(torch.zeros(1).long())),
+                                                                           "moves"))}
+    g = torch.Generator().manual_seed(3)
+    for step in range(12):
+        in_u = 30 if step != 7 else 120  # batch 7 does not fit table u
+        rows = torch.cat([(torch.rand(30, generator=g) ** 3 * 500).long(),
+                          500 + (torch.rand(in_u, generator=g) ** 3 * 900).long(), torch.full((5,), NO_ROW)])
+        rows = rows[torch.randperm(rows.numel(), generator=g)]
+        training, exact = step % 4 != 3, step % 2 == 0
+        books = []
+        for cache, place, moves, commit in ((eager, RowCache.place, type(eager.place(rows)).moves, RowCache.commit),
+                                            (traced, graph["place"], graph["moves"], graph["commit"])):
+            placement = place(cache, rows)
+            counts = placement.counts.tolist()
+            moved = moves(placement, *((sum(counts[0]), sum(counts[4])) if exact else ()))
+            commit(cache, placement, moved, training)
+            books.append([placement.slot[placement.inverse.clamp(min=0)], *vars(moved).values(), cache.order,
+                          cache.index.sorted_rows, cache.index.slot_rows, cache.dirty, cache.protected, cache.spared,
+                          cache.totals, cache.overflow])
+        for want, have in zip(*books):
+            assert torch.equal(want, have), step
+    assert eager.overflow[0].tolist() == [0, 1] and eager.totals[3].sum() > 0 and eager.totals[4].sum() > 0
 
 
 class CountedWaits(SideStream):

@@ -250,25 +250,27 @@ class HostCachedCollection(EmbeddingCollection):
             if direct:
                 written_back = moves.written_back_slots
                 rows = torch.where(written_back >= 0, self.cache.index.rows_of(written_back.clamp(min=0)), NO_ROW)
-                # on a stream of their own: the next batch's books need not wait for this batch's copies
-                with self.side.beside(self.weights.device):
-                    self.side.lend(written_back, rows, moves.victims, moves.missing_rows, moves.missing_ends,
-                                   moves.written_back_ends)
-                    self._move_rows(written_back, rows, moves.written_back_ends, to_host=True)
-                    self._move_rows(moves.victims, moves.missing_rows, moves.missing_ends, to_host=False)
             elif moves.victims.numel():
-                rows = self.side.read(moves.missing_rows, "missing rows", wait=False)
+                missing_rows = self.side.read(moves.missing_rows, "missing rows", wait=False)
                 arrived = self.side.event(self.weights.device)
                 if moves.written_back_slots.numel():
                     self._start_write_back(moves.written_back_slots, by_table[4])
                 self.side.wait(arrived)  # the host waits
-                self._copy_in(rows, moves.victims, by_table[0])
+                self._copy_in(missing_rows, moves.victims, by_table[0])
             self.cache.commit(placement, moves, training)
             if training and direct:
                 self._overflow = (self.side.read(self.cache.overflow, "overflow", wait=False),
                                   self.side.event(self.weights.device))
                 self._check_overflow(wait=False)
             slots = placement.slot[placement.inverse.clamp(min=0)] - self.first_slot[table]
+            if direct:
+                # Queued after the books, on a stream of their own: the next batch's books then run beside these
+                # copies rather than after them, and its copies follow these at once.
+                with self.side.beside(self.weights.device):
+                    self.side.lend(written_back, rows, moves.victims, moves.missing_rows, moves.missing_ends,
+                                   moves.written_back_ends)
+                    self._move_rows(written_back, rows, moves.written_back_ends, to_host=True)
+                    self._move_rows(moves.victims, moves.missing_rows, moves.missing_ends, to_host=False)
             return torch.where(first_row >= 0, slots, indices)
 
     def _check_overflow(self, wait: bool) -> None:
