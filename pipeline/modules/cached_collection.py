@@ -17,8 +17,8 @@ cached tables at once, on a GPU on a side stream of its own:
    the host tables are page-locked where they lie and mapped for the GPU once), the rows move without the host:
    the dirty rows of the slots the missing rows take are written into the host tables, then the missing rows read
    into their slots, each row crossing the bus once, every copy taking its size and each table's range from the
-   device, on a stream of their own (:meth:`SideStream.beside`), so that the next batch's books need not wait for
-   them. A training batch's counts are never read back in the step: the host does not wait at all. A batch that
+   device, on a stream of their own (:meth:`SideStream.beside`), queued once the books (step 4) are done, so that
+   the next batch's books run beside these copies and its copies follow them at once. A training batch's counts are never read back in the step: the host does not wait at all. A batch that
    does not fit its caches moves nothing and is reported, as :class:`~pipeline.modules.host_cache.CacheTooSmall`,
    once the host has the copy of its overflow flags (at a later batch's prefetch, or at once on the CPU; a flush,
    a state dict or the stats wait for it), the training since then void;
@@ -31,7 +31,9 @@ cached tables at once, on a GPU on a side stream of its own:
    their state into pinned memory, and one copy per tensor sends them to the device, where they are scattered
    into their slots;
 4. the index, the eviction order, the dirty slots and the stats are updated (:meth:`RowCache.commit`) and each
-   id gets its slot.
+   id gets its slot. On a GPU the books (:meth:`RowCache.place`, :meth:`Placement.moves`, :meth:`RowCache.commit`)
+   run compiled: their many small operations fuse into a few kernels, which the host launches in a fraction of
+   the time.
 
 The copies are asynchronous and run on the side stream or the one beside it; a host wait is for an event of
 those streams only, never for the compute stream, and is the only read of the device: no ``.item()``,

@@ -57,8 +57,7 @@ Example::
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Protocol
 
@@ -66,6 +65,7 @@ import torch
 from torch import nn
 
 from pipeline.errors import UserError
+from pipeline.modules.gpu_compiled import compiled_on_gpu
 
 NO_ROW = torch.iinfo(torch.int64).max
 """The row of an id no cache holds (an id of a table kept whole on the device), and of padding: sorts last."""
@@ -169,37 +169,6 @@ class CachedTable:
     first_row: int
 
 
-def _compiled_on_gpu(tensor_of: Callable[[object], torch.Tensor]):
-    """Run the decorated method compiled (``torch.compile``, one compilation shared by the instances) where
-    ``tensor_of(self)`` is on a GPU that Triton can compile for, eagerly elsewhere. Each step of the books is dozens
-    of small whole-array operations: eagerly, each is a kernel launch and its host work, which pace a step that the
-    device would run faster; compiled, the element-wise ones fuse into a few kernels, launched at a fraction of the
-    host's time."""
-
-    def wrap(method):
-        compiled = None
-
-        @functools.wraps(method)
-        def run(self, *args):
-            nonlocal compiled
-            if not (tensor_of(self).is_cuda and _triton_usable()):
-                return method(self, *args)
-            if compiled is None:
-                compiled = torch.compile(method)
-            return compiled(self, *args)
-
-        return run
-
-    return wrap
-
-
-@functools.cache
-def _triton_usable() -> bool:
-    from torch.utils._triton import has_triton
-
-    return has_triton()
-
-
 @dataclass
 class Placement:
     """Where a batch's rows go (:meth:`RowCache.place`): per distinct row (``rows``, sorted, ``NO_ROW``
@@ -217,7 +186,7 @@ class Placement:
     table_ends: torch.Tensor
     counts: torch.Tensor
 
-    @_compiled_on_gpu(lambda placement: placement.rows)
+    @compiled_on_gpu(lambda placement: placement.rows)
     def moves(self, missing: int | None = None, written_back: int | None = None) -> Moves:
         """The rows moved, gathered at the front of arrays of the batch's size (slot -1 and row ``NO_ROW`` after
         them); or, given the totals of ``counts`` read on the host (``missing``, ``written_back``), of exactly those
@@ -294,7 +263,7 @@ class RowCache(nn.Module):
                                    by_name["evictions"][i], by_name["writebacks"][i])
                 for i, t in enumerate(self.tables)}
 
-    @_compiled_on_gpu(lambda cache: cache.order)
+    @compiled_on_gpu(lambda cache: cache.order)
     def place(self, rows: torch.Tensor) -> Placement:
         """Where the rows of a batch's ids go: ``rows`` holds each id's global row, ``NO_ROW`` for an id of a
         table not cached. Changes nothing."""
@@ -347,7 +316,7 @@ class RowCache(nn.Module):
                 self.overflow.zero_()
                 raise _too_small(table, by_name["missing"][t], by_name["free"][t], by_name["rows"][t])
 
-    @_compiled_on_gpu(lambda cache: cache.order)
+    @compiled_on_gpu(lambda cache: cache.order)
     def commit(self, placement: Placement, moves: Moves, training: bool) -> None:
         """The batch's rows in their slots from now on, the most recently used; a row found in its slot
         protected; ``training``: its slots dirty, and spared by the next placement."""

@@ -1,0 +1,48 @@
+"""``compiled_on_gpu``: a function of many small whole-array operations, run compiled where its tensors are on a GPU.
+
+The books of the host-cached tables and the drawing of a dynamic table's new rows are dozens of small operations
+each (sorts, prefix sums, scatters, hash arithmetic). Eagerly, each is a kernel launch and its host work, and in a
+training step the host launching them, not the device running them, sets the pace. ``torch.compile`` fuses the
+element-wise ones into a few kernels, which the host launches in a fraction of the time. On the CPU, and on a GPU
+that Triton cannot compile for, the function runs eagerly: the same operations, the same values.
+
+Example::
+
+    @compiled_on_gpu(lambda cache: cache.order)        # the tensor whose device decides
+    def place(self, rows): ...
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+
+
+def compiled_on_gpu(tensor_of: Callable[[object], torch.Tensor]):
+    """Run the decorated function compiled (one compilation shared by every call, recompiled as ``torch.compile``
+    recompiles) where ``tensor_of(first argument)`` is on a GPU that Triton can compile for, eagerly elsewhere."""
+
+    def wrap(function):
+        compiled = None
+
+        @functools.wraps(function)
+        def run(first, *args):
+            nonlocal compiled
+            if not (tensor_of(first).is_cuda and _triton_usable()):
+                return function(first, *args)
+            if compiled is None:
+                compiled = torch.compile(function)
+            return compiled(first, *args)
+
+        return run
+
+    return wrap
+
+
+@functools.cache
+def _triton_usable() -> bool:
+    from torch.utils._triton import has_triton
+
+    return has_triton()
