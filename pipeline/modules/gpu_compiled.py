@@ -3,8 +3,9 @@
 The books of the host-cached tables and the drawing of a dynamic table's new rows are dozens of small operations
 each (sorts, prefix sums, scatters, hash arithmetic). Eagerly, each is a kernel launch and its host work, and in a
 training step the host launching them, not the device running them, sets the pace. ``torch.compile`` fuses the
-element-wise ones into a few kernels, which the host launches in a fraction of the time. On the CPU, and on a GPU
-that Triton cannot compile for, the function runs eagerly: the same operations, the same values.
+element-wise ones into a few kernels, which the host launches in a fraction of the time. On the CPU, on a GPU
+that Triton cannot compile for, and where the compilation fails (a warning says why, once), the function runs
+eagerly: the same operations, the same values.
 
 Example::
 
@@ -15,6 +16,7 @@ Example::
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 
 import torch
@@ -34,7 +36,19 @@ def compiled_on_gpu(tensor_of: Callable[[object], torch.Tensor]):
                 return function(first, *args)
             if compiled is None:
                 compiled = torch.compile(function)
-            return compiled(first, *args)
+            try:
+                return compiled(first, *args)
+            except Exception as err:
+                from torch._dynamo.exc import BackendCompilerFailed  # (torch._dynamo takes a second to import)
+
+                if not isinstance(err, BackendCompilerFailed):
+                    raise
+                compiled = function  # it failed before the graph ran: nothing changed yet
+                cause = getattr(err, "inner_exception", None) or err
+                reason = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+                print(f"warning: {function.__qualname__} runs eagerly, torch.compile could not compile it: {reason}",
+                      file=sys.stderr)
+                return function(first, *args)
 
         return run
 
