@@ -144,8 +144,11 @@ class HostCachedCollection(EmbeddingCollection):
         spans = {}
         for c, group in enumerate(self.groups):
             spans[group] = (spans.get(group, (c, c))[0], c + 1)
-        self.register_buffer("group_spans", torch.tensor(list(spans.values())), persistent=False)
-        """The first and last-plus-one cached table of each dim group (in the caches' order, which groups them)."""
+        self.spans = list(spans.items())
+        """``(group, (first, end))``: each dim group's cached tables, ``first`` to ``end - 1`` in the caches' order
+        (which groups them)."""
+        self.register_buffer("group_spans", torch.tensor([span for _, span in self.spans]), persistent=False)
+        """:attr:`spans`' ``(first, end)`` on the device."""
         self._copy_resident(to_device=True)
         # The books are made on the compute stream, used and replaced on the side stream.
         self.side = SideStream(replaced=self.cache.buffers)
@@ -291,8 +294,8 @@ class HostCachedCollection(EmbeddingCollection):
     def _groups_of(self, by_table: list[int]) -> Iterator[tuple[int, int, int]]:
         """``(group, lo, hi)``: the range of each dim group's cached tables in rows counted ``by_table``."""
         lo = 0
-        for group in dict.fromkeys(self.groups):
-            hi = lo + sum(n for n, g in zip(by_table, self.groups) if g == group)
+        for group, (first, end) in self.spans:
+            hi = lo + sum(by_table[first:end])
             if hi > lo:
                 yield group, lo, hi
             lo = hi
@@ -324,7 +327,7 @@ class HostCachedCollection(EmbeddingCollection):
             slots = slots[order]
         at = slots + self.slot_group_row[self.cache.slot_table[slots]]
         bounds = torch.cat([ends.new_zeros(1), ends])[self.group_spans]
-        for k, g in enumerate(dict.fromkeys(self.groups)):
+        for k, (g, _) in enumerate(self.spans):
             host_rows = rows - self.packing.groups[g].row_start
             for key, flat in self._storage().items():
                 cache = _group_view(self.storage_packing, flat, g)
