@@ -18,7 +18,8 @@ cached tables at once, on a GPU on a side stream of its own:
    the dirty rows of the slots the missing rows take are written into the host tables, then the missing rows read
    into their slots, each row crossing the bus once, every copy taking its size and each table's range from the
    device, on a stream of their own (:meth:`SideStream.beside`), queued once the books (step 4) are done, so that
-   the next batch's books run beside these copies and its copies follow them at once. A training batch's counts are never read back in the step: the host does not wait at all. A batch that
+   the next batch's books run beside these copies and its copies follow them at once. A training batch's counts
+   are never read back in the step: the host does not wait at all. A batch that
    does not fit its caches moves nothing and is reported, as :class:`~pipeline.modules.host_cache.CacheTooSmall`,
    once the host has the copy of its overflow flags (at a later batch's prefetch, or at once on the CPU; a flush,
    a state dict or the stats wait for it), the training since then void;

@@ -50,7 +50,7 @@ Example::
     placement = cache.place(rows)                            # rows: global rows of a batch's ids, NO_ROW else
     cache.admit(placement.counts.tolist())                   # or CacheTooSmall (a read of the device)
     moves = placement.moves()                                # or .moves(missing, written_back): exact sizes
-    ... copy moves.written_back_slots out, moves.missing_rows in at moves.victims (moves.missing_bounds) ...
+    ... copy moves.written_back_slots out, moves.missing_rows in at moves.victims (each table's part ending at moves.missing_ends) ...
     cache.commit(placement, moves, training=True)
     placement.slot[placement.inverse]                        # each id's slot
 """
@@ -192,11 +192,13 @@ class Placement:
         them); or, given the totals of ``counts`` read on the host (``missing``, ``written_back``), of exactly those
         sizes."""
         size = self.rows.numel()
-        missing_rows, victims = _compact(self.missing, size if missing is None else missing, (self.rows, NO_ROW),
-                                         (self.victim, -1))
-        written_back_slots, = _compact(self.dirty, size if written_back is None else written_back, (self.victim, -1))
-        return Moves(missing_rows, victims, written_back_slots, _counts_before(self.missing)[self.table_ends],
-                     _counts_before(self.dirty)[self.table_ends])
+        missing_before, dirty_before = _counts_before(self.missing), _counts_before(self.dirty)
+        missing_rows, victims = _compact(self.missing, missing_before, size if missing is None else missing,
+                                         (self.rows, NO_ROW), (self.victim, -1))
+        written_back_slots, = _compact(self.dirty, dirty_before, size if written_back is None else written_back,
+                                       (self.victim, -1))
+        return Moves(missing_rows, victims, written_back_slots, missing_before[self.table_ends],
+                     dirty_before[self.table_ends])
 
 
 @dataclass
@@ -404,10 +406,11 @@ def _segment_sums(before: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor
     return before[ends] - before[starts]
 
 
-def _compact(flags: torch.Tensor, size: int, *values: tuple[torch.Tensor, int]) -> tuple[torch.Tensor, ...]:
+def _compact(flags: torch.Tensor, before: torch.Tensor, size: int,
+             *values: tuple[torch.Tensor, int]) -> tuple[torch.Tensor, ...]:
     """Each of ``values`` (an array and its padding) at the positions where ``flags`` is set, in order, then padding
-    up to ``size`` (at least their count)."""
-    at = torch.where(flags, torch.cumsum(flags, 0) - 1, size)
+    up to ``size`` (at least their count); ``before``: the flags' :func:`_counts_before`."""
+    at = torch.where(flags, before[:-1], size)
     return tuple(_scatter(size, (at, v), fill=fill) for v, fill in values)
 
 
