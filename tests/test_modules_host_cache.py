@@ -17,7 +17,7 @@ import torch
 from pipeline.modules.cached_collection import HostCachedCollection
 from pipeline.modules.collection import EmbeddingCollection
 from pipeline.modules.configs import EmbeddingOptimizerConfig, TableConfig
-from pipeline.modules.host_cache import NO_ROW, CachedTable, CacheStats, CacheTooSmall, RowCache
+from pipeline.modules.host_cache import NO_ROW, CachedTable, CacheStats, CacheTooSmall, Placement, RowCache
 from pipeline.modules.side_stream import SideStream
 from pipeline.sparse import KeyedJaggedTensor
 
@@ -217,8 +217,7 @@ def test_the_books_traced_whole_as_a_gpu_compiles_them_keep_the_same_caches():
     tables = [CachedTable("t", rows=500, slots=90, first_row=0), CachedTable("u", rows=900, slots=60, first_row=500)]
     eager, traced = RowCache(tables), RowCache(tables)
     graph = {name: torch.compile(getattr(cls, name).__wrapped__, backend="aot_eager", fullgraph=True)
-             for cls, name in ((RowCache, "place"), (RowCache, "commit"), (type(eager.place(torch.zeros(1).long())),
-                                                                           "moves"))}
+             for cls, name in ((RowCache, "place"), (RowCache, "commit"), (Placement, "moves"))}
     g = torch.Generator().manual_seed(3)
     for step in range(12):
         in_u = 30 if step != 7 else 120  # batch 7 does not fit table u
@@ -227,7 +226,7 @@ def test_the_books_traced_whole_as_a_gpu_compiles_them_keep_the_same_caches():
         rows = rows[torch.randperm(rows.numel(), generator=g)]
         training, exact = step % 4 != 3, step % 2 == 0
         books = []
-        for cache, place, moves, commit in ((eager, RowCache.place, type(eager.place(rows)).moves, RowCache.commit),
+        for cache, place, moves, commit in ((eager, RowCache.place, Placement.moves, RowCache.commit),
                                             (traced, graph["place"], graph["moves"], graph["commit"])):
             placement = place(cache, rows)
             counts = placement.counts.tolist()
