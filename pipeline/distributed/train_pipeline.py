@@ -21,14 +21,20 @@ added. On CPU there are no streams and gloo runs the exchange on its own threads
 (:attr:`~pipeline.modules.collection.EmbeddingCollection.prefetches`: a
 :class:`~pipeline.modules.cached_collection.HostCachedCollection`, or a collection with dynamic tables): it
 hands out batch ``i`` with its ``sparse`` already prefetched (:class:`~pipeline.modules.collection.Prefetched`:
-its rows copied into the caches, or its ids placed in the dynamic tables, whose new rows its lookup starts),
-the prefetch run when the loop asked for batch ``i``, after it queued batch ``i - 1``'s step, and after batch
-``i - 1``'s evaluation and checkpoint, which therefore see the tables as a loop without the pipeline does. On
-a GPU the prefetch's side stream waits for an event recorded before that step (when batch ``i`` was read, so
-its ids are ready, and every earlier step was queued), not for the step itself: the prefetch's host waits and
-copies run while batch ``i - 1`` computes. Batch ``i + 1`` is read from the loader, and its event recorded, before
-``i`` is prefetched (so that event follows the step queued last but not the compute stream's wait for ``i``'s
-prefetch), and prefetched only when the loop asks for it.
+its rows copied into the caches, or its ids placed in the dynamic tables, whose new rows its lookup starts).
+Dynamic tables: the prefetch runs when the loop asks for batch ``i``, after it queued batch ``i - 1``'s step,
+and after batch ``i - 1``'s evaluation and checkpoint, which therefore see the tables as a loop without the
+pipeline does (a placement admits ids). On a GPU the prefetch's side stream waits for an event recorded before
+that step (when batch ``i`` was read, so its ids are ready, and every earlier step was queued), not for the step
+itself: the prefetch's host waits and copies run while batch ``i - 1`` computes. Batch ``i + 1`` is read from the
+loader, and its event recorded, before ``i`` is prefetched (so that event follows the step queued last but not
+the compute stream's wait for ``i``'s prefetch), and prefetched only when the loop asks for it. Host-cached
+tables, whose prefetch changes no value that an evaluation or a checkpoint reads
+(:attr:`~pipeline.modules.collection.EmbeddingCollection.prefetches_during_step`): batch ``i + 1`` is prefetched
+during step ``i``, as soon as its lookup is queued (a forward hook of the embedding), so that the host queues the
+next batch's books and copies before the rest of the step, and the GPU runs them beside it; the lookup of batch
+``i + 1`` waits for them (:attr:`~pipeline.modules.collection.Prefetched.ready`). A batch prefetched so and never
+trained (the loop stopped) leaves only its rows in the caches, counted in their stats.
 
 Example::
 
@@ -49,7 +55,7 @@ from torch import nn
 
 from pipeline.distributed.embedding import ShardedEmbeddingCollection, StartedInputDist
 from pipeline.loader import Batch
-from pipeline.modules.collection import EmbeddingCollection
+from pipeline.modules.collection import EmbeddingCollection, Prefetched
 
 
 class SparseDistPipeline:
@@ -139,13 +145,18 @@ class PrefetchPipeline:
 
 
 class PrefetchAhead:
-    """The batches of ``source``, each prefetched when asked for, the next one read already (see the module)."""
+    """The batches of ``source``, each prefetched when asked for, the next one read already (see the module); where
+    the embedding allows it, the next one prefetched during the step before, once that step's lookup is queued."""
 
     def __init__(self, source: Iterator[Batch], pipeline: PrefetchPipeline) -> None:
         self.source, self.pipeline = source, pipeline
         self.ahead: Batch | None = None
         self.read_at: torch.cuda.Event | None = None
+        self.ahead_prefetched: Prefetched | None = None
+        self.handed_out: Prefetched | None = None
         self.started = self.exhausted = False
+        embedding = pipeline.embedding
+        self._hook = embedding.register_forward_hook(self._after_lookup) if embedding.prefetches_during_step else None
 
     def __iter__(self) -> PrefetchAhead:
         return self
@@ -154,29 +165,49 @@ class PrefetchAhead:
         if not self.started:
             self.started = True
             self._read()
-        batch, after = self.ahead, self.read_at
+        batch, after, prefetched = self.ahead, self.read_at, self.ahead_prefetched
         if batch is None:
+            self._remove_hook()
             raise StopIteration
         # the next batch read first: its event then follows the step queued last, not this prefetch's work, which
         # the compute stream waits for from here on (the next prefetch's books need not wait for this one's copies)
         self._read()
-        prefetched = self.pipeline.embedding.prefetch(batch.sparse, after=after)
+        embedding = self.pipeline.embedding
+        if prefetched is None or prefetched.generation != embedding.generation:
+            prefetched = embedding.prefetch(batch.sparse, after=after)
+        self.handed_out = prefetched
         return Batch(batch.dense, prefetched, batch.label)
 
     def _read(self) -> None:
         """The next batch on the device, and the compute stream's event after it (and every step queued so far)."""
-        self.ahead = None
+        self.ahead, self.ahead_prefetched = None, None
         if not self.exhausted:
             try:
                 self.ahead = next(self.source).to(self.pipeline.device, non_blocking=True)
             except StopIteration:
                 self.exhausted = True
+        self.read_at = self._event()
+
+    def _after_lookup(self, module, args, output) -> None:
+        """After the lookup of the batch handed out last is queued: the next batch prefetched, its side stream after
+        that lookup (every earlier step's update queued before it), beside the rest of the step (TorchRec's prefetch
+        pipeline prefetches between the forward and the backward too)."""
+        if args and args[0] is self.handed_out and self.ahead is not None and self.ahead_prefetched is None:
+            self.ahead_prefetched = self.pipeline.embedding.prefetch(self.ahead.sparse, after=self._event())
+
+    def _event(self) -> torch.cuda.Event | None:
         device = self.pipeline.device
-        self.read_at = torch.cuda.current_stream(device).record_event() if device.type == "cuda" else None
+        return torch.cuda.current_stream(device).record_event() if device.type == "cuda" else None
+
+    def _remove_hook(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
 
     def close(self) -> None:
         """Drop the batch read ahead, close the source."""
-        self.ahead, self.exhausted = None, True
+        self._remove_hook()
+        self.ahead, self.ahead_prefetched, self.handed_out, self.exhausted = None, None, None, True
         close = getattr(self.source, "close", None)
         if callable(close):
             close()

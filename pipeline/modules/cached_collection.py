@@ -171,6 +171,13 @@ class HostCachedCollection(EmbeddingCollection):
         """The flat device tensors by view key: ``weight`` and each optimizer state."""
         return {"weight": self.weights, **self.optimizer_state()}
 
+    def _cache_rows(self) -> dict[str, torch.Tensor]:
+        """:meth:`_storage` for the moves of rows in and out of the caches: the same memory, outside autograd's
+        count of changes. A batch prefetched during a step moves rows of tensors that the step's lookup saved for
+        its backward, never the rows that lookup reads (the slots of the batch before are spared), so the backward
+        must not refuse them as changed."""
+        return {key: flat.data for key, flat in self._storage().items()}
+
     def _copy_resident(self, to_device: bool) -> None:
         """The tables that are not cached, between the host tensors and the device ones."""
         storage = self._storage()
@@ -191,6 +198,12 @@ class HostCachedCollection(EmbeddingCollection):
         """Always: a batch's rows move into the caches ahead of its lookup."""
         return True
 
+    @property
+    def prefetches_during_step(self) -> bool:
+        """Always: a prefetch moves rows between the host tables and the caches, whose values a state dict (after a
+        flush), an evaluation and an export read alike."""
+        return True
+
     def cache_stats(self) -> dict[str, CacheStats]:
         """Each cached table's counts of its training batches' rows: looked up, found, evicted, written back."""
         self._check_overflow(wait=True)
@@ -207,11 +220,13 @@ class HostCachedCollection(EmbeddingCollection):
         """``features``' rows in the caches now, for their training lookup later (``self(prefetched)``), at
         most one batch ahead of the batch training. ``after``: on a GPU, an event of the compute stream after
         which ``features`` are ready and every batch before the one prefetched last is queued (default: all
-        the compute stream's work queued so far)."""
-        with self.side.run(self.weights.device, after):
+        the compute stream's work queued so far). The compute stream does not wait for the prefetch: the lookup
+        does (:attr:`Prefetched.ready`), so it may be queued in the middle of the step before."""
+        with self.side.run(self.weights.device, after, join=False) as ready:
+            self.side.uses(features.values, features.lengths, features.offsets())
             indices, offsets, batch_size = self.slot_bags(features)
             slots = self._to_slots(indices, offsets, batch_size, True)
-        return Prefetched(*self.side.hand_over(slots, offsets), batch_size, self._generation)
+        return Prefetched(*self.side.hand_over(slots, offsets), batch_size, self._generation, ready=tuple(ready))
 
     def forward(self, features: KeyedJaggedTensor | Prefetched) -> torch.Tensor:
         if isinstance(features, Prefetched):
@@ -330,7 +345,7 @@ class HostCachedCollection(EmbeddingCollection):
         bounds = torch.cat([ends.new_zeros(1), ends])[self.group_spans]
         for k, (g, _) in enumerate(self.spans):
             host_rows = rows - self.packing.groups[g].row_start
-            for key, flat in self._storage().items():
+            for key, flat in self._cache_rows().items():
                 cache = _group_view(self.storage_packing, flat, g)
                 host = _group_view(self.packing, self.host[key], g)
                 if to_host:
@@ -381,7 +396,7 @@ class HostCachedCollection(EmbeddingCollection):
                 torch.index_select(view, 0, group_rows, out=part)
                 start += part.numel()
             arrived = staged.to(self.weights.device, non_blocking=True)
-            storage = self._storage()[key]
+            storage = self._cache_rows()[key]
             start = 0
             for g, lo, hi in groups:
                 view = _group_view(self.storage_packing, storage, g)

@@ -58,6 +58,7 @@ class Prefetched:
     generation: int
     lengths: torch.Tensor | None = None  # the batch's, key-major
     new_rows: list[NewRows] = field(default_factory=list)
+    ready: tuple = ()  # on a GPU, the events of the prefetch's streams that its lookup waits for first
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Prefetched:
         """Itself: its ids are placed on the collection's device."""
@@ -175,6 +176,18 @@ class EmbeddingCollection(nn.Module):
         tables), so that a training pipeline runs it while the batch before trains."""
         return self.dynamic is not None
 
+    @property
+    def prefetches_during_step(self) -> bool:
+        """Whether a training pipeline may prefetch the next batch in the middle of a step, once the step's lookup is
+        queued: only where a prefetch changes nothing that a state dict, an evaluation or an export reads, since
+        the loop may evaluate or save between the two steps (here: no, a dynamic table's placement admits ids)."""
+        return False
+
+    @property
+    def generation(self) -> int:
+        """Counts the state dicts loaded (and the caches emptied): a batch prefetched in another generation is void."""
+        return self._generation
+
     def optimizer_state(self) -> dict[str, torch.Tensor]:
         return {name[len("state_"):]: buf for name, buf in self.named_buffers() if name.startswith("state_")}
 
@@ -199,6 +212,7 @@ class EmbeddingCollection(nn.Module):
         elif features.generation != self._generation:
             raise RuntimeError("a batch prefetched before a state dict was loaded (or the caches of host-cached "
                                "tables emptied, their table views taken): prefetch it again")
+        self.side.ready(self.weights.device, features.ready)
         pooled = self.lookup(*self._ready(features))
         return pooled if self.dynamic is None else self.dynamic.pool_means(pooled, features.lengths,
                                                                           features.batch_size)

@@ -366,8 +366,10 @@ class RowCache(nn.Module):
         return self.dirty.nonzero().squeeze(1)
 
     def cleaned(self, slots: torch.Tensor) -> None:
-        """``slots``' rows were written back: clean."""
+        """``slots``' rows were written back: clean, but for the slots of the training batch placed last (spared),
+        which may not have trained yet (prefetched during the step before): its update is still to be written back."""
         self.dirty.index_fill_(0, slots, False)
+        self.dirty |= self.spared
 
     def drop(self) -> None:
         """Forget every row held, without writing any back."""

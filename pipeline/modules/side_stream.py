@@ -9,7 +9,9 @@ runs here instead, on a side stream of high priority, and the host waits only fo
   after which its inputs are ready (or, without one, for all the compute stream's work queued so far), and for the
   compute stream's work up to the last :meth:`SideStream.follow` (work that changed what the blocks change);
 - at the end of the block the compute stream waits for the side stream, so whatever the compute stream runs later
-  sees what the block did, and whatever it ran before was not waited for;
+  sees what the block did, and whatever it ran before was not waited for; or, for a block run without ``join``
+  (the next batch's prefetch, queued in the middle of a step), the block hands out its streams' events, and only
+  the work that uses its results waits for them (:meth:`SideStream.ready`);
 - work of a block that later blocks need not wait for (the rows a batch copies, which the next batch's books do not
   read) goes on a third stream (:meth:`SideStream.beside`), which the compute stream waits for too at the end of the
   block;
@@ -66,12 +68,16 @@ class SideStream:
         return self._stream
 
     @contextlib.contextmanager
-    def run(self, device: torch.device, after: torch.cuda.Event | None = None) -> Iterator[None]:
+    def run(self, device: torch.device, after: torch.cuda.Event | None = None,
+            join: bool = True) -> Iterator[list[torch.cuda.Event]]:
         """Run the block on the side stream of ``device`` (see the module), after ``after`` or all the compute stream's
-        work so far; the compute stream waits for it after."""
+        work so far; the compute stream waits for it after. Without ``join`` it does not: the list the block gets
+        holds, once the block is done, the events the work that uses its results must wait for first
+        (:meth:`ready`), so the compute stream may run the work queued after the block beside it."""
+        done: list[torch.cuda.Event] = []
         side = self.stream(device)
         if side is None:
-            yield
+            yield done
             return
         compute = torch.cuda.current_stream(device)
         if after is None:
@@ -82,11 +88,22 @@ class SideStream:
                 side.wait_event(self._followed)
         try:
             with torch.cuda.stream(side):
-                yield
+                yield done
         finally:
-            compute.wait_stream(side)
-            if self._copies is not None:
-                compute.wait_stream(self._copies)
+            for stream in (side, self._copies):
+                if stream is None:
+                    continue
+                if join:
+                    compute.wait_stream(stream)
+                else:
+                    done.append(stream.record_event())
+
+    @staticmethod
+    def ready(device: torch.device, events: Iterable[torch.cuda.Event]) -> None:
+        """The current stream of ``device`` waits for ``events`` (those of a block run without ``join``) before its
+        later work."""
+        for event in events:
+            torch.cuda.current_stream(device).wait_event(event)
 
     @contextlib.contextmanager
     def beside(self, device: torch.device) -> Iterator[None]:
@@ -112,6 +129,15 @@ class SideStream:
             for tensor in tensors:
                 if tensor.is_cuda:
                     tensor.record_stream(self._copies)
+
+    def uses(self, *tensors: torch.Tensor) -> None:
+        """``tensors``, made outside the blocks, are read by a block run without ``join``: their memory waits for the
+        side stream's work before it is given out again (the compute stream, not waiting for the block, may free
+        them first)."""
+        if self._stream is not None:
+            for tensor in tensors:
+                if tensor.is_cuda:
+                    tensor.record_stream(self._stream)
 
     def join(self, device: torch.device) -> None:
         """The current stream's later work waits for all the work queued :meth:`beside` the side stream."""
