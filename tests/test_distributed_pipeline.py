@@ -3,7 +3,7 @@ batch before it trains) trains the same weights as the plain one-batch-at-a-time
 gloo ranks, for table-wise, row-wise, data-parallel and mixed plans, through epoch ends, a short last
 batch, evaluation between steps and a last step inside an epoch (a batch started ahead, never
 trained); and a pipelined run killed mid-epoch resumes exactly. One process with a host-cached table
-(each batch's rows prefetched into its device cache while the batch before trains) does the same.
+(each batch's rows prefetched into its device cache during the step before) does the same.
 
 Each rank count is one spawn: every rank runs the training driver for each plan both ways, then a
 pipelined run that crashes after a mid-epoch checkpoint and its resume.
@@ -134,3 +134,38 @@ def test_one_process_prefetches_host_cached_rows_a_step_ahead_and_trains_the_sam
     _one_process(tmp_path, "resumed", True, "train.resume=true")
     plain, pipelined, resumed = (_final(tmp_path, name) for name in ("cached-False", "cached-True", "resumed"))
     assert all(torch.equal(plain[key], pipelined[key]) and torch.equal(plain[key], resumed[key]) for key in plain)
+
+
+class _Model(torch.nn.Module):
+    def __init__(self, embedding) -> None:
+        super().__init__()
+        self.embedding = embedding
+
+
+@pytest.mark.parametrize("tables", ["host-cached", "dynamic"])
+def test_host_cached_tables_take_the_next_batch_during_the_step_and_dynamic_ones_when_it_is_asked_for(tables):
+    from pipeline.distributed.train_pipeline import PrefetchPipeline
+    from pipeline.loader import Batch
+    from pipeline.modules.cached_collection import HostCachedCollection
+    from pipeline.modules.collection import EmbeddingCollection, Prefetched
+    from pipeline.modules.configs import TableConfig
+    from pipeline.sparse import KeyedJaggedTensor
+
+    table = TableConfig("t", 1024, 4, ["f"], dynamic=tables == "dynamic")
+    embedding = (HostCachedCollection([table], ["f"], {"t": 100}, backend="torch") if tables == "host-cached"
+                 else EmbeddingCollection([table], ["f"], backend="torch"))
+    ones = torch.ones(8, dtype=torch.int64)
+    batches = [Batch(torch.zeros(8, 1), KeyedJaggedTensor(["f"], torch.arange(8) + 8 * i, ones), torch.zeros(8))
+               for i in range(3)]
+    ahead = PrefetchPipeline(_Model(embedding), "cpu")(iter(batches))
+    first = next(ahead)
+    assert isinstance(first.sparse, Prefetched) and ahead.ahead_prefetched is None
+    embedding(first.sparse).sum().backward()
+    during_the_step = ahead.ahead_prefetched
+    assert (during_the_step is not None) == (tables == "host-cached")
+    second = next(ahead)
+    assert during_the_step is None or second.sparse is during_the_step
+    embedding(KeyedJaggedTensor(["f"], torch.arange(8), ones))  # not a batch handed out: nothing prefetched
+    assert ahead.ahead_prefetched is None
+    ahead.close()
+    assert not embedding._forward_hooks

@@ -140,6 +140,27 @@ def test_a_prefetch_one_batch_ahead_spares_the_rows_of_the_batch_still_training(
     assert all(s.evictions > 0 for s in cached.cache_stats().values())
 
 
+def test_a_batch_prefetched_during_the_step_before_trains_alike_through_state_dicts_taken_in_between():
+    # As the training pipeline runs it: batch i + 1 prefetched once batch i's lookup is done, before its backward;
+    # a state dict (a checkpoint) between the steps writes every dirty row back but leaves the rows of the batch
+    # prefetched dirty, since its update is still to come.
+    reference = plain("sgd")
+    cached = HostCachedCollection.from_collection(plain("sgd"), cache_rows(0.01))
+    prefetched = cached.prefetch(batch(0)[0])
+    for step in range(STEPS):
+        kjt, target = batch(step)
+        want = reference(kjt)
+        (want * target).sum().backward()
+        got = cached(prefetched)
+        if step + 1 < STEPS:
+            prefetched = cached.prefetch(batch(step + 1)[0])
+        (got * target).sum().backward()
+        assert_same(want.detach(), got.detach(), exact=True)
+        cached.state_dict()
+    assert_same_state(reference, cached, exact=True)
+    assert all(s.evictions > 0 for s in cached.cache_stats().values())
+
+
 def test_the_state_dict_is_the_plain_collections_and_resumes_into_another_cache_size():
     reference = plain("adam")
     cached = HostCachedCollection.from_collection(plain("adam"), cache_rows(0.01))
