@@ -193,7 +193,8 @@ class PrefetchAhead:
         that lookup (every earlier step's update queued before it), beside the rest of the step (TorchRec's prefetch
         pipeline prefetches between the forward and the backward too)."""
         if args and args[0] is self.handed_out and self.ahead is not None and self.ahead_prefetched is None:
-            self.ahead_prefetched = self.pipeline.embedding.prefetch(self.ahead.sparse, after=self._event())
+            with torch.autocast(self.pipeline.device.type, enabled=False):  # the step's, not the prefetch's
+                self.ahead_prefetched = self.pipeline.embedding.prefetch(self.ahead.sparse, after=self._event())
 
     def _event(self) -> torch.cuda.Event | None:
         device = self.pipeline.device
