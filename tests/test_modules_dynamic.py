@@ -112,7 +112,7 @@ def test_new_ids_start_from_the_tables_init_and_evaluation_places_nothing():
 def test_new_rows_drawn_by_one_traced_graph_as_a_gpu_compiles_them_equal_the_eager_draw():
     """On a GPU a batch's new rows are drawn compiled: the draw traces into one graph, no break, whose rows equal the
     eager ones bit for bit (integer hashing, then exact scalings), for batches of any size and extreme ids."""
-    from pipeline.modules.dynamic import _drawn_rows
+    from pipeline.modules.dynamic import _drawn_rows, mixed_columns
 
     graph = torch.compile(_drawn_rows.__wrapped__, backend="aot_eager", fullgraph=True, dynamic=True)
     g = torch.Generator().manual_seed(5)
@@ -122,8 +122,8 @@ def test_new_rows_drawn_by_one_traced_graph_as_a_gpu_compiles_them_equal_the_eag
         keys[0] = -(2**63) if n > 1 else 2**63 - 1
         owner, slots = torch.randint(0, 3, (n,), generator=g), torch.randint(0, 100, (n,), generator=g)
         at = torch.randperm(n, generator=g)[: max(1, n // 2)]
-        want, have = _drawn_rows(keys, slots, owner, at, seeds, bounds, offsets, 6), graph(keys, slots, owner, at,
-                                                                                          seeds, bounds, offsets, 6)
+        args = (keys, slots, owner, at, seeds, mixed_columns(6, keys.device), bounds, offsets)
+        want, have = _drawn_rows(*args), graph(*args)
         assert torch.equal(want[0], have[0]) and torch.equal(want[1], have[1])
         assert want[1].shape == (at.numel(), 6) and (want[1].abs() <= bounds[owner[at]][:, None]).all()
 
