@@ -30,6 +30,14 @@ def test_a_function_whose_compilation_fails_runs_eagerly_after_one_warning(monke
     assert "no compiler here" in err[0]
 
 
+def test_the_warning_names_the_error_of_a_message_that_gives_its_place_first():
+    triton_like = RuntimeError("at 43:12:\n    tmp31 = 6364136223846793005*x1\n            ^\n"
+                               "ValueError('Scalar 6364136223846793005 is out of range for type int32')")
+    assert gpu_compiled._reason(triton_like) == "ValueError('Scalar 6364136223846793005 is out of range for type int32')"
+    assert gpu_compiled._reason(RuntimeError("no compiler here\nsee the log")) == "no compiler here"
+    assert gpu_compiled._reason(RuntimeError()) == "RuntimeError"
+
+
 def test_on_the_cpu_the_function_runs_as_written(monkeypatch):
     monkeypatch.setattr(torch, "compile", None)  # never reached
 

@@ -45,7 +45,7 @@ def compiled_on_gpu(tensor_of: Callable[[object], torch.Tensor]):
                     raise
                 compiled = function  # it failed before the graph ran: nothing changed yet
                 cause = getattr(err, "inner_exception", None) or err
-                reason = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+                reason = _reason(cause)
                 print(f"warning: {function.__qualname__} runs eagerly, torch.compile could not compile it: {reason}",
                       file=sys.stderr)
                 return function(first, *args)
@@ -60,3 +60,12 @@ def _triton_usable() -> bool:
     from torch.utils._triton import has_triton
 
     return has_triton()
+
+
+def _reason(error: BaseException) -> str:
+    """One line of ``error``'s message that says what failed: a compiler's message may first give the place in the
+    generated source ("at 43:12:") and the source itself, and name the error last."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    return next((line for line in reversed(lines) if "Error" in line), lines[0])
