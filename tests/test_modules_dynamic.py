@@ -109,25 +109,6 @@ def test_new_ids_start_from_the_tables_init_and_evaluation_places_nothing():
     assert torch.equal(make().dynamic["u"].init_rows(ids), rows)
 
 
-def test_new_rows_drawn_by_one_traced_graph_as_a_gpu_compiles_them_equal_the_eager_draw():
-    """On a GPU a batch's new rows are drawn compiled: the draw traces into one graph, no break, whose rows equal the
-    eager ones bit for bit (integer hashing, then exact scalings), for batches of any size and extreme ids."""
-    from pipeline.modules.dynamic import _drawn_rows, mixed_columns
-
-    graph = torch.compile(_drawn_rows.__wrapped__, backend="aot_eager", fullgraph=True, dynamic=True)
-    g = torch.Generator().manual_seed(5)
-    seeds, bounds, offsets = torch.tensor([11, -3, 2**40]), torch.tensor([0.5, 0.01, 3.0]), torch.tensor([0, 100, 900])
-    for n in (1, 7, 300):
-        keys = torch.randint(-(2**63), 2**63 - 1, (n,), generator=g)
-        keys[0] = -(2**63) if n > 1 else 2**63 - 1
-        owner, slots = torch.randint(0, 3, (n,), generator=g), torch.randint(0, 100, (n,), generator=g)
-        at = torch.randperm(n, generator=g)[: max(1, n // 2)]
-        args = (keys, slots, owner, at, seeds, mixed_columns(6, keys.device), bounds, offsets)
-        want, have = _drawn_rows(*args), graph(*args)
-        assert torch.equal(want[0], have[0]) and torch.equal(want[1], have[1])
-        assert want[1].shape == (at.numel(), 6) and (want[1].abs() <= bounds[owner[at]][:, None]).all()
-
-
 def test_a_full_table_evicts_the_least_recent_ids_and_a_returning_id_starts_fresh():
     emb = EmbeddingCollection(_tables(True, rows=SLOTS), FEATURES, EmbeddingOptimizerConfig("adagrad", lr=0.1))
     first = _batches(6, vocab=30, seed=1)

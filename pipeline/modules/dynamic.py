@@ -75,7 +75,6 @@ from torch import nn
 
 from pipeline.kernels.hashtable import SLOTS, HashTable, HashTableGroup
 from pipeline.kernels.hashtable.reference import bucket_of, mix64
-from pipeline.modules.gpu_compiled import compiled_on_gpu
 from pipeline.modules.side_stream import SideStream
 
 _CODE = 1 << 24  # a slot is kept in its hash table row as two floats below 2**24, exact in float32
@@ -85,18 +84,7 @@ _OWNER_SALT = 0x2545F4914F6CDD1D  # the owner's hash differs from the bucket's, 
 
 def column_hashes(seeds: torch.Tensor, dim: int) -> torch.Tensor:
     """int64 ``[len(seeds), dim]``: what the row of an id is drawn from besides the id, per table seed and column."""
-    return _column_hashes(seeds, mixed_columns(dim, seeds.device))
-
-
-def mixed_columns(dim: int, device: torch.device) -> torch.Tensor:
-    """int64 ``[dim]``: each column's part of :func:`column_hashes`, made eagerly: in a function compiled for a GPU
-    the product of a column index and so large a constant would be computed in the index arithmetic, which is 32-bit
-    there and refuses it."""
-    return torch.arange(dim, device=device) * _SEED_MIX
-
-
-def _column_hashes(seeds: torch.Tensor, mixed: torch.Tensor) -> torch.Tensor:
-    return mix64(mixed + seeds[:, None] * 2 + 1)
+    return mix64(torch.arange(dim, device=seeds.device) * _SEED_MIX + seeds[:, None] * 2 + 1)
 
 
 def draw_rows(keys: torch.Tensor, hashes: torch.Tensor, bound: float | torch.Tensor) -> torch.Tensor:
@@ -380,8 +368,8 @@ class DynamicTables(nn.Module):
         ``group`` (a repeated id each time), drawn from each table's init."""
         on = self._device_tensors(keys.device)
         seeds = torch.stack([t.seed for t in self.tables.values()])
-        return NewRows(group, *_drawn_rows(keys, slots, owner, at, seeds, on["mixed_columns"][group], on["bounds"],
-                                           on["row_offsets"]))
+        return NewRows(group, *_drawn_rows(keys, slots, owner, at, seeds, on["bounds"], on["row_offsets"],
+                                           self.groups[group].dim))
 
     def start_rows(self, new_rows: Sequence[NewRows], flat: dict[str, torch.Tensor]) -> None:
         """Write ``new_rows`` (of :meth:`place`) into ``flat`` (the collection's weights and optimizer state by name,
@@ -418,8 +406,7 @@ class DynamicTables(nn.Module):
                     "row_offsets": tensor([p.row_offsets[t] for t in self.table_ids]),
                     "bounds": tensor([t.bound for t in tables], torch.float32),
                     "mean_slots": tensor(self.mean_slots), "mean_keys": tensor(self.mean_keys),
-                    "columns": tensor([s for s in range(p.num_slots) for _ in range(p.slot_dims[s])]),
-                    "mixed_columns": [mixed_columns(dim, device) for dim in dims]}
+                    "columns": tensor([s for s in range(p.num_slots) for _ in range(p.slot_dims[s])])}
 
         return self.packing.cached(("dynamic", str(device)), make)
 
@@ -435,14 +422,12 @@ class DynamicTables(nn.Module):
         return pooled * scale.t()[:, on["columns"]]
 
 
-@compiled_on_gpu(lambda keys: keys)
 def _drawn_rows(keys: torch.Tensor, slots: torch.Tensor, owner: torch.Tensor, at: torch.Tensor, seeds: torch.Tensor,
-                mixed: torch.Tensor, bounds: torch.Tensor, row_offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                bounds: torch.Tensor, row_offsets: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The collection rows and the weights of the ids at positions ``at`` (of tables ``owner``, in hash table slots
-    ``slots``), drawn as :meth:`DynamicTable.init_rows` draws them from their tables' ``seeds`` and ``bounds``
-    (``mixed``: :func:`mixed_columns` of the rows' dim)."""
+    ``slots``), drawn as :meth:`DynamicTable.init_rows` draws them from their tables' ``seeds`` and ``bounds``."""
     table = owner[at]
-    weights = draw_rows(keys[at], _column_hashes(seeds, mixed)[table], bounds[table][:, None])
+    weights = draw_rows(keys[at], column_hashes(seeds, dim)[table], bounds[table][:, None])
     return row_offsets[table] + slots[at], weights
 
 
