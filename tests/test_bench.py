@@ -208,6 +208,8 @@ def test_bench_e2e_reports_every_rate_and_where_the_stage_time_goes(tmp_path, ca
         r["dense_gemm_flops_per_sample"] * r["step_alone_samples_per_s"] / 1e12)
     assert r["reference_gemm_tflops"] is None
     assert (out / "trace.json").stat().st_size > 0 and "Self CPU" in (out / "profile.txt").read_text()
+    # the two profiled steps, 15 and 16, hold step 15's evaluation, and say so
+    assert set(r["profile_also"]) == {"evaluation"} and r["profile_also"]["evaluation"] > 0
     # the stage's own outputs, from its own code: the loss logged every 4 steps, up to where the bench stopped it
     run = Path(r["stage_run"])
     assert run.parent == out / "train"
@@ -216,7 +218,7 @@ def test_bench_e2e_reports_every_rate_and_where_the_stage_time_goes(tmp_path, ca
     assert not (run / "model.pt").exists()
     printed = capsys.readouterr().out
     for text in ("(a) training stage", "(b) step alone", "(c) loader alone", "batch wait", "(a) - (b)",
-                 "the dense part's matrix products"):
+                 "the dense part's matrix products", "the profiled steps also hold the stage's evaluation"):
         assert text in printed
 
 

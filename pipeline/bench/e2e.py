@@ -255,6 +255,7 @@ def _result(args, cfg, settings, trainer, probe, step_rate, loader_rate, device,
         "difference_seconds": beyond,
         "host_syncs": probe.syncs,
         "profile": probe.profile,
+        "profile_also": probe.profile_also,
         "out": str(out),
         "stage_run": str(trainer.out_dir),
     }
@@ -306,4 +307,8 @@ def _report(r: dict) -> None:
           f"(forward + backward), done at {r['dense_gemm_tflops_at_step_alone']:.3g} TFLOPS in (b){gemm}")
     if r["profile"]:
         print(f"\n  profile: {r['profile']} (and profile.txt beside it)")
+        if r["profile_also"]:
+            also = ", ".join(f"{region} {seconds:.2f} s" for region, seconds in r["profile_also"].items())
+            print(f"  the profiled steps also hold the stage's {also}: profile fewer steps, or more before them "
+                  "(--warmup, --steps), to keep them out")
 

@@ -49,7 +49,10 @@ class StageProbe(Callback):
         self.window: dict | None = None
         self.syncs: dict | None = None
         self.profile: str | None = None
+        self.profile_also: dict[str, float] = {}
+        """Seconds of the loop's work beside the steps that fell in the profiled ones (an evaluation, a checkpoint)."""
         self._start: tuple[float, dict] | None = None
+        self._profiled_from: dict[str, float] = {}
         self._catcher = self._records = self._profiler = None
 
     def on_fit_start(self, trainer) -> None:
@@ -114,6 +117,7 @@ class StageProbe(Callback):
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         self._profiler = torch.profiler.profile(activities=activities)
+        self._profiled_from = dict(self.trainer.timings.seconds)
         self._profiler.start()
 
     def _stop_profile(self) -> None:
@@ -122,6 +126,10 @@ class StageProbe(Callback):
         sync(self.device)
         profiler, self._profiler = self._profiler, None
         profiler.stop()
+        seconds = self.trainer.timings.seconds
+        self.profile_also = {region: seconds.get(region, 0.0) - self._profiled_from.get(region, 0.0)
+                             for region in ("evaluation", "checkpoint")
+                             if seconds.get(region, 0.0) > self._profiled_from.get(region, 0.0)}
         self.out.mkdir(parents=True, exist_ok=True)
         trace = self.out / "trace.json"
         partial = tmp_path(trace)
