@@ -29,16 +29,16 @@
 #              request's time goes (client, transport and Triton, the python backend, the model's work), with the
 #              instances as exported, one instance, and each on a core of its own (--pin)
 #   loader     bench loader on 8M synthetic rows, LZ4 pages and uncompressed (etl.compression)
-#   e2e        run etl of 10M synthetic rows (once), then bench e2e of each model on it, and of DCNv2
-#              with train.compile=max-autotune
+#   e2e        run etl of E2E_ROWS (10,000,000) synthetic rows (once), then bench e2e of each model on it (E2E_STEPS
+#              timed steps, 100), and of DCNv2 with train.compile=max-autotune (E2E_AUTOTUNE= leaves it out)
 #   etl        the cuDF-vs-pandas tests, tools/etl_profile.py --backend cudf (one partition's steps), the ETL
 #              stage on cuDF, bench data's Criteo TSV readers (CuPy against the CPU's)
 #   etl-bench  bench etl --device cuda: cuDF against every CPU core and plain pandas (a call of its own)
 # A step that fails or runs out of time is recorded and the next one runs. All steps share one time
 # budget (CHECK_BUDGET_S, 560 s by default: under a ten-minute limit on one command).
 # Knobs: PYTHON (python3), SITE (/tmp/site), KIT (.kit), KIT_STORE (/root/kit), MODELS_ENV
-# (/tmp/venv-triton), RAPIDS_PARTS, E2E_WORKDIR (/tmp/e2e), E2E_MODELS (dlrm dcnv2 deepfm wide_deep),
-# DYNAMIC_ROWS, ETL_BENCH_ARGS, ETL_PROFILE_ROWS, SERVE_ARGS (extra settings for bench serve, e.g. export.instances=4).
+# (/tmp/venv-triton), RAPIDS_PARTS, E2E_WORKDIR (/tmp/e2e), E2E_MODELS (dlrm dcnv2 deepfm wide_deep), E2E_ROWS,
+# E2E_STEPS, E2E_AUTOTUNE, DYNAMIC_ROWS, ETL_BENCH_ARGS, ETL_PROFILE_ROWS, SERVE_ARGS (extra settings for bench serve, e.g. export.instances=4).
 set -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-check-out}
@@ -187,15 +187,16 @@ print(f'{len(sources)} sources in {time.time() - start:.0f} s')
         --batches 1,32,1024 --requests 200 --rounds 2 --pin --json "$W/serve-profile-pinned.json" ;;
     e2e)
       w=${E2E_WORKDIR:-/tmp/e2e}
+      rows=${E2E_ROWS:-10000000}
       [ -f "$w/synthetic/processed/schema.json" ] || step e2e-etl 420 "$PY" -m pipeline run etl --device cpu \
-        workdir="$w" data.size=1.0 data.rows=10000000
+        workdir="$w" data.size=1.0 data.rows="$rows"
       for model in ${E2E_MODELS:-dlrm dcnv2 deepfm wide_deep}; do
-        step "e2e-$model" 150 "$PY" -m pipeline bench e2e --device cuda --batch 65536 --steps 100 --warmup 20 \
-          workdir="$w" data.size=1.0 data.rows=10000000 train.model="$model" --out "$W/e2e-$model"
+        step "e2e-$model" 150 "$PY" -m pipeline bench e2e --device cuda --batch 65536 --steps "${E2E_STEPS:-100}" \
+          --warmup 20 workdir="$w" data.size=1.0 data.rows="$rows" train.model="$model" --out "$W/e2e-$model"
       done
-      step e2e-dcnv2-autotune 400 "$PY" -m pipeline bench e2e --device cuda --batch 65536 --steps 100 --warmup 20 \
-        workdir="$w" data.size=1.0 data.rows=10000000 train.model=dcnv2 train.compile=max-autotune \
-        --out "$W/e2e-dcnv2-autotune" ;;
+      [ -n "${E2E_AUTOTUNE-1}" ] && step e2e-dcnv2-autotune 400 "$PY" -m pipeline bench e2e --device cuda --batch 65536 \
+        --steps "${E2E_STEPS:-100}" --warmup 20 workdir="$w" data.size=1.0 data.rows="$rows" train.model=dcnv2 \
+        train.compile=max-autotune --out "$W/e2e-dcnv2-autotune" ;;
     loader)
       # the loader alone on 8M synthetic rows as the ETL writes them, LZ4 pages (the default) and plain ones
       for packing in lz4 none; do
