@@ -464,3 +464,28 @@ def test_stream_busy_time_counts_overlapping_kernels_once():
     from pipeline.bench.train_profile import _union_us
 
     assert _union_us([(5, 6), (0, 2), (1, 3)]) == 4 and _union_us([(0, 10), (2, 3)]) == 10 and _union_us([]) == 0
+
+
+def test_criteo_scale_runs_tsv_to_processed_timing_each_stage_and_compares_a_sample(tmp_path, capsys):
+    """tools/criteo_scale.py on the CPU: the TSV written by several processes holds every row once, the data and ETL
+    stages run on it, each timed with its memory peaks, and a sample through both sides compares equal."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("criteo_scale",
+                                                  Path(__file__).parent.parent / "tools/criteo_scale.py")
+    scale = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(scale)
+    rows = 150_000  # three generator blocks of 65,536, the last short, over two files
+    assert scale.main(["--rows", str(rows), "--device", "cpu", "--workdir", str(tmp_path), "--parts", "2",
+                       "--sample-rows", "20000", "--json", str(tmp_path / "scale.json")]) == 0
+    r = json.loads((tmp_path / "scale.json").read_text())
+    lines = [line for p in sorted((tmp_path / "tsv").glob("*.tsv")) for line in p.read_text().splitlines()]
+    assert len(lines) == rows and len(set(lines)) > rows * 0.99 and all(line.count("\t") == 39 for line in lines[:100])
+    assert list(r["stages"]) == ["tsv", "data", "etl"]
+    for stage in r["stages"].values():
+        assert stage["seconds"] > 0 and stage["rows_per_s"] > 0 and "host_peak_gib" in stage
+    whole = r["raw_tsv_to_processed"]
+    assert whole["seconds"] == pytest.approx(r["stages"]["data"]["seconds"] + r["stages"]["etl"]["seconds"])
+    assert whole["criteo_1tb_hours"] == pytest.approx(scale.CRITEO_1TB_ROWS / whole["rows_per_s"] / 3600)
+    assert r["sample"]["equal"] and 0 < r["sample"]["rows"] < 20_000
+    assert "raw TSV to processed parquet" in capsys.readouterr().out

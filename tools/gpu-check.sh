@@ -34,6 +34,8 @@
 #   etl        the cuDF-vs-pandas tests, tools/etl_profile.py --backend cudf (one partition's steps), the ETL
 #              stage on cuDF, bench data's Criteo TSV readers (CuPy against the CPU's)
 #   etl-bench  bench etl --device cuda: cuDF against every CPU core and plain pandas (a call of its own)
+#   criteo-scale  tools/criteo_scale.py: SCALE_ROWS (100,000,000) rows of Criteo TSV through the data and ETL stages
+#              on the GPU, each stage timed with its memory peaks, a sample compared with the CPU's (a call of its own)
 # A step that fails or runs out of time is recorded and the next one runs. All steps share one time
 # budget (CHECK_BUDGET_S, 560 s by default: under a ten-minute limit on one command).
 # Knobs: PYTHON (python3), SITE (/tmp/site), KIT (.kit), KIT_STORE (/root/kit), MODELS_ENV
@@ -211,11 +213,14 @@ print(f'{len(sources)} sources in {time.time() - start:.0f} s')
       step etl-stage 60 "$PY" -m pipeline run etl --device cuda data.rows=500000 etl.cluster=local workdir=/tmp/etl-stage
       step etl-tsv 150 "$PY" -m pipeline bench data --rows 1000000 --ingest-rows "${TSV_ROWS:-5000000}" device=cuda \
         workdir=/tmp/tsv-bench ;;
+    criteo-scale)
+      step criteo-scale 560 "$PY" tools/criteo_scale.py --rows "${SCALE_ROWS:-100000000}" --device cuda \
+        --workdir /tmp/criteo-scale --json "$W/criteo-scale.json" ;;
     etl-bench)
       # shellcheck disable=SC2086
       step etl-bench 540 "$PY" -m pipeline bench etl --device cuda --rows "${ETL_BENCH_ROWS:-20000000}" --workers 0 \
         --repeats 2 --json "$W/bench-etl.json" --report "$W/etl-tasks.json" ${ETL_BENCH_ARGS:-} workdir=/tmp/etl-bench ;;
-    *) echo "unknown group $group (setup preflight kernels embedding train dynamic hostcache hostcache-large serve serve-profile loader e2e etl etl-bench)"; exit 2 ;;
+    *) echo "unknown group $group (setup preflight warm kernels embedding train dynamic hostcache hostcache-large host-copies serve serve-profile loader e2e etl etl-bench criteo-scale)"; exit 2 ;;
   esac
 done
 echo "== summary ($SECONDS s)"; cat "$summary"

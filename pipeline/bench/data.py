@@ -31,7 +31,6 @@ def run(args: argparse.Namespace, cfg) -> dict:
     from pathlib import Path
 
     import pyarrow as pa
-    import pyarrow.csv as pacsv
 
     from pipeline.data import raw_folder, synthetic
 
@@ -74,11 +73,7 @@ def run(args: argparse.Namespace, cfg) -> dict:
             import pandas as pd
 
             tsv = Path(tmp) / "day.tsv"
-            with pacsv.CSVWriter(tsv, next(synthetic.iter_split(model, "valid", 1, 1)).table.schema,
-                                 write_options=pacsv.WriteOptions(include_header=False, delimiter="\t",
-                                                                  quoting_style="none")) as out:
-                for chunk in synthetic.iter_split(model, "valid", args.ingest_rows, chunk_rows):
-                    out.write_table(chunk.table)
+            synthetic.write_criteo_tsv(tsv, model, "valid", args.ingest_rows)
             _time_criteo_readers(tsv, args.ingest_rows, chunk_rows, cfg.device, _Timer)
             with _Timer("baseline: pandas.read_csv", args.ingest_rows):
                 for _ in pd.read_csv(tsv, sep="\t", header=None, chunksize=chunk_rows):

@@ -244,6 +244,24 @@ def iter_split(model: ClickModel, split: str, rows: int, chunk_rows: int,
             pending, pending_rows = ([rest] if len(rest) else []), len(rest)
 
 
+def write_criteo_tsv(path, model: ClickModel, split: str, rows: int, first: int = 0, end: int | None = None) -> int:
+    """Blocks ``first`` to ``end - 1`` of a split of ``rows`` rows (all of them by default) as Criteo's TSV at ``path``:
+    label, I1..I13, C1..C26, no header, a missing value an empty field. Returns the rows written. Parts of one split
+    written by separate processes, each its own range of blocks, hold the split's rows once."""
+    import pyarrow.csv as pacsv
+
+    blocks = -(-rows // BLOCK_ROWS)
+    end = blocks if end is None else min(end, blocks)
+    options = pacsv.WriteOptions(include_header=False, delimiter="\t", quoting_style="none")
+    written = 0
+    with pacsv.CSVWriter(path, generate_block(model, split, 0, 1).table.schema, write_options=options) as writer:
+        for index in range(first, end):
+            block = generate_block(model, split, index, min(BLOCK_ROWS, rows - index * BLOCK_ROWS))
+            writer.write_table(block.table)
+            written += len(block)
+    return written
+
+
 def _blocks(model: ClickModel, split: str, rows: int, pool: Executor | None, ahead: int) -> Iterator[SyntheticChunk]:
     """A split's blocks in order, made here or ``ahead`` at a time in ``pool``."""
     jobs = iter([(model, split, index, min(BLOCK_ROWS, rows - index * BLOCK_ROWS))
