@@ -81,8 +81,9 @@ def _write_tsv(folder: Path, rows: int, parts: int, seed: int) -> None:
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     model = synthetic.ClickModel.create(seed, 1.0)
-    per_part = -(-(-(-rows // synthetic.BLOCK_ROWS)) // parts)
-    ranges = [(k * per_part, (k + 1) * per_part) for k in range(parts) if k * per_part * synthetic.BLOCK_ROWS < rows]
+    blocks = -(-rows // synthetic.BLOCK_ROWS)
+    per_part = -(-blocks // parts)
+    ranges = [(k * per_part, (k + 1) * per_part) for k in range(parts) if k * per_part < blocks]
     with ProcessPoolExecutor(len(ranges), mp_context=multiprocessing.get_context("spawn")) as pool:
         written = sum(pool.map(synthetic.write_criteo_tsv, [folder / f"part-{k:03d}.tsv" for k in range(len(ranges))],
                                [model] * len(ranges), ["train"] * len(ranges), [rows] * len(ranges),

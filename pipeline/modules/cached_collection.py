@@ -343,9 +343,10 @@ class HostCachedCollection(EmbeddingCollection):
             slots = slots[order]
         at = slots + self.slot_group_row[self.cache.slot_table[slots]]
         bounds = torch.cat([ends.new_zeros(1), ends])[self.group_spans]
+        storage = self._cache_rows()
         for k, (g, _) in enumerate(self.spans):
             host_rows = rows - self.packing.groups[g].row_start
-            for key, flat in self._cache_rows().items():
+            for key, flat in storage.items():
                 cache = _group_view(self.storage_packing, flat, g)
                 host = _group_view(self.packing, self.host[key], g)
                 if to_host:

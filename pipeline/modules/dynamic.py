@@ -367,9 +367,10 @@ class DynamicTables(nn.Module):
         """The rows of the ids at positions ``at``, which took their slot in this batch in tables of dim group
         ``group`` (a repeated id each time), drawn from each table's init."""
         on = self._device_tensors(keys.device)
-        seeds = torch.stack([t.seed for t in self.tables.values()])
-        return NewRows(group, *_drawn_rows(keys, slots, owner, at, seeds, on["bounds"], on["row_offsets"],
-                                           self.groups[group].dim))
+        table = owner[at]
+        hashes = column_hashes(torch.stack([t.seed for t in self.tables.values()]), self.groups[group].dim)
+        weights = draw_rows(keys[at], hashes[table], on["bounds"][table][:, None])
+        return NewRows(group, on["row_offsets"][table] + slots[at], weights)
 
     def start_rows(self, new_rows: Sequence[NewRows], flat: dict[str, torch.Tensor]) -> None:
         """Write ``new_rows`` (of :meth:`place`) into ``flat`` (the collection's weights and optimizer state by name,
@@ -420,15 +421,6 @@ class DynamicTables(nn.Module):
         whole = lengths.view(-1, batch_size)[self._device_tensors(lengths.device)["mean_keys"]]
         scale[on["mean_slots"]] = 1 / whole.to(pooled.device).float().clamp(min=1)
         return pooled * scale.t()[:, on["columns"]]
-
-
-def _drawn_rows(keys: torch.Tensor, slots: torch.Tensor, owner: torch.Tensor, at: torch.Tensor, seeds: torch.Tensor,
-                bounds: torch.Tensor, row_offsets: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The collection rows and the weights of the ids at positions ``at`` (of tables ``owner``, in hash table slots
-    ``slots``), drawn as :meth:`DynamicTable.init_rows` draws them from their tables' ``seeds`` and ``bounds``."""
-    table = owner[at]
-    weights = draw_rows(keys[at], column_hashes(seeds, dim)[table], bounds[table][:, None])
-    return row_offsets[table] + slots[at], weights
 
 
 def _hash_tables(capacities: list[int], device: torch.device) -> tuple[HashTableGroup, torch.Tensor]:

@@ -50,7 +50,8 @@ Example::
     placement = cache.place(rows)                            # rows: global rows of a batch's ids, NO_ROW else
     cache.admit(placement.counts.tolist())                   # or CacheTooSmall (a read of the device)
     moves = placement.moves()                                # or .moves(missing, written_back): exact sizes
-    ... copy moves.written_back_slots out, moves.missing_rows in at moves.victims (each table's part ending at moves.missing_ends) ...
+    ... copy moves.written_back_slots out, moves.missing_rows in at moves.victims ...
+    ... (each table's part ending at moves.missing_ends) ...
     cache.commit(placement, moves, training=True)
     placement.slot[placement.inverse]                        # each id's slot
 """
