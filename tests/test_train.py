@@ -325,6 +325,23 @@ def test_the_compiled_dense_part_trains_like_eager(tmp_path):
     _assert_same_state(states["max-autotune"], states["off"])
 
 
+def test_an_epochs_short_last_batch_is_not_compiled_again(tmp_path):
+    """1,500 rows in batches of 128: eleven full batches and one of 92. The short one runs eagerly, where a
+    compiled step would compile the whole graph again for its shape (seconds on a GPU, for one step)."""
+    from torch._dynamo import reset
+    from torch._dynamo.utils import counters
+
+    graphs = {}
+    for name, steps in (("full batches only", "train.max_steps=11"), ("the whole epoch", "train.max_steps=0")):
+        reset()
+        counters.clear()
+        cfg = _config(tmp_path / name.replace(" ", "-"), "train.compile=on", steps, "train.checkpoint_every=0")
+        _write_data(cfg)
+        _train(cfg)
+        graphs[name] = counters["stats"]["unique_graphs"]
+    assert graphs["the whole epoch"] == graphs["full batches only"] > 0
+
+
 def test_ctrl_c_says_how_to_continue_and_that_continues_the_run(tmp_path, capsys):
     common = ["train.epochs=2", "train.checkpoint_every=5", "seed=3"]
     straight = _config(tmp_path / "straight", *common)

@@ -310,7 +310,9 @@ class Trainer:
             group["lr"] = lr
         self.model.embedding.set_lr(emb_lr)
         batch = batch.to(self.device, non_blocking=True)
-        if self._dense_loss is not None:
+        # A short batch (an epoch's last) runs eagerly: compiled for its own shape, it would cost a second
+        # compilation of the whole graph, seconds, for one step.
+        if self._dense_loss is not None and batch.batch_size == self.loader.batch_size:
             loss = self._dense_loss(batch.dense, self.model.embedding(batch.sparse), batch.label)
         else:
             with autocast(self.device, self.amp):
