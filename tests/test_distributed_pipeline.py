@@ -143,7 +143,8 @@ class _Model(torch.nn.Module):
 
 
 @pytest.mark.parametrize("tables", ["host-cached", "dynamic"])
-def test_host_cached_tables_take_the_next_batch_during_the_step_and_dynamic_ones_when_it_is_asked_for(tables):
+def test_host_cached_tables_take_the_next_batch_on_a_thread_during_the_step_and_dynamic_ones_when_it_is_asked_for(
+        tables):
     from pipeline.distributed.train_pipeline import PrefetchPipeline
     from pipeline.loader import Batch
     from pipeline.modules.cached_collection import HostCachedCollection
@@ -159,13 +160,31 @@ def test_host_cached_tables_take_the_next_batch_during_the_step_and_dynamic_ones
                for i in range(3)]
     ahead = PrefetchPipeline(_Model(embedding), "cpu")(iter(batches))
     first = next(ahead)
-    assert isinstance(first.sparse, Prefetched) and ahead.ahead_prefetched is None
-    embedding(first.sparse).sum().backward()
-    during_the_step = ahead.ahead_prefetched
+    assert isinstance(first.sparse, Prefetched)
+    during_the_step = ahead.pending
     assert (during_the_step is not None) == (tables == "host-cached")
+    embedding(first.sparse).sum().backward()
     second = next(ahead)
-    assert during_the_step is None or second.sparse is during_the_step
-    embedding(KeyedJaggedTensor(["f"], torch.arange(8), ones))  # not a batch handed out: nothing prefetched
-    assert ahead.ahead_prefetched is None
+    assert during_the_step is None or second.sparse is during_the_step.result()
     ahead.close()
-    assert not embedding._forward_hooks
+    assert ahead.pending is None and ahead._worker is None
+
+
+def test_a_batch_too_large_for_its_cache_prefetched_on_the_thread_is_reported_when_the_loop_asks_for_it():
+    from pipeline.distributed.train_pipeline import PrefetchPipeline
+    from pipeline.loader import Batch
+    from pipeline.modules.cached_collection import HostCachedCollection
+    from pipeline.modules.configs import TableConfig
+    from pipeline.modules.host_cache import CacheTooSmall
+    from pipeline.sparse import KeyedJaggedTensor
+
+    embedding = HostCachedCollection([TableConfig("t", 1024, 4, ["f"])], ["f"], {"t": 6}, backend="torch")
+    ones = torch.ones(8, dtype=torch.int64)
+    ids = [torch.tensor([0, 1] * 4), torch.arange(100, 108)]  # 2 distinct rows, then 8 for a cache of 6
+    ahead = PrefetchPipeline(_Model(embedding), "cpu")(
+        iter([Batch(torch.zeros(8, 1), KeyedJaggedTensor(["f"], i, ones), torch.zeros(8)) for i in ids]))
+    first = next(ahead)
+    embedding(first.sparse).sum().backward()
+    with pytest.raises(CacheTooSmall, match="table t: a batch needs 8 rows"):
+        next(ahead)
+    ahead.close()

@@ -30,11 +30,13 @@ itself: the prefetch's host waits and copies run while batch ``i - 1`` computes.
 loader, and its event recorded, before ``i`` is prefetched (so that event follows the step queued last but not
 the compute stream's wait for ``i``'s prefetch), and prefetched only when the loop asks for it. Host-cached
 tables, whose prefetch changes no value that an evaluation or a checkpoint reads
-(:attr:`~pipeline.modules.collection.EmbeddingCollection.prefetches_during_step`): batch ``i + 1`` is prefetched
-during step ``i``, as soon as its lookup is queued (a forward hook of the embedding), so that the host queues the
-next batch's books and copies before the rest of the step, and the GPU runs them beside it; the lookup of batch
-``i + 1`` waits for them (:attr:`~pipeline.modules.collection.Prefetched.ready`). A batch prefetched so and never
-trained (the loop stopped) leaves only its rows in the caches, counted in their stats.
+(:attr:`~pipeline.modules.collection.EmbeddingCollection.prefetches_during_step`): batch ``i + 1`` is prefetched by a
+thread of its own as soon as batch ``i`` is handed out, after the event recorded when ``i + 1`` was read, so that
+the host queues the next batch's books and copies while the loop queues step ``i`` (a prefetch launches more kernels than
+the step), and the GPU runs them beside the step and beside batch ``i``'s copies; the lookup of
+batch ``i + 1`` waits for them (:attr:`~pipeline.modules.collection.Prefetched.ready`), and the collection's other
+uses of its caches (an evaluation's lookups, a state dict) for the thread's prefetch to be queued. A batch prefetched
+so and never trained (the loop stopped) leaves only its rows in the caches, counted in their stats.
 
 Example::
 
@@ -48,7 +50,9 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from torch import nn
@@ -146,17 +150,16 @@ class PrefetchPipeline:
 
 class PrefetchAhead:
     """The batches of ``source``, each prefetched when asked for, the next one read already (see the module); where
-    the embedding allows it, the next one prefetched during the step before, once that step's lookup is queued."""
+    the embedding allows it, the next one prefetched by a thread of its own while the loop queues this one's step."""
 
     def __init__(self, source: Iterator[Batch], pipeline: PrefetchPipeline) -> None:
         self.source, self.pipeline = source, pipeline
         self.ahead: Batch | None = None
         self.read_at: torch.cuda.Event | None = None
-        self.ahead_prefetched: Prefetched | None = None
-        self.handed_out: Prefetched | None = None
+        self.pending: Future[Prefetched] | None = None
         self.started = self.exhausted = False
-        embedding = pipeline.embedding
-        self._hook = embedding.register_forward_hook(self._after_lookup) if embedding.prefetches_during_step else None
+        self._worker = (ThreadPoolExecutor(1, thread_name_prefix="prefetch")
+                        if pipeline.embedding.prefetches_during_step else None)
 
     def __iter__(self) -> PrefetchAhead:
         return self
@@ -165,9 +168,11 @@ class PrefetchAhead:
         if not self.started:
             self.started = True
             self._read()
-        batch, after, prefetched = self.ahead, self.read_at, self.ahead_prefetched
+        batch, after, pending = self.ahead, self.read_at, self.pending
+        self.pending = None
+        prefetched = pending.result() if pending is not None else None
         if batch is None:
-            self._remove_hook()
+            self._stop_worker()
             raise StopIteration
         # the next batch read first: its event then follows the step queued last, not this prefetch's work, which
         # the compute stream waits for from here on (the next prefetch's books need not wait for this one's copies)
@@ -175,40 +180,41 @@ class PrefetchAhead:
         embedding = self.pipeline.embedding
         if prefetched is None or prefetched.generation != embedding.generation:
             prefetched = embedding.prefetch(batch.sparse, after=after)
-        self.handed_out = prefetched
+        if self._worker is not None and self.ahead is not None:
+            device = self.pipeline.device
+            compute = torch.cuda.current_stream(device) if device.type == "cuda" else None
+            self.pending = self._worker.submit(self._prefetch, self.ahead.sparse, self.read_at, compute)
         return Batch(batch.dense, prefetched, batch.label)
 
     def _read(self) -> None:
         """The next batch on the device, and the compute stream's event after it (and every step queued so far)."""
-        self.ahead, self.ahead_prefetched = None, None
+        self.ahead = None
         if not self.exhausted:
             try:
                 self.ahead = next(self.source).to(self.pipeline.device, non_blocking=True)
             except StopIteration:
                 self.exhausted = True
-        self.read_at = self._event()
-
-    def _after_lookup(self, module, args, output) -> None:
-        """After the lookup of the batch handed out last is queued: the next batch prefetched, its side stream after
-        that lookup (every earlier step's update queued before it), beside the rest of the step (TorchRec's prefetch
-        pipeline prefetches between the forward and the backward too)."""
-        if args and args[0] is self.handed_out and self.ahead is not None and self.ahead_prefetched is None:
-            with torch.autocast(self.pipeline.device.type, enabled=False):  # the step's, not the prefetch's
-                self.ahead_prefetched = self.pipeline.embedding.prefetch(self.ahead.sparse, after=self._event())
-
-    def _event(self) -> torch.cuda.Event | None:
         device = self.pipeline.device
-        return torch.cuda.current_stream(device).record_event() if device.type == "cuda" else None
+        self.read_at = torch.cuda.current_stream(device).record_event() if device.type == "cuda" else None
 
-    def _remove_hook(self) -> None:
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+    def _prefetch(self, sparse, after: torch.cuda.Event | None, compute: torch.cuda.Stream | None) -> Prefetched:
+        """On the worker thread: the next batch prefetched, ``compute`` (the loop's stream) its current stream."""
+        with torch.cuda.stream(compute) if compute is not None else contextlib.nullcontext():
+            return self.pipeline.embedding.prefetch(sparse, after=after)
+
+    def _stop_worker(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
 
     def close(self) -> None:
-        """Drop the batch read ahead, close the source."""
-        self._remove_hook()
-        self.ahead, self.ahead_prefetched, self.handed_out, self.exhausted = None, None, None, True
+        """Wait for a prefetch under way (its batch is dropped, its rows stay in the caches), drop the batch read
+        ahead, close the source."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.exception()  # waited for; an error of a batch no step takes is not the loop's
+        self._stop_worker()
+        self.ahead, self.exhausted = None, True
         close = getattr(self.source, "close", None)
         if callable(close):
             close()
