@@ -20,7 +20,7 @@
 #              update kernels against the byte floor, uniform and Zipf ids
 #   train      bench train at the MLPerf shape, Zipf and uniform ids, row-wise Adagrad
 #   dynamic    bench train --dynamic, Zipf and uniform ids, 26 tables of DYNAMIC_ROWS (1,000,000) rows of capacity
-#   hostcache  bench train --embedding-budget-mb: 26 x 2M rows under 8 GiB
+#   hostcache  the host-cached tables' GPU tests, then bench train --embedding-budget-mb: 26 x 2M rows under 8 GiB
 #   hostcache-large  the same at 26 x 5M rows (62 GiB of tables) under a quarter of them (a call of its own)
 #   host-copies  tools/host_copies.py: rows between device and host memory (row kernel against copy engines) out of a
 #              host table of HOST_COPY_ROWS (38,000,000: 19.5 GB, the 19 host tables of `hostcache`)
@@ -159,6 +159,8 @@ print(f'{len(sources)} sources in {time.time() - start:.0f} s')
           --rows "${DYNAMIC_ROWS:-1000000}" --profile 5 --json "$W/dynamic-$ids/result.json"
       done ;;
     hostcache)
+      step hostcache-tests 240 "$PY" -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_modules_host_cache.py \
+        tests/test_train_host_cache.py tests/test_train_syncs.py tests/test_distributed_pipeline.py
       step hostcache-2m 240 "$PY" -m pipeline bench train "${mlperf[@]}" --rows 2000000 --ids zipf --optimizer adagrad \
         --embedding-budget-mb 8192 --warmup 30 --steps 20 --rounds 3 --profile 5 --json "$W/hostcache-2m/result.json" ;;
     hostcache-large)

@@ -60,11 +60,12 @@ def map_to_device(tensor: torch.Tensor, device: torch.device) -> bool:
     return True
 
 
-HOST_COPY_BLOCKS_PER_SM = 0.5
+HOST_COPY_BLOCKS_PER_SM = 0.25
 """Blocks a copy between host and device memory launches per multiprocessor of the GPU (fewer where its rows need
-fewer). Its rows wait on the bus, not on the multiprocessors: on the H200 random 512-byte rows crossed at 16.8 GB/s
-on half of them as on all (15.9), and beside the compute stream's GEMMs the copies on half of them slowed those
-GEMMs little where on all they stalled them (docs/BENCHMARKS.md, "Tables larger than the device")."""
+fewer). Its rows wait on the bus, not on the multiprocessors, and a block resident for the whole copy keeps a GEMM's
+cooperative blocks off its multiprocessor: in the H200's host-cached training step (docs/BENCHMARKS.md, "Tables larger
+than the device") the compute stream took 8.9 ms a step beside copies on half the multiprocessors and 7.0 ms beside
+copies on a quarter, the copies 7.4 and 7.75 ms."""
 
 _MAPPED: dict[int, int] = {}
 """The host memory mapped so far: address -> bytes."""
