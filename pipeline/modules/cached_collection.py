@@ -50,8 +50,9 @@ computes: a prefetch never evicts the rows of the training batch prefetched befo
 still be pending, and its side stream waits only for ``after``, an event of the compute stream after
 which the batch's ids are ready and every earlier batch's update is queued
 (:class:`~pipeline.distributed.train_pipeline.PrefetchPipeline` records it), so the host waits and
-copies overlap the batch before. A training batch's distinct rows of a table, with those of the batch
-before, must fit its cache (else :class:`~pipeline.modules.host_cache.CacheTooSmall`); a lookup outside
+copies overlap the batch before; the pipeline queues that prefetch from a thread of its own, and every other use of
+the books (a lookup of a batch not prefetched, a flush, a state dict, the stats) waits for a prefetch under way. A
+training batch's distinct rows of a table, with those of the batch before, must fit its cache (else :class:`~pipeline.modules.host_cache.CacheTooSmall`); a lookup outside
 training that does not fit is looked up in halves of its samples.
 
 The state dict is the plain collection's (every table whole, dirty rows written back first), so
