@@ -53,6 +53,9 @@ def test_bench_train_reports_rates_and_its_settings(tmp_path, capsys, ids, optim
     printed = capsys.readouterr().out
     assert f"fused sparse {optimizer}" in printed and f"EmbeddingBag + {baseline}" in printed
     assert ("zipf, exponent 1.1" in printed) == (ids == "zipf")
+    rounds = [line for line in printed.splitlines() if line.startswith("[bench train] round ")]
+    assert len(rounds) == len(result["rounds"]["ours"]) and all("ours " in line and "plain_pytorch " in line
+                                                                 for line in rounds)
 
 
 def test_bench_train_compiles_our_dense_part_as_the_stage_does(tmp_path, capsys):

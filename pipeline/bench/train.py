@@ -183,9 +183,11 @@ def run(args: argparse.Namespace, cfg) -> dict:
     elif args.dynamic:
         dynamic.start_timing()
     rates: dict[str, list[float]] = {name: [] for name in models}
-    for round_batches in rounds:
+    for r, round_batches in enumerate(rounds, 1):
         for name, train_on in models.items():
             rates[name].append(timed(train_on, round_batches))
+        print(f"[bench train] round {r} of {len(rounds)}: "
+              + ", ".join(f"{name} {rates[name][-1]:,.0f}" for name in models) + " samples/s", flush=True)
     result = {
         "device": device.type,
         "backend": ours.embedding.backend.name,
