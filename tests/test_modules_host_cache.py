@@ -403,3 +403,44 @@ def test_on_a_gpu_a_step_ahead_host_cached_tables_train_alike_and_sync_nothing_b
         torch.testing.assert_close(want, have)
     assert_same_state(reference, cached, exact=False)
     assert all(s.evictions > 0 and s.writebacks > 0 for s in cached.cache_stats().values())
+
+
+class _Model(torch.nn.Module):
+    def __init__(self, embedding) -> None:
+        super().__init__()
+        self.embedding = embedding
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_training_pipeline_prefetching_on_its_thread_trains_alike_with_lookups_and_state_dicts_between_steps(
+        device):
+    """Each next batch prefetched by the pipeline's thread while the step before runs; between steps, an evaluation's
+    lookups and state dicts, which wait for a prefetch under way: the outputs, the evaluations and the trained tables
+    are the plain collection's."""
+    from pipeline.distributed.train_pipeline import PrefetchPipeline
+    from pipeline.loader import Batch
+
+    backend = "cuda" if device == "cuda" else "torch"
+    reference = plain("adagrad", backend=backend).to(device)
+    cached = HostCachedCollection.from_collection(plain("adagrad", backend=backend), cache_rows(0.01)).to(device)
+    for ec in (reference, cached):
+        ec.validate_ids = False
+    data = [batch(step) for step in range(STEPS)]
+    evaluated = batch(1000, size=64)[0].to(device)
+    batches = [Batch(target, kjt.to(device), target.to(device)) for kjt, target in data]
+    steps = PrefetchPipeline(_Model(cached), device)(iter(batches))
+    for step, got_batch in enumerate(steps):
+        want = reference(batches[step].sparse)
+        (want * batches[step].label).sum().backward()
+        got = cached(got_batch.sparse)
+        (got * got_batch.label).sum().backward()
+        assert_same(want.detach(), got.detach(), exact=False)
+        if step % 2:
+            with torch.no_grad():
+                assert_same(reference(evaluated), cached(evaluated), exact=False)
+        if step % 5 == 3:
+            assert_same_state(reference, cached, exact=False)
+    steps.close()
+    assert_same_state(reference, cached, exact=False)
+    stats = cached.cache_stats().values()  # (the state dicts' flushes leave some tables nothing to write back)
+    assert all(s.evictions > 0 for s in stats) and any(s.writebacks > 0 for s in stats)
