@@ -30,13 +30,13 @@ itself: the prefetch's host waits and copies run while batch ``i - 1`` computes.
 loader, and its event recorded, before ``i`` is prefetched (so that event follows the step queued last but not
 the compute stream's wait for ``i``'s prefetch), and prefetched only when the loop asks for it. Host-cached
 tables, whose prefetch changes no value that an evaluation or a checkpoint reads
-(:attr:`~pipeline.modules.collection.EmbeddingCollection.prefetches_during_step`): batch ``i + 1`` is prefetched by a
-thread of its own as soon as batch ``i`` is handed out, after the event recorded when ``i + 1`` was read, so that
-the host queues the next batch's books and copies while the loop queues step ``i`` (a prefetch launches more kernels than
-the step), and the GPU runs them beside the step and beside batch ``i``'s copies; the lookup of
-batch ``i + 1`` waits for them (:attr:`~pipeline.modules.collection.Prefetched.ready`), and the collection's other
-uses of its caches (an evaluation's lookups, a state dict) for the thread's prefetch to be queued. A batch prefetched
-so and never trained (the loop stopped) leaves only its rows in the caches, counted in their stats.
+(:attr:`~pipeline.modules.collection.EmbeddingCollection.prefetches_during_step`): batch ``i + 1`` is prefetched
+by a thread of its own as soon as batch ``i`` is handed out, after the event recorded when ``i + 1`` was read, so
+that the host queues the next batch's books and copies (more kernels than the step) while the loop queues step
+``i``, and the GPU runs them beside the step and beside batch ``i``'s copies; the lookup of batch ``i + 1`` waits for
+them (:attr:`~pipeline.modules.collection.Prefetched.ready`), and the collection's other uses of its caches (an
+evaluation's lookups, a state dict) for the thread's prefetch to be queued. A batch prefetched so and never trained
+(the loop stopped) leaves only its rows in the caches, counted in their stats.
 
 Example::
 

@@ -52,8 +52,9 @@ which the batch's ids are ready and every earlier batch's update is queued
 (:class:`~pipeline.distributed.train_pipeline.PrefetchPipeline` records it), so the host waits and
 copies overlap the batch before; the pipeline queues that prefetch from a thread of its own, and every other use of
 the books (a lookup of a batch not prefetched, a flush, a state dict, the stats) waits for a prefetch under way. A
-training batch's distinct rows of a table, with those of the batch before, must fit its cache (else :class:`~pipeline.modules.host_cache.CacheTooSmall`); a lookup outside
-training that does not fit is looked up in halves of its samples.
+training batch's distinct rows of a table, with those of the batch before, must fit its cache (else
+:class:`~pipeline.modules.host_cache.CacheTooSmall`); a lookup outside training that does not fit is looked up in
+halves of its samples.
 
 The state dict is the plain collection's (every table whole, dirty rows written back first), so
 checkpoints, ``model.pt`` and export read a host-cached collection as a plain one, and a state dict
