@@ -218,7 +218,8 @@ class HostCachedCollection(EmbeddingCollection):
     @property
     def prefetches_during_step(self) -> bool:
         """Always: a prefetch moves rows between the host tables and the caches, whose values a state dict (after a
-        flush), an evaluation and an export read alike."""
+        flush), an evaluation and an export read alike, so it may run beside the step before (on the training
+        pipeline's thread: the other uses of the books wait for it, :func:`_alone`)."""
         return True
 
     @_alone
@@ -407,6 +408,7 @@ class HostCachedCollection(EmbeddingCollection):
         groups = list(self._groups_of(by_table))
         at = victims + self.slot_group_row[self.cache.slot_table[victims]]
         host_rows = [rows[lo:hi] - self.packing.groups[g].row_start for g, lo, hi in groups]
+        cache_rows = self._cache_rows()
         for key, flat in self.host.items():
             views = [_group_view(self.packing, flat, g) for g, _, _ in groups]
             staged = self.side.host_buffer(f"missing {key}", sum(v[0].numel() * (hi - lo)
@@ -418,7 +420,7 @@ class HostCachedCollection(EmbeddingCollection):
                 torch.index_select(view, 0, group_rows, out=part)
                 start += part.numel()
             arrived = staged.to(self.weights.device, non_blocking=True)
-            storage = self._cache_rows()[key]
+            storage = cache_rows[key]
             start = 0
             for g, lo, hi in groups:
                 view = _group_view(self.storage_packing, storage, g)

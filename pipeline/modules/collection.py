@@ -178,9 +178,9 @@ class EmbeddingCollection(nn.Module):
 
     @property
     def prefetches_during_step(self) -> bool:
-        """Whether a training pipeline may prefetch the next batch in the middle of a step, once the step's lookup is
-        queued: only where a prefetch changes nothing that a state dict, an evaluation or an export reads, since
-        the loop may evaluate or save between the two steps (here: no, a dynamic table's placement admits ids)."""
+        """Whether a training pipeline may prefetch the next batch while the step before is queued and runs: only
+        where a prefetch changes nothing that a state dict, an evaluation or an export reads, since the loop may
+        evaluate or save between the two steps (here: no, a dynamic table's placement admits ids)."""
         return False
 
     @property
