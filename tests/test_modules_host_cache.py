@@ -405,6 +405,27 @@ def test_on_a_gpu_a_step_ahead_host_cached_tables_train_alike_and_sync_nothing_b
     assert all(s.evictions > 0 and s.writebacks > 0 for s in cached.cache_stats().values())
 
 
+@pytest.mark.gpu
+def test_on_a_gpu_the_books_given_their_inputs_event_run_during_the_step_before_and_the_copies_after_it():
+    """``prefetch(kjt, after, inputs)``, as the training pipeline calls it for the next batch: its books (the side
+    stream's event) end while the step before still runs (a long sleep between ``inputs`` and ``after``), its copies
+    only after that step."""
+    cached = HostCachedCollection.from_collection(plain("adagrad"), cache_rows(0.01)).cuda()
+    cached.validate_ids = False
+    first, second = (batch(step)[0].to("cuda") for step in (0, 1))
+    cached(cached.prefetch(first))  # the books compiled, the host tables mapped
+    stream = torch.cuda.current_stream()
+    torch.cuda.synchronize()
+    inputs = stream.record_event()
+    torch.cuda._sleep(1_000_000_000)  # the step before: about half a second
+    after = stream.record_event()
+    books, copies = cached.prefetch(second, after=after, inputs=inputs).ready
+    books.synchronize()
+    assert not after.query() and not copies.query()
+    copies.synchronize()
+    assert after.query()
+
+
 class _Model(torch.nn.Module):
     def __init__(self, embedding) -> None:
         super().__init__()

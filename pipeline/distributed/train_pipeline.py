@@ -31,10 +31,13 @@ loader, and its event recorded, before ``i`` is prefetched (so that event follow
 the compute stream's wait for ``i``'s prefetch), and prefetched only when the loop asks for it. Host-cached
 tables, whose prefetch changes no value that an evaluation or a checkpoint reads
 (:attr:`~pipeline.modules.collection.EmbeddingCollection.prefetches_during_step`): batch ``i + 1`` is prefetched
-by a thread of its own as soon as batch ``i`` is handed out, after the event recorded when ``i + 1`` was read, so
-that the host queues the next batch's books and copies (more kernels than the step) while the loop queues step
-``i``, and the GPU runs them beside the step and beside batch ``i``'s copies; the lookup of batch ``i + 1`` waits for
-them (:attr:`~pipeline.modules.collection.Prefetched.ready`), and the collection's other uses of its caches (an
+by a thread of its own as soon as batch ``i`` is handed out, so that the host queues the next batch's books and
+copies (more kernels than the step) while the loop queues step ``i``. The loader is then two batches ahead: batch
+``i + 1`` was read before step ``i - 1`` was queued, so its books (where its rows go) wait only for the event
+recorded then and run on the GPU beside step ``i - 1``, and its copies wait for the event recorded when ``i + 2``
+was read, after step ``i - 1`` (the rows they write back or replace may be batch ``i - 1``'s, never batch ``i``'s),
+and run beside step ``i``. The lookup of batch ``i + 1`` waits for them
+(:attr:`~pipeline.modules.collection.Prefetched.ready`), and the collection's other uses of its caches (an
 evaluation's lookups, a state dict) for the thread's prefetch to be queued. A batch prefetched so and never trained
 (the loop stopped) leaves only its rows in the caches, counted in their stats.
 
@@ -51,6 +54,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -150,16 +154,18 @@ class PrefetchPipeline:
 
 class PrefetchAhead:
     """The batches of ``source``, each prefetched when asked for, the next one read already (see the module); where
-    the embedding allows it, the next one prefetched by a thread of its own while the loop queues this one's step."""
+    the embedding allows it, the next one prefetched by a thread of its own while the loop queues this one's step,
+    and the one after it read already."""
 
     def __init__(self, source: Iterator[Batch], pipeline: PrefetchPipeline) -> None:
         self.source, self.pipeline = source, pipeline
-        self.ahead: Batch | None = None
-        self.read_at: torch.cuda.Event | None = None
+        during_step = pipeline.embedding.prefetches_during_step
+        self.depth = 2 if during_step else 1  # batches read ahead of the one handed out
+        self.ahead: deque[tuple[Batch, torch.cuda.Event | None]] = deque()  # each with its event, when read
+        self.queued: torch.cuda.Event | None = None  # after the last read, and every step queued before it
         self.pending: Future[Prefetched] | None = None
         self.started = self.exhausted = False
-        self._worker = (ThreadPoolExecutor(1, thread_name_prefix="prefetch")
-                        if pipeline.embedding.prefetches_during_step else None)
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="prefetch") if during_step else None
 
     def __iter__(self) -> PrefetchAhead:
         return self
@@ -168,39 +174,49 @@ class PrefetchAhead:
         if not self.started:
             self.started = True
             self._read()
-        batch, after, pending = self.ahead, self.read_at, self.pending
-        self.pending = None
+        pending, self.pending = self.pending, None
         prefetched = pending.result() if pending is not None else None
-        if batch is None:
+        if not self.ahead:
             self._stop_worker()
             raise StopIteration
-        # the next batch read first: its event then follows the step queued last, not this prefetch's work, which
-        # the compute stream waits for from here on (the next prefetch's books need not wait for this one's copies)
-        self._read()
+        batch, _ = self.ahead.popleft()
+        after = self.queued  # this batch's ids are ready, and every step but the last one queued
+        # the batches ahead read first: their event then follows the step queued last, not this prefetch's work,
+        # which the compute stream waits for from here on (the next prefetch's books need not wait for its copies)
+        while len(self.ahead) < self.depth and self._read():
+            pass
         embedding = self.pipeline.embedding
         if prefetched is None or prefetched.generation != embedding.generation:
             prefetched = embedding.prefetch(batch.sparse, after=after)
-        if self._worker is not None and self.ahead is not None:
+        if self._worker is not None and self.ahead:
+            # the next batch was read before the step that this loop queued last: its books need not wait for that
+            # step, only its copies do (they may take the rows of the batches before this one)
+            following, read_at = self.ahead[0]
             device = self.pipeline.device
             compute = torch.cuda.current_stream(device) if device.type == "cuda" else None
-            self.pending = self._worker.submit(self._prefetch, self.ahead.sparse, self.read_at, compute)
+            self.pending = self._worker.submit(self._prefetch, following.sparse, self.queued, read_at, compute)
         return Batch(batch.dense, prefetched, batch.label)
 
-    def _read(self) -> None:
-        """The next batch on the device, and the compute stream's event after it (and every step queued so far)."""
-        self.ahead = None
+    def _read(self) -> bool:
+        """The next batch on the device, and the compute stream's event after it (and every step queued so far):
+        False at the end of the source."""
+        batch = None
         if not self.exhausted:
             try:
-                self.ahead = next(self.source).to(self.pipeline.device, non_blocking=True)
+                batch = next(self.source).to(self.pipeline.device, non_blocking=True)
             except StopIteration:
                 self.exhausted = True
         device = self.pipeline.device
-        self.read_at = torch.cuda.current_stream(device).record_event() if device.type == "cuda" else None
+        self.queued = torch.cuda.current_stream(device).record_event() if device.type == "cuda" else None
+        if batch is not None:
+            self.ahead.append((batch, self.queued))
+        return batch is not None
 
-    def _prefetch(self, sparse, after: torch.cuda.Event | None, compute: torch.cuda.Stream | None) -> Prefetched:
+    def _prefetch(self, sparse, after: torch.cuda.Event | None, inputs: torch.cuda.Event | None,
+                  compute: torch.cuda.Stream | None) -> Prefetched:
         """On the worker thread: the next batch prefetched, ``compute`` (the loop's stream) its current stream."""
         with torch.cuda.stream(compute) if compute is not None else contextlib.nullcontext():
-            return self.pipeline.embedding.prefetch(sparse, after=after)
+            return self.pipeline.embedding.prefetch(sparse, after=after, inputs=inputs)
 
     def _stop_worker(self) -> None:
         if self._worker is not None:
@@ -214,7 +230,8 @@ class PrefetchAhead:
         if pending is not None:
             pending.exception()  # waited for; an error of a batch no step takes is not the loop's
         self._stop_worker()
-        self.ahead, self.exhausted = None, True
+        self.ahead.clear()
+        self.exhausted = True
         close = getattr(self.source, "close", None)
         if callable(close):
             close()

@@ -43,18 +43,18 @@ depends on the data runs in a step (flushes, state dicts, stats and the halving 
 not fit may read more). The compute stream waits for both streams' work before the batch's lookup. On the CPU
 the same code runs on one stream.
 
-When the prefetch runs: at the start of each batch's lookup, after the previous batch's backward
-updated its rows, the side stream first waiting for all the compute stream's work. Or one batch ahead
-(``prefetch(kjt, after=event)``, ``self(prefetched)`` looks it up later), while the batch before
-computes: a prefetch never evicts the rows of the training batch prefetched before it, whose update may
-still be pending, and its side stream waits only for ``after``, an event of the compute stream after
-which the batch's ids are ready and every earlier batch's update is queued
-(:class:`~pipeline.distributed.train_pipeline.PrefetchPipeline` records it), so the host waits and
-copies overlap the batch before; the pipeline queues that prefetch from a thread of its own, and every other use of
-the books (a lookup of a batch not prefetched, a flush, a state dict, the stats) waits for a prefetch under way. A
-training batch's distinct rows of a table, with those of the batch before, must fit its cache (else
-:class:`~pipeline.modules.host_cache.CacheTooSmall`); a lookup outside training that does not fit is looked up in
-halves of its samples.
+When the prefetch runs: at the start of each batch's lookup, after the previous batch's backward updated its rows,
+the side stream first waiting for all the compute stream's work. Or one batch ahead (``prefetch(kjt,
+after=event)``, ``self(prefetched)`` looks it up later), while the batch before computes: a prefetch never evicts
+the rows of the training batch prefetched before it, whose update may still be pending, and its side stream waits
+only for ``after``, an event of the compute stream after which the batch's ids are ready and every earlier batch's
+update is queued (:class:`~pipeline.distributed.train_pipeline.PrefetchPipeline` records it), so the host waits and
+copies overlap the batch before; given ``inputs``, an earlier event after which the ids are ready, the books wait
+only for that one and the copies for ``after``; the pipeline queues that prefetch from a thread of its own, and
+every other use of the books (a lookup of a batch not prefetched, a flush, a state dict, the stats) waits for a
+prefetch under way. A training batch's distinct rows of a table, with those of the batch before, must fit its cache
+(else :class:`~pipeline.modules.host_cache.CacheTooSmall`); a lookup outside training that does not fit is looked
+up in halves of its samples.
 
 The state dict is the plain collection's (every table whole, dirty rows written back first), so
 checkpoints, ``model.pt`` and export read a host-cached collection as a plain one, and a state dict
@@ -237,13 +237,17 @@ class HostCachedCollection(EmbeddingCollection):
         return flat_views(self.packing, self.host, self.packing.table_names.index(name))
 
     @_alone
-    def prefetch(self, features: KeyedJaggedTensor, after: torch.cuda.Event | None = None) -> Prefetched:
+    def prefetch(self, features: KeyedJaggedTensor, after: torch.cuda.Event | None = None,
+                 inputs: torch.cuda.Event | None = None) -> Prefetched:
         """``features``' rows in the caches now, for their training lookup later (``self(prefetched)``), at
         most one batch ahead of the batch training. ``after``: on a GPU, an event of the compute stream after
         which ``features`` are ready and every batch before the one prefetched last is queued (default: all
-        the compute stream's work queued so far). The compute stream does not wait for the prefetch: the lookup
-        does (:attr:`Prefetched.ready`), so it may be queued in the middle of the step before."""
-        with self.side.run(self.weights.device, after, join=False) as ready:
+        the compute stream's work queued so far). ``inputs``: an earlier event after which ``features`` are
+        ready: where the rows move directly, the books wait only for it, and the copies, which read and write
+        rows that the steps before use, for ``after``. The compute stream does not wait for the prefetch: the
+        lookup does (:attr:`Prefetched.ready`), so it may be queued in the middle of the step before."""
+        inputs = inputs if self._rows_move_directly() else None  # else the books copy rows themselves
+        with self.side.run(self.weights.device, after, join=False, inputs=inputs) as ready:
             self.side.uses(features.values, features.lengths, features.offsets())
             indices, offsets, batch_size = self.slot_bags(features)
             slots = self._to_slots(indices, offsets, batch_size, True)

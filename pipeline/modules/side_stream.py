@@ -7,7 +7,10 @@ runs here instead, on a side stream of high priority, and the host waits only fo
 
 - a block (:meth:`SideStream.run`) first makes the side stream wait for ``after``, an event of the compute stream
   after which its inputs are ready (or, without one, for all the compute stream's work queued so far), and for the
-  compute stream's work up to the last :meth:`SideStream.follow` (work that changed what the blocks change);
+  compute stream's work up to the last :meth:`SideStream.follow` (work that changed what the blocks change); given
+  ``inputs`` too, an earlier event after which the inputs are ready, the side stream waits for that one instead and
+  only the work queued beside it (below) for ``after``: the books of a batch then need not wait for the steps that
+  its copies must follow;
 - at the end of the block the compute stream waits for the side stream, so whatever the compute stream runs later
   sees what the block did, and whatever it ran before was not waited for; or, for a block run without ``join``
   (the next batch's prefetch, queued in the middle of a step), the block hands out its streams' events, and only
@@ -52,6 +55,7 @@ class SideStream:
         self._stream: torch.cuda.Stream | None = None
         self._followed: torch.cuda.Event | None = None
         self._copies: torch.cuda.Stream | None = None
+        self._copies_after: torch.cuda.Event | None = None
         self._buffers: dict[tuple[str, bool], torch.Tensor] = {}
 
     def stream(self, device: torch.device) -> torch.cuda.Stream | None:
@@ -68,12 +72,13 @@ class SideStream:
         return self._stream
 
     @contextlib.contextmanager
-    def run(self, device: torch.device, after: torch.cuda.Event | None = None,
-            join: bool = True) -> Iterator[list[torch.cuda.Event]]:
+    def run(self, device: torch.device, after: torch.cuda.Event | None = None, join: bool = True,
+            inputs: torch.cuda.Event | None = None) -> Iterator[list[torch.cuda.Event]]:
         """Run the block on the side stream of ``device`` (see the module), after ``after`` or all the compute stream's
-        work so far; the compute stream waits for it after. Without ``join`` it does not: the list the block gets
-        holds, once the block is done, the events the work that uses its results must wait for first
-        (:meth:`ready`), so the compute stream may run the work queued after the block beside it."""
+        work so far (only the work queued :meth:`beside` it after ``after``, the rest after ``inputs``, where given);
+        the compute stream waits for it after. Without ``join`` it does not: the list the block gets holds, once the
+        block is done, the events the work that uses its results must wait for first (:meth:`ready`), so the compute
+        stream may run the work queued after the block beside it."""
         done: list[torch.cuda.Event] = []
         side = self.stream(device)
         if side is None:
@@ -83,13 +88,15 @@ class SideStream:
         if after is None:
             side.wait_stream(compute)
         else:
-            side.wait_event(after)
+            side.wait_event(after if inputs is None else inputs)
             if self._followed is not None:
                 side.wait_event(self._followed)
+            self._copies_after = None if inputs is None else after
         try:
             with torch.cuda.stream(side):
                 yield done
         finally:
+            self._copies_after = None
             for stream in (side, self._copies):
                 if stream is None:
                     continue
@@ -108,9 +115,9 @@ class SideStream:
     @contextlib.contextmanager
     def beside(self, device: torch.device) -> Iterator[None]:
         """Inside :meth:`run`: run the block on a third stream of ``device`` (made at its first use), after the side
-        stream's work so far, in order with what earlier such blocks queued, and beside the side stream's later work,
-        which does not wait for it (unless :meth:`join` says so); the compute stream waits for it at the end of the
-        block of :meth:`run`. A tensor made on the side stream and used here must be marked with :meth:`lend`. On the
+        stream's work so far (and the ``after`` of a run given ``inputs``), in order with what earlier such blocks
+        queued, and beside the side stream's later work, which does not wait for it (unless :meth:`join` says so); the
+        compute stream waits for it at the end of the block of :meth:`run`. A tensor made on the side stream and used here must be marked with :meth:`lend`. On the
         CPU, the block runs in order on the host."""
         side = self.stream(device)
         if side is None:
@@ -119,6 +126,8 @@ class SideStream:
         if self._copies is None or self._copies.device != device:
             self._copies = torch.cuda.Stream(device, priority=-1)
         self._copies.wait_stream(side)
+        if self._copies_after is not None:
+            self._copies.wait_event(self._copies_after)
         with torch.cuda.stream(self._copies):
             yield
 
