@@ -147,8 +147,7 @@ class _Model(torch.nn.Module):
 
 
 @pytest.mark.parametrize("tables", ["host-cached", "dynamic"])
-def test_host_cached_tables_take_the_next_batch_on_a_thread_during_the_step_and_dynamic_ones_when_it_is_asked_for(
-        tables):
+def test_host_cached_tables_take_the_next_batch_before_the_step_and_dynamic_ones_when_it_is_asked_for(tables):
     from pipeline.distributed.train_pipeline import PrefetchPipeline
     from pipeline.loader import Batch
     from pipeline.modules.cached_collection import HostCachedCollection
@@ -161,20 +160,22 @@ def test_host_cached_tables_take_the_next_batch_on_a_thread_during_the_step_and_
                  else EmbeddingCollection([table], ["f"], backend="torch"))
     ones = torch.ones(8, dtype=torch.int64)
     batches = [Batch(torch.zeros(8, 1), KeyedJaggedTensor(["f"], torch.arange(8) + 8 * i, ones), torch.zeros(8))
-               for i in range(3)]
-    ahead = PrefetchPipeline(_Model(embedding), "cpu")(iter(batches))
+               for i in range(4)]
+    read = []
+    ahead = PrefetchPipeline(_Model(embedding), "cpu")(read.append(b) or b for b in batches)
     first = next(ahead)
     assert isinstance(first.sparse, Prefetched)
-    during_the_step = ahead.pending
-    assert (during_the_step is not None) == (tables == "host-cached")
+    next_one = ahead.following
+    assert isinstance(next_one, Prefetched) == (tables == "host-cached")
+    assert len(read) == (3 if tables == "host-cached" else 2)  # the loader two batches ahead, or one
     embedding(first.sparse).sum().backward()
     second = next(ahead)
-    assert during_the_step is None or second.sparse is during_the_step.result()
+    assert next_one is None or second.sparse is next_one
     ahead.close()
-    assert ahead.pending is None and ahead._worker is None
+    assert ahead.following is None and not ahead.ahead
 
 
-def test_a_batch_too_large_for_its_cache_prefetched_on_the_thread_is_reported_when_the_loop_asks_for_it():
+def test_a_batch_too_large_for_its_cache_prefetched_ahead_is_reported_when_the_loop_asks_for_it():
     from pipeline.distributed.train_pipeline import PrefetchPipeline
     from pipeline.loader import Batch
     from pipeline.modules.cached_collection import HostCachedCollection

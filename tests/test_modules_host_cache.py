@@ -433,11 +433,10 @@ class _Model(torch.nn.Module):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_the_training_pipeline_prefetching_on_its_thread_trains_alike_with_lookups_and_state_dicts_between_steps(
-        device):
-    """Each next batch prefetched by the pipeline's thread while the step before runs; between steps, an evaluation's
-    lookups and state dicts, which wait for a prefetch under way: the outputs, the evaluations and the trained tables
-    are the plain collection's."""
+def test_the_training_pipeline_prefetching_ahead_trains_alike_with_lookups_and_state_dicts_between_steps(device):
+    """Each next batch prefetched by the pipeline before the step before it; between steps, an evaluation's lookups
+    and state dicts, with a batch prefetched ahead: the outputs, the evaluations and the trained tables are the plain
+    collection's."""
     from pipeline.distributed.train_pipeline import PrefetchPipeline
     from pipeline.loader import Batch
 

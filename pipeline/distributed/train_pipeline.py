@@ -19,27 +19,28 @@ added. On CPU there are no streams and gloo runs the exchange on its own threads
 
 ``PrefetchPipeline(model, device)`` does the same for a model whose embedding prefetches
 (:attr:`~pipeline.modules.collection.EmbeddingCollection.prefetches`: a
-:class:`~pipeline.modules.cached_collection.HostCachedCollection`, or a collection with dynamic tables): it
-hands out batch ``i`` with its ``sparse`` already prefetched (:class:`~pipeline.modules.collection.Prefetched`:
-its rows copied into the caches, or its ids placed in the dynamic tables, whose new rows its lookup starts).
-Dynamic tables: the prefetch runs when the loop asks for batch ``i``, after it queued batch ``i - 1``'s step,
-and after batch ``i - 1``'s evaluation and checkpoint, which therefore see the tables as a loop without the
-pipeline does (a placement admits ids). On a GPU the prefetch's side stream waits for an event recorded before
-that step (when batch ``i`` was read, so its ids are ready, and every earlier step was queued), not for the step
-itself: the prefetch's host waits and copies run while batch ``i - 1`` computes. Batch ``i + 1`` is read from the
-loader, and its event recorded, before ``i`` is prefetched (so that event follows the step queued last but not
-the compute stream's wait for ``i``'s prefetch), and prefetched only when the loop asks for it. Host-cached
-tables, whose prefetch changes no value that an evaluation or a checkpoint reads
+:class:`~pipeline.modules.cached_collection.HostCachedCollection`, or a collection with dynamic tables): it hands
+out batch ``i`` with its ``sparse`` already prefetched (:class:`~pipeline.modules.collection.Prefetched`: its rows
+copied into the caches, or its ids placed in the dynamic tables, whose new rows its lookup starts). Dynamic tables:
+the prefetch runs when the loop asks for batch ``i``, after it queued batch ``i - 1``'s step, and after batch
+``i - 1``'s evaluation and checkpoint, which therefore see the tables as a loop without the pipeline does (a
+placement admits ids). On a GPU the prefetch's side stream waits for an event recorded before that step (when batch
+``i`` was read, so its ids are ready, and every earlier step was queued), not for the step itself: the prefetch's
+host waits and copies run while batch ``i - 1`` computes. Batch ``i + 1`` is read from the loader, and its event
+recorded, before ``i`` is prefetched (so that event follows the step queued last but not the compute stream's wait
+for ``i``'s prefetch), and prefetched only when the loop asks for it. Host-cached tables, whose prefetch changes no
+value that an evaluation or a checkpoint reads
 (:attr:`~pipeline.modules.collection.EmbeddingCollection.prefetches_during_step`): batch ``i + 1`` is prefetched
-by a thread of its own as soon as batch ``i`` is handed out, so that the host queues the next batch's books and
-copies (more kernels than the step) while the loop queues step ``i``. The loader is then two batches ahead: batch
+too when the loop asks for batch ``i``, before step ``i`` is queued, and the loader is two batches ahead. Batch
 ``i + 1`` was read before step ``i - 1`` was queued, so its books (where its rows go) wait only for the event
-recorded then and run on the GPU beside step ``i - 1``, and its copies wait for the event recorded when ``i + 2``
-was read, after step ``i - 1`` (the rows they write back or replace may be batch ``i - 1``'s, never batch ``i``'s),
-and run beside step ``i``. The lookup of batch ``i + 1`` waits for them
-(:attr:`~pipeline.modules.collection.Prefetched.ready`), and the collection's other uses of its caches (an
-evaluation's lookups, a state dict) for the thread's prefetch to be queued. A batch prefetched so and never trained
-(the loop stopped) leaves only its rows in the caches, counted in their stats.
+recorded then and run on the GPU beside step ``i - 1``; its copies wait for the event recorded when ``i + 2`` was
+read, after step ``i - 1`` (the rows they write back or replace may be batch ``i - 1``'s, never batch ``i``'s), and
+run beside step ``i``. The lookup of batch ``i + 1`` waits for them
+(:attr:`~pipeline.modules.collection.Prefetched.ready`). The prefetch is queued by the loop's thread: on a thread
+of its own it would take the interpreter's lock from the thread that queues the step and the one that queues its
+backward (torch's autograd thread), and the host's queueing is what paces this step. A batch that does not fit its
+caches raises its error when the loop asks for it; a batch prefetched and never trained (the loop stopped) leaves
+only its rows in the caches, counted in their stats.
 
 Example::
 
@@ -53,10 +54,8 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from torch import nn
@@ -64,6 +63,7 @@ from torch import nn
 from pipeline.distributed.embedding import ShardedEmbeddingCollection, StartedInputDist
 from pipeline.loader import Batch
 from pipeline.modules.collection import EmbeddingCollection, Prefetched
+from pipeline.modules.host_cache import CacheTooSmall
 
 
 class SparseDistPipeline:
@@ -154,18 +154,16 @@ class PrefetchPipeline:
 
 class PrefetchAhead:
     """The batches of ``source``, each prefetched when asked for, the next one read already (see the module); where
-    the embedding allows it, the next one prefetched by a thread of its own while the loop queues this one's step,
-    and the one after it read already."""
+    the embedding allows it, the next one prefetched too before this one is handed out, and the one after it read."""
 
     def __init__(self, source: Iterator[Batch], pipeline: PrefetchPipeline) -> None:
         self.source, self.pipeline = source, pipeline
-        during_step = pipeline.embedding.prefetches_during_step
-        self.depth = 2 if during_step else 1  # batches read ahead of the one handed out
+        self.before_step = pipeline.embedding.prefetches_during_step
+        self.depth = 2 if self.before_step else 1  # batches read ahead of the one handed out
         self.ahead: deque[tuple[Batch, torch.cuda.Event | None]] = deque()  # each with its event, when read
         self.queued: torch.cuda.Event | None = None  # after the last read, and every step queued before it
-        self.pending: Future[Prefetched] | None = None
+        self.following: Prefetched | CacheTooSmall | None = None  # the next batch's prefetch, or its error
         self.started = self.exhausted = False
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="prefetch") if during_step else None
 
     def __iter__(self) -> PrefetchAhead:
         return self
@@ -174,10 +172,10 @@ class PrefetchAhead:
         if not self.started:
             self.started = True
             self._read()
-        pending, self.pending = self.pending, None
-        prefetched = pending.result() if pending is not None else None
+        prefetched, self.following = self.following, None
+        if isinstance(prefetched, CacheTooSmall):  # the error of this batch's prefetch, when the loop asks for it
+            raise prefetched
         if not self.ahead:
-            self._stop_worker()
             raise StopIteration
         batch, _ = self.ahead.popleft()
         after = self.queued  # this batch's ids are ready, and every step but the last one queued
@@ -188,13 +186,14 @@ class PrefetchAhead:
         embedding = self.pipeline.embedding
         if prefetched is None or prefetched.generation != embedding.generation:
             prefetched = embedding.prefetch(batch.sparse, after=after)
-        if self._worker is not None and self.ahead:
-            # the next batch was read before the step that this loop queued last: its books need not wait for that
-            # step, only its copies do (they may take the rows of the batches before this one)
+        if self.before_step and self.ahead:
+            # the next batch was read before the step queued last: its books need not wait for that step, only its
+            # copies do (they may take the rows of the batch before this one)
             following, read_at = self.ahead[0]
-            device = self.pipeline.device
-            compute = torch.cuda.current_stream(device) if device.type == "cuda" else None
-            self.pending = self._worker.submit(self._prefetch, following.sparse, self.queued, read_at, compute)
+            try:
+                self.following = embedding.prefetch(following.sparse, after=self.queued, inputs=read_at)
+            except CacheTooSmall as error:
+                self.following = error
         return Batch(batch.dense, prefetched, batch.label)
 
     def _read(self) -> bool:
@@ -212,26 +211,13 @@ class PrefetchAhead:
             self.ahead.append((batch, self.queued))
         return batch is not None
 
-    def _prefetch(self, sparse, after: torch.cuda.Event | None, inputs: torch.cuda.Event | None,
-                  compute: torch.cuda.Stream | None) -> Prefetched:
-        """On the worker thread: the next batch prefetched, ``compute`` (the loop's stream) its current stream."""
-        with torch.cuda.stream(compute) if compute is not None else contextlib.nullcontext():
-            return self.pipeline.embedding.prefetch(sparse, after=after, inputs=inputs)
-
-    def _stop_worker(self) -> None:
-        if self._worker is not None:
-            self._worker.shutdown(wait=True)
-            self._worker = None
-
     def close(self) -> None:
-        """Wait for a prefetch under way (its batch is dropped, its rows stay in the caches), drop the batch read
-        ahead, close the source."""
-        pending, self.pending = self.pending, None
-        if pending is not None:
-            pending.exception()  # waited for; an error of a batch no step takes is not the loop's
-        self._stop_worker()
+        """Drop the batches read ahead (a batch prefetched leaves its rows in the caches; the error of its prefetch is
+        not the loop's, which takes no step of it), close the source."""
+        self.following = None
         self.ahead.clear()
         self.exhausted = True
         close = getattr(self.source, "close", None)
         if callable(close):
             close()
+

@@ -50,11 +50,10 @@ the rows of the training batch prefetched before it, whose update may still be p
 only for ``after``, an event of the compute stream after which the batch's ids are ready and every earlier batch's
 update is queued (:class:`~pipeline.distributed.train_pipeline.PrefetchPipeline` records it), so the host waits and
 copies overlap the batch before; given ``inputs``, an earlier event after which the ids are ready, the books wait
-only for that one and the copies for ``after``; the pipeline queues that prefetch from a thread of its own, and
-every other use of the books (a lookup of a batch not prefetched, a flush, a state dict, the stats) waits for a
-prefetch under way. A training batch's distinct rows of a table, with those of the batch before, must fit its cache
-(else :class:`~pipeline.modules.host_cache.CacheTooSmall`); a lookup outside training that does not fit is looked
-up in halves of its samples.
+only for that one and the copies for ``after`` (the pipeline queues the next batch's prefetch so, before the step
+before it). A training batch's distinct rows of a table, with those of the batch before, must fit its cache (else
+:class:`~pipeline.modules.host_cache.CacheTooSmall`); a lookup outside training that does not fit is looked up in
+halves of its samples.
 
 The state dict is the plain collection's (every table whole, dirty rows written back first), so
 checkpoints, ``model.pt`` and export read a host-cached collection as a plain one, and a state dict
@@ -72,9 +71,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import functools
-import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -87,18 +84,6 @@ from pipeline.modules.configs import WEIGHT_DTYPES, EmbeddingOptimizerConfig, Ta
 from pipeline.modules.host_cache import NO_ROW, CachedTable, CacheStats, CacheTooSmall, RowCache
 from pipeline.modules.side_stream import SideStream
 from pipeline.sparse import KeyedJaggedTensor
-
-
-def _alone(method: Callable) -> Callable:
-    """The method runs alone among the collection's uses of its caches' books: a prefetch that another thread queues
-    (:class:`~pipeline.distributed.train_pipeline.PrefetchPipeline`) is done first, and waits for it."""
-
-    @functools.wraps(method)
-    def alone(self, *args, **kwargs):
-        with self._books_lock:
-            return method(self, *args, **kwargs)
-
-    return alone
 
 
 @dataclass
@@ -172,7 +157,6 @@ class HostCachedCollection(EmbeddingCollection):
         self._written_back: _WrittenBack | None = None
         self._mapped: bool | None = None  # see _rows_move_directly
         self._overflow: tuple[torch.Tensor, torch.cuda.Event | None] | None = None  # see _check_overflow
-        self._books_lock = threading.RLock()  # see _alone
 
     @classmethod
     def from_collection(cls, ec: EmbeddingCollection, cache_rows: dict[str, int]) -> HostCachedCollection:
@@ -218,17 +202,14 @@ class HostCachedCollection(EmbeddingCollection):
     @property
     def prefetches_during_step(self) -> bool:
         """Always: a prefetch moves rows between the host tables and the caches, whose values a state dict (after a
-        flush), an evaluation and an export read alike, so it may run beside the step before (on the training
-        pipeline's thread: the other uses of the books wait for it, :func:`_alone`)."""
+        flush), an evaluation and an export read alike, so it may run before the step before it is queued."""
         return True
 
-    @_alone
     def cache_stats(self) -> dict[str, CacheStats]:
         """Each cached table's counts of its training batches' rows: looked up, found, evicted, written back."""
         self._check_overflow(wait=True)
         return self.cache.stats
 
-    @_alone
     def table_views(self, name: str) -> dict[str, torch.Tensor]:
         if name not in self.cache.names:
             return super().table_views(name)
@@ -236,7 +217,6 @@ class HostCachedCollection(EmbeddingCollection):
         self._drop()
         return flat_views(self.packing, self.host, self.packing.table_names.index(name))
 
-    @_alone
     def prefetch(self, features: KeyedJaggedTensor, after: torch.cuda.Event | None = None,
                  inputs: torch.cuda.Event | None = None) -> Prefetched:
         """``features``' rows in the caches now, for their training lookup later (``self(prefetched)``), at
@@ -258,7 +238,6 @@ class HostCachedCollection(EmbeddingCollection):
             return super().forward(features)
         return self._cached_lookup(*self.slot_bags(features), torch.is_grad_enabled() and self.training)
 
-    @_alone
     def _cached_lookup(self, indices: torch.Tensor, offsets: torch.Tensor, batch_size: int,
                        training: bool) -> torch.Tensor:
         try:
@@ -434,7 +413,6 @@ class HostCachedCollection(EmbeddingCollection):
 
     # Whole-cache operations: not per step.
 
-    @_alone
     def _flush(self) -> None:
         """Every dirty row written back to the host tables (the rows stay in the caches, clean)."""
         self._check_overflow(wait=True)
@@ -451,7 +429,6 @@ class HostCachedCollection(EmbeddingCollection):
                 self._finish_write_back()
                 self.cache.cleaned(slots)
 
-    @_alone
     def _drop(self) -> None:
         """Every cache emptied, without writing back (prefetched batches not yet looked up are void)."""
         with self.side.run(self.weights.device, None):
@@ -461,7 +438,6 @@ class HostCachedCollection(EmbeddingCollection):
             self.side.wait(self.side.event(self.weights.device))
         self._generation += 1
 
-    @_alone
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         # The plain collection's state: every table whole, in the host tensors.
         self._flush()
@@ -471,7 +447,6 @@ class HostCachedCollection(EmbeddingCollection):
                 value = self.host[_key(name)] if name != "step" else buf
                 destination[prefix + name] = value if keep_vars else value.detach()
 
-    @_alone
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
         names = [name for name in self._buffers if name not in self._non_persistent_buffers_set]
