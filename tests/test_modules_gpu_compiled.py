@@ -46,3 +46,25 @@ def test_on_the_cpu_the_function_runs_as_written(monkeypatch):
         return values.sum() * scale
 
     assert summed(torch.arange(5), 3).item() == 30
+
+
+def test_where_the_cpp_wrapper_cannot_be_built_the_python_one_compiles_it_without_a_warning(monkeypatch, capsys):
+    tried = []
+
+    def backend(graph, example_inputs, options=None):
+        tried.append(dict(options or {}))
+        if (options or {}).get("cpp_wrapper"):
+            raise RuntimeError("no C++ compiler here")
+        return graph.forward
+
+    monkeypatch.setattr(gpu_compiled, "_triton_usable", lambda: True)
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=backend))
+
+    @gpu_compiled.compiled_on_gpu(lambda first: types.SimpleNamespace(is_cuda=True))
+    def doubled(values: torch.Tensor) -> torch.Tensor:
+        return values * 2
+
+    values = torch.arange(4.0)
+    assert torch.equal(doubled(values), values * 2) and torch.equal(doubled(values), values * 2)
+    assert tried == [{"cpp_wrapper": True}, {}]  # each compiled once: the C++ wrapper first, then the Python one
+    assert capsys.readouterr().err == ""
