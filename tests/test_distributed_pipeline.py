@@ -140,7 +140,9 @@ def test_one_process_prefetches_host_cached_rows_a_step_ahead_and_trains_the_sam
     assert all(torch.equal(plain[key], pipelined[key]) and torch.equal(plain[key], resumed[key]) for key in plain)
 
 
-class _Model(torch.nn.Module):
+class Holding(torch.nn.Module):
+    """A model that is only its ``embedding``, as a training pipeline sees one."""
+
     def __init__(self, embedding) -> None:
         super().__init__()
         self.embedding = embedding
@@ -162,7 +164,7 @@ def test_host_cached_tables_take_the_next_batch_before_the_step_and_dynamic_ones
     batches = [Batch(torch.zeros(8, 1), KeyedJaggedTensor(["f"], torch.arange(8) + 8 * i, ones), torch.zeros(8))
                for i in range(4)]
     read = []
-    ahead = PrefetchPipeline(_Model(embedding), "cpu")(read.append(b) or b for b in batches)
+    ahead = PrefetchPipeline(Holding(embedding), "cpu")(read.append(b) or b for b in batches)
     first = next(ahead)
     assert isinstance(first.sparse, Prefetched)
     next_one = ahead.following
@@ -186,7 +188,7 @@ def test_a_batch_too_large_for_its_cache_prefetched_ahead_is_reported_when_the_l
     embedding = HostCachedCollection([TableConfig("t", 1024, 4, ["f"])], ["f"], {"t": 6}, backend="torch")
     ones = torch.ones(8, dtype=torch.int64)
     ids = [torch.tensor([0, 1] * 4), torch.arange(100, 108)]  # 2 distinct rows, then 8 for a cache of 6
-    ahead = PrefetchPipeline(_Model(embedding), "cpu")(
+    ahead = PrefetchPipeline(Holding(embedding), "cpu")(
         iter([Batch(torch.zeros(8, 1), KeyedJaggedTensor(["f"], i, ones), torch.zeros(8)) for i in ids]))
     first = next(ahead)
     embedding(first.sparse).sum().backward()

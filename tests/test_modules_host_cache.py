@@ -426,12 +426,6 @@ def test_on_a_gpu_the_books_given_their_inputs_event_run_during_the_step_before_
     assert after.query()
 
 
-class _Model(torch.nn.Module):
-    def __init__(self, embedding) -> None:
-        super().__init__()
-        self.embedding = embedding
-
-
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_the_training_pipeline_prefetching_ahead_trains_alike_with_lookups_and_state_dicts_between_steps(device):
     """Each next batch prefetched by the pipeline before the step before it; between steps, an evaluation's lookups
@@ -439,6 +433,7 @@ def test_the_training_pipeline_prefetching_ahead_trains_alike_with_lookups_and_s
     collection's."""
     from pipeline.distributed.train_pipeline import PrefetchPipeline
     from pipeline.loader import Batch
+    from tests.test_distributed_pipeline import Holding
 
     backend = "cuda" if device == "cuda" else "torch"
     reference = plain("adagrad", backend=backend).to(device)
@@ -448,7 +443,7 @@ def test_the_training_pipeline_prefetching_ahead_trains_alike_with_lookups_and_s
     data = [batch(step) for step in range(STEPS)]
     evaluated = batch(1000, size=64)[0].to(device)
     batches = [Batch(target, kjt.to(device), target.to(device)) for kjt, target in data]
-    steps = PrefetchPipeline(_Model(cached), device)(iter(batches))
+    steps = PrefetchPipeline(Holding(cached), device)(iter(batches))
     for step, got_batch in enumerate(steps):
         want = reference(batches[step].sparse)
         (want * batches[step].label).sum().backward()
