@@ -225,7 +225,7 @@ class HostCachedCollection(EmbeddingCollection):
         the compute stream's work queued so far). ``inputs``: an earlier event after which ``features`` are
         ready: where the rows move directly, the books wait only for it, and the copies, which read and write
         rows that the steps before use, for ``after``. The compute stream does not wait for the prefetch: the
-        lookup does (:attr:`Prefetched.ready`), so it may be queued in the middle of the step before."""
+        lookup does (:attr:`Prefetched.ready`), so it may be queued before the step before it."""
         inputs = inputs if self._rows_move_directly() else None  # else the books copy rows themselves
         with self.side.run(self.weights.device, after, join=False, inputs=inputs) as ready:
             self.side.uses(features.values, features.lengths, features.offsets())

@@ -1,12 +1,12 @@
 """``compiled_on_gpu``: a function of many small whole-array operations, run compiled where its tensors are on a GPU.
 
-The books of the host-cached tables are dozens of small operations each (sorts, prefix sums, scatters). Eagerly,
-each is a kernel launch and its host work, and in a training step the host launching them, not the device running
-them, sets the pace. ``torch.compile`` fuses the
-element-wise ones into a few kernels, which the host launches in a fraction of the time, from C++ where the machine
-builds Inductor's C++ wrapper (``cpp_wrapper``, which cuts the host's time a call further: docs/BENCHMARKS.md, "Tables
-larger than the device"), else from Inductor's Python wrapper. On the CPU, on a GPU that Triton cannot compile for, and where both
-compilations fail (a warning says why, once), the function runs eagerly: the same operations, the same values.
+The books of the host-cached tables are dozens of small operations each (sorts, prefix sums, scatters). Eagerly, each is
+a kernel launch and its host work, and in a training step the host launching them, not the device running them, sets the
+pace. ``torch.compile`` fuses the element-wise ones into a few kernels, which the host launches in a fraction of the
+time, from C++ where the machine builds Inductor's C++ wrapper (``cpp_wrapper``, which cuts the host's time a call
+further: docs/BENCHMARKS.md, "Tables larger than the device"), else from Inductor's Python wrapper. On the CPU, on a GPU
+that Triton cannot compile for, and where both compilations fail (a warning says why, once), the function runs eagerly:
+the same operations, the same values.
 
 Example::
 

@@ -367,8 +367,8 @@ class RowCache(nn.Module):
         return self.dirty.nonzero().squeeze(1)
 
     def cleaned(self, slots: torch.Tensor) -> None:
-        """``slots``' rows were written back: clean, but for the slots of the training batch placed last (spared),
-        which may not have trained yet (prefetched during the step before): its update is still to be written back."""
+        """``slots``' rows were written back: clean, but for the slots of the training batch placed last (spared), which
+        may not have trained yet (prefetched before the step before it): its update is still to be written back."""
         self.dirty.index_fill_(0, slots, False)
         self.dirty |= self.spared
 

@@ -13,7 +13,7 @@ runs here instead, on a side stream of high priority, and the host waits only fo
   its copies must follow;
 - at the end of the block the compute stream waits for the side stream, so whatever the compute stream runs later
   sees what the block did, and whatever it ran before was not waited for; or, for a block run without ``join``
-  (the next batch's prefetch, queued in the middle of a step), the block hands out its streams' events, and only
+  (the next batch's prefetch, queued before the step before it), the block hands out its streams' events, and only
   the work that uses its results waits for them (:meth:`SideStream.ready`);
 - work of a block that later blocks need not wait for (the rows a batch copies, which the next batch's books do not
   read) goes on a third stream (:meth:`SideStream.beside`), which the compute stream waits for too at the end of the
@@ -117,8 +117,8 @@ class SideStream:
         """Inside :meth:`run`: run the block on a third stream of ``device`` (made at its first use), after the side
         stream's work so far (and the ``after`` of a run given ``inputs``), in order with what earlier such blocks
         queued, and beside the side stream's later work, which does not wait for it (unless :meth:`join` says so); the
-        compute stream waits for it at the end of the block of :meth:`run`. A tensor made on the side stream and used here must be marked with :meth:`lend`. On the
-        CPU, the block runs in order on the host."""
+        compute stream waits for it at the end of the block of :meth:`run`. A tensor made on the side stream and used
+        here must be marked with :meth:`lend`. On the CPU, the block runs in order on the host."""
         side = self.stream(device)
         if side is None:
             yield
