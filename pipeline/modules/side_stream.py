@@ -55,7 +55,6 @@ class SideStream:
         self._stream: torch.cuda.Stream | None = None
         self._followed: torch.cuda.Event | None = None
         self._copies: torch.cuda.Stream | None = None
-        self._copies_after: torch.cuda.Event | None = None
         self._buffers: dict[tuple[str, bool], torch.Tensor] = {}
 
     def stream(self, device: torch.device) -> torch.cuda.Stream | None:
@@ -91,12 +90,12 @@ class SideStream:
             side.wait_event(after if inputs is None else inputs)
             if self._followed is not None:
                 side.wait_event(self._followed)
-            self._copies_after = None if inputs is None else after
+            if inputs is not None:  # the work queued beside the side stream, in order, after ``after``
+                self._copies_on(device).wait_event(after)
         try:
             with torch.cuda.stream(side):
                 yield done
         finally:
-            self._copies_after = None
             for stream in (side, self._copies):
                 if stream is None:
                     continue
@@ -123,13 +122,16 @@ class SideStream:
         if side is None:
             yield
             return
+        copies = self._copies_on(device)
+        copies.wait_stream(side)
+        with torch.cuda.stream(copies):
+            yield
+
+    def _copies_on(self, device: torch.device) -> torch.cuda.Stream:
+        """The stream of the work queued :meth:`beside` the side stream, made at its first use."""
         if self._copies is None or self._copies.device != device:
             self._copies = torch.cuda.Stream(device, priority=-1)
-        self._copies.wait_stream(side)
-        if self._copies_after is not None:
-            self._copies.wait_event(self._copies_after)
-        with torch.cuda.stream(self._copies):
-            yield
+        return self._copies
 
     def lend(self, *tensors: torch.Tensor) -> None:
         """``tensors``, made on the side stream, are used by the work queued :meth:`beside` it: their memory waits for
