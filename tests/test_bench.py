@@ -154,6 +154,33 @@ def test_bench_train_times_tables_placed_under_a_budget_against_all_in_device_me
     assert "ratio placed / in device memory:" in printed and "cache hit rate over the timed steps" in printed
 
 
+def test_the_timed_stretches_of_a_run_are_one_pass_of_the_pipeline_so_a_round_starts_prefetched():
+    from pipeline.bench.train_models import PipelinedSteps, StepBatch
+    from pipeline.modules.cached_collection import HostCachedCollection
+    from pipeline.modules.configs import TableConfig
+    from pipeline.sparse import KeyedJaggedTensor
+    from tests.test_distributed_pipeline import Holding
+
+    embedding = HostCachedCollection([TableConfig("t", 1024, 4, ["f"])], ["f"], {"t": 100}, backend="torch")
+    ones = torch.ones(8, dtype=torch.int64)
+    stream = [StepBatch(torch.zeros(8, 1), None, KeyedJaggedTensor(["f"], torch.arange(8) + 8 * i, ones), None,
+                        torch.zeros(8)) for i in range(6)]
+    trained = []
+
+    def step(dense, sparse, label):
+        embedding(sparse).sum().backward()
+        trained.append(label)
+
+    steps = PipelinedSteps(Holding(embedding), step, "cpu", stream, lambda b: b.kjt)
+    steps(stream[:2])
+    # the third batch's rows were prefetched during the first round (each batch's 8 rows are new)
+    assert embedding.cache_stats()["t"].rows == 24
+    steps(stream[2:5])
+    assert [id(label) for label in trained] == [id(b.label) for b in stream[:5]]
+    with pytest.raises(ValueError, match="not the next of the run's stream"):
+        steps(stream[:1])
+
+
 def test_bench_train_refuses_a_budget_that_every_table_fits(tmp_path, capsys):
     assert main(["bench", "train", *TINY_TRAIN, "--embedding-budget-mb", "100", f"workdir={tmp_path}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

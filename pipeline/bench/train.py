@@ -17,14 +17,15 @@ once for all its batches, so each table's hot rows stay where they are from batc
 training stage does, admitted after ``train.admit_after`` occurrences, the least recently used evicted),
 trained on the same ids, each row's as a 64-bit id of its own, as the stage trains it: each batch's ids
 placed a step ahead, while the batch before trains, its new rows started at its lookup
-(:class:`~pipeline.distributed.train_pipeline.PrefetchPipeline`). It reports its samples/s and the ratio of
+(:class:`~pipeline.distributed.train_pipeline.PrefetchPipeline`, one pass over all the run's batches). It reports its samples/s and the ratio of
 the static tables' to it.
 
 ``--embedding-budget-mb N``: the planner places the tables as the training stage does under
 ``distributed.memory_per_rank_mb=N`` on one process (the tables that do not fit host-cached: in host
 memory behind device caches of their hot rows, the caches sharing what the budget leaves), and the
 step of that model, its rows prefetched a step ahead as the stage does
-(:class:`~pipeline.distributed.train_pipeline.PrefetchPipeline`), is timed against the same model
+(:class:`~pipeline.distributed.train_pipeline.PrefetchPipeline`, one pass over all the run's batches, as the stage's
+over an epoch: a round starts with its first batches prefetched during the round before), is timed against the same model
 with every table in device memory, on the same stream of batches: a fresh batch every step (warm-up,
 then the rounds'), since a cache would hold a few batches used again whole. It reports both rates, their
 ratio and each host-cached table's cache hit rate over the timed steps; no plain PyTorch model is built.
@@ -158,16 +159,18 @@ def run(args: argparse.Namespace, cfg) -> dict:
         rounds = [[batches[i % count] for i in range(args.steps)]] * args.rounds
     profiled = batches[count - args.profile:] if budget else [batches[i % count] for i in range(args.profile)]
 
+    stream = warmup + [batch for round_batches in rounds for batch in round_batches] + profiled
+
     ours = our_dlrm(args, sizes, device)
     models = {"ours": our_training(ours, amp, args.compile)}
     if budget:
         host_cached = models["host_cached"] = HostCachedTraining(args, sizes, device, amp, args.compile,
-                                                                    cfg.distributed.sharding)
+                                                                    cfg.distributed.sharding, stream)
     else:
         models["plain_pytorch"] = plain_training(args, sizes, device, amp)
         if args.dynamic:
             dynamic = models["ours_dynamic"] = DynamicTraining(args, sizes, device, amp, args.compile,
-                                                               cfg.train.admit_after)
+                                                               cfg.train.admit_after, stream)
 
     def timed(train_on, round_batches):
         sync(device)

@@ -6,27 +6,23 @@ from __future__ import annotations
 
 
 class DynamicTraining:
-    """Our DLRM with dynamic tables (admitted after ``admit_after`` occurrences), trained on the ``raw`` ids of a
-    list of ``StepBatch``, one step each, through the training stage's
-    :class:`~pipeline.distributed.train_pipeline.PrefetchPipeline`, and the figures of its tables."""
+    """Our DLRM with dynamic tables (admitted after ``admit_after`` occurrences), trained on the ``raw`` ids of
+    stretches of the run's ``stream`` of ``StepBatch``, one step each, through the training stage's
+    :class:`~pipeline.distributed.train_pipeline.PrefetchPipeline` (:class:`~pipeline.bench.train_models.PipelinedSteps`),
+    and the figures of its tables."""
 
-    def __init__(self, args, sizes, device, amp: bool, compiled: str, admit_after: int):
-        from pipeline.bench.train_models import our_dlrm, our_step
-        from pipeline.distributed.train_pipeline import PrefetchPipeline
+    def __init__(self, args, sizes, device, amp: bool, compiled: str, admit_after: int, stream: list):
+        from pipeline.bench.train_models import PipelinedSteps, our_dlrm, our_step
         from pipeline.schema import DYNAMIC_ROWS
 
         self.capacity = -(-args.rows // DYNAMIC_ROWS) * DYNAMIC_ROWS  # whole buckets of the hash table
         self.admit_after = admit_after
         self.model = our_dlrm(args, sizes, device, capacity=self.capacity, admit_after=admit_after)
-        self._step = our_step(self.model, amp, compiled)
-        self._pipeline = PrefetchPipeline(self.model, device)
+        self._steps = PipelinedSteps(self.model, our_step(self.model, amp, compiled), device, stream, lambda b: b.raw)
         self._placed_before_timing = 0
 
     def __call__(self, batches) -> None:
-        from pipeline.loader import Batch
-
-        for batch in self._pipeline(Batch(b.dense, b.raw, b.label) for b in batches):
-            self._step(batch.dense, batch.sparse, batch.label)
+        self._steps(batches)
 
     def start_timing(self) -> None:
         self._placed_before_timing = self._placed()

@@ -7,25 +7,22 @@ from __future__ import annotations
 
 class HostCachedTraining:
     """Our DLRM of ``sizes`` with its tables placed under ``args.embedding_budget_mb`` (the same values as
-    :func:`~pipeline.bench.train_models.our_dlrm`'s), trained on the ``kjt`` of a list of ``StepBatch``, one step
-    each, and the figures of its placement and caches. ``sharding``: the tables' pinned placements
-    (``distributed.sharding``), as the training stage takes them."""
+    :func:`~pipeline.bench.train_models.our_dlrm`'s), trained on the ``kjt`` of stretches of the run's ``stream`` of
+    ``StepBatch`` (:class:`~pipeline.bench.train_models.PipelinedSteps`), one step each, and the figures of its
+    placement and caches. ``sharding``: the tables' pinned placements (``distributed.sharding``), as the training
+    stage takes them."""
 
-    def __init__(self, args, sizes, device, amp: bool, compiled: str, sharding: dict[str, str]):
-        from pipeline.bench.train_models import our_step
-        from pipeline.distributed.train_pipeline import PrefetchPipeline
+    def __init__(self, args, sizes, device, amp: bool, compiled: str, sharding: dict[str, str], stream: list):
+        from pipeline.bench.train_models import PipelinedSteps, our_step
 
         self.budget_mb = args.embedding_budget_mb
         self.model, self._topology = _placed_under_budget(args, sizes, device, sharding)
-        self._step = our_step(self.model, amp, compiled)
-        self._pipeline = PrefetchPipeline(self.model, device)
+        self._steps = PipelinedSteps(self.model, our_step(self.model, amp, compiled), device, stream,
+                                     lambda b: b.kjt)
         self._found_before_timing: dict = {}
 
     def __call__(self, batches) -> None:
-        from pipeline.loader import Batch
-
-        for batch in self._pipeline(Batch(b.dense, b.kjt, b.label) for b in batches):
-            self._step(batch.dense, batch.sparse, batch.label)
+        self._steps(batches)
 
     def start_timing(self) -> None:
         self._found_before_timing = dict(self.model.embedding.cache_stats())

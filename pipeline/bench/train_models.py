@@ -93,6 +93,28 @@ def our_training(model, amp: bool, compiled: str):
     return train_on
 
 
+class PipelinedSteps:
+    """``step`` on the batches of a run through the training stage's
+    :class:`~pipeline.distributed.train_pipeline.PrefetchPipeline`, one pass over the run's whole ``stream`` (warm-up,
+    rounds, profiled steps, in order) taken in stretches: as in the stage, whose pipeline runs over an epoch, a round
+    starts with its first batches prefetched while the round before trained, rather than with the pipeline filling up
+    again (which the stage does once an epoch). ``sparse_of``: a ``StepBatch``'s ids as the model takes them."""
+
+    def __init__(self, model, step, device, stream: list[StepBatch], sparse_of) -> None:
+        from pipeline.distributed.train_pipeline import PrefetchPipeline
+        from pipeline.loader import Batch
+
+        self._step = step
+        self._batches = PrefetchPipeline(model, device)(Batch(b.dense, sparse_of(b), b.label) for b in stream)
+
+    def __call__(self, batches: list[StepBatch]) -> None:
+        for expected in batches:
+            batch = next(self._batches)
+            if batch.label is not expected.label:
+                raise ValueError("a stretch of batches that is not the next of the run's stream")
+            self._step(batch.dense, batch.sparse, batch.label)
+
+
 def print_rates(rates: list[tuple[str, float]], ratios: list[tuple[str, float]]) -> None:
     """Labelled samples/s, then labelled ratios, in one column."""
     width = max(len(label) for label, _ in rates + ratios)
