@@ -60,12 +60,14 @@ def map_to_device(tensor: torch.Tensor, device: torch.device) -> bool:
     return True
 
 
-HOST_COPY_BLOCKS_PER_SM = 0.25
-"""Blocks a copy between host and device memory launches per multiprocessor of the GPU (fewer where its rows need
-fewer). Its rows wait on the bus, not on the multiprocessors, and a block resident for the whole copy keeps a GEMM's
-cooperative blocks off its multiprocessor: in the H200's host-cached training step (docs/BENCHMARKS.md, "Tables larger
-than the device") the compute stream took 8.9 ms a step beside copies on half the multiprocessors and 7.0 ms beside
-copies on a quarter, the copies 7.4 and 7.75 ms."""
+HOST_COPY_BLOCK = 1024
+"""Threads of a block of a copy between host and device memory: 128 rows in flight a block."""
+
+HOST_COPY_BLOCKS_PER_SM = 1 / 16
+"""Blocks such a copy launches per multiprocessor of the GPU (fewer where its rows need fewer): 8 on an H200, 8,192
+threads with four 16-byte loads in flight each. Its rows wait on the bus, so the bytes in flight, not the
+multiprocessors, set its rate; and a block resident for the whole copy keeps a GEMM's blocks off its multiprocessor
+(docs/BENCHMARKS.md, "Tables larger than the device"), so the threads go in few large blocks."""
 
 _MAPPED: dict[int, int] = {}
 """The host memory mapped so far: address -> bytes."""
@@ -122,7 +124,11 @@ def copy_rows(dst: torch.Tensor, dst_rows: torch.Tensor, src: torch.Tensor, src_
         return
     dst, src = dst_words, src_words
     aligned = dim % 4 == 0 and dst.data_ptr() % 16 == 0 and src.data_ptr() % 16 == 0
-    blocks = min(-(-n * COPY_GROUP // BLOCK), max(1, int(_multiprocessors(dst_rows.device) * HOST_COPY_BLOCKS_PER_SM)))
-    launch(SOURCE, "copy_rows", dst_rows.device, blocks, BLOCK,
+    through_host = not (dst.is_cuda and src.is_cuda)
+    block = HOST_COPY_BLOCK if through_host else BLOCK
+    blocks = -(-n * COPY_GROUP // block)
+    if through_host:
+        blocks = min(blocks, max(1, int(_multiprocessors(dst_rows.device) * HOST_COPY_BLOCKS_PER_SM)))
+    launch(SOURCE, "copy_rows", dst_rows.device, blocks, block,
            [ptr(dst), ptr(dst_rows.contiguous()), ptr(src), ptr(src_rows.contiguous()), ptr(None), i64(n), i32(dim),
             i32(aligned), ptr(None if bounds is None else bounds.contiguous())])

@@ -411,8 +411,9 @@ extern "C" __global__ void __launch_bounds__(256) place_keys(
 // range the device knows and the host does not): dst[d] = src[s], d = dst_index[i] (or i when dst_index is
 // null; skipped when d < 0), s = src_index[i] (or i when null), fallback[i] when s < 0. A group
 // takes rows i, i + groups, ... (groups: all the launched ones), so a launch of fewer blocks than rows / groups
-// a block copies them all on fewer multiprocessors (rows crossing the bus wait on it, not on the SMs).
-extern "C" __global__ void __launch_bounds__(256) copy_rows(
+// a block copies them all on fewer multiprocessors (rows crossing the bus wait on it, not on the SMs). Blocks of up
+// to 1024 threads: a copy through host memory runs as a few large blocks (host_rows.py).
+extern "C" __global__ void __launch_bounds__(1024) copy_rows(
     float* __restrict__ dst, const long long* __restrict__ dst_index, const float* __restrict__ src,
     const long long* __restrict__ src_index, const float* __restrict__ fallback, long long n, int dim,
     int aligned, const long long* __restrict__ bounds) {
