@@ -276,7 +276,7 @@ class RowCache(nn.Module):
         first[1:] = sorted_rows[1:] != sorted_rows[:-1]
         first &= sorted_rows != NO_ROW
         distinct_at = torch.cumsum(first, 0) - 1
-        inverse = torch.empty_like(distinct_at).scatter_(0, by_row, distinct_at)
+        inverse = _scatter(n, (by_row, distinct_at))
         distinct = _scatter(n, (torch.where(first, distinct_at, n), sorted_rows), fill=NO_ROW)
         found = self.index.find(distinct)
         missing = (distinct != NO_ROW) & (found < 0)
@@ -386,11 +386,13 @@ class RowCache(nn.Module):
 
 
 def _scatter(size: int, *pairs: tuple[torch.Tensor, torch.Tensor], fill: int | None = None) -> torch.Tensor:
-    """A ``size``-long array with each pair's values at its positions (position ``size``: dropped)."""
+    """A ``size``-long array with each pair's values at its positions (position ``size``: dropped). Written as
+    ``index_put_``, which Inductor compiles into its kernels on a GPU, where it leaves a ``scatter_`` of integers or
+    booleans to an ATen kernel of its own (it would need atomic adds that Triton lacks for them)."""
     values = pairs[0][1]
     out = values.new_empty(size + 1) if fill is None else values.new_full((size + 1,), fill)
     for at, value in pairs:
-        out.scatter_(0, at, value)
+        out.index_put_((at,), value)
     return out[:size]
 
 
