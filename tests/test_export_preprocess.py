@@ -181,7 +181,7 @@ def test_the_vocabulary_index_finds_what_a_dictionary_finds(seed):
                     for k, size in enumerate((0, 3, 50, 400))}
     index = VocabularyIndex(vocabularies)
     names = list(vocabularies)
-    for rows in (1, 7, 100, 600):  # the binary search of the keys, and (2,400 values) the hash table
+    for rows in (1, 7, 100, 600):  # the binary search of the keys (of 400 values: in their order), the hash table
         looked_up = [[None if rng.random() < 0.1 else value() for _ in range(rows)] for _ in names]
         flat = [v for column in looked_up for v in column]
         expected = _reference(vocabularies, flat, [name for name in names for _ in range(rows)])

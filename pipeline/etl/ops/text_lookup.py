@@ -180,7 +180,16 @@ class VocabularyIndex:
         """The position of each key in the index, -1 where absent (what ``get_indexer`` gives), by binary search."""
         if not len(self._sorted_keys):
             return np.full(len(keys), -1, dtype=np.int64)
-        found = np.minimum(np.searchsorted(self._sorted_keys, keys), len(self._sorted_keys) - 1)
+        if len(keys) > _SEARCHED[0]:
+            # the keys searched in their order: numpy's search then starts each where the one before ended and reads
+            # the sorted keys from one end to the other rather than at random (about half the time; a few keys
+            # gain less than their sort costs)
+            order = np.argsort(keys)
+            found = np.empty(len(keys), dtype=np.int64)
+            found[order] = np.searchsorted(self._sorted_keys, keys[order])
+        else:
+            found = np.searchsorted(self._sorted_keys, keys)
+        np.minimum(found, len(self._sorted_keys) - 1, out=found)
         return np.where(self._sorted_keys[found] == keys, self._sorted_at[found], -1)
 
     def _columns(self, names: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
