@@ -181,6 +181,26 @@ def test_the_timed_stretches_of_a_run_are_one_pass_of_the_pipeline_so_a_round_st
         steps(stream[:1])
 
 
+def test_the_model_placed_under_a_budget_starts_from_the_values_of_the_one_in_device_memory():
+    import argparse
+
+    from pipeline.bench.train import add_arguments
+    from pipeline.bench.train_host_cached import _placed_under_budget
+    from pipeline.bench.train_models import our_dlrm
+    from pipeline.modules.models import ModelSizes
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--tables", "3", "--rows", "2000", "--dim", "4", "--batch", "128", "--embedding-budget-mb",
+                              "0.038"])
+    sizes = ModelSizes(embedding_dim=4, bottom_mlp=[8, 4], top_mlp=[8, 1])
+    plain = our_dlrm(args, sizes, "cpu").state_dict()
+    placed, _ = _placed_under_budget(args, sizes, torch.device("cpu"), {})
+    assert placed.embedding.cache.names  # some tables host-cached
+    placed = placed.state_dict()
+    assert set(placed) == set(plain) and all(torch.equal(placed[k], plain[k]) for k in plain)
+
+
 def test_bench_train_refuses_a_budget_that_every_table_fits(tmp_path, capsys):
     assert main(["bench", "train", *TINY_TRAIN, "--embedding-budget-mb", "100", f"workdir={tmp_path}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -50,6 +50,9 @@ class HostCachedTraining:
 def _placed_under_budget(args, sizes, device, sharding: dict[str, str]):
     """Our DLRM with its tables placed by the planner under ``args.embedding_budget_mb`` and the pinned placements
     ``sharding``, as the training stage places them on one process, and the planner's topology."""
+    import argparse
+    import dataclasses
+
     import torch
 
     from pipeline.bench.train_models import our_dlrm
@@ -58,22 +61,21 @@ def _placed_under_budget(args, sizes, device, sharding: dict[str, str]):
     from pipeline.errors import UserError
     from pipeline.modules.cached_collection import HostCachedCollection
 
-    model = our_dlrm(args, sizes, "cpu")
+    # The model built with tables of one row: its dense part is drawn as our_dlrm's (seeded), and the tables, tens of
+    # GB at the real size, are drawn once, by the host-cached collection below (with build_model's generator, seed 0).
+    model = our_dlrm(argparse.Namespace(**{**vars(args), "rows": 1}), sizes, "cpu")
     ec = model.embedding
+    tables = [dataclasses.replace(t, rows=args.rows) for t in ec.tables]
     planner = make_planner(DistributedConfig(memory_per_rank_mb=args.embedding_budget_mb, sharding=dict(sharding)), 1,
                            device,
                            batch_size=args.batch, optimizer=args.optimizer, weight_bytes=4)
-    plan = planner.plan(ec.tables)
+    plan = planner.plan(tables)
     cached = {name: p.cache_rows for name, p in plan.tables.items() if p.cache_rows}
     if not cached:
         raise UserError(f"--embedding-budget-mb {args.embedding_budget_mb:g}: every table fits in it, so none is "
                         "host-cached: give a budget below what the tables take")
-    # The plain tables go before the host-cached ones are drawn (by build_model's generator, seed 0), so that
-    # host memory holds the tables once.
-    tables, features, optimizer = ec.tables, ec.feature_names, ec.optimizer
-    model.embedding = ec = None
-    model.embedding = HostCachedCollection(tables, features, cached, optimizer, backend=args.backend, validate_ids=False,
-                                           generator=torch.Generator().manual_seed(0))
+    model.embedding = HostCachedCollection(tables, ec.feature_names, cached, ec.optimizer, backend=args.backend,
+                                           validate_ids=False, generator=torch.Generator().manual_seed(0))
     return model.to(device), planner.topology
 
 
