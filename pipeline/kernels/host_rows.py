@@ -65,7 +65,7 @@ HOST_COPY_BLOCK = 1024
 
 HOST_COPY_BLOCKS_PER_SM = 1 / 16
 """Blocks such a copy launches per multiprocessor of the GPU (fewer where its rows need fewer): 8 on an H200, 8,192
-threads with four 16-byte loads in flight each. Its rows wait on the bus, so the bytes in flight, not the
+threads with up to four 16-byte loads in flight each. Its rows wait on the bus, so the bytes in flight, not the
 multiprocessors, set its rate; and a block resident for the whole copy keeps a GEMM's blocks off its multiprocessor
 (docs/BENCHMARKS.md, "Tables larger than the device"), so the threads go in few large blocks."""
 
