@@ -191,8 +191,8 @@ def test_the_model_placed_under_a_budget_starts_from_the_values_of_the_one_in_de
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    args = parser.parse_args(["--tables", "3", "--rows", "2000", "--dim", "4", "--batch", "128", "--embedding-budget-mb",
-                              "0.038"])
+    args = parser.parse_args(["--tables", "3", "--rows", "2000", "--dim", "4", "--batch", "128",
+                              "--embedding-budget-mb", "0.038"])
     sizes = ModelSizes(embedding_dim=4, bottom_mlp=[8, 4], top_mlp=[8, 1])
     plain = our_dlrm(args, sizes, "cpu").state_dict()
     placed, _ = _placed_under_budget(args, sizes, torch.device("cpu"), {})

@@ -17,16 +17,16 @@ once for all its batches, so each table's hot rows stay where they are from batc
 training stage does, admitted after ``train.admit_after`` occurrences, the least recently used evicted),
 trained on the same ids, each row's as a 64-bit id of its own, as the stage trains it: each batch's ids
 placed a step ahead, while the batch before trains, its new rows started at its lookup
-(:class:`~pipeline.distributed.train_pipeline.PrefetchPipeline`, one pass over all the run's batches). It reports its samples/s and the ratio of
-the static tables' to it.
+(:class:`~pipeline.distributed.train_pipeline.PrefetchPipeline`, one pass over all the run's batches). It reports
+its samples/s and the ratio of the static tables' to it.
 
 ``--embedding-budget-mb N``: the planner places the tables as the training stage does under
 ``distributed.memory_per_rank_mb=N`` on one process (the tables that do not fit host-cached: in host
 memory behind device caches of their hot rows, the caches sharing what the budget leaves), and the
 step of that model, its rows prefetched a step ahead as the stage does
 (:class:`~pipeline.distributed.train_pipeline.PrefetchPipeline`, one pass over all the run's batches, as the stage's
-over an epoch: a round starts with its first batches prefetched during the round before), is timed against the same model
-with every table in device memory, on the same stream of batches: a fresh batch every step (warm-up,
+over an epoch: a round starts with its first batches prefetched during the round before), is timed against the same
+model with every table in device memory, on the same stream of batches: a fresh batch every step (warm-up,
 then the rounds'), since a cache would hold a few batches used again whole. It reports both rates, their
 ratio and each host-cached table's cache hit rate over the timed steps; no plain PyTorch model is built.
 On the CPU the budget is simulated as on a GPU: the caches are tensors of their own beside the host

@@ -8,8 +8,8 @@ from __future__ import annotations
 class DynamicTraining:
     """Our DLRM with dynamic tables (admitted after ``admit_after`` occurrences), trained on the ``raw`` ids of
     stretches of the run's ``stream`` of ``StepBatch``, one step each, through the training stage's
-    :class:`~pipeline.distributed.train_pipeline.PrefetchPipeline` (:class:`~pipeline.bench.train_models.PipelinedSteps`),
-    and the figures of its tables."""
+    :class:`~pipeline.distributed.train_pipeline.PrefetchPipeline`
+    (:class:`~pipeline.bench.train_models.PipelinedSteps`), and the figures of its tables."""
 
     def __init__(self, args, sizes, device, amp: bool, compiled: str, admit_after: int, stream: list):
         from pipeline.bench.train_models import PipelinedSteps, our_dlrm, our_step

@@ -220,4 +220,3 @@ class PrefetchAhead:
         close = getattr(self.source, "close", None)
         if callable(close):
             close()
-

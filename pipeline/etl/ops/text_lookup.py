@@ -41,6 +41,8 @@ _SEARCHED = (64, 2048)
 a call, some 15 us warm and 250 us when the CPU's caches are cold (as between two requests of a served model), the
 search one numpy call, then 10 to 20 ns a value against 100 ns or more (a cache miss a step of a large index)."""
 _CACHED_KEYS = 1 << 18
+_SORTED_FIRST = 64
+"""More values than this are searched in the order of their keys (their sort then costs less than it saves)."""
 
 
 @dataclass(frozen=True)
@@ -180,10 +182,9 @@ class VocabularyIndex:
         """The position of each key in the index, -1 where absent (what ``get_indexer`` gives), by binary search."""
         if not len(self._sorted_keys):
             return np.full(len(keys), -1, dtype=np.int64)
-        if len(keys) > _SEARCHED[0]:
-            # the keys searched in their order: numpy's search then starts each where the one before ended and reads
-            # the sorted keys from one end to the other rather than at random (about half the time; a few keys
-            # gain less than their sort costs)
+        if len(keys) > _SORTED_FIRST:
+            # numpy's search then starts each key where the one before ended and reads the sorted keys from one end
+            # to the other rather than at random (about half the time)
             order = np.argsort(keys)
             found = np.empty(len(keys), dtype=np.int64)
             found[order] = np.searchsorted(self._sorted_keys, keys[order])
