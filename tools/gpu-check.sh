@@ -159,7 +159,7 @@ print(f'{len(sources)} sources in {time.time() - start:.0f} s')
           --rows "${DYNAMIC_ROWS:-1000000}" --profile 5 --json "$W/dynamic-$ids/result.json"
       done ;;
     hostcache)
-      step hostcache-tests 240 "$PY" -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_modules_host_cache.py \
+      step hostcache-tests 300 "$PY" -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_modules_host_cache.py \
         tests/test_train_host_cache.py tests/test_train_syncs.py tests/test_distributed_pipeline.py
       step hostcache-2m 240 "$PY" -m pipeline bench train "${mlperf[@]}" --rows 2000000 --ids zipf --optimizer adagrad \
         --embedding-budget-mb 8192 --warmup 30 --steps 20 --rounds 3 --profile 5 --json "$W/hostcache-2m/result.json" ;;
