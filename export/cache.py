@@ -286,6 +286,19 @@ class _ArrayCaches:
         cached, new_slots = self._insert(keys, tables, counts, misses, hits, slots[hit])
         return self._rows.serve(slots, hit, inverse, new_slots, cached, lambda out: self._fetch(keys, misses, out))
 
+    def cached_slots(self, tables: list[str], ids: np.ndarray) -> np.ndarray | None:
+        """Each id's slot in the row store, ``[n, len(tables)]``, when every one is cached (a lookup that hit:
+        touched and counted as :meth:`lookup` does); else None, with nothing touched or counted."""
+        keys = (np.asarray(ids, dtype=np.int64).reshape(-1, len(tables)) + self._first_keys(tables)).reshape(-1)
+        if keys.size == 0:
+            return None
+        slots = self._slot_of[keys]
+        if slots.min() < 0:
+            return None
+        self._tick += 1
+        self._touch_distinct(slots)
+        return slots.reshape(-1, len(tables))
+
     def _fetch(self, keys: np.ndarray, per_table: np.ndarray, out: np.ndarray) -> None:
         """The store's rows of ``keys`` (grouped by table, ``per_table`` of each in table order) into ``out``."""
         ends = np.cumsum(per_table)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -156,12 +157,35 @@ def _torch_dtype(dtype: np.dtype) -> torch.dtype:
     return found
 
 
+class CachedRows(NamedTuple):
+    """A batch's rows where a device cache holds them: ``rows[slots[b, c]]`` is column ``c``'s row for batch row
+    ``b``. A consumer that gathers them itself (the dense part's CUDA graph) takes them so, with no gather of its own
+    beforehand; :meth:`gathered` is the pooled answer ``[B, columns * dim]`` float32 on the device."""
+
+    rows: torch.Tensor
+    slots: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def gathered(self) -> torch.Tensor:
+        slots = torch.from_numpy(np.ascontiguousarray(self.slots, dtype=np.int64).reshape(-1))
+        rows = self.rows.index_select(0, slots.to(self.rows.device, non_blocking=True))
+        return rows.view(len(self.slots), -1).float()
+
+
 class _OnDevice:
     row_store = DeviceRows
 
     @property
     def device(self) -> torch.device:
         return self._rows.device
+
+    def cached_rows(self, tables: list[str], ids: np.ndarray) -> CachedRows | None:
+        """The rows of ``ids`` (as :meth:`lookup` takes them) where they are cached, when every one is (else None,
+        nothing counted: :meth:`lookup` serves that batch)."""
+        slots = self.cached_slots(tables, ids)
+        return None if slots is None else CachedRows(self._rows.rows, slots)
 
 
 class _TorchLruCaches(_OnDevice, _LruCaches):

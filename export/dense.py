@@ -16,6 +16,11 @@ pooled embeddings of a GPU cache (a tensor on the device) from where they are, n
 the rows past the batch are padding (the model computes each row on its own), the answer is the batch's
 rows. A batch larger than ``max_batch``, and every batch on the CPU, runs the module as it is.
 
+The ``ranker`` on a GPU hands over a batch whose rows its GPU cache holds as those rows and each id's slot
+(:class:`export.cache_torch.CachedRows`), not gathered: its graph gathers them itself, the slots going over in the
+same copy as the continuous features, and brings the probabilities back with one more copy and one wait. The
+lookup then queues nothing on the device, and the whole batch costs two copies and one launch.
+
 Example::
 
     save_dense(model, "repo/dense/1/model.pt")
@@ -32,6 +37,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import nn
+
+from export.cache_torch import CachedRows
 
 
 class _Probability(nn.Module):
@@ -120,6 +127,58 @@ class _Graph:
         return self.output[:rows].cpu().numpy()
 
 
+class _GatheringGraph:
+    """The module captured for ``batch`` rows whose pooled embeddings it gathers itself from a device cache's
+    ``rows`` (:class:`export.cache_torch.CachedRows`), of ``columns`` slots a row, beside ``width`` continuous
+    features (None: the module takes the pooled embeddings alone).
+
+    The slots and the continuous features lie one after the other in one page-locked host buffer and go over in
+    one copy; the graph gathers the rows, runs the module and leaves the probabilities where one copy brings them
+    back to a page-locked buffer: a batch costs two copies, one launch and one wait, whatever its columns. The rows
+    past the batch keep slots of earlier batches (any slot is a row) and are not answered.
+    """
+
+    def __init__(self, module, batch: int, columns: int, width: int | None, rows: torch.Tensor) -> None:
+        device = rows.device
+        slot_bytes, dense_bytes = batch * columns * 8, batch * (width or 0) * 4
+        self.host = torch.zeros(slot_bytes + dense_bytes, dtype=torch.uint8, pin_memory=True)
+        self.buffer = torch.zeros(slot_bytes + dense_bytes, dtype=torch.uint8, device=device)
+        self.rows = rows
+        host = self.host.numpy()
+        self._slots = host[:slot_bytes].view(np.int64).reshape(batch, columns)
+        self._dense = host[slot_bytes:].view(np.float32).reshape(batch, width) if width is not None else None
+        slots = self.buffer[:slot_bytes].view(torch.int64)
+        dense = self.buffer[slot_bytes:].view(torch.float32).view(batch, width or 0)
+
+        def forward() -> torch.Tensor:
+            pooled = rows.index_select(0, slots).view(batch, -1).float()
+            return module(dense, pooled) if width is not None else module(pooled)
+
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(3):  # warm up outside the capture (TorchScript profiles its first runs)
+                forward()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):  # other threads may use CUDA
+            self.output = forward()
+        self.answer = torch.zeros(self.output.shape, pin_memory=True)
+        self._answered = torch.cuda.Event()
+
+    def __call__(self, dense: np.ndarray | None, slots: np.ndarray) -> np.ndarray:
+        rows = len(slots)
+        self._slots[:rows] = slots
+        if self._dense is not None:
+            self._dense[:rows] = dense
+        self.buffer.copy_(self.host, non_blocking=True)
+        self.graph.replay()
+        self.answer.copy_(self.output, non_blocking=True)
+        self._answered.record()
+        self._answered.synchronize()
+        return self.answer.numpy()[:rows].copy()
+
+
 class DenseRunner:
     """Runs the saved dense part: numpy (or, for the pooled embeddings, a tensor) in, numpy ``[B, 1]`` float32
     probabilities out."""
@@ -133,6 +192,8 @@ class DenseRunner:
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.max_batch = max_batch
         self._graphs: dict[int, _Graph] = {}
+        self._gathered_from: torch.Tensor | None = None
+        self._gathering_graphs: dict[int, _GatheringGraph] = {}
 
     @classmethod
     def for_instance(cls, args: dict, params: dict[str, str]) -> "DenseRunner":
@@ -149,7 +210,16 @@ class DenseRunner:
 
     def __call__(self, dense: np.ndarray | None, pooled) -> np.ndarray:
         """``dense`` is None for a model without continuous features (its module takes ``pooled`` alone). ``pooled``
-        is numpy, or a tensor (the answer of a cache whose rows are on a device), taken where it is."""
+        is numpy, or a tensor (the answer of a cache whose rows are on a device), taken where it is, or the rows
+        where a device cache holds them (:class:`export.cache_torch.CachedRows`), gathered in the CUDA graph."""
+        if isinstance(pooled, CachedRows):
+            batch = padded_batch(len(pooled), self.max_batch) if self.cuda_graphs and len(pooled) else None
+            if batch is None or pooled.rows.device != self.device:
+                pooled = pooled.gathered()
+            else:
+                dense = None if dense is None else np.ascontiguousarray(dense, dtype=np.float32)
+                with torch.inference_mode(), torch.cuda.device(self.device):
+                    return self._gathering(batch, pooled, dense)(dense, pooled.slots)
         inputs = [x if isinstance(x, torch.Tensor) else np.ascontiguousarray(x, dtype=np.float32)
                   for x in ([pooled] if dense is None else [dense, pooled])]
         rows = len(pooled)
@@ -161,6 +231,17 @@ class DenseRunner:
             out = self.module(*(x.to(self.device, torch.float32) if isinstance(x, torch.Tensor)
                                 else torch.from_numpy(x).to(self.device) for x in inputs))
         return out.cpu().numpy()
+
+    def _gathering(self, batch: int, pooled, dense: np.ndarray | None) -> _GatheringGraph:
+        """The graph for ``batch`` rows gathering from ``pooled.rows`` (a cache's rows: new ones, after a store
+        version of other shapes, drop the graphs of the old)."""
+        if self._gathered_from is not pooled.rows:
+            self._gathered_from, self._gathering_graphs = pooled.rows, {}
+        graph = self._gathering_graphs.get(batch)
+        if graph is None:
+            graph = self._gathering_graphs[batch] = _GatheringGraph(
+                self.module, batch, pooled.slots.shape[1], None if dense is None else dense.shape[1], pooled.rows)
+        return graph
 
     def _graph(self, batch: int, inputs: list) -> _Graph:
         graph = self._graphs.get(batch)

@@ -18,7 +18,9 @@ find the rows of all those tables in one vectorised step of their index on the h
 where they keep them. The ``lru`` and ``lfu`` caches answer with numpy; ``gpu-lru`` / ``gpu-lfu`` (a
 ``KIND_GPU`` instance's, on its GPU) with a tensor on their device, never waiting for it: the bags are
 pooled there too (all multi-hot features in one step), and the dense part of the same process takes the
-answer as it is.
+answer as it is. :meth:`EmbeddingLookup.cached_rows` answers a batch of one-hot ids that such a cache holds
+whole with the cache's rows and each id's slot instead, for the dense part to gather them in its CUDA graph (the
+``ranker``'s path: the lookup is then the index's work on the host alone).
 
 A new store version is picked up by :meth:`refresh` (called before each batch): the caches keep
 their hot ids and re-read those rows from the new version, and a batch is always computed from
@@ -160,6 +162,21 @@ class EmbeddingLookup:
         by_slot = sorted((slot, piece[:, k * group.dim: (k + 1) * group.dim])
                          for group, piece in zip(self._groups, pieces) for k, slot in enumerate(group.slots))
         return _concatenated([piece for _, piece in by_slot])
+
+    def cached_rows(self, categorical: np.ndarray | None, multihot_ids: np.ndarray | None = None,
+                    multihot_lengths: np.ndarray | None = None):
+        """The batch's rows where a device cache holds them (:class:`export.cache_torch.CachedRows`: the cache's
+        rows and each id's slot, in slot order), for a consumer that gathers them itself; None where that is not
+        the answer (a cache on the host, multi-hot or several kinds of tables, or an id not cached): :meth:`__call__`
+        then serves the batch."""
+        group = self._groups[0] if len(self._groups) == 1 else None
+        if (group is None or not group.in_slot_order or group.multihot_tables or categorical is None
+                or not hasattr(self.caches, "cached_rows") or multihot_ids is not None or multihot_lengths is not None):
+            return None
+        categorical, _ = self._find_keys(np.asarray(categorical), _NO_BAGS)
+        self._check(categorical, _NO_BAGS)
+        ids = categorical if group.onehot_columns is None else categorical[:, group.onehot_columns]
+        return self.caches.cached_rows(group.onehot_tables, ids)
 
     def _find_keys(self, categorical: np.ndarray, bags: Bags) -> tuple[np.ndarray, Bags]:
         """The dynamic tables' raw ids replaced by their rows (an id the store does not hold by the last row)."""

@@ -41,3 +41,33 @@ def test_cuda_graphs_answer_as_the_module_run_as_it_is(tmp_path, num_dense):
         np.testing.assert_array_equal(graphs(dense, on_device), got)
         np.testing.assert_allclose(eager(dense, on_device), expected, rtol=0, atol=0)
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("num_dense", [2, 0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_rows_of_a_gpu_cache_gathered_in_the_graph_answer_as_gathered_before(tmp_path, num_dense, dtype):
+    """A batch given as the rows where a GPU cache holds them (``CachedRows``) is gathered inside the CUDA graph: the
+    same answers as the gathered rows given as a tensor, over every padding case, and after the cache's rows are
+    replaced by others (a new store version of other shapes) the graphs gather from the new ones."""
+    from export.cache_torch import CachedRows
+
+    columns = [Column("label", "label", "float32")]
+    columns += [Column(f"C{k}", "categorical", "int32", cardinality=50) for k in range(3)]
+    columns += [Column(f"I{k}", "continuous", "float32") for k in range(num_dense)]
+    model = build_model("dlrm", Schema(columns), ModelSizes.preset("small"), seed=0).eval()
+    path = save_dense(model, tmp_path / "model.pt")
+    graphs = DenseRunner(path, "cuda", cuda_graphs=True, max_batch=64)
+    eager = DenseRunner(path, "cuda")
+    dim = model.embedding.output_dim // 3
+    rng = np.random.default_rng(0)
+    for version in range(2):
+        rows = torch.from_numpy(rng.normal(size=(90 + version, dim)).astype(np.float32)).to("cuda", dtype)
+        for batch in (1, 3, 64, 17, 32, 100, 3, 1):
+            dense = rng.normal(size=(batch, num_dense)).astype(np.float32) if num_dense else None
+            slots = rng.integers(0, len(rows), (batch, 3))
+            got = graphs(dense, CachedRows(rows, slots))
+            expected = eager(dense, rows[torch.from_numpy(slots).cuda()].reshape(batch, -1).float())
+            assert got.shape == expected.shape == (batch, 1)
+            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+            np.testing.assert_array_equal(eager(dense, CachedRows(rows, slots)), expected)
+    torch.cuda.synchronize()

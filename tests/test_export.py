@@ -258,6 +258,13 @@ def test_cuda_graphs_are_a_dense_parameter_and_cpu_runners_run_the_module_as_it_
     # pooled embeddings that a cache left as a tensor on its device are taken as they are
     on_device = torch.from_numpy(pooled.astype(np.float32))
     assert np.array_equal(runner(dense, on_device), runner(dense, pooled))
+    # and the rows where a cache holds them are gathered first
+    from export.cache_torch import CachedRows
+
+    rows = torch.from_numpy(rng.normal(size=(7, model.embedding.output_dim // 2)).astype(np.float32))
+    slots = rng.integers(0, 7, (5, 2))
+    gathered = rows.numpy()[slots].reshape(5, -1)
+    assert np.array_equal(runner(dense, CachedRows(rows, slots)), runner(dense, gathered))
 
 
 def test_pinned_instances_run_every_thread_on_a_core_of_their_own_by_index():

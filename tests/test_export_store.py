@@ -454,3 +454,45 @@ def test_the_lookup_through_torch_caches_on_the_cpu_answers_and_counts_as_throug
 @pytest.mark.gpu
 def test_the_lookup_through_gpu_caches_answers_as_through_numpy_caches(tmp_path):
     _lookups_compared(tmp_path, "cuda")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_batch_whose_rows_a_device_cache_holds_is_answered_with_their_slots_and_counted_as_its_lookup(
+        tmp_path, device):
+    """``cached_rows``: None while an id of the batch is not cached (nothing counted: the lookup serves that batch),
+    else the cache's rows and each id's slot, whose gather is the lookup's answer; the counters stay those of numpy
+    caches given the same batches; caches on the host and lookups with multi-hot features never answer so."""
+    from export.cache_torch import CachedRows
+
+    schema = Schema([Column("label", "label", "int8")]
+                    + [Column(f"C{k}", "categorical", "int64", cardinality=40) for k in (1, 2, 3)])
+    tables = [TableConfig("t_C1", 40, 8, ["C1", "C3"]), TableConfig("t_C2", 40, 8, ["C2"])]
+    collection = EmbeddingCollection(tables, ["C1", "C2", "C3"], generator=torch.Generator().manual_seed(0)).eval()
+    config = LookupConfig.from_collection(collection, schema)
+    write_version(tmp_path, {n: collection.table_weight(n).numpy() for n in collection.packing.table_names})
+    lookups = {policy: EmbeddingLookup(tmp_path, config, policy=policy, cache_fraction=0.5,
+                                       device=device if policy == "gpu-lru" else None) for policy in ("lru", "gpu-lru")}
+    rng = np.random.default_rng(0)
+    answered = []
+    for step in range(8):
+        cat = rng.integers(0, 12 if step < 6 else 40, (16, 3))  # the last two batches miss again
+        found = lookups["gpu-lru"].cached_rows(cat)
+        assert lookups["lru"].cached_rows(cat) is None
+        answered.append(found is not None)
+        if found is None:
+            on_device = lookups["gpu-lru"](cat)
+        else:
+            assert isinstance(found, CachedRows) and found.rows.device.type == device and found.slots.shape == (16, 3)
+            on_device = found.gathered()
+        np.testing.assert_array_equal(on_device.cpu().numpy(), lookups["lru"](cat))
+        assert lookups["gpu-lru"].stats()["tables"] == lookups["lru"].stats()["tables"]
+    assert answered[0] is False and any(answered[1:6]) and answered[-2:] == [False, False]
+
+    multihot, multihot_schema = _collection_and_schema()
+    write_version(tmp_path / "multihot", {n: multihot.table_weight(n).numpy() for n in multihot.packing.table_names})
+    lookup = EmbeddingLookup(tmp_path / "multihot", LookupConfig.from_collection(multihot, multihot_schema),
+                             policy="gpu-lru", cache_fraction=1.0, device=device)
+    cat, packed, lengths = np.zeros((2, 3), np.int64), np.zeros((2, 4), np.int64), np.ones((2, 1), np.int64)
+    for _ in range(2):
+        lookup(cat, packed, lengths)
+        assert lookup.cached_rows(cat, packed, lengths) is None
