@@ -25,7 +25,9 @@
 #   host-copies  tools/host_copies.py: rows between device and host memory (row kernel against copy engines) out of a
 #              host table of HOST_COPY_ROWS (38,000,000: 19.5 GB, the 19 host tables of `hostcache`)
 #   serve      the GPU serving tests, then bench serve --device cuda, three models and one (ranker)
-#   serve-profile  bench serve --device cuda of the ranker alone, then tools/serve_profile.py on its export: where a
+#   serve-profile  bench serve --device cuda of the ranker alone, tools/ranker_profile.py on its export (the ranker's
+#              phases in one process, its GPU cache's rows gathered before the dense part and in its graph), then
+#              tools/serve_profile.py on its export: where a
 #              request's time goes (client, transport and Triton, the python backend, the model's work), with the
 #              instances as exported, one instance, and each on a core of its own (--pin)
 #   loader     bench loader on 8M synthetic rows, LZ4 pages and uncompressed (etl.compression)
@@ -183,6 +185,8 @@ print(f'{len(sources)} sources in {time.time() - start:.0f} s')
       step serve-ranker 200 "$PY" -m pipeline bench serve --device cuda --batches 1,32,64,1024 --requests 200 \
         --clients 16 --throughput-batch 1024 --seconds 5 --json "$W/serve-ranker.json" export.fuse=all \
         --workdir /tmp/serve-profile ${SERVE_ARGS:-}
+      step ranker-profile 120 "$PY" tools/ranker_profile.py --export "$(ls -d /tmp/serve-profile/*/export | head -1)" \
+        --device cuda --gather both --batches 1,32,1024 --calls 200 --json "$W/ranker-profile.json"
       step serve-profile 150 "$PY" tools/serve_profile.py --export "$(ls -d /tmp/serve-profile/*/export | head -1)" \
         --batches 1,32,1024 --requests 200 --rounds 2 --json "$W/serve-profile.json"
       step serve-profile-1 150 "$PY" tools/serve_profile.py --export "$(ls -d /tmp/serve-profile/*/export | head -1)" \
