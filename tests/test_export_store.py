@@ -488,6 +488,25 @@ def test_a_batch_whose_rows_a_device_cache_holds_is_answered_with_their_slots_an
         assert lookups["gpu-lru"].stats()["tables"] == lookups["lru"].stats()["tables"]
     assert answered[0] is False and any(answered[1:6]) and answered[-2:] == [False, False]
 
+    # a dynamic table's raw ids are found among its stored ids first (an id never stored reads its last row, zeros)
+    from export.repository import embedding_tables
+
+    dynamic_schema = Schema([Column("label", "label", "int8"),
+                             Column("U", "categorical", "int64", cardinality=256, dynamic=True)])
+    dynamic = EmbeddingCollection([TableConfig("t_U", 256, 8, ["U"], dynamic=True)], ["U"],
+                                  generator=torch.Generator().manual_seed(0))
+    vocabulary = rng.integers(-(2**63), 2**63 - 1, 50)
+    dynamic(KeyedJaggedTensor.from_lists(["U"], [[[v] for v in vocabulary]])).sum().backward()
+    tables, keys = embedding_tables(SimpleNamespace(embedding=dynamic.eval()))
+    write_version(tmp_path / "dynamic", tables, keys=keys)
+    by_keys = {policy: EmbeddingLookup(tmp_path / "dynamic", LookupConfig.from_collection(dynamic, dynamic_schema),
+                                       policy=policy, cache_fraction=1.0, device=device if policy == "gpu-lru" else None)
+               for policy in ("lru", "gpu-lru")}
+    raw = np.concatenate([vocabulary, rng.integers(-(2**63), 2**63 - 1, 5)])[rng.integers(0, 55, (20, 1))]
+    by_keys["gpu-lru"](raw)
+    found = by_keys["gpu-lru"].cached_rows(raw)
+    np.testing.assert_array_equal(found.gathered().cpu().numpy(), by_keys["lru"](raw))
+
     multihot, multihot_schema = _collection_and_schema()
     write_version(tmp_path / "multihot", {n: multihot.table_weight(n).numpy() for n in multihot.packing.table_names})
     lookup = EmbeddingLookup(tmp_path / "multihot", LookupConfig.from_collection(multihot, multihot_schema),
