@@ -16,10 +16,10 @@ pooled embeddings of a GPU cache (a tensor on the device) from where they are, n
 the rows past the batch are padding (the model computes each row on its own), the answer is the batch's
 rows. A batch larger than ``max_batch``, and every batch on the CPU, runs the module as it is.
 
-The ``ranker`` on a GPU hands over a batch whose rows its GPU cache holds as those rows and each id's slot
-(:class:`export.cache_torch.CachedRows`), not gathered: its graph gathers them itself, the slots going over in the
-same copy as the continuous features, and brings the probabilities back with one more copy and one wait. The
-lookup then queues nothing on the device, and the whole batch costs two copies and one launch.
+A batch whose rows a GPU cache holds may also come as those rows and each id's slot
+(:class:`export.cache_torch.CachedRows`), not gathered: the graph then gathers them itself, the slots going over in
+the same copy as the continuous features, and brings the probabilities back with one more copy and one wait; the
+lookup queues nothing on the device, and the whole batch costs two copies and one launch.
 
 Example::
 
@@ -186,6 +186,8 @@ class DenseRunner:
     def __init__(self, path: str | Path, device: str = "cpu", cuda_graphs: bool = False,
                  max_batch: int = 1024) -> None:
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # as a cache's rows name it
+            self.device = torch.device("cuda", torch.cuda.current_device())
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             self.module = torch.jit.load(str(path), map_location=self.device).eval()

@@ -20,7 +20,7 @@ where they keep them. The ``lru`` and ``lfu`` caches answer with numpy; ``gpu-lr
 pooled there too (all multi-hot features in one step), and the dense part of the same process takes the
 answer as it is. :meth:`EmbeddingLookup.cached_rows` answers a batch of one-hot ids that such a cache holds
 whole with the cache's rows and each id's slot instead, for the dense part to gather them in its CUDA graph (the
-``ranker``'s path: the lookup is then the index's work on the host alone).
+lookup is then the index's work on the host alone).
 
 A new store version is picked up by :meth:`refresh` (called before each batch): the caches keep
 their hot ids and re-read those rows from the new version, and a batch is always computed from

@@ -70,4 +70,5 @@ def test_the_rows_of_a_gpu_cache_gathered_in_the_graph_answer_as_gathered_before
             assert got.shape == expected.shape == (batch, 1)
             np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
             np.testing.assert_array_equal(eager(dense, CachedRows(rows, slots)), expected)
+        assert graphs._gathering_graphs, "the rows were gathered before the graph, not in it"
     torch.cuda.synchronize()

@@ -4,8 +4,7 @@ The saved ETL workflow (export/preprocess.py), the embedding lookup through its 
 store (export/instance.py) and the dense part (export/dense.py) run one after the other in this
 process: one python-backend hop per request, where the chain ``preprocess`` -> ``embedding`` ->
 ``dense`` (``export.fuse=none``) takes three. Its inputs are one tensor per kind of raw column
-(export/request.py), the BYTES ones decoded by numpy (export/wire.py). On a GPU, a batch whose rows the
-instance's cache holds whole is gathered by the dense part's CUDA graph (export/dense.py), not by the lookup.
+(export/request.py), the BYTES ones decoded by numpy (export/wire.py).
 Exported as ``ranker/1/model.py``, with ``artifacts/``, ``layout.json`` and ``model.pt`` beside it
 and the store in ``ranker/store``.
 """
@@ -41,7 +40,7 @@ class TritonPythonModel:
         with timed("preprocess"):
             features = self.preprocessor(inputs)
         with timed("lookup"):
-            pooled = self.instance.pooled(features, cached_rows=True)
+            pooled = self.instance.pooled(features)
         with timed("dense"):
             return {"PREDICTION": self.runner(features.get(DENSE), pooled)}
 
