@@ -25,6 +25,8 @@
 #   host-copies  tools/host_copies.py: rows between device and host memory (row kernel against copy engines) out of a
 #              host table of HOST_COPY_ROWS (38,000,000: 19.5 GB, the 19 host tables of `hostcache`)
 #   serve      the GPU serving tests, then bench serve --device cuda, three models and one (ranker)
+#   serve-parts  the GPU tests of the served parts that need no server: the dense part's CUDA graphs (those that gather
+#              a GPU cache's rows too) and the GPU caches
 #   serve-profile  bench serve --device cuda of the ranker alone, tools/ranker_profile.py on its export (the ranker's
 #              phases in one process, its GPU cache's rows gathered before the dense part and in its graph), then
 #              tools/serve_profile.py on its export: where a
@@ -180,6 +182,9 @@ print(f'{len(sources)} sources in {time.time() - start:.0f} s')
           --clients 16 --throughput-batch 1024 --seconds 5 --json "$W/serve-$fuse.json" export.fuse="$fuse" \
           workdir=/tmp/serve-bench ${SERVE_ARGS:-}
       done ;;
+    serve-parts)
+      step serve-parts-tests 150 "$PY" -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_dense_gpu.py \
+        tests/test_export_store.py ;;
     serve-profile)
       # shellcheck disable=SC2086
       step serve-ranker 200 "$PY" -m pipeline bench serve --device cuda --batches 1,32,64,1024 --requests 200 \
@@ -226,7 +231,7 @@ print(f'{len(sources)} sources in {time.time() - start:.0f} s')
       # shellcheck disable=SC2086
       step etl-bench 540 "$PY" -m pipeline bench etl --device cuda --rows "${ETL_BENCH_ROWS:-20000000}" --workers 0 \
         --repeats 2 --json "$W/bench-etl.json" --report "$W/etl-tasks.json" ${ETL_BENCH_ARGS:-} workdir=/tmp/etl-bench ;;
-    *) echo "unknown group $group (setup preflight warm kernels embedding train dynamic hostcache hostcache-large host-copies serve serve-profile loader e2e etl etl-bench criteo-scale)"; exit 2 ;;
+    *) echo "unknown group $group (setup preflight warm kernels embedding train dynamic hostcache hostcache-large host-copies serve serve-parts serve-profile loader e2e etl etl-bench criteo-scale)"; exit 2 ;;
   esac
 done
 echo "== summary ($SECONDS s)"; cat "$summary"
