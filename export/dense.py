@@ -32,6 +32,7 @@ from __future__ import annotations
 import copy
 import json
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -88,6 +89,21 @@ def padded_batch(rows: int, max_batch: int) -> int | None:
     return min(1 << max(rows - 1, 0).bit_length(), max_batch)
 
 
+def _captured(forward: Callable[[], torch.Tensor], device: torch.device) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """``forward`` captured as a CUDA graph on ``device``, after three runs outside the capture (TorchScript profiles
+    its first runs), and the output tensor its replays write."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            forward()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # other threads may use CUDA
+        output = forward()
+    return graph, output
+
+
 class _Graph:
     """The module captured for ``batch`` rows of inputs of ``widths`` columns (continuous, then pooled).
 
@@ -103,15 +119,7 @@ class _Graph:
         self._host_inputs = [self.host.numpy()[start:end].reshape(batch, -1) for start, end in zip(bounds, bounds[1:])]
         self._pinned = [self.host[start:end].view(batch, -1) for start, end in zip(bounds, bounds[1:])]
         self.inputs = [self.buffer[start:end].view(batch, -1) for start, end in zip(bounds, bounds[1:])]
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for _ in range(3):  # warm up outside the capture (TorchScript profiles its first runs)
-                module(*self.inputs)
-        torch.cuda.current_stream(device).wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):  # other threads may use CUDA
-            self.output = module(*self.inputs)
+        self.graph, self.output = _captured(lambda: module(*self.inputs), device)
 
     def __call__(self, columns: list, rows: int) -> np.ndarray:
         on_host = [isinstance(x, np.ndarray) for x in columns]
@@ -154,15 +162,7 @@ class _GatheringGraph:
             pooled = rows.index_select(0, slots).view(batch, -1).float()
             return module(dense, pooled) if width is not None else module(pooled)
 
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for _ in range(3):  # warm up outside the capture (TorchScript profiles its first runs)
-                forward()
-        torch.cuda.current_stream(device).wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):  # other threads may use CUDA
-            self.output = forward()
+        self.graph, self.output = _captured(forward, device)
         self.answer = torch.zeros(self.output.shape, pin_memory=True)
         self._answered = torch.cuda.Event()
 
