@@ -148,15 +148,11 @@ class LookupInstance:
                                 f"{self.lookup.store_root} could not be opened: {err}; it is not tried again "
                                 "until another is written (export.update=true)")
 
-    def pooled(self, inputs: dict[str, np.ndarray], cached_rows: bool = False) -> Rows:
+    def pooled(self, inputs: dict[str, np.ndarray]) -> Rows:
         """The pooled embeddings of a batch's features: numpy, or a tensor on the instance's GPU (its rows cached
-        there), which the dense part of the same process takes as it is. With ``cached_rows``, a batch whose rows
-        are all in the GPU's cache is answered with them where they are (``CachedRows``), for the dense part of the
-        same process to gather in its CUDA graph."""
-        ids = inputs.get(CATEGORICAL_IDS), inputs.get(MULTIHOT_IDS), inputs.get(MULTIHOT_LENGTHS)
+        there), which the dense part of the same process takes as it is."""
         with self._lock:
-            found = self.lookup.cached_rows(*ids) if cached_rows else None
-            return self.lookup(*ids) if found is None else found
+            return self.lookup(inputs.get(CATEGORICAL_IDS), inputs.get(MULTIHOT_IDS), inputs.get(MULTIHOT_LENGTHS))
 
     @contextlib.contextmanager
     def timed(self, phase: str) -> Iterator[None]:
