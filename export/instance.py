@@ -18,7 +18,8 @@ Example (inside a ``model.py``)::
 
     self.instance = LookupInstance(args, params, pb_utils.Logger.log_error)
     self.instance.refresh()                               # before each batch
-    pooled = self.instance.pooled(features)
+    pooled = self.instance.pooled(features)                 # the embedding model
+    scores = self.instance.scored(features, dense_part)   # the ranker: lookup and dense part together
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -37,6 +39,9 @@ from export.cache import Rows
 from export.lookup import EmbeddingLookup, LookupConfig
 from export.preprocess import CATEGORICAL_IDS, MULTIHOT_IDS, MULTIHOT_LENGTHS
 from pipeline.files import write_text
+
+if TYPE_CHECKING:
+    from export.cache_torch import CachedRows
 
 STATS_EVERY_S = 0.2
 STATS_FOLDER = "stats"
@@ -153,6 +158,20 @@ class LookupInstance:
         there), which the dense part of the same process takes as it is."""
         with self._lock:
             return self.lookup(inputs.get(CATEGORICAL_IDS), inputs.get(MULTIHOT_IDS), inputs.get(MULTIHOT_LENGTHS))
+
+    def scored(self, inputs: dict[str, np.ndarray],
+               dense_part: Callable[[Rows | CachedRows], np.ndarray]) -> np.ndarray:
+        """``dense_part`` of the batch's embeddings, timed as the phases ``lookup`` and ``dense``. A batch whose rows
+        the instance's GPU cache all holds reaches it as those rows where they are (:class:`CachedRows`, for the
+        dense part's CUDA graph to gather: no gather and no copy of its own); any other batch as :meth:`pooled`'s
+        answer. Both under the lock, so no refresh rewrites the cached rows before the dense part has read them."""
+        ids = inputs.get(CATEGORICAL_IDS), inputs.get(MULTIHOT_IDS), inputs.get(MULTIHOT_LENGTHS)
+        with self._lock:
+            with self.timed("lookup"):
+                found = self.lookup.cached_rows(*ids)
+                embeddings = self.lookup(*ids) if found is None else found
+            with self.timed("dense"):
+                return dense_part(embeddings)
 
     @contextlib.contextmanager
     def timed(self, phase: str) -> Iterator[None]:

@@ -515,3 +515,50 @@ def test_a_batch_whose_rows_a_device_cache_holds_is_answered_with_their_slots_an
     for _ in range(2):
         lookup(cat, packed, lengths)
         assert lookup.cached_rows(cat, packed, lengths) is None
+
+
+@pytest.mark.parametrize("kind", ["CPU", pytest.param("GPU", marks=pytest.mark.gpu)])
+def test_an_instance_hands_its_dense_part_the_rows_its_gpu_cache_holds_under_its_lock(tmp_path, kind):
+    """``LookupInstance.scored``: the dense part gets the lookup's answer for a batch with a row not cached, and on a
+    GPU instance the cache's rows and slots (``CachedRows``) once the cache holds them all: the same embeddings. The
+    dense part runs under the instance's lock (no refresh rewrites the rows before it has read them), and the
+    instance's counters time both phases."""
+    import time
+
+    from export.cache_torch import CachedRows
+    from export.instance import STATS_EVERY_S, LookupInstance, live_stats
+    from export.preprocess import CATEGORICAL_IDS
+
+    schema = Schema([Column("label", "label", "int8")]
+                    + [Column(f"C{k}", "categorical", "int64", cardinality=40) for k in (1, 2)])
+    collection = EmbeddingCollection([TableConfig("t_C1", 40, 8, ["C1"]), TableConfig("t_C2", 40, 8, ["C2"])],
+                                     ["C1", "C2"], generator=torch.Generator().manual_seed(0)).eval()
+    model_dir = tmp_path / "ranker"
+    (model_dir / "1").mkdir(parents=True)
+    config = LookupConfig.from_collection(collection, schema)
+    config.save(model_dir / "1" / "layout.json")
+    write_version(model_dir / "store", {n: collection.table_weight(n).numpy() for n in collection.packing.table_names})
+    expected = EmbeddingLookup(model_dir / "store", config, policy="none")
+    args = {"model_repository": str(model_dir), "model_version": "1", "model_instance_kind": kind,
+            "model_instance_device_id": "0"}
+    errors = []
+    instance = LookupInstance(args, {"cache_fraction": "1.0"}, errors.append)
+    handed = []
+
+    def dense_part(embeddings):
+        assert instance._lock.locked()
+        handed.append(type(embeddings))
+        rows = embeddings.gathered() if isinstance(embeddings, CachedRows) else embeddings
+        return rows.cpu().numpy() if isinstance(rows, torch.Tensor) else rows
+
+    try:
+        cat = np.random.default_rng(0).integers(0, 40, (16, 2))
+        for _ in range(3):
+            np.testing.assert_array_equal(instance.scored({CATEGORICAL_IDS: cat}, dense_part), expected(cat))
+        time.sleep(3 * STATS_EVERY_S)
+        phases = live_stats(model_dir)[0]["phases_ns"]
+    finally:
+        instance.close()
+    assert handed[0] is not CachedRows
+    assert handed[1:] == ([CachedRows] * 2 if kind == "GPU" else [np.ndarray] * 2)
+    assert phases["lookup"] > 0 and phases["dense"] > 0 and not errors

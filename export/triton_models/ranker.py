@@ -2,7 +2,8 @@
 
 The saved ETL workflow (export/preprocess.py), the embedding lookup through its cache and the host
 store (export/instance.py) and the dense part (export/dense.py) run one after the other in this
-process: one python-backend hop per request, where the chain ``preprocess`` -> ``embedding`` ->
+process (a batch whose rows a GPU cache holds reaches the dense part's CUDA graph as those rows, gathered there):
+one python-backend hop per request, where the chain ``preprocess`` -> ``embedding`` ->
 ``dense`` (``export.fuse=none``) takes three. Its inputs are one tensor per kind of raw column
 (export/request.py), the BYTES ones decoded by numpy (export/wire.py).
 Exported as ``ranker/1/model.py``, with ``artifacts/``, ``layout.json`` and ``model.pt`` beside it
@@ -36,13 +37,10 @@ class TritonPythonModel:
         self.inputs = [i["name"] for i in config["input"]]
 
     def _compute(self, inputs):
-        timed = self.instance.timed
-        with timed("preprocess"):
+        with self.instance.timed("preprocess"):
             features = self.preprocessor(inputs)
-        with timed("lookup"):
-            pooled = self.instance.pooled(features)
-        with timed("dense"):
-            return {"PREDICTION": self.runner(features.get(DENSE), pooled)}
+        dense = features.get(DENSE)
+        return {"PREDICTION": self.instance.scored(features, lambda embeddings: self.runner(dense, embeddings))}
 
     def execute(self, requests):
         with self.instance.timed("refresh"):
