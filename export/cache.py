@@ -184,10 +184,11 @@ class HostRows:
         return np.take(self.rows, slots, axis=0)
 
     def serve(self, unique_slots: np.ndarray, hit: np.ndarray, inverse: np.ndarray, new_slots: np.ndarray,
-              cached: np.ndarray, fetch: Callable[[np.ndarray], None]) -> np.ndarray:
+              cached: np.ndarray, fetch: Callable[[np.ndarray], None], gather: bool = True) -> np.ndarray:
         """The answer of a lookup with misses: ``unique_slots`` of its distinct ids (``hit`` where they were
         cached), ``inverse`` each id's distinct one. ``fetch(out)`` reads the store's rows of the missed ones, in
-        their order, into ``out``; those at ``cached`` go to ``new_slots``."""
+        their order, into ``out``; those at ``cached`` go to ``new_slots``. (Rows on the host are always gathered:
+        ``gather`` is for a store on a device, :class:`export.cache_torch.DeviceRows`.)"""
         out = np.empty((unique_slots.size, self.rows.shape[1]), dtype=self.rows.dtype)
         out[hit] = np.take(self.rows, unique_slots[hit], axis=0)
         fetched = np.empty((unique_slots.size - int(np.count_nonzero(hit)), self.rows.shape[1]), dtype=self.rows.dtype)
@@ -247,8 +248,7 @@ class _ArrayCaches:
         return self.lookup_parts([(tables, ids)])[0]
 
     def lookup_parts(self, parts: list[tuple[list[str], np.ndarray]]) -> list[Rows]:
-        keys = [(np.asarray(ids, dtype=np.int64).reshape(-1, len(tables)) + self._first_keys(tables)).reshape(-1)
-                for tables, ids in parts]
+        keys = [self._keys(tables, ids) for tables, ids in parts]
         if len(keys) == 1:
             return [self._lookup_keys(keys[0]).reshape(-1, len(parts[0][0]), self._dim)]
         rows = self._lookup_keys(np.concatenate(keys))
@@ -264,14 +264,19 @@ class _ArrayCaches:
             first = self._first_keys_of[names] = self._first_key[[self._index[table] for table in names]]
         return first
 
-    def _lookup_keys(self, keys: np.ndarray) -> Rows:
+    def _keys(self, tables: list[str], ids: np.ndarray) -> np.ndarray:
+        return (np.asarray(ids, dtype=np.int64).reshape(-1, len(tables)) + self._first_keys(tables)).reshape(-1)
+
+    def _lookup_keys(self, keys: np.ndarray, gather: bool = True) -> Rows | np.ndarray:
+        """The rows of ``keys``; with ``gather=False``, each key's slot once every row is cached (the missed ones
+        fetched into their new slots), or the rows where a missed row found no room."""
         if keys.size == 0:
-            return self._rows.empty()
+            return self._rows.empty() if gather else np.zeros(0, dtype=np.int64)
         self._tick += 1
         slots = self._slot_of[keys]
         if slots.min() >= 0:  # every row cached: read in place, nothing to insert
             self._touch_distinct(slots)
-            return self._rows.take(slots)
+            return self._rows.take(slots) if gather else slots.astype(np.int64)
         unique, inverse, counts = np.unique(keys, return_inverse=True, return_counts=True)
         slots = self._slot_of[unique]
         hit = slots >= 0
@@ -284,20 +289,8 @@ class _ArrayCaches:
         misses = np.bincount(tables, minlength=len(self._used))
         self._misses += misses
         cached, new_slots = self._insert(keys, tables, counts, misses, hits, slots[hit])
-        return self._rows.serve(slots, hit, inverse, new_slots, cached, lambda out: self._fetch(keys, misses, out))
-
-    def cached_slots(self, tables: list[str], ids: np.ndarray) -> np.ndarray | None:
-        """Each id's slot in the row store, ``[n, len(tables)]``, when every one is cached (a lookup that hit:
-        touched and counted as :meth:`lookup` does); else None, with nothing touched or counted."""
-        keys = (np.asarray(ids, dtype=np.int64).reshape(-1, len(tables)) + self._first_keys(tables)).reshape(-1)
-        if keys.size == 0:
-            return None
-        slots = self._slot_of[keys]
-        if slots.min() < 0:
-            return None
-        self._tick += 1
-        self._touch_distinct(slots)
-        return slots.reshape(-1, len(tables))
+        return self._rows.serve(slots, hit, inverse, new_slots, cached, lambda out: self._fetch(keys, misses, out),
+                                gather)
 
     def _fetch(self, keys: np.ndarray, per_table: np.ndarray, out: np.ndarray) -> None:
         """The store's rows of ``keys`` (grouped by table, ``per_table`` of each in table order) into ``out``."""

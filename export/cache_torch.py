@@ -117,7 +117,9 @@ class DeviceRows:
         return self.rows.index_select(0, on_device)
 
     def serve(self, unique_slots: np.ndarray, hit: np.ndarray, inverse: np.ndarray, new_slots: np.ndarray,
-              cached: np.ndarray, fetch: Callable[[np.ndarray], None]) -> torch.Tensor:
+              cached: np.ndarray, fetch: Callable[[np.ndarray], None], gather: bool = True) -> torch.Tensor | np.ndarray:
+        """As :meth:`export.cache.HostRows.serve`; with ``gather=False``, when every missed row found a slot, the
+        rows are only filled in (queued on the current stream) and the answer is each id's slot, on the host."""
         inverse = inverse.reshape(-1)
         missed = np.flatnonzero(~hit)
         after = unique_slots.astype(np.int64)
@@ -131,9 +133,12 @@ class DeviceRows:
         fetch(host[0])
         for view, values in zip(host[1:], ints):
             view[...] = values
+        placed = slots if not gather and not len(uncached) else None
         fetched, slots, new_slots, cached, uncached, source = self._staging.send()
         if len(new_slots):
             self.rows[new_slots] = fetched[cached]
+        if placed is not None:
+            return placed
         answer = self.rows.index_select(0, slots)
         if len(uncached):
             answer[uncached] = fetched[source]
@@ -181,11 +186,13 @@ class _OnDevice:
     def device(self) -> torch.device:
         return self._rows.device
 
-    def cached_rows(self, tables: list[str], ids: np.ndarray) -> CachedRows | None:
-        """The rows of ``ids`` (as :meth:`lookup` takes them) where they are cached, when every one is (else None,
-        nothing counted: :meth:`lookup` serves that batch)."""
-        slots = self.cached_slots(tables, ids)
-        return None if slots is None else CachedRows(self._rows.rows, slots)
+    def rows_or_lookup(self, tables: list[str], ids: np.ndarray) -> CachedRows | torch.Tensor:
+        """A lookup of ``ids`` (as :meth:`lookup` takes them, counted as one) without its gather: the rows where
+        this cache holds them and each id's slot, the missed rows fetched into the cache first; the rows as
+        :meth:`lookup` answers them when a missed row found no room in its table's cache (a batch with more
+        distinct ids of a table than its capacity)."""
+        found = self._lookup_keys(self._keys(tables, ids), gather=False)
+        return found if isinstance(found, torch.Tensor) else CachedRows(self._rows.rows, found.reshape(-1, len(tables)))
 
 
 class _TorchLruCaches(_OnDevice, _LruCaches):

@@ -161,15 +161,15 @@ class LookupInstance:
 
     def scored(self, inputs: dict[str, np.ndarray],
                dense_part: Callable[[Rows | CachedRows], np.ndarray]) -> np.ndarray:
-        """``dense_part`` of the batch's embeddings, timed as the phases ``lookup`` and ``dense``. A batch whose rows
-        the instance's GPU cache all holds reaches it as those rows where they are (:class:`CachedRows`, for the
-        dense part's CUDA graph to gather: no gather and no copy of its own); any other batch as :meth:`pooled`'s
-        answer. Both under the lock, so no refresh rewrites the cached rows before the dense part has read them."""
+        """``dense_part`` of the batch's embeddings, timed as the phases ``lookup`` and ``dense``. On a GPU instance
+        a batch of one-hot features reaches it as the rows where the instance's cache keeps them, the missed ones
+        fetched into it first (:class:`CachedRows`, for the dense part's CUDA graph to gather: no gather and no copy
+        of its own); any other batch as :meth:`pooled`'s answer (:meth:`EmbeddingLookup.rows_or_pooled`). Both
+        under the lock, so no refresh rewrites the cached rows before the dense part has read them."""
         ids = inputs.get(CATEGORICAL_IDS), inputs.get(MULTIHOT_IDS), inputs.get(MULTIHOT_LENGTHS)
         with self._lock:
             with self.timed("lookup"):
-                found = self.lookup.cached_rows(*ids)
-                embeddings = self.lookup(*ids) if found is None else found
+                embeddings = self.lookup.rows_or_pooled(*ids)
             with self.timed("dense"):
                 return dense_part(embeddings)
 

@@ -18,9 +18,10 @@ find the rows of all those tables in one vectorised step of their index on the h
 where they keep them. The ``lru`` and ``lfu`` caches answer with numpy; ``gpu-lru`` / ``gpu-lfu`` (a
 ``KIND_GPU`` instance's, on its GPU) with a tensor on their device, never waiting for it: the bags are
 pooled there too (all multi-hot features in one step), and the dense part of the same process takes the
-answer as it is. :meth:`EmbeddingLookup.cached_rows` answers a batch of one-hot ids that such a cache holds
-whole with the cache's rows and each id's slot instead, for the dense part to gather them in its CUDA graph (the
-lookup is then the index's work on the host alone).
+answer as it is. :meth:`EmbeddingLookup.rows_or_pooled` answers a batch of one-hot ids of tables of one dim
+that such a cache keeps with the cache's rows and each id's slot instead (the missed rows fetched into the cache
+first), for the dense part to gather them in its CUDA graph: the lookup is then the index's work on the host and
+the missed rows' copy.
 
 A new store version is picked up by :meth:`refresh` (called before each batch): the caches keep
 their hot ids and re-read those rows from the new version, and a batch is always computed from
@@ -163,20 +164,22 @@ class EmbeddingLookup:
                          for group, piece in zip(self._groups, pieces) for k, slot in enumerate(group.slots))
         return _concatenated([piece for _, piece in by_slot])
 
-    def cached_rows(self, categorical: np.ndarray | None, multihot_ids: np.ndarray | None = None,
-                    multihot_lengths: np.ndarray | None = None):
-        """The batch's rows where a device cache holds them (:class:`export.cache_torch.CachedRows`: the cache's
-        rows and each id's slot, in slot order), for a consumer that gathers them itself; None where that is not
-        the answer (a cache on the host, multi-hot or several kinds of tables, or an id not cached): :meth:`__call__`
-        then serves the batch."""
+    def rows_or_pooled(self, categorical: np.ndarray | None, multihot_ids: np.ndarray | None = None,
+                       multihot_lengths: np.ndarray | None = None):
+        """The batch's embeddings for a consumer that gathers a device cache's rows itself: where its one-hot ids
+        are all of tables of one dim kept by a device cache, the cache's rows and each id's slot, in slot order
+        (:class:`export.cache_torch.CachedRows`; the missed rows fetched into the cache first, and the lookup
+        counted as one); else what :meth:`__call__` answers (a cache on the host, multi-hot features, tables of
+        several dims, or a missed row with no room in its table's cache)."""
         group = self._groups[0] if len(self._groups) == 1 else None
         if (group is None or not group.in_slot_order or group.multihot_tables or categorical is None
-                or not hasattr(self.caches, "cached_rows") or multihot_ids is not None or multihot_lengths is not None):
-            return None
+                or not hasattr(self.caches, "rows_or_lookup") or multihot_ids is not None or multihot_lengths is not None):
+            return self(categorical, multihot_ids, multihot_lengths)
         categorical, _ = self._find_keys(np.asarray(categorical), _NO_BAGS)
         self._check(categorical, _NO_BAGS)
         ids = categorical if group.onehot_columns is None else categorical[:, group.onehot_columns]
-        return self.caches.cached_rows(group.onehot_tables, ids)
+        found = self.caches.rows_or_lookup(group.onehot_tables, ids)
+        return found if hasattr(found, "slots") else _float32(found.reshape(len(categorical), -1))
 
     def _find_keys(self, categorical: np.ndarray, bags: Bags) -> tuple[np.ndarray, Bags]:
         """The dynamic tables' raw ids replaced by their rows (an id the store does not hold by the last row)."""

@@ -457,36 +457,36 @@ def test_the_lookup_through_gpu_caches_answers_as_through_numpy_caches(tmp_path)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_a_batch_whose_rows_a_device_cache_holds_is_answered_with_their_slots_and_counted_as_its_lookup(
+def test_a_batch_of_one_hot_ids_is_answered_with_a_device_caches_rows_and_slots_and_counted_as_its_lookup(
         tmp_path, device):
-    """``cached_rows``: None while an id of the batch is not cached (nothing counted: the lookup serves that batch),
-    else the cache's rows and each id's slot, whose gather is the lookup's answer; the counters stay those of numpy
-    caches given the same batches; caches on the host and lookups with multi-hot features never answer so."""
+    """``rows_or_pooled``: a device cache's rows and each id's slot, the missed rows fetched into the cache first,
+    gathering to the lookup's answer; the counters stay those of numpy caches given the same batches. A batch with
+    more distinct missed ids of a table than its cache holds is answered as the lookup answers it; caches on the
+    host and lookups with multi-hot features answer as ``__call__``."""
     from export.cache_torch import CachedRows
 
     schema = Schema([Column("label", "label", "int8")]
-                    + [Column(f"C{k}", "categorical", "int64", cardinality=40) for k in (1, 2, 3)])
-    tables = [TableConfig("t_C1", 40, 8, ["C1", "C3"]), TableConfig("t_C2", 40, 8, ["C2"])]
+                    + [Column(f"C{k}", "categorical", "int64", cardinality=4000) for k in (1, 2, 3)])
+    tables = [TableConfig("t_C1", 4000, 8, ["C1", "C3"]), TableConfig("t_C2", 4000, 8, ["C2"])]
     collection = EmbeddingCollection(tables, ["C1", "C2", "C3"], generator=torch.Generator().manual_seed(0)).eval()
     config = LookupConfig.from_collection(collection, schema)
     write_version(tmp_path, {n: collection.table_weight(n).numpy() for n in collection.packing.table_names})
-    lookups = {policy: EmbeddingLookup(tmp_path, config, policy=policy, cache_fraction=0.5,
+    lookups = {policy: EmbeddingLookup(tmp_path, config, policy=policy, cache_fraction=0.25,  # 1,024 rows a table
                                        device=device if policy == "gpu-lru" else None) for policy in ("lru", "gpu-lru")}
     rng = np.random.default_rng(0)
-    answered = []
-    for step in range(8):
-        cat = rng.integers(0, 12 if step < 6 else 40, (16, 3))  # the last two batches miss again
-        found = lookups["gpu-lru"].cached_rows(cat)
-        assert lookups["lru"].cached_rows(cat) is None
-        answered.append(found is not None)
-        if found is None:
-            on_device = lookups["gpu-lru"](cat)
+    for step in range(10):
+        rows = 1200 if step == 6 else 16  # step 6: more distinct ids of t_C1 than its cache holds
+        cat = rng.integers(0, 60 if step < 4 else 4000, (rows, 3))
+        found = lookups["gpu-lru"].rows_or_pooled(cat)
+        if step == 6:
+            assert isinstance(found, torch.Tensor) and found.shape == (rows, 24)
+            on_device = found
         else:
-            assert isinstance(found, CachedRows) and found.rows.device.type == device and found.slots.shape == (16, 3)
+            assert isinstance(found, CachedRows) and found.rows.device.type == device and found.slots.shape == (rows, 3)
             on_device = found.gathered()
-        np.testing.assert_array_equal(on_device.cpu().numpy(), lookups["lru"](cat))
+        np.testing.assert_array_equal(on_device.cpu().numpy(), lookups["lru"].rows_or_pooled(cat))
         assert lookups["gpu-lru"].stats()["tables"] == lookups["lru"].stats()["tables"]
-    assert answered[0] is False and any(answered[1:6]) and answered[-2:] == [False, False]
+    assert lookups["lru"].stats()["tables"]["t_C1"]["evictions"] > 0
 
     # a dynamic table's raw ids are found among its stored ids first (an id never stored reads its last row, zeros)
     from export.repository import embedding_tables
@@ -503,8 +503,7 @@ def test_a_batch_whose_rows_a_device_cache_holds_is_answered_with_their_slots_an
                                        policy=policy, cache_fraction=1.0, device=device if policy == "gpu-lru" else None)
                for policy in ("lru", "gpu-lru")}
     raw = np.concatenate([vocabulary, rng.integers(-(2**63), 2**63 - 1, 5)])[rng.integers(0, 55, (20, 1))]
-    by_keys["gpu-lru"](raw)
-    found = by_keys["gpu-lru"].cached_rows(raw)
+    found = by_keys["gpu-lru"].rows_or_pooled(raw)
     np.testing.assert_array_equal(found.gathered().cpu().numpy(), by_keys["lru"](raw))
 
     multihot, multihot_schema = _collection_and_schema()
@@ -513,16 +512,17 @@ def test_a_batch_whose_rows_a_device_cache_holds_is_answered_with_their_slots_an
                              policy="gpu-lru", cache_fraction=1.0, device=device)
     cat, packed, lengths = np.zeros((2, 3), np.int64), np.zeros((2, 4), np.int64), np.ones((2, 1), np.int64)
     for _ in range(2):
-        lookup(cat, packed, lengths)
-        assert lookup.cached_rows(cat, packed, lengths) is None
+        answer = lookup.rows_or_pooled(cat, packed, lengths)
+        assert isinstance(answer, torch.Tensor)
+        np.testing.assert_array_equal(answer.cpu().numpy(), lookup(cat, packed, lengths).cpu().numpy())
 
 
 @pytest.mark.parametrize("kind", ["CPU", pytest.param("GPU", marks=pytest.mark.gpu)])
 def test_an_instance_hands_its_dense_part_the_rows_its_gpu_cache_holds_under_its_lock(tmp_path, kind):
-    """``LookupInstance.scored``: the dense part gets the lookup's answer for a batch with a row not cached, and on a
-    GPU instance the cache's rows and slots (``CachedRows``) once the cache holds them all: the same embeddings. The
-    dense part runs under the instance's lock (no refresh rewrites the rows before it has read them), and the
-    instance's counters time both phases."""
+    """``LookupInstance.scored``: the dense part gets the lookup's answer on a CPU instance, and on a GPU instance the
+    cache's rows and slots (``CachedRows``, the missed rows fetched in first): the same embeddings. It runs under the
+    instance's lock (no refresh rewrites the rows before it has read them), and the instance's counters time both
+    phases."""
     import time
 
     from export.cache_torch import CachedRows
@@ -559,6 +559,5 @@ def test_an_instance_hands_its_dense_part_the_rows_its_gpu_cache_holds_under_its
         phases = live_stats(model_dir)[0]["phases_ns"]
     finally:
         instance.close()
-    assert handed[0] is not CachedRows
-    assert handed[1:] == ([CachedRows] * 2 if kind == "GPU" else [np.ndarray] * 2)
+    assert handed == ([CachedRows] * 3 if kind == "GPU" else [np.ndarray] * 3)
     assert phases["lookup"] > 0 and phases["dense"] > 0 and not errors

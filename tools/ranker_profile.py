@@ -77,8 +77,7 @@ def main(argv: list[str] | None = None) -> dict:
             features = preprocess(made[call % 8])
             preprocessed = time.perf_counter()
             ids = features.get(CATEGORICAL_IDS), features.get(MULTIHOT_IDS), features.get(MULTIHOT_LENGTHS)
-            pooled = lookup.cached_rows(*ids) if in_graph else None
-            pooled = lookup(*ids) if pooled is None else pooled
+            pooled = lookup.rows_or_pooled(*ids) if in_graph else lookup(*ids)
             looked_up = time.perf_counter()
             dense(features.get(DENSE), pooled)
             done = time.perf_counter()
