@@ -14,9 +14,13 @@ class BadInputError(UserError, ValueError):
     """
 
 
+class SettingError(UserError, ValueError):
+    """A setting's value outside what it allows: the message names the setting and its range."""
+
+
 def check_range(name: str, value: object, low: float | None = None, high: float | None = None, *,
                 low_open: bool = False, high_open: bool = False) -> None:
-    """Raise ``ValueError`` naming the setting and its allowed range unless ``value`` is a finite number in it.
+    """Raise :class:`SettingError` naming the setting and its allowed range unless ``value`` is a finite number in it.
 
     ``check_range("train.lr", lr, 0, low_open=True)`` allows ``lr > 0``; nan and infinities are
     never allowed. The settings' ``__post_init__`` checks call it for every number they hold.
@@ -35,4 +39,4 @@ def check_range(name: str, value: object, low: float | None = None, high: float 
     if ok and high is not None:
         ok = value < high if high_open else value <= high
     if not ok:
-        raise ValueError(f"{name}: expected {kind} {allowed}, got {value!r}")
+        raise SettingError(f"{name}: expected {kind} {allowed}, got {value!r}")

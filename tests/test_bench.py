@@ -87,7 +87,6 @@ def test_bench_train_profiles_more_steps_of_each_model_after_the_timed_rounds(tm
         text = (tmp_path / f"profile-{name}.txt").read_text()
         assert text.startswith(f"{name}: 2 steps") and "aten::" in text
     assert "profile of host_cached: 2 steps" in capsys.readouterr().out
-    assert main(["bench", "train", *TINY_TRAIN, "--profile", "-1", f"workdir={tmp_path}"]) == 2
 
 
 def test_bench_train_times_dynamic_tables_on_the_same_ids_beside_the_static_ones(tmp_path, capsys):
@@ -128,10 +127,32 @@ def test_bench_train_times_static_tables_alone_unless_told(tmp_path):
     assert "ours_dynamic_samples_per_s" not in result and set(result["rounds"]) == {"ours", "plain_pytorch"}
 
 
-def test_bench_train_refuses_a_zipf_exponent_that_is_not_positive(tmp_path, capsys):
-    assert main(["bench", "train", *TINY_TRAIN, "--ids", "zipf", "--zipf-exponent", "0", f"workdir={tmp_path}"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["error: --zipf-exponent: expected a number > 0, got 0.0"]
+def test_every_numeric_option_of_a_bench_refuses_a_value_out_of_its_range_as_one_line(tmp_path, capsys):
+    """No bench option takes a plain int or float: each is typed with its range (``pipeline.bench.arguments``), so
+    -1 (out of every option's range) ends the command before anything runs, exit status 2, with one line naming the
+    option and where the options are listed; so does a value that is not a number."""
+    import argparse
+    import importlib
+
+    from pipeline.stages.cli import BENCHES
+
+    checked = 0
+    for name, module in BENCHES.items():
+        parser = argparse.ArgumentParser()
+        importlib.import_module(module).add_arguments(parser)
+        for action in parser._actions:
+            assert action.type not in (int, float), f"bench {name} {action.option_strings}: a plain {action.type}"
+            if action.type is None or not action.option_strings or action.choices:
+                continue
+            for value in ("-1", "many"):
+                with pytest.raises(SystemExit) as stopped:
+                    main(["bench", name, action.option_strings[0], value, f"workdir={tmp_path}"])
+                assert stopped.value.code == 2
+                err = capsys.readouterr().err.strip().splitlines()
+                assert len(err) == 1 and err[0].startswith(f"error: argument {action.option_strings[0]}: expected ")
+                assert f"`python -m pipeline bench {name} --help`" in err[0]
+                checked += 1
+    assert checked > 40 and not list(tmp_path.iterdir())
 
 
 def test_bench_train_times_tables_placed_under_a_budget_against_all_in_device_memory(tmp_path, capsys):

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import argparse
 
+from pipeline.bench.arguments import integer
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rows", type=int, default=2_000_000, help="synthetic rows to generate")
-    parser.add_argument("--ingest-rows", type=int, default=500_000, help="Criteo TSV rows to ingest (0: skip)")
-    parser.add_argument("--baseline-rows", type=int, default=131_072, help="rows for the Python-strings baseline")
+    parser.add_argument("--rows", type=integer(1), default=2_000_000, help="synthetic rows to generate")
+    parser.add_argument("--ingest-rows", type=integer(0), default=500_000, help="Criteo TSV rows to ingest (0: skip)")
+    parser.add_argument("--baseline-rows", type=integer(1), default=131_072, help="rows for the Python-strings baseline")
 
 
 def run(args: argparse.Namespace, cfg) -> dict:

@@ -38,6 +38,8 @@ from __future__ import annotations
 import argparse
 import math
 
+from pipeline.bench.arguments import integer
+
 BATCHES_ALONE = 4
 STEP_REGIONS = ("step", "loss read", "end sync")
 """The loop's regions where a step's own work is done or waited for; the others are beyond the step."""
@@ -46,14 +48,14 @@ BEYOND_STEP = "step + loss read + end sync - (b)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--steps", type=int, default=200, help="timed steps of each measurement")
-    parser.add_argument("--warmup", type=int, default=20, help="untimed steps of the stage before them")
-    parser.add_argument("--batch", type=int, default=0, help="samples per step (0: train.batch_size)")
+    parser.add_argument("--steps", type=integer(1), default=200, help="timed steps of each measurement")
+    parser.add_argument("--warmup", type=integer(1), default=20, help="untimed steps of the stage before them")
+    parser.add_argument("--batch", type=integer(0), default=0, help="samples per step (0: train.batch_size)")
     parser.add_argument("--optimizer", choices=["sgd", "adagrad", "adam"],
                         help="the tables' fused optimizer (default: train.embedding_optimizer)")
     parser.add_argument("--dense-optimizer", choices=["sgd", "adam", "adagrad"],
                         help="the dense part's optimizer (default: train.optimizer)")
-    parser.add_argument("--profile", type=int, default=0, metavar="N",
+    parser.add_argument("--profile", type=integer(0), default=0, metavar="N",
                         help="also profile N steps of the stage with torch.profiler (trace.json under --out)")
     parser.add_argument("--out", default="", metavar="DIR",
                         help="folder of e2e.json, the stage's outputs and the trace "
@@ -74,10 +76,6 @@ def run(args: argparse.Namespace, cfg) -> dict:
     from pipeline.schema import Schema
     from pipeline.train.driver import train
 
-    for name in ("steps", "warmup", "batch", "profile"):
-        low = 1 if name in ("steps", "warmup") else 0
-        if getattr(args, name) < low:
-            raise UserError(f"--{name}: expected an integer >= {low}, got {getattr(args, name)}")
     if not cfg.paths.schema.is_file():
         raise UserError(f"no processed data at {cfg.paths.processed} (no schema.json there): run "
                         "`python -m pipeline run etl` with the same data settings first")

@@ -34,26 +34,27 @@ import json
 import statistics
 from pathlib import Path
 
+from pipeline.bench.arguments import integer, number
 from pipeline.bench.train import IDS, ZIPF_EXPONENT
 
 GOALS = {"forward_fraction_of_copy": 0.70, "speedup_one_hot": 5.0, "speedup_multi_hot": 20.0}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tables", type=int, default=26, help="number of tables (one feature each)")
-    parser.add_argument("--rows-min", type=int, default=1_000_000, help="rows of the smallest table")
-    parser.add_argument("--rows-max", type=int, default=10_000_000, help="rows of the largest (sizes are geometric)")
-    parser.add_argument("--dim", type=int, default=128, help="embedding dim of every table")
-    parser.add_argument("--batch", type=int, default=65536, help="samples per batch")
+    parser.add_argument("--tables", type=integer(1), default=26, help="number of tables (one feature each)")
+    parser.add_argument("--rows-min", type=integer(1), default=1_000_000, help="rows of the smallest table")
+    parser.add_argument("--rows-max", type=integer(1), default=10_000_000, help="rows of the largest (sizes are geometric)")
+    parser.add_argument("--dim", type=integer(1), default=128, help="embedding dim of every table")
+    parser.add_argument("--batch", type=integer(1), default=65536, help="samples per batch")
     parser.add_argument("--hots", default="1,20", help="ids per bag to measure, comma separated")
     parser.add_argument("--ids", choices=IDS, default="uniform",
                         help="uniform over each table, or Zipf (hot rows spread over the table, as bench train)")
-    parser.add_argument("--zipf-exponent", type=float, default=ZIPF_EXPONENT, help="exponent of --ids zipf")
+    parser.add_argument("--zipf-exponent", type=number(above=0), default=ZIPF_EXPONENT, help="exponent of --ids zipf")
     parser.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="fp32", help="weights dtype")
     parser.add_argument("--optimizer", choices=["sgd", "adagrad"], default="sgd",
                         help="sparse optimizer (torch side: optim.SGD / optim.Adagrad on sparse gradients)")
-    parser.add_argument("--reps", type=int, default=20, help="timed repetitions per measurement (median)")
-    parser.add_argument("--baseline-reps", type=int, default=5, help="timed repetitions of the torch baseline")
+    parser.add_argument("--reps", type=integer(1), default=20, help="timed repetitions per measurement (median)")
+    parser.add_argument("--baseline-reps", type=integer(1), default=5, help="timed repetitions of the torch baseline")
     parser.add_argument("--no-baseline", action="store_true", help="skip torch.nn.EmbeddingBag")
     parser.add_argument("--sweep-bags-per-group", default="", metavar="K,K,...",
                         help="also time the forward with each of these bags per thread group (tuning)")

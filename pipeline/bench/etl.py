@@ -28,16 +28,18 @@ import argparse
 import contextlib
 from pathlib import Path
 
+from pipeline.bench.arguments import integer
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rows", type=int, default=2_000_000, help="synthetic rows (default 2M; 20M+ on a GPU)")
-    parser.add_argument("--workers", type=int, default=2,
+    parser.add_argument("--rows", type=integer(1), default=2_000_000, help="synthetic rows (default 2M; 20M+ on a GPU)")
+    parser.add_argument("--workers", type=integer(1), default=2,
                         help="LocalCluster worker processes of the pandas side (default 2; 0: one per core)")
-    parser.add_argument("--gpu-workers", type=int, default=0,
+    parser.add_argument("--gpu-workers", type=integer(0), default=0,
                         help="LocalCUDACluster workers of the cuDF side (0: one per GPU)")
     parser.add_argument("--cluster", choices=["local", "threads"], default="local",
                         help="run ours on a LocalCluster / LocalCUDACluster (default) or on threads in this process")
-    parser.add_argument("--repeats", type=int, default=1,
+    parser.add_argument("--repeats", type=integer(1), default=1,
                         help="runs of each of our sides, the best reported (the first pays one-time costs: imports "
                              "on the workers, GPU kernels compiled on first use); plain pandas runs once")
     parser.add_argument("--no-baseline", action="store_true", help="skip the plain pandas side")

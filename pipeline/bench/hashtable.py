@@ -23,18 +23,20 @@ import argparse
 import statistics
 import time
 
+from pipeline.bench.arguments import integer
+
 GOAL = {"dim": 64, "load": 0.75, "find_keys_per_s": 3e9}  # on an H200
 SIZES = {"cuda": (1 << 26, 1 << 20), "cpu": (1 << 16, 4096)}  # default (capacity, batch) by device
 WARMUP = 2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--capacity", type=int, help="slots of each table, a multiple of 128 (default: 64Mi on a "
+    parser.add_argument("--capacity", type=integer(1), help="slots of each table, a multiple of 128 (default: 64Mi on a "
                                                      "GPU, 64Ki on the CPU)")
-    parser.add_argument("--batch", type=int, help="keys per call (default: 1Mi on a GPU, 4096 on the CPU)")
+    parser.add_argument("--batch", type=integer(1), help="keys per call (default: 1Mi on a GPU, 4096 on the CPU)")
     parser.add_argument("--dims", default="8,64,128", help="row sizes (floats) to measure, comma separated")
     parser.add_argument("--loads", default="0.5,0.75,0.9", help="load factors to measure, comma separated")
-    parser.add_argument("--reps", type=int, default=20, help="timed repetitions per measurement (median)")
+    parser.add_argument("--reps", type=integer(1), default=20, help="timed repetitions per measurement (median)")
     parser.add_argument("--no-baseline", action="store_true", help="on a GPU, skip the plain-torch reference")
     parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
 

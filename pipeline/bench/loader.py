@@ -37,15 +37,17 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from pipeline.bench.arguments import integer
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rows", type=int, default=2_000_000, help="rows of the synthetic split")
-    parser.add_argument("--batch-size", type=int, default=4096, help="samples per batch")
+    parser.add_argument("--rows", type=integer(1), default=2_000_000, help="rows of the synthetic split")
+    parser.add_argument("--batch-size", type=integer(1), default=4096, help="samples per batch")
     parser.add_argument("--data", metavar="FOLDER", help="a processed split folder to read instead of synthetic data")
-    parser.add_argument("--read-threads", type=int, default=0, help="loader reader threads (0: the loader's default)")
-    parser.add_argument("--window-rows", type=int, default=0, help="loader window rows (0: the loader's default)")
-    parser.add_argument("--epochs", type=int, default=2, help="passes per loader measurement (the best is reported)")
-    parser.add_argument("--naive-rows", type=int, default=100_000, help="rows read by the per-row baseline")
+    parser.add_argument("--read-threads", type=integer(0), default=0, help="loader reader threads (0: the loader's default)")
+    parser.add_argument("--window-rows", type=integer(0), default=0, help="loader window rows (0: the loader's default)")
+    parser.add_argument("--epochs", type=integer(1), default=2, help="passes per loader measurement (the best is reported)")
+    parser.add_argument("--naive-rows", type=integer(1), default=100_000, help="rows read by the per-row baseline")
 
 
 def run(args: argparse.Namespace, cfg) -> dict:

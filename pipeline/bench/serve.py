@@ -19,14 +19,16 @@ from __future__ import annotations
 
 import argparse
 
+from pipeline.bench.arguments import integer, number
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rows", type=int, default=50_000, help="synthetic rows made for the benchmark")
+    parser.add_argument("--rows", type=integer(1), default=50_000, help="synthetic rows made for the benchmark")
     parser.add_argument("--batches", default="1,64,1024", help="batch sizes, comma-separated")
-    parser.add_argument("--requests", type=int, default=200, help="sequential requests per batch size")
-    parser.add_argument("--clients", type=int, default=8, help="concurrent gRPC client processes for throughput")
-    parser.add_argument("--seconds", type=float, default=10.0, help="duration of the throughput run")
-    parser.add_argument("--throughput-batch", type=int, default=64, help="rows per request in the throughput run")
+    parser.add_argument("--requests", type=integer(1), default=200, help="sequential requests per batch size")
+    parser.add_argument("--clients", type=integer(1), default=8, help="concurrent gRPC client processes for throughput")
+    parser.add_argument("--seconds", type=number(above=0), default=10.0, help="duration of the throughput run")
+    parser.add_argument("--throughput-batch", type=integer(1), default=64, help="rows per request in the throughput run")
     parser.add_argument("--workdir", default="data/bench-serve", help="where the benchmark's data and export go")
     parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
 

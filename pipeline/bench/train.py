@@ -45,6 +45,7 @@ import argparse
 import math
 from pathlib import Path
 
+from pipeline.bench.arguments import integer, number
 from pipeline.train.config import COMPILE_MODES
 
 IDS = ("uniform", "zipf")
@@ -59,23 +60,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", choices=["cpu", "mlperf"], default="cpu",
                         help="cpu: dim 64, bottom 512-256-64, top 512-256-1; mlperf: dim 128, "
                              "bottom 512-256-128, top 1024-1024-512-256-1")
-    parser.add_argument("--tables", type=int, default=26, help="embedding tables, one per sparse feature")
-    parser.add_argument("--rows", type=int, default=100_000, help="rows per table")
-    parser.add_argument("--dim", type=int, default=0, help="embedding dim (0: the preset's)")
-    parser.add_argument("--batch", type=int, default=2048, help="samples per step")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per round")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per model (median reported)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps before the first round")
+    parser.add_argument("--tables", type=integer(1), default=26, help="embedding tables, one per sparse feature")
+    parser.add_argument("--rows", type=integer(1), default=100_000, help="rows per table")
+    parser.add_argument("--dim", type=integer(0), default=0, help="embedding dim (0: the preset's)")
+    parser.add_argument("--batch", type=integer(1), default=2048, help="samples per step")
+    parser.add_argument("--steps", type=integer(1), default=20, help="timed steps per round")
+    parser.add_argument("--rounds", type=integer(1), default=3, help="alternating rounds per model (median reported)")
+    parser.add_argument("--warmup", type=integer(0), default=3, help="untimed steps before the first round")
     parser.add_argument("--bottom", default="", help="bottom MLP widths before the embedding dim, e.g. 512,256")
     parser.add_argument("--top", default="", help="top MLP widths ending in 1, e.g. 512,256,1")
     parser.add_argument("--backend", default="auto", help="our embedding backend: torch | cuda | auto")
     parser.add_argument("--amp", choices=["auto", "bf16", "off"], default="auto",
                         help="bf16 autocast of the MLPs (auto: on GPU only)")
-    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--threads", type=integer(0), default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--ids", choices=IDS, default="uniform",
                         help="uniform: every row of a table alike; zipf: row of rank r drawn with probability "
                              "~ r**-exponent, the ranks spread over each table by a fixed permutation")
-    parser.add_argument("--zipf-exponent", type=float, default=ZIPF_EXPONENT,
+    parser.add_argument("--zipf-exponent", type=number(above=0), default=ZIPF_EXPONENT,
                         help="skew of --ids zipf (> 0); default 1.1, in the 1.05-1.2 range taken as Criteo-like "
                              "for its large tables (the synthetic data generator draws 1.25-1.6, more skewed)")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
@@ -89,13 +90,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "their rows by a hash table, admitted after train.admit_after occurrences) on the same "
                              "ids, and report its samples/s and the ratio static / dynamic (not with "
                              "--embedding-budget-mb)")
-    parser.add_argument("--embedding-budget-mb", type=float, default=0.0,
+    parser.add_argument("--embedding-budget-mb", type=number(low=0), default=0.0,
                         help="device memory in MiB for the embedding tables (as distributed.memory_per_rank_mb): time "
                              "the model with its tables placed under it (host-cached where they do not fit) against "
                              "the same model with every table in device memory, instead of plain PyTorch, on a fresh "
                              "batch every step (0: off; not with --dynamic)")
     parser.add_argument("--json", metavar="FILE", help="also write the figures and settings as JSON")
-    parser.add_argument("--profile", type=int, default=0, metavar="N",
+    parser.add_argument("--profile", type=integer(0), default=0, metavar="N",
                         help="after the timed rounds, profile N more steps of each model with torch.profiler: its "
                              "ms a step, its kernels' ms a step on the device, and the top operations in "
                              "profile-<model>.txt beside --json (or in the workdir)")
@@ -121,12 +122,6 @@ def run(args: argparse.Namespace, cfg) -> dict:
     from pipeline.train.loop import compiles
 
     budget = args.embedding_budget_mb
-    if not args.zipf_exponent > 0:
-        raise UserError(f"--zipf-exponent: expected a number > 0, got {args.zipf_exponent}")
-    if args.profile < 0:
-        raise UserError(f"--profile: expected a number of steps >= 0, got {args.profile}")
-    if budget < 0:
-        raise UserError(f"--embedding-budget-mb: expected a number >= 0, got {budget}")
     if budget and args.dynamic:
         raise UserError("--dynamic with --embedding-budget-mb: give one of them: the budget places static tables, "
                         "host-caching those that do not fit, and dynamic tables are not placed under it")

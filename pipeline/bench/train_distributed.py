@@ -26,6 +26,7 @@ import json
 import statistics
 import sys
 
+from pipeline.bench.arguments import integer
 from pipeline.errors import UserError
 
 LOOPS = ("pipelined", "plain")
@@ -33,15 +34,15 @@ LOOPS = ("pipelined", "plain")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc", default="1,2", help="rank counts to run, comma separated (1 = the baseline)")
-    parser.add_argument("--tables", type=int, default=26, help="embedding tables, one per sparse feature")
-    parser.add_argument("--rows", type=int, default=500_000, help="rows per table")
-    parser.add_argument("--dim", type=int, default=128, help="embedding dim")
+    parser.add_argument("--tables", type=integer(1), default=26, help="embedding tables, one per sparse feature")
+    parser.add_argument("--rows", type=integer(1), default=500_000, help="rows per table")
+    parser.add_argument("--dim", type=integer(1), default=128, help="embedding dim")
     parser.add_argument("--mlp", choices=["mlperf", "small"], default="mlperf",
                         help="mlperf: bottom 512-256-dim, top 1024-1024-512-256-1; small: bottom 64-dim, top 64-1")
-    parser.add_argument("--batch", type=int, default=65536, help="samples per rank and step")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per round")
-    parser.add_argument("--rounds", type=int, default=3, help="timed rounds (median reported)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    parser.add_argument("--batch", type=integer(1), default=65536, help="samples per rank and step")
+    parser.add_argument("--steps", type=integer(1), default=20, help="timed steps per round")
+    parser.add_argument("--rounds", type=integer(1), default=3, help="timed rounds (median reported)")
+    parser.add_argument("--warmup", type=integer(0), default=3, help="untimed steps first")
     parser.add_argument("--backend", default="auto", help="embedding backend: torch | cuda | auto")
     parser.add_argument("--amp", choices=["auto", "bf16", "off"], default="auto", help="bf16 autocast of the MLPs")
     parser.add_argument("--sharding", default="table_wise",

@@ -16,10 +16,11 @@ import argparse
 import importlib
 import sys
 import time
-from typing import Callable
+from typing import Callable, NoReturn
 
 import yaml
 
+from pipeline.bench.arguments import integer
 from pipeline.stages import config as config_mod
 
 STAGES: dict[str, tuple[str, str]] = {
@@ -94,9 +95,17 @@ def _examples(command: str) -> str:
     return "examples:\n" + "\n".join(f"  {line}" for line in EXAMPLES[command])
 
 
+class _Parser(argparse.ArgumentParser):
+    """A command line's error as one line, what is wrong and where the options are listed (not argparse's usage
+    text first); its subcommands' parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message} (`{self.prog} --help` lists the options)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     fmt = argparse.RawDescriptionHelpFormatter
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="python -m pipeline",
         description="An end-to-end recommender pipeline: data -> ETL -> training -> Triton export -> serving.",
         epilog=_examples("pipeline") + "\n\n`python -m pipeline COMMAND --help` says more of each; see README.md "
@@ -120,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("stage", choices=list(STAGES) + ["all"], help="etl | train | export | serve | all (and data)")
     p.add_argument("--scheduler", metavar="ADDRESS", help="ETL on an existing Dask scheduler (etl.scheduler=...)")
     p.add_argument("--on-bad-lines", choices=["error", "skip"], help="malformed input rows (data.on_bad_lines=...)")
-    p.add_argument("--nproc", type=int, metavar="N",
+    p.add_argument("--nproc", type=integer(1), metavar="N",
                    help="train on N processes (GPUs) of this node, started through torchrun's launcher")
     _common(p)
 
