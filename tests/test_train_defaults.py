@@ -124,6 +124,17 @@ def test_the_best_epoch_is_kept_scored_and_saved_and_training_stops_after_it(tmp
     assert any(r.get("event") == "early_stop" and r["best_epoch"] == 1 for r in lines)
 
 
+def test_an_epoch_that_ends_in_the_lr_warmup_does_not_count_towards_early_stopping(tmp_path):
+    """Epochs of 12 steps, a warmup of 30: epoch 2 (worse than epoch 1, as are all after it) ends in the warmup and is
+    not counted, so the run stops after epochs 3 and 4, not after 2 and 3 (a small table's epochs are a few steps,
+    and a run stopped there never trained at its peak learning rate)."""
+    cfg = _config(tmp_path, "train.epochs=6", "train.early_stopping=2", "train.warmup_steps=30")
+    _write_learnable_data(cfg)
+    result = _train(cfg, [LaterEpochsWorse()])
+    assert result["kept"]["epoch"] == 1 and result["kept"]["stopped_early"]
+    assert result["steps"] == 48
+
+
 def test_without_early_stopping_the_last_epoch_is_kept(tmp_path):
     cfg = _config(tmp_path, "train.epochs=2", "train.early_stopping=0")
     _write_learnable_data(cfg)

@@ -272,7 +272,9 @@ class Trainer:
 
     def _judge(self, scores: dict, epoch_end: bool) -> None:
         """Early stopping: keep the weights when ``scores`` beat the best so far; count an epoch without
-        improvement otherwise, and stop after ``early_stopping`` of them in a row."""
+        improvement otherwise, and stop after ``early_stopping`` of them in a row. An epoch that ends while the
+        learning rate still warms up does not count: the model has not trained at its rates yet (on a small
+        table, whose epochs are a few steps, a run would stop before its warmup ended)."""
         if not self.keeps_best:
             return
         s = self.state
@@ -280,7 +282,7 @@ class Trainer:
         if math.isfinite(auc) and (s.best_valid is None or auc > s.best_valid["auc"]):
             s.best_valid, s.best_step, s.best_epoch, s.bad_epochs = dict(scores), s.step, s.epoch, 0
             self.best_weights = cpu_copy(self.model.state_dict())
-        elif epoch_end:
+        elif epoch_end and s.step >= self.warmup_steps:
             s.bad_epochs += 1
             s.stopped = s.bad_epochs >= self.cfg.early_stopping and s.step < self.total_steps
             if s.stopped:
