@@ -231,6 +231,20 @@ def test_table_reader_with_multihot(tmp_path, name):
     assert raw.rows["valid"] > 0
 
 
+def test_table_reader_takes_true_and_false_labels_as_pandas_writes_them(tmp_path):
+    """A bool column written by pandas' ``to_csv`` reads True / False: 1 / 0, in any case; other words stay bad."""
+    path = tmp_path / "rows.csv"
+    path.write_text("clicked,user\nTrue,a\nFalse,b\ntrue,c\nFALSE,d\nyes,e\n1,f\n")
+    cfg = _cfg(tmp_path, "data.source=table", f"data.path={path}", "data.label=clicked", "data.categorical=user",
+               "data.on_bad_lines=skip")
+    raw = ensure_raw(cfg)
+    report = json.loads((raw.root / "ingest_report.json").read_text())
+    assert report["bad"] == {"bad_label": 1}
+    labels = {user: label for s in raw.splits.values() for p in s
+              for user, label in zip(*pq.read_table(p, columns=["user", "label"]).to_pydict().values())}
+    assert labels == {"a": 1, "b": 0, "c": 1, "d": 0, "f": 1}
+
+
 def test_table_reader_counts_bad_numbers_and_labels(tmp_path):
     path = tmp_path / "rows.csv"
     path.write_text("\ufeffclicked,price,user\r\n1,2.5,a\r\n0,oops,b\r\n3,1,c\r\n1,1e3,d\r\n0,nan,e\r\n")

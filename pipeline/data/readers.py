@@ -96,7 +96,7 @@ _INT_PATTERN = r"^(-?[0-9]+)?$"  # empty is missing; the int64 range is checked 
 _INT64_DIGITS = 19
 _FLOAT_PATTERN = r"^([+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?)?$"
 _NAN_PATTERN = r"^[+-]?(nan|NaN|NAN)$"
-_LABEL_PATTERN = r"^[01](\.0*)?$"
+_LABEL_PATTERN = r"^([01](\.0*)?|(?i:true|false))$"  # a table's text labels: 0 / 1, or pandas' True / False
 
 
 @dataclass
@@ -812,7 +812,11 @@ def _convert(column: pa.ChunkedArray, kind: str, separator: str) -> pa.ChunkedAr
     """Checked values to the raw layout's types (empty text is missing)."""
     t = column.type
     if kind == "label":
-        return pc.cast(pc.cast(column, pa.float64()) if _is_text(t) else column, pa.int8())
+        if _is_text(t):
+            lowered = pc.utf8_lower(column)
+            column = pc.if_else(pc.equal(lowered, "true"), "1", pc.if_else(pc.equal(lowered, "false"), "0", column))
+            column = pc.cast(column, pa.float64())
+        return pc.cast(column, pa.int8())
     if _is_text(t):
         missing = pc.equal(column, "")
         if kind == "float":
