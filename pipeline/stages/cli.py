@@ -20,7 +20,6 @@ from typing import Callable, NoReturn
 
 import yaml
 
-from pipeline.bench.arguments import integer
 from pipeline.stages import config as config_mod
 
 STAGES: dict[str, tuple[str, str]] = {
@@ -129,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("stage", choices=list(STAGES) + ["all"], help="etl | train | export | serve | all (and data)")
     p.add_argument("--scheduler", metavar="ADDRESS", help="ETL on an existing Dask scheduler (etl.scheduler=...)")
     p.add_argument("--on-bad-lines", choices=["error", "skip"], help="malformed input rows (data.on_bad_lines=...)")
-    p.add_argument("--nproc", type=integer(1), metavar="N",
+    p.add_argument("--nproc", type=int, metavar="N",
                    help="train on N processes (GPUs) of this node, started through torchrun's launcher")
     _common(p)
 
