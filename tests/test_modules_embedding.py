@@ -343,3 +343,30 @@ def test_stochastic_rounding_is_refused_by_the_reference():
                               backend="torch")
     with pytest.raises(ValueError, match="cuda backend only"):
         emb(KeyedJaggedTensor.from_lists(["C1"], [[[1]]])).sum().backward()
+
+
+def test_tables_start_from_the_same_values_whatever_the_number_of_threads_that_draw_them():
+    """The tables are drawn in chunks on torch's threads side by side (one generator over a table draws on one
+    thread): the values depend on the seed alone, each table's within its bound (rows ** -0.5) and spread over it,
+    and a table of several chunks draws no chunk twice."""
+    from pipeline.modules import collection
+
+    tables = [TableConfig("big", 3 * collection.INIT_CHUNK // 8 + 5, 8, ["A"]), TableConfig("small", 10, 8, ["B"])]
+    built = {}
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 3):
+            torch.set_num_threads(count)
+            built[count] = EmbeddingCollection(tables, ["A", "B"], generator=torch.Generator().manual_seed(4))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(built[1].weights, built[3].weights)
+    for table in tables:
+        assert built[1].table_weight(table.name).abs().max() <= table.rows ** -0.5
+    big = built[1].table_weight("big")
+    assert big.std() == pytest.approx(tables[0].rows ** -0.5 / math.sqrt(3), rel=0.01)  # uniform over the bound
+    big = big.reshape(-1)
+    chunks = [big[k * collection.INIT_CHUNK: (k + 1) * collection.INIT_CHUNK][:1000] for k in range(3)]
+    assert not torch.equal(chunks[0], chunks[1]) and not torch.equal(chunks[1], chunks[2])
+    other = EmbeddingCollection(tables, ["A", "B"], generator=torch.Generator().manual_seed(5))
+    assert not torch.equal(other.weights, built[1].weights)

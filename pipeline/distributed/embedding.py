@@ -45,6 +45,7 @@ from pipeline.distributed.rw_sharding import RowWiseSharding
 from pipeline.distributed.tw_sharding import TableWiseSharding
 from pipeline.distributed.types import Awaitable, AwaitableList, ShardingPlan, ShardingType
 from pipeline.errors import BadInputError
+from pipeline.modules.collection import uniform_init
 from pipeline.modules.columns import ColumnRun, assemble_columns, merge_runs
 from pipeline.kernels.embedding import TablePacking
 from pipeline.modules.cached_collection import HostCachedCollection
@@ -214,14 +215,16 @@ class ShardedEmbeddingCollection(nn.Module):
 
     def _init_weights(self, seed: int) -> None:
         with torch.no_grad():
+            parts = []
             for name, lo, hi, local in self.local_shards():
                 t = self.packing.table_names.index(name)
                 if self.tables[t].dynamic:  # its rows start as their ids come
                     continue
-                gen = torch.Generator().manual_seed(seed * 1_000_003 + t * 7919 + lo)
-                bound = self.tables[t].rows ** -0.5
-                w = torch.empty(hi - lo, self.tables[t].dim).uniform_(-bound, bound, generator=gen)
-                local["weight"].copy_(w)
+                w = torch.empty(hi - lo, self.tables[t].dim)
+                parts.append((local["weight"], (w, self.tables[t].rows ** -0.5, seed * 1_000_003 + t * 7919 + lo)))
+            uniform_init([fill for _, fill in parts])
+            for weight, (w, _, _) in parts:
+                weight.copy_(w)
 
     def input_dist(self, features: KeyedJaggedTensor) -> Awaitable[Awaitable[list[LocalBags]]]:
         """Every strategy's bags of ``features`` sent to the ranks that look them up (one per strategy)."""
