@@ -178,8 +178,9 @@ def test_a_model_json_without_the_dynamic_fields_builds_its_model(tmp_path):
 
 def test_run_all_trains_raw_ids_to_the_auc_of_categorify_and_serves_them_as_the_trained_model(tmp_path, capsys):
     """C12 and C21 as raw ids in dynamic tables smaller than their vocabularies, so that ids are evicted: `run all`
-    scores within 0.005 test AUC of the same run with Categorify, and the served probabilities of raw test rows,
-    among them ids without a row, are the in-process model's."""
+    scores at least the test AUC of the same run with Categorify less 0.005 (no loss from raw ids: the two runs'
+    tables start from other values, so either may be the better by about that much), and the served probabilities
+    of raw test rows, among them ids without a row, are the in-process model's."""
     import re
 
     import numpy as np
@@ -206,7 +207,7 @@ def test_run_all_trains_raw_ids_to_the_auc_of_categorify_and_serves_them_as_the_
     evicted = {name: table["evictions"] for name, table in results[1]["dynamic_tables"].items()}
     assert evicted.keys() == {"t_C12", "t_C21"} and min(evicted.values()) > 0, evicted
     aucs = [r["test"]["auc"] for r in results]
-    assert abs(aucs[1] - aucs[0]) <= 0.005, f"test AUC with Categorify {aucs[0]:.4f}, with dynamic tables {aucs[1]:.4f}"
+    assert aucs[1] >= aucs[0] - 0.005, f"test AUC with Categorify {aucs[0]:.4f}, with dynamic tables {aucs[1]:.4f}"
 
     difference = re.search(r"largest difference from the in-process model of run \S+: (\S+)", out)
     assert difference and float(difference.group(1)) <= 1e-5, out[-2000:]
