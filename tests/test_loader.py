@@ -410,9 +410,34 @@ def test_a_window_is_read_with_one_call_per_file(split, monkeypatch):
         return read(self, row_groups, *args, **kwargs)
 
     monkeypatch.setattr(pq.ParquetFile, "read_row_groups", recorded)
-    batches = list(small(split, window_rows=1024))  # one window: every row
+    batches = list(small(split, window_rows=1024, read_threads=1))  # one window: every row, in one part
     assert [r for b in batches for r in rows_of(b)] == list(range(ROWS))
     assert calls == [[0, 1, 2, 3, 4], [0], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]  # 300, 10 and 690 rows
+
+
+def test_reader_threads_read_a_window_in_parts_cut_between_row_groups(split, monkeypatch):
+    """Three reader threads read the first window (here the only one) in three parts of about a third of its rows
+    each, cut between row groups (none read twice), one call per file of a part; the batches are those of one
+    reader thread."""
+    calls = []
+    read = pq.ParquetFile.read_row_groups
+
+    def recorded(self, row_groups, *args, **kwargs):
+        calls.append(list(row_groups))
+        return read(self, row_groups, *args, **kwargs)
+
+    monkeypatch.setattr(pq.ParquetFile, "read_row_groups", recorded)
+    for shuffle in (False, True):
+        calls.clear()
+        parts = list(small(split, window_rows=1024, read_threads=3, shuffle=shuffle, seed=1))
+        if not shuffle:  # 300 + 10 + 64 rows, then 320 and 306
+            assert sorted(calls) == sorted([[0, 1, 2, 3, 4], [0], [0], [1, 2, 3, 4, 5], [6, 7, 8, 9, 10]])
+        assert sum(len(c) for c in calls) == 17  # every row group read once
+        whole = list(small(split, window_rows=1024, read_threads=1, shuffle=shuffle, seed=1))
+        assert [rows_of(b) for b in parts] == [rows_of(b) for b in whole]
+        for a, b in zip(parts, whole):
+            assert a.sparse.values.tolist() == b.sparse.values.tolist()
+            assert a.sparse.lengths.tolist() == b.sparse.lengths.tolist()
 
 
 def test_batches_of_a_window_are_views_of_it(split):
@@ -438,25 +463,26 @@ def test_windows_are_read_ahead_by_the_reader_threads_and_no_further(tmp_path, m
     from pipeline.loader import loader as loader_module
 
     folder = write_split(tmp_path / "train", [0, 3000])  # 12 windows of 256 rows
-    read = loader_module.read_window
+    read = loader_module.read_into
     started: list[int] = []
 
     def recorded(split_, segments, *args, **kwargs):
         started.append(segments[0].group.first_row + segments[0].start)
         return read(split_, segments, *args, **kwargs)
 
-    monkeypatch.setattr(loader_module, "read_window", recorded)
+    monkeypatch.setattr(loader_module, "read_into", recorded)
     loader = small(folder, window_rows=256, read_threads=2, prefetch=1)
     it = iter(loader)
     next(it)
     deadline = time.monotonic() + 10
-    while len(started) < 5 and time.monotonic() < deadline:
+    while len(started) < 6 and time.monotonic() < deadline:
         time.sleep(0.01)
     time.sleep(0.3)
-    # Window 0 is handed out, 1 waits in the queue, 2 waits to be queued, 3 and 4 are read by the 2 threads.
-    assert sorted(started) == [0, 256, 512, 768, 1024]
+    # Window 0 (read in two parts by the 2 threads) is handed out, 1 waits in the queue, 2 waits to be queued, 3
+    # and 4 are read by the 2 threads.
+    assert sorted(started) == [0, 128, 256, 512, 768, 1024]
     assert [r for b in it for r in rows_of(b)] == list(range(32, 3000))
-    assert sorted(started) == list(range(0, 3000, 256))
+    assert sorted(started) == [0, 128, *range(256, 3000, 256)]
 
 
 def test_int64_ids_give_the_batches_of_int32_ids(tmp_path, split):

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import re
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
-from collections.abc import Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -166,29 +166,53 @@ def read_window(
     asynchronous copy to a GPU; ``chunk.buffer`` must then go back to the pool once that copy is queued.
     Nulls are always refused (they cannot be packed); ``validate`` adds the checks of labels and ids.
     """
-    table = _read_rows(split, segments)
-    if any(table.column(name).null_count for name in split.columns) or not _wide_ids_fit(split, table, validate):
-        _raise_first_problem(split, table, segments, validate)
-    shape = (split.block_rows, table.num_rows)
-    buffer = None
-    if buffers is None:
-        block = np.empty(shape, dtype=np.int32)
-    else:
-        buffer = buffers.acquire(stop or threading.Event())
-        block = buffer[: shape[0] * shape[1]].numpy().reshape(shape)
+    block, buffer = new_block(split, sum(s.rows for s in segments), buffers, stop)
     try:
-        _pack(split, table, block)
-        if validate and not _block_passes_checks(split, block):
-            _raise_first_problem(split, table, segments, validate)
-        bags = [_bag(table.column(name)) for name in split.schema.multihot]
-        if validate and not all(_ids_fit(values, split.schema.column(name)) for name, (_, values) in
-                                zip(split.schema.multihot, bags) if not split.schema.column(name).dynamic):
-            _raise_first_problem(split, table, segments, validate)
+        bags = read_into(split, segments, block, validate)
     except BaseException:
         if buffer is not None:
             buffers.release(buffer)
         raise
     return Chunk(block, bags, buffer)
+
+
+def new_block(split: Split, rows: int, buffers: PinnedPool | None = None,
+              stop: threading.Event | None = None) -> tuple[np.ndarray, torch.Tensor | None]:
+    """An empty packed block of ``rows`` rows, and with ``buffers`` the pinned pool buffer it lies in."""
+    shape = (split.block_rows, rows)
+    if buffers is None:
+        return np.empty(shape, dtype=np.int32), None
+    buffer = buffers.acquire(stop or threading.Event())
+    return buffer[: shape[0] * shape[1]].numpy().reshape(shape), buffer
+
+
+def read_into(split: Split, segments: Sequence[Segment], block: np.ndarray, validate: bool = True
+              ) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Read, check and pack the rows of ``segments`` into ``block`` (``[block_rows, their rows]``, or such a view of a
+    larger block: reader threads fill parts of one window side by side); returns their multi-hot bags."""
+    table = _read_rows(split, segments)
+    if any(table.column(name).null_count for name in split.columns) or not _wide_ids_fit(split, table, validate):
+        _raise_first_problem(split, table, segments, validate)
+    _pack(split, table, block)
+    if validate and not _block_passes_checks(split, block):
+        _raise_first_problem(split, table, segments, validate)
+    bags = [_bag(table.column(name)) for name in split.schema.multihot]
+    if validate and not all(_ids_fit(values, split.schema.column(name)) for name, (_, values) in
+                            zip(split.schema.multihot, bags) if not split.schema.column(name).dynamic):
+        _raise_first_problem(split, table, segments, validate)
+    return bags
+
+
+def join_bags(parts: Sequence[list[tuple[np.ndarray, np.ndarray]]]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The multi-hot bags of consecutive parts of a window as one window's (offsets from 0, values)."""
+    if len(parts) == 1:
+        return parts[0]
+    joined = []
+    for bags in zip(*parts):
+        ends = np.cumsum([0] + [offsets[-1] for offsets, _ in bags])
+        offsets = np.concatenate([o[:-1] + end for (o, _), end in zip(bags, ends)] + [ends[-1:]])
+        joined.append((offsets, np.concatenate([values for _, values in bags])))
+    return joined
 
 
 def _read_rows(split: Split, segments: Sequence[Segment]) -> pa.Table:

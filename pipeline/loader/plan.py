@@ -192,6 +192,22 @@ def window_segments(shard: Shard, start: int, stop: int) -> list[Segment]:
     return out
 
 
+def window_parts(segments: list[Segment], count: int) -> list[list[Segment]]:
+    """A window's segments as up to ``count`` consecutive runs of about equal rows, for reader threads to read side
+    by side; cut only between segments (a row group is decoded whole however few of its rows are read)."""
+    total = sum(s.rows for s in segments)
+    runs: list[list[Segment]] = []
+    current: list[Segment] = []
+    done = 0
+    for seg in segments:
+        current.append(seg)
+        done += seg.rows
+        if len(runs) < count - 1 and done * count >= total * (len(runs) + 1):
+            runs.append(current)
+            current = []
+    return runs + [current] if current else runs
+
+
 def _segments(groups: list[RowGroup], lo: int, hi: int) -> list[Segment]:
     """Segments covering positions ``[lo, hi)`` of the concatenated row groups."""
     out, position = [], 0
