@@ -401,7 +401,9 @@ def test_windows_are_whole_batches_at_least_four_row_groups_at_most_a_rank(split
     assert small(split, batch_size=300, window_rows=1).window_rows == 300
 
 
-def test_a_window_is_read_with_one_call_per_file(split, monkeypatch):
+@pytest.fixture
+def row_group_reads(monkeypatch) -> list[list[int]]:
+    """The row groups of every ``read_row_groups`` call, in the order the calls were made (from any thread)."""
     calls = []
     read = pq.ParquetFile.read_row_groups
 
@@ -410,23 +412,21 @@ def test_a_window_is_read_with_one_call_per_file(split, monkeypatch):
         return read(self, row_groups, *args, **kwargs)
 
     monkeypatch.setattr(pq.ParquetFile, "read_row_groups", recorded)
+    return calls
+
+
+def test_a_window_is_read_with_one_call_per_file(split, row_group_reads):
+    calls = row_group_reads
     batches = list(small(split, window_rows=1024, read_threads=1))  # one window: every row, in one part
     assert [r for b in batches for r in rows_of(b)] == list(range(ROWS))
     assert calls == [[0, 1, 2, 3, 4], [0], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]  # 300, 10 and 690 rows
 
 
-def test_reader_threads_read_a_window_in_parts_cut_between_row_groups(split, monkeypatch):
+def test_reader_threads_read_a_window_in_parts_cut_between_row_groups(split, row_group_reads):
     """Three reader threads read the first window (here the only one) in three parts of about a third of its rows
     each, cut between row groups (none read twice), one call per file of a part; the batches are those of one
     reader thread."""
-    calls = []
-    read = pq.ParquetFile.read_row_groups
-
-    def recorded(self, row_groups, *args, **kwargs):
-        calls.append(list(row_groups))
-        return read(self, row_groups, *args, **kwargs)
-
-    monkeypatch.setattr(pq.ParquetFile, "read_row_groups", recorded)
+    calls = row_group_reads
     for shuffle in (False, True):
         calls.clear()
         parts = list(small(split, window_rows=1024, read_threads=3, shuffle=shuffle, seed=1))

@@ -73,8 +73,8 @@ INIT_CHUNK = 1 << 22
 def uniform_init(fills: Sequence[tuple[torch.Tensor, float, int]]) -> None:
     """Fill each contiguous CPU tensor ``out`` of ``(out, bound, seed)`` with values drawn uniformly from
     ``[-bound, bound)``, on torch's CPU threads side by side: chunks of :data:`INIT_CHUNK` elements, each drawn by
-    a generator of its own seeded by ``(seed, chunk)``, so the values do not depend on how many threads drew them.
-    (One generator over a table draws on one thread, about 0.5 GB/s: Criteo's 17 GB of tables took half a minute.)"""
+    a generator of its own seeded by ``(seed, chunk)``, so the values do not depend on how many threads drew them
+    (one generator over a table draws on one thread alone)."""
     chunks = [(out.view(-1)[start : start + INIT_CHUNK], bound, seed, k)
               for out, bound, seed in fills for k, start in enumerate(range(0, out.numel(), INIT_CHUNK))]
 
