@@ -618,10 +618,14 @@ class _FakeSeries:
 def fake_cudf(calls: list) -> types.ModuleType:
     module = types.ModuleType("cudf")
 
-    def read_parquet(path, columns=None, row_groups=None):
-        assert isinstance(path, str) and isinstance(row_groups, list) and len(row_groups) == 1
-        calls.append((Path(path).name, row_groups[0]))
-        table = pq.ParquetFile(path).read_row_groups(row_groups, columns=columns)
+    def read_parquet(paths, columns=None, row_groups=None):
+        # cuDF's semantics: the row groups of each source, in the order given, one after another
+        assert isinstance(paths, list) and isinstance(row_groups, list) and len(row_groups) == len(paths)
+        tables = []
+        for path, groups in zip(paths, row_groups):
+            calls.extend((Path(path).name, group) for group in groups)
+            tables += [pq.ParquetFile(path).read_row_group(group, columns=columns) for group in groups]
+        table = pa.concat_tables(tables)
         return {name: _FakeSeries(table.column(name).combine_chunks()) for name in columns}
 
     module.read_parquet = read_parquet

@@ -53,14 +53,22 @@ def main(argv: list[str] | None = None) -> int:
     (work / "logs").mkdir(parents=True, exist_ok=True)
     result: dict = {"rows": args.rows, "device": args.device, "settings": args.settings, "stages": {}}
 
+    def record() -> None:  # after every stage: a run cut short keeps what it measured
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+
     parts = args.parts or os.cpu_count() or 1
     tsv = work / "tsv"
     result["stages"]["tsv"] = _timed(lambda: _write_tsv(tsv, args.rows, parts, args.seed), args.rows)
     result["tsv_bytes"] = sum(p.stat().st_size for p in tsv.glob("*.tsv"))
+    print(f"tsv: {result['stages']['tsv']}", flush=True)
+    record()
     settings = [f"workdir={work / 'run'}", "data.source=criteo", f"data.path={tsv}", "progress=plain",
                 f"seed={args.seed}", *args.settings]
     for stage in ("data", "etl"):
         result["stages"][stage] = _timed(lambda stage=stage: _stage(stage, args.device, settings, work), args.rows)
+        print(f"{stage}: {result['stages'][stage]}", flush=True)
+        record()
     timed = [result["stages"][s] for s in ("data", "etl")]
     seconds = sum(s["seconds"] for s in timed)
     result["raw_tsv_to_processed"] = {"seconds": seconds, "rows_per_s": args.rows / seconds,
@@ -68,8 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.sample_rows:
         result["sample"] = _compare_on_a_sample(work, tsv, args, settings)
     _print(result)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    record()
     return 0 if not args.sample_rows or result["sample"]["equal"] else 1
 
 

@@ -33,6 +33,8 @@
 #              request's time goes (client, transport and Triton, the python backend, the model's work), with the
 #              instances as exported, one instance, and each on a core of its own (--pin)
 #   loader     bench loader on 8M synthetic rows, LZ4 pages and uncompressed (etl.compression)
+#   loader-split  bench loader on the ETL's split of E2E_ROWS rows (run etl, once, as e2e), the cudf reader beside the
+#              pyarrow one where cuDF imports; then the loader's GPU tests
 #   e2e        run etl of E2E_ROWS (10,000,000) synthetic rows (once), then bench e2e of each model on it (E2E_STEPS
 #              timed steps, 100), and of DCNv2 with train.compile=max-autotune (E2E_AUTOTUNE= leaves it out)
 #   etl        the cuDF-vs-pandas tests, tools/etl_profile.py --backend cudf (one partition's steps), the ETL
@@ -216,6 +218,15 @@ print(f'{len(sources)} sources in {time.time() - start:.0f} s')
         step "loader-$packing" 150 "$PY" -m pipeline bench loader --device cuda --rows 8000000 --batch-size 65536 \
           --epochs 2 etl.compression="$packing" workdir=/tmp/loader-bench
       done ;;
+    loader-split)
+      # the loader alone on the ETL's split of E2E_ROWS rows (made once, as e2e makes it): both readers where cuDF
+      # imports; then the loader's GPU tests
+      w=${E2E_WORKDIR:-/tmp/e2e}
+      [ -f "$w/synthetic/processed/schema.json" ] || step e2e-etl 420 "$PY" -m pipeline run etl --device cpu \
+        workdir="$w" data.size=1.0 data.rows="${E2E_ROWS:-10000000}"
+      step loader-split 240 "$PY" -m pipeline bench loader --device cuda --data "$w/synthetic/processed/train" \
+        --batch-size 65536 --epochs 3
+      step loader-tests 180 "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_loader.py ;;
     etl)
       step etl-tests 180 env PIPELINE_ETL_GPU_ROWS="${ETL_GPU_TEST_ROWS:-2000000}" \
         "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_etl_gpu.py
@@ -231,7 +242,7 @@ print(f'{len(sources)} sources in {time.time() - start:.0f} s')
       # shellcheck disable=SC2086
       step etl-bench 540 "$PY" -m pipeline bench etl --device cuda --rows "${ETL_BENCH_ROWS:-20000000}" --workers 0 \
         --repeats 2 --json "$W/bench-etl.json" --report "$W/etl-tasks.json" ${ETL_BENCH_ARGS:-} workdir=/tmp/etl-bench ;;
-    *) echo "unknown group $group (setup preflight warm kernels embedding train dynamic hostcache hostcache-large host-copies serve serve-parts serve-profile loader e2e etl etl-bench criteo-scale)"; exit 2 ;;
+    *) echo "unknown group $group (setup preflight warm kernels embedding train dynamic hostcache hostcache-large host-copies serve serve-parts serve-profile loader loader-split e2e etl etl-bench criteo-scale)"; exit 2 ;;
   esac
 done
 echo "== summary ($SECONDS s)"; cat "$summary"

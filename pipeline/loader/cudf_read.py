@@ -1,15 +1,18 @@
-"""The cudf reader: each row group read by cuDF straight into GPU memory and packed there.
+"""The cudf reader: a window's row groups read by cuDF straight into GPU memory and packed there.
 
 ``Loader(..., device="cuda", reader="cudf")`` reads windows with :func:`read_window` in place of
-the pyarrow one: for each of the window's segments, ``cudf.read_parquet(path, columns=...,
-row_groups=[i])`` decodes the row group on the GPU, and its part of the window's int32 block (label
-and continuous float32 bits, one-hot ids, laid out as :class:`~pipeline.loader.decode.Chunk` says)
-is filled on the device from the columns through DLPack: no host copy, no pinned buffer. The checks (nulls, 0/1 labels, ids within their table) run
-there, vectorized, at one device sync per row group; a failure is located afterwards and named
-with the pyarrow reader's messages. Multi-hot columns come from cuDF's list lengths and leaves and,
-as with the pyarrow reader, are kept on the host (windows shuffle bags with host offsets), where
-their ids are checked. Segments are checked in order, so the first bad value named is the one the
-pyarrow reader names. Windows, shuffling, sharding, resuming and batches are shared.
+the pyarrow one: one ``cudf.read_parquet(paths, columns=..., row_groups=[[i, j, ...], ...])`` call
+decodes all the row groups of a window on the GPU (the files' pages decompressed and decoded there,
+a call per window rather than per row group, which is what makes the GPU's decoding pay), and the
+window's int32 block (label and continuous float32 bits, one-hot ids, laid out as
+:class:`~pipeline.loader.decode.Chunk` says) is filled on the device from the columns through DLPack:
+no host copy, no pinned buffer. Rows of a row group outside the window (a window or shard boundary
+inside it) are left out by one gather. The checks (nulls, 0/1 labels, ids within their table) run
+there, vectorized, at one device sync per window; a failure is located afterwards, segment by segment
+in the window's order, and named with the pyarrow reader's messages, so the first bad value named is
+the one the pyarrow reader names. Multi-hot columns come from cuDF's list lengths and leaves and, as
+with the pyarrow reader, are kept on the host (windows shuffle bags with host offsets), where their ids
+are checked. Windows, shuffling, sharding, resuming and batches are shared.
 
 cuDF is imported only by :func:`check` (after a usable GPU was found) and when reading.
 
@@ -30,6 +33,7 @@ import torch
 from pipeline.errors import UserError
 from pipeline.loader.decode import Chunk, RowPosition, Split, check_ids, id_error, label_error, null_error
 from pipeline.loader.plan import Segment
+from pipeline.schema import Column
 
 READERS = ("pyarrow", "cudf")
 
@@ -74,69 +78,145 @@ def read_window(split: Split, segments: Sequence[Segment], validate: bool, devic
 
     cuda = device.type == "cuda"
     with torch.cuda.device(device) if cuda else contextlib.nullcontext():
-        blocks, bags = [], []
-        for segment in segments:
-            group = segment.group
-            path = split.files[group.file]
-            where = RowPosition(path, group, segment.start)
-            frame = cudf.read_parquet(str(path), columns=split.columns, row_groups=[group.index])
-            if validate:
-                _check_nulls(frame, split.columns, segment, where)
-            blocks.append(_block(frame, split, segment, device, where, validate))
-            bags.append([_bag(frame[name], split, name, segment, where, validate) for name in split.schema.multihot])
-        block = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
+        sources = _sources(split, segments)
+        frame = cudf.read_parquet([path for path, _ in sources], columns=split.columns,
+                                  row_groups=[groups for _, groups in sources])
+        placed = _Placed(segments, device)
+        schema = split.schema
+        columns = {name: _tensor(frame[name]) for name in [schema.label, *schema.continuous, *split.onehot]}
+        bags = {name: _frame_bag(frame[name]) for name in schema.multihot}
+        block = _block(columns, split, placed, device)
+        if validate and not _valid(frame, columns, bags, split):
+            _raise_first(frame, columns, bags, split, placed)
         ready = None
         if cuda:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(device))
-    return Chunk(block, [_join_bags(parts) for parts in zip(*bags)], ready=ready)
+    return Chunk(block, [placed.bag(*bags[name]) for name in schema.multihot], ready=ready)
 
 
-def _tensor(series, segment: Segment) -> torch.Tensor:
-    """The segment's rows of a column, as a tensor sharing its (device) memory where it has no nulls."""
-    if series.null_count:  # outside the segment (checked), or not checked: filled, as cuDF refuses nulls here
+def _sources(split: Split, segments: Sequence[Segment]) -> list[tuple[str, list[int]]]:
+    """The files to read and each one's row groups, in the segments' order: consecutive segments of one file
+    whose row groups come in ascending order make one source."""
+    sources: list[tuple[str, list[int]]] = []
+    last = None
+    for segment in segments:
+        group = segment.group
+        if last is not None and group.file == last.file and group.index > last.index:
+            sources[-1][1].append(group.index)
+        else:
+            sources.append((str(split.files[group.file]), [group.index]))
+        last = group
+    return sources
+
+
+class _Placed:
+    """Where each segment's rows lie in the frame of the window's row groups read whole, one after another."""
+
+    def __init__(self, segments: Sequence[Segment], device: torch.device) -> None:
+        self.segments = list(segments)
+        firsts = np.cumsum([0] + [s.group.rows for s in self.segments])
+        self.ranges = [(int(first) + s.start, int(first) + s.stop) for first, s in zip(firsts, self.segments)]
+        rows = sum(s.rows for s in self.segments)
+        self.index = None  # every row of the frame, in order
+        if rows != int(firsts[-1]):
+            self.index = torch.cat([torch.arange(lo, hi, device=device) for lo, hi in self.ranges])
+
+    def take(self, values: torch.Tensor) -> torch.Tensor:
+        """The window's rows of a column of the frame."""
+        return values if self.index is None else values[self.index]
+
+    def bag(self, offsets: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The window's lists of a multi-hot column of the frame (offsets from 0, values)."""
+        if self.index is None:
+            return offsets, values
+        return _join_bags([(offsets[lo : hi + 1] - offsets[lo], values[offsets[lo] : offsets[hi]])
+                           for lo, hi in self.ranges])
+
+
+def _tensor(series) -> torch.Tensor:
+    """A column as a tensor sharing its (device) memory where it has no nulls."""
+    if series.null_count:  # outside the window (checked), or not checked: filled, as cuDF refuses nulls here
         series = series.fillna(0)
-    return torch.from_dlpack(series.values)[segment.start : segment.stop]
+    return torch.from_dlpack(series.values)
 
 
-def _check_nulls(frame, columns: list[str], segment: Segment, where: RowPosition) -> None:
-    for name in columns:
-        series = frame[name]
-        if series.null_count:  # the row group's nulls; only the segment's rows count
-            is_null = series.isna().to_numpy()[segment.start : segment.stop]
-            if is_null.any():
-                raise null_error(name, is_null, where)
+def _frame_bag(series) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets, values) of a list column, on the host, from its list lengths and leaves."""
+    lengths = series.list.len().fillna(0).to_numpy()
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return offsets, series.list.leaves.to_numpy()
 
 
-def _block(frame, split: Split, segment: Segment, device: torch.device, where: RowPosition,
-           validate: bool) -> torch.Tensor:
+def _block(columns: dict[str, torch.Tensor], split: Split, placed: _Placed, device: torch.device) -> torch.Tensor:
     schema = split.schema
     continuous = len(schema.continuous)
-    block = torch.empty((split.block_rows, segment.rows), dtype=torch.int32, device=device)
-    label = _tensor(frame[schema.label], segment)
-    block[0] = label.view(torch.int32)
+    rows = sum(s.rows for s in placed.segments)
+    block = torch.empty((split.block_rows, rows), dtype=torch.int32, device=device)
+    block[0] = placed.take(columns[schema.label]).view(torch.int32)
     for row, name in enumerate(schema.continuous, start=1):
-        block[row] = _tensor(frame[name], segment).view(torch.int32)
-    ids = [_tensor(frame[name], segment) for name in split.onehot]
-    for row, values in enumerate(ids, start=1 + continuous):
-        block[row] = values  # int64 ids are checked below before the narrowing matters
+        block[row] = placed.take(columns[name]).view(torch.int32)
+    for row, name in enumerate(split.onehot, start=1 + continuous):
+        block[row] = placed.take(columns[name])  # int64 ids are checked before the narrowing matters
     for row, name in enumerate(split.wide, start=1 + continuous + len(split.onehot)):
-        halves = ids[split.onehot.index(name)].contiguous().view(torch.int32).view(-1, 2)
+        halves = placed.take(columns[name]).contiguous().view(torch.int32).view(-1, 2)
         block[1 + continuous + split.onehot.index(name)] = halves[:, 0]
         block[row] = halves[:, 1]
-    if validate:
-        ids = [values for name, values in zip(split.onehot, ids) if name not in split.wide]
-        columns = [schema.column(name) for name in split.onehot if name not in split.wide]
-        bad = [(label != 0) & (label != 1)]
-        bad += [(values < 0) | (values >= column.cardinality) for values, column in zip(ids, columns)]
-        flags = torch.stack([b.any() for b in bad]).tolist()  # the one device sync of the checks
-        if any(flags):
-            k = flags.index(True)
-            first = int(bad[k].nonzero()[0, 0])
-            if k == 0:
-                raise label_error(schema.label, _scalar(label, first), where, first)
-            raise id_error(columns[k - 1], _scalar(ids[k - 1], first), where, first)
     return block
+
+
+def _checked(columns: dict[str, torch.Tensor], split: Split) -> list[tuple[Column | None, torch.Tensor]]:
+    """The columns whose values are checked on the device, in the order they are named: the label (no table),
+    then the one-hot ids within their tables."""
+    schema = split.schema
+    return [(None, columns[schema.label])] + [(schema.column(name), columns[name]) for name in split.onehot
+                                              if name not in split.wide]
+
+
+def _bad(column: Column | None, values: torch.Tensor) -> torch.Tensor:
+    if column is None:
+        return (values != 0) & (values != 1)
+    return (values < 0) | (values >= column.cardinality)
+
+
+def _valid(frame, columns: dict[str, torch.Tensor], bags: dict[str, tuple[np.ndarray, np.ndarray]],
+           split: Split) -> bool:
+    """Whether every value of the frame passes the checks (one device sync); rows of its row groups outside the
+    window count too, so False only says where to look."""
+    if any(frame[name].null_count for name in split.columns):
+        return False
+    if any(torch.stack([_bad(column, values).any() for column, values in _checked(columns, split)]).tolist()):
+        return False
+    for name, (_, values) in bags.items():
+        column = split.schema.column(name)
+        if not column.dynamic and len(values) and (values.min() < 0 or values.max() >= column.cardinality):
+            return False
+    return True
+
+
+def _raise_first(frame, columns: dict[str, torch.Tensor], bags: dict[str, tuple[np.ndarray, np.ndarray]],
+                 split: Split, placed: _Placed) -> None:
+    """Raise for the window's first bad value, as the pyarrow reader names it: segment by segment, in each its
+    nulls (by column), its labels, its one-hot ids (by column), then its multi-hot ids."""
+    nulls = {name: frame[name].isna().to_numpy() for name in split.columns if frame[name].null_count}
+    for segment, (lo, hi) in zip(placed.segments, placed.ranges):
+        where = RowPosition(split.files[segment.group.file], segment.group, segment.start)
+        for name, is_null in nulls.items():
+            if is_null[lo:hi].any():
+                raise null_error(name, is_null[lo:hi], where)
+        for column, values in _checked(columns, split):
+            bad = _bad(column, values[lo:hi])
+            if bool(bad.any()):
+                first = int(bad.nonzero()[0, 0])
+                value = _scalar(values[lo:hi], first)
+                if column is None:
+                    raise label_error(split.schema.label, value, where, first)
+                raise id_error(column, value, where, first)
+        for name, (offsets, values) in bags.items():
+            column = split.schema.column(name)
+            if not column.dynamic:
+                check_ids(values[offsets[lo] : offsets[hi]], column, where, rows=offsets[lo : hi + 1] - offsets[lo])
 
 
 def _join_bags(parts: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
@@ -151,16 +231,3 @@ def _join_bags(parts: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarr
 def _scalar(values: torch.Tensor, index: int) -> np.generic:
     """``values[index]`` as a numpy scalar of its type (printed as the pyarrow reader prints it)."""
     return values[index : index + 1].cpu().numpy()[0]
-
-
-def _bag(series, split: Split, name: str, segment: Segment, where: RowPosition, validate: bool):
-    """(offsets, values) of the segment's lists, on the host, from the row group's list lengths and leaves."""
-    lengths = series.list.len().fillna(0).to_numpy()
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    lo, hi = offsets[segment.start], offsets[segment.stop]
-    values = series.list.leaves.to_numpy()[lo:hi]
-    offsets = offsets[segment.start : segment.stop + 1] - lo
-    if validate and not split.schema.column(name).dynamic:
-        check_ids(values, split.schema.column(name), where, rows=offsets)
-    return offsets, values
