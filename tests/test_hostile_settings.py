@@ -74,6 +74,7 @@ REFUSED_OVERRIDES = [
     ("etl.hash_buckets={C1: 0}", "etl.hash_buckets.C1", ">= 1"),
     ("etl.cluster=dask", "etl.cluster", "auto, local or threads"),
     ("train.log_every=0", "train.log_every", ">= 1"),
+    ("train.reader=arrow", "train.reader", "auto, pyarrow, cudf"),
     ("train.keep_checkpoints=0", "train.keep_checkpoints", ">= 1"),
     ("train.bottom_mlp=64,-3", "train.bottom_mlp", ">= 1"),
     ("seed=-1", "seed", "[0, 4294967295]"),

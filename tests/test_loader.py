@@ -117,6 +117,7 @@ def epoch_rows(loader: Loader) -> list[list[int]]:
 def small(split: Path, **kw) -> Loader:
     kw.setdefault("batch_size", 32)
     kw.setdefault("window_rows", 128)
+    kw.setdefault("reader", "pyarrow")  # the reference the cudf reader is compared with, also where cuDF imports
     return Loader(split, **kw)
 
 
@@ -752,6 +753,32 @@ def test_cudf_reader_needs_a_cuda_device_a_gpu_and_cudf(split, monkeypatch):
         small(split, reader="arrow")
 
 
+def test_auto_reader_is_cudf_on_a_usable_gpu_with_cudf_else_pyarrow(split, monkeypatch):
+    from pipeline import device as device_module
+    from pipeline.loader import cudf_read
+    from pipeline.train.config import READERS
+
+    assert READERS == cudf_read.READERS
+    assert small(split, reader="auto").reader == "pyarrow"  # the CPU
+    assert Loader(split, batch_size=32).reader == "pyarrow"  # auto is the default
+    monkeypatch.setattr(device_module, "gpu_problem", lambda: "torch sees no CUDA device (no GPU, or no driver)")
+    assert cudf_read.choose("auto", "cuda") == "pyarrow"
+    monkeypatch.setattr(device_module, "gpu_problem", lambda: None)
+    monkeypatch.setitem(sys.modules, "cudf", None)  # import cudf raises ImportError
+    assert cudf_read.choose("auto", "cuda") == "pyarrow"
+    monkeypatch.setitem(sys.modules, "cudf", fake_cudf([]))
+    assert cudf_read.choose("auto", "cuda") == "cudf"
+    assert cudf_read.choose("auto", "cpu") == "pyarrow"
+    assert cudf_read.choose("pyarrow", "cuda") == "pyarrow"
+
+
+def test_a_window_of_every_reader_is_two_million_rows_by_default(tmp_path):
+    folder = write_split(tmp_path / "train", [0, 100, 200, 300, 400, 500, 600, 700, 800])
+    for reader in ("pyarrow", "auto"):
+        assert Loader(folder, batch_size=16, reader=reader).window_rows == 800  # capped by the rows of a rank
+    assert Loader.__init__.__kwdefaults__["window_rows"] == 1 << 21
+
+
 @pytest.mark.gpu
 def test_cuda_cudf_reader_on_a_stand_in_gives_the_pyarrow_batches(split, stand_in):
     # The device side of the cudf reader (blocks made by reader threads, events, streams) without cuDF.
@@ -766,6 +793,13 @@ def test_cuda_cudf_reader_on_a_stand_in_gives_the_pyarrow_batches(split, stand_i
 
 
 # On a GPU with the real cuDF: python3 -m pytest -q -m gpu tests/test_loader.py
+
+
+@pytest.mark.gpu
+def test_cuda_loader_reads_with_cudf_by_default_where_it_imports(split, real_cudf):
+    loader = Loader(split, batch_size=32, window_rows=128, device="cuda", shuffle=True, seed=3)
+    assert loader.reader == "cudf"
+    same_batches([b.to("cpu") for b in small(split, device="cuda", shuffle=True, seed=3)], list(loader))
 
 
 @pytest.fixture

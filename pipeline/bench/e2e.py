@@ -10,7 +10,7 @@ other training setting as configured:
   stopped after them (no final evaluation, save or test scoring);
 * (b) **step alone**: the same model and optimizers (the stage's, trained on) stepping through 4
   batches of the same split made beforehand on the device: ``Trainer.train_step`` and nothing else;
-* (c) **loader alone**: a loader like the stage's (same split, batch, shuffling, seed and device)
+* (c) **loader alone**: a loader like the stage's (same split, batch, shuffling, seed, device and reader)
   reading whole shuffled passes over the split, the consumer doing nothing with the batches: the best of
   two passes, each timed from its start (a window of the timed steps alone would count the windows its
   reader threads read ahead during the warm-up);
@@ -109,7 +109,7 @@ def run(args: argparse.Namespace, cfg) -> dict:
                                 args.steps)
     finally:
         torch.set_num_threads(threads)
-    loader_rate = _loader_alone(cfg.paths.processed, schema, settings.batch_size, cfg.seed, device)
+    loader_rate = _loader_alone(cfg.paths.processed, schema, settings.batch_size, cfg.seed, device, settings.reader)
     result = _result(args, cfg, settings, trainer, probe, step_rate, loader_rate, device, out)
     result.update(_gemm_work(trainer, step_rate, device))
     _report(result)
@@ -155,7 +155,7 @@ def _step_alone(trainer, data, schema, batch: int, seed: int, device, steps: int
     return samples / (time.perf_counter() - start)
 
 
-def _loader_alone(data, schema, batch: int, seed: int, device, passes: int = 2) -> float:
+def _loader_alone(data, schema, batch: int, seed: int, device, reader: str, passes: int = 2) -> float:
     """Samples/s of a loader like the stage's over whole shuffled passes, each timed from its start: the best."""
     import time
 
@@ -163,7 +163,8 @@ def _loader_alone(data, schema, batch: int, seed: int, device, passes: int = 2) 
     from pipeline.loader import Loader
 
     best = 0.0
-    with Loader(data / "train", batch, schema=schema, shuffle=True, seed=seed, device=device) as loader:
+    loader = Loader(data / "train", batch, schema=schema, shuffle=True, seed=seed, device=device, reader=reader)
+    with loader:
         for epoch in range(passes):
             loader.load_state_dict({**loader.state_dict(), "epoch": epoch, "batches": 0})
             sync(device)

@@ -16,8 +16,9 @@ Measured, each over the whole split, the consumer doing nothing with the batches
   the copy, the shuffle and the batches, is the device's work and a few Python objects per batch);
 * ``Loader`` on the CPU, in order and shuffled; and on the GPU (``device=cuda``, shuffled, the
   batches waited on) when one is usable and the device setting is not ``cpu``;
-* on a GPU where cuDF imports, the same with ``reader="cudf"`` (row groups decoded by cuDF into
-  GPU memory), and its floor ``cudf read_parquet``: the files read whole into GPU memory, synchronized.
+* on a GPU, the loader with ``reader="pyarrow"`` and, where cuDF imports, with ``reader="cudf"`` (a
+  window's row groups decoded by cuDF into GPU memory in one call: what ``reader="auto"``, the default,
+  picks there), and its floor ``cudf read_parquet``: the files read whole into GPU memory, synchronized.
 
 Beside samples/s: the process's CPU time per batch (all its threads: decoding, packing, the
 producer), and, for the shuffled loader on the device, how it shares the GIL with a training
@@ -107,8 +108,8 @@ def run(args: argparse.Namespace, cfg) -> dict:
     target = "cpu"
     if device.is_cuda:
         target = "cuda"
-        results["Loader cuda, shuffled"] = _loader_rate(
-            Loader(folder, args.batch_size, shuffle=True, device="cuda", **settings), args.epochs
+        results["Loader cuda, shuffled, pyarrow reader"] = _loader_rate(
+            Loader(folder, args.batch_size, shuffle=True, device="cuda", reader="pyarrow", **settings), args.epochs
         )
         if not cudf_missing:
             results["Loader cuda, shuffled, cudf reader"] = _loader_rate(
@@ -136,8 +137,9 @@ def run(args: argparse.Namespace, cfg) -> dict:
     print(f"Python calls per batch (shuffled, {target}; the loader's threads and the consumer): {calls:,.0f}")
     figures[f"Python calls per batch, {target}"] = calls
     if device.is_cuda:
-        copies = _copies_per_window(Loader(folder, args.batch_size, shuffle=True, device="cuda", **settings))
-        print(f"copies to the GPU per window (shuffled, cuda): {copies:.2f}")
+        copies = _copies_per_window(Loader(folder, args.batch_size, shuffle=True, device="cuda", reader="pyarrow",
+                                           **settings))
+        print(f"copies to the GPU per window (shuffled, cuda, pyarrow reader): {copies:.2f}")
         figures["copies to the GPU per window"] = copies
     return figures
 

@@ -25,6 +25,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -35,11 +36,27 @@ from pipeline.loader.decode import Chunk, RowPosition, Split, check_ids, id_erro
 from pipeline.loader.plan import Segment
 from pipeline.schema import Column
 
-READERS = ("pyarrow", "cudf")
+READERS = ("auto", "pyarrow", "cudf")
 
 
 class ReaderError(UserError):
     """The chosen reader cannot be used here."""
+
+
+def choose(reader: str, device: str | torch.device) -> str:
+    """The reader to use: ``"auto"`` is ``"cudf"`` on a usable GPU where cuDF imports, else ``"pyarrow"``; an
+    explicit ``"cudf"`` is checked (:func:`check`)."""
+    if reader == "cudf":
+        check(device)
+    if reader != "auto":
+        return reader
+    if torch.device(device).type != "cuda":
+        return "pyarrow"
+    try:
+        check(device)
+    except ReaderError:
+        return "pyarrow"
+    return "cudf"
 
 
 def check(device: str | torch.device) -> None:
@@ -78,12 +95,14 @@ def read_window(split: Split, segments: Sequence[Segment], validate: bool, devic
 
     cuda = device.type == "cuda"
     with torch.cuda.device(device) if cuda else contextlib.nullcontext():
+        if cuda:
+            _stream_ordered_memory(device)
         sources = _sources(split, segments)
         frame = cudf.read_parquet([path for path, _ in sources], columns=split.columns,
                                   row_groups=[groups for _, groups in sources])
-        placed = _Placed(segments, device)
         schema = split.schema
         columns = {name: _tensor(frame[name]) for name in [schema.label, *schema.continuous, *split.onehot]}
+        placed = _Placed(segments, columns[schema.label].device)
         bags = {name: _frame_bag(frame[name]) for name in schema.multihot}
         block = _block(columns, split, placed, device)
         if validate and not _valid(frame, columns, bags, split):
@@ -93,6 +112,25 @@ def read_window(split: Split, segments: Sequence[Segment], validate: bool, devic
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(device))
     return Chunk(block, [placed.bag(*bags[name]) for name in schema.multihot], ready=ready)
+
+
+_memory_lock = threading.Lock()
+_memory_set: set[int] = set()
+
+
+def _stream_ordered_memory(device: torch.device) -> None:
+    """Have RMM (cuDF's allocator) take memory from CUDA's stream-ordered pool on ``device`` when it still uses its
+    default, plain ``cudaMalloc`` and ``cudaFree``: every such free waits for the whole device, the training's
+    kernels included, and each window's frame is freed (docs/BENCHMARKS.md, "The cudf reader a window at a time").
+    A resource the user set is left alone."""
+    with _memory_lock:
+        if device.index in _memory_set:
+            return
+        import rmm
+
+        if type(rmm.mr.get_current_device_resource()) is rmm.mr.CudaMemoryResource:
+            rmm.mr.set_current_device_resource(rmm.mr.CudaAsyncMemoryResource())
+        _memory_set.add(device.index)
 
 
 def _sources(split: Split, segments: Sequence[Segment]) -> list[tuple[str, list[int]]]:

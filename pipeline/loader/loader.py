@@ -11,10 +11,11 @@ of the block on a side CUDA stream, the rows permuted there by an order computed
 columns laid out so that every batch is a view; it records one event that the consumer's stream
 waits on before the window's first batch, so loading overlaps compute, and
 queues the window's batches (views of it) as one item: the host's work per batch is nothing but
-the training thread taking the next one from a list. With ``reader="cudf"`` (a GPU only) the
-reader threads read row groups with cuDF straight into device memory and build the block there
-(:mod:`pipeline.loader.cudf_read`), skipping the pinned host copy; what follows the block is the
-same for both readers. Windows wait in a bounded queue; an error in a thread is put on the queue
+the training thread taking the next one from a list. With ``reader="cudf"`` (a GPU only; what
+``reader="auto"`` picks on a GPU where cuDF imports) the reader threads read a window's row groups
+with cuDF straight into device memory and build the block there (:mod:`pipeline.loader.cudf_read`),
+skipping the host's decoding and the pinned copy; what follows the block is the same for both
+readers. Windows wait in a bounded queue; an error in a thread is put on the queue
 and raised in the consumer; stopping (``break``, :meth:`Loader.close`, ``with``, garbage
 collection) sets a stop event that the producer checks between windows and in its timed ``put``,
 and joins it (and the readers).
@@ -65,6 +66,10 @@ from pipeline.loader.pinned import PinnedPool
 from pipeline.schema import Schema
 
 STATE_VERSION = 2
+WINDOW_ROWS = 1 << 21
+"""Rows of a window by default: enough for the cudf reader's one call per window to pay (docs/BENCHMARKS.md, "The
+cudf reader a window at a time"), and the same for every reader and device, since the window is what the shuffle
+mixes (the batches depend on it)."""
 
 
 class LoaderStateError(UserError, ValueError):
@@ -86,14 +91,15 @@ class Loader:
         device: where batches land (``"cpu"``, ``"cuda"``, ``"cuda:1"``, a ``torch.device``).
         window_rows: about how many rows are read, copied to the device and shuffled together: at
             least 4 of the largest row group (a row group that two windows share is read by both), at
-            most the rows of a rank, rounded up to a multiple of ``batch_size``. On a GPU, the loader
-            holds ``read_threads + 1`` pinned host buffers of a window each.
+            most the rows of a rank, rounded up to a multiple of ``batch_size``. On a GPU, the pyarrow
+            reader holds ``read_threads + 1`` pinned host buffers of a window each.
         prefetch: windows made ahead (their batches ready) and waiting in the queue.
-        read_threads: windows read at once, each decoded on pyarrow's threads; an epoch's first window is read by
-            all of them in parts (default: 4, at most the CPU cores).
+        read_threads: windows read at once (pyarrow: each decoded on pyarrow's threads, an epoch's first window
+            read by all of them in parts; default 4, at most the CPU cores; cudf: default 2).
         validate: check nulls, labels and id ranges while reading (cheap; on by default).
-        reader: ``"pyarrow"`` (row groups decoded on the host) or ``"cudf"`` (decoded by cuDF into GPU
-            memory; needs ``device="cuda"`` and cuDF). Both give the same batches.
+        reader: ``"pyarrow"`` (row groups decoded on the host), ``"cudf"`` (decoded by cuDF into GPU
+            memory; needs ``device="cuda"`` and cuDF) or ``"auto"``: cudf on a GPU where cuDF imports, else
+            pyarrow. Every reader gives the same batches.
     """
 
     def __init__(
@@ -108,17 +114,20 @@ class Loader:
         rank: int = 0,
         world_size: int = 1,
         device: str | torch.device = "cpu",
-        window_rows: int = 1 << 20,
+        window_rows: int = WINDOW_ROWS,
         prefetch: int = 1,
         read_threads: int | None = None,
         validate: bool = True,
-        reader: str = "pyarrow",
+        reader: str = "auto",
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size: expected a positive number, got {batch_size}")
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"expected 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
-        read_threads = read_threads or min(4, os.cpu_count() or 1)
+        if reader not in cudf_read.READERS:
+            raise ValueError(f"reader: expected one of {cudf_read.READERS}, got {reader!r}")
+        reader = cudf_read.choose(reader, device)
+        read_threads = read_threads or (2 if reader == "cudf" else min(4, os.cpu_count() or 1))
         for name, value in (
             ("window_rows", window_rows),
             ("prefetch", prefetch),
@@ -126,10 +135,6 @@ class Loader:
         ):
             if value < 1:
                 raise ValueError(f"{name}: expected a positive number, got {value}")
-        if reader not in cudf_read.READERS:
-            raise ValueError(f"reader: expected one of {cudf_read.READERS}, got {reader!r}")
-        if reader == "cudf":
-            cudf_read.check(device)
         files = find_files(data)
         if schema is None:
             if not isinstance(data, (str, Path)):

@@ -14,6 +14,8 @@ EMBEDDING_OPTIMIZERS = ("sgd", "adagrad", "adam")
 DECAYS = ("none", "linear", "cosine")
 AMP = ("auto", "bf16", "off")
 COMPILE_MODES = ("auto", "on", "off", "max-autotune")
+READERS = ("auto", "pyarrow", "cudf")
+"""The loader's readers (``pipeline.loader.cudf_read.READERS``, which imports torch; this module does not)."""
 LATEST = "latest"  # <train>/latest: the newest finished run (see pipeline.train.runs)
 
 
@@ -93,6 +95,11 @@ class TrainConfig:
                 "max-autotune also times generated matrix-product kernels, with the element-wise work after "
                 "them fused in, against the library's at the first step (minutes), and keeps the fastest"})
 
+    reader: str = field(default="auto", metadata={
+        "help": "auto | pyarrow | cudf: what decodes the processed parquet for training (auto: cuDF on the GPU where "
+                "it is installed, several times faster than the host's cores; else pyarrow on the host); the batches "
+                "are the same"})
+
     threads: int = field(default=0, metadata={
         "help": "torch CPU threads while training (0: all cores but one, which the loader's thread uses)"})
 
@@ -115,7 +122,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for name, allowed in (("model", MODELS), ("preset", PRESETS), ("optimizer", DENSE_OPTIMIZERS),
                               ("embedding_optimizer", EMBEDDING_OPTIMIZERS), ("decay", DECAYS), ("amp", AMP),
-                              ("compile", COMPILE_MODES),
+                              ("compile", COMPILE_MODES), ("reader", READERS),
                               ("embedding_dtype", ("fp32", "fp16", "bf16")),
                               ("multihot_pooling", ("sum", "mean"))):
             if getattr(self, name) not in allowed:

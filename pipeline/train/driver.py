@@ -129,7 +129,7 @@ def _train(cfg: TrainConfig, data: Path, runs: Path, schema: Schema, seed: int, 
         write_json(out / "model.json", spec)
         _describe(model, spec, world, out)
 
-    shard = {"rank": world.rank, "world_size": world.size, "device": device}
+    shard = {"rank": world.rank, "world_size": world.size, "device": device, "reader": cfg.reader}
     train_loader = Loader(data / "train", cfg.batch_size, schema=schema, shuffle=True, seed=seed, **shard)
     valid_loader = Loader(data / "valid", cfg.eval_batch_size, schema=schema, **shard)
     test_loader = Loader(data / "test", cfg.eval_batch_size, schema=schema, **shard)
