@@ -68,7 +68,12 @@ class TrainConfig:
     embedding_lr: float = field(default=0.0, metadata={
         "help": "peak learning rate of the embedding tables (0: the optimizer's: adagrad 0.2 (deepfm 0.02), adam "
                 "0.01, sgd 16 (deepfm 1.6))"})
-    weight_decay: float = field(default=0.0, metadata={"help": "L2 weight decay (dense and embedding)"})
+    weight_decay: float = field(default=0.0, metadata={
+        "help": "L2 weight decay of the dense part and the tables (0: train.l2_prior / the training rows)"})
+    l2_prior: float = field(default=5.0, metadata={
+        "help": "when train.weight_decay is 0: the precision of a Gaussian prior on every weight against the loss "
+                "summed over the training rows, so the weight decay is l2_prior / training rows: it keeps a small "
+                "table's model from memorising its rows and fades on a large one (0: no weight decay)"})
     warmup_fraction: float = field(default=0.2, metadata={
         "help": "linear warmup from 0 to the peak lr over this fraction of the run's steps"})
     warmup_steps: int = field(default=0, metadata={
@@ -140,9 +145,18 @@ class TrainConfig:
         check_range("train.lr", self.lr, 0)
         check_range("train.embedding_lr", self.embedding_lr, 0)
         check_range("train.weight_decay", self.weight_decay, 0)
+        check_range("train.l2_prior", self.l2_prior, 0)
         check_range("train.min_lr_ratio", self.min_lr_ratio, 0, 1)
         check_range("train.warmup_fraction", self.warmup_fraction, 0, 1, high_open=True)
         check_run_name("train.run", self.run)
+
+    def decay_for(self, rows: int) -> float:
+        """The weight decay of a run on ``rows`` training rows: ``weight_decay``, else ``l2_prior / rows``. The L2
+        term is added to the gradient of each batch's mean loss, so against the loss summed over the rows it is a
+        prior of precision ``weight_decay * rows``: a fixed prior is a decay inversely proportional to the rows."""
+        if self.weight_decay > 0:
+            return self.weight_decay
+        return self.l2_prior / rows if rows > 0 else 0.0
 
     @property
     def dense_lr(self) -> float:

@@ -115,6 +115,7 @@ def _train(cfg: TrainConfig, data: Path, runs: Path, schema: Schema, seed: int, 
     torch.manual_seed(seed)
 
     check_splits(data, schema)
+    cfg = dataclasses.replace(cfg, weight_decay=cfg.decay_for(_split_rows(data, schema, "train")))
     spec = model_spec(cfg, schema, device.type, seed)
     out = _run_folder(runs, cfg, world, held)
     if world.is_writer:
@@ -217,6 +218,13 @@ def check_splits(data: Path, schema: Schema) -> None:
             raise UserError(f"{data / split} holds {found:,} rows in {len(files)} files where {data / 'schema.json'} "
                             f"says {expected:,}: the ETL output is incomplete or mixed; run "
                             "`python -m pipeline run etl` again")
+
+
+def _split_rows(data: Path, schema: Schema, split: str) -> int:
+    """The rows of a processed split: as ``schema.json`` says (checked by :func:`check_splits`), else its files'."""
+    if split in schema.rows:
+        return schema.rows[split]
+    return sum(pq.read_metadata(f).num_rows for f in sorted((data / split).glob("*.parquet")))
 
 
 def _run_folder(runs: Path, cfg: TrainConfig, world: World, held: contextlib.ExitStack) -> Path:
