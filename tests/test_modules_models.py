@@ -67,6 +67,24 @@ def test_each_model_learns_on_cpu(name):
 
 
 @pytest.mark.parametrize("name", sorted(MODEL_CLASSES))
+def test_start_at_rate_sets_the_bias_added_last_to_the_logit_to_the_log_odds(name):
+    import math
+
+    model = build_model(name, _schema(), SIZES, seed=2).eval()
+    dense, sparse, _ = _planted_batch(torch.Generator().manual_seed(2), 16)
+    with torch.no_grad():
+        before = model(dense, sparse)
+        start = float(model.output_bias())
+        model.start_at_rate(0.03)
+        after = model(dense, sparse)
+    assert float(model.output_bias()) == pytest.approx(math.log(0.03 / 0.97))
+    torch.testing.assert_close(after - before, torch.full_like(before, math.log(0.03 / 0.97) - start))
+    model.start_at_rate(float("nan"))  # a split without labels' rate: left as it is
+    model.start_at_rate(0.0)
+    assert float(model.output_bias()) == pytest.approx(math.log(0.03 / 0.97))
+
+
+@pytest.mark.parametrize("name", sorted(MODEL_CLASSES))
 def test_dense_part_runs_apart_from_the_embedding(name):
     model = build_model(name, _schema(), SIZES, seed=1).eval()
     dense, sparse, _ = _planted_batch(torch.Generator().manual_seed(1), 16)

@@ -83,6 +83,18 @@ def test_with_the_defaults_every_model_trains_as_well_as_logistic_regression_on_
         assert result[model]["test_logloss"] < result["logistic"]["test_logloss"] + 0.02, (model, result)
 
 
+def test_positive_rate_reads_about_the_rows_asked_from_every_file_first(tmp_path):
+    from pipeline.train.driver import positive_rate
+
+    for k, rate in enumerate([0.0, 1.0]):  # file 0 all negatives, file 1 all positives, row groups of 100
+        labels = pa.table({"label": pa.array([rate] * 1000, pa.float32())})
+        pq.write_table(labels, tmp_path / f"part-{k}.parquet", row_group_size=100)
+    assert positive_rate(tmp_path, "label", rows=200) == 0.5  # the first row group of each file
+    assert positive_rate(tmp_path, "label", rows=10**6) == 0.5
+    assert positive_rate(tmp_path, "label", rows=1) == 0.0
+    assert positive_rate(tmp_path / "none", "label") != positive_rate(tmp_path / "none", "label")  # NaN
+
+
 def test_the_weight_decay_is_the_prior_over_the_training_rows_unless_set():
     cfg = load_config(None, ["device=cpu"]).train
     assert cfg.weight_decay == 0 and cfg.decay_for(16_000) == pytest.approx(cfg.l2_prior / 16_000)

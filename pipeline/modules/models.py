@@ -22,6 +22,7 @@ linear term per dense feature: the baseline every other model has to beat on the
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -129,6 +130,18 @@ class RecModel(nn.Module):
         """The dense part alone, as a module ``(dense, pooled) -> logits`` (for tracing / export)."""
         return _DensePart(self)
 
+    def output_bias(self) -> nn.Parameter:
+        """The bias added last to the logit."""
+        raise NotImplementedError
+
+    def start_at_rate(self, positive_rate: float) -> None:
+        """Start predicting ``positive_rate`` for every row: the output bias set to its log-odds, so the first steps
+        do not spend themselves learning the base rate (most of the loss on a table of rare clicks) while the
+        rest of the model is pushed around by it. A rate of 0 or 1 leaves the bias as it is."""
+        if 0 < positive_rate < 1:
+            with torch.no_grad():
+                self.output_bias().fill_(math.log(positive_rate / (1 - positive_rate)))
+
 
 class _DensePart(nn.Module):
     def __init__(self, model: RecModel) -> None:
@@ -155,6 +168,9 @@ class DLRM(RecModel):
             self.bottom = mlp(sizes.bottom_mlp, num_dense, last_activation=True)
         pairs = pair_count(self.num_slots + (1 if num_dense else 0))
         self.top = mlp(sizes.top_mlp, (dim if num_dense else 0) + pairs, last_activation=False)
+
+    def output_bias(self) -> nn.Parameter:
+        return self.top[-1].bias
 
     def dense_forward(self, dense, pooled):
         b = pooled.shape[0]
@@ -188,6 +204,9 @@ class DCNv2(RecModel):
         )
         self.deep = mlp(sizes.top_mlp, width, last_activation=False)
 
+    def output_bias(self) -> nn.Parameter:
+        return self.deep[-1].bias
+
     def dense_forward(self, dense, pooled):
         if self.num_dense:
             bottom = self.bottom(dense)
@@ -210,6 +229,9 @@ class _WideDeepBase(RecModel):
         self.deep_width = self.num_features * self.dim
         self.wide_dense = nn.Linear(num_dense, 1) if num_dense else None
         self.deep = mlp(sizes.top_mlp, num_dense + self.deep_width, last_activation=False)
+
+    def output_bias(self) -> nn.Parameter:
+        return self.deep[-1].bias
 
     def _parts(self, dense, pooled):
         deep_emb = pooled[:, : self.deep_width]
@@ -251,6 +273,9 @@ class LogisticRegression(RecModel):
         super().__init__(embedding, num_dense)
         self.linear = nn.Linear(num_dense, 1) if num_dense else None
         self.bias = nn.Parameter(torch.zeros(1)) if not num_dense else None
+
+    def output_bias(self) -> nn.Parameter:
+        return self.linear.bias if self.linear is not None else self.bias
 
     def dense_forward(self, dense, pooled):
         logit = pooled.float().sum(1)

@@ -121,8 +121,9 @@ def _train(cfg: TrainConfig, data: Path, runs: Path, schema: Schema, seed: int, 
     if world.is_writer:
         remove_tmp_files(out)
         print(f"[train] run {out.name} in {runs}", flush=True)
-    model, checkpoints = _place(model_from_spec(spec, backend=cfg.embedding_backend), cfg, world, distributed,
-                                out / "checkpoints", schema)
+    model = model_from_spec(spec, backend=cfg.embedding_backend)
+    model.start_at_rate(positive_rate(data / "train", schema.label))
+    model, checkpoints = _place(model, cfg, world, distributed, out / "checkpoints", schema)
     if cfg.resume and checkpoints.candidates():
         check_same_model(spec, out)
     world.barrier()  # every rank has read the old model.json before it is replaced
@@ -218,6 +219,20 @@ def check_splits(data: Path, schema: Schema) -> None:
             raise UserError(f"{data / split} holds {found:,} rows in {len(files)} files where {data / 'schema.json'} "
                             f"says {expected:,}: the ETL output is incomplete or mixed; run "
                             "`python -m pipeline run etl` again")
+
+
+def positive_rate(split: Path, label: str, rows: int = 1 << 20) -> float:
+    """The share of positive labels in about ``rows`` rows of a processed split: the first row group of each file
+    in turn, then the next ones, until that many are read (the files' order may follow time)."""
+    files = [pq.ParquetFile(f) for f in sorted(split.glob("*.parquet"))]
+    total = positives = 0.0
+    for group in range(max((f.metadata.num_row_groups for f in files), default=0)):
+        for f in files:
+            if group < f.metadata.num_row_groups and total < rows:
+                values = f.read_row_group(group, columns=[label]).column(0).to_numpy(zero_copy_only=False)
+                total += len(values)
+                positives += float(values.sum())
+    return positives / total if total else float("nan")
 
 
 def _split_rows(data: Path, schema: Schema, split: str) -> int:
