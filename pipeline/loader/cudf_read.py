@@ -105,8 +105,12 @@ def read_window(split: Split, segments: Sequence[Segment], validate: bool, devic
         placed = _Placed(segments, columns[schema.label].device)
         bags = {name: _frame_bag(frame[name]) for name in schema.multihot}
         block = _block(columns, split, placed, device)
-        if validate and not _valid(frame, columns, bags, split):
-            _raise_first(frame, columns, bags, split, placed)
+        if validate:
+            if _valid(frame, columns, split):
+                for segment, (lo, hi) in zip(placed.segments, placed.ranges):
+                    _check_bags(bags, split, segment, lo, hi)
+            else:
+                _raise_first(frame, columns, bags, split, placed)
         ready = None
         if cuda:
             ready = torch.cuda.Event()
@@ -218,19 +222,22 @@ def _bad(column: Column | None, values: torch.Tensor) -> torch.Tensor:
     return (values < 0) | (values >= column.cardinality)
 
 
-def _valid(frame, columns: dict[str, torch.Tensor], bags: dict[str, tuple[np.ndarray, np.ndarray]],
-           split: Split) -> bool:
-    """Whether every value of the frame passes the checks (one device sync); rows of its row groups outside the
-    window count too, so False only says where to look."""
+def _valid(frame, columns: dict[str, torch.Tensor], split: Split) -> bool:
+    """Whether the frame has no nulls and every label and one-hot id passes its check (one device sync); rows of its
+    row groups outside the window count too, so False only says where to look."""
     if any(frame[name].null_count for name in split.columns):
         return False
-    if any(torch.stack([_bad(column, values).any() for column, values in _checked(columns, split)]).tolist()):
-        return False
-    for name, (_, values) in bags.items():
+    return not any(torch.stack([_bad(column, values).any() for column, values in _checked(columns, split)]).tolist())
+
+
+def _check_bags(bags: dict[str, tuple[np.ndarray, np.ndarray]], split: Split, segment: Segment, lo: int,
+                hi: int) -> None:
+    """Raise for a multi-hot id of the segment (frame rows ``[lo, hi)``) outside its table, naming its row."""
+    where = RowPosition(split.files[segment.group.file], segment.group, segment.start)
+    for name, (offsets, values) in bags.items():
         column = split.schema.column(name)
-        if not column.dynamic and len(values) and (values.min() < 0 or values.max() >= column.cardinality):
-            return False
-    return True
+        if not column.dynamic:
+            check_ids(values[offsets[lo] : offsets[hi]], column, where, rows=offsets[lo : hi + 1] - offsets[lo])
 
 
 def _raise_first(frame, columns: dict[str, torch.Tensor], bags: dict[str, tuple[np.ndarray, np.ndarray]],
@@ -251,10 +258,7 @@ def _raise_first(frame, columns: dict[str, torch.Tensor], bags: dict[str, tuple[
                 if column is None:
                     raise label_error(split.schema.label, value, where, first)
                 raise id_error(column, value, where, first)
-        for name, (offsets, values) in bags.items():
-            column = split.schema.column(name)
-            if not column.dynamic:
-                check_ids(values[offsets[lo] : offsets[hi]], column, where, rows=offsets[lo : hi + 1] - offsets[lo])
+        _check_bags(bags, split, segment, lo, hi)
 
 
 def _join_bags(parts: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
