@@ -10,8 +10,9 @@ name would otherwise read as missing). The rows become one tensor per kind of ra
 says, so nothing is repeated here.
 
 Over gRPC the client speaks through Triton's generated stub (``tritonclient.grpc.service_pb2_grpc``):
-each tensor travels as raw bytes, the string tensors encoded by numpy (:func:`export.wire.encode_bytes`)
-rather than value by value in Python. Over HTTP it uses ``tritonclient.http``.
+each tensor travels as its raw bytes, text at a fixed width (:mod:`export.request`). Over HTTP it uses
+``tritonclient.http`` (binary tensors). Rows whose text would be mostly padding at one width (a value far longer
+than the others) go as several requests, answered in order.
 
 Example::
 
@@ -29,7 +30,6 @@ from typing import Any
 import numpy as np
 
 from export.request import LAYOUT_PARAMETER, RequestLayout
-from export.wire import encode_bytes
 from pipeline.errors import BadInputError, UserError
 
 PREDICTION = "PREDICTION"
@@ -88,13 +88,14 @@ class Client:
 
     def predict(self, rows: Any) -> np.ndarray:
         """Probabilities ``[B]`` for raw rows (a DataFrame, a dict of columns, a list of dicts, or TSV lines)."""
-        tensors = self.tensors(rows)
-        if not len(next(iter(tensors.values()))):
+        requests = self.layout.requests(rows, ignore=self.ignore_columns)
+        if not len(next(iter(requests[0].values()))):
             raise BadInputError("empty batch: expected at least one row")
-        return self.infer(tensors)
+        return np.concatenate([self.infer(tensors) for tensors in requests])
 
     def tensors(self, rows: Any) -> dict[str, np.ndarray]:
-        """The request tensors for ``rows`` (one per kind of raw column, :mod:`export.request`), without sending."""
+        """The request tensors for ``rows`` (one per kind of raw column, :mod:`export.request`), without sending:
+        one request's (:meth:`RequestLayout.tensors`)."""
         return self.layout.tensors(rows, ignore=self.ignore_columns)
 
     def infer(self, tensors: dict[str, np.ndarray]) -> np.ndarray:
@@ -104,9 +105,8 @@ class Client:
         request = []
         for name, array in tensors.items():
             array = np.asarray(array)
-            datatype = "BYTES" if array.dtype.kind in "OSU" else self._triton_dtype(array.dtype)
-            tensor = self._triton.InferInput(name, list(array.shape), datatype)
-            tensor.set_data_from_numpy(array.astype(object) if datatype == "BYTES" else array)
+            tensor = self._triton.InferInput(name, list(array.shape), self._triton_dtype(array.dtype))
+            tensor.set_data_from_numpy(array)
             request.append(tensor)
         result = self._call(self._client.infer, self.model, request,
                             outputs=[self._triton.InferRequestedOutput(PREDICTION)])
@@ -115,14 +115,11 @@ class Client:
     def _infer_grpc(self, tensors: dict[str, np.ndarray]) -> np.ndarray:
         from tritonclient.utils import triton_to_np_dtype
 
-        arrays = {name: np.asarray(array) for name, array in tensors.items()}
-        strings = [name for name, array in arrays.items() if array.dtype.kind in "OSU"]
-        contents = dict(zip(strings, encode_bytes([arrays[name] for name in strings])))
         request = self._messages.ModelInferRequest(model_name=self.model)
-        for name, array in arrays.items():
-            datatype = "BYTES" if name in contents else self._triton_dtype(array.dtype)
-            request.inputs.add(name=name, datatype=datatype, shape=array.shape)
-            request.raw_input_contents.append(contents[name] if name in contents else array.tobytes())
+        for name, array in tensors.items():
+            array = np.asarray(array)
+            request.inputs.add(name=name, datatype=self._triton_dtype(array.dtype), shape=array.shape)
+            request.raw_input_contents.append(_raw(array))
         request.outputs.add(name=PREDICTION)
         reply = self._call(self._stub.ModelInfer, request, timeout=self.timeout_s)
         output = reply.outputs[0]
@@ -169,3 +166,13 @@ class Client:
         from tritonclient.utils import np_to_triton_dtype
 
         return np_to_triton_dtype(dtype)
+
+
+def _raw(array: np.ndarray) -> bytes:
+    """A tensor's bytes on the wire: as they are; strings (no tensor of the request format) in Triton's ``BYTES``
+    form, so that the server names what it expects instead."""
+    if array.dtype.kind in "OSU":
+        from tritonclient.utils import serialize_byte_tensor
+
+        return serialize_byte_tensor(array).item()
+    return array.tobytes()

@@ -68,8 +68,7 @@ class EnsembleSpec:
             raise UserError("export needs at least one categorical or multi-hot feature (the models embed them); "
                             "the schema has none")
         layout = raw.layout
-        tensors = [Tensor(t.name, "STRING" if t.datatype == "BYTES" else t.datatype, (len(t.columns),))
-                   for t in layout.inputs]
+        tensors = [Tensor(t.name, t.datatype, t.dims) for t in layout.inputs]
         features = []
         if schema.continuous:
             features.append(Tensor(DENSE, "FP32", (len(schema.continuous),)))

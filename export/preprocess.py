@@ -8,7 +8,7 @@ index; a missing one the workflow's null index; a missing number the workflow's 
 The numbers are checked and stacked once, into one float64 matrix ``[column, row]`` in the raw
 columns' order (NaN: missing): each column is a row of it, the numbers the numeric operators read of
 the ETL's column (``as_float64``: an int64 value beyond 2**53 rounds to the nearest float64 there
-too). The text columns of ``STRINGS`` stay the fixed-width bytes the served model decodes
+too). The text columns of ``STRINGS`` stay the fixed-width bytes the request carries
 (:class:`~pipeline.etl.blocks.ColumnBytes`: Categorify, HashBucket and HashIds read them in place) where those
 bytes are the text Arrow reads (UTF-8, no NUL byte inside a value); otherwise, and for ``LISTS``, the strings are
 read in one pass, column after column, into one Arrow array whose slices are the columns, of the raw parquet's
@@ -44,7 +44,8 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from export.request import FLOATS, FLOATS_MISSING, INTEGERS, INTEGERS_MISSING, LISTS, STRINGS, RequestLayout
+from export.request import (FLOATS, FLOATS_MISSING, INTEGERS, INTEGERS_MISSING, LISTS, STRINGS, TEXT, RequestLayout,
+                            text_values)
 from pipeline.errors import BadInputError, UserError
 from pipeline.etl.blocks import BlockColumns, ColumnBytes, ColumnRows, ColumnSlices
 from pipeline.etl.frames import list_lengths
@@ -142,37 +143,48 @@ class Preprocessor:
         continuous columns as the float64 rows of one matrix, the text (and list) columns one after the other in
         one Arrow array typed as the ETL reads its parquet input (or, where their types differ, each an
         arrow-backed pandas array)."""
-        batch = self._check(tensors)
+        batch, text = self._check(tensors)
         blocks: list[Mapping[str, Any]] = []
         if self.raw.continuous:
             blocks.append(ColumnRows(list(self.raw.continuous), self._numbers(tensors, batch)))
         blocks.append({name: np.zeros(batch) for name in self.raw.label})  # read by the workflow, not by the model
-        if STRINGS in self._inputs:
-            blocks.append(self._strings_columns(_by_column(tensors[STRINGS]), batch))
-        if LISTS in self._inputs:
-            lists = pc.split_pattern(_strings(_by_column(tensors[LISTS])), self.raw.list_separator)
+        if STRINGS in text:
+            blocks.append(self._strings_columns(_by_column(text[STRINGS]), batch))
+        if LISTS in text:
+            lists = pc.split_pattern(_strings(_by_column(text[LISTS])), self.raw.list_separator)
             blocks.append(self._typed_columns(lists, self.layout.lists, batch))
         return BlockColumns(blocks)
 
-    def _check(self, tensors: Mapping[str, np.ndarray]) -> int:
-        """The batch size, after checking that every tensor is there, of its dtype, its columns and that size."""
-        sizes = {}
+    def _check(self, tensors: Mapping[str, np.ndarray]) -> tuple[int, dict[str, np.ndarray]]:
+        """The batch size, after checking that every tensor is there, of its dtype, its columns and that size; and
+        the text tensors' values ``[B, columns]`` (numpy ``S``; as they are where given so, as the served models
+        read them)."""
+        sizes, text = {}, {}
         for name, (datatype, columns) in self._inputs.items():
             if name not in tensors:
                 raise BadInputError(f"missing input {name}; expected {list(self._inputs)}")
             array = tensors[name]
-            if not (array.dtype.kind in "OSU" if datatype == "BYTES" else array.dtype == _DTYPES[datatype]):
+            shape = f"[rows, {len(columns)}{', width' * (name in TEXT)}] (columns {_named(columns)})"
+            if name in TEXT:
+                if array.dtype == np.uint8:
+                    if array.ndim != 3:
+                        raise BadInputError(f"input {name}: expected the shape {shape}, got {list(array.shape)}")
+                    array = text_values(array)
+                elif array.dtype.kind not in "OSU":
+                    raise BadInputError(f"input {name}: expected UINT8 [rows, {len(columns)}, width] (text at a "
+                                        f"fixed width), got the numpy dtype {array.dtype}")
+                text[name] = array
+            elif array.dtype != _DTYPES[datatype]:
                 raise BadInputError(f"input {name}: expected {datatype}, got the numpy dtype {array.dtype}")
             if array.ndim != 2 or array.shape[1] != len(columns):
-                raise BadInputError(f"input {name}: expected the shape [rows, {len(columns)}] (columns "
-                                    f"{_named(columns)}), got {list(array.shape)}")
+                raise BadInputError(f"input {name}: expected the shape {shape}, got {list(tensors[name].shape)}")
             sizes[name] = array.shape[0]
         if len(set(sizes.values())) > 1:
             raise BadInputError(f"every input needs the same number of rows, got {sizes}")
         batch = next(iter(sizes.values()))
         if batch == 0:
             raise BadInputError("empty batch: expected at least one row")
-        return batch
+        return batch, text
 
     def _numbers(self, tensors: Mapping[str, np.ndarray], batch: int) -> np.ndarray:
         """The continuous columns as the rows of one float64 matrix, in the raw columns' order: each value as its
@@ -241,7 +253,9 @@ def _arrow_type(text: str) -> pa.DataType:
 
 def _strings(values: np.ndarray) -> pa.Array:
     """The text of bytes values as an Arrow string array: the empty value missing (null), invalid UTF-8 replaced."""
-    if values.dtype.kind == "S":  # Arrow reads each value up to its first NUL byte: empty where that is the first
+    if values.dtype.kind == "S" and _nul_inside(values):  # Arrow would read each value up to its first NUL byte
+        values = np.array(values.tolist(), dtype=object)
+    if values.dtype.kind == "S":  # empty where the first byte is the padding's
         empty = np.ascontiguousarray(values).view(np.uint8)[:: values.dtype.itemsize] == 0
         try:
             return pa.array(values, type=pa.binary(), mask=empty).cast(pa.string())
@@ -259,14 +273,10 @@ def _fixed_width_text(values: np.ndarray) -> bool:
     """Whether the values of a numpy array are fixed-width bytes that :func:`_strings` reads as they are: an ``S``
     array of UTF-8 whose values hold no NUL byte before their zero padding (Arrow's text of a value ends at its
     first NUL)."""
-    if values.dtype.kind != "S" or not values.size:
+    if values.dtype.kind != "S" or not values.size or _nul_inside(values):
         return False
     width = values.dtype.itemsize
     flat = np.ascontiguousarray(values).view(np.uint8)
-    follows_a_nul = (flat[:-1] == 0) & (flat[1:] != 0)
-    follows_a_nul[width - 1:: width] = False  # a value's first byte after the one before it
-    if follows_a_nul.any():
-        return False
     if flat.max() < 0x80:  # ASCII
         return True
     ended = np.zeros((len(values), width + 1), dtype=np.uint8)  # a zero after each value: none runs on
@@ -278,6 +288,16 @@ def _fixed_width_text(values: np.ndarray) -> bool:
     return True
 
 
+def _nul_inside(values: np.ndarray) -> bool:
+    """Whether a value of an ``S`` array holds a NUL byte before its last byte that is not one (its padding's come
+    after)."""
+    width = values.dtype.itemsize
+    flat = np.ascontiguousarray(values).view(np.uint8)
+    follows_a_nul = (flat[:-1] == 0) & (flat[1:] != 0)
+    follows_a_nul[width - 1:: width] = False  # a value's first byte after the one before it
+    return bool(follows_a_nul.any())
+
+
 def _number_kind(name: str, kind: str) -> str:
     """``int64`` or ``double``: the raw layout's types of a continuous column."""
     if kind not in ("int64", "double"):
@@ -287,7 +307,7 @@ def _number_kind(name: str, kind: str) -> str:
 
 
 _DTYPES = {"INT64": np.dtype(np.int64), "FP64": np.dtype(np.float64), "BOOL": np.dtype(bool)}
-"""The numpy dtype of each request datatype but BYTES (any array of bytes or text)."""
+"""The numpy dtype of each request datatype but text's."""
 
 
 def _named(columns: tuple[str, ...]) -> str:

@@ -7,9 +7,18 @@ tensor, in the order the export wrote (:class:`RequestLayout`, the ensemble's ``
   ``INTEGERS_MISSING`` ``BOOL [B, n]``: true where a value is missing (its place in ``INTEGERS`` is ignored);
 - ``FLOATS`` ``FP64 [B, n]``: the floating raw columns, and ``FLOATS_MISSING`` ``BOOL [B, n]`` alike (a NaN
   is missing too, as the data stage reads one; JSON has no NaN, so a client over HTTP/JSON uses the mask);
-- ``STRINGS`` ``BYTES [B, m]``: the categorical raw columns, UTF-8; the empty value is missing;
-- ``LISTS`` ``BYTES [B, k]``: the multi-hot raw columns, each cell its values joined by the layout's
-  ``list_separator``; the empty value is missing.
+- ``STRINGS`` ``UINT8 [B, m, W]``: the categorical raw columns, each value its UTF-8 bytes padded with zero bytes
+  to ``W``, the widest value's length in the request; the empty value is missing;
+- ``LISTS`` ``UINT8 [B, k, W]``: the multi-hot raw columns alike, each cell its values joined by the layout's
+  ``list_separator``.
+
+Text travels at a fixed width, not as Triton's ``BYTES`` (each value behind its own 4-byte length): the server and
+the python backend then hand the models a request's values as one block of memory, which the models read in place
+(a numpy ``S`` array: :func:`text_values`), where ``BYTES`` costs a pass over the values on each side of the wire,
+at the client, in Triton and in the backend's stub. So the padding is not part of a value: a value may not end in
+a zero byte (:meth:`RequestLayout.tensors` refuses one). A request whose values differ widely in length would be
+mostly padding: :meth:`RequestLayout.tensors` refuses to build one more than a few times its values' bytes
+(:class:`TooWide`), and the client sends its rows in parts instead.
 
 A tensor whose kind of column the dataset lacks is not part of the request (Criteo's: ``INTEGERS``,
 ``INTEGERS_MISSING`` and ``STRINGS``). :meth:`RequestLayout.tensors` builds the tensors from rows given by
@@ -18,9 +27,10 @@ column name, so no one counts positions.
 Example::
 
     layout = RequestLayout(integers=("I1", "I2"), strings=("C1",))
-    layout.tensors([{"I1": 3, "C1": "68fd1e64"}, {"I2": None}])
+    tensors = layout.tensors([{"I1": 3, "C1": "68fd1e64"}, {"I2": None}])
     # {"INTEGERS": [[3, 0], [0, 0]], "INTEGERS_MISSING": [[False, True], [True, True]],
-    #  "STRINGS": [[b"68fd1e64"], [b""]]}
+    #  "STRINGS": uint8 [2, 1, 8]}
+    text_values(tensors["STRINGS"])     # [[b"68fd1e64"], [b""]]
 """
 
 from __future__ import annotations
@@ -43,20 +53,41 @@ FLOATS = "FLOATS"
 FLOATS_MISSING = "FLOATS_MISSING"
 STRINGS = "STRINGS"
 LISTS = "LISTS"
+TEXT = (STRINGS, LISTS)
+"""The tensors of text, at a fixed width."""
 LAYOUT_PARAMETER = "layout"
 """The ensemble's config parameter that holds its :class:`RequestLayout` as JSON, where clients read it."""
+
+_PADDED_FACTOR = 4
+_PADDED_BYTES = 16 << 20
+"""A request's fixed-width text may take up to :data:`_PADDED_FACTOR` times its values' bytes, and this much more
+(:class:`TooWide`): one value of 1 MiB among a batch of 1,024 rows of 26 short ones would make it 27 GiB."""
 
 _INT64_LOW, _INT64_END = -(2**63), 2**63
 """int64 holds the whole numbers from ``_INT64_LOW`` up to, not including, ``_INT64_END``."""
 
 
+class TooWide(BadInputError):
+    """Rows whose text, padded to its widest value, would be mostly padding: to be sent in parts."""
+
+
 @dataclass(frozen=True)
 class RequestTensor:
-    """One tensor of a request: its name, Triton datatype (``INT64``, ``BOOL``, ``FP64``, ``BYTES``) and columns."""
+    """One tensor of a request: its name, Triton datatype (``INT64``, ``BOOL``, ``FP64``, ``UINT8``) and columns."""
 
     name: str
     datatype: str
     columns: tuple[str, ...]
+
+    @property
+    def text(self) -> bool:
+        """Whether it holds text at a fixed width (``STRINGS``, ``LISTS``): ``[B, columns, W]``."""
+        return self.name in TEXT
+
+    @property
+    def dims(self) -> tuple[int, ...]:
+        """Its dims after the batch's: its columns, then (text) the request's width, any."""
+        return (len(self.columns), -1) if self.text else (len(self.columns),)
 
 
 @dataclass(frozen=True)
@@ -85,7 +116,7 @@ class RequestLayout:
         """The request's tensors, those of the kinds of column the dataset has."""
         kinds = ((INTEGERS, "INT64", self.integers), (INTEGERS_MISSING, "BOOL", self.integers),
                  (FLOATS, "FP64", self.floats), (FLOATS_MISSING, "BOOL", self.floats),
-                 (STRINGS, "BYTES", self.strings), (LISTS, "BYTES", self.lists))
+                 (STRINGS, "UINT8", self.strings), (LISTS, "UINT8", self.lists))
         return [RequestTensor(name, datatype, columns) for name, datatype, columns in kinds if columns]
 
     def to_json(self) -> str:
@@ -99,17 +130,33 @@ class RequestLayout:
         """The request tensors for ``rows``: a DataFrame, a dict of columns (name -> values), a list of dicts
         (column -> value) or TSV lines (the fields of :attr:`columns`, the label first or not; empty: missing).
         Missing values are ``None``, NaN, ``pd.NA`` or an absent column; a column neither of the layout nor the
-        label (nor in ``ignore``) is an error, as a misspelt name would otherwise read as missing."""
-        columns, batch = self._columns(rows, {self.label, *ignore} - {""})
+        label (nor in ``ignore``) is an error, as a misspelt name would otherwise read as missing. Rows whose text
+        would be mostly padding at one width are refused (:class:`TooWide`): :meth:`requests` sends them in parts."""
+        return self._tensors(*self._columns(rows, {self.label, *ignore} - {""}))
+
+    def requests(self, rows: Any, ignore: Iterable[str] = ()) -> list[dict[str, np.ndarray]]:
+        """The request tensors for ``rows`` (as :meth:`tensors` takes them), in order: one request, or parts of the
+        rows where their text would be mostly padding at one width (a value far longer than the others)."""
+        return self._parts(*self._columns(rows, {self.label, *ignore} - {""}))
+
+    def _parts(self, columns: dict[str, Any], batch: int) -> list[dict[str, np.ndarray]]:
+        try:
+            return [self._tensors(columns, batch)]
+        except TooWide:
+            half = batch // 2
+            return [*self._parts(_rows_of(columns, 0, half), half), *self._parts(_rows_of(columns, half, batch),
+                                                                                   batch - half)]
+
+    def _tensors(self, columns: dict[str, Any], batch: int) -> dict[str, np.ndarray]:
         out: dict[str, np.ndarray] = {}
         if self.integers:
             out[INTEGERS], out[INTEGERS_MISSING] = _number_matrix(columns, self.integers, batch, integer=True)
         if self.floats:
             out[FLOATS], out[FLOATS_MISSING] = _number_matrix(columns, self.floats, batch, integer=False)
         if self.strings:
-            out[STRINGS] = _text_matrix(columns, self.strings, batch, self.list_separator)
+            out[STRINGS] = _text_matrix(columns, self.strings, batch, self.list_separator, STRINGS)
         if self.lists:
-            out[LISTS] = _text_matrix(columns, self.lists, batch, self.list_separator)
+            out[LISTS] = _text_matrix(columns, self.lists, batch, self.list_separator, LISTS)
         return out
 
     def _columns(self, rows: Any, ignored: set[str]) -> tuple[dict[str, Any], int]:
@@ -153,6 +200,12 @@ class RequestLayout:
                                     f"found {len(parts)}")
             fields.append(parts)
         return {name: [f[k] if f[k] != "" else None for f in fields] for k, name in enumerate(self.columns)}
+
+
+def _rows_of(columns: dict[str, Any], start: int, end: int) -> dict[str, Any]:
+    """The rows ``start`` to ``end`` of each column."""
+    return {name: values.iloc[start:end] if hasattr(values, "iloc") else values[start:end]
+            for name, values in columns.items()}
 
 
 def _number_matrix(columns: Mapping[str, Any], names: tuple[str, ...], batch: int, integer: bool
@@ -237,25 +290,53 @@ def _numbers_one_by_one(values: Any, name: str, integer: bool) -> tuple[np.ndarr
     return out, missing
 
 
-def _text_matrix(columns: Mapping[str, Any], names: tuple[str, ...], batch: int, separator: str) -> np.ndarray:
-    """The columns ``names`` side by side ``[row, column]`` as UTF-8 bytes (a multi-hot cell's values joined by
-    ``separator``), empty where missing (an absent column: everywhere). The columns Arrow holds as text or lists of
-    text are read together in one pass, any other one value by value."""
-    out = np.full((batch, len(names)), b"", dtype=object)
-    together: dict[int, pa.Array] = {}
-    for j, name in enumerate(names):
-        if name in columns:
-            text = _as_text(_arrow(columns[name]), separator)
-            if text is not None:
-                together[j] = text
-            else:
-                values = columns[name]
-                values = values.tolist() if hasattr(values, "tolist") else values
-                out[:, j] = [b"" if _is_missing(v) else _to_bytes(v, separator) for v in values]
-    if together:
-        joined = pc.fill_null(pa.concat_arrays(list(together.values())), pa.scalar(b"", pa.large_binary()))
-        out[:, list(together)] = joined.to_numpy(zero_copy_only=False).reshape(len(together), batch).T
-    return out
+def _text_matrix(columns: Mapping[str, Any], names: tuple[str, ...], batch: int, separator: str,
+                 tensor: str) -> np.ndarray:
+    """The columns ``names`` side by side as the fixed-width text tensor ``[row, column, width]`` (a multi-hot
+    cell's values joined by ``separator``), empty where missing (an absent column: everywhere). A column Arrow holds
+    as text or lists of text is read in one pass, any other value by value."""
+    parts = []
+    for name in names:
+        text = _as_text(_arrow(columns[name]), separator) if name in columns else pa.nulls(batch, pa.large_binary())
+        if text is None:
+            values = columns[name]
+            values = values.tolist() if hasattr(values, "tolist") else values
+            text = pa.array([None if _is_missing(v) else _to_bytes(v, separator) for v in values], pa.large_binary())
+        parts.append(text)
+    values = pc.fill_null(pa.concat_arrays(parts), pa.scalar(b"", pa.large_binary()))  # column after column
+    offsets = np.frombuffer(values.buffers()[1], np.int64, count=len(values) + 1, offset=8 * values.offset)
+    lengths = np.diff(offsets)
+    data = values.buffers()[2]
+    data = np.frombuffer(data, np.uint8)[offsets[0]: offsets[-1]] if data is not None else np.empty(0, np.uint8)
+    present = np.flatnonzero(lengths)
+    zero_ended = present[data[offsets[1:][present] - offsets[0] - 1] == 0]
+    if zero_ended.size:
+        k = int(zero_ended[0])
+        raise BadInputError(f"column {names[k // batch]}, row {k % batch}: the value {values[k].as_py()!r} ends in "
+                            f"a zero byte, which {tensor} cannot carry (its values are padded with zero bytes): drop "
+                            "the trailing zero bytes or map the value to another")
+    width = max(int(lengths.max(initial=0)), 1)
+    if batch > 1 and width * len(lengths) > _PADDED_FACTOR * data.size + _PADDED_BYTES:
+        raise TooWide(f"{tensor}: its widest value has {width} bytes, so at a fixed width the request of {batch} "
+                      f"rows would take {width * len(lengths):,} bytes for {data.size:,} bytes of values: send "
+                      "fewer rows per request (the client does)")
+    out = np.zeros((len(names), batch, width), np.uint8)
+    if present.size and (lengths[present] == width).all():
+        out.reshape(-1, width)[present] = data.reshape(-1, width)
+    else:
+        out.reshape(-1, width)[np.arange(width) < lengths[:, None]] = data
+    return np.ascontiguousarray(out.transpose(1, 0, 2))
+
+
+def text_values(tensor: np.ndarray) -> np.ndarray:
+    """The values of a fixed-width text tensor ``[B, columns, width]`` as the ``[B, columns]`` fixed-width bytes
+    (numpy ``S``; its zero padding is no part of a value), in place where the tensor is contiguous."""
+    if tensor.ndim != 3 or tensor.dtype != np.uint8:
+        raise BadInputError(f"a text tensor: expected UINT8 [rows, columns, width], got {tensor.dtype} "
+                            f"{list(tensor.shape)}")
+    if tensor.shape[2] == 0:
+        return np.zeros(tensor.shape[:2], "S1")
+    return np.ascontiguousarray(tensor).view(f"S{tensor.shape[2]}").reshape(tensor.shape[:2])
 
 
 def _as_text(array: pa.Array | None, separator: str) -> pa.Array | None:

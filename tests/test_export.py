@@ -1,6 +1,6 @@
 """Export without a server: generated configs agree with each other, and the served path's parts
 (preprocess -> embedding lookup -> dense) equal the in-process model, multi-hot features included;
-BYTES tensors encode and decode as Triton's own code does."""
+text travels at a fixed width and reads back whole."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from export.lookup import EmbeddingLookup, LookupConfig
 from export.pbtxt import EnsembleSpec, ModelOptions, model_configs
 from export.preprocess import Preprocessor, RawColumns
 from export.repository import cache_stats, write_repository
+from export.request import RequestLayout, TooWide, text_values
 from pipeline.errors import BadInputError, UserError
 from pipeline.etl.workflow import Workflow
 from pipeline.modules.models import ModelSizes, build_model
@@ -72,7 +73,7 @@ def test_every_ensemble_step_maps_tensors_the_models_declare_alike(dense_backend
     assert wired["PREDICTION"] == ("FP32", "1")
     assert wired["EMBEDDINGS"] == ("FP32", "48")
     assert ensemble_tensors == {"INTEGERS": ("INT64", "1"), "INTEGERS_MISSING": ("BOOL", "1"), "FLOATS": ("FP64", "1"),
-                                "FLOATS_MISSING": ("BOOL", "1"), "STRINGS": ("STRING", "2"), "LISTS": ("STRING", "1"),
+                                "FLOATS_MISSING": ("BOOL", "1"), "STRINGS": ("UINT8", "2, -1"), "LISTS": ("UINT8", "1, -1"),
                                 "PREDICTION": ("FP32", "1")}
     if dense_backend == "pytorch":
         assert 'platform: "pytorch_libtorch"' in configs["dense"]
@@ -98,8 +99,8 @@ def test_the_ensemble_declares_the_request_layout_clients_read():
         assert (layout.strings, layout.lists, layout.list_separator, layout.label) == (
             ("C1", 'C"\\n'), ("M1",), "\t", "label")
         assert [(t.name, list(t.dims)) for t in config.input] == [
-            ("INTEGERS", [2]), ("INTEGERS_MISSING", [2]), ("FLOATS", [2]), ("FLOATS_MISSING", [2]), ("STRINGS", [2]),
-            ("LISTS", [1])]
+            ("INTEGERS", [2]), ("INTEGERS_MISSING", [2]), ("FLOATS", [2]), ("FLOATS_MISSING", [2]),
+            ("STRINGS", [2, -1]), ("LISTS", [1, -1])]
     with pytest.raises(UserError, match="raw_columns.json: the continuous column I1 has type float.*int64 or double"):
         _ = RawColumns({"I1": "float"}, {"C1": "string"}).layout
 
@@ -107,7 +108,7 @@ def test_the_ensemble_declares_the_request_layout_clients_read():
 def test_request_tensors_are_built_by_column_name_from_every_kind_of_rows():
     """A DataFrame, a dict of columns, a list of dicts and TSV lines give the same tensors: each value as it is
     (int64's extremes too), a missing one 0 (JSON has no NaN) and marked in its mask, an absent column missing."""
-    from export.request import RequestLayout
+    from export.request import RequestLayout, text_values
 
     layout = RequestLayout(integers=("I1", "I2"), floats=("F1",), strings=("C1", "C2"), lists=("M1",),
                            list_separator="|", label="clicked")
@@ -131,8 +132,8 @@ def test_request_tensors_are_built_by_column_name_from_every_kind_of_rows():
     assert expected["INTEGERS_MISSING"].tolist() == [[False, True], [True, True], [False, True]]
     assert np.array_equal(expected["FLOATS"], [[-0.0], [0.0], [2.5]]) and np.signbit(expected["FLOATS"][0, 0])
     assert expected["FLOATS_MISSING"].tolist() == [[False], [True], [False]]
-    assert expected["STRINGS"].tolist() == [[b"68fd1e64", "é".encode()], [b"", b""], [b"x", b""]]
-    assert expected["LISTS"].tolist() == [[b"a|b"], [b""], [b""]]
+    assert text_values(expected["STRINGS"]).tolist() == [[b"68fd1e64", "é".encode()], [b"", b""], [b"x", b""]]
+    assert text_values(expected["LISTS"]).tolist() == [[b"a|b"], [b""], [b""]]
     for rows in (records, lines, "\n".join(lines), columns):
         got = layout.tensors(rows)
         assert list(got) == list(expected)
@@ -410,13 +411,17 @@ def test_preprocess_names_what_is_wrong_with_a_request(multihot_pipeline):
         ({k: v[:0] for k, v in good.items()}, "empty batch"),
         (dict(good, FLOATS=np.zeros((5, 1))), r"every input needs the same number of rows, got \{.*'FLOATS': 5"),
         (dict(good, STRINGS=good["STRINGS"][:, :1]),
-         r"input STRINGS: expected the shape \[rows, 2\] \(columns C1, C2\), got \[3, 1\]"),
-        (dict(good, LISTS=good["LISTS"].reshape(-1)), r"input LISTS: expected the shape \[rows, 1\] \(columns M1\)"),
+         r"input STRINGS: expected the shape \[rows, 2, width\] \(columns C1, C2\), got \[3, 1, [0-9]+\]"),
+        (dict(good, LISTS=good["LISTS"].reshape(-1)),
+         r"input LISTS: expected the shape \[rows, 1, width\] \(columns M1\), got \[[0-9]+\]"),
+        (dict(good, STRINGS=text_values(good["STRINGS"])[:, :1]),
+         r"input STRINGS: expected the shape \[rows, 2, width\] \(columns C1, C2\), got \[3, 1\]"),
         (dict(good, INTEGERS=good["INTEGERS"].astype(np.float64)),
          "input INTEGERS: expected INT64, got the numpy dtype float64"),
         (dict(good, INTEGERS_MISSING=good["INTEGERS_MISSING"].astype(np.int8)),
          "input INTEGERS_MISSING: expected BOOL, got the numpy dtype int8"),
-        (dict(good, STRINGS=np.zeros((3, 2))), "input STRINGS: expected BYTES, got the numpy dtype float64"),
+        (dict(good, STRINGS=np.zeros((3, 2, 4))),
+         r"input STRINGS: expected UINT8 \[rows, 2, width\] \(text at a fixed width\), got the numpy dtype float64"),
         (dict(good, FLOATS=np.array([[1.0], [-np.inf], [np.inf]])),
          r"input FLOATS, column I2, row 1: expected finite numbers \(missing: FLOATS_MISSING\), got -inf"),
     ]
@@ -467,8 +472,6 @@ def test_an_update_over_a_damaged_store_or_record_repairs_it_or_names_the_file(m
 
 @pytest.mark.parametrize("batch", [1, 32, 1000])
 def test_preprocess_equals_the_workflow_column_by_column_on_the_raw_rows(multihot_pipeline, batch):
-    from export.wire import decode_bytes, encode_bytes
-
     """The request's tensors (the continuous columns in one matrix, each operator's columns computed together)
     equal, bit for bit, those of the ETL's own path: the raw rows as its reader gives them (arrow-backed, the raw
     parquet's types) through every operator column by column (``Workflow.transform_partition``)."""
@@ -479,7 +482,7 @@ def test_preprocess_equals_the_workflow_column_by_column_on_the_raw_rows(multiho
     frame.loc[unseen, "C1"] = "never-seen"
     frame.loc[missing, "C2"] = None  # an empty string in the request
     frame.loc[unseen, "I1"] = 10**12
-    frame.loc[0, "C2"] = "x" * (1 << 20)  # one long value: the strings go as objects, not 1 MiB each
+    frame.loc[0, "C2"] = "x" * 3000  # one long value: the request's text 3,000 bytes wide
     frame.loc[missing, "I1"] = np.where(np.arange(batch)[missing] % 2, 2**63 - 1, -(2**63))  # int64's extremes
     frame.loc[missing, "I2"] = None
     frame.loc[unseen & ~missing, "I2"] = -0.0
@@ -488,11 +491,11 @@ def test_preprocess_equals_the_workflow_column_by_column_on_the_raw_rows(multiho
     preprocess = Preprocessor.load(Path(cfg.paths.export) / "ranker" / "1" / "artifacts")
     workflow = Workflow.load(cfg.paths.workflow)
     expected = preprocess.tensors(Workflow.transform_partition(frame, workflow.output))
-    request = raw.layout.tensors(frame)  # strings as object arrays of bytes; as the served models decode them, below
-    wire = {name: decode_bytes(np.frombuffer(encode_bytes([values])[0], dtype=np.uint8)).reshape(values.shape)
-            if values.dtype == object else values for name, values in request.items()}
-    assert wire["LISTS"].dtype.kind == "S" and request["INTEGERS"][missing, 0].tolist() == frame["I1"][missing].tolist()
-    for got in (preprocess(request), preprocess(wire)):
+    request = raw.layout.tensors(frame)  # text at a fixed width; as the served models read it, below
+    assert request["STRINGS"].shape == (batch, 2, 3000) and request["STRINGS"].dtype == np.uint8
+    read = {name: text_values(values) if name in ("STRINGS", "LISTS") else values for name, values in request.items()}
+    assert request["INTEGERS"][missing, 0].tolist() == frame["I1"][missing].tolist()
+    for got in (preprocess(request), preprocess(read)):
         assert sorted(got) == ["CATEGORICAL_IDS", "DENSE", "MULTIHOT_IDS", "MULTIHOT_LENGTHS"]
         for name, values in expected.items():
             assert got[name].dtype == values.dtype and got[name].shape == values.shape, name
@@ -501,94 +504,51 @@ def test_preprocess_equals_the_workflow_column_by_column_on_the_raw_rows(multiho
             assert (got[name].view(bits) == values.view(bits)).all(), name
 
 
-@pytest.mark.parametrize("values", [
-    [b"68fd1e64", b"", "é".encode(), b"x" * 300, b"a|b"],  # lengths differ: found in one pass
-    [b"68fd1e64", b"0c1885c5", b"19e54d61"],  # one length: found at once
-    [b"", b"", b""],
-    [b"68fd1e64", b"ab\x00", b"\x00\x01", b""],  # NUL bytes: an object array keeps them
-    [b"x"],
-])
-def test_bytes_tensors_encode_and_decode_as_tritons_own_code(values):
-    from tritonclient.utils import serialize_byte_tensor
-
-    from export.wire import decode_bytes, encode_bytes
-
-    array = np.array(values, dtype=object).reshape(-1, 1)
-    other = np.array([[b"zz", "y"]], dtype=object)
-    encoded, encoded_other = encode_bytes([array, other])  # encoded together, each as on its own
-    assert encoded == serialize_byte_tensor(array).item()
-    assert encoded_other == serialize_byte_tensor(other).item() and encode_bytes([array[:0], other])[0] == b""
-    decoded = decode_bytes(np.frombuffer(encoded, dtype=np.uint8))
-    assert decoded.shape == (len(values),) and decoded.tolist() == values
-    assert decoded.dtype.kind == ("O" if any(b"\x00" in v for v in values) else "S")
-    assert decode_bytes(np.frombuffer(encoded, dtype=np.uint8)[:0]).tolist() == []
-    with pytest.raises(ValueError, match="add up to"):
-        decode_bytes(np.frombuffer(encoded[:-1] + b"\x07\x00\x00\x00", dtype=np.uint8))
+def test_text_travels_at_a_fixed_width_and_reads_back_whole():
+    """Each value's UTF-8 bytes, zero-padded to the widest value: read back as they were sent (text that is not
+    ASCII, bytes that are not UTF-8, NUL bytes inside a value, values of other types as their text); missing values
+    are empty; multi-hot cells are their values joined."""
+    layout = RequestLayout(strings=("C1", "C2"), lists=("M1",), list_separator="|")
+    c1 = [b"68fd1e64", "é", None, b"ab\x00c", b"\x00\x01", 5, float("nan"), b"\xff\xfe", "x" * 300]
+    c2 = ["", "0c1885c5", "19e54d61", None, pd.NA, b"a", "b", "c", "d"]
+    m1 = [["a", "bc"], [], None, ["é"], ["x"], ["y", "z"], None, ["q"], ["w"]]
+    tensors = layout.tensors({"C1": c1, "C2": c2, "M1": m1})
+    assert tensors["STRINGS"].dtype == np.uint8 and tensors["STRINGS"].shape == (9, 2, 300)
+    assert text_values(tensors["STRINGS"]).tolist() == [
+        [b"68fd1e64", b""], ["é".encode(), b"0c1885c5"], [b"", b"19e54d61"], [b"ab\x00c", b""], [b"\x00\x01", b""],
+        [b"5", b"a"], [b"", b"b"], [b"\xff\xfe", b"c"], [b"x" * 300, b"d"]]
+    assert tensors["LISTS"].shape == (9, 1, 4)
+    assert text_values(tensors["LISTS"]).reshape(-1).tolist() == [b"a|bc", b"", b"", "é".encode(), b"x", b"y|z", b"",
+                                                                  b"q", b"w"]
+    empty = layout.tensors({"C1": [None, ""]})  # nothing to send: one byte wide
+    assert empty["STRINGS"].shape == (2, 2, 1) and not empty["STRINGS"].any()
+    assert text_values(np.zeros((3, 2, 0), np.uint8)).tolist() == [[b"", b""]] * 3
 
 
-def test_a_large_request_encodes_as_tritons_own_code_too():
-    """From ``_JOIN_FROM`` values Arrow joins each to its length: the same bytes, split at the same bounds."""
-    from tritonclient.utils import serialize_byte_tensor
-
-    from export.wire import _JOIN_FROM, decode_bytes, encode_bytes
-
-    rng = np.random.default_rng(0)
-    values = [b"x" * int(n) if n % 3 else "é" * int(n) for n in rng.integers(0, 40, _JOIN_FROM + 5)]
-    first, second = np.array(values[:-7], dtype=object).reshape(-1, 2), np.array(values[-7:], dtype=object)
-    assert encode_bytes([first, second]) == [serialize_byte_tensor(first).item(), serialize_byte_tensor(second).item()]
-    decoded = decode_bytes(np.frombuffer(encode_bytes([first])[0], dtype=np.uint8))
-    assert decoded.tolist() == [v if isinstance(v, bytes) else v.encode() for v in values[:-7]]
+def test_a_value_ending_in_a_zero_byte_is_refused_by_name():
+    """The padding is zero bytes: such a value would arrive without its last bytes, so it is not sent."""
+    layout = RequestLayout(strings=("C1", "C2"))
+    with pytest.raises(BadInputError, match=r"column C2, row 1: the value b'ab\\x00' ends in a zero byte"):
+        layout.tensors({"C1": ["a", "b"], "C2": [b"", b"ab\x00"]})
 
 
-def test_values_neither_bytes_nor_text_encode_as_tritons_own_code_writes_them():
-    from tritonclient.utils import serialize_byte_tensor
-
-    from export.wire import encode_bytes
-
-    for values in ([b"68fd1e64", 5, None, "é"], [None, None], [b"a", float("nan")]):
-        array = np.array(values, dtype=object)
-        assert encode_bytes([array]) == [serialize_byte_tensor(array).item()]
-
-
-def test_one_long_value_among_short_ones_decodes_to_objects_not_a_wide_array():
-    from export.wire import decode_bytes, encode_bytes
-
-    values = [b"%x" % i for i in range(1024)]
-    values[5] = b"x" * (1 << 20)
-    decoded = decode_bytes(np.frombuffer(encode_bytes([np.array(values, dtype=object)])[0], dtype=np.uint8))
-    assert decoded.dtype == object and decoded.tolist() == values  # an S array would be 1024 x 1 MiB
-    values[5] = b"x" * 300  # a little wider than the rest: one fixed-width array still
-    decoded = decode_bytes(np.frombuffer(encode_bytes([np.array(values, dtype=object)])[0], dtype=np.uint8))
-    assert decoded.dtype == "S300" and decoded.tolist() == values
-
-
-@pytest.mark.parametrize("rows", [8, 32, 1024])
-def test_a_request_of_one_length_and_empty_values_decodes_whole(rows):
-    """A ``[B, 26]`` tensor of Criteo's ids: 8 hex digits or empty (missing), runs of empty values too; each value is
-    copied as one 8-byte item, under and over the size where numpy takes over from the Python pass."""
-    from export.wire import decode_bytes, encode_bytes
-
-    rng = np.random.default_rng(rows)
-    values = np.array([b"" if rng.random() < 0.4 else b"%08x" % rng.integers(0, 1 << 32) for _ in range(rows * 26)],
-                      dtype=object).reshape(rows, 26)
-    values[rows // 2, 3:9] = b""
-    decoded = decode_bytes(np.frombuffer(encode_bytes([values])[0], dtype=np.uint8))
-    assert decoded.dtype == "S8" and decoded.tolist() == values.reshape(-1).tolist()
-
-
-@pytest.mark.parametrize("odd", [None, b"x" * 300, b"ab\x00c", b"abc\x00\x00\x00\x00", b"\x00\x00\x00"])
-def test_a_large_tensor_of_text_decodes_from_its_zero_bytes_or_value_by_value(odd):
-    """Thousands of values, some empty, of several lengths; with one value of 256 bytes or more, or holding NUL
-    bytes (also a run of them that looks like an empty value), the zero bytes are not the lengths' alone."""
-    from export.wire import decode_bytes, encode_bytes
-
-    rng = np.random.default_rng(0)
-    values = [b"" if rng.random() < 0.3 else b"%x" % rng.integers(1, 1 << 40) for _ in range(2000)]
-    if odd is not None:
-        values[777] = odd
-    decoded = decode_bytes(np.frombuffer(encode_bytes([np.array(values, dtype=object)])[0], dtype=np.uint8))
-    assert decoded.tolist() == values
-    assert decoded.dtype.kind == ("O" if odd is not None and b"\x00" in odd else "S")
+def test_rows_whose_text_would_be_mostly_padding_are_sent_in_parts():
+    """One long value among many short ones: one request would be that wide for every value; the rows go in parts,
+    in order, the long value in a small one, each part's text read back whole."""
+    layout = RequestLayout(integers=("I1",), strings=("C1", "C2"))
+    rows = 1000
+    c1 = [b"%x" % i for i in range(rows)]
+    c1[700] = b"x" * (1 << 20)
+    columns = {"I1": list(range(rows)), "C1": c1, "C2": ["v"] * rows}
+    with pytest.raises(TooWide, match="STRINGS: its widest value has 1048576 bytes"):
+        layout.tensors(columns)
+    parts = layout.requests(columns)
+    assert len(parts) > 1
+    assert np.concatenate([p["INTEGERS"][:, 0] for p in parts]).tolist() == list(range(rows))
+    assert [v for p in parts for v in text_values(p["STRINGS"])[:, 0].tolist()] == c1
+    assert max(p["STRINGS"].nbytes for p in parts) <= 2 * 4 * (1 << 20) + (16 << 20)
+    assert min(len(p["INTEGERS"]) for p in parts if p["STRINGS"].shape[2] == 1 << 20) <= 8
+    assert len(layout.requests(dict(columns, C1=[b"x" * 300] + [b"y"] * (rows - 1)))) == 1  # a few times: one part
 
 
 def test_gpu_instances_need_torch_with_cuda_in_the_models_environment():

@@ -3,8 +3,8 @@ for bit, for every kind of operator; and the index Categorify looks values up in
 
 The reference is what the ETL computes: the raw rows as its parquet reader gives them through every operator's
 own ``transform`` on a frame (``Workflow.transform_partition``). The served path takes the same rows as a request:
-its strings as the client sends them (object arrays of bytes) and as the served model decodes them from the wire
-(fixed-width bytes), kept in blocks through the operators' ``transform_many``. The rows hold values unseen at fit,
+its text as the client sends it (zero-padded bytes, ``UINT8 [B, m, W]``) and as the served model reads it
+(fixed-width ``S`` arrays), kept in blocks through the operators' ``transform_many``. The rows hold values unseen at fit,
 missing values of every kind (a null number, an empty string, a null or empty list), text that is not ASCII, long
 values and values with a NUL byte, at 1, 32 and 1,000 rows.
 """
@@ -17,7 +17,7 @@ import pyarrow as pa
 import pytest
 
 from export.preprocess import Preprocessor, RawColumns
-from export.wire import decode_bytes, encode_bytes
+from export.request import TEXT, text_values
 from pipeline.etl import (
     Bucketize,
     Cast,
@@ -109,10 +109,9 @@ def served(request) -> tuple[Preprocessor, Workflow]:
     return Preprocessor(raw, schema, workflow.transform_columns), workflow
 
 
-def _on_the_wire(tensors: dict) -> dict:
-    """The request as the served model gets it: each BYTES tensor encoded by the client, decoded by the model."""
-    return {name: decode_bytes(np.frombuffer(encode_bytes([values])[0], np.uint8)).reshape(values.shape)
-            if values.dtype == object else values for name, values in tensors.items()}
+def _as_served(tensors: dict) -> dict:
+    """The request as the served model reads it: its text as fixed-width ``S`` arrays."""
+    return {name: text_values(values) if name in TEXT else values for name, values in tensors.items()}
 
 
 def _assert_same_bits(got: dict, expected: dict) -> None:
@@ -131,29 +130,31 @@ def test_preprocess_equals_the_workflows_own_transform_for_every_operator(served
     expected = preprocess.tensors(Workflow.transform_partition(frame, workflow.output))
     assert sorted(expected) == ["CATEGORICAL_IDS", "DENSE", "MULTIHOT_IDS", "MULTIHOT_LENGTHS"]
     request = preprocess.raw.layout.tensors(frame)
-    wire = _on_the_wire(request)
-    for got in (preprocess(request), preprocess(wire)):
+    for got in (preprocess(request), preprocess(_as_served(request))):
         _assert_same_bits(got, expected)
     # every row missing everything
     nothing = pd.DataFrame({name: pd.Series([None] * rows, dtype=frame[name].dtype) for name in frame.columns})
     expected = preprocess.tensors(Workflow.transform_partition(nothing, workflow.output))
-    _assert_same_bits(preprocess(_on_the_wire(preprocess.raw.layout.tensors(nothing))), expected)
+    _assert_same_bits(preprocess(_as_served(preprocess.raw.layout.tensors(nothing))), expected)
 
 
-def test_fixed_width_strings_are_read_as_arrow_reads_them(served):
-    """Fixed-width bytes with a NUL byte inside a value are read up to it (Arrow's reading), and bytes that are not
-    UTF-8 with the invalid bytes replaced: the same tensors as a request of that text."""
+def test_fixed_width_strings_are_read_whole_and_as_arrow_reads_text(served):
+    """Fixed-width bytes with a NUL byte inside a value are read whole, and bytes that are not UTF-8 with the
+    invalid bytes replaced (as Arrow reads them): the same tensors as a request of that text."""
     preprocess, _ = served
     table = _table(4, seed=9, unseen=0.0).select(["label", *preprocess.raw.layout.columns])
     frame = table.to_pandas(types_mapper=pd.ArrowDtype)
     request = preprocess.raw.layout.tensors(frame)
-    for sent, read in (([b"c11\x00tail", b"c2", b"", b"c11"], [b"c11", b"c2", b"", b"c11"]),
+    for sent, read in (([b"c11\x00tail", b"c2", b"", b"nul\x00inside"], [b"c11\x00tail", b"c2", b"", b"nul\x00inside"]),
                        ([b"\xff\xfec1", b"c2", b"", b"c11"], ["\ufffd\ufffdc1".encode(), b"c2", b"", b"c11"])):
-        strings = np.full(request["STRINGS"].shape, b"21", object)  # a number: K, where it is, reads it
+        strings = np.full(text_values(request["STRINGS"]).shape, b"21", object)  # a number: K, where it is, reads it
         text = strings.copy()
         strings[:, 0], text[:, 0] = sent, read
-        fixed_width = dict(request, STRINGS=strings.astype("S"))
-        _assert_same_bits(preprocess(fixed_width), preprocess(dict(request, STRINGS=text)))
+        fixed = strings.astype("S")
+        sent_tensor = np.ascontiguousarray(fixed).view(np.uint8).reshape(*fixed.shape, fixed.itemsize)
+        expected = preprocess(dict(request, STRINGS=text))
+        _assert_same_bits(preprocess(dict(request, STRINGS=sent_tensor)), expected)
+        _assert_same_bits(preprocess(dict(request, STRINGS=fixed)), expected)
 
 
 def _reference(vocabularies: dict, values: list, names: list[str]) -> list[int]:

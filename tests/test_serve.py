@@ -27,6 +27,7 @@ import torch
 from export.client import Client, ServingError
 from export.inprocess import InProcessModel
 from export.repository import cache_stats, raw_columns, store_version, write_repository
+from export.request import text_values
 from export.server import server_problem, start_server
 from pipeline.data.raw_folder import RawDataset
 from pipeline.errors import BadInputError
@@ -152,7 +153,10 @@ def _bad_requests(good: dict[str, np.ndarray], max_batch: int) -> list[tuple[str
         ("a mask of numbers", changed(INTEGERS_MISSING=good["INTEGERS_MISSING"].astype(np.uint8)),
          "input 'INTEGERS_MISSING' data-type is 'UINT8', but model 'ensemble' expects 'BOOL'"),
         ("numbers for strings", changed(STRINGS=np.zeros(strings.shape)), "'STRINGS' data-type is 'FP64'"),
-        ("a column too few", changed(STRINGS=strings[:, 1:]), "input 'STRINGS' for model 'ensemble'. Expected [-1,26]"),
+        ("strings as BYTES", changed(STRINGS=text_values(strings).astype(object)), "'STRINGS' data-type is 'BYTES'"),
+        ("a column too few", changed(STRINGS=strings[:, 1:]),
+         "input 'STRINGS' for model 'ensemble'. Expected [-1,26,-1]"),
+        ("text of two dims", changed(STRINGS=strings[:, :, 0]), "input 'STRINGS' for model 'ensemble'. Expected [-1,26,-1]"),
         ("a column too many", changed(INTEGERS=np.concatenate([integers, integers[:, :1]], axis=1)),
          "input 'INTEGERS' for model 'ensemble'. Expected [-1,13], got [4,14]"),
         ("rows differ", changed(STRINGS=np.concatenate([strings, strings])),  # Triton names one of the two sides

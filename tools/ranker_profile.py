@@ -2,8 +2,8 @@
 
 Loads an export's ``ranker`` as its instance does on ``--device`` (the preprocess of ``ranker/1/artifacts``, the
 embedding lookup through ``ranker/store`` with the instance's caches: ``gpu-lru`` on a GPU, ``lru`` on the CPU, and the
-dense part with CUDA graphs on a GPU), makes requests of the raw test rows with the client's code, their strings
-encoded and decoded as on the wire, and times each phase of 8 requests in turn: the median of ``--calls`` calls
+dense part with CUDA graphs on a GPU), makes requests of the raw test rows with the client's code, their text
+read as the served model reads it, and times each phase of 8 requests in turn: the median of ``--calls`` calls
 (after 50), warm and with the CPU's caches emptied before each call (``cold``: a 128 MiB array written, as the rest
 of a served request and the server's other processes leave them). ``--gather`` picks how the rows of a GPU cache
 reach the dense part: ``graph`` (the ranker's way: the dense part's CUDA graph gathers them from the cache),
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> dict:
     from export.dense import DenseRunner
     from export.lookup import EmbeddingLookup, LookupConfig
     from export.preprocess import CATEGORICAL_IDS, DENSE, MULTIHOT_IDS, MULTIHOT_LENGTHS, Preprocessor
-    from export.wire import decode_bytes, encode_bytes
+    from export.request import TEXT, text_values
 
     folder = Path(args.export) / "ranker"
     on_gpu = args.device.startswith("cuda")
@@ -56,13 +56,12 @@ def main(argv: list[str] | None = None) -> dict:
     dense = DenseRunner(folder / "1" / "model.pt", args.device, cuda_graphs=True, max_batch=max_batch)
     rows = pq.read_table(args.raw or Path(args.export).parent / "raw" / "test").to_pandas()
 
-    def on_the_wire(tensors: dict) -> dict:
-        return {name: decode_bytes(np.frombuffer(encode_bytes([values])[0], np.uint8)).reshape(values.shape)
-                if values.dtype == object else values for name, values in tensors.items()}
+    def as_served(tensors: dict) -> dict:
+        return {name: text_values(values) if name in TEXT else values for name, values in tensors.items()}
 
     def requests(batch: int) -> list[dict]:
         starts = [k * batch % max(len(rows) - batch, 1) for k in range(8)]
-        return [on_the_wire(preprocess.raw.layout.tensors(rows.iloc[start: start + batch])) for start in starts]
+        return [as_served(preprocess.raw.layout.tensors(rows.iloc[start: start + batch])) for start in starts]
 
     spill = np.ones(16 << 20)
 

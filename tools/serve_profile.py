@@ -4,7 +4,7 @@ On a copy of an export's model repository (``python -m pipeline run export``, or
 under its workdir), started with the project's server code, beside the served models:
 
 - ``floor``: a python model with the served entry's inputs and output that reads the request as the served models
-  do (``export.batching.respond``, strings decoded by ``export.wire``) and answers zeros: what a request costs with
+  do (``export.batching.respond``) and answers zeros: what a request costs with
   no work at all (client, gRPC, Triton, the python backend's hand-over of these tensors);
 - ``ranker_floor`` (a fused export): the ``ranker`` as exported with its work taken out (its process, refresh and
   counters as served, its inputs read, zeros answered);
@@ -76,9 +76,6 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from export.batching import respond
-from export.wire import decode_bytes
-
-pb_utils.deserialize_bytes_tensor = decode_bytes
 
 
 class TritonPythonModel:

@@ -2,7 +2,7 @@
 
 The same ``Workflow.transform`` as offline runs here (export/preprocess.py), so what the model sees
 when served is what it saw in training. Its inputs are one tensor per kind of raw column (export/request.py),
-the BYTES ones decoded by numpy (export/wire.py).
+the text read in place at its fixed width.
 Exported as ``preprocess/1/model.py`` (``export.fuse=none``; ``ranker`` does this work otherwise).
 """
 
@@ -14,9 +14,6 @@ import triton_python_backend_utils as pb_utils
 from export.batching import respond
 from export.instance import pin_to_core
 from export.preprocess import Preprocessor
-from export.wire import decode_bytes
-
-pb_utils.deserialize_bytes_tensor = decode_bytes
 
 
 class TritonPythonModel:

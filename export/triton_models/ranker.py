@@ -5,7 +5,7 @@ store (export/instance.py) and the dense part (export/dense.py) run one after th
 process (a batch whose rows a GPU cache holds reaches the dense part's CUDA graph as those rows, gathered there):
 one python-backend hop per request, where the chain ``preprocess`` -> ``embedding`` ->
 ``dense`` (``export.fuse=none``) takes three. Its inputs are one tensor per kind of raw column
-(export/request.py), the BYTES ones decoded by numpy (export/wire.py).
+(export/request.py), the text read in place at its fixed width.
 Exported as ``ranker/1/model.py``, with ``artifacts/``, ``layout.json`` and ``model.pt`` beside it
 and the store in ``ranker/store``.
 """
@@ -19,9 +19,6 @@ from export.batching import respond
 from export.dense import DenseRunner
 from export.instance import LookupInstance, pin_to_core
 from export.preprocess import DENSE, Preprocessor
-from export.wire import decode_bytes
-
-pb_utils.deserialize_bytes_tensor = decode_bytes
 
 
 class TritonPythonModel:

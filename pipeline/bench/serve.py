@@ -3,8 +3,9 @@
 Makes a small synthetic dataset (``--rows``), runs the ETL, builds the configured model (untrained:
 speed does not depend on the weights) and exports it under ``--workdir``; starts the real server.
 Then, for batch 1, 64 and 1024 raw rows: p50 / p99 latency of ``--requests`` sequential gRPC
-requests, and of the in-process model on the same rows (workflow transform + forward, no server;
-and the forward alone on features computed beforehand), the three timed in turn, 10 calls at a time;
+requests (their tensors made from the rows beforehand, as a load generator sends them; the time to make them is
+said beside), and of the in-process model on the same rows (workflow transform + forward, no server;
+and the forward alone on features computed beforehand), timed in turn, 10 calls at a time;
 the time each ensemble step took (Triton's own statistics) and, inside the model that looks up embeddings, each
 phase of its batches (the store's refresh, inputs read, preprocess, lookup, dense, outputs: host time, so GPU work shows
 where the host waits for it); throughput with ``--clients``
@@ -76,7 +77,8 @@ def run(args: argparse.Namespace, cfg) -> dict:
                 request = client.tensors(frame)
                 timed = _timed_in_turn({"ensemble": lambda request=request: client.infer(request),
                                         "in_process": lambda frame=frame: reference.predict(frame),
-                                        "model_only": _forward_only(reference, frame)}, args.requests)
+                                        "model_only": _forward_only(reference, frame),
+                                        "request": lambda frame=frame: client.tensors(frame)}, args.requests)
                 served, local, model_only = timed["ensemble"], timed["in_process"], timed["model_only"]
                 time.sleep(2 * STATS_EVERY_S)  # the instances' phase totals written since the last request
                 before, phases_before = _model_stats(client), cache_stats(cfg.paths.export)
@@ -84,13 +86,15 @@ def run(args: argparse.Namespace, cfg) -> dict:
                 time.sleep(2 * STATS_EVERY_S)
                 steps = _per_request(before, _model_stats(client))
                 phases = _per_batch(phases_before, cache_stats(cfg.paths.export))
-                results["latency"][batch] = {"ensemble": served, "in_process": local, "model_only": model_only}
+                results["latency"][batch] = {"ensemble": served, "in_process": local, "model_only": model_only,
+                                             "request_tensors": timed["request"]}
                 results["steps"][batch] = steps
                 results["phases"][batch] = phases
                 print(f"[bench serve] batch {batch:5d}: ensemble p50 {served['p50_ms']:.2f} ms p99 "
                       f"{served['p99_ms']:.2f} ms | in-process p50 {local['p50_ms']:.2f} ms p99 {local['p99_ms']:.2f} ms"
                       f" | ensemble / in-process p50 {served['p50_ms'] / local['p50_ms']:.2f}x"
-                      f" | model forward alone p50 {model_only['p50_ms']:.2f} ms | steps (ms): "
+                      f" | model forward alone p50 {model_only['p50_ms']:.2f} ms | the request's tensors made from"
+                      f" the rows p50 {timed['request']['p50_ms']:.2f} ms | steps (ms): "
                       + ", ".join(f"{k} {v:.2f}" for k, v in steps.items())
                       + f" | {phases_before['model']}'s phases (ms a batch): "
                       + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()), flush=True)
