@@ -49,17 +49,19 @@ STATS_FOLDER = "stats"
 
 def pin_to_core(args: dict, params: dict[str, str]) -> int | None:
     """With the model parameter ``pin_cores`` (``export.pin_instances``), every thread of this instance's process runs
-    on one core from now on, and returns it: of the cores the server may use, the instance's index-th counted from the
-    last (Triton names an instance ``<model>_<group>_<index>``), so two instances of a model share a core only when
-    there are more instances than cores. Else None, and the threads stay where they may run.
+    on one core from now on, and returns it: of the cores the server may use, the instance's number-th counted from
+    the last (Triton names an instance ``<model>_<group>_<index>``; the export writes one group per instance, so its
+    number is its group's plus its index), so two instances of a model share a core only when there are more instances
+    than cores. Else None, and the threads stay where they may run.
 
     A python model's instance computes one request at a time; with several instances taking requests in turn, each
     finds its data gone from a core's caches that others used meanwhile, unless it keeps to a core of its own."""
     if params.get("pin_cores") != "true" or not hasattr(os, "sched_setaffinity"):
         return None
     cores = sorted(os.sched_getaffinity(0))
-    suffix = str(args.get("model_instance_name", "")).rsplit("_", 1)[-1]
-    core = cores[-1 - (int(suffix) if suffix.isdigit() else 0) % len(cores)]
+    group, index = (str(args.get("model_instance_name", "")).rsplit("_", 2) + ["", ""])[1:3]
+    number = sum(int(part) for part in (group, index) if part.isdigit())
+    core = cores[-1 - number % len(cores)]
     for task in Path("/proc/self/task").iterdir():
         with contextlib.suppress(OSError):  # a thread that ended meanwhile
             os.sched_setaffinity(int(task.name), {core})

@@ -248,6 +248,9 @@ class TritonServer:
             "--exit-timeout-secs=10",
             # every config.pbtxt is complete as written: no python stub is started per model just to complete it
             "--disable-auto-complete-config",
+            # an instance is chosen by its executions x priority: a light load keeps to a model's first instances
+            # (export.pbtxt.instance_groups)
+            "--rate-limit=execution_count",
             f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
         ]
         if backend_dir is not None:

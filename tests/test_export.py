@@ -22,7 +22,7 @@ from export.environment import find_models_env
 from export.inprocess import InProcessModel
 from export.instance import live_stats, process_identity
 from export.lookup import EmbeddingLookup, LookupConfig
-from export.pbtxt import EnsembleSpec, ModelOptions, model_configs
+from export.pbtxt import EnsembleSpec, ModelOptions, instance_groups, model_configs
 from export.preprocess import Preprocessor, RawColumns
 from export.repository import cache_stats, write_repository
 from export.request import RequestLayout, TooWide, text_values
@@ -193,18 +193,36 @@ def test_fuse_auto_serves_one_model_with_the_python_dense_backend(settings, fuse
 def test_instance_groups_and_dynamic_batching_are_options():
     spec = EnsembleSpec.build(_raw(False), _schema(False), embedding_dim_total=32)
     gpu = model_configs(spec, ModelOptions(instance_kind="gpu", instances=2, dynamic_batching=False, fused=False))
-    assert "kind: KIND_GPU count: 2" in gpu["dense"] and "kind: KIND_GPU count: 2" in gpu["embedding"]
+    assert instance_groups("gpu", 2) in gpu["dense"] and instance_groups("gpu", 2) in gpu["embedding"]
     assert "kind: KIND_CPU" in gpu["preprocess"]  # pandas runs on the CPU whatever the device
     assert "dynamic_batching" not in gpu["dense"]
     cpu = model_configs(spec, ModelOptions(max_queue_delay_us=250, fused=False))
     assert "max_queue_delay_microseconds: 250" in cpu["embedding"]
     assert "MULTIHOT" not in cpu["preprocess"]
     fused = model_configs(spec, ModelOptions(instances=3))
-    assert "kind: KIND_CPU count: 3" in fused["ranker"]
+    assert instance_groups("cpu", 3) in fused["ranker"]
     assert "max_queue_delay_microseconds: 0" in fused["ranker"]  # no wait: a lone request runs at once
     # the GPU dense model takes the pooled embeddings where the GPU embedding model leaves them
     keep_on_gpu = 'parameters { key: "FORCE_CPU_ONLY_INPUT_TENSORS" value: { string_value: "no" } }'
     assert keep_on_gpu in gpu["dense"] and keep_on_gpu not in model_configs(spec, ModelOptions(fused=False))["dense"]
+
+
+@pytest.mark.parametrize("count", [1, 2, 8, 12])
+def test_each_instance_is_a_group_of_its_own_its_priority_twenty_times_the_one_before(count):
+    """Read by protobuf's own text-format reader as Triton reads it: ``count`` instances of the kind, the k-th of
+    rate-limiter priority 20**k up to Triton's 32 bits (one instance: no priority)."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    spec = EnsembleSpec.build(_raw(False), _schema(False), embedding_dim_total=32)
+    for kind in ("cpu", "gpu"):
+        text = model_configs(spec, ModelOptions(instance_kind=kind, instances=count))["ranker"]
+        config = text_format.Parse(text, model_config_pb2.ModelConfig())
+        assert sum(group.count for group in config.instance_group) == count
+        assert {group.kind for group in config.instance_group} == {getattr(model_config_pb2.ModelInstanceGroup,
+                                                                           f"KIND_{kind.upper()}")}
+        priorities = [group.rate_limiter.priority for group in config.instance_group]
+        assert priorities == ([0] if count == 1 else [min(20**k, 2**31) for k in range(count)])
 
 
 def test_instances_default_to_one_per_core_up_to_a_limit(monkeypatch):
@@ -295,6 +313,8 @@ print(json.dumps([core, sorted(os.sched_getaffinity(0)), list(cores.values())]))
 """
     usable = sorted(os.sched_getaffinity(0))
     for name, pin, expected in (("ranker_0_0", "true", usable[-1]), ("ranker_0_1", "true", usable[-2 % len(usable)]),
+                                ("ranker_1_0", "true", usable[-2 % len(usable)]), ("wide_deep_2_0", "true",
+                                                                                 usable[-3 % len(usable)]),
                                 (f"dense_0_{len(usable)}", "true", usable[-1]), ("ranker_0_0", "false", None)):
         out = subprocess.run([sys.executable, "-c", code, name, pin], capture_output=True, text=True, check=True,
                              cwd=Path(__file__).resolve().parents[1]).stdout

@@ -324,6 +324,49 @@ def test_cache_counters_are_reported_by_every_instance(served):
     assert stats["hits"] > 0 and stats["misses"] > 0 and 0 < stats["hit_rate"] < 1
 
 
+def test_a_light_load_keeps_to_the_first_instance_and_a_heavy_one_reaches_every_instance(served):
+    """Sequential requests go to one instance (the others take one in 20 after it: their rate-limiter priority),
+    which keeps its process's code and data in the CPU's caches; concurrent ones to every instance free."""
+    from export.instance import live_stats
+    from export.repository import lookup_dir
+
+    cfg, _, _, server = served
+    model_dir = lookup_dir(cfg.paths.export)
+
+    def batches() -> list[int]:
+        time.sleep(0.5)  # the instances' counters written
+        return [s["batches"] for s in live_stats(model_dir)]  # by instance (its file's name)
+
+    rows = _rows(cfg).iloc[:8]
+    with Client(server.grpc_url, "grpc") as client:
+        request = client.tensors(rows)
+        before = batches()
+        for _ in range(100):
+            client.infer(request)
+        after = batches()
+    assert len(after) == INSTANCES
+    taken = sorted(a - b for a, b in zip(after, before, strict=True))
+    assert taken[-1] >= 90 and sum(taken) == 100, taken
+    errors: list[Exception] = []
+
+    def keep_asking():
+        try:
+            with Client(server.grpc_url, "grpc") as client:
+                for _ in range(40):
+                    client.infer(request)
+        except Exception as err:  # noqa: BLE001
+            errors.append(err)
+
+    askers = [threading.Thread(target=keep_asking) for _ in range(4)]
+    for asker in askers:
+        asker.start()
+    for asker in askers:
+        asker.join(60)
+    assert not errors, errors[:3]
+    busy = [a - b for a, b in zip(batches(), after, strict=True)]
+    assert min(busy) > 0 and sum(busy) <= 160, busy
+
+
 def test_embedding_update_is_picked_up_without_restart_and_never_mixed(served):
     cfg, model, reference, server = served
     rows = _rows(cfg).iloc[:64]

@@ -78,7 +78,7 @@ def test_gpu_instances_answer_as_the_model_on_the_gpu_in_process(served, protoco
     expected = reference.predict(rows)
     assert expected.std() > 0.05, "the fixture model's predictions should spread out"
     url = server.http_url if protocol == "http" else server.grpc_url
-    instances = int(re.search(r"count: (\d+)", (lookup_dir(export) / "config.pbtxt").read_text()).group(1))
+    instances = sum(int(n) for n in re.findall(r"count: (\d+)", (lookup_dir(export) / "config.pbtxt").read_text()))
     with Client(url, protocol) as client:
         got = client.predict(rows)
         # the same rows again, once more than there are instances (each caches on its own): at least one

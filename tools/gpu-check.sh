@@ -32,6 +32,8 @@
 #              tools/serve_profile.py on its export: where a
 #              request's time goes (client, transport and Triton, the python backend, the model's work), with the
 #              instances as exported, one instance, and each on a core of its own (--pin)
+#   serve-latency  the GPU serving tests, bench serve --device cuda of the ranker alone, then tools/serve_profile.py
+#              on its export at batch 1 and 32, with the instances as exported and with one
 #   loader     bench loader on 8M synthetic rows, LZ4 pages and uncompressed (etl.compression)
 #   loader-split  bench loader on the ETL's split of E2E_ROWS rows (run etl, once, as e2e), the cudf reader beside the
 #              pyarrow one where cuDF imports; then the loader's GPU tests
@@ -184,6 +186,17 @@ print(f'{len(sources)} sources in {time.time() - start:.0f} s')
           --clients 16 --throughput-batch 1024 --seconds 5 --json "$W/serve-$fuse.json" export.fuse="$fuse" \
           workdir=/tmp/serve-bench ${SERVE_ARGS:-}
       done ;;
+    serve-latency)
+      step serve-tests 240 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_serve_gpu.py
+      # shellcheck disable=SC2086
+      step serve-ranker 200 "$PY" -m pipeline bench serve --device cuda --batches 1,32,64,1024 --requests 200 \
+        --clients 16 --throughput-batch 1024 --seconds 5 --json "$W/serve-ranker.json" export.fuse=all \
+        --workdir /tmp/serve-profile ${SERVE_ARGS:-}
+      for instances in 0 1; do
+        step "serve-profile-$instances" 120 "$PY" tools/serve_profile.py \
+          --export "$(ls -d /tmp/serve-profile/*/export | head -1)" --batches 1,32 --requests 200 --rounds 2 \
+          --instances "$instances" --json "$W/serve-profile-$instances.json"
+      done ;;
     serve-parts)
       step serve-parts-tests 150 "$PY" -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_dense_gpu.py \
         tests/test_export_store.py ;;
@@ -242,7 +255,7 @@ print(f'{len(sources)} sources in {time.time() - start:.0f} s')
       # shellcheck disable=SC2086
       step etl-bench 540 "$PY" -m pipeline bench etl --device cuda --rows "${ETL_BENCH_ROWS:-20000000}" --workers 0 \
         --repeats 2 --json "$W/bench-etl.json" --report "$W/etl-tasks.json" ${ETL_BENCH_ARGS:-} workdir=/tmp/etl-bench ;;
-    *) echo "unknown group $group (setup preflight warm kernels embedding train dynamic hostcache hostcache-large host-copies serve serve-parts serve-profile loader loader-split e2e etl etl-bench criteo-scale)"; exit 2 ;;
+    *) echo "unknown group $group (setup preflight warm kernels embedding train dynamic hostcache hostcache-large host-copies serve serve-parts serve-profile serve-latency loader loader-split e2e etl etl-bench criteo-scale)"; exit 2 ;;
   esac
 done
 echo "== summary ($SECONDS s)"; cat "$summary"

@@ -96,6 +96,8 @@ def _copy_repository(export: Path, work: Path, instances: int = 0, pin: bool = F
     """The export's models in ``work`` (the stores linked, not copied), each python model wrapped, the floors added,
     with ``instances`` instances each where given, pinned to cores with ``pin`` (``export.pin_instances``); the names
     of the models to time, the served entry first."""
+    from export.pbtxt import instance_groups
+
     for model in sorted(p for p in export.iterdir() if (p / "config.pbtxt").is_file()):
         target = work / model.name
         shutil.copytree(model, target, ignore=shutil.ignore_patterns("store", "stats"))
@@ -115,23 +117,30 @@ def _copy_repository(export: Path, work: Path, instances: int = 0, pin: bool = F
         timed.append("ranker_floor")
     entry = (work / "ensemble" / "config.pbtxt").read_text()
     first = entry.split('model_name: "')[1].split('"')[0]
-    group = (work / first / "config.pbtxt").read_text().split("instance_group")[1].split("\n")[0]
+    kind, count = _instances((work / first / "config.pbtxt").read_text())
     head = entry.split("ensemble_scheduling")[0]
     head = head.replace('name: "ensemble"', 'name: "floor"').replace('platform: "ensemble"', 'backend: "python"')
     (work / "floor" / "1").mkdir(parents=True)
     batching = "dynamic_batching { max_queue_delay_microseconds: 0 }\n" if "dynamic_batching" in entry else ""
-    (work / "floor" / "config.pbtxt").write_text(f"{head}instance_group{group}\n{batching}")
+    (work / "floor" / "config.pbtxt").write_text(f"{head}{instance_groups(kind, count)}{batching}")
     (work / "floor" / "1" / "served.py").write_text(_FLOOR)
     (work / "floor" / "1" / "model.py").write_text(_WRAPPER.format(name="floor", floor=""))
     timed.append("floor")
     for config in work.glob("*/config.pbtxt"):
         text = config.read_text()
-        if instances:
-            text = re.sub(r"count: [0-9]+", f"count: {instances}", text)
+        if instances and "instance_group" in text:
+            groups = re.search(r"instance_group \[.*?\]\n", text, re.DOTALL)
+            text = text.replace(groups.group(0), instance_groups(_instances(text)[0], instances))
         if pin and 'backend: "python"' in text and "pin_cores" not in text:
             text += 'parameters { key: "pin_cores" value: { string_value: "true" } }\n'
         config.write_text(text)
     return timed
+
+
+def _instances(config: str) -> tuple[str, int]:
+    """The kind of a model's instances (``cpu``, ``gpu``) and their count, from its ``config.pbtxt``."""
+    return (re.search(r"KIND_(\w+)", config).group(1).lower(),
+            sum(int(n) for n in re.findall(r"count: ([0-9]+)", config)))
 
 
 def _stats(client, model: str) -> dict[str, int]:
