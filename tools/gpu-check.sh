@@ -33,7 +33,8 @@
 #              request's time goes (client, transport and Triton, the python backend, the model's work), with the
 #              instances as exported, one instance, and each on a core of its own (--pin)
 #   serve-latency  the GPU serving tests, bench serve --device cuda of the ranker alone, then tools/serve_profile.py
-#              on its export at batch 1 and 32, with the instances as exported and with one
+#              on its export at batch 1 and 32, with the instances as exported and with one, and
+#              tools/instance_layouts.py: 8 instances taken in turn, 8 by priority, one
 #   loader     bench loader on 8M synthetic rows, LZ4 pages and uncompressed (etl.compression)
 #   loader-split  bench loader on the ETL's split of E2E_ROWS rows (run etl, once, as e2e), the cudf reader beside the
 #              pyarrow one where cuDF imports; then the loader's GPU tests
@@ -196,7 +197,9 @@ print(f'{len(sources)} sources in {time.time() - start:.0f} s')
         step "serve-profile-$instances" 120 "$PY" tools/serve_profile.py \
           --export "$(ls -d /tmp/serve-profile/*/export | head -1)" --batches 1,32 --requests 200 --rounds 2 \
           --instances "$instances" --json "$W/serve-profile-$instances.json"
-      done ;;
+      done
+      step instance-layouts 200 "$PY" tools/instance_layouts.py --export "$(ls -d /tmp/serve-profile/*/export | head -1)" \
+        --layouts 8:turn,8:priority,1:turn --batches 1,32 --clients 16 ;;
     serve-parts)
       step serve-parts-tests 150 "$PY" -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_dense_gpu.py \
         tests/test_export_store.py ;;
