@@ -117,7 +117,7 @@ def model_configs(spec: EnsembleSpec, options: ModelOptions) -> dict[str, str]:
                             "it needs export.dense_backend=python (or export.fuse=none)")
         return {
             "ranker": _python_model("ranker", spec.raw, [spec.prediction], options,
-                                    parameters={**cache, **_dense_parameters(options)}),
+                                    parameters={**cache, **_dense_parameters(options)}, graphs=True),
             "ensemble": _ensemble(spec, options),
         }
     return {
@@ -172,10 +172,28 @@ def _quoted(text: str) -> str:
 
 
 def _python_model(name: str, inputs: list[Tensor], outputs: list[Tensor], options: ModelOptions,
-                  kind: str | None = None, parameters: dict[str, str] | None = None) -> str:
+                  kind: str | None = None, parameters: dict[str, str] | None = None, graphs: bool = False) -> str:
+    """``graphs``: the model runs a dense part, so its GPU instances replay CUDA graphs (warmed up at load)."""
     pinned = {"pin_cores": "true"} if options.pin_instances else {}  # export.instance.pin_to_core
+    warm = graphs and options.cuda_graphs and (kind or options.instance_kind) == "gpu"
     return (f'name: "{name}"\nbackend: "python"\nmax_batch_size: {options.max_batch_size}\n'
-            + _io(inputs, outputs) + _scheduling(options, kind) + _parameters({**(parameters or {}), **pinned}))
+            + _io(inputs, outputs) + _scheduling(options, kind) + _parameters({**(parameters or {}), **pinned})
+            + (warmup(inputs, options.max_batch_size) if warm else ""))
+
+
+def warmup(inputs: list[Tensor], max_batch: int) -> str:
+    """Triton's ``model_warmup``: before an instance takes requests, a request of zeros (numbers 0, text and lists
+    empty: missing) at each batch size a CUDA graph serves (:func:`export.dense.padded_batch`: the powers of two up to
+    ``max_batch``, and ``max_batch``), so each instance has captured its graphs by then. The instances a light load
+    leaves idle (:func:`instance_groups`) would otherwise capture them in the middle of the first burst."""
+    sizes = sorted({min(1 << k, max_batch) for k in range(max_batch.bit_length() + 1)})
+    entries = []
+    for size in sizes:
+        tensors = " ".join(f'inputs {{ key: "{t.name}" value: {{ data_type: TYPE_{t.dtype} dims: [ '
+                           f'{", ".join(str(d if d > 0 else 1) for d in t.dims)} ] zero_data: true }} }}'
+                           for t in inputs)
+        entries.append(f'{{ name: "zeros of {size} rows" batch_size: {size} {tensors} }}')
+    return "model_warmup [\n  " + ",\n  ".join(entries) + "\n]\n"
 
 
 def _dense(spec: EnsembleSpec, options: ModelOptions) -> str:
@@ -185,7 +203,7 @@ def _dense(spec: EnsembleSpec, options: ModelOptions) -> str:
         # every input to the host unless told not to).
         on_gpu = {"FORCE_CPU_ONLY_INPUT_TENSORS": "no"} if options.instance_kind == "gpu" else {}
         return _python_model("dense", inputs, [spec.prediction], options,
-                             parameters={**_dense_parameters(options), **on_gpu})
+                             parameters={**_dense_parameters(options), **on_gpu}, graphs=True)
     if options.dense_backend != "pytorch":
         raise UserError(f"export.dense_backend: expected python or pytorch, got {options.dense_backend!r}")
     renamed_in = [Tensor(f"INPUT__{i}", t.dtype, t.dims) for i, t in enumerate(inputs)]

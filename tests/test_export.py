@@ -225,6 +225,36 @@ def test_each_instance_is_a_group_of_its_own_its_priority_twenty_times_the_one_b
         assert priorities == ([0] if count == 1 else [min(20**k, 2**31) for k in range(count)])
 
 
+@pytest.mark.parametrize("max_batch", [1, 100, 1024])
+def test_gpu_instances_warm_up_every_graph_size_with_a_request_of_zeros(max_batch):
+    """Each GPU model with a dense part gets Triton's model_warmup: a request of zeros at each batch size a CUDA graph
+    serves (what padded_batch pads to), every input there (its any-length dims 1); CPU models and a GPU model without
+    graphs (cuda_graphs off, or the embedding lookup) get none."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    from export.dense import padded_batch
+
+    spec = EnsembleSpec.build(_raw(True), _schema(True), embedding_dim_total=48)
+    sizes = sorted({padded_batch(rows, max_batch) for rows in range(1, max_batch + 1)})
+    for fused in (True, False):
+        gpu = model_configs(spec, ModelOptions(instance_kind="gpu", instances=2, max_batch_size=max_batch, fused=fused))
+        for name in ("ranker",) if fused else ("dense",):
+            config = text_format.Parse(gpu[name], model_config_pb2.ModelConfig())
+            assert [w.batch_size for w in config.model_warmup] == sizes
+            for warm in config.model_warmup:
+                assert sorted(warm.inputs) == sorted(i.name for i in config.input)
+                for tensor in config.input:
+                    given = warm.inputs[tensor.name]
+                    assert given.zero_data and given.data_type == tensor.data_type
+                    assert list(given.dims) == [d if d > 0 else 1 for d in tensor.dims]
+        assert "model_warmup" not in gpu.get("embedding", "") + gpu.get("preprocess", "")
+        off = model_configs(spec, ModelOptions(instance_kind="gpu", max_batch_size=max_batch, fused=fused,
+                                               cuda_graphs=False))
+        cpu = model_configs(spec, ModelOptions(max_batch_size=max_batch, fused=fused))
+        assert "model_warmup" not in "".join(off.values()) + "".join(cpu.values())
+
+
 def test_instances_default_to_one_per_core_up_to_a_limit(monkeypatch):
     from export.config import AUTO_INSTANCES_MAX
     from pipeline.stages.export import model_options
