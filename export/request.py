@@ -42,10 +42,12 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
+import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.errors import BadInputError
+from pipeline.etl.frames import column_reader
 
 INTEGERS = "INTEGERS"
 INTEGERS_MISSING = "INTEGERS_MISSING"
@@ -163,7 +165,10 @@ class RequestLayout:
         """The given columns by name, each with one value per row, and the number of rows."""
         if isinstance(rows, str):
             rows = rows.splitlines()
-        if hasattr(rows, "columns") and hasattr(rows, "iloc"):
+        if isinstance(rows, pd.DataFrame):
+            read = column_reader(rows)  # the columns' arrays, without a Series each
+            columns = {str(name): read(name) for name in rows.columns}
+        elif hasattr(rows, "columns") and hasattr(rows, "iloc"):
             columns = {str(name): rows[name] for name in rows.columns}
         elif isinstance(rows, Mapping):
             columns = {str(name): values for name, values in rows.items()}
@@ -212,13 +217,19 @@ def _number_matrix(columns: Mapping[str, Any], names: tuple[str, ...], batch: in
                    ) -> tuple[np.ndarray, np.ndarray]:
     """The columns ``names`` side by side ``[row, column]`` as int64 (``integer``) or float64, 0 where missing, and
     where they are missing (an absent column: everywhere). The columns Arrow holds in that type are read together
-    in one pass, any other one alone."""
+    in one pass, and so are numpy floats (NaN: missing; pandas' int columns with missing values), any other one
+    alone."""
     values = np.zeros((batch, len(names)), np.int64 if integer else np.float64)
     missing = np.ones((batch, len(names)), bool)
+    floats = [j for j, name in enumerate(names)
+              if isinstance(columns.get(name), np.ndarray) and columns[name].dtype.kind == "f"]
+    if floats:
+        values[:, floats], missing[:, floats] = _float_block(np.stack([columns[names[j]] for j in floats]),
+                                                             [names[j] for j in floats], integer)
     kind = pa.int64() if integer else pa.float64()
     together: dict[int, pa.Array] = {}
     for j, name in enumerate(names):
-        if name in columns:
+        if name in columns and j not in floats:
             array = _arrow(columns[name])
             if array is not None and array.type == kind:
                 together[j] = array
@@ -233,6 +244,20 @@ def _number_matrix(columns: Mapping[str, Any], names: tuple[str, ...], batch: in
         values[:, list(together)] = np.where(absent, 0, numbers).T
         missing[:, list(together)] = absent.T
     return values, missing
+
+
+def _float_block(block: np.ndarray, names: list[str], integer: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Numpy float columns ``[column, row]`` as ``[row, column]`` int64 (``integer``: whole numbers in int64's range) or
+    finite float64, 0 where missing (NaN), and where they are missing; the first value that is neither named."""
+    block = block.astype(np.float64, copy=False)
+    absent = np.isnan(block)
+    filled = np.where(absent, 0.0, block)
+    bad = ((np.floor(filled) != filled) | (filled < _INT64_LOW) | (filled >= _INT64_END)) if integer \
+        else np.isinf(filled)
+    if bad.any():
+        k, row = (int(i[0]) for i in np.nonzero(bad))
+        raise BadInputError((_not_int64 if integer else _not_finite)(names[k], row, block[k, row]))
+    return (filled.astype(np.int64) if integer else filled).T, absent.T
 
 
 def _numbers(values: Any, array: pa.Array | None, name: str, integer: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -303,7 +328,10 @@ def _text_matrix(columns: Mapping[str, Any], names: tuple[str, ...], batch: int,
             values = values.tolist() if hasattr(values, "tolist") else values
             text = pa.array([None if _is_missing(v) else _to_bytes(v, separator) for v in values], pa.large_binary())
         parts.append(text)
-    values = pc.fill_null(pa.concat_arrays(parts), pa.scalar(b"", pa.large_binary()))  # column after column
+    if len({part.type for part in parts}) > 1:
+        parts = [part.cast(pa.large_binary()) for part in parts]
+    values = pa.concat_arrays(parts).cast(pa.large_binary())  # column after column, one cast
+    values = pc.fill_null(values, pa.scalar(b"", pa.large_binary())) if values.null_count else values
     offsets = np.frombuffer(values.buffers()[1], np.int64, count=len(values) + 1, offset=8 * values.offset)
     lengths = np.diff(offsets)
     data = values.buffers()[2]
@@ -340,14 +368,14 @@ def text_values(tensor: np.ndarray) -> np.ndarray:
 
 
 def _as_text(array: pa.Array | None, separator: str) -> pa.Array | None:
-    """Text, or lists of text (joined by ``separator``), as large binary values; None for anything else."""
+    """Text, or lists of text (joined by ``separator``), as Arrow text or binary values; None for anything else."""
     if array is None:
         return None
     if pa.types.is_null(array.type):
         return pa.nulls(len(array), pa.large_binary())
     if _is_list(array.type) and _is_text(array.type.value_type) and pc.list_flatten(array).null_count == 0:
         array = pc.binary_join(array, separator)
-    return array.cast(pa.large_binary()) if _is_text(array.type) else None
+    return array if _is_text(array.type) else None
 
 
 def _is_text(kind: pa.DataType) -> bool:
@@ -428,8 +456,6 @@ def _is_missing(value: Any) -> bool:
         return True
     if isinstance(value, (float, np.floating)) and math.isnan(value):
         return True
-    import pandas as pd
-
     return value is pd.NA or value is pd.NaT
 
 

@@ -143,10 +143,26 @@ def test_request_tensors_are_built_by_column_name_from_every_kind_of_rows():
     assert got["INTEGERS"][:, 0].tolist() == [2**63 - 1, 7, -(2**63)] and not got["INTEGERS_MISSING"][:, 0].any()
 
 
+def test_a_frame_of_numpy_columns_gives_the_tensors_of_its_arrow_typed_twin():
+    """pandas' own dtypes (an int column with missing values read as float64 with NaN, text as objects) and Arrow's
+    give the same request: the numpy float columns are read together."""
+    table = pa.table({"I1": pa.array([2**53, None, -7], pa.int64()), "I2": pa.array([None, None, 0], pa.int64()),
+                      "F1": pa.array([0.5, None, -0.0]), "C1": pa.array(["a", None, "é"])})
+    layout = RequestLayout(integers=("I1", "I2"), floats=("F1",), strings=("C1",))
+    numpy_frame, arrow_frame = table.to_pandas(), table.to_pandas(types_mapper=pd.ArrowDtype)
+    assert numpy_frame["I1"].dtype == np.float64
+    expected, got = layout.tensors(arrow_frame), layout.tensors(numpy_frame)
+    assert got["INTEGERS"].tolist() == [[2**53, 0], [0, 0], [-7, 0]] == expected["INTEGERS"].tolist()
+    for name, values in expected.items():
+        assert got[name].dtype == values.dtype and np.array_equal(got[name], values), name
+
+
 @pytest.mark.parametrize(("rows", "message"), [
     ({"I1": [1, 2.5]}, "column I1, row 1: the raw column is int64, expected a whole number from -9223372036854775808 "
                        "to 9223372036854775807 or missing, got 2.5"),
     ({"I1": np.array([1.0, 1e19])}, "column I1, row 1: .* got 1e\\+19"),
+    ({"I1": np.array([np.nan, 2.5])}, "column I1, row 1: .* got 2.5"),
+    ({"I1": np.array([np.nan, -np.inf], np.float32)}, "column I1, row 1: .* got -inf"),
     ({"I1": np.array([2**63], dtype=np.uint64)}, "column I1, row 0: .* got 9223372036854775808"),
     ({"I1": [2**63]}, "column I1, row 0: .* got 9223372036854775808"),
     ({"I1": ["seven"]}, "column I1, row 0: expected a whole number or missing, got 'seven'"),

@@ -8,7 +8,7 @@ GPU and use the cuDF API. cuDF is never imported here: a cuDF object is recognis
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -317,3 +317,16 @@ def cudf_longest_list(series: Any) -> Any:
     longest = series.list.len().max() if len(series) else None
     longest = 0 if longest is None or pd.isna(longest) else int(longest)
     return cudf.Series([longest], dtype="int64")
+
+
+def column_reader(df: pd.DataFrame) -> Callable[[Any], Any]:
+    """``name -> the column's array``, without building a Series per column where pandas allows it.
+
+    ``DataFrame._get_column_array`` (pandas 2.2 to 3) skips building a Series, which ``df[name]``
+    does; ``df[name]`` stays the way when it is missing or names repeat.
+    """
+    get = getattr(df, "_get_column_array", None)
+    if get is None or not df.columns.is_unique:
+        return lambda name: df[name]
+    positions = {name: i for i, name in enumerate(df.columns)}
+    return lambda name: get(positions[name])

@@ -40,7 +40,7 @@ from pipeline.errors import BadInputError, UserError
 from pipeline.etl.blocks import BlockColumns
 from pipeline.etl.column_schema import ColumnSchema
 from pipeline.etl.frame_library import FRAME_LIBRARIES, read_parquet
-from pipeline.etl.frames import as_arrow_lists, frame_like, is_cudf
+from pipeline.etl.frames import as_arrow_lists, column_reader, frame_like, is_cudf
 from pipeline.etl.graph import ColumnsLike, Node
 from pipeline.etl.ops.base import REGISTRY, Operator
 from pipeline.etl.progress import compute
@@ -343,7 +343,7 @@ def _evaluate_pandas(df: pd.DataFrame, nodes: list[Node]) -> pd.DataFrame:
     """
     # A copy, as the partition path gives: without copy-on-write (pandas 2), a column passed
     # through would otherwise share its memory with the caller's frame.
-    read = _column_reader(df)
+    read = column_reader(df)
     return _frame(_evaluate_columns(lambda names: {name: read(name) for name in names}, df.index, nodes), df.index,
                   copy=True)
 
@@ -391,19 +391,6 @@ def _as_series(like: Any, columns: Mapping[str, Any]) -> dict[str, Any]:
     that takes Series only."""
     frame = frame_like(like, columns)
     return {name: frame[name] for name in frame.columns}
-
-
-def _column_reader(df: pd.DataFrame):
-    """``name -> the column's array``, without building a Series per column where pandas allows it.
-
-    ``DataFrame._get_column_array`` (pandas 2.2 to 3) skips building a Series, which ``df[name]``
-    does; ``df[name]`` stays the way when it is missing or names repeat.
-    """
-    get = getattr(df, "_get_column_array", None)
-    if get is None or not df.columns.is_unique:
-        return lambda name: df[name]
-    positions = {name: i for i, name in enumerate(df.columns)}
-    return lambda name: get(positions[name])
 
 
 def _frame(columns: Mapping[str, Any], index: pd.Index | int, copy: bool = False) -> pd.DataFrame:
