@@ -38,6 +38,7 @@ Example::
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -45,7 +46,7 @@ from typing import NamedTuple
 import numpy as np
 
 from export.cache import Rows, TableCaches, make_caches
-from export.store import StoreVersion, current_stamp, current_version, open_current
+from export.store import CURRENT, StoreVersion, current_version, file_stamp, open_current
 from pipeline.errors import BadInputError
 
 
@@ -94,7 +95,8 @@ class EmbeddingLookup:
         self.cache_fraction = cache_fraction
         self.min_cache_rows = min_cache_rows
         self.refreshes = 0
-        self._stamp = current_stamp(self.store_root)
+        self._current = os.fspath(self.store_root / CURRENT)  # checked before every batch: a plain string
+        self._stamp = file_stamp(self._current)
         store = open_current(self.store_root)
         self.version = store.version
         self.caches: TableCaches = make_caches(
@@ -123,7 +125,7 @@ class EmbeddingLookup:
 
         A version that does not open, or whose tables are not the served ones (by name, width and dtype), raises
         before anything changes, and is not tried again until ``CURRENT`` names another."""
-        stamp = current_stamp(self.store_root)
+        stamp = file_stamp(self._current)
         if stamp == self._stamp:
             return False
         self._stamp = stamp
