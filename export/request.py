@@ -224,8 +224,9 @@ def _number_matrix(columns: Mapping[str, Any], names: tuple[str, ...], batch: in
     floats = [j for j, name in enumerate(names)
               if isinstance(columns.get(name), np.ndarray) and columns[name].dtype.kind == "f"]
     if floats:
-        values[:, floats], missing[:, floats] = _float_block(np.stack([columns[names[j]] for j in floats]),
-                                                             [names[j] for j in floats], integer)
+        block = np.stack([columns[names[j]] for j in floats]).astype(np.float64, copy=False)
+        values[:, floats], missing[:, floats] = _float_block(block, np.isnan(block), [names[j] for j in floats],
+                                                             integer)
     kind = pa.int64() if integer else pa.float64()
     together: dict[int, pa.Array] = {}
     for j, name in enumerate(names):
@@ -238,19 +239,19 @@ def _number_matrix(columns: Mapping[str, Any], names: tuple[str, ...], batch: in
     if together:
         numbers, absent = _numeric(pa.concat_arrays(list(together.values())))
         numbers, absent = numbers.reshape(len(together), batch), absent.reshape(len(together), batch)
-        if not integer and np.isinf(numbers).any():
-            k, row = (int(i[0]) for i in np.nonzero(np.isinf(numbers)))
-            raise BadInputError(_not_finite(names[list(together)[k]], row, numbers[k, row]))
-        values[:, list(together)] = np.where(absent, 0, numbers).T
-        missing[:, list(together)] = absent.T
+        if integer:  # int64 as it is
+            values[:, list(together)], missing[:, list(together)] = np.where(absent, 0, numbers).T, absent.T
+        else:
+            values[:, list(together)], missing[:, list(together)] = _float_block(
+                numbers, absent, [names[j] for j in together], integer)
     return values, missing
 
 
-def _float_block(block: np.ndarray, names: list[str], integer: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Numpy float columns ``[column, row]`` as ``[row, column]`` int64 (``integer``: whole numbers in int64's range) or
-    finite float64, 0 where missing (NaN), and where they are missing; the first value that is neither named."""
-    block = block.astype(np.float64, copy=False)
-    absent = np.isnan(block)
+def _float_block(block: np.ndarray, absent: np.ndarray, names: list[str], integer: bool
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """Float64 columns ``[column, row]`` (missing where ``absent``) as ``[row, column]`` int64 (``integer``: whole
+    numbers in int64's range) or finite float64, 0 where missing, and where they are missing; the first value that is
+    neither named."""
     filled = np.where(absent, 0.0, block)
     bad = ((np.floor(filled) != filled) | (filled < _INT64_LOW) | (filled >= _INT64_END)) if integer \
         else np.isinf(filled)
@@ -272,17 +273,8 @@ def _numbers(values: Any, array: pa.Array | None, name: str, integer: bool) -> t
             row = int(np.flatnonzero(~missing & (numbers >= _INT64_END))[0])
             raise BadInputError(_not_int64(name, row, numbers[row]))
         return np.where(missing, 0, numbers).astype(np.int64), missing
-    floats = np.where(missing, 0.0, numbers.astype(np.float64))
-    if integer:
-        bad = (np.floor(floats) != floats) | (floats < _INT64_LOW) | (floats >= _INT64_END)
-        if bad.any():
-            row = int(np.flatnonzero(bad)[0])
-            raise BadInputError(_not_int64(name, row, numbers[row]))
-        return floats.astype(np.int64), missing
-    if np.isinf(floats).any():
-        row = int(np.flatnonzero(np.isinf(floats))[0])
-        raise BadInputError(_not_finite(name, row, numbers[row]))
-    return floats, missing
+    converted, absent = _float_block(numbers.astype(np.float64)[None], missing[None], [name], integer)
+    return converted[:, 0], absent[:, 0]
 
 
 def _numeric(array: pa.Array) -> tuple[np.ndarray, np.ndarray] | None:
