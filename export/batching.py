@@ -21,7 +21,6 @@ from contextlib import AbstractContextManager
 
 import numpy as np
 
-from export.request import TEXT, text_values
 from pipeline.errors import UserError
 
 Compute = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
@@ -56,17 +55,12 @@ def respond(requests: list, input_names: list[str], compute: Compute, pb_utils, 
 
 def _read(request, names: list[str]) -> dict[str, np.ndarray] | Exception:
     """The request's inputs by name, read in one pass (``pb_utils.get_input_tensor_by_name`` scans them all per name):
-    numpy, or a torch tensor where an input is in GPU memory (a model whose inputs may stay there); the text of the
-    request format (:mod:`export.request`) as its ``[B, columns]`` values (numpy ``S``)."""
+    numpy, or a torch tensor where an input is in GPU memory (a model whose inputs may stay there)."""
     given = {tensor.name(): tensor for tensor in request.inputs()}
     missing = [name for name in names if name not in given]
     if missing:
         return UserError(f"missing input {missing[0]}")
-    inputs = {name: given[name].as_numpy() if given[name].is_cpu() else _from_device(given[name]) for name in names}
-    try:  # text as its values, so that requests of other widths stack
-        return {name: text_values(array) if name in TEXT else array for name, array in inputs.items()}
-    except UserError as err:
-        return err
+    return {name: given[name].as_numpy() if given[name].is_cpu() else _from_device(given[name]) for name in names}
 
 
 def _from_device(tensor):

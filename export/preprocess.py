@@ -157,8 +157,8 @@ class Preprocessor:
 
     def _check(self, tensors: Mapping[str, np.ndarray]) -> tuple[int, dict[str, np.ndarray]]:
         """The batch size, after checking that every tensor is there, of its dtype, its columns and that size; and
-        the text tensors' values ``[B, columns]`` (numpy ``S``; as they are where given so, as the served models
-        read them)."""
+        the text tensors' values ``[B, columns]`` as numpy ``S`` arrays (read in place from the request's
+        ``UINT8 [B, columns, width]``; taken as they are where given as bytes already)."""
         sizes, text = {}, {}
         for name, (datatype, columns) in self._inputs.items():
             if name not in tensors:

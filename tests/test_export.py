@@ -557,7 +557,7 @@ def test_preprocess_equals_the_workflow_column_by_column_on_the_raw_rows(multiho
     preprocess = Preprocessor.load(Path(cfg.paths.export) / "ranker" / "1" / "artifacts")
     workflow = Workflow.load(cfg.paths.workflow)
     expected = preprocess.tensors(Workflow.transform_partition(frame, workflow.output))
-    request = raw.layout.tensors(frame)  # text at a fixed width; as the served models read it, below
+    request = raw.layout.tensors(frame)  # text at a fixed width; below, also as fixed-width bytes
     assert request["STRINGS"].shape == (batch, 2, 3000) and request["STRINGS"].dtype == np.uint8
     read = {name: text_values(values) if name in ("STRINGS", "LISTS") else values for name, values in request.items()}
     assert request["INTEGERS"][missing, 0].tolist() == frame["I1"][missing].tolist()

@@ -3,8 +3,8 @@ for bit, for every kind of operator; and the index Categorify looks values up in
 
 The reference is what the ETL computes: the raw rows as its parquet reader gives them through every operator's
 own ``transform`` on a frame (``Workflow.transform_partition``). The served path takes the same rows as a request:
-its text as the client sends it (zero-padded bytes, ``UINT8 [B, m, W]``) and as the served model reads it
-(fixed-width ``S`` arrays), kept in blocks through the operators' ``transform_many``. The rows hold values unseen at fit,
+its text as the client sends it (zero-padded bytes, ``UINT8 [B, m, W]``) and as fixed-width ``S`` arrays (read in
+place from those), kept in blocks through the operators' ``transform_many``. The rows hold values unseen at fit,
 missing values of every kind (a null number, an empty string, a null or empty list), text that is not ASCII, long
 values and values with a NUL byte, at 1, 32 and 1,000 rows.
 """
@@ -109,8 +109,8 @@ def served(request) -> tuple[Preprocessor, Workflow]:
     return Preprocessor(raw, schema, workflow.transform_columns), workflow
 
 
-def _as_served(tensors: dict) -> dict:
-    """The request as the served model reads it: its text as fixed-width ``S`` arrays."""
+def _as_bytes(tensors: dict) -> dict:
+    """The request with its text as fixed-width ``S`` arrays, the other form the preprocess takes."""
     return {name: text_values(values) if name in TEXT else values for name, values in tensors.items()}
 
 
@@ -130,12 +130,12 @@ def test_preprocess_equals_the_workflows_own_transform_for_every_operator(served
     expected = preprocess.tensors(Workflow.transform_partition(frame, workflow.output))
     assert sorted(expected) == ["CATEGORICAL_IDS", "DENSE", "MULTIHOT_IDS", "MULTIHOT_LENGTHS"]
     request = preprocess.raw.layout.tensors(frame)
-    for got in (preprocess(request), preprocess(_as_served(request))):
+    for got in (preprocess(request), preprocess(_as_bytes(request))):
         _assert_same_bits(got, expected)
     # every row missing everything
     nothing = pd.DataFrame({name: pd.Series([None] * rows, dtype=frame[name].dtype) for name in frame.columns})
     expected = preprocess.tensors(Workflow.transform_partition(nothing, workflow.output))
-    _assert_same_bits(preprocess(_as_served(preprocess.raw.layout.tensors(nothing))), expected)
+    _assert_same_bits(preprocess(_as_bytes(preprocess.raw.layout.tensors(nothing))), expected)
 
 
 def test_fixed_width_strings_are_read_whole_and_as_arrow_reads_text(served):

@@ -1,9 +1,8 @@
 """The served preprocess in one process: raw request tensors -> model tensors, per batch, by phase.
 
 Loads the preprocess of an export (``ranker/1/artifacts``, or ``preprocess/1/artifacts`` of the chain) as the
-served model does, makes requests of the raw test rows with the client's code (``RequestLayout.tensors``), their
-text read as the served model reads it (``export.request.text_values``), and
-times ``Preprocessor.__call__`` on 8 different requests in turn: the median of ``--calls`` calls (after 30) per batch
+served model does, makes requests of the raw test rows with the client's code (``RequestLayout.tensors``: the
+tensors the served model gets), and times ``Preprocessor.__call__`` on 8 different requests in turn: the median of ``--calls`` calls (after 30) per batch
 size, each of ``--rounds`` rounds, and its phases (the request's columns as blocks, the workflow's
 ``transform_columns``, the model's tensors cut from them). With ``--cold`` a 128 MiB array is written before each
 call, which empties the CPU's caches as the rest of a served request and the server's other processes do between
@@ -41,7 +40,6 @@ def main(argv: list[str] | None = None) -> dict:
 
     import export.preprocess
     from export.preprocess import Preprocessor
-    from export.request import TEXT, text_values
 
     folder = Path(args.export)
     artifacts = next(p for p in (folder / "ranker/1/artifacts", folder / "preprocess/1/artifacts") if p.exists())
@@ -49,10 +47,7 @@ def main(argv: list[str] | None = None) -> dict:
     rows = pq.read_table(args.raw or folder.parent / "raw" / "test").to_pandas()
     batches = [int(b) for b in args.batches.split(",") if b]
 
-    def as_served(tensors: dict) -> dict:
-        return {name: text_values(values) if name in TEXT else values for name, values in tensors.items()}
-
-    requests = {batch: [as_served(preprocess.raw.layout.tensors(rows.iloc[start: start + batch]))
+    requests = {batch: [preprocess.raw.layout.tensors(rows.iloc[start: start + batch])
                         for start in (k * batch % max(len(rows) - batch, 1) for k in range(8))] for batch in batches}
     results: dict = {"code": str(Path(export.preprocess.__file__).resolve().parents[1]), "cold": args.cold,
                      "rounds": []}

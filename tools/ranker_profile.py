@@ -2,8 +2,8 @@
 
 Loads an export's ``ranker`` as its instance does on ``--device`` (the preprocess of ``ranker/1/artifacts``, the
 embedding lookup through ``ranker/store`` with the instance's caches: ``gpu-lru`` on a GPU, ``lru`` on the CPU, and the
-dense part with CUDA graphs on a GPU), makes requests of the raw test rows with the client's code, their text
-read as the served model reads it, and times each phase of 8 requests in turn: the median of ``--calls`` calls
+dense part with CUDA graphs on a GPU), makes requests of the raw test rows with the client's code (the tensors the
+served model gets), and times each phase of 8 requests in turn: the median of ``--calls`` calls
 (after 50), warm and with the CPU's caches emptied before each call (``cold``: a 128 MiB array written, as the rest
 of a served request and the server's other processes leave them). ``--gather`` picks how the rows of a GPU cache
 reach the dense part: ``graph`` (the ranker's way: the dense part's CUDA graph gathers them from the cache),
@@ -45,7 +45,6 @@ def main(argv: list[str] | None = None) -> dict:
     from export.dense import DenseRunner
     from export.lookup import EmbeddingLookup, LookupConfig
     from export.preprocess import CATEGORICAL_IDS, DENSE, MULTIHOT_IDS, MULTIHOT_LENGTHS, Preprocessor
-    from export.request import TEXT, text_values
 
     folder = Path(args.export) / "ranker"
     on_gpu = args.device.startswith("cuda")
@@ -56,12 +55,9 @@ def main(argv: list[str] | None = None) -> dict:
     dense = DenseRunner(folder / "1" / "model.pt", args.device, cuda_graphs=True, max_batch=max_batch)
     rows = pq.read_table(args.raw or Path(args.export).parent / "raw" / "test").to_pandas()
 
-    def as_served(tensors: dict) -> dict:
-        return {name: text_values(values) if name in TEXT else values for name, values in tensors.items()}
-
     def requests(batch: int) -> list[dict]:
         starts = [k * batch % max(len(rows) - batch, 1) for k in range(8)]
-        return [as_served(preprocess.raw.layout.tensors(rows.iloc[start: start + batch])) for start in starts]
+        return [preprocess.raw.layout.tensors(rows.iloc[start: start + batch]) for start in starts]
 
     spill = np.ones(16 << 20)
 
