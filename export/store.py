@@ -62,15 +62,11 @@ def current_version(root: str | Path) -> int:
     return int(text.lstrip(b"v"))
 
 
-def current_stamp(root: str | Path) -> tuple[int, int, int] | None:
-    """What tells ``CURRENT`` as it is now apart from an earlier one (None when absent), without reading it: a
-    writer replaces the file, so a new version means a new stamp (one ``stat``, cheap enough for every batch)."""
-    return file_stamp(os.path.join(root, CURRENT))
-
-
 def file_stamp(path: str) -> tuple[int, int, int] | None:
-    """:func:`current_stamp` of the file ``path`` (a plain string: a served model checks it before every batch,
-    where building ``Path`` objects costs more than the ``stat`` once the CPU's caches are cold)."""
+    """What tells the file ``path`` (a store's ``CURRENT``) as it is now apart from an earlier one (None when absent),
+    without reading it: a writer replaces the file, so a new version means a new stamp (one ``stat``, cheap enough for
+    every batch). A plain string: a served model checks it before every batch, where building ``Path`` objects costs
+    more than the ``stat`` once the CPU's caches are cold."""
     try:
         stat = os.stat(path)
     except FileNotFoundError:

@@ -10,7 +10,7 @@ import torch
 
 from export.cache import LfuCache, LruCache, NoCache, make_caches, make_tier
 from export.lookup import EmbeddingLookup, LookupConfig
-from export.store import current_stamp, current_version, open_current, write_version
+from export.store import CURRENT, current_version, file_stamp, open_current, write_version
 from pipeline.errors import BadInputError
 from pipeline.modules import EmbeddingCollection, TableConfig
 from pipeline.schema import Column, Schema
@@ -36,12 +36,13 @@ def test_versions_are_written_whole_and_old_ones_pruned(tmp_path):
 
 
 def test_every_new_version_changes_the_stamp_of_current(tmp_path):
-    assert current_stamp(tmp_path) is None
+    current = str(tmp_path / CURRENT)
+    assert file_stamp(current) is None
     write_version(tmp_path, {"t": _table(seed=1)})
-    first = current_stamp(tmp_path)
-    assert first is not None and current_stamp(tmp_path) == first
+    first = file_stamp(current)
+    assert first is not None and file_stamp(current) == first
     write_version(tmp_path, {"t": _table(seed=2)})
-    assert current_stamp(tmp_path) != first
+    assert file_stamp(current) != first
 
 
 def test_any_table_name_is_stored_and_read_back(tmp_path):
