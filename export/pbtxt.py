@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from export.dense import padded_batch
 from export.preprocess import CATEGORICAL_IDS, DENSE, MULTIHOT_IDS, MULTIHOT_LENGTHS, RawColumns
 from export.request import LAYOUT_PARAMETER, RequestLayout
 from pipeline.errors import UserError
@@ -183,10 +184,10 @@ def _python_model(name: str, inputs: list[Tensor], outputs: list[Tensor], option
 
 def warmup(inputs: list[Tensor], max_batch: int) -> str:
     """Triton's ``model_warmup``: before an instance takes requests, a request of zeros (numbers 0, text and lists
-    empty: missing) at each batch size a CUDA graph serves (:func:`export.dense.padded_batch`: the powers of two up to
-    ``max_batch``, and ``max_batch``), so each instance has captured its graphs by then. The instances a light load
+    empty: missing) at each batch size a CUDA graph serves (what :func:`export.dense.padded_batch` pads a batch to:
+    the powers of two up to ``max_batch``, and ``max_batch``), so each instance has captured its graphs by then. The instances a light load
     leaves idle (:func:`instance_groups`) would otherwise capture them in the middle of the first burst."""
-    sizes = sorted({min(1 << k, max_batch) for k in range(max_batch.bit_length() + 1)})
+    sizes = sorted({padded_batch(rows, max_batch) for rows in range(1, max_batch + 1)})
     entries = []
     for size in sizes:
         tensors = " ".join(f'inputs {{ key: "{t.name}" value: {{ data_type: TYPE_{t.dtype} dims: [ '
