@@ -56,11 +56,15 @@ class ServerError(UserError):
     """The server could not start, or died; the message ends with the tail of its log."""
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+def free_port(host: str = "127.0.0.1", other_than: int = 0) -> int:
+    """A TCP port free on ``host`` right now, and not ``other_than``: two ports picked one after the other may be the
+    same one, free again once the first probe closed (Triton refuses HTTP and gRPC on one port)."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            port = sock.getsockname()[1]
+        if port != other_than:
+            return port
 
 
 def _is_free(host: str, port: int) -> bool:
@@ -195,7 +199,7 @@ class TritonServer:
         attempts = 1 if triton_http and self._ports[1] else 3
         for attempt in range(attempts):
             self.triton_http_port = triton_http or free_port(self._triton_http_host)
-            self.grpc_port = self._ports[1] or free_port(self.host)
+            self.grpc_port = self._ports[1] or free_port(self.host, other_than=self.triton_http_port)
             if self.guard is None:
                 self.http_port = self.triton_http_port
             else:

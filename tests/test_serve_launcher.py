@@ -88,6 +88,34 @@ def test_a_models_environment_that_does_not_work_is_named_on_one_line(tmp_path):
     assert "No module named 'numpy'" in message and "make serve-env" in message and "\n" not in message, message
 
 
+def test_a_free_port_is_never_the_one_already_picked(monkeypatch):
+    """Two ports picked one after the other may be the same one (the first probe's socket closed): the gRPC port is
+    picked other than Triton's HTTP port, which refuses to share it."""
+    import export.server
+
+    handed = iter([7001, 7001, 7001, 7002])
+
+    class Probe:
+        def __init__(self, *args) -> None:
+            self.port = next(handed)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> None:
+            pass
+
+        def bind(self, address) -> None:
+            pass
+
+        def getsockname(self):
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(export.server.socket, "socket", Probe)
+    assert export.server.free_port() == 7001
+    assert export.server.free_port(other_than=7001) == 7002
+
+
 def test_ports_pid_check_and_the_models_environment(repository):
     from tritonclient import http
 
