@@ -8,8 +8,9 @@
                                           (export/lookup, cache,    (export/dense)
                                            store)
 
-By default the three run in one python model, ``ranker`` (one python-backend hop per request);
-``export.fuse=none`` serves them as three models chained by the ensemble. On GPU instances the cache's hot
+By default the three run in one python model (``triton_models/ranker.py``), which clients call as ``ensemble`` (one
+python-backend hop per request); ``export.fuse=none`` serves them as three models chained by a Triton ensemble of that
+name. On GPU instances the cache's hot
 rows and its answer, the pooled embeddings, stay in GPU memory: the dense part takes them there (in the
 chain, ``embedding`` hands them to ``dense`` through DLPack). A request holds one tensor
 per kind of raw column (``request``: integers, floats, strings, lists, in the order the ensemble's

@@ -48,8 +48,8 @@ class ExportConfig:
     dense_threads: int = field(default=1, metadata={
         "help": "torch threads of each CPU dense instance (1: small requests, cores left to the other models)"})
     fuse: str = field(default="auto", metadata={
-        "help": "all | none | auto: all serves raw rows with one python model, 'ranker' (the workflow, the embedding "
-                "lookup and the dense part in one process: one hop); none chains preprocess -> embedding -> dense, "
+        "help": "all | none | auto: all serves raw rows with one python model, called as 'ensemble' (the workflow, the "
+                "embedding lookup and the dense part in one process: one hop); none chains preprocess -> embedding -> dense, "
                 "each with its own instances (export.dense_backend=pytorch needs it); auto: all with the python "
                 "dense backend (faster on CPU and GPU instances), else none"})
     update: bool = field(default=False, metadata={

@@ -1,7 +1,7 @@
 """What a serving instance of the embedding lookup does besides looking up: built from Triton's
 ``initialize`` arguments, refreshed to new store versions, and reporting its cache counters.
 
-Used by the ``embedding`` model and by ``ranker`` (embedding and dense in one model). Every 0.2 s a
+Used by the ``embedding`` model and by the fused model (embedding and dense in one model). Every 0.2 s a
 background thread switches to a newer store version (so an instance that gets no request switches
 too, and lets go of the versions export prunes) and writes the counters to
 ``stats/instance-<pid>-<start>.json`` beside the store, with the identity of its process (boot, pid, start
@@ -19,7 +19,7 @@ Example (inside a ``model.py``)::
     self.instance = LookupInstance(args, params, pb_utils.Logger.log_error)
     self.instance.refresh()                               # before each batch
     pooled = self.instance.pooled(features)                 # the embedding model
-    scores = self.instance.scored(features, dense_part)   # the ranker: lookup and dense part together
+    scores = self.instance.scored(features, dense_part)   # the fused model: lookup and dense part together
 """
 
 from __future__ import annotations

@@ -21,6 +21,9 @@ from export.request import LAYOUT_PARAMETER, RequestLayout
 from pipeline.errors import UserError
 from pipeline.schema import Schema
 
+ENTRY = "ensemble"
+"""The model clients call: the one python model of a fused export (``export.fuse=all``), else the Triton ensemble of
+the chain."""
 PREDICTION = "PREDICTION"
 EMBEDDINGS = "EMBEDDINGS"
 PRIORITY_BASE = 20
@@ -100,9 +103,9 @@ class ModelOptions:
     cuda_graphs: bool = True
     pin_instances: bool = False
     fused: bool | None = None
-    """One ``ranker`` model (raw rows -> probabilities) in place of ``preprocess``, ``embedding`` and ``dense``;
-    None: wherever it can, with the python dense backend (measured faster than the chain on CPU and on GPU
-    instances, docs/BENCHMARKS.md)."""
+    """One python model (raw rows -> probabilities), served as ``ensemble`` itself, in place of the Triton ensemble of
+    ``preprocess``, ``embedding`` and ``dense``; None: wherever it can, with the python dense backend (measured faster
+    than the chain on CPU and on GPU instances, docs/BENCHMARKS.md)."""
 
     def __post_init__(self) -> None:
         if self.fused is None:
@@ -116,17 +119,16 @@ def model_configs(spec: EnsembleSpec, options: ModelOptions) -> dict[str, str]:
         if options.dense_backend != "python":
             raise UserError("export.fuse=all runs the dense part in the python backend: "
                             "it needs export.dense_backend=python (or export.fuse=none)")
-        return {
-            "ranker": _python_model("ranker", spec.raw, [spec.prediction], options,
-                                    parameters={**cache, **_dense_parameters(options)}, graphs=True),
-            "ensemble": _ensemble(spec, options),
-        }
+        # the entry clients call, with nothing in front of it: a Triton ensemble of this one step cost a hop (its
+        # scheduler's hand-over of each request and answer: 0.1-0.2 ms on the H200 machine, docs/BENCHMARKS.md)
+        return {ENTRY: _python_model(ENTRY, spec.raw, [spec.prediction], options, graphs=True, parameters={
+            **cache, **_dense_parameters(options), LAYOUT_PARAMETER: spec.layout.to_json()})}
     return {
         "preprocess": _python_model("preprocess", spec.raw, spec.features, options, kind="cpu"),
         "embedding": _python_model("embedding", spec.embedding_inputs, [spec.embeddings], options,
                                    parameters=cache),
         "dense": _dense(spec, options),
-        "ensemble": _ensemble(spec, options),
+        ENTRY: _ensemble(spec, options),
     }
 
 
@@ -227,17 +229,14 @@ def _step(model: str, inputs: dict[str, str], outputs: dict[str, str]) -> str:
 
 
 def _ensemble(spec: EnsembleSpec, options: ModelOptions) -> str:
-    raw = {t.name: t.name for t in spec.raw}
-    if options.fused:
-        steps = [_step("ranker", raw, {PREDICTION: PREDICTION})]
-    else:
-        dense_inputs, dense_output = dense_tensor_names(spec, options)
-        steps = [
-            _step("preprocess", raw, {t.name: t.name for t in spec.features}),
-            _step("embedding", {t.name: t.name for t in spec.embedding_inputs}, {EMBEDDINGS: EMBEDDINGS}),
-            _step("dense", dict(zip(dense_inputs, [t.name for t in spec.dense_inputs])), {dense_output: PREDICTION}),
-        ]
-    return (f'name: "ensemble"\nplatform: "ensemble"\nmax_batch_size: {options.max_batch_size}\n'
+    """The Triton ensemble of the chain: ``preprocess`` -> ``embedding`` -> ``dense``."""
+    dense_inputs, dense_output = dense_tensor_names(spec, options)
+    steps = [
+        _step("preprocess", {t.name: t.name for t in spec.raw}, {t.name: t.name for t in spec.features}),
+        _step("embedding", {t.name: t.name for t in spec.embedding_inputs}, {EMBEDDINGS: EMBEDDINGS}),
+        _step("dense", dict(zip(dense_inputs, [t.name for t in spec.dense_inputs])), {dense_output: PREDICTION}),
+    ]
+    return (f'name: "{ENTRY}"\nplatform: "ensemble"\nmax_batch_size: {options.max_batch_size}\n'
             + _io(spec.raw, [spec.prediction])
             + "ensemble_scheduling {\n  step [\n" + ",\n".join(steps) + "\n  ]\n}\n"
             + _parameters({LAYOUT_PARAMETER: spec.layout.to_json()}))

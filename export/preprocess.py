@@ -26,7 +26,7 @@ too).
 
 Example::
 
-    pre = Preprocessor.load("repo/ranker/1/artifacts")
+    pre = Preprocessor.load("repo/ensemble/1/artifacts")
     tensors = pre(pre.raw.layout.tensors(raw_rows))      # raw_rows: a DataFrame, dicts, TSV lines
     tensors["CATEGORICAL_IDS"].shape     # (B, 26)
 """

@@ -2,15 +2,16 @@
 
 Layout (``<workdir>/<dataset>/export``)::
 
-    ranker/config.pbtxt       1/model.py   1/artifacts/{raw_columns.json, schema.json, workflow/}
+    ensemble/config.pbtxt     1/model.py   1/artifacts/{raw_columns.json, schema.json, workflow/}
                               1/layout.json   1/model.pt   store/{CURRENT, v000001/00000.npy ...}
-    ensemble/config.pbtxt     1/
     export.json               what was exported, from where (``trained``: the training run), the store version,
                               and every other file written but the store's, with its size (``files``)
 
-or, with ``ModelOptions(fused=False)`` (``export.fuse=none``), the three models of the chain, each with
-its part of the files above::
+``ensemble`` is there one python model (``triton_models/ranker.py``) that runs the workflow, the lookup and the dense
+part. With ``ModelOptions(fused=False)`` (``export.fuse=none``), ``ensemble`` is a Triton ensemble of the three
+models of the chain, each with its part of the files above::
 
+    ensemble/config.pbtxt     1/
     preprocess/config.pbtxt   1/model.py   1/artifacts/{raw_columns.json, schema.json, workflow/}
     embedding/config.pbtxt    1/model.py   1/layout.json   store/
     dense/config.pbtxt        1/model.py   1/model.pt      (TorchScript; the pytorch backend reads it too)
@@ -44,7 +45,7 @@ import torch
 from export.dense import save_dense
 from export.instance import live_stats
 from export.lookup import LookupConfig
-from export.pbtxt import EnsembleSpec, ModelOptions, model_configs
+from export.pbtxt import ENTRY, EnsembleSpec, ModelOptions, model_configs
 from export.preprocess import RawColumns
 from export.store import current_version, open_current, write_version
 from pipeline.data.raw_folder import RawDataset
@@ -53,6 +54,8 @@ from pipeline.files import write_json
 from pipeline.schema import Schema
 
 MODELS_SOURCE = Path(__file__).parent / "triton_models"
+FUSED_SOURCE = "ranker.py"
+"""The python model of a fused export (the workflow, the lookup and the dense part in one), served as ``ensemble``."""
 EXPORT_RECORD = "export.json"
 
 
@@ -122,8 +125,9 @@ def write_repository(model, schema: Schema, workflow_dir: str | Path, raw: RawCo
         (staging / name / "config.pbtxt").write_text(text)
     for name in configs:
         if 'backend: "python"' in configs[name]:
-            shutil.copyfile(MODELS_SOURCE / f"{name}.py", staging / name / "1" / "model.py")
-    preprocess_model, lookup_model, dense_model = ("ranker",) * 3 if options.fused else \
+            source = FUSED_SOURCE if options.fused else f"{name}.py"
+            shutil.copyfile(MODELS_SOURCE / source, staging / name / "1" / "model.py")
+    preprocess_model, lookup_model, dense_model = (ENTRY,) * 3 if options.fused else \
         ("preprocess", "embedding", "dense")
 
     artifacts = staging / preprocess_model / "1" / "artifacts"
@@ -223,12 +227,12 @@ def store_version(out: str | Path) -> int:
 
 
 def lookup_dir(out: str | Path) -> Path:
-    """The folder of the model that holds the store: ``ranker``, or ``embedding`` in the chain of three."""
+    """The folder of the model that holds the store: ``ensemble``, or ``embedding`` in the chain of three."""
     return Path(out) / _recorded(out, "lookup_model", "embedding")
 
 
 def artifacts_dir(out: str | Path) -> Path:
-    """The folder of the saved workflow, schema and raw columns: in ``ranker``, or ``preprocess`` in the chain."""
+    """The folder of the saved workflow, schema and raw columns: in ``ensemble``, or ``preprocess`` in the chain."""
     return Path(out) / _recorded(out, "preprocess_model", "preprocess") / "1" / "artifacts"
 
 

@@ -456,16 +456,16 @@ def test_bench_serve_reports_latency_steps_throughput_and_cache_hit_rates(tmp_pa
     for batch in ("1", "16"):
         for path in ("ensemble", "in_process", "model_only"):
             assert 0 < r["latency"][batch][path]["p50_ms"] <= r["latency"][batch][path]["p99_ms"], (batch, path)
-        steps = r["steps"][batch]  # one model, raw rows in: its execute within its compute within the ensemble
-        assert 0 < steps["ranker model"] <= steps["ranker"] <= steps["ensemble (server side)"]
-        assert steps["ranker queue"] >= 0 and "preprocess" not in steps
-        phases = r["phases"][batch]  # inside the ranker's execute: each phase of its batches, host time
+        steps = r["steps"][batch]  # one model, raw rows in: its execute within its compute within its time served
+        assert 0 < steps["ensemble model"] <= steps["ensemble"] <= steps["ensemble (server side)"]
+        assert steps["ensemble queue"] >= 0 and "preprocess" not in steps
+        phases = r["phases"][batch]  # inside the model's execute: each phase of its batches, host time
         assert set(phases) == {"refresh", "inputs", "preprocess", "lookup", "dense", "outputs"} and min(phases.values()) > 0
-        assert sum(phases.values()) <= 1.1 * steps["ranker model"], (phases, steps)
+        assert sum(phases.values()) <= 1.1 * steps["ensemble model"], (phases, steps)
     assert r["throughput"]["ensemble_rows_per_s"] > 0 and r["throughput"]["in_process_rows_per_s"] > 0
     assert r["served_cache"]["hits"] > 0
     exported = json.loads((tmp_path / "work" / "bench-serve-3000" / "export" / "export.json").read_text())
-    assert (r["served_cache"]["model"], r["served_cache"]["instances"]) == ("ranker", exported["options"]["instances"])
+    assert (r["served_cache"]["model"], r["served_cache"]["instances"]) == ("ensemble", exported["options"]["instances"])
     assert set(r["cache_offline"]) == {"rows", "lru@0.05", "lru@0.25", "lfu@0.05", "lfu@0.25"}
     assert all(0 <= v <= 1 for k, v in r["cache_offline"].items() if k != "rows")
     assert "ensemble / in-process p50" in capsys.readouterr().out

@@ -182,17 +182,19 @@ def test_request_tensors_name_the_column_and_row_of_a_value_they_cannot_carry(ro
         RequestLayout(integers=("I1",), floats=("F1",), strings=("C1",)).tensors(rows)
 
 
-def test_fused_export_is_one_ranker_step_from_the_raw_columns():
+def test_fused_export_is_one_python_model_called_as_the_ensemble():
+    """Fused, the entry clients call is the one python model itself (no Triton ensemble in front of it: a hop), with
+    the raw columns in and PREDICTION out as the chain's ensemble has them (and its layout: the test above)."""
     spec = EnsembleSpec.build(_raw(), _schema(), embedding_dim_total=48)
     configs = model_configs(spec, ModelOptions())
-    assert sorted(configs) == ["ensemble", "ranker"]
-    steps = re.findall(r'model_name: "(\w+)"', configs["ensemble"])
-    assert steps == ["ranker"]
-    ranker = _tensors(configs["ranker"])
-    assert ranker == _tensors(configs["ensemble"].split("ensemble_scheduling")[0])  # raw columns in, PREDICTION out
-    assert ranker["PREDICTION"] == ("FP32", "1") and 'key: "intra_op_threads"' in configs["ranker"]
-    assert "ranker" not in model_configs(spec, ModelOptions(dense_backend="pytorch"))  # auto: the chain
-    assert "ranker" in model_configs(spec, ModelOptions(instance_kind="gpu"))  # auto: one model on GPU instances too
+    assert sorted(configs) == ["ensemble"]
+    assert 'backend: "python"' in configs["ensemble"] and "ensemble_scheduling" not in configs["ensemble"]
+    chain = model_configs(spec, ModelOptions(fused=False))["ensemble"]
+    fused = _tensors(configs["ensemble"])
+    assert fused == _tensors(chain.split("ensemble_scheduling")[0])  # raw columns in, PREDICTION out
+    assert fused["PREDICTION"] == ("FP32", "1") and 'key: "intra_op_threads"' in configs["ensemble"]
+    assert "preprocess" in model_configs(spec, ModelOptions(dense_backend="pytorch"))  # auto: the chain
+    assert "preprocess" not in model_configs(spec, ModelOptions(instance_kind="gpu"))  # auto: one model on GPUs too
     with pytest.raises(UserError, match="fuse=all .* needs export.dense_backend=python"):
         model_configs(spec, ModelOptions(dense_backend="pytorch", fused=True))
 
@@ -216,8 +218,8 @@ def test_instance_groups_and_dynamic_batching_are_options():
     assert "max_queue_delay_microseconds: 250" in cpu["embedding"]
     assert "MULTIHOT" not in cpu["preprocess"]
     fused = model_configs(spec, ModelOptions(instances=3))
-    assert instance_groups("cpu", 3) in fused["ranker"]
-    assert "max_queue_delay_microseconds: 0" in fused["ranker"]  # no wait: a lone request runs at once
+    assert instance_groups("cpu", 3) in fused["ensemble"]
+    assert "max_queue_delay_microseconds: 0" in fused["ensemble"]  # no wait: a lone request runs at once
     # the GPU dense model takes the pooled embeddings where the GPU embedding model leaves them
     keep_on_gpu = 'parameters { key: "FORCE_CPU_ONLY_INPUT_TENSORS" value: { string_value: "no" } }'
     assert keep_on_gpu in gpu["dense"] and keep_on_gpu not in model_configs(spec, ModelOptions(fused=False))["dense"]
@@ -232,7 +234,7 @@ def test_each_instance_is_a_group_of_its_own_its_priority_twenty_times_the_one_b
 
     spec = EnsembleSpec.build(_raw(False), _schema(False), embedding_dim_total=32)
     for kind in ("cpu", "gpu"):
-        text = model_configs(spec, ModelOptions(instance_kind=kind, instances=count))["ranker"]
+        text = model_configs(spec, ModelOptions(instance_kind=kind, instances=count))["ensemble"]
         config = text_format.Parse(text, model_config_pb2.ModelConfig())
         assert sum(group.count for group in config.instance_group) == count
         assert {group.kind for group in config.instance_group} == {getattr(model_config_pb2.ModelInstanceGroup,
@@ -255,7 +257,7 @@ def test_gpu_instances_warm_up_every_graph_size_with_a_request_of_zeros(max_batc
     sizes = sorted({padded_batch(rows, max_batch) for rows in range(1, max_batch + 1)})
     for fused in (True, False):
         gpu = model_configs(spec, ModelOptions(instance_kind="gpu", instances=2, max_batch_size=max_batch, fused=fused))
-        for name in ("ranker",) if fused else ("dense",):
+        for name in ("ensemble",) if fused else ("dense",):
             config = text_format.Parse(gpu[name], model_config_pb2.ModelConfig())
             assert [w.batch_size for w in config.model_warmup] == sizes
             for warm in config.model_warmup:
@@ -310,7 +312,7 @@ def test_cuda_graphs_are_a_dense_parameter_and_cpu_runners_run_the_module_as_it_
     from export.dense import DenseRunner
 
     spec = EnsembleSpec.build(_raw(False), _schema(False), embedding_dim_total=32)
-    assert 'key: "cuda_graphs" value: { string_value: "true" }' in model_configs(spec, ModelOptions())["ranker"]
+    assert 'key: "cuda_graphs" value: { string_value: "true" }' in model_configs(spec, ModelOptions())["ensemble"]
     chain = model_configs(spec, ModelOptions(fused=False, cuda_graphs=False))
     assert 'key: "cuda_graphs" value: { string_value: "false" }' in chain["dense"]
     model = build_model("dlrm", _schema(False), ModelSizes.preset("small"), seed=0).eval()
@@ -457,10 +459,10 @@ def test_served_parts_equal_in_process_with_multihot_unseen_and_missing(multihot
     expected = InProcessModel(model, schema, Workflow.load(cfg.paths.workflow)).predict(rows)
     assert expected.std() > 0.05
 
-    ranker = export / "ranker"  # the preprocess, lookup and dense parts of the one served model
-    preprocess = Preprocessor.load(ranker / "1" / "artifacts")
-    lookup = EmbeddingLookup(ranker / "store", LookupConfig.load(ranker / "1" / "layout.json"))
-    dense = DenseRunner(ranker / "1" / "model.pt")
+    fused = export / "ensemble"  # the preprocess, lookup and dense parts of the one served model
+    preprocess = Preprocessor.load(fused / "1" / "artifacts")
+    lookup = EmbeddingLookup(fused / "store", LookupConfig.load(fused / "1" / "layout.json"))
+    dense = DenseRunner(fused / "1" / "model.pt")
     tensors = preprocess(raw.layout.tensors(rows))
     assert tensors["MULTIHOT_LENGTHS"].shape == (len(rows), 1)
     pooled = lookup(tensors["CATEGORICAL_IDS"], tensors["MULTIHOT_IDS"], tensors["MULTIHOT_LENGTHS"])
@@ -469,7 +471,7 @@ def test_served_parts_equal_in_process_with_multihot_unseen_and_missing(multihot
 
 def test_preprocess_names_what_is_wrong_with_a_request(multihot_pipeline):
     cfg, _, _, raw, rows = multihot_pipeline
-    preprocess = Preprocessor.load(Path(cfg.paths.export) / "ranker" / "1" / "artifacts")
+    preprocess = Preprocessor.load(Path(cfg.paths.export) / "ensemble" / "1" / "artifacts")
     good = raw.layout.tensors(rows.iloc[:3])
     assert sorted(good) == ["FLOATS", "FLOATS_MISSING", "INTEGERS", "INTEGERS_MISSING", "LISTS", "STRINGS"]
     cases = [
@@ -499,7 +501,7 @@ def test_preprocess_names_what_is_wrong_with_a_request(multihot_pipeline):
 def test_a_missing_number_is_its_mask_or_a_nan_and_a_masked_value_is_ignored(multihot_pipeline):
     cfg, _, _, raw, rows = multihot_pipeline
     rows = rows.iloc[:6].reset_index(drop=True)
-    preprocess = Preprocessor.load(Path(cfg.paths.export) / "ranker" / "1" / "artifacts")
+    preprocess = Preprocessor.load(Path(cfg.paths.export) / "ensemble" / "1" / "artifacts")
     missing = rows.assign(I1=pd.Series([None] * 6, dtype=rows["I1"].dtype),
                           I2=pd.Series([None] * 6, dtype=rows["I2"].dtype))
     expected = preprocess(raw.layout.tensors(missing))
@@ -522,7 +524,7 @@ def test_an_update_over_a_damaged_store_or_record_repairs_it_or_names_the_file(m
     cfg, model, schema, _, _ = multihot_pipeline
     export = tmp_path / "export"
     shutil.copytree(cfg.paths.export, export)
-    current = export / "ranker" / "store" / "CURRENT"
+    current = export / "ensemble" / "store" / "CURRENT"
     for garbage in (b"garbage\n", b"", b"\xff\xfe"):
         current.write_bytes(garbage)
         with pytest.raises(UserError, match="CURRENT holds .*, not a store version such as v000001"):
@@ -554,7 +556,7 @@ def test_preprocess_equals_the_workflow_column_by_column_on_the_raw_rows(multiho
     frame.loc[unseen & ~missing, "I2"] = -0.0
     bags = [["m1", "unseen-item", "m1"] if u else None if m else v for u, m, v in zip(unseen, missing, frame["M1"])]
     frame["M1"] = pd.Series(bags, dtype=frame["M1"].dtype)
-    preprocess = Preprocessor.load(Path(cfg.paths.export) / "ranker" / "1" / "artifacts")
+    preprocess = Preprocessor.load(Path(cfg.paths.export) / "ensemble" / "1" / "artifacts")
     workflow = Workflow.load(cfg.paths.workflow)
     expected = preprocess.tensors(Workflow.transform_partition(frame, workflow.output))
     request = raw.layout.tensors(frame)  # text at a fixed width; below, also as fixed-width bytes

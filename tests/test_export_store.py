@@ -534,7 +534,7 @@ def test_an_instance_hands_its_dense_part_the_rows_its_gpu_cache_holds_under_its
                     + [Column(f"C{k}", "categorical", "int64", cardinality=40) for k in (1, 2)])
     collection = EmbeddingCollection([TableConfig("t_C1", 40, 8, ["C1"]), TableConfig("t_C2", 40, 8, ["C2"])],
                                      ["C1", "C2"], generator=torch.Generator().manual_seed(0)).eval()
-    model_dir = tmp_path / "ranker"
+    model_dir = tmp_path / "ensemble"
     (model_dir / "1").mkdir(parents=True)
     config = LookupConfig.from_collection(collection, schema)
     config.save(model_dir / "1" / "layout.json")

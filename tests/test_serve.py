@@ -1,4 +1,4 @@
-"""The exported ensemble (one `ranker` model, and the chain of three) in a real Triton server, queried over HTTP and gRPC.
+"""The exported ensemble (one python model, and the chain of three) in a real Triton server, queried over HTTP and gRPC.
 
 One server is started for the whole module (start-up takes seconds): raw rows go in, and the
 probabilities must equal the in-process model's. Its HTTP port is the guard, with the default limits.
@@ -501,14 +501,14 @@ def test_serve_names_a_missing_or_damaged_file_of_the_repository_before_starting
     def truncate(path):
         path.write_bytes(path.read_bytes()[:-100])
 
-    store = export / "ranker" / "store"
+    store = export / "ensemble" / "store"
     cases = [
-        ("ranker/1/model.pt", Path.unlink, "ranker/1/model.pt is missing"),
-        ("ranker/1/model.py", Path.unlink, "ranker/1/model.py is missing"),  # Triton waited for it until timeout
-        ("ranker/1/artifacts/workflow/workflow.json", truncate, "workflow.json has"),
-        ("ranker/config.pbtxt", Path.unlink, "ranker/config.pbtxt is missing"),
-        ("ranker/store/CURRENT", Path.unlink, f"the embedding store {store} does not open (no embedding store"),
-        ("ranker/store/CURRENT-version/t_C3-file.npy", truncate, f"the embedding store {store} does not open"),
+        ("ensemble/1/model.pt", Path.unlink, "ensemble/1/model.pt is missing"),
+        ("ensemble/1/model.py", Path.unlink, "ensemble/1/model.py is missing"),  # Triton waited for it until timeout
+        ("ensemble/1/artifacts/workflow/workflow.json", truncate, "workflow.json has"),
+        ("ensemble/config.pbtxt", Path.unlink, "ensemble/config.pbtxt is missing"),
+        ("ensemble/store/CURRENT", Path.unlink, f"the embedding store {store} does not open (no embedding store"),
+        ("ensemble/store/CURRENT-version/t_C3-file.npy", truncate, f"the embedding store {store} does not open"),
         ("export.json", Path.unlink, "no model repository at"),
     ]
     for path, damage, fragment in cases:

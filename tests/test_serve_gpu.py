@@ -1,7 +1,7 @@
 """The exported model served by a real Triton server with GPU instances, against the same model on the GPU in
 process (marker ``gpu``: run on a machine with a CUDA GPU and the models' environment's torch able to use it).
 
-Both repository shapes are served: the one ``ranker`` model and the chain ``preprocess`` -> ``embedding`` ->
+Both repository shapes are served: the one fused model (served as ``ensemble``) and the chain ``preprocess`` -> ``embedding`` ->
 ``dense``, their embedding lookups caching hot rows in GPU memory (``gpu-lru``) and their dense parts on the GPU.
 Raw rows with unseen categories and missing values go in over HTTP and gRPC; the probabilities must equal the
 in-process GPU model's. A new embedding store version is picked up without a restart.
@@ -53,7 +53,7 @@ def prepared(tmp_path_factory):
     return cfg, model, reference
 
 
-@pytest.fixture(scope="module", params=["all", "none"], ids=["ranker", "chain"])
+@pytest.fixture(scope="module", params=["all", "none"], ids=["fused", "chain"])
 def served(prepared, request):
     cfg, model, reference = prepared
     export = cfg.paths.root / f"export-{request.param}"
@@ -62,7 +62,7 @@ def served(prepared, request):
     raw = raw_columns(RawDataset.load(cfg.paths.raw), cfg.data.list_separator)
     summary = write_repository(model, reference.schema, cfg.paths.workflow, raw, export, options)
     for name in summary["models"]:
-        if name in ("ranker", "embedding", "dense"):
+        if name != "ensemble" or options.fused:  # each model with instances
             assert "KIND_GPU" in (export / name / "config.pbtxt").read_text(), name
     server = start_server(export, cfg.serve)
     try:

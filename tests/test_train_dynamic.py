@@ -153,7 +153,7 @@ def test_the_exported_parts_look_raw_ids_up_as_the_trained_model(processed, tmp_
     export = cfg.paths.export
     raw = raw_columns(RawDataset.load(cfg.paths.raw), cfg.data.list_separator)
     tensors = Preprocessor.load(artifacts_dir(export))(raw.layout.tensors(rows))
-    served_by = lookup_dir(export)  # ranker: the workflow, the lookup and the dense part in one model
+    served_by = lookup_dir(export)  # the fused model: the workflow, the lookup and the dense part in one model
     lookup = EmbeddingLookup(served_by / "store", LookupConfig.load(served_by / "1" / "layout.json"))
     pooled = lookup(tensors["CATEGORICAL_IDS"])
     served = DenseRunner(served_by / "1" / "model.pt")(tensors["DENSE"], pooled)[:, 0]

@@ -110,7 +110,7 @@ def test_the_export_of_a_host_cached_run_serves_its_trained_tables(runs):
     raw = raw_columns(RawDataset.load(cfg.paths.raw), cfg.data.list_separator)
     export = cfg.paths.export
     tensors = Preprocessor.load(artifacts_dir(export))(raw.layout.tensors(rows))
-    served_by = lookup_dir(export)  # ranker: the workflow, the lookup and the dense part in one model
+    served_by = lookup_dir(export)  # the fused model: the workflow, the lookup and the dense part in one model
     lookup = EmbeddingLookup(served_by / "store", LookupConfig.load(served_by / "1" / "layout.json"))
     pooled = lookup(tensors["CATEGORICAL_IDS"], tensors.get("MULTIHOT_IDS"), tensors.get("MULTIHOT_LENGTHS"))
     served = DenseRunner(served_by / "1" / "model.pt")(tensors["DENSE"], pooled)[:, 0]

@@ -24,15 +24,15 @@
 #   hostcache-large  the same at 26 x 5M rows (62 GiB of tables) under a quarter of them (a call of its own)
 #   host-copies  tools/host_copies.py: rows between device and host memory (row kernel against copy engines) out of a
 #              host table of HOST_COPY_ROWS (38,000,000: 19.5 GB, the 19 host tables of `hostcache`)
-#   serve      the GPU serving tests, then bench serve --device cuda, three models and one (ranker)
+#   serve      the GPU serving tests, then bench serve --device cuda, the chain of three models and the fused one
 #   serve-parts  the GPU tests of the served parts that need no server: the dense part's CUDA graphs (those that gather
 #              a GPU cache's rows too) and the GPU caches
-#   serve-profile  bench serve --device cuda of the ranker alone, tools/ranker_profile.py on its export (the ranker's
+#   serve-profile  bench serve --device cuda of the fused model, tools/ranker_profile.py on its export (its
 #              phases in one process, its GPU cache's rows gathered before the dense part and in its graph), then
 #              tools/serve_profile.py on its export: where a
 #              request's time goes (client, transport and Triton, the python backend, the model's work), with the
 #              instances as exported, one instance, and each on a core of its own (--pin)
-#   serve-latency  the GPU serving tests, bench serve --device cuda of the ranker alone, then tools/serve_profile.py
+#   serve-latency  the GPU serving tests, bench serve --device cuda of the fused model, then tools/serve_profile.py
 #              on its export at batch 1 and 32, with the instances as exported and with one, and
 #              tools/instance_layouts.py: 8 instances taken in turn, 8 by priority, one
 #   loader     bench loader on 8M synthetic rows, LZ4 pages and uncompressed (etl.compression)

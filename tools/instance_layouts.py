@@ -1,4 +1,4 @@
-"""Served latency and throughput of a fused export for several layouts of its ``ranker``'s instances.
+"""Served latency and throughput of a fused export for several layouts of its one model's instances.
 
 A layout is a count of instances and how Triton picks among them: ``turn`` (one group: the free instance that ran
 least, so sequential requests visit every instance in turn) or ``priority`` (the export's way,
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         with tempfile.TemporaryDirectory(prefix="instance-layouts-") as tmp:
             work = Path(tmp) / "repository"
             shutil.copytree(export, work, symlinks=True, ignore=shutil.ignore_patterns("stats"))
-            _layout(work / "ranker" / "config.pbtxt", int(count), way)
+            _layout(work / "ensemble" / "config.pbtxt", int(count), way)
             with TritonServer(work) as server, Client(server.grpc_url, "grpc") as client:
                 line: dict = {"instances": int(count), "way": way}
                 for _ in range(2):
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                             spans.append(time.perf_counter_ns() - start)
                         line.setdefault(f"p50 ms at {batch}", []).append(round(float(np.median(spans)) / 1e6, 3))
                 time.sleep(0.5)  # the instances' counters written
-                line["batches per instance"] = sorted((s["batches"] for s in live_stats(work / "ranker")), reverse=True)
+                line["batches per instance"] = sorted((s["batches"] for s in live_stats(work / "ensemble")), reverse=True)
                 tensors = client.tensors(rows.iloc[np.arange(THROUGHPUT_BATCH) % len(rows)])
                 done = mp.Queue()
                 clients = [mp.Process(target=_client, args=(server.grpc_url, tensors, THROUGHPUT_S, done))

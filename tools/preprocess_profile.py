@@ -1,6 +1,6 @@
 """The served preprocess in one process: raw request tensors -> model tensors, per batch, by phase.
 
-Loads the preprocess of an export (``ranker/1/artifacts``, or ``preprocess/1/artifacts`` of the chain) as the
+Loads the preprocess of an export (``ensemble/1/artifacts`` of a fused one, or ``preprocess/1/artifacts`` of the chain) as the
 served model does, makes requests of the raw test rows with the client's code (``RequestLayout.tensors``: the
 tensors the served model gets), and times ``Preprocessor.__call__`` on 8 different requests in turn: the median of ``--calls`` calls (after 30) per batch
 size, each of ``--rounds`` rounds, and its phases (the request's columns as blocks, the workflow's
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> dict:
     from export.preprocess import Preprocessor
 
     folder = Path(args.export)
-    artifacts = next(p for p in (folder / "ranker/1/artifacts", folder / "preprocess/1/artifacts") if p.exists())
+    artifacts = next(p for p in (folder / "ensemble/1/artifacts", folder / "preprocess/1/artifacts") if p.exists())
     preprocess = Preprocessor.load(artifacts)
     rows = pq.read_table(args.raw or folder.parent / "raw" / "test").to_pandas()
     batches = [int(b) for b in args.batches.split(",") if b]

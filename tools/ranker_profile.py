@@ -1,12 +1,12 @@
-"""The served ``ranker``'s work in one process, by phase: refresh, preprocess, lookup, dense, per batch size.
+"""The fused served model's work in one process, by phase: refresh, preprocess, lookup, dense, per batch size.
 
-Loads an export's ``ranker`` as its instance does on ``--device`` (the preprocess of ``ranker/1/artifacts``, the
-embedding lookup through ``ranker/store`` with the instance's caches: ``gpu-lru`` on a GPU, ``lru`` on the CPU, and the
+Loads a fused export's one model (``ensemble``) as its instance does on ``--device`` (the preprocess of
+``ensemble/1/artifacts``, the embedding lookup through ``ensemble/store`` with the instance's caches: ``gpu-lru`` on a GPU, ``lru`` on the CPU, and the
 dense part with CUDA graphs on a GPU), makes requests of the raw test rows with the client's code (the tensors the
 served model gets), and times each phase of 8 requests in turn: the median of ``--calls`` calls
 (after 50), warm and with the CPU's caches emptied before each call (``cold``: a 128 MiB array written, as the rest
 of a served request and the server's other processes leave them). ``--gather`` picks how the rows of a GPU cache
-reach the dense part: ``graph`` (the ranker's way: the dense part's CUDA graph gathers them from the cache),
+reach the dense part: ``graph`` (the fused model's way: the dense part's CUDA graph gathers them from the cache),
 ``before`` (the lookup gathers them, as the ``embedding`` model of the chain does) or ``both``, in turn. What a
 request costs beyond this (Triton, the python backend, the transport) is ``tools/serve_profile.py``'s.
 
@@ -28,7 +28,7 @@ PHASES = ("refresh", "preprocess", "lookup", "dense", "total")
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--export", required=True, help="an export folder with a ranker (export.fuse=all)")
+    parser.add_argument("--export", required=True, help="a fused export folder (export.fuse=all)")
     parser.add_argument("--raw", default="", help="raw parquet rows for the requests (default: <export>/../raw/test)")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda[:N]: where the instance runs")
     parser.add_argument("--batches", default="1,32,1024", help="batch sizes, comma-separated")
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> dict:
     from export.lookup import EmbeddingLookup, LookupConfig
     from export.preprocess import CATEGORICAL_IDS, DENSE, MULTIHOT_IDS, MULTIHOT_LENGTHS, Preprocessor
 
-    folder = Path(args.export) / "ranker"
+    folder = Path(args.export) / "ensemble"
     on_gpu = args.device.startswith("cuda")
     preprocess = Preprocessor.load(folder / "1" / "artifacts")
     lookup = EmbeddingLookup(folder / "store", LookupConfig.load(folder / "1" / "layout.json"),

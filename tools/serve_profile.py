@@ -6,13 +6,13 @@ under its workdir), started with the project's server code, beside the served mo
 - ``floor``: a python model with the served entry's inputs and output that reads the request as the served models
   do (``export.batching.respond``) and answers zeros: what a request costs with
   no work at all (client, gRPC, Triton, the python backend's hand-over of these tensors);
-- ``ranker_floor`` (a fused export): the ``ranker`` as exported with its work taken out (its process, refresh and
+- ``ensemble_floor`` (a fused export): its one model as exported with its work taken out (its process, refresh and
   counters as served, its inputs read, zeros answered);
 - every python model wrapped to record when its ``execute`` starts and ends, on the clock the client reads too
   (``CLOCK_MONOTONIC``, one machine).
 
-For each batch size, ``--requests`` sequential gRPC requests (after 30) to the served entry (``ensemble``), to the
-fused model directly, and to the floors, in turn, and a gRPC call that reaches no model (``ModelReady``): the
+For each batch size, ``--requests`` sequential gRPC requests (after 30) to the served entry (``ensemble``) and to the
+floors, in turn, and a gRPC call that reaches no model (``ModelReady``): the
 client's p50; Triton's own times per request (queue, compute input / infer / output, and ``success``: the whole time
 in the server); and from the model's clock, the p50 of client -> ``execute``, ``execute``, ``execute`` -> client.
 
@@ -107,19 +107,18 @@ def _copy_repository(export: Path, work: Path, instances: int = 0, pin: bool = F
             (target / "1" / "model.py").rename(target / "1" / "served.py")
             (target / "1" / "model.py").write_text(_WRAPPER.format(name=model.name, floor=""))
     timed = ["ensemble"]
-    if (work / "ranker").is_dir():
-        timed.append("ranker")
-        floor = work / "ranker_floor"
-        shutil.copytree(work / "ranker", floor, symlinks=True)
-        (floor / "config.pbtxt").write_text((work / "ranker" / "config.pbtxt").read_text()
-                                            .replace('name: "ranker"', 'name: "ranker_floor"'))
-        (floor / "1" / "model.py").write_text(_WRAPPER.format(name="ranker_floor", floor=_NO_WORK))
-        timed.append("ranker_floor")
     entry = (work / "ensemble" / "config.pbtxt").read_text()
-    first = entry.split('model_name: "')[1].split('"')[0]
+    fused = 'backend: "python"' in entry  # the entry is the fused model itself, not a Triton ensemble
+    if fused:
+        floor = work / "ensemble_floor"
+        shutil.copytree(work / "ensemble", floor, symlinks=True)
+        (floor / "config.pbtxt").write_text(entry.replace('name: "ensemble"', 'name: "ensemble_floor"'))
+        (floor / "1" / "model.py").write_text(_WRAPPER.format(name="ensemble_floor", floor=_NO_WORK))
+        timed.append("ensemble_floor")
+    first = "ensemble" if fused else entry.split('model_name: "')[1].split('"')[0]
     kind, count = _instances((work / first / "config.pbtxt").read_text())
-    head = entry.split("ensemble_scheduling")[0]
-    head = head.replace('name: "ensemble"', 'name: "floor"').replace('platform: "ensemble"', 'backend: "python"')
+    io = re.search(r"max_batch_size: \d+\ninput \[.*?\n\]\noutput \[.*?\n\]\n", entry, re.DOTALL).group(0)
+    head = f'name: "floor"\nbackend: "python"\n{io}'
     (work / "floor" / "1").mkdir(parents=True)
     batching = "dynamic_batching { max_queue_delay_microseconds: 0 }\n" if "dynamic_batching" in entry else ""
     (work / "floor" / "config.pbtxt").write_text(f"{head}{instance_groups(kind, count)}{batching}")
@@ -211,7 +210,7 @@ def main(argv: list[str] | None = None) -> dict:
                         count = after["count"] - before["count"]
                         row = {"client": np.median([e - s for s, e in calls]) / 1e6}
                         row.update({k: (after[k] - before[k]) / count / 1e6 for k in after if k != "count"})
-                        executed = model if model != "ensemble" else ("ranker" if "ranker" in models else "")
+                        executed = model if (work / model / "1" / "served.py").is_file() else ""  # a python model
                         spans = _model_times(work, executed, calls[0][0]) if executed else []
                         if len(spans) == len(calls):
                             row["to execute"] = np.median([x[0] - c[0] for c, x in zip(calls, spans)]) / 1e6

@@ -1,13 +1,13 @@
-"""Triton python model ``ranker``: raw request tensors -> click probabilities, in one model.
+"""The fused Triton python model: raw request tensors -> click probabilities, in one model, served as ``ensemble``.
 
 The saved ETL workflow (export/preprocess.py), the embedding lookup through its cache and the host
 store (export/instance.py) and the dense part (export/dense.py) run one after the other in this
 process (a batch whose rows a GPU cache holds reaches the dense part's CUDA graph as those rows, gathered there):
 one python-backend hop per request, where the chain ``preprocess`` -> ``embedding`` ->
-``dense`` (``export.fuse=none``) takes three. Its inputs are one tensor per kind of raw column
-(export/request.py), the text read in place at its fixed width.
-Exported as ``ranker/1/model.py``, with ``artifacts/``, ``layout.json`` and ``model.pt`` beside it
-and the store in ``ranker/store``.
+``dense`` (``export.fuse=none``) takes three and a Triton ensemble in front. Its inputs are one tensor per kind of raw
+column (export/request.py), the text read in place at its fixed width.
+Exported as ``ensemble/1/model.py``, with ``artifacts/``, ``layout.json`` and ``model.pt`` beside it
+and the store in ``ensemble/store``.
 """
 
 import json

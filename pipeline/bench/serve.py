@@ -51,7 +51,10 @@ def run(args: argparse.Namespace, cfg) -> dict:
     batches = [int(b) for b in args.batches.split(",") if b]
     cfg = dataclasses.replace(cfg, export=dataclasses.replace(cfg.export, max_batch_size=max(batches + [1024])))
     reference, rows, exported = _prepare(cfg)
-    served_by = f"{' + '.join(m for m in exported['models'] if m != 'ensemble')} ({exported['options']['instance_kind']})"
+    fused = exported["options"]["fused"]
+    steps_of = exported["models"] if fused else [m for m in exported["models"] if m != "ensemble"]
+    served_by = (f"{'one python model' if fused else ' + '.join(steps_of)} "
+                 f"({exported['options']['instance_kind']} instances)")
     print(f"[bench serve] {len(rows):,} raw test rows; model {cfg.train.model} on {reference.device.type}, served by "
           f"{served_by}; {os.cpu_count()} cores; load {os.getloadavg()[0]:.2f}", flush=True)
 
@@ -84,7 +87,7 @@ def run(args: argparse.Namespace, cfg) -> dict:
                 before, phases_before = _model_stats(client), cache_stats(cfg.paths.export)
                 _timed_in_turn({"ensemble": lambda request=request: client.infer(request)}, max(20, args.requests // 4))
                 time.sleep(2 * STATS_EVERY_S)
-                steps = _per_request(before, _model_stats(client))
+                steps = _per_request(before, _model_stats(client), steps_of)
                 phases = _per_batch(phases_before, cache_stats(cfg.paths.export))
                 results["latency"][batch] = {"ensemble": served, "in_process": local, "model_only": model_only,
                                              "request_tensors": timed["request"]}
@@ -208,23 +211,24 @@ def _per_batch(before: dict, after: dict) -> dict[str, float]:
     return {phase: (ns - before["phases_ns"].get(phase, 0)) / batches / 1e6 for phase, ns in after["phases_ns"].items()}
 
 
-def _per_request(before: dict, after: dict) -> dict[str, float]:
-    """Per request, ms: each model's compute (its inputs in, its ``execute``, its outputs out), the part
-    in its ``execute`` alone (``model``), its queue, and the ensemble's whole time in the server."""
+def _per_request(before: dict, after: dict, models: list[str]) -> dict[str, float]:
+    """Per request, ms: each of ``models``' compute (its inputs in, its ``execute``, its outputs out), the part
+    in its ``execute`` alone (``model``), its queue; and the whole time in the server of the entry clients call
+    (``ensemble``: one of ``models`` where the export is fused, else the Triton ensemble of them)."""
     out = {}
-    for name in ("ranker", "preprocess", "embedding", "dense", "ensemble"):
+    for name in [*models, *(["ensemble"] if "ensemble" not in models else [])]:
         if name not in after:
             continue
         count = after[name]["count"] - before.get(name, {}).get("count", 0)
         if count <= 0:
             continue
         ms = {key: (after[name][key] - before.get(name, {}).get(key, 0)) / count / 1e6 for key in after[name]}
-        if name == "ensemble":
-            out["ensemble (server side)"] = ms["total"]
-        else:
+        if name in models:
             out[name] = ms["compute"]
             out[f"{name} model"] = ms["model"]
             out[f"{name} queue"] = ms["queue"]
+        if name == "ensemble":
+            out["ensemble (server side)"] = ms["total"]
     return out
 
 
