@@ -62,7 +62,7 @@ def served(prepared, request):
     raw = raw_columns(RawDataset.load(cfg.paths.raw), cfg.data.list_separator)
     summary = write_repository(model, reference.schema, cfg.paths.workflow, raw, export, options)
     for name in summary["models"]:
-        if name != "ensemble" or options.fused:  # each model with instances
+        if name in (("ensemble",) if options.fused else ("embedding", "dense")):  # the preprocess runs on the CPU
             assert "KIND_GPU" in (export / name / "config.pbtxt").read_text(), name
     server = start_server(export, cfg.serve)
     try:
