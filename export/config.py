@@ -49,8 +49,8 @@ class ExportConfig:
         "help": "torch threads of each CPU dense instance (1: small requests, cores left to the other models)"})
     fuse: str = field(default="auto", metadata={
         "help": "all | none | auto: all serves raw rows with one python model, called as 'ensemble' (the workflow, the "
-                "embedding lookup and the dense part in one process: one hop); none chains preprocess -> embedding -> dense, "
-                "each with its own instances (export.dense_backend=pytorch needs it); auto: all with the python "
+                "embedding lookup and the dense part in one process: one hop); none chains preprocess -> embedding -> "
+                "dense, each with its own instances (export.dense_backend=pytorch needs it); auto: all with the python "
                 "dense backend (faster on CPU and GPU instances), else none"})
     update: bool = field(default=False, metadata={
         "help": "write only a new embedding store version; a running server picks it up without a restart"})

@@ -179,8 +179,8 @@ class LookupInstance:
     def timed(self, phase: str) -> _PhaseTimer:
         """A context that adds the host time of its block to ``phase``'s total (written with the counters:
         ``phases_ns``). Work the block queued on a GPU and did not wait for counts in the phase that waits for it.
-        One object per phase, reused: a served request times six phases, and a generator-based context costs twice
-        as much once the CPU's caches are cold."""
+        One object per phase, reused: a served request times six phases, and a generator-based context would build a
+        generator for each of them."""
         timer = self._timers.get(phase)
         if timer is None:
             timer = self._timers[phase] = _PhaseTimer(self._phases_ns, phase)

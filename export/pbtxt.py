@@ -13,6 +13,7 @@ Example::
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from export.dense import padded_batch
@@ -119,8 +120,8 @@ def model_configs(spec: EnsembleSpec, options: ModelOptions) -> dict[str, str]:
         if options.dense_backend != "python":
             raise UserError("export.fuse=all runs the dense part in the python backend: "
                             "it needs export.dense_backend=python (or export.fuse=none)")
-        # the entry clients call, with nothing in front of it: a Triton ensemble of this one step cost a hop (its
-        # scheduler's hand-over of each request and answer: 0.1-0.2 ms on the H200 machine, docs/BENCHMARKS.md)
+        # the entry clients call, with nothing in front of it: a Triton ensemble of this one step would add a hop (its
+        # scheduler's hand-over of each request and answer, docs/BENCHMARKS.md)
         return {ENTRY: _python_model(ENTRY, spec.raw, [spec.prediction], options, graphs=True, parameters={
             **cache, **_dense_parameters(options), LAYOUT_PARAMETER: spec.layout.to_json()})}
     return {
@@ -143,18 +144,30 @@ def _io(inputs: list[Tensor], outputs: list[Tensor]) -> str:
 
 def instance_groups(kind: str, count: int) -> str:
     """The ``instance_group`` of ``count`` instances of ``kind`` (``cpu``, ``gpu``: on each GPU), one group each, the
-    k-th of rate-limiter priority :data:`PRIORITY_BASE` to the k (the server runs with ``--rate-limit=execution_count``).
+    k-th of rate-limiter priority :data:`PRIORITY_BASE` to the k (the server runs with
+    ``--rate-limit=execution_count``).
 
     Triton hands a request to the free instance of the lowest executions x priority: so a light load goes to the first
     instance, the others taking one request in :data:`PRIORITY_BASE` each after the one before, and a heavy one to
     every instance that is free. Without priorities the instances take requests in turn, and each of a python model's
-    processes finds its code and data gone from the CPU's caches by the time its turn comes: on the H200 machine, 8
-    instances answered a batch of 32 rows in 2.8 ms where one answered in 2.1 (docs/BENCHMARKS.md, Serving)."""
+    processes finds its code and data gone from the CPU's caches by the time its turn comes (docs/BENCHMARKS.md,
+    Serving)."""
     if count <= 1:
         return f"instance_group [ {{ kind: KIND_{kind.upper()} count: {count} }} ]\n"
     groups = ",\n  ".join(f"{{ kind: KIND_{kind.upper()} count: 1 rate_limiter {{ priority: "
                           f"{min(PRIORITY_BASE ** k, MAX_PRIORITY)} }} }}" for k in range(count))
     return f"instance_group [\n  {groups}\n]\n"
+
+
+def regrouped(config: str, count: int, by_priority: bool = True) -> str:
+    """A model's ``config.pbtxt`` with ``count`` instances of the kind it has in place of its instance groups: as the
+    export writes them (:func:`instance_groups`), or in one group (``by_priority=False``: Triton's default, the
+    instances taking requests in turn)."""
+    groups = re.search(r"instance_group \[.*?\]\n", config, re.DOTALL).group(0)
+    kind = re.search(r"KIND_(\w+)", groups).group(1)
+    laid = (instance_groups(kind.lower(), count) if by_priority
+            else f"instance_group [ {{ kind: KIND_{kind} count: {count} }} ]\n")
+    return config.replace(groups, laid)
 
 
 def _scheduling(options: ModelOptions, kind: str | None = None) -> str:
@@ -187,8 +200,9 @@ def _python_model(name: str, inputs: list[Tensor], outputs: list[Tensor], option
 def warmup(inputs: list[Tensor], max_batch: int) -> str:
     """Triton's ``model_warmup``: before an instance takes requests, a request of zeros (numbers 0, text and lists
     empty: missing) at each batch size a CUDA graph serves (what :func:`export.dense.padded_batch` pads a batch to:
-    the powers of two up to ``max_batch``, and ``max_batch``), so each instance has captured its graphs by then. The instances a light load
-    leaves idle (:func:`instance_groups`) would otherwise capture them in the middle of the first burst."""
+    the powers of two up to ``max_batch``, and ``max_batch``), so each instance has captured its graphs by then. The
+    instances a light load leaves idle (:func:`instance_groups`) would otherwise capture them in the middle of the
+    first burst."""
     sizes = sorted({padded_batch(rows, max_batch) for rows in range(1, max_batch + 1)})
     entries = []
     for size in sizes:

@@ -164,11 +164,11 @@ class Preprocessor:
             if name not in tensors:
                 raise BadInputError(f"missing input {name}; expected {list(self._inputs)}")
             array = tensors[name]
-            shape = f"[rows, {len(columns)}{', width' * (name in TEXT)}] (columns {_named(columns)})"
             if name in TEXT:
                 if array.dtype == np.uint8:
                     if array.ndim != 3:
-                        raise BadInputError(f"input {name}: expected the shape {shape}, got {list(array.shape)}")
+                        raise BadInputError(f"input {name}: expected the shape {_shape(name, columns)}, got "
+                                            f"{list(array.shape)}")
                     array = text_values(array)
                 elif array.dtype.kind not in "OSU":
                     raise BadInputError(f"input {name}: expected UINT8 [rows, {len(columns)}, width] (text at a "
@@ -177,7 +177,8 @@ class Preprocessor:
             elif array.dtype != _DTYPES[datatype]:
                 raise BadInputError(f"input {name}: expected {datatype}, got the numpy dtype {array.dtype}")
             if array.ndim != 2 or array.shape[1] != len(columns):
-                raise BadInputError(f"input {name}: expected the shape {shape}, got {list(tensors[name].shape)}")
+                raise BadInputError(f"input {name}: expected the shape {_shape(name, columns)}, got "
+                                    f"{list(tensors[name].shape)}")
             sizes[name] = array.shape[0]
         if len(set(sizes.values())) > 1:
             raise BadInputError(f"every input needs the same number of rows, got {sizes}")
@@ -310,8 +311,11 @@ _DTYPES = {"INT64": np.dtype(np.int64), "FP64": np.dtype(np.float64), "BOOL": np
 """The numpy dtype of each request datatype but text's."""
 
 
-def _named(columns: tuple[str, ...]) -> str:
-    return ", ".join(columns) if len(columns) <= 4 else f"{columns[0]}, {columns[1]}, ..., {columns[-1]}"
+def _shape(name: str, columns: tuple[str, ...]) -> str:
+    """The shape the input ``name`` takes, its columns named (the first two and the last of many): for the error that
+    names a wrong one, so not built for a request that has none."""
+    named = ", ".join(columns) if len(columns) <= 4 else f"{columns[0]}, {columns[1]}, ..., {columns[-1]}"
+    return f"[rows, {len(columns)}{', width' * (name in TEXT)}] (columns {named})"
 
 
 def _as_slice(rows: list[int]) -> slice | list[int]:

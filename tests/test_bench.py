@@ -465,7 +465,8 @@ def test_bench_serve_reports_latency_steps_throughput_and_cache_hit_rates(tmp_pa
     assert r["throughput"]["ensemble_rows_per_s"] > 0 and r["throughput"]["in_process_rows_per_s"] > 0
     assert r["served_cache"]["hits"] > 0
     exported = json.loads((tmp_path / "work" / "bench-serve-3000" / "export" / "export.json").read_text())
-    assert (r["served_cache"]["model"], r["served_cache"]["instances"]) == ("ensemble", exported["options"]["instances"])
+    served = (r["served_cache"]["model"], r["served_cache"]["instances"])
+    assert served == ("ensemble", exported["options"]["instances"])
     assert set(r["cache_offline"]) == {"rows", "lru@0.05", "lru@0.25", "lfu@0.05", "lfu@0.25"}
     assert all(0 <= v <= 1 for k, v in r["cache_offline"].items() if k != "rows")
     assert "ensemble / in-process p50" in capsys.readouterr().out

@@ -22,7 +22,7 @@ from export.environment import find_models_env
 from export.inprocess import InProcessModel
 from export.instance import live_stats, process_identity
 from export.lookup import EmbeddingLookup, LookupConfig
-from export.pbtxt import EnsembleSpec, ModelOptions, instance_groups, model_configs
+from export.pbtxt import EnsembleSpec, ModelOptions, instance_groups, model_configs, regrouped
 from export.preprocess import Preprocessor, RawColumns
 from export.repository import cache_stats, write_repository
 from export.request import RequestLayout, TooWide, text_values
@@ -73,7 +73,8 @@ def test_every_ensemble_step_maps_tensors_the_models_declare_alike(dense_backend
     assert wired["PREDICTION"] == ("FP32", "1")
     assert wired["EMBEDDINGS"] == ("FP32", "48")
     assert ensemble_tensors == {"INTEGERS": ("INT64", "1"), "INTEGERS_MISSING": ("BOOL", "1"), "FLOATS": ("FP64", "1"),
-                                "FLOATS_MISSING": ("BOOL", "1"), "STRINGS": ("UINT8", "2, -1"), "LISTS": ("UINT8", "1, -1"),
+                                "FLOATS_MISSING": ("BOOL", "1"), "STRINGS": ("UINT8", "2, -1"),
+                                "LISTS": ("UINT8", "1, -1"),
                                 "PREDICTION": ("FP32", "1")}
     if dense_backend == "pytorch":
         assert 'platform: "pytorch_libtorch"' in configs["dense"]
@@ -241,6 +242,25 @@ def test_each_instance_is_a_group_of_its_own_its_priority_twenty_times_the_one_b
                                                                            f"KIND_{kind.upper()}")}
         priorities = [group.rate_limiter.priority for group in config.instance_group]
         assert priorities == ([0] if count == 1 else [min(20**k, 2**31) for k in range(count)])
+
+
+def test_a_config_regrouped_keeps_its_kind_and_all_else():
+    """``regrouped`` (the profiling tools' other layouts): the count asked, by priority as the export writes them or
+    in one group; the kind, the warm-up and every other line of the config as they were."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    spec = EnsembleSpec.build(_raw(False), _schema(False), embedding_dim_total=32)
+    for kind in ("cpu", "gpu"):
+        text = model_configs(spec, ModelOptions(instance_kind=kind, instances=8))["ensemble"]
+        for count, by_priority in ((3, True), (3, False), (1, True)):
+            config = text_format.Parse(regrouped(text, count, by_priority), model_config_pb2.ModelConfig())
+            original = text_format.Parse(text, model_config_pb2.ModelConfig())
+            assert [group.count for group in config.instance_group] == ([1] * count if by_priority else [count])
+            assert {group.kind for group in config.instance_group} == {original.instance_group[0].kind}
+            config.ClearField("instance_group")
+            original.ClearField("instance_group")
+            assert config == original
 
 
 @pytest.mark.parametrize("max_batch", [1, 100, 1024])

@@ -156,7 +156,8 @@ def _bad_requests(good: dict[str, np.ndarray], max_batch: int) -> list[tuple[str
         ("strings as BYTES", changed(STRINGS=text_values(strings).astype(object)), "'STRINGS' data-type is 'BYTES'"),
         ("a column too few", changed(STRINGS=strings[:, 1:]),
          "input 'STRINGS' for model 'ensemble'. Expected [-1,26,-1]"),
-        ("text of two dims", changed(STRINGS=strings[:, :, 0]), "input 'STRINGS' for model 'ensemble'. Expected [-1,26,-1]"),
+        ("text of two dims", changed(STRINGS=strings[:, :, 0]),
+         "input 'STRINGS' for model 'ensemble'. Expected [-1,26,-1]"),
         ("a column too many", changed(INTEGERS=np.concatenate([integers, integers[:, :1]], axis=1)),
          "input 'INTEGERS' for model 'ensemble'. Expected [-1,13], got [4,14]"),
         ("rows differ", changed(STRINGS=np.concatenate([strings, strings])),  # Triton names one of the two sides

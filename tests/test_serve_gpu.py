@@ -1,10 +1,10 @@
 """The exported model served by a real Triton server with GPU instances, against the same model on the GPU in
 process (marker ``gpu``: run on a machine with a CUDA GPU and the models' environment's torch able to use it).
 
-Both repository shapes are served: the one fused model (served as ``ensemble``) and the chain ``preprocess`` -> ``embedding`` ->
-``dense``, their embedding lookups caching hot rows in GPU memory (``gpu-lru``) and their dense parts on the GPU.
-Raw rows with unseen categories and missing values go in over HTTP and gRPC; the probabilities must equal the
-in-process GPU model's. A new embedding store version is picked up without a restart.
+Both repository shapes are served: the one fused model (served as ``ensemble``) and the chain ``preprocess`` ->
+``embedding`` -> ``dense``, their embedding lookups caching hot rows in GPU memory (``gpu-lru``) and their dense parts
+on the GPU. Raw rows with unseen categories and missing values go in over HTTP and gRPC; the probabilities must equal
+the in-process GPU model's. A new embedding store version is picked up without a restart.
 """
 
 from __future__ import annotations

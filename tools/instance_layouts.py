@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import re
 import shutil
 import tempfile
 import time
@@ -24,17 +23,6 @@ from pathlib import Path
 
 THROUGHPUT_BATCH = 1024
 THROUGHPUT_S = 4.0
-
-
-def _layout(config: Path, instances: int, way: str) -> None:
-    from export.pbtxt import instance_groups
-
-    text = config.read_text()
-    groups = re.search(r"instance_group \[.*?\]\n", text, re.DOTALL).group(0)
-    kind = re.search(r"KIND_(\w+)", groups).group(1)
-    laid = (instance_groups(kind, instances) if way == "priority"
-            else f"instance_group [ {{ kind: KIND_{kind} count: {instances} }} ]\n")
-    config.write_text(text.replace(groups, laid))
 
 
 def _client(url: str, tensors: dict, seconds: float, out) -> None:
@@ -61,6 +49,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     from export.client import Client
     from export.instance import live_stats
+    from export.pbtxt import regrouped
     from export.server import TritonServer
 
     export = Path(args.export)
@@ -71,7 +60,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         with tempfile.TemporaryDirectory(prefix="instance-layouts-") as tmp:
             work = Path(tmp) / "repository"
             shutil.copytree(export, work, symlinks=True, ignore=shutil.ignore_patterns("stats"))
-            _layout(work / "ensemble" / "config.pbtxt", int(count), way)
+            config = work / "ensemble" / "config.pbtxt"
+            config.write_text(regrouped(config.read_text(), int(count), by_priority=way == "priority"))
             with TritonServer(work) as server, Client(server.grpc_url, "grpc") as client:
                 line: dict = {"instances": int(count), "way": way}
                 for _ in range(2):
@@ -86,7 +76,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                             spans.append(time.perf_counter_ns() - start)
                         line.setdefault(f"p50 ms at {batch}", []).append(round(float(np.median(spans)) / 1e6, 3))
                 time.sleep(0.5)  # the instances' counters written
-                line["batches per instance"] = sorted((s["batches"] for s in live_stats(work / "ensemble")), reverse=True)
+                line["batches per instance"] = sorted((s["batches"] for s in live_stats(work / "ensemble")),
+                                                      reverse=True)
                 tensors = client.tensors(rows.iloc[np.arange(THROUGHPUT_BATCH) % len(rows)])
                 done = mp.Queue()
                 clients = [mp.Process(target=_client, args=(server.grpc_url, tensors, THROUGHPUT_S, done))

@@ -1,14 +1,15 @@
 """The served preprocess in one process: raw request tensors -> model tensors, per batch, by phase.
 
-Loads the preprocess of an export (``ensemble/1/artifacts`` of a fused one, or ``preprocess/1/artifacts`` of the chain) as the
-served model does, makes requests of the raw test rows with the client's code (``RequestLayout.tensors``: the
-tensors the served model gets), and times ``Preprocessor.__call__`` on 8 different requests in turn: the median of ``--calls`` calls (after 30) per batch
-size, each of ``--rounds`` rounds, and its phases (the request's columns as blocks, the workflow's
-``transform_columns``, the model's tensors cut from them). With ``--cold`` a 128 MiB array is written before each
-call, which empties the CPU's caches as the rest of a served request and the server's other processes do between
-two preprocesses of one instance (a warm loop of the same call measures code that stays in cache). Only the public
-``Preprocessor`` API is used, so the same file times any revision: put that revision first on ``PYTHONPATH``; run it
-with the served models' memory settings (``export.environment.MALLOC``) to time their allocations.
+Loads the preprocess of an export (``ensemble/1/artifacts`` of a fused one, or ``preprocess/1/artifacts`` of the
+chain) as the served model does, makes requests of the raw test rows with the client's code
+(``RequestLayout.tensors``: the tensors the served model gets), and times ``Preprocessor.__call__`` on 8 different
+requests in turn: the median of ``--calls`` calls (after 30) per batch size, each of ``--rounds`` rounds, and its
+phases (the request's columns as blocks, the workflow's ``transform_columns``, the model's tensors cut from them).
+With ``--cold`` a 128 MiB array is written before each call, which empties the CPU's caches as the rest of a served
+request and the server's other processes do between two preprocesses of one instance (a warm loop of the same call
+measures code that stays in cache). Only the public ``Preprocessor`` API is used, so the same file times any revision:
+put that revision first on ``PYTHONPATH``; run it with the served models' memory settings
+(``export.environment.MALLOC``) to time their allocations.
 
     python tools/preprocess_profile.py --export data/synthetic/export --cold
     for code in /path/to/before .; do PYTHONPATH=$code python tools/preprocess_profile.py --export X; done

@@ -1,14 +1,14 @@
 """The fused served model's work in one process, by phase: refresh, preprocess, lookup, dense, per batch size.
 
 Loads a fused export's one model (``ensemble``) as its instance does on ``--device`` (the preprocess of
-``ensemble/1/artifacts``, the embedding lookup through ``ensemble/store`` with the instance's caches: ``gpu-lru`` on a GPU, ``lru`` on the CPU, and the
-dense part with CUDA graphs on a GPU), makes requests of the raw test rows with the client's code (the tensors the
-served model gets), and times each phase of 8 requests in turn: the median of ``--calls`` calls
-(after 50), warm and with the CPU's caches emptied before each call (``cold``: a 128 MiB array written, as the rest
-of a served request and the server's other processes leave them). ``--gather`` picks how the rows of a GPU cache
-reach the dense part: ``graph`` (the fused model's way: the dense part's CUDA graph gathers them from the cache),
-``before`` (the lookup gathers them, as the ``embedding`` model of the chain does) or ``both``, in turn. What a
-request costs beyond this (Triton, the python backend, the transport) is ``tools/serve_profile.py``'s.
+``ensemble/1/artifacts``, the embedding lookup through ``ensemble/store`` with the instance's caches: ``gpu-lru`` on a
+GPU, ``lru`` on the CPU, and the dense part with CUDA graphs on a GPU), makes requests of the raw test rows with the
+client's code (the tensors the served model gets), and times each phase of 8 requests in turn: the median of
+``--calls`` calls (after 50), warm and with the CPU's caches emptied before each call (``cold``: a 128 MiB array
+written, as the rest of a served request and the server's other processes leave them). ``--gather`` picks how the rows
+of a GPU cache reach the dense part: ``graph`` (the fused model's way: the dense part's CUDA graph gathers them from
+the cache), ``before`` (the lookup gathers them, as the ``embedding`` model of the chain does) or ``both``, in turn.
+What a request costs beyond this (Triton, the python backend, the transport) is ``tools/serve_profile.py``'s.
 
     python tools/ranker_profile.py --export data/bench-serve/bench-serve-50000/export --device cuda --gather both
 """

@@ -96,7 +96,7 @@ def _copy_repository(export: Path, work: Path, instances: int = 0, pin: bool = F
     """The export's models in ``work`` (the stores linked, not copied), each python model wrapped, the floors added,
     with ``instances`` instances each where given, pinned to cores with ``pin`` (``export.pin_instances``); the names
     of the models to time, the served entry first."""
-    from export.pbtxt import instance_groups
+    from export.pbtxt import instance_groups, regrouped
 
     for model in sorted(p for p in export.iterdir() if (p / "config.pbtxt").is_file()):
         target = work / model.name
@@ -128,8 +128,7 @@ def _copy_repository(export: Path, work: Path, instances: int = 0, pin: bool = F
     for config in work.glob("*/config.pbtxt"):
         text = config.read_text()
         if instances and "instance_group" in text:
-            groups = re.search(r"instance_group \[.*?\]\n", text, re.DOTALL)
-            text = text.replace(groups.group(0), instance_groups(_instances(text)[0], instances))
+            text = regrouped(text, instances)
         if pin and 'backend: "python"' in text and "pin_cores" not in text:
             text += 'parameters { key: "pin_cores" value: { string_value: "true" } }\n'
         config.write_text(text)

@@ -3,7 +3,7 @@
 The same ``Workflow.transform`` as offline runs here (export/preprocess.py), so what the model sees
 when served is what it saw in training. Its inputs are one tensor per kind of raw column (export/request.py),
 the text read in place at its fixed width.
-Exported as ``preprocess/1/model.py`` (``export.fuse=none``; ``ranker`` does this work otherwise).
+Exported as ``preprocess/1/model.py`` (``export.fuse=none``; the fused model does this work otherwise).
 """
 
 import json

@@ -216,7 +216,7 @@ def _per_request(before: dict, after: dict, models: list[str]) -> dict[str, floa
     in its ``execute`` alone (``model``), its queue; and the whole time in the server of the entry clients call
     (``ensemble``: one of ``models`` where the export is fused, else the Triton ensemble of them)."""
     out = {}
-    for name in [*models, *(["ensemble"] if "ensemble" not in models else [])]:
+    for name in dict.fromkeys([*models, "ensemble"]):  # the entry last, once
         if name not in after:
             continue
         count = after[name]["count"] - before.get(name, {}).get("count", 0)
