@@ -1,6 +1,6 @@
 # Two commands do everything on a fresh machine:
 #   make run    create the environment, then run the whole pipeline on the built-in synthetic data
-#   make test   create the environment, then run the whole test suite
+#   make test   create the environment, then lint the code and run the whole test suite
 PYTHON ?= python3
 VENV   ?= .venv
 # CPU machines take the CPU build of torch. Where this version's wheel is not local, set e.g.
@@ -14,6 +14,7 @@ run: env
 	$(BIN)/python -m pipeline run all
 
 test: env
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
 env: $(VENV)/.installed serve-env

@@ -30,6 +30,7 @@ Example::
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import warnings
 from collections.abc import Callable
@@ -116,9 +117,10 @@ class _Graph:
         self.host = torch.zeros(batch * sum(widths), pin_memory=True)
         self.buffer = torch.zeros(batch * sum(widths), device=device)
         bounds = np.cumsum([0] + [batch * w for w in widths]).tolist()
-        self._host_inputs = [self.host.numpy()[start:end].reshape(batch, -1) for start, end in zip(bounds, bounds[1:])]
-        self._pinned = [self.host[start:end].view(batch, -1) for start, end in zip(bounds, bounds[1:])]
-        self.inputs = [self.buffer[start:end].view(batch, -1) for start, end in zip(bounds, bounds[1:])]
+        host = self.host.numpy()
+        self._host_inputs = [host[start:end].reshape(batch, -1) for start, end in itertools.pairwise(bounds)]
+        self._pinned = [self.host[start:end].view(batch, -1) for start, end in itertools.pairwise(bounds)]
+        self.inputs = [self.buffer[start:end].view(batch, -1) for start, end in itertools.pairwise(bounds)]
         self.graph, self.output = _captured(lambda: module(*self.inputs), device)
 
     def __call__(self, columns: list, rows: int) -> np.ndarray:
@@ -198,7 +200,7 @@ class DenseRunner:
         self._gathering_graphs: dict[int, _GatheringGraph] = {}
 
     @classmethod
-    def for_instance(cls, args: dict, params: dict[str, str]) -> "DenseRunner":
+    def for_instance(cls, args: dict, params: dict[str, str]) -> DenseRunner:
         """The runner of a Triton model instance: its version's ``model.pt``, on the instance's GPU for a
         ``KIND_GPU`` instance (with CUDA graphs up to the model's ``max_batch_size`` unless the ``cuda_graphs``
         parameter is ``false``), else on the CPU with ``intra_op_threads`` torch threads (default 1)."""

@@ -44,8 +44,17 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from export.request import (FLOATS, FLOATS_MISSING, INTEGERS, INTEGERS_MISSING, LISTS, STRINGS, TEXT, RequestLayout,
-                            text_values)
+from export.request import (
+    FLOATS,
+    FLOATS_MISSING,
+    INTEGERS,
+    INTEGERS_MISSING,
+    LISTS,
+    STRINGS,
+    TEXT,
+    RequestLayout,
+    text_values,
+)
 from pipeline.errors import BadInputError, UserError
 from pipeline.etl.blocks import BlockColumns, ColumnBytes, ColumnRows, ColumnSlices
 from pipeline.etl.frames import list_lengths

@@ -38,7 +38,7 @@ def gpu_problem() -> str | None:
         return "torch sees no CUDA device (no GPU, or no driver)"
     try:
         (torch.ones(1, device="cuda") + 1).item()
-    except Exception as err:  # a broken driver or a busy/forbidden device
+    except Exception as err:  # noqa: BLE001  (a broken driver or a busy/forbidden device)
         return f"a CUDA device is listed but a kernel failed on it: {err}"
     return None
 

@@ -120,7 +120,7 @@ class Schema:
         write_json(path, self.to_dict())
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Schema":
+    def from_dict(cls, d: dict) -> Schema:
         version = d.get("version")
         if version != SCHEMA_VERSION:
             raise SchemaError(f"schema version {version} is not supported (expected {SCHEMA_VERSION}); rerun the ETL")
@@ -132,7 +132,7 @@ class Schema:
         )
 
     @classmethod
-    def load(cls, path: str | Path) -> "Schema":
+    def load(cls, path: str | Path) -> Schema:
         path = Path(path)
         if not path.is_file():
             raise SchemaError(f"no schema at {path}: run `python -m pipeline run etl` first")

@@ -18,8 +18,8 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -40,7 +40,7 @@ class KeyedJaggedTensor:
     """Sparse features of a batch: ``keys``, ``values`` (int ids), ``lengths`` (``F * B``, key-major) and, when
     known on the host, ``length_per_key`` (the ids of each key: ``F`` ints summing to ``len(values)``)."""
 
-    __slots__ = ("keys", "values", "lengths", "length_per_key", "_offsets")
+    __slots__ = ("_offsets", "keys", "length_per_key", "lengths", "values")
 
     def __init__(self, keys: Sequence[str], values: torch.Tensor, lengths: torch.Tensor,
                  length_per_key: Sequence[int] | None = None) -> None:
@@ -75,28 +75,28 @@ class KeyedJaggedTensor:
         start = int(offsets[0])
         return JaggedTensor(self.values[start : int(offsets[-1])], offsets - start)
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> "KeyedJaggedTensor":
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> KeyedJaggedTensor:
         return KeyedJaggedTensor(
             self.keys, self.values.to(device, non_blocking=non_blocking), self.lengths.to(device, non_blocking=non_blocking),
             self.length_per_key,
         )
 
-    def pin_memory(self) -> "KeyedJaggedTensor":
+    def pin_memory(self) -> KeyedJaggedTensor:
         return KeyedJaggedTensor(self.keys, self.values.pin_memory(), self.lengths.pin_memory(), self.length_per_key)
 
-    def record_stream(self, stream: "torch.cuda.Stream") -> None:
+    def record_stream(self, stream: torch.cuda.Stream) -> None:
         self.values.record_stream(stream)
         self.lengths.record_stream(stream)
 
     @classmethod
-    def from_lists(cls, keys: Sequence[str], bags: Sequence[Sequence[Sequence[int]]]) -> "KeyedJaggedTensor":
+    def from_lists(cls, keys: Sequence[str], bags: Sequence[Sequence[Sequence[int]]]) -> KeyedJaggedTensor:
         """From nested lists, ``bags[key][sample] = [ids...]``: a small batch written out by hand."""
         lengths = [len(bag) for per_key in bags for bag in per_key]
         values = [v for per_key in bags for bag in per_key for v in bag]
         return cls(keys, torch.tensor(values, dtype=torch.int64), torch.tensor(lengths, dtype=torch.int64))
 
     @classmethod
-    def from_dense(cls, keys: Sequence[str], ids: torch.Tensor) -> "KeyedJaggedTensor":
+    def from_dense(cls, keys: Sequence[str], ids: torch.Tensor) -> KeyedJaggedTensor:
         """One-hot features from a ``[B, F]`` id matrix."""
         if ids.dim() != 2 or ids.shape[1] != len(keys):
             raise ValueError(f"expected ids of shape [batch, {len(keys)}], got {tuple(ids.shape)}")

@@ -6,8 +6,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.data import synthetic
-from pipeline.data.raw_folder import RawDataset
 from pipeline.data.metrics import ClickMetrics, roc_auc
+from pipeline.data.raw_folder import RawDataset
 from pipeline.errors import UserError
 from pipeline.stages.cli import main
 from pipeline.stages.config import load_config

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from pipeline.distributed.launch import relaunch
-from pipeline.train.checkpoint import sharded_checkpoints
 from pipeline.stages.config import load_config
+from pipeline.train.checkpoint import sharded_checkpoints
 
 
 @pytest.fixture(scope="module")

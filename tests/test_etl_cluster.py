@@ -8,10 +8,10 @@ import pytest
 from distributed import Client, LocalCluster
 
 from pipeline.errors import UserError
-from pipeline.etl.frame_library import read_parquet
 from pipeline.etl.cluster import AUTO_LOCAL_BYTES, choose_cluster, etl_client
 from pipeline.etl.config import EtlConfig
 from pipeline.etl.defaults import default_workflow
+from pipeline.etl.frame_library import read_parquet
 from pipeline.etl.output import transform_split
 
 

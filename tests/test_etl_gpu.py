@@ -33,10 +33,10 @@ from pipeline.etl import (
     Workflow,
 )
 from pipeline.etl.frame_library import FrameLibraryError, choose_frame_library, read_parquet
-from pipeline.etl.output import cudf_row_group_rows
 from pipeline.etl.ops import Cast
 from pipeline.etl.ops.hashing import murmur3_column
 from pipeline.etl.ops.murmur import combine_row_hashes
+from pipeline.etl.output import cudf_row_group_rows
 from tests.test_etl_keyed import categorical_rows
 
 ROWS = int(os.environ.get("PIPELINE_ETL_GPU_ROWS", "2000000"))

@@ -159,8 +159,8 @@ def test_a_frame_of_numpy_columns_gives_the_tensors_of_its_arrow_typed_twin():
 
 
 @pytest.mark.parametrize(("rows", "message"), [
-    ({"I1": [1, 2.5]}, "column I1, row 1: the raw column is int64, expected a whole number from -9223372036854775808 "
-                       "to 9223372036854775807 or missing, got 2.5"),
+    ({"I1": [1, 2.5]}, ("column I1, row 1: the raw column is int64, expected a whole number from -9223372036854775808 "
+                        "to 9223372036854775807 or missing, got 2.5")),
     ({"I1": np.array([1.0, 1e19])}, "column I1, row 1: .* got 1e\\+19"),
     ({"I1": np.array([np.nan, 2.5])}, "column I1, row 1: .* got 2.5"),
     ({"I1": np.array([np.nan, -np.inf], np.float32)}, "column I1, row 1: .* got -inf"),
@@ -386,7 +386,7 @@ print(json.dumps([core, sorted(os.sched_getaffinity(0)), list(cores.values())]))
                                 (f"dense_0_{len(usable)}", "true", usable[-1]), ("ranker_0_0", "false", None)):
         out = subprocess.run([sys.executable, "-c", code, name, pin], capture_output=True, text=True, check=True,
                              cwd=Path(__file__).resolve().parents[1]).stdout
-        core, main, threads = json.loads(out)
+        core, _main, threads = json.loads(out)
         assert core == expected
         assert len(threads) >= 2 and all(t == ([expected] if pin == "true" else usable) for t in threads), threads
 
@@ -718,7 +718,7 @@ def test_a_process_that_ended_runs_no_more_before_it_is_reaped():
     try:
         assert process_identity(child.pid) is not None
         child.kill()
-        state = lambda: Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]  # noqa: E731
+        state = lambda: Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and state() != "Z":
             time.sleep(0.01)

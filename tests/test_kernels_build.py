@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from pipeline.kernels._compile import KERNEL_DIR, KernelCompileError
-from pipeline.kernels.embedding.launcher import SlotArrays, _log_lanes, _vector_width
 from pipeline.kernels.embedding import TablePacking
+from pipeline.kernels.embedding.launcher import SlotArrays, _log_lanes, _vector_width
 from pipeline.modules.configs import TableConfig
 
 SOURCES = sorted(str(p.relative_to(KERNEL_DIR)) for p in KERNEL_DIR.rglob("*.cu"))
@@ -25,7 +25,7 @@ def _nvrtc():
         from cupy_backends.cuda.libs import nvrtc
 
         nvrtc.getVersion()
-    except Exception as err:  # CuPy missing, or its NVRTC library not found
+    except Exception as err:  # noqa: BLE001  (CuPy missing, or its NVRTC library not found)
         pytest.skip(f"NVRTC through CuPy is not usable here: {err}")
     return nvrtc
 
@@ -275,6 +275,7 @@ def test_every_kernel_source_is_packaged():
     """A wheel (a non-editable install) carries every ``.cu`` and ``.cuh``: the package-data patterns of
     pyproject.toml match them all, those in the kernel packages' subfolders too."""
     import fnmatch
+
     import tomllib
 
     root = KERNEL_DIR.parent.parent

@@ -106,7 +106,7 @@ def test_forward_matches_reference(case, dtype):
 
 
 def test_forward_writes_every_column():
-    (ref, cuda), tables, features, batch, max_len, cap = _pair("multi_hot_odd_dims", "fp32", "sgd")
+    (_ref, cuda), tables, features, batch, max_len, cap = _pair("multi_hot_odd_dims", "fp32", "sgd")
     kjt = _batch(tables, features, batch, max_len, cap, seed=2).to("cuda")
     indices, offsets, b = cuda.slot_bags(kjt)
     out = cuda.backend.forward(cuda.weights, cuda.packing, indices, offsets, b)

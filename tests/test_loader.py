@@ -10,6 +10,7 @@ logic, and on a GPU its device side), and with the real cuDF on a GPU (``-m gpu`
 from __future__ import annotations
 
 import gc
+import itertools
 import sys
 import threading
 import time
@@ -71,7 +72,7 @@ def table_of(rows: np.ndarray) -> pa.Table:
 def write_split(folder: Path, bounds: list[int], schema: Schema | None = None) -> Path:
     """Files ``part-<i>`` holding rows ``bounds[i]:bounds[i+1]``, and ``schema.json`` one folder up."""
     folder.mkdir(parents=True, exist_ok=True)
-    for i, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+    for i, (lo, hi) in enumerate(itertools.pairwise(bounds)):
         pq.write_table(table_of(np.arange(lo, hi)), folder / f"part-{i}.parquet", row_group_size=GROUP_ROWS)
     (schema or make_schema()).save(folder.parent / "schema.json")
     return folder

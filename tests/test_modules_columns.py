@@ -1,5 +1,6 @@
 """assemble_columns: the same values and gradients as index_select, without a scatter backward."""
 
+import itertools
 import random
 
 import pytest
@@ -13,7 +14,7 @@ def random_runs(widths, rng):
     runs = []
     for k, width in enumerate(widths):
         cuts = sorted(rng.sample(range(width + 1), min(width + 1, 4)))
-        runs += [ColumnRun(k, lo, hi) for lo, hi in zip(cuts, cuts[1:]) if rng.random() < 0.8]
+        runs += [ColumnRun(k, lo, hi) for lo, hi in itertools.pairwise(cuts) if rng.random() < 0.8]
     rng.shuffle(runs)
     return runs
 

@@ -216,7 +216,7 @@ def test_a_row_found_in_the_cache_stays_while_rows_seen_once_go_up_to_the_protec
     cache = RowCache([CachedTable("t", rows=100, slots=5, first_row=0), CachedTable("u", rows=100, slots=5,
                                                                                      first_row=100)])
     step = stepper(cache)
-    held = lambda rows: cache.index.find(torch.tensor(rows)).ge(0).tolist()  # noqa: E731
+    held = lambda rows: cache.index.find(torch.tensor(rows)).ge(0).tolist()
     for rows in ([1], [1], [2], [3], [4], [5]):  # 1 found again: protected; 2 to 5 seen once
         step(rows, training=False)
     step([6], training=False)  # least recently used: 1; but it is protected, so 2 goes

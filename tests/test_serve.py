@@ -52,8 +52,8 @@ def served(tmp_path_factory):
     problem = server_problem(cfg.serve)
     if problem:
         pytest.fail(f"the serving tests need a Triton server and the models' environment (make serve-env): {problem}")
-    from pipeline.stages.etl import run as run_etl
     from pipeline.stages.data import run as make_data
+    from pipeline.stages.etl import run as run_etl
 
     make_data(cfg)
     run_etl(cfg)

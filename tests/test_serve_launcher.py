@@ -347,7 +347,7 @@ def test_a_server_that_dies_is_restarted_behind_the_guard_then_given_up(reposito
                 time.sleep(0.05)
             seen["after"] = _exchange(server, _post(_infer_json([[1, 2]])))
             seen["second"] = server.pid
-        except Exception as err:  # noqa: BLE001  (shown by the assertions below, which would only miss a key)
+        except Exception as err:
             seen["error"] = repr(err)
             raise
         finally:  # the second death; repeated until supervise gives up, also should a step above fail

@@ -15,13 +15,13 @@ from pipeline.errors import BadInputError, UserError
 from pipeline.loader.synthetic import criteo_schema, write_processed
 from pipeline.schema import Schema
 from pipeline.stages.config import load_config
+from pipeline.stages.train import run
 from pipeline.train.checkpoint import CheckpointError, checkpoints, latest_checkpoint, load_checkpoint, save_checkpoint
 from pipeline.train.driver import train
 from pipeline.train.loop import Callback
 from pipeline.train.model import load_trained
 from pipeline.train.runs import newest_run
 from pipeline.train.schedule import lr_at
-from pipeline.stages.train import run
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["device=cpu", "train.batch_size=128", "train.eval_batch_size=512", "train.embedding_dim=8",
@@ -288,7 +288,7 @@ def test_a_split_that_does_not_hold_the_schemas_rows_is_refused(tmp_path):
     cfg = _config(tmp_path)
     _write_data(cfg)
     train_dir = cfg.paths.processed / "train"
-    extra = sorted(train_dir.glob("*.parquet"))[0]
+    extra = min(train_dir.glob("*.parquet"))
     shutil.copy(extra, train_dir / "part-99999.parquet")  # a file of another run left in the split
     with pytest.raises(UserError, match=r"train holds .* rows in .* files where .*schema.json says 1,500"):
         run(cfg)
@@ -298,7 +298,7 @@ def test_a_split_that_does_not_hold_the_schemas_rows_is_refused(tmp_path):
 def test_a_truncated_split_file_is_refused_naming_it(tmp_path):
     cfg = _config(tmp_path)
     _write_data(cfg)
-    part = sorted((cfg.paths.processed / "valid").glob("*.parquet"))[0]
+    part = min((cfg.paths.processed / "valid").glob("*.parquet"))
     part.write_bytes(part.read_bytes()[: part.stat().st_size // 2])
     with pytest.raises(UserError, match=rf"{part} is not a readable parquet file .*run `python -m pipeline run etl`"):
         run(cfg)
@@ -353,8 +353,8 @@ def test_ctrl_c_says_how_to_continue_and_that_continues_the_run(tmp_path, capsys
         _train(cfg, [CrashAfter(12, KeyboardInterrupt)])
     name = newest_run(cfg.paths.train).name
     lines = [line for line in capsys.readouterr().out.splitlines() if "interrupted" in line]
-    assert lines == [f"[train] interrupted at step 12: rerun with train.resume=true train.run={name} to continue it "
-                     "from its checkpoint step-00000010.pt"]
+    assert lines == [(f"[train] interrupted at step 12: rerun with train.resume=true train.run={name} to continue it "
+                      "from its checkpoint step-00000010.pt")]
     run(_config(tmp_path / "stopped", *common, "train.resume=true", f"train.run={name}"))
     assert f"[train] resuming from {cfg.paths.train / name / 'checkpoints' / 'step-00000010.pt'}" in capsys.readouterr().out
     _assert_same_state(_final_state(straight), _final_state(cfg))

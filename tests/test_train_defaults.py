@@ -10,7 +10,6 @@ import torch
 
 from pipeline.schema import Schema
 from pipeline.stages.config import load_config
-from pipeline.stages.train import run
 from pipeline.train.driver import train
 from pipeline.train.loop import Callback, Trainer
 from pipeline.train.schedule import MIN_AUTO_STEPS, epochs_for, lr_at, warmup_steps

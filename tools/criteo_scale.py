@@ -129,7 +129,7 @@ class _MemorySampler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
-    def __enter__(self) -> _MemorySampler:
+    def __enter__(self) -> _MemorySampler:  # noqa: PYI034
         self.host_before, self.gpus_before = _host_used(), _gpus_used()
         self._thread.start()
         return self
@@ -178,9 +178,8 @@ def _compare_on_a_sample(work: Path, tsv: Path, args, settings: list[str]) -> di
     sample = work / "sample-tsv"
     shutil.rmtree(sample, ignore_errors=True)
     sample.mkdir()
-    with open(sorted(tsv.glob("*.tsv"))[0], "rb") as src, open(sample / "sample.tsv", "wb") as dst:
-        for _, line in zip(range(args.sample_rows), src):
-            dst.write(line)
+    with open(min(tsv.glob("*.tsv")), "rb") as src, open(sample / "sample.tsv", "wb") as dst:
+        dst.writelines(line for _, line in zip(range(args.sample_rows), src))
     frames = {}
     for device in ("cpu", args.device):
         side = [f"workdir={work / f'sample-{device}'}", "data.source=criteo", f"data.path={sample}",

@@ -67,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
 
 
-def run(args: argparse.Namespace, cfg) -> dict:  # noqa: ARG001  (the pipeline settings are not used)
+def run(args: argparse.Namespace, cfg) -> dict:
     import torch
 
     from pipeline.device import DeviceError, gpu_problem
@@ -113,15 +113,15 @@ def run(args: argparse.Namespace, cfg) -> dict:  # noqa: ARG001  (the pipeline s
         nnz = batches[0][0].numel()
         cycle = _Cycle(batches)
 
-        def fwd():
+        def fwd(cycle=cycle):
             ind, off = cycle.next()
             backend.forward(weights, packing, ind, off, args.batch)
 
-        def bwd():
+        def bwd(cycle=cycle, grad=grad):
             ind, off = cycle.next()
             backend.backward_update(weights, state, packing, ind, off, args.batch, grad, opt, opt.lr, 1)
 
-        def sort_only():
+        def sort_only(cycle=cycle):
             ind, off = cycle.next()
             launcher.sort_by_row(slots, ind, off, args.batch)
 
@@ -165,7 +165,7 @@ def run(args: argparse.Namespace, cfg) -> dict:  # noqa: ARG001  (the pipeline s
             row["speedup_step"] = row["torch_step_ms"] / (t_fwd + t_bwd)
             row["speedup_vs_torch_forward_backward"] = row["torch_forward_backward_ms"] / (t_fwd + t_bwd)
         results.append(row)
-        del batches, grad, cycle
+        del batches, grad, cycle, fwd, bwd, sort_only
         torch.cuda.empty_cache()
         _print_row(row)
 
@@ -312,7 +312,7 @@ def _interaction_row(torch, shape: tuple[int, int, int], dtype, copy_bw: float, 
 def _geometric(lo: int, hi: int, n: int) -> list[int]:
     if n == 1:
         return [hi]
-    return [int(round(lo * (hi / lo) ** (i / (n - 1)))) for i in range(n)]
+    return [round(lo * (hi / lo) ** (i / (n - 1))) for i in range(n)]
 
 
 def batch_of_ids(torch, rows, batch, hot, seed, ids="uniform", exponent=ZIPF_EXPONENT, device="cuda"):
@@ -342,7 +342,6 @@ def _copy_bandwidth(torch, nbytes: int = 4 << 30) -> float:
     src = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
     dst = torch.empty_like(src)
     ms = median_ms(torch, lambda: dst.copy_(src), 20)
-    del src, dst
     return 2 * nbytes / (ms / 1e3)
 
 

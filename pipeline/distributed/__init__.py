@@ -31,7 +31,7 @@ _EXPORTS = {
     "save_sharded_checkpoint": "pipeline.distributed.checkpoint",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = sorted(_EXPORTS)  # noqa: PLE0605  (the names loaded on first use, listed once above)
 
 
 def __getattr__(name: str):

@@ -45,11 +45,10 @@ from pipeline.distributed.rw_sharding import RowWiseSharding
 from pipeline.distributed.tw_sharding import TableWiseSharding
 from pipeline.distributed.types import Awaitable, AwaitableList, ShardingPlan, ShardingType
 from pipeline.errors import BadInputError
-from pipeline.modules.collection import uniform_init
-from pipeline.modules.columns import ColumnRun, assemble_columns, merge_runs
 from pipeline.kernels.embedding import TablePacking
 from pipeline.modules.cached_collection import HostCachedCollection
-from pipeline.modules.collection import EmbeddingCollection
+from pipeline.modules.collection import EmbeddingCollection, uniform_init
+from pipeline.modules.columns import ColumnRun, assemble_columns, merge_runs
 from pipeline.modules.configs import EmbeddingOptimizerConfig, TableConfig, check_features
 from pipeline.modules.dynamic import DynamicTable, owner_rank
 from pipeline.sparse import KeyedJaggedTensor

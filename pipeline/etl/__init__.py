@@ -17,8 +17,8 @@ The stage (``python -m pipeline run etl``) is :mod:`pipeline.stages.etl`.
 """
 
 from pipeline.etl import ops
-from pipeline.etl.graph import Node
-from pipeline.etl.ops import *  # noqa: F403  (the operators, listed once in ops.__all__)
-from pipeline.etl.workflow import Workflow, WorkflowVersionError
+from pipeline.etl.graph import Node  # noqa: F401  (exported: __all__ below)
+from pipeline.etl.ops import *  # the operators, listed once in ops.__all__
+from pipeline.etl.workflow import Workflow, WorkflowVersionError  # noqa: F401  (exported: __all__ below)
 
-__all__ = sorted([*ops.__all__, "Node", "Workflow", "WorkflowVersionError"])
+__all__ = sorted([*ops.__all__, "Node", "Workflow", "WorkflowVersionError"])  # noqa: PLE0605  (ops.__all__ listed once)

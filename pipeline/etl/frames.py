@@ -17,7 +17,6 @@ import pyarrow as pa
 
 from pipeline.errors import BadInputError
 
-
 _IS_CUDF: dict[type, bool] = {}
 
 

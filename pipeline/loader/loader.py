@@ -242,7 +242,7 @@ class Loader:
         """Stop the background thread of a running iteration (iterating again later is allowed)."""
         self._stop_active()
 
-    def __enter__(self) -> Loader:
+    def __enter__(self) -> Loader:  # noqa: PYI034
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -251,7 +251,7 @@ class Loader:
     def __del__(self) -> None:
         try:
             self._stop_active()
-        except Exception:
+        except Exception:  # noqa: BLE001, S110  (a finalizer must not raise)
             pass
 
     def __repr__(self) -> str:
@@ -357,7 +357,7 @@ class _Producer:
             else:
                 self._produce(executor)
             self._put(_END)
-        except BaseException as err:  # handed to the consumer, who re-raises it
+        except BaseException as err:  # noqa: BLE001  (handed to the consumer, who re-raises it)
             self._put(err)
         finally:
             executor.shutdown(wait=True, cancel_futures=True)

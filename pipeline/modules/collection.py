@@ -30,9 +30,9 @@ optimizer step); the weights are buffers, not parameters, so ``model.parameters(
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Sequence
 
 import torch
 from torch import nn

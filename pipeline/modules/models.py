@@ -53,7 +53,7 @@ class ModelSizes:
     extra: dict = field(default_factory=dict)
 
     @classmethod
-    def preset(cls, name: str, **overrides) -> "ModelSizes":
+    def preset(cls, name: str, **overrides) -> ModelSizes:
         if name not in PRESETS:
             raise ValueError(f"model preset: expected one of {sorted(PRESETS)}, got {name!r}")
         values = {k: (list(v) if isinstance(v, list) else v) for k, v in PRESETS[name].items()}
@@ -66,7 +66,7 @@ class ModelSizes:
         return preset if preset != "auto" else ("mlperf" if device_kind == "cuda" else "small")
 
     @classmethod
-    def from_train_config(cls, train, device_kind: str) -> "ModelSizes":
+    def from_train_config(cls, train, device_kind: str) -> ModelSizes:
         """The preset of ``train.preset`` (``auto``: mlperf on cuda, small on cpu) with the set sizes on top."""
         sizes = cls.preset(cls.preset_name(train.preset, device_kind), embedding_dim=train.embedding_dim,
                            bottom_mlp=list(train.bottom_mlp), top_mlp=list(train.top_mlp), cross_rank=train.cross_rank,

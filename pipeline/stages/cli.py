@@ -16,7 +16,8 @@ import argparse
 import importlib
 import sys
 import time
-from typing import Callable, NoReturn
+from collections.abc import Callable
+from typing import NoReturn
 
 import yaml
 
@@ -74,8 +75,8 @@ EXAMPLES = {
                  "python -m pipeline settings                         # every setting, its default and meaning"],
     "data": ["python -m pipeline data data.rows=2000000",
              "python -m pipeline data data.source=criteo data.path=day_0.gz --on-bad-lines skip",
-             "python -m pipeline data data.source=table data.path=clicks.csv data.label=clicked "
-             "data.categorical=[user,item]"],
+             ("python -m pipeline data data.source=table data.path=clicks.csv data.label=clicked "
+              "data.categorical=[user,item]")],
     "run": ["python -m pipeline run all workdir=/tmp/work data.rows=200000",
             "python -m pipeline run etl --scheduler tcp://10.0.0.5:8786",
             "python -m pipeline run train train.model=deepfm train.run=deepfm-1",

@@ -12,10 +12,10 @@ Example::
 
 from __future__ import annotations
 
-from pipeline.stages.config import PipelineConfig
 from pipeline.device import resolve_device
 from pipeline.distributed.world import World
 from pipeline.schema import Schema
+from pipeline.stages.config import PipelineConfig
 from pipeline.train.driver import train
 
 

@@ -10,7 +10,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 import torch

@@ -29,8 +29,8 @@ import functools
 import json
 import math
 import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F

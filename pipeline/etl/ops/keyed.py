@@ -49,7 +49,6 @@ import pandas as pd
 
 from pipeline.etl.frames import array_module, cudf_frame, is_cudf
 
-
 CHECK_SEED = 0x5EEDC0DE
 """The seed of the check keys (:func:`value_keys`); the keys have seed 0."""
 

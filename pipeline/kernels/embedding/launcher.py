@@ -84,7 +84,7 @@ class SlotArrays:
     columns_aligned: bool  # every slot's columns start on a 16-byte boundary of an output row
 
     @classmethod
-    def from_packing(cls, packing, device: torch.device | str) -> "SlotArrays":
+    def from_packing(cls, packing, device: torch.device | str) -> SlotArrays:
         device = torch.device(device)
         tables = packing.slot_table
         by_row = sorted(range(len(packing.rows)), key=lambda t: packing.row_offsets[t])

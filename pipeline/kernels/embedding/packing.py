@@ -14,8 +14,8 @@ Example::
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
@@ -89,7 +89,7 @@ class TablePacking:
         return self._device_cache[key]
 
     @classmethod
-    def build(cls, tables: Sequence) -> "TablePacking":
+    def build(cls, tables: Sequence) -> TablePacking:
         """From table configs (``name``, ``rows``, ``dim``, ``features``, ``pooling``), in the given order."""
         slot_table = [t for t, table in enumerate(tables) for _ in table.features]
         return cls.pack([t.rows for t in tables], [t.dim for t in tables], slot_table,
@@ -98,7 +98,7 @@ class TablePacking:
 
     @classmethod
     def pack(cls, rows: Sequence[int], dims: Sequence[int], slot_table: Sequence[int], slot_mean: Sequence[bool],
-             table_names: Sequence[str] | None = None, slot_features: Sequence[str] | None = None) -> "TablePacking":
+             table_names: Sequence[str] | None = None, slot_features: Sequence[str] | None = None) -> TablePacking:
         """Pack tables of ``rows[t] x dims[t]``, grouped by dim, read by slots ``slot_table`` / ``slot_mean``."""
         order = sorted(range(len(rows)), key=lambda t: dims[t])
         weights_offsets = [0] * len(rows)
