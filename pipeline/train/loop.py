@@ -93,16 +93,19 @@ class Timings:
         self.last = now
 
 
-def dense_optimizer(name: str, params, lr: float, weight_decay: float, device: torch.device) -> torch.optim.Optimizer:
+def dense_optimizer(name: str, params, lr: float, weight_decay: float, device: torch.device,
+                    decoupled: bool = False) -> torch.optim.Optimizer:
     """The dense part's optimizer; on a GPU, SGD and Adam take torch's fused kernels (one launch per step
-    for all parameters instead of a few per parameter list, which a launch-bound step feels)."""
+    for all parameters instead of a few per parameter list, which a launch-bound step feels). With ``decoupled``,
+    Adam decays the weights apart from its gradients (AdamW; :attr:`TrainConfig.decoupled_decay`)."""
     fused = {"fused": True} if device.type == "cuda" else {}
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay, **fused)
     if name == "adagrad":
         return torch.optim.Adagrad(params, lr=lr, weight_decay=weight_decay)
     if name == "adam":
-        return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay, **fused)
+        adam = torch.optim.AdamW if decoupled else torch.optim.Adam
+        return adam(params, lr=lr, weight_decay=weight_decay, **fused)
     raise ValueError(f"dense optimizer: expected sgd, adam or adagrad, got {name!r}")
 
 
@@ -137,7 +140,7 @@ class Trainer:
         self.total_steps = min(total, cfg.max_steps) if cfg.max_steps > 0 else total
         self.warmup_steps = warmup_steps(self.total_steps, cfg.warmup_fraction, cfg.warmup_steps)
         self.optimizer = dense_optimizer(cfg.optimizer, model.parameters(), cfg.dense_lr, cfg.weight_decay,
-                                         self.device)
+                                         self.device, cfg.decoupled_decay)
         self.amp = cfg.amp == "bf16" or (cfg.amp == "auto" and self.device.type == "cuda")
         self.state = LoopState()
         # The best epoch's weights, on the host; a sharded model scores its last epoch.
