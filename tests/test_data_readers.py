@@ -1,5 +1,6 @@
 import gzip
 import json
+from collections import Counter
 
 import numpy as np
 import pyarrow as pa
@@ -260,6 +261,23 @@ def test_table_reader_counts_bad_numbers_and_labels(tmp_path):
     assert prices == [2.5, 1000.0] and sum(raw.rows.values()) == 3
     users = sorted(v for s in raw.splits.values() for p in s for v in pq.read_table(p).column("user").to_pylist())
     assert users == ["a", "d", "e"]  # no stray carriage returns
+
+
+def test_table_reader_takes_pandas_missing_markers_as_missing_numbers_and_keeps_them_as_categories(tmp_path):
+    """R writes a missing number as NA, a database export NULL: pandas reads these (and N/A, None, #N/A, <NA>...) as
+    missing, and so does a number column here. In a categorical column they are the text written (NA is Namibia)."""
+    markers = ["NA", "N/A", "n/a", "NULL", "null", "None", "#N/A", "<NA>", "-nan", ""]
+    lines = [f"{k % 2},{marker},{marker or 'empty'}" for k, marker in enumerate(markers)]
+    path = tmp_path / "rows.csv"
+    path.write_text("clicked,price,country\n" + "\n".join([*lines, "1,2.5,NA", "0,NAN2,x"]) + "\n")
+    cfg = _cfg(tmp_path, "data.source=table", f"data.path={path}", "data.label=clicked",
+               "data.continuous=price", "data.categorical=country", "data.on_bad_lines=skip")
+    raw = ensure_raw(cfg)
+    report = json.loads((raw.root / "ingest_report.json").read_text())
+    assert report["bad"] == {"not_a_number": 1}
+    rows = [row for s in raw.splits.values() for p in s for row in pq.read_table(p).to_pylist()]
+    assert Counter((r["country"], r["price"]) for r in rows) == Counter(
+        [(marker or "empty", None) for marker in markers] + [("NA", 2.5)])
 
 
 def test_separate_files_per_split(tmp_path):

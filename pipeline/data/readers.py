@@ -5,7 +5,9 @@
 * ``table``: CSV (``,``), TSV (``.tsv``, ``.tab``, ``.txt``: tab) with a header line, or parquet, with
   the column roles of the settings (``data.label``, ``data.continuous``, ``data.categorical``,
   ``data.multihot``; columns to drop in ``data.ignore``). A multi-hot cell of a text file is split on
-  ``data.list_separator``; in parquet it is a list column.
+  ``data.list_separator``; in parquet it is a list column. A number is missing where its field is empty or holds
+  a word pandas reads as missing (``NA``, ``NULL``, ``None``, ``NaN``...: :data:`_MISSING_NUMBER_PATTERN`); in a
+  categorical column such a word is text.
 
 Text is read in blocks of whole lines (about ``data.chunk_rows`` rows, so a quoted value may not
 hold a newline). Empty lines and lines that are not UTF-8 are taken out first; ``pyarrow.csv``
@@ -84,7 +86,7 @@ from pipeline.errors import BadInputError
 from pipeline.files import write_json
 from pipeline.progress import Progress
 
-READER_VERSION = 1
+READER_VERSION = 2
 
 _TEXT_SUFFIXES = {".csv": ",", ".tsv": "\t", ".tab": "\t", ".txt": "\t"}
 _PARQUET_SUFFIXES = {".parquet", ".pq"}
@@ -95,7 +97,8 @@ _BOM = b"\xef\xbb\xbf"
 _INT_PATTERN = r"^(-?[0-9]+)?$"  # empty is missing; the int64 range is checked apart
 _INT64_DIGITS = 19
 _FLOAT_PATTERN = r"^([+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?)?$"
-_NAN_PATTERN = r"^[+-]?(nan|NaN|NAN)$"
+# a missing number as pandas' read_csv reads one by default (R writes NA, databases NULL); in number columns only
+_MISSING_NUMBER_PATTERN = r"^([+-]?(nan|NaN|NAN)|NA|N/A|n/a|#N/A|#N/A N/A|#NA|<NA>|NULL|null|None|-?1\.#(IND|QNAN))$"
 _LABEL_PATTERN = r"^([01](\.0*)?|(?i:true|false))$"  # a table's text labels: 0 / 1, or pandas' True / False
 
 
@@ -801,7 +804,7 @@ def _values_ok(column: pa.ChunkedArray, kind: str) -> np.ndarray | None:
         number = pc.and_(pc.match_substring_regex(column, _FLOAT_PATTERN), pc.not_equal(column, ""))
         values = pc.cast(pc.if_else(number, column, pa.scalar(None, column.type)), pa.float64())
         ok = pc.and_(pc.or_(pc.match_substring_regex(column, _FLOAT_PATTERN),
-                            pc.match_substring_regex(column, _NAN_PATTERN)),
+                            pc.match_substring_regex(column, _MISSING_NUMBER_PATTERN)),
                      pc.invert(pc.fill_null(pc.is_inf(values), False)))
     else:
         return None
@@ -820,7 +823,7 @@ def _convert(column: pa.ChunkedArray, kind: str, separator: str) -> pa.ChunkedAr
     if _is_text(t):
         missing = pc.equal(column, "")
         if kind == "float":
-            missing = pc.or_(missing, pc.match_substring_regex(column, _NAN_PATTERN))
+            missing = pc.or_(missing, pc.match_substring_regex(column, _MISSING_NUMBER_PATTERN))
         column = pc.if_else(missing, pa.scalar(None, t), column)
         if kind == "int":
             return pc.cast(column, pa.int64())
