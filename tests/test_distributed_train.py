@@ -19,7 +19,8 @@ def processed(tmp_path_factory):
     from pipeline.stages.cli import run_stages
 
     workdir = tmp_path_factory.mktemp("dist-train")
-    cfg = load_config(None, [f"workdir={workdir}", "device=cpu", "data.rows=12000"])
+    # every value its own row (etl.freq_threshold=0): the tables' sizes below were set on that
+    cfg = load_config(None, [f"workdir={workdir}", "device=cpu", "data.rows=12000", "etl.freq_threshold=0"])
     run_stages(["data", "etl"], cfg)
     return workdir
 

@@ -48,13 +48,17 @@ def test_stage_writes_the_contract(synthetic_run):
     assert train.schema.field("label").type == pa.float32()
     for name in schema.continuous:
         assert train.schema.field(name).type == pa.float32() and train[name].null_count == 0
+    left_out = 0  # values seen fewer than etl.freq_threshold times (2 by default: once), which map to OOV
     for name in schema.sparse:
         codes = train[name].to_numpy()
         assert train.schema.field(name).type == pa.int32()
-        distinct = pa.compute.count_distinct(raw_train[name]).as_py()
-        assert schema.column(name).cardinality == distinct + 2  # every training value has a code, plus 0 and 1
+        counts = pa.compute.value_counts(raw_train[name].drop_null())
+        kept = sum(1 for count in counts.field("counts").to_pylist() if count >= cfg.etl.freq_threshold)
+        left_out += len(counts) - kept
+        assert schema.column(name).cardinality == kept + 2  # every value seen often enough has a code, plus 0 and 1
         assert codes.min() >= 0 and codes.max() < schema.column(name).cardinality
         assert (codes == 0).sum() == raw_train[name].null_count
+    assert cfg.etl.freq_threshold == 2 and left_out > 0
     for part in (cfg.paths.processed / "train").glob("part-*.parquet"):
         meta_part = pq.read_metadata(part)
         assert all(meta_part.row_group(i).num_rows <= 2048 for i in range(meta_part.num_row_groups))

@@ -36,8 +36,9 @@ def runs(tmp_path_factory):
     from pipeline.stages.cli import run_stages
 
     workdir = tmp_path_factory.mktemp("host-cache")
-    common = [f"workdir={workdir}", "device=cpu", "data.rows=20000", "etl.cluster=threads", "progress=off",
-              "train.batch_size=64", "train.epochs=1", "train.threads=1", "train.checkpoint_every=100"]
+    # every value its own row (etl.freq_threshold=0): the tables' sizes below were set on that
+    common = [f"workdir={workdir}", "device=cpu", "data.rows=20000", "etl.cluster=threads", "etl.freq_threshold=0",
+              "progress=off", "train.batch_size=64", "train.epochs=1", "train.threads=1", "train.checkpoint_every=100"]
     run_stages(["data", "etl"], load_config(None, common))
     in_memory = run_train(load_config(None, [*common, "train.run=in-memory"]))
     printed = io.StringIO()
@@ -165,7 +166,8 @@ def multihot(tmp_path_factory):
         folder / "tags.csv", index=False)
     common = [f"workdir={folder}", "device=cpu", "data.source=table", f"data.path={folder / 'tags.csv'}",
               "data.label=clicked", "data.continuous=[price]", "data.categorical=[user]", "data.multihot=[tags]",
-              "etl.cluster=threads", "progress=off", "train.batch_size=32", "train.epochs=1", "train.threads=1"]
+              "etl.cluster=threads", "etl.freq_threshold=0",  # every one of the 2,000 tags its own row
+              "progress=off", "train.batch_size=32", "train.epochs=1", "train.threads=1"]
     run_stages(["data", "etl"], load_config(None, common))
     return common
 

@@ -30,7 +30,10 @@ class EtlConfig:
         default=True, metadata={"help": "cuDF spills its buffers to host memory when a GPU fills up (false: no "
                                         "spill manager tracking every buffer, for data that fits the GPUs)"}
     )
-    freq_threshold: int = field(default=0, metadata={"help": "Categorify: values seen fewer times map to OOV"})
+    freq_threshold: int = field(default=2, metadata={
+        "help": "Categorify: values seen fewer times map to OOV (2: a value seen once shares the out-of-vocabulary "
+                "row, which then learns what a rare or new value is; at 0 that row is never trained, and every value "
+                "unseen in training gets its random start)"})
     max_vocab_size: int = field(default=0, metadata={"help": "Categorify: keep at most this many values (0: all)"})
     hash_buckets: dict[str, int] = field(
         default_factory=dict, metadata={"help": "columns hashed into N buckets instead of a vocabulary"}
