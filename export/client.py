@@ -2,7 +2,8 @@
 
 Rows may be a pandas DataFrame, a dict of columns (name -> values), a list of dicts (column ->
 value), or TSV lines (label first, optional; then the columns in the layout's order, Criteo's I1..I13
-and C1..C26; empty fields are missing). Missing values may be ``None`` / NaN or absent columns; the
+and C1..C26; empty fields are missing). Missing values may be ``None`` / NaN or absent columns, and a number
+sent as text may be a word the data stage reads as missing (``NA``, ``NULL``, ``nan``...); the
 server applies the workflow's missing handling, and unseen categories get the out-of-vocabulary
 index. A label column is ignored; any other column the model does not take is an error (a misspelt
 name would otherwise read as missing). The rows become one tensor per kind of raw column

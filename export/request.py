@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -46,6 +47,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from pipeline.data.text_format import MISSING_NUMBER_PATTERN
 from pipeline.errors import BadInputError
 from pipeline.etl.frames import column_reader
 
@@ -131,9 +133,11 @@ class RequestLayout:
     def tensors(self, rows: Any, ignore: Iterable[str] = ()) -> dict[str, np.ndarray]:
         """The request tensors for ``rows``: a DataFrame, a dict of columns (name -> values), a list of dicts
         (column -> value) or TSV lines (the fields of :attr:`columns`, the label first or not; empty: missing).
-        Missing values are ``None``, NaN, ``pd.NA`` or an absent column; a column neither of the layout nor the
-        label (nor in ``ignore``) is an error, as a misspelt name would otherwise read as missing. Rows whose text
-        would be mostly padding at one width are refused (:class:`TooWide`): :meth:`requests` sends them in parts."""
+        Missing values are ``None``, NaN, ``pd.NA``, an absent column or, for a floating column given as text, a word
+        a table's number column reads as missing (:data:`~pipeline.data.text_format.MISSING_NUMBER_PATTERN`); a
+        column neither of the layout nor the label (nor in ``ignore``) is an error, as a misspelt name would otherwise
+        read as missing. Rows whose text would be mostly padding at one width are refused (:class:`TooWide`):
+        :meth:`requests` sends them in parts."""
         return self._tensors(*self._columns(rows, {self.label, *ignore} - {""}))
 
     def requests(self, rows: Any, ignore: Iterable[str] = ()) -> list[dict[str, np.ndarray]]:
@@ -298,13 +302,21 @@ def _numbers_one_by_one(values: Any, name: str, integer: bool) -> tuple[np.ndarr
     out = np.zeros(len(values), np.int64 if integer else np.float64)
     missing = np.zeros(len(values), bool)
     for i, value in enumerate(values):
-        if _is_missing(value):
+        if _is_missing(value) or (not integer and _missing_word(value)):
             missing[i] = True
         elif integer:
             out[i] = _integer(value, name, i)
         else:
             out[i] = _float(value, name, i)
     return out, missing
+
+
+def _missing_word(value: Any) -> bool:
+    """Whether a value is text that a table's number column reads as missing (``NA``, ``NULL``, ``nan``...), as the
+    data stage read the training rows."""
+    if isinstance(value, bytes):
+        value = value.decode(errors="replace")
+    return isinstance(value, str) and re.match(MISSING_NUMBER_PATTERN, value) is not None
 
 
 def _text_matrix(columns: Mapping[str, Any], names: tuple[str, ...], batch: int, separator: str,

@@ -535,6 +535,21 @@ def test_a_missing_number_is_its_mask_or_a_nan_and_a_masked_value_is_ignored(mul
         assert np.array_equal(preprocess(request)["DENSE"], expected["DENSE"])
 
 
+def test_a_number_written_as_text_is_missing_where_the_data_stage_reads_it_so():
+    """A client that sends a table's rows as text (TSV lines, strings) gets the data stage's reading of its numbers:
+    ``nan``, ``NA``, ``NULL``... are missing (the training rows had the median there), not 0.0 and not an error."""
+    layout = RequestLayout(integers=(), floats=("price",), strings=("user",), lists=())
+    words = ["nan", "NaN", "NA", "N/A", "NULL", "null", "None", "<NA>", "#N/A"]
+    tensors = layout.tensors([{"price": word, "user": "NA"} for word in words] + [{"price": "2.5", "user": "b"}])
+    assert tensors["FLOATS_MISSING"].ravel().tolist() == [True] * len(words) + [False]
+    assert tensors["FLOATS"].ravel().tolist() == [0.0] * len(words) + [2.5]
+    assert text_values(tensors["STRINGS"])[0, 0] == b"NA"  # a category's text stays as written
+    tsv = layout.tensors(["nan\tx", "\ty", "3\tz"])
+    assert tsv["FLOATS_MISSING"].ravel().tolist() == [True, True, False]
+    with pytest.raises(BadInputError, match=r"column price, row 0: expected a number or missing, got 'NAN2'"):
+        layout.tensors([{"price": "NAN2", "user": "a"}])
+
+
 def test_an_update_over_a_damaged_store_or_record_repairs_it_or_names_the_file(multihot_pipeline, tmp_path):
     import shutil
 

@@ -6,7 +6,7 @@
   the column roles of the settings (``data.label``, ``data.continuous``, ``data.categorical``,
   ``data.multihot``; columns to drop in ``data.ignore``). A multi-hot cell of a text file is split on
   ``data.list_separator``; in parquet it is a list column. A number is missing where its field is empty or holds
-  a word pandas reads as missing (``NA``, ``NULL``, ``None``, ``NaN``...: :data:`_MISSING_NUMBER_PATTERN`); in a
+  a word pandas reads as missing (``NA``, ``NULL``, ``None``, ``NaN``...: :data:`~pipeline.data.text_format.MISSING_NUMBER_PATTERN`); in a
   categorical column such a word is text.
 
 Text is read in blocks of whole lines (about ``data.chunk_rows`` rows, so a quoted value may not
@@ -74,6 +74,7 @@ from pipeline.data.text_format import (
     CRITEO_CONTINUOUS,
     EXAMPLES,
     MAX_LINE_BYTES,
+    MISSING_NUMBER_PATTERN,
     FileReport,
     carriage_return_reason,
     field_count_reason,
@@ -97,8 +98,6 @@ _BOM = b"\xef\xbb\xbf"
 _INT_PATTERN = r"^(-?[0-9]+)?$"  # empty is missing; the int64 range is checked apart
 _INT64_DIGITS = 19
 _FLOAT_PATTERN = r"^([+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?)?$"
-# a missing number as pandas' read_csv reads one by default (R writes NA, databases NULL); in number columns only
-_MISSING_NUMBER_PATTERN = r"^([+-]?(nan|NaN|NAN)|NA|N/A|n/a|#N/A|#N/A N/A|#NA|<NA>|NULL|null|None|-?1\.#(IND|QNAN))$"
 _LABEL_PATTERN = r"^([01](\.0*)?|(?i:true|false))$"  # a table's text labels: 0 / 1, or pandas' True / False
 
 
@@ -804,7 +803,7 @@ def _values_ok(column: pa.ChunkedArray, kind: str) -> np.ndarray | None:
         number = pc.and_(pc.match_substring_regex(column, _FLOAT_PATTERN), pc.not_equal(column, ""))
         values = pc.cast(pc.if_else(number, column, pa.scalar(None, column.type)), pa.float64())
         ok = pc.and_(pc.or_(pc.match_substring_regex(column, _FLOAT_PATTERN),
-                            pc.match_substring_regex(column, _MISSING_NUMBER_PATTERN)),
+                            pc.match_substring_regex(column, MISSING_NUMBER_PATTERN)),
                      pc.invert(pc.fill_null(pc.is_inf(values), False)))
     else:
         return None
@@ -823,7 +822,7 @@ def _convert(column: pa.ChunkedArray, kind: str, separator: str) -> pa.ChunkedAr
     if _is_text(t):
         missing = pc.equal(column, "")
         if kind == "float":
-            missing = pc.or_(missing, pc.match_substring_regex(column, _MISSING_NUMBER_PATTERN))
+            missing = pc.or_(missing, pc.match_substring_regex(column, MISSING_NUMBER_PATTERN))
         column = pc.if_else(missing, pa.scalar(None, t), column)
         if kind == "int":
             return pc.cast(column, pa.int64())

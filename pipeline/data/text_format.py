@@ -19,6 +19,9 @@ EXAMPLES = 20
 MAX_LINE_BYTES = 1 << 20
 """A text line longer than this (its line end not counted) is a malformed line, ``line_too_long``."""
 DIGITS_PATTERN = r"-?[0-9]+"
+MISSING_NUMBER_PATTERN = r"^([+-]?(nan|NaN|NAN)|NA|N/A|n/a|#N/A|#N/A N/A|#NA|<NA>|NULL|null|None|-?1\.#(IND|QNAN))$"
+"""A missing number written as text, as pandas' ``read_csv`` reads one by default (R writes NA, databases NULL): in a
+table's number columns and in a served request's, never in a categorical column."""
 
 
 @dataclass
