@@ -307,7 +307,9 @@ def _numbers_one_by_one(values: Any, name: str, integer: bool) -> tuple[np.ndarr
         elif integer:
             out[i] = _integer(value, name, i)
         else:
-            out[i] = _float(value, name, i)
+            number = _float(value, name, i)
+            missing[i] = math.isnan(number)  # text float() reads as NaN ("nAn", " nan"): missing, as a NaN is
+            out[i] = 0.0 if missing[i] else number
     return out, missing
 
 
@@ -438,7 +440,7 @@ def _float(value: Any, name: str, row: int) -> float:
         raise BadInputError(f"column {name}, row {row}: expected a number or missing, got {value!r}") from None
     if math.isinf(number):
         raise BadInputError(f"column {name}, row {row}: expected a finite number or missing, got {value!r}")
-    return 0.0 if math.isnan(number) else number
+    return number
 
 
 def _not_finite(name: str, row: int, value: Any) -> str:

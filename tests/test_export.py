@@ -539,7 +539,7 @@ def test_a_number_written_as_text_is_missing_where_the_data_stage_reads_it_so():
     """A client that sends a table's rows as text (TSV lines, strings) gets the data stage's reading of its numbers:
     ``nan``, ``NA``, ``NULL``... are missing (the training rows had the median there), not 0.0 and not an error."""
     layout = RequestLayout(integers=(), floats=("price",), strings=("user",), lists=())
-    words = ["nan", "NaN", "NA", "N/A", "NULL", "null", "None", "<NA>", "#N/A"]
+    words = ["nan", "NaN", "NA", "N/A", "NULL", "null", "None", "<NA>", "#N/A", "nAn", " nan "]
     tensors = layout.tensors([{"price": word, "user": "NA"} for word in words] + [{"price": "2.5", "user": "b"}])
     assert tensors["FLOATS_MISSING"].ravel().tolist() == [True] * len(words) + [False]
     assert tensors["FLOATS"].ravel().tolist() == [0.0] * len(words) + [2.5]

@@ -6,8 +6,8 @@
   the column roles of the settings (``data.label``, ``data.continuous``, ``data.categorical``,
   ``data.multihot``; columns to drop in ``data.ignore``). A multi-hot cell of a text file is split on
   ``data.list_separator``; in parquet it is a list column. A number is missing where its field is empty or holds
-  a word pandas reads as missing (``NA``, ``NULL``, ``None``, ``NaN``...: :data:`~pipeline.data.text_format.MISSING_NUMBER_PATTERN`); in a
-  categorical column such a word is text.
+  a word pandas reads as missing (``NA``, ``NULL``, ``None``, ``NaN``...:
+  :data:`~pipeline.data.text_format.MISSING_NUMBER_PATTERN`); in a categorical column such a word is text.
 
 Text is read in blocks of whole lines (about ``data.chunk_rows`` rows, so a quoted value may not
 hold a newline). Empty lines and lines that are not UTF-8 are taken out first; ``pyarrow.csv``
