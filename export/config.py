@@ -41,6 +41,10 @@ class ExportConfig:
     cuda_graphs: bool = field(default=True, metadata={
         "help": "GPU instances run the dense part as CUDA graphs, one per batch size padded to a power of two "
                 "(its few small layers are bound by kernel launches); CPU instances always run it as it is"})
+    preprocess_on_gpu: bool = field(default=True, metadata={
+        "help": "GPU instances of the fused model (export.fuse=all) run the workflow on their GPU, as CUDA graphs, "
+                "where its operators allow (the standard workflow's; a workflow with others, and a batch whose text "
+                "the GPU does not read as the CPU does, run on the CPU)"})
     pin_instances: bool = field(default=False, metadata={
         "help": "run each instance of a python model on a core of its own (the instances of a model on different "
                 "cores while there are cores enough): an instance then finds its data still in that core's caches, "

@@ -90,7 +90,7 @@ def padded_batch(rows: int, max_batch: int) -> int | None:
     return min(1 << max(rows - 1, 0).bit_length(), max_batch)
 
 
-def _captured(forward: Callable[[], torch.Tensor], device: torch.device) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+def capture(forward: Callable[[], torch.Tensor], device: torch.device) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """``forward`` captured as a CUDA graph on ``device``, after three runs outside the capture (TorchScript profiles
     its first runs), and the output tensor its replays write."""
     stream = torch.cuda.Stream(device)
@@ -121,7 +121,7 @@ class _Graph:
         self._host_inputs = [host[start:end].reshape(batch, -1) for start, end in itertools.pairwise(bounds)]
         self._pinned = [self.host[start:end].view(batch, -1) for start, end in itertools.pairwise(bounds)]
         self.inputs = [self.buffer[start:end].view(batch, -1) for start, end in itertools.pairwise(bounds)]
-        self.graph, self.output = _captured(lambda: module(*self.inputs), device)
+        self.graph, self.output = capture(lambda: module(*self.inputs), device)
 
     def __call__(self, columns: list, rows: int) -> np.ndarray:
         on_host = [isinstance(x, np.ndarray) for x in columns]
@@ -164,7 +164,7 @@ class _GatheringGraph:
             pooled = rows.index_select(0, slots).view(batch, -1).float()
             return module(dense, pooled) if width is not None else module(pooled)
 
-        self.graph, self.output = _captured(forward, device)
+        self.graph, self.output = capture(forward, device)
         self.answer = torch.zeros(self.output.shape, pin_memory=True)
         self._answered = torch.cuda.Event()
 

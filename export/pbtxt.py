@@ -102,6 +102,7 @@ class ModelOptions:
     cache_fraction: float = 0.25
     dense_threads: int = 1
     cuda_graphs: bool = True
+    preprocess_on_gpu: bool = True
     pin_instances: bool = False
     fused: bool | None = None
     """One python model (raw rows -> probabilities), served as ``ensemble`` itself, in place of the Triton ensemble of
@@ -123,7 +124,8 @@ def model_configs(spec: EnsembleSpec, options: ModelOptions) -> dict[str, str]:
         # the entry clients call, with nothing in front of it: a Triton ensemble of this one step would add a hop (its
         # scheduler's hand-over of each request and answer, docs/BENCHMARKS.md)
         return {ENTRY: _python_model(ENTRY, spec.raw, [spec.prediction], options, graphs=True, parameters={
-            **cache, **_dense_parameters(options), LAYOUT_PARAMETER: spec.layout.to_json()})}
+            **cache, **_dense_parameters(options), "preprocess_on_gpu": str(options.preprocess_on_gpu).lower(),
+            LAYOUT_PARAMETER: spec.layout.to_json()})}
     return {
         "preprocess": _python_model("preprocess", spec.raw, spec.features, options, kind="cpu"),
         "embedding": _python_model("embedding", spec.embedding_inputs, [spec.embeddings], options,

@@ -37,7 +37,7 @@ import json
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
@@ -59,6 +59,9 @@ from pipeline.errors import BadInputError, UserError
 from pipeline.etl.blocks import BlockColumns, ColumnBytes, ColumnRows, ColumnSlices
 from pipeline.etl.frames import list_lengths
 from pipeline.schema import Schema
+
+if TYPE_CHECKING:
+    from pipeline.etl.workflow import Workflow
 
 DENSE = "DENSE"
 CATEGORICAL_IDS = "CATEGORICAL_IDS"
@@ -112,10 +115,13 @@ class Preprocessor:
     """Applies ``transform`` (the saved workflow's ``transform_columns``) to request columns and emits the
     model tensors."""
 
-    def __init__(self, raw: RawColumns, schema: Schema, transform: Callable[[Columns], Columns]) -> None:
+    def __init__(self, raw: RawColumns, schema: Schema, transform: Callable[[Columns], Columns],
+                 workflow: Workflow | None = None) -> None:
         self.raw = raw
         self.schema = schema
         self.transform = transform
+        self.workflow = workflow
+        """The workflow ``transform`` runs, where it is one (:meth:`load`): what a device's preprocess plans from."""
         multihot = set(schema.multihot)
         self.continuous = schema.continuous
         self.onehot = [c for c in schema.sparse if c not in multihot]
@@ -141,7 +147,7 @@ class Preprocessor:
         folder = Path(folder)
         workflow = Workflow.load(folder / "workflow", library="pandas")
         preprocess = cls(RawColumns.load(folder / "raw_columns.json"), Schema.load(folder / "schema.json"),
-                         workflow.transform_columns)
+                         workflow.transform_columns, workflow)
         # A row with every value missing: the operators build what they keep between requests (a vocabulary's
         # index: seconds for millions of values) now, not at the first request.
         preprocess(preprocess.layout.tensors([{}]))
@@ -152,10 +158,10 @@ class Preprocessor:
         continuous columns as the float64 rows of one matrix, the text (and list) columns one after the other in
         one Arrow array typed as the ETL reads its parquet input (or, where their types differ, each an
         arrow-backed pandas array)."""
-        batch, text = self._check(tensors)
+        batch, numbers, text = self.read(tensors)
         blocks: list[Mapping[str, Any]] = []
-        if self.raw.continuous:
-            blocks.append(ColumnRows(list(self.raw.continuous), self._numbers(tensors, batch)))
+        if numbers is not None:
+            blocks.append(ColumnRows(list(self.raw.continuous), numbers))
         blocks.append({name: np.zeros(batch) for name in self.raw.label})  # read by the workflow, not by the model
         if STRINGS in text:
             blocks.append(self._strings_columns(_by_column(text[STRINGS]), batch))
@@ -163,6 +169,14 @@ class Preprocessor:
             lists = pc.split_pattern(_strings(_by_column(text[LISTS])), self.raw.list_separator)
             blocks.append(self._typed_columns(lists, self.layout.lists, batch))
         return BlockColumns(blocks)
+
+    def read(self, tensors: Mapping[str, np.ndarray]) -> tuple[int, np.ndarray | None, dict[str, np.ndarray]]:
+        """A request's tensors, checked (:class:`~pipeline.errors.BadInputError` names what is wrong): the batch size;
+        the continuous columns as the float64 rows of one matrix ``[column, row]`` in the raw columns' order (NaN:
+        missing; None without continuous columns); the text tensors' values ``[B, columns]`` by name, numpy ``S``
+        arrays read in place from the request's ``UINT8 [B, columns, width]``."""
+        batch, text = self._check(tensors)
+        return batch, self._numbers(tensors, batch) if self.raw.continuous else None, text
 
     def _check(self, tensors: Mapping[str, np.ndarray]) -> tuple[int, dict[str, np.ndarray]]:
         """The batch size, after checking that every tensor is there, of its dtype, its columns and that size; and

@@ -1,6 +1,7 @@
 """The fused Triton python model: raw request tensors -> click probabilities, in one model, served as ``ensemble``.
 
-The saved ETL workflow (export/preprocess.py), the embedding lookup through its cache and the host
+The saved ETL workflow (export/preprocess.py; on a GPU instance, on its GPU where the workflow allows:
+export/device_preprocess.py), the embedding lookup through its cache and the host
 store (export/instance.py) and the dense part (export/dense.py) run one after the other in this
 process (a batch whose rows a GPU cache holds reaches the dense part's CUDA graph as those rows, gathered there):
 one python-backend hop per request, where the chain ``preprocess`` -> ``embedding`` ->
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
 
+from export import device_preprocess
 from export.batching import respond
 from export.dense import DenseRunner
 from export.instance import LookupInstance, pin_to_core
@@ -27,7 +29,8 @@ class TritonPythonModel:
         self.name = config["name"]
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         pin_to_core(args, params)
-        self.preprocessor = Preprocessor.load(Path(args["model_repository"]) / args["model_version"] / "artifacts")
+        self.preprocessor = device_preprocess.for_instance(
+            Preprocessor.load(Path(args["model_repository"]) / args["model_version"] / "artifacts"), args, params)
         self.runner = DenseRunner.for_instance(args, params)
         self.instance = LookupInstance(
             args, params, lambda message: pb_utils.Logger.log_error(f"{self.name}: {message}"))

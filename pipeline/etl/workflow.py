@@ -81,6 +81,11 @@ class Workflow:
     def fitted(self) -> bool:
         return all(n.op.fitted for n in self._nodes if n.op)
 
+    @property
+    def nodes(self) -> list[Node]:
+        """The graph's nodes, each after its parents (the last: the output)."""
+        return list(self._nodes)
+
     def operators(self) -> list[tuple[Operator, list[str]]]:
         """Each operator with the input columns it works on, in graph order."""
         return [(n.op, n.input_columns) for n in self._nodes if n.op]

@@ -107,7 +107,8 @@ def model_options(cfg: PipelineConfig) -> ModelOptions:
         dynamic_batching=cfg.export.dynamic_batching, max_queue_delay_us=cfg.export.max_queue_delay_us,
         dense_backend=cfg.export.dense_backend, cache_policy=cfg.export.cache_policy,
         cache_fraction=cfg.export.cache_fraction, dense_threads=cfg.export.dense_threads,
-        cuda_graphs=cfg.export.cuda_graphs, pin_instances=cfg.export.pin_instances,
+        cuda_graphs=cfg.export.cuda_graphs, preprocess_on_gpu=cfg.export.preprocess_on_gpu,
+        pin_instances=cfg.export.pin_instances,
         fused={"all": True, "none": False, "auto": None}[cfg.export.fuse])
 
 

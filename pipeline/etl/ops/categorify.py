@@ -224,13 +224,18 @@ class Categorify(Operator):
             return ColumnSlices(names, pa.ListArray.from_arrays(pa.array(offsets), pa.array(codes)), rows)
         return None
 
+    def index(self) -> VocabularyIndex:
+        """The index of all the operator's vocabularies: built on first use, dropped whenever a vocabulary is set."""
+        self._require_fitted()
+        index = self.__dict__.get("_index")
+        if index is None:
+            index = self._index = VocabularyIndex(self.vocabularies)
+        return index
+
     def _indexed(self, names: list[str], values: TextWords, each: Any) -> np.ndarray:
         """int32 codes of ``values``, those of the columns ``names`` one after the other: ``each[k]`` values of the
         k-th column (one number: as many of each)."""
-        index = self.__dict__.get("_index")
-        if index is None:  # built on first use, dropped whenever a vocabulary is set
-            index = self._index = VocabularyIndex(self.vocabularies)
-        return index.positions(values, names, each, RESERVED, OOV_INDEX, NULL_INDEX).astype(np.int32)
+        return self.index().positions(values, names, each, RESERVED, OOV_INDEX, NULL_INDEX).astype(np.int32)
 
     def __getstate__(self) -> dict:
         """Without the index (:meth:`_indexed`): a copy sent to a Dask worker builds its own when it needs one."""

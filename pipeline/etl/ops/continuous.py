@@ -139,9 +139,10 @@ class FillMissing(_Matrix):
     def transform_rows(self, names: list[str], rows: Any) -> Any:
         if self.strategy == "median":
             self._require_fitted()
-        return _fillna(rows, self._per_row(self._fill, names, rows))
+        return _fillna(rows, self._per_row(self.fill_of, names, rows))
 
-    def _fill(self, name: str) -> float:
+    def fill_of(self, name: str) -> float:
+        """What fills the missing values of ``name``."""
         return self.fill_values.get(name, self.fill_value)
 
     def get_params(self) -> dict:
@@ -252,17 +253,17 @@ class Normalize(_Matrix):
 
     def transform_column(self, name: str, values: Any) -> Any:
         self._require_fitted()
-        return ((as_float64(values, name) - self.means[name]) / self._std(name)).astype("float32")
+        return ((as_float64(values, name) - self.means[name]) / self.divisor(name)).astype("float32")
 
     def transform_rows(self, names: list[str], rows: Any) -> Any:
         self._require_fitted()
         means = self._per_row(self._mean, names, rows)
-        return ((rows - means) / self._per_row(self._std, names, rows)).astype(np.float32)
+        return ((rows - means) / self._per_row(self.divisor, names, rows)).astype(np.float32)
 
     def _mean(self, name: str) -> float:
         return self.means[name]
 
-    def _std(self, name: str) -> float:
+    def divisor(self, name: str) -> float:
         """The divisor of ``name``: its std, or 1.0 for a constant column (only centred)."""
         std = self.stds[name]
         return std if np.isfinite(std) and std > 0 else 1.0

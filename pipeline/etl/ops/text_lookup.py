@@ -111,6 +111,26 @@ class TextWords:
         return cls(padded.view("<u8").reshape(n, width // 8), missing, by_bytes)
 
 
+@dataclass(frozen=True)
+class SearchTables:
+    """What finds a value's position in a :class:`VocabularyIndex`, as arrays.
+
+    ``keys`` (uint64) are the index's keys in its order: ``keys[:held]`` each of one value, the rest keys that two
+    values share (their values are looked up by their bytes). By position in that order, and past it (at ``-1``:
+    an absent key) for entries that match no value: ``first`` word, ``counts`` of nonzero words (uint8), the
+    value's ``positions`` in its vocabulary, and where its words after the first start in ``rest``
+    (``rest_starts``). ``seeds``: each column's seed, which its values' keys start from."""
+
+    keys: np.ndarray
+    held: int
+    first: np.ndarray
+    counts: np.ndarray
+    positions: np.ndarray
+    rest: np.ndarray
+    rest_starts: np.ndarray
+    seeds: dict[str, np.uint64]
+
+
 class VocabularyIndex:
     """The values of several columns' vocabularies (by column name, Arrow string arrays of distinct values), found
     by :meth:`positions`; built once, about 90 bytes a value (a third of it the hash table)."""
@@ -178,6 +198,12 @@ class VocabularyIndex:
             out[values.missing] = missing
         return out
 
+    def tables(self) -> SearchTables:
+        """The arrays :meth:`positions` reads, for a search of the same keys elsewhere (on a GPU)."""
+        return SearchTables(keys=self._index.to_numpy(), held=self._held, first=self._first, counts=self._counts,
+                            positions=self._positions, rest=self._rest, rest_starts=self._rest_starts,
+                            seeds={name: self._seeds[k] for name, k in self._number.items()})
+
     def _searched(self, keys: np.ndarray) -> np.ndarray:
         """The position of each key in the index, -1 where absent (what ``get_indexer`` gives), by binary search."""
         if not len(self._sorted_keys):
@@ -215,8 +241,12 @@ def _keys(words: np.ndarray, seeds: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     return keys, counts
 
 
+MIX = 0x9E3779B97F4A7C15
+"""The odd multiplier of :func:`_mix`."""
+
+
 def _mix(x: np.ndarray) -> np.ndarray:
     """A bijection of 64-bit words (an odd multiplier, then the high half folded into the low): keys that differ
     stay apart, and their low bits, which the hash table reads first, depend on every bit."""
-    x = x * np.uint64(0x9E3779B97F4A7C15)
+    x = x * np.uint64(MIX)
     return x ^ (x >> np.uint64(32))

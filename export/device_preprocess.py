@@ -1,0 +1,379 @@
+"""A GPU instance's preprocess: the saved workflow's operators as torch kernels, one CUDA graph replayed a batch.
+
+On the host, the workflow's work on a request is many numpy steps of a few microseconds each
+(:class:`~export.preprocess.Preprocessor`). Here the same operators on the same values run on the instance's GPU,
+captured once per padded batch size (:func:`export.dense.padded_batch`) and width of the request's text (8, 16,
+32, 64 or 128 bytes), so a batch costs one copy in, one replay, one copy back and one wait. The model's tensors
+come back to the host (``DENSE`` and ``CATEGORICAL_IDS``: a few kilobytes), where the embedding cache's index reads
+the ids. The request's checks and its numbers' matrix stay the host's (:meth:`Preprocessor.read`), so a bad request
+gets the same error.
+
+A workflow is planned (:meth:`DevicePreprocessor.plan`) when its operators are FillMissing, Clip, LogOp, Normalize,
+MissingIndicator and Cast on numbers and Categorify on one-hot text columns: the standard workflow
+(:mod:`pipeline.etl.defaults`) without ``etl.hash_buckets`` or ``etl.hash_ids``, its categorical columns of the text
+type and none multi-hot. Any other is served by the host's preprocess. So is a batch the graph finds it would not
+read as the host does: one with a byte outside ASCII (the host checks that such text is UTF-8), a NUL byte inside a
+value, or a value whose key two values of a vocabulary share (the host finds those by their bytes); and a batch
+whose text is wider than :data:`~pipeline.etl.ops.text_lookup.LONG_BYTES` or whose rows are more than the model's
+largest batch.
+
+The arithmetic is the host's: numbers in float64 with each column's fitted parameters, cast where the host casts
+them; categorical values found through the same 64-bit keys of their column and words
+(:mod:`pipeline.etl.ops.text_lookup`), by a binary search of the keys sorted, each checked word by word against the
+value found. On the CPU (``device="cpu"``) the same operators run as they are, without a graph.
+
+Example (a GPU instance of the fused model)::
+
+    preprocess = DevicePreprocessor.plan(Preprocessor.load(artifacts), "cuda:0", max_batch=1024)  # None: host only
+    features = preprocess(request_tensors)     # what Preprocessor gives: {"DENSE": ..., "CATEGORICAL_IDS": ...}
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from export.dense import capture, padded_batch
+from export.preprocess import CATEGORICAL_IDS, DENSE, STRINGS, Preprocessor
+from pipeline.etl.ops import Cast, Categorify, Clip, FillMissing, LogOp, MissingIndicator, Normalize
+from pipeline.etl.ops.categorify import NULL_INDEX, OOV_INDEX, RESERVED
+from pipeline.etl.ops.text_lookup import LONG_BYTES, MIX, SearchTables
+
+_MIX = MIX - (1 << 64)
+"""The multiplier's bits as an int64: torch multiplies int64 with wrap-around, as numpy does uint64."""
+_ALIGN = 64
+_TEXT_TYPES = ("string", "large_string")
+_WIDTHS = (8, 16, 32, 64, LONG_BYTES)
+"""The text widths (bytes) a graph is captured for: a request's width rounds up to the next."""
+
+
+class _Unsupported(Exception):
+    """The workflow holds what the device does not run."""
+
+
+class _Text:
+    """A raw text column: the ``k``-th of the request's text, its values' words ``[B, W]`` (int64, little-endian)."""
+
+    def __init__(self, k: int, name: str, words: torch.Tensor) -> None:
+        self.k, self.name, self.words = k, name, words
+
+
+class _Vocabulary:
+    """A Categorify operator's :class:`SearchTables` on a device, its keys sorted as the int64 torch searches."""
+
+    def __init__(self, tables: SearchTables, device: torch.device) -> None:
+        signed = tables.keys.view(np.int64)
+        order = np.argsort(signed, kind="stable")
+        self.never = len(tables.first) - 1  # the entry an absent key reads: it matches no value
+        keys, at = signed[order], order
+        if not len(keys):  # a key that leads to the never entry: a search needs one
+            keys, at = np.zeros(1, np.int64), np.array([self.never])
+
+        def on_device(values: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(values)).to(device)
+
+        self.keys, self.at = on_device(keys), on_device(at.astype(np.int64))
+        self.first, self.rest = on_device(tables.first.view(np.int64)), on_device(tables.rest.view(np.int64))
+        self.counts = on_device(tables.counts.astype(np.int64))
+        self.positions = on_device(tables.positions.astype(np.int64))
+        self.rest_starts = on_device(tables.rest_starts.astype(np.int64))
+        self.held, self.shared_end = tables.held, len(tables.keys)
+        self.seeds = {name: int(np.array(seed, np.uint64).view(np.int64)) for name, seed in tables.seeds.items()}
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """:func:`pipeline.etl.ops.text_lookup._mix` on int64 (the same bits: the shift made logical by its mask)."""
+    x = x * _MIX
+    return x ^ ((x >> 32) & 0xFFFFFFFF)
+
+
+class DevicePreprocessor:
+    """A :class:`Preprocessor`'s work on ``device``, for the workflows it plans (:meth:`plan`); the host's
+    preprocessor (``host``) answers every batch it does not (counted: ``batches_on_device``, ``batches_on_host``)."""
+
+    def __init__(self, host: Preprocessor, device: str | torch.device, max_batch: int) -> None:
+        self.host = host
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.max_batch = max_batch
+        self.batches_on_device = self.batches_on_host = 0
+        layout = host.layout
+        self._continuous = list(host.raw.continuous)
+        self._strings = list(layout.strings) if STRINGS in {t.name for t in layout.inputs} else []
+        self._outputs = [(DENSE, host.continuous, torch.float32)] * bool(host.continuous) + \
+            [(CATEGORICAL_IDS, host.onehot, torch.int64)] * bool(host.onehot)
+        self._vocabularies: dict[int, _Vocabulary] = {}
+        self._constants: dict[Any, torch.Tensor] = {}
+        self._graphs: dict[tuple[int, int], _BatchGraph] = {}
+
+    @classmethod
+    def plan(cls, host: Preprocessor, device: str | torch.device, max_batch: int) -> DevicePreprocessor | None:
+        """The device's preprocess for ``host``'s workflow, or None where that workflow holds what it does not run
+        (see the module docstring)."""
+        workflow, raw = host.workflow, host.raw
+        if workflow is None or raw.multihot or host.multihot or any(t not in _TEXT_TYPES for t in raw.categorical.values()):
+            return None
+        planned = cls(host, device, max_batch)
+        try:  # every node once, on a batch of one row: what it cannot run says so now
+            with torch.inference_mode(), _on(planned.device):
+                planned._forward(planned._zeros((len(planned._continuous), 1), torch.float64),
+                                 planned._zeros((1, len(planned._strings), 8), torch.uint8), planned._zeros((), torch.int64))
+        except _Unsupported:
+            return None
+        return planned
+
+    def __call__(self, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """What ``host(tensors)`` gives, computed on the device where it can be."""
+        batch, numbers, text = self.host.read(tensors)
+        strings = text.get(STRINGS)
+        if batch <= self.max_batch and (strings is None or (strings.dtype.kind == "S"
+                                                            and strings.dtype.itemsize <= LONG_BYTES)):
+            raw = None if strings is None else np.ascontiguousarray(strings).view(np.uint8).reshape(*strings.shape, -1)
+            with torch.inference_mode(), _on(self.device):
+                found = self._on_device(batch, numbers, raw)
+            if found is not None:
+                self.batches_on_device += 1
+                return found
+        self.batches_on_host += 1
+        return self.host(tensors)
+
+    def _on_device(self, batch: int, numbers: np.ndarray | None, text: np.ndarray | None) -> dict[str, np.ndarray] | None:
+        width = next(w for w in _WIDTHS if w >= (0 if text is None else text.shape[2]))
+        if self.device.type != "cuda":
+            return self._eager(batch, numbers, text, width)
+        padded = padded_batch(batch, self.max_batch)
+        graph = self._graphs.get((padded, width))
+        if graph is None:
+            graph = self._graphs[padded, width] = _BatchGraph(self, padded, width)
+        return graph(batch, numbers, text)
+
+    def _eager(self, batch: int, numbers: np.ndarray | None, text: np.ndarray | None,
+               width: int) -> dict[str, np.ndarray] | None:
+        staged = np.zeros((batch, len(self._strings), width), np.uint8)
+        if text is not None:
+            staged[:, :, : text.shape[2]] = text
+        matrix = np.zeros((0, batch)) if numbers is None else numbers
+        outputs, flag = self._forward(torch.from_numpy(matrix), torch.from_numpy(staged), torch.tensor(batch))
+        if flag.item():
+            return None
+        return {name: out.numpy() for (name, _, _), out in zip(self._outputs, outputs)}
+
+    def _forward(self, numbers: torch.Tensor, text: torch.Tensor,
+                 rows: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The model's tensors of a batch and whether the host must answer it: ``numbers`` ``[column, B]`` float64
+        (NaN: missing), ``text`` ``[B, columns, width]`` uint8 (each value's bytes, then zeros), of which the first
+        ``rows`` rows are the batch's. Tensor work only, nothing the host waits for: what a CUDA graph captures."""
+        padded = text.shape[0]
+        words = text.view(torch.int64) if text.shape[2] else text.new_zeros((padded, text.shape[1], 1), dtype=torch.int64)
+        raw: dict[str, Any] = {name: numbers[k] for k, name in enumerate(self._continuous)}
+        raw.update({name: _Text(k, name, words[:, k]) for k, name in enumerate(self._strings)})
+        raw.update({name: self._constant(("zeros", padded), lambda: torch.zeros(padded, dtype=torch.float64))
+                    for name in self.host.raw.label})
+        after_text = (text[:, :, :-1] == 0) & (text[:, :, 1:] != 0)  # a NUL byte inside a value
+        host_rows = [(text >= 0x80).flatten(1).any(1), after_text.flatten(1).any(1)]
+        results: dict[int, dict[str, Any]] = {}
+        nodes = self.host.workflow.nodes
+        for node in nodes:
+            if node.is_selection:
+                results[id(node)] = {name: raw[name] for name in node.output_columns}
+                continue
+            inputs = {name: results[id(parent)][name] for parent in node.parents for name in parent.output_columns}
+            results[id(node)] = inputs if node.op is None else self._apply(node.op, inputs, words, host_rows)
+        out = results[id(nodes[-1])]
+        outputs = []
+        for _, names, dtype in self._outputs:
+            columns = [out[name] for name in names]
+            if any(isinstance(c, _Text) for c in columns):
+                raise _Unsupported("a model input of raw text")
+            outputs.append(torch.stack(columns, 1).to(dtype))
+        valid = torch.arange(padded, device=text.device) < rows
+        flag = (torch.stack(host_rows).any(0) & valid).any().to(torch.int64)
+        return outputs, flag
+
+    def _apply(self, op: Any, inputs: dict[str, Any], words: torch.Tensor,
+               host_rows: list[torch.Tensor]) -> dict[str, Any]:
+        names = list(inputs)
+        kind = type(op)
+        if kind is Categorify:
+            texts = list(inputs.values())
+            if not all(isinstance(t, _Text) for t in texts) or any(op.multihot.get(name) for name in names):
+                raise _Unsupported("Categorify of other than one-hot raw text")
+            codes, shared = self._codes(op, texts, words)
+            host_rows.append(shared)
+            return dict(zip(op.output_columns(names), codes.unbind(0)))
+        if any(isinstance(v, _Text) or not v.is_floating_point() for v in inputs.values()):
+            raise _Unsupported(f"{kind.__name__} of other than numbers")
+        if kind is Cast:
+            dtype = np.dtype(op.dtype)
+            if dtype.kind != "f":
+                raise _Unsupported(f"Cast to {dtype}")
+            target = torch.from_numpy(np.zeros(0, dtype)).dtype
+            return {name: value.double().to(target) for name, value in inputs.items()}
+        step = self._steps().get(kind)
+        if step is None:
+            raise _Unsupported(kind.__name__)
+        rows = torch.stack([value.double() for value in inputs.values()])
+        return dict(zip(op.output_columns(names), step(op, names, rows).unbind(0)))
+
+    def _steps(self) -> dict[type, Callable[[Any, list[str], torch.Tensor], torch.Tensor]]:
+        """Each numeric operator's ``transform_rows`` on a ``[column, row]`` float64 tensor."""
+        return {
+            FillMissing: lambda op, names, rows: torch.where(
+                torch.isnan(rows), self._per_row(op, "fill_of", names, op.fill_of), rows),
+            Clip: lambda op, names, rows: torch.clamp(rows, op.min_value, op.max_value),
+            LogOp: lambda op, names, rows: torch.log1p(rows),
+            Normalize: lambda op, names, rows: ((rows - self._per_row(op, "mean", names, op.means.__getitem__))
+                                                / self._per_row(op, "divisor", names, op.divisor)).float(),
+            MissingIndicator: lambda op, names, rows: torch.isnan(rows).float(),
+        }
+
+    def _codes(self, op: Categorify, texts: list[_Text],
+               words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The codes ``[column, row]`` of the text columns ``texts`` (Categorify's: reserved codes, then each
+        value's position in its vocabulary), and the rows with a value whose key two vocabulary values share."""
+        vocab = self._vocabularies.get(id(op))
+        if vocab is None:
+            vocab = self._vocabularies[id(op)] = _Vocabulary(op.index().tables(), self.device)
+        first = texts[0].k
+        if [t.k for t in texts] == list(range(first, first + len(texts))):  # the request's columns as they lie
+            values = words[:, first: first + len(texts)].transpose(0, 1)
+        else:
+            values = torch.stack([t.words for t in texts])
+        seeds = self._constant(("seeds", id(op), tuple(t.name for t in texts)),
+                               lambda: torch.tensor([[vocab.seeds[t.name]] for t in texts], dtype=torch.int64))
+        head = values[..., 0]
+        keys, counts = _mix(seeds ^ head), (head != 0).long()
+        for k in range(1, values.shape[2]):
+            word = values[..., k]
+            present = word != 0
+            counts = counts + present
+            keys = torch.where(present, _mix(keys ^ word), keys)
+        found = torch.searchsorted(vocab.keys, keys.reshape(-1)).clamp_(max=len(vocab.keys) - 1).view_as(keys)
+        at = torch.where(vocab.keys[found] == keys, vocab.at[found], vocab.never)
+        same = (vocab.counts[at] == counts) & (vocab.first[at] == head)
+        if values.shape[2] > 1:
+            starts = vocab.rest_starts[at]
+            for k in range(1, values.shape[2]):
+                same &= (counts <= k) | (vocab.rest[starts + (k - 1)] == values[..., k])
+        codes = torch.where(same, vocab.positions[at] + RESERVED, OOV_INDEX)
+        codes = torch.where(head == 0, NULL_INDEX, codes)
+        shared = ((at >= vocab.held) & (at < vocab.shared_end)).any(0)
+        return codes, shared
+
+    def _per_row(self, op: Any, what: str, names: list[str], value: Callable[[str], float]) -> torch.Tensor:
+        """``value`` of each column as a ``[column, 1]`` float64 tensor on the device, made once."""
+        return self._constant((id(op), what, tuple(names)),
+                              lambda: torch.tensor([[value(name)] for name in names], dtype=torch.float64))
+
+    def _constant(self, key: Any, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """A tensor on the device made at the first run (outside any graph's capture: its copy would break it)."""
+        found = self._constants.get(key)
+        if found is None:
+            found = self._constants[key] = make().to(self.device)
+        return found
+
+    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, device=self.device)
+
+
+class _BatchGraph:
+    """The device's preprocess captured for ``batch`` rows of text ``width`` bytes wide: the batch's row count,
+    numbers and text lie in one page-locked buffer that goes over in one copy, and the model's tensors with the
+    host's flag come back in one."""
+
+    def __init__(self, plan: DevicePreprocessor, batch: int, width: int) -> None:
+        device = plan.device
+        specs_in = [((), np.int64), ((len(plan._continuous), batch), np.float64),
+                    ((batch, len(plan._strings), width), np.uint8)]
+        specs_out = [((batch, len(names)), np.float32 if dtype == torch.float32 else np.int64)
+                     for _, names, dtype in plan._outputs] + [((), np.int64)]
+        self._host, self._buffer = _pinned(specs_in, device)
+        self._answer, self._out_buffer = _pinned(specs_out, device)
+        self._host_in = _views(self._host.numpy(), specs_in)
+        device_in = _tensor_views(self._buffer, specs_in)
+        self._host_out = _views(self._answer.numpy(), specs_out)
+        device_out = _tensor_views(self._out_buffer, specs_out)
+        self._names = [name for name, _, _ in plan._outputs]
+
+        def forward() -> torch.Tensor:
+            outputs, flag = plan._forward(device_in[1], device_in[2], device_in[0])
+            for target, value in zip(device_out, [*outputs, flag]):
+                target.copy_(value)
+            return self._out_buffer
+
+        self.graph, _ = capture(forward, device)
+        self._done = torch.cuda.Event()
+
+    def __call__(self, rows: int, numbers: np.ndarray | None, text: np.ndarray | None) -> dict[str, np.ndarray] | None:
+        count, host_numbers, host_text = self._host_in
+        count[...] = rows
+        if numbers is not None:
+            host_numbers[:, :rows] = numbers
+        if text is not None:
+            host_text[:rows, :, : text.shape[2]] = text
+            host_text[:rows, :, text.shape[2]:] = 0
+        self._buffer.copy_(self._host, non_blocking=True)
+        self.graph.replay()
+        self._answer.copy_(self._out_buffer, non_blocking=True)
+        self._done.record()
+        self._done.synchronize()
+        *outputs, flag = self._host_out
+        if flag:
+            return None
+        return {name: out[:rows].copy() for name, out in zip(self._names, outputs)}
+
+
+def _layout(specs: list[tuple[tuple[int, ...], Any]]) -> tuple[list[tuple[int, int]], int]:
+    """Where each array of ``specs`` starts in one buffer (aligned) and its size in bytes; the buffer's size."""
+    spans, end = [], 0
+    for shape, dtype in specs:
+        size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        spans.append((end, size))
+        end += -(-size // _ALIGN) * _ALIGN
+    return spans, max(end, _ALIGN)
+
+
+def _pinned(specs: list, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A page-locked host buffer for ``specs`` and its device twin."""
+    _, size = _layout(specs)
+    return torch.zeros(size, dtype=torch.uint8, pin_memory=True), torch.zeros(size, dtype=torch.uint8, device=device)
+
+
+def _views(buffer: np.ndarray, specs: list) -> list[np.ndarray]:
+    spans, _ = _layout(specs)
+    return [buffer[start: start + size].view(dtype).reshape(shape) for (start, size), (shape, dtype) in zip(spans, specs)]
+
+
+def _tensor_views(buffer: torch.Tensor, specs: list) -> list[torch.Tensor]:
+    spans, _ = _layout(specs)
+    return [buffer[start: start + size].view(torch.from_numpy(np.zeros(0, dtype)).dtype).view(shape)
+            for (start, size), (shape, dtype) in zip(spans, specs)]
+
+
+class _on:
+    """The device as torch's current one, for a CUDA device; nothing for the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._context = torch.cuda.device(device) if device.type == "cuda" else None
+
+    def __enter__(self) -> None:
+        if self._context is not None:
+            self._context.__enter__()
+
+    def __exit__(self, *exc) -> None:
+        if self._context is not None:
+            self._context.__exit__(*exc)
+
+
+def for_instance(host: Preprocessor, args: dict, params: dict[str, str]) -> Preprocessor | DevicePreprocessor:
+    """The preprocess of a Triton model instance: on its GPU for a ``KIND_GPU`` instance whose workflow it plans,
+    unless the model parameter ``preprocess_on_gpu`` is ``false`` (``export.preprocess_on_gpu``); else ``host``."""
+    if args.get("model_instance_kind") != "GPU" or params.get("preprocess_on_gpu", "true") != "true":
+        return host
+    max_batch = json.loads(args["model_config"])["max_batch_size"]
+    return DevicePreprocessor.plan(host, f"cuda:{args['model_instance_device_id']}", max_batch) or host
