@@ -11,11 +11,11 @@ gets the same error.
 A workflow is planned (:meth:`DevicePreprocessor.plan`) when its operators are FillMissing, Clip, LogOp, Normalize,
 MissingIndicator and Cast on numbers and Categorify on one-hot text columns: the standard workflow
 (:mod:`pipeline.etl.defaults`) without ``etl.hash_buckets`` or ``etl.hash_ids``, its categorical columns of the text
-type and none multi-hot. Any other is served by the host's preprocess. So is a batch the graph finds it would not
-read as the host does: one with a byte outside ASCII (the host checks that such text is UTF-8), a NUL byte inside a
-value, or a value whose key two values of a vocabulary share (the host finds those by their bytes); and a batch
-whose text is wider than :data:`~pipeline.etl.ops.text_lookup.LONG_BYTES` or whose rows are more than the model's
-largest batch.
+type and none multi-hot. Any other is served by the host's preprocess. So is a batch the device would not read as
+the host does: text that is not UTF-8 or holds a NUL byte inside a value (the host reads those as Arrow does, which
+the host checks before the copy), a value whose key two values of a vocabulary share (the host finds those by their
+bytes; the graph says so), text wider than :data:`~pipeline.etl.ops.text_lookup.LONG_BYTES`, and more rows than
+the model's largest batch.
 
 The arithmetic is the host's: numbers in float64 with each column's fitted parameters, cast where the host casts
 them; categorical values found through the same 64-bit keys of their column and words
@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from export.dense import capture, padded_batch
-from export.preprocess import CATEGORICAL_IDS, DENSE, STRINGS, Preprocessor
+from export.preprocess import CATEGORICAL_IDS, DENSE, STRINGS, Preprocessor, fixed_width_text
 from pipeline.etl.ops import Cast, Categorify, Clip, FillMissing, LogOp, MissingIndicator, Normalize
 from pipeline.etl.ops.categorify import NULL_INDEX, OOV_INDEX, RESERVED
 from pipeline.etl.ops.text_lookup import LONG_BYTES, MIX, SearchTables
@@ -55,33 +55,67 @@ class _Unsupported(Exception):
     """The workflow holds what the device does not run."""
 
 
+class _Row:
+    """A column's values: row ``k`` of the ``[column, B]`` tensor ``matrix`` (the rows an operator computes
+    together stay one tensor, and the next operator takes them as they are: no copy to stack them again)."""
+
+    __slots__ = ("k", "matrix")
+
+    def __init__(self, matrix: torch.Tensor, k: int) -> None:
+        self.matrix, self.k = matrix, k
+
+
 class _Text:
-    """A raw text column: the ``k``-th of the request's text, its values' words ``[B, W]`` (int64, little-endian)."""
+    """A raw text column: the ``k``-th of the request's text, its values' words ``words[:, k]`` ``[B, W]``."""
+
+    __slots__ = ("k", "name", "words")
 
     def __init__(self, k: int, name: str, words: torch.Tensor) -> None:
         self.k, self.name, self.words = k, name, words
 
 
+def _stacked(values: list[_Row]) -> torch.Tensor:
+    """The ``[column, B]`` tensor of the columns ``values``: a view where they are consecutive rows of one matrix."""
+    first = values[0]
+    if all(v.matrix is first.matrix and v.k == first.k + i for i, v in enumerate(values)):
+        return first.matrix[first.k: first.k + len(values)]
+    return torch.stack([v.matrix[v.k] for v in values])
+
+
+def _runs(values: list[_Row]) -> list[tuple[int, torch.Tensor]]:
+    """The columns ``values`` as runs of consecutive rows of one matrix: (the first column's place, ``[rows, B]``)."""
+    runs: list[tuple[int, torch.Tensor]] = []
+    start = 0
+    for end in range(1, len(values) + 1):
+        if end == len(values) or values[end].matrix is not values[start].matrix \
+                or values[end].k != values[end - 1].k + 1:
+            runs.append((start, _stacked(values[start:end])))
+            start = end
+    return runs
+
+
 class _Vocabulary:
-    """A Categorify operator's :class:`SearchTables` on a device, its keys sorted as the int64 torch searches."""
+    """A Categorify operator's :class:`SearchTables` on a device, in the order of its keys sorted as the int64
+    torch searches: each key's entry (its first word, count of words, code, where its other words start) at its
+    place, and after the last an entry that matches no value (the place a key beyond them all is searched to)."""
 
     def __init__(self, tables: SearchTables, device: torch.device) -> None:
         signed = tables.keys.view(np.int64)
         order = np.argsort(signed, kind="stable")
-        self.never = len(tables.first) - 1  # the entry an absent key reads: it matches no value
-        keys, at = signed[order], order
-        if not len(keys):  # a key that leads to the never entry: a search needs one
-            keys, at = np.zeros(1, np.int64), np.array([self.never])
+        never = len(tables.first) - 1  # the tables' entry that matches no value
+        at = np.append(order, never)
+        self.shared = tables.held < len(tables.keys)
 
         def on_device(values: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(values)).to(device)
 
-        self.keys, self.at = on_device(keys), on_device(at.astype(np.int64))
-        self.first, self.rest = on_device(tables.first.view(np.int64)), on_device(tables.rest.view(np.int64))
-        self.counts = on_device(tables.counts.astype(np.int64))
-        self.positions = on_device(tables.positions.astype(np.int64))
-        self.rest_starts = on_device(tables.rest_starts.astype(np.int64))
-        self.held, self.shared_end = tables.held, len(tables.keys)
+        self.keys = on_device(np.append(signed[order], np.iinfo(np.int64).max))
+        self.first = on_device(tables.first[at].view(np.int64))
+        self.counts = on_device(tables.counts[at].astype(np.int64))
+        self.codes = on_device(tables.positions[at].astype(np.int64) + RESERVED)
+        self.rest_starts = on_device(tables.rest_starts[at].astype(np.int64))
+        self.rest = on_device(tables.rest.view(np.int64))
+        self.is_shared = on_device(at >= tables.held) if self.shared else None  # the never entry: its key never equal
         self.seeds = {name: int(np.array(seed, np.uint64).view(np.int64)) for name, seed in tables.seeds.items()}
 
 
@@ -111,6 +145,11 @@ class DevicePreprocessor:
         self._constants: dict[Any, torch.Tensor] = {}
         self._graphs: dict[tuple[int, int], _BatchGraph] = {}
 
+    @property
+    def _flagged(self) -> bool:
+        """Whether a batch's answer says if the host must answer it: some vocabulary has values sharing a key."""
+        return any(vocab.shared for vocab in self._vocabularies.values())
+
     @classmethod
     def plan(cls, host: Preprocessor, device: str | torch.device, max_batch: int) -> DevicePreprocessor | None:
         """The device's preprocess for ``host``'s workflow, or None where that workflow holds what it does not run
@@ -122,7 +161,7 @@ class DevicePreprocessor:
         try:  # every node once, on a batch of one row: what it cannot run says so now
             with torch.inference_mode(), _on(planned.device):
                 planned._forward(planned._zeros((len(planned._continuous), 1), torch.float64),
-                                 planned._zeros((1, len(planned._strings), 8), torch.uint8), planned._zeros((), torch.int64))
+                                 planned._zeros((1, len(planned._strings), 8), torch.uint8))
         except _Unsupported:
             return None
         return planned
@@ -131,8 +170,8 @@ class DevicePreprocessor:
         """What ``host(tensors)`` gives, computed on the device where it can be."""
         batch, numbers, text = self.host.read(tensors)
         strings = text.get(STRINGS)
-        if batch <= self.max_batch and (strings is None or (strings.dtype.kind == "S"
-                                                            and strings.dtype.itemsize <= LONG_BYTES)):
+        if batch <= self.max_batch and (strings is None or (strings.dtype.itemsize <= LONG_BYTES
+                                                            and fixed_width_text(strings.reshape(-1)))):
             raw = None if strings is None else np.ascontiguousarray(strings).view(np.uint8).reshape(*strings.shape, -1)
             with torch.inference_mode(), _on(self.device):
                 found = self._on_device(batch, numbers, raw)
@@ -158,24 +197,31 @@ class DevicePreprocessor:
         if text is not None:
             staged[:, :, : text.shape[2]] = text
         matrix = np.zeros((0, batch)) if numbers is None else numbers
-        outputs, flag = self._forward(torch.from_numpy(matrix), torch.from_numpy(staged), torch.tensor(batch))
-        if flag.item():
+        outputs, flag = self._forward(torch.from_numpy(matrix), torch.from_numpy(staged))
+        if flag is not None and flag.item():
             return None
-        return {name: out.numpy() for (name, _, _), out in zip(self._outputs, outputs)}
+        answers = []
+        for (_, names, dtype), runs in zip(self._outputs, outputs):
+            out = torch.empty((batch, len(names)), dtype=dtype)
+            for start, rows in runs:
+                out[:, start: start + len(rows)] = rows.T
+            answers.append(out.numpy())
+        return {name: out for (name, _, _), out in zip(self._outputs, answers)}
 
-    def _forward(self, numbers: torch.Tensor, text: torch.Tensor,
-                 rows: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """The model's tensors of a batch and whether the host must answer it: ``numbers`` ``[column, B]`` float64
-        (NaN: missing), ``text`` ``[B, columns, width]`` uint8 (each value's bytes, then zeros), of which the first
-        ``rows`` rows are the batch's. Tensor work only, nothing the host waits for: what a CUDA graph captures."""
+    def _forward(self, numbers: torch.Tensor,
+                 text: torch.Tensor) -> tuple[list[list[tuple[int, torch.Tensor]]], torch.Tensor | None]:
+        """The model's tensors of a batch, each as runs of its columns (:func:`_runs`: where the run's first column
+        goes, its rows ``[columns, B]``), and, where some vocabulary has values sharing a key (:attr:`_flagged`),
+        whether one of the batch's is one (the host must answer it). ``numbers`` ``[column, B]`` float64 (NaN:
+        missing), ``text`` ``[B, columns, width]`` uint8 (each value's bytes, then zeros). Tensor work only, nothing
+        the host waits for: what a CUDA graph captures."""
         padded = text.shape[0]
-        words = text.view(torch.int64) if text.shape[2] else text.new_zeros((padded, text.shape[1], 1), dtype=torch.int64)
-        raw: dict[str, Any] = {name: numbers[k] for k, name in enumerate(self._continuous)}
-        raw.update({name: _Text(k, name, words[:, k]) for k, name in enumerate(self._strings)})
-        raw.update({name: self._constant(("zeros", padded), lambda: torch.zeros(padded, dtype=torch.float64))
-                    for name in self.host.raw.label})
-        after_text = (text[:, :, :-1] == 0) & (text[:, :, 1:] != 0)  # a NUL byte inside a value
-        host_rows = [(text >= 0x80).flatten(1).any(1), after_text.flatten(1).any(1)]
+        words = text.view(torch.int64)
+        raw: dict[str, Any] = {name: _Row(numbers, k) for k, name in enumerate(self._continuous)}
+        raw.update({name: _Text(k, name, words) for k, name in enumerate(self._strings)})
+        for name in self.host.raw.label:
+            raw[name] = _Row(self._constant(("zeros", padded), lambda: torch.zeros((1, padded), dtype=torch.float64)), 0)
+        shared: list[torch.Tensor] = []
         results: dict[int, dict[str, Any]] = {}
         nodes = self.host.workflow.nodes
         for node in nodes:
@@ -183,42 +229,40 @@ class DevicePreprocessor:
                 results[id(node)] = {name: raw[name] for name in node.output_columns}
                 continue
             inputs = {name: results[id(parent)][name] for parent in node.parents for name in parent.output_columns}
-            results[id(node)] = inputs if node.op is None else self._apply(node.op, inputs, words, host_rows)
+            results[id(node)] = inputs if node.op is None else self._apply(node.op, inputs, words, shared)
         out = results[id(nodes[-1])]
         outputs = []
-        for _, names, dtype in self._outputs:
+        for _, names, _ in self._outputs:
             columns = [out[name] for name in names]
             if any(isinstance(c, _Text) for c in columns):
                 raise _Unsupported("a model input of raw text")
-            outputs.append(torch.stack(columns, 1).to(dtype))
-        valid = torch.arange(padded, device=text.device) < rows
-        flag = (torch.stack(host_rows).any(0) & valid).any().to(torch.int64)
+            outputs.append(_runs(columns))
+        flag = torch.stack(shared).any().to(torch.int64) if shared else None
         return outputs, flag
 
     def _apply(self, op: Any, inputs: dict[str, Any], words: torch.Tensor,
-               host_rows: list[torch.Tensor]) -> dict[str, Any]:
+               shared: list[torch.Tensor]) -> dict[str, Any]:
         names = list(inputs)
         kind = type(op)
         if kind is Categorify:
             texts = list(inputs.values())
             if not all(isinstance(t, _Text) for t in texts) or any(op.multihot.get(name) for name in names):
                 raise _Unsupported("Categorify of other than one-hot raw text")
-            codes, shared = self._codes(op, texts, words)
-            host_rows.append(shared)
-            return dict(zip(op.output_columns(names), codes.unbind(0)))
-        if any(isinstance(v, _Text) or not v.is_floating_point() for v in inputs.values()):
+            codes = self._codes(op, texts, words, shared)
+            return {name: _Row(codes, k) for k, name in enumerate(op.output_columns(names))}
+        if any(isinstance(v, _Text) or not v.matrix.is_floating_point() for v in inputs.values()):
             raise _Unsupported(f"{kind.__name__} of other than numbers")
+        rows = _stacked(list(inputs.values())).double()
         if kind is Cast:
             dtype = np.dtype(op.dtype)
             if dtype.kind != "f":
                 raise _Unsupported(f"Cast to {dtype}")
-            target = torch.from_numpy(np.zeros(0, dtype)).dtype
-            return {name: value.double().to(target) for name, value in inputs.items()}
-        step = self._steps().get(kind)
-        if step is None:
+            out = rows.to(torch.from_numpy(np.zeros(0, dtype)).dtype)
+        elif kind in self._steps():
+            out = self._steps()[kind](op, names, rows)
+        else:
             raise _Unsupported(kind.__name__)
-        rows = torch.stack([value.double() for value in inputs.values()])
-        return dict(zip(op.output_columns(names), step(op, names, rows).unbind(0)))
+        return {name: _Row(out, k) for k, name in enumerate(op.output_columns(names) if kind is not Cast else names)}
 
     def _steps(self) -> dict[type, Callable[[Any, list[str], torch.Tensor], torch.Tensor]]:
         """Each numeric operator's ``transform_rows`` on a ``[column, row]`` float64 tensor."""
@@ -232,10 +276,11 @@ class DevicePreprocessor:
             MissingIndicator: lambda op, names, rows: torch.isnan(rows).float(),
         }
 
-    def _codes(self, op: Categorify, texts: list[_Text],
-               words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _codes(self, op: Categorify, texts: list[_Text], words: torch.Tensor,
+               shared: list[torch.Tensor]) -> torch.Tensor:
         """The codes ``[column, row]`` of the text columns ``texts`` (Categorify's: reserved codes, then each
-        value's position in its vocabulary), and the rows with a value whose key two vocabulary values share."""
+        value's position in its vocabulary); where the vocabulary has values sharing a key, whether a value of the
+        batch has such a key goes to ``shared``."""
         vocab = self._vocabularies.get(id(op))
         if vocab is None:
             vocab = self._vocabularies[id(op)] = _Vocabulary(op.index().tables(), self.device)
@@ -243,7 +288,7 @@ class DevicePreprocessor:
         if [t.k for t in texts] == list(range(first, first + len(texts))):  # the request's columns as they lie
             values = words[:, first: first + len(texts)].transpose(0, 1)
         else:
-            values = torch.stack([t.words for t in texts])
+            values = torch.stack([words[:, t.k] for t in texts])
         seeds = self._constant(("seeds", id(op), tuple(t.name for t in texts)),
                                lambda: torch.tensor([[vocab.seeds[t.name]] for t in texts], dtype=torch.int64))
         head = values[..., 0]
@@ -253,17 +298,16 @@ class DevicePreprocessor:
             present = word != 0
             counts = counts + present
             keys = torch.where(present, _mix(keys ^ word), keys)
-        found = torch.searchsorted(vocab.keys, keys.reshape(-1)).clamp_(max=len(vocab.keys) - 1).view_as(keys)
-        at = torch.where(vocab.keys[found] == keys, vocab.at[found], vocab.never)
-        same = (vocab.counts[at] == counts) & (vocab.first[at] == head)
+        found = torch.searchsorted(vocab.keys, keys.reshape(-1)).view_as(keys)
+        same = (vocab.keys[found] == keys) & (vocab.counts[found] == counts) & (vocab.first[found] == head)
         if values.shape[2] > 1:
-            starts = vocab.rest_starts[at]
+            starts = vocab.rest_starts[found]
             for k in range(1, values.shape[2]):
                 same &= (counts <= k) | (vocab.rest[starts + (k - 1)] == values[..., k])
-        codes = torch.where(same, vocab.positions[at] + RESERVED, OOV_INDEX)
-        codes = torch.where(head == 0, NULL_INDEX, codes)
-        shared = ((at >= vocab.held) & (at < vocab.shared_end)).any(0)
-        return codes, shared
+        if vocab.is_shared is not None:
+            shared.append((vocab.is_shared[found] & (vocab.keys[found] == keys)).any())
+        codes = torch.where(same, vocab.codes[found], OOV_INDEX)
+        return torch.where(head == 0, NULL_INDEX, codes)
 
     def _per_row(self, op: Any, what: str, names: list[str], value: Callable[[str], float]) -> torch.Tensor:
         """``value`` of each column as a ``[column, 1]`` float64 tensor on the device, made once."""
@@ -282,16 +326,15 @@ class DevicePreprocessor:
 
 
 class _BatchGraph:
-    """The device's preprocess captured for ``batch`` rows of text ``width`` bytes wide: the batch's row count,
-    numbers and text lie in one page-locked buffer that goes over in one copy, and the model's tensors with the
-    host's flag come back in one."""
+    """The device's preprocess captured for ``batch`` rows of text ``width`` bytes wide: the batch's numbers and
+    text lie in one page-locked buffer that goes over in one copy (the rows past the batch zero), and the model's
+    tensors (with the host's flag, where there is one) come back in one."""
 
     def __init__(self, plan: DevicePreprocessor, batch: int, width: int) -> None:
         device = plan.device
-        specs_in = [((), np.int64), ((len(plan._continuous), batch), np.float64),
-                    ((batch, len(plan._strings), width), np.uint8)]
+        specs_in = [((len(plan._continuous), batch), np.float64), ((batch, len(plan._strings), width), np.uint8)]
         specs_out = [((batch, len(names)), np.float32 if dtype == torch.float32 else np.int64)
-                     for _, names, dtype in plan._outputs] + [((), np.int64)]
+                     for _, names, dtype in plan._outputs] + [((), np.int64)] * plan._flagged
         self._host, self._buffer = _pinned(specs_in, device)
         self._answer, self._out_buffer = _pinned(specs_out, device)
         self._host_in = _views(self._host.numpy(), specs_in)
@@ -299,33 +342,36 @@ class _BatchGraph:
         self._host_out = _views(self._answer.numpy(), specs_out)
         device_out = _tensor_views(self._out_buffer, specs_out)
         self._names = [name for name, _, _ in plan._outputs]
+        self._flagged = plan._flagged
 
         def forward() -> torch.Tensor:
-            outputs, flag = plan._forward(device_in[1], device_in[2], device_in[0])
-            for target, value in zip(device_out, [*outputs, flag]):
-                target.copy_(value)
+            outputs, flag = plan._forward(*device_in)
+            for target, runs in zip(device_out, outputs):
+                for start, rows in runs:
+                    target[:, start: start + len(rows)].copy_(rows.T)
+            if flag is not None:
+                device_out[-1].copy_(flag)
             return self._out_buffer
 
         self.graph, _ = capture(forward, device)
         self._done = torch.cuda.Event()
 
     def __call__(self, rows: int, numbers: np.ndarray | None, text: np.ndarray | None) -> dict[str, np.ndarray] | None:
-        count, host_numbers, host_text = self._host_in
-        count[...] = rows
+        host_numbers, host_text = self._host_in
         if numbers is not None:
             host_numbers[:, :rows] = numbers
         if text is not None:
             host_text[:rows, :, : text.shape[2]] = text
             host_text[:rows, :, text.shape[2]:] = 0
+            host_text[rows:] = 0  # rows of an earlier batch: none of their values is looked up for a flag
         self._buffer.copy_(self._host, non_blocking=True)
         self.graph.replay()
         self._answer.copy_(self._out_buffer, non_blocking=True)
         self._done.record()
         self._done.synchronize()
-        *outputs, flag = self._host_out
-        if flag:
+        if self._flagged and self._host_out[-1]:
             return None
-        return {name: out[:rows].copy() for name, out in zip(self._names, outputs)}
+        return {name: out[:rows].copy() for name, out in zip(self._names, self._host_out)}
 
 
 def _layout(specs: list[tuple[tuple[int, ...], Any]]) -> tuple[list[tuple[int, int]], int]:

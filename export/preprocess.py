@@ -235,7 +235,7 @@ class Preprocessor:
         fixed-width bytes where these hold the text :func:`_strings` reads (:class:`ColumnBytes`), any other as
         :meth:`_typed_columns` makes them."""
         text, others = self._strings_by_type
-        if not text or not _fixed_width_text(values):
+        if not text or not fixed_width_text(values):
             return self._typed_columns(_strings(values), self.layout.strings, batch)
         blocks = [ColumnBytes([self.layout.strings[k] for k in text], _columns_of(values, text, batch), batch)]
         if others:
@@ -293,7 +293,7 @@ def _strings(values: np.ndarray) -> pa.Array:
     return pc.if_else(pc.equal(array, ""), pa.scalar(None, pa.string()), array)
 
 
-def _fixed_width_text(values: np.ndarray) -> bool:
+def fixed_width_text(values: np.ndarray) -> bool:
     """Whether the values of a numpy array are fixed-width bytes that :func:`_strings` reads as they are: an ``S``
     array of UTF-8 whose values hold no NUL byte before their zero padding (Arrow's text of a value ends at its
     first NUL)."""
