@@ -109,10 +109,11 @@ class _Vocabulary:
         def on_device(values: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(values)).to(device)
 
-        self.keys = on_device(np.append(signed[order], np.iinfo(np.int64).max))
-        self.first = on_device(tables.first[at].view(np.int64))
-        self.counts = on_device(tables.counts[at].astype(np.int64))
-        self.codes = on_device(tables.positions[at].astype(np.int64) + RESERVED)
+        keys = np.append(signed[order], np.iinfo(np.int64).max)
+        self.keys = on_device(keys)
+        # by place: what a value found there must match (key, first word, count of words), then its code; one gather
+        self.entries = on_device(np.stack([keys, tables.first[at].view(np.int64), tables.counts[at].astype(np.int64),
+                                           tables.positions[at].astype(np.int64) + RESERVED], axis=1))
         self.rest_starts = on_device(tables.rest_starts[at].astype(np.int64))
         self.rest = on_device(tables.rest.view(np.int64))
         self.is_shared = on_device(at >= tables.held) if self.shared else None  # the never entry: its key never equal
@@ -292,21 +293,22 @@ class DevicePreprocessor:
         seeds = self._constant(("seeds", id(op), tuple(t.name for t in texts)),
                                lambda: torch.tensor([[vocab.seeds[t.name]] for t in texts], dtype=torch.int64))
         head = values[..., 0]
-        keys, counts = _mix(seeds ^ head), (head != 0).long()
+        keys, counts = _mix(seeds ^ head), head != 0
         for k in range(1, values.shape[2]):
             word = values[..., k]
             present = word != 0
-            counts = counts + present
+            counts = counts + present if k > 1 else counts.long() + present
             keys = torch.where(present, _mix(keys ^ word), keys)
         found = torch.searchsorted(vocab.keys, keys.reshape(-1)).view_as(keys)
-        same = (vocab.keys[found] == keys) & (vocab.counts[found] == counts) & (vocab.first[found] == head)
+        entry = vocab.entries[found]
+        same = (entry[..., :3] == torch.stack([keys, head, counts], -1)).all(-1)
         if values.shape[2] > 1:
             starts = vocab.rest_starts[found]
             for k in range(1, values.shape[2]):
                 same &= (counts <= k) | (vocab.rest[starts + (k - 1)] == values[..., k])
         if vocab.is_shared is not None:
-            shared.append((vocab.is_shared[found] & (vocab.keys[found] == keys)).any())
-        codes = torch.where(same, vocab.codes[found], OOV_INDEX)
+            shared.append((vocab.is_shared[found] & (entry[..., 0] == keys)).any())
+        codes = torch.where(same, entry[..., 3], OOV_INDEX)
         return torch.where(head == 0, NULL_INDEX, codes)
 
     def _per_row(self, op: Any, what: str, names: list[str], value: Callable[[str], float]) -> torch.Tensor:
