@@ -38,6 +38,11 @@ class ExportConfig:
                 "was busy are still merged)"})
     cache_policy: str = field(default="lru", metadata={"help": "lru | lfu | none: the cache of hot embedding rows"})
     cache_fraction: float = field(default=0.25, metadata={"help": "rows of each table kept in the cache, as a fraction"})
+    gpu_whole_tables_mb: float = field(default=1024.0, metadata={
+        "help": "a GPU instance keeps every row of the tables in its cache when together they take at most this many "
+                "MiB (each instance holds its own copy; a batch then finds its rows without the cache's index on the "
+                "host: with export.preprocess_on_gpu, one CUDA graph a batch); larger tables keep "
+                "export.cache_fraction of each (0: always the fraction)"})
     cuda_graphs: bool = field(default=True, metadata={
         "help": "GPU instances run the dense part as CUDA graphs, one per batch size padded to a power of two "
                 "(its few small layers are bound by kernel launches); CPU instances always run it as it is"})
@@ -72,6 +77,7 @@ class ExportConfig:
         check_range("export.instances", self.instances, 0)
         check_range("export.max_queue_delay_us", self.max_queue_delay_us, 0)
         check_range("export.cache_fraction", self.cache_fraction, 0, 1)
+        check_range("export.gpu_whole_tables_mb", self.gpu_whole_tables_mb, 0)
         check_run_name("export.run", self.run)
 
 

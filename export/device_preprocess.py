@@ -30,9 +30,10 @@ Example (a GPU instance of the fused model)::
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -49,6 +50,15 @@ _ALIGN = 64
 _TEXT_TYPES = ("string", "large_string")
 _WIDTHS = (8, 16, 32, 64, LONG_BYTES)
 """The text widths (bytes) a graph is captured for: a request's width rounds up to the next."""
+
+
+class Request(NamedTuple):
+    """A checked request (:meth:`DevicePreprocessor.checked`): its rows, its numbers ``[column, B]`` float64 (NaN:
+    missing), its text ``[B, columns, width]`` uint8."""
+
+    batch: int
+    numbers: np.ndarray | None
+    text: np.ndarray | None
 
 
 class _Unsupported(Exception):
@@ -147,6 +157,11 @@ class DevicePreprocessor:
         self._graphs: dict[tuple[int, int], _BatchGraph] = {}
 
     @property
+    def tensor_names(self) -> list[str]:
+        """The model's tensors it computes, in the order of :meth:`_forward`'s runs."""
+        return [name for name, _, _ in self._outputs]
+
+    @property
     def _flagged(self) -> bool:
         """Whether a batch's answer says if the host must answer it: some vocabulary has values sharing a key."""
         return any(vocab.shared for vocab in self._vocabularies.values())
@@ -160,7 +175,7 @@ class DevicePreprocessor:
             return None
         planned = cls(host, device, max_batch)
         try:  # every node once, on a batch of one row: what it cannot run says so now
-            with torch.inference_mode(), _on(planned.device):
+            with torch.inference_mode(), on_device(planned.device):
                 planned._forward(planned._zeros((len(planned._continuous), 1), torch.float64),
                                  planned._zeros((1, len(planned._strings), 8), torch.uint8))
         except _Unsupported:
@@ -169,45 +184,60 @@ class DevicePreprocessor:
 
     def __call__(self, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """What ``host(tensors)`` gives, computed on the device where it can be."""
+        found = None
+        request = self.checked(tensors)
+        if request is not None:
+            with torch.inference_mode(), on_device(self.device):
+                found = self.run(request, self._outputs_spec(), _placed, self._graphs)
+        if found is None:
+            self.batches_on_host += 1
+            return self.host(tensors)
+        self.batches_on_device += 1
+        return found
+
+    def checked(self, tensors: Mapping[str, np.ndarray]) -> Request | None:
+        """A request's tensors as the device reads them, checked as the host checks them (its error where one is
+        wrong); None where the host must answer it (see the module docstring)."""
         batch, numbers, text = self.host.read(tensors)
         strings = text.get(STRINGS)
-        if batch <= self.max_batch and (strings is None or (strings.dtype.itemsize <= LONG_BYTES
-                                                            and fixed_width_text(strings.reshape(-1)))):
-            raw = None if strings is None else np.ascontiguousarray(strings).view(np.uint8).reshape(*strings.shape, -1)
-            with torch.inference_mode(), _on(self.device):
-                found = self._on_device(batch, numbers, raw)
-            if found is not None:
-                self.batches_on_device += 1
-                return found
-        self.batches_on_host += 1
-        return self.host(tensors)
+        if batch > self.max_batch or (strings is not None and (strings.dtype.itemsize > LONG_BYTES
+                                                               or not fixed_width_text(strings.reshape(-1)))):
+            return None
+        raw = None if strings is None else np.ascontiguousarray(strings).view(np.uint8).reshape(*strings.shape, -1)
+        return Request(batch, numbers, raw)
 
-    def _on_device(self, batch: int, numbers: np.ndarray | None, text: np.ndarray | None) -> dict[str, np.ndarray] | None:
+    def run(self, request: Request, outputs: list[tuple[str, int, np.dtype]], finish: Finish,
+            graphs: dict) -> dict[str, np.ndarray] | None:
+        """``outputs`` (name, columns, dtype) of a checked request, which ``finish`` computes on the device from the
+        model's tensors (in runs, :meth:`_forward`) into a ``[B, columns]`` tensor each; in a CUDA graph kept in
+        ``graphs`` per padded batch and text width. None where the batch's answer says the host must answer it."""
+        batch, numbers, text = request
         width = next(w for w in _WIDTHS if w >= (0 if text is None else text.shape[2]))
         if self.device.type != "cuda":
-            return self._eager(batch, numbers, text, width)
+            return self._eager(request, width, outputs, finish)
         padded = padded_batch(batch, self.max_batch)
-        graph = self._graphs.get((padded, width))
+        graph = graphs.get((padded, width))
         if graph is None:
-            graph = self._graphs[padded, width] = _BatchGraph(self, padded, width)
+            graph = graphs[padded, width] = _BatchGraph(self, padded, width, outputs, finish)
         return graph(batch, numbers, text)
 
-    def _eager(self, batch: int, numbers: np.ndarray | None, text: np.ndarray | None,
-               width: int) -> dict[str, np.ndarray] | None:
+    def _outputs_spec(self) -> list[tuple[str, int, np.dtype]]:
+        return [(name, len(names), np.dtype(np.float32 if dtype == torch.float32 else np.int64))
+                for name, names, dtype in self._outputs]
+
+    def _eager(self, request: Request, width: int, outputs: list[tuple[str, int, np.dtype]],
+               finish: Finish) -> dict[str, np.ndarray] | None:
+        batch, numbers, text = request
         staged = np.zeros((batch, len(self._strings), width), np.uint8)
         if text is not None:
             staged[:, :, : text.shape[2]] = text
         matrix = np.zeros((0, batch)) if numbers is None else numbers
-        outputs, flag = self._forward(torch.from_numpy(matrix), torch.from_numpy(staged))
+        runs, flag = self._forward(torch.from_numpy(matrix), torch.from_numpy(staged))
         if flag is not None and flag.item():
             return None
-        answers = []
-        for (_, names, dtype), runs in zip(self._outputs, outputs):
-            out = torch.empty((batch, len(names)), dtype=dtype)
-            for start, rows in runs:
-                out[:, start: start + len(rows)] = rows.T
-            answers.append(out.numpy())
-        return {name: out for (name, _, _), out in zip(self._outputs, answers)}
+        targets = [torch.empty((batch, columns), dtype=_torch_dtype(dtype)) for _, columns, dtype in outputs]
+        finish(runs, targets)
+        return {name: target.numpy() for (name, _, _), target in zip(outputs, targets)}
 
     def _forward(self, numbers: torch.Tensor,
                  text: torch.Tensor) -> tuple[list[list[tuple[int, torch.Tensor]]], torch.Tensor | None]:
@@ -327,30 +357,44 @@ class DevicePreprocessor:
         return torch.zeros(shape, dtype=dtype, device=self.device)
 
 
-class _BatchGraph:
-    """The device's preprocess captured for ``batch`` rows of text ``width`` bytes wide: the batch's numbers and
-    text lie in one page-locked buffer that goes over in one copy (the rows past the batch zero), and the model's
-    tensors (with the host's flag, where there is one) come back in one."""
+Finish = Callable[[list, list[torch.Tensor]], None]
+"""What a batch's graph computes from the model's tensors (runs of columns, :meth:`DevicePreprocessor._forward`)
+into its output tensors."""
 
-    def __init__(self, plan: DevicePreprocessor, batch: int, width: int) -> None:
+
+def _placed(runs: list[list[tuple[int, torch.Tensor]]], targets: list[torch.Tensor]) -> None:
+    """The model's tensors as they are: each run of columns copied to its place."""
+    for target, tensor_runs in zip(targets, runs):
+        for start, rows in tensor_runs:
+            target[:, start: start + len(rows)].copy_(rows.T)
+
+
+def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+    return torch.from_numpy(np.zeros(0, dtype)).dtype
+
+
+class _BatchGraph:
+    """The device's preprocess and ``finish`` captured for ``batch`` rows of text ``width`` bytes wide: the batch's
+    numbers and text lie in one page-locked buffer that goes over in one copy (the rows past the batch zero), and
+    ``outputs`` (with the host's flag, where there is one) come back in one."""
+
+    def __init__(self, plan: DevicePreprocessor, batch: int, width: int, outputs: list[tuple[str, int, np.dtype]],
+                 finish: Finish) -> None:
         device = plan.device
         specs_in = [((len(plan._continuous), batch), np.float64), ((batch, len(plan._strings), width), np.uint8)]
-        specs_out = [((batch, len(names)), np.float32 if dtype == torch.float32 else np.int64)
-                     for _, names, dtype in plan._outputs] + [((), np.int64)] * plan._flagged
+        specs_out = [((batch, columns), dtype) for _, columns, dtype in outputs] + [((), np.int64)] * plan._flagged
         self._host, self._buffer = _pinned(specs_in, device)
         self._answer, self._out_buffer = _pinned(specs_out, device)
         self._host_in = _views(self._host.numpy(), specs_in)
         device_in = _tensor_views(self._buffer, specs_in)
         self._host_out = _views(self._answer.numpy(), specs_out)
         device_out = _tensor_views(self._out_buffer, specs_out)
-        self._names = [name for name, _, _ in plan._outputs]
+        self._names = [name for name, _, _ in outputs]
         self._flagged = plan._flagged
 
         def forward() -> torch.Tensor:
-            outputs, flag = plan._forward(*device_in)
-            for target, runs in zip(device_out, outputs):
-                for start, rows in runs:
-                    target[:, start: start + len(rows)].copy_(rows.T)
+            runs, flag = plan._forward(*device_in)
+            finish(runs, device_out[: len(outputs)])
             if flag is not None:
                 device_out[-1].copy_(flag)
             return self._out_buffer
@@ -399,23 +443,13 @@ def _views(buffer: np.ndarray, specs: list) -> list[np.ndarray]:
 
 def _tensor_views(buffer: torch.Tensor, specs: list) -> list[torch.Tensor]:
     spans, _ = _layout(specs)
-    return [buffer[start: start + size].view(torch.from_numpy(np.zeros(0, dtype)).dtype).view(shape)
+    return [buffer[start: start + size].view(_torch_dtype(dtype)).view(shape)
             for (start, size), (shape, dtype) in zip(spans, specs)]
 
 
-class _on:
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
     """The device as torch's current one, for a CUDA device; nothing for the CPU."""
-
-    def __init__(self, device: torch.device) -> None:
-        self._context = torch.cuda.device(device) if device.type == "cuda" else None
-
-    def __enter__(self) -> None:
-        if self._context is not None:
-            self._context.__enter__()
-
-    def __exit__(self, *exc) -> None:
-        if self._context is not None:
-            self._context.__exit__(*exc)
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def for_instance(host: Preprocessor, args: dict, params: dict[str, str]) -> Preprocessor | DevicePreprocessor:

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from export.cache import Rows
-from export.lookup import EmbeddingLookup, LookupConfig
+from export.lookup import EmbeddingLookup, LookupConfig, ResidentRows
 from export.preprocess import CATEGORICAL_IDS, MULTIHOT_IDS, MULTIHOT_LENGTHS
 from pipeline.files import write_text
 
@@ -129,7 +129,8 @@ class LookupInstance:
             torch.cuda.set_device(int(args["model_instance_device_id"]))
             policy, device = f"gpu-{policy}", f"cuda:{args['model_instance_device_id']}"
         self.lookup = EmbeddingLookup(model_dir / "store", config, policy=policy,
-                                      cache_fraction=float(params.get("cache_fraction", "0.25")), device=device)
+                                      cache_fraction=float(params.get("cache_fraction", "0.25")), device=device,
+                                      whole_mb=float(params.get("gpu_whole_tables_mb", "0")))
         self._identity = {"pid": os.getpid(), "process": process_identity(os.getpid())}
         start = self._identity["process"].rsplit(":", 1)[1]
         self._stats_path = model_dir / STATS_FOLDER / f"instance-{os.getpid()}-{start}.json"
@@ -142,6 +143,8 @@ class LookupInstance:
         self._phases_ns: dict[str, int] = {}
         self._timers: dict[str, _PhaseTimer] = {}
         self._batches = 0
+        self._resident: ResidentRows | None = None
+        self._resident_for: tuple | None = None
         self._stop = threading.Event()
         self._writer = threading.Thread(target=self._background_loop, daemon=True)
         self._writer.start()
@@ -175,6 +178,23 @@ class LookupInstance:
                 embeddings = self.lookup.rows_or_pooled(*ids)
             with self.timed("dense"):
                 return dense_part(embeddings)
+
+    def resident_scored(self, scored: Callable[[ResidentRows], np.ndarray | None]) -> np.ndarray | None:
+        """``scored`` of the rows the lookup's device cache holds whole (:meth:`EmbeddingLookup.resident`, found
+        again after each new store version), timed as the phase ``graph`` and under the lock, as :meth:`scored`; the
+        batch's ids counted as hits. None where the cache does not hold them whole, or ``scored`` answers None: the
+        batch then goes the usual way."""
+        with self._lock:
+            version = (self.lookup.version, self.lookup.refreshes)
+            if self._resident_for != version:
+                self._resident, self._resident_for = self.lookup.resident(), version
+            if self._resident is None:
+                return None
+            with self.timed("graph"):
+                answer = scored(self._resident)
+            if answer is not None:
+                self.lookup.count_resident(len(answer))
+            return answer
 
     def timed(self, phase: str) -> _PhaseTimer:
         """A context that adds the host time of its block to ``phase``'s total (written with the counters:

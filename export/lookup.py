@@ -41,7 +41,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -88,7 +88,8 @@ class EmbeddingLookup:
     or a tensor on that device."""
 
     def __init__(self, store_root: str | Path, config: LookupConfig, policy: str = "lru",
-                 cache_fraction: float = 0.25, min_cache_rows: int = 1024, device: str | None = None) -> None:
+                 cache_fraction: float = 0.25, min_cache_rows: int = 1024, device: str | None = None,
+                 whole_mb: float = 0.0) -> None:
         self.store_root = Path(store_root)
         self.config = config
         self.policy = policy
@@ -100,7 +101,8 @@ class EmbeddingLookup:
         store = open_current(self.store_root)
         self.version = store.version
         self.caches: TableCaches = make_caches(
-            policy, store.tables, {name: self._capacity(table.shape[0]) for name, table in store.tables.items()},
+            policy, store.tables, capacities(store.tables, cache_fraction, min_cache_rows,
+                                             whole_mb if policy.startswith("gpu-") else 0.0),
             **({} if device is None else {"device": device}))
         missing = sorted(set(config.slot_tables) - set(store.tables))
         if missing:
@@ -116,9 +118,6 @@ class EmbeddingLookup:
         self._keys = store.keys
         self._column_rows = np.array([self._rows[self._table_of[f]] for f in self.config.categorical], dtype=np.int64)
         self._multihot_rows = np.array([self._rows[t] for t in self._multihot_tables], dtype=np.int64)
-
-    def _capacity(self, rows: int) -> int:
-        return cache_rows(rows, self.cache_fraction, self.min_cache_rows)
 
     def refresh(self) -> bool:
         """Switch to the store's current version if it changed; True when it did.
@@ -183,6 +182,32 @@ class EmbeddingLookup:
         found = self.caches.rows_or_lookup(group.onehot_tables, ids)
         return found if hasattr(found, "slots") else _float32(found.reshape(len(categorical), -1))
 
+    def resident(self) -> ResidentRows | None:
+        """Where a device cache holds every row of the one-hot tables (one dim, in slot order, no multi-hot and no
+        dynamic table, each table's capacity its rows: :func:`capacities`' ``whole_mb``): every row fetched into it, and
+        where each is, for a consumer
+        that finds a batch's rows on the device by their ids alone; else None. The cache never evicts then, so the
+        places hold until a :meth:`refresh` to tables of other shapes (which starts the caches anew)."""
+        group = self._groups[0] if len(self._groups) == 1 else None
+        if (group is None or not group.in_slot_order or group.onehot_columns is not None or group.multihot_tables
+                or self._keys or not group.onehot_tables or not hasattr(self.caches, "rows_or_lookup")):
+            return None
+        held = self.caches.stats()
+        if any(held[table]["capacity"] < self._rows[table] for table in group.onehot_tables):
+            return None
+        slots = []
+        for table in group.onehot_tables:
+            found = self.caches.rows_or_lookup([table], np.arange(self._rows[table], dtype=np.int64)[:, None])
+            if not hasattr(found, "slots"):
+                return None
+            slots.append(found.slots.reshape(-1))
+        rows = np.array([self._rows[table] for table in group.onehot_tables], dtype=np.int64)
+        return ResidentRows(found.rows, np.concatenate(slots), np.cumsum(rows) - rows, rows)
+
+    def count_resident(self, batch: int) -> None:
+        """A batch of ``batch`` rows served from :meth:`resident`'s rows: each of its ids a hit of its table."""
+        self.caches.count_hits(self._groups[0].onehot_tables, batch)
+
     def _find_keys(self, categorical: np.ndarray, bags: Bags) -> tuple[np.ndarray, Bags]:
         """The dynamic tables' raw ids replaced by their rows (an id the store does not hold by the last row)."""
         if not self._keys:
@@ -233,6 +258,16 @@ class EmbeddingLookup:
             "hits": hits, "misses": misses, "evictions": sum(s["evictions"] for s in tables.values()),
             "hit_rate": hits / (hits + misses) if hits + misses else 0.0, "tables": tables,
         }
+
+
+class ResidentRows(NamedTuple):
+    """Every row of a batch's one-hot tables in a device cache's ``rows``: column ``c``'s id ``i`` at the slot
+    ``slots[offsets[c] + i]``, for ``0 <= i < table_rows[c]``."""
+
+    rows: Any
+    slots: np.ndarray
+    offsets: np.ndarray
+    table_rows: np.ndarray
 
 
 class Bags(NamedTuple):
@@ -326,6 +361,15 @@ def _groups(config: LookupConfig, tables: dict[str, np.ndarray]) -> list[_Group]
 def cache_rows(rows: int, fraction: float, min_rows: int = 1024) -> int:
     """Rows of a table of ``rows`` that an instance's cache holds: ``fraction`` of them, at least ``min_rows``."""
     return min(rows, max(min_rows, int(rows * fraction)))
+
+
+def capacities(tables: dict[str, np.ndarray], fraction: float, min_rows: int = 1024,
+               whole_mb: float = 0.0) -> dict[str, int]:
+    """The rows of each table an instance's cache holds: all of every table where together they take at most
+    ``whole_mb`` MiB, else :func:`cache_rows` of each."""
+    if sum(t.shape[0] * t.shape[1] * t.dtype.itemsize for t in tables.values()) <= whole_mb * 2**20:
+        return {name: table.shape[0] for name, table in tables.items()}
+    return {name: cache_rows(table.shape[0], fraction, min_rows) for name, table in tables.items()}
 
 
 def _batch_size(categorical: np.ndarray | None, multihot_lengths: np.ndarray | None, onehot: int) -> int:

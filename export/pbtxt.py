@@ -100,6 +100,7 @@ class ModelOptions:
     dense_backend: str = "python"  # python | pytorch
     cache_policy: str = "lru"
     cache_fraction: float = 0.25
+    gpu_whole_tables_mb: float = 1024.0
     dense_threads: int = 1
     cuda_graphs: bool = True
     preprocess_on_gpu: bool = True
@@ -116,7 +117,8 @@ class ModelOptions:
 
 def model_configs(spec: EnsembleSpec, options: ModelOptions) -> dict[str, str]:
     """Model name -> the text of its ``config.pbtxt``."""
-    cache = {"cache_policy": options.cache_policy, "cache_fraction": str(options.cache_fraction)}
+    cache = {"cache_policy": options.cache_policy, "cache_fraction": str(options.cache_fraction),
+             "gpu_whole_tables_mb": str(options.gpu_whole_tables_mb)}
     if options.fused:
         if options.dense_backend != "python":
             raise UserError("export.fuse=all runs the dense part in the python backend: "

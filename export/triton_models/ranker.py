@@ -4,7 +4,8 @@ The saved ETL workflow (export/preprocess.py; on a GPU instance, on its GPU wher
 export/device_preprocess.py), the embedding lookup through its cache and the host
 store (export/instance.py) and the dense part (export/dense.py) run one after the other in this
 process (a batch whose rows a GPU cache holds reaches the dense part's CUDA graph as those rows, gathered there):
-one python-backend hop per request, where the chain ``preprocess`` -> ``embedding`` ->
+on a GPU instance whose cache holds every row, all three as one CUDA graph a batch
+(export/device_ranker.py); one python-backend hop per request, where the chain ``preprocess`` -> ``embedding`` ->
 ``dense`` (``export.fuse=none``) takes three and a Triton ensemble in front. Its inputs are one tensor per kind of raw
 column (export/request.py), the text read in place at its fixed width.
 Exported as ``ensemble/1/model.py``, with ``artifacts/``, ``layout.json`` and ``model.pt`` beside it
@@ -19,6 +20,7 @@ import triton_python_backend_utils as pb_utils
 from export import device_preprocess
 from export.batching import respond
 from export.dense import DenseRunner
+from export.device_ranker import DeviceRanker
 from export.instance import LookupInstance, pin_to_core
 from export.preprocess import DENSE, Preprocessor
 
@@ -35,8 +37,13 @@ class TritonPythonModel:
         self.instance = LookupInstance(
             args, params, lambda message: pb_utils.Logger.log_error(f"{self.name}: {message}"))
         self.inputs = [i["name"] for i in config["input"]]
+        self.whole = DeviceRanker.of(self.preprocessor, self.runner)
 
     def _compute(self, inputs):
+        if self.whole is not None:
+            answer = self.instance.resident_scored(lambda resident: self.whole(inputs, resident))
+            if answer is not None:
+                return {"PREDICTION": answer}
         with self.instance.timed("preprocess"):
             features = self.preprocessor(inputs)
         dense = features.get(DENSE)

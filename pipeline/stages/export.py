@@ -53,16 +53,19 @@ def run(cfg: PipelineConfig) -> dict:
 
 def _instances_line(cfg: PipelineConfig, summary: dict) -> str:
     """How many instances serve each model, and the memory their caches of hot rows take together."""
-    from export.lookup import cache_rows
+    from export.lookup import capacities
     from export.store import open_current
 
     instances = summary["options"]["instances"]
-    tables = open_current(Path(summary["repository"]) / summary["lookup_model"] / "store").tables.values()
-    per_instance = sum(cache_rows(t.shape[0], cfg.export.cache_fraction) * t.shape[1] * t.itemsize for t in tables)
+    tables = open_current(Path(summary["repository"]) / summary["lookup_model"] / "store").tables
+    whole_mb = cfg.export.gpu_whole_tables_mb if summary["options"]["instance_kind"] == "gpu" else 0.0
+    held = capacities(tables, cfg.export.cache_fraction, whole_mb=whole_mb)
+    per_instance = sum(held[name] * t.shape[1] * t.itemsize for name, t in tables.items())
     how = f"one per usable core, at most {AUTO_INSTANCES_MAX}" if cfg.export.instances == 0 else "export.instances"
+    what = ("every row of the tables (export.gpu_whole_tables_mb)" if all(held[n] == t.shape[0] for n, t in tables.items())
+            and whole_mb else f"export.cache_fraction={cfg.export.cache_fraction}")
     return (f"[export] {instances} instance(s) of each model ({how}), each a process of its own with its own cache "
-            f"of hot rows: {instances * per_instance / 2**20:,.1f} MiB of caches in all at "
-            f"export.cache_fraction={cfg.export.cache_fraction}")
+            f"of hot rows: {instances * per_instance / 2**20:,.1f} MiB of caches in all at {what}")
 
 
 def trained_run(cfg: PipelineConfig) -> Path:
@@ -106,7 +109,8 @@ def model_options(cfg: PipelineConfig) -> ModelOptions:
         instances=cfg.export.instances or auto_instances(kind),
         dynamic_batching=cfg.export.dynamic_batching, max_queue_delay_us=cfg.export.max_queue_delay_us,
         dense_backend=cfg.export.dense_backend, cache_policy=cfg.export.cache_policy,
-        cache_fraction=cfg.export.cache_fraction, dense_threads=cfg.export.dense_threads,
+        cache_fraction=cfg.export.cache_fraction, gpu_whole_tables_mb=cfg.export.gpu_whole_tables_mb,
+        dense_threads=cfg.export.dense_threads,
         cuda_graphs=cfg.export.cuda_graphs, preprocess_on_gpu=cfg.export.preprocess_on_gpu,
         pin_instances=cfg.export.pin_instances,
         fused={"all": True, "none": False, "auto": None}[cfg.export.fuse])
