@@ -26,7 +26,7 @@
 #              host table of HOST_COPY_ROWS (38,000,000: 19.5 GB, the 19 host tables of `hostcache`)
 #   serve      the GPU serving tests, then bench serve --device cuda, the chain of three models and the fused one
 #   serve-parts  the GPU tests of the served parts that need no server: the dense part's CUDA graphs (those that gather
-#              a GPU cache's rows too) and the GPU caches
+#              a GPU cache's rows too), the GPU caches, the workflow on the GPU and the whole batch as one graph
 #   serve-profile  bench serve --device cuda of the fused model, tools/ranker_profile.py on its export (its
 #              phases in one process, its GPU cache's rows gathered before the dense part and in its graph), then
 #              tools/serve_profile.py on its export: where a
@@ -202,7 +202,7 @@ print(f'{len(sources)} sources in {time.time() - start:.0f} s')
         --layouts 8:turn,8:priority,1:turn --batches 1,32 --clients 16 ;;
     serve-parts)
       step serve-parts-tests 150 "$PY" -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_dense_gpu.py \
-        tests/test_export_store.py ;;
+        tests/test_export_store.py tests/test_export_device_preprocess.py tests/test_export_device_ranker.py ;;
     serve-profile)
       # shellcheck disable=SC2086
       step serve-ranker 200 "$PY" -m pipeline bench serve --device cuda --batches 1,32,64,1024 --requests 200 \
