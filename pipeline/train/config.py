@@ -173,9 +173,10 @@ class TrainConfig:
 
     @property
     def decoupled_decay(self) -> bool:
-        """Whether the dense part's Adam decays the weights apart from their gradients (AdamW): for DLRM. Added to
-        the gradients, the decay passes through Adam's scaling of each weight's step, which moves a weight of small
-        gradient towards zero by about the lr every step, however small the decay. DLRM's ids reach its output only
+        """Whether the dense part's Adam or Adagrad decays the weights apart from their gradients (AdamW,
+        ``pipeline.train.loop.AdagradW``): for DLRM. Added to the gradients, the decay passes through the optimizer's
+        scaling of each weight's step, which moves a weight of small gradient towards zero by about the lr every step,
+        however small the decay. DLRM's ids reach its output only
         through products of weights (its dot interaction): on a table of a few thousand rows, where the prior's decay is
         largest, they all went to zero that way and the model answered the base rate. The other models' ids also act
         alone (DCNv2's and Wide&Deep's networks read the embeddings, DeepFM has a weight per id), and for them the

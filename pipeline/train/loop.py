@@ -93,16 +93,37 @@ class Timings:
         self.last = now
 
 
+class AdagradW(torch.optim.Adagrad):
+    """Adagrad that decays the weights apart from its gradients, as AdamW does Adam's: each step first scales every
+    weight by ``1 - lr * weight_decay``, then takes Adagrad's step of the gradients alone (torch's Adagrad has no such
+    option). Added to the gradients, the decay would pass through Adagrad's scaling of each weight's step."""
+
+    def __init__(self, params, lr: float, weight_decay: float) -> None:
+        super().__init__(params, lr=lr, weight_decay=0.0)
+        self.decoupled_decay = weight_decay
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if self.decoupled_decay:
+            for group in self.param_groups:
+                for param in group["params"]:
+                    if param.grad is not None:
+                        param.mul_(1.0 - group["lr"] * self.decoupled_decay)
+        return super().step(closure)
+
+
 def dense_optimizer(name: str, params, lr: float, weight_decay: float, device: torch.device,
                     decoupled: bool = False) -> torch.optim.Optimizer:
     """The dense part's optimizer; on a GPU, SGD and Adam take torch's fused kernels (one launch per step
     for all parameters instead of a few per parameter list, which a launch-bound step feels). With ``decoupled``,
-    Adam decays the weights apart from its gradients (AdamW; :attr:`TrainConfig.decoupled_decay`)."""
+    Adam and Adagrad decay the weights apart from their gradients (AdamW, :class:`AdagradW`;
+    :attr:`TrainConfig.decoupled_decay`); for SGD the two are the same."""
     fused = {"fused": True} if device.type == "cuda" else {}
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay, **fused)
     if name == "adagrad":
-        return torch.optim.Adagrad(params, lr=lr, weight_decay=weight_decay)
+        adagrad = AdagradW if decoupled else torch.optim.Adagrad
+        return adagrad(params, lr=lr, weight_decay=weight_decay)
     if name == "adam":
         adam = torch.optim.AdamW if decoupled else torch.optim.Adam
         return adam(params, lr=lr, weight_decay=weight_decay, **fused)
