@@ -248,7 +248,8 @@ def cache_stats(out: str | Path) -> dict:
     with ``instances``: how many there are (each warms a cache of its own) and ``model``: the model they serve.
 
     Only the files of instances whose process runs now count (:func:`export.instance.live_stats`). ``hit_rate``
-    is over distinct ids per batch. ``batches`` and ``phases_ns``: the batches that model executed and the host time
+    is over distinct ids per batch (a GPU instance that holds its tables whole counts every id of the batches it
+    serves in one graph as a hit, :meth:`export.lookup.EmbeddingLookup.count_resident`). ``batches`` and ``phases_ns``: the batches that model executed and the host time
     it spent in each phase of them (refresh, inputs, preprocess, lookup, dense, outputs), summed.
     """
     totals = {"model": lookup_dir(out).name, "instances": 0, "hits": 0, "misses": 0, "evictions": 0, "versions": [],
