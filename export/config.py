@@ -40,7 +40,7 @@ class ExportConfig:
     cache_fraction: float = field(default=0.25, metadata={"help": "rows of each table kept in the cache, as a fraction"})
     gpu_whole_tables_mb: float = field(default=1024.0, metadata={
         "help": "a GPU instance keeps every row of the tables in its cache when together they take at most this many "
-                "MiB (each instance holds its own copy; a batch then finds its rows without the cache's index on the "
+                "MiB, and at most a quarter of the GPU's free memory as it loads (each instance holds its own copy; a batch then finds its rows without the cache's index on the "
                 "host: with export.preprocess_on_gpu, one CUDA graph a batch); larger tables keep "
                 "export.cache_fraction of each (0: always the fraction)"})
     cuda_graphs: bool = field(default=True, metadata={

@@ -11,7 +11,8 @@ gets the same error.
 A workflow is planned (:meth:`DevicePreprocessor.plan`) when its operators are FillMissing, Clip, LogOp, Normalize,
 MissingIndicator and Cast on numbers and Categorify on one-hot text columns: the standard workflow
 (:mod:`pipeline.etl.defaults`) without ``etl.hash_buckets`` or ``etl.hash_ids``, its categorical columns of the text
-type and none multi-hot. Any other is served by the host's preprocess. So is a batch the device would not read as
+type and none multi-hot, and whose vocabularies' tables fit in the device's memory. Any other is served by the host's
+preprocess. So is a batch the device would not read as
 the host does: text that is not UTF-8 or holds a NUL byte inside a value (the host reads those as Arrow does, which
 the host checks before the copy), a value whose key two values of a vocabulary share (the host finds those by their
 bytes; the graph says so), text wider than :data:`~pipeline.etl.ops.text_lookup.LONG_BYTES`, and more rows than
@@ -169,7 +170,8 @@ class DevicePreprocessor:
     @classmethod
     def plan(cls, host: Preprocessor, device: str | torch.device, max_batch: int) -> DevicePreprocessor | None:
         """The device's preprocess for ``host``'s workflow, or None where that workflow holds what it does not run
-        (see the module docstring)."""
+        (see the module docstring), or where its vocabularies' tables (about 50 bytes a value) do not fit in the
+        device's free memory."""
         workflow, raw = host.workflow, host.raw
         if workflow is None or raw.multihot or host.multihot or any(t not in _TEXT_TYPES for t in raw.categorical.values()):
             return None
@@ -179,6 +181,12 @@ class DevicePreprocessor:
                 planned._forward(planned._zeros((len(planned._continuous), 1), torch.float64),
                                  planned._zeros((1, len(planned._strings), 8), torch.uint8))
         except _Unsupported:
+            return None
+        except torch.OutOfMemoryError:  # the vocabularies' tables do not fit beside what the device holds already
+            planned._vocabularies.clear()
+            planned._constants.clear()
+            if planned.device.type == "cuda":
+                torch.cuda.empty_cache()
             return None
         return planned
 

@@ -102,7 +102,7 @@ class EmbeddingLookup:
         self.version = store.version
         self.caches: TableCaches = make_caches(
             policy, store.tables, capacities(store.tables, cache_fraction, min_cache_rows,
-                                             whole_mb if policy.startswith("gpu-") else 0.0),
+                                             _whole_mb(whole_mb, device) if policy.startswith("gpu-") else 0.0),
             **({} if device is None else {"device": device}))
         missing = sorted(set(config.slot_tables) - set(store.tables))
         if missing:
@@ -361,6 +361,17 @@ def _groups(config: LookupConfig, tables: dict[str, np.ndarray]) -> list[_Group]
 def cache_rows(rows: int, fraction: float, min_rows: int = 1024) -> int:
     """Rows of a table of ``rows`` that an instance's cache holds: ``fraction`` of them, at least ``min_rows``."""
     return min(rows, max(min_rows, int(rows * fraction)))
+
+
+def _whole_mb(whole_mb: float, device: str | None) -> float:
+    """``whole_mb``, and on a CUDA device at most a quarter of its free memory: the other instances of the model
+    load their own copies beside it."""
+    if not whole_mb or device is None or not str(device).startswith("cuda"):
+        return whole_mb
+    import torch
+
+    free, _ = torch.cuda.mem_get_info(torch.device(device))
+    return min(whole_mb, free / 4 / 2**20)
 
 
 def capacities(tables: dict[str, np.ndarray], fraction: float, min_rows: int = 1024,

@@ -184,6 +184,18 @@ def test_a_workflow_with_an_operator_the_device_does_not_run_is_the_hosts(other)
     assert DevicePreprocessor.plan(Preprocessor(host.raw, host.schema, host.transform), "cpu", 64) is None
 
 
+def test_vocabularies_that_do_not_fit_on_the_device_leave_the_workflow_to_the_host(host, monkeypatch):
+    import torch
+
+    from export import device_preprocess
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(device_preprocess._Vocabulary, "__init__", out_of_memory)
+    assert DevicePreprocessor.plan(host, "cpu", max_batch=64) is None
+
+
 @pytest.mark.gpu
 def test_on_the_gpu_cuda_graphs_answer_what_the_host_answers(host):
     _check_device(host, "cuda")
