@@ -41,6 +41,17 @@ _ALIGN = 64
 """Each array in a staging buffer starts at a multiple of this many bytes (any dtype's alignment)."""
 
 
+def aligned_spans(specs: list[tuple[tuple[int, ...], np.dtype]]) -> tuple[list[tuple[int, int]], int]:
+    """Where each array of ``specs`` (shape, dtype) starts in one buffer (at a multiple of :data:`_ALIGN` bytes) and
+    its size in bytes, and where the last ends."""
+    spans, end = [], 0
+    for shape, dtype in specs:
+        size = math.prod(shape) * np.dtype(dtype).itemsize
+        spans.append((end, size))
+        end += -(-size // _ALIGN) * _ALIGN
+    return spans, end
+
+
 class _Staging:
     """Arrays for a device, written into one page-locked host buffer and sent with one copy.
 
@@ -69,12 +80,8 @@ class _Staging:
 
     def reserve(self, specs: list[tuple[tuple[int, ...], np.dtype]]) -> list[np.ndarray]:
         """Host views of the given shapes and dtypes to fill before :meth:`send`."""
-        self._layout, end = [], 0
-        for shape, dtype in specs:
-            dtype = np.dtype(dtype)
-            size = math.prod(shape) * dtype.itemsize
-            self._layout.append((end, size, tuple(shape), dtype))
-            end += -(-size // _ALIGN) * _ALIGN
+        spans, end = aligned_spans(specs)
+        self._layout = [(start, size, tuple(shape), np.dtype(dtype)) for (start, size), (shape, dtype) in zip(spans, specs)]
         self._end = end
         if self._pending:
             self._sent.synchronize()
@@ -90,7 +97,7 @@ class _Staging:
             self._on_device[: self._end].copy_(self._host[: self._end], non_blocking=True)
             self._sent.record(torch.cuda.current_stream(self.device))
             self._pending = True
-        return [self._on_device[start: start + size].view(_torch_dtype(dtype)).view(shape)
+        return [self._on_device[start: start + size].view(torch_dtype(dtype)).view(shape)
                 for start, size, shape, dtype in self._layout]
 
 
@@ -102,7 +109,7 @@ class DeviceRows:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.rows = torch.zeros((slots + 1, dim), dtype=_torch_dtype(dtype), device=self.device)
+        self.rows = torch.zeros((slots + 1, dim), dtype=torch_dtype(dtype), device=self.device)
         self._dtype = np.dtype(dtype)
         self._spare = slots
         self._staging = _Staging(self.device)
@@ -155,7 +162,7 @@ class DeviceRows:
 _TORCH_DTYPES: dict[np.dtype, torch.dtype] = {}
 
 
-def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+def torch_dtype(dtype: np.dtype) -> torch.dtype:
     found = _TORCH_DTYPES.get(dtype)
     if found is None:
         found = _TORCH_DTYPES[dtype] = torch.from_numpy(np.zeros(1, dtype=dtype)).dtype

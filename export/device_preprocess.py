@@ -39,6 +39,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from export.cache_torch import aligned_spans, torch_dtype
 from export.dense import capture, padded_batch
 from export.preprocess import CATEGORICAL_IDS, DENSE, STRINGS, Preprocessor, fixed_width_text
 from pipeline.etl.ops import Cast, Categorify, Clip, FillMissing, LogOp, MissingIndicator, Normalize
@@ -47,7 +48,6 @@ from pipeline.etl.ops.text_lookup import LONG_BYTES, MIX, SearchTables
 
 _MIX = MIX - (1 << 64)
 """The multiplier's bits as an int64: torch multiplies int64 with wrap-around, as numpy does uint64."""
-_ALIGN = 64
 _TEXT_TYPES = ("string", "large_string")
 _WIDTHS = (8, 16, 32, 64, LONG_BYTES)
 """The text widths (bytes) a graph is captured for: a request's width rounds up to the next."""
@@ -77,12 +77,13 @@ class _Row:
 
 
 class _Text:
-    """A raw text column: the ``k``-th of the request's text, its values' words ``words[:, k]`` ``[B, W]``."""
+    """A raw text column: the ``k``-th of the request's text (its values' words: ``words[:, k]`` of the batch's
+    ``[B, columns, W]``)."""
 
-    __slots__ = ("k", "name", "words")
+    __slots__ = ("k", "name")
 
-    def __init__(self, k: int, name: str, words: torch.Tensor) -> None:
-        self.k, self.name, self.words = k, name, words
+    def __init__(self, k: int, name: str) -> None:
+        self.k, self.name = k, name
 
 
 def _stacked(values: list[_Row]) -> torch.Tensor:
@@ -243,7 +244,7 @@ class DevicePreprocessor:
         runs, flag = self._forward(torch.from_numpy(matrix), torch.from_numpy(staged))
         if flag is not None and flag.item():
             return None
-        targets = [torch.empty((batch, columns), dtype=_torch_dtype(dtype)) for _, columns, dtype in outputs]
+        targets = [torch.empty((batch, columns), dtype=torch_dtype(dtype)) for _, columns, dtype in outputs]
         finish(runs, targets)
         return {name: target.numpy() for (name, _, _), target in zip(outputs, targets)}
 
@@ -257,7 +258,7 @@ class DevicePreprocessor:
         padded = text.shape[0]
         words = text.view(torch.int64)
         raw: dict[str, Any] = {name: _Row(numbers, k) for k, name in enumerate(self._continuous)}
-        raw.update({name: _Text(k, name, words) for k, name in enumerate(self._strings)})
+        raw.update({name: _Text(k, name) for k, name in enumerate(self._strings)})
         for name in self.host.raw.label:
             raw[name] = _Row(self._constant(("zeros", padded), lambda: torch.zeros((1, padded), dtype=torch.float64)), 0)
         shared: list[torch.Tensor] = []
@@ -292,13 +293,14 @@ class DevicePreprocessor:
         if any(isinstance(v, _Text) or not v.matrix.is_floating_point() for v in inputs.values()):
             raise _Unsupported(f"{kind.__name__} of other than numbers")
         rows = _stacked(list(inputs.values())).double()
+        step = self._steps().get(kind)
         if kind is Cast:
             dtype = np.dtype(op.dtype)
             if dtype.kind != "f":
                 raise _Unsupported(f"Cast to {dtype}")
-            out = rows.to(torch.from_numpy(np.zeros(0, dtype)).dtype)
-        elif kind in self._steps():
-            out = self._steps()[kind](op, names, rows)
+            out = rows.to(torch_dtype(dtype))
+        elif step is not None:
+            out = step(op, names, rows)
         else:
             raise _Unsupported(kind.__name__)
         return {name: _Row(out, k) for k, name in enumerate(op.output_columns(names) if kind is not Cast else names)}
@@ -370,15 +372,17 @@ Finish = Callable[[list, list[torch.Tensor]], None]
 into its output tensors."""
 
 
+def place(target: torch.Tensor, runs: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+    """``target`` ``[B, columns]`` with each run of columns (:func:`_runs`) copied to its place."""
+    for start, rows in runs:
+        target[:, start: start + len(rows)].copy_(rows.T)
+    return target
+
+
 def _placed(runs: list[list[tuple[int, torch.Tensor]]], targets: list[torch.Tensor]) -> None:
-    """The model's tensors as they are: each run of columns copied to its place."""
+    """The model's tensors as they are."""
     for target, tensor_runs in zip(targets, runs):
-        for start, rows in tensor_runs:
-            target[:, start: start + len(rows)].copy_(rows.T)
-
-
-def _torch_dtype(dtype: np.dtype) -> torch.dtype:
-    return torch.from_numpy(np.zeros(0, dtype)).dtype
+        place(target, tensor_runs)
 
 
 class _BatchGraph:
@@ -428,30 +432,21 @@ class _BatchGraph:
         return {name: out[:rows].copy() for name, out in zip(self._names, self._host_out)}
 
 
-def _layout(specs: list[tuple[tuple[int, ...], Any]]) -> tuple[list[tuple[int, int]], int]:
-    """Where each array of ``specs`` starts in one buffer (aligned) and its size in bytes; the buffer's size."""
-    spans, end = [], 0
-    for shape, dtype in specs:
-        size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        spans.append((end, size))
-        end += -(-size // _ALIGN) * _ALIGN
-    return spans, max(end, _ALIGN)
-
-
 def _pinned(specs: list, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """A page-locked host buffer for ``specs`` and its device twin."""
-    _, size = _layout(specs)
+    """A page-locked host buffer for ``specs`` (:func:`export.cache_torch.aligned_spans`) and its device twin."""
+    _, size = aligned_spans(specs)
+    size = max(size, 1)
     return torch.zeros(size, dtype=torch.uint8, pin_memory=True), torch.zeros(size, dtype=torch.uint8, device=device)
 
 
 def _views(buffer: np.ndarray, specs: list) -> list[np.ndarray]:
-    spans, _ = _layout(specs)
+    spans, _ = aligned_spans(specs)
     return [buffer[start: start + size].view(dtype).reshape(shape) for (start, size), (shape, dtype) in zip(spans, specs)]
 
 
 def _tensor_views(buffer: torch.Tensor, specs: list) -> list[torch.Tensor]:
-    spans, _ = _layout(specs)
-    return [buffer[start: start + size].view(_torch_dtype(dtype)).view(shape)
+    spans, _ = aligned_spans(specs)
+    return [buffer[start: start + size].view(torch_dtype(dtype)).view(shape)
             for (start, size), (shape, dtype) in zip(spans, specs)]
 
 

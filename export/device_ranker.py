@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from export.dense import DenseRunner
-from export.device_preprocess import DevicePreprocessor, on_device
+from export.device_preprocess import DevicePreprocessor, on_device, place
 from export.lookup import ResidentRows
 from export.preprocess import CATEGORICAL_IDS, DENSE, Preprocessor
 
@@ -89,8 +89,5 @@ class DeviceRanker:
 
 
 def _assembled(runs: list[tuple[int, torch.Tensor]], batch: int, columns: int, dtype: torch.dtype) -> torch.Tensor:
-    """``[batch, columns]`` of runs of columns (one run: its rows transposed, as they are)."""
-    out = torch.empty((batch, columns), dtype=dtype, device=runs[0][1].device)
-    for start, rows in runs:
-        out[:, start: start + len(rows)] = rows.T
-    return out
+    """``[batch, columns]`` of runs of columns."""
+    return place(torch.empty((batch, columns), dtype=dtype, device=runs[0][1].device), runs)

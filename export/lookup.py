@@ -93,8 +93,6 @@ class EmbeddingLookup:
         self.store_root = Path(store_root)
         self.config = config
         self.policy = policy
-        self.cache_fraction = cache_fraction
-        self.min_cache_rows = min_cache_rows
         self.refreshes = 0
         self._current = os.fspath(self.store_root / CURRENT)  # checked before every batch: a plain string
         self._stamp = file_stamp(self._current)
