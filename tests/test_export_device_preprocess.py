@@ -31,8 +31,8 @@ from pipeline.etl import (
     Workflow,
 )
 from pipeline.etl.column_schema import input_schema, to_schema
-from pipeline.etl.ops import text_lookup
 from pipeline.etl.ops.text_lookup import LONG_BYTES
+from tests.test_export_preprocess import _colliding
 
 # LogOp of the values below -1 that Clip(min_value=-2) lets through gives NaN on purpose (compared too).
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in log1p:RuntimeWarning")
@@ -126,19 +126,6 @@ def _seed(host: Preprocessor, column: str) -> np.uint64:
     """The seed of ``column``'s keys in the index of the Categorify that encodes it."""
     op = next(op for op, names in host.workflow.operators() if isinstance(op, Categorify) and column in names)
     return np.uint64(op.index().tables().seeds[column])
-
-
-def _colliding(seed: np.uint64) -> tuple[str, str]:
-    """Two texts of 16 ASCII bytes with one key in the column of ``seed``: the second's last word solved for."""
-    rng = np.random.default_rng(0)
-    first = np.frombuffer(b"abcdefghABCDEFGH", "<u8")
-    inner = text_lookup._mix(np.array([seed ^ first[0]], np.uint64))[0]
-    while True:
-        other = rng.integers(0x21, 0x7F, 8).astype(np.uint8).view("<u8")[0]
-        last = inner ^ first[1] ^ text_lookup._mix(np.array([seed ^ other], np.uint64))[0]
-        tail = np.array([last], "<u8").view(np.uint8)
-        if tail.min() >= 0x21 and tail.max() < 0x7F:
-            return first.tobytes().decode(), np.array([other, last], "<u8").tobytes().decode()
 
 
 def test_the_device_answers_what_the_host_answers(host):
