@@ -154,6 +154,8 @@ class DevicePreprocessor:
         self._strings = list(layout.strings) if STRINGS in {t.name for t in layout.inputs} else []
         self._outputs = [(DENSE, host.continuous, torch.float32)] * bool(host.continuous) + \
             [(CATEGORICAL_IDS, host.onehot, torch.int64)] * bool(host.onehot)
+        self._spec = [(name, len(names), np.dtype(np.float32 if dtype == torch.float32 else np.int64))
+                      for name, names, dtype in self._outputs]  # the model's tensors as run() takes its outputs
         self._vocabularies: dict[int, _Vocabulary] = {}
         self._constants: dict[Any, torch.Tensor] = {}
         self._graphs: dict[tuple[int, int], _BatchGraph] = {}
@@ -197,7 +199,7 @@ class DevicePreprocessor:
         request = self.checked(tensors)
         if request is not None:
             with torch.inference_mode(), on_device(self.device):
-                found = self.run(request, self._outputs_spec(), _placed, self._graphs)
+                found = self.run(request, self._spec, _placed, self._graphs)
         if found is None:
             self.batches_on_host += 1
             return self.host(tensors)
@@ -229,10 +231,6 @@ class DevicePreprocessor:
         if graph is None:
             graph = graphs[padded, width] = _BatchGraph(self, padded, width, outputs, finish)
         return graph(batch, numbers, text)
-
-    def _outputs_spec(self) -> list[tuple[str, int, np.dtype]]:
-        return [(name, len(names), np.dtype(np.float32 if dtype == torch.float32 else np.int64))
-                for name, names, dtype in self._outputs]
 
     def _eager(self, request: Request, width: int, outputs: list[tuple[str, int, np.dtype]],
                finish: Finish) -> dict[str, np.ndarray] | None:

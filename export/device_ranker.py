@@ -29,6 +29,7 @@ from export.lookup import ResidentRows
 from export.preprocess import CATEGORICAL_IDS, DENSE, Preprocessor
 
 PREDICTION = "PREDICTION"
+_OUTPUTS = [(PREDICTION, 1, np.dtype(np.float32))]
 
 
 class DeviceRanker:
@@ -46,6 +47,8 @@ class DeviceRanker:
         self._places: torch.Tensor | None = None
         self._offsets: torch.Tensor | None = None
         self._graphs: dict = {}
+        self._checked: ResidentRows | None = None
+        self._fits = False
 
     @classmethod
     def of(cls, preprocess: Preprocessor | DevicePreprocessor, runner: DenseRunner) -> DeviceRanker | None:
@@ -60,7 +63,11 @@ class DeviceRanker:
         """The probabilities ``[B, 1]`` of a request whose rows ``resident`` holds; None where the batch goes the
         usual way (the device preprocess leaves it to the host, or a table holds fewer rows than its column's
         codes)."""
-        if len(resident.table_rows) != self._onehot or (resident.table_rows < self._cardinalities).any():
+        if resident is not self._checked:  # a table may hold fewer rows than its column's codes: checked once each
+            self._checked = resident
+            self._fits = len(resident.table_rows) == self._onehot and bool(
+                (resident.table_rows >= self._cardinalities).all())
+        if not self._fits:
             return None
         request = self.preprocess.checked(tensors)
         if request is None:
@@ -71,7 +78,7 @@ class DeviceRanker:
                 self._rows, self._graphs = resident.rows, {}
                 self._places = torch.from_numpy(np.ascontiguousarray(resident.slots, dtype=np.int64)).to(device)
                 self._offsets = torch.from_numpy(resident.offsets.astype(np.int64)).to(device)
-            found = self.preprocess.run(request, [(PREDICTION, 1, np.dtype(np.float32))], self._scored, self._graphs)
+            found = self.preprocess.run(request, _OUTPUTS, self._scored, self._graphs)
         return None if found is None else found[PREDICTION]
 
     def _scored(self, runs: list, targets: list[torch.Tensor]) -> None:
