@@ -7,7 +7,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.data.readers import FileReport, read_criteo, split_codes
+from pipeline.data.readers import FileReport, _line_blocks, _LongLine, read_criteo, split_codes
+from pipeline.data.text_format import MAX_LINE_BYTES
 from pipeline.errors import BadInputError
 from pipeline.stages.config import load_config
 from pipeline.stages.data import ensure_raw
@@ -150,6 +151,48 @@ def test_a_byte_order_mark_is_dropped_at_the_start_of_the_file_only(tmp_path):
     table, kept, report = _read_criteo(path)
     assert table is None and report.bad == {"wrong_field_count": 1, "bad_label": 1}
     assert report.examples[1]["reason"] == "label: expected 0 or 1, found '\\ufeff0'"
+
+
+def _lines_of(items) -> list:
+    """The lines the blocks of ``_line_blocks`` hold, in order, a long line as ("long", excerpt, length); each block
+    is read as it comes (a view is valid until the next one is asked for)."""
+    found = []
+    for item in items:
+        if isinstance(item, _LongLine):
+            found.append(("long", item.excerpt, item.length))
+        else:
+            data = bytes(item)
+            assert data.endswith(b"\n")
+            found += data.split(b"\n")[:-1]
+    return found
+
+
+@pytest.mark.parametrize("views", [False, True])
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("suffix", ["", ".gz"])
+def test_line_blocks_give_every_line_once_whole_or_as_too_long(tmp_path, views, seed, suffix):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(0, 400, 20_000)
+    lengths[rng.choice(lengths.size, 6, replace=False)] = rng.integers(MAX_LINE_BYTES // 2, 3 * MAX_LINE_BYTES, 6)
+    lines = [bytes(rng.integers(32, 127, n, dtype=np.uint8)) for n in lengths]
+    ending = b"" if seed % 2 else b"\n"  # the last line with or without its newline
+    content = b"\n".join(lines) + ending
+    path = tmp_path / f"day.tsv{suffix}"
+    path.write_bytes(gzip.compress(b"\xef\xbb\xbf" + content) if suffix else b"\xef\xbb\xbf" + content)
+    allocate = (lambda size: np.empty(size, dtype=np.uint8)) if views else None
+    found = _lines_of(_line_blocks(path, 1 << 20, allocate))
+    assert len(found) == len(lines)
+    for line, got in zip(lines, found):
+        if isinstance(got, tuple):  # only a line over the limit stands as a long one, with its start
+            assert len(line) > MAX_LINE_BYTES + 1 and got[1] == line[:200] and got[2] <= len(line)
+        else:
+            assert got == line
+
+
+def test_line_blocks_of_a_file_with_carriage_return_line_ends(tmp_path):
+    path = tmp_path / "day.tsv"
+    path.write_bytes(b"a\tb\rc\r\rd" * 100_000)  # no \n in the first read: \r ends lines
+    assert _lines_of(_line_blocks(path, 1 << 20)) == (b"a\tb\rc\r\rd" * 100_000).split(b"\r")
 
 
 def test_text_that_is_not_an_integer_is_not_called_out_of_range(tmp_path):

@@ -51,12 +51,15 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import functools
 import glob
 import importlib
 import io
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import ModuleType
@@ -95,6 +98,8 @@ _CODECS = {".gz": "gzip", ".bz2": "bzip2", ".zst": "zstd", ".lz4": "lz4"}
 _COMPRESSION_SUFFIXES = set(_CODECS)
 _BYTES_PER_ROW_GUESS = 200
 _BOM = b"\xef\xbb\xbf"
+_NL = re.compile(b"\n")
+_CR = re.compile(b"\r")
 _INT_PATTERN = r"^(-?[0-9]+)?$"  # empty is missing; the int64 range is checked apart
 _INT64_DIGITS = 19
 _FLOAT_PATTERN = r"^([+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?)?$"
@@ -175,13 +180,14 @@ def read_criteo(path: str | Path, chunk_rows: int, report: FileReport, stop_on_b
     """
     roles = criteo_roles()
     kinds = _kinds(roles, integer_continuous=True)
-    parse = None
+    parse = allocate = None
     if xp is not None:
-        from pipeline.data.vectorized_text import parse_criteo_block
+        from pipeline.data.vectorized_text import host_array, parse_criteo_block
 
         parse = functools.partial(parse_criteo_block, xp)
+        allocate = functools.partial(host_array, xp)
     yield from _read_text(Path(path), roles.columns, kinds, "\t", False, False, chunk_rows, report, stop_on_bad, "|",
-                          parse=parse)
+                          parse=parse, allocate=allocate)
 
 
 def read_table(path: str | Path, roles: Roles, chunk_rows: int, report: FileReport, stop_on_bad: bool = False,
@@ -405,20 +411,30 @@ def split_codes(lines: np.ndarray, file_index: int, seed: int, valid_fraction: f
 
 def _read_text(path: Path, names: list[str] | None, kinds: dict[str, str], delimiter: str, quoting: bool,
                header: bool, chunk_rows: int, report: FileReport, stop_on_bad: bool, separator: str,
-               roles: Roles | None = None, parse=None) -> Iterator[tuple[pa.Table, np.ndarray]]:
+               roles: Roles | None = None, parse=None, allocate: Callable[[int], np.ndarray] | None = None
+               ) -> Iterator[tuple[pa.Table, np.ndarray]]:
     """``parse(block, first_line, report)``, when given, turns a block of lines into (table, line
-    numbers, lines in the block) in place of ``pyarrow.csv`` and the checks."""
-    block_bytes = max(1 << 20, chunk_rows * _BYTES_PER_ROW_GUESS)
-    for first_line, block in _line_blocks(path, block_bytes):
+    numbers, lines in the block) in place of ``pyarrow.csv`` and the checks; with ``allocate`` it is handed
+    memoryviews of buffers ``allocate`` made (see :func:`_line_blocks`)."""
+    line = 1  # the number of the next block's first line
+    blocks = _line_blocks(path, block_bytes(chunk_rows), allocate)
+    while True:
+        try:
+            block = next(blocks, None)
+        except (OSError, pa.ArrowInvalid) as err:
+            raise _DamagedFile(_damage_message(path, line - 1, err)) from err
+        if block is None:
+            break
         if isinstance(block, _LongLine):
             if names is None and header:
                 raise BadInputError(f"{path}: the header line is longer than {MAX_LINE_BYTES} bytes; expected a "
                                     "line naming the columns")
             report.rows_read += 1
-            report.add_bad(first_line, "line_too_long", too_long(block.length), block.excerpt)
+            report.add_bad(line, "line_too_long", too_long(block.length), block.excerpt)
             if stop_on_bad:
-                report.stopped_at_line = first_line
+                report.stopped_at_line = line
                 return
+            line += 1
             continue
         if names is None:
             header_line, _, block = block.partition(b"\n")
@@ -427,26 +443,32 @@ def _read_text(path: Path, names: list[str] | None, kinds: dict[str, str], delim
                                     "line naming the columns")
             names = _header(header_line, delimiter, path)
             roles.check_against(names, str(path))  # type: ignore[union-attr]
-            first_line += 1
+            line += 1
             if not block:
                 continue
         if parse is None:
-            table, lines, excerpt = _parse_block(block, first_line, names, kinds, delimiter, quoting, report)
+            table, lines, excerpt = _parse_block(block, line, names, kinds, delimiter, quoting, report)
             count = len(excerpt.starts)
-            quote = functools.partial(_quote_line, excerpt, lines, first_line)
+            quote = functools.partial(_quote_line, excerpt, lines, line)
             table, lines = _check_and_convert(table, lines, kinds, separator, report, quote,
                                               roles.time if roles else "")
         else:
-            table, lines, count = parse(block, first_line, report)
+            table, lines, count = parse(block, line, report)
         report.rows_read += count
+        line += count
         if stop_on_bad and report.bad_rows:
-            report.stopped_at_line = first_line + count - 1
+            report.stopped_at_line = line - 1
             return
         report.rows_kept += table.num_rows
         if table.num_rows:
             yield table, lines
     if names is None and header:
         raise BadInputError(f"{path} is empty: expected a header line naming the columns, then rows")
+
+
+def block_bytes(chunk_rows: int) -> int:
+    """The bytes of text read at a time for blocks of about ``chunk_rows`` rows."""
+    return max(1 << 20, chunk_rows * _BYTES_PER_ROW_GUESS)
 
 
 def _quote_line(excerpt: _Excerpts, lines: np.ndarray, first_line: int, row: int) -> bytes:
@@ -465,70 +487,110 @@ class _DamagedFile(BadInputError):
     """A compressed input that does not decompress to the end."""
 
 
-def _line_blocks(path: Path, block_bytes: int) -> Iterator[tuple[int, bytes | _LongLine]]:
-    """(number of the first line, bytes of whole lines ending in a newline), decompressing by suffix.
+def _line_blocks(path: Path, block_bytes: int, allocate: Callable[[int], np.ndarray] | None = None
+                 ) -> Iterator[bytes | memoryview | _LongLine]:
+    """Blocks of whole lines ending in a newline, decompressing by suffix. A thread reads (and decompresses) the
+    next block while the one given out is parsed, into two buffers used in turn for every block: a block costs
+    the file's read and, as ``bytes``, one copy. Lines are not counted here: whoever reads a block counts its
+    lines. With ``allocate`` (``size -> uint8 array``: pinned memory for the GPU) the buffers are its, and blocks
+    are memoryviews of them, each valid until the next block is asked for.
 
     A byte-order mark at the start of the file is dropped. A file whose first line end is a lone
     ``\r`` (no ``\n`` in the first read) has ``\r`` line ends: they become ``\n``. A line that
-    grows past :data:`MAX_LINE_BYTES` is not kept: a :class:`_LongLine` stands for it. A compressed file that stops decompressing raises
-    :class:`_DamagedFile` after the blocks before the damage.
+    grows past :data:`MAX_LINE_BYTES` is not kept: a :class:`_LongLine` stands for it. A compressed file that stops
+    decompressing raises its error (``OSError`` or ``pyarrow.ArrowInvalid``) after the blocks before the damage.
     """
-    line = 1
-    carry = b""
-    newline: bytes | None = None
+    size = block_bytes + MAX_LINE_BYTES + 2  # a block, a line carried over (+ 1 for a \r) and a last newline
+    buffers = [(allocate or _bytes)(size) for _ in range(2)]
+    rooms = [memoryview(b) for b in buffers]
+    have = 0  # bytes of a line not ended yet, carried to the start of the next buffer
     skipping = 0  # bytes of an over-long line seen so far
-    try:
-        for index, data in enumerate(_reads(path, block_bytes)):
-            if index == 0:
-                data = data.removeprefix(_BOM)
-            if newline is None and (b"\n" in data or b"\r" in data):
-                newline = b"\n" if b"\n" in data else b"\r"
+    newline: bytes | None = None
+    first = True
+    with _open_text(path) as (stream, step), ThreadPoolExecutor(1) as reader:
+        now, start_of_read = 0, 0
+        reading = reader.submit(_fill, stream, step, rooms[0], 0, block_bytes)
+        while True:
+            room = rooms[now]
+            got, error = reading.result()
+            ended = error is not None or got < start_of_read + block_bytes
+            if first and bytes(room[:3]) == _BOM:
+                room[: got - 3] = room[3:got]
+                got -= 3
+            first = False
+            if newline is None:
+                newline = b"\n" if _NL.search(room, have, got) else b"\r" if _CR.search(room, have, got) else None
             if newline == b"\r":
-                data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+                text = bytes(room[have:got]).replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+                room[have : have + len(text)] = text
+                got = have + len(text)
+            start = 0
             if skipping:
-                cut = data.find(b"\n")
-                if cut < 0:
-                    skipping += len(data)
-                    continue
-                skipping = 0
-                data = data[cut + 1 :]
-                line += 1
-            data = carry + data
-            cut = data.rfind(b"\n")
-            if cut < 0:
-                carry = data
-            else:
-                block, carry = data[: cut + 1], data[cut + 1 :]
-                yield line, block
-                line += block.count(b"\n")
-            if len(carry) > MAX_LINE_BYTES + 1:  # + 1: room for a \r before the \n
-                yield line, _LongLine(carry[:200], len(carry))
-                carry, skipping = b"", len(carry)
-    except (OSError, pa.ArrowInvalid) as err:
-        raise _DamagedFile(_damage_message(path, line - 1, err)) from err
-    if carry:
-        yield line, carry + b"\n"
+                found = _NL.search(room, 0, got)
+                skipping, start = (skipping + got, got) if found is None else (0, found.end())
+            cut = _last_newline(buffers[now], start, got)
+            have, long = got - cut, None
+            if have > MAX_LINE_BYTES + 1:  # + 1: room for a \r before the \n
+                long = _LongLine(bytes(room[cut : cut + 200]), have)
+                have, skipping = 0, have
+            rooms[1 - now][:have] = room[got - have : got]
+            if not ended:
+                start_of_read = have
+                reading = reader.submit(_fill, stream, step, rooms[1 - now], have, have + block_bytes)
+            if cut > start:
+                yield room[start:cut] if allocate else bytes(room[start:cut])
+            if long is not None:
+                yield long
+            if error is not None:
+                raise error
+            now = 1 - now
+            if ended:
+                break
+    if have:
+        rooms[now][have] = ord("\n")
+        yield rooms[now][: have + 1] if allocate else bytes(rooms[now][: have + 1])
 
 
-def _reads(path: Path, size: int) -> Iterator[bytes]:
-    """The (decompressed) bytes of ``path`` in pieces of about ``size``; read in small steps so that
-    what comes before a damaged part of a compressed file is yielded before the error is raised."""
-    pieces: list[bytes] = []
-    have = 0
-    with pa.input_stream(str(path), compression="detect") as stream:
+def _bytes(size: int) -> np.ndarray:
+    return np.empty(size, dtype=np.uint8)
+
+
+@contextlib.contextmanager
+def _open_text(path: Path) -> Iterator[tuple[object, int]]:
+    """The file's stream and the bytes to read at a time: plain files straight from the file in large reads; a
+    compressed one through Arrow's decompression in small ones, so that what comes before a damaged part is kept."""
+    if path.suffix.lower() in _COMPRESSION_SUFFIXES:
+        with pa.input_stream(str(path), compression="detect") as stream:
+            yield stream, 1 << 20
+    else:
+        with open(path, "rb", buffering=0) as stream:
+            yield stream, 8 << 20
+
+
+def _fill(stream, step: int, room: memoryview, start: int, end: int) -> tuple[int, Exception | None]:
+    """Read into ``room[start:end]`` until it is full or the stream ends: where the bytes read end, and the error
+    that stopped the reading early (the bytes before it are kept)."""
+    while start < end:
         try:
-            while piece := stream.read(min(size, 1 << 20)):
-                pieces.append(piece)
-                have += len(piece)
-                if have >= size:
-                    yield b"".join(pieces)
-                    pieces, have = [], 0
-        except (OSError, pa.ArrowInvalid):
-            if pieces:
-                yield b"".join(pieces)
-            raise
-    if pieces:
-        yield b"".join(pieces)
+            got = stream.readinto(room[start : min(end, start + step)])
+        except (OSError, pa.ArrowInvalid) as err:
+            return start, err
+        if not got:
+            break
+        start += got
+    return start, None
+
+
+def _last_newline(buf: np.ndarray, start: int, end: int) -> int:
+    """Where the bytes ``buf[start:end]`` end after their last newline (``start`` when none has one)."""
+    step = 1 << 16
+    while end > start:
+        low = max(start, end - step)
+        found = np.flatnonzero(buf[low:end] == 10)
+        if found.size:
+            return low + int(found[-1]) + 1
+        end, step = low, step * 2
+    return start
 
 
 def _damage_message(path: Path, lines: int, err: Exception) -> str:

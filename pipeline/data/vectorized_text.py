@@ -12,8 +12,9 @@ over ``MAX_LINE_BYTES``, a ``\\r`` inside the line, broken UTF-8, the wrong numb
 label, then the first of I1..I13 that is not an integer or is outside the int64 range. The counts
 by kind are array reductions; the examples (at most ``EXAMPLES`` a file, in the Arrow path's order)
 are written on the host from the readers' own reason functions, from the few lines they quote.
-Only the output leaves ``xp``: the typed columns and string bytes are copied back and become a
-pyarrow table, as the Arrow path's.
+Only the output leaves ``xp``: every buffer of the table (typed columns, validity bitmaps, string
+offsets and bytes) is made there, packed into one array and copied back at once (into pinned memory
+for CuPy, as the block came), and the pyarrow table is views of that copy, as the Arrow path's.
 
 Example::
 
@@ -59,7 +60,7 @@ INT64_DIGITS = 19
 _LONE_CR = re.compile(rb"\r(?!\n)")
 
 
-def parse_criteo_block(xp: ModuleType, block: bytes, first_line: int, report: FileReport
+def parse_criteo_block(xp: ModuleType, block: bytes | memoryview, first_line: int, report: FileReport
                        ) -> tuple[pa.Table, np.ndarray, int]:
     """The valid lines of ``block`` as a table, their line numbers, and the number of lines in the
     block; the malformed ones go to ``report``. ``block`` holds whole lines, each ending in ``\\n``."""
@@ -105,9 +106,9 @@ def parse_criteo_block(xp: ModuleType, block: bytes, first_line: int, report: Fi
     kind[rows[beyond]] = KINDS.index("out_of_range")
     _report(xp, block, first_line, report, starts, ends, problem, kind)
 
-    good = value_problem == 0
-    table = _table(xp, data, values[:, good], field_starts[good], field_ends[good])
-    lines = first_line + _host(rows[good]).astype(np.int64)
+    good = xp.flatnonzero(value_problem == 0)
+    table, lines = _table(xp, data, values[:, good], field_starts[good], field_ends[good],
+                          rows[good].astype(xp.int64) + first_line)
     return table, lines, int(ends.size)
 
 
@@ -194,24 +195,87 @@ def _integers(xp: ModuleType, data, starts, ends):
     return values, written_ok, fits
 
 
-def _table(xp: ModuleType, data, values, field_starts, field_ends) -> pa.Table:
-    """The kept rows as the Arrow path types them, built on the host from the columns copied back."""
-    ints = len(CRITEO_CONTINUOUS)
+def _table(xp: ModuleType, data, values, field_starts, field_ends, lines) -> tuple[pa.Table, np.ndarray]:
+    """The kept rows as the Arrow path types them, and their line numbers. Every buffer of the table (values, validity bitmaps, string
+    offsets and bytes, line numbers) is made on ``xp`` and packed into one array, copied back at once; the
+    table's columns are views of that host copy."""
+    ints, texts = len(CRITEO_CONTINUOUS), len(CRITEO_CATEGORICAL)
     rows = field_starts.shape[0]
-    labels = _host(data[field_starts[:, 0]] - ZERO).astype(np.int8)
-    int_null = _host(xp.ascontiguousarray((field_ends[:, 1:1 + ints] == field_starts[:, 1:1 + ints]).T))
-    values = _host(values)
     positions, offsets = _segments(xp, field_starts[:, 1 + ints:].T.ravel(), field_ends[:, 1 + ints:].T.ravel())
-    text, offsets = _host(data[positions]), _host(offsets)
-    columns = [pa.array(labels)]
-    columns += [pa.array(values[j], mask=int_null[j]) for j in range(ints)]
-    for j in range(len(CRITEO_CATEGORICAL)):
-        cut = offsets[j * rows:(j + 1) * rows + 1]
-        valid = cut[1:] > cut[:-1]
-        columns.append(pa.StringArray.from_buffers(
-            rows, pa.py_buffer((cut - cut[0]).astype(np.int32)), pa.py_buffer(text[cut[0]:cut[-1]]),
-            pa.py_buffer(np.packbits(valid, bitorder="little")), int(rows - valid.sum())))
-    return pa.Table.from_arrays(columns, names=NAMES)
+    firsts = offsets[::rows] if rows else xp.zeros(texts + 1, offsets.dtype)  # where each column's bytes begin
+    cuts = offsets[:texts * rows].reshape(texts, rows)
+    relative = xp.concatenate([cuts, firsts[1:, None]], axis=1) - firsts[:-1, None]  # each column's own offsets
+    int_valid = (field_ends[:, 1:1 + ints] > field_starts[:, 1:1 + ints]).T
+    text_valid = relative[:, 1:] > relative[:, :-1]
+    parts = {
+        "labels": (data[field_starts[:, 0]] - ZERO).astype(xp.int8),
+        "values": xp.ascontiguousarray(values),
+        "int_bits": _bitmaps(xp, int_valid),
+        "text_bits": _bitmaps(xp, text_valid),
+        "nulls": rows - xp.concatenate([int_valid.sum(axis=1), text_valid.sum(axis=1)]).astype(xp.int64),
+        "firsts": firsts.astype(xp.int64),
+        "relative": relative.astype(xp.int32),
+        "lines": lines,
+        "text": data[positions],
+    }
+    host = _packed_to_host(xp, parts)
+    nulls, firsts = host["nulls"], host["firsts"]
+    columns = [pa.Array.from_buffers(pa.int8(), rows, [None, pa.py_buffer(host["labels"])])]
+    for j in range(ints):
+        columns.append(pa.Array.from_buffers(pa.int64(), rows, [_validity(host["int_bits"][j], nulls[j]),
+                                                                pa.py_buffer(host["values"][j])], int(nulls[j])))
+    for j in range(texts):
+        null = nulls[ints + j]
+        columns.append(pa.Array.from_buffers(pa.string(), rows, [
+            _validity(host["text_bits"][j], null), pa.py_buffer(host["relative"][j]),
+            pa.py_buffer(host["text"][firsts[j] - firsts[0]:firsts[j + 1] - firsts[0]])], int(null)))
+    return pa.Table.from_arrays(columns, names=NAMES), host["lines"]
+
+
+def _bitmaps(xp: ModuleType, valid):
+    """Arrow validity bitmaps of the rows of a 2-d bool array: one row of bytes each, least significant bit
+    first."""
+    k, n = valid.shape
+    padded = xp.zeros((k, -(-n // 8) * 8), dtype=xp.uint8)
+    padded[:, :n] = valid
+    weights = xp.asarray([1 << b for b in range(8)], dtype=xp.uint8)
+    return (padded.reshape(k, -1, 8) * weights).sum(axis=2, dtype=xp.uint8)
+
+
+def _validity(bitmap: np.ndarray, nulls) -> pa.Buffer | None:
+    return pa.py_buffer(bitmap) if nulls else None
+
+
+def _packed_to_host(xp: ModuleType, parts: dict) -> dict[str, np.ndarray]:
+    """The arrays of ``parts`` on the host, packed into one array (each at a multiple of 64 bytes, as Arrow places
+    its buffers) that CuPy copies back in one transfer, into pinned memory."""
+    places, size = {}, 0
+    for name, array in parts.items():
+        places[name] = size
+        size += -(-array.nbytes // 64) * 64
+    packed = xp.empty(size, dtype=xp.uint8)
+    for name, array in parts.items():
+        if array.nbytes:
+            packed[places[name]:places[name] + array.nbytes] = xp.ascontiguousarray(array).view(xp.uint8).ravel()
+    host = packed
+    if xp is not np:
+        host = host_array(xp, size)
+        packed.get(out=host)
+    return {name: host[places[name]:places[name] + array.nbytes].view(array.dtype).reshape(array.shape)
+            for name, array in parts.items()}
+
+
+def host_array(xp: ModuleType, size: int) -> np.ndarray:
+    """``size`` bytes of host memory for copies to and from ``xp``. For CuPy it is page-locked, which the GPU reads
+    and writes without a copy through pageable memory, from CuPy's pool: a buffer freed is used again for a size
+    of its class (sizes are rounded up to a sixteenth of their power of two), so blocks whose sizes differ a little
+    do not each lock new memory."""
+    if xp is np:
+        return np.empty(size, dtype=np.uint8)
+    import cupyx
+
+    unit = 1 << max(size.bit_length() - 4, 12)
+    return cupyx.empty_pinned(-(-size // unit) * unit, dtype=np.uint8)[:size]
 
 
 def _report(xp: ModuleType, block: bytes, first_line: int, report: FileReport, starts, ends, problem, kind) -> None:
@@ -228,7 +292,7 @@ def _report(xp: ModuleType, block: bytes, first_line: int, report: FileReport, s
         report.bad[KINDS[k]] = report.bad.get(KINDS[k], 0) + int(counts[k])
     shown = order[: max(EXAMPLES - len(report.examples), 0)]
     for i, start, end, code in zip(*(_host(a).tolist() for a in (shown, starts[shown], ends[shown], problem[shown]))):
-        reason, excerpt = _reason(code, block[start:end])
+        reason, excerpt = _reason(code, bytes(block[start:end]))
         report.add_example(first_line + i, reason, excerpt)
 
 
