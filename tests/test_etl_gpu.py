@@ -33,10 +33,11 @@ from pipeline.etl import (
     Workflow,
 )
 from pipeline.etl.frame_library import FrameLibraryError, choose_frame_library, read_parquet
-from pipeline.etl.ops import Cast
+from pipeline.etl.ops import Cast, HashIds
 from pipeline.etl.ops.hashing import murmur3_column
 from pipeline.etl.ops.murmur import combine_row_hashes
 from pipeline.etl.output import cudf_row_group_rows
+from pipeline.schema import DYNAMIC_ROWS
 from tests.test_etl_keyed import categorical_rows
 
 ROWS = int(os.environ.get("PIPELINE_ETL_GPU_ROWS", "2000000"))
@@ -201,6 +202,24 @@ def test_hash_bucket_on_cudf_equals_the_numpy_murmur_path():
     expected = (combine_row_hashes(hashes) % np.uint32(65_537)).astype(np.int64) + 1
     missing = frame[["s", "i64", "i32"]].isna().any(axis=1).to_numpy()
     np.testing.assert_array_equal(cpu, np.where(missing, 0, expected))
+
+
+@pytest.mark.gpu
+def test_hash_ids_and_multihot_buckets_on_cudf_equal_pandas():
+    """HashIds (one-hot and multi-hot) and HashBucket of a multi-hot column on cuDF, hashed by libcudf with both seeds
+    and put back into lists on the GPU, give what the pandas path gives, missing lists and values included."""
+    frame = categorical_rows(20_000, seed=7)
+    rng = np.random.default_rng(7)
+    frame["f"] = np.where(rng.random(len(frame)) < 0.1, np.nan, rng.integers(0, 10**6, len(frame)).astype(np.float64))
+    for features in (["s", "i", "f", "M"] >> HashIds(8 * DYNAMIC_ROWS), ["M"] >> HashBucket(1009)):
+        workflow = Workflow(features).fit(frame)
+        want = pa.Table.from_pandas(workflow.transform(frame), preserve_index=False)
+        got = workflow.transform(_to_cudf(frame)).to_arrow(preserve_index=False)
+        assert want.column_names == got.column_names
+        for name in want.column_names:
+            assert got[name].to_pylist() == want[name].to_pylist(), name
+        if "M" in want.column_names:
+            assert [] in got["M"].to_pylist() and got["M"].null_count == 0
 
 
 @pytest.mark.gpu
@@ -400,15 +419,16 @@ def test_a_cudf_that_fails_at_import_is_reported_not_raised(monkeypatch):
 
 # The cuDF branches on a pandas-backed stand-in (CPU machines only).
 
-def _stand_in_modules(offset: int) -> dict:
+def _stand_in_modules(folds: bool) -> dict:
     """Modules ``cudf`` / ``cupy`` / ``dask_cudf`` with just what the cuDF branches call, backed by pandas/numpy.
 
-    ``hash_values`` is MurmurHash3 plus ``offset`` (0 as in libcudf 26.10, 0x9E3779B9 as in older
-    libcudf) for one column. Integer casts of columns with nulls keep the nulls, as in cuDF.
+    ``hash_values`` is MurmurHash3 with the seed for one column (as in libcudf 26.10), or that folded into a row
+    hash starting from the seed with ``folds`` (as in older libcudf). Integer and text casts of columns with nulls
+    keep the nulls, as in cuDF.
     """
     import types
 
-    from pipeline.etl.ops.murmur import murmur3_int64, murmur3_strings
+    from pipeline.etl.ops.murmur import hash_combine, murmur3_int64, murmur3_strings
 
     cudf = types.ModuleType("cudf")
 
@@ -430,6 +450,8 @@ def _stand_in_modules(offset: int) -> dict:
         def astype(self, dtype, *args, **kwargs):
             if str(dtype) in ("int64", "int32") and self.isna().any():
                 dtype = str(dtype).capitalize()
+            if str(dtype) == "str":
+                dtype = "string"
             return pd.Series.astype(self, dtype, *args, **kwargs)
 
         @property
@@ -454,9 +476,10 @@ def _stand_in_modules(offset: int) -> dict:
             if self.dtype.kind in "iu":
                 h = murmur3_int64(self.fillna(0).to_numpy().astype(np.int64), seed)
             else:
-                h = murmur3_strings(pa.array(self.astype(object).where(self.notna(), None).tolist(), pa.string()))
-            with np.errstate(over="ignore"):
-                return Series(h + np.uint32(offset), index=self.index)
+                h = murmur3_strings(pa.array(self.astype(object).where(self.notna(), None).tolist(), pa.string()), seed)
+            if folds:
+                h = hash_combine(np.full(len(h), seed, dtype=np.uint32), h)
+            return Series(h, index=self.index)
 
     class DataFrame(pd.DataFrame):
         @property
@@ -479,14 +502,14 @@ def _stand_in_modules(offset: int) -> dict:
     cudf.concat = lambda objs, ignore_index=False: (Series if isinstance(objs[0], pd.Series) else DataFrame)(
         pd.concat(objs, ignore_index=ignore_index))
     cupy = types.ModuleType("cupy")
-    for name in ("arange", "empty", "full", "where", "zeros", "uint32", "int32", "int64", "float64", "log1p", "digitize",
-                 "asarray"):
+    for name in ("arange", "empty", "full", "where", "zeros", "uint32", "uint64", "int32", "int64", "float64", "log1p",
+                 "digitize", "asarray"):
         setattr(cupy, name, getattr(np, name))
     cupy.ndarray = type("ndarray", (), {})  # dask registers cupy.ndarray as a chunk type
     return {"cudf": cudf, "cupy": cupy, "dask_cudf": types.ModuleType("dask_cudf")}
 
 
-@pytest.fixture(params=[0, 0x9E3779B9], ids=["libcudf-26.10", "older-libcudf"])
+@pytest.fixture(params=[False, True], ids=["libcudf-26.10", "older-libcudf"])
 def stand_in(request, monkeypatch):
     import importlib.util
     import sys
@@ -497,7 +520,7 @@ def stand_in(request, monkeypatch):
         pytest.skip("the real cuDF is installed: the GPU tests above cover it")
     for name, module in _stand_in_modules(request.param).items():
         monkeypatch.setitem(sys.modules, name, module)
-    monkeypatch.setattr(hashing, "_OFFSET", [])
+    monkeypatch.setattr(hashing, "_FOLDS", [])
     return sys.modules["cudf"]
 
 
@@ -544,7 +567,8 @@ def test_cudf_branches_on_a_stand_in_equal_the_pandas_path(stand_in):
     # a numeric operator's matrix handed to one that takes Series, and a union of a matrix and Series
     mixed = Workflow((((["x"] >> FillMissing() >> Clip(min_value=0)) + ["f"]) >> LogOp())
                      + (["y"] >> Clip(min_value=0) >> Bucketize([0.0, 10.0, 50.0]))).fit(frame)
-    for workflow in (cpu, extra, mixed):
+    ids = Workflow(["s", "i", "f"] >> HashIds(DYNAMIC_ROWS)).fit(frame)
+    for workflow in (cpu, extra, mixed, ids):
         want = workflow.transform(frame)
         got = Workflow.transform_partition(gpu_frame, workflow.output)
         assert type(got).__module__.startswith("cudf")

@@ -309,6 +309,18 @@ def cudf_lists_from_flat(values: Any, lengths: Any, index: Any = None, name: Any
     return cudf.Series.from_pylibcudf(column, {"name": name, "index": index})
 
 
+def cudf_map_lists(series: Any, of_leaves: Callable[[Any], Any], on_host: Callable[[pd.Series], Any]) -> Any:
+    """A cuDF column of lists mapped value by value on the GPU: ``of_leaves`` (a cuDF Series of every list's values
+    -> a CuPy array of theirs), put back into lists of the same lengths, a missing list becoming an empty one (as on
+    pandas). A column whose missing lists still hold values (libcudf builds none) goes through host memory:
+    ``on_host`` (the pandas code, on the column as :func:`cudf_to_pandas` gives it)."""
+    lengths = series.list.len().fillna(0).astype("int32")
+    leaves = series.list.leaves
+    if len(series) and int(lengths.sum()) != len(leaves):
+        return cudf_from_pandas(on_host(cudf_to_pandas(series)), series)
+    return cudf_lists_from_flat(of_leaves(leaves), lengths.values, series.index, series.name)
+
+
 def cudf_longest_list(series: Any) -> Any:
     """The length of the longest list of one cuDF partition, as a one-row cuDF Series (for a Dask max)."""
     import cudf

@@ -44,10 +44,8 @@ from pipeline.etl.frames import (
     array_module,
     as_arrow_lists,
     as_arrow_strings,
-    cudf_from_pandas,
-    cudf_lists_from_flat,
+    cudf_map_lists,
     cudf_strings,
-    cudf_to_pandas,
     empty_series,
     is_cudf,
     list_lengths,
@@ -316,11 +314,8 @@ def _encode_cudf(series: Any, vocab: pa.Array, multihot: bool) -> Any:
 
     if not multihot:
         return cudf.Series(_keyed_codes(cudf_strings(series), vocab), index=series.index, name=series.name)
-    lengths = series.list.len().fillna(0).astype("int32")
-    leaves = series.list.leaves
-    if len(series) and int(lengths.sum()) != len(leaves):
-        return cudf_from_pandas(_encode_lists(cudf_to_pandas(series), vocab), series)
-    return cudf_lists_from_flat(_keyed_codes(cudf_strings(leaves), vocab), lengths.values, series.index, series.name)
+    return cudf_map_lists(series, lambda leaves: _keyed_codes(cudf_strings(leaves), vocab),
+                          lambda host: _encode_lists(host, vocab))
 
 
 def _keyed_codes(strings: Any, vocab: pa.Array) -> Any:

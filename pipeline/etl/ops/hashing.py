@@ -7,7 +7,7 @@ bytes for integers), folded into a row hash with Boost's ``hash_combine`` starti
 
 On cuDF each column is hashed on the GPU with ``Series.hash_values(method="murmur3")`` (libcudf)
 and folded here with the same ``hash_combine``, so both backends give the same buckets whichever
-way the installed libcudf folds columns (:func:`cudf_single_column_offset` explains why that matters).
+way the installed libcudf folds columns (:func:`cudf_folds_one_column` explains why that matters).
 HashBucket and HashIds map each column on its own (``transform_column``); on the serving path a block of text
 or list columns is hashed in one pass, a request's fixed-width bytes in place (``murmur3_fixed_width``).
 
@@ -20,7 +20,8 @@ Example::
 HashIds gives each value the 64 bits of MurmurHash3_x86_32 of its text with seed 0 (high half) and
 seed 1 (low half), numbers taken as their decimal text as Categorify takes them; a missing value is
 id 0. The ids are not codes of a table: the dynamic table that learns them gives rows to the ids it
-meets (``docs/HASHTABLE.md``). On cuDF the values are hashed through host memory (correct, not fast).
+meets (``docs/HASHTABLE.md``). On cuDF both hashes come from libcudf (:func:`cudf_murmur3`), lists' values
+hashed as one column and put back into lists on the GPU.
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ from pipeline.etl.column_schema import CATEGORICAL, ColumnSchema
 from pipeline.etl.frames import (
     as_arrow,
     as_arrow_strings,
-    cudf_from_pandas,
     cudf_integral,
-    cudf_to_pandas,
+    cudf_map_lists,
+    cudf_strings,
     empty_series,
     frame_like,
     integral_floats,
@@ -52,7 +53,14 @@ from pipeline.etl.frames import (
     looks_multihot,
 )
 from pipeline.etl.ops.base import Operator
-from pipeline.etl.ops.murmur import GOLDEN, combine_row_hashes, murmur3_fixed_width, murmur3_int64, murmur3_strings
+from pipeline.etl.ops.murmur import (
+    GOLDEN,
+    combine_row_hashes,
+    hash_combine,
+    murmur3_fixed_width,
+    murmur3_int64,
+    murmur3_strings,
+)
 from pipeline.schema import DYNAMIC_ROWS
 
 NULL_INDEX = 0
@@ -198,8 +206,12 @@ class HashIds(HashBucket):
 
     def transform_column(self, name: str, values: Any) -> Any:
         self._require_fitted()
-        if is_cudf(values):  # through host memory
-            return cudf_from_pandas(self.transform_column(name, cudf_to_pandas(values)), values)
+        if is_cudf(values):
+            if self.multihot.get(name):
+                return cudf_map_lists(values, _cudf_ids, lambda host: self.transform_column(name, host))
+            import cudf
+
+            return cudf.Series(_cudf_ids(values), index=values.index, name=values.name)
         if not self.multihot.get(name):
             return hash_ids(as_arrow_strings(values, name=name))
         lists = as_arrow(values, name)
@@ -226,6 +238,16 @@ def hash_ids(strings: pa.Array) -> np.ndarray:
 
 def _ids(high: np.ndarray, low: np.ndarray) -> np.ndarray:
     return ((high.astype(np.uint64) << np.uint64(32)) | low.astype(np.uint64)).view(np.int64)
+
+
+def _cudf_ids(values: Any) -> Any:
+    """:func:`hash_ids` of a cuDF Series on the GPU (numbers as their text, as on pandas), a CuPy int64 array."""
+    import cupy
+
+    strings = cudf_strings(values)
+    high, low = cudf_murmur3(strings, seed=0), cudf_murmur3(strings, seed=1)
+    ids = ((high.astype(cupy.uint64) << cupy.uint64(32)) | low.astype(cupy.uint64)).view(cupy.int64)
+    return cupy.where(strings.isna().values, 0, ids)
 
 
 def _bucket(columns: list[Any], names: list[str], num_buckets: int) -> Any:
@@ -259,8 +281,9 @@ def _buckets(values: pa.Array, name: str, num_buckets: int) -> np.ndarray:
 
 
 def _bucket_lists(values: Any, num_buckets: int, name: str) -> Any:
-    if is_cudf(values):  # lists go through host memory and the code below (correct, not fast)
-        return cudf_from_pandas(_bucket_lists(cudf_to_pandas(values), num_buckets, name), values)
+    if is_cudf(values):
+        return cudf_map_lists(values, lambda leaves: _bucket_cudf([leaves], [name], num_buckets).values,
+                              lambda host: _bucket_lists(host, num_buckets, name))
     lists = as_arrow(values, name)
     if pa.types.is_null(lists.type):
         lists = lists.cast(pa.list_(pa.string()))
@@ -291,7 +314,6 @@ def _bucket_cudf(columns: list[Any], names: list[str], num_buckets: int) -> Any:
     import cudf
     import cupy
 
-    offset = cupy.uint32(cudf_single_column_offset())
     row = cupy.zeros(len(columns[0]), dtype=cupy.uint32)
     missing = cupy.zeros(len(columns[0]), dtype=bool)
     for name, column in zip(names, columns):
@@ -300,39 +322,58 @@ def _bucket_cudf(columns: list[Any], names: list[str], num_buckets: int) -> Any:
         elif column.dtype.kind not in "OSU" and str(column.dtype) not in ("str", "string"):
             raise BadInputError(f"column {name!r}: hashing expects strings or integers, found {column.dtype}")
         missing |= column.isna().values
-        h = column.hash_values(method="murmur3", seed=0).astype("uint32").values - offset
+        h = cudf_murmur3(column)
         row = row ^ (h + cupy.uint32(GOLDEN) + (row << cupy.uint32(6)) + (row >> cupy.uint32(2)))
     codes = (row % cupy.uint32(num_buckets)).astype(cupy.int64) + 1
     return cudf.Series(cupy.where(missing, NULL_INDEX, codes).astype(cupy.int32), index=columns[0].index)
 
 
-_OFFSET: list[int] = []
+_FOLDS: list[bool] = []
 
 
-def cudf_single_column_offset() -> int:
-    """What libcudf adds to plain MurmurHash3 when it hashes a one-column table with seed 0.
+def cudf_murmur3(series: Any, seed: int = 0) -> Any:
+    """MurmurHash3_x86_32 with ``seed`` of each value of a cuDF Series (strings, or int64 as 8 little-endian bytes), as
+    a CuPy uint32 array: libcudf's ``hash_values``, with its fold of the one column into a row hash undone where the
+    installed libcudf folds it (:func:`cudf_folds_one_column`)."""
+    import cupy
+
+    got = series.hash_values(method="murmur3", seed=seed).astype("uint32").values
+    if not cudf_folds_one_column():
+        return got
+    start = np.uint32(seed)  # hash_combine(seed, h) = seed ^ (h + GOLDEN + (seed << 6) + (seed >> 2))
+    return (got ^ cupy.uint32(start)) - cupy.uint32(_combine_offset(start))
+
+
+def _combine_offset(seed: np.uint32) -> np.uint32:
+    with np.errstate(over="ignore"):
+        return GOLDEN + (seed << np.uint32(6)) + (seed >> np.uint32(2))
+
+
+def cudf_folds_one_column() -> bool:
+    """Whether the installed libcudf folds a one-column table's hash into a row hash starting from the seed.
 
     libcudf's row hasher (``cudf/detail/row_operator/hashing.cuh``, ``device_row_hasher``) folds
-    ``hash_combine(seed, murmur3(column))`` for the first column too, so one column gives
-    ``murmur3 + 0x9E3779B9 (mod 2**32)``; the JIT kernel of newer libcudf
-    (``cpp/src/hash/jit_lto_kernels/murmurhash_entry_kernel.cu.in``) starts from the first
-    column's own hash, so one column gives plain ``murmur3``. This probes the installed cuDF once
-    per process against the numpy reference (integers and strings) and returns 0 or 0x9E3779B9;
-    anything else is an error rather than silently different buckets.
+    ``hash_combine(seed, murmur3(column, seed))`` for the first column too; the JIT kernel of newer libcudf
+    (``cpp/src/hash/jit_lto_kernels/murmurhash_entry_kernel.cu.in``) starts from the first column's own hash, so
+    one column gives plain murmur3. This probes the installed cuDF once per process against the numpy reference
+    (integers and strings, seeds 0 and 1); anything else is an error rather than silently different hashes.
     """
-    if _OFFSET:
-        return _OFFSET[0]
+    if _FOLDS:
+        return _FOLDS[0]
     import cudf
 
     ints = np.array([0, 1, -1, 10, 120, 2**40 + 7], dtype=np.int64)
     texts = ["", "a", "ab", "abc", "abcd", "abcde", "\u00e9t\u00e9"]
-    got_ints = cudf.Series(ints).hash_values(method="murmur3", seed=0).to_numpy().astype(np.uint32)
-    got_texts = cudf.Series(texts).hash_values(method="murmur3", seed=0).to_numpy().astype(np.uint32)
-    want = np.concatenate([murmur3_int64(ints), murmur3_strings(pa.array(texts, pa.string()))])
-    got = np.concatenate([got_ints, got_texts])
-    with np.errstate(over="ignore"):
-        for offset in (0, int(GOLDEN)):
-            if np.array_equal(got, want + np.uint32(offset)):
-                _OFFSET.append(offset)
-                return offset
-    raise RuntimeError(f"cuDF's murmur3 differs from MurmurHash3_x86_32: got {got.tolist()}, reference {want.tolist()}")
+    plain, folded, got = [], [], []
+    for seed in (0, 1):
+        want = np.concatenate([murmur3_int64(ints, seed), murmur3_strings(pa.array(texts, pa.string()), seed)])
+        plain.append(want)
+        folded.append(hash_combine(np.full(want.size, seed, dtype=np.uint32), want))
+        got.append(np.concatenate([cudf.Series(values).hash_values(method="murmur3", seed=seed).to_numpy()
+                                   for values in (ints, texts)]).astype(np.uint32))
+    for folds, want in ((False, plain), (True, folded)):
+        if all(np.array_equal(g, w) for g, w in zip(got, want)):
+            _FOLDS.append(folds)
+            return folds
+    raise RuntimeError(f"cuDF's murmur3 differs from MurmurHash3_x86_32: got {[g.tolist() for g in got]}, reference "
+                       f"{[w.tolist() for w in plain]}")
