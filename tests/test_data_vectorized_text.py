@@ -239,3 +239,31 @@ def test_the_reader_setting_is_checked():
         load_config(None, ["data.source=criteo", "data.path=day.tsv", "data.reader=gpu"])
     with pytest.raises(ConfigError, match="data.reader=vectorized parses Criteo TSV only"):
         load_config(None, ["data.source=table", "data.path=rows.csv", "data.reader=vectorized"])
+
+
+@pytest.mark.parametrize("works", [True, False])
+def test_auto_parses_on_the_gpu_where_cupy_works_there_and_with_arrow_where_it_does_not(monkeypatch, capsys, works):
+    import importlib.machinery
+    import sys
+    import types
+
+    from pipeline.stages import data as data_stage
+
+    cupy = types.ModuleType("cupy")
+    cupy.__spec__ = importlib.machinery.ModuleSpec("cupy", None)
+
+    def arange(n):
+        if not works:
+            raise RuntimeError("cudaErrorInsufficientDriver: CUDA driver version is insufficient for CUDA runtime")
+        return types.SimpleNamespace(sum=lambda: types.SimpleNamespace(get=lambda: n * (n - 1) // 2))
+
+    cupy.arange = arange
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setattr(data_stage, "resolve_device", lambda device: types.SimpleNamespace(is_cuda=device != "cpu"))
+    cfg = load_config(None, ["data.source=criteo", "data.path=day.tsv", "device=cuda"])
+    assert cfg.data.reader == "auto"
+    assert data_stage.criteo_array_module(cfg) == ("cupy" if works else None)
+    out = capsys.readouterr().out
+    assert ("parsed with cupy" in out) if works else ("CuPy does not work here (RuntimeError: cudaErrorInsufficient" in out)
+    assert data_stage.criteo_array_module(load_config(None, ["data.source=criteo", "data.path=day.tsv",
+                                                             "device=cpu"])) is None

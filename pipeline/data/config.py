@@ -39,10 +39,11 @@ class DataConfig:
     on_bad_lines: str = field(
         default="error", metadata={"help": "error | skip: what a malformed input row does (skipped rows are counted)"}
     )
-    reader: str = field(default="arrow", metadata={
+    reader: str = field(default="auto", metadata={
         "help": "criteo: auto | arrow | vectorized: how the TSV text is parsed and checked. arrow: pyarrow.csv; "
                 "vectorized: array operations, through CuPy on the GPU when the device is cuda, else numpy; both "
-                "give the same rows and report. auto: vectorized on a usable GPU with CuPy installed, else arrow"})
+                "give the same rows and report. auto: vectorized on the GPU when the device is cuda and CuPy works "
+                "there, else arrow"})
     label: str = field(default="label", metadata={"help": "table: the 0/1 label column"})
     continuous: list[str] = field(default_factory=list, metadata={"help": "table: numeric feature columns"})
     categorical: list[str] = field(default_factory=list, metadata={"help": "table: categorical feature columns"})

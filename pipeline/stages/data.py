@@ -73,7 +73,8 @@ def raw_params(cfg: PipelineConfig) -> dict:
 
 def criteo_array_module(cfg: PipelineConfig) -> str | None:
     """What parses Criteo text as ``data.reader`` asks: ``"cupy"`` or ``"numpy"`` (vectorized), or None
-    (``pyarrow.csv``). ``auto`` takes the GPU where CuPy is installed and the device is cuda."""
+    (``pyarrow.csv``). ``auto`` takes the GPU where the device is cuda and CuPy works there (a CuPy that does
+    not is said in one line, and Arrow parses)."""
     d = cfg.data
     has_cupy = importlib.util.find_spec("cupy") is not None
     if d.source != "criteo" or d.reader == "arrow" or (d.reader == "auto" and not has_cupy):
@@ -83,9 +84,24 @@ def criteo_array_module(cfg: PipelineConfig) -> str | None:
         raise UserError("data.reader=vectorized on the GPU needs CuPy (pip install cupy-cuda13x); "
                         "or set device=cpu to parse with numpy")
     module = ("cupy" if cuda else "numpy") if d.reader == "vectorized" else ("cupy" if cuda else None)
+    if module == "cupy" and d.reader == "auto" and (problem := _cupy_problem()):
+        print(f"[data] CuPy does not work here ({problem}): Criteo text parsed with pyarrow (data.reader=auto)",
+              flush=True)
+        return None
     if module:
         print(f"[data] Criteo text parsed with {module} (data.reader={d.reader})", flush=True)
     return module
+
+
+def _cupy_problem() -> str | None:
+    """Why CuPy cannot run a kernel on the current GPU, or None when it can."""
+    try:
+        import cupy
+
+        cupy.arange(2).sum().get()
+    except Exception as err:  # noqa: BLE001 -- any failure of an installed CuPy means: parse with Arrow
+        return " ".join(f"{type(err).__name__}: {err}".split())[:200]
+    return None
 
 
 def _ensure(cfg: PipelineConfig) -> tuple[RawDataset, bool]:
