@@ -272,10 +272,9 @@ def host_array(xp: ModuleType, size: int) -> np.ndarray:
     do not each lock new memory."""
     if xp is np:
         return np.empty(size, dtype=np.uint8)
-    import cupyx
-
     unit = 1 << max(size.bit_length() - 4, 12)
-    return cupyx.empty_pinned(-(-size // unit) * unit, dtype=np.uint8)[:size]
+    rounded = -(-size // unit) * unit
+    return np.ndarray((rounded,), dtype=np.uint8, buffer=xp.cuda.alloc_pinned_memory(rounded))[:size]
 
 
 def _report(xp: ModuleType, block: bytes, first_line: int, report: FileReport, starts, ends, problem, kind) -> None:
