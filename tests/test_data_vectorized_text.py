@@ -267,3 +267,29 @@ def test_auto_parses_on_the_gpu_where_cupy_works_there_and_with_arrow_where_it_d
     assert ("parsed with cupy" in out) if works else ("CuPy does not work here (RuntimeError: cudaErrorInsufficient" in out)
     assert data_stage.criteo_array_module(load_config(None, ["data.source=criteo", "data.path=day.tsv",
                                                              "device=cpu"])) is None
+
+
+@pytest.mark.parametrize("lends", [True, False])
+def test_host_buffers_are_pinned_in_size_classes_and_pageable_where_no_pinned_memory_is_lent(lends):
+    import types
+
+    from pipeline.data.vectorized_text import host_array
+
+    class Refused(Exception):
+        pass
+
+    asked = []
+
+    def alloc_pinned_memory(size):
+        asked.append(size)
+        if not lends:
+            raise Refused("cudaErrorMemoryAllocation: out of memory")
+        return bytearray(size)
+
+    xp = types.SimpleNamespace(cuda=types.SimpleNamespace(alloc_pinned_memory=alloc_pinned_memory,
+                                                          runtime=types.SimpleNamespace(CUDARuntimeError=Refused)))
+    for size in (50_400_000, 52_000_000, 5000):  # the first two of one class
+        buffer = host_array(xp, size)
+        assert buffer.dtype == np.uint8 and buffer.shape == (size,)
+        buffer[-1] = 7
+    assert asked[0] == asked[1] and 52_000_000 <= asked[0] < 50_400_000 * 9 // 8 and asked[2] == 8192

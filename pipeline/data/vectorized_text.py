@@ -269,12 +269,17 @@ def host_array(xp: ModuleType, size: int) -> np.ndarray:
     """``size`` bytes of host memory for copies to and from ``xp``. For CuPy it is page-locked, which the GPU reads
     and writes without a copy through pageable memory, from CuPy's pool: a buffer freed is used again for a size
     of its class (sizes are rounded up to a sixteenth of their power of two), so blocks whose sizes differ a little
-    do not each lock new memory."""
+    do not each lock new memory. Where the system lends no more page-locked memory, it is pageable: slower copies,
+    the same bytes."""
     if xp is np:
         return np.empty(size, dtype=np.uint8)
     unit = 1 << max(size.bit_length() - 4, 12)
     rounded = -(-size // unit) * unit
-    return np.ndarray((rounded,), dtype=np.uint8, buffer=xp.cuda.alloc_pinned_memory(rounded))[:size]
+    try:
+        pinned = xp.cuda.alloc_pinned_memory(rounded)
+    except (MemoryError, xp.cuda.runtime.CUDARuntimeError):
+        return np.empty(size, dtype=np.uint8)
+    return np.ndarray((rounded,), dtype=np.uint8, buffer=pinned)[:size]
 
 
 def _report(xp: ModuleType, block: bytes, first_line: int, report: FileReport, starts, ends, problem, kind) -> None:
