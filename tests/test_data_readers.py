@@ -189,6 +189,15 @@ def test_line_blocks_give_every_line_once_whole_or_as_too_long(tmp_path, views, 
             assert got == line
 
 
+@pytest.mark.parametrize("content, lines", [(b"", []), (b"a", [b"a"]), (b"a\n", [b"a"]), (b"\xef\xbb", [b"\xef\xbb"]),
+                                            (b"\xef\xbb\xbf", []), (b"\xef\xbb\xbfa\n\n", [b"a", b""])])
+def test_line_blocks_of_files_shorter_than_a_byte_order_mark(tmp_path, content, lines):
+    path = tmp_path / "day.tsv"
+    path.write_bytes(content)
+    stale = lambda size: np.frombuffer(b"\xef\xbb\xbf" * (size // 3 + 1), np.uint8)[:size].copy()
+    assert _lines_of(_line_blocks(path, 1 << 20, stale)) == lines
+
+
 def test_line_blocks_of_a_file_with_carriage_return_line_ends(tmp_path):
     path = tmp_path / "day.tsv"
     path.write_bytes(b"a\tb\rc\r\rd" * 100_000)  # no \n in the first read: \r ends lines

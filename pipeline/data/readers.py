@@ -514,7 +514,7 @@ def _line_blocks(path: Path, block_bytes: int, allocate: Callable[[int], np.ndar
             room = rooms[now]
             got, error = reading.result()
             ended = error is not None or got < start_of_read + block_bytes
-            if first and bytes(room[:3]) == _BOM:
+            if first and got >= 3 and bytes(room[:3]) == _BOM:
                 room[: got - 3] = room[3:got]
                 got -= 3
             first = False
