@@ -293,3 +293,17 @@ def test_host_buffers_are_pinned_in_size_classes_and_pageable_where_no_pinned_me
         assert buffer.dtype == np.uint8 and buffer.shape == (size,)
         buffer[-1] = 7
     assert asked[0] == asked[1] and 52_000_000 <= asked[0] < 50_400_000 * 9 // 8 and asked[2] == 8192
+
+
+def test_reading_done_the_pools_of_gpu_and_pinned_memory_are_given_back():
+    import types
+
+    from pipeline.data.vectorized_text import release_memory
+
+    freed = []
+    pool = lambda name: types.SimpleNamespace(free_all_blocks=lambda: freed.append(name))
+    xp = types.SimpleNamespace(get_default_memory_pool=lambda: pool("device"),
+                               get_default_pinned_memory_pool=lambda: pool("pinned"))
+    release_memory(xp)
+    assert freed == ["device", "pinned"]
+    release_memory(np)  # numpy keeps no pool

@@ -279,6 +279,10 @@ def ingest(d: DataConfig, seed: int, root: Path, params: dict, progress: str | b
         results = [_ingest_file(*jobs[0], *args, progress=progress)]
     else:
         results = _ingest_in_parallel(jobs, args, progress)
+    if array_module:
+        from pipeline.data.vectorized_text import release_memory
+
+        release_memory(importlib.import_module(array_module))
     report = _combine(results, d)
     write_json(root / raw_folder.INGEST_REPORT, report)
     _print_report(report)

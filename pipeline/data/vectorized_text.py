@@ -282,6 +282,15 @@ def host_array(xp: ModuleType, size: int) -> np.ndarray:
     return np.ndarray((rounded,), dtype=np.uint8, buffer=pinned)[:size]
 
 
+def release_memory(xp: ModuleType) -> None:
+    """Give back what ``xp``'s pools kept of the parse's memory once reading is done: CuPy's pools keep freed GPU and
+    page-locked host memory for reuse, which the stages after this one (in the same process) would go without."""
+    if xp is np:
+        return
+    xp.get_default_memory_pool().free_all_blocks()
+    xp.get_default_pinned_memory_pool().free_all_blocks()
+
+
 def _report(xp: ModuleType, block: bytes, first_line: int, report: FileReport, starts, ends, problem, kind) -> None:
     """Count the block's malformed lines by kind and keep the first examples, in the Arrow path's order:
     by problem (for I1..I13: by column), then by line."""
