@@ -532,6 +532,30 @@ def test_etl_profile_times_each_step_of_one_partition(tmp_path):
     assert summary["notes"]["write (parquet, to memory)"].endswith("MB")
 
 
+def test_dense_profile_times_a_dense_part_and_counts_its_matrix_products(tmp_path):
+    """tools/dense_profile.py on the CPU: DCNv2 of the small preset (full-rank cross layers), its FLOPs a sample
+    those of its layers' matrix products (forward, and backward but for the dense input's own gradient)."""
+    import importlib.util
+
+    import torch
+
+    from pipeline.loader.synthetic import criteo_schema
+    from pipeline.modules.models import ModelSizes, build_model
+
+    spec = importlib.util.spec_from_file_location("dense_profile", Path(__file__).parent.parent / "tools/dense_profile.py")
+    profile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(profile)
+    result = profile.main(["--model", "dcnv2", "--preset", "small", "--batch", "256", "--device", "cpu", "--steps", "2",
+                           "--warmup", "1", "--compile", "off", "--profile", "1", "--json", str(tmp_path / "dense.json")])
+    assert json.loads((tmp_path / "dense.json").read_text())["step_ms"] == result["step_ms"] > 0
+    model = build_model("dcnv2", criteo_schema(size=0.001), ModelSizes.preset("small"), backend="torch")
+    layers = [(m.in_features, m.out_features) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(layers) == 2 + 3 + 3 and layers[2] == (layers[1][1] + 26 * 32,) * 2  # bottom, cross, top
+    forward = sum(2 * a * b for a, b in layers)
+    assert result["gemm_flops_per_sample"] == 3 * forward - 2 * layers[0][0] * layers[0][1]
+    assert result["kinds"]["matmul"]["ms_per_step"] > 0 and "aten::mm" in dict(result["kinds"]["matmul"]["largest"])
+
+
 def test_stream_busy_time_counts_overlapping_kernels_once():
     from pipeline.bench.train_profile import _union_us
 

@@ -19,6 +19,8 @@
 #   embedding  the embedding kernels' GPU tests (every update kernel), then bench embedding's sweep of the
 #              update kernels against the byte floor, uniform and Zipf ids
 #   train      bench train at the MLPerf shape, Zipf and uniform ids, row-wise Adagrad
+#   dense      tools/dense_profile.py: DLRM's and DCNv2's dense parts alone at the MLPerf shape, by kind of kernel, and
+#              DCNv2's with train.compile=max-autotune
 #   dynamic    bench train --dynamic, Zipf and uniform ids, 26 tables of DYNAMIC_ROWS (1,000,000) rows of capacity
 #   hostcache  the host-cached tables' GPU tests, then bench train --embedding-budget-mb: 26 x 2M rows under 8 GiB
 #   hostcache-large  the same at 26 x 5M rows (62 GiB of tables) under a quarter of them (a call of its own)
@@ -162,6 +164,13 @@ print(f'{len(sources)} sources in {time.time() - start:.0f} s')
         step "train-$ids" 150 "$PY" -m pipeline bench train "${mlperf[@]}" --rows 1000000 --ids "$ids" \
           --optimizer adagrad --steps 20 --rounds 3 --json "$W/train-$ids/result.json"
       done ;;
+    dense)
+      for model in dlrm dcnv2; do
+        step "dense-$model" 150 "$PY" tools/dense_profile.py --model "$model" --device cuda --batch 65536 --profile 5 \
+          --json "$W/dense-$model.json"
+      done
+      step dense-dcnv2-autotune 300 "$PY" tools/dense_profile.py --model dcnv2 --device cuda --batch 65536 \
+        --compile max-autotune --profile 5 --json "$W/dense-dcnv2-autotune.json" ;;
     dynamic)
       for ids in zipf uniform; do
         step "dynamic-$ids" 200 "$PY" -m pipeline bench train "${mlperf[@]}" --ids "$ids" --dynamic \
@@ -258,7 +267,7 @@ print(f'{len(sources)} sources in {time.time() - start:.0f} s')
       # shellcheck disable=SC2086
       step etl-bench 540 "$PY" -m pipeline bench etl --device cuda --rows "${ETL_BENCH_ROWS:-20000000}" --workers 0 \
         --repeats 2 --json "$W/bench-etl.json" --report "$W/etl-tasks.json" ${ETL_BENCH_ARGS:-} workdir=/tmp/etl-bench ;;
-    *) echo "unknown group $group (setup preflight warm kernels embedding train dynamic hostcache hostcache-large host-copies serve serve-parts serve-profile serve-latency loader loader-split e2e etl etl-bench criteo-scale)"; exit 2 ;;
+    *) echo "unknown group $group (setup preflight warm kernels embedding train dense dynamic hostcache hostcache-large host-copies serve serve-parts serve-profile serve-latency loader loader-split e2e etl etl-bench criteo-scale)"; exit 2 ;;
   esac
 done
 echo "== summary ($SECONDS s)"; cat "$summary"
