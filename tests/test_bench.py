@@ -542,11 +542,13 @@ def test_dense_profile_times_a_dense_part_and_counts_its_matrix_products(tmp_pat
     from pipeline.loader.synthetic import criteo_schema
     from pipeline.modules.models import ModelSizes, build_model
 
-    spec = importlib.util.spec_from_file_location("dense_profile", Path(__file__).parent.parent / "tools/dense_profile.py")
+    tool = Path(__file__).parent.parent / "tools/dense_profile.py"
+    spec = importlib.util.spec_from_file_location("dense_profile", tool)
     profile = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(profile)
-    result = profile.main(["--model", "dcnv2", "--preset", "small", "--batch", "256", "--device", "cpu", "--steps", "2",
-                           "--warmup", "1", "--compile", "off", "--profile", "1", "--json", str(tmp_path / "dense.json")])
+    result = profile.main(["--model", "dcnv2", "--preset", "small", "--batch", "256", "--device", "cpu",
+                           "--steps", "2", "--warmup", "1", "--compile", "off", "--profile", "1",
+                           "--json", str(tmp_path / "dense.json")])
     assert json.loads((tmp_path / "dense.json").read_text())["step_ms"] == result["step_ms"] > 0
     model = build_model("dcnv2", criteo_schema(size=0.001), ModelSizes.preset("small"), backend="torch")
     layers = [(m.in_features, m.out_features) for m in model.modules() if isinstance(m, torch.nn.Linear)]

@@ -421,7 +421,7 @@ def _read_text(path: Path, names: list[str] | None, kinds: dict[str, str], delim
     numbers, lines in the block) in place of ``pyarrow.csv`` and the checks; with ``allocate`` it is handed
     memoryviews of buffers ``allocate`` made (see :func:`_line_blocks`)."""
     line = 1  # the number of the next block's first line
-    blocks = _line_blocks(path, block_bytes(chunk_rows), allocate)
+    blocks = _line_blocks(path, max(1 << 20, chunk_rows * _BYTES_PER_ROW_GUESS), allocate)
     while True:
         try:
             block = next(blocks, None)
@@ -468,11 +468,6 @@ def _read_text(path: Path, names: list[str] | None, kinds: dict[str, str], delim
             yield table, lines
     if names is None and header:
         raise BadInputError(f"{path} is empty: expected a header line naming the columns, then rows")
-
-
-def block_bytes(chunk_rows: int) -> int:
-    """The bytes of text read at a time for blocks of about ``chunk_rows`` rows."""
-    return max(1 << 20, chunk_rows * _BYTES_PER_ROW_GUESS)
 
 
 def _quote_line(excerpt: _Excerpts, lines: np.ndarray, first_line: int, row: int) -> bytes:

@@ -196,9 +196,9 @@ def _integers(xp: ModuleType, data, starts, ends):
 
 
 def _table(xp: ModuleType, data, values, field_starts, field_ends, lines) -> tuple[pa.Table, np.ndarray]:
-    """The kept rows as the Arrow path types them, and their line numbers. Every buffer of the table (values, validity bitmaps, string
-    offsets and bytes, line numbers) is made on ``xp`` and packed into one array, copied back at once; the
-    table's columns are views of that host copy."""
+    """The kept rows as the Arrow path types them, and their line numbers. Every buffer of the table (values,
+    validity bitmaps, string offsets and bytes, line numbers) is made on ``xp`` and packed into one array, copied
+    back at once; the table's columns are views of that host copy."""
     ints, texts = len(CRITEO_CONTINUOUS), len(CRITEO_CATEGORICAL)
     rows = field_starts.shape[0]
     positions, offsets = _segments(xp, field_starts[:, 1 + ints:].T.ravel(), field_ends[:, 1 + ints:].T.ravel())
