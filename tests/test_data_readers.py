@@ -545,3 +545,19 @@ def test_the_time_column_is_part_of_how_a_dataset_was_made(tmp_path, capsys):
     assert "made with other settings" in capsys.readouterr().out
     assert _rows_of(at_random, "test") != list(range(80, 100))
     assert "time_column" not in json.loads((at_random.root / "meta.json").read_text())
+
+
+@pytest.mark.parametrize("with_text_path", [False, True])
+def test_a_nan_word_is_missing_or_malformed_by_its_spelling_whatever_else_its_block_holds(tmp_path, with_text_path):
+    """Arrow's typed parse reads ``nan`` in any case; the checks take pandas' missing words only (nan, NaN, NAN)."""
+    rows = ["1,nan,a", "0,Nan,b", "1,NaN,c", "0,nAN,d", "1,2.5,e"] + (["0,oops,f"] if with_text_path else [])
+    path = tmp_path / "rows.csv"
+    path.write_text("clicked,price,user\n" + "\n".join(rows) + "\n")
+    cfg = _cfg(tmp_path, "data.source=table", f"data.path={path}", "data.label=clicked", "data.continuous=price",
+               "data.categorical=user", "data.on_bad_lines=skip")
+    raw = ensure_raw(cfg)
+    report = json.loads((raw.root / "ingest_report.json").read_text())
+    assert report["bad"] == {"not_a_number": 2 + with_text_path}
+    assert [e["line"] for e in report["examples"]] == [3, 5] + ([7] if with_text_path else [])
+    users = sorted(u for s in raw.splits.values() for p in s for u in pq.read_table(p).column("user").to_pylist())
+    assert users == ["a", "c", "e"]

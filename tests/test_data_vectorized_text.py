@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.data.readers import MAX_LINE_BYTES, FileReport, read_criteo
-from pipeline.data.vectorized_text import KINDS, parse_criteo_block
+from pipeline.data.vectorized_text import CRITEO, KINDS, parse_block
 from pipeline.stages.config import ConfigError, load_config
 from pipeline.stages.data import ensure_raw
 
@@ -56,8 +56,9 @@ def _assert_same(path, xp_name: str, chunk_rows: int = 64, stop: bool = False) -
 
 
 # Lines of every kind the readers know, malformed or not (the column: 0 is the label, 1..13 I1..I13)
-LABELS_KEPT = [b"0", b"1", b"1.0", b"0.", b"1.000"]
-LABELS_BAD = [b"2", b"", b"01", b"00", b"-0", b" 1", b"1 ", b"+1", b"0x1", b"\xef\xbb\xbf1", b"1e0", b"\xc3\xa9"]
+LABELS_KEPT = [b"0", b"1", b"1.0", b"0.", b"1.000", b"true", b"FALSE", b"True", b"fAlSe"]
+LABELS_BAD = [b"2", b"", b"01", b"00", b"-0", b" 1", b"1 ", b"+1", b"0x1", b"\xef\xbb\xbf1", b"1e0", b"\xc3\xa9", b"tru",
+              b"truee", b"yes", b"f", b"false "]
 INTS_KEPT = [b"", b"0", b"-0", b"007", b"9223372036854775807", b"-9223372036854775808", b"0" * 30 + b"5",
              b"-" + b"0" * 30 + b"9223372036854775808"]
 NOT_INTS = [b"abc", b"0x10", b"0X1f", b" 7", b"7 ", b"--5", b"-", b"+5", b"1.5", b"1e3", "\u0663".encode(), b"5-",
@@ -147,13 +148,13 @@ def test_block_cuts_do_not_change_what_the_vectorized_parse_finds(xp):
     lines = _hostile_lines()[:-3] + [_line(i) for i in range(200)]
     data = b"".join(line + b"\n" for line in lines)
     whole = FileReport("f")
-    table, kept, count = parse_criteo_block(array_module, data, 1, whole)
+    table, kept, count = parse_block(array_module, CRITEO, data, 1, whole)
     rng = random.Random(0)
     cuts = sorted({0, len(lines), *rng.sample(range(1, len(lines)), 25)})
     parts, pieces = FileReport("f"), []
     for start, end in itertools.pairwise(cuts):
         block = b"".join(line + b"\n" for line in lines[start:end])
-        pieces.append(parse_criteo_block(array_module, block, 1 + start, parts))
+        pieces.append(parse_block(array_module, CRITEO, block, 1 + start, parts))
     assert count == len(lines) == sum(c for _, _, c in pieces)
     assert pa.concat_tables([t for t, _, _ in pieces]).equals(table)
     np.testing.assert_array_equal(np.concatenate([k for _, k, _ in pieces]), kept)
@@ -166,7 +167,7 @@ def test_files_with_no_row(tmp_path, xp, data):
     report = _assert_same(_write(tmp_path / "day.tsv", data), xp)
     assert report.rows_kept == 0
     block = data if data.endswith(b"\n") or not data else data + b"\n"  # a block is whole lines
-    table, kept, count = parse_criteo_block(pytest.importorskip(xp), block, 1, FileReport("f"))
+    table, kept, count = parse_block(pytest.importorskip(xp), CRITEO, block, 1, FileReport("f"))
     assert (table.num_rows, kept.size, count) == (0, 0, block.count(b"\n"))
 
 
@@ -237,8 +238,10 @@ def test_the_data_stage_writes_the_same_raw_data_with_the_vectorized_reader(tmp_
 def test_the_reader_setting_is_checked():
     with pytest.raises(ConfigError, match="data.reader: expected auto, arrow or vectorized"):
         load_config(None, ["data.source=criteo", "data.path=day.tsv", "data.reader=gpu"])
-    with pytest.raises(ConfigError, match="data.reader=vectorized parses Criteo TSV only"):
-        load_config(None, ["data.source=table", "data.path=rows.csv", "data.reader=vectorized"])
+    with pytest.raises(ConfigError, match="data.reader=vectorized parses input text"):
+        load_config(None, ["data.source=synthetic", "data.reader=vectorized"])
+    assert load_config(None, ["data.source=table", "data.path=rows.csv", "data.continuous=x",
+                              "data.reader=vectorized"]).data.reader == "vectorized"
 
 
 @pytest.mark.parametrize("works", [True, False])
@@ -262,11 +265,11 @@ def test_auto_parses_on_the_gpu_where_cupy_works_there_and_with_arrow_where_it_d
     monkeypatch.setattr(data_stage, "resolve_device", lambda device: types.SimpleNamespace(is_cuda=device != "cpu"))
     cfg = load_config(None, ["data.source=criteo", "data.path=day.tsv", "device=cuda"])
     assert cfg.data.reader == "auto"
-    assert data_stage.criteo_array_module(cfg) == ("cupy" if works else None)
+    assert data_stage.text_array_module(cfg) == ("cupy" if works else None)
     out = capsys.readouterr().out
     broken = "CuPy does not work here (RuntimeError: cudaErrorInsufficient"
     assert ("parsed with cupy" in out) if works else (broken in out)
-    assert data_stage.criteo_array_module(load_config(None, ["data.source=criteo", "data.path=day.tsv",
+    assert data_stage.text_array_module(load_config(None, ["data.source=criteo", "data.path=day.tsv",
                                                              "device=cpu"])) is None
 
 

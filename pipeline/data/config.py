@@ -40,10 +40,10 @@ class DataConfig:
         default="error", metadata={"help": "error | skip: what a malformed input row does (skipped rows are counted)"}
     )
     reader: str = field(default="auto", metadata={
-        "help": "criteo: auto | arrow | vectorized: how the TSV text is parsed and checked. arrow: pyarrow.csv; "
-                "vectorized: array operations, through CuPy on the GPU when the device is cuda, else numpy; both "
-                "give the same rows and report. auto: vectorized on the GPU when the device is cuda and CuPy works "
-                "there, else arrow"})
+        "help": "criteo, table (CSV/TSV): auto | arrow | vectorized: how the text is parsed and checked. arrow: "
+                "pyarrow.csv; vectorized: array operations, through CuPy on the GPU when the device is cuda, else "
+                "numpy (a table's time column, and a CSV block holding quotes, go to arrow); both give the same rows "
+                "and report. auto: vectorized on the GPU when the device is cuda and CuPy works there, else arrow"})
     label: str = field(default="label", metadata={"help": "table: the 0/1 label column"})
     continuous: list[str] = field(default_factory=list, metadata={"help": "table: numeric feature columns"})
     categorical: list[str] = field(default_factory=list, metadata={"help": "table: categorical feature columns"})
@@ -67,9 +67,9 @@ class DataConfig:
             raise ValueError(f"data.on_bad_lines: expected error or skip, got {self.on_bad_lines!r}")
         if self.reader not in ("auto", "arrow", "vectorized"):
             raise ValueError(f"data.reader: expected auto, arrow or vectorized, got {self.reader!r}")
-        if self.reader == "vectorized" and self.source != "criteo":
-            raise ValueError(f"data.reader=vectorized parses Criteo TSV only, not data.source={self.source}: "
-                             "set data.reader=auto or arrow")
+        if self.reader == "vectorized" and self.source == "synthetic":
+            raise ValueError("data.reader=vectorized parses input text (data.source=criteo or table), and "
+                             "data.source=synthetic reads none: set data.reader=auto")
         if self.source != "synthetic" and not self.path:
             raise ValueError(f"data.path is required for data.source={self.source}")
         if self.time_column and self.source != "table":

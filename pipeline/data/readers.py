@@ -70,7 +70,7 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
-from pipeline.data import raw_folder
+from pipeline.data import raw_folder, vectorized_text
 from pipeline.data.config import DataConfig
 from pipeline.data.text_format import (
     CRITEO_CATEGORICAL,
@@ -179,28 +179,23 @@ def read_criteo(path: str | Path, chunk_rows: int, report: FileReport, stop_on_b
     ``pyarrow.csv``: the same tables, line numbers and report.
     """
     roles = criteo_roles()
-    kinds = _kinds(roles, integer_continuous=True)
-    parse = allocate = None
-    if xp is not None:
-        from pipeline.data.vectorized_text import host_array, parse_criteo_block
-
-        parse = functools.partial(parse_criteo_block, xp)
-        allocate = functools.partial(host_array, xp)
-    yield from _read_text(Path(path), roles.columns, kinds, "\t", False, False, chunk_rows, report, stop_on_bad, "|",
-                          parse=parse, allocate=allocate)
+    yield from _read_text(Path(path), roles.columns, _kinds(roles, integer_continuous=True), "\t", False, False,
+                          chunk_rows, report, stop_on_bad, "|", xp=xp)
 
 
 def read_table(path: str | Path, roles: Roles, chunk_rows: int, report: FileReport, stop_on_bad: bool = False,
-               list_separator: str = "|") -> Iterator[tuple[pa.Table, np.ndarray]]:
+               list_separator: str = "|", xp: ModuleType | None = None) -> Iterator[tuple[pa.Table, np.ndarray]]:
     """Valid rows of a CSV / TSV / parquet table as typed tables, with their line (or row) numbers.
 
     Text: the first line names the columns; continuous columns become float64. Parquet: integer
     columns stay int64, floating ones float64; integer categorical columns become strings.
     With a time column in ``roles``, each table also has the rows' time keys (int64) as column
     :data:`~pipeline.data.time_split.TIME_KEY`, and a row without a usable time is malformed.
+    With an array module ``xp``, text is parsed as :func:`read_criteo` parses it (not with a time column, nor a
+    block of a CSV that holds a quote: those go to ``pyarrow.csv``).
     """
     yield from _read_table(Path(path), roles, _kinds(roles, integer_continuous=False), chunk_rows, report,
-                           stop_on_bad, list_separator)
+                           stop_on_bad, list_separator, xp)
 
 
 def read_times(path: str | Path, roles: Roles, chunk_rows: int, list_separator: str = "|"
@@ -219,13 +214,14 @@ def read_times(path: str | Path, roles: Roles, chunk_rows: int, list_separator: 
 
 
 def _read_table(path: Path, roles: Roles, kinds: dict[str, str], chunk_rows: int, report: FileReport,
-                stop_on_bad: bool, list_separator: str) -> Iterator[tuple[pa.Table, np.ndarray]]:
+                stop_on_bad: bool, list_separator: str, xp: ModuleType | None = None
+                ) -> Iterator[tuple[pa.Table, np.ndarray]]:
     fmt = _table_format(path)
     if fmt == "parquet":
         yield from _read_parquet(path, roles, kinds, chunk_rows, report, stop_on_bad, list_separator)
     else:
         yield from _read_text(path, None, kinds, _TEXT_SUFFIXES[fmt], True, True, chunk_rows, report, stop_on_bad,
-                              list_separator, roles)
+                              list_separator, roles, xp)
 
 
 # ----------------------------------------------------------------------------------------- ingest
@@ -261,9 +257,10 @@ def ingest(d: DataConfig, seed: int, root: Path, params: dict, progress: str | b
            array_module: str | None = None) -> dict:
     """Read every input file into ``root`` (the raw layout); write ``ingest_report.json`` and ``meta.json``.
 
-    ``array_module`` (``"numpy"`` or ``"cupy"``) parses Criteo text with array operations
-    (:func:`read_criteo`'s ``xp``); None: with ``pyarrow.csv``. Returns the report. Raises :class:`BadInputError` on malformed rows when ``on_bad_lines=error``
-    (after saving the report), and on missing, empty or mismatched inputs.
+    ``array_module`` (``"numpy"`` or ``"cupy"``) parses text with array operations (:func:`read_criteo`'s and
+    :func:`read_table`'s ``xp``); None: with ``pyarrow.csv``. Returns the report. Raises :class:`BadInputError`
+    on malformed rows when ``on_bad_lines=error`` (after saving the report), and on missing, empty or mismatched
+    inputs.
     """
     files = input_files(d)
     roles = criteo_roles() if d.source == "criteo" else table_roles(d)
@@ -280,9 +277,7 @@ def ingest(d: DataConfig, seed: int, root: Path, params: dict, progress: str | b
     else:
         results = _ingest_in_parallel(jobs, args, progress)
     if array_module:
-        from pipeline.data.vectorized_text import release_memory
-
-        release_memory(importlib.import_module(array_module))
+        vectorized_text.release_memory(importlib.import_module(array_module))
     report = _combine(results, d)
     write_json(root / raw_folder.INGEST_REPORT, report)
     _print_report(report)
@@ -354,11 +349,11 @@ def _ingest_file(index: int, path: Path, pinned: str | None, d: DataConfig, role
     report = FileReport(str(path))
     writers = {s: raw_folder.PartWriter(root / s, d.chunk_rows, prefix=f"f{index:05d}") for s in raw_folder.SPLITS}
     stop = d.on_bad_lines == "error"
+    xp = importlib.import_module(array_module) if array_module else None
     if d.source == "criteo":
-        xp = importlib.import_module(array_module) if array_module else None
         blocks = read_criteo(path, d.chunk_rows, report, stop, xp)
     else:
-        blocks = read_table(path, roles, d.chunk_rows, report, stop, d.list_separator)
+        blocks = read_table(path, roles, d.chunk_rows, report, stop, d.list_separator, xp)
     with Progress(path.name, unit="row", mode=progress, scaled=True) as bar:
         try:
             for table, lines in blocks:
@@ -415,11 +410,11 @@ def split_codes(lines: np.ndarray, file_index: int, seed: int, valid_fraction: f
 
 def _read_text(path: Path, names: list[str] | None, kinds: dict[str, str], delimiter: str, quoting: bool,
                header: bool, chunk_rows: int, report: FileReport, stop_on_bad: bool, separator: str,
-               roles: Roles | None = None, parse=None, allocate: Callable[[int], np.ndarray] | None = None
-               ) -> Iterator[tuple[pa.Table, np.ndarray]]:
-    """``parse(block, first_line, report)``, when given, turns a block of lines into (table, line
-    numbers, lines in the block) in place of ``pyarrow.csv`` and the checks; with ``allocate`` it is handed
-    memoryviews of buffers ``allocate`` made (see :func:`_line_blocks`)."""
+               roles: Roles | None = None, xp: ModuleType | None = None) -> Iterator[tuple[pa.Table, np.ndarray]]:
+    """With an array module ``xp`` a block is parsed by :func:`~pipeline.data.vectorized_text.parse_block` where
+    it can be (the rest by ``pyarrow.csv`` and the checks), read into ``xp``'s host buffers (pinned for CuPy)."""
+    layout = None
+    allocate = functools.partial(vectorized_text.host_array, xp) if xp is not None else None
     line = 1  # the number of the next block's first line
     blocks = _line_blocks(path, max(1 << 20, chunk_rows * _BYTES_PER_ROW_GUESS), allocate)
     while True:
@@ -441,23 +436,28 @@ def _read_text(path: Path, names: list[str] | None, kinds: dict[str, str], delim
             line += 1
             continue
         if names is None:
-            header_line, _, block = block.partition(b"\n")
+            end = _NL.search(block).start()  # type: ignore[union-attr]  # a block ends in a newline
+            header_line, block = bytes(block[:end]), block[end + 1:]
             if len(header_line.rstrip(b"\r")) > MAX_LINE_BYTES:
                 raise BadInputError(f"{path}: the header line is longer than {MAX_LINE_BYTES} bytes; expected a "
                                     "line naming the columns")
             names = _header(header_line, delimiter, path)
             roles.check_against(names, str(path))  # type: ignore[union-attr]
             line += 1
-            if not block:
+            if not len(block):
                 continue
-        if parse is None:
+        if xp is not None and layout is None:
+            layout = vectorized_text.text_layout(names, kinds, delimiter, quoting, separator) or False
+        parsed = vectorized_text.parse_block(xp, layout, block, line, report) if layout else None
+        if parsed is None:
+            block = bytes(block)
             table, lines, excerpt = _parse_block(block, line, names, kinds, delimiter, quoting, report)
             count = len(excerpt.starts)
             quote = functools.partial(_quote_line, excerpt, lines, line)
             table, lines = _check_and_convert(table, lines, kinds, separator, report, quote,
                                               roles.time if roles else "")
         else:
-            table, lines, count = parse(block, line, report)
+            table, lines, count = parsed
         report.rows_read += count
         line += count
         if stop_on_bad and report.bad_rows:
@@ -726,7 +726,8 @@ def _parse_typed_or_text(data: bytes, names: list[str], kinds: dict[str, str], d
     back as (line number within ``data``, expected fields, found fields).
 
     Arrow's numbers also take what the checks refuse (hex integers, spaces around a number), so a
-    block holding such bytes goes to the text path at once: a value is kept or refused on its own,
+    block holding such bytes goes to the text path at once, and so does a block where Arrow read a NaN (it reads
+    ``nan`` in any case; the missing words are a list): a value is kept or refused on its own,
     whatever else its block holds. Labels are always checked as text (Arrow reads ``00`` as 0)."""
     text = {n: pa.string() for n in kinds}
     typed = text if _may_hold_numbers_only_arrow_takes(data, kinds, delimiter) else {
@@ -735,6 +736,8 @@ def _parse_typed_or_text(data: bytes, names: list[str], kinds: dict[str, str], d
         text = all(t == pa.string() for t in types.values())
         try:
             table, rejected = _parse_csv(data, names, types, delimiter, quoting, threads=True, text=text)
+            if not text and any(pc.any(pc.is_nan(table.column(n))).as_py() for n, k in kinds.items() if k == "float"):
+                continue
             if rejected:
                 # Threaded parsing does not know line numbers: a block with bad rows is parsed again to get them.
                 table, rejected = _parse_csv(data, names, types, delimiter, quoting, threads=False, text=text)

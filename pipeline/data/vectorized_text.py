@@ -1,17 +1,20 @@
-"""Criteo TSV parsed with array operations only, on numpy (CPU) or CuPy (GPU).
+"""Text tables parsed with array operations only, on numpy (CPU) or CuPy (GPU).
 
-:func:`parse_criteo_block` takes a block of whole lines (what ``readers._line_blocks`` cuts a plain
-or compressed file into) and an array module ``xp``, and gives what the Arrow path of
-:func:`pipeline.data.readers.read_criteo` gives for it: the same table (label int8, I1..I13 int64,
-C1..C26 string, empty = null), the same line numbers and the same report. The block goes to ``xp``
-once as bytes; line ends, tabs, UTF-8, labels and integers are then checked for every line at once,
-with no Python loop over lines or fields, so the same code runs on the GPU with ``xp=cupy``.
+:func:`parse_block` takes a block of whole lines (what ``readers._line_blocks`` cuts a plain or compressed file
+into), what the lines hold (a :class:`TextLayout`: Criteo's, :data:`CRITEO`, or a table's from its header line,
+:func:`text_layout`) and an array module ``xp``, and gives what the Arrow path of
+:mod:`pipeline.data.readers` gives for it: the same table (Criteo: label int8, I1..I13 int64, C1..C26 string; a
+table: label int8, numbers float64, categories string, lists of strings; empty = null), the same line numbers and the
+same report. The block goes to ``xp`` once as bytes; line ends, delimiters, UTF-8 and the values
+(:mod:`pipeline.data.vectorized_values`) are then checked for every line at once, with no Python loop over lines or
+fields, so the same code runs on the GPU with ``xp=cupy``. A block of a quoted format (CSV) that holds a quote
+character is not parsed here (None): quoting is the Arrow path's.
 
 A malformed line has the first problem the Arrow path finds, in its order: an empty line, a line
-over ``MAX_LINE_BYTES``, a ``\\r`` inside the line, broken UTF-8, the wrong number of fields, a bad
-label, then the first of I1..I13 that is not an integer or is outside the int64 range. The counts
-by kind are array reductions; the examples (at most ``EXAMPLES`` a file, in the Arrow path's order)
-are written on the host from the readers' own reason functions, from the few lines they quote.
+over ``MAX_LINE_BYTES``, a ``\\r`` inside the line, broken UTF-8, the wrong number of fields, then the first of
+the checked columns (label, numbers, in the output's order) whose value does not fit. The counts by kind are array
+reductions; the examples (at most ``EXAMPLES`` a file, in the Arrow path's order) are written on the host from the
+readers' own reason functions, from the few lines they quote.
 Only the output leaves ``xp``: every buffer of the table (typed columns, validity bitmaps, string
 offsets and bytes) is made there, packed into one array and copied back at once (into pinned memory
 for CuPy, as the block came), and the pyarrow table is views of that copy, as the Arrow path's.
@@ -26,11 +29,13 @@ Example::
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from types import ModuleType
 
 import numpy as np
 import pyarrow as pa
 
+from pipeline.data import vectorized_values as values
 from pipeline.data.text_format import (
     CRITEO_CATEGORICAL,
     CRITEO_CONTINUOUS,
@@ -44,27 +49,65 @@ from pipeline.data.text_format import (
     value_problem,
 )
 
-FIELDS = 1 + len(CRITEO_CONTINUOUS) + len(CRITEO_CATEGORICAL)
-NAMES = ["label", *CRITEO_CONTINUOUS, *CRITEO_CATEGORICAL]
 KINDS = ["wrong_field_count", "line_too_long", "carriage_return", "invalid_utf8", "bad_label", "not_a_number",
          "out_of_range"]
 # A malformed line's first problem, numbered in the order the Arrow path looks (0: none). The problem
-# LABEL + k is column I<k>; the kind of each problem is KINDS[PROBLEM_KINDS[problem]] (an integer
-# column's problem is not_a_number, or out_of_range for digits outside the int64 range).
-EMPTY, LONG, CARRIAGE, UTF8, FIELD_COUNT, LABEL = 1, 2, 3, 4, 5, 6
-PROBLEM_KINDS = [-1] + [KINDS.index(kind) for kind in (
-    "wrong_field_count", "line_too_long", "carriage_return", "invalid_utf8", "wrong_field_count", "bad_label",
-    *["not_a_number"] * len(CRITEO_CONTINUOUS))]
-NL, CR, TAB, MINUS, ZERO, DOT = 10, 13, 9, 45, 48, 46
-INT64_DIGITS = 19
+# VALUE + k is the layout's k-th checked column (TextLayout.checked).
+EMPTY, LONG, CARRIAGE, UTF8, FIELD_COUNT, VALUE = 1, 2, 3, 4, 5, 6
+NL, CR, QUOTE = 10, 13, 34
+CHECKED = ("label", "int", "float")
 _LONE_CR = re.compile(rb"\r(?!\n)")
 
 
-def parse_criteo_block(xp: ModuleType, block: bytes | memoryview, first_line: int, report: FileReport
-                       ) -> tuple[pa.Table, np.ndarray, int]:
+@dataclass(frozen=True)
+class TextLayout:
+    """What the lines of a text file hold: every field of a line in order, the columns given back with their kinds
+    (``label``, ``int``, ``float``, ``string``, ``list``) in the output's order, the delimiter, whether values may
+    be quoted, and the byte that separates a list's items."""
+
+    fields: tuple[str, ...]
+    kinds: tuple[tuple[str, str], ...]
+    delimiter: int
+    quoting: bool = False
+    separator: int = ord("|")
+
+    @property
+    def checked(self) -> list[tuple[str, str]]:
+        """The columns whose values can make a row malformed, in the order the Arrow path checks them."""
+        return [(name, kind) for name, kind in self.kinds if kind in CHECKED]
+
+    def problem_kinds(self) -> list[int]:
+        """The kind (an index of :data:`KINDS`) of each problem number."""
+        return [-1] + [KINDS.index(kind) for kind in (
+            "wrong_field_count", "line_too_long", "carriage_return", "invalid_utf8", "wrong_field_count",
+            *("bad_label" if kind == "label" else "not_a_number" for _, kind in self.checked))]
+
+
+def text_layout(fields: list[str], kinds: dict[str, str], delimiter: str, quoting: bool = False, separator: str = "|"
+                ) -> TextLayout | None:
+    """The layout of a file's lines, from its ``fields`` (a table's header) and the ``kinds`` of the columns given
+    back; None where the Arrow path is the one to read it (a time column, a list separator of more than one byte)."""
+    if "time" in kinds.values() or ("list" in kinds.values() and len(separator.encode()) != 1):
+        return None
+    return TextLayout(tuple(fields), tuple(kinds.items()), ord(delimiter), quoting, separator.encode()[0])
+
+
+CRITEO = text_layout(["label", *CRITEO_CONTINUOUS, *CRITEO_CATEGORICAL],
+                     {"label": "label", **dict.fromkeys(CRITEO_CONTINUOUS, "int"),
+                      **dict.fromkeys(CRITEO_CATEGORICAL, "string")}, "\t")
+"""Criteo TSV's layout: what :func:`pipeline.data.readers.read_criteo` parses."""
+
+
+def parse_block(xp: ModuleType, layout: TextLayout, block: bytes | memoryview, first_line: int, report: FileReport
+                ) -> tuple[pa.Table, np.ndarray, int] | None:
     """The valid lines of ``block`` as a table, their line numbers, and the number of lines in the
-    block; the malformed ones go to ``report``. ``block`` holds whole lines, each ending in ``\\n``."""
-    data = xp.asarray(np.frombuffer(block, dtype=np.uint8))
+    block; the malformed ones go to ``report``. ``block`` holds whole lines, each ending in ``\\n``.
+    None (and nothing reported) for a block that holds a quote where values may be quoted."""
+    host = np.frombuffer(block, dtype=np.uint8)
+    data = xp.asarray(host)
+    if layout.quoting and bool((data == QUOTE).any()):
+        return None
+    fields = len(layout.fields)
     index = xp.int32 if len(block) < 2**31 else xp.int64  # positions in the block: half the memory traffic
     ends = xp.flatnonzero(data == NL).astype(index)
     starts = xp.concatenate([xp.zeros(1, ends.dtype), ends + 1])[:-1]
@@ -83,33 +126,58 @@ def parse_criteo_block(xp: ModuleType, block: bytes | memoryview, first_line: in
     returns = xp.flatnonzero(data == CR)
     mark(xp.searchsorted(ends, returns[data[returns + 1] != NL]), CARRIAGE)  # the block ends in \n, not \r
     mark(_lines_not_utf8(xp, data, ends), UTF8)
-    tabs = xp.flatnonzero(data == TAB).astype(index)
-    tabs_before_end = xp.searchsorted(tabs, ends)
-    tab_counts = tabs_before_end - xp.concatenate([xp.zeros(1, tabs_before_end.dtype), tabs_before_end[:-1]])
-    mark(tab_counts != FIELDS - 1, FIELD_COUNT)
+    cuts = xp.flatnonzero(data == layout.delimiter).astype(index)
+    cuts_before_end = xp.searchsorted(cuts, ends)
+    cut_counts = cuts_before_end - xp.concatenate([xp.zeros(1, cuts_before_end.dtype), cuts_before_end[:-1]])
+    mark(cut_counts != fields - 1, FIELD_COUNT)
 
     rows = xp.flatnonzero(problem == 0)
-    at_tab = tabs[(tabs_before_end[rows] - (FIELDS - 1))[:, None] + xp.arange(FIELDS - 1)]
-    field_starts = xp.concatenate([starts[rows][:, None], at_tab + 1], axis=1)
-    field_ends = xp.concatenate([at_tab, stops[rows][:, None]], axis=1)
-    label_ok = _labels_ok(xp, data, field_starts[:, 0], field_ends[:, 0])
-    ints = len(CRITEO_CONTINUOUS)
-    values, written_ok, fits = _integers(xp, data, field_starts[:, 1:1 + ints].T.ravel(),
-                                         field_ends[:, 1:1 + ints].T.ravel())
-    values, written_ok, fits = (a.reshape(ints, rows.size) for a in (values, written_ok, fits))
-    int_bad = ~(written_ok & fits)
-    first_bad = xp.argmax(int_bad, axis=0)  # each row's first bad integer column
-    value_problem = xp.where(~label_ok, LABEL, xp.where(int_bad.any(axis=0), LABEL + 1 + first_bad, 0))
-    problem[rows] = value_problem.astype(xp.uint8)
-    kind = xp.asarray(PROBLEM_KINDS, dtype=xp.int32)[problem.astype(xp.int32)]
-    beyond = (value_problem > LABEL) & (written_ok & ~fits)[first_bad, xp.arange(rows.size)]
-    kind[rows[beyond]] = KINDS.index("out_of_range")
-    _report(xp, block, first_line, report, starts, ends, problem, kind)
+    at_cut = cuts[(cuts_before_end[rows] - (fields - 1))[:, None] + xp.arange(fields - 1)]
+    field_starts = xp.concatenate([starts[rows][:, None], at_cut + 1], axis=1)
+    field_ends = xp.concatenate([at_cut, stops[rows][:, None]], axis=1)
+    columns, fits, beyond = _values(xp, layout, data, host, field_starts, field_ends)
+    if fits:
+        bad = ~xp.stack(fits)
+        first_bad = xp.argmax(bad, axis=0)  # each row's first bad checked column
+        row_problem = xp.where(bad.any(axis=0), VALUE + first_bad, 0)
+        out_of_range = (row_problem > 0) & xp.stack(beyond)[first_bad, xp.arange(rows.size)]
+    else:
+        row_problem = out_of_range = xp.zeros(rows.size, dtype=bool)
+    problem[rows] = row_problem.astype(xp.uint8)
+    kind = xp.asarray(layout.problem_kinds(), dtype=xp.int32)[problem.astype(xp.int32)]
+    kind[rows[out_of_range]] = KINDS.index("out_of_range")
+    _report(xp, layout, block, first_line, report, starts, ends, problem, kind)
 
-    good = xp.flatnonzero(value_problem == 0)
-    table, lines = _table(xp, data, values[:, good], field_starts[good], field_ends[good],
-                          rows[good].astype(xp.int64) + first_line)
+    good = xp.flatnonzero(row_problem == 0)
+    table, lines = _table(xp, layout, data, {name: tuple(a[good] for a in arrays) for name, arrays in columns.items()},
+                          field_starts[good], field_ends[good], rows[good].astype(xp.int64) + first_line)
     return table, lines, int(ends.size)
+
+
+def _values(xp: ModuleType, layout: TextLayout, data, host: np.ndarray, field_starts, field_ends):
+    """Each checked column's values read from the fields: ({name: (values, present)}, then per checked column in
+    order whether each row's value fits, and whether it is out of range). Columns of a kind are read together."""
+    columns, fits, beyond = {}, {}, {}
+    for kind in CHECKED:
+        names = [name for name, k in layout.kinds if k == kind]
+        if not names:
+            continue
+        at = [layout.fields.index(name) for name in names]
+        starts, ends = field_starts[:, at].T.ravel(), field_ends[:, at].T.ravel()
+        shape = (len(names), field_starts.shape[0])
+        if kind == "label":
+            value, ok = values.labels(xp, data, starts, ends)
+            read = (value, ok, ok, xp.zeros(ok.size, bool))
+        elif kind == "int":
+            value, written, in_range = values.integers(xp, data, starts, ends)
+            read = (value, ends > starts, written & in_range, written & ~in_range)
+        else:
+            read = values.numbers(xp, data, host, starts, ends)
+        value, present, ok, out = (a.reshape(shape) for a in read)
+        for j, name in enumerate(names):
+            columns[name], fits[name], beyond[name] = (value[j], present[j]), ok[j], out[j]
+    order = [name for name, _ in layout.checked]
+    return columns, [fits[n] for n in order], [beyond[n] for n in order]
 
 
 def _lines_not_utf8(xp: ModuleType, data, ends):
@@ -132,104 +200,67 @@ def _lines_not_utf8(xp: ModuleType, data, ends):
     return xp.searchsorted(ends, high[bad])
 
 
-def _segments(xp: ModuleType, starts, ends):
-    """The position of every byte of the segments ``[starts, ends)`` laid end to end, and where each
-    segment's bytes begin there (``offsets``, one more than the segments)."""
-    lengths = ends - starts
-    offsets = xp.concatenate([xp.zeros(1, lengths.dtype), xp.cumsum(lengths, dtype=lengths.dtype)])
-    positions = xp.ones(int(offsets[-1]), dtype=lengths.dtype)
-    filled = xp.flatnonzero(lengths > 0)
-    if filled.size:  # each segment's first byte jumps there from the last byte of the segment before
-        before = xp.concatenate([xp.full(1, -1, lengths.dtype), ends[filled[:-1]] - 1])
-        positions[offsets[filled]] = starts[filled] - before
-        xp.cumsum(positions, out=positions)
-        positions -= 1
-    return positions, offsets
-
-
-def _segment_of(xp: ModuleType, offsets):
-    """The segment of each byte laid out by :func:`_segments`."""
-    filled = xp.flatnonzero(offsets[1:] > offsets[:-1])
-    first = xp.zeros(int(offsets[-1]), dtype=offsets.dtype)
-    if filled.size:
-        first[offsets[filled]] = 1
-        xp.cumsum(first, out=first)
-        first -= 1
-    return filled[first]
-
-
-def _sums(xp: ModuleType, values, offsets):
-    """The sum of ``values`` over each segment (modulo 2**64 for uint64)."""
-    total = xp.concatenate([xp.zeros(1, values.dtype), xp.cumsum(values, dtype=values.dtype)])
-    return total[offsets[1:]] - total[offsets[:-1]]
-
-
-def _labels_ok(xp: ModuleType, data, starts, ends):
-    """Which labels are written ``[01](\\.0*)?``, as the readers' label pattern asks."""
-    positions, offsets = _segments(xp, starts, ends)
-    b = data[positions]
-    at = positions - starts[_segment_of(xp, offsets)]
-    wrong = xp.where(at == 0, (b != ZERO) & (b != ZERO + 1), xp.where(at == 1, b != DOT, b != ZERO))
-    return (ends > starts) & (_sums(xp, wrong.astype(xp.int32), offsets) == 0)
-
-
-def _integers(xp: ModuleType, data, starts, ends):
-    """Each field as an integer: (int64 value, written ``-?[0-9]+`` or empty, within the int64 range)."""
-    positions, offsets = _segments(xp, starts, ends)
-    segment = _segment_of(xp, offsets)
-    b = data[positions]
-    digit = (b >= ZERO) & (b <= ZERO + 9)
-    sign = (b == MINUS) & (positions == starts[segment])
-    power = ends[segment] - 1 - positions  # digits after this one
-    empty = ends == starts
-    written_ok = empty | ((_sums(xp, (~(digit | sign)).astype(xp.int32), offsets) == 0)
-                         & (_sums(xp, digit.astype(xp.int32), offsets) > 0))
-    huge = _sums(xp, (digit & (b != ZERO) & (power >= INT64_DIGITS)).astype(xp.int32), offsets) > 0
-    tens = xp.asarray([10**k for k in range(INT64_DIGITS)], dtype=xp.uint64)
-    terms = xp.where(digit & (power < INT64_DIGITS),
-                     (b - ZERO).astype(xp.uint64) * tens[xp.minimum(power, INT64_DIGITS - 1)], xp.uint64(0))
-    magnitude = _sums(xp, terms, offsets)  # at most 19 digits: below 2**64
-    negative = ~empty & (data[starts] == MINUS)
-    fits = ~huge & ((magnitude <= xp.uint64(2**63 - 1)) | (negative & (magnitude == xp.uint64(2**63))))
-    values = xp.where(negative, xp.uint64(0) - magnitude, magnitude).view(xp.int64)
-    return values, written_ok, fits
-
-
-def _table(xp: ModuleType, data, values, field_starts, field_ends, lines) -> tuple[pa.Table, np.ndarray]:
+def _table(xp: ModuleType, layout: TextLayout, data, columns: dict, field_starts, field_ends, lines
+           ) -> tuple[pa.Table, np.ndarray]:
     """The kept rows as the Arrow path types them, and their line numbers. Every buffer of the table (values,
     validity bitmaps, string offsets and bytes, line numbers) is made on ``xp`` and packed into one array, copied
     back at once; the table's columns are views of that host copy."""
-    ints, texts = len(CRITEO_CONTINUOUS), len(CRITEO_CATEGORICAL)
     rows = field_starts.shape[0]
-    positions, offsets = _segments(xp, field_starts[:, 1 + ints:].T.ravel(), field_ends[:, 1 + ints:].T.ravel())
-    firsts = offsets[::rows] if rows else xp.zeros(texts + 1, offsets.dtype)  # where each column's bytes begin
-    cuts = offsets[:texts * rows].reshape(texts, rows)
-    relative = xp.concatenate([cuts, firsts[1:, None]], axis=1) - firsts[:-1, None]  # each column's own offsets
-    int_valid = (field_ends[:, 1:1 + ints] > field_starts[:, 1:1 + ints]).T
-    text_valid = relative[:, 1:] > relative[:, :-1]
-    parts = {
-        "labels": (data[field_starts[:, 0]] - ZERO).astype(xp.int8),
-        "values": xp.ascontiguousarray(values),
-        "int_bits": _bitmaps(xp, int_valid),
-        "text_bits": _bitmaps(xp, text_valid),
-        "nulls": rows - xp.concatenate([int_valid.sum(axis=1), text_valid.sum(axis=1)]).astype(xp.int64),
-        "firsts": firsts.astype(xp.int64),
-        "relative": relative.astype(xp.int32),
-        "lines": lines,
-        "text": data[positions],
-    }
+    kinds = dict(layout.kinds)
+    parts, nullable = {"lines": lines}, []
+    for name, kind in layout.kinds:
+        if kind == "label":
+            parts[name] = columns[name][0]
+        elif kind in ("int", "float"):
+            parts[name] = xp.ascontiguousarray(columns[name][0])
+            nullable.append((name, columns[name][1]))
+    texts = [name for name, kind in layout.kinds if kind == "string"]
+    if texts:
+        at = [layout.fields.index(name) for name in texts]
+        positions, offsets = values.segments(xp, field_starts[:, at].T.ravel(), field_ends[:, at].T.ravel())
+        firsts = offsets[::rows] if rows else xp.zeros(len(texts) + 1, offsets.dtype)  # each column's first byte
+        cuts = offsets[:len(texts) * rows].reshape(len(texts), rows)
+        relative = xp.concatenate([cuts, firsts[1:, None]], axis=1) - firsts[:-1, None]  # each column's own offsets
+        parts.update({"text_firsts": firsts.astype(xp.int64), "text_offsets": relative.astype(xp.int32),
+                      "text": data[positions]})
+        nullable += [(name, relative[j, 1:] > relative[j, :-1]) for j, name in enumerate(texts)]
+    for name, kind in layout.kinds:
+        if kind == "list":
+            j = layout.fields.index(name)
+            counts, item_offsets, positions = values.lists(xp, data, field_starts[:, j], field_ends[:, j],
+                                                           layout.separator)
+            parts.update({f"{name}/lists": xp.concatenate([xp.zeros(1, xp.int32), xp.cumsum(counts, dtype=xp.int32)]),
+                          f"{name}/items": item_offsets.astype(xp.int32), f"{name}/bytes": data[positions]})
+            nullable.append((name, field_ends[:, j] > field_starts[:, j]))
+    if nullable:
+        valid = xp.stack([v for _, v in nullable])
+        parts["bits"] = _bitmaps(xp, valid)
+        parts["nulls"] = rows - valid.sum(axis=1, dtype=xp.int64)
     host = _packed_to_host(xp, parts)
-    nulls, firsts = host["nulls"], host["firsts"]
-    columns = [pa.Array.from_buffers(pa.int8(), rows, [None, pa.py_buffer(host["labels"])])]
-    for j in range(ints):
-        columns.append(pa.Array.from_buffers(pa.int64(), rows, [_validity(host["int_bits"][j], nulls[j]),
-                                                                pa.py_buffer(host["values"][j])], int(nulls[j])))
-    for j in range(texts):
-        null = nulls[ints + j]
-        columns.append(pa.Array.from_buffers(pa.string(), rows, [
-            _validity(host["text_bits"][j], null), pa.py_buffer(host["relative"][j]),
-            pa.py_buffer(host["text"][firsts[j] - firsts[0]:firsts[j + 1] - firsts[0]])], int(null)))
-    return pa.Table.from_arrays(columns, names=NAMES), host["lines"]
+    validity = {name: (host["bits"][j], int(host["nulls"][j])) for j, (name, _) in enumerate(nullable)}
+
+    def column(name: str) -> pa.Array:
+        kind = kinds[name]
+        if kind == "label":
+            return pa.Array.from_buffers(pa.int8(), rows, [None, pa.py_buffer(host[name])])
+        bits, nulls = validity[name]
+        mask = pa.py_buffer(bits) if nulls else None
+        if kind in ("int", "float"):
+            t = pa.int64() if kind == "int" else pa.float64()
+            return pa.Array.from_buffers(t, rows, [mask, pa.py_buffer(host[name])], nulls)
+        if kind == "string":
+            j, firsts = texts.index(name), host["text_firsts"]
+            text = host["text"][firsts[j] - firsts[0]:firsts[j + 1] - firsts[0]]
+            return pa.Array.from_buffers(pa.string(), rows, [mask, pa.py_buffer(host["text_offsets"][j]),
+                                                             pa.py_buffer(text)], nulls)
+        lists = host[f"{name}/lists"]
+        items = pa.Array.from_buffers(pa.string(), int(lists[-1]), [None, pa.py_buffer(host[f"{name}/items"]),
+                                                                    pa.py_buffer(host[f"{name}/bytes"])])
+        return pa.Array.from_buffers(pa.list_(pa.string()), rows, [mask, pa.py_buffer(lists)], nulls,
+                                     children=[items])
+
+    names = [name for name, _ in layout.kinds]
+    return pa.Table.from_arrays([column(n) for n in names], names=names), host["lines"]
 
 
 def _bitmaps(xp: ModuleType, valid):
@@ -291,9 +322,10 @@ def release_memory(xp: ModuleType) -> None:
     xp.get_default_pinned_memory_pool().free_all_blocks()
 
 
-def _report(xp: ModuleType, block: bytes, first_line: int, report: FileReport, starts, ends, problem, kind) -> None:
+def _report(xp: ModuleType, layout: TextLayout, block: bytes, first_line: int, report: FileReport, starts, ends,
+            problem, kind) -> None:
     """Count the block's malformed lines by kind and keep the first examples, in the Arrow path's order:
-    by problem (for I1..I13: by column), then by line."""
+    by problem (for the checked columns: by column), then by line."""
     bad = xp.flatnonzero(problem)
     if bad.size == 0:
         return
@@ -305,26 +337,28 @@ def _report(xp: ModuleType, block: bytes, first_line: int, report: FileReport, s
         report.bad[KINDS[k]] = report.bad.get(KINDS[k], 0) + int(counts[k])
     shown = order[: max(EXAMPLES - len(report.examples), 0)]
     for i, start, end, code in zip(*(_host(a).tolist() for a in (shown, starts[shown], ends[shown], problem[shown]))):
-        reason, excerpt = _reason(code, bytes(block[start:end]))
+        reason, excerpt = _reason(layout, code, bytes(block[start:end]))
         report.add_example(first_line + i, reason, excerpt)
 
 
-def _reason(problem: int, line: bytes) -> tuple[str, bytes]:
+def _reason(layout: TextLayout, problem: int, line: bytes) -> tuple[str, bytes]:
     """The reason the Arrow path gives for ``line``'s ``problem``, and the excerpt it shows."""
     content = line[:-1] if line.endswith(b"\r") else line
+    fields = len(layout.fields)
     if problem == EMPTY:
-        return field_count_reason(FIELDS, None), b""
+        return field_count_reason(fields, None), b""
     if problem == LONG:
         return too_long(len(line)), line[:200]
     if problem == CARRIAGE:
         return carriage_return_reason(_LONE_CR.search(line + b"\n").start()), line
     if problem == UTF8:
         return str(utf8_reason(line)), line
+    delimiter = bytes([layout.delimiter])
     if problem == FIELD_COUNT:
-        return field_count_reason(FIELDS, content.count(b"\t") + 1), line
-    column = problem - LABEL
-    value = content.split(b"\t")[column].decode("utf-8")
-    return value_problem(NAMES[column], "label" if column == 0 else "int", value)[1], line
+        return field_count_reason(fields, content.count(delimiter) + 1), line
+    name, kind = layout.checked[problem - VALUE]
+    value = content.split(delimiter)[layout.fields.index(name)].decode("utf-8")
+    return value_problem(name, kind, value)[1], line
 
 
 def _host(array) -> np.ndarray:

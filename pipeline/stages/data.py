@@ -71,13 +71,13 @@ def raw_params(cfg: PipelineConfig) -> dict:
     return params
 
 
-def criteo_array_module(cfg: PipelineConfig) -> str | None:
-    """What parses Criteo text as ``data.reader`` asks: ``"cupy"`` or ``"numpy"`` (vectorized), or None
+def text_array_module(cfg: PipelineConfig) -> str | None:
+    """What parses input text (Criteo, a CSV / TSV table) as ``data.reader`` asks: ``"cupy"`` or ``"numpy"`` (vectorized), or None
     (``pyarrow.csv``). ``auto`` takes the GPU where the device is cuda and CuPy works there (a CuPy that does
     not is said in one line, and Arrow parses)."""
     d = cfg.data
     has_cupy = importlib.util.find_spec("cupy") is not None
-    if d.source != "criteo" or d.reader == "arrow" or (d.reader == "auto" and not has_cupy):
+    if d.source == "synthetic" or d.reader == "arrow" or (d.reader == "auto" and not has_cupy):
         return None
     cuda = resolve_device(cfg.device).is_cuda
     if d.reader == "vectorized" and cuda and not has_cupy:
@@ -85,11 +85,11 @@ def criteo_array_module(cfg: PipelineConfig) -> str | None:
                         "or set device=cpu to parse with numpy")
     module = ("cupy" if cuda else "numpy") if d.reader == "vectorized" else ("cupy" if cuda else None)
     if module == "cupy" and d.reader == "auto" and (problem := _cupy_problem()):
-        print(f"[data] CuPy does not work here ({problem}): Criteo text parsed with pyarrow (data.reader=auto)",
+        print(f"[data] CuPy does not work here ({problem}): text parsed with pyarrow (data.reader=auto)",
               flush=True)
         return None
     if module:
-        print(f"[data] Criteo text parsed with {module} (data.reader={d.reader})", flush=True)
+        print(f"[data] text parsed with {module} (data.reader={d.reader})", flush=True)
     return module
 
 
@@ -143,7 +143,7 @@ def _ensure(cfg: PipelineConfig) -> tuple[RawDataset, bool]:
     if cfg.data.source == "synthetic":
         _generate(cfg, params)
     else:
-        readers.ingest(cfg.data, cfg.seed, root, params, progress=cfg.progress, array_module=criteo_array_module(cfg))
+        readers.ingest(cfg.data, cfg.seed, root, params, progress=cfg.progress, array_module=text_array_module(cfg))
     return RawDataset.load(root), True
 
 

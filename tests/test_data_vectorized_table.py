@@ -1,0 +1,253 @@
+"""The vectorized reader of CSV / TSV tables (numpy here, CuPy on a GPU) against the Arrow path of ``read_table``: the
+same tables (labels, numbers to the bit, categories, lists), line numbers and report, for every kind of value and
+malformed line, across blocks, for random mutations of valid lines, and through the data stage. A block of a CSV
+that holds a quote is the Arrow path's; every other block must be parsed with array operations only."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.data import readers
+from pipeline.data.readers import MAX_LINE_BYTES, FileReport, Roles, read_table
+from pipeline.data.vectorized_text import parse_block, text_layout
+from pipeline.stages.config import load_config
+from pipeline.stages.data import ensure_raw
+
+XPS = [pytest.param("numpy"), pytest.param("cupy", marks=pytest.mark.gpu)]
+ROLES = Roles("clicked", ["price", "score"], ["user", "city"], ["tags"], ["note"], "")
+HEADER = ["note", "user", "price", "clicked", "tags", "score", "city"]  # any order; note is dropped
+
+NUMBERS_KEPT = ["", "0", "-0", "1.5", "-2.25", "+3", "1.", ".5", "+.5", "007.50", "1e5", "1E-5", "-1.5e+10", "5.e3",
+                "0.1", "0.30000000000000004", "9007199254740993", "123456789012345678901234567890", "1e-400",
+                "0e99999999", "1.7976931348623157e308", "4.9e-324", "2.2250738585072011e-308", "1e22", "1e23",
+                "12345678901234567e-5", "3.14159265358979323846264338327950288", "1e0000022", "-0.0e-0",
+                "90071992547409.93", "1234567890123456789e-10", "0.12345678901234567", "9999999999999999999.5",
+                "NA", "NULL", "null", "nan", "-nan", "NaN", "NAN", "<NA>", "#N/A", "None", "n/a", "N/A", "-1.#IND"]
+NUMBERS_BAD = ["abc", "1.2.3", "1e", "e5", "--1", "+-1", "1e+-5", " 1", "1 ", "0x10", "inf", "-Infinity", "1e400",
+               "-1e309", "Nan", "nAn", "1_0", "\u0663", "1e5.0", ".", "-", "+", "1d5", "NA ", "\ufeff1", "1-", "1e5e3"]
+LABELS_KEPT = ["0", "1", "1.0", "0.", "1.000", "true", "FALSE", "True", "fAlSe"]
+LABELS_BAD = ["2", "", "01", "-0", " 1", "yes", "tru", "truee", "1e0", "falsee"]
+STRINGS = ["é", "a b", "NA", "", "x|y", "0x1", "\ufeff", "€😀", "1.5", " "]
+LISTS = ["a|b", "", "|", "a||b|", "é|€", "single", "||", "a b|c", "NA", "x|"]
+
+
+def _fields(i: int) -> dict[str, str]:
+    return {"note": f"n{i}", "user": f"u{i * 7919 % 1000}" if i % 6 else "", "price": f"{(i * 37) % 1000 / 8}",
+            "clicked": str(i % 2), "tags": "|".join(f"t{(i + k) % 11}" for k in range(i % 4)),
+            "score": f"{i * 1e-3:.6g}" if i % 5 else "", "city": f"c{i % 13}"}
+
+
+def _line(i: int, delimiter: str, **values: str) -> bytes:
+    fields = {**_fields(i), **values}
+    return delimiter.join(fields[name] for name in HEADER).encode()
+
+
+def _hostile_lines(delimiter: str) -> list[bytes]:
+    lines, i = [], 1
+    d = delimiter
+
+    def add(line: bytes) -> None:
+        nonlocal i
+        lines.append(line)
+        i += 1
+
+    for k, value in enumerate(NUMBERS_KEPT + NUMBERS_BAD):
+        add(_line(i, d, **{("price", "score")[k % 2]: value}))
+    for value in LABELS_KEPT + LABELS_BAD:
+        add(_line(i, d, clicked=value))
+    for k, value in enumerate(STRINGS):
+        add(_line(i, d, **{("user", "city", "note")[k % 3]: value}))
+    for value in LISTS:
+        add(_line(i, d, tags=value))
+    add(_line(i, d, price="x", score="y", clicked="7"))          # the label is checked first, then price
+    add(_line(i, d, score="oops") + b"\r")                       # \r\n line end, a bad value
+    add(_line(i, d, user="ab\rcd"))                              # a stray \r
+    add(_line(i, d)[:5] + b"\xff" + _line(i, d)[5:])              # broken UTF-8
+    add(_line(i, d) + b"\xc3")
+    add(b"")                                                     # empty lines
+    add(b"\r")
+    add(d.join(["1"] * 6).encode())                              # wrong field counts
+    add(_line(i, d) + d.encode() + b"extra")
+    add(b"garbage")
+    add(_line(i, d, note="y" * (MAX_LINE_BYTES + 1)))            # over the length limit
+    add(_line(i, d, clicked="7") + b"\xff")                      # broken UTF-8 is found before the label
+    for _ in range(30):
+        add(_line(i, d) + (b"\r" if i % 3 == 0 else b""))
+    return lines
+
+
+def _write(path, lines: list[bytes], end: bytes = b"\n"):
+    delimiter = "," if path.suffix == ".csv" else "\t"
+    path.write_bytes(b"\xef\xbb\xbf" + delimiter.join(HEADER).encode() + end + end.join(lines) + end)
+    return path
+
+
+def _read(path, xp, chunk_rows: int, stop: bool) -> tuple[list[tuple[pa.Table, np.ndarray]], FileReport]:
+    report = FileReport(str(path))
+    return list(read_table(path, ROLES, chunk_rows, report, stop, "|", xp)), report
+
+
+def _assert_same(path, xp_name: str, monkeypatch, chunk_rows: int = 64, stop: bool = False,
+                 arrow_blocks: int = 0) -> FileReport:
+    """Read ``path`` both ways; assert the same blocks, line numbers and report, and that the vectorized read left
+    ``arrow_blocks`` blocks to the Arrow path; return the report."""
+    want_blocks, want = _read(path, None, chunk_rows, stop)
+    by_arrow = []
+    parse = readers._parse_block
+    monkeypatch.setattr(readers, "_parse_block", lambda *a, **k: by_arrow.append(1) or parse(*a, **k))
+    got_blocks, got = _read(path, pytest.importorskip(xp_name), chunk_rows, stop)
+    monkeypatch.setattr(readers, "_parse_block", parse)
+    assert len(by_arrow) == arrow_blocks
+    assert got == want
+    assert list(got.bad) == list(want.bad)  # the kinds in the order they were met
+    assert len(got_blocks) == len(want_blocks)
+    for (table, lines), (want_table, want_lines) in zip(got_blocks, want_blocks):
+        assert table.schema == want_table.schema
+        assert table.equals(want_table)
+        for name in ("price", "score"):  # to the bit, the sign of a zero too
+            got_bits, want_bits = (pc.drop_null(t.column(name)).to_numpy().view(np.uint64)
+                                   for t in (table, want_table))
+            np.testing.assert_array_equal(got_bits, want_bits)
+        np.testing.assert_array_equal(lines, want_lines)
+    return want
+
+
+@pytest.mark.parametrize("xp", XPS)
+@pytest.mark.parametrize("stop", [False, True])
+@pytest.mark.parametrize("name", ["rows.csv", "rows.tsv"])
+def test_values_and_malformed_lines_of_every_kind_give_the_arrow_paths_report(tmp_path, monkeypatch, xp, stop, name):
+    path = _write(tmp_path / name, _hostile_lines("," if name.endswith(".csv") else "\t"))
+    report = _assert_same(path, xp, monkeypatch, stop=stop)
+    if not stop:
+        assert set(report.bad) == {"wrong_field_count", "line_too_long", "carriage_return", "invalid_utf8",
+                                   "bad_label", "not_a_number", "out_of_range"}
+        assert report.bad["bad_label"] == len(LABELS_BAD) + 1
+        assert report.bad["out_of_range"] == 4  # inf, -Infinity, 1e400, -1e309
+        assert report.rows_kept == len(NUMBERS_KEPT) + len(LABELS_KEPT) + len(STRINGS) + len(LISTS) + 30
+    else:
+        assert report.stopped_at_line is not None and report.rows_kept == 0
+
+
+@pytest.mark.parametrize("xp", XPS)
+def test_a_csv_block_with_quotes_is_the_arrow_paths_and_the_others_are_not(tmp_path, monkeypatch, xp):
+    lines = [_line(i, ",") for i in range(1, 4001)]  # about 200 kB: blocks of 64 rows x 200 bytes
+    lines[10] = _line(11, ",", user='"a, quoted one"')
+    lines[3000] = _line(3001, ",", score="oops")
+    path = _write(tmp_path / "rows.csv", lines)
+    report = _assert_same(path, xp, monkeypatch, chunk_rows=64 * 10, arrow_blocks=1)
+    assert report.bad == {"not_a_number": 1} and report.rows_kept == 3999
+
+
+@pytest.mark.parametrize("xp", XPS)
+@pytest.mark.parametrize("stop", [False, True])
+def test_a_file_of_many_blocks_with_bad_lines_near_their_edges(tmp_path, monkeypatch, xp, stop):
+    lines = [_line(i, "\t") for i in range(1, 30_001)]  # blocks of 1 MiB
+    rng = random.Random(5)
+    for k in rng.sample(range(len(lines)), 40):
+        column = rng.choice(["price", "score", "clicked"])
+        pool = LABELS_BAD if column == "clicked" else NUMBERS_BAD + NUMBERS_KEPT
+        lines[k] = _line(k + 1, "\t", **{column: rng.choice(pool)})
+    for k in range(3000, len(lines), 4100):
+        lines[k:k + 30] = [b"\t".join([b"1"] * 5)] * 30
+    path = _write(tmp_path / "rows.tsv", lines)
+    report = _assert_same(path, xp, monkeypatch, stop=stop)
+    assert report.rows_read == (len(lines) if not stop else report.stopped_at_line - 1)
+
+
+@pytest.mark.parametrize("xp", XPS)
+@pytest.mark.parametrize("ends", ["\n", "\r\n"])
+def test_line_ends(tmp_path, monkeypatch, xp, ends):
+    lines = [_line(i, ",") for i in range(1, 300)]
+    lines[40] = _line(41, ",", price="oops")
+    report = _assert_same(_write(tmp_path / "rows.csv", lines, ends.encode()), xp, monkeypatch)
+    assert (report.rows_read, report.rows_kept, report.bad) == (299, 298, {"not_a_number": 1})
+
+
+MUTATIONS = [b"0", b"1", b"9", b"-", b"+", b"x", b"e", b"E", b".", b" ", b"\t", b",", b"|", b"\r", b"\n", b"\x80",
+             b"\xc3", b"\xa9", b"\xff", b"\xef\xbb\xbf", b"", b"\r\n", b"00", b"NA", b"nan", b"inf", b"true"]
+
+
+def _mutated(rng: random.Random, line: bytes, delimiter: bytes) -> bytes:
+    for _ in range(rng.randint(1, 3)):
+        at, what = rng.randrange(len(line) + 1), rng.random()
+        if what < 0.3:
+            line = line[:at] + rng.choice(MUTATIONS) + line[at + 1:]
+        elif what < 0.5:
+            line = line[:at] + rng.choice(MUTATIONS) + line[at:]
+        elif what < 0.6:
+            line = line[:at] + line[at + rng.randint(1, 4):]
+        else:  # a value replaced; the label and the numbers more often
+            fields = line.split(delimiter)
+            column = rng.randrange(len(fields)) if rng.random() < 0.3 else rng.choice([2, 3, 5])
+            if column < len(fields):
+                pool = LABELS_KEPT + LABELS_BAD if column == 3 else NUMBERS_KEPT + NUMBERS_BAD + STRINGS + LISTS
+                fields[column] = rng.choice(pool).encode()
+            line = delimiter.join(fields)
+    return line
+
+
+@pytest.mark.parametrize("xp", XPS)
+@pytest.mark.parametrize("seed", range(10))
+def test_random_mutations_of_valid_lines(tmp_path, monkeypatch, xp, seed):
+    rng = random.Random(seed)
+    name = "rows.tsv" if seed % 2 else "rows.csv"
+    delimiter = b"\t" if seed % 2 else b","
+    lines = [_mutated(rng, _line(i, delimiter.decode()), delimiter) if rng.random() < 0.4
+             else _line(i, delimiter.decode()) for i in range(1, 401)]
+    path = _write(tmp_path / name, lines, b"\r\n" if seed % 4 == 3 else b"\n")
+    report = _assert_same(path, xp, monkeypatch)
+    assert report.bad_rows > 20
+    _assert_same(path, xp, monkeypatch, stop=True)
+
+
+@pytest.mark.parametrize("xp", XPS)
+def test_a_block_is_parsed_the_same_whole_or_in_pieces(xp):
+    array_module = pytest.importorskip(xp)
+    layout = text_layout(HEADER, readers._kinds(ROLES, integer_continuous=False), "\t", True, "|")
+    lines = _hostile_lines("\t")[:-20] + [_line(i, "\t") for i in range(200)]
+    lines = [line for line in lines if len(line) < MAX_LINE_BYTES]
+    whole = FileReport("f")
+    table, kept, count = parse_block(array_module, layout, b"".join(line + b"\n" for line in lines), 1, whole)
+    cuts = sorted({0, len(lines), *random.Random(0).sample(range(1, len(lines)), 25)})
+    parts, pieces = FileReport("f"), []
+    for start, end in itertools.pairwise(cuts):
+        block = b"".join(line + b"\n" for line in lines[start:end])
+        pieces.append(parse_block(array_module, layout, block, 1 + start, parts))
+    assert count == len(lines) == sum(c for _, _, c in pieces)
+    assert pa.concat_tables([t for t, _, _ in pieces]).equals(table)
+    np.testing.assert_array_equal(np.concatenate([k for _, k, _ in pieces]), kept)
+    assert parts.bad == whole.bad
+
+
+def test_a_time_column_or_a_long_list_separator_leaves_the_file_to_the_arrow_path():
+    kinds = readers._kinds(ROLES, integer_continuous=False)
+    assert text_layout(HEADER, kinds, ",", True, "|") is not None
+    assert text_layout(HEADER, kinds, ",", True, "||") is None
+    assert text_layout([*HEADER, "day"], {**kinds, "day": "time"}, ",", True, "|") is None
+
+
+@pytest.mark.parametrize("xp", XPS)
+def test_the_data_stage_writes_the_same_raw_data_with_the_vectorized_reader(tmp_path, xp):
+    path = _write(tmp_path / "rows.csv", _hostile_lines(",")[:-20] + [_line(i, ",") for i in range(500)])
+    device = "cpu" if xp == "numpy" else "cuda"
+    made = {}
+    for reader in ("arrow", "vectorized"):
+        cfg = load_config(None, [f"workdir={tmp_path / reader}", "data.source=table", f"data.path={path}",
+                                 "data.label=clicked", "data.continuous=price,score", "data.categorical=user,city",
+                                 "data.multihot=tags", "data.ignore=note", "data.on_bad_lines=skip",
+                                 f"data.reader={reader}", f"device={device}", "progress=off"])
+        raw = ensure_raw(cfg)
+        report = json.loads((raw.root / "ingest_report.json").read_text())
+        tables = {s: pa.concat_tables([pq.read_table(p) for p in parts]) for s, parts in raw.splits.items()}
+        made[reader] = (report, tables)
+    (report, tables), (want_report, want_tables) = made["vectorized"], made["arrow"]
+    assert report == want_report and report["bad_rows"] > 40
+    assert all(tables[s].equals(want_tables[s]) for s in want_tables)
