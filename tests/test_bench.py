@@ -502,12 +502,13 @@ def test_bench_train_distributed_times_the_pipelined_step_unless_told(tmp_path, 
         "error: --loop: expected pipelined, plain or pipelined,plain, got 'async'"]
 
 
-def test_bench_data_times_every_criteo_reader_on_the_same_file(tmp_path, capsys):
+def test_bench_data_times_every_criteo_and_table_reader_on_the_same_file(tmp_path, capsys):
     assert main(["bench", "data", "--rows", "20000", "--ingest-rows", "3000", "--baseline-rows", "2000",
                  f"workdir={tmp_path}", "device=cpu"]) == 0
     printed = capsys.readouterr().out
-    for reader in ("arrow", "vectorized, numpy"):
-        assert f"criteo read + check + type ({reader})" in printed
+    for source in ("criteo", "table"):
+        for reader in ("arrow", "vectorized, numpy"):
+            assert f"{source} read + check + type ({reader})" in printed
     assert "vectorized, cupy" not in printed
 
 

@@ -1,11 +1,13 @@
-"""Data stage speed: synthetic rows/s (alone and with the parquet write) and Criteo ingest rows/s.
+"""Data stage speed: synthetic rows/s (alone and with the parquet write), and Criteo TSV and CSV table ingest rows/s.
 
 Baselines, measured in the same run: the same synthetic strings made the usual way (a Python
 f-string per value, then ``pa.array``), and ``pandas.read_csv`` on the same Criteo TSV. The Criteo
 TSV is read by each reader of ``data.reader`` on the same file: Arrow, vectorized on numpy and, where
 the device is a GPU with CuPy, vectorized on CuPy, each after an untimed read of the file's first two
 blocks (``2 * data.chunk_rows`` lines: a process's one-time costs, CuPy compiling its kernels and
-filling its pool of pinned memory with the blocks' buffers); their rows and reports must be equal.
+filling its pool of pinned memory with the blocks' buffers); their rows and reports must be equal. The same
+rows as a user's CSV table (a header, decimals, text, no quotes) are then read by each reader of a table the same
+way.
 
     python -m pipeline bench data --rows 2000000 --ingest-rows 500000
     python -m pipeline.bench.data --rows 2000000          # the same, without the CLI registry
@@ -77,10 +79,12 @@ def run(args: argparse.Namespace, cfg) -> dict:
 
             tsv = Path(tmp) / "day.tsv"
             synthetic.write_criteo_tsv(tsv, model, "valid", args.ingest_rows)
-            _time_criteo_readers(tsv, args.ingest_rows, chunk_rows, cfg.device, _Timer)
+            _time_readers("criteo", tsv, args.ingest_rows, chunk_rows, cfg.device, _Timer)
             with _Timer("baseline: pandas.read_csv", args.ingest_rows):
                 for _ in pd.read_csv(tsv, sep="\t", header=None, chunksize=chunk_rows):
                     pass
+            csv = _table_csv(tsv, Path(tmp) / "rows.csv", chunk_rows)
+            _time_readers("table", csv, args.ingest_rows, chunk_rows, cfg.device, _Timer)
 
     print(f"# data stage, {platform.node()} ({platform.processor() or platform.machine()}), "
           f"{time.strftime('%Y-%m-%d')}, rows={args.rows}, size={cfg.data.size}, chunk_rows={chunk_rows}")
@@ -90,34 +94,71 @@ def run(args: argparse.Namespace, cfg) -> dict:
     return {name: {"rows_per_s": wall, "rows_per_cpu_s": cpu} for name, (wall, cpu) in results.items()}
 
 
-def _time_criteo_readers(tsv, rows: int, chunk_rows: int, device: str, timer) -> None:
-    """Time ``read_criteo`` on ``tsv`` with each array module; raise if their rows or reports differ."""
+def _table_csv(tsv, path, chunk_rows: int):
+    """The Criteo rows of ``tsv`` as a user's CSV table would hold them: a header, I1..I12 as decimals of a few
+    digits (``x / 100``), I13 as ``log1p(x)`` written in full (up to 17 significant digits, as pandas writes a
+    computed float), C1..C26 as text, no quotes."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.csv as pacsv
+
+    from pipeline.data import readers
+
+    with pacsv.CSVWriter(path, _table_schema(), write_options=pacsv.WriteOptions(quoting_style="none")) as out:
+        for table, _ in readers.read_criteo(tsv, chunk_rows, readers.FileReport(str(tsv))):
+            numbers = [pc.divide(pc.cast(table.column(f"I{k}"), pa.float64()), 100.0) for k in range(1, 13)]
+            i13 = table.column("I13").to_numpy(zero_copy_only=False)
+            numbers.append(pa.array(np.log1p(np.abs(i13)), mask=np.isnan(i13)))
+            out.write_table(pa.Table.from_arrays([table.column("label"), *numbers,
+                                                  *table.columns[14:]], schema=_table_schema()))
+    return path
+
+
+def _table_schema():
+    import pyarrow as pa
+
+    from pipeline.data.text_format import CRITEO_CATEGORICAL, CRITEO_CONTINUOUS
+
+    return pa.schema([("label", pa.int8()), *((c, pa.float64()) for c in CRITEO_CONTINUOUS),
+                      *((c, pa.string()) for c in CRITEO_CATEGORICAL)])
+
+
+def _time_readers(source: str, path, rows: int, chunk_rows: int, device: str, timer) -> None:
+    """Time the ``source`` reader (``criteo``: ``read_criteo``; ``table``: ``read_table`` of a CSV with Criteo's
+    columns) on ``path`` with each array module; raise if their rows or reports differ."""
+    import functools
     import importlib.util
     from pathlib import Path
 
     import numpy
 
     from pipeline.data import readers
+    from pipeline.data.text_format import CRITEO_CATEGORICAL, CRITEO_CONTINUOUS
     from pipeline.device import resolve_device
 
+    read = readers.read_criteo
+    if source == "table":
+        roles = readers.Roles("label", CRITEO_CONTINUOUS, CRITEO_CATEGORICAL, [], [], "")
+        read = functools.partial(readers.read_table, roles=roles)
     modules = {"arrow": None, "vectorized, numpy": numpy}
     if importlib.util.find_spec("cupy") is not None and resolve_device(device).is_cuda:
         import cupy
 
         modules["vectorized, cupy"] = cupy
-    small = Path(tsv).with_name("small.tsv")
-    with open(tsv, "rb") as full:
+    small = Path(path).with_name(f"small{Path(path).suffix}")
+    with open(path, "rb") as full:
         small.write_bytes(b"".join(line for _, line in zip(range(2 * chunk_rows), full)))
     reports = {}
     for name, xp in modules.items():
-        for _ in readers.read_criteo(small, chunk_rows, readers.FileReport(str(small)), xp=xp):
+        for _ in read(small, chunk_rows=chunk_rows, report=readers.FileReport(str(small)), xp=xp):
             pass
-        report = readers.FileReport(str(tsv))
-        with timer(f"criteo read + check + type ({name})", rows):
-            kept = sum(table.num_rows for table, _ in readers.read_criteo(tsv, chunk_rows, report, xp=xp))
+        report = readers.FileReport(str(path))
+        with timer(f"{source} read + check + type ({name})", rows):
+            kept = sum(table.num_rows for table, _ in read(path, chunk_rows=chunk_rows, report=report, xp=xp))
         reports[name] = (kept, report)
     if any(found != reports["arrow"] for found in reports.values()):
-        raise RuntimeError(f"the Criteo readers disagree on {tsv}: {reports}")
+        raise RuntimeError(f"the {source} readers disagree on {path}: {reports}")
 
 
 if __name__ == "__main__":
