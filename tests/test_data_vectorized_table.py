@@ -251,3 +251,10 @@ def test_the_data_stage_writes_the_same_raw_data_with_the_vectorized_reader(tmp_
     (report, tables), (want_report, want_tables) = made["vectorized"], made["arrow"]
     assert report == want_report and report["bad_rows"] > 40
     assert all(tables[s].equals(want_tables[s]) for s in want_tables)
+
+
+@pytest.mark.parametrize("xp", XPS)
+@pytest.mark.parametrize("rows", [[], [b""], [b"\r", b""], [b"1,2"], [_line(1, ",", price="x"), b"garbage"]], ids=repr)
+def test_files_without_a_good_row(tmp_path, monkeypatch, xp, rows):
+    report = _assert_same(_write(tmp_path / "rows.csv", rows), xp, monkeypatch)
+    assert report.rows_kept == 0
