@@ -42,8 +42,9 @@
 #              pyarrow one where cuDF imports; then the loader's GPU tests
 #   e2e        run etl of E2E_ROWS (10,000,000) synthetic rows (once), then bench e2e of each model on it (E2E_STEPS
 #              timed steps, 100), and of DCNv2 with train.compile=max-autotune (E2E_AUTOTUNE= leaves it out)
-#   etl        the cuDF-vs-pandas tests, tools/etl_profile.py --backend cudf (one partition's steps), the ETL
-#              stage on cuDF, bench data's Criteo TSV readers (CuPy against the CPU's)
+#   etl        the data stage's GPU tests (the CuPy text readers against the CPU's), the cuDF-vs-pandas tests,
+#              tools/etl_profile.py --backend cudf (one partition's steps), the ETL stage on cuDF, bench data's
+#              Criteo TSV and CSV table readers (CuPy against the CPU's)
 #   etl-bench  bench etl --device cuda: cuDF against every CPU core and plain pandas (a call of its own)
 #   criteo-scale  tools/criteo_scale.py: SCALE_ROWS (100,000,000) rows of Criteo TSV through the data and ETL stages
 #              on the GPU, each stage timed with its memory peaks, a sample compared with the CPU's (a call of its own)
@@ -253,6 +254,8 @@ print(f'{len(sources)} sources in {time.time() - start:.0f} s')
         --batch-size 65536 --epochs 3
       step loader-tests 180 "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_loader.py ;;
     etl)
+      step data-tests 150 "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_data_vectorized_text.py \
+        tests/test_data_vectorized_table.py tests/test_data_readers.py tests/test_data_stage.py
       step etl-tests 180 env PIPELINE_ETL_GPU_ROWS="${ETL_GPU_TEST_ROWS:-2000000}" \
         "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_etl_gpu.py
       step etl-profile 150 "$PY" tools/etl_profile.py --backend cudf --rows "${ETL_PROFILE_ROWS:-5000000}" \
