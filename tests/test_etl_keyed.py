@@ -19,7 +19,7 @@ from pipeline.etl.ops.categorify import (
     _encode,
     _flat_strings,
     _keyed_codes,
-    _merge_counts,
+    _merge_partitions,
     _plain_strings,
 )
 
@@ -49,12 +49,9 @@ def _as_dict(table: pa.Table) -> dict:
 def _keyed_fit(parts: list[pd.DataFrame], **params) -> Categorify:
     """A Categorify fitted as the cuDF path fits it: keyed counts of each partition, merged in a tree of 2."""
     level = [_count_partition_keyed(part, NAMES, MULTIHOT) for part in parts]
-    stats = {}
-    for name in NAMES:
-        column = [chunk[name] for chunk in level]
-        while len(column) > 1:
-            column = [_merge_counts(*column[i:i + 2]) for i in range(0, len(column), 2)]
-        stats[name] = _counts_to_arrow(column[0])
+    while len(level) > 1:
+        level = [_merge_partitions(*level[i:i + 2]) for i in range(0, len(level), 2)]
+    stats = {name: _counts_to_arrow(stat) for name, stat in level[0].items()}
     op = Categorify(**params)
     op.start_fit()
     op.fit_finalize(stats)
@@ -110,9 +107,10 @@ def test_colliding_values_are_counted_apart_at_every_level(monkeypatch):
     first = keyed.count_columns([pd.Series(["ab", "cd", "ab", None, "e", "fg"]), pd.Series(["xy", "x", "xy"])])
     assert [dict(zip(f["value"], f["count"])) for f in first] == [{"ab": 2, "cd": 1, "e": 1, "fg": 1},
                                                                   {"xy": 2, "x": 1}]
-    second = keyed.count_columns([pd.Series(["cd", "hi", "cd"])])[0]
-    merged = keyed.merge_counts([first[0], second])
-    assert dict(zip(merged["value"], merged["count"])) == {"ab": 2, "cd": 3, "e": 1, "fg": 1, "hi": 1}
+    second = keyed.count_columns([pd.Series(["cd", "hi", "cd"]), pd.Series(["x", "ab"])])
+    merged = keyed.merge_columns([first, second])
+    assert [dict(zip(m["value"], m["count"])) for m in merged] == [{"ab": 2, "cd": 3, "e": 1, "fg": 1, "hi": 1},
+                                                                   {"xy": 2, "x": 2, "ab": 1}]
     rows, counts = keyed.distinct_by_key(np.array([7, 7, 7, 7], dtype=np.uint64), np.array([3, 1, 3, 2], dtype=np.uint64),
                                          np.array([1, 10, 100, 1000]))
     assert dict(zip(pd.Series(["a", "b", "a", "c"]).take(rows), counts)) == {"a": 101, "b": 10, "c": 1000}

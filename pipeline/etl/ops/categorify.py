@@ -54,7 +54,7 @@ from pipeline.etl.frames import (
     looks_multihot,
 )
 from pipeline.etl.ops.base import Operator
-from pipeline.etl.ops.keyed import KeyTable, count_columns, key_table, look_up, merge_counts, missing
+from pipeline.etl.ops.keyed import KeyTable, count_columns, key_table, look_up, merge_columns, missing
 from pipeline.etl.ops.text_lookup import TextWords, VocabularyIndex
 
 NULL_INDEX = 0
@@ -394,23 +394,34 @@ def _vocabulary_series(vocab: pa.Array, like: Any) -> Any:
 
 
 def _tree_counts(ddf: Any, multihot: dict[str, bool], split_every: int = 8) -> dict:
-    """Value counts of every column in one pass per partition, merged by a tree per column.
+    """Value counts of every column in one pass per partition, merged by a tree.
 
     Each partition is read once for all columns and counted (Arrow on pandas partitions, by key on
-    the GPU); each column then has its own tree of merges, so different columns' vocabularies end
-    on different workers. The root of each tree is an Arrow table (cuDF counts leave the GPU there).
+    the GPU). On pandas each column then has its own tree of merges, so that different columns' vocabularies
+    end on different workers; on the GPU (one worker a GPU) each merge takes all columns in one sort
+    (:func:`~pipeline.etl.ops.keyed.merge_columns`), a task where pandas has one a column. The root of each
+    tree is an Arrow table (cuDF counts leave the GPU there).
     Selecting columns with ``ddf[name]`` instead would read every partition once per column.
     """
     from dask import delayed
 
     names = list(ddf.columns)
     chunks = [delayed(_count_partition, pure=True)(part, names, multihot) for part in ddf.to_delayed()]
+    if not chunks:
+        return {name: {"counts": _counts_table(pa.array([], pa.string()))} for name in names}
+    if is_cudf(ddf._meta):
+        level = chunks
+        while len(level) > 1:
+            level = [delayed(_merge_partitions, pure=True)(*level[i : i + split_every])
+                     for i in range(0, len(level), split_every)]
+        root = delayed(_all_counts_to_arrow, pure=True)(level[0])
+        return {name: root[name] for name in names}
     stats = {}
     for name in names:
         level = [chunk[name] for chunk in chunks]
         while len(level) > 1:
             level = [delayed(_merge_counts, pure=True)(*level[i : i + split_every]) for i in range(0, len(level), split_every)]
-        stats[name] = delayed(_counts_to_arrow, pure=True)(level[0]) if level else {"counts": _counts_table(pa.array([], pa.string()))}
+        stats[name] = delayed(_counts_to_arrow, pure=True)(level[0])
     return stats
 
 
@@ -446,16 +457,28 @@ def _counts_table(values: pa.Array) -> pa.Table:
 
 
 def _merge_counts(*parts: dict) -> dict:
-    tables = [p["counts"] for p in parts]
-    if isinstance(tables[0], pa.Table):
-        # combine_chunks copies into fresh buffers: tables that travelled between workers may be unaligned for Acero.
-        table = pa.concat_tables(tables).combine_chunks()
-        merged = {"counts": table.group_by("value").aggregate([("count", "sum")]).rename_columns(["value", "count"])}
-    else:
-        merged = {"counts": merge_counts(tables)}
+    """One column's Arrow counts of several partitions merged (the pandas path)."""
+    # combine_chunks copies into fresh buffers: tables that travelled between workers may be unaligned for Acero.
+    table = pa.concat_tables([p["counts"] for p in parts]).combine_chunks()
+    merged = {"counts": table.group_by("value").aggregate([("count", "sum")]).rename_columns(["value", "count"])}
     if "max_length" in parts[0]:
         merged["max_length"] = max(p["max_length"] for p in parts)
     return merged
+
+
+def _merge_partitions(*parts: dict) -> dict:
+    """Every column's counts by key (:func:`_count_partition_keyed`) of several partitions merged, all in one sort."""
+    names = list(parts[0])
+    frames = merge_columns([[part[name]["counts"] for name in names] for part in parts])
+    merged = {name: {"counts": frame} for name, frame in zip(names, frames)}
+    for name in names:
+        if "max_length" in parts[0][name]:
+            merged[name]["max_length"] = max(part[name]["max_length"] for part in parts)
+    return merged
+
+
+def _all_counts_to_arrow(stats: dict) -> dict:
+    return {name: _counts_to_arrow(stat) for name, stat in stats.items()}
 
 
 def _counts_to_arrow(stat: dict) -> dict:

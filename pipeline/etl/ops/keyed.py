@@ -7,7 +7,8 @@ compare every string inside a hash table, column by column; here each string is 
 - :func:`count_columns`: the value counts of all categorical columns of a partition from ONE stable
   radix sort of 64-bit words, each a column's index in the top bits above its value's key, instead of
   a ``value_counts`` per column;
-- :func:`merge_counts`: partial counts merged by key (a tree of them builds a vocabulary);
+- :func:`merge_columns`: partial counts of several partitions merged by key, all columns in one sort too (a
+  tree of them builds the vocabularies);
 - :func:`key_table` and :func:`look_up`: a vocabulary's keys sorted once, each value found by a binary
   search (``searchsorted``) of its key instead of a string merge.
 
@@ -32,8 +33,8 @@ the end tell the libraries apart.
 
 Example::
 
-    counts = count_columns([strings_c1, strings_c2])          # one frame (key, check, count, value) per column
-    vocab = merge_counts([counts_from_part_1, counts_from_part_2])
+    counts_of_part_1 = count_columns([strings_c1, strings_c2])   # a frame (key, check, count, value) per column
+    merged = merge_columns([counts_of_part_1, counts_of_part_2])  # a list of frames per partition, by column
     table = key_table(vocabulary_values)
     positions = look_up(table, strings_c1)                     # -1: absent or missing
 """
@@ -114,51 +115,60 @@ def _run_sums(weights: Any, order: Any, starts: Any, n: int, xp: Any) -> Any:
 def count_columns(columns: list[Any]) -> list[Any]:
     """The value counts of several columns of strings of one partition, all in one sort.
 
-    ``columns``: Series of strings (of one library), missing values left out of the counts. Each
-    column's keys lose their top bits to the column's index, so one sort of all columns' words groups
-    each column's values; the check keys keep values of one key apart (:func:`distinct_by_key`). Only
-    the distinct values' strings are gathered. Returns one frame per column: ``key`` (its value's full
-    key), ``check``, ``count``, ``value``, one row per distinct value.
+    ``columns``: Series of strings (of one library), missing values left out of the counts. Only the distinct
+    values' strings are gathered. Returns one frame per column: ``key`` (its value's full key), ``check``,
+    ``count``, ``value``, one row per distinct value.
     """
-    if not columns:
-        return []
     all_keys = [value_keys(strings) for strings in columns]
-    xp = array_module(all_keys[0][0])
-    tag_bits = (len(columns) - 1).bit_length()
-    words, checks, present = [], [], []
-    for index, (strings, (keys, check)) in enumerate(zip(columns, all_keys)):
-        if tag_bits:
-            keys = (keys >> xp.uint64(tag_bits)) | xp.uint64(index << (64 - tag_bits))
-        words.append(keys)
-        checks.append(check)
-        present.append(~missing(strings))
-    offsets = np.cumsum([0] + [len(strings) for strings in columns]).tolist()
-    words, checks, present = xp.concatenate(words), xp.concatenate(checks), xp.concatenate(present)
-    kept = xp.flatnonzero(present)
-    if len(kept) < len(words):
-        words, checks = words[kept], checks[kept]
-    rows, counts = distinct_by_key(words, checks)
-    by_row = xp.argsort(rows)
-    rows, counts = kept[rows[by_row]], counts[by_row]  # rows of all columns one after the other, ascending
-    bounds = xp.searchsorted(rows, xp.asarray(offsets)).tolist()
+    present = [~missing(strings) for strings in columns]
+    found = _distinct_of_columns([k for k, _ in all_keys], [c for _, c in all_keys], None, present)
     out = []
-    for index, (start, end) in enumerate(pairwise(bounds)):
-        at = rows[start:end] - offsets[index]
-        keys, check = all_keys[index]
-        distinct = columns[index].reset_index(drop=True).take(at).reset_index(drop=True)
-        out.append(_frame(distinct, {"key": keys[at], "check": check[at], "count": counts[start:end],
-                                     "value": distinct}))
+    for strings, (keys, check), (at, counts) in zip(columns, all_keys, found):
+        distinct = strings.reset_index(drop=True).take(at).reset_index(drop=True)
+        out.append(_frame(distinct, {"key": keys[at], "check": check[at], "count": counts, "value": distinct}))
     return out
 
 
-def merge_counts(parts: list[Any]) -> Any:
-    """Frames of :func:`count_columns` (or of this function) for one column, merged into one: counts of equal
-    values summed, values of one key told apart by their check keys."""
-    merged = _concat(parts) if len(parts) > 1 else parts[0]
-    keys, checks, values = _array(merged["key"]), _array(merged["check"]), merged["value"].reset_index(drop=True)
-    rows, counts = distinct_by_key(keys, checks, _array(merged["count"]))
-    distinct = values.take(rows).reset_index(drop=True)
-    return _frame(distinct, {"key": keys[rows], "check": checks[rows], "count": counts, "value": distinct})
+def merge_columns(parts: list[list[Any]]) -> list[Any]:
+    """Frames of :func:`count_columns` (or of this function) of the same columns from several partitions
+    (``parts[p][c]``: partition ``p``'s frame of column ``c``), merged column by column, all columns in one sort:
+    counts of equal values summed, values of one key told apart by their check keys."""
+    columns = [_concat([part[c] for part in parts]) if len(parts) > 1 else parts[0][c] for c in range(len(parts[0]))]
+    found = _distinct_of_columns([_array(f["key"]) for f in columns], [_array(f["check"]) for f in columns],
+                                 [_array(f["count"]) for f in columns])
+    out = []
+    for frame, (at, counts) in zip(columns, found):
+        keys, checks = _array(frame["key"]), _array(frame["check"])
+        distinct = frame["value"].reset_index(drop=True).take(at).reset_index(drop=True)
+        out.append(_frame(distinct, {"key": keys[at], "check": checks[at], "count": counts, "value": distinct}))
+    return out
+
+
+def _distinct_of_columns(keys: list[Any], checks: list[Any], weights: list[Any] | None = None,
+                         present: list[Any] | None = None) -> list[tuple[Any, Any]]:
+    """The distinct values of several columns' rows given by their keys and check keys (``present``: the rows to
+    count, all when None), all in one sort: per column, a row of each value (ascending) and its rows' total weight
+    (``weights``: int64 per row, None: 1 each). Each column's keys lose their top bits to the column's index, so
+    one sort of all columns' words groups each column's values; the check keys keep values of one key apart
+    (:func:`distinct_by_key`)."""
+    if not keys:
+        return []
+    xp = array_module(keys[0])
+    tag_bits = (len(keys) - 1).bit_length()
+    words = [(k >> xp.uint64(tag_bits)) | xp.uint64(index << (64 - tag_bits)) if tag_bits else k
+             for index, k in enumerate(keys)]
+    offsets = np.cumsum([0] + [len(k) for k in keys]).tolist()
+    words, all_checks = xp.concatenate(words), xp.concatenate(checks)
+    all_weights = xp.concatenate(weights) if weights is not None else None
+    kept = xp.flatnonzero(xp.concatenate(present)) if present is not None else xp.arange(len(words))
+    if len(kept) < len(words):
+        words, all_checks = words[kept], all_checks[kept]
+        all_weights = all_weights[kept] if all_weights is not None else None
+    rows, counts = distinct_by_key(words, all_checks, all_weights)
+    by_row = xp.argsort(rows)
+    rows, counts = kept[rows[by_row]], counts[by_row]  # rows of all columns one after the other, ascending
+    bounds = xp.searchsorted(rows, xp.asarray(offsets)).tolist()
+    return [(rows[start:end] - offsets[index], counts[start:end]) for index, (start, end) in enumerate(pairwise(bounds))]
 
 
 @dataclass(frozen=True)
