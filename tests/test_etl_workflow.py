@@ -217,3 +217,61 @@ def test_the_output_schema_comes_from_the_operators():
         chained.output_schema([ColumnSchema("C1")])
     with pytest.raises(ValueError, match="has no role"):
         to_schema([ColumnSchema("x", dtype="float32")], rows={}, row_group_rows=0)
+
+
+@pytest.mark.parametrize("points", [65_536, 50])
+def test_normalize_after_a_median_fill_is_fitted_in_the_fills_phases_with_the_statistics_of_filled_values(
+        monkeypatch, points):
+    """``FillMissing(median) >> Clip >> LogOp >> Normalize``: Normalize's moments are taken in the fill's phase(s),
+    from the present values, and finished with the fill's value once known (``points`` 50: the median takes a
+    second phase). The means and stds are those of the filled values; no phase of Normalize's own reads the data."""
+    import dask
+    import dask.dataframe as dd
+
+    from pipeline.etl import workflow as workflow_module
+    from pipeline.etl.ops import median
+
+    monkeypatch.setattr(median, "SUMMARY_POINTS", points)
+    rng = np.random.default_rng(4)
+    n = 3000
+    frame = pd.DataFrame({
+        "a": np.where(rng.random(n) < 0.3, np.nan, rng.normal(5, 3, n)),    # clipped at 0, some missing
+        "b": np.where(rng.random(n) < 0.5, np.nan, rng.integers(0, 9, n)),  # half missing, ties at the median
+        "c": np.full(n, np.nan),                                            # all missing: filled with 0
+        "d": rng.normal(-4, 1, n),                                          # none missing, all clipped
+    })
+    phases = []
+    compute = workflow_module._compute_by_kind
+    monkeypatch.setattr(workflow_module, "_compute_by_kind", lambda lazy, progress: phases.append(len(lazy))
+                        or compute(lazy, progress))
+    chain = list(frame.columns) >> FillMissing(strategy="median") >> Clip(min_value=0) >> LogOp() >> Normalize()
+    with dask.config.set(scheduler="sync"):
+        fitted = Workflow(chain).fit(dd.from_pandas(frame, npartitions=4))
+    assert phases == ([2] if points > 100 else [2, 1])
+    fill, normalize = fitted.operators()[0][0], fitted.operators()[3][0]
+    for name in frame.columns:
+        values = np.log1p(frame[name].fillna(frame[name].median() if frame[name].notna().any() else 0.0).clip(0))
+        assert fill.fill_of(name) == (frame[name].median() if frame[name].notna().any() else 0.0)
+        assert normalize.means[name] == pytest.approx(values.mean(), rel=1e-12, abs=1e-12), name
+        if values.std() > 0:
+            assert normalize.stds[name] == pytest.approx(values.std(), rel=1e-9), name
+        else:
+            assert normalize.stds[name] == pytest.approx(0.0, abs=1e-7), name
+
+
+def test_a_fill_whose_value_the_chain_makes_missing_adds_nothing_and_other_graphs_keep_their_phases():
+    """A fill value that ``LogOp`` makes NaN (below -1) is not counted, as after a fill it is skipped; a statistic
+    whose path from the fill is not element-wise (a second parent) waits for the fill's phase as before."""
+    import dask.dataframe as dd
+
+    frame = pd.DataFrame({"a": [-5.0, -3.0, np.nan, -2.0, np.nan, 0.5, 1.0]})  # the median, -2, becomes NaN
+    fitted = Workflow(["a"] >> FillMissing(strategy="median") >> LogOp() >> Normalize()).fit(
+        dd.from_pandas(frame, npartitions=2))
+    normalize = fitted.operators()[2][0]
+    want = np.log1p(frame["a"].fillna(frame["a"].median()))  # log1p(-3) is NaN: missing, as are the filled ones
+    assert want.count() == 2
+    assert normalize.means["a"] == pytest.approx(want.mean()) and normalize.stds["a"] == pytest.approx(want.std())
+    both = ((["a"] >> FillMissing(strategy="median")) + ["b"]) >> Normalize()
+    frame["b"] = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
+    fitted = Workflow(both).fit(dd.from_pandas(frame, npartitions=2))
+    assert fitted.operators()[1][0].means["a"] == pytest.approx(frame["a"].fillna(frame["a"].median()).mean())

@@ -1,7 +1,8 @@
 """Workflow: fit an operator graph on a Dask DataFrame, transform data, save and load it.
 
 ``fit`` computes the statistics of every stateful operator with Dask reductions, in phases (an
-operator whose input comes out of another stateful operator waits for it, and an operator that
+operator whose input comes out of another stateful operator waits for it, unless only a FillMissing and
+element-wise operators lie between them, as under Normalize, and an operator that
 needs a second pass, such as FillMissing's exact median of many distinct values, takes the next
 phase too); the operators of one phase are computed together. ``transform`` maps partitions, and also takes
 a plain pandas DataFrame: this is the serving entry point (raw request rows in, model features out;
@@ -122,13 +123,20 @@ class Workflow:
         pending = [n for n in self._nodes if n.op and n.op.stateful]
         for node in pending:
             node.op.start_fit()
+        waiting: list[tuple[Node, Node, list[Operator], Any]] = []  # fitted before their fill: (node, fill, chain, stats)
         while pending:
             ready = [n for n in pending if all(a.op.fitted for a in n.walk() if a.op and a is not n)]
+            early = [(n, *below) for n in pending if n not in ready and (below := _fill_below(n)) and below[0] in ready]
             lazy = [n.op.fit(self._lazy_input(ddf, n)) for n in ready]
+            lazy += [n.op.fit_before_fill(self._lazy_input(ddf, fill), chain) for n, fill, chain in early]
             computed = _compute_by_kind(lazy, progress)
             for node, stats in zip(ready, computed):
                 node.op.fit_finalize(stats)
-            pending = [n for n in pending if not n.op.fitted]
+            waiting += [(n, fill, chain, stats) for (n, fill, chain), stats in zip(early, computed[len(ready):])]
+            for node, fill, chain, stats in [w for w in waiting if w[1].op.fitted]:
+                node.op.fit_finalize_after_fill(stats, _filled(fill, chain))
+            waiting = [w for w in waiting if not w[0].op.fitted]
+            pending = [n for n in pending if not n.op.fitted and all(n is not w[0] for w in waiting)]
         return self
 
     def transform(self, data: Any) -> Any:
@@ -419,6 +427,35 @@ def _lists_as_arrow(df: pd.DataFrame) -> pd.DataFrame:
             if len(sample) and isinstance(sample.iloc[0], (list, tuple, np.ndarray)):
                 converted[name] = pd.Series(pd.arrays.ArrowExtensionArray(as_arrow_lists(df[name])), index=df.index)
     return df.assign(**converted) if converted else df
+
+
+def _fill_below(node: Node) -> tuple[Node, list[Operator]] | None:
+    """Where ``node``'s operator can be fitted in the same phase as a ``FillMissing`` below it: that fill's node and
+    the element-wise operators between them (in order), when ``node`` takes the fill's columns through them alone
+    (as ``FillMissing >> Clip >> LogOp >> Normalize``); else None.
+
+    A statistic of values that pass through element-wise operators after a fill is the statistic of the present
+    values plus what the fill's value, through the same operators, adds for each missing one: it needs the fill's
+    value only at the end (:meth:`~pipeline.etl.ops.continuous.Normalize.fit_before_fill`), so the data is not read
+    again in a phase of its own."""
+    if not hasattr(node.op, "fit_before_fill") or len(node.parents) != 1:
+        return None
+    chain, below = [], node.parents[0]
+    while below.op is not None and getattr(below.op, "elementwise", False) and len(below.parents) == 1:
+        chain.append(below.op)
+        below = below.parents[0]
+    if not hasattr(below.op, "fill_of") or len(below.parents) != 1 or below.input_columns != node.input_columns:
+        return None
+    return below, chain[::-1]
+
+
+def _filled(fill: Node, chain: list[Operator]) -> dict[str, float]:
+    """What a missing value of each of ``fill``'s columns becomes: filled, then through ``chain``."""
+    names = fill.input_columns
+    rows = np.array([[fill.op.fill_of(name)] for name in names], dtype=np.float64)
+    for op in chain:
+        rows = op.transform_rows(names, rows)
+    return {name: float(rows[k, 0]) for k, name in enumerate(names)}
 
 
 def _compute_by_kind(lazy: list, progress: str | bool) -> list:

@@ -50,6 +50,10 @@ class Operator:
     """Tags this operator gives each output column (see :mod:`pipeline.etl.column_schema`)."""
     output_dtype: ClassVar[str | None] = None
     """dtype of the output columns; ``None``: the input's."""
+    elementwise: ClassVar[bool] = False
+    """True for a stateless operator whose every output value is a function of the same row's value of the same
+    column alone, computed by ``transform_rows`` (Clip, LogOp): a statistic after it can be fitted before a
+    FillMissing below it (``Workflow.fit``)."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

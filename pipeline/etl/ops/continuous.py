@@ -39,13 +39,28 @@ def _moments(df: Any, names: list[str]) -> np.ndarray:
     return moments.get() if xp is not np else moments
 
 
+def _moments_before_fill(df: Any, names: list[str], chain: list[Operator]) -> np.ndarray:
+    """``[4, column]`` float64 on the host: of the values present before a fill that stay present through ``chain``,
+    the count, sum and sum of squares after ``chain``; then the count of missing values (those a fill takes)."""
+    rows = float_rows(df, names)
+    xp = array_module(rows)
+    missing = xp.isnan(rows)
+    for op in chain:
+        rows = op.transform_rows(names, rows)
+    present = ~xp.isnan(rows) & ~missing
+    values = xp.where(present, rows, 0.0)
+    moments = xp.stack([present.sum(axis=1).astype(xp.float64), values.sum(axis=1), (values * values).sum(axis=1),
+                        missing.sum(axis=1).astype(xp.float64)])
+    return moments.get() if xp is not np else moments
+
+
 def _sum(*parts: np.ndarray) -> np.ndarray:
     return np.sum(parts, axis=0)
 
 
-def _moments_by_name(names: list[str], *parts: np.ndarray) -> dict[str, tuple[float, float, float]]:
+def _moments_by_name(names: list[str], *parts: np.ndarray) -> dict[str, tuple[float, ...]]:
     total = _sum(*parts)
-    return {name: (float(total[0, k]), float(total[1, k]), float(total[2, k])) for k, name in enumerate(names)}
+    return {name: tuple(float(v) for v in total[:, k]) for k, name in enumerate(names)}
 
 
 class _Matrix(Operator):
@@ -184,6 +199,7 @@ class MissingIndicator(_Matrix):
 class Clip(_Matrix):
     """Limit values to ``[min_value, max_value]`` (either may be None); missing values stay missing."""
 
+    elementwise = True
     output_tags = frozenset({CONTINUOUS})
     output_dtype = "float64"
 
@@ -206,6 +222,7 @@ class Clip(_Matrix):
 class LogOp(_Matrix):
     """``log1p(x)``: tames heavy-tailed counts. Clip to ``min_value=0`` first: below -1 gives NaN."""
 
+    elementwise = True
     output_tags = frozenset({CONTINUOUS})
     output_dtype = "float64"
 
@@ -241,6 +258,25 @@ class Normalize(_Matrix):
         names = list(ddf.columns)
         parts = [delayed(_moments, pure=True)(part, names) for part in ddf.to_delayed()]
         return reduce_tree(parts, _sum, functools.partial(_moments_by_name, names))
+
+    def fit_before_fill(self, ddf: Any, chain: list[Operator]) -> Any:
+        """Lazy statistics of ``ddf``'s columns as a fill and then ``chain`` would turn them into this operator's
+        input, before the fill's values are known: :meth:`fit_finalize_after_fill` adds them."""
+        from dask import delayed
+
+        names = list(ddf.columns)
+        parts = [delayed(_moments_before_fill, pure=True)(part, names, chain) for part in ddf.to_delayed()]
+        return reduce_tree(parts, _sum, functools.partial(_moments_by_name, names))
+
+    def fit_finalize_after_fill(self, stats: dict[str, tuple[float, ...]], filled: dict[str, float]) -> None:
+        """Finish :meth:`fit_before_fill`'s ``stats`` with ``filled``, what each column's missing values became:
+        each missing value adds it, as it is counted when the values are filled first (unless it is NaN)."""
+        moments = {}
+        for name, (n, total, sq, missing) in stats.items():
+            value = filled[name]
+            moments[name] = (n, total, sq) if np.isnan(value) or not missing else (
+                n + missing, total + missing * value, sq + missing * value * value)
+        self.fit_finalize(moments)
 
     def fit_finalize(self, stats: Any) -> None:
         self.means, self.stds = {}, {}
