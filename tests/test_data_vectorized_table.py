@@ -258,3 +258,15 @@ def test_the_data_stage_writes_the_same_raw_data_with_the_vectorized_reader(tmp_
 def test_files_without_a_good_row(tmp_path, monkeypatch, xp, rows):
     report = _assert_same(_write(tmp_path / "rows.csv", rows), xp, monkeypatch)
     assert report.rows_kept == 0
+
+
+def test_a_table_of_parquet_files_only_is_not_said_to_be_parsed_as_text(tmp_path, capsys):
+    from pipeline.stages.data import text_array_module
+
+    pq.write_table(pa.table({"clicked": [0, 1], "user": ["a", "b"]}), tmp_path / "rows.parquet")
+    (tmp_path / "rows.csv").write_text("clicked,user\n0,a\n")
+    for name, module in (("rows.parquet", None), ("rows.csv", "numpy"), ("*", "numpy")):
+        cfg = load_config(None, ["data.source=table", f"data.path={tmp_path / name}", "data.label=clicked",
+                                 "data.categorical=user", "data.reader=vectorized", "device=cpu"])
+        assert text_array_module(cfg) == module
+    assert capsys.readouterr().out.count("text parsed with numpy") == 2

@@ -237,6 +237,12 @@ def input_files(d: DataConfig) -> list[tuple[Path, str | None]]:
     return files
 
 
+def reads_text(d: DataConfig) -> bool:
+    """Whether any input file is text (Criteo TSV, a CSV / TSV table): what :func:`ingest`'s ``array_module``
+    parses."""
+    return d.source == "criteo" or any(_table_format(p) != "parquet" for p, _ in input_files(d))
+
+
 def ingest_params(d: DataConfig) -> dict:
     """The settings and input files (with sizes and times) that determine an ingest."""
     return {

@@ -77,7 +77,7 @@ def text_array_module(cfg: PipelineConfig) -> str | None:
     not is said in one line, and Arrow parses)."""
     d = cfg.data
     has_cupy = importlib.util.find_spec("cupy") is not None
-    if d.source == "synthetic" or d.reader == "arrow" or (d.reader == "auto" and not has_cupy):
+    if d.source == "synthetic" or d.reader == "arrow" or (d.reader == "auto" and not has_cupy) or not readers.reads_text(d):
         return None
     cuda = resolve_device(cfg.device).is_cuda
     if d.reader == "vectorized" and cuda and not has_cupy:
