@@ -588,3 +588,10 @@ def test_criteo_scale_runs_tsv_to_processed_timing_each_stage_and_compares_a_sam
     assert whole["criteo_1tb_hours"] == pytest.approx(scale.CRITEO_1TB_ROWS / whole["rows_per_s"] / 3600)
     assert r["sample"]["equal"] and 0 < r["sample"]["rows"] < 20_000
     assert "raw TSV to processed parquet" in capsys.readouterr().out
+
+
+def test_bench_etl_sides_write_the_same_table_with_the_default_frequency_threshold(tmp_path, capsys):
+    """The plain pandas side leaves out values seen fewer than etl.freq_threshold times, as the workflow does (it
+    kept them, and the bench stopped on the first categorical column)."""
+    assert main(["bench", "etl", "--rows", "20000", "--cluster", "threads", f"workdir={tmp_path}", "device=cpu"]) == 0
+    assert "every side wrote the same table" in capsys.readouterr().out

@@ -98,7 +98,7 @@ def run(args: argparse.Namespace, cfg) -> dict:
                 shutil.rmtree(out)
             _write_json(args.json, summary)
         if not args.no_baseline:
-            baseline = _PandasBaseline(roles)
+            baseline = _PandasBaseline(roles, cfg.etl.freq_threshold, cfg.etl.max_vocab_size)
             t = time.perf_counter()
             baseline.fit(files)
             base = {"fit": time.perf_counter() - t}
@@ -265,10 +265,12 @@ def _check_agreement(first: Path, other: Path, roles: dict) -> None:
 
 
 class _PandasBaseline:
-    """The same operations written plainly with pandas, in one process, all rows in memory."""
+    """The same operations written plainly with pandas, in one process, all rows in memory: values seen fewer than
+    ``freq_threshold`` times, and past the ``max_vocab_size`` most frequent (0: no limit), are out of vocabulary."""
 
-    def __init__(self, roles: dict):
+    def __init__(self, roles: dict, freq_threshold: int = 0, max_vocab_size: int = 0):
         self.roles = roles
+        self.freq_threshold, self.max_vocab_size = freq_threshold, max_vocab_size
         self.vocab: dict = {}
         self.median: dict = {}
         self.mean: dict = {}
@@ -290,8 +292,9 @@ class _PandasBaseline:
         df = self._read(files)
         for name in self.roles["categorical"]:
             counts = df[name].value_counts().rename_axis("value").reset_index(name="count")
-            counts = counts.sort_values(["count", "value"], ascending=[False, True])
-            self.vocab[name] = pd.Index(counts["value"])
+            counts = counts[counts["count"] >= self.freq_threshold].sort_values(["count", "value"],
+                                                                                ascending=[False, True])
+            self.vocab[name] = pd.Index(counts["value"][:self.max_vocab_size or None])
         for name in self.roles["continuous"]:
             self.median[name] = df[name].median()
             values = self._dense(df[name])
