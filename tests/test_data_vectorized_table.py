@@ -270,3 +270,19 @@ def test_a_table_of_parquet_files_only_is_not_said_to_be_parsed_as_text(tmp_path
                                  "data.categorical=user", "data.reader=vectorized", "device=cpu"])
         assert text_array_module(cfg) == module
     assert capsys.readouterr().out.count("text parsed with numpy") == 2
+
+
+@pytest.mark.parametrize("xp", XPS)
+def test_a_table_of_hundreds_of_number_columns_names_the_bad_one(tmp_path, monkeypatch, xp):
+    names = [f"x{k}" for k in range(300)]
+    lines = [",".join(["1", *(f"{k * 0.5 + i}" for k in range(300))]) for i in range(50)]
+    lines[7] = ",".join(
+        ["1", *("oops" if k == 280 else f"{k * 0.5}" for k in range(300))])
+    path = tmp_path / "wide.csv"
+    path.write_text("clicked," + ",".join(names) + "\n" + "\n".join(lines) + "\n")
+    roles = Roles("clicked", names, [], [], [], "")
+    want, got = FileReport(str(path)), FileReport(str(path))
+    want_tables = list(read_table(path, roles, 64, want))
+    got_tables = list(read_table(path, roles, 64, got, xp=pytest.importorskip(xp)))
+    assert got == want and got.examples[0]["reason"] == "x280: 'oops' is not a number"
+    assert all(t.equals(w) for (t, _), (w, _) in zip(got_tables, want_tables))

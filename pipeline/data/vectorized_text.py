@@ -113,7 +113,7 @@ def parse_block(xp: ModuleType, layout: TextLayout, block: bytes | memoryview, f
     starts = xp.concatenate([xp.zeros(1, ends.dtype), ends + 1])[:-1]
     crlf = (ends > starts) & (data[xp.maximum(ends - 1, 0)] == CR)
     stops = ends - crlf.astype(ends.dtype)  # a \r\n line's \r is not content
-    problem = xp.zeros(ends.size, dtype=xp.uint8)
+    problem = xp.zeros(ends.size, dtype=xp.int32)  # VALUE + k: a table may check hundreds of columns
 
     def mark(lines, code: int) -> None:
         """The lines of the mask or indices ``lines`` without an earlier problem get problem ``code``."""
@@ -143,8 +143,8 @@ def parse_block(xp: ModuleType, layout: TextLayout, block: bytes | memoryview, f
         out_of_range = (row_problem > 0) & xp.stack(beyond)[first_bad, xp.arange(rows.size)]
     else:
         row_problem = out_of_range = xp.zeros(rows.size, dtype=bool)
-    problem[rows] = row_problem.astype(xp.uint8)
-    kind = xp.asarray(layout.problem_kinds(), dtype=xp.int32)[problem.astype(xp.int32)]
+    problem[rows] = row_problem.astype(xp.int32)
+    kind = xp.asarray(layout.problem_kinds(), dtype=xp.int32)[problem]
     kind[rows[out_of_range]] = KINDS.index("out_of_range")
     _report(xp, layout, block, first_line, report, starts, ends, problem, kind)
 
