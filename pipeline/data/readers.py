@@ -14,7 +14,9 @@ hold a newline). Empty lines and lines that are not UTF-8 are taken out first; `
 then parses the block with its final types on all threads and rejects rows with the wrong number
 of fields. A block with such rows is parsed again on one thread (to learn their line numbers), and
 a block with a value that does not convert is parsed again as text and checked column by column,
-so one bad row never takes its block down and every bad row is counted with its line number.
+so one bad row never takes its block down and every bad row is counted with its line number. Given an array
+module (``xp``: ``data.reader``), a block is parsed with array operations instead
+(:mod:`pipeline.data.vectorized_text`, on the GPU with CuPy), with the same rows and report.
 Malformed rows: the wrong number of fields (empty lines included), broken UTF-8, a non-number in a
 numeric column (an integer is ``-?[0-9]+``: not ``0x1f``, not `` 7``), an integer outside the int64
 range, an infinite number, a label other than 0/1 (``0``, ``1``, ``1.0``; not ``01``), a quoted
