@@ -194,7 +194,7 @@ def read_table(path: str | Path, roles: Roles, chunk_rows: int, report: FileRepo
     With a time column in ``roles``, each table also has the rows' time keys (int64) as column
     :data:`~pipeline.data.time_split.TIME_KEY`, and a row without a usable time is malformed.
     With an array module ``xp``, text is parsed as :func:`read_criteo` parses it (not with a time column, nor a
-    block of a CSV that holds a quote: those go to ``pyarrow.csv``).
+    block that quotes otherwise than whole values: those go to ``pyarrow.csv``).
     """
     yield from _read_table(Path(path), roles, _kinds(roles, integer_continuous=False), chunk_rows, report,
                            stop_on_bad, list_separator, xp)

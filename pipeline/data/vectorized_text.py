@@ -7,8 +7,9 @@ into), what the lines hold (a :class:`TextLayout`: Criteo's, :data:`CRITEO`, or 
 table: label int8, numbers float64, categories string, lists of strings; empty = null), the same line numbers and the
 same report. The block goes to ``xp`` once as bytes; line ends, delimiters, UTF-8 and the values
 (:mod:`pipeline.data.vectorized_values`) are then checked for every line at once, with no Python loop over lines or
-fields, so the same code runs on the GPU with ``xp=cupy``. A block of a quoted format (CSV) that holds a quote
-character is not parsed here (None): quoting is the Arrow path's.
+fields, so the same code runs on the GPU with ``xp=cupy``. In a quoted format (CSV) a value wrapped whole in quotes
+(``"a, b"``, as pandas and Arrow write text) is read here; a block with any other use of quotes (an escaped ``""``,
+a quote inside a value, a value left open) is not (None): that quoting is the Arrow path's.
 
 A malformed line has the first problem the Arrow path finds, in its order: an empty line, a line
 over ``MAX_LINE_BYTES``, a ``\\r`` inside the line, broken UTF-8, the wrong number of fields, then the first of
@@ -28,6 +29,7 @@ Example::
 
 from __future__ import annotations
 
+import csv
 import re
 from dataclasses import dataclass
 from types import ModuleType
@@ -102,11 +104,10 @@ def parse_block(xp: ModuleType, layout: TextLayout, block: bytes | memoryview, f
                 ) -> tuple[pa.Table, np.ndarray, int] | None:
     """The valid lines of ``block`` as a table, their line numbers, and the number of lines in the
     block; the malformed ones go to ``report``. ``block`` holds whole lines, each ending in ``\\n``.
-    None (and nothing reported) for a block that holds a quote where values may be quoted."""
+    None (and nothing reported) for a block whose quoting is not of the simple kind :func:`_outside_quotes` takes
+    (where values may be quoted): the Arrow path parses it."""
     host = np.frombuffer(block, dtype=np.uint8)
     data = xp.asarray(host)
-    if layout.quoting and bool((data == QUOTE).any()):
-        return None
     fields = len(layout.fields)
     index = xp.int32 if len(block) < 2**31 else xp.int64  # positions in the block: half the memory traffic
     ends = xp.flatnonzero(data == NL).astype(index)
@@ -127,6 +128,11 @@ def parse_block(xp: ModuleType, layout: TextLayout, block: bytes | memoryview, f
     mark(xp.searchsorted(ends, returns[data[returns + 1] != NL]), CARRIAGE)  # the block ends in \n, not \r
     mark(_lines_not_utf8(xp, data, ends), UTF8)
     cuts = xp.flatnonzero(data == layout.delimiter).astype(index)
+    quotes = xp.flatnonzero(data == QUOTE).astype(index) if layout.quoting else None
+    if quotes is not None and quotes.size:
+        cuts = _outside_quotes(xp, data, quotes, cuts, starts, ends, stops, layout.delimiter)
+        if cuts is None:
+            return None
     cuts_before_end = xp.searchsorted(cuts, ends)
     cut_counts = cuts_before_end - xp.concatenate([xp.zeros(1, cuts_before_end.dtype), cuts_before_end[:-1]])
     mark(cut_counts != fields - 1, FIELD_COUNT)
@@ -135,6 +141,9 @@ def parse_block(xp: ModuleType, layout: TextLayout, block: bytes | memoryview, f
     at_cut = cuts[(cuts_before_end[rows] - (fields - 1))[:, None] + xp.arange(fields - 1)]
     field_starts = xp.concatenate([starts[rows][:, None], at_cut + 1], axis=1)
     field_ends = xp.concatenate([at_cut, stops[rows][:, None]], axis=1)
+    if quotes is not None and quotes.size:  # a quoted value is what its quotes hold
+        quoted = (field_ends - field_starts >= 2) & (data[xp.minimum(field_starts, data.size - 1)] == QUOTE)
+        field_starts, field_ends = field_starts + quoted, field_ends - quoted
     columns, fits, beyond = _values(xp, layout, data, host, field_starts, field_ends)
     if fits:
         bad = ~xp.stack(fits)
@@ -152,6 +161,22 @@ def parse_block(xp: ModuleType, layout: TextLayout, block: bytes | memoryview, f
     table, lines = _table(xp, layout, data, {name: tuple(a[good] for a in arrays) for name, arrays in columns.items()},
                           field_starts[good], field_ends[good], rows[good].astype(xp.int64) + first_line)
     return table, lines, int(ends.size)
+
+
+def _outside_quotes(xp: ModuleType, data, quotes, cuts, starts, ends, stops, delimiter: int):
+    """The delimiters ``cuts`` that are not inside a quoted value, where every quote of the block opens a value at
+    its start and closes it at its end (so a line's quotes pair up: ``"a,b"``, ``""``, ``"x"``); None for any other
+    quoting (a quote inside a value, an escaped ``""``, a value left open), which the Arrow path parses."""
+    line = xp.searchsorted(ends, quotes)
+    first = xp.searchsorted(quotes, starts)  # each line's first quote, among all of them
+    opening = (xp.arange(quotes.size) - first[line]) % 2 == 0
+    at_start = (quotes == starts[line]) | (data[xp.maximum(quotes - 1, 0)] == delimiter)
+    at_end = (quotes + 1 == stops[line]) | (data[quotes + 1] == delimiter)  # the block ends in \n, not a quote
+    paired = (xp.searchsorted(quotes, ends) - first) % 2 == 0
+    if not bool(xp.where(opening, at_start, at_end).all() & paired.all()):
+        return None
+    inside = xp.searchsorted(quotes, cuts) % 2 == 1  # every line's quotes pair up: an odd count before is open
+    return cuts[~inside]
 
 
 def _values(xp: ModuleType, layout: TextLayout, data, host: np.ndarray, field_starts, field_ends):
@@ -353,12 +378,12 @@ def _reason(layout: TextLayout, problem: int, line: bytes) -> tuple[str, bytes]:
         return carriage_return_reason(_LONE_CR.search(line + b"\n").start()), line
     if problem == UTF8:
         return str(utf8_reason(line)), line
-    delimiter = bytes([layout.delimiter])
+    text, delimiter = content.decode("utf-8"), chr(layout.delimiter)
+    values = next(csv.reader([text], delimiter=delimiter)) if layout.quoting else text.split(delimiter)
     if problem == FIELD_COUNT:
-        return field_count_reason(fields, content.count(delimiter) + 1), line
+        return field_count_reason(fields, len(values)), line
     name, kind = layout.checked[problem - VALUE]
-    value = content.split(delimiter)[layout.fields.index(name)].decode("utf-8")
-    return value_problem(name, kind, value)[1], line
+    return value_problem(name, kind, values[layout.fields.index(name)])[1], line
 
 
 def _host(array) -> np.ndarray:
