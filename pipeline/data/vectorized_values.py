@@ -5,11 +5,10 @@ Each function takes the block on its array module ``xp`` and the fields as two a
 :mod:`pipeline.data.readers` does one by one: labels by the readers' label pattern, integers by ``-?[0-9]+`` within
 the int64 range, numbers by the float pattern, pandas' missing words and a finite value, lists by their separator.
 
-A number is converted on ``xp`` where that is exact: at most 19 significant digits whose integer is at most 2**53,
-times a power of ten up to 10**22, is one correctly rounded product or quotient of two exact doubles (Clinger's fast
-path, which Arrow's parser takes too). The other numbers (more digits, larger exponents) and the fields that are not
-written as numbers (``NA``, ``inf``, a typo) are few in real data; they are read on the host by Arrow's own cast, so
-every value is the one the Arrow path gives.
+A number of at most 19 significant digits whose value is a normal double is converted on ``xp``
+(:mod:`pipeline.data.nearest_double`: the nearest double, as Arrow's parser finds it). The other numbers (more digits,
+subnormal or beyond the doubles) and the fields that are not written as numbers (``NA``, ``inf``, a typo) are few in
+real data; they are read on the host by Arrow's own cast, so every value is the one the Arrow path gives.
 """
 
 from __future__ import annotations
@@ -20,12 +19,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from pipeline.data.nearest_double import nearest_doubles
 from pipeline.data.text_format import MISSING_NUMBER_PATTERN, is_infinite
 
 NL, CR, TAB, PLUS, MINUS, DOT, ZERO = 10, 13, 9, 43, 45, 46, 48
 INT64_DIGITS = 19
-_EXACT_INTEGER = 2**53  # every integer up to this is a double
-_EXACT_POWER = 22  # 10**22 is the largest power of ten that is a double
 _EXPONENT_DIGITS = 6  # an exponent of more digits is read on the host
 
 
@@ -153,12 +151,9 @@ def numbers(xp: ModuleType, data, host: np.ndarray, starts, ends):
     exponent = xp.where(data[xp.minimum(starts + mark_at + 1, data.size - 1)] == MINUS, -exponent, exponent)
     scale = exponent - fraction
     zero = ~huge & (significand == 0)
-    exact = written & (zero | (~huge & ~long_exponent & (significand <= xp.uint64(_EXACT_INTEGER))
-                               & (xp.abs(scale) <= _EXACT_POWER)))
-    magnitude = significand.astype(xp.float64)
-    tens = xp.asarray([10.0**k for k in range(_EXACT_POWER + 1)])
-    step = tens[xp.clip(xp.abs(scale), 0, _EXACT_POWER)]
-    magnitude = xp.where(zero, 0.0, xp.where(scale >= 0, magnitude * step, magnitude / step))
+    magnitude, normal = nearest_doubles(xp, xp.where(zero, xp.uint64(1), significand), scale.astype(xp.int64))
+    exact = written & (zero | (~huge & ~long_exponent & normal))
+    magnitude = xp.where(zero, 0.0, magnitude)
     values = xp.where(data[first] == MINUS, -magnitude, magnitude)
     present, fits, beyond = ~(length == 0), xp.ones(length.size, bool), xp.zeros(length.size, bool)
     off_path = xp.flatnonzero((length > 0) & ~exact)
