@@ -241,11 +241,47 @@ def test_a_block_is_parsed_the_same_whole_or_in_pieces(xp):
     assert parts.bad == whole.bad
 
 
-def test_a_time_column_or_a_long_list_separator_leaves_the_file_to_the_arrow_path():
+def test_a_long_list_separator_leaves_the_file_to_the_arrow_path():
     kinds = readers._kinds(ROLES, integer_continuous=False)
     assert text_layout(HEADER, kinds, ",", True, "|") is not None
     assert text_layout(HEADER, kinds, ",", True, "||") is None
-    assert text_layout([*HEADER, "day"], {**kinds, "day": "time"}, ",", True, "|") is None
+
+
+TIMES_KEPT = ["2024-01-05", "2024-01-05T10:00:00", "2024-01-05 10:00:00.5", "2024-01-05T10:00:00Z",
+              "2024-01-05T10:00:00+02:00", '"2024-02-29"']
+TIMES_BAD = ["", "yesterday", "2024-02-30", "2024-13-01", "1.5", '"soon"', "2024-01-05T25:00"]
+
+
+@pytest.mark.parametrize("xp", XPS)
+@pytest.mark.parametrize("form", ["dated", "integer"])
+@pytest.mark.parametrize("feature", [False, True])
+def test_a_time_column_gives_the_arrow_paths_keys_forms_and_bad_times(tmp_path, monkeypatch, xp, form, feature):
+    """The rows' time keys (the last column), the forms of time met and each row whose time is none, as the Arrow
+    path gives them, with the time column read for the split only or also a feature (a category)."""
+    roles = Roles("clicked", ["price"], ["user"] + (["day"] if feature else []), [], [], "day")
+    kept = TIMES_KEPT if form == "dated" else ["1700000000", "-5", "0", '"42"', "9223372036854775807"]
+    bad = TIMES_BAD + (["2024-01-05"] if form == "integer" else ["99999999999999999999"])
+    values = [kept[i % len(kept)] for i in range(300)]
+    for k, value in enumerate(bad):
+        values[7 + 31 * k] = value
+    lines = [f"{i % 2},{i * 0.25},u{i % 7},{value}".encode() for i, value in enumerate(values)]
+    lines[100] = b"2,1.0,u1," + values[100].encode()  # a bad label: counted as that, not for its time
+    lines[101] = b"1,2.0,u1"                          # too few fields
+    path = tmp_path / "rows.csv"
+    path.write_bytes(b"clicked,price,user,day\n" + b"\n".join(lines) + b"\n")
+    want, got = FileReport(str(path)), FileReport(str(path))
+    want_tables = list(read_table(path, roles, 64, want))
+    keys_want, report_want = readers.read_times(path, roles, 64)
+    monkeypatch.setattr(readers, "_parse_block", None)  # every block through the vectorized parse
+    got_tables = list(read_table(path, roles, 64, got, xp=pytest.importorskip(xp)))
+    assert got == want and got.bad["bad_time"] >= len(TIMES_BAD) - 1 and got.time_forms
+    assert len(got_tables) == len(want_tables)
+    for (table, lines_got), (want_table, lines_want) in zip(got_tables, want_tables):
+        assert table.equals(want_table) and table.column_names[-1] == "__time__"
+        np.testing.assert_array_equal(lines_got, lines_want)
+    keys_got, report_got = readers.read_times(path, roles, 64, xp=pytest.importorskip(xp))
+    np.testing.assert_array_equal(keys_got, keys_want)
+    assert report_got == report_want
 
 
 @pytest.mark.parametrize("xp", XPS)
@@ -300,3 +336,28 @@ def test_a_table_of_hundreds_of_number_columns_names_the_bad_one(tmp_path, monke
     got_tables = list(read_table(path, roles, 64, got, xp=pytest.importorskip(xp)))
     assert got == want and got.examples[0]["reason"] == "x280: 'oops' is not a number"
     assert all(t.equals(w) for (t, _), (w, _) in zip(got_tables, want_tables))
+
+
+@pytest.mark.parametrize("xp", XPS)
+def test_the_data_stage_splits_by_time_the_same_with_the_vectorized_reader(tmp_path, xp):
+    days = [f"2024-{1 + i % 12:02d}-{1 + i % 28:02d}" for i in range(2000)]
+    lines = [f"{i % 2},{i * 0.5},u{i % 13},{day}" for i, day in enumerate(days)]
+    lines[77] = "1,2.0,u1,someday"
+    parts = [tmp_path / "a.csv", tmp_path / "b.csv"]
+    for k, part in enumerate(parts):
+        part.write_text("clicked,price,user,day\n" + "\n".join(lines[k::2]) + "\n")
+    device = "cpu" if xp == "numpy" else "cuda"
+    made = {}
+    for reader in ("arrow", "vectorized"):
+        cfg = load_config(None, [f"workdir={tmp_path / reader}", "data.source=table", f"data.path={tmp_path}/*.csv",
+                                 "data.label=clicked", "data.continuous=price", "data.categorical=user",
+                                 "data.time_column=day", "data.valid_fraction=0.1", "data.test_fraction=0.1",
+                                 "data.on_bad_lines=skip", f"data.reader={reader}", f"device={device}", "progress=off"])
+        raw = ensure_raw(cfg)
+        meta = json.loads((raw.root / "meta.json").read_text())
+        report = json.loads((raw.root / "ingest_report.json").read_text())
+        tables = {s: pa.concat_tables([pq.read_table(p) for p in parts]) for s, parts in raw.splits.items()}
+        made[reader] = (meta["time_cuts"], report, tables)
+    assert made["vectorized"][0] == made["arrow"][0] and made["arrow"][0]["test"] is not None
+    assert made["vectorized"][1] == made["arrow"][1] and made["arrow"][1]["bad"] == {"bad_time": 1}
+    assert all(made["vectorized"][2][s].equals(t) for s, t in made["arrow"][2].items())

@@ -42,7 +42,7 @@ class DataConfig:
     reader: str = field(default="auto", metadata={
         "help": "criteo, table (CSV/TSV): auto | arrow | vectorized: how the text is parsed and checked. arrow: "
                 "pyarrow.csv; vectorized: array operations, through CuPy on the GPU when the device is cuda, else "
-                "numpy (a table's time column, and a block quoting otherwise than whole values, go to arrow); both "
+                "numpy (a block quoting otherwise than whole values goes to arrow); both "
                 "give the same rows and report. auto: vectorized on the GPU when the device is cuda and CuPy works "
                 "there, else arrow"})
     label: str = field(default="label", metadata={"help": "table: the 0/1 label column"})

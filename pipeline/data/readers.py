@@ -193,22 +193,22 @@ def read_table(path: str | Path, roles: Roles, chunk_rows: int, report: FileRepo
     columns stay int64, floating ones float64; integer categorical columns become strings.
     With a time column in ``roles``, each table also has the rows' time keys (int64) as column
     :data:`~pipeline.data.time_split.TIME_KEY`, and a row without a usable time is malformed.
-    With an array module ``xp``, text is parsed as :func:`read_criteo` parses it (not with a time column, nor a
-    block that quotes otherwise than whole values: those go to ``pyarrow.csv``).
+    With an array module ``xp``, text is parsed as :func:`read_criteo` parses it (but a block that quotes otherwise
+    than whole values, which goes to ``pyarrow.csv``).
     """
     yield from _read_table(Path(path), roles, _kinds(roles, integer_continuous=False), chunk_rows, report,
                            stop_on_bad, list_separator, xp)
 
 
-def read_times(path: str | Path, roles: Roles, chunk_rows: int, list_separator: str = "|"
-               ) -> tuple[np.ndarray, FileReport]:
+def read_times(path: str | Path, roles: Roles, chunk_rows: int, list_separator: str = "|",
+               xp: ModuleType | None = None) -> tuple[np.ndarray, FileReport]:
     """The first pass of a split by time: the time keys of a table's rows (only the time column is
     converted; a row malformed in another column is still counted), and the report (its ``time_forms``)."""
     report = FileReport(str(path))
     keys = []
     try:
         for table, _ in _read_table(Path(path), roles, {roles.time: "time"}, chunk_rows, report, False,
-                                    list_separator):
+                                    list_separator, xp):
             keys.append(table.column(TIME_KEY).to_numpy())
     except _DamagedFile:
         pass  # the ingest pass reports it
@@ -276,7 +276,7 @@ def ingest(d: DataConfig, seed: int, root: Path, params: dict, progress: str | b
     rule = SplitRule(seed, 0.0 if "valid" in pinned else d.valid_fraction,
                      0.0 if "test" in pinned else d.test_fraction)
     if roles.time and (rule.valid_fraction or rule.test_fraction):
-        rule = replace(rule, cuts=_time_cuts([p for p, s in files if s is None], roles, d, rule))
+        rule = replace(rule, cuts=_time_cuts([p for p, s in files if s is None], roles, d, rule, array_module))
     jobs = [(i, path, split) for i, (path, split) in enumerate(files)]
     args = (d, roles, rule, root, array_module)
     raw_folder.clear(root)
@@ -328,15 +328,17 @@ class SplitRule:
         return split_codes(lines, file_index, self.seed, self.valid_fraction, self.test_fraction)
 
 
-def _time_cuts(paths: list[Path], roles: Roles, d: DataConfig, rule: SplitRule) -> TimeCuts:
+def _time_cuts(paths: list[Path], roles: Roles, d: DataConfig, rule: SplitRule, array_module: str | None
+               ) -> TimeCuts:
     """The first pass of a split by time: every file's time keys (in parallel), then the cuts."""
     print(f"[data] reading the time column {roles.time!r} of {len(paths)} file(s) to split by time", flush=True)
+    xp = importlib.import_module(array_module) if array_module else None
     if len(paths) == 1:
-        results = [read_times(paths[0], roles, d.chunk_rows, d.list_separator)]
+        results = [read_times(paths[0], roles, d.chunk_rows, d.list_separator, xp)]
     else:
         import dask
 
-        results = list(dask.compute(*[dask.delayed(read_times, pure=False)(p, roles, d.chunk_rows, d.list_separator)
+        results = list(dask.compute(*[dask.delayed(read_times, pure=False)(p, roles, d.chunk_rows, d.list_separator, xp)
                                       for p in paths]))
     forms = {}
     for _, report in results:
@@ -455,7 +457,8 @@ def _read_text(path: Path, names: list[str] | None, kinds: dict[str, str], delim
             if not len(block):
                 continue
         if xp is not None and layout is None:
-            layout = vectorized_text.text_layout(names, kinds, delimiter, quoting, separator) or False
+            layout = vectorized_text.text_layout(names, kinds, delimiter, quoting, separator,
+                                                 roles.time if roles else "") or False
         parsed = vectorized_text.parse_block(xp, layout, block, line, report) if layout else None
         if parsed is None:
             block = bytes(block)

@@ -50,11 +50,12 @@ from pipeline.data.text_format import (
     utf8_reason,
     value_problem,
 )
+from pipeline.data.time_split import FORMS, TIME_KEY, time_keys
 
 KINDS = ["wrong_field_count", "line_too_long", "carriage_return", "invalid_utf8", "bad_label", "not_a_number",
-         "out_of_range"]
+         "out_of_range", "bad_time"]
 # A malformed line's first problem, numbered in the order the Arrow path looks (0: none). The problem
-# VALUE + k is the layout's k-th checked column (TextLayout.checked).
+# VALUE + k is the layout's k-th checked column (TextLayout.checked); the one after them, a time that is not one.
 EMPTY, LONG, CARRIAGE, UTF8, FIELD_COUNT, VALUE = 1, 2, 3, 4, 5, 6
 NL, CR, QUOTE = 10, 13, 34
 CHECKED = ("label", "int", "float")
@@ -64,14 +65,17 @@ _LONE_CR = re.compile(rb"\r(?!\n)")
 @dataclass(frozen=True)
 class TextLayout:
     """What the lines of a text file hold: every field of a line in order, the columns given back with their kinds
-    (``label``, ``int``, ``float``, ``string``, ``list``) in the output's order, the delimiter, whether values may
-    be quoted, and the byte that separates a list's items."""
+    (``label``, ``int``, ``float``, ``string``, ``list``; ``time``: read for the rows' times only) in the output's
+    order, the delimiter, whether values may be quoted, the byte that separates a list's items, and the column of
+    the rows' times (a table split by time: its keys are the output's last column,
+    :data:`~pipeline.data.time_split.TIME_KEY`)."""
 
     fields: tuple[str, ...]
     kinds: tuple[tuple[str, str], ...]
     delimiter: int
     quoting: bool = False
     separator: int = ord("|")
+    time: str = ""
 
     @property
     def checked(self) -> list[tuple[str, str]]:
@@ -82,16 +86,17 @@ class TextLayout:
         """The kind (an index of :data:`KINDS`) of each problem number."""
         return [-1] + [KINDS.index(kind) for kind in (
             "wrong_field_count", "line_too_long", "carriage_return", "invalid_utf8", "wrong_field_count",
-            *("bad_label" if kind == "label" else "not_a_number" for _, kind in self.checked))]
+            *("bad_label" if kind == "label" else "not_a_number" for _, kind in self.checked), "bad_time")]
 
 
-def text_layout(fields: list[str], kinds: dict[str, str], delimiter: str, quoting: bool = False, separator: str = "|"
-                ) -> TextLayout | None:
-    """The layout of a file's lines, from its ``fields`` (a table's header) and the ``kinds`` of the columns given
-    back; None where the Arrow path is the one to read it (a time column, a list separator of more than one byte)."""
-    if "time" in kinds.values() or ("list" in kinds.values() and len(separator.encode()) != 1):
+def text_layout(fields: list[str], kinds: dict[str, str], delimiter: str, quoting: bool = False, separator: str = "|",
+                time: str = "") -> TextLayout | None:
+    """The layout of a file's lines, from its ``fields`` (a table's header), the ``kinds`` of the columns given back
+    and the ``time`` column; None where the Arrow path is the one to read it (a list separator of more than one
+    byte)."""
+    if "list" in kinds.values() and len(separator.encode()) != 1:
         return None
-    return TextLayout(tuple(fields), tuple(kinds.items()), ord(delimiter), quoting, separator.encode()[0])
+    return TextLayout(tuple(fields), tuple(kinds.items()), ord(delimiter), quoting, separator.encode()[0], time)
 
 
 CRITEO = text_layout(["label", *CRITEO_CONTINUOUS, *CRITEO_CATEGORICAL],
@@ -151,7 +156,10 @@ def parse_block(xp: ModuleType, layout: TextLayout, block: bytes | memoryview, f
         row_problem = xp.where(bad.any(axis=0), VALUE + first_bad, 0)
         out_of_range = (row_problem > 0) & xp.stack(beyond)[first_bad, xp.arange(rows.size)]
     else:
-        row_problem = out_of_range = xp.zeros(rows.size, dtype=bool)
+        row_problem, out_of_range = xp.zeros(rows.size, dtype=xp.int32), xp.zeros(rows.size, dtype=bool)
+    keys = None
+    if layout.time:  # the times of the rows without another problem, read on the host as the Arrow path reads them
+        keys, row_problem = _times(xp, layout, host, field_starts, field_ends, row_problem, rows + first_line, report)
     problem[rows] = row_problem.astype(xp.int32)
     kind = xp.asarray(layout.problem_kinds(), dtype=xp.int32)[problem]
     kind[rows[out_of_range]] = KINDS.index("out_of_range")
@@ -160,7 +168,28 @@ def parse_block(xp: ModuleType, layout: TextLayout, block: bytes | memoryview, f
     good = xp.flatnonzero(row_problem == 0)
     table, lines = _table(xp, layout, data, {name: tuple(a[good] for a in arrays) for name, arrays in columns.items()},
                           field_starts[good], field_ends[good], rows[good].astype(xp.int64) + first_line)
+    if keys is not None:
+        table = pa.Table.from_arrays([*table.columns, pa.array(keys[_host(good)])], names=[*table.column_names, TIME_KEY])
     return table, lines, int(ends.size)
+
+
+def _times(xp: ModuleType, layout: TextLayout, host: np.ndarray, field_starts, field_ends, row_problem, lines,
+           report: FileReport):
+    """The time keys of the rows (int64, on the host; meaningful where the row has no problem) and the rows'
+    problems with the times that are not times added; the report learns the forms of time met
+    (:func:`~pipeline.data.time_split.time_keys` of the time column's text)."""
+    column = layout.fields.index(layout.time)
+    candidates = _host(xp.flatnonzero(row_problem == 0))
+    keys = np.zeros(len(row_problem), dtype=np.int64)
+    at = xp.asarray(candidates)
+    found, ok, dated = time_keys(values.texts(host, _host(field_starts[at, column]), _host(field_ends[at, column])))
+    keys[candidates] = found
+    row_problem[at[xp.asarray(~ok)]] = VALUE + len(layout.checked)
+    numbers = _host(lines[at])
+    for form, seen in zip(FORMS, (ok & ~dated, ok & dated)):
+        if seen.any() and form not in report.time_forms:
+            report.time_forms[form] = int(numbers[np.argmax(seen)])
+    return keys, row_problem
 
 
 def _outside_quotes(xp: ModuleType, data, quotes, cuts, starts, ends, stops, delimiter: int):
@@ -284,7 +313,7 @@ def _table(xp: ModuleType, layout: TextLayout, data, columns: dict, field_starts
         return pa.Array.from_buffers(pa.list_(pa.string()), rows, [mask, pa.py_buffer(lists)], nulls,
                                      children=[items])
 
-    names = [name for name, _ in layout.kinds]
+    names = [name for name, kind in layout.kinds if kind != "time"]
     return pa.Table.from_arrays([column(n) for n in names], names=names), host["lines"]
 
 
@@ -382,6 +411,10 @@ def _reason(layout: TextLayout, problem: int, line: bytes) -> tuple[str, bytes]:
     values = next(csv.reader([text], delimiter=delimiter)) if layout.quoting else text.split(delimiter)
     if problem == FIELD_COUNT:
         return field_count_reason(fields, len(values)), line
+    if problem == VALUE + len(layout.checked):
+        value = values[layout.fields.index(layout.time)]
+        return (f"{layout.time}: the time is missing" if value == "" else f"{layout.time}: {value[:40]!r} is not a "
+                "time (an integer, or an ISO 8601 date or date and time)"), line
     name, kind = layout.checked[problem - VALUE]
     return value_problem(name, kind, values[layout.fields.index(name)])[1], line
 

@@ -166,7 +166,7 @@ def _numbers_on_host(xp: ModuleType, host: np.ndarray, starts, ends, fields, wri
                      beyond) -> None:
     """Read ``fields`` (indices) on the host as the Arrow path does and write what they are into the arrays."""
     index = _to_host(fields)
-    text = _texts(host, _to_host(starts[fields]), _to_host(ends[fields]))
+    text = texts(host, _to_host(starts[fields]), _to_host(ends[fields]))
     is_number = _to_host(written[fields])
     number = pc.cast(text.filter(pa.array(is_number)), pa.float64()).to_numpy(zero_copy_only=False)
     value = np.full(index.size, np.nan)
@@ -194,7 +194,7 @@ def lists(xp: ModuleType, data, starts, ends, separator: int):
     return f.count(item_start), item_offsets, f.positions[kept]
 
 
-def _texts(host: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> pa.Array:
+def texts(host: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> pa.Array:
     """The fields ``[starts, ends)`` of the host's bytes as an Arrow string array."""
     positions, offsets = segments(np, starts.astype(np.int64), ends.astype(np.int64))
     return pa.Array.from_buffers(pa.string(), starts.size, [None, pa.py_buffer(offsets.astype(np.int64)
