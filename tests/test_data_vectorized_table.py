@@ -361,3 +361,25 @@ def test_the_data_stage_splits_by_time_the_same_with_the_vectorized_reader(tmp_p
     assert made["vectorized"][0] == made["arrow"][0] and made["arrow"][0]["test"] is not None
     assert made["vectorized"][1] == made["arrow"][1] and made["arrow"][1]["bad"] == {"bad_time": 1}
     assert all(made["vectorized"][2][s].equals(t) for s, t in made["arrow"][2].items())
+
+
+@pytest.mark.parametrize("files", [1, 3])
+def test_running_out_of_memory_in_the_vectorized_parse_is_one_error_line_naming_the_setting(tmp_path, monkeypatch,
+                                                                                         capsys, files):
+    from pipeline.data import vectorized_text
+    from pipeline.stages.cli import main
+
+    for k in range(files):
+        _write(tmp_path / f"rows{k}.csv", [_line(i, ",") for i in range(50)])
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError("Out of memory allocating 1,073,741,824 bytes (allocated so far: 0 bytes).")
+
+    monkeypatch.setattr(vectorized_text, "parse_block", no_memory)
+    assert main(["run", "data", f"workdir={tmp_path / 'w'}", "data.source=table", f"data.path={tmp_path}/*.csv",
+                 "data.label=clicked", "data.continuous=price,score", "data.categorical=user,city",
+                 "data.multihot=tags", "data.ignore=note", "data.reader=vectorized", "device=cpu",
+                 "progress=off"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "out of memory parsing" in err[0]
+    assert "data.chunk_rows" in err[0] and "data.reader=arrow" in err[0]

@@ -88,7 +88,7 @@ from pipeline.data.text_format import (
     value_problem,
 )
 from pipeline.data.time_split import FORMS, TIME_KEY, TimeCuts, time_keys
-from pipeline.errors import BadInputError
+from pipeline.errors import BadInputError, UserError
 from pipeline.files import write_json
 from pipeline.progress import Progress
 
@@ -459,7 +459,12 @@ def _read_text(path: Path, names: list[str] | None, kinds: dict[str, str], delim
         if xp is not None and layout is None:
             layout = vectorized_text.text_layout(names, kinds, delimiter, quoting, separator,
                                                  roles.time if roles else "") or False
-        parsed = vectorized_text.parse_block(xp, layout, block, line, report) if layout else None
+        try:
+            parsed = vectorized_text.parse_block(xp, layout, block, line, report) if layout else None
+        except MemoryError as err:  # CuPy's OutOfMemoryError is one
+            raise UserError(f"{path}: out of memory parsing {len(block):,} bytes of text with {xp.__name__} near line "
+                            f"{line} ({' '.join(str(err).split())[:120]}); lower data.chunk_rows, or set "
+                            "data.reader=arrow") from err
         if parsed is None:
             block = bytes(block)
             table, lines, excerpt = _parse_block(block, line, names, kinds, delimiter, quoting, report)
