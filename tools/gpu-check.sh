@@ -255,6 +255,7 @@ print(f'{len(sources)} sources in {time.time() - start:.0f} s')
       step loader-tests 180 "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_loader.py ;;
     etl)
       step data-tests 150 "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_data_vectorized_text.py \
+        tests/test_data_nearest_double.py \
         tests/test_data_vectorized_table.py tests/test_data_readers.py tests/test_data_stage.py
       step etl-tests 180 env PIPELINE_ETL_GPU_ROWS="${ETL_GPU_TEST_ROWS:-2000000}" \
         "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_etl_gpu.py
