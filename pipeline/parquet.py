@@ -35,11 +35,12 @@ def write_table(table: pa.Table, where: str | Path | Any, row_group_rows: int,
 
 def writer_options(schema: pa.Schema, compression: str) -> dict:
     """pyarrow writer options for a processed table of ``schema``: its integer columns dictionary-encoded,
-    ``compression`` (one of :data:`COMPRESSIONS`)."""
+    ``compression`` (one of :data:`COMPRESSIONS`), no min / max statistics (nothing reads them: the loader reads row
+    groups whole, in its own order; cuDF's writer leaves them out too)."""
     if compression not in COMPRESSIONS:
         raise ValueError(f"compression: expected one of {', '.join(COMPRESSIONS)}, got {compression!r}")
     codes = [f.name for f in schema if not pa.types.is_floating(f.type)]
-    return {"use_dictionary": codes, "compression": compression}
+    return {"use_dictionary": codes, "compression": compression, "write_statistics": False}
 
 
 def required_where_no_nulls(table: pa.Table) -> pa.Schema:

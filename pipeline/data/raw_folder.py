@@ -154,7 +154,7 @@ class PartWriter:
             return
         if self._writer is None:
             path = self.folder / f"{self.prefix}-{self._parts:05d}.parquet"
-            self._writer = pq.ParquetWriter(path, table.schema)
+            self._writer = pq.ParquetWriter(path, table.schema, write_statistics=False)  # nothing reads min / max
             self._parts += 1
         self._writer.write_table(table, row_group_size=self.part_rows)
         self.rows += table.num_rows
