@@ -51,6 +51,7 @@ from pipeline.data.text_format import (
     value_problem,
 )
 from pipeline.data.time_split import FORMS, TIME_KEY, time_keys
+from pipeline.data.vectorized_values import to_host
 
 KINDS = ["wrong_field_count", "line_too_long", "carriage_return", "invalid_utf8", "bad_label", "not_a_number",
          "out_of_range", "bad_time"]
@@ -169,7 +170,8 @@ def parse_block(xp: ModuleType, layout: TextLayout, block: bytes | memoryview, f
     table, lines = _table(xp, layout, data, {name: tuple(a[good] for a in arrays) for name, arrays in columns.items()},
                           field_starts[good], field_ends[good], rows[good].astype(xp.int64) + first_line)
     if keys is not None:
-        table = pa.Table.from_arrays([*table.columns, pa.array(keys[_host(good)])], names=[*table.column_names, TIME_KEY])
+        table = pa.Table.from_arrays([*table.columns, pa.array(keys[to_host(good)])],
+                                     names=[*table.column_names, TIME_KEY])
     return table, lines, int(ends.size)
 
 
@@ -179,13 +181,13 @@ def _times(xp: ModuleType, layout: TextLayout, host: np.ndarray, field_starts, f
     problems with the times that are not times added; the report learns the forms of time met
     (:func:`~pipeline.data.time_split.time_keys` of the time column's text)."""
     column = layout.fields.index(layout.time)
-    candidates = _host(xp.flatnonzero(row_problem == 0))
+    candidates = to_host(xp.flatnonzero(row_problem == 0))
     keys = np.zeros(len(row_problem), dtype=np.int64)
     at = xp.asarray(candidates)
-    found, ok, dated = time_keys(values.texts(host, _host(field_starts[at, column]), _host(field_ends[at, column])))
+    found, ok, dated = time_keys(values.texts(host, to_host(field_starts[at, column]), to_host(field_ends[at, column])))
     keys[candidates] = found
     row_problem[at[xp.asarray(~ok)]] = VALUE + len(layout.checked)
-    numbers = _host(lines[at])
+    numbers = to_host(lines[at])
     for form, seen in zip(FORMS, (ok & ~dated, ok & dated)):
         if seen.any() and form not in report.time_forms:
             report.time_forms[form] = int(numbers[np.argmax(seen)])
@@ -327,10 +329,6 @@ def _bitmaps(xp: ModuleType, valid):
     return (padded.reshape(k, -1, 8) * weights).sum(axis=2, dtype=xp.uint8)
 
 
-def _validity(bitmap: np.ndarray, nulls) -> pa.Buffer | None:
-    return pa.py_buffer(bitmap) if nulls else None
-
-
 def _packed_to_host(xp: ModuleType, parts: dict) -> dict[str, np.ndarray]:
     """The arrays of ``parts`` on the host, packed into one array (each at a multiple of 64 bytes, as Arrow places
     its buffers) that CuPy copies back in one transfer, into pinned memory."""
@@ -385,12 +383,12 @@ def _report(xp: ModuleType, layout: TextLayout, block: bytes, first_line: int, r
         return
     order = bad[xp.lexsort(xp.stack([bad, problem[bad].astype(bad.dtype)]))]
     kinds = kind[order]
-    counts = _host(xp.bincount(kinds, minlength=len(KINDS)))
+    counts = to_host(xp.bincount(kinds, minlength=len(KINDS)))
     firsts = {k: int(xp.argmax(kinds == k)) for k in np.flatnonzero(counts)}
     for k in sorted(firsts, key=firsts.get):  # a kind is listed where it is first met, as add_bad does
         report.bad[KINDS[k]] = report.bad.get(KINDS[k], 0) + int(counts[k])
     shown = order[: max(EXAMPLES - len(report.examples), 0)]
-    for i, start, end, code in zip(*(_host(a).tolist() for a in (shown, starts[shown], ends[shown], problem[shown]))):
+    for i, start, end, code in zip(*(to_host(a).tolist() for a in (shown, starts[shown], ends[shown], problem[shown]))):
         reason, excerpt = _reason(layout, code, bytes(block[start:end]))
         report.add_example(first_line + i, reason, excerpt)
 
@@ -417,8 +415,3 @@ def _reason(layout: TextLayout, problem: int, line: bytes) -> tuple[str, bytes]:
                 "time (an integer, or an ISO 8601 date or date and time)"), line
     name, kind = layout.checked[problem - VALUE]
     return value_problem(name, kind, values[layout.fields.index(name)])[1], line
-
-
-def _host(array) -> np.ndarray:
-    """``array`` as a numpy array (copied back from the GPU for CuPy)."""
-    return array if isinstance(array, np.ndarray) else array.get()

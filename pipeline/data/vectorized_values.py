@@ -79,7 +79,8 @@ class _Fields:
 
 
 def labels(xp: ModuleType, data, starts, ends):
-    """Each label as (int8 value, written ``[01](\\.0*)?`` or true / false in any case), as the readers' pattern asks."""
+    """Each label as (int8 value, written ``[01](\\.0*)?`` or true / false in any case), as the readers' pattern
+    asks."""
     f = _Fields(xp, data, starts, ends)
     b, at = f.bytes, f.at
     digits = (ends > starts) & (f.count(xp.where(at == 0, (b != ZERO) & (b != ZERO + 1),
@@ -165,11 +166,10 @@ def numbers(xp: ModuleType, data, host: np.ndarray, starts, ends):
 def _numbers_on_host(xp: ModuleType, host: np.ndarray, starts, ends, fields, written, values, present, fits,
                      beyond) -> None:
     """Read ``fields`` (indices) on the host as the Arrow path does and write what they are into the arrays."""
-    index = _to_host(fields)
-    text = texts(host, _to_host(starts[fields]), _to_host(ends[fields]))
-    is_number = _to_host(written[fields])
+    text = texts(host, to_host(starts[fields]), to_host(ends[fields]))
+    is_number = to_host(written[fields])
     number = pc.cast(text.filter(pa.array(is_number)), pa.float64()).to_numpy(zero_copy_only=False)
-    value = np.full(index.size, np.nan)
+    value = np.full(len(text), np.nan)
     value[is_number] = number
     missing = ~is_number & pc.match_substring_regex(text, MISSING_NUMBER_PATTERN).to_numpy(zero_copy_only=False)
     ok = np.where(is_number, ~np.isinf(value), missing)
@@ -197,8 +197,7 @@ def lists(xp: ModuleType, data, starts, ends, separator: int):
 def texts(host: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> pa.Array:
     """The fields ``[starts, ends)`` of the host's bytes as an Arrow string array."""
     positions, offsets = segments(np, starts.astype(np.int64), ends.astype(np.int64))
-    return pa.Array.from_buffers(pa.string(), starts.size, [None, pa.py_buffer(offsets.astype(np.int64)
-                                                                               .astype(np.int32)),
+    return pa.Array.from_buffers(pa.string(), starts.size, [None, pa.py_buffer(offsets.astype(np.int32)),
                                                              pa.py_buffer(host[positions])])
 
 
@@ -206,5 +205,6 @@ def _tens(xp: ModuleType):
     return xp.asarray([10**k for k in range(INT64_DIGITS)], dtype=xp.uint64)
 
 
-def _to_host(array) -> np.ndarray:
+def to_host(array) -> np.ndarray:
+    """``array`` as a numpy array (copied back from the GPU for CuPy)."""
     return array if isinstance(array, np.ndarray) else array.get()
