@@ -123,7 +123,7 @@ class Workflow:
         pending = [n for n in self._nodes if n.op and n.op.stateful]
         for node in pending:
             node.op.start_fit()
-        waiting: list[tuple[Node, Node, list[Operator], Any]] = []  # fitted before their fill: (node, fill, chain, stats)
+        waiting: list[tuple[Node, Node, list[Operator], Any]] = []  # fitted before their fill: node, fill, chain, stats
         while pending:
             ready = [n for n in pending if all(a.op.fitted for a in n.walk() if a.op and a is not n)]
             early = [(n, *below) for n in pending if n not in ready and (below := _fill_below(n)) and below[0] in ready]

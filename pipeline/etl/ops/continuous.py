@@ -17,7 +17,7 @@ column's parameter broadcast down its row, the same arithmetic on every value as
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -29,19 +29,10 @@ from pipeline.etl.ops.base import Operator
 from pipeline.etl.ops.median import Pivot, reduce_tree, summaries, windows
 
 
-def _moments(df: Any, names: list[str]) -> np.ndarray:
-    """``[3, column]`` float64 on the host: the count of present values, their sum and their sum of squares."""
-    rows = float_rows(df, names)
-    xp = array_module(rows)
-    present = ~xp.isnan(rows)
-    values = xp.where(present, rows, 0.0)
-    moments = xp.stack([present.sum(axis=1).astype(xp.float64), values.sum(axis=1), (values * values).sum(axis=1)])
-    return moments.get() if xp is not np else moments
-
-
-def _moments_before_fill(df: Any, names: list[str], chain: list[Operator]) -> np.ndarray:
-    """``[4, column]`` float64 on the host: of the values present before a fill that stay present through ``chain``,
-    the count, sum and sum of squares after ``chain``; then the count of missing values (those a fill takes)."""
+def _moments(df: Any, names: list[str], chain: Sequence[Operator] = ()) -> np.ndarray:
+    """``[4, column]`` float64 on the host: of the values present that stay present through ``chain`` (the
+    element-wise operators between a fill and Normalize, none when they are the input), the count, sum and sum of
+    squares after ``chain``; then the count of missing values (those a fill before ``chain`` takes)."""
     rows = float_rows(df, names)
     xp = array_module(rows)
     missing = xp.isnan(rows)
@@ -265,7 +256,7 @@ class Normalize(_Matrix):
         from dask import delayed
 
         names = list(ddf.columns)
-        parts = [delayed(_moments_before_fill, pure=True)(part, names, chain) for part in ddf.to_delayed()]
+        parts = [delayed(_moments, pure=True)(part, names, chain) for part in ddf.to_delayed()]
         return reduce_tree(parts, _sum, functools.partial(_moments_by_name, names))
 
     def fit_finalize_after_fill(self, stats: dict[str, tuple[float, ...]], filled: dict[str, float]) -> None:
@@ -280,7 +271,7 @@ class Normalize(_Matrix):
 
     def fit_finalize(self, stats: Any) -> None:
         self.means, self.stds = {}, {}
-        for name, (n, total, sq) in stats.items():
+        for name, (n, total, sq, *_) in stats.items():  # the count of missing values, where given, is not needed
             self.means[name] = total / n if n else float("nan")
             var = (sq - total * total / n) / (n - 1) if n > 1 else float("nan")
             self.stds[name] = float(np.sqrt(max(var, 0.0))) if np.isfinite(var) else float("nan")

@@ -122,11 +122,8 @@ def count_columns(columns: list[Any]) -> list[Any]:
     all_keys = [value_keys(strings) for strings in columns]
     present = [~missing(strings) for strings in columns]
     found = _distinct_of_columns([k for k, _ in all_keys], [c for _, c in all_keys], None, present)
-    out = []
-    for strings, (keys, check), (at, counts) in zip(columns, all_keys, found):
-        distinct = strings.reset_index(drop=True).take(at).reset_index(drop=True)
-        out.append(_frame(distinct, {"key": keys[at], "check": check[at], "count": counts, "value": distinct}))
-    return out
+    return [_counts_frame(strings, keys, check, at, counts)
+            for strings, (keys, check), (at, counts) in zip(columns, all_keys, found)]
 
 
 def merge_columns(parts: list[list[Any]]) -> list[Any]:
@@ -136,12 +133,14 @@ def merge_columns(parts: list[list[Any]]) -> list[Any]:
     columns = [_concat([part[c] for part in parts]) if len(parts) > 1 else parts[0][c] for c in range(len(parts[0]))]
     found = _distinct_of_columns([_array(f["key"]) for f in columns], [_array(f["check"]) for f in columns],
                                  [_array(f["count"]) for f in columns])
-    out = []
-    for frame, (at, counts) in zip(columns, found):
-        keys, checks = _array(frame["key"]), _array(frame["check"])
-        distinct = frame["value"].reset_index(drop=True).take(at).reset_index(drop=True)
-        out.append(_frame(distinct, {"key": keys[at], "check": checks[at], "count": counts, "value": distinct}))
-    return out
+    return [_counts_frame(frame["value"], _array(frame["key"]), _array(frame["check"]), at, counts)
+            for frame, (at, counts) in zip(columns, found)]
+
+
+def _counts_frame(values: Any, keys: Any, checks: Any, at: Any, counts: Any) -> Any:
+    """The counts frame ``(key, check, count, value)`` of the rows ``at`` of a column's ``values`` and keys."""
+    distinct = values.reset_index(drop=True).take(at).reset_index(drop=True)
+    return _frame(distinct, {"key": keys[at], "check": checks[at], "count": counts, "value": distinct})
 
 
 def _distinct_of_columns(keys: list[Any], checks: list[Any], weights: list[Any] | None = None,
@@ -168,7 +167,8 @@ def _distinct_of_columns(keys: list[Any], checks: list[Any], weights: list[Any] 
     by_row = xp.argsort(rows)
     rows, counts = kept[rows[by_row]], counts[by_row]  # rows of all columns one after the other, ascending
     bounds = xp.searchsorted(rows, xp.asarray(offsets)).tolist()
-    return [(rows[start:end] - offsets[index], counts[start:end]) for index, (start, end) in enumerate(pairwise(bounds))]
+    return [(rows[start:end] - offsets[index], counts[start:end])
+            for index, (start, end) in enumerate(pairwise(bounds))]
 
 
 @dataclass(frozen=True)
