@@ -136,7 +136,8 @@ def test_values_and_malformed_lines_of_every_kind_give_the_arrow_paths_report(tm
                                    "bad_label", "not_a_number", "out_of_range"}
         assert report.bad["bad_label"] == len(LABELS_BAD) + 2
         assert report.bad["out_of_range"] == 4  # inf, -Infinity, 1e400, -1e309
-        assert report.rows_kept == len(NUMBERS_KEPT) + len(LABELS_KEPT) + len(STRINGS) + len(LISTS) + len(QUOTED) - 2 + 30
+        quoted_kept = len(QUOTED) - 2  # "oops" and "2" are malformed
+        assert report.rows_kept == len(NUMBERS_KEPT) + len(LABELS_KEPT) + len(STRINGS) + len(LISTS) + quoted_kept + 30
     else:
         assert report.stopped_at_line is not None and report.rows_kept == 0
 

@@ -72,12 +72,13 @@ def raw_params(cfg: PipelineConfig) -> dict:
 
 
 def text_array_module(cfg: PipelineConfig) -> str | None:
-    """What parses input text (Criteo, a CSV / TSV table) as ``data.reader`` asks: ``"cupy"`` or ``"numpy"`` (vectorized), or None
-    (``pyarrow.csv``). ``auto`` takes the GPU where the device is cuda and CuPy works there (a CuPy that does
-    not is said in one line, and Arrow parses)."""
+    """What parses input text (Criteo, a CSV / TSV table) as ``data.reader`` asks: ``"cupy"`` or ``"numpy"``
+    (vectorized), or None (``pyarrow.csv``). ``auto`` takes the GPU where the device is cuda and CuPy works there
+    (a CuPy that does not is said in one line, and Arrow parses)."""
     d = cfg.data
     has_cupy = importlib.util.find_spec("cupy") is not None
-    if d.source == "synthetic" or d.reader == "arrow" or (d.reader == "auto" and not has_cupy) or not readers.reads_text(d):
+    if (d.source == "synthetic" or d.reader == "arrow" or (d.reader == "auto" and not has_cupy)
+            or not readers.reads_text(d)):
         return None
     cuda = resolve_device(cfg.device).is_cuda
     if d.reader == "vectorized" and cuda and not has_cupy:
