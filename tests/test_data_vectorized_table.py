@@ -288,20 +288,26 @@ def test_a_time_column_gives_the_arrow_paths_keys_forms_and_bad_times(tmp_path, 
 @pytest.mark.parametrize("xp", XPS)
 def test_the_data_stage_writes_the_same_raw_data_with_the_vectorized_reader(tmp_path, xp):
     path = _write(tmp_path / "rows.csv", _hostile_lines(",")[:-20] + [_line(i, ",") for i in range(500)])
-    device = "cpu" if xp == "numpy" else "cuda"
-    made = {}
-    for reader in ("arrow", "vectorized"):
-        cfg = load_config(None, [f"workdir={tmp_path / reader}", "data.source=table", f"data.path={path}",
-                                 "data.label=clicked", "data.continuous=price,score", "data.categorical=user,city",
-                                 "data.multihot=tags", "data.ignore=note", "data.on_bad_lines=skip",
-                                 f"data.reader={reader}", f"device={device}", "progress=off"])
-        raw = ensure_raw(cfg)
-        report = json.loads((raw.root / "ingest_report.json").read_text())
-        tables = {s: pa.concat_tables([pq.read_table(p) for p in parts]) for s, parts in raw.splits.items()}
-        made[reader] = (report, tables)
-    (report, tables), (want_report, want_tables) = made["vectorized"], made["arrow"]
+    (_, report, tables), (_, want_report, want_tables) = _made_by_each_reader(tmp_path, xp, [
+        f"data.path={path}", "data.label=clicked", "data.continuous=price,score", "data.categorical=user,city",
+        "data.multihot=tags", "data.ignore=note"])
     assert report == want_report and report["bad_rows"] > 40
     assert all(tables[s].equals(want_tables[s]) for s in want_tables)
+
+
+def _made_by_each_reader(tmp_path, xp: str, settings: list[str]) -> tuple[tuple, tuple]:
+    """What the data stage makes of a table with ``settings`` (``meta.json``, ``ingest_report.json``, each split's
+    rows) through the vectorized reader on ``xp``'s device, then through the Arrow reader."""
+    device = "cpu" if xp == "numpy" else "cuda"
+    made = {}
+    for reader in ("vectorized", "arrow"):
+        cfg = load_config(None, [f"workdir={tmp_path / reader}", "data.source=table", *settings, "data.on_bad_lines=skip",
+                                 f"data.reader={reader}", f"device={device}", "progress=off"])
+        raw = ensure_raw(cfg)
+        made[reader] = (json.loads((raw.root / "meta.json").read_text()),
+                        json.loads((raw.root / "ingest_report.json").read_text()),
+                        {s: pa.concat_tables([pq.read_table(p) for p in parts]) for s, parts in raw.splits.items()})
+    return made["vectorized"], made["arrow"]
 
 
 @pytest.mark.parametrize("xp", XPS)
@@ -347,21 +353,12 @@ def test_the_data_stage_splits_by_time_the_same_with_the_vectorized_reader(tmp_p
     parts = [tmp_path / "a.csv", tmp_path / "b.csv"]
     for k, part in enumerate(parts):
         part.write_text("clicked,price,user,day\n" + "\n".join(lines[k::2]) + "\n")
-    device = "cpu" if xp == "numpy" else "cuda"
-    made = {}
-    for reader in ("arrow", "vectorized"):
-        cfg = load_config(None, [f"workdir={tmp_path / reader}", "data.source=table", f"data.path={tmp_path}/*.csv",
-                                 "data.label=clicked", "data.continuous=price", "data.categorical=user",
-                                 "data.time_column=day", "data.valid_fraction=0.1", "data.test_fraction=0.1",
-                                 "data.on_bad_lines=skip", f"data.reader={reader}", f"device={device}", "progress=off"])
-        raw = ensure_raw(cfg)
-        meta = json.loads((raw.root / "meta.json").read_text())
-        report = json.loads((raw.root / "ingest_report.json").read_text())
-        tables = {s: pa.concat_tables([pq.read_table(p) for p in parts]) for s, parts in raw.splits.items()}
-        made[reader] = (meta["time_cuts"], report, tables)
-    assert made["vectorized"][0] == made["arrow"][0] and made["arrow"][0]["test"] is not None
-    assert made["vectorized"][1] == made["arrow"][1] and made["arrow"][1]["bad"] == {"bad_time": 1}
-    assert all(made["vectorized"][2][s].equals(t) for s, t in made["arrow"][2].items())
+    (meta, report, tables), (want_meta, want_report, want_tables) = _made_by_each_reader(tmp_path, xp, [
+        f"data.path={tmp_path}/*.csv", "data.label=clicked", "data.continuous=price", "data.categorical=user",
+        "data.time_column=day", "data.valid_fraction=0.1", "data.test_fraction=0.1"])
+    assert meta["time_cuts"] == want_meta["time_cuts"] and want_meta["time_cuts"]["test"] is not None
+    assert report == want_report and want_report["bad"] == {"bad_time": 1}
+    assert all(tables[s].equals(t) for s, t in want_tables.items())
 
 
 @pytest.mark.parametrize("files", [1, 3])
