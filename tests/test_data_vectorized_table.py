@@ -20,6 +20,7 @@ from pipeline.data.readers import MAX_LINE_BYTES, FileReport, Roles, read_table
 from pipeline.data.vectorized_text import parse_block, text_layout
 from pipeline.stages.config import load_config
 from pipeline.stages.data import ensure_raw
+from tests.test_data_vectorized_text import mutated_line
 
 XPS = [pytest.param("numpy"), pytest.param("cupy", marks=pytest.mark.gpu)]
 ROLES = Roles("clicked", ["price", "score"], ["user", "city"], ["tags"], ["note"], "")
@@ -184,22 +185,16 @@ MUTATIONS = [b"0", b"1", b"9", b"-", b"+", b"x", b"e", b"E", b".", b" ", b"\t", 
 
 def _mutated(rng: random.Random, line: bytes, delimiter: bytes, quotes: bool) -> bytes:
     """``line`` changed 1 to 3 times; with ``quotes`` a change may put a quote anywhere, else only around a value."""
-    pool = MUTATIONS if quotes else [m for m in MUTATIONS if m != b'"']
-    for _ in range(rng.randint(1, 3)):
-        at, what = rng.randrange(len(line) + 1), rng.random()
-        if what < 0.3:
-            line = line[:at] + rng.choice(pool) + line[at + 1:]
-        elif what < 0.5:
-            line = line[:at] + rng.choice(pool) + line[at:]
-        elif what < 0.6:
-            line = line[:at] + line[at + rng.randint(1, 4):]
-        else:  # a value replaced; the label and the numbers more often
-            fields = line.split(delimiter)
-            column = rng.randrange(len(fields)) if rng.random() < 0.3 else rng.choice([2, 3, 5])
-            if column < len(fields):
-                values = LABELS_KEPT + LABELS_BAD if column == 3 else NUMBERS_KEPT + NUMBERS_BAD + STRINGS + LISTS
-                fields[column] = rng.choice(values).encode()
-            line = delimiter.join(fields)
+
+    def field_replaced(rng: random.Random, line: bytes) -> bytes:  # the label and the numbers more often
+        fields = line.split(delimiter)
+        column = rng.randrange(len(fields)) if rng.random() < 0.3 else rng.choice([2, 3, 5])
+        if column < len(fields):
+            values = LABELS_KEPT + LABELS_BAD if column == 3 else NUMBERS_KEPT + NUMBERS_BAD + STRINGS + LISTS
+            fields[column] = rng.choice(values).encode()
+        return delimiter.join(fields)
+
+    line = mutated_line(rng, line, MUTATIONS if quotes else [m for m in MUTATIONS if m != b'"'], field_replaced)
     if rng.random() < 0.3 and not any(c in line for c in (b'"', b"\r", b"\n")):  # a value quoted whole
         fields = line.split(delimiter)
         column = rng.randrange(len(fields))

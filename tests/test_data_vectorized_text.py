@@ -9,6 +9,7 @@ import gzip
 import itertools
 import json
 import random
+from collections.abc import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -188,28 +189,37 @@ MUTATIONS = [b"0", b"1", b"9", b"-", b"x", b" ", b"\t", b"\r", b"\n", b".", b'"'
 FIELD_VALUES = LABELS_KEPT + LABELS_BAD + INTS_KEPT + NOT_INTS + INTS_BEYOND + STRINGS_KEPT + NOT_UTF8
 
 
-def _mutated(rng: random.Random, line: bytes) -> bytes:
+def mutated_line(rng: random.Random, line: bytes, mutations: list[bytes],
+                 replace_field: Callable[[random.Random, bytes], bytes]) -> bytes:
+    """``line`` changed 1 to 3 times: a piece of ``mutations`` put over a byte or between two, a few bytes taken out,
+    or a field replaced (``replace_field``)."""
     for _ in range(rng.randint(1, 3)):
         at, what = rng.randrange(len(line) + 1), rng.random()
         if what < 0.3:
-            line = line[:at] + rng.choice(MUTATIONS) + line[at + 1:]
+            line = line[:at] + rng.choice(mutations) + line[at + 1:]
         elif what < 0.5:
-            line = line[:at] + rng.choice(MUTATIONS) + line[at:]
+            line = line[:at] + rng.choice(mutations) + line[at:]
         elif what < 0.6:
             line = line[:at] + line[at + rng.randint(1, 4):]
-        else:  # a field replaced; the label and the integers more often
-            fields = line.split(b"\t")
-            column = rng.randrange(len(fields)) if rng.random() < 0.3 else rng.randrange(min(14, len(fields)))
-            fields[column] = rng.choice(FIELD_VALUES)
-            line = b"\t".join(fields)
+        else:
+            line = replace_field(rng, line)
     return line
+
+
+def _field_replaced(rng: random.Random, line: bytes) -> bytes:
+    """A field replaced by a value of every kind; the label and the integers more often."""
+    fields = line.split(b"\t")
+    column = rng.randrange(len(fields)) if rng.random() < 0.3 else rng.randrange(min(14, len(fields)))
+    fields[column] = rng.choice(FIELD_VALUES)
+    return b"\t".join(fields)
 
 
 @pytest.mark.parametrize("xp", XPS)
 @pytest.mark.parametrize("seed", range(12))
 def test_random_mutations_of_valid_lines(tmp_path, xp, seed):
     rng = random.Random(seed)
-    lines = [_mutated(rng, _line(i)) if rng.random() < 0.4 else _line(i) for i in range(1, 401)]
+    lines = [mutated_line(rng, _line(i), MUTATIONS, _field_replaced) if rng.random() < 0.4 else _line(i)
+             for i in range(1, 401)]
     end = b"\r\n" if seed % 4 == 3 else b"\n"
     data = end.join(lines) + (end if seed % 3 else b"")
     path = _write(tmp_path / ("day.tsv.gz" if seed % 5 == 4 else "day.tsv"), data)
