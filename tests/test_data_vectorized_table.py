@@ -5,7 +5,6 @@ otherwise than whole values is the Arrow path's; every other block must be parse
 
 from __future__ import annotations
 
-import itertools
 import json
 import random
 
@@ -17,10 +16,10 @@ import pytest
 
 from pipeline.data import readers
 from pipeline.data.readers import MAX_LINE_BYTES, FileReport, Roles, read_table
-from pipeline.data.vectorized_text import parse_block, text_layout
+from pipeline.data.vectorized_text import text_layout
 from pipeline.stages.config import load_config
 from pipeline.stages.data import ensure_raw
-from tests.test_data_vectorized_text import mutated_line
+from tests.test_data_vectorized_text import assert_same_whole_or_in_pieces, mutated_line
 
 XPS = [pytest.param("numpy"), pytest.param("cupy", marks=pytest.mark.gpu)]
 ROLES = Roles("clicked", ["price", "score"], ["user", "city"], ["tags"], ["note"], "")
@@ -224,17 +223,7 @@ def test_a_block_is_parsed_the_same_whole_or_in_pieces(xp):
     layout = text_layout(HEADER, readers._kinds(ROLES, integer_continuous=False), "\t", True, "|")
     lines = _hostile_lines("\t")[:-20] + [_line(i, "\t") for i in range(200)]
     lines = [line for line in lines if len(line) < MAX_LINE_BYTES]
-    whole = FileReport("f")
-    table, kept, count = parse_block(array_module, layout, b"".join(line + b"\n" for line in lines), 1, whole)
-    cuts = sorted({0, len(lines), *random.Random(0).sample(range(1, len(lines)), 25)})
-    parts, pieces = FileReport("f"), []
-    for start, end in itertools.pairwise(cuts):
-        block = b"".join(line + b"\n" for line in lines[start:end])
-        pieces.append(parse_block(array_module, layout, block, 1 + start, parts))
-    assert count == len(lines) == sum(c for _, _, c in pieces)
-    assert pa.concat_tables([t for t, _, _ in pieces]).equals(table)
-    np.testing.assert_array_equal(np.concatenate([k for _, k, _ in pieces]), kept)
-    assert parts.bad == whole.bad
+    assert_same_whole_or_in_pieces(array_module, layout, lines)
 
 
 def test_a_long_list_separator_leaves_the_file_to_the_arrow_path():
@@ -296,8 +285,8 @@ def _made_by_each_reader(tmp_path, xp: str, settings: list[str]) -> tuple[tuple,
     device = "cpu" if xp == "numpy" else "cuda"
     made = {}
     for reader in ("vectorized", "arrow"):
-        cfg = load_config(None, [f"workdir={tmp_path / reader}", "data.source=table", *settings, "data.on_bad_lines=skip",
-                                 f"data.reader={reader}", f"device={device}", "progress=off"])
+        cfg = load_config(None, [f"workdir={tmp_path / reader}", "data.source=table", *settings,
+                                 "data.on_bad_lines=skip", f"data.reader={reader}", f"device={device}", "progress=off"])
         raw = ensure_raw(cfg)
         made[reader] = (json.loads((raw.root / "meta.json").read_text()),
                         json.loads((raw.root / "ingest_report.json").read_text()),
