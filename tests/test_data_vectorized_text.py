@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
@@ -46,14 +47,25 @@ def _assert_same(path, xp_name: str, chunk_rows: int = 64, stop: bool = False) -
     """Read ``path`` both ways; assert the same blocks, line numbers and report; return the report."""
     want_blocks, want = _read(path, None, chunk_rows, stop)
     got_blocks, got = _read(path, pytest.importorskip(xp_name), chunk_rows, stop)
+    assert_same_reads(got_blocks, got, want_blocks, want)
+    return want
+
+
+def assert_same_reads(got_blocks: list, got: FileReport, want_blocks: list, want: FileReport,
+                      floats: tuple[str, ...] = ()) -> None:
+    """Two readers' (table, line numbers) blocks and reports are the same: the counts by kind in the order met, the
+    tables (the columns ``floats`` to the bit, the sign of a zero too) and the line numbers."""
     assert got == want
-    assert list(got.bad) == list(want.bad)  # the kinds in the order they were met
+    assert list(got.bad) == list(want.bad)
     assert len(got_blocks) == len(want_blocks)
     for (table, lines), (want_table, want_lines) in zip(got_blocks, want_blocks):
         assert table.schema == want_table.schema
         assert table.equals(want_table)
+        for name in floats:
+            got_bits, want_bits = (pc.drop_null(t.column(name)).to_numpy().view(np.uint64)
+                                   for t in (table, want_table))
+            np.testing.assert_array_equal(got_bits, want_bits)
         np.testing.assert_array_equal(lines, want_lines)
-    return want
 
 
 # Lines of every kind the readers know, malformed or not (the column: 0 is the label, 1..13 I1..I13)
