@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from pipeline.distributed.launch import relaunch
+from pipeline.distributed.types import ParameterSharding, ShardingPlan
 from pipeline.stages.config import load_config
+from pipeline.stages.train import run as run_train
 from pipeline.train.checkpoint import sharded_checkpoints
 
 
@@ -92,3 +94,23 @@ def test_two_ranks_train_host_cached_tables_and_one_process_scores_their_model(p
     alone = _score_alone(cfg)
     # model.pt, read back from the last sharded checkpoint: the host tables, their dirty rows written back
     assert alone["auc"] == pytest.approx(result["test"]["auc"], abs=1e-6)
+
+
+def test_two_ranks_refuse_a_plan_file_whose_cache_cannot_hold_two_batches_of_every_rank(processed, tmp_path, capfd):
+    common = [f"workdir={processed}", "device=cpu", "train.batch_size=64", "progress=off",
+              "train.embedding_backend=torch"]
+    cfg = load_config(None, [*common, "train.run=plan-source"])
+    run_train(load_config(None, [*common, "train.run=plan-source", "train.max_steps=1"]))
+    tables = json.loads((cfg.paths.train / "plan-source" / "model.json").read_text())["tables"]
+    cached = next(t for t in tables if t["rows"] > 1000)
+    # Two batches of 64 samples from each of 2 ranks: 256 rows; 200 hold one rank's two batches only.
+    plan = ShardingPlan(2, {t["name"]: ParameterSharding.table_wise(
+        t["name"], t["rows"], i % 2, cache_rows=200 if t is cached else 0) for i, t in enumerate(tables)})
+    plan.save(tmp_path / "plan.json")
+    capfd.readouterr()
+    assert relaunch(["run", "train", *common, "train.run=refused", "train.max_steps=4",
+                     f"distributed.plan_file={tmp_path / 'plan.json'}"], 2) != 0
+    out = capfd.readouterr()
+    assert (f"the device cache of {cached['name']} holds 200 rows, but two batches of train.batch_size=64 on each "
+            "of 2 ranks need 256: give it cache_rows of at least 256") in out.out + out.err
+    assert not (cfg.paths.train / "refused" / "result.json").exists()

@@ -268,7 +268,9 @@ def _place(model: nn.Module, cfg: TrainConfig, world: World, distributed: Distri
     """
     longest = {c: max(1, schema.column(c).max_length) for c in schema.multihot}
     if distributed.plan_file:
-        plans, planner = {"embedding": _plan_file(distributed.plan_file, model.embedding.tables, world.size)}, None
+        plan = _plan_file(distributed.plan_file, model.embedding.tables, world.size)
+        _check_cache_rows(plan, model.embedding.tables, world.size, cfg.batch_size, longest, distributed.plan_file)
+        plans, planner = {"embedding": plan}, None
     else:
         plans = None
         planner = make_planner(distributed, world.size, world.device, batch_size=cfg.batch_size,
@@ -277,8 +279,6 @@ def _place(model: nn.Module, cfg: TrainConfig, world: World, distributed: Distri
     if world.size == 1:
         plan = plans["embedding"] if plans else planner.plan(model.embedding.tables)
         cached = {name: p.cache_rows for name, p in plan.tables.items() if p.cache_rows}
-        if plans:
-            _check_cache_rows(cached, model.embedding.tables, cfg.batch_size, longest, distributed.plan_file)
         if cached:
             model.embedding = HostCachedCollection.from_collection(model.embedding, cached)
         model = model.to(world.device)
@@ -290,18 +290,19 @@ def _place(model: nn.Module, cfg: TrainConfig, world: World, distributed: Distri
     return dmp, ShardedCheckpoints(folder, world, cfg.keep_checkpoints)
 
 
-def _check_cache_rows(cache_rows: dict[str, int], tables: Sequence, batch_size: int, longest: dict[str, int],
-                      path: str) -> None:
-    """Refuse a plan file's device cache that cannot hold two training batches of its table's ids (a batch, and
-    the one prefetched while it trains), each sample with its multi-hot columns' longest lists."""
-    topology = Topology(1, batch_size=batch_size, max_ids_per_sample=longest)
+def _check_cache_rows(plan: ShardingPlan, tables: Sequence, world_size: int, batch_size: int,
+                      longest: dict[str, int], path: str) -> None:
+    """Refuse a plan file's device cache that cannot hold two training batches of its table's ids from every
+    rank (a batch, and the one prefetched while it trains), each sample with its multi-hot columns' longest
+    lists."""
+    topology = Topology(world_size, batch_size=batch_size, max_ids_per_sample=longest)
     for table in tables:
-        if table.name not in cache_rows:
-            continue
+        rows = plan.tables[table.name].cache_rows
         need = min_cache_rows(table, topology)
-        if cache_rows[table.name] < need:
+        if rows and rows < need:
+            ranks = f" on each of {world_size} ranks" if world_size > 1 else ""
             raise UserError(f"distributed.plan_file={path}: the device cache of {table.name} holds "
-                            f"{cache_rows[table.name]:,} rows, but two batches of train.batch_size={batch_size} need "
+                            f"{rows:,} rows, but two batches of train.batch_size={batch_size}{ranks} need "
                             f"{need:,}: give it cache_rows of at least {need:,}, or lower train.batch_size")
 
 
