@@ -324,6 +324,21 @@ def test_normalize_constant_column_is_only_centred():
     assert out["X"].tolist() == [0.0, 2.0]
 
 
+@pytest.mark.parametrize("partitions", [1, 3])
+def test_normalize_of_one_value_after_log_has_std_0_and_of_a_large_offset_its_std(partitions):
+    """Moments as sums of squares cancel: log1p(7) in every row had a std of 1e-8 (a 7.5 served later became
+    millions), and values near 1e9 with std 1 got a std that was rounding noise."""
+    rng = np.random.default_rng(0)
+    train = pd.DataFrame({"K": np.full(3000, 7.0), "B": rng.normal(1e9, 1.0, 3000)})
+    chained = Workflow((["K"] >> LogOp() >> Normalize()) + (["B"] >> Normalize()))
+    workflow = chained.fit(dd.from_pandas(train, npartitions=partitions))
+    normalize = [op for ops in workflow.operators() for op in ops if isinstance(op, Normalize)]
+    assert [op.stds.get("K") for op in normalize if "K" in op.stds] == [0.0]
+    assert next(op.stds["B"] for op in normalize if "B" in op.stds) == pytest.approx(train["B"].std(), rel=1e-9)
+    out = workflow.transform(pd.DataFrame({"K": [7.0, 7.5], "B": [1e9, 1e9 + 1]}))
+    assert out["K"].tolist() == pytest.approx([0.0, np.log1p(7.5) - np.log1p(7.0)], abs=1e-6)
+
+
 def test_bucketize_and_cast_match_numpy():
     values = np.array([-1.0, 0.0, 0.5, 1.0, 9.0, np.nan])
     df = pd.DataFrame({"X": values, "L": pd.array([1, 0, 1, 1, 0, 0], dtype="int8")})

@@ -31,26 +31,45 @@ from pipeline.etl.ops.median import Pivot, reduce_tree, summaries, windows
 
 def _moments(df: Any, names: list[str], chain: Sequence[Operator] = ()) -> np.ndarray:
     """``[4, column]`` float64 on the host: of the values present that stay present through ``chain`` (the
-    element-wise operators between a fill and Normalize, none when they are the input), the count, sum and sum of
-    squares after ``chain``; then the count of missing values (those a fill before ``chain`` takes)."""
+    element-wise operators between a fill and Normalize, none when they are the input), the count, mean and sum of
+    squared deviations from the mean after ``chain``; then the count of missing values (those a fill before
+    ``chain`` takes).
+
+    The deviations are summed about the partition's first value and then its mean (two passes over memory): a
+    sum of squares less the squared sum cancels, and gave a column of one value a std of 1e-8, by which a
+    different value served later was divided. Here such a column's deviations are all exactly 0."""
     rows = float_rows(df, names)
     xp = array_module(rows)
     missing = xp.isnan(rows)
     for op in chain:
         rows = op.transform_rows(names, rows)
     present = ~xp.isnan(rows) & ~missing
-    values = xp.where(present, rows, 0.0)
-    moments = xp.stack([present.sum(axis=1).astype(xp.float64), values.sum(axis=1), (values * values).sum(axis=1),
+    count = present.sum(axis=1).astype(xp.float64)
+    if not rows.shape[1]:
+        return np.zeros((4, len(names)))
+    first = xp.where(count > 0, xp.take_along_axis(rows, present.argmax(axis=1)[:, None], axis=1)[:, 0], 0.0)
+    shifted = xp.where(present, rows - first[:, None], 0.0)
+    offset = shifted.sum(axis=1) / xp.maximum(count, 1.0)
+    deviations = xp.where(present, shifted - offset[:, None], 0.0)
+    moments = xp.stack([count, first + offset, (deviations * deviations).sum(axis=1),
                         missing.sum(axis=1).astype(xp.float64)])
     return moments.get() if xp is not np else moments
 
 
-def _sum(*parts: np.ndarray) -> np.ndarray:
-    return np.sum(parts, axis=0)
+def _merge(*parts: np.ndarray) -> np.ndarray:
+    """The moments of the union of ``parts``' values (Chan, Golub and LeVeque's pairwise update)."""
+    count, mean, squares, missing = parts[0]
+    for n, m, q, x in parts[1:]:
+        total = count + n
+        share = np.divide(n, total, out=np.zeros_like(n), where=total > 0)
+        delta = m - mean
+        count, mean, squares, missing = total, mean + delta * share, squares + q + delta * delta * count * share, \
+            missing + x
+    return np.stack([count, mean, squares, missing])
 
 
 def _moments_by_name(names: list[str], *parts: np.ndarray) -> dict[str, tuple[float, ...]]:
-    total = _sum(*parts)
+    total = _merge(*parts)
     return {name: tuple(float(v) for v in total[:, k]) for k, name in enumerate(names)}
 
 
@@ -241,14 +260,13 @@ class Normalize(_Matrix):
         self.stds: dict[str, float] = {}
 
     def fit(self, ddf: Any) -> Any:
-        # Count, sum and sum of squares in float64 (NVTabular's moments do the same), all columns of a
-        # partition as one matrix in one task (three Dask reductions would pass over it three times),
-        # summed by a tree.
+        # Count, mean and squared deviations in float64, all columns of a partition as one matrix in one task
+        # (three Dask reductions would pass over it three times), merged by a tree.
         from dask import delayed
 
         names = list(ddf.columns)
         parts = [delayed(_moments, pure=True)(part, names) for part in ddf.to_delayed()]
-        return reduce_tree(parts, _sum, functools.partial(_moments_by_name, names))
+        return reduce_tree(parts, _merge, functools.partial(_moments_by_name, names))
 
     def fit_before_fill(self, ddf: Any, chain: list[Operator]) -> Any:
         """Lazy statistics of ``ddf``'s columns as a fill and then ``chain`` would turn them into this operator's
@@ -257,23 +275,23 @@ class Normalize(_Matrix):
 
         names = list(ddf.columns)
         parts = [delayed(_moments, pure=True)(part, names, chain) for part in ddf.to_delayed()]
-        return reduce_tree(parts, _sum, functools.partial(_moments_by_name, names))
+        return reduce_tree(parts, _merge, functools.partial(_moments_by_name, names))
 
     def fit_finalize_after_fill(self, stats: dict[str, tuple[float, ...]], filled: dict[str, float]) -> None:
         """Finish :meth:`fit_before_fill`'s ``stats`` with ``filled``, what each column's missing values became:
         each missing value adds it, as it is counted when the values are filled first (unless it is NaN)."""
         moments = {}
-        for name, (n, total, sq, missing) in stats.items():
+        for name, (n, mean, squares, missing) in stats.items():
             value = filled[name]
-            moments[name] = (n, total, sq) if np.isnan(value) or not missing else (
-                n + missing, total + missing * value, sq + missing * value * value)
+            moments[name] = (n, mean, squares) if np.isnan(value) or not missing else tuple(
+                _merge(np.array([n, mean, squares, 0.0]), np.array([missing, value, 0.0, 0.0]))[:3])
         self.fit_finalize(moments)
 
     def fit_finalize(self, stats: Any) -> None:
         self.means, self.stds = {}, {}
-        for name, (n, total, sq, *_) in stats.items():  # the count of missing values, where given, is not needed
-            self.means[name] = total / n if n else float("nan")
-            var = (sq - total * total / n) / (n - 1) if n > 1 else float("nan")
+        for name, (n, mean, squares, *_) in stats.items():  # the count of missing values, where given, is not needed
+            self.means[name] = float(mean) if n else float("nan")
+            var = squares / (n - 1) if n > 1 else float("nan")
             self.stds[name] = float(np.sqrt(max(var, 0.0))) if np.isfinite(var) else float("nan")
         self._fitted_state_changed()
         self._fitted = True
