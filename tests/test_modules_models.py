@@ -67,6 +67,36 @@ def test_each_model_learns_on_cpu(name):
 
 
 @pytest.mark.parametrize("name", sorted(MODEL_CLASSES))
+def test_each_model_learns_one_categorical_column_without_dense_features(name):
+    """A DLRM of one table and no dense features had no pair to feed its top MLP: it learned a constant."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    schema = Schema([Column("label", "label", "float32"), Column("C1", "categorical", "int32", cardinality=20)])
+    model = build_model(name, schema, SIZES, EmbeddingOptimizerConfig("adagrad", lr=0.1), seed=0)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    effects = torch.linspace(-2, 2, 20)
+
+    def batch(size):
+        ids = torch.randint(0, 20, (size,), generator=gen)
+        label = torch.bernoulli(torch.sigmoid(effects[ids]), generator=gen)
+        return torch.zeros(size, 0), KeyedJaggedTensor(["C1"], ids, torch.ones(size, dtype=torch.int64)), label
+
+    dense, sparse, label = batch(2048)
+    for _ in range(60):
+        step_dense, step_sparse, step_label = batch(512)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(model(step_dense, step_sparse), step_label)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    with torch.no_grad():
+        scores = model(dense, sparse)
+    # the learned scores order the ids as their planted effects do
+    by_id = torch.stack([scores[sparse.values == i].mean() for i in range(20)])
+    assert torch.corrcoef(torch.stack([by_id, effects]))[0, 1] > 0.9
+
+
+@pytest.mark.parametrize("name", sorted(MODEL_CLASSES))
 def test_start_at_rate_sets_the_bias_added_last_to_the_logit_to_the_log_odds(name):
     import math
 

@@ -153,7 +153,11 @@ class _DensePart(nn.Module):
 
 
 class DLRM(RecModel):
-    """DLRM: bottom MLP on the dense features, pairwise dot interaction with the embeddings, top MLP."""
+    """DLRM: bottom MLP on the dense features, pairwise dot interaction with the embeddings, top MLP.
+
+    Without dense features the bottom MLP's output is a learned vector (what an MLP of no inputs is): its dots
+    with the embeddings are their first-order terms. Without it, one table alone would reach the top MLP through
+    no pair at all, and two only through their dot."""
 
     name = "dlrm"
 
@@ -166,8 +170,9 @@ class DLRM(RecModel):
             if sizes.bottom_mlp[-1] != dim:
                 raise ValueError(f"DLRM: the bottom MLP must end in the embedding dim {dim}, got {sizes.bottom_mlp}")
             self.bottom = mlp(sizes.bottom_mlp, num_dense, last_activation=True)
-        pairs = pair_count(self.num_slots + (1 if num_dense else 0))
-        self.top = mlp(sizes.top_mlp, (dim if num_dense else 0) + pairs, last_activation=False)
+        else:
+            self.bottom_vector = nn.Parameter(torch.randn(dim) / math.sqrt(dim))
+        self.top = mlp(sizes.top_mlp, dim + pair_count(self.num_slots + 1), last_activation=False)
 
     def output_bias(self) -> nn.Parameter:
         return self.top[-1].bias
@@ -175,13 +180,10 @@ class DLRM(RecModel):
     def dense_forward(self, dense, pooled):
         b = pooled.shape[0]
         vectors = pooled.view(b, self.num_slots, self.dim)
-        if self.num_dense:
-            x = self.bottom(dense)
-            vectors = torch.cat([x.unsqueeze(1), vectors.to(x.dtype)], dim=1)
+        x = self.bottom(dense) if self.num_dense else self.bottom_vector.to(pooled.dtype).expand(b, -1)
+        vectors = torch.cat([x.unsqueeze(1), vectors.to(x.dtype)], dim=1)
         # <v_i, v_j> for j < i, row by row (torch.tril_indices' order): the fused kernels on CUDA
-        dots = dot_interaction(vectors)
-        top_in = torch.cat([x, dots], dim=1) if self.num_dense else dots
-        return self.top(top_in).squeeze(1)
+        return self.top(torch.cat([x, dot_interaction(vectors)], dim=1)).squeeze(1)
 
 
 class DCNv2(RecModel):
