@@ -87,7 +87,7 @@ def raw(tmp_path_factory):
 def _workflow(backend: str) -> Workflow:
     features = (
         (["label"] >> Cast("float32"))
-        + (CONTINUOUS >> FillMissing(0.0) >> Clip(min_value=0) >> LogOp() >> Normalize())
+        + (CONTINUOUS >> FillMissing(0.0) >> LogOp(signed=True) >> Normalize())
         + (CONTINUOUS >> MissingIndicator())
         + (CATEGORICAL >> Categorify(freq_threshold=2))
         + (["M"] >> Categorify())

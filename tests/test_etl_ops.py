@@ -339,6 +339,21 @@ def test_normalize_of_one_value_after_log_has_std_0_and_of_a_large_offset_its_st
     assert out["K"].tolist() == pytest.approx([0.0, np.log1p(7.5) - np.log1p(7.0)], abs=1e-6)
 
 
+def test_the_standard_workflow_keeps_the_order_and_sign_of_negative_values():
+    """Clip(min_value=0) before the log made every negative value 0: a column of temperatures below zero
+    became one value, and a model of it learned nothing."""
+    from pipeline.etl.config import EtlConfig
+    from pipeline.etl.defaults import default_workflow
+
+    values = [-1e6, -12.5, -10.0, -1.0, -0.5, 0.0, 0.5, 3.0, 50.0, 1e9]
+    train = pd.DataFrame({"label": [0, 1] * 5, "t": values, "c": ["a"] * 10})
+    roles = {"label": "label", "continuous": ["t"], "categorical": ["c"], "multihot": []}
+    out = default_workflow(roles, EtlConfig(freq_threshold=0)).fit(train).transform(train)["t"].to_numpy()
+    assert (np.diff(out) > 0).all()
+    logged = np.sign(values) * np.log1p(np.abs(values))
+    np.testing.assert_allclose(out, (logged - logged.mean()) / logged.std(ddof=1), rtol=1e-6)
+
+
 def test_bucketize_and_cast_match_numpy():
     values = np.array([-1.0, 0.0, 0.5, 1.0, 9.0, np.nan])
     df = pd.DataFrame({"X": values, "L": pd.array([1, 0, 1, 1, 0, 0], dtype="int8")})

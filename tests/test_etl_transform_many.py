@@ -91,7 +91,7 @@ def _each(op, columns: dict) -> dict:
 
 NUMERIC = [
     FillMissing(fill_value=-1.5), FillMissing(strategy="median"), MissingIndicator(), Clip(min_value=0),
-    Clip(max_value=3.5), Clip(min_value=-2, max_value=4), LogOp(), Normalize(),
+    Clip(max_value=3.5), Clip(min_value=-2, max_value=4), LogOp(), LogOp(signed=True), Normalize(),
 ]
 
 

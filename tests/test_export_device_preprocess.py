@@ -65,7 +65,7 @@ def _rows(n: int, seed: int, unseen: float) -> pd.DataFrame:
 def _standard(threshold: int = 2) -> Workflow:
     """The standard workflow's operators (pipeline/etl/defaults.py), and a second chain of the other numeric ones."""
     return Workflow((["label"] >> Cast("float32"))
-                    + (["I1", "F1"] >> FillMissing(strategy="median") >> Clip(min_value=0) >> LogOp() >> Normalize())
+                    + (["I1", "F1"] >> FillMissing(strategy="median") >> LogOp(signed=True) >> Normalize())
                     + (["I2"] >> FillMissing(fill_value=-1.5) >> Clip(min_value=-2, max_value=50) >> LogOp())
                     + (CONTINUOUS >> MissingIndicator())
                     + (CATEGORICAL[:2] >> Categorify(freq_threshold=threshold))

@@ -81,7 +81,7 @@ def test_each_model_learns_one_categorical_column_without_dense_features(name):
         label = torch.bernoulli(torch.sigmoid(effects[ids]), generator=gen)
         return torch.zeros(size, 0), KeyedJaggedTensor(["C1"], ids, torch.ones(size, dtype=torch.int64)), label
 
-    dense, sparse, label = batch(2048)
+    dense, sparse, _ = batch(2048)
     for _ in range(60):
         step_dense, step_sparse, step_label = batch(512)
         loss = torch.nn.functional.binary_cross_entropy_with_logits(model(step_dense, step_sparse), step_label)

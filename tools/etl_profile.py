@@ -182,7 +182,7 @@ def _categorical(workflow):
 
 
 def _continuous(workflow) -> list:
-    """The continuous chain's operators in order, with their columns (FillMissing >> Clip >> LogOp >> Normalize)."""
+    """The continuous chain's operators in order, with their columns (the standard one: FillMissing >> LogOp >> Normalize)."""
     from pipeline.etl.ops.continuous import Clip, FillMissing, LogOp, Normalize
 
     return [(op, cols) for op, cols in workflow.operators() if isinstance(op, (FillMissing, Clip, LogOp, Normalize))]

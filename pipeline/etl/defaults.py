@@ -3,7 +3,7 @@
 Categorical and multi-hot columns -> ``Categorify(etl.freq_threshold, etl.max_vocab_size)``, or
 ``HashBucket(n)`` for columns named in ``etl.hash_buckets``, or ``HashIds(capacity)`` (raw 64-bit ids
 for dynamic tables) for those named in ``etl.hash_ids`` (multi-hot too); continuous ->
-``FillMissing(strategy="median") >> Clip(min_value=0) >> LogOp >> Normalize``, and with
+``FillMissing(strategy="median") >> LogOp(signed=True) >> Normalize``, and with
 ``etl.missing_indicator`` a ``<name>_missing`` column beside each (``MissingIndicator``); the
 label -> float32.
 
@@ -13,6 +13,10 @@ Normalize, and a model's prediction for such a row saturates. The indicator keep
 hides, that the value was missing, which in click logs is often a signal of its own; it is a 0/1
 continuous feature (the dense layers see it next to the filled value, so a model can learn a
 missing value's own effect), not a categorical one (an embedding table per column for two values).
+
+The log is signed (``sign(x) * log1p(|x|)``): it tames heavy tails as NVTabular's Criteo workflow
+(``Clip(min_value=0) >> LogOp``) does for counts, and keeps what that clip flattens, a column's negative
+values (a balance, a temperature, a change), which it made one value, 0.
 
 Example::
 
@@ -30,7 +34,6 @@ from pipeline.etl.graph import Node
 from pipeline.etl.ops import (
     Cast,
     Categorify,
-    Clip,
     FillMissing,
     HashBucket,
     HashIds,
@@ -62,7 +65,7 @@ def default_workflow(roles: dict, etl: EtlConfig, library: str = "pandas") -> Wo
     parts: list[Node] = [[roles["label"]] >> Cast("float32")]
     continuous = list(roles["continuous"])
     if continuous:
-        parts.append(continuous >> FillMissing(strategy="median") >> Clip(min_value=0) >> LogOp() >> Normalize())
+        parts.append(continuous >> FillMissing(strategy="median") >> LogOp(signed=True) >> Normalize())
     if continuous and etl.missing_indicator:
         indicators = MissingIndicator().output_columns(continuous)
         taken = sorted(set(indicators) & {roles["label"], *continuous, *sparse})

@@ -230,18 +230,29 @@ class Clip(_Matrix):
 
 
 class LogOp(_Matrix):
-    """``log1p(x)``: tames heavy-tailed counts. Clip to ``min_value=0`` first: below -1 gives NaN."""
+    """``log1p(x)``: tames heavy-tailed counts (below -1 it is NaN: Clip to ``min_value=0`` first). ``signed``:
+    ``sign(x) * log1p(|x|)``, the same for values from 0 on, and for negative ones their mirror, so a column of
+    both signs (a balance, a temperature, a change) keeps its order and its sign."""
 
     elementwise = True
     output_tags = frozenset({CONTINUOUS})
     output_dtype = "float64"
 
+    def __init__(self, signed: bool = False) -> None:
+        self.signed = signed
+
     def transform_column(self, name: str, values: Any) -> Any:
         v = as_float64(values, name)
-        return _log1p_cudf(v) if is_cudf(v) else np.log1p(v)
+        if is_cudf(v):
+            return _log1p_cudf(v, self.signed)
+        return np.sign(v) * np.log1p(np.abs(v)) if self.signed else np.log1p(v)
 
     def transform_rows(self, names: list[str], rows: Any) -> Any:
-        return array_module(rows).log1p(rows)
+        xp = array_module(rows)
+        return xp.sign(rows) * xp.log1p(xp.abs(rows)) if self.signed else xp.log1p(rows)
+
+    def get_params(self) -> dict:
+        return {"signed": self.signed}
 
 
 class Normalize(_Matrix):
@@ -377,12 +388,15 @@ def _fillna(values: Any, fill: Any) -> Any:
     return xp.where(xp.isnan(values), fill, values)
 
 
-def _log1p_cudf(values: Any) -> Any:
-    """``log1p`` of a float cuDF Series through CuPy, nulls kept (cuDF has no log1p method of its own)."""
+def _log1p_cudf(values: Any, signed: bool) -> Any:
+    """``log1p`` of a float cuDF Series through CuPy (``signed``: :class:`LogOp`'s), nulls kept (cuDF has no
+    log1p method of its own)."""
     import cudf
     import cupy
 
-    out = cudf.Series(cupy.log1p(values.fillna(0).values), index=values.index, name=values.name)
+    x = values.fillna(0).values
+    out = cudf.Series(cupy.sign(x) * cupy.log1p(cupy.abs(x)) if signed else cupy.log1p(x), index=values.index,
+                      name=values.name)
     return out.where(values.notna())
 
 
