@@ -243,9 +243,25 @@ def test_training_rows_of_one_label_are_one_clear_error(tmp_path):
              "data.categorical=[user]"]
     with pytest.raises(BadInputError, match=r"every one of the \d+ training rows has the label 1: .*data.label"):
         run(_config(tmp_path, *roles))
-    path.write_text("clicked,price,user\n" + "".join(f"{int(i % 50 == 0)},{i * 0.5},u{i % 3}\n" for i in range(300)))
+    path.write_text("clicked,price,user\n" + "".join(f"{int(i % 5 == 0)},{i * 0.5},u{i % 3}\n" for i in range(300)))
     cfg = _config(tmp_path, *roles, "data.rebuild=true")
     assert sum(run(cfg)["rows"].values()) == 300
+
+
+@pytest.mark.parametrize("split", ["valid", "test"])
+def test_validation_or_test_rows_of_one_label_are_one_clear_error(tmp_path, split):
+    """Their AUC is undefined: a validation split of one label stopped training after a few steps (no epoch
+    improved on NaN) and wrote NaN into result.json."""
+    mixed, one = tmp_path / "mixed.csv", tmp_path / "one.csv"
+    mixed.write_text("clicked,price,user\n" + "".join(f"{int(i % 4 == 0)},{i * 0.5},u{i % 3}\n" for i in range(400)))
+    one.write_text("clicked,price,user\n" + "".join(f"0,{i * 0.5},u{i % 3}\n" for i in range(40)))
+    other = "test" if split == "valid" else "valid"
+    roles = ["data.source=table", f"data.path={mixed}", f"data.{split}_path={one}", f"data.{other}_fraction=0.2",
+             "data.label=clicked", "data.continuous=[price]", "data.categorical=[user]"]
+    name = "validation" if split == "valid" else "test"
+    with pytest.raises(BadInputError, match=rf"every one of the 40 {name} rows has the label 0, so their AUC.*"
+                                            rf"is undefined: .*data.{split}_fraction, or more rows in data.{split}_path"):
+        run(_config(tmp_path, *roles))
 
 
 def test_input_too_small_to_leave_training_rows_is_one_clear_error(tmp_path):

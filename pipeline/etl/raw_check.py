@@ -43,9 +43,28 @@ def check_raw_files(splits: dict[str, list[Path]], roles: dict) -> None:
                             f"{root / 'meta.json'} and run `python -m pipeline data` to make them again")
 
 
-def check_labels(files: list[Path], label: str) -> None:
-    """A BadInputError when the training rows hold one label only: a click model learns nothing from them,
-    and its AUC is undefined. Reads only the label column."""
+def check_labels(splits: dict[str, list[Path]], label: str) -> None:
+    """A BadInputError when a split's rows hold one label only. Training rows: a click model learns nothing
+    from them. Validation or test rows: their AUC is undefined, and the validation AUC is what picks the epoch
+    kept (early stopping). Reads only the label column."""
+    for split in ("train", "valid", "test"):
+        rows, seen = _labels(splits.get(split, []), label)
+        if len(seen) != 1:
+            continue
+        value = seen.pop()
+        if split == "train":
+            raise BadInputError(f"every one of the {rows:,} training rows has the label {value!r}: a click model "
+                                "needs rows of both labels (0 and 1); check that data.label names the click column, "
+                                "or give data with clicks and non-clicks")
+        name = "validation" if split == "valid" else "test"
+        use = "the epoch kept is chosen by" if split == "valid" else "the model is scored by"
+        raise BadInputError(f"every one of the {rows:,} {name} rows has the label {value!r}, so their AUC, by which "
+                            f"{use}, is undefined: give the {name} split rows of both labels (a larger "
+                            f"data.{split}_fraction, or more rows in data.{split}_path)")
+
+
+def _labels(files: list[Path], label: str) -> tuple[int, set]:
+    """The rows of ``files`` and the labels among them, read until two are seen."""
     seen: set = set()
     rows = 0
     for path in files:
@@ -53,11 +72,8 @@ def check_labels(files: list[Path], label: str) -> None:
         rows += len(column)
         seen.update(pc.unique(column).to_pylist())
         if len(seen) > 1:
-            return
-    if rows:
-        raise BadInputError(f"every one of the {rows:,} training rows has the label {seen.pop()!r}: a click model "
-                            "needs rows of both labels (0 and 1); check that data.label names the click column, "
-                            "or give data with clicks and non-clicks")
+            break
+    return rows, seen
 
 
 def _short(names: list[str]) -> str:

@@ -36,7 +36,7 @@ def run(cfg: PipelineConfig) -> dict:
     raw = ensure_raw(cfg)
     roles = roles_of(raw)
     check_raw_files(raw.splits, roles)
-    check_labels(raw.splits["train"], roles["label"])
+    check_labels(raw.splits, roles["label"])
     workflow = default_workflow(roles, cfg.etl, library=library)
     files = [f for split in SPLITS for f in raw.splits[split]]
     input_bytes = sum(f.stat().st_size for f in files)
