@@ -1,6 +1,8 @@
 """Errors a user can act on: the CLI prints them plainly, without a traceback."""
 
+import errno
 import math
+import re
 
 
 class UserError(Exception):
@@ -40,3 +42,35 @@ def check_range(name: str, value: object, low: float | None = None, high: float 
         ok = value < high if high_open else value <= high
     if not ok:
         raise SettingError(f"{name}: expected {kind} {allowed}, got {value!r}")
+
+
+_ADVICE = {
+    errno.ENOSPC: "free space on that disk, or choose another workdir",
+    errno.EDQUOT: "free space within your quota, or choose another workdir",
+    errno.EROFS: "choose a writable workdir",
+    errno.EACCES: "give this user access to it, or choose another workdir",
+    errno.EPERM: "give this user access to it, or choose another workdir",
+    errno.EISDIR: "a folder stands where a file is written: remove it",
+    errno.ENOTDIR: "a file stands where a folder is expected: remove it",
+    errno.EMFILE: "raise the limit of open files (ulimit -n)",
+    errno.ENFILE: "close other programs' files, or raise the system's limit",
+}
+
+
+def environment_problem(err: BaseException) -> str | None:
+    """What the machine refused, for an error whose cause (or its cause...) is an operating system error a user
+    fixes outside the pipeline (a full or read-only disk, a permission, a folder where a file goes): the file,
+    what failed and what to do. None for any other error."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        code = getattr(err, "errno", None) if isinstance(err, OSError) else None
+        if code is None and isinstance(err, OSError):  # Arrow's: "... Detail: [errno 28] No space left on device"
+            found = re.search(r"\[errno (\d+)\]", str(err))
+            code = int(found.group(1)) if found else None
+        if code in _ADVICE:
+            where = getattr(err, "filename", None)
+            what = err.strerror if getattr(err, "strerror", None) else str(err)
+            return f"{where + ': ' if where else ''}{what}: {_ADVICE[code]}"
+        err = err.__cause__ or err.__context__
+    return None

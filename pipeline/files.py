@@ -13,11 +13,18 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from pipeline.errors import UserError
+
+# A write that fails with less free space than this left on its disk failed for want of space (torch.save
+# says only "unexpected pos").
+_FULL_BYTES = 1 << 20
 
 
 def tmp_path(path: str | Path) -> Path:
@@ -38,8 +45,20 @@ def atomic_open(path: str | Path, mode: str = "wb") -> Iterator[Any]:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except Exception as err:
+        if getattr(err, "errno", None) == errno.ENOSPC or _full(path.parent):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from err
+        raise
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _full(folder: Path) -> bool:
+    try:
+        stats = os.statvfs(folder)
+    except OSError:
+        return False
+    return stats.f_bavail * stats.f_frsize < _FULL_BYTES
 
 
 def remove_tmp_files(folder: str | Path, recursive: bool = False) -> list[Path]:
@@ -65,3 +84,17 @@ def write_text(path: str | Path, text: str) -> None:
 def write_json(path: str | Path, value: Any) -> None:
     """Write ``value`` as indented JSON atomically (values JSON cannot hold are written as strings)."""
     write_text(path, json.dumps(value, indent=2, default=str) + "\n")
+
+
+class DamagedFileError(UserError):
+    """A file the pipeline wrote that no longer reads as it was written (cut short, or changed by hand)."""
+
+
+def read_json(path: str | Path, remedy: str) -> Any:
+    """The JSON value in ``path``; one that is not whole JSON is a :class:`DamagedFileError` naming the file and
+    ``remedy``, what makes it again."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise DamagedFileError(f"{path} is not whole JSON ({err}): it was cut short or changed by hand; "
+                               f"{remedy}") from err

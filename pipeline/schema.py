@@ -15,11 +15,10 @@ Example::
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from pipeline.files import write_json
+from pipeline.files import read_json, write_json
 
 SCHEMA_VERSION = 1
 ROLES = ("label", "continuous", "categorical", "multihot")
@@ -121,6 +120,8 @@ class Schema:
 
     @classmethod
     def from_dict(cls, d: dict) -> Schema:
+        if not isinstance(d, dict):
+            raise SchemaError(f"a schema is a JSON object, not {type(d).__name__}; rerun the ETL")
         version = d.get("version")
         if version != SCHEMA_VERSION:
             raise SchemaError(f"schema version {version} is not supported (expected {SCHEMA_VERSION}); rerun the ETL")
@@ -136,4 +137,4 @@ class Schema:
         path = Path(path)
         if not path.is_file():
             raise SchemaError(f"no schema at {path}: run `python -m pipeline run etl` first")
-        return cls.from_dict(json.loads(path.read_text()))
+        return cls.from_dict(read_json(path, "run `python -m pipeline run etl` again"))

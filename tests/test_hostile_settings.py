@@ -341,3 +341,43 @@ def test_a_section_given_a_value_in_the_yaml_file_is_blamed_on_the_file_under_ov
 
 def test_nproc_zero_is_refused(capsys):
     _refused(capsys, ["run", "train", "--nproc", "0"], "distributed.nproc", ">= 1")
+
+
+def test_what_the_machine_refuses_a_write_is_one_error_line_naming_the_file(tmp_path):
+    """A folder where the data stage writes raw/meta.json (as a full or read-only disk, an operating system
+    error) was a traceback."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    meta = tmp_path / "synthetic" / "raw" / "meta.json"
+    meta.mkdir(parents=True)
+    proc = subprocess.run([sys.executable, "-m", "pipeline", "data", f"workdir={tmp_path}", "data.rows=2000",
+                           "progress=off"], check=False, cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    expected = f"error: {meta}: Is a directory: a folder stands where a file is written: remove it"
+    assert proc.stderr.splitlines() == [expected], proc.stderr
+
+
+def test_a_write_that_fails_on_a_full_disk_says_so_naming_the_file(tmp_path, monkeypatch):
+    """torch.save on a full disk says only "unexpected pos", and Arrow names no file: each write that fails with
+    under 1 MiB left is a 'no space left' naming the file, and an Arrow error's errno is read from its text."""
+    import errno
+
+    from pipeline import files
+    from pipeline.errors import environment_problem
+
+    monkeypatch.setattr(files, "_full", lambda folder: True)
+    with pytest.raises(OSError) as err, files.atomic_open(tmp_path / "step-1.pt") as f:
+        f.write(b"abc")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")
+    assert err.value.errno == errno.ENOSPC and not list(tmp_path.iterdir())
+    assert environment_problem(err.value) == (f"{tmp_path / 'step-1.pt'}: No space left on device: free space on "
+                                              "that disk, or choose another workdir")
+    try:
+        try:
+            raise OSError("Error writing bytes to file. Detail: [errno 30] Read-only file system")
+        except OSError as arrow:
+            raise ValueError("a task failed") from arrow
+    except ValueError as chained:
+        assert environment_problem(chained) == ("Error writing bytes to file. Detail: [errno 30] Read-only file "
+                                                "system: choose a writable workdir")
+    assert environment_problem(ValueError("no")) is None and environment_problem(OSError(errno.EINVAL, "x")) is None

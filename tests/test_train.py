@@ -13,7 +13,7 @@ import torch
 
 from pipeline.errors import BadInputError, UserError
 from pipeline.loader.synthetic import criteo_schema, write_processed
-from pipeline.schema import Schema
+from pipeline.schema import Schema, SchemaError
 from pipeline.stages.config import load_config
 from pipeline.stages.train import run
 from pipeline.train.checkpoint import CheckpointError, checkpoints, latest_checkpoint, load_checkpoint, save_checkpoint
@@ -183,6 +183,17 @@ def test_resume_with_another_model_is_refused(tmp_path):
     run(cfg)
     with pytest.raises(UserError, match="another model"):
         run(_config(tmp_path, "train.max_steps=3", "train.resume=true", "train.model=deepfm"))
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_resume_with_another_dense_optimizer_is_refused(tmp_path, optimizer):
+    """Torch loads Adam's state into SGD and fails at the first step (KeyError: 'momentum')."""
+    cfg = _config(tmp_path, "train.max_steps=3", "train.checkpoint_every=2", "train.run=r")
+    _write_data(cfg)
+    run(cfg)
+    with pytest.raises(UserError, match=r"checkpoint .*step-0+3.pt holds the state of another dense optimizer "
+                                        r"than \w+: resume with the train.optimizer"):
+        run(_config(tmp_path, "train.max_steps=4", "train.resume=true", "train.run=r", f"train.optimizer={optimizer}"))
 
 
 def test_resume_on_the_output_of_another_etl_with_other_dense_features_is_refused(tmp_path):
@@ -372,3 +383,29 @@ def test_a_diverged_run_stops_with_an_error_naming_the_learning_rates_and_is_not
         run(cfg)
     assert (cfg.paths.train / "latest").resolve().name == "good"
     assert not (cfg.paths.train / "diverged" / "result.json").exists()
+
+
+def test_files_a_run_reads_that_were_cut_short_are_one_error_naming_each(tmp_path):
+    """A truncated schema.json, model.json, model.pt or result.json was a traceback (JSONDecodeError, EOFError,
+    the zip reader's RuntimeError)."""
+    from pipeline.files import DamagedFileError
+    from pipeline.stages.export import trained_record
+
+    cfg = _config(tmp_path, "train.max_steps=3", "train.run=r")
+    _write_data(cfg)
+    run(cfg)
+    folder = cfg.paths.train / "r"
+    for path, read in ((folder / "model.pt", lambda: load_trained(folder)),
+                       (folder / "model.json", lambda: load_trained(folder)),
+                       (folder / "result.json", lambda: trained_record(folder)),
+                       (cfg.paths.schema, lambda: run(_config(tmp_path, "train.max_steps=3", "train.run=s")))):
+        whole = path.read_bytes()
+        for cut in (whole[: len(whole) // 2], b""):
+            path.write_bytes(cut)
+            with pytest.raises(DamagedFileError, match=rf"^{path}( is not whole JSON| does not read as saved).*"
+                                                       r"cut short or changed by hand; (train|run) "):
+                read()
+        path.write_bytes(whole)
+    cfg.paths.schema.write_text("[]")
+    with pytest.raises(SchemaError, match="a schema is a JSON object, not list; rerun the ETL"):
+        run(_config(tmp_path, "train.max_steps=3", "train.run=t"))

@@ -35,6 +35,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.errors import BadInputError
+from pipeline.files import read_json
 
 RAW_VERSION = 1
 LABEL = "label"
@@ -82,7 +83,8 @@ class RawDataset:
             rows={s: int(meta["rows"].get(s, 0)) for s in SPLITS},
             source=meta["source"],
             params=meta["params"],
-            oracle=json.loads(oracle_path.read_text()) if oracle_path.is_file() else None,
+            oracle=read_json(oracle_path, f"remove {root} and make the data again (`python -m pipeline data`)")
+            if oracle_path.is_file() else None,
         )
 
 

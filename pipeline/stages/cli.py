@@ -226,6 +226,12 @@ def main(argv: list[str] | None = None) -> int:
         if _is_user_error(err):
             print(f"error: {err}", file=sys.stderr)
             return 2
+        from pipeline.errors import environment_problem
+
+        problem = environment_problem(err)
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            return 2
         raise
 
 

@@ -21,6 +21,7 @@ from export.config import AUTO_INSTANCES_MAX
 from export.pbtxt import ModelOptions
 from export.repository import EXPORT_RECORD, raw_columns, write_repository
 from pipeline.errors import UserError
+from pipeline.files import read_json
 from pipeline.schema import Schema
 from pipeline.stages.config import PipelineConfig
 from pipeline.train.runs import is_finished, latest_run, runs
@@ -91,7 +92,7 @@ def trained_run(cfg: PipelineConfig) -> Path:
 
 def trained_record(folder: Path) -> dict:
     """What is exported, from the finished run in ``folder``: its name and folder, model kind and test AUC."""
-    result = json.loads((folder / "result.json").read_text())
+    result = read_json(folder / "result.json", "train again (`python -m pipeline run train`), or export another run (export.run=NAME)")
     return {"run": folder.name, "folder": str(folder), "model": result["model"], "test_auc": result["test"]["auc"]}
 
 

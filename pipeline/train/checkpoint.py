@@ -49,6 +49,7 @@ from pipeline.distributed.checkpoint import (
     save_sharded_checkpoint,
 )
 from pipeline.distributed.world import World
+from pipeline.errors import UserError
 from pipeline.files import atomic_open, remove_tmp_files
 from pipeline.train.model import model_from_spec
 
@@ -225,7 +226,7 @@ class PlainCheckpoints:
         # the device.
         ckpt = load_checkpoint(path, map_location="cpu")
         trainer.model.load_state_dict(ckpt["model"])
-        trainer.optimizer.load_state_dict(ckpt["dense_optimizer"])
+        load_dense_optimizer(trainer.optimizer, ckpt["dense_optimizer"], path)
         trainer.loader.load_state_dict(ckpt["loader"])
         set_rng_state({k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in ckpt["rng"].items()})
         best = ckpt.get("best_model")
@@ -316,7 +317,7 @@ class ShardedCheckpoints:
         meta = read_meta(path)
         saved = load_sharded_checkpoint(path, model.sharded_collections())
         model.load_dense_state_dict({k: v.to(trainer.device) for k, v in saved["dense"]["model"].items()})
-        trainer.optimizer.load_state_dict(saved["dense"]["dense_optimizer"])
+        load_dense_optimizer(trainer.optimizer, saved["dense"]["dense_optimizer"], path)
         if meta["world_size"] == world.size:
             mine = load_torch_file(path / f"rank-{world.rank}.pt", f"sharded checkpoint {path}: rank-{world.rank}.pt",
                                    ShardedCheckpointError, map_location="cpu")
@@ -349,3 +350,15 @@ def _to_lists(value: Any) -> Any:
 def _to_tuples(value: Any) -> Any:
     return tuple(_to_tuples(v) for v in value) if isinstance(value, (tuple, list)) else value
 
+
+
+def load_dense_optimizer(optimizer: torch.optim.Optimizer, state: dict, path: Path) -> None:
+    """Restore the dense optimizer's ``state``, saved in ``path``; one of another optimizer (its groups' settings
+    differ: Adam's betas, SGD's momentum) is refused, as torch would take it and fail at the first step."""
+    saved = {key for group in state["param_groups"] for key in group} - {"params"}
+    mine = {key for group in optimizer.param_groups for key in group} - {"params"}
+    if saved != mine:
+        raise UserError(f"train.resume=true, but the checkpoint {path} holds the state of another dense optimizer "
+                        f"than {type(optimizer).__name__}: resume with the train.optimizer the run was trained with, "
+                        "or rerun without train.resume")
+    optimizer.load_state_dict(state)

@@ -14,13 +14,14 @@ Example::
 
 from __future__ import annotations
 
-import json
+import pickle
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from pipeline.errors import UserError
+from pipeline.files import DamagedFileError, read_json
 from pipeline.modules.configs import EmbeddingOptimizerConfig, TableConfig
 from pipeline.modules.models import ModelSizes, RecModel, build_model, model_tables
 from pipeline.schema import Schema
@@ -94,7 +95,7 @@ def check_same_model(spec: dict, folder: str | Path) -> None:
     previous = folder / "model.json"
     if not previous.is_file():
         return
-    old = json.loads(previous.read_text())
+    old = read_json(previous, "rerun without train.resume")
     old["tables"] = _tables(old)
     trained = {t["admit_after"] for t in old["tables"] if t["dynamic"]}
     now = {t["admit_after"] for t in spec["tables"] if t["dynamic"]}
@@ -125,7 +126,14 @@ def load_trained(folder: str | Path, device: str | torch.device = "cpu",
     spec_path, weights_path = folder / "model.json", folder / "model.pt"
     if not spec_path.is_file() or not weights_path.is_file():
         raise UserError(f"no trained model in {folder}: run `python -m pipeline run train` first")
-    spec = json.loads(spec_path.read_text())
+    spec = read_json(spec_path, "train again (`python -m pipeline run train`), or export another run (export.run=NAME)")
     model = model_from_spec(spec, backend=backend)
-    model.load_state_dict(torch.load(weights_path, map_location="cpu", weights_only=True))
+    try:
+        weights = torch.load(weights_path, map_location="cpu", weights_only=True)
+    except PermissionError:
+        raise
+    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as err:  # torch's zip reader: OSError EINVAL
+        raise DamagedFileError(f"{weights_path} does not read as saved weights ({err}): it was cut short or "
+                               f"changed by hand; " + "train again (`python -m pipeline run train`), or export another run (export.run=NAME)") from err
+    model.load_state_dict(weights)
     return model.to(device).eval(), Schema.from_dict(spec["schema"])
