@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
@@ -90,11 +91,13 @@ def embedding_tables(model) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray
 
 
 def raw_columns(raw_data: RawDataset, list_separator: str) -> RawColumns:
-    """The request columns, typed as the raw parquet files are (``list_separator``: inside a multi-hot cell)."""
+    """The request columns, typed as the raw parquet files are (``list_separator``: inside a multi-hot cell). Every
+    file's footer is read: a column of integers in one file and of floats in another (as a user's files may type
+    it) takes floats, so every file's rows can be served."""
     files = [f for split in ("train", "test", "valid") for f in raw_data.splits.get(split, [])]
     if not files:
         raise UserError(f"no raw parquet files under {raw_data.root}: run `python -m pipeline data` first")
-    arrow_schema = pq.read_schema(files[0])
+    arrow_schema = pa.unify_schemas([pq.read_schema(f) for f in files], promote_options="permissive")
     return RawColumns.from_arrow(arrow_schema, raw_data.continuous, raw_data.categorical, raw_data.multihot,
                                  list_separator, label=raw_data.label)
 

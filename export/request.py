@@ -328,11 +328,15 @@ def _text_matrix(columns: Mapping[str, Any], names: tuple[str, ...], batch: int,
     as text or lists of text is read in one pass, any other value by value."""
     parts = []
     for name in names:
-        text = _as_text(_arrow(columns[name]), separator) if name in columns else pa.nulls(batch, pa.large_binary())
+        arrow = _arrow(columns[name]) if name in columns else None
+        if arrow is not None and _is_list(arrow.type):
+            _refuse_separator_items(name, arrow, separator)
+        text = _as_text(arrow, separator) if name in columns else pa.nulls(batch, pa.large_binary())
         if text is None:
             values = columns[name]
             values = values.tolist() if hasattr(values, "tolist") else values
-            text = pa.array([None if _is_missing(v) else _to_bytes(v, separator) for v in values], pa.large_binary())
+            text = pa.array([None if _is_missing(v) else _to_bytes(v, separator, name, row)
+                             for row, v in enumerate(values)], pa.large_binary())
         parts.append(text)
     if len({part.type for part in parts}) > 1:
         parts = [part.cast(pa.large_binary()) for part in parts]
@@ -465,11 +469,32 @@ def _is_missing(value: Any) -> bool:
     return value is pd.NA or value is pd.NaT
 
 
-def _to_bytes(value: Any, separator: str) -> bytes:
+def _to_bytes(value: Any, separator: str, name: str, row: int) -> bytes:
     if isinstance(value, bytes):
         return value
     if isinstance(value, str):
         return value.encode()
     if isinstance(value, Iterable):
-        return separator.join(str(v) for v in value).encode()
+        items = [str(v) for v in value]
+        if any(separator in item for item in items):
+            raise _separator_in_item(name, row, value, separator)
+        return separator.join(items).encode()
     return str(value).encode()
+
+
+def _refuse_separator_items(name: str, lists: pa.Array, separator: str) -> None:
+    """A BadInputError for the first cell of ``lists`` with an item holding ``separator``, by which the request
+    joins a cell's items: the model would read it as two."""
+    items = pc.list_flatten(lists)
+    if not (pa.types.is_string(items.type) or pa.types.is_large_string(items.type)):
+        return
+    holding = pc.fill_null(pc.match_substring(items, separator), False)
+    if pc.any(holding).as_py():
+        row = int(pc.list_parent_indices(lists).to_numpy()[pc.index(holding, True).as_py()])
+        raise _separator_in_item(name, row, lists[row].as_py(), separator)
+
+
+def _separator_in_item(name: str, row: int, cell: Any, separator: str) -> BadInputError:
+    return BadInputError(f"column {name}, row {row}: an item of {cell!r} holds the list separator {separator!r}, "
+                         "which joins a cell's items in the request (the model would read it as two items); no "
+                         "training row held such an item (the data stage counts them as malformed)")

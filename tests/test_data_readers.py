@@ -444,6 +444,53 @@ def test_parquet_unsigned_and_dictionary_columns_are_checked_as_their_values(tmp
         {"label": 0, "price": 4.0, "count": None, "item": None}]
 
 
+def test_parquet_float_and_boolean_categories_are_their_python_text_and_list_items_holding_the_separator_are_bad(
+        tmp_path):
+    """pandas widens integer ids with a missing one to floats; such a column and a boolean one were refused, where
+    the same data as CSV was read. A float or boolean id is the text Python's str gives it (what a client sends
+    for it, what pandas writes to a CSV). A list item holding data.list_separator would be served as two items."""
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.table({
+        "clicked": pa.array([1, 0, 1, 0, 1, 0], pa.int64()),
+        "item": pa.array([7.0, float("nan"), 3.5, None, -0.0, 1e20]),
+        "flag": pa.array([True, False, None, True, True, False]),
+        "tags": pa.array([["a"], ["b|c", "d"], [], None, ["e", "f"], ["|"]], pa.list_(pa.string())),
+    }), path)
+    cfg = _cfg(tmp_path, "data.source=table", f"data.path={path}", "data.label=clicked",
+               "data.categorical=[item,flag]", "data.multihot=tags", "data.on_bad_lines=skip")
+    raw = ensure_raw(cfg)
+    report = json.loads((raw.root / "ingest_report.json").read_text())
+    assert report["bad"] == {"separator_in_item": 2}
+    assert [e["line"] for e in report["examples"]] == [2, 6]
+    assert report["examples"][0]["reason"].startswith("tags: an item of ['b|c', 'd'] holds data.list_separator")
+    table = pa.concat_tables([pq.read_table(p) for s in raw.splits.values() for p in s])
+    assert table.schema.field("item").type == pa.string() and table.schema.field("flag").type == pa.string()
+    rows = sorted(table.to_pylist(), key=lambda r: str(r["item"]))
+    assert rows == [{"label": 1, "item": "-0.0", "flag": "True", "tags": ["e", "f"]},
+                    {"label": 1, "item": "3.5", "flag": None, "tags": []},
+                    {"label": 1, "item": "7.0", "flag": "True", "tags": ["a"]},
+                    {"label": 0, "item": None, "flag": "True", "tags": None}]
+    with pytest.raises(BadInputError, match=r"line 2: tags: an item of .* holds data.list_separator"):
+        ensure_raw(_cfg(tmp_path, "data.source=table", f"data.path={path}", "data.label=clicked", "data.name=strict",
+                        "data.categorical=[item,flag]", "data.multihot=tags"))
+
+
+def test_a_number_column_of_integers_in_one_file_and_floats_in_another_is_served_as_floats(tmp_path):
+    """The request layout was typed from the first raw file only: the other file's fractions were refused."""
+    from export.repository import raw_columns
+
+    folder = tmp_path / "in"
+    folder.mkdir()
+    pq.write_table(pa.table({"clicked": [0, 1] * 20, "x": pa.array(range(40), pa.int64()), "c": ["a"] * 40}),
+                   folder / "part0.parquet")
+    pq.write_table(pa.table({"clicked": [1, 0] * 20, "x": [i + 0.5 for i in range(40)], "c": ["b"] * 40}),
+                   folder / "part1.parquet")
+    cfg = _cfg(tmp_path, "data.source=table", f"data.path={folder}", "data.label=clicked", "data.continuous=[x]",
+               "data.categorical=[c]")
+    columns = raw_columns(ensure_raw(cfg), cfg.data.list_separator)
+    assert tuple(columns.layout.floats) == ("x",) and not columns.layout.integers
+
+
 # Splits by time (data.time_column)
 
 TIMED = ["data.source=table", "data.label=clicked", "data.continuous=[row]", "data.categorical=[user]",

@@ -635,6 +635,17 @@ def test_a_value_ending_in_a_zero_byte_is_refused_by_name():
         layout.tensors({"C1": ["a", "b"], "C2": [b"", b"ab\x00"]})
 
 
+def test_a_list_item_holding_the_separator_is_refused_by_name():
+    """The request joins a cell's items by the separator: "b|c" would be served as the two items b and c."""
+    layout = RequestLayout(lists=("T",), list_separator="|")
+    for cells in ([["a"], ["b|c", "d"]], pd.Series([["a"], ["b|c", "d"]]),
+                  pa.array([["a"], ["b|c", "d"]], pa.list_(pa.string()))):
+        with pytest.raises(BadInputError, match=r"column T, row 1: an item of \['b\|c', 'd'\] holds the list "
+                                                r"separator '\|'"):
+            layout.tensors({"T": cells})
+    assert text_values(layout.tensors({"T": [["a", "b"], "c|d"]})["LISTS"]).reshape(-1).tolist() == [b"a|b", b"c|d"]
+
+
 def test_rows_whose_text_would_be_mostly_padding_are_sent_in_parts():
     """One long value among many short ones: one request would be that wide for every value; the rows go in parts,
     in order, the long value in a small one, each part's text read back whole."""

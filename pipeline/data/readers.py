@@ -821,7 +821,7 @@ def _check_and_convert(table: pa.Table, lines: np.ndarray, kinds: dict[str, str]
     bad = np.zeros(table.num_rows, dtype=bool)
     for name, kind in kinds.items():
         column = table.column(name)
-        ok = _values_ok(column, kind)
+        ok = _values_ok(column, kind, separator)
         if ok is None:
             continue
         for i in np.flatnonzero(~ok & ~bad):
@@ -854,8 +854,10 @@ def _is_text(t: pa.DataType) -> bool:
     return pa.types.is_string(t) or pa.types.is_large_string(t)
 
 
-def _values_ok(column: pa.ChunkedArray, kind: str) -> np.ndarray | None:
-    """Which values fit ``kind`` (None: all do). Text is checked by pattern; typed labels by value."""
+def _values_ok(column: pa.ChunkedArray, kind: str, separator: str) -> np.ndarray | None:
+    """Which values fit ``kind`` (None: all do). Text is checked by pattern; typed labels by value; the items of
+    typed lists for ``separator``, by which a served request joins a cell's items (an item holding it would be
+    served as two)."""
     if kind == "label" and not _is_text(column.type):
         values = pc.cast(column, pa.float64()).to_numpy(zero_copy_only=False)
         return (values == 0) | (values == 1)  # a null (NaN) label is bad too
@@ -864,6 +866,8 @@ def _values_ok(column: pa.ChunkedArray, kind: str) -> np.ndarray | None:
     if kind in ("int", "float") and pa.types.is_uint64(column.type):  # the raw layout's integers are int64
         return pc.fill_null(pc.less_equal(column, pa.scalar(2**63 - 1, pa.uint64())), True).to_numpy(
             zero_copy_only=False).astype(bool)
+    if kind == "list" and not _is_text(column.type):
+        return _items_without(column, separator)
     if not _is_text(column.type):
         return None
     if kind == "label":
@@ -888,6 +892,37 @@ def _values_ok(column: pa.ChunkedArray, kind: str) -> np.ndarray | None:
     else:
         return None
     return pc.fill_null(ok, False).to_numpy(zero_copy_only=False).astype(bool)
+
+
+def _items_without(lists: pa.ChunkedArray, separator: str) -> np.ndarray | None:
+    """Which list cells have no item holding ``separator`` (None: all)."""
+    lists = lists.combine_chunks() if isinstance(lists, pa.ChunkedArray) else lists
+    items = pc.list_flatten(lists)
+    if not _is_text(items.type):
+        return None
+    holding = pc.fill_null(pc.match_substring(items, separator), False).to_numpy(zero_copy_only=False).astype(bool)
+    if not holding.any():
+        return None
+    ok = np.ones(len(lists), dtype=bool)
+    ok[pc.list_parent_indices(lists).to_numpy()[holding]] = False
+    return ok
+
+
+def _python_text(column: pa.ChunkedArray) -> pa.Array:
+    """Numbers and booleans of a categorical column as the text Python's ``str`` gives them, what a client sends for
+    them and what pandas writes to a CSV (a float id 3.0 is "3.0", True "True"); a NaN is missing."""
+    column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    if pa.types.is_boolean(column.type):
+        return pc.if_else(column, "True", "False")
+    if not pa.types.is_floating(column.type):
+        return pc.cast(column, pa.string())
+    values = pc.cast(column, pa.float64()).to_numpy(zero_copy_only=False)
+    # whole numbers below 1e16 are their integer and ".0" (-0.0 keeps its sign); the rest value by value
+    whole = (values == np.floor(values)) & (np.abs(values) < 1e15) & ~((values == 0) & np.signbit(values))
+    text = np.where(whole, np.char.add(np.where(whole, values, 0).astype(np.int64).astype(str), ".0"), None)
+    for i in np.flatnonzero(~whole & ~np.isnan(values)):
+        text[i] = str(float(values[i]))
+    return pa.array(text, pa.string())
 
 
 def _convert(column: pa.ChunkedArray, kind: str, separator: str) -> pa.ChunkedArray | pa.Array:
@@ -917,7 +952,7 @@ def _convert(column: pa.ChunkedArray, kind: str, separator: str) -> pa.ChunkedAr
             return pc.if_else(pc.is_nan(column), pa.scalar(None, pa.float64()), column)
         return pc.cast(column, pa.int64())
     if kind == "string":
-        return pc.cast(column, pa.string())
+        return _python_text(column)
     return _drop_empty_items(column)
 
 
@@ -972,7 +1007,7 @@ def _check_parquet_type(path: Path, name: str, kind: str, t: pa.DataType) -> Non
     if kind in ("label", "float"):
         ok, expected = numeric or _is_text(t), "a numeric column"
     elif kind == "string":
-        ok, expected = _is_text(t) or pa.types.is_integer(t), "a string or integer column"
+        ok, expected = _is_text(t) or numeric, "a string, number or boolean column"
     elif kind == "time":
         ok = numeric or _is_text(t) or pa.types.is_timestamp(t) or pa.types.is_date(t)
         expected = "integers, ISO 8601 text, timestamps or dates"

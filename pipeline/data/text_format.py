@@ -82,6 +82,9 @@ def value_problem(name: str, kind: str, value: str) -> tuple[str, str]:
     shown = value if len(value) <= 40 else value[:37] + "..."
     if kind == "label":
         return "bad_label", f"{name}: expected 0 or 1, found {value!r}"
+    if kind == "list":
+        return "separator_in_item", (f"{name}: an item of {shown} holds data.list_separator, by which a served request "
+                                     "joins a cell's items (it would be served as two items)")
     if kind == "float" and is_infinite(value):
         return "out_of_range", f"{name}: {shown!r} is not a finite number"
     if kind in ("int", "float") and re.fullmatch(DIGITS_PATTERN, value):
