@@ -67,6 +67,9 @@ class Schema:
     rows: dict[str, int] = field(default_factory=dict)
     """Rows per split, as written."""
     version: int = SCHEMA_VERSION
+    workflow: str = ""
+    """The fingerprint of the saved workflow that wrote the output (``Workflow.fingerprint``): a model trained on it
+    is served with that workflow only."""
 
     def __post_init__(self) -> None:
         labels = [c.name for c in self.columns if c.role == "label"]
@@ -130,6 +133,7 @@ class Schema:
             row_group_rows=d.get("row_group_rows", 0),
             rows=d.get("rows", {}),
             version=version,
+            workflow=d.get("workflow", ""),
         )
 
     @classmethod

@@ -193,3 +193,19 @@ def test_export_takes_latest_and_refuses_a_missing_or_unfinished_run(two_runs, c
                     "train.run=cut train.resume=true")
     cfg = load_config(None, [*SMALL, *data])
     assert json.loads((cfg.paths.export / "export.json").read_text())["trained"]["run"] == newer["run"]
+
+
+def test_an_etl_fitted_again_under_a_run_is_refused_by_its_export_and_its_resume(tmp_path, capsys):
+    """The export compared cardinalities only: a workflow fitted again with other settings (here without the
+    missing indicators, a column fewer per continuous one) was exported with the model, and the server failed
+    to start on a KeyError; the same columns with other statistics would have been served silently."""
+    common = [f"workdir={tmp_path}", "device=cpu", "data.rows=4000", "progress=off", "etl.cluster=threads",
+              "train.max_steps=4", "train.checkpoint_every=2", "train.run=r"]
+    run_stages(["data", "etl", "train"], load_config(None, common))
+    run_stages(["etl"], load_config(None, common))  # fitted again alike: the same workflow, exported as it is
+    run_stages(["export"], load_config(None, common))
+    run_stages(["etl"], load_config(None, [*common, "etl.missing_indicator=false"]))
+    _one_error_line(capsys, ["run", "export", *common], "changed since the run", "the workflow was fitted again",
+                    "run `python -m pipeline run train` again")
+    _one_error_line(capsys, ["run", "train", *common, "train.resume=true", "train.max_steps=6"],
+                    "ETL workflow: it was fitted again")

@@ -55,8 +55,9 @@ def input_schema(roles: dict) -> list[ColumnSchema]:
     ]
 
 
-def to_schema(columns: list[ColumnSchema], rows: dict[str, int], row_group_rows: int) -> Schema:
-    """The ``schema.json`` contents of the output columns: role from the tags, dtype, cardinality."""
+def to_schema(columns: list[ColumnSchema], rows: dict[str, int], row_group_rows: int, workflow: str = "") -> Schema:
+    """The ``schema.json`` contents of the output columns: role from the tags, dtype, cardinality (``workflow``: the
+    fingerprint of the saved workflow that wrote them)."""
     out = []
     for column in columns:
         if LABEL in column.tags:
@@ -74,4 +75,4 @@ def to_schema(columns: list[ColumnSchema], rows: dict[str, int], row_group_rows:
                           cardinality=column.cardinality if sparse else 0,
                           max_length=column.max_length if role == "multihot" else 0,
                           dynamic=column.dynamic and sparse))
-    return Schema(columns=out, row_group_rows=row_group_rows, rows=rows)
+    return Schema(columns=out, row_group_rows=row_group_rows, rows=rows, workflow=workflow)

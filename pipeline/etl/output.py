@@ -52,7 +52,8 @@ def write_outputs(workflow: Workflow, splits: dict[str, list[Path]], roles: dict
         shutil.rmtree(processed / split, ignore_errors=True)
         (processed / f"{split}.partial").rename(processed / split)
     workflow.save(workflow_dir)
-    schema = to_schema(workflow.output_schema(input_schema(roles)), rows, etl.row_group_rows)
+    schema = to_schema(workflow.output_schema(input_schema(roles)), rows, etl.row_group_rows,
+                       Workflow.fingerprint(workflow_dir))
     schema.save(schema_path)
     return rows, schema
 

@@ -27,6 +27,7 @@ Example::
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import tempfile
@@ -282,6 +283,19 @@ class Workflow:
             if staging.exists():
                 shutil.rmtree(staging)
         return path
+
+    @staticmethod
+    def fingerprint(path: str | Path) -> str:
+        """The sha256 of a saved workflow's files (their names and bytes): what tells the workflow that wrote an
+        ETL output from one fitted again later, whatever columns and sizes they share."""
+        path = Path(path)
+        digest = hashlib.sha256()
+        for file in sorted(p for p in path.rglob("*") if p.is_file()):
+            digest.update(str(file.relative_to(path)).encode() + b"\0")
+            with open(file, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(block)
+        return digest.hexdigest()
 
     @classmethod
     def load(cls, path: str | Path, library: str = "pandas") -> Workflow:

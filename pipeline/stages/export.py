@@ -37,9 +37,12 @@ def run(cfg: PipelineConfig) -> dict:
     folder = trained_run(cfg)
     model, schema = load_trained(folder, device="cpu")
     etl_schema = Schema.load(cfg.paths.schema)
-    if etl_schema.cardinalities() != schema.cardinalities():
+    fitted_again = schema.workflow and schema.workflow != Workflow.fingerprint(cfg.paths.workflow)
+    if fitted_again or etl_schema.cardinalities() != schema.cardinalities():
+        why = "the workflow was fitted again" if fitted_again else "other cardinalities"
         raise UserError(f"the ETL output in {cfg.paths.processed} changed since the run {folder} was trained "
-                        "(other cardinalities): run `python -m pipeline run train` again before exporting")
+                        f"({why}: its model would be served another preprocessing): run `python -m pipeline run "
+                        "train` again before exporting, or export a run trained since the ETL ran")
     trained = trained_record(folder)
     raw = raw_columns(RawDataset.load(cfg.paths.raw), cfg.data.list_separator)
     summary = write_repository(model, schema, cfg.paths.workflow, raw, cfg.paths.export, model_options(cfg),

@@ -105,6 +105,9 @@ def check_same_model(spec: dict, folder: str | Path) -> None:
                         "or rerun without train.resume")
     differ = [k for k in ("model", "sizes", "embedding_optimizer", "embedding_dtype", "tables", "feature_names",
                           "num_dense") if old.get(k) != spec.get(k)]
+    fitted = old.get("schema", {}).get("workflow"), spec["schema"].get("workflow")
+    if all(fitted) and fitted[0] != fitted[1]:
+        differ.append("ETL workflow: it was fitted again, so its ids and statistics are others")
     if differ:
         raise UserError(f"train.resume=true, but the checkpoints in {folder / 'checkpoints'} are of another model "
                         f"(different {', '.join(differ)}); rerun without train.resume, or with the settings and the "
