@@ -55,6 +55,16 @@ def test_two_runs_in_a_row_keep_both_folders_and_latest_points_at_the_second(tmp
     assert latest_run(root) == root / second["run"] and not (root / "latest.tmp").exists()
 
 
+def test_a_folder_where_the_latest_link_goes_is_refused_before_training(tmp_path):
+    """It was found only when the finished run was marked latest, after the whole training."""
+    cfg = _config(tmp_path, "train.max_steps=2", "train.run=first")
+    _write_data(cfg)
+    (cfg.paths.train / "latest").mkdir(parents=True)
+    with pytest.raises(UserError, match=r"train/latest is not the link to the newest finished run .*move it away"):
+        run(cfg)
+    assert sorted(p.name for p in cfg.paths.train.iterdir()) == ["latest"]
+
+
 def test_a_run_name_in_use_is_refused_without_resume(tmp_path):
     cfg = _config(tmp_path, "train.max_steps=2", "train.run=baseline")
     _write_data(cfg)

@@ -406,6 +406,12 @@ def test_files_a_run_reads_that_were_cut_short_are_one_error_naming_each(tmp_pat
                                                        r"cut short or changed by hand; (train|run) "):
                 read()
         path.write_bytes(whole)
+    cfg.paths.oracle.parent.mkdir(parents=True, exist_ok=True)
+    cfg.paths.oracle.write_text('{"test": {"auc": 0.8')
+    with pytest.raises(DamagedFileError, match=rf"^{cfg.paths.oracle} is not whole JSON"):
+        run(_config(tmp_path, "train.max_steps=3", "train.run=o"))
+    assert not (cfg.paths.train / "o").exists()  # refused before training, not after it
+    cfg.paths.oracle.unlink()
     cfg.paths.schema.write_text("[]")
     with pytest.raises(SchemaError, match="a schema is a JSON object, not list; rerun the ETL"):
         run(_config(tmp_path, "train.max_steps=3", "train.run=t"))

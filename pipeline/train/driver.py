@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import random
 import time
@@ -67,7 +66,7 @@ from pipeline.distributed.train_pipeline import PrefetchPipeline, SparseDistPipe
 from pipeline.distributed.types import ShardingPlan
 from pipeline.distributed.world import World
 from pipeline.errors import UserError
-from pipeline.files import atomic_open, remove_tmp_files, write_json
+from pipeline.files import atomic_open, read_json, remove_tmp_files, write_json
 from pipeline.loader import Loader
 from pipeline.modules.cached_collection import HostCachedCollection
 from pipeline.modules.dynamic import DynamicTable
@@ -115,6 +114,8 @@ def _train(cfg: TrainConfig, data: Path, runs: Path, schema: Schema, seed: int, 
     torch.manual_seed(seed)
 
     check_splits(data, schema)
+    oracle = read_json(oracle_path, "remove its raw folder and make the data again (`python -m pipeline data`)") \
+        if oracle_path and oracle_path.is_file() else None
     cfg = dataclasses.replace(cfg, weight_decay=cfg.decay_for(_split_rows(data, schema, "train")))
     spec = model_spec(cfg, schema, device.type, seed)
     out = _run_folder(runs, cfg, world, held)
@@ -168,7 +169,7 @@ def _train(cfg: TrainConfig, data: Path, runs: Path, schema: Schema, seed: int, 
     finally:
         for loader in (train_loader, valid_loader, test_loader):
             loader.close()
-    result = _summary(cfg, spec, world, fitted, test, oracle_path, out, time.perf_counter() - start)
+    result = _summary(cfg, spec, world, fitted, test, oracle, out, time.perf_counter() - start)
     caches = _cache_stats(model, world)
     if caches:
         result["embedding_cache"] = caches
@@ -356,7 +357,7 @@ def _dynamic_stats(model: nn.Module, world: World) -> dict[str, dict]:
     return dict(sorted(total.items()))
 
 
-def _summary(cfg: TrainConfig, spec: dict, world: World, fitted: dict, test: dict, oracle_path: Path | None,
+def _summary(cfg: TrainConfig, spec: dict, world: World, fitted: dict, test: dict, oracle: dict | None,
              out: Path, seconds: float) -> dict:
     """What ``result.json`` holds."""
     if world.size > 1:
@@ -364,7 +365,6 @@ def _summary(cfg: TrainConfig, spec: dict, world: World, fitted: dict, test: dic
                 "steps": fitted["steps"], "epochs": fitted["epochs"], "batch_size_per_rank": cfg.batch_size,
                 "samples_per_s_per_rank": fitted["samples_per_s"], "valid": fitted["valid"], "kept": None, "test": test,
                 "seconds": seconds, "plan": str(out / "plan.json")}
-    oracle = json.loads(oracle_path.read_text()) if oracle_path and oracle_path.is_file() else None
     gap = oracle["test"]["auc"] - test["auc"] if oracle else None
     settings = dataclasses.asdict(cfg)
     settings.update({k: v for k, v in spec["sizes"].items() if k in settings})  # the sizes used, not 0 / [] for "auto"

@@ -44,6 +44,10 @@ def choose_run(root: str | Path, cfg: TrainConfig) -> RunLock:
     (``cfg.run``, else the run most recently started or resumed), else ``cfg.run`` when it is not in
     use, else a new run of :func:`new_run_name` (``-2``, ``-3``, ... appended when that name is taken)."""
     root = Path(root)
+    link = root / LATEST
+    if link.exists() and not link.is_symlink():
+        raise UserError(f"{link} is not the link to the newest finished run that training writes there: move it "
+                        "away, then train")
     if cfg.resume and cfg.run:
         folder = root / cfg.run
         if not folder.is_dir():
