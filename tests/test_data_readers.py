@@ -583,6 +583,22 @@ def test_with_both_splits_pinned_no_time_pass_runs_and_path_is_all_train(tmp_pat
     assert meta["time_column"] == "ts" and meta["time_cuts"] is None
 
 
+def test_a_file_pinned_to_a_split_is_not_read_for_data_path_too(tmp_path):
+    """data.path=folder/ with data.test_path=folder/test.csv read the test rows twice: they trained the model."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    header = "clicked,row,user\n"
+    (folder / "a.csv").write_text(header + "".join(f"{i % 2},{i},u{i % 3}\n" for i in range(300)))
+    (folder / "test.csv").write_text(header + "".join(f"{i % 2},{1000 + i},u1\n" for i in range(40)))
+    common = ["data.source=table", "data.label=clicked", "data.continuous=[row]", "data.categorical=[user]",
+              f"data.path={folder}", f"data.test_path={folder / 'test.csv'}"]
+    raw = ensure_raw(_cfg(tmp_path, *common))
+    assert raw.rows["train"] + raw.rows["valid"] == 300 and _rows_of(raw, "test") == list(range(1000, 1040))
+    with pytest.raises(BadInputError, match=r"data.path=.*test.csv names only files that data.valid_path / "
+                                            r"data.test_path pin"):
+        ensure_raw(_cfg(tmp_path, *common[:4], f"data.path={folder / 'test.csv'}", common[5], "data.name=again"))
+
+
 def test_the_time_column_is_part_of_how_a_dataset_was_made(tmp_path, capsys):
     _write_files(tmp_path / "days", _timed_rows(100, lambda i: i), files=1, suffix="csv")
     common = [*TIMED[:-1], f"data.path={tmp_path / 'days'}", "data.test_fraction=0.2"]

@@ -230,13 +230,17 @@ def _read_table(path: Path, roles: Roles, kinds: dict[str, str], chunk_rows: int
 
 
 def input_files(d: DataConfig) -> list[tuple[Path, str | None]]:
-    """Every input file with the split it is pinned to (``None``: split by the fractions)."""
-    files: list[tuple[Path, str | None]] = []
-    for setting, split in (("path", None), ("valid_path", "valid"), ("test_path", "test")):
-        pattern = getattr(d, setting)
-        if pattern:
-            files += [(p, split) for p in _expand(pattern, f"data.{setting}")]
-    return files
+    """Every input file with the split it is pinned to (``None``: split by the fractions). A file that
+    ``data.valid_path`` or ``data.test_path`` names is not read for ``data.path`` too, where its folder or glob holds
+    it (its rows would train the model they test)."""
+    pinned = [(p, split) for setting, split in (("valid_path", "valid"), ("test_path", "test"))
+              for p in (_expand(getattr(d, setting), f"data.{setting}") if getattr(d, setting) else [])]
+    taken = {p.resolve() for p, _ in pinned}
+    files = [(p, None) for p in _expand(d.path, "data.path") if p.resolve() not in taken] if d.path else []
+    if d.path and not files:
+        raise BadInputError(f"data.path={d.path} names only files that data.valid_path / data.test_path pin to their "
+                            "split: give data.path the training rows")
+    return files + pinned
 
 
 def reads_text(d: DataConfig) -> bool:
