@@ -374,6 +374,32 @@ def test_clear_errors_for_unusable_input(tmp_path, setup, message):
         ensure_raw(cfg)
 
 
+@pytest.mark.parametrize("suffix", ["csv", "parquet"])
+@pytest.mark.parametrize("timed", [False, True])
+def test_an_empty_part_among_others_adds_no_rows_and_all_rows_malformed_is_one_clear_error(tmp_path, suffix, timed):
+    """Spark and Dask write a part file of no rows for an empty partition: it stopped the run ("is empty")."""
+    folder = tmp_path / "parts"
+    folder.mkdir()
+    frame = pa.table({"clicked": [i % 2 for i in range(100)], "price": [float(i) for i in range(100)],
+                      "user": [f"u{i % 4}" for i in range(100)], "ts": list(range(100))})
+    for i, part in enumerate((frame.slice(0, 60), frame.slice(0, 0), frame.slice(60))):
+        if suffix == "parquet":
+            pq.write_table(part, folder / f"part-{i}.parquet")
+        else:
+            part.to_pandas().to_csv(folder / f"part-{i}.csv", index=False)
+    if suffix == "csv":
+        (folder / "part-3.csv").write_bytes(b"")
+    common = ["data.source=table", f"data.path={folder}", "data.label=clicked", "data.continuous=price",
+              "data.categorical=user", *(["data.time_column=ts"] if timed else ["data.ignore=[ts]"])]
+    raw = ensure_raw(_cfg(tmp_path, *common))
+    assert sum(raw.rows.values()) == 100
+    bad = tmp_path / "bad.csv"
+    bad.write_text("clicked,price,user,ts\n" + "".join(f"1,x{i},u,{i}\n" for i in range(30)))
+    with pytest.raises(BadInputError, match=r"every one of the 30 rows read is malformed \(\{'not_a_number': 30\}"):
+        ensure_raw(_cfg(tmp_path, *common[:1], f"data.path={bad}", *common[2:], "data.on_bad_lines=skip",
+                        "data.name=bad"))
+
+
 @pytest.mark.parametrize("name", ["rows.csv", "rows.parquet"])
 def test_a_declared_column_named_twice_is_one_clear_error(tmp_path, name):
     path = tmp_path / name
@@ -470,6 +496,14 @@ def test_parquet_float_and_boolean_categories_are_their_python_text_and_list_ite
                     {"label": 1, "item": "3.5", "flag": None, "tags": []},
                     {"label": 1, "item": "7.0", "flag": "True", "tags": ["a"]},
                     {"label": 0, "item": None, "flag": "True", "tags": None}]
+    nothing = tmp_path / "nothing.parquet"  # pandas writes a column of None only as Arrow's null type
+    pq.write_table(pa.table({"clicked": [1, 0], "item": pa.nulls(2), "price": pa.nulls(2), "tags": pa.nulls(2)}),
+                   nothing)
+    empty = ensure_raw(_cfg(tmp_path, "data.source=table", f"data.path={nothing}", "data.label=clicked",
+                            "data.categorical=[item]", "data.continuous=[price]", "data.multihot=tags",
+                            "data.name=nothing"))
+    table = pa.concat_tables([pq.read_table(p) for s in empty.splits.values() for p in s])
+    assert table.column("item").null_count == table.column("price").null_count == table.column("tags").null_count == 2
     with pytest.raises(BadInputError, match=r"line 2: tags: an item of .* holds data.list_separator"):
         ensure_raw(_cfg(tmp_path, "data.source=table", f"data.path={path}", "data.label=clicked", "data.name=strict",
                         "data.categorical=[item,flag]", "data.multihot=tags"))

@@ -293,6 +293,7 @@ def ingest(d: DataConfig, seed: int, root: Path, params: dict, progress: str | b
     report = _combine(results, d)
     write_json(root / raw_folder.INGEST_REPORT, report)
     _print_report(report)
+    _refuse_no_rows(report, [p for p, _ in files], d)
     if report["status"] == "failed":
         for split in raw_folder.SPLITS:
             for part in (root / split).glob("*.parquet"):
@@ -384,8 +385,6 @@ def _ingest_file(index: int, path: Path, pinned: str | None, d: DataConfig, role
             report.error = str(err)
     for w in writers.values():
         w.close()
-    if report.rows_read == 0 and report.bad_rows == 0 and report.error is None:
-        raise BadInputError(f"{path} is empty: expected rows of {'Criteo TSV' if d.source == 'criteo' else 'data'}")
     return {"report": report, "rows_written": {s: w.rows for s, w in writers.items()}}
 
 
@@ -486,8 +485,6 @@ def _read_text(path: Path, names: list[str] | None, kinds: dict[str, str], delim
         report.rows_kept += table.num_rows
         if table.num_rows:
             yield table, lines
-    if names is None and header:
-        raise BadInputError(f"{path} is empty: expected a header line naming the columns, then rows")
 
 
 def _quote_line(excerpt: _Excerpts, lines: np.ndarray, first_line: int, row: int) -> bytes:
@@ -870,7 +867,7 @@ def _values_ok(column: pa.ChunkedArray, kind: str, separator: str) -> np.ndarray
     if kind in ("int", "float") and pa.types.is_uint64(column.type):  # the raw layout's integers are int64
         return pc.fill_null(pc.less_equal(column, pa.scalar(2**63 - 1, pa.uint64())), True).to_numpy(
             zero_copy_only=False).astype(bool)
-    if kind == "list" and not _is_text(column.type):
+    if kind == "list" and (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)):
         return _items_without(column, separator)
     if not _is_text(column.type):
         return None
@@ -983,8 +980,6 @@ def _read_parquet(path: Path, roles: Roles, kinds: dict[str, str], chunk_rows: i
     roles.check_against(file.schema_arrow.names, str(path))
     for name, kind in kinds.items():
         _check_parquet_type(path, name, kind, file.schema_arrow.field(name).type)
-    if file.metadata.num_rows == 0:
-        raise BadInputError(f"{path} is empty: expected rows with columns {roles.columns}")
     first = 1
     for batch in file.iter_batches(batch_size=chunk_rows, columns=list(kinds)):
         table = pa.Table.from_batches([batch])
@@ -1019,7 +1014,7 @@ def _check_parquet_type(path: Path, name: str, kind: str, t: pa.DataType) -> Non
         ok = _is_text(t) or ((pa.types.is_list(t) or pa.types.is_large_list(t)) and (
             _is_text(t.value_type) or pa.types.is_integer(t.value_type)))
         expected = "a list of strings or integers (or text to split on data.list_separator)"
-    if not ok:
+    if not ok and not (pa.types.is_null(t) and kind not in ("label", "time")):  # a column of no value (pandas')
         raise BadInputError(f"{path}: column {name!r} ({kind}) should be {expected}, found {t}")
 
 
@@ -1080,6 +1075,19 @@ def _combine(results: list[dict], d: DataConfig) -> dict:
                    "stopped_at_line": r.stopped_at_line, **({"error": r.error} if r.error else {})}
                   for r in reports],
     }
+
+
+def _refuse_no_rows(report: dict, paths: list[Path], d: DataConfig) -> None:
+    """A BadInputError when the input holds no row, or none that is not malformed. One empty file among others (a
+    part of an empty partition, as Spark and Dask write them) is no error."""
+    if report["rows_read"] == 0 and not any(f.get("error") for f in report["files"]):
+        what = f"rows of {'Criteo TSV' if d.source == 'criteo' else 'data'}"
+        if len(paths) == 1:
+            raise BadInputError(f"{paths[0]} is empty: expected {what}")
+        raise BadInputError(f"the {len(paths)} input files are all empty ({paths[0]}, ...): expected {what}")
+    if report["status"] == "ok" and report["rows_kept"] == 0:
+        raise BadInputError(f"every one of the {report['rows_read']} rows read is malformed ({report['bad']}; examples "
+                            "in ingest_report.json): fix the input, or check the column roles and data.list_separator")
 
 
 def _print_report(report: dict) -> None:
