@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pipeline.errors import check_range
+from pipeline.errors import SettingError, check_range
 from pipeline.train.config import check_run_name
 
 DENSE_BACKENDS = ("python", "pytorch")
@@ -113,6 +113,9 @@ class ServeConfig:
             raise ValueError("serve.host: expected an address to bind, e.g. 127.0.0.1, got an empty text")
         check_range("serve.http_port", self.http_port, 0, 65535)
         check_range("serve.grpc_port", self.grpc_port, 0, 65535)
+        if self.http_port and self.http_port == self.grpc_port:
+            raise SettingError(f"serve.http_port and serve.grpc_port are both {self.http_port}: give each its own port "
+                               "(or 0 for a free one)")
         check_range("serve.startup_timeout", self.startup_timeout, 0, low_open=True)
         check_range("serve.smoke_rows", self.smoke_rows, 1)
         check_range("serve.max_request_mb", self.max_request_mb, 0, MAX_REQUEST_MB, low_open=True)

@@ -381,3 +381,9 @@ def test_a_write_that_fails_on_a_full_disk_says_so_naming_the_file(tmp_path, mon
         assert environment_problem(chained) == ("Error writing bytes to file. Detail: [errno 30] Read-only file "
                                                 "system: choose a writable workdir")
     assert environment_problem(ValueError("no")) is None and environment_problem(OSError(errno.EINVAL, "x")) is None
+
+
+def test_one_port_for_http_and_grpc_is_refused(capsys):
+    """Triton was started three times on it, each failing to bind, and a page of its log was printed."""
+    _refused(capsys, ["config", "show", "serve.http_port=18010", "serve.grpc_port=18010"], "serve.http_port",
+             "serve.grpc_port are both 18010")
