@@ -27,6 +27,7 @@ Example::
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -45,6 +46,8 @@ from export.guard import HttpGuard, RequestLimits
 from pipeline.errors import UserError
 
 SHM_DIR = Path("/dev/shm")
+_RESTRICTED = "shared-memory,model-repository,trace,logging"
+_ADMIN_HEADER = "pipeline-admin"
 _NOISE = ("CudaDriverHelper", "pinned memory", "NVML", "DCGM", "unable to create stream")
 
 
@@ -143,6 +146,7 @@ class TritonServer:
         self.startup_timeout = startup_timeout
         self.log_verbose = log_verbose
         self.shm_prefix = f"pipeline_{os.getpid()}_{uuid.uuid4().hex[:8]}_"
+        self._admin_secret = secrets.token_hex(16)
         self._workdir = Path(tempfile.mkdtemp(prefix="pipeline-triton-"))
         self._remove_workdir = weakref.finalize(self, shutil.rmtree, self._workdir, True)
         self.log_path = Path(log_path) if log_path else self._workdir / "tritonserver.log"
@@ -256,6 +260,11 @@ class TritonServer:
             # (export.pbtxt.instance_groups)
             "--rate-limit=execution_count",
             f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
+            # what no client of a served model needs, and what let one crash the server (registering the python
+            # backend's own shared memory as an output region) or change its logging, answers only a request
+            # carrying a secret header that this process alone knows
+            f"--http-restricted-api={_RESTRICTED}:{_ADMIN_HEADER}={self._admin_secret}",
+            f"--grpc-restricted-protocol={_RESTRICTED}:{_ADMIN_HEADER}={self._admin_secret}",
         ]
         if backend_dir is not None:
             cmd.append(f"--backend-directory={backend_dir}")

@@ -599,6 +599,33 @@ def test_cli_serve_once_exits_after_the_smoke_request(served):
         os.kill(server_pid, 0)
 
 
+def test_shared_memory_repository_and_logging_apis_are_refused_to_clients(served):
+    """A client registered the python backend's own shared memory region as an output over the public port and
+    asked Triton to write into it: tritonserver died of SIGSEGV. No client of a served model needs these."""
+    import tritonclient.grpc as grpc_client
+    import tritonclient.http as http_client
+    from tritonclient.utils import InferenceServerException
+
+    cfg, _, _, server = served
+    rows = _rows(cfg).iloc[:5]
+    with Client(server.http_url, "http") as client:
+        before = client.predict(rows)
+    region = server.shm_regions()[0]
+    host_port = server.http_url.split("://")[-1]
+    for client in (http_client.InferenceServerClient(host_port),
+                   grpc_client.InferenceServerClient(server.grpc_url.split("://")[-1])):
+        for call in (lambda c: c.register_system_shared_memory("hijack", f"/{region.name}", 1024),
+                     lambda c: c.get_system_shared_memory_status(),
+                     lambda c: c.update_log_settings({"log_verbose_level": 9}),
+                     lambda c: c.unload_model("ensemble")):
+            with pytest.raises(InferenceServerException, match="(?i)restricted|permission|not allowed|denied"):
+                call(client)
+        client.close()
+    with Client(server.http_url, "http") as client:
+        np.testing.assert_array_equal(client.predict(rows), before)
+    assert server.is_alive()
+
+
 def test_stopping_leaves_no_process_and_no_shared_memory(served):
     _, _, _, server = served
     pid = server.pid
@@ -625,3 +652,4 @@ def _wait_for_stats(cfg, instances: int) -> None:
         time.sleep(0.1)
     assert (len(_stats_files(cfg)), cache_stats(cfg.paths.export)["instances"]) == (instances, instances), \
         _stats_files(cfg)
+
