@@ -98,6 +98,7 @@ class EmbeddingLookup:
         self._stamp = file_stamp(self._current)
         store = open_current(self.store_root)
         self.version = store.version
+        self._dense = store.dense
         self.caches: TableCaches = make_caches(
             policy, store.tables, capacities(store.tables, cache_fraction, min_cache_rows,
                                              _whole_mb(whole_mb, device) if policy.startswith("gpu-") else 0.0),
@@ -137,7 +138,12 @@ class EmbeddingLookup:
         return True
 
     def _check_like_served(self, store: StoreVersion) -> None:
-        """Raise a ValueError naming the first table of ``store`` that is not as the served one, or missing."""
+        """Raise a ValueError naming the first table of ``store`` that is not as the served one, or missing, or when
+        ``store`` is of another dense part than the served one (a full export replaced the repository: its tables with
+        the served dense part would answer for neither model)."""
+        if store.dense != self._dense:
+            raise ValueError(f"store version {store.version} is of another model than the one served (a full export "
+                             "replaced the repository): restart serving (`python -m pipeline run serve`) to serve it")
         if sorted(store.tables) != sorted(self._widths):
             raise ValueError(f"store version {store.version} has the tables {sorted(store.tables)}, "
                              f"the served one {sorted(self._widths)}")

@@ -140,7 +140,7 @@ def write_repository(model, schema: Schema, workflow_dir: str | Path, raw: RawCo
 
     LookupConfig.from_collection(model.embedding, schema).save(staging / lookup_model / "1" / "layout.json")
     tables, keys = embedding_tables(model)
-    version = write_version(staging / lookup_model / "store", tables, keys=keys)
+    version = write_version(staging / lookup_model / "store", tables, keys=keys, dense=fingerprint)
     save_dense(model, staging / dense_model / "1" / "model.pt")
 
     summary = {
@@ -153,9 +153,14 @@ def write_repository(model, schema: Schema, workflow_dir: str | Path, raw: RawCo
         "files": _file_sizes(staging),
     }
     (staging / EXPORT_RECORD).write_text(json.dumps(summary, indent=2) + "\n")
+    # The previous repository is renamed aside, then removed: the instances of a server running on it write their
+    # counters into it, so removing it in place could meet a new file and fail half done.
+    old = out.with_name(f".{out.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
     if out.exists():
-        shutil.rmtree(out)
+        out.rename(old)
     staging.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
     return {**summary, "repository": str(out)}
 
 
@@ -182,7 +187,7 @@ def _update_tables(model, out: Path, fingerprint: str, workflow_dir: Path, train
     if sorted(tables) != sorted(record["tables"]):
         raise UserError(f"export.update=true: the model's tables {sorted(tables)} are not the exported "
                         f"{sorted(record['tables'])}; export with export.update=false")
-    version = write_version(lookup_dir(out) / "store", tables, keys=keys)
+    version = write_version(lookup_dir(out) / "store", tables, keys=keys, dense=fingerprint)
     record["store_version"] = version
     record["trained"] = trained
     record["updated_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

@@ -47,6 +47,8 @@ class StoreVersion:
     tables: dict[str, np.ndarray]
     keys: dict[str, np.ndarray]
     """The ids of each dynamic table, ascending: row ``i`` is ``keys[i]``'s, the last row every other id's."""
+    dense: str = ""
+    """The fingerprint of the dense part the tables were written for (``export.repository.dense_fingerprint``)."""
 
 
 def current_version(root: str | Path) -> int:
@@ -75,9 +77,10 @@ def file_stamp(path: str) -> tuple[int, int, int] | None:
 
 
 def write_version(root: str | Path, tables: dict[str, np.ndarray], keep: int = 2,
-                  keys: dict[str, np.ndarray] | None = None) -> int:
+                  keys: dict[str, np.ndarray] | None = None, dense: str = "") -> int:
     """Write ``tables`` (name -> ``[rows, dim]`` array) as the next version, make it current, return it.
-    ``keys``: the ids of the dynamic tables (name -> ascending int64, one fewer than the table's rows)."""
+    ``keys``: the ids of the dynamic tables (name -> ascending int64, one fewer than the table's rows); ``dense``: the
+    fingerprint of the dense part they are for, which a served lookup checks before it takes them."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     existing = [int(p.name[1:]) for p in root.glob("v*") if p.name[1:].isdigit()]
@@ -90,7 +93,7 @@ def write_version(root: str | Path, tables: dict[str, np.ndarray], keep: int = 2
     staging = root / f".staging-v{version:06d}-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
-    manifest = {"format": STORE_FORMAT, "version": version, "tables": {}}
+    manifest = {"format": STORE_FORMAT, "version": version, "dense": dense, "tables": {}}
     for index, (name, array) in enumerate(tables.items()):
         array = np.ascontiguousarray(array)
         if array.ndim != 2:
@@ -144,4 +147,4 @@ def _open_version(root: Path, version: int) -> StoreVersion:
             if keys[name].shape != (meta["rows"] - 1,):
                 raise UserError(f"embedding store {folder}: table {name} has {meta['rows']} rows but "
                                 f"{keys[name].shape[0]} ids; re-export")
-    return StoreVersion(version, folder, tables, keys)
+    return StoreVersion(version, folder, tables, keys, manifest.get("dense", ""))

@@ -275,6 +275,21 @@ def test_a_broken_new_version_leaves_the_served_one_untouched(tmp_path):
     assert lookup.refresh() and lookup.version == 3
 
 
+def test_a_version_written_for_another_dense_part_is_refused(tmp_path):
+    """A full export over a served repository starts its store anew at version 1: a server that had taken updates up
+    to version 2 took it as new, and served the new tables with the old dense part (neither model)."""
+    config = LookupConfig(["t"], ["C1"], [False], ["C1"])
+    write_version(tmp_path, {"t": _table(seed=1)}, dense="a")
+    lookup = EmbeddingLookup(tmp_path, config, min_cache_rows=10)
+    write_version(tmp_path, {"t": _table(seed=2)}, dense="a")
+    assert lookup.refresh() and lookup.version == 2
+    write_version(tmp_path, {"t": _table(seed=3)}, dense="b")
+    with pytest.raises(ValueError, match=r"store version 3 is of another model than the one served .*restart serving"):
+        lookup.refresh()
+    assert lookup.version == 2
+    np.testing.assert_array_equal(lookup(np.array([[3]])), _table(seed=2)[[3]])
+
+
 def test_a_new_version_with_other_tables_is_refused_whole(tmp_path):
     """A table of another width, or one missing: refused before any cache holds a row of it, not served half."""
     config = LookupConfig(["t", "u"], ["C1", "C2"], [False, False], ["C1", "C2"])
