@@ -79,6 +79,30 @@ def _is_free(host: str, port: int) -> bool:
     return True
 
 
+def _instance_processes(parent: int) -> list[int]:
+    """The python backend stubs that process ``parent`` started."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            if int(stat.rsplit(")", 1)[1].split()[1]) == parent and \
+                    b"triton_python_backend_stub" in Path(f"/proc/{entry}/cmdline").read_bytes():
+                found.append(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` runs (not ended, nor ended and not yet reaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def _listens_on(pid: int, port: int) -> bool:
     """Whether process ``pid`` holds the listening socket of ``port`` (True where /proc can't tell).
 
@@ -146,6 +170,7 @@ class TritonServer:
         self.startup_timeout = startup_timeout
         self.log_verbose = log_verbose
         self.shm_prefix = f"pipeline_{os.getpid()}_{uuid.uuid4().hex[:8]}_"
+        self._instances: list[int] = []
         self._admin_secret = secrets.token_hex(16)
         self._workdir = Path(tempfile.mkdtemp(prefix="pipeline-triton-"))
         self._remove_workdir = weakref.finalize(self, shutil.rmtree, self._workdir, True)
@@ -219,6 +244,11 @@ class TritonServer:
                 if attempt + 1 == attempts or "already in use" not in log:
                     raise
 
+    def lost_instances(self) -> list[int]:
+        """The model instance processes (python backend stubs) of the ready server that have ended since: Triton
+        does not start them again, and every request its scheduler gives one of them fails."""
+        return [pid for pid in self._instances if not _running(pid)]
+
     def restart(self) -> None:
         """Start the server again on the same ports (after it died) and wait until it is ready; the
         guard keeps the public HTTP port meanwhile, answering 503."""
@@ -287,6 +317,7 @@ class TritonServer:
             try:
                 with urllib.request.urlopen(url, timeout=1) as reply:
                     if reply.status == 200 and self.is_alive() and _listens_on(self.process.pid, self.triton_http_port):
+                        self._instances = _instance_processes(self.process.pid)
                         return
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 pass

@@ -107,7 +107,8 @@ def test_a_new_store_version_is_read_from_the_same_places(exported, tmp_path):
     tensors = host.layout.tensors(sample_rows(cfg, 64))
     before = ranker(tensors, lookup.resident())
     store = model_dir / "store"
-    write_version(store, {name: np.asarray(table) * 1.5 for name, table in open_current(store).tables.items()})
+    served = open_current(store)
+    write_version(store, {name: np.asarray(table) * 1.5 for name, table in served.tables.items()}, dense=served.dense)
     assert lookup.refresh()
     resident = lookup.resident()
     after = ranker(tensors, resident)

@@ -425,7 +425,9 @@ def test_an_update_reaches_every_instance_without_a_request(served):
     with Client(server.grpc_url, "grpc") as client:
         client.predict(_rows(cfg).iloc[:4])
     store = lookup_dir(cfg.paths.export) / "store"
-    version = write_version(store, {name: np.array(table) for name, table in open_current(store).tables.items()})
+    served_now = open_current(store)
+    version = write_version(store, {name: np.array(table) for name, table in served_now.tables.items()},
+                            dense=served_now.dense)
     deadline = time.monotonic() + 5
     while cache_stats(cfg.paths.export)["versions"] != [version] * INSTANCES and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -452,7 +454,7 @@ def test_a_damaged_store_version_is_logged_once_and_the_served_one_kept(served):
     complaints = server.log_path.read_text().count(complaint)
     with Client(server.grpc_url, "grpc") as client:
         before = client.predict(rows)
-        damaged = write_version(store, tables)
+        damaged = write_version(store, tables, dense=served_now.dense)
         folder = store / f"v{damaged:06d}"
         table = folder / f"{json.loads((folder / 'manifest.json').read_text())['tables'][next(iter(tables))]['file']}.npy"
         table.write_bytes(table.read_bytes()[:-100])
@@ -461,7 +463,7 @@ def test_a_damaged_store_version_is_logged_once_and_the_served_one_kept(served):
         time.sleep(0.5)
         assert server.log_path.read_text().count(complaint) == complaints + INSTANCES, \
             "one line per instance, not one per batch"
-        repaired = write_version(store, tables)
+        repaired = write_version(store, tables, dense=served_now.dense)
         np.testing.assert_array_equal(client.predict(rows), before)
     deadline = time.monotonic() + 5
     while cache_stats(cfg.paths.export)["versions"] != [repaired] * INSTANCES and time.monotonic() < deadline:

@@ -376,3 +376,46 @@ def test_a_server_that_dies_is_restarted_behind_the_guard_then_given_up(reposito
     finally:
         given_up.set()
         server.stop()
+
+
+def test_a_model_instance_process_that_dies_restarts_the_server(repository, capsys):
+    """Triton does not start a python backend stub again: the requests given to a killed one (as the OOM killer
+    would kill it) failed with 500 while the server answered ready."""
+    server = TritonServer(repository, limits=LIMITS).start()
+    seen: dict[str, object] = {}
+    given_up = threading.Event()
+
+    def kill_an_instance_then_the_server():
+        try:
+            first, stubs = server.pid, server._instances
+            seen["stubs"] = list(stubs)
+            os.kill(stubs[0], signal.SIGKILL)
+            deadline = time.monotonic() + 60
+            while (server.pid == first or _exchange(server, b"GET /v2/health/ready HTTP/1.1\r\n\r\n")[0] != 200) \
+                    and time.monotonic() < deadline:
+                time.sleep(0.05)
+            seen["after"] = _exchange(server, _post(_infer_json([[1, 2]])))
+        except Exception as err:
+            seen["error"] = repr(err)
+            raise
+        finally:
+            while not given_up.wait(0.2):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(server.pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_an_instance_then_the_server)
+    restarts = []
+    try:
+        killer.start()
+        with pytest.raises(UserError, match="killed by SIGKILL, after 1 restarts"):
+            supervise(server, ServeConfig(max_restarts=1, restart_window_s=60), restarts)
+        given_up.set()
+        killer.join(30)
+        assert "error" not in seen, seen["error"]
+        assert len(seen["stubs"]) == 1 and len(restarts) == 1
+        status, _, body = seen["after"]
+        assert status == 200 and json.loads(body)["outputs"][0]["data"] == [2, 4]
+        assert f"lost the model instance process(es) [{seen['stubs'][0]}]; restarting it" in capsys.readouterr().out
+    finally:
+        given_up.set()
+        server.stop()

@@ -84,9 +84,7 @@ def supervise(server: TritonServer, serve: ServeConfig, restarts: list[float]) -
     appending the time of each restart to ``restarts``; give up with a UserError when it died after
     ``serve.max_restarts`` restarts within ``serve.restart_window_s``."""
     while True:
-        while server.is_alive():
-            time.sleep(0.2)
-        how, now = server.exit_description(), time.monotonic()
+        how, now = _watch(server), time.monotonic()
         recent = [t for t in restarts if now - t < serve.restart_window_s]
         if len(recent) >= serve.max_restarts:
             raise UserError(f"tritonserver (pid {server.pid}) {how}, after {len(recent)} restarts within "
@@ -104,6 +102,17 @@ def supervise(server: TritonServer, serve: ServeConfig, restarts: list[float]) -
             continue
         print(f"[serve] tritonserver restarted in {time.perf_counter() - started:.1f} s (pid {server.pid})",
               flush=True)
+
+
+def _watch(server: TritonServer) -> str:
+    """Wait until the server ends, or one of its model instance processes does (Triton does not start one again,
+    and the requests given to it fail while the server reports itself ready); how it ended."""
+    while server.is_alive():
+        lost = server.lost_instances()
+        if lost:
+            return f"lost the model instance process(es) {lost}"
+        time.sleep(0.2)
+    return server.exit_description()
 
 
 def sample_rows(cfg: PipelineConfig, rows: int, split: str = "test") -> pd.DataFrame:
