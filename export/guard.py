@@ -29,6 +29,8 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import http.client
 import json
 import re
@@ -39,12 +41,19 @@ import time
 import zlib
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler
+from typing import Any
 
 import numpy as np
 
 CLIENT_TIMEOUT_S = 60.0
-"""A client that stalls inside a request (its headers or body) is dropped after this long without a
-byte; a kept-alive connection may idle between requests as long as its client likes."""
+"""A client that stalls inside a request (its headers or body), or sends nothing on a new connection, is dropped
+after this long without a byte; a kept-alive connection may idle between requests up to ``IDLE_TIMEOUT_S``."""
+IDLE_TIMEOUT_S = 900.0
+"""The longest a kept-alive connection waits for its next request (clients do not retry a POST on a connection closed
+under them, so this is long)."""
+MAX_CONNECTIONS = 1024
+"""Connections held at once (a thread and a file each): one more is answered 503 and closed, so idle clients cannot
+take every file the process may open, when the guard would answer no one."""
 UPSTREAM_TIMEOUT_S = 600.0
 """The longest wait for Triton's answer to one request."""
 
@@ -144,6 +153,25 @@ class _GuardServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
         self.handlers: set[_Handler] = set()
         super().__init__(address, _Handler)
 
+    def get_request(self) -> tuple[socket.socket, Any]:
+        try:
+            return super().get_request()
+        except OSError as err:
+            if err.errno in (errno.EMFILE, errno.ENFILE):
+                time.sleep(0.05)  # the listening socket stays readable: do not spin until a file is free
+            raise
+
+    def process_request(self, request: socket.socket, client_address: Any) -> None:
+        if len(self.handlers) >= MAX_CONNECTIONS:
+            body = b'{"error": "the server holds as many connections as it takes: retry shortly"}'
+            with contextlib.suppress(OSError):
+                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                                b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
+                                % (len(body), body))
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
 
 class _Refused(Exception):
     def __init__(self, status: int, message: str) -> None:
@@ -156,6 +184,7 @@ class _Handler(BaseHTTPRequestHandler):
     timeout = CLIENT_TIMEOUT_S
     server: _GuardServer
     _upstream: socket.socket | None = None
+    _requests = 0
 
     def setup(self) -> None:
         self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -171,14 +200,15 @@ class _Handler(BaseHTTPRequestHandler):
                 pass
 
     def handle_one_request(self) -> None:
-        # A kept-alive connection may idle as long as its client likes (clients do not retry a POST on
-        # a connection closed under them); once a request starts, each read has CLIENT_TIMEOUT_S.
-        self.connection.settimeout(None)
+        # A new connection sends its request within CLIENT_TIMEOUT_S, a kept-alive one its next within
+        # IDLE_TIMEOUT_S; once a request starts, each read has CLIENT_TIMEOUT_S.
+        self.connection.settimeout(IDLE_TIMEOUT_S if self._requests else CLIENT_TIMEOUT_S)
         try:
             self.rfile.peek(1)
         except OSError:
             self.close_connection = True
             return
+        self._requests += 1
         self.connection.settimeout(CLIENT_TIMEOUT_S)
         super().handle_one_request()
 

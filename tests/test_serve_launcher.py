@@ -419,3 +419,22 @@ def test_a_model_instance_process_that_dies_restarts_the_server(repository, caps
     finally:
         given_up.set()
         server.stop()
+
+
+def test_idle_connections_are_dropped_and_capped(repository, monkeypatch):
+    """A client that connected and sent nothing held a thread and a file forever: 3000 of them were all open 80 s
+    later, and at the process's limit of files the guard answered no one and spun a core."""
+    from export import guard
+
+    monkeypatch.setattr(guard, "CLIENT_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(guard, "MAX_CONNECTIONS", 20)
+    with TritonServer(repository, limits=LIMITS) as server:
+        host, port = server.http_url.rsplit(":", 1)
+        idle = [socket.create_connection((host, int(port)), timeout=10) for _ in range(20)]
+        time.sleep(0.3)
+        assert _exchange(server, b"GET /v2/health/ready HTTP/1.1\r\n\r\n")[0] == 503  # over the cap
+        for sock in idle:  # dropped after CLIENT_TIMEOUT_S without a byte
+            assert sock.recv(1) == b""
+            sock.close()
+        status, _, body = _exchange(server, _post(_infer_json([[1, 2]])))
+        assert status == 200 and json.loads(body)["outputs"][0]["data"] == [2, 4]
