@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import os
 from collections.abc import Iterator
@@ -98,3 +99,30 @@ def read_json(path: str | Path, remedy: str) -> Any:
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise DamagedFileError(f"{path} is not whole JSON ({err}): it was cut short or changed by hand; "
                                f"{remedy}") from err
+
+
+class FileLock:
+    """A ``flock`` on ``path`` (created) while this process holds it: exclusive, or ``shared`` with other shared
+    holders. Another holder that excludes it is a UserError saying ``busy``. On a filesystem without locks it says
+    so in a line and locks nothing. A context manager; the lock ends with the process too."""
+
+    def __init__(self, path: Path, busy: str, shared: bool = False) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(path, "a")  # held until release
+        try:
+            fcntl.flock(self._file, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+        except OSError as err:
+            if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                print(f"cannot lock {path} ({err.strerror}): {busy} would not be refused", flush=True)
+                return
+            self.release()
+            raise UserError(busy) from None
+
+    def release(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> FileLock:  # noqa: PYI034
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()

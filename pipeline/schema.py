@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from pipeline.files import read_json, write_json
+from pipeline.files import FileLock, read_json, write_json
 
 SCHEMA_VERSION = 1
 ROLES = ("label", "continuous", "categorical", "multihot")
@@ -142,3 +142,14 @@ class Schema:
         if not path.is_file():
             raise SchemaError(f"no schema at {path}: run `python -m pipeline run etl` first")
         return cls.from_dict(read_json(path, "run `python -m pipeline run etl` again"))
+
+
+def processed_lock(processed: str | Path, shared: bool) -> FileLock:
+    """The lock on an ETL output folder (``processed/``, a file beside it): the ETL writes it under an exclusive one,
+    a training run reads it under a shared one, so neither starts while the other runs (two ETLs at once left a
+    schema.json beside a split of the other, and an ETL under a training made its reads fail mid-run)."""
+    processed = Path(processed)
+    busy = (f"{processed} is being written by an ETL, or read by a training run, in another process now: wait for it "
+            "to end" if not shared else f"an ETL is writing {processed} in another process now: wait for it to end, "
+            "then train")
+    return FileLock(processed.with_name(f".{processed.name}.lock"), busy, shared=shared)

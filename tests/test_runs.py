@@ -219,3 +219,21 @@ def test_an_etl_fitted_again_under_a_run_is_refused_by_its_export_and_its_resume
                     "run `python -m pipeline run train` again")
     _one_error_line(capsys, ["run", "train", *common, "train.resume=true", "train.max_steps=6"],
                     "ETL workflow: it was fitted again")
+
+
+def test_an_etl_and_a_training_of_one_dataset_do_not_run_at_once(tmp_path):
+    """Two ETLs at once left schema.json beside a split of the other (or none); an ETL under a training made the
+    training's reads fail mid-run with a parquet error."""
+    from pipeline.schema import processed_lock
+    from pipeline.stages.etl import run as run_etl
+
+    cfg = _config(tmp_path, "train.max_steps=2", "data.rows=3000", "etl.cluster=threads")
+    run_stages(["data", "etl"], cfg)
+    with processed_lock(cfg.paths.processed, shared=True):  # a training run reads it
+        with pytest.raises(UserError, match=r"processed is being written by an ETL, or read by a training run"):
+            run_etl(cfg)
+        run(cfg)  # another training reads it alongside
+    with processed_lock(cfg.paths.processed, shared=False):  # an ETL writes it
+        with pytest.raises(UserError, match=r"an ETL is writing .*processed in another process now"):
+            run(cfg)
+    run_etl(cfg)

@@ -18,12 +18,14 @@ Example::
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from pipeline.etl.cluster import etl_client
 from pipeline.etl.defaults import default_workflow, roles_of
 from pipeline.etl.frame_library import choose_frame_library, read_parquet
 from pipeline.etl.output import SPLITS, write_outputs
 from pipeline.etl.raw_check import check_labels, check_raw_files
+from pipeline.schema import processed_lock
 from pipeline.stages.config import PipelineConfig
 from pipeline.stages.data import ensure_raw
 
@@ -34,6 +36,12 @@ def run(cfg: PipelineConfig) -> dict:
     library, reason = choose_frame_library(cfg.device)
     print(f"[etl] {library} backend ({reason})", flush=True)
     raw = ensure_raw(cfg)
+    with processed_lock(cfg.paths.processed, shared=False):
+        return _run(cfg, raw, library, start)
+
+
+def _run(cfg: PipelineConfig, raw: Any, library: str, start: float) -> dict:
+    """The ETL of ``raw`` (a :class:`~pipeline.data.raw_folder.RawDataset`), under the lock on its output."""
     roles = roles_of(raw)
     check_raw_files(raw.splits, roles)
     check_labels(raw.splits, roles["label"])

@@ -71,7 +71,7 @@ from pipeline.loader import Loader
 from pipeline.modules.cached_collection import HostCachedCollection
 from pipeline.modules.dynamic import DynamicTable
 from pipeline.modules.host_cache import CacheStats
-from pipeline.schema import Schema
+from pipeline.schema import Schema, processed_lock
 from pipeline.train.checkpoint import PlainCheckpoints, ShardedCheckpoints
 from pipeline.train.config import TrainConfig
 from pipeline.train.evaluate import evaluate
@@ -113,6 +113,7 @@ def _train(cfg: TrainConfig, data: Path, runs: Path, schema: Schema, seed: int, 
     random.seed(seed)
     torch.manual_seed(seed)
 
+    held.enter_context(processed_lock(data, shared=True))
     check_splits(data, schema)
     oracle = read_json(oracle_path, "remove its raw folder and make the data again (`python -m pipeline data`)") \
         if oracle_path and oracle_path.is_file() else None

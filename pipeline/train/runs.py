@@ -23,14 +23,12 @@ Example::
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import os
 import time
 from pathlib import Path
 
 from pipeline.errors import UserError
-from pipeline.files import tmp_path
+from pipeline.files import FileLock, tmp_path
 from pipeline.train.config import LATEST, TrainConfig
 
 
@@ -83,33 +81,18 @@ def choose_run(root: str | Path, cfg: TrainConfig) -> RunLock:
 LOCK_FILE = ".lock"
 
 
-class RunLock:
-    """An exclusive lock on the run ``folder`` while this process trains it (``flock`` on ``folder/.lock``);
-    a context manager that gives the folder and releases the lock. Refused with :class:`UserError` when
-    another process holds it. On a filesystem without locks, says so in a line and locks nothing."""
+class RunLock(FileLock):
+    """An exclusive lock on the run ``folder`` while this process trains it (``flock`` on ``folder/.lock``); a
+    context manager that gives the folder and releases the lock. Refused with :class:`UserError` when another
+    process holds it."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
-        self._file = open(folder / LOCK_FILE, "a")
-        try:
-            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as err:
-            if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                print(f"[train] cannot lock {folder / LOCK_FILE} ({err.strerror}): a second training of this run at "
-                      "once would not be refused", flush=True)
-                return
-            self.release()
-            raise UserError(f"the run {folder} is being trained by another process now; wait for it to end, or "
-                            "choose another train.run") from None
-
-    def release(self) -> None:
-        self._file.close()
+        super().__init__(folder / LOCK_FILE, f"the run {folder} is being trained by another process now; wait for it "
+                         "to end, or choose another train.run")
 
     def __enter__(self) -> Path:
         return self.folder
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
 
 
 def runs(root: str | Path) -> list[Path]:
