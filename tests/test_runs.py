@@ -233,7 +233,7 @@ def test_an_etl_and_a_training_of_one_dataset_do_not_run_at_once(tmp_path):
         with pytest.raises(UserError, match=r"processed is being written by an ETL, or read by a training run"):
             run_etl(cfg)
         run(cfg)  # another training reads it alongside
-    with processed_lock(cfg.paths.processed, shared=False):  # an ETL writes it
-        with pytest.raises(UserError, match=r"an ETL is writing .*processed in another process now"):
-            run(cfg)
+    with processed_lock(cfg.paths.processed, shared=False), \
+            pytest.raises(UserError, match=r"an ETL is writing .*processed in another process now"):
+        run(cfg)  # while an ETL writes it
     run_etl(cfg)

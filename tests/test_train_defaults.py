@@ -303,3 +303,22 @@ def test_deepfm_with_sgd_tables_left_to_choose_its_lr_does_not_diverge(tmp_path)
     losses = [loss for loss in losses if loss is not None]
     assert len(losses) == 6 and max(losses) < 1.0, losses
     assert result["test"]["logloss"] < 1.0
+
+
+def test_epochs_are_compared_by_valid_log_loss_not_auc():
+    """A model that memorised a column of no signal scored a higher valid AUC by chance at its surest (its valid
+    log loss 0.85 where the base rate gives 0.50), and the AUC criterion kept that epoch."""
+    from types import SimpleNamespace
+
+    from pipeline.train.checkpoint import LoopState
+    from pipeline.train.loop import Trainer
+
+    events = []
+    trainer = SimpleNamespace(keeps_best=True, state=LoopState(), cfg=SimpleNamespace(early_stopping=2),
+                              model=torch.nn.Linear(1, 1), warmup_steps=0, total_steps=100, best_weights=None,
+                              _log=events.append)
+    for epoch, (auc, logloss) in enumerate([(0.502, 0.4967), (0.5037, 0.6571), (0.5067, 0.8535)], start=1):
+        trainer.state.step, trainer.state.epoch = 10 * epoch, epoch
+        Trainer._judge(trainer, {"auc": auc, "logloss": logloss}, epoch_end=True)
+    assert trainer.state.best_epoch == 1 and trainer.state.best_valid["logloss"] == 0.4967
+    assert trainer.state.stopped and events[-1]["best_epoch"] == 1 and events[-1]["best_logloss"] == 0.4967

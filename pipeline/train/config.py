@@ -109,7 +109,7 @@ class TrainConfig:
         "help": "torch CPU threads while training (0: all cores but one, which the loader's thread uses)"})
 
     early_stopping: int = field(default=2, metadata={
-        "help": "keep the epoch of the best valid AUC (scored on test, saved as model.pt) and stop after N "
+        "help": "keep the epoch of the best valid log loss (scored on test, saved as model.pt) and stop after N "
                 "epochs without improvement, not counting those that end in the lr warmup (0: off, the last epoch "
                 "is kept)"})
 

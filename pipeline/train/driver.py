@@ -27,7 +27,7 @@ folder (written by global rank 0, which names it for every rank)::
     model.json          what was built (see :mod:`pipeline.train.model`)
     plan.json           N ranks: where each table lives
     model.pt            the kept ``model.state_dict()`` as one process holds it (``load_trained`` reads it):
-                        the best epoch's by valid AUC with ``train.early_stopping``, else the last
+                        the best epoch's by valid log loss with ``train.early_stopping``, else the last
     checkpoints/        see :mod:`pipeline.train.checkpoint`
     metrics.jsonl       one JSON object per line: training loss / lr / samples/s, valid scores
     result.json         the run's name, test AUC and log loss (one process: and the oracle's, the gap),
@@ -391,7 +391,8 @@ def _report(result: dict, path: Path) -> None:
                    f" | gap {result['test_auc_gap_to_oracle']:.4f}")
     kept = result["kept"]
     if kept and kept["step"] != kept["last_step"]:
-        scores += f" | kept epoch {kept['epoch']} (step {kept['step']}, the best valid AUC {kept['valid']['auc']:.4f})"
+        scores += (f" | kept epoch {kept['epoch']} (step {kept['step']}, the best valid logloss "
+                   f"{kept['valid']['logloss']:.4f}, AUC {kept['valid']['auc']:.4f})")
     print(f"[train] {scores} | {_speed(result['samples_per_s'])} | {path}", flush=True)
 
 
