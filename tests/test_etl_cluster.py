@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import time
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -73,10 +76,48 @@ def test_cluster_choice():
         EtlConfig(cluster="gpu")
 
 
+def test_a_scheduler_that_goes_away_mid_etl_is_one_clear_error():
+    """Its workers gone, the futures of the ETL were cancelled: a FutureCancelledError traceback."""
+    import dask
+
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=None) as cluster:
+        address = cluster.scheduler_address
+        with pytest.raises(UserError, match=rf"the Dask scheduler at {address} stopped the ETL \(.*went away"), \
+                etl_client(EtlConfig(scheduler=address)):
+            work = dask.delayed(time.sleep)(30).persist()
+            cluster.close()
+            work.compute()
+
+
 def test_unreachable_scheduler_is_a_clear_error():
     client = etl_client(EtlConfig(scheduler="tcp://127.0.0.1:1"), connect_timeout="1s")
-    with pytest.raises(UserError, match="cannot reach the Dask scheduler at tcp://127.0.0.1:1"), client:
+    with pytest.raises(UserError, match="etl.scheduler=tcp://127.0.0.1:1: no Dask scheduler answered there"), client:
         pass
+
+
+@pytest.mark.parametrize("answer", [b"", b"HTTP/1.1 200 OK\r\n\r\n" + b"\xff" * 64])
+def test_a_port_of_another_server_is_a_clear_error(answer):
+    """A server that never answered held the ETL for good; one that answered other bytes was a traceback (its
+    first bytes read as a length: "Unable to allocate 3.07 EiB")."""
+    import socket
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def serve():
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = listener.accept()
+                conn.sendall(answer)  # and then holds the connection, saying nothing more
+
+    threading.Thread(target=serve, daemon=True).start()
+    start = time.monotonic()
+    client = etl_client(EtlConfig(scheduler=f"tcp://127.0.0.1:{port}"), connect_timeout="2s")
+    with pytest.raises(UserError, match=rf"etl.scheduler=tcp://127.0.0.1:{port}: no Dask scheduler answered"), client:
+        pass
+    assert time.monotonic() - start < 30
+    listener.close()
 
 
 def test_cudf_backend_without_cudf_is_a_clear_error():

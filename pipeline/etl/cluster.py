@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Iterator
+from typing import Any
 
 from pipeline.errors import UserError
 from pipeline.etl.config import EtlConfig
@@ -60,16 +62,46 @@ def etl_client(etl: EtlConfig, input_bytes: int = 0, library: str = "pandas",
     from distributed import Client
 
     if kind == "scheduler":
-        try:
-            client = Client(etl.scheduler, timeout=connect_timeout)
-        except OSError as err:
-            raise UserError(f"cannot reach the Dask scheduler at {etl.scheduler}: {err}") from err
-        with client:
-            yield f"scheduler {etl.scheduler} ({len(client.scheduler_info()['workers'])} workers)"
+        from concurrent.futures import CancelledError
+
+        from distributed.comm.core import CommClosedError
+
+        with _connect(etl.scheduler, connect_timeout) as client:
+            try:
+                yield f"scheduler {etl.scheduler} ({len(client.scheduler_info()['workers'])} workers)"
+            except (CancelledError, CommClosedError) as err:
+                raise UserError(f"the Dask scheduler at {etl.scheduler} stopped the ETL ({type(err).__name__}: "
+                                f"{err}): it or its workers went away; start them again, then rerun the ETL") from err
         return
 
     with _local_cluster(etl.workers, library, etl.gpu_threads, etl.gpu_spill) as cluster, Client(cluster) as client:
         yield f"{type(cluster).__name__}({len(client.scheduler_info()['workers'])} workers)"
+
+
+def _connect(address: str, timeout: str) -> Any:
+    """A ``distributed.Client`` of the scheduler at ``address``, or a UserError naming it. The client's own timeout
+    covers the connection, not the handshake: a port that accepts and never answers (another server) held it for
+    good, and one that answers with other bytes was a traceback."""
+    from dask.utils import parse_timedelta
+    from distributed import Client
+
+    seconds = parse_timedelta(timeout) + 10
+    made: dict[str, Any] = {}
+
+    def connect() -> None:
+        try:
+            made["client"] = Client(address, timeout=timeout)
+        except Exception as err:  # noqa: BLE001 (anything it says is that no scheduler answered)
+            made["error"] = err
+
+    thread = threading.Thread(target=connect, name="dask-connect", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if "client" in made:
+        return made["client"]
+    why = f"{type(made['error']).__name__}: {made['error']}" if "error" in made else f"no answer in {seconds:g} s"
+    raise UserError(f"etl.scheduler={address}: no Dask scheduler answered there ({why}); start one "
+                    "(`dask scheduler`), or leave etl.scheduler empty for a cluster of this machine")
 
 
 def _local_cluster(workers: int, library: str, gpu_threads: int = 1, gpu_spill: bool = True):
