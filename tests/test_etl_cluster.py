@@ -130,3 +130,18 @@ def test_cudf_backend_without_cudf_is_a_clear_error():
 
     with pytest.raises(FrameLibraryError, match="the cudf backend was chosen .* not importable"):
         check_frame_library("cudf")
+
+
+def test_local_workers_ignore_ctrl_c():
+    """A terminal's Ctrl-C reaches the workers too: each printed a traceback (70 lines for one interrupt), where the
+    pipeline's process ends the cluster and says `interrupted`."""
+    import os
+    import signal
+
+    from pipeline.etl.cluster import _local_cluster
+
+    with _local_cluster(1, "pandas") as cluster, Client(cluster) as client:
+        (pid,) = client.run(os.getpid).values()
+        os.kill(pid, signal.SIGINT)
+        time.sleep(0.5)
+        assert list(client.run(os.getpid).values()) == [pid]

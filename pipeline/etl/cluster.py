@@ -104,6 +104,10 @@ def _connect(address: str, timeout: str) -> Any:
                     "(`dask scheduler`), or leave etl.scheduler empty for a cluster of this machine")
 
 
+WORKER_SETUP = "pipeline.etl.worker_setup"
+"""The module each local worker process runs first (:mod:`pipeline.etl.worker_setup`)."""
+
+
 def _local_cluster(workers: int, library: str, gpu_threads: int = 1, gpu_spill: bool = True):
     if library == "cudf":
         try:
@@ -117,7 +121,7 @@ def _local_cluster(workers: int, library: str, gpu_threads: int = 1, gpu_spill: 
         if gpu_threads < 1:
             raise UserError(f"etl.gpu_threads: expected 1 or more, got {gpu_threads}")
         return LocalCUDACluster(n_workers=workers or None, threads_per_worker=gpu_threads, dashboard_address=None,
-                                rmm_pool_size=_rmm_pool_bytes(), enable_cudf_spill=gpu_spill)
+                                rmm_pool_size=_rmm_pool_bytes(), enable_cudf_spill=gpu_spill, preload=[WORKER_SETUP])
     from distributed import LocalCluster
 
     return LocalCluster(
@@ -125,6 +129,7 @@ def _local_cluster(workers: int, library: str, gpu_threads: int = 1, gpu_spill: 
         threads_per_worker=1,
         processes=True,
         dashboard_address=None,
+        preload=[WORKER_SETUP],
     )
 
 
