@@ -305,6 +305,9 @@ def test_bad_times_are_counted_lines_with_their_numbers(tmp_path, name):
      r"data.time_column=ts: the column holds integers \(.*rows.csv line 2\) and dates \(.*rows.csv line 3\)"),
     ([f"{i % 2},1.0,u,2024-01-01" for i in range(10)], "data.time_column=ts",
      "data.time_column=ts: the first test time is 2024-01-01, the earliest of the rows, so no row is left"),
+    ([f"{i % 2},1.0,u,{'2024-01-01' if i < 70 else '2024-01-02'}" for i in range(100)], "data.time_column=ts",
+     (r"data.time_column=ts: no row is left for validation: the data.valid_fraction=0.1 of the rows before the "
+      r"first test time, 2024-01-02, share that time")),
     ([f"1,1.0,u,{i}" for i in range(10)], "data.time_column=when", r"declared column\(s\) \['when'\] not found"),
     ([f"1,1.0,u,{i}" for i in range(10)], "data.time_column=clicked", "data.time_column='clicked' names the label"),
     ([f"1,1.0,u,{i}" for i in range(10)], "data.ignore=[ts]",

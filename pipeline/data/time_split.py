@@ -117,6 +117,11 @@ class TimeCuts:
                 f"{shown(valid, dated)}, the earliest of the rows, so no row is left for training (the rows of "
                 "the time at a cut all go to the later split); use a finer time, or smaller data.valid_fraction "
                 "and data.test_fraction")
+        if valid_fraction and test is not None and not np.any((keys >= valid) & (keys < test)):
+            raise BadInputError(
+                f"data.time_column={column}: no row is left for validation: the data.valid_fraction={valid_fraction} "
+                f"of the rows before the first test time, {shown(test, dated)}, share that time (the rows of the "
+                "time at a cut all go to the later split); use a finer time, or a larger data.valid_fraction")
         return cuts
 
     def codes(self, keys: np.ndarray) -> np.ndarray:
