@@ -357,12 +357,22 @@ def test_many_files_are_read_in_parallel_and_numbered_in_order(tmp_path):
     assert first < 100 * 13  # parts of day_0 come first
 
 
+def test_a_column_given_two_roles_names_both_settings(tmp_path):
+    (tmp_path / "rows.csv").write_text("clicked,price,user\n1,2,a\n")
+    with pytest.raises(BadInputError, match=r"column\(s\) \['price'\] are given more than one role \('price' in "
+                                            r"data.continuous and data.categorical\)"):
+        ensure_raw(_cfg(tmp_path, "data.source=table", f"data.path={tmp_path / 'rows.csv'}", "data.label=clicked",
+                        "data.continuous=price", "data.categorical=[user,price]"))
+
+
 @pytest.mark.parametrize("setup, message", [
     (lambda p: None, "does not exist"),
     (lambda p: p.write_bytes(b""), "is empty"),
     (lambda p: p.write_text("clicked,price,user\n"), "is empty"),
     (lambda p: p.write_text("clicked,cost,user\n1,2,a\n"), "declared column(s) ['price'] not found"),
     (lambda p: p.write_text("clicked,price,user,extra\n1,2,a,b\n"), "column(s) ['extra'] have no role"),
+    (lambda p: p.write_text("clicked;price;user\n1;2;a\n"),
+     "the file has columns ['clicked;price;user']: its header looks cut by ';', but a .csv file's lines are cut at ','"),
 ])
 def test_clear_errors_for_unusable_input(tmp_path, setup, message):
     path = tmp_path / "rows.csv"

@@ -135,7 +135,10 @@ class Roles:
                                 "which one holds the data is unclear: give each column its own name")
         missing = [c for c in declared if c not in found]
         if missing:
-            raise BadInputError(f"{where}: declared column(s) {missing} not found; the file has columns {found}")
+            other = next((d for d in (";", ",", "\t", "|") if len(found) == 1 and d in found[0]), None)
+            hint = (f": its header looks cut by {other!r}, but a .csv file's lines are cut at ',' and a .tsv, .tab or "
+                    ".txt file's at tabs: save it with one of those, under its suffix") if other else ""
+            raise BadInputError(f"{where}: declared column(s) {missing} not found; the file has columns {found}{hint}")
         unknown = [c for c in found if c not in declared and c not in self.ignore]
         if unknown:
             raise BadInputError(
@@ -158,10 +161,13 @@ def table_roles(d: DataConfig) -> Roles:
     if roles.label != raw_folder.LABEL and raw_folder.LABEL in roles.columns:
         raise BadInputError(f"the raw layout names the label column {raw_folder.LABEL!r}; a feature of that name "
                             f"clashes with data.label={roles.label!r}: rename it in the input")
+    settings = {"data.label": [roles.label], "data.continuous": roles.continuous,
+                "data.categorical": roles.categorical, "data.multihot": roles.multihot, "data.ignore": roles.ignore}
     names = roles.columns + roles.ignore
     repeated = sorted({c for c in names if names.count(c) > 1})
     if repeated:
-        raise BadInputError(f"column(s) {repeated} are given more than one role")
+        where = ", ".join(f"{c!r} in {' and '.join(k for k, v in settings.items() if c in v)}" for c in repeated)
+        raise BadInputError(f"column(s) {repeated} are given more than one role ({where}): name each in one setting")
     if roles.time and roles.time in (roles.label, *roles.ignore):
         what = "the label" if roles.time == roles.label else "a column data.ignore drops"
         raise BadInputError(f"data.time_column={roles.time!r} names {what}: name the column that holds the rows' times")
