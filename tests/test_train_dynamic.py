@@ -59,7 +59,7 @@ def _same(a, b, where="") -> None:
 
 
 def test_raw_ids_train_dynamic_tables_that_evict_and_score_as_they_trained(processed, tmp_path):
-    cfg = _config(_copy(processed, tmp_path), "train.epochs=2", "train.model=deepfm")
+    cfg = _config(_copy(processed, tmp_path), "train.epochs=2", "train.model=deepfm", "train.early_stopping=0")
     schema = Schema.load(cfg.paths.schema)
     assert schema.dynamic == ["C1", "C4"]
     result = run(cfg)
