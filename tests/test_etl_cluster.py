@@ -104,11 +104,13 @@ def test_a_port_of_another_server_is_a_clear_error(answer):
 
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
+    held = []
 
     def serve():
         with contextlib.suppress(OSError):
             while True:
                 conn, _ = listener.accept()
+                held.append(conn)
                 conn.sendall(answer)  # and then holds the connection, saying nothing more
 
     threading.Thread(target=serve, daemon=True).start()
@@ -118,6 +120,11 @@ def test_a_port_of_another_server_is_a_clear_error(answer):
         pass
     assert time.monotonic() - start < 30
     listener.close()
+    for conn in held:  # the attempt left waiting ends, and with it its thread, which the next clients would wait on
+        conn.close()
+    for thread in threading.enumerate():
+        if thread.name == "dask-connect":
+            thread.join(30)
 
 
 def test_cudf_backend_without_cudf_is_a_clear_error():
