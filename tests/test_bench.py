@@ -595,3 +595,10 @@ def test_bench_etl_sides_write_the_same_table_with_the_default_frequency_thresho
     kept them, and the bench stopped on the first categorical column)."""
     assert main(["bench", "etl", "--rows", "20000", "--cluster", "threads", f"workdir={tmp_path}", "device=cpu"]) == 0
     assert "every side wrote the same table" in capsys.readouterr().out
+
+
+def test_bench_etl_takes_workers_0_for_one_per_core():
+    """Its help said so, and the GPU checks pass it; the option refused it."""
+    from pipeline.stages.cli import build_parser
+
+    assert build_parser().parse_args(["bench", "etl", "--workers", "0"]).workers == 0

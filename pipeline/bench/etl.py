@@ -33,7 +33,7 @@ from pipeline.bench.arguments import integer
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rows", type=integer(1), default=2_000_000, help="synthetic rows (default 2M; 20M+ on a GPU)")
-    parser.add_argument("--workers", type=integer(1), default=2,
+    parser.add_argument("--workers", type=integer(0), default=2,
                         help="LocalCluster worker processes of the pandas side (default 2; 0: one per core)")
     parser.add_argument("--gpu-workers", type=integer(0), default=0,
                         help="LocalCUDACluster workers of the cuDF side (0: one per GPU)")
