@@ -262,7 +262,7 @@ print(f'{len(sources)} sources in {time.time() - start:.0f} s')
       step etl-profile 150 "$PY" tools/etl_profile.py --backend cudf --rows "${ETL_PROFILE_ROWS:-5000000}" \
         --json "$W/etl-profile.json" --workdir /tmp/etl-profile --python-profile "$W/etl-python-profile.txt"
       step etl-stage 60 "$PY" -m pipeline run etl --device cuda data.rows=500000 etl.cluster=local workdir=/tmp/etl-stage
-      step etl-tsv 150 "$PY" -m pipeline bench data --rows 1000000 --ingest-rows "${TSV_ROWS:-5000000}" device=cuda \
+      step etl-tsv 150 "$PY" -m pipeline bench data --rows 1000000 --ingest-rows "${TSV_ROWS:-2000000}" device=cuda \
         workdir=/tmp/tsv-bench ;;
     criteo-scale)
       step criteo-scale 560 "$PY" tools/criteo_scale.py --rows "${SCALE_ROWS:-100000000}" --device cuda \
