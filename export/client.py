@@ -69,6 +69,7 @@ class Client:
             self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
             self._messages = service_pb2
         self._layout: RequestLayout | None = None
+        self._max_batch = 0
 
     @property
     def layout(self) -> RequestLayout:
@@ -77,9 +78,11 @@ class Client:
             if self.protocol == "grpc":
                 config = self._call(self._stub.ModelConfig, self._messages.ModelConfigRequest(name=self.model))
                 params = {k: v.string_value for k, v in config.config.parameters.items()}
+                self._max_batch = int(config.config.max_batch_size)
             else:
                 config = self._call(self._client.get_model_config, self.model)
                 params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+                self._max_batch = int(config.get("max_batch_size", 0))
             if LAYOUT_PARAMETER not in params:
                 raise ServingError(f"{self.model} at {self.url} declares no request layout (its config has no "
                                    f"parameter {LAYOUT_PARAMETER!r}): export the model again "
@@ -92,7 +95,13 @@ class Client:
         requests = self.layout.requests(rows, ignore=self.ignore_columns)
         if not len(next(iter(requests[0].values()))):
             raise BadInputError("empty batch: expected at least one row")
-        return np.concatenate([self.infer(tensors) for tensors in requests])
+        return np.concatenate([self.infer(part) for tensors in requests for part in self._within_max_batch(tensors)])
+
+    def _within_max_batch(self, tensors: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+        """``tensors`` in requests of at most the model's ``max_batch_size`` rows (the server refuses larger)."""
+        rows = len(next(iter(tensors.values())))
+        step = self._max_batch or rows
+        return [{name: array[start:start + step] for name, array in tensors.items()} for start in range(0, rows, step)]
 
     def tensors(self, rows: Any) -> dict[str, np.ndarray]:
         """The request tensors for ``rows`` (one per kind of raw column, :mod:`export.request`), without sending:

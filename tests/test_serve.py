@@ -100,6 +100,16 @@ def test_served_predictions_equal_in_process(served, protocol):
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_more_rows_than_the_models_max_batch_are_sent_in_requests_it_takes(served, protocol):
+    """Client.predict of more rows than export.max_batch_size sent them in one request, which the server refused."""
+    cfg, _, reference, server = served
+    rows = _rows(cfg)
+    rows = rows.iloc[np.arange(2 * cfg.export.max_batch_size + 7) % len(rows)].reset_index(drop=True)
+    with Client(server.http_url if protocol == "http" else server.grpc_url, protocol) as client:
+        np.testing.assert_allclose(client.predict(rows), reference.predict(rows), rtol=0, atol=1e-5)
+
+
 def test_dicts_and_criteo_tsv_lines_give_the_same_predictions(served):
     cfg, _, reference, server = served
     rows = _rows(cfg).iloc[:20]
