@@ -92,14 +92,16 @@ def _connect(address: str, timeout: str) -> Any:
         try:
             made["client"] = Client(address, timeout=timeout)
         except Exception as err:  # noqa: BLE001 (anything it says is that no scheduler answered)
-            made["error"] = err
+            # its text only: the error's traceback holds the half-made client, whose collection later, in another
+            # thread, would close a loop a new client starts
+            made["error"] = f"{type(err).__name__}: {err}"
 
     thread = threading.Thread(target=connect, name="dask-connect", daemon=True)
     thread.start()
     thread.join(seconds)
     if "client" in made:
         return made["client"]
-    why = f"{type(made['error']).__name__}: {made['error']}" if "error" in made else f"no answer in {seconds:g} s"
+    why = made.get("error", f"no answer in {seconds:g} s")
     raise UserError(f"etl.scheduler={address}: no Dask scheduler answered there ({why}); start one "
                     "(`dask scheduler`), or leave etl.scheduler empty for a cluster of this machine")
 
