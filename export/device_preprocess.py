@@ -309,8 +309,7 @@ class DevicePreprocessor:
             FillMissing: lambda op, names, rows: torch.where(
                 torch.isnan(rows), self._per_row(op, "fill_of", names, op.fill_of), rows),
             Clip: lambda op, names, rows: torch.clamp(rows, op.min_value, op.max_value),
-            LogOp: lambda op, names, rows: (torch.sign(rows) * torch.log1p(rows.abs()) if op.signed
-                                            else torch.log1p(rows)),
+            LogOp: lambda op, names, rows: op.of(torch, rows),
             Normalize: lambda op, names, rows: ((rows - self._per_row(op, "mean", names, op.means.__getitem__))
                                                 / self._per_row(op, "divisor", names, op.divisor)).float(),
             MissingIndicator: lambda op, names, rows: torch.isnan(rows).float(),

@@ -47,7 +47,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline.data.text_format import MISSING_NUMBER_PATTERN
+from pipeline.data.text_format import MISSING_NUMBER_PATTERN, cells_holding
 from pipeline.errors import BadInputError
 from pipeline.etl.frames import column_reader
 
@@ -485,12 +485,9 @@ def _to_bytes(value: Any, separator: str, name: str, row: int) -> bytes:
 def _refuse_separator_items(name: str, lists: pa.Array, separator: str) -> None:
     """A BadInputError for the first cell of ``lists`` with an item holding ``separator``, by which the request
     joins a cell's items: the model would read it as two."""
-    items = pc.list_flatten(lists)
-    if not (pa.types.is_string(items.type) or pa.types.is_large_string(items.type)):
-        return
-    holding = pc.fill_null(pc.match_substring(items, separator), False)
-    if pc.any(holding).as_py():
-        row = int(pc.list_parent_indices(lists).to_numpy()[pc.index(holding, True).as_py()])
+    holding = cells_holding(lists, separator)
+    if holding.size:
+        row = int(holding[0])
         raise _separator_in_item(name, row, lists[row].as_py(), separator)
 
 

@@ -43,6 +43,7 @@ from pathlib import Path
 from export.config import ServeConfig
 from export.environment import ModelsEnv, ServerBinary, find_models_env, find_server, make_backend_dir, server_env
 from export.guard import HttpGuard, RequestLimits
+from export.instance import process_identity
 from pipeline.errors import UserError
 
 SHM_DIR = Path("/dev/shm")
@@ -93,14 +94,6 @@ def _instance_processes(parent: int) -> list[int]:
         except (OSError, ValueError, IndexError):
             continue
     return found
-
-
-def _running(pid: int) -> bool:
-    """Whether process ``pid`` runs (not ended, nor ended and not yet reaped)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def _listens_on(pid: int, port: int) -> bool:
@@ -170,7 +163,7 @@ class TritonServer:
         self.startup_timeout = startup_timeout
         self.log_verbose = log_verbose
         self.shm_prefix = f"pipeline_{os.getpid()}_{uuid.uuid4().hex[:8]}_"
-        self._instances: list[int] = []
+        self._instances: dict[int, str | None] = {}
         self._admin_secret = secrets.token_hex(16)
         self._workdir = Path(tempfile.mkdtemp(prefix="pipeline-triton-"))
         self._remove_workdir = weakref.finalize(self, shutil.rmtree, self._workdir, True)
@@ -245,9 +238,10 @@ class TritonServer:
                     raise
 
     def lost_instances(self) -> list[int]:
-        """The model instance processes (python backend stubs) of the ready server that have ended since: Triton
-        does not start them again, and every request its scheduler gives one of them fails."""
-        return [pid for pid in self._instances if not _running(pid)]
+        """The model instance processes (python backend stubs) of the ready server that have ended since (or whose
+        pid another process took): Triton does not start them again, and every request its scheduler gives one of
+        them fails."""
+        return [pid for pid, identity in self._instances.items() if process_identity(pid) != identity]
 
     def restart(self) -> None:
         """Start the server again on the same ports (after it died) and wait until it is ready; the
@@ -317,7 +311,7 @@ class TritonServer:
             try:
                 with urllib.request.urlopen(url, timeout=1) as reply:
                     if reply.status == 200 and self.is_alive() and _listens_on(self.process.pid, self.triton_http_port):
-                        self._instances = _instance_processes(self.process.pid)
+                        self._instances = {pid: process_identity(pid) for pid in _instance_processes(self.process.pid)}
                         return
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 pass

@@ -387,7 +387,7 @@ def test_a_model_instance_process_that_dies_restarts_the_server(repository, caps
 
     def kill_an_instance_then_the_server():
         try:
-            first, stubs = server.pid, server._instances
+            first, stubs = server.pid, list(server._instances)
             seen["stubs"] = list(stubs)
             os.kill(stubs[0], signal.SIGKILL)
             deadline = time.monotonic() + 60

@@ -82,6 +82,7 @@ from pipeline.data.text_format import (
     MISSING_NUMBER_PATTERN,
     FileReport,
     carriage_return_reason,
+    cells_holding,
     field_count_reason,
     too_long,
     utf8_reason,
@@ -903,15 +904,11 @@ def _values_ok(column: pa.ChunkedArray, kind: str, separator: str) -> np.ndarray
 
 def _items_without(lists: pa.ChunkedArray, separator: str) -> np.ndarray | None:
     """Which list cells have no item holding ``separator`` (None: all)."""
-    lists = lists.combine_chunks() if isinstance(lists, pa.ChunkedArray) else lists
-    items = pc.list_flatten(lists)
-    if not _is_text(items.type):
-        return None
-    holding = pc.fill_null(pc.match_substring(items, separator), False).to_numpy(zero_copy_only=False).astype(bool)
-    if not holding.any():
+    holding = cells_holding(lists.combine_chunks() if isinstance(lists, pa.ChunkedArray) else lists, separator)
+    if not holding.size:
         return None
     ok = np.ones(len(lists), dtype=bool)
-    ok[pc.list_parent_indices(lists).to_numpy()[holding]] = False
+    ok[holding] = False
     return ok
 
 

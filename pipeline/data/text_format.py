@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass, field
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 CRITEO_CONTINUOUS = [f"I{i}" for i in range(1, 14)]
 CRITEO_CATEGORICAL = [f"C{i}" for i in range(1, 27)]
@@ -97,3 +99,13 @@ def is_infinite(value: str) -> bool:
         return np.isinf(float(value))
     except ValueError:
         return False
+
+
+def cells_holding(lists: pa.Array, separator: str) -> np.ndarray:
+    """The cells of ``lists`` (ascending) with a text item that holds ``separator``: a served request joins a cell's
+    items by it, so such an item would be served as two."""
+    items = pc.list_flatten(lists)
+    if not (pa.types.is_string(items.type) or pa.types.is_large_string(items.type)):
+        return np.empty(0, np.int64)
+    holding = pc.fill_null(pc.match_substring(items, separator), False).to_numpy(zero_copy_only=False).astype(bool)
+    return np.unique(pc.list_parent_indices(lists).to_numpy()[holding])

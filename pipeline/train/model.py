@@ -129,7 +129,8 @@ def load_trained(folder: str | Path, device: str | torch.device = "cpu",
     spec_path, weights_path = folder / "model.json", folder / "model.pt"
     if not spec_path.is_file() or not weights_path.is_file():
         raise UserError(f"no trained model in {folder}: run `python -m pipeline run train` first")
-    spec = read_json(spec_path, "train again (`python -m pipeline run train`), or export another run (export.run=NAME)")
+    again = "train again (`python -m pipeline run train`), or export another run (export.run=NAME)"
+    spec = read_json(spec_path, again)
     model = model_from_spec(spec, backend=backend)
     try:
         weights = torch.load(weights_path, map_location="cpu", weights_only=True)
@@ -137,6 +138,6 @@ def load_trained(folder: str | Path, device: str | torch.device = "cpu",
         raise
     except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as err:  # torch's zip reader: OSError EINVAL
         raise DamagedFileError(f"{weights_path} does not read as saved weights ({err}): it was cut short or "
-                               f"changed by hand; " + "train again (`python -m pipeline run train`), or export another run (export.run=NAME)") from err
+                               f"changed by hand; {again}") from err
     model.load_state_dict(weights)
     return model.to(device).eval(), Schema.from_dict(spec["schema"])

@@ -241,15 +241,16 @@ class LogOp(_Matrix):
     def __init__(self, signed: bool = False) -> None:
         self.signed = signed
 
+    def of(self, xp: Any, values: Any) -> Any:
+        """The log of ``values`` through the array module ``xp`` (numpy, CuPy, torch: the same three functions)."""
+        return xp.sign(values) * xp.log1p(xp.abs(values)) if self.signed else xp.log1p(values)
+
     def transform_column(self, name: str, values: Any) -> Any:
         v = as_float64(values, name)
-        if is_cudf(v):
-            return _log1p_cudf(v, self.signed)
-        return np.sign(v) * np.log1p(np.abs(v)) if self.signed else np.log1p(v)
+        return _log1p_cudf(v, self) if is_cudf(v) else self.of(np, v)
 
     def transform_rows(self, names: list[str], rows: Any) -> Any:
-        xp = array_module(rows)
-        return xp.sign(rows) * xp.log1p(xp.abs(rows)) if self.signed else xp.log1p(rows)
+        return self.of(array_module(rows), rows)
 
     def get_params(self) -> dict:
         return {"signed": self.signed}
@@ -388,15 +389,12 @@ def _fillna(values: Any, fill: Any) -> Any:
     return xp.where(xp.isnan(values), fill, values)
 
 
-def _log1p_cudf(values: Any, signed: bool) -> Any:
-    """``log1p`` of a float cuDF Series through CuPy (``signed``: :class:`LogOp`'s), nulls kept (cuDF has no
-    log1p method of its own)."""
+def _log1p_cudf(values: Any, op: LogOp) -> Any:
+    """``op``'s log of a float cuDF Series through CuPy, nulls kept (cuDF has no log1p method of its own)."""
     import cudf
     import cupy
 
-    x = values.fillna(0).values
-    out = cudf.Series(cupy.sign(x) * cupy.log1p(cupy.abs(x)) if signed else cupy.log1p(x), index=values.index,
-                      name=values.name)
+    out = cudf.Series(op.of(cupy, values.fillna(0).values), index=values.index, name=values.name)
     return out.where(values.notna())
 
 
