@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.data.readers import FileReport, _line_blocks, _LongLine, read_criteo, split_codes
+from pipeline.data.readers import FileReport, _line_blocks, _LongLine, _read_text, read_criteo, split_codes
 from pipeline.data.text_format import MAX_LINE_BYTES
 from pipeline.errors import BadInputError
 from pipeline.stages.config import load_config
@@ -668,3 +668,22 @@ def test_a_nan_word_is_missing_or_malformed_by_its_spelling_whatever_else_its_bl
     assert [e["line"] for e in report["examples"]] == [3, 5] + ([7] if with_text_path else [])
     users = sorted(u for s in raw.splits.values() for p in s for u in pq.read_table(p).column("user").to_pylist())
     assert users == ["a", "c", "e"]
+
+
+def test_a_read_that_raises_ends_its_reading_thread_at_once(tmp_path):
+    """The blocks' generator, held by the error's traceback, was closed by the garbage collector wherever it ran:
+    once inside the start of another thread, which then hung the test suite."""
+    import gc
+    import threading
+
+    path = tmp_path / "rows.csv"
+    path.write_bytes(b"a" * (MAX_LINE_BYTES + 10) + b"\n" + b"1,2\n" * 100_000)
+    before = {t.ident for t in threading.enumerate()}
+    gc.disable()
+    try:
+        with pytest.raises(BadInputError, match="the header line is longer than") as err:
+            list(_read_text(path, None, {"a": "int"}, ",", False, True, 64, FileReport(str(path)), True, "|"))
+        assert err.value is not None  # the traceback, and with it the reading's frames, kept alive
+        assert [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive()] == []
+    finally:
+        gc.enable()

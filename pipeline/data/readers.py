@@ -436,62 +436,64 @@ def _read_text(path: Path, names: list[str] | None, kinds: dict[str, str], delim
     layout = None
     allocate = functools.partial(vectorized_text.host_array, xp) if xp is not None else None
     line = 1  # the number of the next block's first line
-    blocks = _line_blocks(path, max(1 << 20, chunk_rows * _BYTES_PER_ROW_GUESS), allocate)
-    while True:
-        try:
-            block = next(blocks, None)
-        except (OSError, pa.ArrowInvalid) as err:
-            raise _DamagedFile(_damage_message(path, line - 1, err)) from err
-        if block is None:
-            break
-        if isinstance(block, _LongLine):
-            if names is None and header:
-                raise BadInputError(f"{path}: the header line is longer than {MAX_LINE_BYTES} bytes; expected a "
-                                    "line naming the columns")
-            report.rows_read += 1
-            report.add_bad(line, "line_too_long", too_long(block.length), block.excerpt)
-            if stop_on_bad:
-                report.stopped_at_line = line
-                return
-            line += 1
-            continue
-        if names is None:
-            end = _NL.search(block).start()  # type: ignore[union-attr]  # a block ends in a newline
-            header_line, block = bytes(block[:end]), block[end + 1:]
-            if len(header_line.rstrip(b"\r")) > MAX_LINE_BYTES:
-                raise BadInputError(f"{path}: the header line is longer than {MAX_LINE_BYTES} bytes; expected a "
-                                    "line naming the columns")
-            names = _header(header_line, delimiter, path)
-            roles.check_against(names, str(path))  # type: ignore[union-attr]
-            line += 1
-            if not len(block):
+    # Closed here, in this thread, however the reading ends: a generator left to the garbage collector shut its
+    # reading thread down wherever the collection ran, once inside the start of another thread, which then hung.
+    with contextlib.closing(_line_blocks(path, max(1 << 20, chunk_rows * _BYTES_PER_ROW_GUESS), allocate)) as blocks:
+        while True:
+            try:
+                block = next(blocks, None)
+            except (OSError, pa.ArrowInvalid) as err:
+                raise _DamagedFile(_damage_message(path, line - 1, err)) from err
+            if block is None:
+                break
+            if isinstance(block, _LongLine):
+                if names is None and header:
+                    raise BadInputError(f"{path}: the header line is longer than {MAX_LINE_BYTES} bytes; expected a "
+                                        "line naming the columns")
+                report.rows_read += 1
+                report.add_bad(line, "line_too_long", too_long(block.length), block.excerpt)
+                if stop_on_bad:
+                    report.stopped_at_line = line
+                    return
+                line += 1
                 continue
-        if xp is not None and layout is None:
-            layout = vectorized_text.text_layout(names, kinds, delimiter, quoting, separator,
-                                                 roles.time if roles else "") or False
-        try:
-            parsed = vectorized_text.parse_block(xp, layout, block, line, report) if layout else None
-        except MemoryError as err:  # CuPy's OutOfMemoryError is one
-            raise UserError(f"{path}: out of memory parsing {len(block):,} bytes of text with {xp.__name__} near line "
-                            f"{line} ({' '.join(str(err).split())[:120]}); lower data.chunk_rows, or set "
-                            "data.reader=arrow") from err
-        if parsed is None:
-            block = bytes(block)
-            table, lines, excerpt = _parse_block(block, line, names, kinds, delimiter, quoting, report)
-            count = len(excerpt.starts)
-            quote = functools.partial(_quote_line, excerpt, lines, line)
-            table, lines = _check_and_convert(table, lines, kinds, separator, report, quote,
-                                              roles.time if roles else "")
-        else:
-            table, lines, count = parsed
-        report.rows_read += count
-        line += count
-        if stop_on_bad and report.bad_rows:
-            report.stopped_at_line = line - 1
-            return
-        report.rows_kept += table.num_rows
-        if table.num_rows:
-            yield table, lines
+            if names is None:
+                end = _NL.search(block).start()  # type: ignore[union-attr]  # a block ends in a newline
+                header_line, block = bytes(block[:end]), block[end + 1:]
+                if len(header_line.rstrip(b"\r")) > MAX_LINE_BYTES:
+                    raise BadInputError(f"{path}: the header line is longer than {MAX_LINE_BYTES} bytes; expected a "
+                                        "line naming the columns")
+                names = _header(header_line, delimiter, path)
+                roles.check_against(names, str(path))  # type: ignore[union-attr]
+                line += 1
+                if not len(block):
+                    continue
+            if xp is not None and layout is None:
+                layout = vectorized_text.text_layout(names, kinds, delimiter, quoting, separator,
+                                                     roles.time if roles else "") or False
+            try:
+                parsed = vectorized_text.parse_block(xp, layout, block, line, report) if layout else None
+            except MemoryError as err:  # CuPy's OutOfMemoryError is one
+                raise UserError(f"{path}: out of memory parsing {len(block):,} bytes of text with {xp.__name__} near line "
+                                f"{line} ({' '.join(str(err).split())[:120]}); lower data.chunk_rows, or set "
+                                "data.reader=arrow") from err
+            if parsed is None:
+                block = bytes(block)
+                table, lines, excerpt = _parse_block(block, line, names, kinds, delimiter, quoting, report)
+                count = len(excerpt.starts)
+                quote = functools.partial(_quote_line, excerpt, lines, line)
+                table, lines = _check_and_convert(table, lines, kinds, separator, report, quote,
+                                                  roles.time if roles else "")
+            else:
+                table, lines, count = parsed
+            report.rows_read += count
+            line += count
+            if stop_on_bad and report.bad_rows:
+                report.stopped_at_line = line - 1
+                return
+            report.rows_kept += table.num_rows
+            if table.num_rows:
+                yield table, lines
 
 
 def _quote_line(excerpt: _Excerpts, lines: np.ndarray, first_line: int, row: int) -> bytes:
