@@ -206,6 +206,12 @@ class DCNv2(RecModel):
         )
         self.deep = mlp(sizes.top_mlp, width, last_activation=False)
 
+    @staticmethod
+    def x0_width(sizes: ModelSizes, schema: Schema) -> int:
+        """The width of ``x0`` and of the cross layers on ``schema``: the bottom MLP's output (with continuous
+        features) and every sparse feature's embedding."""
+        return (sizes.bottom_mlp[-1] if schema.continuous else 0) + sizes.embedding_dim * len(schema.sparse)
+
     def output_bias(self) -> nn.Parameter:
         return self.deep[-1].bias
 

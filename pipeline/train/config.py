@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 
@@ -60,14 +61,16 @@ class TrainConfig:
 
     optimizer: str = field(default="adam", metadata={"help": "dense optimizer: sgd | adam | adagrad"})
     lr: float = field(default=0.0, metadata={
-        "help": "peak learning rate of the dense part (0: the optimizer's: adam and adagrad 0.01 (dcnv2: adam 0.001, "
-                "adagrad 0.005); sgd 0.75 per 2048 samples of the batch, the linear scaling rule, 24 at MLPerf's "
-                "65536)"})
+        "help": "peak learning rate of the dense part (0: the optimizer's: adam and adagrad 0.01, dcnv2 less on wide "
+                "cross layers (adam 0.001, adagrad 0.005 at the mlperf sizes); sgd 0.75 per 2048 samples of the "
+                "batch, the linear scaling rule (24 at MLPerf's 65536), times up to 1/(positive rate) on labels "
+                "with fewer positives than a quarter)"})
     embedding_optimizer: str = field(default="adagrad", metadata={
         "help": "fused sparse optimizer of the tables: sgd | adagrad (row-wise) | adam (lazy)"})
     embedding_lr: float = field(default=0.0, metadata={
-        "help": "peak learning rate of the embedding tables (0: the optimizer's: adagrad 0.2 (deepfm 0.02), adam "
-                "0.01, sgd 16 (deepfm 1.6))"})
+        "help": "peak learning rate of the embedding tables (0: the optimizer's: adagrad 0.2, adam 0.01, sgd 16 "
+                "(as train.lr, more on rarer positives); deepfm: at most 2.6 / its sparse features of that, 0.02 "
+                "on Criteo's 26)"})
     weight_decay: float = field(default=0.0, metadata={
         "help": "L2 weight decay of the dense part and the tables (0: train.l2_prior / the training rows)"})
     l2_prior: float = field(default=5.0, metadata={
@@ -160,15 +163,14 @@ class TrainConfig:
 
     @property
     def dense_lr(self) -> float:
-        """The dense part's peak lr: ``lr``, or the optimizer's default for this batch size."""
+        """The dense part's peak lr: ``lr``, or the optimizer's default for this batch size on Criteo-like data
+        (:meth:`for_data` scales it to a run's data)."""
         if self.lr > 0:
             return self.lr
         if self.optimizer == "sgd":
             return 0.75 * self.batch_size / 2048
         if self.model == "dcnv2":
-            # a cross layer multiplies x0 by a product of two wide matrices: Adam's full-size steps at 0.01 on
-            # the MLPerf widths blow the loss up at the end of warmup and leave the network dead
-            return 0.001 if self.optimizer == "adam" else 0.005
+            return dcnv2_lr(self.optimizer, MLPERF_CROSS_WIDTH)
         return 0.01
 
     @property
@@ -186,12 +188,84 @@ class TrainConfig:
 
     @property
     def table_lr(self) -> float:
-        """The tables' peak lr: ``embedding_lr``, or the optimizer's default. SGD tables get a large one: a
-        row's gradient is its occurrences' share of the batch's mean loss, so a rare row moves little."""
+        """The tables' peak lr: ``embedding_lr``, or the optimizer's default on Criteo-like data (:meth:`for_data`
+        scales it to a run's data). SGD tables get a large one: a row's gradient is its occurrences' share of the
+        batch's mean loss, so a rare row moves little."""
         if self.embedding_lr > 0:
             return self.embedding_lr
         if self.model == "deepfm" and self.embedding_optimizer in ("adagrad", "sgd"):
-            # the factorization machine multiplies pairs of rows: a large step moves every pair (SGD at 4 sends
-            # the loss to infinity over Criteo's 26 features)
-            return {"adagrad": 0.02, "sgd": 1.6}[self.embedding_optimizer]
-        return {"adagrad": 0.2, "adam": 0.01, "sgd": 16.0}[self.embedding_optimizer]
+            return deepfm_table_lr(self.embedding_optimizer, CRITEO_SPARSE_FEATURES)
+        return TABLE_LRS[self.embedding_optimizer]
+
+    def for_data(self, rows: int, positive_rate: float, sparse_features: int, cross_width: int) -> TrainConfig:
+        """These settings with ``lr``, ``embedding_lr`` and ``weight_decay`` left at 0 chosen for a run's data:
+        ``rows`` training rows with this share of positive labels, ``sparse_features`` of them, DCNv2's cross layers
+        ``cross_width`` wide. The weight decay is :meth:`decay_for` the rows; SGD's lrs (dense part and tables) are
+        scaled by :func:`sgd_rate_scale`; DCNv2's dense lr follows :func:`dcnv2_lr`, DeepFM's table lr
+        :func:`deepfm_table_lr`. Set values are kept."""
+        lr, embedding_lr = self.lr, self.embedding_lr
+        if lr == 0:
+            lr = self.dense_lr
+            if self.model == "dcnv2" and self.optimizer in DCNV2_LR_WIDTH:
+                lr = dcnv2_lr(self.optimizer, cross_width)
+            if self.optimizer == "sgd":
+                lr *= sgd_rate_scale(positive_rate)
+        if embedding_lr == 0:
+            embedding_lr = self.table_lr
+            if self.model == "deepfm" and self.embedding_optimizer in ("adagrad", "sgd"):
+                embedding_lr = deepfm_table_lr(self.embedding_optimizer, sparse_features)
+            if self.embedding_optimizer == "sgd":
+                embedding_lr *= sgd_rate_scale(positive_rate)
+        return dataclasses.replace(self, lr=lr, embedding_lr=embedding_lr, weight_decay=self.decay_for(rows))
+
+
+TABLE_LRS = {"adagrad": 0.2, "adam": 0.01, "sgd": 16.0}
+"""The tables' default lr by optimizer (row-wise Adagrad, lazy Adam, SGD)."""
+
+REFERENCE_POSITIVE_RATE = 0.25
+"""The share of positive labels the default lrs are set for (Criteo's click data)."""
+
+CRITEO_SPARSE_FEATURES = 26
+MLPERF_CROSS_WIDTH = 3456
+"""DCNv2's cross layers at the MLPerf sizes on Criteo: 26 embeddings and the bottom MLP's output, 128 each."""
+
+DCNV2_LR_WIDTH = {"adam": 3.456, "adagrad": 17.28}
+"""DCNv2's dense lr times its cross layers' width: Adam 0.001 and Adagrad 0.005 (MLPerf's) at the MLPerf width."""
+
+DEEPFM_REFERENCE_FEATURES = 2.6
+"""DeepFM's tables take the other models' lr times this over its sparse features, at most all of it: a tenth at 26."""
+
+
+def sgd_rate_scale(positive_rate: float) -> float:
+    """How many times larger SGD's lrs are on labels with this share of positives than on Criteo's quarter.
+
+    The log loss's gradient at the logit is ``p - y``; with the model at the base rate ``r`` its mean size is
+    ``2 r (1 - r)``, so every gradient behind it, and plain SGD's steps, shrink with the positives (19x at 1%: DLRM's
+    test AUC stayed at 0.64 where, scaled, it reaches 0.81 and the logistic baseline 0.82; at 0.1%, 0.74 as with
+    Adam against 0.47). Adam and Adagrad divide the gradient's size out themselves. Never below 1: balanced labels
+    keep the defaults."""
+    if not 0 < positive_rate < 1:
+        return 1.0
+    reference = 2 * REFERENCE_POSITIVE_RATE * (1 - REFERENCE_POSITIVE_RATE)
+    return max(1.0, reference / (2 * positive_rate * (1 - positive_rate)))
+
+
+def dcnv2_lr(optimizer: str, width: int) -> float:
+    """DCNv2's dense lr (Adam or Adagrad) for cross layers ``width`` wide: inversely proportional to the width, up to
+    the other models' 0.01.
+
+    A cross layer multiplies ``x0`` by its product of weights, each of which the optimizer moves by about the lr a
+    step, so the layer's output moves with the lr times the width: Adam at 0.01 blew the loss up at the end of the
+    warmup at the MLPerf width (test AUC 0.50 on the 10M-row synthetic split, 0.7912 at 0.001), while 0.001
+    underfits narrow layers (64 wide: test AUC 0.858 against 0.892 at 0.01 on a table of 8 continuous features)."""
+    return min(0.01, DCNV2_LR_WIDTH[optimizer] / max(width, 1))
+
+
+def deepfm_table_lr(optimizer: str, sparse_features: int) -> float:
+    """DeepFM's table lr (row-wise Adagrad or SGD) with ``sparse_features`` paired by its factorization machine.
+
+    A step of every row moves each pair of features, so the step that suits a few sparse features sends the loss up
+    over many (SGD tables at 4 sent it to infinity over Criteo's 26), and the tenth of the other models' lr that 26
+    need left DeepFM at the logistic baseline over two (test AUC 0.62 against 0.69 at the full lr on a table of user
+    and item ids; 0.60 against 0.70 on an item and a multi-hot list)."""
+    return TABLE_LRS[optimizer] / max(1.0, sparse_features / DEEPFM_REFERENCE_FEATURES)

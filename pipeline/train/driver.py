@@ -71,6 +71,7 @@ from pipeline.loader import Loader
 from pipeline.modules.cached_collection import HostCachedCollection
 from pipeline.modules.dynamic import DynamicTable
 from pipeline.modules.host_cache import CacheStats
+from pipeline.modules.models import DCNv2, ModelSizes
 from pipeline.schema import Schema, processed_lock
 from pipeline.train.checkpoint import PlainCheckpoints, ShardedCheckpoints
 from pipeline.train.config import TrainConfig
@@ -117,14 +118,16 @@ def _train(cfg: TrainConfig, data: Path, runs: Path, schema: Schema, seed: int, 
     check_splits(data, schema)
     oracle = read_json(oracle_path, "remove its raw folder and make the data again (`python -m pipeline data`)") \
         if oracle_path and oracle_path.is_file() else None
-    cfg = dataclasses.replace(cfg, weight_decay=cfg.decay_for(_split_rows(data, schema, "train")))
+    rate = positive_rate(data / "train", schema.label)
+    cfg = cfg.for_data(_split_rows(data, schema, "train"), rate, len(schema.sparse),
+                       DCNv2.x0_width(ModelSizes.from_train_config(cfg, device.type), schema))
     spec = model_spec(cfg, schema, device.type, seed)
     out = _run_folder(runs, cfg, world, held)
     if world.is_writer:
         remove_tmp_files(out)
         print(f"[train] run {out.name} in {runs}", flush=True)
     model = model_from_spec(spec, backend=cfg.embedding_backend)
-    model.start_at_rate(positive_rate(data / "train", schema.label))
+    model.start_at_rate(rate)
     model, checkpoints = _place(model, cfg, world, distributed, out / "checkpoints", schema)
     if cfg.resume and checkpoints.candidates():
         check_same_model(spec, out)
