@@ -310,7 +310,7 @@ class DevicePreprocessor:
                 torch.isnan(rows), self._per_row(op, "fill_of", names, op.fill_of), rows),
             Clip: lambda op, names, rows: torch.clamp(rows, op.min_value, op.max_value),
             LogOp: lambda op, names, rows: op.of(torch, rows),
-            Normalize: lambda op, names, rows: ((rows - self._per_row(op, "mean", names, op.means.__getitem__))
+            Normalize: lambda op, names, rows: ((rows - self._per_row(op, "center", names, op.center))
                                                 / self._per_row(op, "divisor", names, op.divisor)).float(),
             MissingIndicator: lambda op, names, rows: torch.isnan(rows).float(),
         }

@@ -259,7 +259,9 @@ class LogOp(_Matrix):
 class Normalize(_Matrix):
     """``(x - mean) / std`` with mean and (sample, ddof=1) std from fit; output float32.
 
-    A constant column (std 0 or undefined) is only centred. Missing values stay NaN, so put
+    A column constant in training (std 0 or undefined) becomes 0 whatever its value: the model learned nothing
+    from it, and a value served later, unscaled, would reach it as far outside everything it trained on (a column
+    missing in every training row, filled with one value, then served at 1e6). Missing values stay NaN, so put
     FillMissing first when the output must have none.
     """
 
@@ -310,20 +312,24 @@ class Normalize(_Matrix):
 
     def transform_column(self, name: str, values: Any) -> Any:
         self._require_fitted()
-        return ((as_float64(values, name) - self.means[name]) / self.divisor(name)).astype("float32")
+        return ((as_float64(values, name) - self.center(name)) / self.divisor(name)).astype("float32")
 
     def transform_rows(self, names: list[str], rows: Any) -> Any:
         self._require_fitted()
-        means = self._per_row(self._mean, names, rows)
+        means = self._per_row(self.center, names, rows)
         return ((rows - means) / self._per_row(self.divisor, names, rows)).astype(np.float32)
 
-    def _mean(self, name: str) -> float:
-        return self.means[name]
+    def center(self, name: str) -> float:
+        """What is taken from ``name``'s values: its mean, or 0 for a column with no value in training (its
+        divisor is infinite: every value becomes 0)."""
+        mean = self.means[name]
+        return mean if np.isfinite(mean) else 0.0
 
     def divisor(self, name: str) -> float:
-        """The divisor of ``name``: its std, or 1.0 for a constant column (only centred)."""
+        """The divisor of ``name``: its std, or infinity for a column constant in training (any finite value
+        becomes 0)."""
         std = self.stds[name]
-        return std if np.isfinite(std) and std > 0 else 1.0
+        return std if np.isfinite(std) and std > 0 else float("inf")
 
     def get_state(self) -> dict:
         return {"means": self.means, "stds": self.stds}
