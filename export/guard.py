@@ -240,6 +240,17 @@ class _Handler(BaseHTTPRequestHandler):
 
     do_POST = do_PUT = do_DELETE = do_GET
 
+    def handle_expect_100(self) -> bool:
+        """``Expect: 100-continue``: the body is invited only when the length it declares is allowed; a length over
+        the limit is refused at once, before the client sends it."""
+        lengths = self.headers.get_all("Content-Length") or []
+        limit = self.server.limits.max_body_bytes
+        if len(lengths) == 1 and _DIGITS.fullmatch(lengths[0].strip()) and int(lengths[0]) > limit:
+            self._reply_error(413, f"the request body has {int(lengths[0])} bytes, more than the {limit} allowed "
+                                   "(serve.max_request_mb)", close=True)
+            return False
+        return super().handle_expect_100()
+
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
         """http.server's own refusals (a malformed request line or headers) as JSON, like ours."""
         self._reply_error(code, message or self.responses.get(code, ("error",))[0], close=True)

@@ -273,6 +273,16 @@ def test_the_guard_refuses_what_is_over_its_limits_and_forwards_the_rest(guarded
     assert guarded.is_alive()
 
 
+def test_a_body_declared_over_the_limit_is_refused_before_it_is_invited(guarded):
+    """``Expect: 100-continue`` with a length over ``serve.max_request_mb``: the guard answered ``100 Continue``
+    (send the body) and then 413; now 413 comes first, and a length within it is invited."""
+    host, port = guarded.http_url.rsplit(":", 1)
+    for length, first in ((1 << 40, b"HTTP/1.1 413 "), (10, b"HTTP/1.1 100 ")):
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            sock.sendall(_post(b"", Content_Length=str(length), Expect="100-continue"))
+            assert sock.recv(64).startswith(first), length
+
+
 def test_a_request_whose_json_triton_cannot_read_gets_400_and_the_next_one_its_answer(guarded):
     """Triton answers these with 500 (its JSON reader's errors are INTERNAL); they are the request's fault."""
     def tensor(**changed):
