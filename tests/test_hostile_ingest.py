@@ -326,3 +326,16 @@ def test_a_time_column_needs_a_table(tmp_path):
 
     with pytest.raises(ConfigError, match="data.time_column needs data.source=table"):
         load_config(None, ["data.source=criteo", "data.path=day.tsv", "data.time_column=ts"])
+
+
+def test_a_folder_of_subfolders_names_them_and_the_glob_that_reads_them(tmp_path):
+    """A Hive-partitioned folder (``day=1/part-0.parquet``) said only that the folder had no files."""
+    from pipeline.data.readers import input_files
+
+    (tmp_path / "hive" / "day=1").mkdir(parents=True)
+    pq.write_table(pa.table({"y": [0, 1]}), tmp_path / "hive" / "day=1" / "part-0.parquet")
+    data = load_config(None, ["data.source=table", f"data.path={tmp_path / 'hive'}"]).data
+    with pytest.raises(BadInputError, match=r"subfolders \(day=1\) are not read: .*hive/\*/\*\.parquet"):
+        input_files(data)
+    glob_data = load_config(None, ["data.source=table", f"data.path={tmp_path / 'hive'}/*/*.parquet"]).data
+    assert [p.name for p, _ in input_files(glob_data)] == ["part-0.parquet"]

@@ -1031,7 +1031,10 @@ def _expand(pattern: str, setting: str) -> list[Path]:
     if path.is_dir():
         files = sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith((".", "_")))
         if not files:
-            raise BadInputError(f"{setting}: folder {path} has no files")
+            inside = sorted(p.name for p in path.iterdir() if p.is_dir() and not p.name.startswith((".", "_")))
+            hint = (f"; its subfolders ({', '.join(inside[:3])}{', ...' if len(inside) > 3 else ''}) are not read: "
+                    f"name their files with a glob, e.g. {setting}='{path}/*/*.parquet'" if inside else "")
+            raise BadInputError(f"{setting}: folder {path} has no files{hint}")
         return files
     if any(ch in pattern for ch in "*?["):
         files = sorted(Path(p) for p in glob.glob(str(path)) if Path(p).is_file())
