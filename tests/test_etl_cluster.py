@@ -90,6 +90,27 @@ def test_a_scheduler_that_goes_away_mid_etl_is_one_clear_error():
             work.compute()
 
 
+def test_a_cluster_without_workers_is_said_while_the_etl_waits_for_one(monkeypatch, capsys):
+    """Every worker of an existing scheduler gone: the ETL waited for one without a word, for good."""
+    import threading
+
+    import dask.array as da
+
+    from pipeline.etl import progress
+
+    monkeypatch.setattr(progress, "WORKERS_CHECK_S", 0.5)
+    with LocalCluster(n_workers=0, processes=False, dashboard_address=None) as cluster, \
+            etl_client(EtlConfig(scheduler=cluster.scheduler_address)):
+        threading.Timer(2.0, lambda: cluster.scale(1)).start()
+        for mode in ("off", "plain"):
+            assert progress.compute(da.ones(10, chunks=5).sum(), desc="fit", progress=mode) == (10.0,)
+            cluster.scale(0)
+            threading.Timer(1.5, lambda: cluster.scale(1)).start()
+    said = capsys.readouterr().out
+    assert f"[etl] fit: the Dask cluster at {cluster.scheduler_address} has no workers, waiting" in said
+    assert f"start workers (`dask worker {cluster.scheduler_address}`)" in said
+
+
 def test_unreachable_scheduler_is_a_clear_error():
     client = etl_client(EtlConfig(scheduler="tcp://127.0.0.1:1"), connect_timeout="1s")
     with pytest.raises(UserError, match="etl.scheduler=tcp://127.0.0.1:1: no Dask scheduler answered there"), client:

@@ -8,6 +8,7 @@ Example::
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from pipeline.progress import Progress, progress_mode
@@ -18,20 +19,42 @@ def compute(*collections: Any, desc: str = "dask", progress: str | bool = "auto"
     import dask
 
     client = current_client()
-    if progress_mode(progress) == "off":
-        return dask.compute(*collections)
     if client is not None:
-        from distributed import as_completed
-
         leaves: list = []
         shape = _flatten(collections, leaves)
         futures = client.compute(leaves)
         with Progress(desc, total=len(futures), unit="result", mode=progress) as bar:
-            for _ in as_completed(futures):
-                bar.update(1)
+            _wait_all(client, futures, bar.update, desc)
         return _rebuild(shape, iter(client.gather(futures)))
+    if progress_mode(progress) == "off":
+        return dask.compute(*collections)
     with _ProgressCallback(desc, progress):
         return dask.compute(*collections)
+
+
+WORKERS_CHECK_S = 10.0
+"""How often a computation on a cluster that finishes nothing checks that the cluster has workers."""
+
+
+def _wait_all(client: Any, futures: list, finished: Any, desc: str) -> None:
+    """Wait for ``futures``, calling ``finished(n)`` as they finish; every :data:`WORKERS_CHECK_S` seconds in which
+    none finishes, say so if the cluster has no worker left to run them (it would wait for one without a word)."""
+    from distributed import wait
+
+    pending = set(futures)
+    idle_since = time.monotonic()
+    while pending:
+        try:
+            done, pending = wait(pending, timeout=WORKERS_CHECK_S, return_when="FIRST_COMPLETED")
+        except TimeoutError:
+            done = set()
+        if done:
+            finished(len(done))
+            idle_since = time.monotonic()
+        elif not client.scheduler_info().get("workers"):
+            print(f"[etl] {desc}: the Dask cluster at {client.scheduler.address} has no workers, waiting "
+                  f"{time.monotonic() - idle_since:.0f} s for one; start workers (`dask worker "
+                  f"{client.scheduler.address}`) or stop with Ctrl-C", flush=True)
 
 
 def _flatten(value: Any, leaves: list) -> Any:
