@@ -339,3 +339,18 @@ def test_a_folder_of_subfolders_names_them_and_the_glob_that_reads_them(tmp_path
         input_files(data)
     glob_data = load_config(None, ["data.source=table", f"data.path={tmp_path / 'hive'}/*/*.parquet"]).data
     assert [p.name for p, _ in input_files(glob_data)] == ["part-0.parquet"]
+
+
+def test_the_index_pandas_writes_to_parquet_is_not_a_column_to_declare(tmp_path):
+    """``df[mask].to_parquet()`` writes the frame's index as ``__index_level_0__``: it was refused as a column with
+    no role."""
+    import pandas as pd
+
+    frame = pd.DataFrame({"y": [0, 1, 0, 1, 1, 0] * 50, "x": range(300), "c": list("abcabc") * 50})
+    frame[frame.x % 3 > 0].to_parquet(tmp_path / "filtered.parquet")
+    assert "__index_level_0__" in pq.read_schema(tmp_path / "filtered.parquet").names
+    cfg = load_config(None, [f"workdir={tmp_path / 'work'}", "data.source=table", "progress=off",
+                             f"data.path={tmp_path / 'filtered.parquet'}", "data.label=y", "data.continuous=[x]",
+                             "data.categorical=[c]"])
+    raw = data_stage.ensure_raw(cfg)
+    assert sum(raw.rows.values()) == 200

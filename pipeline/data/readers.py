@@ -976,13 +976,23 @@ def _drop_empty_items(lists: pa.ChunkedArray | pa.Array) -> pa.Array:
 # ----------------------------------------------------------------------------------------- parquet
 
 
+def _pandas_index_columns(schema: pa.Schema) -> set[str]:
+    """The columns that pandas wrote its index to (``__index_level_0__`` for a filtered frame's), which are not
+    data: a file written by ``DataFrame.to_parquet`` names them in its pandas metadata."""
+    try:
+        return {c for c in (schema.pandas_metadata or {}).get("index_columns", []) if isinstance(c, str)}
+    except (ValueError, TypeError, AttributeError):  # metadata that is not pandas' JSON
+        return set()
+
+
 def _read_parquet(path: Path, roles: Roles, kinds: dict[str, str], chunk_rows: int, report: FileReport,
                   stop_on_bad: bool, separator: str) -> Iterator[tuple[pa.Table, np.ndarray]]:
     try:
         file = pq.ParquetFile(path)
     except (pa.ArrowInvalid, OSError) as err:
         raise BadInputError(f"{path}: expected a parquet file, could not read it ({err})") from err
-    roles.check_against(file.schema_arrow.names, str(path))
+    index = _pandas_index_columns(file.schema_arrow)
+    roles.check_against([n for n in file.schema_arrow.names if n not in index or n in roles.columns], str(path))
     for name, kind in kinds.items():
         _check_parquet_type(path, name, kind, file.schema_arrow.field(name).type)
     first = 1
