@@ -387,3 +387,13 @@ def test_one_port_for_http_and_grpc_is_refused(capsys):
     """Triton was started three times on it, each failing to bind, and a page of its log was printed."""
     _refused(capsys, ["config", "show", "serve.http_port=18010", "serve.grpc_port=18010"], "serve.http_port",
              "serve.grpc_port are both 18010")
+
+
+def test_a_table_of_continuous_features_only_is_refused_before_any_stage_runs(tmp_path, capsys):
+    """Every model embeds a sparse feature: `run all` on a table of numbers only read it, fitted the ETL, then
+    refused at the training stage."""
+    pd.DataFrame({"y": [0, 1] * 100, "x": np.arange(200.0)}).to_csv(tmp_path / "numbers.csv", index=False)
+    args = [f"workdir={tmp_path / 'work'}", "device=cpu", "data.source=table", f"data.path={tmp_path / 'numbers.csv'}",
+            "data.label=y", "data.continuous=[x]"]
+    _refused(capsys, ["run", "all", *args], "no categorical or multi-hot feature", "data.categorical")
+    assert not (tmp_path / "work").exists()

@@ -77,6 +77,9 @@ class ModelSizes:
         return sizes
 
 
+NO_SPARSE_FEATURE = ("no categorical or multi-hot feature, and every model embeds at least one: give the data some "
+                     "with data.categorical or data.multihot")
+
 FM_INIT_SCALE = 0.01
 
 # Tensor-core GEMMs want rows of a multiple of 8 elements (16 bytes in bf16); other widths fall back to
@@ -316,8 +319,7 @@ def build_model(name: str, schema: Schema, sizes: ModelSizes, optimizer: Embeddi
     if name not in MODEL_CLASSES:
         raise ValueError(f"model: expected one of {sorted(MODEL_CLASSES)}, got {name!r}")
     if not schema.sparse:
-        raise BadInputError("the schema has no categorical or multi-hot feature, and every model embeds at least "
-                            "one: give the data some with data.categorical or data.multihot")
+        raise BadInputError(f"the schema has {NO_SPARSE_FEATURE}")
     generator = torch.Generator().manual_seed(seed)
     tables = model_tables(name, schema, sizes, admit_after)
     embedding = EmbeddingCollection(tables, schema.sparse, optimizer, weights_dtype=weights_dtype, backend=backend,

@@ -21,6 +21,7 @@ from typing import NoReturn
 
 import yaml
 
+from pipeline.errors import BadInputError
 from pipeline.stages import config as config_mod
 
 STAGES: dict[str, tuple[str, str]] = {
@@ -175,6 +176,10 @@ def run_stages(names: list[str], cfg: config_mod.PipelineConfig) -> dict[str, di
     """Run stages in order; ``serve`` after other stages only sends its smoke request."""
     from pipeline.device import resolve_device
 
+    if "train" in names[1:] and cfg.data.source == "table" and not (cfg.data.categorical or cfg.data.multihot):
+        from pipeline.modules.models import NO_SPARSE_FEATURE
+
+        raise BadInputError(f"the table's roles name {NO_SPARSE_FEATURE}")  # before the stages that would come first
     device = resolve_device(cfg.device)
     print(f"[pipeline] device: {device.kind} ({device.reason})", flush=True)
     results: dict[str, dict] = {}
