@@ -15,16 +15,20 @@
 //    order, so results do not depend on scheduling.
 #include "embedding_update.cuh"
 
+// A group of 2^log_lanes threads per bag, lane j writing ids j, j + lanes, ...: a multi-hot bag's keys are written
+// by adjacent threads (one thread a bag wrote 20-hot bags' keys 20 apart, uncoalesced: 0.92 ms for 34M ids).
 template <typename K>
 __device__ __forceinline__ void row_keys(
     const long long* __restrict__ indices, const long long* __restrict__ offsets,
-    const long long* __restrict__ slot_row_offsets, int num_slots, int batch_size,
+    const long long* __restrict__ slot_row_offsets, int num_slots, int batch_size, int log_lanes,
     K* __restrict__ keys, int* __restrict__ bag_of) {
-    const long long bag = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long thread = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long bag = thread >> log_lanes;
     if (bag >= (long long)num_slots * batch_size) return;
+    const int lanes = 1 << log_lanes;
     const long long base = slot_row_offsets[bag / batch_size];
     const long long end = offsets[bag + 1];
-    for (long long p = offsets[bag]; p < end; ++p) {
+    for (long long p = offsets[bag] + (thread & (lanes - 1)); p < end; p += lanes) {
         keys[p] = (K)(base + indices[p]);
         bag_of[p] = (int)bag;
     }
@@ -33,8 +37,8 @@ __device__ __forceinline__ void row_keys(
 #define ROW_KEYS(NAME, K)                                                                               \
     extern "C" __global__ void NAME(const long long* indices, const long long* offsets,                 \
                                     const long long* slot_row_offsets, int num_slots, int batch_size,  \
-                                    K* keys, int* bag_of) {                                             \
-        row_keys<K>(indices, offsets, slot_row_offsets, num_slots, batch_size, keys, bag_of);           \
+                                    int log_lanes, K* keys, int* bag_of) {                              \
+        row_keys<K>(indices, offsets, slot_row_offsets, num_slots, batch_size, log_lanes, keys, bag_of); \
     }
 
 ROW_KEYS(row_keys_i32, int)

@@ -166,9 +166,11 @@ def sort_by_row(slots: SlotArrays, indices: torch.Tensor, offsets: torch.Tensor,
     keys = torch.empty(nnz, dtype=torch.int64 if wide else torch.int32, device=indices.device)
     bag_of = torch.empty(nnz, dtype=torch.int32, device=indices.device)
     bags = slots.num_slots * batch_size
-    launch(BACKWARD_SOURCE, f"row_keys_{'i64' if wide else 'i32'}", indices.device, (bags + BLOCK - 1) // BLOCK,
+    log_lanes = min(5, max(nnz // max(bags, 1) - 1, 0).bit_length())  # lanes >= the mean ids a bag, <= 32
+    threads = bags << log_lanes
+    launch(BACKWARD_SOURCE, f"row_keys_{'i64' if wide else 'i32'}", indices.device, (threads + BLOCK - 1) // BLOCK,
            BLOCK, [ptr(indices), ptr(offsets), ptr(slots.row_offsets), i32(slots.num_slots), i32(batch_size),
-                   ptr(keys), ptr(bag_of)])
+                   i32(log_lanes), ptr(keys), ptr(bag_of)])
     sorted_keys, order = torch.sort(keys)
     return sorted_keys, bag_of.index_select(0, order)
 
