@@ -25,6 +25,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -68,27 +69,28 @@ class Client:
                                                                 ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE)])
             self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
             self._messages = service_pb2
-        self._layout: RequestLayout | None = None
-        self._max_batch = 0
 
     @property
     def layout(self) -> RequestLayout:
         """The raw columns of each request tensor, in order: the served ensemble's ``layout`` parameter."""
-        if self._layout is None:
-            if self.protocol == "grpc":
-                config = self._call(self._stub.ModelConfig, self._messages.ModelConfigRequest(name=self.model))
-                params = {k: v.string_value for k, v in config.config.parameters.items()}
-                self._max_batch = int(config.config.max_batch_size)
-            else:
-                config = self._call(self._client.get_model_config, self.model)
-                params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
-                self._max_batch = int(config.get("max_batch_size", 0))
-            if LAYOUT_PARAMETER not in params:
-                raise ServingError(f"{self.model} at {self.url} declares no request layout (its config has no "
-                                   f"parameter {LAYOUT_PARAMETER!r}): export the model again "
-                                   "(python -m pipeline run export) and restart the server")
-            self._layout = RequestLayout.from_json(params[LAYOUT_PARAMETER])
-        return self._layout
+        return self._served[0]
+
+    @functools.cached_property
+    def _served(self) -> tuple[RequestLayout, int]:
+        """The served model's request layout and ``max_batch_size`` (0: no limit), read from its config once."""
+        if self.protocol == "grpc":
+            config = self._call(self._stub.ModelConfig, self._messages.ModelConfigRequest(name=self.model))
+            params = {k: v.string_value for k, v in config.config.parameters.items()}
+            max_batch = int(config.config.max_batch_size)
+        else:
+            config = self._call(self._client.get_model_config, self.model)
+            params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+            max_batch = int(config.get("max_batch_size", 0))
+        if LAYOUT_PARAMETER not in params:
+            raise ServingError(f"{self.model} at {self.url} declares no request layout (its config has no "
+                               f"parameter {LAYOUT_PARAMETER!r}): export the model again "
+                               "(python -m pipeline run export) and restart the server")
+        return RequestLayout.from_json(params[LAYOUT_PARAMETER]), max_batch
 
     def predict(self, rows: Any) -> np.ndarray:
         """Probabilities ``[B]`` for raw rows (a DataFrame, a dict of columns, a list of dicts, or TSV lines)."""
@@ -100,7 +102,7 @@ class Client:
     def _within_max_batch(self, tensors: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
         """``tensors`` in requests of at most the model's ``max_batch_size`` rows (the server refuses larger)."""
         rows = len(next(iter(tensors.values())))
-        step = self._max_batch or rows
+        step = self._served[1] or rows
         return [{name: array[start:start + step] for name, array in tensors.items()} for start in range(0, rows, step)]
 
     def tensors(self, rows: Any) -> dict[str, np.ndarray]:

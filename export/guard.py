@@ -184,7 +184,7 @@ class _Handler(BaseHTTPRequestHandler):
     timeout = CLIENT_TIMEOUT_S
     server: _GuardServer
     _upstream: socket.socket | None = None
-    _requests = 0
+    _served_one = False  # a request came on this connection: the next may wait IDLE_TIMEOUT_S
 
     def setup(self) -> None:
         self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -202,13 +202,13 @@ class _Handler(BaseHTTPRequestHandler):
     def handle_one_request(self) -> None:
         # A new connection sends its request within CLIENT_TIMEOUT_S, a kept-alive one its next within
         # IDLE_TIMEOUT_S; once a request starts, each read has CLIENT_TIMEOUT_S.
-        self.connection.settimeout(IDLE_TIMEOUT_S if self._requests else CLIENT_TIMEOUT_S)
+        self.connection.settimeout(IDLE_TIMEOUT_S if self._served_one else CLIENT_TIMEOUT_S)
         try:
             self.rfile.peek(1)
         except OSError:
             self.close_connection = True
             return
-        self._requests += 1
+        self._served_one = True
         self.connection.settimeout(CLIENT_TIMEOUT_S)
         super().handle_one_request()
 
