@@ -354,3 +354,29 @@ def test_the_index_pandas_writes_to_parquet_is_not_a_column_to_declare(tmp_path)
                              "data.categorical=[c]"])
     raw = data_stage.ensure_raw(cfg)
     assert sum(raw.rows.values()) == 200
+
+
+def test_a_decimal_continuous_column_is_read_as_its_numbers_and_served_as_them(tmp_path):
+    """Databases and Spark export prices as parquet decimals: they were refused as not numeric."""
+    import decimal
+
+    import pandas as pd
+
+    from export.repository import raw_columns
+    from pipeline.data.raw_folder import RawDataset
+
+    prices = [decimal.Decimal(f"{v}.{v % 100:02d}") for v in range(300)]  # 3.03: not 3.0300000000000002
+    table = pa.table({"y": [i % 2 for i in range(300)], "price": pa.array(prices, pa.decimal128(10, 2)),
+                      "c": [f"k{i % 7}" for i in range(300)]})
+    pq.write_table(table, tmp_path / "prices.parquet")
+    cfg = load_config(None, [f"workdir={tmp_path / 'work'}", "data.source=table", "progress=off",
+                             f"data.path={tmp_path / 'prices.parquet'}", "data.label=y", "data.continuous=[price]",
+                             "data.categorical=[c]"])
+    raw = data_stage.ensure_raw(cfg)
+    read = pa.concat_tables(pq.read_table(f) for split in raw.splits.values() for f in split)
+    assert read.schema.field("price").type == pa.float64()
+    assert sorted(read.column("price").to_pylist()) == sorted(float(p) for p in prices)
+    layout = raw_columns(RawDataset.load(cfg.paths.raw), cfg.data.list_separator).layout
+    for rows in (table.drop_columns(["y"]).to_pandas(),  # a client's frame of Decimal objects, or of Arrow decimals
+                 table.drop_columns(["y"]).to_pandas(types_mapper=pd.ArrowDtype)):
+        assert layout.tensors(rows)["FLOATS"].ravel().tolist() == [float(p) for p in prices]
