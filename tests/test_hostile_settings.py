@@ -397,3 +397,21 @@ def test_a_table_of_continuous_features_only_is_refused_before_any_stage_runs(tm
             "data.label=y", "data.continuous=[x]"]
     _refused(capsys, ["run", "all", *args], "no categorical or multi-hot feature", "data.categorical")
     assert not (tmp_path / "work").exists()
+
+
+def test_training_on_an_etl_output_of_changed_inputs_says_so(tmp_path, capsys):
+    """`run train` trains on the ETL output as it is; when the input file changed since (or the data settings), it
+    trained on the old rows without a word."""
+    rng = np.random.default_rng(0)
+    path = tmp_path / "clicks.csv"
+    frame = pd.DataFrame({"y": rng.integers(0, 2, 600), "x": rng.random(600), "c": rng.integers(0, 9, 600)})
+    frame.to_csv(path, index=False)
+    args = [f"workdir={tmp_path / 'work'}", "device=cpu", "progress=off", "data.source=table", f"data.path={path}",
+            "data.label=y", "data.continuous=[x]", "data.categorical=[c]", "train.max_steps=2", "etl.cluster=threads"]
+    assert main(["run", "etl", *args]) == 0
+    assert main(["run", "train", *args]) == 0
+    assert "[train] note:" not in capsys.readouterr().out
+    pd.concat([frame, frame]).to_csv(path, index=False)
+    assert main(["run", "train", *args]) == 0
+    said = capsys.readouterr().out
+    assert "[train] note: the ETL output at" in said and "inputs:" in said and "data.rebuild=true" in said

@@ -59,6 +59,28 @@ def ensure_raw(cfg: PipelineConfig) -> RawDataset:
     return _ensure(cfg)[0]
 
 
+def raw_changes(cfg: PipelineConfig) -> str | None:
+    """How the settings and input files now differ from those ``cfg.paths.raw`` was made from (``"key: old ->
+    new, ..."``), or None: the same, no raw data yet, inputs that cannot be looked at now, or a dataset ingested from
+    files and named alone (``data.name=X``), which is used as it was made."""
+    meta = raw_folder.read_meta(cfg.paths.raw)
+    if meta is None:
+        return None
+    try:
+        params = raw_params(cfg)
+    except UserError:
+        return None
+    old = meta.get("params", {})
+    if old == params or (old.get("source", "synthetic") != "synthetic" and cfg.data.source == "synthetic"):
+        return None
+    return _differences(old, params)
+
+
+def _differences(old: dict, new: dict) -> str:
+    changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+    return ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed)
+
+
 def raw_params(cfg: PipelineConfig) -> dict:
     """The settings that determine the raw data (what ``meta.json`` records as ``params``)."""
     d = cfg.data
@@ -124,8 +146,7 @@ def _ensure(cfg: PipelineConfig) -> tuple[RawDataset, bool]:
         print(f"[data] no finished raw data in {root}: building it", flush=True)
     else:
         old = meta.get("params", {})
-        changed = sorted(k for k in set(old) | set(params) if old.get(k) != params.get(k))
-        detail = ", ".join(f"{k}: {old.get(k)!r} -> {params.get(k)!r}" for k in changed)
+        detail = _differences(old, params)
         from_files = old.get("source", "synthetic") != "synthetic"
         other_files = old.get("inputs") != params.get("inputs")
         if from_files and other_files and not cfg.data.rebuild:

@@ -16,6 +16,7 @@ from pipeline.device import resolve_device
 from pipeline.distributed.world import World
 from pipeline.schema import Schema
 from pipeline.stages.config import PipelineConfig
+from pipeline.stages.data import raw_changes
 from pipeline.train.driver import train
 
 
@@ -27,6 +28,10 @@ def run(cfg: PipelineConfig) -> dict:
         from pipeline.stages.etl import run as run_etl
 
         run_etl(cfg)
+    elif world.is_writer and (changes := raw_changes(cfg)):
+        print(f"[train] note: the ETL output at {cfg.paths.processed} comes from raw data made with other settings or "
+              f"input files than these ({changes}); `python -m pipeline run all` makes both again "
+              "(data.rebuild=true where the input files changed)", flush=True)
     world.barrier()
     summary = train(cfg.train, cfg.paths.processed, cfg.paths.train, schema=Schema.load(cfg.paths.schema),
                     seed=cfg.seed, world=world, distributed=cfg.distributed, oracle=cfg.paths.oracle,
