@@ -6,7 +6,8 @@
 
 For each bag size (one-hot, 20-hot, ...) it times, with CUDA events (median after warm-up, rotating
 three batches), the ``cuda`` backend's table-batched forward and its fused backward + sparse update
-(and, apart, the row-grouping sort inside it), and the same work done by ``torch.nn.EmbeddingBag``:
+(and, apart, the row-grouping sort inside it; and the two back to back on one batch, as a training step
+runs them, against the byte floor), and the same work done by ``torch.nn.EmbeddingBag``:
 one module per table (``sparse=True``) sharing the very same weight storage, ``torch.cat`` of the
 pooled outputs, ``backward`` and the torch optimizer of the same kind stepping on the sparse
 gradients. Bandwidth is bytes over time, as a fraction of a device-to-device copy measured in the
@@ -121,6 +122,11 @@ def run(args: argparse.Namespace, cfg) -> dict:
             ind, off = cycle.next()
             backend.backward_update(weights, state, packing, ind, off, args.batch, grad, opt, opt.lr, 1)
 
+        def step(cycle=cycle, grad=grad):  # a training step's table work: forward, then backward + update
+            ind, off = cycle.next()
+            backend.forward(weights, packing, ind, off, args.batch)
+            backend.backward_update(weights, state, packing, ind, off, args.batch, grad, opt, opt.lr, 1)
+
         def sort_only(cycle=cycle):
             ind, off = cycle.next()
             launcher.sort_by_row(slots, ind, off, args.batch)
@@ -141,6 +147,7 @@ def run(args: argparse.Namespace, cfg) -> dict:
         t_fwd = median_ms(torch, fwd, args.reps)
         t_bwd = median_ms(torch, bwd, args.reps)
         t_sort = median_ms(torch, sort_only, args.reps)
+        t_step = median_ms(torch, step, args.reps)
         unique = _unique_rows(torch, batches[0], packing, args.batch)
         state_bytes = {"sgd": 0, "adagrad": 8}[args.optimizer]
         fwd_bytes = nnz * (args.dim * es + 8) + args.batch * packing.total_dim * 4
@@ -153,6 +160,7 @@ def run(args: argparse.Namespace, cfg) -> dict:
                    forward_fraction_of_copy=fwd_bytes / t_fwd / 1e9 / (copy_bw / 1e12),
                    backward_fraction_of_copy=bwd_bytes / t_bwd / 1e9 / (copy_bw / 1e12),
                    floor_ms=floor_ms, time_over_floor=(t_fwd + t_bwd) / floor_ms,
+                   step_ms=t_step, step_over_floor=t_step / floor_ms,
                    backward_update_ms_by_kernel=by_kernel,
                    time_over_floor_by_kernel={k: (t_fwd + ms) / floor_ms for k, ms in by_kernel.items()})
         if by_kernel:
@@ -165,7 +173,7 @@ def run(args: argparse.Namespace, cfg) -> dict:
             row["speedup_step"] = row["torch_step_ms"] / (t_fwd + t_bwd)
             row["speedup_vs_torch_forward_backward"] = row["torch_forward_backward_ms"] / (t_fwd + t_bwd)
         results.append(row)
-        del batches, grad, cycle, fwd, bwd, sort_only
+        del batches, grad, cycle, fwd, bwd, step, sort_only
         torch.cuda.empty_cache()
         _print_row(row)
 
@@ -367,7 +375,9 @@ def _print_row(row: dict) -> None:
             f"forward {row['forward_ms']:8.3f} ms ({row['forward_tb_s']:.2f} TB/s, "
             f"{100 * row['forward_fraction_of_copy']:.0f}% of copy) | "
             f"backward+update {row['backward_update_ms']:8.3f} ms (sort {row['sort_ms']:.3f}; "
-            f"{row['backward_tb_s']:.2f} TB/s) | {row['time_over_floor']:.2f}x the byte floor")
+            f"{row['backward_tb_s']:.2f} TB/s) | {row['time_over_floor']:.2f}x the byte floor"
+            f"\n          forward then backward+update back to back, as a step: {row['step_ms']:.3f} ms, "
+            f"{row['step_over_floor']:.2f}x the byte floor ({row['floor_ms']:.3f} ms)")
     if "torch_step_ms" in row:
         line += (f"\n          torch EmbeddingBag: forward {row['torch_forward_ms']:.3f} ms, "
                  f"forward+backward {row['torch_forward_backward_ms']:.3f} ms, "
