@@ -17,7 +17,8 @@ per-task report (``bench etl --report``) to see what the cluster adds. The steps
 - write: the output partition to a file and to memory (the encoding alone), and on cuDF straight to the
   file by libcudf (the stage encodes into memory first) with the stage's options and with others (cuDF's
   default pages and statistics, no dictionary, no compression, row groups of 1M rows), each with the size
-  it wrote.
+  it wrote; and on cuDF how much of the write to memory its kernels and copies take on the GPU (the rest
+  is the host's).
 
     python3 tools/etl_profile.py --backend cudf --rows 5000000
     CUDF_SPILL=on python3 tools/etl_profile.py --backend cudf --rows 5000000    # with cuDF spilling
@@ -118,6 +119,10 @@ def _profile(args, workdir: Path, tmp: Path) -> dict:
             "write (parquet, one file)": lambda: write_part(out, path, schema, rows, packing)})
     if args.backend == "cudf":
         _cudf_writer_variants(out, schema, rows, tmp, timed)
+        wall, device = _device_time(lambda: _to_memory(lambda buffer: write_part(out, buffer, schema, rows, packing)))
+        timings["write (parquet, to memory): on the GPU"] = device / 1e3
+        print(f"{'write (parquet, to memory): its kernels and copies':60} {device:10.1f} ms of {wall:.1f} ms "
+              "(the rest is the host's)", flush=True)
     summary = {"backend": args.backend, "rows": len(frame), "ms": {k: round(v * 1e3, 2) for k, v in timings.items()},
                "notes": notes}
     if args.json:
@@ -266,6 +271,22 @@ def _continuous_chain(frame, workflow, timed) -> None:
 
     timed(f"  continuous chain, column by column ({len(names)} cols)", column_by_column)
     timed(f"  continuous chain, one matrix ({len(names)} cols)", matrix)
+
+
+def _device_time(fn) -> tuple[float, float]:
+    """The wall time of one call of ``fn`` and the device time of the kernels and copies it ran, in ms
+    (``torch.profiler`` records every kernel of the process, cuDF's too)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    device = sum(e.self_device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA")
+    return wall * 1e3, device / 1e3
 
 
 def _cudf_writer_variants(out, schema, rows: int, tmp: Path, timed) -> None:
