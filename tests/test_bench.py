@@ -602,3 +602,17 @@ def test_bench_etl_takes_workers_0_for_one_per_core():
     from pipeline.stages.cli import build_parser
 
     assert build_parser().parse_args(["bench", "etl", "--workers", "0"]).workers == 0
+
+
+def test_bench_etl_reports_the_lines_the_workers_spent_their_time_in(tmp_path):
+    """Where a side's time goes inside its tasks (a GPU worker's host time had no name: the task stream gives one
+    figure a task)."""
+    import json
+
+    report = tmp_path / "report.json"
+    assert main(["bench", "etl", "--rows", "20000", "--workers", "1", "--no-baseline", "--report", str(report),
+                 f"workdir={tmp_path}", "device=cpu", "progress=off"]) == 0
+    fit = json.loads(report.read_text())["pandas-fit"]
+    lines = fit["worker_lines"]
+    assert lines and all(0 < line["self"] <= line["total"] <= 1 for line in lines)
+    assert any("pipeline/etl/" in line["line"] for line in lines)

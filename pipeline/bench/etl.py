@@ -46,7 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON (rewritten after each side)")
     parser.add_argument("--report", metavar="FILE",
                         help="also write where each cluster side's fit and transform spent their time "
-                             "(seconds per kind of task, from Dask's task stream) as JSON to FILE")
+                             "(seconds per kind of task, from Dask's task stream, and the lines of code the "
+                             "workers were sampled in) as JSON to FILE")
 
 
 def run(args: argparse.Namespace, cfg) -> dict:
@@ -158,7 +159,8 @@ def _report(path: str | None, name: str):
     ``wall_s``: the block; ``before_first_task_s`` / ``after_last_task_s``: the client alone (building
     and optimising graphs, reading file metadata, finishing statistics); ``no_task_running_s``: gaps
     with no task on any worker in between (round trips between computations); ``busy_s``: seconds of
-    tasks per worker; ``tasks``: seconds per kind of task (compute, transfer ...).
+    tasks per worker; ``tasks``: seconds per kind of task (compute, transfer ...); ``worker_lines``: the
+    lines the workers' threads spent the block in (:func:`hot_lines`).
     """
     from pipeline.etl.progress import current_client
 
@@ -198,11 +200,37 @@ def _report(path: str | None, name: str):
                        no_task_running_s=round(reach - spans[0][0] - covered, 3))
     summary["busy_s"] = {worker: round(seconds, 3) for worker, seconds in sorted(busy.items())}
     summary["tasks"] = dict(sorted(kinds.items(), key=lambda kv: -kv[1].get("compute_s", 0.0)))
+    summary["worker_lines"] = hot_lines(current_client().profile(start=start, stop=end))
     file = Path(path)
     report = json.loads(file.read_text()) if file.is_file() else {}
     report[name] = summary
     file.parent.mkdir(parents=True, exist_ok=True)
     file.write_text(json.dumps(report, indent=1) + "\n")
+
+
+def hot_lines(tree: dict, top: int = 25) -> list[dict]:
+    """The lines of code the workers' threads were sampled in most (Dask's statistical profiler, a sample every
+    10 ms), from a ``Client.profile`` tree: ``self`` samples in the line itself (a call into compiled code, as
+    cuDF's, counts as its caller's line), ``total`` with the calls under it, as fractions of all samples."""
+    lines: dict[str, dict] = {}
+    total = max(tree.get("count", 0), 1)
+
+    def walk(node: dict, seen: frozenset) -> None:
+        children = node.get("children", {}).values()
+        description = node.get("description") or {}
+        where = f"{description.get('filename', '?')}:{description.get('line_number', '?')} {description.get('name', '')}"
+        if description:
+            entry = lines.setdefault(where, {"line": where, "self": 0, "total": 0})
+            entry["self"] += node["count"] - sum(child["count"] for child in children)
+            if where not in seen:  # a recursive line counts once in its total
+                entry["total"] += node["count"]
+        for child in children:
+            walk(child, seen | {where})
+
+    walk(tree, frozenset())
+    ranked = sorted(lines.values(), key=lambda entry: -entry["self"])[:top]
+    return [{**entry, "self": round(entry["self"] / total, 4), "total": round(entry["total"] / total, 4)}
+            for entry in ranked if entry["self"] > 0]
 
 
 def _print_side(name: str, rows: int, r: dict, startup: float | None) -> None:
