@@ -380,3 +380,14 @@ def test_a_decimal_continuous_column_is_read_as_its_numbers_and_served_as_them(t
     for rows in (table.drop_columns(["y"]).to_pandas(),  # a client's frame of Decimal objects, or of Arrow decimals
                  table.drop_columns(["y"]).to_pandas(types_mapper=pd.ArrowDtype)):
         assert layout.tensors(rows)["FLOATS"].ravel().tolist() == [float(p) for p in prices]
+
+
+def test_a_yes_no_column_given_as_continuous_is_told_where_it_belongs(tmp_path, capsys):
+    """pandas writes a bool column as True / False: declared continuous, every row was 'not a number', and the
+    advice was to skip them all."""
+    (tmp_path / "flags.csv").write_text("y,flag,c\n1,True,a\n0,False,b\n")
+    cfg = load_config(None, [f"workdir={tmp_path / 'work'}", "data.source=table", "progress=off",
+                             f"data.path={tmp_path / 'flags.csv'}", "data.label=y", "data.continuous=[flag]",
+                             "data.categorical=[c]"])
+    with pytest.raises(BadInputError, match=r"'True' is not a number \(a yes / no column: name it in data.categorical"):
+        data_stage.ensure_raw(cfg)

@@ -91,6 +91,9 @@ def value_problem(name: str, kind: str, value: str) -> tuple[str, str]:
         return "out_of_range", f"{name}: {shown!r} is not a finite number"
     if kind in ("int", "float") and re.fullmatch(DIGITS_PATTERN, value):
         return "out_of_range", f"{name}: {shown!r} is outside the 64-bit integer range"
+    if kind in ("int", "float") and value.strip().lower() in ("true", "false", "yes", "no"):
+        return "not_a_number", (f"{name}: {value!r} is not a number (a yes / no column: name it in data.categorical, "
+                                "or write it as 1 / 0)")
     return "not_a_number", f"{name}: {value!r} is not {'an integer' if kind == 'int' else 'a number'}"
 
 
