@@ -126,6 +126,8 @@ def _train(cfg: TrainConfig, data: Path, runs: Path, schema: Schema, seed: int, 
     if world.is_writer:
         remove_tmp_files(out)
         print(f"[train] run {out.name} in {runs}", flush=True)
+        print(f"[train] {cfg.optimizer} at lr {cfg.lr:.3g}, tables {cfg.embedding_optimizer} at {cfg.embedding_lr:.3g}, "
+              f"weight decay {cfg.weight_decay:.3g}; {rate:.2%} of the training labels positive", flush=True)
     model = model_from_spec(spec, backend=cfg.embedding_backend)
     model.start_at_rate(rate)
     model, checkpoints = _place(model, cfg, world, distributed, out / "checkpoints", schema)
