@@ -414,4 +414,4 @@ def test_training_on_an_etl_output_of_changed_inputs_says_so(tmp_path, capsys):
     pd.concat([frame, frame]).to_csv(path, index=False)
     assert main(["run", "train", *args]) == 0
     said = capsys.readouterr().out
-    assert "[train] note: the ETL output at" in said and "inputs:" in said and "data.rebuild=true" in said
+    assert "[train] note: the ETL output at" in said and "(changed: inputs)" in said and "data.rebuild=true" in said

@@ -59,26 +59,25 @@ def ensure_raw(cfg: PipelineConfig) -> RawDataset:
     return _ensure(cfg)[0]
 
 
-def raw_changes(cfg: PipelineConfig) -> str | None:
-    """How the settings and input files now differ from those ``cfg.paths.raw`` was made from (``"key: old ->
-    new, ..."``), or None: the same, no raw data yet, inputs that cannot be looked at now, or a dataset ingested from
-    files and named alone (``data.name=X``), which is used as it was made."""
+def raw_changes(cfg: PipelineConfig) -> list[str]:
+    """Which of the settings and input files (``meta.json``'s ``params``: ``inputs``, ``rows`` ...) now differ from
+    those ``cfg.paths.raw`` was made from; none: the same, no raw data yet, inputs that cannot be looked at now, or a
+    dataset ingested from files and named alone (``data.name=X``), which is used as it was made."""
     meta = raw_folder.read_meta(cfg.paths.raw)
     if meta is None:
-        return None
+        return []
     try:
         params = raw_params(cfg)
     except UserError:
-        return None
+        return []
     old = meta.get("params", {})
-    if old == params or (old.get("source", "synthetic") != "synthetic" and cfg.data.source == "synthetic"):
-        return None
-    return _differences(old, params)
+    if old.get("source", "synthetic") != "synthetic" and cfg.data.source == "synthetic":
+        return []
+    return _changed(old, params)
 
 
-def _differences(old: dict, new: dict) -> str:
-    changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
-    return ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed)
+def _changed(old: dict, new: dict) -> list[str]:
+    return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
 
 
 def raw_params(cfg: PipelineConfig) -> dict:
@@ -146,7 +145,7 @@ def _ensure(cfg: PipelineConfig) -> tuple[RawDataset, bool]:
         print(f"[data] no finished raw data in {root}: building it", flush=True)
     else:
         old = meta.get("params", {})
-        detail = _differences(old, params)
+        detail = ", ".join(f"{k}: {old.get(k)!r} -> {params.get(k)!r}" for k in _changed(old, params))
         from_files = old.get("source", "synthetic") != "synthetic"
         other_files = old.get("inputs") != params.get("inputs")
         if from_files and other_files and not cfg.data.rebuild:

@@ -30,7 +30,7 @@ def run(cfg: PipelineConfig) -> dict:
         run_etl(cfg)
     elif world.is_writer and (changes := raw_changes(cfg)):
         print(f"[train] note: the ETL output at {cfg.paths.processed} comes from raw data made with other settings or "
-              f"input files than these ({changes}); `python -m pipeline run all` makes both again "
+              f"input files than these (changed: {', '.join(changes)}); `python -m pipeline run all` makes both again "
               "(data.rebuild=true where the input files changed)", flush=True)
     world.barrier()
     summary = train(cfg.train, cfg.paths.processed, cfg.paths.train, schema=Schema.load(cfg.paths.schema),
