@@ -170,7 +170,8 @@ def _report(path: str | None, name: str):
     import json
     import time
 
-    from dask.utils import key_split
+    import dask
+    from dask.utils import key_split, parse_timedelta
     from distributed import get_task_stream
 
     start = time.time()
@@ -200,7 +201,9 @@ def _report(path: str | None, name: str):
                        no_task_running_s=round(reach - spans[0][0] - covered, 3))
     summary["busy_s"] = {worker: round(seconds, 3) for worker, seconds in sorted(busy.items())}
     summary["tasks"] = dict(sorted(kinds.items(), key=lambda kv: -kv[1].get("compute_s", 0.0)))
-    summary["worker_lines"] = hot_lines(current_client().profile(start=start, stop=end))
+    # A worker files its samples every profile cycle, and answers for a span only from filed cycles: wait one.
+    time.sleep(1.5 * parse_timedelta(dask.config.get("distributed.worker.profile.cycle")))
+    summary["worker_lines"] = hot_lines(current_client().profile(start=start))
     file = Path(path)
     report = json.loads(file.read_text()) if file.is_file() else {}
     report[name] = summary
