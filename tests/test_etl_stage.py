@@ -313,3 +313,17 @@ def test_an_etl_killed_part_way_leaves_no_schema_and_the_old_splits_whole(tmp_pa
     assert sorted(p.name for p in (cfg.paths.processed / "train").glob("*.parquet")) == old_train
     assert sum(pq.ParquetFile(p).metadata.num_rows for p in (cfg.paths.processed / "train").glob("*.parquet")) \
         == old_rows["train"]
+
+
+def test_values_a_served_request_cannot_carry_are_named_when_the_etl_is_fitted(tmp_path, capsys):
+    """Categorical values ending in a zero byte went through data, ETL, training and export, and `run all` failed
+    only at the serving stage, whose request tensor pads values with zero bytes."""
+    rng = np.random.default_rng(0)
+    values = ["a", "a\x00", "b", "b\x00\x00"]
+    pd.DataFrame({"x": rng.normal(size=400), "c": pd.Series([values[i % 4] for i in range(400)], dtype=object),
+                  "y": rng.integers(0, 2, 400)}).to_parquet(tmp_path / "nul.parquet")
+    run(load_config(None, [f"workdir={tmp_path / 'work'}", "device=cpu", "progress=off", "data.source=table",
+                           f"data.path={tmp_path / 'nul.parquet'}", "data.label=y", "data.continuous=[x]",
+                           "data.categorical=[c]"]))
+    said = capsys.readouterr().out
+    assert "[etl] note: column c: 2 of its values end in a zero byte" in said and "'a\\x00'" in said

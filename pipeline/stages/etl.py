@@ -23,8 +23,10 @@ from typing import Any
 from pipeline.etl.cluster import etl_client
 from pipeline.etl.defaults import default_workflow, roles_of
 from pipeline.etl.frame_library import choose_frame_library, read_parquet
+from pipeline.etl.ops import Categorify
 from pipeline.etl.output import SPLITS, write_outputs
 from pipeline.etl.raw_check import check_labels, check_raw_files
+from pipeline.etl.workflow import Workflow
 from pipeline.schema import processed_lock
 from pipeline.stages.config import PipelineConfig
 from pipeline.stages.data import ensure_raw
@@ -54,6 +56,7 @@ def _run(cfg: PipelineConfig, raw: Any, library: str, start: float) -> dict:
         t = time.perf_counter()
         workflow.fit(read_parquet(raw.splits["train"], workflow.input_columns, library), progress=cfg.progress)
         timings["fit_s"] = round(time.perf_counter() - t, 2)
+        _note_unservable_values(workflow)
         t = time.perf_counter()
         rows, schema = write_outputs(workflow, raw.splits, roles, cfg.etl, cfg.paths.processed, cfg.paths.workflow,
                                      cfg.paths.schema, library, progress=cfg.progress)
@@ -71,3 +74,15 @@ def _run(cfg: PipelineConfig, raw: Any, library: str, start: float) -> dict:
     }
     print(f"[etl] wrote {rows} rows to {cfg.paths.processed} in {summary['seconds']} s", flush=True)
     return summary
+
+
+def _note_unservable_values(workflow: Workflow) -> None:
+    """Say which categorical values a served request cannot carry (they train, but a request holding one is
+    refused), so that it is known before the serving stage meets them."""
+    for op, _ in workflow.operators():
+        if isinstance(op, Categorify):
+            for name, values in op.values_ending_in_zero_byte().items():
+                shown = ", ".join(repr(v) for v in values[:3]) + (", ..." if len(values) > 3 else "")
+                print(f"[etl] note: column {name}: {len(values)} of its values end in a zero byte ({shown}), which a "
+                      "served request cannot carry (requests holding one are refused): strip the zero bytes in the "
+                      "input if they are padding", flush=True)

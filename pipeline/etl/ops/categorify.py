@@ -92,6 +92,17 @@ class Categorify(Operator):
         self.multihot: dict[str, bool] = {}
         self.max_lengths: dict[str, int] = {}
 
+    def values_ending_in_zero_byte(self) -> dict[str, list[str]]:
+        """The vocabulary's values that end in a zero byte, by column: a served request's text tensor pads values
+        with zero bytes, so it cannot carry them (the client refuses them)."""
+        self._require_fitted()
+        found = {}
+        for name, vocab in self.vocabularies.items():
+            ending = pc.fill_null(pc.ends_with(vocab, "\x00"), False)
+            if pc.any(ending).as_py():
+                found[name] = vocab.filter(ending).to_pylist()
+        return found
+
     def cardinality(self, column: str) -> int:
         """Embedding table size of ``column``: vocabulary plus the reserved codes."""
         self._require_fitted()
