@@ -324,10 +324,6 @@ def test_epochs_are_compared_by_valid_log_loss_not_auc():
     assert trainer.state.stopped and events[-1]["best_epoch"] == 1 and events[-1]["best_logloss"] == 0.4967
 
 
-def _write_table(path, columns: dict) -> None:
-    pa.csv.write_csv(pa.table(columns), path)
-
-
 def test_sgd_left_to_choose_its_lrs_learns_rare_positives(tmp_path):
     """On 2% positives the log loss's gradient is about a tenth of its size on Criteo's quarter, and so were plain
     SGD's steps at the defaults: DLRM stayed far below logistic regression (test AUC 0.82 against 0.88). SGD's
@@ -345,8 +341,8 @@ def test_sgd_left_to_choose_its_lrs_learns_rare_positives(tmp_path):
     logit = -5.2 + 1.2 * x[:, 0] - 0.8 * x[:, 1] + np.linspace(-1.5, 1.5, 40)[item]
     label = (rng.random(rows) < 1 / (1 + np.exp(-logit))).astype(np.int64)
     assert 0.015 < label.mean() < 0.025
-    _write_table(tmp_path / "rare.csv", {"y": label, "a": x[:, 0], "b": x[:, 1], "c": x[:, 2],
-                                         "item": [f"i{i}" for i in item]})
+    pa.csv.write_csv(pa.table({"y": label, "a": x[:, 0], "b": x[:, 1], "c": x[:, 2], "item": [f"i{i}" for i in item]}),
+                     tmp_path / "rare.csv")
     cfg = load_config(None, [f"workdir={tmp_path / 'work'}", "device=cpu", "progress=off", "train.threads=1",
                              "data.source=table", f"data.path={tmp_path / 'rare.csv'}", "data.label=y",
                              "data.continuous=[a,b,c]", "data.categorical=[item]", "train.optimizer=sgd"])
@@ -371,8 +367,8 @@ def test_deepfm_left_to_choose_its_table_lr_learns_the_pairs_of_a_few_features(t
     user_bias, item_bias = rng.normal(size=300), rng.normal(size=200)
     logit = -1 + 0.7 * user_bias[users] + 0.7 * item_bias[items] + 0.5 * (u[users] * v[items]).sum(1)
     label = (rng.random(rows) < 1 / (1 + np.exp(-logit))).astype(np.int64)
-    _write_table(tmp_path / "pairs.csv", {"y": label, "user": [f"u{i}" for i in users],
-                                          "item": [f"i{i}" for i in items]})
+    pa.csv.write_csv(pa.table({"y": label, "user": [f"u{i}" for i in users], "item": [f"i{i}" for i in items]}),
+                     tmp_path / "pairs.csv")
     cfg = load_config(None, [f"workdir={tmp_path / 'work'}", "device=cpu", "progress=off", "train.threads=1",
                              "data.source=table", f"data.path={tmp_path / 'pairs.csv'}", "data.label=y",
                              "data.categorical=[user,item]"])

@@ -165,12 +165,13 @@ class TrainConfig:
     def dense_lr(self) -> float:
         """The dense part's peak lr: ``lr``, or the optimizer's default for this batch size on Criteo-like data
         (:meth:`for_data` scales it to a run's data)."""
-        if self.lr > 0:
-            return self.lr
+        return self.lr if self.lr > 0 else self._default_dense_lr(MLPERF_CROSS_WIDTH)
+
+    def _default_dense_lr(self, cross_width: int) -> float:
         if self.optimizer == "sgd":
             return 0.75 * self.batch_size / 2048
         if self.model == "dcnv2":
-            return dcnv2_lr(self.optimizer, MLPERF_CROSS_WIDTH)
+            return dcnv2_lr(self.optimizer, cross_width)
         return 0.01
 
     @property
@@ -191,10 +192,11 @@ class TrainConfig:
         """The tables' peak lr: ``embedding_lr``, or the optimizer's default on Criteo-like data (:meth:`for_data`
         scales it to a run's data). SGD tables get a large one: a row's gradient is its occurrences' share of the
         batch's mean loss, so a rare row moves little."""
-        if self.embedding_lr > 0:
-            return self.embedding_lr
+        return self.embedding_lr if self.embedding_lr > 0 else self._default_table_lr(CRITEO_SPARSE_FEATURES)
+
+    def _default_table_lr(self, sparse_features: int) -> float:
         if self.model == "deepfm" and self.embedding_optimizer in ("adagrad", "sgd"):
-            return deepfm_table_lr(self.embedding_optimizer, CRITEO_SPARSE_FEATURES)
+            return deepfm_table_lr(self.embedding_optimizer, sparse_features)
         return TABLE_LRS[self.embedding_optimizer]
 
     def for_data(self, rows: int, positive_rate: float, sparse_features: int, cross_width: int) -> TrainConfig:
@@ -203,21 +205,11 @@ class TrainConfig:
         ``cross_width`` wide. The weight decay is :meth:`decay_for` the rows; SGD's lrs (dense part and tables) are
         scaled by :func:`sgd_rate_scale`; DCNv2's dense lr follows :func:`dcnv2_lr`, DeepFM's table lr
         :func:`deepfm_table_lr`. Set values are kept."""
-        lr, embedding_lr = self.lr, self.embedding_lr
-        if lr == 0:
-            lr = self.dense_lr
-            if self.model == "dcnv2" and self.optimizer in DCNV2_LR_WIDTH:
-                lr = dcnv2_lr(self.optimizer, cross_width)
-            if self.optimizer == "sgd":
-                lr *= sgd_rate_scale(positive_rate)
-        if embedding_lr == 0:
-            embedding_lr = self.table_lr
-            if self.model == "deepfm" and self.embedding_optimizer in ("adagrad", "sgd"):
-                embedding_lr = deepfm_table_lr(self.embedding_optimizer, sparse_features)
-            if self.embedding_optimizer == "sgd":
-                embedding_lr *= sgd_rate_scale(positive_rate)
+        scale = sgd_rate_scale(positive_rate)
+        lr = self.lr or self._default_dense_lr(cross_width) * (scale if self.optimizer == "sgd" else 1.0)
+        embedding_lr = self.embedding_lr or self._default_table_lr(sparse_features) * (
+            scale if self.embedding_optimizer == "sgd" else 1.0)
         return dataclasses.replace(self, lr=lr, embedding_lr=embedding_lr, weight_decay=self.decay_for(rows))
-
 
 TABLE_LRS = {"adagrad": 0.2, "adam": 0.01, "sgd": 16.0}
 """The tables' default lr by optimizer (row-wise Adagrad, lazy Adam, SGD)."""
