@@ -175,3 +175,26 @@ def test_local_workers_ignore_ctrl_c():
         os.kill(pid, signal.SIGINT)
         time.sleep(0.5)
         assert list(client.run(os.getpid).values()) == [pid]
+
+
+def test_worker_environment_reaches_the_workers_from_their_start_and_leaves_this_process_as_it_was(monkeypatch):
+    """glibc reads its allocator settings once, at a process's start: they must be in the worker's environment when
+    it is spawned (Dask's nanny would otherwise start it with its own trim threshold), and the nanny's copy of them
+    in this process must not outlive the cluster (the stages after the ETL start processes of their own). The values
+    an earlier cluster left in this process's environment (Dask's own) do not win over them."""
+    import os
+
+    from pipeline.etl.cluster import GPU_WORKER_MALLOC, _worker_environment
+
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "65536")
+    monkeypatch.setenv("MALLOC_TOP_PAD_", "12345")
+    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+    with _worker_environment(GPU_WORKER_MALLOC), LocalCluster(n_workers=1, threads_per_worker=1, processes=True,
+                                                              dashboard_address=None) as cluster, Client(cluster) as client:
+        (seen,) = client.run(lambda: {name: os.environ.get(name) for name in GPU_WORKER_MALLOC}).values()
+        (start,) = client.run(lambda: open("/proc/self/environ", "rb").read()).values()
+    assert seen == GPU_WORKER_MALLOC
+    for name, value in GPU_WORKER_MALLOC.items():  # in the environment the process started with
+        assert f"{name}={value}".encode() in start.split(b"\0")
+    assert os.environ["MALLOC_TOP_PAD_"] == "12345" and os.environ["MALLOC_TRIM_THRESHOLD_"] == "65536"
+    assert "MALLOC_ARENA_MAX" not in os.environ

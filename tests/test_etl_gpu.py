@@ -176,6 +176,17 @@ def test_cudf_on_a_local_cuda_cluster_equals_pandas(raw, pandas_run, tmp_path):
 
 
 @pytest.mark.gpu
+def test_local_cuda_cluster_workers_start_with_the_allocator_keeping_freed_memory():
+    from distributed import Client
+
+    from pipeline.etl.cluster import GPU_WORKER_MALLOC, _local_cluster
+
+    with _local_cluster(1, "cudf") as cluster, Client(cluster) as client:
+        (start,) = client.run(lambda: open("/proc/self/environ", "rb").read()).values()
+    assert {f"{k}={v}".encode() for k, v in GPU_WORKER_MALLOC.items()} <= set(start.split(b"\0"))
+
+
+@pytest.mark.gpu
 def test_hash_bucket_on_cudf_equals_the_numpy_murmur_path():
     import cudf
 
