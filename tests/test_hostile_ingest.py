@@ -391,3 +391,16 @@ def test_a_yes_no_column_given_as_continuous_is_told_where_it_belongs(tmp_path, 
                              "data.categorical=[c]"])
     with pytest.raises(BadInputError, match=r"'True' is not a number \(a yes / no column: name it in data.categorical"):
         data_stage.ensure_raw(cfg)
+
+
+@pytest.mark.parametrize("settings", [["data.path=events.parquet"], ["data.path=events.parquet", "data.label=clicked"],
+                                      ["data.categorical=[user]"], ["data.test_path=late.csv"]])
+def test_table_settings_without_a_table_source_are_one_clear_error(settings):
+    """`data.path=events.parquet data.label=clicked` without `data.source=table` trained on the built-in synthetic rows
+    and said nothing of the file it was given."""
+    from pipeline.stages.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"data.source=synthetic \(the default\) makes rows of its own: add "
+                                          r"data.source=table"):
+        load_config(None, settings)
+    assert load_config(None, ["data.source=table", "data.path=events.parquet", *settings]).data.source == "table"

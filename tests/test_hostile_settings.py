@@ -130,7 +130,7 @@ def test_every_numeric_setting_has_a_range(capsys, key, values):
 
 
 def test_string_settings_keep_the_text_as_written(capsys):
-    shown = _shown(capsys, "data.name=0123", "workdir=0x1F", "data.label=1e3", "data.categorical=0123,0x1F,true",
+    shown = _shown(capsys, "data.source=table", "data.path=t.csv", "data.name=0123", "workdir=0x1F", "data.label=1e3", "data.categorical=0123,0x1F,true",
                    "data.list_separator=;", "etl.scheduler=tcp://10.0.0.5:8786", "data.continuous=[07, 1_000]")
     assert shown["data"]["name"] == "0123"
     assert shown["workdir"] == "0x1F"
@@ -144,7 +144,8 @@ def test_string_settings_keep_the_text_as_written(capsys):
 
 def test_string_settings_keep_the_text_as_written_in_the_yaml_file(tmp_path):
     f = tmp_path / "s.yaml"
-    f.write_text("workdir: 0x1F\ndata:\n  name: 0123\n  label: 1_0\n  categorical: [0123, on, 1e3]\n"
+    f.write_text("workdir: 0x1F\ndata:\n  source: table\n  path: t.csv\n  name: 0123\n  label: 1_0\n"
+                 "  categorical: [0123, on, 1e3]\n"
                  "etl:\n  hash_buckets: {0123: 7}\n")
     cfg = load_config(f)
     assert (cfg.workdir, cfg.data.name, cfg.data.label) == ("0x1F", "0123", "1_0")

@@ -71,9 +71,17 @@ class DataConfig:
         if self.reader == "vectorized" and self.source == "synthetic":
             raise ValueError("data.reader=vectorized parses input text (data.source=criteo or table), and "
                              "data.source=synthetic reads none: set data.reader=auto")
+        if self.source == "synthetic":
+            given = [f"data.{name}" for name in ("path", "valid_path", "test_path", "continuous", "categorical",
+                                                 "multihot", "ignore", "time_column") if getattr(self, name)]
+            given += ["data.label"] if self.label != "label" else []
+            if given:
+                raise ValueError(f"{', '.join(given)}: read from the input of data.source=table (a CSV, TSV or "
+                                 "parquet table) or criteo, and data.source=synthetic (the default) makes rows of its "
+                                 "own: add data.source=table (or criteo)")
         if self.source != "synthetic" and not self.path:
             raise ValueError(f"data.path is required for data.source={self.source}")
-        if self.time_column and self.source != "table":
+        if self.time_column and self.source == "criteo":
             raise ValueError(f"data.time_column needs data.source=table (data.source={self.source} has no column "
                              "of its own to order rows by)")
         check_range("data.rows", self.rows, 1)
