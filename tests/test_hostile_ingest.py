@@ -404,3 +404,40 @@ def test_table_settings_without_a_table_source_are_one_clear_error(settings):
                                           r"data.source=table"):
         load_config(None, settings)
     assert load_config(None, ["data.source=table", "data.path=events.parquet", *settings]).data.source == "table"
+
+
+@pytest.mark.parametrize("reader", ["arrow", "vectorized"])
+@pytest.mark.parametrize("value", ["2024-03-01 12:30:00", "2024-03-01T12:30:00Z", "2024-03-01", "03/01/2024", "12:30"])
+def test_dates_in_a_continuous_column_are_told_where_they_belong(tmp_path, reader, value):
+    """A column of dates named continuous: every row was 'not a number', and the advice was to skip them all."""
+    (tmp_path / "events.csv").write_text("y,ts,c\n" + "".join(f"{i % 2},{value},u{i}\n" for i in range(40)))
+    cfg = load_config(None, [f"workdir={tmp_path / 'work'}", "data.source=table", "progress=off", f"data.reader={reader}",
+                             f"data.path={tmp_path / 'events.csv'}", "data.label=y", "data.continuous=[ts]",
+                             "data.categorical=[c]"])
+    with pytest.raises(BadInputError) as err:
+        data_stage.ensure_raw(cfg)
+    message = str(err.value)
+    assert "is not a number (a date or time: order the splits by it with data.time_column=ts, drop it with " \
+           "data.ignore=[ts]" in message
+    assert message.count("a date or time") == 1, "said once, not for every example"
+    assert "Every row read was malformed: check the column roles" in message and "on_bad_lines=skip" not in message
+
+
+def test_a_few_bad_rows_are_still_offered_the_skip():
+    from pipeline.data.readers import _failure_message
+
+    report = {"files": [{}], "bad_rows": 2, "rows_read": 100, "bad": {"not_a_number": 2},
+              "examples": [{"file": "a.csv", "line": 3, "reason": "x: 'q' is not a number", "excerpt": "1,q"}]}
+    assert "set data.on_bad_lines=skip" in _failure_message(report)
+
+
+def test_a_timestamp_parquet_column_named_continuous_is_told_where_it_belongs(tmp_path):
+    pq.write_table(pa.table({"y": [0, 1], "ts": pa.array([1, 2], pa.timestamp("us")), "c": ["a", "b"]}),
+                   tmp_path / "events.parquet")
+    cfg = load_config(None, [f"workdir={tmp_path / 'work'}", "data.source=table", "progress=off",
+                             f"data.path={tmp_path / 'events.parquet'}", "data.label=y", "data.continuous=[ts]",
+                             "data.categorical=[c]"])
+    with pytest.raises(BadInputError, match=r"column 'ts' \(data.continuous\) should be a numeric column, found "
+                                            r"timestamp\[us\] \(a date or time: order the splits by it with "
+                                            r"data.time_column=ts"):
+        data_stage.ensure_raw(cfg)

@@ -83,6 +83,7 @@ from pipeline.data.text_format import (
     FileReport,
     carriage_return_reason,
     cells_holding,
+    date_or_time_advice,
     field_count_reason,
     too_long,
     utf8_reason,
@@ -1042,7 +1043,14 @@ def _check_parquet_type(path: Path, name: str, kind: str, t: pa.DataType) -> Non
             _is_text(t.value_type) or pa.types.is_integer(t.value_type)))
         expected = "a list of strings or integers (or text to split on data.list_separator)"
     if not ok and not (pa.types.is_null(t) and kind not in ("label", "time")):  # a column of no value (pandas')
-        raise BadInputError(f"{path}: column {name!r} ({kind}) should be {expected}, found {t}")
+        dated = pa.types.is_temporal(t) and kind in ("label", "float")
+        raise BadInputError(f"{path}: column {name!r} ({_ROLE_SETTINGS[kind]}) should be {expected}, found {t}"
+                            + (f" ({date_or_time_advice(name)})" if dated else ""))
+
+
+_ROLE_SETTINGS = {"label": "data.label", "float": "data.continuous", "string": "data.categorical",
+                  "list": "data.multihot", "time": "data.time_column"}
+"""The setting that gave a column each kind of the readers."""
 
 
 # ----------------------------------------------------------------------------------------- inputs
@@ -1133,8 +1141,20 @@ def _failure_message(report: dict) -> str:
     if damaged:
         return damaged[0] + (f" ({len(damaged) - 1} more damaged file(s) in ingest_report.json)"
                              if len(damaged) > 1 else "")
-    first = "; ".join(f"{Path(e['file']).name} line {e['line']}: {e['reason']} ({e['excerpt'][:60]!r})"
-                      for e in report["examples"][:3])
+    shown, advice_given = [], set()
+    for e in report["examples"][:3]:
+        reason = e["reason"]
+        advice = re.search(r" \((.*)\)$", reason)
+        if advice and advice.group(1) in advice_given:  # said once is enough
+            reason = reason[:advice.start()]
+        elif advice:
+            advice_given.add(advice.group(1))
+        shown.append(f"{Path(e['file']).name} line {e['line']}: {reason} ({e['excerpt'][:60]!r})")
+    first = "; ".join(shown)
+    if report["bad_rows"] and report["bad_rows"] >= report["rows_read"]:  # no row of it is well formed: skipping would keep nothing
+        advice = ("Every row read was malformed: check the column roles (data.label, data.continuous, "
+                  "data.categorical, data.multihot) and data.list_separator against the input")
+    else:
+        advice = "Fix the input or set data.on_bad_lines=skip to drop and count them"
     return (f"malformed input rows ({report['bad_rows']} found before stopping: {report['bad']}): {first}. "
-            "Fix the input or set data.on_bad_lines=skip to drop and count them; "
-            "details in ingest_report.json")
+            f"{advice}; details in ingest_report.json")

@@ -94,7 +94,22 @@ def value_problem(name: str, kind: str, value: str) -> tuple[str, str]:
     if kind in ("int", "float") and value.strip().lower() in ("true", "false", "yes", "no"):
         return "not_a_number", (f"{name}: {value!r} is not a number (a yes / no column: name it in data.categorical, "
                                 "or write it as 1 / 0)")
+    if kind in ("int", "float") and re.fullmatch(DATE_OR_TIME_PATTERN, value.strip()):
+        return "not_a_number", f"{name}: {shown!r} is not a number ({date_or_time_advice(name)})"
     return "not_a_number", f"{name}: {value!r} is not {'an integer' if kind == 'int' else 'a number'}"
+
+
+DATE_OR_TIME_PATTERN = (r"[0-9]{4}-[0-9]{1,2}-[0-9]{1,2}([ T][0-9]{1,2}:[0-9]{2}(:[0-9]{2}([.,][0-9]+)?)?)?"
+                        r"( ?(Z|UTC|[+-][0-9]{2}:?[0-9]{2}))?"
+                        r"|[0-9]{1,2}[/.][0-9]{1,2}[/.][0-9]{2,4}( [0-9]{1,2}:[0-9]{2}(:[0-9]{2})?( ?[AaPp][Mm])?)?"
+                        r"|[0-9]{1,2}:[0-9]{2}(:[0-9]{2}([.,][0-9]+)?)?( ?[AaPp][Mm])?")
+"""A date, a date and time or a time of day as tables write them (ISO 8601, 12/31/2024, 31.12.2024, 23:59)."""
+
+
+def date_or_time_advice(name: str) -> str:
+    """What to do with a column of dates or times named as a number (a continuous feature or the label)."""
+    return (f"a date or time: order the splits by it with data.time_column={name}, drop it with data.ignore=[{name}], "
+            "or write it as numbers, such as epoch seconds")
 
 
 def is_infinite(value: str) -> bool:
