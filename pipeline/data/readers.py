@@ -74,6 +74,7 @@ import pyarrow.parquet as pq
 
 from pipeline.data import raw_folder, vectorized_text
 from pipeline.data.config import DataConfig
+from pipeline.data.role_hint import role_hint
 from pipeline.data.text_format import (
     CRITEO_CATEGORICAL,
     CRITEO_CONTINUOUS,
@@ -159,7 +160,8 @@ def table_roles(d: DataConfig) -> Roles:
     roles = Roles(d.label, list(d.continuous), list(d.categorical), list(d.multihot), list(d.ignore), d.time_column)
     if not (roles.continuous or roles.categorical or roles.multihot):
         raise BadInputError("data.source=table needs column roles: set data.continuous, data.categorical "
-                            "and/or data.multihot (and data.label), e.g. data.categorical=user,item")
+                            "and/or data.multihot (and data.label); "
+                            + (table_role_hint(d) or "e.g. data.categorical=[user,item] data.continuous=[price]"))
     if roles.label != raw_folder.LABEL and raw_folder.LABEL in roles.columns:
         raise BadInputError(f"the raw layout names the label column {raw_folder.LABEL!r}; a feature of that name "
                             f"clashes with data.label={roles.label!r}: rename it in the input")
@@ -174,6 +176,15 @@ def table_roles(d: DataConfig) -> Roles:
         what = "the label" if roles.time == roles.label else "a column data.ignore drops"
         raise BadInputError(f"data.time_column={roles.time!r} names {what}: name the column that holds the rows' times")
     return roles
+
+
+def table_role_hint(d: DataConfig) -> str:
+    """Roles to propose from the first input file (:func:`pipeline.data.role_hint.role_hint`), or ``""``."""
+    try:
+        paths = [p for p, _ in input_files(d)]
+    except BadInputError:
+        return ""
+    return role_hint(paths, d.label, d.list_separator)
 
 
 # ----------------------------------------------------------------------------------------- readers

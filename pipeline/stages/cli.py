@@ -177,9 +177,13 @@ def run_stages(names: list[str], cfg: config_mod.PipelineConfig) -> dict[str, di
     from pipeline.device import resolve_device
 
     if "train" in names[1:] and cfg.data.source == "table" and not (cfg.data.categorical or cfg.data.multihot):
+        # before the stages that would come first
+        from pipeline.data.readers import table_role_hint, table_roles
         from pipeline.modules.models import NO_SPARSE_FEATURE
 
-        raise BadInputError(f"the table's roles name {NO_SPARSE_FEATURE}")  # before the stages that would come first
+        table_roles(cfg.data)  # no roles at all: the error that asks for them
+        hint = table_role_hint(cfg.data)
+        raise BadInputError(f"the table's roles name {NO_SPARSE_FEATURE}" + (f"; {hint}" if hint else ""))
     device = resolve_device(cfg.device)
     print(f"[pipeline] device: {device.kind} ({device.reason})", flush=True)
     results: dict[str, dict] = {}
