@@ -244,36 +244,26 @@ __device__ __forceinline__ void sparse_update_runs(
     const int count = *seg_count;
     const unsigned int mask = group_mask(lanes);
     const long long grad_stride = output_offsets[num_slots];
-    if constexpr (PREFETCH) {
-        Segment<K> next = seg;
-        if (first + groups < count) next = segment_at<K>((int)(first + groups), seg_begin, seg_key, seg_bag, seg_split);
-        for (long long i = first; i < count; i += groups) {
-            Segment<K> after = next;
-            if (i + 2 * groups < count)
-                after = segment_at<K>((int)(i + 2 * groups), seg_begin, seg_key, seg_bag, seg_split);
-            if (i + groups < count)
-                prefetch_segment<W, K, OPT>(next, weights, master, state1, state2, offsets, slot_weight_offsets,
-                                            slot_row_offsets, output_offsets, slot_mean, grad, grad_stride, batch_size,
-                                            lane, lanes);
-            update_segment<W, K, OPT, CHUNKS>(seg, weights, master, state1, state2, sorted_bags, offsets,
-                                              slot_weight_offsets, slot_row_offsets, output_offsets, slot_mean, grad,
-                                              partials, grad_stride, batch_size, lane, lanes, mask, weights_aligned,
-                                              grad_aligned, lr, eps, beta1, beta2, bias1, bias2, weight_decay,
-                                              stochastic, seed);
-            seg = next;
-            next = after;
-        }
-    } else {
-        for (long long i = first; i < count; i += groups) {
-            Segment<K> next = seg;
-            if (i + groups < count) next = segment_at<K>((int)(i + groups), seg_begin, seg_key, seg_bag, seg_split);
-            update_segment<W, K, OPT, CHUNKS>(seg, weights, master, state1, state2, sorted_bags, offsets,
-                                              slot_weight_offsets, slot_row_offsets, output_offsets, slot_mean, grad,
-                                              partials, grad_stride, batch_size, lane, lanes, mask, weights_aligned,
-                                              grad_aligned, lr, eps, beta1, beta2, bias1, bias2, weight_decay,
-                                              stochastic, seed);
-            seg = next;
-        }
+    // The record loaded at the top of an iteration is `ahead` groups on: the next segment's, or (PREFETCH) the
+    // one after it, the next one's having come in the iteration before, in time for its prefetch.
+    const long long ahead = PREFETCH ? 2 * groups : groups;
+    Segment<K> next = seg;
+    if (PREFETCH && first + groups < count)
+        next = segment_at<K>((int)(first + groups), seg_begin, seg_key, seg_bag, seg_split);
+    for (long long i = first; i < count; i += groups) {
+        Segment<K> loaded = seg;
+        if (i + ahead < count) loaded = segment_at<K>((int)(i + ahead), seg_begin, seg_key, seg_bag, seg_split);
+        if (PREFETCH && i + groups < count)
+            prefetch_segment<W, K, OPT>(next, weights, master, state1, state2, offsets, slot_weight_offsets,
+                                        slot_row_offsets, output_offsets, slot_mean, grad, grad_stride, batch_size,
+                                        lane, lanes);
+        update_segment<W, K, OPT, CHUNKS>(seg, weights, master, state1, state2, sorted_bags, offsets,
+                                          slot_weight_offsets, slot_row_offsets, output_offsets, slot_mean, grad,
+                                          partials, grad_stride, batch_size, lane, lanes, mask, weights_aligned,
+                                          grad_aligned, lr, eps, beta1, beta2, bias1, bias2, weight_decay, stochastic,
+                                          seed);
+        seg = PREFETCH ? next : loaded;
+        next = loaded;
     }
 }
 
@@ -323,54 +313,30 @@ SPARSE_UPDATE_RUNS_UNCAPPED(adam, OPT_ADAM)
 // block a multiprocessor more than the uncapped kernel gets for fp32 rows with SGD or Adagrad (dim 128:
 // 64 registers instead of 71, 32 warps resident instead of 24), fp32 Adam rows of two vectors a lane
 // and 16-bit SGD rows of one; the others keep as many blocks resident as uncapped.
-#define CAPPED(OPTNAME, OPT, WNAME, W, CHUNKS, MIN_BLOCKS)                                              \
-    SPARSE_UPDATE_RUNS_KEYS(sparse_update_runs_capped, OPTNAME, OPT, WNAME, W, CHUNKS, MIN_BLOCKS, false)
+// The prefetching kernels (PREFETCH) are capped the same way, the last column: one block fewer than the capped
+// kernels for 1-vector fp32 SGD and Adagrad rows and 16-bit SGD rows, whose record held ahead would spill there.
+#define CAPPED(OPTNAME, OPT, WNAME, W, CHUNKS, MIN_BLOCKS, PREFETCH_MIN_BLOCKS)                         \
+    SPARSE_UPDATE_RUNS_KEYS(sparse_update_runs_capped, OPTNAME, OPT, WNAME, W, CHUNKS, MIN_BLOCKS, false) \
+    SPARSE_UPDATE_RUNS_KEYS(sparse_update_runs_prefetch, OPTNAME, OPT, WNAME, W, CHUNKS, PREFETCH_MIN_BLOCKS, true)
 
-CAPPED(sgd, OPT_SGD, f32, float, 1, 4)
-CAPPED(sgd, OPT_SGD, f32, float, 2, 3)
-CAPPED(sgd, OPT_SGD, f32, float, 4, 2)
-CAPPED(sgd, OPT_SGD, f16, f16, 1, 3)
-CAPPED(sgd, OPT_SGD, f16, f16, 2, 2)
-CAPPED(sgd, OPT_SGD, bf16, bf16, 1, 3)
-CAPPED(sgd, OPT_SGD, bf16, bf16, 2, 2)
-CAPPED(adagrad, OPT_ADAGRAD, f32, float, 1, 4)
-CAPPED(adagrad, OPT_ADAGRAD, f32, float, 2, 3)
-CAPPED(adagrad, OPT_ADAGRAD, f32, float, 4, 2)
-CAPPED(adagrad, OPT_ADAGRAD, f16, f16, 1, 2)
-CAPPED(adagrad, OPT_ADAGRAD, f16, f16, 2, 2)
-CAPPED(adagrad, OPT_ADAGRAD, bf16, bf16, 1, 2)
-CAPPED(adagrad, OPT_ADAGRAD, bf16, bf16, 2, 2)
-CAPPED(adam, OPT_ADAM, f32, float, 1, 3)
-CAPPED(adam, OPT_ADAM, f32, float, 2, 2)
-CAPPED(adam, OPT_ADAM, f32, float, 4, 1)
-CAPPED(adam, OPT_ADAM, f16, f16, 1, 2)
-CAPPED(adam, OPT_ADAM, f16, f16, 2, 1)
-CAPPED(adam, OPT_ADAM, bf16, bf16, 1, 2)
-CAPPED(adam, OPT_ADAM, bf16, bf16, 2, 1)
-
-// The prefetching kernels (PREFETCH), capped the same way: as the capped ones, but one block fewer for the
-// 1-vector fp32 SGD and Adagrad rows and 16-bit SGD rows, whose record held ahead would spill at their cap.
-#define PREFETCHING(OPTNAME, OPT, WNAME, W, CHUNKS, MIN_BLOCKS)                                         \
-    SPARSE_UPDATE_RUNS_KEYS(sparse_update_runs_prefetch, OPTNAME, OPT, WNAME, W, CHUNKS, MIN_BLOCKS, true)
-
-PREFETCHING(sgd, OPT_SGD, f32, float, 1, 3)
-PREFETCHING(sgd, OPT_SGD, f32, float, 2, 3)
-PREFETCHING(sgd, OPT_SGD, f32, float, 4, 2)
-PREFETCHING(sgd, OPT_SGD, f16, f16, 1, 2)
-PREFETCHING(sgd, OPT_SGD, f16, f16, 2, 2)
-PREFETCHING(sgd, OPT_SGD, bf16, bf16, 1, 2)
-PREFETCHING(sgd, OPT_SGD, bf16, bf16, 2, 2)
-PREFETCHING(adagrad, OPT_ADAGRAD, f32, float, 1, 3)
-PREFETCHING(adagrad, OPT_ADAGRAD, f32, float, 2, 2)
-PREFETCHING(adagrad, OPT_ADAGRAD, f32, float, 4, 2)
-PREFETCHING(adagrad, OPT_ADAGRAD, f16, f16, 1, 2)
-PREFETCHING(adagrad, OPT_ADAGRAD, f16, f16, 2, 2)
-PREFETCHING(adagrad, OPT_ADAGRAD, bf16, bf16, 1, 2)
-PREFETCHING(adagrad, OPT_ADAGRAD, bf16, bf16, 2, 2)
-PREFETCHING(adam, OPT_ADAM, f32, float, 1, 3)
-PREFETCHING(adam, OPT_ADAM, f32, float, 2, 2)
-PREFETCHING(adam, OPT_ADAM, f32, float, 4, 1)
-PREFETCHING(adam, OPT_ADAM, f16, f16, 1, 2)
-PREFETCHING(adam, OPT_ADAM, f16, f16, 2, 1)
-PREFETCHING(adam, OPT_ADAM, bf16, bf16, 1, 2)
-PREFETCHING(adam, OPT_ADAM, bf16, bf16, 2, 1)
+CAPPED(sgd, OPT_SGD, f32, float, 1, 4, 3)
+CAPPED(sgd, OPT_SGD, f32, float, 2, 3, 3)
+CAPPED(sgd, OPT_SGD, f32, float, 4, 2, 2)
+CAPPED(sgd, OPT_SGD, f16, f16, 1, 3, 2)
+CAPPED(sgd, OPT_SGD, f16, f16, 2, 2, 2)
+CAPPED(sgd, OPT_SGD, bf16, bf16, 1, 3, 2)
+CAPPED(sgd, OPT_SGD, bf16, bf16, 2, 2, 2)
+CAPPED(adagrad, OPT_ADAGRAD, f32, float, 1, 4, 3)
+CAPPED(adagrad, OPT_ADAGRAD, f32, float, 2, 3, 2)
+CAPPED(adagrad, OPT_ADAGRAD, f32, float, 4, 2, 2)
+CAPPED(adagrad, OPT_ADAGRAD, f16, f16, 1, 2, 2)
+CAPPED(adagrad, OPT_ADAGRAD, f16, f16, 2, 2, 2)
+CAPPED(adagrad, OPT_ADAGRAD, bf16, bf16, 1, 2, 2)
+CAPPED(adagrad, OPT_ADAGRAD, bf16, bf16, 2, 2, 2)
+CAPPED(adam, OPT_ADAM, f32, float, 1, 3, 3)
+CAPPED(adam, OPT_ADAM, f32, float, 2, 2, 2)
+CAPPED(adam, OPT_ADAM, f32, float, 4, 1, 1)
+CAPPED(adam, OPT_ADAM, f16, f16, 1, 2, 2)
+CAPPED(adam, OPT_ADAM, f16, f16, 2, 1, 1)
+CAPPED(adam, OPT_ADAM, bf16, bf16, 1, 2, 2)
+CAPPED(adam, OPT_ADAM, bf16, bf16, 2, 1, 1)
