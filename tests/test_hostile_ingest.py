@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -344,7 +345,6 @@ def test_a_folder_of_subfolders_names_them_and_the_glob_that_reads_them(tmp_path
 def test_the_index_pandas_writes_to_parquet_is_not_a_column_to_declare(tmp_path):
     """``df[mask].to_parquet()`` writes the frame's index as ``__index_level_0__``: it was refused as a column with
     no role."""
-    import pandas as pd
 
     frame = pd.DataFrame({"y": [0, 1, 0, 1, 1, 0] * 50, "x": range(300), "c": list("abcabc") * 50})
     frame[frame.x % 3 > 0].to_parquet(tmp_path / "filtered.parquet")
@@ -359,8 +359,6 @@ def test_the_index_pandas_writes_to_parquet_is_not_a_column_to_declare(tmp_path)
 def test_a_decimal_continuous_column_is_read_as_its_numbers_and_served_as_them(tmp_path):
     """Databases and Spark export prices as parquet decimals: they were refused as not numeric."""
     import decimal
-
-    import pandas as pd
 
     from export.repository import raw_columns
     from pipeline.data.raw_folder import RawDataset
@@ -441,3 +439,18 @@ def test_a_timestamp_parquet_column_named_continuous_is_told_where_it_belongs(tm
                                             r"timestamp\[us\] \(a date or time: order the splits by it with "
                                             r"data.time_column=ts"):
         data_stage.ensure_raw(cfg)
+
+
+@pytest.mark.parametrize("reader, suffix", [("arrow", "csv"), ("vectorized", "csv"), ("arrow", "parquet")])
+def test_labels_of_minus_one_and_one_are_told_to_be_written_as_zero_and_one(tmp_path, reader, suffix):
+    """-1 / 1 labels (LibSVM's): the advice was to skip the malformed rows, which would have kept the positives
+    alone."""
+    frame = pd.DataFrame({"y": [-1, 1] * 20, "c": [f"u{i}" for i in range(40)]})
+    path = tmp_path / f"rows.{suffix}"
+    frame.to_csv(path, index=False) if suffix == "csv" else frame.to_parquet(path, index=False)
+    cfg = load_config(None, [f"workdir={tmp_path / 'work'}", "data.source=table", "progress=off", f"data.reader={reader}",
+                             f"data.path={path}", "data.label=y", "data.categorical=[c]"])
+    with pytest.raises(BadInputError) as err:
+        data_stage.ensure_raw(cfg)
+    assert "found '-1' (labels of -1 and 1: write the negatives as 0" in str(err.value)
+    assert "on_bad_lines=skip" not in str(err.value) and str(err.value).count("labels of -1") == 1

@@ -1165,6 +1165,8 @@ def _failure_message(report: dict) -> str:
     if report["bad_rows"] and report["bad_rows"] >= report["rows_read"]:  # no row of it is well formed: skipping would keep nothing
         advice = ("Every row read was malformed: check the column roles (data.label, data.continuous, "
                   "data.categorical, data.multihot) and data.list_separator against the input")
+    elif advice_given:  # a column written otherwise than read, not stray lines: skipping would bias what is kept
+        advice = "Fix the input as said"
     else:
         advice = "Fix the input or set data.on_bad_lines=skip to drop and count them"
     return (f"malformed input rows ({report['bad_rows']} found before stopping: {report['bad']}): {first}. "

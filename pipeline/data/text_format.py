@@ -83,6 +83,9 @@ def value_problem(name: str, kind: str, value: str) -> tuple[str, str]:
     """(kind of problem, reason) of a value of column ``name`` that does not fit its ``kind``."""
     shown = value if len(value) <= 40 else value[:37] + "..."
     if kind == "label":
+        if re.fullmatch(r"-1(\.0*)?", value.strip()):
+            return "bad_label", (f"{name}: expected 0 or 1, found {value!r} (labels of -1 and 1: write the negatives as "
+                                 "0; skipping them would leave the positives alone)")
         return "bad_label", f"{name}: expected 0 or 1, found {value!r}"
     if kind == "list":
         return "separator_in_item", (f"{name}: an item of {shown} holds data.list_separator, by which a served request "
