@@ -35,7 +35,8 @@ NUMBERS_BAD = ["abc", "1.2.3", "1e", "e5", "--1", "+-1", "1e+-5", " 1", "1 ", "0
 LABELS_KEPT = ["0", "1", "1.0", "0.", "1.000", "true", "FALSE", "True", "fAlSe"]
 LABELS_BAD = ["2", "", "01", "-0", " 1", "yes", "tru", "truee", "1e0", "falsee"]
 STRINGS = ["é", "a b", "NA", "", "x|y", "0x1", "\ufeff", "€😀", "1.5", " "]
-LISTS = ["a|b", "", "|", "a||b|", "é|€", "single", "||", "a b|c", "NA", "x|"]
+LISTS = ["a|b", "", "|", "a||b|", "é|€", "single", "||", "a b|c", "NA", "x|", "[a", "a]", "]", "a[b]", "[", " [a]"]
+LISTS_AS_TEXT = ["[]", "['a' 'b']", "[1|2]", "[[x]]"]  # lists written as their text: malformed
 QUOTED = [("user", '"a, b"'), ("user", '""'), ("city", '","'), ("note", '"n, 1"'), ("price", '"1.5"'),
           ("price", '"NA"'), ("score", '"oops"'), ("clicked", '"1"'), ("clicked", '"2"'), ("tags", '"x|y, z"'),
           ("user", '"é"'), ("price", '""')]
@@ -67,8 +68,9 @@ def _hostile_lines(delimiter: str) -> list[bytes]:
         add(_line(i, d, clicked=value))
     for k, value in enumerate(STRINGS):
         add(_line(i, d, **{("user", "city", "note")[k % 3]: value}))
-    for value in LISTS:
+    for value in LISTS + LISTS_AS_TEXT:
         add(_line(i, d, tags=value))
+    add(_line(i, d, tags='"[a, b]"'.replace(",", d)))  # quoted, as pandas writes a list's text
     for column, value in QUOTED:  # values wrapped whole in quotes, the delimiter inside some
         add(_line(i, d, **{column: value.replace(",", d)}))
     add(_line(i, d, price="x", score="y", clicked="7"))          # the label is checked first, then price
@@ -122,7 +124,8 @@ def test_values_and_malformed_lines_of_every_kind_give_the_arrow_paths_report(tm
     report = _assert_same(path, xp, monkeypatch, stop=stop)
     if not stop:
         assert set(report.bad) == {"wrong_field_count", "line_too_long", "carriage_return", "invalid_utf8",
-                                   "bad_label", "not_a_number", "out_of_range"}
+                                   "bad_label", "not_a_number", "out_of_range", "list_as_text"}
+        assert report.bad["list_as_text"] == len(LISTS_AS_TEXT) + 1
         assert report.bad["bad_label"] == len(LABELS_BAD) + 2
         assert report.bad["out_of_range"] == 4  # inf, -Infinity, 1e400, -1e309
         quoted_kept = len(QUOTED) - 2  # "oops" and "2" are malformed

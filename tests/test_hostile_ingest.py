@@ -454,3 +454,15 @@ def test_labels_of_minus_one_and_one_are_told_to_be_written_as_zero_and_one(tmp_
         data_stage.ensure_raw(cfg)
     assert "found '-1' (labels of -1 and 1: write the negatives as 0" in str(err.value)
     assert "on_bad_lines=skip" not in str(err.value) and str(err.value).count("labels of -1") == 1
+
+
+def test_a_list_column_pandas_wrote_to_a_csv_is_malformed_not_one_item_a_row(tmp_path):
+    """pandas writes a list cell as its text, "['drama', 'kids']": read as one item, every row's list was a value of its
+    own, and the model learned nothing from the column, without a word."""
+    pd.DataFrame({"y": [0, 1] * 10, "genres": [["drama", "kids"], ["action"]] * 10}).to_csv(tmp_path / "rows.csv",
+                                                                                           index=False)
+    cfg = load_config(None, [f"workdir={tmp_path / 'work'}", "data.source=table", "progress=off",
+                             f"data.path={tmp_path / 'rows.csv'}", "data.label=y", "data.multihot=[genres]"])
+    with pytest.raises(BadInputError, match=r"\{'list_as_text': 20\}.*genres: \"\['drama', 'kids'\]\" is a list "
+                                            r"written as its text \(as pandas writes a list to a CSV: join its items"):
+        data_stage.ensure_raw(cfg)

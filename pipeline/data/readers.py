@@ -79,6 +79,7 @@ from pipeline.data.text_format import (
     CRITEO_CATEGORICAL,
     CRITEO_CONTINUOUS,
     EXAMPLES,
+    LIST_TEXT_PATTERN,
     MAX_LINE_BYTES,
     MISSING_NUMBER_PATTERN,
     FileReport,
@@ -845,9 +846,10 @@ def _check_and_convert(table: pa.Table, lines: np.ndarray, kinds: dict[str, str]
         ok = _values_ok(column, kind, separator)
         if ok is None:
             continue
+        checked = "list_text" if kind == "list" and _is_text(column.type) else kind
         for i in np.flatnonzero(~ok & ~bad):
             value = column[int(i)].as_py()
-            what, reason = value_problem(name, kind, "" if value is None else str(value))
+            what, reason = value_problem(name, checked, "" if value is None else str(value))
             report.add_bad(int(lines[i]), what, reason, quote(int(i)))
         bad |= ~ok
     if time:
@@ -915,6 +917,8 @@ def _values_ok(column: pa.ChunkedArray, kind: str, separator: str) -> np.ndarray
             digits = digits.lstrip("-").lstrip("0")
             ok[i] = len(digits) <= _INT64_DIGITS and (int(digits or "0") <= (2**63 if negative else 2**63 - 1))
         return ok
+    elif kind == "list":
+        ok = pc.fill_null(pc.invert(pc.match_substring_regex(column, LIST_TEXT_PATTERN)), True)  # a missing list
     elif kind == "float":
         number = pc.and_(pc.match_substring_regex(column, _FLOAT_PATTERN), pc.not_equal(column, ""))
         values = pc.cast(pc.if_else(number, column, pa.scalar(None, column.type)), pa.float64())

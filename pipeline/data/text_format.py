@@ -87,6 +87,10 @@ def value_problem(name: str, kind: str, value: str) -> tuple[str, str]:
             return "bad_label", (f"{name}: expected 0 or 1, found {value!r} (labels of -1 and 1: write the negatives as "
                                  "0; skipping them would leave the positives alone)")
         return "bad_label", f"{name}: expected 0 or 1, found {value!r}"
+    if kind == "list_text":
+        return "list_as_text", (f"{name}: {shown!r} is a list written as its text (as pandas writes a list to a CSV: "
+                                "join its items with data.list_separator instead, or write the table as parquet, "
+                                "which keeps lists)")
     if kind == "list":
         return "separator_in_item", (f"{name}: an item of {shown} holds data.list_separator, by which a served request "
                                      "joins a cell's items (it would be served as two items)")
@@ -113,6 +117,11 @@ def date_or_time_advice(name: str) -> str:
     """What to do with a column of dates or times named as a number (a continuous feature or the label)."""
     return (f"a date or time: order the splits by it with data.time_column={name}, drop it with data.ignore=[{name}], "
             "or write it as numbers, such as epoch seconds")
+
+
+LIST_TEXT_PATTERN = r"(?s)^\[.*\]$"
+"""A multi-hot cell of text that is a list written as its text (``['a', 'b']``, ``[1, 2]``, ``[]``), not items joined by
+``data.list_separator``: read as one item, it would be a value of its own."""
 
 
 def is_infinite(value: str) -> bool:

@@ -54,12 +54,12 @@ from pipeline.data.time_split import FORMS, TIME_KEY, time_keys
 from pipeline.data.vectorized_values import to_host
 
 KINDS = ["wrong_field_count", "line_too_long", "carriage_return", "invalid_utf8", "bad_label", "not_a_number",
-         "out_of_range", "bad_time"]
+         "out_of_range", "list_as_text", "bad_time"]
 # A malformed line's first problem, numbered in the order the Arrow path looks (0: none). The problem
 # VALUE + k is the layout's k-th checked column (TextLayout.checked); the one after them, a time that is not one.
 EMPTY, LONG, CARRIAGE, UTF8, FIELD_COUNT, VALUE = 1, 2, 3, 4, 5, 6
-NL, CR, QUOTE = 10, 13, 34
-CHECKED = ("label", "int", "float")
+NL, CR, QUOTE, OPEN, CLOSE = 10, 13, 34, 91, 93
+CHECKED = ("label", "int", "float", "list")
 _LONE_CR = re.compile(rb"\r(?!\n)")
 
 
@@ -87,7 +87,8 @@ class TextLayout:
         """The kind (an index of :data:`KINDS`) of each problem number."""
         return [-1] + [KINDS.index(kind) for kind in (
             "wrong_field_count", "line_too_long", "carriage_return", "invalid_utf8", "wrong_field_count",
-            *("bad_label" if kind == "label" else "not_a_number" for _, kind in self.checked), "bad_time")]
+            *({"label": "bad_label", "list": "list_as_text"}.get(kind, "not_a_number") for _, kind in self.checked),
+            "bad_time")]
 
 
 def text_layout(fields: list[str], kinds: dict[str, str], delimiter: str, quoting: bool = False, separator: str = "|",
@@ -227,6 +228,9 @@ def _values(xp: ModuleType, layout: TextLayout, data, host: np.ndarray, field_st
         elif kind == "int":
             value, written, in_range = values.integers(xp, data, starts, ends)
             read = (value, ends > starts, written & in_range, written & ~in_range)
+        elif kind == "list":  # fits unless a list written as its text (text_format.LIST_TEXT_PATTERN)
+            written = _list_as_text(xp, data, starts, ends)
+            read = (written, ~written, ~written, xp.zeros(written.size, bool))
         else:
             read = values.numbers(xp, data, host, starts, ends)
         value, present, ok, out = (a.reshape(shape) for a in read)
@@ -234,6 +238,13 @@ def _values(xp: ModuleType, layout: TextLayout, data, host: np.ndarray, field_st
             columns[name], fits[name], beyond[name] = (value[j], present[j]), ok[j], out[j]
     order = [name for name, _ in layout.checked]
     return columns, [fits[n] for n in order], [beyond[n] for n in order]
+
+
+def _list_as_text(xp: ModuleType, data, starts, ends):
+    """Which fields ``[starts, ends)`` are a list written as its text: ``[`` first and ``]`` last."""
+    last = data.size - 1
+    return ((ends - starts >= 2) & (data[xp.minimum(starts, last)] == OPEN)
+            & (data[xp.clip(ends - 1, 0, last)] == CLOSE))
 
 
 def _lines_not_utf8(xp: ModuleType, data, ends):
@@ -414,4 +425,4 @@ def _reason(layout: TextLayout, problem: int, line: bytes) -> tuple[str, bytes]:
         return (f"{layout.time}: the time is missing" if value == "" else f"{layout.time}: {value[:40]!r} is not a "
                 "time (an integer, or an ISO 8601 date or date and time)"), line
     name, kind = layout.checked[problem - VALUE]
-    return value_problem(name, kind, values[layout.fields.index(name)])[1], line
+    return value_problem(name, "list_text" if kind == "list" else kind, values[layout.fields.index(name)])[1], line
