@@ -327,3 +327,21 @@ def test_values_a_served_request_cannot_carry_are_named_when_the_etl_is_fitted(t
                            "data.categorical=[c]"]))
     said = capsys.readouterr().out
     assert "[etl] note: column c: 2 of its values end in a zero byte" in said and "'a\\x00'" in said
+
+
+def test_features_the_training_rows_tell_nothing_of_are_named(tmp_path, capsys):
+    """A column an export left empty, or one holding a single value, went through every stage without a word."""
+    rng = np.random.default_rng(0)
+    n = 400
+    pd.DataFrame({"x": rng.normal(size=n), "flat": np.full(n, 3.5), "gone": np.full(n, np.nan),
+                  "c": [f"u{i % 9}" for i in range(n)], "empty": pd.Series([None] * n, dtype=object),
+                  "y": rng.integers(0, 2, n)}).to_parquet(tmp_path / "t.parquet")
+    common = [f"workdir={tmp_path / 'work'}", "device=cpu", "progress=off", "data.source=table",
+              f"data.path={tmp_path / 't.parquet'}", "data.label=y", "data.categorical=[c,empty]"]
+    run(load_config(None, [*common, "data.continuous=[x,flat,gone]"]))
+    said = capsys.readouterr().out
+    assert "[etl] note: empty kept no value in the training rows" in said
+    assert "flat, gone held one value or none in the training rows: the model sees 0 for it" in said
+    run(load_config(None, [*common, "data.continuous=[x]", "data.categorical=[c]", "data.ignore=[flat,gone,empty]",
+                           "data.rebuild=true"]))
+    assert "note:" not in capsys.readouterr().out

@@ -23,7 +23,7 @@ from typing import Any
 from pipeline.etl.cluster import etl_client
 from pipeline.etl.defaults import default_workflow, roles_of
 from pipeline.etl.frame_library import choose_frame_library, read_parquet
-from pipeline.etl.ops import Categorify
+from pipeline.etl.ops import Categorify, Normalize
 from pipeline.etl.output import SPLITS, write_outputs
 from pipeline.etl.raw_check import check_labels, check_raw_files
 from pipeline.etl.workflow import Workflow
@@ -57,6 +57,7 @@ def _run(cfg: PipelineConfig, raw: Any, library: str, start: float) -> dict:
         workflow.fit(read_parquet(raw.splits["train"], workflow.input_columns, library), progress=cfg.progress)
         timings["fit_s"] = round(time.perf_counter() - t, 2)
         _note_unservable_values(workflow)
+        _note_uninformative_features(workflow)
         t = time.perf_counter()
         rows, schema = write_outputs(workflow, raw.splits, roles, cfg.etl, cfg.paths.processed, cfg.paths.workflow,
                                      cfg.paths.schema, library, progress=cfg.progress)
@@ -86,3 +87,25 @@ def _note_unservable_values(workflow: Workflow) -> None:
                 print(f"[etl] note: column {name}: {len(values)} of its values end in a zero byte ({shown}), which a "
                       "served request cannot carry (requests holding one are refused): strip the zero bytes in the "
                       "input if they are padding", flush=True)
+
+
+def _note_uninformative_features(workflow: Workflow) -> None:
+    """Name the features whose training rows tell the model nothing, so that a column read wrong or left empty by
+    an export is seen before training on it: a categorical one with no value in its vocabulary (each row missing, or
+    every value rarer than ``etl.freq_threshold``: only its being missing is left), a continuous one holding one value
+    or none (the model sees 0 for it)."""
+    empty, constant = [], []
+    for op, _ in workflow.operators():
+        if isinstance(op, Categorify):
+            empty += [name for name, vocabulary in op.vocabularies.items() if len(vocabulary) == 0]
+        elif isinstance(op, Normalize):
+            constant += [name for name in op.stds if op.divisor(name) == float("inf")]
+    said = []
+    if empty:
+        said.append(f"{', '.join(empty)} kept no value in the training rows (each missing, or rarer than "
+                    "etl.freq_threshold): only whether it is missing is left")
+    if constant:
+        said.append(f"{', '.join(constant)} held one value or none in the training rows: the model sees 0 for it")
+    if said:
+        print(f"[etl] note: {'; '.join(said)}. A column that tells nothing can be dropped with data.ignore",
+              flush=True)
