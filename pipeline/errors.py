@@ -57,10 +57,11 @@ _ADVICE = {
 }
 
 
-def environment_problem(err: BaseException) -> str | None:
+def environment_problem(err: BaseException, where: str | None = None) -> str | None:
     """What the machine refused, for an error whose cause (or its cause...) is an operating system error a user
-    fixes outside the pipeline (a full or read-only disk, a permission, a folder where a file goes): the file,
-    what failed and what to do. None for any other error."""
+    fixes outside the pipeline (a full or read-only disk, a permission, a folder where a file goes): the file (or,
+    where the error names none, as Arrow's do not, ``where``), what failed and what to do. None for any other
+    error."""
     seen = set()
     while err is not None and id(err) not in seen:
         seen.add(id(err))
@@ -69,8 +70,8 @@ def environment_problem(err: BaseException) -> str | None:
             found = re.search(r"\[errno (\d+)\]", str(err))
             code = int(found.group(1)) if found else None
         if code in _ADVICE:
-            where = getattr(err, "filename", None)
+            named = getattr(err, "filename", None) or where
             what = err.strerror if getattr(err, "strerror", None) else str(err)
-            return f"{where + ': ' if where else ''}{what}: {_ADVICE[code]}"
+            return f"{named + ': ' if named else ''}{what}: {_ADVICE[code]}"
         err = err.__cause__ or err.__context__
     return None

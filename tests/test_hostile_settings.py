@@ -381,6 +381,9 @@ def test_a_write_that_fails_on_a_full_disk_says_so_naming_the_file(tmp_path, mon
     except ValueError as chained:
         assert environment_problem(chained) == ("Error writing bytes to file. Detail: [errno 30] Read-only file "
                                                 "system: choose a writable workdir")
+        # the command line names the workdir where the error names no file
+        assert environment_problem(chained, where="writing under workdir=w").startswith(
+            "writing under workdir=w: Error writing bytes to file.")
     assert environment_problem(ValueError("no")) is None and environment_problem(OSError(errno.EINVAL, "x")) is None
 
 
@@ -416,3 +419,20 @@ def test_training_on_an_etl_output_of_changed_inputs_says_so(tmp_path, capsys):
     assert main(["run", "train", *args]) == 0
     said = capsys.readouterr().out
     assert "[train] note: the ETL output at" in said and "(changed: inputs)" in said and "data.rebuild=true" in said
+
+
+def test_a_full_disk_under_an_arrow_write_names_the_workdir(tmp_path, monkeypatch, capsys):
+    """Arrow's "No space left on device" names no file: the one error line said nothing of where the disk is full."""
+    import pyarrow.parquet as pq
+
+    from pipeline.stages.cli import main
+
+    def full(*args, **kwargs):
+        raise OSError("Error writing bytes to file. Detail: [errno 28] No space left on device")
+
+    monkeypatch.setattr(pq, "write_table", full)
+    monkeypatch.setattr(pq.ParquetWriter, "write_table", full)
+    assert main(["data", f"workdir={tmp_path / 'w'}", "data.rows=2000", "progress=off"]) == 2
+    expected = (f"error: writing under workdir={tmp_path / 'w'}: Error writing bytes to file. Detail: [errno 28] No "
+                "space left on device: free space on that disk, or choose another workdir")
+    assert capsys.readouterr().err.splitlines() == [expected]

@@ -205,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if hasattr(args, "overrides"):
         args.overrides = list(args.overrides or []) + extra
+    cfg = None
     try:
         if args.command == "settings":
             print(_settings_epilog())
@@ -237,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         from pipeline.errors import environment_problem
 
-        problem = environment_problem(err)
+        problem = environment_problem(err, where=f"writing under workdir={cfg.workdir}" if cfg else None)
         if problem:
             print(f"error: {problem}", file=sys.stderr)
             return 2
