@@ -7,7 +7,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.data.readers import FileReport, _line_blocks, _LongLine, _read_text, read_criteo, split_codes
+from pipeline.data.ingest import split_codes
+from pipeline.data.readers import FileReport, _line_blocks, _LongLine, _read_text, read_criteo
 from pipeline.data.text_format import MAX_LINE_BYTES
 from pipeline.errors import BadInputError
 from pipeline.stages.config import load_config

@@ -422,7 +422,7 @@ def test_dates_in_a_continuous_column_are_told_where_they_belong(tmp_path, reade
 
 
 def test_a_few_bad_rows_are_still_offered_the_skip():
-    from pipeline.data.readers import _failure_message
+    from pipeline.data.ingest import _failure_message
 
     report = {"files": [{}], "bad_rows": 2, "rows_read": 100, "bad": {"not_a_number": 2},
               "examples": [{"file": "a.csv", "line": 3, "reason": "x: 'q' is not a number", "excerpt": "1,q"}]}

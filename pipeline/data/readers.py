@@ -28,21 +28,7 @@ that is truncated or not of its format stops the ingest with one error naming it
 ``data.on_bad_lines`` says. ``data.on_bad_lines=error`` (the default) stops at the first block that
 has any and raises a :class:`~pipeline.errors.BadInputError` naming them; ``skip`` drops them.
 Either way they are counted, with examples, in ``ingest_report.json``.
-Several input files are read in parallel as Dask tasks, one per file.
-
-The label column is written as ``label`` whatever its input name. Rows go to train / valid /
-test by a hash of ``(seed, file, line)`` against ``data.valid_fraction`` and
-``data.test_fraction``, unless ``data.valid_path`` / ``data.test_path`` name their own files.
-
-With ``data.time_column`` (tables) the rows of ``data.path`` are split by time instead: test is
-the latest ``data.test_fraction`` of them, valid the ``data.valid_fraction`` just before, train the
-rest (a split pinned by its own path takes no rows of ``data.path``). A first pass reads only the
-time column of every file (in parallel) and finds the two cut times, exact order statistics of
-the values; the ingest pass then sends each row to the split of its time, and rows of the time at
-a cut all go to the later split. A time is an integer (epoch seconds, milliseconds: one unit for
-all rows) or ISO 8601 text (a date, or a date and time, without a zone read as UTC), or a parquet
-timestamp or date column; all rows hold integers or all hold dates. A missing or unreadable time
-makes the row malformed (``bad_time``). The time column is written only when it is also a feature.
+The ingest of a dataset's input files into the raw layout's splits is :mod:`pipeline.data.ingest`.
 
 Example::
 
@@ -57,12 +43,11 @@ import contextlib
 import csv
 import functools
 import glob
-import importlib
 import io
 import re
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
@@ -73,28 +58,22 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from pipeline.data import raw_folder, vectorized_text
+from pipeline.data.column_checks import check_and_convert, is_text
 from pipeline.data.config import DataConfig
 from pipeline.data.role_hint import role_hint
 from pipeline.data.text_format import (
     CRITEO_CATEGORICAL,
     CRITEO_CONTINUOUS,
-    EXAMPLES,
-    LIST_TEXT_PATTERN,
     MAX_LINE_BYTES,
-    MISSING_NUMBER_PATTERN,
     FileReport,
     carriage_return_reason,
-    cells_holding,
     date_or_time_advice,
     field_count_reason,
     too_long,
     utf8_reason,
-    value_problem,
 )
-from pipeline.data.time_split import FORMS, TIME_KEY, TimeCuts, time_keys
+from pipeline.data.time_split import TIME_KEY
 from pipeline.errors import BadInputError, UserError
-from pipeline.files import write_json
-from pipeline.progress import Progress
 
 READER_VERSION = 2
 
@@ -106,10 +85,6 @@ _BYTES_PER_ROW_GUESS = 200
 _BOM = b"\xef\xbb\xbf"
 _NL = re.compile(b"\n")
 _CR = re.compile(b"\r")
-_INT_PATTERN = r"^(-?[0-9]+)?$"  # empty is missing; the int64 range is checked apart
-_INT64_DIGITS = 19
-_FLOAT_PATTERN = r"^([+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?)?$"
-_LABEL_PATTERN = r"^([01](\.0*)?|(?i:true|false))$"  # a table's text labels: 0 / 1, or pandas' True / False
 
 
 @dataclass
@@ -230,7 +205,7 @@ def read_times(path: str | Path, roles: Roles, chunk_rows: int, list_separator: 
         for table, _ in _read_table(Path(path), roles, {roles.time: "time"}, chunk_rows, report, False,
                                     list_separator, xp):
             keys.append(table.column(TIME_KEY).to_numpy())
-    except _DamagedFile:
+    except DamagedFileError:
         pass  # the ingest pass reports it
     return (np.concatenate(keys) if keys else np.zeros(0, np.int64)), report
 
@@ -238,204 +213,12 @@ def read_times(path: str | Path, roles: Roles, chunk_rows: int, list_separator: 
 def _read_table(path: Path, roles: Roles, kinds: dict[str, str], chunk_rows: int, report: FileReport,
                 stop_on_bad: bool, list_separator: str, xp: ModuleType | None = None
                 ) -> Iterator[tuple[pa.Table, np.ndarray]]:
-    fmt = _table_format(path)
+    fmt = table_format(path)
     if fmt == "parquet":
         yield from _read_parquet(path, roles, kinds, chunk_rows, report, stop_on_bad, list_separator)
     else:
         yield from _read_text(path, None, kinds, _TEXT_SUFFIXES[fmt], True, True, chunk_rows, report, stop_on_bad,
                               list_separator, roles, xp)
-
-
-# ----------------------------------------------------------------------------------------- ingest
-
-
-def input_files(d: DataConfig) -> list[tuple[Path, str | None]]:
-    """Every input file with the split it is pinned to (``None``: split by the fractions). A file that
-    ``data.valid_path`` or ``data.test_path`` names is not read for ``data.path`` too, where its folder or glob holds
-    it (its rows would train the model they test)."""
-    pinned = [(p, split) for setting, split in (("valid_path", "valid"), ("test_path", "test"))
-              for p in (_expand(getattr(d, setting), f"data.{setting}") if getattr(d, setting) else [])]
-    taken = {p.resolve() for p, _ in pinned}
-    files = [(p, None) for p in _expand(d.path, "data.path") if p.resolve() not in taken] if d.path else []
-    if d.path and not files:
-        raise BadInputError(f"data.path={d.path} names only files that data.valid_path / data.test_path pin to their "
-                            "split: give data.path the training rows")
-    return files + pinned
-
-
-def reads_text(d: DataConfig) -> bool:
-    """Whether any input file is text (Criteo TSV, a CSV / TSV table): what :func:`ingest`'s ``array_module``
-    parses."""
-    return d.source == "criteo" or any(_table_format(p) != "parquet" for p, _ in input_files(d))
-
-
-def ingest_params(d: DataConfig) -> dict:
-    """The settings and input files (with sizes and times) that determine an ingest."""
-    return {
-        "reader_version": READER_VERSION,
-        "inputs": [{"path": str(p.resolve()), "split": s, "bytes": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns}
-                   for p, s in input_files(d)],
-        "valid_fraction": d.valid_fraction,
-        "test_fraction": d.test_fraction,
-        "on_bad_lines": d.on_bad_lines,
-        **({"roles": {"label": d.label, "continuous": d.continuous, "categorical": d.categorical,
-                      "multihot": d.multihot, "ignore": d.ignore}, "list_separator": d.list_separator}
-           if d.source == "table" else {}),
-        **({"time_column": d.time_column} if d.time_column else {}),
-    }
-
-
-def ingest(d: DataConfig, seed: int, root: Path, params: dict, progress: str | bool = "auto",
-           array_module: str | None = None) -> dict:
-    """Read every input file into ``root`` (the raw layout); write ``ingest_report.json`` and ``meta.json``.
-
-    ``array_module`` (``"numpy"`` or ``"cupy"``) parses text with array operations (:func:`read_criteo`'s and
-    :func:`read_table`'s ``xp``); None: with ``pyarrow.csv``. Returns the report. Raises :class:`BadInputError`
-    on malformed rows when ``on_bad_lines=error`` (after saving the report), and on missing, empty or mismatched
-    inputs.
-    """
-    files = input_files(d)
-    roles = criteo_roles() if d.source == "criteo" else table_roles(d)
-    pinned = {s for _, s in files if s}
-    rule = SplitRule(seed, 0.0 if "valid" in pinned else d.valid_fraction,
-                     0.0 if "test" in pinned else d.test_fraction)
-    if roles.time and (rule.valid_fraction or rule.test_fraction):
-        rule = replace(rule, cuts=_time_cuts([p for p, s in files if s is None], roles, d, rule, array_module))
-    jobs = [(i, path, split) for i, (path, split) in enumerate(files)]
-    args = (d, roles, rule, root, array_module)
-    raw_folder.clear(root)
-    if len(jobs) == 1:
-        results = [_ingest_file(*jobs[0], *args, progress=progress)]
-    else:
-        results = _ingest_in_parallel(jobs, args, progress)
-    if array_module:
-        vectorized_text.release_memory(importlib.import_module(array_module))
-    report = _combine(results, d)
-    write_json(root / raw_folder.INGEST_REPORT, report)
-    _print_report(report)
-    _refuse_no_rows(report, [p for p, _ in files], d)
-    if report["status"] == "failed":
-        for split in raw_folder.SPLITS:
-            for part in (root / split).glob("*.parquet"):
-                part.unlink()
-        raise BadInputError(_failure_message(report))
-    for split in raw_folder.SPLITS:
-        (root / split).mkdir(parents=True, exist_ok=True)
-        raw_folder.number_parts(root / split)
-    write_json(root / raw_folder.META, {
-        "version": raw_folder.RAW_VERSION,
-        "source": d.source,
-        "params": params,
-        "label": raw_folder.LABEL,
-        "continuous": roles.continuous,
-        "categorical": roles.categorical,
-        "multihot": roles.multihot,
-        "rows": report["rows_written"],
-        **({"time_column": roles.time, "time_cuts": rule.cuts.record() if rule.cuts else None} if roles.time else {}),
-    })
-    return report
-
-
-@dataclass(frozen=True)
-class SplitRule:
-    """Where a row of ``data.path`` goes: by time with ``cuts``, else by a hash of (seed, file, line)
-    against the fractions (:func:`split_codes`)."""
-
-    seed: int
-    valid_fraction: float
-    test_fraction: float
-    cuts: TimeCuts | None = None
-
-    def codes(self, table: pa.Table, lines: np.ndarray, file_index: int) -> np.ndarray:
-        """0 (train), 1 (valid) or 2 (test) for each row of ``table``."""
-        if self.cuts is not None:
-            return self.cuts.codes(table.column(TIME_KEY).to_numpy())
-        return split_codes(lines, file_index, self.seed, self.valid_fraction, self.test_fraction)
-
-
-def _time_cuts(paths: list[Path], roles: Roles, d: DataConfig, rule: SplitRule, array_module: str | None
-               ) -> TimeCuts:
-    """The first pass of a split by time: every file's time keys (in parallel), then the cuts."""
-    print(f"[data] reading the time column {roles.time!r} of {len(paths)} file(s) to split by time", flush=True)
-    xp = importlib.import_module(array_module) if array_module else None
-    if len(paths) == 1:
-        results = [read_times(paths[0], roles, d.chunk_rows, d.list_separator, xp)]
-    else:
-        import dask
-
-        results = list(dask.compute(*[dask.delayed(read_times, pure=False)(p, roles, d.chunk_rows, d.list_separator, xp)
-                                      for p in paths]))
-    forms = {}
-    for _, report in results:
-        for form, line in report.time_forms.items():
-            forms.setdefault(form, f"{report.file} line {line}")
-    if len(forms) > 1:
-        raise BadInputError(f"data.time_column={roles.time}: the column holds integers ({forms['integer']}) and "
-                            f"dates ({forms['date/time']}), which do not compare; give every time in one form")
-    keys = np.concatenate([k for k, _ in results]) if results else np.zeros(0, np.int64)
-    cuts = TimeCuts.of(keys, rule.valid_fraction, rule.test_fraction, roles.time, dated="date/time" in forms)
-    starts = ", ".join(f"{split} from {time}" for split, time in cuts.record().items() if time is not None)
-    print(f"[data] split by {roles.time}: {starts or 'every row in train'}", flush=True)
-    return cuts
-
-
-def _ingest_file(index: int, path: Path, pinned: str | None, d: DataConfig, roles: Roles, rule: SplitRule,
-                 root: Path, array_module: str | None, progress: str | bool = "off") -> dict:
-    report = FileReport(str(path))
-    writers = {s: raw_folder.PartWriter(root / s, d.chunk_rows, prefix=f"f{index:05d}") for s in raw_folder.SPLITS}
-    stop = d.on_bad_lines == "error"
-    xp = importlib.import_module(array_module) if array_module else None
-    if d.source == "criteo":
-        blocks = read_criteo(path, d.chunk_rows, report, stop, xp)
-    else:
-        blocks = read_table(path, roles, d.chunk_rows, report, stop, d.list_separator, xp)
-    with Progress(path.name, unit="row", mode=progress, scaled=True) as bar:
-        try:
-            for table, lines in blocks:
-                codes = None if pinned else rule.codes(table, lines, index)
-                table = table.select(roles.columns).rename_columns([raw_folder.LABEL if n == roles.label else n
-                                                                    for n in roles.columns])
-                if pinned:
-                    writers[pinned].write(table)
-                else:
-                    for code, split in enumerate(raw_folder.SPLITS):
-                        writers[split].write(table.filter(pa.array(codes == code)))
-                bar.update(table.num_rows)
-        except _DamagedFile as err:
-            report.error = str(err)
-    for w in writers.values():
-        w.close()
-    return {"report": report, "rows_written": {s: w.rows for s, w in writers.items()}}
-
-
-def _ingest_in_parallel(jobs: list, args: tuple, progress: str | bool) -> list[dict]:
-    import dask
-    from dask.callbacks import Callback
-
-    tasks = [dask.delayed(_ingest_file, pure=False)(*job, *args) for job in jobs]
-    with Progress("files", total=len(tasks), unit="file", mode=progress) as bar:
-
-        class _Tick(Callback):
-            def _posttask(self, key, result, dsk, state, worker_id):
-                bar.update(1)
-
-        with _Tick():
-            return list(dask.compute(*tasks))
-
-
-def split_codes(lines: np.ndarray, file_index: int, seed: int, valid_fraction: float, test_fraction: float
-                ) -> np.ndarray:
-    """0 (train), 1 (valid) or 2 (test) per row, from a hash of (seed, file, line): stable whatever the blocks."""
-    mask = (1 << 64) - 1
-    salt = (file_index * 0x9E3779B97F4A7C15) & mask ^ (seed * 0xD1B54A32D192ED03) & mask
-    x = np.asarray(lines, dtype=np.uint64) + np.uint64(salt)
-    x ^= x >> np.uint64(30)
-    x *= np.uint64(0xBF58476D1CE4E5B9)
-    x ^= x >> np.uint64(27)
-    x *= np.uint64(0x94D049BB133111EB)
-    x ^= x >> np.uint64(31)
-    u = (x >> np.uint64(11)).astype(np.float64) / float(1 << 53)
-    return np.where(u < test_fraction, 2, np.where(u < test_fraction + valid_fraction, 1, 0)).astype(np.int8)
 
 
 # ----------------------------------------------------------------------------------------- text
@@ -456,7 +239,7 @@ def _read_text(path: Path, names: list[str] | None, kinds: dict[str, str], delim
             try:
                 block = next(blocks, None)
             except (OSError, pa.ArrowInvalid) as err:
-                raise _DamagedFile(_damage_message(path, line - 1, err)) from err
+                raise DamagedFileError(_damage_message(path, line - 1, err)) from err
             if block is None:
                 break
             if isinstance(block, _LongLine):
@@ -495,7 +278,7 @@ def _read_text(path: Path, names: list[str] | None, kinds: dict[str, str], delim
                 table, lines, excerpt = _parse_block(block, line, names, kinds, delimiter, quoting, report)
                 count = len(excerpt.starts)
                 quote = functools.partial(_quote_line, excerpt, lines, line)
-                table, lines = _check_and_convert(table, lines, kinds, separator, report, quote,
+                table, lines = check_and_convert(table, lines, kinds, separator, report, quote,
                                                   roles.time if roles else "")
             else:
                 table, lines, count = parsed
@@ -521,7 +304,7 @@ class _LongLine:
     length: int
 
 
-class _DamagedFile(BadInputError):
+class DamagedFileError(BadInputError):
     """A compressed input that does not decompress to the end."""
 
 
@@ -831,174 +614,6 @@ def _kinds(roles: Roles, integer_continuous: bool) -> dict[str, str]:
     return kinds
 
 
-def _check_and_convert(table: pa.Table, lines: np.ndarray, kinds: dict[str, str], separator: str,
-                       report: FileReport, quote, time: str = "") -> tuple[pa.Table, np.ndarray]:
-    """Report rows whose values do not fit the column kinds, drop them, and type the rest.
-
-    ``quote(i)`` gives the text to show for row ``i`` in the report. With a ``time`` column, a row
-    without a usable time is bad too, and the rest get their time keys as column ``TIME_KEY``; a
-    column of kind ``time`` is not in the output.
-    """
-    table = pa.Table.from_arrays([_plain(c) for c in table.columns], names=table.column_names)
-    bad = np.zeros(table.num_rows, dtype=bool)
-    for name, kind in kinds.items():
-        column = table.column(name)
-        ok = _values_ok(column, kind, separator)
-        if ok is None:
-            continue
-        checked = "list_text" if kind == "list" and _is_text(column.type) else kind
-        for i in np.flatnonzero(~ok & ~bad):
-            value = column[int(i)].as_py()
-            what, reason = value_problem(name, checked, "" if value is None else str(value))
-            report.add_bad(int(lines[i]), what, reason, quote(int(i)))
-        bad |= ~ok
-    if time:
-        keys, ok, dated = time_keys(table.column(time))
-        for i in np.flatnonzero(~ok & ~bad):
-            value = table.column(time)[int(i)].as_py()
-            reason = (f"{time}: the time is missing" if value in (None, "") else
-                      f"{time}: {str(value)[:40]!r} is not a time (an integer, or an ISO 8601 date or date and time)")
-            report.add_bad(int(lines[i]), "bad_time", reason, quote(int(i)))
-        bad |= ~ok
-        for form, found in zip(FORMS, (~bad & ~dated, ~bad & dated)):
-            if found.any() and form not in report.time_forms:
-                report.time_forms[form] = int(lines[np.argmax(found)])
-    if bad.any():
-        table, lines = table.filter(pa.array(~bad)), lines[~bad]
-    names = [name for name, kind in kinds.items() if kind != "time"]
-    columns = [_convert(table.column(name), kinds[name], separator) for name in names]
-    if time:
-        columns.append(pa.array(keys[~bad]))
-        names.append(TIME_KEY)
-    return pa.Table.from_arrays(columns, names=names), lines
-
-
-def _plain(column: pa.ChunkedArray) -> pa.ChunkedArray:
-    """A column as the values it holds: a dictionary's values, a decimal's as float64 through its text, so each is
-    the nearest double, as the same digits read from a CSV (Arrow's cast scales in floating point: 3.03 became
-    3.0300000000000002)."""
-    if pa.types.is_dictionary(column.type):
-        column = pc.cast(column, column.type.value_type)
-    if pa.types.is_decimal(column.type):
-        column = pc.cast(pc.cast(column, pa.string()), pa.float64())
-    return column
-
-
-def _is_text(t: pa.DataType) -> bool:
-    return pa.types.is_string(t) or pa.types.is_large_string(t)
-
-
-def _values_ok(column: pa.ChunkedArray, kind: str, separator: str) -> np.ndarray | None:
-    """Which values fit ``kind`` (None: all do). Text is checked by pattern; typed labels by value; the items of
-    typed lists for ``separator``, by which a served request joins a cell's items (an item holding it would be
-    served as two)."""
-    if kind == "label" and not _is_text(column.type):
-        values = pc.cast(column, pa.float64()).to_numpy(zero_copy_only=False)
-        return (values == 0) | (values == 1)  # a null (NaN) label is bad too
-    if kind == "float" and pa.types.is_floating(column.type):
-        return ~pc.fill_null(pc.is_inf(column), False).to_numpy(zero_copy_only=False).astype(bool)
-    if kind in ("int", "float") and pa.types.is_uint64(column.type):  # the raw layout's integers are int64
-        return pc.fill_null(pc.less_equal(column, pa.scalar(2**63 - 1, pa.uint64())), True).to_numpy(
-            zero_copy_only=False).astype(bool)
-    if kind == "list" and (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)):
-        return _items_without(column, separator)
-    if not _is_text(column.type):
-        return None
-    if kind == "label":
-        ok = pc.match_substring_regex(column, _LABEL_PATTERN)
-    elif kind == "int":
-        ok = pc.fill_null(pc.match_substring_regex(column, _INT_PATTERN), False).to_numpy(zero_copy_only=False)
-        ok = ok.astype(bool)
-        long = np.flatnonzero(ok & (pc.fill_null(pc.utf8_length(column), 0).to_numpy(zero_copy_only=False)
-                                    >= _INT64_DIGITS))
-        for i in long:
-            digits = column[int(i)].as_py()
-            negative = digits.startswith("-")
-            digits = digits.lstrip("-").lstrip("0")
-            ok[i] = len(digits) <= _INT64_DIGITS and (int(digits or "0") <= (2**63 if negative else 2**63 - 1))
-        return ok
-    elif kind == "list":
-        ok = pc.fill_null(pc.invert(pc.match_substring_regex(column, LIST_TEXT_PATTERN)), True)  # a missing list
-    elif kind == "float":
-        number = pc.and_(pc.match_substring_regex(column, _FLOAT_PATTERN), pc.not_equal(column, ""))
-        values = pc.cast(pc.if_else(number, column, pa.scalar(None, column.type)), pa.float64())
-        ok = pc.and_(pc.or_(pc.match_substring_regex(column, _FLOAT_PATTERN),
-                            pc.match_substring_regex(column, MISSING_NUMBER_PATTERN)),
-                     pc.invert(pc.fill_null(pc.is_inf(values), False)))
-    else:
-        return None
-    return pc.fill_null(ok, False).to_numpy(zero_copy_only=False).astype(bool)
-
-
-def _items_without(lists: pa.ChunkedArray, separator: str) -> np.ndarray | None:
-    """Which list cells have no item holding ``separator`` (None: all)."""
-    holding = cells_holding(lists.combine_chunks() if isinstance(lists, pa.ChunkedArray) else lists, separator)
-    if not holding.size:
-        return None
-    ok = np.ones(len(lists), dtype=bool)
-    ok[holding] = False
-    return ok
-
-
-def _python_text(column: pa.ChunkedArray) -> pa.Array:
-    """Numbers and booleans of a categorical column as the text Python's ``str`` gives them, what a client sends for
-    them and what pandas writes to a CSV (a float id 3.0 is "3.0", True "True"); a NaN is missing."""
-    column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
-    if pa.types.is_boolean(column.type):
-        return pc.if_else(column, "True", "False")
-    if not pa.types.is_floating(column.type):
-        return pc.cast(column, pa.string())
-    values = pc.cast(column, pa.float64()).to_numpy(zero_copy_only=False)
-    # whole numbers below 1e16 are their integer and ".0" (-0.0 keeps its sign); the rest value by value
-    whole = (values == np.floor(values)) & (np.abs(values) < 1e15) & ~((values == 0) & np.signbit(values))
-    text = np.where(whole, np.char.add(np.where(whole, values, 0).astype(np.int64).astype(str), ".0"), None)
-    for i in np.flatnonzero(~whole & ~np.isnan(values)):
-        text[i] = str(float(values[i]))
-    return pa.array(text, pa.string())
-
-
-def _convert(column: pa.ChunkedArray, kind: str, separator: str) -> pa.ChunkedArray | pa.Array:
-    """Checked values to the raw layout's types (empty text is missing)."""
-    t = column.type
-    if kind == "label":
-        if _is_text(t):
-            lowered = pc.utf8_lower(column)
-            column = pc.if_else(pc.equal(lowered, "true"), "1", pc.if_else(pc.equal(lowered, "false"), "0", column))
-            column = pc.cast(column, pa.float64())
-        return pc.cast(column, pa.int8())
-    if _is_text(t):
-        missing = pc.equal(column, "")
-        if kind == "float":
-            missing = pc.or_(missing, pc.match_substring_regex(column, MISSING_NUMBER_PATTERN))
-        column = pc.if_else(missing, pa.scalar(None, t), column)
-        if kind == "int":
-            return pc.cast(column, pa.int64())
-        if kind == "float":
-            return pc.cast(column, pa.float64())
-        if kind == "list":
-            return _drop_empty_items(pc.split_pattern(column, separator))
-        return pc.cast(column, pa.string())
-    if kind in ("int", "float"):
-        if pa.types.is_floating(t):
-            column = pc.cast(column, pa.float64())
-            return pc.if_else(pc.is_nan(column), pa.scalar(None, pa.float64()), column)
-        return pc.cast(column, pa.int64())
-    if kind == "string":
-        return _python_text(column)
-    return _drop_empty_items(column)
-
-
-def _drop_empty_items(lists: pa.ChunkedArray | pa.Array) -> pa.Array:
-    lists = lists.combine_chunks() if isinstance(lists, pa.ChunkedArray) else lists
-    lists = pc.cast(lists, pa.list_(pa.string()))
-    flat = pc.list_flatten(lists)
-    parents = pc.list_parent_indices(lists).to_numpy()
-    keep = pc.not_equal(flat, "").to_numpy(zero_copy_only=False).astype(bool)
-    counts = np.bincount(parents[keep], minlength=len(lists))
-    offsets = pa.array(np.r_[0, np.cumsum(counts)].astype(np.int32))
-    return pa.ListArray.from_arrays(offsets, flat.filter(pa.array(keep)), mask=lists.is_null())
-
-
 # ----------------------------------------------------------------------------------------- parquet
 
 
@@ -1031,7 +646,7 @@ def _read_parquet(path: Path, roles: Roles, kinds: dict[str, str], chunk_rows: i
         def quote(i: int, table=table) -> str:
             return "row " + ", ".join(f"{n}={table.column(n)[i].as_py()!r}" for n in kinds)
 
-        table, lines = _check_and_convert(table, lines, kinds, separator, report, quote, roles.time)
+        table, lines = check_and_convert(table, lines, kinds, separator, report, quote, roles.time)
         if stop_on_bad and report.bad_rows:
             report.stopped_at_line = int(first - 1)
             return
@@ -1047,15 +662,15 @@ def _check_parquet_type(path: Path, name: str, kind: str, t: pa.DataType) -> Non
     if kind == "float" and pa.types.is_decimal(t):  # what databases and Spark export prices as
         return
     if kind in ("label", "float"):
-        ok, expected = numeric or _is_text(t), "a numeric column"
+        ok, expected = numeric or is_text(t), "a numeric column"
     elif kind == "string":
-        ok, expected = _is_text(t) or numeric, "a string, number or boolean column"
+        ok, expected = is_text(t) or numeric, "a string, number or boolean column"
     elif kind == "time":
-        ok = numeric or _is_text(t) or pa.types.is_timestamp(t) or pa.types.is_date(t)
+        ok = numeric or is_text(t) or pa.types.is_timestamp(t) or pa.types.is_date(t)
         expected = "integers, ISO 8601 text, timestamps or dates"
     else:
-        ok = _is_text(t) or ((pa.types.is_list(t) or pa.types.is_large_list(t)) and (
-            _is_text(t.value_type) or pa.types.is_integer(t.value_type)))
+        ok = is_text(t) or ((pa.types.is_list(t) or pa.types.is_large_list(t)) and (
+            is_text(t.value_type) or pa.types.is_integer(t.value_type)))
         expected = "a list of strings or integers (or text to split on data.list_separator)"
     if not ok and not (pa.types.is_null(t) and kind not in ("label", "time")):  # a column of no value (pandas')
         dated = pa.types.is_temporal(t) and kind in ("label", "float")
@@ -1069,6 +684,20 @@ _ROLE_SETTINGS = {"label": "data.label", "float": "data.continuous", "string": "
 
 
 # ----------------------------------------------------------------------------------------- inputs
+
+def input_files(d: DataConfig) -> list[tuple[Path, str | None]]:
+    """Every input file with the split it is pinned to (``None``: split by the fractions). A file that
+    ``data.valid_path`` or ``data.test_path`` names is not read for ``data.path`` too, where its folder or glob holds
+    it (its rows would train the model they test)."""
+    pinned = [(p, split) for setting, split in (("valid_path", "valid"), ("test_path", "test"))
+              for p in (_expand(getattr(d, setting), f"data.{setting}") if getattr(d, setting) else [])]
+    taken = {p.resolve() for p, _ in pinned}
+    files = [(p, None) for p in _expand(d.path, "data.path") if p.resolve() not in taken] if d.path else []
+    if d.path and not files:
+        raise BadInputError(f"data.path={d.path} names only files that data.valid_path / data.test_path pin to their "
+                            "split: give data.path the training rows")
+    return files + pinned
+
 
 
 def _expand(pattern: str, setting: str) -> list[Path]:
@@ -1091,7 +720,7 @@ def _expand(pattern: str, setting: str) -> list[Path]:
     return [path]
 
 
-def _table_format(path: Path) -> str:
+def table_format(path: Path) -> str:
     suffixes = [s.lower() for s in path.suffixes]
     if suffixes and suffixes[-1] in _COMPRESSION_SUFFIXES:
         suffixes = suffixes[:-1]
@@ -1102,76 +731,3 @@ def _table_format(path: Path) -> str:
         return last
     raise BadInputError(f"{path}: expected a .csv, .tsv, .tab, .txt or .parquet file (optionally .gz), "
                         f"found suffix {''.join(path.suffixes) or '(none)'}")
-
-
-# ----------------------------------------------------------------------------------------- report
-
-
-def _combine(results: list[dict], d: DataConfig) -> dict:
-    reports = [r["report"] for r in results]
-    bad: dict[str, int] = {}
-    for r in reports:
-        for kind, count in r.bad.items():
-            bad[kind] = bad.get(kind, 0) + count
-    failed = (d.on_bad_lines == "error" and any(r.bad_rows for r in reports)) or any(r.error for r in reports)
-    written = {s: sum(r["rows_written"][s] for r in results) for s in raw_folder.SPLITS}
-    return {
-        "status": "failed" if failed else "ok",
-        "on_bad_lines": d.on_bad_lines,
-        "rows_read": sum(r.rows_read for r in reports),
-        "rows_kept": sum(r.rows_kept for r in reports),
-        "bad_rows": sum(bad.values()),
-        "bad": bad,
-        "examples": [e for r in reports for e in sorted(r.examples, key=lambda e: e["line"])][:EXAMPLES],
-        "rows_written": {s: (0 if failed else n) for s, n in written.items()},
-        "files": [{"file": r.file, "rows_read": r.rows_read, "rows_kept": r.rows_kept, "bad": r.bad,
-                   "stopped_at_line": r.stopped_at_line, **({"error": r.error} if r.error else {})}
-                  for r in reports],
-    }
-
-
-def _refuse_no_rows(report: dict, paths: list[Path], d: DataConfig) -> None:
-    """A BadInputError when the input holds no row, or none that is not malformed. One empty file among others (a
-    part of an empty partition, as Spark and Dask write them) is no error."""
-    if report["rows_read"] == 0 and not any(f.get("error") for f in report["files"]):
-        what = f"rows of {'Criteo TSV' if d.source == 'criteo' else 'data'}"
-        if len(paths) == 1:
-            raise BadInputError(f"{paths[0]} is empty: expected {what}")
-        raise BadInputError(f"the {len(paths)} input files are all empty ({paths[0]}, ...): expected {what}")
-    if report["status"] == "ok" and report["rows_kept"] == 0:
-        raise BadInputError(f"every one of the {report['rows_read']} rows read is malformed ({report['bad']}; examples "
-                            "in ingest_report.json): fix the input, or check the column roles and data.list_separator")
-
-
-def _print_report(report: dict) -> None:
-    line = (f"[data] read {report['rows_read']} rows, kept {report['rows_kept']}, "
-            f"malformed {report['bad_rows']} {report['bad'] or ''}")
-    print(line.rstrip(), flush=True)
-    for e in report["examples"][:5]:
-        print(f"[data]   {e['file']}:{e['line']}: {e['reason']}: {e['excerpt']!r}", flush=True)
-
-
-def _failure_message(report: dict) -> str:
-    damaged = [f["error"] for f in report["files"] if f.get("error")]
-    if damaged:
-        return damaged[0] + (f" ({len(damaged) - 1} more damaged file(s) in ingest_report.json)"
-                             if len(damaged) > 1 else "")
-    shown, advice_given = [], set()
-    for e in report["examples"][:3]:
-        reason = e["reason"]
-        advice = re.search(r" \((.*)\)$", reason)
-        if advice and advice.group(1) in advice_given:  # said once is enough
-            reason = reason[:advice.start()]
-        elif advice:
-            advice_given.add(advice.group(1))
-        shown.append(f"{Path(e['file']).name} line {e['line']}: {reason} ({e['excerpt'][:60]!r})")
-    first = "; ".join(shown)
-    if report["bad_rows"] and report["bad_rows"] >= report["rows_read"]:  # no row of it is well formed: skipping would keep nothing
-        advice = ("Every row read was malformed: check the column roles (data.label, data.continuous, "
-                  "data.categorical, data.multihot) and data.list_separator against the input")
-    elif advice_given:  # a column written otherwise than read, not stray lines: skipping would bias what is kept
-        advice = "Fix the input as said"
-    else:
-        advice = "Fix the input or set data.on_bad_lines=skip to drop and count them"
-    return (f"malformed input rows ({report['bad_rows']} found before stopping: {report['bad']}): {first}. "
-            f"{advice}; details in ingest_report.json")

@@ -22,7 +22,7 @@ import os
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-from pipeline.data import raw_folder, readers, synthetic
+from pipeline.data import ingest, raw_folder, synthetic
 from pipeline.data.metrics import ClickMetrics
 from pipeline.data.raw_folder import RawDataset
 from pipeline.device import resolve_device
@@ -88,7 +88,7 @@ def raw_params(cfg: PipelineConfig) -> dict:
         params.update(generator_version=synthetic.GENERATOR_VERSION, rows=d.rows, size=d.size,
                       valid_fraction=d.valid_fraction, test_fraction=d.test_fraction)
     else:
-        params.update(readers.ingest_params(d))
+        params.update(ingest.ingest_params(d))
     return params
 
 
@@ -99,7 +99,7 @@ def text_array_module(cfg: PipelineConfig) -> str | None:
     d = cfg.data
     has_cupy = importlib.util.find_spec("cupy") is not None
     if (d.source == "synthetic" or d.reader == "arrow" or (d.reader == "auto" and not has_cupy)
-            or not readers.reads_text(d)):
+            or not ingest.reads_text(d)):
         return None
     cuda = resolve_device(cfg.device).is_cuda
     if d.reader == "vectorized" and cuda and not has_cupy:
@@ -164,7 +164,7 @@ def _ensure(cfg: PipelineConfig) -> tuple[RawDataset, bool]:
     if cfg.data.source == "synthetic":
         _generate(cfg, params)
     else:
-        readers.ingest(cfg.data, cfg.seed, root, params, progress=cfg.progress, array_module=text_array_module(cfg))
+        ingest.ingest(cfg.data, cfg.seed, root, params, progress=cfg.progress, array_module=text_array_module(cfg))
     return RawDataset.load(root), True
 
 

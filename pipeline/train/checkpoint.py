@@ -33,7 +33,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -52,9 +52,6 @@ from pipeline.distributed.world import World
 from pipeline.errors import UserError
 from pipeline.files import atomic_open, remove_tmp_files
 from pipeline.train.model import model_from_spec
-
-if TYPE_CHECKING:
-    from pipeline.train.loop import Trainer
 
 CHECKPOINT_VERSION = 1
 _NAME = re.compile(r"^step-(\d+)\.pt$")
@@ -82,6 +79,18 @@ class LoopState:
         """The early-stopping fields, as plain values."""
         return {"best_valid": self.best_valid, "best_step": self.best_step, "best_epoch": self.best_epoch,
                 "bad_epochs": self.bad_epochs, "stopped": self.stopped}
+
+
+class Trainer(Protocol):
+    """What a checkpoint saves of a training run and restores into it: :class:`pipeline.train.loop.Trainer`'s."""
+
+    model: nn.Module
+    optimizer: Any
+    loader: Any
+    state: LoopState
+    best_weights: dict[str, torch.Tensor] | None
+    device: torch.device
+    steps_per_epoch: int
 
 
 def checkpoints(folder: str | Path) -> list[Path]:
