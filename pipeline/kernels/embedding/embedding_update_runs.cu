@@ -36,9 +36,8 @@
 //      for the next one's row, state and first gradient row to be brought into the cache (prefetch.L1,
 //      which holds no register and waits for nothing), so that its loads find them there one segment
 //      later. A resident group otherwise has one row's bytes in flight at a time, fewer than the
-//      memory system needs in flight to run at its copy rate; loading the next row into registers
-//      instead (tried: four positions' loads issued together) cost so many registers that fewer groups
-//      stayed resident.
+//      memory system needs in flight to run at its copy rate; the next row loaded into registers instead
+//      would hold registers across the update, and fewer groups would stay resident.
 //
 // The sums are those of sparse_update: the same segments, their gradient rows added in position order
 // two at a time, one owner per row, no atomics (with two vectors a lane, a row's Adagrad sum of
