@@ -77,8 +77,9 @@ class NvccBuilds:
 
     def _compile(self, source: str, out: Path) -> subprocess.CompletedProcess:
         return subprocess.run(
+            # -split-compile=0: a source's kernels optimised on every core (the update kernels' source is the longest)
             [self.nvcc, "-arch=sm_90", "-std=c++17", "-I", str(self.kernel_dir), "-cubin", "-Werror", "all-warnings",
-             "--resource-usage", "--keep", "--keep-dir", str(out), "-o", str(out / "k.cubin"),
+             "--resource-usage", "-split-compile=0", "--keep", "--keep-dir", str(out), "-o", str(out / "k.cubin"),
              str(self.kernel_dir / source)], capture_output=True, text=True, timeout=900, check=False)
 
 
