@@ -173,7 +173,7 @@ UPDATE_SOURCES = ("embedding/embedding_forward.cu", "embedding/embedding_backwar
 
 
 @pytest.mark.parametrize("update_kernel", ["position", "segments", "segments_looped", "segments_looped_capped",
-                                           "segments_looped_capped_2vec", "segments_looped_capped_prefetch"])
+                                           "segments_looped_capped_2vec"])
 def test_launch_arguments_match_kernel_signatures(update_kernel, nvcc_build, monkeypatch):
     from pipeline.kernels.embedding import launcher
 
@@ -205,7 +205,7 @@ def test_launch_arguments_match_kernel_signatures(update_kernel, nvcc_build, mon
     assert {"pooled_forward_f32", "sparse_update_adam_bf16_i32_c2_long", "row_keys_i32"} <= functions
     if kernel.per_segment:
         assert {"count_segments_i32", "compact_segments_i32"} <= functions
-        prefix = kernel.prefix
+        prefix = "sparse_update_runs_capped" if kernel.capped else "sparse_update_runs"
         assert f"{prefix}_adam_bf16_i32_c2" in functions and "sparse_update_adam_bf16_i32_c2" not in functions
         # the looped kernels get the resident blocks; the others a group for each of the 200 positions
         grids = {grid for f, grid, _ in launches if f.startswith(prefix)}
@@ -251,9 +251,7 @@ def test_no_per_segment_update_kernel_spills_and_the_capped_ones_fit_more_blocks
     a spill (a compiler that allocates otherwise, a change of the kernel) must lower their bound."""
     report = _ptxas_report("embedding/embedding_update_runs.cu", nvcc_build)
     capped = {name: regs for name, (regs, _) in report.items() if name.startswith("sparse_update_runs_capped_")}
-    prefetching = {name for name in report if name.startswith("sparse_update_runs_prefetch_")}
-    assert len(capped) == len(prefetching) == 42  # 3 optimizers x 7 row shapes x 2 key types
-    assert len(report) == 3 * 42 + 4
+    assert len(capped) == 42 and len(report) == 2 * 42 + 4  # 3 optimizers x 7 row shapes x 2 key types, twice
     assert {name: spilled for name, (_, spilled) in report.items() if spilled} == {}
 
     def blocks(regs):  # resident blocks of 256 threads: 64K registers a multiprocessor, 8 a thread at a time

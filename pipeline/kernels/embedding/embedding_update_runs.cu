@@ -31,13 +31,7 @@
 //    - MIN_BLOCKS (__launch_bounds__) caps the registers so that more groups are resident;
 //    - the launcher may give a row half the lanes (two 16-byte vectors each, CHUNKS = 2), so that a
 //      warp updates two rows at once and issues the per-row instructions (slot and offset
-//      arithmetic, the Adagrad reduction's shuffles, loop control) once for both;
-//    - PREFETCH: a group loads the record two segments ahead and, before it updates this segment, asks
-//      for the next one's row, state and first gradient row to be brought into the cache (prefetch.L1,
-//      which holds no register and waits for nothing), so that its loads find them there one segment
-//      later. A resident group otherwise has one row's bytes in flight at a time, fewer than the
-//      memory system needs in flight to run at its copy rate; the next row loaded into registers instead
-//      would hold registers across the update, and fewer groups would stay resident.
+//      arithmetic, the Adagrad reduction's shuffles, loop control) once for both.
 //
 // The sums are those of sparse_update: the same segments, their gradient rows added in position order
 // two at a time, one owner per row, no atomics (with two vectors a lane, a row's Adagrad sum of
@@ -186,43 +180,9 @@ __device__ __forceinline__ void update_segment(
                                   seed);
 }
 
-// Asks for the 128-byte lines of bytes [p, p + bytes) to be brought into L1, the group's lanes a line each.
-__device__ __forceinline__ void prefetch_lines(const void* p, long long bytes, int lane, int lanes) {
-    const unsigned long long start = reinterpret_cast<unsigned long long>(p);
-    for (unsigned long long a = (start & ~127ull) + 128ull * lane; a < start + bytes; a += 128ull * lanes)
-        asm volatile("prefetch.global.L1 [%0];" ::"l"(a));
-}
-
-// The lines update_segment will load first for seg: its row, the row's state and its first gradient row.
-template <typename W, typename K, int OPT>
-__device__ __forceinline__ void prefetch_segment(
-    const Segment<K>& seg, const W* __restrict__ weights, const float* __restrict__ master,
-    const float* __restrict__ state1, const float* __restrict__ state2, const long long* __restrict__ offsets,
-    const long long* __restrict__ slot_weight_offsets, const long long* __restrict__ slot_row_offsets,
-    const long long* __restrict__ output_offsets, const unsigned char* __restrict__ slot_mean,
-    const float* __restrict__ grad, long long grad_stride, int batch_size, int lane, int lanes) {
-    const int s = seg.bag / batch_size;
-    const int D = (int)(output_offsets[s + 1] - output_offsets[s]);
-    long long goff;
-    float scale;
-    bag_gradient(seg.bag, batch_size, grad_stride, output_offsets, slot_mean, offsets, goff, scale);
-    prefetch_lines(grad + goff, 4LL * D, lane, lanes);
-    if (seg.split) return;  // a part of a longer run: its row is updated by sparse_update_long
-    const long long elem = slot_weight_offsets[s] + ((long long)seg.key - slot_row_offsets[s]) * D;
-    if (master) prefetch_lines(master + elem, 4LL * D, lane, lanes);
-    else prefetch_lines(weights + elem, (long long)sizeof(W) * D, lane, lanes);
-    if constexpr (OPT == OPT_ADAGRAD) {
-        if (lane == 0) prefetch_lines(state1 + seg.key, 4, 0, 1);
-    } else if constexpr (OPT == OPT_ADAM) {
-        prefetch_lines(state1 + elem, 4LL * D, lane, lanes);
-        prefetch_lines(state2 + elem, 4LL * D, lane, lanes);
-    }
-}
-
 // Group q of the grid's G groups updates segments q, q + G, q + 2G, ... of the *seg_count listed,
-// loading each next record before it updates the current segment (PREFETCH: the record after next, and
-// the next segment's lines into the cache). max_segments (nnz) bounds the list.
-template <typename W, typename K, int OPT, int CHUNKS, bool PREFETCH>
+// loading each next record before it updates the current segment. max_segments (nnz) bounds the list.
+template <typename W, typename K, int OPT, int CHUNKS>
 __device__ __forceinline__ void sparse_update_runs(
     W* __restrict__ weights, float* __restrict__ master, float* __restrict__ state1, float* __restrict__ state2,
     const int* __restrict__ seg_begin, const K* __restrict__ seg_key, const int* __restrict__ seg_bag,
@@ -243,30 +203,19 @@ __device__ __forceinline__ void sparse_update_runs(
     const int count = *seg_count;
     const unsigned int mask = group_mask(lanes);
     const long long grad_stride = output_offsets[num_slots];
-    // The record loaded at the top of an iteration is `ahead` groups on: the next segment's, or (PREFETCH) the
-    // one after it, the next one's having come in the iteration before, in time for its prefetch.
-    const long long ahead = PREFETCH ? 2 * groups : groups;
-    Segment<K> next = seg;
-    if (PREFETCH && first + groups < count)
-        next = segment_at<K>((int)(first + groups), seg_begin, seg_key, seg_bag, seg_split);
     for (long long i = first; i < count; i += groups) {
-        Segment<K> loaded = seg;
-        if (i + ahead < count) loaded = segment_at<K>((int)(i + ahead), seg_begin, seg_key, seg_bag, seg_split);
-        if (PREFETCH && i + groups < count)
-            prefetch_segment<W, K, OPT>(next, weights, master, state1, state2, offsets, slot_weight_offsets,
-                                        slot_row_offsets, output_offsets, slot_mean, grad, grad_stride, batch_size,
-                                        lane, lanes);
+        Segment<K> next = seg;
+        if (i + groups < count) next = segment_at<K>((int)(i + groups), seg_begin, seg_key, seg_bag, seg_split);
         update_segment<W, K, OPT, CHUNKS>(seg, weights, master, state1, state2, sorted_bags, offsets,
                                           slot_weight_offsets, slot_row_offsets, output_offsets, slot_mean, grad,
                                           partials, grad_stride, batch_size, lane, lanes, mask, weights_aligned,
                                           grad_aligned, lr, eps, beta1, beta2, bias1, bias2, weight_decay, stochastic,
                                           seed);
-        seg = PREFETCH ? next : loaded;
-        next = loaded;
+        seg = next;
     }
 }
 
-#define SPARSE_UPDATE_RUNS(NAME, W, K, OPT, CHUNKS, MIN_BLOCKS, PREFETCH)                               \
+#define SPARSE_UPDATE_RUNS(NAME, W, K, OPT, CHUNKS, MIN_BLOCKS)                                         \
     extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) NAME(                                 \
         W* weights, float* master, float* state1, float* state2, const int* seg_begin, const K* seg_key, \
         const int* seg_bag, const unsigned char* seg_split, const int* seg_count, long long max_segments, \
@@ -276,7 +225,7 @@ __device__ __forceinline__ void sparse_update_runs(
         int batch_size, int log_lanes, int weights_aligned, int grad_aligned, float lr, float eps,      \
         float beta1, float beta2, float bias1, float bias2, float weight_decay, int stochastic,          \
         unsigned long long seed) {                                                                      \
-        sparse_update_runs<W, K, OPT, CHUNKS, PREFETCH>(weights, master, state1, state2, seg_begin, seg_key, \
+        sparse_update_runs<W, K, OPT, CHUNKS>(weights, master, state1, state2, seg_begin, seg_key,      \
                                               seg_bag, seg_split, seg_count, max_segments, sorted_bags, \
                                               offsets, slot_weight_offsets, slot_row_offsets,           \
                                               output_offsets, slot_mean, grad, partials, num_slots,     \
@@ -285,23 +234,21 @@ __device__ __forceinline__ void sparse_update_runs(
                                               stochastic, seed);                                        \
     }
 
-// Names: sparse_update_runs[_capped|_prefetch]_<optimizer>_<weights dtype>_<key type>_c<chunks>: c1 and c2
-// (a row in one or two vectors per lane), and the wide rows of sparse_update (c4 for fp32, c2 for 16-bit).
-#define SPARSE_UPDATE_RUNS_KEYS(PREFIX, OPTNAME, OPT, WNAME, W, CHUNKS, MIN_BLOCKS, PREFETCH)           \
-    SPARSE_UPDATE_RUNS(PREFIX##_##OPTNAME##_##WNAME##_i32_c##CHUNKS, W, int, OPT, CHUNKS, MIN_BLOCKS,   \
-                       PREFETCH)                                                                        \
-    SPARSE_UPDATE_RUNS(PREFIX##_##OPTNAME##_##WNAME##_i64_c##CHUNKS, W, long long, OPT, CHUNKS,         \
-                       MIN_BLOCKS, PREFETCH)
+// Names: sparse_update_runs[_capped]_<optimizer>_<weights dtype>_<key type>_c<chunks>: c1 and c2 (a row
+// in one or two vectors per lane), and the wide rows of sparse_update (c4 for fp32, c2 for 16-bit).
+#define SPARSE_UPDATE_RUNS_KEYS(PREFIX, OPTNAME, OPT, WNAME, W, CHUNKS, MIN_BLOCKS)                     \
+    SPARSE_UPDATE_RUNS(PREFIX##_##OPTNAME##_##WNAME##_i32_c##CHUNKS, W, int, OPT, CHUNKS, MIN_BLOCKS)   \
+    SPARSE_UPDATE_RUNS(PREFIX##_##OPTNAME##_##WNAME##_i64_c##CHUNKS, W, long long, OPT, CHUNKS, MIN_BLOCKS)
 
 // The registers as the compiler wants them (at 256 threads a block, up to 255 a thread).
 #define SPARSE_UPDATE_RUNS_UNCAPPED(OPTNAME, OPT)                                                       \
-    SPARSE_UPDATE_RUNS_KEYS(sparse_update_runs, OPTNAME, OPT, f32, float, 1, 1, false)                  \
-    SPARSE_UPDATE_RUNS_KEYS(sparse_update_runs, OPTNAME, OPT, f32, float, 2, 1, false)                  \
-    SPARSE_UPDATE_RUNS_KEYS(sparse_update_runs, OPTNAME, OPT, f32, float, 4, 1, false)                  \
-    SPARSE_UPDATE_RUNS_KEYS(sparse_update_runs, OPTNAME, OPT, f16, f16, 1, 1, false)                    \
-    SPARSE_UPDATE_RUNS_KEYS(sparse_update_runs, OPTNAME, OPT, f16, f16, 2, 1, false)                    \
-    SPARSE_UPDATE_RUNS_KEYS(sparse_update_runs, OPTNAME, OPT, bf16, bf16, 1, 1, false)                  \
-    SPARSE_UPDATE_RUNS_KEYS(sparse_update_runs, OPTNAME, OPT, bf16, bf16, 2, 1, false)
+    SPARSE_UPDATE_RUNS_KEYS(sparse_update_runs, OPTNAME, OPT, f32, float, 1, 1)                         \
+    SPARSE_UPDATE_RUNS_KEYS(sparse_update_runs, OPTNAME, OPT, f32, float, 2, 1)                         \
+    SPARSE_UPDATE_RUNS_KEYS(sparse_update_runs, OPTNAME, OPT, f32, float, 4, 1)                         \
+    SPARSE_UPDATE_RUNS_KEYS(sparse_update_runs, OPTNAME, OPT, f16, f16, 1, 1)                           \
+    SPARSE_UPDATE_RUNS_KEYS(sparse_update_runs, OPTNAME, OPT, f16, f16, 2, 1)                           \
+    SPARSE_UPDATE_RUNS_KEYS(sparse_update_runs, OPTNAME, OPT, bf16, bf16, 1, 1)                         \
+    SPARSE_UPDATE_RUNS_KEYS(sparse_update_runs, OPTNAME, OPT, bf16, bf16, 2, 1)
 
 SPARSE_UPDATE_RUNS_UNCAPPED(sgd, OPT_SGD)
 SPARSE_UPDATE_RUNS_UNCAPPED(adagrad, OPT_ADAGRAD)
@@ -312,30 +259,27 @@ SPARSE_UPDATE_RUNS_UNCAPPED(adam, OPT_ADAM)
 // block a multiprocessor more than the uncapped kernel gets for fp32 rows with SGD or Adagrad (dim 128:
 // 64 registers instead of 71, 32 warps resident instead of 24), fp32 Adam rows of two vectors a lane
 // and 16-bit SGD rows of one; the others keep as many blocks resident as uncapped.
-// The prefetching kernels (PREFETCH) are capped the same way, the last column: one block fewer than the capped
-// kernels for 1-vector fp32 SGD and Adagrad rows and 16-bit SGD rows, whose record held ahead would spill there.
-#define CAPPED(OPTNAME, OPT, WNAME, W, CHUNKS, MIN_BLOCKS, PREFETCH_MIN_BLOCKS)                         \
-    SPARSE_UPDATE_RUNS_KEYS(sparse_update_runs_capped, OPTNAME, OPT, WNAME, W, CHUNKS, MIN_BLOCKS, false) \
-    SPARSE_UPDATE_RUNS_KEYS(sparse_update_runs_prefetch, OPTNAME, OPT, WNAME, W, CHUNKS, PREFETCH_MIN_BLOCKS, true)
+#define CAPPED(OPTNAME, OPT, WNAME, W, CHUNKS, MIN_BLOCKS)                                              \
+    SPARSE_UPDATE_RUNS_KEYS(sparse_update_runs_capped, OPTNAME, OPT, WNAME, W, CHUNKS, MIN_BLOCKS)
 
-CAPPED(sgd, OPT_SGD, f32, float, 1, 4, 3)
-CAPPED(sgd, OPT_SGD, f32, float, 2, 3, 3)
-CAPPED(sgd, OPT_SGD, f32, float, 4, 2, 2)
-CAPPED(sgd, OPT_SGD, f16, f16, 1, 3, 2)
-CAPPED(sgd, OPT_SGD, f16, f16, 2, 2, 2)
-CAPPED(sgd, OPT_SGD, bf16, bf16, 1, 3, 2)
-CAPPED(sgd, OPT_SGD, bf16, bf16, 2, 2, 2)
-CAPPED(adagrad, OPT_ADAGRAD, f32, float, 1, 4, 3)
-CAPPED(adagrad, OPT_ADAGRAD, f32, float, 2, 3, 2)
-CAPPED(adagrad, OPT_ADAGRAD, f32, float, 4, 2, 2)
-CAPPED(adagrad, OPT_ADAGRAD, f16, f16, 1, 2, 2)
-CAPPED(adagrad, OPT_ADAGRAD, f16, f16, 2, 2, 2)
-CAPPED(adagrad, OPT_ADAGRAD, bf16, bf16, 1, 2, 2)
-CAPPED(adagrad, OPT_ADAGRAD, bf16, bf16, 2, 2, 2)
-CAPPED(adam, OPT_ADAM, f32, float, 1, 3, 3)
-CAPPED(adam, OPT_ADAM, f32, float, 2, 2, 2)
-CAPPED(adam, OPT_ADAM, f32, float, 4, 1, 1)
-CAPPED(adam, OPT_ADAM, f16, f16, 1, 2, 2)
-CAPPED(adam, OPT_ADAM, f16, f16, 2, 1, 1)
-CAPPED(adam, OPT_ADAM, bf16, bf16, 1, 2, 2)
-CAPPED(adam, OPT_ADAM, bf16, bf16, 2, 1, 1)
+CAPPED(sgd, OPT_SGD, f32, float, 1, 4)
+CAPPED(sgd, OPT_SGD, f32, float, 2, 3)
+CAPPED(sgd, OPT_SGD, f32, float, 4, 2)
+CAPPED(sgd, OPT_SGD, f16, f16, 1, 3)
+CAPPED(sgd, OPT_SGD, f16, f16, 2, 2)
+CAPPED(sgd, OPT_SGD, bf16, bf16, 1, 3)
+CAPPED(sgd, OPT_SGD, bf16, bf16, 2, 2)
+CAPPED(adagrad, OPT_ADAGRAD, f32, float, 1, 4)
+CAPPED(adagrad, OPT_ADAGRAD, f32, float, 2, 3)
+CAPPED(adagrad, OPT_ADAGRAD, f32, float, 4, 2)
+CAPPED(adagrad, OPT_ADAGRAD, f16, f16, 1, 2)
+CAPPED(adagrad, OPT_ADAGRAD, f16, f16, 2, 2)
+CAPPED(adagrad, OPT_ADAGRAD, bf16, bf16, 1, 2)
+CAPPED(adagrad, OPT_ADAGRAD, bf16, bf16, 2, 2)
+CAPPED(adam, OPT_ADAM, f32, float, 1, 3)
+CAPPED(adam, OPT_ADAM, f32, float, 2, 2)
+CAPPED(adam, OPT_ADAM, f32, float, 4, 1)
+CAPPED(adam, OPT_ADAM, f16, f16, 1, 2)
+CAPPED(adam, OPT_ADAM, f16, f16, 2, 1)
+CAPPED(adam, OPT_ADAM, bf16, bf16, 1, 2)
+CAPPED(adam, OPT_ADAM, bf16, bf16, 2, 1)

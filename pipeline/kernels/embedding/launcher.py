@@ -45,20 +45,13 @@ class UpdateKernel:
     over segments with the next one's record loaded ahead (else one group per segment the batch may
     hold); ``capped``: kernels whose registers are capped to keep more blocks resident without
     spilling; ``vectors_per_lane``: 2 gives a row that one pass of lanes covers half the lanes, two
-    16-byte vectors each, so a warp updates two rows at once; ``prefetch``: a looped group asks for the
-    next segment's row, state and gradient row to be cached before it updates this one.
+    16-byte vectors each, so a warp updates two rows at once.
     """
 
     per_segment: bool = False
     looped: bool = False
     capped: bool = False
     vectors_per_lane: int = 1
-    prefetch: bool = False
-
-    @property
-    def prefix(self) -> str:
-        """The name of its per-segment kernels, before their optimizer, dtype, key and chunks."""
-        return "sparse_update_runs" + ("_prefetch" if self.prefetch else "_capped" if self.capped else "")
 
 
 # Each candidate adds one change to the one before it, so a side-by-side timing (bench embedding
@@ -69,7 +62,6 @@ UPDATE_KERNELS = {
     "segments_looped": UpdateKernel(per_segment=True, looped=True),
     "segments_looped_capped": UpdateKernel(per_segment=True, looped=True, capped=True),
     "segments_looped_capped_2vec": UpdateKernel(per_segment=True, looped=True, capped=True, vectors_per_lane=2),
-    "segments_looped_capped_prefetch": UpdateKernel(per_segment=True, looped=True, capped=True, prefetch=True),
 }
 UPDATE_KERNEL = "segments_looped_capped"  # the one backward_update runs: the fastest measured (docs/BENCHMARKS.md)
 
@@ -236,7 +228,7 @@ def backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor], slots
     if kernel.per_segment:
         segments_list = list_segments(sorted_keys, sorted_bags)
         seg_log_lanes, seg_chunks = segment_lanes(kernel, log_lanes, chunks)
-        name = f"{kernel.prefix}_{kinds}_c{seg_chunks}"
+        name = f"sparse_update_runs{'_capped' if kernel.capped else ''}_{kinds}_c{seg_chunks}"
         groups_per_block = BLOCK >> seg_log_lanes
         grid = (nnz + groups_per_block - 1) // groups_per_block
         if kernel.looped:
