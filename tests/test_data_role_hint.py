@@ -8,7 +8,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.data.role_hint import label_column, propose_roles, role_hint
+from pipeline.data.config import DataConfig
+from pipeline.data.readers import table_role_hint
+from pipeline.data.role_hint import label_column, propose_roles
 from pipeline.errors import BadInputError
 from pipeline.stages.config import load_config
 
@@ -45,6 +47,10 @@ def test_the_label_proposed_is_the_zero_one_column_named_so_or_the_only_one():
     assert label_column(pa.table({"a": [0.0, 1.0]})) == ""
 
 
+def _hint(path, label: str) -> str:
+    return table_role_hint(DataConfig(source="table", path=str(path), label=label))
+
+
 def test_the_hint_reads_the_first_rows_of_csv_tsv_gzip_and_parquet(tmp_path):
     rows = "user_id,price,city,ts,clicked\n" + "".join(f"{i},{i / 2},c{i % 3},2024-01-0{i % 9 + 1},{i % 2}\n"
                                                           for i in range(50))
@@ -55,13 +61,13 @@ def test_the_hint_reads_the_first_rows_of_csv_tsv_gzip_and_parquet(tmp_path):
                    tmp_path / "a.parquet")
     expected = "data.categorical=[user_id,city] data.continuous=[price] data.time_column=ts"
     for name in ("a.csv", "a.tsv", "a.csv.gz"):
-        assert role_hint([tmp_path / name], "clicked", "|") == f"perhaps, from {name}: {expected}"
-    assert role_hint([tmp_path / "a.csv"], "label", "|") == f"perhaps, from a.csv: data.label=clicked {expected}"
-    assert role_hint([tmp_path / "a.parquet"], "clicked", "|") == \
+        assert _hint(tmp_path / name, "clicked") == f"perhaps, from {name}: {expected}"
+    assert _hint(tmp_path / "a.csv", "label") == f"perhaps, from a.csv: data.label=clicked {expected}"
+    assert _hint(tmp_path / "a.parquet", "clicked") == \
         "perhaps, from a.parquet: data.categorical=[user_id,city] data.continuous=[price]"
     (tmp_path / "bad.parquet").write_bytes(b"not parquet")
-    assert role_hint([tmp_path / "bad.parquet"], "clicked", "|") == ""
-    assert role_hint([tmp_path / "missing.csv"], "clicked", "|") == ""
+    assert _hint(tmp_path / "bad.parquet", "clicked") == ""
+    assert _hint(tmp_path / "missing.csv", "clicked") == ""
 
 
 @pytest.mark.parametrize("roles, message", [

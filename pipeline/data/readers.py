@@ -157,10 +157,11 @@ def table_roles(d: DataConfig) -> Roles:
 def table_role_hint(d: DataConfig) -> str:
     """Roles to propose from the first input file (:func:`pipeline.data.role_hint.role_hint`), or ``""``."""
     try:
-        paths = [p for p, _ in input_files(d)]
-    except BadInputError:
+        path = input_files(d)[0][0]
+        fmt = table_format(path)
+    except (BadInputError, IndexError):
         return ""
-    return role_hint(paths, d.label, d.list_separator)
+    return role_hint(path, None if fmt == "parquet" else _TEXT_SUFFIXES[fmt], d.label, d.list_separator)
 
 
 # ----------------------------------------------------------------------------------------- readers

@@ -3,7 +3,7 @@
 Roles stay the user's to declare (a column's meaning is not in its type); this only fills the example of the
 error that asks for them, from what the columns hold::
 
-    role_hint([Path("events.csv")], label="clicked", separator="|")
+    role_hint(Path("events.csv"), ",", label="clicked", separator="|")
     # "perhaps, from events.csv: data.categorical=[user_id,item_id,category] data.continuous=[price]
     #  data.time_column=ts"
 
@@ -34,13 +34,12 @@ IDENTIFIER_NAME = r"(?i:.*(^|[_\-\s.])(id|ids|key|code|zip|zipcode|hash))$|.*[a-
 """A column name that says its integers are identifiers, not quantities."""
 
 
-def role_hint(paths: list[Path], label: str, separator: str) -> str:
-    """``"perhaps, from FILE: data.categorical=[...] ..."``, or ``""`` when the first file cannot be read or holds
-    no feature column; never raises (it only completes another error's message)."""
-    if not paths:
-        return ""
+def role_hint(path: Path, delimiter: str | None, label: str, separator: str) -> str:
+    """``"perhaps, from FILE: data.categorical=[...] ..."`` for the file at ``path`` (text cut at ``delimiter``, or
+    parquet where it is None), or ``""`` when it cannot be read or holds no feature column; never raises (it only
+    completes another error's message)."""
     try:
-        sample = _sample(paths[0])
+        sample = _sample(path, delimiter)
     except (OSError, pa.ArrowException, ValueError):
         return ""
     found_label = label if label in sample.column_names else label_column(sample)
@@ -53,7 +52,7 @@ def role_hint(paths: list[Path], label: str, separator: str) -> str:
     if found_label != label:
         settings.insert(0, f"data.label={found_label}" if found_label else
                         f"data.label=<its 0/1 column> (it has none named {label!r})")
-    return f"perhaps, from {paths[0].name}: {' '.join(settings)}"
+    return f"perhaps, from {path.name}: {' '.join(settings)}"
 
 
 LABEL_NAME = r"(?i)(label|target|y|clicks?|clicked|is_?click(ed)?|converted|conversion|purchased?|outcome)"
@@ -110,13 +109,12 @@ def _kind(name: str, column: pa.ChunkedArray, separator: str) -> str:
     return ""
 
 
-def _sample(path: Path) -> pa.Table:
-    """The first rows of a parquet, CSV or TSV file (compressed as its suffix says), types as Arrow infers them."""
-    suffixes = [s.lower() for s in path.suffixes]
-    if ".parquet" in suffixes or ".pq" in suffixes:
+def _sample(path: Path, delimiter: str | None) -> pa.Table:
+    """The first rows of a parquet file (``delimiter`` None) or a text one (compressed as its suffix says), types as
+    Arrow infers them."""
+    if delimiter is None:
         batches = pq.ParquetFile(path).iter_batches(batch_size=SAMPLE_ROWS)
         return pa.Table.from_batches([next(batches)])
-    delimiter = "," if ".csv" in suffixes else "\t"
     with pa.input_stream(str(path), compression="detect") as stream:
         reader = pacsv.open_csv(stream, parse_options=pacsv.ParseOptions(delimiter=delimiter),
                                 read_options=pacsv.ReadOptions(block_size=1 << 20))

@@ -124,9 +124,9 @@ which also fixes glibc's threshold for ``mmap`` at 128 KiB, and a task thread's 
 mapped whatever the threshold (they do not fit a thread's arena): each of cuDF's host buffers (the parquet writer's
 pages and its output, a frame copied to host memory) was then fresh memory, faulted in a page at a time
 (docs/BENCHMARKS.md, "Where cuDF's parquet write spends its time"). Here every thread takes the main arena,
-allocations up to 1 GiB come from it, and up to 4 GiB of freed memory stays in the process. A CPU worker keeps Dask's settings: its data lives in
-host memory, and Dask's memory limits count on freed memory going back to the system; a GPU worker's data lives on
-the device.
+allocations up to 1 GiB come from it, and up to 4 GiB of freed memory stays in the process. A CPU worker keeps
+Dask's settings: its data lives in host memory, and Dask's memory limits count on freed memory going back to the
+system; a GPU worker's data lives on the device.
 """
 
 

@@ -211,6 +211,7 @@ class TrainConfig:
             scale if self.embedding_optimizer == "sgd" else 1.0)
         return dataclasses.replace(self, lr=lr, embedding_lr=embedding_lr, weight_decay=self.decay_for(rows))
 
+
 TABLE_LRS = {"adagrad": 0.2, "adam": 0.01, "sgd": 16.0}
 """The tables' default lr by optimizer (row-wise Adagrad, lazy Adam, SGD)."""
 
