@@ -258,15 +258,23 @@ class EmbeddingCollection(nn.Module):
 
     def lookup(self, indices: torch.Tensor, offsets: torch.Tensor, batch_size: int) -> torch.Tensor:
         """The pooled bags of :meth:`slot_bags`' ``(indices, offsets, batch_size)``, ids of ``storage_packing``'s
-        rows; in training, the fused update of those rows in backward."""
+        rows; in training, the fused update of those rows in backward. The ids are grouped by row for that update
+        on the side stream, beside the forward's kernel; the compute stream waits for them after it."""
         backend = self.backend
         if torch.is_grad_enabled() and self.training:
-            state, opt = self.optimizer_state(), self.optimizer
-            return backend.lookup_op(
+            state, opt, device = self.optimizer_state(), self.optimizer, self.weights.device
+            grouping, grouped = [], []
+            if not torch.compiler.is_compiling():  # traced, the update groups the ids itself
+                with self.side.run(device, join=False) as grouped:
+                    grouping = backend.group(self.storage_packing, indices, offsets, batch_size)
+            pooled = backend.lookup_op(
                 self._trigger, self.weights, state.get("momentum1"), state.get("momentum2"),
                 state.get("master_weights"), self.step, self._hyper, indices, offsets, batch_size,
                 *self.storage_packing.op_args(), opt.kind, opt.eps, opt.beta1, opt.beta2, opt.weight_decay,
-                backend.stochastic(opt), backend.seed)
+                backend.stochastic(opt), backend.seed, grouping)
+            self.side.ready(device, grouped)
+            self.side.hand_over(*grouping)
+            return pooled
         return backend.forward(self.weights, self.storage_packing, indices, offsets, batch_size)
 
     def slot_bags(self, kjt: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor, int]:
