@@ -125,7 +125,7 @@ def run(args: argparse.Namespace, cfg) -> dict:
             backend.backward_update(weights, state, packing, ind, off, args.batch, grad, opt, opt.lr, 1)
 
         def step(cycle=cycle, grad=grad):  # a training step's table work, queued as EmbeddingCollection.lookup does:
-            # the ids grouped by row on the side stream beside the forward, then backward + update
+            # the ids grouped by row on a stream of their own beside the forward, then backward + update
             ind, off = cycle.next()
             with side.run(weights.device, join=False) as grouped:
                 grouping = backend.group(packing, ind, off, args.batch)
