@@ -95,6 +95,4 @@ class CudaBackend(TorchBackend):
         """The ids grouped by row as the update reads them (``launcher.group_by_row``: the sort and the segments)."""
         from pipeline.kernels.embedding import launcher
 
-        slots = packing.cached(("slots", str(indices.device)),
-                               lambda: launcher.SlotArrays.from_packing(packing, indices.device))
-        return launcher.group_by_row(slots, indices, offsets, batch_size)
+        return launcher.group_by_row(launcher.SlotArrays.of(packing, indices.device), indices, offsets, batch_size)

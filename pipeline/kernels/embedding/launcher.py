@@ -84,6 +84,11 @@ class SlotArrays:
     columns_aligned: bool  # every slot's columns start on a 16-byte boundary of an output row
 
     @classmethod
+    def of(cls, packing, device: torch.device | str) -> SlotArrays:
+        """:meth:`from_packing`, made once per packing and device (kept in the packing's cache)."""
+        return packing.cached(("slots", str(device)), lambda: cls.from_packing(packing, device))
+
+    @classmethod
     def from_packing(cls, packing, device: torch.device | str) -> SlotArrays:
         device = torch.device(device)
         tables = packing.slot_table

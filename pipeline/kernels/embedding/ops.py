@@ -68,8 +68,7 @@ def _forward_cuda(weights, indices, offsets, batch_size, rows, dims, slot_table,
     from pipeline.kernels.embedding import launcher
 
     packing = _packing(rows, dims, slot_table, slot_mean)
-    slots = packing.cached(("slots", str(weights.device)),
-                           lambda: launcher.SlotArrays.from_packing(packing, weights.device))
+    slots = launcher.SlotArrays.of(packing, weights.device)
     return launcher.pooled_forward(weights, slots, indices, offsets, batch_size)
 
 
@@ -93,8 +92,7 @@ def _update_cuda(weights, momentum1, momentum2, master_weights, indices, offsets
 
     lr, step = hyper.tolist()[:2]
     packing = _packing(rows, dims, slot_table, slot_mean)
-    slots = packing.cached(("slots", str(weights.device)),
-                           lambda: launcher.SlotArrays.from_packing(packing, weights.device))
+    slots = launcher.SlotArrays.of(packing, weights.device)
     launcher.backward_update(weights, _state(momentum1, momentum2, None), slots, indices, offsets, batch_size,
                              grad_output, optimizer, lr, int(step), eps=eps, beta1=beta1, beta2=beta2,
                              weight_decay=weight_decay, master_weights=master_weights,
