@@ -198,3 +198,23 @@ def test_worker_environment_reaches_the_workers_from_their_start_and_leaves_this
         assert f"{name}={value}".encode() in start.split(b"\0")
     assert os.environ["MALLOC_TOP_PAD_"] == "12345" and os.environ["MALLOC_TRIM_THRESHOLD_"] == "65536"
     assert "MALLOC_ARENA_MAX" not in os.environ
+
+
+def test_workers_sharing_a_gpu_take_each_gpu_in_turn_under_names_of_their_own():
+    """dask-cuda starts one worker a GPU, named after it (its rule, as below); etl.workers_per_gpu puts that many on
+    each GPU, every one with dask-cuda's own spec of a worker on that GPU."""
+    from pipeline.etl.cluster import _shared_gpu_cluster
+
+    class OneWorkerAGpu:  # LocalCUDACluster's rule: the lowest GPU without a worker, the worker named after it
+        def __init__(self, n_workers: int) -> None:
+            self.cuda_visible_devices, self.worker_spec = [0, 1], {}
+            for _ in range(n_workers):
+                self.worker_spec.update(self.new_worker_spec())
+
+        def new_worker_spec(self) -> dict:
+            name = min(set(self.cuda_visible_devices) - set(self.worker_spec))
+            return {name: {"env": {"CUDA_VISIBLE_DEVICES": ",".join(map(str, [name, 1 - name]))}}}
+
+    cluster = _shared_gpu_cluster(OneWorkerAGpu)(n_workers=6, workers_per_gpu=3)
+    assert {name: spec["env"]["CUDA_VISIBLE_DEVICES"] for name, spec in cluster.worker_spec.items()} == {
+        "0-0": "0,1", "0-1": "0,1", "0-2": "0,1", "1-3": "1,0", "1-4": "1,0", "1-5": "1,0"}

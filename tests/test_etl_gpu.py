@@ -97,13 +97,13 @@ def _workflow(backend: str) -> Workflow:
     return Workflow(features, library=backend)
 
 
-def _fit_and_write(backend: str, raw, out, cluster: str = "threads"):
+def _fit_and_write(backend: str, raw, out, cluster: str = "threads", **etl):
     from pipeline.etl.cluster import etl_client
     from pipeline.etl.config import EtlConfig
     from pipeline.etl.output import transform_split
 
     workflow = _workflow(backend)
-    with etl_client(EtlConfig(cluster=cluster), library=backend):
+    with etl_client(EtlConfig(cluster=cluster, **etl), library=backend):
         workflow.fit(read_parquet(raw["train"], workflow.input_columns, backend))
         rows = transform_split(workflow, raw["valid"], out, 65_536, backend, progress=False)
     table = pa.concat_tables([pq.read_table(p) for p in sorted(out.glob("part-*.parquet"))])
@@ -171,6 +171,23 @@ def test_cudf_fit_and_transform_equal_pandas(raw, pandas_run, tmp_path):
 def test_cudf_on_a_local_cuda_cluster_equals_pandas(raw, pandas_run, tmp_path):
     cpu_workflow, cpu_table = pandas_run
     gpu_workflow, gpu_table = _fit_and_write("cudf", raw, tmp_path / "out-cluster", cluster="local")
+    _assert_same_statistics(gpu_workflow, cpu_workflow)
+    _assert_same_output(gpu_table, cpu_table)
+
+
+@pytest.mark.gpu
+def test_cudf_on_workers_sharing_a_gpu_equals_pandas(raw, pandas_run, tmp_path):
+    from distributed import Client
+
+    from pipeline.etl.cluster import _local_cluster
+
+    with _local_cluster(1, "cudf", workers_per_gpu=2) as cluster, Client(cluster) as client:
+        names = sorted(worker["name"] for worker in client.scheduler_info()["workers"].values())
+        gpus = client.run(lambda: os.environ["CUDA_VISIBLE_DEVICES"].split(",")[0])
+    assert names == ["0-0", "0-1"] and len(gpus) == 2 and len(set(gpus.values())) == 1, (names, gpus)
+    cpu_workflow, cpu_table = pandas_run
+    gpu_workflow, gpu_table = _fit_and_write("cudf", raw, tmp_path / "out-shared", cluster="local", workers=1,
+                                             workers_per_gpu=2)
     _assert_same_statistics(gpu_workflow, cpu_workflow)
     _assert_same_output(gpu_table, cpu_table)
 

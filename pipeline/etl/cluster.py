@@ -5,9 +5,10 @@
 - ``etl.scheduler = "tcp://host:8786"``: connect to that scheduler (its workers are left alone);
 - ``etl.cluster = "local"``: a ``distributed.LocalCluster`` with ``etl.workers`` single-threaded
   worker processes (0: one per core), or on the cudf backend a ``dask_cuda.LocalCUDACluster``:
-  one worker per GPU (``etl.workers`` of them if set) with ``etl.gpu_threads`` threads, each with an RMM pool of
-  :data:`RMM_POOL_FRACTION` of its GPU's memory and, with ``etl.gpu_spill``, cuDF's own spilling to host memory,
-  its host allocator keeping freed memory (:data:`GPU_WORKER_MALLOC`);
+  ``etl.workers_per_gpu`` worker processes on each GPU (on ``etl.workers`` GPUs if set) with ``etl.gpu_threads``
+  threads, each with an RMM pool of :data:`RMM_POOL_FRACTION` of its share of the GPU's memory and, with
+  ``etl.gpu_spill``, cuDF's own spilling to host memory, its host allocator keeping freed memory
+  (:data:`GPU_WORKER_MALLOC`);
 - ``etl.cluster = "threads"``: Dask's threaded scheduler in this process, no cluster at all;
 - ``etl.cluster = "auto"``: a LocalCluster when the input is at least :data:`AUTO_LOCAL_BYTES` of
   parquet (starting worker processes costs about a second and pays off on large inputs only),
@@ -35,7 +36,16 @@ AUTO_LOCAL_BYTES = 256 * 2**20
 """cluster=auto starts a LocalCluster from this much input parquet on (256 MiB, about 4-5M Criteo rows)."""
 
 RMM_POOL_FRACTION = 0.5
-"""Initial RMM pool of each LocalCUDACluster worker, as a fraction of its GPU's memory (the pool may grow)."""
+"""Initial RMM pool of a LocalCUDACluster worker alone on its GPU, as a fraction of the GPU's memory (the pool may
+grow); workers sharing a GPU (``etl.workers_per_gpu``) take that share of this each."""
+
+DEVICE_SPILL_FRACTION = 0.8
+"""Workers sharing a GPU: each spills to host memory from its share of this fraction of the GPU's memory
+(dask-cuda's default for a worker alone on its GPU)."""
+
+RMM_MAXIMUM_FRACTION = 0.9
+"""Workers sharing a GPU: the largest each one's RMM pool may grow, its share of this fraction of the GPU's memory
+(one worker's pool must not starve the others of the device)."""
 
 
 def choose_cluster(etl: EtlConfig, input_bytes: int) -> str:
@@ -75,8 +85,10 @@ def etl_client(etl: EtlConfig, input_bytes: int = 0, library: str = "pandas",
                                 f"{err}): it or its workers went away; start them again, then rerun the ETL") from err
         return
 
-    with _local_cluster(etl.workers, library, etl.gpu_threads, etl.gpu_spill) as cluster, Client(cluster) as client:
-        yield f"{type(cluster).__name__}({len(client.scheduler_info()['workers'])} workers)"
+    with _local_cluster(etl.workers, library, etl.gpu_threads, etl.gpu_spill, etl.workers_per_gpu) as cluster, \
+            Client(cluster) as client:
+        shared = f", {etl.workers_per_gpu} a GPU" if library == "cudf" and etl.workers_per_gpu > 1 else ""
+        yield f"{type(cluster).__name__}({len(client.scheduler_info()['workers'])} workers{shared})"
 
 
 def _connect(address: str, timeout: str) -> Any:
@@ -154,21 +166,30 @@ def _worker_environment(environ: dict[str, str]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _local_cluster(workers: int, library: str, gpu_threads: int = 1, gpu_spill: bool = True) -> Iterator[Any]:
+def _local_cluster(workers: int, library: str, gpu_threads: int = 1, gpu_spill: bool = True,
+                   workers_per_gpu: int = 1) -> Iterator[Any]:
     if library == "cudf":
         try:
             from dask_cuda import LocalCUDACluster
         except Exception as err:
             raise UserError(f"the cudf backend needs dask-cuda for its cluster ({type(err).__name__}: {err}): "
                             "install it or use --device cpu") from err
+        if gpu_threads < 1:
+            raise UserError(f"etl.gpu_threads: expected 1 or more, got {gpu_threads}")
+        if workers_per_gpu < 1:
+            raise UserError(f"etl.workers_per_gpu: expected 1 or more, got {workers_per_gpu}")
+        cluster_class = LocalCUDACluster if workers_per_gpu == 1 else _shared_gpu_cluster(LocalCUDACluster)
+        shared = {} if workers_per_gpu == 1 else {
+            "n_workers": (workers or _gpu_count()) * workers_per_gpu, "workers_per_gpu": workers_per_gpu,
+            "device_memory_limit": DEVICE_SPILL_FRACTION / workers_per_gpu,
+            "rmm_maximum_pool_size": _device_bytes(RMM_MAXIMUM_FRACTION / workers_per_gpu)}
         # enable_cudf_spill: cuDF spills its own buffers to host memory when the GPU fills up, which
         # the dask-cuda docs advise for Dask cuDF ETL (finer than spilling whole task outputs); its spill
         # manager tracks every buffer, which data that fits the GPU can do without (etl.gpu_spill=false).
-        if gpu_threads < 1:
-            raise UserError(f"etl.gpu_threads: expected 1 or more, got {gpu_threads}")
-        with _worker_environment(GPU_WORKER_MALLOC), LocalCUDACluster(
-                n_workers=workers or None, threads_per_worker=gpu_threads, dashboard_address=None,
-                rmm_pool_size=_rmm_pool_bytes(), enable_cudf_spill=gpu_spill, preload=[WORKER_SETUP]) as cluster:
+        options = {"n_workers": workers or None, "threads_per_worker": gpu_threads, "dashboard_address": None,
+                   "rmm_pool_size": _device_bytes(RMM_POOL_FRACTION / workers_per_gpu),
+                   "enable_cudf_spill": gpu_spill, "preload": [WORKER_SETUP], **shared}
+        with _worker_environment(GPU_WORKER_MALLOC), cluster_class(**options) as cluster:
             yield cluster
         return
     from distributed import LocalCluster
@@ -178,8 +199,44 @@ def _local_cluster(workers: int, library: str, gpu_threads: int = 1, gpu_spill: 
         yield cluster
 
 
-def _rmm_pool_bytes() -> int | None:
-    """:data:`RMM_POOL_FRACTION` of GPU 0's memory in bytes (multiple of 256), or None (no pool) if NVML can't say.
+def _shared_gpu_cluster(local_cuda_cluster: type) -> type:
+    """A LocalCUDACluster class that starts ``workers_per_gpu`` worker processes on each GPU, one after the other.
+
+    dask-cuda names each worker after its GPU and so starts one a GPU: a worker process's host work (Python, the
+    parquet writer's encoding in libcudf, the copies it waits for) leaves its GPU idle most of a partition's time
+    (docs/BENCHMARKS.md, "Where cuDF's parquet write spends its time"), and threads of one process share one
+    interpreter lock. Here the ``k``-th worker takes GPU ``k // workers_per_gpu`` and the name ``"<gpu>-<k>"``.
+    """
+
+    class SharedGPUCluster(local_cuda_cluster):
+        def __init__(self, *args: Any, workers_per_gpu: int, **kwargs: Any) -> None:
+            self.workers_per_gpu = workers_per_gpu
+            super().__init__(*args, **kwargs)
+
+        def new_worker_spec(self) -> dict[str, Any]:
+            count = len(self.worker_spec)
+            devices = self.cuda_visible_devices
+            device = devices[count // self.workers_per_gpu % len(devices)]
+            taken = self.worker_spec
+            # dask-cuda's own spec of a worker on `device`: the one GPU not yet taken, as it sees it
+            self.worker_spec = {other: None for other in devices if other != device}
+            try:
+                ((_, spec),) = super().new_worker_spec().items()
+            finally:
+                self.worker_spec = taken
+            return {f"{device}-{count}": spec}
+
+    return SharedGPUCluster
+
+
+def _gpu_count() -> int:
+    from dask_cuda.utils import get_n_gpus
+
+    return get_n_gpus()
+
+
+def _device_bytes(fraction: float) -> int | None:
+    """``fraction`` of GPU 0's memory in bytes (a multiple of 256), or None (no limit, no pool) if NVML can't say.
 
     Bytes rather than a fraction: every dask-cuda version parses a byte count, not all parse fractions.
     NVML is used, not torch, so this process does not create a CUDA context for nothing.
@@ -191,4 +248,4 @@ def _rmm_pool_bytes() -> int | None:
         total = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).total
     except Exception:  # noqa: BLE001 - no NVML binding: the workers use RMM's default allocator
         return None
-    return int(total * RMM_POOL_FRACTION) // 256 * 256
+    return int(total * fraction) // 256 * 256

@@ -21,7 +21,11 @@ class EtlConfig:
         metadata={"help": "auto | local | threads: a LocalCluster, or in-process threads "
                           "(auto: a LocalCluster from 256 MiB of raw parquet on, threads below)"},
     )
-    workers: int = field(default=0, metadata={"help": "LocalCluster workers (0: one per core, or one per GPU)"})
+    workers: int = field(default=0, metadata={"help": "LocalCluster workers (0: one per core), or the GPUs of a "
+                                                     "LocalCUDACluster (0: every GPU)"})
+    workers_per_gpu: int = field(default=1, metadata={
+        "help": "LocalCUDACluster worker processes on each GPU, sharing it (each with its share of the GPU's "
+                "memory): partitions' host work (Python, parquet encoding) runs side by side while the GPU computes"})
     gpu_threads: int = field(
         default=1, metadata={"help": "threads of each LocalCUDACluster worker (2: one partition is read or "
                                      "written while another is computed on the same GPU)"}
@@ -55,6 +59,7 @@ class EtlConfig:
             raise ValueError(f"etl.cluster: expected auto, local or threads, got {self.cluster!r}")
         check_range("etl.workers", self.workers, 0)
         check_range("etl.gpu_threads", self.gpu_threads, 1)
+        check_range("etl.workers_per_gpu", self.workers_per_gpu, 1)
         check_range("etl.freq_threshold", self.freq_threshold, 0)
         check_range("etl.max_vocab_size", self.max_vocab_size, 0)
         check_range("etl.row_group_rows", self.row_group_rows, 1)
