@@ -411,8 +411,6 @@ def test_bench_embedding_times_every_update_kernel_against_the_byte_floor(tmp_pa
             (row["forward_ms"] + row["backward_update_ms"]) / row["floor_ms"])
         for name, ms in row["backward_update_ms_by_kernel"].items():
             assert row["time_over_floor_by_kernel"][name] == pytest.approx((row["forward_ms"] + ms) / row["floor_ms"])
-        assert row["step_ms"] > 0 and row["step_grouped_in_update_ms"] > 0
-        assert row["step_over_floor"] == pytest.approx(row["step_ms"] / row["floor_ms"])
     assert "backward + update by update kernel" in capsys.readouterr().out
 
 

@@ -230,19 +230,6 @@ def test_an_unknown_update_kernel_is_refused_before_any_work(monkeypatch):
                                  torch.tensor([1, 2]), torch.tensor([0, 1, 2]), 2, torch.zeros(2, 8), "sgd", 0.1, 1)
 
 
-def test_a_grouping_of_other_ids_is_refused_before_any_work(monkeypatch):
-    from pipeline.kernels.embedding import launcher
-
-    monkeypatch.setattr(launcher, "_check", lambda *a: None)
-    monkeypatch.setattr(launcher, "launch", lambda *a: pytest.fail("launched a kernel"))
-    packing = TablePacking.build([TableConfig("a", 10, 8, ["a"])])
-    three_keys = [torch.tensor([1, 2, 3], dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32)]
-    with pytest.raises(ValueError, match="grouping holds 3 sorted keys for 2 ids"):
-        launcher.backward_update(torch.zeros(packing.total_elements), {}, SlotArrays.from_packing(packing, "cpu"),
-                                 torch.tensor([1, 2]), torch.tensor([0, 1, 2]), 2, torch.zeros(2, 8), "sgd", 0.1, 1,
-                                 grouping=three_keys)
-
-
 def test_two_vectors_a_lane_halve_the_lanes_of_rows_one_pass_covers():
     from pipeline.kernels.embedding.launcher import UPDATE_KERNELS, segment_lanes
 

@@ -209,9 +209,8 @@ def test_zipf_hot_rows_with_tens_of_thousands_of_ids_match_reference(dtype, opti
     cross hundreds of update segments, summed apart and then together. Weights, gradients and the
     learning rate are multiples of powers of two small enough that every sum and SGD step is exact in
     fp32, in any order: SGD must give the reference's bits, the others its values to the usual
-    tolerance; and the same update twice gives the same bits (no atomics, a fixed order), the second time
-    with the ids grouped ahead on a stream of their own, as a training lookup groups them beside its forward.
-    Rows of at most 128 columns, so the kernels that halve a row's lanes halve them here."""
+    tolerance; and the same update twice gives the same bits (no atomics, a fixed order). Rows of at
+    most 128 columns, so the kernels that halve a row's lanes halve them here."""
     import numpy as np
 
     from pipeline.bench.train import draw_ids
@@ -234,22 +233,12 @@ def test_zipf_hot_rows_with_tens_of_thousands_of_ids_match_reference(dtype, opti
     start = (torch.randint(-64, 65, ref.weights.shape, device="cuda", generator=g).float() / 128).to(ref.weights.dtype)
     indices, offsets, b = cuda.slot_bags(kjt)
     results = []
-    for emb, ahead in ((ref, False), (cuda, False), (cuda, True)):
+    for emb in (ref, cuda, cuda):
         emb.weights.copy_(start)
         for state in emb.optimizer_state().values():
             state.zero_()
-        grouping = []
-        if ahead:
-            compute, side = torch.cuda.current_stream(), torch.cuda.Stream()
-            side.wait_stream(compute)
-            with torch.cuda.stream(side):
-                grouping = emb.backend.group(emb.packing, indices, offsets, b)
-            compute.wait_stream(side)
-            for t in grouping:
-                t.record_stream(compute)
-            assert len(grouping) == 7 and grouping[0].numel() == indices.numel()
         emb.backend.backward_update(emb.weights, emb.optimizer_state(), emb.packing, indices, offsets, b, grad, opt,
-                                    opt.lr, 1, grouping)
+                                    opt.lr, 1)
         results.append((emb.weights.clone(), {k: v.clone() for k, v in emb.optimizer_state().items()}))
     (ref_w, ref_state), (w, state), (again_w, again_state) = results
     assert torch.equal(again_w, w) and all(torch.equal(again_state[k], v) for k, v in state.items())
@@ -361,4 +350,4 @@ def test_opcheck_of_the_cuda_ops(dtype):
     hyper = torch.tensor([0.1, 1.0], dtype=torch.float64)  # lr and step, read on the host
     torch.library.opcheck(torch.ops.pipeline.embedding_update, (weights, m1, m2, None, ids, offsets, batch, grad,
                                                                 *packing.op_args(), "adam", hyper, 1e-8, 0.9, 0.999,
-                                                                0.0, False, 0, []))
+                                                                0.0, False, 0))

@@ -86,7 +86,6 @@ def run(args: argparse.Namespace, cfg) -> dict:
     if args.interaction:
         return _interaction(torch, args)
     from pipeline.kernels.embedding import CudaBackend, launcher
-    from pipeline.modules.side_stream import SideStream
 
     hots = [int(h) for h in str(args.hots).split(",") if h]
     rows = _geometric(args.rows_min, args.rows_max, args.tables)
@@ -99,7 +98,6 @@ def run(args: argparse.Namespace, cfg) -> dict:
     state = {name: torch.zeros(size, dtype=torch.float32, device=device)
              for name, size in opt.state_shapes(packing.total_rows, packing.total_elements).items()}
     backend = CudaBackend()
-    side = SideStream()
     slots = launcher.SlotArrays.from_packing(packing, device)
     es = weights.element_size()
     copy_bw = _copy_bandwidth(torch)
@@ -124,33 +122,7 @@ def run(args: argparse.Namespace, cfg) -> dict:
             ind, off = cycle.next()
             backend.backward_update(weights, state, packing, ind, off, args.batch, grad, opt, opt.lr, 1)
 
-        def step(cycle=cycle, grad=grad):  # a training step's table work, queued as EmbeddingCollection.lookup does:
-            # the ids grouped by row on a stream of their own beside the forward, then backward + update
-            ind, off = cycle.next()
-            with side.run(weights.device, join=False) as grouped:
-                grouping = backend.group(packing, ind, off, args.batch)
-            backend.forward(weights, packing, ind, off, args.batch)
-            side.ready(weights.device, grouped)
-            backend.backward_update(weights, state, packing, ind, off, args.batch, grad, opt, opt.lr, 1,
-                                    side.hand_over(*grouping))
-
-        ahead = {}
-
-        def step_grouped_ahead(cycle=cycle, grad=grad):  # the next batch's ids grouped beside this batch's update
-            ind, off = cycle.batches[cycle.i]
-            if not ahead:
-                with side.run(weights.device, join=False) as grouped:
-                    ahead.update(grouping=backend.group(packing, ind, off, args.batch), grouped=grouped)
-            backend.forward(weights, packing, ind, off, args.batch)
-            side.ready(weights.device, ahead["grouped"])
-            grouping = side.hand_over(*ahead["grouping"])
-            after = torch.cuda.current_stream().record_event()
-            nind, noff = cycle.next()
-            with side.run(weights.device, after, join=False) as grouped:
-                ahead.update(grouping=backend.group(packing, nind, noff, args.batch), grouped=grouped)
-            backend.backward_update(weights, state, packing, ind, off, args.batch, grad, opt, opt.lr, 1, grouping)
-
-        def step_grouped_in_update(cycle=cycle, grad=grad):
+        def step(cycle=cycle, grad=grad):  # a training step's table work: forward, then backward + update
             ind, off = cycle.next()
             backend.forward(weights, packing, ind, off, args.batch)
             backend.backward_update(weights, state, packing, ind, off, args.batch, grad, opt, opt.lr, 1)
@@ -176,9 +148,6 @@ def run(args: argparse.Namespace, cfg) -> dict:
         t_bwd = median_ms(torch, bwd, args.reps)
         t_sort = median_ms(torch, sort_only, args.reps)
         t_step = median_ms(torch, step, args.reps)
-        t_step_in_update = median_ms(torch, step_grouped_in_update, args.reps)
-        t_step_ahead = median_ms(torch, step_grouped_ahead, args.reps)
-        ahead.clear()
         unique = _unique_rows(torch, batches[0], packing, args.batch)
         state_bytes = {"sgd": 0, "adagrad": 8}[args.optimizer]
         fwd_bytes = nnz * (args.dim * es + 8) + args.batch * packing.total_dim * 4
@@ -191,8 +160,7 @@ def run(args: argparse.Namespace, cfg) -> dict:
                    forward_fraction_of_copy=fwd_bytes / t_fwd / 1e9 / (copy_bw / 1e12),
                    backward_fraction_of_copy=bwd_bytes / t_bwd / 1e9 / (copy_bw / 1e12),
                    floor_ms=floor_ms, time_over_floor=(t_fwd + t_bwd) / floor_ms,
-                   step_ms=t_step, step_over_floor=t_step / floor_ms, step_grouped_in_update_ms=t_step_in_update,
-                   step_grouped_ahead_ms=t_step_ahead,
+                   step_ms=t_step, step_over_floor=t_step / floor_ms,
                    backward_update_ms_by_kernel=by_kernel,
                    time_over_floor_by_kernel={k: (t_fwd + ms) / floor_ms for k, ms in by_kernel.items()})
         if by_kernel:
@@ -205,7 +173,7 @@ def run(args: argparse.Namespace, cfg) -> dict:
             row["speedup_step"] = row["torch_step_ms"] / (t_fwd + t_bwd)
             row["speedup_vs_torch_forward_backward"] = row["torch_forward_backward_ms"] / (t_fwd + t_bwd)
         results.append(row)
-        del batches, grad, cycle, fwd, bwd, step, step_grouped_in_update, step_grouped_ahead, sort_only
+        del batches, grad, cycle, fwd, bwd, step, sort_only
         torch.cuda.empty_cache()
         _print_row(row)
 
@@ -409,9 +377,7 @@ def _print_row(row: dict) -> None:
             f"backward+update {row['backward_update_ms']:8.3f} ms (sort {row['sort_ms']:.3f}; "
             f"{row['backward_tb_s']:.2f} TB/s) | {row['time_over_floor']:.2f}x the byte floor"
             f"\n          forward then backward+update back to back, as a step: {row['step_ms']:.3f} ms, "
-            f"{row['step_over_floor']:.2f}x the byte floor ({row['floor_ms']:.3f} ms); the ids grouped in the "
-            f"update instead of beside the forward: {row['step_grouped_in_update_ms']:.3f} ms; the next batch's "
-            f"grouped beside this one's update: {row['step_grouped_ahead_ms']:.3f} ms")
+            f"{row['step_over_floor']:.2f}x the byte floor ({row['floor_ms']:.3f} ms)")
     if "torch_step_ms" in row:
         line += (f"\n          torch EmbeddingBag: forward {row['torch_forward_ms']:.3f} ms, "
                  f"forward+backward {row['torch_forward_backward_ms']:.3f} ms, "

@@ -158,9 +158,6 @@ class EmbeddingCollection(nn.Module):
         self._slot_names = ("\n".join(self.packing.slot_features),
                                    "\n".join(self.packing.table_names[t] for t in self.packing.slot_table))
         self.side = SideStream()  # where a batch's work ahead of its lookup runs (pipeline.modules.side_stream)
-        # where a training lookup groups its ids for the update, beside its forward: a stream of its own, never
-        # queued behind the next batch's prefetch on the side stream
-        self._grouping = SideStream()
         self._generation = 0  # counts the state dicts loaded: a batch prefetched before one is void
         self.register_load_state_dict_post_hook(lambda module, keys: module._loaded())
         self._resolve_backend_if_usable()
@@ -261,23 +258,15 @@ class EmbeddingCollection(nn.Module):
 
     def lookup(self, indices: torch.Tensor, offsets: torch.Tensor, batch_size: int) -> torch.Tensor:
         """The pooled bags of :meth:`slot_bags`' ``(indices, offsets, batch_size)``, ids of ``storage_packing``'s
-        rows; in training, the fused update of those rows in backward. The ids are grouped by row for that update
-        on a stream of their own, beside the forward's kernel; the compute stream waits for them after it."""
+        rows; in training, the fused update of those rows in backward."""
         backend = self.backend
         if torch.is_grad_enabled() and self.training:
-            state, opt, device = self.optimizer_state(), self.optimizer, self.weights.device
-            grouping, grouped = [], []
-            if not torch.compiler.is_compiling():  # traced, the update groups the ids itself
-                with self._grouping.run(device, join=False) as grouped:
-                    grouping = backend.group(self.storage_packing, indices, offsets, batch_size)
-            pooled = backend.lookup_op(
+            state, opt = self.optimizer_state(), self.optimizer
+            return backend.lookup_op(
                 self._trigger, self.weights, state.get("momentum1"), state.get("momentum2"),
                 state.get("master_weights"), self.step, self._hyper, indices, offsets, batch_size,
                 *self.storage_packing.op_args(), opt.kind, opt.eps, opt.beta1, opt.beta2, opt.weight_decay,
-                backend.stochastic(opt), backend.seed, grouping)
-            self._grouping.ready(device, grouped)
-            self._grouping.hand_over(*grouping)
-            return pooled
+                backend.stochastic(opt), backend.seed)
         return backend.forward(self.weights, self.storage_packing, indices, offsets, batch_size)
 
     def slot_bags(self, kjt: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor, int]:

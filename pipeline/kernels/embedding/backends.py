@@ -10,9 +10,6 @@ Example::
     pooled = backend.forward(weights, packing, indices, offsets, batch_size)
     backend.backward_update(weights, state, packing, indices, offsets, batch_size, grad, optimizer, lr, step)
 
-A training step may group the ids by row for the update ahead, beside the forward (``group``, on a stream of
-its own: it reads only the ids), and hand the grouping to ``backward_update``; the ``torch`` backend has none.
-
 16-bit weights are updated in fp32 and rounded to nearest; a ``master_weights`` entry in the state
 (flat fp32, like the weights) is updated instead and rounded into the weights; the ``cuda`` backend
 also rounds at random, unbiased, with ``stochastic_rounding=True`` (here or on the optimizer config).
@@ -55,17 +52,11 @@ class TorchBackend:
             return self.stochastic_rounding
         return bool(getattr(optimizer, "stochastic_rounding", False))
 
-    def group(self, packing, indices, offsets, batch_size) -> list[torch.Tensor]:
-        """The ids grouped by row as the update reads them (``[]``: the update groups them itself)."""
-        return []
-
-    def backward_update(self, weights, state, packing, indices, offsets, batch_size, grad_output, optimizer, lr, step,
-                        grouping=()):
+    def backward_update(self, weights, state, packing, indices, offsets, batch_size, grad_output, optimizer, lr, step):
         hyper = torch.tensor([float(lr), float(step)], dtype=torch.float64)
         self.update_op(weights, state.get("momentum1"), state.get("momentum2"), state.get("master_weights"), indices,
                        offsets, batch_size, grad_output, *packing.op_args(), optimizer.kind, hyper, optimizer.eps,
-                       optimizer.beta1, optimizer.beta2, optimizer.weight_decay, self.stochastic(optimizer), self.seed,
-                       list(grouping))
+                       optimizer.beta1, optimizer.beta2, optimizer.weight_decay, self.stochastic(optimizer), self.seed)
 
 
 class CudaBackend(TorchBackend):
@@ -90,9 +81,3 @@ class CudaBackend(TorchBackend):
     @classmethod
     def usable(cls, device: torch.device, dtype: torch.dtype) -> bool:
         return cls.problem(device, dtype) is None
-
-    def group(self, packing, indices, offsets, batch_size) -> list[torch.Tensor]:
-        """The ids grouped by row as the update reads them (``launcher.group_by_row``: the sort and the segments)."""
-        from pipeline.kernels.embedding import launcher
-
-        return launcher.group_by_row(launcher.SlotArrays.of(packing, indices.device), indices, offsets, batch_size)

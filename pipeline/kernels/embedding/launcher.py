@@ -84,11 +84,6 @@ class SlotArrays:
     columns_aligned: bool  # every slot's columns start on a 16-byte boundary of an output row
 
     @classmethod
-    def of(cls, packing, device: torch.device | str) -> SlotArrays:
-        """:meth:`from_packing`, made once per packing and device (kept in the packing's cache)."""
-        return packing.cached(("slots", str(device)), lambda: cls.from_packing(packing, device))
-
-    @classmethod
     def from_packing(cls, packing, device: torch.device | str) -> SlotArrays:
         device = torch.device(device)
         tables = packing.slot_table
@@ -180,35 +175,17 @@ def sort_by_row(slots: SlotArrays, indices: torch.Tensor, offsets: torch.Tensor,
     return sorted_keys, bag_of.index_select(0, order)
 
 
-def group_by_row(slots: SlotArrays, indices: torch.Tensor, offsets: torch.Tensor,
-                 batch_size: int) -> list[torch.Tensor]:
-    """The ids grouped by row as :func:`backward_update` reads them: ``[sorted keys, their bags]`` and, where the
-    per-segment kernels can take the batch, :func:`list_segments`' five tensors; ``[]`` for an empty batch.
-
-    They depend on the ids alone, so a training step computes them ahead (beside the forward, on a stream of
-    their own) and hands them to the update, which otherwise groups the ids itself first."""
-    nnz = indices.numel()
-    if batch_size == 0 or nnz == 0:
-        return []
-    sorted_keys, sorted_bags = sort_by_row(slots, indices.contiguous(), offsets.contiguous(), batch_size)
-    if nnz >= 2**31:
-        return [sorted_keys, sorted_bags]
-    return [sorted_keys, sorted_bags, *list_segments(sorted_keys, sorted_bags)]
-
-
 def backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor], slots: SlotArrays,
                     indices: torch.Tensor, offsets: torch.Tensor, batch_size: int, grad_output: torch.Tensor,
                     optimizer: str, lr: float, step: int, eps: float = 1e-8, beta1: float = 0.9,
                     beta2: float = 0.999, weight_decay: float = 0.0, master_weights: torch.Tensor | None = None,
-                    stochastic_rounding: bool = False, seed: int = 0,
-                    grouping: list[torch.Tensor] | None = None) -> None:
+                    stochastic_rounding: bool = False, seed: int = 0) -> None:
     """Sum the gradient of every touched row and apply ``optimizer`` to those rows, in place.
 
     ``state``: ``momentum1`` (adagrad: [total rows]; adam: like weights) and ``momentum2`` (adam),
     flat fp32. ``master_weights``: an fp32 copy of 16-bit weights that is updated and then rounded
     into ``weights``. ``stochastic_rounding``: round 16-bit results up or down at random (unbiased),
-    drawn from ``seed`` and ``step``, instead of to nearest. ``grouping``: :func:`group_by_row` of these ids,
-    computed ahead (else here).
+    drawn from ``seed`` and ``step``, instead of to nearest.
     """
     _check(weights, slots, indices, offsets, batch_size)
     if optimizer not in _OPTIMIZERS:
@@ -229,10 +206,7 @@ def backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor], slots
         return
     indices, offsets = indices.contiguous(), offsets.contiguous()
     grad = grad_output.to(torch.float32).contiguous()
-    if grouping and grouping[0].numel() != nnz:
-        raise ValueError(f"the ids' grouping holds {grouping[0].numel()} sorted keys for {nnz} ids: "
-                         "group_by_row of other ids")
-    sorted_keys, sorted_bags = grouping[:2] if grouping else sort_by_row(slots, indices, offsets, batch_size)
+    sorted_keys, sorted_bags = sort_by_row(slots, indices, offsets, batch_size)
 
     width = _vector_width(weights.dtype)
     log_lanes = _log_lanes(slots.max_dim, width)
@@ -252,7 +226,7 @@ def backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor], slots
     tables = [ptr(slots.table_row_starts), ptr(slots.table_weight_offsets), ptr(slots.table_dims),
               i32(slots.table_dims.numel())]
     if kernel.per_segment:
-        segments_list = grouping[2:] if grouping and len(grouping) > 2 else list_segments(sorted_keys, sorted_bags)
+        segments_list = list_segments(sorted_keys, sorted_bags)
         seg_log_lanes, seg_chunks = segment_lanes(kernel, log_lanes, chunks)
         name = f"sparse_update_runs{'_capped' if kernel.capped else ''}_{kinds}_c{seg_chunks}"
         groups_per_block = BLOCK >> seg_log_lanes

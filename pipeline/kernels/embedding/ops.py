@@ -5,15 +5,13 @@ The packing travels as four lists, ``TablePacking.op_args()`` = ``(rows, dims, s
 
 - ``embedding_forward(weights, indices, offsets, batch_size, *packing) -> Tensor[B, total_dim]``
 - ``embedding_update(weights!, momentum1!?, momentum2!?, master_weights!?, indices, offsets, batch_size,
-  grad_output, *packing, optimizer, hyper, eps, beta1, beta2, weight_decay, stochastic_rounding, seed,
-  grouping)``: the fused backward (sum the gradient of each touched row, apply the optimizer in place);
-  ``hyper`` is a CPU float64 tensor ``[lr, step, ...]``, read on the host so no device sync happens;
-  ``grouping`` the ids grouped by row ahead (``CudaBackend.group``), or ``[]`` for the update to group them.
+  grad_output, *packing, optimizer, hyper, eps, beta1, beta2, weight_decay, stochastic_rounding, seed)``:
+  the fused backward (sum the gradient of each touched row, apply the optimizer in place); ``hyper`` is
+  a CPU float64 tensor ``[lr, step, ...]``, read on the host so no device sync happens.
 - ``embedding_lookup(trigger, weights, momentum1?, momentum2?, master_weights?, step, hyper, indices,
-  offsets, batch_size, *packing, optimizer, eps, beta1, beta2, weight_decay, stochastic_rounding, seed,
-  grouping)``: the training forward; its backward advances the step (``embedding_advance_step``) and runs
-  ``embedding_update`` with ``grouping``. No gradient flows to any input; ``trigger`` is an empty tensor that
-  requires grad.
+  offsets, batch_size, *packing, optimizer, eps, beta1, beta2, weight_decay, stochastic_rounding, seed)``:
+  the training forward; its backward advances the step (``embedding_advance_step``) and runs
+  ``embedding_update``. No gradient flows to any input; ``trigger`` is an empty tensor that requires grad.
 - ``embedding_check_ids(values, offsets, batch_size, slot_rows, slot_features, slot_tables)``: raises
   :class:`~pipeline.errors.BadInputError` for an id outside its table (``slot_rows`` an int64 tensor on
   the values' device, names newline-joined).
@@ -68,13 +66,14 @@ def _forward_cuda(weights, indices, offsets, batch_size, rows, dims, slot_table,
     from pipeline.kernels.embedding import launcher
 
     packing = _packing(rows, dims, slot_table, slot_mean)
-    slots = launcher.SlotArrays.of(packing, weights.device)
+    slots = packing.cached(("slots", str(weights.device)),
+                           lambda: launcher.SlotArrays.from_packing(packing, weights.device))
     return launcher.pooled_forward(weights, slots, indices, offsets, batch_size)
 
 
 def _update_reference(weights, momentum1, momentum2, master_weights, indices, offsets, batch_size, grad_output,
                       rows, dims, slot_table, slot_mean, optimizer, hyper, eps, beta1, beta2, weight_decay,
-                      stochastic_rounding, seed, grouping):
+                      stochastic_rounding, seed):
     lr, step = hyper.tolist()[:2]
     reference.backward_update(weights, _state(momentum1, momentum2, master_weights),
                               _packing(rows, dims, slot_table, slot_mean), indices, offsets, batch_size, grad_output,
@@ -83,21 +82,21 @@ def _update_reference(weights, momentum1, momentum2, master_weights, indices, of
 
 def _update_cuda(weights, momentum1, momentum2, master_weights, indices, offsets, batch_size, grad_output,
                  rows, dims, slot_table, slot_mean, optimizer, hyper, eps, beta1, beta2, weight_decay,
-                 stochastic_rounding, seed, grouping):
+                 stochastic_rounding, seed):
     if not (_kernels_usable() and weights.dtype in KERNEL_DTYPES):
         return _update_reference(weights, momentum1, momentum2, master_weights, indices, offsets, batch_size,
                                  grad_output, rows, dims, slot_table, slot_mean, optimizer, hyper, eps, beta1, beta2,
-                                 weight_decay, stochastic_rounding, seed, grouping)
+                                 weight_decay, stochastic_rounding, seed)
     from pipeline.kernels.embedding import launcher
 
     lr, step = hyper.tolist()[:2]
     packing = _packing(rows, dims, slot_table, slot_mean)
-    slots = launcher.SlotArrays.of(packing, weights.device)
+    slots = packing.cached(("slots", str(weights.device)),
+                           lambda: launcher.SlotArrays.from_packing(packing, weights.device))
     launcher.backward_update(weights, _state(momentum1, momentum2, None), slots, indices, offsets, batch_size,
                              grad_output, optimizer, lr, int(step), eps=eps, beta1=beta1, beta2=beta2,
                              weight_decay=weight_decay, master_weights=master_weights,
-                             stochastic_rounding=stochastic_rounding and weights.dtype != torch.float32, seed=seed,
-                             grouping=grouping)
+                             stochastic_rounding=stochastic_rounding and weights.dtype != torch.float32, seed=seed)
 
 
 def _forward_fake(weights, indices, offsets, batch_size, rows, dims, slot_table, slot_mean):
@@ -122,10 +121,10 @@ def _define(suffix: str, forward_cuda, update_cuda):
                master_weights: Optional[Tensor], indices: Tensor, offsets: Tensor, batch_size: int,
                grad_output: Tensor, rows: list[int], dims: list[int], slot_table: list[int], slot_mean: list[bool],
                optimizer: str, hyper: Tensor, eps: float, beta1: float, beta2: float, weight_decay: float,
-               stochastic_rounding: bool, seed: int, grouping: list[Tensor]) -> None:
+               stochastic_rounding: bool, seed: int) -> None:
         _update_reference(weights, momentum1, momentum2, master_weights, indices, offsets, batch_size, grad_output,
                           rows, dims, slot_table, slot_mean, optimizer, hyper, eps, beta1, beta2, weight_decay,
-                          stochastic_rounding, seed, grouping)
+                          stochastic_rounding, seed)
 
     update.register_kernel("cuda", update_cuda)
     update.register_fake(lambda *args: None)
@@ -135,7 +134,7 @@ def _define(suffix: str, forward_cuda, update_cuda):
                master_weights: Optional[Tensor], step: Tensor, hyper: Tensor, indices: Tensor, offsets: Tensor,
                batch_size: int, rows: list[int], dims: list[int], slot_table: list[int], slot_mean: list[bool],
                optimizer: str, eps: float, beta1: float, beta2: float, weight_decay: float,
-               stochastic_rounding: bool, seed: int, grouping: list[Tensor]) -> Tensor:
+               stochastic_rounding: bool, seed: int) -> Tensor:
         return _forward_reference(weights, indices, offsets, batch_size, rows, dims, slot_table, slot_mean)
 
     lookup.register_kernel("cuda", lambda trigger, weights, m1, m2, master, step, hyper, indices, offsets, batch_size,
@@ -146,17 +145,17 @@ def _define(suffix: str, forward_cuda, update_cuda):
                              weights, indices, offsets, batch_size, rows, dims, slot_table, slot_mean))
 
     def setup_context(ctx, inputs, output):
-        (_, weights, m1, m2, master, step, hyper, indices, offsets, batch_size, *rest, grouping) = inputs
-        ctx.save_for_backward(weights, m1, m2, master, step, hyper, indices, offsets, *grouping)
+        (_, weights, m1, m2, master, step, hyper, indices, offsets, batch_size, *rest) = inputs
+        ctx.save_for_backward(weights, m1, m2, master, step, hyper, indices, offsets)
         ctx.batch_size, ctx.rest = batch_size, rest
 
     def backward(ctx, grad_output):
-        weights, m1, m2, master, step, hyper, indices, offsets, *grouping = ctx.saved_tensors
+        weights, m1, m2, master, step, hyper, indices, offsets = ctx.saved_tensors
         rows, dims, slot_table, slot_mean, optimizer, eps, beta1, beta2, weight_decay, stochastic, seed = ctx.rest
         torch.ops.pipeline.embedding_advance_step(step, hyper)
         update(weights, m1, m2, master, indices, offsets, ctx.batch_size, grad_output, rows, dims, slot_table,
-               slot_mean, optimizer, hyper, eps, beta1, beta2, weight_decay, stochastic, seed, grouping)
-        return (None,) * 21 + ([None] * len(grouping),)
+               slot_mean, optimizer, hyper, eps, beta1, beta2, weight_decay, stochastic, seed)
+        return (None,) * 21
 
     lookup.register_autograd(backward, setup_context=setup_context)
     return forward, update, lookup
