@@ -10,8 +10,8 @@ with the same row groups; the bench checks that all sides wrote the same table.
 Sides, in this order (each side's figures are printed, and the JSON rewritten, as soon as measured):
 
 - with ``--device cuda`` (or ``auto`` where a GPU and cuDF are usable): ours on cuDF, on a
-  ``dask_cuda.LocalCUDACluster`` (one worker per GPU, or ``--gpu-workers``; ``--cluster threads``:
-  threads in this process on one GPU);
+  ``dask_cuda.LocalCUDACluster`` (``etl.workers_per_gpu`` workers on each GPU, on ``--gpu-workers`` GPUs if
+  set; ``--cluster threads``: threads in this process on one GPU);
 - ours on pandas, on a ``LocalCluster`` of ``--workers`` processes (0: one per core) or threads;
 - plain pandas in one process (``--no-baseline`` skips it).
 
@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=integer(0), default=2,
                         help="LocalCluster worker processes of the pandas side (default 2; 0: one per core)")
     parser.add_argument("--gpu-workers", type=integer(0), default=0,
-                        help="LocalCUDACluster workers of the cuDF side (0: one per GPU)")
+                        help="GPUs of the cuDF side's LocalCUDACluster (0: every GPU)")
     parser.add_argument("--cluster", choices=["local", "threads"], default="local",
                         help="run ours on a LocalCluster / LocalCUDACluster (default) or on threads in this process")
     parser.add_argument("--repeats", type=integer(1), default=1,
