@@ -218,3 +218,14 @@ def test_workers_sharing_a_gpu_take_each_gpu_in_turn_under_names_of_their_own():
     cluster = _shared_gpu_cluster(OneWorkerAGpu)(n_workers=6, workers_per_gpu=3)
     assert {name: spec["env"]["CUDA_VISIBLE_DEVICES"] for name, spec in cluster.worker_spec.items()} == {
         "0-0": "0,1", "0-1": "0,1", "0-2": "0,1", "1-3": "1,0", "1-4": "1,0", "1-5": "1,0"}
+
+
+def test_workers_a_gpu_by_default_are_two_where_the_cores_allow():
+    """etl.workers_per_gpu=0: two processes a GPU need two cores a GPU, or they wait for each other's host work."""
+    from pipeline.etl.cluster import SHARED_GPU_WORKERS, auto_workers_per_gpu
+    from pipeline.etl.config import EtlConfig
+
+    assert EtlConfig().workers_per_gpu == 0 and SHARED_GPU_WORKERS > 1
+    assert auto_workers_per_gpu(1, cores=16) == SHARED_GPU_WORKERS
+    assert auto_workers_per_gpu(8, cores=8 * SHARED_GPU_WORKERS) == SHARED_GPU_WORKERS
+    assert auto_workers_per_gpu(8, cores=8 * SHARED_GPU_WORKERS - 1) == 1 and auto_workers_per_gpu(1, cores=1) == 1

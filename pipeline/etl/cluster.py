@@ -5,9 +5,9 @@
 - ``etl.scheduler = "tcp://host:8786"``: connect to that scheduler (its workers are left alone);
 - ``etl.cluster = "local"``: a ``distributed.LocalCluster`` with ``etl.workers`` single-threaded
   worker processes (0: one per core), or on the cudf backend a ``dask_cuda.LocalCUDACluster``:
-  ``etl.workers_per_gpu`` worker processes on each GPU (on ``etl.workers`` GPUs if set) with ``etl.gpu_threads``
-  threads, each with an RMM pool of :data:`RMM_POOL_FRACTION` of its share of the GPU's memory and, with
-  ``etl.gpu_spill``, cuDF's own spilling to host memory, its host allocator keeping freed memory
+  ``etl.workers_per_gpu`` worker processes on each GPU (0: :func:`auto_workers_per_gpu`; on ``etl.workers`` GPUs if
+  set) with ``etl.gpu_threads`` threads, each with an RMM pool of :data:`RMM_POOL_FRACTION` of its share of the GPU's
+  memory and, with ``etl.gpu_spill``, cuDF's own spilling to host memory, its host allocator keeping freed memory
   (:data:`GPU_WORKER_MALLOC`);
 - ``etl.cluster = "threads"``: Dask's threaded scheduler in this process, no cluster at all;
 - ``etl.cluster = "auto"``: a LocalCluster when the input is at least :data:`AUTO_LOCAL_BYTES` of
@@ -38,6 +38,11 @@ AUTO_LOCAL_BYTES = 256 * 2**20
 RMM_POOL_FRACTION = 0.5
 """Initial RMM pool of a LocalCUDACluster worker alone on its GPU, as a fraction of the GPU's memory (the pool may
 grow); workers sharing a GPU (``etl.workers_per_gpu``) take that share of this each."""
+
+SHARED_GPU_WORKERS = 2
+"""Worker processes a GPU when ``etl.workers_per_gpu`` is 0 (auto) and the cores allow: on an H100 with 16 cores two
+gave 1.3x the transform+write and 1.17x the fit of one, four less (docs/BENCHMARKS.md, "Worker processes sharing the
+GPU")."""
 
 DEVICE_SPILL_FRACTION = 0.8
 """Workers sharing a GPU: each spills to host memory from its share of this fraction of the GPU's memory
@@ -87,7 +92,8 @@ def etl_client(etl: EtlConfig, input_bytes: int = 0, library: str = "pandas",
 
     with _local_cluster(etl.workers, library, etl.gpu_threads, etl.gpu_spill, etl.workers_per_gpu) as cluster, \
             Client(cluster) as client:
-        shared = f", {etl.workers_per_gpu} a GPU" if library == "cudf" and etl.workers_per_gpu > 1 else ""
+        per_gpu = getattr(cluster, "workers_per_gpu", 1)
+        shared = f", {per_gpu} a GPU" if per_gpu > 1 else ""
         yield f"{type(cluster).__name__}({len(client.scheduler_info()['workers'])} workers{shared})"
 
 
@@ -167,7 +173,7 @@ def _worker_environment(environ: dict[str, str]) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _local_cluster(workers: int, library: str, gpu_threads: int = 1, gpu_spill: bool = True,
-                   workers_per_gpu: int = 1) -> Iterator[Any]:
+                   workers_per_gpu: int = 0) -> Iterator[Any]:
     if library == "cudf":
         try:
             from dask_cuda import LocalCUDACluster
@@ -176,8 +182,9 @@ def _local_cluster(workers: int, library: str, gpu_threads: int = 1, gpu_spill: 
                             "install it or use --device cpu") from err
         if gpu_threads < 1:
             raise UserError(f"etl.gpu_threads: expected 1 or more, got {gpu_threads}")
-        if workers_per_gpu < 1:
-            raise UserError(f"etl.workers_per_gpu: expected 1 or more, got {workers_per_gpu}")
+        if workers_per_gpu < 0:
+            raise UserError(f"etl.workers_per_gpu: expected 0 (auto) or more, got {workers_per_gpu}")
+        workers_per_gpu = workers_per_gpu or auto_workers_per_gpu(workers or _gpu_count())
         cluster_class = LocalCUDACluster if workers_per_gpu == 1 else _shared_gpu_cluster(LocalCUDACluster)
         shared = {} if workers_per_gpu == 1 else {
             "n_workers": (workers or _gpu_count()) * workers_per_gpu, "workers_per_gpu": workers_per_gpu,
@@ -227,6 +234,13 @@ def _shared_gpu_cluster(local_cuda_cluster: type) -> type:
             return {f"{device}-{count}": spec}
 
     return SharedGPUCluster
+
+
+def auto_workers_per_gpu(gpus: int, cores: int | None = None) -> int:
+    """``etl.workers_per_gpu=0``: :data:`SHARED_GPU_WORKERS` a GPU where the machine has at least that many cores a
+    GPU, else 1 (each worker's host work wants a core of its own)."""
+    cores = cores or os.cpu_count() or 1
+    return SHARED_GPU_WORKERS if cores >= SHARED_GPU_WORKERS * max(gpus, 1) else 1
 
 
 def _gpu_count() -> int:
