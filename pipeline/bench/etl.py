@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 from pathlib import Path
+from typing import Any
 
 from pipeline.bench.arguments import integer
 
@@ -135,21 +136,43 @@ def _ours(kind: str, etl, cfg, roles: dict, files: list, rows: int, out: Path, r
     t = time.perf_counter()
     with etl_client(etl, library=kind) as where:
         startup = time.perf_counter() - t
-        best = {"fit": float("inf"), "transform": float("inf")}
+        each: dict[str, list[float]] = {"fit": [], "transform": []}
         for _ in range(repeats):
+            _wait_for_idle_scheduler()
             workflow = default_workflow(roles, etl, library=kind)
             t = time.perf_counter()
             with _report(report, f"{kind}-fit"):
                 workflow.fit(read_parquet(files, workflow.input_columns, kind))
-            best["fit"] = min(best["fit"], time.perf_counter() - t)
+            each["fit"].append(time.perf_counter() - t)
             t = time.perf_counter()
             with _report(report, f"{kind}-transform"):
                 written = transform_split(workflow, files, out, etl.row_group_rows, kind, progress=False)
             if written != rows:
                 raise RuntimeError(f"ours ({kind}) wrote {written} rows, expected {rows}")
-            best["transform"] = min(best["transform"], time.perf_counter() - t)
+            each["transform"].append(time.perf_counter() - t)
     label = "ours, cuDF" if kind == "cudf" else "ours, pandas"
+    best = {phase: min(times) for phase, times in each.items()}
+    best.update({f"{phase}_each_s": [round(t, 3) for t in times] for phase, times in each.items()})
     return f"{label} on {where}", best, startup, out
+
+
+def _wait_for_idle_scheduler(timeout_s: float = 30.0) -> None:
+    """Wait until the cluster's scheduler holds no task: a repeat must compute everything again, not find an
+    earlier repeat's results still held (their release reaches the scheduler after ``compute`` returns)."""
+    import time
+
+    from pipeline.etl.progress import current_client
+
+    client = current_client()
+    deadline = time.monotonic() + timeout_s
+    while client is not None and time.monotonic() < deadline:
+        if not client.run_on_scheduler(_scheduler_tasks):
+            return
+        time.sleep(0.05)
+
+
+def _scheduler_tasks(dask_scheduler: Any) -> int:
+    return len(dask_scheduler.tasks)
 
 
 @contextlib.contextmanager
@@ -238,6 +261,9 @@ def hot_lines(tree: dict, top: int = 25) -> list[dict]:
 
 def _print_side(name: str, rows: int, r: dict, startup: float | None) -> None:
     extra = f" (cluster start-up {startup:.1f} s, not counted)" if startup is not None else ""
+    if len(r.get("fit_each_s", ())) > 1:
+        extra += (f"; each run: fit {', '.join(f'{t:.2f}' for t in r['fit_each_s'])} s, transform+write "
+                  f"{', '.join(f'{t:.2f}' for t in r['transform_each_s'])} s")
     print(f"[bench etl] {name}: fit {rows / r['fit']:,.0f} rows/s ({r['fit']:.2f} s), transform+write "
           f"{rows / r['transform']:,.0f} rows/s ({r['transform']:.2f} s){extra}", flush=True)
 
