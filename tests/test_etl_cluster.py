@@ -229,3 +229,12 @@ def test_workers_a_gpu_by_default_are_two_where_the_cores_allow():
     assert auto_workers_per_gpu(1, cores=16) == SHARED_GPU_WORKERS
     assert auto_workers_per_gpu(8, cores=8 * SHARED_GPU_WORKERS) == SHARED_GPU_WORKERS
     assert auto_workers_per_gpu(8, cores=8 * SHARED_GPU_WORKERS - 1) == 1 and auto_workers_per_gpu(1, cores=1) == 1
+
+
+def test_more_gpu_workers_than_gpus_is_one_error_line_naming_the_setting():
+    from pipeline.errors import UserError
+    from pipeline.etl.cluster import gpus_used
+
+    assert gpus_used(0, 2) == 2 and gpus_used(1, 2) == 1
+    with pytest.raises(UserError, match=r"etl.workers=4: .* 1 is visible here; set etl.workers to 1 or fewer"):
+        gpus_used(4, 1)

@@ -184,10 +184,11 @@ def _local_cluster(workers: int, library: str, gpu_threads: int = 1, gpu_spill: 
             raise UserError(f"etl.gpu_threads: expected 1 or more, got {gpu_threads}")
         if workers_per_gpu < 0:
             raise UserError(f"etl.workers_per_gpu: expected 0 (auto) or more, got {workers_per_gpu}")
-        workers_per_gpu = workers_per_gpu or auto_workers_per_gpu(workers or _gpu_count())
+        gpus = gpus_used(workers, _gpu_count())
+        workers_per_gpu = workers_per_gpu or auto_workers_per_gpu(gpus)
         cluster_class = LocalCUDACluster if workers_per_gpu == 1 else _shared_gpu_cluster(LocalCUDACluster)
         shared = {} if workers_per_gpu == 1 else {
-            "n_workers": (workers or _gpu_count()) * workers_per_gpu, "workers_per_gpu": workers_per_gpu,
+            "n_workers": gpus * workers_per_gpu, "workers_per_gpu": workers_per_gpu,
             "device_memory_limit": DEVICE_SPILL_FRACTION / workers_per_gpu,
             "rmm_maximum_pool_size": _device_bytes(RMM_MAXIMUM_FRACTION / workers_per_gpu)}
         # enable_cudf_spill: cuDF spills its own buffers to host memory when the GPU fills up, which
@@ -234,6 +235,16 @@ def _shared_gpu_cluster(local_cuda_cluster: type) -> type:
             return {f"{device}-{count}": spec}
 
     return SharedGPUCluster
+
+
+def gpus_used(workers: int, visible: int) -> int:
+    """The GPUs a LocalCUDACluster takes for ``etl.workers`` (0: every visible one); more than are visible is refused
+    (dask-cuda stopped with a traceback)."""
+    if workers > visible:
+        raise UserError(f"etl.workers={workers}: the cudf backend starts its workers on GPUs and {visible} "
+                        f"{'is' if visible == 1 else 'are'} visible here; set etl.workers to {visible} or fewer (0: "
+                        "every GPU), and etl.workers_per_gpu for more workers on each")
+    return workers or visible
 
 
 def auto_workers_per_gpu(gpus: int, cores: int | None = None) -> int:
