@@ -218,6 +218,9 @@ def test_workers_sharing_a_gpu_take_each_gpu_in_turn_under_names_of_their_own():
     cluster = _shared_gpu_cluster(OneWorkerAGpu)(n_workers=6, workers_per_gpu=3)
     assert {name: spec["env"]["CUDA_VISIBLE_DEVICES"] for name, spec in cluster.worker_spec.items()} == {
         "0-0": "0,1", "0-1": "0,1", "0-2": "0,1", "1-3": "1,0", "1-4": "1,0", "1-5": "1,0"}
+    del cluster.worker_spec["0-1"]  # scaled down by one, then up again: the free place, not a name taken twice
+    cluster.worker_spec.update(cluster.new_worker_spec())
+    assert sorted(cluster.worker_spec) == ["0-0", "0-1", "0-2", "1-3", "1-4", "1-5"]
 
 
 def test_workers_a_gpu_by_default_are_two_where_the_cores_allow():

@@ -24,6 +24,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import threading
 from collections.abc import Iterator
@@ -222,8 +223,9 @@ def _shared_gpu_cluster(local_cuda_cluster: type) -> type:
             super().__init__(*args, **kwargs)
 
         def new_worker_spec(self) -> dict[str, Any]:
-            count = len(self.worker_spec)
             devices = self.cuda_visible_devices
+            count = next(k for k in itertools.count()  # the first free place, also after a scale down
+                         if f"{devices[k // self.workers_per_gpu % len(devices)]}-{k}" not in self.worker_spec)
             device = devices[count // self.workers_per_gpu % len(devices)]
             taken = self.worker_spec
             # dask-cuda's own spec of a worker on `device`: the one GPU not yet taken, as it sees it
@@ -239,7 +241,7 @@ def _shared_gpu_cluster(local_cuda_cluster: type) -> type:
 
 def gpus_used(workers: int, visible: int) -> int:
     """The GPUs a LocalCUDACluster takes for ``etl.workers`` (0: every visible one); more than are visible is refused
-    (dask-cuda stopped with a traceback)."""
+    here with what to do (dask-cuda's own refusal is a ValueError about scaling)."""
     if workers > visible:
         raise UserError(f"etl.workers={workers}: the cudf backend starts its workers on GPUs and {visible} "
                         f"{'is' if visible == 1 else 'are'} visible here; set etl.workers to {visible} or fewer (0: "
