@@ -224,9 +224,9 @@ def _shared_gpu_cluster(local_cuda_cluster: type) -> type:
 
         def new_worker_spec(self) -> dict[str, Any]:
             devices = self.cuda_visible_devices
-            count = next(k for k in itertools.count()  # the first free place, also after a scale down
-                         if f"{devices[k // self.workers_per_gpu % len(devices)]}-{k}" not in self.worker_spec)
-            device = devices[count // self.workers_per_gpu % len(devices)]
+            places = ((k, devices[k // self.workers_per_gpu % len(devices)]) for k in itertools.count())
+            # the first free place, also after a scale down
+            count, device = next((k, gpu) for k, gpu in places if f"{gpu}-{k}" not in self.worker_spec)
             taken = self.worker_spec
             # dask-cuda's own spec of a worker on `device`: the one GPU not yet taken, as it sees it
             self.worker_spec = {other: None for other in devices if other != device}
