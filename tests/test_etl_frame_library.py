@@ -46,3 +46,39 @@ def test_reading_errors(files, tmp_path):
     with pytest.raises(BadInputError, match="no parquet files at"):
         read_parquet(tmp_path / "empty-*", None, "pandas")
 
+
+
+def test_gpu_partitions_divide_among_the_workers():
+    from pipeline.etl.frame_library import piece_count
+
+    gib = 1 << 30
+    assert piece_count(20 * 64 << 20, workers=2) == 8  # 1.25 GiB: 4 a worker
+    assert piece_count(int(9.4 * gib), workers=2) == 10  # 9 of 1 GiB would leave a worker idle for a round
+    assert piece_count(100 << 20, workers=2) == 4  # 3 of 32 MiB, rounded up to a multiple of the workers
+    assert piece_count(40 * gib, workers=2) == 40  # at most 1 GiB a piece, a multiple of the workers
+    assert piece_count(10 << 20, workers=2) == 1  # at least 32 MiB a piece: small data stays one piece
+    assert piece_count(100 << 20, workers=1) == 3
+
+
+def test_row_groups_split_in_order_into_pieces_of_about_equal_rows():
+    from pipeline.etl.frame_library import split_row_groups
+
+    groups = [(f"f{i}", g, 250) for i in range(8) for g in range(2)] + [("last", 0, 100), ("last", 1, 20)]
+    pieces = split_row_groups(groups, 4)
+    assert len(pieces) == 4
+    flat = [(path, g) for piece in pieces for path, indices in piece for g in indices]
+    assert flat == [(path, g) for path, g, _ in groups]  # every row group once, in order
+    rows = {(path, g): n for path, g, n in groups}
+    sizes = [sum(rows[(path, g)] for path, indices in piece for g in indices) for piece in pieces]
+    assert sum(sizes) == 4120 and max(sizes) - min(sizes) <= 500  # within a row group or two of 1030
+    assert pieces[0][:2] == [("f0", [0, 1]), ("f1", [0, 1])]  # a piece spans files, a file's groups together
+    assert split_row_groups(groups[:3], 8) == [[("f0", [0])], [("f0", [1])], [("f1", [0])]]  # no empty piece
+    assert split_row_groups([("empty", 0, 0), ("empty", 1, 0)], 2) == [[("empty", [0, 1])]]
+
+
+def test_cudf_reader_pieces_cover_every_row_group_once(files):
+    from pipeline.etl.frame_library import gpu_pieces
+
+    _, folder = files
+    paths = sorted(folder.glob("*.parquet"))
+    assert gpu_pieces(paths, ["C", "I"]) == [[(str(paths[0]), [0, 1, 2]), (str(paths[1]), [0])]]

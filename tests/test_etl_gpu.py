@@ -14,6 +14,7 @@ cuDF is absent, so it never shadows it), with either way libcudf folds a one-col
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -531,6 +532,15 @@ def _stand_in_modules(folds: bool) -> dict:
     cudf.Series, cudf.DataFrame = Series, DataFrame
     cudf.concat = lambda objs, ignore_index=False: (Series if isinstance(objs[0], pd.Series) else DataFrame)(
         pd.concat(objs, ignore_index=ignore_index))
+
+    def read_parquet(paths, columns=None, row_groups=None):
+        paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
+        tables = [pq.ParquetFile(path).read_row_groups(groups, columns=columns) if row_groups is not None
+                  else pq.read_table(path, columns=columns) for path, groups in zip(paths, row_groups or paths)]
+        table = pa.concat_tables(tables)
+        return DataFrame({name: Series.from_arrow(table[name]) for name in table.column_names})
+
+    cudf.read_parquet = read_parquet
     cupy = types.ModuleType("cupy")
     for name in ("arange", "empty", "full", "where", "zeros", "uint32", "uint64", "int32", "int64", "float64", "log1p",
                  "digitize", "asarray"):
@@ -609,6 +619,23 @@ def test_cudf_branches_on_a_stand_in_equal_the_pandas_path(stand_in):
                                            equal_nan=True, err_msg=name)
             else:
                 np.testing.assert_array_equal(got[name].to_numpy(), want[name].to_numpy(), err_msg=name)
+
+
+def test_cudf_reader_on_a_stand_in_reads_every_row_once_in_order(stand_in, tmp_path):
+    import dask
+
+    table = pa.table({"C": pa.array([f"v{i % 7}" if i % 5 else None for i in range(300)]),
+                      "I": pa.array(range(300)), "X": pa.array([i / 3 for i in range(300)])})
+    pq.write_table(table, tmp_path / "part-00000.parquet", row_group_size=100)
+    pq.write_table(table.slice(0, 40), tmp_path / "part-00001.parquet")
+    pq.write_table(table.slice(0, 0), tmp_path / "part-00002.parquet")
+    ddf = read_parquet(tmp_path, ["I", "C"], "cudf")
+    assert list(ddf.columns) == ["I", "C"] and type(ddf._meta).__module__.startswith("cudf")
+    with dask.config.set(scheduler="sync"):
+        got = pd.DataFrame(ddf.compute())
+    assert got["I"].tolist() == list(range(300)) + list(range(40))
+    assert got["C"].astype(object).where(got["C"].notna(), None).tolist() == table["C"].to_pylist() + \
+        table["C"].to_pylist()[:40]
 
 
 @pytest.mark.parametrize("points", [65_536, 50])

@@ -82,9 +82,9 @@ def read_parquet(path: str | Path | list, columns: list[str] | None, library: st
     On the pandas library every column is arrow-backed (``pd.ArrowDtype``) and string columns are
     read as Arrow dictionaries: parquet stores them dictionary-encoded, so this skips decoding each
     value, and Categorify counts and looks up the (few) dictionary values instead of every row.
-    Partitions are whole row groups, about ``partition_rows`` rows each (a file per partition at least).
+    Partitions are whole row groups: on pandas about ``partition_rows`` rows each (a file per partition at
+    least), on cuDF :func:`gpu_pieces`.
     """
-    import dask
     import dask.dataframe as dd
 
     check_frame_library(library)
@@ -97,50 +97,75 @@ def read_parquet(path: str | Path | list, columns: list[str] | None, library: st
     if library == "cudf":
         # Straight into GPU memory (libcudf's parquet reader): strings are plain cuDF string
         # columns, lists cuDF list columns, integers keep their width and nulls.
-        with dask.config.set({"dataframe.backend": "cudf"}):
-            ddf = dd.read_parquet([str(f) for f in files], columns=columns,
-                                  blocksize=gpu_partition_bytes(files, columns))
-        return _with_list_meta(ddf, schema, columns)
+        pieces = gpu_pieces(files, columns)
+        meta = _read_cudf_piece([(pieces[0][0][0], pieces[0][0][1][:1])], columns).head(0)
+        return dd.from_map(_read_cudf_piece, pieces, columns=columns, meta=meta, enforce_metadata=False)
     dictionary = tuple(_string_columns(schema))
     return dd.from_map(_read_piece, _pieces(files, partition_rows), columns=columns, dictionary_columns=dictionary,
                        meta=_empty(schema, columns, dictionary), enforce_metadata=False)
 
 
-def _with_list_meta(ddf: Any, schema: pa.Schema, columns: list[str]) -> Any:
-    """The cuDF frame with list columns typed as lists in its (empty) metadata too.
+def gpu_pieces(files: list[Path], columns: list[str], per_worker: int = 4) -> list[list[tuple[str, list[int]]]]:
+    """The cuDF reader's partitions: the files' row groups, in order, cut into :func:`piece_count` pieces of about
+    equal rows (:func:`split_row_groups`); each piece is ``[(file, [row groups]), ...]`` and may span files.
 
-    Dask cuDF's reader returns list columns as cuDF lists, but the frame's metadata can call them
-    plain object columns (read as strings), which would hide a multi-hot column from the ops.
-    """
-    lists = [f for f in schema if f.name in columns and (pa.types.is_list(f.type) or pa.types.is_large_list(f.type))]
-    if not lists:
-        return ddf
-    import cudf
-
-    meta = ddf._meta.copy()
-    for field in lists:
-        meta[field.name] = cudf.Series.from_arrow(pa.array([], field.type))
-    return ddf.map_partitions(lambda df: df, meta=meta)
-
-
-def gpu_partition_bytes(files: list[Path], columns: list[str], per_worker: int = 4) -> int:
-    """Partition size for the cuDF reader: about ``per_worker`` partitions per Dask worker.
-
-    Dask cuDF's default (1/32 of a GPU's memory, small files merged up to it) puts a few GB in one
-    partition: a 20M-row dataset becomes one task on one GPU. GPUs want large partitions, but every
-    worker needs several to overlap reading, computing and writing; 32 MiB to 1 GiB of columns.
+    Dask cuDF's reader (1/32 of a GPU's memory a partition, small files merged up to it) puts a few GB in
+    one partition: a 20M-row dataset becomes one task on one GPU; with a size a partition instead, the
+    partitions seldom divide among the workers, and the last round runs on some workers while the others
+    wait (9 partitions on 2 workers take the time of 10).
     """
     from pipeline.etl.progress import current_client
 
-    total, names = 0, set(columns)
+    names = set(columns)
+    groups: list[tuple[str, int, int]] = []
+    total = 0
     for f in files:
         meta = pq.ParquetFile(f).metadata
-        wanted = {i for i in range(meta.num_columns) if meta.schema.column(i).path.split(".")[0] in names}
-        total += sum(meta.row_group(g).column(i).total_uncompressed_size
-                     for g in range(meta.num_row_groups) for i in wanted)
+        wanted = [i for i in range(meta.num_columns) if meta.schema.column(i).path.split(".")[0] in names]
+        for g in range(meta.num_row_groups):
+            group = meta.row_group(g)
+            groups.append((str(f), g, group.num_rows))
+            total += sum(group.column(i).total_uncompressed_size for i in wanted)
+    if not groups:
+        return [[(str(files[0]), [])]]
     client = current_client()
     workers = max(1, len(client.scheduler_info().get("workers", {}))) if client is not None else 1
-    return int(min(1 << 30, max(32 << 20, total // (per_worker * workers))))
+    return split_row_groups(groups, piece_count(total, workers, per_worker))
+
+
+def piece_count(total_bytes: int, workers: int, per_worker: int = 4) -> int:
+    """How many partitions ``total_bytes`` of columns make on ``workers`` GPU workers: ``per_worker`` each, each
+    kept within 32 MiB to 1 GiB, and then (where there are more than the workers) a multiple of the workers, so
+    that every round of tasks keeps every worker busy."""
+    size = min(1 << 30, max(32 << 20, total_bytes // (per_worker * workers)))
+    parts = max(1, round(total_bytes / size))
+    return -(-parts // workers) * workers if parts > workers else parts
+
+
+def split_row_groups(groups: list[tuple[str, int, int]], parts: int) -> list[list[tuple[str, list[int]]]]:
+    """Row groups ``(file, index, rows)``, in order, cut into at most ``parts`` pieces of about equal rows (a row
+    group whole in the piece where its first row falls); each piece is ``[(file, [indices]), ...]``."""
+    parts = max(1, min(parts, len(groups)))
+    rows = max(1, sum(n for _, _, n in groups))
+    pieces: list[list[tuple[str, list[int]]]] = [[] for _ in range(parts)]
+    before = 0
+    for path, index, n in groups:
+        piece = pieces[min(parts - 1, before * parts // rows)]
+        if piece and piece[-1][0] == path:
+            piece[-1][1].append(index)
+        else:
+            piece.append((path, [index]))
+        before += n
+    return [piece for piece in pieces if piece]
+
+
+def _read_cudf_piece(piece: list[tuple[str, list[int]]], columns: list[str] | None = None) -> Any:
+    """Row groups of one or more files as one cuDF DataFrame, in one call to libcudf's reader."""
+    import cudf
+
+    if not any(groups for _, groups in piece):  # files without row groups: an empty frame of their columns
+        return cudf.read_parquet(piece[0][0], columns=columns)
+    return cudf.read_parquet([path for path, _ in piece], columns=columns, row_groups=[g for _, g in piece])
 
 
 def parquet_files(path: str | Path | list) -> list[Path]:
