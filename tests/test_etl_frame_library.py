@@ -52,12 +52,13 @@ def test_gpu_partitions_divide_among_the_workers():
     from pipeline.etl.frame_library import piece_count
 
     gib = 1 << 30
-    assert piece_count(20 * 64 << 20, workers=2) == 8  # 1.25 GiB: 4 a worker
+    assert piece_count(20 * 64 << 20, workers=2) == 2  # 1.25 GiB: one a worker
+    assert piece_count(20 * 64 << 20, workers=2, per_worker=4) == 8
     assert piece_count(int(9.4 * gib), workers=2) == 10  # 9 of 1 GiB would leave a worker idle for a round
-    assert piece_count(100 << 20, workers=2) == 4  # 3 of 32 MiB, rounded up to a multiple of the workers
+    assert piece_count(100 << 20, workers=2, per_worker=2) == 4  # 3 of 32 MiB, up to a multiple of the workers
     assert piece_count(40 * gib, workers=2) == 40  # at most 1 GiB a piece, a multiple of the workers
     assert piece_count(10 << 20, workers=2) == 1  # at least 32 MiB a piece: small data stays one piece
-    assert piece_count(100 << 20, workers=1) == 3
+    assert piece_count(100 << 20, workers=1) == 1
 
 
 def test_row_groups_split_in_order_into_pieces_of_about_equal_rows():

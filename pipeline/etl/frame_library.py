@@ -105,14 +105,17 @@ def read_parquet(path: str | Path | list, columns: list[str] | None, library: st
                        meta=_empty(schema, columns, dictionary), enforce_metadata=False)
 
 
-def gpu_pieces(files: list[Path], columns: list[str], per_worker: int = 4) -> list[list[tuple[str, list[int]]]]:
+def gpu_pieces(files: list[Path], columns: list[str], per_worker: int = 1) -> list[list[tuple[str, list[int]]]]:
     """The cuDF reader's partitions: the files' row groups, in order, cut into :func:`piece_count` pieces of about
     equal rows (:func:`split_row_groups`); each piece is ``[(file, [row groups]), ...]`` and may span files.
 
     Dask cuDF's reader (1/32 of a GPU's memory a partition, small files merged up to it) puts a few GB in
     one partition: a 20M-row dataset becomes one task on one GPU; with a size a partition instead, the
     partitions seldom divide among the workers, and the last round runs on some workers while the others
-    wait (9 partitions on 2 workers take the time of 10).
+    wait (9 partitions on 2 workers take the time of 10). Fewer, larger partitions suit a GPU: each
+    partition's category counts are merged with every other's, work that grows with their number, and
+    workers sharing a GPU (``etl.workers_per_gpu``) overlap one partition's host work with another's GPU work,
+    which several partitions a worker otherwise would.
     """
     from pipeline.etl.progress import current_client
 
@@ -133,10 +136,11 @@ def gpu_pieces(files: list[Path], columns: list[str], per_worker: int = 4) -> li
     return split_row_groups(groups, piece_count(total, workers, per_worker))
 
 
-def piece_count(total_bytes: int, workers: int, per_worker: int = 4) -> int:
+def piece_count(total_bytes: int, workers: int, per_worker: int = 1) -> int:
     """How many partitions ``total_bytes`` of columns make on ``workers`` GPU workers: ``per_worker`` each, each
-    kept within 32 MiB to 1 GiB, and then (where there are more than the workers) a multiple of the workers, so
-    that every round of tasks keeps every worker busy."""
+    kept within 32 MiB to 1 GiB (a partition takes several times its bytes of GPU memory while it is worked on),
+    and then (where there are more than the workers) a multiple of the workers, so that every round of tasks
+    keeps every worker busy."""
     size = min(1 << 30, max(32 << 20, total_bytes // (per_worker * workers)))
     parts = max(1, round(total_bytes / size))
     return -(-parts // workers) * workers if parts > workers else parts
