@@ -639,9 +639,9 @@ def test_bench_etl_reports_each_run_and_starts_each_on_an_idle_scheduler(tmp_pat
         held = client.submit(sum, [1, 2])
         assert held.result() == 3
         t = time.monotonic()
-        _wait_for_idle_scheduler(timeout_s=0.5)
-        assert time.monotonic() - t >= 0.5, "a held result is a task the scheduler still holds"
+        assert _wait_for_idle_scheduler(timeout_s=0.5) == 1, "a held result is a task the scheduler still holds"
+        assert time.monotonic() - t >= 0.5
         del held
         t = time.monotonic()
-        _wait_for_idle_scheduler(timeout_s=10)
+        assert _wait_for_idle_scheduler(timeout_s=10) == 0
         assert time.monotonic() - t < 5

@@ -137,8 +137,11 @@ def _ours(kind: str, etl, cfg, roles: dict, files: list, rows: int, out: Path, r
     with etl_client(etl, library=kind) as where:
         startup = time.perf_counter() - t
         each: dict[str, list[float]] = {"fit": [], "transform": []}
-        for _ in range(repeats):
-            _wait_for_idle_scheduler()
+        for repeat in range(repeats):
+            held = _wait_for_idle_scheduler()
+            if held:
+                print(f"[bench etl] {kind}, run {repeat + 1}: the scheduler still held {held} tasks of the run before "
+                      "after 30 s; this run's times may include their results")
             workflow = default_workflow(roles, etl, library=kind)
             t = time.perf_counter()
             with _report(report, f"{kind}-fit"):
@@ -156,19 +159,23 @@ def _ours(kind: str, etl, cfg, roles: dict, files: list, rows: int, out: Path, r
     return f"{label} on {where}", best, startup, out
 
 
-def _wait_for_idle_scheduler(timeout_s: float = 30.0) -> None:
+def _wait_for_idle_scheduler(timeout_s: float = 30.0) -> int:
     """Wait until the cluster's scheduler holds no task: a repeat must compute everything again, not find an
-    earlier repeat's results still held (their release reaches the scheduler after ``compute`` returns)."""
+    earlier repeat's results still held (their release reaches the scheduler after ``compute`` returns).
+    Returns how many tasks it still held when ``timeout_s`` ran out (0: idle)."""
     import time
 
     from pipeline.etl.progress import current_client
 
     client = current_client()
     deadline = time.monotonic() + timeout_s
-    while client is not None and time.monotonic() < deadline:
-        if not client.run_on_scheduler(_scheduler_tasks):
-            return
+    held = 0
+    while client is not None:
+        held = client.run_on_scheduler(_scheduler_tasks)
+        if not held or time.monotonic() >= deadline:
+            return held
         time.sleep(0.05)
+    return held
 
 
 def _scheduler_tasks(dask_scheduler: Any) -> int:
