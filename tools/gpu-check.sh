@@ -52,7 +52,8 @@
 # budget (CHECK_BUDGET_S, 560 s by default: under a ten-minute limit on one command).
 # Knobs: PYTHON (python3), SITE (/tmp/site), KIT (.kit), KIT_STORE (/root/kit), MODELS_ENV
 # (/tmp/venv-triton), RAPIDS_PARTS, E2E_WORKDIR (/tmp/e2e), E2E_MODELS (dlrm dcnv2 deepfm wide_deep), E2E_ROWS,
-# E2E_STEPS, E2E_AUTOTUNE, DYNAMIC_ROWS, ETL_BENCH_ARGS, ETL_PROFILE_ROWS, SERVE_ARGS (extra settings for bench serve, e.g. export.instances=4).
+# E2E_STEPS, E2E_AUTOTUNE, E2E_ETL_SETTINGS (settings for that split's run etl, e.g. etl.row_group_rows=262144,
+# with an E2E_WORKDIR of its own), DYNAMIC_ROWS, ETL_BENCH_ARGS, ETL_PROFILE_ROWS, SERVE_ARGS (extra settings for bench serve, e.g. export.instances=4).
 set -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-check-out}
@@ -230,7 +231,7 @@ print(f'{len(sources)} sources in {time.time() - start:.0f} s')
       w=${E2E_WORKDIR:-/tmp/e2e}
       rows=${E2E_ROWS:-10000000}
       [ -f "$w/synthetic/processed/schema.json" ] || step e2e-etl 420 "$PY" -m pipeline run etl --device cpu \
-        workdir="$w" data.size=1.0 data.rows="$rows"
+        workdir="$w" data.size=1.0 data.rows="$rows" $E2E_ETL_SETTINGS
       for model in ${E2E_MODELS:-dlrm dcnv2 deepfm wide_deep}; do
         step "e2e-$model" 150 "$PY" -m pipeline bench e2e --device cuda --batch 65536 --steps "${E2E_STEPS:-100}" \
           --warmup 20 workdir="$w" data.size=1.0 data.rows="$rows" train.model="$model" --out "$W/e2e-$model"
@@ -249,7 +250,7 @@ print(f'{len(sources)} sources in {time.time() - start:.0f} s')
       # imports; then the loader's GPU tests
       w=${E2E_WORKDIR:-/tmp/e2e}
       [ -f "$w/synthetic/processed/schema.json" ] || step e2e-etl 420 "$PY" -m pipeline run etl --device cpu \
-        workdir="$w" data.size=1.0 data.rows="${E2E_ROWS:-10000000}"
+        workdir="$w" data.size=1.0 data.rows="${E2E_ROWS:-10000000}" $E2E_ETL_SETTINGS
       step loader-split 240 "$PY" -m pipeline bench loader --device cuda --data "$w/synthetic/processed/train" \
         --batch-size 65536 --epochs 3
       step loader-tests 180 "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_loader.py ;;
