@@ -105,7 +105,7 @@ def read_parquet(path: str | Path | list, columns: list[str] | None, library: st
                        meta=_empty(schema, columns, dictionary), enforce_metadata=False)
 
 
-def gpu_pieces(files: list[Path], columns: list[str], per_worker: int = 1) -> list[list[tuple[str, list[int]]]]:
+def gpu_pieces(files: list[Path], columns: list[str]) -> list[list[tuple[str, list[int]]]]:
     """The cuDF reader's partitions: the files' row groups, in order, cut into :func:`piece_count` pieces of about
     equal rows (:func:`split_row_groups`); each piece is ``[(file, [row groups]), ...]`` and may span files.
 
@@ -133,7 +133,7 @@ def gpu_pieces(files: list[Path], columns: list[str], per_worker: int = 1) -> li
         return [[(str(files[0]), [])]]
     client = current_client()
     workers = max(1, len(client.scheduler_info().get("workers", {}))) if client is not None else 1
-    return split_row_groups(groups, piece_count(total, workers, per_worker))
+    return split_row_groups(groups, piece_count(total, workers))
 
 
 def piece_count(total_bytes: int, workers: int, per_worker: int = 1) -> int:
