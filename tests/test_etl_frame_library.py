@@ -47,7 +47,6 @@ def test_reading_errors(files, tmp_path):
         read_parquet(tmp_path / "empty-*", None, "pandas")
 
 
-
 def test_gpu_partitions_divide_among_the_workers():
     from pipeline.etl.frame_library import piece_count
 

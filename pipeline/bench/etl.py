@@ -168,12 +168,10 @@ def _wait_for_idle_scheduler(timeout_s: float = 30.0) -> int:
     from pipeline.etl.progress import current_client
 
     client = current_client()
+    if client is None:
+        return 0
     deadline = time.monotonic() + timeout_s
-    held = 0
-    while client is not None:
-        held = client.run_on_scheduler(_scheduler_tasks)
-        if not held or time.monotonic() >= deadline:
-            return held
+    while (held := client.run_on_scheduler(_scheduler_tasks)) and time.monotonic() < deadline:
         time.sleep(0.05)
     return held
 

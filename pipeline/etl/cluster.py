@@ -41,9 +41,8 @@ RMM_POOL_FRACTION = 0.5
 grow); workers sharing a GPU (``etl.workers_per_gpu``) take that share of this each."""
 
 SHARED_GPU_WORKERS = 2
-"""Worker processes a GPU when ``etl.workers_per_gpu`` is 0 (auto) and the cores allow: on an H100 with 16 cores two
-gave 1.3x the transform+write and 1.17x the fit of one, four less (docs/BENCHMARKS.md, "Worker processes sharing the
-GPU")."""
+"""Worker processes a GPU when ``etl.workers_per_gpu`` is 0 (auto) and the cores allow: the count that did best in
+docs/BENCHMARKS.md, "Worker processes sharing the GPU"."""
 
 DEVICE_SPILL_FRACTION = 0.8
 """Workers sharing a GPU: each spills to host memory from its share of this fraction of the GPU's memory
@@ -181,10 +180,6 @@ def _local_cluster(workers: int, library: str, gpu_threads: int = 1, gpu_spill: 
         except Exception as err:
             raise UserError(f"the cudf backend needs dask-cuda for its cluster ({type(err).__name__}: {err}): "
                             "install it or use --device cpu") from err
-        if gpu_threads < 1:
-            raise UserError(f"etl.gpu_threads: expected 1 or more, got {gpu_threads}")
-        if workers_per_gpu < 0:
-            raise UserError(f"etl.workers_per_gpu: expected 0 (auto) or more, got {workers_per_gpu}")
         gpus = gpus_used(workers, _gpu_count())
         workers_per_gpu = workers_per_gpu or auto_workers_per_gpu(gpus)
         cluster_class = LocalCUDACluster if workers_per_gpu == 1 else _shared_gpu_cluster(LocalCUDACluster)

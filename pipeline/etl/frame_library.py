@@ -98,7 +98,8 @@ def read_parquet(path: str | Path | list, columns: list[str] | None, library: st
         # Straight into GPU memory (libcudf's parquet reader): strings are plain cuDF string
         # columns, lists cuDF list columns, integers keep their width and nulls.
         pieces = gpu_pieces(files, columns)
-        meta = _read_cudf_piece([(pieces[0][0][0], pieces[0][0][1][:1])], columns).head(0)
+        first_file, first_groups = pieces[0][0]
+        meta = _read_cudf_piece([(first_file, first_groups[:1])], columns).head(0)
         return dd.from_map(_read_cudf_piece, pieces, columns=columns, meta=meta, enforce_metadata=False)
     dictionary = tuple(_string_columns(schema))
     return dd.from_map(_read_piece, _pieces(files, partition_rows), columns=columns, dictionary_columns=dictionary,
