@@ -51,6 +51,14 @@ def _packing(rows, dims, slot_table, slot_mean):
     return packing_of(tuple(rows), tuple(dims), tuple(slot_table), tuple(slot_mean))
 
 
+def _slot_arrays(rows, dims, slot_table, slot_mean, device):
+    """The packing's arrays for the CUDA kernels on ``device``, made once a packing and device."""
+    from pipeline.kernels.embedding import launcher
+
+    packing = _packing(rows, dims, slot_table, slot_mean)
+    return packing.cached(("slots", str(device)), lambda: launcher.SlotArrays.from_packing(packing, device))
+
+
 def _state(momentum1, momentum2, master_weights) -> dict[str, Tensor]:
     named = {"momentum1": momentum1, "momentum2": momentum2, "master_weights": master_weights}
     return {k: v for k, v in named.items() if v is not None}
@@ -65,9 +73,7 @@ def _forward_cuda(weights, indices, offsets, batch_size, rows, dims, slot_table,
         return _forward_reference(weights, indices, offsets, batch_size, rows, dims, slot_table, slot_mean)
     from pipeline.kernels.embedding import launcher
 
-    packing = _packing(rows, dims, slot_table, slot_mean)
-    slots = packing.cached(("slots", str(weights.device)),
-                           lambda: launcher.SlotArrays.from_packing(packing, weights.device))
+    slots = _slot_arrays(rows, dims, slot_table, slot_mean, weights.device)
     return launcher.pooled_forward(weights, slots, indices, offsets, batch_size)
 
 
@@ -90,9 +96,7 @@ def _update_cuda(weights, momentum1, momentum2, master_weights, indices, offsets
     from pipeline.kernels.embedding import launcher
 
     lr, step = hyper.tolist()[:2]
-    packing = _packing(rows, dims, slot_table, slot_mean)
-    slots = packing.cached(("slots", str(weights.device)),
-                           lambda: launcher.SlotArrays.from_packing(packing, weights.device))
+    slots = _slot_arrays(rows, dims, slot_table, slot_mean, weights.device)
     launcher.backward_update(weights, _state(momentum1, momentum2, None), slots, indices, offsets, batch_size,
                              grad_output, optimizer, lr, int(step), eps=eps, beta1=beta1, beta2=beta2,
                              weight_decay=weight_decay, master_weights=master_weights,
