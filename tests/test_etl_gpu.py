@@ -271,6 +271,37 @@ def test_cudf_fill_missing_median_and_bucketize_match_pandas():
 
 
 @pytest.mark.gpu
+def test_cudf_float_rows_and_sorted_rows_equal_numpy():
+    """cuDF columns of several dtypes, with nulls, NaN of either sign and zeros of either sign, as one float64
+    matrix and its rows sorted (a radix sort a row on the GPU), as numpy has them; a one-column matrix is a copy."""
+    import cudf
+    import cupy
+
+    from pipeline.etl.frames import float_rows
+    from pipeline.etl.ops import median
+
+    rng = np.random.default_rng(7)
+    n = 50_000
+    negative_nan = np.array([0xFFF8000000000000], dtype=np.uint64).view(np.float64)[0]
+    floats = rng.normal(0, 5, n)
+    for rate, value in ((0.1, np.nan), (0.05, negative_nan), (0.05, -0.0), (0.05, 0.0)):
+        floats[rng.random(n) < rate] = value
+    ints = pd.array(np.where(rng.random(n) < 0.2, None, rng.integers(-50, 50, n)), dtype="Int64")
+    small = rng.integers(0, 9, n).astype(np.int32)
+    cpu = pd.DataFrame({"i": ints, "f": floats, "s": small, "j": ints})
+    gpu = cudf.DataFrame({"i": cudf.from_pandas(cpu["i"]), "f": cudf.Series(cupy.asarray(floats)),
+                          "s": cudf.Series(cupy.asarray(small)), "j": cudf.from_pandas(cpu["j"])})
+    assert bool(cupy.isnan(gpu["f"].values).any()), "NaN kept as values, not nulls"
+    for names in (["i", "f", "s"], ["i", "j"], ["f"], ["s"]):
+        np.testing.assert_array_equal(float_rows(gpu, names).get(), float_rows(cpu, names), err_msg=str(names))
+        np.testing.assert_array_equal(median._sorted_rows(gpu, names).get(), median._sorted_rows(cpu, names),
+                                      err_msg=str(names))
+    single = float_rows(gpu, ["f"])
+    single[:] = 1.0
+    np.testing.assert_array_equal(gpu["f"].values.get(), floats)
+
+
+@pytest.mark.gpu
 def test_cudf_matrix_rows_handed_to_operators_that_take_series_transform_like_pandas():
     """A numeric chain's CuPy matrix going on to an operator that takes cuDF Series, and a union of a matrix with
     Series going into a numeric operator."""

@@ -13,9 +13,9 @@ import pytest
 from pipeline.etl import Categorify, Workflow
 from pipeline.etl.ops import keyed
 from pipeline.etl.ops.categorify import (
+    _all_counts_to_arrow,
     _count_partition,
     _count_partition_keyed,
-    _counts_to_arrow,
     _encode,
     _flat_strings,
     _keyed_codes,
@@ -51,7 +51,7 @@ def _keyed_fit(parts: list[pd.DataFrame], **params) -> Categorify:
     level = [_count_partition_keyed(part, NAMES, MULTIHOT) for part in parts]
     while len(level) > 1:
         level = [_merge_partitions(*level[i:i + 2]) for i in range(0, len(level), 2)]
-    stats = {name: _counts_to_arrow(stat) for name, stat in level[0].items()}
+    stats = _all_counts_to_arrow(level[0])
     op = Categorify(**params)
     op.start_fit()
     op.fit_finalize(stats)
@@ -70,10 +70,10 @@ def _weak_keys(strings: pd.Series, seed: int = 0) -> np.ndarray:
 
 def test_keyed_counts_of_a_partition_equal_the_arrow_counts():
     df = categorical_rows(3000, seed=1)
-    by_keys = _count_partition_keyed(df, NAMES, MULTIHOT)
+    by_keys = _all_counts_to_arrow(_count_partition_keyed(df, NAMES, MULTIHOT))
     by_arrow = _count_partition(df, NAMES, MULTIHOT)
     for name in NAMES:
-        assert _as_dict(_counts_to_arrow(by_keys[name])["counts"]) == _as_dict(by_arrow[name]["counts"]), name
+        assert _as_dict(by_keys[name]["counts"]) == _as_dict(by_arrow[name]["counts"]), name
     assert by_keys["M"]["max_length"] == by_arrow["M"]["max_length"] == 3
     assert sum(_as_dict(by_arrow["s"]["counts"]).values()) == int(df["s"].notna().sum())
 

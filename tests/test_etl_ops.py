@@ -344,6 +344,19 @@ def test_normalize_of_one_value_after_log_has_std_0_and_of_a_large_offset_its_st
     assert out["K"].abs().tolist() == [0.0, 0.0]
 
 
+def test_normalize_shifts_by_the_first_present_value_even_past_the_first_thousand_rows():
+    """The moments' shift is each column's first present value, looked for in the first rows before all of them."""
+    from pipeline.etl.ops.continuous import _first_true, _moments
+
+    mask = np.zeros((3, 3000), dtype=bool)
+    mask[0, 5] = mask[0, 2900] = mask[1, 2500] = True
+    assert _first_true(mask).tolist() == [5, 2500, 0]
+    assert _first_true(mask[:, :10]).tolist() == [5, 0, 0]
+    late = pd.DataFrame({"L": [np.nan] * 2000 + [1e9 + 1.0, 1e9 + 3.0]})
+    count, mean, squares, missing = _moments(late, ["L"])[:, 0]
+    assert (count, mean, squares, missing) == (2.0, 1e9 + 2.0, 2.0, 2000.0)
+
+
 def test_the_standard_workflow_keeps_the_order_and_sign_of_negative_values():
     """Clip(min_value=0) before the log made every negative value 0: a column of temperatures below zero
     became one value, and a model of it learned nothing."""

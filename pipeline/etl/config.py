@@ -50,7 +50,7 @@ class EtlConfig:
     missing_indicator: bool = field(default=True, metadata={
         "help": "beside each continuous feature, a continuous feature <name>_missing: 1.0 where the value was "
                 "missing (and filled with the column's median), else 0.0"})
-    row_group_rows: int = field(default=65_536, metadata={"help": "parquet row group size of the output"})
+    row_group_rows: int = field(default=262_144, metadata={"help": "parquet row group size of the output"})
     compression: str = field(default=DEFAULT_COMPRESSION, metadata={
         "help": f"compression of the output's parquet pages: {' | '.join(COMPRESSIONS)} (lz4: small files the "
                 "loader decodes cheaply; none: about 2.4x the bytes for about 1.5x less decoding CPU, for a loader "

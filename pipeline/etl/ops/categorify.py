@@ -411,7 +411,7 @@ def _tree_counts(ddf: Any, multihot: dict[str, bool], split_every: int = 8) -> d
     the GPU). On pandas each column then has its own tree of merges, so that different columns' vocabularies
     end on different workers; on the GPU (one worker a GPU) each merge takes all columns in one sort
     (:func:`~pipeline.etl.ops.keyed.merge_columns`), a task where pandas has one a column. The root of each
-    tree is an Arrow table (cuDF counts leave the GPU there).
+    tree is an Arrow table (cuDF counts leave the GPU there, all columns in one copy).
     Selecting columns with ``ddf[name]`` instead would read every partition once per column.
     """
     from dask import delayed
@@ -432,7 +432,7 @@ def _tree_counts(ddf: Any, multihot: dict[str, bool], split_every: int = 8) -> d
         level = [chunk[name] for chunk in chunks]
         while len(level) > 1:
             level = [delayed(_merge_counts, pure=True)(*level[i : i + split_every]) for i in range(0, len(level), split_every)]
-        stats[name] = delayed(_counts_to_arrow, pure=True)(level[0])
+        stats[name] = level[0]
     return stats
 
 
@@ -451,14 +451,12 @@ def _count_partition(df: Any, names: list[str], multihot: dict[str, bool]) -> di
 
 def _count_partition_keyed(df: Any, names: list[str], multihot: dict[str, bool]) -> dict:
     """Counts of the values' text (what the pandas path counts, :func:`_plain_strings`), multi-hot leaves
-    too, as frames ``(key, check, count, value)`` from one sort of all columns' keys (:func:`keyed.count_columns`):
-    the cuDF path, which runs on pandas frames too."""
+    too, of every column in one :class:`~pipeline.etl.ops.keyed.ColumnCounts` (one sort of all columns' keys,
+    :func:`keyed.count_columns`), with the longest list of each multi-hot column: the cuDF path, which runs on
+    pandas frames too."""
     strings = [(_flat_strings if multihot[name] else _plain_strings)(df[name]) for name in names]
-    out = {name: {"counts": counts} for name, counts in zip(names, count_columns(strings))}
-    for name in names:
-        if multihot[name]:
-            out[name]["max_length"] = int(longest_list(df[name]).iloc[0])
-    return out
+    return {"names": names, "counts": count_columns(strings),
+            "max_length": {name: int(longest_list(df[name]).iloc[0]) for name in names if multihot[name]}}
 
 
 def _counts_table(values: pa.Array) -> pa.Table:
@@ -478,29 +476,24 @@ def _merge_counts(*parts: dict) -> dict:
 
 
 def _merge_partitions(*parts: dict) -> dict:
-    """Every column's counts by key (:func:`_count_partition_keyed`) of several partitions merged, all in one sort."""
-    names = list(parts[0])
-    frames = merge_columns([[part[name]["counts"] for name in names] for part in parts])
-    merged = {name: {"counts": frame} for name, frame in zip(names, frames)}
-    for name in names:
-        if "max_length" in parts[0][name]:
-            merged[name]["max_length"] = max(part[name]["max_length"] for part in parts)
-    return merged
+    """The counts of :func:`_count_partition_keyed` of several partitions merged, all columns in one sort."""
+    return {"names": parts[0]["names"], "counts": merge_columns([part["counts"] for part in parts]),
+            "max_length": {name: max(part["max_length"][name] for part in parts) for name in parts[0]["max_length"]}}
 
 
 def _all_counts_to_arrow(stats: dict) -> dict:
-    return {name: _counts_to_arrow(stat) for name, stat in stats.items()}
-
-
-def _counts_to_arrow(stat: dict) -> dict:
-    """A column's merged counts as an Arrow table ``(value: string, count: int64)`` (counts by key leave the GPU here)."""
-    counts = stat["counts"]
-    if not isinstance(counts, pa.Table):
-        counts = counts[["value", "count"]]
-        table = (counts.to_arrow(preserve_index=False) if is_cudf(counts)
-                 else pa.Table.from_pandas(counts, preserve_index=False))
-        counts = pa.table({"value": table["value"].cast(pa.string()), "count": table["count"].cast(pa.int64())})
-    return {**stat, "counts": counts}
+    """Each column's statistics (:meth:`Categorify.fit_finalize`) from :func:`_count_partition_keyed`'s (merged): the
+    counts leave the GPU here, all columns in one copy, each an Arrow table ``(value: string, count: int64)``."""
+    counts = stats["counts"]
+    frame = counts.frame[["value", "count"]]
+    table = frame.to_arrow(preserve_index=False) if is_cudf(frame) else pa.Table.from_pandas(frame, preserve_index=False)
+    table = pa.table({"value": table["value"].cast(pa.string()), "count": table["count"].cast(pa.int64())})
+    out = {}
+    for name, start, end in zip(stats["names"], counts.bounds, counts.bounds[1:]):
+        out[name] = {"counts": table.slice(start, end - start)}
+        if name in stats["max_length"]:
+            out[name]["max_length"] = stats["max_length"][name]
+    return out
 
 
 def _vocab_file(index: int, name: str) -> str:

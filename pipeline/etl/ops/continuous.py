@@ -47,13 +47,22 @@ def _moments(df: Any, names: list[str], chain: Sequence[Operator] = ()) -> np.nd
     count = present.sum(axis=1).astype(xp.float64)
     if not rows.shape[1]:
         return np.zeros((4, len(names)))
-    first = xp.where(count > 0, xp.take_along_axis(rows, present.argmax(axis=1)[:, None], axis=1)[:, 0], 0.0)
+    first = xp.where(count > 0, xp.take_along_axis(rows, _first_true(present)[:, None], axis=1)[:, 0], 0.0)
     shifted = xp.where(present, rows - first[:, None], 0.0)
     offset = shifted.sum(axis=1) / xp.maximum(count, 1.0)
     deviations = xp.where(present, shifted - offset[:, None], 0.0)
     moments = xp.stack([count, first + offset, (deviations * deviations).sum(axis=1),
                         missing.sum(axis=1).astype(xp.float64)])
     return moments.get() if xp is not np else moments
+
+
+def _first_true(mask: Any) -> Any:
+    """The column of each row's first True of a boolean matrix (0 where none), looked for in the first 1,024 columns
+    before all of them: an argmax over a whole matrix of booleans takes a GPU about as long as the moments' sums."""
+    head = mask[:, :1024]
+    if head.shape[1] == mask.shape[1] or bool(head.any(axis=1).all()):
+        return head.argmax(axis=1)
+    return mask.argmax(axis=1)
 
 
 def _merge(*parts: np.ndarray) -> np.ndarray:

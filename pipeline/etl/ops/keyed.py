@@ -6,8 +6,8 @@ compare every string inside a hash table, column by column; here each string is 
 
 - :func:`count_columns`: the value counts of all categorical columns of a partition from ONE stable
   radix sort of 64-bit words, each a column's index in the top bits above its value's key, instead of
-  a ``value_counts`` per column;
-- :func:`merge_columns`: partial counts of several partitions merged by key, all columns in one sort too (a
+  a ``value_counts`` per column, as ONE frame for all columns (:class:`ColumnCounts`);
+- :func:`merge_columns`: such counts of several partitions merged by key, all columns in one sort too (a
   tree of them builds the vocabularies);
 - :func:`key_table` and :func:`look_up`: a vocabulary's keys sorted once, each value found by a binary
   search (``searchsorted``) of its key instead of a string merge.
@@ -33,8 +33,9 @@ the end tell the libraries apart.
 
 Example::
 
-    counts_of_part_1 = count_columns([strings_c1, strings_c2])   # a frame (key, check, count, value) per column
-    merged = merge_columns([counts_of_part_1, counts_of_part_2])  # a list of frames per partition, by column
+    counts_of_part_1 = count_columns([strings_c1, strings_c2])   # ColumnCounts: one frame (key, check, count, value)
+    merged = merge_columns([counts_of_part_1, counts_of_part_2])  # ColumnCounts of both partitions
+    first_column = merged.column(0)
     table = key_table(vocabulary_values)
     positions = look_up(table, strings_c1)                     # -1: absent or missing
 """
@@ -42,7 +43,6 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -112,63 +112,84 @@ def _run_sums(weights: Any, order: Any, starts: Any, n: int, xp: Any) -> Any:
     return totals[ends] - totals[starts]
 
 
-def count_columns(columns: list[Any]) -> list[Any]:
-    """The value counts of several columns of strings of one partition, all in one sort.
+@dataclass
+class ColumnCounts:
+    """The value counts of several columns in one frame ``(key, check, count, value)``, one row per distinct value:
+    column ``c``'s values are the rows ``bounds[c]:bounds[c + 1]`` (ordered by key). One frame, so that a merge, a
+    transfer or a copy to the host is one call for all columns, not one a column."""
 
-    ``columns``: Series of strings (of one library), missing values left out of the counts. Only the distinct
-    values' strings are gathered. Returns one frame per column: ``key`` (its value's full key), ``check``,
-    ``count``, ``value``, one row per distinct value.
-    """
-    all_keys = [value_keys(strings) for strings in columns]
-    present = [~missing(strings) for strings in columns]
-    found = _distinct_of_columns([k for k, _ in all_keys], [c for _, c in all_keys], None, present)
-    return [_counts_frame(strings, keys, check, at, counts)
-            for strings, (keys, check), (at, counts) in zip(columns, all_keys, found)]
+    frame: Any
+    bounds: list[int]
 
+    def __len__(self) -> int:
+        return len(self.bounds) - 1
 
-def merge_columns(parts: list[list[Any]]) -> list[Any]:
-    """Frames of :func:`count_columns` (or of this function) of the same columns from several partitions
-    (``parts[p][c]``: partition ``p``'s frame of column ``c``), merged column by column, all columns in one sort:
-    counts of equal values summed, values of one key told apart by their check keys."""
-    columns = [_concat([part[c] for part in parts]) if len(parts) > 1 else parts[0][c] for c in range(len(parts[0]))]
-    found = _distinct_of_columns([_array(f["key"]) for f in columns], [_array(f["check"]) for f in columns],
-                                 [_array(f["count"]) for f in columns])
-    return [_counts_frame(frame["value"], _array(frame["key"]), _array(frame["check"]), at, counts)
-            for frame, (at, counts) in zip(columns, found)]
+    def __iter__(self):
+        return (self.column(c) for c in range(len(self)))
+
+    def column(self, index: int) -> Any:
+        """Column ``index``'s counts, a frame numbered from 0."""
+        return self.frame.iloc[self.bounds[index]:self.bounds[index + 1]].reset_index(drop=True)
 
 
-def _counts_frame(values: Any, keys: Any, checks: Any, at: Any, counts: Any) -> Any:
-    """The counts frame ``(key, check, count, value)`` of the rows ``at`` of a column's ``values`` and keys."""
-    distinct = values.reset_index(drop=True).take(at).reset_index(drop=True)
-    return _frame(distinct, {"key": keys[at], "check": checks[at], "count": counts, "value": distinct})
-
-
-def _distinct_of_columns(keys: list[Any], checks: list[Any], weights: list[Any] | None = None,
-                         present: list[Any] | None = None) -> list[tuple[Any, Any]]:
-    """The distinct values of several columns' rows given by their keys and check keys (``present``: the rows to
-    count, all when None), all in one sort: per column, a row of each value (ascending) and its rows' total weight
-    (``weights``: int64 per row, None: 1 each). Each column's keys lose their top bits to the column's index, so
-    one sort of all columns' words groups each column's values; the check keys keep values of one key apart
-    (:func:`distinct_by_key`)."""
-    if not keys:
-        return []
-    xp = array_module(keys[0])
-    tag_bits = (len(keys) - 1).bit_length()
-    words = [(k >> xp.uint64(tag_bits)) | xp.uint64(index << (64 - tag_bits)) if tag_bits else k
-             for index, k in enumerate(keys)]
-    offsets = np.cumsum([0] + [len(k) for k in keys]).tolist()
-    words, all_checks = xp.concatenate(words), xp.concatenate(checks)
-    all_weights = xp.concatenate(weights) if weights is not None else None
-    kept = xp.flatnonzero(xp.concatenate(present)) if present is not None else xp.arange(len(words))
+def count_columns(columns: list[Any]) -> ColumnCounts:
+    """The value counts of several columns of strings (Series of one library) of one partition, all in one sort;
+    missing values left out. Only the distinct values' strings are gathered."""
+    pairs = [value_keys(strings) for strings in columns]
+    xp = array_module(pairs[0][0])
+    keys, checks = xp.concatenate([k for k, _ in pairs]), xp.concatenate([c for _, c in pairs])
+    tag_bits = (len(columns) - 1).bit_length()
+    words = xp.concatenate([_tagged(k, xp.uint64(index), tag_bits) for index, (k, _) in enumerate(pairs)])
+    kept = xp.flatnonzero(xp.concatenate([~missing(strings) for strings in columns]))
     if len(kept) < len(words):
-        words, all_checks = words[kept], all_checks[kept]
-        all_weights = all_weights[kept] if all_weights is not None else None
-    rows, counts = distinct_by_key(words, all_checks, all_weights)
-    by_row = xp.argsort(rows)
-    rows, counts = kept[rows[by_row]], counts[by_row]  # rows of all columns one after the other, ascending
-    bounds = xp.searchsorted(rows, xp.asarray(offsets)).tolist()
-    return [(rows[start:end] - offsets[index], counts[start:end])
-            for index, (start, end) in enumerate(pairwise(bounds))]
+        rows, counts = distinct_by_key(words[kept], checks[kept])
+        rows = kept[rows]
+    else:
+        rows, counts = distinct_by_key(words, checks)
+    bounds = _bounds(words[rows], len(columns), tag_bits)
+    offsets = np.cumsum([0] + [len(strings) for strings in columns]).tolist()
+    values = _concat([strings.take(rows[start:end] - offset).reset_index(drop=True)
+                      for strings, offset, start, end in zip(columns, offsets, bounds, bounds[1:])])
+    return ColumnCounts(_frame(values, {"key": keys[rows], "check": checks[rows], "count": counts, "value": values}),
+                        bounds)
+
+
+def merge_columns(parts: list[ColumnCounts]) -> ColumnCounts:
+    """:class:`ColumnCounts` of the same columns from several partitions merged, all columns in one sort: counts of
+    equal values summed, values of one key told apart by their check keys."""
+    if len(parts) == 1:
+        return parts[0]
+    frame = _concat([part.frame for part in parts])
+    keys, checks, counts = _array(frame["key"]), _array(frame["check"]), _array(frame["count"])
+    xp = array_module(keys)
+    columns = len(parts[0])
+    tag_bits = (columns - 1).bit_length()
+    ends = np.cumsum([0] + [len(part.frame) for part in parts]).tolist()
+    starts = xp.asarray([end + bound for end, part in zip(ends, parts) for bound in part.bounds[:-1]], dtype=xp.int64)
+    segment = xp.searchsorted(starts, xp.arange(len(keys)), side="right") - 1  # the (part, column) of each row
+    words = _tagged(keys, (segment % columns).astype(xp.uint64), tag_bits)
+    rows, totals = distinct_by_key(words, checks, counts)
+    frame = frame.take(rows).reset_index(drop=True)
+    frame["count"] = totals
+    return ColumnCounts(frame, _bounds(words[rows], columns, tag_bits))
+
+
+def _tagged(keys: Any, tag: Any, tag_bits: int) -> Any:
+    """Keys with ``tag`` (a column's index, or an array of them) in their top ``tag_bits`` bits, above the rest of the
+    key: sorted, the words of each column come together, in column order."""
+    if not tag_bits:
+        return keys
+    xp = array_module(keys)
+    return (keys >> xp.uint64(tag_bits)) | (tag << xp.uint64(64 - tag_bits))
+
+
+def _bounds(words: Any, columns: int, tag_bits: int) -> list[int]:
+    """Where each column's words start in sorted words of :func:`_tagged` (and the end)."""
+    if not tag_bits:
+        return [0, len(words)]
+    xp = array_module(words)
+    tags = words >> xp.uint64(64 - tag_bits)
+    return xp.searchsorted(tags, xp.arange(columns + 1, dtype=xp.uint64)).tolist()
 
 
 @dataclass(frozen=True)
