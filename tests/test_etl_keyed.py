@@ -136,3 +136,15 @@ def test_keyed_counts_of_empty_and_all_missing_columns():
     out = keyed.count_columns([empty, missing, pd.Series(["a"], dtype="string")])
     assert [len(f) for f in out] == [0, 0, 1]
     assert keyed.look_up(keyed.key_table(pd.Series([], dtype="string")), missing).tolist() == [-1, -1]
+
+
+def test_no_rows_are_coded_without_building_the_vocabularys_key_table():
+    """Dask's metadata (an empty frame) goes through the transform on the client: it must not build key tables."""
+    from pipeline.etl.ops import categorify
+
+    vocab = pa.array(["a", "b"])
+    codes = _keyed_codes(pd.Series([], dtype="string"), vocab)
+    assert codes.dtype == np.int32 and len(codes) == 0
+    assert not any(key[0] == id(vocab) for key in categorify._KEY_TABLES)
+    assert _keyed_codes(pd.Series(["b", None]), vocab).tolist() == [3, 0]
+    assert any(key[0] == id(vocab) for key in categorify._KEY_TABLES)

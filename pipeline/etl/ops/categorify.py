@@ -332,7 +332,14 @@ def _encode_cudf(series: Any, vocab: pa.Array, multihot: bool) -> Any:
 def _keyed_codes(strings: Any, vocab: pa.Array) -> Any:
     """int32 codes of a Series of strings (cuDF or pandas) found through the vocabulary's keys
     (:func:`keyed.look_up`), as an array of the Series' library; a vocabulary holding two values of one
-    key is looked up by its strings instead."""
+    key is looked up by its strings instead. No rows (Dask's metadata, an empty partition) need no key table: Dask's
+    client would otherwise build every vocabulary's on its own GPU before each transform's first task."""
+    if not len(strings):
+        if is_cudf(strings):
+            import cupy
+
+            return cupy.zeros(0, dtype=cupy.int32)
+        return np.zeros(0, dtype=np.int32)
     table = _key_table(vocab, strings)
     if not table.exact:
         return _codes_by_strings(strings, vocab)
