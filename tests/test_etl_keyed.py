@@ -148,3 +148,16 @@ def test_no_rows_are_coded_without_building_the_vocabularys_key_table():
     assert not any(key[0] == id(vocab) for key in categorify._KEY_TABLES)
     assert _keyed_codes(pd.Series(["b", None]), vocab).tolist() == [3, 0]
     assert any(key[0] == id(vocab) for key in categorify._KEY_TABLES)
+
+
+def test_merged_counts_keep_each_column_apart_where_a_partition_has_none_of_its_values():
+    """A column empty (or all missing) in some partitions: the merge still finds which column each row is of."""
+    empty = pd.Series([], dtype="string")
+    parts = [keyed.count_columns([pd.Series(["a", "b", "a"]), empty, pd.Series([None, None], dtype="string")]),
+             keyed.count_columns([empty, pd.Series(["a", "z"]), pd.Series(["q"])]),
+             keyed.count_columns([pd.Series(["b"]), empty, empty])]
+    merged = keyed.merge_columns(parts)
+    assert [dict(zip(f["value"], f["count"])) for f in merged] == [{"a": 2, "b": 2}, {"a": 1, "z": 1}, {"q": 1}]
+    assert merged.bounds == [0, 2, 4, 5]
+    assert [dict(zip(f["value"], f["count"])) for f in keyed.merge_columns([merged, parts[1]])] == [
+        {"a": 2, "b": 2}, {"a": 2, "z": 2}, {"q": 2}]
