@@ -286,11 +286,13 @@ def _drifting_partitions(rng) -> tuple[dd.DataFrame, dict[str, np.ndarray]]:
     return dd.from_map(lambda p: p, pieces, meta=meta), {k: np.concatenate(v) for k, v in columns.items()}
 
 
+@pytest.mark.parametrize("one_graph", [False, True], ids=["two phases", "one graph"])
 @pytest.mark.parametrize("points", [65_536, 50, 1])
-def test_fill_missing_median_is_exact_over_uneven_drifting_partitions(monkeypatch, points):
-    from pipeline.etl.ops import median
+def test_fill_missing_median_is_exact_over_uneven_drifting_partitions(monkeypatch, points, one_graph):
+    from pipeline.etl.ops import continuous, median
 
     monkeypatch.setattr(median, "SUMMARY_POINTS", points)  # 50 and 1: summaries compressed, a second pass
+    monkeypatch.setattr(continuous, "in_one_graph", lambda ddf: one_graph)
     data, values = _drifting_partitions(np.random.default_rng(5))
     workflow = Workflow(["I", "F"] >> FillMissing(strategy="median")).fit(data)
     filled = workflow.transform(pd.DataFrame({"I": [np.nan, 1.0], "F": [np.nan, np.nan]}))
@@ -298,6 +300,29 @@ def test_fill_missing_median_is_exact_over_uneven_drifting_partitions(monkeypatc
         assert _op(workflow, name).fill_values[name] == np.nanmedian(values[name]), name
         assert filled[name][0] == np.nanmedian(values[name])
     assert filled["I"][1] == 1.0
+
+
+@pytest.mark.parametrize("points", [65_536, 50])
+def test_fill_missing_median_of_as_many_partitions_as_workers_is_one_phase(monkeypatch, points):
+    """No more partitions than workers: the second round of a compressed summary goes in the first round's graph
+    (no return to the client between them), the median still exact."""
+    import dask
+
+    from pipeline.etl import workflow as workflow_module
+    from pipeline.etl.ops import median
+
+    monkeypatch.setattr(median, "SUMMARY_POINTS", points)
+    rng = np.random.default_rng(8)
+    frame = pd.DataFrame({"w": np.where(rng.random(5000) < 0.2, np.nan, rng.normal(0, 1, 5000)),
+                          "t": rng.integers(0, 3, 5000).astype(np.float64)})
+    phases = []
+    compute = workflow_module._compute_by_kind
+    monkeypatch.setattr(workflow_module, "_compute_by_kind", lambda lazy, progress: phases.append(len(lazy))
+                        or compute(lazy, progress))
+    with dask.config.set(scheduler="sync"):
+        fitted = Workflow(["w", "t"] >> FillMissing(strategy="median")).fit(dd.from_pandas(frame, npartitions=1))
+    assert phases == [1]
+    assert _op(fitted, "w").fill_values == {"w": np.nanmedian(frame["w"]), "t": np.median(frame["t"])}
 
 
 def test_fill_missing_median_of_ties_an_even_count_and_no_values():

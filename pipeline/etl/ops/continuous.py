@@ -26,7 +26,7 @@ from pipeline.etl.blocks import ColumnRows
 from pipeline.etl.column_schema import CATEGORICAL, CONTINUOUS
 from pipeline.etl.frames import array_module, as_float64, cudf_float_rows, float_rows, is_cudf
 from pipeline.etl.ops.base import Operator
-from pipeline.etl.ops.median import Pivot, reduce_tree, summaries, windows
+from pipeline.etl.ops.median import Pivot, in_one_graph, medians, reduce_tree, summaries, windows
 
 
 def _moments(df: Any, names: list[str], chain: Sequence[Operator] = ()) -> np.ndarray:
@@ -155,7 +155,9 @@ class FillMissing(_Matrix):
         self._fitted_state_changed()
 
     def fit(self, ddf: Any) -> Any:
-        return windows(ddf, self._pivots) if self._pivots else summaries(ddf)
+        if self._pivots:
+            return windows(ddf, self._pivots)
+        return medians(ddf) if in_one_graph(ddf) else summaries(ddf)
 
     def fit_finalize(self, stats: Any) -> None:
         self._pivots = {name: v for name, v in stats.items() if isinstance(v, Pivot)}

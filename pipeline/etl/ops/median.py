@@ -11,6 +11,10 @@ Round two, only for such columns: each partition counts its values below, equal 
 pivot and keeps the ``width`` values nearest to it on each side (a :class:`Window`); merged, they
 hold the exact middle values.
 
+Where the cluster holds every partition at once (no more partitions than workers, :func:`in_one_graph`), both
+rounds are one graph (:func:`medians`): round two's tasks wait for round one's estimates on the workers, with no
+return to the client in between, take the partitions round one read, and skip the columns whose summary was exact.
+
 The median of an even count is the mean of the two middle values (as numpy's and pandas'); a
 column without values has none (NaN).
 
@@ -19,6 +23,7 @@ Example::
     stats = compute(summaries(ddf))               # {column: median or Pivot}
     pivots = {c: p for c, p in stats.items() if isinstance(p, Pivot)}
     exact = compute(windows(ddf[list(pivots)], pivots)) if pivots else {}
+    exact = compute(medians(ddf))                 # the same in one graph, where in_one_graph(ddf)
 """
 
 from __future__ import annotations
@@ -83,13 +88,38 @@ def windows(ddf: Any, pivots: dict[str, Pivot]) -> dict[str, Any]:
     return {name: reduce_tree([part[name] for part in parts], _merge_windows, _exact) for name in pivots}
 
 
-def reduce_tree(items: list, merge: Callable, finish: Callable) -> Any:
-    """Lazy: ``finish`` of the Dask delayed ``items`` after merging them 8 at a time (``merge``) until 8 are left."""
+def medians(ddf: Any) -> dict[str, Any]:
+    """Both rounds in one graph, lazy: ``{column: Delayed[float]}``, each partition read once for both."""
+    from dask import delayed
+
+    names = list(ddf.columns)
+    parts = ddf.to_delayed()
+    summaries_ = [delayed(_summarize_partition, pure=True)(part, names) for part in parts]
+    estimates = {name: reduce_tree([s[name] for s in summaries_], _merge_summaries, _estimate) for name in names}
+    pivots = delayed(_pivots, pure=True)(estimates)
+    found = [delayed(_windows_where_needed, pure=True)(part, names, pivots) for part in parts]
+    return {name: reduce_tree([f[name] for f in found], _merge_windows, _median, estimates[name]) for name in names}
+
+
+def in_one_graph(ddf: Any) -> bool:
+    """Whether :func:`medians` suits ``ddf``: no more partitions than the cluster's workers (one without a
+    distributed client), so that holding each partition from round one to round two holds no more than one round
+    does. With more, a partition read in round one would wait in memory for all the others to be summarized."""
+    from pipeline.etl.progress import current_client
+
+    client = current_client()
+    workers = len(client.scheduler_info().get("workers", {})) if client is not None else 1
+    return ddf.npartitions <= max(1, workers)
+
+
+def reduce_tree(items: list, merge: Callable, finish: Callable, *before: Any) -> Any:
+    """Lazy: ``finish(*before, *items)`` of the Dask delayed ``items`` after merging them 8 at a time (``merge``) until 8
+    are left."""
     from dask import delayed
 
     while len(items) > _SPLIT_EVERY:
         items = [delayed(merge, pure=True)(*items[i : i + _SPLIT_EVERY]) for i in range(0, len(items), _SPLIT_EVERY)]
-    return delayed(finish, pure=True)(*items)
+    return delayed(finish, pure=True)(*before, *items)
 
 
 # ----------------------------------------------------------------------------------------- round one
@@ -198,6 +228,21 @@ def _window_partition(df: Any, pivots: dict[str, Pivot]) -> dict[str, Window]:
     return {name: _window(rows[k], pivots[name]) for k, name in enumerate(names)}
 
 
+def _pivots(estimates: dict[str, float | Pivot]) -> dict[str, Pivot]:
+    return {name: value for name, value in estimates.items() if isinstance(value, Pivot)}
+
+
+def _windows_where_needed(df: Any, names: list[str], pivots: dict[str, Pivot]) -> dict[str, Window | None]:
+    """:func:`_window_partition` of the columns with a pivot; None for the others (their median is known)."""
+    found = _window_partition(df[list(pivots)], pivots) if pivots else {}
+    return {name: found.get(name) for name in names}
+
+
+def _median(estimate: float | Pivot, *windows: Window | None) -> float:
+    """The median of a column of :func:`medians`: its estimate, exact unless a pivot, else from the windows."""
+    return _exact(*windows) if isinstance(estimate, Pivot) else estimate
+
+
 def _window(ordered: Any, pivot: Pivot) -> Window:
     """The window of one sorted row of :func:`_sorted_rows` around ``pivot``."""
     xp = array_module(ordered)
@@ -217,7 +262,9 @@ def _largest(values: np.ndarray, k: int) -> np.ndarray:
     return np.sort(values)
 
 
-def _merge_windows(*parts: Window) -> Window:
+def _merge_windows(*parts: Window | None) -> Window | None:
+    if parts[0] is None:  # a column without a pivot (medians)
+        return None
     width = parts[0].pivot.width
     return Window(parts[0].pivot, sum(p.below for p in parts), sum(p.equal for p in parts),
                   sum(p.above for p in parts), _largest(np.concatenate([p.lower for p in parts]), width),
