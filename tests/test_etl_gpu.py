@@ -302,6 +302,31 @@ def test_cudf_float_rows_and_sorted_rows_equal_numpy():
 
 
 @pytest.mark.gpu
+def test_cudf_frames_and_the_output_frame_make_every_nan_a_null_and_keep_the_rest():
+    """Frames built from CuPy arrays and the frame written: a NaN becomes a null wherever it is (an array with NaN,
+    a float Series with NaN and nulls, a cast to float32), the other values stay as they are."""
+    import cudf
+    import cupy
+
+    from pipeline.etl.frames import cudf_frame
+    from pipeline.etl.output import cudf_output_frame
+
+    with_nan = cupy.asarray([1.5, np.nan, -2.0, np.nan])
+    plain = cupy.asarray([0.25, 1.0, 2.0, 3.0])
+    frame = cudf_frame({"a": with_nan, "b": plain, "c": cupy.asarray([1, 2, 3, 4], dtype=cupy.int32)})
+    assert frame["a"].null_count == 2 and frame["b"].null_count == 0 and frame["c"].dtype == np.int32
+    assert frame["b"].to_arrow().to_pylist() == [0.25, 1.0, 2.0, 3.0]
+    mixed = cudf.Series(cupy.asarray([np.nan, 1.0, 2.0, 3.0]), nan_as_null=False)
+    mixed[2] = None
+    source = cudf.DataFrame({"a": cudf.Series(with_nan, nan_as_null=False), "b": cudf.Series(plain), "m": mixed,
+                             "c": cudf.Series([1, 2, 3, 4], dtype="int64")})
+    schema = pa.schema([("a", pa.float32()), ("b", pa.float32()), ("m", pa.float32()), ("c", pa.int32())])
+    out = cudf_output_frame(source, schema)
+    assert out.to_arrow(preserve_index=False).to_pydict() == {
+        "a": [1.5, None, -2.0, None], "b": [0.25, 1.0, 2.0, 3.0], "m": [None, 1.0, None, 3.0], "c": [1, 2, 3, 4]}
+
+
+@pytest.mark.gpu
 def test_cudf_matrix_rows_handed_to_operators_that_take_series_transform_like_pandas():
     """A numeric chain's CuPy matrix going on to an operator that takes cuDF Series, and a union of a matrix with
     Series going into a numeric operator."""

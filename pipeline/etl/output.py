@@ -141,17 +141,36 @@ def _write_cudf(df: Any, path: Path | Any, schema: pa.Schema, row_group_rows: in
 
 
 def cudf_output_frame(df: Any, schema: pa.Schema) -> Any:
-    """The cuDF frame to write: the schema's columns in its order and types, a NaN float a null (as on pandas)."""
-    columns = {}
+    """The cuDF frame to write: the schema's columns in its order and types, a NaN float a null (as on pandas).
+
+    Which float columns hold a NaN is found for all of them with one copy to the host (cuDF's ``nans_to_nulls``
+    looks in each column with a copy of its own: with workers sharing a GPU, each a wait for the others' kernels);
+    only those are converted."""
+    columns, floats = {}, []
     for field in schema:
         column = df[field.name]
         if pa.types.is_floating(field.type) or pa.types.is_integer(field.type):
             dtype = field.type.to_pandas_dtype()
             column = column if column.dtype == dtype else column.astype(dtype)
             if pa.types.is_floating(field.type):
-                column = column.nans_to_nulls()
+                floats.append(field.name)
         columns[field.name] = column
+    for name in _holding_nans(columns, floats):
+        columns[name] = columns[name].nans_to_nulls()
     return cudf_frame(columns)
+
+
+def _holding_nans(columns: dict[str, Any], names: list[str]) -> list[str]:
+    """The float cuDF Series among ``columns[names]`` that may hold a NaN: those with nulls (their values are not
+    looked at), and those whose values hold one, found for all with one copy to the host."""
+    import cupy
+
+    with_nulls = [name for name in names if columns[name].null_count]
+    plain = [name for name in names if not columns[name].null_count]
+    if not plain:
+        return with_nulls
+    found = cupy.stack([cupy.isnan(columns[name].values).any() for name in plain]).get()
+    return with_nulls + [name for name, nan in zip(plain, found) if nan]
 
 
 def output_arrow_schema(meta: Any) -> pa.Schema:
