@@ -402,6 +402,14 @@ def test_keyed_counts_and_look_ups_on_cudf_equal_pandas():
     assert table.exact
     np.testing.assert_array_equal(keyed.look_up(table, gpu_columns[0]).get(),
                                   keyed.look_up(keyed.key_table(pd.Series(vocabulary)), cpu_columns[0]))
+    codes = keyed.look_up_codes(table, gpu_columns[0], 2, 1, 0)  # CuPy: one kernel after the search
+    assert str(codes.dtype) == "int32"
+    np.testing.assert_array_equal(codes.get(), keyed.look_up_codes(keyed.key_table(pd.Series(vocabulary)),
+                                                                   cpu_columns[0], 2, 1, 0))
+    assert {0, 1} <= set(codes.get().tolist()) and (codes.get() >= 2).any(), "missing, absent and found values"
+    empty = keyed.key_table(_to_cudf(pd.DataFrame({"v": pd.Series([], dtype=str)}))["v"])
+    np.testing.assert_array_equal(keyed.look_up_codes(empty, gpu_columns[0], 2, 1, 0).get(),
+                                  np.where(cpu_columns[0].isna(), 0, 1))
 
 
 @pytest.mark.gpu

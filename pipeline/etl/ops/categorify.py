@@ -41,7 +41,6 @@ import pyarrow.parquet as pq
 from pipeline.etl.blocks import BlockColumns, ColumnBytes, ColumnRows, ColumnSlices
 from pipeline.etl.column_schema import CATEGORICAL
 from pipeline.etl.frames import (
-    array_module,
     as_arrow_lists,
     as_arrow_strings,
     cudf_map_lists,
@@ -54,7 +53,7 @@ from pipeline.etl.frames import (
     looks_multihot,
 )
 from pipeline.etl.ops.base import Operator
-from pipeline.etl.ops.keyed import KeyTable, count_columns, key_table, look_up, merge_columns, missing
+from pipeline.etl.ops.keyed import KeyTable, count_columns, key_table, look_up_codes, merge_columns
 from pipeline.etl.ops.text_lookup import TextWords, VocabularyIndex
 
 NULL_INDEX = 0
@@ -343,10 +342,7 @@ def _keyed_codes(strings: Any, vocab: pa.Array) -> Any:
     table = _key_table(vocab, strings)
     if not table.exact:
         return _codes_by_strings(strings, vocab)
-    positions = look_up(table, strings)
-    xp = array_module(positions)
-    codes = xp.where(positions >= 0, positions + RESERVED, OOV_INDEX)
-    return xp.where(missing(strings), NULL_INDEX, codes).astype(xp.int32)
+    return look_up_codes(table, strings, RESERVED, OOV_INDEX, NULL_INDEX)
 
 
 def _codes_by_strings(strings: Any, vocab: pa.Array) -> Any:

@@ -42,6 +42,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -219,15 +220,53 @@ def look_up(table: KeyTable, strings: Any) -> Any:
     The key of each value is searched among the table's sorted keys; the key found there and its check
     key must both equal the value's. The table must be exact.
     """
+    return look_up_codes(table, strings, 0, -1, -1).astype(np.int64)
+
+
+def look_up_codes(table: KeyTable, strings: Any, offset: int, absent: int, missing_code: int) -> Any:
+    """int32 codes of a Series of strings: ``offset`` plus the vocabulary position of each value found (as
+    :func:`look_up` finds it), ``absent`` where not found, ``missing_code`` where missing.
+
+    On CuPy what follows the search is one kernel (:func:`_codes_kernel`): the same steps as array operations cost a
+    dozen passes over memory and as many kernel launches a column."""
     keys, checks = value_keys(strings)
     xp = array_module(keys)
     if not table.exact:
         raise ValueError("look_up: the vocabulary holds values of one key; look it up by its strings")
+    gone = missing(strings)
     if not len(table.keys):
-        return xp.full(len(keys), -1, dtype=xp.int64)
-    at = xp.minimum(xp.searchsorted(table.keys, keys), len(table.keys) - 1)
-    found = (table.keys[at] == keys) & (table.checks[at] == checks) & ~missing(strings)
-    return xp.where(found, table.positions[at], -1)
+        return xp.where(gone, missing_code, absent).astype(xp.int32)
+    at = xp.searchsorted(table.keys, keys)
+    if xp is not np:
+        return _codes_kernel()(keys, checks, gone, at, table.keys, table.checks, table.positions, len(table.keys),
+                               offset, absent, missing_code)
+    at = np.minimum(at, len(table.keys) - 1)
+    found = (table.keys[at] == keys) & (table.checks[at] == checks)
+    codes = np.where(found, table.positions[at] + offset, absent)
+    return np.where(gone, missing_code, codes).astype(np.int32)
+
+
+@functools.cache
+def _codes_kernel() -> Any:
+    """The CuPy kernel of :func:`look_up_codes` after the search: each row's code from the position ``at`` found
+    for its key among the table's ``n`` sorted keys."""
+    import cupy
+
+    return cupy.ElementwiseKernel(
+        "uint64 key, uint64 check, bool gone, int64 at, raw uint64 keys, raw uint64 checks, raw int64 positions, "
+        "int64 n, int32 offset, int32 absent, int32 missing_code",
+        "int32 code",
+        """
+        if (gone) {
+            code = missing_code;
+        } else if (at < n && keys[at] == key && checks[at] == check) {
+            code = (int)positions[at] + offset;
+        } else {
+            code = absent;
+        }
+        """,
+        "pipeline_keyed_codes",
+    )
 
 
 def _stable_argsort(keys: Any) -> Any:
