@@ -249,17 +249,17 @@ def look_up_codes(table: KeyTable, strings: Any, offset: int, absent: int, missi
 @functools.cache
 def _codes_kernel() -> Any:
     """The CuPy kernel of :func:`look_up_codes` after the search: each row's code from the position ``at`` found
-    for its key among the table's ``n`` sorted keys."""
+    for its key among the table's ``size`` sorted keys (``n``, ``i`` and names from ``_`` are CuPy's own)."""
     import cupy
 
     return cupy.ElementwiseKernel(
         "uint64 key, uint64 check, bool gone, int64 at, raw uint64 keys, raw uint64 checks, raw int64 positions, "
-        "int64 n, int32 offset, int32 absent, int32 missing_code",
+        "int64 size, int32 offset, int32 absent, int32 missing_code",
         "int32 code",
         """
         if (gone) {
             code = missing_code;
-        } else if (at < n && keys[at] == key && checks[at] == check) {
+        } else if (at < size && keys[at] == key && checks[at] == check) {
             code = (int)positions[at] + offset;
         } else {
             code = absent;
