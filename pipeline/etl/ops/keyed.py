@@ -165,8 +165,9 @@ def merge_columns(parts: list[ColumnCounts]) -> ColumnCounts:
     xp = array_module(keys)
     columns = len(parts[0])
     tag_bits = (columns - 1).bit_length()
-    ends = np.cumsum([0] + [len(part.frame) for part in parts]).tolist()
-    starts = xp.asarray([end + bound for end, part in zip(ends, parts) for bound in part.bounds[:-1]], dtype=xp.int64)
+    part_starts = np.cumsum([0] + [len(part.frame) for part in parts]).tolist()
+    starts = xp.asarray([first + bound for first, part in zip(part_starts, parts) for bound in part.bounds[:-1]],
+                        dtype=xp.int64)
     segment = xp.searchsorted(starts, xp.arange(len(keys)), side="right") - 1  # the (part, column) of each row
     words = _tagged(keys, (segment % columns).astype(xp.uint64), tag_bits)
     rows, totals = distinct_by_key(words, checks, counts)
