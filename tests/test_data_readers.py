@@ -316,6 +316,21 @@ def test_table_reader_counts_bad_numbers_and_labels(tmp_path):
     assert users == ["a", "d", "e"]  # no stray carriage returns
 
 
+@pytest.mark.parametrize("reader", ["arrow", "vectorized"])
+def test_a_header_line_repeated_inside_a_file_is_reported_as_one(tmp_path, reader):
+    """CSV files joined with their header lines (``cat a.csv b.csv``): each header after the first is a malformed row
+    whose reason says it is a header line, not only that the label is not 0 or 1."""
+    path = tmp_path / "joined.csv"
+    path.write_text("clicked,price,user\n1,2.5,a\n0,1.0,b\nclicked,price,user\n1,3.0,c\n")
+    cfg = _cfg(tmp_path, "data.source=table", f"data.path={path}", "data.label=clicked", "data.continuous=price",
+               "data.categorical=user", "data.on_bad_lines=skip", f"data.reader={reader}")
+    raw = ensure_raw(cfg)
+    report = json.loads((raw.root / "ingest_report.json").read_text())
+    assert report["bad"] == {"bad_label": 1} and sum(raw.rows.values()) == 3
+    [example] = report["examples"]
+    assert example["line"] == 4 and "the column's own name: a header line inside the file" in example["reason"]
+
+
 def test_table_reader_takes_pandas_missing_markers_as_missing_numbers_and_keeps_them_as_categories(tmp_path):
     """R writes a missing number as NA, a database export NULL: pandas reads these (and N/A, None, #N/A, <NA>...) as
     missing, and so does a number column here. In a categorical column they are the text written (NA is Namibia)."""
