@@ -83,9 +83,9 @@ def value_problem(name: str, kind: str, value: str) -> tuple[str, str]:
     """(kind of problem, reason) of a value of column ``name`` that does not fit its ``kind``."""
     shown = value if len(value) <= 40 else value[:37] + "..."
     if kind in ("label", "int", "float") and value.strip() == name:
-        return ("bad_label" if kind == "label" else "not_a_number",
-                f"{name}: found {value!r}, the column's own name: a header line inside the file (files joined with "
-                "their header lines keep every one after the first as a row)")
+        reason = (f"{name}: found {value!r}, the column's own name: a header line inside the file (files joined with "
+                  "their header lines keep every one after the first as a row)")
+        return ("bad_label" if kind == "label" else "not_a_number"), reason
     if kind == "label":
         if re.fullmatch(r"-1(\.0*)?", value.strip()):
             return "bad_label", (f"{name}: expected 0 or 1, found {value!r} (labels of -1 and 1: write the negatives as "
