@@ -52,7 +52,7 @@
 # budget (CHECK_BUDGET_S, 560 s by default: under a ten-minute limit on one command).
 # Knobs: PYTHON (python3), SITE (/tmp/site), KIT (.kit), KIT_STORE (/root/kit), MODELS_ENV
 # (/tmp/venv-triton), RAPIDS_PARTS, E2E_WORKDIR (/tmp/e2e), E2E_MODELS (dlrm dcnv2 deepfm wide_deep), E2E_ROWS,
-# E2E_STEPS, E2E_AUTOTUNE, E2E_ETL_SETTINGS (settings for that split's run etl, e.g. etl.row_group_rows=262144,
+# E2E_STEPS, E2E_AUTOTUNE, E2E_ETL_SETTINGS (settings for that split's run etl, e.g. etl.row_group_rows=65536,
 # with an E2E_WORKDIR of its own), DYNAMIC_ROWS, ETL_BENCH_ARGS, ETL_PROFILE_ROWS, SERVE_ARGS (extra settings for bench serve, e.g. export.instances=4).
 set -o pipefail
 cd "$(dirname "$0")/.."

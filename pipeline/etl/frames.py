@@ -60,7 +60,7 @@ def cudf_frame(columns: dict[str, Any], index: Any = None) -> Any:
 
     if not columns:
         return cudf.DataFrame(index=index)
-    nan_free = _nan_free_arrays(columns)
+    nan_free = nan_free_arrays(columns)
     frame = cudf.DataFrame({name: cudf.Series(column, nan_as_null=False) if nan_free.get(name)
                             else column.reset_index(drop=True) if hasattr(column, "reset_index") else column
                             for name, column in columns.items()})
@@ -69,7 +69,7 @@ def cudf_frame(columns: dict[str, Any], index: Any = None) -> Any:
     return frame
 
 
-def _nan_free_arrays(columns: Mapping[str, Any]) -> dict[str, bool]:
+def nan_free_arrays(columns: Mapping[str, Any]) -> dict[str, bool]:
     """Which of the columns are CuPy float arrays without NaN, found for all of them with one copy to the host.
 
     cuDF makes a float array's NaN nulls, and looks for them in each array with a reduction and a copy to the host

@@ -21,7 +21,7 @@ import pyarrow as pa
 from pipeline.etl.column_schema import input_schema, to_schema
 from pipeline.etl.config import EtlConfig
 from pipeline.etl.frame_library import read_parquet
-from pipeline.etl.frames import cudf_frame, is_cudf
+from pipeline.etl.frames import cudf_frame, is_cudf, nan_free_arrays
 from pipeline.etl.progress import compute
 from pipeline.etl.workflow import Workflow
 from pipeline.parquet import DEFAULT_COMPRESSION, write_table
@@ -163,14 +163,9 @@ def cudf_output_frame(df: Any, schema: pa.Schema) -> Any:
 def _holding_nans(columns: dict[str, Any], names: list[str]) -> list[str]:
     """The float cuDF Series among ``columns[names]`` that may hold a NaN: those with nulls (their values are not
     looked at), and those whose values hold one, found for all with one copy to the host."""
-    import cupy
-
     with_nulls = [name for name in names if columns[name].null_count]
-    plain = [name for name in names if not columns[name].null_count]
-    if not plain:
-        return with_nulls
-    found = cupy.stack([cupy.isnan(columns[name].values).any() for name in plain]).get()
-    return with_nulls + [name for name, nan in zip(plain, found) if nan]
+    nan_free = nan_free_arrays({name: columns[name].values for name in names if name not in with_nulls})
+    return with_nulls + [name for name, free in nan_free.items() if not free]
 
 
 def output_arrow_schema(meta: Any) -> pa.Schema:

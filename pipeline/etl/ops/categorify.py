@@ -330,7 +330,7 @@ def _encode_cudf(series: Any, vocab: pa.Array, multihot: bool) -> Any:
 
 def _keyed_codes(strings: Any, vocab: pa.Array) -> Any:
     """int32 codes of a Series of strings (cuDF or pandas) found through the vocabulary's keys
-    (:func:`keyed.look_up`), as an array of the Series' library; a vocabulary holding two values of one
+    (:func:`keyed.look_up_codes`), as an array of the Series' library; a vocabulary holding two values of one
     key is looked up by its strings instead. No rows (Dask's metadata, an empty partition) need no key table: Dask's
     client would otherwise build every vocabulary's on its own GPU before each transform's first task."""
     if not len(strings):
