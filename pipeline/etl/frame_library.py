@@ -118,7 +118,7 @@ def gpu_pieces(files: list[Path], columns: list[str]) -> list[list[tuple[str, li
     workers sharing a GPU (``etl.workers_per_gpu``) overlap one partition's host work with another's GPU work,
     which several partitions a worker otherwise would.
     """
-    from pipeline.etl.progress import current_client
+    from pipeline.etl.progress import worker_count
 
     names = set(columns)
     groups: list[tuple[str, int, int]] = []
@@ -132,9 +132,7 @@ def gpu_pieces(files: list[Path], columns: list[str]) -> list[list[tuple[str, li
             total += sum(group.column(i).total_uncompressed_size for i in wanted)
     if not groups:
         return [[(str(files[0]), [])]]
-    client = current_client()
-    workers = max(1, len(client.scheduler_info().get("workers", {}))) if client is not None else 1
-    return split_row_groups(groups, piece_count(total, workers))
+    return split_row_groups(groups, piece_count(total, worker_count()))
 
 
 def piece_count(total_bytes: int, workers: int, per_worker: int = 1) -> int:

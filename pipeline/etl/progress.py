@@ -95,6 +95,12 @@ def current_client() -> Any:
         return None
 
 
+def worker_count() -> int:
+    """The workers of :func:`current_client`'s cluster, at least 1 (1 without a client: this process)."""
+    client = current_client()
+    return max(1, len(client.scheduler_info().get("workers", {}))) if client is not None else 1
+
+
 class _ProgressCallback:
     """A dask local-scheduler callback that counts finished tasks."""
 

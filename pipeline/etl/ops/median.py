@@ -105,11 +105,9 @@ def in_one_graph(ddf: Any) -> bool:
     """Whether :func:`medians` suits ``ddf``: no more partitions than the cluster's workers (one without a
     distributed client), so that holding each partition from round one to round two holds no more than one round
     does. With more, a partition read in round one would wait in memory for all the others to be summarized."""
-    from pipeline.etl.progress import current_client
+    from pipeline.etl.progress import worker_count
 
-    client = current_client()
-    workers = len(client.scheduler_info().get("workers", {})) if client is not None else 1
-    return ddf.npartitions <= max(1, workers)
+    return ddf.npartitions <= worker_count()
 
 
 def reduce_tree(items: list, merge: Callable, finish: Callable, *before: Any) -> Any:
