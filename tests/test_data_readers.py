@@ -8,7 +8,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.data.ingest import split_codes
-from pipeline.data.readers import FileReport, _line_blocks, _LongLine, _read_text, read_criteo
+from pipeline.data.line_blocks import LongLine, line_blocks
+from pipeline.data.readers import FileReport, _read_text, read_criteo
 from pipeline.data.text_format import MAX_LINE_BYTES
 from pipeline.errors import BadInputError
 from pipeline.stages.config import load_config
@@ -155,11 +156,11 @@ def test_a_byte_order_mark_is_dropped_at_the_start_of_the_file_only(tmp_path):
 
 
 def _lines_of(items) -> list:
-    """The lines the blocks of ``_line_blocks`` hold, in order, a long line as ("long", excerpt, length); each block
+    """The lines the blocks of ``line_blocks`` hold, in order, a long line as ("long", excerpt, length); each block
     is read as it comes (a view is valid until the next one is asked for)."""
     found = []
     for item in items:
-        if isinstance(item, _LongLine):
+        if isinstance(item, LongLine):
             found.append(("long", item.excerpt, item.length))
         else:
             data = bytes(item)
@@ -171,7 +172,7 @@ def _lines_of(items) -> list:
 @pytest.mark.parametrize("views", [False, True])
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("suffix", ["", ".gz"])
-def test_line_blocks_give_every_line_once_whole_or_as_too_long(tmp_path, views, seed, suffix):
+def testline_blocks_give_every_line_once_whole_or_as_too_long(tmp_path, views, seed, suffix):
     rng = np.random.default_rng(seed)
     lengths = rng.integers(0, 400, 20_000)
     lengths[rng.choice(lengths.size, 6, replace=False)] = rng.integers(MAX_LINE_BYTES // 2, 3 * MAX_LINE_BYTES, 6)
@@ -181,7 +182,7 @@ def test_line_blocks_give_every_line_once_whole_or_as_too_long(tmp_path, views, 
     path = tmp_path / f"day.tsv{suffix}"
     path.write_bytes(gzip.compress(b"\xef\xbb\xbf" + content) if suffix else b"\xef\xbb\xbf" + content)
     allocate = (lambda size: np.empty(size, dtype=np.uint8)) if views else None
-    found = _lines_of(_line_blocks(path, 1 << 20, allocate))
+    found = _lines_of(line_blocks(path, 1 << 20, allocate))
     assert len(found) == len(lines)
     for line, got in zip(lines, found):
         if isinstance(got, tuple):  # only a line over the limit stands as a long one, with its start
@@ -192,17 +193,17 @@ def test_line_blocks_give_every_line_once_whole_or_as_too_long(tmp_path, views, 
 
 @pytest.mark.parametrize("content, lines", [(b"", []), (b"a", [b"a"]), (b"a\n", [b"a"]), (b"\xef\xbb", [b"\xef\xbb"]),
                                             (b"\xef\xbb\xbf", []), (b"\xef\xbb\xbfa\n\n", [b"a", b""])])
-def test_line_blocks_of_files_shorter_than_a_byte_order_mark(tmp_path, content, lines):
+def testline_blocks_of_files_shorter_than_a_byte_order_mark(tmp_path, content, lines):
     path = tmp_path / "day.tsv"
     path.write_bytes(content)
     stale = lambda size: np.frombuffer(b"\xef\xbb\xbf" * (size // 3 + 1), np.uint8)[:size].copy()
-    assert _lines_of(_line_blocks(path, 1 << 20, stale)) == lines
+    assert _lines_of(line_blocks(path, 1 << 20, stale)) == lines
 
 
-def test_line_blocks_of_a_file_with_carriage_return_line_ends(tmp_path):
+def testline_blocks_of_a_file_with_carriage_return_line_ends(tmp_path):
     path = tmp_path / "day.tsv"
     path.write_bytes(b"a\tb\rc\r\rd" * 100_000)  # no \n in the first read: \r ends lines
-    assert _lines_of(_line_blocks(path, 1 << 20)) == (b"a\tb\rc\r\rd" * 100_000).split(b"\r")
+    assert _lines_of(line_blocks(path, 1 << 20)) == (b"a\tb\rc\r\rd" * 100_000).split(b"\r")
 
 
 def test_text_that_is_not_an_integer_is_not_called_out_of_range(tmp_path):

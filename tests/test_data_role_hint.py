@@ -9,8 +9,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.data.config import DataConfig
-from pipeline.data.readers import table_role_hint
 from pipeline.data.role_hint import label_column, propose_roles
+from pipeline.data.roles import table_role_hint
 from pipeline.errors import BadInputError
 from pipeline.stages.config import load_config
 

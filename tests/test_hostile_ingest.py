@@ -331,7 +331,7 @@ def test_a_time_column_needs_a_table(tmp_path):
 
 def test_a_folder_of_subfolders_names_them_and_the_glob_that_reads_them(tmp_path):
     """A Hive-partitioned folder (``day=1/part-0.parquet``) said only that the folder had no files."""
-    from pipeline.data.readers import input_files
+    from pipeline.data.input_files import input_files
 
     (tmp_path / "hive" / "day=1").mkdir(parents=True)
     pq.write_table(pa.table({"y": [0, 1]}), tmp_path / "hive" / "day=1" / "part-0.parquet")

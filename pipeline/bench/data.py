@@ -134,12 +134,13 @@ def _time_readers(source: str, path, rows: int, chunk_rows: int, device: str, ti
     import numpy
 
     from pipeline.data import readers
+    from pipeline.data.roles import Roles
     from pipeline.data.text_format import CRITEO_CATEGORICAL, CRITEO_CONTINUOUS
     from pipeline.device import resolve_device
 
     read = readers.read_criteo
     if source == "table":
-        roles = readers.Roles("label", CRITEO_CONTINUOUS, CRITEO_CATEGORICAL, [], [], "")
+        roles = Roles("label", CRITEO_CONTINUOUS, CRITEO_CATEGORICAL, [], [], "")
         read = functools.partial(readers.read_table, roles=roles)
     modules = {"arrow": None, "vectorized, numpy": numpy}
     if importlib.util.find_spec("cupy") is not None and resolve_device(device).is_cuda:

@@ -38,18 +38,10 @@ import pyarrow as pa
 
 from pipeline.data import raw_folder, vectorized_text
 from pipeline.data.config import DataConfig
-from pipeline.data.readers import (
-    READER_VERSION,
-    DamagedFileError,
-    Roles,
-    criteo_roles,
-    input_files,
-    read_criteo,
-    read_table,
-    read_times,
-    table_format,
-    table_roles,
-)
+from pipeline.data.input_files import input_files, table_format
+from pipeline.data.line_blocks import DamagedFileError
+from pipeline.data.readers import READER_VERSION, read_criteo, read_table, read_times
+from pipeline.data.roles import Roles, criteo_roles, table_roles
 from pipeline.data.text_format import EXAMPLES, FileReport
 from pipeline.data.time_split import TIME_KEY, TimeCuts
 from pipeline.errors import BadInputError

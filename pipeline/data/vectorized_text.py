@@ -1,6 +1,6 @@
 """Text tables parsed with array operations only, on numpy (CPU) or CuPy (GPU).
 
-:func:`parse_block` takes a block of whole lines (what ``readers._line_blocks`` cuts a plain or compressed file
+:func:`parse_block` takes a block of whole lines (what ``line_blocks.line_blocks`` cuts a plain or compressed file
 into), what the lines hold (a :class:`TextLayout`: Criteo's, :data:`CRITEO`, or a table's from its header line,
 :func:`text_layout`) and an array module ``xp``, and gives what the Arrow path of
 :mod:`pipeline.data.readers` gives for it: the same table (Criteo: label int8, I1..I13 int64, C1..C26 string; a

@@ -178,7 +178,7 @@ def run_stages(names: list[str], cfg: config_mod.PipelineConfig) -> dict[str, di
 
     if "train" in names[1:] and cfg.data.source == "table" and not (cfg.data.categorical or cfg.data.multihot):
         # before the stages that would come first
-        from pipeline.data.readers import table_role_hint, table_roles
+        from pipeline.data.roles import table_role_hint, table_roles
         from pipeline.modules.models import NO_SPARSE_FEATURE
 
         table_roles(cfg.data)  # no roles at all: the error that asks for them
