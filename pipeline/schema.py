@@ -25,6 +25,8 @@ ROLES = ("label", "continuous", "categorical", "multihot")
 DYNAMIC_ROWS = 128
 """A dynamic column's cardinality (its table's capacity) is a multiple of this: whole buckets of the
 table's hash table (``pipeline.kernels.hashtable.SLOTS``)."""
+MAX_BUCKETS = 2**31 - 2
+"""The most buckets a hashed column may have: its codes are int32, 0 for a missing value and 1..buckets."""
 
 
 class SchemaError(ValueError):

@@ -355,6 +355,19 @@ def test_normalize_of_a_column_constant_in_training_is_0_whatever_is_served():
 
 
 @pytest.mark.parametrize("partitions", [1, 3])
+def test_normalize_of_a_column_with_infinite_values_is_refused_naming_it(partitions):
+    """An infinity left no mean or spread, and the column became 0 everywhere (NaN where it was infinite), silently."""
+    ratio = pd.DataFrame({"ratio": [0.5, 1.5, 2.5, np.inf, 3.5, 4.5]})
+    with pytest.raises(BadInputError, match="column 'ratio': Normalize found infinite values"):
+        Workflow(["ratio"] >> FillMissing(strategy="median") >> Normalize()).fit(dd.from_pandas(ratio, npartitions=partitions))
+    counts = pd.DataFrame({"x": [-1.0, 0.0, 1.0, 2.0, 3.0, 4.0]})
+    with pytest.raises(BadInputError, match="column 'x': Normalize found infinite values.*LogOp of -1"):
+        Workflow(["x"] >> LogOp() >> Normalize()).fit(dd.from_pandas(counts, npartitions=partitions))
+    fine = Workflow(["x"] >> LogOp(signed=True) >> Normalize()).fit(dd.from_pandas(counts, npartitions=partitions))
+    assert np.isfinite(fine.transform(counts)["x"]).all()
+
+
+@pytest.mark.parametrize("partitions", [1, 3])
 def test_normalize_of_one_value_after_log_has_std_0_and_of_a_large_offset_its_std(partitions):
     """Moments as sums of squares cancel: log1p(7) in every row had a std of 1e-8 (a 7.5 served later became
     millions), and values near 1e9 with std 1 got a std that was rounding noise."""
@@ -432,7 +445,7 @@ def test_bad_numbers_say_what_was_expected():
 @pytest.mark.parametrize("make, message", [
     (lambda: Clip(), "give min_value, max_value or both"),
     (lambda: Bucketize([3, 1]), "increasing"),
-    (lambda: HashBucket(0), "num_buckets must be >= 1"),
+    (lambda: HashBucket(0), "num_buckets must be in \\[1, "),
     (lambda: HashIds(1000), "capacity must be a positive multiple of 128"),
     (lambda: FillMissing(strategy="mode"), "constant or median"),
     (lambda: ["A"] >> HashedCross(10), "two or more columns"),

@@ -275,3 +275,91 @@ def test_a_fill_whose_value_the_chain_makes_missing_adds_nothing_and_other_graph
     frame["b"] = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
     fitted = Workflow(both).fit(dd.from_pandas(frame, npartitions=2))
     assert fitted.operators()[1][0].means["a"] == pytest.approx(frame["a"].fillna(frame["a"].median()).mean())
+
+
+def test_save_replaces_only_a_saved_workflow_and_never_the_current_folder(tmp_path, monkeypatch):
+    workflow = Workflow(["n"] >> Clip(min_value=0)).fit(pd.DataFrame({"n": [1.0, -2.0]}))
+    notebook = tmp_path / "work" / "notebook.ipynb"
+    notebook.parent.mkdir()
+    notebook.write_text("{}")
+    monkeypatch.chdir(notebook.parent)
+    for target in (".", "", str(notebook.parent), str(notebook)):
+        with pytest.raises(BadInputError, match="replaces its folder"):
+            workflow.save(target)
+    assert sorted(p.name for p in notebook.parent.iterdir()) == ["notebook.ipynb"]
+    (tmp_path / "empty").mkdir()
+    workflow.save(tmp_path / "empty")
+    saved = workflow.save("wf")  # a relative folder below the current one
+    assert saved == notebook.parent / "wf" and (saved / "workflow.json").is_file()
+    monkeypatch.chdir(saved)
+    with pytest.raises(BadInputError, match="current folder"):
+        workflow.save(saved)
+    assert Workflow.load(saved).transform(pd.DataFrame({"n": [-1.0]}))["n"].tolist() == [0.0]
+
+
+def test_operator_parameters_given_as_numpy_values_save_and_load(tmp_path):
+    frame = pd.DataFrame({"label": [0, 1, 1], "n": [5, -3, 8], "c": ["a", "b", "a"]})
+    workflow = Workflow((["label"] >> Cast(np.float32)) + (["n"] >> Clip(min_value=np.int64(0), max_value=frame.n.max()))
+                        + (["c"] >> HashBucket(np.int64(7))))
+    before = workflow.fit(frame).transform(frame)
+    loaded = Workflow.load(workflow.save(tmp_path / "wf"))
+    pd.testing.assert_frame_equal(loaded.transform(frame), before)
+    assert before["label"].dtype == np.float32 and before["n"].tolist() == [5.0, 0.0, 8.0]
+
+
+def test_one_operator_object_on_two_parts_of_the_graph_is_refused():
+    norm = Normalize()
+    with pytest.raises(ValueError, match="one Normalize object works on two parts"):
+        Workflow((["x"] >> norm) + (["y"] >> FillMissing() >> norm))
+    both = Workflow(["x", "y"] >> Normalize()).fit(pd.DataFrame({"x": [1.0, 2.0], "y": [10.0, 30.0]}))
+    assert both.transform(pd.DataFrame({"x": [1.0], "y": [30.0]})).iloc[0].tolist() == pytest.approx([-0.7071, 0.7071],
+                                                                                                      abs=1e-4)
+
+
+def test_a_column_repeated_in_a_selection_or_in_the_data_is_named():
+    with pytest.raises(ValueError, match=r"names \['c'\] more than once"):
+        ["c", "c"] >> Categorify()
+    frame = pd.DataFrame({"c": ["a", "b", "a"], "x": [1.0, None, 3.0]})
+    workflow = Workflow((["c"] >> Categorify()) + (["x"] >> FillMissing())).fit(frame)
+    twice = pd.concat([frame, frame[["x"]]], axis=1)
+    for data in (twice, dd.from_pandas(twice, npartitions=1)):
+        with pytest.raises(BadInputError, match=r"\['x'\] appear more than once"):
+            workflow.transform(data)
+    with pytest.raises(BadInputError, match=r"\['x'\] appear more than once"):
+        Workflow(["x"] >> FillMissing()).fit(twice)
+
+
+def test_clip_and_cast_refuse_what_they_cannot_do():
+    with pytest.raises(ValueError, match="above max_value"):
+        Clip(min_value=8, max_value=2)
+    with pytest.raises(ValueError, match="NaN"):
+        Clip(min_value=float("nan"))
+    with pytest.raises(ValueError, match="numeric dtype"):
+        Cast("str")
+    frame = pd.DataFrame({"x": [1.0, 5.0, 300.0, np.nan]})
+    with pytest.raises(BadInputError, match=r"column 'x': Cast to int64 found 1 missing"):
+        Workflow(["x"] >> Cast("int64")).fit(frame).transform(frame)
+    with pytest.raises(BadInputError, match=r"column 'x': Cast to int8 found values from 1 to 300"):
+        Workflow(["x"] >> Cast("int8")).fit(frame[:3]).transform(frame[:3])
+    assert Workflow(["x"] >> Cast("int16")).fit(frame[:3]).transform(frame[:3])["x"].tolist() == [1, 5, 300]
+
+
+def test_hashed_codes_stay_int32():
+    for op in (HashBucket, HashedCross):
+        with pytest.raises(ValueError, match="int32 codes"):
+            op(2**31 - 1)
+    frame = pd.DataFrame({"c": ["a", "b", None], "d": ["x", "y", "z"]})
+    codes = Workflow(["c"] >> HashBucket(2**31 - 2)).fit(frame).transform(frame)["c"]
+    assert codes.dtype == np.int32 and codes.iloc[2] == 0 and (codes.iloc[:2] > 0).all()
+
+
+def test_id_columns_of_numbers_beyond_int64_are_named_or_read_whole():
+    for value in (np.inf, 1e20):
+        frame = pd.DataFrame({"item": [1.0, 2.0, value]})
+        for op in (Categorify(), HashBucket(10)):
+            with pytest.raises(BadInputError, match="column 'item': expected strings or integers"):
+                Workflow(["item"] >> op).fit(frame).transform(frame)
+    ids = pd.DataFrame({"item": np.array([2**64 - 1, 7, 2**64 - 1], dtype=np.uint64)})
+    workflow = Workflow(["item"] >> Categorify()).fit(ids)
+    assert workflow.operators()[0][0].vocabularies["item"].to_pylist() == [str(2**64 - 1), "7"]
+    assert workflow.transform(ids)["item"].tolist() == [2, 3, 2]

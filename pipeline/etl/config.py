@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from pipeline.errors import check_range
 from pipeline.parquet import COMPRESSIONS, DEFAULT_COMPRESSION
-from pipeline.schema import DYNAMIC_ROWS
+from pipeline.schema import DYNAMIC_ROWS, MAX_BUCKETS
 
 
 @dataclass
@@ -68,7 +68,7 @@ class EtlConfig:
         if self.compression not in COMPRESSIONS:
             raise ValueError(f"etl.compression: expected one of {', '.join(COMPRESSIONS)}, got {self.compression!r}")
         for column, buckets in self.hash_buckets.items():
-            check_range(f"etl.hash_buckets.{column}", buckets, 1)
+            check_range(f"etl.hash_buckets.{column}", buckets, 1, MAX_BUCKETS)
         for column, capacity in self.hash_ids.items():
             check_range(f"etl.hash_ids.{column}", capacity, DYNAMIC_ROWS)
             if capacity % DYNAMIC_ROWS:

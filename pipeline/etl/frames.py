@@ -163,7 +163,8 @@ def as_arrow(values: Any, name: str | None = None) -> pa.Array:
         array = values
     if hasattr(array, "__arrow_array__"):
         arrow = pa.array(array)
-    elif isinstance(array.dtype, np.dtype) and array.dtype != object:
+    elif (isinstance(array.dtype, np.dtype) or isinstance(array, pd.arrays.NumpyExtensionArray)) and (
+            np.asarray(array).dtype != object):  # a Series' numpy values come wrapped in a NumpyExtensionArray
         arrow = pa.array(np.asarray(array), from_pandas=True)
     else:
         try:
@@ -236,8 +237,11 @@ def lists_from_flat(values: np.ndarray, lengths: np.ndarray, index: Any = None) 
 def integral_floats(arrow: pa.Array, name: str) -> pa.Array:
     """Floats that hold whole numbers (integers that pandas widened to make room for NaN) as int64."""
     values = arrow.to_numpy(zero_copy_only=False)
-    finite = values[~np.isnan(values)]
-    if not np.all(finite == np.round(finite)):
+    present = values[~np.isnan(values)]
+    if not np.all(np.abs(present) < 2.0**63):
+        raise BadInputError(f"column {name!r}: expected strings or integers, found {present[np.abs(present) >= 2.0**63][0]} "
+                            "(whole numbers in a float column are read as int64 ids)")
+    if not np.all(present == np.round(present)):
         raise BadInputError(f"column {name!r}: expected strings or integers, found fractional numbers")
     return arrow.cast(pa.int64())
 

@@ -35,6 +35,9 @@ class Node:
         self.parents = list(parents)
         self.op = op
         if columns is not None:
+            repeated = sorted({c for c in columns if list(columns).count(c) > 1})
+            if repeated:
+                raise ValueError(f"the selection {list(columns)} names {repeated} more than once: name each column once")
             self.input_columns = list(columns)
             self.output_columns = list(columns)
         else:

@@ -68,6 +68,7 @@ class Workflow:
         self.output = Node.of(output)
         self.library = library
         self._nodes = list(self.output.walk())
+        _refuse_shared_operators(self._nodes)
         self._inputs = self.output.raw_columns()
 
     @property
@@ -119,6 +120,8 @@ class Workflow:
         Runs on the current Dask scheduler (a ``distributed.Client`` if one is active); ``progress`` is a
         mode of :mod:`pipeline.progress`.
         """
+        if isinstance(data, pd.DataFrame):
+            self._check_columns(data.columns, "the data to fit")
         ddf = self._as_dask(data)
         self._check_columns(ddf.columns, "the data to fit")
         pending = [n for n in self._nodes if n.op and n.op.stateful]
@@ -195,6 +198,11 @@ class Workflow:
         raise TypeError(f"expected a Dask or pandas DataFrame or a parquet path, got {type(data).__name__}")
 
     def _check_columns(self, columns: Any, what: str) -> None:
+        names = list(columns)
+        repeated = sorted({c for c in self._inputs if names.count(c) > 1})
+        if repeated:
+            raise BadInputError(f"{what}: the column(s) {repeated} appear more than once (columns {names}), so which one "
+                                "holds the data is unclear: give each column its own name")
         present = set(columns)
         missing = [c for c in self._inputs if c not in present]
         if missing:
@@ -244,9 +252,10 @@ class Workflow:
         return results[id(output)]
 
     def save(self, path: str | Path) -> Path:
-        """Write the fitted workflow to the folder ``path`` (replaced if it exists)."""
+        """Write the fitted workflow to the folder ``path``: a new folder, an empty one, or one that holds a saved
+        workflow, which is replaced (only once the new one is whole). Any other folder or file is refused."""
         self._require_fitted()
-        path = Path(path)
+        path = _save_target(Path(path))
         ids = {id(n): i for i, n in enumerate(self._nodes)}
         nodes = []
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -275,10 +284,12 @@ class Workflow:
                 "output": ids[id(self.output)],
                 "nodes": nodes,
             }
-            (staging / "workflow.json").write_text(json.dumps(record, indent=1) + "\n")
+            (staging / "workflow.json").write_text(json.dumps(record, indent=1, default=_json_value) + "\n")
+            replaced = staging.with_name(staging.name + ".replaced")
             if path.exists():
-                shutil.rmtree(path)
+                path.rename(replaced)
             staging.rename(path)
+            shutil.rmtree(replaced, ignore_errors=True)
         finally:
             if staging.exists():
                 shutil.rmtree(staging)
@@ -511,3 +522,45 @@ def _on_host(value: Any) -> Any:
 
 def _short(columns: list[str]) -> str:
     return str(columns) if len(columns) <= 4 else f"[{columns[0]}, {columns[1]}, ... {columns[-1]}] ({len(columns)})"
+
+
+def _save_target(path: Path) -> Path:
+    """``path`` made absolute, once it is known that saving there replaces nothing but a saved workflow."""
+    path = path.expanduser().absolute()
+    if path.exists():
+        holds_workflow = (path / "workflow.json").is_file()
+        if not path.is_dir() or not (holds_workflow or not any(path.iterdir())):
+            what = "a file" if not path.is_dir() else "a folder that does not hold a saved workflow (no workflow.json)"
+            raise BadInputError(f"{path} is {what}; saving a workflow replaces its folder: name a new folder, an empty "
+                                "one or one of a saved workflow")
+        if Path.cwd().resolve().is_relative_to(path.resolve()):
+            raise BadInputError(f"{path} is the current folder or holds it; a saved workflow replaces its folder: name "
+                                "a folder below it")
+    return path
+
+
+def _json_value(value: Any) -> Any:
+    """An operator's parameter or statistic given as a numpy value (``np.int64(3)``, ``np.float32``, a dtype) as the
+    JSON value it stands for."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    try:
+        return np.dtype(value).name if isinstance(value, (np.dtype, type)) else None
+    except TypeError:
+        pass
+    raise TypeError(f"a workflow's operators keep JSON values; found {value!r} ({type(value).__name__})")
+
+
+def _refuse_shared_operators(nodes: list[Node]) -> None:
+    """One operator object on two nodes would keep the statistics of only one of them (each node's fit sets them)."""
+    seen: dict[int, Node] = {}
+    for node in nodes:
+        if node.op is not None:
+            first = seen.setdefault(id(node.op), node)
+            if first is not node:
+                name = type(node.op).__name__
+                raise ValueError(f"one {name} object works on two parts of the graph ({first.input_columns} and "
+                                 f"{node.input_columns}): give each its own {name}(...), or apply it once to both "
+                                 "column lists joined")

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.errors import BadInputError
 from pipeline.etl.blocks import ColumnRows
 from pipeline.etl.column_schema import CATEGORICAL, CONTINUOUS
 from pipeline.etl.frames import array_module, as_float64, cudf_float_rows, float_rows, is_cudf
@@ -227,8 +228,10 @@ class Clip(_Matrix):
     def __init__(self, min_value: float | None = None, max_value: float | None = None):
         if min_value is None and max_value is None:
             raise ValueError("Clip: give min_value, max_value or both")
-        self.min_value = min_value
-        self.max_value = max_value
+        self.min_value = None if min_value is None else _plain_number(min_value, "Clip: min_value")
+        self.max_value = None if max_value is None else _plain_number(max_value, "Clip: max_value")
+        if self.min_value is not None and self.max_value is not None and self.min_value > self.max_value:
+            raise ValueError(f"Clip: min_value {self.min_value} is above max_value {self.max_value}")
 
     def transform_column(self, name: str, values: Any) -> Any:
         return as_float64(values, name).clip(self.min_value, self.max_value)
@@ -315,6 +318,10 @@ class Normalize(_Matrix):
     def fit_finalize(self, stats: Any) -> None:
         self.means, self.stds = {}, {}
         for name, (n, mean, squares, *_) in stats.items():  # the count of missing values, where given, is not needed
+            if n and not (np.isfinite(mean) and np.isfinite(squares)):
+                raise BadInputError(f"column {name!r}: Normalize found infinite values (or values too large for a "
+                                    "float64 variance), which leave no mean or spread: Clip the column first (LogOp "
+                                    "of -1 is -inf: Clip(min_value=0) or LogOp(signed=True) before it)")
             self.means[name] = float(mean) if n else float("nan")
             var = squares / (n - 1) if n > 1 else float("nan")
             self.stds[name] = float(np.sqrt(max(var, 0.0))) if np.isfinite(var) else float("nan")
@@ -382,18 +389,26 @@ class Bucketize(Operator):
 
 
 class Cast(Operator):
-    """Convert to a numeric dtype (e.g. the label to float32); missing values become NaN."""
+    """Convert to a numeric dtype (e.g. the label to float32); missing values become NaN. To an integer dtype, a
+    column must hold no missing value (FillMissing first) and no value outside the dtype's range, and fractions are
+    cut toward 0."""
 
-    def __init__(self, dtype: str):
-        np.dtype(dtype)
-        self.dtype = dtype
+    def __init__(self, dtype: Any):
+        kind = np.dtype(dtype)
+        if kind.kind not in "biuf":
+            raise ValueError(f"Cast: expected a numeric dtype (bool, int*, uint*, float*), got {kind}")
+        self.dtype = kind.name
 
     @property
     def output_dtype(self) -> str:  # type: ignore[override]
         return self.dtype
 
     def transform_column(self, name: str, values: Any) -> Any:
-        return as_float64(values, name).astype(self.dtype)
+        values = as_float64(values, name)
+        kind = np.dtype(self.dtype)
+        if kind.kind in "iu":
+            _check_integral_range(name, values, kind)
+        return values.astype(self.dtype)
 
     def get_params(self) -> dict:
         return {"dtype": self.dtype}
@@ -423,3 +438,24 @@ def _digitize_cudf(values: Any, boundaries: list[float]) -> Any:
     filled = values.fillna(np.inf).values
     return cudf.Series(cupy.digitize(filled, cupy.asarray(boundaries)), index=values.index, name=values.name)
 
+
+def _plain_number(value: Any, what: str) -> float:
+    """``value`` (a Python or numpy number) as a float; NaN is refused."""
+    number = float(value)
+    if np.isnan(number):
+        raise ValueError(f"{what} is NaN; expected a number")
+    return number
+
+
+def _check_integral_range(name: str, values: Any, kind: np.dtype) -> None:
+    """Refuse float ``values`` (numpy or cuDF) that an integer ``kind`` cannot hold: missing ones, and those outside its
+    range (a cast would give the dtype's minimum, or wrap)."""
+    info = np.iinfo(kind)
+    finite = values.notna() & ~values.isin([np.inf, -np.inf]) if is_cudf(values) else np.isfinite(values)
+    missing = int(len(values) - int(finite.sum()))
+    low, high = (float(values.min()), float(values.max())) if missing < len(values) else (0.0, 0.0)
+    if missing or low < info.min or high >= float(info.max) + 1:
+        what = f"{missing:,} missing or infinite value(s) (FillMissing first)" if missing else (
+            f"values from {low:g} to {high:g}")
+        raise BadInputError(f"column {name!r}: Cast to {kind.name} found {what}; {kind.name} holds integers from "
+                            f"{info.min} to {info.max}")

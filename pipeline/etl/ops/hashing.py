@@ -61,7 +61,7 @@ from pipeline.etl.ops.murmur import (
     murmur3_int64,
     murmur3_strings,
 )
-from pipeline.schema import DYNAMIC_ROWS
+from pipeline.schema import DYNAMIC_ROWS, MAX_BUCKETS
 
 NULL_INDEX = 0
 
@@ -81,8 +81,8 @@ class HashBucket(Operator):
     """The seeds of the murmur3 hashes of a value that make its code (:meth:`_of_hashes`)."""
 
     def __init__(self, num_buckets: int):
-        if int(num_buckets) < 1:
-            raise ValueError(f"HashBucket: num_buckets must be >= 1, got {num_buckets}")
+        if not 1 <= int(num_buckets) <= MAX_BUCKETS:
+            raise ValueError(f"HashBucket: num_buckets must be in [1, {MAX_BUCKETS}] (int32 codes), got {num_buckets}")
         self.num_buckets = int(num_buckets)
         self.multihot: dict[str, bool] = {}
         self.max_lengths: dict[str, int] = {}
@@ -164,8 +164,8 @@ class HashedCross(Operator):
     """
 
     def __init__(self, num_buckets: int):
-        if int(num_buckets) < 1:
-            raise ValueError(f"HashedCross: num_buckets must be >= 1, got {num_buckets}")
+        if not 1 <= int(num_buckets) <= MAX_BUCKETS:
+            raise ValueError(f"HashedCross: num_buckets must be in [1, {MAX_BUCKETS}] (int32 codes), got {num_buckets}")
         self.num_buckets = int(num_buckets)
 
     def output_columns(self, columns: list[str]) -> list[str]:
