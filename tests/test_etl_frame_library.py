@@ -47,6 +47,23 @@ def test_reading_errors(files, tmp_path):
         read_parquet(tmp_path / "empty-*", None, "pandas")
 
 
+
+def test_a_later_file_without_a_column_is_named_before_any_task(files):
+    """Only the first file's columns were checked: a later file without one failed inside a task with a bare
+    KeyError naming no file."""
+    from pipeline.etl.frame_library import gpu_pieces
+
+    table, folder = files
+    later = folder / "part-00002.parquet"
+    pq.write_table(table.drop_columns(["I"]), later)
+    for columns in (None, ["C", "I"]):
+        with pytest.raises(BadInputError, match=rf"{later}: expected the columns .*; missing \['I'\]"):
+            read_parquet(folder, columns, "pandas")
+    with pytest.raises(BadInputError, match=r"missing \['I'\]"):
+        gpu_pieces(sorted(folder.glob("*.parquet")), ["C", "I"])
+    assert len(read_parquet(folder, ["C", "M"], "pandas").compute()) == 640
+
+
 def test_gpu_partitions_divide_among_the_workers():
     from pipeline.etl.frame_library import piece_count
 

@@ -90,10 +90,8 @@ def read_parquet(path: str | Path | list, columns: list[str] | None, library: st
     check_frame_library(library)
     files = parquet_files(path)
     schema = pq.read_schema(files[0])
-    missing = [c for c in columns or [] if c not in schema.names]
-    if missing:
-        raise BadInputError(f"{files[0]}: expected the columns {columns}; missing {missing}; found {schema.names}")
     columns = list(columns or schema.names)
+    _check_columns(files[0], schema.names, columns)
     if library == "cudf":
         # Straight into GPU memory (libcudf's parquet reader): strings are plain cuDF string
         # columns, lists cuDF list columns, integers keep their width and nulls.
@@ -102,7 +100,7 @@ def read_parquet(path: str | Path | list, columns: list[str] | None, library: st
         meta = _read_cudf_piece([(first_file, first_groups[:1])], columns).head(0)
         return dd.from_map(_read_cudf_piece, pieces, columns=columns, meta=meta, enforce_metadata=False)
     dictionary = tuple(_string_columns(schema))
-    return dd.from_map(_read_piece, _pieces(files, partition_rows), columns=columns, dictionary_columns=dictionary,
+    return dd.from_map(_read_piece, _pieces(files, partition_rows, columns), columns=columns, dictionary_columns=dictionary,
                        meta=_empty(schema, columns, dictionary), enforce_metadata=False)
 
 
@@ -125,6 +123,7 @@ def gpu_pieces(files: list[Path], columns: list[str]) -> list[list[tuple[str, li
     total = 0
     for f in files:
         meta = pq.ParquetFile(f).metadata
+        _check_columns(f, meta.schema.to_arrow_schema().names, columns)
         wanted = [i for i in range(meta.num_columns) if meta.schema.column(i).path.split(".")[0] in names]
         for g in range(meta.num_row_groups):
             group = meta.row_group(g)
@@ -188,10 +187,11 @@ def parquet_files(path: str | Path | list) -> list[Path]:
     return files
 
 
-def _pieces(files: list[Path], partition_rows: int) -> list[tuple[str, list[int]]]:
+def _pieces(files: list[Path], partition_rows: int, columns: list[str]) -> list[tuple[str, list[int]]]:
     pieces = []
     for path in files:
         metadata = pq.read_metadata(path)
+        _check_columns(path, metadata.schema.to_arrow_schema().names, columns)
         group: list[int] = []
         rows = 0
         for i in range(metadata.num_row_groups):
@@ -203,6 +203,13 @@ def _pieces(files: list[Path], partition_rows: int) -> list[tuple[str, list[int]
         if group or not pieces or pieces[-1][0] != str(path):
             pieces.append((str(path), group))
     return pieces
+
+
+def _check_columns(path: Path, found: list[str], columns: list[str]) -> None:
+    """Refuse a file that lacks some of ``columns`` (each file of a folder is checked: they may differ)."""
+    missing = [c for c in columns if c not in found]
+    if missing:
+        raise BadInputError(f"{path}: expected the columns {columns}; missing {missing}; found {found}")
 
 
 def _string_columns(schema: pa.Schema) -> list[str]:
