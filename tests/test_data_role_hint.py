@@ -37,6 +37,7 @@ def test_each_kind_of_column_gets_the_role_its_values_and_name_say():
         "continuous": ["age", "price"],
         "multihot": ["tags", "genres"],
         "time_column": "ts",  # the first column of times; "day" is left out, no feature as it is
+        "ignore": [],
     }
 
 
@@ -87,3 +88,34 @@ def test_run_all_without_roles_proposes_them_before_any_stage(tmp_path, roles, m
     with pytest.raises(BadInputError, match=message):
         run_stages(["data", "etl", "train"], cfg)
     assert not (tmp_path / "work").exists()
+
+
+def test_the_hint_for_a_file_pandas_wrote_with_its_index_and_odd_names_pastes_into_a_shell_and_runs(tmp_path):
+    """``to_csv`` keeps the index as a column named "" (``Unnamed: 0`` once read back and written again); names
+    such as ``a: b``, ``#tag``, ``a,b`` or ``x[0]`` broke the pasted list (YAML read them otherwise)."""
+    import json
+    import shlex
+
+    import pandas as pd
+
+    from pipeline.stages.cli import run_stages
+
+    n = 60
+    frame = pd.DataFrame({"clicked": [i % 2 for i in range(n)], "price usd": [i / 2 for i in range(n)],
+                          "a: b": [i * 1.5 for i in range(n)], "#tag": [f"t{i % 3}" for i in range(n)],
+                          "x[0]": [f"v{i % 4}" for i in range(n)], "it's": [f"w{i % 2}" for i in range(n)]})
+    frame.to_csv(tmp_path / "events.csv")
+    pd.read_csv(tmp_path / "events.csv").to_parquet(tmp_path / "events.parquet")
+    for name, index in (("events.csv", '""'), ("events.parquet", '"Unnamed: 0"')):
+        hint = _hint(tmp_path / name, "label")
+        assert f"data.ignore=[{index}]" in hint
+        settings = shlex.split(hint.split(": ", 1)[1])
+        work = tmp_path / f"work-{name}"
+        cfg = load_config(None, [f"workdir={work}", "data.source=table", f"data.path={tmp_path / name}", *settings])
+        assert sorted(cfg.data.continuous) == ["a: b", "price usd"]
+        assert sorted(cfg.data.categorical) == ["#tag", "it's", "x[0]"]
+        run_stages(["data"], cfg)
+        assert json.loads(next(work.rglob("ingest_report.json")).read_text())["rows_kept"] == n
+    with pytest.raises(BadInputError, match=r"have no role.*drop them: 'data.ignore=\[\"\"\]'"):
+        run_stages(["data"], load_config(None, [f"workdir={tmp_path / 'w'}", "data.source=table", "data.label=clicked",
+                                                f"data.path={tmp_path / 'events.csv'}", *settings[1:-1]]))

@@ -12,7 +12,11 @@ error that asks for them, from what the columns hold::
   else continuous, as a float column is;
 - a column of dates or times (typed, or text that reads as such) orders the splits (``data.time_column``); any
   other one is left out (it is no feature as it is);
-- a list column is multi-hot.
+- a list column is multi-hot;
+- a column that pandas wrote its index to (named ``""`` by ``to_csv``, ``Unnamed: 0`` once read back and written
+  again) is dropped (``data.ignore``).
+
+The settings are written to paste into a shell as they are (:func:`list_setting`).
 
 Where ``label`` is not a column of the file, the hint proposes one (:func:`label_column`) and leaves it out of the
 features.
@@ -20,7 +24,9 @@ features.
 
 from __future__ import annotations
 
+import json
 import re
+import shlex
 from pathlib import Path
 
 import pyarrow as pa
@@ -44,15 +50,36 @@ def role_hint(path: Path, delimiter: str | None, label: str, separator: str) -> 
         return ""
     found_label = label if label in sample.column_names else label_column(sample)
     roles = propose_roles(sample, found_label, separator)
-    settings = [f"data.{role}=[{','.join(names)}]" for role, names in roles.items() if names and role != "time_column"]
-    if roles["time_column"]:
-        settings.append(f"data.time_column={roles['time_column']}")
+    settings = [list_setting(f"data.{role}", names) for role, names in roles.items()
+                if names and role not in ("time_column", "ignore")]
     if not settings:
         return ""
+    if roles["time_column"]:
+        settings.append(_shell_word(f"data.time_column={roles['time_column']}"))
+    if roles["ignore"]:
+        settings.append(list_setting("data.ignore", roles["ignore"]))
     if found_label != label:
-        settings.insert(0, f"data.label={found_label}" if found_label else
+        settings.insert(0, _shell_word(f"data.label={found_label}") if found_label else
                         f"data.label=<its 0/1 column> (it has none named {label!r})")
     return f"perhaps, from {path.name}: {' '.join(settings)}"
+
+
+_PLAIN_NAME = r"[A-Za-z0-9_][A-Za-z0-9_.\-/]*"
+"""A column name that a list setting holds as it is; any other is quoted (YAML reads ``a: b``, ``#x``, ``a,b``,
+``x[0]`` and an empty name otherwise)."""
+INDEX_NAME = r"|Unnamed: \d+"
+"""The name of a column pandas wrote its index to: ``""`` (``to_csv``), ``Unnamed: 0`` (that file read back)."""
+
+
+def list_setting(setting: str, names: list[str]) -> str:
+    """``setting=[a,b]`` as it pastes into a shell: a name a YAML list would read otherwise in double quotes, and the
+    whole quoted for the shell where it holds more than plain names."""
+    items = ",".join(n if re.fullmatch(_PLAIN_NAME, n) else json.dumps(n, ensure_ascii=False) for n in names)
+    return _shell_word(f"{setting}=[{items}]")
+
+
+def _shell_word(text: str) -> str:
+    return text if re.fullmatch(r"[A-Za-z0-9_.,=\[\]\-/]*", text) else shlex.quote(text)
 
 
 LABEL_NAME = r"(?i)(label|target|y|clicks?|clicked|is_?click(ed)?|converted|conversion|purchased?|outcome)"
@@ -73,11 +100,14 @@ def label_column(sample: pa.Table) -> str:
 
 
 def propose_roles(sample: pa.Table, label: str, separator: str) -> dict:
-    """``{"categorical": [...], "continuous": [...], "multihot": [...], "time_column": name or ""}`` for the columns
-    of ``sample`` other than ``label`` (the rules in the module's docstring)."""
-    roles: dict = {"categorical": [], "continuous": [], "multihot": [], "time_column": ""}
+    """``{"categorical": [...], "continuous": [...], "multihot": [...], "time_column": name or "", "ignore": [...]}``
+    for the columns of ``sample`` other than ``label`` (the rules in the module's docstring)."""
+    roles: dict = {"categorical": [], "continuous": [], "multihot": [], "time_column": "", "ignore": []}
     for name, column in zip(sample.column_names, sample.columns):
         if name == label or name.startswith("__index_level_"):
+            continue
+        if re.fullmatch(INDEX_NAME, name):
+            roles["ignore"].append(name)
             continue
         kind = _kind(name, column, separator)
         if kind == "time_column":

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pipeline.data import raw_folder
 from pipeline.data.config import DataConfig
 from pipeline.data.input_files import TEXT_SUFFIXES, input_files, table_format
-from pipeline.data.role_hint import role_hint
+from pipeline.data.role_hint import list_setting, role_hint
 from pipeline.data.text_format import CRITEO_CATEGORICAL, CRITEO_CONTINUOUS
 from pipeline.errors import BadInputError
 
@@ -54,7 +54,7 @@ class Roles:
         if unknown:
             raise BadInputError(
                 f"{where}: column(s) {unknown} have no role; expected only {self.columns}. Declare them in "
-                "data.continuous / data.categorical / data.multihot, or drop them with data.ignore"
+                f"data.continuous / data.categorical / data.multihot, or drop them: {list_setting('data.ignore', unknown)}"
             )
 
 
