@@ -634,11 +634,12 @@ def test_with_test_path_pinned_valid_is_the_latest_part_of_path(tmp_path):
 
 def test_with_both_splits_pinned_no_time_pass_runs_and_path_is_all_train(tmp_path, capsys):
     _write_files(tmp_path / "days", _timed_rows(50, lambda i: 1_000 + i), files=1, suffix="csv")
-    other = tmp_path / "other.csv"
-    other.write_text("clicked,row,user,ts\n" + "".join(f"1,{1000 + i},u1,{5_000 + i}\n" for i in range(5)))
-    raw = ensure_raw(_cfg(tmp_path, *TIMED, f"data.path={tmp_path / 'days'}", f"data.valid_path={other}",
-                          f"data.test_path={other}"))
-    assert raw.rows == {"train": 50, "valid": 5, "test": 5}
+    valid, test = tmp_path / "valid.csv", tmp_path / "test.csv"
+    valid.write_text("clicked,row,user,ts\n" + "".join(f"1,{1000 + i},u1,{5_000 + i}\n" for i in range(5)))
+    test.write_text("clicked,row,user,ts\n" + "".join(f"1,{2000 + i},u1,{6_000 + i}\n" for i in range(4)))
+    raw = ensure_raw(_cfg(tmp_path, *TIMED, f"data.path={tmp_path / 'days'}", f"data.valid_path={valid}",
+                          f"data.test_path={test}"))
+    assert raw.rows == {"train": 50, "valid": 5, "test": 4}
     assert "reading the time column" not in capsys.readouterr().out
     meta = json.loads((raw.root / "meta.json").read_text())
     assert meta["time_column"] == "ts" and meta["time_cuts"] is None

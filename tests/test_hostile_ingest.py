@@ -415,8 +415,13 @@ def test_dates_in_a_continuous_column_are_told_where_they_belong(tmp_path, reade
     with pytest.raises(BadInputError) as err:
         data_stage.ensure_raw(cfg)
     message = str(err.value)
-    assert "is not a number (a date or time: order the splits by it with data.time_column=ts, drop it with " \
-           "data.ignore=[ts]" in message
+    if value[0].isdigit() and value[2] in "/:":  # a form data.time_column does not read: it is told so
+        assert "is not a number (a date or time, written otherwise than ISO 8601 (YYYY-MM-DD, YYYY-MM-DD HH:MM:SS), " \
+               "the form data.time_column reads: rewrite it so to order the splits by it with data.time_column=ts" \
+               in message
+    else:
+        assert "is not a number (a date or time: order the splits by it with data.time_column=ts, drop it with " \
+               "data.ignore=[ts]" in message
     assert message.count("a date or time") == 1, "said once, not for every example"
     assert "Every row read was malformed: check the column roles" in message and "on_bad_lines=skip" not in message
 
@@ -466,3 +471,104 @@ def test_a_list_column_pandas_wrote_to_a_csv_is_malformed_not_one_item_a_row(tmp
     with pytest.raises(BadInputError, match=r"\{'list_as_text': 20\}.*genres: \"\['drama', 'kids'\]\" is a list "
                                             r"written as its text \(as pandas writes a list to a CSV: join its items"):
         data_stage.ensure_raw(cfg)
+
+
+
+@pytest.mark.parametrize("reader", ["arrow", "vectorized"])
+def test_integer_times_written_with_a_zero_fraction_split_by_time(tmp_path, reader):
+    """pandas writes an integer column widened by a missing value as ``1704067200.0``: every row was a bad time."""
+    times = [f"{1_704_067_200 + 60 * i}.0" if i != 3 else "" for i in range(40)]
+    path = tmp_path / "rows.csv"
+    path.write_text("clicked,price,user,ts\n" + "".join(f"{i % 2},{1.5 * i},u{i % 3},{t}\n" for i, t in enumerate(times)))
+    report = _ingest(tmp_path, path, "data.time_column=ts", f"data.reader={reader}", "data.on_bad_lines=skip")
+    assert report["bad"] == {"bad_time": 1} and report["rows_kept"] == 39
+    meta = json.loads(next((tmp_path / "work").glob("*/raw/meta.json")).read_text())
+    assert meta["time_cuts"]["test"] == 1_704_067_200 + 60 * 36
+
+
+@pytest.mark.parametrize("reader", ["arrow", "vectorized"])
+def test_a_time_the_keys_cannot_hold_or_a_form_they_do_not_read_says_why(tmp_path, reader):
+    times = [f"2024-02-{1 + i:02d}T08:00:00" for i in range(20)]
+    times[4], times[6], times[8] = "9999-12-31T00:00:00", "01/02/2024 10:00", "2024-01-01 00:00:00 UTC"
+    path = tmp_path / "rows.csv"
+    path.write_text("clicked,price,user,ts\n" + "".join(f"{i % 2},{1.5 * i},u{i},{t}\n" for i, t in enumerate(times)))
+    report = _ingest(tmp_path, path, "data.time_column=ts", f"data.reader={reader}", "data.on_bad_lines=skip")
+    reasons = {e["line"]: e["reason"] for e in report["examples"]}
+    assert "outside the years 1678 to 2261" in reasons[6] and "placeholder" in reasons[6]
+    assert "write it in ISO 8601" in reasons[8] and "write it in ISO 8601" in reasons[10]
+
+
+def test_the_time_column_named_continuous_is_told_to_leave_data_continuous(tmp_path):
+    path = tmp_path / "rows.csv"
+    path.write_text("clicked,price,user,ts\n" + "".join(f"{i % 2},{1.5 * i},u{i},2024-02-{1 + i:02d}\n"
+                                                         for i in range(20)))
+    message, _ = _failed_report(tmp_path, path, "data.time_column=ts", "data.continuous=[price,ts]")
+    assert "data.time_column=ts orders the splits by it, but as a feature it is no number: take ts out of " \
+           "data.continuous" in message
+    parquet = tmp_path / "rows.parquet"
+    pq.write_table(pa.table({"clicked": [0, 1], "price": [1.0, 2.0], "user": ["a", "b"],
+                             "ts": pa.array([1, 2], pa.timestamp("s"))}), parquet)
+    with pytest.raises(BadInputError, match="take ts out of data.continuous"):
+        _ingest(tmp_path / "p", parquet, "data.time_column=ts", "data.continuous=[price,ts]")
+
+
+def test_a_duration_column_is_told_to_become_seconds(tmp_path):
+    from pipeline.data.role_hint import propose_roles
+
+    table = pa.table({"clicked": [0, 1], "price": [1.0, 2.0], "user": ["a", "b"],
+                      "stay": pa.array([5, 7], pa.duration("s"))})
+    pq.write_table(table, tmp_path / "rows.parquet")
+    for roles in (["data.continuous=[price,stay]"], ["data.time_column=stay"]):
+        with pytest.raises(BadInputError, match=r"column 'stay' .* found duration\[s\] \(a duration: write it as a "
+                                                r"number, such as seconds"):
+            _ingest(tmp_path / roles[0][5:9], tmp_path / "rows.parquet", *roles)
+    assert propose_roles(table, "clicked", "|")["time_column"] == ""
+
+
+def test_files_and_folders_named_otherwise_than_plain(tmp_path):
+    """A name with brackets was taken for a glob; an upper-case .GZ was not decompressed; one file as both valid
+    and test split was accepted; a Delta Lake folder was read with the files its later versions replaced."""
+    from pipeline.data.input_files import input_files
+
+    rows = "\n".join(_table()) + "\n"
+    bracketed = tmp_path / "rows[2024].csv"
+    bracketed.write_text(rows)
+    assert _ingest(tmp_path / "a", bracketed)["rows_kept"] == 60
+    upper = tmp_path / "rows.csv.GZ"
+    upper.write_bytes(gzip.compress(rows.encode()))
+    assert _ingest(tmp_path / "b", upper)["rows_kept"] == 60
+    same = load_config(None, [*TABLE, f"data.path={bracketed}", f"data.valid_path={upper}", f"data.test_path={upper}"])
+    with pytest.raises(BadInputError, match="data.valid_path and data.test_path both name"):
+        input_files(same.data)
+    delta = tmp_path / "delta"
+    (delta / "_delta_log").mkdir(parents=True)
+    (delta / "part-0.parquet").write_bytes(b"")
+    with pytest.raises(BadInputError, match=r"is a Delta Lake table \(_delta_log/\).*write one version of it out"):
+        input_files(load_config(None, [*TABLE, f"data.path={delta}"]).data)
+    hive = tmp_path / "hive" / "rows=1"
+    hive.mkdir(parents=True)
+    (hive / "rows.csv").write_text(rows)
+    with pytest.raises(BadInputError, match=r"hive/\*/\*\.csv'"):
+        input_files(load_config(None, [*TABLE, f"data.path={hive.parent}"]).data)
+    (hive / "README.md").write_text("the data\n")
+    with pytest.raises(BadInputError, match=r"README.md: expected a .csv.*name only those with a glob"):
+        _ingest(tmp_path / "c", hive)
+
+
+def test_text_in_another_encoding_is_told_to_be_saved_as_utf8(tmp_path):
+    utf16 = tmp_path / "rows.csv"
+    utf16.write_bytes("\n".join(_table()).encode("utf-16"))
+    with pytest.raises(BadInputError, match=r"header line is not valid UTF-8 .*UTF-16 text .*save it as UTF-8"):
+        _ingest(tmp_path, utf16)
+    latin = tmp_path / "rows_latin.csv"
+    latin.write_bytes(("\n".join(_table()[:1] + [f"{i % 2},{i}.5,{'Zoë' if i % 3 else 'Bob'}" for i in range(30)])
+                       + "\n").encode("latin-1"))
+    message, _ = _failed_report(tmp_path / "l", latin)
+    assert "save it as UTF-8" in message and "on_bad_lines=skip" not in message
+
+
+def test_the_default_label_missing_is_named_as_the_setting(tmp_path):
+    path = tmp_path / "rows.csv"
+    path.write_text("y,price,user\n1,2.0,u\n")
+    with pytest.raises(BadInputError, match=r"\['label'\] not found \(data.label=label names the column of 0 / 1"):
+        _ingest(tmp_path, path, "data.label=label")

@@ -23,7 +23,7 @@ from pipeline.data.text_format import (
     cells_holding,
     value_problem,
 )
-from pipeline.data.time_split import FORMS, TIME_KEY, time_keys
+from pipeline.data.time_split import FORMS, TIME_KEY, time_keys, time_problem
 
 _INT_PATTERN = r"^(-?[0-9]+)?$"  # empty is missing; the int64 range is checked apart
 _INT64_DIGITS = 19
@@ -49,15 +49,14 @@ def check_and_convert(table: pa.Table, lines: np.ndarray, kinds: dict[str, str],
         checked = "list_text" if kind == "list" and is_text(column.type) else kind
         for i in np.flatnonzero(~ok & ~bad):
             value = column[int(i)].as_py()
-            what, reason = value_problem(name, checked, "" if value is None else str(value))
+            what, reason = value_problem(name, checked, "" if value is None else str(value), time)
             report.add_bad(int(lines[i]), what, reason, quote(int(i)))
         bad |= ~ok
     if time:
         keys, ok, dated = time_keys(table.column(time))
         for i in np.flatnonzero(~ok & ~bad):
             value = table.column(time)[int(i)].as_py()
-            reason = (f"{time}: the time is missing" if value in (None, "") else
-                      f"{time}: {str(value)[:40]!r} is not a time (an integer, or an ISO 8601 date or date and time)")
+            reason = time_problem(time, value)
             report.add_bad(int(lines[i]), "bad_time", reason, quote(int(i)))
         bad |= ~ok
         for form, found in zip(FORMS, (~bad & ~dated, ~bad & dated)):

@@ -291,6 +291,9 @@ def _failure_message(report: dict) -> str:
                   "data.categorical, data.multihot) and data.list_separator against the input")
     elif advice_given:  # a column written otherwise than read, not stray lines: skipping would bias what is kept
         advice = "Fix the input as said"
+    elif report["bad"].get("invalid_utf8", 0) * 2 > report["bad_rows"]:  # mostly: a file in another encoding
+        advice = ("Text that is not UTF-8 is most often a file saved in another encoding (Latin-1, Windows-1252): "
+                  "save it as UTF-8 (skipping would drop every row holding such a character)")
     else:
         advice = "Fix the input or set data.on_bad_lines=skip to drop and count them"
     return (f"malformed input rows ({report['bad_rows']} found before stopping: {report['bad']}): {first}. "

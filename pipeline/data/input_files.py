@@ -27,6 +27,10 @@ def input_files(d: DataConfig) -> list[tuple[Path, str | None]]:
     it (its rows would train the model they test)."""
     pinned = [(p, split) for setting, split in (("valid_path", "valid"), ("test_path", "test"))
               for p in (_expand(getattr(d, setting), f"data.{setting}") if getattr(d, setting) else [])]
+    both = sorted({str(p) for p, split in pinned if split == "valid"} & {str(p) for p, split in pinned if split == "test"})
+    if both:
+        raise BadInputError(f"data.valid_path and data.test_path both name {both}: the rows that choose the model "
+                            "would be the rows that test it; give each split files of its own")
     taken = {p.resolve() for p, _ in pinned}
     files = [(p, None) for p in _expand(d.path, "data.path") if p.resolve() not in taken] if d.path else []
     if d.path and not files:
@@ -38,14 +42,21 @@ def input_files(d: DataConfig) -> list[tuple[Path, str | None]]:
 def _expand(pattern: str, setting: str) -> list[Path]:
     path = Path(pattern).expanduser()
     if path.is_dir():
+        for log, what in (("_delta_log", "a Delta Lake table"), ("metadata", "an Iceberg table")):
+            if (path / log).is_dir() and (log == "_delta_log" or any((path / log).glob("*.metadata.json"))):
+                raise BadInputError(f"{setting}: folder {path} is {what} ({log}/): its parquet files include ones that "
+                                    "later versions replaced; write one version of it out as parquet and name that")
         files = sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith((".", "_")))
         if not files:
-            inside = sorted(p.name for p in path.iterdir() if p.is_dir() and not p.name.startswith((".", "_")))
-            hint = (f"; its subfolders ({', '.join(inside[:3])}{', ...' if len(inside) > 3 else ''}) are not read: "
-                    f"name their files with a glob, e.g. {setting}='{path}/*/*.parquet'" if inside else "")
+            inside = sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith((".", "_")))
+            suffix = next((f.suffix for f in sorted(inside[0].iterdir()) if f.is_file() and f.suffix), ".parquet") \
+                if inside else ""
+            names = ", ".join(p.name for p in inside[:3]) + (", ..." if len(inside) > 3 else "")
+            hint = (f"; its subfolders ({names}) are not read: name their files with a glob, e.g. "
+                    f"{setting}='{path}/*/*{suffix}'" if inside else "")
             raise BadInputError(f"{setting}: folder {path} has no files{hint}")
         return files
-    if any(ch in pattern for ch in "*?["):
+    if not path.exists() and any(ch in pattern for ch in "*?["):
         files = sorted(Path(p) for p in glob.glob(str(path)) if Path(p).is_file())
         if not files:
             raise BadInputError(f"{setting}: no file matches {pattern}")
@@ -65,4 +76,5 @@ def table_format(path: Path) -> str:
     if last in TEXT_SUFFIXES:
         return last
     raise BadInputError(f"{path}: expected a .csv, .tsv, .tab, .txt or .parquet file (optionally .gz), "
-                        f"found suffix {''.join(path.suffixes) or '(none)'}")
+                        f"found suffix {''.join(path.suffixes) or '(none)'}; where it lies among the data files, name "
+                        f"only those with a glob, e.g. data.path='{path.parent}/*.csv'")

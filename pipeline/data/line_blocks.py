@@ -118,7 +118,7 @@ def _open_text(path: Path) -> Iterator[tuple[object, int]]:
     """The file's stream and the bytes to read at a time: plain files straight from the file in large reads; a
     compressed one through Arrow's decompression in small ones, so that what comes before a damaged part is kept."""
     if path.suffix.lower() in CODECS:
-        with pa.input_stream(str(path), compression="detect") as stream:
+        with pa.input_stream(str(path), compression=CODECS[path.suffix.lower()]) as stream:
             yield stream, 1 << 20
     else:
         with open(path, "rb", buffering=0) as stream:

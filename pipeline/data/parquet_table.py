@@ -41,7 +41,7 @@ def read_parquet_table(path: Path, roles: Roles, kinds: dict[str, str], chunk_ro
     index = _pandas_index_columns(file.schema_arrow)
     roles.check_against([n for n in file.schema_arrow.names if n not in index or n in roles.columns], str(path))
     for name, kind in kinds.items():
-        _check_parquet_type(path, name, kind, file.schema_arrow.field(name).type)
+        _check_parquet_type(path, name, kind, file.schema_arrow.field(name).type, roles.time)
     first = 1
     for batch in file.iter_batches(batch_size=chunk_rows, columns=list(kinds)):
         table = pa.Table.from_batches([batch])
@@ -61,7 +61,7 @@ def read_parquet_table(path: Path, roles: Roles, kinds: dict[str, str], chunk_ro
             yield table, lines
 
 
-def _check_parquet_type(path: Path, name: str, kind: str, t: pa.DataType) -> None:
+def _check_parquet_type(path: Path, name: str, kind: str, t: pa.DataType, time_column: str) -> None:
     if pa.types.is_dictionary(t):
         t = t.value_type
     numeric = pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
@@ -79,9 +79,21 @@ def _check_parquet_type(path: Path, name: str, kind: str, t: pa.DataType) -> Non
             is_text(t.value_type) or pa.types.is_integer(t.value_type)))
         expected = "a list of strings or integers (or text to split on data.list_separator)"
     if not ok and not (pa.types.is_null(t) and kind not in ("label", "time")):  # a column of no value (pandas')
-        dated = pa.types.is_temporal(t) and kind in ("label", "float")
         raise BadInputError(f"{path}: column {name!r} ({ROLE_SETTINGS[kind]}) should be {expected}, found {t}"
-                            + (f" ({date_or_time_advice(name)})" if dated else ""))
+                            + _temporal_advice(name, kind, t, time_column))
+
+
+def _temporal_advice(name: str, kind: str, t: pa.DataType, time_column: str) -> str:
+    """What to do with a column of durations, times of day or dates named where numbers are read."""
+    if kind not in ("label", "float", "time"):
+        return ""
+    if pa.types.is_duration(t):
+        return " (a duration: write it as a number, such as seconds (pandas: .dt.total_seconds()), a continuous feature)"
+    if pa.types.is_time(t):
+        return " (a time of day: write it as a number, such as seconds since midnight, a continuous feature)"
+    if pa.types.is_temporal(t) and kind != "time":
+        return f" ({date_or_time_advice(name, None, time_column)})"
+    return ""
 
 
 ROLE_SETTINGS = {"label": "data.label", "float": "data.continuous", "string": "data.categorical",

@@ -209,7 +209,11 @@ def _header(line: bytes, delimiter: str, path: Path) -> list[str]:
     try:
         text = line.decode("utf-8-sig").rstrip("\r")  # -sig: a byte-order mark is not part of the first name
     except UnicodeDecodeError as err:
-        raise BadInputError(f"{path}: the header line is not valid UTF-8 ({err.reason} at byte {err.start})") from err
+        utf16 = line.startswith((b"\xff\xfe", b"\xfe\xff"))
+        advice = "; it is UTF-16 text (Excel's \"Unicode Text\"): save it as UTF-8" if utf16 else (
+            "; save the file as UTF-8")
+        raise BadInputError(f"{path}: the header line is not valid UTF-8 ({err.reason} at byte {err.start}){advice}") \
+            from err
     names = next(csv.reader([text], delimiter=delimiter))
     if not any(names):
         raise BadInputError(f"{path}: expected a header line naming the columns, found an empty line")

@@ -10,8 +10,9 @@ error that asks for them, from what the columns hold::
 - a column of text or booleans is categorical, or multi-hot where a fifth of its cells hold ``separator``;
 - an integer column is categorical where its name says it is an identifier (``user_id``, ``itemId``, ``zip``),
   else continuous, as a float column is;
-- a column of dates or times (typed, or text that reads as such) orders the splits (``data.time_column``); any
-  other one is left out (it is no feature as it is);
+- a column of dates or times (typed, or text that ``data.time_column`` reads) orders the splits
+  (``data.time_column``); any other one (dates written otherwise, durations, times of day) is left out (it is no
+  feature as it is);
 - a list column is multi-hot;
 - a column that pandas wrote its index to (named ``""`` by ``to_csv``, ``Unnamed: 0`` once read back and written
   again) is dropped (``data.ignore``).
@@ -33,7 +34,9 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
+from pipeline.data.line_blocks import CODECS
 from pipeline.data.text_format import DATE_OR_TIME_PATTERN
+from pipeline.data.time_split import time_keys
 
 SAMPLE_ROWS = 2000
 IDENTIFIER_NAME = r"(?i:.*(^|[_\-\s.])(id|ids|key|code|zip|zipcode|hash))$|.*[a-z0-9](Id|ID|Key)$"
@@ -119,8 +122,10 @@ def propose_roles(sample: pa.Table, label: str, separator: str) -> dict:
 
 def _kind(name: str, column: pa.ChunkedArray, separator: str) -> str:
     t = column.type.value_type if pa.types.is_dictionary(column.type) else column.type
-    if pa.types.is_temporal(t):
+    if pa.types.is_timestamp(t) or pa.types.is_date(t):
         return "time_column"
+    if pa.types.is_temporal(t):
+        return ""  # durations and times of day: no feature as they are
     if pa.types.is_list(t) or pa.types.is_large_list(t):
         return "multihot"
     if pa.types.is_boolean(t):
@@ -132,7 +137,7 @@ def _kind(name: str, column: pa.ChunkedArray, separator: str) -> str:
     if pa.types.is_string(t) or pa.types.is_large_string(t):
         values = [v for v in column.drop_null().to_pylist()[:SAMPLE_ROWS] if v != ""]
         if values and all(re.fullmatch(DATE_OR_TIME_PATTERN, v.strip()) for v in values[:100]):
-            return "time_column"
+            return "time_column" if time_keys(pa.array(values[:100]))[1].all() else ""
         if values and sum(separator in v for v in values) * 5 >= len(values):
             return "multihot"
         return "categorical"
@@ -145,7 +150,8 @@ def _sample(path: Path, delimiter: str | None) -> pa.Table:
     if delimiter is None:
         batches = pq.ParquetFile(path).iter_batches(batch_size=SAMPLE_ROWS)
         return pa.Table.from_batches([next(batches)])
-    with pa.input_stream(str(path), compression="detect") as stream:
+    codec = CODECS.get(path.suffix.lower())
+    with pa.input_stream(str(path), compression=codec) as stream:
         reader = pacsv.open_csv(stream, parse_options=pacsv.ParseOptions(delimiter=delimiter),
                                 read_options=pacsv.ReadOptions(block_size=1 << 20))
         return pa.Table.from_batches([reader.read_next_batch()])

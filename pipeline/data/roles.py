@@ -49,7 +49,9 @@ class Roles:
             other = next((d for d in (";", ",", "\t", "|") if len(found) == 1 and d in found[0]), None)
             hint = (f": its header looks cut by {other!r}, but a .csv file's lines are cut at ',' and a .tsv, .tab or "
                     ".txt file's at tabs: save it with one of those, under its suffix") if other else ""
-            raise BadInputError(f"{where}: declared column(s) {missing} not found; the file has columns {found}{hint}")
+            label = (f" (data.label={self.label} names the column of 0 / 1 labels)" if self.label in missing else "")
+            raise BadInputError(f"{where}: declared column(s) {missing} not found{label}; the file has columns "
+                                f"{found}{hint}")
         unknown = [c for c in found if c not in declared and c not in self.ignore]
         if unknown:
             raise BadInputError(

@@ -14,6 +14,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from pipeline.data.time_split import time_keys
+
 CRITEO_CONTINUOUS = [f"I{i}" for i in range(1, 14)]
 CRITEO_CATEGORICAL = [f"C{i}" for i in range(1, 27)]
 EXAMPLES = 20
@@ -79,8 +81,9 @@ def utf8_reason(line: bytes) -> str | None:
     return None
 
 
-def value_problem(name: str, kind: str, value: str) -> tuple[str, str]:
-    """(kind of problem, reason) of a value of column ``name`` that does not fit its ``kind``."""
+def value_problem(name: str, kind: str, value: str, time_column: str = "") -> tuple[str, str]:
+    """(kind of problem, reason) of a value of column ``name`` that does not fit its ``kind`` (``time_column``: the
+    column ``data.time_column`` names, if any)."""
     shown = value if len(value) <= 40 else value[:37] + "..."
     if kind in ("label", "int", "float") and value.strip() == name:
         reason = (f"{name}: found {value!r}, the column's own name: a header line inside the file (files joined with "
@@ -106,7 +109,7 @@ def value_problem(name: str, kind: str, value: str) -> tuple[str, str]:
         return "not_a_number", (f"{name}: {value!r} is not a number (a yes / no column: name it in data.categorical, "
                                 "or write it as 1 / 0)")
     if kind in ("int", "float") and re.fullmatch(DATE_OR_TIME_PATTERN, value.strip()):
-        return "not_a_number", f"{name}: {shown!r} is not a number ({date_or_time_advice(name)})"
+        return "not_a_number", f"{name}: {shown!r} is not a number ({date_or_time_advice(name, value, time_column)})"
     return "not_a_number", f"{name}: {value!r} is not {'an integer' if kind == 'int' else 'a number'}"
 
 
@@ -117,8 +120,16 @@ DATE_OR_TIME_PATTERN = (r"[0-9]{4}-[0-9]{1,2}-[0-9]{1,2}([ T][0-9]{1,2}:[0-9]{2}
 """A date, a date and time or a time of day as tables write them (ISO 8601, 12/31/2024, 31.12.2024, 23:59)."""
 
 
-def date_or_time_advice(name: str) -> str:
-    """What to do with a column of dates or times named as a number (a continuous feature or the label)."""
+def date_or_time_advice(name: str, value: object = None, time_column: str = "") -> str:
+    """What to do with a column of dates or times named as a number (a continuous feature or the label): ``value``, one
+    of them, tells whether ``data.time_column`` reads them as they are written; ``time_column``, that setting."""
+    if name == time_column:
+        return (f"a date or time: data.time_column={name} orders the splits by it, but as a feature it is no number: "
+                f"take {name} out of data.continuous, or write it as numbers, such as epoch seconds")
+    if value is not None and not time_keys(pa.array([value]))[1][0]:
+        return (f"a date or time, written otherwise than ISO 8601 (YYYY-MM-DD, YYYY-MM-DD HH:MM:SS), the form "
+                f"data.time_column reads: rewrite it so to order the splits by it with data.time_column={name}, drop "
+                f"it with data.ignore=[{name}], or write it as numbers, such as epoch seconds")
     return (f"a date or time: order the splits by it with data.time_column={name}, drop it with data.ignore=[{name}], "
             "or write it as numbers, such as epoch seconds")
 

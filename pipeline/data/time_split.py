@@ -19,6 +19,7 @@ Example::
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,7 +31,11 @@ from pipeline.errors import BadInputError
 TIME_KEY = "__time__"
 """The column of time keys a reader adds to its tables when the roles name a time column."""
 FORMS = ("integer", "date/time")
-_INTEGER = r"^-?[0-9]+$"
+_INTEGER = r"^-?[0-9]+(\.0*)?$"
+"""An integer time written as text, also with a zero fraction (``1704067200.0``: pandas writes an integer column
+widened by a missing value so)."""
+YEARS = (1678, 2261)
+"""The years a date/time key holds (nanoseconds since 1970 in an int64)."""
 _ZONE = r"(Z|[+-][0-9]{2}:?[0-9]{2})$"
 
 
@@ -57,9 +62,27 @@ def time_keys(column: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, np.ndarra
         for mask, to in ((integer, pa.int64()), (zoned, pa.timestamp("ns", "UTC")),
                          (~integer & ~zoned, pa.timestamp("ns"))):
             at = np.flatnonzero(mask)
-            keys[at], ok[at] = _cast(array.take(pa.array(at)), to)
+            values = array.take(pa.array(at))
+            if to == pa.int64():
+                values = pc.replace_substring_regex(values, r"\.0*$", "")
+            keys[at], ok[at] = _cast(values, to)
         dated = ~integer
     return keys, ok, dated & ok
+
+
+def time_problem(name: str, value: object) -> str:
+    """Why ``value`` of the time column ``name`` is no time the keys hold (:func:`time_keys` refused it)."""
+    text = "" if value is None else str(value)
+    if text == "":
+        return f"{name}: the time is missing"
+    year = re.match(r"\s*(-?[0-9]{4,})-[0-9]{1,2}-[0-9]{1,2}", text)
+    if year and not YEARS[0] <= int(year.group(1)) <= YEARS[1]:
+        return (f"{name}: {text[:40]!r} is outside the years {YEARS[0]} to {YEARS[1]} that times are kept in (a "
+                "placeholder date, such as 9999-12-31? write it as missing)")
+    if re.fullmatch(r"[0-9]{1,2}[/.][0-9]{1,2}[/.][0-9]{2,4}.*|[0-9]{1,2}:[0-9]{2}.*|.*[0-9] ?[A-Za-z]{3,}", text.strip()):
+        return (f"{name}: {text[:40]!r} is not a time as they are read: write it in ISO 8601 (YYYY-MM-DD, "
+                "YYYY-MM-DD HH:MM:SS, with Z or +HH:MM for a zone)")
+    return f"{name}: {text[:40]!r} is not a time (an integer, or an ISO 8601 date or date and time)"
 
 
 def _matches(strings: pa.Array, pattern: str) -> np.ndarray:

@@ -50,7 +50,7 @@ from pipeline.data.text_format import (
     utf8_reason,
     value_problem,
 )
-from pipeline.data.time_split import FORMS, TIME_KEY, time_keys
+from pipeline.data.time_split import FORMS, TIME_KEY, time_keys, time_problem
 from pipeline.data.vectorized_values import to_host
 
 KINDS = ["wrong_field_count", "line_too_long", "carriage_return", "invalid_utf8", "bad_label", "not_a_number",
@@ -421,8 +421,7 @@ def _reason(layout: TextLayout, problem: int, line: bytes) -> tuple[str, bytes]:
     if problem == FIELD_COUNT:
         return field_count_reason(fields, len(values)), line
     if problem == VALUE + len(layout.checked):
-        value = values[layout.fields.index(layout.time)]
-        return (f"{layout.time}: the time is missing" if value == "" else f"{layout.time}: {value[:40]!r} is not a "
-                "time (an integer, or an ISO 8601 date or date and time)"), line
+        return time_problem(layout.time, values[layout.fields.index(layout.time)]), line
     name, kind = layout.checked[problem - VALUE]
-    return value_problem(name, "list_text" if kind == "list" else kind, values[layout.fields.index(name)])[1], line
+    value = values[layout.fields.index(name)]
+    return value_problem(name, "list_text" if kind == "list" else kind, value, layout.time)[1], line
