@@ -9,6 +9,9 @@ it when
   the body is read; a gzip / deflate body counts at its decompressed size),
 - its JSON is nested deeper than ``max_json_depth`` (400; a linear scan that skips JSON strings,
   over the JSON part alone when ``Inference-Header-Content-Length`` says binary tensors follow),
+- a tensor declares a ``shape`` of more values than the body has bytes (400): every value takes at least a byte of
+  the body (a JSON number and its comma, a string, or a binary element), and Triton's JSON reader allocates a
+  tensor's declared bytes before it reads its data, so a 90-byte request declaring 2^41 values made it abort,
 - its framing is malformed (400: a bad or repeated ``Content-Length``, both ``Content-Length`` and
   ``Transfer-Encoding``, a bad chunk, a body that is not the gzip / deflate data it claims to be, a
   header too long or folded over lines; 415 / 501 for an encoding other than gzip, deflate, chunked),
@@ -103,6 +106,25 @@ def json_depth(text: bytes) -> int:
         running = np.cumsum(steps, dtype=np.int32) + depth
         deepest, depth = max(deepest, int(running.max())), int(running[-1])
     return deepest
+
+
+_SHAPE = re.compile(rb'"shape"\s*:\s*\[([^\]]*)\]')
+
+
+def declared_beyond(text: bytes, body_bytes: int) -> str:
+    """Why a tensor of the request's JSON ``text`` declares more values than a body of ``body_bytes`` can hold (each
+    value takes a byte of it at least), or ``""``."""
+    for match in _SHAPE.finditer(text):
+        dims = match.group(1).split(b",")
+        try:
+            values = int(np.prod([int(d) for d in dims if d.strip()], dtype=object)) if match.group(1).strip() else 1
+        except ValueError:
+            continue  # not integers: Triton refuses the shape itself
+        if values > body_bytes:
+            shape = match.group(1).decode("ascii", "replace").replace(" ", "")
+            return (f"a tensor declares shape [{shape}] ({values:,} values), more than the request's {body_bytes:,} "
+                    "bytes can hold")
+    return ""
 
 
 class HttpGuard:
@@ -235,6 +257,10 @@ class _Handler(BaseHTTPRequestHandler):
         if depth > self.server.limits.max_json_depth:
             self._reply_error(400, f"the request's JSON nests {depth} levels deep, more than the "
                                    f"{self.server.limits.max_json_depth} allowed")
+            return
+        oversized = declared_beyond(self._json_part(body), len(body))
+        if oversized:
+            self._reply_error(400, oversized)
             return
         self._forward(body)
 

@@ -255,6 +255,10 @@ def test_the_guard_refuses_what_is_over_its_limits_and_forwards_the_rest(guarded
         ("a header line over 64 KiB", _post(good, X_Long="x" * 70_000), 431, "Line too long"),
         ("a folded header line", _post(good, X_Folded="a\r\n b"), 400, "runs over several lines"),
         ("not HTTP at all (TLS)", b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n", 400, "Bad request syntax"),
+        # Triton's JSON reader allocates a tensor's declared bytes before reading its data: this one aborted it
+        ("a shape of more values than the body holds", _post(json.dumps({"inputs": [
+            {"name": "X", "datatype": "FP32", "shape": [2, 1 << 40], "data": [0]}]}).encode()), 400,
+         "declares shape [2,1099511627776] (2,199,023,255,552 values), more than the request's"),
     ]
     for what, request, status, fragment in refused:
         got, headers, body = _exchange(guarded, request)
