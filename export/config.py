@@ -111,6 +111,9 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if not self.host:
             raise ValueError("serve.host: expected an address to bind, e.g. 127.0.0.1, got an empty text")
+        if ":" in self.host:
+            raise SettingError(f"serve.host={self.host}: IPv6 addresses are not served; give an IPv4 address or a host "
+                               "name (0.0.0.0 binds every IPv4 interface)")
         check_range("serve.http_port", self.http_port, 0, 65535)
         check_range("serve.grpc_port", self.grpc_port, 0, 65535)
         if self.http_port and self.http_port == self.grpc_port:

@@ -79,6 +79,12 @@ class RawColumns:
     list_separator: str = "|"
     label: dict[str, str] = field(default_factory=dict)
     """The label column and its type: the workflow reads it too, so requests get a placeholder (zeros)."""
+    table_label: str = ""
+    """The label's name in the user's table (``data.label``), where it is not the raw name: rows read from that table
+    carry it, and a request leaves it out as it leaves out the raw one."""
+    integer_text: list[str] = field(default_factory=list)
+    """The categorical and multi-hot columns whose training values are integers written as such (``7``): a client's
+    whole-number float there (pandas reads an integer column with a blank as floats) is sent as ``7``, not ``7.0``."""
 
     @property
     def layout(self) -> RequestLayout:
@@ -87,7 +93,8 @@ class RawColumns:
         return RequestLayout(integers=[n for n, k in kinds.items() if k == "int64"],
                              floats=[n for n, k in kinds.items() if k == "double"],
                              strings=list(self.categorical), lists=list(self.multihot),
-                             list_separator=self.list_separator, label=next(iter(self.label), ""))
+                             list_separator=self.list_separator, label=next(iter(self.label), ""),
+                             table_label=self.table_label, integer_text=tuple(self.integer_text))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
@@ -98,13 +105,15 @@ class RawColumns:
 
     @classmethod
     def from_arrow(cls, arrow_schema: pa.Schema, continuous: list[str], categorical: list[str],
-                   multihot: list[str], list_separator: str = "|", label: str = "") -> RawColumns:
+                   multihot: list[str], list_separator: str = "|", label: str = "",
+                   table_label: str = "", integer_text: list[str] = ()) -> RawColumns:
         """From a raw parquet file's schema and the column roles of ``meta.json``."""
         def types(names):
             return {n: str(arrow_schema.field(n).type) for n in names}
 
         label = types([label]) if label and label in arrow_schema.names else {}
-        return cls(types(continuous), types(categorical), types(multihot), list_separator, label)
+        return cls(types(continuous), types(categorical), types(multihot), list_separator, label,
+                   table_label if table_label not in label else "", list(integer_text))
 
 
 Columns = Mapping[str, Any]

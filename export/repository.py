@@ -40,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
@@ -91,15 +92,44 @@ def embedding_tables(model) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray
 
 
 def raw_columns(raw_data: RawDataset, list_separator: str) -> RawColumns:
-    """The request columns, typed as the raw parquet files are (``list_separator``: inside a multi-hot cell). Every
-    file's footer is read: a column of integers in one file and of floats in another (as a user's files may type
-    it) takes floats, so every file's rows can be served."""
+    """The request columns, typed as the raw parquet files are. Every file's footer is read: a column of integers in
+    one file and of floats in another (as a user's files may type it) takes floats, so every file's rows can be
+    served. Inside a multi-hot cell items are cut at the dataset's own ``data.list_separator`` (``list_separator``
+    where it records none); the label column a request may carry is the table's own (``data.label``)."""
     files = [f for split in ("train", "test", "valid") for f in raw_data.splits.get(split, [])]
     if not files:
         raise UserError(f"no raw parquet files under {raw_data.root}: run `python -m pipeline data` first")
     arrow_schema = pa.unify_schemas([pq.read_schema(f) for f in files], promote_options="permissive")
+    made_with = raw_data.params or {}
     return RawColumns.from_arrow(arrow_schema, raw_data.continuous, raw_data.categorical, raw_data.multihot,
-                                 list_separator, label=raw_data.label)
+                                 made_with.get("list_separator", list_separator), label=raw_data.label,
+                                 table_label=made_with.get("roles", {}).get("label", ""),
+                                 integer_text=integer_text_columns(files[0], raw_data.categorical + raw_data.multihot))
+
+
+INTEGER_TEXT_ROWS = 100_000
+"""The training rows whose text tells whether a categorical column holds integers written as such."""
+
+
+def integer_text_columns(path: Path, names: list[str]) -> list[str]:
+    """Those of the text columns ``names`` whose first :data:`INTEGER_TEXT_ROWS` values in the raw parquet file
+    ``path`` (items, for a list column) are all integers written as such (``-?[0-9]+``), and there is one at least."""
+    file = pq.ParquetFile(path)
+    names = [n for n in names if n in file.schema_arrow.names]
+    if not names or file.metadata.num_rows == 0:
+        return []
+    table = next(file.iter_batches(batch_size=INTEGER_TEXT_ROWS, columns=names))
+    found = []
+    for name in names:
+        column = table.column(name)
+        values = pc.list_flatten(column) if pa.types.is_list(column.type) or pa.types.is_large_list(column.type) \
+            else column
+        if not (pa.types.is_string(values.type) or pa.types.is_large_string(values.type)):
+            continue
+        values = values.drop_null()
+        if len(values) and pc.all(pc.match_substring_regex(values, r"^-?[0-9]+$")).as_py():
+            found.append(name)
+    return found
 
 
 def write_repository(model, schema: Schema, workflow_dir: str | Path, raw: RawColumns, out: str | Path,

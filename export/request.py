@@ -105,9 +105,13 @@ class RequestLayout:
     list_separator: str = "|"
     label: str = ""
     """The raw label column: not part of a request; rows that still carry it are taken."""
+    table_label: str = ""
+    """The label's name in the user's table (``data.label``), taken as :attr:`label` is."""
+    integer_text: tuple[str, ...] = ()
+    """Text columns whose values are integers written as such: a whole-number float there is sent as its integer."""
 
     def __post_init__(self) -> None:
-        for kind in ("integers", "floats", "strings", "lists"):
+        for kind in ("integers", "floats", "strings", "lists", "integer_text"):
             object.__setattr__(self, kind, tuple(getattr(self, kind)))
 
     @property
@@ -133,17 +137,18 @@ class RequestLayout:
     def tensors(self, rows: Any, ignore: Iterable[str] = ()) -> dict[str, np.ndarray]:
         """The request tensors for ``rows``: a DataFrame, a dict of columns (name -> values), a list of dicts
         (column -> value) or TSV lines (the fields of :attr:`columns`, the label first or not; empty: missing).
-        Missing values are ``None``, NaN, ``pd.NA``, an absent column or, for a floating column given as text, a word
+        Missing values are ``None``, NaN, ``pd.NA``, an absent column, empty text in a number column (an empty field,
+        as ``csv.DictReader`` gives it) or, for a floating column given as text, a word
         a table's number column reads as missing (:data:`~pipeline.data.text_format.MISSING_NUMBER_PATTERN`); a
         column neither of the layout nor the label (nor in ``ignore``) is an error, as a misspelt name would otherwise
         read as missing. Rows whose text would be mostly padding at one width are refused (:class:`TooWide`):
         :meth:`requests` sends them in parts."""
-        return self._tensors(*self._columns(rows, {self.label, *ignore} - {""}))
+        return self._tensors(*self._columns(rows, {self.label, self.table_label, *ignore} - {""}))
 
     def requests(self, rows: Any, ignore: Iterable[str] = ()) -> list[dict[str, np.ndarray]]:
         """The request tensors for ``rows`` (as :meth:`tensors` takes them), in order: one request, or parts of the
         rows where their text would be mostly padding at one width (a value far longer than the others)."""
-        return self._parts(*self._columns(rows, {self.label, *ignore} - {""}))
+        return self._parts(*self._columns(rows, {self.label, self.table_label, *ignore} - {""}))
 
     def _parts(self, columns: dict[str, Any], batch: int) -> list[dict[str, np.ndarray]]:
         try:
@@ -160,9 +165,9 @@ class RequestLayout:
         if self.floats:
             out[FLOATS], out[FLOATS_MISSING] = _number_matrix(columns, self.floats, batch, integer=False)
         if self.strings:
-            out[STRINGS] = _text_matrix(columns, self.strings, batch, self.list_separator, STRINGS)
+            out[STRINGS] = _text_matrix(columns, self.strings, batch, self.list_separator, STRINGS, self.integer_text)
         if self.lists:
-            out[LISTS] = _text_matrix(columns, self.lists, batch, self.list_separator, LISTS)
+            out[LISTS] = _text_matrix(columns, self.lists, batch, self.list_separator, LISTS, self.integer_text)
         return out
 
     def _columns(self, rows: Any, ignored: set[str]) -> tuple[dict[str, Any], int]:
@@ -170,12 +175,19 @@ class RequestLayout:
         if isinstance(rows, str):
             rows = rows.splitlines()
         if isinstance(rows, pd.DataFrame):
+            repeated = sorted({str(c) for c in rows.columns if list(rows.columns).count(c) > 1})
+            if repeated:
+                raise BadInputError(f"the column(s) {repeated} appear more than once: give each column its own name")
             read = column_reader(rows)  # the columns' arrays, without a Series each
             columns = {str(name): read(name) for name in rows.columns}
         elif hasattr(rows, "columns") and hasattr(rows, "iloc"):
             columns = {str(name): rows[name] for name in rows.columns}
         elif isinstance(rows, Mapping):
             columns = {str(name): values for name, values in rows.items()}
+            indexes = [v.index for v in columns.values() if isinstance(v, pd.Series)]
+            if any(not index.equals(indexes[0]) for index in indexes[1:]):
+                raise BadInputError("rows: a dict of pandas Series with different indexes (their rows would pair by "
+                                    "position, not by index): align them first, e.g. pd.DataFrame(rows)")
         else:
             rows = list(rows)
             if rows and all(isinstance(r, (str, bytes)) for r in rows):
@@ -302,7 +314,7 @@ def _numbers_one_by_one(values: Any, name: str, integer: bool) -> tuple[np.ndarr
     out = np.zeros(len(values), np.int64 if integer else np.float64)
     missing = np.zeros(len(values), bool)
     for i, value in enumerate(values):
-        if _is_missing(value) or (not integer and _missing_word(value)):
+        if _is_missing(value) or value in ("", b"") or (not integer and _missing_word(value)):  # "": an empty field
             missing[i] = True
         elif integer:
             out[i] = _integer(value, name, i)
@@ -322,10 +334,11 @@ def _missing_word(value: Any) -> bool:
 
 
 def _text_matrix(columns: Mapping[str, Any], names: tuple[str, ...], batch: int, separator: str,
-                 tensor: str) -> np.ndarray:
+                 tensor: str, integer_text: tuple[str, ...] = ()) -> np.ndarray:
     """The columns ``names`` side by side as the fixed-width text tensor ``[row, column, width]`` (a multi-hot
     cell's values joined by ``separator``), empty where missing (an absent column: everywhere). A column Arrow holds
-    as text or lists of text is read in one pass, any other value by value."""
+    as text or lists of text is read in one pass, any other value by value; in a column of ``integer_text`` a
+    whole-number float is written as its integer."""
     parts = []
     for name in names:
         arrow = _arrow(columns[name]) if name in columns else None
@@ -335,7 +348,8 @@ def _text_matrix(columns: Mapping[str, Any], names: tuple[str, ...], batch: int,
         if text is None:
             values = columns[name]
             values = values.tolist() if hasattr(values, "tolist") else values
-            text = pa.array([None if _is_missing(v) else _to_bytes(v, separator, name, row)
+            whole = name in integer_text
+            text = pa.array([None if _is_missing(v) else _to_bytes(v, separator, name, row, whole)
                              for row, v in enumerate(values)], pa.large_binary())
         parts.append(text)
     if len({part.type for part in parts}) > 1:
@@ -469,17 +483,28 @@ def _is_missing(value: Any) -> bool:
     return value is pd.NA or value is pd.NaT
 
 
-def _to_bytes(value: Any, separator: str, name: str, row: int) -> bytes:
+def _to_bytes(value: Any, separator: str, name: str, row: int, whole: bool = False) -> bytes:
+    """A value as the text a request carries: a number or boolean as Python's ``str`` writes it, or with ``whole`` a
+    whole-number float as its integer; a list's items joined by ``separator``."""
     if isinstance(value, bytes):
         return value
     if isinstance(value, str):
         return value.encode()
     if isinstance(value, Iterable):
-        items = [str(v) for v in value]
+        if any(_is_missing(v) for v in value):
+            raise BadInputError(f"column {name}, row {row}: the list {value!r} holds a missing item, which a request "
+                                "cannot carry: leave it out of the list")
+        items = [_item_text(v, whole) for v in value]
         if any(separator in item for item in items):
             raise _separator_in_item(name, row, value, separator)
         return separator.join(items).encode()
-    return str(value).encode()
+    return _item_text(value, whole).encode()
+
+
+def _item_text(value: Any, whole: bool) -> str:
+    if whole and isinstance(value, (float, np.floating)) and math.isfinite(value) and value == int(value):
+        return str(int(value))
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
 def _refuse_separator_items(name: str, lists: pa.Array, separator: str) -> None:

@@ -71,6 +71,23 @@ def free_port(host: str = "127.0.0.1", other_than: int = 0) -> int:
             return port
 
 
+LOG_ROTATE_BYTES = 16 << 20
+"""A server log over this size is moved to ``<name>.1`` before the next server starts on it."""
+
+
+def _open_log(path: Path, what: str) -> int:
+    """Start a server's part of the log at ``path``: appended after a line naming it (another server may be writing
+    the file: it is never cut short), the file first moved aside when over :data:`LOG_ROTATE_BYTES`; where this part
+    starts."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_file() and path.stat().st_size > LOG_ROTATE_BYTES:
+        path.replace(path.with_name(path.name + ".1"))
+    with open(path, "ab") as log:
+        start = log.tell()
+        log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {what}\n".encode())
+    return start
+
+
 def _is_free(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         try:
@@ -168,6 +185,7 @@ class TritonServer:
         self._workdir = Path(tempfile.mkdtemp(prefix="pipeline-triton-"))
         self._remove_workdir = weakref.finalize(self, shutil.rmtree, self._workdir, True)
         self.log_path = Path(log_path) if log_path else self._workdir / "tritonserver.log"
+        self._log_start = 0
         self.limits = limits
         self.guard: HttpGuard | None = None
         self.process: subprocess.Popen | None = None
@@ -199,8 +217,8 @@ class TritonServer:
             if port and not _is_free(self.host, port):
                 raise ServerError(f"serve.{kind}_port: port {port} on {self.host} is already in use: choose another "
                                   "or 0 for a free one")
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.log_path.write_bytes(b"")
+        self._log_start = _open_log(self.log_path, f"tritonserver for {self.repository}, started by process "
+                                                   f"{os.getpid()}")
         if self.limits is not None:
             try:
                 self.guard = HttpGuard(self.host, self._ports[0], self.limits)
@@ -345,7 +363,9 @@ class TritonServer:
     def log_tail(self, chars: int = 4000) -> str:
         """The server's error lines (model load failures first), then the end of its log."""
         try:
-            text = self.log_path.read_text(errors="replace")
+            with open(self.log_path, "rb") as log:
+                log.seek(self._log_start)
+                text = log.read().decode(errors="replace")
         except OSError:
             return ""
         errors = [line[:1500] for line in text.splitlines() if line.startswith("E") and _meaningful(line)]

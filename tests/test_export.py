@@ -432,6 +432,33 @@ def test_the_models_environment_must_have_numpy_below_2():
         find_models_env(REPO / "no-such-venv")
 
 
+def test_the_request_layout_takes_the_datasets_separator_and_label_not_the_commands(tmp_path):
+    """An export naming the dataset alone cut multi-hot cells at the default "|" where the data was read with ";",
+    and a client refused the table's own label column (data.label=clicked) as unknown."""
+    from export.repository import raw_columns
+    from pipeline.data.raw_folder import RawDataset
+    from pipeline.stages.data import run as make_data
+
+    (tmp_path / "t.csv").write_text("clicked,price,tags,item,code\n" + "".join(
+        f"{i % 2},{i / 3},a;b{i % 4},{i % 9 if i % 5 else ''},{i % 7}.0\n" for i in range(60)))
+    made = load_config(None, [f"workdir={tmp_path}", "data.source=table", f"data.path={tmp_path / 't.csv'}",
+                              "data.label=clicked", "data.continuous=[price]", "data.multihot=[tags]",
+                              "data.categorical=[item,code]", "data.list_separator=;", "data.name=t", "progress=off"])
+    make_data(made)
+    later = load_config(None, [f"workdir={tmp_path}", "data.name=t"])  # e.g. `run export data.name=t`
+    raw = RawDataset.load(later.paths.raw)
+    layout = raw_columns(raw, later.data.list_separator).layout
+    assert (layout.list_separator, layout.label, layout.table_label) == (";", "label", "clicked")
+    assert layout.integer_text == ("item",)  # "code" was written 3.0, 4.0, ...: as floats
+    # pandas reads the integer column with blanks as floats: its ids are sent as the training rows wrote them
+    rows = pd.read_csv(tmp_path / "t.csv").iloc[:20]
+    assert rows["item"].dtype == np.float64
+    trained = pd.read_csv(tmp_path / "t.csv", dtype=str, keep_default_na=False).iloc[:20]
+    got, want = layout.tensors(rows), layout.tensors(trained.replace("", None))
+    assert text_values(got["STRINGS"]).tolist() == text_values(want["STRINGS"]).tolist()
+    assert text_values(got["STRINGS"])[1].tolist() == [b"1", b"1.0"] and got["LISTS"].shape[:2] == (20, 1)
+
+
 @pytest.fixture(scope="module")
 def multihot_pipeline(tmp_path_factory):
     """A table with a multi-hot column, through the data and ETL stages, and a model on it."""
@@ -548,6 +575,20 @@ def test_a_number_written_as_text_is_missing_where_the_data_stage_reads_it_so():
     assert tsv["FLOATS_MISSING"].ravel().tolist() == [True, True, False]
     with pytest.raises(BadInputError, match=r"column price, row 0: expected a number or missing, got 'NAN2'"):
         layout.tensors([{"price": "NAN2", "user": "a"}])
+
+
+
+def test_an_empty_field_of_a_number_column_is_missing_in_dict_rows_as_in_tsv_lines():
+    """``csv.DictReader`` gives an empty field as "": refused in a number column, where a TSV line's was missing."""
+    import csv
+    import io
+
+    layout = RequestLayout(integers=("count",), floats=("price",), strings=("user",), lists=())
+    text = "count,price,user\n3,,a\n,2.5,b\n"
+    tensors = layout.tensors(list(csv.DictReader(io.StringIO(text))))
+    assert tensors["INTEGERS_MISSING"].ravel().tolist() == [False, True]
+    assert tensors["FLOATS_MISSING"].ravel().tolist() == [True, False]
+    assert tensors["INTEGERS"].ravel().tolist() == [3, 0] and tensors["FLOATS"].ravel().tolist() == [0.0, 2.5]
 
 
 def test_an_update_over_a_damaged_store_or_record_repairs_it_or_names_the_file(multihot_pipeline, tmp_path):
@@ -782,3 +823,19 @@ those of a process that runs (it may be writing)."""
     assert len(live_stats(tmp_path / "embedding", prune=True)) == 1
     assert sorted(p.name for p in stats_dir.iterdir()) == [f"instance-{pid}-{start}.json",
                                                            f"instance-{pid}-{start}.json.tmp"]
+
+
+def test_rows_a_request_cannot_carry_as_given_are_refused_naming_why():
+    """A None item of a list was sent as the text "None"; a dict of Series with other indexes paired rows by position;
+    a frame with a column twice failed with a bare KeyError."""
+    layout = RequestLayout(integers=(), floats=("price",), strings=("user",), lists=("tags",))
+    with pytest.raises(BadInputError, match=r"column tags, row 1: the list \['a', None\] holds a missing item"):
+        layout.tensors({"price": [1.0, 2.0], "user": ["u", "v"], "tags": [["a"], ["a", None]]})
+    price = pd.Series([1.0, 2.0], index=[0, 1])
+    with pytest.raises(BadInputError, match="different indexes"):
+        layout.tensors({"price": price, "user": pd.Series(["u", "v"], index=[1, 0]), "tags": [[], []]})
+    aligned = layout.tensors({"price": price, "user": pd.Series(["u", "v"], index=[0, 1]), "tags": [[], []]})
+    assert text_values(aligned["STRINGS"])[:, 0].tolist() == [b"u", b"v"]
+    twice = pd.DataFrame([[1.0, "u", 2.0]], columns=["price", "user", "price"])
+    with pytest.raises(BadInputError, match=r"\['price'\] appear more than once"):
+        layout.tensors(twice)

@@ -215,6 +215,10 @@ def test_an_etl_fitted_again_under_a_run_is_refused_by_its_export_and_its_resume
     run_stages(["etl"], load_config(None, common))  # fitted again alike: the same workflow, exported as it is
     run_stages(["export"], load_config(None, common))
     run_stages(["etl"], load_config(None, [*common, "etl.missing_indicator=false"]))
+    from pipeline.stages.serve import run as serve
+
+    # the repository exported before holds its own workflow: it is served, and compared, with that one
+    assert serve(load_config(None, common), smoke=True)["max_difference_from_in_process"] < 1e-5
     _one_error_line(capsys, ["run", "export", *common], "changed since the run", "the workflow was fitted again",
                     "run `python -m pipeline run train` again")
     _one_error_line(capsys, ["run", "train", *common, "train.resume=true", "train.max_steps=6"],

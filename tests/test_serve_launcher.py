@@ -452,3 +452,19 @@ def test_idle_connections_are_dropped_and_capped(repository, monkeypatch):
             sock.close()
         status, _, body = _exchange(server, _post(_infer_json([[1, 2]])))
         assert status == 200 and json.loads(body)["outputs"][0]["data"] == [2, 4]
+
+
+def test_a_second_server_on_one_log_appends_and_never_cuts_the_first_ones(tmp_path, monkeypatch):
+    """A second `run serve` of one dataset emptied the log the running server was writing (its crash trace gone)."""
+    from export import server as server_module
+
+    log = tmp_path / "serve" / "tritonserver.log"
+    first = server_module._open_log(log, "tritonserver for A")
+    with open(log, "ab") as running:  # the first server writes on
+        running.write(b"E1201 first server's error\n")
+    second = server_module._open_log(log, "tritonserver for B")
+    text = log.read_text()
+    assert first == 0 and second > first and "first server's error" in text and text.count("--- ") == 2
+    monkeypatch.setattr(server_module, "LOG_ROTATE_BYTES", 10)
+    third = server_module._open_log(log, "tritonserver for C")
+    assert third == 0 and "first server's error" in (tmp_path / "serve" / "tritonserver.log.1").read_text()

@@ -130,6 +130,7 @@ def _difference_from_in_process(cfg: PipelineConfig, rows: pd.DataFrame, served)
     """The exported run's name and how far the served probabilities are from its model's, run in this process
     (None when ``export.json`` names no run or its model is not here)."""
     from export.inprocess import InProcessModel
+    from export.repository import artifacts_dir
     from pipeline.etl.workflow import Workflow
     from pipeline.stages.export import exported_run
     from pipeline.train.model import load_trained
@@ -138,7 +139,8 @@ def _difference_from_in_process(cfg: PipelineConfig, rows: pd.DataFrame, served)
     if folder is None or not (folder / "model.pt").is_file():
         return None
     model, schema = load_trained(folder, device="cpu")
-    expected = InProcessModel(model, schema, Workflow.load(cfg.paths.workflow)).predict(rows)
+    served_workflow = Workflow.load(artifacts_dir(cfg.paths.export) / "workflow")  # the ETL may have run again since
+    expected = InProcessModel(model, schema, served_workflow).predict(rows)
     return folder.name, float(abs(expected - served).max())
 
 
