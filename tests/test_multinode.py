@@ -121,3 +121,33 @@ def test_under_torchrun_only_the_training_runs(tmp_path, monkeypatch, capsys, ar
                 f"run `python -m pipeline {what}` once without torchrun, then train under it")
     assert capsys.readouterr().err.strip().splitlines() == [expected]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_refusal_under_nproc_ends_in_the_ranks_error_and_ctrl_c_in_no_traceback(tmp_path):
+    """The last line was torch's placeholder ("To enable traceback see: ...") with exit code 1; Ctrl-C ended in a
+    torch SignalException traceback with exit code 1."""
+    import os
+    import signal
+    import time
+
+    cfg = load_config(None, [f"workdir={tmp_path}", *SETTINGS])
+    write_processed(cfg.paths.processed, criteo_schema(size=0.0001, categorical=5, continuous=3),
+                    {"train": 4096, "valid": 512, "test": 512}, row_group_rows=512, seed=3)
+    command = [sys.executable, "-m", "pipeline", "run", "train", "--nproc", "2", f"workdir={tmp_path}", *SETTINGS]
+    refused = subprocess.run([*command, "train.resume=true", "train.run=nope"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=240, check=False)
+    said = refused.stdout + refused.stderr
+    assert refused.returncode == 2, said
+    assert "error: train.resume=true, but there is no run train.run=nope" in said and "Traceback" not in said
+    assert refused.stdout.strip().splitlines()[-1] == ("error: 2 of 2 training processes failed; first: rank 0 exited with code 2 "
+                                             "(its error is above)")
+    long = subprocess.Popen([*command, "train.max_steps=100000", "train.epochs=1000", "train.run=long"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and not (cfg.paths.train / "long" / "model.json").exists():
+        time.sleep(0.2)
+    time.sleep(2)
+    os.killpg(long.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole group
+    output = long.communicate(timeout=120)[0]
+    assert long.returncode == 130, output
+    assert "Traceback" not in output and "rerun the same command with train.resume=true train.run=long" in output

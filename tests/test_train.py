@@ -185,14 +185,41 @@ def test_resume_with_another_model_is_refused(tmp_path):
         run(_config(tmp_path, "train.max_steps=3", "train.resume=true", "train.model=deepfm"))
 
 
+def test_resume_with_other_loop_settings_is_refused_and_another_length_said(tmp_path, capsys):
+    """The command Ctrl-C printed (train.resume=true train.run=NAME) resumed with the defaults of every setting it did
+    not repeat: another lr, no early stopping, and the run's result recorded them as if trained so."""
+    common = ["train.checkpoint_every=2", "train.run=r", "train.lr=0.003", "train.early_stopping=0"]
+    cfg = _config(tmp_path, *common, "train.max_steps=3")
+    _write_data(cfg)
+    run(cfg)
+    with pytest.raises(UserError, match=r"run in .* was trained with train.lr=0.003 train.early_stopping=0, and this "
+                                        r"command gives train.lr=0.01 train.early_stopping=1: resume it with the run's"):
+        run(_config(tmp_path, "train.max_steps=3", "train.resume=true", "train.run=r", "train.checkpoint_every=2",
+                    "train.lr=0.01", "train.early_stopping=1"))
+    (cfg.paths.train / "r" / "model.json").write_text("{}")
+    with pytest.raises(UserError, match="model.json is not the record of a model"):
+        run(_config(tmp_path, *common, "train.max_steps=3", "train.resume=true"))
+
+
+def test_a_resumed_run_may_train_longer_and_says_so(tmp_path, capsys):
+    common = ["train.checkpoint_every=2", "train.run=r"]
+    cfg = _config(tmp_path, *common, "train.max_steps=3")
+    _write_data(cfg)
+    run(cfg)
+    result = run(_config(tmp_path, *common, "train.max_steps=5", "train.resume=true"))
+    assert result["steps"] == 5
+    assert "[train] resuming with train.max_steps=5 where the run was started with train.max_steps=3: its schedule " \
+           "follows the new length" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
 def test_resume_with_another_dense_optimizer_is_refused(tmp_path, optimizer):
     """Torch loads Adam's state into SGD and fails at the first step (KeyError: 'momentum')."""
     cfg = _config(tmp_path, "train.max_steps=3", "train.checkpoint_every=2", "train.run=r")
     _write_data(cfg)
     run(cfg)
-    with pytest.raises(UserError, match=r"checkpoint .*step-0+3.pt holds the state of another dense optimizer "
-                                        r"than \w+: resume with the train.optimizer"):
+    with pytest.raises(UserError, match=rf"was trained with train.optimizer=adam, and this command gives "
+                                        rf"train.optimizer={optimizer}: resume it with the run's settings"):
         run(_config(tmp_path, "train.max_steps=4", "train.resume=true", "train.run=r", f"train.optimizer={optimizer}"))
 
 
@@ -364,8 +391,8 @@ def test_ctrl_c_says_how_to_continue_and_that_continues_the_run(tmp_path, capsys
         _train(cfg, [CrashAfter(12, KeyboardInterrupt)])
     name = newest_run(cfg.paths.train).name
     lines = [line for line in capsys.readouterr().out.splitlines() if "interrupted" in line]
-    assert lines == [(f"[train] interrupted at step 12: rerun with train.resume=true train.run={name} to continue it "
-                      "from its checkpoint step-00000010.pt")]
+    assert lines == [(f"[train] interrupted at step 12: rerun the same command with train.resume=true "
+                      f"train.run={name} to continue it from its checkpoint step-00000010.pt")]
     run(_config(tmp_path / "stopped", *common, "train.resume=true", f"train.run={name}"))
     assert f"[train] resuming from {cfg.paths.train / name / 'checkpoints' / 'step-00000010.pt'}" in capsys.readouterr().out
     _assert_same_state(_final_state(straight), _final_state(cfg))

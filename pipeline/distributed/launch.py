@@ -50,7 +50,9 @@ def launched_processes() -> int:
 
 
 def relaunch(argv: list[str], nproc: int, torchrun_args: list[str] | None = None, module: str = "pipeline") -> int:
-    """Run ``python -m <module> <argv>`` as ``nproc`` workers under torchrun on this node; 0 on success."""
+    """Run ``python -m <module> <argv>`` as ``nproc`` workers under torchrun on this node; 0 on success, 2 where every
+    failed worker refused what it was given (its ``error:`` line is above), 128 + the signal on Ctrl-C or SIGTERM."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
@@ -60,8 +62,13 @@ def relaunch(argv: list[str], nproc: int, torchrun_args: list[str] | None = None
                                          "--module", module, *strip_nproc(argv)])
     try:
         run(args)
+    except SignalException as err:  # the workers were stopped too, and said how their run continues
+        return 128 + int(err.sigval)
     except ChildFailedError as err:
-        print(f"error: {len(err.failures)} of {nproc} training processes failed; first: "
-              f"{err.get_first_failure()[1].message}", flush=True)
-        return 1
+        rank, failure = err.get_first_failure()
+        # a worker's own message is its error: line above; torch's stands in for it with a pointer to its docs
+        said = failure.message if os.path.isfile(failure.error_file) else f"rank {rank} exited with code {failure.exitcode}"
+        print(f"error: {len(err.failures)} of {nproc} training processes failed; first: {said} (its error is above)",
+              flush=True)
+        return 2 if all(f.exitcode == 2 for f in err.failures.values()) else 1
     return 0

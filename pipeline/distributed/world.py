@@ -60,11 +60,13 @@ class World:
         if self.size > 1:
             dist.barrier()
 
-    def close(self) -> None:
-        """Leave the process group once every rank is done: a gloo group left to the interpreter's exit can
-        abort the process there (``terminate called without an active exception``)."""
+    def close(self, wait: bool = True) -> None:
+        """Leave the process group, once every rank is done (``wait``), or at once (a rank failing: the others
+        may never come): a gloo group left to the interpreter's exit can abort the process there (``terminate called
+        without an active exception``)."""
         if self.size > 1 and dist.is_initialized():
-            dist.barrier()
+            if wait:
+                dist.barrier()
             dist.destroy_process_group()
 
     def gather_objects(self, value: Any) -> list[Any]:

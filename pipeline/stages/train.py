@@ -32,9 +32,13 @@ def run(cfg: PipelineConfig) -> dict:
         print(f"[train] note: the ETL output at {cfg.paths.processed} comes from raw data made with other settings or "
               f"input files than these (changed: {', '.join(changes)}); `python -m pipeline run all` makes both again "
               "(data.rebuild=true where the input files changed)", flush=True)
-    world.barrier()
-    summary = train(cfg.train, cfg.paths.processed, cfg.paths.train, schema=Schema.load(cfg.paths.schema),
-                    seed=cfg.seed, world=world, distributed=cfg.distributed, oracle=cfg.paths.oracle,
-                    progress=cfg.progress)
+    try:
+        world.barrier()
+        summary = train(cfg.train, cfg.paths.processed, cfg.paths.train, schema=Schema.load(cfg.paths.schema),
+                        seed=cfg.seed, world=world, distributed=cfg.distributed, oracle=cfg.paths.oracle,
+                        progress=cfg.progress)
+    except BaseException:
+        world.close(wait=False)
+        raise
     world.close()
     return summary

@@ -132,7 +132,9 @@ def _train(cfg: TrainConfig, data: Path, runs: Path, schema: Schema, seed: int, 
     model.start_at_rate(rate)
     model, checkpoints = _place(model, cfg, world, distributed, out / "checkpoints", schema)
     if cfg.resume and checkpoints.candidates():
-        check_same_model(spec, out)
+        for change in check_same_model(spec, out):
+            if world.is_writer:
+                print(f"[train] resuming with {change}", flush=True)
     world.barrier()  # every rank has read the old model.json before it is replaced
     if world.is_writer:
         write_json(out / "model.json", spec)
@@ -200,8 +202,8 @@ def _train(cfg: TrainConfig, data: Path, runs: Path, schema: Schema, seed: int, 
 def _how_to_continue(out: Path, step: int, checkpoint: Path | None) -> None:
     """Say, on Ctrl-C, how the interrupted run continues."""
     where = f"from its checkpoint {checkpoint.name}" if checkpoint else "from its start (no checkpoint was saved yet)"
-    print(f"[train] interrupted at step {step}: rerun with train.resume=true train.run={out.name} to continue it "
-          f"{where}", flush=True)
+    print(f"[train] interrupted at step {step}: rerun the same command with train.resume=true train.run={out.name} "
+          f"to continue it {where}", flush=True)
 
 
 def check_splits(data: Path, schema: Schema) -> None:

@@ -52,7 +52,16 @@ def model_spec(cfg: TrainConfig, schema: Schema, device_kind: str, seed: int = 0
         "embedding_output_dim": output_dim,
         "num_dense": len(schema.continuous),
         "schema": schema.to_dict(),
+        "loop": {name: getattr(cfg, name) for name in LOOP_SETTINGS},
     }
+
+
+LOOP_SETTINGS = ("epochs", "max_steps", "batch_size", "eval_every", "optimizer", "lr", "weight_decay", "warmup_fraction",
+                 "warmup_steps", "decay", "decay_start", "min_lr_ratio", "amp", "early_stopping")
+"""The ``train.*`` settings of the loop (beside the model's) that decide the steps a run takes: a resumed run keeps
+them (:func:`check_same_model`), but for its length."""
+LENGTH_SETTINGS = ("epochs", "max_steps")
+"""Of :data:`LOOP_SETTINGS`, those a resumed run may change, to train on longer (or stop sooner): said, not refused."""
 
 
 def _check_sizes(cfg: TrainConfig, sizes: ModelSizes, preset: str, num_dense: int, output_dim: int) -> None:
@@ -89,13 +98,17 @@ def _tables(spec: dict) -> list[dict]:
     return [asdict(TableConfig(**t)) for t in spec["tables"]]
 
 
-def check_same_model(spec: dict, folder: str | Path) -> None:
-    """Refuse to resume the checkpoints of ``folder`` when its ``model.json`` describes another model."""
+def check_same_model(spec: dict, folder: str | Path) -> list[str]:
+    """Refuse to resume the checkpoints of ``folder`` when its ``model.json`` describes another model, or a loop of
+    other settings; the changes of the run's length to say (:data:`LENGTH_SETTINGS`)."""
     folder = Path(folder)
     previous = folder / "model.json"
     if not previous.is_file():
-        return
+        return []
     old = read_json(previous, "rerun without train.resume")
+    if not isinstance(old, dict) or not isinstance(old.get("tables"), list):
+        raise UserError(f"{previous} is not the record of a model (no list of tables): rerun without "
+                        "train.resume, or restore the file")
     old["tables"] = _tables(old)
     trained = {t["admit_after"] for t in old["tables"] if t["dynamic"]}
     now = {t["admit_after"] for t in spec["tables"] if t["dynamic"]}
@@ -112,6 +125,22 @@ def check_same_model(spec: dict, folder: str | Path) -> None:
         raise UserError(f"train.resume=true, but the checkpoints in {folder / 'checkpoints'} are of another model "
                         f"(different {', '.join(differ)}); rerun without train.resume, or with the settings and the "
                         "ETL output the run was trained with")
+    loop, now_loop = old.get("loop") or {}, spec.get("loop", {})
+    changed = [name for name in loop if name in now_loop and loop[name] != now_loop[name]]
+    longer = [name for name in changed if name in LENGTH_SETTINGS]
+    changed = ["optimizer"] if "optimizer" in changed else [n for n in changed if n not in LENGTH_SETTINGS]
+    if changed:
+        trained = " ".join(f"train.{name}={_setting_text(loop[name])}" for name in changed)
+        given = " ".join(f"train.{name}={_setting_text(now_loop[name])}" for name in changed)
+        raise UserError(f"train.resume=true, but the run in {folder} was trained with {trained}, and this command "
+                        f"gives {given}: resume it with the run's settings (the command that started it, with "
+                        "train.resume=true train.run=...), or start another run")
+    return [f"train.{name}={_setting_text(now_loop[name])} where the run was started with "
+            f"train.{name}={_setting_text(loop[name])}: its schedule follows the new length" for name in longer]
+
+
+def _setting_text(value: object) -> str:
+    return str(value).lower() if isinstance(value, bool) else f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def load_trained(folder: str | Path, device: str | torch.device = "cpu",
