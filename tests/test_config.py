@@ -92,3 +92,11 @@ def test_every_command_help_says_what_it_does_and_gives_examples_that_parse(tmp_
                 if args.command != "settings":
                     args.overrides = list(args.overrides or []) + extra
                     _config_from(args)
+
+
+def test_a_workdir_under_the_home_folder_is_expanded(monkeypatch, tmp_path):
+    """``workdir: ~/pipe`` in a YAML file (no shell expands it) made a folder named ``~`` in the current one."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "c.yaml").write_text("workdir: ~/pipe\n")
+    assert load_config(tmp_path / "c.yaml", []).paths.root == tmp_path / "pipe" / "synthetic"

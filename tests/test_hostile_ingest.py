@@ -572,3 +572,23 @@ def test_the_default_label_missing_is_named_as_the_setting(tmp_path):
     path.write_text("y,price,user\n1,2.0,u\n")
     with pytest.raises(BadInputError, match=r"\['label'\] not found \(data.label=label names the column of 0 / 1"):
         _ingest(tmp_path, path, "data.label=label")
+
+
+def test_ids_typed_as_integers_in_one_file_and_floats_in_another_are_noted(tmp_path, capsys):
+    """pandas widens an integer column with a blank to floats: one day's file held 7, another's 7.0, and each id
+    became two categories without a word."""
+    folder = tmp_path / "days"
+    folder.mkdir()
+    day = pd.DataFrame({"clicked": [i % 2 for i in range(40)], "price": [i / 2 for i in range(40)],
+                        "user": [i % 3 for i in range(40)]})
+    day.to_parquet(folder / "day1.parquet", index=False)
+    widened = day.assign(user=day["user"].astype(float))
+    widened.loc[0, "user"] = None
+    widened.to_parquet(folder / "day2.parquet", index=False)
+    cfg = load_config(None, [f"workdir={tmp_path / 'work'}", *TABLE, f"data.path={folder}", "progress=off"])
+    data_stage.run(cfg)
+    note = ("[data] note: column 'user' holds integers in day1.parquet and floats in day2.parquet (pandas widens an "
+            "integer column with a missing value): 7 and 7.0 become two categories")
+    assert note in capsys.readouterr().out
+    report = json.loads((cfg.paths.raw / "ingest_report.json").read_text())
+    assert len(report["notes"]) == 1

@@ -75,6 +75,8 @@ REFUSED_OVERRIDES = [
     ("etl.hash_buckets={C1: 3000000000}", "etl.hash_buckets.C1", "in [1, 2147483646]"),
     ("etl.cluster=dask", "etl.cluster", "auto, local or threads"),
     ("serve.host=::1", "serve.host", "IPv6 addresses are not served"),
+    ("etl.hash_ids={C3:1024}", "etl.hash_ids", "write {C3: 1024} (a space after the colon)"),
+    ("train.run=" + "a" * 300, "train.run", "at most 200 characters, got 300"),
     ("train.log_every=0", "train.log_every", ">= 1"),
     ("train.reader=arrow", "train.reader", "auto, pyarrow, cudf"),
     ("train.keep_checkpoints=0", "train.keep_checkpoints", ">= 1"),

@@ -212,6 +212,39 @@ def test_a_resumed_run_may_train_longer_and_says_so(tmp_path, capsys):
            "follows the new length" in capsys.readouterr().out
 
 
+def test_settings_this_machine_or_model_cannot_train_are_refused_before_a_run_folder(tmp_path):
+    """A CUDA embedding backend on a CPU machine and a sharding of a table the model does not have (the column's name
+    in place of the table's) were tracebacks, and left run folders holding a lock (and a model.json) behind."""
+    cfg = _config(tmp_path)
+    _write_data(cfg)
+    for setting, message in (("train.embedding_backend=cuda", (r"train.embedding_backend=cuda: embedding backend "
+                                                              r"'cuda' cannot run on cpu.*use auto \(or torch\) here")),
+                             ("distributed.sharding={C1: host_cached}",
+                              (r"distributed.sharding names tables \['C1'\] that the model does not have; it has "
+                              r"\['t_C1',"))):
+        with pytest.raises(UserError, match=message):
+            run(_config(tmp_path, setting))
+    assert not cfg.paths.train.exists() or not list(cfg.paths.train.iterdir())
+    with pytest.raises(UserError, match="distributed.memory_per_rank_mb"):
+        run(_config(tmp_path, "distributed.memory_per_rank_mb=0.01"))
+    assert not list(cfg.paths.train.iterdir()), "a plan the machine cannot hold leaves no run folder"
+
+
+def test_resume_past_a_metrics_line_cut_short(tmp_path):
+    """A metrics.jsonl whose last line was cut short (a crash or a full disk while it was written) failed the resume
+    with a JSONDecodeError traceback."""
+    common = ["train.checkpoint_every=2", "train.run=r", "train.max_steps=5", "train.log_every=1"]
+    cfg = _config(tmp_path, *common)
+    _write_data(cfg)
+    with pytest.raises(Crash):
+        _train(cfg, [CrashAfter(3)])
+    metrics = cfg.paths.train / "r" / "metrics.jsonl"
+    metrics.write_bytes(metrics.read_bytes() + b'{"step": 4, "lo')
+    assert run(_config(tmp_path, *common, "train.resume=true"))["steps"] == 5
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert steps == sorted(steps) and steps[-1] >= 5
+
+
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
 def test_resume_with_another_dense_optimizer_is_refused(tmp_path, optimizer):
     """Torch loads Adam's state into SGD and fails at the first step (KeyError: 'momentum')."""

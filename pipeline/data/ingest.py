@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from pipeline.data import raw_folder, vectorized_text
 from pipeline.data.config import DataConfig
@@ -97,7 +98,10 @@ def ingest(d: DataConfig, seed: int, root: Path, params: dict, progress: str | b
     if array_module:
         vectorized_text.release_memory(importlib.import_module(array_module))
     report = _combine(results, d)
+    report["notes"] = _id_type_notes([p for p, _ in files], roles.categorical + roles.multihot)
     write_json(root / raw_folder.INGEST_REPORT, report)
+    for note in report["notes"]:
+        print(f"[data] note: {note}", flush=True)
     _print_report(report)
     _refuse_no_rows(report, [p for p, _ in files], d)
     if report["status"] == "failed":
@@ -298,3 +302,25 @@ def _failure_message(report: dict) -> str:
         advice = "Fix the input or set data.on_bad_lines=skip to drop and count them"
     return (f"malformed input rows ({report['bad_rows']} found before stopping: {report['bad']}): {first}. "
             f"{advice}; details in ingest_report.json")
+
+
+def _id_type_notes(files: list[Path], names: list[str]) -> list[str]:
+    """What to say of categorical columns typed as integers in some parquet files and as floats in others (pandas
+    widens an integer column with a blank to floats): each value becomes the text Python's ``str`` gives it, so the
+    same id is two categories, ``7`` and ``7.0``."""
+    kinds: dict[str, dict[str, Path]] = {}
+    for path in files:
+        if table_format(path) != "parquet":
+            continue
+        schema = pq.read_schema(path)
+        for name in names:
+            if name in schema.names:
+                t = schema.field(name).type
+                t = t.value_type if pa.types.is_list(t) or pa.types.is_large_list(t) else t
+                kind = "integers" if pa.types.is_integer(t) else "floats" if pa.types.is_floating(t) else ""
+                if kind:
+                    kinds.setdefault(name, {}).setdefault(kind, path)
+    return [f"column {name!r} holds integers in {found['integers'].name} and floats in {found['floats'].name} (pandas "
+            "widens an integer column with a missing value): 7 and 7.0 become two categories; write it with one type "
+            "(pandas' Int64 dtype keeps integers with missing values) or as text"
+            for name, found in kinds.items() if len(found) == 2]

@@ -110,7 +110,7 @@ class PipelineConfig:
 
     @property
     def paths(self) -> Paths:
-        return Paths(Path(self.workdir) / self.data.dataset_name)
+        return Paths(Path(self.workdir).expanduser() / self.data.dataset_name)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> PipelineConfig:
@@ -293,6 +293,11 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{name}: expected a mapping ({{key: value}}), got a {_kind(value)}")
         kt, vt = args or (Any, Any)
+        glued = [k for k, v in value.items() if ":" in k and _is_null(v)]
+        if glued:
+            key, item = glued[0].split(":", 1)
+            raise ConfigError(f"{name}: {{{glued[0]}}} is read as a key with no value: write {{{key}: {item}}} (a space "
+                              "after the colon)")
         return {_coerce(_Text(k, name), kt, f"{name}.{k}"): _coerce(v, vt, f"{name}.{k}") for k, v in value.items()}
     if hint is str:
         return _scalar_text(value, name, "a text")

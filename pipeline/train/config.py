@@ -20,11 +20,17 @@ READERS = ("auto", "pyarrow", "cudf")
 LATEST = "latest"  # <train>/latest: the newest finished run (see pipeline.train.runs)
 
 
+MAX_RUN_NAME = 200
+"""The longest run name: a folder name (255 bytes at most on most file systems), with room for what is appended."""
+
+
 def check_run_name(setting: str, name: str) -> None:
     """Raise ``ValueError`` unless ``name`` is empty or can be a run's folder name under ``train/``."""
     if name and (name == LATEST or name.endswith(".tmp") or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name)):
         raise ValueError(f"{setting}: expected a folder name of letters, digits, '.', '_' and '-' (not {LATEST!r}, "
                          f"not ending in .tmp), got {name!r}")
+    if len(name) > MAX_RUN_NAME:
+        raise ValueError(f"{setting}: expected a folder name of at most {MAX_RUN_NAME} characters, got {len(name)}")
 
 
 @dataclass

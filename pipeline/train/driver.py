@@ -49,6 +49,7 @@ import contextlib
 import dataclasses
 import os
 import random
+import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -68,7 +69,9 @@ from pipeline.distributed.world import World
 from pipeline.errors import UserError
 from pipeline.files import atomic_open, read_json, remove_tmp_files, write_json
 from pipeline.loader import Loader
+from pipeline.modules.backends import resolve_backend
 from pipeline.modules.cached_collection import HostCachedCollection
+from pipeline.modules.configs import WEIGHT_DTYPES
 from pipeline.modules.dynamic import DynamicTable
 from pipeline.modules.host_cache import CacheStats
 from pipeline.modules.models import DCNv2, ModelSizes
@@ -78,7 +81,7 @@ from pipeline.train.config import TrainConfig
 from pipeline.train.evaluate import evaluate
 from pipeline.train.loop import Callback, Trainer
 from pipeline.train.model import check_same_model, model_from_spec, model_spec
-from pipeline.train.runs import choose_run, mark_latest
+from pipeline.train.runs import LOCK_FILE, choose_run, mark_latest
 
 _WEIGHT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
@@ -122,6 +125,7 @@ def _train(cfg: TrainConfig, data: Path, runs: Path, schema: Schema, seed: int, 
     cfg = cfg.for_data(_split_rows(data, schema, "train"), rate, len(schema.sparse),
                        DCNv2.x0_width(ModelSizes.from_train_config(cfg, device.type), schema))
     spec = model_spec(cfg, schema, device.type, seed)
+    _check_before_the_run(cfg, spec, distributed, device)
     out = _run_folder(runs, cfg, world, held)
     if world.is_writer:
         remove_tmp_files(out)
@@ -130,7 +134,12 @@ def _train(cfg: TrainConfig, data: Path, runs: Path, schema: Schema, seed: int, 
               f"weight decay {cfg.weight_decay:.3g}; {rate:.2%} of the training labels positive", flush=True)
     model = model_from_spec(spec, backend=cfg.embedding_backend)
     model.start_at_rate(rate)
-    model, checkpoints = _place(model, cfg, world, distributed, out / "checkpoints", schema)
+    try:
+        model, checkpoints = _place(model, cfg, world, distributed, out / "checkpoints", schema)
+    except UserError:  # a plan the machine cannot hold: the new run's folder, its lock alone, goes
+        if world.is_writer and all(p.name == LOCK_FILE for p in out.iterdir()):
+            shutil.rmtree(out, ignore_errors=True)
+        raise
     if cfg.resume and checkpoints.candidates():
         for change in check_same_model(spec, out):
             if world.is_writer:
@@ -249,6 +258,20 @@ def _split_rows(data: Path, schema: Schema, split: str) -> int:
     if split in schema.rows:
         return schema.rows[split]
     return sum(pq.read_metadata(f).num_rows for f in sorted((data / split).glob("*.parquet")))
+
+
+def _check_before_the_run(cfg: TrainConfig, spec: dict, distributed: DistributedConfig, device: torch.device) -> None:
+    """Refuse, before a run folder is made, an embedding backend this device cannot run and a sharding of tables
+    the model does not have (the settings most often carried over from another machine or another dataset)."""
+    try:
+        resolve_backend(cfg.embedding_backend, device, WEIGHT_DTYPES[cfg.embedding_dtype])
+    except ValueError as err:
+        raise UserError(f"train.embedding_backend={cfg.embedding_backend}: {err}; use auto (or torch) here") from err
+    tables = [t["name"] for t in spec["tables"]]
+    unknown = sorted(set(distributed.sharding) - set(tables))
+    if unknown:
+        raise UserError(f"distributed.sharding names tables {unknown} that the model does not have; it has {tables} "
+                        "(a table is named after its feature, t_<feature>, or after the features it holds)")
 
 
 def _run_folder(runs: Path, cfg: TrainConfig, world: World, held: contextlib.ExitStack) -> Path:

@@ -195,8 +195,8 @@ class Trainer:
         """Load a checkpoint: weights, optimizer states, loop position, RNG; metrics after it are dropped."""
         self.state, fields = self.checkpoints.load(self, Path(path))
         if self.world.is_writer and self.metrics_path.is_file():
-            kept = [line for line in self.metrics_path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] <= self.state.step]
+            kept = [line for line in self.metrics_path.read_text(errors="replace").splitlines()
+                    if (step := _logged_step(line)) is not None and step <= self.state.step]
             self.metrics_path.write_text("".join(line + "\n" for line in kept))
         self._log({"event": "resume", "step": self.state.step, "checkpoint": str(path), **fields})
 
@@ -418,3 +418,12 @@ def _close(batches: Iterable) -> None:
     close = getattr(batches, "close", None)
     if callable(close):
         close()
+
+
+def _logged_step(line: str) -> int | None:
+    """The step of a line of ``metrics.jsonl``; None for a line cut short (a crash or a full disk as it was written)."""
+    try:
+        record = json.loads(line)
+        return int(record["step"])
+    except (ValueError, TypeError, KeyError):
+        return None

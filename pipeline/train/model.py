@@ -59,9 +59,10 @@ def model_spec(cfg: TrainConfig, schema: Schema, device_kind: str, seed: int = 0
 LOOP_SETTINGS = ("epochs", "max_steps", "batch_size", "eval_every", "optimizer", "lr", "weight_decay", "warmup_fraction",
                  "warmup_steps", "decay", "decay_start", "min_lr_ratio", "amp", "early_stopping")
 """The ``train.*`` settings of the loop (beside the model's) that decide the steps a run takes: a resumed run keeps
-them (:func:`check_same_model`), but for its length."""
-LENGTH_SETTINGS = ("epochs", "max_steps")
-"""Of :data:`LOOP_SETTINGS`, those a resumed run may change, to train on longer (or stop sooner): said, not refused."""
+them (:func:`check_same_model`), but for those of :data:`SAID_SETTINGS`."""
+SAID_SETTINGS = ("epochs", "max_steps", "eval_every")
+"""Of :data:`LOOP_SETTINGS`, those a resumed run may change (to train on longer or stop sooner, or to evaluate more
+or less often): said, not refused."""
 
 
 def _check_sizes(cfg: TrainConfig, sizes: ModelSizes, preset: str, num_dense: int, output_dim: int) -> None:
@@ -100,7 +101,7 @@ def _tables(spec: dict) -> list[dict]:
 
 def check_same_model(spec: dict, folder: str | Path) -> list[str]:
     """Refuse to resume the checkpoints of ``folder`` when its ``model.json`` describes another model, or a loop of
-    other settings; the changes of the run's length to say (:data:`LENGTH_SETTINGS`)."""
+    other settings; the changes to say of those it may change (:data:`SAID_SETTINGS`)."""
     folder = Path(folder)
     previous = folder / "model.json"
     if not previous.is_file():
@@ -127,8 +128,8 @@ def check_same_model(spec: dict, folder: str | Path) -> list[str]:
                         "ETL output the run was trained with")
     loop, now_loop = old.get("loop") or {}, spec.get("loop", {})
     changed = [name for name in loop if name in now_loop and loop[name] != now_loop[name]]
-    longer = [name for name in changed if name in LENGTH_SETTINGS]
-    changed = ["optimizer"] if "optimizer" in changed else [n for n in changed if n not in LENGTH_SETTINGS]
+    said = [name for name in changed if name in SAID_SETTINGS]
+    changed = ["optimizer"] if "optimizer" in changed else [n for n in changed if n not in SAID_SETTINGS]
     if changed:
         trained = " ".join(f"train.{name}={_setting_text(loop[name])}" for name in changed)
         given = " ".join(f"train.{name}={_setting_text(now_loop[name])}" for name in changed)
@@ -136,7 +137,8 @@ def check_same_model(spec: dict, folder: str | Path) -> list[str]:
                         f"gives {given}: resume it with the run's settings (the command that started it, with "
                         "train.resume=true train.run=...), or start another run")
     return [f"train.{name}={_setting_text(now_loop[name])} where the run was started with "
-            f"train.{name}={_setting_text(loop[name])}: its schedule follows the new length" for name in longer]
+            f"train.{name}={_setting_text(loop[name])}" + (": its schedule follows the new length" if name != "eval_every"
+                                                           else "") for name in said]
 
 
 def _setting_text(value: object) -> str:
