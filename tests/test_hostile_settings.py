@@ -440,3 +440,13 @@ def test_a_full_disk_under_an_arrow_write_names_the_workdir(tmp_path, monkeypatc
     expected = (f"error: writing under workdir={tmp_path / 'w'}: Error writing bytes to file. Detail: [errno 28] No "
                 "space left on device: free space on that disk, or choose another workdir")
     assert capsys.readouterr().err.splitlines() == [expected]
+
+
+def test_a_command_without_its_stage_names_only_what_is_missing(capsys):
+    """`python -m pipeline run` said the optional key=value overrides were required too."""
+    for argv, missing in ((["run"], "stage"), (["config"], "action")):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and err.count("\n") == 1, err
+        assert f"error: the following arguments are required: {missing} (" in err and "key=value" not in err

@@ -65,7 +65,7 @@ def _settings_epilog() -> str:
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", help="YAML file with settings (sections data:, etl:, train:, ...)")
     p.add_argument("--device", choices=["cpu", "cuda", "auto"], help="shortcut for device=...")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="settings, e.g. data.rows=2000000")
+    p.add_argument("overrides", nargs="*", metavar="key=value", default=[], help="settings, e.g. data.rows=2000000")
 
 
 EXAMPLES = {

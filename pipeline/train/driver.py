@@ -132,6 +132,9 @@ def _train(cfg: TrainConfig, data: Path, runs: Path, schema: Schema, seed: int, 
         print(f"[train] run {out.name} in {runs}", flush=True)
         print(f"[train] {cfg.optimizer} at lr {cfg.lr:.3g}, tables {cfg.embedding_optimizer} at {cfg.embedding_lr:.3g}, "
               f"weight decay {cfg.weight_decay:.3g}; {rate:.2%} of the training labels positive", flush=True)
+        if cfg.amp == "bf16" and device.type != "cuda":
+            print(f"[train] train.amp=bf16: bf16 autocast runs on a GPU; on {device.type} the dense part computes in "
+                  "float32", flush=True)
     model = model_from_spec(spec, backend=cfg.embedding_backend)
     model.start_at_rate(rate)
     try:
