@@ -475,3 +475,11 @@ def test_files_a_run_reads_that_were_cut_short_are_one_error_naming_each(tmp_pat
     cfg.paths.schema.write_text("[]")
     with pytest.raises(SchemaError, match="a schema is a JSON object, not list; rerun the ETL"):
         run(_config(tmp_path, "train.max_steps=3", "train.run=t"))
+
+
+def test_bf16_autocast_asked_on_a_cpu_is_said_to_compute_in_float32(tmp_path, capsys):
+    cfg = _config(tmp_path, "train.max_steps=2", "train.amp=bf16")
+    _write_data(cfg)
+    run(cfg)
+    assert "[train] train.amp=bf16: bf16 autocast runs on a GPU; on cpu the dense part computes in float32" in \
+        capsys.readouterr().out
