@@ -918,3 +918,82 @@ def test_cuda_dynamic_columns_equal_cpu_batches(tmp_path, reader):
     folder = dynamic_split(tmp_path / "train")
     same_batches(list(small(folder, shuffle=True, seed=3)),
                  list(small(folder, shuffle=True, seed=3, device="cuda", reader=reader)))
+
+
+def test_files_differing_in_nullability_or_list_type_read_as_one_split(tmp_path):
+    """A part written by plain pyarrow or pandas (nullable columns) or polars (large_list) beside the ETL's (required
+    columns, list) passed each file's check and then failed the epoch: ArrowInvalid "Schema at index 1 was different"."""
+    from pipeline.parquet import write_table
+
+    folder = tmp_path / "train"
+    folder.mkdir()
+    make_schema().save(tmp_path / "schema.json")
+    for i, (lo, hi) in enumerate([(0, 100), (100, 200), (200, 300)]):
+        table = table_of(np.arange(lo, hi))
+        if i == 1:
+            pq.write_table(table, folder / f"part-{i}.parquet")
+        elif i == 2:
+            write_table(table.set_column(4, "M1", table.column("M1").cast(pa.large_list(pa.int32()))),
+                        folder / f"part-{i}.parquet", 50)
+        else:
+            write_table(table, folder / f"part-{i}.parquet", 50)
+    seen = []
+    for batch in Loader(folder, 64, read_threads=1):
+        check_batch(batch)
+        seen += rows_of(batch)
+    assert sorted(seen) == list(range(300))
+
+
+def test_a_damaged_page_names_its_file(tmp_path):
+    """Page damage behind an intact footer (or a file changed under the loader) gave pyarrow's bare "Couldn't
+    deserialize thrift", and through `run train` a traceback."""
+    folder = write_split(tmp_path / "train", [0, 300, 600])
+    damaged = folder / "part-1.parquet"
+    data = bytearray(damaged.read_bytes())
+    at = pq.read_metadata(damaged).row_group(1).column(1).data_page_offset
+    data[at: at + 6] = b"\xff" * 6
+    damaged.write_bytes(bytes(data))
+    with pytest.raises(BadInputError, match=rf"{damaged}: its row groups .* do not read .*: the file is damaged"):
+        list(Loader(folder, 64))
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_continuous_value_that_is_not_finite_is_refused_naming_its_row(tmp_path, bad):
+    """A NaN passed every check: in train the run stopped as "diverged" (lower the learning rates), in test the run
+    ended with a NaN log loss."""
+    folder = tmp_path / "train"
+    folder.mkdir()
+    make_schema().save(tmp_path / "schema.json")
+    table = table_of(np.arange(100))
+    values = table.column("I2").to_numpy().copy()
+    values[70] = bad
+    pq.write_table(table.set_column(2, "I2", pa.array(values)), folder / "part-0.parquet", row_group_size=GROUP_ROWS)
+    with pytest.raises(BadInputError, match=rf"part-0.parquet: continuous column 'I2' holds {bad} at row 70 "):
+        list(Loader(folder, 32))
+    assert len(list(Loader(folder, 32, validate=False))) == 4
+
+
+def test_a_null_item_of_a_list_is_refused_naming_its_row_whatever_validate_says(tmp_path):
+    """The error named row 0 and a valid id (0.0); with validate=False the id -2^63 reached the model."""
+    folder = tmp_path / "train"
+    folder.mkdir()
+    make_schema().save(tmp_path / "schema.json")
+    table = table_of(np.arange(100))
+    bags = table.column("M1").to_pylist()
+    bags[37] = [1, None, 2]
+    pq.write_table(table.set_column(4, "M1", pa.array(bags, pa.list_(pa.int32()))), folder / "part-0.parquet",
+                   row_group_size=GROUP_ROWS)
+    for validate in (True, False):
+        with pytest.raises(BadInputError, match="column 'M1' has 1 null items in its lists, the first in row 37 "):
+            list(Loader(folder, 32, validate=validate))
+
+
+def test_an_epoch_taken_batch_by_batch_to_its_last_moves_on_to_the_next(split):
+    """`islice(loader, len(loader))` left the generator before its end: every epoch replayed the first's order."""
+    loader = Loader(split, 100, shuffle=True, seed=1)
+    first = [rows_of(b) for b in itertools.islice(loader, len(loader))]
+    second = [rows_of(b) for b in itertools.islice(loader, len(loader))]
+    assert first != second and loader.epoch == 1
+    reference = Loader(split, 100, shuffle=True, seed=1)
+    list(reference)
+    assert [rows_of(b) for b in reference] == second

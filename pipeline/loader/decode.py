@@ -191,7 +191,7 @@ def read_into(split: Split, segments: Sequence[Segment], block: np.ndarray, vali
     """Read, check and pack the rows of ``segments`` into ``block`` (``[block_rows, their rows]``, or such a view of a
     larger block: reader threads fill parts of one window side by side); returns their multi-hot bags."""
     table = _read_rows(split, segments)
-    if any(table.column(name).null_count for name in split.columns) or not _wide_ids_fit(split, table, validate):
+    if any(_nulls(table.column(name)) for name in split.columns) or not _wide_ids_fit(split, table, validate):
         _raise_first_problem(split, table, segments, validate)
     _pack(split, table, block)
     if validate and not _block_passes_checks(split, block):
@@ -223,14 +223,22 @@ def _read_rows(split: Split, segments: Sequence[Segment]) -> pa.Table:
     tables, first_row = {}, {}
     for file, indices in wanted.items():
         indices = sorted(indices)
-        with pq.ParquetFile(split.files[file], metadata=split.metadata[file], memory_map=True) as pf:
-            tables[file] = pf.read_row_groups(indices, columns=split.columns, use_threads=True)
+        try:
+            with pq.ParquetFile(split.files[file], metadata=split.metadata[file], memory_map=True) as pf:
+                tables[file] = pf.read_row_groups(indices, columns=split.columns, use_threads=True)
+        except (OSError, pa.ArrowException) as err:
+            raise BadInputError(f"{split.files[file]}: its row groups {indices} do not read ({' '.join(str(err).split())}"
+                                "): the file is damaged, or was changed since the loader opened it; run the ETL "
+                                "again (`python -m pipeline run etl`)") from err
         row = 0
         for index in indices:
             first_row[file, index] = row
             row += split.metadata[file].row_group(index).num_rows
+    # files of one split may differ in what the checks allow (a column required in one, nullable in another; list
+    # and large_list): one schema for all
     return pa.concat_tables(
-        [tables[s.group.file].slice(first_row[s.group.file, s.group.index] + s.start, s.rows) for s in segments]
+        [tables[s.group.file].slice(first_row[s.group.file, s.group.index] + s.start, s.rows) for s in segments],
+        promote_options="permissive",
     )
 
 
@@ -248,14 +256,24 @@ def _wide_ids_fit(split: Split, table: pa.Table, validate: bool) -> bool:
     return True
 
 
+def _nulls(column: pa.ChunkedArray) -> int:
+    """A column's null values, and for a list column the null items of its lists too."""
+    items = pc.list_flatten(column).null_count if pa.types.is_list(column.type) or pa.types.is_large_list(
+        column.type) else 0
+    return column.null_count + items
+
+
 def _block_passes_checks(split: Split, block: np.ndarray) -> bool:
-    """Whether the packed labels are 0/1 and the one-hot ids within their tables: a few numpy passes over the block."""
+    """Whether the packed labels are 0/1, the continuous values finite and the one-hot ids within their tables: a
+    few numpy passes over the block."""
     if not block.shape[1]:
         return True
     label = block[0].view(np.float32)
     if not np.logical_or(label == 0, label == 1).all():
         return False
     n = 1 + len(split.schema.continuous)
+    if n > 1 and not np.isfinite(block[1:n].view(np.float32)).all():
+        return False
     checked = [n + i for i, name in enumerate(split.onehot) if not split.schema.column(name).dynamic]
     if not checked:
         return True
@@ -289,9 +307,17 @@ def _check_segment(split: Split, table: pa.Table, where: RowPosition, validate: 
         array = _array(table, name)
         if array.null_count:
             raise null_error(name, array.is_null().to_numpy(zero_copy_only=False), where)
-        if not validate or name in schema.continuous or name in schema.dynamic:
+        if name in schema.multihot and pc.list_flatten(array).null_count:
+            items = pc.list_flatten(array).is_null().to_numpy(zero_copy_only=False)
+            rows = pc.list_parent_indices(array).to_numpy()
+            raise BadInputError(f"{where.path}: column {name!r} has {int(items.sum())} null items in its lists, the "
+                                f"first in {where.row(int(rows[items.argmax()]))}; expected none (the ETL codes a "
+                                "missing item)")
+        if not validate or name in schema.dynamic:
             continue
-        if name == schema.label:
+        if name in schema.continuous:
+            _check_finite(array.to_numpy(zero_copy_only=False), name, where)
+        elif name == schema.label:
             _check_label(array.to_numpy(), name, where)
         elif name in schema.multihot:
             offsets, values = _bag(array)
@@ -358,6 +384,15 @@ def _check_types(path: Path, arrow_schema: pa.Schema, schema: Schema) -> None:
 def _array(table: pa.Table, name: str) -> pa.Array:
     column = table.column(name)
     return column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+
+
+def _check_finite(values: np.ndarray, name: str, where: RowPosition) -> None:
+    bad = ~np.isfinite(values)
+    if bad.any():
+        first = int(bad.argmax())
+        raise BadInputError(f"{where.path}: continuous column {name!r} holds {values[first]} at {where.row(first)}; "
+                            "expected finite numbers (the ETL fills and normalizes them): the file was not written by "
+                            "the ETL, or is damaged; run `python -m pipeline run etl` again")
 
 
 def _check_label(label: np.ndarray, name: str, where: RowPosition) -> None:

@@ -213,6 +213,9 @@ class Loader:
 
     def __iter__(self) -> Iterator[Batch]:
         self._stop_active()
+        if self._batches and self._consumed >= self._batches and not self._resume_at:
+            # the last iteration handed out its epoch's last batch and was left there (``islice(loader, len(loader))``)
+            self.epoch, self._consumed = self.epoch + 1, 0
         epoch, start = self.epoch, self._resume_at
         self._resume_at = 0
         producer = _Producer(self, epoch, start)
