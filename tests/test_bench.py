@@ -645,3 +645,15 @@ def test_bench_etl_reports_each_run_and_starts_each_on_an_idle_scheduler(tmp_pat
         t = time.monotonic()
         assert _wait_for_idle_scheduler(timeout_s=10) == 0
         assert time.monotonic() - t < 5
+
+
+def test_bench_quality_leaves_latest_on_the_first_model_asked_for(tmp_path, capsys):
+    """The logistic baseline trains last, so `train/latest` (what `run export` exports) was left on it."""
+    settings = [f"workdir={tmp_path}", "device=cpu", "data.rows=3000", "train.epochs=1", "progress=off",
+                "etl.cluster=threads"]
+    assert main(["bench", "quality", "--models", "dlrm", *settings]) == 0
+    latest = tmp_path / "synthetic" / "train" / "latest"
+    assert json.loads((latest / "result.json").read_text())["model"] == "dlrm"
+    assert f"{latest} -> {latest.resolve().name} (dlrm)" in capsys.readouterr().out
+    assert main(["bench", "quality", "--models", "dlrm", *settings, "train.run=mine"]) == 2
+    assert "train.run=mine: bench quality trains a run for each model" in capsys.readouterr().err

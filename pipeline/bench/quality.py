@@ -30,17 +30,22 @@ def run(args: argparse.Namespace, cfg) -> dict:
 
     from pipeline.errors import UserError
     from pipeline.stages.train import run as run_train
+    from pipeline.train.runs import mark_latest
 
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = sorted(set(models) - set(MODELS))
     if unknown:
         raise UserError(f"--models: unknown {unknown}; choose from {', '.join(MODELS)}")
     models = [m for m in models if m != BASELINE] + [BASELINE]
-    rows = {}
+    if cfg.train.run:
+        raise UserError(f"train.run={cfg.train.run}: bench quality trains a run for each model, named by its start; "
+                        "leave train.run unset")
+    rows, runs = {}, {}
     for model in models:
         print(f"[bench quality] training {model} ...", flush=True)
         started = time.perf_counter()
         summary = run_train(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, model=model)))
+        runs[model] = summary["run"]
         kept = summary.get("kept") or {}
         rows[model] = {"test_auc": summary["test"]["auc"], "test_logloss": summary["test"]["logloss"],
                        "valid_auc": summary["valid"]["auc"], "epochs": summary["epochs"],
@@ -53,4 +58,7 @@ def run(args: argparse.Namespace, cfg) -> dict:
         gap = "" if r["gap_to_oracle"] is None else f"{r['gap_to_oracle']:.4f}"
         print(f"{model:<10} {r['test_auc']:>9.4f} {r['test_auc'] - base:>+12.4f} {r['test_logloss']:>8.4f} "
               f"{r['epochs']:>7} {r['kept_epoch'] or '':>5} {gap:>11} {r['seconds']:>8.1f}")
-    return {"dataset": cfg.data.dataset_name, "models": rows}
+    # the baseline trains last, so `latest` (what `run export` takes) is moved back to the first model asked for
+    mark_latest(cfg.paths.train / runs[models[0]])
+    print(f"\n[bench quality] {cfg.paths.train / 'latest'} -> {runs[models[0]]} ({models[0]})", flush=True)
+    return {"dataset": cfg.data.dataset_name, "models": rows, "runs": runs}
