@@ -449,8 +449,8 @@ def test_bench_serve_reports_latency_steps_throughput_and_cache_hit_rates(tmp_pa
     if problem:
         pytest.fail(f"the serving bench needs a Triton server and the models' environment (make serve-env): {problem}")
     out = tmp_path / "serve.json"
-    assert main(["bench", "serve", "--rows", "3000", "--batches", "1,16", "--requests", "5", "--clients", "2",
-                 "--seconds", "0.5", "--throughput-batch", "8", "--workdir", str(tmp_path / "work"),
+    assert main(["bench", "serve", "data.rows=3000", "--batches", "1,16", "--requests", "5", "--clients", "2",
+                 "--seconds", "0.5", "--throughput-batch", "8", f"workdir={tmp_path / 'work'}",
                  "--json", str(out)]) == 0
     r = json.loads(out.read_text())
     for batch in ("1", "16"):
@@ -464,7 +464,8 @@ def test_bench_serve_reports_latency_steps_throughput_and_cache_hit_rates(tmp_pa
         assert sum(phases.values()) <= 1.1 * steps["ensemble model"], (phases, steps)
     assert r["throughput"]["ensemble_rows_per_s"] > 0 and r["throughput"]["in_process_rows_per_s"] > 0
     assert r["served_cache"]["hits"] > 0
-    exported = json.loads((tmp_path / "work" / "bench-serve-3000" / "export" / "export.json").read_text())
+    exported = json.loads((tmp_path / "work" / "bench-serve" / "bench-serve-3000" / "export" / "export.json").read_text())
+    assert r["command"].startswith("python -m pipeline bench serve --rows 3000 --batches 1,16 ")
     served = (r["served_cache"]["model"], r["served_cache"]["instances"])
     assert served == ("ensemble", exported["options"]["instances"])
     assert set(r["cache_offline"]) == {"rows", "lru@0.05", "lru@0.25", "lfu@0.05", "lfu@0.25"}
@@ -657,3 +658,31 @@ def test_bench_quality_leaves_latest_on_the_first_model_asked_for(tmp_path, caps
     assert f"{latest} -> {latest.resolve().name} (dlrm)" in capsys.readouterr().out
     assert main(["bench", "quality", "--models", "dlrm", *settings, "train.run=mine"]) == 2
     assert "train.run=mine: bench quality trains a run for each model" in capsys.readouterr().err
+
+
+def test_a_benchs_rows_come_from_rows_or_data_rows_and_both_must_agree():
+    """`bench etl data.rows=3000` and `bench serve data.rows=3000` ran on their own defaults (2M, 50k) without a word."""
+    from pipeline.bench.arguments import bench_rows
+    from pipeline.data.config import DataConfig
+    from pipeline.errors import UserError
+
+    assert bench_rows(None, DataConfig(), 2_000_000) == 2_000_000
+    assert bench_rows(None, DataConfig(rows=3000), 2_000_000) == 3000
+    assert bench_rows(5000, DataConfig(), 2_000_000) == 5000 == bench_rows(5000, DataConfig(rows=5000), 10)
+    with pytest.raises(UserError, match="--rows 5000 and data.rows=3000 disagree"):
+        bench_rows(5000, DataConfig(rows=3000), 10)
+
+
+def test_bench_etl_leaves_the_users_dataset_of_that_name_as_it_is(tmp_path, capsys):
+    """With data.name naming the user's dataset, the bench read it again into that name with every row in train:
+    its valid and test splits were emptied, and the next training scored NaN against the oracle."""
+    from pipeline.stages import data as data_stage
+    from pipeline.stages.config import load_config
+
+    mine = load_config(None, [f"workdir={tmp_path}", "data.rows=3000", "data.name=mine", "progress=off"])
+    data_stage.run(mine)
+    before = (mine.paths.raw / "meta.json").read_text()
+    assert main(["bench", "etl", "--rows", "2000", "--no-baseline", "--cluster", "threads", "--workers", "1",
+                 f"workdir={tmp_path}", "data.name=mine", "device=cpu"]) == 0
+    assert (mine.paths.raw / "meta.json").read_text() == before
+    assert (tmp_path / "bench-etl-2000" / "raw" / "meta.json").is_file()

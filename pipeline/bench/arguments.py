@@ -45,3 +45,29 @@ def number(*, above: float | None = None, low: float | None = None) -> Callable[
         return value
 
     return parse
+
+
+def integers(low: int) -> Callable[[str], list[int]]:
+    """A comma-separated list of integers, each at least ``low`` (``1,64,1024``)."""
+    one = integer(low)
+
+    def parse(text: str) -> list[int]:
+        values = [one(part.strip()) for part in text.split(",") if part.strip()]
+        if not values:
+            raise argparse.ArgumentTypeError(f"expected integers >= {low}, comma-separated, got {text!r}")
+        return values
+
+    return parse
+
+
+def bench_rows(given: int | None, data, default: int) -> int:
+    """The synthetic rows a bench makes: ``--rows`` (``given``), else ``data.rows`` where it is set to other than its
+    default, else the bench's ``default``; ``--rows`` and another ``data.rows`` both given are refused."""
+    from dataclasses import fields
+
+    from pipeline.errors import UserError
+
+    unset = next(f.default for f in fields(data) if f.name == "rows")
+    if given is not None and data.rows not in (unset, given):
+        raise UserError(f"--rows {given} and data.rows={data.rows} disagree: give the bench's rows once")
+    return given if given is not None else data.rows if data.rows != unset else default

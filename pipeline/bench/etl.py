@@ -29,11 +29,12 @@ import contextlib
 from pathlib import Path
 from typing import Any
 
-from pipeline.bench.arguments import integer
+from pipeline.bench.arguments import bench_rows, integer
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rows", type=integer(1), default=2_000_000, help="synthetic rows (default 2M; 20M+ on a GPU)")
+    parser.add_argument("--rows", type=integer(1), help="synthetic rows (default: data.rows where it is set, else 2M; "
+                        "20M+ on a GPU)")
     parser.add_argument("--workers", type=integer(0), default=2,
                         help="LocalCluster worker processes of the pandas side (default 2; 0: one per core)")
     parser.add_argument("--gpu-workers", type=integer(0), default=0,
@@ -64,8 +65,10 @@ def run(args: argparse.Namespace, cfg) -> dict:
 
     library, reason = choose_frame_library(cfg.device)
     workers = args.workers or os.cpu_count() or 1
-    data = dataclasses.replace(cfg.data, rows=args.rows, valid_fraction=0.0, test_fraction=0.0,
-                               name=cfg.data.name or f"bench-etl-{args.rows}")
+    made = bench_rows(args.rows, cfg.data, 2_000_000)
+    # a dataset of the bench's own: read again with every row in train, a user's dataset of that name is left as it is
+    own = f"bench-etl-{made}" if cfg.data.source == "synthetic" else f"bench-etl-{cfg.data.dataset_name}"
+    data = dataclasses.replace(cfg.data, rows=made, valid_fraction=0.0, test_fraction=0.0, name=own)
     cfg = dataclasses.replace(cfg, data=data)
     t = time.perf_counter()
     raw = ensure_raw(cfg)

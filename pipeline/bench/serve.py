@@ -19,18 +19,23 @@ beside it since each warms a cache of its own; plus LRU / LFU at several cache s
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
-from pipeline.bench.arguments import integer, number
+import numpy as np
+
+from pipeline.bench.arguments import bench_rows, integer, integers, number
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rows", type=integer(1), default=50_000, help="synthetic rows made for the benchmark")
-    parser.add_argument("--batches", default="1,64,1024", help="batch sizes, comma-separated")
+    parser.add_argument("--rows", type=integer(1), help="synthetic rows made for the benchmark (default: data.rows "
+                        "where it is set, else 50,000)")
+    parser.add_argument("--batches", type=integers(1), default=[1, 64, 1024],
+                        help="batch sizes, comma-separated (default 1,64,1024; fewer test rows are taken again)")
     parser.add_argument("--requests", type=integer(1), default=200, help="sequential requests per batch size")
     parser.add_argument("--clients", type=integer(1), default=8, help="concurrent gRPC client processes for throughput")
     parser.add_argument("--seconds", type=number(above=0), default=10.0, help="duration of the throughput run")
     parser.add_argument("--throughput-batch", type=integer(1), default=64, help="rows per request in the throughput run")
-    parser.add_argument("--workdir", default="data/bench-serve", help="where the benchmark's data and export go")
+    parser.add_argument("--workdir", help="where the benchmark's data and export go (default <workdir>/bench-serve)")
     parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
 
 
@@ -44,11 +49,13 @@ def run(args: argparse.Namespace, cfg) -> dict:
     import torch
 
     torch.set_num_threads(cfg.export.dense_threads)  # the same torch threads as each served dense instance
+    made = bench_rows(args.rows, cfg.data, 50_000)
     cfg = dataclasses.replace(
-        cfg, workdir=args.workdir, device="cpu" if cfg.device == "auto" else cfg.device,
-        data=dataclasses.replace(cfg.data, rows=args.rows, name=cfg.data.name or f"bench-serve-{args.rows}"),
+        cfg, workdir=args.workdir or str(Path(cfg.workdir) / "bench-serve"),
+        device="cpu" if cfg.device == "auto" else cfg.device,
+        data=dataclasses.replace(cfg.data, rows=made, name=cfg.data.name or f"bench-serve-{made}"),
         etl=dataclasses.replace(cfg.etl, cluster="threads"))
-    batches = [int(b) for b in args.batches.split(",") if b]
+    batches = args.batches
     cfg = dataclasses.replace(cfg, export=dataclasses.replace(cfg.export, max_batch_size=max(batches + [1024])))
     reference, rows, exported = _prepare(cfg)
     fused = exported["options"]["fused"]
@@ -64,8 +71,9 @@ def run(args: argparse.Namespace, cfg) -> dict:
     from export.server import start_server
     from pipeline.files import write_json
 
-    results: dict = {"command": "python -m pipeline bench serve " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k in ("requests", "clients", "seconds", "rows")),
+    results: dict = {"command": f"python -m pipeline bench serve --rows {made} --batches {','.join(map(str, batches))} "
+                                + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+                                           if k in ("requests", "clients", "seconds", "throughput_batch")),
         "machine": f"{platform.node()} ({os.cpu_count()} cores, {platform.machine()})",
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "load_average": os.getloadavg()[0],
         "device": reference.device.type, "served_by": served_by,
@@ -76,7 +84,8 @@ def run(args: argparse.Namespace, cfg) -> dict:
     try:
         with Client(server.grpc_url, "grpc") as client:
             for batch in batches:
-                frame = rows.iloc[:batch]
+                # a batch of that many rows, the test rows taken again where they are fewer
+                frame = rows.iloc[np.arange(batch) % len(rows)].reset_index(drop=True)
                 request = client.tensors(frame)
                 timed = _timed_in_turn({"ensemble": lambda request=request: client.infer(request),
                                         "in_process": lambda frame=frame: reference.predict(frame),
@@ -322,18 +331,22 @@ def _offline_hit_rates(cfg, reference, rows) -> dict[str, float]:
     export = cfg.paths.export
     preprocess = Preprocessor.load(artifacts_dir(export))
     traffic = sample_rows(cfg, 1 << 30, split="train")
-    ids = preprocess.tensors(reference.workflow.transform(traffic))["CATEGORICAL_IDS"]
-    half = len(ids) // 2
+    half = len(traffic) // 2
+    # batches of 64 rows, none across the half (a multi-hot batch's ids are cut by its lengths, not by rows)
+    starts = [*range(0, half, 64), *range(half, len(traffic), 64)]
+    ends = [min(s + 64, half if s < half else len(traffic)) for s in starts]
+    batches = [preprocess.tensors(reference.workflow.transform(traffic.iloc[s:e])) for s, e in zip(starts, ends)]
+    warming = sum(s < half for s in starts)
     layout = LookupConfig.load(lookup_dir(export) / "1" / "layout.json")
-    out = {"rows": len(ids)}
+    out = {"rows": len(traffic)}
     for policy in ("lru", "lfu"):
         for fraction in (0.05, 0.25):
             lookup = EmbeddingLookup(lookup_dir(export) / "store", layout, policy, fraction, min_cache_rows=0)
-            for i in range(0, half, 64):
-                lookup(ids[i: min(i + 64, half)])
             warm = lookup.stats()
-            for i in range(half, len(ids), 64):
-                lookup(ids[i: i + 64])
+            for k, t in enumerate(batches):
+                if k == warming:
+                    warm = lookup.stats()
+                lookup(t.get("CATEGORICAL_IDS"), t.get("MULTIHOT_IDS"), t.get("MULTIHOT_LENGTHS"))
             done = lookup.stats()
             hits, misses = done["hits"] - warm["hits"], done["misses"] - warm["misses"]
             out[f"{policy}@{fraction}"] = hits / (hits + misses)
