@@ -134,6 +134,7 @@ def test_every_numeric_option_of_a_bench_refuses_a_value_out_of_its_range_as_one
     import argparse
     import importlib
 
+    from pipeline.bench.arguments import output_file
     from pipeline.stages.cli import BENCHES
 
     checked = 0
@@ -142,7 +143,7 @@ def test_every_numeric_option_of_a_bench_refuses_a_value_out_of_its_range_as_one
         importlib.import_module(module).add_arguments(parser)
         for action in parser._actions:
             assert action.type not in (int, float), f"bench {name} {action.option_strings}: a plain {action.type}"
-            if action.type is None or not action.option_strings or action.choices:
+            if action.type in (None, output_file) or not action.option_strings or action.choices:
                 continue
             for value in ("-1", "many"):
                 with pytest.raises(SystemExit) as stopped:
@@ -686,3 +687,23 @@ def test_bench_etl_leaves_the_users_dataset_of_that_name_as_it_is(tmp_path, caps
                  f"workdir={tmp_path}", "data.name=mine", "device=cpu"]) == 0
     assert (mine.paths.raw / "meta.json").read_text() == before
     assert (tmp_path / "bench-etl-2000" / "raw" / "meta.json").is_file()
+
+
+def test_a_benchs_output_file_that_is_a_folder_is_refused_before_the_run(tmp_path, capsys):
+    """The error came after the whole measurement, naming a `.tmp` file that does not exist or advising to remove the
+    user's folder."""
+    for bench, option in (("train", "--json"), ("train_distributed", "--out"), ("etl", "--report")):
+        with pytest.raises(SystemExit) as stopped:
+            main(["bench", bench, option, str(tmp_path), f"workdir={tmp_path / 'w'}"])
+        err = capsys.readouterr().err
+        assert stopped.value.code == 2 and f"is a folder: name a file, e.g. {tmp_path / 'bench.json'}" in err, err
+    assert not (tmp_path / "w").exists()
+
+
+def test_bench_etl_report_over_a_file_that_is_no_report_replaces_it(tmp_path, capsys):
+    report = tmp_path / "report.json"
+    report.write_text("{broken")
+    assert main(["bench", "etl", "--rows", "2000", "--workers", "1", "--no-baseline", "--report", str(report),
+                 f"workdir={tmp_path}", "device=cpu", "progress=off"]) == 0
+    assert "holds no report of this bench: it is replaced" in capsys.readouterr().out
+    assert {"pandas-fit", "pandas-transform"} <= set(json.loads(report.read_text()))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable
+from pathlib import Path
 
 
 def integer(low: int) -> Callable[[str], int]:
@@ -71,3 +72,11 @@ def bench_rows(given: int | None, data, default: int) -> int:
     if given is not None and data.rows not in (unset, given):
         raise UserError(f"--rows {given} and data.rows={data.rows} disagree: give the bench's rows once")
     return given if given is not None else data.rows if data.rows != unset else default
+
+
+def output_file(text: str) -> str:
+    """A file a bench writes its figures to (atomically, when they are measured): a folder there is refused while the
+    command line is read, not after the run."""
+    if Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder: name a file, e.g. {Path(text) / 'bench.json'}")
+    return text

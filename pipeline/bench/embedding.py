@@ -31,12 +31,11 @@ gradient written (backward), at the device-to-device copy's rate.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-from pathlib import Path
 
-from pipeline.bench.arguments import integer, number
+from pipeline.bench.arguments import integer, number, output_file
 from pipeline.bench.train import IDS, ZIPF_EXPONENT
+from pipeline.files import write_json
 
 GOALS = {"forward_fraction_of_copy": 0.70, "speedup_one_hot": 5.0, "speedup_multi_hot": 20.0}
 
@@ -65,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--interaction", action="store_true",
                         help="time DLRM's dot interaction of --tables + 1 vectors of --dim instead: the fused "
                              "kernels against torch.bmm + the pair pick, bf16 and fp32, against the byte floor")
-    parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    parser.add_argument("--json", type=output_file, metavar="FILE", help="also write the figures as JSON")
 
 
 def run(args: argparse.Namespace, cfg) -> dict:
@@ -182,7 +181,7 @@ def run(args: argparse.Namespace, cfg) -> dict:
                    rows=rows, dim=args.dim, batch=args.batch, dtype=args.dtype, optimizer=args.optimizer,
                    update_kernel=launcher.UPDATE_KERNEL, results=results, goals=GOALS)
     if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=2))
+        write_json(args.json, summary)
     return summary
 
 
@@ -278,7 +277,7 @@ def _interaction(torch, args: argparse.Namespace) -> dict:
     summary = {"device": torch.cuda.get_device_name(), "copy_tb_s": copy_bw / 1e12, "batch": batch, "vectors": v,
                "dim": dim, "pairs": pair_count(v), "results": results}
     if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=2))
+        write_json(args.json, summary)
     return summary
 
 

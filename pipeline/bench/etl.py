@@ -29,7 +29,8 @@ import contextlib
 from pathlib import Path
 from typing import Any
 
-from pipeline.bench.arguments import bench_rows, integer
+from pipeline.bench.arguments import bench_rows, integer, output_file
+from pipeline.files import write_json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,8 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="runs of each of our sides, the best reported (the first pays one-time costs: imports "
                              "on the workers, GPU kernels compiled on first use); plain pandas runs once")
     parser.add_argument("--no-baseline", action="store_true", help="skip the plain pandas side")
-    parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON (rewritten after each side)")
-    parser.add_argument("--report", metavar="FILE",
+    parser.add_argument("--json", type=output_file, metavar="FILE", help="also write the figures as JSON (rewritten after each side)")
+    parser.add_argument("--report", type=output_file, metavar="FILE",
                         help="also write where each cluster side's fit and transform spent their time "
                              "(seconds per kind of task, from Dask's task stream, and the lines of code the "
                              "workers were sampled in) as JSON to FILE")
@@ -236,10 +237,16 @@ def _report(path: str | None, name: str):
     time.sleep(1.5 * parse_timedelta(dask.config.get("distributed.worker.profile.cycle")))
     summary["worker_lines"] = hot_lines(current_client().profile(start=start))
     file = Path(path)
-    report = json.loads(file.read_text()) if file.is_file() else {}
+    try:
+        report = json.loads(file.read_text()) if file.is_file() else {}
+    except (ValueError, OSError):
+        report = None
+    if not isinstance(report, dict):  # not a report of this bench: replaced, not merged into
+        print(f"[bench etl] {file} holds no report of this bench: it is replaced", flush=True)
+        report = {}
     report[name] = summary
     file.parent.mkdir(parents=True, exist_ok=True)
-    file.write_text(json.dumps(report, indent=1) + "\n")
+    write_json(file, report)
 
 
 def hot_lines(tree: dict, top: int = 25) -> list[dict]:
@@ -279,14 +286,13 @@ def _print_side(name: str, rows: int, r: dict, startup: float | None) -> None:
 def _write_json(path: str | None, summary: dict) -> None:
     if not path:
         return
-    import json
 
     rows = summary["rows"]
     for r in summary["results"].values():
         r["fit_rows_per_s"] = round(rows / r["fit"])
         r["transform_rows_per_s"] = round(rows / r["transform"])
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(summary, indent=2) + "\n")
+    write_json(path, summary)
 
 
 def _machine() -> str:

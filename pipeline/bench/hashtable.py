@@ -23,7 +23,7 @@ import argparse
 import statistics
 import time
 
-from pipeline.bench.arguments import integer
+from pipeline.bench.arguments import integer, output_file
 
 GOAL = {"dim": 64, "load": 0.75, "find_keys_per_s": 3e9}  # on an H200
 SIZES = {"cuda": (1 << 26, 1 << 20), "cpu": (1 << 16, 4096)}  # default (capacity, batch) by device
@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--loads", default="0.5,0.75,0.9", help="load factors to measure, comma separated")
     parser.add_argument("--reps", type=integer(1), default=20, help="timed repetitions per measurement (median)")
     parser.add_argument("--no-baseline", action="store_true", help="on a GPU, skip the plain-torch reference")
-    parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    parser.add_argument("--json", type=output_file, metavar="FILE", help="also write the figures as JSON")
 
 
 def run(args: argparse.Namespace, cfg) -> dict:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.bench.arguments import bench_rows, integer, integers, number
+from pipeline.bench.arguments import bench_rows, integer, integers, number, output_file
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seconds", type=number(above=0), default=10.0, help="duration of the throughput run")
     parser.add_argument("--throughput-batch", type=integer(1), default=64, help="rows per request in the throughput run")
     parser.add_argument("--workdir", help="where the benchmark's data and export go (default <workdir>/bench-serve)")
-    parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    parser.add_argument("--json", type=output_file, metavar="FILE", help="also write the figures as JSON")
 
 
 def run(args: argparse.Namespace, cfg) -> dict:

@@ -45,7 +45,7 @@ import argparse
 import math
 from pathlib import Path
 
-from pipeline.bench.arguments import integer, number
+from pipeline.bench.arguments import integer, number, output_file
 from pipeline.train.config import COMPILE_MODES
 
 IDS = ("uniform", "zipf")
@@ -95,7 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the model with its tables placed under it (host-cached where they do not fit) against "
                              "the same model with every table in device memory, instead of plain PyTorch, on a fresh "
                              "batch every step (0: off; not with --dynamic)")
-    parser.add_argument("--json", metavar="FILE", help="also write the figures and settings as JSON")
+    parser.add_argument("--json", type=output_file, metavar="FILE", help="also write the figures and settings as JSON")
     parser.add_argument("--profile", type=integer(0), default=0, metavar="N",
                         help="after the timed rounds, profile N more steps of each model with torch.profiler: its "
                              "ms a step, its kernels' ms a step on the device, and the top operations in "

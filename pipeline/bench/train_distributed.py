@@ -22,12 +22,12 @@ train the same weights).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 
-from pipeline.bench.arguments import integer
+from pipeline.bench.arguments import integer, output_file
 from pipeline.errors import UserError
+from pipeline.files import write_json
 
 LOOPS = ("pipelined", "plain")
 
@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--loop", default="pipelined",
                         help="pipelined | plain | pipelined,plain: N ranks' step as the training stage runs it (the "
                         "next batch's id exchange started while one trains) or one batch after the other (one run each)")
-    parser.add_argument("--out", default="", help="also write the results as JSON here")
+    parser.add_argument("--out", type=output_file, default="", help="also write the results as JSON here")
     parser.add_argument("--profile", default="", metavar="DIR",
                         help="also profile a few steps per rank (torch.profiler) and write the op tables to DIR")
 
@@ -93,8 +93,7 @@ def run(args: argparse.Namespace, cfg=None) -> dict:
               f"{r['comm_ms_per_step']:>9.2f} {r['profiled_step_ms'] - r['comm_ms_per_step']:>9.2f} {r['loss']:>8.5f}")
     out = {"device": device, "shape": shape, "results": results}
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=2)
+        write_json(args.out, out)
     return out
 
 
