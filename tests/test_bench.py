@@ -707,3 +707,12 @@ def test_bench_etl_report_over_a_file_that_is_no_report_replaces_it(tmp_path, ca
                  f"workdir={tmp_path}", "device=cpu", "progress=off"]) == 0
     assert "holds no report of this bench: it is replaced" in capsys.readouterr().out
     assert {"pandas-fit", "pandas-transform"} <= set(json.loads(report.read_text()))
+
+
+@pytest.mark.parametrize("setting", ["etl.missing_indicator=false", "etl.hash_buckets={C1: 100}",
+                                     "etl.hash_ids={C1: 1024}"])
+def test_bench_etl_refuses_work_its_baseline_does_not_do_before_any(tmp_path, capsys, setting):
+    """The baseline wrote the default workflow: after the timing, a KeyError or "disagree on column" traceback."""
+    assert main(["bench", "etl", "--rows", "2000", setting, f"workdir={tmp_path}", "device=cpu"]) == 2
+    assert "add --no-baseline to time the workflow alone" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())

@@ -64,6 +64,8 @@ def run(args: argparse.Namespace, cfg) -> dict:
     from pipeline.etl.frame_library import choose_frame_library
     from pipeline.stages.data import ensure_raw
 
+    if not args.no_baseline:
+        _refuse_what_the_baseline_does_not_do(cfg)
     library, reason = choose_frame_library(cfg.device)
     workers = args.workers or os.cpu_count() or 1
     made = bench_rows(args.rows, cfg.data, 2_000_000)
@@ -333,6 +335,19 @@ def _check_agreement(first: Path, other: Path, roles: dict) -> None:
     for name in [*roles["continuous"], *(f"{c}_missing" for c in roles["continuous"])]:
         if not np.allclose(mine[name].to_numpy(), theirs[name].to_numpy(), rtol=1e-5, atol=1e-6):
             raise RuntimeError(f"{first} and {other} disagree on column {name}")
+
+
+def _refuse_what_the_baseline_does_not_do(cfg) -> None:
+    """The plain pandas baseline writes the default workflow of one-hot columns; other work is not comparable to it."""
+    from pipeline.errors import UserError
+
+    other = [name for name, differs in (("etl.missing_indicator=false", not cfg.etl.missing_indicator),
+                                        ("etl.hash_buckets", bool(cfg.etl.hash_buckets)),
+                                        ("etl.hash_ids", bool(cfg.etl.hash_ids)),
+                                        ("data.multihot", bool(cfg.data.multihot))) if differs]
+    if other:
+        raise UserError(f"bench etl: the plain pandas baseline does the default workflow on one-hot columns, not "
+                        f"{', '.join(other)}: add --no-baseline to time the workflow alone")
 
 
 class _PandasBaseline:
