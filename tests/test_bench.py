@@ -498,10 +498,14 @@ def test_bench_train_distributed_times_the_pipelined_step_and_the_plain_loop(tmp
 def test_bench_train_distributed_times_the_pipelined_step_unless_told(tmp_path, capsys):
     from pipeline.stages.cli import build_parser
 
-    assert build_parser().parse_args(["bench", "train_distributed"]).loop == "pipelined"
-    assert main(["bench", "train_distributed", *TINY_DISTRIBUTED, "--loop", "async", f"workdir={tmp_path}"]) == 2
-    assert capsys.readouterr().err.strip().splitlines() == [
-        "error: --loop: expected pipelined, plain or pipelined,plain, got 'async'"]
+    assert build_parser().parse_args(["bench", "train_distributed"]).loop == ["pipelined"]
+    for option, value, expected in (("--loop", "async", "pipelined | plain"), ("--comm", "fp16", "fp32 | bf16"),
+                                    ("--nproc", "0", "an integer >= 1")):
+        with pytest.raises(SystemExit) as stopped:
+            main(["bench", "train_distributed", *TINY_DISTRIBUTED, option, value, f"workdir={tmp_path}"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert stopped.value.code == 2 and len(err) == 1
+        assert err[0].startswith(f"error: argument {option}: expected {expected}"), err
 
 
 def test_bench_data_times_every_criteo_and_table_reader_on_the_same_file(tmp_path, capsys):
@@ -716,3 +720,22 @@ def test_bench_etl_refuses_work_its_baseline_does_not_do_before_any(tmp_path, ca
     assert main(["bench", "etl", "--rows", "2000", setting, f"workdir={tmp_path}", "device=cpu"]) == 2
     assert "add --no-baseline to time the workflow alone" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def test_bench_train_options_a_model_cannot_take_are_refused_before_it_is_built(tmp_path, capsys):
+    """`--top 512,256` failed after the models were built (a target of another size); `--backend cuda` on a CPU and
+    `--bottom abc` were tracebacks."""
+    for option, value, expected in (("--top", "4,2", "argument --top: expected widths ending in 1"),
+                                    ("--bottom", "abc", "argument --bottom: expected an integer >= 1"),
+                                    ("--backend", "foo", "argument --backend: invalid choice: 'foo'")):
+        with pytest.raises(SystemExit) as stopped:
+            main(["bench", "train", *TINY_TRAIN, option, value, f"workdir={tmp_path}"])
+        assert stopped.value.code == 2 and expected in capsys.readouterr().err
+    assert main(["bench", "train", *TINY_TRAIN, "--backend", "cuda", f"workdir={tmp_path}"]) == 2
+    assert "error: --backend cuda: embedding backend 'cuda' cannot run on cpu" in capsys.readouterr().err
+
+
+def test_bench_data_asked_for_cuda_on_a_cpu_refuses(tmp_path, capsys):
+    """It measured the CPU readers and said nothing of the device asked for."""
+    assert main(["bench", "data", "--rows", "100", "--ingest-rows", "10", "--device", "cuda", f"workdir={tmp_path}"]) == 2
+    assert "--device cuda was asked for" in capsys.readouterr().err

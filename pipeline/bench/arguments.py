@@ -80,3 +80,24 @@ def output_file(text: str) -> str:
     if Path(text).is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a folder: name a file, e.g. {Path(text) / 'bench.json'}")
     return text
+
+
+def one_of(*allowed: str) -> Callable[[str], list[str]]:
+    """A comma-separated list of ``allowed`` words (``fp32,bf16``)."""
+
+    def parse(text: str) -> list[str]:
+        words = [w.strip() for w in text.split(",") if w.strip()]
+        if not words or any(w not in allowed for w in words):
+            raise argparse.ArgumentTypeError(f"expected {' | '.join(allowed)} (or several, comma-separated), "
+                                             f"got {text!r}")
+        return words
+
+    return parse
+
+
+def widths_ending_in_one(text: str) -> list[int]:
+    """An MLP's layer widths ending in the one output (``512,256,1``)."""
+    widths = integers(1)(text)
+    if widths[-1] != 1:
+        raise argparse.ArgumentTypeError(f"expected widths ending in 1 (the output), e.g. 512,256,1, got {text!r}")
+    return widths

@@ -143,7 +143,7 @@ def _time_readers(source: str, path, rows: int, chunk_rows: int, device: str, ti
         roles = Roles("label", CRITEO_CONTINUOUS, CRITEO_CATEGORICAL, [], [], "")
         read = functools.partial(readers.read_table, roles=roles)
     modules = {"arrow": None, "vectorized, numpy": numpy}
-    if importlib.util.find_spec("cupy") is not None and resolve_device(device).is_cuda:
+    if resolve_device(device).is_cuda and importlib.util.find_spec("cupy") is not None:
         import cupy
 
         modules["vectorized, cupy"] = cupy

@@ -45,7 +45,7 @@ import argparse
 import math
 from pathlib import Path
 
-from pipeline.bench.arguments import integer, number, output_file
+from pipeline.bench.arguments import integer, integers, number, output_file, widths_ending_in_one
 from pipeline.train.config import COMPILE_MODES
 
 IDS = ("uniform", "zipf")
@@ -67,9 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=integer(1), default=20, help="timed steps per round")
     parser.add_argument("--rounds", type=integer(1), default=3, help="alternating rounds per model (median reported)")
     parser.add_argument("--warmup", type=integer(0), default=3, help="untimed steps before the first round")
-    parser.add_argument("--bottom", default="", help="bottom MLP widths before the embedding dim, e.g. 512,256")
-    parser.add_argument("--top", default="", help="top MLP widths ending in 1, e.g. 512,256,1")
-    parser.add_argument("--backend", default="auto", help="our embedding backend: torch | cuda | auto")
+    parser.add_argument("--bottom", type=integers(1), help="bottom MLP widths before the embedding dim, e.g. 512,256")
+    parser.add_argument("--top", type=widths_ending_in_one, help="top MLP widths ending in 1, e.g. 512,256,1")
+    parser.add_argument("--backend", choices=["auto", "torch", "cuda"], default="auto", help="our embedding backend")
     parser.add_argument("--amp", choices=["auto", "bf16", "off"], default="auto",
                         help="bf16 autocast of the MLPs (auto: on GPU only)")
     parser.add_argument("--threads", type=integer(0), default=0, help="torch CPU threads (0: torch's default)")
@@ -131,9 +131,9 @@ def run(args: argparse.Namespace, cfg) -> dict:
     amp = args.amp == "bf16" or (args.amp == "auto" and device.type == "cuda")
     compiled = compiles(args.compile, device)
     dim = args.dim or (128 if args.preset == "mlperf" else 64)
-    bottom = ([int(w) for w in args.bottom.split(",")] if args.bottom else [512, 256]) + [dim]
-    top = [int(w) for w in args.top.split(",")] if args.top else (
-        [1024, 1024, 512, 256, 1] if args.preset == "mlperf" else [512, 256, 1])
+    bottom = (args.bottom or [512, 256]) + [dim]
+    top = args.top or ([1024, 1024, 512, 256, 1] if args.preset == "mlperf" else [512, 256, 1])
+    check_backend(args.backend, device)
     sizes = ModelSizes(embedding_dim=dim, bottom_mlp=bottom, top_mlp=top)
     torch.manual_seed(cfg.seed)
 
@@ -275,3 +275,14 @@ def hot_rows_share(kind: str, rows: int, exponent: float) -> float:
     if exponent == 1:
         return math.log(hot + 1) / math.log(rows + 1)
     return ((hot + 1) ** (1 - exponent) - 1) / ((rows + 1) ** (1 - exponent) - 1)
+
+
+def check_backend(name: str, device) -> None:
+    """Refuse, before any table is built, an embedding backend this device cannot run."""
+    from pipeline.errors import UserError
+    from pipeline.modules.backends import resolve_backend
+
+    try:
+        resolve_backend(name, device)
+    except ValueError as err:
+        raise UserError(f"--backend {name}: {err}; use auto (or torch) here") from err

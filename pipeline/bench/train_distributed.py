@@ -25,7 +25,8 @@ import argparse
 import statistics
 import sys
 
-from pipeline.bench.arguments import integer, output_file
+from pipeline.bench.arguments import integer, integers, one_of, output_file
+from pipeline.bench.train import check_backend
 from pipeline.errors import UserError
 from pipeline.files import write_json
 
@@ -33,7 +34,8 @@ LOOPS = ("pipelined", "plain")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nproc", default="1,2", help="rank counts to run, comma separated (1 = the baseline)")
+    parser.add_argument("--nproc", type=integers(1), default=[1, 2],
+                        help="rank counts to run, comma separated (default 1,2; 1 = the baseline)")
     parser.add_argument("--tables", type=integer(1), default=26, help="embedding tables, one per sparse feature")
     parser.add_argument("--rows", type=integer(1), default=500_000, help="rows per table")
     parser.add_argument("--dim", type=integer(1), default=128, help="embedding dim")
@@ -43,16 +45,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=integer(1), default=20, help="timed steps per round")
     parser.add_argument("--rounds", type=integer(1), default=3, help="timed rounds (median reported)")
     parser.add_argument("--warmup", type=integer(0), default=3, help="untimed steps first")
-    parser.add_argument("--backend", default="auto", help="embedding backend: torch | cuda | auto")
+    parser.add_argument("--backend", choices=["auto", "torch", "cuda"], default="auto", help="embedding backend")
     parser.add_argument("--amp", choices=["auto", "bf16", "off"], default="auto", help="bf16 autocast of the MLPs")
-    parser.add_argument("--sharding", default="table_wise",
-                        help="table_wise | row_wise | data_parallel | auto (the planner's choice)")
-    parser.add_argument("--comm", default="fp32",
+    parser.add_argument("--sharding", choices=["table_wise", "row_wise", "data_parallel", "auto"], default="table_wise",
+                        help="how the tables are placed (auto: the planner's choice)")
+    parser.add_argument("--comm", type=one_of("fp32", "bf16"), default=["fp32"],
                         help="fp32 | bf16 | fp32,bf16: dtype(s) of the pooled vectors between ranks (one run each)")
-    parser.add_argument("--loop", default="pipelined",
+    parser.add_argument("--loop", type=one_of(*LOOPS), default=["pipelined"],
                         help="pipelined | plain | pipelined,plain: N ranks' step as the training stage runs it (the "
                         "next batch's id exchange started while one trains) or one batch after the other (one run each)")
-    parser.add_argument("--out", type=output_file, default="", help="also write the results as JSON here")
+    parser.add_argument("--out", type=output_file, help="also write the results as JSON here")
     parser.add_argument("--profile", default="", metavar="DIR",
                         help="also profile a few steps per rank (torch.profiler) and write the op tables to DIR")
 
@@ -64,14 +66,13 @@ def run(args: argparse.Namespace, cfg=None) -> dict:
     from pipeline.distributed.spawn import spawn
 
     device = resolve_device(getattr(cfg, "device", None) or args.device).kind
-    counts = [int(n) for n in str(args.nproc).split(",") if n]
+    counts, comms, loops = args.nproc, args.comm, args.loop
     if device == "cuda" and max(counts) > torch.cuda.device_count():
-        raise SystemExit(f"--nproc {max(counts)} needs as many GPUs, found {torch.cuda.device_count()}")
+        raise UserError(f"--nproc {max(counts)} needs as many GPUs, found {torch.cuda.device_count()}")
+    if args.amp == "bf16" and device != "cuda":
+        raise UserError(f"--amp bf16: the ranks' autocast runs on GPUs; on {device} use --amp auto or off")
+    check_backend(args.backend, torch.device(device))
     backend = "nccl" if device == "cuda" else "gloo"
-    comms = [c for c in str(args.comm).split(",") if c]
-    loops = [lp for lp in str(args.loop).split(",") if lp]
-    if not loops or any(lp not in LOOPS for lp in loops):
-        raise UserError(f"--loop: expected pipelined, plain or pipelined,plain, got {args.loop!r}")
     results = {}
     for n in counts:
         runs = [(comm, loop) for comm in comms for loop in loops] if n > 1 else [("-", "plain")]
