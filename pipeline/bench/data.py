@@ -10,7 +10,7 @@ rows as a user's CSV table (a header, decimals, quoted text) are then read by ea
 way.
 
     python -m pipeline bench data --rows 2000000 --ingest-rows 500000
-    python -m pipeline.bench.data --rows 2000000          # the same, without the CLI registry
+    python -m pipeline.bench.data --rows 2000000          # the same
 
 Each figure is given per wall-clock second and per CPU second (process time, all threads): on a
 shared machine the second is the fair "rows/s per core".
@@ -162,12 +162,9 @@ def _time_readers(source: str, path, rows: int, chunk_rows: int, device: str, ti
         raise RuntimeError(f"the {source} readers disagree on {path}: {reports}")
 
 
-if __name__ == "__main__":
-    from pipeline.stages.config import load_config
+if __name__ == "__main__":  # the same as `python -m pipeline bench data ...`
+    import sys
 
-    parser = argparse.ArgumentParser(prog="python -m pipeline.bench.data", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    parser.add_argument("overrides", nargs="*", metavar="key=value")
-    parsed = parser.parse_args()
-    run(parsed, load_config(None, parsed.overrides))
+    from pipeline.stages.cli import main
+
+    sys.exit(main(["bench", "data", *sys.argv[1:]]))
