@@ -739,3 +739,16 @@ def test_bench_data_asked_for_cuda_on_a_cpu_refuses(tmp_path, capsys):
     """It measured the CPU readers and said nothing of the device asked for."""
     assert main(["bench", "data", "--rows", "100", "--ingest-rows", "10", "--device", "cuda", f"workdir={tmp_path}"]) == 2
     assert "--device cuda was asked for" in capsys.readouterr().err
+
+
+def test_bench_loader_refuses_a_split_another_bench_loader_is_using(tmp_path, capsys):
+    """Two benches of one split at once: one rewrote the files under the other's reads ("not a readable parquet")."""
+    from pipeline.files import FileLock
+
+    held = FileLock(tmp_path / "bench" / "loader-3000-lz4.lock", "taken")
+    assert main(["bench", "loader", "--rows", "3000", "--naive-rows", "100", "--epochs", "1",
+                 f"workdir={tmp_path}", "device=cpu"]) == 2
+    assert "another bench loader reads or writes" in capsys.readouterr().err
+    held.release()
+    assert main(["bench", "loader", "--rows", "3000", "--naive-rows", "100", "--epochs", "1",
+                 f"workdir={tmp_path}", "device=cpu"]) == 0

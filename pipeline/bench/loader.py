@@ -60,16 +60,22 @@ def run(args: argparse.Namespace, cfg) -> dict:
     import torch
 
     from pipeline.device import resolve_device
+    from pipeline.files import FileLock
     from pipeline.loader import Loader
     from pipeline.loader.cudf_read import cudf_problem
     from pipeline.loader.synthetic import criteo_schema, write_processed
     from pipeline.schema import Schema
 
+    lock = None
     if args.data:
         folder = Path(args.data)
     else:
         root = Path(cfg.workdir) / "bench" / f"loader-{args.rows}-{cfg.etl.compression}"
         folder = root / "train"
+        # held while this bench writes or reads the split: another bench of the same split rewrote its files under
+        # this one's reads
+        lock = FileLock(root.with_name(root.name + ".lock"), f"another bench loader reads or writes {root} now: wait for it "
+                 "to end, or give this one another workdir")
         if not (root / "schema.json").is_file() or Schema.load(root / "schema.json").rows.get("train") != args.rows:
             print(f"[bench loader] writing {args.rows:,} synthetic processed rows to {root} ...", flush=True)
             start = time.perf_counter()
@@ -145,6 +151,8 @@ def run(args: argparse.Namespace, cfg) -> dict:
                                            **settings))
         print(f"copies to the GPU per window (shuffled, cuda, pyarrow reader): {copies:.2f}")
         figures["copies to the GPU per window"] = copies
+    if lock is not None:
+        lock.release()
     return figures
 
 
