@@ -294,6 +294,13 @@ def test_bench_e2e_reports_every_rate_and_where_the_stage_time_goes(tmp_path, ca
         assert text in printed
 
 
+def test_bench_e2e_refuses_a_batch_larger_than_the_training_split(tmp_path, capsys):
+    """It printed "batch 100000" while each step trained the split's 1,500 rows."""
+    _processed(tmp_path)
+    assert main(["bench", "e2e", "--device", "cpu", "--batch", "100000", f"workdir={tmp_path}", *SMALL_STAGE]) == 2
+    assert "--batch 100000 is more than the " in capsys.readouterr().err
+
+
 def test_bench_e2e_without_processed_data_says_which_stage_to_run(tmp_path, capsys):
     assert main(["bench", "e2e", "--device", "cpu", f"workdir={tmp_path}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -124,6 +124,12 @@ def _stage_settings(train_cfg, args, schema):
     import dataclasses
 
     batch = args.batch or train_cfg.batch_size
+    if batch > schema.rows["train"]:
+        from pipeline.errors import UserError
+
+        option = f"--batch {args.batch}" if args.batch else f"train.batch_size={train_cfg.batch_size}"
+        raise UserError(f"{option} is more than the {schema.rows['train']:,} training rows, so each step would train "
+                        "fewer: give a smaller batch, or more rows")
     needed = args.warmup + args.steps + train_cfg.log_every + args.profile + 1
     per_epoch = math.ceil(schema.rows["train"] / batch)
     return dataclasses.replace(
