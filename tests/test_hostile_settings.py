@@ -240,6 +240,10 @@ def _corrupt(folder: Path, how: str) -> None:
         next(n for n in record["nodes"] if "op" in n)["op"]["params"] = {"bogus": 1}
     elif how == "operator state":
         next(n for n in record["nodes"] if "op" in n)["op"]["state"] = {}
+    elif how in ("state without a column", "state of text for numbers"):  # a workflow.json edited by hand
+        node = next(n for n in record["nodes"] if "op" in n and n["op"]["type"] == "Normalize")
+        means = node["op"]["state"]["means"]
+        node["op"]["state"]["means"] = {} if how == "state without a column" else {k: "abc" for k in means}
     elif how == "output columns":
         record["output_columns"] = ["I1", "other"]
     elif how == "vocabulary file":
@@ -249,7 +253,8 @@ def _corrupt(folder: Path, how: str) -> None:
 
 
 CORRUPTIONS = ["not json", "empty", "a list", "no nodes", "version 99", "no output", "parent out of range",
-               "operator params", "operator state", "output columns", "vocabulary file"]
+               "operator params", "operator state", "state without a column", "state of text for numbers",
+               "output columns", "vocabulary file"]
 
 
 @pytest.mark.parametrize("how", CORRUPTIONS)

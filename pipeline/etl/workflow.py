@@ -347,6 +347,12 @@ class Workflow:
             if list(getattr(workflow, key)) != record[key]:
                 raise WorkflowVersionError(f"{record_path}: the graph gives other {key.replace('_', ' ')} than the "
                                            f"record lists ({_short(getattr(workflow, key))}); {again}")
+        try:  # no rows through every operator: a fitted state that lacks a column, or holds no number, fails here
+            workflow.transform(pd.DataFrame({c: pd.Series([], dtype=object) for c in workflow.input_columns}))
+        except (LookupError, TypeError, ValueError, AttributeError) as err:
+            reason = (str(err).splitlines() or [""])[0]
+            raise WorkflowVersionError(f"{record_path}: its operators' fitted state does not cover their columns "
+                                       f"({type(err).__name__}: {reason}); {again}") from None
         return workflow
 
     def __repr__(self) -> str:
