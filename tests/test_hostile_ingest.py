@@ -592,3 +592,18 @@ def test_ids_typed_as_integers_in_one_file_and_floats_in_another_are_noted(tmp_p
     assert note in capsys.readouterr().out
     report = json.loads((cfg.paths.raw / "ingest_report.json").read_text())
     assert len(report["notes"]) == 1
+
+
+@pytest.mark.parametrize("name", ["day_0.gz", "day_1.bz2", "day_2", "rows.csv.bz2"])
+def test_criteo_days_named_as_criteo_names_them_and_bz2_files_are_read(tmp_path, name):
+    """`day_0.gz` was refused after the whole ingest (a table's suffix was asked of a Criteo file), and any `.bz2`
+    input was a traceback (Arrow names the codec bz2)."""
+    import bz2
+
+    lines = (_table() if name.startswith("rows") else _criteo())
+    data = ("\n".join(lines) + "\n").encode()
+    path = tmp_path / name
+    path.write_bytes(gzip.compress(data) if name.endswith(".gz") else bz2.compress(data) if name.endswith(".bz2")
+                     else data)
+    report = _ingest(tmp_path, path)
+    assert report["rows_kept"] == 60 and report["bad_rows"] == 0

@@ -98,7 +98,8 @@ def ingest(d: DataConfig, seed: int, root: Path, params: dict, progress: str | b
     if array_module:
         vectorized_text.release_memory(importlib.import_module(array_module))
     report = _combine(results, d)
-    report["notes"] = _id_type_notes([p for p, _ in files], roles.categorical + roles.multihot)
+    report["notes"] = _id_type_notes([p for p, _ in files] if d.source == "table" else [],
+                                     roles.categorical + roles.multihot)
     write_json(root / raw_folder.INGEST_REPORT, report)
     for note in report["notes"]:
         print(f"[data] note: {note}", flush=True)

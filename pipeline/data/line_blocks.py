@@ -26,8 +26,8 @@ import pyarrow as pa
 from pipeline.data.text_format import MAX_LINE_BYTES
 from pipeline.errors import BadInputError
 
-CODECS = {".gz": "gzip", ".bz2": "bzip2", ".zst": "zstd", ".lz4": "lz4"}
-"""The compressed suffixes read (through Arrow's decompression), and their codecs' names."""
+CODECS = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd", ".lz4": "lz4"}
+"""The compressed suffixes read, and the names of their codecs in Arrow's decompression."""
 BOM = b"\xef\xbb\xbf"
 _NL = re.compile(b"\n")
 _CR = re.compile(b"\r")
