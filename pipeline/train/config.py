@@ -119,8 +119,8 @@ class TrainConfig:
 
     early_stopping: int = field(default=2, metadata={
         "help": "keep the epoch of the best valid log loss (scored on test, saved as model.pt) and stop after N "
-                "epochs without improvement, not counting those that end in the lr warmup (0: off, the last epoch "
-                "is kept)"})
+                "epochs without improvement, not counting those that end before the lr has decayed to half its peak "
+                "(0: off, the last epoch is kept)"})
 
     checkpoint_every: int = field(default=200, metadata={
         "help": "save a checkpoint every N steps (0: only at the end)"})

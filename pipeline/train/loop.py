@@ -179,9 +179,12 @@ class Trainer:
     def lrs(self, step: int) -> tuple[float, float]:
         """(dense lr, embedding lr) of ``step``."""
         c = self.cfg
-        kw = dict(warmup_steps=self.warmup_steps, total_steps=self.total_steps, decay=c.decay,
-                  decay_start=c.decay_start, min_ratio=c.min_lr_ratio)
-        return lr_at(step, c.dense_lr, **kw), lr_at(step, c.table_lr, **kw)
+        return lr_at(step, c.dense_lr, **self._schedule()), lr_at(step, c.table_lr, **self._schedule())
+
+    def _schedule(self) -> dict:
+        c = self.cfg
+        return dict(warmup_steps=self.warmup_steps, total_steps=self.total_steps, decay=c.decay,
+                    decay_start=c.decay_start, min_ratio=c.min_lr_ratio)
 
     def start_fresh(self) -> None:
         """Forget earlier runs' checkpoints and metrics in ``out_dir``."""
@@ -296,9 +299,10 @@ class Trainer:
 
     def _judge(self, scores: dict, epoch_end: bool) -> None:
         """Early stopping: keep the weights when ``scores`` beat the best so far; count an epoch without
-        improvement otherwise, and stop after ``early_stopping`` of them in a row. An epoch that ends while the
-        learning rate still warms up does not count: the model has not trained at its rates yet (on a small
-        table, whose epochs are a few steps, a run would stop before its warmup ended).
+        improvement otherwise, and stop after ``early_stopping`` of them in a row. An epoch that ends before the
+        learning rate has decayed to half its peak does not count (with ``decay=none``: before its warmup ended): the
+        model has not trained at its rates yet, and at the peak its valid log loss wanders (a run of 8 epochs stopped
+        in its third, its kept model 0.03 AUC below a logistic regression, where it ends above it trained on).
 
         Scores are compared by log loss, which sees how sure a model is as well as how it ranks: by AUC, a model
         that memorised the rare values of a column of no signal (its valid log loss 0.85 against 0.50 for the
@@ -310,12 +314,18 @@ class Trainer:
         if math.isfinite(loss) and (s.best_valid is None or loss < s.best_valid["logloss"]):
             s.best_valid, s.best_step, s.best_epoch, s.bad_epochs = dict(scores), s.step, s.epoch, 0
             self.best_weights = cpu_copy(self.model.state_dict())
-        elif epoch_end and s.step >= self.warmup_steps:
+        elif epoch_end and self._counts_for_stopping(s.step):
             s.bad_epochs += 1
             s.stopped = s.bad_epochs >= self.cfg.early_stopping and s.step < self.total_steps
             if s.stopped:
                 self._log({"event": "early_stop", "step": s.step, "epoch": s.epoch, "best_epoch": s.best_epoch,
                            "best_logloss": s.best_valid["logloss"] if s.best_valid else None})
+
+    def _counts_for_stopping(self, step: int) -> bool:
+        """Whether an epoch ending at ``step`` without improvement counts toward early stopping (:meth:`_judge`)."""
+        if step < self.warmup_steps:
+            return False
+        return self.cfg.decay == "none" or lr_at(step, 1.0, **self._schedule()) <= 0.5
 
     def _restore_best(self) -> dict | None:
         """Load the best weights into the model (after the last checkpoint was saved); what was kept."""
