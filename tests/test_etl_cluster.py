@@ -241,3 +241,21 @@ def test_more_gpu_workers_than_gpus_is_one_error_line_naming_the_setting():
     assert gpus_used(0, 2) == 2 and gpus_used(1, 2) == 1
     with pytest.raises(UserError, match=r"etl.workers=4: .* 1 is visible here; set etl.workers to 1 or fewer"):
         gpus_used(4, 1)
+
+
+def test_an_existing_clusters_workers_get_whole_paths_whatever_folder_they_run_in(tmp_path, monkeypatch):
+    """With a relative workdir (the default, `data`), the workers of an existing scheduler, started in another folder,
+    looked for the raw files in theirs: "Failed to open local file 'data/.../part-00000.parquet'"."""
+    from pipeline.stages.cli import run_stages
+    from pipeline.stages.config import load_config
+
+    (tmp_path / "workers").mkdir()
+    (tmp_path / "user").mkdir()
+    monkeypatch.chdir(tmp_path / "workers")
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None) as cluster:
+        monkeypatch.chdir(tmp_path / "user")
+        cfg = load_config(None, ["workdir=relative", "data.rows=3000", "progress=off", "device=cpu",
+                                 f"etl.scheduler={cluster.scheduler_address}"])
+        run_stages(["data", "etl"], cfg)
+    assert (tmp_path / "user" / "relative" / "synthetic" / "processed" / "schema.json").is_file()
+    assert not (tmp_path / "workers" / "relative").exists()

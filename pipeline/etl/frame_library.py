@@ -171,7 +171,8 @@ def _read_cudf_piece(piece: list[tuple[str, list[int]]], columns: list[str] | No
 
 
 def parquet_files(path: str | Path | list) -> list[Path]:
-    """The parquet files of a file, a folder (``*.parquet`` inside, sorted), a glob or a list of those."""
+    """The parquet files of a file, a folder (``*.parquet`` inside, sorted), a glob or a list of those, as whole
+    paths: the workers of an existing scheduler may run in another folder than this process."""
     items = path if isinstance(path, (list, tuple)) else [path]
     files: list[Path] = []
     for item in items:
@@ -184,7 +185,7 @@ def parquet_files(path: str | Path | list) -> list[Path]:
             files.extend(sorted(Path(p) for p in glob.glob(str(item))))
     if not files:
         raise BadInputError(f"no parquet files at {path}")
-    return files
+    return [f.absolute() for f in files]
 
 
 def _pieces(files: list[Path], partition_rows: int, columns: list[str]) -> list[tuple[str, list[int]]]:

@@ -61,6 +61,7 @@ def write_outputs(workflow: Workflow, splits: dict[str, list[Path]], roles: dict
 def transform_split(workflow: Workflow, files: list[Path], folder: Path, row_group_rows: int, library: str,
                     progress: str | bool = "auto", compression: str = DEFAULT_COMPRESSION) -> int:
     """Transform one split's parquet files into ``folder/part-*.parquet``; returns the rows written."""
+    folder = Path(folder).absolute()  # the workers of an existing scheduler may run in another folder
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True, exist_ok=True)
     if not files:
