@@ -363,3 +363,12 @@ def test_id_columns_of_numbers_beyond_int64_are_named_or_read_whole():
     workflow = Workflow(["item"] >> Categorify()).fit(ids)
     assert workflow.operators()[0][0].vocabularies["item"].to_pylist() == [str(2**64 - 1), "7"]
     assert workflow.transform(ids)["item"].tolist() == [2, 3, 2]
+
+
+def test_a_parameter_json_cannot_hold_is_refused_not_written_as_null(tmp_path, monkeypatch):
+    """Any value other than a numpy one was written as null, and the workflow loaded with that parameter lost."""
+    workflow = Workflow(["n"] >> Clip(min_value=0)).fit(pd.DataFrame({"n": [1.0, -2.0]}))
+    monkeypatch.setattr(Clip, "get_params", lambda self: {"min_value": object(), "max_value": None})
+    with pytest.raises(TypeError, match="a workflow's operators keep JSON values; found <object"):
+        workflow.save(tmp_path / "wf")
+    assert not (tmp_path / "wf").exists()

@@ -552,10 +552,11 @@ def _json_value(value: Any) -> Any:
         return value.item()
     if isinstance(value, np.ndarray):
         return value.tolist()
-    try:
-        return np.dtype(value).name if isinstance(value, (np.dtype, type)) else None
-    except TypeError:
-        pass
+    if isinstance(value, (np.dtype, type)):
+        try:
+            return np.dtype(value).name
+        except TypeError:
+            pass
     raise TypeError(f"a workflow's operators keep JSON values; found {value!r} ({type(value).__name__})")
 
 

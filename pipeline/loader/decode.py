@@ -307,8 +307,9 @@ def _check_segment(split: Split, table: pa.Table, where: RowPosition, validate: 
         array = _array(table, name)
         if array.null_count:
             raise null_error(name, array.is_null().to_numpy(zero_copy_only=False), where)
-        if name in schema.multihot and pc.list_flatten(array).null_count:
-            items = pc.list_flatten(array).is_null().to_numpy(zero_copy_only=False)
+        items = pc.list_flatten(array) if name in schema.multihot else None
+        if items is not None and items.null_count:
+            items = items.is_null().to_numpy(zero_copy_only=False)
             rows = pc.list_parent_indices(array).to_numpy()
             raise BadInputError(f"{where.path}: column {name!r} has {int(items.sum())} null items in its lists, the "
                                 f"first in {where.row(int(rows[items.argmax()]))}; expected none (the ETL codes a "

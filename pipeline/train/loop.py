@@ -178,8 +178,8 @@ class Trainer:
 
     def lrs(self, step: int) -> tuple[float, float]:
         """(dense lr, embedding lr) of ``step``."""
-        c = self.cfg
-        return lr_at(step, c.dense_lr, **self._schedule()), lr_at(step, c.table_lr, **self._schedule())
+        schedule = self._schedule()
+        return lr_at(step, self.cfg.dense_lr, **schedule), lr_at(step, self.cfg.table_lr, **schedule)
 
     def _schedule(self) -> dict:
         c = self.cfg

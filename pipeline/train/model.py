@@ -129,10 +129,11 @@ def check_same_model(spec: dict, folder: str | Path) -> list[str]:
     loop, now_loop = old.get("loop") or {}, spec.get("loop", {})
     changed = [name for name in loop if name in now_loop and loop[name] != now_loop[name]]
     said = [name for name in changed if name in SAID_SETTINGS]
-    changed = ["optimizer"] if "optimizer" in changed else [n for n in changed if n not in SAID_SETTINGS]
-    if changed:
-        trained = " ".join(f"train.{name}={_setting_text(loop[name])}" for name in changed)
-        given = " ".join(f"train.{name}={_setting_text(now_loop[name])}" for name in changed)
+    # another optimizer changes the lrs chosen for it too: it alone is named
+    refused = ["optimizer"] if "optimizer" in changed else [n for n in changed if n not in SAID_SETTINGS]
+    if refused:
+        trained = " ".join(f"train.{name}={_setting_text(loop[name])}" for name in refused)
+        given = " ".join(f"train.{name}={_setting_text(now_loop[name])}" for name in refused)
         raise UserError(f"train.resume=true, but the run in {folder} was trained with {trained}, and this command "
                         f"gives {given}: resume it with the run's settings (the command that started it, with "
                         "train.resume=true train.run=...), or start another run")
