@@ -118,6 +118,7 @@ def run(args: argparse.Namespace, cfg) -> dict:
     from pipeline.device import resolve_device
     from pipeline.errors import UserError
     from pipeline.files import write_json
+    from pipeline.modules.backends import check_backend
     from pipeline.modules.models import ModelSizes
     from pipeline.train.loop import compiles
 
@@ -133,7 +134,7 @@ def run(args: argparse.Namespace, cfg) -> dict:
     dim = args.dim or (128 if args.preset == "mlperf" else 64)
     bottom = (args.bottom or [512, 256]) + [dim]
     top = args.top or ([1024, 1024, 512, 256, 1] if args.preset == "mlperf" else [512, 256, 1])
-    check_backend(args.backend, device)
+    check_backend(f"--backend {args.backend}", args.backend, device)
     sizes = ModelSizes(embedding_dim=dim, bottom_mlp=bottom, top_mlp=top)
     torch.manual_seed(cfg.seed)
 
@@ -275,14 +276,3 @@ def hot_rows_share(kind: str, rows: int, exponent: float) -> float:
     if exponent == 1:
         return math.log(hot + 1) / math.log(rows + 1)
     return ((hot + 1) ** (1 - exponent) - 1) / ((rows + 1) ** (1 - exponent) - 1)
-
-
-def check_backend(name: str, device) -> None:
-    """Refuse, before any table is built, an embedding backend this device cannot run."""
-    from pipeline.errors import UserError
-    from pipeline.modules.backends import resolve_backend
-
-    try:
-        resolve_backend(name, device)
-    except ValueError as err:
-        raise UserError(f"--backend {name}: {err}; use auto (or torch) here") from err

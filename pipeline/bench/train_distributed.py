@@ -26,7 +26,6 @@ import statistics
 import sys
 
 from pipeline.bench.arguments import integer, integers, one_of, output_file
-from pipeline.bench.train import check_backend
 from pipeline.errors import UserError
 from pipeline.files import write_json
 
@@ -64,6 +63,7 @@ def run(args: argparse.Namespace, cfg=None) -> dict:
 
     from pipeline.device import resolve_device
     from pipeline.distributed.spawn import spawn
+    from pipeline.modules.backends import check_backend
 
     device = resolve_device(getattr(cfg, "device", None) or args.device).kind
     counts, comms, loops = args.nproc, args.comm, args.loop
@@ -71,7 +71,7 @@ def run(args: argparse.Namespace, cfg=None) -> dict:
         raise UserError(f"--nproc {max(counts)} needs as many GPUs, found {torch.cuda.device_count()}")
     if args.amp == "bf16" and device != "cuda":
         raise UserError(f"--amp bf16: the ranks' autocast runs on GPUs; on {device} use --amp auto or off")
-    check_backend(args.backend, torch.device(device))
+    check_backend(f"--backend {args.backend}", args.backend, device)
     backend = "nccl" if device == "cuda" else "gloo"
     results = {}
     for n in counts:

@@ -43,3 +43,13 @@ def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype = 
         raise ValueError(f"embedding backend {name!r} cannot run on {device} with {dtype} weights"
                          + (f": {problem}" if problem else ""))
     return cls()
+
+
+def check_backend(setting: str, name: str, device: torch.device | str, dtype: torch.dtype = torch.float32) -> None:
+    """Refuse, before any table is built, a backend ``name`` (given by ``setting``) that ``device`` cannot run."""
+    from pipeline.errors import UserError
+
+    try:
+        resolve_backend(name, device, dtype)
+    except ValueError as err:
+        raise UserError(f"{setting}: {err}; use auto (or torch) here") from err

@@ -69,7 +69,7 @@ from pipeline.distributed.world import World
 from pipeline.errors import UserError
 from pipeline.files import atomic_open, read_json, remove_tmp_files, write_json
 from pipeline.loader import Loader
-from pipeline.modules.backends import resolve_backend
+from pipeline.modules.backends import check_backend
 from pipeline.modules.cached_collection import HostCachedCollection
 from pipeline.modules.configs import WEIGHT_DTYPES
 from pipeline.modules.dynamic import DynamicTable
@@ -266,10 +266,8 @@ def _split_rows(data: Path, schema: Schema, split: str) -> int:
 def _check_before_the_run(cfg: TrainConfig, spec: dict, distributed: DistributedConfig, device: torch.device) -> None:
     """Refuse, before a run folder is made, an embedding backend this device cannot run and a sharding of tables
     the model does not have (the settings most often carried over from another machine or another dataset)."""
-    try:
-        resolve_backend(cfg.embedding_backend, device, WEIGHT_DTYPES[cfg.embedding_dtype])
-    except ValueError as err:
-        raise UserError(f"train.embedding_backend={cfg.embedding_backend}: {err}; use auto (or torch) here") from err
+    check_backend(f"train.embedding_backend={cfg.embedding_backend}", cfg.embedding_backend, device,
+                  WEIGHT_DTYPES[cfg.embedding_dtype])
     tables = [t["name"] for t in spec["tables"]]
     unknown = sorted(set(distributed.sharding) - set(tables))
     if unknown:
