@@ -259,3 +259,54 @@ def test_an_existing_clusters_workers_get_whole_paths_whatever_folder_they_run_i
         run_stages(["data", "etl"], cfg)
     assert (tmp_path / "user" / "relative" / "synthetic" / "processed" / "schema.json").is_file()
     assert not (tmp_path / "workers" / "relative").exists()
+
+
+@contextlib.contextmanager
+def _processes_of_a_cluster(tmp_path, hide_from: str):
+    """A `dask scheduler` and a `dask worker` started as a user starts them, the one named by ``hide_from``
+    in an environment where this project's package does not import."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    hidden = tmp_path / "hidden"
+    hidden.mkdir()
+    (hidden / "sitecustomize.py").write_text("import sys\nsys.modules['pipeline'] = None\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = f"tcp://127.0.0.1:{port}"
+
+    def start(role: str, *args: str) -> subprocess.Popen:
+        env = {**os.environ, "PYTHONPATH": str(hidden)} if role == hide_from else dict(os.environ)
+        return subprocess.Popen([sys.executable, "-m", f"distributed.cli.dask_{role}", *args, "--no-dashboard"],
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path)
+
+    started = [start("scheduler", "--host", "127.0.0.1", "--port", str(port))]
+    try:
+        started.append(start("worker", address, "--nthreads", "1"))
+        with Client(address, timeout="60s") as client:
+            client.wait_for_workers(1, timeout=60)
+        yield address
+    finally:
+        for process in reversed(started):
+            process.terminate()
+            process.wait(30)
+
+
+@pytest.mark.parametrize("hide_from", ["worker", "scheduler"])
+def test_a_cluster_whose_scheduler_or_workers_lack_this_package_is_refused_naming_them(raw, tmp_path, hide_from):
+    """A worker without the package died on its first task and the ETL waited for workers for good; a scheduler
+    without it failed the first computation with Dask's "Error during deserialization of the task graph" traceback."""
+    with _processes_of_a_cluster(tmp_path, hide_from) as address:
+        started = time.monotonic()
+        with pytest.raises(UserError) as refused:
+            _run(raw, EtlConfig(scheduler=address), tmp_path / "out")
+        assert time.monotonic() - started < 30
+    said = str(refused.value)
+    assert said.startswith(f"etl.scheduler={address}: ")
+    assert ("the Dask scheduler there cannot import this project" if hide_from == "scheduler"
+            else "1 of its Dask workers cannot import this project (tcp://127.0.0.1:") in said
+    assert "ModuleNotFoundError" in said and "`pip install -e` of this project" in said
+    assert not (tmp_path / "out").exists()

@@ -83,6 +83,7 @@ def etl_client(etl: EtlConfig, input_bytes: int = 0, library: str = "pandas",
         from distributed.comm.core import CommClosedError
 
         with _connect(etl.scheduler, connect_timeout) as client:
+            _check_package_there(client, etl.scheduler)
             try:
                 yield f"scheduler {etl.scheduler} ({len(client.scheduler_info()['workers'])} workers)"
             except (CancelledError, CommClosedError) as err:
@@ -123,6 +124,30 @@ def _connect(address: str, timeout: str) -> Any:
     why = made.get("error", f"no answer in {seconds:g} s")
     raise UserError(f"etl.scheduler={address}: no Dask scheduler answered there ({why}); start one "
                     "(`dask scheduler`), or leave etl.scheduler empty for a cluster of this machine")
+
+
+PACKAGE_CHECK = "import pipeline.etl.workflow"
+"""What the scheduler and every worker of an existing cluster run before the ETL: the tasks name this package's code."""
+
+
+def _check_package_there(client: Any, address: str) -> None:
+    """Refuse a cluster whose scheduler or workers cannot import this package, naming them: a scheduler without it
+    failed the first computation with Dask's "Error during deserialization of the task graph" traceback, and each
+    worker without it died on the first task it was sent, so that the ETL waited for workers for good."""
+    advice = ("start it where this project's `pipeline` package imports (its environment, `pip install -e` of this "
+              "project), then rerun the ETL")
+    try:
+        client.run_on_scheduler(exec, PACKAGE_CHECK)
+    except Exception as err:  # noqa: BLE001 (whatever stops the import on the scheduler)
+        raise UserError(f"etl.scheduler={address}: the Dask scheduler there cannot import this project "
+                        f"({type(err).__name__}: {err}); {advice}") from None
+    failed = {worker: error for worker, error in client.run(exec, PACKAGE_CHECK, on_error="return").items()
+              if isinstance(error, BaseException)}
+    if failed:
+        worker, error = next(iter(failed.items()))
+        more = f" and {len(failed) - 1} more" if len(failed) > 1 else ""
+        raise UserError(f"etl.scheduler={address}: {len(failed)} of its Dask workers cannot import this project "
+                        f"({worker}{more}: {type(error).__name__}: {error}); {advice.replace('it', 'them', 1)}")
 
 
 WORKER_SETUP = "pipeline.etl.worker_setup"
