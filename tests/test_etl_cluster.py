@@ -310,3 +310,17 @@ def test_a_cluster_whose_scheduler_or_workers_lack_this_package_is_refused_namin
             else "1 of its Dask workers cannot import this project (tcp://127.0.0.1:") in said
     assert "ModuleNotFoundError" in said and "`pip install -e` of this project" in said
     assert not (tmp_path / "out").exists()
+
+
+def test_workers_dying_on_a_task_are_one_error_with_what_to_do():
+    """Dask's KilledWorker (a worker stopped at its memory limit, or by the system) was a traceback."""
+    import os
+
+    import dask
+
+    with dask.config.set({"distributed.scheduler.allowed-failures": 0}), \
+            pytest.raises(UserError) as refused, etl_client(EtlConfig(cluster="local", workers=2)):
+        dask.delayed(os._exit)(1).compute()
+    said = str(refused.value)
+    assert said.startswith("the ETL's Dask workers died running its task exit (1 tried it, the last tcp://")
+    assert "dies of memory" in said and "set etl.workers below 2" in said

@@ -85,7 +85,9 @@ def etl_client(etl: EtlConfig, input_bytes: int = 0, library: str = "pandas",
         with _connect(etl.scheduler, connect_timeout) as client:
             _check_package_there(client, etl.scheduler)
             try:
-                yield f"scheduler {etl.scheduler} ({len(client.scheduler_info()['workers'])} workers)"
+                with _workers_that_died(f"give each worker more memory (`dask worker {etl.scheduler} "
+                                        "--memory-limit ...`, or fewer workers a machine)"):
+                    yield f"scheduler {etl.scheduler} ({len(client.scheduler_info()['workers'])} workers)"
             except (CancelledError, CommClosedError) as err:
                 raise UserError(f"the Dask scheduler at {etl.scheduler} stopped the ETL ({type(err).__name__}: "
                                 f"{err}): it or its workers went away; start them again, then rerun the ETL") from err
@@ -95,7 +97,34 @@ def etl_client(etl: EtlConfig, input_bytes: int = 0, library: str = "pandas",
             Client(cluster) as client:
         per_gpu = getattr(cluster, "workers_per_gpu", 1)
         shared = f", {per_gpu} a GPU" if per_gpu > 1 else ""
-        yield f"{type(cluster).__name__}({len(client.scheduler_info()['workers'])} workers{shared})"
+        count = len(client.scheduler_info()["workers"])
+        with _workers_that_died(_more_memory_a_worker(library, count, per_gpu, etl.gpu_spill)):
+            yield f"{type(cluster).__name__}({count} workers{shared})"
+
+
+def _more_memory_a_worker(library: str, workers: int, per_gpu: int, gpu_spill: bool) -> str:
+    """What gives each worker of a local cluster more memory, its settings being these."""
+    if library != "cudf":
+        return f"set etl.workers below {workers} (each worker may use the machine's memory / etl.workers)"
+    if per_gpu > 1:
+        return f"set etl.workers_per_gpu below {per_gpu} (the workers sharing a GPU share its memory)"
+    return "set etl.gpu_spill=true (cuDF then spills to host memory)" if not gpu_spill else "use larger machines"
+
+
+@contextlib.contextmanager
+def _workers_that_died(advice: str) -> Iterator[None]:
+    """Dask's KilledWorker (every worker that ran a task died running it) as one error line: what died, its most
+    common cause, and ``advice``."""
+    from dask.utils import key_split
+    from distributed.scheduler import KilledWorker
+
+    try:
+        yield
+    except KilledWorker as err:
+        last = getattr(err.last_worker, "address", err.last_worker)
+        raise UserError(f"the ETL's Dask workers died running its task {key_split(err.task)} ({err.allowed_failures + 1} "
+                        f"tried it, the last {last}): a worker most often dies of memory, stopped at its memory limit "
+                        f"by its nanny or by the system; {advice}, or see the workers' log") from None
 
 
 def _connect(address: str, timeout: str) -> Any:
@@ -138,11 +167,11 @@ def _check_package_there(client: Any, address: str) -> None:
               "project), then rerun the ETL")
     try:
         client.run_on_scheduler(exec, PACKAGE_CHECK)
-    except Exception as err:  # noqa: BLE001 (whatever stops the import on the scheduler)
+    except ImportError as err:
         raise UserError(f"etl.scheduler={address}: the Dask scheduler there cannot import this project "
                         f"({type(err).__name__}: {err}); {advice}") from None
     failed = {worker: error for worker, error in client.run(exec, PACKAGE_CHECK, on_error="return").items()
-              if isinstance(error, BaseException)}
+              if isinstance(error, ImportError)}  # not a worker that went away meanwhile
     if failed:
         worker, error = next(iter(failed.items()))
         more = f" and {len(failed) - 1} more" if len(failed) > 1 else ""
