@@ -262,9 +262,9 @@ def test_an_existing_clusters_workers_get_whole_paths_whatever_folder_they_run_i
 
 
 @contextlib.contextmanager
-def _processes_of_a_cluster(tmp_path, hide_from: str):
+def _processes_of_a_cluster(tmp_path, hide_from: str = ""):
     """A `dask scheduler` and a `dask worker` started as a user starts them, the one named by ``hide_from``
-    in an environment where this project's package does not import."""
+    in an environment where this project's package does not import; yields the address and the two processes."""
     import os
     import socket
     import subprocess
@@ -288,7 +288,7 @@ def _processes_of_a_cluster(tmp_path, hide_from: str):
         started.append(start("worker", address, "--nthreads", "1"))
         with Client(address, timeout="60s") as client:
             client.wait_for_workers(1, timeout=60)
-        yield address
+        yield address, started
     finally:
         for process in reversed(started):
             process.terminate()
@@ -299,7 +299,7 @@ def _processes_of_a_cluster(tmp_path, hide_from: str):
 def test_a_cluster_whose_scheduler_or_workers_lack_this_package_is_refused_naming_them(raw, tmp_path, hide_from):
     """A worker without the package died on its first task and the ETL waited for workers for good; a scheduler
     without it failed the first computation with Dask's "Error during deserialization of the task graph" traceback."""
-    with _processes_of_a_cluster(tmp_path, hide_from) as address:
+    with _processes_of_a_cluster(tmp_path, hide_from) as (address, _):
         started = time.monotonic()
         with pytest.raises(UserError) as refused:
             _run(raw, EtlConfig(scheduler=address), tmp_path / "out")
@@ -324,3 +324,21 @@ def test_workers_dying_on_a_task_are_one_error_with_what_to_do():
     said = str(refused.value)
     assert said.startswith("the ETL's Dask workers died running its task exit (1 tried it, the last tcp://")
     assert "dies of memory" in said and "set etl.workers below 2" in said
+
+
+def test_a_scheduler_killed_mid_etl_is_one_short_error_line(tmp_path, capfd):
+    """The error held Dask's list of every cancelled future, after the client's log of each failed reconnect with
+    its traceback."""
+    import threading
+
+    import dask
+
+    from pipeline.etl.progress import compute
+
+    with _processes_of_a_cluster(tmp_path) as (address, (scheduler, _)):
+        threading.Timer(2.0, scheduler.kill).start()
+        with pytest.raises(UserError) as refused, etl_client(EtlConfig(scheduler=address)):
+            compute(*[dask.delayed(time.sleep)(20 + i / 100) for i in range(8)], progress="plain")
+    assert str(refused.value) == (f"the Dask scheduler at {address} stopped the ETL (FuturesCancelledError: 8 Futures "
+                                  "cancelled): it or its workers went away; start them again, then rerun the ETL")
+    assert "Traceback" not in "".join(capfd.readouterr())

@@ -82,15 +82,17 @@ def etl_client(etl: EtlConfig, input_bytes: int = 0, library: str = "pandas",
 
         from distributed.comm.core import CommClosedError
 
-        with _connect(etl.scheduler, connect_timeout) as client:
+        with _quiet_reconnects(), _connect(etl.scheduler, connect_timeout) as client:
             _check_package_there(client, etl.scheduler)
             try:
                 with _workers_that_died(f"give each worker more memory (`dask worker {etl.scheduler} "
                                         "--memory-limit ...`, or fewer workers a machine)"):
                     yield f"scheduler {etl.scheduler} ({len(client.scheduler_info()['workers'])} workers)"
             except (CancelledError, CommClosedError) as err:
-                raise UserError(f"the Dask scheduler at {etl.scheduler} stopped the ETL ({type(err).__name__}: "
-                                f"{err}): it or its workers went away; start them again, then rerun the ETL") from err
+                said = str(err).strip().splitlines()[0].rstrip(":") if str(err).strip() else ""  # not every future
+                raise UserError(f"the Dask scheduler at {etl.scheduler} stopped the ETL ({type(err).__name__}"
+                                f"{': ' + said if said else ''}): it or its workers went away; start them again, "
+                                "then rerun the ETL") from None
         return
 
     with _local_cluster(etl.workers, library, etl.gpu_threads, etl.gpu_spill, etl.workers_per_gpu) as cluster, \
@@ -125,6 +127,21 @@ def _workers_that_died(advice: str) -> Iterator[None]:
         raise UserError(f"the ETL's Dask workers died running its task {key_split(err.task)} ({err.allowed_failures + 1} "
                         f"tried it, the last {last}): a worker most often dies of memory, stopped at its memory limit "
                         f"by its nanny or by the system; {advice}, or see the workers' log") from None
+
+
+@contextlib.contextmanager
+def _quiet_reconnects() -> Iterator[None]:
+    """Dask's client logs each failed try to reconnect to a scheduler that went away with a traceback; the ETL says
+    that it went away in one error line instead."""
+    import logging
+
+    logger = logging.getLogger("distributed.client")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _connect(address: str, timeout: str) -> Any:
