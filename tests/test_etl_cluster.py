@@ -342,3 +342,32 @@ def test_a_scheduler_killed_mid_etl_is_one_short_error_line(tmp_path, capfd):
     assert str(refused.value) == (f"the Dask scheduler at {address} stopped the ETL (FuturesCancelledError: 8 Futures "
                                   "cancelled): it or its workers went away; start them again, then rerun the ETL")
     assert "Traceback" not in "".join(capfd.readouterr())
+
+
+def test_a_cluster_whose_workers_are_all_paused_is_said_while_the_etl_waits(monkeypatch, capsys):
+    """A worker paused at its memory limit ran nothing and the ETL waited without a word."""
+    import threading
+
+    import dask
+
+    from pipeline.etl import progress
+
+    monkeypatch.setattr(progress, "WORKERS_CHECK_S", 0.5)
+    # the worker runs in this process, whose memory is far above 1 MB: it pauses at once (no nanny to stop it)
+    with LocalCluster(n_workers=1, processes=False, memory_limit="1MB", dashboard_address=None) as cluster, \
+            etl_client(EtlConfig(scheduler=cluster.scheduler_address)):
+        (worker,) = cluster.workers.values()
+        deadline = time.monotonic() + 30
+        while worker.status.name != "paused" and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+        def unpause():
+            worker.memory_manager.memory_limit = None  # as if memory freed: the worker runs again
+            worker.memory_manager.memory_pause_fraction = False
+            worker.status = type(worker.status).running
+
+        threading.Timer(2.0, unpause).start()
+        assert progress.compute(dask.delayed(sum)([1, 2]), desc="fit", progress="off") == (3,)
+    said = capsys.readouterr().out
+    assert f"[etl] fit: every worker of the Dask cluster at {cluster.scheduler_address} is paused, its memory past " \
+           "80% of its limit (distributed.worker.memory.pause); waiting" in said
