@@ -371,3 +371,16 @@ def test_a_cluster_whose_workers_are_all_paused_is_said_while_the_etl_waits(monk
     said = capsys.readouterr().out
     assert f"[etl] fit: every worker of the Dask cluster at {cluster.scheduler_address} is paused, its memory past " \
            "80% of its limit (distributed.worker.memory.pause); waiting" in said
+
+
+def test_more_local_worker_processes_than_the_cores_can_hold_are_refused():
+    """etl.workers=160 on a 16-core machine started 160 processes and ran the machine out of memory."""
+    from pipeline.etl.cluster import check_worker_processes
+
+    check_worker_processes(64, cores=16)
+    with pytest.raises(UserError, match=r"^etl.workers=160: 10 worker processes a core \(16 here\), each a Python "
+                                        r"process with its share of the memory; set etl.workers to at most 64 "):
+        check_worker_processes(160, cores=16)
+    with pytest.raises(UserError, match=r"etl.workers=100000: .* set etl.workers to at most"), \
+            etl_client(EtlConfig(cluster="local", workers=100_000)):
+        pass

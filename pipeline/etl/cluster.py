@@ -269,9 +269,25 @@ def _local_cluster(workers: int, library: str, gpu_threads: int = 1, gpu_spill: 
         return
     from distributed import LocalCluster
 
+    check_worker_processes(workers)
     with LocalCluster(n_workers=workers or os.cpu_count() or 1, threads_per_worker=1, processes=True,
                       dashboard_address=None, preload=[WORKER_SETUP]) as cluster:
         yield cluster
+
+
+MAX_WORKERS_A_CORE = 4
+"""LocalCluster worker processes a core that ``etl.workers`` may ask for: each is a Python process of its own, with
+its own imports and memory limit (the machine's memory over the workers)."""
+
+
+def check_worker_processes(workers: int, cores: int | None = None) -> None:
+    """Refuse more local worker processes than :data:`MAX_WORKERS_A_CORE` a core (a typo such as ``etl.workers=160``
+    for 16 started them all, and the machine ran out of memory before the ETL began)."""
+    cores = cores or os.cpu_count() or 1
+    if workers > MAX_WORKERS_A_CORE * cores:
+        raise UserError(f"etl.workers={workers}: {workers / cores:.3g} worker processes a core ({cores} here), each a "
+                        f"Python process with its share of the memory; set etl.workers to at most "
+                        f"{MAX_WORKERS_A_CORE * cores} (0: one a core)")
 
 
 def _shared_gpu_cluster(local_cuda_cluster: type) -> type:
