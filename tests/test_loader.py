@@ -710,6 +710,9 @@ def bad_inputs() -> list:
         ("M1", pa.array([None if i == 80 else [1] for i in range(100)], type=pa.list_(pa.int32()))),
         ("I1", pa.array([None if i in (12, 40) else 1.0 for i in range(100)], type=pa.float32())),
         ("C1", pa.array([None if i == 70 else 1 for i in range(100)], type=pa.int32())),
+        ("I1", pa.array(np.where(np.arange(100) == 77, np.inf, 1).astype(np.float32))),
+        ("I1", pa.array(np.where(np.arange(100) == 20, np.nan, 1).astype(np.float32))),
+        ("M1", pa.array([[1, None] if i in (45, 90) else [1] for i in range(100)], type=pa.list_(pa.int32()))),
     ]
 
 

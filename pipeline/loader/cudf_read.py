@@ -7,7 +7,8 @@ a call per window rather than per row group, which is what makes the GPU's decod
 window's int32 block (label and continuous float32 bits, one-hot ids, laid out as
 :class:`~pipeline.loader.decode.Chunk` says) is filled on the device from the columns through DLPack:
 no host copy, no pinned buffer. Rows of a row group outside the window (a window or shard boundary
-inside it) are left out by one gather. The checks (nulls, 0/1 labels, ids within their table) run
+inside it) are left out by one gather. The checks (nulls, 0/1 labels, finite continuous values, ids within
+their table) run
 there, vectorized, at one device sync per window; a failure is located afterwards, segment by segment
 in the window's order, and named with the pyarrow reader's messages, so the first bad value named is
 the one the pyarrow reader names. Multi-hot columns come from cuDF's list lengths and leaves and, as
@@ -32,7 +33,17 @@ import numpy as np
 import torch
 
 from pipeline.errors import UserError
-from pipeline.loader.decode import Chunk, RowPosition, Split, check_ids, id_error, label_error, null_error
+from pipeline.loader.decode import (
+    Chunk,
+    RowPosition,
+    Split,
+    check_ids,
+    finite_error,
+    id_error,
+    label_error,
+    null_error,
+    null_items_error,
+)
 from pipeline.loader.plan import Segment
 from pipeline.schema import Column
 
@@ -184,11 +195,13 @@ def _tensor(series) -> torch.Tensor:
 
 
 def _frame_bag(series) -> tuple[np.ndarray, np.ndarray]:
-    """(offsets, values) of a list column, on the host, from its list lengths and leaves."""
+    """(offsets, values) of a list column, on the host, from its list lengths and leaves (a null item filled: outside
+    the window, or refused by the checks)."""
     lengths = series.list.len().fillna(0).to_numpy()
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    return offsets, series.list.leaves.to_numpy()
+    leaves = series.list.leaves
+    return offsets, (leaves.fillna(0) if leaves.null_count else leaves).to_numpy()
 
 
 def _block(columns: dict[str, torch.Tensor], split: Split, placed: _Placed, device: torch.device) -> torch.Tensor:
@@ -223,11 +236,15 @@ def _bad(column: Column | None, values: torch.Tensor) -> torch.Tensor:
 
 
 def _valid(frame, columns: dict[str, torch.Tensor], split: Split) -> bool:
-    """Whether the frame has no nulls and every label and one-hot id passes its check (one device sync); rows of its
-    row groups outside the window count too, so False only says where to look."""
-    if any(frame[name].null_count for name in split.columns):
+    """Whether the frame has no nulls (nor null list items) and every label, continuous value and one-hot id passes
+    its check (one device sync); rows of its row groups outside the window count too, so False only says where to
+    look."""
+    if any(frame[name].null_count for name in split.columns) or any(
+            frame[name].list.leaves.null_count for name in split.schema.multihot):
         return False
-    return not any(torch.stack([_bad(column, values).any() for column, values in _checked(columns, split)]).tolist())
+    bad = [_bad(column, values).any() for column, values in _checked(columns, split)]
+    bad += [~torch.isfinite(columns[name]).all() for name in split.schema.continuous]
+    return not any(torch.stack(bad).tolist())
 
 
 def _check_bags(bags: dict[str, tuple[np.ndarray, np.ndarray]], split: Split, segment: Segment, lo: int,
@@ -242,22 +259,41 @@ def _check_bags(bags: dict[str, tuple[np.ndarray, np.ndarray]], split: Split, se
 
 def _raise_first(frame, columns: dict[str, torch.Tensor], bags: dict[str, tuple[np.ndarray, np.ndarray]],
                  split: Split, placed: _Placed) -> None:
-    """Raise for the window's first bad value, as the pyarrow reader names it: segment by segment, in each its
-    nulls (by column), its labels, its one-hot ids (by column), then its multi-hot ids."""
+    """Raise for the window's first bad value, as the pyarrow reader names it: segment by segment, in each column
+    by column (the label, the continuous, the one-hot, the multi-hot columns), its nulls, then its values."""
+    schema = split.schema
     nulls = {name: frame[name].isna().to_numpy() for name in split.columns if frame[name].null_count}
+    # the row of each null list item, by column
+    null_items = {name: np.searchsorted(bags[name][0], np.flatnonzero(frame[name].list.leaves.isna().to_numpy()),
+                                        side="right") - 1
+                  for name in schema.multihot if frame[name].list.leaves.null_count}
+    checked = {column.name if column else schema.label: (column, values)
+               for column, values in _checked(columns, split)}
     for segment, (lo, hi) in zip(placed.segments, placed.ranges):
         where = RowPosition(split.files[segment.group.file], segment.group, segment.start)
-        for name, is_null in nulls.items():
-            if is_null[lo:hi].any():
-                raise null_error(name, is_null[lo:hi], where)
-        for column, values in _checked(columns, split):
-            bad = _bad(column, values[lo:hi])
-            if bool(bad.any()):
-                first = int(bad.nonzero()[0, 0])
-                value = _scalar(values[lo:hi], first)
-                if column is None:
-                    raise label_error(split.schema.label, value, where, first)
-                raise id_error(column, value, where, first)
+        for name in [schema.label, *schema.continuous, *split.onehot, *schema.multihot]:
+            if name in nulls and nulls[name][lo:hi].any():
+                raise null_error(name, nulls[name][lo:hi], where)
+            rows = null_items.get(name, np.empty(0, dtype=np.int64))
+            rows = rows[(rows >= lo) & (rows < hi)]
+            if len(rows):
+                raise null_items_error(name, len(rows), where, int(rows[0]) - lo)
+            if name in schema.dynamic:
+                continue
+            if name in schema.continuous:
+                bad = ~torch.isfinite(columns[name][lo:hi])
+                if bool(bad.any()):
+                    first = int(bad.nonzero()[0, 0])
+                    raise finite_error(name, _scalar(columns[name][lo:hi], first), where, first)
+            elif name in checked:
+                column, values = checked[name]
+                bad = _bad(column, values[lo:hi])
+                if bool(bad.any()):
+                    first = int(bad.nonzero()[0, 0])
+                    value = _scalar(values[lo:hi], first)
+                    if column is None:
+                        raise label_error(schema.label, value, where, first)
+                    raise id_error(column, value, where, first)
         _check_bags(bags, split, segment, lo, hi)
 
 

@@ -311,9 +311,7 @@ def _check_segment(split: Split, table: pa.Table, where: RowPosition, validate: 
         if items is not None and items.null_count:
             items = items.is_null().to_numpy(zero_copy_only=False)
             rows = pc.list_parent_indices(array).to_numpy()
-            raise BadInputError(f"{where.path}: column {name!r} has {int(items.sum())} null items in its lists, the "
-                                f"first in {where.row(int(rows[items.argmax()]))}; expected none (the ETL codes a "
-                                "missing item)")
+            raise null_items_error(name, int(items.sum()), where, int(rows[items.argmax()]))
         if not validate or name in schema.dynamic:
             continue
         if name in schema.continuous:
@@ -391,9 +389,19 @@ def _check_finite(values: np.ndarray, name: str, where: RowPosition) -> None:
     bad = ~np.isfinite(values)
     if bad.any():
         first = int(bad.argmax())
-        raise BadInputError(f"{where.path}: continuous column {name!r} holds {values[first]} at {where.row(first)}; "
-                            "expected finite numbers (the ETL fills and normalizes them): the file was not written by "
-                            "the ETL, or is damaged; run `python -m pipeline run etl` again")
+        raise finite_error(name, values[first], where, first)
+
+
+def finite_error(name: str, value: np.generic, where: RowPosition, row: int) -> BadInputError:
+    return BadInputError(f"{where.path}: continuous column {name!r} holds {value} at {where.row(row)}; expected "
+                         "finite numbers (the ETL fills and normalizes them): the file was not written by the ETL, or "
+                         "is damaged; run `python -m pipeline run etl` again")
+
+
+def null_items_error(name: str, count: int, where: RowPosition, row: int) -> BadInputError:
+    """Multi-hot column ``name`` has ``count`` null items in the segment's lists, the first in its row ``row``."""
+    return BadInputError(f"{where.path}: column {name!r} has {count} null items in its lists, the first in "
+                         f"{where.row(row)}; expected none (the ETL codes a missing item)")
 
 
 def _check_label(label: np.ndarray, name: str, where: RowPosition) -> None:
