@@ -89,9 +89,9 @@ def etl_client(etl: EtlConfig, input_bytes: int = 0, library: str = "pandas",
                                         "--memory-limit ...`, or fewer workers a machine)"):
                     yield f"scheduler {etl.scheduler} ({len(client.scheduler_info()['workers'])} workers)"
             except (CancelledError, CommClosedError) as err:
-                said = str(err).strip().splitlines()[0].rstrip(":") if str(err).strip() else ""  # not every future
+                reason = getattr(err, "reason", None) or (str(err).strip().splitlines() or [""])[0].rstrip(":")
                 raise UserError(f"the Dask scheduler at {etl.scheduler} stopped the ETL ({type(err).__name__}"
-                                f"{': ' + said if said else ''}): it or its workers went away; start them again, "
+                                f"{': ' + reason if reason else ''}): it or its workers went away; start them again, "
                                 "then rerun the ETL") from None
         return
 

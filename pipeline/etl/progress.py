@@ -38,21 +38,31 @@ WORKERS_CHECK_S = 10.0
 
 def _wait_all(client: Any, futures: list, finished: Any, desc: str) -> None:
     """Wait for ``futures``, calling ``finished(n)`` as they finish; every :data:`WORKERS_CHECK_S` seconds in which
-    none finishes, say so if the cluster has no worker left to run them (it would wait for one without a word)."""
-    from distributed import wait
+    none finishes, say so if the cluster has no worker left to run them (it would wait for one without a word).
 
-    pending = set(futures)
-    idle_since = time.monotonic()
-    while pending:
+    The futures report to a queue as they finish: ``distributed.wait`` with a timeout raises, and its exception keeps
+    the futures in a reference cycle, so that a computation longer than the timeout left its tasks held on the
+    scheduler until Python's next garbage collection (a second fit of the same data then took the first one's
+    results)."""
+    import queue
+
+    ended: queue.SimpleQueue = queue.SimpleQueue()
+    for future in futures:
+        future.add_done_callback(ended.put)
+    left, idle_since = len(futures), time.monotonic()
+    while left:
         try:
-            done, pending = wait(pending, timeout=WORKERS_CHECK_S, return_when="FIRST_COMPLETED")
-        except TimeoutError:
-            done = set()
-        if done:
-            finished(len(done))
-            idle_since = time.monotonic()
-        else:
+            ended.get(timeout=WORKERS_CHECK_S)
+        except queue.Empty:
             _say_why_nothing_runs(client, desc, time.monotonic() - idle_since)
+            continue
+        count = 1
+        while not ended.empty():
+            ended.get()
+            count += 1
+        left -= count
+        finished(count)
+        idle_since = time.monotonic()
 
 
 def _say_why_nothing_runs(client: Any, desc: str, waited: float) -> None:
