@@ -372,3 +372,26 @@ def test_a_parameter_json_cannot_hold_is_refused_not_written_as_null(tmp_path, m
     with pytest.raises(TypeError, match="a workflow's operators keep JSON values; found <object"):
         workflow.save(tmp_path / "wf")
     assert not (tmp_path / "wf").exists()
+
+
+def test_a_dask_frame_whose_lists_dask_made_text_is_refused_naming_the_columns():
+    """dd.from_pandas turns a column of lists into text ("[1, 2]"); the multi-hot column became one category a row."""
+    import dask
+
+    from pipeline.etl.config import EtlConfig
+    from pipeline.etl.defaults import default_workflow
+
+    pdf = pd.DataFrame({"label": [0, 1, 0, 1] * 5, "m": [[1, 2], [3], [], [2]] * 5, "c": ["a", "b", "c", "a"] * 5,
+                        "x": [1.0, 2, 3, 4] * 5})
+    roles = {"label": "label", "continuous": ["x"], "categorical": ["c"], "multihot": ["m"]}
+    workflow = default_workflow(roles, EtlConfig(freq_threshold=0))
+    made = dd.from_pandas(pdf, npartitions=2)
+    with pytest.raises(BadInputError, match=r"the Dask frame's column\(s\) \['m'\] hold lists .* turned into text "
+                                            r"\(Dask's dataframe.convert-string\): pass the pandas frame itself"):
+        workflow.fit(made[made.c != "z"])
+    with dask.config.set({"dataframe.convert-string": False}):
+        kept = dd.from_pandas(pdf, npartitions=2)
+    with dask.config.set(scheduler="sync"):
+        lists = workflow.fit(kept).transform(kept).compute()
+    assert lists["m"].tolist() == default_workflow(roles, EtlConfig(freq_threshold=0)).fit(pdf).transform(pdf)["m"].tolist()
+    assert isinstance(lists["m"].iloc[0], (list, np.ndarray)) and len(lists["m"].iloc[0]) == 2

@@ -194,6 +194,12 @@ class Workflow:
         if isinstance(data, pd.DataFrame):
             return dd.from_pandas(_lists_as_arrow(data), npartitions=1)
         if hasattr(data, "map_partitions") and hasattr(data, "npartitions"):
+            made_text = [name for name in _lists_made_text(data) if name in self._inputs]
+            if made_text:
+                raise BadInputError(
+                    f"the Dask frame's column(s) {made_text} hold lists in the pandas frame it was made from, which "
+                    "dask.dataframe.from_pandas turned into text (Dask's dataframe.convert-string): pass the pandas "
+                    "frame itself, or make the Dask frame under dask.config.set({'dataframe.convert-string': False})")
             return data
         raise TypeError(f"expected a Dask or pandas DataFrame or a parquet path, got {type(data).__name__}")
 
@@ -451,13 +457,33 @@ def _values(column: Any) -> Any:
 
 def _lists_as_arrow(df: pd.DataFrame) -> pd.DataFrame:
     """Object columns of lists as arrow list columns, which Dask keeps as lists (it turns objects into text)."""
-    converted = {}
-    for name in df.columns:
-        if df[name].dtype == object:
-            sample = df[name].dropna()
-            if len(sample) and isinstance(sample.iloc[0], (list, tuple, np.ndarray)):
-                converted[name] = pd.Series(pd.arrays.ArrowExtensionArray(as_arrow_lists(df[name])), index=df.index)
+    converted = {name: pd.Series(pd.arrays.ArrowExtensionArray(as_arrow_lists(df[name])), index=df.index)
+                 for name in df.columns if _holds_lists(df[name])}
     return df.assign(**converted) if converted else df
+
+
+def _lists_made_text(ddf: Any) -> list[str]:
+    """The columns of the pandas frames a Dask frame was made from (``dd.from_pandas``, with Dask's
+    ``dataframe.convert-string`` on) that hold lists: Dask turns them into text like ``"[1, 2]"``, and a multi-hot
+    column then became one category a row, silently. Read from the Dask expression; none where its form differs."""
+    names: list[str] = []
+    for node in getattr(getattr(ddf, "expr", None), "walk", list)():
+        if type(node).__name__ != "FromPandas":
+            continue
+        try:
+            original, converts = node.frame._data, node.operand("pyarrow_strings_enabled")
+        except (AttributeError, KeyError, ValueError):
+            continue
+        if converts and isinstance(original, pd.DataFrame):
+            names += [name for name in original.columns if _holds_lists(original[name])]
+    return names
+
+
+def _holds_lists(column: Any) -> bool:
+    if not isinstance(column, pd.Series) or column.dtype != object:  # a name given twice selects a frame
+        return False
+    sample = column.dropna()
+    return bool(len(sample)) and isinstance(sample.iloc[0], (list, tuple, np.ndarray))
 
 
 def _fill_below(node: Node) -> tuple[Node, list[Operator]] | None:
