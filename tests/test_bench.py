@@ -546,6 +546,31 @@ def test_etl_profile_times_each_step_of_one_partition(tmp_path):
     assert summary["notes"]["write (parquet, to memory)"].endswith("MB")
 
 
+def test_etl_variants_measures_each_variant_in_a_process_of_its_own(tmp_path):
+    """tools/etl_variants.py on pandas: a setting and an environment variable reach their variant's run (its cluster
+    and its output), a bad setting fails its variant alone."""
+    import importlib.util
+
+    import pyarrow.parquet as pq
+
+    spec = importlib.util.spec_from_file_location("etl_variants", Path(__file__).parent.parent / "tools/etl_variants.py")
+    variants = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(variants)
+    results = variants.main(["--backend", "pandas", "--rows", "20000", "--repeats", "1", "--workers", "1",
+                             "--workdir", str(tmp_path), "--json", str(tmp_path / "v.json"), "as is:",
+                             "groups:etl.row_group_rows=4096 DASK_DISTRIBUTED__SCHEDULER__WORK_STEALING=False",
+                             "bad:etl.nope=1"])
+    assert json.loads((tmp_path / "v.json").read_text()) == results
+    plain, groups, bad = results
+    assert plain["rows"] == groups["rows"] == 20_000 and plain["where"] == "ours, pandas on LocalCluster(1 workers)"
+    assert groups["settings"] == ["etl.row_group_rows=4096"]
+    assert groups["environment"] == {"DASK_DISTRIBUTED__SCHEDULER__WORK_STEALING": "False"}
+    assert len(plain["fit_each_s"]) == 1 and plain["fit_s"] > 0 and plain["transform_rows_s"] > 0
+    out = sorted((tmp_path / "out").glob("part-*.parquet"))
+    assert out and pq.ParquetFile(out[0]).metadata.row_group(0).num_rows == 4096, "the last variant's row groups"
+    assert bad["failed"].startswith("pipeline.stages.config.ConfigError: unknown setting etl.nope")
+
+
 def test_dense_profile_times_a_dense_part_and_counts_its_matrix_products(tmp_path):
     """tools/dense_profile.py on the CPU: DCNv2 of the small preset (full-rank cross layers), its FLOPs a sample
     those of its layers' matrix products (forward, and backward but for the dense input's own gradient)."""

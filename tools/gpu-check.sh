@@ -46,6 +46,8 @@
 #              tools/etl_profile.py --backend cudf (one partition's steps), the ETL stage on cuDF, bench data's
 #              Criteo TSV and CSV table readers (CuPy against the CPU's)
 #   etl-bench  bench etl --device cuda: cuDF against every CPU core and plain pandas (a call of its own)
+#   etl-variants  tools/etl_variants.py: the cuDF side of bench etl as is, without Dask's work stealing and with
+#              uncompressed output, a cluster each (the same rows as etl-bench)
 #   criteo-scale  tools/criteo_scale.py: SCALE_ROWS (100,000,000) rows of Criteo TSV through the data and ETL stages
 #              on the GPU, each stage timed with its memory peaks, a sample compared with the CPU's (a call of its own)
 # A step that fails or runs out of time is recorded and the next one runs. All steps share one time
@@ -272,7 +274,11 @@ print(f'{len(sources)} sources in {time.time() - start:.0f} s')
       # shellcheck disable=SC2086
       step etl-bench 540 "$PY" -m pipeline bench etl --device cuda --rows "${ETL_BENCH_ROWS:-20000000}" --workers 0 \
         --repeats 2 --json "$W/bench-etl.json" --report "$W/etl-tasks.json" ${ETL_BENCH_ARGS:-} workdir=/tmp/etl-bench ;;
-    *) echo "unknown group $group (setup preflight warm kernels embedding train dense dynamic hostcache hostcache-large host-copies serve serve-parts serve-profile serve-latency loader loader-split e2e etl etl-bench criteo-scale)"; exit 2 ;;
+    etl-variants)
+      step etl-variants 540 "$PY" tools/etl_variants.py --rows "${ETL_BENCH_ROWS:-20000000}" --repeats 3 \
+        --workdir /tmp/etl-bench --json "$W/etl-variants.json" "as is:" \
+        "no work stealing:DASK_DISTRIBUTED__SCHEDULER__WORK_STEALING=False" "uncompressed:etl.compression=none" ;;
+    *) echo "unknown group $group (setup preflight warm kernels embedding train dense dynamic hostcache hostcache-large host-copies serve serve-parts serve-profile serve-latency loader loader-split e2e etl etl-bench etl-variants criteo-scale)"; exit 2 ;;
   esac
 done
 echo "== summary ($SECONDS s)"; cat "$summary"
