@@ -149,8 +149,17 @@ def test_a_dataset_ingested_from_files_is_kept_and_replaced_only_on_request(tmp_
     # other files under the same name are refused without data.rebuild=true, and nothing is replaced
     other = [*roles, f"data.path={tmp_path / 'b.parquet'}"]
     assert main(["data", f"workdir={tmp_path}", *other]) == 2
-    assert "data.rebuild=true" in capsys.readouterr().err
+    said = capsys.readouterr().err
+    assert "data.rebuild=true" in said
+    # in words, not two lists of records
+    assert f"(input files: {tmp_path / 'b.parquet'} added; {tmp_path / 'a.parquet'} no longer given" in said
     assert RawDataset.load(made.root).rows == made.rows
+    size = (tmp_path / "a.parquet").stat().st_size
+    table(tmp_path / "a.parquet", 410, 1)
+    assert main(["data", f"workdir={tmp_path}", *roles, f"data.path={tmp_path / 'a.parquet'}"]) == 2
+    now = (tmp_path / "a.parquet").stat().st_size
+    assert (f"(input files: {tmp_path / 'a.parquet'} changed ({size:,} -> {now:,} bytes, modified since)"
+            in capsys.readouterr().err)
     rebuilt = ensure_raw(_cfg(tmp_path, *other, "data.rebuild=true"))
     assert sum(rebuilt.rows.values()) == 300
 

@@ -80,6 +80,32 @@ def _changed(old: dict, new: dict) -> list[str]:
     return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
 
 
+def change_detail(old: dict, new: dict) -> str:
+    """What differs between two ``params`` of ``meta.json``, in words: each setting's value before and after, each
+    input file added, no longer given, or changed (its size, its modification time, its split)."""
+    said = []
+    for key in _changed(old, new):
+        if key == "inputs":
+            said.append(_input_changes(old.get("inputs") or [], new.get("inputs") or []))
+        else:
+            said.append(f"{key}: {old.get(key)!r} -> {new.get(key)!r}")
+    return ", ".join(said)
+
+
+def _input_changes(old: list[dict], new: list[dict]) -> str:
+    before = {i.get("path"): i for i in old}
+    after = {i.get("path"): i for i in new}
+    said = [f"{path} added" for path in after if path not in before]
+    said += [f"{path} no longer given" for path in before if path not in after]
+    for path in [p for p in after if p in before and before[p] != after[p]]:
+        was, now = before[path], after[path]
+        what = [f"{was.get('bytes'):,} -> {now.get('bytes'):,} bytes" if key == "bytes" else
+                "modified since" if key == "mtime_ns" else f"{key} {was.get(key)!r} -> {now.get(key)!r}"
+                for key in sorted(set(was) | set(now)) if was.get(key) != now.get(key)]
+        said.append(f"{path} changed ({', '.join(what)})")
+    return "input files: " + "; ".join(said)
+
+
 def raw_params(cfg: PipelineConfig) -> dict:
     """The settings that determine the raw data (what ``meta.json`` records as ``params``)."""
     d = cfg.data
@@ -145,7 +171,7 @@ def _ensure(cfg: PipelineConfig) -> tuple[RawDataset, bool]:
         print(f"[data] no finished raw data in {root}: building it", flush=True)
     else:
         old = meta.get("params", {})
-        detail = ", ".join(f"{k}: {old.get(k)!r} -> {params.get(k)!r}" for k in _changed(old, params))
+        detail = change_detail(old, params)
         from_files = old.get("source", "synthetic") != "synthetic"
         other_files = old.get("inputs") != params.get("inputs")
         if from_files and other_files and not cfg.data.rebuild:
