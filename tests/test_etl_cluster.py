@@ -413,3 +413,26 @@ def test_a_computation_longer_than_the_workers_check_leaves_no_task_held(monkeyp
 
 def _tasks(dask_scheduler) -> int:
     return len(dask_scheduler.tasks)
+
+
+def _refuse(value):
+    from pipeline.errors import BadInputError
+
+    raise BadInputError(f"column 'x': refused {value}")
+
+
+def test_a_task_refusing_its_input_is_said_once_without_the_workers_log(capfd):
+    """A local worker logged Dask's "Compute Failed" block (the task, its traceback) before the pipeline's own
+    error line; a failure that is not a refusal is still logged."""
+    import dask
+
+    with etl_client(EtlConfig(cluster="local", workers=1)):
+        with pytest.raises(UserError, match="column 'x': refused 7"):
+            dask.delayed(_refuse)(7).compute()
+        time.sleep(1)  # the worker's log reaches the terminal
+        refused = "".join(capfd.readouterr())
+        with pytest.raises(ZeroDivisionError):
+            dask.delayed(lambda: 1 / 0)().compute()
+        time.sleep(1)
+        failed = "".join(capfd.readouterr())
+    assert "Compute Failed" not in refused and "Compute Failed" in failed
