@@ -110,7 +110,7 @@ def _more_memory_a_worker(library: str, workers: int, per_gpu: int, gpu_spill: b
         return f"set etl.workers below {workers} (each worker may use the machine's memory / etl.workers)"
     if per_gpu > 1:
         return f"set etl.workers_per_gpu below {per_gpu} (the workers sharing a GPU share its memory)"
-    return "set etl.gpu_spill=true (cuDF then spills to host memory)" if not gpu_spill else "use larger machines"
+    return "set etl.gpu_spill=true (cuDF then spills to host memory)" if not gpu_spill else "use a machine with more memory"
 
 
 @contextlib.contextmanager
@@ -180,20 +180,20 @@ def _check_package_there(client: Any, address: str) -> None:
     """Refuse a cluster whose scheduler or workers cannot import this package, naming them: a scheduler without it
     failed the first computation with Dask's "Error during deserialization of the task graph" traceback, and each
     worker without it died on the first task it was sent, so that the ETL waited for workers for good."""
-    advice = ("start it where this project's `pipeline` package imports (its environment, `pip install -e` of this "
+    advice = ("start {} where this project's `pipeline` package imports (its environment, `pip install -e` of this "
               "project), then rerun the ETL")
     try:
         client.run_on_scheduler(exec, PACKAGE_CHECK)
     except ImportError as err:
         raise UserError(f"etl.scheduler={address}: the Dask scheduler there cannot import this project "
-                        f"({type(err).__name__}: {err}); {advice}") from None
+                        f"({type(err).__name__}: {err}); {advice.format('it')}") from None
     failed = {worker: error for worker, error in client.run(exec, PACKAGE_CHECK, on_error="return").items()
               if isinstance(error, ImportError)}  # not a worker that went away meanwhile
     if failed:
         worker, error = next(iter(failed.items()))
         more = f" and {len(failed) - 1} more" if len(failed) > 1 else ""
         raise UserError(f"etl.scheduler={address}: {len(failed)} of its Dask workers cannot import this project "
-                        f"({worker}{more}: {type(error).__name__}: {error}); {advice.replace('it', 'them', 1)}")
+                        f"({worker}{more}: {type(error).__name__}: {error}); {advice.format('them')}")
 
 
 WORKER_SETUP = "pipeline.etl.worker_setup"
