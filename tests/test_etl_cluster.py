@@ -371,7 +371,7 @@ def test_a_cluster_whose_workers_are_all_paused_is_said_while_the_etl_waits(monk
         assert progress.compute(dask.delayed(sum)([1, 2]), desc="fit", progress="off") == (3,)
     said = capsys.readouterr().out
     assert f"[etl] fit: every worker of the Dask cluster at {cluster.scheduler_address} is paused, its memory past " \
-           "80% of its limit (distributed.worker.memory.pause); waiting" in said
+           "its share that Dask pauses at (distributed.worker.memory.pause); waiting" in said
 
 
 def test_more_local_worker_processes_than_the_cores_can_hold_are_refused():

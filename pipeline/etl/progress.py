@@ -69,18 +69,15 @@ def _say_why_nothing_runs(client: Any, desc: str, waited: float) -> None:
     """Say so where the cluster has no worker to run anything, or only paused ones (Dask pauses a worker whose
     memory passed ``distributed.worker.memory.pause`` of its limit, until it falls back): it would wait without a
     word."""
-    import dask
-
     workers = client.scheduler_info().get("workers") or {}
     address = client.scheduler.address
     if not workers:
         print(f"[etl] {desc}: the Dask cluster at {address} has no workers, waiting {waited:.0f} s for one; start "
               f"workers (`dask worker {address}`) or stop with Ctrl-C", flush=True)
     elif all(worker.get("status") == "paused" for worker in workers.values()):
-        pause = dask.config.get("distributed.worker.memory.pause")
-        print(f"[etl] {desc}: every worker of the Dask cluster at {address} is paused, its memory past "
-              f"{pause:.0%} of its limit (distributed.worker.memory.pause); waiting {waited:.0f} s for memory to "
-              "free; give the workers more memory (fewer etl.workers) or stop with Ctrl-C", flush=True)
+        print(f"[etl] {desc}: every worker of the Dask cluster at {address} is paused, its memory past its share "
+              f"that Dask pauses at (distributed.worker.memory.pause); waiting {waited:.0f} s for memory to free; "
+              "give the workers more memory (fewer etl.workers) or stop with Ctrl-C", flush=True)
 
 
 def _flatten(value: Any, leaves: list) -> Any:
