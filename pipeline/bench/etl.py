@@ -247,7 +247,6 @@ def _report(path: str | None, name: str):
         print(f"[bench etl] {file} holds no report of this bench: it is replaced", flush=True)
         report = {}
     report[name] = summary
-    file.parent.mkdir(parents=True, exist_ok=True)
     write_json(file, report)
 
 
@@ -293,7 +292,6 @@ def _write_json(path: str | None, summary: dict) -> None:
     for r in summary["results"].values():
         r["fit_rows_per_s"] = round(rows / r["fit"])
         r["transform_rows_per_s"] = round(rows / r["transform"])
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
     write_json(path, summary)
 
 

@@ -80,7 +80,7 @@ def _changed(old: dict, new: dict) -> list[str]:
     return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
 
 
-def change_detail(old: dict, new: dict) -> str:
+def _change_detail(old: dict, new: dict) -> str:
     """What differs between two ``params`` of ``meta.json``, in words: each setting's value before and after, each
     input file added, no longer given, or changed (its size, its modification time, its split)."""
     said = []
@@ -99,11 +99,18 @@ def _input_changes(old: list[dict], new: list[dict]) -> str:
     said += [f"{path} no longer given" for path in before if path not in after]
     for path in [p for p in after if p in before and before[p] != after[p]]:
         was, now = before[path], after[path]
-        what = [f"{was.get('bytes'):,} -> {now.get('bytes'):,} bytes" if key == "bytes" else
-                "modified since" if key == "mtime_ns" else f"{key} {was.get(key)!r} -> {now.get(key)!r}"
+        what = [_input_change(key, was.get(key), now.get(key))
                 for key in sorted(set(was) | set(now)) if was.get(key) != now.get(key)]
         said.append(f"{path} changed ({', '.join(what)})")
     return "input files: " + "; ".join(said)
+
+
+def _input_change(key: str, was: object, now: object) -> str:
+    if key == "mtime_ns":
+        return "modified since"
+    if key == "bytes" and isinstance(was, int) and isinstance(now, int):
+        return f"{was:,} -> {now:,} bytes"
+    return f"{key} {was!r} -> {now!r}"
 
 
 def raw_params(cfg: PipelineConfig) -> dict:
@@ -171,7 +178,7 @@ def _ensure(cfg: PipelineConfig) -> tuple[RawDataset, bool]:
         print(f"[data] no finished raw data in {root}: building it", flush=True)
     else:
         old = meta.get("params", {})
-        detail = change_detail(old, params)
+        detail = _change_detail(old, params)
         from_files = old.get("source", "synthetic") != "synthetic"
         other_files = old.get("inputs") != params.get("inputs")
         if from_files and other_files and not cfg.data.rebuild:
