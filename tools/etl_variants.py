@@ -64,18 +64,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
 def _measure(args: argparse.Namespace, settings: list[str]) -> dict:
     import dataclasses
 
-    from pipeline.bench.etl import _ours
+    from pipeline.bench.etl import _ours, bench_dataset
     from pipeline.stages.config import load_config
-    from pipeline.stages.data import ensure_raw
 
     device = "cuda" if args.backend == "cudf" else "cpu"
     cfg = load_config(None, [f"workdir={args.workdir}", f"device={device}", "progress=off", *settings])
-    data = dataclasses.replace(cfg.data, rows=args.rows, valid_fraction=0.0, test_fraction=0.0,
-                               name=f"bench-etl-{args.rows}")
-    cfg = dataclasses.replace(cfg, data=data)
-    raw = ensure_raw(cfg)
-    roles = {"label": raw.label, "continuous": raw.continuous, "categorical": raw.categorical,
-             "multihot": raw.multihot}
+    cfg, raw, roles = bench_dataset(cfg, args.rows)
     rows = raw.rows["train"]
     workers = 0 if args.backend == "cudf" else args.workers
     etl = dataclasses.replace(cfg.etl, cluster="local", workers=workers)

@@ -62,20 +62,13 @@ def run(args: argparse.Namespace, cfg) -> dict:
     from datetime import datetime, timezone
 
     from pipeline.etl.frame_library import choose_frame_library
-    from pipeline.stages.data import ensure_raw
 
     if not args.no_baseline:
         _refuse_what_the_baseline_does_not_do(cfg)
     library, reason = choose_frame_library(cfg.device)
     workers = args.workers or os.cpu_count() or 1
-    made = bench_rows(args.rows, cfg.data, 2_000_000)
-    # a dataset of the bench's own: read again with every row in train, a user's dataset of that name is left as it is
-    own = f"bench-etl-{made}" if cfg.data.source == "synthetic" else f"bench-etl-{cfg.data.dataset_name}"
-    data = dataclasses.replace(cfg.data, rows=made, valid_fraction=0.0, test_fraction=0.0, name=own)
-    cfg = dataclasses.replace(cfg, data=data)
     t = time.perf_counter()
-    raw = ensure_raw(cfg)
-    roles = {"label": raw.label, "continuous": raw.continuous, "categorical": raw.categorical, "multihot": raw.multihot}
+    cfg, raw, roles = bench_dataset(cfg, bench_rows(args.rows, cfg.data, 2_000_000))
     files = raw.splits["train"]
     rows = raw.rows["train"]
     load = os.getloadavg()
@@ -127,6 +120,21 @@ def run(args: argparse.Namespace, cfg) -> dict:
     print(f"\n{when}, {summary['machine']}, load before {load[0]:.2f}; cluster start-up not counted; "
           "every side wrote the same table")
     return summary
+
+
+def bench_dataset(cfg, rows: int):
+    """``(cfg, raw, roles)`` of the bench's own dataset of ``rows`` synthetic rows (or of the data settings' source),
+    made where missing: every row in train, so a user's dataset of that name is left as it is."""
+    import dataclasses
+
+    from pipeline.etl.defaults import roles_of
+    from pipeline.stages.data import ensure_raw
+
+    own = f"bench-etl-{rows}" if cfg.data.source == "synthetic" else f"bench-etl-{cfg.data.dataset_name}"
+    data = dataclasses.replace(cfg.data, rows=rows, valid_fraction=0.0, test_fraction=0.0, name=own)
+    cfg = dataclasses.replace(cfg, data=data)
+    raw = ensure_raw(cfg)
+    return cfg, raw, roles_of(raw)
 
 
 def _ours(kind: str, etl, cfg, roles: dict, files: list, rows: int, out: Path, repeats: int,
