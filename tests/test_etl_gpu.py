@@ -194,6 +194,26 @@ def test_cudf_on_workers_sharing_a_gpu_equals_pandas(raw, pandas_run, tmp_path):
 
 
 @pytest.mark.gpu
+def test_the_scheduler_knows_the_size_of_the_partitions_read_on_a_local_cuda_cluster(raw):
+    """The scheduler places tasks by the sizes of their inputs: a worker that took a cuDF partition for 48 bytes
+    (Dask's size of an object it does not know) had it moved to another worker for a dict of statistics."""
+    from distributed import Client, futures_of, wait
+
+    from pipeline.etl.cluster import _local_cluster
+
+    with _local_cluster(1, "cudf", workers_per_gpu=2) as cluster, Client(cluster) as client:
+        kept = client.persist(read_parquet(raw["train"], None, "cudf"))
+        wait(kept)
+        futures = futures_of(kept)
+        sizes = client.run_on_scheduler(lambda dask_scheduler, keys: [dask_scheduler.tasks[k].nbytes for k in keys],
+                                        keys=[f.key for f in futures])
+        used = client.gather(client.map(lambda part: int(part.memory_usage(deep=True).sum()), futures))
+    assert len(sizes) == len(used) >= 1
+    for size, bytes_used in zip(sizes, used):
+        assert size >= bytes_used > 0, (sizes, used)
+
+
+@pytest.mark.gpu
 def test_local_cuda_cluster_workers_start_with_the_allocator_keeping_freed_memory():
     from distributed import Client
 
@@ -610,7 +630,9 @@ def _stand_in_modules(folds: bool) -> dict:
                  "digitize", "asarray"):
         setattr(cupy, name, getattr(np, name))
     cupy.ndarray = type("ndarray", (), {})  # dask registers cupy.ndarray as a chunk type
-    return {"cudf": cudf, "cupy": cupy, "dask_cudf": types.ModuleType("dask_cudf")}
+    dask_cudf = types.ModuleType("dask_cudf")
+    dask_cudf.backends = types.ModuleType("dask_cudf.backends")
+    return {"cudf": cudf, "cupy": cupy, "dask_cudf": dask_cudf, "dask_cudf.backends": dask_cudf.backends}
 
 
 @pytest.fixture(params=[False, True], ids=["libcudf-26.10", "older-libcudf"])

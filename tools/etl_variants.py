@@ -34,6 +34,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--workdir", default="/tmp/etl-variants", help="where the synthetic rows are made once")
     parser.add_argument("--timeout", type=float, default=300, help="seconds a variant may take")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    parser.add_argument("--report", metavar="FOLDER", help="also write each variant's report of where its time went "
+                        "(as `bench etl --report`) to FOLDER/<n>.json, n counting the variants from 1")
     parser.add_argument("--one", metavar="JSON", help=argparse.SUPPRESS)  # a variant's own process
     args = parser.parse_args(argv)
     if args.one:
@@ -42,13 +44,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if not args.variants:
         parser.error("name at least one variant, e.g. 'as is:'")
     results = []
-    for variant in args.variants:
+    for number, variant in enumerate(args.variants, 1):
         name, _, items = variant.partition(":")
         settings = [item for item in items.split() if "." in item.split("=")[0]]
         environ = dict(item.split("=", 1) for item in items.split() if item not in settings)
         command = [sys.executable, __file__, "--backend", args.backend, "--rows", str(args.rows),
                    "--repeats", str(args.repeats), "--workers", str(args.workers), "--workdir", args.workdir,
                    "--one", json.dumps(settings)]
+        if args.report:
+            command += ["--report", str(Path(args.report) / f"{number}.json")]
         done = subprocess.run(command, env={**os.environ, **environ}, capture_output=True, text=True,
                               timeout=args.timeout, check=False)
         lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
@@ -74,7 +78,8 @@ def _measure(args: argparse.Namespace, settings: list[str]) -> dict:
     workers = 0 if args.backend == "cudf" else args.workers
     etl = dataclasses.replace(cfg.etl, cluster="local", workers=workers)
     out = Path(args.workdir) / "out"
-    where, best, startup, _ = _ours(args.backend, etl, cfg, roles, raw.splits["train"], rows, out, args.repeats)
+    where, best, startup, _ = _ours(args.backend, etl, cfg, roles, raw.splits["train"], rows, out, args.repeats,
+                                    report=args.report)
     return {"where": where, "rows": rows, "fit_s": round(best["fit"], 3), "transform_s": round(best["transform"], 3),
             "fit_rows_s": round(rows / best["fit"]), "transform_rows_s": round(rows / best["transform"]),
             "fit_each_s": best["fit_each_s"], "transform_each_s": best["transform_each_s"],

@@ -162,8 +162,14 @@ def split_row_groups(groups: list[tuple[str, int, int]], parts: int) -> list[lis
 
 
 def _read_cudf_piece(piece: list[tuple[str, list[int]]], columns: list[str] | None = None) -> Any:
-    """Row groups of one or more files as one cuDF DataFrame, in one call to libcudf's reader."""
+    """Row groups of one or more files as one cuDF DataFrame, in one call to libcudf's reader.
+
+    Importing ``dask_cudf.backends`` tells Dask the size of cuDF frames in the process that reads them (a worker):
+    Dask knows them only from there, and without it took every partition for 48 bytes, so its scheduler moved
+    partitions of gigabytes between workers to save moving a few kilobytes of statistics.
+    """
     import cudf
+    import dask_cudf.backends  # noqa: F401  (registers Dask's sizeof of cuDF objects)
 
     if not any(groups for _, groups in piece):  # files without row groups: an empty frame of their columns
         return cudf.read_parquet(piece[0][0], columns=columns)
