@@ -707,8 +707,14 @@ def test_cudf_branches_on_a_stand_in_equal_the_pandas_path(stand_in):
                 np.testing.assert_array_equal(got[name].to_numpy(), want[name].to_numpy(), err_msg=name)
 
 
-def test_cudf_reader_on_a_stand_in_reads_every_row_once_in_order(stand_in, tmp_path):
+@pytest.mark.parametrize("dask_cudf_there", [True, False], ids=["dask_cudf", "a worker without dask_cudf"])
+def test_cudf_reader_on_a_stand_in_reads_every_row_once_in_order(stand_in, tmp_path, monkeypatch, dask_cudf_there):
+    import sys
+
     import dask
+
+    if not dask_cudf_there:  # a worker of another cluster: its partitions' sizes unknown to Dask, but read
+        monkeypatch.setitem(sys.modules, "dask_cudf.backends", None)
 
     table = pa.table({"C": pa.array([f"v{i % 7}" if i % 5 else None for i in range(300)]),
                       "I": pa.array(range(300)), "X": pa.array([i / 3 for i in range(300)])})

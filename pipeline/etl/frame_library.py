@@ -13,6 +13,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import glob
 from pathlib import Path
 from typing import Any
@@ -166,10 +167,13 @@ def _read_cudf_piece(piece: list[tuple[str, list[int]]], columns: list[str] | No
 
     Importing ``dask_cudf.backends`` tells Dask the size of cuDF frames in the process that reads them (a worker):
     Dask knows them only from there, and without it took every partition for 48 bytes, so its scheduler moved
-    partitions of gigabytes between workers to save moving a few kilobytes of statistics.
+    partitions of gigabytes between workers to save moving a few kilobytes of statistics. A worker without dask_cudf
+    (another cluster's) still reads, its partitions' sizes unknown.
     """
     import cudf
-    import dask_cudf.backends  # noqa: F401  (registers Dask's sizeof of cuDF objects)
+
+    with contextlib.suppress(ImportError):
+        import dask_cudf.backends  # noqa: F401  (registers Dask's sizeof of cuDF objects)
 
     if not any(groups for _, groups in piece):  # files without row groups: an empty frame of their columns
         return cudf.read_parquet(piece[0][0], columns=columns)
