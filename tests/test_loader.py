@@ -1000,3 +1000,37 @@ def test_an_epoch_taken_batch_by_batch_to_its_last_moves_on_to_the_next(split):
     reference = Loader(split, 100, shuffle=True, seed=1)
     list(reference)
     assert [rows_of(b) for b in reference] == second
+
+
+def test_a_file_truncated_in_place_while_the_loader_reads_it_is_an_error_not_a_crash(tmp_path):
+    """Another process rewriting the processed files under a running training (an ETL run over them, a copy) leaves
+    a file shorter than when the loader opened it. Mapped into memory, the pages past its new end killed the process
+    with SIGBUS; read into buffers, the short read is the loader's error naming the file."""
+    import subprocess
+    import sys
+
+    folder = write_split(tmp_path / "train", [0, 3000])
+    script = f"""
+import os
+import pyarrow.parquet as pq
+from pipeline.errors import BadInputError
+from pipeline.loader import decode
+from tests.test_loader import small
+
+class Truncating(pq.ParquetFile):
+    def read_row_groups(self, *args, **kwargs):
+        path = {str(folder / "part-0.parquet")!r}
+        os.truncate(path, 0)
+        return super().read_row_groups(*args, **kwargs)
+
+decode.pq.ParquetFile = Truncating
+try:
+    for _ in small({str(folder)!r}, batch_size=64, window_rows=1024):
+        pass
+except BadInputError as err:
+    print("refused:", err)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert "refused:" in done.stdout and "part-0.parquet" in done.stdout, done.stdout

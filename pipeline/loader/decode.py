@@ -216,7 +216,11 @@ def join_bags(parts: Sequence[list[tuple[np.ndarray, np.ndarray]]]) -> list[tupl
 
 
 def _read_rows(split: Split, segments: Sequence[Segment]) -> pa.Table:
-    """The segments' rows in order; each file's row groups are read by one call, decoded on pyarrow's threads."""
+    """The segments' rows in order; each file's row groups are read by one call, decoded on pyarrow's threads.
+
+    Read into buffers, not mapped into memory: a file made shorter while it is read (the processed files rewritten
+    under a running training) is then a short read and this error, where the pages of a mapping past the file's new
+    end killed the process (SIGBUS)."""
     wanted: dict[int, set[int]] = {}
     for seg in segments:
         wanted.setdefault(seg.group.file, set()).add(seg.group.index)
@@ -224,7 +228,7 @@ def _read_rows(split: Split, segments: Sequence[Segment]) -> pa.Table:
     for file, indices in wanted.items():
         indices = sorted(indices)
         try:
-            with pq.ParquetFile(split.files[file], metadata=split.metadata[file], memory_map=True) as pf:
+            with pq.ParquetFile(split.files[file], metadata=split.metadata[file]) as pf:
                 tables[file] = pf.read_row_groups(indices, columns=split.columns, use_threads=True)
         except (OSError, pa.ArrowException) as err:
             raise BadInputError(f"{split.files[file]}: its row groups {indices} do not read ({' '.join(str(err).split())}"
