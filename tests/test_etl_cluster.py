@@ -335,13 +335,33 @@ def test_a_scheduler_killed_mid_etl_is_one_short_error_line(tmp_path, capfd):
 
     from pipeline.etl.progress import compute
 
-    with _processes_of_a_cluster(tmp_path) as (address, (scheduler, _)):
+    with _processes_of_a_cluster(tmp_path) as (address, (scheduler, _)), pytest.raises(UserError) as refused, \
+            etl_client(EtlConfig(scheduler=address)):
         threading.Timer(2.0, scheduler.kill).start()
-        with pytest.raises(UserError) as refused, etl_client(EtlConfig(scheduler=address)):
-            compute(*[dask.delayed(time.sleep)(20 + i / 100) for i in range(8)], progress="plain")
+        compute(*[dask.delayed(time.sleep)(20 + i / 100) for i in range(8)], progress="plain")
     assert str(refused.value) == (f"the Dask scheduler at {address} stopped the ETL (FutureCancelledError: "
                                   "scheduler-connection-lost): it or its workers went away; start them again, then "
                                   "rerun the ETL")
+    assert "Traceback" not in "".join(capfd.readouterr())
+
+
+def test_a_scheduler_gone_while_its_workers_are_checked_is_one_short_error_line(tmp_path, capfd, monkeypatch):
+    """Gone between the connection and the check that its workers import this package: the check's broadcast was a
+    traceback."""
+    from pipeline.etl import cluster
+
+    check = cluster._check_package_there
+    with _processes_of_a_cluster(tmp_path) as (address, (scheduler, _)):
+        def gone_first(client, where):
+            scheduler.kill()
+            scheduler.wait()
+            check(client, where)
+
+        monkeypatch.setattr(cluster, "_check_package_there", gone_first)
+        with pytest.raises(UserError) as refused, etl_client(EtlConfig(scheduler=address), connect_timeout="2s"):
+            pass
+    assert str(refused.value).startswith(f"the Dask scheduler at {address} stopped the ETL (")
+    assert str(refused.value).endswith("): it or its workers went away; start them again, then rerun the ETL")
     assert "Traceback" not in "".join(capfd.readouterr())
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
 import threading
 from collections.abc import Iterator
@@ -83,16 +84,17 @@ def etl_client(etl: EtlConfig, input_bytes: int = 0, library: str = "pandas",
         from distributed.comm.core import CommClosedError
 
         with _quiet_reconnects(), _connect(etl.scheduler, connect_timeout) as client:
-            _check_package_there(client, etl.scheduler)
+            try:
+                _check_package_there(client, etl.scheduler)
+                workers = len(client.scheduler_info()["workers"])
+            except OSError as err:  # the connection, lost (CommClosedError) or not made again
+                raise _scheduler_gone(etl.scheduler, err) from None
             try:
                 with _workers_that_died(f"give each worker more memory (`dask worker {etl.scheduler} "
                                         "--memory-limit ...`, or fewer workers a machine)"):
-                    yield f"scheduler {etl.scheduler} ({len(client.scheduler_info()['workers'])} workers)"
+                    yield f"scheduler {etl.scheduler} ({workers} workers)"
             except (CancelledError, CommClosedError) as err:
-                reason = getattr(err, "reason", None) or (str(err).strip().splitlines() or [""])[0].rstrip(":")
-                raise UserError(f"the Dask scheduler at {etl.scheduler} stopped the ETL ({type(err).__name__}"
-                                f"{': ' + reason if reason else ''}): it or its workers went away; start them again, "
-                                "then rerun the ETL") from None
+                raise _scheduler_gone(etl.scheduler, err) from None
         return
 
     with _local_cluster(etl.workers, library, etl.gpu_threads, etl.gpu_spill, etl.workers_per_gpu) as cluster, \
@@ -102,6 +104,18 @@ def etl_client(etl: EtlConfig, input_bytes: int = 0, library: str = "pandas",
         count = len(client.scheduler_info()["workers"])
         with _workers_that_died(_more_memory_a_worker(library, count, per_gpu, etl.gpu_spill)):
             yield f"{type(cluster).__name__}({count} workers{shared})"
+
+
+def _scheduler_gone(address: str, err: BaseException) -> UserError:
+    """The error of an ETL whose scheduler went away: the cancelled futures' reason; a connection's error is named
+    only (its text is the connection's repr)."""
+    from distributed.comm.core import CommClosedError
+
+    reason = getattr(err, "reason", None) or ("" if isinstance(err, OSError) else
+                                              (str(err).strip().splitlines() or [""])[0].rstrip(":"))
+    name = "CommClosedError" if isinstance(err, CommClosedError) else type(err).__name__
+    return UserError(f"the Dask scheduler at {address} stopped the ETL ({name}{': ' + reason if reason else ''}): it "
+                     "or its workers went away; start them again, then rerun the ETL")
 
 
 def _more_memory_a_worker(library: str, workers: int, per_gpu: int, gpu_spill: bool) -> str:
@@ -132,16 +146,26 @@ def _workers_that_died(advice: str) -> Iterator[None]:
 @contextlib.contextmanager
 def _quiet_reconnects() -> Iterator[None]:
     """Dask's client logs each failed try to reconnect to a scheduler that went away with a traceback; the ETL says
-    that it went away in one error line instead."""
-    import logging
-
+    that it went away in one error line instead. Only those records are left out: the client's other logs pass."""
     logger = logging.getLogger("distributed.client")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
+    quiet = _LostConnectionRecords()
+    logger.addFilter(quiet)
     try:
         yield
     finally:
-        logger.setLevel(level)
+        logger.removeFilter(quiet)
+
+
+class _LostConnectionRecords(logging.Filter):
+    """False for the client's records of a lost connection: a connection error (its traceback) or its giving up."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from distributed.comm.core import CommClosedError
+
+        error = record.exc_info[1] if record.exc_info else record.msg
+        if isinstance(error, (OSError, CommClosedError)):
+            return False
+        return not str(record.msg).startswith("Failed to reconnect")
 
 
 def _connect(address: str, timeout: str) -> Any:
