@@ -99,3 +99,26 @@ def test_cudf_reader_pieces_cover_every_row_group_once(files):
     _, folder = files
     paths = sorted(folder.glob("*.parquet"))
     assert gpu_pieces(paths, ["C", "I"]) == [[(str(paths[0]), [0, 1, 2]), (str(paths[1]), [0])]]
+
+
+@pytest.mark.parametrize("library", ["pandas", "cudf"])
+def test_a_column_of_numbers_in_one_file_and_text_in_another_is_refused_naming_both(tmp_path, library):
+    """HashBucket hashes 7 as a number's bytes and "7" as text: one id was two buckets, silently. A column without
+    values in a file (Arrow's null type) fits either."""
+    n = 40
+    pq.write_table(pa.table({"C": pa.array(range(n)), "I": pa.array(range(n))}), tmp_path / "part-0.parquet")
+    pq.write_table(pa.table({"C": pa.array([None] * n, pa.null()), "I": pa.array(range(n))}), tmp_path / "part-1.parquet")
+    pq.write_table(pa.table({"C": pa.array([str(i) for i in range(n)]), "I": pa.array(range(n))}),
+                   tmp_path / "part-2.parquet")
+    if library == "pandas":
+        read = lambda files: read_parquet(files, ["C", "I"], "pandas")
+    else:  # the cuDF reader's partitions, cut before cuDF is imported
+        from pipeline.etl.frame_library import gpu_pieces
+
+        read = lambda files: gpu_pieces(files, ["C", "I"])
+    files = sorted(tmp_path.glob("*.parquet"))
+    read(files[:2])  # numbers, then no value at all: read
+    with pytest.raises(BadInputError) as refused:
+        read(files)
+    message = str(refused.value)
+    assert "part-2.parquet" in message and "part-0.parquet" in message and "'C'" in message and "string" in message

@@ -92,7 +92,7 @@ def read_parquet(path: str | Path | list, columns: list[str] | None, library: st
     files = parquet_files(path)
     schema = pq.read_schema(files[0])
     columns = list(columns or schema.names)
-    _check_columns(files[0], schema.names, columns)
+    _check_columns(files[0], schema, columns)
     if library == "cudf":
         # Straight into GPU memory (libcudf's parquet reader): strings are plain cuDF string
         # columns, lists cuDF list columns, integers keep their width and nulls.
@@ -122,9 +122,10 @@ def gpu_pieces(files: list[Path], columns: list[str]) -> list[list[tuple[str, li
     names = set(columns)
     groups: list[tuple[str, int, int]] = []
     total = 0
+    first = None
     for f in files:
         meta = pq.ParquetFile(f).metadata
-        _check_columns(f, meta.schema.to_arrow_schema().names, columns)
+        first = _check_columns(f, meta.schema.to_arrow_schema(), columns, first)
         wanted = [i for i in range(meta.num_columns) if meta.schema.column(i).path.split(".")[0] in names]
         for g in range(meta.num_row_groups):
             group = meta.row_group(g)
@@ -200,9 +201,10 @@ def parquet_files(path: str | Path | list) -> list[Path]:
 
 def _pieces(files: list[Path], partition_rows: int, columns: list[str]) -> list[tuple[str, list[int]]]:
     pieces = []
+    first = None
     for path in files:
         metadata = pq.read_metadata(path)
-        _check_columns(path, metadata.schema.to_arrow_schema().names, columns)
+        first = _check_columns(path, metadata.schema.to_arrow_schema(), columns, first)
         group: list[int] = []
         rows = 0
         for i in range(metadata.num_row_groups):
@@ -216,11 +218,34 @@ def _pieces(files: list[Path], partition_rows: int, columns: list[str]) -> list[
     return pieces
 
 
-def _check_columns(path: Path, found: list[str], columns: list[str]) -> None:
-    """Refuse a file that lacks some of ``columns`` (each file of a folder is checked: they may differ)."""
-    missing = [c for c in columns if c not in found]
+def _check_columns(path: Path, schema: pa.Schema, columns: list[str],
+                   first: tuple[Path, pa.Schema] | None = None) -> tuple[Path, pa.Schema]:
+    """Refuse a file that lacks some of ``columns``, or that holds one of them as text where the ``first`` file of
+    the input holds numbers (or the other way round): each file of a folder is checked, they may differ. Categorify
+    counts 7 and "7" as one value, but the hashing operators hash a number's bytes and a text's characters, so one id
+    would be two. A column without any value (Arrow's null type) fits either. Returns ``first``, or this file where
+    there is none."""
+    missing = [c for c in columns if c not in schema.names]
     if missing:
-        raise BadInputError(f"{path}: expected the columns {columns}; missing {missing}; found {found}")
+        raise BadInputError(f"{path}: expected the columns {columns}; missing {missing}; found {schema.names}")
+    if first is None:
+        return path, schema
+    for name in columns:
+        here, there = schema.field(name).type, first[1].field(name).type
+        if _is_text(here) != _is_text(there) and not (pa.types.is_null(here) or pa.types.is_null(there)):
+            raise BadInputError(f"{path}: column {name!r} is {here} where {first[0]} has {there}: one id would be two "
+                                "values (hashing operators hash a number's bytes and a text's characters); write the "
+                                "column with one type in every file")
+    return first
+
+
+def _is_text(kind: pa.DataType) -> bool:
+    """Whether a column of this type holds text (or lists of text)."""
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind):
+        kind = kind.value_type
+    if pa.types.is_dictionary(kind):
+        kind = kind.value_type
+    return pa.types.is_string(kind) or pa.types.is_large_string(kind)
 
 
 def _string_columns(schema: pa.Schema) -> list[str]:
