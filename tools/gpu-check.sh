@@ -46,8 +46,10 @@
 #              tools/etl_profile.py --backend cudf (one partition's steps), the ETL stage on cuDF, bench data's
 #              Criteo TSV and CSV table readers (CuPy against the CPU's)
 #   etl-bench  bench etl --device cuda: cuDF against every CPU core and plain pandas (a call of its own)
-#   etl-variants  tools/etl_variants.py: the cuDF side of bench etl as is, without Dask's work stealing and with
-#              uncompressed output, a cluster each (the same rows as etl-bench)
+#   etl-variants  tools/etl_variants.py: the cuDF side of bench etl as is and with one worker a GPU, a cluster and a
+#              report each (the same rows as etl-bench)
+#   etl-trace  tools/etl_gpu_trace.py: each cuDF worker's GPU work in one fit and one transform+write (CUPTI), the
+#              client's hottest functions (the same rows as etl-bench)
 #   criteo-scale  tools/criteo_scale.py: SCALE_ROWS (100,000,000) rows of Criteo TSV through the data and ETL stages
 #              on the GPU, each stage timed with its memory peaks, a sample compared with the CPU's (a call of its own)
 # A step that fails or runs out of time is recorded and the next one runs. All steps share one time
@@ -276,9 +278,12 @@ print(f'{len(sources)} sources in {time.time() - start:.0f} s')
         --repeats 2 --json "$W/bench-etl.json" --report "$W/etl-tasks.json" ${ETL_BENCH_ARGS:-} workdir=/tmp/etl-bench ;;
     etl-variants)
       step etl-variants 540 "$PY" tools/etl_variants.py --rows "${ETL_BENCH_ROWS:-20000000}" --repeats 3 \
-        --workdir /tmp/etl-bench --json "$W/etl-variants.json" "as is:" \
-        "no work stealing:DASK_DISTRIBUTED__SCHEDULER__WORK_STEALING=False" "uncompressed:etl.compression=none" ;;
-    *) echo "unknown group $group (setup preflight warm kernels embedding train dense dynamic hostcache hostcache-large host-copies serve serve-parts serve-profile serve-latency loader loader-split e2e etl etl-bench etl-variants criteo-scale)"; exit 2 ;;
+        --workdir /tmp/etl-bench --json "$W/etl-variants.json" --report "$W/etl-variants" "as is:" \
+        "one worker a GPU:etl.workers_per_gpu=1" ;;
+    etl-trace)
+      step etl-trace 300 "$PY" tools/etl_gpu_trace.py --rows "${ETL_BENCH_ROWS:-20000000}" --workdir /tmp/etl-bench \
+        --out "$W/etl-trace" ;;
+    *) echo "unknown group $group (setup preflight warm kernels embedding train dense dynamic hostcache hostcache-large host-copies serve serve-parts serve-profile serve-latency loader loader-split e2e etl etl-bench etl-variants etl-trace criteo-scale)"; exit 2 ;;
   esac
 done
 echo "== summary ($SECONDS s)"; cat "$summary"
