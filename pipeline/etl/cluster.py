@@ -107,15 +107,15 @@ def etl_client(etl: EtlConfig, input_bytes: int = 0, library: str = "pandas",
 
 
 def _scheduler_gone(address: str, err: BaseException) -> UserError:
-    """The error of an ETL whose scheduler went away: the cancelled futures' reason; a connection's error is named
-    only (its text is the connection's repr)."""
+    """The error of an ETL whose scheduler went away, with the cancelled futures' reason or the error's first line (a
+    closed connection is named only: its text is the connection's repr)."""
     from distributed.comm.core import CommClosedError
 
-    reason = getattr(err, "reason", None) or ("" if isinstance(err, OSError) else
+    reason = getattr(err, "reason", None) or ("" if isinstance(err, CommClosedError) else
                                               (str(err).strip().splitlines() or [""])[0].rstrip(":"))
-    name = "CommClosedError" if isinstance(err, CommClosedError) else type(err).__name__
-    return UserError(f"the Dask scheduler at {address} stopped the ETL ({name}{': ' + reason if reason else ''}): it "
-                     "or its workers went away; start them again, then rerun the ETL")
+    return UserError(f"the Dask scheduler at {address} stopped the ETL ({type(err).__name__}"
+                     f"{': ' + reason if reason else ''}): it or its workers went away; start them again, then rerun "
+                     "the ETL")
 
 
 def _more_memory_a_worker(library: str, workers: int, per_gpu: int, gpu_spill: bool) -> str:
