@@ -557,7 +557,8 @@ def test_etl_variants_measures_each_variant_in_a_process_of_its_own(tmp_path):
     variants = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(variants)
     results = variants.main(["--backend", "pandas", "--rows", "20000", "--repeats", "1", "--workers", "1",
-                             "--workdir", str(tmp_path), "--json", str(tmp_path / "v.json"), "as is:",
+                             "--workdir", str(tmp_path), "--json", str(tmp_path / "v.json"),
+                             "--report", str(tmp_path / "reports"), "as is:",
                              "groups:etl.row_group_rows=4096 DASK_DISTRIBUTED__SCHEDULER__WORK_STEALING=False",
                              "bad:etl.nope=1"])
     assert json.loads((tmp_path / "v.json").read_text()) == results
@@ -569,6 +570,27 @@ def test_etl_variants_measures_each_variant_in_a_process_of_its_own(tmp_path):
     out = sorted((tmp_path / "out").glob("part-*.parquet"))
     assert out and pq.ParquetFile(out[0]).metadata.row_group(0).num_rows == 4096, "the last variant's row groups"
     assert bad["failed"].startswith("pipeline.stages.config.ConfigError: unknown setting etl.nope")
+    for number in (1, 2):  # each measured variant's report: where its fit and its transform spent their time
+        report = json.loads((tmp_path / "reports" / f"{number}.json").read_text())
+        assert set(report) == {"pandas-fit", "pandas-transform"} and report["pandas-fit"]["tasks"]
+
+
+def test_etl_gpu_trace_records_each_worker_and_the_client(tmp_path):
+    """tools/etl_gpu_trace.py on pandas: the mechanics (each worker's recording started and stopped, its trace kept,
+    the client's profile) without a GPU figure."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("etl_gpu_trace", Path(__file__).parent.parent / "tools/etl_gpu_trace.py")
+    trace = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trace)
+    results = trace.main(["--backend", "pandas", "--rows", "20000", "--workdir", str(tmp_path),
+                          "--out", str(tmp_path / "trace")])
+    assert [phase["phase"] for phase in results] == ["fit", "transform+write"]
+    assert all(len(phase["workers"]) == 2 and phase["wall_s"] > 0 for phase in results)
+    assert results[0]["client"] and all(seconds >= 0 for _, seconds in results[0]["client"])
+    assert len(list((tmp_path / "trace").glob("trace-transform-*.json"))) == 2
+    assert json.loads((tmp_path / "trace" / "trace-summary.json").read_text()) == json.loads(json.dumps(results))
+    assert trace._union([(5, 6), (0, 2), (1, 3), (1.5, 2.5)]) == 4  # overlapping work counted once
 
 
 def test_dense_profile_times_a_dense_part_and_counts_its_matrix_products(tmp_path):
