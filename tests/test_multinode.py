@@ -124,6 +124,28 @@ def test_under_torchrun_only_the_training_runs(tmp_path, monkeypatch, capsys, ar
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("second", [2, -15], ids=["both refused", "the second stopped by torch"])
+def test_ranks_that_refused_end_in_code_2_whether_or_not_torch_stopped_the_others_first(monkeypatch, capsys, tmp_path,
+                                                                                        second):
+    """Once one rank fails, torch stops the others with SIGTERM: a rank stopped before it refused was counted as a
+    failure of its own, and the launch ended in code 1 instead of the refusal's 2, one run in a few."""
+    import torch.distributed.run
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from pipeline.distributed.launch import relaunch
+
+    def failing(args):
+        raise ChildFailedError("pipeline", {
+            0: ProcessFailure(local_rank=0, pid=11, exitcode=2, error_file=str(tmp_path / "none")),
+            1: ProcessFailure(local_rank=1, pid=12, exitcode=second, error_file=str(tmp_path / "none"))})
+
+    monkeypatch.setattr(torch.distributed.run, "run", failing)
+    assert relaunch(["run", "train"], 2) == 2
+    failed = 2 if second == 2 else 1
+    assert capsys.readouterr().out.strip() == (f"error: {failed} of 2 training processes failed; first: rank 0 exited "
+                                               "with code 2 (its error is above)")
+
+
 def test_a_refusal_under_nproc_ends_in_the_ranks_error_and_ctrl_c_in_no_traceback(tmp_path):
     """The last line was torch's placeholder ("To enable traceback see: ...") with exit code 1; Ctrl-C ended in a
     torch SignalException traceback with exit code 1."""
@@ -140,8 +162,9 @@ def test_a_refusal_under_nproc_ends_in_the_ranks_error_and_ctrl_c_in_no_tracebac
     said = refused.stdout + refused.stderr
     assert refused.returncode == 2, said
     assert "error: train.resume=true, but there is no run train.run=nope" in said and "Traceback" not in said
-    # both ranks refuse; which one torch saw fail first is a race
-    assert re.fullmatch(r"error: 2 of 2 training processes failed; first: rank [01] exited with code 2 "
+    # both ranks refuse; which one torch saw fail first is a race, and so is whether the second refused before torch
+    # stopped it (SIGTERM: not a failure of its own, and no reason to end in another code than 2)
+    assert re.fullmatch(r"error: [12] of 2 training processes failed; first: rank [01] exited with code 2 "
                         r"\(its error is above\)", refused.stdout.strip().splitlines()[-1])
     long = subprocess.Popen([*command, "train.max_steps=100000", "train.epochs=1000", "train.run=long"], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)

@@ -22,6 +22,7 @@ Example::
 from __future__ import annotations
 
 import os
+import signal
 
 
 def strip_nproc(argv: list[str]) -> list[str]:
@@ -65,10 +66,14 @@ def relaunch(argv: list[str], nproc: int, torchrun_args: list[str] | None = None
     except SignalException as err:  # the workers were stopped too, and said how their run continues
         return 128 + int(err.sigval)
     except ChildFailedError as err:
-        rank, failure = err.get_first_failure()
+        # torch stops the other workers with SIGTERM once one fails: those are not failures of their own (one that had
+        # refused already exited with 2, one still running is counted among the stopped)
+        failed = {r: f for r, f in err.failures.items() if f.exitcode != -signal.SIGTERM} or err.failures
+        rank = min(failed, key=lambda r: (failed[r].timestamp, r))
+        failure = failed[rank]
         # a worker's own message is its error: line above; torch's stands in for it with a pointer to its docs
         said = failure.message if os.path.isfile(failure.error_file) else f"rank {rank} exited with code {failure.exitcode}"
-        print(f"error: {len(err.failures)} of {nproc} training processes failed; first: {said} (its error is above)",
+        print(f"error: {len(failed)} of {nproc} training processes failed; first: {said} (its error is above)",
               flush=True)
-        return 2 if all(f.exitcode == 2 for f in err.failures.values()) else 1
+        return 2 if all(f.exitcode == 2 for f in failed.values()) else 1
     return 0
