@@ -157,15 +157,12 @@ def _quiet_reconnects() -> Iterator[None]:
 
 
 class _LostConnectionRecords(logging.Filter):
-    """False for the client's records of a lost connection: a connection error (its traceback) or its giving up."""
+    """False for the client's records of a lost connection: a connection error (an OSError, Dask's CommClosedError
+    among them, with its traceback) or its giving up."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        from distributed.comm.core import CommClosedError
-
         error = record.exc_info[1] if record.exc_info else record.msg
-        if isinstance(error, (OSError, CommClosedError)):
-            return False
-        return not str(record.msg).startswith("Failed to reconnect")
+        return not isinstance(error, OSError) and not str(record.msg).startswith("Failed to reconnect")
 
 
 def _connect(address: str, timeout: str) -> Any:
