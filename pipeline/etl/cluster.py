@@ -83,7 +83,7 @@ def etl_client(etl: EtlConfig, input_bytes: int = 0, library: str = "pandas",
 
         from distributed.comm.core import CommClosedError
 
-        with _quiet_reconnects(), _connect(etl.scheduler, connect_timeout) as client:
+        with _quiet_reconnects(), _closing(_connect(etl.scheduler, connect_timeout)) as client:
             try:
                 _check_package_there(client, etl.scheduler)
                 workers = len(client.scheduler_info()["workers"])
@@ -154,6 +154,31 @@ def _quiet_reconnects() -> Iterator[None]:
         yield
     finally:
         logger.removeFilter(quiet)
+
+
+@contextlib.contextmanager
+def _closing(client: Any) -> Iterator[Any]:
+    """Close ``client`` after the enclosed work. After work that failed, the close's own failure and its log are left
+    out: closing a client whose scheduler went away can fail inside Dask (its connection pool cancels a reconnection
+    whose timeout is expiring: RuntimeError "Cannot change state of expiring Timeout"), and the work's error is the one
+    that says what happened."""
+    try:
+        yield client
+    except BaseException:
+        logger = logging.getLogger("distributed.client")
+        logger.addFilter(_no_record)
+        try:
+            client.close()
+        except Exception:  # noqa: BLE001, S110 (the work's error follows)
+            pass
+        finally:
+            logger.removeFilter(_no_record)
+        raise
+    client.close()
+
+
+def _no_record(record: logging.LogRecord) -> bool:
+    return False
 
 
 class _LostConnectionRecords(logging.Filter):
