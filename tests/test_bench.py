@@ -678,15 +678,25 @@ def test_bench_etl_reports_the_lines_the_workers_spent_their_time_in(tmp_path):
     assert any("pipeline/etl/" in line["line"] for line in lines)
 
 
-def test_bench_etl_reports_each_run_and_starts_each_on_an_idle_scheduler(tmp_path, capsys):
+def test_bench_etl_reports_each_run_and_starts_each_on_an_idle_scheduler(tmp_path, capsys, monkeypatch):
     """The best of the repeats is reported, each repeat's times beside it (a fit many times faster than the others is
-    then seen); a repeat starts once the scheduler holds no task of the one before, so none can take its results."""
+    then seen); a repeat starts once the scheduler holds no task of the one before, so none can take its results.
+    Each repeat's transform+write starts without the last one's output (its removal was timed as part of it)."""
     import time
 
     from distributed import Client, LocalCluster
 
     from pipeline.bench.etl import _wait_for_idle_scheduler
+    from pipeline.etl import output
 
+    found = []
+    transform_split = output.transform_split
+
+    def noting_what_is_there(workflow, files, folder, *args, **kwargs):
+        found.append(sorted(p.name for p in Path(folder).glob("*")))
+        return transform_split(workflow, files, folder, *args, **kwargs)
+
+    monkeypatch.setattr(output, "transform_split", noting_what_is_there)
     out = tmp_path / "etl.json"
     assert main(["bench", "etl", "--rows", "20000", "--workers", "1", "--repeats", "2", "--no-baseline", "--json",
                  str(out), f"workdir={tmp_path}", "device=cpu", "progress=off"]) == 0
@@ -694,6 +704,7 @@ def test_bench_etl_reports_each_run_and_starts_each_on_an_idle_scheduler(tmp_pat
     assert len(side["fit_each_s"]) == len(side["transform_each_s"]) == 2
     assert side["fit"] == pytest.approx(min(side["fit_each_s"]), abs=1e-3)
     assert "each run: fit" in capsys.readouterr().out
+    assert found == [[], []]
     with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=None) as cluster, \
             Client(cluster) as client:
         held = client.submit(sum, [1, 2])

@@ -3,11 +3,11 @@ client did meanwhile: the stage's default workflow on the bench's own dataset (a
 LocalCUDACluster.
 
 Two repeats warm the cluster up; in the third, ``torch.profiler`` (CUPTI) records every kernel, copy and memset
-of each worker process (started and stopped through ``client.run``), and ``cProfile`` the client's fit. Printed,
+of each worker process (started and stopped through ``client.run``), and ``cProfile`` the client. Printed,
 and written to ``--out/trace-summary.json``: each phase's wall time; each worker's GPU busy seconds (kernels,
 copies, memsets), its copies alone, its longest kinds of work; the union of both workers' GPU activity against the
 phase's wall time (workers of one GPU share it by time slices: a union near the sum of the busy times says their work
-did not overlap); and the client's hottest functions in the fit. Each worker's Chrome trace of the transform+write
+did not overlap); and the client's hottest functions in each phase. Each worker's Chrome trace of the transform+write
 is kept in ``--out`` (``trace-transform-<n>-<pid>.json``: open it in Perfetto).
 
     python3 tools/etl_gpu_trace.py --rows 20000000 --out /tmp/etl-trace
@@ -24,6 +24,7 @@ import dataclasses
 import io
 import json
 import pstats
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -61,6 +62,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         client = current_client()
         for repeat in range(3):
             traced = repeat == 2
+            shutil.rmtree(written, ignore_errors=True)  # untimed, as in bench etl
             workflow = default_workflow(roles, etl, library=args.backend)
             if traced:
                 client.run(_start)
@@ -74,13 +76,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 results.append(_summary("fit", client.run(_stop, path=str(out / "trace-fit.json")), fit))
                 results[-1]["client"] = _hottest(profile)
                 client.run(_start)
+                profile = cProfile.Profile()
+                profile.enable()
             t = time.perf_counter()
             transform_split(workflow, files, written, etl.row_group_rows, args.backend, progress=False)
             transform = time.perf_counter() - t
             if traced:
+                profile.disable()
                 spans = {worker: client.run(_stop, path=str(out / f"trace-transform-{n}.json"), workers=[worker])[worker]
                          for n, worker in enumerate(client.scheduler_info()["workers"])}
                 results.append(_summary("transform+write", spans, transform))
+                results[-1]["client"] = _hottest(profile)
             print(f"repeat {repeat + 1}: fit {fit:.3f} s, transform+write {transform:.3f} s", flush=True)
     for phase in results:
         print(f"\n{phase['phase']}: {phase['wall_s']} s; both workers' GPU activity {phase['gpu_union_s']} s")

@@ -140,6 +140,7 @@ def bench_dataset(cfg, rows: int):
 def _ours(kind: str, etl, cfg, roles: dict, files: list, rows: int, out: Path, repeats: int,
           report: str | None = None):
     """Fit + transform+write with our workflow on ``kind`` ("cudf" or "pandas"); the best of ``repeats``."""
+    import shutil
     import time
 
     from pipeline.etl.cluster import etl_client
@@ -152,6 +153,9 @@ def _ours(kind: str, etl, cfg, roles: dict, files: list, rows: int, out: Path, r
         startup = time.perf_counter() - t
         each: dict[str, list[float]] = {"fit": [], "transform": []}
         for repeat in range(repeats):
+            # the last repeat's output removed untimed: transform+write into a new folder, as the stage does (it
+            # writes <split>.partial), not also the unlinking of gigabytes just written
+            shutil.rmtree(out, ignore_errors=True)
             held = _wait_for_idle_scheduler()
             if held:
                 print(f"[bench etl] {kind}, run {repeat + 1}: the scheduler still held {held} tasks of the run before "
