@@ -113,6 +113,32 @@ def test_with_the_defaults_dlrm_learns_ids_that_act_alone_on_a_table_of_a_few_th
     assert result["dlrm"]["test_auc"] > result["logistic"]["test_auc"] - 0.1, result
 
 
+def test_with_the_defaults_dlrm_learns_a_table_of_many_sparse_features_of_a_few_values(tmp_path):
+    """60 categorical columns of 8 values, 20,000 rows, a label of their effects added: every row of every table in
+    every batch, 1,830 dot products into the top MLP. At the lrs set for Criteo's 26 features DLRM's validation AUC
+    swung from pass to pass and its test AUC was 0.069 below logistic regression's (0.826 against 0.895); with the lrs
+    that shrink past 26 features (``dlrm_lr``, ``dlrm_table_lr``) 0.037 below."""
+    import argparse
+
+    import numpy as np
+
+    from pipeline.bench import quality
+
+    rng = np.random.default_rng(0)
+    rows, features, values = 20_000, 60, 8
+    effects = rng.normal(0, 0.35, (features, values))
+    codes = rng.integers(0, values, (rows, features))
+    logit = -0.3 + effects[np.arange(features), codes].sum(1)
+    table = {"label": (rng.random(rows) < 1 / (1 + np.exp(-logit))).astype(np.int64)}
+    table.update({f"c{c}": [f"v{v}" for v in codes[:, c]] for c in range(features)})
+    pa.csv.write_csv(pa.table(table), tmp_path / "table.csv")
+    cfg = load_config(None, [f"workdir={tmp_path / 'work'}", "device=cpu", "progress=off", "train.threads=1",
+                             "data.source=table", f"data.path={tmp_path / 'table.csv'}", "data.label=label",
+                             f"data.categorical=[{','.join(f'c{c}' for c in range(features))}]"])
+    result = quality.run(argparse.Namespace(models="dlrm"), cfg)["models"]
+    assert result["dlrm"]["test_auc"] > result["logistic"]["test_auc"] - 0.05, result
+
+
 def test_adagradw_decays_a_weight_apart_from_its_gradient():
     """A weight with no gradient: AdagradW scales it by ``1 - lr * decay``; Adagrad with the decay in its gradient
     moves it by the whole lr (its step of a gradient that is the decay alone)."""
@@ -379,19 +405,19 @@ def test_deepfm_left_to_choose_its_table_lr_learns_the_pairs_of_a_few_features(t
     assert result["deepfm"]["test_auc"] > result["logistic"]["test_auc"] + 0.03, result
 
 
-def test_lrs_left_to_choose_follow_the_positive_rate_the_features_and_the_cross_width():
+def test_lrs_left_to_choose_follow_the_positive_rate_the_features_and_the_widths():
     from pipeline.modules.configs import EmbeddingOptimizerConfig
-    from pipeline.modules.models import DCNv2, ModelSizes, build_model
+    from pipeline.modules.models import DLRM, DCNv2, ModelSizes, build_model, lr_width
     from pipeline.schema import Column
     from pipeline.train.config import sgd_rate_scale
 
     sgd = load_config(None, ["train.optimizer=sgd", "train.embedding_optimizer=sgd"]).train
-    rare = sgd.for_data(10_000, 0.01, 26, 864)
+    rare = sgd.for_data(10_000, 0.01, 26, 383)
     assert rare.lr == pytest.approx(sgd.dense_lr * 0.375 / 0.0198) and rare.embedding_lr == pytest.approx(16 * 0.375 / 0.0198)
     assert sgd_rate_scale(0.25) == sgd_rate_scale(0.6) == sgd_rate_scale(float("nan")) == 1.0
-    assert sgd.for_data(10_000, 0.25, 26, 864).lr == sgd.dense_lr
-    assert sgd.for_data(10_000, 0.3, 26, 864).weight_decay == pytest.approx(sgd.l2_prior / 10_000)
-    adam = load_config(None, []).train.for_data(10_000, 0.01, 26, 864)
+    assert sgd.for_data(10_000, 0.25, 26, 383).lr == sgd.dense_lr
+    assert sgd.for_data(10_000, 0.3, 26, 383).weight_decay == pytest.approx(sgd.l2_prior / 10_000)
+    adam = load_config(None, []).train.for_data(10_000, 0.01, 26, 383)
     assert (adam.lr, adam.embedding_lr) == (0.01, 0.2)  # Adam and Adagrad divide the gradient's size out
     kept = load_config(None, ["train.optimizer=sgd", "train.lr=0.5", "train.embedding_lr=3"]).train
     assert (kept.for_data(10_000, 0.01, 2, 64).lr, kept.for_data(10_000, 0.01, 2, 64).embedding_lr) == (0.5, 3.0)
@@ -406,4 +432,20 @@ def test_lrs_left_to_choose_follow_the_positive_rate_the_features_and_the_cross_
                      *[Column(f"C{i}", "categorical", "int32", cardinality=10) for i in range(5)]])
     for sizes in (ModelSizes.preset("small"), ModelSizes.preset("mlperf")):
         model = build_model("dcnv2", schema, sizes, EmbeddingOptimizerConfig("adagrad"))
-        assert DCNv2.x0_width(sizes, schema) == model.deep[0].in_features
+        assert DCNv2.x0_width(sizes, schema) == model.deep[0].in_features == lr_width("dcnv2", sizes, schema)
+        model = build_model("dlrm", schema, sizes, EmbeddingOptimizerConfig("adagrad"))
+        first = next(layer for layer in model.top if isinstance(layer, torch.nn.Linear))
+        assert first.in_features == -(-DLRM.top_width(sizes, schema) // 8) * 8  # padded to 8 columns
+        assert DLRM.top_width(sizes, schema) == sizes.embedding_dim + 15 == lr_width("dlrm", sizes, schema)
+    assert lr_width("deepfm", sizes, schema) == 0
+
+    # DLRM: Criteo's 26 features keep the defaults at both presets' widths; 60 features (1,830 dot products) less
+    dlrm = load_config(None, []).train
+    assert dlrm.dense_lr == 0.01 and dlrm.table_lr == 0.2
+    assert [(dlrm.for_data(1000, 0.3, 26, w).lr, dlrm.for_data(1000, 0.3, 26, w).embedding_lr) for w in (383, 479)] \
+        == [(0.01, 0.2), (0.01, 0.2)]
+    many = dlrm.for_data(1000, 0.3, 60, 32 + 1830)
+    assert many.lr == pytest.approx(0.01 * 479 / 1862) and many.embedding_lr == pytest.approx(0.2 * 26 / 60)
+    for tables in ("adam", "sgd"):  # better without the table rule, measured
+        other = load_config(None, [f"train.embedding_optimizer={tables}"]).train.for_data(1000, 0.3, 60, 1862)
+        assert other.embedding_lr == {"adam": 0.01, "sgd": 16.0}[tables] and other.lr == many.lr

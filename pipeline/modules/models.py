@@ -177,6 +177,12 @@ class DLRM(RecModel):
             self.bottom_vector = nn.Parameter(torch.randn(dim) / math.sqrt(dim))
         self.top = mlp(sizes.top_mlp, dim + pair_count(self.num_slots + 1), last_activation=False)
 
+    @staticmethod
+    def top_width(sizes: ModelSizes, schema: Schema) -> int:
+        """The width of the top MLP's input on ``schema``: the bottom MLP's output (or the learned vector) and the
+        dot products of it and every sparse feature's embedding, each pair once."""
+        return sizes.embedding_dim + pair_count(len(schema.sparse) + 1)
+
     def output_bias(self) -> nn.Parameter:
         return self.top[-1].bias
 
@@ -228,6 +234,14 @@ class DCNv2(RecModel):
         for layer in self.cross:
             x = x0 * layer(x) + x
         return self.deep(x).squeeze(1)
+
+
+def lr_width(model: str, sizes: ModelSizes, schema: Schema) -> int:
+    """The width of the input of ``model``'s layer that its default dense lr follows on ``schema``
+    (:meth:`pipeline.train.config.TrainConfig.for_data`): DCNv2's cross layers, DLRM's top MLP; 0 for the others."""
+    if model == "dcnv2":
+        return DCNv2.x0_width(sizes, schema)
+    return DLRM.top_width(sizes, schema) if model == "dlrm" else 0
 
 
 class _WideDeepBase(RecModel):

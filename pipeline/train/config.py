@@ -68,7 +68,8 @@ class TrainConfig:
     optimizer: str = field(default="adam", metadata={"help": "dense optimizer: sgd | adam | adagrad"})
     lr: float = field(default=0.0, metadata={
         "help": "peak learning rate of the dense part (0: the optimizer's: adam and adagrad 0.01, dcnv2 less on wide "
-                "cross layers (adam 0.001, adagrad 0.005 at the mlperf sizes); sgd 0.75 per 2048 samples of the "
+                "cross layers (adam 0.001, adagrad 0.005 at the mlperf sizes), dlrm less over more than 26 sparse "
+                "features (0.01 x 479 / its top MLP's input width); sgd 0.75 per 2048 samples of the "
                 "batch, the linear scaling rule (24 at MLPerf's 65536), times up to 1/(positive rate) on labels "
                 "with fewer positives than a quarter)"})
     embedding_optimizer: str = field(default="adagrad", metadata={
@@ -76,7 +77,7 @@ class TrainConfig:
     embedding_lr: float = field(default=0.0, metadata={
         "help": "peak learning rate of the embedding tables (0: the optimizer's: adagrad 0.2, adam 0.01, sgd 16 "
                 "(as train.lr, more on rarer positives); deepfm: at most 2.6 / its sparse features of that, 0.02 "
-                "on Criteo's 26)"})
+                "on Criteo's 26; dlrm's adagrad: at most 26 / its sparse features of that)"})
     weight_decay: float = field(default=0.0, metadata={
         "help": "L2 weight decay of the dense part and the tables (0: train.l2_prior / the training rows)"})
     l2_prior: float = field(default=5.0, metadata={
@@ -171,14 +172,14 @@ class TrainConfig:
     def dense_lr(self) -> float:
         """The dense part's peak lr: ``lr``, or the optimizer's default for this batch size on Criteo-like data
         (:meth:`for_data` scales it to a run's data)."""
-        return self.lr if self.lr > 0 else self._default_dense_lr(MLPERF_CROSS_WIDTH)
+        return self.lr if self.lr > 0 else self._default_dense_lr(MLPERF_WIDTHS.get(self.model, 0))
 
-    def _default_dense_lr(self, cross_width: int) -> float:
+    def _default_dense_lr(self, width: int) -> float:
         if self.optimizer == "sgd":
             return 0.75 * self.batch_size / 2048
         if self.model == "dcnv2":
-            return dcnv2_lr(self.optimizer, cross_width)
-        return 0.01
+            return dcnv2_lr(self.optimizer, width)
+        return dlrm_lr(width) if self.model == "dlrm" else 0.01
 
     @property
     def decoupled_decay(self) -> bool:
@@ -203,16 +204,19 @@ class TrainConfig:
     def _default_table_lr(self, sparse_features: int) -> float:
         if self.model == "deepfm" and self.embedding_optimizer in ("adagrad", "sgd"):
             return deepfm_table_lr(self.embedding_optimizer, sparse_features)
+        if self.model == "dlrm" and self.embedding_optimizer == "adagrad":
+            return dlrm_table_lr(sparse_features)
         return TABLE_LRS[self.embedding_optimizer]
 
-    def for_data(self, rows: int, positive_rate: float, sparse_features: int, cross_width: int) -> TrainConfig:
+    def for_data(self, rows: int, positive_rate: float, sparse_features: int, width: int) -> TrainConfig:
         """These settings with ``lr``, ``embedding_lr`` and ``weight_decay`` left at 0 chosen for a run's data:
-        ``rows`` training rows with this share of positive labels, ``sparse_features`` of them, DCNv2's cross layers
-        ``cross_width`` wide. The weight decay is :meth:`decay_for` the rows; SGD's lrs (dense part and tables) are
-        scaled by :func:`sgd_rate_scale`; DCNv2's dense lr follows :func:`dcnv2_lr`, DeepFM's table lr
-        :func:`deepfm_table_lr`. Set values are kept."""
+        ``rows`` training rows with this share of positive labels, ``sparse_features`` of them, the layer that the
+        dense lr follows ``width`` wide (:func:`pipeline.modules.models.lr_width`: DCNv2's cross layers, DLRM's top
+        MLP). The weight decay is :meth:`decay_for` the rows; SGD's lrs (dense part and tables) are scaled by
+        :func:`sgd_rate_scale`; DCNv2's dense lr follows :func:`dcnv2_lr`, DLRM's :func:`dlrm_lr` and its row-wise
+        Adagrad tables :func:`dlrm_table_lr`, DeepFM's table lr :func:`deepfm_table_lr`. Set values are kept."""
         scale = sgd_rate_scale(positive_rate)
-        lr = self.lr or self._default_dense_lr(cross_width) * (scale if self.optimizer == "sgd" else 1.0)
+        lr = self.lr or self._default_dense_lr(width) * (scale if self.optimizer == "sgd" else 1.0)
         embedding_lr = self.embedding_lr or self._default_table_lr(sparse_features) * (
             scale if self.embedding_optimizer == "sgd" else 1.0)
         return dataclasses.replace(self, lr=lr, embedding_lr=embedding_lr, weight_decay=self.decay_for(rows))
@@ -227,6 +231,9 @@ REFERENCE_POSITIVE_RATE = 0.25
 CRITEO_SPARSE_FEATURES = 26
 MLPERF_CROSS_WIDTH = 3456
 """DCNv2's cross layers at the MLPerf sizes on Criteo: 26 embeddings and the bottom MLP's output, 128 each."""
+MLPERF_TOP_WIDTH = 479
+"""DLRM's top MLP input at the MLPerf sizes on Criteo: the bottom MLP's 128 and the 351 dot products of 27 vectors."""
+MLPERF_WIDTHS = {"dcnv2": MLPERF_CROSS_WIDTH, "dlrm": MLPERF_TOP_WIDTH}
 
 DCNV2_LR_WIDTH = {"adam": 3.456, "adagrad": 17.28}
 """DCNv2's dense lr times its cross layers' width: Adam 0.001 and Adagrad 0.005 (MLPerf's) at the MLPerf width."""
@@ -258,6 +265,30 @@ def dcnv2_lr(optimizer: str, width: int) -> float:
     warmup at the MLPerf width (test AUC 0.50 on the 10M-row synthetic split, 0.7912 at 0.001), while 0.001
     underfits narrow layers (64 wide: test AUC 0.858 against 0.892 at 0.01 on a table of 8 continuous features)."""
     return min(0.01, DCNV2_LR_WIDTH[optimizer] / max(width, 1))
+
+
+def dlrm_lr(width: int) -> float:
+    """DLRM's dense lr (Adam or Adagrad) for a top MLP whose input is ``width`` wide: the other models' 0.01 up to its
+    width at the MLPerf sizes on Criteo (:data:`MLPERF_TOP_WIDTH`), less in inverse proportion beyond it (a table
+    of many sparse features: 60 make 1,830 dot products).
+
+    As in :func:`dcnv2_lr`: a unit of the top MLP's first layer sums ``width`` inputs, each weight moved by about the
+    lr a step. At 0.01 over 60 features of 8 values each (20,000 rows, a label of their effects added) DLRM's
+    validation AUC swung between 0.65 and 0.84 from one pass to the next, and its test AUC was 0.83 where logistic
+    regression's is 0.89 (docs/BENCHMARKS.md, "Many sparse features")."""
+    return min(0.01, 0.01 * MLPERF_TOP_WIDTH / max(width, 1))
+
+
+def dlrm_table_lr(sparse_features: int) -> float:
+    """DLRM's row-wise Adagrad table lr with ``sparse_features``: the default (:data:`TABLE_LRS`) up to Criteo's 26,
+    less in inverse proportion beyond.
+
+    Every embedding enters a dot product with every other, so a step of every row moves more of the top MLP's inputs
+    the more features there are; a few values each (every row in every batch, whose first Adagrad steps move each
+    weight by about the lr) made the 60-feature table above swing. With both this and :func:`dlrm_lr` its test AUC is
+    0.86 over three seeds (0.83 to 0.84 before); either alone did not help. Adam and SGD tables, whose defaults move a
+    row less, did better without it (Adam 0.87 and 0.85 with :func:`dlrm_lr` alone, 0.83 and 0.80 with both)."""
+    return TABLE_LRS["adagrad"] / max(1.0, sparse_features / CRITEO_SPARSE_FEATURES)
 
 
 def deepfm_table_lr(optimizer: str, sparse_features: int) -> float:

@@ -74,7 +74,7 @@ from pipeline.modules.cached_collection import HostCachedCollection
 from pipeline.modules.configs import WEIGHT_DTYPES
 from pipeline.modules.dynamic import DynamicTable
 from pipeline.modules.host_cache import CacheStats
-from pipeline.modules.models import DCNv2, ModelSizes
+from pipeline.modules.models import ModelSizes, lr_width
 from pipeline.schema import Schema, processed_lock
 from pipeline.train.checkpoint import PlainCheckpoints, ShardedCheckpoints
 from pipeline.train.config import TrainConfig
@@ -123,7 +123,7 @@ def _train(cfg: TrainConfig, data: Path, runs: Path, schema: Schema, seed: int, 
         if oracle_path and oracle_path.is_file() else None
     rate = positive_rate(data / "train", schema.label)
     cfg = cfg.for_data(_split_rows(data, schema, "train"), rate, len(schema.sparse),
-                       DCNv2.x0_width(ModelSizes.from_train_config(cfg, device.type), schema))
+                       lr_width(cfg.model, ModelSizes.from_train_config(cfg, device.type), schema))
     spec = model_spec(cfg, schema, device.type, seed)
     _check_before_the_run(cfg, spec, distributed, device)
     out = _run_folder(runs, cfg, world, held)
