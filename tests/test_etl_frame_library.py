@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -68,13 +69,32 @@ def test_gpu_partitions_divide_among_the_workers():
     from pipeline.etl.frame_library import piece_count
 
     gib = 1 << 30
-    assert piece_count(20 * 64 << 20, workers=2) == 2  # 1.25 GiB: one a worker
-    assert piece_count(20 * 64 << 20, workers=2, per_worker=4) == 8
-    assert piece_count(int(9.4 * gib), workers=2) == 10  # 9 of 1 GiB would leave a worker idle for a round
-    assert piece_count(100 << 20, workers=2, per_worker=2) == 4  # 3 of 32 MiB, up to a multiple of the workers
-    assert piece_count(40 * gib, workers=2) == 40  # at most 1 GiB a piece, a multiple of the workers
-    assert piece_count(10 << 20, workers=2) == 1  # at least 32 MiB a piece: small data stays one piece
-    assert piece_count(100 << 20, workers=1) == 1
+    assert piece_count(20 * 64 << 20, slots=2) == 2  # 1.25 GiB: one a worker
+    assert piece_count(20 * 64 << 20, slots=8) == 8
+    assert piece_count(int(9.4 * gib), slots=2) == 10  # 9 of 1 GiB would leave a worker idle for a round
+    assert piece_count(100 << 20, slots=4) == 3  # at least 32 MiB a piece, fewer than the slots
+    assert piece_count(200 << 20, slots=4) == 4  # 50 MiB a slot
+    assert piece_count(int(3.4 * gib), slots=2) == 4  # 3 of 1 GiB, up to a multiple of the slots
+    assert piece_count(40 * gib, slots=2) == 40  # at most 1 GiB a piece, a multiple of the slots
+    assert piece_count(10 << 20, slots=2) == 1  # at least 32 MiB a piece: small data stays one piece
+    assert piece_count(100 << 20, slots=1) == 1
+
+
+def test_gpu_partitions_are_one_a_thread_of_the_workers(tmp_path):
+    """`etl.gpu_threads=2` promises a partition read or written while another is computed; the pieces were one a
+    worker, so under 1 GiB a worker its second thread had nothing to do."""
+    from distributed import Client, LocalCluster
+
+    from pipeline.etl.frame_library import gpu_pieces
+
+    path = tmp_path / "part.parquet"
+    values = np.random.default_rng(0).integers(0, 2**62, 13_000_000)
+    pq.write_table(pa.table({"x": values}), path, row_group_size=1_000_000, use_dictionary=False)  # 99 MiB
+    for threads in (1, 2):
+        with LocalCluster(n_workers=1, threads_per_worker=threads, processes=False, dashboard_address=None) as cluster, \
+                Client(cluster):
+            assert len(gpu_pieces([path], ["x"])) == threads
+    assert len(gpu_pieces([path], ["x"])) == 1  # no cluster: this process
 
 
 def test_row_groups_split_in_order_into_pieces_of_about_equal_rows():

@@ -46,8 +46,8 @@
 #              tools/etl_profile.py --backend cudf (one partition's steps), the ETL stage on cuDF, bench data's
 #              Criteo TSV and CSV table readers (CuPy against the CPU's)
 #   etl-bench  bench etl --device cuda: cuDF against every CPU core and plain pandas (a call of its own)
-#   etl-variants  tools/etl_variants.py: the cuDF side of bench etl as is and with one worker a GPU, a cluster and a
-#              report each (the same rows as etl-bench)
+#   etl-variants  tools/etl_variants.py: the cuDF side of bench etl as is, with one worker a GPU, and with one worker
+#              of two threads, a cluster and a report each (the same rows as etl-bench)
 #   etl-trace  tools/etl_gpu_trace.py: each cuDF worker's GPU work in one fit and one transform+write (CUPTI), the
 #              client's hottest functions (the same rows as etl-bench)
 #   criteo-scale  tools/criteo_scale.py: SCALE_ROWS (100,000,000) rows of Criteo TSV through the data and ETL stages
@@ -279,7 +279,7 @@ print(f'{len(sources)} sources in {time.time() - start:.0f} s')
     etl-variants)
       step etl-variants 540 "$PY" tools/etl_variants.py --rows "${ETL_BENCH_ROWS:-20000000}" --repeats 3 \
         --workdir /tmp/etl-bench --json "$W/etl-variants.json" --report "$W/etl-variants" "as is:" \
-        "one worker a GPU:etl.workers_per_gpu=1" ;;
+        "one worker a GPU:etl.workers_per_gpu=1" "one worker, two threads:etl.workers_per_gpu=1 etl.gpu_threads=2" ;;
     etl-trace)
       step etl-trace 300 "$PY" tools/etl_gpu_trace.py --rows "${ETL_BENCH_ROWS:-20000000}" --workdir /tmp/etl-bench \
         --out "$W/etl-trace" ;;

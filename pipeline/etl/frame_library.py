@@ -117,7 +117,7 @@ def gpu_pieces(files: list[Path], columns: list[str]) -> list[list[tuple[str, li
     workers sharing a GPU (``etl.workers_per_gpu``) overlap one partition's host work with another's GPU work,
     which several partitions a worker otherwise would.
     """
-    from pipeline.etl.progress import worker_count
+    from pipeline.etl.progress import task_slots
 
     names = set(columns)
     groups: list[tuple[str, int, int]] = []
@@ -133,17 +133,17 @@ def gpu_pieces(files: list[Path], columns: list[str]) -> list[list[tuple[str, li
             total += sum(group.column(i).total_uncompressed_size for i in wanted)
     if not groups:
         return [[(str(files[0]), [])]]
-    return split_row_groups(groups, piece_count(total, worker_count()))
+    return split_row_groups(groups, piece_count(total, task_slots()))
 
 
-def piece_count(total_bytes: int, workers: int, per_worker: int = 1) -> int:
-    """How many partitions ``total_bytes`` of columns make on ``workers`` GPU workers: ``per_worker`` each, each
-    kept within 32 MiB to 1 GiB (a partition takes several times its bytes of GPU memory while it is worked on),
-    and then (where there are more than the workers) a multiple of the workers, so that every round of tasks
-    keeps every worker busy."""
-    size = min(1 << 30, max(32 << 20, total_bytes // (per_worker * workers)))
+def piece_count(total_bytes: int, slots: int) -> int:
+    """How many partitions ``total_bytes`` of columns make on a cluster of GPU workers that runs ``slots`` tasks at
+    once (their threads, ``etl.gpu_threads`` each): one a slot, each kept within 32 MiB to 1 GiB (a partition takes
+    several times its bytes of GPU memory while it is worked on), and then (where there are more than the slots) a
+    multiple of the slots, so that every round of tasks keeps every thread busy."""
+    size = min(1 << 30, max(32 << 20, total_bytes // slots))
     parts = max(1, round(total_bytes / size))
-    return -(-parts // workers) * workers if parts > workers else parts
+    return -(-parts // slots) * slots if parts > slots else parts
 
 
 def split_row_groups(groups: list[tuple[str, int, int]], parts: int) -> list[list[tuple[str, list[int]]]]:

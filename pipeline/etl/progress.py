@@ -118,10 +118,11 @@ def current_client() -> Any:
         return None
 
 
-def worker_count() -> int:
-    """The workers of :func:`current_client`'s cluster, at least 1 (1 without a client: this process)."""
+def task_slots() -> int:
+    """The tasks :func:`current_client`'s cluster runs at once, its workers' threads, at least 1 (1 without a client:
+    this process)."""
     client = current_client()
-    return max(1, len(client.scheduler_info().get("workers", {}))) if client is not None else 1
+    return max(1, sum(client.nthreads().values())) if client is not None else 1
 
 
 class _ProgressCallback:

@@ -102,12 +102,13 @@ def medians(ddf: Any) -> dict[str, Any]:
 
 
 def in_one_graph(ddf: Any) -> bool:
-    """Whether :func:`medians` suits ``ddf``: no more partitions than the cluster's workers (one without a
-    distributed client), so that holding each partition from round one to round two holds no more than one round
-    does. With more, a partition read in round one would wait in memory for all the others to be summarized."""
-    from pipeline.etl.progress import worker_count
+    """Whether :func:`medians` suits ``ddf``: no more partitions than the cluster runs tasks at once (its workers'
+    threads; one without a distributed client), so that holding each partition from round one to round two holds no
+    more than one round does. With more, a partition read in round one would wait in memory for all the others to be
+    summarized."""
+    from pipeline.etl.progress import task_slots
 
-    return ddf.npartitions <= worker_count()
+    return ddf.npartitions <= task_slots()
 
 
 def reduce_tree(items: list, merge: Callable, finish: Callable, *before: Any) -> Any:
