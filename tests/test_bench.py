@@ -725,7 +725,9 @@ def test_bench_quality_leaves_latest_on_the_first_model_asked_for(tmp_path, caps
     assert main(["bench", "quality", "--models", "dlrm", *settings]) == 0
     latest = tmp_path / "synthetic" / "train" / "latest"
     assert json.loads((latest / "result.json").read_text())["model"] == "dlrm"
-    assert f"{latest} -> {latest.resolve().name} (dlrm)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"{latest} -> {latest.resolve().name} (dlrm)" in out
+    assert "The test split's AUC has a standard error of about 0.0" in out and "positive): differences" in out
     assert main(["bench", "quality", "--models", "dlrm", *settings, "train.run=mine"]) == 2
     assert "train.run=mine: bench quality trains a run for each model" in capsys.readouterr().err
 

@@ -13,6 +13,8 @@ Example::
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 _BINS = 1 << 20
@@ -38,6 +40,20 @@ def roc_auc(labels: np.ndarray, scores: np.ndarray) -> float:
     ranks = np.empty(scores.size, dtype=np.float64)
     ranks[order] = np.repeat(mean_rank, ends - starts)
     return float((ranks[labels].sum() - positives * (positives + 1) / 2.0) / (positives * negatives))
+
+
+def auc_standard_error(auc: float, positives: int, negatives: int) -> float:
+    """The standard error of an AUC measured on this many positive and negative rows (Hanley and McNeil, 1982): how
+    far another draw of as many rows would move it, typically; NaN without both classes.
+
+    The test split of a table of a few thousand rows leaves an AUC uncertain in its second decimal (about 0.01 at
+    2,000 rows), so that models a few thousandths apart there are not told apart."""
+    if not positives or not negatives or math.isnan(auc):
+        return float("nan")
+    q1, q2 = auc / (2 - auc), 2 * auc * auc / (1 + auc)
+    variance = (auc * (1 - auc) + (positives - 1) * (q1 - auc * auc) + (negatives - 1) * (q2 - auc * auc)) / (
+        positives * negatives)
+    return float(np.sqrt(max(variance, 0.0)))
 
 
 def log_loss(labels: np.ndarray, probabilities: np.ndarray) -> float:

@@ -30,7 +30,7 @@ folder (written by global rank 0, which names it for every rank)::
                         the best epoch's by valid log loss with ``train.early_stopping``, else the last
     checkpoints/        see :mod:`pipeline.train.checkpoint`
     metrics.jsonl       one JSON object per line: training loss / lr / samples/s, valid scores
-    result.json         the run's name, test AUC and log loss (one process: and the oracle's, the gap),
+    result.json         the run's name, test AUC (and its standard error) and log loss (one process: and the oracle's, the gap),
                         throughput, and ``kept``: the epoch and step whose weights were scored (null: the
                         last); with host-cached tables, ``embedding_cache``: each one's training rows found
                         in its device cache; with dynamic tables, ``dynamic_tables``: each one's ids, rows,
@@ -410,7 +410,7 @@ def _summary(cfg: TrainConfig, spec: dict, world: World, fitted: dict, test: dic
 
 def _report(result: dict, path: Path) -> None:
     test = result["test"]
-    scores = f"test AUC {test['auc']:.4f}, logloss {test['logloss']:.4f}"
+    scores = f"test AUC {test['auc']:.4f}{_uncertainty(test)}, logloss {test['logloss']:.4f}"
     if "ranks" in result:
         rate = result["samples_per_s_per_rank"]
         speed = _speed(rate * result["ranks"] if rate is not None else None, " over all ranks")
@@ -425,6 +425,17 @@ def _report(result: dict, path: Path) -> None:
         scores += (f" | kept epoch {kept['epoch']} (step {kept['step']}, the best valid logloss "
                    f"{kept['valid']['logloss']:.4f}, AUC {kept['valid']['auc']:.4f})")
     print(f"[train] {scores} | {_speed(result['samples_per_s'])} | {path}", flush=True)
+
+
+SHOWN_AUC_SE = 0.002
+"""A test AUC's standard error from which the run's last line shows it: the AUC's third decimal is then noise."""
+
+
+def _uncertainty(test: dict) -> str:
+    """`` ± 0.009`` after an AUC whose test split is small enough to leave its standard error at least
+    :data:`SHOWN_AUC_SE` (a few thousand rows), else nothing."""
+    se = test.get("auc_se", float("nan"))
+    return f" ± {se:.3f}" if se >= SHOWN_AUC_SE else ""
 
 
 def _speed(samples_per_s: float | None, where: str = "") -> str:

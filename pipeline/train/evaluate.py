@@ -3,7 +3,7 @@
 Example::
 
     labels, probs = predict(model, loader, device)
-    evaluate(model, loader, device)   # {"rows": 100000, "auc": 0.79, "logloss": 0.47, "positive_rate": 0.25}
+    evaluate(model, loader, device)   # {"rows": 100000, "auc": 0.79, "auc_se": 0.0015, "logloss": 0.47, ...}
     evaluate(dmp, loader, device, world=world)   # on N ranks: over every rank's rows, the same on each
 """
 
@@ -15,7 +15,7 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
-from pipeline.data.metrics import log_loss, roc_auc
+from pipeline.data.metrics import auc_standard_error, log_loss, roc_auc
 from pipeline.distributed.world import World
 
 
@@ -48,11 +48,15 @@ def predict(model: torch.nn.Module, batches: Iterable, device: torch.device,
 
 
 def scores(labels: np.ndarray, probs: np.ndarray) -> dict[str, float]:
-    """``rows``, ``positive_rate``, ``auc`` (exact) and ``logloss`` of probabilities against 0/1 labels."""
+    """``rows``, ``positive_rate``, ``auc`` (exact), ``auc_se`` (its standard error for this many rows of each label)
+    and ``logloss`` of probabilities against 0/1 labels."""
+    positives = int(np.count_nonzero(labels))
+    auc = roc_auc(labels, probs)
     return {
         "rows": int(labels.size),
         "positive_rate": float(labels.mean()) if labels.size else float("nan"),
-        "auc": roc_auc(labels, probs),
+        "auc": auc,
+        "auc_se": auc_standard_error(auc, positives, int(labels.size) - positives),
         "logloss": log_loss(labels, probs) if labels.size else float("nan"),
     }
 
