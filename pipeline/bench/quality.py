@@ -61,7 +61,7 @@ def run(args: argparse.Namespace, cfg) -> dict:
         gap = "" if r["gap_to_oracle"] is None else f"{r['gap_to_oracle']:.4f}"
         print(f"{model:<10} {r['test_auc']:>9.4f} {r['test_auc'] - base:>+12.4f} {r['test_logloss']:>8.4f} "
               f"{r['epochs']:>7} {r['kept_epoch'] or '':>5} {gap:>11} {r['seconds']:>8.1f}")
-    se = rows[BASELINE]["test_auc_se"]  # every model's test split is the same rows: `test` is the baseline's, its last
+    se = rows[BASELINE]["test_auc_se"]  # the models share one test split; `test` is the baseline's (trained last)
     if se is not None and not math.isnan(se):
         print(f"\nThe test split's AUC has a standard error of about {se:.4f} ({test['rows']:,} rows, "
               f"{test['positive_rate']:.1%} positive): differences between models under about {2 * se:.3f} are within "
