@@ -33,9 +33,9 @@ folder (written by global rank 0, which names it for every rank)::
     result.json         the run's name, test AUC (with its standard error) and log loss (one process: and the
                         oracle's, the gap), throughput, and ``kept``: the epoch and step whose weights were
                         scored (null: the last); with host-cached tables, ``embedding_cache``: each one's
-                        training rows found in its device cache; with dynamic tables, ``dynamic_tables``: each one's ids, rows,
-                        evictions and admission candidates (both also printed); written last, so a run with
-                        a result.json is finished
+                        training rows found in its device cache; with dynamic tables, ``dynamic_tables``: each
+                        one's ids, rows, evictions and admission candidates (both also printed); written last,
+                        so a run with a result.json is finished
 
 Example::
 
