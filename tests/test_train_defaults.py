@@ -75,7 +75,7 @@ def test_with_the_defaults_every_model_trains_as_well_as_logistic_regression_on_
 
     from pipeline.bench import quality
 
-    cfg = load_config(None, [f"workdir={tmp_path}", "device=cpu", "data.rows=20000", "train.threads=1"])
+    cfg = load_config(None, [f"workdir={tmp_path}", "device=cpu", "data.rows=20000", "train.threads=2"])
     result = quality.run(argparse.Namespace(models="dlrm,dcnv2,deepfm,wide_deep"), cfg)["models"]
     assert result["dlrm"]["epochs"] > 1 and result["dlrm"]["kept_epoch"] < result["dlrm"]["epochs"]
     for model in ("dlrm", "dcnv2", "deepfm", "wide_deep"):
@@ -132,7 +132,7 @@ def test_with_the_defaults_dlrm_learns_a_table_of_many_sparse_features_of_a_few_
     table = {"label": (rng.random(rows) < 1 / (1 + np.exp(-logit))).astype(np.int64)}
     table.update({f"c{c}": [f"v{v}" for v in codes[:, c]] for c in range(features)})
     pa.csv.write_csv(pa.table(table), tmp_path / "table.csv")
-    cfg = load_config(None, [f"workdir={tmp_path / 'work'}", "device=cpu", "progress=off", "train.threads=1",
+    cfg = load_config(None, [f"workdir={tmp_path / 'work'}", "device=cpu", "progress=off", "train.threads=2",
                              "data.source=table", f"data.path={tmp_path / 'table.csv'}", "data.label=label",
                              f"data.categorical=[{','.join(f'c{c}' for c in range(features))}]"])
     result = quality.run(argparse.Namespace(models="dlrm"), cfg)["models"]
