@@ -121,6 +121,21 @@ def test_cudf_reader_pieces_cover_every_row_group_once(files):
     assert gpu_pieces(paths, ["C", "I"]) == [[(str(paths[0]), [0, 1, 2]), (str(paths[1]), [0])]]
 
 
+def test_a_file_s_footer_is_read_once_until_the_file_changes(tmp_path):
+    """The fit and the transform of a split plan their partitions from the same files: each footer is read once, and
+    read again when its file is written anew."""
+    from pipeline.etl.frame_library import _read_footer, gpu_pieces
+
+    path = tmp_path / "part-0.parquet"
+    pq.write_table(pa.table({"C": [str(i) for i in range(30)], "I": list(range(30))}), path, row_group_size=30)
+    assert gpu_pieces([path], ["C", "I"]) == [[(str(path), [0])]]
+    reads = _read_footer.cache_info().misses
+    assert gpu_pieces([path], ["C", "I"]) == [[(str(path), [0])]]
+    assert _read_footer.cache_info().misses == reads
+    pq.write_table(pa.table({"C": [str(i) for i in range(90)], "I": list(range(90))}), path, row_group_size=30)
+    assert gpu_pieces([path], ["C", "I"]) == [[(str(path), [0, 1, 2])]]
+
+
 @pytest.mark.parametrize("library", ["pandas", "cudf"])
 def test_a_column_of_numbers_in_one_file_and_text_in_another_is_refused_naming_both(tmp_path, library):
     """HashBucket hashes 7 as a number's bytes and "7" as text: one id was two buckets, silently. A column without

@@ -14,7 +14,9 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
+import os
 from pathlib import Path
 from typing import Any
 
@@ -124,8 +126,8 @@ def gpu_pieces(files: list[Path], columns: list[str]) -> list[list[tuple[str, li
     total = 0
     first = None
     for f in files:
-        meta = pq.ParquetFile(f).metadata
-        first = _check_columns(f, meta.schema.to_arrow_schema(), columns, first)
+        meta, schema = parquet_footer(f)
+        first = _check_columns(f, schema, columns, first)
         wanted = [i for i in range(meta.num_columns) if meta.schema.column(i).path.split(".")[0] in names]
         for g in range(meta.num_row_groups):
             group = meta.row_group(g)
@@ -203,8 +205,8 @@ def _pieces(files: list[Path], partition_rows: int, columns: list[str]) -> list[
     pieces = []
     first = None
     for path in files:
-        metadata = pq.read_metadata(path)
-        first = _check_columns(path, metadata.schema.to_arrow_schema(), columns, first)
+        metadata, schema = parquet_footer(path)
+        first = _check_columns(path, schema, columns, first)
         group: list[int] = []
         rows = 0
         for i in range(metadata.num_row_groups):
@@ -218,6 +220,19 @@ def _pieces(files: list[Path], partition_rows: int, columns: list[str]) -> list[
     return pieces
 
 
+def parquet_footer(path: str | Path) -> tuple[pq.FileMetaData, pa.Schema]:
+    """A parquet file's footer and its Arrow schema, read once for each version of the file (its inode, size and
+    modification time): the fit and the transform of a split plan their partitions from the same files."""
+    stat = os.stat(path)
+    return _read_footer(str(path), stat.st_ino, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4096)
+def _read_footer(path: str, inode: int, size: int, mtime_ns: int) -> tuple[pq.FileMetaData, pa.Schema]:
+    metadata = pq.read_metadata(path)
+    return metadata, metadata.schema.to_arrow_schema()
+
+
 def _check_columns(path: Path, schema: pa.Schema, columns: list[str],
                    first: tuple[Path, pa.Schema] | None = None) -> tuple[Path, pa.Schema]:
     """Refuse a file that lacks some of ``columns``, or that holds one of them as text where the ``first`` file of
@@ -225,7 +240,10 @@ def _check_columns(path: Path, schema: pa.Schema, columns: list[str],
     counts 7 and "7" as one value, but the hashing operators hash a number's bytes and a text's characters, so one id
     would be two. A column without any value (Arrow's null type) fits either. Returns ``first``, or this file where
     there is none."""
-    missing = [c for c in columns if c not in schema.names]
+    if first is not None and schema.equals(first[1]):
+        return first
+    names = set(schema.names)
+    missing = [c for c in columns if c not in names]
     if missing:
         raise BadInputError(f"{path}: expected the columns {columns}; missing {missing}; found {schema.names}")
     if first is None:
