@@ -161,3 +161,57 @@ def test_merged_counts_keep_each_column_apart_where_a_partition_has_none_of_its_
     assert merged.bounds == [0, 2, 4, 5]
     assert [dict(zip(f["value"], f["count"])) for f in keyed.merge_columns([merged, parts[1]])] == [
         {"a": 2, "b": 2}, {"a": 2, "z": 2}, {"q": 2}]
+
+
+def test_copies_of_a_fitted_operator_share_its_key_tables_until_a_vocabulary_is_set_again(monkeypatch):
+    """Each Dask task unpickles its own copy of the operator: the key table built for one task's copy serves the next
+    (found by the vocabulary's id, not by the copy's object); a vocabulary fitted again gets a table of its own."""
+    import pickle
+
+    from pipeline.etl.ops import categorify
+
+    monkeypatch.setattr(categorify, "_KEY_TABLES_BY_ID", categorify._KeyTablesById(1 << 30))
+    builds = []
+    monkeypatch.setattr(categorify, "key_table", lambda values: builds.append(len(values)) or keyed.key_table(values))
+    train, valid = categorical_rows(3000, seed=4), categorical_rows(1000, seed=5, unseen=True)
+    op = Workflow(["s"] >> Categorify()).fit(train).operators()[0][0]
+    want = op.transform_column("s", valid["s"])
+    for _ in range(3):
+        copy = pickle.loads(pickle.dumps(op))
+        codes = _keyed_codes(_plain_strings(valid["s"]), copy.vocabularies["s"], copy.vocabulary_ids["s"])
+        np.testing.assert_array_equal(codes, want)
+    first = len(op.vocabularies["s"])
+    assert builds == [first]
+
+    first_id = op.vocabulary_ids["s"]
+    op = Workflow(["s"] >> Categorify(max_vocab_size=5)).fit(train).operators()[0][0]
+    assert op.vocabulary_ids["s"] != first_id
+    copy = pickle.loads(pickle.dumps(op))
+    codes = _keyed_codes(_plain_strings(valid["s"]), copy.vocabularies["s"], copy.vocabulary_ids["s"])
+    np.testing.assert_array_equal(codes, op.transform_column("s", valid["s"]))
+    assert builds == [first, 5]
+
+
+def test_key_tables_kept_by_id_stay_within_their_bytes_the_last_one_always_kept():
+    from pipeline.etl.ops import categorify
+
+    kept = categorify._KeyTablesById(budget=2 * 3 * 8 * 10)  # two tables of 10 values
+    tables = {name: keyed.key_table(pd.Series([f"{name}{i}" for i in range(10)])) for name in "abc"}
+    for name in "abc":
+        kept.get((name,), lambda name=name: tables[name])
+    assert list(kept.tables) == [("b",), ("c",)] and kept.held == 2 * 240
+    kept.get(("b",), lambda: pytest.fail("b is kept"))
+    kept.get(("a",), lambda: tables["a"])
+    assert list(kept.tables) == [("b",), ("a",)]
+    huge = categorify._KeyTablesById(budget=1)
+    huge.get(("a",), lambda: tables["a"])
+    assert list(huge.tables) == [("a",)]
+
+
+def test_a_loaded_workflow_has_ids_for_its_vocabularies(tmp_path):
+    train = categorical_rows(500, seed=6)
+    workflow = Workflow(["s", "M"] >> Categorify()).fit(train)
+    workflow.save(tmp_path / "wf")
+    loaded = Workflow.load(tmp_path / "wf").operators()[0][0]
+    assert set(loaded.vocabulary_ids) == {"s", "M"}
+    assert loaded.vocabulary_ids["s"] != workflow.operators()[0][0].vocabulary_ids["s"]

@@ -26,7 +26,10 @@ Example::
 
 from __future__ import annotations
 
+import threading
+import uuid
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -87,6 +90,9 @@ class Categorify(Operator):
         self.max_vocab_size = int(max_vocab_size)
         self.split_out = split_out
         self.vocabularies: dict[str, pa.Array] = {}
+        self.vocabulary_ids: dict[str, str] = {}
+        """A new id each time a column's vocabulary is set; copies of the operator (Dask's tasks) share it, so a
+        worker keeps what it builds from a vocabulary (its GPU key table) for the tasks after (:func:`_key_table`)."""
         self.counts: dict[str, np.ndarray] = {}
         self.multihot: dict[str, bool] = {}
         self.max_lengths: dict[str, int] = {}
@@ -159,7 +165,11 @@ class Categorify(Operator):
         table = table.take(order)
         if self.max_vocab_size:
             table = table.slice(0, self.max_vocab_size)
+        self._set_vocabulary(name, table)
+
+    def _set_vocabulary(self, name: str, table: pa.Table) -> None:
         self.vocabularies[name] = table["value"].combine_chunks().cast(pa.string())
+        self.__dict__.setdefault("vocabulary_ids", {})[name] = uuid.uuid4().hex
         self.counts[name] = table["count"].to_numpy()
         self.__dict__.pop("_index", None)
 
@@ -167,7 +177,7 @@ class Categorify(Operator):
         self._require_fitted()
         vocab = self.vocabularies[name]
         if is_cudf(values):
-            return _encode_cudf(values, vocab, self.multihot[name])
+            return _encode_cudf(values, vocab, self.multihot[name], self.__dict__.get("vocabulary_ids", {}).get(name))
         if self.multihot[name]:
             return _encode_lists(values, vocab, name)
         return _encode(as_arrow_strings(values, keep_dictionary=True, name=name), vocab)
@@ -276,9 +286,7 @@ class Categorify(Operator):
             table = pq.read_table(directory / info["file"])
             if table.num_rows != info["size"]:
                 raise ValueError(f"vocabulary of {name}: expected {info['size']} values, the file has {table.num_rows}")
-            self.vocabularies[name] = table["value"].combine_chunks().cast(pa.string())
-            self.counts[name] = table["count"].to_numpy()
-            self.__dict__.pop("_index", None)
+            self._set_vocabulary(name, table)
             self.multihot[name] = info["multihot"]
             if info["multihot"]:
                 self.max_lengths[name] = info["max_length"]
@@ -312,8 +320,9 @@ def _encode_lists(values: Any, vocab: pa.Array, name: str | None = None) -> pd.S
     return lists_from_flat(_encode(pc.list_flatten(lists), vocab), list_lengths(lists), getattr(values, "index", None))
 
 
-def _encode_cudf(series: Any, vocab: pa.Array, multihot: bool) -> Any:
-    """The cuDF path: codes from the vocabulary's sorted 64-bit keys on the GPU (:func:`_keyed_codes`).
+def _encode_cudf(series: Any, vocab: pa.Array, multihot: bool, vocab_id: str | None = None) -> Any:
+    """The cuDF path: codes from the vocabulary's sorted 64-bit keys on the GPU (:func:`_keyed_codes`; ``vocab_id``:
+    the operator's id of the vocabulary, under which a worker keeps its key table).
 
     The values become the same text as on pandas (:func:`cudf_strings`). Multi-hot lists: their
     leaves are coded the same way and put back into lists of the same lengths on the GPU, a missing
@@ -323,12 +332,12 @@ def _encode_cudf(series: Any, vocab: pa.Array, multihot: bool) -> Any:
     import cudf
 
     if not multihot:
-        return cudf.Series(_keyed_codes(cudf_strings(series), vocab), index=series.index, name=series.name)
-    return cudf_map_lists(series, lambda leaves: _keyed_codes(cudf_strings(leaves), vocab),
+        return cudf.Series(_keyed_codes(cudf_strings(series), vocab, vocab_id), index=series.index, name=series.name)
+    return cudf_map_lists(series, lambda leaves: _keyed_codes(cudf_strings(leaves), vocab, vocab_id),
                           lambda host: _encode_lists(host, vocab))
 
 
-def _keyed_codes(strings: Any, vocab: pa.Array) -> Any:
+def _keyed_codes(strings: Any, vocab: pa.Array, vocab_id: str | None = None) -> Any:
     """int32 codes of a Series of strings (cuDF or pandas) found through the vocabulary's keys
     (:func:`keyed.look_up_codes`), as an array of the Series' library; a vocabulary holding two values of one
     key is looked up by its strings instead. No rows (Dask's metadata, an empty partition) need no key table: Dask's
@@ -339,7 +348,7 @@ def _keyed_codes(strings: Any, vocab: pa.Array) -> Any:
 
             return cupy.zeros(0, dtype=cupy.int32)
         return np.zeros(0, dtype=np.int32)
-    table = _key_table(vocab, strings)
+    table = _key_table(vocab, strings, vocab_id)
     if not table.exact:
         return _codes_by_strings(strings, vocab)
     return look_up_codes(table, strings, RESERVED, OOV_INDEX, NULL_INDEX)
@@ -391,11 +400,65 @@ def _gpu_vocabulary(vocab: pa.Array, dtype: Any) -> Any:
 _KEY_TABLES: dict[tuple, KeyTable] = {}
 
 
-def _key_table(vocab: pa.Array, like: Any) -> KeyTable:
+class _KeyTablesById:
+    """Key tables by vocabulary id (:attr:`Categorify.vocabulary_ids`), the most recently used kept while all of them
+    take at most ``budget`` bytes (one is always kept). A Dask task gets its own copy of the operator, vocabularies
+    included, so a table kept with the copy (as :func:`_per_vocabulary` keeps it) would be built again for every
+    partition and every split: hashing and sorting each vocabulary and checking its keys, a few calls and
+    synchronisations a column for each task."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.tables: OrderedDict[tuple, KeyTable] = OrderedDict()
+        self.held = 0
+        self._lock = threading.Lock()  # a worker of several threads (etl.gpu_threads) codes partitions at once
+
+    def get(self, key: tuple, build: Callable[[], KeyTable]) -> KeyTable:
+        with self._lock:
+            table = self.tables.get(key)
+            if table is not None:
+                self.tables.move_to_end(key)
+                return table
+        table = build()
+        with self._lock:
+            if key not in self.tables:
+                self.tables[key] = table
+                self.held += _table_bytes(table)
+            while self.held > self.budget and len(self.tables) > 1:
+                _, gone = self.tables.popitem(last=False)
+                self.held -= _table_bytes(gone)
+        return table
+
+
+def _table_bytes(table: KeyTable) -> int:
+    return int(table.keys.nbytes + table.checks.nbytes + table.positions.nbytes)
+
+
+KEY_TABLE_BYTES = 2 << 30
+"""What a process keeps of vocabularies' key tables between tasks (24 bytes a value: 2 GiB hold about 90M values);
+beyond it the least recently used are built again when next needed."""
+
+_KEY_TABLES_BY_ID = _KeyTablesById(KEY_TABLE_BYTES)
+
+
+def _key_table(vocab: pa.Array, like: Any, vocab_id: str | None = None) -> KeyTable:
     """The :class:`~pipeline.etl.ops.keyed.KeyTable` of a vocabulary in the library (and string dtype) of
-    the Series ``like``: on the GPU for cuDF, built on first use and kept while ``vocab`` lives."""
-    return _per_vocabulary(_KEY_TABLES, vocab, lambda: key_table(_vocabulary_series(vocab, like)),
-                           variant=(type(like).__module__, str(like.dtype)))
+    the Series ``like``: on the GPU for cuDF, built on first use; kept under the vocabulary's id where it has one
+    (:class:`_KeyTablesById`), else while ``vocab`` lives."""
+    variant = (type(like).__module__, str(like.dtype), _current_gpu() if is_cudf(like) else None)
+
+    def build() -> KeyTable:
+        return key_table(_vocabulary_series(vocab, like))
+
+    if vocab_id is None:
+        return _per_vocabulary(_KEY_TABLES, vocab, build, variant=variant)
+    return _KEY_TABLES_BY_ID.get((vocab_id, variant), build)
+
+
+def _current_gpu() -> int:
+    import cupy
+
+    return cupy.cuda.runtime.getDevice()
 
 
 def _vocabulary_series(vocab: pa.Array, like: Any) -> Any:
