@@ -227,7 +227,7 @@ def parquet_footer(path: str | Path) -> tuple[pq.FileMetaData, pa.Schema]:
     return _read_footer(str(path), stat.st_ino, stat.st_size, stat.st_mtime_ns)
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=512)
 def _read_footer(path: str, inode: int, size: int, mtime_ns: int) -> tuple[pq.FileMetaData, pa.Schema]:
     metadata = pq.read_metadata(path)
     return metadata, metadata.schema.to_arrow_schema()
