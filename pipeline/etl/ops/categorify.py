@@ -445,7 +445,7 @@ def _key_table(vocab: pa.Array, like: Any, vocab_id: str | None = None) -> KeyTa
     """The :class:`~pipeline.etl.ops.keyed.KeyTable` of a vocabulary in the library (and string dtype) of
     the Series ``like``: on the GPU for cuDF, built on first use; kept under the vocabulary's id where it has one
     (:class:`_KeyTablesById`), else while ``vocab`` lives."""
-    variant = (type(like).__module__, str(like.dtype), _current_gpu() if is_cudf(like) else None)
+    variant = (type(like).__module__, str(like.dtype))
 
     def build() -> KeyTable:
         return key_table(_vocabulary_series(vocab, like))
@@ -453,12 +453,6 @@ def _key_table(vocab: pa.Array, like: Any, vocab_id: str | None = None) -> KeyTa
     if vocab_id is None:
         return _per_vocabulary(_KEY_TABLES, vocab, build, variant=variant)
     return _KEY_TABLES_BY_ID.get((vocab_id, variant), build)
-
-
-def _current_gpu() -> int:
-    import cupy
-
-    return cupy.cuda.runtime.getDevice()
 
 
 def _vocabulary_series(vocab: pa.Array, like: Any) -> Any:
