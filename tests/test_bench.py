@@ -588,6 +588,9 @@ def test_etl_gpu_trace_records_each_worker_and_the_client(tmp_path):
     assert [phase["phase"] for phase in results] == ["fit", "transform+write"]
     assert all(len(phase["workers"]) == 2 and phase["wall_s"] > 0 for phase in results)
     assert results[0]["client"] and all(seconds >= 0 for _, seconds in results[0]["client"])
+    inside = dict(results[1]["client_inside"])
+    assert any(line.endswith(" transform_split") for line in inside)  # the stage's own steps, with what they call
+    assert 0 < results[1]["client_s"] <= results[1]["wall_s"] + 1
     assert len(list((tmp_path / "trace").glob("trace-transform-*.json"))) == 2
     assert json.loads((tmp_path / "trace" / "trace-summary.json").read_text()) == json.loads(json.dumps(results))
     assert trace._union([(5, 6), (0, 2), (1, 3), (1.5, 2.5)]) == 4  # overlapping work counted once

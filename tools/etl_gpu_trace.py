@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             if traced:
                 profile.disable()
                 results.append(_summary("fit", client.run(_stop, path=str(out / "trace-fit.json")), fit))
-                results[-1]["client"] = _hottest(profile)
+                results[-1].update(_client(profile))
                 client.run(_start)
                 profile = cProfile.Profile()
                 profile.enable()
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 spans = {worker: client.run(_stop, path=str(out / f"trace-transform-{n}.json"), workers=[worker])[worker]
                          for n, worker in enumerate(client.scheduler_info()["workers"])}
                 results.append(_summary("transform+write", spans, transform))
-                results[-1]["client"] = _hottest(profile)
+                results[-1].update(_client(profile))
             print(f"repeat {repeat + 1}: fit {fit:.3f} s, transform+write {transform:.3f} s", flush=True)
     for phase in results:
         print(f"\n{phase['phase']}: {phase['wall_s']} s; both workers' GPU activity {phase['gpu_union_s']} s")
@@ -94,7 +94,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
             print(f"  GPU busy {worker['gpu_busy_s']} s (copies {worker['copies_s']} s, {worker['events']} events): "
                   + ", ".join(f"{name} {ms:.1f} ms" for name, ms in list(worker["longest_ms"].items())[:6]))
         if "client" in phase:
-            print("  client: " + "; ".join(f"{line} {s} s" for line, s in phase["client"][:12]))
+            print(f"  client's own time {phase['client_s']} s; hottest: "
+                  + "; ".join(f"{line} {s} s" for line, s in phase["client"][:12]))
+            print("  client, by time inside: " + "; ".join(f"{line} {s} s" for line, s in phase["client_inside"][:16]))
     (out / "trace-summary.json").write_text(json.dumps(results, indent=1) + "\n")
     return results
 
@@ -153,13 +155,19 @@ _WAITS = ("SimpleQueue", "'acquire'", "wait", "select", "poll", "sleep")
 """What the client's waiting for the cluster is called in its profile."""
 
 
-def _hottest(profile: cProfile.Profile, top: int = 25) -> list[tuple[str, float]]:
-    """The client's functions by their own time in the profiled block, waiting for the cluster left out."""
+def _client(profile: cProfile.Profile, top: int = 25) -> dict:
+    """The client's time in the profiled block, waiting for the cluster left out: its sum (``client_s``), the
+    functions by their own time (``client``) and by their time with what they call (``client_inside``: which steps
+    of the stage's code hold the hottest ones)."""
     stats = pstats.Stats(profile, stream=io.StringIO())
-    rows = [(f"{Path(file).name}:{line} {name}", round(tottime, 4))
-            for (file, line, name), (_, _, tottime, _, _) in stats.stats.items()
-            if not any(wait in name for wait in _WAITS)]
-    return sorted(rows, key=lambda row: -row[1])[:top]
+    own, inside = [], []
+    for (file, line, name), (_, _, tottime, cumtime, _) in stats.stats.items():
+        if any(wait in name for wait in _WAITS):
+            continue
+        own.append((f"{Path(file).name}:{line} {name}", round(tottime, 4)))
+        inside.append((f"{Path(file).name}:{line} {name}", round(cumtime, 4)))
+    return {"client_s": round(sum(s for _, s in own), 3), "client": sorted(own, key=lambda row: -row[1])[:top],
+            "client_inside": sorted(inside, key=lambda row: -row[1])[:top * 2]}
 
 
 if __name__ == "__main__":
