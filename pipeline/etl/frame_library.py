@@ -23,6 +23,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.data.column_checks import is_text
 from pipeline.errors import BadInputError, UserError
 
 FRAME_LIBRARIES = ("pandas", "cudf")
@@ -263,7 +264,7 @@ def _is_text(kind: pa.DataType) -> bool:
         kind = kind.value_type
     if pa.types.is_dictionary(kind):
         kind = kind.value_type
-    return pa.types.is_string(kind) or pa.types.is_large_string(kind)
+    return is_text(kind)
 
 
 def _string_columns(schema: pa.Schema) -> list[str]:
