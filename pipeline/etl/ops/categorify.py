@@ -169,7 +169,7 @@ class Categorify(Operator):
 
     def _set_vocabulary(self, name: str, table: pa.Table) -> None:
         self.vocabularies[name] = table["value"].combine_chunks().cast(pa.string())
-        self.__dict__.setdefault("vocabulary_ids", {})[name] = uuid.uuid4().hex
+        self.vocabulary_ids[name] = uuid.uuid4().hex
         self.counts[name] = table["count"].to_numpy()
         self.__dict__.pop("_index", None)
 
@@ -177,7 +177,7 @@ class Categorify(Operator):
         self._require_fitted()
         vocab = self.vocabularies[name]
         if is_cudf(values):
-            return _encode_cudf(values, vocab, self.multihot[name], self.__dict__.get("vocabulary_ids", {}).get(name))
+            return _encode_cudf(values, vocab, self.multihot[name], self.vocabulary_ids.get(name))
         if self.multihot[name]:
             return _encode_lists(values, vocab, name)
         return _encode(as_arrow_strings(values, keep_dictionary=True, name=name), vocab)
