@@ -175,13 +175,17 @@ class DLRM(RecModel):
             self.bottom = mlp(sizes.bottom_mlp, num_dense, last_activation=True)
         else:
             self.bottom_vector = nn.Parameter(torch.randn(dim) / math.sqrt(dim))
-        self.top = mlp(sizes.top_mlp, dim + pair_count(self.num_slots + 1), last_activation=False)
+        self.top = mlp(sizes.top_mlp, self._top_input(dim, self.num_slots), last_activation=False)
 
     @staticmethod
     def top_width(sizes: ModelSizes, schema: Schema) -> int:
         """The width of the top MLP's input on ``schema``: the bottom MLP's output (or the learned vector) and the
         dot products of it and every sparse feature's embedding, each pair once."""
-        return sizes.embedding_dim + pair_count(len(schema.sparse) + 1)
+        return DLRM._top_input(sizes.embedding_dim, len(schema.sparse))
+
+    @staticmethod
+    def _top_input(dim: int, sparse_features: int) -> int:
+        return dim + pair_count(sparse_features + 1)
 
     def output_bias(self) -> nn.Parameter:
         return self.top[-1].bias
