@@ -4,6 +4,8 @@ pandas: the same counts, vocabularies and codes as the pandas path's Arrow code,
 
 from __future__ import annotations
 
+import uuid
+
 import numpy as np
 import pandas as pd
 import pyarrow as pa
@@ -93,12 +95,13 @@ def test_keyed_vocabularies_and_codes_equal_the_pandas_path(monkeypatch, collide
     assert fitted.max_lengths == expected.max_lengths
     valid = categorical_rows(2000, seed=3, unseen=True)
     for name in ("s", "i"):
-        codes = _keyed_codes(_plain_strings(valid[name]), expected.vocabularies[name])
+        codes = _keyed_codes(_plain_strings(valid[name]), expected.vocabularies[name], expected.vocabulary_ids[name])
         want = expected.transform_column(name, valid[name])
         np.testing.assert_array_equal(codes, want, err_msg=name)
         assert (want == 1).any() and (want == 0).any() and (want >= 2).any(), "OOV, missing and known values"
     leaves = pc.list_flatten(pa.array(valid["M"].array))
-    np.testing.assert_array_equal(_keyed_codes(_flat_strings(valid["M"]), expected.vocabularies["M"]),
+    np.testing.assert_array_equal(_keyed_codes(_flat_strings(valid["M"]), expected.vocabularies["M"],
+                                               expected.vocabulary_ids["M"]),
                                   _encode(leaves, expected.vocabularies["M"]))
 
 
@@ -127,7 +130,7 @@ def test_a_look_up_confirms_each_key_by_its_check_key(monkeypatch):
     with pytest.raises(ValueError, match="by its strings"):
         keyed.look_up(shared, pd.Series(["ab"]))
     vocab = pa.array(["ab", "cd", "e"])
-    np.testing.assert_array_equal(_keyed_codes(pd.Series(["cd", "ab", "zz", None, "e", "f"]), vocab),
+    np.testing.assert_array_equal(_keyed_codes(pd.Series(["cd", "ab", "zz", None, "e", "f"]), vocab, uuid.uuid4().hex),
                                   [3, 2, 1, 0, 4, 1])
 
 
@@ -142,12 +145,12 @@ def test_no_rows_are_coded_without_building_the_vocabularys_key_table():
     """Dask's metadata (an empty frame) goes through the transform on the client: it must not build key tables."""
     from pipeline.etl.ops import categorify
 
-    vocab = pa.array(["a", "b"])
-    codes = _keyed_codes(pd.Series([], dtype="string"), vocab)
+    vocab, vocab_id = pa.array(["a", "b"]), uuid.uuid4().hex
+    codes = _keyed_codes(pd.Series([], dtype="string"), vocab, vocab_id)
     assert codes.dtype == np.int32 and len(codes) == 0
-    assert not any(key[0] == id(vocab) for key in categorify._KEY_TABLES)
-    assert _keyed_codes(pd.Series(["b", None]), vocab).tolist() == [3, 0]
-    assert any(key[0] == id(vocab) for key in categorify._KEY_TABLES)
+    assert not any(key[0] == vocab_id for key in categorify._KEY_TABLES_BY_ID.tables)
+    assert _keyed_codes(pd.Series(["b", None]), vocab, vocab_id).tolist() == [3, 0]
+    assert any(key[0] == vocab_id for key in categorify._KEY_TABLES_BY_ID.tables)
 
 
 def test_merged_counts_keep_each_column_apart_where_a_partition_has_none_of_its_values():

@@ -246,7 +246,7 @@ def _categorify_pieces(frame, workflow, timed) -> None:
     timed(f"  Categorify: key tables, built anew ({each} vocabularies)",
           lambda: [keyed.key_table(vocabularies[n]) for n in columns])
     timed(f"  Categorify: codes by key ({each} cols)",
-          lambda: [_keyed_codes(strings[n], op.vocabularies[n]) for n in columns])
+          lambda: [_keyed_codes(strings[n], op.vocabularies[n], op.vocabulary_ids[n]) for n in columns])
     timed(f"  Categorify: codes by string ({each} cols)",
           lambda: [_codes_by_strings(strings[n], op.vocabularies[n]) for n in columns])
     if is_cudf(frame):

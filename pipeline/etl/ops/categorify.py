@@ -177,7 +177,7 @@ class Categorify(Operator):
         self._require_fitted()
         vocab = self.vocabularies[name]
         if is_cudf(values):
-            return _encode_cudf(values, vocab, self.multihot[name], self.vocabulary_ids.get(name))
+            return _encode_cudf(values, vocab, self.multihot[name], self.vocabulary_ids[name])
         if self.multihot[name]:
             return _encode_lists(values, vocab, name)
         return _encode(as_arrow_strings(values, keep_dictionary=True, name=name), vocab)
@@ -320,7 +320,7 @@ def _encode_lists(values: Any, vocab: pa.Array, name: str | None = None) -> pd.S
     return lists_from_flat(_encode(pc.list_flatten(lists), vocab), list_lengths(lists), getattr(values, "index", None))
 
 
-def _encode_cudf(series: Any, vocab: pa.Array, multihot: bool, vocab_id: str | None = None) -> Any:
+def _encode_cudf(series: Any, vocab: pa.Array, multihot: bool, vocab_id: str) -> Any:
     """The cuDF path: codes from the vocabulary's sorted 64-bit keys on the GPU (:func:`_keyed_codes`; ``vocab_id``:
     the operator's id of the vocabulary, under which a worker keeps its key table).
 
@@ -337,7 +337,7 @@ def _encode_cudf(series: Any, vocab: pa.Array, multihot: bool, vocab_id: str | N
                           lambda host: _encode_lists(host, vocab))
 
 
-def _keyed_codes(strings: Any, vocab: pa.Array, vocab_id: str | None = None) -> Any:
+def _keyed_codes(strings: Any, vocab: pa.Array, vocab_id: str) -> Any:
     """int32 codes of a Series of strings (cuDF or pandas) found through the vocabulary's keys
     (:func:`keyed.look_up_codes`), as an array of the Series' library; a vocabulary holding two values of one
     key is looked up by its strings instead. No rows (Dask's metadata, an empty partition) need no key table: Dask's
@@ -397,9 +397,6 @@ def _gpu_vocabulary(vocab: pa.Array, dtype: Any) -> Any:
     }), variant=str(dtype))
 
 
-_KEY_TABLES: dict[tuple, KeyTable] = {}
-
-
 class _KeyTablesById:
     """Key tables by vocabulary id (:attr:`Categorify.vocabulary_ids`), the most recently used kept while all of them
     take at most ``budget`` bytes (one is always kept). A Dask task gets its own copy of the operator, vocabularies
@@ -441,18 +438,12 @@ beyond it the least recently used are built again when next needed."""
 _KEY_TABLES_BY_ID = _KeyTablesById(KEY_TABLE_BYTES)
 
 
-def _key_table(vocab: pa.Array, like: Any, vocab_id: str | None = None) -> KeyTable:
+def _key_table(vocab: pa.Array, like: Any, vocab_id: str) -> KeyTable:
     """The :class:`~pipeline.etl.ops.keyed.KeyTable` of a vocabulary in the library (and string dtype) of
-    the Series ``like``: on the GPU for cuDF, built on first use; kept under the vocabulary's id where it has one
-    (:class:`_KeyTablesById`), else while ``vocab`` lives."""
-    variant = (type(like).__module__, str(like.dtype))
-
-    def build() -> KeyTable:
-        return key_table(_vocabulary_series(vocab, like))
-
-    if vocab_id is None:
-        return _per_vocabulary(_KEY_TABLES, vocab, build, variant=variant)
-    return _KEY_TABLES_BY_ID.get((vocab_id, variant), build)
+    the Series ``like``: on the GPU for cuDF, built on first use and kept under the vocabulary's id
+    (:class:`_KeyTablesById`)."""
+    return _KEY_TABLES_BY_ID.get((vocab_id, type(like).__module__, str(like.dtype)),
+                                 lambda: key_table(_vocabulary_series(vocab, like)))
 
 
 def _vocabulary_series(vocab: pa.Array, like: Any) -> Any:
