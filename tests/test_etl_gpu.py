@@ -194,6 +194,36 @@ def test_cudf_on_workers_sharing_a_gpu_equals_pandas(raw, pandas_run, tmp_path):
 
 
 @pytest.mark.gpu
+def test_workers_sharing_a_gpu_are_clients_of_an_mps_daemon_that_ends_with_the_cluster():
+    """etl.gpu_mps=on: every worker's CUDA context is a client of the cluster's own MPS server; this process is not
+    given the daemon's pipe, and the daemon and its folder are gone once the cluster is closed."""
+    import shutil
+    import subprocess
+
+    from distributed import Client
+
+    from pipeline.etl.cluster import _local_cluster
+    from pipeline.etl.mps import CONTROL
+
+    def ask(command: str, environ: dict) -> list[str]:
+        return subprocess.run([shutil.which(CONTROL)], input=command + "\n", env={**os.environ, **environ},
+                              capture_output=True, text=True, timeout=30, check=True).stdout.split()
+
+    with _local_cluster(1, "cudf", workers_per_gpu=2, gpu_mps="on") as cluster, Client(cluster) as client:
+        assert cluster.mps and "CUDA_MPS_PIPE_DIRECTORY" not in os.environ
+        pipes = client.run(lambda: {k: os.environ[k] for k in ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY")})
+        totals = client.run(lambda: int(__import__("cudf").Series([1, 2, 3]).sum()))
+        (environ,) = {tuple(sorted(p.items())) for p in pipes.values()}
+        environ = dict(environ)
+        worker_pids = set(client.run(os.getpid).values())
+        servers = ask("get_server_list", environ)
+        clients = {pid for server in servers for pid in ask(f"get_client_list {server}", environ)}
+    assert set(totals.values()) == {6} and len(worker_pids) == 2
+    assert len(servers) == 1 and {str(pid) for pid in worker_pids} <= clients, (servers, clients, worker_pids)
+    assert not Path(environ["CUDA_MPS_PIPE_DIRECTORY"]).exists()
+
+
+@pytest.mark.gpu
 def test_the_scheduler_knows_the_size_of_the_partitions_read_on_a_local_cuda_cluster(raw):
     """The scheduler places tasks by the sizes of their inputs: a worker that took a cuDF partition for 48 bytes
     (Dask's size of an object it does not know) had it moved to another worker for a dict of statistics."""

@@ -8,7 +8,8 @@
   ``etl.workers_per_gpu`` worker processes on each GPU (0: :func:`auto_workers_per_gpu`; on ``etl.workers`` GPUs if
   set) with ``etl.gpu_threads`` threads, each with an RMM pool of :data:`RMM_POOL_FRACTION` of its share of the GPU's
   memory and, with ``etl.gpu_spill``, cuDF's own spilling to host memory, its host allocator keeping freed memory
-  (:data:`GPU_WORKER_MALLOC`);
+  (:data:`GPU_WORKER_MALLOC`), and workers sharing a GPU clients of a CUDA MPS daemon of their own
+  (``etl.gpu_mps``, :mod:`pipeline.etl.mps`);
 - ``etl.cluster = "threads"``: Dask's threaded scheduler in this process, no cluster at all;
 - ``etl.cluster = "auto"``: a LocalCluster when the input is at least :data:`AUTO_LOCAL_BYTES` of
   parquet (starting worker processes costs about a second and pays off on large inputs only),
@@ -33,6 +34,7 @@ from typing import Any
 
 from pipeline.errors import UserError
 from pipeline.etl.config import EtlConfig
+from pipeline.etl.mps import mps_daemon
 
 AUTO_LOCAL_BYTES = 256 * 2**20
 """cluster=auto starts a LocalCluster from this much input parquet on (256 MiB, about 4-5M Criteo rows)."""
@@ -97,10 +99,10 @@ def etl_client(etl: EtlConfig, input_bytes: int = 0, library: str = "pandas",
                 raise _scheduler_gone(etl.scheduler, err) from None
         return
 
-    with _local_cluster(etl.workers, library, etl.gpu_threads, etl.gpu_spill, etl.workers_per_gpu) as cluster, \
-            Client(cluster) as client:
+    with _local_cluster(etl.workers, library, etl.gpu_threads, etl.gpu_spill, etl.workers_per_gpu,
+                        etl.gpu_mps) as cluster, Client(cluster) as client:
         per_gpu = getattr(cluster, "workers_per_gpu", 1)
-        shared = f", {per_gpu} a GPU" if per_gpu > 1 else ""
+        shared = (f", {per_gpu} a GPU" if per_gpu > 1 else "") + (", MPS" if getattr(cluster, "mps", False) else "")
         count = len(client.scheduler_info()["workers"])
         with _workers_that_died(_more_memory_a_worker(library, count, per_gpu, etl.gpu_spill)):
             yield f"{type(cluster).__name__}({count} workers{shared})"
@@ -266,19 +268,23 @@ system; a GPU worker's data lives on the device.
 
 
 @contextlib.contextmanager
-def _worker_environment(environ: dict[str, str]) -> Iterator[None]:
+def _worker_environment(environ: dict[str, str], workers_only: dict[str, str] | None = None) -> Iterator[None]:
     """Start the enclosed cluster's worker processes with ``environ`` set from their first instruction (Dask's
-    pre-spawn environment); this process's own values come back after.
+    pre-spawn environment), and ``workers_only`` set as they start, before any CUDA call (Dask's worker
+    environment); this process's own values come back after.
 
-    The nanny sets that environment in this process too, and takes a value found there over its configuration: an
-    earlier cluster of this process would have left Dask's own trim threshold to win. So ``environ`` wins here.
+    The nanny sets the pre-spawn environment in this process too, and takes a value found there over its
+    configuration: an earlier cluster of this process would have left Dask's own trim threshold to win. So
+    ``environ`` wins here. ``workers_only`` stays out of this process (an MPS daemon's pipe: this process's own CUDA
+    context must not depend on a daemon that ends with the cluster).
     """
     import dask
 
     before = {name: os.environ.pop(name, None) for name in environ}
     spawn = {**dask.config.get("distributed.nanny.pre-spawn-environ", {}), **environ}
+    started = {**dask.config.get("distributed.nanny.environ", {}), **(workers_only or {})}
     try:
-        with dask.config.set({"distributed.nanny.pre-spawn-environ": spawn}):
+        with dask.config.set({"distributed.nanny.pre-spawn-environ": spawn, "distributed.nanny.environ": started}):
             yield
     finally:
         for name, value in before.items():
@@ -290,7 +296,7 @@ def _worker_environment(environ: dict[str, str]) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _local_cluster(workers: int, library: str, gpu_threads: int = 1, gpu_spill: bool = True,
-                   workers_per_gpu: int = 0) -> Iterator[Any]:
+                   workers_per_gpu: int = 0, gpu_mps: str = "auto") -> Iterator[Any]:
     if library == "cudf":
         try:
             from dask_cuda import LocalCUDACluster
@@ -310,7 +316,9 @@ def _local_cluster(workers: int, library: str, gpu_threads: int = 1, gpu_spill: 
         options = {"n_workers": workers or None, "threads_per_worker": gpu_threads, "dashboard_address": None,
                    "rmm_pool_size": _device_bytes(RMM_POOL_FRACTION / workers_per_gpu),
                    "enable_cudf_spill": gpu_spill, "preload": [WORKER_SETUP], **shared}
-        with _worker_environment(GPU_WORKER_MALLOC), cluster_class(**options) as cluster:
+        with mps_daemon(gpu_mps, shared=workers_per_gpu > 1) as mps, _worker_environment(GPU_WORKER_MALLOC, mps), \
+                cluster_class(**options) as cluster:
+            cluster.mps = bool(mps)
             yield cluster
         return
     from distributed import LocalCluster

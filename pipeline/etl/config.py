@@ -32,6 +32,10 @@ class EtlConfig:
         default=1, metadata={"help": "threads of each LocalCUDACluster worker (2: one partition is read or "
                                      "written while another is computed on the same GPU)"}
     )
+    gpu_mps: str = field(default="auto", metadata={
+        "help": "auto | on | off: the LocalCUDACluster's workers as clients of a CUDA MPS daemon of their own, so "
+                "that the kernels and copies of workers sharing a GPU run on it together instead of in turns (auto: "
+                "where workers share a GPU and nvidia-cuda-mps-control is on PATH)"})
     gpu_spill: bool = field(
         default=True, metadata={"help": "cuDF spills its buffers to host memory when a GPU fills up (false: no "
                                         "spill manager tracking every buffer, for data that fits the GPUs)"}
@@ -59,6 +63,8 @@ class EtlConfig:
     def __post_init__(self) -> None:
         if self.cluster not in ("auto", "local", "threads"):
             raise ValueError(f"etl.cluster: expected auto, local or threads, got {self.cluster!r}")
+        if self.gpu_mps not in ("auto", "on", "off"):
+            raise ValueError(f"etl.gpu_mps: expected auto, on or off, got {self.gpu_mps!r}")
         check_range("etl.workers", self.workers, 0)
         check_range("etl.gpu_threads", self.gpu_threads, 1)
         check_range("etl.workers_per_gpu", self.workers_per_gpu, 0)
