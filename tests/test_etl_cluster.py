@@ -235,6 +235,17 @@ def test_workers_a_gpu_by_default_are_two_where_the_cores_allow():
     assert auto_workers_per_gpu(8, cores=8 * SHARED_GPU_WORKERS - 1) == 1 and auto_workers_per_gpu(1, cores=1) == 1
 
 
+def test_workers_a_gpu_by_default_with_mps_are_more_where_the_cores_allow():
+    """With MPS the workers' kernels run on the GPU at once: more of them a GPU, as many as the cores allow."""
+    from pipeline.etl.cluster import MPS_GPU_WORKERS, SHARED_GPU_WORKERS, auto_workers_per_gpu
+
+    assert MPS_GPU_WORKERS > SHARED_GPU_WORKERS
+    assert auto_workers_per_gpu(1, cores=16, mps=True) == MPS_GPU_WORKERS
+    assert auto_workers_per_gpu(4, cores=4 * MPS_GPU_WORKERS, mps=True) == MPS_GPU_WORKERS
+    assert auto_workers_per_gpu(4, cores=4 * MPS_GPU_WORKERS - 1, mps=True) == MPS_GPU_WORKERS - 1
+    assert auto_workers_per_gpu(8, cores=8, mps=True) == 1
+
+
 def test_more_gpu_workers_than_gpus_is_one_error_line_naming_the_setting():
     from pipeline.errors import UserError
     from pipeline.etl.cluster import gpus_used

@@ -34,7 +34,7 @@ from typing import Any
 
 from pipeline.errors import UserError
 from pipeline.etl.config import EtlConfig
-from pipeline.etl.mps import mps_daemon
+from pipeline.etl.mps import mps_daemon, mps_wanted
 
 AUTO_LOCAL_BYTES = 256 * 2**20
 """cluster=auto starts a LocalCluster from this much input parquet on (256 MiB, about 4-5M Criteo rows)."""
@@ -44,8 +44,12 @@ RMM_POOL_FRACTION = 0.5
 grow); workers sharing a GPU (``etl.workers_per_gpu``) take that share of this each."""
 
 SHARED_GPU_WORKERS = 2
-"""Worker processes a GPU when ``etl.workers_per_gpu`` is 0 (auto) and the cores allow: the count that did best in
-docs/BENCHMARKS.md, "Worker processes sharing the GPU"."""
+"""Worker processes a GPU when ``etl.workers_per_gpu`` is 0 (auto) and the cores allow, without MPS: the count that
+did best in docs/BENCHMARKS.md, "Worker processes sharing the GPU"."""
+
+MPS_GPU_WORKERS = 3
+"""The same, with the workers clients of an MPS daemon (``etl.gpu_mps``): kernels of all of them then run on the GPU
+at once, and more workers kept it busy (docs/BENCHMARKS.md, "Workers sharing a GPU through MPS")."""
 
 DEVICE_SPILL_FRACTION = 0.8
 """Workers sharing a GPU: each spills to host memory from its share of this fraction of the GPU's memory
@@ -304,7 +308,7 @@ def _local_cluster(workers: int, library: str, gpu_threads: int = 1, gpu_spill: 
             raise UserError(f"the cudf backend needs dask-cuda for its cluster ({type(err).__name__}: {err}): "
                             "install it or use --device cpu") from err
         gpus = gpus_used(workers, _gpu_count())
-        workers_per_gpu = workers_per_gpu or auto_workers_per_gpu(gpus)
+        workers_per_gpu = workers_per_gpu or auto_workers_per_gpu(gpus, mps=mps_wanted(gpu_mps, shared=True))
         cluster_class = LocalCUDACluster if workers_per_gpu == 1 else _shared_gpu_cluster(LocalCUDACluster)
         shared = {} if workers_per_gpu == 1 else {
             "n_workers": gpus * workers_per_gpu, "workers_per_gpu": workers_per_gpu,
@@ -385,11 +389,13 @@ def gpus_used(workers: int, visible: int) -> int:
     return workers or visible
 
 
-def auto_workers_per_gpu(gpus: int, cores: int | None = None) -> int:
-    """``etl.workers_per_gpu=0``: :data:`SHARED_GPU_WORKERS` a GPU where the machine has at least that many cores a
-    GPU, else 1 (each worker's host work wants a core of its own)."""
+def auto_workers_per_gpu(gpus: int, cores: int | None = None, mps: bool = False) -> int:
+    """``etl.workers_per_gpu=0``: :data:`MPS_GPU_WORKERS` a GPU with MPS, else :data:`SHARED_GPU_WORKERS`, where the
+    machine has at least that many cores a GPU; else the most it has cores for, at least 1 (each worker's host work
+    wants a core of its own)."""
     cores = cores or os.cpu_count() or 1
-    return SHARED_GPU_WORKERS if cores >= SHARED_GPU_WORKERS * max(gpus, 1) else 1
+    wanted = MPS_GPU_WORKERS if mps else SHARED_GPU_WORKERS
+    return max(1, min(wanted, cores // max(gpus, 1)))
 
 
 def _gpu_count() -> int:

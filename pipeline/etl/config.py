@@ -26,8 +26,8 @@ class EtlConfig:
     workers_per_gpu: int = field(default=0, metadata={
         "help": "LocalCUDACluster worker processes on each GPU, sharing it (each with its share of the GPU's "
                 "memory): one partition's host work (Python, parquet encoding) runs while the GPU computes "
-                "another's (0: 2 where the machine has 2 cores a GPU, else 1; 1: one worker a GPU, "
-                "dask-cuda's way)"})
+                "another's (0: 3 as clients of MPS, see etl.gpu_mps, else 2, or fewer where the machine has fewer cores a GPU; "
+                "1: one worker a GPU, dask-cuda's way)"})
     gpu_threads: int = field(
         default=1, metadata={"help": "threads of each LocalCUDACluster worker (2: one partition is read or "
                                      "written while another is computed on the same GPU)"}
