@@ -2,7 +2,8 @@
 
 The machines of the CPU tests have no NVIDIA driver: a shell script in a folder put first on PATH stands in for
 ``nvidia-cuda-mps-control`` there (in the foreground it opens ``<pipe>/control`` and runs until told to quit, as the
-real one does). The real daemon with a LocalCUDACluster is in tests/test_etl_gpu.py.
+real one does), and a program that checks it was given the daemon's pipe for the CUDA program that checks the daemon
+serves (``mps.CLIENT_CHECK``). The real daemon with a LocalCUDACluster is in tests/test_etl_gpu.py.
 """
 
 from __future__ import annotations
@@ -52,7 +53,13 @@ def _stand_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, start: str = ': >
     monkeypatch.setenv("JOURNAL", str(journal))
     monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
     monkeypatch.setattr(mps, "SYSTEM_PIPE", tmp_path / "no-system-daemon")
+    monkeypatch.setattr(mps, "CLIENT_CHECK", CLIENT_CHECK)
     return journal
+
+
+CLIENT_CHECK = [sys.executable, "-c", ("import os, pathlib, sys; "
+                "sys.exit(0 if (pathlib.Path(os.environ['CUDA_MPS_PIPE_DIRECTORY']) / 'control').exists() "
+                "else 'no daemon at the pipe')")]
 
 
 def test_the_setting_takes_auto_on_or_off():
@@ -116,6 +123,19 @@ def test_a_daemon_that_does_not_start_is_a_warning_on_auto_and_an_error_on_on(tm
         pass
 
 
+def test_a_daemon_that_cuda_programs_cannot_use_is_quit_with_a_warning_on_auto_and_an_error_on_on(
+        tmp_path, monkeypatch, caplog):
+    journal = _stand_in(tmp_path, monkeypatch)
+    monkeypatch.setattr(mps, "CLIENT_CHECK", [sys.executable, "-c", "import sys; sys.exit('cuInit: CUDA error 805')"])
+    with caplog.at_level("WARNING", logger=mps.log.name), mps.mps_daemon("auto", shared=True) as environ:
+        assert environ == {}
+    assert "could not run as a client of nvidia-cuda-mps-control (cuInit: CUDA error 805" in caplog.text
+    assert journal.read_text().splitlines()[-1] == "asked quit"
+    with pytest.raises(UserError, match=r"etl.gpu_mps=on: a CUDA program could not run .*CUDA error 805"), \
+            mps.mps_daemon("on", shared=True):
+        pass
+
+
 def test_a_daemon_without_its_socket_in_time_is_ended_and_reported(tmp_path, monkeypatch):
     journal = _stand_in(tmp_path, monkeypatch, start=":")
     monkeypatch.setattr(mps, "START_S", 0.3)
@@ -129,8 +149,9 @@ def test_the_daemon_ends_when_the_process_that_started_it_is_killed(tmp_path, mo
     monkeypatch.setenv("TMPDIR", str(tmp_path))  # the daemon's folder, left behind by the killed process
     script = textwrap.dedent("""
         import os, signal, sys
-        from pipeline.etl.mps import mps_daemon
-        with mps_daemon("on", shared=True):
+        from pipeline.etl import mps
+        mps.CLIENT_CHECK = [sys.executable, "-c", ""]
+        with mps.mps_daemon("on", shared=True):
             print("up", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
     """)

@@ -8,8 +8,10 @@ and copies run on the GPU together (docs/BENCHMARKS.md, "Workers sharing a GPU t
 :func:`mps_daemon` starts ``nvidia-cuda-mps-control`` in the foreground as a child of this process, with its pipe
 and log folders in a temporary folder of its own, so that only the processes given :func:`mps_daemon`'s environment
 connect to it (this process, the user's other CUDA programs and any MPS daemon of the machine are left alone), and
-quits it when the cluster is closed. A daemon left by a process that was killed dies with it (Linux: it is sent
-SIGTERM when the thread that started it ends); a worker that finds no daemon runs without MPS, as CUDA falls back.
+quits it when the cluster is closed. A CUDA program is its first client (:data:`CLIENT_CHECK`), so that a daemon
+that cannot serve here is found before the workers start. A daemon left by a process that was killed dies with it
+(Linux: it is sent SIGTERM when the thread that started it ends); a worker that finds no daemon runs without MPS, as
+CUDA falls back.
 
 Example::
 
@@ -26,6 +28,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -78,8 +81,8 @@ def mps_daemon(mode: str, shared: bool) -> Iterator[dict[str, str]]:
     """An MPS control daemon of its own while the enclosed work runs, if :func:`mps_wanted`; yields the environment
     that makes a process its client (``{}`` without a daemon).
 
-    A daemon that does not start is an error with ``etl.gpu_mps=on`` and a warning with ``auto`` (the workers then
-    run without MPS)."""
+    A daemon that does not start, or that a CUDA program cannot use (:data:`CLIENT_CHECK`), is an error with
+    ``etl.gpu_mps=on`` and a warning with ``auto`` (the workers then run without MPS)."""
     if not mps_wanted(mode, shared):
         yield {}
         return
@@ -91,16 +94,57 @@ def mps_daemon(mode: str, shared: bool) -> Iterator[dict[str, str]]:
         try:
             daemon = _start(environ, journal)
         except OSError as err:
-            why = f"{CONTROL} did not start ({err})"
-            if mode == "on":
-                raise UserError(f"etl.gpu_mps=on: {why}; set etl.gpu_mps=off to run the workers without MPS") from None
-            log.warning("%s: the GPU workers run without MPS (etl.gpu_mps=off leaves it out)", why)
-            yield {}
+            yield _unavailable(mode, f"{CONTROL} did not start ({err})")
+            return
+        try:
+            _check_client(environ, journal)
+        except OSError as err:
+            _stop(daemon, environ)
+            yield _unavailable(mode, f"a CUDA program could not run as a client of {CONTROL} ({err})")
             return
         try:
             yield environ
         finally:
             _stop(daemon, environ)
+
+
+def _unavailable(mode: str, why: str) -> dict[str, str]:
+    """No daemon after all: a UserError with ``etl.gpu_mps=on``, else a warning and no environment."""
+    if mode == "on":
+        raise UserError(f"etl.gpu_mps=on: {why}; set etl.gpu_mps=off to run the workers without MPS")
+    log.warning("%s: the GPU workers run without MPS (etl.gpu_mps=off leaves it out)", why)
+    return {}
+
+
+CLIENT_CHECK = [sys.executable, "-c", """
+import ctypes, sys
+cuda = ctypes.CDLL("libcuda.so.1")
+device, context = ctypes.c_int(), ctypes.c_void_p()
+for name, args in (("cuInit", (0,)), ("cuDeviceGet", (ctypes.byref(device), 0)),
+                   ("cuDevicePrimaryCtxRetain", (ctypes.byref(context), device))):
+    status = getattr(cuda, name)(*args)
+    if status:
+        sys.exit(f"{name}: CUDA error {status}")
+"""]
+"""A CUDA program run as the daemon's first client before any worker starts: it makes a context on the first GPU
+through the daemon (which starts its server for it) and ends. Where the daemon cannot serve (no permission for its
+server, the GPU taken), it fails here with CUDA's error rather than every worker at its start."""
+
+CLIENT_CHECK_S = 60.0
+"""Seconds the check may take (the MPS server starting included)."""
+
+
+def _check_client(environ: dict[str, str], journal: Path) -> None:
+    """Run :data:`CLIENT_CHECK` as a client of the daemon; an OSError with what went wrong if it fails."""
+    try:
+        done = subprocess.run(CLIENT_CHECK, env={**os.environ, **environ}, capture_output=True, text=True,
+                              timeout=CLIENT_CHECK_S, check=False)
+    except subprocess.TimeoutExpired:
+        raise OSError(f"no answer in {CLIENT_CHECK_S:g} s") from None
+    if done.returncode:
+        said = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        daemon_said = journal.read_text(errors="replace").strip().splitlines()
+        raise OSError(said + (f"; the daemon: {daemon_said[-1]}" if daemon_said else ""))
 
 
 def _start(environ: dict[str, str], journal: Path) -> subprocess.Popen:
