@@ -656,8 +656,17 @@ def test_criteo_scale_runs_tsv_to_processed_timing_each_stage_and_compares_a_sam
 def test_bench_etl_sides_write_the_same_table_with_the_default_frequency_threshold(tmp_path, capsys):
     """The plain pandas side leaves out values seen fewer than etl.freq_threshold times, as the workflow does (it
     kept them, and the bench stopped on the first categorical column)."""
-    assert main(["bench", "etl", "--rows", "20000", "--cluster", "threads", f"workdir={tmp_path}", "device=cpu"]) == 0
-    assert "every side wrote the same table" in capsys.readouterr().out
+    out = tmp_path / "etl.json"
+    assert main(["bench", "etl", "--rows", "20000", "--cluster", "threads", "--json", str(out), f"workdir={tmp_path}",
+                 "device=cpu"]) == 0
+    said = capsys.readouterr().out
+    assert "every side wrote the same table" in said
+    summary = json.loads(out.read_text())
+    (ours, ours_times), (plain, plain_times) = summary["results"].items()
+    speedup = summary["speedup"][plain]
+    assert speedup["fit"] == pytest.approx(plain_times["fit"] / ours_times["fit"], rel=0.01)
+    assert speedup["transform"] == pytest.approx(plain_times["transform"] / ours_times["transform"], rel=0.01)
+    assert f"{ours}: {speedup['fit']:.2f}x the fit and {speedup['transform']:.2f}x the transform+write of {plain}" in said
 
 
 def test_bench_etl_takes_workers_0_for_one_per_core():
