@@ -314,14 +314,28 @@ def _processed(workdir: Path) -> list[str]:
     (["train.bottom_mlp=[16,8]", "train.embedding_dim=4"], ("train.bottom_mlp=[16, 8]", "(4, train.embedding_dim)")),
     (["train.model=dcnv2", "train.embedding_dim=8", "train.cross_rank=100000"],
      ("train.cross_rank=100000", "width of the cross layers, 32", "train.cross_rank=32 or less")),
-    (["train.model=dcnv2", "train.preset=mlperf", "train.embedding_dim=4"],
-     ("train.cross_rank (0: the mlperf preset's)=512", "train.cross_rank=16 or less")),
 ])
 def test_model_sizes_that_do_not_fit_together_are_one_error_line_before_a_run_starts(tmp_path, capsys, sizes,
                                                                                     expected):
     args = _processed(tmp_path)
     _refused(capsys, ["run", "train", *args, *sizes], *expected)
     assert not (tmp_path / "synthetic" / "train").exists()
+
+
+@pytest.mark.parametrize("preset, embedding_dim, rank", [("mlperf", 4, 0), ("mlperf", 128, 0), ("mlperf", 512, 512),
+                                                       ("small", 0, 0), ("small", 128, 128)])
+def test_a_presets_cross_rank_gives_way_to_full_rank_on_narrow_cross_layers(tmp_path, preset, embedding_dim, rank):
+    """The mlperf preset's rank 512 on a table of 3 features (cross layers 16 to 512 wide here) was refused, naming a
+    setting the user had not set; a low-rank layer of half the width or more is larger than the full one."""
+    from pipeline.schema import Schema
+    from pipeline.train.model import model_spec
+
+    cfg = load_config(None, ["train.model=dcnv2", f"train.preset={preset}", f"train.embedding_dim={embedding_dim}"])
+    schema = Schema.load(Path(_processed(tmp_path)[0].split("=", 1)[1]) / "synthetic" / "processed" / "schema.json")
+    spec = model_spec(cfg.train, schema, "cpu")
+    width = spec["embedding_output_dim"] + spec["sizes"]["bottom_mlp"][-1]
+    assert spec["sizes"]["cross_rank"] == rank, (width, spec["sizes"])
+    assert rank == 0 or 2 * rank < width
 
 
 def test_dcnv2_with_zero_cross_layers_has_none(tmp_path, capsys):

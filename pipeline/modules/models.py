@@ -36,8 +36,11 @@ from pipeline.schema import Schema
 
 PRESETS = {
     "mlperf": dict(embedding_dim=128, bottom_mlp=[512, 256, 128], top_mlp=[1024, 1024, 512, 256, 1], cross_rank=512),
-    "small": dict(embedding_dim=32, bottom_mlp=[64, 32], top_mlp=[128, 64, 1]),
+    "small": dict(embedding_dim=32, bottom_mlp=[64, 32], top_mlp=[128, 64, 1], cross_rank=128),
 }
+"""Model sizes by name. The cross ranks keep MLPerf's ratio of rank to width (512 to 3456 on Criteo) at each
+preset's width on Criteo (845 for small); on narrower tables a preset's rank gives way to full rank
+(:meth:`ModelSizes.for_width`)."""
 
 
 @dataclass
@@ -59,6 +62,14 @@ class ModelSizes:
         values = {k: (list(v) if isinstance(v, list) else v) for k, v in PRESETS[name].items()}
         values.update({k: v for k, v in overrides.items() if v not in (None, 0, [])})
         return cls(**values)
+
+    def for_width(self, width: int, rank_set: bool) -> ModelSizes:
+        """These sizes for DCNv2 cross layers ``width`` wide: a preset's rank (``rank_set`` false) where it is below
+        half the width, else full rank (a low-rank layer is the larger one from there: ``2 * width * rank`` weights
+        against ``width ** 2``). A rank that was set is kept (and refused if above the width)."""
+        if rank_set or not 0 < self.cross_rank or 2 * self.cross_rank < width:
+            return self
+        return dataclasses.replace(self, cross_rank=0)
 
     @staticmethod
     def preset_name(preset: str, device_kind: str) -> str:

@@ -38,6 +38,8 @@ def model_spec(cfg: TrainConfig, schema: Schema, device_kind: str, seed: int = 0
                                          stochastic_rounding=cfg.embedding_stochastic_rounding)
     tables = model_tables(cfg.model, schema, sizes, cfg.admit_after)
     output_dim = sum(table.dim * len(table.features) for table in tables)
+    if cfg.model == "dcnv2":
+        sizes = sizes.for_width(_cross_width(sizes, len(schema.continuous), output_dim), rank_set=bool(cfg.cross_rank))
     _check_sizes(cfg, sizes, ModelSizes.preset_name(cfg.preset, device_kind), len(schema.continuous), output_dim)
     return {
         "version": MODEL_SPEC_VERSION,
@@ -73,11 +75,16 @@ def _check_sizes(cfg: TrainConfig, sizes: ModelSizes, preset: str, num_dense: in
         raise UserError(f"train.bottom_mlp={sizes.bottom_mlp}: DLRM's bottom MLP must end in the embedding dim "
                         f"({sizes.embedding_dim}, {dim_from}), as its output meets the embeddings in dot products; "
                         f"end it in {sizes.embedding_dim}, or set train.embedding_dim={sizes.bottom_mlp[-1]}")
-    width = (sizes.bottom_mlp[-1] if num_dense else 0) + output_dim
+    width = _cross_width(sizes, num_dense, output_dim)
     if cfg.model == "dcnv2" and sizes.cross_rank > width:
         rank_from = "train.cross_rank" if cfg.cross_rank else f"train.cross_rank (0: the {preset} preset's)"
         raise UserError(f"{rank_from}={sizes.cross_rank} is larger than the width of the cross layers, {width}, where "
                         f"a full-rank layer is smaller and as expressive; set train.cross_rank={width} or less")
+
+
+def _cross_width(sizes: ModelSizes, num_dense: int, output_dim: int) -> int:
+    """DCNv2's cross layers' width: the bottom MLP's output (with continuous features) and the tables' output."""
+    return (sizes.bottom_mlp[-1] if num_dense else 0) + output_dim
 
 
 def model_from_spec(spec: dict, backend: str = "auto") -> RecModel:
