@@ -597,7 +597,7 @@ def test_etl_gpu_trace_records_each_worker_and_the_client(tmp_path):
 
 
 def test_dense_profile_times_a_dense_part_and_counts_its_matrix_products(tmp_path):
-    """tools/dense_profile.py on the CPU: DCNv2 of the small preset (full-rank cross layers), its FLOPs a sample
+    """tools/dense_profile.py on the CPU: DCNv2 of the small preset (cross layers of rank 128), its FLOPs a sample
     those of its layers' matrix products (forward, and backward but for the dense input's own gradient)."""
     import importlib.util
 
@@ -616,7 +616,8 @@ def test_dense_profile_times_a_dense_part_and_counts_its_matrix_products(tmp_pat
     assert json.loads((tmp_path / "dense.json").read_text())["step_ms"] == result["step_ms"] > 0
     model = build_model("dcnv2", criteo_schema(size=0.001), ModelSizes.preset("small"), backend="torch")
     layers = [(m.in_features, m.out_features) for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    assert len(layers) == 2 + 3 + 3 and layers[2] == (layers[1][1] + 26 * 32,) * 2  # bottom, cross, top
+    width = layers[1][1] + 26 * 32
+    assert len(layers) == 2 + 3 * 2 + 3 and layers[2:4] == [(width, 128), (128, width)]  # bottom, cross, top
     forward = sum(2 * a * b for a, b in layers)
     assert result["gemm_flops_per_sample"] == 3 * forward - 2 * layers[0][0] * layers[0][1]
     assert result["kinds"]["matmul"]["ms_per_step"] > 0 and "aten::mm" in dict(result["kinds"]["matmul"]["largest"])

@@ -39,7 +39,7 @@ PRESETS = {
     "small": dict(embedding_dim=32, bottom_mlp=[64, 32], top_mlp=[128, 64, 1], cross_rank=128),
 }
 """Model sizes by name. The cross ranks keep MLPerf's ratio of rank to width (512 to 3456 on Criteo) at each
-preset's width on Criteo (845 for small); on narrower tables a preset's rank gives way to full rank
+preset's width on Criteo (864 for small); on narrower tables a preset's rank gives way to full rank
 (:meth:`ModelSizes.for_width`)."""
 
 
