@@ -338,6 +338,18 @@ def test_a_presets_cross_rank_gives_way_to_full_rank_on_narrow_cross_layers(tmp_
     assert rank == 0 or 2 * rank < width
 
 
+def test_a_cross_rank_set_to_the_width_is_full_rank_and_one_below_it_is_kept(tmp_path):
+    """Full rank stays a choice on every preset (a run of full-rank layers resumes with it)."""
+    from pipeline.schema import Schema
+    from pipeline.train.model import model_spec
+
+    schema = Schema.load(Path(_processed(tmp_path)[0].split("=", 1)[1]) / "synthetic" / "processed" / "schema.json")
+    width = 32 + 3 * 32  # the small preset's bottom MLP output and 3 tables of dim 32
+    for rank, kept in ((width, 0), (width - 1, width - 1), (64, 64)):
+        cfg = load_config(None, ["train.model=dcnv2", "train.preset=small", f"train.cross_rank={rank}"])
+        assert model_spec(cfg.train, schema, "cpu")["sizes"]["cross_rank"] == kept, rank
+
+
 def test_dcnv2_with_zero_cross_layers_has_none(tmp_path, capsys):
     from pipeline.modules.models import ModelSizes
 

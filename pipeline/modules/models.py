@@ -66,10 +66,10 @@ class ModelSizes:
     def for_width(self, width: int, rank_set: bool) -> ModelSizes:
         """These sizes for DCNv2 cross layers ``width`` wide: a preset's rank (``rank_set`` false) where it is below
         half the width, else full rank (a low-rank layer is the larger one from there: ``2 * width * rank`` weights
-        against ``width ** 2``). A rank that was set is kept (and refused if above the width)."""
-        if rank_set or not 0 < self.cross_rank or 2 * self.cross_rank < width:
-            return self
-        return dataclasses.replace(self, cross_rank=0)
+        against ``width ** 2``). A rank that was set is kept, the width itself meaning full rank (a rank above it is
+        refused where the sizes are checked)."""
+        low_rank = 2 * self.cross_rank < width if not rank_set else self.cross_rank != width
+        return self if low_rank or self.cross_rank <= 0 else dataclasses.replace(self, cross_rank=0)
 
     @staticmethod
     def preset_name(preset: str, device_kind: str) -> str:

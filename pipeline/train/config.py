@@ -54,7 +54,7 @@ class TrainConfig:
         "help": "dcnv2: cross layers (0: none, the deep MLP alone)"})
     cross_rank: int = field(default=0, metadata={
         "help": "dcnv2: rank of each cross layer (0: the preset's, 512 for mlperf as MLPerf's DLRM-DCNv2, 128 for "
-                "small, or full rank where that is half the layers' width or more)"})
+                "small, or full rank where that is half the layers' width or more; the width itself: full rank)"})
     multihot_pooling: str = field(default="mean", metadata={"help": "sum | mean pooling of multi-hot features"})
 
     epochs: int = field(default=0, metadata={
