@@ -23,7 +23,7 @@ import torch
 from pipeline.errors import UserError
 from pipeline.files import DamagedFileError, read_json
 from pipeline.modules.configs import EmbeddingOptimizerConfig, TableConfig
-from pipeline.modules.models import ModelSizes, RecModel, build_model, model_tables
+from pipeline.modules.models import DCNv2, ModelSizes, RecModel, build_model, model_tables
 from pipeline.schema import Schema
 from pipeline.train.config import TrainConfig
 
@@ -38,9 +38,10 @@ def model_spec(cfg: TrainConfig, schema: Schema, device_kind: str, seed: int = 0
                                          stochastic_rounding=cfg.embedding_stochastic_rounding)
     tables = model_tables(cfg.model, schema, sizes, cfg.admit_after)
     output_dim = sum(table.dim * len(table.features) for table in tables)
+    cross_width = DCNv2.x0_width(sizes, schema)
     if cfg.model == "dcnv2":
-        sizes = sizes.for_width(_cross_width(sizes, len(schema.continuous), output_dim), rank_set=bool(cfg.cross_rank))
-    _check_sizes(cfg, sizes, ModelSizes.preset_name(cfg.preset, device_kind), len(schema.continuous), output_dim)
+        sizes = sizes.for_width(cross_width, rank_set=bool(cfg.cross_rank))
+    _check_sizes(cfg, sizes, ModelSizes.preset_name(cfg.preset, device_kind), len(schema.continuous), cross_width)
     return {
         "version": MODEL_SPEC_VERSION,
         "model": cfg.model,
@@ -67,7 +68,7 @@ SAID_SETTINGS = ("epochs", "max_steps", "eval_every")
 or less often): said, not refused."""
 
 
-def _check_sizes(cfg: TrainConfig, sizes: ModelSizes, preset: str, num_dense: int, output_dim: int) -> None:
+def _check_sizes(cfg: TrainConfig, sizes: ModelSizes, preset: str, num_dense: int, cross_width: int) -> None:
     """Refuse sizes the model of ``cfg`` cannot be built with (or only larger and no better), naming the
     settings or the preset that set them."""
     if cfg.model == "dlrm" and num_dense and sizes.bottom_mlp[-1] != sizes.embedding_dim:
@@ -75,16 +76,11 @@ def _check_sizes(cfg: TrainConfig, sizes: ModelSizes, preset: str, num_dense: in
         raise UserError(f"train.bottom_mlp={sizes.bottom_mlp}: DLRM's bottom MLP must end in the embedding dim "
                         f"({sizes.embedding_dim}, {dim_from}), as its output meets the embeddings in dot products; "
                         f"end it in {sizes.embedding_dim}, or set train.embedding_dim={sizes.bottom_mlp[-1]}")
-    width = _cross_width(sizes, num_dense, output_dim)
-    if cfg.model == "dcnv2" and sizes.cross_rank > width:
+    if cfg.model == "dcnv2" and sizes.cross_rank > cross_width:
         rank_from = "train.cross_rank" if cfg.cross_rank else f"train.cross_rank (0: the {preset} preset's)"
-        raise UserError(f"{rank_from}={sizes.cross_rank} is larger than the width of the cross layers, {width}, where "
-                        f"a full-rank layer is smaller and as expressive; set train.cross_rank={width} or less")
-
-
-def _cross_width(sizes: ModelSizes, num_dense: int, output_dim: int) -> int:
-    """DCNv2's cross layers' width: the bottom MLP's output (with continuous features) and the tables' output."""
-    return (sizes.bottom_mlp[-1] if num_dense else 0) + output_dim
+        raise UserError(f"{rank_from}={sizes.cross_rank} is larger than the width of the cross layers, {cross_width}, "
+                        f"where a full-rank layer is smaller and as expressive; set train.cross_rank={cross_width} or "
+                        "less")
 
 
 def model_from_spec(spec: dict, backend: str = "auto") -> RecModel:
