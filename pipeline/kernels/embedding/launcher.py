@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.kernels._launch import f32, i32, i64, launch, ptr, resident_blocks, u64
+from pipeline.kernels.radix_sort import sort_pairs
 
 FORWARD_SOURCE = "embedding/embedding_forward.cu"
 BACKWARD_SOURCE = "embedding/embedding_backward.cu"
@@ -154,13 +155,10 @@ def pooled_forward(weights: torch.Tensor, slots: SlotArrays, indices: torch.Tens
     return out
 
 
-def sort_by_row(slots: SlotArrays, indices: torch.Tensor, offsets: torch.Tensor,
-                batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row keys sorted, the bag of each sorted key): the grouping step of the backward.
-
-    A key is the global row (table row offset + id), int32 when every row fits, so the radix sort
-    runs over half the bits.
-    """
+def row_keys(slots: SlotArrays, indices: torch.Tensor, offsets: torch.Tensor,
+             batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(key, bag) of every id, in the ids' order: the key is the global row (table row offset + id),
+    int32 when every row fits."""
     nnz = indices.numel()
     wide = slots.total_rows >= 2**31 - 1
     keys = torch.empty(nnz, dtype=torch.int64 if wide else torch.int32, device=indices.device)
@@ -171,8 +169,16 @@ def sort_by_row(slots: SlotArrays, indices: torch.Tensor, offsets: torch.Tensor,
     launch(BACKWARD_SOURCE, f"row_keys_{'i64' if wide else 'i32'}", indices.device, (threads + BLOCK - 1) // BLOCK,
            BLOCK, [ptr(indices), ptr(offsets), ptr(slots.row_offsets), i32(slots.num_slots), i32(batch_size),
                    i32(log_lanes), ptr(keys), ptr(bag_of)])
-    sorted_keys, order = torch.sort(keys)
-    return sorted_keys, bag_of.index_select(0, order)
+    return keys, bag_of
+
+
+def sort_by_row(slots: SlotArrays, indices: torch.Tensor, offsets: torch.Tensor,
+                batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row keys sorted, the bag of each sorted key): the grouping step of the backward. The sort
+    (:func:`pipeline.kernels.radix_sort.sort_pairs`) carries each key's bag and looks only at the bits
+    a row number can have."""
+    keys, bag_of = row_keys(slots, indices, offsets, batch_size)
+    return sort_pairs(keys, bag_of, max(slots.total_rows - 1, 0).bit_length())
 
 
 def backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor], slots: SlotArrays,
