@@ -169,21 +169,19 @@ def _ptxas_report(source: str, nvcc_build) -> dict[str, tuple[int, int]]:
 
 
 UPDATE_SOURCES = ("embedding/embedding_forward.cu", "embedding/embedding_backward.cu",
-                  "embedding/embedding_update_runs.cu", "radix_sort.cu")
+                  "embedding/embedding_update_runs.cu")
 
 
 @pytest.mark.parametrize("update_kernel", ["position", "segments", "segments_looped", "segments_looped_capped",
                                            "segments_looped_capped_2vec"])
 def test_launch_arguments_match_kernel_signatures(update_kernel, nvcc_build, monkeypatch):
-    from pipeline.kernels import radix_sort
     from pipeline.kernels.embedding import launcher
 
     entries = {name: params for source in UPDATE_SOURCES
                for name, params in _built_ptx_params(source, nvcc_build).items()}
     launches = []
-    for module in (launcher, radix_sort):
-        monkeypatch.setattr(module, "launch",
-                            lambda source, function, device, grid, block, args: launches.append((function, grid, args)))
+    monkeypatch.setattr(launcher, "launch",
+                        lambda source, function, device, grid, block, args: launches.append((function, grid, args)))
     monkeypatch.setattr(launcher, "_check", lambda *a: None)
     # how many blocks stay resident is the GPU's to say; here a number below the one-group-per-segment grid
     monkeypatch.setattr(launcher, "resident_blocks", lambda source, function, device, block: 3)
@@ -204,8 +202,7 @@ def test_launch_arguments_match_kernel_signatures(update_kernel, nvcc_build, mon
             launcher.backward_update(weights, state, slots, indices, offsets, 2,
                                      torch.zeros(2, packing.total_dim), opt, 0.1, 1)
     functions = {f for f, _, _ in launches}
-    assert {"pooled_forward_f32", "sparse_update_adam_bf16_i32_c2_long", "row_keys_i32", "radix_histogram_i32",
-            "radix_scatter_i32"} <= functions
+    assert {"pooled_forward_f32", "sparse_update_adam_bf16_i32_c2_long", "row_keys_i32"} <= functions
     if kernel.per_segment:
         assert {"count_segments_i32", "compact_segments_i32"} <= functions
         prefix = "sparse_update_runs_capped" if kernel.capped else "sparse_update_runs"
@@ -288,22 +285,3 @@ def test_every_kernel_source_is_packaged():
     unpackaged = [s for s in sources if not any(fnmatch.fnmatchcase(s, pat) and s.count("/") == pat.count("/")
                                                 for pat in patterns)]
     assert not unpackaged
-
-
-def test_radix_sort_passes_cover_the_key_bits_in_as_few_passes_as_fit():
-    from pipeline.kernels.radix_sort import MAX_DIGIT_BITS, digit_bits
-
-    for key_bits in range(64):
-        bits = digit_bits(key_bits)
-        assert sum(bits) == key_bits and all(0 < b <= MAX_DIGIT_BITS for b in bits)
-        assert len(bits) == -(-key_bits // MAX_DIGIT_BITS) and max(bits, default=0) - min(bits, default=0) <= 1
-
-
-def test_the_radix_sort_constants_are_the_same_in_python_and_the_kernel():
-    from pipeline.kernels import radix_sort
-
-    source = (KERNEL_DIR / radix_sort.SOURCE).read_text()
-    assert re.search(r"#define SORT_THREADS (\d+)", source).group(1) == str(radix_sort.THREADS)
-    assert re.search(r"#define MAX_DIGIT_BITS (\d+)", source).group(1) == str(radix_sort.MAX_DIGIT_BITS)
-    items = re.search(r"ITEMS = sizeof\(K\) == 4 \? (\d+) : (\d+);", source).groups()
-    assert items == (str(radix_sort._ITEMS[torch.int32]), str(radix_sort._ITEMS[torch.int64]))

@@ -130,12 +130,6 @@ def run(args: argparse.Namespace, cfg) -> dict:
             ind, off = cycle.next()
             launcher.sort_by_row(slots, ind, off, args.batch)
 
-        def torch_sort_only(cycle=cycle):  # the same grouping with torch.sort and a gather of the bags
-            ind, off = cycle.next()
-            keys, bag_of = launcher.row_keys(slots, ind, off, args.batch)
-            order = torch.sort(keys).indices
-            bag_of.index_select(0, order)
-
         sweep = {}
         for k in [int(v) for v in str(args.sweep_bags_per_group).split(",") if v]:
             kept, launcher.BAGS_PER_GROUP = launcher.BAGS_PER_GROUP, k
@@ -152,7 +146,6 @@ def run(args: argparse.Namespace, cfg) -> dict:
         t_fwd = median_ms(torch, fwd, args.reps)
         t_bwd = median_ms(torch, bwd, args.reps)
         t_sort = median_ms(torch, sort_only, args.reps)
-        t_torch_sort = median_ms(torch, torch_sort_only, args.reps)
         t_step = median_ms(torch, step, args.reps)
         unique = _unique_rows(torch, batches[0], packing, args.batch)
         state_bytes = {"sgd": 0, "adagrad": 8}[args.optimizer]
@@ -162,7 +155,7 @@ def run(args: argparse.Namespace, cfg) -> dict:
         bwd_bytes = nnz * (8 + args.dim * 4) + unique * (2 * args.dim * es + state_bytes)
         floor_ms = (fwd_bytes + bwd_bytes) / copy_bw * 1e3
         row = dict(hot=hot, nnz=nnz, forward_ms_by_bags_per_group=sweep, unique_rows=unique, forward_ms=t_fwd, backward_update_ms=t_bwd,
-                   sort_ms=t_sort, torch_sort_ms=t_torch_sort, forward_tb_s=fwd_bytes / t_fwd / 1e9, backward_tb_s=bwd_bytes / t_bwd / 1e9,
+                   sort_ms=t_sort, forward_tb_s=fwd_bytes / t_fwd / 1e9, backward_tb_s=bwd_bytes / t_bwd / 1e9,
                    forward_fraction_of_copy=fwd_bytes / t_fwd / 1e9 / (copy_bw / 1e12),
                    backward_fraction_of_copy=bwd_bytes / t_bwd / 1e9 / (copy_bw / 1e12),
                    floor_ms=floor_ms, time_over_floor=(t_fwd + t_bwd) / floor_ms,
@@ -179,7 +172,7 @@ def run(args: argparse.Namespace, cfg) -> dict:
             row["speedup_step"] = row["torch_step_ms"] / (t_fwd + t_bwd)
             row["speedup_vs_torch_forward_backward"] = row["torch_forward_backward_ms"] / (t_fwd + t_bwd)
         results.append(row)
-        del batches, grad, cycle, fwd, bwd, step, sort_only, torch_sort_only
+        del batches, grad, cycle, fwd, bwd, step, sort_only
         torch.cuda.empty_cache()
         _print_row(row)
 
@@ -380,8 +373,8 @@ def _print_row(row: dict) -> None:
     line = (f"  {row['hot']:>2}-hot  nnz {row['nnz']:>10,}  unique {row['unique_rows']:>10,} | "
             f"forward {row['forward_ms']:8.3f} ms ({row['forward_tb_s']:.2f} TB/s, "
             f"{100 * row['forward_fraction_of_copy']:.0f}% of copy) | "
-            f"backward+update {row['backward_update_ms']:8.3f} ms (sort {row['sort_ms']:.3f}, "
-            f"with torch.sort {row['torch_sort_ms']:.3f}; {row['backward_tb_s']:.2f} TB/s) | {row['time_over_floor']:.2f}x the byte floor"
+            f"backward+update {row['backward_update_ms']:8.3f} ms (sort {row['sort_ms']:.3f}; "
+            f"{row['backward_tb_s']:.2f} TB/s) | {row['time_over_floor']:.2f}x the byte floor"
             f"\n          forward then backward+update back to back, as a step: {row['step_ms']:.3f} ms, "
             f"{row['step_over_floor']:.2f}x the byte floor ({row['floor_ms']:.3f} ms)")
     if "torch_step_ms" in row:

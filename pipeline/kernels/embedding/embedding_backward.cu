@@ -2,7 +2,7 @@
 //
 // 1. row_keys: for every id of the batch, its global row (row offset of the slot's table + id: the
 //    index into row-wise state, shared tables included) and the bag it came from.
-// 2. (host) the radix sort of radix_sort.cu groups equal rows together; the bags travel with their keys.
+// 2. (host) torch.sort of the keys groups equal rows together; the bags follow their keys.
 // 3. sparse_update: a group of `lanes` threads per sorted position; only the first position of each
 //    segment (a run of equal keys, cut at every SEGMENT positions) does work. It finds the row's table
 //    from the key (binary search over the tables' first rows) and, for a whole run, starts loading the

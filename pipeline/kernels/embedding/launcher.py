@@ -21,7 +21,6 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.kernels._launch import f32, i32, i64, launch, ptr, resident_blocks, u64
-from pipeline.kernels.radix_sort import sort_pairs
 
 FORWARD_SOURCE = "embedding/embedding_forward.cu"
 BACKWARD_SOURCE = "embedding/embedding_backward.cu"
@@ -155,10 +154,13 @@ def pooled_forward(weights: torch.Tensor, slots: SlotArrays, indices: torch.Tens
     return out
 
 
-def row_keys(slots: SlotArrays, indices: torch.Tensor, offsets: torch.Tensor,
-             batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(key, bag) of every id, in the ids' order: the key is the global row (table row offset + id),
-    int32 when every row fits."""
+def sort_by_row(slots: SlotArrays, indices: torch.Tensor, offsets: torch.Tensor,
+                batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row keys sorted, the bag of each sorted key): the grouping step of the backward.
+
+    A key is the global row (table row offset + id), int32 when every row fits, so the radix sort
+    runs over half the bits.
+    """
     nnz = indices.numel()
     wide = slots.total_rows >= 2**31 - 1
     keys = torch.empty(nnz, dtype=torch.int64 if wide else torch.int32, device=indices.device)
@@ -169,16 +171,8 @@ def row_keys(slots: SlotArrays, indices: torch.Tensor, offsets: torch.Tensor,
     launch(BACKWARD_SOURCE, f"row_keys_{'i64' if wide else 'i32'}", indices.device, (threads + BLOCK - 1) // BLOCK,
            BLOCK, [ptr(indices), ptr(offsets), ptr(slots.row_offsets), i32(slots.num_slots), i32(batch_size),
                    i32(log_lanes), ptr(keys), ptr(bag_of)])
-    return keys, bag_of
-
-
-def sort_by_row(slots: SlotArrays, indices: torch.Tensor, offsets: torch.Tensor,
-                batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row keys sorted, the bag of each sorted key): the grouping step of the backward. The sort
-    (:func:`pipeline.kernels.radix_sort.sort_pairs`) carries each key's bag and looks only at the bits
-    a row number can have."""
-    keys, bag_of = row_keys(slots, indices, offsets, batch_size)
-    return sort_pairs(keys, bag_of, max(slots.total_rows - 1, 0).bit_length())
+    sorted_keys, order = torch.sort(keys)
+    return sorted_keys, bag_of.index_select(0, order)
 
 
 def backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor], slots: SlotArrays,
