@@ -34,11 +34,16 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODELS_ENV = REPO_ROOT / ".venv-triton"
 ENV_VARIABLE = "PIPELINE_TRITON_ENV"
 
-_PROBE = (
-    "import json, sys, sysconfig, numpy; "
-    "print(json.dumps({'version': '%d.%d' % sys.version_info[:2], 'libdir': sysconfig.get_config_var('LIBDIR'), "
-    "'numpy': numpy.__version__}))"
-)
+_PROBE = """
+import json, sys, sysconfig, numpy
+try:
+    import export
+    project = ""
+except Exception as err:
+    project = f"{type(err).__name__}: {err}"
+print(json.dumps({"version": "%d.%d" % sys.version_info[:2], "libdir": sysconfig.get_config_var("LIBDIR"),
+                  "numpy": numpy.__version__, "project": project}))
+"""
 
 
 @dataclass(frozen=True)
@@ -71,7 +76,10 @@ def _inspect(path: Path) -> ModelsEnv:
             f"no Python environment for the served models at {path}: run `make serve-env` "
             f"(or set serve.models_env / ${ENV_VARIABLE} to a venv with numpy<2, pandas, pyarrow, torch and this project)"
         )
-    done = subprocess.run([str(python), "-c", _PROBE], check=False, capture_output=True, text=True, timeout=60)
+    # as the served models see it: the python-backend stub does not read PYTHONPATH, so neither does the probe
+    # (a PYTHONPATH holding numpy 2 would fail a sound environment), and from a folder that holds no package
+    done = subprocess.run([str(python), "-c", _PROBE], check=False, capture_output=True, text=True, timeout=60,
+                          env=_python_env(os.environ), cwd=path)
     if done.returncode != 0:
         lines = done.stderr.strip().splitlines()  # a traceback: its last line says what failed
         why = lines[-1][:300] if lines else f"its python exited with code {done.returncode}"
@@ -84,7 +92,19 @@ def _inspect(path: Path) -> ModelsEnv:
             f"the models' environment {path} has numpy {info['numpy']}, expected numpy<2: the Triton python "
             "backend stub is built against numpy 1.x and would receive zeros. Rebuild it with `make serve-env`."
         )
+    if info["project"]:
+        raise UserError(f"the models' environment {path} cannot import this project ({info['project'][:300]}): run "
+                        f"`make serve-env` (or set serve.models_env / ${ENV_VARIABLE} to a venv with numpy<2, pandas, "
+                        "pyarrow, torch and this project)")
     return ModelsEnv(path, info["version"], info["libdir"])
+
+
+def _python_env(environ) -> dict[str, str]:
+    """``environ`` for a Python of the models' environment: no PYTHONPATH or PYTHONHOME of the caller's, no user
+    site-packages."""
+    out = {k: v for k, v in environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    out["PYTHONNOUSERSITE"] = "1"
+    return out
 
 
 @dataclass(frozen=True)
@@ -165,15 +185,14 @@ def server_env(env: ModelsEnv) -> dict[str, str]:
     """The server's process environment: the models' venv first on PATH, its libpython first to link, and
     the memory settings of :data:`MALLOC`, over any the process has: Dask's nanny sets
     ``MALLOC_TRIM_THRESHOLD_=65536`` in the environment of a process that started a local cluster (the ETL
-    of ``run all``), which would make the models fault their buffers in again at every request."""
+    of ``run all``), which would make the models fault their buffers in again at every request. No PYTHONPATH:
+    the stub does not read it, the models' environment holds all the models import."""
     out = {**os.environ, **MALLOC}
     out["PATH"] = f"{env.bin}{os.pathsep}{out.get('PATH', '')}"
     libs = [env.libdir] + [p for p in out.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]
     out["LD_LIBRARY_PATH"] = os.pathsep.join(libs)
     out["VIRTUAL_ENV"] = str(env.path)
-    out.pop("PYTHONHOME", None)
-    out["PYTHONNOUSERSITE"] = "1"
-    return out
+    return _python_env(out)
 
 
 @functools.cache
@@ -181,7 +200,7 @@ def cuda_problem(env: ModelsEnv) -> str | None:
     """``None`` when torch in the models' environment can use a CUDA GPU, else why not."""
     probe = "import torch; print(torch.cuda.is_available() and torch.cuda.device_count() > 0)"
     done = subprocess.run([str(env.bin / "python"), "-c", probe], check=False, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, env=_python_env(os.environ), cwd=env.path)
     if done.returncode != 0:
         return f"torch does not import in {env.path}: {done.stderr.strip()[-300:]}"
     if done.stdout.strip().splitlines()[-1:] != ["True"]:

@@ -432,6 +432,43 @@ def test_the_models_environment_must_have_numpy_below_2():
         find_models_env(REPO / "no-such-venv")
 
 
+def test_a_pythonpath_holding_numpy_2_does_not_fail_a_sound_models_environment(monkeypatch):
+    """The python-backend stub does not read PYTHONPATH: the served models see the models' environment alone (its
+    numpy 1.x), so the check of that environment must not read it either. A PYTHONPATH reaching numpy 2 (a GPU
+    machine's packages, a container's) failed the check, and its advice (rebuild the environment) could not help."""
+    from export.environment import _inspect, server_env
+
+    monkeypatch.setenv("PYTHONPATH", str(Path(np.__file__).resolve().parent.parent))  # this Python's numpy 2
+    _inspect.cache_clear()
+    try:
+        env = find_models_env()
+    finally:
+        _inspect.cache_clear()
+    assert "PYTHONPATH" not in server_env(env)
+
+
+def test_a_models_environment_without_this_project_is_refused(tmp_path):
+    """The served models import this project from their environment; one that has numpy 1.x but not the project
+    fails at the check, on one line, not at the server's start."""
+    import venv
+
+    from export.environment import _inspect
+
+    sound = find_models_env()
+    venv.create(tmp_path / "partial", with_pip=False)
+    purelib = next((tmp_path / "partial" / "lib").glob("python3*/site-packages"))
+    # the sound environment's packages, without processing its .pth files: numpy imports, this project does not
+    (purelib / "packages.pth").write_text(str(next((sound.path / "lib").glob("python3*/site-packages"))) + "\n")
+    try:
+        with pytest.raises(UserError) as caught:
+            find_models_env(tmp_path / "partial")
+    finally:
+        _inspect.cache_clear()
+    message = str(caught.value)
+    assert "cannot import this project" in message and "No module named 'export'" in message, message
+    assert "make serve-env" in message and "\n" not in message
+
+
 def test_the_request_layout_takes_the_datasets_separator_and_label_not_the_commands(tmp_path):
     """An export naming the dataset alone cut multi-hot cells at the default "|" where the data was read with ";",
     and a client refused the table's own label column (data.label=clicked) as unknown."""
