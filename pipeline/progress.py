@@ -3,8 +3,9 @@
 ``bar`` draws a tqdm bar (on stderr). ``plain`` prints a line on stdout at most every 5 seconds and a
 last one when the loop ends, readable in a log file::
 
+    [train] step 1/5000 (0%) 0.0145 step/s, the first step in 1m09s, loss=0.6931, lr=0.0001, samples/s=1,201
     [train] step 1200/5000 (24%) 3.1k step/s, eta 1m12s, loss=0.4512, lr=0.0093, samples/s=52,310
-    [train] step 5000/5000 (100%) 3.1k step/s, in 1m36s, loss=0.4470, lr=0.001, samples/s=52,980
+    [train] step 5000/5000 (100%) 2.9k step/s, in 1m36s, loss=0.4470, lr=0.001, samples/s=52,980
 
 ``auto`` is ``bar`` when stderr is a terminal and ``plain`` otherwise; ``off`` shows nothing. Library
 functions take the mode as a plain argument (``progress: str | bool``, True meaning ``auto`` and
@@ -53,6 +54,7 @@ class Progress:
         self.fields: dict[str, str] = {}
         self._initial, self._every_s = initial, every_s
         self._start = self._printed = time.monotonic()
+        self._first: tuple[float, int] | None = None  # when the first update came, and the count it made
         self._bar = None
         if self.mode == "bar":
             from tqdm.auto import tqdm
@@ -62,6 +64,8 @@ class Progress:
 
     def update(self, n: int = 1) -> None:
         self.n += n
+        if self._first is None:
+            self._first = (time.monotonic(), self.n)
         if self._bar is not None:
             self._bar.update(n)
         elif self.mode == "plain" and (self.total is None or self.n < self.total):  # close() prints the last
@@ -84,16 +88,28 @@ class Progress:
         self.mode, self._bar = "off", None
 
     def line(self, now: float, last: bool) -> str:
-        """The plain line: count, rate, then the time left (or, for the last, the time taken) and the fields."""
+        """The plain line: count, rate, then the time left (or, for the last, the time taken) and the fields.
+
+        The rate and the time left of a line before the last are those since the first update: the first unit
+        of a loop often holds its start-up (compiling a model, starting workers, a cold disk), which would
+        make the time left many times too long. Until a second update there is no rate to go by, and the
+        line says how long the first took instead."""
         elapsed = now - self._start
         shown = _scaled if self.scaled else str
         count = f"{self.unit} {shown(self.n)}"
         if self.total is not None:
             count += f"/{shown(self.total)} ({100 * self.n / self.total if self.total else 100:.0f}%)"
         rate = (self.n - self._initial) / elapsed if elapsed > 0 else 0.0
+        since_first = None
+        if not last and self._first is not None and self.n > self._first[1] and now > self._first[0]:
+            rate = since_first = (self.n - self._first[1]) / (now - self._first[0])
         parts = [f"[{self.desc}] {count} {_scaled(rate)} {self.unit}/s"]
         if last:
             parts.append(f"in {_duration(elapsed)}")
+        elif since_first is None and self._first is not None:
+            first = self._first[1] - self._initial
+            what = self.unit if first == 1 else f"{shown(first)} {self.unit}s"
+            parts.append(f"the first {what} in {_duration(self._first[0] - self._start)}")
         elif self.total is not None and rate > 0:
             parts.append(f"eta {_duration((self.total - self.n) / rate)}")
         return ", ".join(parts + [f"{k}={v}" for k, v in self.fields.items()])

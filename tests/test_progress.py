@@ -81,6 +81,21 @@ def test_plain_lines_come_at_most_once_per_interval_and_once_at_the_end(capsys):
     assert "eta " in lines[0] and lines[-1].startswith("[work] item 60/60 (100%) ") and ", in " in lines[-1]
 
 
+def test_a_slow_first_unit_does_not_stretch_the_time_left(capsys):
+    """The first step of training holds its compilation (a minute on a fresh GPU machine, then 76 steps a second):
+    the line after it said "eta 7h30m" for a run that took 72 s. The time left now goes by the units since the
+    first, and the first's line says how long it took."""
+    with Progress("work", total=30, unit="item", mode="plain", every_s=0.0) as bar:
+        time.sleep(0.4)
+        for _ in range(30):
+            bar.update(1)
+            time.sleep(0.002)
+    lines = capsys.readouterr().out.splitlines()
+    assert re.match(r"\[work\] item 1/30 \(3%\) [\d.]+ item/s, the first item in 0\.4s$", lines[0]), lines[0]
+    left = [float(m[1]) for line in lines[1:-1] if (m := re.search(r", eta ([\d.]+)s$", line))]
+    assert len(left) == 28 and max(left) < 1.0, lines  # at the second item: about 0.06 s, and 5.6 s going by the first too
+
+
 def test_the_last_count_is_printed_once_even_when_its_interval_is_due(capsys):
     with Progress("work", total=3, unit="item", mode="plain", every_s=0.0) as bar:
         for _ in range(3):
