@@ -21,7 +21,7 @@ import importlib.util
 
 from pipeline.kernels._compile import KernelCompileError
 
-__all__ = ["KernelCompileError", "kernels_problem"]
+__all__ = ["KernelCompileError", "compile_ahead", "kernels_problem"]
 
 
 def kernels_problem() -> str | None:
@@ -34,3 +34,16 @@ def kernels_problem() -> str | None:
     if importlib.util.find_spec("cupy") is None:
         return "CuPy is not installed (the kernels compile through it: pip install cupy-cuda13x)"
     return None
+
+
+def compile_ahead(device) -> None:
+    """On a GPU where the kernels can run, start compiling in background threads every kernel source that the disk
+    cache lacks for it (:func:`pipeline.kernels._compile.compile_ahead`); elsewhere nothing."""
+    if device.type != "cuda" or kernels_problem():
+        return
+    import torch
+
+    from pipeline.kernels import _compile
+
+    major, minor = torch.cuda.get_device_capability(device)
+    _compile.compile_ahead(f"sm_{major}{minor}")

@@ -15,11 +15,14 @@ Example::
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import functools
 import hashlib
 import os
 import re
 import tempfile
+import threading
 from pathlib import Path
 
 KERNEL_DIR = Path(__file__).resolve().parent
@@ -85,21 +88,71 @@ def compile_cubin(name: str | Path, arch: str) -> bytes:
 
 
 def cached_cubin(name: str, arch: str) -> Path:
-    """The cubin of ``name`` for ``arch``, compiled now only if the disk cache lacks it."""
-    from cupy_backends.cuda.libs import nvrtc
-
+    """The cubin of ``name`` for ``arch``, compiled now only if the disk cache lacks it; where another thread
+    of this process is compiling it already (:func:`compile_ahead`), that compile's result (or error)."""
     source, _, header_texts = _program(name)
-    major, minor = nvrtc.getVersion()
+    major, minor = _nvrtc_version()
     digest = hashlib.sha256("\0".join([source, *header_texts, *NVRTC_OPTIONS]).encode()).hexdigest()[:16]
     path = _cache_dir() / f"{Path(name).stem}-{arch}-nvrtc{major}.{minor}-{digest}.cubin"
-    if not path.is_file():
+    if path.is_file():
+        return path
+    with _compiles_lock:
+        pending = _compiles.get(path)
+        mine = pending is None
+        if mine:
+            pending = _compiles[path] = concurrent.futures.Future()
+    if not mine:
+        return pending.result()
+    try:
         cubin = compile_cubin(name, arch)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
             f.write(cubin)
         os.replace(tmp, path)
+    except BaseException as err:
+        pending.set_exception(err)
+        raise
+    else:
+        pending.set_result(path)
+    finally:
+        with _compiles_lock:
+            del _compiles[path]
     return path
+
+
+def _nvrtc_version() -> tuple[int, int]:
+    from cupy_backends.cuda.libs import nvrtc
+
+    return nvrtc.getVersion()
+
+
+_compiles: dict[Path, concurrent.futures.Future] = {}  # cubins being compiled by a thread of this process
+_compiles_lock = threading.Lock()
+
+
+def sources() -> list[str]:
+    """Every ``.cu`` source under this folder, as :func:`cached_cubin` names them."""
+    return sorted(str(p.relative_to(KERNEL_DIR)) for p in KERNEL_DIR.rglob("*.cu"))
+
+
+def compile_ahead(arch: str) -> list[threading.Thread]:
+    """Start compiling, for ``arch``, every source the disk cache lacks, each in a thread of its own, and return the
+    threads. A source otherwise compiles at its first launch, one after the other: on a fresh machine the first
+    training step waited for them in turn (the embedding update's sources alone take tens of seconds). NVRTC
+    compiles without holding the GIL, so they compile side by side, and beside the run's own start (a model's
+    ``torch.compile``). A launch that needs a cubin still being compiled waits for that compile; a compile that
+    fails here fails again, with its log, at the launch that needs it."""
+    threads = [threading.Thread(target=_compile_quietly, args=(name, arch), name=f"compile {name}", daemon=True)
+               for name in sources()]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
+def _compile_quietly(name: str, arch: str) -> None:
+    with contextlib.suppress(Exception):  # a failure is said again, with its log, by the launch that needs the cubin
+        cached_cubin(name, arch)
 
 
 @functools.cache

@@ -68,6 +68,7 @@ from pipeline.distributed.types import ShardingPlan
 from pipeline.distributed.world import World
 from pipeline.errors import UserError
 from pipeline.files import atomic_open, read_json, remove_tmp_files, write_json
+from pipeline.kernels import compile_ahead
 from pipeline.loader import Loader
 from pipeline.modules.backends import check_backend
 from pipeline.modules.cached_collection import HostCachedCollection
@@ -114,6 +115,7 @@ def _train(cfg: TrainConfig, data: Path, runs: Path, schema: Schema, seed: int, 
            progress: str | bool, held: contextlib.ExitStack) -> dict:
     start = time.perf_counter()
     device = world.device
+    compile_ahead(device)  # the CUDA kernels the step launches compile meanwhile, side by side
     random.seed(seed)
     torch.manual_seed(seed)
 
