@@ -169,7 +169,7 @@ def _ptxas_report(source: str, nvcc_build) -> dict[str, tuple[int, int]]:
 
 
 UPDATE_SOURCES = ("embedding/embedding_forward.cu", "embedding/embedding_backward.cu",
-                  "embedding/embedding_update_runs.cu")
+                  "embedding/embedding_update_runs.cu", "embedding/embedding_update_runs_uncapped.cu")
 
 
 @pytest.mark.parametrize("update_kernel", ["position", "segments", "segments_looped", "segments_looped_capped",
@@ -249,9 +249,12 @@ def test_two_vectors_a_lane_halve_the_lanes_of_rows_one_pass_covers():
 def test_no_per_segment_update_kernel_spills_and_the_capped_ones_fit_more_blocks(nvcc_build):
     """The capped kernels are bounded to as many resident blocks as their registers allow without spilling:
     a spill (a compiler that allocates otherwise, a change of the kernel) must lower their bound."""
-    report = _ptxas_report("embedding/embedding_update_runs.cu", nvcc_build)
+    runs = _ptxas_report("embedding/embedding_update_runs.cu", nvcc_build)
+    report = {**runs, **_ptxas_report("embedding/embedding_update_runs_uncapped.cu", nvcc_build)}
     capped = {name: regs for name, (regs, _) in report.items() if name.startswith("sparse_update_runs_capped_")}
     assert len(capped) == 42 and len(report) == 2 * 42 + 4  # 3 optimizers x 7 row shapes x 2 key types, twice
+    assert set(runs) == {*capped, "count_segments_i32", "count_segments_i64", "compact_segments_i32",
+                         "compact_segments_i64"}  # what training runs, and nothing else to compile
     assert {name: spilled for name, (_, spilled) in report.items() if spilled} == {}
 
     def blocks(regs):  # resident blocks of 256 threads: 64K registers a multiprocessor, 8 a thread at a time

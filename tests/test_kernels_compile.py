@@ -12,9 +12,13 @@ from collections import Counter
 import pytest
 
 from pipeline.kernels import _compile
-from pipeline.kernels._compile import KernelCompileError, cached_cubin, compile_ahead, sources
+from pipeline.kernels._compile import KERNEL_DIR, KernelCompileError, cached_cubin, compile_ahead
 
 SECONDS = 0.3
+
+
+def sources() -> list[str]:
+    return sorted(str(p.relative_to(KERNEL_DIR)) for p in KERNEL_DIR.rglob("*.cu"))
 
 
 @pytest.fixture
@@ -40,7 +44,7 @@ def test_every_source_compiles_once_side_by_side(nvrtc):
     names = sources()
     assert len(names) >= 3 and "embedding/embedding_update_runs.cu" in names
     start = time.monotonic()
-    for thread in compile_ahead("sm_90"):
+    for thread in compile_ahead("sm_90", sources()):
         thread.join()
     took = time.monotonic() - start
     assert nvrtc.compiled == Counter(names)
@@ -50,7 +54,7 @@ def test_every_source_compiles_once_side_by_side(nvrtc):
 
 
 def test_a_launch_waits_for_the_compile_under_way_instead_of_compiling_again(nvrtc):
-    threads = compile_ahead("sm_90")
+    threads = compile_ahead("sm_90", sources())
     assert nvrtc.started.wait(5)
     path = cached_cubin("embedding/embedding_update_runs.cu", "sm_90")  # while its compile runs in a thread
     assert path.read_bytes().endswith(b"embedding_update_runs.cu")
@@ -61,7 +65,7 @@ def test_a_launch_waits_for_the_compile_under_way_instead_of_compiling_again(nvr
 
 def test_a_compile_that_fails_ahead_fails_the_launch_that_waits_and_the_next_with_its_log(nvrtc):
     nvrtc.failing.add("interaction/interaction.cu")
-    threads = compile_ahead("sm_90")  # no traceback from the thread: the launch says it
+    threads = compile_ahead("sm_90", sources())  # no traceback from the thread: the launch says it
     assert nvrtc.started.wait(5)
     with pytest.raises(KernelCompileError, match=r"interaction\.cu for sm_90:\nbroken\.cu\(3\)"):
         cached_cubin("interaction/interaction.cu", "sm_90")
@@ -70,3 +74,23 @@ def test_a_compile_that_fails_ahead_fails_the_launch_that_waits_and_the_next_wit
     with pytest.raises(KernelCompileError, match=r"broken\.cu\(3\)"):
         cached_cubin("interaction/interaction.cu", "sm_90")
     assert nvrtc.compiled["interaction/interaction.cu"] == 2 and not _compile._compiles
+
+
+def test_a_training_run_compiles_ahead_the_sources_it_launches_and_no_candidate(monkeypatch):
+    """What the training stage hands to the threads on a GPU: every source of the default path, each of them a
+    kernel source, and not the uncapped update candidates, which only the benchmarks launch."""
+    import torch
+
+    import pipeline.kernels
+    from pipeline.kernels.embedding import launcher
+
+    asked = []
+    monkeypatch.setattr(pipeline.kernels, "kernels_problem", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    monkeypatch.setattr(_compile, "compile_ahead", lambda arch, names: asked.append((arch, names)))
+    pipeline.kernels.compile_ahead(torch.device("cuda", 0))
+    [(arch, names)] = asked
+    assert arch == "sm_90" and set(names) <= set(sources()) and launcher.UNCAPPED_SOURCE not in names
+    assert {launcher.FORWARD_SOURCE, launcher.BACKWARD_SOURCE, launcher.RUNS_SOURCE, "interaction/interaction.cu"} <= set(names)
+    pipeline.kernels.compile_ahead(torch.device("cpu"))
+    assert len(asked) == 1  # nothing on the CPU

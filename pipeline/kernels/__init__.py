@@ -37,13 +37,18 @@ def kernels_problem() -> str | None:
 
 
 def compile_ahead(device) -> None:
-    """On a GPU where the kernels can run, start compiling in background threads every kernel source that the disk
-    cache lacks for it (:func:`pipeline.kernels._compile.compile_ahead`); elsewhere nothing."""
+    """On a GPU where the kernels can run, start compiling in background threads each source a training run
+    launches that the disk cache lacks for it (:func:`pipeline.kernels._compile.compile_ahead`; the candidates only
+    the benchmarks time compile when first launched); elsewhere nothing."""
     if device.type != "cuda" or kernels_problem():
         return
     import torch
 
     from pipeline.kernels import _compile
+    from pipeline.kernels.embedding import launcher as embedding
+    from pipeline.kernels.hashtable import launcher as hashtable
+    from pipeline.kernels.interaction import launcher as interaction
 
     major, minor = torch.cuda.get_device_capability(device)
-    _compile.compile_ahead(f"sm_{major}{minor}")
+    _compile.compile_ahead(f"sm_{major}{minor}", [embedding.FORWARD_SOURCE, embedding.BACKWARD_SOURCE,
+                                                   embedding.RUNS_SOURCE, interaction.SOURCE, hashtable.SOURCE])

@@ -131,20 +131,15 @@ _compiles: dict[Path, concurrent.futures.Future] = {}  # cubins being compiled b
 _compiles_lock = threading.Lock()
 
 
-def sources() -> list[str]:
-    """Every ``.cu`` source under this folder, as :func:`cached_cubin` names them."""
-    return sorted(str(p.relative_to(KERNEL_DIR)) for p in KERNEL_DIR.rglob("*.cu"))
-
-
-def compile_ahead(arch: str) -> list[threading.Thread]:
-    """Start compiling, for ``arch``, every source the disk cache lacks, each in a thread of its own, and return the
-    threads. A source otherwise compiles at its first launch, one after the other: on a fresh machine the first
+def compile_ahead(arch: str, names: list[str]) -> list[threading.Thread]:
+    """Start compiling, for ``arch``, each source of ``names`` that the disk cache lacks, in a thread of its own, and
+    return the threads. A source otherwise compiles at its first launch, one after the other: on a fresh machine the first
     training step waited for them in turn (the embedding update's sources alone take tens of seconds). NVRTC
     compiles without holding the GIL, so they compile side by side, and beside the run's own start (a model's
     ``torch.compile``). A launch that needs a cubin still being compiled waits for that compile; a compile that
     fails here fails again, with its log, at the launch that needs it."""
     threads = [threading.Thread(target=_compile_quietly, args=(name, arch), name=f"compile {name}", daemon=True)
-               for name in sources()]
+               for name in names]
     for thread in threads:
         thread.start()
     return threads

@@ -2,8 +2,9 @@
 sparse-optimizer backward.
 
 - ``embedding_forward.cu`` / ``embedding_backward.cu`` / ``embedding_common.cuh``: the CUDA kernels;
-  ``embedding_update.cuh``: what the update kernels share; ``embedding_update_runs.cu``: the candidate
-  update kernels that work per segment (``launcher.UPDATE_KERNELS``);
+  ``embedding_update.cuh``: what the update kernels share; ``embedding_update_runs.cuh``: the candidate
+  update kernels that work per segment (``launcher.UPDATE_KERNELS``), instantiated in
+  ``embedding_update_runs.cu`` (the capped ones, which training runs) and ``embedding_update_runs_uncapped.cu``;
 - :mod:`.reference`: the plain-torch reference (CPU path, test oracle);
 - :mod:`.launcher`: argument checks, launch geometry, the sort between the backward kernels;
 - :mod:`.ops`: the ``pipeline::embedding_*`` custom ops (CPU: reference; CUDA: kernels), fakes, autograd;

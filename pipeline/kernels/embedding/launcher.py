@@ -24,7 +24,8 @@ from pipeline.kernels._launch import f32, i32, i64, launch, ptr, resident_blocks
 
 FORWARD_SOURCE = "embedding/embedding_forward.cu"
 BACKWARD_SOURCE = "embedding/embedding_backward.cu"
-RUNS_SOURCE = "embedding/embedding_update_runs.cu"
+RUNS_SOURCE = "embedding/embedding_update_runs.cu"  # the segment list and the capped per-segment kernels
+UNCAPPED_SOURCE = "embedding/embedding_update_runs_uncapped.cu"  # the uncapped candidates
 BLOCK = 256
 BAGS_PER_GROUP = 8  # consecutive bags one thread group pools: more row loads in flight for one-hot bags
 SMALL_BATCH_BAGS = 1 << 16  # below this many bags, one bag per group keeps every multiprocessor busy
@@ -40,7 +41,7 @@ class UpdateKernel:
     order and owns each row once (with two vectors a lane, a row-wise Adagrad sum of squares adds its
     terms in another order).
 
-    ``per_segment``: list the segments first (``embedding_update_runs.cu``) and give thread groups
+    ``per_segment``: list the segments first (``embedding_update_runs.cuh``) and give thread groups
     segments, not sorted positions; ``looped``: launch only as many groups as stay resident, each looping
     over segments with the next one's record loaded ahead (else one group per segment the batch may
     hold); ``capped``: kernels whose registers are capped to keep more blocks resident without
@@ -55,7 +56,7 @@ class UpdateKernel:
 
 
 # Each candidate adds one change to the one before it, so a side-by-side timing (bench embedding
-# --sweep-update-kernels) shows what each is worth; why each should be faster: embedding_update_runs.cu.
+# --sweep-update-kernels) shows what each is worth; why each should be faster: embedding_update_runs.cuh.
 UPDATE_KERNELS = {
     "position": UpdateKernel(),
     "segments": UpdateKernel(per_segment=True),
@@ -229,11 +230,12 @@ def backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor], slots
         segments_list = list_segments(sorted_keys, sorted_bags)
         seg_log_lanes, seg_chunks = segment_lanes(kernel, log_lanes, chunks)
         name = f"sparse_update_runs{'_capped' if kernel.capped else ''}_{kinds}_c{seg_chunks}"
+        source = RUNS_SOURCE if kernel.capped else UNCAPPED_SOURCE
         groups_per_block = BLOCK >> seg_log_lanes
         grid = (nnz + groups_per_block - 1) // groups_per_block
         if kernel.looped:
-            grid = min(grid, resident_blocks(RUNS_SOURCE, name, weights.device, BLOCK))
-        launch(RUNS_SOURCE, name, weights.device, grid, BLOCK,
+            grid = min(grid, resident_blocks(source, name, weights.device, BLOCK))
+        launch(source, name, weights.device, grid, BLOCK,
                [*rows, *map(ptr, segments_list), i64(nnz), ptr(sorted_bags), ptr(offsets), ptr(slots.weight_offsets),
                 ptr(slots.row_offsets), ptr(slots.output_offsets), ptr(slots.mean), ptr(grad), ptr(partials),
                 i32(slots.num_slots), i32(batch_size), i32(seg_log_lanes), i32(weights_aligned), i32(grad_aligned),
@@ -270,7 +272,7 @@ def segment_lanes(kernel: UpdateKernel, log_lanes: int, chunks: int) -> tuple[in
 def list_segments(sorted_keys: torch.Tensor, sorted_bags: torch.Tensor) -> list[torch.Tensor]:
     """The segments of the sorted positions, listed on the device with no host sync:
     ``[seg_begin, seg_key, seg_bag, seg_split, count]``, as the per-segment kernels read them
-    (``embedding_update_runs.cu``). Sized for ``nnz`` segments; ``count`` (one int32) says how many there are."""
+    (``embedding_update_runs.cuh``). Sized for ``nnz`` segments; ``count`` (one int32) says how many there are."""
     device, nnz = sorted_keys.device, sorted_keys.numel()
     if nnz >= 2**31:
         raise ValueError(f"the per-segment update kernels take fewer than 2**31 ids a batch, got {nnz}")

@@ -1,0 +1,243 @@
+// The fused update per segment: candidates to embedding_backward.cu's sparse_update, the same sums and
+// updates (see there and embedding_update.cuh) scheduled another way; launcher.UPDATE_KERNELS picks one.
+// Instantiated in embedding_update_runs.cu (the segment list and the capped kernels, which training runs)
+// and embedding_update_runs_uncapped.cu (the uncapped candidates): a run compiles only the first.
+//
+// sparse_update puts a thread group on every sorted position. Only the first position of a segment
+// works; the group walks a chain of dependent global loads: its key, the binary search of the key's
+// table, the bags of the segment (after comparing keys to find its end), and only then the gradient
+// rows; the row and its state travel meanwhile. Here the segments are listed first, on the device:
+//
+// 1. count_segments: per block of sorted positions, how many segments start there.
+// 2. (host) torch.cumsum of those counts, on the device: where each block's segments go in the list;
+//    its last entry is how many segments there are, which only the device reads (no host sync).
+// 3. compact_segments: one record per segment, in position order: its first position (segment i
+//    spans seg_begin[i] .. seg_begin[i + 1]), its key, the bag of its first position, and whether it
+//    holds part of a longer run (it then stores its partial sum for sparse_update_long, as in
+//    sparse_update, in the same slot).
+// 4. sparse_update_runs: groups take segments from the list, one after another (i, i + groups, ...):
+//
+//    - no group is spent on a position inside a segment (in a Zipf-skewed 20-hot batch five groups
+//      of six only read two keys and leave, and a block waits for its slowest group), and no group
+//      compares keys to find where its segment ends;
+//    - the record carries what the row's loads need: the row's slot, hence its table, dim and first
+//      row, comes from its first bag through small cached per-slot arrays (no binary search), so one
+//      global load (the record) stands before the row, its state and the first gradient row, which
+//      are issued together, where sparse_update waits on three in a row (its key, the keys and bags
+//      of its segment, the gradient rows); a segment of one position (most rows of a uniform batch)
+//      loads no bag and shuffles nothing;
+//    - a group loads the next segment's record while it updates this one, so when the grid holds
+//      only as many groups as the GPU keeps resident (the launcher's looped candidates), the record
+//      is in registers when the group gets to it: the data loads are the only global latency left per
+//      segment, and no block is launched for nothing;
+//    - MIN_BLOCKS (__launch_bounds__) caps the registers so that more groups are resident;
+//    - the launcher may give a row half the lanes (two 16-byte vectors each, CHUNKS = 2), so that a
+//      warp updates two rows at once and issues the per-row instructions (slot and offset
+//      arithmetic, the Adagrad reduction's shuffles, loop control) once for both.
+//
+// The sums are those of sparse_update: the same segments, their gradient rows added in position order
+// two at a time, one owner per row, no atomics (with two vectors a lane, a row's Adagrad sum of
+// squares adds its terms in another order).
+#pragma once
+
+#include "embedding_update.cuh"
+
+// Whether a segment starts at sorted position p (< nnz): a run of equal keys starts there, or p is a
+// multiple of SEGMENT.
+template <typename K>
+__device__ __forceinline__ bool segment_starts(const K* __restrict__ sorted_keys, long long p) {
+    return p % SEGMENT == 0 || sorted_keys[p - 1] != sorted_keys[p];
+}
+
+template <typename K>
+__device__ __forceinline__ void count_segments(const K* __restrict__ sorted_keys, long long nnz,
+                                               int* __restrict__ block_counts) {
+    const long long p = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const int starts = __syncthreads_count(p < nnz && segment_starts<K>(sorted_keys, p));
+    if (threadIdx.x == 0) block_counts[blockIdx.x] = starts;
+}
+
+// block_ends: the inclusive cumulative sum of count_segments' counts (same blocks of positions).
+template <typename K>
+__device__ __forceinline__ void compact_segments(
+    const K* __restrict__ sorted_keys, const int* __restrict__ sorted_bags, long long nnz,
+    const int* __restrict__ block_ends, int* __restrict__ seg_begin, K* __restrict__ seg_key,
+    int* __restrict__ seg_bag, unsigned char* __restrict__ seg_split) {
+    __shared__ int warp_starts[32];
+    const long long p = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const bool start = p < nnz && segment_starts<K>(sorted_keys, p);
+    const unsigned int ballot = __ballot_sync(0xffffffffu, start);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (lane == 0) warp_starts[warp] = __popc(ballot);
+    __syncthreads();
+    if (p == nnz - 1) seg_begin[block_ends[blockIdx.x]] = (int)nnz;  // where the last segment ends
+    if (!start) return;
+    int i = (blockIdx.x ? block_ends[blockIdx.x - 1] : 0) + __popc(ballot & ((1u << lane) - 1u));
+    for (int w = 0; w < warp; ++w) i += warp_starts[w];
+    const K key = sorted_keys[p];
+    const long long seg_end = min(nnz, (p / SEGMENT + 1) * SEGMENT);
+    const bool run_start = p == 0 || sorted_keys[p - 1] != key;
+    seg_begin[i] = (int)p;
+    seg_key[i] = key;
+    seg_bag[i] = sorted_bags[p];
+    seg_split[i] = !run_start || (seg_end < nnz && sorted_keys[seg_end] == key);
+}
+
+#define SEGMENT_LIST(SUFFIX, K)                                                                         \
+    extern "C" __global__ void count_segments_##SUFFIX(const K* sorted_keys, long long nnz,            \
+                                                        int* block_counts) {                            \
+        count_segments<K>(sorted_keys, nnz, block_counts);                                              \
+    }                                                                                                   \
+    extern "C" __global__ void compact_segments_##SUFFIX(                                               \
+        const K* sorted_keys, const int* sorted_bags, long long nnz, const int* block_ends,             \
+        int* seg_begin, K* seg_key, int* seg_bag, unsigned char* seg_split) {                           \
+        compact_segments<K>(sorted_keys, sorted_bags, nnz, block_ends, seg_begin, seg_key, seg_bag,     \
+                            seg_split);                                                                 \
+    }
+
+
+template <typename K>
+struct Segment {
+    int begin, end, bag;
+    K key;
+    bool split;
+};
+
+template <typename K>
+__device__ __forceinline__ Segment<K> segment_at(int i, const int* __restrict__ seg_begin,
+                                                 const K* __restrict__ seg_key, const int* __restrict__ seg_bag,
+                                                 const unsigned char* __restrict__ seg_split) {
+    return Segment<K>{seg_begin[i], seg_begin[i + 1], seg_bag[i], seg_key[i], seg_split[i] != 0};
+}
+
+// Sums one segment's gradient rows and updates its row (or stores the partial sum of a longer run).
+template <typename W, typename K, int OPT, int CHUNKS>
+__device__ __forceinline__ void update_segment(
+    const Segment<K>& seg, W* __restrict__ weights, float* __restrict__ master, float* __restrict__ state1,
+    float* __restrict__ state2, const int* __restrict__ sorted_bags, const long long* __restrict__ offsets,
+    const long long* __restrict__ slot_weight_offsets, const long long* __restrict__ slot_row_offsets,
+    const long long* __restrict__ output_offsets, const unsigned char* __restrict__ slot_mean,
+    const float* __restrict__ grad, float* __restrict__ partials, long long grad_stride, int batch_size, int lane,
+    int lanes, unsigned int mask, int weights_aligned, int grad_aligned, float lr, float eps, float beta1,
+    float beta2, float bias1, float bias2, float weight_decay, int stochastic, unsigned long long seed) {
+    constexpr int N = Vec<W>::N;
+    const int s = seg.bag / batch_size;  // every bag of a segment is of a slot of the row's table
+    const int D = (int)(output_offsets[s + 1] - output_offsets[s]);
+    const long long elem = slot_weight_offsets[s] + ((long long)seg.key - slot_row_offsets[s]) * D;
+    const bool vec_w = weights_aligned && (elem % N == 0) && (D % N == 0);
+    const bool vec_g = grad_aligned && (D % N == 0);
+    const int chunk = lanes * N;
+    W* wrow = weights + elem;
+    float* mrow = master ? master + elem : nullptr;
+
+    float w[CHUNKS][N], m1[CHUNKS][N], m2[CHUNKS][N], g[CHUNKS][N];
+    float before = 0.0f;
+    if (!seg.split) load_row<W, OPT, CHUNKS, N>(wrow, mrow, state1, state2, (long long)seg.key, elem, D, lane, lanes,
+                                                vec_w, w, m1, m2, before);
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c)
+#pragma unroll
+        for (int k = 0; k < N; ++k) g[c][k] = 0.0f;
+    if (seg.end - seg.begin == 1) {
+        // One occurrence (most rows of a uniform batch): every lane finds the gradient row from the record,
+        // no bag is loaded or shuffled.
+        long long goff;
+        float scale;
+        bag_gradient(seg.bag, batch_size, grad_stride, output_offsets, slot_mean, offsets, goff, scale);
+#pragma unroll
+        for (int c = 0; c < CHUNKS; ++c) {
+            const int d0 = c * chunk + lane * N;
+            if (d0 < D) {
+                float v[N];
+                load_elems<float, N>(grad + goff, d0, D, vec_g, v);
+#pragma unroll
+                for (int k = 0; k < N; ++k) g[c][k] += scale * v[k];
+            }
+        }
+    } else {
+        for (int base = seg.begin; base < seg.end; base += lanes) {
+            const int j = base + lane;
+            long long goff = 0;
+            float scale = 0.0f;
+            if (j < seg.end)
+                bag_gradient(j == seg.begin ? seg.bag : sorted_bags[j], batch_size, grad_stride, output_offsets,
+                             slot_mean, offsets, goff, scale);
+            add_gradient_rows<CHUNKS, N>(grad, goff, scale, min(lanes, seg.end - base), D, lane, lanes, mask, vec_g,
+                                         g);
+        }
+    }
+
+    if (seg.split) {
+        const int first_of_run = seg.begin % SEGMENT == 0 ? 0 : 1;
+        float* slot = partials + (2 * (long long)(seg.begin / SEGMENT) + first_of_run) * (long long)(CHUNKS * chunk);
+#pragma unroll
+        for (int c = 0; c < CHUNKS; ++c) {
+            const int d0 = c * chunk + lane * N;
+            if (d0 < D) store_f32<N>(slot, d0, D, true, g[c]);
+        }
+        return;
+    }
+    update_row<W, OPT, CHUNKS, N>(wrow, mrow, state1, state2, (long long)seg.key, elem, D, lane, lanes, mask, vec_w, w,
+                                  m1, m2, g, before, lr, eps, beta1, beta2, bias1, bias2, weight_decay, stochastic,
+                                  seed);
+}
+
+// Group q of the grid's G groups updates segments q, q + G, q + 2G, ... of the *seg_count listed,
+// loading each next record before it updates the current segment. max_segments (nnz) bounds the list.
+template <typename W, typename K, int OPT, int CHUNKS>
+__device__ __forceinline__ void sparse_update_runs(
+    W* __restrict__ weights, float* __restrict__ master, float* __restrict__ state1, float* __restrict__ state2,
+    const int* __restrict__ seg_begin, const K* __restrict__ seg_key, const int* __restrict__ seg_bag,
+    const unsigned char* __restrict__ seg_split, const int* __restrict__ seg_count, long long max_segments,
+    const int* __restrict__ sorted_bags, const long long* __restrict__ offsets,
+    const long long* __restrict__ slot_weight_offsets, const long long* __restrict__ slot_row_offsets,
+    const long long* __restrict__ output_offsets, const unsigned char* __restrict__ slot_mean,
+    const float* __restrict__ grad, float* __restrict__ partials, int num_slots, int batch_size, int log_lanes,
+    int weights_aligned, int grad_aligned, float lr, float eps, float beta1, float beta2, float bias1, float bias2,
+    float weight_decay, int stochastic, unsigned long long seed) {
+    const int lanes = 1 << log_lanes;
+    const int lane = threadIdx.x & (lanes - 1);
+    const long long first = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> log_lanes;
+    const long long groups = ((long long)gridDim.x * blockDim.x) >> log_lanes;
+    if (first >= max_segments) return;
+    // The first record is loaded before the count is known: the list is allocated for max_segments.
+    Segment<K> seg = segment_at<K>((int)first, seg_begin, seg_key, seg_bag, seg_split);
+    const int count = *seg_count;
+    const unsigned int mask = group_mask(lanes);
+    const long long grad_stride = output_offsets[num_slots];
+    for (long long i = first; i < count; i += groups) {
+        Segment<K> next = seg;
+        if (i + groups < count) next = segment_at<K>((int)(i + groups), seg_begin, seg_key, seg_bag, seg_split);
+        update_segment<W, K, OPT, CHUNKS>(seg, weights, master, state1, state2, sorted_bags, offsets,
+                                          slot_weight_offsets, slot_row_offsets, output_offsets, slot_mean, grad,
+                                          partials, grad_stride, batch_size, lane, lanes, mask, weights_aligned,
+                                          grad_aligned, lr, eps, beta1, beta2, bias1, bias2, weight_decay, stochastic,
+                                          seed);
+        seg = next;
+    }
+}
+
+#define SPARSE_UPDATE_RUNS(NAME, W, K, OPT, CHUNKS, MIN_BLOCKS)                                         \
+    extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) NAME(                                 \
+        W* weights, float* master, float* state1, float* state2, const int* seg_begin, const K* seg_key, \
+        const int* seg_bag, const unsigned char* seg_split, const int* seg_count, long long max_segments, \
+        const int* sorted_bags, const long long* offsets, const long long* slot_weight_offsets,         \
+        const long long* slot_row_offsets, const long long* output_offsets,                             \
+        const unsigned char* slot_mean, const float* grad, float* partials, int num_slots,              \
+        int batch_size, int log_lanes, int weights_aligned, int grad_aligned, float lr, float eps,      \
+        float beta1, float beta2, float bias1, float bias2, float weight_decay, int stochastic,          \
+        unsigned long long seed) {                                                                      \
+        sparse_update_runs<W, K, OPT, CHUNKS>(weights, master, state1, state2, seg_begin, seg_key,      \
+                                              seg_bag, seg_split, seg_count, max_segments, sorted_bags, \
+                                              offsets, slot_weight_offsets, slot_row_offsets,           \
+                                              output_offsets, slot_mean, grad, partials, num_slots,     \
+                                              batch_size, log_lanes, weights_aligned, grad_aligned, lr, \
+                                              eps, beta1, beta2, bias1, bias2, weight_decay,            \
+                                              stochastic, seed);                                        \
+    }
+
+// Names: sparse_update_runs[_capped]_<optimizer>_<weights dtype>_<key type>_c<chunks>: c1 and c2 (a row
+// in one or two vectors per lane), and the wide rows of sparse_update (c4 for fp32, c2 for 16-bit).
+#define SPARSE_UPDATE_RUNS_KEYS(PREFIX, OPTNAME, OPT, WNAME, W, CHUNKS, MIN_BLOCKS)                     \
+    SPARSE_UPDATE_RUNS(PREFIX##_##OPTNAME##_##WNAME##_i32_c##CHUNKS, W, int, OPT, CHUNKS, MIN_BLOCKS)   \
+    SPARSE_UPDATE_RUNS(PREFIX##_##OPTNAME##_##WNAME##_i64_c##CHUNKS, W, long long, OPT, CHUNKS, MIN_BLOCKS)
