@@ -169,7 +169,8 @@ def _ptxas_report(source: str, nvcc_build) -> dict[str, tuple[int, int]]:
 
 
 UPDATE_SOURCES = ("embedding/embedding_forward.cu", "embedding/embedding_backward.cu",
-                  "embedding/embedding_update_runs.cu", "embedding/embedding_update_runs_uncapped.cu")
+                  "embedding/embedding_update_position.cu", "embedding/embedding_update_runs.cu",
+                  "embedding/embedding_update_runs_uncapped.cu")
 
 
 @pytest.mark.parametrize("update_kernel", ["position", "segments", "segments_looped", "segments_looped_capped",
@@ -177,14 +178,15 @@ UPDATE_SOURCES = ("embedding/embedding_forward.cu", "embedding/embedding_backwar
 def test_launch_arguments_match_kernel_signatures(update_kernel, nvcc_build, monkeypatch):
     from pipeline.kernels.embedding import launcher
 
-    entries = {name: params for source in UPDATE_SOURCES
-               for name, params in _built_ptx_params(source, nvcc_build).items()}
-    launches = []
-    monkeypatch.setattr(launcher, "launch",
-                        lambda source, function, device, grid, block, args: launches.append((function, grid, args)))
+    by_source = {source: _built_ptx_params(source, nvcc_build) for source in UPDATE_SOURCES}
+    entries = {name: params for built in by_source.values() for name, params in built.items()}
+    launches, asked = [], []
+    monkeypatch.setattr(launcher, "launch", lambda source, function, device, grid, block, args: (
+        launches.append((function, grid, args)), asked.append((source, function))))
     monkeypatch.setattr(launcher, "_check", lambda *a: None)
     # how many blocks stay resident is the GPU's to say; here a number below the one-group-per-segment grid
-    monkeypatch.setattr(launcher, "resident_blocks", lambda source, function, device, block: 3)
+    monkeypatch.setattr(launcher, "resident_blocks",
+                        lambda source, function, device, block: (asked.append((source, function)), 3)[1])
     monkeypatch.setattr(launcher, "UPDATE_KERNEL", update_kernel)
     kernel = launcher.UPDATE_KERNELS[update_kernel]
     tables = [TableConfig("a", 50, 8, ["a"]), TableConfig("b", 20, 300, ["b"], pooling="mean")]
@@ -216,6 +218,8 @@ def test_launch_arguments_match_kernel_signatures(update_kernel, nvcc_build, mon
         assert function in entries, f"{function} is not a kernel of the .cu sources"
         passed = [_CTYPE_TO_PTX[type(a).__name__] for a in args]
         assert passed == [t.replace("s", "u") for t in entries[function]], function
+    for source, function in asked:  # each kernel is looked up in the source that defines it
+        assert function in by_source[source], f"{function} is not in {source}"
 
 
 def test_an_unknown_update_kernel_is_refused_before_any_work(monkeypatch):

@@ -1,7 +1,9 @@
 """The embedding op family: pooled lookups of many tables packed in one tensor, and their fused
 sparse-optimizer backward.
 
-- ``embedding_forward.cu`` / ``embedding_backward.cu`` / ``embedding_common.cuh``: the CUDA kernels;
+- ``embedding_forward.cu`` / ``embedding_backward.cu`` / ``embedding_common.cuh``: the CUDA kernels (the
+  backward's in ``embedding_backward.cuh``, its update a group per sorted position instantiated in
+  ``embedding_update_position.cu``);
   ``embedding_update.cuh``: what the update kernels share; ``embedding_update_runs.cuh``: the candidate
   update kernels that work per segment (``launcher.UPDATE_KERNELS``), instantiated in
   ``embedding_update_runs.cu`` (the capped ones, which training runs) and ``embedding_update_runs_uncapped.cu``;

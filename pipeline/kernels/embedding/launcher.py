@@ -23,7 +23,8 @@ import torch
 from pipeline.kernels._launch import f32, i32, i64, launch, ptr, resident_blocks, u64
 
 FORWARD_SOURCE = "embedding/embedding_forward.cu"
-BACKWARD_SOURCE = "embedding/embedding_backward.cu"
+BACKWARD_SOURCE = "embedding/embedding_backward.cu"  # the row keys and the long runs' update
+POSITION_SOURCE = "embedding/embedding_update_position.cu"  # the update a group per sorted position
 RUNS_SOURCE = "embedding/embedding_update_runs.cu"  # the segment list and the capped per-segment kernels
 UNCAPPED_SOURCE = "embedding/embedding_update_runs_uncapped.cu"  # the uncapped candidates
 BLOCK = 256
@@ -242,7 +243,7 @@ def backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor], slots
                 *update])
     else:
         rows_per_block = BLOCK >> log_lanes
-        launch(BACKWARD_SOURCE, f"sparse_update_{kinds}_c{chunks}", weights.device,
+        launch(POSITION_SOURCE, f"sparse_update_{kinds}_c{chunks}", weights.device,
                (nnz + rows_per_block - 1) // rows_per_block, BLOCK,
                [*rows, ptr(sorted_keys), ptr(sorted_bags), ptr(offsets), *tables, ptr(slots.output_offsets),
                 ptr(slots.mean), ptr(grad), ptr(partials), i64(nnz), i32(slots.num_slots), i32(batch_size),
