@@ -42,13 +42,10 @@ def compile_ahead(device) -> None:
     the benchmarks time compile when first launched); elsewhere nothing."""
     if device.type != "cuda" or kernels_problem():
         return
-    import torch
-
     from pipeline.kernels import _compile
     from pipeline.kernels.embedding import launcher as embedding
     from pipeline.kernels.hashtable import launcher as hashtable
     from pipeline.kernels.interaction import launcher as interaction
 
-    major, minor = torch.cuda.get_device_capability(device)
-    _compile.compile_ahead(f"sm_{major}{minor}", [embedding.FORWARD_SOURCE, embedding.BACKWARD_SOURCE,
-                                                   embedding.RUNS_SOURCE, interaction.SOURCE, hashtable.SOURCE])
+    _compile.compile_ahead(_compile.arch_of(device), [embedding.FORWARD_SOURCE, embedding.BACKWARD_SOURCE,
+                                                      embedding.RUNS_SOURCE, interaction.SOURCE, hashtable.SOURCE])

@@ -154,11 +154,16 @@ def _compile_quietly(name: str, arch: str) -> None:
 def load_module(name: str, device_index: int):
     """``cupy.RawModule`` of ``name`` loaded on CUDA device ``device_index`` (once per process)."""
     import cupy
+
+    return cupy.RawModule(path=str(cached_cubin(name, arch_of(device_index))))
+
+
+def arch_of(device) -> str:
+    """The NVRTC architecture of CUDA device ``device`` (an index or a ``torch.device``): ``sm_90`` on a Hopper."""
     import torch
 
-    major, minor = torch.cuda.get_device_capability(device_index)
-    path = cached_cubin(name, f"sm_{major}{minor}")
-    return cupy.RawModule(path=str(path))
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
 
 
 @functools.cache
