@@ -419,7 +419,11 @@ def test_bench_embedding_times_every_update_kernel_against_the_byte_floor(tmp_pa
             (row["forward_ms"] + row["backward_update_ms"]) / row["floor_ms"])
         for name, ms in row["backward_update_ms_by_kernel"].items():
             assert row["time_over_floor_by_kernel"][name] == pytest.approx((row["forward_ms"] + ms) / row["floor_ms"])
-    assert "backward + update by update kernel" in capsys.readouterr().out
+        assert list(row["step_ms_by_kernel"]) == list(UPDATE_KERNELS)
+        for name, ms in row["step_ms_by_kernel"].items():
+            assert ms > 0 and row["step_over_floor_by_kernel"][name] == pytest.approx(ms / row["floor_ms"])
+    printed = capsys.readouterr().out
+    assert "backward + update by update kernel" in printed and "step (forward, then backward + update) by" in printed
 
 
 @pytest.mark.parametrize("ids", ["uniform", "zipf"])

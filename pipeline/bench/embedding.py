@@ -138,10 +138,11 @@ def run(args: argparse.Namespace, cfg) -> dict:
         if sweep:
             print(f"  {hot:>2}-hot forward by bags per group: "
                   + ", ".join(f"{k}: {ms:.3f} ms" for k, ms in sweep.items()), flush=True)
-        by_kernel = {}
+        by_kernel, step_by_kernel = {}, {}
         for name in update_kernels:
             kept, launcher.UPDATE_KERNEL = launcher.UPDATE_KERNEL, name
             by_kernel[name] = median_ms(torch, bwd, args.reps)
+            step_by_kernel[name] = median_ms(torch, step, args.reps)
             launcher.UPDATE_KERNEL = kept
         t_fwd = median_ms(torch, fwd, args.reps)
         t_bwd = median_ms(torch, bwd, args.reps)
@@ -161,11 +162,16 @@ def run(args: argparse.Namespace, cfg) -> dict:
                    floor_ms=floor_ms, time_over_floor=(t_fwd + t_bwd) / floor_ms,
                    step_ms=t_step, step_over_floor=t_step / floor_ms,
                    backward_update_ms_by_kernel=by_kernel,
-                   time_over_floor_by_kernel={k: (t_fwd + ms) / floor_ms for k, ms in by_kernel.items()})
+                   time_over_floor_by_kernel={k: (t_fwd + ms) / floor_ms for k, ms in by_kernel.items()},
+                   step_ms_by_kernel=step_by_kernel,
+                   step_over_floor_by_kernel={k: ms / floor_ms for k, ms in step_by_kernel.items()})
         if by_kernel:
             print(f"  {hot:>2}-hot backward + update by update kernel (fwd + bwd + update over the byte floor, "
                   f"{floor_ms:.3f} ms): " + ", ".join(f"{k}: {ms:.3f} ms ({row['time_over_floor_by_kernel'][k]:.2f}x)"
                                                      for k, ms in by_kernel.items()), flush=True)
+            print(f"  {hot:>2}-hot step (forward, then backward + update) by update kernel: "
+                  + ", ".join(f"{k}: {ms:.3f} ms ({ms / floor_ms:.2f}x)" for k, ms in step_by_kernel.items()),
+                  flush=True)
         if baseline is not None:
             row.update(baseline.measure(batches, grad, args.batch, args.baseline_reps))
             row["speedup_forward"] = row["torch_forward_ms"] / t_fwd
