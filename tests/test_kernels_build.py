@@ -170,11 +170,11 @@ def _ptxas_report(source: str, nvcc_build) -> dict[str, tuple[int, int]]:
 
 UPDATE_SOURCES = ("embedding/embedding_forward.cu", "embedding/embedding_backward.cu",
                   "embedding/embedding_update_position.cu", "embedding/embedding_update_runs.cu",
-                  "embedding/embedding_update_runs_uncapped.cu", "embedding/embedding_update_staged.cu")
+                  "embedding/embedding_update_runs_uncapped.cu")
 
 
 @pytest.mark.parametrize("update_kernel", ["position", "segments", "segments_looped", "segments_looped_capped",
-                                           "segments_looped_capped_2vec", "segments_looped_capped_staged"])
+                                           "segments_looped_capped_2vec"])
 def test_launch_arguments_match_kernel_signatures(update_kernel, nvcc_build, monkeypatch):
     from pipeline.kernels.embedding import launcher
 
@@ -189,9 +189,7 @@ def test_launch_arguments_match_kernel_signatures(update_kernel, nvcc_build, mon
                         lambda source, function, device, block: (asked.append((source, function)), 3)[1])
     monkeypatch.setattr(launcher, "UPDATE_KERNEL", update_kernel)
     kernel = launcher.UPDATE_KERNELS[update_kernel]
-    # rows of 300 need wider rows than the staged kernels stage: they run the capped kernel
-    wide = 100 if kernel.staged else 300
-    tables = [TableConfig("a", 50, 8, ["a"]), TableConfig("b", 20, wide, ["b"], pooling="mean")]
+    tables = [TableConfig("a", 50, 8, ["a"]), TableConfig("b", 20, 300, ["b"], pooling="mean")]
     packing = TablePacking.build(tables)
     slots = SlotArrays.from_packing(packing, "cpu")
     indices = torch.arange(200, dtype=torch.int64) % 20  # more ids than one update segment: both update kernels
@@ -206,24 +204,16 @@ def test_launch_arguments_match_kernel_signatures(update_kernel, nvcc_build, mon
             launcher.backward_update(weights, state, slots, indices, offsets, 2,
                                      torch.zeros(2, packing.total_dim), opt, 0.1, 1)
     functions = {f for f, _, _ in launches}
-    assert {"pooled_forward_f32", "row_keys_i32"} <= functions
-    if kernel.staged:
-        # each staged row shape runs the staged kernel, the others (16-bit Adam rows) the capped one
-        assert {f for f in functions if f.startswith("sparse_update_staged_")} == {
-            f"sparse_update_staged_{opt}_{dtype}_i32_c1" for opt, dtype, chunks in launcher.STAGED_SHAPES
-            if chunks == 1}
-        assert {"sparse_update_runs_capped_adam_bf16_i32_c1", "sparse_update_adam_bf16_i32_c1_long"} <= functions
-        assert {grid for f, grid, _ in launches if f.startswith("sparse_update_staged_")} == {3}
-    elif kernel.per_segment:
-        assert {"count_segments_i32", "compact_segments_i32", "sparse_update_adam_bf16_i32_c2_long"} <= functions
+    assert {"pooled_forward_f32", "sparse_update_adam_bf16_i32_c2_long", "row_keys_i32"} <= functions
+    if kernel.per_segment:
+        assert {"count_segments_i32", "compact_segments_i32"} <= functions
         prefix = "sparse_update_runs_capped" if kernel.capped else "sparse_update_runs"
         assert f"{prefix}_adam_bf16_i32_c2" in functions and "sparse_update_adam_bf16_i32_c2" not in functions
         # the looped kernels get the resident blocks; the others a group for each of the 200 positions
         grids = {grid for f, grid, _ in launches if f.startswith(prefix)}
         assert grids == ({3} if kernel.looped else {200 // (256 // 32)})
     else:
-        assert {"sparse_update_adam_bf16_i32_c2", "sparse_update_adam_bf16_i32_c2_long"} <= functions
-        assert not any("segments" in f for f in functions)
+        assert "sparse_update_adam_bf16_i32_c2" in functions and not any("segments" in f for f in functions)
     for function, _, args in launches:
         assert function in entries, f"{function} is not a kernel of the .cu sources"
         passed = [_CTYPE_TO_PTX[type(a).__name__] for a in args]
@@ -279,17 +269,6 @@ def test_no_per_segment_update_kernel_spills_and_the_capped_ones_fit_more_blocks
     assert {"sparse_update_runs_capped_adagrad_f32_i32_c1", "sparse_update_runs_capped_sgd_f32_i32_c1",
             "sparse_update_runs_capped_adagrad_f32_i32_c2"} <= more
     assert all(blocks(regs) >= blocks(report[name.replace("_capped", "")][0]) for name, regs in capped.items())
-
-
-def test_the_staged_kernels_are_those_the_launcher_knows_and_none_spills(nvcc_build):
-    from pipeline.kernels.embedding import launcher
-
-    report = _ptxas_report(launcher.STAGED_SOURCE, nvcc_build)
-    assert set(report) == {f"sparse_update_staged_{opt}_{dtype}_{key}_c{chunks}"
-                           for opt, dtype, chunks in launcher.STAGED_SHAPES for key in ("i32", "i64")}
-    assert {name: spilled for name, (_, spilled) in report.items() if spilled} == {}
-    # the row shape of fp32 rows of dim <= 128 with SGD or Adagrad keeps the capped kernel's 4 blocks resident
-    assert report["sparse_update_staged_adagrad_f32_i32_c1"][0] <= 64
 
 
 def test_the_update_segment_is_the_same_in_the_launcher_and_the_kernel():

@@ -28,31 +28,12 @@ __device__ __forceinline__ void bag_gradient(int bag, int batch_size, long long 
 
 // Adds to g the gradient rows of n consecutive sorted positions, whose offsets and weights lanes 0..n-1
 // of the group hold, in position order, two rows at a time (the order every update kernel sums in).
-// FIRST_GIVEN: this lane's part of the first row is already in `first` (loaded ahead), not read again.
-template <int CHUNKS, int N, bool FIRST_GIVEN = false>
+template <int CHUNKS, int N>
 __device__ __forceinline__ void add_gradient_rows(const float* __restrict__ grad, long long goff, float scale, int n,
                                                   int D, int lane, int lanes, unsigned int mask, bool vec_g,
-                                                  float (&g)[CHUNKS][N], const float (&first)[CHUNKS][N] = {}) {
+                                                  float (&g)[CHUNKS][N]) {
     const int chunk = lanes * N;
     int u = 0;
-    if constexpr (FIRST_GIVEN) {
-        if (n >= 2) {
-            const long long o1 = __shfl_sync(mask, goff, 1, lanes);
-            const float f0 = __shfl_sync(mask, scale, 0, lanes);
-            const float f1 = __shfl_sync(mask, scale, 1, lanes);
-#pragma unroll
-            for (int c = 0; c < CHUNKS; ++c) {
-                const int d0 = c * chunk + lane * N;
-                if (d0 < D) {
-                    float v1[N];
-                    load_elems<float, N>(grad + o1, d0, D, vec_g, v1);
-#pragma unroll
-                    for (int k = 0; k < N; ++k) g[c][k] += f0 * first[c][k] + f1 * v1[k];
-                }
-            }
-            u = 2;
-        }
-    }
     for (; u + 2 <= n; u += 2) {
         const long long o0 = __shfl_sync(mask, goff, u, lanes);
         const long long o1 = __shfl_sync(mask, goff, u + 1, lanes);

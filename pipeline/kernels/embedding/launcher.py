@@ -27,11 +27,6 @@ BACKWARD_SOURCE = "embedding/embedding_backward.cu"  # the row keys and the long
 POSITION_SOURCE = "embedding/embedding_update_position.cu"  # the update a group per sorted position
 RUNS_SOURCE = "embedding/embedding_update_runs.cu"  # the segment list and the capped per-segment kernels
 UNCAPPED_SOURCE = "embedding/embedding_update_runs_uncapped.cu"  # the uncapped candidates
-STAGED_SOURCE = "embedding/embedding_update_staged.cu"  # the candidate that stages segments in shared memory
-# (optimizer, weights dtype, chunks) of the staged kernels: the row shapes whose two stages fit a block's shared
-# memory; the others run the capped kernel.
-STAGED_SHAPES = {("sgd", "f32", 1), ("sgd", "f32", 2), ("sgd", "f16", 1), ("sgd", "bf16", 1), ("adagrad", "f32", 1),
-                 ("adagrad", "f32", 2), ("adagrad", "f16", 1), ("adagrad", "bf16", 1), ("adam", "f32", 1)}
 BLOCK = 256
 BAGS_PER_GROUP = 8  # consecutive bags one thread group pools: more row loads in flight for one-hot bags
 SMALL_BATCH_BAGS = 1 << 16  # below this many bags, one bag per group keeps every multiprocessor busy
@@ -52,16 +47,13 @@ class UpdateKernel:
     over segments with the next one's record loaded ahead (else one group per segment the batch may
     hold); ``capped``: kernels whose registers are capped to keep more blocks resident without
     spilling; ``vectors_per_lane``: 2 gives a row that one pass of lanes covers half the lanes, two
-    16-byte vectors each, so a warp updates two rows at once; ``staged``: the next segments' rows copied into
-    shared memory asynchronously while a group updates this one (``embedding_update_staged.cu``), where the row
-    shape is among :data:`STAGED_SHAPES`.
+    16-byte vectors each, so a warp updates two rows at once.
     """
 
     per_segment: bool = False
     looped: bool = False
     capped: bool = False
     vectors_per_lane: int = 1
-    staged: bool = False
 
 
 # Each candidate adds one change to the one before it, so a side-by-side timing (bench embedding
@@ -72,7 +64,6 @@ UPDATE_KERNELS = {
     "segments_looped": UpdateKernel(per_segment=True, looped=True),
     "segments_looped_capped": UpdateKernel(per_segment=True, looped=True, capped=True),
     "segments_looped_capped_2vec": UpdateKernel(per_segment=True, looped=True, capped=True, vectors_per_lane=2),
-    "segments_looped_capped_staged": UpdateKernel(per_segment=True, looped=True, capped=True, staged=True),
 }
 UPDATE_KERNEL = "segments_looped_capped"  # the one backward_update runs: the fastest measured (docs/BENCHMARKS.md)
 
@@ -241,8 +232,6 @@ def backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor], slots
         seg_log_lanes, seg_chunks = segment_lanes(kernel, log_lanes, chunks)
         name = f"sparse_update_runs{'_capped' if kernel.capped else ''}_{kinds}_c{seg_chunks}"
         source = RUNS_SOURCE if kernel.capped else UNCAPPED_SOURCE
-        if kernel.staged and (optimizer, _DTYPE_NAMES[weights.dtype], seg_chunks) in STAGED_SHAPES:
-            name, source = f"sparse_update_staged_{kinds}_c{seg_chunks}", STAGED_SOURCE
         groups_per_block = BLOCK >> seg_log_lanes
         grid = (nnz + groups_per_block - 1) // groups_per_block
         if kernel.looped:
