@@ -222,6 +222,23 @@ def test_launch_arguments_match_kernel_signatures(update_kernel, nvcc_build, mon
         assert function in by_source[source], f"{function} is not in {source}"
 
 
+def test_the_row_traffic_launch_matches_its_kernels(nvcc_build, monkeypatch):
+    from pipeline.kernels.embedding import launcher
+
+    entries = _built_ptx_params(launcher.ROW_TRAFFIC_SOURCE, nvcc_build)
+    assert set(entries) == {f"rows_read_write_{r}" for r in (1, 2, 4, 8)}
+    launches = []
+    monkeypatch.setattr(launcher, "launch", lambda source, function, device, grid, block, args: launches.append(
+        (source, function, grid, args)))
+    vec = torch.arange(100, dtype=torch.int64)
+    for rows_per_warp in (1, 2, 4, 8):
+        launcher.rows_read_write(torch.zeros(64), torch.zeros(64), vec, vec, 32, 32, rows_per_warp)
+    for (source, function, grid, args), rows_per_warp in zip(launches, (1, 2, 4, 8)):
+        assert source == launcher.ROW_TRAFFIC_SOURCE and function == f"rows_read_write_{rows_per_warp}"
+        assert grid == -(-100 // (8 * rows_per_warp))  # 8 warps a block, every row once
+        assert [_CTYPE_TO_PTX[type(a).__name__] for a in args] == [t.replace("s", "u") for t in entries[function]]
+
+
 def test_an_unknown_update_kernel_is_refused_before_any_work(monkeypatch):
     from pipeline.kernels.embedding import launcher
 

@@ -149,6 +149,7 @@ def run(args: argparse.Namespace, cfg) -> dict:
         t_sort = median_ms(torch, sort_only, args.reps)
         t_step = median_ms(torch, step, args.reps)
         unique = _unique_rows(torch, batches[0], packing, args.batch)
+        traffic = _row_traffic(torch, launcher, weights, slots, batches[0], grad, args.batch, args.reps)
         state_bytes = {"sgd": 0, "adagrad": 8}[args.optimizer]
         fwd_bytes = nnz * (args.dim * es + 8) + args.batch * packing.total_dim * 4
         # the row-owner algorithm's fewest bytes: each occurrence's id and gradient row, each touched row
@@ -164,7 +165,17 @@ def run(args: argparse.Namespace, cfg) -> dict:
                    backward_update_ms_by_kernel=by_kernel,
                    time_over_floor_by_kernel={k: (t_fwd + ms) / floor_ms for k, ms in by_kernel.items()},
                    step_ms_by_kernel=step_by_kernel,
-                   step_over_floor_by_kernel={k: ms / floor_ms for k, ms in step_by_kernel.items()})
+                   step_over_floor_by_kernel={k: ms / floor_ms for k, ms in step_by_kernel.items()}, **traffic)
+        if traffic:
+            rate = traffic["random_rows_tb_s"] * 1e12
+            row["floor_ms_at_random_rows_rate"] = (fwd_bytes + bwd_bytes) / rate * 1e3
+            row["step_over_random_rows_floor"] = t_step / row["floor_ms_at_random_rows_rate"]
+            print(f"  {hot:>2}-hot rows read and written back at random, alone ({traffic['random_rows']:,} rows, in the "
+                  f"update's order; by rows a warp): "
+                  + ", ".join(f"{k}: {ms:.3f} ms" for k, ms in traffic["random_rows_ms_by_rows_per_warp"].items())
+                  + f" | {rate / 1e12:.2f} TB/s, {rate / copy_bw:.0%} of copy | the step's bytes at that rate "
+                  f"{row['floor_ms_at_random_rows_rate']:.3f} ms, the step {row['step_over_random_rows_floor']:.2f}x it",
+                  flush=True)
         if by_kernel:
             print(f"  {hot:>2}-hot backward + update by update kernel (fwd + bwd + update over the byte floor, "
                   f"{floor_ms:.3f} ms): " + ", ".join(f"{k}: {ms:.3f} ms ({row['time_over_floor_by_kernel'][k]:.2f}x)"
@@ -189,6 +200,35 @@ def run(args: argparse.Namespace, cfg) -> dict:
     if args.json:
         write_json(args.json, summary)
     return summary
+
+
+def _row_traffic(torch, launcher, weights, slots, batch, grad, batch_size: int, reps: int) -> dict:
+    """The rate at which this GPU reads the rows a batch touches and writes them back, each with one gradient row:
+    the update's memory traffic alone (``launcher.rows_read_write``), the best of 1, 2, 4 and 8 rows a warp, in
+    TB/s counting the rows, the gradient rows and the 16 bytes of offsets a row. Empty where rows or gradient rows
+    do not start on 16-byte boundaries."""
+    ind, off = batch
+    es = weights.element_size()
+    if weights.data_ptr() % 16 or slots.max_dim * es % 16 or not slots.columns_aligned or slots.total_dim % 4:
+        return {}
+    keys, bags = launcher.sort_by_row(slots, ind, off, batch_size)
+    first = torch.ones_like(keys, dtype=torch.bool)
+    first[1:] = keys[1:] != keys[:-1]
+    rows, bags = keys[first].long(), bags[first].long()
+    table = torch.searchsorted(slots.table_row_starts, rows, right=True) - 1
+    elem = slots.table_weight_offsets[table] + (rows - slots.table_row_starts[table]) * slots.table_dims[table]
+    if bool(((elem * es) % 16 != 0).any()) or bool((slots.table_dims != slots.max_dim).any()):
+        return {}
+    slot = bags // batch_size
+    grad_elem = (bags - slot * batch_size) * slots.total_dim + slots.output_offsets[slot]
+    row_vec, grad_vec = (elem * es // 16).contiguous(), (grad_elem // 4).contiguous()
+    row_vectors, grad_vectors = slots.max_dim * es // 16, slots.max_dim // 4
+    by_rows = {r: median_ms(torch, lambda r=r: launcher.rows_read_write(weights, grad, row_vec, grad_vec, row_vectors,
+                                                                       grad_vectors, r), reps)
+               for r in (1, 2, 4, 8)}
+    moved = rows.numel() * (16 * (2 * row_vectors + grad_vectors) + 16)
+    return {"random_rows": rows.numel(), "random_rows_ms_by_rows_per_warp": by_rows,
+            "random_rows_tb_s": moved / min(by_rows.values()) / 1e9}
 
 
 def update_kernels_to_sweep(names: str) -> list[str]:

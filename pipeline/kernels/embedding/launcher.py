@@ -27,6 +27,7 @@ BACKWARD_SOURCE = "embedding/embedding_backward.cu"  # the row keys and the long
 POSITION_SOURCE = "embedding/embedding_update_position.cu"  # the update a group per sorted position
 RUNS_SOURCE = "embedding/embedding_update_runs.cu"  # the segment list and the capped per-segment kernels
 UNCAPPED_SOURCE = "embedding/embedding_update_runs_uncapped.cu"  # the uncapped candidates
+ROW_TRAFFIC_SOURCE = "embedding/row_traffic.cu"  # bench embedding's rows read and written back at random
 BLOCK = 256
 BAGS_PER_GROUP = 8  # consecutive bags one thread group pools: more row loads in flight for one-hot bags
 SMALL_BATCH_BAGS = 1 << 16  # below this many bags, one bag per group keeps every multiprocessor busy
@@ -253,6 +254,17 @@ def backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor], slots
                (segments + (BLOCK >> log_lanes) - 1) // (BLOCK >> log_lanes), BLOCK,
                [*rows, ptr(sorted_keys), *tables, ptr(partials), i64(nnz), i32(log_lanes), i32(weights_aligned),
                 *update])
+
+
+def rows_read_write(weights: torch.Tensor, grad: torch.Tensor, row_vec: torch.Tensor, grad_vec: torch.Tensor,
+                    row_vectors: int, grad_vectors: int, rows_per_warp: int) -> None:
+    """Read each row of ``weights`` that ``row_vec`` points at and its gradient row (``grad_vec``), and write the row
+    back as it was: the update's memory traffic alone (``row_traffic.cu``), for ``bench embedding``. Offsets and
+    lengths are in 16-byte vectors; ``rows_per_warp`` is 1, 2, 4 or 8."""
+    n = row_vec.numel()
+    rows_per_block = (BLOCK // 32) * rows_per_warp
+    launch(ROW_TRAFFIC_SOURCE, f"rows_read_write_{rows_per_warp}", weights.device, (n + rows_per_block - 1) // rows_per_block,
+           BLOCK, [ptr(weights), ptr(grad), ptr(row_vec), ptr(grad_vec), i64(n), i32(row_vectors), i32(grad_vectors)])
 
 
 def update_kernel() -> UpdateKernel:
