@@ -55,7 +55,11 @@ def test_a_source_brings_the_headers_its_headers_include():
     by the name it is included by."""
     from pipeline.kernels._compile import _program
 
-    for source in (s for s in SOURCES if s.split("/")[0] in ("embedding", "interaction")):  # the 16-bit families
+    # the 16-bit families' sources that include headers (row_traffic.cu moves bytes and includes none)
+    with_headers = [s for s in SOURCES if s.split("/")[0] in ("embedding", "interaction")
+                    and "#include" in (KERNEL_DIR / s).read_text()]
+    assert len(with_headers) >= 6
+    for source in with_headers:
         _, names, texts = _program(source)
         assert "floats.cuh" in names, source
         assert texts[names.index("floats.cuh")].endswith((KERNEL_DIR / "floats.cuh").read_text())
