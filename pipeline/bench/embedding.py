@@ -15,9 +15,11 @@ same run: forward, each id and its row read once and the output written once; ba
 each id and the gradient row of each occurrence read once, and each touched row (with its
 optimizer state) read and written once. Ids are uniform over each table, or Zipf-skewed with
 ``--ids zipf`` (fewer touched rows, long runs of one row in the update). Needs a CUDA GPU and CuPy.
+Beside the copy it times the update's bytes alone: the rows the first batch touches read with a gradient
+row each and written back, with no sort and no optimizer (``row_traffic.cu``), a second rate and floor.
 
 ``--sweep-update-kernels`` also times the backward + update with each candidate kernel of the update
-(``launcher.UPDATE_KERNELS``, ``docs/EMBEDDING.md``) side by side, each as forward + backward + update
+(``launcher.UPDATE_KERNELS``, ``docs/EMBEDDING.md``) side by side, alone and in a step after the forward,
 over the byte floor of those bytes at the device-to-device copy's rate.
 
 ``--interaction`` times, instead, what DLRM does next with the pooled vectors: the dot interaction of
