@@ -205,11 +205,10 @@ def run(args: argparse.Namespace, cfg) -> dict:
 
 
 def _row_traffic(torch, launcher, weights, slots, batch, grad, batch_size: int, reps: int) -> dict:
-    """The rate at which this GPU reads the rows a batch touches and writes them back (a unit in the last place of
-    each word changed), each with one gradient row:
-    the update's memory traffic alone (``launcher.rows_read_write``), the best of 1, 2, 4 and 8 rows a warp, in
-    TB/s counting the rows, the gradient rows and the 16 bytes of offsets a row. Empty where rows or gradient rows
-    do not start on 16-byte boundaries."""
+    """The rate at which this GPU reads the rows a batch touches, each with one gradient row, and writes them back (a
+    unit in the last place of each word changed): the update's memory traffic alone (``launcher.rows_read_write``),
+    the best of 1, 2, 4 and 8 rows a warp, in TB/s counting the rows, the gradient rows and the 16 bytes of offsets
+    a row. Empty where rows or gradient rows do not start on 16-byte boundaries, or the tables' dims differ."""
     ind, off = batch
     es = weights.element_size()
     if weights.data_ptr() % 16 or slots.max_dim * es % 16 or not slots.columns_aligned or slots.total_dim % 4:

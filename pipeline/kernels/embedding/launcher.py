@@ -69,7 +69,7 @@ UPDATE_KERNELS = {
     "segments_looped": UpdateKernel(per_segment=True, looped=True),
     "segments_looped_capped": UpdateKernel(per_segment=True, looped=True, capped=True),
     "segments_looped_capped_2vec": UpdateKernel(per_segment=True, looped=True, capped=True, vectors_per_lane=2),
-    "segments_single": UpdateKernel(per_segment=True, looped=True, capped=True, single=True),
+    "segments_single": UpdateKernel(per_segment=True, looped=True, capped=True, single=True),  # on the capped one
 }
 UPDATE_KERNEL = "segments_looped_capped"  # the one backward_update runs: the fastest measured (docs/BENCHMARKS.md)
 
