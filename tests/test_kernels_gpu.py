@@ -351,3 +351,28 @@ def test_opcheck_of_the_cuda_ops(dtype):
     torch.library.opcheck(torch.ops.pipeline.embedding_update, (weights, m1, m2, None, ids, offsets, batch, grad,
                                                                 *packing.op_args(), "adam", hyper, 1e-8, 0.9, 0.999,
                                                                 0.0, False, 0))
+
+
+@pytest.mark.parametrize("rows_per_warp", [1, 2, 4, 8])
+def test_the_row_traffic_kernel_writes_back_exactly_the_rows_it_is_given(rows_per_warp):
+    """``rows_read_write`` (bench embedding's rate of the update's bytes) reads each given row and its gradient
+    row and writes the row back with the lowest bit of each word flipped: the given rows change so, no other byte
+    does, and a second call restores them."""
+    g = torch.Generator(device="cuda").manual_seed(rows_per_warp)
+    for dim, dtype in ((128, torch.float32), (64, torch.float32), (256, torch.bfloat16)):
+        table = torch.randn(1000, dim, device="cuda", generator=g).to(dtype)
+        grad = torch.randn(300, 4 * dim, device="cuda", generator=g)  # 4 slots' columns, fp32
+        rows = torch.randperm(1000, device="cuda", generator=g)[:37].sort().values
+        bags = torch.randint(0, 300, (37,), device="cuda", generator=g)
+        es = table.element_size()
+        row_vec = rows * (dim * es // 16)
+        grad_vec = (bags * 4 * dim + 2 * dim) // 4  # slot 2's columns of each bag's gradient row
+        before = table.clone()
+        launcher.rows_read_write(table.view(-1), grad, row_vec, grad_vec, dim * es // 16, dim // 4, rows_per_warp)
+        words, words_before = table.view(torch.int32), before.view(torch.int32)
+        touched = torch.zeros(1000, dtype=torch.bool, device="cuda")
+        touched[rows] = True
+        assert torch.equal(words[touched], words_before[touched] ^ 1)
+        assert torch.equal(words[~touched], words_before[~touched])
+        launcher.rows_read_write(table.view(-1), grad, row_vec, grad_vec, dim * es // 16, dim // 4, rows_per_warp)
+        assert torch.equal(table.view(torch.int32), words_before)
