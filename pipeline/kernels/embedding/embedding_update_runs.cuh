@@ -110,6 +110,13 @@ __device__ __forceinline__ Segment<K> segment_at(int i, const int* __restrict__ 
     return Segment<K>{seg_begin[i], seg_begin[i + 1], seg_bag[i], seg_key[i], seg_split[i] != 0};
 }
 
+// Whether a segment is one occurrence of a row it holds whole: the segments sparse_update_single takes and
+// sparse_update_runs<..., SKIP_SINGLE = true> leaves.
+template <typename K>
+__device__ __forceinline__ bool single_occurrence(const Segment<K>& seg) {
+    return seg.end - seg.begin == 1 && !seg.split;
+}
+
 // Sums one segment's gradient rows and updates its row (or stores the partial sum of a longer run). SINGLE: the
 // segment is known to be one occurrence of a row it holds whole (no other code is compiled).
 template <typename W, typename K, int OPT, int CHUNKS, bool SINGLE = false>
@@ -211,7 +218,7 @@ __device__ __forceinline__ void sparse_update_runs(
     for (long long i = first; i < count; i += groups) {
         Segment<K> next = seg;
         if (i + groups < count) next = segment_at<K>((int)(i + groups), seg_begin, seg_key, seg_bag, seg_split);
-        if (!SKIP_SINGLE || seg.end - seg.begin > 1 || seg.split)
+        if (!SKIP_SINGLE || !single_occurrence<K>(seg))
             update_segment<W, K, OPT, CHUNKS>(seg, weights, master, state1, state2, sorted_bags, offsets,
                                               slot_weight_offsets, slot_row_offsets, output_offsets, slot_mean, grad,
                                               partials, grad_stride, batch_size, lane, lanes, mask, weights_aligned,
@@ -238,7 +245,7 @@ __device__ __forceinline__ void sparse_update_single(
     const long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> log_lanes;
     if (i >= *seg_count) return;
     const Segment<K> seg = segment_at<K>((int)i, seg_begin, seg_key, seg_bag, seg_split);
-    if (seg.end - seg.begin != 1 || seg.split) return;
+    if (!single_occurrence<K>(seg)) return;
     update_segment<W, K, OPT, 1, true>(seg, weights, master, state1, state2, nullptr, offsets, slot_weight_offsets,
                                        slot_row_offsets, output_offsets, slot_mean, grad, nullptr,
                                        output_offsets[num_slots], batch_size, threadIdx.x & (lanes - 1), lanes,
