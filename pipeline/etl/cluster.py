@@ -47,7 +47,7 @@ SHARED_GPU_WORKERS = 2
 """Worker processes a GPU when ``etl.workers_per_gpu`` is 0 (auto) and the cores allow, without MPS: the count that
 did best in docs/BENCHMARKS.md, "Worker processes sharing the GPU"."""
 
-MPS_GPU_WORKERS = 3
+MPS_GPU_WORKERS = 4
 """The same, with the workers clients of an MPS daemon (``etl.gpu_mps``): kernels of all of them then run on the GPU
 at once, and more workers kept it busy (docs/BENCHMARKS.md, "Workers sharing a GPU through MPS")."""
 

@@ -26,7 +26,7 @@ class EtlConfig:
     workers_per_gpu: int = field(default=0, metadata={
         "help": "LocalCUDACluster worker processes on each GPU, sharing it (each with its share of the GPU's "
                 "memory): one partition's host work (Python, parquet encoding) runs while the GPU computes "
-                "another's (0: 3 as clients of MPS, see etl.gpu_mps, else 2, or fewer where the machine has fewer cores a GPU; "
+                "another's (0: 4 as clients of MPS, see etl.gpu_mps, else 2, or fewer where the machine has fewer cores a GPU; "
                 "1: one worker a GPU, dask-cuda's way)"})
     gpu_threads: int = field(
         default=1, metadata={"help": "threads of each LocalCUDACluster worker (2: one partition is read or "
