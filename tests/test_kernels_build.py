@@ -174,11 +174,11 @@ def _ptxas_report(source: str, nvcc_build) -> dict[str, tuple[int, int]]:
 
 UPDATE_SOURCES = ("embedding/embedding_forward.cu", "embedding/embedding_backward.cu",
                   "embedding/embedding_update_position.cu", "embedding/embedding_update_runs.cu",
-                  "embedding/embedding_update_runs_uncapped.cu", "embedding/embedding_update_single.cu")
+                  "embedding/embedding_update_runs_uncapped.cu")
 
 
 @pytest.mark.parametrize("update_kernel", ["position", "segments", "segments_looped", "segments_looped_capped",
-                                           "segments_looped_capped_2vec", "segments_single"])
+                                           "segments_looped_capped_2vec"])
 def test_launch_arguments_match_kernel_signatures(update_kernel, nvcc_build, monkeypatch):
     from pipeline.kernels.embedding import launcher
 
@@ -193,9 +193,7 @@ def test_launch_arguments_match_kernel_signatures(update_kernel, nvcc_build, mon
                         lambda source, function, device, block: (asked.append((source, function)), 3)[1])
     monkeypatch.setattr(launcher, "UPDATE_KERNEL", update_kernel)
     kernel = launcher.UPDATE_KERNELS[update_kernel]
-    # rows of 300 take more than one pass of lanes: the single-segment kernel takes rows of 100
-    wide = 100 if kernel.single else 300
-    tables = [TableConfig("a", 50, 8, ["a"]), TableConfig("b", 20, wide, ["b"], pooling="mean")]
+    tables = [TableConfig("a", 50, 8, ["a"]), TableConfig("b", 20, 300, ["b"], pooling="mean")]
     packing = TablePacking.build(tables)
     slots = SlotArrays.from_packing(packing, "cpu")
     indices = torch.arange(200, dtype=torch.int64) % 20  # more ids than one update segment: both update kernels
@@ -210,18 +208,8 @@ def test_launch_arguments_match_kernel_signatures(update_kernel, nvcc_build, mon
             launcher.backward_update(weights, state, slots, indices, offsets, 2,
                                      torch.zeros(2, packing.total_dim), opt, 0.1, 1)
     functions = {f for f, _, _ in launches}
-    assert {"pooled_forward_f32", "row_keys_i32"} <= functions
-    if kernel.single:
-        kinds = {f"{opt}_{dtype}_i32" for opt in ("sgd", "adagrad", "adam") for dtype in ("f32", "f16", "bf16")}
-        assert {f for f in functions if "sparse_update_" in f and not f.endswith("_long")} == {
-            *(f"sparse_update_single_{k}" for k in kinds), *(f"sparse_update_runs_multi_{k}_c1" for k in kinds)}
-        # the single segments' kernel a group for each of the 200 positions, the loop the resident blocks
-        # (rows of 100: 32 lanes of fp32, 16 of 16-bit floats)
-        assert {grid for f, grid, _ in launches if f.startswith("sparse_update_single_")} == {-(-200 // (256 // lanes))
-                                                                                            for lanes in (32, 16)}
-        assert {grid for f, grid, _ in launches if f.startswith("sparse_update_runs_multi_")} == {3}
-    elif kernel.per_segment:
-        assert "sparse_update_adam_bf16_i32_c2_long" in functions
+    assert {"pooled_forward_f32", "sparse_update_adam_bf16_i32_c2_long", "row_keys_i32"} <= functions
+    if kernel.per_segment:
         assert {"count_segments_i32", "compact_segments_i32"} <= functions
         prefix = "sparse_update_runs_capped" if kernel.capped else "sparse_update_runs"
         assert f"{prefix}_adam_bf16_i32_c2" in functions and "sparse_update_adam_bf16_i32_c2" not in functions
@@ -229,8 +217,7 @@ def test_launch_arguments_match_kernel_signatures(update_kernel, nvcc_build, mon
         grids = {grid for f, grid, _ in launches if f.startswith(prefix)}
         assert grids == ({3} if kernel.looped else {200 // (256 // 32)})
     else:
-        assert {"sparse_update_adam_bf16_i32_c2", "sparse_update_adam_bf16_i32_c2_long"} <= functions
-        assert not any("segments" in f for f in functions)
+        assert "sparse_update_adam_bf16_i32_c2" in functions and not any("segments" in f for f in functions)
     for function, _, args in launches:
         assert function in entries, f"{function} is not a kernel of the .cu sources"
         passed = [_CTYPE_TO_PTX[type(a).__name__] for a in args]
@@ -303,21 +290,6 @@ def test_no_per_segment_update_kernel_spills_and_the_capped_ones_fit_more_blocks
     assert {"sparse_update_runs_capped_adagrad_f32_i32_c1", "sparse_update_runs_capped_sgd_f32_i32_c1",
             "sparse_update_runs_capped_adagrad_f32_i32_c2"} <= more
     assert all(blocks(regs) >= blocks(report[name.replace("_capped", "")][0]) for name, regs in capped.items())
-
-
-def test_the_single_segment_kernels_do_not_spill_and_the_lean_ones_fit_more_blocks(nvcc_build):
-    report = _ptxas_report("embedding/embedding_update_single.cu", nvcc_build)
-    capped = _ptxas_report("embedding/embedding_update_runs.cu", nvcc_build)
-    assert len(report) == 2 * 2 * 9 and {name: spilled for name, (_, spilled) in report.items() if spilled} == {}
-    def blocks(regs):  # resident blocks of 256 threads: 64K registers a multiprocessor, 8 a thread at a time
-        return 65536 // (-(-regs // 8) * 8 * 256)
-
-    # the loop that skips single segments keeps as many blocks resident as the capped kernel
-    assert {name: blocks(regs) for name, (regs, _) in report.items() if name.startswith("sparse_update_runs_multi_")} == {
-        name.replace("_capped_", "_multi_"): blocks(regs) for name, (regs, _) in capped.items()
-        if name.startswith("sparse_update_runs_capped_") and name.endswith("_c1")}
-    # fp32 rows with SGD or Adagrad: 32 registers, 8 blocks of 256 threads resident (the capped loop holds 4)
-    assert report["sparse_update_single_adagrad_f32_i32"][0] <= 32 and report["sparse_update_single_sgd_f32_i32"][0] <= 32
 
 
 def test_the_update_segment_is_the_same_in_the_launcher_and_the_kernel():

@@ -110,16 +110,8 @@ __device__ __forceinline__ Segment<K> segment_at(int i, const int* __restrict__ 
     return Segment<K>{seg_begin[i], seg_begin[i + 1], seg_bag[i], seg_key[i], seg_split[i] != 0};
 }
 
-// Whether a segment is one occurrence of a row it holds whole: the segments sparse_update_single takes and
-// sparse_update_runs<..., SKIP_SINGLE = true> leaves.
-template <typename K>
-__device__ __forceinline__ bool single_occurrence(const Segment<K>& seg) {
-    return seg.end - seg.begin == 1 && !seg.split;
-}
-
-// Sums one segment's gradient rows and updates its row (or stores the partial sum of a longer run). SINGLE: the
-// segment is known to be one occurrence of a row it holds whole (no other code is compiled).
-template <typename W, typename K, int OPT, int CHUNKS, bool SINGLE = false>
+// Sums one segment's gradient rows and updates its row (or stores the partial sum of a longer run).
+template <typename W, typename K, int OPT, int CHUNKS>
 __device__ __forceinline__ void update_segment(
     const Segment<K>& seg, W* __restrict__ weights, float* __restrict__ master, float* __restrict__ state1,
     float* __restrict__ state2, const int* __restrict__ sorted_bags, const long long* __restrict__ offsets,
@@ -140,14 +132,13 @@ __device__ __forceinline__ void update_segment(
 
     float w[CHUNKS][N], m1[CHUNKS][N], m2[CHUNKS][N], g[CHUNKS][N];
     float before = 0.0f;
-    if (SINGLE || !seg.split)
-        load_row<W, OPT, CHUNKS, N>(wrow, mrow, state1, state2, (long long)seg.key, elem, D, lane, lanes, vec_w, w, m1,
-                                    m2, before);
+    if (!seg.split) load_row<W, OPT, CHUNKS, N>(wrow, mrow, state1, state2, (long long)seg.key, elem, D, lane, lanes,
+                                                vec_w, w, m1, m2, before);
 #pragma unroll
     for (int c = 0; c < CHUNKS; ++c)
 #pragma unroll
         for (int k = 0; k < N; ++k) g[c][k] = 0.0f;
-    if (SINGLE || seg.end - seg.begin == 1) {
+    if (seg.end - seg.begin == 1) {
         // One occurrence (most rows of a uniform batch): every lane finds the gradient row from the record,
         // no bag is loaded or shuffled.
         long long goff;
@@ -176,7 +167,7 @@ __device__ __forceinline__ void update_segment(
         }
     }
 
-    if (!SINGLE && seg.split) {
+    if (seg.split) {
         const int first_of_run = seg.begin % SEGMENT == 0 ? 0 : 1;
         float* slot = partials + (2 * (long long)(seg.begin / SEGMENT) + first_of_run) * (long long)(CHUNKS * chunk);
 #pragma unroll
@@ -193,8 +184,7 @@ __device__ __forceinline__ void update_segment(
 
 // Group q of the grid's G groups updates segments q, q + G, q + 2G, ... of the *seg_count listed,
 // loading each next record before it updates the current segment. max_segments (nnz) bounds the list.
-// SKIP_SINGLE: leave the segments of one occurrence of a row to sparse_update_single.
-template <typename W, typename K, int OPT, int CHUNKS, bool SKIP_SINGLE = false>
+template <typename W, typename K, int OPT, int CHUNKS>
 __device__ __forceinline__ void sparse_update_runs(
     W* __restrict__ weights, float* __restrict__ master, float* __restrict__ state1, float* __restrict__ state2,
     const int* __restrict__ seg_begin, const K* __restrict__ seg_key, const int* __restrict__ seg_bag,
@@ -218,45 +208,16 @@ __device__ __forceinline__ void sparse_update_runs(
     for (long long i = first; i < count; i += groups) {
         Segment<K> next = seg;
         if (i + groups < count) next = segment_at<K>((int)(i + groups), seg_begin, seg_key, seg_bag, seg_split);
-        if (!SKIP_SINGLE || !single_occurrence<K>(seg))
-            update_segment<W, K, OPT, CHUNKS>(seg, weights, master, state1, state2, sorted_bags, offsets,
-                                              slot_weight_offsets, slot_row_offsets, output_offsets, slot_mean, grad,
-                                              partials, grad_stride, batch_size, lane, lanes, mask, weights_aligned,
-                                              grad_aligned, lr, eps, beta1, beta2, bias1, bias2, weight_decay,
-                                              stochastic, seed);
+        update_segment<W, K, OPT, CHUNKS>(seg, weights, master, state1, state2, sorted_bags, offsets,
+                                          slot_weight_offsets, slot_row_offsets, output_offsets, slot_mean, grad,
+                                          partials, grad_stride, batch_size, lane, lanes, mask, weights_aligned,
+                                          grad_aligned, lr, eps, beta1, beta2, bias1, bias2, weight_decay, stochastic,
+                                          seed);
         seg = next;
     }
 }
 
-// A group a listed segment, and only a segment of one occurrence of a row it holds whole (most of a uniform batch's):
-// the lean kernel beside sparse_update_runs<..., SKIP_SINGLE = true>, with no loop, no next record and no code for
-// longer segments, so that its registers let more groups stay resident. Rows that one pass of lanes covers.
-template <typename W, typename K, int OPT>
-__device__ __forceinline__ void sparse_update_single(
-    W* __restrict__ weights, float* __restrict__ master, float* __restrict__ state1, float* __restrict__ state2,
-    const int* __restrict__ seg_begin, const K* __restrict__ seg_key, const int* __restrict__ seg_bag,
-    const unsigned char* __restrict__ seg_split, const int* __restrict__ seg_count, const long long* __restrict__ offsets,
-    const long long* __restrict__ slot_weight_offsets, const long long* __restrict__ slot_row_offsets,
-    const long long* __restrict__ output_offsets, const unsigned char* __restrict__ slot_mean,
-    const float* __restrict__ grad, int num_slots, int batch_size, int log_lanes, int weights_aligned,
-    int grad_aligned, float lr, float eps, float beta1, float beta2, float bias1, float bias2, float weight_decay,
-    int stochastic, unsigned long long seed) {
-    const int lanes = 1 << log_lanes;
-    const long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> log_lanes;
-    if (i >= *seg_count) return;
-    const Segment<K> seg = segment_at<K>((int)i, seg_begin, seg_key, seg_bag, seg_split);
-    if (!single_occurrence<K>(seg)) return;
-    update_segment<W, K, OPT, 1, true>(seg, weights, master, state1, state2, nullptr, offsets, slot_weight_offsets,
-                                       slot_row_offsets, output_offsets, slot_mean, grad, nullptr,
-                                       output_offsets[num_slots], batch_size, threadIdx.x & (lanes - 1), lanes,
-                                       group_mask(lanes), weights_aligned, grad_aligned, lr, eps, beta1, beta2, bias1,
-                                       bias2, weight_decay, stochastic, seed);
-}
-
 #define SPARSE_UPDATE_RUNS(NAME, W, K, OPT, CHUNKS, MIN_BLOCKS)                                         \
-    SPARSE_UPDATE_RUNS_OF(NAME, W, K, OPT, CHUNKS, MIN_BLOCKS, false)
-
-#define SPARSE_UPDATE_RUNS_OF(NAME, W, K, OPT, CHUNKS, MIN_BLOCKS, SKIP_SINGLE)                         \
     extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) NAME(                                 \
         W* weights, float* master, float* state1, float* state2, const int* seg_begin, const K* seg_key, \
         const int* seg_bag, const unsigned char* seg_split, const int* seg_count, long long max_segments, \
@@ -266,11 +227,13 @@ __device__ __forceinline__ void sparse_update_single(
         int batch_size, int log_lanes, int weights_aligned, int grad_aligned, float lr, float eps,      \
         float beta1, float beta2, float bias1, float bias2, float weight_decay, int stochastic,          \
         unsigned long long seed) {                                                                      \
-        sparse_update_runs<W, K, OPT, CHUNKS, SKIP_SINGLE>(                                             \
-            weights, master, state1, state2, seg_begin, seg_key, seg_bag, seg_split, seg_count,          \
-            max_segments, sorted_bags, offsets, slot_weight_offsets, slot_row_offsets, output_offsets,   \
-            slot_mean, grad, partials, num_slots, batch_size, log_lanes, weights_aligned, grad_aligned,  \
-            lr, eps, beta1, beta2, bias1, bias2, weight_decay, stochastic, seed);                        \
+        sparse_update_runs<W, K, OPT, CHUNKS>(weights, master, state1, state2, seg_begin, seg_key,      \
+                                              seg_bag, seg_split, seg_count, max_segments, sorted_bags, \
+                                              offsets, slot_weight_offsets, slot_row_offsets,           \
+                                              output_offsets, slot_mean, grad, partials, num_slots,     \
+                                              batch_size, log_lanes, weights_aligned, grad_aligned, lr, \
+                                              eps, beta1, beta2, bias1, bias2, weight_decay,            \
+                                              stochastic, seed);                                        \
     }
 
 // Names: sparse_update_runs[_capped]_<optimizer>_<weights dtype>_<key type>_c<chunks>: c1 and c2 (a row

@@ -27,7 +27,6 @@ BACKWARD_SOURCE = "embedding/embedding_backward.cu"  # the row keys and the long
 POSITION_SOURCE = "embedding/embedding_update_position.cu"  # the update a group per sorted position
 RUNS_SOURCE = "embedding/embedding_update_runs.cu"  # the segment list and the capped per-segment kernels
 UNCAPPED_SOURCE = "embedding/embedding_update_runs_uncapped.cu"  # the uncapped candidates
-SINGLE_SOURCE = "embedding/embedding_update_single.cu"  # the candidate that gives single segments a lean kernel
 ROW_TRAFFIC_SOURCE = "embedding/row_traffic.cu"  # bench embedding's rows read and written back at random
 BLOCK = 256
 BAGS_PER_GROUP = 8  # consecutive bags one thread group pools: more row loads in flight for one-hot bags
@@ -49,16 +48,13 @@ class UpdateKernel:
     over segments with the next one's record loaded ahead (else one group per segment the batch may
     hold); ``capped``: kernels whose registers are capped to keep more blocks resident without
     spilling; ``vectors_per_lane``: 2 gives a row that one pass of lanes covers half the lanes, two
-    16-byte vectors each, so a warp updates two rows at once; ``single``: the segments of one occurrence of a row
-    updated by a lean kernel of their own, a group each with more groups resident, the others by the capped loop
-    (rows that one pass of lanes covers).
+    16-byte vectors each, so a warp updates two rows at once.
     """
 
     per_segment: bool = False
     looped: bool = False
     capped: bool = False
     vectors_per_lane: int = 1
-    single: bool = False
 
 
 # Each candidate adds one change to the one before it, so a side-by-side timing (bench embedding
@@ -69,7 +65,6 @@ UPDATE_KERNELS = {
     "segments_looped": UpdateKernel(per_segment=True, looped=True),
     "segments_looped_capped": UpdateKernel(per_segment=True, looped=True, capped=True),
     "segments_looped_capped_2vec": UpdateKernel(per_segment=True, looped=True, capped=True, vectors_per_lane=2),
-    "segments_single": UpdateKernel(per_segment=True, looped=True, capped=True, single=True),  # on the capped one
 }
 UPDATE_KERNEL = "segments_looped_capped"  # the one backward_update runs: the fastest measured (docs/BENCHMARKS.md)
 
@@ -239,13 +234,6 @@ def backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor], slots
         name = f"sparse_update_runs{'_capped' if kernel.capped else ''}_{kinds}_c{seg_chunks}"
         source = RUNS_SOURCE if kernel.capped else UNCAPPED_SOURCE
         groups_per_block = BLOCK >> seg_log_lanes
-        if kernel.single and seg_chunks == 1:
-            launch(SINGLE_SOURCE, f"sparse_update_single_{kinds}", weights.device,
-                   (nnz + groups_per_block - 1) // groups_per_block, BLOCK,
-                   [*rows, *map(ptr, segments_list), ptr(offsets), ptr(slots.weight_offsets), ptr(slots.row_offsets),
-                    ptr(slots.output_offsets), ptr(slots.mean), ptr(grad), i32(slots.num_slots), i32(batch_size),
-                    i32(seg_log_lanes), i32(weights_aligned), i32(grad_aligned), *update])
-            name, source = f"sparse_update_runs_multi_{kinds}_c1", SINGLE_SOURCE
         grid = (nnz + groups_per_block - 1) // groups_per_block
         if kernel.looped:
             grid = min(grid, resident_blocks(source, name, weights.device, BLOCK))
