@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+SIDE = 2
 INPUT_GRAD_TILES = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3)
 GROUP_M = 8
 
@@ -37,11 +38,10 @@ def _tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.c
 
 
 @triton.jit
-def _cross_input_grad(grad, x0, up, u, out, h_out, grad_x0, bias_parts, M, N, K, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """out[M, N] = (grad * x0)[M, K] @ up[K, N]. On the side, each tile of ``grad`` once: the programs of the first
-    column tile store h = grad * x0 and its column sums over their rows, those of the second (the first, where there
-    is one) ``grad * u``."""
+def _cross_input_grad(grad, x0, up, u, out, h_out, grad_x0, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SIDE: tl.constexpr):
+    """out[M, N] = (grad * x0)[M, K] @ up[K, N]. On the side (SIDE), each tile of ``grad`` once: the programs of the
+    first column tile store h = grad * x0, those of the second (the first, where there is one) ``grad * u``."""
     pid_m, pid_n = _tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -55,10 +55,9 @@ def _cross_input_grad(grad, x0, up, u, out, h_out, grad_x0, bias_parts, M, N, K,
         inside = (rm[:, None] < M) & (kk[None, :] < K)
         g = tl.load(grad + at, mask=inside, other=0.0).to(tl.float32)
         h = g * tl.load(x0 + at, mask=inside, other=0.0)
-        if stores_h:
+        if SIDE >= 1 and stores_h:
             tl.store(h_out + at, h.to(h_out.dtype.element_ty), mask=inside)
-            tl.store(bias_parts + pid_m.to(tl.int64) * K + kk, tl.sum(h, axis=0), mask=kk < K)
-        if stores_grad_x0:
+        if SIDE >= 2 and stores_grad_x0:
             tl.store(grad_x0 + at, (g * tl.load(u + at, mask=inside, other=0.0)).to(grad_x0.dtype.element_ty),
                      mask=inside)
         b = tl.load(up + kk[:, None] * N + rn[None, :], mask=(kk[:, None] < K) & (rn[None, :] < N), other=0.0)
@@ -72,11 +71,12 @@ def input_grad(grad: Tensor, x0: Tensor, up: Tensor, u: Tensor) -> tuple[Tensor,
     and x0's ``grad * u``, ``grad`` and ``x0`` read once from memory."""
     (M, K), N = grad.shape, up.shape[1]
     tiles = dict(INPUT_GRAD_TILES)
-    tiles_m = triton.cdiv(M, tiles["BLOCK_M"])
     out, h, grad_x0 = grad.new_empty((M, N)), torch.empty_like(grad), torch.empty_like(grad)
-    alloc = torch.empty if M else torch.zeros  # the programs of the first column tile write every partial sum
-    bias_parts = alloc((max(tiles_m, 1), K), dtype=torch.float32, device=grad.device)
     if M:
-        grid = (tiles_m * triton.cdiv(N, tiles["BLOCK_N"]),)
-        _cross_input_grad[grid](grad, x0, up, u, out, h, grad_x0, bias_parts, M, N, K, GROUP_M=GROUP_M, **tiles)
-    return out, h, bias_parts.sum(0).to(grad.dtype), grad_x0
+        grid = (triton.cdiv(M, tiles["BLOCK_M"]) * triton.cdiv(N, tiles["BLOCK_N"]),)
+        _cross_input_grad[grid](grad, x0, up, u, out, h, grad_x0, M, N, K, GROUP_M=GROUP_M, SIDE=SIDE, **tiles)
+    if SIDE < 1:
+        torch.mul(grad, x0, out=h)
+    if SIDE < 2:
+        torch.mul(grad, u, out=grad_x0)
+    return out, h, h.sum(0, dtype=torch.float32).to(grad.dtype), grad_x0
