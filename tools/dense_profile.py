@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-_GEMM = re.compile(r"gemm|_cross_|cutlass|nvjet|cublas|wgmma|sm90_xmma|triton_tem|aten::(mm|addmm|bmm|matmul|linear)$",
+_GEMM = re.compile(r"gemm|cutlass|nvjet|cublas|wgmma|sm90_xmma|triton_tem|aten::(mm|addmm|bmm|matmul|linear)$",
                    re.IGNORECASE)
 _FUSED = re.compile(r"^triton_|^cpp_fused|elementwise|vectorized|reduce_kernel", re.IGNORECASE)
 

@@ -29,7 +29,6 @@ import torch
 from torch import nn
 
 from pipeline.errors import BadInputError
-from pipeline.kernels.cross import cross_layer
 from pipeline.kernels.interaction import dot_interaction, pair_count
 from pipeline.modules.collection import EmbeddingCollection
 from pipeline.modules.configs import EmbeddingOptimizerConfig, TableConfig, tables_from_schema
@@ -248,11 +247,7 @@ class DCNv2(RecModel):
             x0 = pooled
         x = x0
         for layer in self.cross:
-            if isinstance(layer, nn.Sequential):
-                down, up = layer
-                x = cross_layer(x0, x, down.weight, up.weight, up.bias)
-            else:
-                x = x0 * layer(x) + x
+            x = x0 * layer(x) + x
         return self.deep(x).squeeze(1)
 
 
