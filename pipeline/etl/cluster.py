@@ -33,7 +33,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from pipeline.errors import UserError
-from pipeline.etl.config import EtlConfig
+from pipeline.etl.config import MPS_GPU_WORKERS, SHARED_GPU_WORKERS, EtlConfig
 from pipeline.etl.mps import mps_daemon, mps_wanted
 
 AUTO_LOCAL_BYTES = 256 * 2**20
@@ -42,14 +42,6 @@ AUTO_LOCAL_BYTES = 256 * 2**20
 RMM_POOL_FRACTION = 0.5
 """Initial RMM pool of a LocalCUDACluster worker alone on its GPU, as a fraction of the GPU's memory (the pool may
 grow); workers sharing a GPU (``etl.workers_per_gpu``) take that share of this each."""
-
-SHARED_GPU_WORKERS = 2
-"""Worker processes a GPU when ``etl.workers_per_gpu`` is 0 (auto) and the cores allow, without MPS: the count that
-did best in docs/BENCHMARKS.md, "Worker processes sharing the GPU"."""
-
-MPS_GPU_WORKERS = 4
-"""The same, with the workers clients of an MPS daemon (``etl.gpu_mps``): kernels of all of them then run on the GPU
-at once, and more workers kept it busy (docs/BENCHMARKS.md, "Workers sharing a GPU through MPS")."""
 
 DEVICE_SPILL_FRACTION = 0.8
 """Workers sharing a GPU: each spills to host memory from its share of this fraction of the GPU's memory

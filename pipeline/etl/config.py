@@ -8,6 +8,14 @@ from pipeline.errors import check_range
 from pipeline.parquet import COMPRESSIONS, DEFAULT_COMPRESSION
 from pipeline.schema import DYNAMIC_ROWS, MAX_BUCKETS
 
+SHARED_GPU_WORKERS = 2
+"""Worker processes a GPU when ``etl.workers_per_gpu`` is 0 (auto) and the cores allow, without MPS: the count that
+did best in docs/BENCHMARKS.md, "Worker processes sharing the GPU"."""
+
+MPS_GPU_WORKERS = 4
+"""The same, with the workers clients of an MPS daemon (``etl.gpu_mps``): kernels of all of them then run on the GPU
+at once, and more workers kept it busy (docs/BENCHMARKS.md, "Workers sharing a GPU through MPS")."""
+
 
 @dataclass
 class EtlConfig:
@@ -26,7 +34,7 @@ class EtlConfig:
     workers_per_gpu: int = field(default=0, metadata={
         "help": "LocalCUDACluster worker processes on each GPU, sharing it (each with its share of the GPU's "
                 "memory): one partition's host work (Python, parquet encoding) runs while the GPU computes "
-                "another's (0: 4 as clients of MPS, see etl.gpu_mps, else 2, or fewer where the machine has fewer cores a GPU; "
+                f"another's (0: {MPS_GPU_WORKERS} as clients of MPS, see etl.gpu_mps, else {SHARED_GPU_WORKERS}, or fewer where the machine has fewer cores a GPU; "
                 "1: one worker a GPU, dask-cuda's way)"})
     gpu_threads: int = field(
         default=1, metadata={"help": "threads of each LocalCUDACluster worker (2: one partition is read or "
