@@ -174,12 +174,13 @@ def _ptxas_report(source: str, nvcc_build) -> dict[str, tuple[int, int]]:
 
 UPDATE_SOURCES = ("embedding/embedding_forward.cu", "embedding/embedding_backward.cu",
                   "embedding/embedding_update_position.cu", "embedding/embedding_update_runs.cu",
-                  "embedding/embedding_update_runs_uncapped.cu")
+                  "embedding/embedding_update_runs_uncapped.cu", "embedding/embedding_update_apart.cu")
 
 
 @pytest.mark.parametrize("update_kernel", ["position", "segments", "segments_looped", "segments_looped_capped",
-                                           "segments_looped_capped_2vec"])
-def test_launch_arguments_match_kernel_signatures(update_kernel, nvcc_build, monkeypatch):
+                                           "segments_looped_capped_2vec", "singles_apart", "singles_apart_8"])
+@pytest.mark.parametrize("dims", [(8, 300), (8, 100)])
+def test_launch_arguments_match_kernel_signatures(update_kernel, dims, nvcc_build, monkeypatch):
     from pipeline.kernels.embedding import launcher
 
     by_source = {source: _built_ptx_params(source, nvcc_build) for source in UPDATE_SOURCES}
@@ -193,7 +194,7 @@ def test_launch_arguments_match_kernel_signatures(update_kernel, nvcc_build, mon
                         lambda source, function, device, block: (asked.append((source, function)), 3)[1])
     monkeypatch.setattr(launcher, "UPDATE_KERNEL", update_kernel)
     kernel = launcher.UPDATE_KERNELS[update_kernel]
-    tables = [TableConfig("a", 50, 8, ["a"]), TableConfig("b", 20, 300, ["b"], pooling="mean")]
+    tables = [TableConfig("a", 50, dims[0], ["a"]), TableConfig("b", 20, dims[1], ["b"], pooling="mean")]
     packing = TablePacking.build(tables)
     slots = SlotArrays.from_packing(packing, "cpu")
     indices = torch.arange(200, dtype=torch.int64) % 20  # more ids than one update segment: both update kernels
@@ -208,16 +209,25 @@ def test_launch_arguments_match_kernel_signatures(update_kernel, nvcc_build, mon
             launcher.backward_update(weights, state, slots, indices, offsets, 2,
                                      torch.zeros(2, packing.total_dim), opt, 0.1, 1)
     functions = {f for f, _, _ in launches}
-    assert {"pooled_forward_f32", "sparse_update_adam_bf16_i32_c2_long", "row_keys_i32"} <= functions
-    if kernel.per_segment:
+    wide = dims[1] > 256  # bf16 rows that one pass of 32 lanes does not cover: two vectors a lane
+    chunks = "c2" if wide or kernel.vectors_per_lane == 2 else "c1"
+    assert {"pooled_forward_f32", f"sparse_update_adam_bf16_i32_{'c2' if wide else 'c1'}_long",
+            "row_keys_i32"} <= functions
+    if kernel.singles and not wide:
+        assert {"count_segments_apart_i32", "compact_segments_apart_i32", f"{kernel.singles}_adam_bf16_i32",
+                "sparse_update_runs_apart_adam_bf16_i32"} <= functions
+        assert not any(f.startswith(("sparse_update_runs_capped", "count_segments_i")) for f in functions)
+        assert {grid for f, grid, _ in launches if f.startswith(("sparse_update_singles", "sparse_update_runs_apart"))
+                } == {3}  # looped: the resident blocks
+    elif kernel.per_segment:
         assert {"count_segments_i32", "compact_segments_i32"} <= functions
         prefix = "sparse_update_runs_capped" if kernel.capped else "sparse_update_runs"
-        assert f"{prefix}_adam_bf16_i32_c2" in functions and "sparse_update_adam_bf16_i32_c2" not in functions
+        assert f"{prefix}_adam_bf16_i32_{chunks}" in functions and "sparse_update_adam_bf16_i32_c2" not in functions
         # the looped kernels get the resident blocks; the others a group for each of the 200 positions
         grids = {grid for f, grid, _ in launches if f.startswith(prefix)}
-        assert grids == ({3} if kernel.looped else {200 // (256 // 32)})
+        assert grids == {3} if kernel.looped else (not wide or grids == {200 // (256 // 32)})
     else:
-        assert "sparse_update_adam_bf16_i32_c2" in functions and not any("segments" in f for f in functions)
+        assert f"sparse_update_adam_bf16_i32_{chunks}" in functions and not any("segments" in f for f in functions)
     for function, _, args in launches:
         assert function in entries, f"{function} is not a kernel of the .cu sources"
         passed = [_CTYPE_TO_PTX[type(a).__name__] for a in args]

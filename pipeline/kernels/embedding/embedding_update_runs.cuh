@@ -103,15 +103,19 @@ struct Segment {
     bool split;
 };
 
-template <typename K>
+// A listed segment's record. APART: the list holds only some segments (compact_segments_apart), so each
+// record's end is its own (seg_end) rather than the next record's start.
+template <typename K, bool APART = false>
 __device__ __forceinline__ Segment<K> segment_at(int i, const int* __restrict__ seg_begin,
-                                                 const K* __restrict__ seg_key, const int* __restrict__ seg_bag,
+                                                 const int* __restrict__ seg_end, const K* __restrict__ seg_key,
+                                                 const int* __restrict__ seg_bag,
                                                  const unsigned char* __restrict__ seg_split) {
-    return Segment<K>{seg_begin[i], seg_begin[i + 1], seg_bag[i], seg_key[i], seg_split[i] != 0};
+    return Segment<K>{seg_begin[i], APART ? seg_end[i] : seg_begin[i + 1], seg_bag[i], seg_key[i], seg_split[i] != 0};
 }
 
-// Sums one segment's gradient rows and updates its row (or stores the partial sum of a longer run).
-template <typename W, typename K, int OPT, int CHUNKS>
+// Sums one segment's gradient rows and updates its row (or stores the partial sum of a longer run). SINGLE: the
+// segment is known to be the one occurrence of its row (no code for longer segments is compiled).
+template <typename W, typename K, int OPT, int CHUNKS, bool SINGLE = false>
 __device__ __forceinline__ void update_segment(
     const Segment<K>& seg, W* __restrict__ weights, float* __restrict__ master, float* __restrict__ state1,
     float* __restrict__ state2, const int* __restrict__ sorted_bags, const long long* __restrict__ offsets,
@@ -132,13 +136,14 @@ __device__ __forceinline__ void update_segment(
 
     float w[CHUNKS][N], m1[CHUNKS][N], m2[CHUNKS][N], g[CHUNKS][N];
     float before = 0.0f;
-    if (!seg.split) load_row<W, OPT, CHUNKS, N>(wrow, mrow, state1, state2, (long long)seg.key, elem, D, lane, lanes,
-                                                vec_w, w, m1, m2, before);
+    if (SINGLE || !seg.split)
+        load_row<W, OPT, CHUNKS, N>(wrow, mrow, state1, state2, (long long)seg.key, elem, D, lane, lanes, vec_w, w, m1,
+                                    m2, before);
 #pragma unroll
     for (int c = 0; c < CHUNKS; ++c)
 #pragma unroll
         for (int k = 0; k < N; ++k) g[c][k] = 0.0f;
-    if (seg.end - seg.begin == 1) {
+    if (SINGLE || seg.end - seg.begin == 1) {
         // One occurrence (most rows of a uniform batch): every lane finds the gradient row from the record,
         // no bag is loaded or shuffled.
         long long goff;
@@ -167,7 +172,7 @@ __device__ __forceinline__ void update_segment(
         }
     }
 
-    if (seg.split) {
+    if (!SINGLE && seg.split) {
         const int first_of_run = seg.begin % SEGMENT == 0 ? 0 : 1;
         float* slot = partials + (2 * (long long)(seg.begin / SEGMENT) + first_of_run) * (long long)(CHUNKS * chunk);
 #pragma unroll
@@ -184,10 +189,12 @@ __device__ __forceinline__ void update_segment(
 
 // Group q of the grid's G groups updates segments q, q + G, q + 2G, ... of the *seg_count listed,
 // loading each next record before it updates the current segment. max_segments (nnz) bounds the list.
-template <typename W, typename K, int OPT, int CHUNKS>
+// APART: the list is compact_segments_apart's segments of more than one occurrence, seg_end their ends.
+template <typename W, typename K, int OPT, int CHUNKS, bool APART = false>
 __device__ __forceinline__ void sparse_update_runs(
     W* __restrict__ weights, float* __restrict__ master, float* __restrict__ state1, float* __restrict__ state2,
-    const int* __restrict__ seg_begin, const K* __restrict__ seg_key, const int* __restrict__ seg_bag,
+    const int* __restrict__ seg_begin, const int* __restrict__ seg_end, const K* __restrict__ seg_key,
+    const int* __restrict__ seg_bag,
     const unsigned char* __restrict__ seg_split, const int* __restrict__ seg_count, long long max_segments,
     const int* __restrict__ sorted_bags, const long long* __restrict__ offsets,
     const long long* __restrict__ slot_weight_offsets, const long long* __restrict__ slot_row_offsets,
@@ -201,13 +208,14 @@ __device__ __forceinline__ void sparse_update_runs(
     const long long groups = ((long long)gridDim.x * blockDim.x) >> log_lanes;
     if (first >= max_segments) return;
     // The first record is loaded before the count is known: the list is allocated for max_segments.
-    Segment<K> seg = segment_at<K>((int)first, seg_begin, seg_key, seg_bag, seg_split);
+    Segment<K> seg = segment_at<K, APART>((int)first, seg_begin, seg_end, seg_key, seg_bag, seg_split);
     const int count = *seg_count;
     const unsigned int mask = group_mask(lanes);
     const long long grad_stride = output_offsets[num_slots];
     for (long long i = first; i < count; i += groups) {
         Segment<K> next = seg;
-        if (i + groups < count) next = segment_at<K>((int)(i + groups), seg_begin, seg_key, seg_bag, seg_split);
+        if (i + groups < count)
+            next = segment_at<K, APART>((int)(i + groups), seg_begin, seg_end, seg_key, seg_bag, seg_split);
         update_segment<W, K, OPT, CHUNKS>(seg, weights, master, state1, state2, sorted_bags, offsets,
                                           slot_weight_offsets, slot_row_offsets, output_offsets, slot_mean, grad,
                                           partials, grad_stride, batch_size, lane, lanes, mask, weights_aligned,
@@ -227,13 +235,13 @@ __device__ __forceinline__ void sparse_update_runs(
         int batch_size, int log_lanes, int weights_aligned, int grad_aligned, float lr, float eps,      \
         float beta1, float beta2, float bias1, float bias2, float weight_decay, int stochastic,          \
         unsigned long long seed) {                                                                      \
-        sparse_update_runs<W, K, OPT, CHUNKS>(weights, master, state1, state2, seg_begin, seg_key,      \
-                                              seg_bag, seg_split, seg_count, max_segments, sorted_bags, \
-                                              offsets, slot_weight_offsets, slot_row_offsets,           \
-                                              output_offsets, slot_mean, grad, partials, num_slots,     \
-                                              batch_size, log_lanes, weights_aligned, grad_aligned, lr, \
-                                              eps, beta1, beta2, bias1, bias2, weight_decay,            \
-                                              stochastic, seed);                                        \
+        sparse_update_runs<W, K, OPT, CHUNKS>(weights, master, state1, state2, seg_begin, nullptr,      \
+                                              seg_key, seg_bag, seg_split, seg_count, max_segments,     \
+                                              sorted_bags, offsets, slot_weight_offsets,                \
+                                              slot_row_offsets, output_offsets, slot_mean, grad,        \
+                                              partials, num_slots, batch_size, log_lanes,               \
+                                              weights_aligned, grad_aligned, lr, eps, beta1, beta2,     \
+                                              bias1, bias2, weight_decay, stochastic, seed);            \
     }
 
 // Names: sparse_update_runs[_capped]_<optimizer>_<weights dtype>_<key type>_c<chunks>: c1 and c2 (a row
@@ -241,3 +249,164 @@ __device__ __forceinline__ void sparse_update_runs(
 #define SPARSE_UPDATE_RUNS_KEYS(PREFIX, OPTNAME, OPT, WNAME, W, CHUNKS, MIN_BLOCKS)                     \
     SPARSE_UPDATE_RUNS(PREFIX##_##OPTNAME##_##WNAME##_i32_c##CHUNKS, W, int, OPT, CHUNKS, MIN_BLOCKS)   \
     SPARSE_UPDATE_RUNS(PREFIX##_##OPTNAME##_##WNAME##_i64_c##CHUNKS, W, long long, OPT, CHUNKS, MIN_BLOCKS)
+
+// The segments of one occurrence apart (the candidate singles_apart). A row that occurs once in a batch (nearly
+// every row of a uniform batch) needs no loop over gradient rows, no shuffle and no partial sum. Listed apart from
+// the other segments, such rows get a lean kernel (sparse_update_singles) whose few registers keep twice the groups
+// of the capped loop resident, each group looping over the singles with the next record loaded ahead; the other
+// segments go to the capped loop over a list of their own (one loop over one list that skipped the other kind
+// would wait on a record for every segment it skipped).
+
+// Whether sorted position p (< nnz) holds the only occurrence of its key.
+template <typename K>
+__device__ __forceinline__ bool single_at(const K* __restrict__ sorted_keys, long long nnz, long long p) {
+    const K key = sorted_keys[p];
+    return (p == 0 || sorted_keys[p - 1] != key) && (p + 1 == nnz || sorted_keys[p + 1] != key);
+}
+
+// Per block of sorted positions: block_counts[block] singles start there, block_counts[blocks + block] other segments.
+template <typename K>
+__device__ __forceinline__ void count_segments_apart(const K* __restrict__ sorted_keys, long long nnz,
+                                                     int* __restrict__ block_counts) {
+    const long long p = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const bool start = p < nnz && segment_starts<K>(sorted_keys, p);
+    const bool single = start && single_at<K>(sorted_keys, nnz, p);
+    const int singles = __syncthreads_count(single);
+    const int others = __syncthreads_count(start && !single);
+    if (threadIdx.x == 0) {
+        block_counts[blockIdx.x] = singles;
+        block_counts[gridDim.x + blockIdx.x] = others;
+    }
+}
+
+// block_ends: count_segments_apart's counts, each half summed inclusively. Singles: their key and bag; the
+// others: as compact_segments' records, with their own ends.
+template <typename K>
+__device__ __forceinline__ void compact_segments_apart(
+    const K* __restrict__ sorted_keys, const int* __restrict__ sorted_bags, long long nnz,
+    const int* __restrict__ block_ends, K* __restrict__ single_key, int* __restrict__ single_bag,
+    int* __restrict__ seg_begin, int* __restrict__ seg_end, K* __restrict__ seg_key, int* __restrict__ seg_bag,
+    unsigned char* __restrict__ seg_split) {
+    __shared__ int warp_counts[2][32];
+    const long long p = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const bool start = p < nnz && segment_starts<K>(sorted_keys, p);
+    const bool single = start && single_at<K>(sorted_keys, nnz, p);
+    const unsigned int singles = __ballot_sync(0xffffffffu, single);
+    const unsigned int others = __ballot_sync(0xffffffffu, start && !single);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (lane == 0) {
+        warp_counts[0][warp] = __popc(singles);
+        warp_counts[1][warp] = __popc(others);
+    }
+    __syncthreads();
+    if (!start) return;
+    const int kind = single ? 0 : 1;
+    const long long half = (long long)kind * gridDim.x;
+    int i = (blockIdx.x ? block_ends[half + blockIdx.x - 1] : 0) +
+            __popc((single ? singles : others) & ((1u << lane) - 1u));
+    for (int w = 0; w < warp; ++w) i += warp_counts[kind][w];
+    const K key = sorted_keys[p];
+    if (single) {
+        single_key[i] = key;
+        single_bag[i] = sorted_bags[p];
+        return;
+    }
+    const long long limit = min(nnz, (p / SEGMENT + 1) * SEGMENT);
+    long long end = p + 1;
+    while (end < limit && sorted_keys[end] == key) ++end;
+    seg_begin[i] = (int)p;
+    seg_end[i] = (int)end;
+    seg_key[i] = key;
+    seg_bag[i] = sorted_bags[p];
+    seg_split[i] = (p > 0 && sorted_keys[p - 1] == key) || (limit < nnz && sorted_keys[limit] == key);
+}
+
+#define SEGMENT_LIST_APART(SUFFIX, K)                                                                   \
+    extern "C" __global__ void count_segments_apart_##SUFFIX(const K* sorted_keys, long long nnz,      \
+                                                              int* block_counts) {                      \
+        count_segments_apart<K>(sorted_keys, nnz, block_counts);                                        \
+    }                                                                                                   \
+    extern "C" __global__ void compact_segments_apart_##SUFFIX(                                         \
+        const K* sorted_keys, const int* sorted_bags, long long nnz, const int* block_ends,             \
+        K* single_key, int* single_bag, int* seg_begin, int* seg_end, K* seg_key, int* seg_bag,         \
+        unsigned char* seg_split) {                                                                     \
+        compact_segments_apart<K>(sorted_keys, sorted_bags, nnz, block_ends, single_key, single_bag,    \
+                                  seg_begin, seg_end, seg_key, seg_bag, seg_split);                     \
+    }
+
+// Group q of the grid's G groups updates singles q, q + G, q + 2G, ... of the *single_count listed, loading each
+// next record before it updates the current row. Rows that one pass of lanes covers.
+template <typename W, typename K, int OPT>
+__device__ __forceinline__ void sparse_update_singles(
+    W* __restrict__ weights, float* __restrict__ master, float* __restrict__ state1, float* __restrict__ state2,
+    const K* __restrict__ single_key, const int* __restrict__ single_bag, const int* __restrict__ single_count,
+    long long max_segments, const long long* __restrict__ offsets, const long long* __restrict__ slot_weight_offsets,
+    const long long* __restrict__ slot_row_offsets, const long long* __restrict__ output_offsets,
+    const unsigned char* __restrict__ slot_mean, const float* __restrict__ grad, int num_slots, int batch_size,
+    int log_lanes, int weights_aligned, int grad_aligned, float lr, float eps, float beta1, float beta2, float bias1,
+    float bias2, float weight_decay, int stochastic, unsigned long long seed) {
+    // 32-bit positions (the list holds fewer than 2**31 ids' segments) and nothing kept that a loop can
+    // reload from the cache: registers are what bound the resident groups here.
+    const int lanes = 1 << log_lanes;
+    const int lane = threadIdx.x & (lanes - 1);
+    const int first = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> log_lanes);
+    const int groups = (int)((gridDim.x * blockDim.x) >> log_lanes);
+    if (first >= max_segments) return;
+    K key = single_key[first];  // the list is allocated for max_segments: loaded before the count is known
+    int bag = single_bag[first];
+    const int count = *single_count;
+    for (int i = first; i < count; i += groups) {
+        K next_key = key;
+        int next_bag = bag;
+        if (i < count - groups) {
+            next_key = single_key[i + groups];
+            next_bag = single_bag[i + groups];
+        }
+        update_segment<W, K, OPT, 1, true>(Segment<K>{0, 1, bag, key, false}, weights, master, state1, state2, nullptr,
+                                           offsets, slot_weight_offsets, slot_row_offsets, output_offsets, slot_mean,
+                                           grad, nullptr, output_offsets[num_slots], batch_size, lane, lanes,
+                                           group_mask(lanes), weights_aligned,
+                                           grad_aligned, lr, eps, beta1, beta2, bias1, bias2, weight_decay, stochastic,
+                                           seed);
+        key = next_key;
+        bag = next_bag;
+    }
+}
+
+#define SPARSE_UPDATE_SINGLES(NAME, W, K, OPT, MIN_BLOCKS)                                              \
+    extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) NAME(                                 \
+        W* weights, float* master, float* state1, float* state2, const K* single_key,                   \
+        const int* single_bag, const int* single_count, long long max_segments,                         \
+        const long long* offsets, const long long* slot_weight_offsets,                                 \
+        const long long* slot_row_offsets, const long long* output_offsets,                             \
+        const unsigned char* slot_mean, const float* grad, int num_slots, int batch_size,               \
+        int log_lanes, int weights_aligned, int grad_aligned, float lr, float eps, float beta1,         \
+        float beta2, float bias1, float bias2, float weight_decay, int stochastic,                      \
+        unsigned long long seed) {                                                                      \
+        sparse_update_singles<W, K, OPT>(weights, master, state1, state2, single_key, single_bag,       \
+                                         single_count, max_segments, offsets, slot_weight_offsets,      \
+                                         slot_row_offsets, output_offsets, slot_mean, grad, num_slots,  \
+                                         batch_size, log_lanes, weights_aligned, grad_aligned, lr, eps, \
+                                         beta1, beta2, bias1, bias2, weight_decay, stochastic, seed);   \
+    }
+
+// The capped loop over the list of the other segments.
+#define SPARSE_UPDATE_RUNS_APART(NAME, W, K, OPT, MIN_BLOCKS)                                           \
+    extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) NAME(                                 \
+        W* weights, float* master, float* state1, float* state2, const int* seg_begin,                  \
+        const int* seg_end, const K* seg_key, const int* seg_bag, const unsigned char* seg_split,       \
+        const int* seg_count, long long max_segments, const int* sorted_bags,                           \
+        const long long* offsets, const long long* slot_weight_offsets,                                 \
+        const long long* slot_row_offsets, const long long* output_offsets,                             \
+        const unsigned char* slot_mean, const float* grad, float* partials, int num_slots,              \
+        int batch_size, int log_lanes, int weights_aligned, int grad_aligned, float lr, float eps,      \
+        float beta1, float beta2, float bias1, float bias2, float weight_decay, int stochastic,          \
+        unsigned long long seed) {                                                                      \
+        sparse_update_runs<W, K, OPT, 1, true>(weights, master, state1, state2, seg_begin, seg_end,     \
+                                               seg_key, seg_bag, seg_split, seg_count, max_segments,    \
+                                               sorted_bags, offsets, slot_weight_offsets,               \
+                                               slot_row_offsets, output_offsets, slot_mean, grad,       \
+                                               partials, num_slots, batch_size, log_lanes,              \
+                                               weights_aligned, grad_aligned, lr, eps, beta1, beta2,    \
+                                               bias1, bias2, weight_decay, stochastic, seed);           \
+    }

@@ -27,6 +27,7 @@ BACKWARD_SOURCE = "embedding/embedding_backward.cu"  # the row keys and the long
 POSITION_SOURCE = "embedding/embedding_update_position.cu"  # the update a group per sorted position
 RUNS_SOURCE = "embedding/embedding_update_runs.cu"  # the segment list and the capped per-segment kernels
 UNCAPPED_SOURCE = "embedding/embedding_update_runs_uncapped.cu"  # the uncapped candidates
+APART_SOURCE = "embedding/embedding_update_apart.cu"  # the candidates that list the single occurrences apart
 ROW_TRAFFIC_SOURCE = "embedding/row_traffic.cu"  # bench embedding's rows read and written back at random
 BLOCK = 256
 BAGS_PER_GROUP = 8  # consecutive bags one thread group pools: more row loads in flight for one-hot bags
@@ -48,13 +49,16 @@ class UpdateKernel:
     over segments with the next one's record loaded ahead (else one group per segment the batch may
     hold); ``capped``: kernels whose registers are capped to keep more blocks resident without
     spilling; ``vectors_per_lane``: 2 gives a row that one pass of lanes covers half the lanes, two
-    16-byte vectors each, so a warp updates two rows at once.
+    16-byte vectors each, so a warp updates two rows at once; ``singles``: the kernel (its name's prefix) that
+    updates the rows of one occurrence in the batch, listed apart from the other segments, which the capped loop
+    takes from a list of their own (rows that one pass of lanes covers; wider ones as ``capped``).
     """
 
     per_segment: bool = False
     looped: bool = False
     capped: bool = False
     vectors_per_lane: int = 1
+    singles: str = ""
 
 
 # Each candidate adds one change to the one before it, so a side-by-side timing (bench embedding
@@ -65,6 +69,8 @@ UPDATE_KERNELS = {
     "segments_looped": UpdateKernel(per_segment=True, looped=True),
     "segments_looped_capped": UpdateKernel(per_segment=True, looped=True, capped=True),
     "segments_looped_capped_2vec": UpdateKernel(per_segment=True, looped=True, capped=True, vectors_per_lane=2),
+    "singles_apart": UpdateKernel(per_segment=True, looped=True, capped=True, singles="sparse_update_singles"),
+    "singles_apart_8": UpdateKernel(per_segment=True, looped=True, capped=True, singles="sparse_update_singles8"),
 }
 UPDATE_KERNEL = "segments_looped_capped"  # the one backward_update runs: the fastest measured (docs/BENCHMARKS.md)
 
@@ -228,19 +234,31 @@ def backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor], slots
     rows = [ptr(weights), ptr(master_weights), ptr(state1), ptr(state2)]
     tables = [ptr(slots.table_row_starts), ptr(slots.table_weight_offsets), ptr(slots.table_dims),
               i32(slots.table_dims.numel())]
-    if kernel.per_segment:
+    seg_log_lanes, seg_chunks = segment_lanes(kernel, log_lanes, chunks)
+    slot_args = [ptr(offsets), ptr(slots.weight_offsets), ptr(slots.row_offsets), ptr(slots.output_offsets),
+                 ptr(slots.mean), ptr(grad)]
+    lane_args = [i32(slots.num_slots), i32(batch_size), i32(seg_log_lanes), i32(weights_aligned), i32(grad_aligned)]
+    groups_per_block = BLOCK >> seg_log_lanes
+    one_group_each = (nnz + groups_per_block - 1) // groups_per_block
+    if kernel.singles and seg_chunks == 1:
+        singles, others = list_segments_apart(sorted_keys, sorted_bags)
+        name = f"{kernel.singles}_{kinds}"
+        launch(APART_SOURCE, name, weights.device,
+               min(one_group_each, resident_blocks(APART_SOURCE, name, weights.device, BLOCK)), BLOCK,
+               [*rows, *map(ptr, singles), i64(nnz), *slot_args, *lane_args, *update])
+        name = f"sparse_update_runs_apart_{kinds}"
+        launch(APART_SOURCE, name, weights.device,
+               min(one_group_each, resident_blocks(APART_SOURCE, name, weights.device, BLOCK)), BLOCK,
+               [*rows, *map(ptr, others), i64(nnz), ptr(sorted_bags), *slot_args, ptr(partials), *lane_args, *update])
+    elif kernel.per_segment:
         segments_list = list_segments(sorted_keys, sorted_bags)
-        seg_log_lanes, seg_chunks = segment_lanes(kernel, log_lanes, chunks)
         name = f"sparse_update_runs{'_capped' if kernel.capped else ''}_{kinds}_c{seg_chunks}"
         source = RUNS_SOURCE if kernel.capped else UNCAPPED_SOURCE
-        groups_per_block = BLOCK >> seg_log_lanes
-        grid = (nnz + groups_per_block - 1) // groups_per_block
+        grid = one_group_each
         if kernel.looped:
             grid = min(grid, resident_blocks(source, name, weights.device, BLOCK))
         launch(source, name, weights.device, grid, BLOCK,
-               [*rows, *map(ptr, segments_list), i64(nnz), ptr(sorted_bags), ptr(offsets), ptr(slots.weight_offsets),
-                ptr(slots.row_offsets), ptr(slots.output_offsets), ptr(slots.mean), ptr(grad), ptr(partials),
-                i32(slots.num_slots), i32(batch_size), i32(seg_log_lanes), i32(weights_aligned), i32(grad_aligned),
+               [*rows, *map(ptr, segments_list), i64(nnz), ptr(sorted_bags), *slot_args, ptr(partials), *lane_args,
                 *update])
     else:
         rows_per_block = BLOCK >> log_lanes
@@ -302,6 +320,29 @@ def list_segments(sorted_keys: torch.Tensor, sorted_bags: torch.Tensor) -> list[
            [ptr(sorted_keys), ptr(sorted_bags), i64(nnz), ptr(block_ends), ptr(seg_begin), ptr(seg_key),
             ptr(seg_bag), ptr(seg_split)])
     return [seg_begin, seg_key, seg_bag, seg_split, block_ends[blocks - 1:]]
+
+
+def list_segments_apart(sorted_keys: torch.Tensor, sorted_bags: torch.Tensor) -> tuple[list[torch.Tensor],
+                                                                                     list[torch.Tensor]]:
+    """The segments of the sorted positions in two lists, on the device with no host sync: the single occurrences
+    ``[single_key, single_bag, count]`` and the others ``[seg_begin, seg_end, seg_key, seg_bag, seg_split, count]``
+    (``embedding_update_runs.cuh``). Each sized for ``nnz``; ``count`` (one int32) says how many it holds."""
+    device, nnz = sorted_keys.device, sorted_keys.numel()
+    if nnz >= 2**31:
+        raise ValueError(f"the per-segment update kernels take fewer than 2**31 ids a batch, got {nnz}")
+    key = "i64" if sorted_keys.dtype == torch.int64 else "i32"
+    blocks = (nnz + BLOCK - 1) // BLOCK
+    block_ends = torch.empty(2, blocks, dtype=torch.int32, device=device)
+    launch(APART_SOURCE, f"count_segments_apart_{key}", device, blocks, BLOCK,
+           [ptr(sorted_keys), i64(nnz), ptr(block_ends)])
+    block_ends.cumsum_(1)
+    singles = [torch.empty(nnz, dtype=sorted_keys.dtype, device=device), torch.empty(nnz, dtype=torch.int32, device=device)]
+    others = [torch.empty(nnz, dtype=torch.int32, device=device), torch.empty(nnz, dtype=torch.int32, device=device),
+              torch.empty(nnz, dtype=sorted_keys.dtype, device=device), torch.empty(nnz, dtype=torch.int32, device=device),
+              torch.empty(nnz, dtype=torch.uint8, device=device)]
+    launch(APART_SOURCE, f"compact_segments_apart_{key}", device, blocks, BLOCK,
+           [ptr(sorted_keys), ptr(sorted_bags), i64(nnz), ptr(block_ends), *map(ptr, singles), *map(ptr, others)])
+    return [*singles, block_ends[0, blocks - 1:]], [*others, block_ends[1, blocks - 1:]]
 
 
 def _state_for(optimizer: str, state: dict[str, torch.Tensor], weights: torch.Tensor,
