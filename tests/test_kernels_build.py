@@ -302,6 +302,23 @@ def test_no_per_segment_update_kernel_spills_and_the_capped_ones_fit_more_blocks
     assert all(blocks(regs) >= blocks(report[name.replace("_capped", "")][0]) for name, regs in capped.items())
 
 
+def test_the_singles_kernels_fit_more_blocks_than_the_capped_loop_and_only_those_bounded_to_eight_spill(nvcc_build):
+    """The kernels of the rows of one occurrence are bounded by their registers: those named singles without
+    spilling, more blocks than the capped loop for fp32 SGD and Adagrad rows; those named singles8 to 8 blocks."""
+    apart = _ptxas_report("embedding/embedding_update_apart.cu", nvcc_build)
+    capped = _ptxas_report("embedding/embedding_update_runs.cu", nvcc_build)
+    assert len(apart) == 3 * 3 * 2 * 3 + 4  # singles, singles8, the others' loop; 3 optimizers x 3 dtypes x 2 keys
+
+    def blocks(regs):
+        return 65536 // (-(-regs // 8) * 8 * 256)
+
+    assert {name for name, (_, spilled) in apart.items() if spilled and not name.startswith("sparse_update_singles8_")
+            } == set()
+    for opt in ("sgd", "adagrad"):
+        lean, loop = apart[f"sparse_update_singles_{opt}_f32_i32"][0], capped[f"sparse_update_runs_capped_{opt}_f32_i32_c1"][0]
+        assert blocks(lean) > blocks(loop) and blocks(apart[f"sparse_update_singles8_{opt}_f32_i32"][0]) == 8
+
+
 def test_the_update_segment_is_the_same_in_the_launcher_and_the_kernel():
     from pipeline.kernels.embedding import launcher
 
