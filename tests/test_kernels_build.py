@@ -174,11 +174,11 @@ def _ptxas_report(source: str, nvcc_build) -> dict[str, tuple[int, int]]:
 
 UPDATE_SOURCES = ("embedding/embedding_forward.cu", "embedding/embedding_backward.cu",
                   "embedding/embedding_update_position.cu", "embedding/embedding_update_runs.cu",
-                  "embedding/embedding_update_runs_uncapped.cu", "embedding/embedding_update_apart.cu")
+                  "embedding/embedding_update_runs_uncapped.cu")
 
 
 @pytest.mark.parametrize("update_kernel", ["position", "segments", "segments_looped", "segments_looped_capped",
-                                           "segments_looped_capped_2vec", "singles_apart", "singles_apart_8"])
+                                           "segments_looped_capped_2vec", "singles_apart"])
 @pytest.mark.parametrize("dims", [(8, 300), (8, 100)])
 def test_launch_arguments_match_kernel_signatures(update_kernel, dims, nvcc_build, monkeypatch):
     from pipeline.kernels.embedding import launcher
@@ -287,9 +287,12 @@ def test_no_per_segment_update_kernel_spills_and_the_capped_ones_fit_more_blocks
     runs = _ptxas_report("embedding/embedding_update_runs.cu", nvcc_build)
     report = {**runs, **_ptxas_report("embedding/embedding_update_runs_uncapped.cu", nvcc_build)}
     capped = {name: regs for name, (regs, _) in report.items() if name.startswith("sparse_update_runs_capped_")}
-    assert len(capped) == 42 and len(report) == 2 * 42 + 4  # 3 optimizers x 7 row shapes x 2 key types, twice
-    assert set(runs) == {*capped, "count_segments_i32", "count_segments_i64", "compact_segments_i32",
-                         "compact_segments_i64"}  # what training runs, and nothing else to compile
+    apart = {name for name in runs if name.startswith(("sparse_update_singles_", "sparse_update_runs_apart_"))}
+    # 3 optimizers x 7 row shapes x 2 key types, twice; the apart kernels: 3 optimizers x 3 dtypes x 2 keys, twice
+    assert len(capped) == 42 and len(apart) == 36 and len(report) == 2 * 42 + 36 + 8
+    assert set(runs) == {*capped, *apart, *(f"{kernel}_{key}" for kernel in (
+        "count_segments", "compact_segments", "count_segments_apart", "compact_segments_apart")
+        for key in ("i32", "i64"))}  # what training runs, and nothing else to compile
     assert {name: spilled for name, (_, spilled) in report.items() if spilled} == {}
 
     def blocks(regs):  # resident blocks of 256 threads: 64K registers a multiprocessor, 8 a thread at a time
@@ -302,21 +305,17 @@ def test_no_per_segment_update_kernel_spills_and_the_capped_ones_fit_more_blocks
     assert all(blocks(regs) >= blocks(report[name.replace("_capped", "")][0]) for name, regs in capped.items())
 
 
-def test_the_singles_kernels_fit_more_blocks_than_the_capped_loop_and_only_those_bounded_to_eight_spill(nvcc_build):
-    """The kernels of the rows of one occurrence are bounded by their registers: those named singles without
-    spilling, more blocks than the capped loop for fp32 SGD and Adagrad rows; those named singles8 to 8 blocks."""
-    apart = _ptxas_report("embedding/embedding_update_apart.cu", nvcc_build)
-    capped = _ptxas_report("embedding/embedding_update_runs.cu", nvcc_build)
-    assert len(apart) == 3 * 3 * 2 * 3 + 4  # singles, singles8, the others' loop; 3 optimizers x 3 dtypes x 2 keys
+def test_the_singles_kernels_keep_more_blocks_resident_than_the_capped_loop(nvcc_build):
+    """The lean kernel of the rows of one occurrence exists to hold more groups resident: for fp32 SGD and Adagrad
+    rows, more blocks than the capped loop (none spills: the test above)."""
+    runs = _ptxas_report("embedding/embedding_update_runs.cu", nvcc_build)
 
     def blocks(regs):
         return 65536 // (-(-regs // 8) * 8 * 256)
 
-    assert {name for name, (_, spilled) in apart.items() if spilled and not name.startswith("sparse_update_singles8_")
-            } == set()
     for opt in ("sgd", "adagrad"):
-        lean, loop = apart[f"sparse_update_singles_{opt}_f32_i32"][0], capped[f"sparse_update_runs_capped_{opt}_f32_i32_c1"][0]
-        assert blocks(lean) > blocks(loop) and blocks(apart[f"sparse_update_singles8_{opt}_f32_i32"][0]) == 8
+        lean, loop = runs[f"sparse_update_singles_{opt}_f32_i32"][0], runs[f"sparse_update_runs_capped_{opt}_f32_i32_c1"][0]
+        assert blocks(lean) > blocks(loop)
 
 
 def test_the_update_segment_is_the_same_in_the_launcher_and_the_kernel():

@@ -6,8 +6,8 @@ sparse-optimizer backward.
   ``embedding_update_position.cu``);
   ``embedding_update.cuh``: what the update kernels share; ``embedding_update_runs.cuh``: the candidate
   update kernels that work per segment (``launcher.UPDATE_KERNELS``), instantiated in
-  ``embedding_update_runs.cu`` (the capped ones, which training runs), ``embedding_update_runs_uncapped.cu`` and
-  ``embedding_update_apart.cu`` (the rows of one occurrence listed apart);
+  ``embedding_update_runs.cu`` (those training runs: the rows of one occurrence listed apart, and the capped ones)
+  and ``embedding_update_runs_uncapped.cu``;
   ``row_traffic.cu``: the update's memory traffic alone, the rate ``bench embedding`` compares the kernels with;
 - :mod:`.reference`: the plain-torch reference (CPU path, test oracle);
 - :mod:`.launcher`: argument checks, launch geometry, the sort between the backward kernels;

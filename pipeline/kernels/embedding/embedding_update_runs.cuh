@@ -1,7 +1,7 @@
 // The fused update per segment: candidates to embedding_backward.cu's sparse_update, the same sums and
 // updates (see there and embedding_update.cuh) scheduled another way; launcher.UPDATE_KERNELS picks one.
-// Instantiated in embedding_update_runs.cu (the segment list and the capped kernels, which training runs)
-// and embedding_update_runs_uncapped.cu (the uncapped candidates): a run compiles only the first.
+// Instantiated in embedding_update_runs.cu (the segment lists, the singles' kernels and the capped ones, which
+// training runs) and embedding_update_runs_uncapped.cu (the uncapped candidates): a run compiles only the first.
 //
 // sparse_update puts a thread group on every sorted position. Only the first position of a segment
 // works; the group walks a chain of dependent global loads: its key, the binary search of the key's
@@ -250,12 +250,12 @@ __device__ __forceinline__ void sparse_update_runs(
     SPARSE_UPDATE_RUNS(PREFIX##_##OPTNAME##_##WNAME##_i32_c##CHUNKS, W, int, OPT, CHUNKS, MIN_BLOCKS)   \
     SPARSE_UPDATE_RUNS(PREFIX##_##OPTNAME##_##WNAME##_i64_c##CHUNKS, W, long long, OPT, CHUNKS, MIN_BLOCKS)
 
-// The segments of one occurrence apart (the candidate singles_apart). A row that occurs once in a batch (nearly
-// every row of a uniform batch) needs no loop over gradient rows, no shuffle and no partial sum. Listed apart from
-// the other segments, such rows get a lean kernel (sparse_update_singles) whose few registers keep twice the groups
-// of the capped loop resident, each group looping over the singles with the next record loaded ahead; the other
-// segments go to the capped loop over a list of their own (one loop over one list that skipped the other kind
-// would wait on a record for every segment it skipped).
+// The segments of one occurrence apart (singles_apart, the update training runs). A row that occurs once in a batch
+// (nearly every row of a uniform batch) needs no loop over gradient rows, no shuffle and no partial sum. Listed apart
+// from the other segments, such rows get a lean kernel (sparse_update_singles) whose few registers keep more groups
+// resident than the capped loop (6 blocks of fp32 SGD or Adagrad rows against 4), each group looping over the singles
+// with the next record loaded ahead; the other segments go to the capped loop over a list of their own (one loop
+// over one list that skipped the other kind would wait on a record for every segment it skipped).
 
 // Whether sorted position p (< nnz) holds the only occurrence of its key.
 template <typename K>

@@ -25,9 +25,8 @@ from pipeline.kernels._launch import f32, i32, i64, launch, ptr, resident_blocks
 FORWARD_SOURCE = "embedding/embedding_forward.cu"
 BACKWARD_SOURCE = "embedding/embedding_backward.cu"  # the row keys and the long runs' update
 POSITION_SOURCE = "embedding/embedding_update_position.cu"  # the update a group per sorted position
-RUNS_SOURCE = "embedding/embedding_update_runs.cu"  # the segment list and the capped per-segment kernels
+RUNS_SOURCE = "embedding/embedding_update_runs.cu"  # the per-segment kernels that training runs
 UNCAPPED_SOURCE = "embedding/embedding_update_runs_uncapped.cu"  # the uncapped candidates
-APART_SOURCE = "embedding/embedding_update_apart.cu"  # the candidates that list the single occurrences apart
 ROW_TRAFFIC_SOURCE = "embedding/row_traffic.cu"  # bench embedding's rows read and written back at random
 BLOCK = 256
 BAGS_PER_GROUP = 8  # consecutive bags one thread group pools: more row loads in flight for one-hot bags
@@ -70,9 +69,8 @@ UPDATE_KERNELS = {
     "segments_looped_capped": UpdateKernel(per_segment=True, looped=True, capped=True),
     "segments_looped_capped_2vec": UpdateKernel(per_segment=True, looped=True, capped=True, vectors_per_lane=2),
     "singles_apart": UpdateKernel(per_segment=True, looped=True, capped=True, singles="sparse_update_singles"),
-    "singles_apart_8": UpdateKernel(per_segment=True, looped=True, capped=True, singles="sparse_update_singles8"),
 }
-UPDATE_KERNEL = "segments_looped_capped"  # the one backward_update runs: the fastest measured (docs/BENCHMARKS.md)
+UPDATE_KERNEL = "singles_apart"  # the one backward_update runs: the fastest measured (docs/BENCHMARKS.md)
 
 
 @dataclass(frozen=True)
@@ -243,12 +241,12 @@ def backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor], slots
     if kernel.singles and seg_chunks == 1:
         singles, others = list_segments_apart(sorted_keys, sorted_bags)
         name = f"{kernel.singles}_{kinds}"
-        launch(APART_SOURCE, name, weights.device,
-               min(one_group_each, resident_blocks(APART_SOURCE, name, weights.device, BLOCK)), BLOCK,
+        launch(RUNS_SOURCE, name, weights.device,
+               min(one_group_each, resident_blocks(RUNS_SOURCE, name, weights.device, BLOCK)), BLOCK,
                [*rows, *map(ptr, singles), i64(nnz), *slot_args, *lane_args, *update])
         name = f"sparse_update_runs_apart_{kinds}"
-        launch(APART_SOURCE, name, weights.device,
-               min(one_group_each, resident_blocks(APART_SOURCE, name, weights.device, BLOCK)), BLOCK,
+        launch(RUNS_SOURCE, name, weights.device,
+               min(one_group_each, resident_blocks(RUNS_SOURCE, name, weights.device, BLOCK)), BLOCK,
                [*rows, *map(ptr, others), i64(nnz), ptr(sorted_bags), *slot_args, ptr(partials), *lane_args, *update])
     elif kernel.per_segment:
         segments_list = list_segments(sorted_keys, sorted_bags)
@@ -333,14 +331,16 @@ def list_segments_apart(sorted_keys: torch.Tensor, sorted_bags: torch.Tensor) ->
     key = "i64" if sorted_keys.dtype == torch.int64 else "i32"
     blocks = (nnz + BLOCK - 1) // BLOCK
     block_ends = torch.empty(2, blocks, dtype=torch.int32, device=device)
-    launch(APART_SOURCE, f"count_segments_apart_{key}", device, blocks, BLOCK,
+    launch(RUNS_SOURCE, f"count_segments_apart_{key}", device, blocks, BLOCK,
            [ptr(sorted_keys), i64(nnz), ptr(block_ends)])
     block_ends.cumsum_(1)
-    singles = [torch.empty(nnz, dtype=sorted_keys.dtype, device=device), torch.empty(nnz, dtype=torch.int32, device=device)]
-    others = [torch.empty(nnz, dtype=torch.int32, device=device), torch.empty(nnz, dtype=torch.int32, device=device),
-              torch.empty(nnz, dtype=sorted_keys.dtype, device=device), torch.empty(nnz, dtype=torch.int32, device=device),
-              torch.empty(nnz, dtype=torch.uint8, device=device)]
-    launch(APART_SOURCE, f"compact_segments_apart_{key}", device, blocks, BLOCK,
+    def empty(dtype):
+        return torch.empty(nnz, dtype=dtype, device=device)
+
+    singles = [empty(sorted_keys.dtype), empty(torch.int32)]  # key, bag
+    others = [empty(torch.int32), empty(torch.int32), empty(sorted_keys.dtype), empty(torch.int32),
+              empty(torch.uint8)]  # begin, end, key, bag, split
+    launch(RUNS_SOURCE, f"compact_segments_apart_{key}", device, blocks, BLOCK,
            [ptr(sorted_keys), ptr(sorted_bags), i64(nnz), ptr(block_ends), *map(ptr, singles), *map(ptr, others)])
     return [*singles, block_ends[0, blocks - 1:]], [*others, block_ends[1, blocks - 1:]]
 
