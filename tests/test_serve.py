@@ -452,6 +452,9 @@ def test_update_refuses_a_changed_dense_part(served):
 
 
 def test_a_damaged_store_version_is_logged_once_and_the_served_one_kept(served):
+    """Every instance that meets a damaged version logs it once and keeps serving the one it has. Sequential
+    requests keep to the first instance (the test above), so concurrent ones reach the others; the damage is repaired
+    by a newer version whatever the outcome, so that the module's later tests serve a whole store."""
     from export.repository import lookup_dir
     from export.store import open_current, write_version
 
@@ -462,18 +465,37 @@ def test_a_damaged_store_version_is_logged_once_and_the_served_one_kept(served):
     tables = {name: np.array(table) for name, table in served_now.tables.items()}
     complaint = "could not be opened"
     complaints = server.log_path.read_text().count(complaint)
+    predictions: list[np.ndarray] = []
+
+    def ask(times: int) -> None:
+        with Client(server.grpc_url, "grpc") as own:
+            predictions.extend(own.predict(rows) for _ in range(times))
+
     with Client(server.grpc_url, "grpc") as client:
         before = client.predict(rows)
         damaged = write_version(store, tables, dense=served_now.dense)
-        folder = store / f"v{damaged:06d}"
-        table = folder / f"{json.loads((folder / 'manifest.json').read_text())['tables'][next(iter(tables))]['file']}.npy"
-        table.write_bytes(table.read_bytes()[:-100])
-        for _ in range(10):
-            np.testing.assert_array_equal(client.predict(rows), before)
-        time.sleep(0.5)
-        assert server.log_path.read_text().count(complaint) == complaints + INSTANCES, \
-            "one line per instance, not one per batch"
-        repaired = write_version(store, tables, dense=served_now.dense)
+        try:
+            folder = store / f"v{damaged:06d}"
+            manifest = json.loads((folder / "manifest.json").read_text())
+            table = folder / f"{manifest['tables'][next(iter(tables))]['file']}.npy"
+            table.write_bytes(table.read_bytes()[:-100])
+            deadline = time.monotonic() + 30
+            while server.log_path.read_text().count(complaint) < complaints + INSTANCES and time.monotonic() < deadline:
+                askers = [threading.Thread(target=ask, args=(5,)) for _ in range(2 * INSTANCES)]
+                for asker in askers:
+                    asker.start()
+                for asker in askers:
+                    asker.join(60)
+                time.sleep(0.2)
+            for _ in range(10):
+                np.testing.assert_array_equal(client.predict(rows), before)
+            ask(10)
+            time.sleep(0.5)
+            assert server.log_path.read_text().count(complaint) == complaints + INSTANCES, \
+                "one line per instance, not one per batch"
+            assert predictions and all(np.array_equal(p, before) for p in predictions)
+        finally:
+            repaired = write_version(store, tables, dense=served_now.dense)
         np.testing.assert_array_equal(client.predict(rows), before)
     deadline = time.monotonic() + 5
     while cache_stats(cfg.paths.export)["versions"] != [repaired] * INSTANCES and time.monotonic() < deadline:
