@@ -49,6 +49,25 @@ __device__ __forceinline__ bool segment_starts(const K* __restrict__ sorted_keys
     return p % SEGMENT == 0 || sorted_keys[p - 1] != sorted_keys[p];
 }
 
+// Where a flagged position of a block goes in its list: `before` (the entries of the blocks before it) plus the
+// flagged positions before it in its block. ballot: its warp's flags; warp_counts: each warp's count of flags, written
+// by its lane 0 before a __syncthreads.
+__device__ __forceinline__ int list_index(int before, unsigned int ballot, const int* warp_counts) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int i = before + __popc(ballot & ((1u << lane) - 1u));
+    for (int w = 0; w < warp; ++w) i += warp_counts[w];
+    return i;
+}
+
+// Whether the segment that starts at sorted position p holds part of a longer run (it stores its partial sum for
+// sparse_update_long): its run started before p, or goes on past the segment's SEGMENT-aligned end.
+template <typename K>
+__device__ __forceinline__ bool segment_split(const K* __restrict__ sorted_keys, long long nnz, long long p) {
+    const K key = sorted_keys[p];
+    const long long limit = min(nnz, (p / SEGMENT + 1) * SEGMENT);
+    return (p > 0 && sorted_keys[p - 1] == key) || (limit < nnz && sorted_keys[limit] == key);
+}
+
 template <typename K>
 __device__ __forceinline__ void count_segments(const K* __restrict__ sorted_keys, long long nnz,
                                                int* __restrict__ block_counts) {
@@ -72,15 +91,11 @@ __device__ __forceinline__ void compact_segments(
     __syncthreads();
     if (p == nnz - 1) seg_begin[block_ends[blockIdx.x]] = (int)nnz;  // where the last segment ends
     if (!start) return;
-    int i = (blockIdx.x ? block_ends[blockIdx.x - 1] : 0) + __popc(ballot & ((1u << lane) - 1u));
-    for (int w = 0; w < warp; ++w) i += warp_starts[w];
-    const K key = sorted_keys[p];
-    const long long seg_end = min(nnz, (p / SEGMENT + 1) * SEGMENT);
-    const bool run_start = p == 0 || sorted_keys[p - 1] != key;
+    const int i = list_index(blockIdx.x ? block_ends[blockIdx.x - 1] : 0, ballot, warp_starts);
     seg_begin[i] = (int)p;
-    seg_key[i] = key;
+    seg_key[i] = sorted_keys[p];
     seg_bag[i] = sorted_bags[p];
-    seg_split[i] = !run_start || (seg_end < nnz && sorted_keys[seg_end] == key);
+    seg_split[i] = segment_split<K>(sorted_keys, nnz, p);
 }
 
 #define SEGMENT_LIST(SUFFIX, K)                                                                         \
@@ -302,9 +317,8 @@ __device__ __forceinline__ void compact_segments_apart(
     if (!start) return;
     const int kind = single ? 0 : 1;
     const long long half = (long long)kind * gridDim.x;
-    int i = (blockIdx.x ? block_ends[half + blockIdx.x - 1] : 0) +
-            __popc((single ? singles : others) & ((1u << lane) - 1u));
-    for (int w = 0; w < warp; ++w) i += warp_counts[kind][w];
+    const int i = list_index(blockIdx.x ? block_ends[half + blockIdx.x - 1] : 0, single ? singles : others,
+                             warp_counts[kind]);
     const K key = sorted_keys[p];
     if (single) {
         single_key[i] = key;
@@ -318,7 +332,7 @@ __device__ __forceinline__ void compact_segments_apart(
     seg_end[i] = (int)end;
     seg_key[i] = key;
     seg_bag[i] = sorted_bags[p];
-    seg_split[i] = (p > 0 && sorted_keys[p - 1] == key) || (limit < nnz && sorted_keys[limit] == key);
+    seg_split[i] = segment_split<K>(sorted_keys, nnz, p);
 }
 
 #define SEGMENT_LIST_APART(SUFFIX, K)                                                                   \
@@ -365,9 +379,8 @@ __device__ __forceinline__ void sparse_update_singles(
         update_segment<W, K, OPT, 1, true>(Segment<K>{0, 1, bag, key, false}, weights, master, state1, state2, nullptr,
                                            offsets, slot_weight_offsets, slot_row_offsets, output_offsets, slot_mean,
                                            grad, nullptr, output_offsets[num_slots], batch_size, lane, lanes,
-                                           group_mask(lanes), weights_aligned,
-                                           grad_aligned, lr, eps, beta1, beta2, bias1, bias2, weight_decay, stochastic,
-                                           seed);
+                                           group_mask(lanes), weights_aligned, grad_aligned, lr, eps, beta1, beta2,
+                                           bias1, bias2, weight_decay, stochastic, seed);
         key = next_key;
         bag = next_bag;
     }

@@ -334,6 +334,7 @@ def list_segments_apart(sorted_keys: torch.Tensor, sorted_bags: torch.Tensor) ->
     launch(RUNS_SOURCE, f"count_segments_apart_{key}", device, blocks, BLOCK,
            [ptr(sorted_keys), i64(nnz), ptr(block_ends)])
     block_ends.cumsum_(1)
+
     def empty(dtype):
         return torch.empty(nnz, dtype=dtype, device=device)
 
