@@ -213,8 +213,8 @@ def test_launch_arguments_match_kernel_signatures(update_kernel, dims, nvcc_buil
     chunks = "c2" if wide or kernel.vectors_per_lane == 2 else "c1"
     assert {"pooled_forward_f32", f"sparse_update_adam_bf16_i32_{'c2' if wide else 'c1'}_long",
             "row_keys_i32"} <= functions
-    if kernel.singles and not wide:
-        assert {"count_segments_apart_i32", "compact_segments_apart_i32", f"{kernel.singles}_adam_bf16_i32",
+    if kernel.singles_apart and not wide:
+        assert {"count_segments_apart_i32", "compact_segments_apart_i32", "sparse_update_singles_adam_bf16_i32",
                 "sparse_update_runs_apart_adam_bf16_i32"} <= functions
         assert not any(f.startswith(("sparse_update_runs_capped", "count_segments_i")) for f in functions)
         assert {grid for f, grid, _ in launches if f.startswith(("sparse_update_singles", "sparse_update_runs_apart"))

@@ -48,16 +48,16 @@ class UpdateKernel:
     over segments with the next one's record loaded ahead (else one group per segment the batch may
     hold); ``capped``: kernels whose registers are capped to keep more blocks resident without
     spilling; ``vectors_per_lane``: 2 gives a row that one pass of lanes covers half the lanes, two
-    16-byte vectors each, so a warp updates two rows at once; ``singles``: the kernel (its name's prefix) that
-    updates the rows of one occurrence in the batch, listed apart from the other segments, which the capped loop
-    takes from a list of their own (rows that one pass of lanes covers; wider ones as ``capped``).
+    16-byte vectors each, so a warp updates two rows at once; ``singles_apart``: the rows of one occurrence
+    in the batch listed apart from the other segments and updated by a lean kernel, the others by the capped
+    loop from a list of their own (rows that one pass of lanes covers; wider ones as ``capped``).
     """
 
     per_segment: bool = False
     looped: bool = False
     capped: bool = False
     vectors_per_lane: int = 1
-    singles: str = ""
+    singles_apart: bool = False
 
 
 # Each candidate adds one change to the one before it, so a side-by-side timing (bench embedding
@@ -68,7 +68,7 @@ UPDATE_KERNELS = {
     "segments_looped": UpdateKernel(per_segment=True, looped=True),
     "segments_looped_capped": UpdateKernel(per_segment=True, looped=True, capped=True),
     "segments_looped_capped_2vec": UpdateKernel(per_segment=True, looped=True, capped=True, vectors_per_lane=2),
-    "singles_apart": UpdateKernel(per_segment=True, looped=True, capped=True, singles="sparse_update_singles"),
+    "singles_apart": UpdateKernel(per_segment=True, looped=True, capped=True, singles_apart=True),
 }
 UPDATE_KERNEL = "singles_apart"  # the one backward_update runs: the fastest measured (docs/BENCHMARKS.md)
 
@@ -238,9 +238,9 @@ def backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor], slots
     lane_args = [i32(slots.num_slots), i32(batch_size), i32(seg_log_lanes), i32(weights_aligned), i32(grad_aligned)]
     groups_per_block = BLOCK >> seg_log_lanes
     one_group_each = (nnz + groups_per_block - 1) // groups_per_block
-    if kernel.singles and seg_chunks == 1:
+    if kernel.singles_apart and seg_chunks == 1:
         singles, others = list_segments_apart(sorted_keys, sorted_bags)
-        name = f"{kernel.singles}_{kinds}"
+        name = f"sparse_update_singles_{kinds}"
         launch(RUNS_SOURCE, name, weights.device,
                min(one_group_each, resident_blocks(RUNS_SOURCE, name, weights.device, BLOCK)), BLOCK,
                [*rows, *map(ptr, singles), i64(nnz), *slot_args, *lane_args, *update])
