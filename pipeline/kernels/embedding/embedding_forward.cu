@@ -3,14 +3,14 @@
 // A group of `lanes` threads (a power of two <= 32, chosen from the largest dim) pools up to
 // `bags_per_group` consecutive bags of one slot. It streams the ids of those bags (contiguous in
 // `indices`) a warp-load at a time, broadcasts them by shuffle, and gathers the rows with 16-byte
-// loads, U (four) rows in flight whatever the bag boundaries, so one-hot bags get as many loads in flight
+// loads, four rows in flight whatever the bag boundaries, so one-hot bags get as many loads in flight
 // as multi-hot ones. Each lane accumulates its N columns in fp32; at a bag boundary the sum (scaled by
 // 1/len for mean pooling) goes straight into columns output_offsets[s] .. output_offsets[s+1] of the
 // bag's row of the [B, total_dim] fp32 output (the concat is fused). Empty bags write zeros. Dims or
 // offsets that are not a multiple of the vector width take the element-wise path for that slot.
 #include "embedding_common.cuh"
 
-template <typename W, int U>
+template <typename W>
 __device__ __forceinline__ void pooled_forward(
     const W* __restrict__ weights,
     const long long* __restrict__ slot_weight_offsets,  // [S] element offset of the slot's table
@@ -70,15 +70,15 @@ __device__ __forceinline__ void pooled_forward(
         for (long long base = id_begin; base < id_end; base += lanes) {
             const long long mine = base + lane < id_end ? __ldg(indices + base + lane) : 0;
             const int n = (int)min((long long)lanes, id_end - base);
-            for (int j = 0; j < n; j += U) {
-                float v[U][N];
+            for (int j = 0; j < n; j += 4) {
+                float v[4][N];
 #pragma unroll
-                for (int u = 0; u < U; ++u) {
+                for (int u = 0; u < 4; ++u) {
                     const long long r = __shfl_sync(mask, mine, (j + u) & (lanes - 1), lanes);
                     if (active && j + u < n) load_elems_ro<W, N>(table + r * D, d0, D, vec_w, v[u]);
                 }
 #pragma unroll
-                for (int u = 0; u < U; ++u) {
+                for (int u = 0; u < 4; ++u) {
                     if (j + u < n) {
                         while (base + j + u >= bag_end) flush();
                         if (active) {
@@ -93,17 +93,17 @@ __device__ __forceinline__ void pooled_forward(
     }
 }
 
-#define POOLED_FORWARD(NAME, W, U)                                                                       \
+#define POOLED_FORWARD(NAME, W)                                                                         \
     extern "C" __global__ void __launch_bounds__(256) NAME(                                             \
         const W* weights, const long long* slot_weight_offsets, const long long* output_offsets,         \
         const unsigned char* slot_mean, const long long* indices, const long long* offsets,             \
         int num_slots, int batch_size, int bags_per_group, int log_lanes, int weights_aligned,          \
         int output_aligned, float* out) {                                                               \
-        pooled_forward<W, U>(weights, slot_weight_offsets, output_offsets, slot_mean, indices, offsets,    \
+        pooled_forward<W>(weights, slot_weight_offsets, output_offsets, slot_mean, indices, offsets,    \
                           num_slots, batch_size, bags_per_group, log_lanes, weights_aligned,            \
                           output_aligned, out);                                                         \
     }
 
-POOLED_FORWARD(pooled_forward_f32, float, 4)
-POOLED_FORWARD(pooled_forward_f16, f16, 4)
-POOLED_FORWARD(pooled_forward_bf16, bf16, 4)
+POOLED_FORWARD(pooled_forward_f32, float)
+POOLED_FORWARD(pooled_forward_f16, f16)
+POOLED_FORWARD(pooled_forward_bf16, bf16)
