@@ -298,15 +298,20 @@ def segment_lanes(kernel: UpdateKernel, log_lanes: int, chunks: int) -> tuple[in
     return log_lanes, chunks
 
 
+def _segment_blocks(sorted_keys: torch.Tensor) -> tuple[torch.device, int, str, int]:
+    """What both segment listings launch over: the device, ``nnz``, the key type's kernel suffix and the blocks of
+    sorted positions."""
+    device, nnz = sorted_keys.device, sorted_keys.numel()
+    if nnz >= 2**31:
+        raise ValueError(f"the per-segment update kernels take fewer than 2**31 ids a batch, got {nnz}")
+    return device, nnz, "i64" if sorted_keys.dtype == torch.int64 else "i32", (nnz + BLOCK - 1) // BLOCK
+
+
 def list_segments(sorted_keys: torch.Tensor, sorted_bags: torch.Tensor) -> list[torch.Tensor]:
     """The segments of the sorted positions, listed on the device with no host sync:
     ``[seg_begin, seg_key, seg_bag, seg_split, count]``, as the per-segment kernels read them
     (``embedding_update_runs.cuh``). Sized for ``nnz`` segments; ``count`` (one int32) says how many there are."""
-    device, nnz = sorted_keys.device, sorted_keys.numel()
-    if nnz >= 2**31:
-        raise ValueError(f"the per-segment update kernels take fewer than 2**31 ids a batch, got {nnz}")
-    key = "i64" if sorted_keys.dtype == torch.int64 else "i32"
-    blocks = (nnz + BLOCK - 1) // BLOCK
+    device, nnz, key, blocks = _segment_blocks(sorted_keys)
     block_ends = torch.empty(blocks, dtype=torch.int32, device=device)
     launch(RUNS_SOURCE, f"count_segments_{key}", device, blocks, BLOCK, [ptr(sorted_keys), i64(nnz), ptr(block_ends)])
     block_ends.cumsum_(0)
@@ -325,11 +330,7 @@ def list_segments_apart(sorted_keys: torch.Tensor, sorted_bags: torch.Tensor) ->
     """The segments of the sorted positions in two lists, on the device with no host sync: the single occurrences
     ``[single_key, single_bag, count]`` and the others ``[seg_begin, seg_end, seg_key, seg_bag, seg_split, count]``
     (``embedding_update_runs.cuh``). Each sized for ``nnz``; ``count`` (one int32) says how many it holds."""
-    device, nnz = sorted_keys.device, sorted_keys.numel()
-    if nnz >= 2**31:
-        raise ValueError(f"the per-segment update kernels take fewer than 2**31 ids a batch, got {nnz}")
-    key = "i64" if sorted_keys.dtype == torch.int64 else "i32"
-    blocks = (nnz + BLOCK - 1) // BLOCK
+    device, nnz, key, blocks = _segment_blocks(sorted_keys)
     block_ends = torch.empty(2, blocks, dtype=torch.int32, device=device)
     launch(RUNS_SOURCE, f"count_segments_apart_{key}", device, blocks, BLOCK,
            [ptr(sorted_keys), i64(nnz), ptr(block_ends)])
