@@ -356,8 +356,8 @@ def test_opcheck_of_the_cuda_ops(dtype):
 @pytest.mark.parametrize("rows_per_warp", [1, 2, 4, 8])
 def test_the_row_traffic_kernel_writes_back_exactly_the_rows_it_is_given(rows_per_warp):
     """``rows_read_write`` (bench embedding's rate of the update's bytes) reads each given row and its gradient
-    row and writes the row back with the lowest bit of each word flipped: the given rows change so, no other byte
-    does, and a second call restores them."""
+    row and writes the row back with the lowest bit of each word changed by the lowest bit of the gradient word beside
+    it: the given rows change so (so the gradient row was read), no other byte does, and a second call restores them."""
     g = torch.Generator(device="cuda").manual_seed(rows_per_warp)
     for dim, dtype in ((128, torch.float32), (64, torch.float32), (256, torch.bfloat16)):
         table = torch.randn(1000, dim, device="cuda", generator=g).to(dtype)
@@ -372,7 +372,10 @@ def test_the_row_traffic_kernel_writes_back_exactly_the_rows_it_is_given(rows_pe
         words, words_before = table.view(torch.int32), before.view(torch.int32)
         touched = torch.zeros(1000, dtype=torch.bool, device="cuda")
         touched[rows] = True
-        assert torch.equal(words[touched], words_before[touched] ^ 1)
+        row_words = dim * es // 4
+        grad_words = grad.view(torch.int32).view(300, 4, dim)[bags, 2, :row_words]  # beside each row's words
+        assert torch.equal(words[rows], words_before[rows] ^ (grad_words & 1))
+        assert (grad_words & 1).any()  # some words did change
         assert torch.equal(words[~touched], words_before[~touched])
         launcher.rows_read_write(table.view(-1), grad, row_vec, grad_vec, dim * es // 16, dim // 4, rows_per_warp)
         assert torch.equal(table.view(torch.int32), words_before)

@@ -5,9 +5,10 @@
 //
 // A warp takes ROWS rows at a time, in the order given (bench embedding passes the update's: by row key), and issues
 // all their loads before any store, each lane 16 bytes of a row at a time. row_vec / grad_vec: where each row and
-// its gradient row start, in 16-byte vectors. Each 32-bit word of a row is written back with its lowest bit flipped
-// (a weight moves by one unit in its last place, back at the next call): rows written back unchanged ran faster than
-// the copy on an H100, as if such stores never reached memory.
+// its gradient row start, in 16-byte vectors. Each 32-bit word of a row is written back with its lowest bit changed by
+// the lowest bit of the gradient word beside it (a weight moves by at most one unit in its last place): the store
+// needs the gradient's load, which the compiler would otherwise drop as unused (an empty inline asm does not keep it:
+// ptxas sees no use of the value).
 template <int ROWS>
 __device__ __forceinline__ void rows_read_write(uint4* __restrict__ weights, const uint4* __restrict__ grad,
                                                 const long long* __restrict__ row_vec,
@@ -25,26 +26,20 @@ __device__ __forceinline__ void rows_read_write(uint4* __restrict__ weights, con
             g[u] = base + u < n ? grad_vec[base + u] : 0;
         }
         for (int v = lane; v < vectors; v += 32) {
-            uint4 w[ROWS];
-            unsigned int f[ROWS];
+            uint4 w[ROWS], q[ROWS];
 #pragma unroll
             for (int u = 0; u < ROWS; ++u) {
-                w[u] = make_uint4(0, 0, 0, 0);
-                f[u] = 0;
+                w[u] = q[u] = make_uint4(0, 0, 0, 0);
                 if (r[u] >= 0) {
                     if (v < row_vectors) w[u] = weights[r[u] + v];
-                    if (v < grad_vectors) {
-                        const uint4 q = grad[g[u] + v];
-                        f[u] = q.x ^ q.y ^ q.z ^ q.w;
-                    }
+                    if (v < grad_vectors) q[u] = grad[g[u] + v];
                 }
             }
 #pragma unroll
             for (int u = 0; u < ROWS; ++u) {
-                if (r[u] >= 0 && v < row_vectors) {
-                    asm volatile("" : "+r"(w[u].x) : "r"(f[u]));  // the store waits for the gradient
-                    weights[r[u] + v] = make_uint4(w[u].x ^ 1u, w[u].y ^ 1u, w[u].z ^ 1u, w[u].w ^ 1u);
-                }
+                if (r[u] >= 0 && v < row_vectors)
+                    weights[r[u] + v] = make_uint4(w[u].x ^ (q[u].x & 1u), w[u].y ^ (q[u].y & 1u),
+                                                   w[u].z ^ (q[u].z & 1u), w[u].w ^ (q[u].w & 1u));
             }
         }
     }
