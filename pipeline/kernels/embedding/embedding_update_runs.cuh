@@ -294,8 +294,22 @@ __device__ __forceinline__ void count_segments_apart(const K* __restrict__ sorte
     }
 }
 
+// Where the segment that starts at sorted position p ends: the next segment start of its block (a segment never
+// crosses a multiple of SEGMENT, and a block's size is one), else the end of its SEGMENT-aligned span or of the ids.
+// starts: each warp's ballot of the block's segment starts, from shared memory.
+__device__ __forceinline__ long long segment_end(long long p, long long nnz, const unsigned int* starts) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const long long warp_base = p - lane;
+    long long end = min(nnz, (p / SEGMENT + 1) * SEGMENT);
+    const unsigned int later = lane == 31 ? 0u : starts[warp] & (~0u << (lane + 1));
+    if (later) return min(end, warp_base + __ffs(later) - 1);
+    for (int w = warp + 1; w < (int)(blockDim.x >> 5) && warp_base + 32 * (w - warp) < end; ++w)
+        if (starts[w]) return min(end, warp_base + 32 * (w - warp) + __ffs(starts[w]) - 1);
+    return end;
+}
+
 // block_ends: count_segments_apart's counts, each half summed inclusively. Singles: their key and bag; the
-// others: as compact_segments' records, with their own ends.
+// others: as compact_segments' records, with their own ends. Blocks of a multiple of SEGMENT positions.
 template <typename K>
 __device__ __forceinline__ void compact_segments_apart(
     const K* __restrict__ sorted_keys, const int* __restrict__ sorted_bags, long long nnz,
@@ -303,6 +317,7 @@ __device__ __forceinline__ void compact_segments_apart(
     int* __restrict__ seg_begin, int* __restrict__ seg_end, K* __restrict__ seg_key, int* __restrict__ seg_bag,
     unsigned char* __restrict__ seg_split) {
     __shared__ int warp_counts[2][32];
+    __shared__ unsigned int warp_starts[32];
     const long long p = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const bool start = p < nnz && segment_starts<K>(sorted_keys, p);
     const bool single = start && single_at<K>(sorted_keys, nnz, p);
@@ -312,6 +327,7 @@ __device__ __forceinline__ void compact_segments_apart(
     if (lane == 0) {
         warp_counts[0][warp] = __popc(singles);
         warp_counts[1][warp] = __popc(others);
+        warp_starts[warp] = singles | others;
     }
     __syncthreads();
     if (!start) return;
@@ -325,11 +341,8 @@ __device__ __forceinline__ void compact_segments_apart(
         single_bag[i] = sorted_bags[p];
         return;
     }
-    const long long limit = min(nnz, (p / SEGMENT + 1) * SEGMENT);
-    long long end = p + 1;
-    while (end < limit && sorted_keys[end] == key) ++end;
     seg_begin[i] = (int)p;
-    seg_end[i] = (int)end;
+    seg_end[i] = (int)segment_end(p, nnz, warp_starts);
     seg_key[i] = key;
     seg_bag[i] = sorted_bags[p];
     seg_split[i] = segment_split<K>(sorted_keys, nnz, p);
