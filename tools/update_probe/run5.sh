@@ -1,11 +1,13 @@
-# One device call: the row traffic's and the bench's GPU tests, the acceptance's embedding step figures (H200: both bag
-# sizes and the lean kernel's ladder; else one-hot only).
+# One device call: the GPU tests of the row traffic, the bench and the update kernel training runs; each kernel's time
+# in a step; the acceptance's embedding step figures (H200: both bag sizes, then the lean kernel's ladder; else one-hot).
 export PYTHONPATH=/tmp/site:$PWD
 t0=$(date +%s)
 (KIT=.kit bash tools/gpu-check.sh setup > $OUT/setup.log 2>&1; tail -2 $OUT/setup.log)
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader); echo "$gpu setup $(( $(date +%s) - t0 )) s"
-timeout 120 python -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_kernels_gpu.py tests/test_bench.py \
-  -k "row_traffic or bench_embedding" > $OUT/tests.log 2>&1; tail -3 $OUT/tests.log
+timeout 150 python -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_kernels_gpu.py tests/test_bench.py \
+  -k "row_traffic or bench_embedding or singles_apart" > $OUT/tests.log 2>&1; tail -3 $OUT/tests.log
+echo "tests done at $(( $(date +%s) - t0 )) s"
+timeout 60 python tools/update_probe/kernels.py singles_apart > $OUT/kernels.log 2>&1; cut -c1-1500 $OUT/kernels.log
 hots=1; [[ "$gpu" == *H200* ]] && hots=1,20
 for ids in uniform zipf; do
   timeout 90 python -m pipeline bench embedding --device cuda --hots $hots --ids $ids --optimizer adagrad --no-baseline \
@@ -13,8 +15,5 @@ for ids in uniform zipf; do
   grep -E "device-to-device|back to back|floor|alone" $OUT/emb-$ids.log | cut -c1-400
 done
 echo "bench done at $(( $(date +%s) - t0 )) s"
-if [[ "$gpu" == *H200* ]]; then
-  timeout 120 python tools/update_probe/lean.py > $OUT/lean.log 2>&1; cut -c1-3000 $OUT/lean.log
-  timeout 100 python tools/update_probe/kernels.py singles_apart > $OUT/kernels.log 2>&1; cut -c1-1500 $OUT/kernels.log
-fi
+[[ "$gpu" == *H200* ]] && { timeout 60 python tools/update_probe/lean.py > $OUT/lean.log 2>&1; cut -c1-3000 $OUT/lean.log; }
 echo "end at $(( $(date +%s) - t0 )) s"
