@@ -555,6 +555,17 @@ def test_files_and_folders_named_otherwise_than_plain(tmp_path):
         _ingest(tmp_path / "c", hive)
 
 
+def test_values_holding_quoted_line_breaks_are_told_to_lose_them_or_come_as_parquet(tmp_path):
+    """A CSV whose text values hold line breaks inside quotes (valid CSV that this line-based reader does not read):
+    every row is malformed, and the message says why, not to check the column roles."""
+    rows = tmp_path / "rows.csv"
+    rows.write_text("\n".join(_table()[:1] + [f'{i % 2},{i}.5,"Zoë\nsaid {i}"' for i in range(40)]) + "\n")
+    message, report = _failed_report(tmp_path / "w", rows)
+    assert report["bad"]["open_quote"] > 0
+    assert "A quoted value that holds a line break is not read" in message and "or as parquet" in message
+    assert "check the column roles" not in message and "on_bad_lines=skip" not in message
+
+
 def test_text_in_another_encoding_is_told_to_be_saved_as_utf8(tmp_path):
     utf16 = tmp_path / "rows.csv"
     utf16.write_bytes("\n".join(_table()).encode("utf-16"))

@@ -291,7 +291,10 @@ def _failure_message(report: dict) -> str:
             advice_given.add(advice.group(1))
         shown.append(f"{Path(e['file']).name} line {e['line']}: {reason} ({e['excerpt'][:60]!r})")
     first = "; ".join(shown)
-    if report["bad_rows"] and report["bad_rows"] >= report["rows_read"]:  # no row of it is well formed: skipping would keep nothing
+    if report["bad"].get("open_quote", 0) * 3 >= report["bad_rows"] > 0:  # quoted line breaks: each splits a row
+        advice = ("A quoted value that holds a line break is not read (a row is one line here): write the table with "
+                  "no line break inside its values, or as parquet")
+    elif report["bad_rows"] and report["bad_rows"] >= report["rows_read"]:  # no row of it is well formed: skipping would keep nothing
         advice = ("Every row read was malformed: check the column roles (data.label, data.continuous, "
                   "data.categorical, data.multihot) and data.list_separator against the input")
     elif advice_given:  # a column written otherwise than read, not stray lines: skipping would bias what is kept
