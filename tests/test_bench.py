@@ -427,7 +427,8 @@ def test_bench_embedding_times_every_update_kernel_against_the_byte_floor(tmp_pa
         assert row["random_rows_tb_s"] > 0 and all(ms > 0 for ms in row["random_rows_ms_by_rows_per_warp"].values())
         assert row["floor_ms_at_random_rows_rate"] > 0 and row["step_over_random_rows_floor"] == pytest.approx(
             row["step_ms"] / row["floor_ms_at_random_rows_rate"])
-        # steps back to back (at this size the host's launches take longer than the kernels, so no faster than alone)
+        # steps back to back: no bound against the step alone (at this size the host's launches outlast the
+        # kernels, and five steps together ran 12% slower than one on an H100)
         assert row["step_back_to_back_ms"] > 0 and row["step_back_to_back_over_floor"] == pytest.approx(
             row["step_back_to_back_ms"] / row["floor_ms"])
     printed = capsys.readouterr().out

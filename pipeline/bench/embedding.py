@@ -7,10 +7,10 @@
 For each bag size (one-hot, 20-hot, ...) it times, with CUDA events (median after warm-up, rotating
 three batches), the ``cuda`` backend's table-batched forward and its fused backward + sparse update
 (and, apart, the row-grouping sort inside it; and the two back to back on one batch, as a training step
-runs them, timed alone and five steps together as a training loop issues them, against the byte floor), and the same work done by ``torch.nn.EmbeddingBag``:
-one module per table (``sparse=True``) sharing the very same weight storage, ``torch.cat`` of the
-pooled outputs, ``backward`` and the torch optimizer of the same kind stepping on the sparse
-gradients. Bandwidth is bytes over time, as a fraction of a device-to-device copy measured in the
+runs them, timed alone and five steps together as a training loop issues them, against the byte floor),
+and the same work done by ``torch.nn.EmbeddingBag``: one module per table (``sparse=True``) sharing the
+very same weight storage, ``torch.cat`` of the pooled outputs, ``backward`` and the torch optimizer of
+the same kind stepping on the sparse gradients. Bandwidth is bytes over time, as a fraction of a device-to-device copy measured in the
 same run: forward, each id and its row read once and the output written once; backward + update,
 each id and the gradient row of each occurrence read once, and each touched row (with its
 optimizer state) read and written once. Ids are uniform over each table, or Zipf-skewed with

@@ -276,7 +276,8 @@ def rows_read_write(weights: torch.Tensor, grad: torch.Tensor, row_vec: torch.Te
                     row_vectors: int, grad_vectors: int, rows_per_warp: int) -> None:
     """Read each row of ``weights`` that ``row_vec`` points at and its gradient row (``grad_vec``), and write the row
     back with the lowest bit of each 32-bit word changed by the lowest bit of the gradient word beside it: the update's
-    memory traffic alone (``row_traffic.cu``), for ``bench embedding``. Offsets and lengths are in 16-byte vectors; ``rows_per_warp`` is 1, 2, 4 or 8."""
+    memory traffic alone (``row_traffic.cu``), for ``bench embedding``. Offsets and lengths are in 16-byte vectors;
+    ``rows_per_warp`` is 1, 2, 4 or 8."""
     n = row_vec.numel()
     rows_per_block = (BLOCK // 32) * rows_per_warp
     launch(ROW_TRAFFIC_SOURCE, f"rows_read_write_{rows_per_warp}", weights.device, (n + rows_per_block - 1) // rows_per_block,
