@@ -4,19 +4,19 @@
     python -m pipeline bench embedding --hots 1,20 --optimizer adagrad --rows-max 4000000
     python -m pipeline bench embedding --interaction          # DLRM's dot interaction of the pooled vectors
 
-For each bag size (one-hot, 20-hot, ...) it times, with CUDA events (median after warm-up, rotating
-three batches), the ``cuda`` backend's table-batched forward and its fused backward + sparse update
-(and, apart, the row-grouping sort inside it; and the two back to back on one batch, as a training step
-runs them, timed alone and five steps together as a training loop issues them, against the byte floor),
-and the same work done by ``torch.nn.EmbeddingBag``: one module per table (``sparse=True``) sharing the
-very same weight storage, ``torch.cat`` of the pooled outputs, ``backward`` and the torch optimizer of
-the same kind stepping on the sparse gradients. Bandwidth is bytes over time, as a fraction of a device-to-device copy measured in the
-same run: forward, each id and its row read once and the output written once; backward + update,
-each id and the gradient row of each occurrence read once, and each touched row (with its
-optimizer state) read and written once. Ids are uniform over each table, or Zipf-skewed with
-``--ids zipf`` (fewer touched rows, long runs of one row in the update). Needs a CUDA GPU and CuPy.
-Beside the copy it times the update's bytes alone: the rows the first batch touches read with a gradient
-row each and written back, with no sort and no optimizer (``row_traffic.cu``), a second rate and floor.
+For each bag size (one-hot, 20-hot, ...) it times, with CUDA events (median after warm-up, rotating three
+batches), the ``cuda`` backend's table-batched forward and its fused backward + sparse update (and, apart, the
+row-grouping sort inside it; and the two back to back on one batch, as a training step runs them, timed alone
+and five steps together as a training loop issues them, against the byte floor), and the same work done by
+``torch.nn.EmbeddingBag``: one module per table (``sparse=True``) sharing the very same weight storage,
+``torch.cat`` of the pooled outputs, ``backward`` and the torch optimizer of the same kind stepping on the
+sparse gradients. Bandwidth is bytes over time, as a fraction of a device-to-device copy measured in the same
+run: forward, each id and its row read once and the output written once; backward + update, each id and the
+gradient row of each occurrence read once, and each touched row (with its optimizer state) read and written
+once. Ids are uniform over each table, or Zipf-skewed with ``--ids zipf`` (fewer touched rows, long runs of
+one row in the update). Needs a CUDA GPU and CuPy. Beside the copy it times the update's bytes alone: the rows
+the first batch touches read with a gradient row each and written back, with no sort and no optimizer
+(``row_traffic.cu``), a second rate and floor.
 
 ``--sweep-update-kernels`` also times the backward + update with each candidate kernel of the update
 (``launcher.UPDATE_KERNELS``, ``docs/EMBEDDING.md``) side by side, alone and in a step after the forward,
