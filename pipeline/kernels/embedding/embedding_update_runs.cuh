@@ -301,7 +301,7 @@ __device__ __forceinline__ long long segment_end(long long p, long long nnz, con
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const long long warp_base = p - lane;
     long long end = min(nnz, (p / SEGMENT + 1) * SEGMENT);
-    const unsigned int later = lane == 31 ? 0u : starts[warp] & (~0u << (lane + 1));
+    const unsigned int later = starts[warp] & ~((2u << lane) - 1u);
     if (later) return min(end, warp_base + __ffs(later) - 1);
     for (int w = warp + 1; w < (int)(blockDim.x >> 5) && warp_base + 32 * (w - warp) < end; ++w)
         if (starts[w]) return min(end, warp_base + 32 * (w - warp) + __ffs(starts[w]) - 1);
