@@ -103,20 +103,39 @@ def read_json(path: str | Path, remedy: str) -> Any:
 
 class FileLock:
     """A ``flock`` on ``path`` (created) while this process holds it: exclusive, or ``shared`` with other shared
-    holders. Another holder that excludes it is a UserError saying ``busy``. On a filesystem without locks it says
-    so in a line and locks nothing. A context manager; the lock ends with the process too."""
+    holders. Another holder that excludes it is a UserError saying ``busy``; with ``wait`` instead, that line is
+    printed and the lock waited for. On a filesystem without locks it says so in a line and locks nothing. A context
+    manager; the lock ends with the process too."""
 
-    def __init__(self, path: Path, busy: str, shared: bool = False) -> None:
+    def __init__(self, path: Path, busy: str, shared: bool = False, wait: str | None = None) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
+        self.path, self.busy = path, busy
         self._file = open(path, "a")  # held until release
+        self._locks = True
+        self._take(shared, wait)
+
+    def _take(self, shared: bool, wait: str | None) -> bool:
+        """Lock (or relock) the file; whether this process waited for it. Where locks are not supported, a line."""
+        mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
         try:
-            fcntl.flock(self._file, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+            fcntl.flock(self._file, mode | fcntl.LOCK_NB)
+            return False
         except OSError as err:
             if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                print(f"cannot lock {path} ({err.strerror}): {busy} would not be refused", flush=True)
-                return
-            self.release()
-            raise UserError(busy) from None
+                print(f"cannot lock {self.path} ({err.strerror}): {self.busy} would not be refused", flush=True)
+                self._locks = False
+                return False
+            if wait is None:
+                self.release()
+                raise UserError(self.busy) from None
+        print(wait, flush=True)
+        fcntl.flock(self._file, mode)
+        return True
+
+    def change(self, shared: bool, wait: str) -> bool:
+        """Hold the lock shared or exclusive from now on, waiting (``wait`` printed) while another holder excludes
+        it; whether it waited. The change is not atomic: another process may take the lock between the two."""
+        return self._locks and self._take(shared, wait)
 
     def release(self) -> None:
         self._file.close()

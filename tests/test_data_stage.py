@@ -191,3 +191,52 @@ def test_a_raw_folder_with_a_multi_hot_column_is_whole(tmp_path):
     assert raw_folder.damage(tmp_path, meta) is None
     pq.write_table(table.drop(["tags"]), tmp_path / "train" / "part-00000.parquet")
     assert "has no column(s) ['tags']" in raw_folder.damage(tmp_path, meta)
+
+
+def test_data_is_not_made_again_under_a_reader_of_it(tmp_path):
+    """A data stage with other settings used to clear the raw folder while an ETL of another process read it. It
+    now waits for the reader, then makes its data."""
+    import threading
+
+    from pipeline.stages.data import raw_in_use
+
+    cfg, other = _cfg(tmp_path), _cfg(tmp_path, "data.rows=20000")
+    with raw_in_use(cfg) as raw:  # an ETL reads it
+        maker = threading.Thread(target=run, args=(other,))
+        maker.start()
+        maker.join(timeout=3)
+        assert maker.is_alive(), "the data was made again under its reader"
+        assert RawDataset.load(cfg.paths.raw).rows == raw.rows
+        assert sum(pq.read_metadata(p).num_rows for p in raw.splits["train"]) == raw.rows["train"]
+    maker.join(timeout=120)
+    assert not maker.is_alive()
+    assert sum(RawDataset.load(cfg.paths.raw).rows.values()) == 20_000
+
+
+def test_processes_wanting_the_same_data_at_once_make_it_once(tmp_path, monkeypatch):
+    """Two runs on a new workdir at once (two trainings, say) each made the data into the same folder: one of them
+    read the other's parts half written (a parquet error, or a traceback). Now one makes it; the other waits and
+    uses it."""
+    import threading
+
+    from pipeline.stages import data as data_stage
+
+    made, generate = [], data_stage._generate
+    monkeypatch.setattr(data_stage, "_generate", lambda *a: (made.append(1), generate(*a)))
+    cfg = _cfg(tmp_path)
+    results, errors = [], []
+
+    def want():
+        try:
+            results.append(ensure_raw(cfg))
+        except Exception as err:  # noqa: BLE001 -- the test reports any failure of either
+            errors.append(err)
+
+    threads = [threading.Thread(target=want) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors and len(results) == 2
+    assert made == [1]
+    assert results[0].rows == results[1].rows == {"train": 24_000, "valid": 3_000, "test": 3_000}

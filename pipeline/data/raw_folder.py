@@ -35,7 +35,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.errors import BadInputError
-from pipeline.files import read_json
+from pipeline.files import FileLock, read_json
 
 RAW_VERSION = 1
 LABEL = "label"
@@ -43,6 +43,15 @@ SPLITS = ("train", "valid", "test")
 META = "meta.json"
 ORACLE = "oracle.json"
 INGEST_REPORT = "ingest_report.json"
+
+
+def raw_lock(root: str | Path) -> FileLock:
+    """The lock on a raw folder (``.<name>.lock`` beside it), taken shared: a stage holds it while it reads the
+    folder, and the data stage makes it exclusive while it makes the data (``FileLock.change``). So two processes
+    that would make the same data take turns, and no process clears it under a reader; each waits, saying so."""
+    root = Path(root)
+    return FileLock(root.with_name(f".{root.name}.lock"), busy=f"{root} is being made by another process",
+                    shared=True, wait=f"[data] {root} is being made by another process: waiting for it to end")
 
 
 @dataclass

@@ -20,6 +20,7 @@ import importlib.util
 import multiprocessing
 import os
 import time
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 
 from pipeline.data import ingest, raw_folder, synthetic
@@ -27,7 +28,7 @@ from pipeline.data.metrics import ClickMetrics
 from pipeline.data.raw_folder import RawDataset
 from pipeline.device import resolve_device
 from pipeline.errors import UserError
-from pipeline.files import write_json
+from pipeline.files import FileLock, write_json
 from pipeline.progress import Progress
 from pipeline.stages.config import PipelineConfig
 
@@ -38,7 +39,8 @@ PARALLEL_FROM_ROWS = 4_000_000
 def run(cfg: PipelineConfig) -> dict:
     """``python -m pipeline data``: make sure the raw data exists; return a summary."""
     start = time.perf_counter()
-    raw, built = _ensure(cfg)
+    with raw_folder.raw_lock(cfg.paths.raw) as lock:
+        raw, built = _ensure(cfg, lock)
     summary = {
         "raw": str(raw.root),
         "source": raw.source,
@@ -56,7 +58,16 @@ def run(cfg: PipelineConfig) -> dict:
 
 def ensure_raw(cfg: PipelineConfig) -> RawDataset:
     """The raw dataset of ``cfg``, generated or ingested only if ``cfg.paths.raw`` lacks it."""
-    return _ensure(cfg)[0]
+    with raw_in_use(cfg) as raw:
+        return raw
+
+
+@contextlib.contextmanager
+def raw_in_use(cfg: PipelineConfig) -> Iterator[RawDataset]:
+    """:func:`ensure_raw` for a reader: the raw dataset, under a lock that keeps other processes from making it
+    again until the block ends."""
+    with raw_folder.raw_lock(cfg.paths.raw) as lock:
+        yield _ensure(cfg, lock)[0]
 
 
 def raw_changes(cfg: PipelineConfig) -> list[str]:
@@ -159,20 +170,41 @@ def _cupy_problem() -> str | None:
     return None
 
 
-def _ensure(cfg: PipelineConfig) -> tuple[RawDataset, bool]:
-    """The dataset as it is when its settings match, or when it was ingested from files and the settings
-    do not name a source (``data.name=X`` alone). Made again when synthetic with other settings, or
-    ingested with other reading settings from the same, unchanged files; replaced by other (or changed)
-    files only with ``data.rebuild=true``, since what it was made from may be gone. A dataset whose
-    parts do not hold the rows ``meta.json`` records (a part removed, added or truncated) is made again
-    from what made it."""
-    root = cfg.paths.raw
+def _ensure(cfg: PipelineConfig, lock: FileLock) -> tuple[RawDataset, bool]:
+    """The dataset, and whether it was made now, with ``lock`` (:func:`raw_folder.raw_lock`) held shared: when
+    :func:`_reusable` finds none to use, the lock is made exclusive, which waits for the other readers, and the data
+    is made unless another process made it meanwhile. The lock stays exclusive then: given back shared, another
+    process waiting to make other data could take it first (``flock`` changes are not atomic)."""
     params = raw_params(cfg)
+    raw = _reusable(cfg, params)
+    if raw is not None:
+        return raw, False
+    waited = lock.change(shared=False, wait=f"[data] {cfg.paths.raw} is read or made by another process: waiting "
+                         "for it to end")
+    if waited and (raw := _reusable(cfg, params)) is not None:
+        return raw, False
+    raw_folder.clear(cfg.paths.raw)
+    if cfg.data.source == "synthetic":
+        _generate(cfg, params)
+    else:
+        ingest.ingest(cfg.data, cfg.seed, cfg.paths.raw, params, progress=cfg.progress,
+                      array_module=text_array_module(cfg))
+    return RawDataset.load(cfg.paths.raw), True
+
+
+def _reusable(cfg: PipelineConfig, params: dict) -> RawDataset | None:
+    """The dataset as it is when its settings match, or when it was ingested from files and the settings
+    do not name a source (``data.name=X`` alone); None (saying why) where it is to be made: missing, or
+    synthetic with other settings, or ingested with other reading settings from the same, unchanged files.
+    It is replaced by other (or changed) files only with ``data.rebuild=true``, since what it was made from
+    may be gone. A dataset whose parts do not hold the rows ``meta.json`` records (a part removed, added or
+    truncated) is made again from what made it."""
+    root = cfg.paths.raw
     meta = raw_folder.read_meta(root)
     damage = raw_folder.damage(root, meta) if meta is not None else None
     if meta is not None and meta.get("params") == params:
         if damage is None:
-            return RawDataset.load(root), False
+            return RawDataset.load(root)
         print(f"[data] {damage}: building it again", flush=True)
     elif meta is None:
         print(f"[data] no finished raw data in {root}: building it", flush=True)
@@ -189,16 +221,11 @@ def _ensure(cfg: PipelineConfig) -> tuple[RawDataset, bool]:
                                     f"settings it was made with (data.source={old['source']}, data.path=...)")
                 print(f"[data] using {root} as it was made (source {old['source']}, from {inputs}); "
                       "data.rebuild=true makes it again", flush=True)
-                return RawDataset.load(root), False
+                return RawDataset.load(root)
             raise UserError(f"{root} was ingested from other files, or they changed since ({detail}); "
                             f"data.rebuild=true replaces it, or give another data.name")
         print(f"[data] {root} was made with other settings ({detail}): rebuilding it", flush=True)
-    raw_folder.clear(root)
-    if cfg.data.source == "synthetic":
-        _generate(cfg, params)
-    else:
-        ingest.ingest(cfg.data, cfg.seed, root, params, progress=cfg.progress, array_module=text_array_module(cfg))
-    return RawDataset.load(root), True
+    return None
 
 
 def _generate(cfg: PipelineConfig, params: dict) -> None:

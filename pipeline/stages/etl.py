@@ -29,7 +29,7 @@ from pipeline.etl.raw_check import check_labels, check_raw_files
 from pipeline.etl.workflow import Workflow
 from pipeline.schema import processed_lock
 from pipeline.stages.config import PipelineConfig
-from pipeline.stages.data import ensure_raw
+from pipeline.stages.data import raw_in_use
 
 
 def run(cfg: PipelineConfig) -> dict:
@@ -37,8 +37,7 @@ def run(cfg: PipelineConfig) -> dict:
     start = time.perf_counter()
     library, reason = choose_frame_library(cfg.device)
     print(f"[etl] {library} backend ({reason})", flush=True)
-    raw = ensure_raw(cfg)
-    with processed_lock(cfg.paths.processed, shared=False):
+    with raw_in_use(cfg) as raw, processed_lock(cfg.paths.processed, shared=False):
         return _run(cfg, raw, library, start)
 
 
