@@ -426,6 +426,38 @@ def test_dates_in_a_continuous_column_are_told_where_they_belong(tmp_path, reade
     assert "Every row read was malformed: check the column roles" in message and "on_bad_lines=skip" not in message
 
 
+@pytest.mark.parametrize("reader", ["arrow", "vectorized"])
+@pytest.mark.parametrize("header", ["y, price, n, c", "y,price,n,c"])
+def test_a_table_written_with_spaces_after_its_commas_is_told_so(tmp_path, reader, header):
+    """A CSV written by hand or by a tool with ', ' between its values: its header's names were 'not found' (the
+    file's ' price' shown beside 'price'), its numbers and labels 'not a number' with the advice to check the roles."""
+    rows = "".join(f"{i % 2}, {i / 7:.3f}, {i}, u{i}\n" for i in range(40))
+    (tmp_path / "spaced.csv").write_text(header + "\n" + rows)
+    cfg = load_config(None, [f"workdir={tmp_path / 'work'}", "data.source=table", "progress=off", f"data.reader={reader}",
+                             f"data.path={tmp_path / 'spaced.csv'}", "data.label=y", "data.continuous=[price,n]",
+                             "data.categorical=[c]"])
+    with pytest.raises(BadInputError) as err:
+        data_stage.ensure_raw(cfg)
+    message = str(err.value)
+    if " " in header:
+        assert "its names [' price', ' n', ' c'] have spaces around them" in message
+    else:
+        assert "price: not a number: ' 0.000', spaces around it (as in a file written with ', ' between its values: " \
+               "write it without spaces around the separators, or as parquet)" in message
+        assert message.count("as in a file written with") == 1, "said once, not for every example"
+        assert "Fix the input as said" in message and "check the column roles" not in message
+
+
+def test_a_label_or_integer_with_spaces_around_it_is_told_so_and_other_words_are_not():
+    from pipeline.data.text_format import SPACED, value_problem
+
+    said = (f"y: expected 0 or 1, found ' 1', {SPACED} (as in a file written with ', ' between its values: write it "
+            "without spaces around the separators, or as parquet)")
+    assert value_problem("y", "label", " 1") == ("bad_label", said)
+    assert SPACED in value_problem("n", "int", "12 ")[1] and SPACED in value_problem("x", "float", " -1.5e3")[1]
+    assert SPACED not in value_problem("y", "label", " 2")[1] and SPACED not in value_problem("n", "int", " u1")[1]
+
+
 def test_a_few_bad_rows_are_still_offered_the_skip():
     from pipeline.data.ingest import _failure_message
 

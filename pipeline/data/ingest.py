@@ -43,7 +43,7 @@ from pipeline.data.input_files import input_files, table_format
 from pipeline.data.line_blocks import DamagedFileError
 from pipeline.data.readers import READER_VERSION, read_criteo, read_table, read_times
 from pipeline.data.roles import Roles, criteo_roles, table_roles
-from pipeline.data.text_format import EXAMPLES, FileReport
+from pipeline.data.text_format import EXAMPLES, SPACED, FileReport
 from pipeline.data.time_split import TIME_KEY, TimeCuts
 from pipeline.errors import BadInputError
 from pipeline.files import write_json
@@ -294,6 +294,8 @@ def _failure_message(report: dict) -> str:
     if report["bad"].get("open_quote", 0) * 3 >= report["bad_rows"] > 0:  # quoted line breaks: each splits a row
         advice = ("A quoted value that holds a line break is not read (a row is one line here): write the table with "
                   "no line break inside its values, or as parquet")
+    elif sum(SPACED in e["reason"] for e in report["examples"]) * 2 > len(report["examples"]):  # the roles are right
+        advice = "Fix the input as said"
     elif report["bad_rows"] and report["bad_rows"] >= report["rows_read"]:  # no row of it is well formed: skipping would keep nothing
         advice = ("Every row read was malformed: check the column roles (data.label, data.continuous, "
                   "data.categorical, data.multihot) and data.list_separator against the input")

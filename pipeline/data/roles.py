@@ -47,8 +47,11 @@ class Roles:
         missing = [c for c in declared if c not in found]
         if missing:
             other = next((d for d in (";", ",", "\t", "|") if len(found) == 1 and d in found[0]), None)
+            spaced = [f for f in found if f != f.strip() and f.strip() in missing]
             hint = (f": its header looks cut by {other!r}, but a .csv file's lines are cut at ',' and a .tsv, .tab or "
-                    ".txt file's at tabs: save it with one of those, under its suffix") if other else ""
+                    ".txt file's at tabs: save it with one of those, under its suffix") if other else (
+                    f": its names {spaced} have spaces around them (as in a file written with ', ' between its "
+                    "values): write it without spaces around the separators, or as parquet") if spaced else ""
             label = (f" (data.label={self.label} names the column of 0 / 1 labels)" if self.label in missing else "")
             raise BadInputError(f"{where}: declared column(s) {missing} not found{label}; the file has columns "
                                 f"{found}{hint}")

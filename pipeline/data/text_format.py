@@ -81,6 +81,10 @@ def utf8_reason(line: bytes) -> str | None:
     return None
 
 
+SPACED = "spaces around it"
+"""What a value's reason says of a number or label that spaces beside it made malformed."""
+
+
 def value_problem(name: str, kind: str, value: str, time_column: str = "") -> tuple[str, str]:
     """(kind of problem, reason) of a value of column ``name`` that does not fit its ``kind`` (``time_column``: the
     column ``data.time_column`` names, if any)."""
@@ -89,6 +93,12 @@ def value_problem(name: str, kind: str, value: str, time_column: str = "") -> tu
         reason = (f"{name}: found {value!r}, the column's own name: a header line inside the file (files joined with "
                   "their header lines keep every one after the first as a row)")
         return ("bad_label" if kind == "label" else "not_a_number"), reason
+    if kind in ("label", "int", "float") and value != value.strip() and re.fullmatch(
+            r"[01]" if kind == "label" else r"[-+]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?", value.strip()):
+        what = "expected 0 or 1, found" if kind == "label" else "not a number:"
+        return ("bad_label" if kind == "label" else "not_a_number"), (
+            f"{name}: {what} {shown!r}, {SPACED} (as in a file written with ', ' between its values: write it "
+            "without spaces around the separators, or as parquet)")
     if kind == "label":
         if re.fullmatch(r"-1(\.0*)?", value.strip()):
             return "bad_label", (f"{name}: expected 0 or 1, found {value!r} (labels of -1 and 1: write the negatives as "
