@@ -253,9 +253,9 @@ def test_zipf_hot_rows_with_tens_of_thousands_of_ids_match_reference(dtype, opti
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_singles_apart_sums_in_the_capped_loops_order(optimizer, monkeypatch):
-    """The default update kernel (rows of one occurrence apart, four gradient rows in flight in the others') gives
-    the same bits as the capped per-segment loop it was split from, on gradients whose sums round: both add a
-    segment's rows two at a time in position order. Zipf ids, bags of 1 to 12, so segments of every length."""
+    """The default update kernel (rows of one occurrence apart) gives the same bits as the capped per-segment loop
+    it was split from, on gradients whose sums round: both add a segment's rows two at a time in position order.
+    Zipf ids, bags of 1 to 12, so segments of every length."""
     import numpy as np
 
     from pipeline.bench.train import draw_ids

@@ -27,40 +27,13 @@ __device__ __forceinline__ void bag_gradient(int bag, int batch_size, long long 
 }
 
 // Adds to g the gradient rows of n consecutive sorted positions, whose offsets and weights lanes 0..n-1
-// of the group hold, in position order, two rows at a time (the order every update kernel sums in). QUAD: four
-// rows' loads in flight before their two pairs are added, in that same order (the sums are the same bits); it
-// costs registers, so only the kernel of the segments of more than one occurrence (singles apart) takes it.
-template <int CHUNKS, int N, bool QUAD = false>
+// of the group hold, in position order, two rows at a time (the order every update kernel sums in).
+template <int CHUNKS, int N>
 __device__ __forceinline__ void add_gradient_rows(const float* __restrict__ grad, long long goff, float scale, int n,
                                                   int D, int lane, int lanes, unsigned int mask, bool vec_g,
                                                   float (&g)[CHUNKS][N]) {
     const int chunk = lanes * N;
     int u = 0;
-    if (QUAD) {
-        for (; u + 4 <= n; u += 4) {
-            long long o[4];
-            float f[4];
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                o[r] = __shfl_sync(mask, goff, u + r, lanes);
-                f[r] = __shfl_sync(mask, scale, u + r, lanes);
-            }
-#pragma unroll
-            for (int c = 0; c < CHUNKS; ++c) {
-                const int d0 = c * chunk + lane * N;
-                if (d0 < D) {
-                    float v[4][N];
-#pragma unroll
-                    for (int r = 0; r < 4; ++r) load_elems<float, N>(grad + o[r], d0, D, vec_g, v[r]);
-#pragma unroll
-                    for (int k = 0; k < N; ++k) {
-                        g[c][k] += f[0] * v[0][k] + f[1] * v[1][k];
-                        g[c][k] += f[2] * v[2][k] + f[3] * v[3][k];
-                    }
-                }
-            }
-        }
-    }
     for (; u + 2 <= n; u += 2) {
         const long long o0 = __shfl_sync(mask, goff, u, lanes);
         const long long o1 = __shfl_sync(mask, goff, u + 1, lanes);

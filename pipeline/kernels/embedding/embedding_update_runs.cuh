@@ -129,9 +129,8 @@ __device__ __forceinline__ Segment<K> segment_at(int i, const int* __restrict__ 
 }
 
 // Sums one segment's gradient rows and updates its row (or stores the partial sum of a longer run). SINGLE: the
-// segment is known to be the one occurrence of its row (no code for longer segments is compiled); QUAD: as
-// add_gradient_rows'.
-template <typename W, typename K, int OPT, int CHUNKS, bool SINGLE = false, bool QUAD = false>
+// segment is known to be the one occurrence of its row (no code for longer segments is compiled).
+template <typename W, typename K, int OPT, int CHUNKS, bool SINGLE = false>
 __device__ __forceinline__ void update_segment(
     const Segment<K>& seg, W* __restrict__ weights, float* __restrict__ master, float* __restrict__ state1,
     float* __restrict__ state2, const int* __restrict__ sorted_bags, const long long* __restrict__ offsets,
@@ -183,8 +182,8 @@ __device__ __forceinline__ void update_segment(
             if (j < seg.end)
                 bag_gradient(j == seg.begin ? seg.bag : sorted_bags[j], batch_size, grad_stride, output_offsets,
                              slot_mean, offsets, goff, scale);
-            add_gradient_rows<CHUNKS, N, QUAD>(grad, goff, scale, min(lanes, seg.end - base), D, lane, lanes, mask,
-                                               vec_g, g);
+            add_gradient_rows<CHUNKS, N>(grad, goff, scale, min(lanes, seg.end - base), D, lane, lanes, mask, vec_g,
+                                         g);
         }
     }
 
@@ -232,11 +231,11 @@ __device__ __forceinline__ void sparse_update_runs(
         Segment<K> next = seg;
         if (i + groups < count)
             next = segment_at<K, APART>((int)(i + groups), seg_begin, seg_end, seg_key, seg_bag, seg_split);
-        update_segment<W, K, OPT, CHUNKS, false, APART>(seg, weights, master, state1, state2, sorted_bags, offsets,
-                                                        slot_weight_offsets, slot_row_offsets, output_offsets,
-                                                        slot_mean, grad, partials, grad_stride, batch_size, lane,
-                                                        lanes, mask, weights_aligned, grad_aligned, lr, eps, beta1,
-                                                        beta2, bias1, bias2, weight_decay, stochastic, seed);
+        update_segment<W, K, OPT, CHUNKS>(seg, weights, master, state1, state2, sorted_bags, offsets,
+                                          slot_weight_offsets, slot_row_offsets, output_offsets, slot_mean, grad,
+                                          partials, grad_stride, batch_size, lane, lanes, mask, weights_aligned,
+                                          grad_aligned, lr, eps, beta1, beta2, bias1, bias2, weight_decay, stochastic,
+                                          seed);
         seg = next;
     }
 }
