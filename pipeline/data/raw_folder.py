@@ -50,7 +50,7 @@ def raw_lock(root: str | Path) -> FileLock:
     folder, and the data stage makes it exclusive while it makes the data (``FileLock.change``). So two processes
     that would make the same data take turns, and no process clears it under a reader; each waits, saying so."""
     root = Path(root)
-    return FileLock(root.with_name(f".{root.name}.lock"), busy=f"{root} is being made by another process",
+    return FileLock(root.with_name(f".{root.name}.lock"), busy=f"a second process making {root} at the same time",
                     shared=True, wait=f"[data] {root} is being made by another process: waiting for it to end")
 
 
