@@ -408,13 +408,10 @@ def test_table_settings_without_a_table_source_are_one_clear_error(settings):
 @pytest.mark.parametrize("value", ["2024-03-01 12:30:00", "2024-03-01T12:30:00Z", "2024-03-01", "03/01/2024", "12:30"])
 def test_dates_in_a_continuous_column_are_told_where_they_belong(tmp_path, reader, value):
     """A column of dates named continuous: every row was 'not a number', and the advice was to skip them all."""
-    (tmp_path / "events.csv").write_text("y,ts,c\n" + "".join(f"{i % 2},{value},u{i}\n" for i in range(40)))
-    cfg = load_config(None, [f"workdir={tmp_path / 'work'}", "data.source=table", "progress=off", f"data.reader={reader}",
-                             f"data.path={tmp_path / 'events.csv'}", "data.label=y", "data.continuous=[ts]",
-                             "data.categorical=[c]"])
-    with pytest.raises(BadInputError) as err:
-        data_stage.ensure_raw(cfg)
-    message = str(err.value)
+    path = tmp_path / "rows.csv"
+    path.write_text("y,ts,c\n" + "".join(f"{i % 2},{value},u{i}\n" for i in range(40)))
+    message, _ = _failed_report(tmp_path, path, f"data.reader={reader}", "data.label=y", "data.continuous=[ts]",
+                                "data.categorical=[c]")
     if value[0].isdigit() and value[2] in "/:":  # a form data.time_column does not read: it is told so
         assert "is not a number (a date or time, written otherwise than ISO 8601 (YYYY-MM-DD, YYYY-MM-DD HH:MM:SS), " \
                "the form data.time_column reads: rewrite it so to order the splits by it with data.time_column=ts" \
@@ -431,14 +428,10 @@ def test_dates_in_a_continuous_column_are_told_where_they_belong(tmp_path, reade
 def test_a_table_written_with_spaces_after_its_commas_is_told_so(tmp_path, reader, header):
     """A CSV written by hand or by a tool with ', ' between its values: its header's names were 'not found' (the
     file's ' price' shown beside 'price'), its numbers and labels 'not a number' with the advice to check the roles."""
-    rows = "".join(f"{i % 2}, {i / 7:.3f}, {i}, u{i}\n" for i in range(40))
-    (tmp_path / "spaced.csv").write_text(header + "\n" + rows)
-    cfg = load_config(None, [f"workdir={tmp_path / 'work'}", "data.source=table", "progress=off", f"data.reader={reader}",
-                             f"data.path={tmp_path / 'spaced.csv'}", "data.label=y", "data.continuous=[price,n]",
-                             "data.categorical=[c]"])
-    with pytest.raises(BadInputError) as err:
-        data_stage.ensure_raw(cfg)
-    message = str(err.value)
+    path = tmp_path / "rows.csv"
+    path.write_text(header + "\n" + "".join(f"{i % 2}, {i / 7:.3f}, {i}, u{i}\n" for i in range(40)))
+    message, _ = _failed_report(tmp_path, path, f"data.reader={reader}", "data.label=y", "data.continuous=[price,n]",
+                                "data.categorical=[c]")
     if " " in header:
         assert "its names [' price', ' n', ' c'] have spaces around them" in message
     else:
