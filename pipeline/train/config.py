@@ -254,7 +254,7 @@ def sgd_rate_scale(positive_rate: float) -> float:
     ``2 r (1 - r)``, so every gradient behind it, and plain SGD's steps, shrink with the positives (19x at 1%: DLRM's
     test AUC stayed at 0.64 where, scaled, it reaches 0.81 and the logistic baseline 0.82; at 0.1%, 0.74 as with
     Adam against 0.47). Adam and Adagrad divide the gradient's size out themselves. Never below 1: balanced labels
-    keep the defaults."""
+    keep the defaults. The default prior's decay is divided by it for the same reason (:meth:`TrainConfig.decay_for`)."""
     if not 0 < positive_rate < 1:
         return 1.0
     reference = 2 * REFERENCE_POSITIVE_RATE * (1 - REFERENCE_POSITIVE_RATE)
