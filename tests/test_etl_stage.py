@@ -259,8 +259,10 @@ def test_validation_or_test_rows_of_one_label_are_one_clear_error(tmp_path, spli
     roles = ["data.source=table", f"data.path={mixed}", f"data.{split}_path={one}", f"data.{other}_fraction=0.2",
              "data.label=clicked", "data.continuous=[price]", "data.categorical=[user]"]
     name = "validation" if split == "valid" else "test"
-    with pytest.raises(BadInputError, match=rf"every one of the 40 {name} rows has the label 0, so their AUC.*"
-                                            rf"is undefined: .*data.{split}_fraction, or more rows in data.{split}_path"):
+    use = "the epoch kept is chosen" if split == "valid" else "the model is scored"
+    with pytest.raises(BadInputError, match=rf"every one of the 40 {name} rows has the label 0, so their AUC, by which "
+                                            rf"{use}, is undefined: .*data.{split}_fraction, or more rows in "
+                                            rf"data.{split}_path"):
         run(_config(tmp_path, *roles))
 
 

@@ -57,7 +57,7 @@ def check_labels(splits: dict[str, list[Path]], label: str) -> None:
                                 "needs rows of both labels (0 and 1); check that data.label names the click column, "
                                 "or give data with clicks and non-clicks")
         name = "validation" if split == "valid" else "test"
-        use = "the epoch kept is chosen by" if split == "valid" else "the model is scored by"
+        use = "the epoch kept is chosen" if split == "valid" else "the model is scored"
         raise BadInputError(f"every one of the {rows:,} {name} rows has the label {value!r}, so their AUC, by which "
                             f"{use}, is undefined: give the {name} split rows of both labels (a larger "
                             f"data.{split}_fraction, or more rows in data.{split}_path)")
