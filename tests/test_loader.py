@@ -634,15 +634,44 @@ def fake_cudf(calls: list) -> types.ModuleType:
     return module
 
 
+def fake_rmm() -> types.ModuleType:
+    """RMM's device resources as cuDF's reader uses them: each device starts on plain ``cudaMalloc``."""
+    module = types.ModuleType("rmm")
+    mr = types.SimpleNamespace(CudaMemoryResource=type("CudaMemoryResource", (), {}),
+                               CudaAsyncMemoryResource=type("CudaAsyncMemoryResource", (), {}))
+    mr.current = mr.CudaMemoryResource()
+    mr.get_current_device_resource = lambda: mr.current
+    mr.set_current_device_resource = lambda resource: setattr(mr, "current", resource)
+    module.mr = mr
+    return module
+
+
 @pytest.fixture
 def stand_in(monkeypatch) -> list:
-    """``reader="cudf"`` on the CPU, reading through the stand-in; returns its calls (file, row group)."""
+    """``reader="cudf"`` on the CPU, reading through the stand-in (cuDF's and RMM's); returns its calls (file, row
+    group)."""
     from pipeline.loader import cudf_read
 
     calls: list = []
     monkeypatch.setitem(sys.modules, "cudf", fake_cudf(calls))
+    monkeypatch.setitem(sys.modules, "rmm", fake_rmm())
     monkeypatch.setattr(cudf_read, "check", lambda device: None)
+    monkeypatch.setattr(cudf_read, "_memory_set", set())
     return calls
+
+
+def test_the_cudf_reader_moves_rmm_to_the_stream_ordered_pool_once_and_leaves_a_users_resource(stand_in):
+    from pipeline.loader import cudf_read
+
+    mr = sys.modules["rmm"].mr
+    cudf_read._stream_ordered_memory(torch.device("cuda", 0))
+    assert type(mr.current) is mr.CudaAsyncMemoryResource
+    chosen = mr.current = object()  # the user's own resource, or one set after the first window
+    cudf_read._stream_ordered_memory(torch.device("cuda", 0))
+    assert mr.current is chosen
+    cudf_read._memory_set.clear()
+    cudf_read._stream_ordered_memory(torch.device("cuda", 0))
+    assert mr.current is chosen
 
 
 def same_batches(a: list[Batch], b: list[Batch]) -> None:
@@ -794,6 +823,7 @@ def test_cuda_cudf_reader_on_a_stand_in_gives_the_pyarrow_batches(split, stand_i
             assert all(b.dense.is_cuda and b.sparse.values.is_cuda for b in got)
             same_batches([b.to("cpu") for b in pyarrow_loader], got)
     assert stand_in
+    assert type(sys.modules["rmm"].mr.current).__name__ == "CudaAsyncMemoryResource"
 
 
 # On a GPU with the real cuDF: python3 -m pytest -q -m gpu tests/test_loader.py
