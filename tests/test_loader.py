@@ -525,6 +525,23 @@ def test_cuda_batches_equal_cpu_batches(split, shuffle, read_threads, multihot):
         cpu = list(small(split, schema=schema, shuffle=shuffle, seed=4)) if not shuffle else cpu_next_epoch(split, schema)
 
 
+@pytest.mark.gpu
+def test_an_arrays_read_only_buffer_goes_to_the_device_without_a_warning():
+    # A multi-hot column's values as arrow reads them are its read-only buffer; torch warns, once a process (so in
+    # a process of its own here), at a tensor over memory it may not write: a warning users read mid-training.
+    script = """import numpy as np, pyarrow as pa, torch
+from pipeline.loader.collate import _to
+values = pa.array(range(10), pa.int64()).to_numpy()
+assert not values.flags.writeable
+assert _to(values, torch.device("cuda")).cpu().tolist() == list(range(10))
+"""
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", script], capture_output=True, text=True,
+                          timeout=120, check=False, cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def cpu_next_epoch(split, schema):
     loader = small(split, schema=schema, shuffle=True, seed=4)
     loader.set_epoch(1)

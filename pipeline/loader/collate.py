@@ -167,7 +167,7 @@ def _device_window(chunk: Chunk, placement: SparsePlacement, device: torch.devic
     block = upload(chunk, device, pool)
     index = None
     if order is not None:
-        index = order if isinstance(order, torch.Tensor) else _to(torch.from_numpy(order), device)
+        index = order if isinstance(order, torch.Tensor) else _to(order, device)
         block = block.index_select(1, index)
     n = placement.continuous
     label = block[0].view(torch.float32).clone()
@@ -187,8 +187,8 @@ def _device_window(chunk: Chunk, placement: SparsePlacement, device: torch.devic
     for offsets, values in chunk.bags:
         if order is not None:
             offsets, values = _gather_bags(offsets, values, order)
-        offsets_t = _to(torch.from_numpy(offsets), device)
-        bags.append(Bag(offsets, _to(torch.from_numpy(values), device).long(), offsets_t[1:] - offsets_t[:-1]))
+        offsets_t = _to(offsets, device)
+        bags.append(Bag(offsets, _to(values, device).long(), offsets_t[1:] - offsets_t[:-1]))
     ones = torch.ones(placement.onehot * batch_size, dtype=torch.int64, device=device)
     return Window(placement, batch_size, label, dense, batches, tail, ones, bags)
 
@@ -205,7 +205,7 @@ def upload(chunk: Chunk, device: torch.device, pool: PinnedPool | None = None) -
         chunk.block.record_stream(stream)
         return chunk.block
     if chunk.buffer is None:
-        return _to(torch.from_numpy(chunk.block), device)
+        return _to(chunk.block, device)
     block = chunk.pinned().to(device, non_blocking=True)
     if pool is not None:
         pool.release(chunk.buffer, copied_on=stream)
@@ -219,9 +219,16 @@ def _cat(parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host to device, asynchronously (small arrays are pinned first)."""
-    return tensor.pin_memory().to(device, non_blocking=True)
+def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on ``device``, asynchronously, through pinned memory. An array over arrow's read-only buffers
+    (a multi-hot column's values as read) is copied into the pinned buffer by numpy: a tensor over memory it may
+    not write is one torch warns about."""
+    if array.flags.writeable:
+        pinned = torch.from_numpy(array).pin_memory()
+    else:
+        pinned = torch.empty(array.shape, dtype=torch.from_numpy(np.empty(0, array.dtype)).dtype, pin_memory=True)
+        pinned.numpy()[...] = array
+    return pinned.to(device, non_blocking=True)
 
 
 def _gather_bags(offsets: np.ndarray, values: np.ndarray, order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
