@@ -89,14 +89,14 @@ def value_problem(name: str, kind: str, value: str, time_column: str = "") -> tu
     """(kind of problem, reason) of a value of column ``name`` that does not fit its ``kind`` (``time_column``: the
     column ``data.time_column`` names, if any)."""
     shown = value if len(value) <= 40 else value[:37] + "..."
+    unread = "bad_label" if kind == "label" else "not_a_number"  # a label's or a number's text that is none
     if kind in ("label", "int", "float") and value.strip() == name:
-        reason = (f"{name}: found {value!r}, the column's own name: a header line inside the file (files joined with "
-                  "their header lines keep every one after the first as a row)")
-        return ("bad_label" if kind == "label" else "not_a_number"), reason
+        return unread, (f"{name}: found {value!r}, the column's own name: a header line inside the file (files "
+                        "joined with their header lines keep every one after the first as a row)")
     if kind in ("label", "int", "float") and value != value.strip() and re.fullmatch(
             r"[01]" if kind == "label" else r"[-+]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?", value.strip()):
         what = "expected 0 or 1, found" if kind == "label" else "not a number:"
-        return ("bad_label" if kind == "label" else "not_a_number"), (
+        return unread, (
             f"{name}: {what} {shown!r}, {SPACED} (as in a file written with ', ' between its values: write it "
             "without spaces around the separators, or as parquet)")
     if kind == "label":
