@@ -85,6 +85,8 @@ class RawColumns:
     integer_text: list[str] = field(default_factory=list)
     """The categorical and multi-hot columns whose training values are integers written as such (``7``): a client's
     whole-number float there (pandas reads an integer column with a blank as floats) is sent as ``7``, not ``7.0``."""
+    unread: list[str] = field(default_factory=list)
+    """The user's table's columns that are no feature (:attr:`RequestLayout.unread`)."""
 
     @property
     def layout(self) -> RequestLayout:
@@ -94,7 +96,8 @@ class RawColumns:
                              floats=[n for n, k in kinds.items() if k == "double"],
                              strings=list(self.categorical), lists=list(self.multihot),
                              list_separator=self.list_separator, label=next(iter(self.label), ""),
-                             table_label=self.table_label, integer_text=tuple(self.integer_text))
+                             table_label=self.table_label, integer_text=tuple(self.integer_text),
+                             unread=tuple(self.unread))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
@@ -106,14 +109,14 @@ class RawColumns:
     @classmethod
     def from_arrow(cls, arrow_schema: pa.Schema, continuous: list[str], categorical: list[str],
                    multihot: list[str], list_separator: str = "|", label: str = "",
-                   table_label: str = "", integer_text: list[str] = ()) -> RawColumns:
+                   table_label: str = "", integer_text: list[str] = (), unread: list[str] = ()) -> RawColumns:
         """From a raw parquet file's schema and the column roles of ``meta.json``."""
         def types(names):
             return {n: str(arrow_schema.field(n).type) for n in names}
 
         label = types([label]) if label and label in arrow_schema.names else {}
         return cls(types(continuous), types(categorical), types(multihot), list_separator, label,
-                   table_label if table_label not in label else "", list(integer_text))
+                   table_label if table_label not in label else "", list(integer_text), list(unread))
 
 
 Columns = Mapping[str, Any]

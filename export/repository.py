@@ -104,7 +104,18 @@ def raw_columns(raw_data: RawDataset, list_separator: str) -> RawColumns:
     return RawColumns.from_arrow(arrow_schema, raw_data.continuous, raw_data.categorical, raw_data.multihot,
                                  made_with.get("list_separator", list_separator), label=raw_data.label,
                                  table_label=made_with.get("roles", {}).get("label", ""),
-                                 integer_text=integer_text_columns(files[0], raw_data.categorical + raw_data.multihot))
+                                 integer_text=integer_text_columns(files[0], raw_data.categorical + raw_data.multihot),
+                                 unread=unread_columns(raw_data))
+
+
+def unread_columns(raw_data: RawDataset) -> list[str]:
+    """The columns of the user's table that no role makes a feature: its time column (``data.time_column``, which
+    orders the splits) where no role lists it, and those of ``data.ignore``. Rows read from that table carry them."""
+    made_with = raw_data.params or {}
+    time_column = made_with.get("time_column") or ""
+    features = {*raw_data.continuous, *raw_data.categorical, *raw_data.multihot}
+    return [*([time_column] if time_column and time_column not in features else []),
+            *made_with.get("roles", {}).get("ignore", [])]
 
 
 INTEGER_TEXT_ROWS = 100_000

@@ -109,9 +109,12 @@ class RequestLayout:
     """The label's name in the user's table (``data.label``), taken as :attr:`label` is."""
     integer_text: tuple[str, ...] = ()
     """Text columns whose values are integers written as such: a whole-number float there is sent as its integer."""
+    unread: tuple[str, ...] = ()
+    """The user's table's columns that are no feature (its ``data.time_column``, where no role lists it, and
+    ``data.ignore``'s): rows read from that table carry them, taken as :attr:`label` is."""
 
     def __post_init__(self) -> None:
-        for kind in ("integers", "floats", "strings", "lists", "integer_text"):
+        for kind in ("integers", "floats", "strings", "lists", "integer_text", "unread"):
             object.__setattr__(self, kind, tuple(getattr(self, kind)))
 
     @property
@@ -140,15 +143,15 @@ class RequestLayout:
         Missing values are ``None``, NaN, ``pd.NA``, an absent column, empty text in a number column (an empty field,
         as ``csv.DictReader`` gives it) or, for a floating column given as text, a word
         a table's number column reads as missing (:data:`~pipeline.data.text_format.MISSING_NUMBER_PATTERN`); a
-        column neither of the layout nor the label (nor in ``ignore``) is an error, as a misspelt name would otherwise
-        read as missing. Rows whose text would be mostly padding at one width are refused (:class:`TooWide`):
+        column neither of the layout nor the label nor :attr:`unread` (nor in ``ignore``) is an error, as a misspelt
+        name would otherwise read as missing. Rows whose text would be mostly padding at one width are refused (:class:`TooWide`):
         :meth:`requests` sends them in parts."""
-        return self._tensors(*self._columns(rows, {self.label, self.table_label, *ignore} - {""}))
+        return self._tensors(*self._columns(rows, {self.label, self.table_label, *self.unread, *ignore} - {""}))
 
     def requests(self, rows: Any, ignore: Iterable[str] = ()) -> list[dict[str, np.ndarray]]:
         """The request tensors for ``rows`` (as :meth:`tensors` takes them), in order: one request, or parts of the
         rows where their text would be mostly padding at one width (a value far longer than the others)."""
-        return self._parts(*self._columns(rows, {self.label, self.table_label, *ignore} - {""}))
+        return self._parts(*self._columns(rows, {self.label, self.table_label, *self.unread, *ignore} - {""}))
 
     def _parts(self, columns: dict[str, Any], batch: int) -> list[dict[str, np.ndarray]]:
         try:

@@ -496,6 +496,30 @@ def test_the_request_layout_takes_the_datasets_separator_and_label_not_the_comma
     assert text_values(got["STRINGS"])[1].tolist() == [b"1", b"1.0"] and got["LISTS"].shape[:2] == (20, 1)
 
 
+@pytest.mark.parametrize("time_is_a_feature", [False, True])
+def test_rows_of_the_users_table_are_taken_with_its_time_and_ignored_columns(tmp_path, time_is_a_feature):
+    """A client sending rows as read from the table (its time column and a column of data.ignore in them) was
+    refused: "unknown columns ['session', 'ts']". A misspelt column still is."""
+    from export.repository import raw_columns
+    from pipeline.data.raw_folder import RawDataset
+    from pipeline.stages.data import run as make_data
+
+    (tmp_path / "t.csv").write_text("ts,clicked,price,item,session\n" + "".join(
+        f"{1_700_000_000 + i},{i % 2},{i / 3},{i % 9},s{i}\n" for i in range(60)))
+    roles = [f"data.continuous=[price{',ts' if time_is_a_feature else ''}]", "data.categorical=[item]"]
+    cfg = load_config(None, [f"workdir={tmp_path}", "data.source=table", f"data.path={tmp_path / 't.csv'}",
+                             "data.label=clicked", *roles, "data.ignore=[session]", "data.time_column=ts",
+                             "progress=off"])
+    make_data(cfg)
+    layout = raw_columns(RawDataset.load(cfg.paths.raw), cfg.data.list_separator).layout
+    assert layout.unread == (("session",) if time_is_a_feature else ("ts", "session"))
+    rows = pd.read_csv(tmp_path / "t.csv").iloc[:10]
+    got, want = layout.tensors(rows), layout.tensors(rows[list(layout.columns)])
+    assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in got)
+    with pytest.raises(BadInputError, match=r"unknown columns \['prise'\]"):
+        layout.tensors(rows.rename(columns={"price": "prise"}))
+
+
 @pytest.fixture(scope="module")
 def multihot_pipeline(tmp_path_factory):
     """A table with a multi-hot column, through the data and ETL stages, and a model on it."""
