@@ -52,7 +52,7 @@ from export.preprocess import RawColumns
 from export.store import current_version, open_current, write_version
 from pipeline.data.raw_folder import RawDataset
 from pipeline.errors import UserError
-from pipeline.files import write_json
+from pipeline.files import full_disk_named, write_json
 from pipeline.schema import Schema
 
 MODELS_SOURCE = Path(__file__).parent / "triton_models"
@@ -164,11 +164,30 @@ def write_repository(model, schema: Schema, workflow_dir: str | Path, raw: RawCo
 
     staging = out.with_name(f".{out.name}.staging")
     shutil.rmtree(staging, ignore_errors=True)
+    try:  # a repository half written (a full disk, an error) leaves nothing behind
+        with full_disk_named(out):
+            summary = _write_models(staging, model, raw, schema, workflow_dir, configs, options, fingerprint, trained)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    # The previous repository is renamed aside, then removed: the instances of a server running on it write their
+    # counters into it, so removing it in place could meet a new file and fail half done.
+    old = out.with_name(f".{out.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if out.exists():
+        out.rename(old)
+    staging.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
+    return {**summary, "repository": str(out)}
+
+
+def _write_models(staging: Path, model, raw: RawColumns, schema: Schema, workflow_dir: Path, configs: dict[str, str],
+                  options: ModelOptions, fingerprint: str, trained: dict | None) -> dict:
+    """Every model of the repository under ``staging`` and its record (``export.json``), which it returns."""
     for name, text in configs.items():
         (staging / name / "1").mkdir(parents=True)
         (staging / name / "config.pbtxt").write_text(text)
-    for name in configs:
-        if 'backend: "python"' in configs[name]:
+        if 'backend: "python"' in text:
             source = FUSED_SOURCE if options.fused else f"{name}.py"
             shutil.copyfile(MODELS_SOURCE / source, staging / name / "1" / "model.py")
     preprocess_model, lookup_model, dense_model = (ENTRY,) * 3 if options.fused else \
@@ -194,15 +213,7 @@ def write_repository(model, schema: Schema, workflow_dir: str | Path, raw: RawCo
         "files": _file_sizes(staging),
     }
     (staging / EXPORT_RECORD).write_text(json.dumps(summary, indent=2) + "\n")
-    # The previous repository is renamed aside, then removed: the instances of a server running on it write their
-    # counters into it, so removing it in place could meet a new file and fail half done.
-    old = out.with_name(f".{out.name}.old")
-    shutil.rmtree(old, ignore_errors=True)
-    if out.exists():
-        out.rename(old)
-    staging.rename(out)
-    shutil.rmtree(old, ignore_errors=True)
-    return {**summary, "repository": str(out)}
+    return summary
 
 
 def _update_tables(model, out: Path, fingerprint: str, workflow_dir: Path, trained: dict | None) -> dict:

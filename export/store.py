@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.errors import UserError
-from pipeline.files import write_text
+from pipeline.files import full_disk_named, write_text
 
 STORE_FORMAT = 2
 CURRENT = "CURRENT"
@@ -94,27 +94,38 @@ def write_version(root: str | Path, tables: dict[str, np.ndarray], keep: int = 2
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     manifest = {"format": STORE_FORMAT, "version": version, "dense": dense, "tables": {}}
+    try:  # a version half written (a full disk, an error) leaves nothing behind
+        with full_disk_named(root):
+            _write_tables(staging, tables, keys or {}, manifest["tables"])
+            (staging / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    staging.rename(folder)
+    write_text(root / CURRENT, f"v{version:06d}\n")
+    for old in sorted(v for v in existing if v <= version - keep):
+        shutil.rmtree(root / f"v{old:06d}", ignore_errors=True)
+    return version
+
+
+def _write_tables(staging: Path, tables: dict[str, np.ndarray], keys: dict[str, np.ndarray], entries: dict) -> None:
+    """Each table's ``.npy`` in ``staging`` (a dynamic table's ids in ``.keys.npy`` beside it), its entry of the
+    manifest in ``entries``."""
     for index, (name, array) in enumerate(tables.items()):
         array = np.ascontiguousarray(array)
         if array.ndim != 2:
             raise ValueError(f"table {name}: expected a [rows, dim] array, got shape {array.shape}")
         file = f"{index:05d}"
         np.save(staging / f"{file}.npy", array)
-        manifest["tables"][name] = {"file": file, "rows": int(array.shape[0]), "dim": int(array.shape[1]),
-                                    "dtype": str(array.dtype)}
-        if name in (keys or {}):
+        entries[name] = {"file": file, "rows": int(array.shape[0]), "dim": int(array.shape[1]),
+                         "dtype": str(array.dtype)}
+        if name in keys:
             ids = np.ascontiguousarray(keys[name], dtype=np.int64)
             if ids.shape != (array.shape[0] - 1,) or (np.diff(ids) <= 0).any():
                 raise ValueError(f"table {name}: expected {array.shape[0] - 1} ascending distinct ids, one per row "
                                  f"but the last, got shape {ids.shape}")
             np.save(staging / f"{file}.keys.npy", ids)
-            manifest["tables"][name]["dynamic"] = True
-    (staging / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-    staging.rename(folder)
-    write_text(root / CURRENT, f"v{version:06d}\n")
-    for old in sorted(v for v in existing if v <= version - keep):
-        shutil.rmtree(root / f"v{old:06d}", ignore_errors=True)
-    return version
+            entries[name]["dynamic"] = True
 
 
 def open_current(root: str | Path) -> StoreVersion:

@@ -41,17 +41,28 @@ def atomic_open(path: str | Path, mode: str = "wb") -> Iterator[Any]:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = tmp_path(path)
     try:
-        with open(tmp, mode) as f:
+        with full_disk_named(path), open(tmp, mode) as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except Exception as err:
-        if getattr(err, "errno", None) == errno.ENOSPC or _full(path.parent):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from err
-        raise
     finally:
         tmp.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def full_disk_named(path: str | Path) -> Iterator[None]:
+    """Within the block, an error raised while the disk of ``path`` (a file, or a folder being written) is all but
+    full is that disk's ``ENOSPC``, naming ``path``: torch.save says only "unexpected pos", numpy's save "N requested
+    and M written"."""
+    path = Path(path)
+    try:
+        yield
+    except Exception as err:
+        if getattr(err, "errno", None) == errno.ENOSPC or _full(next((p for p in (path, *path.parents) if p.is_dir()),
+                                                                    path.parent)):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from err
+        raise
 
 
 def _full(folder: Path) -> bool:

@@ -205,6 +205,31 @@ def test_export_takes_latest_and_refuses_a_missing_or_unfinished_run(two_runs, c
     assert json.loads((cfg.paths.export / "export.json").read_text())["trained"]["run"] == newer["run"]
 
 
+def test_a_full_disk_under_an_export_is_one_error_line_and_leaves_the_export_before_it(two_runs, capsys,
+                                                                                       monkeypatch):
+    """numpy's save on a full disk says only "N requested and M written": the export ended in a traceback, its
+    half-written repository left beside the export (an update's half-written version inside it)."""
+    import numpy as np
+
+    from pipeline import files
+
+    data, _, _ = two_runs
+    assert main(["run", "export", *SMALL, *data]) == 0
+    export = load_config(None, [*SMALL, *data]).paths.export
+    before = {p: p.read_bytes() for p in export.rglob("*") if p.is_file()}
+
+    def short_write(*args, **kwargs):
+        raise OSError("116096 requested and 40896 written")
+
+    monkeypatch.setattr(np, "save", short_write)
+    monkeypatch.setattr(files, "_full", lambda folder: True)
+    capsys.readouterr()
+    _one_error_line(capsys, ["run", "export", *SMALL, *data], f"{export}: No space left on device: free space")
+    _one_error_line(capsys, ["run", "export", *SMALL, *data, "export.update=true"], "No space left on device")
+    assert {p: p.read_bytes() for p in export.rglob("*") if p.is_file()} == before
+    assert [p.name for p in export.parent.iterdir() if p.name.startswith(".export")] == []
+
+
 def test_an_etl_fitted_again_under_a_run_is_refused_by_its_export_and_its_resume(tmp_path, capsys):
     """The export compared cardinalities only: a workflow fitted again with other settings (here without the
     missing indicators, a column fewer per continuous one) was exported with the model, and the server failed
