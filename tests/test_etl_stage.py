@@ -291,7 +291,7 @@ def test_command_line_runs_the_stage_and_prints_bad_input_plainly(tmp_path, caps
     assert "error: etl.hash_buckets names ['nope']" in err and "Traceback" not in err
 
 
-def test_an_etl_killed_part_way_leaves_no_schema_and_the_old_splits_whole(tmp_path):
+def test_an_etl_killed_while_it_transforms_leaves_the_previous_outputs_whole(tmp_path):
     import signal
     import subprocess
     import sys
@@ -311,10 +311,37 @@ def test_an_etl_killed_part_way_leaves_no_schema_and_the_old_splits_whole(tmp_pa
         time.sleep(0.01)
     again.send_signal(signal.SIGKILL)
     again.wait(30)
-    assert not cfg.paths.schema.exists(), "a killed ETL must not leave the previous run's schema.json"
+    assert Schema.load(cfg.paths.schema).rows == old_rows  # the last finished outputs, which training may take
     assert sorted(p.name for p in (cfg.paths.processed / "train").glob("*.parquet")) == old_train
     assert sum(pq.ParquetFile(p).metadata.num_rows for p in (cfg.paths.processed / "train").glob("*.parquet")) \
         == old_rows["train"]
+
+
+def test_an_etl_failing_while_it_transforms_leaves_the_previous_outputs_and_no_partial_split(tmp_path, monkeypatch,
+                                                                                             capsys):
+    """A full disk under an ETL with other settings took the previous outputs' schema with it, and left the
+    splits it had written (``<split>.partial``) on the full disk."""
+    import errno
+
+    from pipeline.etl import output
+    from pipeline.stages.cli import main
+
+    settings = [f"workdir={tmp_path}", "device=cpu", "data.rows=12000", "etl.cluster=threads", "progress=off"]
+    assert main(["run", "etl", *settings]) == 0
+    processed = load_config(None, settings).paths.processed
+    before = {p: p.read_bytes() for p in processed.rglob("*") if p.is_file()}
+    written = output.write_part
+
+    def full_after_one(part, path, *args):
+        if path.parent.name != "train.partial" or path.name != "part-00000.parquet":
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return written(part, path, *args)
+
+    monkeypatch.setattr(output, "write_part", full_after_one)
+    capsys.readouterr()
+    assert main(["run", "etl", *settings, "etl.freq_threshold=3"]) == 2
+    assert "No space left on device" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in processed.rglob("*") if p.is_file()} == before
 
 
 def test_values_a_served_request_cannot_carry_are_named_when_the_etl_is_fitted(tmp_path, capsys):

@@ -36,18 +36,25 @@ def write_outputs(workflow: Workflow, splits: dict[str, list[Path]], roles: dict
     """Transform every split with the fitted workflow into ``processed/<split>``, then save the
     workflow to ``workflow_dir`` and the schema the workflow computes to ``schema_path``.
 
-    ``schema.json`` is the mark of finished outputs: it is removed first and written last, and the
-    splits are written beside their place (``<split>.partial``) and moved there only once all are
-    whole, so a run killed part-way leaves no schema and no split mixing two runs' files.
+    ``schema.json`` is the mark of finished outputs. The splits are written beside their place
+    (``<split>.partial``); only once all are whole is the schema removed, the splits moved into place
+    and the workflow saved, the schema written last. A run that fails while it transforms (a full
+    disk, an error) leaves the previous outputs as they were and no partial split; one killed while
+    it moves them leaves no schema, and no split mixing two runs' files.
     Returns the rows written per split and the schema.
     """
     processed = Path(processed)
-    Path(schema_path).unlink(missing_ok=True)
     rows = {}
-    for split in SPLITS:
-        rows[split] = transform_split(workflow, splits.get(split, []), processed / f"{split}.partial",
-                                      etl.row_group_rows, library, progress=progress,
-                                      compression=etl.compression)
+    try:
+        for split in SPLITS:
+            rows[split] = transform_split(workflow, splits.get(split, []), processed / f"{split}.partial",
+                                          etl.row_group_rows, library, progress=progress,
+                                          compression=etl.compression)
+    except BaseException:
+        for split in SPLITS:
+            shutil.rmtree(processed / f"{split}.partial", ignore_errors=True)
+        raise
+    Path(schema_path).unlink(missing_ok=True)
     for split in SPLITS:
         shutil.rmtree(processed / split, ignore_errors=True)
         (processed / f"{split}.partial").rename(processed / split)
