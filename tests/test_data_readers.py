@@ -620,6 +620,21 @@ def test_rows_of_the_time_at_a_cut_go_to_the_later_split(tmp_path):
         ensure_raw(_cfg(tmp_path / "one-day", *common))
 
 
+def test_integer_times_of_two_units_are_one_clear_error(tmp_path):
+    """Epoch seconds and milliseconds in one column (files of two systems joined) were taken: the milliseconds
+    sorted after every second, so test was their latest rows, whatever the period."""
+    path = tmp_path / "joined.csv"
+    seconds = [1_767_225_600 + 60 * i for i in range(100)]
+    path.write_text("clicked,row,user,ts\n" + "".join(
+        f"{i % 2},{i},u{i % 3},{t * 1000 if i % 2 else t}\n" for i, t in enumerate(seconds)))
+    with pytest.raises(BadInputError, match=r"data.time_column=ts: its integer times mix units: 50 of epoch seconds "
+                                            r"\(as 1767225600\), 50 of epoch milliseconds \(as 1767225660000\)"):
+        ensure_raw(_cfg(tmp_path, *TIMED, f"data.path={path}"))
+    path.write_text("clicked,row,user,ts\n" + "".join(f"{i % 2},{i},u{i % 3},{t * 1000}\n"
+                                                       for i, t in enumerate(seconds)))
+    assert ensure_raw(_cfg(tmp_path / "one-unit", *TIMED, f"data.path={path}")).rows["test"] == 10
+
+
 def test_with_test_path_pinned_valid_is_the_latest_part_of_path(tmp_path):
     _write_files(tmp_path / "days", _timed_rows(200, lambda i: 1_000 + i), files=2, suffix="csv")
     test = tmp_path / "test.csv"

@@ -107,6 +107,25 @@ def _cast(values: pa.Array, to: pa.DataType) -> tuple[np.ndarray, np.ndarray]:
     return pc.fill_null(cast, 0).to_numpy(zero_copy_only=False), cast.is_valid().to_numpy(zero_copy_only=False)
 
 
+EPOCH_UNITS = {"seconds": 1, "milliseconds": 10**3, "microseconds": 10**6, "nanoseconds": 10**9}
+EPOCH_SPAN = (10**9, 10**10)
+"""Epoch seconds from September 2001 to 2286; times in another unit of :data:`EPOCH_UNITS` span it times that unit."""
+
+
+def _one_unit(keys: np.ndarray, column: str) -> None:
+    """A :class:`BadInputError` where integer times are epoch times of more than one unit (files of two systems
+    joined, say): each unit's rows would sort as one block, and the latest ``data.test_fraction`` of them would be
+    rows of one unit rather than the latest period."""
+    found = []
+    for unit, scale in EPOCH_UNITS.items():
+        inside = (keys >= EPOCH_SPAN[0] * scale) & (keys < min(EPOCH_SPAN[1] * scale, np.iinfo(np.int64).max))
+        if inside.any():
+            found.append(f"{int(inside.sum()):,} of epoch {unit} (as {int(keys[inside.argmax()])})")
+    if len(found) > 1:
+        raise BadInputError(f"data.time_column={column}: its integer times mix units: " + ", ".join(found) +
+                            "; write every time in one unit (or as ISO 8601 text)")
+
+
 def shown(key: int, dated: bool) -> str | int:
     """A key as the user wrote such times: an integer, or ISO 8601 (UTC)."""
     return str(np.datetime_as_string(np.datetime64(key, "ns"), unit="auto")) if dated else int(key)
@@ -126,6 +145,8 @@ class TimeCuts:
            dated: bool) -> TimeCuts:
         """The cuts that give test the latest ``test_fraction`` of ``keys`` and valid the ``valid_fraction``
         before; a :class:`BadInputError` when ties at a cut would leave no row for training."""
+        if not dated:
+            _one_unit(keys, column)
         rows = len(keys)
         first_test = rows - round(rows * test_fraction)
         first_valid = max(first_test - round(rows * valid_fraction), 0)
