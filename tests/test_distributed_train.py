@@ -114,3 +114,23 @@ def test_two_ranks_refuse_a_plan_file_whose_cache_cannot_hold_two_batches_of_eve
     assert (f"the device cache of {cached['name']} holds 200 rows, but two batches of train.batch_size=64 on each "
             "of 2 ranks need 256: give it cache_rows of at least 256") in out.out + out.err
     assert not (cfg.paths.train / "refused" / "result.json").exists()
+
+
+def test_two_ranks_keep_the_epoch_of_the_best_valid_logloss_and_write_it_as_the_model(processed):
+    """On N ranks every epoch was trained and the last one scored and written: on a user's 200k-row table two ranks
+    scored test AUC 0.559 at logloss 1.58, where one process kept its first epoch (0.618 at 0.432)."""
+    # lrs that overfit this table after its third epoch, held (no decay), and no early stop
+    overrides = [f"workdir={processed}", "device=cpu", "train.batch_size=64", "train.epochs=6", "train.decay=none",
+                 "train.lr=0.03", "train.embedding_lr=3.0", "train.early_stopping=6", "progress=off",
+                 "train.checkpoint_every=0", "train.embedding_backend=torch", "train.run=kept"]
+    assert relaunch(["run", "train", *overrides], 2) == 0
+    cfg = load_config(None, overrides)
+    out = cfg.paths.train / "latest"
+    result = json.loads((out / "result.json").read_text())
+    valid = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"valid"' in line]
+    best = min(valid, key=lambda v: v["logloss"])
+    assert result["kept"]["step"] == best["step"] and result["kept"]["last_step"] == result["steps"] == valid[-1]["step"]
+    assert result["valid"]["logloss"] == best["logloss"] < valid[-1]["logloss"]  # this table overfits by its end
+    alone = _score_alone(cfg)  # model.pt: the kept weights, as the ranks scored them on test
+    assert alone["auc"] == pytest.approx(result["test"]["auc"], abs=1e-6)
+    assert alone["logloss"] == pytest.approx(result["test"]["logloss"], abs=1e-6)

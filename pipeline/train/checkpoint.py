@@ -302,7 +302,7 @@ class ShardedCheckpoints:
         world.barrier()
         with atomic_open(folder / f"rank-{world.rank}.pt") as f:
             torch.save({"loader": {**trainer.loader.state_dict(), "epoch": s.epoch, "batches": s.batch},
-                        "rng": rng_state()}, f)
+                        "rng": rng_state(), "early_stopping": s.progress(), "best_model": trainer.best_weights}, f)
         save_sharded_checkpoint(folder, trainer.model.sharded_collections(),
                                 dense={"model": trainer.model.dense_state_dict(),
                                        "dense_optimizer": trainer.optimizer.state_dict()},
@@ -333,22 +333,37 @@ class ShardedCheckpoints:
             trainer.loader.load_state_dict(mine["loader"])
             epoch, batch = int(mine["loader"]["epoch"]), int(mine["loader"]["batches"])
             set_rng_state(mine["rng"])
+            best = mine.get("best_model")
+            trainer.best_weights = cpu_copy(best) if best is not None else None
+            progress = mine.get("early_stopping", {}) if best is not None else {}
         else:
+            progress = {}  # this rank's part of the best epoch's weights was another part of the tables
             epoch, batch = int(saved["extra"]["epoch"]), int(saved["extra"]["batch"]) * meta["world_size"] // world.size
             if batch >= trainer.steps_per_epoch:
                 epoch, batch = epoch + 1, 0
             trainer.loader.load_state_dict({**trainer.loader.state_dict(), "epoch": epoch, "batches": batch})
             if world.is_writer:
                 print(f"[train] resuming {meta['world_size']}-rank checkpoint {path} on {world.size} ranks: weights "
-                      f"and optimizer states resharded; data resumes at epoch {epoch}, batch {batch}", flush=True)
-        return (LoopState(step=int(meta["step"]), epoch=epoch, batch=batch),
+                      f"and optimizer states resharded; data resumes at epoch {epoch}, batch {batch}; early stopping "
+                      "keeps the best epoch from here", flush=True)
+        return (LoopState(step=int(meta["step"]), epoch=epoch, batch=batch, **progress),
                 {"saved_by_ranks": meta["world_size"], "ranks": world.size})
 
-    def model_state(self, model: nn.Module, spec: dict) -> dict[str, torch.Tensor]:
-        """The trained weights as one process's model of ``spec`` holds them, read from the newest checkpoint."""
+    def model_state(self, model: nn.Module, spec: dict) -> dict[str, torch.Tensor] | None:
+        """The weights ``model`` holds now (the kept epoch's, after early stopping) as one process's model of ``spec``
+        holds them, on the writer rank; None on the others. Every rank calls it: each writes its part of the tables
+        into a folder that the writer reads back whole, then removes."""
+        folder = self.folder / f"model{_SHARDED}"
+        if self.world.is_writer:
+            shutil.rmtree(folder, ignore_errors=True)
+        self.world.barrier()
+        save_sharded_checkpoint(folder, model.sharded_collections(), dense={"model": model.dense_state_dict()})
+        if not self.world.is_writer:
+            return None
         plain = model_from_spec(spec, backend="torch")
-        state = load_sharded_checkpoint(self.latest(), {"embedding": plain.embedding})
+        state = load_sharded_checkpoint(folder, {"embedding": plain.embedding})
         plain.load_state_dict({**plain.state_dict(), **state["dense"]["model"]})
+        shutil.rmtree(folder, ignore_errors=True)
         return plain.state_dict()
 
 

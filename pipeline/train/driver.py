@@ -164,9 +164,6 @@ def _train(cfg: TrainConfig, data: Path, runs: Path, schema: Schema, seed: int, 
     elif distributed.pipeline and model.embedding.prefetches:
         pipeline = PrefetchPipeline(model, device)
     trainer = Trainer(model, cfg, out, train_loader, world, checkpoints, pipeline)
-    if cfg.early_stopping and not trainer.keeps_best and world.is_writer:
-        print(f"[train] train.early_stopping applies to one process: the {world.size} ranks train every epoch "
-              "and the last one is scored", flush=True)
     if cfg.resume and not checkpoints.candidates() and world.is_writer:
         print(f"[train] train.resume=true but no checkpoint in {checkpoints.folder}: starting fresh", flush=True)
     found = checkpoints.newest_readable() if cfg.resume else None
@@ -180,9 +177,10 @@ def _train(cfg: TrainConfig, data: Path, runs: Path, schema: Schema, seed: int, 
         trainer.start_fresh()
     try:
         fitted = trainer.fit(lambda: evaluate(model, valid_loader, device, trainer.amp, world), callbacks, progress)
+        state = checkpoints.model_state(model, spec)  # every rank: a sharded model's parts come together
         if world.is_writer:
             with atomic_open(out / "model.pt") as f:
-                torch.save(checkpoints.model_state(model, spec), f)
+                torch.save(state, f)
         test = evaluate(model, test_loader, device, trainer.amp, world)
     except KeyboardInterrupt:
         if world.is_writer:
@@ -397,7 +395,8 @@ def _summary(cfg: TrainConfig, spec: dict, world: World, fitted: dict, test: dic
     if world.size > 1:
         return {"run": out.name, "model": spec["model"], "device": world.device.type, "ranks": world.size,
                 "steps": fitted["steps"], "epochs": fitted["epochs"], "batch_size_per_rank": cfg.batch_size,
-                "samples_per_s_per_rank": fitted["samples_per_s"], "valid": fitted["valid"], "kept": None, "test": test,
+                "samples_per_s_per_rank": fitted["samples_per_s"], "valid": fitted["valid"], "kept": fitted["kept"],
+                "test": test,
                 "seconds": seconds, "plan": str(out / "plan.json")}
     gap = oracle["test"]["auc"] - test["auc"] if oracle else None
     settings = dataclasses.asdict(cfg)
@@ -413,12 +412,7 @@ def _summary(cfg: TrainConfig, spec: dict, world: World, fitted: dict, test: dic
 def _report(result: dict, path: Path) -> None:
     test = result["test"]
     scores = f"test AUC {test['auc']:.4f}{_uncertainty(test)}, logloss {test['logloss']:.4f}"
-    if "ranks" in result:
-        rate = result["samples_per_s_per_rank"]
-        speed = _speed(rate * result["ranks"] if rate is not None else None, " over all ranks")
-        print(f"[train] {result['ranks']} ranks: {scores} | {speed} | {path}", flush=True)
-        return
-    oracle = result["oracle"]
+    oracle = result.get("oracle")
     if oracle:
         scores += (f" | oracle AUC {oracle['test']['auc']:.4f}, logloss {oracle['test']['logloss']:.4f}"
                    f" | gap {result['test_auc_gap_to_oracle']:.4f}")
@@ -426,6 +420,11 @@ def _report(result: dict, path: Path) -> None:
     if kept and kept["step"] != kept["last_step"]:
         scores += (f" | kept epoch {kept['epoch']} (step {kept['step']}, the best valid logloss "
                    f"{kept['valid']['logloss']:.4f}, AUC {kept['valid']['auc']:.4f})")
+    if "ranks" in result:
+        rate = result["samples_per_s_per_rank"]
+        speed = _speed(rate * result["ranks"] if rate is not None else None, " over all ranks")
+        print(f"[train] {result['ranks']} ranks: {scores} | {speed} | {path}", flush=True)
+        return
     print(f"[train] {scores} | {_speed(result['samples_per_s'])} | {path}", flush=True)
 
 

@@ -164,8 +164,8 @@ class Trainer:
                                          self.device, cfg.decoupled_decay)
         self.amp = cfg.amp == "bf16" or (cfg.amp == "auto" and self.device.type == "cuda")
         self.state = LoopState()
-        # The best epoch's weights, on the host; a sharded model scores its last epoch.
-        self.keeps_best = cfg.early_stopping > 0 and isinstance(self.checkpoints, PlainCheckpoints)
+        # The best epoch's weights, on the host (each rank its own part of a sharded model's).
+        self.keeps_best = cfg.early_stopping > 0
         self.best_weights: dict[str, torch.Tensor] | None = None
         self.timings = Timings()
         # The dense part and the loss compiled as one graph (the embedding lookup stays an eager custom op).
