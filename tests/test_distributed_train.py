@@ -5,6 +5,7 @@ when a budget far below the tables has them host-cached."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -122,7 +123,8 @@ def test_two_ranks_keep_the_epoch_of_the_best_valid_logloss_and_write_it_as_the_
     # lrs that overfit this table after its third epoch, held (no decay), and no early stop
     overrides = [f"workdir={processed}", "device=cpu", "train.batch_size=64", "train.epochs=6", "train.decay=none",
                  "train.lr=0.03", "train.embedding_lr=3.0", "train.early_stopping=6", "progress=off",
-                 "train.checkpoint_every=0", "train.embedding_backend=torch", "train.run=kept"]
+                 "train.checkpoint_every=150", "train.keep_checkpoints=10", "train.embedding_backend=torch",
+                 "train.run=kept"]
     assert relaunch(["run", "train", *overrides], 2) == 0
     cfg = load_config(None, overrides)
     out = cfg.paths.train / "latest"
@@ -134,3 +136,12 @@ def test_two_ranks_keep_the_epoch_of_the_best_valid_logloss_and_write_it_as_the_
     alone = _score_alone(cfg)  # model.pt: the kept weights, as the ranks scored them on test
     assert alone["auc"] == pytest.approx(result["test"]["auc"], abs=1e-6)
     assert alone["logloss"] == pytest.approx(result["test"]["logloss"], abs=1e-6)
+
+    # resumed on as many ranks from a checkpoint after the best epoch (its last one removed): the same run
+    saved = sharded_checkpoints(out / "checkpoints")
+    assert saved[-2].name == "step-00000300.sharded" and best["step"] < 300
+    for gone in (saved[-1], out / "result.json", out / "model.pt"):
+        shutil.rmtree(gone) if gone.is_dir() else gone.unlink()
+    assert relaunch(["run", "train", *overrides, "train.resume=true"], 2) == 0
+    again = json.loads((out / "result.json").read_text())
+    assert again["kept"] == result["kept"] and again["test"] == result["test"]
