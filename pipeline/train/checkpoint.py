@@ -244,8 +244,9 @@ class PlainCheckpoints:
         return LoopState(step=int(ckpt["step"]), epoch=int(loader["epoch"]), batch=int(loader["batches"]),
                          **ckpt.get("early_stopping", {})), {}
 
-    def model_state(self, model: nn.Module, spec: dict) -> dict[str, torch.Tensor]:
-        """The trained weights as one process's model holds them (``model`` is that model)."""
+    def model_state(self, model: nn.Module, spec: dict, restored: bool) -> dict[str, torch.Tensor]:
+        """The trained weights as one process's model holds them (``model`` is that model; ``restored``, whether
+        they are an earlier epoch's than the newest checkpoint's, makes no difference here)."""
         return model.state_dict()
 
 
@@ -335,7 +336,7 @@ class ShardedCheckpoints:
             set_rng_state(mine["rng"])
             best = mine.get("best_model")
             trainer.best_weights = cpu_copy(best) if best is not None else None
-            progress = mine.get("early_stopping", {}) if best is not None else {}
+            progress = mine.get("early_stopping", {})
         else:
             progress = {}  # this rank's part of the best epoch's weights was another part of the tables
             epoch, batch = int(saved["extra"]["epoch"]), int(saved["extra"]["batch"]) * meta["world_size"] // world.size
@@ -349,21 +350,25 @@ class ShardedCheckpoints:
         return (LoopState(step=int(meta["step"]), epoch=epoch, batch=batch, **progress),
                 {"saved_by_ranks": meta["world_size"], "ranks": world.size})
 
-    def model_state(self, model: nn.Module, spec: dict) -> dict[str, torch.Tensor] | None:
-        """The weights ``model`` holds now (the kept epoch's, after early stopping) as one process's model of ``spec``
-        holds them, on the writer rank; None on the others. Every rank calls it: each writes its part of the tables
-        into a folder that the writer reads back whole, then removes."""
-        folder = self.folder / f"model{_SHARDED}"
-        if self.world.is_writer:
-            shutil.rmtree(folder, ignore_errors=True)
-        self.world.barrier()
-        save_sharded_checkpoint(folder, model.sharded_collections(), dense={"model": model.dense_state_dict()})
+    def model_state(self, model: nn.Module, spec: dict, restored: bool) -> dict[str, torch.Tensor] | None:
+        """The weights ``model`` holds now as one process's model of ``spec`` holds them, on the writer rank; None
+        on the others. They are read from the newest checkpoint, unless ``restored`` (early stopping put an earlier
+        epoch's weights back): then every rank writes its part of the tables into a folder that the writer reads
+        back whole, then removes. Every rank calls it."""
+        source = self.latest()
+        if restored:
+            source = self.folder / f"model{_SHARDED}"
+            if self.world.is_writer:
+                shutil.rmtree(source, ignore_errors=True)
+            self.world.barrier()
+            save_sharded_checkpoint(source, model.sharded_collections(), dense={"model": model.dense_state_dict()})
         if not self.world.is_writer:
             return None
         plain = model_from_spec(spec, backend="torch")
-        state = load_sharded_checkpoint(folder, {"embedding": plain.embedding})
+        state = load_sharded_checkpoint(source, {"embedding": plain.embedding})
         plain.load_state_dict({**plain.state_dict(), **state["dense"]["model"]})
-        shutil.rmtree(folder, ignore_errors=True)
+        if restored:
+            shutil.rmtree(source, ignore_errors=True)
         return plain.state_dict()
 
 

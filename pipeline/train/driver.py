@@ -177,7 +177,9 @@ def _train(cfg: TrainConfig, data: Path, runs: Path, schema: Schema, seed: int, 
         trainer.start_fresh()
     try:
         fitted = trainer.fit(lambda: evaluate(model, valid_loader, device, trainer.amp, world), callbacks, progress)
-        state = checkpoints.model_state(model, spec)  # every rank: a sharded model's parts come together
+        kept = fitted["kept"]
+        restored = bool(kept) and kept["step"] != kept["last_step"]
+        state = checkpoints.model_state(model, spec, restored)  # every rank: a sharded model's parts come together
         if world.is_writer:
             with atomic_open(out / "model.pt") as f:
                 torch.save(state, f)
