@@ -59,8 +59,8 @@ def full_disk_named(path: str | Path) -> Iterator[None]:
     try:
         yield
     except Exception as err:
-        if getattr(err, "errno", None) == errno.ENOSPC or _full(next((p for p in (path, *path.parents) if p.is_dir()),
-                                                                    path.parent)):
+        disk = next((p for p in (path, *path.parents) if p.is_dir()), path.parent)  # the nearest folder that exists
+        if getattr(err, "errno", None) == errno.ENOSPC or _full(disk):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from err
         raise
 
