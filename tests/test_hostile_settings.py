@@ -438,6 +438,32 @@ def test_a_table_of_continuous_features_only_is_refused_before_any_stage_runs(tm
     assert not (tmp_path / "work").exists()
 
 
+@pytest.mark.parametrize("settings, said", [
+    (["data.test_fraction=0"], "data.test_fraction=0 of data.rows=1,000 gives the test split no rows"),
+    (["data.valid_fraction=0", "data.test_fraction=0"], "give the valid and test splits no rows"),
+    (["data.rows=4", "data.test_fraction=0.2"], "data.valid_fraction=0.1 of data.rows=4 gives the valid split no rows"),
+    (["table", "data.test_fraction=0"], "give it a larger fraction or files of its own (data.test_path)"),
+])
+def test_settings_that_leave_an_evaluation_split_empty_are_refused_before_any_stage_runs(tmp_path, capsys, settings,
+                                                                                          said):
+    """Training needs rows in valid and test: `run all` with a fraction of 0 made the data, fitted the ETL, then
+    refused at the training stage."""
+    args = [f"workdir={tmp_path / 'work'}", "device=cpu", "data.rows=1000"]
+    if settings[0] == "table":
+        pd.DataFrame({"y": [0, 1] * 100, "c": np.arange(200) % 7}).to_csv(tmp_path / "rows.csv", index=False)
+        args += ["data.source=table", f"data.path={tmp_path / 'rows.csv'}", "data.label=y", "data.categorical=[c]"]
+        settings = settings[1:]
+    _refused(capsys, ["run", "all", *args, *settings], said, "training needs rows in train, valid and test")
+    assert not (tmp_path / "work").exists()
+
+
+def test_an_etl_alone_may_leave_a_split_empty(tmp_path):
+    """The refusal above is training's: the data and ETL stages alone take a fraction of 0."""
+    args = [f"workdir={tmp_path / 'work'}", "device=cpu", "progress=off", "data.rows=1000", "data.test_fraction=0",
+            "etl.cluster=threads"]
+    assert main(["run", "etl", *args]) == 0
+
+
 def test_training_on_an_etl_output_of_changed_inputs_says_so(tmp_path, capsys):
     """`run train` trains on the ETL output as it is; when the input file changed since (or the data settings), it
     trained on the old rows without a word."""

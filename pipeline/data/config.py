@@ -95,6 +95,17 @@ class DataConfig:
         if self.valid_fraction + self.test_fraction >= 1:
             raise ValueError("data.valid_fraction + data.test_fraction must leave rows for training")
 
+    def splits_without_rows(self) -> list[str]:
+        """The evaluation splits (valid, test) that these settings give no row, whatever the input holds: a fraction of
+        0 without a file of their own, or a share of synthetic ``rows`` that rounds to none."""
+        if self.source == "synthetic":
+            from pipeline.data.synthetic import split_rows
+
+            rows = split_rows(self.rows, self.valid_fraction, self.test_fraction)
+            return [split for split in ("valid", "test") if rows[split] == 0]
+        return [split for split in ("valid", "test")
+                if getattr(self, f"{split}_fraction") == 0 and not getattr(self, f"{split}_path")]
+
     @property
     def dataset_name(self) -> str:
         return self.name or self.source
