@@ -379,7 +379,11 @@ def test_a_truncated_split_file_is_refused_naming_it(tmp_path):
 
 
 def test_an_empty_split_is_refused_naming_the_settings_that_give_it_rows(tmp_path):
+    """An ETL output made with a fraction of 0 (the ETL stage alone takes one), then trained on."""
+    from pipeline.stages.etl import run as run_etl
+
     cfg = _config(tmp_path, "data.rows=3000", "data.test_fraction=0")
+    run_etl(cfg)
     with pytest.raises(UserError, match=r"the test split has no rows .*data.test_fraction"):
         run(cfg)
     assert Schema.load(cfg.paths.schema).rows["test"] == 0 and not cfg.paths.train.exists()

@@ -21,7 +21,6 @@ from typing import NoReturn
 
 import yaml
 
-from pipeline.errors import BadInputError
 from pipeline.stages import config as config_mod
 
 STAGES: dict[str, tuple[str, str]] = {
@@ -177,7 +176,9 @@ def run_stages(names: list[str], cfg: config_mod.PipelineConfig) -> dict[str, di
     from pipeline.device import resolve_device
 
     if "train" in names[1:]:
-        _refuse_what_training_would(cfg)
+        from pipeline.stages.train import refuse_what_training_would
+
+        refuse_what_training_would(cfg)
     device = resolve_device(cfg.device)
     print(f"[pipeline] device: {device.kind} ({device.reason})", flush=True)
     results: dict[str, dict] = {}
@@ -188,29 +189,6 @@ def run_stages(names: list[str], cfg: config_mod.PipelineConfig) -> dict[str, di
         results[name] = fn(cfg, smoke=True) if name == "serve" and len(names) > 1 else fn(cfg)
         print(f"[pipeline] stage {name} done in {time.perf_counter() - start:.1f} s", flush=True)
     return results
-
-
-def _refuse_what_training_would(cfg: config_mod.PipelineConfig) -> None:
-    """Settings that the training stage would refuse, refused before the stages that come first."""
-    d = cfg.data
-    if d.source == "table" and not (d.categorical or d.multihot):
-        from pipeline.data.roles import table_role_hint, table_roles
-        from pipeline.modules.models import NO_SPARSE_FEATURE
-
-        table_roles(d)  # no roles at all: the error that asks for them
-        hint = table_role_hint(d)
-        raise BadInputError(f"the table's roles name {NO_SPARSE_FEATURE}" + (f"; {hint}" if hint else ""))
-    empty = d.splits_without_rows()
-    if empty:
-        one = len(empty) == 1
-        settings = " and ".join(f"data.{split}_fraction={getattr(d, split + '_fraction'):g}" for split in empty)
-        if d.source == "synthetic":
-            settings, fix = f"{settings} of data.rows={d.rows:,}", " or more data.rows"
-        else:
-            fix = f" or files of {'its' if one else 'their'} own ({' / '.join(f'data.{split}_path' for split in empty)})"
-        raise BadInputError(f"{settings} give{'s' if one else ''} the {' and '.join(empty)} split{'' if one else 's'} "
-                            f"no rows, and training needs rows in train, valid and test: give {'it' if one else 'them'} "
-                            f"a larger fraction{fix}")
 
 
 def main(argv: list[str] | None = None) -> int:
