@@ -16,12 +16,13 @@ from pipeline.stages.config import load_config
 from pipeline.stages.data import ensure_raw
 
 ROWS = 300
+COUNT = " (a label is one row's outcome: a count of clicks or a rate is none; give each outcome its row)"
 # line number (1-based) -> (kind, what the report says)
 MALFORMED = {
     5: ("wrong_field_count", "expected 40 fields, found 39"),
     10: ("wrong_field_count", "expected 40 fields, found an empty line"),
     15: ("not_a_number", "I3: 'abc' is not an integer"),
-    20: ("bad_label", "label: expected 0 or 1, found '2'"),
+    20: ("bad_label", "label: expected 0 or 1, found '2'" + COUNT),
     25: ("invalid_utf8", "invalid UTF-8"),
     30: ("wrong_field_count", "expected 40 fields, found 41"),
 }
@@ -109,7 +110,7 @@ def test_criteo_rows_that_parse_but_are_wrong(tmp_path):
     raw = ensure_raw(_cfg(tmp_path, "data.source=criteo", f"data.path={path}", "data.on_bad_lines=skip"))
     report = json.loads((raw.root / "ingest_report.json").read_text())
     assert [(e["line"], e["reason"]) for e in report["examples"]] == [
-        (3, "label: expected 0 or 1, found '2'"), (7, "expected 40 fields, found 20")]
+        (3, "label: expected 0 or 1, found '2'" + COUNT), (7, "expected 40 fields, found 20")]
     assert sum(raw.rows.values()) == 48
 
 
@@ -309,7 +310,7 @@ def test_table_reader_counts_bad_numbers_and_labels(tmp_path):
     report = json.loads((raw.root / "ingest_report.json").read_text())
     assert report["bad"] == {"not_a_number": 1, "bad_label": 1}
     assert [(e["line"], e["reason"]) for e in report["examples"]] == [
-        (3, "price: 'oops' is not a number"), (4, "clicked: expected 0 or 1, found '3'")]
+        (3, "price: 'oops' is not a number"), (4, "clicked: expected 0 or 1, found '3'" + COUNT)]
     prices = sorted(v for s in raw.splits.values() for p in s for v in pq.read_table(p).column("price").to_pylist()
                     if v is not None)
     assert prices == [2.5, 1000.0] and sum(raw.rows.values()) == 3
@@ -464,7 +465,7 @@ def test_parquet_integer_categories_nan_and_bad_labels(tmp_path):
     report = json.loads((raw.root / "ingest_report.json").read_text())
     assert report["bad"] == {"bad_label": 2}
     assert [(e["line"], e["reason"]) for e in report["examples"]] == [
-        (3, "clicked: expected 0 or 1, found '2'"), (4, "clicked: expected 0 or 1, found ''")]
+        (3, "clicked: expected 0 or 1, found '2'" + COUNT), (4, "clicked: expected 0 or 1, found ''")]
     table = pa.concat_tables([pq.read_table(p) for s in raw.splits.values() for p in s])
     rows = sorted(table.to_pylist(), key=lambda r: r["item"] or "")
     assert rows == [
@@ -489,7 +490,7 @@ def test_parquet_unsigned_and_dictionary_columns_are_checked_as_their_values(tmp
     assert report["bad"] == {"not_a_number": 1, "out_of_range": 1, "bad_label": 1}
     assert [(e["line"], e["reason"]) for e in report["examples"]] == [
         (2, "price: 'oops' is not a number"), (3, "count: '18446744073709551615' is outside the 64-bit integer range"),
-        (4, "clicked: expected 0 or 1, found '2'")]
+        (4, "clicked: expected 0 or 1, found '2'" + COUNT)]
     table = pa.concat_tables([pq.read_table(p) for s in raw.splits.values() for p in s])
     assert table.schema.field("count").type == pa.int64() and table.schema.field("item").type == pa.string()
     assert sorted(table.to_pylist(), key=lambda r: r["price"]) == [

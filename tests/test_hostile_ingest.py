@@ -456,7 +456,7 @@ def test_a_few_bad_rows_are_still_offered_the_skip():
 
     report = {"files": [{}], "bad_rows": 2, "rows_read": 100, "bad": {"not_a_number": 2},
               "examples": [{"file": "a.csv", "line": 3, "reason": "x: 'q' is not a number", "excerpt": "1,q"}]}
-    assert "set data.on_bad_lines=skip" in _failure_message(report)
+    assert "set data.on_bad_lines=skip" in _failure_message(report, Path("raw/ingest_report.json"))
 
 
 def test_a_timestamp_parquet_column_named_continuous_is_told_where_it_belongs(tmp_path):
@@ -484,6 +484,25 @@ def test_labels_of_minus_one_and_one_are_told_to_be_written_as_zero_and_one(tmp_
         data_stage.ensure_raw(cfg)
     assert "found '-1' (labels of -1 and 1: write the negatives as 0" in str(err.value)
     assert "on_bad_lines=skip" not in str(err.value) and str(err.value).count("labels of -1") == 1
+
+
+@pytest.mark.parametrize("reader, suffix", [("arrow", "csv"), ("vectorized", "csv"), ("arrow", "parquet")])
+@pytest.mark.parametrize("labels, advice", [
+    (["yes", "no"], "found 'yes' (a label of words: write the positive outcome as 1 and the other as 0"),
+    ([3, 0], "found '3' (a label is one row's outcome: a count of clicks or a rate is none"),
+])
+def test_labels_of_words_or_counts_are_told_what_a_label_is(tmp_path, reader, suffix, labels, advice):
+    """A label of yes / no, or a count of clicks: the error said "expected 0 or 1" and then to check the roles, and
+    pointed at ingest_report.json without saying where it is."""
+    frame = pd.DataFrame({"y": labels * 20, "c": [f"u{i}" for i in range(40)]})
+    path = tmp_path / f"rows.{suffix}"
+    frame.to_csv(path, index=False) if suffix == "csv" else frame.to_parquet(path, index=False)
+    cfg = load_config(None, [f"workdir={tmp_path / 'work'}", "data.source=table", "progress=off", f"data.reader={reader}",
+                             f"data.path={path}", "data.label=y", "data.categorical=[c]"])
+    with pytest.raises(BadInputError) as err:
+        data_stage.ensure_raw(cfg)
+    assert advice in str(err.value)
+    assert f"details in {cfg.paths.raw / 'ingest_report.json'}" in str(err.value)
 
 
 def test_a_list_column_pandas_wrote_to_a_csv_is_malformed_not_one_item_a_row(tmp_path):

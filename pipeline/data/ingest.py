@@ -104,12 +104,12 @@ def ingest(d: DataConfig, seed: int, root: Path, params: dict, progress: str | b
     for note in report["notes"]:
         print(f"[data] note: {note}", flush=True)
     _print_report(report)
-    _refuse_no_rows(report, [p for p, _ in files], d)
+    _refuse_no_rows(report, [p for p, _ in files], d, root / raw_folder.INGEST_REPORT)
     if report["status"] == "failed":
         for split in raw_folder.SPLITS:
             for part in (root / split).glob("*.parquet"):
                 part.unlink()
-        raise BadInputError(_failure_message(report))
+        raise BadInputError(_failure_message(report, root / raw_folder.INGEST_REPORT))
     for split in raw_folder.SPLITS:
         (root / split).mkdir(parents=True, exist_ok=True)
         raw_folder.number_parts(root / split)
@@ -255,7 +255,7 @@ def _combine(results: list[dict], d: DataConfig) -> dict:
     }
 
 
-def _refuse_no_rows(report: dict, paths: list[Path], d: DataConfig) -> None:
+def _refuse_no_rows(report: dict, paths: list[Path], d: DataConfig, report_path: Path) -> None:
     """A BadInputError when the input holds no row, or none that is not malformed. One empty file among others (a
     part of an empty partition, as Spark and Dask write them) is no error."""
     if report["rows_read"] == 0 and not any(f.get("error") for f in report["files"]):
@@ -265,7 +265,7 @@ def _refuse_no_rows(report: dict, paths: list[Path], d: DataConfig) -> None:
         raise BadInputError(f"the {len(paths)} input files are all empty ({paths[0]}, ...): expected {what}")
     if report["status"] == "ok" and report["rows_kept"] == 0:
         raise BadInputError(f"every one of the {report['rows_read']} rows read is malformed ({report['bad']}; examples "
-                            "in ingest_report.json): fix the input, or check the column roles and data.list_separator")
+                            f"in {report_path}): fix the input, or check the column roles and data.list_separator")
 
 
 def _print_report(report: dict) -> None:
@@ -276,10 +276,10 @@ def _print_report(report: dict) -> None:
         print(f"[data]   {e['file']}:{e['line']}: {e['reason']}: {e['excerpt']!r}", flush=True)
 
 
-def _failure_message(report: dict) -> str:
+def _failure_message(report: dict, report_path: Path) -> str:
     damaged = [f["error"] for f in report["files"] if f.get("error")]
     if damaged:
-        return damaged[0] + (f" ({len(damaged) - 1} more damaged file(s) in ingest_report.json)"
+        return damaged[0] + (f" ({len(damaged) - 1} more damaged file(s) in {report_path})"
                              if len(damaged) > 1 else "")
     shown, advice_given = [], set()
     for e in report["examples"][:3]:
@@ -307,7 +307,7 @@ def _failure_message(report: dict) -> str:
     else:
         advice = "Fix the input or set data.on_bad_lines=skip to drop and count them"
     return (f"malformed input rows ({report['bad_rows']} found before stopping: {report['bad']}): {first}. "
-            f"{advice}; details in ingest_report.json")
+            f"{advice}; details in {report_path}")
 
 
 def _id_type_notes(files: list[Path], names: list[str]) -> list[str]:

@@ -103,6 +103,12 @@ def value_problem(name: str, kind: str, value: str, time_column: str = "") -> tu
         if re.fullmatch(r"-1(\.0*)?", value.strip()):
             return "bad_label", (f"{name}: expected 0 or 1, found {value!r} (labels of -1 and 1: write the negatives as "
                                  "0; skipping them would leave the positives alone)")
+        if re.fullmatch(r"\+?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?", value):
+            return "bad_label", (f"{name}: expected 0 or 1, found {shown!r} (a label is one row's outcome: a count of "
+                                 "clicks or a rate is none; give each outcome its row)")
+        if re.fullmatch(r"[^\W\d_][\w -]*", value):
+            return "bad_label", (f"{name}: expected 0 or 1, found {shown!r} (a label of words: write the positive "
+                                 "outcome as 1 and the other as 0, or as true and false)")
         return "bad_label", f"{name}: expected 0 or 1, found {value!r}"
     if kind == "list_text":
         return "list_as_text", (f"{name}: {shown!r} is a list written as its text (as pandas writes a list to a CSV: "
