@@ -23,9 +23,9 @@ from pipeline.train.driver import train
 
 def run(cfg: PipelineConfig) -> dict:
     """Train, evaluate on valid and test, write the run's outputs; return the summary (also printed)."""
-    world = World.from_env(resolve_device(cfg.device).kind, cfg.distributed.timeout_s)
     if not cfg.paths.schema.is_file():
         refuse_what_training_would(cfg)
+    world = World.from_env(resolve_device(cfg.device).kind, cfg.distributed.timeout_s)
     if world.is_writer and not cfg.paths.schema.is_file():
         print(f"[train] no ETL output at {cfg.paths.processed}: running the ETL stage first", flush=True)
         from pipeline.stages.etl import run as run_etl
