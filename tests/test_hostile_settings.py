@@ -500,6 +500,35 @@ def test_a_full_disk_under_an_arrow_write_names_the_workdir(tmp_path, monkeypatc
     assert capsys.readouterr().err.splitlines() == [expected]
 
 
+@pytest.mark.parametrize("source", ["synthetic", "table"])
+def test_a_data_stage_that_fails_after_its_first_parts_removes_them(tmp_path, monkeypatch, capsys, source):
+    """A full disk as the raw data is finished: the parts already written stayed on the disk they filled (found on a
+    3 MB tmpfs), in a dataset no stage reads."""
+    import errno
+
+    import pipeline.stages.data as data_stage
+    from pipeline.data import ingest
+    from pipeline.files import write_json
+
+    def full_at_meta(path, *args, **kwargs):
+        if Path(path).name == "meta.json":
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return write_json(path, *args, **kwargs)
+
+    monkeypatch.setattr(data_stage, "write_json", full_at_meta)
+    monkeypatch.setattr(ingest, "write_json", full_at_meta)
+    args = [f"workdir={tmp_path / 'w'}", "data.rows=2000", "progress=off"]
+    if source == "table":
+        rows = pd.DataFrame({"y": [0, 1] * 100, "c": np.arange(200) % 7})
+        rows.to_csv(tmp_path / "rows.csv", index=False)
+        args = [f"workdir={tmp_path / 'w'}", "progress=off", "data.source=table", f"data.path={tmp_path / 'rows.csv'}",
+                "data.label=y", "data.categorical=[c]"]
+    assert main(["data", *args]) == 2
+    assert "No space left on device" in capsys.readouterr().err
+    raw = tmp_path / "w" / source / "raw"
+    assert raw.is_dir() and not list(raw.rglob("*.parquet")) and not (raw / "meta.json").exists()
+
+
 def test_a_command_without_its_stage_names_only_what_is_missing(capsys):
     """`python -m pipeline run` said the optional key=value overrides were required too."""
     for argv, missing in ((["run"], "stage"), (["config"], "action")):

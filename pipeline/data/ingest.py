@@ -106,9 +106,7 @@ def ingest(d: DataConfig, seed: int, root: Path, params: dict, progress: str | b
     _print_report(report)
     _refuse_no_rows(report, [p for p, _ in files], d, root / raw_folder.INGEST_REPORT)
     if report["status"] == "failed":
-        for split in raw_folder.SPLITS:
-            for part in (root / split).glob("*.parquet"):
-                part.unlink()
+        raw_folder.clear_splits(root)
         raise BadInputError(_failure_message(report, root / raw_folder.INGEST_REPORT))
     for split in raw_folder.SPLITS:
         (root / split).mkdir(parents=True, exist_ok=True)

@@ -139,6 +139,12 @@ def clear(root: Path) -> None:
     root.mkdir(parents=True, exist_ok=True)
     for name in (META, ORACLE, INGEST_REPORT):
         (root / name).unlink(missing_ok=True)
+    clear_splits(root)
+
+
+def clear_splits(root: Path) -> None:
+    """Remove the splits' parts of a raw folder whose making failed: no stage reads an unfinished dataset, and its
+    parts would hold the disk they may have filled. What says why it failed (``ingest_report.json``) stays."""
     for split in SPLITS:
         shutil.rmtree(root / split, ignore_errors=True)
 

@@ -184,11 +184,15 @@ def _ensure(cfg: PipelineConfig, lock: FileLock) -> tuple[RawDataset, bool]:
     if waited and (raw := _reusable(cfg, params)) is not None:
         return raw, False
     raw_folder.clear(cfg.paths.raw)
-    if cfg.data.source == "synthetic":
-        _generate(cfg, params)
-    else:
-        ingest.ingest(cfg.data, cfg.seed, cfg.paths.raw, params, progress=cfg.progress,
-                      array_module=text_array_module(cfg))
+    try:
+        if cfg.data.source == "synthetic":
+            _generate(cfg, params)
+        else:
+            ingest.ingest(cfg.data, cfg.seed, cfg.paths.raw, params, progress=cfg.progress,
+                          array_module=text_array_module(cfg))
+    except BaseException:
+        raw_folder.clear_splits(cfg.paths.raw)
+        raise
     return RawDataset.load(cfg.paths.raw), True
 
 
