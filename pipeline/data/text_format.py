@@ -106,7 +106,7 @@ def value_problem(name: str, kind: str, value: str, time_column: str = "") -> tu
         if re.fullmatch(r"\+?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?", value):
             return "bad_label", (f"{name}: expected 0 or 1, found {shown!r} (a label is one row's outcome: a count of "
                                  "clicks or a rate is none; give each outcome its row)")
-        if re.fullmatch(r"[^\W\d_][\w -]*", value):
+        if re.fullmatch(r"[^\W\d_][\w -]*", value) and not re.match(MISSING_NUMBER_PATTERN, value):
             return "bad_label", (f"{name}: expected 0 or 1, found {shown!r} (a label of words: write the positive "
                                  "outcome as 1 and the other as 0, or as true and false)")
         return "bad_label", f"{name}: expected 0 or 1, found {value!r}"
