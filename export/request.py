@@ -38,7 +38,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sized
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -187,6 +187,11 @@ class RequestLayout:
             columns = {str(name): rows[name] for name in rows.columns}
         elif isinstance(rows, Mapping):
             columns = {str(name): values for name, values in rows.items()}
+            single = next((name for name, values in columns.items() if _one_value(values)), None)
+            if single is not None:
+                raise BadInputError(f"rows: a dict is read as columns by name, each a list of values, and {single!r} "
+                                    f"holds one value ({columns[single]!r}): give one row as a list of one dict, "
+                                    "[{...}]")
             indexes = [v.index for v in columns.values() if isinstance(v, pd.Series)]
             if any(not index.equals(indexes[0]) for index in indexes[1:]):
                 raise BadInputError("rows: a dict of pandas Series with different indexes (their rows would pair by "
@@ -224,6 +229,11 @@ class RequestLayout:
                                     f"found {len(parts)}")
             fields.append(parts)
         return {name: [f[k] if f[k] != "" else None for f in fields] for k, name in enumerate(self.columns)}
+
+
+def _one_value(values: Any) -> bool:
+    """Whether a column given by name holds one value instead of a list of them (text has a length too)."""
+    return isinstance(values, (str, bytes)) or not isinstance(values, Sized) or getattr(values, "ndim", 1) == 0
 
 
 def _rows_of(columns: dict[str, Any], start: int, end: int) -> dict[str, Any]:

@@ -886,6 +886,19 @@ those of a process that runs (it may be writing)."""
                                                            f"instance-{pid}-{start}.json.tmp"]
 
 
+@pytest.mark.parametrize("row", [{"user": "u12"}, {"user": b"u12", "price": 1.0}, {"price": np.float64(2.0)},
+                                 {"price": np.array(2.0)}])
+def test_a_dict_of_one_row_s_values_is_refused_not_read_as_columns(row):
+    """A dict is columns by name: one row given as a dict of its values had its text read as a column of characters
+    (``{"user": "u12"}`` was served as three rows, ``u``, ``1`` and ``2``, without a word), and a number failed with
+    "object of type 'float' has no len()"."""
+    layout = RequestLayout(integers=(), floats=("price",), strings=("user",), lists=())
+    with pytest.raises(BadInputError, match=r"a dict is read as columns by name, each a list of values, and '(user|price)' "
+                                            r"holds one value .*: give one row as a list of one dict"):
+        layout.tensors(row)
+    assert text_values(layout.tensors({"user": ["u12"]})["STRINGS"])[:, 0].tolist() == [b"u12"]
+
+
 def test_rows_a_request_cannot_carry_as_given_are_refused_naming_why():
     """A None item of a list was sent as the text "None"; a dict of Series with other indexes paired rows by position;
     a frame with a column twice failed with a bare KeyError."""
