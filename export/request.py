@@ -353,16 +353,20 @@ def _text_matrix(columns: Mapping[str, Any], names: tuple[str, ...], batch: int,
     as text or lists of text is read in one pass, any other value by value; in a column of ``integer_text`` a
     whole-number float is written as its integer."""
     parts = []
+    lists = tensor == LISTS
     for name in names:
         arrow = _arrow(columns[name]) if name in columns else None
         if arrow is not None and _is_list(arrow.type):
+            present = np.flatnonzero(arrow.is_valid().to_numpy(zero_copy_only=False))
+            if not lists and present.size:
+                raise _list_in_single_values(name, int(present[0]), arrow[int(present[0])].as_py())
             _refuse_separator_items(name, arrow, separator)
         text = _as_text(arrow, separator) if name in columns else pa.nulls(batch, pa.large_binary())
         if text is None:
             values = columns[name]
             values = values.tolist() if hasattr(values, "tolist") else values
             whole = name in integer_text
-            text = pa.array([None if _is_missing(v) else _to_bytes(v, separator, name, row, whole)
+            text = pa.array([None if _is_missing(v) else _to_bytes(v, separator, name, row, whole, lists)
                              for row, v in enumerate(values)], pa.large_binary())
         parts.append(text)
     if len({part.type for part in parts}) > 1:
@@ -496,14 +500,16 @@ def _is_missing(value: Any) -> bool:
     return value is pd.NA or value is pd.NaT
 
 
-def _to_bytes(value: Any, separator: str, name: str, row: int, whole: bool = False) -> bytes:
+def _to_bytes(value: Any, separator: str, name: str, row: int, whole: bool, lists: bool) -> bytes:
     """A value as the text a request carries: a number or boolean as Python's ``str`` writes it, or with ``whole`` a
-    whole-number float as its integer; a list's items joined by ``separator``."""
+    whole-number float as its integer; in a column of ``lists``, a list's items joined by ``separator``."""
     if isinstance(value, bytes):
         return value
     if isinstance(value, str):
         return value.encode()
     if isinstance(value, Iterable):
+        if not lists:
+            raise _list_in_single_values(name, row, value)
         if any(_is_missing(v) for v in value):
             raise BadInputError(f"column {name}, row {row}: the list {value!r} holds a missing item, which a request "
                                 "cannot carry: leave it out of the list")
@@ -512,6 +518,14 @@ def _to_bytes(value: Any, separator: str, name: str, row: int, whole: bool = Fal
             raise _separator_in_item(name, row, value, separator)
         return separator.join(items).encode()
     return _item_text(value, whole).encode()
+
+
+def _list_in_single_values(name: str, row: int, value: Any) -> BadInputError:
+    """A list given in a column of single values (a categorical one): it was sent as its items joined, a value the
+    model does not know."""
+    shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+    return BadInputError(f"column {name}, row {row}: a list ({shown}) in a column of single values: give the value "
+                         "itself (a column of lists is a multi-hot one, data.multihot)")
 
 
 def _item_text(value: Any, whole: bool) -> str:

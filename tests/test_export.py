@@ -899,6 +899,19 @@ def test_a_dict_of_one_row_s_values_is_refused_not_read_as_columns(row):
     assert text_values(layout.tensors({"user": ["u12"]})["STRINGS"])[:, 0].tolist() == [b"u12"]
 
 
+@pytest.mark.parametrize("rows", [[{"user": ["u12"]}], {"user": pd.Series([None, ["a", "b"]])},
+                                  [{"user": "u1"}, {"user": np.array(["u2"])}]])
+def test_a_list_in_a_column_of_single_values_is_refused(rows):
+    """A categorical column given a list: it was sent as the list's items joined by the separator (``['u12']`` as
+    ``u12``, ``['a', 'b']`` as ``a|b``), a value the model does not know, without a word."""
+    layout = RequestLayout(integers=(), floats=(), strings=("user",), lists=("tags",))
+    with pytest.raises(BadInputError, match=r"column user, row [01]: a list \(.*\) in a column of single values: give "
+                                            r"the value itself \(a column of lists is a multi-hot one"):
+        layout.tensors(rows)
+    tags = layout.tensors([{"user": "u1", "tags": ["a", "b"]}, {"user": None, "tags": None}])["LISTS"]
+    assert text_values(tags)[:, 0].tolist() == [b"a|b", b""]
+
+
 def test_rows_a_request_cannot_carry_as_given_are_refused_naming_why():
     """A None item of a list was sent as the text "None"; a dict of Series with other indexes paired rows by position;
     a frame with a column twice failed with a bare KeyError."""
