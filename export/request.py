@@ -177,6 +177,9 @@ class RequestLayout:
         """The given columns by name, each with one value per row, and the number of rows."""
         if isinstance(rows, str):
             rows = rows.splitlines()
+        if isinstance(rows, pd.Series):
+            raise BadInputError("rows: a pandas Series is one row or one column, and its values were read as rows: give "
+                                "a DataFrame (one row of a frame: frame.iloc[[i]]) or a dict of columns")
         if isinstance(rows, pd.DataFrame):
             repeated = sorted({str(c) for c in rows.columns if list(rows.columns).count(c) > 1})
             if repeated:

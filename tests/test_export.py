@@ -912,6 +912,16 @@ def test_a_list_in_a_column_of_single_values_is_refused(rows):
     assert text_values(tags)[:, 0].tolist() == [b"a|b", b""]
 
 
+def test_a_series_is_refused_as_rows():
+    """A frame's row as a Series (``frame.iloc[0]``): its values were read as rows, and the error spoke of a list of
+    bool."""
+    layout = RequestLayout(integers=(), floats=("price",), strings=("user",), lists=())
+    frame = pd.DataFrame({"user": ["u1", "u2"], "price": [1.0, 2.0]})
+    with pytest.raises(BadInputError, match=r"a pandas Series is one row or one column.*frame.iloc\[\[i\]\]"):
+        layout.tensors(frame.iloc[0])
+    assert text_values(layout.tensors(frame.iloc[[0]])["STRINGS"]).tolist() == [[b"u1"]]
+
+
 def test_rows_a_request_cannot_carry_as_given_are_refused_naming_why():
     """A None item of a list was sent as the text "None"; a dict of Series with other indexes paired rows by position;
     a frame with a column twice failed with a bare KeyError."""
