@@ -513,6 +513,9 @@ def _to_bytes(value: Any, separator: str, name: str, row: int, whole: bool, list
     if isinstance(value, Iterable):
         if not lists:
             raise _list_in_single_values(name, row, value)
+        if isinstance(value, Mapping) or any(isinstance(v, Iterable) and not isinstance(v, (str, bytes)) for v in value):
+            raise BadInputError(f"column {name}, row {row}: {value!r} is no list of values (a cell of a multi-hot "
+                                "column is one list of its values, each a number or text)")
         if any(_is_missing(v) for v in value):
             raise BadInputError(f"column {name}, row {row}: the list {value!r} holds a missing item, which a request "
                                 "cannot carry: leave it out of the list")

@@ -910,6 +910,9 @@ def test_a_list_in_a_column_of_single_values_is_refused(rows):
         layout.tensors(rows)
     tags = layout.tensors([{"user": "u1", "tags": ["a", "b"]}, {"user": None, "tags": None}])["LISTS"]
     assert text_values(tags)[:, 0].tolist() == [b"a|b", b""]
+    for cell in ([["a"], ["b"]], {"a": 1}):  # sent as "['a']|['b']" and as "a"
+        with pytest.raises(BadInputError, match=r"column tags, row 0: .* is no list of values"):
+            layout.tensors([{"user": "u1", "tags": cell}])
 
 
 def test_a_series_is_refused_as_rows():
