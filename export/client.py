@@ -55,6 +55,11 @@ class Client:
                  ignore_columns: Sequence[str] = ("label",)) -> None:
         if protocol not in ("http", "grpc"):
             raise ValueError(f"protocol: expected http or grpc, got {protocol!r}")
+        scheme, _, address = url.rpartition("://")
+        if scheme not in ("", "http", "grpc"):
+            raise ValueError(f"url: {url!r}: the server speaks plain HTTP and gRPC, not {scheme}: give host:port "
+                             "(an http:// or grpc:// before it is taken off)")
+        url = address
         self.url, self.protocol, self.model, self.timeout_s = url, protocol, model, timeout_s
         self.ignore_columns = set(ignore_columns)
         if protocol == "http":
@@ -172,6 +177,8 @@ class Client:
             return fn(*args, **kwargs)
         except InferenceServerException as err:
             raise ServingError(f"{self.model} at {self.url} (http): {err.message()}", err.status()) from err
+        except OSError as err:  # no server there, or the connection lost: as gRPC says "failed to connect"
+            raise ServingError(f"{self.model} at {self.url} (http): {err.strerror or err}") from err
 
     @staticmethod
     def _triton_dtype(dtype: np.dtype) -> str:

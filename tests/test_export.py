@@ -915,6 +915,25 @@ def test_a_list_in_a_column_of_single_values_is_refused(rows):
             layout.tensors([{"user": "u1", "tags": cell}])
 
 
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_a_client_without_a_server_says_so_and_takes_a_url_with_its_scheme(protocol):
+    """HTTP to no server raised a bare ConnectionRefusedError (gRPC's was a ServingError naming the model and url), and
+    ``http://host:port`` failed with "url should not include the scheme" and a traceback from the client's cleanup."""
+    import socket
+
+    from export.client import Client, ServingError
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    for url in (f"127.0.0.1:{port}", f"{protocol}://127.0.0.1:{port}"):
+        with Client(url, protocol, timeout_s=5) as client, pytest.raises(ServingError, match=rf"ensemble at 127.0.0.1:{port} "
+                                                                                           rf"\({protocol}\): .*refused"):
+            client.predict([{"user": "u1"}])
+    with pytest.raises(ValueError, match="the server speaks plain HTTP and gRPC, not https: give host:port"):
+        Client(f"https://127.0.0.1:{port}", protocol)
+
+
 def test_a_series_is_refused_as_rows():
     """A frame's row as a Series (``frame.iloc[0]``): its values were read as rows, and the error spoke of a list of
     bool."""
