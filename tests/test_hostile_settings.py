@@ -443,18 +443,18 @@ def test_a_table_of_continuous_features_only_is_refused_before_any_stage_runs(tm
     (["data.valid_fraction=0", "data.test_fraction=0"], "give the valid and test splits no rows"),
     (["data.rows=4", "data.test_fraction=0.2"], "data.valid_fraction=0.1 of data.rows=4 gives the valid split no rows"),
     (["table", "data.test_fraction=0"], "give it a larger fraction or files of its own (data.test_path)"),
+    (["train.embedding_backend=cuda"], "train.embedding_backend=cuda: embedding backend 'cuda' cannot run on cpu"),
 ])
-def test_settings_that_leave_an_evaluation_split_empty_are_refused_before_any_stage_runs(tmp_path, capsys, settings,
-                                                                                          said):
-    """Training needs rows in valid and test: `run all` with a fraction of 0 made the data, fitted the ETL, then
-    refused at the training stage."""
+def test_settings_that_training_refuses_are_refused_before_any_stage_runs(tmp_path, capsys, settings, said):
+    """Training needs rows in valid and test, and tables its device can run: `run all` with a fraction of 0 (or the
+    CUDA tables on a CPU) made the data, fitted the ETL, then refused at the training stage."""
     args = [f"workdir={tmp_path / 'work'}", "device=cpu", "data.rows=1000"]
     if settings[0] == "table":
         pd.DataFrame({"y": [0, 1] * 100, "c": np.arange(200) % 7}).to_csv(tmp_path / "rows.csv", index=False)
         args += ["data.source=table", f"data.path={tmp_path / 'rows.csv'}", "data.label=y", "data.categorical=[c]"]
         settings = settings[1:]
     for command in ("all", "train"):  # run train runs the data and ETL stages first where their output is missing
-        _refused(capsys, ["run", command, *args, *settings], said, "training needs rows in train, valid and test")
+        _refused(capsys, ["run", command, *args, *settings], said)
         assert not (tmp_path / "work").exists()
 
 

@@ -49,6 +49,12 @@ def run(cfg: PipelineConfig) -> dict:
 
 def refuse_what_training_would(cfg: PipelineConfig) -> None:
     """Settings that training would refuse, refused before the data and ETL stages run for it."""
+    from pipeline.modules.backends import check_backend
+    from pipeline.modules.configs import WEIGHT_DTYPES
+
+    t = cfg.train
+    check_backend(f"train.embedding_backend={t.embedding_backend}", t.embedding_backend,
+                  resolve_device(cfg.device).kind, WEIGHT_DTYPES[t.embedding_dtype])
     d = cfg.data
     if d.source == "table" and not (d.categorical or d.multihot):
         from pipeline.data.roles import table_role_hint, table_roles
