@@ -471,19 +471,26 @@ def test_a_timestamp_parquet_column_named_continuous_is_told_where_it_belongs(tm
         data_stage.ensure_raw(cfg)
 
 
-@pytest.mark.parametrize("reader, suffix", [("arrow", "csv"), ("vectorized", "csv"), ("arrow", "parquet")])
-def test_labels_of_minus_one_and_one_are_told_to_be_written_as_zero_and_one(tmp_path, reader, suffix):
-    """-1 / 1 labels (LibSVM's): the advice was to skip the malformed rows, which would have kept the positives
-    alone."""
-    frame = pd.DataFrame({"y": [-1, 1] * 20, "c": [f"u{i}" for i in range(40)]})
+def _ingest_labels(tmp_path, reader: str, suffix: str, labels: list):
+    """Ingest 40 rows whose label column ``y`` repeats ``labels`` from a CSV or parquet file; the settings and the
+    refusal it must end in."""
+    frame = pd.DataFrame({"y": labels * 20, "c": [f"u{i}" for i in range(40)]})
     path = tmp_path / f"rows.{suffix}"
     frame.to_csv(path, index=False) if suffix == "csv" else frame.to_parquet(path, index=False)
     cfg = load_config(None, [f"workdir={tmp_path / 'work'}", "data.source=table", "progress=off", f"data.reader={reader}",
                              f"data.path={path}", "data.label=y", "data.categorical=[c]"])
     with pytest.raises(BadInputError) as err:
         data_stage.ensure_raw(cfg)
-    assert "found '-1' (labels of -1 and 1: write the negatives as 0" in str(err.value)
-    assert "on_bad_lines=skip" not in str(err.value) and str(err.value).count("labels of -1") == 1
+    return cfg, str(err.value)
+
+
+@pytest.mark.parametrize("reader, suffix", [("arrow", "csv"), ("vectorized", "csv"), ("arrow", "parquet")])
+def test_labels_of_minus_one_and_one_are_told_to_be_written_as_zero_and_one(tmp_path, reader, suffix):
+    """-1 / 1 labels (LibSVM's): the advice was to skip the malformed rows, which would have kept the positives
+    alone."""
+    _, err = _ingest_labels(tmp_path, reader, suffix, [-1, 1])
+    assert "found '-1' (labels of -1 and 1: write the negatives as 0" in err
+    assert "on_bad_lines=skip" not in err and err.count("labels of -1") == 1
 
 
 @pytest.mark.parametrize("reader, suffix", [("arrow", "csv"), ("vectorized", "csv"), ("arrow", "parquet")])
@@ -495,15 +502,9 @@ def test_labels_of_minus_one_and_one_are_told_to_be_written_as_zero_and_one(tmp_
 def test_labels_of_words_or_counts_are_told_what_a_label_is(tmp_path, reader, suffix, labels, advice):
     """A label of yes / no, or a count of clicks: the error said "expected 0 or 1" and then to check the roles, and
     pointed at ingest_report.json without saying where it is."""
-    frame = pd.DataFrame({"y": labels * 20, "c": [f"u{i}" for i in range(40)]})
-    path = tmp_path / f"rows.{suffix}"
-    frame.to_csv(path, index=False) if suffix == "csv" else frame.to_parquet(path, index=False)
-    cfg = load_config(None, [f"workdir={tmp_path / 'work'}", "data.source=table", "progress=off", f"data.reader={reader}",
-                             f"data.path={path}", "data.label=y", "data.categorical=[c]"])
-    with pytest.raises(BadInputError) as err:
-        data_stage.ensure_raw(cfg)
-    assert advice in str(err.value) and str(err.value).count("(a label") <= 1
-    assert f"details in {cfg.paths.raw / 'ingest_report.json'}" in str(err.value)
+    cfg, err = _ingest_labels(tmp_path, reader, suffix, labels)
+    assert advice in err and err.count("(a label") <= 1
+    assert f"details in {cfg.paths.raw / 'ingest_report.json'}" in err
 
 
 def test_a_list_column_pandas_wrote_to_a_csv_is_malformed_not_one_item_a_row(tmp_path):

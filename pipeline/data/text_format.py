@@ -85,6 +85,10 @@ SPACED = "spaces around it"
 """What a value's reason says of a number or label that spaces beside it made malformed."""
 
 
+_UNSIGNED_NUMBER = r"([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?"
+"""A decimal number without its sign, as a number column's text may write it."""
+
+
 def value_problem(name: str, kind: str, value: str, time_column: str = "") -> tuple[str, str]:
     """(kind of problem, reason) of a value of column ``name`` that does not fit its ``kind`` (``time_column``: the
     column ``data.time_column`` names, if any)."""
@@ -94,7 +98,7 @@ def value_problem(name: str, kind: str, value: str, time_column: str = "") -> tu
         return unread, (f"{name}: found {value!r}, the column's own name: a header line inside the file (files "
                         "joined with their header lines keep every one after the first as a row)")
     if kind in ("label", "int", "float") and value != value.strip() and re.fullmatch(
-            r"[01]" if kind == "label" else r"[-+]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?", value.strip()):
+            r"[01]" if kind == "label" else r"[-+]?" + _UNSIGNED_NUMBER, value.strip()):
         what = "expected 0 or 1, found" if kind == "label" else "not a number:"
         return unread, (
             f"{name}: {what} {shown!r}, {SPACED} (as in a file written with ', ' between its values: write it "
@@ -103,7 +107,7 @@ def value_problem(name: str, kind: str, value: str, time_column: str = "") -> tu
         if re.fullmatch(r"-1(\.0*)?", value.strip()):
             return "bad_label", (f"{name}: expected 0 or 1, found {value!r} (labels of -1 and 1: write the negatives as "
                                  "0; skipping them would leave the positives alone)")
-        if re.fullmatch(r"\+?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?", value):
+        if re.fullmatch(r"\+?" + _UNSIGNED_NUMBER, value):
             return "bad_label", (f"{name}: expected 0 or 1, found {shown!r} (a label is one row's outcome: a count of "
                                  "clicks or a rate is none; give each outcome its row)")
         if re.fullmatch(r"[^\W\d_][\w -]*", value) and not re.match(MISSING_NUMBER_PATTERN, value):
