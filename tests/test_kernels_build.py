@@ -134,10 +134,28 @@ def test_slot_arrays_follow_the_packing():
     assert slots.table_row_starts.tolist() == [0, 7, 10, 15]
     assert slots.table_weight_offsets.tolist() == [0, 28, 40]
     assert slots.table_dims.tolist() == [4, 4, 8]
-    assert slots.columns_aligned
+    assert slots.column_multiple == 4
     odd = SlotArrays.from_packing(TablePacking.build([TableConfig("t", 3, 7, ["a"]), TableConfig("u", 3, 4, ["b"])]),
                                  "cpu")
-    assert not odd.columns_aligned
+    assert odd.column_multiple == 1
+
+
+def test_the_update_reads_fp32_and_bf16_gradients_where_they_lie_and_copies_the_rest():
+    from pipeline.kernels.embedding.launcher import _gradient_rows
+
+    tables = [TableConfig("a", 10, 8, ["a"]), TableConfig("b", 10, 16, ["b"])]
+    slots = SlotArrays.from_packing(TablePacking.build(tables), "cpu")
+    wide = torch.zeros(4, 40, dtype=torch.bfloat16)
+    for column, aligned in ((8, True), (4, False), (3, False)):  # bf16 weights: vectors of 8 elements
+        grad, vectors = _gradient_rows(wide[:, column : column + 24], slots, width=8)
+        assert grad.data_ptr() == wide.data_ptr() + 2 * column and grad.stride(0) == 40 and vectors == aligned
+    grad, vectors = _gradient_rows(wide[:, 4:28], slots, width=4)  # fp32 weights: vectors of 4
+    assert grad.data_ptr() == wide.data_ptr() + 8 and vectors
+    contiguous = torch.zeros(4, 24)
+    assert _gradient_rows(contiguous, slots, width=4) == (contiguous, True)
+    for other in (torch.zeros(4, 24, dtype=torch.float16), torch.zeros(24, 4).t(), torch.zeros(24).expand(4, 24)):
+        grad, vectors = _gradient_rows(other, slots, width=4)
+        assert grad.dtype == torch.float32 and grad.is_contiguous() and vectors
 
 
 _CTYPE_TO_PTX = {"c_void_p": "u64", "c_int": "u32", "c_long": "u64", "c_ulong": "u64", "c_float": "f32"}
@@ -201,17 +219,19 @@ def test_launch_arguments_match_kernel_signatures(update_kernel, dims, nvcc_buil
     offsets = torch.tensor([0, 60, 100, 170, 200], dtype=torch.int64)
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         weights = torch.zeros(packing.total_elements, dtype=dtype)
-        launcher.pooled_forward(weights, slots, indices, offsets, 2)
+        for out_dtype in (torch.float32, torch.float16, torch.bfloat16):
+            launcher.pooled_forward(weights, slots, indices, offsets, 2, out_dtype)
         for opt in ("sgd", "adagrad", "adam"):
             state = {"adagrad": {"momentum1": torch.zeros(packing.total_rows)},
                      "adam": {"momentum1": torch.zeros(weights.numel()), "momentum2": torch.zeros(weights.numel())},
                      }.get(opt, {})
-            launcher.backward_update(weights, state, slots, indices, offsets, 2,
-                                     torch.zeros(2, packing.total_dim), opt, 0.1, 1)
+            for grad in (torch.zeros(2, packing.total_dim), torch.zeros(2, packing.total_dim + 8,
+                                                                        dtype=torch.bfloat16)[:, 8:]):
+                launcher.backward_update(weights, state, slots, indices, offsets, 2, grad, opt, 0.1, 1)
     functions = {f for f, _, _ in launches}
     wide = dims[1] > 256  # bf16 rows that one pass of 32 lanes does not cover: two vectors a lane
     chunks = "c2" if wide or kernel.vectors_per_lane == 2 else "c1"
-    assert {"pooled_forward_f32", f"sparse_update_adam_bf16_i32_{'c2' if wide else 'c1'}_long",
+    assert {"pooled_forward_f32_f32", "pooled_forward_f16_bf16", f"sparse_update_adam_bf16_i32_{'c2' if wide else 'c1'}_long",
             "row_keys_i32"} <= functions
     if kernel.singles_apart and not wide:
         assert {"count_segments_apart_i32", "compact_segments_apart_i32", "sparse_update_singles_adam_bf16_i32",

@@ -142,6 +142,57 @@ def test_backward_update_matches_reference(case, dtype, optimizer, update_kernel
         before = cuda.weights.clone()
 
 
+_OUT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@pytest.mark.parametrize("out", list(_OUT_DTYPES))
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("case", ["one_hot", "multi_hot_odd_dims", "shared_and_hot_rows", "large_batch", "all_empty"])
+def test_the_training_lookup_under_autocast_rounds_its_fp32_sums_once(case, dtype, out):
+    (ref, cuda), tables, features, batch, max_len, cap = _pair(case, dtype, "sgd")
+    kjt = _batch(tables, features, batch, max_len, cap, seed=3).to("cuda")
+    with torch.no_grad():
+        expected = ref(kjt).to(_OUT_DTYPES[out])
+    cuda.train()
+    with torch.autocast("cuda", dtype=_OUT_DTYPES[out]):
+        pooled = cuda(kjt)
+    assert pooled.dtype == _OUT_DTYPES[out] and pooled.shape == expected.shape
+    # the same fp32 sums as the reference's up to their order, rounded once: at most one unit in the last place
+    ulp = {"bf16": 2.0**-7, "fp16": 2.0**-10}[out]
+    torch.testing.assert_close(pooled.float(), expected.float(), rtol=ulp, atol=1e-6)
+
+
+@pytest.mark.parametrize("column", [8, 3])
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", ["multi_hot_odd_dims", "shared_and_hot_rows"])
+def test_the_update_reads_a_bf16_gradient_slice_in_place_as_its_fp32_copy(case, dtype, optimizer, column,
+                                                                          update_kernel):
+    """A bf16 gradient given as columns ``column ..`` of a wider tensor (as the dense part's backward leaves the
+    pooled rows' gradient): read where it lies, it updates the rows exactly as its values copied to contiguous
+    fp32 do (every bf16 is an fp32, summed in the same order). Column 3 leaves the rows off the vector boundary."""
+    (_ref, cuda), tables, features, batch, max_len, cap = _pair(case, dtype, optimizer)
+    kjt = _batch(tables, features, batch, max_len, cap, seed=4).to("cuda")
+    indices, offsets, b = cuda.slot_bags(kjt)
+    slots = launcher.SlotArrays.from_packing(cuda.storage_packing, "cuda")
+    g = torch.Generator("cuda").manual_seed(5)
+    width = column + cuda.output_dim
+    wide = torch.randn(b, width + 8 + -width % 8, device="cuda", generator=g).to(torch.bfloat16)
+    sliced = wide[:, column : column + cuda.output_dim]
+    assert sliced.data_ptr() == wide.data_ptr() + 2 * column and not sliced.is_contiguous()
+    results = []
+    for grad in (sliced.float().contiguous(), sliced):
+        weights = cuda.weights.clone()
+        state = {name: t.clone() for name, t in cuda.optimizer_state().items()}
+        launcher.backward_update(weights, state, slots, indices, offsets, b, grad, optimizer, 0.05, 1)
+        results.append((weights, state))
+    (w32, s32), (w16, s16) = results
+    assert torch.equal(w16, w32)
+    for name in s32:
+        assert torch.equal(s16[name], s32[name]), name
+    assert not torch.equal(w16, cuda.weights), "the update changed nothing"
+
+
 def test_update_rejects_rows_wider_than_supported():
     from pipeline.kernels.embedding.launcher import MAX_UPDATE_DIM
 

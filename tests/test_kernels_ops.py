@@ -53,7 +53,7 @@ def test_opcheck_lookup_and_its_backward():
     trigger = torch.empty(0, requires_grad=True)
     args = (trigger, weights, torch.zeros(packing.total_rows), None, None, torch.zeros((), dtype=torch.int64),
             torch.tensor([0.1, 0.0, 0.0], dtype=torch.float64), ids, offsets, 4, *packing.op_args(), "adagrad",
-            1e-8, 0.9, 0.999, 0.0, False, 0)
+            1e-8, 0.9, 0.999, 0.0, False, 0, torch.float32)
     # the backward updates the weights in place, so the gradient checks of opcheck do not apply
     torch.library.opcheck(torch.ops.pipeline.embedding_lookup_reference, args,
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))

@@ -226,6 +226,28 @@ def test_state_dict_round_trip_continues_identically(kind):
     torch.testing.assert_close(a.weights, b.weights, rtol=0, atol=0)
 
 
+def test_a_training_lookup_under_autocast_gives_its_dtype_and_trains_as_in_fp32():
+    gen = torch.Generator().manual_seed(7)
+    kjt, _ = _random_kjt(gen, 6)
+    made = [EmbeddingCollection(_mixed_tables(), FEATURES, EmbeddingOptimizerConfig("adagrad", lr=0.1),
+                                generator=torch.Generator().manual_seed(1)) for _ in range(2)]
+    plain, autocast = made
+    plain.train(), autocast.train()
+    before = plain.weights.clone()
+    pooled = plain(kjt)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        rounded = autocast(kjt)
+    assert pooled.dtype == torch.float32 and rounded.dtype == torch.bfloat16
+    assert torch.equal(rounded, pooled.to(torch.bfloat16))  # the fp32 sums rounded once
+    grad = torch.randn(pooled.shape, generator=gen).to(torch.bfloat16)
+    pooled.backward(grad.float())
+    rounded.backward(grad)
+    assert torch.equal(autocast.weights, plain.weights) and not torch.equal(plain.weights, before)
+    assert torch.equal(autocast.optimizer_state()["momentum1"], plain.optimizer_state()["momentum1"])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert autocast(kjt).dtype == torch.float32  # evaluation and serving: fp32, as before
+
+
 def test_eval_mode_and_no_grad_do_not_update():
     emb = EmbeddingCollection(_mixed_tables(), FEATURES)
     kjt, _ = _random_kjt(torch.Generator().manual_seed(4), batch=3)

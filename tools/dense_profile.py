@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=20, help="timed steps")
     parser.add_argument("--warmup", type=int, default=5, help="steps before the timed ones (the compile among them)")
     parser.add_argument("--profile", type=int, default=0, metavar="N", help="profile N more steps by kind of kernel")
+    parser.add_argument("--pooled-dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the dtype of the pooled embeddings and their gradient, as the tables hand them over")
     parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     args = parser.parse_args(argv)
 
@@ -60,7 +62,8 @@ def main(argv: list[str] | None = None) -> dict:
     amp = device.type == "cuda"
     rows = args.batch
     dense = torch.randn(rows, model.num_dense, device=device)
-    pooled = torch.randn(rows, model.embedding.output_dim, device=device, requires_grad=True)
+    pooled = torch.randn(rows, model.embedding.output_dim, device=device, dtype=getattr(torch, args.pooled_dtype),
+                         requires_grad=True)
     label = torch.randint(0, 2, (rows,), device=device).float()
     loss_of = compiled_dense_loss(model, amp, args.compile, device) or functools.partial(dense_loss, model, amp)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, fused=device.type == "cuda")
@@ -84,10 +87,11 @@ def main(argv: list[str] | None = None) -> dict:
     flops = _flops_per_sample(model, amp, device)
     result = {
         "model": args.model, "preset": args.preset, "batch": rows, "device": str(device), "compile": args.compile,
+        "pooled_dtype": args.pooled_dtype,
         "step_ms": step_ms, "samples_per_s": rows / step_ms * 1e3, "warmup_s": warmup_s,
         "gemm_flops_per_sample": flops, "gemm_tflops": flops * rows / step_ms / 1e9,
     }
-    print(f"{args.model} ({args.preset}), batch {rows:,} on {device}, compile={args.compile}: {step_ms:.3f} ms a step "
+    print(f"{args.model} ({args.preset}), batch {rows:,} on {device}, compile={args.compile}, pooled {args.pooled_dtype}: {step_ms:.3f} ms a step "
           f"({result['samples_per_s']:,.0f} samples/s; warm-up {warmup_s:.1f} s); matrix products "
           f"{flops / 1e6:.1f} MFLOP a sample, at {result['gemm_tflops']:.3g} TFLOPS")
     if args.profile:

@@ -213,7 +213,7 @@ def _row_traffic(torch, launcher, weights, slots, batch, grad, batch_size: int, 
     a row. Empty where rows or gradient rows do not start on 16-byte boundaries, or the tables' dims differ."""
     ind, off = batch
     es = weights.element_size()
-    if weights.data_ptr() % 16 or slots.max_dim * es % 16 or not slots.columns_aligned or slots.total_dim % 4:
+    if weights.data_ptr() % 16 or slots.max_dim * es % 16 or slots.column_multiple % 4 or slots.total_dim % 4:
         return {}
     keys, bags = launcher.sort_by_row(slots, ind, off, batch_size)
     first = torch.ones_like(keys, dtype=torch.bool)

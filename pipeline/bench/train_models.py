@@ -66,6 +66,7 @@ def our_step(model, amp: bool, compiled: str):
 
     import torch
 
+    from pipeline.train.evaluate import autocast
     from pipeline.train.loop import compiled_dense_loss, dense_loss
 
     device = next(model.parameters()).device
@@ -73,7 +74,9 @@ def our_step(model, amp: bool, compiled: str):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 
     def step(dense, sparse, label):
-        loss = loss_of(dense, model.embedding(sparse), label)
+        with autocast(device, amp):
+            pooled = model.embedding(sparse)
+        loss = loss_of(dense, pooled, label)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()

@@ -258,15 +258,19 @@ class EmbeddingCollection(nn.Module):
 
     def lookup(self, indices: torch.Tensor, offsets: torch.Tensor, batch_size: int) -> torch.Tensor:
         """The pooled bags of :meth:`slot_bags`' ``(indices, offsets, batch_size)``, ids of ``storage_packing``'s
-        rows; in training, the fused update of those rows in backward."""
+        rows; in training, the fused update of those rows in backward, and under autocast the pooled rows in its
+        dtype, as a linear layer's output would be (summed in fp32, rounded once: no cast reads them again)."""
         backend = self.backend
         if torch.is_grad_enabled() and self.training:
             state, opt = self.optimizer_state(), self.optimizer
+            device_type = self.weights.device.type
+            out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) \
+                else torch.float32
             return backend.lookup_op(
                 self._trigger, self.weights, state.get("momentum1"), state.get("momentum2"),
                 state.get("master_weights"), self.step, self._hyper, indices, offsets, batch_size,
                 *self.storage_packing.op_args(), opt.kind, opt.eps, opt.beta1, opt.beta2, opt.weight_decay,
-                backend.stochastic(opt), backend.seed)
+                backend.stochastic(opt), backend.seed, out_dtype)
         return backend.forward(self.weights, self.storage_packing, indices, offsets, batch_size)
 
     def slot_bags(self, kjt: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor, int]:

@@ -353,7 +353,9 @@ class Trainer:
         # A short batch (an epoch's last) runs eagerly: compiled for its own shape, it would cost a second
         # compilation of the whole graph, seconds, for one step.
         if self._dense_loss is not None and batch.batch_size == self.loader.batch_size:
-            loss = self._dense_loss(batch.dense, self.model.embedding(batch.sparse), batch.label)
+            with autocast(self.device, self.amp):  # the pooled rows come in the dense part's dtype
+                pooled = self.model.embedding(batch.sparse)
+            loss = self._dense_loss(batch.dense, pooled, batch.label)
         else:
             with autocast(self.device, self.amp):
                 logits = self.model(batch.dense, batch.sparse)

@@ -65,10 +65,10 @@ __device__ __forceinline__ void sparse_update(
     const K* __restrict__ sorted_keys, const int* __restrict__ sorted_bags, const long long* __restrict__ offsets,
     const long long* __restrict__ table_row_starts, const long long* __restrict__ table_weight_offsets,
     const long long* __restrict__ table_dims, int num_tables, const long long* __restrict__ output_offsets,
-    const unsigned char* __restrict__ slot_mean, const float* __restrict__ grad, float* __restrict__ partials,
-    long long nnz, int num_slots, int batch_size, int log_lanes, int weights_aligned, int grad_aligned,
-    float lr, float eps, float beta1, float beta2, float bias1, float bias2, float weight_decay,
-    int stochastic, unsigned long long seed) {
+    const unsigned char* __restrict__ slot_mean, const void* __restrict__ grad, long long grad_stride,
+    float* __restrict__ partials, long long nnz, int num_slots, int batch_size, int log_lanes, int weights_aligned,
+    int grad_aligned, int grad_bf16, float lr, float eps, float beta1, float beta2, float bias1, float bias2,
+    float weight_decay, int stochastic, unsigned long long seed) {
     constexpr int N = Vec<W>::N;
     const int lanes = 1 << log_lanes;
     const int lane = threadIdx.x & (lanes - 1);
@@ -85,7 +85,6 @@ __device__ __forceinline__ void sparse_update(
     const int t = table_of<K>(key, table_row_starts, num_tables);
     const int D = (int)table_dims[t];
     const long long elem = table_weight_offsets[t] + ((long long)key - table_row_starts[t]) * D;
-    const long long grad_stride = output_offsets[num_slots];
     const bool vec_w = weights_aligned && (elem % N == 0) && (D % N == 0);
     const bool vec_g = grad_aligned && (D % N == 0);
     const int chunk = lanes * N;
@@ -109,7 +108,7 @@ __device__ __forceinline__ void sparse_update(
         long long goff = 0;
         float scale = 0.0f;
         if (in) bag_gradient(sorted_bags[j], batch_size, grad_stride, output_offsets, slot_mean, offsets, goff, scale);
-        add_gradient_rows<CHUNKS, N>(grad, goff, scale, n, D, lane, lanes, mask, vec_g, g);
+        add_gradient_rows<CHUNKS, N>(grad, goff, scale, n, D, lane, lanes, mask, vec_g, grad_bf16, g);
         if (n < lanes) break;
     }
 
@@ -203,16 +202,17 @@ __device__ __forceinline__ void sparse_update_long(
         W* weights, float* master, float* state1, float* state2, const K* sorted_keys,                  \
         const int* sorted_bags, const long long* offsets, const long long* table_row_starts,            \
         const long long* table_weight_offsets, const long long* table_dims, int num_tables,             \
-        const long long* output_offsets, const unsigned char* slot_mean, const float* grad,             \
-        float* partials, long long nnz, int num_slots, int batch_size, int log_lanes,                   \
-        int weights_aligned, int grad_aligned, float lr, float eps, float beta1, float beta2,           \
-        float bias1, float bias2, float weight_decay, int stochastic, unsigned long long seed) {        \
+        const long long* output_offsets, const unsigned char* slot_mean, const void* grad,              \
+        long long grad_stride, float* partials, long long nnz, int num_slots, int batch_size,           \
+        int log_lanes, int weights_aligned, int grad_aligned, int grad_bf16, float lr, float eps,       \
+        float beta1, float beta2, float bias1, float bias2, float weight_decay, int stochastic,          \
+        unsigned long long seed) {                                                                      \
         sparse_update<W, K, OPT, CHUNKS>(weights, master, state1, state2, sorted_keys, sorted_bags,     \
                                          offsets, table_row_starts, table_weight_offsets, table_dims,   \
-                                         num_tables, output_offsets, slot_mean, grad, partials, nnz,    \
-                                         num_slots, batch_size, log_lanes, weights_aligned,             \
-                                         grad_aligned, lr, eps, beta1, beta2, bias1, bias2,             \
-                                         weight_decay, stochastic, seed);                               \
+                                         num_tables, output_offsets, slot_mean, grad, grad_stride,      \
+                                         partials, nnz, num_slots, batch_size, log_lanes,               \
+                                         weights_aligned, grad_aligned, grad_bf16, lr, eps, beta1,      \
+                                         beta2, bias1, bias2, weight_decay, stochastic, seed);          \
     }
 
 // The runs cut into segments, whichever kernel updated the rest.

@@ -43,8 +43,9 @@ __device__ __forceinline__ unsigned int mix_hash(unsigned long long seed, unsign
 // Elements per 16-byte access.
 template <typename T> struct Vec { static constexpr int N = 16 / sizeof(T); };
 
-// Loads N = Vec<T>::N elements of p[d0 ...] as floats: one 16-byte load when `aligned` (p + d0 on a
-// 16-byte boundary and d0 + N <= D), else element by element with zeros past D.
+// Loads N elements of p[d0 ...] as floats: 16-byte loads when `aligned` (p + d0 on a 16-byte boundary, or
+// an 8-byte one for four 16-bit elements, and d0 + N <= D), else element by element with zeros past D.
+// N is 4 or 8 (a 16-byte vector of the row's storage type, which may be wider than T's).
 template <typename T, int N>
 __device__ __forceinline__ void load_elems(const T* p, int d0, int D, bool aligned, float (&v)[N]) {
     if (aligned) {
@@ -53,6 +54,14 @@ __device__ __forceinline__ void load_elems(const T* p, int d0, int D, bool align
             for (int q = 0; q < N / 4; ++q) {
                 const float4 w = *reinterpret_cast<const float4*>(reinterpret_cast<const float*>(p) + d0 + 4 * q);
                 v[4 * q] = w.x; v[4 * q + 1] = w.y; v[4 * q + 2] = w.z; v[4 * q + 3] = w.w;
+            }
+        } else if constexpr (N == 4) {
+            const uint2 w = *reinterpret_cast<const uint2*>(p + d0);
+            const unsigned int words[2] = {w.x, w.y};
+#pragma unroll
+            for (int k = 0; k < 2; ++k) {
+                v[2 * k] = half_bits_to_f32((unsigned short)(words[k] & 0xffffu), T{});
+                v[2 * k + 1] = half_bits_to_f32((unsigned short)(words[k] >> 16), T{});
             }
         } else {
 #pragma unroll
@@ -120,6 +129,55 @@ __device__ __forceinline__ void store_f32(float* p, int d0, int D, bool aligned,
         for (int k = 0; k < N; ++k)
             if (d0 + k < D) p[d0 + k] = v[k];
     }
+}
+
+// Stores the 16-bit words of N elements to p[d0 ...]: 16-byte stores when `aligned` (8-byte ones for N = 4),
+// else up to D.
+template <typename T, int N>
+__device__ __forceinline__ void store_bits(T* p, int d0, int D, bool aligned, const unsigned short (&bits)[N]) {
+    if (aligned) {
+        unsigned int words[N / 2];
+#pragma unroll
+        for (int k = 0; k < N / 2; ++k) words[k] = bits[2 * k] | ((unsigned int)bits[2 * k + 1] << 16);
+        if constexpr (N == 4) {
+            *reinterpret_cast<uint2*>(p + d0) = make_uint2(words[0], words[1]);
+        } else {
+#pragma unroll
+            for (int q = 0; q < N / 8; ++q)
+                *reinterpret_cast<uint4*>(p + d0 + 8 * q) =
+                    make_uint4(words[4 * q], words[4 * q + 1], words[4 * q + 2], words[4 * q + 3]);
+        }
+    } else {
+#pragma unroll
+        for (int k = 0; k < N; ++k)
+            if (d0 + k < D) p[d0 + k].bits = bits[k];
+    }
+}
+
+// Stores N floats to p[d0 ...] in T (rounded to nearest for 16-bit T): vector stores when `aligned`, else up to D.
+template <typename T, int N>
+__device__ __forceinline__ void store_elems(T* p, int d0, int D, bool aligned, const float (&v)[N]) {
+    if constexpr (sizeof(T) == 4) {
+        store_f32<N>(reinterpret_cast<float*>(p), d0, D, aligned, v);
+    } else {
+        unsigned short bits[N];
+#pragma unroll
+        for (int k = 0; k < N; ++k) bits[k] = round_nearest<T>(v[k]).bits;
+        store_bits<T, N>(p, d0, D, aligned, bits);
+    }
+}
+
+// Elements of one vector access of a row whose storage vector holds N elements, in T: 4 fp32, or N 16-bit ones.
+template <typename T, int N> struct VecOf { static constexpr int Q = sizeof(T) == 4 ? 4 : N; };
+
+// A gradient row's N elements at grad[off + d0 ...] as floats, from fp32 or (grad_bf16) bf16 storage.
+template <int N>
+__device__ __forceinline__ void load_grad(const void* grad, long long off, int d0, int D, bool aligned, bool grad_bf16,
+                                          float (&v)[N]) {
+    if (grad_bf16)
+        load_elems<bf16, N>(static_cast<const bf16*>(grad) + off, d0, D, aligned, v);
+    else
+        load_elems<float, N>(static_cast<const float*>(grad) + off, d0, D, aligned, v);
 }
 
 // The lanes of this thread's sub-warp group of `lanes` (a power of two <= 32) threads.

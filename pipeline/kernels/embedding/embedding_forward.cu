@@ -6,11 +6,13 @@
 // loads, four rows in flight whatever the bag boundaries, so one-hot bags get as many loads in flight
 // as multi-hot ones. Each lane accumulates its N columns in fp32; at a bag boundary the sum (scaled by
 // 1/len for mean pooling) goes straight into columns output_offsets[s] .. output_offsets[s+1] of the
-// bag's row of the [B, total_dim] fp32 output (the concat is fused). Empty bags write zeros. Dims or
-// offsets that are not a multiple of the vector width take the element-wise path for that slot.
+// bag's row of the [B, total_dim] output (the concat is fused), fp32 or rounded once to fp16 or bf16 (the
+// dtype the dense part computes in under autocast, so no cast of its own reads and writes the rows
+// again). Empty bags write zeros. Dims or offsets that are not a multiple of the vector width take the
+// element-wise path for that slot.
 #include "embedding_common.cuh"
 
-template <typename W>
+template <typename W, typename O>
 __device__ __forceinline__ void pooled_forward(
     const W* __restrict__ weights,
     const long long* __restrict__ slot_weight_offsets,  // [S] element offset of the slot's table
@@ -19,8 +21,9 @@ __device__ __forceinline__ void pooled_forward(
     const long long* __restrict__ indices,              // [nnz] local row ids
     const long long* __restrict__ offsets,              // [S * B + 1] bag boundaries
     int num_slots, int batch_size, int bags_per_group, int log_lanes, int weights_aligned,
-    int output_aligned, float* __restrict__ out) {
+    int output_aligned, O* __restrict__ out) {
     constexpr int N = Vec<W>::N;
+    constexpr int Q = VecOf<O, N>::Q;  // output elements a vector store writes
     const int lanes = 1 << log_lanes;
     const int lane = threadIdx.x & (lanes - 1);
     const long long group = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> log_lanes;
@@ -37,7 +40,7 @@ __device__ __forceinline__ void pooled_forward(
     const long long row_stride = output_offsets[num_slots];
     const W* table = weights + slot_weight_offsets[s];
     const bool vec_w = weights_aligned && (slot_weight_offsets[s] % N == 0) && (D % N == 0);
-    const bool vec_o = output_aligned && (col0 % 4 == 0) && (D % 4 == 0);
+    const bool vec_o = output_aligned && (col0 % Q == 0) && (D % Q == 0) && (row_stride % Q == 0);
     const bool mean = slot_mean[s] != 0;
     const long long id_begin = bag_offsets[b_begin];
     const long long id_end = bag_offsets[b_end];
@@ -58,7 +61,7 @@ __device__ __forceinline__ void pooled_forward(
                 const float scale = (mean && bag_end > bag_start) ? 1.0f / (float)(bag_end - bag_start) : 1.0f;
 #pragma unroll
                 for (int k = 0; k < N; ++k) acc[k] *= scale;
-                store_f32<N>(out + (long long)b * row_stride + col0, d0, D, vec_o && d0 + N <= D, acc);
+                store_elems<O, N>(out + (long long)b * row_stride + col0, d0, D, vec_o && d0 + N <= D, acc);
             }
 #pragma unroll
             for (int k = 0; k < N; ++k) acc[k] = 0.0f;
@@ -93,17 +96,22 @@ __device__ __forceinline__ void pooled_forward(
     }
 }
 
-#define POOLED_FORWARD(NAME, W)                                                                         \
+// Names: pooled_forward_<weights dtype>_<output dtype>.
+#define POOLED_FORWARD(NAME, W, O)                                                                      \
     extern "C" __global__ void __launch_bounds__(256) NAME(                                             \
         const W* weights, const long long* slot_weight_offsets, const long long* output_offsets,         \
         const unsigned char* slot_mean, const long long* indices, const long long* offsets,             \
         int num_slots, int batch_size, int bags_per_group, int log_lanes, int weights_aligned,          \
-        int output_aligned, float* out) {                                                               \
-        pooled_forward<W>(weights, slot_weight_offsets, output_offsets, slot_mean, indices, offsets,    \
-                          num_slots, batch_size, bags_per_group, log_lanes, weights_aligned,            \
-                          output_aligned, out);                                                         \
+        int output_aligned, O* out) {                                                                   \
+        pooled_forward<W, O>(weights, slot_weight_offsets, output_offsets, slot_mean, indices, offsets, \
+                             num_slots, batch_size, bags_per_group, log_lanes, weights_aligned,         \
+                             output_aligned, out);                                                      \
     }
+#define POOLED_FORWARD_TO(WNAME, W)                                                                     \
+    POOLED_FORWARD(pooled_forward_##WNAME##_f32, W, float)                                              \
+    POOLED_FORWARD(pooled_forward_##WNAME##_f16, W, f16)                                                \
+    POOLED_FORWARD(pooled_forward_##WNAME##_bf16, W, bf16)
 
-POOLED_FORWARD(pooled_forward_f32, float)
-POOLED_FORWARD(pooled_forward_f16, f16)
-POOLED_FORWARD(pooled_forward_bf16, bf16)
+POOLED_FORWARD_TO(f32, float)
+POOLED_FORWARD_TO(f16, f16)
+POOLED_FORWARD_TO(bf16, bf16)

@@ -15,7 +15,7 @@ enum { OPT_SGD = 0, OPT_ADAGRAD = 1, OPT_ADAM = 2 };
 // Partial slots: 2 * (pos / SEGMENT), plus 1 for a run that starts inside a segment's span.
 #define SEGMENT 64
 
-// The gradient row of `bag` (its offset in grad, whose rows are grad_stride floats apart) and its weight:
+// The gradient row of `bag` (its offset in grad, whose rows are grad_stride elements apart) and its weight:
 // 1/len for a bag of a mean-pooled slot, else 1.
 __device__ __forceinline__ void bag_gradient(int bag, int batch_size, long long grad_stride,
                                              const long long* __restrict__ output_offsets,
@@ -29,9 +29,9 @@ __device__ __forceinline__ void bag_gradient(int bag, int batch_size, long long 
 // Adds to g the gradient rows of n consecutive sorted positions, whose offsets and weights lanes 0..n-1
 // of the group hold, in position order, two rows at a time (the order every update kernel sums in).
 template <int CHUNKS, int N>
-__device__ __forceinline__ void add_gradient_rows(const float* __restrict__ grad, long long goff, float scale, int n,
+__device__ __forceinline__ void add_gradient_rows(const void* __restrict__ grad, long long goff, float scale, int n,
                                                   int D, int lane, int lanes, unsigned int mask, bool vec_g,
-                                                  float (&g)[CHUNKS][N]) {
+                                                  bool grad_bf16, float (&g)[CHUNKS][N]) {
     const int chunk = lanes * N;
     int u = 0;
     for (; u + 2 <= n; u += 2) {
@@ -44,8 +44,8 @@ __device__ __forceinline__ void add_gradient_rows(const float* __restrict__ grad
             const int d0 = c * chunk + lane * N;
             if (d0 < D) {
                 float v0[N], v1[N];
-                load_elems<float, N>(grad + o0, d0, D, vec_g, v0);
-                load_elems<float, N>(grad + o1, d0, D, vec_g, v1);
+                load_grad<N>(grad, o0, d0, D, vec_g, grad_bf16, v0);
+                load_grad<N>(grad, o1, d0, D, vec_g, grad_bf16, v1);
 #pragma unroll
                 for (int k = 0; k < N; ++k) g[c][k] += f0 * v0[k] + f1 * v1[k];
             }
@@ -59,7 +59,7 @@ __device__ __forceinline__ void add_gradient_rows(const float* __restrict__ grad
             const int d0 = c * chunk + lane * N;
             if (d0 < D) {
                 float v[N];
-                load_elems<float, N>(grad + o, d0, D, vec_g, v);
+                load_grad<N>(grad, o, d0, D, vec_g, grad_bf16, v);
 #pragma unroll
                 for (int k = 0; k < N; ++k) g[c][k] += f * v[k];
             }
@@ -78,21 +78,7 @@ __device__ __forceinline__ void store_weights(W* p, int d0, int D, bool aligned,
         for (int k = 0; k < N; ++k)
             bits[k] = stochastic ? round_stochastic<W>(v[k], mix_hash(seed, (unsigned long long)(elem + d0 + k))).bits
                                  : round_nearest<W>(v[k]).bits;
-        if (aligned) {
-#pragma unroll
-            for (int q = 0; q < N / 8; ++q) {
-                uint4 w;
-                w.x = bits[8 * q] | ((unsigned int)bits[8 * q + 1] << 16);
-                w.y = bits[8 * q + 2] | ((unsigned int)bits[8 * q + 3] << 16);
-                w.z = bits[8 * q + 4] | ((unsigned int)bits[8 * q + 5] << 16);
-                w.w = bits[8 * q + 6] | ((unsigned int)bits[8 * q + 7] << 16);
-                *reinterpret_cast<uint4*>(p + d0 + 8 * q) = w;
-            }
-        } else {
-#pragma unroll
-            for (int k = 0; k < N; ++k)
-                if (d0 + k < D) p[d0 + k].bits = bits[k];
-        }
+        store_bits<W, N>(p, d0, D, aligned, bits);
     }
 }
 

@@ -136,9 +136,9 @@ __device__ __forceinline__ void update_segment(
     float* __restrict__ state2, const int* __restrict__ sorted_bags, const long long* __restrict__ offsets,
     const long long* __restrict__ slot_weight_offsets, const long long* __restrict__ slot_row_offsets,
     const long long* __restrict__ output_offsets, const unsigned char* __restrict__ slot_mean,
-    const float* __restrict__ grad, float* __restrict__ partials, long long grad_stride, int batch_size, int lane,
-    int lanes, unsigned int mask, int weights_aligned, int grad_aligned, float lr, float eps, float beta1,
-    float beta2, float bias1, float bias2, float weight_decay, int stochastic, unsigned long long seed) {
+    const void* __restrict__ grad, float* __restrict__ partials, long long grad_stride, int batch_size, int lane,
+    int lanes, unsigned int mask, int weights_aligned, int grad_aligned, int grad_bf16, float lr, float eps,
+    float beta1, float beta2, float bias1, float bias2, float weight_decay, int stochastic, unsigned long long seed) {
     constexpr int N = Vec<W>::N;
     const int s = seg.bag / batch_size;  // every bag of a segment is of a slot of the row's table
     const int D = (int)(output_offsets[s + 1] - output_offsets[s]);
@@ -169,7 +169,7 @@ __device__ __forceinline__ void update_segment(
             const int d0 = c * chunk + lane * N;
             if (d0 < D) {
                 float v[N];
-                load_elems<float, N>(grad + goff, d0, D, vec_g, v);
+                load_grad<N>(grad, goff, d0, D, vec_g, grad_bf16, v);
 #pragma unroll
                 for (int k = 0; k < N; ++k) g[c][k] += scale * v[k];
             }
@@ -183,7 +183,7 @@ __device__ __forceinline__ void update_segment(
                 bag_gradient(j == seg.begin ? seg.bag : sorted_bags[j], batch_size, grad_stride, output_offsets,
                              slot_mean, offsets, goff, scale);
             add_gradient_rows<CHUNKS, N>(grad, goff, scale, min(lanes, seg.end - base), D, lane, lanes, mask, vec_g,
-                                         g);
+                                         grad_bf16, g);
         }
     }
 
@@ -214,9 +214,9 @@ __device__ __forceinline__ void sparse_update_runs(
     const int* __restrict__ sorted_bags, const long long* __restrict__ offsets,
     const long long* __restrict__ slot_weight_offsets, const long long* __restrict__ slot_row_offsets,
     const long long* __restrict__ output_offsets, const unsigned char* __restrict__ slot_mean,
-    const float* __restrict__ grad, float* __restrict__ partials, int num_slots, int batch_size, int log_lanes,
-    int weights_aligned, int grad_aligned, float lr, float eps, float beta1, float beta2, float bias1, float bias2,
-    float weight_decay, int stochastic, unsigned long long seed) {
+    const void* __restrict__ grad, long long grad_stride, float* __restrict__ partials, int num_slots, int batch_size,
+    int log_lanes, int weights_aligned, int grad_aligned, int grad_bf16, float lr, float eps, float beta1, float beta2,
+    float bias1, float bias2, float weight_decay, int stochastic, unsigned long long seed) {
     const int lanes = 1 << log_lanes;
     const int lane = threadIdx.x & (lanes - 1);
     const long long first = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> log_lanes;
@@ -226,7 +226,6 @@ __device__ __forceinline__ void sparse_update_runs(
     Segment<K> seg = segment_at<K, APART>((int)first, seg_begin, seg_end, seg_key, seg_bag, seg_split);
     const int count = *seg_count;
     const unsigned int mask = group_mask(lanes);
-    const long long grad_stride = output_offsets[num_slots];
     for (long long i = first; i < count; i += groups) {
         Segment<K> next = seg;
         if (i + groups < count)
@@ -234,8 +233,8 @@ __device__ __forceinline__ void sparse_update_runs(
         update_segment<W, K, OPT, CHUNKS>(seg, weights, master, state1, state2, sorted_bags, offsets,
                                           slot_weight_offsets, slot_row_offsets, output_offsets, slot_mean, grad,
                                           partials, grad_stride, batch_size, lane, lanes, mask, weights_aligned,
-                                          grad_aligned, lr, eps, beta1, beta2, bias1, bias2, weight_decay, stochastic,
-                                          seed);
+                                          grad_aligned, grad_bf16, lr, eps, beta1, beta2, bias1, bias2, weight_decay,
+                                          stochastic, seed);
         seg = next;
     }
 }
@@ -246,17 +245,17 @@ __device__ __forceinline__ void sparse_update_runs(
         const int* seg_bag, const unsigned char* seg_split, const int* seg_count, long long max_segments, \
         const int* sorted_bags, const long long* offsets, const long long* slot_weight_offsets,         \
         const long long* slot_row_offsets, const long long* output_offsets,                             \
-        const unsigned char* slot_mean, const float* grad, float* partials, int num_slots,              \
-        int batch_size, int log_lanes, int weights_aligned, int grad_aligned, float lr, float eps,      \
-        float beta1, float beta2, float bias1, float bias2, float weight_decay, int stochastic,          \
-        unsigned long long seed) {                                                                      \
+        const unsigned char* slot_mean, const void* grad, long long grad_stride, float* partials,       \
+        int num_slots, int batch_size, int log_lanes, int weights_aligned, int grad_aligned,            \
+        int grad_bf16, float lr, float eps, float beta1, float beta2, float bias1, float bias2,         \
+        float weight_decay, int stochastic, unsigned long long seed) {                                  \
         sparse_update_runs<W, K, OPT, CHUNKS>(weights, master, state1, state2, seg_begin, nullptr,      \
                                               seg_key, seg_bag, seg_split, seg_count, max_segments,     \
                                               sorted_bags, offsets, slot_weight_offsets,                \
                                               slot_row_offsets, output_offsets, slot_mean, grad,        \
-                                              partials, num_slots, batch_size, log_lanes,               \
-                                              weights_aligned, grad_aligned, lr, eps, beta1, beta2,     \
-                                              bias1, bias2, weight_decay, stochastic, seed);            \
+                                              grad_stride, partials, num_slots, batch_size, log_lanes,  \
+                                              weights_aligned, grad_aligned, grad_bf16, lr, eps, beta1, \
+                                              beta2, bias1, bias2, weight_decay, stochastic, seed);     \
     }
 
 // Names: sparse_update_runs[_capped]_<optimizer>_<weights dtype>_<key type>_c<chunks>: c1 and c2 (a row
@@ -369,9 +368,9 @@ __device__ __forceinline__ void sparse_update_singles(
     const K* __restrict__ single_key, const int* __restrict__ single_bag, const int* __restrict__ single_count,
     long long max_segments, const long long* __restrict__ offsets, const long long* __restrict__ slot_weight_offsets,
     const long long* __restrict__ slot_row_offsets, const long long* __restrict__ output_offsets,
-    const unsigned char* __restrict__ slot_mean, const float* __restrict__ grad, int num_slots, int batch_size,
-    int log_lanes, int weights_aligned, int grad_aligned, float lr, float eps, float beta1, float beta2, float bias1,
-    float bias2, float weight_decay, int stochastic, unsigned long long seed) {
+    const unsigned char* __restrict__ slot_mean, const void* __restrict__ grad, long long grad_stride, int num_slots,
+    int batch_size, int log_lanes, int weights_aligned, int grad_aligned, int grad_bf16, float lr, float eps,
+    float beta1, float beta2, float bias1, float bias2, float weight_decay, int stochastic, unsigned long long seed) {
     // 32-bit positions (the list holds fewer than 2**31 ids' segments) and nothing kept that a loop can
     // reload from the cache: registers are what bound the resident groups here.
     const int lanes = 1 << log_lanes;
@@ -391,9 +390,9 @@ __device__ __forceinline__ void sparse_update_singles(
         }
         update_segment<W, K, OPT, 1, true>(Segment<K>{0, 1, bag, key, false}, weights, master, state1, state2, nullptr,
                                            offsets, slot_weight_offsets, slot_row_offsets, output_offsets, slot_mean,
-                                           grad, nullptr, output_offsets[num_slots], batch_size, lane, lanes,
-                                           group_mask(lanes), weights_aligned, grad_aligned, lr, eps, beta1, beta2,
-                                           bias1, bias2, weight_decay, stochastic, seed);
+                                           grad, nullptr, grad_stride, batch_size, lane, lanes, group_mask(lanes),
+                                           weights_aligned, grad_aligned, grad_bf16, lr, eps, beta1, beta2, bias1,
+                                           bias2, weight_decay, stochastic, seed);
         key = next_key;
         bag = next_bag;
     }
@@ -405,15 +404,16 @@ __device__ __forceinline__ void sparse_update_singles(
         const int* single_bag, const int* single_count, long long max_segments,                         \
         const long long* offsets, const long long* slot_weight_offsets,                                 \
         const long long* slot_row_offsets, const long long* output_offsets,                             \
-        const unsigned char* slot_mean, const float* grad, int num_slots, int batch_size,               \
-        int log_lanes, int weights_aligned, int grad_aligned, float lr, float eps, float beta1,         \
-        float beta2, float bias1, float bias2, float weight_decay, int stochastic,                      \
-        unsigned long long seed) {                                                                      \
+        const unsigned char* slot_mean, const void* grad, long long grad_stride, int num_slots,         \
+        int batch_size, int log_lanes, int weights_aligned, int grad_aligned, int grad_bf16, float lr,  \
+        float eps, float beta1, float beta2, float bias1, float bias2, float weight_decay,              \
+        int stochastic, unsigned long long seed) {                                                      \
         sparse_update_singles<W, K, OPT>(weights, master, state1, state2, single_key, single_bag,       \
                                          single_count, max_segments, offsets, slot_weight_offsets,      \
-                                         slot_row_offsets, output_offsets, slot_mean, grad, num_slots,  \
-                                         batch_size, log_lanes, weights_aligned, grad_aligned, lr, eps, \
-                                         beta1, beta2, bias1, bias2, weight_decay, stochastic, seed);   \
+                                         slot_row_offsets, output_offsets, slot_mean, grad,             \
+                                         grad_stride, num_slots, batch_size, log_lanes,                 \
+                                         weights_aligned, grad_aligned, grad_bf16, lr, eps, beta1,      \
+                                         beta2, bias1, bias2, weight_decay, stochastic, seed);          \
     }
 
 // The capped loop over the list of the other segments.
@@ -424,15 +424,16 @@ __device__ __forceinline__ void sparse_update_singles(
         const int* seg_count, long long max_segments, const int* sorted_bags,                           \
         const long long* offsets, const long long* slot_weight_offsets,                                 \
         const long long* slot_row_offsets, const long long* output_offsets,                             \
-        const unsigned char* slot_mean, const float* grad, float* partials, int num_slots,              \
-        int batch_size, int log_lanes, int weights_aligned, int grad_aligned, float lr, float eps,      \
-        float beta1, float beta2, float bias1, float bias2, float weight_decay, int stochastic,          \
-        unsigned long long seed) {                                                                      \
+        const unsigned char* slot_mean, const void* grad, long long grad_stride, float* partials,       \
+        int num_slots, int batch_size, int log_lanes, int weights_aligned, int grad_aligned,            \
+        int grad_bf16, float lr, float eps, float beta1, float beta2, float bias1, float bias2,         \
+        float weight_decay, int stochastic, unsigned long long seed) {                                  \
         sparse_update_runs<W, K, OPT, 1, true>(weights, master, state1, state2, seg_begin, seg_end,     \
                                                seg_key, seg_bag, seg_split, seg_count, max_segments,    \
                                                sorted_bags, offsets, slot_weight_offsets,               \
                                                slot_row_offsets, output_offsets, slot_mean, grad,       \
-                                               partials, num_slots, batch_size, log_lanes,              \
-                                               weights_aligned, grad_aligned, lr, eps, beta1, beta2,    \
-                                               bias1, bias2, weight_decay, stochastic, seed);           \
+                                               grad_stride, partials, num_slots, batch_size, log_lanes, \
+                                               weights_aligned, grad_aligned, grad_bf16, lr, eps,       \
+                                               beta1, beta2, bias1, bias2, weight_decay, stochastic,    \
+                                               seed);                                                   \
     }

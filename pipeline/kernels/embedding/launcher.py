@@ -7,7 +7,7 @@ the kernels read it. The plain-torch reference of both ops is :mod:`pipeline.ker
 Example::
 
     slots = SlotArrays.from_packing(packing, weights.device)
-    pooled = pooled_forward(weights, slots, indices, offsets, batch_size)        # [B, total_dim] fp32
+    pooled = pooled_forward(weights, slots, indices, offsets, batch_size)        # [B, total_dim] fp32 (or out_dtype)
     backward_update(weights, state, slots, indices, offsets, batch_size, grad, "adagrad", lr=0.05, step=1)
 
 The fused update has candidate kernels (:data:`UPDATE_KERNELS`, ``docs/EMBEDDING.md``); :data:`UPDATE_KERNEL`
@@ -88,7 +88,7 @@ class SlotArrays:
     max_dim: int
     total_dim: int
     total_rows: int
-    columns_aligned: bool  # every slot's columns start on a 16-byte boundary of an output row
+    column_multiple: int  # the largest of 8, 4, 2, 1 that divides every slot's first column
 
     @classmethod
     def from_packing(cls, packing, device: torch.device | str) -> SlotArrays:
@@ -109,7 +109,7 @@ class SlotArrays:
             max_dim=max(packing.slot_dims, default=0),
             total_dim=packing.output_offsets[-1],
             total_rows=sum(packing.rows),
-            columns_aligned=all(o % 4 == 0 for o in packing.output_offsets),
+            column_multiple=next(m for m in (8, 4, 2, 1) if all(o % m == 0 for o in packing.output_offsets)),
         )
 
 
@@ -141,10 +141,13 @@ def _check(weights: torch.Tensor, slots: SlotArrays, indices: torch.Tensor, offs
 
 
 def pooled_forward(weights: torch.Tensor, slots: SlotArrays, indices: torch.Tensor, offsets: torch.Tensor,
-                   batch_size: int) -> torch.Tensor:
-    """Pooled lookups of every slot, concatenated: float32 ``[batch_size, total_dim]``, one launch."""
+                   batch_size: int, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Pooled lookups of every slot, concatenated: ``[batch_size, total_dim]``, one launch. Summed in fp32 and
+    written as ``out_dtype`` (fp32, fp16 or bf16: rounded once)."""
     _check(weights, slots, indices, offsets, batch_size)
-    out = torch.empty(batch_size, slots.total_dim, dtype=torch.float32, device=weights.device)
+    if out_dtype not in _DTYPE_NAMES:
+        raise ValueError(f"expected an fp32, fp16 or bf16 output, got {out_dtype}")
+    out = torch.empty(batch_size, slots.total_dim, dtype=out_dtype, device=weights.device)
     bags = slots.num_slots * batch_size
     if bags == 0 or slots.total_dim == 0:
         return out
@@ -153,11 +156,11 @@ def pooled_forward(weights: torch.Tensor, slots: SlotArrays, indices: torch.Tens
     bags_per_group = BAGS_PER_GROUP if bags >= SMALL_BATCH_BAGS else 1
     groups = slots.num_slots * ((batch_size + bags_per_group - 1) // bags_per_group)
     groups_per_block = BLOCK >> log_lanes
-    launch(FORWARD_SOURCE, f"pooled_forward_{_DTYPE_NAMES[weights.dtype]}", weights.device,
+    launch(FORWARD_SOURCE, f"pooled_forward_{_DTYPE_NAMES[weights.dtype]}_{_DTYPE_NAMES[out_dtype]}", weights.device,
            (groups + groups_per_block - 1) // groups_per_block, BLOCK,
            [ptr(weights), ptr(slots.weight_offsets), ptr(slots.output_offsets), ptr(slots.mean), ptr(indices),
             ptr(offsets), i32(slots.num_slots), i32(batch_size), i32(bags_per_group), i32(log_lanes),
-            i32(weights.data_ptr() % 16 == 0), i32(slots.columns_aligned and slots.total_dim % 4 == 0), ptr(out)])
+            i32(weights.data_ptr() % 16 == 0), i32(out.data_ptr() % 16 == 0), ptr(out)])
     return out
 
 
@@ -212,16 +215,15 @@ def backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor], slots
     if batch_size == 0 or nnz == 0:
         return
     indices, offsets = indices.contiguous(), offsets.contiguous()
-    grad = grad_output.to(torch.float32).contiguous()
+    width = _vector_width(weights.dtype)
+    grad, grad_aligned = _gradient_rows(grad_output, slots, width)
     sorted_keys, sorted_bags = sort_by_row(slots, indices, offsets, batch_size)
 
-    width = _vector_width(weights.dtype)
     log_lanes = _log_lanes(slots.max_dim, width)
     chunks = 1 if slots.max_dim <= (width << log_lanes) else MAX_UPDATE_DIM // (32 * width)
     key = "i64" if sorted_keys.dtype == torch.int64 else "i32"
     kinds = f"{optimizer}_{_DTYPE_NAMES[weights.dtype]}_{key}"
     step = max(int(step), 1)
-    grad_aligned = slots.columns_aligned and slots.total_dim % 4 == 0
     weights_aligned = weights.data_ptr() % 16 == 0 and all(
         t is None or t.data_ptr() % 16 == 0 for t in (master_weights, state1 if optimizer == "adam" else None, state2))
     # Two partial-sum slots per segment of SEGMENT sorted positions, each as wide as a row's lanes.
@@ -234,8 +236,9 @@ def backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor], slots
               i32(slots.table_dims.numel())]
     seg_log_lanes, seg_chunks = segment_lanes(kernel, log_lanes, chunks)
     slot_args = [ptr(offsets), ptr(slots.weight_offsets), ptr(slots.row_offsets), ptr(slots.output_offsets),
-                 ptr(slots.mean), ptr(grad)]
-    lane_args = [i32(slots.num_slots), i32(batch_size), i32(seg_log_lanes), i32(weights_aligned), i32(grad_aligned)]
+                 ptr(slots.mean), ptr(grad), i64(grad.stride(0))]
+    lane_args = [i32(slots.num_slots), i32(batch_size), i32(seg_log_lanes), i32(weights_aligned), i32(grad_aligned),
+                 i32(grad.dtype == torch.bfloat16)]
     groups_per_block = BLOCK >> seg_log_lanes
     one_group_each = (nnz + groups_per_block - 1) // groups_per_block
     if kernel.singles_apart and seg_chunks == 1:
@@ -263,13 +266,28 @@ def backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor], slots
         launch(POSITION_SOURCE, f"sparse_update_{kinds}_c{chunks}", weights.device,
                (nnz + rows_per_block - 1) // rows_per_block, BLOCK,
                [*rows, ptr(sorted_keys), ptr(sorted_bags), ptr(offsets), *tables, ptr(slots.output_offsets),
-                ptr(slots.mean), ptr(grad), ptr(partials), i64(nnz), i32(slots.num_slots), i32(batch_size),
-                i32(log_lanes), i32(weights_aligned), i32(grad_aligned), *update])
+                ptr(slots.mean), ptr(grad), i64(grad.stride(0)), ptr(partials), i64(nnz), i32(slots.num_slots),
+                i32(batch_size), i32(log_lanes), i32(weights_aligned), i32(grad_aligned),
+                i32(grad.dtype == torch.bfloat16), *update])
     if segments > 1:
         launch(BACKWARD_SOURCE, f"sparse_update_{kinds}_c{chunks}_long", weights.device,
                (segments + (BLOCK >> log_lanes) - 1) // (BLOCK >> log_lanes), BLOCK,
                [*rows, ptr(sorted_keys), *tables, ptr(partials), i64(nnz), i32(log_lanes), i32(weights_aligned),
                 *update])
+
+
+def _gradient_rows(grad_output: torch.Tensor, slots: SlotArrays, width: int) -> tuple[torch.Tensor, bool]:
+    """The pooled output's gradient as the update kernels read it, and whether its rows take vector loads: fp32
+    or bf16 rows whose elements are contiguous, read in place (a column slice of a wider gradient, as the dense
+    part's backward leaves it, is not copied); any other dtype or layout becomes contiguous fp32 first.
+    ``width``: elements of a 16-byte vector of the weights."""
+    grad = grad_output
+    if grad.dtype not in (torch.float32, torch.bfloat16) or grad.stride(-1) != 1 or grad.stride(0) < slots.total_dim:
+        grad = grad.to(torch.float32).contiguous()
+    q = 4 if grad.dtype == torch.float32 else width  # elements a vector load reads (16 or, for 4 bf16, 8 bytes)
+    aligned = (grad.data_ptr() % (q * grad.element_size()) == 0 and grad.stride(0) % q == 0
+               and slots.column_multiple % q == 0)
+    return grad, aligned
 
 
 def rows_read_write(weights: torch.Tensor, grad: torch.Tensor, row_vec: torch.Tensor, grad_vec: torch.Tensor,

@@ -9,9 +9,11 @@ The packing travels as four lists, ``TablePacking.op_args()`` = ``(rows, dims, s
   the fused backward (sum the gradient of each touched row, apply the optimizer in place); ``hyper`` is
   a CPU float64 tensor ``[lr, step, ...]``, read on the host so no device sync happens.
 - ``embedding_lookup(trigger, weights, momentum1?, momentum2?, master_weights?, step, hyper, indices,
-  offsets, batch_size, *packing, optimizer, eps, beta1, beta2, weight_decay, stochastic_rounding, seed)``:
-  the training forward; its backward advances the step (``embedding_advance_step``) and runs
-  ``embedding_update``. No gradient flows to any input; ``trigger`` is an empty tensor that requires grad.
+  offsets, batch_size, *packing, optimizer, eps, beta1, beta2, weight_decay, stochastic_rounding, seed,
+  out_dtype)``: the training forward, its output in ``out_dtype`` (fp32, or the dense part's autocast dtype,
+  summed in fp32 and rounded once); its backward advances the step (``embedding_advance_step``) and runs
+  ``embedding_update`` on the gradient as it comes (bf16 and column slices read in place on CUDA). No
+  gradient flows to any input; ``trigger`` is an empty tensor that requires grad.
 - ``embedding_check_ids(values, offsets, batch_size, slot_rows, slot_features, slot_tables)``: raises
   :class:`~pipeline.errors.BadInputError` for an id outside its table (``slot_rows`` an int64 tensor on
   the values' device, names newline-joined).
@@ -64,17 +66,25 @@ def _state(momentum1, momentum2, master_weights) -> dict[str, Tensor]:
     return {k: v for k, v in named.items() if v is not None}
 
 
-def _forward_reference(weights, indices, offsets, batch_size, rows, dims, slot_table, slot_mean):
-    return reference.pooled_forward(weights, _packing(rows, dims, slot_table, slot_mean), indices, offsets, batch_size)
+def _out_dtype(weights: Tensor, out_dtype: torch.dtype) -> torch.dtype:
+    """The pooled output's dtype: ``out_dtype``, but float64 for float64 weights (the reference's checks)."""
+    return torch.float64 if weights.dtype == torch.float64 else out_dtype
 
 
-def _forward_cuda(weights, indices, offsets, batch_size, rows, dims, slot_table, slot_mean):
-    if not (_kernels_usable() and weights.dtype in KERNEL_DTYPES):
-        return _forward_reference(weights, indices, offsets, batch_size, rows, dims, slot_table, slot_mean)
+def _forward_reference(weights, indices, offsets, batch_size, rows, dims, slot_table, slot_mean,
+                       out_dtype=torch.float32):
+    pooled = reference.pooled_forward(weights, _packing(rows, dims, slot_table, slot_mean), indices, offsets,
+                                      batch_size)
+    return pooled.to(_out_dtype(weights, out_dtype))
+
+
+def _forward_cuda(weights, indices, offsets, batch_size, rows, dims, slot_table, slot_mean, out_dtype=torch.float32):
+    if not (_kernels_usable() and weights.dtype in KERNEL_DTYPES and out_dtype in KERNEL_DTYPES):
+        return _forward_reference(weights, indices, offsets, batch_size, rows, dims, slot_table, slot_mean, out_dtype)
     from pipeline.kernels.embedding import launcher
 
     slots = _slot_arrays(rows, dims, slot_table, slot_mean, weights.device)
-    return launcher.pooled_forward(weights, slots, indices, offsets, batch_size)
+    return launcher.pooled_forward(weights, slots, indices, offsets, batch_size, out_dtype)
 
 
 def _update_reference(weights, momentum1, momentum2, master_weights, indices, offsets, batch_size, grad_output,
@@ -103,9 +113,8 @@ def _update_cuda(weights, momentum1, momentum2, master_weights, indices, offsets
                              stochastic_rounding=stochastic_rounding and weights.dtype != torch.float32, seed=seed)
 
 
-def _forward_fake(weights, indices, offsets, batch_size, rows, dims, slot_table, slot_mean):
-    dtype = torch.float64 if weights.dtype == torch.float64 else torch.float32
-    return weights.new_empty((batch_size, sum(dims[t] for t in slot_table)), dtype=dtype)
+def _forward_fake(weights, indices, offsets, batch_size, rows, dims, slot_table, slot_mean, out_dtype=torch.float32):
+    return weights.new_empty((batch_size, sum(dims[t] for t in slot_table)), dtype=_out_dtype(weights, out_dtype))
 
 
 def _define(suffix: str, forward_cuda, update_cuda):
@@ -138,15 +147,15 @@ def _define(suffix: str, forward_cuda, update_cuda):
                master_weights: Optional[Tensor], step: Tensor, hyper: Tensor, indices: Tensor, offsets: Tensor,
                batch_size: int, rows: list[int], dims: list[int], slot_table: list[int], slot_mean: list[bool],
                optimizer: str, eps: float, beta1: float, beta2: float, weight_decay: float,
-               stochastic_rounding: bool, seed: int) -> Tensor:
-        return _forward_reference(weights, indices, offsets, batch_size, rows, dims, slot_table, slot_mean)
+               stochastic_rounding: bool, seed: int, out_dtype: torch.dtype) -> Tensor:
+        return _forward_reference(weights, indices, offsets, batch_size, rows, dims, slot_table, slot_mean, out_dtype)
 
     lookup.register_kernel("cuda", lambda trigger, weights, m1, m2, master, step, hyper, indices, offsets, batch_size,
-                           rows, dims, slot_table, slot_mean, *_: forward_cuda(
-                               weights, indices, offsets, batch_size, rows, dims, slot_table, slot_mean))
+                           rows, dims, slot_table, slot_mean, *rest: forward_cuda(
+                               weights, indices, offsets, batch_size, rows, dims, slot_table, slot_mean, rest[-1]))
     lookup.register_fake(lambda trigger, weights, m1, m2, master, step, hyper, indices, offsets, batch_size, rows,
-                         dims, slot_table, slot_mean, *_: _forward_fake(
-                             weights, indices, offsets, batch_size, rows, dims, slot_table, slot_mean))
+                         dims, slot_table, slot_mean, *rest: _forward_fake(
+                             weights, indices, offsets, batch_size, rows, dims, slot_table, slot_mean, rest[-1]))
 
     def setup_context(ctx, inputs, output):
         (_, weights, m1, m2, master, step, hyper, indices, offsets, batch_size, *rest) = inputs
@@ -155,11 +164,11 @@ def _define(suffix: str, forward_cuda, update_cuda):
 
     def backward(ctx, grad_output):
         weights, m1, m2, master, step, hyper, indices, offsets = ctx.saved_tensors
-        rows, dims, slot_table, slot_mean, optimizer, eps, beta1, beta2, weight_decay, stochastic, seed = ctx.rest
+        rows, dims, slot_table, slot_mean, optimizer, eps, beta1, beta2, weight_decay, stochastic, seed, _ = ctx.rest
         torch.ops.pipeline.embedding_advance_step(step, hyper)
         update(weights, m1, m2, master, indices, offsets, ctx.batch_size, grad_output, rows, dims, slot_table,
                slot_mean, optimizer, hyper, eps, beta1, beta2, weight_decay, stochastic, seed)
-        return (None,) * 21
+        return (None,) * 22
 
     lookup.register_autograd(backward, setup_context=setup_context)
     return forward, update, lookup
