@@ -97,9 +97,11 @@ def reference(kind: str, opt: str) -> EmbeddingCollection:
                                generator=torch.Generator().manual_seed(7))
 
 
-def _train_sharded(rank: int, world: int, device: str) -> list[dict]:
+def _train_sharded(rank: int, world: int, device: str, scenarios=SCENARIOS, autocast: bool = False) -> list[dict]:
+    """Each scenario's outputs and shards after STEPS steps; ``autocast``: every training lookup under bf16 autocast,
+    so the local tables hand over bf16 rows and update from bf16 gradients."""
     out = []
-    for kind, opt, comm in SCENARIOS:
+    for kind, opt, comm in scenarios:
         ec = reference(kind, opt)
         if device != "cpu":
             ec.backend_name = "auto"  # the local lookups use the fused CUDA kernels where registered
@@ -108,8 +110,9 @@ def _train_sharded(rank: int, world: int, device: str) -> list[dict]:
         outputs = []
         for step in range(STEPS):
             kjt, target = batch(step, rank)
-            pooled = sharded(kjt.to(device))
-            (pooled * target.to(device)).sum().backward()
+            with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=autocast):
+                pooled = sharded(kjt.to(device))
+            (pooled.float() * target.to(device)).sum().backward()
             outputs.append(pooled.detach().cpu())
         shards = {(name, lo, hi): {k: v.detach().cpu().clone() for k, v in views.items()}
                   for name, lo, hi, views in sharded.local_shards()}
@@ -133,12 +136,14 @@ def _worker(rank: int, world: int, device: str) -> list[dict]:
     return _train_sharded(rank, world, device)
 
 
-def _check(world: int, results: list[list[dict]], gpu: bool = False) -> None:
-    for i, (kind, opt, comm) in enumerate(SCENARIOS):
+def _check(world: int, results: list[list[dict]], gpu: bool = False, scenarios=SCENARIOS,
+           autocast: bool = False) -> None:
+    for i, (kind, opt, comm) in enumerate(scenarios):
         ec = reference(kind, opt)
-        # bf16 exchange: pooled vectors and gradients are rounded to 8 mantissa bits on the way.
+        # bf16 exchange or autocast: pooled vectors and gradients are rounded to 8 mantissa bits on the way.
         # GPU kernels against the CPU reference: float32 sums in another order.
-        tol = {"atol": 2e-2, "rtol": 2e-2} if comm == "bf16" else {"atol": 1e-5, "rtol": 1e-4} if gpu else {}
+        tol = {"atol": 2e-2, "rtol": 2e-2} if comm == "bf16" or autocast else {"atol": 1e-5, "rtol": 1e-4} if gpu \
+            else {}
         sizes = [3 + r for r in range(world)]
         starts = [sum(sizes[:r]) for r in range(world)]
         for step in range(STEPS + 1):
@@ -190,6 +195,19 @@ WORLDS = [int(w) for w in os.environ.get("PIPELINE_TEST_WORLDS", "2,3").split(",
 @pytest.mark.parametrize("world", WORLDS)
 def test_sharded_equals_unsharded_gloo(world):
     _check(world, spawn(_worker, world, "gloo", args=("cpu",)))
+
+
+def _under_autocast(rank: int, world: int) -> list[dict]:
+    return _train_sharded(rank, world, "cpu", AUTOCAST_SCENARIOS, autocast=True)
+
+
+AUTOCAST_SCENARIOS = [("mixed", "adagrad", "fp32"), ("mixed", "adam", "bf16")]
+
+
+def test_sharded_lookups_under_autocast_train_as_the_unsharded_collection():
+    """The local tables' bf16 rows (as the training stage's autocast asks on a GPU) through every kind of sharding:
+    the exchange, the row-wise sums and the updates from bf16 gradients."""
+    _check(2, spawn(_under_autocast, 2, "gloo"), scenarios=AUTOCAST_SCENARIOS, autocast=True)
 
 
 @pytest.mark.multigpu
