@@ -30,6 +30,11 @@ def bmm_and_pick(vectors: torch.Tensor) -> torch.Tensor:
     return torch.bmm(vectors, vectors.transpose(1, 2)).flatten(1)[:, rows * v + cols]
 
 
+def _parts(vectors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sample's first vector and the others: the two parts the ops take (views of ``vectors``)."""
+    return vectors[:, 0], vectors[:, 1:]
+
+
 # --- the reference and the ops on CPU ----------------------------------------------------------------
 
 
@@ -56,8 +61,8 @@ def test_reference_backward_is_the_gradient_of_bmm_and_the_pick(v):
 
 def test_op_autograd_on_cpu_matches_autograd_of_bmm_and_the_pick():
     g = torch.Generator().manual_seed(0)
-    vectors = torch.randn(3, 7, 5, dtype=torch.float64, generator=g, requires_grad=True)
-    assert torch.autograd.gradcheck(ops.interaction_forward, (vectors,))
+    vectors = torch.randn(3, 7, 5, dtype=torch.float64, generator=g)
+    assert torch.autograd.gradcheck(ops.interaction_forward, tuple(p.clone().requires_grad_() for p in _parts(vectors)))
     half = torch.randn(16, 27, 32, generator=g).bfloat16().requires_grad_()
     grad = torch.randn(16, 351, generator=g).bfloat16()
     (want,) = torch.autograd.grad(bmm_and_pick(half), half, grad)
@@ -74,14 +79,30 @@ def test_opcheck_on_cpu(dtype, shape):
     g = torch.Generator().manual_seed(1)
     vectors = torch.randn(*shape, generator=g).to(dtype)
     grad = torch.randn(shape[0], reference.pair_count(shape[1]), generator=g).to(dtype)
-    torch.library.opcheck(ops.interaction_forward, (vectors,))
-    torch.library.opcheck(ops.interaction_forward, (vectors.clone().requires_grad_(),))
-    torch.library.opcheck(ops.interaction_backward, (vectors, grad))
+    torch.library.opcheck(ops.interaction_forward, _parts(vectors))
+    torch.library.opcheck(ops.interaction_forward, tuple(p.clone().requires_grad_() for p in _parts(vectors)))
+    torch.library.opcheck(ops.interaction_backward, (*_parts(vectors), grad))
 
 
-def test_vectors_must_be_three_dimensional():
+def test_vectors_must_be_three_dimensional_or_two_parts_of_one_width():
     with pytest.raises(ValueError, match=r"expected vectors \[B, V, D\], got shape \(4, 8\)"):
         dot_interaction(torch.zeros(4, 8))
+    with pytest.raises(ValueError, match=r"two parts \[B, D\] and \[B, V - 1, D\], got shapes \(4, 8\) and \(4, 3, 6\)"):
+        dot_interaction(torch.zeros(4, 8), torch.zeros(4, 3, 6))
+
+
+def test_two_parts_give_what_their_concatenation_gives_with_gradients_for_each():
+    g = torch.Generator().manual_seed(4)
+    head = torch.randn(5, 6, dtype=torch.float64, generator=g, requires_grad=True)
+    tail = torch.randn(5, 4, 6, dtype=torch.float64, generator=g, requires_grad=True)
+    joined = torch.cat([head.unsqueeze(1), tail], 1)
+    grad = torch.randn(5, 10, dtype=torch.float64, generator=g)
+    want = torch.autograd.grad(bmm_and_pick(joined), (head, tail), grad)
+    out = dot_interaction(head, tail)
+    assert torch.equal(out, reference.dot_interaction(joined.detach()))
+    got = torch.autograd.grad(out, (head, tail), grad)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
 def _dlrm(dim: int = 8, features: int = 4, backend: str = "auto", optimizer: str = "adam") -> DLRM:
@@ -156,12 +177,12 @@ def test_launch_arguments_match_kernel_signatures(nvcc_build, monkeypatch):
     launches = []
     monkeypatch.setattr(launcher, "launch", lambda source, function, device, grid, block, args, shared:
                         launches.append((function, args, block, shared)))
-    monkeypatch.setattr(launcher, "_check", lambda vectors: None)
+    monkeypatch.setattr(launcher, "supported", lambda head, tail: True)
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         for v in (2, 27, 33, 64):
             vectors = torch.zeros(3, v, 24, dtype=dtype)
-            launcher.forward(vectors)
-            launcher.backward(vectors, torch.zeros(3, reference.pair_count(v), dtype=dtype))
+            launcher.forward(*_parts(vectors))
+            launcher.backward(*_parts(vectors), torch.zeros(3, reference.pair_count(v), dtype=dtype))
     assert len(launches) == 24 and {f for f, *_ in launches} >= {"dot_interaction_forward_bf16_v32",
                                                                   "dot_interaction_backward_f32_v64"}
     for function, args, block, shared in launches:
@@ -171,11 +192,17 @@ def test_launch_arguments_match_kernel_signatures(nvcc_build, monkeypatch):
         assert block % 32 == 0 and 0 < block <= 128 and shared <= launcher.BLOCK_SHARED_BYTES
 
 
-def test_no_kernel_spills_registers(nvcc_build):
+def test_no_16_bit_kernel_spills_registers_and_the_fp32_ones_barely(nvcc_build):
+    """The 16-bit kernels (what training under autocast runs) keep everything in registers. The fp32 ones split
+    each value into two tf32 parts and hold the sample's two parts' rows as they copy them: ptxas keeps the v32
+    forward at 64 registers and spills 8 bytes there, which these bounds allow and no more."""
     result, _ = nvcc_build(SOURCE)
     assert result.returncode == 0, result.stderr
-    spills = re.findall(r"(\d+) bytes spill stores", result.stderr)
-    assert len(spills) == 24 and set(spills) == {"0"}, result.stderr
+    spills = dict(re.findall(r"Function properties for (\w+)\n\s+\d+ bytes stack frame, (\d+) bytes spill stores",
+                             result.stderr))
+    assert len(spills) == 24, result.stderr
+    for kernel, stored in spills.items():
+        assert int(stored) <= (8 if "_f32_" in kernel else 0), (kernel, stored)
 
 
 def test_the_shared_row_strides_are_the_same_in_the_launcher_and_the_kernel():
@@ -197,10 +224,14 @@ def test_every_supported_shape_fits_a_block():
 
 
 def test_kernels_take_cuda_vectors_of_up_to_64_rows_in_three_dtypes():
-    assert launcher.supported(_cuda_like(2, 64, 8)) and launcher.supported(_cuda_like(2, 27, 8, dtype=torch.bfloat16))
-    assert not launcher.supported(_cuda_like(2, 65, 8))
-    assert not launcher.supported(_cuda_like(2, 27, 8, dtype=torch.float64))
-    assert not launcher.supported(torch.zeros(2, 27, 8))
+    def supported(b, v, d, dtype=torch.float32, tail_dtype=None):
+        return launcher.supported(_cuda_like(b, d, dtype=dtype), _cuda_like(b, v - 1, d, dtype=tail_dtype or dtype))
+
+    assert supported(2, 64, 8) and supported(2, 27, 8, dtype=torch.bfloat16)
+    assert not supported(2, 65, 8)
+    assert not supported(2, 27, 8, dtype=torch.float64)
+    assert not supported(2, 27, 8, dtype=torch.bfloat16, tail_dtype=torch.float32)
+    assert not launcher.supported(torch.zeros(2, 8), torch.zeros(2, 26, 8))
 
 
 def _cuda_like(*shape, dtype=torch.float32):
@@ -258,7 +289,7 @@ def _check_against_fp64(vectors, grad, out, grad_vectors):
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_kernels_match_the_fp64_reference(shape, dtype):
     vectors, grad = _case(shape, DTYPES[dtype])
-    out, grad_vectors = launcher.forward(vectors), launcher.backward(vectors, grad)
+    out, grad_vectors = launcher.forward(*_parts(vectors)), launcher.backward(*_parts(vectors), grad)
     torch.cuda.synchronize()
     _check_against_fp64(vectors, grad, out, grad_vectors)
 
@@ -277,13 +308,31 @@ def test_kernels_on_unaligned_vectors_and_a_strided_gradient(dtype):
     wide = torch.randn(b, d + reference.pair_count(v), device="cuda", generator=g).to(dt)
     grad = wide[:, d:]
     assert not grad.is_contiguous()
-    _check_against_fp64(vectors, grad, launcher.forward(vectors), launcher.backward(vectors, grad))
+    _check_against_fp64(vectors, grad, launcher.forward(*_parts(vectors)), launcher.backward(*_parts(vectors), grad))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_kernels_read_a_head_and_tail_of_their_own_where_they_lie(dtype):
+    """DLRM's parts: the bottom MLP's output and the pooled rows, two tensors never concatenated; and the learned
+    vector of a model without dense features, one row that every sample shares (row stride 0)."""
+    b, v, d = 300, 27, 128
+    dt = DTYPES[dtype]
+    g = torch.Generator(device="cuda").manual_seed(9)
+    head = torch.randn(b, d, device="cuda", generator=g).to(dt)
+    pooled = torch.randn(b, (v - 1) * d, device="cuda", generator=g).to(dt)
+    grad = torch.randn(b, reference.pair_count(v), device="cuda", generator=g).to(dt)
+    for first in (head, head[:1].expand(b, d)):
+        tail = pooled.view(b, v - 1, d)
+        joined = torch.cat([first.unsqueeze(1), tail], 1)
+        _check_against_fp64(joined, grad, launcher.forward(first, tail), launcher.backward(first, tail, grad))
+        assert torch.equal(launcher.forward(first, tail), launcher.forward(*_parts(joined)))
 
 
 @pytest.mark.gpu
 def test_dlrm_batch_in_bf16():
     vectors, grad = _case((65536, 27, 128), torch.bfloat16, seed=7)
-    _check_against_fp64(vectors, grad, launcher.forward(vectors), launcher.backward(vectors, grad))
+    _check_against_fp64(vectors, grad, launcher.forward(*_parts(vectors)), launcher.backward(*_parts(vectors), grad))
 
 
 @pytest.mark.gpu
@@ -293,12 +342,13 @@ def test_the_ops_run_the_kernels_on_cuda_and_the_reference_past_64_vectors(dtype
     x = vectors.clone().requires_grad_()
     out = dot_interaction(x)
     (grad_vectors,) = torch.autograd.grad(out, x, grad)
-    assert torch.equal(out, launcher.forward(vectors))
-    assert torch.equal(grad_vectors, launcher.backward(vectors, grad))
+    assert torch.equal(out, launcher.forward(*_parts(vectors)))
+    assert torch.equal(grad_vectors, launcher.backward(*_parts(vectors), grad))
     wide, wide_grad = _case((4, 65, 16), dtype, seed=4)
-    assert not launcher.supported(wide)
+    assert not launcher.supported(*_parts(wide))
     assert torch.equal(dot_interaction(wide), reference.dot_interaction(wide))
-    assert torch.equal(ops.interaction_backward(wide, wide_grad), reference.dot_interaction_backward(wide, wide_grad))
+    assert torch.equal(ops.interaction_backward(*_parts(wide), wide_grad),
+                       reference.dot_interaction_backward(wide, wide_grad))
 
 
 @pytest.mark.gpu
@@ -306,9 +356,9 @@ def test_kernels_launch_from_a_thread_that_made_no_cuda_call():
     """A fresh thread (like autograd's backward thread) has no current CUDA context until a runtime call
     makes one: the launch must make it, not fail with an invalid context."""
     vectors, grad = _case((8, 27, 32), torch.float32, seed=8)
-    expected = launcher.backward(vectors, grad)
+    expected = launcher.backward(*_parts(vectors), grad)
     results = []
-    worker = threading.Thread(target=lambda: results.append(launcher.backward(vectors, grad)))
+    worker = threading.Thread(target=lambda: results.append(launcher.backward(*_parts(vectors), grad)))
     worker.start()
     worker.join()
     assert len(results) == 1 and torch.equal(results[0], expected)
@@ -318,9 +368,9 @@ def test_kernels_launch_from_a_thread_that_made_no_cuda_call():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_opcheck_on_cuda(dtype):
     vectors, grad = _case((6, 27, 40), dtype, seed=6)
-    torch.library.opcheck(ops.interaction_forward, (vectors,))
-    torch.library.opcheck(ops.interaction_forward, (vectors.clone().requires_grad_(),))
-    torch.library.opcheck(ops.interaction_backward, (vectors, grad))
+    torch.library.opcheck(ops.interaction_forward, _parts(vectors))
+    torch.library.opcheck(ops.interaction_forward, tuple(p.clone().requires_grad_() for p in _parts(vectors)))
+    torch.library.opcheck(ops.interaction_backward, (*_parts(vectors), grad))
 
 
 @pytest.mark.gpu

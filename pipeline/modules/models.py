@@ -203,11 +203,11 @@ class DLRM(RecModel):
 
     def dense_forward(self, dense, pooled):
         b = pooled.shape[0]
-        vectors = pooled.view(b, self.num_slots, self.dim)
         x = self.bottom(dense) if self.num_dense else self.bottom_vector.to(pooled.dtype).expand(b, -1)
-        vectors = torch.cat([x.unsqueeze(1), vectors.to(x.dtype)], dim=1)
-        # <v_i, v_j> for j < i, row by row (torch.tril_indices' order): the fused kernels on CUDA
-        return self.top(torch.cat([x, dot_interaction(vectors)], dim=1)).squeeze(1)
+        # <v_i, v_j> for j < i of the vectors x, then the pooled rows, row by row (torch.tril_indices' order): the
+        # fused kernels on CUDA, which read both parts where they lie
+        dots = dot_interaction(x, pooled.view(b, self.num_slots, self.dim).to(x.dtype))
+        return self.top(torch.cat([x, dots], dim=1)).squeeze(1)
 
 
 class DCNv2(RecModel):

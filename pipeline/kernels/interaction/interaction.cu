@@ -5,7 +5,9 @@
 // Backward: gx[b, i] = sum over j != i of g[b, pair(i, j)] * x[b, j] (G, the pair gradients as a
 //           symmetric V x V matrix with a zero diagonal, times the sample's vectors).
 //
-// A warp computes one sample at a time (samples w, w + warps, ...) in its own slice of shared memory.
+// A sample's V rows come in two parts read where they lie: row 0 from `head` (DLRM's bottom MLP output) and rows
+// 1 .. V-1 from `tail` (the pooled embeddings, D apart), so nothing concatenates them first. A warp computes
+// one sample at a time (samples w, w + warps, ...) in its own slice of shared memory.
 // It copies CHUNK_WORDS words (256 bytes) of each of the sample's V rows at a time, with 16-byte
 // loads when the rows allow, and multiplies with mma.sync: bf16 and fp16 as m16n8k16, fp32 as
 // m16n8k8 on tf32 with every value split into a high and a low tf32 part (hi*hi + hi*lo + lo*hi,
@@ -89,31 +91,35 @@ __device__ __forceinline__ void ldmatrix_x4_trans(const void* p, u32 (&q)[4]) {
         : "memory");
 }
 
-// Copies columns [c0, c0 + width) of rows [0, rows) of a row-major [rows, D] matrix into shared
-// memory (rows `stride` words apart), 16 bytes at a time when `vec` (D and the matrix 16-byte
-// aligned), and zeros columns [width, padded) of those rows.
+// Copies columns [c0, c0 + width) of sample b's V rows into shared memory (rows `stride` words apart), 16 bytes
+// at a time when `vec` (D and both parts 16-byte aligned), and zeros columns [width, padded) of those rows. Row 0
+// is `heads`' row b, rows 1.. are `tails`' (D apart), found here from the kernel's parameters, so no register
+// holds them across the products.
 template <typename T>
-__device__ __forceinline__ void load_rows(const T* __restrict__ src, int rows, int D, int c0, int width, int padded,
-                                          u32* dst, int stride, int vec, int lane) {
+__device__ __forceinline__ void load_rows(const T* __restrict__ heads, long long head_stride,
+                                          const T* __restrict__ tails, long long tail_stride, int b, int V, int D,
+                                          int c0, int width, int padded, u32* dst, int stride, int vec, int lane) {
     constexpr int VE = 16 / sizeof(T);
+    const T* head = heads + (long long)b * head_stride + c0;
+    const T* tail = tails + (long long)b * tail_stride + c0;
     T* el = reinterpret_cast<T*>(dst);
     const int row_elems = stride * 4 / (int)sizeof(T);
     if (vec) {
         const int per_row = width / VE;
-        for (int k = lane; k < rows * per_row; k += 32) {
+        for (int k = lane; k < V * per_row; k += 32) {
             const int r = k / per_row, v = k - r * per_row;
             *reinterpret_cast<uint4*>(dst + r * stride + v * 4) =
-                *reinterpret_cast<const uint4*>(src + (long long)r * D + c0 + v * VE);
+                *reinterpret_cast<const uint4*>((r == 0 ? head : tail + (r - 1) * D) + v * VE);
         }
         const int extra = padded - width;
-        for (int k = lane; k < rows * extra; k += 32) {
+        for (int k = lane; k < V * extra; k += 32) {
             const int r = k / extra;
             el[r * row_elems + width + (k - r * extra)] = T{};
         }
     } else {
-        for (int k = lane; k < rows * padded; k += 32) {
+        for (int k = lane; k < V * padded; k += 32) {
             const int r = k / padded, e = k - r * padded;
-            el[r * row_elems + e] = e < width ? src[(long long)r * D + c0 + e] : T{};
+            el[r * row_elems + e] = e < width ? (r == 0 ? head : tail + (r - 1) * D)[e] : T{};
         }
     }
 }
@@ -141,8 +147,10 @@ __device__ __forceinline__ void store_rows(T* __restrict__ dst, int rows, int D,
 }
 
 template <typename T, int MT>
-__device__ __forceinline__ void dot_interaction_forward(const T* __restrict__ x, T* __restrict__ out, int batch,
-                                                        int V, int D, int vec, int warp_words) {
+__device__ __forceinline__ void dot_interaction_forward(const T* __restrict__ head, long long head_stride,
+                                                        const T* __restrict__ tail, long long tail_stride,
+                                                        T* __restrict__ out, int batch, int V, int D, int vec,
+                                                        int warp_words) {
     constexpr int NT = 2 * MT;                         // 8-column tiles of the padded V
     constexpr int CE = CHUNK_WORDS * 4 / sizeof(T);    // values of a row per chunk
     constexpr int KE = 32 / sizeof(T);                 // values per k-step (8 words)
@@ -153,7 +161,6 @@ __device__ __forceinline__ void dot_interaction_forward(const T* __restrict__ x,
     const int warps = gridDim.x * (blockDim.x >> 5);
 
     for (int b = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); b < batch; b += warps) {
-        const T* xb = x + (long long)b * V * D;
         float c[MT][NT][4];
 #pragma unroll
         for (int m = 0; m < MT; ++m)
@@ -166,7 +173,8 @@ __device__ __forceinline__ void dot_interaction_forward(const T* __restrict__ x,
             const int width = min(CE, D - c0);
             const int steps = (width + KE - 1) / KE;
             __syncwarp();
-            load_rows<T>(xb, V, D, c0, width, steps * KE, xs, ROW_WORDS, vec, lane);
+            load_rows<T>(head, head_stride, tail, tail_stride, b, V, D, c0, width, steps * KE, xs, ROW_WORDS, vec,
+                         lane);
             __syncwarp();
             for (int s = 0; s < steps; ++s) {
                 // B fragment of tile n: rows n*8 + g, words s*8 + t and + 4. The A fragment of
@@ -207,9 +215,11 @@ __device__ __forceinline__ void dot_interaction_forward(const T* __restrict__ x,
 }
 
 template <typename T, int MT>
-__device__ __forceinline__ void dot_interaction_backward(const T* __restrict__ x, const T* __restrict__ grad,
-                                                         long long grad_stride, T* __restrict__ gx, int batch, int V,
-                                                         int D, int vec, int warp_words) {
+__device__ __forceinline__ void dot_interaction_backward(const T* __restrict__ head, long long head_stride,
+                                                         const T* __restrict__ tail, long long tail_stride,
+                                                         const T* __restrict__ grad, long long grad_stride,
+                                                         T* __restrict__ gx, int batch, int V, int D, int vec,
+                                                         int warp_words) {
     constexpr int VP = 16 * MT;
     constexpr int XW = sizeof(T) == 4 ? COLUMN_ROW_WORDS : ROW_WORDS;
     constexpr int GW = VP * sizeof(T) / 4 + 4;         // words per row of G
@@ -228,7 +238,6 @@ __device__ __forceinline__ void dot_interaction_backward(const T* __restrict__ x
     for (int w = lane; w < VP * GW; w += 32) gs[w] = 0u;
 
     for (int b = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); b < batch; b += warps) {
-        const T* xb = x + (long long)b * V * D;
         const T* gb = grad + (long long)b * grad_stride;
         __syncwarp();
         for (int p = lane; p < pairs; p += 32) {
@@ -241,7 +250,7 @@ __device__ __forceinline__ void dot_interaction_backward(const T* __restrict__ x
         for (int c0 = 0; c0 < D; c0 += CE) {
             const int width = min(CE, D - c0);
             __syncwarp();
-            load_rows<T>(xb, V, D, c0, width, width, xs, XW, vec, lane);
+            load_rows<T>(head, head_stride, tail, tail_stride, b, V, D, c0, width, width, xs, XW, vec, lane);
             __syncwarp();
             for (int n0 = 0; n0 < width; n0 += 16) {
                 float c[MT][2][4];
@@ -296,13 +305,16 @@ __device__ __forceinline__ void dot_interaction_backward(const T* __restrict__ x
 
 #define DOT_INTERACTION(NAME, T, MT, VP)                                                                       \
     extern "C" __global__ void __launch_bounds__(128) dot_interaction_forward_##NAME##_v##VP(                 \
-        const T* x, T* out, int batch, int V, int D, int vec, int warp_words) {                                \
-        dot_interaction_forward<T, MT>(x, out, batch, V, D, vec, warp_words);                                  \
+        const T* head, long long head_stride, const T* tail, long long tail_stride, T* out, int batch, int V,  \
+        int D, int vec, int warp_words) {                                                                      \
+        dot_interaction_forward<T, MT>(head, head_stride, tail, tail_stride, out, batch, V, D, vec,            \
+                                       warp_words);                                                            \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(128) dot_interaction_backward_##NAME##_v##VP(                \
-        const T* x, const T* grad, long long grad_stride, T* gx, int batch, int V, int D, int vec,             \
-        int warp_words) {                                                                                      \
-        dot_interaction_backward<T, MT>(x, grad, grad_stride, gx, batch, V, D, vec, warp_words);               \
+        const T* head, long long head_stride, const T* tail, long long tail_stride, const T* grad,             \
+        long long grad_stride, T* gx, int batch, int V, int D, int vec, int warp_words) {                      \
+        dot_interaction_backward<T, MT>(head, head_stride, tail, tail_stride, grad, grad_stride, gx, batch, V, \
+                                        D, vec, warp_words);                                                   \
     }
 
 #define DOT_INTERACTION_SIZES(NAME, T) \

@@ -27,6 +27,19 @@ def check_vectors(vectors: torch.Tensor) -> None:
         raise ValueError(f"dot interaction: expected vectors [B, V, D], got shape {tuple(vectors.shape)}")
 
 
+def check_parts(head: torch.Tensor, tail: torch.Tensor) -> None:
+    """A sample's vectors in two parts: its first, ``head`` ``[B, D]``, then ``tail`` ``[B, V - 1, D]``."""
+    if head.dim() != 2 or tail.dim() != 3 or tail.shape[0] != head.shape[0] or tail.shape[2] != head.shape[1]:
+        raise ValueError(f"dot interaction: expected vectors in two parts [B, D] and [B, V - 1, D], got shapes "
+                         f"{tuple(head.shape)} and {tuple(tail.shape)}")
+
+
+def joined(head: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
+    """The two parts as one ``[B, V, D]`` tensor (a copy)."""
+    check_parts(head, tail)
+    return torch.cat([head.unsqueeze(1), tail.to(head.dtype)], dim=1)
+
+
 def dot_interaction(vectors: torch.Tensor) -> torch.Tensor:
     """``[B, V, D] -> [B, V*(V-1)/2]``: ``<v_i, v_j>`` of each sample for the pairs ``j < i``, row by row
     (``torch.tril_indices(V, V, offset=-1)``'s order: pair ``i*(i-1)/2 + j``), in the vectors' dtype."""
