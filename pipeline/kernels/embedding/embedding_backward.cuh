@@ -66,7 +66,7 @@ __device__ __forceinline__ void sparse_update(
     const long long* __restrict__ table_row_starts, const long long* __restrict__ table_weight_offsets,
     const long long* __restrict__ table_dims, int num_tables, const long long* __restrict__ output_offsets,
     const unsigned char* __restrict__ slot_mean, const void* __restrict__ grad, long long grad_stride,
-    float* __restrict__ partials, long long nnz, int num_slots, int batch_size, int log_lanes, int weights_aligned,
+    float* __restrict__ partials, long long nnz, int batch_size, int log_lanes, int weights_aligned,
     int grad_aligned, int grad_bf16, float lr, float eps, float beta1, float beta2, float bias1, float bias2,
     float weight_decay, int stochastic, unsigned long long seed) {
     constexpr int N = Vec<W>::N;
@@ -203,14 +203,14 @@ __device__ __forceinline__ void sparse_update_long(
         const int* sorted_bags, const long long* offsets, const long long* table_row_starts,            \
         const long long* table_weight_offsets, const long long* table_dims, int num_tables,             \
         const long long* output_offsets, const unsigned char* slot_mean, const void* grad,              \
-        long long grad_stride, float* partials, long long nnz, int num_slots, int batch_size,           \
+        long long grad_stride, float* partials, long long nnz, int batch_size,                          \
         int log_lanes, int weights_aligned, int grad_aligned, int grad_bf16, float lr, float eps,       \
         float beta1, float beta2, float bias1, float bias2, float weight_decay, int stochastic,          \
         unsigned long long seed) {                                                                      \
         sparse_update<W, K, OPT, CHUNKS>(weights, master, state1, state2, sorted_keys, sorted_bags,     \
                                          offsets, table_row_starts, table_weight_offsets, table_dims,   \
                                          num_tables, output_offsets, slot_mean, grad, grad_stride,      \
-                                         partials, nnz, num_slots, batch_size, log_lanes,               \
+                                         partials, nnz, batch_size, log_lanes,                          \
                                          weights_aligned, grad_aligned, grad_bf16, lr, eps, beta1,      \
                                          beta2, bias1, bias2, weight_decay, stochastic, seed);          \
     }

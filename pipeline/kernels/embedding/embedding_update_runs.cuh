@@ -214,8 +214,8 @@ __device__ __forceinline__ void sparse_update_runs(
     const int* __restrict__ sorted_bags, const long long* __restrict__ offsets,
     const long long* __restrict__ slot_weight_offsets, const long long* __restrict__ slot_row_offsets,
     const long long* __restrict__ output_offsets, const unsigned char* __restrict__ slot_mean,
-    const void* __restrict__ grad, long long grad_stride, float* __restrict__ partials, int num_slots, int batch_size,
-    int log_lanes, int weights_aligned, int grad_aligned, int grad_bf16, float lr, float eps, float beta1, float beta2,
+    const void* __restrict__ grad, long long grad_stride, float* __restrict__ partials, int batch_size, int log_lanes,
+    int weights_aligned, int grad_aligned, int grad_bf16, float lr, float eps, float beta1, float beta2,
     float bias1, float bias2, float weight_decay, int stochastic, unsigned long long seed) {
     const int lanes = 1 << log_lanes;
     const int lane = threadIdx.x & (lanes - 1);
@@ -246,14 +246,14 @@ __device__ __forceinline__ void sparse_update_runs(
         const int* sorted_bags, const long long* offsets, const long long* slot_weight_offsets,         \
         const long long* slot_row_offsets, const long long* output_offsets,                             \
         const unsigned char* slot_mean, const void* grad, long long grad_stride, float* partials,       \
-        int num_slots, int batch_size, int log_lanes, int weights_aligned, int grad_aligned,            \
+        int batch_size, int log_lanes, int weights_aligned, int grad_aligned,                           \
         int grad_bf16, float lr, float eps, float beta1, float beta2, float bias1, float bias2,         \
         float weight_decay, int stochastic, unsigned long long seed) {                                  \
         sparse_update_runs<W, K, OPT, CHUNKS>(weights, master, state1, state2, seg_begin, nullptr,      \
                                               seg_key, seg_bag, seg_split, seg_count, max_segments,     \
                                               sorted_bags, offsets, slot_weight_offsets,                \
                                               slot_row_offsets, output_offsets, slot_mean, grad,        \
-                                              grad_stride, partials, num_slots, batch_size, log_lanes,  \
+                                              grad_stride, partials, batch_size, log_lanes,             \
                                               weights_aligned, grad_aligned, grad_bf16, lr, eps, beta1, \
                                               beta2, bias1, bias2, weight_decay, stochastic, seed);     \
     }
@@ -368,8 +368,8 @@ __device__ __forceinline__ void sparse_update_singles(
     const K* __restrict__ single_key, const int* __restrict__ single_bag, const int* __restrict__ single_count,
     long long max_segments, const long long* __restrict__ offsets, const long long* __restrict__ slot_weight_offsets,
     const long long* __restrict__ slot_row_offsets, const long long* __restrict__ output_offsets,
-    const unsigned char* __restrict__ slot_mean, const void* __restrict__ grad, long long grad_stride, int num_slots,
-    int batch_size, int log_lanes, int weights_aligned, int grad_aligned, int grad_bf16, float lr, float eps,
+    const unsigned char* __restrict__ slot_mean, const void* __restrict__ grad, long long grad_stride, int batch_size,
+    int log_lanes, int weights_aligned, int grad_aligned, int grad_bf16, float lr, float eps,
     float beta1, float beta2, float bias1, float bias2, float weight_decay, int stochastic, unsigned long long seed) {
     // 32-bit positions (the list holds fewer than 2**31 ids' segments) and nothing kept that a loop can
     // reload from the cache: registers are what bound the resident groups here.
@@ -404,14 +404,14 @@ __device__ __forceinline__ void sparse_update_singles(
         const int* single_bag, const int* single_count, long long max_segments,                         \
         const long long* offsets, const long long* slot_weight_offsets,                                 \
         const long long* slot_row_offsets, const long long* output_offsets,                             \
-        const unsigned char* slot_mean, const void* grad, long long grad_stride, int num_slots,         \
+        const unsigned char* slot_mean, const void* grad, long long grad_stride,                        \
         int batch_size, int log_lanes, int weights_aligned, int grad_aligned, int grad_bf16, float lr,  \
         float eps, float beta1, float beta2, float bias1, float bias2, float weight_decay,              \
         int stochastic, unsigned long long seed) {                                                      \
         sparse_update_singles<W, K, OPT>(weights, master, state1, state2, single_key, single_bag,       \
                                          single_count, max_segments, offsets, slot_weight_offsets,      \
                                          slot_row_offsets, output_offsets, slot_mean, grad,             \
-                                         grad_stride, num_slots, batch_size, log_lanes,                 \
+                                         grad_stride, batch_size, log_lanes,                            \
                                          weights_aligned, grad_aligned, grad_bf16, lr, eps, beta1,      \
                                          beta2, bias1, bias2, weight_decay, stochastic, seed);          \
     }
@@ -425,14 +425,14 @@ __device__ __forceinline__ void sparse_update_singles(
         const long long* offsets, const long long* slot_weight_offsets,                                 \
         const long long* slot_row_offsets, const long long* output_offsets,                             \
         const unsigned char* slot_mean, const void* grad, long long grad_stride, float* partials,       \
-        int num_slots, int batch_size, int log_lanes, int weights_aligned, int grad_aligned,            \
+        int batch_size, int log_lanes, int weights_aligned, int grad_aligned,                           \
         int grad_bf16, float lr, float eps, float beta1, float beta2, float bias1, float bias2,         \
         float weight_decay, int stochastic, unsigned long long seed) {                                  \
         sparse_update_runs<W, K, OPT, 1, true>(weights, master, state1, state2, seg_begin, seg_end,     \
                                                seg_key, seg_bag, seg_split, seg_count, max_segments,    \
                                                sorted_bags, offsets, slot_weight_offsets,               \
                                                slot_row_offsets, output_offsets, slot_mean, grad,       \
-                                               grad_stride, partials, num_slots, batch_size, log_lanes, \
+                                               grad_stride, partials, batch_size, log_lanes,            \
                                                weights_aligned, grad_aligned, grad_bf16, lr, eps,       \
                                                beta1, beta2, bias1, bias2, weight_decay, stochastic,    \
                                                seed);                                                   \

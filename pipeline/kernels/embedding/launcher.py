@@ -237,7 +237,7 @@ def backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor], slots
     seg_log_lanes, seg_chunks = segment_lanes(kernel, log_lanes, chunks)
     slot_args = [ptr(offsets), ptr(slots.weight_offsets), ptr(slots.row_offsets), ptr(slots.output_offsets),
                  ptr(slots.mean), ptr(grad), i64(grad.stride(0))]
-    lane_args = [i32(slots.num_slots), i32(batch_size), i32(seg_log_lanes), i32(weights_aligned), i32(grad_aligned),
+    lane_args = [i32(batch_size), i32(seg_log_lanes), i32(weights_aligned), i32(grad_aligned),
                  i32(grad.dtype == torch.bfloat16)]
     groups_per_block = BLOCK >> seg_log_lanes
     one_group_each = (nnz + groups_per_block - 1) // groups_per_block
@@ -266,8 +266,8 @@ def backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor], slots
         launch(POSITION_SOURCE, f"sparse_update_{kinds}_c{chunks}", weights.device,
                (nnz + rows_per_block - 1) // rows_per_block, BLOCK,
                [*rows, ptr(sorted_keys), ptr(sorted_bags), ptr(offsets), *tables, ptr(slots.output_offsets),
-                ptr(slots.mean), ptr(grad), i64(grad.stride(0)), ptr(partials), i64(nnz), i32(slots.num_slots),
-                i32(batch_size), i32(log_lanes), i32(weights_aligned), i32(grad_aligned),
+                ptr(slots.mean), ptr(grad), i64(grad.stride(0)), ptr(partials), i64(nnz), i32(batch_size),
+                i32(log_lanes), i32(weights_aligned), i32(grad_aligned),
                 i32(grad.dtype == torch.bfloat16), *update])
     if segments > 1:
         launch(BACKWARD_SOURCE, f"sparse_update_{kinds}_c{chunks}_long", weights.device,
