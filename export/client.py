@@ -98,11 +98,26 @@ class Client:
         return RequestLayout.from_json(params[LAYOUT_PARAMETER]), max_batch
 
     def predict(self, rows: Any) -> np.ndarray:
-        """Probabilities ``[B]`` for raw rows (a DataFrame, a dict of columns, a list of dicts, or TSV lines)."""
+        """Probabilities ``[B]`` for raw rows (a DataFrame, a dict of columns, a list of dicts, or TSV lines), sent in
+        as many requests as the served model and the server take."""
         requests = self.layout.requests(rows, ignore=self.ignore_columns)
         if not len(next(iter(requests[0].values()))):
             raise BadInputError("empty batch: expected at least one row")
-        return np.concatenate([self.infer(part) for tensors in requests for part in self._within_max_batch(tensors)])
+        return np.concatenate([self._infer_within_limit(part) for tensors in requests
+                               for part in self._within_max_batch(tensors)])
+
+    def _infer_within_limit(self, tensors: dict[str, np.ndarray]) -> np.ndarray:
+        """:meth:`infer`, the rows cut in halves while the server refuses them as too large (HTTP 413: a body over
+        its ``serve.max_request_mb``, which the client does not know); one row too large is the server's error."""
+        try:
+            return self.infer(tensors)
+        except ServingError as err:
+            rows = len(next(iter(tensors.values())))
+            if err.status != "413" or rows < 2:
+                raise
+        halves = [{name: array[start:end] for name, array in tensors.items()}
+                  for start, end in ((0, rows // 2), (rows // 2, rows))]
+        return np.concatenate([self._infer_within_limit(half) for half in halves])
 
     def _within_max_batch(self, tensors: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
         """``tensors`` in requests of at most the model's ``max_batch_size`` rows (the server refuses larger)."""

@@ -249,6 +249,29 @@ def test_an_oversized_body_gets_413_before_it_is_sent(served):
         np.testing.assert_allclose(client.predict(rows), reference.predict(rows), rtol=0, atol=1e-5)
 
 
+def test_rows_over_the_servers_body_limit_are_sent_in_parts_it_takes(served):
+    """A request over ``serve.max_request_mb`` got the server's 413 back as the answer to Client.predict (text
+    columns are sent at the width of their longest value, so long text in many rows grows a request fast). Now
+    the client halves such a request until the server takes it; a single row over the limit is still the
+    server's 413, which names the setting."""
+    cfg, _, reference, server = served
+    limit = int(cfg.serve.max_request_mb * 2**20)
+    rows = _rows(cfg).iloc[:200].reset_index(drop=True)
+    with Client(server.http_url, "http") as client:
+        text = list(client.layout.strings)
+        width = int(1.1 * limit / len(rows) / len(text))  # every text value as long: no padding, 1.1x the limit
+        for column in text:
+            rows[column] = [f"{column}-{i}-".ljust(width, "v") for i in range(len(rows))]
+        np.testing.assert_allclose(client.predict(rows), reference.predict(rows), rtol=0, atol=1e-5)
+        one = rows.iloc[:1].copy()
+        for column in text:
+            one[column] = "v" * (limit // len(text) + 1)
+        with pytest.raises(ServingError, match=r"serve\.max_request_mb") as refused:
+            client.predict(one)
+        assert refused.value.status == "413"
+        np.testing.assert_allclose(client.predict(rows.iloc[:3]), reference.predict(rows.iloc[:3]), rtol=0, atol=1e-5)
+
+
 def test_a_deeply_nested_grpc_message_is_refused_and_the_server_keeps_serving(served):
     import grpc
 
