@@ -42,6 +42,8 @@
 #              pyarrow one where cuDF imports; then the loader's GPU tests
 #   e2e        run etl of E2E_ROWS (10,000,000) synthetic rows (once), then bench e2e of each model on it (E2E_STEPS
 #              timed steps, 100), and of DCNv2 with train.compile=max-autotune (E2E_AUTOTUNE= leaves it out)
+#   quality    the same split (made once, as e2e), then run train of each model of QUALITY_MODELS (dlrm dcnv2 deepfm
+#              wide_deep) on it: its test AUC against the oracle's (docs/BENCHMARKS.md, Model quality)
 #   etl        the data stage's GPU tests (the CuPy text readers against the CPU's), the cuDF-vs-pandas tests,
 #              tools/etl_profile.py --backend cudf (one partition's steps), the ETL stage on cuDF, bench data's
 #              Criteo TSV and CSV table readers (CuPy against the CPU's)
@@ -243,6 +245,16 @@ print(f'{len(sources)} sources in {time.time() - start:.0f} s')
       [ -n "${E2E_AUTOTUNE-1}" ] && step e2e-dcnv2-autotune 400 "$PY" -m pipeline bench e2e --device cuda --batch 65536 \
         --steps "${E2E_STEPS:-100}" --warmup 20 workdir="$w" data.size=1.0 data.rows="$rows" train.model=dcnv2 \
         train.compile=max-autotune --out "$W/e2e-dcnv2-autotune" ;;
+    quality)
+      w=${E2E_WORKDIR:-/tmp/e2e}
+      rows=${E2E_ROWS:-10000000}
+      [ -f "$w/synthetic/processed/schema.json" ] || step e2e-etl 420 "$PY" -m pipeline run etl --device cpu \
+        workdir="$w" data.size=1.0 data.rows="$rows" $E2E_ETL_SETTINGS
+      for model in ${QUALITY_MODELS:-dlrm dcnv2 deepfm wide_deep}; do
+        step "quality-$model" 300 "$PY" -m pipeline run train --device cuda workdir="$w" data.size=1.0 \
+          data.rows="$rows" train.model="$model" progress=off
+        grep -h "test AUC" "$W/quality-$model.log" | tail -1 | tee -a "$summary"
+      done ;;
     loader)
       # the loader alone on 8M synthetic rows as the ETL writes them, LZ4 pages (the default) and plain ones
       for packing in lz4 none; do
@@ -283,7 +295,7 @@ print(f'{len(sources)} sources in {time.time() - start:.0f} s')
     etl-trace)
       step etl-trace 300 "$PY" tools/etl_gpu_trace.py --rows "${ETL_BENCH_ROWS:-20000000}" --workdir /tmp/etl-bench \
         --out "$W/etl-trace" ;;
-    *) echo "unknown group $group (setup preflight warm kernels embedding train dense dynamic hostcache hostcache-large host-copies serve serve-parts serve-profile serve-latency loader loader-split e2e etl etl-bench etl-variants etl-trace criteo-scale)"; exit 2 ;;
+    *) echo "unknown group $group (setup preflight warm kernels embedding train dense dynamic hostcache hostcache-large host-copies serve serve-parts serve-profile serve-latency loader loader-split e2e quality etl etl-bench etl-variants etl-trace criteo-scale)"; exit 2 ;;
   esac
 done
 echo "== summary ($SECONDS s)"; cat "$summary"
