@@ -120,6 +120,13 @@ install_rapids() {
     $(find "$work" -name '*.whl')
 }
 
+e2e_split() {  # the synthetic split of e2e, quality and loader-split: E2E_ROWS rows in E2E_WORKDIR, made once
+  w=${E2E_WORKDIR:-/tmp/e2e}
+  rows=${E2E_ROWS:-10000000}
+  [ -f "$w/synthetic/processed/schema.json" ] || step e2e-etl 420 "$PY" -m pipeline run etl --device cpu \
+    workdir="$w" data.size=1.0 data.rows="$rows" $E2E_ETL_SETTINGS
+}
+
 mlperf=(--device cuda --preset mlperf --batch 65536)
 for group in "$@"; do
   case $group in
@@ -234,10 +241,7 @@ print(f'{len(sources)} sources in {time.time() - start:.0f} s')
       step serve-profile-pinned 150 "$PY" tools/serve_profile.py --export "$(ls -d /tmp/serve-profile/*/export | head -1)" \
         --batches 1,32,1024 --requests 200 --rounds 2 --pin --json "$W/serve-profile-pinned.json" ;;
     e2e)
-      w=${E2E_WORKDIR:-/tmp/e2e}
-      rows=${E2E_ROWS:-10000000}
-      [ -f "$w/synthetic/processed/schema.json" ] || step e2e-etl 420 "$PY" -m pipeline run etl --device cpu \
-        workdir="$w" data.size=1.0 data.rows="$rows" $E2E_ETL_SETTINGS
+      e2e_split
       for model in ${E2E_MODELS:-dlrm dcnv2 deepfm wide_deep}; do
         step "e2e-$model" 150 "$PY" -m pipeline bench e2e --device cuda --batch 65536 --steps "${E2E_STEPS:-100}" \
           --warmup 20 workdir="$w" data.size=1.0 data.rows="$rows" train.model="$model" --out "$W/e2e-$model"
@@ -246,10 +250,7 @@ print(f'{len(sources)} sources in {time.time() - start:.0f} s')
         --steps "${E2E_STEPS:-100}" --warmup 20 workdir="$w" data.size=1.0 data.rows="$rows" train.model=dcnv2 \
         train.compile=max-autotune --out "$W/e2e-dcnv2-autotune" ;;
     quality)
-      w=${E2E_WORKDIR:-/tmp/e2e}
-      rows=${E2E_ROWS:-10000000}
-      [ -f "$w/synthetic/processed/schema.json" ] || step e2e-etl 420 "$PY" -m pipeline run etl --device cpu \
-        workdir="$w" data.size=1.0 data.rows="$rows" $E2E_ETL_SETTINGS
+      e2e_split
       for model in ${QUALITY_MODELS:-dlrm dcnv2 deepfm wide_deep}; do
         step "quality-$model" 300 "$PY" -m pipeline run train --device cuda workdir="$w" data.size=1.0 \
           data.rows="$rows" train.model="$model" progress=off
@@ -264,9 +265,7 @@ print(f'{len(sources)} sources in {time.time() - start:.0f} s')
     loader-split)
       # the loader alone on the ETL's split of E2E_ROWS rows (made once, as e2e makes it): both readers where cuDF
       # imports; then the loader's GPU tests
-      w=${E2E_WORKDIR:-/tmp/e2e}
-      [ -f "$w/synthetic/processed/schema.json" ] || step e2e-etl 420 "$PY" -m pipeline run etl --device cpu \
-        workdir="$w" data.size=1.0 data.rows="${E2E_ROWS:-10000000}" $E2E_ETL_SETTINGS
+      e2e_split
       step loader-split 240 "$PY" -m pipeline bench loader --device cuda --data "$w/synthetic/processed/train" \
         --batch-size 65536 --epochs 3
       step loader-tests 180 "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_loader.py ;;
