@@ -40,16 +40,24 @@ def _runs_kernels(head: Tensor, tail: Tensor) -> bool:
     return launcher.supported(head, tail) and _kernels_usable()
 
 
+def _reference_forward(head: Tensor, tail: Tensor) -> Tensor:
+    return reference.dot_interaction(reference.joined(head, tail))
+
+
+def _reference_backward(head: Tensor, tail: Tensor, grad: Tensor) -> Tensor:
+    return reference.dot_interaction_backward(reference.joined(head, tail), grad)
+
+
 @torch.library.custom_op("pipeline::dot_interaction", mutates_args=())
 def interaction_forward(head: Tensor, tail: Tensor) -> Tensor:
-    return reference.dot_interaction(reference.joined(head, tail))
+    return _reference_forward(head, tail)
 
 
 @interaction_forward.register_kernel("cuda")
 def _forward_cuda(head: Tensor, tail: Tensor) -> Tensor:
     if _runs_kernels(head, tail):
         return launcher.forward(head, tail)
-    return reference.dot_interaction(reference.joined(head, tail))
+    return _reference_forward(head, tail)
 
 
 @interaction_forward.register_fake
@@ -60,14 +68,14 @@ def _forward_fake(head: Tensor, tail: Tensor) -> Tensor:
 
 @torch.library.custom_op("pipeline::dot_interaction_backward", mutates_args=())
 def interaction_backward(head: Tensor, tail: Tensor, grad: Tensor) -> Tensor:
-    return reference.dot_interaction_backward(reference.joined(head, tail), grad)
+    return _reference_backward(head, tail, grad)
 
 
 @interaction_backward.register_kernel("cuda")
 def _backward_cuda(head: Tensor, tail: Tensor, grad: Tensor) -> Tensor:
     if _runs_kernels(head, tail):
         return launcher.backward(head, tail, grad)
-    return reference.dot_interaction_backward(reference.joined(head, tail), grad)
+    return _reference_backward(head, tail, grad)
 
 
 @interaction_backward.register_fake
@@ -99,5 +107,5 @@ def dot_interaction(vectors: Tensor, tail: Tensor | None = None) -> Tensor:
             return reference.dot_interaction(vectors)
         vectors, tail = vectors[:, 0], vectors[:, 1:]
     if torch.jit.is_tracing():
-        return reference.dot_interaction(reference.joined(vectors, tail))
+        return _reference_forward(vectors, tail)
     return interaction_forward(vectors, tail)
