@@ -62,11 +62,11 @@ def _plain_dlrm(tables: int, rows: int, sizes):
         def __init__(self, tables, rows, dim, bottom, top):
             super().__init__()
             self.tables = nn.ModuleList(nn.EmbeddingBag(rows, dim, mode="sum", sparse=True) for _ in range(tables))
-            self.bottom = mlp(bottom, 13, last_activation=True)
+            self.bottom = nn.Sequential(*mlp(bottom, 13, last_activation=True))  # its layers one by one
             n = tables + 1
             r, c = torch.tril_indices(n, n, offset=-1)
             self.register_buffer("pairs", r * n + c, persistent=False)
-            self.top = mlp(top, dim + r.numel(), last_activation=False)
+            self.top = nn.Sequential(*mlp(top, dim + r.numel(), last_activation=False))
 
         def forward(self, dense, ids):
             x = self.bottom(dense)

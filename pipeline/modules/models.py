@@ -30,6 +30,7 @@ from torch import nn
 
 from pipeline.errors import BadInputError
 from pipeline.kernels.interaction import dot_interaction, pair_count
+from pipeline.kernels.mlp import relu_mlp
 from pipeline.modules.collection import EmbeddingCollection
 from pipeline.modules.configs import EmbeddingOptimizerConfig, TableConfig, tables_from_schema
 from pipeline.schema import Schema
@@ -109,7 +110,27 @@ class PadColumns(nn.Module):
         return nn.functional.pad(x, (0, self.pad))
 
 
-def mlp(widths: list[int], in_dim: int, last_activation: bool) -> nn.Sequential:
+class MLP(nn.Sequential):
+    """Linear + ReLU layers (after an optional :class:`PadColumns`), an ``nn.Sequential`` whose training forward on
+    a GPU in half precision (bf16 autocast, or half weights) runs as the ``pipeline::relu_mlp`` op: each layer's
+    bias, ReLU, ReLU gradient and bias gradient inside cuBLASLt's matrix products
+    (:mod:`pipeline.kernels.mlp`). Elsewhere, and while ``torch.jit`` traces, its layers run one by one."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        layers = list(self)
+        linears = [layer for layer in layers if isinstance(layer, nn.Linear)]
+        if not (linears and x.is_cuda and self.training and torch.is_grad_enabled() and not torch.jit.is_tracing()):
+            return super().forward(x)
+        dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else linears[0].weight.dtype
+        if dtype not in (torch.bfloat16, torch.float16):
+            return super().forward(x)
+        if isinstance(layers[0], PadColumns):
+            x = layers.pop(0)(x)
+        return relu_mlp(x.to(dtype), [layer.weight.to(dtype) for layer in linears],
+                        [layer.bias.to(dtype) for layer in linears], last_relu=isinstance(layers[-1], nn.ReLU))
+
+
+def mlp(widths: list[int], in_dim: int, last_activation: bool) -> MLP:
     """Linear + ReLU layers of the given widths; the last layer without ReLU unless ``last_activation``.
     An input width that is not a multiple of :data:`ALIGN` is padded with zero columns first."""
     layers: list[nn.Module] = []
@@ -121,7 +142,7 @@ def mlp(widths: list[int], in_dim: int, last_activation: bool) -> nn.Sequential:
         if i < len(widths) - 1 or last_activation:
             layers.append(nn.ReLU())
         in_dim = width
-    return nn.Sequential(*layers)
+    return MLP(*layers)
 
 
 class RecModel(nn.Module):
