@@ -1,8 +1,9 @@
 """Custom CUDA kernels, compiled at run time with NVRTC through CuPy, registered as ``torch.library`` ops.
 
 One sub-package per op family, FBGEMM style: :mod:`pipeline.kernels.embedding` (pooled lookups and
-the fused sparse-optimizer backward) and :mod:`pipeline.kernels.interaction` (DLRM's pairwise dot
-interaction). Each holds the ``.cu`` sources, the plain-torch reference beside them (the CPU path and
+the fused sparse-optimizer backward), :mod:`pipeline.kernels.interaction` (DLRM's pairwise dot
+interaction) and :mod:`pipeline.kernels.mlp` (Linear + ReLU layers as cuBLASLt products with the bias, ReLU and
+their gradients in the epilogues: no source of ours, torch's ``libcublasLt`` through ``ctypes``). Each holds the ``.cu`` sources, the plain-torch reference beside them (the CPU path and
 the test oracle), the launchers, and the ``pipeline::`` custom ops with their fake implementations and
 autograd. :mod:`pipeline.kernels.hashtable` is the GPU hash table of embedding ids, its kernels and
 reference behind one class, ``HashTable``. Importing this package needs neither CuPy nor a GPU; the CUDA implementations fall back to

@@ -107,7 +107,7 @@ def _create(name: str, *args) -> ctypes.c_void_p:
 
 
 def _set(desc: ctypes.c_void_p, attribute: int, value: ctypes._SimpleCData) -> None:
-    _call("cublasLtMatmulDescSetAttribute", desc, attribute, ctypes.byref(value), ctypes.sizeof(value))
+    _call("cublasLtMatmulDescSetAttribute", desc, attribute, ctypes.addressof(value), ctypes.sizeof(value))
 
 
 @functools.cache
@@ -120,7 +120,7 @@ def _handle(device_index: int) -> ctypes.c_void_p:
 def _preference() -> ctypes.c_void_p:
     preference = _create("cublasLtMatmulPreferenceCreate")
     limit = ctypes.c_uint64(WORKSPACE_BYTES)
-    _call("cublasLtMatmulPreferenceSetAttribute", preference, _PREF_MAX_WORKSPACE_BYTES, ctypes.byref(limit),
+    _call("cublasLtMatmulPreferenceSetAttribute", preference, _PREF_MAX_WORKSPACE_BYTES, ctypes.addressof(limit),
           ctypes.sizeof(limit))
     return preference
 
@@ -163,8 +163,8 @@ class _Plan:
         self._point(bias.data_ptr(), aux.data_ptr() if aux is not None else 0)
         workspace = torch.empty(self.workspace, dtype=torch.uint8, device=out.device) if self.workspace else None
         stream = torch.cuda.current_stream(out.device).cuda_stream
-        _call("cublasLtMatmul", self.handle, self.desc, ctypes.byref(_ONE), weight.data_ptr(), self.a,
-              rows.data_ptr(), self.b, ctypes.byref(_ZERO), out.data_ptr(), self.d, out.data_ptr(), self.d,
+        _call("cublasLtMatmul", self.handle, self.desc, ctypes.addressof(_ONE), weight.data_ptr(), self.a,
+              rows.data_ptr(), self.b, ctypes.addressof(_ZERO), out.data_ptr(), self.d, out.data_ptr(), self.d,
               ctypes.byref(self.algo), workspace.data_ptr() if workspace is not None else None, self.workspace,
               stream)
 
