@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from pipeline.kernels.mlp import cublaslt, ops, reference, relu_mlp
-from pipeline.modules.models import MLP, mlp
+from pipeline.modules.models import MLP, MLP_BACKENDS, mlp, use_mlp_backend
+from pipeline.train import config
 
 
 def _layers(widths: list[int], in_width: int, dtype=torch.float32, device="cpu", seed: int = 0):
@@ -137,9 +138,23 @@ def test_the_flop_counter_counts_the_products_forward_and_backward():
     assert counter.get_total_flops() == 3 * 2 * 10 * (16 * 24 + 24 * 8 + 8 * 1)
 
 
+def test_the_settings_name_the_modules_backends_and_a_model_takes_one_for_every_mlp():
+    from tests.test_kernels_interaction import _dlrm
+
+    assert config.MLP_BACKENDS == MLP_BACKENDS and config.TrainConfig().mlp_backend == "torch"
+    model = _dlrm()
+    use_mlp_backend(model, "cublaslt")
+    assert [m.backend for m in model.modules() if isinstance(m, MLP)] == ["cublaslt", "cublaslt"]
+    with pytest.raises(ValueError, match="mlp backend"):
+        use_mlp_backend(model, "fast")
+    with pytest.raises(ValueError, match="train.mlp_backend"):
+        config.TrainConfig(mlp_backend="fast")
+
+
 def test_the_module_keeps_sequential_layers_and_runs_them_one_by_one_off_the_gpu():
     torch.manual_seed(0)
     module = mlp([32, 8, 1], 13, last_activation=False)
+    use_mlp_backend(module, "cublaslt")
     assert isinstance(module, MLP) and list(module.state_dict()) == list(nn.Sequential(*module).state_dict())
     x = torch.randn(5, 13)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -242,6 +257,7 @@ def test_a_compiled_dlrm_step_in_bf16_runs_the_op_and_trains_like_its_layers_one
 
     fused = _dlrm(dim=32, features=26, backend="cuda", optimizer="sgd").cuda()
     plain = copy.deepcopy(fused)
+    use_mlp_backend(fused, "cublaslt")
     assert isinstance(plain, DLRM) and isinstance(plain.top, MLP)
     plain.bottom, plain.top = nn.Sequential(*plain.bottom), nn.Sequential(*plain.top)
     batches = _batches(fused, steps=5, batch=1024, device="cuda")

@@ -483,9 +483,10 @@ def test_files_a_run_reads_that_were_cut_short_are_one_error_naming_each(tmp_pat
         run(_config(tmp_path, "train.max_steps=3", "train.run=t"))
 
 
-def test_bf16_autocast_asked_on_a_cpu_is_said_to_compute_in_float32(tmp_path, capsys):
-    cfg = _config(tmp_path, "train.max_steps=2", "train.amp=bf16")
+def test_bf16_autocast_and_cublaslt_mlps_asked_on_a_cpu_are_said_to_run_as_torch_layers_in_float32(tmp_path, capsys):
+    cfg = _config(tmp_path, "train.max_steps=2", "train.amp=bf16", "train.mlp_backend=cublaslt")
     _write_data(cfg)
     run(cfg)
-    assert "[train] train.amp=bf16: bf16 autocast runs on a GPU; on cpu the dense part computes in float32" in \
-        capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "[train] train.amp=bf16: bf16 autocast runs on a GPU; on cpu the dense part computes in float32" in out
+    assert "[train] train.mlp_backend=cublaslt: cuBLASLt runs the MLPs on a GPU; on cpu torch's layers run them" in out

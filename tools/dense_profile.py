@@ -11,6 +11,7 @@ templates), Inductor's fused element-wise kernels, and the rest, each with its l
 
     python tools/dense_profile.py --model dcnv2 --device cuda --batch 65536 --profile 5
     python tools/dense_profile.py --model dlrm --device cuda --batch 65536 --compile max-autotune --json dlrm.json
+    python tools/dense_profile.py --model dlrm --device cuda --batch 65536 --mlp-backend cublaslt --profile 5
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ _FUSED = re.compile(r"^triton_|^cpp_fused|elementwise|vectorized|reduce_kernel",
 def main(argv: list[str] | None = None) -> dict:
     from pipeline.loader.synthetic import criteo_schema
     from pipeline.modules.configs import EmbeddingOptimizerConfig
-    from pipeline.modules.models import MODEL_CLASSES, PRESETS, ModelSizes, build_model
+    from pipeline.modules.models import MLP_BACKENDS, MODEL_CLASSES, PRESETS, ModelSizes, build_model, use_mlp_backend
     from pipeline.train.config import COMPILE_MODES
     from pipeline.train.loop import compiled_dense_loss, dense_loss
 
@@ -52,6 +53,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--profile", type=int, default=0, metavar="N", help="profile N more steps by kind of kernel")
     parser.add_argument("--pooled-dtype", choices=("float32", "bfloat16"), default="float32",
                         help="the dtype of the pooled embeddings and their gradient, as the tables hand them over")
+    parser.add_argument("--mlp-backend", choices=MLP_BACKENDS, default="torch", help="as train.mlp_backend")
     parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     args = parser.parse_args(argv)
 
@@ -59,6 +61,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(0)
     model = build_model(args.model, criteo_schema(size=0.001), ModelSizes.preset(args.preset),
                         EmbeddingOptimizerConfig("adagrad"), backend="torch").to(device)
+    use_mlp_backend(model, args.mlp_backend)
     amp = device.type == "cuda"
     rows = args.batch
     dense = torch.randn(rows, model.num_dense, device=device)
@@ -87,11 +90,12 @@ def main(argv: list[str] | None = None) -> dict:
     flops = _flops_per_sample(model, amp, device)
     result = {
         "model": args.model, "preset": args.preset, "batch": rows, "device": str(device), "compile": args.compile,
-        "pooled_dtype": args.pooled_dtype,
+        "pooled_dtype": args.pooled_dtype, "mlp_backend": args.mlp_backend,
         "step_ms": step_ms, "samples_per_s": rows / step_ms * 1e3, "warmup_s": warmup_s,
         "gemm_flops_per_sample": flops, "gemm_tflops": flops * rows / step_ms / 1e9,
     }
-    print(f"{args.model} ({args.preset}), batch {rows:,} on {device}, compile={args.compile}, pooled {args.pooled_dtype}: {step_ms:.3f} ms a step "
+    print(f"{args.model} ({args.preset}), batch {rows:,} on {device}, compile={args.compile}, pooled {args.pooled_dtype}, "
+          f"MLPs through {args.mlp_backend}: {step_ms:.3f} ms a step "
           f"({result['samples_per_s']:,.0f} samples/s; warm-up {warmup_s:.1f} s); matrix products "
           f"{flops / 1e6:.1f} MFLOP a sample, at {result['gemm_tflops']:.3g} TFLOPS")
     if args.profile:

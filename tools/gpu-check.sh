@@ -40,10 +40,14 @@
 #   loader     bench loader on 8M synthetic rows, LZ4 pages and uncompressed (etl.compression)
 #   loader-split  bench loader on the ETL's split of E2E_ROWS rows (run etl, once, as e2e), the cudf reader beside the
 #              pyarrow one where cuDF imports; then the loader's GPU tests
+#   mlp        the MLP op's GPU tests (cuBLASLt's epilogues against the reference), then tools/dense_profile.py of
+#              DLRM's and DCNv2's dense parts with their MLPs through torch and through cuBLASLt, in turn
 #   e2e        run etl of E2E_ROWS (10,000,000) synthetic rows (once), then bench e2e of each model on it (E2E_STEPS
-#              timed steps, 100), and of DCNv2 with train.compile=max-autotune (E2E_AUTOTUNE= leaves it out)
+#              timed steps, 100) with each train.mlp_backend of E2E_MLP_BACKENDS (torch) in turn, and of DCNv2 with
+#              train.compile=max-autotune (E2E_AUTOTUNE= leaves it out)
 #   quality    the same split (made once, as e2e), then run train of each model of QUALITY_MODELS (dlrm dcnv2 deepfm
-#              wide_deep) on it: its test AUC against the oracle's (docs/BENCHMARKS.md, Model quality)
+#              wide_deep) on it, with QUALITY_SETTINGS (e.g. train.mlp_backend=cublaslt): its test AUC against the
+#              oracle's (docs/BENCHMARKS.md, Model quality)
 #   etl        the data stage's GPU tests (the CuPy text readers against the CPU's), the cuDF-vs-pandas tests,
 #              tools/etl_profile.py --backend cudf (one partition's steps), the ETL stage on cuDF, bench data's
 #              Criteo TSV and CSV table readers (CuPy against the CPU's)
@@ -58,7 +62,7 @@
 # budget (CHECK_BUDGET_S, 560 s by default: under a ten-minute limit on one command).
 # Knobs: PYTHON (python3), SITE (/tmp/site), KIT (.kit), KIT_STORE (/root/kit), MODELS_ENV
 # (/tmp/venv-triton), RAPIDS_PARTS, E2E_WORKDIR (/tmp/e2e), E2E_MODELS (dlrm dcnv2 deepfm wide_deep), E2E_ROWS,
-# E2E_STEPS, E2E_AUTOTUNE, E2E_ETL_SETTINGS (settings for that split's run etl, e.g. etl.row_group_rows=65536,
+# E2E_STEPS, E2E_MLP_BACKENDS, E2E_AUTOTUNE, QUALITY_MODELS, QUALITY_SETTINGS, E2E_ETL_SETTINGS (settings for that split's run etl, e.g. etl.row_group_rows=65536,
 # with an E2E_WORKDIR of its own), DYNAMIC_ROWS, ETL_BENCH_ARGS, ETL_PROFILE_ROWS, SERVE_ARGS (extra settings for bench serve, e.g. export.instances=4).
 set -o pipefail
 cd "$(dirname "$0")/.."
@@ -179,6 +183,16 @@ print(f'{len(sources)} sources in {time.time() - start:.0f} s')
         step "train-$ids" 150 "$PY" -m pipeline bench train "${mlperf[@]}" --rows 1000000 --ids "$ids" \
           --optimizer adagrad --steps 20 --rounds 3 --json "$W/train-$ids/result.json"
       done ;;
+    mlp)
+      step mlp-tests 240 "$PY" -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_kernels_mlp.py
+      for model in dlrm dcnv2; do
+        for name in torch-1 cublaslt-1 torch-2 cublaslt-2; do  # in turn, twice: the machine's drift shows
+          step "mlp-dense-$model-$name" 100 "$PY" tools/dense_profile.py --model "$model" --device cuda --batch 65536 \
+            --pooled-dtype bfloat16 --steps 60 --warmup 10 --mlp-backend "${name%-*}" --profile 5 \
+            --json "$W/mlp-dense-$model-$name.json"
+          grep -h "ms a step" "$W/mlp-dense-$model-$name.log" | tail -1 | tee -a "$summary"
+        done
+      done ;;
     dense)
       for model in dlrm dcnv2; do
         step "dense-$model" 150 "$PY" tools/dense_profile.py --model "$model" --device cuda --batch 65536 --profile 5 \
@@ -243,8 +257,12 @@ print(f'{len(sources)} sources in {time.time() - start:.0f} s')
     e2e)
       e2e_split
       for model in ${E2E_MODELS:-dlrm dcnv2 deepfm wide_deep}; do
-        step "e2e-$model" 150 "$PY" -m pipeline bench e2e --device cuda --batch 65536 --steps "${E2E_STEPS:-100}" \
-          --warmup 20 workdir="$w" data.size=1.0 data.rows="$rows" train.model="$model" --out "$W/e2e-$model"
+        for backend in ${E2E_MLP_BACKENDS:-torch}; do
+          name=e2e-$model$([ "$backend" = torch ] || echo "-$backend")
+          step "$name" 150 "$PY" -m pipeline bench e2e --device cuda --batch 65536 --steps "${E2E_STEPS:-100}" \
+            --warmup 20 workdir="$w" data.size=1.0 data.rows="$rows" train.model="$model" train.mlp_backend="$backend" \
+            --out "$W/$name"
+        done
       done
       [ -n "${E2E_AUTOTUNE-1}" ] && step e2e-dcnv2-autotune 400 "$PY" -m pipeline bench e2e --device cuda --batch 65536 \
         --steps "${E2E_STEPS:-100}" --warmup 20 workdir="$w" data.size=1.0 data.rows="$rows" train.model=dcnv2 \
@@ -252,8 +270,9 @@ print(f'{len(sources)} sources in {time.time() - start:.0f} s')
     quality)
       e2e_split
       for model in ${QUALITY_MODELS:-dlrm dcnv2 deepfm wide_deep}; do
+        # shellcheck disable=SC2086
         step "quality-$model" 300 "$PY" -m pipeline run train --device cuda workdir="$w" data.size=1.0 \
-          data.rows="$rows" train.model="$model" progress=off
+          data.rows="$rows" train.model="$model" progress=off $QUALITY_SETTINGS
         grep -h "test AUC" "$W/quality-$model.log" | tail -1 | tee -a "$summary"
       done ;;
     loader)
@@ -294,7 +313,7 @@ print(f'{len(sources)} sources in {time.time() - start:.0f} s')
     etl-trace)
       step etl-trace 300 "$PY" tools/etl_gpu_trace.py --rows "${ETL_BENCH_ROWS:-20000000}" --workdir /tmp/etl-bench \
         --out "$W/etl-trace" ;;
-    *) echo "unknown group $group (setup preflight warm kernels embedding train dense dynamic hostcache hostcache-large host-copies serve serve-parts serve-profile serve-latency loader loader-split e2e quality etl etl-bench etl-variants etl-trace criteo-scale)"; exit 2 ;;
+    *) echo "unknown group $group (setup preflight warm kernels embedding train mlp dense dynamic hostcache hostcache-large host-copies serve serve-parts serve-profile serve-latency loader loader-split e2e quality etl etl-bench etl-variants etl-trace criteo-scale)"; exit 2 ;;
   esac
 done
 echo "== summary ($SECONDS s)"; cat "$summary"

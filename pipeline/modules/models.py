@@ -110,16 +110,23 @@ class PadColumns(nn.Module):
         return nn.functional.pad(x, (0, self.pad))
 
 
+MLP_BACKENDS = ("torch", "cublaslt")
+
+
 class MLP(nn.Sequential):
-    """Linear + ReLU layers (after an optional :class:`PadColumns`), an ``nn.Sequential`` whose training forward on
-    a GPU in half precision (bf16 autocast, or half weights) runs as the ``pipeline::relu_mlp`` op: each layer's
-    bias, ReLU, ReLU gradient and bias gradient inside cuBLASLt's matrix products
-    (:mod:`pipeline.kernels.mlp`). Elsewhere, and while ``torch.jit`` traces, its layers run one by one."""
+    """Linear + ReLU layers (after an optional :class:`PadColumns`), an ``nn.Sequential``. With ``backend``
+    ``"cublaslt"`` (:func:`use_mlp_backend`), its training forward on a GPU in half precision (bf16 autocast, or half
+    weights) runs as the ``pipeline::relu_mlp`` op: each layer's bias, ReLU, ReLU gradient and bias gradient inside
+    cuBLASLt's matrix products (:mod:`pipeline.kernels.mlp`). Otherwise, and while ``torch.jit`` traces, its layers
+    run one by one."""
+
+    backend = "torch"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         layers = list(self)
         linears = [layer for layer in layers if isinstance(layer, nn.Linear)]
-        if not (linears and x.is_cuda and self.training and torch.is_grad_enabled() and not torch.jit.is_tracing()):
+        if not (self.backend == "cublaslt" and linears and x.is_cuda and self.training and torch.is_grad_enabled()
+                and not torch.jit.is_tracing()):
             return super().forward(x)
         dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else linears[0].weight.dtype
         if dtype not in (torch.bfloat16, torch.float16):
@@ -128,6 +135,15 @@ class MLP(nn.Sequential):
             x = layers.pop(0)(x)
         return relu_mlp(x.to(dtype), [layer.weight.to(dtype) for layer in linears],
                         [layer.bias.to(dtype) for layer in linears], last_relu=isinstance(layers[-1], nn.ReLU))
+
+
+def use_mlp_backend(model: nn.Module, backend: str) -> None:
+    """Every :class:`MLP` of ``model`` trains through ``backend`` (one of :data:`MLP_BACKENDS`)."""
+    if backend not in MLP_BACKENDS:
+        raise ValueError(f"mlp backend: expected one of {', '.join(MLP_BACKENDS)}, got {backend!r}")
+    for module in model.modules():
+        if isinstance(module, MLP):
+            module.backend = backend
 
 
 def mlp(widths: list[int], in_dim: int, last_activation: bool) -> MLP:

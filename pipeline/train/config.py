@@ -17,6 +17,8 @@ AMP = ("auto", "bf16", "off")
 COMPILE_MODES = ("auto", "on", "off", "max-autotune")
 READERS = ("auto", "pyarrow", "cudf")
 """The loader's readers (``pipeline.loader.cudf_read.READERS``, which imports torch; this module does not)."""
+MLP_BACKENDS = ("torch", "cublaslt")
+"""The MLPs' backends (``pipeline.modules.models.MLP_BACKENDS``, in a module that imports torch)."""
 LATEST = "latest"  # <train>/latest: the newest finished run (see pipeline.train.runs)
 
 
@@ -104,6 +106,10 @@ class TrainConfig:
                 "training batches (1: at first sight); until then it reads a zero row and is not updated"})
     embedding_backend: str = field(default="auto", metadata={
         "help": "torch | cuda | auto: embedding compute (auto: fused CUDA kernels when usable)"})
+    mlp_backend: str = field(default="torch", metadata={
+        "help": "torch | cublaslt: the MLPs' Linear + ReLU layers in training on a GPU in half precision (cublaslt: "
+                "each layer's bias, ReLU and their gradients inside cuBLASLt's matrix products, no pass of their own "
+                "over the activations; elsewhere torch's layers either way)"})
     amp: str = field(default="auto", metadata={"help": "auto | bf16 | off: bf16 autocast (auto: on GPU only)"})
     compile: str = field(default="auto", metadata={
         "help": "auto | on | off | max-autotune: torch.compile the dense part and the loss of a one-process run, "
@@ -138,7 +144,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for name, allowed in (("model", MODELS), ("preset", PRESETS), ("optimizer", DENSE_OPTIMIZERS),
                               ("embedding_optimizer", EMBEDDING_OPTIMIZERS), ("decay", DECAYS), ("amp", AMP),
-                              ("compile", COMPILE_MODES), ("reader", READERS),
+                              ("compile", COMPILE_MODES), ("reader", READERS), ("mlp_backend", MLP_BACKENDS),
                               ("embedding_dtype", ("fp32", "fp16", "bf16")),
                               ("multihot_pooling", ("sum", "mean"))):
             if getattr(self, name) not in allowed:

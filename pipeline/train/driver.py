@@ -75,7 +75,7 @@ from pipeline.modules.cached_collection import HostCachedCollection
 from pipeline.modules.configs import WEIGHT_DTYPES
 from pipeline.modules.dynamic import DynamicTable
 from pipeline.modules.host_cache import CacheStats
-from pipeline.modules.models import ModelSizes, lr_width
+from pipeline.modules.models import ModelSizes, lr_width, use_mlp_backend
 from pipeline.schema import Schema, processed_lock
 from pipeline.train.checkpoint import PlainCheckpoints, ShardedCheckpoints
 from pipeline.train.config import TrainConfig
@@ -134,10 +134,14 @@ def _train(cfg: TrainConfig, data: Path, runs: Path, schema: Schema, seed: int, 
         print(f"[train] run {out.name} in {runs}", flush=True)
         print(f"[train] {cfg.optimizer} at lr {cfg.lr:.3g}, tables {cfg.embedding_optimizer} at {cfg.embedding_lr:.3g}, "
               f"weight decay {cfg.weight_decay:.3g}; {rate:.2%} of the training labels positive", flush=True)
+        if cfg.mlp_backend == "cublaslt" and device.type != "cuda":
+            print(f"[train] train.mlp_backend=cublaslt: cuBLASLt runs the MLPs on a GPU; on {device.type} torch's layers "
+                  "run them", flush=True)
         if cfg.amp == "bf16" and device.type != "cuda":
             print(f"[train] train.amp=bf16: bf16 autocast runs on a GPU; on {device.type} the dense part computes in "
                   "float32", flush=True)
     model = model_from_spec(spec, backend=cfg.embedding_backend)
+    use_mlp_backend(model, cfg.mlp_backend)
     model.start_at_rate(rate)
     try:
         model, checkpoints = _place(model, cfg, world, distributed, out / "checkpoints", schema)
@@ -270,6 +274,12 @@ def _check_before_the_run(cfg: TrainConfig, spec: dict, distributed: Distributed
     the model does not have (the settings most often carried over from another machine or another dataset)."""
     check_backend(f"train.embedding_backend={cfg.embedding_backend}", cfg.embedding_backend, device,
                   WEIGHT_DTYPES[cfg.embedding_dtype])
+    if cfg.mlp_backend == "cublaslt" and device.type == "cuda":
+        from pipeline.kernels.mlp.cublaslt import library_problem
+
+        problem = library_problem()
+        if problem:
+            raise UserError(f"train.mlp_backend=cublaslt: {problem}; train with train.mlp_backend=torch")
     tables = [t["name"] for t in spec["tables"]]
     unknown = sorted(set(distributed.sharding) - set(tables))
     if unknown:

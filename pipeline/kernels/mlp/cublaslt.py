@@ -94,6 +94,15 @@ def _lib() -> ctypes.CDLL:
     return lib
 
 
+def library_problem() -> str | None:
+    """``None`` where torch's cuBLASLt can be called here, else why not, in words."""
+    try:
+        _lib()
+    except (OSError, AttributeError, RuntimeError) as error:
+        return f"cuBLASLt could not be loaded ({error})"
+    return None
+
+
 def _call(name: str, *args) -> None:
     status = getattr(_lib(), name)(*args)
     if status != 0:
