@@ -161,6 +161,47 @@ def test_the_module_keeps_sequential_layers_and_runs_them_one_by_one_off_the_gpu
         torch.testing.assert_close(module(x), nn.Sequential(*module)(x), rtol=0, atol=0)
 
 
+def _documented_epilogues(weight, rows, out, *, transpose, epilogue, bias, aux=None):
+    """cuBLASLt's product and epilogues as its documentation describes them, in fp32 on the CPU."""
+    product = rows.float() @ (weight.float().t() if transpose else weight.float())
+    assert out.shape == product.shape and out.is_contiguous() and bias.shape == (out.shape[1],)
+    if epilogue != cublaslt.BIAS:
+        assert aux.shape == (out.shape[0], reference.mask_width(out.shape[1]) // 8) and aux.dtype == torch.uint8
+    if epilogue == cublaslt.RELU_AUX_BIAS:
+        z = product + bias.float()
+        aux.copy_(reference.pack_mask(z > 0))
+        out.copy_(z.relu())
+    elif epilogue == cublaslt.DRELU_BGRAD:
+        g = product * reference.unpack_mask(aux, out.shape[1])
+        out.copy_(g)
+        bias.copy_(g.sum(dim=0))
+    else:
+        out.copy_(product + bias.float())
+
+
+@pytest.mark.parametrize("last_relu", [False, True])
+@pytest.mark.parametrize("widths,in_width", [([1024, 512, 256, 1], 480), ([64, 13, 32, 8], 24), ([128], 16)])
+def test_the_cuda_ops_layers_take_each_mask_where_the_documented_epilogues_put_it(monkeypatch, widths, in_width,
+                                                                                   last_relu):
+    """The CUDA op's own logic (which layer's product writes a mask, which product reads it back, where the bias
+    gradients land) over cuBLASLt's documented epilogues, against the reference: what the GPU tests check with the
+    library itself."""
+    monkeypatch.setattr(cublaslt, "matmul", _documented_epilogues)
+    x = torch.randn(64, in_width).to(torch.bfloat16)
+    weights, biases = _layers(widths, in_width, torch.bfloat16)
+    got = ops._forward_cuda(x, weights, biases, last_relu)
+    outputs, masks = reference.forward(x, weights, biases, last_relu)
+    assert [tuple(m.shape) for m in got[len(widths):]] == [tuple(m.shape) for m in masks]
+    for g, e in zip(got, [*outputs, *masks]):
+        torch.testing.assert_close(g.float(), e.float(), rtol=2e-2, atol=2e-2)
+    grad = torch.randn(64, widths[-1]).to(torch.bfloat16)
+    got_grads = ops._backward_cuda(grad, x, weights, got[:len(widths)], got[len(widths):], last_relu)
+    expected = ops._reference_backward(grad, x, weights, outputs, last_relu)
+    for g, e in zip(got_grads, expected):
+        assert g.shape == e.shape and g.dtype == e.dtype
+        torch.testing.assert_close(g.float(), e.float(), rtol=5e-2, atol=5e-2 * max(1.0, e.float().abs().max().item()))
+
+
 # --- on a GPU ----------------------------------------------------------------------------------------------
 
 
