@@ -263,6 +263,7 @@ def test_bench_e2e_reports_every_rate_and_where_the_stage_time_goes(tmp_path, ca
     r = json.loads((out / "e2e.json").read_text())
     assert r["steps"] == 12 and r["stage_samples"] == 11 * 128 + 92 and r["batch"] == 128
     assert r["embedding_optimizer"] == "adam" and r["dense_optimizer"] == "sgd" and r["model"] == "dlrm"
+    assert r["mlp_backend"] == "torch"
     for key in ("stage_samples_per_s", "stage_without_evaluation_and_checkpoints_samples_per_s",
                 "step_alone_samples_per_s", "loader_alone_samples_per_s"):
         assert r[key] > 0, key
@@ -289,7 +290,7 @@ def test_bench_e2e_reports_every_rate_and_where_the_stage_time_goes(tmp_path, ca
     assert [x["step"] for x in lines if "loss" in x] == [4, 8, 12, 16]
     assert not (run / "model.pt").exists()
     printed = capsys.readouterr().out
-    for text in ("(a) training stage", "(b) step alone", "(c) loader alone", "batch wait", "(a) - (b)",
+    for text in ("(a) training stage", "(b) step alone", "(c) loader alone", "batch wait", "(a) - (b)", "MLPs through torch",
                  "the dense part's matrix products", "the profiled steps also hold the stage's evaluation"):
         assert text in printed
 

@@ -238,6 +238,7 @@ def _result(args, cfg, settings, trainer, probe, step_rate, loader_rate, device,
         "batches_per_epoch": trainer.steps_per_epoch,
         "model": settings.model,
         "embedding_backend": trainer.model.embedding.backend.name,
+        "mlp_backend": settings.mlp_backend,
         "batch": settings.batch_size,
         "embedding_optimizer": settings.embedding_optimizer,
         "dense_optimizer": settings.optimizer,
@@ -271,7 +272,8 @@ def _report(r: dict) -> None:
     evaluation = f"every {r['eval_every']} steps" if r["eval_every"] else "at each epoch's end"
     checkpoint = f"every {r['checkpoint_every']} steps" if r["checkpoint_every"] else "at the end only"
     print(f"\nbench e2e on {where}: {r['model']}, batch {r['batch']}, tables {r['embedding_optimizer']}, "
-          f"dense {r['dense_optimizer']}, bf16 autocast {r['amp_bf16']}, embedding backend {r['embedding_backend']}")
+          f"dense {r['dense_optimizer']}, bf16 autocast {r['amp_bf16']}, embedding backend {r['embedding_backend']}, "
+          f"MLPs through {r['mlp_backend']}")
     print(f"  data {r['data']}: {r['train_rows']:,} train rows, {r['batches_per_epoch']:,} batches per epoch; "
           f"loss logged every {r['log_every']} steps, evaluation {evaluation}, checkpoint {checkpoint}, "
           f"progress {r['progress']}")
