@@ -186,11 +186,11 @@ print(f'{len(sources)} sources in {time.time() - start:.0f} s')
     mlp)
       step mlp-tests 240 "$PY" -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_kernels_mlp.py
       for model in dlrm dcnv2; do
-        for name in torch-1 cublaslt-1 torch-2 cublaslt-2; do  # in turn, twice: the machine's drift shows
-          step "mlp-dense-$model-$name" 100 "$PY" tools/dense_profile.py --model "$model" --device cuda --batch 65536 \
-            --pooled-dtype bfloat16 --steps 60 --warmup 10 --mlp-backend "${name%-*}" --profile 5 \
-            --json "$W/mlp-dense-$model-$name.json"
-          grep -h "ms a step" "$W/mlp-dense-$model-$name.log" | tail -1 | tee -a "$summary"
+        for backend in torch cublaslt; do
+          step "mlp-dense-$model-$backend" 100 "$PY" tools/dense_profile.py --model "$model" --device cuda \
+            --batch 65536 --pooled-dtype bfloat16 --steps 60 --warmup 10 --mlp-backend "$backend" --profile 5 \
+            --json "$W/mlp-dense-$model-$backend.json"
+          grep -h "ms a step" "$W/mlp-dense-$model-$backend.log" | tail -1 | tee -a "$summary"
         done
       done ;;
     dense)
