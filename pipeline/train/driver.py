@@ -137,6 +137,9 @@ def _train(cfg: TrainConfig, data: Path, runs: Path, schema: Schema, seed: int, 
         if cfg.mlp_backend == "cublaslt" and device.type != "cuda":
             print(f"[train] train.mlp_backend=cublaslt: cuBLASLt runs the MLPs on a GPU; on {device.type} torch's layers "
                   "run them", flush=True)
+        elif cfg.mlp_backend == "cublaslt" and cfg.amp == "off":
+            print("[train] train.mlp_backend=cublaslt: cuBLASLt runs the MLPs in half precision; with train.amp=off "
+                  "they compute in float32, through torch's layers", flush=True)
         if cfg.amp == "bf16" and device.type != "cuda":
             print(f"[train] train.amp=bf16: bf16 autocast runs on a GPU; on {device.type} the dense part computes in "
                   "float32", flush=True)
