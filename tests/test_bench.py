@@ -60,10 +60,12 @@ def test_bench_train_reports_rates_and_its_settings(tmp_path, capsys, ids, optim
 
 def test_bench_train_compiles_our_dense_part_as_the_stage_does(tmp_path, capsys):
     out = tmp_path / "train.json"
-    assert main(["bench", "train", *TINY_TRAIN, "--compile", "on", "--json", str(out), f"workdir={tmp_path}"]) == 0
+    assert main(["bench", "train", *TINY_TRAIN, "--compile", "on", "--mlp-backend", "cublaslt", "--json", str(out),
+                 f"workdir={tmp_path}"]) == 0
     result = json.loads(out.read_text())
-    assert result["compiled"] and result["ours_samples_per_s"] > 0
-    assert "our dense part compiled True" in capsys.readouterr().out
+    assert result["compiled"] and result["ours_samples_per_s"] > 0 and result["mlp_backend"] == "cublaslt"
+    printed = capsys.readouterr().out
+    assert "our dense part compiled True" in printed and "our MLPs through cublaslt" in printed
 
 
 def test_bench_train_under_a_budget_takes_the_pinned_placements_of_distributed_sharding(tmp_path):

@@ -46,7 +46,7 @@ import math
 from pathlib import Path
 
 from pipeline.bench.arguments import integer, integers, number, output_file, widths_ending_in_one
-from pipeline.train.config import COMPILE_MODES
+from pipeline.train.config import COMPILE_MODES, MLP_BACKENDS
 
 IDS = ("uniform", "zipf")
 OPTIMIZERS = ("sgd", "adagrad", "adam")
@@ -85,6 +85,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", choices=COMPILE_MODES, default="auto",
                         help="torch.compile our dense part and loss, as the training stage does (train.compile; "
                              "auto: on a GPU); the plain PyTorch model runs eager")
+    parser.add_argument("--mlp-backend", choices=MLP_BACKENDS, default="torch",
+                        help="our MLPs in training, as train.mlp_backend (cublaslt: bias, ReLU and their gradients "
+                             "inside cuBLASLt's matrix products); the plain PyTorch model's are torch's layers")
     parser.add_argument("--dynamic", action="store_true",
                         help="also train our DLRM with dynamic tables of the same shape (raw 64-bit ids placed in "
                              "their rows by a hash table, admitted after train.admit_after occurrences) on the same "
@@ -200,13 +203,15 @@ def run(args: argparse.Namespace, cfg) -> dict:
         "amp_bf16": amp,
         "compiled": compiled,
         "compile": args.compile,
+        "mlp_backend": args.mlp_backend,
         "threads": torch.get_num_threads(),
         **{f"{name}_samples_per_s": statistics.median(rates[name]) for name in models},
         "rounds": rates,
     }
     drawn = f"zipf, exponent {args.zipf_exponent:g}" if args.ids == "zipf" else "uniform"
     print(f"bench train on {device.type} ({result['threads']} threads), {result['shape']}, batch {args.batch}, "
-          f"bf16 autocast {amp}, our dense part compiled {compiled}, embedding backend {result['backend']}")
+          f"bf16 autocast {amp}, our dense part compiled {compiled}, embedding backend {result['backend']}, our MLPs "
+          f"through {args.mlp_backend}")
     print(f"  ids {drawn}: {skew['hot_rows_share']:.1%} of ids on the hottest {HOT_FRACTION:.0%} of rows, "
           f"{skew['distinct_rows_per_batch']:,.0f} distinct rows per table and batch")
     if budget:

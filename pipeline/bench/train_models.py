@@ -45,7 +45,7 @@ def our_dlrm(args, sizes, device, capacity: int = 0, admit_after: int = 1):
     ``args.rows`` rows, or with ``capacity``, dynamic tables of that capacity (the schema's columns of raw
     64-bit ids)."""
     from pipeline.modules.configs import EmbeddingOptimizerConfig
-    from pipeline.modules.models import build_model
+    from pipeline.modules.models import build_model, use_mlp_backend
     from pipeline.schema import Column, Schema
 
     sparse = [Column(f"C{i + 1}", "categorical", "int64", cardinality=capacity, dynamic=True) if capacity else
@@ -55,6 +55,7 @@ def our_dlrm(args, sizes, device, capacity: int = 0, admit_after: int = 1):
     model = build_model("dlrm", schema, sizes, EmbeddingOptimizerConfig(args.optimizer, lr=0.01),
                         backend=args.backend, admit_after=admit_after)
     model.embedding.validate_ids = False  # the baseline does not check ids either
+    use_mlp_backend(model, args.mlp_backend)
     return model.to(device)
 
 
