@@ -682,8 +682,8 @@ def test_bench_etl_sides_write_the_same_table_with_the_default_frequency_thresho
     summary = json.loads(out.read_text())
     (ours, ours_times), (plain, plain_times) = summary["results"].items()
     speedup = summary["speedup"][plain]
-    assert speedup["fit"] == pytest.approx(plain_times["fit"] / ours_times["fit"], rel=0.01)
-    assert speedup["transform"] == pytest.approx(plain_times["transform"] / ours_times["transform"], rel=0.01)
+    for phase in ("fit", "transform"):  # reported to two decimals: 1% of a ratio under 0.5 is less than their step
+        assert speedup[phase] == round(plain_times[phase] / ours_times[phase], 2)
     assert f"{ours}: {speedup['fit']:.2f}x the fit and {speedup['transform']:.2f}x the transform+write of {plain}" in said
 
 
