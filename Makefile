@@ -13,10 +13,9 @@ BIN := $(VENV)/bin
 run: env
 	$(BIN)/python -m pipeline run all
 
-# Two workers: much of the suite waits on the servers, clusters and ranks it starts.
 test: env
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -n 2
+	$(BIN)/python -m pytest -q
 
 env: $(VENV)/.installed serve-env
 
