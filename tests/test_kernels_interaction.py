@@ -155,6 +155,14 @@ def _recording(graphs: list, compiler):
     return backend
 
 
+def _in_bf16(model):
+    """``model``'s logits under bf16 autocast on CUDA, in fp32."""
+    def step(dense, kjt):
+        with torch.autocast("cuda", torch.bfloat16):
+            return model(dense, kjt).float()
+    return step
+
+
 def test_compiled_dlrm_holds_the_op_as_one_node_and_trains_like_eager():
     eager = _dlrm()
     compiled = copy.deepcopy(eager)
@@ -382,22 +390,15 @@ def test_compiled_dlrm_step_in_bf16_autocast_runs_the_kernels_like_eager():
     eager = _dlrm(dim=32, features=26, backend="cuda", optimizer="sgd").cuda()
     compiled = copy.deepcopy(eager)
     batches = _batches(eager, steps=5, batch=512, device="cuda")
-
-    def in_bf16(model):
-        def step(dense, kjt):
-            with torch.autocast("cuda", torch.bfloat16):
-                return model(dense, kjt).float()
-        return step
-
     torch._dynamo.reset()
     graphs = []
-    step = torch.compile(in_bf16(compiled), backend=_recording(graphs, compile_fx), fullgraph=True)
+    step = torch.compile(_in_bf16(compiled), backend=_recording(graphs, compile_fx), fullgraph=True)
     calls = []
     original = launcher.launch
     launcher.launch = lambda source, function, *args, **kw: (calls.append(function), original(source, function,
                                                                                           *args, **kw))
     try:
-        expected = train_steps(eager, in_bf16(eager), batches, [0.05] * 5)
+        expected = train_steps(eager, _in_bf16(eager), batches, [0.05] * 5)
         eager_calls, calls[:] = list(calls), []
         got = train_steps(compiled, step, batches, [0.05] * 5)
     finally:

@@ -297,8 +297,10 @@ def test_opcheck_on_cuda(dtype):
 def test_a_compiled_dlrm_step_in_bf16_runs_the_op_and_trains_like_its_layers_one_by_one():
     """The MLP module in training under bf16 autocast and Inductor: its forward is the op (one node of the graph),
     and five SGD steps follow those of the same model whose MLPs run layer by layer."""
+    from torch._inductor.compile_fx import compile_fx
+
     from pipeline.modules.models import DLRM
-    from tests.test_kernels_interaction import _batches, _dlrm
+    from tests.test_kernels_interaction import _batches, _dlrm, _in_bf16, _recording
     from tests.test_kernels_ops import train_steps
 
     fused = _dlrm(dim=32, features=26, backend="cuda", optimizer="sgd").cuda()
@@ -307,24 +309,10 @@ def test_a_compiled_dlrm_step_in_bf16_runs_the_op_and_trains_like_its_layers_one
     assert isinstance(plain, DLRM) and isinstance(plain.top, MLP)
     plain.bottom, plain.top = nn.Sequential(*plain.bottom), nn.Sequential(*plain.top)
     batches = _batches(fused, steps=5, batch=1024, device="cuda")
-
-    def in_bf16(model):
-        def step(dense, kjt):
-            with torch.autocast("cuda", torch.bfloat16):
-                return model(dense, kjt).float()
-        return step
-
     torch._dynamo.reset()
     graphs = []
-
-    def backend(gm, example_inputs):
-        from torch._inductor.compile_fx import compile_fx
-
-        graphs.append(gm.code)
-        return compile_fx(gm, example_inputs)
-
-    step = torch.compile(in_bf16(fused), backend=backend, fullgraph=True)
-    expected = train_steps(plain, in_bf16(plain), batches, [0.05] * 5)
+    step = torch.compile(_in_bf16(fused), backend=_recording(graphs, compile_fx), fullgraph=True)
+    expected = train_steps(plain, _in_bf16(plain), batches, [0.05] * 5)
     got = train_steps(fused, step, batches, [0.05] * 5)
     assert len(graphs) == 1 and graphs[0].count("torch.ops.pipeline.relu_mlp.default") == 2
     torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)

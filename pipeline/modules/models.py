@@ -31,6 +31,7 @@ from torch import nn
 from pipeline.errors import BadInputError
 from pipeline.kernels.interaction import dot_interaction, pair_count
 from pipeline.kernels.mlp import relu_mlp
+from pipeline.kernels.mlp.reference import ALIGN
 from pipeline.modules.collection import EmbeddingCollection
 from pipeline.modules.configs import EmbeddingOptimizerConfig, TableConfig, tables_from_schema
 from pipeline.schema import Schema
@@ -93,10 +94,6 @@ NO_SPARSE_FEATURE = ("no categorical or multi-hot feature, and every model embed
                      "with data.categorical or data.multihot")
 
 FM_INIT_SCALE = 0.01
-
-# Tensor-core GEMMs want rows of a multiple of 8 elements (16 bytes in bf16); other widths fall back to
-# kernels several times slower.
-ALIGN = 8
 
 
 class PadColumns(nn.Module):

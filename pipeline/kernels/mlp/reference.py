@@ -20,7 +20,8 @@ from torch import Tensor
 
 HALF_TYPES = (torch.bfloat16, torch.float16)
 ALIGN = 8
-"""Widths the tensor-core products take without falling back: multiples of 8 elements (16 bytes in half)."""
+"""Widths the tensor-core products take without falling back to kernels several times slower: multiples of 8
+elements (16 bytes in half). The models pad an MLP's input to it (``pipeline.modules.models.PadColumns``)."""
 
 
 def mask_width(width: int) -> int:
