@@ -13,9 +13,10 @@ BIN := $(VENV)/bin
 run: env
 	$(BIN)/python -m pipeline run all
 
+# Two workers: much of the suite waits on the servers, clusters and ranks it starts.
 test: env
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2
 
 env: $(VENV)/.installed serve-env
 
