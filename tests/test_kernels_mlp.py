@@ -161,22 +161,27 @@ def test_the_module_keeps_sequential_layers_and_runs_them_one_by_one_off_the_gpu
         torch.testing.assert_close(module(x), nn.Sequential(*module)(x), rtol=0, atol=0)
 
 
-def _documented_epilogues(weight, rows, out, *, transpose, epilogue, bias, aux=None):
+def _documented_epilogues(left, right, out, *, left_t=False, right_t=False, epilogue=cublaslt.DEFAULT, bias=None,
+                          aux=None):
     """cuBLASLt's product and epilogues as its documentation describes them, in fp32 on the CPU."""
-    product = rows.float() @ (weight.float().t() if transpose else weight.float())
-    assert out.shape == product.shape and out.is_contiguous() and bias.shape == (out.shape[1],)
-    if epilogue != cublaslt.BIAS:
+    left, right = (left.float().t() if left_t else left.float()), (right.float().t() if right_t else right.float())
+    product = left @ right
+    assert out.shape == product.shape and out.is_contiguous()
+    if epilogue & 128:
         assert aux.shape == (out.shape[0], reference.mask_width(out.shape[1]) // 8) and aux.dtype == torch.uint8
     if epilogue == cublaslt.RELU_AUX_BIAS:
+        assert bias.shape == (out.shape[1],)
         z = product + bias.float()
         aux.copy_(reference.pack_mask(z > 0))
         out.copy_(z.relu())
-    elif epilogue == cublaslt.DRELU_BGRAD:
-        g = product * reference.unpack_mask(aux, out.shape[1])
-        out.copy_(g)
-        bias.copy_(g.sum(dim=0))
+    elif epilogue == cublaslt.DRELU:
+        out.copy_(product * reference.unpack_mask(aux, out.shape[1]))
+    elif epilogue == cublaslt.BGRADB:
+        assert bias.shape == (out.shape[0],)
+        out.copy_(product)
+        bias.copy_(left.sum(dim=1))
     else:
-        out.copy_(product + bias.float())
+        raise AssertionError(f"the op asked for epilogue {epilogue}")
 
 
 @pytest.mark.parametrize("last_relu", [False, True])
@@ -223,7 +228,7 @@ def test_the_forward_product_writes_the_relu_and_the_masks_of_the_reference(dtyp
     weights, biases = _cuda_layers([width], in_width, dtype)
     out = x.new_empty(rows, width)
     mask = torch.full((rows, reference.mask_width(width) // 8), 0xAA, dtype=torch.uint8, device="cuda")
-    cublaslt.matmul(weights[0], x, out, transpose=True, epilogue=cublaslt.RELU_AUX_BIAS, bias=biases[0], aux=mask)
+    cublaslt.matmul(x, weights[0], out, right_t=True, epilogue=cublaslt.RELU_AUX_BIAS, bias=biases[0], aux=mask)
     z = (x.double() @ weights[0].double().t() + biases[0].double())
     torch.testing.assert_close(out.double(), z.relu(), rtol=2e-2, atol=2e-2)
     # away from zero the sign is certain whatever the rounding: there the mask is the reference's
@@ -234,17 +239,30 @@ def test_the_forward_product_writes_the_relu_and_the_masks_of_the_reference(dtyp
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_the_input_gradient_product_applies_the_mask_and_sums_the_bias_gradient(dtype):
-    rows, width, in_width = 4096, 256, 512
+@pytest.mark.parametrize("rows,width,in_width", [(4096, 256, 512), (300, 1000, 24), (65536, 1024, 480)])
+def test_the_input_gradient_product_applies_the_mask(dtype, rows, width, in_width):
     g = torch.randn(rows, width, device="cuda", dtype=dtype)
     weight = torch.randn(width, in_width, device="cuda", dtype=dtype) / width ** 0.5
     positive = torch.rand(rows, in_width, device="cuda") > 0.4
-    out, grad_bias = g.new_empty(rows, in_width), g.new_empty(in_width)
-    cublaslt.matmul(weight, g, out, transpose=False, epilogue=cublaslt.DRELU_BGRAD, bias=grad_bias,
-                    aux=reference.pack_mask(positive))
+    out = g.new_empty(rows, in_width)
+    cublaslt.matmul(g, weight, out, epilogue=cublaslt.DRELU, aux=reference.pack_mask(positive))
     expected = (g.double() @ weight.double()) * positive
     torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(grad_bias.double(), expected.sum(0), rtol=2e-2, atol=0.5)
+    assert bool((out[~positive] == 0).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,width,in_width", [(4096, 256, 512), (37, 24, 16), (65536, 1024, 480)])
+def test_the_weight_gradient_product_sums_the_bias_gradient(dtype, rows, width, in_width):
+    g = torch.randn(rows, width, device="cuda", dtype=dtype)
+    x = torch.randn(rows, in_width, device="cuda", dtype=dtype).relu()
+    out, grad_bias = g.new_empty(width, in_width), g.new_empty(width)
+    cublaslt.matmul(g, x, out, left_t=True, epilogue=cublaslt.BGRADB, bias=grad_bias)
+    expected = g.double().t() @ x.double()
+    torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
+    sums = g.double().sum(0)
+    torch.testing.assert_close(grad_bias.double(), sums, rtol=2e-2, atol=2e-2 * sums.abs().max().item())
 
 
 @pytest.mark.gpu

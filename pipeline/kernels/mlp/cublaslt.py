@@ -1,21 +1,25 @@
-"""cuBLASLt's matrix product with a ReLU or ReLU-gradient epilogue, called through ``ctypes`` on the
-``libcublasLt`` that torch's CUDA build already loaded.
+"""cuBLASLt's matrix product with the epilogues of a Linear + ReLU layer's training step, called through
+``ctypes`` on the ``libcublasLt`` that torch's CUDA build already loaded.
 
 torch exposes cuBLASLt's bias and ReLU epilogue (``torch._addmm_activation``) but not the epilogues a
-training step needs: the ReLU's bit mask written beside the forward's output (``RELU_AUX_BIAS``), and the
-backward product that applies that mask and sums the bias gradient as it writes (``DRELU_BGRAD``). With
-them, a Linear + ReLU layer reads and writes its activations once each way, where Inductor's ReLU, ReLU
-gradient and bias sum are passes of their own over each activation.
+training step needs: the ReLU's bit mask written beside the forward's output (``RELU_AUX_BIAS``), the
+input-gradient product that applies that mask as it writes (``DRELU``), and the weight-gradient product that
+sums the bias gradient as it reads the output's gradient (``BGRADB``). With them, a Linear + ReLU layer reads
+and writes its activations once each way, where Inductor's ReLU, ReLU gradient and bias sum are passes of
+their own over each activation.
 
-One call computes, for row-major tensors::
+One call computes, for row-major tensors, ``out = op(left) @ op(right)`` with ``op(t) = t.T`` where
+``left_t`` / ``right_t``::
 
-    out = rows @ weight.T        # transpose=True:  the forward, weight [N, K], rows [B, K], out [B, N]
-    out = rows @ weight          # transpose=False: the input gradient, weight [K, N], rows [B, K], out [B, N]
+    matmul(rows, weight, out, right_t=True, epilogue=RELU_AUX_BIAS, bias=b, aux=mask)  # forward [B, N]
+    matmul(g, weight, out, epilogue=DRELU, aux=mask)                                # input gradient [B, K]
+    matmul(g, rows, out, left_t=True, epilogue=BGRADB, bias=grad_b)                 # weight gradient [N, K]
 
-with ``epilogue`` one of :data:`BIAS`, :data:`RELU_AUX_BIAS` (``bias`` added, then ReLU, ``aux`` its mask)
-or :data:`DRELU_BGRAD` (``out`` zeroed where ``aux`` has no bit, ``bias`` receives its column sums). The
-plans (descriptors and the heuristic's algorithm) are cached per shape; :class:`NoAlgorithm` says cuBLASLt
-has none for a shape, and callers fall back to plain torch.
+``BIAS`` adds ``bias`` (one value per column of ``out``); ``RELU_AUX_BIAS`` adds it, applies the ReLU and
+writes its mask to ``aux``; ``DRELU`` zeroes ``out`` where ``aux`` has no bit; ``BGRADB`` writes the row sums
+of ``op(left)`` to ``bias``, one per row of ``out`` (with ``left`` a layer's output gradient, that layer's bias
+gradient). The plans (descriptors and the heuristic's algorithm) are cached per shape; :class:`NoAlgorithm`
+says cuBLASLt has none for a shape, and callers fall back to plain torch.
 """
 
 from __future__ import annotations
@@ -30,9 +34,12 @@ import torch
 
 from pipeline.kernels.mlp.reference import mask_width
 
+DEFAULT = 1
 BIAS = 4
 RELU_AUX_BIAS = 2 | 128 | 4
-DRELU_BGRAD = 8 | 128 | 16
+DRELU = 8 | 128
+DRELU_BGRAD = DRELU | 16
+BGRADB = 512
 
 _COMPUTE_32F = 68
 _DATA_TYPE = {torch.bfloat16: 14, torch.float16: 2}
@@ -134,46 +141,51 @@ def _preference() -> ctypes.c_void_p:
     return preference
 
 
-class _Plan:
-    """The descriptors of one product's shape and epilogue, and the algorithm the heuristic picked for them."""
+def _layout(data_type: int, tensor_shape: tuple[int, int]) -> ctypes.c_void_p:
+    """A row-major ``[R, C]`` tensor as cuBLASLt's column-major ``[C, R]``."""
+    rows, cols = tensor_shape
+    return _create("cublasLtMatrixLayoutCreate", data_type, cols, rows, cols)
 
-    def __init__(self, device_index: int, dtype: torch.dtype, weight_shape: tuple[int, int], transpose: bool,
-                 rows: int, epilogue: int, pointers: tuple[int, ...]) -> None:
+
+class _Plan:
+    """The descriptors of one product's shapes and epilogue, and the algorithm the heuristic picked for them.
+    Row-major ``out = op(left) @ op(right)`` is column-major ``out^T = op(right)^T op(left)^T``: cuBLASLt's A is
+    ``right`` and its B is ``left``, each stored as the transpose of the row-major tensor."""
+
+    def __init__(self, device_index: int, dtype: torch.dtype, shapes: tuple[tuple[int, int], ...], left_t: bool,
+                 right_t: bool, epilogue: int, pointers: tuple[int, int]) -> None:
         data_type = _DATA_TYPE[dtype]
-        stored_rows, stored_cols = weight_shape  # row-major [R, C] is column-major [C, R]
-        self.m, self.k = (stored_rows, stored_cols) if transpose else (stored_cols, stored_rows)
+        left, right, out = shapes
         self.handle = _handle(device_index)
         self.desc = _create("cublasLtMatmulDescCreate", _COMPUTE_32F, 0)
-        _set(self.desc, _TRANSA, ctypes.c_int32(_OP_T if transpose else _OP_N))
-        _set(self.desc, _TRANSB, ctypes.c_int32(_OP_N))
+        _set(self.desc, _TRANSA, ctypes.c_int32(_OP_T if right_t else _OP_N))
+        _set(self.desc, _TRANSB, ctypes.c_int32(_OP_T if left_t else _OP_N))
         _set(self.desc, _EPILOGUE, ctypes.c_uint32(epilogue))
         if epilogue & 128:
-            _set(self.desc, _AUX_LD, ctypes.c_int64(mask_width(self.m)))
-        self.a = _create("cublasLtMatrixLayoutCreate", data_type, stored_cols, stored_rows, stored_cols)
-        self.b = _create("cublasLtMatrixLayoutCreate", data_type, self.k, rows, self.k)
-        self.d = _create("cublasLtMatrixLayoutCreate", data_type, self.m, rows, self.m)
+            _set(self.desc, _AUX_LD, ctypes.c_int64(mask_width(out[1])))
+        self.a, self.b, self.d = _layout(data_type, right), _layout(data_type, left), _layout(data_type, out)
         self.epilogue = epilogue
         self._point(*pointers)
         result, found = _HeuristicResult(), ctypes.c_int(0)
         _call("cublasLtMatmulAlgoGetHeuristic", self.handle, self.desc, self.a, self.b, self.d, self.d, _preference(),
               1, ctypes.byref(result), ctypes.byref(found))
         if found.value == 0:
-            raise NoAlgorithm(f"cuBLASLt has no algorithm for [{rows}, {self.k}] x [{self.k}, {self.m}] in {dtype} "
-                              f"with epilogue {epilogue}")
+            raise NoAlgorithm(f"cuBLASLt has no algorithm for {'T' if left_t else ''}{list(left)} x "
+                              f"{'T' if right_t else ''}{list(right)} in {dtype} with epilogue {epilogue}")
         self.algo, self.workspace = result.algo, result.workspace_size
 
     def _point(self, bias: int, aux: int) -> None:
-        _set(self.desc, _BIAS_POINTER, ctypes.c_void_p(bias))
+        if self.epilogue != DEFAULT:
+            _set(self.desc, _BIAS_POINTER, ctypes.c_void_p(bias))
         if self.epilogue & 128:
             _set(self.desc, _AUX_POINTER, ctypes.c_void_p(aux))
 
-    def run(self, weight: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, bias: torch.Tensor,
-            aux: torch.Tensor | None) -> None:
-        self._point(bias.data_ptr(), aux.data_ptr() if aux is not None else 0)
+    def run(self, left: torch.Tensor, right: torch.Tensor, out: torch.Tensor, pointers: tuple[int, int]) -> None:
+        self._point(*pointers)
         workspace = torch.empty(self.workspace, dtype=torch.uint8, device=out.device) if self.workspace else None
         stream = torch.cuda.current_stream(out.device).cuda_stream
-        _call("cublasLtMatmul", self.handle, self.desc, ctypes.addressof(_ONE), weight.data_ptr(), self.a,
-              rows.data_ptr(), self.b, ctypes.addressof(_ZERO), out.data_ptr(), self.d, out.data_ptr(), self.d,
+        _call("cublasLtMatmul", self.handle, self.desc, ctypes.addressof(_ONE), right.data_ptr(), self.a,
+              left.data_ptr(), self.b, ctypes.addressof(_ZERO), out.data_ptr(), self.d, out.data_ptr(), self.d,
               ctypes.byref(self.algo), workspace.data_ptr() if workspace is not None else None, self.workspace,
               stream)
 
@@ -188,23 +200,24 @@ def _alignment(pointer: int) -> int:
     return min(256, pointer & -pointer) if pointer else 256
 
 
-def matmul(weight: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, *, transpose: bool, epilogue: int,
-           bias: torch.Tensor, aux: torch.Tensor | None = None) -> None:
-    """``out = rows @ (weight.T if transpose else weight)`` with ``epilogue`` (the module's doc). All tensors
-    contiguous on one GPU; ``weight``, ``rows``, ``out`` and ``bias`` in one half dtype; ``aux`` uint8
-    ``[B, mask_width(N) / 8]``. Raises :class:`NoAlgorithm` where cuBLASLt has none for the shape."""
-    pointers = (bias.data_ptr(), aux.data_ptr() if aux is not None else 0)
-    key = (out.device.index, out.dtype, tuple(weight.shape), transpose, rows.shape[0], epilogue,
-           tuple(_alignment(t.data_ptr()) for t in (weight, rows, out)), tuple(map(_alignment, pointers)))
+def matmul(left: torch.Tensor, right: torch.Tensor, out: torch.Tensor, *, left_t: bool = False,
+           right_t: bool = False, epilogue: int = DEFAULT, bias: torch.Tensor | None = None,
+           aux: torch.Tensor | None = None) -> None:
+    """``out = op(left) @ op(right)`` with ``epilogue`` (the module's doc). All tensors contiguous on one GPU;
+    ``left``, ``right``, ``out`` and ``bias`` in one half dtype; ``aux`` uint8 ``[rows of out,
+    mask_width(columns of out) / 8]``. Raises :class:`NoAlgorithm` where cuBLASLt has none for the shapes."""
+    pointers = tuple(t.data_ptr() if t is not None else 0 for t in (bias, aux))
+    shapes = tuple(tuple(t.shape) for t in (left, right, out))
+    key = (out.device.index, out.dtype, shapes, left_t, right_t, epilogue,
+           tuple(_alignment(t.data_ptr()) for t in (left, right, out)), tuple(map(_alignment, pointers)))
     with _lock:
         plan = _plans.get(key)
         if plan is None:
             try:
-                plan = _Plan(out.device.index, out.dtype, tuple(weight.shape), transpose, rows.shape[0], epilogue,
-                             pointers)
+                plan = _Plan(out.device.index, out.dtype, shapes, left_t, right_t, epilogue, pointers)
             except NoAlgorithm as missing:
                 plan = missing
             _plans[key] = plan
         if isinstance(plan, NoAlgorithm):
             raise plan
-        plan.run(weight, rows, out, bias, aux)
+        plan.run(left, right, out, pointers)

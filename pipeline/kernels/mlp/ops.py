@@ -7,9 +7,10 @@
   of each weight, then of each bias.
 
 On CPU both run the plain-torch reference. On CUDA a layer whose widths the tensor cores take runs as one
-cuBLASLt product: bias and ReLU in the forward's epilogue with the mask written beside the output, and in the
-backward the next layer's input-gradient product applies that mask and sums the bias gradient as it
-writes. Other layers, and shapes cuBLASLt has no algorithm for, run as plain torch.
+cuBLASLt product: bias and ReLU in the forward's epilogue with the mask written beside the output. In the
+backward the next layer's input-gradient product applies that mask as it writes, and each layer's
+weight-gradient product sums its bias gradient as it reads the output's gradient. Other layers, and shapes
+cuBLASLt has no algorithm for, run as plain torch.
 
 Example::
 
@@ -34,10 +35,13 @@ def _layer_cuda(h: Tensor, weight: Tensor, bias: Tensor, relu: bool) -> tuple[Te
     if not reference.has_mask(h.dtype, h.shape[1], weight.shape[0], relu):
         z = torch.addmm(bias, h, weight.t())
         return (torch.relu_(z) if relu else z), reference.empty_mask(h.device)
-    out = h.new_empty((h.shape[0], weight.shape[0]))
-    mask = torch.empty((h.shape[0], reference.mask_width(weight.shape[0]) // 8), dtype=torch.uint8, device=h.device)
+    width = weight.shape[0]
+    out = h.new_empty((h.shape[0], width))
+    # cuBLASLt writes a mask row's bits up to the width; those after it are zeroed so the op's outputs are defined
+    mask = (torch.empty if reference.mask_width(width) == width else torch.zeros)(
+        (h.shape[0], reference.mask_width(width) // 8), dtype=torch.uint8, device=h.device)
     try:
-        cublaslt.matmul(weight, h, out, transpose=True, epilogue=cublaslt.RELU_AUX_BIAS, bias=bias, aux=mask)
+        cublaslt.matmul(h, weight, out, right_t=True, epilogue=cublaslt.RELU_AUX_BIAS, bias=bias, aux=mask)
     except cublaslt.NoAlgorithm:
         z = torch.addmm(bias, h, weight.t())
         mask.copy_(reference.pack_mask(z > 0))
@@ -104,27 +108,42 @@ def _backward_cuda(grad: Tensor, x: Tensor, weights: list[Tensor], outputs: list
     inputs = [x, *outputs[:-1]]
     g = grad.masked_fill(outputs[-1] <= 0, 0) if last_relu else grad.contiguous()
     grad_weights, grad_biases = [None] * layers, [None] * layers
-    grad_biases[-1] = g.sum(dim=0)
-    for i in reversed(range(1, layers)):
-        grad_weights[i] = g.t().mm(inputs[i])
-        g, grad_biases[i - 1] = _input_grad_through_relu(g, weights[i].contiguous(), inputs[i], masks[i - 1])
-    grad_weights[0] = g.t().mm(x)
+    for i in reversed(range(layers)):
+        grad_weights[i], grad_biases[i] = _weight_grads(g, inputs[i])
+        if i > 0:
+            g = _input_grad_through_relu(g, weights[i].contiguous(), inputs[i], masks[i - 1])
     return [g.mm(weights[0]), *grad_weights, *grad_biases]
 
 
-def _input_grad_through_relu(g: Tensor, weight: Tensor, relu_out: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-    """``(g @ weight)`` through the ReLU that gave ``relu_out``, and that layer's bias gradient: one product
-    where the layer wrote its mask and the product takes ``g``'s width."""
-    if mask.numel() and g.shape[1] % reference.ALIGN == 0:
-        out = g.new_empty((g.shape[0], weight.shape[1]))
-        grad_bias = g.new_empty((weight.shape[1],))
+def _aligned(*widths: int) -> bool:
+    return all(width % reference.ALIGN == 0 for width in widths)
+
+
+def _weight_grads(g: Tensor, layer_input: Tensor) -> tuple[Tensor, Tensor]:
+    """A layer's weight gradient ``g.T @ layer_input`` and its bias gradient (``g``'s column sums), summed by the
+    product as it reads ``g`` where the tensor cores take both widths."""
+    if _aligned(g.shape[1], layer_input.shape[1]):
+        out = g.new_empty((g.shape[1], layer_input.shape[1]))
+        grad_bias = g.new_empty((g.shape[1],))
         try:
-            cublaslt.matmul(weight, g, out, transpose=False, epilogue=cublaslt.DRELU_BGRAD, bias=grad_bias, aux=mask)
+            cublaslt.matmul(g, layer_input, out, left_t=True, epilogue=cublaslt.BGRADB, bias=grad_bias)
             return out, grad_bias
         except cublaslt.NoAlgorithm:
             pass
-    out = g.mm(weight).masked_fill_(relu_out <= 0, 0)
-    return out, out.sum(dim=0)
+    return g.t().mm(layer_input), g.sum(dim=0)
+
+
+def _input_grad_through_relu(g: Tensor, weight: Tensor, relu_out: Tensor, mask: Tensor) -> Tensor:
+    """``(g @ weight)`` through the ReLU that gave ``relu_out``: one product that applies the mask as it writes,
+    where the layer wrote its mask and the product takes ``g``'s width."""
+    if mask.numel() and _aligned(g.shape[1]):
+        out = g.new_empty((g.shape[0], weight.shape[1]))
+        try:
+            cublaslt.matmul(g, weight, out, epilogue=cublaslt.DRELU, aux=mask)
+            return out
+        except cublaslt.NoAlgorithm:
+            pass
+    return g.mm(weight).masked_fill_(relu_out <= 0, 0)
 
 
 @mlp_backward.register_fake
