@@ -1,6 +1,7 @@
 """The ReLU MLP op: the reference against ``nn.Sequential`` with autograd, the masks' layout, the custom ops on
 CPU (opcheck, torch.compile, FLOP count), the ``MLP`` module's paths, and on a GPU (marker ``gpu``) the cuBLASLt
-products against the reference (outputs, masks, gradients), their fallbacks, and a compiled DLRM step."""
+product and the mask-gradient kernel against the reference (outputs, masks, gradients), their fallbacks, and a
+compiled DLRM step."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipeline.kernels.mlp import cublaslt, ops, reference, relu_mlp
+from pipeline.kernels.mlp import cublaslt, launcher, ops, reference, relu_mlp
 from pipeline.modules.models import MLP, MLP_BACKENDS, mlp, use_mlp_backend
 from pipeline.train import config
 
@@ -161,37 +162,44 @@ def test_the_module_keeps_sequential_layers_and_runs_them_one_by_one_off_the_gpu
         torch.testing.assert_close(module(x), nn.Sequential(*module)(x), rtol=0, atol=0)
 
 
-def _documented_epilogues(left, right, out, *, left_t=False, right_t=False, epilogue=cublaslt.DEFAULT, bias=None,
-                          aux=None):
-    """cuBLASLt's product and epilogues as its documentation describes them, in fp32 on the CPU."""
-    left, right = (left.float().t() if left_t else left.float()), (right.float().t() if right_t else right.float())
-    product = left @ right
-    assert out.shape == product.shape and out.is_contiguous()
-    if epilogue & 128:
-        assert aux.shape == (out.shape[0], reference.mask_width(out.shape[1]) // 8) and aux.dtype == torch.uint8
-    if epilogue == cublaslt.RELU_AUX_BIAS:
-        assert bias.shape == (out.shape[1],)
-        z = product + bias.float()
-        aux.copy_(reference.pack_mask(z > 0))
-        out.copy_(z.relu())
-    elif epilogue == cublaslt.DRELU:
-        out.copy_(product * reference.unpack_mask(aux, out.shape[1]))
-    elif epilogue == cublaslt.BGRADB:
-        assert bias.shape == (out.shape[0],)
-        out.copy_(product)
-        bias.copy_(left.sum(dim=1))
-    else:
-        raise AssertionError(f"the op asked for epilogue {epilogue}")
+def _documented_linear(rows, weight, out, *, epilogue, bias, aux=None):
+    """cuBLASLt's product with the RELU_AUX_BIAS epilogue as its documentation describes it, in fp32 on the CPU."""
+    assert epilogue == cublaslt.RELU_AUX_BIAS and out.is_contiguous() and bias.shape == (out.shape[1],)
+    assert aux.shape == (out.shape[0], reference.mask_width(out.shape[1]) // 8) and aux.dtype == torch.uint8
+    z = rows.float() @ weight.float().t() + bias.float()
+    aux.copy_(reference.pack_mask(z > 0))
+    out.copy_(z.relu())
+
+
+def test_the_mask_gradient_zeroes_what_the_mask_leaves_out_and_sums_the_columns_in_fp32():
+    g = torch.randn(300, 24).to(torch.bfloat16)
+    g[0, 0], g[1, 1] = float("nan"), float("inf")
+    positive = torch.rand(300, 24) > 0.5
+    positive[0, 0] = positive[1, 1] = False
+    out, sums = reference.grad_through_mask(g, reference.pack_mask(positive))
+    assert torch.equal(out, torch.where(positive, g, torch.zeros((), dtype=torch.bfloat16)))
+    assert sums.dtype == torch.bfloat16
+    exact = torch.where(positive, g.double(), 0).sum(0)
+    torch.testing.assert_close(sums.double(), exact, rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("last_relu", [False, True])
 @pytest.mark.parametrize("widths,in_width", [([1024, 512, 256, 1], 480), ([64, 13, 32, 8], 24), ([128], 16)])
 def test_the_cuda_ops_layers_take_each_mask_where_the_documented_epilogues_put_it(monkeypatch, widths, in_width,
                                                                                    last_relu):
-    """The CUDA op's own logic (which layer's product writes a mask, which product reads it back, where the bias
-    gradients land) over cuBLASLt's documented epilogues, against the reference: what the GPU tests check with the
-    library itself."""
-    monkeypatch.setattr(cublaslt, "matmul", _documented_epilogues)
+    """The CUDA op's own logic (which layer's product writes a mask, which backward pass reads it back, where the
+    bias gradients land) over cuBLASLt's documented epilogue and the mask kernel's reference, against the reference:
+    what the GPU tests check with the library and the kernel themselves."""
+    monkeypatch.setattr(cublaslt, "linear", _documented_linear)
+    through_masks = []
+
+    def documented_kernel(g, mask):
+        through_masks.append(mask)
+        return reference.grad_through_mask(g, mask)
+
+    monkeypatch.setattr(launcher, "supported", lambda g, mask: True)
+    monkeypatch.setattr(launcher, "grad_through_mask", documented_kernel)
+    monkeypatch.setattr(ops, "_kernels_usable", lambda: True)
     generator = torch.Generator().manual_seed(5)
     x = torch.randn(64, in_width, generator=generator).to(torch.bfloat16)
     weights, biases = _layers(widths, in_width, torch.bfloat16)
@@ -210,6 +218,7 @@ def test_the_cuda_ops_layers_take_each_mask_where_the_documented_epilogues_put_i
     for g, e in zip(got_grads, expected):
         assert g.shape == e.shape and g.dtype == e.dtype
         torch.testing.assert_close(g.float(), e.float(), rtol=5e-2, atol=5e-2 * max(1.0, e.float().abs().max().item()))
+    assert [m.data_ptr() for m in through_masks] == [m.data_ptr() for m in reversed(got[len(widths):]) if m.numel()]
 
 
 # --- on a GPU ----------------------------------------------------------------------------------------------
@@ -228,7 +237,7 @@ def test_the_forward_product_writes_the_relu_and_the_masks_of_the_reference(dtyp
     weights, biases = _cuda_layers([width], in_width, dtype)
     out = x.new_empty(rows, width)
     mask = torch.full((rows, reference.mask_width(width) // 8), 0xAA, dtype=torch.uint8, device="cuda")
-    cublaslt.matmul(x, weights[0], out, right_t=True, epilogue=cublaslt.RELU_AUX_BIAS, bias=biases[0], aux=mask)
+    cublaslt.linear(x, weights[0], out, epilogue=cublaslt.RELU_AUX_BIAS, bias=biases[0], aux=mask)
     z = (x.double() @ weights[0].double().t() + biases[0].double())
     torch.testing.assert_close(out.double(), z.relu(), rtol=2e-2, atol=2e-2)
     # away from zero the sign is certain whatever the rounding: there the mask is the reference's
@@ -239,42 +248,46 @@ def test_the_forward_product_writes_the_relu_and_the_masks_of_the_reference(dtyp
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows,width,in_width", [(4096, 256, 512), (300, 1000, 24), (65536, 1024, 480)])
-def test_the_input_gradient_product_applies_the_mask(dtype, rows, width, in_width):
+@pytest.mark.parametrize("rows,width", [(37, 24), (300, 2056), (4096, 256), (65536, 1024)])
+def test_the_mask_kernel_matches_its_reference(dtype, rows, width):
     g = torch.randn(rows, width, device="cuda", dtype=dtype)
-    weight = torch.randn(width, in_width, device="cuda", dtype=dtype) / width ** 0.5
-    positive = torch.rand(rows, in_width, device="cuda") > 0.4
-    out = g.new_empty(rows, in_width)
-    cublaslt.matmul(g, weight, out, epilogue=cublaslt.DRELU, aux=reference.pack_mask(positive))
-    expected = (g.double() @ weight.double()) * positive
-    torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=2e-2)
-    assert bool((out[~positive] == 0).all())
+    positive = torch.rand(rows, width, device="cuda") > 0.4
+    g[~positive] = float("nan")  # what the mask leaves out is zero, whatever it held
+    mask = reference.pack_mask(positive)
+    out, sums = launcher.grad_through_mask(g, mask)
+    expected, _ = reference.grad_through_mask(g, mask)
+    assert torch.equal(out, expected) and not out.isnan().any()
+    exact = torch.where(positive, g.double(), 0).sum(0)
+    assert sums.dtype == dtype
+    torch.testing.assert_close(sums.double(), exact, rtol=1e-2, atol=1e-3 * exact.abs().max().item())
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows,width,in_width", [(4096, 256, 512), (37, 24, 16), (65536, 1024, 480)])
-def test_the_weight_gradient_product_sums_the_bias_gradient(dtype, rows, width, in_width):
-    g = torch.randn(rows, width, device="cuda", dtype=dtype)
-    x = torch.randn(rows, in_width, device="cuda", dtype=dtype).relu()
-    out, grad_bias = g.new_empty(width, in_width), g.new_empty(width)
-    cublaslt.matmul(g, x, out, left_t=True, epilogue=cublaslt.BGRADB, bias=grad_bias)
-    expected = g.double().t() @ x.double()
-    torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
-    sums = g.double().sum(0)
-    torch.testing.assert_close(grad_bias.double(), sums, rtol=2e-2, atol=2e-2 * sums.abs().max().item())
+def test_the_mask_kernel_takes_a_strided_gradient():
+    g = torch.randn(1000, 520, device="cuda", dtype=torch.bfloat16)[:, 8:]
+    positive = torch.rand(1000, 512, device="cuda") > 0.5
+    out, sums = launcher.grad_through_mask(g, reference.pack_mask(positive))
+    expected, expected_sums = reference.grad_through_mask(g, reference.pack_mask(positive))
+    assert torch.equal(out, expected)
+    torch.testing.assert_close(sums.float(), expected_sums.float(), rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("widths,in_width,last_relu", [([1024, 1024, 512, 256, 1], 480, False),
                                                        ([512, 256, 128], 16, True), ([64, 13, 32, 1], 24, False)])
-def test_the_op_on_cuda_matches_the_layers_one_by_one_in_the_same_dtype(dtype, widths, in_width, last_relu):
+def test_the_op_on_cuda_matches_the_layers_one_by_one_in_the_same_dtype(monkeypatch, dtype, widths, in_width,
+                                                                        last_relu):
     x = torch.randn(2048, in_width, device="cuda", dtype=dtype)
     weights, biases = _cuda_layers(widths, in_width, dtype)
     grad = torch.randn(2048, widths[-1], device="cuda", dtype=dtype)
     expected, expected_grads = _grads(lambda x, w, b: _sequential(w, b, last_relu)(x), x, weights, biases, grad)
+    kernel, launches = launcher.grad_through_mask, []
+    monkeypatch.setattr(launcher, "grad_through_mask", lambda g, mask: launches.append(mask) or kernel(g, mask))
     got, got_grads = _grads(lambda x, w, b: relu_mlp(x, w, b, last_relu), x, weights, biases, grad)
+    masked = [reference.has_mask(dtype, ([in_width, *widths])[i], width, reference.relu_after(i, len(widths), last_relu))
+              for i, width in enumerate(widths)]
+    assert len(launches) == sum(masked)
     torch.testing.assert_close(got, expected, rtol=3e-2, atol=3e-2)
     for g, e in zip(got_grads, expected_grads):
         scale = e.float().abs().max().item()
@@ -291,7 +304,7 @@ def test_the_op_falls_back_to_torch_where_cublaslt_has_no_algorithm(monkeypatch)
     def no_algorithm(*args, **kwargs):
         raise cublaslt.NoAlgorithm("none")
 
-    monkeypatch.setattr(cublaslt, "matmul", no_algorithm)
+    monkeypatch.setattr(cublaslt, "linear", no_algorithm)
     got, got_grads = _grads(lambda x, w, b: relu_mlp(x, w, b, False), x, weights, biases, grad)
     outputs, masks = ops.mlp_forward(x, weights, biases, False)[:3], ops.mlp_forward(x, weights, biases, False)[3:]
     assert torch.equal(reference.unpack_mask(masks[0], 64), outputs[0] > 0)

@@ -2,12 +2,13 @@
 
 One sub-package per op family, FBGEMM style: :mod:`pipeline.kernels.embedding` (pooled lookups and
 the fused sparse-optimizer backward), :mod:`pipeline.kernels.interaction` (DLRM's pairwise dot
-interaction) and :mod:`pipeline.kernels.mlp` (Linear + ReLU layers as cuBLASLt products with the bias, ReLU and
-their gradients in the epilogues: no source of ours, torch's ``libcublasLt`` through ``ctypes``). Each holds the ``.cu`` sources, the plain-torch reference beside them (the CPU path and
-the test oracle), the launchers, and the ``pipeline::`` custom ops with their fake implementations and
-autograd. :mod:`pipeline.kernels.hashtable` is the GPU hash table of embedding ids, its kernels and
-reference behind one class, ``HashTable``. Importing this package needs neither CuPy nor a GPU; the CUDA implementations fall back to
-the reference where :func:`kernels_problem` names what is missing.
+interaction) and :mod:`pipeline.kernels.mlp` (Linear + ReLU layers: cuBLASLt's products with the bias, ReLU and
+mask epilogue through ``ctypes``, and the ReLU's and bias's gradients from the mask). Each holds the ``.cu``
+sources, the plain-torch reference beside them (the CPU path and the test oracle), the launchers, and the
+``pipeline::`` custom ops with their fake implementations and autograd. :mod:`pipeline.kernels.hashtable` is the
+GPU hash table of embedding ids, its kernels and reference behind one class, ``HashTable``. Importing this
+package needs neither CuPy nor a GPU; the CUDA implementations fall back to the reference where
+:func:`kernels_problem` names what is missing.
 
 Example::
 
@@ -47,6 +48,8 @@ def compile_ahead(device) -> None:
     from pipeline.kernels.embedding import launcher as embedding
     from pipeline.kernels.hashtable import launcher as hashtable
     from pipeline.kernels.interaction import launcher as interaction
+    from pipeline.kernels.mlp import launcher as mlp
 
     _compile.compile_ahead(_compile.arch_of(device), [embedding.FORWARD_SOURCE, embedding.BACKWARD_SOURCE,
-                                                      embedding.RUNS_SOURCE, interaction.SOURCE, hashtable.SOURCE])
+                                                      embedding.RUNS_SOURCE, interaction.SOURCE, hashtable.SOURCE,
+                                                      mlp.SOURCE])

@@ -1,25 +1,23 @@
-"""cuBLASLt's matrix product with the epilogues of a Linear + ReLU layer's training step, called through
+"""cuBLASLt's matrix product with the bias and ReLU epilogue that also writes the ReLU's bit mask, called through
 ``ctypes`` on the ``libcublasLt`` that torch's CUDA build already loaded.
 
-torch exposes cuBLASLt's bias and ReLU epilogue (``torch._addmm_activation``) but not the epilogues a
-training step needs: the ReLU's bit mask written beside the forward's output (``RELU_AUX_BIAS``), the
-input-gradient product that applies that mask as it writes (``DRELU``), and the weight-gradient product that
-sums the bias gradient as it reads the output's gradient (``BGRADB``). With them, a Linear + ReLU layer reads
-and writes its activations once each way, where Inductor's ReLU, ReLU gradient and bias sum are passes of
-their own over each activation.
+torch exposes cuBLASLt's bias and ReLU epilogue (``torch._addmm_activation``, without autograd) but not the one
+that writes the mask beside the output (``RELU_AUX_BIAS``): a bit a value, which the backward reads in place of the
+layer's output (the kernel of ``relu_grad.cu``). The forward of a Linear + ReLU layer is then one product, where
+Inductor writes the product and reads it again for the ReLU.
 
-One call computes, for row-major tensors, ``out = op(left) @ op(right)`` with ``op(t) = t.T`` where
-``left_t`` / ``right_t``::
+cuBLASLt's backward epilogues (``DRELU``, ``DRELU_BGRAD``, ``BGRADB``) are not used: on Hopper they run as a
+kernel of their own after the product, slower than the pass they replace (docs/BENCHMARKS.md).
 
-    matmul(rows, weight, out, right_t=True, epilogue=RELU_AUX_BIAS, bias=b, aux=mask)  # forward [B, N]
-    matmul(g, weight, out, epilogue=DRELU, aux=mask)                                # input gradient [B, K]
-    matmul(g, rows, out, left_t=True, epilogue=BGRADB, bias=grad_b)                 # weight gradient [N, K]
+::
 
-``BIAS`` adds ``bias`` (one value per column of ``out``); ``RELU_AUX_BIAS`` adds it, applies the ReLU and
-writes its mask to ``aux``; ``DRELU`` zeroes ``out`` where ``aux`` has no bit; ``BGRADB`` writes the row sums
-of ``op(left)`` to ``bias``, one per row of ``out`` (with ``left`` a layer's output gradient, that layer's bias
-gradient). The plans (descriptors and the heuristic's algorithm) are cached per shape; :class:`NoAlgorithm`
-says cuBLASLt has none for a shape, and callers fall back to plain torch.
+    linear(rows, weight, out, epilogue=RELU_AUX_BIAS, bias=b, aux=mask)   # out = relu(rows @ weight.T + b)
+
+``rows`` ``[B, K]``, ``weight`` ``[N, K]``, ``out`` ``[B, N]``: ``RELU_AUX_BIAS`` adds ``bias`` (``[N]``), applies
+the ReLU and writes its mask to ``aux`` (uint8 ``[B, mask_width(N) / 8]``, bit
+``j % 8`` of byte ``j // 8`` set where output ``j`` is positive; the bits past ``N`` are not written). The plans
+(descriptors and the heuristic's algorithm) are cached per shape; :class:`NoAlgorithm` says cuBLASLt has none for a
+shape, and callers fall back to plain torch.
 """
 
 from __future__ import annotations
@@ -34,12 +32,7 @@ import torch
 
 from pipeline.kernels.mlp.reference import mask_width
 
-DEFAULT = 1
-BIAS = 4
 RELU_AUX_BIAS = 2 | 128 | 4
-DRELU = 8 | 128
-DRELU_BGRAD = DRELU | 16
-BGRADB = 512
 
 _COMPUTE_32F = 68
 _DATA_TYPE = {torch.bfloat16: 14, torch.float16: 2}
@@ -141,51 +134,46 @@ def _preference() -> ctypes.c_void_p:
     return preference
 
 
-def _layout(data_type: int, tensor_shape: tuple[int, int]) -> ctypes.c_void_p:
-    """A row-major ``[R, C]`` tensor as cuBLASLt's column-major ``[C, R]``."""
-    rows, cols = tensor_shape
-    return _create("cublasLtMatrixLayoutCreate", data_type, cols, rows, cols)
-
-
 class _Plan:
     """The descriptors of one product's shapes and epilogue, and the algorithm the heuristic picked for them.
-    Row-major ``out = op(left) @ op(right)`` is column-major ``out^T = op(right)^T op(left)^T``: cuBLASLt's A is
-    ``right`` and its B is ``left``, each stored as the transpose of the row-major tensor."""
+    cuBLASLt is column-major, where a row-major ``[R, C]`` tensor is ``[C, R]``: ``out = rows @ weight.T`` is
+    ``D [N, B] = op_T(A [K, N]) B [K, B]`` with A ``weight``, B ``rows`` and D ``out``."""
 
-    def __init__(self, device_index: int, dtype: torch.dtype, shapes: tuple[tuple[int, int], ...], left_t: bool,
-                 right_t: bool, epilogue: int, pointers: tuple[int, int]) -> None:
+    def __init__(self, device_index: int, dtype: torch.dtype, rows: int, weight_shape: tuple[int, int], epilogue: int,
+                 pointers: tuple[int, int]) -> None:
         data_type = _DATA_TYPE[dtype]
-        left, right, out = shapes
+        width, inputs = weight_shape
         self.handle = _handle(device_index)
         self.desc = _create("cublasLtMatmulDescCreate", _COMPUTE_32F, 0)
-        _set(self.desc, _TRANSA, ctypes.c_int32(_OP_T if right_t else _OP_N))
-        _set(self.desc, _TRANSB, ctypes.c_int32(_OP_T if left_t else _OP_N))
+        _set(self.desc, _TRANSA, ctypes.c_int32(_OP_T))
+        _set(self.desc, _TRANSB, ctypes.c_int32(_OP_N))
         _set(self.desc, _EPILOGUE, ctypes.c_uint32(epilogue))
         if epilogue & 128:
-            _set(self.desc, _AUX_LD, ctypes.c_int64(mask_width(out[1])))
-        self.a, self.b, self.d = _layout(data_type, right), _layout(data_type, left), _layout(data_type, out)
+            _set(self.desc, _AUX_LD, ctypes.c_int64(mask_width(width)))
+        self.a = _create("cublasLtMatrixLayoutCreate", data_type, inputs, width, inputs)
+        self.b = _create("cublasLtMatrixLayoutCreate", data_type, inputs, rows, inputs)
+        self.d = _create("cublasLtMatrixLayoutCreate", data_type, width, rows, width)
         self.epilogue = epilogue
         self._point(*pointers)
         result, found = _HeuristicResult(), ctypes.c_int(0)
         _call("cublasLtMatmulAlgoGetHeuristic", self.handle, self.desc, self.a, self.b, self.d, self.d, _preference(),
               1, ctypes.byref(result), ctypes.byref(found))
         if found.value == 0:
-            raise NoAlgorithm(f"cuBLASLt has no algorithm for {'T' if left_t else ''}{list(left)} x "
-                              f"{'T' if right_t else ''}{list(right)} in {dtype} with epilogue {epilogue}")
+            raise NoAlgorithm(f"cuBLASLt has no algorithm for [{rows}, {inputs}] x [{inputs}, {width}] in {dtype} "
+                              f"with epilogue {epilogue}")
         self.algo, self.workspace = result.algo, result.workspace_size
 
     def _point(self, bias: int, aux: int) -> None:
-        if self.epilogue != DEFAULT:
-            _set(self.desc, _BIAS_POINTER, ctypes.c_void_p(bias))
+        _set(self.desc, _BIAS_POINTER, ctypes.c_void_p(bias))
         if self.epilogue & 128:
             _set(self.desc, _AUX_POINTER, ctypes.c_void_p(aux))
 
-    def run(self, left: torch.Tensor, right: torch.Tensor, out: torch.Tensor, pointers: tuple[int, int]) -> None:
+    def run(self, rows: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, pointers: tuple[int, int]) -> None:
         self._point(*pointers)
         workspace = torch.empty(self.workspace, dtype=torch.uint8, device=out.device) if self.workspace else None
         stream = torch.cuda.current_stream(out.device).cuda_stream
-        _call("cublasLtMatmul", self.handle, self.desc, ctypes.addressof(_ONE), right.data_ptr(), self.a,
-              left.data_ptr(), self.b, ctypes.addressof(_ZERO), out.data_ptr(), self.d, out.data_ptr(), self.d,
+        _call("cublasLtMatmul", self.handle, self.desc, ctypes.addressof(_ONE), weight.data_ptr(), self.a,
+              rows.data_ptr(), self.b, ctypes.addressof(_ZERO), out.data_ptr(), self.d, out.data_ptr(), self.d,
               ctypes.byref(self.algo), workspace.data_ptr() if workspace is not None else None, self.workspace,
               stream)
 
@@ -200,24 +188,22 @@ def _alignment(pointer: int) -> int:
     return min(256, pointer & -pointer) if pointer else 256
 
 
-def matmul(left: torch.Tensor, right: torch.Tensor, out: torch.Tensor, *, left_t: bool = False,
-           right_t: bool = False, epilogue: int = DEFAULT, bias: torch.Tensor | None = None,
+def linear(rows: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *, epilogue: int, bias: torch.Tensor,
            aux: torch.Tensor | None = None) -> None:
-    """``out = op(left) @ op(right)`` with ``epilogue`` (the module's doc). All tensors contiguous on one GPU;
-    ``left``, ``right``, ``out`` and ``bias`` in one half dtype; ``aux`` uint8 ``[rows of out,
-    mask_width(columns of out) / 8]``. Raises :class:`NoAlgorithm` where cuBLASLt has none for the shapes."""
-    pointers = tuple(t.data_ptr() if t is not None else 0 for t in (bias, aux))
-    shapes = tuple(tuple(t.shape) for t in (left, right, out))
-    key = (out.device.index, out.dtype, shapes, left_t, right_t, epilogue,
-           tuple(_alignment(t.data_ptr()) for t in (left, right, out)), tuple(map(_alignment, pointers)))
+    """``out = rows @ weight.T`` with ``epilogue`` (the module's doc). All tensors contiguous on one GPU; ``rows``,
+    ``weight``, ``out`` and ``bias`` in one half dtype. Raises :class:`NoAlgorithm` where cuBLASLt has none for
+    the shapes."""
+    pointers = (bias.data_ptr(), aux.data_ptr() if aux is not None else 0)
+    key = (out.device.index, out.dtype, rows.shape[0], tuple(weight.shape), epilogue,
+           tuple(_alignment(t.data_ptr()) for t in (rows, weight, out)), tuple(map(_alignment, pointers)))
     with _lock:
         plan = _plans.get(key)
         if plan is None:
             try:
-                plan = _Plan(out.device.index, out.dtype, shapes, left_t, right_t, epilogue, pointers)
+                plan = _Plan(out.device.index, out.dtype, rows.shape[0], tuple(weight.shape), epilogue, pointers)
             except NoAlgorithm as missing:
                 plan = missing
             _plans[key] = plan
         if isinstance(plan, NoAlgorithm):
             raise plan
-        plan.run(left, right, out, pointers)
+        plan.run(rows, weight, out, pointers)

@@ -6,11 +6,11 @@
 - ``relu_mlp_backward(grad, x, weights, outputs, masks, last_relu) -> Tensor[]``: the gradients of ``x``,
   of each weight, then of each bias.
 
-On CPU both run the plain-torch reference. On CUDA a layer whose widths the tensor cores take runs as one
-cuBLASLt product: bias and ReLU in the forward's epilogue with the mask written beside the output. In the
-backward the next layer's input-gradient product applies that mask as it writes, and each layer's
-weight-gradient product sums its bias gradient as it reads the output's gradient. Other layers, and shapes
-cuBLASLt has no algorithm for, run as plain torch.
+On CPU both run the plain-torch reference. On CUDA a ReLU layer whose widths the tensor cores take runs forward as
+one cuBLASLt product: bias and ReLU in its epilogue, the ReLU's bit mask written beside the output. In the backward
+one pass of ``relu_grad.cu`` takes the gradient through that ReLU from the mask (one bit a value, where the layer's
+output has 16) and sums the layer's bias gradient on the way; the products are torch's. Other layers, shapes
+cuBLASLt has no algorithm for, and GPUs without CuPy (the kernel compiles through it) run as plain torch.
 
 Example::
 
@@ -19,11 +19,13 @@ Example::
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-from pipeline.kernels.mlp import cublaslt, reference
+from pipeline.kernels.mlp import cublaslt, launcher, reference
 
 
 def _runs_cublaslt(x: Tensor) -> bool:
@@ -41,7 +43,7 @@ def _layer_cuda(h: Tensor, weight: Tensor, bias: Tensor, relu: bool) -> tuple[Te
     mask = (torch.empty if reference.mask_width(width) == width else torch.zeros)(
         (h.shape[0], reference.mask_width(width) // 8), dtype=torch.uint8, device=h.device)
     try:
-        cublaslt.matmul(h, weight, out, right_t=True, epilogue=cublaslt.RELU_AUX_BIAS, bias=bias, aux=mask)
+        cublaslt.linear(h, weight, out, epilogue=cublaslt.RELU_AUX_BIAS, bias=bias, aux=mask)
     except cublaslt.NoAlgorithm:
         z = torch.addmm(bias, h, weight.t())
         mask.copy_(reference.pack_mask(z > 0))
@@ -106,44 +108,32 @@ def _backward_cuda(grad: Tensor, x: Tensor, weights: list[Tensor], outputs: list
         return _reference_backward(grad, x, weights, outputs, last_relu)
     layers = len(weights)
     inputs = [x, *outputs[:-1]]
-    g = grad.masked_fill(outputs[-1] <= 0, 0) if last_relu else grad.contiguous()
+    g = grad.contiguous()
     grad_weights, grad_biases = [None] * layers, [None] * layers
     for i in reversed(range(layers)):
-        grad_weights[i], grad_biases[i] = _weight_grads(g, inputs[i])
-        if i > 0:
-            g = _input_grad_through_relu(g, weights[i].contiguous(), inputs[i], masks[i - 1])
-    return [g.mm(weights[0]), *grad_weights, *grad_biases]
+        if reference.relu_after(i, layers, last_relu):
+            g, grad_biases[i] = _through_relu(g, outputs[i], masks[i])
+        else:
+            grad_biases[i] = g.sum(dim=0)
+        grad_weights[i] = g.t().mm(inputs[i])
+        g = g.mm(weights[i])
+    return [g, *grad_weights, *grad_biases]
 
 
-def _aligned(*widths: int) -> bool:
-    return all(width % reference.ALIGN == 0 for width in widths)
+@functools.cache
+def _kernels_usable() -> bool:
+    from pipeline.kernels import kernels_problem
+
+    return kernels_problem() is None
 
 
-def _weight_grads(g: Tensor, layer_input: Tensor) -> tuple[Tensor, Tensor]:
-    """A layer's weight gradient ``g.T @ layer_input`` and its bias gradient (``g``'s column sums), summed by the
-    product as it reads ``g`` where the tensor cores take both widths."""
-    if _aligned(g.shape[1], layer_input.shape[1]):
-        out = g.new_empty((g.shape[1], layer_input.shape[1]))
-        grad_bias = g.new_empty((g.shape[1],))
-        try:
-            cublaslt.matmul(g, layer_input, out, left_t=True, epilogue=cublaslt.BGRADB, bias=grad_bias)
-            return out, grad_bias
-        except cublaslt.NoAlgorithm:
-            pass
-    return g.t().mm(layer_input), g.sum(dim=0)
-
-
-def _input_grad_through_relu(g: Tensor, weight: Tensor, relu_out: Tensor, mask: Tensor) -> Tensor:
-    """``(g @ weight)`` through the ReLU that gave ``relu_out``: one product that applies the mask as it writes,
-    where the layer wrote its mask and the product takes ``g``'s width."""
-    if mask.numel() and _aligned(g.shape[1]):
-        out = g.new_empty((g.shape[0], weight.shape[1]))
-        try:
-            cublaslt.matmul(g, weight, out, epilogue=cublaslt.DRELU, aux=mask)
-            return out
-        except cublaslt.NoAlgorithm:
-            pass
-    return g.mm(weight).masked_fill_(relu_out <= 0, 0)
+def _through_relu(g: Tensor, relu_out: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """The gradient ``g`` through the ReLU that gave ``relu_out``, and its column sums (the bias gradient of the
+    layer before the ReLU): one pass of ``relu_grad.cu`` over ``g`` and the layer's mask where it wrote one."""
+    if mask.numel() and launcher.supported(g, mask) and _kernels_usable():
+        return launcher.grad_through_mask(g, mask)
+    g = g.masked_fill(relu_out <= 0, 0)
+    return g, g.sum(dim=0)
 
 
 @mlp_backward.register_fake

@@ -49,6 +49,14 @@ def unpack_mask(mask: Tensor, width: int) -> Tensor:
     return ((mask.unsqueeze(2) >> shifts) & 1).flatten(1)[:, :width].bool()
 
 
+def grad_through_mask(g: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """The gradient ``g`` ``[B, N]`` through a ReLU whose mask is ``mask`` (zero where the output was not positive),
+    and its column sums, summed in fp32 (the bias gradient of the layer the ReLU follows): what ``relu_grad.cu``
+    computes."""
+    out = g.masked_fill(~unpack_mask(mask, g.shape[1]), 0)
+    return out, out.sum(dim=0, dtype=torch.float32).to(g.dtype)
+
+
 def empty_mask(device: torch.device | str) -> Tensor:
     """The mask of a layer that writes none."""
     return torch.empty(0, dtype=torch.uint8, device=device)
