@@ -86,8 +86,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch.compile our dense part and loss, as the training stage does (train.compile; "
                              "auto: on a GPU); the plain PyTorch model runs eager")
     parser.add_argument("--mlp-backend", choices=MLP_BACKENDS, default="torch",
-                        help="our MLPs in training, as train.mlp_backend (cublaslt: bias, ReLU and their gradients "
-                             "inside cuBLASLt's matrix products); the plain PyTorch model's are torch's layers")
+                        help="our MLPs in training, as train.mlp_backend (cublaslt: bias and ReLU inside cuBLASLt's "
+                             "products, their gradients from the ReLU's bit mask); the plain PyTorch model's are "
+                             "torch's layers")
     parser.add_argument("--dynamic", action="store_true",
                         help="also train our DLRM with dynamic tables of the same shape (raw 64-bit ids placed in "
                              "their rows by a hash table, admitted after train.admit_after occurrences) on the same "

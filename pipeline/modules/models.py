@@ -113,9 +113,9 @@ MLP_BACKENDS = ("torch", "cublaslt")
 class MLP(nn.Sequential):
     """Linear + ReLU layers (after an optional :class:`PadColumns`), an ``nn.Sequential``. With ``backend``
     ``"cublaslt"`` (:func:`use_mlp_backend`), its training forward on a GPU in half precision (bf16 autocast, or half
-    weights) runs as the ``pipeline::relu_mlp`` op: each layer's bias, ReLU, ReLU gradient and bias gradient inside
-    cuBLASLt's matrix products (:mod:`pipeline.kernels.mlp`). Otherwise, and while ``torch.jit`` traces, its layers
-    run one by one."""
+    weights) runs as the ``pipeline::relu_mlp`` op: each layer's bias and ReLU inside cuBLASLt's product, its ReLU
+    gradient and bias gradient one pass over the ReLU's bit mask (:mod:`pipeline.kernels.mlp`). Otherwise, and while
+    ``torch.jit`` traces, its layers run one by one."""
 
     backend = "torch"
 

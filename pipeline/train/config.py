@@ -108,8 +108,8 @@ class TrainConfig:
         "help": "torch | cuda | auto: embedding compute (auto: fused CUDA kernels when usable)"})
     mlp_backend: str = field(default="torch", metadata={
         "help": "torch | cublaslt: the MLPs' Linear + ReLU layers in training on a GPU in half precision (cublaslt: "
-                "each layer's bias, ReLU and their gradients inside cuBLASLt's matrix products, no pass of their own "
-                "over the activations; elsewhere torch's layers either way)"})
+                "each layer's bias and ReLU inside cuBLASLt's product with a bit mask beside its output, the ReLU's "
+                "and bias's gradients one pass over that mask; elsewhere torch's layers either way)"})
     amp: str = field(default="auto", metadata={"help": "auto | bf16 | off: bf16 autocast (auto: on GPU only)"})
     compile: str = field(default="auto", metadata={
         "help": "auto | on | off | max-autotune: torch.compile the dense part and the loss of a one-process run, "
