@@ -199,7 +199,7 @@ def test_the_cuda_ops_layers_take_each_mask_where_the_documented_epilogues_put_i
 
     monkeypatch.setattr(launcher, "supported", lambda g, mask: True)
     monkeypatch.setattr(launcher, "grad_through_mask", documented_kernel)
-    monkeypatch.setattr(ops, "_kernels_usable", lambda: True)
+    monkeypatch.setattr(ops, "kernels_usable", lambda: True)
     generator = torch.Generator().manual_seed(5)
     x = torch.randn(64, in_width, generator=generator).to(torch.bfloat16)
     weights, biases = _layers(widths, in_width, torch.bfloat16)

@@ -430,7 +430,10 @@ def test_embedding_update_is_picked_up_without_restart_and_never_mixed(served):
     asker = threading.Thread(target=keep_asking)
     asker.start()
     try:
-        time.sleep(0.3)
+        deadline = time.monotonic() + 20  # an answer of the old version first, however long the client takes to start
+        while not (answers or errors) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert answers, errors[:3]
         summary = write_repository(updated, reference.schema, cfg.paths.workflow, None, cfg.paths.export, update=True)
         assert summary["store_version"] == version + 1 == store_version(cfg.paths.export)
         deadline = time.monotonic() + 20

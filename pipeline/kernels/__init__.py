@@ -19,11 +19,12 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 from pipeline.kernels._compile import KernelCompileError
 
-__all__ = ["KernelCompileError", "compile_ahead", "kernels_problem"]
+__all__ = ["KernelCompileError", "compile_ahead", "kernels_problem", "kernels_usable"]
 
 
 def kernels_problem() -> str | None:
@@ -36,6 +37,12 @@ def kernels_problem() -> str | None:
     if importlib.util.find_spec("cupy") is None:
         return "CuPy is not installed (the kernels compile through it: pip install cupy-cuda13x)"
     return None
+
+
+@functools.cache
+def kernels_usable() -> bool:
+    """Whether the CUDA kernels can run here (:func:`kernels_problem` finds nothing missing), asked once."""
+    return kernels_problem() is None
 
 
 def compile_ahead(device) -> None:

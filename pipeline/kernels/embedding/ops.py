@@ -29,24 +29,17 @@ Example::
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from pipeline.errors import BadInputError
+from pipeline.kernels import kernels_usable
 from pipeline.kernels.embedding import reference
 from pipeline.kernels.embedding.packing import packing_of
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-@functools.cache
-def _kernels_usable() -> bool:
-    from pipeline.kernels import kernels_problem
-
-    return kernels_problem() is None
 
 
 def _packing(rows, dims, slot_table, slot_mean):
@@ -79,7 +72,7 @@ def _forward_reference(weights, indices, offsets, batch_size, rows, dims, slot_t
 
 
 def _forward_cuda(weights, indices, offsets, batch_size, rows, dims, slot_table, slot_mean, out_dtype=torch.float32):
-    if not (_kernels_usable() and weights.dtype in KERNEL_DTYPES and out_dtype in KERNEL_DTYPES):
+    if not (kernels_usable() and weights.dtype in KERNEL_DTYPES and out_dtype in KERNEL_DTYPES):
         return _forward_reference(weights, indices, offsets, batch_size, rows, dims, slot_table, slot_mean, out_dtype)
     from pipeline.kernels.embedding import launcher
 
@@ -99,7 +92,7 @@ def _update_reference(weights, momentum1, momentum2, master_weights, indices, of
 def _update_cuda(weights, momentum1, momentum2, master_weights, indices, offsets, batch_size, grad_output,
                  rows, dims, slot_table, slot_mean, optimizer, hyper, eps, beta1, beta2, weight_decay,
                  stochastic_rounding, seed):
-    if not (_kernels_usable() and weights.dtype in KERNEL_DTYPES):
+    if not (kernels_usable() and weights.dtype in KERNEL_DTYPES):
         return _update_reference(weights, momentum1, momentum2, master_weights, indices, offsets, batch_size,
                                  grad_output, rows, dims, slot_table, slot_mean, optimizer, hyper, eps, beta1, beta2,
                                  weight_decay, stochastic_rounding, seed)

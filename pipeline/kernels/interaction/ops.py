@@ -21,23 +21,15 @@ Example::
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import Tensor
 
+from pipeline.kernels import kernels_usable
 from pipeline.kernels.interaction import launcher, reference
 
 
-@functools.cache
-def _kernels_usable() -> bool:
-    from pipeline.kernels import kernels_problem
-
-    return kernels_problem() is None
-
-
 def _runs_kernels(head: Tensor, tail: Tensor) -> bool:
-    return launcher.supported(head, tail) and _kernels_usable()
+    return launcher.supported(head, tail) and kernels_usable()
 
 
 def _reference_forward(head: Tensor, tail: Tensor) -> Tensor:

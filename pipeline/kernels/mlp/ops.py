@@ -19,12 +19,11 @@ Example::
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
+from pipeline.kernels import kernels_usable
 from pipeline.kernels.mlp import cublaslt, launcher, reference
 
 
@@ -120,17 +119,10 @@ def _backward_cuda(grad: Tensor, x: Tensor, weights: list[Tensor], outputs: list
     return [g, *grad_weights, *grad_biases]
 
 
-@functools.cache
-def _kernels_usable() -> bool:
-    from pipeline.kernels import kernels_problem
-
-    return kernels_problem() is None
-
-
 def _through_relu(g: Tensor, relu_out: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     """The gradient ``g`` through the ReLU that gave ``relu_out``, and its column sums (the bias gradient of the
     layer before the ReLU): one pass of ``relu_grad.cu`` over ``g`` and the layer's mask where it wrote one."""
-    if mask.numel() and launcher.supported(g, mask) and _kernels_usable():
+    if mask.numel() and launcher.supported(g, mask) and kernels_usable():
         return launcher.grad_through_mask(g, mask)
     g = g.masked_fill(relu_out <= 0, 0)
     return g, g.sum(dim=0)
