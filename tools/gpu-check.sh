@@ -190,7 +190,7 @@ print(f'{len(sources)} sources in {time.time() - start:.0f} s')
           step "mlp-dense-$model-$backend" 100 "$PY" tools/dense_profile.py --model "$model" --device cuda \
             --batch 65536 --pooled-dtype bfloat16 --steps 60 --warmup 10 --mlp-backend "$backend" --profile 5 \
             --json "$W/mlp-dense-$model-$backend.json"
-          grep -h "ms a step" "$W/mlp-dense-$model-$backend.log" | tail -1 | tee -a "$summary"
+          grep -h "samples/s" "$W/mlp-dense-$model-$backend.log" | head -1 | tee -a "$summary"
         done
       done ;;
     dense)
