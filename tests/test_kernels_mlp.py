@@ -165,7 +165,7 @@ def test_the_module_keeps_sequential_layers_and_runs_them_one_by_one_off_the_gpu
 def _documented_linear(rows, weight, out, *, epilogue, bias, aux=None):
     """cuBLASLt's product with the RELU_AUX_BIAS epilogue as its documentation describes it, in fp32 on the CPU."""
     assert epilogue == cublaslt.RELU_AUX_BIAS and out.is_contiguous() and bias.shape == (out.shape[1],)
-    assert aux.shape == (out.shape[0], reference.mask_width(out.shape[1]) // 8) and aux.dtype == torch.uint8
+    assert aux.shape == reference.mask_shape(*out.shape) and aux.dtype == torch.uint8
     z = rows.float() @ weight.float().t() + bias.float()
     aux.copy_(reference.pack_mask(z > 0))
     out.copy_(z.relu())
@@ -236,7 +236,7 @@ def test_the_forward_product_writes_the_relu_and_the_masks_of_the_reference(dtyp
     x = torch.randn(rows, in_width, device="cuda", dtype=dtype)
     weights, biases = _cuda_layers([width], in_width, dtype)
     out = x.new_empty(rows, width)
-    mask = torch.full((rows, reference.mask_width(width) // 8), 0xAA, dtype=torch.uint8, device="cuda")
+    mask = torch.full(reference.mask_shape(rows, width), 0xAA, dtype=torch.uint8, device="cuda")
     cublaslt.linear(x, weights[0], out, epilogue=cublaslt.RELU_AUX_BIAS, bias=biases[0], aux=mask)
     z = (x.double() @ weights[0].double().t() + biases[0].double())
     torch.testing.assert_close(out.double(), z.relu(), rtol=2e-2, atol=2e-2)

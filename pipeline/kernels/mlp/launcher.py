@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from pipeline.kernels._launch import i32, i64, launch, ptr, resident_blocks
-from pipeline.kernels.mlp.reference import mask_width
+from pipeline.kernels.mlp.reference import mask_shape
 
 SOURCE = "mlp/relu_grad.cu"
 BLOCK = 256
@@ -27,7 +27,7 @@ def supported(g: torch.Tensor, mask: torch.Tensor) -> bool:
     uint8 ``[B, mask_width(N) / 8]`` contiguous on the same device."""
     return (g.is_cuda and g.dim() == 2 and g.dtype in _DTYPE_NAMES and g.shape[1] % 8 == 0
             and mask.dtype == torch.uint8 and mask.device == g.device and mask.is_contiguous()
-            and tuple(mask.shape) == (g.shape[0], mask_width(g.shape[1]) // 8))
+            and tuple(mask.shape) == mask_shape(*g.shape))
 
 
 def grad_through_mask(g: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -40,7 +40,7 @@ def _layer_cuda(h: Tensor, weight: Tensor, bias: Tensor, relu: bool) -> tuple[Te
     out = h.new_empty((h.shape[0], width))
     # cuBLASLt writes a mask row's bits up to the width; those after it are zeroed so the op's outputs are defined
     mask = (torch.empty if reference.mask_width(width) == width else torch.zeros)(
-        (h.shape[0], reference.mask_width(width) // 8), dtype=torch.uint8, device=h.device)
+        reference.mask_shape(h.shape[0], width), dtype=torch.uint8, device=h.device)
     try:
         cublaslt.linear(h, weight, out, epilogue=cublaslt.RELU_AUX_BIAS, bias=bias, aux=mask)
     except cublaslt.NoAlgorithm:
@@ -87,7 +87,7 @@ def _forward_fake(x: Tensor, weights: list[Tensor], biases: list[Tensor], last_r
     for i, weight in enumerate(weights):
         outputs.append(x.new_empty((x.shape[0], weight.shape[0])))
         if reference.has_mask(x.dtype, width, weight.shape[0], reference.relu_after(i, len(weights), last_relu)):
-            masks.append(x.new_empty((x.shape[0], reference.mask_width(weight.shape[0]) // 8), dtype=torch.uint8))
+            masks.append(x.new_empty(reference.mask_shape(x.shape[0], weight.shape[0]), dtype=torch.uint8))
         else:
             masks.append(x.new_empty((0,), dtype=torch.uint8))
         width = weight.shape[0]

@@ -29,6 +29,11 @@ def mask_width(width: int) -> int:
     return -(-width // 128) * 128
 
 
+def mask_shape(rows: int, width: int) -> tuple[int, int]:
+    """The uint8 mask of ``rows`` samples of ``width`` outputs: a row of ``mask_width(width) / 8`` bytes each."""
+    return rows, mask_width(width) // 8
+
+
 def has_mask(dtype: torch.dtype, in_width: int, width: int, relu: bool) -> bool:
     """Whether a layer's forward product writes its ReLU's bit mask: a ReLU layer in half precision whose
     widths the tensor cores take (the same answer on every device, so the op's outputs have one shape)."""
