@@ -40,8 +40,9 @@
 #   loader     bench loader on 8M synthetic rows, LZ4 pages and uncompressed (etl.compression)
 #   loader-split  bench loader on the ETL's split of E2E_ROWS rows (run etl, once, as e2e), the cudf reader beside the
 #              pyarrow one where cuDF imports; then the loader's GPU tests
-#   mlp        the MLP op's GPU tests (cuBLASLt's forward epilogue and the mask kernel against the reference), then tools/dense_profile.py of
-#              DLRM's and DCNv2's dense parts with their MLPs through torch and through cuBLASLt, in turn
+#   mlp        the MLP op's GPU tests (cuBLASLt's forward epilogue and the mask kernel against the reference), then
+#              tools/dense_profile.py of DLRM's and DCNv2's dense parts with their MLPs through torch and through
+#              cuBLASLt, in turn
 #   e2e        run etl of E2E_ROWS (10,000,000) synthetic rows (once), then bench e2e of each model on it (E2E_STEPS
 #              timed steps, 100) with each train.mlp_backend of E2E_MLP_BACKENDS (torch) in turn, and of DCNv2 with
 #              train.compile=max-autotune (E2E_AUTOTUNE= leaves it out)

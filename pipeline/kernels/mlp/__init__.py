@@ -6,7 +6,8 @@ with the ReLU's bit mask beside each output, and whose ReLU gradient and bias gr
 - ``relu_grad.cu`` and :mod:`.launcher`: the ReLU's gradient from the mask and the bias gradient, one kernel;
 - :mod:`.reference`: the plain-torch reference (CPU path, fallback, test oracle) and the ReLU masks' layout;
 - :mod:`.ops`: the ``pipeline::relu_mlp`` and ``pipeline::relu_mlp_backward`` custom ops (CPU: reference; CUDA:
-  cuBLASLt), fakes, autograd, FLOP formulas, and :func:`relu_mlp`, what models call.
+  cuBLASLt forward, the mask kernel backward), fakes, autograd, FLOP formulas, and :func:`relu_mlp`, what models
+  call.
 """
 
 from pipeline.kernels.mlp.ops import relu_mlp

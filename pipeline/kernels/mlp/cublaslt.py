@@ -14,10 +14,10 @@ kernel of their own after the product, slower than the pass they replace (docs/B
     linear(rows, weight, out, epilogue=RELU_AUX_BIAS, bias=b, aux=mask)   # out = relu(rows @ weight.T + b)
 
 ``rows`` ``[B, K]``, ``weight`` ``[N, K]``, ``out`` ``[B, N]``: ``RELU_AUX_BIAS`` adds ``bias`` (``[N]``), applies
-the ReLU and writes its mask to ``aux`` (uint8 ``[B, mask_width(N) / 8]``, bit
-``j % 8`` of byte ``j // 8`` set where output ``j`` is positive; the bits past ``N`` are not written). The plans
-(descriptors and the heuristic's algorithm) are cached per shape; :class:`NoAlgorithm` says cuBLASLt has none for a
-shape, and callers fall back to plain torch.
+the ReLU and writes its mask to ``aux`` (uint8 ``[B, mask_width(N) / 8]``, bit ``j % 8`` of byte ``j // 8`` set
+where output ``j`` is positive; the bits past ``N`` are not written). The plans (descriptors and the heuristic's
+algorithm) are cached per shape; :class:`NoAlgorithm` says cuBLASLt has none for a shape, and callers fall back to
+plain torch.
 """
 
 from __future__ import annotations
